@@ -1,0 +1,42 @@
+// Decode kernels: the partial attention state of a query against one KV shard.
+//
+// A kernel reads every visible key and value of the shard once, computes scaled logits
+// scale * <q, k> for all query heads of the KV head's group and all q_len queries, and writes
+// one state record per (batch, query, head) (see state.hpp). Long shards are cut into chunks
+// of chunk_tokens; each chunk yields a state and the chunks are merged in a fixed order with
+// state_merge, so the result does not depend on the thread count.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "treeattn/shape.hpp"
+#include "treeattn/status.hpp"
+
+namespace treeattn {
+
+// Instruction-set targets of the CPU kernel. kAuto picks the best one this CPU supports.
+// kReference is the simple scalar kernel kept for comparison.
+enum class Isa : uint8_t { kAuto, kReference, kGeneric, kAvx2, kAvx512 };
+
+std::string_view isa_name(Isa isa);
+Result<Isa> parse_isa(std::string_view name);
+// The best target this CPU supports (never kAuto).
+Isa best_isa();
+// Whether this CPU can run the target (kAuto, kReference and kGeneric always can).
+bool isa_supported(Isa isa);
+
+struct DecodeOptions {
+  float scale = 0.0f;          // 0 means 1 / sqrt(head_dim)
+  int threads = 0;             // 0 means all the threads OpenMP offers
+  int64_t chunk_tokens = 0;    // 0 means the kernel's default (a fixed size, not per-thread)
+  Isa isa = Isa::kAuto;
+};
+
+// states must hold batch * q_len * heads * (head_dim + 2) floats; it is overwritten.
+// A shard with no visible tokens yields empty states (m = -inf, l = 0, o = 0).
+Status decode_partial(const AttnShape& shape, const float* q, const KVShard& kv, float* states,
+                      const DecodeOptions& options = {});
+
+}  // namespace treeattn

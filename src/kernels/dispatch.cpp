@@ -1,0 +1,83 @@
+// decode_partial(): validation, defaults and the one place where a run-time ISA choice is made.
+#include <omp.h>
+
+#include <cmath>
+#include <string>
+
+#include "kernels/kernel_impl.hpp"
+#include "treeattn/kernel.hpp"
+
+namespace treeattn {
+
+std::string_view isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAuto: return "auto";
+    case Isa::kReference: return "reference";
+    case Isa::kGeneric: return "generic";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kAvx512: return "avx512";
+  }
+  return "?";
+}
+
+Result<Isa> parse_isa(std::string_view name) {
+  for (Isa i : {Isa::kAuto, Isa::kReference, Isa::kGeneric, Isa::kAvx2, Isa::kAvx512})
+    if (isa_name(i) == name) return i;
+  return invalid_argument("unknown ISA '" + std::string(name) +
+                          "' (known: auto, reference, generic, avx2, avx512)");
+}
+
+bool isa_supported(Isa isa) {
+  switch (isa) {
+    case Isa::kAuto:
+    case Isa::kReference:
+    case Isa::kGeneric: return true;
+    case Isa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+    case Isa::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }
+  return false;
+}
+
+Isa best_isa() {
+  for (Isa i : {Isa::kAvx512, Isa::kAvx2, Isa::kGeneric})
+    if (isa_supported(i) && kernels::cpu_kernel_for(i) != nullptr) return i;
+  return Isa::kReference;
+}
+
+Status decode_partial(const AttnShape& shape, const float* q, const KVShard& kv, float* states,
+                      const DecodeOptions& options) {
+  TREEATTN_RETURN_IF_ERROR(shape.validate());
+  TREEATTN_RETURN_IF_ERROR(kv.validate(shape));
+  if (q == nullptr) return invalid_argument("query pointer is null");
+  if (states == nullptr) return invalid_argument("state output pointer is null");
+  if (options.threads < 0)
+    return invalid_argument("threads must be >= 0, got " + std::to_string(options.threads));
+  if (options.chunk_tokens < 0)
+    return invalid_argument("chunk_tokens must be >= 0, got " +
+                            std::to_string(options.chunk_tokens));
+  if (!(options.scale >= 0.0f) || std::isinf(options.scale))
+    return invalid_argument("scale must be finite and >= 0 (0 = 1/sqrt(head_dim)), got " +
+                            std::to_string(options.scale));
+
+  kernels::ResolvedOptions r{};
+  r.scale = options.scale != 0.0f
+                ? options.scale
+                : static_cast<float>(1.0 / std::sqrt(static_cast<double>(shape.head_dim)));
+  r.threads = options.threads > 0 ? options.threads : omp_get_max_threads();
+  r.chunk_tokens = options.chunk_tokens > 0 ? options.chunk_tokens : 1024;
+
+  Isa isa = options.isa == Isa::kAuto ? best_isa() : options.isa;
+  if (isa == Isa::kReference) return kernels::decode_reference(shape, q, kv, states, r);
+  if (!isa_supported(isa))
+    return unsupported("ISA target " + std::string(isa_name(isa)) + " is not supported by this CPU");
+  kernels::KernelFn fn = kernels::cpu_kernel_for(isa);
+  if (fn == nullptr)
+    return unsupported("ISA target " + std::string(isa_name(isa)) + " is not built into this library");
+  return fn(shape, q, kv, states, r);
+}
+
+}  // namespace treeattn
