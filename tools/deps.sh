@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages treeattn needs, only those that are missing.
+# Runs as root, or through sudo when not root. Safe to run again.
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build pkg-config git
+  libgtest-dev libgmock-dev libbenchmark-dev   # tests and microbenchmarks
+  libopenmpi-dev openmpi-bin                   # the MPI communicator backend and mpirun
+  libcli11-dev libfmt-dev nlohmann-json3-dev   # CLI flags, formatting, JSON reports/topologies
+  libhwloc-dev                                 # topology discovery
+  libopenblas-dev                              # the OpenBLAS peer kernel in benchmarks
+  gnuplot-nox                                  # --plot
+  iproute2                                     # emulated multi-host cluster (netns, tc)
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+echo "deps: installing ${missing[*]}"
+$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
