@@ -104,6 +104,10 @@ class Communicator {
   virtual Result<CommRequest> irecv(void* data, std::size_t bytes, int src, int tag) = 0;
   // Completes every request (honouring the timeout); the handles become invalid.
   virtual Status wait_all(std::span<const CommRequest> requests) = 0;
+  // Drives progress without blocking: true when every request has completed. The handles stay
+  // valid (still pass them to wait_all). Call it between pieces of computation to overlap
+  // transfers whose protocol needs the receiver's or sender's participation.
+  virtual Result<bool> test_all(std::span<const CommRequest> requests) = 0;
   virtual int max_tag() const = 0;
 
   // ---- groups -------------------------------------------------------------------------------

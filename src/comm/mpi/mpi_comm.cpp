@@ -297,6 +297,25 @@ class MpiCommunicator final : public Communicator {
     return s;
   }
 
+  Result<bool> test_all(std::span<const CommRequest> requests) override {
+    TREEATTN_RETURN_IF_ERROR(check_usable("test_all"));
+    std::vector<MPI_Request> reqs;
+    reqs.reserve(requests.size());
+    for (const CommRequest& q : requests) {
+      if (q.id < 0 || static_cast<std::size_t>(q.id) >= requests_.size())
+        return invalid_argument(who() + "test_all got an invalid request handle " +
+                                std::to_string(q.id));
+      reqs.push_back(requests_[static_cast<std::size_t>(q.id)]);
+    }
+    int done = 0;
+    TREEATTN_RETURN_IF_ERROR(check("MPI_Testall", MPI_Testall(static_cast<int>(reqs.size()),
+                                                              reqs.data(), &done,
+                                                              MPI_STATUSES_IGNORE)));
+    for (std::size_t i = 0; i < requests.size(); ++i)
+      requests_[static_cast<std::size_t>(requests[i].id)] = reqs[i];
+    return done != 0;
+  }
+
   Result<std::unique_ptr<Communicator>> split(int color, int key) override {
     TREEATTN_RETURN_IF_ERROR(barrier_before("split"));
     MPI_Comm c = MPI_COMM_NULL;

@@ -1,0 +1,129 @@
+// Where the tokens of the KV cache live across ranks, and the rank-local shard that owns them.
+//
+// A ShardPlan says, for every rank and batch row, how many tokens the rank holds and at which
+// global positions (pos_start + j * pos_stride for local slot j). It is a pure function of its
+// inputs and of the appends applied to it, so every rank builds the same plan without
+// communication. Kinds:
+//   even      contiguous, ranks get floor(N/p) or ceil(N/p) tokens (the first N mod p get one more)
+//   uneven    contiguous, rank r gets about N * (r + 1) / (p (p + 1) / 2) tokens (the last rank
+//             holds most; the first may hold none)
+//   striped   token t on rank t mod p (stays balanced as decoding appends tokens)
+//   explicit  contiguous with caller-given per-rank lengths (zeros allowed)
+//   single    every token on one holder rank (the `single` strategy's placement)
+// Batch rows may have different lengths (ragged batches); each row is split by the same rule.
+//
+// Appending: decoding adds one token per batch row per step at position N (the row's current
+// length). Contiguous kinds append on the last rank (p - 1), which keeps every shard a
+// contiguous range; striped appends on rank N mod p; single on its holder. append_token()
+// updates the plan on every rank and stores the token on the rank that owns it.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "treeattn/dtype.hpp"
+#include "treeattn/shape.hpp"
+#include "treeattn/status.hpp"
+
+namespace treeattn {
+
+enum class ShardKind : uint8_t { kEven, kUneven, kStriped, kExplicit, kSingle };
+
+std::string_view shard_kind_name(ShardKind kind);
+Result<ShardKind> parse_shard_kind(std::string_view name);  // even|uneven|striped|explicit|single
+
+class ShardPlan {
+ public:
+  ShardPlan() = default;
+
+  // total_len: context length per batch row (>= 0). explicit_len (kExplicit only): per-rank
+  // lengths, either `ranks` values used for every row or ranks * batch values ([rank][batch]);
+  // their sum must equal each row's length. holder (kSingle only): the rank holding all tokens.
+  static Result<ShardPlan> make(ShardKind kind, int ranks, std::vector<int64_t> total_len,
+                                std::span<const int64_t> explicit_len = {}, int holder = 0);
+
+  ShardKind kind() const { return kind_; }
+  int ranks() const { return ranks_; }
+  int64_t batch() const { return static_cast<int64_t>(total_len_.size()); }
+  int holder() const { return holder_; }
+  int64_t pos_stride() const { return kind_ == ShardKind::kStriped ? ranks_ : 1; }
+
+  std::span<const int64_t> total_lens() const { return total_len_; }
+  int64_t total_len(int64_t b) const { return total_len_[static_cast<std::size_t>(b)]; }
+  // Per batch row, for one rank.
+  std::span<const int64_t> lens(int rank) const { return row(len_, rank); }
+  std::span<const int64_t> pos_starts(int rank) const { return row(pos_start_, rank); }
+  int64_t len(int rank, int64_t b) const { return lens(rank)[static_cast<std::size_t>(b)]; }
+  int64_t pos_start(int rank, int64_t b) const {
+    return pos_starts(rank)[static_cast<std::size_t>(b)];
+  }
+  int64_t max_len(int rank) const;   // over batch rows
+  int64_t total_tokens(int rank) const;  // over batch rows
+  int64_t max_total_len() const;
+
+  // The rank holding position pos of row b (pos < total_len(b)).
+  int owner(int64_t b, int64_t pos) const;
+  // The rank that will hold the next appended token of row b.
+  int append_owner(int64_t b) const;
+  // Records one appended token per batch row.
+  void append_one();
+
+  // A 64-bit hash of everything above, equal on ranks that built equal plans.
+  uint64_t fingerprint() const;
+  std::string to_string() const;  // "striped p=4 N=[100,37]"
+
+ private:
+  std::span<const int64_t> row(const std::vector<int64_t>& v, int rank) const {
+    return std::span<const int64_t>(v).subspan(static_cast<std::size_t>(rank) * total_len_.size(),
+                                               total_len_.size());
+  }
+  ShardKind kind_ = ShardKind::kEven;
+  int ranks_ = 1;
+  int holder_ = 0;
+  std::vector<int64_t> total_len_;            // [batch]
+  std::vector<int64_t> len_, pos_start_;      // [rank][batch]
+};
+
+// This rank's part of the KV cache: an owning buffer [batch][kv_heads][capacity][head_dim] whose
+// slot j of row b holds the token at global position plan.pos_start(rank, b) + j * stride.
+class LocalShard {
+ public:
+  LocalShard() = default;
+  // Capacity = the rank's longest row plus spare_tokens (room for appends before growing).
+  static Result<LocalShard> create(const AttnShape& shape, DType dtype, const ShardPlan& plan,
+                                   int rank, int64_t spare_tokens);
+
+  const AttnShape& shape() const { return shape_; }
+  DType dtype() const { return cache_.dtype(); }
+  int rank() const { return rank_; }
+  int64_t capacity() const { return cache_.capacity(); }
+  KVCache& cache() { return cache_; }
+  const KVCache& cache() const { return cache_; }
+
+  // Writes local slot j of row b from k, v [kv_heads][head_dim] floats (narrowed to dtype).
+  void set_slot(int64_t b, int64_t j, const float* k, const float* v);
+  // A view of the rank's live tokens; the plan must outlive the view.
+  KVShard view(const ShardPlan& plan) const;
+  // Bytes of K and V the rank holds for the plan (live tokens only).
+  std::size_t live_bytes(const ShardPlan& plan) const;
+  std::size_t allocated_bytes() const { return cache_.bytes(); }
+
+  // Makes room for at least `tokens` slots per row, keeping the contents (doubling growth).
+  void reserve(int64_t tokens);
+
+ private:
+  AttnShape shape_;
+  int rank_ = 0;
+  KVCache cache_;
+};
+
+// Appends one decoded token to every batch row: k_new and v_new are [batch][kv_heads][head_dim]
+// floats, the same on every rank. Updates plan (on every rank) and stores the token in shard if
+// this rank owns its position, growing the shard when it is full.
+Status append_token(ShardPlan& plan, LocalShard& shard, const float* k_new, const float* v_new);
+
+}  // namespace treeattn

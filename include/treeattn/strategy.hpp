@@ -1,0 +1,113 @@
+// Decode strategies: how the ranks' partial states become the exact attention output.
+//
+// Every strategy takes the same inputs on every rank (the query, this rank's KV shard and the
+// replicated ShardPlan) and leaves the merged state records (state.hpp) in `out` on every rank,
+// or only on options.root when root >= 0. Names (one registry per backend, see below):
+//
+//   tree        one allreduce with the state merge as a user-defined reduction
+//   tree-paper  the paper's Algorithm 3: allreduce MAX of the LSE, SUM of the rescaled outputs,
+//               SUM of the rescaled denominators (three collectives)
+//   tree2       MAX of the LSE, then one SUM over outputs and denominators fused (two)
+//   hier        merge to a leader per node, k-ary tree over leaders, broadcast inside nodes
+//   ring-kv     the KV shards rotate around the ring, overlapped with local attention
+//   ring-state  a ring that passes partial states (p - 1 steps of small messages)
+//   allgather   all-gather the partial states, merge locally
+//   gather-root gather the states to one rank, merge, broadcast
+//   single      one rank holds the whole KV (the plan must be ShardKind::kSingle with holder 0);
+//               it computes the output and broadcasts it; other ranks compute nothing
+//
+// All-rank results are bit-identical on every rank: strategies that merge on several ranks
+// merge in rank order 0..p-1, and the others compute once and send the bits.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "treeattn/comm.hpp"
+#include "treeattn/kernel.hpp"
+#include "treeattn/shape.hpp"
+#include "treeattn/sharding.hpp"
+#include "treeattn/state.hpp"
+#include "treeattn/status.hpp"
+
+namespace treeattn {
+
+struct StrategyOptions {
+  int root = -1;                  // >= 0: deliver the merged states to this rank only
+  int fanout = 2;                 // hier: children per leader in the inter-node tree (>= 1)
+  std::vector<int> node_of_rank;  // hier: node id per rank; empty = split by shared memory
+  DecodeOptions kernel;           // the local attention
+};
+
+class Strategy {
+ public:
+  virtual ~Strategy() = default;
+  virtual std::string_view name() const = 0;
+
+  // Once per run, collective over comm (sub-communicators, plan checks). comm must outlive
+  // the strategy.
+  virtual Status setup(Communicator& comm, const AttnShape& shape, DType dtype,
+                       const ShardPlan& plan) = 0;
+  // One decode step, collective over comm. q is [batch][q_len][heads][head_dim] (the same on
+  // every rank), local is this rank's shard for plan. out is resized to the step's records;
+  // it holds the merged states where delivers_result(comm.rank()), and is unspecified elsewhere.
+  virtual Status step(const float* q, const KVShard& local, const ShardPlan& plan,
+                      StateBuffer& out) = 0;
+
+  // Peak bytes of the buffers the strategy itself allocated (receive buffers, partial-state
+  // buffers), over the steps run so far. The KV shard, query and `out` are not included.
+  virtual std::size_t buffer_bytes() const = 0;
+
+  bool delivers_result(int rank) const { return options_.root < 0 || rank == options_.root; }
+  const StrategyOptions& options() const { return options_; }
+
+ protected:
+  explicit Strategy(StrategyOptions options) : options_(std::move(options)) {}
+  StrategyOptions options_;
+};
+
+struct StrategyInfo {
+  std::string_view name;
+  std::string_view summary;
+};
+
+// The strategies a backend offers, by name. Host backends with user-defined reductions (MPI)
+// use the full table; backends without them (NCCL) map `tree` to the all-gather form and do
+// not offer `hier` (whose intra-node step is a user-defined reduce).
+class StrategyRegistry {
+ public:
+  static const StrategyRegistry& for_backend(const CommCapabilities& caps);
+
+  std::span<const StrategyInfo> list() const;
+  bool contains(std::string_view name) const;
+  // InvalidArgument naming the known strategies when name is not one of them.
+  Result<std::unique_ptr<Strategy>> create(std::string_view name,
+                                           const StrategyOptions& options) const;
+
+ private:
+  explicit StrategyRegistry(bool user_reductions) : user_reductions_(user_reductions) {}
+  bool user_reductions_;
+};
+
+// ---- analytic cost (paper.md section 4, per rank) -------------------------------------------
+
+struct CostEstimate {
+  double bytes_sent = 0;         // bytes this rank sends in one step
+  double working_set_bytes = 0;  // KV shard + query + output + the strategy's buffers
+  std::string formula;           // the formula, in words, for reports
+};
+
+// What the model says rank `rank` sends and holds in one step of `strategy` under plan. The
+// collectives are modelled as Open MPI's large-message algorithms would move them (allreduce
+// 2 (p-1)/p S as in the paper's eq. 14, binomial reduce/broadcast trees, ring all-gather);
+// S = batch * q_len * heads * (head_dim + 2) * 4 bytes is one step's state records.
+Result<CostEstimate> analytic_cost(std::string_view strategy, const AttnShape& shape, DType dtype,
+                                   const ShardPlan& plan, int rank,
+                                   const StrategyOptions& options = {});
+
+}  // namespace treeattn

@@ -1,0 +1,107 @@
+// Internal helpers shared by the strategy implementations: the local partial, canonical merges,
+// and the factory functions the registry calls.
+#pragma once
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "treeattn/strategy.hpp"
+
+namespace treeattn::strategies {
+
+// Common state: the communicator, the shape, and the rank's partial-state buffer.
+class StrategyBase : public Strategy {
+ public:
+  explicit StrategyBase(StrategyOptions options) : Strategy(std::move(options)) {}
+
+  Status setup(Communicator& comm, const AttnShape& shape, DType dtype,
+               const ShardPlan& plan) override {
+    TREEATTN_RETURN_IF_ERROR(shape.validate());
+    if (plan.ranks() != comm.size())
+      return invalid_argument(who(comm) + std::string(name()) + ": the shard plan is for " +
+                              std::to_string(plan.ranks()) + " ranks, the communicator has " +
+                              std::to_string(comm.size()));
+    if (plan.batch() != shape.batch)
+      return invalid_argument(who(comm) + std::string(name()) + ": the shard plan has " +
+                              std::to_string(plan.batch()) + " batch rows, the shape has batch " +
+                              std::to_string(shape.batch));
+    if (options_.root >= comm.size())
+      return invalid_argument(who(comm) + std::string(name()) + ": root rank " +
+                              std::to_string(options_.root) + " is outside [0, " +
+                              std::to_string(comm.size()) + ")");
+    comm_ = &comm;
+    shape_ = shape;
+    dtype_ = dtype;
+    return setup_more(plan);
+  }
+
+ protected:
+  virtual Status setup_more(const ShardPlan&) { return Status::ok(); }
+
+  static std::string who(const Communicator& c) {
+    return "rank " + std::to_string(c.world_rank()) + ": ";
+  }
+  std::string who() const { return who(*comm_); }
+
+  std::size_t records() const {
+    return static_cast<std::size_t>(shape_.batch * shape_.q_len * shape_.heads);
+  }
+  std::size_t rec_floats() const {
+    return state_record_floats(static_cast<std::size_t>(shape_.head_dim));
+  }
+  std::size_t state_floats() const { return records() * rec_floats(); }
+  std::size_t state_bytes() const { return state_floats() * sizeof(float); }
+  std::size_t head_dim() const { return static_cast<std::size_t>(shape_.head_dim); }
+
+  void ensure_shape(StateBuffer& out) const {
+    if (out.records() != records() || out.head_dim() != head_dim())
+      out = StateBuffer(static_cast<std::size_t>(shape_.batch),
+                        static_cast<std::size_t>(shape_.q_len),
+                        static_cast<std::size_t>(shape_.heads), head_dim());
+  }
+
+  Status local_partial(const float* q, const KVShard& kv, float* states) const {
+    return decode_partial(shape_, q, kv, states, options_.kernel);
+  }
+
+  // out <- s_0 (+) s_1 (+) ... (+) s_{p-1}, left to right from the empty state: the canonical
+  // order, so every rank that merges the same partials gets the same bits.
+  void merge_in_rank_order(const float* all, int p, float* out) const {
+    for (std::size_t i = 0; i < records(); ++i) state_set_empty(out + i * rec_floats(), head_dim());
+    for (int r = 0; r < p; ++r)
+      state_merge_n(out, all + static_cast<std::size_t>(r) * state_floats(), records(),
+                    head_dim());
+  }
+
+  void note_buffers(std::size_t bytes) { peak_buffers_ = std::max(peak_buffers_, bytes); }
+  std::size_t buffer_bytes() const override { return peak_buffers_; }
+
+  Communicator* comm_ = nullptr;
+  AttnShape shape_;
+  DType dtype_ = DType::kF32;
+  std::size_t peak_buffers_ = 0;
+};
+
+// Binomial tree over n ranks rooted at 0 (relative ranks): the children of i.
+inline std::vector<int> binomial_children(int i, int n) {
+  std::vector<int> c;
+  const int low = i == 0 ? (1 << 30) : (i & -i);
+  for (int m = 1; m < low && i + m < n; m <<= 1) c.push_back(i + m);
+  return c;
+}
+
+std::unique_ptr<Strategy> make_tree(const StrategyOptions& o);
+std::unique_ptr<Strategy> make_tree_paper(const StrategyOptions& o);
+std::unique_ptr<Strategy> make_tree2(const StrategyOptions& o);
+std::unique_ptr<Strategy> make_hier(const StrategyOptions& o);
+std::unique_ptr<Strategy> make_ring_kv(const StrategyOptions& o);
+std::unique_ptr<Strategy> make_ring_state(const StrategyOptions& o);
+std::unique_ptr<Strategy> make_allgather(const StrategyOptions& o);
+std::unique_ptr<Strategy> make_allgather_named(const StrategyOptions& o, std::string_view name);
+std::unique_ptr<Strategy> make_gather_root(const StrategyOptions& o);
+std::unique_ptr<Strategy> make_single(const StrategyOptions& o);
+
+}  // namespace treeattn::strategies
