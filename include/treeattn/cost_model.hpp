@@ -1,0 +1,113 @@
+// A cost model for every decode strategy, a planner that ranks them, and the paper-scale sweep.
+//
+// Vocabulary (the same names as docs/topology.md):
+//   p        ranks taking part; placed in blocks of r = ranks_per_node on n = ceil(p / r) nodes
+//   t        tokens of one rank's KV shard, ceil(N / p) for context length N
+//   S        bytes of one rank's partial state: B * Q * H * (D + 2) * 4 (state.hpp's record)
+//   KV(t)    bytes of a KV shard of t tokens: 2 * B * t * Hkv * D * s (s = dtype bytes)
+//   alpha_L  latency of link class L (node or network), beta_L its bandwidth per direction
+//
+// Local work is memory-bound decode attention: T_loc(t) = kernel_overhead +
+// max(KV(t) / memory_bandwidth, flops / peak) (times ceil(p / max_concurrent_ranks) when ranks
+// share cores). Communication is simulated round by round: each round is a set of messages
+// (src, dst, bytes) that run concurrently; a rank's time in a round is the largest latency of
+// its messages plus the bytes it sends (or receives, whichever is more) over the bandwidth of
+// each message's link class, with network bandwidth shared by a node's concurrent senders
+// beyond links_per_node. The round's time is the slowest rank's. This is the NCCL-style
+// `time = latency * steps + bytes / bandwidth` per link class, with the steps taken from the
+// algorithm that actually runs:
+//   Open MPI (tuned): allreduce < 10000 B recursive doubling (log2 p rounds of the whole
+//     message, plus 2 rounds when p is not a power of two), else ring (2(p-1) rounds of 1/p);
+//     allgather recursive doubling / Bruck (ceil(log2 p) rounds of growing blocks); gather
+//     and bcast binomial trees.
+//   NCCL: allreduce = min(ring, tree) from NCCL's own tuning formulas (pipelined ring; chain
+//     inside a node plus a binary tree over nodes), with collective_overhead_us per call.
+// Each strategy's rounds are documented at its model in src/topology/cost_model.cpp.
+//
+// Pure functions: no MPI, no clocks. Machines that do not exist are fine.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "treeattn/dtype.hpp"
+#include "treeattn/shape.hpp"
+#include "treeattn/status.hpp"
+#include "treeattn/topology.hpp"
+
+namespace treeattn {
+
+// Names of the modeled strategies, in the CLI's spelling: tree, tree-paper, tree2, hier,
+// ring-kv, ring-state, allgather, gather-root, single.
+const std::vector<std::string>& modeled_strategies();
+
+// What one decode step looks like to the model.
+struct CostQuery {
+  AttnShape shape;  // batch, heads, kv_heads, head_dim, q_len
+  DType kv_dtype = DType::kBF16;
+  int64_t context = 0;     // N, tokens per sequence over all ranks (> 0)
+  int ranks = 1;           // p (>= 1); 0 = all ranks of the topology
+  int ranks_per_node = 0;  // placement; 0 = the topology's ranks_per_node
+  int hier_fanout = 2;     // fan-out of hier's inter-leader tree (>= 2)
+};
+
+struct Prediction {
+  std::string strategy;
+  double latency_us = 0;           // one decode step, all ranks done
+  double local_us = 0;             // local attention part (for ring-kv: all p kernel calls)
+  double comm_us = 0;              // communication part not hidden under compute
+  double bytes_sent_per_rank = 0;  // the busiest rank's bytes sent per step
+  double peak_bytes = 0;           // the largest per-rank working set (KV shard + buffers)
+  int collective_calls = 0;        // library calls per step (collectives or send/recv phases)
+  int comm_rounds = 0;             // sequential message rounds on the critical path
+  std::string algorithm;           // how it was modeled, e.g. "allreduce: recursive doubling"
+};
+
+// Predicts one strategy. Errors: unknown strategy (lists the known ones), invalid shape or
+// topology, ranks above the topology's size, a placement that does not fit.
+Result<Prediction> predict(std::string_view strategy, const CostQuery& q, const Topology& topo);
+
+struct PlanEntry {
+  Prediction prediction;
+  bool feasible = true;
+  std::string reason;  // why not feasible (memory capacity), empty when feasible
+};
+
+struct PlanOptions {
+  std::vector<std::string> candidates;  // empty = all modeled strategies except "single"
+  bool include_single = false;          // also rank "single" (all KV on one rank)
+};
+
+// Ranks the candidates by predicted latency (feasible first; ties broken by bytes sent, then
+// by name). The first entry is the planner's choice.
+Result<std::vector<PlanEntry>> plan(const CostQuery& q, const Topology& topo,
+                                    const PlanOptions& opts = {});
+
+// The paper's microbenchmark (Fig. 3): one attention block of 16 heads x 128, batch 1, one
+// query, bf16, context 80k..5.12M (doubling), tree vs the KV-rotating ring.
+struct SweepRow {
+  std::string topology;
+  int devices = 0;
+  int64_t context = 0;
+  double tree_us = 0;        // our one-collective tree
+  double tree_paper_us = 0;  // the paper's recipe: 3 allreduces
+  double ring_kv_us = 0;     // the paper's baseline
+  double speedup = 0;        // ring_kv_us / tree_paper_us (the paper's comparison)
+  double speedup_tree = 0;   // ring_kv_us / tree_us
+  double ring_kv_bytes_per_rank = 0;
+  double tree_bytes_per_rank = 0;
+};
+
+struct SweepOptions {
+  std::vector<int> devices;       // empty = {8, 64, 128} capped at the topology's size, or
+                                  // the topology's size when it has fewer than 8 ranks
+  std::vector<int64_t> contexts;  // empty = 80'000 * 2^k up to 5'120'000
+  AttnShape shape{1, 16, 16, 128, 1};
+  DType kv_dtype = DType::kBF16;
+};
+
+Result<std::vector<SweepRow>> paper_sweep(const Topology& topo, const SweepOptions& opts = {});
+
+}  // namespace treeattn

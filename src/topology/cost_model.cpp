@@ -1,0 +1,713 @@
+// The strategy cost model, the planner and the paper sweep (see cost_model.hpp for the
+// vocabulary: p, r, n, t, S, KV(t), alpha_L, beta_L).
+//
+// Communication is simulated as rounds of concurrent messages (RoundSim). Each collective
+// algorithm is a generator of rounds; each strategy is a sequence of collectives around the
+// local kernel. Rounds that repeat identically (ring steps) are simulated once and multiplied.
+#include "treeattn/cost_model.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "treeattn/state.hpp"
+
+namespace treeattn {
+namespace {
+
+constexpr double kUsPerSecond = 1e6;
+
+// Bytes over GB/s, in microseconds.
+double transfer_us(double bytes, double gbps) { return bytes / (gbps * 1e3); }
+
+struct Msg {
+  int src = 0;
+  int dst = 0;
+  double bytes = 0;
+  bool reduce = false;  // the receiver merges the payload into its own (costs memory traffic)
+  bool shared = false;  // shared-memory multicast: the sender's cost is paid once per round
+};
+using Round = std::vector<Msg>;
+
+// Simulates rounds of messages on a block placement of p ranks, r per node.
+class RoundSim {
+ public:
+  RoundSim(const Topology& topo, int p, int r) : topo_(topo), p_(p), r_(r) {
+    sent_.assign(static_cast<std::size_t>(p), 0.0);
+  }
+  int node_of(int rank) const { return rank / r_; }
+  int nodes() const { return (p_ + r_ - 1) / r_; }
+  const LinkLevel& link(int a, int b) const {
+    return node_of(a) == node_of(b) ? topo_.node : *topo_.network;
+  }
+
+  // Time of one round in us; adds each rank's sent bytes times `repeat`. A rank serializes
+  // its own sends (and its own receives) at each message's link bandwidth; a node's ranks
+  // share its links_per_node network links, so a node also needs
+  // network latency + (bytes leaving or entering it) / (links_per_node * bandwidth).
+  double round(const Round& msgs, double repeat = 1.0) {
+    if (msgs.empty()) return 0.0;
+    const std::size_t np = static_cast<std::size_t>(p_);
+    const std::size_t nn = static_cast<std::size_t>(nodes());
+    std::vector<double> lat(np, 0.0), send_t(np, 0.0), recv_t(np, 0.0);
+    std::vector<double> node_out(nn, 0.0), node_in(nn, 0.0);
+    std::vector<char> shared_paid(np, 0);
+    bool any_inter = false;
+    for (const Msg& m : msgs) {
+      const LinkLevel& l = link(m.src, m.dst);
+      const double t = transfer_us(m.bytes, l.bandwidth_GBps);
+      const auto s = static_cast<std::size_t>(m.src);
+      const auto d = static_cast<std::size_t>(m.dst);
+      lat[s] = std::max(lat[s], l.latency_us);
+      lat[d] = std::max(lat[d], l.latency_us);
+      const bool pay_send = !m.shared || !shared_paid[s];
+      if (pay_send) {
+        send_t[s] += t;
+        sent_[s] += m.bytes * repeat;
+        shared_paid[s] = 1;
+      }
+      recv_t[d] += t;
+      // Merging a received payload reads it and the accumulator and writes the accumulator.
+      if (m.reduce) recv_t[d] += transfer_us(3.0 * m.bytes, topo_.memory_bandwidth_GBps);
+      if (node_of(m.src) != node_of(m.dst)) {
+        any_inter = true;
+        if (pay_send) node_out[static_cast<std::size_t>(node_of(m.src))] += m.bytes;
+        node_in[static_cast<std::size_t>(node_of(m.dst))] += m.bytes;
+      }
+    }
+    double worst = 0.0;
+    for (std::size_t i = 0; i < np; ++i)
+      worst = std::max(worst, lat[i] + std::max(send_t[i], recv_t[i]));
+    if (any_inter) {
+      const LinkLevel& net = *topo_.network;
+      const double node_bw = net.bandwidth_GBps * net.links_per_node;
+      for (std::size_t k = 0; k < nn; ++k)
+        worst = std::max(worst,
+                         net.latency_us + transfer_us(std::max(node_out[k], node_in[k]), node_bw));
+    }
+    rounds_ += repeat;
+    return worst;
+  }
+
+  double max_sent() const { return *std::max_element(sent_.begin(), sent_.end()); }
+  void add_sent_all(double bytes) {
+    for (double& s : sent_) s += bytes;
+  }
+  int rounds() const { return static_cast<int>(std::lround(rounds_)); }
+  void add_rounds(double k) { rounds_ += k; }
+  int p() const { return p_; }
+
+ private:
+  const Topology& topo_;
+  int p_, r_;
+  std::vector<double> sent_;
+  double rounds_ = 0;
+};
+
+int ceil_log2(int p) {
+  int k = 0;
+  while ((1 << k) < p) ++k;
+  return k;
+}
+int floor_pow2(int p) {
+  int v = 1;
+  while (v * 2 <= p) v *= 2;
+  return v;
+}
+
+// Where a model's time goes.
+struct CommCost {
+  double us = 0;
+  int calls = 0;
+  std::string algorithm;
+  void add(double t, std::string_view what) {
+    us += t;
+    ++calls;
+    if (!algorithm.empty()) algorithm += "; ";
+    algorithm += what;
+  }
+};
+
+// Open MPI tuned's classic fixed decision (coll_tuned_decision_fixed.c): recursive doubling
+// below 10000 bytes, ring above. Kept here as one constant so the choice is visible.
+constexpr double kMpiAllreduceRdMaxBytes = 10000;
+constexpr double kMpiAllgatherLogMaxBytes = 50000;  // total bytes; ring above
+
+// ---- Open MPI algorithms, simulated ---------------------------------------------------------
+
+// Recursive doubling allreduce (non-power-of-two: fold the first 2*rem ranks in pairs first).
+double mpi_allreduce_rd(RoundSim& sim, double m) {
+  const int p = sim.p();
+  const int p2 = floor_pow2(p);
+  const int rem = p - p2;
+  auto real = [rem](int nr) { return nr < rem ? 2 * nr + 1 : nr + rem; };
+  double t = 0;
+  if (rem > 0) {
+    Round pre;
+    for (int i = 0; i < rem; ++i) pre.push_back({2 * i, 2 * i + 1, m, true});
+    t += sim.round(pre);
+  }
+  for (int mask = 1; mask < p2; mask <<= 1) {
+    Round r;
+    for (int nr = 0; nr < p2; ++nr) r.push_back({real(nr), real(nr ^ mask), m, true});
+    t += sim.round(r);
+  }
+  if (rem > 0) {
+    Round post;
+    for (int i = 0; i < rem; ++i) post.push_back({2 * i + 1, 2 * i, m, false});
+    t += sim.round(post);
+  }
+  return t;
+}
+
+// Ring allreduce: reduce-scatter then allgather, p-1 identical rounds each of m/p per rank.
+double mpi_allreduce_ring(RoundSim& sim, double m) {
+  const int p = sim.p();
+  Round rs, ag;
+  for (int i = 0; i < p; ++i) {
+    rs.push_back({i, (i + 1) % p, m / p, true});
+    ag.push_back({i, (i + 1) % p, m / p, false});
+  }
+  const double k = p - 1;
+  return k * sim.round(rs, k) + k * sim.round(ag, k);
+}
+
+// Allgather of m bytes per rank: recursive doubling (p a power of two) or Bruck for small
+// totals, ring otherwise.
+double mpi_allgather(RoundSim& sim, double m, std::string& algo) {
+  const int p = sim.p();
+  double t = 0;
+  if (m * p < kMpiAllgatherLogMaxBytes) {
+    const bool pow2 = (p & (p - 1)) == 0;
+    algo = pow2 ? "recursive doubling" : "Bruck";
+    for (int dist = 1; dist < p; dist <<= 1) {
+      Round r;
+      const double blocks = std::min(dist, p - dist);
+      for (int i = 0; i < p; ++i) {
+        const int peer = pow2 ? (i ^ dist) : ((i - dist + p) % p);
+        r.push_back({i, peer, m * blocks, false});
+      }
+      t += sim.round(r);
+    }
+    return t;
+  }
+  algo = "ring";
+  Round r;
+  for (int i = 0; i < p; ++i) r.push_back({i, (i + 1) % p, m, false});
+  const double k = p - 1;
+  return k * sim.round(r, k);
+}
+
+// Binomial gather to rank 0: in round k, ranks at odd multiples of 2^k send their subtree.
+double mpi_gather_binomial(RoundSim& sim, double m) {
+  const int p = sim.p();
+  double t = 0;
+  for (int step = 1; step < p; step <<= 1) {
+    Round r;
+    for (int i = step; i < p; i += 2 * step) {
+      const double blocks = std::min(step, p - i);
+      r.push_back({i, i - step, m * blocks, false});
+    }
+    t += sim.round(r);
+  }
+  return t;
+}
+
+// Binomial broadcast from rank 0: in round k, ranks below 2^k send to rank + 2^k.
+double mpi_bcast_binomial(RoundSim& sim, double m) {
+  const int p = sim.p();
+  double t = 0;
+  for (int step = 1; step < p; step <<= 1) {
+    Round r;
+    for (int i = 0; i < step && i + step < p; ++i) r.push_back({i, i + step, m, false});
+    t += sim.round(r);
+  }
+  return t;
+}
+
+// ---- NCCL algorithms, from NCCL's tuning model ----------------------------------------------
+
+struct ClosedForm {
+  double us = 0;
+  double bytes_per_rank = 0;
+  int hops = 0;
+  std::string algo;
+};
+
+// Ring hops that cross nodes in `steps` ring steps over n nodes (one crossing per node per
+// circuit of p hops).
+int inter_hops(int steps, int n, int p) {
+  if (n <= 1) return 0;
+  return std::min(steps, static_cast<int>(std::ceil(static_cast<double>(steps) * n / p)));
+}
+
+double ring_bw(const Topology& topo, int n) {
+  if (n <= 1) return topo.node.bandwidth_GBps;
+  return std::min(topo.node.bandwidth_GBps,
+                  topo.network->bandwidth_GBps * topo.network->links_per_node);
+}
+
+ClosedForm nccl_allreduce(const Topology& topo, int p, int r, double m) {
+  const int n = (p + r - 1) / r;
+  const int rr = std::min(p, r);
+  const double an = topo.node.latency_us;
+  const double aw = n > 1 ? topo.network->latency_us : 0.0;
+  // Ring: 2(p-1) pipelined hops, 2(p-1)/p * m through the slowest link.
+  ClosedForm ring;
+  const int steps = 2 * (p - 1);
+  const int ih = inter_hops(steps, n, p);
+  ring.us = (steps - ih) * an + ih * aw + transfer_us(m * steps / p, ring_bw(topo, n));
+  ring.bytes_per_rank = m * steps / p;
+  ring.hops = steps;
+  ring.algo = "ring";
+  // Tree: chain inside a node (r-1 hops), binary tree over nodes (ceil(log2 n) hops), up and
+  // down; the payload streams through the slowest link twice.
+  ClosedForm tree;
+  const int lg = ceil_log2(n);
+  const double slow = n > 1 ? std::min(topo.node.bandwidth_GBps, topo.network->bandwidth_GBps)
+                            : topo.node.bandwidth_GBps;
+  tree.us = 2.0 * ((rr - 1) * an + lg * aw) + transfer_us(2.0 * m, slow);
+  tree.bytes_per_rank = 2.0 * m;
+  tree.hops = 2 * ((rr - 1) + lg);
+  tree.algo = "tree";
+  return tree.us < ring.us ? tree : ring;
+}
+
+ClosedForm nccl_allgather(const Topology& topo, int p, int r, double m) {
+  const int n = (p + r - 1) / r;
+  ClosedForm c;
+  const int steps = p - 1;
+  const int ih = inter_hops(steps, n, p);
+  const double aw = n > 1 ? topo.network->latency_us : 0.0;
+  c.us = (steps - ih) * topo.node.latency_us + ih * aw + transfer_us(m * steps, ring_bw(topo, n));
+  c.bytes_per_rank = m * steps;
+  c.hops = steps;
+  c.algo = "ring";
+  return c;
+}
+
+ClosedForm nccl_bcast(const Topology& topo, int p, int r, double m) {
+  const int n = (p + r - 1) / r;
+  ClosedForm c;
+  const int steps = p - 1;
+  const int ih = inter_hops(steps, n, p);
+  const double aw = n > 1 ? topo.network->latency_us : 0.0;
+  c.us = (steps - ih) * topo.node.latency_us + ih * aw + transfer_us(m, ring_bw(topo, n));
+  c.bytes_per_rank = m;
+  c.hops = steps;
+  c.algo = "ring (pipelined)";
+  return c;
+}
+
+// ---- the model ------------------------------------------------------------------------------
+
+struct Ctx {
+  const Topology& topo;
+  AttnShape shape;
+  double s = 2;  // KV dtype bytes
+  int64_t context = 0;
+  int p = 1;
+  int r = 1;  // ranks per node actually used
+  int n = 1;
+  int fanout = 2;
+  double state_bytes = 0;  // S
+  double q_bytes = 0;
+  int64_t shard_tokens = 0;
+
+  double kv_bytes(int64_t tokens) const {
+    return 2.0 * static_cast<double>(shape.batch) * static_cast<double>(tokens) *
+           static_cast<double>(shape.kv_heads) * static_cast<double>(shape.head_dim) * s;
+  }
+  double rows() const {
+    return static_cast<double>(shape.batch) * static_cast<double>(shape.q_len) *
+           static_cast<double>(shape.heads);
+  }
+  // How many times slower the local phase runs because ranks share cores.
+  double concurrency_factor(int ranks) const {
+    if (topo.max_concurrent_ranks <= 0 || ranks <= topo.max_concurrent_ranks) return 1.0;
+    return std::ceil(static_cast<double>(ranks) / topo.max_concurrent_ranks);
+  }
+  // One local decode kernel over `tokens` tokens, `ranks` ranks running it at once.
+  double local_us(int64_t tokens, int ranks) const {
+    const double bytes = kv_bytes(tokens) + q_bytes + state_bytes;
+    double t = transfer_us(bytes, topo.memory_bandwidth_GBps);
+    if (topo.peak_tflops) {
+      const double flops =
+          4.0 * rows() * static_cast<double>(tokens) * static_cast<double>(shape.head_dim);
+      t = std::max(t, flops / (*topo.peak_tflops * 1e12) * kUsPerSecond);
+    }
+    return topo.kernel_overhead_us + t * concurrency_factor(ranks);
+  }
+  // Merging k states held in memory (reads k states, writes one).
+  double merge_us(double k) const {
+    return transfer_us((k + 1.0) * state_bytes, topo.memory_bandwidth_GBps);
+  }
+  bool nccl() const { return topo.collectives == CollectiveLibrary::kNccl; }
+};
+
+// One allreduce of m bytes with a reduction, in the topology's collective library.
+void allreduce(const Ctx& c, RoundSim& sim, CommCost& cost, double m, std::string_view label) {
+  if (c.p == 1) {
+    cost.add(c.topo.collective_overhead_us, std::string(label) + ": 1 rank, no messages");
+    return;
+  }
+  if (c.nccl()) {
+    const ClosedForm f = nccl_allreduce(c.topo, c.p, c.r, m);
+    sim.add_sent_all(f.bytes_per_rank);
+    sim.add_rounds(f.hops);
+    cost.add(c.topo.collective_overhead_us + f.us,
+             std::string(label) + ": NCCL " + f.algo + " allreduce");
+    return;
+  }
+  if (m < kMpiAllreduceRdMaxBytes) {
+    cost.add(c.topo.collective_overhead_us + mpi_allreduce_rd(sim, m),
+             std::string(label) + ": allreduce recursive doubling");
+  } else {
+    cost.add(c.topo.collective_overhead_us + mpi_allreduce_ring(sim, m),
+             std::string(label) + ": allreduce ring");
+  }
+}
+
+Status make_ctx(const CostQuery& q, const Topology& topo, Ctx& c) {
+  TREEATTN_RETURN_IF_ERROR(topo.validate());
+  TREEATTN_RETURN_IF_ERROR(q.shape.validate());
+  if (q.context < 1)
+    return invalid_argument("cost model: context must be >= 1 token, got " +
+                            std::to_string(q.context));
+  const int total = topo.total_ranks();
+  const int p = q.ranks == 0 ? total : q.ranks;
+  if (p < 1 || p > total)
+    return invalid_argument("cost model: ranks must be in [1, " + std::to_string(total) +
+                            "] for topology '" + topo.name + "' (" + std::to_string(topo.nodes) +
+                            " nodes x " + std::to_string(topo.ranks_per_node) + "), got " +
+                            std::to_string(q.ranks));
+  const int r = q.ranks_per_node == 0 ? topo.ranks_per_node : q.ranks_per_node;
+  if (r < 1 || r > topo.ranks_per_node)
+    return invalid_argument("cost model: ranks_per_node must be in [1, " +
+                            std::to_string(topo.ranks_per_node) + "], got " +
+                            std::to_string(q.ranks_per_node));
+  const int n = (p + r - 1) / r;
+  if (n > topo.nodes)
+    return invalid_argument("cost model: " + std::to_string(p) + " ranks at " + std::to_string(r) +
+                            " per node need " + std::to_string(n) + " nodes, topology '" +
+                            topo.name + "' has " + std::to_string(topo.nodes));
+  if (q.hier_fanout < 2)
+    return invalid_argument("cost model: hier_fanout must be >= 2, got " +
+                            std::to_string(q.hier_fanout));
+  c.shape = q.shape;
+  c.s = static_cast<double>(dtype_size(q.kv_dtype));
+  c.context = q.context;
+  c.p = p;
+  c.r = std::min(r, p);
+  c.n = n;
+  c.fanout = q.hier_fanout;
+  c.state_bytes =
+      c.rows() *
+      static_cast<double>(state_record_floats(static_cast<std::size_t>(q.shape.head_dim))) * 4.0;
+  c.q_bytes = c.rows() * static_cast<double>(q.shape.head_dim) * 4.0;
+  c.shard_tokens = (q.context + p - 1) / p;
+  return Status::ok();
+}
+
+Prediction finish(std::string_view name, const Ctx& c, double local, const CommCost& comm,
+                  const RoundSim& sim, double extra_peak) {
+  Prediction pr;
+  pr.strategy = std::string(name);
+  pr.local_us = local;
+  pr.comm_us = comm.us;
+  pr.latency_us = local + comm.us;
+  pr.bytes_sent_per_rank = sim.max_sent();
+  pr.peak_bytes = c.kv_bytes(c.shard_tokens) + c.q_bytes + c.state_bytes + extra_peak;
+  pr.collective_calls = comm.calls;
+  pr.comm_rounds = sim.rounds();
+  pr.algorithm = comm.algorithm;
+  return pr;
+}
+
+// tree: one MPI_Allreduce of the packed (m, l, o[D]) records with the merge as a user op.
+Prediction model_tree(const Ctx& c) {
+  RoundSim sim(c.topo, c.p, c.r);
+  CommCost comm;
+  allreduce(c, sim, comm, c.state_bytes, "merge-op");
+  return finish("tree", c, c.local_us(c.shard_tokens, c.p), comm, sim, c.state_bytes);
+}
+
+// tree-paper: Algorithm 3 of the paper: MAX of lse (one float per row), SUM of the rescaled
+// outputs (D floats per row), SUM of the denominators (one float per row), then a local
+// rescale and divide.
+Prediction model_tree_paper(const Ctx& c) {
+  RoundSim sim(c.topo, c.p, c.r);
+  CommCost comm;
+  const double row = c.rows() * 4.0;
+  allreduce(c, sim, comm, row, "max(lse)");
+  allreduce(c, sim, comm, row * static_cast<double>(c.shape.head_dim), "sum(num)");
+  allreduce(c, sim, comm, row, "sum(den)");
+  const double rescale = transfer_us(3.0 * c.state_bytes, c.topo.memory_bandwidth_GBps);
+  return finish("tree-paper", c, c.local_us(c.shard_tokens, c.p) + rescale, comm, sim,
+                c.state_bytes);
+}
+
+// tree2: MAX of m, then one fused SUM of (l, o[D]) rescaled to the global max.
+Prediction model_tree2(const Ctx& c) {
+  RoundSim sim(c.topo, c.p, c.r);
+  CommCost comm;
+  const double row = c.rows() * 4.0;
+  allreduce(c, sim, comm, row, "max(m)");
+  allreduce(c, sim, comm, row * static_cast<double>(c.shape.head_dim + 1), "sum(l,o)");
+  const double rescale = transfer_us(2.0 * c.state_bytes, c.topo.memory_bandwidth_GBps);
+  return finish("tree2", c, c.local_us(c.shard_tokens, c.p) + rescale, comm, sim, c.state_bytes);
+}
+
+// hier: (1) every rank of a node hands its state to the node leader (local rank 0) through
+// shared memory and the leader merges them; (2) the n leaders reduce up an f-ary tree
+// (ceil(log_f n) rounds; a parent receives up to f-1 states per round) and (3) broadcast back
+// down the same tree; (4) the leader publishes the result to its node (one shared write, read
+// by all).
+Prediction model_hier(const Ctx& c) {
+  RoundSim sim(c.topo, c.p, c.r);
+  CommCost comm;
+  const double S = c.state_bytes;
+  auto leader = [&](int node) { return node * c.r; };
+  if (c.r > 1) {
+    Round in;
+    for (int i = 0; i < c.p; ++i)
+      if (i % c.r != 0) in.push_back({i, leader(i / c.r), S, true});
+    comm.add(c.topo.collective_overhead_us + sim.round(in), "intra-node reduce to leader");
+  }
+  if (c.n > 1) {
+    std::vector<Round> up;
+    for (int stride = 1; stride < c.n; stride *= c.fanout) {
+      Round rd;
+      for (int parent = 0; parent < c.n; parent += stride * c.fanout)
+        for (int j = 1; j < c.fanout && parent + j * stride < c.n; ++j)
+          rd.push_back({leader(parent + j * stride), leader(parent), S, true});
+      up.push_back(rd);
+    }
+    double t = 0;
+    for (const Round& rd : up) t += sim.round(rd);
+    comm.add(c.topo.collective_overhead_us + t, "inter-leader " + std::to_string(c.fanout) +
+                                                    "-ary tree reduce (" +
+                                                    std::to_string(up.size()) + " rounds)");
+    t = 0;
+    for (auto it = up.rbegin(); it != up.rend(); ++it) {
+      Round down;
+      for (const Msg& m : *it) down.push_back({m.dst, m.src, S, false});
+      t += sim.round(down);
+    }
+    comm.add(c.topo.collective_overhead_us + t, "inter-leader tree broadcast");
+  }
+  if (c.r > 1) {
+    Round out;
+    for (int i = 0; i < c.p; ++i)
+      if (i % c.r != 0) out.push_back({leader(i / c.r), i, S, false, true});
+    comm.add(c.topo.collective_overhead_us + sim.round(out), "intra-node shared broadcast");
+  }
+  // The leader's shared segment holds the node's r states.
+  return finish("hier", c, c.local_us(c.shard_tokens, c.p), comm, sim,
+                static_cast<double>(c.r) * S);
+}
+
+// ring-kv (the paper's baseline): p-1 steps; in each, every rank sends the KV shard it holds
+// to rank + 1 (nonblocking) while computing attention on it, and merges the result. A step
+// costs max(local, transfer); the last shard is computed after the loop. Buffers: the own
+// shard plus two rotating receive buffers.
+Prediction model_ring_kv(const Ctx& c) {
+  RoundSim sim(c.topo, c.p, c.r);
+  CommCost comm;
+  const double loc = c.local_us(c.shard_tokens, c.p) + c.merge_us(1);
+  double total = loc;
+  if (c.p > 1) {
+    Round r;
+    const double kv = c.kv_bytes(c.shard_tokens);
+    for (int i = 0; i < c.p; ++i) r.push_back({i, (i + 1) % c.p, kv, false});
+    const double k = c.p - 1;
+    const double step_comm = c.topo.collective_overhead_us + sim.round(r, k);
+    total += k * std::max(loc, step_comm);
+    comm.calls = c.p - 1;
+    comm.algorithm = std::to_string(c.p - 1) +
+                     " ring steps of KV(t) = " + std::to_string(static_cast<int64_t>(kv)) +
+                     " B, overlapped with compute";
+  }
+  // total >= p * loc, so the exposed communication is what is left over.
+  const double local_all = loc * c.p;
+  comm.us = total - local_all;
+  return finish("ring-kv", c, local_all, comm, sim,
+                c.p > 1 ? 2.0 * c.kv_bytes(c.shard_tokens) : 0.0);
+}
+
+// ring-state: p-1 steps; in each, every rank forwards the state it received last (its own
+// first) to rank + 1 and merges what it receives. Every rank ends with the full merge.
+Prediction model_ring_state(const Ctx& c) {
+  RoundSim sim(c.topo, c.p, c.r);
+  CommCost comm;
+  if (c.p > 1) {
+    Round r;
+    for (int i = 0; i < c.p; ++i) r.push_back({i, (i + 1) % c.p, c.state_bytes, true});
+    const double k = c.p - 1;
+    comm.us = k * (c.topo.collective_overhead_us + sim.round(r, k));
+    comm.calls = c.p - 1;
+    comm.algorithm = std::to_string(c.p - 1) + " ring steps of S";
+  }
+  return finish("ring-state", c, c.local_us(c.shard_tokens, c.p), comm, sim, 2.0 * c.state_bytes);
+}
+
+// allgather: every rank gathers all p states and merges them locally.
+Prediction model_allgather(const Ctx& c) {
+  RoundSim sim(c.topo, c.p, c.r);
+  CommCost comm;
+  if (c.p > 1) {
+    if (c.nccl()) {
+      const ClosedForm f = nccl_allgather(c.topo, c.p, c.r, c.state_bytes);
+      sim.add_sent_all(f.bytes_per_rank);
+      sim.add_rounds(f.hops);
+      comm.add(c.topo.collective_overhead_us + f.us, "NCCL ring allgather");
+    } else {
+      std::string algo;
+      const double t = mpi_allgather(sim, c.state_bytes, algo);
+      comm.add(c.topo.collective_overhead_us + t, "allgather " + algo);
+    }
+  }
+  const double local = c.local_us(c.shard_tokens, c.p) + (c.p > 1 ? c.merge_us(c.p) : 0.0);
+  return finish("allgather", c, local, comm, sim, static_cast<double>(c.p) * c.state_bytes);
+}
+
+// gather-root: binomial gather of the p states to rank 0, merge there, broadcast the merged
+// state (binomial for MPI, pipelined ring for NCCL).
+Prediction model_gather_root(const Ctx& c) {
+  RoundSim sim(c.topo, c.p, c.r);
+  CommCost comm;
+  double root_merge = 0;
+  if (c.p > 1) {
+    comm.add(c.topo.collective_overhead_us + mpi_gather_binomial(sim, c.state_bytes),
+             "binomial gather");
+    root_merge = c.merge_us(c.p);
+    if (c.nccl()) {
+      const ClosedForm f = nccl_bcast(c.topo, c.p, c.r, c.state_bytes);
+      sim.add_sent_all(f.bytes_per_rank);
+      sim.add_rounds(f.hops);
+      comm.add(c.topo.collective_overhead_us + f.us, "NCCL ring broadcast");
+    } else {
+      comm.add(c.topo.collective_overhead_us + mpi_bcast_binomial(sim, c.state_bytes),
+               "binomial broadcast");
+    }
+  }
+  return finish("gather-root", c, c.local_us(c.shard_tokens, c.p) + root_merge, comm, sim,
+                static_cast<double>(c.p) * c.state_bytes);
+}
+
+// single: one rank holds the whole KV cache; no communication.
+Prediction model_single(const Ctx& c) {
+  Ctx one = c;
+  one.p = 1;
+  one.r = 1;
+  one.n = 1;
+  one.shard_tokens = c.context;
+  RoundSim sim(c.topo, 1, 1);
+  CommCost comm;
+  comm.algorithm = "no communication";
+  return finish("single", one, one.local_us(c.context, 1), comm, sim, 0.0);
+}
+
+}  // namespace
+
+const std::vector<std::string>& modeled_strategies() {
+  static const std::vector<std::string> kNames = {"tree",      "tree-paper",  "tree2",
+                                                  "hier",      "ring-kv",     "ring-state",
+                                                  "allgather", "gather-root", "single"};
+  return kNames;
+}
+
+Result<Prediction> predict(std::string_view strategy, const CostQuery& q, const Topology& topo) {
+  Ctx c{topo, {}};
+  TREEATTN_RETURN_IF_ERROR(make_ctx(q, topo, c));
+  if (strategy == "tree") return model_tree(c);
+  if (strategy == "tree-paper") return model_tree_paper(c);
+  if (strategy == "tree2") return model_tree2(c);
+  if (strategy == "hier") return model_hier(c);
+  if (strategy == "ring-kv") return model_ring_kv(c);
+  if (strategy == "ring-state") return model_ring_state(c);
+  if (strategy == "allgather") return model_allgather(c);
+  if (strategy == "gather-root") return model_gather_root(c);
+  if (strategy == "single") return model_single(c);
+  std::string known;
+  for (const auto& s : modeled_strategies()) known += (known.empty() ? "" : ", ") + s;
+  return invalid_argument("cost model: unknown strategy '" + std::string(strategy) +
+                          "' (known: " + known + ")");
+}
+
+Result<std::vector<PlanEntry>> plan(const CostQuery& q, const Topology& topo,
+                                    const PlanOptions& opts) {
+  std::vector<std::string> names = opts.candidates;
+  if (names.empty()) {
+    for (const auto& s : modeled_strategies())
+      if (s != "single" || opts.include_single) names.push_back(s);
+  } else if (opts.include_single &&
+             std::find(names.begin(), names.end(), "single") == names.end()) {
+    names.push_back("single");
+  }
+  std::vector<PlanEntry> out;
+  for (const auto& name : names) {
+    Result<Prediction> pr = predict(name, q, topo);
+    if (!pr.is_ok()) return pr.status();
+    PlanEntry e;
+    e.prediction = std::move(pr.value());
+    if (topo.memory_capacity_GB && e.prediction.peak_bytes > *topo.memory_capacity_GB * 1e9) {
+      e.feasible = false;
+      e.reason = "peak " + std::to_string(e.prediction.peak_bytes / 1e9) + " GB exceeds " +
+                 std::to_string(*topo.memory_capacity_GB) + " GB per rank";
+    }
+    out.push_back(std::move(e));
+  }
+  std::stable_sort(out.begin(), out.end(), [](const PlanEntry& a, const PlanEntry& b) {
+    if (a.feasible != b.feasible) return a.feasible;
+    if (a.prediction.latency_us != b.prediction.latency_us)
+      return a.prediction.latency_us < b.prediction.latency_us;
+    if (a.prediction.bytes_sent_per_rank != b.prediction.bytes_sent_per_rank)
+      return a.prediction.bytes_sent_per_rank < b.prediction.bytes_sent_per_rank;
+    return a.prediction.strategy < b.prediction.strategy;
+  });
+  return out;
+}
+
+Result<std::vector<SweepRow>> paper_sweep(const Topology& topo, const SweepOptions& opts) {
+  TREEATTN_RETURN_IF_ERROR(topo.validate());
+  std::vector<int> devices = opts.devices;
+  if (devices.empty()) {
+    for (int d : {8, 64, 128})
+      if (d <= topo.total_ranks()) devices.push_back(d);
+    if (devices.empty()) devices.push_back(topo.total_ranks());
+  }
+  std::vector<int64_t> contexts = opts.contexts;
+  if (contexts.empty())
+    for (int64_t n = 80'000; n <= 5'120'000; n *= 2) contexts.push_back(n);
+  std::vector<SweepRow> rows;
+  for (int d : devices) {
+    for (int64_t n : contexts) {
+      CostQuery q;
+      q.shape = opts.shape;
+      q.kv_dtype = opts.kv_dtype;
+      q.context = n;
+      q.ranks = d;
+      Result<Prediction> tree = predict("tree", q, topo);
+      if (!tree.is_ok()) return tree.status();
+      Result<Prediction> paper = predict("tree-paper", q, topo);
+      if (!paper.is_ok()) return paper.status();
+      Result<Prediction> ring = predict("ring-kv", q, topo);
+      if (!ring.is_ok()) return ring.status();
+      SweepRow row;
+      row.topology = topo.name;
+      row.devices = d;
+      row.context = n;
+      row.tree_us = tree->latency_us;
+      row.tree_paper_us = paper->latency_us;
+      row.ring_kv_us = ring->latency_us;
+      row.speedup = ring->latency_us / paper->latency_us;
+      row.speedup_tree = ring->latency_us / tree->latency_us;
+      row.ring_kv_bytes_per_rank = ring->bytes_sent_per_rank;
+      row.tree_bytes_per_rank = tree->bytes_sent_per_rank;
+      rows.push_back(row);
+    }
+  }
+  return rows;
+}
+
+}  // namespace treeattn

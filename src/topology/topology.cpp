@@ -1,0 +1,371 @@
+// Topology validation, the JSON file format (docs/topology.md), and building a Topology from
+// measured numbers. Parse errors name the file, the JSON path of the value and what was
+// expected, e.g. "t.json: $.levels[1].latency_us: expected a number > 0, got \"fast\"".
+#include "treeattn/topology.hpp"
+
+#include <cmath>
+#include <fstream>
+#include <initializer_list>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+namespace treeattn {
+namespace {
+
+using nlohmann::json;
+
+std::string fmt_double(double v) {
+  std::ostringstream os;
+  os.precision(10);
+  os << v;
+  return os.str();
+}
+
+// Short rendering of a JSON value for error messages.
+std::string show(const json& v) {
+  std::string s = v.dump();
+  if (s.size() > 40) s = s.substr(0, 37) + "...";
+  return s;
+}
+
+bool positive_finite(double v) { return std::isfinite(v) && v > 0; }
+
+// Reads fields of one JSON object, remembering the path for error messages.
+class ObjectReader {
+ public:
+  ObjectReader(const json& obj, std::string source, std::string path)
+      : obj_(obj), source_(std::move(source)), path_(std::move(path)) {}
+
+  Status fail(std::string_view key, std::string_view what) const {
+    return invalid_argument(source_ + ": " + path_ + (key.empty() ? "" : "." + std::string(key)) +
+                            ": " + std::string(what));
+  }
+  Status check_object() const {
+    if (!obj_.is_object()) return fail("", "expected an object, got " + show(obj_));
+    return Status::ok();
+  }
+  Status check_keys(std::initializer_list<std::string_view> known) const {
+    for (auto it = obj_.begin(); it != obj_.end(); ++it) {
+      bool ok = false;
+      std::string list;
+      for (std::string_view k : known) {
+        if (k == it.key()) ok = true;
+        list += (list.empty() ? "" : ", ") + std::string(k);
+      }
+      if (!ok) return fail(it.key(), "unknown key (known keys: " + list + ")");
+    }
+    return Status::ok();
+  }
+  bool has(std::string_view key) const { return obj_.contains(std::string(key)); }
+
+  Status number(std::string_view key, bool required, double& out, double min_exclusive,
+                bool allow_equal_min = false) const {
+    if (!has(key)) return required ? fail(key, "missing (expected a number)") : Status::ok();
+    const json& v = obj_.at(std::string(key));
+    const std::string bound =
+        std::string(allow_equal_min ? ">= " : "> ") + fmt_double(min_exclusive);
+    if (!v.is_number()) return fail(key, "expected a number " + bound + ", got " + show(v));
+    const double d = v.get<double>();
+    const bool in_range =
+        std::isfinite(d) && (allow_equal_min ? d >= min_exclusive : d > min_exclusive);
+    if (!in_range) return fail(key, "expected a number " + bound + ", got " + show(v));
+    out = d;
+    return Status::ok();
+  }
+  Status integer(std::string_view key, bool required, int& out, int min, int max) const {
+    if (!has(key)) return required ? fail(key, "missing (expected an integer)") : Status::ok();
+    const json& v = obj_.at(std::string(key));
+    const std::string range = "in [" + std::to_string(min) + ", " + std::to_string(max) + "]";
+    if (!v.is_number_integer())
+      return fail(key, "expected an integer " + range + ", got " + show(v));
+    const auto i = v.get<int64_t>();
+    if (i < min || i > max) return fail(key, "expected an integer " + range + ", got " + show(v));
+    out = static_cast<int>(i);
+    return Status::ok();
+  }
+  Status string(std::string_view key, bool required, std::string& out) const {
+    if (!has(key)) return required ? fail(key, "missing (expected a string)") : Status::ok();
+    const json& v = obj_.at(std::string(key));
+    if (!v.is_string()) return fail(key, "expected a string, got " + show(v));
+    out = v.get<std::string>();
+    return Status::ok();
+  }
+  const json& at(std::string_view key) const { return obj_.at(std::string(key)); }
+  ObjectReader child(std::string_view key) const {
+    return {obj_.at(std::string(key)), source_, path_ + "." + std::string(key)};
+  }
+  const std::string& source() const { return source_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  const json& obj_;
+  std::string source_;
+  std::string path_;
+};
+
+constexpr int kMaxCount = 1 << 20;
+
+Status parse_level(const ObjectReader& r, std::string_view expected_name, LinkLevel& out) {
+  TREEATTN_RETURN_IF_ERROR(r.check_object());
+  TREEATTN_RETURN_IF_ERROR(
+      r.check_keys({"name", "latency_us", "bandwidth_GBps", "links_per_node"}));
+  TREEATTN_RETURN_IF_ERROR(r.string("name", true, out.name));
+  if (out.name != expected_name) {
+    return r.fail("name", "expected \"" + std::string(expected_name) +
+                              "\" at this position, got \"" + out.name +
+                              "\" (levels are [node] or [node, network])");
+  }
+  TREEATTN_RETURN_IF_ERROR(r.number("latency_us", true, out.latency_us, 0));
+  TREEATTN_RETURN_IF_ERROR(r.number("bandwidth_GBps", true, out.bandwidth_GBps, 0));
+  out.links_per_node = 1;
+  TREEATTN_RETURN_IF_ERROR(r.integer("links_per_node", false, out.links_per_node, 1, kMaxCount));
+  return Status::ok();
+}
+
+Status check_level(const LinkLevel& l, std::string_view where) {
+  const std::string w(where);
+  if (!positive_finite(l.latency_us))
+    return invalid_argument(w + ".latency_us must be a number > 0, got " +
+                            fmt_double(l.latency_us));
+  if (!positive_finite(l.bandwidth_GBps))
+    return invalid_argument(w + ".bandwidth_GBps must be a number > 0, got " +
+                            fmt_double(l.bandwidth_GBps));
+  if (l.links_per_node < 1)
+    return invalid_argument(w + ".links_per_node must be >= 1, got " +
+                            std::to_string(l.links_per_node));
+  return Status::ok();
+}
+
+}  // namespace
+
+std::string_view collective_library_name(CollectiveLibrary lib) {
+  return lib == CollectiveLibrary::kNccl ? "nccl" : "mpi";
+}
+
+Status Topology::validate() const {
+  const std::string who = "topology '" + name + "': ";
+  if (nodes < 1 || nodes > kMaxCount)
+    return invalid_argument(who + "nodes must be in [1, " + std::to_string(kMaxCount) + "], got " +
+                            std::to_string(nodes));
+  if (ranks_per_node < 1 || ranks_per_node > kMaxCount)
+    return invalid_argument(who + "ranks_per_node must be in [1, " + std::to_string(kMaxCount) +
+                            "], got " + std::to_string(ranks_per_node));
+  if (int64_t{nodes} * ranks_per_node > kMaxCount)
+    return invalid_argument(
+        who + "nodes * ranks_per_node = " + std::to_string(int64_t{nodes} * ranks_per_node) +
+        " exceeds " + std::to_string(kMaxCount));
+  if (node.name != "node")
+    return invalid_argument(who + "the first level must be named \"node\", got \"" + node.name +
+                            "\"");
+  TREEATTN_RETURN_IF_ERROR(check_level(node, who + "level node"));
+  if (network) {
+    if (network->name != "network")
+      return invalid_argument(who + "the second level must be named \"network\", got \"" +
+                              network->name + "\"");
+    TREEATTN_RETURN_IF_ERROR(check_level(*network, who + "level network"));
+  } else if (nodes > 1) {
+    return invalid_argument(who + "nodes = " + std::to_string(nodes) +
+                            " needs a \"network\" level (latency and bandwidth between nodes)");
+  }
+  if (!(collective_overhead_us >= 0) || !std::isfinite(collective_overhead_us))
+    return invalid_argument(who + "collective_overhead_us must be >= 0, got " +
+                            fmt_double(collective_overhead_us));
+  if (!positive_finite(memory_bandwidth_GBps))
+    return invalid_argument(who + "memory.bandwidth_GBps must be > 0, got " +
+                            fmt_double(memory_bandwidth_GBps));
+  if (memory_capacity_GB && !positive_finite(*memory_capacity_GB))
+    return invalid_argument(who + "memory.capacity_GB must be > 0, got " +
+                            fmt_double(*memory_capacity_GB));
+  if (peak_tflops && !positive_finite(*peak_tflops))
+    return invalid_argument(who + "compute.peak_TFLOPs must be > 0, got " +
+                            fmt_double(*peak_tflops));
+  if (!(kernel_overhead_us >= 0) || !std::isfinite(kernel_overhead_us))
+    return invalid_argument(who + "compute.kernel_overhead_us must be >= 0, got " +
+                            fmt_double(kernel_overhead_us));
+  if (max_concurrent_ranks < 0)
+    return invalid_argument(who +
+                            "compute.max_concurrent_ranks must be >= 0 (0 = unlimited), "
+                            "got " +
+                            std::to_string(max_concurrent_ranks));
+  return Status::ok();
+}
+
+Result<Topology> parse_topology_json(std::string_view text, std::string_view source_sv) {
+  const std::string source(source_sv);
+  json doc;
+  try {
+    doc = json::parse(text.begin(), text.end());
+  } catch (const json::parse_error& e) {
+    // e.what() is "[json.exception.parse_error.101] parse error at line 3, column 5: ..."
+    std::string what = e.what();
+    const auto pos = what.find("] ");
+    if (pos != std::string::npos) what = what.substr(pos + 2);
+    return invalid_argument(source + ": not valid JSON: " + what);
+  }
+  const ObjectReader r(doc, source, "$");
+  TREEATTN_RETURN_IF_ERROR(r.check_object());
+  TREEATTN_RETURN_IF_ERROR(
+      r.check_keys({"format", "name", "description", "nodes", "ranks_per_node", "collectives",
+                    "collective_overhead_us", "memory", "compute", "levels", "sources"}));
+  Topology t;
+  std::string format;
+  TREEATTN_RETURN_IF_ERROR(r.string("format", true, format));
+  if (format != Topology::kFormat)
+    return r.fail("format",
+                  "expected \"" + std::string(Topology::kFormat) + "\", got \"" + format + "\"");
+  TREEATTN_RETURN_IF_ERROR(r.string("name", true, t.name));
+  TREEATTN_RETURN_IF_ERROR(r.string("description", false, t.description));
+  TREEATTN_RETURN_IF_ERROR(r.integer("nodes", true, t.nodes, 1, kMaxCount));
+  TREEATTN_RETURN_IF_ERROR(r.integer("ranks_per_node", true, t.ranks_per_node, 1, kMaxCount));
+  std::string lib = "mpi";
+  TREEATTN_RETURN_IF_ERROR(r.string("collectives", false, lib));
+  if (lib == "mpi") {
+    t.collectives = CollectiveLibrary::kMpi;
+  } else if (lib == "nccl") {
+    t.collectives = CollectiveLibrary::kNccl;
+  } else {
+    return r.fail("collectives", "expected \"mpi\" or \"nccl\", got \"" + lib + "\"");
+  }
+  TREEATTN_RETURN_IF_ERROR(
+      r.number("collective_overhead_us", false, t.collective_overhead_us, 0, true));
+
+  if (!r.has("memory")) return r.fail("memory", "missing (expected {\"bandwidth_GBps\": ...})");
+  {
+    const ObjectReader m = r.child("memory");
+    TREEATTN_RETURN_IF_ERROR(m.check_object());
+    TREEATTN_RETURN_IF_ERROR(m.check_keys({"bandwidth_GBps", "capacity_GB"}));
+    TREEATTN_RETURN_IF_ERROR(m.number("bandwidth_GBps", true, t.memory_bandwidth_GBps, 0));
+    if (m.has("capacity_GB")) {
+      double c = 0;
+      TREEATTN_RETURN_IF_ERROR(m.number("capacity_GB", true, c, 0));
+      t.memory_capacity_GB = c;
+    }
+  }
+  if (r.has("compute")) {
+    const ObjectReader c = r.child("compute");
+    TREEATTN_RETURN_IF_ERROR(c.check_object());
+    TREEATTN_RETURN_IF_ERROR(
+        c.check_keys({"peak_TFLOPs", "kernel_overhead_us", "max_concurrent_ranks"}));
+    if (c.has("peak_TFLOPs")) {
+      double f = 0;
+      TREEATTN_RETURN_IF_ERROR(c.number("peak_TFLOPs", true, f, 0));
+      t.peak_tflops = f;
+    }
+    TREEATTN_RETURN_IF_ERROR(c.number("kernel_overhead_us", false, t.kernel_overhead_us, 0, true));
+    TREEATTN_RETURN_IF_ERROR(
+        c.integer("max_concurrent_ranks", false, t.max_concurrent_ranks, 0, kMaxCount));
+  }
+
+  if (!r.has("levels")) return r.fail("levels", "missing (expected [node] or [node, network])");
+  const json& levels = r.at("levels");
+  if (!levels.is_array() || levels.empty() || levels.size() > 2) {
+    return r.fail("levels", "expected an array of 1 or 2 levels ([node] or [node, network]), got " +
+                                show(levels));
+  }
+  for (std::size_t i = 0; i < levels.size(); ++i) {
+    const ObjectReader lr(levels[i], source, "$.levels[" + std::to_string(i) + "]");
+    if (i == 0) {
+      TREEATTN_RETURN_IF_ERROR(parse_level(lr, "node", t.node));
+    } else {
+      LinkLevel net;
+      TREEATTN_RETURN_IF_ERROR(parse_level(lr, "network", net));
+      t.network = net;
+    }
+  }
+  if (t.nodes > 1 && !t.network) {
+    return r.fail("levels", "nodes is " + std::to_string(t.nodes) +
+                                ", so a second level {\"name\": \"network\", ...} is required");
+  }
+  if (r.has("sources")) {
+    const json& s = r.at("sources");
+    if (!s.is_array()) return r.fail("sources", "expected an array of strings, got " + show(s));
+    for (std::size_t i = 0; i < s.size(); ++i) {
+      if (!s[i].is_string())
+        return invalid_argument(source + ": $.sources[" + std::to_string(i) +
+                                "]: expected a string, got " + show(s[i]));
+      t.sources.push_back(s[i].get<std::string>());
+    }
+  }
+  Status st = t.validate();
+  if (!st.is_ok()) return invalid_argument(source + ": " + st.message());
+  return t;
+}
+
+Result<Topology> load_topology(std::string_view path_or_preset) {
+  constexpr std::string_view kPrefix = "preset:";
+  if (path_or_preset.substr(0, kPrefix.size()) == kPrefix)
+    return preset_topology(path_or_preset.substr(kPrefix.size()));
+  const std::string path(path_or_preset);
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return invalid_argument("cannot open topology file '" + path +
+                            "' (give a JSON file or preset:NAME; presets: dgx-h100x16, mi300x4, "
+                            "rtx4090x2, local, emu-veth, emu-1gbit)");
+  }
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return parse_topology_json(ss.str(), path);
+}
+
+std::string topology_to_json(const Topology& t) {
+  json j = json::object();
+  j["format"] = Topology::kFormat;
+  j["name"] = t.name;
+  if (!t.description.empty()) j["description"] = t.description;
+  j["nodes"] = t.nodes;
+  j["ranks_per_node"] = t.ranks_per_node;
+  j["collectives"] = collective_library_name(t.collectives);
+  j["collective_overhead_us"] = t.collective_overhead_us;
+  json mem = {{"bandwidth_GBps", t.memory_bandwidth_GBps}};
+  if (t.memory_capacity_GB) mem["capacity_GB"] = *t.memory_capacity_GB;
+  j["memory"] = mem;
+  json comp = {{"kernel_overhead_us", t.kernel_overhead_us},
+               {"max_concurrent_ranks", t.max_concurrent_ranks}};
+  if (t.peak_tflops) comp["peak_TFLOPs"] = *t.peak_tflops;
+  j["compute"] = comp;
+  json levels = json::array();
+  auto level = [](const LinkLevel& l, bool with_links) {
+    json o = {{"name", l.name}, {"latency_us", l.latency_us}, {"bandwidth_GBps", l.bandwidth_GBps}};
+    if (with_links) o["links_per_node"] = l.links_per_node;
+    return o;
+  };
+  levels.push_back(level(t.node, false));
+  if (t.network) levels.push_back(level(*t.network, true));
+  j["levels"] = levels;
+  if (!t.sources.empty()) j["sources"] = t.sources;
+  return j.dump(2) + "\n";
+}
+
+Result<Topology> topology_from_measurements(const MeasuredTopology& m) {
+  Topology t;
+  t.name = m.name;
+  t.description = "measured: " + std::to_string(m.nodes) + " node(s) x " +
+                  std::to_string(m.ranks_per_node) + " rank(s)";
+  t.nodes = m.nodes;
+  t.ranks_per_node = m.ranks_per_node;
+  t.collectives = CollectiveLibrary::kMpi;
+  t.collective_overhead_us = m.collective_overhead_us;
+  t.memory_bandwidth_GBps = m.memory_bandwidth_GBps;
+  t.max_concurrent_ranks = m.max_concurrent_ranks;
+  t.sources = m.sources;
+  if (m.ranks_per_node > 1) {
+    if (!m.intra_latency_us || !m.intra_bandwidth_GBps)
+      return invalid_argument(
+          "measured topology: ranks_per_node = " + std::to_string(m.ranks_per_node) +
+          " needs the intra-node latency and bandwidth");
+    t.node = LinkLevel{"node", *m.intra_latency_us, *m.intra_bandwidth_GBps, 1};
+  } else if (m.intra_latency_us && m.intra_bandwidth_GBps) {
+    t.node = LinkLevel{"node", *m.intra_latency_us, *m.intra_bandwidth_GBps, 1};
+  }
+  if (m.nodes > 1 || (m.inter_latency_us && m.inter_bandwidth_GBps)) {
+    if (!m.inter_latency_us || !m.inter_bandwidth_GBps)
+      return invalid_argument("measured topology: nodes = " + std::to_string(m.nodes) +
+                              " needs the inter-node latency and bandwidth");
+    t.network =
+        LinkLevel{"network", *m.inter_latency_us, *m.inter_bandwidth_GBps, m.links_per_node};
+  }
+  TREEATTN_RETURN_IF_ERROR(t.validate());
+  return t;
+}
+
+}  // namespace treeattn

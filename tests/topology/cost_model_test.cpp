@@ -1,0 +1,335 @@
+// Tests of the cost model and the planner on synthetic topologies: limiting cases computed by
+// hand, monotonicity, the hierarchy's effect (hier vs tree when the network is slow), how the
+// KV-rotating ring scales with context and rank count, the planner's choices, and the paper
+// sweep.
+#include "treeattn/cost_model.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+
+namespace treeattn {
+namespace {
+
+// A machine with round numbers: 1 GB/s = 1000 bytes per microsecond.
+Topology synthetic(int nodes, int rpn, double a_node, double b_node, double a_net, double b_net,
+                   double mem_gbps, int links = 1) {
+  Topology t;
+  t.name = "synthetic";
+  t.nodes = nodes;
+  t.ranks_per_node = rpn;
+  t.node = LinkLevel{"node", a_node, b_node, 1};
+  if (nodes > 1) t.network = LinkLevel{"network", a_net, b_net, links};
+  t.memory_bandwidth_GBps = mem_gbps;
+  return t;
+}
+
+CostQuery small_query(int64_t context, int ranks) {
+  CostQuery q;
+  q.shape = AttnShape{1, 1, 1, 64, 1};  // S = 66 * 4 = 264 B, q = 256 B
+  q.kv_dtype = DType::kF32;
+  q.context = context;
+  q.ranks = ranks;
+  return q;
+}
+
+CostQuery paper_query(int64_t context, int ranks) {
+  CostQuery q;
+  q.shape = AttnShape{1, 16, 16, 128, 1};
+  q.kv_dtype = DType::kBF16;
+  q.context = context;
+  q.ranks = ranks;
+  return q;
+}
+
+Prediction must(Result<Prediction> r) {
+  EXPECT_TRUE(r.is_ok()) << r.status().to_string();
+  return r.is_ok() ? r.value() : Prediction{};
+}
+
+// p = 2 on one node, alpha = 1 us, beta = 1 GB/s, memory 1 GB/s, N = 1000 f32 tokens:
+//   t = 500, KV(t) = 2 * 500 * 64 * 4 = 256000 B, local = (256000 + 256 + 264) / 1000 us.
+//   tree: one recursive-doubling round: 1 us + 264 B / 1000 + merge 3 * 264 B / 1000.
+TEST(CostModel, TreeOnTwoRanksByHand) {
+  const Topology t = synthetic(1, 2, 1.0, 1.0, 0, 0, 1.0);
+  const Prediction p = must(predict("tree", small_query(1000, 2), t));
+  const double local = (256000.0 + 256 + 264) / 1000;
+  const double comm = 1.0 + 0.264 + 3 * 0.264;
+  EXPECT_NEAR(p.local_us, local, 1e-9);
+  EXPECT_NEAR(p.comm_us, comm, 1e-9);
+  EXPECT_NEAR(p.latency_us, local + comm, 1e-9);
+  EXPECT_DOUBLE_EQ(p.bytes_sent_per_rank, 264.0);
+  EXPECT_EQ(p.collective_calls, 1);
+  EXPECT_EQ(p.comm_rounds, 1);
+  EXPECT_DOUBLE_EQ(p.peak_bytes, 256000.0 + 256 + 264 + 264);
+}
+
+// Same machine, ring-kv: step = max(local + merge, 1 us + 256000 B / 1000) , twice in all.
+TEST(CostModel, RingKvOnTwoRanksByHand) {
+  const Topology t = synthetic(1, 2, 1.0, 1.0, 0, 0, 1.0);
+  const Prediction p = must(predict("ring-kv", small_query(1000, 2), t));
+  const double loc = (256000.0 + 256 + 264) / 1000 + 2 * 0.264;
+  const double comm_step = 1.0 + 256.0;
+  EXPECT_NEAR(p.latency_us, loc + std::max(loc, comm_step), 1e-9);
+  EXPECT_DOUBLE_EQ(p.bytes_sent_per_rank, 256000.0);
+  EXPECT_DOUBLE_EQ(p.peak_bytes, 3 * 256000.0 + 256 + 264);
+}
+
+// Recursive doubling on 8 ranks = 2 nodes x 4: log2(4) = 2 node rounds + 1 network round.
+TEST(CostModel, RecursiveDoublingUsesEachLinkClassByHand) {
+  const Topology t = synthetic(2, 4, 1.0, 1000.0, 50.0, 1000.0, 1e6, 4);
+  const Prediction p = must(predict("tree", small_query(8000, 8), t));
+  const double per_round_bytes = 0.264 / 1000 + 3 * 0.264 / 1e6;
+  EXPECT_NEAR(p.comm_us, 2 * 1.0 + 50.0 + 3 * per_round_bytes, 1e-6);
+  EXPECT_EQ(p.comm_rounds, 3);
+  EXPECT_DOUBLE_EQ(p.bytes_sent_per_rank, 3 * 264.0);
+}
+
+TEST(CostModel, OneRankMatchesSingleAndSendsNothing) {
+  const Topology t = synthetic(1, 4, 1.0, 10.0, 0, 0, 20.0);
+  const CostQuery q = small_query(50000, 1);
+  const Prediction single = must(predict("single", q, t));
+  for (const std::string& s : modeled_strategies()) {
+    const Prediction p = must(predict(s, q, t));
+    EXPECT_DOUBLE_EQ(p.bytes_sent_per_rank, 0.0) << s;
+    EXPECT_NEAR(p.latency_us, single.latency_us, 0.01 * single.latency_us) << s;
+  }
+  EXPECT_NEAR(single.latency_us, (2.0 * 50000 * 64 * 4 + 256 + 264) / 20e3, 1e-9);
+}
+
+TEST(CostModel, SingleIgnoresRanksAndUsesWholeContext) {
+  const Topology t = synthetic(2, 4, 1.0, 10.0, 10.0, 1.0, 20.0);
+  const Prediction a = must(predict("single", small_query(40000, 8), t));
+  const Prediction b = must(predict("single", small_query(40000, 1), t));
+  EXPECT_DOUBLE_EQ(a.latency_us, b.latency_us);
+  EXPECT_DOUBLE_EQ(a.peak_bytes, 2.0 * 40000 * 64 * 4 + 256 + 264);
+}
+
+TEST(CostModel, MonotoneInContextBandwidthAndLatency) {
+  const Topology base = synthetic(4, 4, 0.5, 10.0, 10.0, 1.0, 30.0);
+  for (const std::string& s : modeled_strategies()) {
+    double prev = 0;
+    for (int64_t n = 1000; n <= 1'024'000; n *= 4) {
+      const double lat = must(predict(s, paper_query(n, 16), base)).latency_us;
+      EXPECT_GE(lat, prev) << s << " at N=" << n;
+      prev = lat;
+    }
+    Topology faster_mem = base;
+    faster_mem.memory_bandwidth_GBps *= 4;
+    Topology slower_net = base;
+    slower_net.network->latency_us *= 10;
+    slower_net.network->bandwidth_GBps /= 10;
+    const CostQuery q = paper_query(256000, 16);
+    const double lat = must(predict(s, q, base)).latency_us;
+    EXPECT_LE(must(predict(s, q, faster_mem)).latency_us, lat) << s;
+    EXPECT_GE(must(predict(s, q, slower_net)).latency_us, lat) << s;
+  }
+}
+
+TEST(CostModel, MoreCollectivesCostMoreWhenLatencyBound) {
+  const Topology t = synthetic(4, 8, 1.0, 50.0, 20.0, 10.0, 100.0);
+  const CostQuery q = paper_query(64000, 32);
+  const double tree = must(predict("tree", q, t)).latency_us;
+  const double tree2 = must(predict("tree2", q, t)).latency_us;
+  const double paper = must(predict("tree-paper", q, t)).latency_us;
+  EXPECT_LT(tree, tree2);
+  EXPECT_LT(tree2, paper);
+  EXPECT_EQ(must(predict("tree-paper", q, t)).collective_calls, 3);
+  EXPECT_EQ(must(predict("tree2", q, t)).collective_calls, 2);
+}
+
+// 8 ranks per node share ONE slow network link: recursive doubling sends 8 states across at
+// once per network round, hier sends one per node, so hier wins.
+TEST(CostModel, HierBeatsTreeWhenTheSharedNetworkIsSlow) {
+  const Topology t = synthetic(4, 8, 0.5, 10.0, 20.0, 0.1, 30.0, /*links=*/1);
+  const CostQuery q = paper_query(320000, 32);
+  const Prediction tree = must(predict("tree", q, t));
+  const Prediction hier = must(predict("hier", q, t));
+  EXPECT_LT(hier.latency_us, tree.latency_us);
+  EXPECT_LT(hier.bytes_sent_per_rank, tree.bytes_sent_per_rank);
+  // With one link per rank (DGX-style) and a fast network, the flat tree needs fewer
+  // sequential network rounds (log2 4 = 2) than hier's reduce + broadcast (2 + 2).
+  const Topology fast = synthetic(4, 8, 0.5, 10.0, 20.0, 50.0, 30.0, /*links=*/8);
+  EXPECT_LT(must(predict("tree", q, fast)).latency_us, must(predict("hier", q, fast)).latency_us);
+}
+
+TEST(CostModel, HierFanoutChangesTheTreeDepth) {
+  const Topology t = synthetic(16, 2, 0.5, 10.0, 20.0, 10.0, 30.0);
+  CostQuery q = paper_query(320000, 32);
+  q.hier_fanout = 2;
+  const Prediction f2 = must(predict("hier", q, t));
+  q.hier_fanout = 16;
+  const Prediction f16 = must(predict("hier", q, t));
+  // Fan-out 2 over 16 leaders: 4 rounds up and 4 down; fan-out 16: 1 and 1.
+  EXPECT_EQ(f2.comm_rounds, 1 + 4 + 4 + 1);
+  EXPECT_EQ(f16.comm_rounds, 1 + 1 + 1 + 1);
+  EXPECT_LT(f16.latency_us, f2.latency_us);  // latency-bound: fewer rounds win
+}
+
+// The ring moves the whole KV cache: comm-bound, its time grows linearly with N and does not
+// shrink with p, while the tree's local time shrinks as 1/p.
+TEST(CostModel, RingKvScalesWithContextNotWithRanks) {
+  const Topology t = synthetic(16, 1, 1.0, 10.0, 5.0, 1.0, 100.0);
+  const double r1 = must(predict("ring-kv", paper_query(1'000'000, 16), t)).latency_us;
+  const double r2 = must(predict("ring-kv", paper_query(2'000'000, 16), t)).latency_us;
+  EXPECT_NEAR(r2 / r1, 2.0, 0.02);
+  const double p4 = must(predict("ring-kv", paper_query(1'000'000, 4), t)).latency_us;
+  const double p16 = must(predict("ring-kv", paper_query(1'000'000, 16), t)).latency_us;
+  EXPECT_GT(p16 / p4, 0.9);
+  EXPECT_LT(p16 / p4, 1.5);
+  const double t4 = must(predict("tree", paper_query(1'000'000, 4), t)).latency_us;
+  const double t16 = must(predict("tree", paper_query(1'000'000, 16), t)).latency_us;
+  EXPECT_LT(t16, t4 / 3);
+  // Bytes: (p - 1) KV shards per rank.
+  const Prediction p = must(predict("ring-kv", paper_query(1'600'000, 16), t));
+  EXPECT_DOUBLE_EQ(p.bytes_sent_per_rank, 15.0 * 2 * 100'000 * 16 * 128 * 2);
+}
+
+TEST(CostModel, RingKvHidesCommunicationWhenComputeDominates) {
+  // Memory 1 GB/s, network 1000 GB/s: each step is compute-bound, so latency = p * local.
+  const Topology t = synthetic(8, 1, 1.0, 10.0, 1.0, 1000.0, 1.0);
+  const Prediction p = must(predict("ring-kv", paper_query(80000, 8), t));
+  EXPECT_NEAR(p.comm_us, 0.0, 1e-9);
+  EXPECT_NEAR(p.latency_us, p.local_us, 1e-9);
+}
+
+TEST(CostModel, OversubscribedRanksSlowTheLocalPhase) {
+  Topology t = synthetic(2, 2, 0.5, 8.0, 12.0, 1.0, 30.0);
+  const double free_cores = must(predict("tree", small_query(400000, 4), t)).local_us;
+  t.max_concurrent_ranks = 2;
+  const double shared = must(predict("tree", small_query(400000, 4), t)).local_us;
+  EXPECT_NEAR(shared, 2 * free_cores, 1e-9);
+}
+
+TEST(CostModel, AllgatherAndGatherRootHoldAllStates) {
+  const Topology t = synthetic(2, 4, 0.5, 8.0, 12.0, 1.0, 30.0);
+  const CostQuery q = paper_query(80000, 8);
+  const double S = 16 * 130 * 4.0;
+  const double kv = 2.0 * 10000 * 16 * 128 * 2;
+  EXPECT_DOUBLE_EQ(must(predict("allgather", q, t)).peak_bytes, kv + 16 * 128 * 4 + S + 8 * S);
+  EXPECT_DOUBLE_EQ(must(predict("gather-root", q, t)).peak_bytes, kv + 16 * 128 * 4 + S + 8 * S);
+  // Recursive doubling allgather on 8 ranks: 1 + 2 + 4 blocks sent by every rank.
+  EXPECT_DOUBLE_EQ(must(predict("allgather", q, t)).bytes_sent_per_rank, 7 * S);
+}
+
+TEST(CostModel, NcclAllreducePicksTheCheaperOfRingAndTree) {
+  Topology t = synthetic(16, 8, 0.5, 450.0, 5.0, 50.0, 3350.0, 8);
+  t.collectives = CollectiveLibrary::kNccl;
+  t.collective_overhead_us = 4.4;
+  const Prediction p = must(predict("tree", paper_query(5'120'000, 128), t));
+  // Tree: 2 * ((8 - 1) * 0.5 + log2(16) * 5) = 47 us of hops, plus 4.4 overhead and bytes.
+  EXPECT_NE(p.algorithm.find("NCCL tree allreduce"), std::string::npos) << p.algorithm;
+  const double S = 16 * 130 * 4.0;
+  EXPECT_NEAR(p.comm_us, 4.4 + 47.0 + 2 * S / 50e3, 1e-6);
+}
+
+TEST(CostModel, ErrorsNameTheValue) {
+  const Topology t = synthetic(2, 4, 0.5, 8.0, 12.0, 1.0, 30.0);
+  Result<Prediction> r = predict("butterfly", small_query(1000, 2), t);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("unknown strategy 'butterfly' (known: tree, tree-paper"),
+            std::string::npos)
+      << r.status().message();
+  r = predict("tree", small_query(1000, 9), t);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("ranks must be in [1, 8]"), std::string::npos)
+      << r.status().message();
+  r = predict("tree", small_query(0, 2), t);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("context must be >= 1 token, got 0"), std::string::npos);
+  CostQuery q = small_query(1000, 8);
+  q.ranks_per_node = 2;  // 8 ranks at 2 per node need 4 nodes
+  r = predict("tree", q, t);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("need 4 nodes, topology 'synthetic' has 2"),
+            std::string::npos)
+      << r.status().message();
+}
+
+TEST(Planner, PrefersTreeOverRingForLongContexts) {
+  const Topology t = synthetic(4, 8, 0.5, 100.0, 5.0, 25.0, 1000.0, 8);
+  Result<std::vector<PlanEntry>> pl = plan(paper_query(1'000'000, 32), t);
+  ASSERT_TRUE(pl.is_ok()) << pl.status().to_string();
+  ASSERT_EQ(pl->size(), modeled_strategies().size() - 1);  // all but single
+  EXPECT_EQ(pl->front().prediction.strategy, "tree");
+  EXPECT_EQ(pl->back().prediction.strategy, "ring-kv");
+  for (std::size_t i = 1; i < pl->size(); ++i)
+    EXPECT_LE((*pl)[i - 1].prediction.latency_us, (*pl)[i].prediction.latency_us);
+}
+
+TEST(Planner, ChoosesHierOnASharedSlowNetwork) {
+  const Topology t = synthetic(4, 8, 0.5, 10.0, 20.0, 0.1, 30.0, 1);
+  Result<std::vector<PlanEntry>> pl = plan(paper_query(320000, 32), t);
+  ASSERT_TRUE(pl.is_ok());
+  EXPECT_EQ(pl->front().prediction.strategy, "hier");
+}
+
+TEST(Planner, ChoosesSingleForTinyContextsOnAHighLatencyNetwork) {
+  const Topology t = synthetic(8, 1, 0.5, 10.0, 500.0, 1.0, 30.0);
+  PlanOptions opts;
+  opts.include_single = true;
+  Result<std::vector<PlanEntry>> pl = plan(paper_query(512, 8), t, opts);
+  ASSERT_TRUE(pl.is_ok());
+  EXPECT_EQ(pl->front().prediction.strategy, "single");
+  // Long context: sharding wins again.
+  pl = plan(paper_query(4'000'000, 8), t, opts);
+  ASSERT_TRUE(pl.is_ok());
+  EXPECT_NE(pl->front().prediction.strategy, "single");
+}
+
+TEST(Planner, MemoryCapacityMakesPlansInfeasible) {
+  Topology t = synthetic(1, 4, 0.5, 10.0, 0, 0, 30.0);
+  // KV shard at N = 400k over 4 ranks: 2 * 100k * 16 * 128 * 2 B = 819.2 MB; ring-kv holds 3.
+  t.memory_capacity_GB = 1.5;
+  PlanOptions opts;
+  opts.candidates = {"ring-kv", "tree"};
+  opts.include_single = true;  // single holds the whole 3.3 GB cache
+  Result<std::vector<PlanEntry>> pl = plan(paper_query(400000, 4), t, opts);
+  ASSERT_TRUE(pl.is_ok());
+  ASSERT_EQ(pl->size(), 3u);
+  EXPECT_EQ((*pl)[0].prediction.strategy, "tree");
+  EXPECT_TRUE((*pl)[0].feasible);
+  for (std::size_t i = 1; i < 3; ++i) {
+    EXPECT_FALSE((*pl)[i].feasible) << (*pl)[i].prediction.strategy;
+    EXPECT_NE((*pl)[i].reason.find("exceeds 1.5"), std::string::npos) << (*pl)[i].reason;
+  }
+}
+
+TEST(Planner, UnknownCandidateIsAnError) {
+  const Topology t = synthetic(1, 2, 0.5, 10.0, 0, 0, 30.0);
+  PlanOptions opts;
+  opts.candidates = {"tree", "ring-q"};
+  Result<std::vector<PlanEntry>> pl = plan(small_query(1000, 2), t, opts);
+  ASSERT_FALSE(pl.is_ok());
+  EXPECT_NE(pl.status().message().find("unknown strategy 'ring-q'"), std::string::npos);
+}
+
+TEST(PaperSweep, CoversThePapersGridAndTreeWins) {
+  Result<Topology> dgx = preset_topology("dgx-h100x16");
+  ASSERT_TRUE(dgx.is_ok());
+  Result<std::vector<SweepRow>> rows = paper_sweep(*dgx);
+  ASSERT_TRUE(rows.is_ok()) << rows.status().to_string();
+  ASSERT_EQ(rows->size(), 3u * 7u);
+  EXPECT_EQ(rows->front().devices, 8);
+  EXPECT_EQ(rows->front().context, 80'000);
+  EXPECT_EQ(rows->back().devices, 128);
+  EXPECT_EQ(rows->back().context, 5'120'000);
+  for (const SweepRow& r : *rows) {
+    EXPECT_GT(r.speedup, 1.0) << r.devices << " devices, N=" << r.context;
+    EXPECT_GE(r.speedup_tree, r.speedup);  // one collective is never slower than three
+    EXPECT_NEAR(r.speedup, r.ring_kv_us / r.tree_paper_us, 1e-9);
+  }
+  // At 128 devices the speedup grows with the context.
+  for (std::size_t i = 1; i < 7; ++i)
+    EXPECT_GT((*rows)[14 + i].speedup, (*rows)[14 + i - 1].speedup);
+  Result<Topology> mi = preset_topology("mi300x4");
+  ASSERT_TRUE(mi.is_ok());
+  Result<std::vector<SweepRow>> mrows = paper_sweep(*mi);
+  ASSERT_TRUE(mrows.is_ok());
+  ASSERT_EQ(mrows->size(), 7u);
+  EXPECT_EQ(mrows->front().devices, 4);
+}
+
+}  // namespace
+}  // namespace treeattn

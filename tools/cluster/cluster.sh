@@ -1,0 +1,273 @@
+#!/usr/bin/env bash
+# An emulated multi-host cluster on one machine, for running Open MPI jobs across "hosts".
+#
+# Each host is a network namespace (treeattn-h0, treeattn-h1, ...). Two hosts are joined by one
+# veth pair; more hosts hang off a bridge that lives in its own namespace (treeattn-br). Every
+# host gets an address in a private /24 (default 10.213.0.0/24) that exists only inside these
+# namespaces: nothing is configured in the root namespace and no traffic leaves the machine.
+# `--link RATE` shapes each host's eth0 with `tc tbf` (no delay emulation: sch_netem is not in
+# this kernel). mpirun runs inside treeattn-h0 with a hostname of its own; remote daemons are
+# started through rsh-agent.sh (`ip netns exec HOST unshare --uts ...`), so each namespace looks
+# like a separate node to Open MPI: ranks on one host use shared memory, ranks on different
+# hosts use TCP over the (shaped) link, and MPI_COMM_TYPE_SHARED groups ranks per host.
+#
+# Usage (as root):
+#   cluster.sh up K [--link RATE] [--slots S] [--subnet A.B.C]   create K hosts (2 <= K <= 16)
+#   cluster.sh run [--timeout SEC] -- MPIRUN_ARGS...             mpirun inside treeattn-h0
+#   cluster.sh session K [up options] -- MPIRUN_ARGS...          up, run, always down
+#   cluster.sh exec HOST -- CMD...                               a command inside one host
+#   cluster.sh status                                            what exists now
+#   cluster.sh down                                              remove everything
+#
+# Example:
+#   tools/cluster/cluster.sh session 2 --slots 2 --link 1gbit -- -np 4 hostname
+set -euo pipefail
+
+readonly PREFIX="treeattn"
+readonly BRIDGE_NS="${PREFIX}-br"
+readonly STATE_DIR="${TREEATTN_CLUSTER_DIR:-/run/${PREFIX}-cluster}"
+readonly MAX_HOSTS=16
+readonly SELF_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+die() { echo "cluster.sh: $*" >&2; exit 1; }
+log() { echo "cluster.sh: $*" >&2; }
+
+host_name() { echo "${PREFIX}-h$1"; }
+
+require_root() {
+  [[ $(id -u) -eq 0 ]] || die "must run as root (network namespaces need CAP_NET_ADMIN)"
+  command -v ip >/dev/null || die "'ip' (iproute2) not found"
+}
+
+# Namespaces this tool owns that exist now (our naming pattern only).
+our_namespaces() {
+  ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^${PREFIX}-(h[0-9]+|br)$" || true
+}
+
+# Kill processes still running inside one of our namespaces (bounded: 3 attempts).
+kill_ns_pids() {
+  local ns=$1 attempt pids
+  for attempt in 1 2 3; do
+    pids=$(ip netns pids "$ns" 2>/dev/null || true)
+    [[ -z $pids ]] && return 0
+    if [[ $attempt -lt 3 ]]; then kill -TERM $pids 2>/dev/null || true; else kill -KILL $pids 2>/dev/null || true; fi
+    sleep 0.5
+  done
+}
+
+cmd_down() {
+  require_root
+  local ns removed=0
+  for ns in $(our_namespaces); do
+    kill_ns_pids "$ns"
+    ip netns del "$ns" 2>/dev/null || log "warning: could not delete namespace $ns"
+    removed=$((removed + 1))
+  done
+  rm -rf "$STATE_DIR"
+  log "down: removed $removed namespace(s)"
+}
+
+write_agent() {
+  # Open MPI calls the agent like ssh: `AGENT HOST COMMAND...`, where COMMAND is a shell line.
+  cat >"$STATE_DIR/rsh-agent.sh" <<'AGENT'
+#!/bin/sh
+# rsh agent for Open MPI (plm_rsh_agent): runs the daemon's command line inside the network
+# namespace named HOST, with its own UTS namespace whose hostname is HOST.
+host="$1"; shift
+case "$host" in treeattn-h[0-9]*) ;; *) echo "rsh-agent: unknown host '$host'" >&2; exit 255;; esac
+exec ip netns exec "$host" unshare --uts -- sh -c "hostname $host && exec $*"
+AGENT
+  chmod +x "$STATE_DIR/rsh-agent.sh"
+}
+
+cmd_up() {
+  require_root
+  local k="" rate="" slots=2 subnet="10.213.0"
+  while [[ $# -gt 0 ]]; do
+    case $1 in
+      --link) rate=${2:?--link needs a rate, e.g. 1gbit}; shift 2 ;;
+      --slots) slots=${2:?--slots needs a number}; shift 2 ;;
+      --subnet) subnet=${2:?--subnet needs A.B.C}; shift 2 ;;
+      -*) die "up: unknown option '$1'" ;;
+      *) [[ -z $k ]] || die "up: unexpected argument '$1'"; k=$1; shift ;;
+    esac
+  done
+  [[ $k =~ ^[0-9]+$ ]] && ((k >= 2 && k <= MAX_HOSTS)) ||
+    die "up: host count must be an integer in [2, $MAX_HOSTS], got '${k}'"
+  [[ $slots =~ ^[0-9]+$ ]] && ((slots >= 1 && slots <= 64)) ||
+    die "up: --slots must be an integer in [1, 64], got '$slots'"
+  [[ $subnet =~ ^(10|192\.168|172\.(1[6-9]|2[0-9]|3[01]))(\.[0-9]+){0,2}$ ]] &&
+    [[ $(tr -cd . <<<"$subnet" | wc -c) -eq 2 ]] ||
+    die "up: --subnet must be the first three octets of a private /24, e.g. 10.213.0, got '$subnet'"
+  if [[ -n $(our_namespaces) || -e $STATE_DIR ]]; then
+    die "up: a cluster already exists (see 'cluster.sh status'); run 'cluster.sh down' first"
+  fi
+  command -v mpirun >/dev/null || log "warning: mpirun not found; 'run' will fail"
+
+  # Roll back whatever was created if any step fails.
+  trap 'log "up failed; cleaning up"; cmd_down' ERR
+  mkdir -p "$STATE_DIR"
+  local i h
+  for ((i = 0; i < k; i++)); do
+    h=$(host_name "$i")
+    ip netns add "$h"
+    ip -n "$h" link set lo up
+  done
+  if ((k == 2)); then
+    ip link add "${PREFIX}-v0" type veth peer name "${PREFIX}-v1"
+    ip link set "${PREFIX}-v0" netns "$(host_name 0)"
+    ip link set "${PREFIX}-v1" netns "$(host_name 1)"
+    ip -n "$(host_name 0)" link set "${PREFIX}-v0" name eth0
+    ip -n "$(host_name 1)" link set "${PREFIX}-v1" name eth0
+  else
+    ip netns add "$BRIDGE_NS"
+    ip -n "$BRIDGE_NS" link set lo up
+    ip -n "$BRIDGE_NS" link add br0 type bridge
+    ip -n "$BRIDGE_NS" link set br0 up
+    for ((i = 0; i < k; i++)); do
+      h=$(host_name "$i")
+      ip link add "${PREFIX}-e$i" type veth peer name "${PREFIX}-p$i"
+      ip link set "${PREFIX}-e$i" netns "$h"
+      ip link set "${PREFIX}-p$i" netns "$BRIDGE_NS"
+      ip -n "$h" link set "${PREFIX}-e$i" name eth0
+      ip -n "$BRIDGE_NS" link set "${PREFIX}-p$i" master br0
+      ip -n "$BRIDGE_NS" link set "${PREFIX}-p$i" up
+    done
+  fi
+  : >"$STATE_DIR/hostfile"
+  for ((i = 0; i < k; i++)); do
+    h=$(host_name "$i")
+    ip -n "$h" addr add "${subnet}.$((i + 1))/24" dev eth0
+    ip -n "$h" link set eth0 up
+    if [[ -n $rate ]]; then
+      # burst 64kb: a larger burst lets 32-256 KiB messages through at twice the rate.
+      ip netns exec "$h" tc qdisc replace dev eth0 root tbf rate "$rate" burst 64kb latency 50ms
+    fi
+    echo "$h slots=$slots" >>"$STATE_DIR/hostfile"
+  done
+  write_agent
+  cat >"$STATE_DIR/config" <<EOF
+hosts=$k
+slots=$slots
+subnet=${subnet}.0/24
+link=${rate:-unshaped}
+EOF
+  # Every host's link must be up before we call it up (bounded: 30 x 0.1 s per host); with
+  # ping available, host 0 must also reach every other host.
+  for ((i = 0; i < k; i++)); do
+    local ok=0 try
+    h=$(host_name "$i")
+    for try in $(seq 1 30); do
+      if ip -n "$h" link show eth0 | grep -q 'LOWER_UP'; then
+        if ((i == 0)) || ! command -v ping >/dev/null ||
+          ip netns exec "$(host_name 0)" ping -c 1 -W 1 "${subnet}.$((i + 1))" >/dev/null 2>&1; then
+          ok=1; break
+        fi
+      fi
+      sleep 0.1
+    done
+    ((ok)) || { log "host $h (${subnet}.$((i + 1))): link not up or unreachable"; false; }
+  done
+  trap - ERR
+  log "up: $k hosts x $slots slots, subnet ${subnet}.0/24, link ${rate:-unshaped}"
+}
+
+read_config() {
+  [[ -f $STATE_DIR/config ]] || die "no cluster is up (run 'cluster.sh up K' first)"
+  # shellcheck disable=SC1091
+  source "$STATE_DIR/config"
+}
+
+cmd_run() {
+  require_root
+  local timeout_s=600
+  while [[ $# -gt 0 && $1 != "--" ]]; do
+    case $1 in
+      --timeout) timeout_s=${2:?--timeout needs seconds}; shift 2 ;;
+      *) die "run: unknown option '$1' (mpirun arguments go after --)" ;;
+    esac
+  done
+  [[ ${1:-} == "--" ]] || die "run: expected -- before the mpirun arguments"
+  shift
+  [[ $# -gt 0 ]] || die "run: no mpirun arguments (e.g. -- -np 4 hostname)"
+  read_config
+  local h0
+  h0=$(host_name 0)
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  # --bind-to none: otherwise every emulated host pins its first rank to core 0 (~4 ms per
+  # message). yield_when_idle: ranks outnumber cores. Only our subnet for OOB and TCP BTL.
+  local -a mca=(
+    --hostfile "$STATE_DIR/hostfile"
+    --mca plm_rsh_agent "$STATE_DIR/rsh-agent.sh"
+    --mca plm_rsh_no_tree_spawn 1
+    --mca oob_tcp_if_include "$subnet"
+    --mca btl_tcp_if_include "$subnet"
+    --mca btl self,vader,tcp
+    --mca mpi_yield_when_idle 1
+    --bind-to none --oversubscribe --allow-run-as-root
+  )
+  timeout --kill-after=10 "$timeout_s" \
+    ip netns exec "$h0" unshare --uts -- \
+    bash -c 'hostname "$0" && exec "$@"' "$h0" mpirun "${mca[@]}" "$@"
+}
+
+cmd_session() {
+  local -a up_args=()
+  while [[ $# -gt 0 && $1 != "--" ]]; do up_args+=("$1"); shift; done
+  [[ ${1:-} == "--" ]] || die "session: expected -- before the mpirun arguments"
+  shift
+  local timeout_s=${TREEATTN_CLUSTER_TIMEOUT:-600}
+  cmd_up "${up_args[@]}"
+  # Whatever happens from here on (failure, Ctrl-C, timeout), the cluster goes away.
+  trap 'cmd_down' EXIT
+  trap 'exit 130' INT TERM
+  cmd_run --timeout "$timeout_s" -- "$@"
+}
+
+cmd_exec() {
+  require_root
+  local h=${1:-}
+  [[ $h =~ ^${PREFIX}-h[0-9]+$ ]] || die "exec: expected a host name like $(host_name 0), got '$h'"
+  shift
+  [[ ${1:-} == "--" ]] && shift
+  [[ $# -gt 0 ]] || die "exec: no command"
+  ip netns list | awk '{print $1}' | grep -qx "$h" || die "exec: host '$h' does not exist"
+  exec ip netns exec "$h" unshare --uts -- bash -c 'hostname "$0" && exec "$@"' "$h" "$@"
+}
+
+cmd_status() {
+  require_root
+  local ns
+  local -a all
+  mapfile -t all < <(our_namespaces)
+  if [[ ${#all[@]} -eq 0 ]]; then
+    echo "no emulated cluster"
+    [[ -e $STATE_DIR ]] && echo "(stale state directory $STATE_DIR; run 'cluster.sh down')"
+    return 0
+  fi
+  [[ -f $STATE_DIR/config ]] && sed 's/^/  /' "$STATE_DIR/config"
+  for ns in "${all[@]}"; do
+    [[ $ns == "$BRIDGE_NS" ]] && { echo "$ns: bridge"; continue; }
+    local addr qdisc
+    addr=$(ip -n "$ns" -4 -o addr show dev eth0 2>/dev/null | awk '{print $4}')
+    qdisc=$(ip netns exec "$ns" tc qdisc show dev eth0 2>/dev/null | head -n 1)
+    echo "$ns: eth0 ${addr:-?}; ${qdisc:-no qdisc}"
+  done
+}
+
+main() {
+  local cmd=${1:-}
+  [[ -n $cmd ]] && shift
+  case $cmd in
+    up) cmd_up "$@" ;;
+    run) cmd_run "$@" ;;
+    session) cmd_session "$@" ;;
+    exec) cmd_exec "$@" ;;
+    status) cmd_status ;;
+    down) cmd_down ;;
+    -h | --help | help) sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' ;;
+    *) die "unknown command '${cmd}' (up, run, session, exec, status, down; --help)" ;;
+  esac
+}
+
+main "$@"
