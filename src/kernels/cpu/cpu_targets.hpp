@@ -1,0 +1,67 @@
+// Internal interface between the CPU kernel driver (cpu_kernels.cpp) and the per-ISA item
+// kernels (kernel_avx512.cpp, kernel_avx2.cpp, kernel_generic.cpp).
+//
+// The driver, compiled for the baseline ISA, validates nothing (dispatch.cpp did), cuts the
+// shard into work items (batch row, KV head, chunk of tokens), runs them on OpenMP threads and
+// merges the chunk states in chunk order. A target only computes ONE item: the partial states
+// of the R = group * q_len query rows of one KV head over one chunk of tokens.
+//
+// Each target translation unit is compiled with its own -m flags and puts everything it
+// defines in its own namespace (or internal linkage). It must not odr-use inline functions or
+// templates shared with other translation units (std containers, state.hpp, dtype.hpp
+// converters): the linker keeps one copy of such a function, and an AVX-512 copy picked for
+// baseline code would crash on a CPU without AVX-512. That is why this header is plain data.
+#pragma once
+
+#include <cstdint>
+
+#include "treeattn/dtype.hpp"
+
+namespace treeattn {
+enum class Isa : uint8_t;  // kernel.hpp
+}
+
+namespace treeattn::kernels::cpu {
+
+// Tokens per softmax block inside an item. Every target uses the same value, a multiple of
+// every vector width (16 floats for AVX-512, 8 for AVX2 and generic).
+inline constexpr int kBlockTokens = 32;
+
+struct ItemArgs {
+  int head_dim = 0;
+  DType dtype = DType::kF32;
+  const void* k = nullptr;        // element (token 0 of the chunk, dim 0) of this KV head
+  const void* v = nullptr;
+  int64_t stride_token = 0;       // elements between consecutive tokens (>= head_dim)
+  int64_t tokens = 0;             // tokens any row of this item may see (>= 1)
+  int rows = 0;                   // R = group * q_len; row r = query (r / group), head r % group
+  const float* q = nullptr;       // R rows of head_dim floats, contiguous
+  const int64_t* visible = nullptr;  // per row: tokens of this chunk the row sees, in [0, tokens]
+  float scale = 1.0f;
+  float* out = nullptr;           // R records [m, l, o_0..o_{D-1}] (head_dim + 2 floats each)
+  float* scores = nullptr;        // scratch: R * kBlockTokens floats
+};
+
+using ItemFn = void (*)(const ItemArgs&);
+
+// Elementwise exp as used inside the kernel, exposed for the tests of its contract:
+// exp(0) == 1 exactly, exp(-inf) == 0, NaN in -> NaN out, a few ulp elsewhere.
+using ExpFn = void (*)(const float* in, float* out, int64_t n);
+
+// The exp of a target's kernel, or nullptr when the target is not built.
+ExpFn exp_for(Isa isa);
+
+namespace generic {
+void decode_item(const ItemArgs& a);
+void exp_array(const float* in, float* out, int64_t n);
+}  // namespace generic
+namespace avx2 {
+void decode_item(const ItemArgs& a);
+void exp_array(const float* in, float* out, int64_t n);
+}  // namespace avx2
+namespace avx512 {
+void decode_item(const ItemArgs& a);
+void exp_array(const float* in, float* out, int64_t n);
+}  // namespace avx512
+
+}  // namespace treeattn::kernels::cpu

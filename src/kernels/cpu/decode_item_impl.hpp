@@ -1,0 +1,266 @@
+// The SIMD decode item kernel, written once and compiled once per ISA target.
+//
+// Included (not compiled on its own) by kernel_avx512.cpp, kernel_avx2.cpp and
+// kernel_generic.cpp inside an anonymous namespace, after each defines `struct Ops`:
+//
+//   using V;  static constexpr int W (floats per vector), kAccRegs (accumulator registers);
+//   V zero(), set1(float), loadu(const float*);  void storeu(float*, V);
+//   V load_f32/load_f16/load_bf16(const void* first_element)   (W elements widened to float)
+//   V fma(a, b, c) = a * b + c;  V mul(a, b);  V add(a, b);  V sub(a, b);  V max(a, b) (ignores NaN lanes)
+//   V hsum(const V acc[W])   lane j = sum of the lanes of acc[j]
+//   V exp(V)                 exp(0) == 1 exactly, exp(-inf) == 0, NaN -> NaN
+//   float reduce_add(V), reduce_max(V)
+//
+// One item = the R query rows of one KV head (group * q_len rows) against one chunk of tokens.
+// The chunk is processed in blocks of kBlockTokens tokens:
+//   1. scores: tiles of RR rows x TT tokens (RR * TT = W accumulators), each K vector loaded
+//      once per tile and used by RR rows, a transposing horizontal sum turns W accumulators
+//      into one vector of W scores;
+//   2. online softmax per row over the block: block max, rescale of (l, o) by
+//      exp(m_old - m_new) only when the max moved, p = exp(s - m);
+//   3. values: tiles of RR rows x NV vectors of head_dim, each V vector loaded once per tile
+//      and used by RR rows, accumulators kept in registers over the tokens of the block.
+// head_dim and the dtype are template parameters, chosen by the one switch in decode_item().
+//
+// Semantics match the reference kernel: a row sees the first `visible[r]` tokens of the chunk
+// (causal limit; tokens past it are never read for that row and never multiply its values),
+// logits of exactly -inf get weight 0, NaN logits make l and o NaN (and m NaN at the end).
+// Tokens past the chunk are never read: score tiles padded past the end read a zero row.
+
+// Static zero "token" used to pad score tiles past the end of the data (largest head dim, f32).
+alignas(64) constexpr float kZeroRow[256] = {};
+
+constexpr float kNegInf = -__builtin_inff();
+constexpr int kNB = ::treeattn::kernels::cpu::kBlockTokens;
+static_assert(kNB % Ops::W == 0, "block must be a whole number of vectors");
+
+template <DType DT>
+inline typename Ops::V load_elems(const void* base, int64_t elem) {
+  if constexpr (DT == DType::kF32) {
+    return Ops::load_f32(static_cast<const float*>(base) + elem);
+  } else if constexpr (DT == DType::kF16) {
+    return Ops::load_f16(static_cast<const uint16_t*>(base) + elem);
+  } else {
+    return Ops::load_bf16(static_cast<const uint16_t*>(base) + elem);
+  }
+}
+
+template <DType DT>
+constexpr int64_t elem_bytes() {
+  return DT == DType::kF32 ? 4 : 2;
+}
+
+// Raw dot products of RR rows (q, row stride D) with TT = W / RR tokens (kp[t]) into
+// s[r * kNB + t].
+template <int D, DType DT, int RR>
+inline void score_tile(const float* q, const void* const* kp, float* s) {
+  using V = typename Ops::V;
+  constexpr int TT = Ops::W / RR;
+  V acc[Ops::W];
+  for (int i = 0; i < Ops::W; ++i) acc[i] = Ops::zero();
+  for (int d = 0; d < D; d += Ops::W) {
+    V qv[RR];
+    for (int r = 0; r < RR; ++r) qv[r] = Ops::loadu(q + r * D + d);
+    for (int t = 0; t < TT; ++t) {
+      const V kv = load_elems<DT>(kp[t], d);
+      for (int r = 0; r < RR; ++r) acc[t * RR + r] = Ops::fma(qv[r], kv, acc[t * RR + r]);
+    }
+  }
+  alignas(64) float tmp[Ops::W];
+  Ops::storeu(tmp, Ops::hsum(acc));
+  for (int t = 0; t < TT; ++t)
+    for (int r = 0; r < RR; ++r) s[r * kNB + t] = tmp[t * RR + r];
+}
+
+// o[r][d0 .. d0 + NV*W) += sum_{t in [tb, te)} p[r][t] * v_t[d0 ..], for RR rows.
+template <int D, DType DT, int RR, int NV>
+inline void value_slice(float* const* o, const float* const* p, const char* vbase,
+                        int64_t vstride_bytes, int tb, int te, int d0) {
+  using V = typename Ops::V;
+  V acc[RR][NV];
+  for (int r = 0; r < RR; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = Ops::loadu(o[r] + d0 + j * Ops::W);
+  for (int t = tb; t < te; ++t) {
+    const char* vp = vbase + t * vstride_bytes;
+    V vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = load_elems<DT>(vp, d0 + j * Ops::W);
+    for (int r = 0; r < RR; ++r) {
+      const V pb = Ops::set1(p[r][t]);
+      for (int j = 0; j < NV; ++j) acc[r][j] = Ops::fma(pb, vv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < RR; ++r)
+    for (int j = 0; j < NV; ++j) Ops::storeu(o[r] + d0 + j * Ops::W, acc[r][j]);
+}
+
+template <int D, DType DT, int RR>
+inline void value_tile(float* const* o, const float* const* p, const char* vbase,
+                       int64_t vstride_bytes, int tb, int te) {
+  if (tb >= te) return;
+  constexpr int kVecs = D / Ops::W;
+  constexpr int kNVcap = Ops::kAccRegs / RR;
+  constexpr int NV = kNVcap < kVecs ? kNVcap : kVecs;
+  constexpr int kFull = kVecs / NV;
+  constexpr int kRest = kVecs % NV;
+  for (int s = 0; s < kFull; ++s)
+    value_slice<D, DT, RR, NV>(o, p, vbase, vstride_bytes, tb, te, s * NV * Ops::W);
+  if constexpr (kRest > 0)
+    value_slice<D, DT, RR, kRest>(o, p, vbase, vstride_bytes, tb, te, kFull * NV * Ops::W);
+}
+
+template <int D, DType DT, int RR>
+inline void score_rows(const float* q, const void* const* kp, int padded, float* s) {
+  constexpr int TT = Ops::W / RR;
+  for (int t = 0; t < padded; t += TT) score_tile<D, DT, RR>(q, kp + t, s + t);
+}
+
+template <int N>
+struct RowTile {
+  static constexpr int value = N;
+};
+
+template <int D, DType DT>
+void run_item(const ItemArgs& a) {
+  using V = typename Ops::V;
+  constexpr int kRec = D + 2;
+  const int R = a.rows;
+  const int64_t stride_bytes = a.stride_token * elem_bytes<DT>();
+  const char* kbase = static_cast<const char*>(a.k);
+  const char* vbase = static_cast<const char*>(a.v);
+  float* s = a.scores;
+
+  for (int r = 0; r < R; ++r) {
+    float* rec = a.out + r * kRec;
+    rec[0] = kNegInf;
+    for (int i = 1; i < kRec; ++i) rec[i] = 0.0f;
+  }
+
+  const void* kp[kNB];
+  for (int64_t tb = 0; tb < a.tokens; tb += kNB) {
+    const int n = static_cast<int>(a.tokens - tb < kNB ? a.tokens - tb : kNB);
+    const int padded_w = (n + Ops::W - 1) / Ops::W * Ops::W;  // multiple of every TT
+    for (int t = 0; t < kNB; ++t) kp[t] = t < n ? static_cast<const void*>(kbase + (tb + t) * stride_bytes)
+                                : static_cast<const void*>(kZeroRow);
+
+    // 1. Scores for every row; rows in tiles of 4, then 2, then 1.
+    int r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) score_rows<D, DT, 4>(a.q + r0 * D, kp, padded_w, s + r0 * kNB);
+    for (; r0 + 2 <= R; r0 += 2) score_rows<D, DT, 2>(a.q + r0 * D, kp, padded_w, s + r0 * kNB);
+    for (; r0 < R; ++r0) score_rows<D, DT, 1>(a.q + r0 * D, kp, padded_w, s + r0 * kNB);
+
+    // 2. Online softmax per row. Afterwards s holds p = exp(s - m) for the row's visible
+    //    tokens of the block (0 past them).
+    const V vscale = Ops::set1(a.scale);
+    for (int r = 0; r < R; ++r) {
+      float* sr = s + r * kNB;
+      int64_t vis = a.visible[r] - tb;
+      const int take = vis <= 0 ? 0 : (vis < n ? static_cast<int>(vis) : n);
+      float* rec = a.out + r * kRec;
+      if (take == 0) continue;
+      int t = 0;
+      for (; t + Ops::W <= take; t += Ops::W) Ops::storeu(sr + t, Ops::mul(Ops::loadu(sr + t), vscale));
+      for (; t < take; ++t) sr[t] *= a.scale;
+      for (; t < padded_w; ++t) sr[t] = kNegInf;
+      V vmax = Ops::set1(kNegInf);
+      for (int j = 0; j < padded_w; j += Ops::W) vmax = Ops::max(Ops::loadu(sr + j), vmax);
+      float mb = Ops::reduce_max(vmax);
+      if (!(mb > kNegInf)) {  // -inf or NaN: look for a NaN the max may have dropped
+        for (int j = 0; j < take; ++j)
+          if (sr[j] != sr[j]) mb = sr[j];
+      }
+      const float m_old = rec[0];
+      float m_new;
+      if (m_old != m_old || mb != mb) {
+        m_new = mb != mb ? mb : m_old;
+      } else {
+        m_new = mb > m_old ? mb : m_old;
+      }
+      if (m_new == kNegInf) continue;  // every visible logit so far is -inf: nothing to add
+      if (m_new != m_old && m_old != kNegInf) {
+        const float alpha = __builtin_expf(m_old - m_new);
+        rec[1] *= alpha;
+        const V va = Ops::set1(alpha);
+        for (int d = 0; d < D; d += Ops::W) Ops::storeu(rec + 2 + d, Ops::mul(Ops::loadu(rec + 2 + d), va));
+      }
+      rec[0] = m_new;
+      const V vm = Ops::set1(m_new);
+      V lsum = Ops::zero();
+      for (int j = 0; j < padded_w; j += Ops::W) {
+        const V p = Ops::exp(Ops::sub(Ops::loadu(sr + j), vm));
+        Ops::storeu(sr + j, p);
+        lsum = Ops::add(lsum, p);
+      }
+      rec[1] += Ops::reduce_add(lsum);
+    }
+
+    // 3. Values. A row takes the first take_r tokens of the block (0 if it skipped the
+    //    block). Rows are tiled 4/2/1; a tile runs over the tokens all its rows take and each
+    //    row finishes its own extra tokens alone, so no row multiplies a value it may not see.
+    auto take_of = [&](int r) -> int {
+      const int64_t vis = a.visible[r] - tb;
+      int take = vis <= 0 ? 0 : (vis < n ? static_cast<int>(vis) : n);
+      if (take > 0 && a.out[r * kRec] == kNegInf) take = 0;
+      return take;
+    };
+    auto run_group = [&](auto rr_tag, int rb) {
+      constexpr int RR = decltype(rr_tag)::value;
+      float* o[RR];
+      const float* p[RR];
+      int tk[RR];
+      int common = kNB;
+      for (int i = 0; i < RR; ++i) {
+        o[i] = a.out + (rb + i) * kRec + 2;
+        p[i] = s + (rb + i) * kNB;
+        tk[i] = take_of(rb + i);
+        common = tk[i] < common ? tk[i] : common;
+      }
+      value_tile<D, DT, RR>(o, p, vbase + tb * stride_bytes, stride_bytes, 0, common);
+      for (int i = 0; i < RR; ++i)
+        value_tile<D, DT, 1>(o + i, p + i, vbase + tb * stride_bytes, stride_bytes, common, tk[i]);
+    };
+    r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) run_group(RowTile<4>{}, r0);
+    for (; r0 + 2 <= R; r0 += 2) run_group(RowTile<2>{}, r0);
+    for (; r0 < R; ++r0) run_group(RowTile<1>{}, r0);
+  }
+
+  // A NaN logit leaves m finite but l NaN; report it in m too, as the reference does.
+  for (int r = 0; r < R; ++r) {
+    float* rec = a.out + r * kRec;
+    if (rec[1] != rec[1]) rec[0] = rec[1];
+  }
+}
+
+template <int D>
+void run_dim(const ItemArgs& a) {
+  switch (a.dtype) {
+    case DType::kF32: return run_item<D, DType::kF32>(a);
+    case DType::kF16: return run_item<D, DType::kF16>(a);
+    case DType::kBF16: return run_item<D, DType::kBF16>(a);
+  }
+}
+
+// The one run-time to compile-time switch over head_dim (the dispatcher has already rejected
+// unsupported values with a clear error).
+void dispatch_item(const ItemArgs& a) {
+  switch (a.head_dim) {
+    case 64: return run_dim<64>(a);
+    case 80: return run_dim<80>(a);
+    case 96: return run_dim<96>(a);
+    case 128: return run_dim<128>(a);
+    case 192: return run_dim<192>(a);
+    case 256: return run_dim<256>(a);
+    default: __builtin_trap();  // unreachable: AttnShape::validate() rejects other dims
+  }
+}
+
+void exp_array_impl(const float* in, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + Ops::W <= n; i += Ops::W) Ops::storeu(out + i, Ops::exp(Ops::loadu(in + i)));
+  if (i < n) {
+    alignas(64) float buf[Ops::W] = {};
+    for (int64_t j = i; j < n; ++j) buf[j - i] = in[j];
+    Ops::storeu(buf, Ops::exp(Ops::loadu(buf)));
+    for (int64_t j = i; j < n; ++j) out[j] = buf[j - i];
+  }
+}

@@ -1,0 +1,96 @@
+// The decode item kernel for AVX-512 (F, BW, VL, DQ) with FMA and F16C.
+//
+// This file is compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c (see
+// src/kernels/CMakeLists.txt) and only runs after dispatch.cpp checked the CPU. bf16 widens by
+// a 16-bit shift, f16 by vcvtph2ps; exp uses a Cephes-style polynomial and vscalefps.
+// GCC 12's AVX-512 shuffles start from _mm512_undefined_ps(), which -Wmaybe-uninitialized
+// reports at every inlined use (GCC bug 105593, fixed in GCC 13).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "kernels/cpu/cpu_targets.hpp"
+
+namespace treeattn::kernels::cpu::avx512 {
+namespace {
+
+struct Ops {
+  using V = __m512;
+  static constexpr int W = 16;
+  static constexpr int kAccRegs = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V loadu(const float* p) { return _mm512_loadu_ps(p); }
+  static void storeu(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V load_f32(const float* p) { return _mm512_loadu_ps(p); }
+  static V load_f16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static V load_bf16(const uint16_t* p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
+  static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
+
+  // Lane j of the result = sum of the 16 lanes of a[j] (transposing reduction, 45 ops).
+  static V hsum(const V* a) {
+    V u[4];
+    for (int g = 0; g < 4; ++g) {
+      const V* v = a + 4 * g;
+      const V s01 = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
+      const V s23 = _mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
+      u[g] = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    // u[g] 128-bit block k holds the block-k partial sums of a[4g .. 4g+3].
+    const V w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const V w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+
+  // exp(x) = 2^n * e^r, n = round(x log2 e), r = x - n ln 2 (two-part ln 2), e^r by the Cephes
+  // expf polynomial evaluated so that r = 0 gives exactly 1. Below ln(FLT_MIN) the result is
+  // 0, above ln(FLT_MAX) +inf, NaN stays NaN.
+  static V exp(V x) {
+    const V xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.0f));
+    const V n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    V y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r);
+    y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+    V res = _mm512_scalef_ps(y, n);
+    res = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_LT_OQ), res,
+                               _mm512_setzero_ps());
+    res = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283f), _CMP_GT_OQ), res,
+                               _mm512_set1_ps(__builtin_inff()));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), res, x);
+  }
+};
+
+#include "kernels/cpu/decode_item_impl.hpp"
+
+}  // namespace
+
+void decode_item(const ItemArgs& a) { dispatch_item(a); }
+void exp_array(const float* in, float* out, int64_t n) { exp_array_impl(in, out, n); }
+
+}  // namespace treeattn::kernels::cpu::avx512

@@ -1,0 +1,442 @@
+// Tests of the SIMD CPU kernels, each ISA target forced (skipped when the CPU lacks it):
+// SIMD tails, misaligned and strided views with NaN-poisoned memory around them, every dtype
+// and head dim, causal Q > 1 over striped positions, empty shards, NaN propagation, the exact
+// fixture bit for bit for every chunk size, bitwise determinism across thread counts, and the
+// contract of each target's exp.
+//
+// Tolerance (tests/support/test_data.hpp): K/V of every dtype are widened to float32 exactly,
+// so the only error is float32 accumulation: max|out - ref| <= 1e-5 * max(1, max|ref|) on the
+// normalized output, the same relative bound on the LSE, against the float64 oracle.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/cpu_targets.hpp"
+#include "kernels/kernel_impl.hpp"
+#include "support/test_data.hpp"
+#include "treeattn/kernel.hpp"
+#include "treeattn/oracle.hpp"
+#include "treeattn/state.hpp"
+
+namespace treeattn {
+namespace {
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr double kTol = 1e-5;
+
+// A KV buffer laid out as a view inside a larger, NaN-poisoned allocation: every batch row and
+// head holds `capacity` token slots of `stride_token` elements, the view starts `first` tokens
+// in and `elem_offset` elements past a 64-byte boundary, and everything outside the visible
+// token range (padding between tokens, slots before and after) is NaN.
+struct StridedKV {
+  AttnShape shape;
+  DType dtype;
+  int64_t capacity, stride_token, first, elem_offset;
+  std::vector<int64_t> len, pos_start, total_len;
+  int64_t pos_stride = 1;
+  std::vector<uint8_t> kbuf, vbuf;
+
+  StridedKV(const AttnShape& s, DType t, std::vector<int64_t> lengths, int64_t first_token,
+            int64_t token_pad, int64_t misalign)
+      : shape(s), dtype(t), first(first_token), elem_offset(misalign), len(std::move(lengths)) {
+    int64_t maxlen = 0;
+    for (int64_t l : len) maxlen = std::max(maxlen, l);
+    capacity = first + maxlen + 3;
+    stride_token = s.head_dim + token_pad;
+    const std::size_t elems =
+        static_cast<std::size_t>(elem_offset + s.batch * s.kv_heads * capacity * stride_token);
+    kbuf.assign(elems * dtype_size(t) + 64, 0);
+    vbuf.assign(kbuf.size(), 0);
+    for (std::size_t i = 0; i < elems; ++i) {
+      store_from_float(kdata(), t, i, kNaN);
+      store_from_float(vdata(), t, i, kNaN);
+    }
+    pos_start.assign(len.size(), 0);
+    total_len = len;
+  }
+  void* kdata() { return kbuf.data() + (64 - reinterpret_cast<uintptr_t>(kbuf.data()) % 64) % 64; }
+  void* vdata() { return vbuf.data() + (64 - reinterpret_cast<uintptr_t>(vbuf.data()) % 64) % 64; }
+  const void* kdata() const { return const_cast<StridedKV*>(this)->kdata(); }
+  const void* vdata() const { return const_cast<StridedKV*>(this)->vdata(); }
+  int64_t stride_head() const { return capacity * stride_token; }
+  int64_t stride_batch() const { return shape.kv_heads * stride_head(); }
+  std::size_t index(int64_t b, int64_t h, int64_t t) const {
+    return static_cast<std::size_t>(elem_offset + b * stride_batch() + h * stride_head() +
+                                    (first + t) * stride_token);
+  }
+  void set(int64_t b, int64_t h, int64_t t, const float* k, const float* v) {
+    const std::size_t base = index(b, h, t);
+    for (int64_t d = 0; d < shape.head_dim; ++d) {
+      store_from_float(kdata(), dtype, base + static_cast<std::size_t>(d), k[d]);
+      store_from_float(vdata(), dtype, base + static_cast<std::size_t>(d), v[d]);
+    }
+  }
+  void fill_random(uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::vector<float> k(static_cast<std::size_t>(shape.head_dim)), v(k.size());
+    for (int64_t b = 0; b < shape.batch; ++b)
+      for (int64_t h = 0; h < shape.kv_heads; ++h)
+        for (int64_t t = 0; t < len[static_cast<std::size_t>(b)]; ++t) {
+          for (auto& x : k) x = u(rng);
+          for (auto& x : v) x = u(rng);
+          set(b, h, t, k.data(), v.data());
+        }
+  }
+  KVShard view() const {
+    KVShard s;
+    s.dtype = dtype;
+    const std::size_t off = static_cast<std::size_t>(elem_offset + first * stride_token) * dtype_size(dtype);
+    s.k = static_cast<const uint8_t*>(kdata()) + off;
+    s.v = static_cast<const uint8_t*>(vdata()) + off;
+    s.stride_batch = stride_batch();
+    s.stride_head = stride_head();
+    s.stride_token = stride_token;
+    s.len = len;
+    s.pos_start = pos_start;
+    s.total_len = total_len;
+    s.pos_stride = pos_stride;
+    return s;
+  }
+};
+
+std::vector<float> random_q(const AttnShape& s, uint64_t seed, float scale = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> q(static_cast<std::size_t>(s.batch * s.q_len * s.heads * s.head_dim));
+  for (auto& x : q) x = u(rng) * scale;
+  return q;
+}
+
+std::size_t record_count(const AttnShape& s) {
+  return static_cast<std::size_t>(s.batch * s.q_len * s.heads);
+}
+
+// Runs the kernel on a view and compares with the oracle; returns the errors.
+testing::Errors run_vs_oracle(const AttnShape& s, const std::vector<float>& q, const KVShard& kv,
+                              const DecodeOptions& opt) {
+  const std::size_t rows = record_count(s), D = static_cast<std::size_t>(s.head_dim);
+  std::vector<float> states(rows * (D + 2));
+  const Status st = decode_partial(s, q.data(), kv, states.data(), opt);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  std::vector<double> out(rows * D), lse(rows);
+  const Status so = oracle_attention(s, q.data(), kv, out.data(), lse.data(), opt.scale);
+  EXPECT_TRUE(so.is_ok()) << so.to_string();
+  return testing::compare_states(s, states.data(), out.data(), lse.data());
+}
+
+std::string describe(const testing::Errors& e) {
+  return "out_rel " + std::to_string(e.out_rel()) + " lse_rel " + std::to_string(e.lse_abs) +
+         (e.nan_mismatch ? " NaN MISMATCH" : "");
+}
+
+class CpuTarget : public ::testing::TestWithParam<Isa> {
+ protected:
+  void SetUp() override {
+    if (!isa_supported(GetParam()))
+      GTEST_SKIP() << "CPU lacks " << isa_name(GetParam());
+    if (kernels::cpu::exp_for(GetParam()) == nullptr)
+      GTEST_SKIP() << isa_name(GetParam()) << " is not built into this library";
+  }
+  DecodeOptions opts(int64_t chunk = 0, int threads = 0) const {
+    DecodeOptions o;
+    o.isa = GetParam();
+    o.chunk_tokens = chunk;
+    o.threads = threads;
+    return o;
+  }
+};
+
+// The registry hands out a kernel for the target, and auto picks the best one.
+TEST_P(CpuTarget, IsRegistered) {
+  EXPECT_NE(kernels::cpu_kernel_for(GetParam()), nullptr);
+  if (GetParam() == Isa::kAvx512) {
+    EXPECT_EQ(best_isa(), Isa::kAvx512);
+  }
+}
+
+// Lengths around the vector widths (8, 16) and the 32-token block, every dtype and head dim,
+// with misaligned, strided views and NaN everywhere outside them.
+TEST_P(CpuTarget, TailsMisalignmentAndPoisonedPadding) {
+  const int64_t lengths[] = {1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 31, 32, 33, 47, 48, 63, 64, 65, 97};
+  const int64_t dims[] = {64, 80, 96, 128, 192, 256};
+  int k = 0;
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (int64_t L : lengths) {
+      const int64_t D = dims[k % 6];
+      const int64_t misalign = (k % 3 == 0) ? 0 : (k % 3 == 1 ? 1 : 5);  // elements off 64 B
+      const int64_t token_pad = (k % 4 == 0) ? 0 : 3;                     // odd token strides
+      const int64_t first = k % 5;                                        // view mid-cache
+      const int64_t heads = (k % 2 == 0) ? 8 : 3, kv_heads = (k % 2 == 0) ? 2 : 3;
+      ++k;
+      AttnShape s{2, heads, kv_heads, D, 1};
+      StridedKV kv(s, t, {L, std::max<int64_t>(1, L / 2)}, first, token_pad, misalign);
+      kv.fill_random(static_cast<uint64_t>(k));
+      const auto q = random_q(s, static_cast<uint64_t>(100 + k), 2.0f);
+      for (int64_t chunk : {int64_t{0}, int64_t{7}, int64_t{32}}) {
+        const auto e = run_vs_oracle(s, q, kv.view(), opts(chunk));
+        EXPECT_FALSE(e.nan_mismatch) << dtype_name(t) << " L=" << L << " D=" << D;
+        EXPECT_LE(e.out_rel(), kTol) << dtype_name(t) << " L=" << L << " D=" << D << " "
+                                     << describe(e);
+        EXPECT_LE(e.lse_abs, kTol) << dtype_name(t) << " L=" << L << " D=" << D;
+      }
+    }
+  }
+}
+
+// Multi-token queries against a striped shard: rank 1 of 3 holds positions 1, 4, 7, ...; the
+// causal limit falls inside blocks and inside 4-row tiles (group 2 puts two queries in a tile).
+TEST_P(CpuTarget, CausalStripedPositions) {
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    for (int64_t total : {int64_t{5}, int64_t{40}, int64_t{100}, int64_t{301}}) {
+      for (int64_t group : {int64_t{1}, int64_t{2}, int64_t{4}}) {
+        for (int64_t Q : {int64_t{2}, int64_t{4}, int64_t{7}}) {
+          AttnShape s{2, 2 * group, 2, 128, Q};
+          const int64_t stride = 3, rank = 1;
+          const int64_t n = total > rank ? (total - rank + stride - 1) / stride : 0;
+          StridedKV kv(s, t, {n, n}, 2, 1, 1);
+          kv.pos_stride = stride;
+          kv.pos_start = {rank, rank};
+          kv.total_len = {total, total};
+          kv.fill_random(static_cast<uint64_t>(total * 10 + Q));
+          const auto q = random_q(s, static_cast<uint64_t>(total + group), 3.0f);
+          for (int64_t chunk : {int64_t{0}, int64_t{5}, int64_t{33}}) {
+            const auto e = run_vs_oracle(s, q, kv.view(), opts(chunk));
+            EXPECT_FALSE(e.nan_mismatch) << "total " << total << " G " << group << " Q " << Q;
+            EXPECT_LE(e.out_rel(), kTol) << "total " << total << " G " << group << " Q " << Q
+                                         << " " << describe(e);
+            EXPECT_LE(e.lse_abs, kTol) << "total " << total << " G " << group << " Q " << Q;
+          }
+        }
+      }
+    }
+  }
+}
+
+// Tokens past a query's causal limit hold NaN: they must never be read for that query.
+TEST_P(CpuTarget, CausallyHiddenNaNIsNotRead) {
+  AttnShape s{1, 4, 1, 64, 4};
+  const int64_t n = 70;
+  StridedKV kv(s, DType::kF32, {n}, 0, 0, 0);
+  kv.fill_random(3);
+  // The last 3 tokens are seen only by later queries; poison the last one (seen only by q 3).
+  std::vector<float> nan_row(64, kNaN);
+  kv.set(0, 0, n - 1, nan_row.data(), nan_row.data());
+  const auto q = random_q(s, 4);
+  std::vector<float> states(record_count(s) * 66);
+  for (int64_t chunk : {int64_t{0}, int64_t{16}}) {
+    ASSERT_TRUE(decode_partial(s, q.data(), kv.view(), states.data(), opts(chunk)).is_ok());
+    for (std::size_t r = 0; r < record_count(s); ++r) {
+      const bool last_query = r / 4 == 3;
+      EXPECT_EQ(std::isnan(states[r * 66 + 1]), last_query) << "record " << r;
+      EXPECT_EQ(std::isnan(states[r * 66 + 2]), last_query) << "record " << r;
+    }
+  }
+}
+
+// Empty shards (all rows, or some rows of a ragged batch) give the empty state exactly.
+TEST_P(CpuTarget, EmptyShards) {
+  AttnShape s{3, 8, 2, 128, 2};
+  StridedKV kv(s, DType::kF16, {0, 37, 0}, 1, 0, 0);
+  kv.fill_random(5);
+  const auto q = random_q(s, 6);
+  std::vector<float> states(record_count(s) * 130, 123.0f);
+  ASSERT_TRUE(decode_partial(s, q.data(), kv.view(), states.data(), opts()).is_ok());
+  for (std::size_t r = 0; r < record_count(s); ++r) {
+    const std::size_t b = r / 16;
+    if (b == 1) {
+      EXPECT_GT(states[r * 130 + 1], 0.0f);
+      continue;
+    }
+    EXPECT_EQ(states[r * 130], -kInf) << r;
+    for (std::size_t i = 1; i < 130; ++i) EXPECT_EQ(states[r * 130 + i], 0.0f) << r;
+  }
+  StridedKV none(s, DType::kF32, {0, 0, 0}, 0, 0, 0);
+  ASSERT_TRUE(decode_partial(s, q.data(), none.view(), states.data(), opts()).is_ok());
+  for (std::size_t r = 0; r < record_count(s); ++r) EXPECT_TRUE(state_is_empty(states.data() + r * 130));
+}
+
+// A NaN in K poisons the rows of its KV head only; a NaN in V poisons o; an infinite query
+// entry (logit -inf or NaN) is handled as the oracle does.
+TEST_P(CpuTarget, NaNPropagation) {
+  AttnShape s{1, 8, 2, 96, 1};
+  for (bool in_k : {true, false}) {
+    for (int64_t at : {int64_t{0}, int64_t{40}, int64_t{199}}) {
+      StridedKV kv(s, DType::kBF16, {200}, 0, 0, 0);
+      kv.fill_random(7);
+      std::vector<float> k(96), v(96);
+      for (int i = 0; i < 96; ++i) k[static_cast<std::size_t>(i)] = v[static_cast<std::size_t>(i)] = 0.25f;
+      (in_k ? k : v)[17] = kNaN;
+      kv.set(0, 1, at, k.data(), v.data());
+      const auto q = random_q(s, 8);
+      std::vector<float> states(8 * 98);
+      ASSERT_TRUE(decode_partial(s, q.data(), kv.view(), states.data(), opts(64)).is_ok());
+      for (std::size_t h = 0; h < 8; ++h) {
+        float out[96], lse;
+        state_normalize(states.data() + h * 98, 96, out, &lse);
+        const bool poisoned = h >= 4;
+        EXPECT_EQ(std::isnan(lse), poisoned && in_k) << "head " << h << " at " << at;
+        EXPECT_EQ(std::isnan(out[17]), poisoned) << "head " << h << " at " << at;
+        if (poisoned && in_k) {
+          EXPECT_TRUE(std::isnan(states[h * 98])) << "m must be NaN";
+        }
+      }
+    }
+  }
+}
+
+// Raw logits of -524288 and large positive ones need no sentinel.
+TEST_P(CpuTarget, ExtremeLogits) {
+  for (float qs : {1e4f, -1e4f, 5e5f}) {
+    AttnShape s{1, 4, 1, 128, 1};
+    StridedKV kv(s, DType::kF32, {77}, 0, 0, 0);
+    kv.fill_random(9);
+    auto q = random_q(s, 10, qs);
+    DecodeOptions o = opts(16);
+    o.scale = 1.0f;
+    const auto e = run_vs_oracle(s, q, kv.view(), o);
+    EXPECT_FALSE(e.nan_mismatch);
+    // Logits of 1e5 carry float32 rounding of ~1e-2 absolute, which moves the weights.
+    EXPECT_LE(e.out_rel(), 2e-2) << qs << " " << describe(e);
+  }
+  // Every logit exactly -524288 (q and k constant): the output is the mean of V.
+  AttnShape s{1, 1, 1, 64, 1};
+  StridedKV kv(s, DType::kF32, {40}, 0, 0, 0);
+  std::vector<float> k(64, 1.0f), v(64);
+  for (int64_t t = 0; t < 40; ++t) {
+    for (int d = 0; d < 64; ++d) v[static_cast<std::size_t>(d)] = static_cast<float>(t % 4);
+    kv.set(0, 0, t, k.data(), v.data());
+  }
+  std::vector<float> q(64, -8192.0f), rec(66);
+  DecodeOptions o = opts();
+  o.scale = 1.0f;
+  ASSERT_TRUE(decode_partial(s, q.data(), kv.view(), rec.data(), o).is_ok());
+  EXPECT_EQ(rec[0], -524288.0f);
+  EXPECT_EQ(rec[1], 40.0f);
+  EXPECT_EQ(rec[2], 60.0f);  // 10 * (0 + 1 + 2 + 3)
+}
+
+// q = 0 makes every logit 0 and every weight exp(0) = 1; with small-integer V and a
+// power-of-two length the output equals mean(V) bit for bit, whatever the chunking.
+TEST_P(CpuTarget, ExactFixtureBitForBit) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (int64_t n : {int64_t{64}, int64_t{256}, int64_t{1024}, int64_t{4096}}) {
+      AttnShape s{2, 8, 2, 128, 1};
+      StridedKV kv(s, t, {n, n / 2}, 3, 1, 1);
+      std::mt19937_64 rng(static_cast<uint64_t>(n));
+      std::uniform_int_distribution<int> u(-8, 8);
+      std::vector<double> sum(static_cast<std::size_t>(2 * 2 * 128), 0.0);
+      std::vector<float> k(128), v(128);
+      for (int64_t b = 0; b < 2; ++b)
+        for (int64_t h = 0; h < 2; ++h)
+          for (int64_t tok = 0; tok < kv.len[static_cast<std::size_t>(b)]; ++tok) {
+            for (int d = 0; d < 128; ++d) {
+              k[static_cast<std::size_t>(d)] = static_cast<float>(u(rng)) * 0.5f;
+              v[static_cast<std::size_t>(d)] = static_cast<float>(u(rng));
+              sum[static_cast<std::size_t>((b * 2 + h) * 128 + d)] += v[static_cast<std::size_t>(d)];
+            }
+            kv.set(b, h, tok, k.data(), v.data());
+          }
+      std::vector<float> q(static_cast<std::size_t>(2 * 8 * 128), 0.0f);
+      for (int64_t chunk : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{7}, int64_t{32},
+                            int64_t{100}, int64_t{1024}}) {
+        std::vector<float> states(16 * 130);
+        ASSERT_TRUE(decode_partial(s, q.data(), kv.view(), states.data(), opts(chunk)).is_ok());
+        for (int64_t b = 0; b < 2; ++b)
+          for (int64_t h = 0; h < 8; ++h) {
+            const float* rec = states.data() + static_cast<std::size_t>(b * 8 + h) * 130;
+            const int64_t len = kv.len[static_cast<std::size_t>(b)];
+            ASSERT_EQ(rec[0], 0.0f);
+            ASSERT_EQ(rec[1], static_cast<float>(len)) << "chunk " << chunk;
+            float out[128], lse;
+            state_normalize(rec, 128, out, &lse);
+            for (int d = 0; d < 128; ++d) {
+              const float mean = static_cast<float>(
+                  sum[static_cast<std::size_t>((b * 2 + h / 4) * 128 + d)] / static_cast<double>(len));
+              ASSERT_EQ(out[d], mean) << dtype_name(t) << " n " << n << " chunk " << chunk;
+            }
+          }
+      }
+    }
+  }
+}
+
+// Same inputs, any thread count: the same bits.
+TEST_P(CpuTarget, DeterministicAcrossThreadCounts) {
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    AttnShape s{3, 8, 2, 128, 2};
+    StridedKV kv(s, t, {3000, 17, 1500}, 0, 0, 0);
+    kv.fill_random(11);
+    const auto q = random_q(s, 12, 4.0f);
+    std::vector<float> base(record_count(s) * 130), other(base.size());
+    ASSERT_TRUE(decode_partial(s, q.data(), kv.view(), base.data(), opts(256, 1)).is_ok());
+    for (int threads : {2, 3, 5, 8}) {
+      for (int rep = 0; rep < 3; ++rep) {
+        ASSERT_TRUE(decode_partial(s, q.data(), kv.view(), other.data(), opts(256, threads)).is_ok());
+        ASSERT_EQ(std::memcmp(base.data(), other.data(), base.size() * sizeof(float)), 0)
+            << threads << " threads";
+      }
+    }
+  }
+}
+
+// The kernel's exp: exactly 1 at 0, 0 at -inf, NaN for NaN, +inf above the float range, and
+// within 2 ulp of the correctly rounded value on [-87, 0] (the range softmax uses).
+TEST_P(CpuTarget, ExpContract) {
+  const kernels::cpu::ExpFn fn = kernels::cpu::exp_for(GetParam());
+  ASSERT_NE(fn, nullptr);
+  std::vector<float> in = {0.0f, -0.0f, -kInf, kNaN, 100.0f, kInf, -100.0f, -87.0f, 88.0f};
+  std::vector<float> out(in.size());
+  fn(in.data(), out.data(), static_cast<int64_t>(in.size()));
+  EXPECT_EQ(out[0], 1.0f);
+  EXPECT_EQ(out[1], 1.0f);
+  EXPECT_EQ(out[2], 0.0f);
+  EXPECT_TRUE(std::isnan(out[3]));
+  EXPECT_EQ(out[4], kInf);
+  EXPECT_EQ(out[5], kInf);
+  EXPECT_GE(out[6], 0.0f);  // 0, or libm's subnormal for the generic target
+  EXPECT_LT(out[6], 1.2e-38f);
+  EXPECT_GT(out[7], 0.0f);
+  EXPECT_LT(std::abs(out[8] / static_cast<float>(std::exp(88.0)) - 1.0f), 1e-6f);
+  std::vector<float> xs;
+  for (float x = -87.0f; x <= 0.0f; x += 0.0137f) xs.push_back(x);
+  for (float x = -1e-3f; x <= 0.0f; x += 1.3e-6f) xs.push_back(x);
+  std::vector<float> ys(xs.size());
+  fn(xs.data(), ys.data(), static_cast<int64_t>(xs.size()));  // odd count: exercises the tail
+  double worst = 0;
+  for (std::size_t i = 0; i < xs.size(); ++i) {
+    const double ref = std::exp(static_cast<double>(xs[i]));
+    const double ulp = std::nextafter(static_cast<float>(ref), kInf) - static_cast<float>(ref);
+    worst = std::max(worst, std::abs(ys[i] - ref) / ulp);
+  }
+  EXPECT_LE(worst, 2.0) << "worst error in ulp";
+}
+
+// Bigger shapes through the sweep helper: GQA groups, Q 1/4, long enough for many chunks.
+TEST_P(CpuTarget, GroupedQueryLongShard) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (int64_t Q : {int64_t{1}, int64_t{4}}) {
+      testing::Problem p(AttnShape{2, 32, 8, 128, Q}, t, {5000, 2049}, 21, 2.0f);
+      testing::Errors e;
+      ASSERT_TRUE(testing::kernel_vs_oracle(p, opts(), &e).is_ok());
+      EXPECT_FALSE(e.nan_mismatch);
+      EXPECT_LE(e.out_rel(), kTol) << dtype_name(t) << " Q " << Q << " " << describe(e);
+      EXPECT_LE(e.lse_abs, kTol) << dtype_name(t) << " Q " << Q;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Targets, CpuTarget,
+                         ::testing::Values(Isa::kGeneric, Isa::kAvx2, Isa::kAvx512),
+                         [](const ::testing::TestParamInfo<Isa>& param_info) {
+                           return std::string(isa_name(param_info.param));
+                         });
+
+}  // namespace
+}  // namespace treeattn
