@@ -11,9 +11,10 @@
 // max(KV(t) / memory_bandwidth, flops / peak) (times ceil(p / max_concurrent_ranks) when ranks
 // share cores). Communication is simulated round by round: each round is a set of messages
 // (src, dst, bytes) that run concurrently; a rank's time in a round is the largest latency of
-// its messages plus the bytes it sends (or receives, whichever is more) over the bandwidth of
-// each message's link class, with network bandwidth shared by a node's concurrent senders
-// beyond links_per_node. The round's time is the slowest rank's. This is the NCCL-style
+// its messages plus the bytes it sends (or receives, whichever is more) over each message's
+// link bandwidth, and a node's time is the network latency plus the bytes leaving (or
+// entering) it over links_per_node links. The round takes the slowest rank's or node's time.
+// This is the NCCL-style
 // `time = latency * steps + bytes / bandwidth` per link class, with the steps taken from the
 // algorithm that actually runs:
 //   Open MPI (tuned): allreduce < 10000 B recursive doubling (log2 p rounds of the whole
@@ -50,7 +51,7 @@ struct CostQuery {
   int64_t context = 0;     // N, tokens per sequence over all ranks (> 0)
   int ranks = 1;           // p (>= 1); 0 = all ranks of the topology
   int ranks_per_node = 0;  // placement; 0 = the topology's ranks_per_node
-  int hier_fanout = 2;     // fan-out of hier's inter-leader tree (>= 2)
+  int hier_fanout = 2;     // children per leader in hier's inter-node tree (>= 1)
 };
 
 struct Prediction {

@@ -390,8 +390,8 @@ Status make_ctx(const CostQuery& q, const Topology& topo, Ctx& c) {
     return invalid_argument("cost model: " + std::to_string(p) + " ranks at " + std::to_string(r) +
                             " per node need " + std::to_string(n) + " nodes, topology '" +
                             topo.name + "' has " + std::to_string(topo.nodes));
-  if (q.hier_fanout < 2)
-    return invalid_argument("cost model: hier_fanout must be >= 2, got " +
+  if (q.hier_fanout < 1)
+    return invalid_argument("cost model: hier_fanout must be >= 1, got " +
                             std::to_string(q.hier_fanout));
   c.shape = q.shape;
   c.s = static_cast<double>(dtype_size(q.kv_dtype));
@@ -457,11 +457,12 @@ Prediction model_tree2(const Ctx& c) {
   return finish("tree2", c, c.local_us(c.shard_tokens, c.p) + rescale, comm, sim, c.state_bytes);
 }
 
-// hier: (1) every rank of a node hands its state to the node leader (local rank 0) through
-// shared memory and the leader merges them; (2) the n leaders reduce up an f-ary tree
-// (ceil(log_f n) rounds; a parent receives up to f-1 states per round) and (3) broadcast back
-// down the same tree; (4) the leader publishes the result to its node (one shared write, read
-// by all).
+// hier (src/strategies/hier.cpp): (1) every rank of a node hands its state to the node
+// leader (its first rank) over shared memory and the leader merges them; (2) the n leaders
+// form a k-ary tree in heap order (leader i's children are i k + 1 .. i k + k): from the
+// deepest level up, each leader receives its children's states and sends the merge to its
+// parent (one round per level); (3) the final states go back down the same tree (a parent
+// sends to each child in turn) and (4) each leader broadcasts them inside its node.
 Prediction model_hier(const Ctx& c) {
   RoundSim sim(c.topo, c.p, c.r);
   CommCost comm;
@@ -474,12 +475,20 @@ Prediction model_hier(const Ctx& c) {
     comm.add(c.topo.collective_overhead_us + sim.round(in), "intra-node reduce to leader");
   }
   if (c.n > 1) {
+    // Heap levels: level(i) = depth of leader i; one round per level, deepest first.
+    std::vector<int> level(static_cast<std::size_t>(c.n), 0);
+    int depth = 0;
+    for (int i = 1; i < c.n; ++i) {
+      const int lv = level[static_cast<std::size_t>((i - 1) / c.fanout)] + 1;
+      level[static_cast<std::size_t>(i)] = lv;
+      depth = std::max(depth, lv);
+    }
     std::vector<Round> up;
-    for (int stride = 1; stride < c.n; stride *= c.fanout) {
+    for (int lv = depth; lv >= 1; --lv) {
       Round rd;
-      for (int parent = 0; parent < c.n; parent += stride * c.fanout)
-        for (int j = 1; j < c.fanout && parent + j * stride < c.n; ++j)
-          rd.push_back({leader(parent + j * stride), leader(parent), S, true});
+      for (int i = 1; i < c.n; ++i)
+        if (level[static_cast<std::size_t>(i)] == lv)
+          rd.push_back({leader(i), leader((i - 1) / c.fanout), S, true});
       up.push_back(rd);
     }
     double t = 0;
@@ -506,14 +515,15 @@ Prediction model_hier(const Ctx& c) {
                 static_cast<double>(c.r) * S);
 }
 
-// ring-kv (the paper's baseline): p-1 steps; in each, every rank sends the KV shard it holds
-// to rank + 1 (nonblocking) while computing attention on it, and merges the result. A step
-// costs max(local, transfer); the last shard is computed after the loop. Buffers: the own
-// shard plus two rotating receive buffers.
+// ring-kv (the paper's baseline, src/strategies/ring_kv.cpp): p-1 steps; in each, every rank
+// sends the KV shard it holds to rank + 1 (nonblocking, progressed between pieces of the
+// kernel) while computing attention on it. A step costs max(local, transfer); the last shard
+// is computed after the loop, then the p partials are merged. Buffers: the own shard plus two
+// receive buffers (one when p = 2) and p partial states.
 Prediction model_ring_kv(const Ctx& c) {
   RoundSim sim(c.topo, c.p, c.r);
   CommCost comm;
-  const double loc = c.local_us(c.shard_tokens, c.p) + c.merge_us(1);
+  const double loc = c.local_us(c.shard_tokens, c.p);
   double total = loc;
   if (c.p > 1) {
     Round r;
@@ -530,24 +540,29 @@ Prediction model_ring_kv(const Ctx& c) {
   // total >= p * loc, so the exposed communication is what is left over.
   const double local_all = loc * c.p;
   comm.us = total - local_all;
-  return finish("ring-kv", c, local_all, comm, sim,
-                c.p > 1 ? 2.0 * c.kv_bytes(c.shard_tokens) : 0.0);
+  const double merge = c.p > 1 ? c.merge_us(c.p) : 0.0;
+  const double buffers = c.p >= 3 ? 2.0 : (c.p == 2 ? 1.0 : 0.0);
+  return finish("ring-kv", c, local_all + merge, comm, sim,
+                buffers * c.kv_bytes(c.shard_tokens) + (c.p > 1 ? c.p * c.state_bytes : 0.0));
 }
 
-// ring-state: p-1 steps; in each, every rank forwards the state it received last (its own
-// first) to rank + 1 and merges what it receives. Every rank ends with the full merge.
+// ring-state (src/strategies/ring_state.cpp): p-1 steps; in each, every rank forwards the
+// state it received last (its own first) to rank + 1. Every rank then holds all p partials and
+// merges them in rank order.
 Prediction model_ring_state(const Ctx& c) {
   RoundSim sim(c.topo, c.p, c.r);
   CommCost comm;
   if (c.p > 1) {
     Round r;
-    for (int i = 0; i < c.p; ++i) r.push_back({i, (i + 1) % c.p, c.state_bytes, true});
+    for (int i = 0; i < c.p; ++i) r.push_back({i, (i + 1) % c.p, c.state_bytes, false});
     const double k = c.p - 1;
     comm.us = k * (c.topo.collective_overhead_us + sim.round(r, k));
     comm.calls = c.p - 1;
     comm.algorithm = std::to_string(c.p - 1) + " ring steps of S";
   }
-  return finish("ring-state", c, c.local_us(c.shard_tokens, c.p), comm, sim, 2.0 * c.state_bytes);
+  const double merge = c.p > 1 ? c.merge_us(c.p) : 0.0;
+  return finish("ring-state", c, c.local_us(c.shard_tokens, c.p) + merge, comm, sim,
+                c.p > 1 ? c.p * c.state_bytes : 0.0);
 }
 
 // allgather: every rank gathers all p states and merges them locally.
@@ -594,16 +609,26 @@ Prediction model_gather_root(const Ctx& c) {
                 static_cast<double>(c.p) * c.state_bytes);
 }
 
-// single: one rank holds the whole KV cache; no communication.
+// single (src/strategies/single.cpp): rank 0 holds the whole KV cache and computes alone; in
+// a job of p > 1 ranks it then broadcasts the result (binomial for MPI, ring for NCCL).
 Prediction model_single(const Ctx& c) {
   Ctx one = c;
-  one.p = 1;
-  one.r = 1;
-  one.n = 1;
   one.shard_tokens = c.context;
-  RoundSim sim(c.topo, 1, 1);
+  RoundSim sim(c.topo, c.p, c.r);
   CommCost comm;
-  comm.algorithm = "no communication";
+  if (c.p > 1) {
+    if (c.nccl()) {
+      const ClosedForm f = nccl_bcast(c.topo, c.p, c.r, c.state_bytes);
+      sim.add_sent_all(f.bytes_per_rank);
+      sim.add_rounds(f.hops);
+      comm.add(c.topo.collective_overhead_us + f.us, "NCCL ring broadcast of the result");
+    } else {
+      comm.add(c.topo.collective_overhead_us + mpi_bcast_binomial(sim, c.state_bytes),
+               "binomial broadcast of the result");
+    }
+  } else {
+    comm.algorithm = "no communication";
+  }
   return finish("single", one, one.local_us(c.context, 1), comm, sim, 0.0);
 }
 

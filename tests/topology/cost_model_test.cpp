@@ -65,15 +65,21 @@ TEST(CostModel, TreeOnTwoRanksByHand) {
   EXPECT_DOUBLE_EQ(p.peak_bytes, 256000.0 + 256 + 264 + 264);
 }
 
-// Same machine, ring-kv: step = max(local + merge, 1 us + 256000 B / 1000) , twice in all.
+// Same machine, ring-kv: local, then one step of max(local, 1 us + 256000 B / 1000), then
+// the merge of the 2 partials (3 * 264 B at 1000 B/us). Buffers: own shard + 1 receive
+// buffer (p = 2) + 2 partial states.
 TEST(CostModel, RingKvOnTwoRanksByHand) {
   const Topology t = synthetic(1, 2, 1.0, 1.0, 0, 0, 1.0);
   const Prediction p = must(predict("ring-kv", small_query(1000, 2), t));
-  const double loc = (256000.0 + 256 + 264) / 1000 + 2 * 0.264;
+  const double loc = (256000.0 + 256 + 264) / 1000;
   const double comm_step = 1.0 + 256.0;
-  EXPECT_NEAR(p.latency_us, loc + std::max(loc, comm_step), 1e-9);
+  EXPECT_NEAR(p.latency_us, loc + std::max(loc, comm_step) + 3 * 0.264, 1e-9);
   EXPECT_DOUBLE_EQ(p.bytes_sent_per_rank, 256000.0);
-  EXPECT_DOUBLE_EQ(p.peak_bytes, 3 * 256000.0 + 256 + 264);
+  EXPECT_DOUBLE_EQ(p.peak_bytes, 2 * 256000.0 + 256 + 264 + 2 * 264);
+  // From 3 ranks on, two receive buffers.
+  const Prediction p3 =
+      must(predict("ring-kv", small_query(1500, 3), synthetic(1, 3, 1, 1, 0, 0, 1)));
+  EXPECT_DOUBLE_EQ(p3.peak_bytes, 3 * 256000.0 + 256 + 264 + 3 * 264);
 }
 
 // Recursive doubling on 8 ranks = 2 nodes x 4: log2(4) = 2 node rounds + 1 network round.
@@ -98,11 +104,15 @@ TEST(CostModel, OneRankMatchesSingleAndSendsNothing) {
   EXPECT_NEAR(single.latency_us, (2.0 * 50000 * 64 * 4 + 256 + 264) / 20e3, 1e-9);
 }
 
-TEST(CostModel, SingleIgnoresRanksAndUsesWholeContext) {
+// single: rank 0 reads the whole cache; with p > 1 it then broadcasts the result.
+TEST(CostModel, SingleComputesTheWholeContextThenBroadcasts) {
   const Topology t = synthetic(2, 4, 1.0, 10.0, 10.0, 1.0, 20.0);
   const Prediction a = must(predict("single", small_query(40000, 8), t));
   const Prediction b = must(predict("single", small_query(40000, 1), t));
-  EXPECT_DOUBLE_EQ(a.latency_us, b.latency_us);
+  EXPECT_DOUBLE_EQ(a.local_us, b.local_us);
+  EXPECT_DOUBLE_EQ(b.comm_us, 0.0);
+  EXPECT_GT(a.comm_us, 10.0);   // the broadcast crosses the network once at least
+  EXPECT_EQ(a.comm_rounds, 3);  // binomial broadcast over 8 ranks
   EXPECT_DOUBLE_EQ(a.peak_bytes, 2.0 * 40000 * 64 * 4 + 256 + 264);
 }
 
@@ -265,17 +275,32 @@ TEST(Planner, ChoosesHierOnASharedSlowNetwork) {
   EXPECT_EQ(pl->front().prediction.strategy, "hier");
 }
 
-TEST(Planner, ChoosesSingleForTinyContextsOnAHighLatencyNetwork) {
-  const Topology t = synthetic(8, 1, 0.5, 10.0, 500.0, 1.0, 30.0);
+// 5 ranks, one per node, 500 us network latency, tiny context: the latency rounds decide.
+// Recursive doubling on 5 needs 1 + 2 + 1 = 4 rounds, ring-state 4, hier (binary heap of 5)
+// 2 up + 2 down, gather-root 3 + 3, Bruck all-gather ceil(log2 5) = 3: allgather wins.
+TEST(Planner, ChoosesAllgatherForNonPowerOfTwoLatencyBoundJobs) {
+  const Topology t = synthetic(5, 1, 0.5, 10.0, 500.0, 1.0, 30.0);
+  Result<std::vector<PlanEntry>> pl = plan(paper_query(512, 5), t);
+  ASSERT_TRUE(pl.is_ok());
+  EXPECT_EQ(pl->front().prediction.strategy, "allgather");
+  EXPECT_EQ(pl->front().prediction.comm_rounds, 3);
+  // With 4 ranks recursive doubling needs only log2 4 = 2 rounds and the tree wins.
+  pl = plan(paper_query(512, 4), t);
+  ASSERT_TRUE(pl.is_ok());
+  EXPECT_EQ(pl->front().prediction.strategy, "tree");
+}
+
+TEST(Planner, RanksSingleOnlyWhenAsked) {
+  const Topology t = synthetic(2, 4, 0.5, 10.0, 10.0, 1.0, 30.0);
+  Result<std::vector<PlanEntry>> pl = plan(paper_query(1'000'000, 8), t);
+  ASSERT_TRUE(pl.is_ok());
+  for (const PlanEntry& e : *pl) EXPECT_NE(e.prediction.strategy, "single");
   PlanOptions opts;
   opts.include_single = true;
-  Result<std::vector<PlanEntry>> pl = plan(paper_query(512, 8), t, opts);
+  pl = plan(paper_query(1'000'000, 8), t, opts);
   ASSERT_TRUE(pl.is_ok());
-  EXPECT_EQ(pl->front().prediction.strategy, "single");
-  // Long context: sharding wins again.
-  pl = plan(paper_query(4'000'000, 8), t, opts);
-  ASSERT_TRUE(pl.is_ok());
-  EXPECT_NE(pl->front().prediction.strategy, "single");
+  ASSERT_EQ(pl->size(), modeled_strategies().size());
+  EXPECT_NE(pl->front().prediction.strategy, "single");  // 8x the memory traffic
 }
 
 TEST(Planner, MemoryCapacityMakesPlansInfeasible) {
