@@ -196,6 +196,28 @@ ExpFn exp_for(Isa isa) {
     default: return nullptr;
   }
 }
+
+ReadStreamFn read_stream_for(Isa isa) {
+  switch (isa) {
+    case Isa::kGeneric: return &generic::read_stream;
+#if defined(TREEATTN_HAVE_X86_KERNELS)
+    case Isa::kAvx2: return &avx2::read_stream;
+    case Isa::kAvx512: return &avx512::read_stream;
+#endif
+    default: return nullptr;
+  }
+}
+
+FmaBurnFn fma_burn_for(Isa isa) {
+  switch (isa) {
+    case Isa::kGeneric: return &generic::fma_burn;
+#if defined(TREEATTN_HAVE_X86_KERNELS)
+    case Isa::kAvx2: return &avx2::fma_burn;
+    case Isa::kAvx512: return &avx512::fma_burn;
+#endif
+    default: return nullptr;
+  }
+}
 }  // namespace cpu
 
 }  // namespace treeattn::kernels

@@ -48,20 +48,36 @@ using ItemFn = void (*)(const ItemArgs&);
 // exp(0) == 1 exactly, exp(-inf) == 0, NaN in -> NaN out, a few ulp elsewhere.
 using ExpFn = void (*)(const float* in, float* out, int64_t n);
 
-// The exp of a target's kernel, or nullptr when the target is not built.
+// Roofline probes, compiled per target with the kernel's instructions:
+//   read_stream: sums n floats (n a multiple of 128) with independent vector accumulators, so
+//                that only memory limits it; returns the sum so the reads cannot be dropped.
+//   fma_burn:    iters rounds of independent FMA chains in registers; *flops receives the
+//                floating-point operations performed (2 per lane per FMA).
+using ReadStreamFn = float (*)(const float* p, int64_t n);
+using FmaBurnFn = float (*)(int64_t iters, float seed, double* flops);
+
+// The functions of a target, or nullptr when the target is not built.
 ExpFn exp_for(Isa isa);
+ReadStreamFn read_stream_for(Isa isa);
+FmaBurnFn fma_burn_for(Isa isa);
 
 namespace generic {
 void decode_item(const ItemArgs& a);
 void exp_array(const float* in, float* out, int64_t n);
+float read_stream(const float* p, int64_t n);
+float fma_burn(int64_t iters, float seed, double* flops);
 }  // namespace generic
 namespace avx2 {
 void decode_item(const ItemArgs& a);
 void exp_array(const float* in, float* out, int64_t n);
+float read_stream(const float* p, int64_t n);
+float fma_burn(int64_t iters, float seed, double* flops);
 }  // namespace avx2
 namespace avx512 {
 void decode_item(const ItemArgs& a);
 void exp_array(const float* in, float* out, int64_t n);
+float read_stream(const float* p, int64_t n);
+float fma_burn(int64_t iters, float seed, double* flops);
 }  // namespace avx512
 
 }  // namespace treeattn::kernels::cpu

@@ -264,3 +264,28 @@ void exp_array_impl(const float* in, float* out, int64_t n) {
     for (int64_t j = i; j < n; ++j) out[j] = buf[j - i];
   }
 }
+
+// Roofline probes (see cpu_targets.hpp).
+float read_stream_impl(const float* p, int64_t n) {
+  using V = typename Ops::V;
+  constexpr int kAcc = 8;
+  V acc[kAcc];
+  for (int i = 0; i < kAcc; ++i) acc[i] = Ops::zero();
+  for (int64_t i = 0; i + kAcc * Ops::W <= n; i += kAcc * Ops::W)
+    for (int j = 0; j < kAcc; ++j) acc[j] = Ops::add(acc[j], Ops::loadu(p + i + j * Ops::W));
+  for (int j = 1; j < kAcc; ++j) acc[0] = Ops::add(acc[0], acc[j]);
+  return Ops::reduce_add(acc[0]);
+}
+
+float fma_burn_impl(int64_t iters, float seed, double* flops) {
+  using V = typename Ops::V;
+  constexpr int kChains = 12;  // > FMA latency x FMA ports on current x86 cores
+  V acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = Ops::set1(seed + static_cast<float>(i) * 1e-3f);
+  const V a = Ops::set1(0.9999999f), b = Ops::set1(1e-7f);
+  for (int64_t it = 0; it < iters; ++it)
+    for (int i = 0; i < kChains; ++i) acc[i] = Ops::fma(acc[i], a, b);
+  for (int i = 1; i < kChains; ++i) acc[0] = Ops::add(acc[0], acc[i]);
+  *flops = static_cast<double>(iters) * kChains * Ops::W * 2.0;
+  return Ops::reduce_add(acc[0]);
+}

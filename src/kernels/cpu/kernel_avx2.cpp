@@ -88,5 +88,7 @@ struct Ops {
 
 void decode_item(const ItemArgs& a) { dispatch_item(a); }
 void exp_array(const float* in, float* out, int64_t n) { exp_array_impl(in, out, n); }
+float read_stream(const float* p, int64_t n) { return read_stream_impl(p, n); }
+float fma_burn(int64_t iters, float seed, double* flops) { return fma_burn_impl(iters, seed, flops); }
 
 }  // namespace treeattn::kernels::cpu::avx2

@@ -1,0 +1,95 @@
+// Google Benchmark microbenchmarks of the decode kernel (per ISA target and dtype, llama3-8b
+// head layout) and of the state merge. Not part of the test suite; run
+//   build/<dir>/bench/treeattn_microbench --benchmark_filter=Decode
+// Reported bytes/s count the KV bytes the kernel must read.
+#include <benchmark/benchmark.h>
+
+#include <random>
+#include <vector>
+
+#include "treeattn/kernel.hpp"
+#include "treeattn/shape.hpp"
+#include "treeattn/state.hpp"
+
+namespace {
+
+using namespace treeattn;
+
+// args: isa, dtype, tokens, q_len, threads
+void BM_Decode(benchmark::State& st) {
+  const auto isa = static_cast<Isa>(st.range(0));
+  const auto dtype = static_cast<DType>(st.range(1));
+  const int64_t n = st.range(2), Q = st.range(3);
+  if (!isa_supported(isa)) {
+    st.SkipWithError("CPU lacks this ISA");
+    return;
+  }
+  const AttnShape s{1, 32, 8, 128, Q};
+  KVCache cache(s, dtype, n);
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> k(128), v(128);
+  for (int64_t h = 0; h < 8; ++h)
+    for (int64_t t = 0; t < n; ++t) {
+      for (auto& x : k) x = u(rng);
+      for (auto& x : v) x = u(rng);
+      cache.set_token(0, h, t, k.data(), v.data());
+    }
+  std::vector<float> q(static_cast<std::size_t>(Q * 32 * 128));
+  for (auto& x : q) x = u(rng);
+  std::vector<int64_t> len{n}, start{0};
+  const KVShard kv = cache.view(0, len, start, len, 1);
+  std::vector<float> states(static_cast<std::size_t>(Q * 32 * 130));
+  DecodeOptions opt;
+  opt.isa = isa;
+  opt.threads = static_cast<int>(st.range(4));
+  for (auto _ : st) {
+    const Status r = decode_partial(s, q.data(), kv, states.data(), opt);
+    if (!r.is_ok()) st.SkipWithError(r.message().c_str());
+    benchmark::DoNotOptimize(states.data());
+  }
+  st.SetBytesProcessed(st.iterations() * static_cast<int64_t>(cache.bytes()));
+  st.SetLabel(std::string(isa_name(isa)) + "/" + std::string(dtype_name(dtype)));
+}
+
+void decode_args(benchmark::internal::Benchmark* b) {
+  for (Isa isa : {Isa::kReference, Isa::kGeneric, Isa::kAvx2, Isa::kAvx512})
+    for (DType t : {DType::kF32, DType::kBF16, DType::kF16})
+      for (int64_t n : {4096, 65536}) {
+        if (isa == Isa::kReference && n > 4096) continue;
+        b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), n, 1, 1});
+      }
+  b->Args({static_cast<int64_t>(Isa::kAvx512), static_cast<int64_t>(DType::kBF16), 65536, 4, 1});
+}
+BENCHMARK(BM_Decode)->Apply(decode_args)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+// Merging n records of head dim D into n others (one tree level on one rank).
+void BM_Merge(benchmark::State& st) {
+  const auto D = static_cast<std::size_t>(st.range(0));
+  const auto n = static_cast<std::size_t>(st.range(1));
+  std::vector<float> a(n * (D + 2)), b(n * (D + 2));
+  std::mt19937 rng(2);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (std::size_t i = 0; i < n; ++i) {
+    a[i * (D + 2)] = u(rng);
+    b[i * (D + 2)] = u(rng);
+    a[i * (D + 2) + 1] = 1.0f + u(rng) * 0.5f;
+    b[i * (D + 2) + 1] = 1.0f + u(rng) * 0.5f;
+    for (std::size_t d = 0; d < D; ++d) {
+      a[i * (D + 2) + 2 + d] = u(rng);
+      b[i * (D + 2) + 2 + d] = u(rng);
+    }
+  }
+  for (auto _ : st) {
+    state_merge_n(a.data(), b.data(), n, D);
+    benchmark::DoNotOptimize(a.data());
+    // Keep values bounded: reset m so repeated merges do not drift to infinity.
+    for (std::size_t i = 0; i < n; ++i) a[i * (D + 2) + 1] = 1.0f;
+  }
+  st.SetBytesProcessed(st.iterations() * static_cast<int64_t>(2 * n * (D + 2) * sizeof(float)));
+}
+BENCHMARK(BM_Merge)->Args({128, 32})->Args({128, 1024})->Args({256, 1024});
+
+}  // namespace
+
+BENCHMARK_MAIN();

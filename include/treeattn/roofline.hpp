@@ -1,0 +1,88 @@
+// The kernel roofline: how fast the decode kernel runs against what the machine allows.
+//
+// Decoding one token reads the whole KV shard once and does little arithmetic per byte, so
+// its limit is usually memory bandwidth: time >= kv_bytes / bandwidth. With many query rows
+// per KV head (large GQA groups times q_len) the arithmetic can become the tighter limit:
+// time >= flops / peak. run_roofline() measures both limits on this machine with the same
+// OpenMP threads as the kernel, then times the kernel per case (median of repeats) and
+// reports the achieved KV read rate and its fraction of each limit. Optionally it times the
+// OpenBLAS peer (f32 only) in the same run.
+//
+//   bandwidth:  streaming read of a buffer much larger than the caches (default 1 GiB),
+//               every thread reading its own contiguous part, median of repeats.
+//   peak:       independent FMA chains in registers with the kernel's ISA, median of repeats.
+//   kv_bytes:   bytes of K and V the kernel must read (tokens * kv_heads * head_dim * 2 *
+//               dtype size, summed over the batch).
+//   flops:      2 * D per (row, token) for q.k and 2 * D for p*v, rows = batch*heads*q_len.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "treeattn/kernel.hpp"
+#include "treeattn/shape.hpp"
+#include "treeattn/status.hpp"
+
+namespace treeattn {
+
+struct RooflineCase {
+  AttnShape shape;  // batch, heads, kv_heads, head_dim, q_len
+  int64_t seq = 0;  // KV tokens per batch row
+};
+
+struct RooflineOptions {
+  std::vector<RooflineCase> cases;          // empty: default_roofline_cases()
+  std::vector<DType> dtypes{DType::kF32, DType::kBF16, DType::kF16};
+  std::vector<int> threads{0};              // 0 = all the threads OpenMP offers
+  int repeats = 5;                          // timed runs per measurement (median)
+  Isa isa = Isa::kAuto;
+  int64_t chunk_tokens = 0;                 // 0 = the kernel's default
+  int64_t probe_bytes = int64_t{1} << 30;   // bandwidth probe buffer
+  bool peer = true;                         // also time the OpenBLAS peer (f32 only)
+  bool check = true;                        // compare one output row set with the reference
+};
+
+struct RooflineRecord {
+  std::string shape;            // AttnShape::to_string()
+  std::string dtype;            // "f32", "bf16", "f16"
+  std::string isa;              // kernel target that ran
+  int64_t batch = 0, heads = 0, kv_heads = 0, head_dim = 0, q_len = 0;
+  int64_t seq = 0;              // KV tokens per batch row
+  int threads = 0;
+  int64_t kv_bytes = 0;
+  double seconds = 0;           // median kernel time
+  double gbps = 0;              // kv_bytes / seconds / 1e9
+  double bandwidth_gbps = 0;    // measured by the probe with the same threads
+  double fraction_of_bandwidth = 0;
+  double flops = 0;
+  double peak_gflops = 0;       // measured FMA peak with the same threads and ISA
+  double compute_seconds = 0;   // flops / peak
+  double memory_seconds = 0;    // kv_bytes / bandwidth
+  std::string bound;            // "memory" or "compute": the tighter of the two limits
+  double fraction_of_bound = 0; // max(memory_seconds, compute_seconds) / seconds
+  double peer_seconds = -1;     // OpenBLAS peer median time; -1 when not run
+  double ours_over_peer = -1;   // seconds / peer_seconds (< 1: we are faster)
+  double max_rel_error = -1;    // vs the reference kernel on a check row set; -1 if unchecked
+};
+
+// The cases: llama3-8b (H 32, Hkv 8, D 128) batch 1 Q 1 at 256k tokens, batch 16 at
+// 16k tokens, and batch 1 Q 4 at 64k tokens.
+std::vector<RooflineCase> default_roofline_cases();
+
+// Streaming-read bandwidth in GB/s (1e9 bytes/s) with `threads` OpenMP threads (0 = all).
+Result<double> measure_read_bandwidth(int threads, int64_t bytes, int repeats);
+
+// FMA peak in GFLOP/s of an ISA target with `threads` threads (0 = all).
+Result<double> measure_peak_gflops(int threads, Isa isa, int repeats);
+
+// Runs every case x dtype x thread count. Probes are measured once per thread count.
+Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options);
+
+// A fixed-width text table of the records (one line per record, with a header).
+std::string roofline_table(const std::vector<RooflineRecord>& records);
+
+// One JSON object per record, as a JSON array (no external JSON dependency).
+std::string roofline_json(const std::vector<RooflineRecord>& records);
+
+}  // namespace treeattn

@@ -1,0 +1,334 @@
+// The bandwidth and FMA probes and the kernel roofline run (see include/treeattn/roofline.hpp).
+#include "treeattn/roofline.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+
+#include "kernels/cpu/cpu_targets.hpp"
+#include "treeattn/oracle.hpp"
+#include "treeattn/peer.hpp"
+#include "treeattn/state.hpp"
+
+namespace treeattn {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+int resolve_threads(int threads) { return threads > 0 ? threads : omp_get_max_threads(); }
+
+// The target whose probes run: the kernel's ISA, or generic for the reference kernel.
+Isa probe_isa(Isa isa) {
+  const Isa resolved = isa == Isa::kAuto ? best_isa() : isa;
+  return resolved == Isa::kReference ? Isa::kGeneric : resolved;
+}
+
+// 64-byte aligned, uninitialized byte buffer (first touched by the threads that use it).
+struct AlignedBuffer {
+  struct Free {
+    void operator()(void* p) const { std::free(p); }
+  };
+  std::unique_ptr<void, Free> mem;
+  std::size_t bytes = 0;
+  explicit AlignedBuffer(std::size_t n) : bytes((n + 63) / 64 * 64) {
+    mem.reset(std::aligned_alloc(64, bytes));
+  }
+  uint8_t* data() const { return static_cast<uint8_t*>(mem.get()); }
+};
+
+// Fills a buffer with dtype-encoded values in [-1, 1): a 64 Ki-element random table tiled by
+// memcpy, in parallel (the first touch places pages with the threads that read them).
+void fill_random(uint8_t* dst, std::size_t bytes, DType t, uint64_t seed, int threads) {
+  const std::size_t es = dtype_size(t);
+  constexpr std::size_t kTable = 65536;
+  std::vector<uint8_t> table(kTable * es);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (std::size_t i = 0; i < kTable; ++i) store_from_float(table.data(), t, i, u(rng));
+  const std::size_t tb = table.size();
+  const auto tiles = static_cast<int64_t>((bytes + tb - 1) / tb);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t i = 0; i < tiles; ++i) {
+    const std::size_t off = static_cast<std::size_t>(i) * tb;
+    std::memcpy(dst + off, table.data(), std::min(tb, bytes - off));
+  }
+}
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+}  // namespace
+
+std::vector<RooflineCase> default_roofline_cases() {
+  return {
+      {AttnShape{1, 32, 8, 128, 1}, 262144},
+      {AttnShape{16, 32, 8, 128, 1}, 16384},
+      {AttnShape{1, 32, 8, 128, 4}, 65536},
+  };
+}
+
+Result<double> measure_read_bandwidth(int threads, int64_t bytes, int repeats) {
+  if (bytes < (int64_t{1} << 20))
+    return invalid_argument("bandwidth probe needs at least 1 MiB, got " + std::to_string(bytes));
+  if (repeats < 1) return invalid_argument("repeats must be >= 1, got " + std::to_string(repeats));
+  const int T = resolve_threads(threads);
+  const kernels::cpu::ReadStreamFn read = kernels::cpu::read_stream_for(probe_isa(Isa::kAuto));
+  if (read == nullptr) return internal_error("no read-stream probe built for this CPU");
+  // Whole 512-byte lines per thread.
+  const int64_t per_thread = bytes / T / 512 * 512;
+  const std::size_t floats_per_thread = static_cast<std::size_t>(per_thread / 4);
+  AlignedBuffer buf(static_cast<std::size_t>(per_thread) * static_cast<std::size_t>(T));
+  if (buf.data() == nullptr) return Status(Code::kOutOfMemory, "cannot allocate the probe buffer");
+  auto* f = reinterpret_cast<float*>(buf.data());
+#pragma omp parallel num_threads(T)
+  {
+    const std::size_t tid = static_cast<std::size_t>(omp_get_thread_num());
+    std::memset(f + tid * floats_per_thread, 0, floats_per_thread * 4);
+  }
+  std::vector<double> rates;
+  volatile float sink = 0;
+  for (int r = 0; r < repeats + 1; ++r) {
+    float sum = 0;
+    const auto t0 = Clock::now();
+#pragma omp parallel num_threads(T) reduction(+ : sum)
+    {
+      const std::size_t tid = static_cast<std::size_t>(omp_get_thread_num());
+      sum += read(f + tid * floats_per_thread, static_cast<int64_t>(floats_per_thread));
+    }
+    const double s = seconds_since(t0);
+    sink = sink + sum;
+    if (r > 0) rates.push_back(static_cast<double>(per_thread) * T / s / 1e9);  // r = 0: warm-up
+  }
+  return median(rates);
+}
+
+Result<double> measure_peak_gflops(int threads, Isa isa, int repeats) {
+  if (repeats < 1) return invalid_argument("repeats must be >= 1, got " + std::to_string(repeats));
+  const int T = resolve_threads(threads);
+  const kernels::cpu::FmaBurnFn burn = kernels::cpu::fma_burn_for(probe_isa(isa));
+  if (burn == nullptr) return internal_error("no FMA probe built for ISA " + std::string(isa_name(isa)));
+  constexpr int64_t kIters = 4'000'000;
+  std::vector<double> rates;
+  volatile float sink = 0;
+  for (int r = 0; r < repeats + 1; ++r) {
+    double flops = 0;
+    float sum = 0;
+    const auto t0 = Clock::now();
+#pragma omp parallel num_threads(T) reduction(+ : flops, sum)
+    {
+      double f = 0;
+      sum += burn(kIters, static_cast<float>(omp_get_thread_num()), &f);
+      flops += f;
+    }
+    const double s = seconds_since(t0);
+    sink = sink + sum;
+    if (r > 0) rates.push_back(flops / s / 1e9);
+  }
+  return median(rates);
+}
+
+Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options) {
+  if (options.repeats < 1)
+    return invalid_argument("repeats must be >= 1, got " + std::to_string(options.repeats));
+  const std::vector<RooflineCase> cases =
+      options.cases.empty() ? default_roofline_cases() : options.cases;
+  for (const RooflineCase& c : cases) {
+    TREEATTN_RETURN_IF_ERROR(c.shape.validate());
+    if (c.seq < 1) return invalid_argument("roofline case " + c.shape.to_string() +
+                                           " needs seq >= 1, got " + std::to_string(c.seq));
+  }
+  const Isa isa = options.isa == Isa::kAuto ? best_isa() : options.isa;
+  if (!isa_supported(isa))
+    return unsupported("ISA target " + std::string(isa_name(isa)) + " is not supported by this CPU");
+
+  std::vector<RooflineRecord> out;
+  for (int threads_opt : options.threads) {
+    const int T = resolve_threads(threads_opt);
+    Result<double> bw = measure_read_bandwidth(T, options.probe_bytes, options.repeats);
+    if (!bw.is_ok()) return bw.status();
+    Result<double> peak = measure_peak_gflops(T, isa, options.repeats);
+    if (!peak.is_ok()) return peak.status();
+
+    for (const RooflineCase& c : cases) {
+      const AttnShape& s = c.shape;
+      for (DType t : options.dtypes) {
+        const std::size_t es = dtype_size(t);
+        const std::size_t kv_elems =
+            static_cast<std::size_t>(s.batch * s.kv_heads * c.seq * s.head_dim);
+        AlignedBuffer kbuf(kv_elems * es), vbuf(kv_elems * es);
+        if (kbuf.data() == nullptr || vbuf.data() == nullptr)
+          return Status(Code::kOutOfMemory, "cannot allocate " + std::to_string(2 * kv_elems * es) +
+                                                " bytes of KV for " + s.to_string());
+        fill_random(kbuf.data(), kv_elems * es, t, 1, T);
+        fill_random(vbuf.data(), kv_elems * es, t, 2, T);
+        std::vector<float> q(static_cast<std::size_t>(s.batch * s.q_len * s.heads * s.head_dim));
+        std::mt19937_64 rng(3);
+        std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+        for (float& x : q) x = u(rng);
+        std::vector<int64_t> len(static_cast<std::size_t>(s.batch), c.seq);
+        std::vector<int64_t> start(len.size(), 0);
+        KVShard kv;
+        kv.dtype = t;
+        kv.k = kbuf.data();
+        kv.v = vbuf.data();
+        kv.stride_token = s.head_dim;
+        kv.stride_head = c.seq * s.head_dim;
+        kv.stride_batch = s.kv_heads * kv.stride_head;
+        kv.len = len;
+        kv.pos_start = start;
+        kv.total_len = len;
+        const std::size_t rows = static_cast<std::size_t>(s.batch * s.q_len * s.heads);
+        std::vector<float> states(rows * static_cast<std::size_t>(s.head_dim + 2));
+        DecodeOptions opt;
+        opt.threads = T;
+        opt.isa = isa;
+        opt.chunk_tokens = options.chunk_tokens;
+
+        std::vector<double> times;
+        for (int r = 0; r < options.repeats + 1; ++r) {
+          const auto t0 = Clock::now();
+          TREEATTN_RETURN_IF_ERROR(decode_partial(s, q.data(), kv, states.data(), opt));
+          if (r > 0) times.push_back(seconds_since(t0));
+        }
+
+        RooflineRecord rec;
+        rec.shape = s.to_string();
+        rec.dtype = std::string(dtype_name(t));
+        rec.isa = std::string(isa_name(isa));
+        rec.batch = s.batch;
+        rec.heads = s.heads;
+        rec.kv_heads = s.kv_heads;
+        rec.head_dim = s.head_dim;
+        rec.q_len = s.q_len;
+        rec.seq = c.seq;
+        rec.threads = T;
+        rec.kv_bytes = static_cast<int64_t>(2 * kv_elems * es);
+        rec.seconds = median(times);
+        rec.gbps = static_cast<double>(rec.kv_bytes) / rec.seconds / 1e9;
+        rec.bandwidth_gbps = bw.value();
+        rec.fraction_of_bandwidth = rec.gbps / rec.bandwidth_gbps;
+        rec.flops = 4.0 * static_cast<double>(s.batch * s.heads * s.q_len) *
+                    static_cast<double>(c.seq) * static_cast<double>(s.head_dim);
+        rec.peak_gflops = peak.value();
+        rec.compute_seconds = rec.flops / (rec.peak_gflops * 1e9);
+        rec.memory_seconds = static_cast<double>(rec.kv_bytes) / (rec.bandwidth_gbps * 1e9);
+        rec.bound = rec.compute_seconds > rec.memory_seconds ? "compute" : "memory";
+        rec.fraction_of_bound = std::max(rec.compute_seconds, rec.memory_seconds) / rec.seconds;
+
+        if (options.check) {
+          // Oracle on the first 2048 tokens of batch row 0 (a view of the same data).
+          AttnShape cs = s;
+          cs.batch = 1;
+          std::vector<int64_t> cl{std::min<int64_t>(c.seq, 2048)}, c0{0};
+          KVShard ck = kv;
+          ck.len = cl;
+          ck.pos_start = c0;
+          ck.total_len = cl;
+          const std::size_t crow = static_cast<std::size_t>(cs.q_len * cs.heads);
+          const std::size_t D = static_cast<std::size_t>(s.head_dim);
+          std::vector<float> cst(crow * (D + 2));
+          TREEATTN_RETURN_IF_ERROR(decode_partial(cs, q.data(), ck, cst.data(), opt));
+          std::vector<double> ref(crow * D), lse(crow);
+          TREEATTN_RETURN_IF_ERROR(oracle_attention(cs, q.data(), ck, ref.data(), lse.data()));
+          double err = 0, mag = 1;
+          std::vector<float> o(D);
+          for (std::size_t r = 0; r < crow; ++r) {
+            float l;
+            state_normalize(cst.data() + r * (D + 2), D, o.data(), &l);
+            for (std::size_t d = 0; d < D; ++d) {
+              err = std::max(err, std::abs(o[d] - ref[r * D + d]));
+              mag = std::max(mag, std::abs(ref[r * D + d]));
+            }
+          }
+          rec.max_rel_error = err / mag;
+        }
+
+        if (options.peer && t == DType::kF32 && openblas_available()) {
+          std::vector<double> pt;
+          for (int r = 0; r < options.repeats + 1; ++r) {
+            const auto t0 = Clock::now();
+            TREEATTN_RETURN_IF_ERROR(
+                openblas_decode_partial(s, q.data(), kv, states.data(), 0.0f, T));
+            if (r > 0) pt.push_back(seconds_since(t0));
+          }
+          rec.peer_seconds = median(pt);
+          rec.ours_over_peer = rec.seconds / rec.peer_seconds;
+        }
+        out.push_back(rec);
+      }
+    }
+  }
+  return out;
+}
+
+std::string roofline_table(const std::vector<RooflineRecord>& records) {
+  std::string s;
+  char line[512];
+  std::snprintf(line, sizeof line,
+                "%-26s %-5s %-7s %3s %7s %8s %8s %7s %7s %6s %8s %-7s %6s %9s %9s %8s\n", "shape",
+                "dtype", "isa", "thr", "seq", "kv_MB", "ms", "GB/s", "bw_GB/s", "frac",
+                "peak_GF", "bound", "f_bnd", "blas_ms", "ours/blas", "rel_err");
+  s += line;
+  for (const RooflineRecord& r : records) {
+    const std::string peer_ms = r.peer_seconds >= 0 ? fmt("%.2f", r.peer_seconds * 1e3) : "-";
+    const std::string ratio = r.ours_over_peer >= 0 ? fmt("%.3f", r.ours_over_peer) : "-";
+    const std::string err = r.max_rel_error >= 0 ? fmt("%.1e", r.max_rel_error) : "-";
+    std::snprintf(line, sizeof line,
+                  "%-26s %-5s %-7s %3d %7lld %8.1f %8.2f %7.2f %7.2f %6.3f %8.1f %-7s %6.3f %9s "
+                  "%9s %8s\n",
+                  r.shape.c_str(), r.dtype.c_str(), r.isa.c_str(), r.threads,
+                  static_cast<long long>(r.seq), static_cast<double>(r.kv_bytes) / 1048576.0,
+                  r.seconds * 1e3, r.gbps, r.bandwidth_gbps, r.fraction_of_bandwidth,
+                  r.peak_gflops, r.bound.c_str(), r.fraction_of_bound, peer_ms.c_str(),
+                  ratio.c_str(), err.c_str());
+    s += line;
+  }
+  return s;
+}
+
+std::string roofline_json(const std::vector<RooflineRecord>& records) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < records.size(); ++i) {
+    const RooflineRecord& r = records[i];
+    auto num = [](double v) { return fmt("%.9g", v); };
+    s += i ? ",\n " : "\n ";
+    s += "{\"shape\": \"" + r.shape + "\", \"dtype\": \"" + r.dtype + "\", \"isa\": \"" + r.isa +
+         "\", \"batch\": " + std::to_string(r.batch) + ", \"heads\": " + std::to_string(r.heads) +
+         ", \"kv_heads\": " + std::to_string(r.kv_heads) +
+         ", \"head_dim\": " + std::to_string(r.head_dim) + ", \"q_len\": " + std::to_string(r.q_len) +
+         ", \"seq\": " + std::to_string(r.seq) + ", \"threads\": " + std::to_string(r.threads) +
+         ", \"kv_bytes\": " + std::to_string(r.kv_bytes) + ", \"seconds\": " + num(r.seconds) +
+         ", \"gbps\": " + num(r.gbps) + ", \"bandwidth_gbps\": " + num(r.bandwidth_gbps) +
+         ", \"fraction_of_bandwidth\": " + num(r.fraction_of_bandwidth) +
+         ", \"flops\": " + num(r.flops) + ", \"peak_gflops\": " + num(r.peak_gflops) +
+         ", \"compute_seconds\": " + num(r.compute_seconds) +
+         ", \"memory_seconds\": " + num(r.memory_seconds) + ", \"bound\": \"" + r.bound +
+         "\", \"fraction_of_bound\": " + num(r.fraction_of_bound) +
+         ", \"peer_seconds\": " + (r.peer_seconds >= 0 ? num(r.peer_seconds) : "null") +
+         ", \"ours_over_peer\": " + (r.ours_over_peer >= 0 ? num(r.ours_over_peer) : "null") +
+         ", \"max_rel_error\": " + (r.max_rel_error >= 0 ? num(r.max_rel_error) : "null") + "}";
+  }
+  s += "\n]\n";
+  return s;
+}
+
+}  // namespace treeattn
