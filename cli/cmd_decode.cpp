@@ -1,0 +1,336 @@
+// `treeattn run` and `treeattn bench`: decode steps on P ranks for every requested method on
+// the same generated data, checked against the float64 oracle outside the timed loop, with
+// latency, bytes sent and peak memory reported side by side as separate results.
+//
+// From a plain shell both re-execute themselves under mpirun (one job per rank count); under
+// an existing mpirun/srun they use that job's world.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <thread>
+
+#include "commands.hpp"
+#include "launcher.hpp"
+#include "measure.hpp"
+#include "options.hpp"
+#include "report.hpp"
+#include "treeattn/comm_mpi.hpp"
+#include "treeattn/kernel.hpp"
+#include "treeattn/strategy.hpp"
+
+namespace treeattn::cli {
+namespace {
+
+struct DecodeFlags {
+  ShapeFlags shape;
+  std::string ranks = "4";
+  std::string methods = "all";
+  int warmup = 2;
+  int iters = 5;
+  bool append = true;
+  int nodes = 1;
+  int fanout = 2;
+  int root = -1;
+  int threads = 0;
+  int timeout_ms = 60000;
+  bool no_check = false;
+  std::string json, csv, plot, child_json;
+  std::string baseline = "ring-kv";
+};
+
+std::vector<std::string> all_methods() {
+  std::vector<std::string> v;
+  for (const auto& i : StrategyRegistry::for_backend(CommCapabilities{}).list()) v.emplace_back(i.name);
+  return v;
+}
+
+Result<std::vector<std::string>> resolve_methods(const std::string& text) {
+  if (text == "all") return all_methods();
+  std::vector<std::string> v = split_list(text);
+  const auto& reg = StrategyRegistry::for_backend(CommCapabilities{});
+  for (const auto& m : v)
+    if (!reg.contains(m)) {
+      std::string known;
+      for (const auto& k : all_methods()) known += (known.empty() ? "" : ", ") + k;
+      return invalid_argument("--methods: unknown method '" + m + "' (known: " + known + ", or all)");
+    }
+  if (v.empty()) return invalid_argument("--methods: empty list");
+  return v;
+}
+
+int fail(const char* cmd, const Status& s) {
+  std::fprintf(stderr, "treeattn %s: error: %s\n", cmd, s.to_string().c_str());
+  return 2;
+}
+
+int default_threads(int ranks_here) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::max(1, cores / std::max(1, ranks_here));
+}
+
+int local_ranks(int world) {
+  if (const char* v = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) return std::atoi(v);
+  return world;
+}
+
+// The MPI side: one job, one rank count, every (seq, batch, method) point.
+int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& methods,
+            bool bench) {
+  auto world_r = mpi_init_world(nullptr, nullptr);
+  if (!world_r.is_ok()) return fail(cmd, world_r.status());
+  std::unique_ptr<Communicator> world = std::move(world_r).value();
+  const int P = world->size();
+  const bool lead = world->rank() == 0;
+  const auto requested = parse_size_list(f.ranks);
+  if (requested.is_ok() && requested.value().size() == 1 && requested.value()[0] != P &&
+      f.child_json.empty()) {
+    if (lead)
+      std::fprintf(stderr, "treeattn %s: error: --ranks %s but the MPI job has %d ranks\n", cmd,
+                   f.ranks.c_str(), P);
+    world.reset();
+    (void)mpi_finalize();
+    return 2;
+  }
+  if (f.nodes < 1 || f.nodes > P) {
+    if (lead) std::fprintf(stderr, "treeattn %s: error: --nodes %d must be between 1 and the %d ranks\n", cmd, f.nodes, P);
+    world.reset();
+    (void)mpi_finalize();
+    return 2;
+  }
+  const int threads = f.threads > 0 ? f.threads : default_threads(local_ranks(P));
+  if (lead && !bench && f.child_json.empty()) {
+    const AttnShape s = f.shape.shape();
+    std::printf("treeattn run: %d ranks, %s, %s KV, %s tokens (%s shards), %d warm-up + %d decode "
+                "steps%s; kernel %s, %d thread(s) per rank\n",
+                P, s.to_string().c_str(), f.shape.dtype.c_str(), format_size(f.shape.seqs[0]).c_str(),
+                f.shape.shard.c_str(), f.warmup, f.iters, f.append ? " with appends" : "",
+                std::string(isa_name(best_isa())).c_str(), threads);
+    std::printf("checking every method against the float64 oracle (max rel err <= 1e-5) and "
+                "bit-identical results on all ranks\n\n");
+    std::fflush(stdout);
+  }
+  std::vector<Point> points;
+  Status status;
+  const std::size_t total = f.shape.seqs.size() * f.shape.batches.size();
+  std::size_t done = 0;
+  for (int64_t batch : f.shape.batches) {
+    for (int64_t seq : f.shape.seqs) {
+      MeasureConfig mc;
+      mc.methods = methods;
+      mc.shape = f.shape.shape();
+      mc.shape.batch = batch;
+      mc.dtype = *parse_dtype(f.shape.dtype);
+      mc.seq = seq;
+      mc.shard = f.shape.shard;
+      mc.seed = f.shape.seed;
+      mc.warmup = f.warmup;
+      mc.iters = f.iters;
+      mc.append = f.append;
+      mc.nodes = f.nodes;
+      mc.fanout = f.fanout;
+      mc.root = f.root;
+      mc.threads = threads;
+      mc.timeout_ms = f.timeout_ms;
+      mc.check = !f.no_check;
+      mc.progress = !f.child_json.empty() || bench;
+      if (lead)
+        std::fprintf(stderr, "[%zu/%zu] p=%d seq=%s batch=%lld\n", ++done, total, P,
+                     format_size(seq).c_str(), static_cast<long long>(batch));
+      auto r = measure(*world, mc);
+      if (!r.is_ok()) {
+        status = r.status();
+        break;
+      }
+      points.insert(points.end(), r.value().begin(), r.value().end());
+    }
+    if (!status.is_ok()) break;
+  }
+  if (!status.is_ok()) {
+    std::fprintf(stderr, "treeattn %s: rank %d: error: %s\n", cmd, world->rank(),
+                 status.to_string().c_str());
+    if (status.code() == Code::kTimeout || status.code() == Code::kInternal ||
+        status.code() == Code::kMismatch)
+      mpi_abort(3, "");
+    world.reset();
+    (void)mpi_finalize();
+    return 2;
+  }
+  bool all_ok = true;
+  for (const auto& p : points) all_ok = all_ok && p.ok;
+  int rc = all_ok ? 0 : 1;
+  if (lead) {
+    if (!f.child_json.empty()) {
+      Status s = write_json(f.child_json, points, nlohmann::json::object());
+      if (!s.is_ok()) rc = fail(cmd, s);
+    } else {
+      print_table(points, f.baseline);
+      nlohmann::json meta = {{"command", cmd}, {"kernel_isa", isa_name(best_isa())},
+                             {"threads_per_rank", threads}, {"warmup", f.warmup},
+                             {"iterations", f.iters}, {"append", f.append}};
+      if (!f.json.empty()) if (Status s = write_json(f.json, points, meta); !s.is_ok()) rc = fail(cmd, s);
+      if (!f.csv.empty()) if (Status s = write_csv(f.csv, points); !s.is_ok()) rc = fail(cmd, s);
+      if (!f.plot.empty()) if (Status s = write_plot(f.plot, points, "treeattn bench"); !s.is_ok()) rc = fail(cmd, s);
+      if (!all_ok) std::printf("\nFAILED: at least one method is not exact (see the rel err column)\n");
+    }
+  }
+  world.reset();
+  (void)mpi_finalize();
+  return rc;
+}
+
+// The shell side: validate everything before any rank starts, then one mpirun per rank count.
+int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invocation& inv,
+                bool bench) {
+  if (Status s = f.shape.resolve(sub); !s.is_ok()) return fail(cmd, s);
+  auto methods = resolve_methods(f.methods);
+  if (!methods.is_ok()) return fail(cmd, methods.status());
+  if (!parse_dtype(f.shape.dtype)) return fail(cmd, invalid_argument("--dtype: one of f32, f16, bf16 here"));
+  if (f.warmup < 0 || f.iters < 1) return fail(cmd, invalid_argument("--warmup must be >= 0 and --iters/--steps >= 1"));
+  if (f.fanout < 1) return fail(cmd, invalid_argument("--fanout must be >= 1"));
+  auto ranks = parse_size_list(f.ranks);
+  if (!ranks.is_ok()) return fail(cmd, invalid_argument("--ranks: " + ranks.status().message()));
+  for (int64_t p : ranks.value())
+    if (p < 1 || p > 4096) return fail(cmd, invalid_argument(fmt::format("--ranks {} is out of range 1..4096", p)));
+  if (!bench && (ranks.value().size() > 1 || f.shape.seqs.size() > 1 || f.shape.batches.size() > 1))
+    return fail(cmd, invalid_argument("run takes one --ranks, --seq and --batch; use bench to sweep"));
+  for (int64_t seq : f.shape.seqs)
+    for (int64_t b : f.shape.batches) {
+      MeasureConfig mc;
+      mc.methods = methods.value();
+      mc.shape = f.shape.shape();
+      mc.shape.batch = b;
+      mc.dtype = *parse_dtype(f.shape.dtype);
+      mc.seq = seq;
+      mc.warmup = f.warmup;
+      mc.iters = f.iters;
+      mc.append = f.append;
+      mc.check = !f.no_check;
+      for (int64_t p : ranks.value()) {
+        const MemoryNeed need = memory_need(mc, static_cast<int>(p));
+        if (need.available_bytes > 0 && need.per_job_bytes > 0.9 * need.available_bytes)
+          return fail(cmd, Status(Code::kOutOfMemory,
+                                  fmt::format("a context of {} tokens ({}, batch {}) on {} ranks "
+                                              "needs about {} of memory; this machine has {} available",
+                                              seq, mc.shape.to_string(), b, p,
+                                              format_bytes(need.per_job_bytes),
+                                              format_bytes(need.available_bytes))));
+      }
+    }
+
+  if (started_by_mpi_launcher()) return run_job(cmd, f, methods.value(), bench);
+
+  // Plain shell: one mpirun per rank count, results gathered here.
+  std::vector<Point> points;
+  int worst = 0;
+  for (int64_t p : ranks.value()) {
+    char tmpl[] = "/tmp/treeattn-points-XXXXXX";
+    const int fd = mkstemp(tmpl);
+    if (fd < 0) return fail(cmd, internal_error("cannot create a temporary file"));
+    close(fd);
+    std::vector<std::string> args = inv.args;
+    args.insert(args.end(), {"--ranks", std::to_string(p), "--child-json", tmpl});
+    LaunchOptions lo;
+    lo.ranks = static_cast<int>(p);
+    auto rc = run_under_mpirun(lo, args);
+    if (!rc.is_ok()) return fail(cmd, rc.status());
+    std::ifstream in(tmpl);
+    nlohmann::json j;
+    try {
+      if (in) in >> j;
+    } catch (...) {
+    }
+    std::remove(tmpl);
+    if (rc.value() != 0 && rc.value() != 1) {
+      std::fprintf(stderr, "treeattn %s: the %lld-rank job failed (exit %d)\n", cmd,
+                   static_cast<long long>(p), rc.value());
+      return rc.value();
+    }
+    worst = std::max(worst, rc.value());
+    if (j.contains("points"))
+      for (const auto& pj : j["points"]) points.push_back(Point::from_json(pj));
+  }
+  if (!bench) {
+    const AttnShape s = f.shape.shape();
+    std::printf("treeattn run: %s ranks, %s, %s KV, %s tokens (%s shards), %d warm-up + %d decode "
+                "steps%s; kernel %s\n",
+                f.ranks.c_str(), s.to_string().c_str(), f.shape.dtype.c_str(),
+                format_size(f.shape.seqs[0]).c_str(), f.shape.shard.c_str(), f.warmup, f.iters,
+                f.append ? " with appends" : "", std::string(isa_name(best_isa())).c_str());
+    std::printf("every method checked against the float64 oracle (max rel err <= 1e-5) and for "
+                "bit-identical results on all ranks\n\n");
+  }
+  print_table(points, f.baseline);
+  nlohmann::json meta = {{"command", cmd}, {"kernel_isa", isa_name(best_isa())},
+                         {"warmup", f.warmup}, {"iterations", f.iters}, {"append", f.append}};
+  if (!f.json.empty()) if (Status s = write_json(f.json, points, meta); !s.is_ok()) return fail(cmd, s);
+  if (!f.csv.empty()) if (Status s = write_csv(f.csv, points); !s.is_ok()) return fail(cmd, s);
+  if (!f.plot.empty()) {
+    if (Status s = write_plot(f.plot, points, fmt::format("treeattn bench: {} {}", f.shape.shape().to_string(), f.shape.dtype)); !s.is_ok())
+      return fail(cmd, s);
+    std::printf("\nplot written to %s\n", f.plot.c_str());
+  }
+  if (worst != 0) std::printf("\nFAILED: at least one method is not exact (see the rel err column)\n");
+  return worst;
+}
+
+void add_common(CLI::App* sub, DecodeFlags& f, bool bench) {
+  f.shape.add_to(*sub, bench);
+  sub->add_option("--ranks", f.ranks,
+                  bench ? "MPI ranks (list to sweep); from a shell each count is one mpirun job"
+                        : "MPI ranks; from a plain shell treeattn starts them with mpirun")
+      ->capture_default_str()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  sub->add_option("--methods", f.methods, "Strategies (comma-separated) or all: " +
+                                              [] { std::string s; for (auto& m : all_methods()) s += (s.empty() ? "" : ", ") + m; return s; }())
+      ->capture_default_str();
+  sub->add_option("--warmup", f.warmup, "Untimed decode steps before the timed ones")->capture_default_str();
+  sub->add_option(bench ? "--iters" : "--steps", f.iters, "Timed decode steps per method")->capture_default_str();
+  sub->add_flag("--append,!--no-append", f.append,
+                "Append the decoded token's K/V after each step (a real decode loop)")->capture_default_str();
+  sub->add_option("--nodes", f.nodes, "Group the ranks into K emulated nodes (for hier)")->capture_default_str();
+  sub->add_option("--fanout", f.fanout, "hier: children per node leader in the inter-node tree")->capture_default_str();
+  sub->add_option("--root", f.root, "Deliver the result to this rank only (-1: every rank)")->capture_default_str();
+  sub->add_option("--threads", f.threads, "Kernel threads per rank (0: cores / ranks on the host)")->capture_default_str();
+  sub->add_option("--timeout-ms", f.timeout_ms, "Per-operation timeout; a missing rank is named after it")->capture_default_str();
+  sub->add_flag("--no-check", f.no_check, "Skip the float64 oracle check (not recommended)");
+  sub->add_option("--baseline", f.baseline, "Method the speed-up column compares against")->capture_default_str();
+  sub->add_option("--json", f.json, "Write every measured point as JSON");
+  sub->add_option("--csv", f.csv, "Write every measured point as CSV");
+  sub->add_option("--child-json", f.child_json, "(internal) where a launched job writes its points")
+      ->group("");
+  if (bench) sub->add_option("--plot", f.plot, "Write a PNG: latency and bytes sent vs context (gnuplot)");
+}
+
+}  // namespace
+
+Runner add_run_command(CLI::App& app, const Invocation& inv) {
+  auto* sub = app.add_subcommand(
+      "run", "The main job: a few decode steps of a long context on P ranks with every strategy, "
+             "each checked against the float64 oracle, side by side");
+  auto f = std::make_shared<DecodeFlags>();
+  f->shape.preset = "llama3-8b";
+  f->shape.seq = "256k";
+  add_common(sub, *f, false);
+  return [f, sub, &inv] { return run_command("run", *f, *sub, inv, false); };
+}
+
+Runner add_bench_command(CLI::App& app, const Invocation& inv) {
+  auto* sub = app.add_subcommand(
+      "bench", "Sweep context length, ranks, batch and methods: latency (min/p50/p90/p99), bytes "
+               "sent per rank, peak memory, KV GB/s and exactness per point");
+  auto f = std::make_shared<DecodeFlags>();
+  f->shape.preset = "llama3-8b";
+  f->shape.seq = "64k";
+  f->ranks = "4";
+  f->warmup = 3;
+  f->iters = 20;
+  f->append = false;
+  add_common(sub, *f, true);
+  return [f, sub, &inv] { return run_command("bench", *f, *sub, inv, true); };
+}
+
+}  // namespace treeattn::cli

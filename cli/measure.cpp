@@ -1,0 +1,267 @@
+// Measuring every method on the same data in the same job (see measure.hpp).
+#include "measure.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+
+#include "treeattn/oracle.hpp"
+#include "treeattn/strategy.hpp"
+#include "treeattn/workload.hpp"
+
+namespace treeattn::cli {
+namespace {
+
+// What each rank contributes to a point; all-gathered to rank 0.
+struct RankStats {
+  double counted_bytes = 0;  // per step: p2p payload + collective payload handed to the comm
+  double wire_bytes = -1;    // per step, -1 when the transport could not be observed
+  double working_set = 0;
+  double peak_rss = 0;
+  double kv_bytes = 0;
+  double model_bytes = 0;
+  double model_working_set = 0;
+};
+
+std::vector<int64_t> explicit_empty_lens(int64_t seq, int ranks) {
+  // Rank 0 holds nothing; the others split the context evenly (first ones get the remainder).
+  std::vector<int64_t> lens(static_cast<std::size_t>(ranks), 0);
+  const int holders = ranks - 1;
+  for (int r = 1; r < ranks; ++r)
+    lens[static_cast<std::size_t>(r)] = seq / holders + ((r - 1) < seq % holders ? 1 : 0);
+  return lens;
+}
+
+RunConfig base_run_config(const MeasureConfig& c, int ranks) {
+  RunConfig r;
+  r.shape = c.shape;
+  r.dtype = c.dtype;
+  r.total_len = {c.seq};
+  r.seed = c.seed;
+  r.warmup = c.warmup;
+  r.steps = c.iters;
+  r.append = c.append;
+  r.spare_tokens = c.append ? c.warmup + c.iters : 0;
+  r.timeout = std::chrono::milliseconds(c.timeout_ms);
+  r.options.root = c.root;
+  r.options.fanout = c.fanout;
+  r.options.kernel.threads = c.threads;
+  if (c.nodes > 1) {
+    r.options.node_of_rank.resize(static_cast<std::size_t>(ranks));
+    for (int i = 0; i < ranks; ++i)
+      r.options.node_of_rank[static_cast<std::size_t>(i)] = static_cast<int>(
+          static_cast<int64_t>(i) * c.nodes / ranks);
+  }
+  if (c.shard == "empty" && ranks > 1) {
+    r.shard = ShardKind::kExplicit;
+    r.explicit_len = explicit_empty_lens(c.seq, ranks);
+  } else if (c.shard == "empty") {
+    r.shard = ShardKind::kEven;
+  } else {
+    r.shard = parse_shard_kind(c.shard).value();
+  }
+  return r;
+}
+
+struct Reference {
+  std::vector<double> out, lse;
+};
+
+// The float64 oracle over the regenerated whole cache, for the last timed step.
+Result<Reference> reference_for(const MeasureConfig& c) {
+  WorkloadSpec w{c.shape, c.dtype, c.seed, 1.0f};
+  const int64_t step = c.warmup + c.iters - 1;
+  const int64_t n = c.seq + (c.append ? step : 0);
+  std::vector<int64_t> lens(static_cast<std::size_t>(c.shape.batch), n), start(lens.size(), 0);
+  Reference ref;
+  const std::size_t rows = static_cast<std::size_t>(c.shape.batch * c.shape.q_len * c.shape.heads);
+  ref.out.resize(rows * static_cast<std::size_t>(c.shape.head_dim));
+  ref.lse.resize(rows);
+  std::vector<float> q(rows * static_cast<std::size_t>(c.shape.head_dim));
+  make_query(w, step, q.data());
+  const KVCache cache = make_full_cache(w, lens);
+  TREEATTN_RETURN_IF_ERROR(oracle_attention(c.shape, q.data(), cache.view(0, lens, start, lens, 1),
+                                            ref.out.data(), ref.lse.data()));
+  return ref;
+}
+
+double compare(const MeasureConfig& c, const Reference& ref, const StateBuffer& st) {
+  const std::size_t D = static_cast<std::size_t>(c.shape.head_dim);
+  std::vector<float> out(D);
+  double err = 0, ref_max = 0;
+  for (std::size_t r = 0; r < st.records(); ++r) {
+    float lse = 0;
+    state_normalize(st.record(r), D, out.data(), &lse);
+    const double rl = ref.lse[r];
+    if (std::isnan(static_cast<double>(lse)) != std::isnan(rl)) return INFINITY;
+    if (std::isinf(rl) || std::isinf(lse)) {
+      if (rl != static_cast<double>(lse)) return INFINITY;
+    } else if (!std::isnan(rl)) {
+      err = std::max(err, std::abs(rl - static_cast<double>(lse)) / std::max(1.0, std::abs(rl)));
+    }
+    for (std::size_t d = 0; d < D; ++d) {
+      const double x = ref.out[r * D + d];
+      if (std::isnan(x) != std::isnan(out[d])) return INFINITY;
+      if (std::isnan(x)) continue;
+      ref_max = std::max(ref_max, std::abs(x));
+      err = std::max(err, std::abs(x - static_cast<double>(out[d])));
+    }
+  }
+  return err / std::max(1.0, ref_max);
+}
+
+}  // namespace
+
+void reset_peak_rss() {
+  std::ofstream f("/proc/self/clear_refs");
+  if (f) f << "5";
+}
+
+uint64_t current_peak_rss() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  return static_cast<uint64_t>(peak_rss_bytes());
+}
+
+MemoryNeed memory_need(const MeasureConfig& c, int ranks) {
+  const double total_kv = 2.0 * static_cast<double>(c.seq + (c.append ? c.warmup + c.iters : 0)) *
+                          static_cast<double>(c.shape.batch * c.shape.kv_heads * c.shape.head_dim) *
+                          static_cast<double>(dtype_size(c.dtype));
+  double factor = 1.0;  // the shards of one method
+  for (const auto& m : c.methods) {
+    if (m == "ring-kv") factor = std::max(factor, 3.0);  // shard + send and receive buffers
+    if (m == "single") factor = std::max(factor, 1.0 + 1.0 / ranks);
+  }
+  MemoryNeed need;
+  need.per_job_bytes = std::max(total_kv * factor, c.check ? 2.0 * total_kv : 0.0);
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  double kb = 0;
+  std::string unit;
+  while (f >> key >> kb >> unit)
+    if (key == "MemAvailable:") need.available_bytes = kb * 1024.0;
+  return need;
+}
+
+Result<std::vector<Point>> measure(Communicator& comm, const MeasureConfig& c) {
+  const int P = comm.size();
+  const int me = comm.rank();
+  const int check_rank = c.root >= 0 ? c.root : 0;
+  const StrategyRegistry& registry = StrategyRegistry::for_backend(comm.capabilities());
+  for (const auto& m : c.methods)
+    if (!registry.contains(m)) {
+      std::string known;
+      for (const auto& i : registry.list()) known += (known.empty() ? "" : ", ") + std::string(i.name);
+      return invalid_argument("unknown method '" + m + "' (known: " + known + ")");
+    }
+
+  Reference ref;
+  if (c.check && me == check_rank) {
+    if (c.progress) std::fprintf(stderr, "  float64 oracle over %s tokens...\n", std::to_string(c.seq).c_str());
+    auto r = reference_for(c);
+    if (!r.is_ok()) return r.status();
+    ref = std::move(r).value();
+  }
+
+  std::vector<Point> points;
+  for (const auto& method : c.methods) {
+    if (c.progress && me == 0)
+      std::fprintf(stderr, "  %-11s p=%d seq=%lld ...\n", method.c_str(), P, static_cast<long long>(c.seq));
+    RunConfig rc = base_run_config(c, P);
+    rc.strategy = method;
+    TREEATTN_RETURN_IF_ERROR(comm.barrier());
+    reset_peak_rss();
+    auto rep_r = run_decode(comm, rc);
+    if (!rep_r.is_ok()) return rep_r.status();
+    RunReport rep = std::move(rep_r).value();
+
+    RankStats mine;
+    const double n = static_cast<double>(std::max<std::size_t>(1, rep.steps.size()));
+    double wire = 0;
+    bool have_wire = true;
+    for (const auto& s : rep.steps) {
+      mine.counted_bytes += static_cast<double>(s.p2p_bytes + s.collective_payload_bytes) / n;
+      mine.working_set = std::max(mine.working_set, static_cast<double>(s.working_set_bytes));
+      if (s.wire_bytes) wire += static_cast<double>(*s.wire_bytes) / n;
+      else have_wire = false;
+    }
+    mine.wire_bytes = have_wire && P > 1 ? wire : -1;
+    mine.peak_rss = static_cast<double>(current_peak_rss());
+    mine.kv_bytes = static_cast<double>(rep.kv_bytes);
+    mine.model_bytes = rep.model.bytes_sent;
+    mine.model_working_set = rep.model.working_set_bytes;
+
+    // Exactness outside the timed loop, and bit-identical results across ranks.
+    double err = 0;
+    bool ok = true;
+    if (c.check) {
+      if (me == check_rank) {
+        if (!rep.has_result || rep.states.empty()) return internal_error("no result on rank " + std::to_string(me));
+        err = compare(c, ref, rep.states.back());
+        ok = err <= c.tolerance;
+      }
+      if (c.root < 0 && !rep.states.empty()) {
+        Status same = check_identical_across_ranks(comm, rep.states.back());
+        if (!same.is_ok()) {
+          if (me == 0) std::fprintf(stderr, "%s: %s\n", method.c_str(), same.to_string().c_str());
+          ok = false;
+        }
+      }
+    }
+
+    std::vector<RankStats> all(static_cast<std::size_t>(P));
+    TREEATTN_RETURN_IF_ERROR(comm.allgather(&mine, sizeof(RankStats), all.data()));
+    double errs[2] = {err, ok ? 0.0 : 1.0};
+    TREEATTN_RETURN_IF_ERROR(comm.broadcast(errs, sizeof(errs), check_rank));
+    float bad = errs[1] > 0 ? 1.0f : 0.0f;
+    TREEATTN_RETURN_IF_ERROR(comm.allreduce(&bad, 1, ReduceOp::kMax));
+
+    Point p;
+    p.method = method;
+    p.ranks = P;
+    p.nodes = c.nodes;
+    p.seq = c.seq;
+    p.batch = c.shape.batch;
+    p.heads = c.shape.heads;
+    p.kv_heads = c.shape.kv_heads;
+    p.head_dim = c.shape.head_dim;
+    p.q_len = c.shape.q_len;
+    p.dtype = std::string(dtype_name(c.dtype));
+    p.shard = c.shard;
+    p.iterations = static_cast<int>(rep.steps.size());
+    std::vector<double> lat;
+    for (const auto& s : rep.steps) lat.push_back(s.max_seconds * 1e6);
+    p.latency_us = LatencyStats::of(lat);
+    bool wire_all = true;
+    double kv_total = 0;
+    for (const auto& r : all) {
+      p.bytes_sent_per_rank = std::max(p.bytes_sent_per_rank, static_cast<uint64_t>(std::llround(r.counted_bytes)));
+      if (r.wire_bytes < 0) wire_all = false;
+      else p.bytes_wire_per_rank = std::max<uint64_t>(p.bytes_wire_per_rank.value_or(0), static_cast<uint64_t>(std::llround(r.wire_bytes)));
+      p.bytes_formula = std::max(p.bytes_formula, static_cast<uint64_t>(std::llround(r.model_bytes)));
+      p.peak_bytes_per_rank = std::max(p.peak_bytes_per_rank, static_cast<uint64_t>(r.working_set));
+      p.peak_bytes_formula = std::max(p.peak_bytes_formula, static_cast<uint64_t>(std::llround(r.model_working_set)));
+      p.peak_rss_bytes = std::max(p.peak_rss_bytes, static_cast<uint64_t>(r.peak_rss));
+      kv_total += r.kv_bytes;
+    }
+    if (!wire_all) p.bytes_wire_per_rank.reset();
+    // KV bytes all ranks' kernels read in one step: the cache once, except ring-kv, where every
+    // rank runs the kernel over every shard (the whole cache p times).
+    p.kv_bytes_read = static_cast<uint64_t>(method == "ring-kv" ? kv_total * P : kv_total);
+    p.kv_gbps = p.latency_us.p50 > 0 ? static_cast<double>(p.kv_bytes_read) / (p.latency_us.p50 * 1e3) : 0;
+    p.max_rel_err = errs[0];
+    p.tolerance = c.tolerance;
+    p.ok = bad == 0.0f;
+    points.push_back(p);
+  }
+  return points;
+}
+
+}  // namespace treeattn::cli

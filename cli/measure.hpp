@@ -1,0 +1,53 @@
+// One measured point per method: runs the strategies one after another on the same generated
+// data in the same job, checks each against the float64 oracle outside the timed loop, and
+// aggregates latency, bytes and memory over ranks. Collective over the communicator; the
+// points are complete on rank 0.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "report.hpp"
+#include "treeattn/comm.hpp"
+#include "treeattn/shape.hpp"
+#include "treeattn/status.hpp"
+
+namespace treeattn::cli {
+
+struct MeasureConfig {
+  std::vector<std::string> methods;
+  AttnShape shape;
+  DType dtype = DType::kBF16;
+  int64_t seq = 0;
+  std::string shard = "even";  // even, uneven, striped, empty
+  uint64_t seed = 1;
+  int warmup = 2;
+  int iters = 10;
+  bool append = false;   // decode loop: append a generated token after every step
+  int nodes = 1;         // emulated nodes for `hier` (ranks grouped in equal blocks)
+  int fanout = 2;
+  int root = -1;
+  int threads = 0;       // kernel threads per rank (0: OpenMP default)
+  int timeout_ms = 60000;
+  bool check = true;
+  double tolerance = 1e-5;
+  bool progress = false;  // progress lines on stderr (rank 0)
+};
+
+// The number of tokens a rank will hold, for the memory pre-check.
+Result<std::vector<Point>> measure(Communicator& comm, const MeasureConfig& config);
+
+// Bytes the run needs on the busiest rank (KV shard, ring buffers, single's whole cache, the
+// oracle's regenerated cache) and the bytes this machine has available (MemAvailable), for a
+// clear "does not fit" error before anything is allocated.
+struct MemoryNeed {
+  double per_job_bytes = 0;
+  double available_bytes = 0;
+};
+MemoryNeed memory_need(const MeasureConfig& config, int ranks);
+
+// Resets the kernel's peak-RSS counter of this process (Linux clear_refs 5) and reads it.
+void reset_peak_rss();
+uint64_t current_peak_rss();
+
+}  // namespace treeattn::cli
