@@ -85,7 +85,7 @@ std::string format_bytes(double bytes) {
 }
 
 void ShapeFlags::add_to(CLI::App& app, bool lists) {
-  app.add_option("--preset", preset, "Model shape preset: " + preset_names());
+  app.add_option("--preset", preset, "Model shape preset: " + preset_names())->capture_default_str();
   if (lists && batch_list.empty()) batch_list = std::to_string(batch);
   if (lists)
     app.add_option("--batch", batch_list, "Batch rows (comma-separated list to sweep)")

@@ -11,6 +11,7 @@ packages=(
   libhwloc-dev                                 # topology discovery
   libopenblas-dev                              # the OpenBLAS peer kernel in benchmarks
   gnuplot-nox                                  # --plot
+  python3 python3-numpy                        # tests recheck saved .npy cases with numpy
   iproute2                                     # emulated multi-host cluster (netns, tc)
 )
 
