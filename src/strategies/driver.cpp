@@ -217,8 +217,9 @@ Result<ShardPlan> initial_plan(const RunConfig& config, int ranks) {
     return invalid_argument("got " + std::to_string(config.total_len.size()) +
                             " context lengths for batch " + std::to_string(config.shape.batch) +
                             " (give one, or one per batch row)");
-  const ShardKind kind = config.strategy == "single" ? ShardKind::kSingle : config.shard;
-  return ShardPlan::make(kind, ranks, std::move(lens), config.explicit_len, 0);
+  // `single` places every token on rank 0 whatever the requested placement.
+  if (config.strategy == "single") return ShardPlan::make(ShardKind::kSingle, ranks, std::move(lens));
+  return ShardPlan::make(config.shard, ranks, std::move(lens), config.explicit_len, 0);
 }
 
 Result<RunReport> run_decode(Communicator& comm, const RunConfig& config) {

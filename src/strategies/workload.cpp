@@ -66,7 +66,8 @@ Status fill_local_shard(const WorkloadSpec& w, const ShardPlan& plan, LocalShard
   const auto per_token = static_cast<std::size_t>(w.shape.kv_heads * w.shape.head_dim);
   for (int64_t b = 0; b < w.shape.batch; ++b) {
     const int64_t n = plan.len(r, b), start = plan.pos_start(r, b), stride = plan.pos_stride();
-#pragma omp parallel
+    // Threads only pay off for large shards (and spin-waiting threads hurt oversubscribed ranks).
+#pragma omp parallel if (n * static_cast<int64_t>(per_token) >= (int64_t{1} << 20))
     {
       std::vector<float> k(per_token), v(per_token);
 #pragma omp for schedule(static)

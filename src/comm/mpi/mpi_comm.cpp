@@ -261,7 +261,7 @@ class MpiCommunicator final : public Communicator {
                                                           dest, tag, comm_, &r)));
     mutable_counters().p2p_bytes += bytes;
     mutable_counters().p2p_messages += 1;
-    return store(r);
+    return store(r, PeerOp{true, dest, tag});
   }
 
   Result<CommRequest> irecv(void* data, std::size_t bytes, int src, int tag) override {
@@ -270,7 +270,7 @@ class MpiCommunicator final : public Communicator {
     MPI_Request r;
     TREEATTN_RETURN_IF_ERROR(check("MPI_Irecv", MPI_Irecv(data, static_cast<int>(bytes), MPI_BYTE,
                                                           src, tag, comm_, &r)));
-    return store(r);
+    return store(r, PeerOp{false, src, tag});
   }
 
   Status wait_all(std::span<const CommRequest> requests) override {
@@ -283,6 +283,7 @@ class MpiCommunicator final : public Communicator {
                                 std::to_string(q.id));
       reqs.push_back(requests_[static_cast<std::size_t>(q.id)]);
     }
+    pending_ids_.assign(requests.begin(), requests.end());
     Status s = wait(reqs.data(), static_cast<int>(reqs.size()), "wait_all (point-to-point)",
                     /*collective=*/false);
     for (const CommRequest& q : requests) {
@@ -396,14 +397,23 @@ class MpiCommunicator final : public Communicator {
     return Status::ok();
   }
 
-  CommRequest store(MPI_Request r) {
+  // What a point-to-point request waits for, for timeout messages.
+  struct PeerOp {
+    bool send = false;
+    int peer = -1;
+    int tag = 0;
+  };
+
+  CommRequest store(MPI_Request r, PeerOp what) {
     if (!free_ids_.empty()) {
       const int64_t id = free_ids_.back();
       free_ids_.pop_back();
       requests_[static_cast<std::size_t>(id)] = r;
+      peer_ops_[static_cast<std::size_t>(id)] = what;
       return CommRequest{id};
     }
     requests_.push_back(r);
+    peer_ops_.push_back(what);
     return CommRequest{static_cast<int64_t>(requests_.size() - 1)};
   }
 
@@ -438,7 +448,11 @@ class MpiCommunicator final : public Communicator {
       TREEATTN_RETURN_IF_ERROR(check("MPI_Testall", MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE)));
       if (done) return Status::ok();
       const auto now = Clock::now();
-      if (now >= deadline) return diagnose_timeout(op, collective, now - start);
+      if (now >= deadline) {
+        std::string pending;
+        if (!collective) pending = describe_pending(reqs, n);
+        return diagnose_timeout(op, collective, now - start, pending);
+      }
       if (now - start < milliseconds(2))
         sched_yield();
       else
@@ -446,9 +460,27 @@ class MpiCommunicator final : public Communicator {
     }
   }
 
+  // "still waiting to receive from rank 3 (tag 7)" for the requests of wait_all not complete.
+  std::string describe_pending(MPI_Request* reqs, int n) {
+    std::string s;
+    for (int i = 0; i < n && static_cast<std::size_t>(i) < pending_ids_.size(); ++i) {
+      int done = 0;
+      MPI_Request_get_status(reqs[i], &done, MPI_STATUS_IGNORE);
+      if (done) continue;
+      const PeerOp& w = peer_ops_[static_cast<std::size_t>(pending_ids_[static_cast<std::size_t>(i)].id)];
+      s += std::string("; still waiting to ") + (w.send ? "send to" : "receive from") + " rank " +
+           std::to_string(world_of_[static_cast<std::size_t>(w.peer)]) + " (tag " +
+           std::to_string(w.tag) + ")";
+    }
+    return s;
+  }
+
   // Every rank that times out tells every other rank which operation it is in; ranks not heard
-  // from within the grace period are named as never arrived.
-  Status diagnose_timeout(const char* op, bool collective, Clock::duration waited) {
+  // from within the grace period are named as never arrived (for a collective; a
+  // point-to-point wait names the peers it still waits for, since the other ranks may have
+  // finished their part and moved on).
+  Status diagnose_timeout(const char* op, bool collective, Clock::duration waited,
+                          const std::string& pending) {
     broken_ = true;
     broken_reason_ = std::string("timed out in ") + op;
     // Buffers of requests that may outlive this call (a free'd send, a cancelled receive) are
@@ -509,11 +541,14 @@ class MpiCommunicator final : public Communicator {
     const auto ms = std::chrono::duration_cast<milliseconds>(waited).count();
     std::string msg = who() + "timed out after " + std::to_string(ms) + " ms in " + op + where();
     if (collective) msg += " (collective #" + std::to_string(seq_) + ")";
-    if (!missing.empty())
-      msg += "; " + join_ranks(missing) + " never arrived";
-    msg += elsewhere;
-    if (missing.empty() && elsewhere.empty())
-      msg += "; every rank arrived but the operation did not complete";
+    if (collective) {
+      if (!missing.empty()) msg += "; " + join_ranks(missing) + " never arrived";
+      msg += elsewhere;
+      if (missing.empty() && elsewhere.empty())
+        msg += "; every rank arrived but the operation did not complete";
+    } else {
+      msg += pending + elsewhere;
+    }
     return {Code::kTimeout, msg};
   }
 
@@ -523,7 +558,9 @@ class MpiCommunicator final : public Communicator {
   std::vector<int> world_of_;
   int64_t seq_ = 0;  // collectives started on this communicator
   std::vector<MPI_Request> requests_;
+  std::vector<PeerOp> peer_ops_;
   std::vector<int64_t> free_ids_;
+  std::vector<CommRequest> pending_ids_;  // the requests wait_all is waiting for
   bool broken_ = false;
   std::string broken_reason_;
   DiagRecord diag_mine_{};
