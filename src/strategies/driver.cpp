@@ -16,6 +16,15 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// "1.34287512 (0x3fabe2d1)": enough digits and the bits, for values that differ in the last place.
+std::string float_bits(float x) {
+  uint32_t u = 0;
+  std::memcpy(&u, &x, sizeof(u));
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.9g (0x%08x)", static_cast<double>(x), u);
+  return buf;
+}
+
 std::string rank_prefix(const Communicator& c) { return "rank " + std::to_string(c.world_rank()) + ": "; }
 
 // What every rank must agree on, as a fixed-size record for an all-gather.
@@ -418,8 +427,8 @@ Status check_identical_across_ranks(Communicator& comm, const StateBuffer& state
     return {Code::kMismatch,
             rank_prefix(comm) + "rank " + std::to_string(r) + "'s merged states differ from rank 0's " +
                 "at float " + std::to_string(i) + " (record " +
-                std::to_string(i / states.record_floats()) + "): " + std::to_string(x[i]) +
-                " vs " + std::to_string(all[i])};
+                std::to_string(i / states.record_floats()) + "): " + float_bits(x[i]) + " vs " +
+                float_bits(all[i])};
   }
   return Status::ok();
 }
