@@ -103,8 +103,57 @@ struct MeasuredTopology {
   int links_per_node = 1;
   double collective_overhead_us = 0;
   int max_concurrent_ranks = 0;  // e.g. the number of cores when ranks oversubscribe them
+  double kernel_overhead_us = 0;
   std::vector<std::string> sources;
 };
 Result<Topology> topology_from_measurements(const MeasuredTopology& m);
+
+class Communicator;
+
+// What `treeattn topo --detect` measures (src/topology/detect.cpp), collectively over a running
+// job through the Communicator interface only (no MPI here):
+//   nodes            the shared-memory split (split_shared); ranks_per_node is the largest node
+//   node level       ping-pong between rank 0 and the next rank on its node: half round trip
+//                    of latency_bytes (latency) and of bandwidth_bytes (bandwidth, with the
+//                    latency subtracted); medians over the iterations
+//   network level    the same between rank 0 and the first rank on another node
+//   memory           the streaming-read probe (roofline.hpp) on rank 0 with probe_threads,
+//                    and the decode kernel's own read rate with every rank computing at once
+//                    (the model's memory.bandwidth_GBps; see DetectOptions::kernel_tokens)
+//   overhead         a small allreduce_states (the `tree` merge) timed on the whole job; what
+//                    the cost model does not explain from the two levels becomes
+//                    collective_overhead_us
+//   cores            all ranks on one machine (same boot id, as on the emulated cluster) share
+//                    its cores: max_concurrent_ranks = cores when the job has more ranks
+// Every rank returns the same Topology (rank 0's measurements are broadcast).
+struct DetectOptions {
+  std::string name = "detected";
+  int nodes = 0;  // > 0: group the ranks into this many equal blocks instead of split_shared
+  int latency_iters = 200;
+  int64_t latency_bytes = 8;
+  int bandwidth_iters = 10;
+  int64_t bandwidth_bytes = int64_t{1} << 20;
+  int64_t probe_bytes = int64_t{256} << 20;
+  int probe_threads = 0;  // 0: cores / ranks on rank 0's node (the kernel's default)
+  int probe_repeats = 3;
+  int allreduce_iters = 50;
+  int allreduce_records = 32;  // records of head_dim + 2 floats (llama3-8b, batch 1: 32 heads)
+  int head_dim = 128;
+  // The decode kernel, timed on every rank at once (as in a real step): a shard of
+  // kernel_tokens tokens of kernel_heads / kernel_kv_heads x head_dim in kernel_dtype
+  // ("bf16", "f16", "f32"). Its achieved read rate becomes memory.bandwidth_GBps (the rate the
+  // local phase really runs at; the probe's figure is recorded in sources), and a 16-token
+  // shard's time becomes kernel_overhead_us. kernel_tokens = 0 keeps the probe's rate and
+  // kernel_overhead_us below.
+  int64_t kernel_tokens = 16384;
+  int kernel_heads = 32, kernel_kv_heads = 8;
+  std::string kernel_dtype = "bf16";
+  int kernel_iters = 7;
+  int kernel_threads = 0;  // 0: cores / ranks on the node (the CLI's default)
+  double kernel_overhead_us = 2.0;
+};
+// Collective over `world`. Also fills `notes` (if given) with one line per measurement.
+Result<Topology> detect_topology(Communicator& world, const DetectOptions& options,
+                                 std::vector<std::string>* notes = nullptr);
 
 }  // namespace treeattn

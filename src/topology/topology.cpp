@@ -347,6 +347,7 @@ Result<Topology> topology_from_measurements(const MeasuredTopology& m) {
   t.collective_overhead_us = m.collective_overhead_us;
   t.memory_bandwidth_GBps = m.memory_bandwidth_GBps;
   t.max_concurrent_ranks = m.max_concurrent_ranks;
+  t.kernel_overhead_us = m.kernel_overhead_us;
   t.sources = m.sources;
   if (m.ranks_per_node > 1) {
     if (!m.intra_latency_us || !m.intra_bandwidth_GBps)
