@@ -12,8 +12,10 @@
 #include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <thread>
 
+#include "cluster.hpp"
 #include "commands.hpp"
 #include "launcher.hpp"
 #include "measure.hpp"
@@ -41,6 +43,9 @@ struct DecodeFlags {
   bool no_check = false;
   std::string json, csv, plot, child_json;
   std::string baseline = "ring-kv";
+  // Emulated cluster and topology (cluster.hpp): --cluster KxR [--link RATE], and the topology
+  // `auto` is planned on (--topology FILE|preset:NAME; default: this machine or the cluster).
+  std::string cluster, link, topology;
 };
 
 std::vector<std::string> all_methods() {
@@ -54,10 +59,11 @@ Result<std::vector<std::string>> resolve_methods(const std::string& text) {
   std::vector<std::string> v = split_list(text);
   const auto& reg = StrategyRegistry::for_backend(CommCapabilities{});
   for (const auto& m : v)
-    if (!reg.contains(m)) {
+    if (m != "auto" && !reg.contains(m)) {
       std::string known;
       for (const auto& k : all_methods()) known += (known.empty() ? "" : ", ") + k;
-      return invalid_argument("--methods: unknown method '" + m + "' (known: " + known + ", or all)");
+      return invalid_argument("--methods: unknown method '" + m + "' (known: " + known +
+                              ", auto (the planner's choice), or all)");
     }
   if (v.empty()) return invalid_argument("--methods: empty list");
   return v;
@@ -126,6 +132,14 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
       mc.shape.batch = batch;
       mc.dtype = *parse_dtype(f.shape.dtype);
       mc.seq = seq;
+      if (auto planned = resolve_auto_methods(mc.methods, mc.shape, mc.dtype, seq, P, f.topology,
+                                              f.cluster, f.link, f.fanout, lead);
+          !planned.is_ok()) {
+        status = planned.status();
+        break;
+      } else {
+        mc.methods = std::move(planned).value();
+      }
       mc.shard = f.shape.shard;
       mc.seed = f.shape.seed;
       mc.warmup = f.warmup;
@@ -192,6 +206,8 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
   if (!parse_dtype(f.shape.dtype)) return fail(cmd, invalid_argument("--dtype: one of f32, f16, bf16 here"));
   if (f.warmup < 0 || f.iters < 1) return fail(cmd, invalid_argument("--warmup must be >= 0 and --iters/--steps >= 1"));
   if (f.fanout < 1) return fail(cmd, invalid_argument("--fanout must be >= 1"));
+  if (!f.cluster.empty() && sub.count("--ranks") == 0)  // --cluster KxR implies K x R ranks
+    if (auto spec = parse_cluster(f.cluster, f.link); spec.is_ok()) f.ranks = std::to_string(spec->ranks());
   auto ranks = parse_size_list(f.ranks);
   if (!ranks.is_ok()) return fail(cmd, invalid_argument("--ranks: " + ranks.status().message()));
   for (int64_t p : ranks.value())
@@ -222,6 +238,17 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
       }
     }
 
+  std::optional<ClusterSpec> cluster;
+  if (!f.cluster.empty()) {
+    auto spec = parse_cluster(f.cluster, f.link);
+    if (!spec.is_ok()) return fail(cmd, spec.status());
+    cluster = *spec;
+  } else if (!f.link.empty()) {
+    return fail(cmd, invalid_argument("--link " + f.link + " needs --cluster KxR"));
+  }
+  if (!f.topology.empty())
+    if (auto t = load_topology(f.topology); !t.is_ok()) return fail(cmd, t.status());
+
   if (started_by_mpi_launcher()) return run_job(cmd, f, methods.value(), bench);
 
   // Plain shell: one mpirun per rank count, results gathered here.
@@ -236,6 +263,11 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
     args.insert(args.end(), {"--ranks", std::to_string(p), "--child-json", tmpl});
     LaunchOptions lo;
     lo.ranks = static_cast<int>(p);
+    if (cluster) {
+      auto prefix = cluster_session_prefix(*cluster, lo.ranks);
+      if (!prefix.is_ok()) return fail(cmd, prefix.status());
+      lo.session_prefix = std::move(prefix).value();
+    }
     auto rc = run_under_mpirun(lo, args);
     if (!rc.is_ok()) return fail(cmd, rc.status());
     std::ifstream in(tmpl);
@@ -284,7 +316,7 @@ void add_common(CLI::App* sub, DecodeFlags& f, bool bench) {
                   bench ? "MPI ranks (list to sweep); from a shell each count is one mpirun job"
                         : "MPI ranks; from a plain shell treeattn starts them with mpirun")
       ->capture_default_str()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  sub->add_option("--methods", f.methods, "Strategies (comma-separated) or all: " +
+  sub->add_option("--methods,--method", f.methods, "Strategies (comma-separated), auto (the planner's choice) or all: " +
                                               [] { std::string s; for (auto& m : all_methods()) s += (s.empty() ? "" : ", ") + m; return s; }())
       ->capture_default_str();
   sub->add_option("--warmup", f.warmup, "Untimed decode steps before the timed ones")->capture_default_str();
@@ -303,6 +335,13 @@ void add_common(CLI::App* sub, DecodeFlags& f, bool bench) {
   sub->add_option("--child-json", f.child_json, "(internal) where a launched job writes its points")
       ->group("");
   if (bench) sub->add_option("--plot", f.plot, "Write a PNG: latency and bytes sent vs context (gnuplot)");
+  sub->add_option("--cluster", f.cluster,
+                  "Run each job on an emulated cluster of K hosts x R ranks (KxR, e.g. 2x2; "
+                  "tools/cluster/cluster.sh, root): up, run, always down");
+  sub->add_option("--link", f.link, "With --cluster: shape each host's link (tc rate, e.g. 1gbit)");
+  sub->add_option("--topology", f.topology,
+                  "Topology the `auto` method is planned on: FILE or preset:NAME (default: this "
+                  "machine, or the emulated cluster's preset resized to KxR)");
 }
 
 }  // namespace

@@ -42,13 +42,19 @@ int launcher_world_size() {
 std::vector<std::string> mpirun_command(const LaunchOptions& options,
                                         const std::vector<std::string>& program_args) {
   std::vector<std::string> cmd;
-  cmd.push_back(env("TREEATTN_MPIRUN") ? env("TREEATTN_MPIRUN") : "mpirun");
-  cmd.insert(cmd.end(), {"-np", std::to_string(options.ranks)});
-  if (geteuid() == 0) cmd.push_back("--allow-run-as-root");
-  // More ranks than cores is the normal case on a small machine: let them share cores and
-  // yield when idle instead of spinning, and do not pin every rank to core 0.
-  cmd.insert(cmd.end(), {"--oversubscribe", "--bind-to", "none", "--mca",
-                         "mpi_yield_when_idle", "1"});
+  if (!options.session_prefix.empty()) {
+    // The emulated cluster's session adds the machine flags (cluster.sh run).
+    cmd = options.session_prefix;
+    cmd.insert(cmd.end(), {"-np", std::to_string(options.ranks)});
+  } else {
+    cmd.push_back(env("TREEATTN_MPIRUN") ? env("TREEATTN_MPIRUN") : "mpirun");
+    cmd.insert(cmd.end(), {"-np", std::to_string(options.ranks)});
+    if (geteuid() == 0) cmd.push_back("--allow-run-as-root");
+    // More ranks than cores is the normal case on a small machine: let them share cores and
+    // yield when idle instead of spinning, and do not pin every rank to core 0.
+    cmd.insert(cmd.end(), {"--oversubscribe", "--bind-to", "none", "--mca",
+                           "mpi_yield_when_idle", "1"});
+  }
   if (options.monitoring)
     cmd.insert(cmd.end(), {"--mca", "pml_monitoring_enable", "1"});
   if (const char* extra = env("TREEATTN_MPIRUN_ARGS")) {

@@ -20,6 +20,9 @@ struct LaunchOptions {
   std::vector<std::string> mpirun_args;
   // Set when Open MPI's monitoring component should count what collectives really moved.
   bool monitoring = false;
+  // When set (cluster.hpp: `cluster.sh session K --slots R ... --`), the job runs through this
+  // prefix instead of plain mpirun; the prefix supplies the machine flags itself.
+  std::vector<std::string> session_prefix;
 };
 
 // The command line that would be run (for messages and --dry-run).
