@@ -22,5 +22,8 @@ using Runner = std::function<int()>;
 Runner add_run_command(CLI::App& app, const Invocation& inv);
 Runner add_bench_command(CLI::App& app, const Invocation& inv);
 Runner add_verify_command(CLI::App& app, const Invocation& inv);
+// Topology and planning (cmd_topo.cpp, cmd_plan.cpp).
+Runner add_topo_command(CLI::App& app, const Invocation& inv);
+Runner add_plan_command(CLI::App& app, const Invocation& inv);
 
 }  // namespace treeattn::cli

@@ -4,6 +4,9 @@
 //                     every strategy side by side
 //   treeattn verify   exactness over random shapes, shards and dtypes, for every strategy
 //   treeattn bench    latency / bytes / memory sweeps over context, ranks, batch and methods
+//   treeattn topo     detect or show a topology (docs/topology.md)
+//   treeattn plan     predicted cost of every strategy on a topology, the paper-scale sweep,
+//                     and predicted vs measured (--validate)
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -22,6 +25,8 @@ int main(int argc, char** argv) {
   Runner run = add_run_command(app, inv);
   Runner verify = add_verify_command(app, inv);
   Runner bench = add_bench_command(app, inv);
+  Runner topo = add_topo_command(app, inv);
+  Runner plan = add_plan_command(app, inv);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -31,6 +36,8 @@ int main(int argc, char** argv) {
   if (name == "run") return run();
   if (name == "verify") return verify();
   if (name == "bench") return bench();
+  if (name == "topo") return topo();
+  if (name == "plan") return plan();
   std::fprintf(stderr, "treeattn: unknown subcommand %s\n", name.c_str());
   return 2;
 }
