@@ -68,6 +68,13 @@ std::vector<Case> make_cases(int p) {
     return &cases.back().config;
   };
   add("f32 gqa even", {1, 4, 2, 64, 1}, DType::kF32, {97}, ShardKind::kEven, 2.0f);
+  {
+    // timeout 0: the backend's blocking MPI calls (Open MPI's tuned algorithms) instead of the
+    // polled non-blocking ones; results must match the oracle and be identical across ranks too.
+    RunConfig* c = add("f32 blocking-mpi uneven", {2, 4, 2, 128, 1}, DType::kF32, {61, 30},
+                       ShardKind::kUneven, 2.0f);
+    c->timeout = std::chrono::milliseconds(0);
+  }
   add("f16 ragged-batch uneven", {2, 4, 4, 128, 1}, DType::kF16, {53, 17}, ShardKind::kUneven, 3.0f);
   add("bf16 q3 striped", {1, 8, 2, 64, 3}, DType::kBF16, {113}, ShardKind::kStriped, 3.0f);
   {
