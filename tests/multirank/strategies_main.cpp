@@ -88,6 +88,7 @@ std::vector<Case> make_cases(int p) {
                        ShardKind::kStriped, 2.0f);
     c->steps = 3;
     c->append = true;
+    c->check_every_step = true;  // the per-step agreement check must pass when ranks agree
   }
   {
     RunConfig* c = add("f16 appends even", {1, 4, 1, 96, 1}, DType::kF16, {29}, ShardKind::kEven, 2.0f);
