@@ -89,8 +89,7 @@ class Communicator {
   virtual Status reduce(float* data, std::size_t count, ReduceOp op, int root) = 0;
   // In place over n packed records of head_dim + 2 floats, merged with state_merge.
   virtual Status allreduce_states(float* records, std::size_t n, std::size_t head_dim) = 0;
-  virtual Status reduce_states(float* records, std::size_t n, std::size_t head_dim,
-                               int root) = 0;
+  virtual Status reduce_states(float* records, std::size_t n, std::size_t head_dim, int root) = 0;
   // recv holds size() * bytes, rank r's contribution at offset r * bytes.
   virtual Status allgather(const void* send, std::size_t bytes, void* recv) = 0;
   // recv (root only) holds size() * bytes.

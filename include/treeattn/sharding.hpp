@@ -61,7 +61,7 @@ class ShardPlan {
   int64_t pos_start(int rank, int64_t b) const {
     return pos_starts(rank)[static_cast<std::size_t>(b)];
   }
-  int64_t max_len(int rank) const;   // over batch rows
+  int64_t max_len(int rank) const;       // over batch rows
   int64_t total_tokens(int rank) const;  // over batch rows
   int64_t max_total_len() const;
 
@@ -84,8 +84,8 @@ class ShardPlan {
   ShardKind kind_ = ShardKind::kEven;
   int ranks_ = 1;
   int holder_ = 0;
-  std::vector<int64_t> total_len_;            // [batch]
-  std::vector<int64_t> len_, pos_start_;      // [rank][batch]
+  std::vector<int64_t> total_len_;        // [batch]
+  std::vector<int64_t> len_, pos_start_;  // [rank][batch]
 };
 
 // This rank's part of the KV cache: an owning buffer [batch][kv_heads][capacity][head_dim] whose

@@ -65,29 +65,29 @@ struct RunConfig {
   std::string strategy = "tree";
   AttnShape shape;
   DType dtype = DType::kF32;
-  std::vector<int64_t> total_len;     // context per batch row; one value = the same for all rows
+  std::vector<int64_t> total_len;      // context per batch row; one value = the same for all rows
   ShardKind shard = ShardKind::kEven;  // `single` forces ShardKind::kSingle (holder 0)
-  std::vector<int64_t> explicit_len;  // ShardKind::kExplicit (see ShardPlan::make)
+  std::vector<int64_t> explicit_len;   // ShardKind::kExplicit (see ShardPlan::make)
   uint64_t seed = 1;
   float q_scale = 1.0f;
-  int warmup = 0;       // untimed steps first (still appended, still checked for agreement)
-  int steps = 1;        // timed steps
-  bool append = false;  // append one generated token per row after every step
+  int warmup = 0;            // untimed steps first (still appended, still checked for agreement)
+  int steps = 1;             // timed steps
+  bool append = false;       // append one generated token per row after every step
   int64_t spare_tokens = 0;  // extra shard capacity (appends beyond it grow the shard)
   StrategyOptions options;
   std::chrono::milliseconds timeout{60000};  // per communicator operation; 0 = forever
-  bool check_fingerprint = true;   // at setup
-  bool check_every_step = false;   // debug: fingerprint before every step
-  bool check_inputs = false;       // scan q, K, V for NaN/Inf and name the rank
-  bool keep_states = true;         // keep every timed step's merged states in the report
-  int inject_nan_rank = -1;        // fault injection: that rank puts a NaN in its first K value
+  bool check_fingerprint = true;             // at setup
+  bool check_every_step = false;             // debug: fingerprint before every step
+  bool check_inputs = false;                 // scan q, K, V for NaN/Inf and name the rank
+  bool keep_states = true;                   // keep every timed step's merged states in the report
+  int inject_nan_rank = -1;  // fault injection: that rank puts a NaN in its first K value
 };
 
 struct StepReport {
-  int64_t step = 0;               // index counting warm-up steps
-  double seconds = 0;             // this rank's wall time of the step
-  double max_seconds = 0;         // the slowest rank's
-  uint64_t p2p_bytes = 0;         // point-to-point payload this rank sent (exact)
+  int64_t step = 0;        // index counting warm-up steps
+  double seconds = 0;      // this rank's wall time of the step
+  double max_seconds = 0;  // the slowest rank's
+  uint64_t p2p_bytes = 0;  // point-to-point payload this rank sent (exact)
   uint64_t p2p_messages = 0;
   uint64_t collective_calls = 0;
   uint64_t collective_payload_bytes = 0;  // this rank's buffer per collective call
@@ -96,13 +96,13 @@ struct StepReport {
 };
 
 struct RunReport {
-  ShardPlan plan;                  // after the last step (appends included)
-  std::vector<StepReport> steps;   // timed steps only
-  std::vector<StateBuffer> states; // merged states of each timed step (if keep_states)
-  bool has_result = false;         // whether this rank receives results (root option)
-  CostEstimate model;              // analytic cost for this rank at the first timed step
-  std::size_t kv_bytes = 0;        // this rank's live KV bytes at the first timed step
-  int64_t peak_rss_bytes = 0;      // of this process, after the run
+  ShardPlan plan;                   // after the last step (appends included)
+  std::vector<StepReport> steps;    // timed steps only
+  std::vector<StateBuffer> states;  // merged states of each timed step (if keep_states)
+  bool has_result = false;          // whether this rank receives results (root option)
+  CostEstimate model;               // analytic cost for this rank at the first timed step
+  std::size_t kv_bytes = 0;         // this rank's live KV bytes at the first timed step
+  int64_t peak_rss_bytes = 0;       // of this process, after the run
 };
 
 Result<RunReport> run_decode(Communicator& comm, const RunConfig& config);
@@ -115,7 +115,7 @@ struct CheckResult {
   double max_abs_ref = 0;    // max |ref|
   double tolerance = 0;      // rel_tol * max(1, max_abs_ref)
   bool passed = false;
-  std::string detail;        // where the largest error is
+  std::string detail;  // where the largest error is
 };
 
 // Compares merged states of step `step` (counting warm-up steps) with the float64 oracle over

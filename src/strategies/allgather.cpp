@@ -24,7 +24,8 @@ class Allgather final : public StrategyBase {
     note_buffers(all_.size() * sizeof(float));
     TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out.data()));
     if (options_.root >= 0) {
-      TREEATTN_RETURN_IF_ERROR(comm_->gather(out.data(), state_bytes(), all_.data(), options_.root));
+      TREEATTN_RETURN_IF_ERROR(
+          comm_->gather(out.data(), state_bytes(), all_.data(), options_.root));
       if (comm_->rank() != options_.root) return Status::ok();
     } else {
       TREEATTN_RETURN_IF_ERROR(comm_->allgather(out.data(), state_bytes(), all_.data()));

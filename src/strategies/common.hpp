@@ -72,8 +72,7 @@ class StrategyBase : public Strategy {
   void merge_in_rank_order(const float* all, int p, float* out) const {
     for (std::size_t i = 0; i < records(); ++i) state_set_empty(out + i * rec_floats(), head_dim());
     for (int r = 0; r < p; ++r)
-      state_merge_n(out, all + static_cast<std::size_t>(r) * state_floats(), records(),
-                    head_dim());
+      state_merge_n(out, all + static_cast<std::size_t>(r) * state_floats(), records(), head_dim());
   }
 
   void note_buffers(std::size_t bytes) { peak_buffers_ = std::max(peak_buffers_, bytes); }

@@ -25,7 +25,9 @@ std::string float_bits(float x) {
   return buf;
 }
 
-std::string rank_prefix(const Communicator& c) { return "rank " + std::to_string(c.world_rank()) + ": "; }
+std::string rank_prefix(const Communicator& c) {
+  return "rank " + std::to_string(c.world_rank()) + ": ";
+}
 
 // What every rank must agree on, as a fixed-size record for an all-gather.
 struct Fingerprint {
@@ -64,7 +66,8 @@ Fingerprint make_fingerprint(const RunConfig& c, uint64_t plan_fp, int64_t step,
 }
 
 std::string describe(const Fingerprint& f) {
-  return std::string("strategy=") + std::string(f.strategy, strnlen(f.strategy, sizeof(f.strategy))) +
+  return std::string("strategy=") +
+         std::string(f.strategy, strnlen(f.strategy, sizeof(f.strategy))) +
          " B=" + std::to_string(f.batch) + " H=" + std::to_string(f.heads) +
          " Hkv=" + std::to_string(f.kv_heads) + " D=" + std::to_string(f.head_dim) +
          " Q=" + std::to_string(f.q_len) +
@@ -110,7 +113,8 @@ std::vector<std::pair<std::string, std::pair<std::string, std::string>>> differe
     d.push_back({"q_scale", {std::to_string(x), std::to_string(y)}});
   }
   if (a.plan != b.plan)
-    d.push_back({"shard plan (lengths per rank)", {std::to_string(a.plan), std::to_string(b.plan)}});
+    d.push_back(
+        {"shard plan (lengths per rank)", {std::to_string(a.plan), std::to_string(b.plan)}});
   return d;
 }
 
@@ -123,7 +127,8 @@ Status agree(Communicator& comm, const Fingerprint& mine, const char* when) {
     if (all[r].error)
       return invalid_argument(
           rank_prefix(comm) + "rank " + std::to_string(r) + " rejected the run configuration " +
-          when + ": " + std::string(all[r].error_text, strnlen(all[r].error_text, sizeof(all[r].error_text))));
+          when + ": " +
+          std::string(all[r].error_text, strnlen(all[r].error_text, sizeof(all[r].error_text))));
   std::vector<int> bad;
   for (std::size_t r = 1; r < p; ++r)
     if (!differences(all[0], all[r]).empty()) bad.push_back(static_cast<int>(r));
@@ -208,7 +213,8 @@ Status check_inputs_everywhere(Communicator& comm, const RunConfig& c, const flo
 
 std::vector<int64_t> expand_lengths(const RunConfig& c) {
   std::vector<int64_t> lens = c.total_len;
-  if (lens.size() == 1 && c.shape.batch > 1) lens.assign(static_cast<std::size_t>(c.shape.batch), lens[0]);
+  if (lens.size() == 1 && c.shape.batch > 1)
+    lens.assign(static_cast<std::size_t>(c.shape.batch), lens[0]);
   return lens;
 }
 
@@ -227,7 +233,8 @@ Result<ShardPlan> initial_plan(const RunConfig& config, int ranks) {
                             " context lengths for batch " + std::to_string(config.shape.batch) +
                             " (give one, or one per batch row)");
   // `single` places every token on rank 0 whatever the requested placement.
-  if (config.strategy == "single") return ShardPlan::make(ShardKind::kSingle, ranks, std::move(lens));
+  if (config.strategy == "single")
+    return ShardPlan::make(ShardKind::kSingle, ranks, std::move(lens));
   return ShardPlan::make(config.shard, ranks, std::move(lens), config.explicit_len, 0);
 }
 
@@ -251,7 +258,8 @@ Result<RunReport> run_decode(Communicator& comm, const RunConfig& config) {
                   " warmup=" + std::to_string(config.warmup);
   const uint64_t plan_fp = plan0.is_ok() ? plan0->fingerprint() : 0;
   if (config.check_fingerprint && p > 1)
-    TREEATTN_RETURN_IF_ERROR(agree(comm, make_fingerprint(config, plan_fp, -1, local_error), "at setup"));
+    TREEATTN_RETURN_IF_ERROR(
+        agree(comm, make_fingerprint(config, plan_fp, -1, local_error), "at setup"));
   if (!local_error.empty()) return invalid_argument(rank_prefix(comm) + local_error);
 
   RunReport report;
@@ -305,7 +313,8 @@ Result<RunReport> run_decode(Communicator& comm, const RunConfig& config) {
                                      ("at step " + std::to_string(step)).c_str()));
     make_query(spec, step, q.data());
     const KVShard local = shard->view(plan);
-    if (config.check_inputs) TREEATTN_RETURN_IF_ERROR(check_inputs_everywhere(comm, config, q.data(), local, step));
+    if (config.check_inputs)
+      TREEATTN_RETURN_IF_ERROR(check_inputs_everywhere(comm, config, q.data(), local, step));
     const bool timed = step >= config.warmup;
     if (timed && step == config.warmup) {
       auto m = analytic_cost(config.strategy, s, config.dtype, plan, me, config.options);
@@ -339,8 +348,8 @@ Result<RunReport> run_decode(Communicator& comm, const RunConfig& config) {
         const uint64_t d = wire_after - wire_before;
         r.wire_bytes = d > barrier_wire ? d - barrier_wire : 0;
       }
-      r.working_set_bytes = shard->live_bytes(plan) + q.size() * sizeof(float) + out.bytes() +
-                            strat.buffer_bytes();
+      r.working_set_bytes =
+          shard->live_bytes(plan) + q.size() * sizeof(float) + out.bytes() + strat.buffer_bytes();
       report.steps.push_back(r);
       if (config.keep_states) report.states.push_back(out);
     }
@@ -399,10 +408,10 @@ Result<CheckResult> check_against_oracle(const RunConfig& config, int64_t step,
   c.passed = c.max_abs_error <= c.tolerance;
   const std::size_t rec = worst / D;
   const auto H = static_cast<std::size_t>(s.heads), Q = static_cast<std::size_t>(s.q_len);
-  c.detail = "max |out - ref| = " + std::to_string(c.max_abs_error) + " at b=" +
-             std::to_string(rec / (Q * H)) + " q=" + std::to_string((rec / H) % Q) +
-             " h=" + std::to_string(rec % H) + " d=" + std::to_string(worst % D) +
-             " (tolerance " + std::to_string(c.tolerance) + ")";
+  c.detail = "max |out - ref| = " + std::to_string(c.max_abs_error) +
+             " at b=" + std::to_string(rec / (Q * H)) + " q=" + std::to_string((rec / H) % Q) +
+             " h=" + std::to_string(rec % H) + " d=" + std::to_string(worst % D) + " (tolerance " +
+             std::to_string(c.tolerance) + ")";
   return c;
 }
 
@@ -424,11 +433,11 @@ Status check_identical_across_ranks(Communicator& comm, const StateBuffer& state
     if (std::memcmp(x, all.data(), bytes) == 0) continue;
     std::size_t i = 0;
     while (std::memcmp(x + i, all.data() + i, sizeof(float)) == 0) ++i;
-    return {Code::kMismatch,
-            rank_prefix(comm) + "rank " + std::to_string(r) + "'s merged states differ from rank 0's " +
-                "at float " + std::to_string(i) + " (record " +
-                std::to_string(i / states.record_floats()) + "): " + float_bits(x[i]) + " vs " +
-                float_bits(all[i])};
+    return {Code::kMismatch, rank_prefix(comm) + "rank " + std::to_string(r) +
+                                 "'s merged states differ from rank 0's " + "at float " +
+                                 std::to_string(i) + " (record " +
+                                 std::to_string(i / states.record_floats()) +
+                                 "): " + float_bits(x[i]) + " vs " + float_bits(all[i])};
   }
   return Status::ok();
 }

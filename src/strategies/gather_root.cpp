@@ -24,8 +24,8 @@ class GatherRoot final : public StrategyBase {
       all_.resize(static_cast<std::size_t>(p) * state_floats());
       note_buffers(all_.size() * sizeof(float));
     }
-    TREEATTN_RETURN_IF_ERROR(
-        comm_->gather(out.data(), state_bytes(), comm_->rank() == root ? all_.data() : nullptr, root));
+    TREEATTN_RETURN_IF_ERROR(comm_->gather(out.data(), state_bytes(),
+                                           comm_->rank() == root ? all_.data() : nullptr, root));
     if (comm_->rank() == root) merge_in_rank_order(all_.data(), p, out.data());
     if (options_.root >= 0) return Status::ok();
     return comm_->broadcast(out.data(), state_bytes(), root);

@@ -43,9 +43,9 @@ class Hier final : public StrategyBase {
                                 " entries, the job has " + std::to_string(p) + " ranks");
       for (int i = 0; i < p; ++i)
         if (options_.node_of_rank[static_cast<std::size_t>(i)] < 0)
-          return invalid_argument(who() + "hier node id of rank " + std::to_string(i) +
-                                  " is negative (" +
-                                  std::to_string(options_.node_of_rank[static_cast<std::size_t>(i)]) + ")");
+          return invalid_argument(
+              who() + "hier node id of rank " + std::to_string(i) + " is negative (" +
+              std::to_string(options_.node_of_rank[static_cast<std::size_t>(i)]) + ")");
       auto c = comm_->split(options_.node_of_rank[static_cast<std::size_t>(r)], key);
       TREEATTN_RETURN_IF_ERROR(c.status());
       node_ = std::move(*c);
@@ -78,7 +78,8 @@ class Hier final : public StrategyBase {
       note_buffers(child_.size() * sizeof(float));
       std::vector<CommRequest> reqs;
       for (std::size_t c = 0; c < children.size(); ++c) {
-        auto rq = leaders_->irecv(child_.data() + c * state_floats(), state_bytes(), children[c], kTagUp);
+        auto rq =
+            leaders_->irecv(child_.data() + c * state_floats(), state_bytes(), children[c], kTagUp);
         TREEATTN_RETURN_IF_ERROR(rq.status());
         reqs.push_back(*rq);
       }

@@ -22,7 +22,8 @@ std::unique_ptr<Strategy> make_tree_as_allgather(const StrategyOptions& o) {
 const Entry kHostEntries[] = {
     {{"tree", "one allreduce with the state merge as a user-defined reduction"},
      strategies::make_tree},
-    {{"tree-paper", "the paper's three allreduces: MAX of LSE, SUM of outputs, SUM of denominators"},
+    {{"tree-paper",
+      "the paper's three allreduces: MAX of LSE, SUM of outputs, SUM of denominators"},
      strategies::make_tree_paper},
     {{"tree2", "MAX of LSE, then one fused SUM of outputs and denominators"},
      strategies::make_tree2},
@@ -44,7 +45,8 @@ const Entry kHostEntries[] = {
 const Entry kNoUserReductionEntries[] = {
     {{"tree", "all-gather of partial states and a local merge (no user-defined reductions)"},
      make_tree_as_allgather},
-    {{"tree-paper", "the paper's three allreduces: MAX of LSE, SUM of outputs, SUM of denominators"},
+    {{"tree-paper",
+      "the paper's three allreduces: MAX of LSE, SUM of outputs, SUM of denominators"},
      strategies::make_tree_paper},
     {{"tree2", "MAX of LSE, then one fused SUM of outputs and denominators"},
      strategies::make_tree2},
@@ -113,7 +115,8 @@ Result<CostEstimate> analytic_cost(std::string_view strategy, const AttnShape& s
   const double P = p;
   const double S = static_cast<double>(shape.batch * shape.q_len * shape.heads) *
                    static_cast<double>(shape.head_dim + 2) * 4.0;
-  const double Qb = static_cast<double>(shape.batch * shape.q_len * shape.heads * shape.head_dim) * 4.0;
+  const double Qb =
+      static_cast<double>(shape.batch * shape.q_len * shape.heads * shape.head_dim) * 4.0;
   const double kv_per_token = 2.0 * static_cast<double>(shape.kv_heads * shape.head_dim) *
                               static_cast<double>(dtype_size(dtype));
   auto kv_bytes = [&](int r) { return static_cast<double>(plan.total_tokens(r)) * kv_per_token; };
@@ -142,7 +145,8 @@ Result<CostEstimate> analytic_cost(std::string_view strategy, const AttnShape& s
   } else if (strategy == "tree-paper" || strategy == "tree2") {
     const double n = static_cast<double>(shape.batch * shape.q_len * shape.heads);
     const double max_part = 2.0 * (P - 1) / P * n * 4.0;
-    const double sum_part = all ? 2.0 * (P - 1) / P * (S - n * 4.0) : (rank == root ? 0.0 : S - n * 4.0);
+    const double sum_part =
+        all ? 2.0 * (P - 1) / P * (S - n * 4.0) : (rank == root ? 0.0 : S - n * 4.0);
     c.bytes_sent = max_part + sum_part;
     c.working_set_bytes = base_ws + S;  // lse + numerators + denominators
     c.formula = strategy == "tree2"
@@ -183,8 +187,9 @@ Result<CostEstimate> analytic_cost(std::string_view strategy, const AttnShape& s
     }
     c.bytes_sent = sent;
     c.working_set_bytes = base_ws + (leader ? S * k : 0.0);
-    c.formula = "sent = S per tree edge (intra reduce, leader tree up and down, binomial "
-                "broadcast); ws = KV + q + S + k S at leaders";
+    c.formula =
+        "sent = S per tree edge (intra reduce, leader tree up and down, binomial "
+        "broadcast); ws = KV + q + S + k S at leaders";
   } else if (strategy == "ring-kv") {
     double sent = 0;
     for (int k = 0; k + 1 < p; ++k) sent += kv_bytes(((rank - k) % p + p) % p);
@@ -196,8 +201,9 @@ Result<CostEstimate> analytic_cost(std::string_view strategy, const AttnShape& s
     const int nbuf = p >= 3 ? 2 : (p == 2 ? 1 : 0);
     c.bytes_sent = sent;
     c.working_set_bytes = base_ws + nbuf * buf + P * S;
-    c.formula = "sent = sum of the p-1 KV shards forwarded (paper: 2btd per hop); "
-                "ws = KV + q + S + (1 or 2) receive buffers + p S (paper eq. 8: 4btd + 2bd)";
+    c.formula =
+        "sent = sum of the p-1 KV shards forwarded (paper: 2btd per hop); "
+        "ws = KV + q + S + (1 or 2) receive buffers + p S (paper eq. 8: 4btd + 2bd)";
   } else if (strategy == "ring-state") {
     c.bytes_sent = (P - 1) * S;
     c.working_set_bytes = base_ws + P * S;

@@ -62,9 +62,10 @@ class RingKV final : public StrategyBase {
                               std::string(dtype_name(local.dtype)) + " differs from the run's " +
                               std::string(dtype_name(dtype_)));
     if (plan.total_tokens(r) > 0 && local.stride_token != D)
-      return unsupported(who() + "ring-kv sends tokens as contiguous rows and needs a token "
-                         "stride equal to head_dim (" + std::to_string(D) + "), got " +
-                         std::to_string(local.stride_token));
+      return unsupported(who() +
+                         "ring-kv sends tokens as contiguous rows and needs a token "
+                         "stride equal to head_dim (" +
+                         std::to_string(D) + "), got " + std::to_string(local.stride_token));
 
     // Buffers sized for the longest shard that will arrive.
     int64_t max_len = 0;
@@ -166,7 +167,8 @@ class RingKV final : public StrategyBase {
       for (int64_t h = 0; h < H; ++h) {
         const auto off = static_cast<std::size_t>(b * kv.stride_batch + h * kv.stride_head) * es;
         const int tag = kTagData + static_cast<int>(2 * (b * H + h));
-        auto sk = comm_->isend(static_cast<const uint8_t*>(kv.k) + off, segment_bytes(len), to, tag);
+        auto sk =
+            comm_->isend(static_cast<const uint8_t*>(kv.k) + off, segment_bytes(len), to, tag);
         TREEATTN_RETURN_IF_ERROR(sk.status());
         auto sv =
             comm_->isend(static_cast<const uint8_t*>(kv.v) + off, segment_bytes(len), to, tag + 1);
@@ -183,10 +185,10 @@ class RingKV final : public StrategyBase {
     for (int64_t b = 0; b < B; ++b) {
       const int64_t got = buf.meta[static_cast<std::size_t>(b)];
       if (got != plan.len(origin, b))
-        return {Code::kMismatch,
-                who() + "ring-kv received the shard of rank " + std::to_string(origin) +
-                    " with " + std::to_string(got) + " tokens in batch row " + std::to_string(b) +
-                    ", but the plan says " + std::to_string(plan.len(origin, b))};
+        return {Code::kMismatch, who() + "ring-kv received the shard of rank " +
+                                     std::to_string(origin) + " with " + std::to_string(got) +
+                                     " tokens in batch row " + std::to_string(b) +
+                                     ", but the plan says " + std::to_string(plan.len(origin, b))};
     }
     return Status::ok();
   }
@@ -215,8 +217,7 @@ class RingKV final : public StrategyBase {
                  const std::vector<CommRequest>& reqs) {
     int64_t longest = 0;
     for (int64_t v : kv.len) longest = std::max(longest, v);
-    const int64_t piece =
-        std::max(kMinPiece, (longest + kMaxPieces - 1) / kMaxPieces);
+    const int64_t piece = std::max(kMinPiece, (longest + kMaxPieces - 1) / kMaxPieces);
     if (longest <= piece) return local_partial(q, kv, dst);
     for (std::size_t i = 0; i < records(); ++i) state_set_empty(dst + i * rec_floats(), head_dim());
     const auto B = static_cast<std::size_t>(shape_.batch);

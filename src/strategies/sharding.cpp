@@ -11,11 +11,16 @@ __extension__ typedef __int128 Int128;  // exact N * r (r + 1) / 2 for any plan 
 
 std::string_view shard_kind_name(ShardKind kind) {
   switch (kind) {
-    case ShardKind::kEven: return "even";
-    case ShardKind::kUneven: return "uneven";
-    case ShardKind::kStriped: return "striped";
-    case ShardKind::kExplicit: return "explicit";
-    case ShardKind::kSingle: return "single";
+    case ShardKind::kEven:
+      return "even";
+    case ShardKind::kUneven:
+      return "uneven";
+    case ShardKind::kStriped:
+      return "striped";
+    case ShardKind::kExplicit:
+      return "explicit";
+    case ShardKind::kSingle:
+      return "single";
   }
   return "?";
 }
@@ -30,7 +35,8 @@ Result<ShardKind> parse_shard_kind(std::string_view name) {
 
 Result<ShardPlan> ShardPlan::make(ShardKind kind, int ranks, std::vector<int64_t> total_len,
                                   std::span<const int64_t> explicit_len, int holder) {
-  if (ranks < 1) return invalid_argument("shard plan needs >= 1 rank, got " + std::to_string(ranks));
+  if (ranks < 1)
+    return invalid_argument("shard plan needs >= 1 rank, got " + std::to_string(ranks));
   if (total_len.empty()) return invalid_argument("shard plan needs >= 1 batch row");
   for (std::size_t b = 0; b < total_len.size(); ++b)
     if (total_len[b] < 0)
@@ -66,7 +72,9 @@ Result<ShardPlan> ShardPlan::make(ShardKind kind, int ranks, std::vector<int64_t
       const int64_t ri = static_cast<int64_t>(r), P = ranks;
       int64_t n = 0;
       switch (kind) {
-        case ShardKind::kEven: n = N / P + (ri < N % P ? 1 : 0); break;
+        case ShardKind::kEven:
+          n = N / P + (ri < N % P ? 1 : 0);
+          break;
         case ShardKind::kUneven: {
           // Cumulative boundaries floor(N * S_r / S_p), S_r = r (r + 1) / 2.
           const auto sp = static_cast<Int128>(P) * (P + 1) / 2;
@@ -75,14 +83,18 @@ Result<ShardPlan> ShardPlan::make(ShardKind kind, int ranks, std::vector<int64_t
           n = static_cast<int64_t>(hi - lo);
           break;
         }
-        case ShardKind::kStriped: n = N > ri ? (N - ri + P - 1) / P : 0; break;
+        case ShardKind::kStriped:
+          n = N > ri ? (N - ri + P - 1) / P : 0;
+          break;
         case ShardKind::kExplicit:
           n = explicit_len.size() == R ? explicit_len[r] : explicit_len[r * B + b];
           if (n < 0)
             return invalid_argument("explicit shard length of rank " + std::to_string(r) +
                                     " is negative (" + std::to_string(n) + ")");
           break;
-        case ShardKind::kSingle: n = ri == holder ? N : 0; break;
+        case ShardKind::kSingle:
+          n = ri == holder ? N : 0;
+          break;
       }
       p.len_[r * B + b] = n;
       if (kind == ShardKind::kStriped) {
@@ -132,9 +144,12 @@ int ShardPlan::owner(int64_t b, int64_t pos) const {
 
 int ShardPlan::append_owner(int64_t b) const {
   switch (kind_) {
-    case ShardKind::kStriped: return static_cast<int>(total_len(b) % ranks_);
-    case ShardKind::kSingle: return holder_;
-    default: return ranks_ - 1;
+    case ShardKind::kStriped:
+      return static_cast<int>(total_len(b) % ranks_);
+    case ShardKind::kSingle:
+      return holder_;
+    default:
+      return ranks_ - 1;
   }
 }
 
@@ -197,7 +212,8 @@ Result<LocalShard> LocalShard::create(const AttnShape& shape, DType dtype, const
 void LocalShard::set_slot(int64_t b, int64_t j, const float* k, const float* v) {
   const auto D = static_cast<std::size_t>(shape_.head_dim);
   for (int64_t h = 0; h < shape_.kv_heads; ++h)
-    cache_.set_token(b, h, j, k + static_cast<std::size_t>(h) * D, v + static_cast<std::size_t>(h) * D);
+    cache_.set_token(b, h, j, k + static_cast<std::size_t>(h) * D,
+                     v + static_cast<std::size_t>(h) * D);
 }
 
 KVShard LocalShard::view(const ShardPlan& plan) const {

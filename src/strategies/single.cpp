@@ -48,8 +48,10 @@ class Single final : public StrategyBase {
   Status check_plan(const ShardPlan& plan) const {
     for (int r = 1; r < plan.ranks(); ++r)
       if (plan.total_tokens(r) != 0)
-        return invalid_argument(who() + "strategy 'single' needs the whole KV cache on rank 0, "
-                                "but the plan (" + plan.to_string() + ") puts " +
+        return invalid_argument(who() +
+                                "strategy 'single' needs the whole KV cache on rank 0, "
+                                "but the plan (" +
+                                plan.to_string() + ") puts " +
                                 std::to_string(plan.total_tokens(r)) + " tokens on rank " +
                                 std::to_string(r) + "; use shard kind 'single'");
     return Status::ok();

@@ -50,11 +50,15 @@ class TreePaper final : public StrategyBase {
       float* dst = num_.data() + i * stride;
       const float l = rec[1];
       for (std::size_t d = 0; d < D; ++d) dst[d] = w == 0.0f ? 0.0f : rec[2 + d] / l * w;
-      if (fused_) dst[D] = w; else den_[i] = w;
+      if (fused_)
+        dst[D] = w;
+      else
+        den_[i] = w;
     }
     note_buffers((lse_.size() + num_.size() + den_.size()) * sizeof(float));
     if (options_.root >= 0) {
-      TREEATTN_RETURN_IF_ERROR(comm_->reduce(num_.data(), num_.size(), ReduceOp::kSum, options_.root));
+      TREEATTN_RETURN_IF_ERROR(
+          comm_->reduce(num_.data(), num_.size(), ReduceOp::kSum, options_.root));
       if (!fused_)
         TREEATTN_RETURN_IF_ERROR(comm_->reduce(den_.data(), n, ReduceOp::kSum, options_.root));
       if (comm_->rank() != options_.root) return Status::ok();

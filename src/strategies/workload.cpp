@@ -1,8 +1,8 @@
 // Deterministic workload data: counter-based random values, per-rank shards, the full cache.
+#include "treeattn/workload.hpp"
+
 #include <algorithm>
 #include <vector>
-
-#include "treeattn/workload.hpp"
 
 namespace treeattn {
 namespace {
@@ -16,9 +16,12 @@ uint64_t splitmix64(uint64_t x) {
 
 float round_to(DType t, float v) {
   switch (t) {
-    case DType::kF32: return v;
-    case DType::kF16: return f16_to_float(float_to_f16(v));
-    case DType::kBF16: return bf16_to_float(float_to_bf16(v));
+    case DType::kF32:
+      return v;
+    case DType::kF16:
+      return f16_to_float(float_to_f16(v));
+    case DType::kBF16:
+      return bf16_to_float(float_to_bf16(v));
   }
   return v;
 }
@@ -67,7 +70,7 @@ Status fill_local_shard(const WorkloadSpec& w, const ShardPlan& plan, LocalShard
   for (int64_t b = 0; b < w.shape.batch; ++b) {
     const int64_t n = plan.len(r, b), start = plan.pos_start(r, b), stride = plan.pos_stride();
     // Threads only pay off for large shards (and spin-waiting threads hurt oversubscribed ranks).
-#pragma omp parallel if (n * static_cast<int64_t>(per_token) >= (int64_t{1} << 20))
+#pragma omp parallel if (n * static_cast <int64_t>(per_token) >= (int64_t{1} << 20))
     {
       std::vector<float> k(per_token), v(per_token);
 #pragma omp for schedule(static)

@@ -136,14 +136,16 @@ int main(int argc, char** argv) {
       rc = 1;
     } else {
       bool nan = false;
-      for (float x : std::vector<float>(r->states[0].data(), r->states[0].data() + r->states[0].floats()))
+      for (float x :
+           std::vector<float>(r->states[0].data(), r->states[0].data() + r->states[0].floats()))
         nan = nan || std::isnan(x);
       std::printf("rank %d: output %s NaN\n", me, nan ? "contains" : "does not contain");
       rc = nan ? 0 : 1;
     }
   } else {
-    std::fprintf(stderr, "usage: multirank_faults mismatch-dim|mismatch-dtype|timeout|timeout-p2p|"
-                         "kill|nan-check|nan-propagate\n");
+    std::fprintf(stderr,
+                 "usage: multirank_faults mismatch-dim|mismatch-dtype|timeout|timeout-p2p|"
+                 "kill|nan-check|nan-propagate\n");
     rc = 2;
   }
   world->reset();

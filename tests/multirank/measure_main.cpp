@@ -71,17 +71,28 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
-    if (a == "--lengths") lengths = split(next());
-    else if (a == "--heads") shape.heads = std::atoll(next().c_str());
-    else if (a == "--kv-heads") shape.kv_heads = std::atoll(next().c_str());
-    else if (a == "--dim") shape.head_dim = std::atoll(next().c_str());
-    else if (a == "--batch") shape.batch = std::atoll(next().c_str());
-    else if (a == "--dtype") dtype = parse_dtype(next()).value_or(DType::kBF16);
-    else if (a == "--warmup") warmup = std::atoi(next().c_str());
-    else if (a == "--steps") steps = std::atoi(next().c_str());
-    else if (a == "--threads") threads = std::atoi(next().c_str());
-    else if (a == "--strategies") names = split(next());
-    else if (a == "--check-wire") check_wire = true;
+    if (a == "--lengths")
+      lengths = split(next());
+    else if (a == "--heads")
+      shape.heads = std::atoll(next().c_str());
+    else if (a == "--kv-heads")
+      shape.kv_heads = std::atoll(next().c_str());
+    else if (a == "--dim")
+      shape.head_dim = std::atoll(next().c_str());
+    else if (a == "--batch")
+      shape.batch = std::atoll(next().c_str());
+    else if (a == "--dtype")
+      dtype = parse_dtype(next()).value_or(DType::kBF16);
+    else if (a == "--warmup")
+      warmup = std::atoi(next().c_str());
+    else if (a == "--steps")
+      steps = std::atoi(next().c_str());
+    else if (a == "--threads")
+      threads = std::atoi(next().c_str());
+    else if (a == "--strategies")
+      names = split(next());
+    else if (a == "--check-wire")
+      check_wire = true;
     else {
       if (me == 0) std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       return 2;
@@ -96,9 +107,8 @@ int main(int argc, char** argv) {
     std::printf("p=%d shape %s dtype %s, kernel threads/rank %d, warmup %d, steps %d\n", p,
                 shape.to_string().c_str(), std::string(dtype_name(dtype)).c_str(), threads, warmup,
                 steps);
-    std::printf("%-11s %8s %9s %10s %10s %10s %10s %10s %10s %10s\n", "strategy", "N",
-                "median_ms", "sent_p2p", "coll_pay", "sent_tcp", "model_sent", "ws", "model_ws",
-                "rss");
+    std::printf("%-11s %8s %9s %10s %10s %10s %10s %10s %10s %10s\n", "strategy", "N", "median_ms",
+                "sent_p2p", "coll_pay", "sent_tcp", "model_sent", "ws", "model_ws", "rss");
   }
   int failures = 0;
   for (const std::string& n_text : lengths) {
@@ -125,7 +135,8 @@ int main(int argc, char** argv) {
       for (const StepReport& s : rep->steps) {
         secs.push_back(s.max_seconds);
         mine.p2p = std::max(mine.p2p, static_cast<double>(s.p2p_bytes));
-        mine.coll_payload = std::max(mine.coll_payload, static_cast<double>(s.collective_payload_bytes));
+        mine.coll_payload =
+            std::max(mine.coll_payload, static_cast<double>(s.collective_payload_bytes));
         mine.ws = std::max(mine.ws, static_cast<double>(s.working_set_bytes));
         if (s.wire_bytes) {
           mine.has_wire = 1;
@@ -137,9 +148,9 @@ int main(int argc, char** argv) {
           const double wire = s.wire_bytes ? static_cast<double>(*s.wire_bytes) : -1.0;
           if (counted != rep->model.bytes_sent || !(wire >= counted) ||
               !(wire <= counted * 1.03 + 4096)) {
-            std::printf("rank %d: ACCOUNTING FAIL %s step %lld: counted %.0f, model %.0f, tcp %.0f\n",
-                        me, name.c_str(), static_cast<long long>(s.step), counted,
-                        rep->model.bytes_sent, wire);
+            std::printf(
+                "rank %d: ACCOUNTING FAIL %s step %lld: counted %.0f, model %.0f, tcp %.0f\n", me,
+                name.c_str(), static_cast<long long>(s.step), counted, rep->model.bytes_sent, wire);
             ++failures;
           }
         }

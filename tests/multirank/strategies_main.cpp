@@ -75,7 +75,8 @@ std::vector<Case> make_cases(int p) {
                        ShardKind::kUneven, 2.0f);
     c->timeout = std::chrono::milliseconds(0);
   }
-  add("f16 ragged-batch uneven", {2, 4, 4, 128, 1}, DType::kF16, {53, 17}, ShardKind::kUneven, 3.0f);
+  add("f16 ragged-batch uneven", {2, 4, 4, 128, 1}, DType::kF16, {53, 17}, ShardKind::kUneven,
+      3.0f);
   add("bf16 q3 striped", {1, 8, 2, 64, 3}, DType::kBF16, {113}, ShardKind::kStriped, 3.0f);
   {
     RunConfig* c = add("f32 b3 q2 explicit-empty", {3, 2, 1, 80, 2}, DType::kF32, {31},
@@ -91,12 +92,14 @@ std::vector<Case> make_cases(int p) {
     c->check_every_step = true;  // the per-step agreement check must pass when ranks agree
   }
   {
-    RunConfig* c = add("f16 appends even", {1, 4, 1, 96, 1}, DType::kF16, {29}, ShardKind::kEven, 2.0f);
+    RunConfig* c =
+        add("f16 appends even", {1, 4, 1, 96, 1}, DType::kF16, {29}, ShardKind::kEven, 2.0f);
     c->steps = 3;
     c->append = true;
   }
   {
-    RunConfig* c = add("f32 root-only", {1, 4, 2, 64, 1}, DType::kF32, {50}, ShardKind::kEven, 2.0f);
+    RunConfig* c =
+        add("f32 root-only", {1, 4, 2, 64, 1}, DType::kF32, {50}, ShardKind::kEven, 2.0f);
     c->options.root = p - 1;
   }
   return cases;
@@ -183,7 +186,8 @@ int main(int argc, char** argv) {
             double worst = 0, scale = 1;
             for (std::size_t r = 0; r < one.records(); ++r) {
               state_normalize(one.record(r), D, a.data(), static_cast<float*>(nullptr));
-              state_normalize(report->states[i].record(r), D, b.data(), static_cast<float*>(nullptr));
+              state_normalize(report->states[i].record(r), D, b.data(),
+                              static_cast<float*>(nullptr));
               for (std::size_t d = 0; d < D; ++d) {
                 worst = std::max(worst, static_cast<double>(std::fabs(a[d] - b[d])));
                 scale = std::max(scale, static_cast<double>(std::fabs(a[d])));

@@ -38,7 +38,8 @@ TEST(Registry, BackendWithoutUserReductionsMapsTreeToAllgather) {
   ASSERT_TRUE(reg.contains("tree"));
   bool described = false;
   for (const StrategyInfo& i : reg.list())
-    if (i.name == "tree") described = std::string(i.summary).find("all-gather") != std::string::npos;
+    if (i.name == "tree")
+      described = std::string(i.summary).find("all-gather") != std::string::npos;
   EXPECT_TRUE(described);
 }
 
@@ -72,7 +73,8 @@ TEST(AnalyticCost, MatchesThePaperFormulas) {
   auto rs = analytic_cost("ring-state", shape, DType::kBF16, *plan, 0);
   EXPECT_DOUBLE_EQ(rs->bytes_sent, 3 * S);
   auto one = ShardPlan::make(ShardKind::kEven, 1, {4000});
-  for (const char* n : {"tree", "tree-paper", "tree2", "hier", "ring-state", "allgather", "gather-root"})
+  for (const char* n :
+       {"tree", "tree-paper", "tree2", "hier", "ring-state", "allgather", "gather-root"})
     EXPECT_EQ(analytic_cost(n, shape, DType::kBF16, *one, 0)->bytes_sent, 0.0) << n;
   EXPECT_FALSE(analytic_cost("butterfly", shape, DType::kBF16, *plan, 0).is_ok());
   EXPECT_FALSE(analytic_cost("tree", shape, DType::kBF16, *plan, 4).is_ok());

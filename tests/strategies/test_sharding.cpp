@@ -33,7 +33,8 @@ Result<ShardPlan> plan_for(ShardKind k, int p, std::vector<int64_t> n) {
       std::vector<int64_t> e(static_cast<std::size_t>(p) * n.size(), 0);
       for (std::size_t b = 0; b < n.size(); ++b) {
         auto row = explicit_lengths(p, n[b]);
-        for (int r = 0; r < p; ++r) e[static_cast<std::size_t>(r) * n.size() + b] = row[static_cast<std::size_t>(r)];
+        for (int r = 0; r < p; ++r)
+          e[static_cast<std::size_t>(r) * n.size() + b] = row[static_cast<std::size_t>(r)];
       }
       return ShardPlan::make(k, p, std::move(n), e);
     }
@@ -73,7 +74,8 @@ TEST(ShardPlan, EveryKindPartitionsEveryPosition) {
 TEST(ShardPlan, EvenSplitsBalanced) {
   auto plan = ShardPlan::make(ShardKind::kEven, 4, {10});
   ASSERT_TRUE(plan.is_ok());
-  EXPECT_EQ(std::vector<int64_t>(plan->lens(0).begin(), plan->lens(0).end()), std::vector<int64_t>{3});
+  EXPECT_EQ(std::vector<int64_t>(plan->lens(0).begin(), plan->lens(0).end()),
+            std::vector<int64_t>{3});
   const int64_t want_len[] = {3, 3, 2, 2}, want_start[] = {0, 3, 6, 8};
   for (int r = 0; r < 4; ++r) {
     EXPECT_EQ(plan->len(r, 0), want_len[r]);
@@ -170,9 +172,12 @@ TEST(LocalShard, HoldsItsTokensThroughAppendsAndGrowth) {
       std::vector<float> kn(2 * per_row), vn(2 * per_row);
       for (int step = 0; step < 7; ++step) {
         for (int64_t b = 0; b < 2; ++b)
-          make_token(spec, b, plans[0].total_len(b), kn.data() + b * per_row, vn.data() + b * per_row);
+          make_token(spec, b, plans[0].total_len(b), kn.data() + b * per_row,
+                     vn.data() + b * per_row);
         for (int r = 0; r < p; ++r)
-          ASSERT_TRUE(append_token(plans[static_cast<std::size_t>(r)], shards[static_cast<std::size_t>(r)], kn.data(), vn.data()).is_ok());
+          ASSERT_TRUE(append_token(plans[static_cast<std::size_t>(r)],
+                                   shards[static_cast<std::size_t>(r)], kn.data(), vn.data())
+                          .is_ok());
       }
       std::vector<float> k(per_row), v(per_row);
       for (int r = 0; r < p; ++r) {
@@ -185,10 +190,12 @@ TEST(LocalShard, HoldsItsTokensThroughAppendsAndGrowth) {
             make_token(spec, b, pos, k.data(), v.data());
             for (int64_t h = 0; h < shape.kv_heads; ++h)
               for (int64_t d = 0; d < shape.head_dim; ++d) {
-                const auto idx = static_cast<std::size_t>(b * view.stride_batch + h * view.stride_head +
-                                                          j * view.stride_token + d);
-                ASSERT_EQ(load_as_float(view.k, dt, idx), k[static_cast<std::size_t>(h * shape.head_dim + d)]);
-                ASSERT_EQ(load_as_float(view.v, dt, idx), v[static_cast<std::size_t>(h * shape.head_dim + d)]);
+                const auto idx = static_cast<std::size_t>(
+                    b * view.stride_batch + h * view.stride_head + j * view.stride_token + d);
+                ASSERT_EQ(load_as_float(view.k, dt, idx),
+                          k[static_cast<std::size_t>(h * shape.head_dim + d)]);
+                ASSERT_EQ(load_as_float(view.v, dt, idx),
+                          v[static_cast<std::size_t>(h * shape.head_dim + d)]);
               }
           }
       }

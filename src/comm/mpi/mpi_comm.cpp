@@ -164,8 +164,8 @@ class MpiCommunicator final : public Communicator {
     if (blocking())
       return check("MPI_Reduce", MPI_Reduce(send, recv, n, MPI_FLOAT, mpi_op(op), root, comm_));
     MPI_Request r;
-    TREEATTN_RETURN_IF_ERROR(check(
-        "MPI_Ireduce", MPI_Ireduce(send, recv, n, MPI_FLOAT, mpi_op(op), root, comm_, &r)));
+    TREEATTN_RETURN_IF_ERROR(
+        check("MPI_Ireduce", MPI_Ireduce(send, recv, n, MPI_FLOAT, mpi_op(op), root, comm_, &r)));
     return wait_collective(&r, "reduce");
   }
 
@@ -182,8 +182,9 @@ class MpiCommunicator final : public Communicator {
       return check("MPI_Allreduce(states)",
                    MPI_Allreduce(MPI_IN_PLACE, records, cnt, *type, *op, comm_));
     MPI_Request r;
-    TREEATTN_RETURN_IF_ERROR(check("MPI_Iallreduce(states)",
-                                   MPI_Iallreduce(MPI_IN_PLACE, records, cnt, *type, *op, comm_, &r)));
+    TREEATTN_RETURN_IF_ERROR(
+        check("MPI_Iallreduce(states)",
+              MPI_Iallreduce(MPI_IN_PLACE, records, cnt, *type, *op, comm_, &r)));
     return wait_collective(&r, "allreduce_states");
   }
 
@@ -202,8 +203,8 @@ class MpiCommunicator final : public Communicator {
     if (blocking())
       return check("MPI_Reduce(states)", MPI_Reduce(send, recv, cnt, *type, *op, root, comm_));
     MPI_Request r;
-    TREEATTN_RETURN_IF_ERROR(check("MPI_Ireduce(states)",
-                                   MPI_Ireduce(send, recv, cnt, *type, *op, root, comm_, &r)));
+    TREEATTN_RETURN_IF_ERROR(
+        check("MPI_Ireduce(states)", MPI_Ireduce(send, recv, cnt, *type, *op, root, comm_, &r)));
     return wait_collective(&r, "reduce_states");
   }
 
@@ -212,11 +213,10 @@ class MpiCommunicator final : public Communicator {
     TREEATTN_RETURN_IF_ERROR(check_count("allgather", bytes));
     const int n = static_cast<int>(bytes);
     if (blocking())
-      return check("MPI_Allgather",
-                   MPI_Allgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_));
+      return check("MPI_Allgather", MPI_Allgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_));
     MPI_Request r;
-    TREEATTN_RETURN_IF_ERROR(check(
-        "MPI_Iallgather", MPI_Iallgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_, &r)));
+    TREEATTN_RETURN_IF_ERROR(
+        check("MPI_Iallgather", MPI_Iallgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_, &r)));
     return wait_collective(&r, "allgather");
   }
 
@@ -228,8 +228,8 @@ class MpiCommunicator final : public Communicator {
     if (blocking())
       return check("MPI_Gather", MPI_Gather(send, n, MPI_BYTE, recv, n, MPI_BYTE, root, comm_));
     MPI_Request r;
-    TREEATTN_RETURN_IF_ERROR(check(
-        "MPI_Igather", MPI_Igather(send, n, MPI_BYTE, recv, n, MPI_BYTE, root, comm_, &r)));
+    TREEATTN_RETURN_IF_ERROR(
+        check("MPI_Igather", MPI_Igather(send, n, MPI_BYTE, recv, n, MPI_BYTE, root, comm_, &r)));
     return wait_collective(&r, "gather");
   }
 
@@ -240,8 +240,7 @@ class MpiCommunicator final : public Communicator {
     const int n = static_cast<int>(bytes);
     if (blocking()) return check("MPI_Bcast", MPI_Bcast(data, n, MPI_BYTE, root, comm_));
     MPI_Request r;
-    TREEATTN_RETURN_IF_ERROR(
-        check("MPI_Ibcast", MPI_Ibcast(data, n, MPI_BYTE, root, comm_, &r)));
+    TREEATTN_RETURN_IF_ERROR(check("MPI_Ibcast", MPI_Ibcast(data, n, MPI_BYTE, root, comm_, &r)));
     return wait_collective(&r, "broadcast");
   }
 
@@ -257,8 +256,8 @@ class MpiCommunicator final : public Communicator {
     TREEATTN_RETURN_IF_ERROR(check_usable("isend"));
     TREEATTN_RETURN_IF_ERROR(check_p2p("isend", bytes, dest, tag));
     MPI_Request r;
-    TREEATTN_RETURN_IF_ERROR(check("MPI_Isend", MPI_Isend(data, static_cast<int>(bytes), MPI_BYTE,
-                                                          dest, tag, comm_, &r)));
+    TREEATTN_RETURN_IF_ERROR(check(
+        "MPI_Isend", MPI_Isend(data, static_cast<int>(bytes), MPI_BYTE, dest, tag, comm_, &r)));
     mutable_counters().p2p_bytes += bytes;
     mutable_counters().p2p_messages += 1;
     return store(r, PeerOp{true, dest, tag});
@@ -268,8 +267,8 @@ class MpiCommunicator final : public Communicator {
     TREEATTN_RETURN_IF_ERROR(check_usable("irecv"));
     TREEATTN_RETURN_IF_ERROR(check_p2p("irecv", bytes, src, tag));
     MPI_Request r;
-    TREEATTN_RETURN_IF_ERROR(check("MPI_Irecv", MPI_Irecv(data, static_cast<int>(bytes), MPI_BYTE,
-                                                          src, tag, comm_, &r)));
+    TREEATTN_RETURN_IF_ERROR(check(
+        "MPI_Irecv", MPI_Irecv(data, static_cast<int>(bytes), MPI_BYTE, src, tag, comm_, &r)));
     return store(r, PeerOp{false, src, tag});
   }
 
@@ -309,9 +308,9 @@ class MpiCommunicator final : public Communicator {
       reqs.push_back(requests_[static_cast<std::size_t>(q.id)]);
     }
     int done = 0;
-    TREEATTN_RETURN_IF_ERROR(check("MPI_Testall", MPI_Testall(static_cast<int>(reqs.size()),
-                                                              reqs.data(), &done,
-                                                              MPI_STATUSES_IGNORE)));
+    TREEATTN_RETURN_IF_ERROR(
+        check("MPI_Testall",
+              MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE)));
     for (std::size_t i = 0; i < requests.size(); ++i)
       requests_[static_cast<std::size_t>(requests[i].id)] = reqs[i];
     return done != 0;
@@ -320,8 +319,8 @@ class MpiCommunicator final : public Communicator {
   Result<std::unique_ptr<Communicator>> split(int color, int key) override {
     TREEATTN_RETURN_IF_ERROR(barrier_before("split"));
     MPI_Comm c = MPI_COMM_NULL;
-    TREEATTN_RETURN_IF_ERROR(check(
-        "MPI_Comm_split", MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &c)));
+    TREEATTN_RETURN_IF_ERROR(
+        check("MPI_Comm_split", MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &c)));
     if (c == MPI_COMM_NULL) return std::unique_ptr<Communicator>{};
     return wrap(c);
   }
@@ -335,13 +334,9 @@ class MpiCommunicator final : public Communicator {
     return wrap(c);
   }
 
-  [[noreturn]] void abort(int code, std::string_view message) override {
-    mpi_abort(code, message);
-  }
+  [[noreturn]] void abort(int code, std::string_view message) override { mpi_abort(code, message); }
 
-  std::optional<uint64_t> transport_bytes_sent() const override {
-    return process_tcp_bytes_sent();
-  }
+  std::optional<uint64_t> transport_bytes_sent() const override { return process_tcp_bytes_sent(); }
 
  private:
   bool blocking() const { return timeout().count() <= 0; }
@@ -381,8 +376,8 @@ class MpiCommunicator final : public Communicator {
 
   Status check_root(const char* op, int root) const {
     if (root < 0 || root >= size_)
-      return invalid_argument(who() + op + " root " + std::to_string(root) +
-                              " is outside [0, " + std::to_string(size_) + ")");
+      return invalid_argument(who() + op + " root " + std::to_string(root) + " is outside [0, " +
+                              std::to_string(size_) + ")");
     return Status::ok();
   }
 
@@ -439,13 +434,13 @@ class MpiCommunicator final : public Communicator {
   // Polls until all requests complete or the timeout expires.
   Status wait(MPI_Request* reqs, int n, const char* op, bool collective) {
     if (n == 0) return Status::ok();
-    if (blocking())
-      return check("MPI_Waitall", MPI_Waitall(n, reqs, MPI_STATUSES_IGNORE));
+    if (blocking()) return check("MPI_Waitall", MPI_Waitall(n, reqs, MPI_STATUSES_IGNORE));
     const auto start = Clock::now();
     const auto deadline = start + timeout();
     for (;;) {
       int done = 0;
-      TREEATTN_RETURN_IF_ERROR(check("MPI_Testall", MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE)));
+      TREEATTN_RETURN_IF_ERROR(
+          check("MPI_Testall", MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE)));
       if (done) return Status::ok();
       const auto now = Clock::now();
       if (now >= deadline) {
@@ -467,7 +462,8 @@ class MpiCommunicator final : public Communicator {
       int done = 0;
       MPI_Request_get_status(reqs[i], &done, MPI_STATUS_IGNORE);
       if (done) continue;
-      const PeerOp& w = peer_ops_[static_cast<std::size_t>(pending_ids_[static_cast<std::size_t>(i)].id)];
+      const PeerOp& w =
+          peer_ops_[static_cast<std::size_t>(pending_ids_[static_cast<std::size_t>(i)].id)];
       s += std::string("; still waiting to ") + (w.send ? "send to" : "receive from") + " rank " +
            std::to_string(world_of_[static_cast<std::size_t>(w.peer)]) + " (tag " +
            std::to_string(w.tag) + ")";
@@ -511,7 +507,10 @@ class MpiCommunicator final : public Communicator {
         if (heard[i]) continue;
         int flag = 0;
         MPI_Test(&recvs[i], &flag, MPI_STATUS_IGNORE);
-        if (flag) heard[i] = true; else all = false;
+        if (flag)
+          heard[i] = true;
+        else
+          all = false;
       }
       if (all || Clock::now() >= deadline) break;
       std::this_thread::sleep_for(std::chrono::microseconds(200));
