@@ -14,6 +14,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -92,6 +93,8 @@ Status run_driver(ItemFn item_fn, const AttnShape& shape, const float* q, const 
   const int64_t* first_chunk = cs.first_chunk.data();
   const int64_t* needed = cs.needed.data();
 
+  const int prefetch = cpu::default_prefetch_tokens();
+
 #pragma omp parallel for schedule(dynamic, 1) num_threads(opt.threads)
   for (int64_t item = 0; item < items; ++item) {
     const int64_t kvh = item % Hkv;
@@ -132,6 +135,7 @@ Status run_driver(ItemFn item_fn, const AttnShape& shape, const float* q, const 
     a.scale = opt.scale;
     a.out = chunk_states + static_cast<std::size_t>(item) * item_floats;
     a.scores = ts.scores.data();
+    a.prefetch_tokens = prefetch;
     item_fn(a);
   }
 
@@ -186,6 +190,16 @@ KernelFn cpu_kernel_for(Isa isa) {
 }
 
 namespace cpu {
+int default_prefetch_tokens() {
+  static const int value = [] {
+    const char* e = std::getenv("TREEATTN_PREFETCH_TOKENS");
+    if (e == nullptr || *e == '\0') return kDefaultPrefetchTokens;
+    const long v = std::strtol(e, nullptr, 10);
+    return v < 0 ? 0 : (v > 4096 ? 4096 : static_cast<int>(v));
+  }();
+  return value;
+}
+
 ExpFn exp_for(Isa isa) {
   switch (isa) {
     case Isa::kGeneric: return &generic::exp_array;

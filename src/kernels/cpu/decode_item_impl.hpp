@@ -108,36 +108,51 @@ inline void value_tile(float* const* o, const float* const* p, const char* vbase
     value_slice<D, DT, RR, kRest>(o, p, vbase, vstride_bytes, tb, te, kFull * NV * Ops::W);
 }
 
-template <int D, DType DT, int RR>
-inline void score_rows(const float* q, const void* const* kp, int padded, float* s) {
-  constexpr int TT = Ops::W / RR;
-  for (int t = 0; t < padded; t += TT) score_tile<D, DT, RR>(q, kp + t, s + t);
-}
+// Software prefetch of the K and V rows ItemArgs::prefetch_tokens tokens ahead (0 disables),
+// issued a few tokens at a time during the score pass so that requests stay in flight while
+// the core computes (the hardware prefetchers stop at every 4 KiB page: 8 f32 tokens of D 128).
+// Off by default: see kDefaultPrefetchTokens for the measurement.
 
-// Asks for the K and V lines of tokens [tb, te) to be brought into L2 (not L1: a block of K
-// and V can be as large as L1). Off by default: on the Zen 5 development machine it gained
-// ~5% for f32 and lost ~35% for bf16 (CPU time, 1 thread, 131k tokens); the hardware
-// prefetchers keep up with the contiguous per-head streams.
 template <int D, DType DT>
-inline void prefetch_tokens(const char* k, const char* v, int64_t stride_bytes, int64_t tb,
-                            int64_t te) {
+inline void prefetch_rows(const char* k, const char* v, int64_t stride_bytes, int64_t tb,
+                          int64_t te) {
   constexpr int64_t kRowBytes = D * elem_bytes<DT>();
   for (int64_t t = tb; t < te; ++t) {
     const char* kr = k + t * stride_bytes;
     const char* vr = v + t * stride_bytes;
-    for (int64_t off = 0; off < kRowBytes; off += 64) {
-      __builtin_prefetch(kr + off, 0, 2);
-      __builtin_prefetch(vr + off, 0, 2);
+    // Every line the row touches, including a partial last line of a misaligned row.
+    for (int64_t off = 0; off < kRowBytes + 63; off += 64) {
+      const int64_t o = off < kRowBytes ? off : kRowBytes - 1;
+      __builtin_prefetch(kr + o, 0, 3);
+      __builtin_prefetch(vr + o, 0, 3);
     }
   }
 }
 
-// How many blocks ahead the prefetch runs; 0 (default) disables it. A build-time knob for
-// experiments on other CPUs: -DTREEATTN_PREFETCH_BLOCKS=2.
-#ifndef TREEATTN_PREFETCH_BLOCKS
-#define TREEATTN_PREFETCH_BLOCKS 0
-#endif
-constexpr int64_t kPrefetchBlocks = TREEATTN_PREFETCH_BLOCKS;
+// Scores of RR rows for the `padded` tokens of a block. When `pf` is set, also prefetches the
+// rows prefetch_tokens ahead of each tile (tokens [pf_begin, pf_end) of the item, relative to
+// the block start), spread over the tiles.
+struct PrefetchPlan {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t stride_bytes = 0;
+  int64_t first = 0;  // first token to prefetch (item-relative)
+  int64_t end = 0;    // one past the last token of the item
+};
+
+template <int D, DType DT, int RR>
+inline void score_rows(const float* q, const void* const* kp, int padded, float* s,
+                       const PrefetchPlan* pf) {
+  constexpr int TT = Ops::W / RR;
+  for (int t = 0; t < padded; t += TT) {
+    if (pf != nullptr) {
+      const int64_t b = pf->first + t;
+      const int64_t e = b + TT < pf->end ? b + TT : pf->end;
+      prefetch_rows<D, DT>(pf->k, pf->v, pf->stride_bytes, b, e);
+    }
+    score_tile<D, DT, RR>(q, kp + t, s + t);
+  }
+}
 
 template <int N>
 struct RowTile {
@@ -161,26 +176,28 @@ void run_item(const ItemArgs& a) {
   }
 
   const void* kp[kNB];
-  if constexpr (kPrefetchBlocks > 0) {
-    const int64_t pe = kPrefetchBlocks * kNB < a.tokens ? kPrefetchBlocks * kNB : a.tokens;
-    prefetch_tokens<D, DT>(kbase, vbase, stride_bytes, 0, pe);
+  const int64_t pf_dist = a.prefetch_tokens;
+  if (pf_dist > 0) {
+    // The first pf_dist rows: the tiles of the blocks before them prefetch the rest.
+    prefetch_rows<D, DT>(kbase, vbase, stride_bytes, 0, pf_dist < a.tokens ? pf_dist : a.tokens);
   }
   for (int64_t tb = 0; tb < a.tokens; tb += kNB) {
     const int n = static_cast<int>(a.tokens - tb < kNB ? a.tokens - tb : kNB);
-    if constexpr (kPrefetchBlocks > 0) {
-      const int64_t pb = tb + kPrefetchBlocks * kNB;
-      const int64_t pe = pb + kNB < a.tokens ? pb + kNB : a.tokens;
-      prefetch_tokens<D, DT>(kbase, vbase, stride_bytes, pb, pe);
-    }
+    PrefetchPlan pf_plan{kbase, vbase, stride_bytes, tb + pf_dist, a.tokens};
+    const PrefetchPlan* pf = pf_dist > 0 ? &pf_plan : nullptr;
     const int padded_w = (n + Ops::W - 1) / Ops::W * Ops::W;  // multiple of every TT
     for (int t = 0; t < kNB; ++t) kp[t] = t < n ? static_cast<const void*>(kbase + (tb + t) * stride_bytes)
                                 : static_cast<const void*>(kZeroRow);
 
     // 1. Scores for every row; rows in tiles of 4, then 2, then 1.
     int r0 = 0;
-    for (; r0 + 4 <= R; r0 += 4) score_rows<D, DT, 4>(a.q + r0 * D, kp, padded_w, s + r0 * kNB);
-    for (; r0 + 2 <= R; r0 += 2) score_rows<D, DT, 2>(a.q + r0 * D, kp, padded_w, s + r0 * kNB);
-    for (; r0 < R; ++r0) score_rows<D, DT, 1>(a.q + r0 * D, kp, padded_w, s + r0 * kNB);
+    // The first row tile also issues the prefetches.
+    for (; r0 + 4 <= R; r0 += 4)
+      score_rows<D, DT, 4>(a.q + r0 * D, kp, padded_w, s + r0 * kNB, r0 == 0 ? pf : nullptr);
+    for (; r0 + 2 <= R; r0 += 2)
+      score_rows<D, DT, 2>(a.q + r0 * D, kp, padded_w, s + r0 * kNB, r0 == 0 ? pf : nullptr);
+    for (; r0 < R; ++r0)
+      score_rows<D, DT, 1>(a.q + r0 * D, kp, padded_w, s + r0 * kNB, r0 == 0 ? pf : nullptr);
 
     // 2. Online softmax per row. Afterwards s holds p = exp(s - m) for the row's visible
     //    tokens of the block (0 past them).
