@@ -1,0 +1,57 @@
+// `treeattn bench --kernel`: the roofline of the local decode kernel. Measures this machine's
+// streaming-read bandwidth and FMA peak with the kernel's threads, then times the kernel per
+// shape and dtype and prints achieved GB/s of KV read against the tighter limit, with the
+// OpenBLAS peer (f32) in the same run.
+#include "cmd_kernel.hpp"
+
+#include <cstdio>
+#include <fstream>
+
+#include "treeattn/roofline.hpp"
+
+namespace treeattn::cli {
+
+int kernel_bench(const KernelBenchFlags& f) {
+  auto fail = [](const Status& s) {
+    std::fprintf(stderr, "treeattn bench --kernel: error: %s\n", s.to_string().c_str());
+    return 2;
+  };
+  RooflineOptions o;
+  o.dtypes.clear();
+  for (const auto& name : split_list(f.dtypes)) {
+    auto t = parse_dtype(name);
+    if (!t) return fail(invalid_argument("--dtype: unknown type '" + name + "' (known: f32, f16, bf16)"));
+    o.dtypes.push_back(*t);
+  }
+  if (o.dtypes.empty()) return fail(invalid_argument("--dtype: empty list"));
+  auto isa = parse_isa(f.isa);
+  if (!isa.is_ok()) return fail(isa.status());
+  o.isa = isa.value();
+  o.threads = f.threads > 0 ? std::vector<int>{f.threads} : std::vector<int>{0, 1};
+  if (f.repeats < 1) return fail(invalid_argument("--repeats must be >= 1"));
+  o.repeats = f.repeats;
+  o.peer = !f.no_peer;
+  if (f.default_cases) {
+    o.cases = default_roofline_cases();
+  } else {
+    for (int64_t b : f.shape.batches)
+      for (int64_t seq : f.shape.seqs) {
+        RooflineCase c;
+        c.shape = f.shape.shape();
+        c.shape.batch = b;
+        c.seq = seq;
+        o.cases.push_back(c);
+      }
+  }
+  auto r = run_roofline(o);
+  if (!r.is_ok()) return fail(r.status());
+  std::printf("%s", roofline_table(r.value()).c_str());
+  if (!f.json.empty()) {
+    std::ofstream out(f.json);
+    out << roofline_json(r.value()) << "\n";
+    if (!out) return fail(invalid_argument("cannot write '" + f.json + "'"));
+  }
+  return 0;
+}
+
+}  // namespace treeattn::cli
