@@ -28,15 +28,27 @@ float round_to(DType t, float v) {
 
 }  // namespace
 
-float workload_uniform(uint64_t seed, WorkloadTensor t, int64_t b, int64_t h, int64_t pos,
-                       int64_t d) {
+namespace {
+
+// One key per (tensor, row, head, position): four mixes, then one mix per element.
+uint64_t row_key(uint64_t seed, WorkloadTensor t, int64_t b, int64_t h, int64_t pos) {
   uint64_t x = splitmix64(seed ^ (static_cast<uint64_t>(t) << 56));
   x = splitmix64(x ^ static_cast<uint64_t>(b));
   x = splitmix64(x ^ static_cast<uint64_t>(h));
-  x = splitmix64(x ^ static_cast<uint64_t>(pos));
-  x = splitmix64(x ^ static_cast<uint64_t>(d));
-  // 24 random bits -> [-1, 1), exactly representable.
+  return splitmix64(x ^ static_cast<uint64_t>(pos));
+}
+
+// 24 random bits -> [-1, 1), exactly representable.
+float element(uint64_t key, int64_t d) {
+  const uint64_t x = splitmix64(key ^ static_cast<uint64_t>(d));
   return static_cast<float>(static_cast<int64_t>(x >> 40) - (int64_t{1} << 23)) * 0x1p-23f;
+}
+
+}  // namespace
+
+float workload_uniform(uint64_t seed, WorkloadTensor t, int64_t b, int64_t h, int64_t pos,
+                       int64_t d) {
+  return element(row_key(seed, t, b, h, pos), d);
 }
 
 void make_query(const WorkloadSpec& w, int64_t step, float* q) {
@@ -44,20 +56,23 @@ void make_query(const WorkloadSpec& w, int64_t step, float* q) {
   std::size_t i = 0;
   for (int64_t b = 0; b < s.batch; ++b)
     for (int64_t qi = 0; qi < s.q_len; ++qi)
-      for (int64_t h = 0; h < s.heads; ++h)
-        for (int64_t d = 0; d < s.head_dim; ++d)
-          q[i++] = w.q_scale *
-                   workload_uniform(w.seed, WorkloadTensor::kQuery, b, h, step * s.q_len + qi, d);
+      for (int64_t h = 0; h < s.heads; ++h) {
+        const uint64_t key = row_key(w.seed, WorkloadTensor::kQuery, b, h, step * s.q_len + qi);
+        for (int64_t d = 0; d < s.head_dim; ++d) q[i++] = w.q_scale * element(key, d);
+      }
 }
 
 void make_token(const WorkloadSpec& w, int64_t b, int64_t pos, float* k, float* v) {
   const AttnShape& s = w.shape;
   std::size_t i = 0;
-  for (int64_t h = 0; h < s.kv_heads; ++h)
+  for (int64_t h = 0; h < s.kv_heads; ++h) {
+    const uint64_t kkey = row_key(w.seed, WorkloadTensor::kKey, b, h, pos);
+    const uint64_t vkey = row_key(w.seed, WorkloadTensor::kValue, b, h, pos);
     for (int64_t d = 0; d < s.head_dim; ++d, ++i) {
-      k[i] = round_to(w.dtype, workload_uniform(w.seed, WorkloadTensor::kKey, b, h, pos, d));
-      v[i] = round_to(w.dtype, workload_uniform(w.seed, WorkloadTensor::kValue, b, h, pos, d));
+      k[i] = round_to(w.dtype, element(kkey, d));
+      v[i] = round_to(w.dtype, element(vkey, d));
     }
+  }
 }
 
 Status fill_local_shard(const WorkloadSpec& w, const ShardPlan& plan, LocalShard& shard) {
@@ -89,14 +104,20 @@ KVCache make_full_cache(const WorkloadSpec& w, std::span<const int64_t> lens) {
   KVCache cache(w.shape, w.dtype, cap);
   const auto per_token = static_cast<std::size_t>(w.shape.kv_heads * w.shape.head_dim);
   const auto D = static_cast<std::size_t>(w.shape.head_dim);
-  std::vector<float> k(per_token), v(per_token);
-  for (int64_t b = 0; b < static_cast<int64_t>(lens.size()); ++b)
-    for (int64_t t = 0; t < lens[static_cast<std::size_t>(b)]; ++t) {
-      make_token(w, b, t, k.data(), v.data());
-      for (int64_t h = 0; h < w.shape.kv_heads; ++h)
-        cache.set_token(b, h, t, k.data() + static_cast<std::size_t>(h) * D,
-                        v.data() + static_cast<std::size_t>(h) * D);
+  for (int64_t b = 0; b < static_cast<int64_t>(lens.size()); ++b) {
+    const int64_t n = lens[static_cast<std::size_t>(b)];
+#pragma omp parallel if (n * static_cast<int64_t>(per_token) >= (int64_t{1} << 20))
+    {
+      std::vector<float> k(per_token), v(per_token);
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < n; ++t) {
+        make_token(w, b, t, k.data(), v.data());
+        for (int64_t h = 0; h < w.shape.kv_heads; ++h)
+          cache.set_token(b, h, t, k.data() + static_cast<std::size_t>(h) * D,
+                          v.data() + static_cast<std::size_t>(h) * D);
+      }
     }
+  }
   return cache;
 }
 
