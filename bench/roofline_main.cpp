@@ -1,7 +1,7 @@
 // treeattn_roofline: prints the kernel roofline table (bandwidth probe, FMA probe, kernel and
 // OpenBLAS peer timings) until the CLI exposes it as `treeattn bench --kernel`.
 //
-//   treeattn_roofline [--dtype f32,bf16,f16] [--threads 0,1] [--repeats 5] [--isa auto]
+//   treeattn_roofline [--dtype f32,bf16,f16,fp8,int8] [--threads 0,1] [--repeats 5] [--isa auto]
 //                     [--seq N] [--batch B] [--q-len Q] [--chunk N] [--probe-mib 1024]
 //                     [--no-peer] [--json FILE]
 // --seq/--batch/--q-len replace the default cases with one llama3-8b-shaped case.
@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
       opt.dtypes.clear();
       for (const std::string& d : split(next())) {
         const auto t = parse_dtype(d);
-        if (!t) return usage(("unknown dtype '" + d + "' (f32, f16, bf16)").c_str());
+        if (!t) return usage(("unknown dtype '" + d + "' (f32, f16, bf16, fp8, int8)").c_str());
         opt.dtypes.push_back(*t);
       }
     } else if (a == "--threads") {

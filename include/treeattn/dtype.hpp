@@ -3,6 +3,15 @@
 // Queries, partial states and outputs are always float32. K and V may be float32, float16
 // (IEEE binary16) or bfloat16; every f16 and bf16 value is exactly representable in float32,
 // so widening is exact and the float64 oracle sees the same numbers as the kernels.
+//
+// Quantized KV: K and V may also be 8-bit codes with one float32 scale per (token, KV head)
+// (separate scales for K and V, see KVShard in shape.hpp):
+//   fp8   OCP FP8 E4M3 ("e4m3fn": bias 7, 3 mantissa bits, no infinities, S.1111.111 is NaN,
+//         largest finite 448); value = fp8_e4m3_to_float(code) * scale.
+//   int8  two's complement codes in [-127, 127]; value = float(code) * scale.
+// The dequantized value is exactly that float32 product (dequantize() below); kernels and the
+// oracle are exact relative to it. quantize_token() picks scale = max|x| / 448 (fp8) or
+// max|x| / 127 (int8) and rounds x / scale to the nearest code (ties to even), saturating.
 #pragma once
 
 #include <bit>
@@ -13,14 +22,19 @@
 
 namespace treeattn {
 
-enum class DType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+enum class DType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2, kFP8 = 3, kInt8 = 4 };
 
-constexpr std::size_t dtype_size(DType t) { return t == DType::kF32 ? 4 : 2; }
+constexpr bool dtype_is_quantized(DType t) { return t == DType::kFP8 || t == DType::kInt8; }
+constexpr std::size_t dtype_size(DType t) {
+  return t == DType::kF32 ? 4 : (dtype_is_quantized(t) ? 1 : 2);
+}
 constexpr std::string_view dtype_name(DType t) {
   switch (t) {
     case DType::kF32: return "f32";
     case DType::kF16: return "f16";
     case DType::kBF16: return "bf16";
+    case DType::kFP8: return "fp8";
+    case DType::kInt8: return "int8";
   }
   return "?";
 }
@@ -28,8 +42,12 @@ inline std::optional<DType> parse_dtype(std::string_view s) {
   if (s == "f32" || s == "float32" || s == "fp32") return DType::kF32;
   if (s == "f16" || s == "float16" || s == "fp16") return DType::kF16;
   if (s == "bf16" || s == "bfloat16") return DType::kBF16;
+  if (s == "fp8" || s == "e4m3" || s == "fp8_e4m3") return DType::kFP8;
+  if (s == "int8" || s == "i8") return DType::kInt8;
   return std::nullopt;
 }
+// The largest code magnitude of a quantized type (the scale maps max|x| onto it).
+constexpr float quant_max(DType t) { return t == DType::kFP8 ? 448.0f : 127.0f; }
 
 // Storage types: plain 16-bit words, so that headers stay free of compiler extensions.
 struct f16_t { uint16_t bits; };
@@ -77,23 +95,89 @@ inline uint16_t float_to_f16(float f) {
   return static_cast<uint16_t>(sign | (r >> 13));
 }
 
-// Widen element i of a typed buffer to float.
+// FP8 E4M3 (e4m3fn) -> float, exact. S.1111.111 is NaN.
+inline float fp8_e4m3_to_float(uint8_t c) {
+  const uint32_t sign = uint32_t{c & 0x80u} << 24;
+  const uint32_t mag = c & 0x7fu;
+  if (mag == 0x7fu) return std::bit_cast<float>(sign | 0x7fc00000u);
+  // The 7 magnitude bits placed under the float exponent field read as 2^-120 times the value
+  // (subnormal codes become float subnormals); the product by 2^120 is exact.
+  return std::bit_cast<float>(sign | (mag << 20)) * 0x1p120f;
+}
+
+// float -> FP8 E4M3, round to nearest even, saturating to +-448; NaN -> NaN code.
+inline uint8_t float_to_fp8_e4m3(float f) {
+  const uint32_t u = std::bit_cast<uint32_t>(f);
+  const auto sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const float a = std::bit_cast<float>(u & 0x7fffffffu);
+  if (a != a) return static_cast<uint8_t>(sign | 0x7fu);
+  if (a >= 464.0f) return static_cast<uint8_t>(sign | 0x7eu);  // 464 rounds past 448
+  if (a < 0x1p-6f) {
+    // Subnormal codes: multiples of 2^-9; RNE via the float adder.
+    const float m = (a * 0x1p9f + 0x1p23f) - 0x1p23f;
+    return static_cast<uint8_t>(sign | static_cast<uint32_t>(m));
+  }
+  // Normal: keep 3 mantissa bits with RNE on the float bits, then rebias 127 -> 7.
+  uint32_t r = std::bit_cast<uint32_t>(a);
+  r += 0x7ffffu + ((r >> 20) & 1u);
+  const uint32_t e = (r >> 23) - 120u, m = (r >> 20) & 7u;
+  return static_cast<uint8_t>(sign | (e << 3) | m);
+}
+
+// float -> int8 code: round to nearest even, saturating to [-127, 127]; NaN -> 0.
+inline int8_t float_to_int8(float f) {
+  if (!(f == f)) return 0;
+  const float c = f > 127.0f ? 127.0f : (f < -127.0f ? -127.0f : f);
+  const float r = (c + 0x1.8p23f) - 0x1.8p23f;  // RNE for |c| < 2^22
+  return static_cast<int8_t>(r);
+}
+
+// Widen element i of a typed buffer to float. For quantized types this is the code's value
+// WITHOUT the scale (see dequantize()).
 inline float load_as_float(const void* base, DType t, std::size_t i) {
   switch (t) {
     case DType::kF32: return static_cast<const float*>(base)[i];
     case DType::kF16: return f16_to_float(static_cast<const uint16_t*>(base)[i]);
     case DType::kBF16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::kFP8: return fp8_e4m3_to_float(static_cast<const uint8_t*>(base)[i]);
+    case DType::kInt8: return static_cast<float>(static_cast<const int8_t*>(base)[i]);
   }
   return 0.0f;
 }
 
-// Narrow a float into a typed buffer (used to build test and benchmark caches).
+// The value of element i as the kernels and the oracle define it: the widened element, times
+// the token's scale for quantized types (scale is ignored otherwise).
+inline float dequantize(const void* base, DType t, std::size_t i, float scale) {
+  const float x = load_as_float(base, t, i);
+  return dtype_is_quantized(t) ? x * scale : x;
+}
+
+// Narrow a float into a typed buffer (used to build test and benchmark caches). For quantized
+// types v is the code's value (already divided by the scale).
 inline void store_from_float(void* base, DType t, std::size_t i, float v) {
   switch (t) {
     case DType::kF32: static_cast<float*>(base)[i] = v; break;
     case DType::kF16: static_cast<uint16_t*>(base)[i] = float_to_f16(v); break;
     case DType::kBF16: static_cast<uint16_t*>(base)[i] = float_to_bf16(v); break;
+    case DType::kFP8: static_cast<uint8_t*>(base)[i] = float_to_fp8_e4m3(v); break;
+    case DType::kInt8: static_cast<int8_t*>(base)[i] = float_to_int8(v); break;
   }
+}
+
+// Quantizes n floats (one token of one KV head) into codes at base[i0 .. i0 + n) and returns
+// the scale: max|x| / quant_max(t), codes = round(x / scale). An all-zero token gets scale 0
+// and zero codes; a non-finite max gives a non-finite scale (dequantized values NaN/inf).
+inline float quantize_token(void* base, DType t, std::size_t i0, const float* x, std::size_t n) {
+  float amax = 0.0f;
+  for (std::size_t d = 0; d < n; ++d) {
+    const float a = x[d] < 0 ? -x[d] : x[d];
+    if (a > amax || a != a) amax = a;
+    if (a != a) break;
+  }
+  const float scale = amax / quant_max(t);
+  for (std::size_t d = 0; d < n; ++d)
+    store_from_float(base, t, i0 + d, scale > 0.0f ? x[d] / scale : 0.0f);
+  return scale;
 }
 
 }  // namespace treeattn

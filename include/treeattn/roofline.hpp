@@ -12,7 +12,8 @@
 //               every thread reading its own contiguous part, median of repeats.
 //   peak:       independent FMA chains in registers with the kernel's ISA, median of repeats.
 //   kv_bytes:   bytes of K and V the kernel must read (tokens * kv_heads * head_dim * 2 *
-//               dtype size, summed over the batch).
+//               dtype size, summed over the batch; for fp8/int8 plus the 4-byte per-token
+//               scales of K and V).
 //   flops:      2 * D per (row, token) for q.k and 2 * D for p*v, rows = batch*heads*q_len.
 #pragma once
 
@@ -63,7 +64,10 @@ struct RooflineRecord {
   double fraction_of_bound = 0; // max(memory_seconds, compute_seconds) / seconds
   double peer_seconds = -1;     // OpenBLAS peer median time; -1 when not run
   double ours_over_peer = -1;   // seconds / peer_seconds (< 1: we are faster)
-  double max_rel_error = -1;    // vs the reference kernel on a check row set; -1 if unchecked
+  double max_rel_error = -1;    // vs the float64 oracle on a check row set (for fp8/int8: on
+                                // the dequantized cache); -1 if unchecked
+  double max_rel_error_unquantized = -1;  // fp8/int8 only: the same rows vs the oracle on the
+                                          // values before quantization; -1 otherwise
 };
 
 // The cases: llama3-8b (H 32, Hkv 8, D 128) batch 1 Q 1 at 256k tokens, batch 16 at

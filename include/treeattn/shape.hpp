@@ -6,6 +6,10 @@
 //           stride_token); the head_dim elements of one token are contiguous. Any sub-range of
 //           tokens of a larger cache is therefore a view: offset the pointers, keep the strides.
 //   states  float32 [batch][q_len][heads] records of head_dim + 2 floats (see state.hpp).
+//   scales  quantized K/V only (dtype fp8 or int8, see dtype.hpp): float32
+//           [batch][kv_heads][tokens], one scale per (token, KV head), separate arrays for K
+//           and V, with their own strides (scale_stride_*); element (b, h, t, d) of K is
+//           dequantize(k, dtype, elem, k_scale[b*sb + h*sh + t*st]). Null for other dtypes.
 //
 // Grouped-query attention: query head h reads KV head h / (heads / kv_heads).
 //
@@ -60,10 +64,17 @@ struct KVShard {
   std::span<const int64_t> pos_start;
   std::span<const int64_t> total_len;
   int64_t pos_stride = 1;  // global position of token j = pos_start[b] + j * pos_stride
+  // Quantized dtypes only: per-(token, KV head) scales of K and V, same token numbering as
+  // k and v (token 0 of the view is scale element 0 of its row). Strides in floats.
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  int64_t scale_stride_batch = 0;
+  int64_t scale_stride_head = 0;
+  int64_t scale_stride_token = 1;
 
   // Checks that the view is consistent with the shape: spans sized batch, non-negative
   // lengths, pointers non-null where any length is non-zero, strides large enough and
-  // positions inside [0, total_len).
+  // positions inside [0, total_len); scale pointers present exactly for quantized dtypes.
   Status validate(const AttnShape& shape) const;
 };
 
@@ -78,7 +89,8 @@ class KVCache {
 
   DType dtype() const { return dtype_; }
   int64_t capacity() const { return capacity_; }
-  std::size_t bytes() const { return k_.size() * 2; }  // K and V
+  // Bytes of K and V (and of their scales for quantized dtypes).
+  std::size_t bytes() const { return (k_.size() + k_scale_.size() * sizeof(float)) * 2; }
   void* k_data() { return k_.data(); }
   void* v_data() { return v_.data(); }
   const void* k_data() const { return k_.data(); }
@@ -90,7 +102,16 @@ class KVCache {
   std::size_t index(int64_t b, int64_t h, int64_t t) const {
     return static_cast<std::size_t>(b * stride_batch() + h * stride_head() + t * stride_token());
   }
-  // Write one token's K and V (head_dim floats each, narrowed to the cache dtype).
+  // Quantized dtypes: scales [batch][kv_heads][capacity] (empty otherwise).
+  float* k_scale_data() { return k_scale_.data(); }
+  float* v_scale_data() { return v_scale_.data(); }
+  const float* k_scale_data() const { return k_scale_.data(); }
+  const float* v_scale_data() const { return v_scale_.data(); }
+  std::size_t scale_index(int64_t b, int64_t h, int64_t t) const {
+    return static_cast<std::size_t>((b * shape_.kv_heads + h) * capacity_ + t);
+  }
+  // Write one token's K and V (head_dim floats each, narrowed to the cache dtype; quantized
+  // dtypes store codes and a per-token scale, see quantize_token() in dtype.hpp).
   void set_token(int64_t b, int64_t h, int64_t t, const float* k, const float* v);
 
   // A view of token slots [first, first + len[b]) of every batch row. The spans must outlive
@@ -103,6 +124,7 @@ class KVCache {
   DType dtype_ = DType::kF32;
   int64_t capacity_ = 0;
   std::vector<uint8_t> k_, v_;
+  std::vector<float> k_scale_, v_scale_;
 };
 
 }  // namespace treeattn

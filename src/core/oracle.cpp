@@ -11,8 +11,15 @@
 namespace treeattn {
 namespace {
 
-double load(const void* base, DType t, int64_t i) {
-  return static_cast<double>(load_as_float(base, t, static_cast<std::size_t>(i)));
+// Element i of K or V as the kernels see it (dequantized with the token's scale, which is
+// ignored for unquantized dtypes).
+double load(const void* base, DType t, int64_t i, float scale) {
+  return static_cast<double>(dequantize(base, t, static_cast<std::size_t>(i), scale));
+}
+
+float token_scale(const float* scales, const KVShard& kv, int64_t b, int64_t h, int64_t j) {
+  if (scales == nullptr) return 1.0f;
+  return scales[b * kv.scale_stride_batch + h * kv.scale_stride_head + j * kv.scale_stride_token];
 }
 
 // Writes one float64 record [m, l, o...] per (b, i, h) for the visible keys of the shard.
@@ -47,8 +54,10 @@ Status partial_records(const AttnShape& shape, const float* q, const KVShard& kv
             continue;
           }
           const int64_t base = b * kv.stride_batch + kvh * kv.stride_head + j * kv.stride_token;
+          const float ks = token_scale(kv.k_scale, kv, b, kvh, j);
           double dot = 0.0;
-          for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(qv[d]) * load(kv.k, kv.dtype, base + d);
+          for (int64_t d = 0; d < D; ++d)
+            dot += static_cast<double>(qv[d]) * load(kv.k, kv.dtype, base + d, ks);
           const double sj = dot * scale;
           s[static_cast<std::size_t>(j)] = sj;
           if (std::isnan(sj) || std::isnan(m)) m = kNaN;
@@ -64,7 +73,8 @@ Status partial_records(const AttnShape& shape, const float* q, const KVShard& kv
           const double p = std::exp(sj - m);
           out[1] += p;
           const int64_t base = b * kv.stride_batch + kvh * kv.stride_head + j * kv.stride_token;
-          for (int64_t d = 0; d < D; ++d) out[2 + d] += p * load(kv.v, kv.dtype, base + d);
+          const float vs = token_scale(kv.v_scale, kv, b, kvh, j);
+          for (int64_t d = 0; d < D; ++d) out[2 + d] += p * load(kv.v, kv.dtype, base + d, vs);
         }
       }
     }

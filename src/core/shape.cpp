@@ -99,6 +99,30 @@ Status KVShard::validate(const AttnShape& shape) const {
     if (stride_batch < 0 || stride_head < 0)
       return invalid_argument("KV batch/head strides must be non-negative");
   }
+  const bool quantized = dtype_is_quantized(dtype);
+  if (!quantized && (k_scale != nullptr || v_scale != nullptr))
+    return invalid_argument("KV shard of dtype " + std::string(dtype_name(dtype)) +
+                            " has scale arrays; scales are only for quantized dtypes (fp8, int8)");
+  if (quantized && any) {
+    if (k_scale == nullptr || v_scale == nullptr)
+      return invalid_argument("quantized KV shard (dtype " + std::string(dtype_name(dtype)) +
+                              ") needs K and V scale arrays, got a null scale pointer");
+    if (scale_stride_batch < 0 || scale_stride_head < 0 || scale_stride_token < 1)
+      return invalid_argument("KV scale strides must be non-negative (token stride >= 1), got " +
+                              std::to_string(scale_stride_batch) + ", " +
+                              std::to_string(scale_stride_head) + ", " +
+                              std::to_string(scale_stride_token));
+    for (std::size_t b = 0; b < batch; ++b) {
+      if (len[b] == 0) continue;
+      int64_t far = 0, t = 0;
+      if (!mul_ok(static_cast<int64_t>(b), scale_stride_batch, &far) ||
+          !mul_ok(shape.kv_heads - 1, scale_stride_head, &t) || !add_ok(far, t, &far) ||
+          !mul_ok(len[b] - 1, scale_stride_token, &t) || !add_ok(far, t, &far))
+        return invalid_argument("batch row " + std::to_string(b) + ": KV length " +
+                                std::to_string(len[b]) +
+                                " with the given scale strides overflows 64-bit offsets");
+    }
+  }
   return Status::ok();
 }
 
@@ -108,10 +132,21 @@ KVCache::KVCache(const AttnShape& shape, DType dtype, int64_t capacity)
                  dtype_size(dtype);
   k_.assign(n, 0);
   v_.assign(n, 0);
+  if (dtype_is_quantized(dtype)) {
+    const auto ns = static_cast<std::size_t>(shape.batch * shape.kv_heads * capacity);
+    k_scale_.assign(ns, 0.0f);
+    v_scale_.assign(ns, 0.0f);
+  }
 }
 
 void KVCache::set_token(int64_t b, int64_t h, int64_t t, const float* k, const float* v) {
   const std::size_t base = index(b, h, t);
+  if (dtype_is_quantized(dtype_)) {
+    const auto n = static_cast<std::size_t>(shape_.head_dim);
+    k_scale_[scale_index(b, h, t)] = quantize_token(k_.data(), dtype_, base, k, n);
+    v_scale_[scale_index(b, h, t)] = quantize_token(v_.data(), dtype_, base, v, n);
+    return;
+  }
   for (int64_t d = 0; d < shape_.head_dim; ++d) {
     store_from_float(k_.data(), dtype_, base + static_cast<std::size_t>(d), k[d]);
     store_from_float(v_.data(), dtype_, base + static_cast<std::size_t>(d), v[d]);
@@ -133,6 +168,13 @@ KVShard KVCache::view(int64_t first, std::span<const int64_t> len,
   s.pos_start = pos_start;
   s.total_len = total_len;
   s.pos_stride = pos_stride;
+  if (dtype_is_quantized(dtype_)) {
+    s.k_scale = k_scale_.data() + first;
+    s.v_scale = v_scale_.data() + first;
+    s.scale_stride_batch = shape_.kv_heads * capacity_;
+    s.scale_stride_head = capacity_;
+    s.scale_stride_token = 1;
+  }
   return s;
 }
 

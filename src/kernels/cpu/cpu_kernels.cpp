@@ -108,7 +108,7 @@ Status run_driver(ItemFn item_fn, const AttnShape& shape, const float* q, const 
     ThreadScratch& ts = thread_scratch();
     grow(ts.q, static_cast<std::size_t>(R * D));
     grow(ts.visible, static_cast<std::size_t>(R));
-    grow(ts.scores, static_cast<std::size_t>(R) * cpu::kBlockTokens);
+    grow(ts.scores, static_cast<std::size_t>(R + 2) * cpu::kBlockTokens);
     for (int64_t i = 0; i < Q; ++i) {
       const int64_t vis = visible_tokens(kv.len[ub], kv.pos_start[ub], kv.pos_stride,
                                          kv.total_len[ub] - Q + i);
@@ -128,6 +128,13 @@ Status run_driver(ItemFn item_fn, const AttnShape& shape, const float* q, const 
     a.k = static_cast<const char*>(kv.k) + elem0 * esize;
     a.v = static_cast<const char*>(kv.v) + elem0 * esize;
     a.stride_token = kv.stride_token;
+    if (kv.k_scale != nullptr) {
+      const int64_t s0 = b * kv.scale_stride_batch + kvh * kv.scale_stride_head +
+                         t0 * kv.scale_stride_token;
+      a.k_scale = kv.k_scale + s0;
+      a.v_scale = kv.v_scale + s0;
+      a.scale_stride_token = kv.scale_stride_token;
+    }
     a.tokens = t1 - t0;
     a.rows = static_cast<int>(R);
     a.q = ts.q.data();

@@ -44,7 +44,12 @@ struct ItemArgs {
   const int64_t* visible = nullptr;  // per row: tokens of this chunk the row sees, in [0, tokens]
   float scale = 1.0f;
   float* out = nullptr;           // R records [m, l, o_0..o_{D-1}] (head_dim + 2 floats each)
-  float* scores = nullptr;        // scratch: R * kBlockTokens floats
+  // Quantized dtypes (fp8, int8): per-token scales of K and V from token 0 of the chunk,
+  // scale_stride_token floats apart; null otherwise.
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  int64_t scale_stride_token = 1;
+  float* scores = nullptr;        // scratch: (R + 2) * kBlockTokens floats
   int prefetch_tokens = 0;        // software prefetch distance in tokens (0: none)
 };
 

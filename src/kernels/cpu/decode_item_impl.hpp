@@ -5,7 +5,8 @@
 //
 //   using V;  static constexpr int W (floats per vector), kAccRegs (accumulator registers);
 //   V zero(), set1(float), loadu(const float*);  void storeu(float*, V);
-//   V load_f32/load_f16/load_bf16(const void* first_element)   (W elements widened to float)
+//   V load_f32/load_f16/load_bf16/load_fp8/load_i8(first element)   (W elements widened to
+//                            float; fp8 and int8 give the code's value, without its scale)
 //   V fma(a, b, c) = a * b + c;  V mul(a, b);  V add(a, b);  V sub(a, b);  V max(a, b) (ignores NaN lanes)
 //   V hsum(const V acc[W])   lane j = sum of the lanes of acc[j]
 //   V exp(V)                 exp(0) == 1 exactly, exp(-inf) == 0, NaN -> NaN
@@ -26,6 +27,10 @@
 // (causal limit; tokens past it are never read for that row and never multiply its values),
 // logits of exactly -inf get weight 0, NaN logits make l and o NaN (and m NaN at the end).
 // Tokens past the chunk are never read: score tiles padded past the end read a zero row.
+//
+// Quantized K/V (fp8, int8; value = code * per-token scale): the tiles run on the codes and the
+// scales are applied per token outside the inner loops: the logit is (q . k_codes) * k_scale *
+// scale, and the value weight of a token is p * v_scale (l still sums p).
 
 // Static zero "token" used to pad score tiles past the end of the data (largest head dim, f32).
 alignas(64) constexpr float kZeroRow[256] = {};
@@ -40,14 +45,18 @@ inline typename Ops::V load_elems(const void* base, int64_t elem) {
     return Ops::load_f32(static_cast<const float*>(base) + elem);
   } else if constexpr (DT == DType::kF16) {
     return Ops::load_f16(static_cast<const uint16_t*>(base) + elem);
-  } else {
+  } else if constexpr (DT == DType::kBF16) {
     return Ops::load_bf16(static_cast<const uint16_t*>(base) + elem);
+  } else if constexpr (DT == DType::kFP8) {
+    return Ops::load_fp8(static_cast<const uint8_t*>(base) + elem);
+  } else {
+    return Ops::load_i8(static_cast<const int8_t*>(base) + elem);
   }
 }
 
 template <DType DT>
 constexpr int64_t elem_bytes() {
-  return DT == DType::kF32 ? 4 : 2;
+  return DT == DType::kF32 ? 4 : (DT == DType::kFP8 || DT == DType::kInt8 ? 1 : 2);
 }
 
 // Raw dot products of RR rows (q, row stride D) with TT = W / RR tokens (kp[t]) into
@@ -163,6 +172,7 @@ template <int D, DType DT>
 void run_item(const ItemArgs& a) {
   using V = typename Ops::V;
   constexpr int kRec = D + 2;
+  constexpr bool kQuant = DT == DType::kFP8 || DT == DType::kInt8;
   const int R = a.rows;
   const int64_t stride_bytes = a.stride_token * elem_bytes<DT>();
   const char* kbase = static_cast<const char*>(a.k);
@@ -200,8 +210,18 @@ void run_item(const ItemArgs& a) {
       score_rows<D, DT, 1>(a.q + r0 * D, kp, padded_w, s + r0 * kNB, r0 == 0 ? pf : nullptr);
 
     // 2. Online softmax per row. Afterwards s holds p = exp(s - m) for the row's visible
-    //    tokens of the block (0 past them).
+    //    tokens of the block (0 past them), times the value scale for quantized V.
     const V vscale = Ops::set1(a.scale);
+    // Quantized: per-token logit factors k_scale * scale and value scales, 0 past the block.
+    float* ksc = s + R * kNB;
+    float* vsc = s + (R + 1) * kNB;
+    if constexpr (kQuant) {
+      for (int t = 0; t < n; ++t) {
+        ksc[t] = a.k_scale[(tb + t) * a.scale_stride_token] * a.scale;
+        vsc[t] = a.v_scale[(tb + t) * a.scale_stride_token];
+      }
+      for (int t = n; t < padded_w; ++t) ksc[t] = vsc[t] = 0.0f;
+    }
     for (int r = 0; r < R; ++r) {
       float* sr = s + r * kNB;
       int64_t vis = a.visible[r] - tb;
@@ -209,8 +229,15 @@ void run_item(const ItemArgs& a) {
       float* rec = a.out + r * kRec;
       if (take == 0) continue;
       int t = 0;
-      for (; t + Ops::W <= take; t += Ops::W) Ops::storeu(sr + t, Ops::mul(Ops::loadu(sr + t), vscale));
-      for (; t < take; ++t) sr[t] *= a.scale;
+      if constexpr (kQuant) {
+        for (; t + Ops::W <= take; t += Ops::W)
+          Ops::storeu(sr + t, Ops::mul(Ops::loadu(sr + t), Ops::loadu(ksc + t)));
+        for (; t < take; ++t) sr[t] *= ksc[t];
+      } else {
+        for (; t + Ops::W <= take; t += Ops::W)
+          Ops::storeu(sr + t, Ops::mul(Ops::loadu(sr + t), vscale));
+        for (; t < take; ++t) sr[t] *= a.scale;
+      }
       for (; t < padded_w; ++t) sr[t] = kNegInf;
       V vmax = Ops::set1(kNegInf);
       for (int j = 0; j < padded_w; j += Ops::W) vmax = Ops::max(Ops::loadu(sr + j), vmax);
@@ -238,8 +265,12 @@ void run_item(const ItemArgs& a) {
       V lsum = Ops::zero();
       for (int j = 0; j < padded_w; j += Ops::W) {
         const V p = Ops::exp(Ops::sub(Ops::loadu(sr + j), vm));
-        Ops::storeu(sr + j, p);
         lsum = Ops::add(lsum, p);
+        if constexpr (kQuant) {
+          Ops::storeu(sr + j, Ops::mul(p, Ops::loadu(vsc + j)));
+        } else {
+          Ops::storeu(sr + j, p);
+        }
       }
       rec[1] += Ops::reduce_add(lsum);
     }
@@ -293,6 +324,8 @@ void run_dim(const ItemArgs& a) {
     case DType::kF32: return run_item<D, DType::kF32>(a);
     case DType::kF16: return run_item<D, DType::kF16>(a);
     case DType::kBF16: return run_item<D, DType::kBF16>(a);
+    case DType::kFP8: return run_item<D, DType::kFP8>(a);
+    case DType::kInt8: return run_item<D, DType::kInt8>(a);
   }
 }
 

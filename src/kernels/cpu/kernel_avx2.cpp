@@ -1,7 +1,8 @@
 // The decode item kernel for AVX2 with FMA and F16C.
 //
 // Compiled with -mavx2 -mfma -mf16c (see src/kernels/CMakeLists.txt); runs only after
-// dispatch.cpp checked the CPU. bf16 widens by a 16-bit shift, f16 by vcvtph2ps.
+// dispatch.cpp checked the CPU. bf16 widens by a 16-bit shift, f16 by vcvtph2ps, int8 by
+// vpmovsxbd + vcvtdq2ps, fp8 by bit placement.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -26,6 +27,19 @@ struct Ops {
   static V load_bf16(const uint16_t* p) {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static V load_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  // FP8 E4M3 as in the AVX-512 target: magnitude bits placed under the exponent, times 2^120.
+  static V load_fp8(const uint8_t* p) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+    const V v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 20)), _mm256_set1_ps(0x1p120f));
+    const V sv = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(v), sign));
+    const V nan_lanes = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f)));
+    return _mm256_blendv_ps(sv, _mm256_set1_ps(__builtin_nanf("")), nan_lanes);
   }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }

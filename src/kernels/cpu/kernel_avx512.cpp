@@ -2,7 +2,7 @@
 //
 // This file is compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c (see
 // src/kernels/CMakeLists.txt) and only runs after dispatch.cpp checked the CPU. bf16 widens by
-// a 16-bit shift, f16 by vcvtph2ps; exp uses a Cephes-style polynomial and vscalefps.
+// a 16-bit shift, f16 by vcvtph2ps, int8 by vpmovsxbd + vcvtdq2ps, fp8 by bit placement; exp uses a Cephes-style polynomial and vscalefps.
 // GCC 12's AVX-512 shuffles start from _mm512_undefined_ps(), which -Wmaybe-uninitialized
 // reports at every inlined use (GCC bug 105593, fixed in GCC 13).
 #if defined(__GNUC__) && !defined(__clang__)
@@ -33,6 +33,20 @@ struct Ops {
   static V load_bf16(const uint16_t* p) {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  static V load_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  // FP8 E4M3: the 7 magnitude bits under the float exponent field read as 2^-120 times the
+  // value (subnormal codes become float subnormals), times 2^120 exactly; S.1111.111 is NaN.
+  static V load_fp8(const uint8_t* p) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+    const V v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 20)), _mm512_set1_ps(0x1p120f));
+    const V sv = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+    return _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f)), sv,
+                                _mm512_set1_ps(__builtin_nanf("")));
   }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }

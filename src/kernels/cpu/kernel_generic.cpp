@@ -57,6 +57,25 @@ struct Ops {
     }
     return r;
   }
+  static V load_i8(const int8_t* p) {
+    V r;
+    for (int i = 0; i < W; ++i) r.v[i] = static_cast<float>(p[i]);
+    return r;
+  }
+  // FP8 E4M3 (e4m3fn) -> float, exact; S.1111.111 is NaN.
+  static V load_fp8(const uint8_t* p) {
+    V r;
+    for (int i = 0; i < W; ++i) {
+      const uint32_t mag = p[i] & 0x7fu;
+      const uint32_t bits = mag << 20;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      f *= 0x1p120f;
+      if (mag == 0x7fu) f = __builtin_nanf("");
+      r.v[i] = (p[i] & 0x80u) ? -f : f;
+    }
+    return r;
+  }
   static V fma(V a, V b, V c) {
     for (int i = 0; i < W; ++i) c.v[i] = a.v[i] * b.v[i] + c.v[i];
     return c;

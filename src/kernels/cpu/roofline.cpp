@@ -70,6 +70,51 @@ void fill_random(uint8_t* dst, std::size_t bytes, DType t, uint64_t seed, int th
   }
 }
 
+// Quantized K or V (fp8, int8) over `tokens` (token, KV head) rows of head_dim codes: a table
+// of kPeriod random tokens in [-1, 1) is quantized per token (quantize_token) and tiled, codes
+// and scales with the same period, so that the unquantized value of buffer token i is table
+// token i % kPeriod (returned in `table` for the error against the unquantized values).
+constexpr int64_t kPeriod = 512;
+void fill_quantized(uint8_t* codes, float* scales, int64_t tokens, int64_t D, DType t,
+                    uint64_t seed, int threads, std::vector<float>& table) {
+  const auto per = static_cast<std::size_t>(kPeriod * D);
+  table.resize(per);
+  std::vector<uint8_t> ctab(per);
+  std::vector<float> stab(static_cast<std::size_t>(kPeriod));
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (float& x : table) x = u(rng);
+  for (int64_t j = 0; j < kPeriod; ++j) {
+    const auto off = static_cast<std::size_t>(j * D);
+    stab[static_cast<std::size_t>(j)] =
+        quantize_token(ctab.data(), t, off, table.data() + off, static_cast<std::size_t>(D));
+  }
+  const int64_t tiles = (tokens + kPeriod - 1) / kPeriod;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t i = 0; i < tiles; ++i) {
+    const int64_t n = std::min(kPeriod, tokens - i * kPeriod);
+    std::memcpy(codes + static_cast<std::size_t>(i * kPeriod * D), ctab.data(),
+                static_cast<std::size_t>(n * D));
+    std::memcpy(scales + i * kPeriod, stab.data(), static_cast<std::size_t>(n) * sizeof(float));
+  }
+}
+
+// Max |a - b| over max(1, max |b|) of normalized outputs of `rows` records against an oracle.
+double rel_error(const std::vector<float>& states, const std::vector<double>& ref,
+                 std::size_t rows, std::size_t D) {
+  double err = 0, mag = 1;
+  std::vector<float> o(D);
+  for (std::size_t r = 0; r < rows; ++r) {
+    float l;
+    state_normalize(states.data() + r * (D + 2), D, o.data(), &l);
+    for (std::size_t d = 0; d < D; ++d) {
+      err = std::max(err, std::abs(o[d] - ref[r * D + d]));
+      mag = std::max(mag, std::abs(ref[r * D + d]));
+    }
+  }
+  return err / mag;
+}
+
 std::string fmt(const char* f, double v) {
   char buf[64];
   std::snprintf(buf, sizeof buf, f, v);
@@ -178,8 +223,20 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
         if (kbuf.data() == nullptr || vbuf.data() == nullptr)
           return Status(Code::kOutOfMemory, "cannot allocate " + std::to_string(2 * kv_elems * es) +
                                                 " bytes of KV for " + s.to_string());
-        fill_random(kbuf.data(), kv_elems * es, t, 1, T);
-        fill_random(vbuf.data(), kv_elems * es, t, 2, T);
+        const bool quant = dtype_is_quantized(t);
+        const auto kv_tokens = static_cast<std::size_t>(s.batch * s.kv_heads * c.seq);
+        std::vector<float> kscale, vscale, ktable, vtable;
+        if (quant) {
+          kscale.resize(kv_tokens);
+          vscale.resize(kv_tokens);
+          fill_quantized(kbuf.data(), kscale.data(), static_cast<int64_t>(kv_tokens), s.head_dim,
+                         t, 1, T, ktable);
+          fill_quantized(vbuf.data(), vscale.data(), static_cast<int64_t>(kv_tokens), s.head_dim,
+                         t, 2, T, vtable);
+        } else {
+          fill_random(kbuf.data(), kv_elems * es, t, 1, T);
+          fill_random(vbuf.data(), kv_elems * es, t, 2, T);
+        }
         std::vector<float> q(static_cast<std::size_t>(s.batch * s.q_len * s.heads * s.head_dim));
         std::mt19937_64 rng(3);
         std::uniform_real_distribution<float> u(-1.0f, 1.0f);
@@ -196,6 +253,13 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
         kv.len = len;
         kv.pos_start = start;
         kv.total_len = len;
+        if (quant) {
+          kv.k_scale = kscale.data();
+          kv.v_scale = vscale.data();
+          kv.scale_stride_token = 1;
+          kv.scale_stride_head = c.seq;
+          kv.scale_stride_batch = s.kv_heads * c.seq;
+        }
         const std::size_t rows = static_cast<std::size_t>(s.batch * s.q_len * s.heads);
         std::vector<float> states(rows * static_cast<std::size_t>(s.head_dim + 2));
         DecodeOptions opt;
@@ -221,7 +285,8 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
         rec.q_len = s.q_len;
         rec.seq = c.seq;
         rec.threads = T;
-        rec.kv_bytes = static_cast<int64_t>(2 * kv_elems * es);
+        // Quantized: the per-token scales are read too.
+        rec.kv_bytes = static_cast<int64_t>(2 * kv_elems * es + (quant ? 2 * kv_tokens * 4 : 0));
         rec.seconds = median(times);
         rec.gbps = static_cast<double>(rec.kv_bytes) / rec.seconds / 1e9;
         rec.bandwidth_gbps = bw.value();
@@ -249,17 +314,30 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
           TREEATTN_RETURN_IF_ERROR(decode_partial(cs, q.data(), ck, cst.data(), opt));
           std::vector<double> ref(crow * D), lse(crow);
           TREEATTN_RETURN_IF_ERROR(oracle_attention(cs, q.data(), ck, ref.data(), lse.data()));
-          double err = 0, mag = 1;
-          std::vector<float> o(D);
-          for (std::size_t r = 0; r < crow; ++r) {
-            float l;
-            state_normalize(cst.data() + r * (D + 2), D, o.data(), &l);
-            for (std::size_t d = 0; d < D; ++d) {
-              err = std::max(err, std::abs(o[d] - ref[r * D + d]));
-              mag = std::max(mag, std::abs(ref[r * D + d]));
-            }
+          rec.max_rel_error = rel_error(cst, ref, crow, D);
+          if (quant) {
+            // The same check rows against the oracle on the unquantized values (table token
+            // (h * seq + j) % kPeriod for head h, token j of batch row 0).
+            const int64_t n = cl[0];
+            std::vector<float> kf(static_cast<std::size_t>(s.kv_heads * n) * D), vf(kf.size());
+            for (int64_t h = 0; h < s.kv_heads; ++h)
+              for (int64_t j = 0; j < n; ++j) {
+                const auto src = static_cast<std::size_t>((h * c.seq + j) % kPeriod) * D;
+                const auto dst = static_cast<std::size_t>(h * n + j) * D;
+                std::memcpy(kf.data() + dst, ktable.data() + src, D * sizeof(float));
+                std::memcpy(vf.data() + dst, vtable.data() + src, D * sizeof(float));
+              }
+            KVShard uk = ck;
+            uk.dtype = DType::kF32;
+            uk.k = kf.data();
+            uk.v = vf.data();
+            uk.stride_token = s.head_dim;
+            uk.stride_head = n * s.head_dim;
+            uk.stride_batch = s.kv_heads * uk.stride_head;
+            uk.k_scale = uk.v_scale = nullptr;
+            TREEATTN_RETURN_IF_ERROR(oracle_attention(cs, q.data(), uk, ref.data(), lse.data()));
+            rec.max_rel_error_unquantized = rel_error(cst, ref, crow, D);
           }
-          rec.max_rel_error = err / mag;
         }
 
         if (options.peer && t == DType::kF32 && openblas_available()) {
@@ -284,22 +362,24 @@ std::string roofline_table(const std::vector<RooflineRecord>& records) {
   std::string s;
   char line[512];
   std::snprintf(line, sizeof line,
-                "%-26s %-5s %-7s %3s %7s %8s %8s %7s %7s %6s %8s %-7s %6s %9s %9s %8s\n", "shape",
+                "%-26s %-5s %-7s %3s %7s %8s %8s %7s %7s %6s %8s %-7s %6s %9s %9s %8s %8s\n", "shape",
                 "dtype", "isa", "thr", "seq", "kv_MB", "ms", "GB/s", "bw_GB/s", "frac",
-                "peak_GF", "bound", "f_bnd", "blas_ms", "ours/blas", "rel_err");
+                "peak_GF", "bound", "f_bnd", "blas_ms", "ours/blas", "rel_err", "err_unq");
   s += line;
   for (const RooflineRecord& r : records) {
     const std::string peer_ms = r.peer_seconds >= 0 ? fmt("%.2f", r.peer_seconds * 1e3) : "-";
     const std::string ratio = r.ours_over_peer >= 0 ? fmt("%.3f", r.ours_over_peer) : "-";
     const std::string err = r.max_rel_error >= 0 ? fmt("%.1e", r.max_rel_error) : "-";
+    const std::string errq =
+        r.max_rel_error_unquantized >= 0 ? fmt("%.1e", r.max_rel_error_unquantized) : "-";
     std::snprintf(line, sizeof line,
                   "%-26s %-5s %-7s %3d %7lld %8.1f %8.2f %7.2f %7.2f %6.3f %8.1f %-7s %6.3f %9s "
-                  "%9s %8s\n",
+                  "%9s %8s %8s\n",
                   r.shape.c_str(), r.dtype.c_str(), r.isa.c_str(), r.threads,
                   static_cast<long long>(r.seq), static_cast<double>(r.kv_bytes) / 1048576.0,
                   r.seconds * 1e3, r.gbps, r.bandwidth_gbps, r.fraction_of_bandwidth,
                   r.peak_gflops, r.bound.c_str(), r.fraction_of_bound, peer_ms.c_str(),
-                  ratio.c_str(), err.c_str());
+                  ratio.c_str(), err.c_str(), errq.c_str());
     s += line;
   }
   return s;
@@ -325,7 +405,9 @@ std::string roofline_json(const std::vector<RooflineRecord>& records) {
          "\", \"fraction_of_bound\": " + num(r.fraction_of_bound) +
          ", \"peer_seconds\": " + (r.peer_seconds >= 0 ? num(r.peer_seconds) : "null") +
          ", \"ours_over_peer\": " + (r.ours_over_peer >= 0 ? num(r.ours_over_peer) : "null") +
-         ", \"max_rel_error\": " + (r.max_rel_error >= 0 ? num(r.max_rel_error) : "null") + "}";
+         ", \"max_rel_error\": " + (r.max_rel_error >= 0 ? num(r.max_rel_error) : "null") +
+         ", \"max_rel_error_unquantized\": " +
+         (r.max_rel_error_unquantized >= 0 ? num(r.max_rel_error_unquantized) : "null") + "}";
   }
   s += "\n]\n";
   return s;

@@ -54,9 +54,16 @@ Status decode_reference(const AttnShape& shape, const float* q, const KVShard& k
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t pos = kv.pos_start[static_cast<std::size_t>(b)] + t * kv.pos_stride;
       const int64_t base = b * kv.stride_batch + kvh * kv.stride_head + t * kv.stride_token;
+      // Quantized dtypes: the token's scales (see dequantize() in dtype.hpp).
+      float ks = 1.0f, vs = 1.0f;
+      if (kv.k_scale != nullptr) {
+        const int64_t si = b * kv.scale_stride_batch + kvh * kv.scale_stride_head + t * kv.scale_stride_token;
+        ks = kv.k_scale[si];
+        vs = kv.v_scale[si];
+      }
       for (int64_t d = 0; d < D; ++d) {
-        kf[static_cast<std::size_t>(d)] = load_as_float(kv.k, kv.dtype, static_cast<std::size_t>(base + d));
-        vf[static_cast<std::size_t>(d)] = load_as_float(kv.v, kv.dtype, static_cast<std::size_t>(base + d));
+        kf[static_cast<std::size_t>(d)] = dequantize(kv.k, kv.dtype, static_cast<std::size_t>(base + d), ks);
+        vf[static_cast<std::size_t>(d)] = dequantize(kv.v, kv.dtype, static_cast<std::size_t>(base + d), vs);
       }
       for (int64_t i = 0; i < Q; ++i) {
         if (pos > kv.total_len[static_cast<std::size_t>(b)] - Q + i) continue;  // causal limit

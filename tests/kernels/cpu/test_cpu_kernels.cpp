@@ -2,7 +2,8 @@
 // SIMD tails, misaligned and strided views with NaN-poisoned memory around them, every dtype
 // and head dim, causal Q > 1 over striped positions, empty shards, NaN propagation, the exact
 // fixture bit for bit for every chunk size, bitwise determinism across thread counts, and the
-// contract of each target's exp.
+// contract of each target's exp; quantized (fp8, int8) caches against the oracle on the
+// dequantized values, and the quantize/dequantize round trip.
 //
 // Tolerance (tests/support/test_data.hpp): K/V of every dtype are widened to float32 exactly,
 // so the only error is float32 accumulation: max|out - ref| <= 1e-5 * max(1, max|ref|) on the
@@ -428,6 +429,206 @@ TEST_P(CpuTarget, GroupedQueryLongShard) {
       EXPECT_FALSE(e.nan_mismatch);
       EXPECT_LE(e.out_rel(), kTol) << dtype_name(t) << " Q " << Q << " " << describe(e);
       EXPECT_LE(e.lse_abs, kTol) << dtype_name(t) << " Q " << Q;
+    }
+  }
+}
+
+// Quantized caches (fp8, int8) written by KVCache::set_token, viewed from an offset (so the
+// scale pointers move with the view), chunked, GQA and causal Q > 1, against the oracle on the
+// dequantized cache. Every byte code appears in the raw-code variant (fp8 subnormals included).
+void fill_quantized_cache(KVCache& cache, const AttnShape& s, int64_t capacity, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+  std::vector<float> k(static_cast<std::size_t>(s.head_dim)), v(k.size());
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t h = 0; h < s.kv_heads; ++h)
+      for (int64_t t = 0; t < capacity; ++t) {
+        // Token 3 is all zero (scale 0), token 5 large, the rest in [-2, 2).
+        const float mul = t == 3 ? 0.0f : (t == 5 ? 300.0f : 1.0f);
+        for (std::size_t d = 0; d < k.size(); ++d) {
+          k[d] = u(rng) * mul;
+          v[d] = u(rng) * mul;
+        }
+        cache.set_token(b, h, t, k.data(), v.data());
+      }
+}
+
+TEST_P(CpuTarget, QuantizedCachesMatchOracle) {
+  for (DType t : {DType::kFP8, DType::kInt8}) {
+    for (int64_t D : {64, 80, 128, 256}) {
+      for (int64_t Q : {int64_t{1}, int64_t{3}}) {
+        const AttnShape s{2, 8, 2, D, Q};
+        const std::vector<int64_t> len{1537, 33};
+        const int64_t first = 2, capacity = 1537 + first + 3;
+        KVCache cache(s, t, capacity);
+        fill_quantized_cache(cache, s, capacity, static_cast<uint64_t>(D * 10 + Q));
+        const std::vector<int64_t> start{0, 0};
+        const KVShard kv = cache.view(first, len, start, len, 1);
+        const std::vector<float> q = random_q(s, 7);
+        for (int64_t chunk : {int64_t{0}, int64_t{100}}) {
+          const testing::Errors e = run_vs_oracle(s, q, kv, opts(chunk));
+          EXPECT_FALSE(e.nan_mismatch) << dtype_name(t) << " D " << D;
+          EXPECT_LE(e.out_rel(), kTol) << dtype_name(t) << " D " << D << " Q " << Q << " chunk "
+                                      << chunk << " " << describe(e);
+          EXPECT_LE(e.lse_abs, kTol) << dtype_name(t) << " D " << D << " Q " << Q;
+        }
+      }
+    }
+  }
+}
+
+// Raw codes: every fp8 byte (the NaN codes in one token only) and every int8 byte, with scales
+// stored at a token stride of 3, against the oracle; the token holding fp8 NaN codes makes the
+// output NaN in both.
+TEST_P(CpuTarget, QuantizedRawCodesAndStridedScales) {
+  for (DType t : {DType::kFP8, DType::kInt8}) {
+    for (bool with_nan : {false, true}) {
+      const AttnShape s{1, 4, 1, 128, 1};
+      const int64_t n = 70, D = s.head_dim;
+      std::vector<uint8_t> k(static_cast<std::size_t>(n * D)), v(k.size());
+      std::vector<float> ks(static_cast<std::size_t>(3 * n)), vs(ks.size());
+      std::mt19937_64 rng(5);
+      std::uniform_real_distribution<float> u(0.0f, 0.01f);
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t d = 0; d < D; ++d) {
+          auto code = static_cast<uint8_t>((j * D + d) % 256);
+          auto vcode = static_cast<uint8_t>((j * D + d * 7 + 3) % 256);
+          const bool nan_token = t == DType::kFP8 && with_nan && j == 40;
+          if (t == DType::kFP8 && !nan_token) {  // keep S.1111.111 out
+            if ((code & 0x7f) == 0x7f) code = 0;
+            if ((vcode & 0x7f) == 0x7f) vcode = 0;
+          }
+          k[static_cast<std::size_t>(j * D + d)] = code;
+          v[static_cast<std::size_t>(j * D + d)] = vcode;
+        }
+        ks[static_cast<std::size_t>(3 * j)] = u(rng);
+        vs[static_cast<std::size_t>(3 * j)] = u(rng);
+      }
+      const std::vector<int64_t> len{n}, start{0};
+      KVShard kv;
+      kv.dtype = t;
+      kv.k = k.data();
+      kv.v = v.data();
+      kv.stride_token = D;
+      kv.stride_head = n * D;
+      kv.stride_batch = n * D;
+      kv.len = len;
+      kv.pos_start = start;
+      kv.total_len = len;
+      kv.k_scale = ks.data();
+      kv.v_scale = vs.data();
+      kv.scale_stride_token = 3;
+      kv.scale_stride_head = 3 * n;
+      kv.scale_stride_batch = 3 * n;
+      const std::vector<float> q = random_q(s, 9, 3.0f);
+      const testing::Errors e = run_vs_oracle(s, q, kv, opts(32));
+      EXPECT_FALSE(e.nan_mismatch) << dtype_name(t) << " nan " << with_nan;
+      EXPECT_LE(e.out_rel(), kTol) << dtype_name(t) << " " << describe(e);
+      if (t == DType::kFP8 && with_nan) {
+        std::vector<float> st(4 * (static_cast<std::size_t>(D) + 2));
+        ASSERT_TRUE(decode_partial(s, q.data(), kv, st.data(), opts(32)).is_ok());
+        EXPECT_TRUE(std::isnan(st[1])) << "a NaN key code must make l NaN";
+      }
+    }
+  }
+}
+
+// The scalar reference kernel dequantizes the same way.
+TEST(QuantizedReference, MatchesOracle) {
+  for (DType t : {DType::kFP8, DType::kInt8}) {
+    const AttnShape s{2, 8, 2, 96, 2};
+    const std::vector<int64_t> len{300, 41}, start{0, 0};
+    KVCache cache(s, t, 305);
+    fill_quantized_cache(cache, s, 305, 3);
+    const KVShard kv = cache.view(1, len, start, len, 1);
+    DecodeOptions o;
+    o.isa = Isa::kReference;
+    o.chunk_tokens = 64;
+    const testing::Errors e = run_vs_oracle(s, random_q(s, 4), kv, o);
+    EXPECT_FALSE(e.nan_mismatch);
+    EXPECT_LE(e.out_rel(), kTol) << dtype_name(t) << " " << describe(e);
+  }
+}
+
+// The view checks scales: required for quantized dtypes, rejected for the others.
+TEST(QuantizedView, ScalePointersAreValidated) {
+  const AttnShape s{1, 4, 1, 64, 1};
+  KVCache cache(s, DType::kInt8, 8);
+  const std::vector<int64_t> len{8}, start{0};
+  KVShard kv = cache.view(0, len, start, len, 1);
+  EXPECT_TRUE(kv.validate(s).is_ok());
+  kv.v_scale = nullptr;
+  EXPECT_FALSE(kv.validate(s).is_ok());
+  KVCache f(s, DType::kF32, 8);
+  KVShard fv = f.view(0, len, start, len, 1);
+  fv.k_scale = cache.k_scale_data();
+  EXPECT_FALSE(fv.validate(s).is_ok());
+}
+
+// Quantize-dequantize round trips: every fp8 and int8 code survives decode + encode, rounding
+// is to nearest even with saturation, and quantize_token's error is within half a code step.
+TEST(Quantize, CodesRoundTrip) {
+  for (int c = 0; c < 256; ++c) {
+    const auto code = static_cast<uint8_t>(c);
+    const float f = fp8_e4m3_to_float(code);
+    if ((c & 0x7f) == 0x7f) {
+      EXPECT_TRUE(std::isnan(f)) << c;
+      EXPECT_EQ(float_to_fp8_e4m3(f) & 0x7f, 0x7f);
+      continue;
+    }
+    EXPECT_EQ(float_to_fp8_e4m3(f), code) << "fp8 code " << c << " value " << f;
+  }
+  EXPECT_EQ(fp8_e4m3_to_float(0x7e), 448.0f);
+  EXPECT_EQ(fp8_e4m3_to_float(0x01), 0x1p-9f);  // smallest subnormal
+  EXPECT_EQ(fp8_e4m3_to_float(0x08), 0x1p-6f);  // smallest normal
+  EXPECT_EQ(float_to_fp8_e4m3(1000.0f), 0x7e);  // saturates
+  EXPECT_EQ(float_to_fp8_e4m3(-1000.0f), 0xfe);
+  EXPECT_EQ(float_to_fp8_e4m3(1.0625f), 0x38);  // tie 1 | 1.125 -> even (1)
+  EXPECT_EQ(float_to_fp8_e4m3(1.1875f), 0x3a);  // tie 1.125 | 1.25 -> even (1.25)
+  EXPECT_EQ(float_to_fp8_e4m3(0x1p-10f), 0x00);  // tie 0 | 2^-9 -> even (0)
+  for (int c = -127; c <= 127; ++c)
+    EXPECT_EQ(float_to_int8(static_cast<float>(c)), c);
+  EXPECT_EQ(float_to_int8(2.5f), 2);
+  EXPECT_EQ(float_to_int8(3.5f), 4);
+  EXPECT_EQ(float_to_int8(-2.5f), -2);
+  EXPECT_EQ(float_to_int8(200.0f), 127);
+  EXPECT_EQ(float_to_int8(-200.0f), -127);
+}
+
+TEST(Quantize, TokenRoundTripThroughKVCache) {
+  const AttnShape s{1, 4, 2, 128, 1};
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+  for (DType t : {DType::kFP8, DType::kInt8}) {
+    KVCache cache(s, t, 4);
+    std::vector<float> k(128), v(128);
+    for (int64_t tok = 0; tok < 4; ++tok) {
+      for (std::size_t d = 0; d < 128; ++d) {
+        k[d] = u(rng);
+        v[d] = tok == 2 ? 0.0f : u(rng);
+      }
+      cache.set_token(0, 1, tok, k.data(), v.data());
+      const float ks = cache.k_scale_data()[cache.scale_index(0, 1, tok)];
+      const float vs = cache.v_scale_data()[cache.scale_index(0, 1, tok)];
+      float amax = 0;
+      for (float x : k) amax = std::max(amax, std::abs(x));
+      EXPECT_EQ(ks, amax / quant_max(t));
+      if (tok == 2) {
+        EXPECT_EQ(vs, 0.0f);
+      }
+      for (std::size_t d = 0; d < 128; ++d) {
+        const std::size_t i = cache.index(0, 1, tok) + d;
+        const float kd = dequantize(cache.k_data(), t, i, ks);
+        const float vd = dequantize(cache.v_data(), t, i, vs);
+        // int8: half a step; fp8: half an ulp of 3 mantissa bits (2^-4 relative) or half the
+        // subnormal step; plus float rounding of the product.
+        const float step = t == DType::kInt8 ? 0.5f * ks
+                                             : std::max(std::abs(k[d]) * 0x1p-4f, 0x1p-10f * ks);
+        EXPECT_LE(std::abs(kd - k[d]), step * 1.0001f + 1e-7f) << dtype_name(t) << " d " << d;
+        if (tok == 2) {
+          EXPECT_EQ(vd, 0.0f);
+        }
+      }
     }
   }
 }
