@@ -36,6 +36,11 @@ struct LinkLevel {
   double latency_us = 0;      // one-way small-message latency, > 0
   double bandwidth_GBps = 0;  // per direction, 1 GB = 1e9 bytes, > 0
   int links_per_node = 1;     // network only: links a node's ranks share (DGX: one per GPU)
+  // Network only: extra fixed cost of one library call (collective, or one phase of
+  // point-to-point messages) whose messages cross this level, on top of the topology's
+  // collective_overhead_us. Large where ranks that wait for the network are descheduled (more
+  // ranks than cores, as on the emulated cluster); 0 on dedicated hardware.
+  double call_overhead_us = 0;
   bool operator==(const LinkLevel&) const = default;
 };
 
@@ -100,6 +105,7 @@ struct MeasuredTopology {
   // level exists (ranks_per_node > 1, nodes > 1 respectively).
   std::optional<double> intra_latency_us, intra_bandwidth_GBps;
   std::optional<double> inter_latency_us, inter_bandwidth_GBps;
+  double inter_call_overhead_us = 0;
   int links_per_node = 1;
   double collective_overhead_us = 0;
   int max_concurrent_ranks = 0;  // e.g. the number of cores when ranks oversubscribe them
@@ -120,9 +126,14 @@ class Communicator;
 //   memory           the streaming-read probe (roofline.hpp) on rank 0 with probe_threads,
 //                    and the decode kernel's own read rate with every rank computing at once
 //                    (the model's memory.bandwidth_GBps; see DetectOptions::kernel_tokens)
-//   overhead         a small allreduce_states (the `tree` merge) timed on the whole job; what
-//                    the cost model does not explain from the two levels becomes
-//                    collective_overhead_us
+//   bandwidth        ping-pong gives latency; the node level's bandwidth is measured with every
+//                    rank exchanging bandwidth_bytes with a partner on its node at once (the
+//                    per-rank rate when all ranks copy, as in a ring step); the network level
+//                    takes one pair's rate (the model shares a node's links among its ranks)
+//   overhead         a small allreduce_states (the `tree` merge) timed on each node and on the
+//                    whole job; what the cost model does not explain from the links becomes
+//                    collective_overhead_us (node) and network.call_overhead_us (the extra of
+//                    a call that crosses nodes)
 //   cores            all ranks on one machine (same boot id, as on the emulated cluster) share
 //                    its cores: max_concurrent_ranks = cores when the job has more ranks
 // Every rank returns the same Topology (rank 0's measurements are broadcast).
@@ -132,7 +143,7 @@ struct DetectOptions {
   int latency_iters = 200;
   int64_t latency_bytes = 8;
   int bandwidth_iters = 10;
-  int64_t bandwidth_bytes = int64_t{1} << 20;
+  int64_t bandwidth_bytes = int64_t{4} << 20;
   int64_t probe_bytes = int64_t{256} << 20;
   int probe_threads = 0;  // 0: cores / ranks on rank 0's node (the kernel's default)
   int probe_repeats = 3;
@@ -148,7 +159,7 @@ struct DetectOptions {
   int64_t kernel_tokens = 16384;
   int kernel_heads = 32, kernel_kv_heads = 8;
   std::string kernel_dtype = "bf16";
-  int kernel_iters = 7;
+  int kernel_iters = 15;
   int kernel_threads = 0;  // 0: cores / ranks on the node (the CLI's default)
   double kernel_overhead_us = 2.0;
 };

@@ -15,6 +15,8 @@ namespace treeattn {
 namespace {
 
 constexpr double kUsPerSecond = 1e6;
+// Plans predicted within 1% of the fastest are ties for the planner (see plan()).
+constexpr double kPlanTieFraction = 0.01;
 
 // Bytes over GB/s, in microseconds.
 double transfer_us(double bytes, double gbps) { return bytes / (gbps * 1e3); }
@@ -85,6 +87,7 @@ class RoundSim {
                          net.latency_us + transfer_us(std::max(node_out[k], node_in[k]), node_bw));
     }
     rounds_ += repeat;
+    if (any_inter) ++inter_rounds_;
     return worst;
   }
 
@@ -95,12 +98,16 @@ class RoundSim {
   int rounds() const { return static_cast<int>(std::lround(rounds_)); }
   void add_rounds(double k) { rounds_ += k; }
   int p() const { return p_; }
+  // Rounds simulated so far that had a message between nodes (to tell whether a library
+  // call crossed the network).
+  int inter_rounds() const { return inter_rounds_; }
 
  private:
   const Topology& topo_;
   int p_, r_;
   std::vector<double> sent_;
   double rounds_ = 0;
+  int inter_rounds_ = 0;
 };
 
 int ceil_log2(int p) {
@@ -342,6 +349,17 @@ struct Ctx {
     return transfer_us((k + 1.0) * state_bytes, topo.memory_bandwidth_GBps);
   }
   bool nccl() const { return topo.collectives == CollectiveLibrary::kNccl; }
+  // Fixed cost of one library call: collective_overhead_us, plus the network's
+  // call_overhead_us when the call's messages crossed nodes.
+  double call(bool crossed) const {
+    return topo.collective_overhead_us +
+           (crossed && topo.network ? topo.network->call_overhead_us : 0.0);
+  }
+  // Ranks oversubscribe the cores: a rank that copies or waits for a transfer takes a core
+  // from one that computes, so ring-kv's transfers do not hide under its kernel.
+  bool oversubscribed() const {
+    return topo.max_concurrent_ranks > 0 && p > topo.max_concurrent_ranks;
+  }
 };
 
 // One allreduce of m bytes with a reduction, in the topology's collective library.
@@ -354,16 +372,17 @@ void allreduce(const Ctx& c, RoundSim& sim, CommCost& cost, double m, std::strin
     const ClosedForm f = nccl_allreduce(c.topo, c.p, c.r, m);
     sim.add_sent_all(f.bytes_per_rank);
     sim.add_rounds(f.hops);
-    cost.add(c.topo.collective_overhead_us + f.us,
-             std::string(label) + ": NCCL " + f.algo + " allreduce");
+    cost.add(c.call(c.n > 1) + f.us, std::string(label) + ": NCCL " + f.algo + " allreduce");
     return;
   }
+  const int before = sim.inter_rounds();
   if (m < kMpiAllreduceRdMaxBytes) {
-    cost.add(c.topo.collective_overhead_us + mpi_allreduce_rd(sim, m),
+    const double t = mpi_allreduce_rd(sim, m);
+    cost.add(c.call(sim.inter_rounds() > before) + t,
              std::string(label) + ": allreduce recursive doubling");
   } else {
-    cost.add(c.topo.collective_overhead_us + mpi_allreduce_ring(sim, m),
-             std::string(label) + ": allreduce ring");
+    const double t = mpi_allreduce_ring(sim, m);
+    cost.add(c.call(sim.inter_rounds() > before) + t, std::string(label) + ": allreduce ring");
   }
 }
 
@@ -472,7 +491,7 @@ Prediction model_hier(const Ctx& c) {
     Round in;
     for (int i = 0; i < c.p; ++i)
       if (i % c.r != 0) in.push_back({i, leader(i / c.r), S, true});
-    comm.add(c.topo.collective_overhead_us + sim.round(in), "intra-node reduce to leader");
+    comm.add(c.call(false) + sim.round(in), "intra-node reduce to leader");
   }
   if (c.n > 1) {
     // Heap levels: level(i) = depth of leader i; one round per level, deepest first.
@@ -493,7 +512,7 @@ Prediction model_hier(const Ctx& c) {
     }
     double t = 0;
     for (const Round& rd : up) t += sim.round(rd);
-    comm.add(c.topo.collective_overhead_us + t, "inter-leader " + std::to_string(c.fanout) +
+    comm.add(c.call(true) + t, "inter-leader " + std::to_string(c.fanout) +
                                                     "-ary tree reduce (" +
                                                     std::to_string(up.size()) + " rounds)");
     t = 0;
@@ -502,13 +521,13 @@ Prediction model_hier(const Ctx& c) {
       for (const Msg& m : *it) down.push_back({m.dst, m.src, S, false});
       t += sim.round(down);
     }
-    comm.add(c.topo.collective_overhead_us + t, "inter-leader tree broadcast");
+    comm.add(c.call(true) + t, "inter-leader tree broadcast");
   }
   if (c.r > 1) {
     Round out;
     for (int i = 0; i < c.p; ++i)
       if (i % c.r != 0) out.push_back({leader(i / c.r), i, S, false, true});
-    comm.add(c.topo.collective_overhead_us + sim.round(out), "intra-node shared broadcast");
+    comm.add(c.call(false) + sim.round(out), "intra-node shared broadcast");
   }
   // The leader's shared segment holds the node's r states.
   return finish("hier", c, c.local_us(c.shard_tokens, c.p), comm, sim,
@@ -530,12 +549,13 @@ Prediction model_ring_kv(const Ctx& c) {
     const double kv = c.kv_bytes(c.shard_tokens);
     for (int i = 0; i < c.p; ++i) r.push_back({i, (i + 1) % c.p, kv, false});
     const double k = c.p - 1;
-    const double step_comm = c.topo.collective_overhead_us + sim.round(r, k);
-    total += k * std::max(loc, step_comm);
+    const double step_comm = c.call(c.n > 1) + sim.round(r, k);
+    total += k * (c.oversubscribed() ? loc + step_comm : std::max(loc, step_comm));
     comm.calls = c.p - 1;
     comm.algorithm = std::to_string(c.p - 1) +
                      " ring steps of KV(t) = " + std::to_string(static_cast<int64_t>(kv)) +
-                     " B, overlapped with compute";
+                     (c.oversubscribed() ? " B, not overlapped (ranks > cores)"
+                                         : " B, overlapped with compute");
   }
   // total >= p * loc, so the exposed communication is what is left over.
   const double local_all = loc * c.p;
@@ -556,7 +576,7 @@ Prediction model_ring_state(const Ctx& c) {
     Round r;
     for (int i = 0; i < c.p; ++i) r.push_back({i, (i + 1) % c.p, c.state_bytes, false});
     const double k = c.p - 1;
-    comm.us = k * (c.topo.collective_overhead_us + sim.round(r, k));
+    comm.us = k * (c.call(c.n > 1) + sim.round(r, k));
     comm.calls = c.p - 1;
     comm.algorithm = std::to_string(c.p - 1) + " ring steps of S";
   }
@@ -574,11 +594,11 @@ Prediction model_allgather(const Ctx& c) {
       const ClosedForm f = nccl_allgather(c.topo, c.p, c.r, c.state_bytes);
       sim.add_sent_all(f.bytes_per_rank);
       sim.add_rounds(f.hops);
-      comm.add(c.topo.collective_overhead_us + f.us, "NCCL ring allgather");
+      comm.add(c.call(c.n > 1) + f.us, "NCCL ring allgather");
     } else {
       std::string algo;
       const double t = mpi_allgather(sim, c.state_bytes, algo);
-      comm.add(c.topo.collective_overhead_us + t, "allgather " + algo);
+      comm.add(c.call(c.n > 1) + t, "allgather " + algo);
     }
   }
   const double local = c.local_us(c.shard_tokens, c.p) + (c.p > 1 ? c.merge_us(c.p) : 0.0);
@@ -592,17 +612,15 @@ Prediction model_gather_root(const Ctx& c) {
   CommCost comm;
   double root_merge = 0;
   if (c.p > 1) {
-    comm.add(c.topo.collective_overhead_us + mpi_gather_binomial(sim, c.state_bytes),
-             "binomial gather");
+    comm.add(c.call(c.n > 1) + mpi_gather_binomial(sim, c.state_bytes), "binomial gather");
     root_merge = c.merge_us(c.p);
     if (c.nccl()) {
       const ClosedForm f = nccl_bcast(c.topo, c.p, c.r, c.state_bytes);
       sim.add_sent_all(f.bytes_per_rank);
       sim.add_rounds(f.hops);
-      comm.add(c.topo.collective_overhead_us + f.us, "NCCL ring broadcast");
+      comm.add(c.call(c.n > 1) + f.us, "NCCL ring broadcast");
     } else {
-      comm.add(c.topo.collective_overhead_us + mpi_bcast_binomial(sim, c.state_bytes),
-               "binomial broadcast");
+      comm.add(c.call(c.n > 1) + mpi_bcast_binomial(sim, c.state_bytes), "binomial broadcast");
     }
   }
   return finish("gather-root", c, c.local_us(c.shard_tokens, c.p) + root_merge, comm, sim,
@@ -621,9 +639,9 @@ Prediction model_single(const Ctx& c) {
       const ClosedForm f = nccl_bcast(c.topo, c.p, c.r, c.state_bytes);
       sim.add_sent_all(f.bytes_per_rank);
       sim.add_rounds(f.hops);
-      comm.add(c.topo.collective_overhead_us + f.us, "NCCL ring broadcast of the result");
+      comm.add(c.call(c.n > 1) + f.us, "NCCL ring broadcast of the result");
     } else {
-      comm.add(c.topo.collective_overhead_us + mpi_bcast_binomial(sim, c.state_bytes),
+      comm.add(c.call(c.n > 1) + mpi_bcast_binomial(sim, c.state_bytes),
                "binomial broadcast of the result");
     }
   } else {
@@ -682,9 +700,27 @@ Result<std::vector<PlanEntry>> plan(const CostQuery& q, const Topology& topo,
     }
     out.push_back(std::move(e));
   }
-  std::stable_sort(out.begin(), out.end(), [](const PlanEntry& a, const PlanEntry& b) {
+  // Predictions within kPlanTieFraction of each other are below the model's resolution:
+  // among them the plan with fewer library calls wins (each call is a synchronization that
+  // scheduling noise can stretch), then the one that sends fewer bytes. Ties are judged
+  // against the fastest feasible plan, so the order stays a strict weak ordering.
+  double fastest = 0;
+  bool have_fastest = false;
+  for (const auto& e : out)
+    if (e.feasible && (!have_fastest || e.prediction.latency_us < fastest)) {
+      fastest = e.prediction.latency_us;
+      have_fastest = true;
+    }
+  auto tied = [&](const PlanEntry& e) {
+    return e.feasible && have_fastest && e.prediction.latency_us <= fastest * (1 + kPlanTieFraction);
+  };
+  std::stable_sort(out.begin(), out.end(), [&](const PlanEntry& a, const PlanEntry& b) {
     if (a.feasible != b.feasible) return a.feasible;
-    if (a.prediction.latency_us != b.prediction.latency_us)
+    const bool ta = tied(a), tb = tied(b);
+    if (ta != tb) return ta;
+    if (ta && tb && a.prediction.collective_calls != b.prediction.collective_calls)
+      return a.prediction.collective_calls < b.prediction.collective_calls;
+    if (!ta && a.prediction.latency_us != b.prediction.latency_us)
       return a.prediction.latency_us < b.prediction.latency_us;
     if (a.prediction.bytes_sent_per_rank != b.prediction.bytes_sent_per_rank)
       return a.prediction.bytes_sent_per_rank < b.prediction.bytes_sent_per_rank;

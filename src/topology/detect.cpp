@@ -75,6 +75,53 @@ Result<double> ping_pong(Communicator& comm, int a, int b, int64_t bytes, int it
   return result;
 }
 
+// Every rank with a partner (partner >= 0) exchanges `bytes` with it in both directions at
+// once; returns the median over iterations of the slowest rank's time in us (on every rank).
+Result<double> exchange(Communicator& comm, int partner, int64_t bytes, int iters) {
+  std::vector<char> out(static_cast<std::size_t>(bytes), 1), in(static_cast<std::size_t>(bytes));
+  std::vector<double> samples;
+  for (int i = 0; i < iters + 2; ++i) {
+    TREEATTN_RETURN_IF_ERROR(comm.barrier());
+    const auto t0 = Clock::now();
+    if (partner >= 0) {
+      CommRequest reqs[2];
+      auto r = comm.irecv(in.data(), in.size(), partner, 8);
+      if (!r.is_ok()) return r.status();
+      reqs[0] = *r;
+      auto sd = comm.isend(out.data(), out.size(), partner, 8);
+      if (!sd.is_ok()) return sd.status();
+      reqs[1] = *sd;
+      TREEATTN_RETURN_IF_ERROR(comm.wait_all(reqs));
+    }
+    float us = partner >= 0 ? std::chrono::duration<float, std::micro>(Clock::now() - t0).count()
+                            : 0.0f;
+    TREEATTN_RETURN_IF_ERROR(comm.allreduce(&us, 1, ReduceOp::kMax));
+    if (i >= 2) samples.push_back(static_cast<double>(us));
+  }
+  return median(samples);
+}
+
+// Median over calls of the slowest rank's time in us of a small merge allreduce on comm.
+Result<double> time_allreduce(Communicator& comm, const DetectOptions& o) {
+  const auto D = static_cast<std::size_t>(o.head_dim);
+  const auto n = static_cast<std::size_t>(o.allreduce_records);
+  std::vector<float> rec(n * (D + 2), 0.0f);
+  std::vector<double> samples;
+  for (int i = 0; i < o.allreduce_iters + 5; ++i) {
+    for (std::size_t k = 0; k < n; ++k) {
+      rec[k * (D + 2)] = 0.0f;      // m
+      rec[k * (D + 2) + 1] = 1.0f;  // l
+    }
+    TREEATTN_RETURN_IF_ERROR(comm.barrier());
+    const auto t0 = Clock::now();
+    TREEATTN_RETURN_IF_ERROR(comm.allreduce_states(rec.data(), n, D));
+    float us = std::chrono::duration<float, std::micro>(Clock::now() - t0).count();
+    TREEATTN_RETURN_IF_ERROR(comm.allreduce(&us, 1, ReduceOp::kMax));
+    if (i >= 5) samples.push_back(static_cast<double>(us));
+  }
+  return median(samples);
+}
+
 struct Level {
   double latency_us = 0;
   double bandwidth_GBps = 0;
@@ -94,8 +141,8 @@ Result<Level> measure_level(Communicator& comm, int a, int b, const DetectOption
   return l;
 }
 
-// Median time in us of decode_partial over `tokens` tokens of one batch row, timed on every
-// rank at once (barrier before each call); the slowest rank's median.
+// Median over calls of the slowest rank's time in us of decode_partial over `tokens` tokens of
+// one batch row, timed on every rank at once (barrier before each call).
 Result<double> time_kernel(Communicator& comm, const DetectOptions& o, DType dt, int64_t tokens,
                            int threads) {
   const AttnShape shape{1, o.kernel_heads, o.kernel_kv_heads, o.head_dim, 1};
@@ -115,12 +162,12 @@ Result<double> time_kernel(Communicator& comm, const DetectOptions& o, DType dt,
     TREEATTN_RETURN_IF_ERROR(comm.barrier());
     const auto t0 = Clock::now();
     TREEATTN_RETURN_IF_ERROR(decode_partial(shape, q.data(), kv, states.data(), opt));
-    const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-    if (i >= 2) samples.push_back(us);
+    float us = std::chrono::duration<float, std::micro>(Clock::now() - t0).count();
+    // The slowest rank of each call, as bench reports a step.
+    TREEATTN_RETURN_IF_ERROR(comm.allreduce(&us, 1, ReduceOp::kMax));
+    if (i >= 2) samples.push_back(static_cast<double>(us));
   }
-  float mine = static_cast<float>(median(samples));
-  TREEATTN_RETURN_IF_ERROR(comm.allreduce(&mine, 1, ReduceOp::kMax));
-  return static_cast<double>(mine);
+  return median(samples);
 }
 
 std::string boot_id() {
@@ -196,6 +243,21 @@ Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
                       std::to_string(nodes) + " node(s), " + std::to_string(cores) +
                       " cores per machine" + (same_machine ? ", all on one machine" : ""));
 
+  // Members of each node in world-rank order, and this rank's node index and local index.
+  std::vector<std::vector<int>> members(ids.size());
+  for (int r = 0; r < P; ++r) {
+    const auto k = static_cast<std::size_t>(
+        std::lower_bound(ids.begin(), ids.end(), node_of[static_cast<std::size_t>(r)]) - ids.begin());
+    members[k].push_back(r);
+  }
+  std::size_t my_node = 0, my_local = 0;
+  for (std::size_t k = 0; k < members.size(); ++k)
+    for (std::size_t i = 0; i < members[k].size(); ++i)
+      if (members[k][i] == me) {
+        my_node = k;
+        my_local = i;
+      }
+
   // Node level: rank 0 and the next rank on its node.
   int intra = -1, inter = -1;
   for (int r = 1; r < P; ++r) {
@@ -205,24 +267,46 @@ Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
   if (intra > 0) {
     auto l = measure_level(world, 0, intra, o);
     if (!l.is_ok()) return l.status();
+    // All ranks at once: node-local index i exchanges with i ^ 1 on every node.
+    const int np = node->rank() ^ 1;
+    auto ex = exchange(*node, np < node->size() ? np : -1, o.bandwidth_bytes, o.bandwidth_iters);
+    if (!ex.is_ok()) return ex.status();
+    float t = static_cast<float>(*ex);
+    TREEATTN_RETURN_IF_ERROR(world.allreduce(&t, 1, ReduceOp::kMax));
+    const double conc = static_cast<double>(o.bandwidth_bytes) /
+                        (std::max(static_cast<double>(t) - l->latency_us, 0.1 * t) * 1e3);
     m.intra_latency_us = l->latency_us;
-    m.intra_bandwidth_GBps = l->bandwidth_GBps;
+    m.intra_bandwidth_GBps = conc;
     const std::string s = "node level (rank 0 <-> " + std::to_string(intra) + "): " +
                           fmt_double(l->latency_us) + " us at " + std::to_string(o.latency_bytes) +
-                          " B, " + fmt_double(l->bandwidth_GBps) + " GB/s at " +
-                          std::to_string(o.bandwidth_bytes) + " B (ping-pong, half round trip)";
+                          " B (ping-pong, half round trip); " + fmt_double(l->bandwidth_GBps) +
+                          " GB/s one pair, " + fmt_double(conc) + " GB/s per rank with all pairs "
+                          "exchanging " + std::to_string(o.bandwidth_bytes) + " B at once (used)";
     note(s);
     m.sources.push_back(s);
   }
   if (inter > 0) {
     auto l = measure_level(world, 0, inter, o);
     if (!l.is_ok()) return l.status();
+    // All ranks at once: local index i of node k exchanges with local index i of node k ^ 1.
+    int partner = -1;
+    const std::size_t pk = my_node ^ 1;
+    if (pk < members.size() && my_local < members[pk].size()) partner = members[pk][my_local];
+    auto ex = exchange(world, partner, o.bandwidth_bytes, o.bandwidth_iters);
+    if (!ex.is_ok()) return ex.status();
+    const double t = *ex;
+    const double conc = static_cast<double>(o.bandwidth_bytes) /
+                        (std::max(t - l->latency_us, 0.1 * t) * 1e3);
+    // The cost model shares a node's links among its ranks itself (RoundSim's node term), so
+    // the network level takes the one-pair rate; the all-pairs rate is recorded for reference.
     m.inter_latency_us = l->latency_us;
     m.inter_bandwidth_GBps = l->bandwidth_GBps;
     const std::string s = "network level (rank 0 <-> " + std::to_string(inter) + "): " +
                           fmt_double(l->latency_us) + " us at " + std::to_string(o.latency_bytes) +
-                          " B, " + fmt_double(l->bandwidth_GBps) + " GB/s at " +
-                          std::to_string(o.bandwidth_bytes) + " B (ping-pong, half round trip)";
+                          " B (ping-pong, half round trip); " + fmt_double(l->bandwidth_GBps) +
+                          " GB/s one pair (used: the model shares a node's links itself), " +
+                          fmt_double(conc) + " GB/s per rank with all pairs exchanging " +
+                          std::to_string(o.bandwidth_bytes) + " B at once";
     note(s);
     m.sources.push_back(s);
   }
@@ -275,7 +359,7 @@ Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
         std::to_string(o.kernel_kv_heads) + " KV heads x " + std::to_string(o.head_dim) + " " +
         o.kernel_dtype + " (" + fmt_double(bytes / 1048576.0) + " MiB) on all " +
         std::to_string(P) + " ranks at once with " + std::to_string(kthreads) +
-        " thread(s) each: " + fmt_double(*big) + " us (slowest rank's median), 16 tokens: " +
+        " thread(s) each: " + fmt_double(*big) + " us (median of the slowest rank per call), 16 tokens: " +
         fmt_double(*small) + " us -> kernel_overhead_us " + fmt_double(m.kernel_overhead_us) +
         ", memory.bandwidth_GBps " + fmt_double(m.memory_bandwidth_GBps) + " per rank" +
         (share > 1 ? " (x" + fmt_double(share) + ": ranks take turns on the cores)" : "");
@@ -283,47 +367,59 @@ Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
     m.sources.push_back(s);
   }
 
-  // Collective overhead: a small merge allreduce over the whole job, minus what the model
-  // explains with the measured links.
-  double measured_us = 0;
-  if (P > 1) {
-    const auto D = static_cast<std::size_t>(o.head_dim);
-    const auto n = static_cast<std::size_t>(o.allreduce_records);
-    std::vector<float> rec(n * (D + 2), 0.0f);
-    std::vector<double> samples;
-    for (int i = 0; i < o.allreduce_iters + 5; ++i) {
-      for (std::size_t k = 0; k < n; ++k) {
-        rec[k * (D + 2)] = 0.0f;  // m
-        rec[k * (D + 2) + 1] = 1.0f;  // l
-      }
-      TREEATTN_RETURN_IF_ERROR(world.barrier());
-      const auto t0 = Clock::now();
-      TREEATTN_RETURN_IF_ERROR(world.allreduce_states(rec.data(), n, D));
-      double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-      float worst = static_cast<float>(us);
-      TREEATTN_RETURN_IF_ERROR(world.allreduce(&worst, 1, ReduceOp::kMax));
-      if (i >= 5) samples.push_back(static_cast<double>(worst));
+  // Call overheads: a small merge allreduce on each node, then over the whole job, minus what
+  // the model explains with the measured links.
+  if (node->size() > 1 || P > 1) {
+    double node_us = 0;
+    if (node->size() > 1) {
+      auto t = time_allreduce(*node, o);
+      if (!t.is_ok()) return t.status();
+      float w = static_cast<float>(*t);
+      TREEATTN_RETURN_IF_ERROR(world.allreduce(&w, 1, ReduceOp::kMax));
+      node_us = static_cast<double>(w);
+      MeasuredTopology one = m;
+      one.nodes = 1;
+      one.inter_latency_us.reset();
+      one.inter_bandwidth_GBps.reset();
+      auto base = topology_from_measurements(one);
+      if (!base.is_ok()) return base.status();
+      CostQuery q;
+      q.shape = AttnShape{1, o.allreduce_records, 1, o.head_dim, 1};
+      q.context = rpn;
+      q.ranks = node->size();
+      auto pred = predict("tree", q, *base);
+      if (!pred.is_ok()) return pred.status();
+      m.collective_overhead_us = std::max(0.0, node_us - pred->comm_us);
+      const std::string s = "call overhead inside a node: allreduce_states of " +
+                            std::to_string(o.allreduce_records) + " x " +
+                            std::to_string(o.head_dim) + " states on each node took " +
+                            fmt_double(node_us) + " us; the links explain " +
+                            fmt_double(pred->comm_us) + " us -> collective_overhead_us " +
+                            fmt_double(m.collective_overhead_us);
+      note(s);
+      m.sources.push_back(s);
     }
-    measured_us = median(samples);
-  }
-  auto base = topology_from_measurements(m);
-  if (!base.is_ok()) return base.status();
-  if (P > 1) {
-    CostQuery q;
-    q.shape = AttnShape{1, o.allreduce_records, 1, o.head_dim, 1};
-    q.context = P;
-    q.ranks = P;
-    auto pred = predict("tree", q, *base);
-    if (!pred.is_ok()) return pred.status();
-    m.collective_overhead_us = std::max(0.0, measured_us - pred->comm_us);
-    const std::string s = "collective overhead: allreduce_states of " +
-                          std::to_string(o.allreduce_records) + " x " + std::to_string(o.head_dim) +
-                          " states took " + fmt_double(measured_us) +
-                          " us (median, slowest rank); the links explain " +
-                          fmt_double(pred->comm_us) + " us -> collective_overhead_us " +
-                          fmt_double(m.collective_overhead_us);
-    note(s);
-    m.sources.push_back(s);
+    if (nodes > 1) {
+      auto t = time_allreduce(world, o);
+      if (!t.is_ok()) return t.status();
+      auto base = topology_from_measurements(m);
+      if (!base.is_ok()) return base.status();
+      CostQuery q;
+      q.shape = AttnShape{1, o.allreduce_records, 1, o.head_dim, 1};
+      q.context = P;
+      q.ranks = P;
+      q.ranks_per_node = rpn;
+      auto pred = predict("tree", q, *base);
+      if (!pred.is_ok()) return pred.status();
+      m.inter_call_overhead_us = std::max(0.0, *t - pred->comm_us);
+      const std::string s = "call overhead across nodes: the same allreduce over all " +
+                            std::to_string(P) + " ranks took " + fmt_double(*t) +
+                            " us; the links and the node overhead explain " +
+                            fmt_double(pred->comm_us) + " us -> network.call_overhead_us " +
+                            fmt_double(m.inter_call_overhead_us);
+      note(s);
+      m.sources.push_back(s);
+    }
   }
   return topology_from_measurements(m);
 }

@@ -108,7 +108,7 @@ constexpr int kMaxCount = 1 << 20;
 Status parse_level(const ObjectReader& r, std::string_view expected_name, LinkLevel& out) {
   TREEATTN_RETURN_IF_ERROR(r.check_object());
   TREEATTN_RETURN_IF_ERROR(
-      r.check_keys({"name", "latency_us", "bandwidth_GBps", "links_per_node"}));
+      r.check_keys({"name", "latency_us", "bandwidth_GBps", "links_per_node", "call_overhead_us"}));
   TREEATTN_RETURN_IF_ERROR(r.string("name", true, out.name));
   if (out.name != expected_name) {
     return r.fail("name", "expected \"" + std::string(expected_name) +
@@ -119,6 +119,11 @@ Status parse_level(const ObjectReader& r, std::string_view expected_name, LinkLe
   TREEATTN_RETURN_IF_ERROR(r.number("bandwidth_GBps", true, out.bandwidth_GBps, 0));
   out.links_per_node = 1;
   TREEATTN_RETURN_IF_ERROR(r.integer("links_per_node", false, out.links_per_node, 1, kMaxCount));
+  out.call_overhead_us = 0;
+  TREEATTN_RETURN_IF_ERROR(r.number("call_overhead_us", false, out.call_overhead_us, 0, true));
+  if (expected_name == "node" && out.call_overhead_us != 0)
+    return r.fail("call_overhead_us", "only the network level has a call overhead (use "
+                                      "collective_overhead_us for calls inside a node)");
   return Status::ok();
 }
 
@@ -133,6 +138,9 @@ Status check_level(const LinkLevel& l, std::string_view where) {
   if (l.links_per_node < 1)
     return invalid_argument(w + ".links_per_node must be >= 1, got " +
                             std::to_string(l.links_per_node));
+  if (!(l.call_overhead_us >= 0) || !std::isfinite(l.call_overhead_us))
+    return invalid_argument(w + ".call_overhead_us must be >= 0, got " +
+                            fmt_double(l.call_overhead_us));
   return Status::ok();
 }
 
@@ -327,6 +335,7 @@ std::string topology_to_json(const Topology& t) {
   auto level = [](const LinkLevel& l, bool with_links) {
     json o = {{"name", l.name}, {"latency_us", l.latency_us}, {"bandwidth_GBps", l.bandwidth_GBps}};
     if (with_links) o["links_per_node"] = l.links_per_node;
+    if (l.call_overhead_us != 0) o["call_overhead_us"] = l.call_overhead_us;
     return o;
   };
   levels.push_back(level(t.node, false));
@@ -363,7 +372,8 @@ Result<Topology> topology_from_measurements(const MeasuredTopology& m) {
       return invalid_argument("measured topology: nodes = " + std::to_string(m.nodes) +
                               " needs the inter-node latency and bandwidth");
     t.network =
-        LinkLevel{"network", *m.inter_latency_us, *m.inter_bandwidth_GBps, m.links_per_node};
+        LinkLevel{"network", *m.inter_latency_us, *m.inter_bandwidth_GBps, m.links_per_node,
+                  m.inter_call_overhead_us};
   }
   TREEATTN_RETURN_IF_ERROR(t.validate());
   return t;

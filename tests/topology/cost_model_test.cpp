@@ -212,6 +212,62 @@ TEST(CostModel, OversubscribedRanksSlowTheLocalPhase) {
   EXPECT_NEAR(shared, 2 * free_cores, 1e-9);
 }
 
+TEST(CostModel, OversubscribedRingKvDoesNotOverlapTransfers) {
+  // Compute-bound steps (fast network): overlapped, latency = p * local. With more ranks than
+  // cores, each step pays local + transfer instead.
+  Topology t = synthetic(4, 1, 1.0, 10.0, 1.0, 1000.0, 1.0);
+  const Prediction free_cores = must(predict("ring-kv", paper_query(80000, 4), t));
+  EXPECT_NEAR(free_cores.comm_us, 0.0, 1e-9);
+  t.max_concurrent_ranks = 2;
+  const Prediction shared = must(predict("ring-kv", paper_query(80000, 4), t));
+  // Local phase doubles (2 ranks per core) and the 3 transfers are added, not hidden.
+  // (the final merge of the 4 partials does not double, hence the loose tolerance)
+  EXPECT_NEAR(shared.local_us, 2 * free_cores.local_us, free_cores.local_us * 1e-3);
+  EXPECT_NEAR(shared.latency_us, shared.local_us + shared.comm_us, 1e-6);
+  const double kv = 2.0 * 20000 * 16 * 128 * 2;  // KV(t) of a 20000-token bf16 shard
+  const double step_comm = 1.0 + kv / 1000.0 / 1000.0;
+  EXPECT_NEAR(shared.comm_us, 3 * step_comm, 1e-6);
+  EXPECT_NE(shared.algorithm.find("not overlapped"), std::string::npos) << shared.algorithm;
+}
+
+TEST(CostModel, NetworkCallOverheadIsPaidOncePerCrossingCall) {
+  Topology t = synthetic(2, 2, 0.5, 8.0, 12.0, 1.0, 30.0);
+  const CostQuery q = small_query(4000, 4);
+  const Prediction tree0 = must(predict("tree", q, t));
+  const Prediction paper0 = must(predict("tree-paper", q, t));
+  const Prediction hier0 = must(predict("hier", q, t));
+  const Prediction ring0 = must(predict("ring-state", q, t));
+  t.network->call_overhead_us = 1000.0;
+  // tree: one allreduce across nodes; tree-paper: three; hier: the inter-leader reduce and
+  // broadcast cross nodes, its two intra-node calls do not; ring-state: 3 crossing steps.
+  EXPECT_NEAR(must(predict("tree", q, t)).latency_us - tree0.latency_us, 1000.0, 1e-6);
+  EXPECT_NEAR(must(predict("tree-paper", q, t)).latency_us - paper0.latency_us, 3000.0, 1e-6);
+  EXPECT_NEAR(must(predict("hier", q, t)).latency_us - hier0.latency_us, 2000.0, 1e-6);
+  EXPECT_NEAR(must(predict("ring-state", q, t)).latency_us - ring0.latency_us, 3000.0, 1e-6);
+  // On one node nothing crosses the network: the overhead is not paid.
+  const CostQuery q1 = small_query(4000, 2);
+  Topology t0 = t;
+  t0.network->call_overhead_us = 0.0;
+  EXPECT_NEAR(must(predict("tree", q1, t)).latency_us, must(predict("tree", q1, t0)).latency_us,
+              1e-9);
+}
+
+TEST(Planner, FewestCrossingCallsWinWhenCallsAreExpensive) {
+  // The emulated cluster's situation: each call that crosses hosts costs milliseconds.
+  Topology t = synthetic(2, 2, 10.0, 10.0, 16.0, 1.5, 7.0);
+  t.max_concurrent_ranks = 2;
+  t.network->call_overhead_us = 5000.0;
+  auto entries = plan(small_query(32768, 4), t);
+  ASSERT_TRUE(entries.is_ok()) << entries.status().to_string();
+  const std::string choice = entries->front().prediction.strategy;
+  EXPECT_TRUE(choice == "tree" || choice == "allgather") << choice;
+  for (const auto& e : *entries) {
+    if (e.prediction.strategy == "tree-paper" || e.prediction.strategy == "ring-state") {
+      EXPECT_GT(e.prediction.latency_us, entries->front().prediction.latency_us + 9000.0);
+    }
+  }
+}
+
 TEST(CostModel, AllgatherAndGatherRootHoldAllStates) {
   const Topology t = synthetic(2, 4, 0.5, 8.0, 12.0, 1.0, 30.0);
   const CostQuery q = paper_query(80000, 8);

@@ -111,6 +111,12 @@ TEST(TopologyFile, MalformedFilesGiveClearErrors) {
        "t.json: $.levels[1].bandwidth_GBps: expected a number > 0, got -3"},
       {"latency not a number", replace(v, R"("latency_us": 12)", R"("latency_us": "fast")"),
        "t.json: $.levels[1].latency_us: expected a number > 0, got \"fast\""},
+      {"negative call overhead",
+       replace(v, R"("links_per_node": 1})", R"("links_per_node": 1, "call_overhead_us": -1})"),
+       "t.json: $.levels[1].call_overhead_us: expected a number >= 0, got -1"},
+      {"call overhead on the node level",
+       replace(v, R"("bandwidth_GBps": 9})", R"("bandwidth_GBps": 9, "call_overhead_us": 5})"),
+       "t.json: $.levels[0].call_overhead_us: only the network level has a call overhead"},
       {"latency missing", replace(v, R"("latency_us": 0.5, )", ""),
        "t.json: $.levels[0].latency_us: missing (expected a number)"},
       {"levels swapped", replace(v, R"("name": "node")", R"("name": "rack")"),
@@ -128,7 +134,7 @@ TEST(TopologyFile, MalformedFilesGiveClearErrors) {
        "t.json: $.levels: expected an array of 1 or 2 levels"},
       {"typo in a key", replace(v, R"("bandwidth_GBps": 9)", R"("bandwith_GBps": 9)"),
        "t.json: $.levels[0].bandwith_GBps: unknown key (known keys: name, latency_us, "
-       "bandwidth_GBps, links_per_node)"},
+       "bandwidth_GBps, links_per_node, call_overhead_us)"},
       {"unknown top-level key", replace(v, R"("nodes": 2,)", R"("nodes": 2, "gpus": 8,)"),
        "t.json: $.gpus: unknown key"},
       {"memory missing", replace(v, R"("memory": {"bandwidth_GBps": 30, "capacity_GB": 16},)", ""),
@@ -186,6 +192,23 @@ TEST(TopologyFile, LoadsFromFileAndNamesMissingFiles) {
   EXPECT_NE(missing.status().message().find("cannot open topology file '/nonexistent/topo.json'"),
             std::string::npos)
       << missing.status().message();
+}
+
+TEST(TopologyFile, NetworkCallOverheadParsesAndRoundTrips) {
+  auto t = parse_topology_json(
+      replace(kValid, R"("links_per_node": 1})", R"("links_per_node": 1, "call_overhead_us": 5400})"),
+      "t.json");
+  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+  ASSERT_TRUE(t->network.has_value());
+  EXPECT_DOUBLE_EQ(t->network->call_overhead_us, 5400.0);
+  auto back = parse_topology_json(topology_to_json(*t), "dump");
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(*back, *t);
+  // Absent means 0, and 0 is not written out.
+  auto plain = parse_topology_json(kValid, "t.json");
+  ASSERT_TRUE(plain.is_ok());
+  EXPECT_DOUBLE_EQ(plain->network->call_overhead_us, 0.0);
+  EXPECT_EQ(topology_to_json(*plain).find("call_overhead_us"), std::string::npos);
 }
 
 TEST(TopologyPresets, AllLoadValidateAndRoundTrip) {
