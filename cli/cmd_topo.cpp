@@ -193,7 +193,7 @@ Runner add_topo_command(CLI::App& app, const Invocation& inv) {
       ->capture_default_str();
   sub->add_option("--latency-iters", f->latency_iters, "Small-message ping-pongs per level")
       ->capture_default_str();
-  sub->add_option("--bandwidth-iters", f->bandwidth_iters, "1 MiB ping-pongs per level")
+  sub->add_option("--bandwidth-iters", f->bandwidth_iters, "4 MiB ping-pongs / exchanges per level")
       ->capture_default_str();
   sub->add_option("--timeout-ms", f->timeout_ms, "Per-operation timeout")->capture_default_str();
   sub->add_option("--heads", f->heads, "--detect: query heads of the timed kernel (and of the "
