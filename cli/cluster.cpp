@@ -23,22 +23,24 @@ Result<ClusterSpec> parse_cluster(const std::string& text, const std::string& li
   static const std::regex kShape("^([0-9]{1,3})x([0-9]{1,3})$");
   std::smatch m;
   if (!std::regex_match(text, m, kShape))
-    return invalid_argument("--cluster: expected KxR (K emulated hosts x R ranks per host, "
-                            "for example 2x2), got '" + text + "'");
+    return invalid_argument(
+        "--cluster: expected KxR (K emulated hosts x R ranks per host, "
+        "for example 2x2), got '" +
+        text + "'");
   ClusterSpec s;
   s.hosts = std::atoi(m[1].str().c_str());
   s.ranks_per_host = std::atoi(m[2].str().c_str());
   if (s.hosts < 1 || s.hosts > 16)
-    return invalid_argument(fmt::format("--cluster {}: host count must be in [1, 16], got {}",
-                                        text, s.hosts));
+    return invalid_argument(
+        fmt::format("--cluster {}: host count must be in [1, 16], got {}", text, s.hosts));
   if (s.ranks_per_host < 1 || s.ranks_per_host > 64)
-    return invalid_argument(fmt::format(
-        "--cluster {}: ranks per host must be in [1, 64], got {}", text, s.ranks_per_host));
+    return invalid_argument(fmt::format("--cluster {}: ranks per host must be in [1, 64], got {}",
+                                        text, s.ranks_per_host));
   if (!link.empty()) {
     static const std::regex kRate("^[0-9]+(\\.[0-9]+)?(bit|kbit|mbit|gbit)$");
     if (!std::regex_match(link, kRate))
-      return invalid_argument("--link: expected a tc rate such as 1gbit, 100mbit or 500kbit, got '" +
-                              link + "'");
+      return invalid_argument(
+          "--link: expected a tc rate such as 1gbit, 100mbit or 500kbit, got '" + link + "'");
     if (s.hosts == 1)
       return invalid_argument("--link " + link + " needs at least 2 emulated hosts (--cluster " +
                               text + " has one host, whose ranks talk over shared memory)");
@@ -58,8 +60,9 @@ Result<std::string> cluster_script() {
     return invalid_argument("the emulated-cluster tool '" + path +
                             "' does not exist or is not executable (set TREEATTN_CLUSTER_SH)");
   if (geteuid() != 0)
-    return invalid_argument("--cluster needs root: the emulated hosts are network namespaces "
-                            "(run as root, or use plain --ranks for local ranks)");
+    return invalid_argument(
+        "--cluster needs root: the emulated hosts are network namespaces "
+        "(run as root, or use plain --ranks for local ranks)");
   return path;
 }
 
@@ -129,13 +132,10 @@ Result<JobTopology> job_topology(const std::string& topology, const std::string&
   return jt;
 }
 
-Result<std::vector<std::string>> resolve_auto_methods(const std::vector<std::string>& methods,
-                                                      const AttnShape& shape, DType dtype,
-                                                      int64_t seq, int ranks,
-                                                      const std::string& topology,
-                                                      const std::string& cluster,
-                                                      const std::string& link, int fanout,
-                                                      bool announce) {
+Result<std::vector<std::string>> resolve_auto_methods(
+    const std::vector<std::string>& methods, const AttnShape& shape, DType dtype, int64_t seq,
+    int ranks, const std::string& topology, const std::string& cluster, const std::string& link,
+    int fanout, bool announce) {
   if (std::find(methods.begin(), methods.end(), "auto") == methods.end()) return methods;
   auto jt = job_topology(topology, cluster, link, ranks);
   if (!jt.is_ok()) return jt.status();
@@ -147,11 +147,11 @@ Result<std::vector<std::string>> resolve_auto_methods(const std::vector<std::str
   q.ranks_per_node = jt->ranks_per_node;
   q.hier_fanout = fanout;
   auto entries = plan(q, jt->topology);
-  if (!entries.is_ok())
-    return invalid_argument("--methods auto: " + entries.status().message());
+  if (!entries.is_ok()) return invalid_argument("--methods auto: " + entries.status().message());
   const Prediction& best = entries->front().prediction;
   if (announce)
-    std::fprintf(stderr, "  auto -> %s (planner on topology '%s': %.1f us predicted; next %s %.1f us)\n",
+    std::fprintf(stderr,
+                 "  auto -> %s (planner on topology '%s': %.1f us predicted; next %s %.1f us)\n",
                  best.strategy.c_str(), jt->topology.name.c_str(), best.latency_us,
                  entries->size() > 1 ? (*entries)[1].prediction.strategy.c_str() : "-",
                  entries->size() > 1 ? (*entries)[1].prediction.latency_us : 0.0);

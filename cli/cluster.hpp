@@ -55,12 +55,9 @@ Result<JobTopology> job_topology(const std::string& topology, const std::string&
 // Replaces "auto" in `methods` by the planner's choice for this shape, context and rank count
 // on job_topology(...) (dropping a duplicate when the choice is also listed). With announce,
 // prints "auto -> CHOICE" with the prediction on stderr.
-Result<std::vector<std::string>> resolve_auto_methods(const std::vector<std::string>& methods,
-                                                      const AttnShape& shape, DType dtype,
-                                                      int64_t seq, int ranks,
-                                                      const std::string& topology,
-                                                      const std::string& cluster,
-                                                      const std::string& link, int fanout,
-                                                      bool announce);
+Result<std::vector<std::string>> resolve_auto_methods(
+    const std::vector<std::string>& methods, const AttnShape& shape, DType dtype, int64_t seq,
+    int ranks, const std::string& topology, const std::string& cluster, const std::string& link,
+    int fanout, bool announce);
 
 }  // namespace treeattn::cli

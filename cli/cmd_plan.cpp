@@ -10,11 +10,11 @@
 //        measures every strategy (both run as subprocesses of this executable), then the
 //        model's prediction is compared per point; median |relative error| and whether the
 //        planner's choice is within 10% of the best measured strategy.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cerrno>
 #include <climits>
@@ -131,22 +131,33 @@ int plan_table(PlanFlags& f) {
                   us_str(pr.comm_us).c_str(), format_bytes(pr.bytes_sent_per_rank).c_str(),
                   format_bytes(pr.peak_bytes).c_str(), pr.comm_rounds, pr.algorithm.c_str(),
                   e.feasible ? "" : ("  [infeasible: " + e.reason + "]").c_str());
-      rows.push_back({{"strategy", pr.strategy}, {"latency_us", pr.latency_us},
-                      {"local_us", pr.local_us}, {"comm_us", pr.comm_us},
+      rows.push_back({{"strategy", pr.strategy},
+                      {"latency_us", pr.latency_us},
+                      {"local_us", pr.local_us},
+                      {"comm_us", pr.comm_us},
                       {"bytes_sent_per_rank", pr.bytes_sent_per_rank},
                       {"peak_bytes_per_rank", pr.peak_bytes},
-                      {"collective_calls", pr.collective_calls}, {"comm_rounds", pr.comm_rounds},
-                      {"algorithm", pr.algorithm}, {"feasible", e.feasible},
+                      {"collective_calls", pr.collective_calls},
+                      {"comm_rounds", pr.comm_rounds},
+                      {"algorithm", pr.algorithm},
+                      {"feasible", e.feasible},
                       {"reason", e.reason}});
     }
     const auto& best = entries->front().prediction;
     std::printf("choice: %s (%s per decode step)\n\n", best.strategy.c_str(),
                 us_str(best.latency_us).c_str());
-    out.push_back({{"topology", topo->name}, {"seq", seq}, {"ranks", p}, {"ranks_per_node", r},
-                   {"batch", q.shape.batch}, {"heads", q.shape.heads},
-                   {"kv_heads", q.shape.kv_heads}, {"head_dim", q.shape.head_dim},
-                   {"q_len", q.shape.q_len}, {"dtype", f.shape.dtype},
-                   {"choice", best.strategy}, {"strategies", rows}});
+    out.push_back({{"topology", topo->name},
+                   {"seq", seq},
+                   {"ranks", p},
+                   {"ranks_per_node", r},
+                   {"batch", q.shape.batch},
+                   {"heads", q.shape.heads},
+                   {"kv_heads", q.shape.kv_heads},
+                   {"head_dim", q.shape.head_dim},
+                   {"q_len", q.shape.q_len},
+                   {"dtype", f.shape.dtype},
+                   {"choice", best.strategy},
+                   {"strategies", rows}});
   }
   if (!f.json.empty()) {
     nlohmann::json j = {{"format", "treeattn-plan/1"}, {"plans", out}};
@@ -170,26 +181,31 @@ Status sweep_plot(const std::string& path, const std::vector<SweepRow>& rows,
     std::ofstream d(data);
     for (const auto& [dev, rs] : by_dev) {
       d << "# " << dev << " devices\n";
-      for (const SweepRow* r : rs) d << r->context << " " << r->speedup << " " << r->speedup_tree << "\n";
+      for (const SweepRow* r : rs)
+        d << r->context << " " << r->speedup << " " << r->speedup_tree << "\n";
       d << "\n\n";
     }
   }
   std::string script = fmt::format(
       "set terminal pngcairo size 1000,650 font 'sans,10'\nset output '{}'\n"
-      "set title 'Predicted ring-kv / tree latency on {} (paper block: 16 heads x 128, batch 1, bf16)'\n"
+      "set title 'Predicted ring-kv / tree latency on {} (paper block: 16 heads x 128, batch 1, "
+      "bf16)'\n"
       "set logscale xy\nset grid\nset key left top\n"
       "set xlabel 'context tokens'\nset ylabel 'predicted speed-up over the KV-rotating ring'\n",
       path, topo);
-  script += "set label 1 'paper, Fig. 3: close to 8x at 128 GPUs, 5.12M' at 5120000,8 right offset -1,0\n";
+  script +=
+      "set label 1 'paper, Fig. 3: close to 8x at 128 GPUs, 5.12M' at 5120000,8 right offset "
+      "-1,0\n";
   script += "set object 1 circle at 5120000,8 size screen 0.006 fillstyle solid fc rgb 'black'\n";
   std::string plot = "plot ";
   int idx = 0;
   for (const auto& [dev, rs] : by_dev) {
     if (idx) plot += ", ";
-    plot += fmt::format("'{}' index {} using 1:2 with linespoints lw 2 title '{} devices, tree-paper "
-                        "(3 allreduces)', '{}' index {} using 1:3 with linespoints dt 2 title '{} "
-                        "devices, tree (1 allreduce)'",
-                        data, idx, dev, data, idx, dev);
+    plot += fmt::format(
+        "'{}' index {} using 1:2 with linespoints lw 2 title '{} devices, tree-paper "
+        "(3 allreduces)', '{}' index {} using 1:3 with linespoints dt 2 title '{} "
+        "devices, tree (1 allreduce)'",
+        data, idx, dev, data, idx, dev);
     ++idx;
   }
   script += plot + "\n";
@@ -198,7 +214,8 @@ Status sweep_plot(const std::string& path, const std::vector<SweepRow>& rows,
   std::fputs(script.c_str(), gp);
   const int rc = pclose(gp);
   std::remove(data.c_str());
-  if (rc != 0) return internal_error("gnuplot failed (exit " + std::to_string(rc) + ") writing " + path);
+  if (rc != 0)
+    return internal_error("gnuplot failed (exit " + std::to_string(rc) + ") writing " + path);
   return Status::ok();
 }
 
@@ -218,9 +235,12 @@ int plan_sweep(PlanFlags& f, const CLI::App& sub) {
   if (!rows.is_ok()) return fail(rows.status());
   std::printf("paper-scale sweep on topology '%s' (%s)\n", topo->name.c_str(),
               topo->description.c_str());
-  std::printf("shape: the paper's block, 16 heads x 128, batch 1, one query, bf16 KV; "
-              "latency of one decode step, predicted\n\n");
-  std::printf("| devices | context | tree | tree-paper | ring-kv | ring-kv / tree-paper | ring-kv / tree | ring-kv sent/rank |\n");
+  std::printf(
+      "shape: the paper's block, 16 heads x 128, batch 1, one query, bf16 KV; "
+      "latency of one decode step, predicted\n\n");
+  std::printf(
+      "| devices | context | tree | tree-paper | ring-kv | ring-kv / tree-paper | ring-kv / tree | "
+      "ring-kv sent/rank |\n");
   std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   nlohmann::json jrows = nlohmann::json::array();
   for (const auto& r : *rows) {
@@ -229,31 +249,40 @@ int plan_sweep(PlanFlags& f, const CLI::App& sub) {
                 us_str(r.tree_us).c_str(), us_str(r.tree_paper_us).c_str(),
                 us_str(r.ring_kv_us).c_str(), r.speedup, r.speedup_tree,
                 format_bytes(r.ring_kv_bytes_per_rank).c_str());
-    jrows.push_back({{"devices", r.devices}, {"context", r.context}, {"tree_us", r.tree_us},
-                     {"tree_paper_us", r.tree_paper_us}, {"ring_kv_us", r.ring_kv_us},
-                     {"speedup_vs_tree_paper", r.speedup}, {"speedup_vs_tree", r.speedup_tree},
+    jrows.push_back({{"devices", r.devices},
+                     {"context", r.context},
+                     {"tree_us", r.tree_us},
+                     {"tree_paper_us", r.tree_paper_us},
+                     {"ring_kv_us", r.ring_kv_us},
+                     {"speedup_vs_tree_paper", r.speedup},
+                     {"speedup_vs_tree", r.speedup_tree},
                      {"ring_kv_bytes_per_rank", r.ring_kv_bytes_per_rank},
                      {"tree_bytes_per_rank", r.tree_bytes_per_rank}});
   }
   const SweepRow* at = nullptr;
   for (const auto& r : *rows)
     if (r.devices == 128 && r.context == 5'120'000) at = &r;
-  std::printf("\nthe paper (Fig. 3, arXiv 2408.04093): \"close to 8x\" speed-up of tree over the "
-              "KV-rotating ring at 128 GPUs and 5.12M tokens\n");
+  std::printf(
+      "\nthe paper (Fig. 3, arXiv 2408.04093): \"close to 8x\" speed-up of tree over the "
+      "KV-rotating ring at 128 GPUs and 5.12M tokens\n");
   if (at != nullptr)
-    std::printf("the model at that point: %.0fx (tree-paper), %.0fx (tree); the gap is explained "
-                "in docs/topology.md section 4\n",
-                at->speedup, at->speedup_tree);
-  std::printf("the paper's Llama tables (prefill + 10 tokens, end to end): 2-4x on 8 x H100, "
-              "2-3x on 4 x MI300X, 4-5x on 2 x RTX 4090\n");
+    std::printf(
+        "the model at that point: %.0fx (tree-paper), %.0fx (tree); the gap is explained "
+        "in docs/topology.md section 4\n",
+        at->speedup, at->speedup_tree);
+  std::printf(
+      "the paper's Llama tables (prefill + 10 tokens, end to end): 2-4x on 8 x H100, "
+      "2-3x on 4 x MI300X, 4-5x on 2 x RTX 4090\n");
   if (!f.plot.empty()) {
     if (Status s = sweep_plot(f.plot, *rows, topo->name); !s.is_ok()) return fail(s);
     std::printf("\nplot written to %s\n", f.plot.c_str());
   }
   if (!f.json.empty()) {
-    nlohmann::json j = {{"format", "treeattn-sweep/1"}, {"topology", topo->name},
-                        {"paper_quoted", {{"devices", 128}, {"context", 5'120'000}, {"speedup", 8}}},
-                        {"rows", jrows}};
+    nlohmann::json j = {
+        {"format", "treeattn-sweep/1"},
+        {"topology", topo->name},
+        {"paper_quoted", {{"devices", 128}, {"context", 5'120'000}, {"speedup", 8}}},
+        {"rows", jrows}};
     if (Status s = write_text(f.json, j.dump(2) + "\n"); !s.is_ok()) return fail(s);
   }
   return 0;
@@ -290,7 +319,8 @@ Result<int> run_self(const std::vector<std::string>& args) {
   }
   int status = 0;
   while (waitpid(pid, &status, 0) < 0)
-    if (errno != EINTR) return internal_error(std::string("waitpid failed: ") + std::strerror(errno));
+    if (errno != EINTR)
+      return internal_error(std::string("waitpid failed: ") + std::strerror(errno));
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
   return 1;
@@ -361,23 +391,28 @@ int plan_validate(PlanFlags& f) {
   nlohmann::json choices = nlohmann::json::array();
   nlohmann::json topologies = nlohmann::json::object();
   for (const Config& c : configs) {
-    const std::string label = fmt::format("{}x{} {}", c.spec.hosts, c.spec.ranks_per_host,
-                                          c.link.empty() ? (c.spec.emulated() ? "veth" : "shm") : c.link);
+    const std::string label =
+        fmt::format("{}x{} {}", c.spec.hosts, c.spec.ranks_per_host,
+                    c.link.empty() ? (c.spec.emulated() ? "veth" : "shm") : c.link);
     std::vector<std::string> where = {"--ranks", std::to_string(c.spec.ranks())};
     if (c.spec.emulated()) {
-      where.insert(where.end(), {"--cluster", fmt::format("{}x{}", c.spec.hosts, c.spec.ranks_per_host)});
+      where.insert(where.end(),
+                   {"--cluster", fmt::format("{}x{}", c.spec.hosts, c.spec.ranks_per_host)});
       if (!c.link.empty()) where.insert(where.end(), {"--link", c.link});
     }
     // 1. The topology: calibrated on this configuration unless --topology was given.
     Topology topo;
     if (f.topology.empty()) {
       const std::string tfile = temp_path("topo");
-      std::vector<std::string> args = {"topo", "--detect", "--out", tfile, "--name",
-                                       "detected " + label, "--probe-mib", "128",
-                                       "--heads", std::to_string(shape.heads * shape.q_len * shape.batch),
-                                       "--kv-heads", std::to_string(shape.kv_heads),
-                                       "--head-dim", std::to_string(shape.head_dim),
-                                       "--dtype", f.shape.dtype};
+      std::vector<std::string> args = {
+          "topo",        "--detect",
+          "--out",       tfile,
+          "--name",      "detected " + label,
+          "--probe-mib", "128",
+          "--heads",     std::to_string(shape.heads * shape.q_len * shape.batch),
+          "--kv-heads",  std::to_string(shape.kv_heads),
+          "--head-dim",  std::to_string(shape.head_dim),
+          "--dtype",     f.shape.dtype};
       args.insert(args.end(), where.begin(), where.end());
       auto rc = run_self(args);
       if (!rc.is_ok()) return fail(rc.status());
@@ -397,13 +432,31 @@ int plan_validate(PlanFlags& f) {
     topologies[label] = nlohmann::json::parse(topology_to_json(topo));
     // 2. The measurement: bench as a subprocess.
     const std::string bfile = temp_path("bench");
-    std::vector<std::string> args = {
-        "bench", "--methods", mlist, "--seq", f.seq_list, "--batch",
-        std::to_string(shape.batch), "--heads", std::to_string(shape.heads), "--kv-heads",
-        std::to_string(shape.kv_heads), "--head-dim", std::to_string(shape.head_dim), "--q-len",
-        std::to_string(shape.q_len), "--dtype", f.shape.dtype, "--warmup",
-        std::to_string(f.warmup), "--iters", std::to_string(f.iters), "--fanout",
-        std::to_string(f.fanout), "--json", bfile};
+    std::vector<std::string> args = {"bench",
+                                     "--methods",
+                                     mlist,
+                                     "--seq",
+                                     f.seq_list,
+                                     "--batch",
+                                     std::to_string(shape.batch),
+                                     "--heads",
+                                     std::to_string(shape.heads),
+                                     "--kv-heads",
+                                     std::to_string(shape.kv_heads),
+                                     "--head-dim",
+                                     std::to_string(shape.head_dim),
+                                     "--q-len",
+                                     std::to_string(shape.q_len),
+                                     "--dtype",
+                                     f.shape.dtype,
+                                     "--warmup",
+                                     std::to_string(f.warmup),
+                                     "--iters",
+                                     std::to_string(f.iters),
+                                     "--fanout",
+                                     std::to_string(f.fanout),
+                                     "--json",
+                                     bfile};
     args.insert(args.end(), where.begin(), where.end());
     auto rc = run_self(args);
     if (!rc.is_ok()) return fail(rc.status());
@@ -468,19 +521,25 @@ int plan_validate(PlanFlags& f) {
           best_us = us;
         }
       const double chosen_us = by_method.at(choice);
-      choices.push_back({{"config", label}, {"hosts", c.spec.hosts},
-                         {"ranks_per_host", c.spec.ranks_per_host}, {"seq", seq},
-                         {"choice", choice}, {"choice_measured_us", chosen_us},
-                         {"best_measured", best}, {"best_measured_us", best_us},
+      choices.push_back({{"config", label},
+                         {"hosts", c.spec.hosts},
+                         {"ranks_per_host", c.spec.ranks_per_host},
+                         {"seq", seq},
+                         {"choice", choice},
+                         {"choice_measured_us", chosen_us},
+                         {"best_measured", best},
+                         {"best_measured_us", best_us},
                          {"within_10_percent", chosen_us <= 1.10 * best_us}});
     }
   }
 
   // Report.
-  std::printf("\npredicted vs measured p50 latency per decode step (%s, %s KV; %d warm-up + %d "
-              "timed steps per point)\n\n",
-              shape.to_string().c_str(), f.shape.dtype.c_str(), f.warmup, f.iters);
-  std::printf("| hosts x ranks | link | context | strategy | predicted | measured | rel. error |\n");
+  std::printf(
+      "\npredicted vs measured p50 latency per decode step (%s, %s KV; %d warm-up + %d "
+      "timed steps per point)\n\n",
+      shape.to_string().c_str(), f.shape.dtype.c_str(), f.warmup, f.iters);
+  std::printf(
+      "| hosts x ranks | link | context | strategy | predicted | measured | rel. error |\n");
   std::printf("|---|---|---:|---|---:|---:|---:|\n");
   std::vector<double> abs_err;
   nlohmann::json jpoints = nlohmann::json::array();
@@ -489,39 +548,55 @@ int plan_validate(PlanFlags& f) {
                 v.link.c_str(), format_size(v.seq).c_str(), v.method.c_str(),
                 us_str(v.predicted_us).c_str(), us_str(v.measured_us).c_str(), 100 * v.rel_err);
     abs_err.push_back(std::abs(v.rel_err));
-    jpoints.push_back({{"config", v.config}, {"hosts", v.hosts},
-                       {"ranks_per_host", v.ranks_per_host}, {"ranks", v.ranks},
-                       {"link", v.link}, {"seq", v.seq}, {"method", v.method},
-                       {"predicted_us", v.predicted_us}, {"measured_us", v.measured_us},
+    jpoints.push_back({{"config", v.config},
+                       {"hosts", v.hosts},
+                       {"ranks_per_host", v.ranks_per_host},
+                       {"ranks", v.ranks},
+                       {"link", v.link},
+                       {"seq", v.seq},
+                       {"method", v.method},
+                       {"predicted_us", v.predicted_us},
+                       {"measured_us", v.measured_us},
                        {"rel_err", v.rel_err}});
   }
   const double med = median_of(abs_err);
   int within = 0;
   std::printf("\nplanner's choice vs the best measured strategy\n\n");
-  std::printf("| hosts x ranks | link | context | choice | its measured | best measured | within 10%% |\n");
+  std::printf(
+      "| hosts x ranks | link | context | choice | its measured | best measured | within 10%% |\n");
   std::printf("|---|---|---:|---|---:|---:|---|\n");
   for (const auto& ch : choices) {
     const bool ok = ch["within_10_percent"].get<bool>();
     within += ok ? 1 : 0;
     std::printf("| %dx%d | %s | %s | %s | %s | %s (%s) | %s |\n", ch["hosts"].get<int>(),
                 ch["ranks_per_host"].get<int>(),
-                ch["config"].get<std::string>().substr(ch["config"].get<std::string>().find(' ') + 1).c_str(),
+                ch["config"]
+                    .get<std::string>()
+                    .substr(ch["config"].get<std::string>().find(' ') + 1)
+                    .c_str(),
                 format_size(ch["seq"].get<int64_t>()).c_str(),
                 ch["choice"].get<std::string>().c_str(),
                 us_str(ch["choice_measured_us"].get<double>()).c_str(),
                 us_str(ch["best_measured_us"].get<double>()).c_str(),
                 ch["best_measured"].get<std::string>().c_str(), ok ? "yes" : "NO");
   }
-  std::printf("\nmedian |relative error| %.1f%% over %zu points (target %.0f%%); planner's choice "
-              "within 10%% of the best measured at %d of %zu points\n",
-              100 * med, points.size(), 100 * f.target, within, choices.size());
+  std::printf(
+      "\nmedian |relative error| %.1f%% over %zu points (target %.0f%%); planner's choice "
+      "within 10%% of the best measured at %d of %zu points\n",
+      100 * med, points.size(), 100 * f.target, within, choices.size());
   if (!f.json.empty()) {
     nlohmann::json j = {{"format", "treeattn-validate/1"},
-                        {"shape", {{"batch", shape.batch}, {"heads", shape.heads},
-                                   {"kv_heads", shape.kv_heads}, {"head_dim", shape.head_dim},
-                                   {"q_len", shape.q_len}, {"dtype", f.shape.dtype}}},
-                        {"warmup", f.warmup}, {"iterations", f.iters},
-                        {"points", jpoints}, {"choices", choices},
+                        {"shape",
+                         {{"batch", shape.batch},
+                          {"heads", shape.heads},
+                          {"kv_heads", shape.kv_heads},
+                          {"head_dim", shape.head_dim},
+                          {"q_len", shape.q_len},
+                          {"dtype", f.shape.dtype}}},
+                        {"warmup", f.warmup},
+                        {"iterations", f.iters},
+                        {"points", jpoints},
+                        {"choices", choices},
                         {"median_abs_rel_error", med},
                         {"choices_within_10_percent", within},
                         {"choices_total", choices.size()},
@@ -532,15 +607,20 @@ int plan_validate(PlanFlags& f) {
 }
 
 int run_plan(PlanFlags& f, const CLI::App& sub) {
-  if (f.sweep && f.validate) return fail(invalid_argument("give at most one of --sweep, --validate"));
+  if (f.sweep && f.validate)
+    return fail(invalid_argument("give at most one of --sweep, --validate"));
   if (f.shape.seq.empty()) f.shape.seq = "64k";
   if (Status s = f.shape.resolve(sub); !s.is_ok()) return fail(s);
   if (!parse_dtype(f.shape.dtype))
     return fail(invalid_argument("--dtype: one of f32, f16, bf16, got '" + f.shape.dtype + "'"));
-  if (f.ranks < 0) return fail(invalid_argument(fmt::format("--ranks must be >= 0 (0 = every rank of the topology), got {}", f.ranks)));
+  if (f.ranks < 0)
+    return fail(invalid_argument(
+        fmt::format("--ranks must be >= 0 (0 = every rank of the topology), got {}", f.ranks)));
   if (f.ranks_per_node < 0)
-    return fail(invalid_argument(fmt::format("--ranks-per-node must be >= 0 (0 = the topology's), got {}", f.ranks_per_node)));
-  if (f.fanout < 1) return fail(invalid_argument(fmt::format("--fanout must be >= 1, got {}", f.fanout)));
+    return fail(invalid_argument(fmt::format(
+        "--ranks-per-node must be >= 0 (0 = the topology's), got {}", f.ranks_per_node)));
+  if (f.fanout < 1)
+    return fail(invalid_argument(fmt::format("--fanout must be >= 1, got {}", f.fanout)));
   if (f.sweep) return plan_sweep(f, sub);
   if (f.validate) {
     if (f.warmup < 0 || f.iters < 1)
@@ -554,9 +634,10 @@ int run_plan(PlanFlags& f, const CLI::App& sub) {
 
 Runner add_plan_command(CLI::App& app, const Invocation&) {
   auto* sub = app.add_subcommand(
-      "plan", "Predicted latency, bytes sent and peak memory of every strategy on a topology "
-              "and the planner's choice; --sweep: the paper's clusters; --validate: predicted "
-              "vs measured");
+      "plan",
+      "Predicted latency, bytes sent and peak memory of every strategy on a topology "
+      "and the planner's choice; --sweep: the paper's clusters; --validate: predicted "
+      "vs measured");
   auto f = std::make_shared<PlanFlags>();
   f->shape.preset = "llama3-8b";
   f->shape.seq = "64k";
@@ -564,12 +645,14 @@ Runner add_plan_command(CLI::App& app, const Invocation&) {
   sub->add_option("--topology", f->topology,
                   "FILE or preset:NAME (default preset:local; --sweep: preset:dgx-h100x16; "
                   "--validate: detected per configuration)");
-  sub->add_option("--ranks", f->ranks, "Ranks (0: every rank of the topology)")->capture_default_str();
+  sub->add_option("--ranks", f->ranks, "Ranks (0: every rank of the topology)")
+      ->capture_default_str();
   sub->add_option("--ranks-per-node", f->ranks_per_node, "Placement (0: the topology's)")
       ->capture_default_str();
   sub->add_option("--fanout", f->fanout, "hier: children per leader in the inter-node tree")
       ->capture_default_str();
-  sub->add_option("--methods", f->methods, "Candidate strategies (comma-separated; default all but single)");
+  sub->add_option("--methods", f->methods,
+                  "Candidate strategies (comma-separated; default all but single)");
   sub->add_flag("--include-single", f->include_single, "Also rank `single` (all KV on one rank)");
   sub->add_option("--json", f->json, "Write the result as JSON");
   sub->add_flag("--sweep", f->sweep,
@@ -584,7 +667,8 @@ Runner add_plan_command(CLI::App& app, const Invocation&) {
   sub->add_option("--link", f->links, "--validate: link rates (none = unshaped veth)")
       ->capture_default_str();
   sub->add_option("--seq-list", f->seq_list, "--validate: context lengths")->capture_default_str();
-  sub->add_option("--warmup", f->warmup, "--validate: untimed steps per point")->capture_default_str();
+  sub->add_option("--warmup", f->warmup, "--validate: untimed steps per point")
+      ->capture_default_str();
   sub->add_option("--iters", f->iters, "--validate: timed steps per point")->capture_default_str();
   sub->add_flag("--keep", f->keep, "--validate: keep the temporary topology and bench files");
   return [f, sub] { return run_plan(*f, *sub); };

@@ -5,9 +5,9 @@
 //
 // From a plain shell --detect re-executes itself under mpirun with --ranks P (or on the
 // emulated cluster with --cluster KxR); under an existing mpirun/srun it uses that job.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <CLI/CLI.hpp>
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -135,14 +135,16 @@ int run_topo(TopoFlags& f, const CLI::App& sub, const Invocation& inv) {
         fmt::format("--nodes {} must be between 0 (the shared-memory split) and --ranks {}",
                     f.nodes, f.ranks)));
   if (f.probe_mib < 16 || f.latency_iters < 1 || f.bandwidth_iters < 1)
-    return fail(invalid_argument("--probe-mib must be >= 16, --latency-iters and "
-                                 "--bandwidth-iters >= 1"));
+    return fail(
+        invalid_argument("--probe-mib must be >= 16, --latency-iters and "
+                         "--bandwidth-iters >= 1"));
   if (Status s = AttnShape{1, f.heads, f.kv_heads, f.head_dim, 1}.validate(); !s.is_ok())
     return fail(s);
   if (!parse_dtype(f.dtype))
     return fail(invalid_argument("--dtype: one of f32, f16, bf16, got '" + f.dtype + "'"));
   if (f.kernel_tokens < 0 || f.kernel_tokens > (int64_t{1} << 24))
-    return fail(invalid_argument(fmt::format("--kernel-tokens must be in [0, 16M], got {}", f.kernel_tokens)));
+    return fail(invalid_argument(
+        fmt::format("--kernel-tokens must be in [0, 16M], got {}", f.kernel_tokens)));
   std::optional<ClusterSpec> cluster;
   if (!f.cluster.empty()) {
     auto spec = parse_cluster(f.cluster, f.link);
@@ -170,23 +172,27 @@ int run_topo(TopoFlags& f, const CLI::App& sub, const Invocation& inv) {
 }  // namespace
 
 Runner add_topo_command(CLI::App& app, const Invocation& inv) {
-  auto* sub = app.add_subcommand(
-      "topo", "The machine as data: detect this job's topology (nodes, link latency and "
-              "bandwidth, memory bandwidth) or show a topology file or preset");
+  auto* sub =
+      app.add_subcommand("topo",
+                         "The machine as data: detect this job's topology (nodes, link latency and "
+                         "bandwidth, memory bandwidth) or show a topology file or preset");
   auto f = std::make_shared<TopoFlags>();
   sub->add_flag("--detect", f->detect,
                 "Measure the topology of a job of --ranks P ranks (or the running mpirun job)");
   sub->add_option("--show", f->show, "Print a topology: FILE or preset:NAME");
   sub->add_flag("--list", f->list, "List the built-in presets");
   sub->add_option("--ranks", f->ranks, "--detect: ranks to start (from a plain shell)")
-      ->capture_default_str()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+      ->capture_default_str()
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   sub->add_option("--nodes", f->nodes,
                   "--detect: group the ranks into K equal blocks as nodes (0: the shared-memory "
                   "split finds them)")
       ->capture_default_str();
-  sub->add_option("--cluster", f->cluster,
-                  "--detect on an emulated cluster of K hosts x R ranks (KxR; tools/cluster, root)");
-  sub->add_option("--link", f->link, "With --cluster: shape each host's link (tc rate, e.g. 1gbit)");
+  sub->add_option(
+      "--cluster", f->cluster,
+      "--detect on an emulated cluster of K hosts x R ranks (KxR; tools/cluster, root)");
+  sub->add_option("--link", f->link,
+                  "With --cluster: shape each host's link (tc rate, e.g. 1gbit)");
   sub->add_option("--out", f->out, "--detect: write the topology JSON here (default: stdout)");
   sub->add_option("--name", f->name, "--detect: the topology's name")->capture_default_str();
   sub->add_option("--probe-mib", f->probe_mib, "Memory-bandwidth probe buffer (MiB)")
@@ -196,14 +202,19 @@ Runner add_topo_command(CLI::App& app, const Invocation& inv) {
   sub->add_option("--bandwidth-iters", f->bandwidth_iters, "4 MiB ping-pongs / exchanges per level")
       ->capture_default_str();
   sub->add_option("--timeout-ms", f->timeout_ms, "Per-operation timeout")->capture_default_str();
-  sub->add_option("--heads", f->heads, "--detect: query heads of the timed kernel (and of the "
-                  "timed merge: one state per head)")->capture_default_str();
-  sub->add_option("--kv-heads", f->kv_heads, "--detect: KV heads of the timed kernel")->capture_default_str();
+  sub->add_option("--heads", f->heads,
+                  "--detect: query heads of the timed kernel (and of the "
+                  "timed merge: one state per head)")
+      ->capture_default_str();
+  sub->add_option("--kv-heads", f->kv_heads, "--detect: KV heads of the timed kernel")
+      ->capture_default_str();
   sub->add_option("--head-dim", f->head_dim, "--detect: head dimension")->capture_default_str();
-  sub->add_option("--dtype", f->dtype, "--detect: KV type of the timed kernel")->capture_default_str();
+  sub->add_option("--dtype", f->dtype, "--detect: KV type of the timed kernel")
+      ->capture_default_str();
   sub->add_option("--kernel-tokens", f->kernel_tokens,
                   "--detect: tokens per rank of the timed kernel (its read rate becomes the "
-                  "memory bandwidth; 0: use the streaming probe)")->capture_default_str();
+                  "memory bandwidth; 0: use the streaming probe)")
+      ->capture_default_str();
   return [f, sub, &inv] { return run_topo(*f, *sub, inv); };
 }
 

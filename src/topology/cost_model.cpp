@@ -512,9 +512,8 @@ Prediction model_hier(const Ctx& c) {
     }
     double t = 0;
     for (const Round& rd : up) t += sim.round(rd);
-    comm.add(c.call(true) + t, "inter-leader " + std::to_string(c.fanout) +
-                                                    "-ary tree reduce (" +
-                                                    std::to_string(up.size()) + " rounds)");
+    comm.add(c.call(true) + t, "inter-leader " + std::to_string(c.fanout) + "-ary tree reduce (" +
+                                   std::to_string(up.size()) + " rounds)");
     t = 0;
     for (auto it = up.rbegin(); it != up.rend(); ++it) {
       Round down;
@@ -552,10 +551,10 @@ Prediction model_ring_kv(const Ctx& c) {
     const double step_comm = c.call(c.n > 1) + sim.round(r, k);
     total += k * (c.oversubscribed() ? loc + step_comm : std::max(loc, step_comm));
     comm.calls = c.p - 1;
-    comm.algorithm = std::to_string(c.p - 1) +
-                     " ring steps of KV(t) = " + std::to_string(static_cast<int64_t>(kv)) +
-                     (c.oversubscribed() ? " B, not overlapped (ranks > cores)"
-                                         : " B, overlapped with compute");
+    comm.algorithm =
+        std::to_string(c.p - 1) +
+        " ring steps of KV(t) = " + std::to_string(static_cast<int64_t>(kv)) +
+        (c.oversubscribed() ? " B, not overlapped (ranks > cores)" : " B, overlapped with compute");
   }
   // total >= p * loc, so the exposed communication is what is left over.
   const double local_all = loc * c.p;
@@ -712,7 +711,8 @@ Result<std::vector<PlanEntry>> plan(const CostQuery& q, const Topology& topo,
       have_fastest = true;
     }
   auto tied = [&](const PlanEntry& e) {
-    return e.feasible && have_fastest && e.prediction.latency_us <= fastest * (1 + kPlanTieFraction);
+    return e.feasible && have_fastest &&
+           e.prediction.latency_us <= fastest * (1 + kPlanTieFraction);
   };
   std::stable_sort(out.begin(), out.end(), [&](const PlanEntry& a, const PlanEntry& b) {
     if (a.feasible != b.feasible) return a.feasible;

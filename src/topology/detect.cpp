@@ -93,8 +93,8 @@ Result<double> exchange(Communicator& comm, int partner, int64_t bytes, int iter
       reqs[1] = *sd;
       TREEATTN_RETURN_IF_ERROR(comm.wait_all(reqs));
     }
-    float us = partner >= 0 ? std::chrono::duration<float, std::micro>(Clock::now() - t0).count()
-                            : 0.0f;
+    float us =
+        partner >= 0 ? std::chrono::duration<float, std::micro>(Clock::now() - t0).count() : 0.0f;
     TREEATTN_RETURN_IF_ERROR(comm.allreduce(&us, 1, ReduceOp::kMax));
     if (i >= 2) samples.push_back(static_cast<double>(us));
   }
@@ -183,8 +183,9 @@ Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
                                  std::vector<std::string>* notes) {
   if (o.latency_iters < 1 || o.bandwidth_iters < 1 || o.allreduce_iters < 1 ||
       o.latency_bytes < 1 || o.bandwidth_bytes < 1024 || o.allreduce_records < 1)
-    return invalid_argument("detect_topology: iteration counts must be >= 1, latency_bytes >= 1 "
-                            "and bandwidth_bytes >= 1024");
+    return invalid_argument(
+        "detect_topology: iteration counts must be >= 1, latency_bytes >= 1 "
+        "and bandwidth_bytes >= 1024");
   auto note = [&](const std::string& s) {
     if (notes != nullptr) notes->push_back(s);
   };
@@ -211,12 +212,14 @@ Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
   for (int id : ids)
     rpn = std::max(rpn, static_cast<int>(std::count(node_of.begin(), node_of.end(), id)));
   bool block = true;
-  for (int r = 0; r < P; ++r) block = block && node_of[static_cast<std::size_t>(r)] == (r / rpn) * rpn;
+  for (int r = 0; r < P; ++r)
+    block = block && node_of[static_cast<std::size_t>(r)] == (r / rpn) * rpn;
   note(std::to_string(P) + " ranks on " + std::to_string(nodes) + " node(s) (" +
        (o.nodes > 0 ? "--nodes: equal blocks" : "shared-memory split") + "), " +
        std::to_string(rpn) + " per node" +
-       (block ? "" : "; WARNING: ranks are not placed in blocks (rank r on node r / " +
-                         std::to_string(rpn) + "), the cost model assumes block placement"));
+       (block ? ""
+              : "; WARNING: ranks are not placed in blocks (rank r on node r / " +
+                    std::to_string(rpn) + "), the cost model assumes block placement"));
 
   // One machine? (the emulated cluster's hosts share the kernel and its cores)
   std::array<char, 40> mine{};
@@ -234,8 +237,10 @@ Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
   m.nodes = nodes;
   m.ranks_per_node = rpn;
   m.kernel_overhead_us = o.kernel_overhead_us;
-  if (same_machine && nodes > 1) m.max_concurrent_ranks = P > cores ? cores : 0;
-  else if (rpn > cores) m.max_concurrent_ranks = nodes * cores;
+  if (same_machine && nodes > 1)
+    m.max_concurrent_ranks = P > cores ? cores : 0;
+  else if (rpn > cores)
+    m.max_concurrent_ranks = nodes * cores;
   if (m.max_concurrent_ranks > 0)
     note(std::to_string(P) + " ranks share " + std::to_string(m.max_concurrent_ranks) +
          " cores: max_concurrent_ranks = " + std::to_string(m.max_concurrent_ranks));
@@ -247,7 +252,8 @@ Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
   std::vector<std::vector<int>> members(ids.size());
   for (int r = 0; r < P; ++r) {
     const auto k = static_cast<std::size_t>(
-        std::lower_bound(ids.begin(), ids.end(), node_of[static_cast<std::size_t>(r)]) - ids.begin());
+        std::lower_bound(ids.begin(), ids.end(), node_of[static_cast<std::size_t>(r)]) -
+        ids.begin());
     members[k].push_back(r);
   }
   std::size_t my_node = 0, my_local = 0;
@@ -277,11 +283,13 @@ Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
                         (std::max(static_cast<double>(t) - l->latency_us, 0.1 * t) * 1e3);
     m.intra_latency_us = l->latency_us;
     m.intra_bandwidth_GBps = conc;
-    const std::string s = "node level (rank 0 <-> " + std::to_string(intra) + "): " +
-                          fmt_double(l->latency_us) + " us at " + std::to_string(o.latency_bytes) +
-                          " B (ping-pong, half round trip); " + fmt_double(l->bandwidth_GBps) +
-                          " GB/s one pair, " + fmt_double(conc) + " GB/s per rank with all pairs "
-                          "exchanging " + std::to_string(o.bandwidth_bytes) + " B at once (used)";
+    const std::string s = "node level (rank 0 <-> " + std::to_string(intra) +
+                          "): " + fmt_double(l->latency_us) + " us at " +
+                          std::to_string(o.latency_bytes) + " B (ping-pong, half round trip); " +
+                          fmt_double(l->bandwidth_GBps) + " GB/s one pair, " + fmt_double(conc) +
+                          " GB/s per rank with all pairs "
+                          "exchanging " +
+                          std::to_string(o.bandwidth_bytes) + " B at once (used)";
     note(s);
     m.sources.push_back(s);
   }
@@ -295,15 +303,16 @@ Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
     auto ex = exchange(world, partner, o.bandwidth_bytes, o.bandwidth_iters);
     if (!ex.is_ok()) return ex.status();
     const double t = *ex;
-    const double conc = static_cast<double>(o.bandwidth_bytes) /
-                        (std::max(t - l->latency_us, 0.1 * t) * 1e3);
+    const double conc =
+        static_cast<double>(o.bandwidth_bytes) / (std::max(t - l->latency_us, 0.1 * t) * 1e3);
     // The cost model shares a node's links among its ranks itself (RoundSim's node term), so
     // the network level takes the one-pair rate; the all-pairs rate is recorded for reference.
     m.inter_latency_us = l->latency_us;
     m.inter_bandwidth_GBps = l->bandwidth_GBps;
-    const std::string s = "network level (rank 0 <-> " + std::to_string(inter) + "): " +
-                          fmt_double(l->latency_us) + " us at " + std::to_string(o.latency_bytes) +
-                          " B (ping-pong, half round trip); " + fmt_double(l->bandwidth_GBps) +
+    const std::string s = "network level (rank 0 <-> " + std::to_string(inter) +
+                          "): " + fmt_double(l->latency_us) + " us at " +
+                          std::to_string(o.latency_bytes) + " B (ping-pong, half round trip); " +
+                          fmt_double(l->bandwidth_GBps) +
                           " GB/s one pair (used: the model shares a node's links itself), " +
                           fmt_double(conc) + " GB/s per rank with all pairs exchanging " +
                           std::to_string(o.bandwidth_bytes) + " B at once";
@@ -318,8 +327,10 @@ Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
   Status probe_status;
   if (me == 0) {
     auto b = measure_read_bandwidth(threads, o.probe_bytes, o.probe_repeats);
-    if (b.is_ok()) bw = *b;
-    else probe_status = b.status();
+    if (b.is_ok())
+      bw = *b;
+    else
+      probe_status = b.status();
   }
   TREEATTN_RETURN_IF_ERROR(world.broadcast(&bw, sizeof(bw), 0));
   if (!(bw > 0))
@@ -336,8 +347,9 @@ Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
   }
   if (o.kernel_tokens > 0) {
     const auto dt = parse_dtype(o.kernel_dtype);
-    if (!dt) return invalid_argument("detect_topology: kernel_dtype must be f32, f16 or bf16, got '" +
-                                     o.kernel_dtype + "'");
+    if (!dt)
+      return invalid_argument("detect_topology: kernel_dtype must be f32, f16 or bf16, got '" +
+                              o.kernel_dtype + "'");
     const int kthreads = o.kernel_threads > 0 ? o.kernel_threads : std::max(1, cores / node_ranks);
     auto small = time_kernel(world, o, *dt, 16, kthreads);
     if (!small.is_ok()) return small.status();
@@ -347,10 +359,9 @@ Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
                          o.head_dim * static_cast<double>(dtype_size(*dt));
     // The model runs ceil(P / max_concurrent_ranks) kernels back to back per core; undo that
     // here so that the model's local time reproduces the measured one.
-    const double share =
-        m.max_concurrent_ranks > 0 && P > m.max_concurrent_ranks
-            ? std::ceil(static_cast<double>(P) / m.max_concurrent_ranks)
-            : 1.0;
+    const double share = m.max_concurrent_ranks > 0 && P > m.max_concurrent_ranks
+                             ? std::ceil(static_cast<double>(P) / m.max_concurrent_ranks)
+                             : 1.0;
     m.kernel_overhead_us = std::max(0.1, *small);
     m.memory_bandwidth_GBps =
         bytes * share / (std::max(*big - m.kernel_overhead_us, 0.1 * *big) * 1e3);
@@ -359,8 +370,9 @@ Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
         std::to_string(o.kernel_kv_heads) + " KV heads x " + std::to_string(o.head_dim) + " " +
         o.kernel_dtype + " (" + fmt_double(bytes / 1048576.0) + " MiB) on all " +
         std::to_string(P) + " ranks at once with " + std::to_string(kthreads) +
-        " thread(s) each: " + fmt_double(*big) + " us (median of the slowest rank per call), 16 tokens: " +
-        fmt_double(*small) + " us -> kernel_overhead_us " + fmt_double(m.kernel_overhead_us) +
+        " thread(s) each: " + fmt_double(*big) +
+        " us (median of the slowest rank per call), 16 tokens: " + fmt_double(*small) +
+        " us -> kernel_overhead_us " + fmt_double(m.kernel_overhead_us) +
         ", memory.bandwidth_GBps " + fmt_double(m.memory_bandwidth_GBps) + " per rank" +
         (share > 1 ? " (x" + fmt_double(share) + ": ranks take turns on the cores)" : "");
     note(s);

@@ -122,8 +122,9 @@ Status parse_level(const ObjectReader& r, std::string_view expected_name, LinkLe
   out.call_overhead_us = 0;
   TREEATTN_RETURN_IF_ERROR(r.number("call_overhead_us", false, out.call_overhead_us, 0, true));
   if (expected_name == "node" && out.call_overhead_us != 0)
-    return r.fail("call_overhead_us", "only the network level has a call overhead (use "
-                                      "collective_overhead_us for calls inside a node)");
+    return r.fail("call_overhead_us",
+                  "only the network level has a call overhead (use "
+                  "collective_overhead_us for calls inside a node)");
   return Status::ok();
 }
 
@@ -371,9 +372,8 @@ Result<Topology> topology_from_measurements(const MeasuredTopology& m) {
     if (!m.inter_latency_us || !m.inter_bandwidth_GBps)
       return invalid_argument("measured topology: nodes = " + std::to_string(m.nodes) +
                               " needs the inter-node latency and bandwidth");
-    t.network =
-        LinkLevel{"network", *m.inter_latency_us, *m.inter_bandwidth_GBps, m.links_per_node,
-                  m.inter_call_overhead_us};
+    t.network = LinkLevel{"network", *m.inter_latency_us, *m.inter_bandwidth_GBps, m.links_per_node,
+                          m.inter_call_overhead_us};
   }
   TREEATTN_RETURN_IF_ERROR(t.validate());
   return t;

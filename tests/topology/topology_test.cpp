@@ -195,9 +195,9 @@ TEST(TopologyFile, LoadsFromFileAndNamesMissingFiles) {
 }
 
 TEST(TopologyFile, NetworkCallOverheadParsesAndRoundTrips) {
-  auto t = parse_topology_json(
-      replace(kValid, R"("links_per_node": 1})", R"("links_per_node": 1, "call_overhead_us": 5400})"),
-      "t.json");
+  auto t = parse_topology_json(replace(kValid, R"("links_per_node": 1})",
+                                       R"("links_per_node": 1, "call_overhead_us": 5400})"),
+                               "t.json");
   ASSERT_TRUE(t.is_ok()) << t.status().to_string();
   ASSERT_TRUE(t->network.has_value());
   EXPECT_DOUBLE_EQ(t->network->call_overhead_us, 5400.0);
