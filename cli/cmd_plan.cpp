@@ -190,7 +190,8 @@ Status sweep_plot(const std::string& path, const std::vector<SweepRow>& rows,
       "set terminal pngcairo size 1000,650 font 'sans,10'\nset output '{}'\n"
       "set title 'Predicted ring-kv / tree latency on {} (paper block: 16 heads x 128, batch 1, "
       "bf16)'\n"
-      "set logscale xy\nset grid\nset key left top\n"
+      "set logscale xy\nset grid\nset key left top\nset yrange [1:*]\n"
+      "set xrange [50000:8000000]\nset format x '%.0s%c'\n"
       "set xlabel 'context tokens'\nset ylabel 'predicted speed-up over the KV-rotating ring'\n",
       path, topo);
   script +=
