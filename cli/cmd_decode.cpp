@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "cluster.hpp"
+#include "cmd_kernel.hpp"
 #include "commands.hpp"
 #include "launcher.hpp"
 #include "measure.hpp"
@@ -46,6 +47,12 @@ struct DecodeFlags {
   // Emulated cluster and topology (cluster.hpp): --cluster KxR [--link RATE], and the topology
   // `auto` is planned on (--topology FILE|preset:NAME; default: this machine or the cluster).
   std::string cluster, link, topology;
+  // bench --kernel: the local kernel's roofline instead of a distributed sweep.
+  bool kernel = false;
+  bool kernel_cases = false;
+  int repeats = 5;
+  std::string isa = "auto";
+  bool no_peer = false;
 };
 
 std::vector<std::string> all_methods() {
@@ -201,9 +208,14 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
 int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invocation& inv,
                 bool bench) {
   if (Status s = f.shape.resolve(sub); !s.is_ok()) return fail(cmd, s);
+  if (bench && f.kernel)
+    return kernel_bench(KernelBenchFlags{f.shape, f.shape.dtype, f.threads, f.repeats, f.isa,
+                                         f.no_peer, f.kernel_cases, f.json});
   auto methods = resolve_methods(f.methods);
   if (!methods.is_ok()) return fail(cmd, methods.status());
-  if (!parse_dtype(f.shape.dtype)) return fail(cmd, invalid_argument("--dtype: one of f32, f16, bf16 here"));
+  if (!parse_dtype(f.shape.dtype) || dtype_is_quantized(*parse_dtype(f.shape.dtype)))
+    return fail(cmd, invalid_argument("--dtype '" + f.shape.dtype + "': the distributed strategies take "
+                                      "f32, f16 or bf16 (fp8 and int8 KV: bench --kernel)"));
   if (f.warmup < 0 || f.iters < 1) return fail(cmd, invalid_argument("--warmup must be >= 0 and --iters/--steps >= 1"));
   if (f.fanout < 1) return fail(cmd, invalid_argument("--fanout must be >= 1"));
   if (!f.cluster.empty() && sub.count("--ranks") == 0)  // --cluster KxR implies K x R ranks
@@ -261,6 +273,10 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
     close(fd);
     std::vector<std::string> args = inv.args;
     args.insert(args.end(), {"--ranks", std::to_string(p), "--child-json", tmpl});
+    // Emulated hosts all share this machine's cores, which the per-host local rank count
+    // does not show: size the kernel's threads by the whole job.
+    if (cluster && f.threads == 0)
+      args.insert(args.end(), {"--threads", std::to_string(default_threads(static_cast<int>(p)))});
     LaunchOptions lo;
     lo.ranks = static_cast<int>(p);
     if (cluster) {
@@ -334,7 +350,19 @@ void add_common(CLI::App* sub, DecodeFlags& f, bool bench) {
   sub->add_option("--csv", f.csv, "Write every measured point as CSV");
   sub->add_option("--child-json", f.child_json, "(internal) where a launched job writes its points")
       ->group("");
-  if (bench) sub->add_option("--plot", f.plot, "Write a PNG: latency and bytes sent vs context (gnuplot)");
+  if (bench) {
+    sub->add_option("--plot", f.plot, "Write a PNG: latency and bytes sent vs context (gnuplot)");
+    sub->add_flag("--kernel", f.kernel,
+                  "Roofline of the local kernel instead: measured read bandwidth and FMA peak, "
+                  "then GB/s per shape and dtype (--dtype may be a list) and the OpenBLAS peer");
+    sub->add_flag("--kernel-cases", f.kernel_cases,
+                  "With --kernel: the standard cases (llama3-8b B1 256k, B16 16k, B1 Q4 64k)");
+    sub->add_option("--repeats", f.repeats, "With --kernel: timed runs per case (median)")
+        ->capture_default_str();
+    sub->add_option("--isa", f.isa, "With --kernel: auto, reference, generic, avx2, avx512")
+        ->capture_default_str();
+    sub->add_flag("--no-peer", f.no_peer, "With --kernel: skip the OpenBLAS peer");
+  }
   sub->add_option("--cluster", f.cluster,
                   "Run each job on an emulated cluster of K hosts x R ranks (KxR, e.g. 2x2; "
                   "tools/cluster/cluster.sh, root): up, run, always down");

@@ -253,6 +253,10 @@ Result<RunReport> run_decode(Communicator& comm, const RunConfig& config) {
     local_error = registry.create(config.strategy, config.options).status().to_string();
   else if (!plan0.is_ok())
     local_error = plan0.status().to_string();
+  else if (dtype_is_quantized(config.dtype))
+    local_error = "KV dtype " + std::string(dtype_name(config.dtype)) +
+                  " is quantized: the kernels and `treeattn bench --kernel` support it, but the "
+                  "distributed strategies do not yet carry per-token scales (use f32, f16 or bf16)";
   else if (config.steps < 1 || config.warmup < 0)
     local_error = "steps must be >= 1 and warmup >= 0, got steps=" + std::to_string(config.steps) +
                   " warmup=" + std::to_string(config.warmup);

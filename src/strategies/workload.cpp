@@ -22,6 +22,9 @@ float round_to(DType t, float v) {
       return f16_to_float(float_to_f16(v));
     case DType::kBF16:
       return bf16_to_float(float_to_bf16(v));
+    case DType::kFP8:
+    case DType::kInt8:
+      return v;  // quantized per token by KVCache::set_token; no per-element rounding exists
   }
   return v;
 }
