@@ -23,12 +23,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <sstream>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 
 #include "cluster.hpp"
 #include "commands.hpp"
+#include "launcher.hpp"
 #include "options.hpp"
 #include "report.hpp"
 #include "treeattn/cost_model.hpp"
@@ -172,20 +174,13 @@ Status sweep_plot(const std::string& path, const std::vector<SweepRow>& rows,
                   const std::string& topo) {
   std::map<int, std::vector<const SweepRow*>> by_dev;
   for (const auto& r : rows) by_dev[r.devices].push_back(&r);
-  char tmpl[] = "/tmp/treeattn-sweep-XXXXXX";
-  const int fd = mkstemp(tmpl);
-  if (fd < 0) return internal_error("cannot create a temporary file for gnuplot");
-  close(fd);
-  const std::string data = tmpl;
-  {
-    std::ofstream d(data);
-    for (const auto& [dev, rs] : by_dev) {
-      d << "# " << dev << " devices\n";
-      for (const SweepRow* r : rs)
-        d << r->context << " " << r->speedup << " " << r->speedup_tree << "\n";
-      d << "\n\n";
-    }
+  std::ostringstream d;
+  for (const auto& [dev, rs] : by_dev) {
+    d << "# " << dev << " devices\n";
+    for (const SweepRow* r : rs) d << r->context << " " << r->speedup << " " << r->speedup_tree << "\n";
+    d << "\n\n";
   }
+  const std::string data = "$DATA";
   std::string script = fmt::format(
       "set terminal pngcairo size 1000,650 font 'sans,10'\nset output '{}'\n"
       "set title 'Predicted ring-kv / tree latency on {} (paper block: 16 heads x 128, batch 1, "
@@ -210,14 +205,7 @@ Status sweep_plot(const std::string& path, const std::vector<SweepRow>& rows,
     ++idx;
   }
   script += plot + "\n";
-  FILE* gp = popen("gnuplot 2>&1", "w");
-  if (gp == nullptr) return internal_error("cannot start gnuplot (apt-get install gnuplot-nox)");
-  std::fputs(script.c_str(), gp);
-  const int rc = pclose(gp);
-  std::remove(data.c_str());
-  if (rc != 0)
-    return internal_error("gnuplot failed (exit " + std::to_string(rc) + ") writing " + path);
-  return Status::ok();
+  return run_gnuplot(script, d.str(), path);
 }
 
 int plan_sweep(PlanFlags& f, const CLI::App& sub) {
@@ -290,14 +278,6 @@ int plan_sweep(PlanFlags& f, const CLI::App& sub) {
 }
 
 // ---- plan --validate: predicted vs measured -------------------------------------------------
-
-std::string self_exe() {
-  char buf[PATH_MAX];
-  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  if (n <= 0) return "treeattn";
-  buf[n] = '\0';
-  return buf;
-}
 
 // Runs this executable with args and waits; its output goes to ours (prefixed by nothing).
 Result<int> run_self(const std::vector<std::string>& args) {

@@ -18,6 +18,8 @@ const char* env(const char* name) {
   return (v != nullptr && *v != '\0') ? v : nullptr;
 }
 
+}  // namespace
+
 std::string self_exe() {
   char buf[PATH_MAX];
   const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
@@ -25,8 +27,6 @@ std::string self_exe() {
   buf[n] = '\0';
   return buf;
 }
-
-}  // namespace
 
 bool started_by_mpi_launcher() {
   return env("OMPI_COMM_WORLD_SIZE") || env("PMIX_RANK") || env("PMI_RANK") ||

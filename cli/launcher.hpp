@@ -9,6 +9,9 @@
 
 namespace treeattn::cli {
 
+// Absolute path of this executable (for re-execution).
+std::string self_exe();
+
 // True when this process was started by an MPI launcher (mpirun, mpiexec, srun with PMI/PMIx).
 bool started_by_mpi_launcher();
 // The world size the launcher announced, or 0 if none.

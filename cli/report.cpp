@@ -10,6 +10,7 @@
 #include <fstream>
 #include <map>
 #include <set>
+#include <sstream>
 
 #include "options.hpp"
 
@@ -178,21 +179,15 @@ Status write_plot(const std::string& path, const std::vector<Point>& points,
   std::map<std::string, std::vector<const Point*>> series;
   for (const auto& p : points)
     series[fmt::format("{} p={}", p.method, p.ranks)].push_back(&p);
-  char tmpl[] = "/tmp/treeattn-plot-XXXXXX";
-  const int fd = mkstemp(tmpl);
-  if (fd < 0) return internal_error("cannot create a temporary file for gnuplot");
-  close(fd);
-  const std::string data = tmpl;
-  {
-    std::ofstream f(data);
-    for (auto& [name, pts] : series) {
-      std::sort(pts.begin(), pts.end(), [](auto* a, auto* b) { return a->seq < b->seq; });
-      f << "# " << name << "\n";
-      for (const Point* p : pts)
-        f << p->seq << " " << p->latency_us.p50 << " " << std::max<uint64_t>(1, p->bytes_sent_per_rank) << "\n";
-      f << "\n\n";
-    }
+  std::ostringstream f;
+  for (auto& [name, pts] : series) {
+    std::sort(pts.begin(), pts.end(), [](auto* a, auto* b) { return a->seq < b->seq; });
+    f << "# " << name << "\n";
+    for (const Point* p : pts)
+      f << p->seq << " " << p->latency_us.p50 << " " << std::max<uint64_t>(1, p->bytes_sent_per_rank) << "\n";
+    f << "\n\n";
   }
+  const std::string data = "$DATA";
   std::string script = fmt::format(
       "set terminal pngcairo size 1400,600 font 'sans,10'\n"
       "set output '{}'\n"
@@ -214,12 +209,30 @@ Status write_plot(const std::string& path, const std::vector<Point>& points,
   script += "set ylabel 'bytes sent per rank per step'\n";
   script += plot_cmd(3);
   script += "unset multiplot\n";
+  return run_gnuplot(script, f.str(), path);
+}
+
+Status run_gnuplot(std::string script, const std::string& data, const std::string& out_path) {
+  char tmpl[] = "/tmp/treeattn-plot-XXXXXX";
+  const int fd = mkstemp(tmpl);
+  if (fd < 0) return internal_error("cannot create a temporary file for gnuplot");
+  close(fd);
+  const std::string path = tmpl;
+  {
+    std::ofstream out(path);
+    out << data;
+  }
+  for (std::size_t at = script.find("$DATA"); at != std::string::npos; at = script.find("$DATA", at))
+    script.replace(at, 5, path);
   FILE* gp = popen("gnuplot 2>&1", "w");
-  if (gp == nullptr) return internal_error("cannot start gnuplot (apt-get install gnuplot-nox)");
+  if (gp == nullptr) {
+    std::remove(path.c_str());
+    return internal_error("cannot start gnuplot (apt-get install gnuplot-nox)");
+  }
   std::fputs(script.c_str(), gp);
   const int rc = pclose(gp);
-  std::remove(data.c_str());
-  if (rc != 0) return internal_error("gnuplot failed (exit " + std::to_string(rc) + ") writing " + path);
+  std::remove(path.c_str());
+  if (rc != 0) return internal_error("gnuplot failed (exit " + std::to_string(rc) + ") writing " + out_path);
   return Status::ok();
 }
 

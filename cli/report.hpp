@@ -48,6 +48,10 @@ void print_table(const std::vector<Point>& points, const std::string& speedup_ba
 Status write_json(const std::string& path, const std::vector<Point>& points,
                   const nlohmann::json& meta);
 Status write_csv(const std::string& path, const std::vector<Point>& points);
+// Runs gnuplot on script, where every "$DATA" names a temporary file holding data; out_path
+// is only used in the error message.
+Status run_gnuplot(std::string script, const std::string& data, const std::string& out_path);
+
 // Two panels: p50 latency vs context length per method, and bytes sent per rank vs context.
 Status write_plot(const std::string& path, const std::vector<Point>& points,
                   const std::string& title);
