@@ -8,7 +8,6 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev   # tests and microbenchmarks
   libopenmpi-dev openmpi-bin                   # the MPI communicator backend and mpirun
   libcli11-dev libfmt-dev nlohmann-json3-dev   # CLI flags, formatting, JSON reports/topologies
-  libhwloc-dev                                 # topology discovery
   libopenblas-dev                              # the OpenBLAS peer kernel in benchmarks
   gnuplot-nox                                  # --plot
   python3 python3-numpy                        # tests recheck saved .npy cases with numpy
