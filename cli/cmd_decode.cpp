@@ -53,6 +53,7 @@ struct DecodeFlags {
   int repeats = 5;
   std::string isa = "auto";
   bool no_peer = false;
+  bool ranks_given = false;  // --ranks on the command line (not the default)
 };
 
 std::vector<std::string> all_methods() {
@@ -100,8 +101,8 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
   const int P = world->size();
   const bool lead = world->rank() == 0;
   const auto requested = parse_size_list(f.ranks);
-  if (requested.is_ok() && requested.value().size() == 1 && requested.value()[0] != P &&
-      f.child_json.empty()) {
+  if (f.ranks_given && requested.is_ok() && requested.value().size() == 1 &&
+      requested.value()[0] != P && f.child_json.empty()) {
     if (lead)
       std::fprintf(stderr, "treeattn %s: error: --ranks %s but the MPI job has %d ranks\n", cmd,
                    f.ranks.c_str(), P);
@@ -261,6 +262,8 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
   if (!f.topology.empty())
     if (auto t = load_topology(f.topology); !t.is_ok()) return fail(cmd, t.status());
 
+  // Under an existing mpirun/srun the job's world is used; --ranks, if given, must match it.
+  f.ranks_given = sub.count("--ranks") > 0;
   if (started_by_mpi_launcher()) return run_job(cmd, f, methods.value(), bench);
 
   // Plain shell: one mpirun per rank count, results gathered here.
