@@ -93,7 +93,7 @@ Status run_driver(ItemFn item_fn, const AttnShape& shape, const float* q, const 
   const int64_t* first_chunk = cs.first_chunk.data();
   const int64_t* needed = cs.needed.data();
 
-  const int prefetch = cpu::default_prefetch_tokens();
+  const int prefetch = cpu::default_prefetch_tokens(D * static_cast<int64_t>(esize));
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(opt.threads)
   for (int64_t item = 0; item < items; ++item) {
@@ -197,14 +197,16 @@ KernelFn cpu_kernel_for(Isa isa) {
 }
 
 namespace cpu {
-int default_prefetch_tokens() {
-  static const int value = [] {
+int default_prefetch_tokens(int64_t row_bytes) {
+  static const int from_env = [] {
     const char* e = std::getenv("TREEATTN_PREFETCH_TOKENS");
-    if (e == nullptr || *e == '\0') return kDefaultPrefetchTokens;
+    if (e == nullptr || *e == '\0') return -1;
     const long v = std::strtol(e, nullptr, 10);
     return v < 0 ? 0 : (v > 4096 ? 4096 : static_cast<int>(v));
   }();
-  return value;
+  if (from_env >= 0) return from_env;
+  const int64_t rb = row_bytes > 0 ? row_bytes : 1;
+  return static_cast<int>((kDefaultPrefetchBytes + rb - 1) / rb);
 }
 
 ExpFn exp_for(Isa isa) {

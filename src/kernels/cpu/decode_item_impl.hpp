@@ -120,7 +120,7 @@ inline void value_tile(float* const* o, const float* const* p, const char* vbase
 // Software prefetch of the K and V rows ItemArgs::prefetch_tokens tokens ahead (0 disables),
 // issued a few tokens at a time during the score pass so that requests stay in flight while
 // the core computes (the hardware prefetchers stop at every 4 KiB page: 8 f32 tokens of D 128).
-// Off by default: see kDefaultPrefetchTokens for the measurement.
+// Into L2 (prefetcht1): see kDefaultPrefetchBytes for the distance and the measurement.
 
 template <int D, DType DT>
 inline void prefetch_rows(const char* k, const char* v, int64_t stride_bytes, int64_t tb,
@@ -132,8 +132,8 @@ inline void prefetch_rows(const char* k, const char* v, int64_t stride_bytes, in
     // Every line the row touches, including a partial last line of a misaligned row.
     for (int64_t off = 0; off < kRowBytes + 63; off += 64) {
       const int64_t o = off < kRowBytes ? off : kRowBytes - 1;
-      __builtin_prefetch(kr + o, 0, 3);
-      __builtin_prefetch(vr + o, 0, 3);
+      __builtin_prefetch(kr + o, 0, 2);
+      __builtin_prefetch(vr + o, 0, 2);
     }
   }
 }
