@@ -10,6 +10,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <thread>
 
 #include "kernels/cpu/cpu_targets.hpp"
 #include "treeattn/oracle.hpp"
@@ -350,6 +351,9 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
           }
           rec.peer_seconds = median(pt);
           rec.ours_over_peer = rec.seconds / rec.peer_seconds;
+          // OpenBLAS's worker threads busy-wait for a while after a call (THREAD_TIMEOUT,
+          // ~2^28 cycles) and would steal the cores the next kernel timing runs on.
+          std::this_thread::sleep_for(std::chrono::milliseconds(500));
         }
         out.push_back(rec);
       }
