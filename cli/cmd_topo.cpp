@@ -10,6 +10,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <fstream>
+#include <thread>
 #include <memory>
 
 #include "cluster.hpp"
@@ -27,6 +28,7 @@ struct TopoFlags {
   bool detect = false, list = false;
   std::string show, out, name = "detected", cluster, link;
   int ranks = 2, nodes = 0;
+  int threads = 0;  // kernel and probe threads per rank; 0: cores / ranks on the node
   int64_t probe_mib = 256;
   int latency_iters = 200, bandwidth_iters = 10, timeout_ms = 60000;
   int heads = 32, kv_heads = 8, head_dim = 128;
@@ -75,6 +77,8 @@ int detect_job(const TopoFlags& f) {
   world->set_timeout(std::chrono::milliseconds(f.timeout_ms));
   DetectOptions o;
   o.name = f.name;
+  o.kernel_threads = f.threads;
+  o.probe_threads = f.threads;
   o.nodes = f.nodes;
   o.latency_iters = f.latency_iters;
   o.bandwidth_iters = f.bandwidth_iters;
@@ -164,6 +168,11 @@ int run_topo(TopoFlags& f, const CLI::App& sub, const Invocation& inv) {
   }
   std::vector<std::string> args = inv.args;
   args.insert(args.end(), {"--ranks", std::to_string(f.ranks)});
+  // Emulated hosts share this machine's cores (as in bench --cluster): size threads by the job.
+  if (cluster && f.threads == 0) {
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    args.insert(args.end(), {"--threads", std::to_string(std::max(1, cores / f.ranks))});
+  }
   auto rc = run_under_mpirun(lo, args);
   if (!rc.is_ok()) return fail(rc.status());
   return rc.value();
@@ -193,6 +202,10 @@ Runner add_topo_command(CLI::App& app, const Invocation& inv) {
       "--detect on an emulated cluster of K hosts x R ranks (KxR; tools/cluster, root)");
   sub->add_option("--link", f->link,
                   "With --cluster: shape each host's link (tc rate, e.g. 1gbit)");
+  sub->add_option("--threads", f->threads,
+                  "--detect: kernel and probe threads per rank (0: cores / ranks on the node; "
+                  "with --cluster: cores / ranks of the job)")
+      ->capture_default_str()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   sub->add_option("--out", f->out, "--detect: write the topology JSON here (default: stdout)");
   sub->add_option("--name", f->name, "--detect: the topology's name")->capture_default_str();
   sub->add_option("--probe-mib", f->probe_mib, "Memory-bandwidth probe buffer (MiB)")

@@ -2,6 +2,7 @@
 #include "measure.hpp"
 
 #include <fmt/format.h>
+#include <malloc.h>
 
 #include <algorithm>
 #include <cmath>
@@ -162,6 +163,9 @@ Result<std::vector<Point>> measure(Communicator& comm, const MeasureConfig& c) {
       return invalid_argument("unknown method '" + m + "' (known: " + known + ")");
     }
 
+  // Large buffers (KV shards, ring buffers) always come from mmap and go back on free; glibc's
+  // default would raise the threshold after the first free and keep later ones in the heap.
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
   Reference ref;
   if (c.check && me == check_rank) {
     if (c.progress) std::fprintf(stderr, "  float64 oracle over %s tokens...\n", std::to_string(c.seq).c_str());
@@ -177,6 +181,9 @@ Result<std::vector<Point>> measure(Communicator& comm, const MeasureConfig& c) {
     RunConfig rc = base_run_config(c, P);
     rc.strategy = method;
     TREEATTN_RETURN_IF_ERROR(comm.barrier());
+    // Give the previous method's memory back to the kernel before the high-water mark is reset,
+    // so that one method's peak RSS does not carry another's retained heap.
+    malloc_trim(0);
     reset_peak_rss();
     auto rep_r = run_decode(comm, rc);
     if (!rep_r.is_ok()) return rep_r.status();
