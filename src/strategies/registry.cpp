@@ -40,28 +40,24 @@ const Entry kHostEntries[] = {
      strategies::make_single},
 };
 
-// Backends without user-defined reductions (NCCL): `tree` is the all-gather form; `hier`
-// (whose intra-node step is a user-defined reduce) is not offered.
-const Entry kNoUserReductionEntries[] = {
-    {{"tree", "all-gather of partial states and a local merge (no user-defined reductions)"},
-     make_tree_as_allgather},
-    {{"tree-paper",
-      "the paper's three allreduces: MAX of LSE, SUM of outputs, SUM of denominators"},
-     strategies::make_tree_paper},
-    {{"tree2", "MAX of LSE, then one fused SUM of outputs and denominators"},
-     strategies::make_tree2},
-    {{"ring-kv", "KV shards rotate around the ring, overlapped with local attention"},
-     strategies::make_ring_kv},
-    {{"ring-state", "partial states rotate around the ring (p - 1 small messages)"},
-     strategies::make_ring_state},
-    {{"allgather", "all-gather the partial states, merge locally"}, strategies::make_allgather},
-    {{"gather-root", "gather the states to one rank, merge, broadcast"},
-     strategies::make_gather_root},
-    {{"single", "one rank holds the whole KV cache and broadcasts the result"},
-     strategies::make_single},
-};
+// Backends without user-defined reductions (NCCL): the same table, except that `tree` is the
+// all-gather form and `hier` (whose intra-node step is a user-defined reduce) is not offered.
+std::vector<Entry> without_user_reductions() {
+  std::vector<Entry> v;
+  for (const Entry& e : kHostEntries) {
+    if (e.info.name == "hier") continue;
+    if (e.info.name == "tree")
+      v.push_back({{"tree", "all-gather of partial states and a local merge (no user-defined "
+                            "reductions)"},
+                   make_tree_as_allgather});
+    else
+      v.push_back(e);
+  }
+  return v;
+}
 
 std::span<const Entry> entries(bool user_reductions) {
+  static const std::vector<Entry> kNoUserReductionEntries = without_user_reductions();
   if (user_reductions) return kHostEntries;
   return kNoUserReductionEntries;
 }
