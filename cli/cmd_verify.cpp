@@ -192,7 +192,7 @@ int verify_job(VerifyFlags& f, const std::vector<std::string>& methods) {
           auto chk = check_against_oracle(rc, rc.warmup + rc.steps - 1, st, f.tolerance);
           if (!chk.is_ok()) { ok = false; why = chk.status().to_string(); }
           else {
-            err = chk.value().max_abs_error / std::max(1.0, chk.value().max_abs_ref);
+            err = chk.value().rel_error();
             ok = chk.value().passed;
             if (!ok) why = chk.value().detail;
           }

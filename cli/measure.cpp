@@ -69,53 +69,6 @@ RunConfig base_run_config(const MeasureConfig& c, int ranks) {
   return r;
 }
 
-struct Reference {
-  std::vector<double> out, lse;
-};
-
-// The float64 oracle over the regenerated whole cache, for the last timed step.
-Result<Reference> reference_for(const MeasureConfig& c) {
-  WorkloadSpec w{c.shape, c.dtype, c.seed, 1.0f};
-  const int64_t step = c.warmup + c.iters - 1;
-  const int64_t n = c.seq + (c.append ? step : 0);
-  std::vector<int64_t> lens(static_cast<std::size_t>(c.shape.batch), n), start(lens.size(), 0);
-  Reference ref;
-  const std::size_t rows = static_cast<std::size_t>(c.shape.batch * c.shape.q_len * c.shape.heads);
-  ref.out.resize(rows * static_cast<std::size_t>(c.shape.head_dim));
-  ref.lse.resize(rows);
-  std::vector<float> q(rows * static_cast<std::size_t>(c.shape.head_dim));
-  make_query(w, step, q.data());
-  const KVCache cache = make_full_cache(w, lens);
-  TREEATTN_RETURN_IF_ERROR(oracle_attention(c.shape, q.data(), cache.view(0, lens, start, lens, 1),
-                                            ref.out.data(), ref.lse.data()));
-  return ref;
-}
-
-double compare(const MeasureConfig& c, const Reference& ref, const StateBuffer& st) {
-  const std::size_t D = static_cast<std::size_t>(c.shape.head_dim);
-  std::vector<float> out(D);
-  double err = 0, ref_max = 0;
-  for (std::size_t r = 0; r < st.records(); ++r) {
-    float lse = 0;
-    state_normalize(st.record(r), D, out.data(), &lse);
-    const double rl = ref.lse[r];
-    if (std::isnan(static_cast<double>(lse)) != std::isnan(rl)) return INFINITY;
-    if (std::isinf(rl) || std::isinf(lse)) {
-      if (rl != static_cast<double>(lse)) return INFINITY;
-    } else if (!std::isnan(rl)) {
-      err = std::max(err, std::abs(rl - static_cast<double>(lse)) / std::max(1.0, std::abs(rl)));
-    }
-    for (std::size_t d = 0; d < D; ++d) {
-      const double x = ref.out[r * D + d];
-      if (std::isnan(x) != std::isnan(out[d])) return INFINITY;
-      if (std::isnan(x)) continue;
-      ref_max = std::max(ref_max, std::abs(x));
-      err = std::max(err, std::abs(x - static_cast<double>(out[d])));
-    }
-  }
-  return err / std::max(1.0, ref_max);
-}
-
 }  // namespace
 
 void reset_peak_rss() {
@@ -166,10 +119,12 @@ Result<std::vector<Point>> measure(Communicator& comm, const MeasureConfig& c) {
   // Large buffers (KV shards, ring buffers) always come from mmap and go back on free; glibc's
   // default would raise the threshold after the first free and keep later ones in the heap.
   mallopt(M_MMAP_THRESHOLD, 1 << 20);
-  Reference ref;
+  // The float64 oracle over the regenerated whole cache, once for every method: the last
+  // timed step (appends included).
+  OracleReference ref;
   if (c.check && me == check_rank) {
     if (c.progress) std::fprintf(stderr, "  float64 oracle over %s tokens...\n", std::to_string(c.seq).c_str());
-    auto r = reference_for(c);
+    auto r = oracle_reference(base_run_config(c, P), c.warmup + c.iters - 1);
     if (!r.is_ok()) return r.status();
     ref = std::move(r).value();
   }
@@ -211,8 +166,10 @@ Result<std::vector<Point>> measure(Communicator& comm, const MeasureConfig& c) {
     if (c.check) {
       if (me == check_rank) {
         if (!rep.has_result || rep.states.empty()) return internal_error("no result on rank " + std::to_string(me));
-        err = compare(c, ref, rep.states.back());
-        ok = err <= c.tolerance;
+        auto cr = compare_with_reference(c.shape, rep.states.back(), ref, c.tolerance);
+        if (!cr.is_ok()) return cr.status();
+        err = cr.value().rel_error();
+        ok = cr.value().passed;
       }
       if (c.root < 0 && !rep.states.empty()) {
         Status same = check_identical_across_ranks(comm, rep.states.back());

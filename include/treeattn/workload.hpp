@@ -111,15 +111,28 @@ Result<RunReport> run_decode(Communicator& comm, const RunConfig& config);
 Result<ShardPlan> initial_plan(const RunConfig& config, int ranks);
 
 struct CheckResult {
-  double max_abs_error = 0;  // max |out - ref| over all outputs
+  double max_abs_error = 0;  // max |out - ref| over all outputs (inf for a NaN mismatch)
   double max_abs_ref = 0;    // max |ref|
   double tolerance = 0;      // rel_tol * max(1, max_abs_ref)
-  bool passed = false;
-  std::string detail;  // where the largest error is
+  double max_lse_error = 0;  // max |lse - ref| / max(1, |ref|) (inf when -inf or NaN differ)
+  bool passed = false;       // both errors within their tolerance
+  std::string detail;        // where the largest error is
+  double rel_error() const;  // max_abs_error / max(1, max_abs_ref)
 };
 
-// Compares merged states of step `step` (counting warm-up steps) with the float64 oracle over
-// the regenerated cache at that step. Passes when max|out - ref| <= rel_tol * max(1, max|ref|).
+// The float64 oracle's output [batch][q_len][heads][head_dim] and LSE [batch][q_len][heads] for
+// step `step` (counting warm-up steps) over the regenerated whole cache at that step.
+struct OracleReference {
+  std::vector<double> out, lse;
+};
+Result<OracleReference> oracle_reference(const RunConfig& config, int64_t step);
+
+// Compares merged states with a reference: passes when max|out - ref| <= rel_tol * max(1,
+// max|ref|) and every LSE is within rel_tol * max(1, |ref|) (infinities and NaN must match).
+Result<CheckResult> compare_with_reference(const AttnShape& shape, const StateBuffer& states,
+                                           const OracleReference& ref, double rel_tol = 1e-5);
+
+// oracle_reference + compare_with_reference.
 Result<CheckResult> check_against_oracle(const RunConfig& config, int64_t step,
                                          const StateBuffer& states, double rel_tol = 1e-5);
 

@@ -369,9 +369,11 @@ Result<RunReport> run_decode(Communicator& comm, const RunConfig& config) {
   return report;
 }
 
-Result<CheckResult> check_against_oracle(const RunConfig& config, int64_t step,
-                                         const StateBuffer& states, double rel_tol) {
+double CheckResult::rel_error() const { return max_abs_error / std::max(1.0, max_abs_ref); }
+
+Result<OracleReference> oracle_reference(const RunConfig& config, int64_t step) {
   const AttnShape& s = config.shape;
+  TREEATTN_RETURN_IF_ERROR(s.validate());
   std::vector<int64_t> lens = expand_lengths(config);
   if (static_cast<int64_t>(lens.size()) != s.batch)
     return invalid_argument("check: context lengths do not match batch " + std::to_string(s.batch));
@@ -379,44 +381,71 @@ Result<CheckResult> check_against_oracle(const RunConfig& config, int64_t step,
     for (int64_t& n : lens) n += step;
   const auto n_rec = static_cast<std::size_t>(s.batch * s.q_len * s.heads);
   const auto D = static_cast<std::size_t>(s.head_dim);
-  if (states.records() != n_rec || states.head_dim() != D)
-    return invalid_argument("check: states hold " + std::to_string(states.records()) +
-                            " records of head_dim " + std::to_string(states.head_dim()) +
-                            ", expected " + std::to_string(n_rec) + " of " + std::to_string(D));
   WorkloadSpec spec{s, config.dtype, config.seed, config.q_scale};
-  KVCache cache = make_full_cache(spec, lens);
+  const KVCache cache = make_full_cache(spec, lens);
   std::vector<int64_t> zeros(lens.size(), 0);
   const KVShard view = cache.view(0, lens, zeros, lens, 1);
   std::vector<float> q(n_rec * D);
   make_query(spec, step, q.data());
-  std::vector<double> ref(n_rec * D), lse(n_rec);
-  TREEATTN_RETURN_IF_ERROR(
-      oracle_attention(s, q.data(), view, ref.data(), lse.data(), config.options.kernel.scale));
+  OracleReference ref;
+  ref.out.resize(n_rec * D);
+  ref.lse.resize(n_rec);
+  TREEATTN_RETURN_IF_ERROR(oracle_attention(s, q.data(), view, ref.out.data(), ref.lse.data(),
+                                            config.options.kernel.scale));
+  return ref;
+}
+
+Result<CheckResult> compare_with_reference(const AttnShape& s, const StateBuffer& states,
+                                           const OracleReference& ref, double rel_tol) {
+  const auto n_rec = static_cast<std::size_t>(s.batch * s.q_len * s.heads);
+  const auto D = static_cast<std::size_t>(s.head_dim);
+  if (states.records() != n_rec || states.head_dim() != D || ref.out.size() != n_rec * D ||
+      ref.lse.size() != n_rec)
+    return invalid_argument("check: states hold " + std::to_string(states.records()) +
+                            " records of head_dim " + std::to_string(states.head_dim()) +
+                            ", expected " + std::to_string(n_rec) + " of " + std::to_string(D));
+  constexpr double kInf = std::numeric_limits<double>::infinity();
   CheckResult c;
   std::vector<float> out(D);
   std::size_t worst = 0;
   for (std::size_t i = 0; i < n_rec; ++i) {
     float l = 0;
     state_normalize(states.record(i), D, out.data(), &l);
+    const double rl = ref.lse[i], ml = static_cast<double>(l);
+    double le = 0;
+    if (std::isnan(rl) || std::isnan(ml) || std::isinf(rl) || std::isinf(ml))
+      le = (std::isnan(rl) && std::isnan(ml)) || rl == ml ? 0.0 : kInf;
+    else
+      le = std::fabs(ml - rl) / std::max(1.0, std::fabs(rl));
+    c.max_lse_error = std::max(c.max_lse_error, le);
     for (std::size_t d = 0; d < D; ++d) {
-      const double r = ref[i * D + d];
-      const double e = std::fabs(static_cast<double>(out[d]) - r);
-      c.max_abs_ref = std::max(c.max_abs_ref, std::fabs(r));
-      if (!(e <= c.max_abs_error)) {  // NaN counts as the largest error
-        c.max_abs_error = std::isnan(e) ? std::numeric_limits<double>::infinity() : e;
+      const double r = ref.out[i * D + d];
+      double e = std::fabs(static_cast<double>(out[d]) - r);
+      if (std::isnan(r) && std::isnan(out[d])) e = 0;  // NaN propagated as in the reference
+      else if (std::isnan(e)) e = kInf;                // NaN on one side only
+      if (!std::isnan(r)) c.max_abs_ref = std::max(c.max_abs_ref, std::fabs(r));
+      if (e > c.max_abs_error) {
+        c.max_abs_error = e;
         worst = i * D + d;
       }
     }
   }
   c.tolerance = rel_tol * std::max(1.0, c.max_abs_ref);
-  c.passed = c.max_abs_error <= c.tolerance;
+  c.passed = c.max_abs_error <= c.tolerance && c.max_lse_error <= rel_tol;
   const std::size_t rec = worst / D;
   const auto H = static_cast<std::size_t>(s.heads), Q = static_cast<std::size_t>(s.q_len);
   c.detail = "max |out - ref| = " + std::to_string(c.max_abs_error) +
              " at b=" + std::to_string(rec / (Q * H)) + " q=" + std::to_string((rec / H) % Q) +
              " h=" + std::to_string(rec % H) + " d=" + std::to_string(worst % D) + " (tolerance " +
-             std::to_string(c.tolerance) + ")";
+             std::to_string(c.tolerance) + "); max LSE error " + std::to_string(c.max_lse_error);
   return c;
+}
+
+Result<CheckResult> check_against_oracle(const RunConfig& config, int64_t step,
+                                         const StateBuffer& states, double rel_tol) {
+  auto ref = oracle_reference(config, step);
+  if (!ref.is_ok()) return ref.status();
+  return compare_with_reference(config.shape, states, ref.value(), rel_tol);
 }
 
 Status check_identical_across_ranks(Communicator& comm, const StateBuffer& states) {
