@@ -117,7 +117,8 @@ struct CheckResult {
   double max_lse_error = 0;  // max |lse - ref| / max(1, |ref|) (inf when -inf or NaN differ)
   bool passed = false;       // both errors within their tolerance
   std::string detail;        // where the largest error is
-  double rel_error() const;  // max_abs_error / max(1, max_abs_ref)
+  // The larger of max_abs_error / max(1, max_abs_ref) and max_lse_error: what reports print.
+  double rel_error() const;
 };
 
 // The float64 oracle's output [batch][q_len][heads][head_dim] and LSE [batch][q_len][heads] for

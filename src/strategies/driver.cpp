@@ -369,7 +369,9 @@ Result<RunReport> run_decode(Communicator& comm, const RunConfig& config) {
   return report;
 }
 
-double CheckResult::rel_error() const { return max_abs_error / std::max(1.0, max_abs_ref); }
+double CheckResult::rel_error() const {
+  return std::max(max_abs_error / std::max(1.0, max_abs_ref), max_lse_error);
+}
 
 Result<OracleReference> oracle_reference(const RunConfig& config, int64_t step) {
   const AttnShape& s = config.shape;
