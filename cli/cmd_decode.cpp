@@ -92,6 +92,28 @@ int local_ranks(int world) {
   return world;
 }
 
+// One point's configuration from the flags (threads and `auto` methods are resolved in the job).
+MeasureConfig measure_config(const DecodeFlags& f, const std::vector<std::string>& methods,
+                             int64_t seq, int64_t batch) {
+  MeasureConfig mc;
+  mc.methods = methods;
+  mc.shape = f.shape.shape();
+  mc.shape.batch = batch;
+  mc.dtype = *parse_dtype(f.shape.dtype);
+  mc.seq = seq;
+  mc.shard = f.shape.shard;
+  mc.seed = f.shape.seed;
+  mc.warmup = f.warmup;
+  mc.iters = f.iters;
+  mc.append = f.append;
+  mc.nodes = f.nodes;
+  mc.fanout = f.fanout;
+  mc.root = f.root;
+  mc.timeout_ms = f.timeout_ms;
+  mc.check = !f.no_check;
+  return mc;
+}
+
 // The MPI side: one job, one rank count, every (seq, batch, method) point.
 int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& methods,
             bool bench) {
@@ -134,12 +156,8 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
   std::size_t done = 0;
   for (int64_t batch : f.shape.batches) {
     for (int64_t seq : f.shape.seqs) {
-      MeasureConfig mc;
-      mc.methods = methods;
-      mc.shape = f.shape.shape();
-      mc.shape.batch = batch;
-      mc.dtype = *parse_dtype(f.shape.dtype);
-      mc.seq = seq;
+      MeasureConfig mc = measure_config(f, methods, seq, batch);
+      mc.threads = threads;
       if (auto planned = resolve_auto_methods(mc.methods, mc.shape, mc.dtype, seq, P, f.topology,
                                               f.cluster, f.link, f.fanout, lead);
           !planned.is_ok()) {
@@ -148,17 +166,6 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
       } else {
         mc.methods = std::move(planned).value();
       }
-      mc.shard = f.shape.shard;
-      mc.seed = f.shape.seed;
-      mc.warmup = f.warmup;
-      mc.iters = f.iters;
-      mc.append = f.append;
-      mc.nodes = f.nodes;
-      mc.fanout = f.fanout;
-      mc.root = f.root;
-      mc.threads = threads;
-      mc.timeout_ms = f.timeout_ms;
-      mc.check = !f.no_check;
       mc.progress = !f.child_json.empty() || bench;
       if (lead)
         std::fprintf(stderr, "[%zu/%zu] p=%d seq=%s batch=%lld\n", ++done, total, P,
@@ -229,16 +236,7 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
     return fail(cmd, invalid_argument("run takes one --ranks, --seq and --batch; use bench to sweep"));
   for (int64_t seq : f.shape.seqs)
     for (int64_t b : f.shape.batches) {
-      MeasureConfig mc;
-      mc.methods = methods.value();
-      mc.shape = f.shape.shape();
-      mc.shape.batch = b;
-      mc.dtype = *parse_dtype(f.shape.dtype);
-      mc.seq = seq;
-      mc.warmup = f.warmup;
-      mc.iters = f.iters;
-      mc.append = f.append;
-      mc.check = !f.no_check;
+      const MeasureConfig mc = measure_config(f, methods.value(), seq, b);
       for (int64_t p : ranks.value()) {
         const MemoryNeed need = memory_need(mc, static_cast<int>(p));
         if (need.available_bytes > 0 && need.per_job_bytes > 0.9 * need.available_bytes)
