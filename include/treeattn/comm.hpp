@@ -23,6 +23,19 @@
 //   from it (they share one set of counters): point-to-point payload bytes exactly, and for
 //   collectives the number of calls and this rank's payload per call (not what the
 //   collective's algorithm moved; transport_bytes_sent() measures that where it can).
+//
+// Message ordering (point to point), the rule every strategy keeps so that a backend that
+// matches by posting order only (NCCL's ncclSend/ncclRecv) serves it unchanged:
+// - Between one ordered pair of ranks (sender s, receiver r) of one communicator, the k-th
+//   isend s posts to r is received by the k-th irecv r posts from s, whatever the tags. Tags are
+//   labels for diagnostics; a backend may ignore them (the MPI backend sends every message with
+//   one MPI tag, so MPI's non-overtaking rule gives exactly this order).
+// - Sizes must match pairwise: the k-th receive has room for exactly the k-th send's bytes.
+// - Both sides decide what to post from replicated data (the shard plan, the shape), never from
+//   something only one side knows, so the sequences agree.
+// - A strategy completes (wait_all) every request it posted before it returns from a step and
+//   before any collective on the same communicator, so point-to-point traffic of one step never
+//   interleaves with a collective or the next step.
 #pragma once
 
 #include <chrono>
@@ -34,12 +47,12 @@
 #include <string>
 #include <string_view>
 
+#include "treeattn/shape.hpp"  // MemorySpace
 #include "treeattn/status.hpp"
 
 namespace treeattn {
 
 enum class ReduceOp : uint8_t { kSum, kMax };
-enum class MemorySpace : uint8_t { kHost, kDevice };
 
 struct CommCapabilities {
   MemorySpace memory = MemorySpace::kHost;
@@ -98,7 +111,8 @@ class Communicator {
   virtual Status barrier() = 0;
 
   // ---- point to point -----------------------------------------------------------------------
-  // Tags in [0, max_tag()]. Messages between one pair with one tag arrive in order.
+  // Tags in [0, max_tag()] are labels (see "Message ordering" above): matching is by posting
+  // order per ordered pair of ranks.
   virtual Result<CommRequest> isend(const void* data, std::size_t bytes, int dest, int tag) = 0;
   virtual Result<CommRequest> irecv(void* data, std::size_t bytes, int src, int tag) = 0;
   // Completes every request (honouring the timeout); the handles become invalid.

@@ -50,9 +50,13 @@ struct AttnShape {
   bool operator==(const AttnShape&) const = default;
 };
 
+// Where a buffer lives: host memory, or the memory of one accelerator (a CUDA device).
+enum class MemorySpace : uint8_t { kHost, kDevice };
+
 // A read-only view of one shard of the KV cache.
 struct KVShard {
   DType dtype = DType::kF32;
+  MemorySpace memory = MemorySpace::kHost;  // where k, v and the scales live (the spans: host)
   const void* k = nullptr;
   const void* v = nullptr;
   int64_t stride_batch = 0;  // elements between batch rows

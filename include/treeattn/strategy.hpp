@@ -18,6 +18,14 @@
 //
 // All-rank results are bit-identical on every rank: strategies that merge on several ranks
 // merge in rank order 0..p-1, and the others compute once and send the bits.
+//
+// Memory spaces: a strategy touches data only through the Communicator and the Executor
+// (executor.hpp) it is set up with: the query, the KV shard, `out` and every buffer it allocates
+// live in the executor's memory space, and it computes nothing itself (partial attention, merges,
+// the sum form of tree-paper all go through the executor). Its point-to-point messages keep the
+// ordering contract of comm.hpp (matching by posting order, tags are labels), so a backend without
+// tags or user-defined reductions serves it unchanged; the registry below picks the forms that
+// need neither.
 #pragma once
 
 #include <cstddef>
@@ -29,10 +37,11 @@
 #include <vector>
 
 #include "treeattn/comm.hpp"
+#include "treeattn/executor.hpp"
 #include "treeattn/kernel.hpp"
 #include "treeattn/shape.hpp"
 #include "treeattn/sharding.hpp"
-#include "treeattn/state.hpp"
+#include "treeattn/state_buffer.hpp"
 #include "treeattn/status.hpp"
 
 namespace treeattn {
@@ -49,15 +58,24 @@ class Strategy {
   virtual ~Strategy() = default;
   virtual std::string_view name() const = 0;
 
-  // Once per run, collective over comm (sub-communicators, plan checks). comm must outlive
-  // the strategy.
-  virtual Status setup(Communicator& comm, const AttnShape& shape, DType dtype,
-                       const ShardPlan& plan) = 0;
+  // Once per run, collective over comm (sub-communicators, plan checks). comm and executor must
+  // outlive the strategy. Without an executor: the host one (cpu_executor()).
+  Status setup(Communicator& comm, Executor& executor, const AttnShape& shape, DType dtype,
+               const ShardPlan& plan) {
+    return do_setup(comm, executor, shape, dtype, plan);
+  }
+  Status setup(Communicator& comm, const AttnShape& shape, DType dtype, const ShardPlan& plan) {
+    return do_setup(comm, cpu_executor(), shape, dtype, plan);
+  }
+
   // One decode step, collective over comm. q is [batch][q_len][heads][head_dim] (the same on
-  // every rank), local is this rank's shard for plan. out is resized to the step's records;
-  // it holds the merged states where delivers_result(comm.rank()), and is unspecified elsewhere.
-  virtual Status step(const float* q, const KVShard& local, const ShardPlan& plan,
-                      StateBuffer& out) = 0;
+  // every rank), local is this rank's shard for plan; out has room for the step's records
+  // (batch * q_len * heads * (head_dim + 2) floats). q, local and out live in the executor's
+  // memory space. out holds the merged states where delivers_result(comm.rank()), and is
+  // unspecified elsewhere.
+  virtual Status run(const float* q, const KVShard& local, const ShardPlan& plan, float* out) = 0;
+  // The same with a host StateBuffer, resized to the step's records (host executors only).
+  Status step(const float* q, const KVShard& local, const ShardPlan& plan, StateBuffer& out);
 
   // Peak bytes of the buffers the strategy itself allocated (receive buffers, partial-state
   // buffers), over the steps run so far. The KV shard, query and `out` are not included.
@@ -68,7 +86,11 @@ class Strategy {
 
  protected:
   explicit Strategy(StrategyOptions options) : options_(std::move(options)) {}
+  virtual Status do_setup(Communicator& comm, Executor& executor, const AttnShape& shape,
+                          DType dtype, const ShardPlan& plan) = 0;
   StrategyOptions options_;
+  AttnShape shape_;
+  Executor* exec_ = nullptr;
 };
 
 struct StrategyInfo {

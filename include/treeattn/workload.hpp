@@ -16,6 +16,9 @@
 // (TCP counters, when the job runs over TCP), and the attention working set; beside them the
 // analytic model (strategy.hpp). check_against_oracle() compares a step's merged states with the
 // float64 oracle over the regenerated cache.
+//
+// Part of the measurement library treeattn_measure (src/measure), not of libtreeattn: link
+// treeattn_measure to use these.
 #pragma once
 
 #include <chrono>
@@ -28,7 +31,7 @@
 #include "treeattn/comm.hpp"
 #include "treeattn/shape.hpp"
 #include "treeattn/sharding.hpp"
-#include "treeattn/state.hpp"
+#include "treeattn/state_buffer.hpp"
 #include "treeattn/status.hpp"
 #include "treeattn/strategy.hpp"
 
@@ -102,7 +105,7 @@ struct RunReport {
   bool has_result = false;          // whether this rank receives results (root option)
   CostEstimate model;               // analytic cost for this rank at the first timed step
   std::size_t kv_bytes = 0;         // this rank's live KV bytes at the first timed step
-  int64_t peak_rss_bytes = 0;       // of this process, after the run
+  int64_t peak_rss_bytes = 0;       // of this process, after the run (measure.hpp)
 };
 
 Result<RunReport> run_decode(Communicator& comm, const RunConfig& config);
@@ -140,8 +143,5 @@ Result<CheckResult> check_against_oracle(const RunConfig& config, int64_t step,
 // Every rank's states must be byte-identical to rank 0's: an all-gather and memcmp. Returns
 // kMismatch naming the first rank that differs and where.
 Status check_identical_across_ranks(Communicator& comm, const StateBuffer& states);
-
-// Peak resident set size of this process (getrusage), in bytes.
-int64_t peak_rss_bytes();
 
 }  // namespace treeattn

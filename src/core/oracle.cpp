@@ -63,18 +63,17 @@ Status partial_records(const AttnShape& shape, const float* q, const KVShard& kv
           if (std::isnan(sj) || std::isnan(m)) m = kNaN;
           else if (sj > m) m = sj;
         }
-        out[0] = m;
-        out[1] = 0.0;
-        for (int64_t d = 0; d < D; ++d) out[2 + d] = 0.0;
+        state_set_empty(out, static_cast<std::size_t>(D));
+        state_m(out) = m;
         if (m == kNegInf) continue;  // nothing visible: the empty state
         for (int64_t j = 0; j < n; ++j) {
           const double sj = s[static_cast<std::size_t>(j)];
           if (sj == kNegInf) continue;
           const double p = std::exp(sj - m);
-          out[1] += p;
+          state_l(out) += p;
           const int64_t base = b * kv.stride_batch + kvh * kv.stride_head + j * kv.stride_token;
           const float vs = token_scale(kv.v_scale, kv, b, kvh, j);
-          for (int64_t d = 0; d < D; ++d) out[2 + d] += p * load(kv.v, kv.dtype, base + d, vs);
+          for (int64_t d = 0; d < D; ++d) state_o(out)[d] += p * load(kv.v, kv.dtype, base + d, vs);
         }
       }
     }

@@ -17,26 +17,25 @@ class Allgather final : public StrategyBase {
   Allgather(const StrategyOptions& o, std::string_view name) : StrategyBase(o), name_(name) {}
   std::string_view name() const override { return name_; }
 
-  Status step(const float* q, const KVShard& local, const ShardPlan&, StateBuffer& out) override {
-    ensure_shape(out);
+  Status run(const float* q, const KVShard& local, const ShardPlan&, float* out) override {
     const int p = comm_->size();
-    all_.resize(static_cast<std::size_t>(p) * state_floats());
-    note_buffers(all_.size() * sizeof(float));
-    TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out.data()));
+    const std::size_t bytes = static_cast<std::size_t>(p) * state_bytes();
+    TREEATTN_RETURN_IF_ERROR(ensure(all_, bytes));
+    note_buffers(bytes);
+    TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out));
     if (options_.root >= 0) {
       TREEATTN_RETURN_IF_ERROR(
-          comm_->gather(out.data(), state_bytes(), all_.data(), options_.root));
+          comm_->gather(out, state_bytes(), all_.as<float>(), options_.root));
       if (comm_->rank() != options_.root) return Status::ok();
     } else {
-      TREEATTN_RETURN_IF_ERROR(comm_->allgather(out.data(), state_bytes(), all_.data()));
+      TREEATTN_RETURN_IF_ERROR(comm_->allgather(out, state_bytes(), all_.as<float>()));
     }
-    merge_in_rank_order(all_.data(), p, out.data());
-    return Status::ok();
+    return merge_in_rank_order(all_.as<float>(), p, out);
   }
 
  private:
   std::string_view name_;
-  std::vector<float> all_;
+  Buffer all_;
 };
 
 }  // namespace

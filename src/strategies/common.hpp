@@ -12,13 +12,13 @@
 
 namespace treeattn::strategies {
 
-// Common state: the communicator, the shape, and the rank's partial-state buffer.
+// Common state: the communicator, the executor, the shape, and the peak of the buffers.
 class StrategyBase : public Strategy {
  public:
   explicit StrategyBase(StrategyOptions options) : Strategy(std::move(options)) {}
 
-  Status setup(Communicator& comm, const AttnShape& shape, DType dtype,
-               const ShardPlan& plan) override {
+  Status do_setup(Communicator& comm, Executor& executor, const AttnShape& shape, DType dtype,
+                  const ShardPlan& plan) override {
     TREEATTN_RETURN_IF_ERROR(shape.validate());
     if (plan.ranks() != comm.size())
       return invalid_argument(who(comm) + std::string(name()) + ": the shard plan is for " +
@@ -32,7 +32,13 @@ class StrategyBase : public Strategy {
       return invalid_argument(who(comm) + std::string(name()) + ": root rank " +
                               std::to_string(options_.root) + " is outside [0, " +
                               std::to_string(comm.size()) + ")");
+    if (executor.memory() != comm.capabilities().memory)
+      return invalid_argument(who(comm) + std::string(name()) + ": the executor '" +
+                              std::string(executor.name()) +
+                              "' and the communicator '" + std::string(comm.backend_name()) +
+                              "' work in different memory spaces");
     comm_ = &comm;
+    exec_ = &executor;
     shape_ = shape;
     dtype_ = dtype;
     return setup_more(plan);
@@ -56,30 +62,32 @@ class StrategyBase : public Strategy {
   std::size_t state_bytes() const { return state_floats() * sizeof(float); }
   std::size_t head_dim() const { return static_cast<std::size_t>(shape_.head_dim); }
 
-  void ensure_shape(StateBuffer& out) const {
-    if (out.records() != records() || out.head_dim() != head_dim())
-      out = StateBuffer(static_cast<std::size_t>(shape_.batch),
-                        static_cast<std::size_t>(shape_.q_len),
-                        static_cast<std::size_t>(shape_.heads), head_dim());
+  // Makes buf hold at least `bytes` in the executor's memory (contents are not kept when it
+  // grows).
+  Status ensure(Buffer& buf, std::size_t bytes) const {
+    if (buf.bytes() >= bytes) return Status::ok();
+    buf.reset();
+    auto b = exec_->allocate(bytes);
+    TREEATTN_RETURN_IF_ERROR(b.status());
+    buf = std::move(*b);
+    return Status::ok();
   }
 
   Status local_partial(const float* q, const KVShard& kv, float* states) const {
-    return decode_partial(shape_, q, kv, states, options_.kernel);
+    return exec_->partial(shape_, q, kv, states, options_.kernel);
   }
 
   // out <- s_0 (+) s_1 (+) ... (+) s_{p-1}, left to right from the empty state: the canonical
   // order, so every rank that merges the same partials gets the same bits.
-  void merge_in_rank_order(const float* all, int p, float* out) const {
-    for (std::size_t i = 0; i < records(); ++i) state_set_empty(out + i * rec_floats(), head_dim());
-    for (int r = 0; r < p; ++r)
-      state_merge_n(out, all + static_cast<std::size_t>(r) * state_floats(), records(), head_dim());
+  Status merge_in_rank_order(const float* all, int p, float* out) const {
+    return exec_->merge_ordered(all, static_cast<std::size_t>(p), state_floats(), records(),
+                                head_dim(), out);
   }
 
   void note_buffers(std::size_t bytes) { peak_buffers_ = std::max(peak_buffers_, bytes); }
   std::size_t buffer_bytes() const override { return peak_buffers_; }
 
   Communicator* comm_ = nullptr;
-  AttnShape shape_;
   DType dtype_ = DType::kF32;
   std::size_t peak_buffers_ = 0;
 };

@@ -15,24 +15,25 @@ class GatherRoot final : public StrategyBase {
   using StrategyBase::StrategyBase;
   std::string_view name() const override { return "gather-root"; }
 
-  Status step(const float* q, const KVShard& local, const ShardPlan&, StateBuffer& out) override {
-    ensure_shape(out);
+  Status run(const float* q, const KVShard& local, const ShardPlan&, float* out) override {
     const int p = comm_->size();
     const int root = options_.root >= 0 ? options_.root : 0;
-    TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out.data()));
+    TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out));
     if (comm_->rank() == root) {
-      all_.resize(static_cast<std::size_t>(p) * state_floats());
-      note_buffers(all_.size() * sizeof(float));
+      const std::size_t bytes = static_cast<std::size_t>(p) * state_bytes();
+      TREEATTN_RETURN_IF_ERROR(ensure(all_, bytes));
+      note_buffers(bytes);
     }
-    TREEATTN_RETURN_IF_ERROR(comm_->gather(out.data(), state_bytes(),
-                                           comm_->rank() == root ? all_.data() : nullptr, root));
-    if (comm_->rank() == root) merge_in_rank_order(all_.data(), p, out.data());
+    TREEATTN_RETURN_IF_ERROR(comm_->gather(out, state_bytes(),
+                                           comm_->rank() == root ? all_.as<float>() : nullptr,
+                                           root));
+    if (comm_->rank() == root) TREEATTN_RETURN_IF_ERROR(merge_in_rank_order(all_.as<float>(), p, out));
     if (options_.root >= 0) return Status::ok();
-    return comm_->broadcast(out.data(), state_bytes(), root);
+    return comm_->broadcast(out, state_bytes(), root);
   }
 
  private:
-  std::vector<float> all_;
+  Buffer all_;
 };
 
 }  // namespace

@@ -64,36 +64,35 @@ class Hier final : public StrategyBase {
     return Status::ok();
   }
 
-  Status step(const float* q, const KVShard& local, const ShardPlan&, StateBuffer& out) override {
-    ensure_shape(out);
-    TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out.data()));
+  Status run(const float* q, const KVShard& local, const ShardPlan&, float* out) override {
+    TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out));
     const std::size_t n = records(), D = head_dim();
-    if (node_->size() > 1) TREEATTN_RETURN_IF_ERROR(node_->reduce_states(out.data(), n, D, 0));
+    if (node_->size() > 1) TREEATTN_RETURN_IF_ERROR(node_->reduce_states(out, n, D, 0));
     const bool all = options_.root < 0;
     if (leaders_) {
       const int L = leaders_->size(), i = leaders_->rank(), k = options_.fanout;
       std::vector<int> children;
       for (int c = i * k + 1; c <= i * k + k && c < L; ++c) children.push_back(c);
-      child_.resize(children.size() * state_floats());
-      note_buffers(child_.size() * sizeof(float));
+      TREEATTN_RETURN_IF_ERROR(ensure(child_, children.size() * state_bytes()));
+      note_buffers(children.size() * state_bytes());
+      float* child = child_.as<float>();
       std::vector<CommRequest> reqs;
       for (std::size_t c = 0; c < children.size(); ++c) {
-        auto rq =
-            leaders_->irecv(child_.data() + c * state_floats(), state_bytes(), children[c], kTagUp);
+        auto rq = leaders_->irecv(child + c * state_floats(), state_bytes(), children[c], kTagUp);
         TREEATTN_RETURN_IF_ERROR(rq.status());
         reqs.push_back(*rq);
       }
       TREEATTN_RETURN_IF_ERROR(leaders_->wait_all(reqs));
       for (std::size_t c = 0; c < children.size(); ++c)
-        state_merge_n(out.data(), child_.data() + c * state_floats(), n, D);
+        TREEATTN_RETURN_IF_ERROR(exec_->merge(out, child + c * state_floats(), n, D));
       if (i > 0) {
-        TREEATTN_RETURN_IF_ERROR(send(out.data(), (i - 1) / k, kTagUp));
-        if (all) TREEATTN_RETURN_IF_ERROR(recv(out.data(), (i - 1) / k, kTagDown));
+        TREEATTN_RETURN_IF_ERROR(send(out, (i - 1) / k, kTagUp));
+        if (all) TREEATTN_RETURN_IF_ERROR(recv(out, (i - 1) / k, kTagDown));
       }
       if (all) {
         reqs.clear();
         for (int c : children) {
-          auto sq = leaders_->isend(out.data(), state_bytes(), c, kTagDown);
+          auto sq = leaders_->isend(out, state_bytes(), c, kTagDown);
           TREEATTN_RETURN_IF_ERROR(sq.status());
           reqs.push_back(*sq);
         }
@@ -101,7 +100,7 @@ class Hier final : public StrategyBase {
       }
     }
     if (all && node_->size() > 1)
-      TREEATTN_RETURN_IF_ERROR(node_->broadcast(out.data(), state_bytes(), 0));
+      TREEATTN_RETURN_IF_ERROR(node_->broadcast(out, state_bytes(), 0));
     return Status::ok();
   }
 
@@ -127,7 +126,7 @@ class Hier final : public StrategyBase {
   }
 
   std::unique_ptr<Communicator> node_, leaders_;
-  std::vector<float> child_;
+  Buffer child_;
 };
 
 }  // namespace

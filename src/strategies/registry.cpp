@@ -70,6 +70,19 @@ std::vector<StrategyInfo> infos(bool user_reductions) {
 
 }  // namespace
 
+Status Strategy::step(const float* q, const KVShard& local, const ShardPlan& plan,
+                      StateBuffer& out) {
+  if (!exec_ || exec_->memory() != MemorySpace::kHost)
+    return invalid_argument(std::string(name()) +
+                            ": step() with a host StateBuffer needs a strategy set up on a host "
+                            "executor; use run() with a buffer in the executor's memory");
+  const auto B = static_cast<std::size_t>(shape_.batch), Q = static_cast<std::size_t>(shape_.q_len),
+             H = static_cast<std::size_t>(shape_.heads),
+             D = static_cast<std::size_t>(shape_.head_dim);
+  if (out.records() != B * Q * H || out.head_dim() != D) out = StateBuffer(B, Q, H, D);
+  return run(q, local, plan, out.data());
+}
+
 const StrategyRegistry& StrategyRegistry::for_backend(const CommCapabilities& caps) {
   static const StrategyRegistry with(true), without(false);
   return caps.user_reductions ? with : without;

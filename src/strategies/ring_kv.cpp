@@ -11,7 +11,7 @@
 //
 // A shard travels as one metadata message (per batch row: length, global position of the first
 // token, context length; and the position stride) followed by one message per (batch row, KV
-// head) for K and one for V. The positions travel with the data, so the causal limit for
+// head) for K and one for V (and, for quantized dtypes, one each for their per-token scales). The positions travel with the data, so the causal limit for
 // q_len > 1 is right on whichever rank computes the shard; the receiver checks the lengths
 // against the replicated plan. Receive buffers are dense [batch][kv_heads][max_len][head_dim];
 // two are needed when p >= 3 (one is forwarded while the next arrives), one when p = 2.
@@ -26,15 +26,20 @@
 namespace treeattn::strategies {
 namespace {
 
+// Tags are labels only (comm.hpp: messages match in posting order per pair of ranks).
 constexpr int kTagMeta = 600;
 constexpr int kTagData = 601;
+constexpr int kTagScale = 602;
 constexpr int64_t kMinPiece = 4096;
 constexpr int kMaxPieces = 8;
 
+// One shard in flight: K and V (and their scales for quantized dtypes) in the executor's memory,
+// dense [batch][kv_heads][max_len][...]; the metadata travels in executor memory too (a device
+// communicator can only send that) and is copied to the host, where the kernel's view reads it.
 struct ShardBuffer {
-  std::vector<uint8_t> k, v;
-  std::vector<int64_t> meta;  // [len[B], pos_start[B], total_len[B], pos_stride]
-  int64_t max_len = 0;        // token slots per (batch, head) in k and v
+  Buffer k, v, k_scale, v_scale, meta;
+  std::vector<int64_t> meta_host;  // [len[B], pos_start[B], total_len[B], pos_stride]
+  int64_t max_len = 0;             // token slots per (batch, head)
 };
 
 class RingKV final : public StrategyBase {
@@ -42,21 +47,11 @@ class RingKV final : public StrategyBase {
   using StrategyBase::StrategyBase;
   std::string_view name() const override { return "ring-kv"; }
 
-  Status setup_more(const ShardPlan&) override {
-    const int64_t last_tag = kTagData + 2 * shape_.batch * shape_.kv_heads;
-    if (last_tag > comm_->max_tag())
-      return unsupported(who() + "ring-kv needs message tags up to " + std::to_string(last_tag) +
-                         " (2 x batch x kv_heads), the backend allows " +
-                         std::to_string(comm_->max_tag()));
-    return Status::ok();
-  }
-
-  Status step(const float* q, const KVShard& local, const ShardPlan& plan,
-              StateBuffer& out) override {
-    ensure_shape(out);
+  Status run(const float* q, const KVShard& local, const ShardPlan& plan, float* out) override {
     const int p = comm_->size(), r = comm_->rank();
     const int64_t B = shape_.batch, H = shape_.kv_heads, D = shape_.head_dim;
     const std::size_t es = dtype_size(dtype_);
+    const bool quant = dtype_is_quantized(dtype_);
     if (local.dtype != dtype_)
       return invalid_argument(who() + "ring-kv: local shard dtype " +
                               std::string(dtype_name(local.dtype)) + " differs from the run's " +
@@ -66,6 +61,10 @@ class RingKV final : public StrategyBase {
                          "ring-kv sends tokens as contiguous rows and needs a token "
                          "stride equal to head_dim (" +
                          std::to_string(D) + "), got " + std::to_string(local.stride_token));
+    if (quant && plan.total_tokens(r) > 0 && local.scale_stride_token != 1)
+      return unsupported(who() + "ring-kv sends scales as contiguous rows and needs a scale "
+                                 "token stride of 1, got " +
+                         std::to_string(local.scale_stride_token));
 
     // Buffers sized for the longest shard that will arrive.
     int64_t max_len = 0;
@@ -73,30 +72,38 @@ class RingKV final : public StrategyBase {
       if (o != r) max_len = std::max(max_len, plan.max_len(o));
     const int nbuf = p >= 3 ? 2 : (p == 2 ? 1 : 0);
     const auto buf_bytes = static_cast<std::size_t>(B * H * max_len * D) * es;
+    const auto scale_bytes = quant ? static_cast<std::size_t>(B * H * max_len) * sizeof(float) : 0;
+    const std::size_t meta_bytes = static_cast<std::size_t>(3 * B + 1) * sizeof(int64_t);
     for (int i = 0; i < nbuf; ++i) {
-      bufs_[i].max_len = max_len;
-      bufs_[i].k.resize(buf_bytes);
-      bufs_[i].v.resize(buf_bytes);
-      bufs_[i].meta.resize(static_cast<std::size_t>(3 * B + 1));
+      ShardBuffer& sb = bufs_[i];
+      sb.max_len = max_len;
+      TREEATTN_RETURN_IF_ERROR(ensure(sb.k, buf_bytes));
+      TREEATTN_RETURN_IF_ERROR(ensure(sb.v, buf_bytes));
+      TREEATTN_RETURN_IF_ERROR(ensure(sb.k_scale, scale_bytes));
+      TREEATTN_RETURN_IF_ERROR(ensure(sb.v_scale, scale_bytes));
+      TREEATTN_RETURN_IF_ERROR(ensure(sb.meta, meta_bytes));
+      sb.meta_host.assign(static_cast<std::size_t>(3 * B + 1), 0);
     }
-    partials_.resize(static_cast<std::size_t>(p) * state_floats());
-    piece_.resize(state_floats());
-    note_buffers(2 * buf_bytes * static_cast<std::size_t>(nbuf) +
-                 (partials_.size() + piece_.size()) * sizeof(float) +
-                 static_cast<std::size_t>(nbuf + 1) * bufs_[0].meta.size() * sizeof(int64_t));
+    TREEATTN_RETURN_IF_ERROR(ensure(partials_, static_cast<std::size_t>(p) * state_bytes()));
+    TREEATTN_RETURN_IF_ERROR(ensure(piece_, state_bytes()));
+    TREEATTN_RETURN_IF_ERROR(ensure(own_meta_, meta_bytes));
+    note_buffers(2 * (buf_bytes + scale_bytes) * static_cast<std::size_t>(nbuf) +
+                 static_cast<std::size_t>(p + 1) * state_bytes() +
+                 static_cast<std::size_t>(nbuf + 1) * meta_bytes);
 
     // Metadata of our own shard.
-    own_meta_.assign(static_cast<std::size_t>(3 * B + 1), 0);
+    std::vector<int64_t> own(static_cast<std::size_t>(3 * B + 1), 0);
     for (int64_t b = 0; b < B; ++b) {
-      own_meta_[static_cast<std::size_t>(b)] = local.len[static_cast<std::size_t>(b)];
-      own_meta_[static_cast<std::size_t>(B + b)] = local.pos_start[static_cast<std::size_t>(b)];
-      own_meta_[static_cast<std::size_t>(2 * B + b)] = local.total_len[static_cast<std::size_t>(b)];
+      own[static_cast<std::size_t>(b)] = local.len[static_cast<std::size_t>(b)];
+      own[static_cast<std::size_t>(B + b)] = local.pos_start[static_cast<std::size_t>(b)];
+      own[static_cast<std::size_t>(2 * B + b)] = local.total_len[static_cast<std::size_t>(b)];
     }
-    own_meta_[static_cast<std::size_t>(3 * B)] = local.pos_stride;
+    own[static_cast<std::size_t>(3 * B)] = local.pos_stride;
+    TREEATTN_RETURN_IF_ERROR(exec_->from_host(own_meta_.data(), own.data(), meta_bytes));
 
     const int next = (r + 1) % p, prev = (r + p - 1) % p;
     KVShard cur = local;
-    ShardBuffer* cur_buf = nullptr;
+    const Buffer* cur_meta = &own_meta_;
     for (int k = 0; k < p; ++k) {
       const int origin = ((r - k) % p + p) % p;
       std::vector<CommRequest> reqs;
@@ -104,27 +111,29 @@ class RingKV final : public StrategyBase {
       if (k + 1 < p) {
         nxt = &bufs_[k % 2];
         const int recv_origin = ((r - k - 1) % p + p) % p;
+        // Receives first, then sends, in the same (meta, per (b, h): K, V, scales) order on
+        // both sides, decided by the replicated plan.
         TREEATTN_RETURN_IF_ERROR(post_recv(*nxt, plan, recv_origin, prev, reqs));
-        const std::vector<int64_t>& meta = cur_buf ? cur_buf->meta : own_meta_;
-        TREEATTN_RETURN_IF_ERROR(post_send(cur, meta, next, reqs));
+        TREEATTN_RETURN_IF_ERROR(post_send(cur, *cur_meta, next, reqs));
       }
       TREEATTN_RETURN_IF_ERROR(compute(q, cur, partial(origin), reqs));
       TREEATTN_RETURN_IF_ERROR(comm_->wait_all(reqs));
       if (nxt) {
         const int recv_origin = ((r - k - 1) % p + p) % p;
+        TREEATTN_RETURN_IF_ERROR(
+            exec_->to_host(nxt->meta_host.data(), nxt->meta.data(), meta_bytes));
         TREEATTN_RETURN_IF_ERROR(check_meta(*nxt, plan, recv_origin));
         cur = buffer_view(*nxt);
-        cur_buf = nxt;
+        cur_meta = &nxt->meta;
       }
     }
     if (!delivers_result(r)) return Status::ok();
-    merge_in_rank_order(partials_.data(), p, out.data());
-    return Status::ok();
+    return merge_in_rank_order(partials_.as<float>(), p, out);
   }
 
  private:
   float* partial(int origin) {
-    return partials_.data() + static_cast<std::size_t>(origin) * state_floats();
+    return partials_.as<float>() + static_cast<std::size_t>(origin) * state_floats();
   }
 
   std::size_t segment_bytes(int64_t len) const {
@@ -133,48 +142,62 @@ class RingKV final : public StrategyBase {
 
   Status post_recv(ShardBuffer& buf, const ShardPlan& plan, int origin, int from,
                    std::vector<CommRequest>& reqs) {
-    auto m = comm_->irecv(buf.meta.data(), buf.meta.size() * sizeof(int64_t), from, kTagMeta);
+    auto m = comm_->irecv(buf.meta.data(), buf.meta_host.size() * sizeof(int64_t), from, kTagMeta);
     TREEATTN_RETURN_IF_ERROR(m.status());
     reqs.push_back(*m);
     const int64_t H = shape_.kv_heads;
+    const bool quant = dtype_is_quantized(dtype_);
     for (int64_t b = 0; b < shape_.batch; ++b) {
       const int64_t len = plan.len(origin, b);
       if (len == 0) continue;
       for (int64_t h = 0; h < H; ++h) {
-        const std::size_t off = segment_bytes((b * H + h) * buf.max_len);
-        const int tag = kTagData + static_cast<int>(2 * (b * H + h));
-        auto rk = comm_->irecv(buf.k.data() + off, segment_bytes(len), from, tag);
-        TREEATTN_RETURN_IF_ERROR(rk.status());
-        auto rv = comm_->irecv(buf.v.data() + off, segment_bytes(len), from, tag + 1);
-        TREEATTN_RETURN_IF_ERROR(rv.status());
-        reqs.push_back(*rk);
-        reqs.push_back(*rv);
+        const int64_t slot = (b * H + h) * buf.max_len;
+        const std::size_t off = segment_bytes(slot);
+        for (const Buffer* dst : {&buf.k, &buf.v}) {
+          auto rq = comm_->irecv(dst->as<uint8_t>() + off, segment_bytes(len), from, kTagData);
+          TREEATTN_RETURN_IF_ERROR(rq.status());
+          reqs.push_back(*rq);
+        }
+        if (!quant) continue;
+        for (const Buffer* dst : {&buf.k_scale, &buf.v_scale}) {
+          auto rq = comm_->irecv(dst->as<float>() + slot,
+                                 static_cast<std::size_t>(len) * sizeof(float), from, kTagScale);
+          TREEATTN_RETURN_IF_ERROR(rq.status());
+          reqs.push_back(*rq);
+        }
       }
     }
     return Status::ok();
   }
 
-  Status post_send(const KVShard& kv, const std::vector<int64_t>& meta, int to,
-                   std::vector<CommRequest>& reqs) {
-    auto m = comm_->isend(meta.data(), meta.size() * sizeof(int64_t), to, kTagMeta);
+  Status post_send(const KVShard& kv, const Buffer& meta, int to, std::vector<CommRequest>& reqs) {
+    const std::size_t meta_bytes = static_cast<std::size_t>(3 * shape_.batch + 1) * sizeof(int64_t);
+    auto m = comm_->isend(meta.data(), meta_bytes, to, kTagMeta);
     TREEATTN_RETURN_IF_ERROR(m.status());
     reqs.push_back(*m);
     const int64_t H = shape_.kv_heads;
     const std::size_t es = dtype_size(dtype_);
+    const bool quant = dtype_is_quantized(dtype_);
     for (int64_t b = 0; b < shape_.batch; ++b) {
       const int64_t len = kv.len[static_cast<std::size_t>(b)];
       if (len == 0) continue;
       for (int64_t h = 0; h < H; ++h) {
         const auto off = static_cast<std::size_t>(b * kv.stride_batch + h * kv.stride_head) * es;
-        const int tag = kTagData + static_cast<int>(2 * (b * H + h));
-        auto sk =
-            comm_->isend(static_cast<const uint8_t*>(kv.k) + off, segment_bytes(len), to, tag);
-        TREEATTN_RETURN_IF_ERROR(sk.status());
-        auto sv =
-            comm_->isend(static_cast<const uint8_t*>(kv.v) + off, segment_bytes(len), to, tag + 1);
-        TREEATTN_RETURN_IF_ERROR(sv.status());
-        reqs.push_back(*sk);
-        reqs.push_back(*sv);
+        for (const void* src : {kv.k, kv.v}) {
+          auto sq = comm_->isend(static_cast<const uint8_t*>(src) + off, segment_bytes(len), to,
+                                 kTagData);
+          TREEATTN_RETURN_IF_ERROR(sq.status());
+          reqs.push_back(*sq);
+        }
+        if (!quant) continue;
+        const auto soff = static_cast<std::size_t>(b * kv.scale_stride_batch +
+                                                   h * kv.scale_stride_head);
+        for (const float* src : {kv.k_scale, kv.v_scale}) {
+          auto sq = comm_->isend(src + soff, static_cast<std::size_t>(len) * sizeof(float), to,
+                                 kTagScale);
+          TREEATTN_RETURN_IF_ERROR(sq.status());
+          reqs.push_back(*sq);
+        }
       }
     }
     return Status::ok();
@@ -183,7 +206,7 @@ class RingKV final : public StrategyBase {
   Status check_meta(const ShardBuffer& buf, const ShardPlan& plan, int origin) const {
     const int64_t B = shape_.batch;
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t got = buf.meta[static_cast<std::size_t>(b)];
+      const int64_t got = buf.meta_host[static_cast<std::size_t>(b)];
       if (got != plan.len(origin, b))
         return {Code::kMismatch, who() + "ring-kv received the shard of rank " +
                                      std::to_string(origin) + " with " + std::to_string(got) +
@@ -197,16 +220,24 @@ class RingKV final : public StrategyBase {
     const auto B = static_cast<std::size_t>(shape_.batch);
     KVShard s;
     s.dtype = dtype_;
+    s.memory = exec_->memory();
     s.k = buf.k.data();
     s.v = buf.v.data();
     s.stride_token = shape_.head_dim;
     s.stride_head = buf.max_len * shape_.head_dim;
     s.stride_batch = shape_.kv_heads * s.stride_head;
-    const std::span<const int64_t> m(buf.meta);
+    if (dtype_is_quantized(dtype_)) {
+      s.k_scale = buf.k_scale.as<float>();
+      s.v_scale = buf.v_scale.as<float>();
+      s.scale_stride_token = 1;
+      s.scale_stride_head = buf.max_len;
+      s.scale_stride_batch = shape_.kv_heads * buf.max_len;
+    }
+    const std::span<const int64_t> m(buf.meta_host);
     s.len = m.subspan(0, B);
     s.pos_start = m.subspan(B, B);
     s.total_len = m.subspan(2 * B, B);
-    s.pos_stride = buf.meta[3 * B];
+    s.pos_stride = buf.meta_host[3 * B];
     return s;
   }
 
@@ -219,7 +250,7 @@ class RingKV final : public StrategyBase {
     for (int64_t v : kv.len) longest = std::max(longest, v);
     const int64_t piece = std::max(kMinPiece, (longest + kMaxPieces - 1) / kMaxPieces);
     if (longest <= piece) return local_partial(q, kv, dst);
-    for (std::size_t i = 0; i < records(); ++i) state_set_empty(dst + i * rec_floats(), head_dim());
+    TREEATTN_RETURN_IF_ERROR(exec_->set_empty(dst, records(), head_dim()));
     const auto B = static_cast<std::size_t>(shape_.batch);
     piece_len_.resize(B);
     piece_pos_.resize(B);
@@ -233,18 +264,23 @@ class RingKV final : public StrategyBase {
       const auto off = static_cast<std::size_t>(j0 * kv.stride_token) * es;
       part.k = static_cast<const uint8_t*>(kv.k) + off;
       part.v = static_cast<const uint8_t*>(kv.v) + off;
+      if (kv.k_scale) {
+        const auto soff = static_cast<std::size_t>(j0 * kv.scale_stride_token);
+        part.k_scale = kv.k_scale + soff;
+        part.v_scale = kv.v_scale + soff;
+      }
       part.len = piece_len_;
       part.pos_start = piece_pos_;
-      TREEATTN_RETURN_IF_ERROR(local_partial(q, part, piece_.data()));
-      state_merge_n(dst, piece_.data(), records(), head_dim());
+      TREEATTN_RETURN_IF_ERROR(local_partial(q, part, piece_.as<float>()));
+      TREEATTN_RETURN_IF_ERROR(exec_->merge(dst, piece_.as<float>(), records(), head_dim()));
       if (!reqs.empty()) TREEATTN_RETURN_IF_ERROR(comm_->test_all(reqs).status());
     }
     return Status::ok();
   }
 
   ShardBuffer bufs_[2];
-  std::vector<int64_t> own_meta_, piece_len_, piece_pos_;
-  std::vector<float> partials_, piece_;
+  Buffer own_meta_, partials_, piece_;
+  std::vector<int64_t> piece_len_, piece_pos_;
 };
 
 }  // namespace

@@ -19,13 +19,12 @@ class RingState final : public StrategyBase {
   using StrategyBase::StrategyBase;
   std::string_view name() const override { return "ring-state"; }
 
-  Status step(const float* q, const KVShard& local, const ShardPlan&, StateBuffer& out) override {
-    ensure_shape(out);
+  Status run(const float* q, const KVShard& local, const ShardPlan&, float* out) override {
     const int p = comm_->size(), r = comm_->rank();
     const std::size_t S = state_floats();
-    all_.resize(static_cast<std::size_t>(p) * S);
-    note_buffers(all_.size() * sizeof(float));
-    auto slot = [&](int origin) { return all_.data() + static_cast<std::size_t>(origin) * S; };
+    TREEATTN_RETURN_IF_ERROR(ensure(all_, static_cast<std::size_t>(p) * state_bytes()));
+    note_buffers(static_cast<std::size_t>(p) * state_bytes());
+    auto slot = [&](int origin) { return all_.as<float>() + static_cast<std::size_t>(origin) * S; };
     TREEATTN_RETURN_IF_ERROR(local_partial(q, local, slot(r)));
     const int next = (r + 1) % p, prev = (r + p - 1) % p;
     for (int k = 0; k + 1 < p; ++k) {
@@ -39,12 +38,11 @@ class RingState final : public StrategyBase {
       TREEATTN_RETURN_IF_ERROR(comm_->wait_all(reqs));
     }
     if (!delivers_result(r)) return Status::ok();
-    merge_in_rank_order(all_.data(), p, out.data());
-    return Status::ok();
+    return merge_in_rank_order(all_.as<float>(), p, out);
   }
 
  private:
-  std::vector<float> all_;
+  Buffer all_;
 };
 
 }  // namespace

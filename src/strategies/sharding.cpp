@@ -239,6 +239,13 @@ void LocalShard::reserve(int64_t tokens) {
                   static_cast<const uint8_t*>(cache_.k_data()) + from, row);
       std::memcpy(static_cast<uint8_t*>(bigger.v_data()) + to,
                   static_cast<const uint8_t*>(cache_.v_data()) + from, row);
+      if (dtype_is_quantized(cache_.dtype())) {  // the per-token scales move with the codes
+        const auto n = static_cast<std::size_t>(cache_.capacity()) * sizeof(float);
+        std::memcpy(bigger.k_scale_data() + bigger.scale_index(b, h, 0),
+                    cache_.k_scale_data() + cache_.scale_index(b, h, 0), n);
+        std::memcpy(bigger.v_scale_data() + bigger.scale_index(b, h, 0),
+                    cache_.v_scale_data() + cache_.scale_index(b, h, 0), n);
+      }
     }
   cache_ = std::move(bigger);
 }

@@ -19,23 +19,21 @@ class Single final : public StrategyBase {
 
   Status setup_more(const ShardPlan& plan) override { return check_plan(plan); }
 
-  Status step(const float* q, const KVShard& local, const ShardPlan& plan,
-              StateBuffer& out) override {
+  Status run(const float* q, const KVShard& local, const ShardPlan& plan, float* out) override {
     TREEATTN_RETURN_IF_ERROR(check_plan(plan));
-    ensure_shape(out);
     const int r = comm_->rank();
-    if (r == 0) TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out.data()));
+    if (r == 0) TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out));
     if (comm_->size() == 1) return Status::ok();
-    if (options_.root < 0) return comm_->broadcast(out.data(), state_bytes(), 0);
+    if (options_.root < 0) return comm_->broadcast(out, state_bytes(), 0);
     if (options_.root == 0) return Status::ok();
     if (r == 0) {
-      auto s = comm_->isend(out.data(), state_bytes(), options_.root, kTag);
+      auto s = comm_->isend(out, state_bytes(), options_.root, kTag);
       TREEATTN_RETURN_IF_ERROR(s.status());
       const CommRequest reqs[1] = {*s};
       return comm_->wait_all(reqs);
     }
     if (r == options_.root) {
-      auto s = comm_->irecv(out.data(), state_bytes(), 0, kTag);
+      auto s = comm_->irecv(out, state_bytes(), 0, kTag);
       TREEATTN_RETURN_IF_ERROR(s.status());
       const CommRequest reqs[1] = {*s};
       return comm_->wait_all(reqs);

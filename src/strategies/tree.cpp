@@ -20,12 +20,10 @@ class Tree final : public StrategyBase {
   using StrategyBase::StrategyBase;
   std::string_view name() const override { return "tree"; }
 
-  Status step(const float* q, const KVShard& local, const ShardPlan&, StateBuffer& out) override {
-    ensure_shape(out);
-    TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out.data()));
-    if (options_.root >= 0)
-      return comm_->reduce_states(out.data(), records(), head_dim(), options_.root);
-    return comm_->allreduce_states(out.data(), records(), head_dim());
+  Status run(const float* q, const KVShard& local, const ShardPlan&, float* out) override {
+    TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out));
+    if (options_.root >= 0) return comm_->reduce_states(out, records(), head_dim(), options_.root);
+    return comm_->allreduce_states(out, records(), head_dim());
   }
 };
 

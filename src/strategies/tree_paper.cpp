@@ -30,60 +30,37 @@ class TreePaper final : public StrategyBase {
   TreePaper(const StrategyOptions& o, bool fused) : StrategyBase(o), fused_(fused) {}
   std::string_view name() const override { return fused_ ? "tree2" : "tree-paper"; }
 
-  Status step(const float* q, const KVShard& local, const ShardPlan&, StateBuffer& out) override {
-    ensure_shape(out);
-    TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out.data()));
+  Status run(const float* q, const KVShard& local, const ShardPlan&, float* out) override {
+    TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out));
     const std::size_t n = records(), D = head_dim();
-    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-    lse_.resize(n);
-    for (std::size_t i = 0; i < n; ++i) lse_[i] = state_lse(out.record(i));
-    TREEATTN_RETURN_IF_ERROR(comm_->allreduce(lse_.data(), n, ReduceOp::kMax));
-    // Our weights, scaled outputs and denominators.
     const std::size_t stride = fused_ ? D + 1 : D;
-    num_.resize(n * stride);
-    den_.resize(fused_ ? 0 : n);
-    for (std::size_t i = 0; i < n; ++i) {
-      const float* rec = out.record(i);
-      const float M = lse_[i];
-      const float mine = state_lse(rec);
-      const float w = (mine == kNegInf || M == kNegInf) ? 0.0f : std::exp(mine - M);
-      float* dst = num_.data() + i * stride;
-      const float l = rec[1];
-      for (std::size_t d = 0; d < D; ++d) dst[d] = w == 0.0f ? 0.0f : rec[2 + d] / l * w;
-      if (fused_)
-        dst[D] = w;
-      else
-        den_[i] = w;
-    }
-    note_buffers((lse_.size() + num_.size() + den_.size()) * sizeof(float));
+    TREEATTN_RETURN_IF_ERROR(ensure(lse_, n * sizeof(float)));
+    TREEATTN_RETURN_IF_ERROR(ensure(num_, n * stride * sizeof(float)));
+    if (!fused_) TREEATTN_RETURN_IF_ERROR(ensure(den_, n * sizeof(float)));
+    note_buffers((n + n * stride + (fused_ ? 0 : n)) * sizeof(float));
+    float* lse = lse_.as<float>();
+    float* num = num_.as<float>();
+    float* den = fused_ ? nullptr : den_.as<float>();
+    // 1. M = max over ranks of each record's LSE.
+    TREEATTN_RETURN_IF_ERROR(exec_->lse(out, n, D, lse));
+    TREEATTN_RETURN_IF_ERROR(comm_->allreduce(lse, n, ReduceOp::kMax));
+    // 2./3. Our weights exp(lse - M), weighted outputs and denominators, summed over ranks.
+    TREEATTN_RETURN_IF_ERROR(exec_->to_sum_form(out, lse, n, D, num, stride, den));
     if (options_.root >= 0) {
-      TREEATTN_RETURN_IF_ERROR(
-          comm_->reduce(num_.data(), num_.size(), ReduceOp::kSum, options_.root));
-      if (!fused_)
-        TREEATTN_RETURN_IF_ERROR(comm_->reduce(den_.data(), n, ReduceOp::kSum, options_.root));
+      TREEATTN_RETURN_IF_ERROR(comm_->reduce(num, n * stride, ReduceOp::kSum, options_.root));
+      if (!fused_) TREEATTN_RETURN_IF_ERROR(comm_->reduce(den, n, ReduceOp::kSum, options_.root));
       if (comm_->rank() != options_.root) return Status::ok();
     } else {
-      TREEATTN_RETURN_IF_ERROR(comm_->allreduce(num_.data(), num_.size(), ReduceOp::kSum));
-      if (!fused_) TREEATTN_RETURN_IF_ERROR(comm_->allreduce(den_.data(), n, ReduceOp::kSum));
+      TREEATTN_RETURN_IF_ERROR(comm_->allreduce(num, n * stride, ReduceOp::kSum));
+      if (!fused_) TREEATTN_RETURN_IF_ERROR(comm_->allreduce(den, n, ReduceOp::kSum));
     }
-    for (std::size_t i = 0; i < n; ++i) {
-      float* rec = out.record(i);
-      const float* src = num_.data() + i * stride;
-      const float L = fused_ ? src[D] : den_[i];
-      if (lse_[i] == kNegInf || L == 0.0f) {
-        state_set_empty(rec, D);
-        continue;
-      }
-      rec[0] = lse_[i];
-      rec[1] = L;
-      for (std::size_t d = 0; d < D; ++d) rec[2 + d] = src[d];
-    }
-    return Status::ok();
+    // The merged state (M, L, N); empty where M = -inf or L = 0.
+    return exec_->from_sum_form(lse, num, stride, den, n, D, out);
   }
 
  private:
   bool fused_;
-  std::vector<float> lse_, num_, den_;
+  Buffer lse_, num_, den_;
 };
 
 }  // namespace

@@ -10,7 +10,7 @@
 #include <random>
 #include <vector>
 
-#include "treeattn/state.hpp"
+#include "treeattn/state_buffer.hpp"
 
 namespace treeattn {
 namespace {

@@ -23,6 +23,11 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 constexpr int kDiagTag = 4242;
+// Every point-to-point message of the Communicator interface carries this one MPI tag, so MPI's
+// non-overtaking rule matches messages between a pair of ranks in the order they were posted:
+// the ordering contract of comm.hpp, the one a backend without tags (NCCL) gives. The caller's
+// tag is only a label for diagnostics ("still waiting to receive from rank 3 (tag 7)").
+constexpr int kP2PTag = 0;
 
 // ---- process-wide MPI objects ---------------------------------------------------------------
 
@@ -42,11 +47,9 @@ extern "C" void treeattn_merge_states_op(void* in, void* inout, int* len, MPI_Da
   auto* acc = static_cast<float*>(inout);
   const auto* x = static_cast<const float*>(in);
   for (int i = 0; i < *len; ++i) {
-    float* a = acc + static_cast<std::size_t>(i) * rec;
-    state_merge(a, x + static_cast<std::size_t>(i) * rec, d);
-    // The merge is exactly commutative except that max(+0, -0) keeps the sign of its second
-    // operand; fold -0 to +0 so every merge order gives the same bits.
-    if (a[0] == 0.0f) a[0] = 0.0f;
+    // state_merge is commutative bit for bit (it folds m = -0 to +0), as MPI_Op_create's
+    // commute flag below requires.
+    state_merge(acc + static_cast<std::size_t>(i) * rec, x + static_cast<std::size_t>(i) * rec, d);
   }
 }
 
@@ -257,7 +260,7 @@ class MpiCommunicator final : public Communicator {
     TREEATTN_RETURN_IF_ERROR(check_p2p("isend", bytes, dest, tag));
     MPI_Request r;
     TREEATTN_RETURN_IF_ERROR(check(
-        "MPI_Isend", MPI_Isend(data, static_cast<int>(bytes), MPI_BYTE, dest, tag, comm_, &r)));
+        "MPI_Isend", MPI_Isend(data, static_cast<int>(bytes), MPI_BYTE, dest, kP2PTag, comm_, &r)));
     mutable_counters().p2p_bytes += bytes;
     mutable_counters().p2p_messages += 1;
     return store(r, PeerOp{true, dest, tag});
@@ -268,7 +271,7 @@ class MpiCommunicator final : public Communicator {
     TREEATTN_RETURN_IF_ERROR(check_p2p("irecv", bytes, src, tag));
     MPI_Request r;
     TREEATTN_RETURN_IF_ERROR(check(
-        "MPI_Irecv", MPI_Irecv(data, static_cast<int>(bytes), MPI_BYTE, src, tag, comm_, &r)));
+        "MPI_Irecv", MPI_Irecv(data, static_cast<int>(bytes), MPI_BYTE, src, kP2PTag, comm_, &r)));
     return store(r, PeerOp{false, src, tag});
   }
 

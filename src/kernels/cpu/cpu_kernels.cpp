@@ -22,6 +22,11 @@
 #include "kernels/kernel_impl.hpp"
 #include "treeattn/state.hpp"
 
+static_assert(treeattn::kernels::cpu::kM == treeattn::kStateM &&
+                  treeattn::kernels::cpu::kL == treeattn::kStateL &&
+                  treeattn::kernels::cpu::kO == treeattn::kStateO,
+              "cpu_targets.hpp's record offsets must match state.hpp");
+
 namespace treeattn::kernels {
 namespace {
 

@@ -23,6 +23,10 @@ enum class Isa : uint8_t;  // kernel.hpp
 
 namespace treeattn::kernels::cpu {
 
+// Offsets of m, l and o in a packed state record: state.hpp's kStateM / kStateL / kStateO, by
+// name (cpu_kernels.cpp checks that they agree; this header cannot include state.hpp).
+inline constexpr int kM = 0, kL = 1, kO = 2;
+
 // Tokens per softmax block inside an item. Every target uses the same value, a multiple of
 // every vector width (16 floats for AVX-512, 8 for AVX2 and generic). 64 rather than 32 halves
 // the per-block work (o reloads, block max, rescale): measured 1 thread, 256k tokens, medians

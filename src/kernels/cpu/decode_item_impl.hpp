@@ -181,8 +181,8 @@ void run_item(const ItemArgs& a) {
 
   for (int r = 0; r < R; ++r) {
     float* rec = a.out + r * kRec;
-    rec[0] = kNegInf;
-    for (int i = 1; i < kRec; ++i) rec[i] = 0.0f;
+    rec[kM] = kNegInf;
+    for (int i = kL; i < kRec; ++i) rec[i] = 0.0f;
   }
 
   const void* kp[kNB];
@@ -246,7 +246,7 @@ void run_item(const ItemArgs& a) {
         for (int j = 0; j < take; ++j)
           if (sr[j] != sr[j]) mb = sr[j];
       }
-      const float m_old = rec[0];
+      const float m_old = rec[kM];
       float m_new;
       if (m_old != m_old || mb != mb) {
         m_new = mb != mb ? mb : m_old;
@@ -256,11 +256,11 @@ void run_item(const ItemArgs& a) {
       if (m_new == kNegInf) continue;  // every visible logit so far is -inf: nothing to add
       if (m_new != m_old && m_old != kNegInf) {
         const float alpha = __builtin_expf(m_old - m_new);
-        rec[1] *= alpha;
+        rec[kL] *= alpha;
         const V va = Ops::set1(alpha);
-        for (int d = 0; d < D; d += Ops::W) Ops::storeu(rec + 2 + d, Ops::mul(Ops::loadu(rec + 2 + d), va));
+        for (int d = 0; d < D; d += Ops::W) Ops::storeu(rec + kO + d, Ops::mul(Ops::loadu(rec + kO + d), va));
       }
-      rec[0] = m_new;
+      rec[kM] = m_new;
       const V vm = Ops::set1(m_new);
       V lsum = Ops::zero();
       for (int j = 0; j < padded_w; j += Ops::W) {
@@ -272,7 +272,7 @@ void run_item(const ItemArgs& a) {
           Ops::storeu(sr + j, p);
         }
       }
-      rec[1] += Ops::reduce_add(lsum);
+      rec[kL] += Ops::reduce_add(lsum);
     }
 
     // 3. Values. A row takes the first take_r tokens of the block (0 if it skipped the
@@ -281,7 +281,7 @@ void run_item(const ItemArgs& a) {
     auto take_of = [&](int r) -> int {
       const int64_t vis = a.visible[r] - tb;
       int take = vis <= 0 ? 0 : (vis < n ? static_cast<int>(vis) : n);
-      if (take > 0 && a.out[r * kRec] == kNegInf) take = 0;
+      if (take > 0 && a.out[r * kRec + kM] == kNegInf) take = 0;
       return take;
     };
     auto run_group = [&](auto rr_tag, int rb) {
@@ -291,7 +291,7 @@ void run_item(const ItemArgs& a) {
       int tk[RR];
       int common = kNB;
       for (int i = 0; i < RR; ++i) {
-        o[i] = a.out + (rb + i) * kRec + 2;
+        o[i] = a.out + (rb + i) * kRec + kO;
         p[i] = s + (rb + i) * kNB;
         tk[i] = take_of(rb + i);
         common = tk[i] < common ? tk[i] : common;
@@ -312,7 +312,7 @@ void run_item(const ItemArgs& a) {
   // A NaN logit leaves m finite but l NaN; report it in m too, as the reference does.
   for (int r = 0; r < R; ++r) {
     float* rec = a.out + r * kRec;
-    if (rec[1] != rec[1]) rec[0] = rec[1];
+    if (rec[kL] != rec[kL]) rec[kM] = rec[kL];
   }
 }
 

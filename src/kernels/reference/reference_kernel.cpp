@@ -75,18 +75,18 @@ Status decode_reference(const AttnShape& shape, const float* q, const KVShard& k
           const float s = dot * opt.scale;
           if (s == kNegInf) continue;  // weight exactly 0 (only reachable with -inf inputs)
           float* st = out + static_cast<std::size_t>(i * G + g) * rec;
-          float m = st[0];
+          float m = state_m(st);
           float m_new = (std::isnan(s) || std::isnan(m)) ? kNaN : (s > m ? s : m);
           if (m_new != m) {  // rescale what was accumulated so far (0 when it was empty)
             const float a = (m == kNegInf) ? 0.0f : std::exp(m - m_new);
-            st[1] *= a;
-            for (int64_t d = 0; d < D; ++d) st[2 + d] *= a;
-            st[0] = m_new;
+            state_l(st) *= a;
+            for (int64_t d = 0; d < D; ++d) state_o(st)[d] *= a;
+            state_m(st) = m_new;
             m = m_new;
           }
           const float p = std::exp(s - m);
-          st[1] += p;
-          for (int64_t d = 0; d < D; ++d) st[2 + d] += p * vf[static_cast<std::size_t>(d)];
+          state_l(st) += p;
+          for (int64_t d = 0; d < D; ++d) state_o(st)[d] += p * vf[static_cast<std::size_t>(d)];
         }
       }
     }

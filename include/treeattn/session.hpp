@@ -1,0 +1,140 @@
+// The decode session: the library's one entry point for distributed exact attention decoding.
+//
+// A DecodeSession is created collectively by every rank of a communicator with the same
+// configuration (it checks that they agree and names the ranks and fields that differ). It owns
+// this rank's KV shards of every layer under one placement (ShardPlan, sharding.hpp) and the
+// strategy (strategy.hpp) that merges the ranks' partial states. A model calls it once per layer
+// and token:
+//
+//   auto s = DecodeSession::create(comm, cfg);        // cfg.layers = 30, cfg.strategy = "tree"
+//   s->extend(prompt_len);                            // lay the prompt out over the ranks
+//   for each layer l, position pos this rank owns:    // prefill: each rank stores its part
+//     s->store(l, b, pos, k, v);
+//   loop:
+//     for each layer l: s->attend(l, q_l, out_l);     // merged exact attention, every rank
+//     s->append(k_all_layers, v_all_layers);          // the new token, stored by its owner only
+//
+// Memory: the KV shards, q, out and lse of attend live in the executor's memory space
+// (executor.hpp; host memory for the CPU executor). store/append take host floats and narrow them
+// to the cache dtype (quantized dtypes keep a per-token, per-KV-head scale).
+//
+// q_len (AttnShape::q_len) is fixed per session: every attend call passes q_len queries per
+// batch row; query i sees the positions <= length - q_len + i (shape.hpp).
+//
+// Errors: every collective call returns a Status; the same error reaches every rank (shape or
+// configuration mismatches are found at creation, a rank that never arrives is a kTimeout naming
+// it after config.timeout). After a kTimeout the session is unusable.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "treeattn/comm.hpp"
+#include "treeattn/executor.hpp"
+#include "treeattn/shape.hpp"
+#include "treeattn/sharding.hpp"
+#include "treeattn/state_buffer.hpp"
+#include "treeattn/status.hpp"
+#include "treeattn/strategy.hpp"
+
+namespace treeattn {
+
+struct SessionConfig {
+  AttnShape shape;                // batch, heads, kv_heads, head_dim, q_len (queries per attend)
+  DType dtype = DType::kBF16;     // KV cache element type
+  int layers = 1;                 // KV caches kept, one per layer, all under one placement
+  ShardKind placement = ShardKind::kEven;
+  std::vector<int64_t> context;       // initial tokens per batch row (one value: every row); {} = 0
+  std::vector<int64_t> explicit_len;  // ShardKind::kExplicit (see ShardPlan::make)
+  int holder = 0;                     // ShardKind::kSingle
+  int64_t reserve_tokens = 0;         // spare slots per row before a shard has to grow
+  std::string strategy = "tree";      // a name from StrategyRegistry::for_backend(comm)
+  StrategyOptions options;            // root, fan-out, node grouping, kernel options
+  std::chrono::milliseconds timeout{60000};  // per communicator operation; 0 = wait forever
+  bool check_agreement = true;               // all-gather and compare the configuration at create
+  // More fields every rank must agree on (name, value), checked with the configuration: callers
+  // (the benchmark harness, a model) add what their run depends on.
+  std::vector<std::pair<std::string, std::string>> agree_also;
+};
+
+class DecodeSession {
+ public:
+  // Collective over comm. comm and executor must outlive the session. The strategy `single`
+  // requires (and forces) ShardKind::kSingle with holder 0.
+  static Result<std::unique_ptr<DecodeSession>> create(Communicator& comm,
+                                                       const SessionConfig& config,
+                                                       Executor& executor = cpu_executor());
+  ~DecodeSession();
+  DecodeSession(const DecodeSession&) = delete;
+  DecodeSession& operator=(const DecodeSession&) = delete;
+
+  const SessionConfig& config() const { return config_; }
+  const AttnShape& shape() const { return config_.shape; }
+  int layers() const { return config_.layers; }
+  Communicator& comm() const { return *comm_; }
+  Executor& executor() const { return *exec_; }
+  const ShardPlan& plan() const { return plan_; }
+  int64_t length(int64_t b) const { return plan_.total_len(b); }
+
+  // ---- the KV cache -----------------------------------------------------------------------------
+  // Whether this rank holds position pos of row b (pos < length(b)).
+  bool owns(int64_t b, int64_t pos) const;
+  // Writes K and V ([kv_heads][head_dim] host floats) of position pos of row b in `layer`. Local:
+  // kInvalidArgument when this rank does not own the position (see owns()).
+  Status store(int layer, int64_t b, int64_t pos, const float* k, const float* v);
+  // Collective. Appends one token to every row: k and v are [layers][batch][kv_heads][head_dim]
+  // host floats, the same on every rank. The placement advances once (for all layers) and only
+  // the owner stores the token.
+  Status append(const float* k, const float* v);
+  // Local and deterministic (every rank must call it with the same n). Grows every row by n
+  // tokens whose K/V the owners then write with store(). On a session whose rows are all empty
+  // the n tokens are laid out by the configured placement (a prefill); otherwise they are placed
+  // as n appends would be.
+  Status extend(int64_t n);
+  // This rank's live tokens of one layer, as the kernels read them.
+  KVShard view(int layer) const;
+  // Bytes of K and V (and scales) this rank holds for live tokens, over all layers.
+  std::size_t live_kv_bytes() const;
+
+  // ---- attention ---------------------------------------------------------------------------------
+  // Collective. q [batch][q_len][heads][head_dim]; out the exact attention over every rank's
+  // tokens of `layer`, [batch][q_len][heads][head_dim], and lse [batch][q_len][heads] (natural
+  // log; may be null). Written where delivers_result() (every rank unless options.root >= 0).
+  Status attend(int layer, const float* q, float* out, float* lse = nullptr);
+  // Collective. The merged state records instead (state.hpp), for checks and benchmarks.
+  // strategy: an index from add_strategy (0 = the configured one).
+  Status attend_states(int layer, const float* q, StateBuffer& states, int strategy = 0);
+  bool delivers_result(int strategy = 0) const;
+
+  // Collective. All-gathers the configuration, the current placement and `extra`, and fails with
+  // kMismatch naming the ranks and fields that differ (the check create() runs, again; a debug
+  // aid before a step). `when` goes into the message ("at step 3").
+  Status check_agreement(const std::string& when,
+                         const std::vector<std::pair<std::string, std::string>>& extra = {});
+
+  // Collective. Sets up one more strategy on the same placement and shards (the benchmark
+  // harness compares them on the very same data); returns its index for attend_states. `single`
+  // cannot join a session whose placement is not ShardKind::kSingle.
+  Result<int> add_strategy(const std::string& name, const StrategyOptions& options);
+  Strategy& strategy(int index = 0) const { return *strategies_[static_cast<std::size_t>(index)]; }
+  int strategy_count() const { return static_cast<int>(strategies_.size()); }
+
+ private:
+  DecodeSession() = default;
+  Status check_layer(int layer, const char* op) const;
+
+  SessionConfig config_;
+  Communicator* comm_ = nullptr;
+  Executor* exec_ = nullptr;
+  ShardPlan plan_;
+  std::vector<LocalShard> shards_;  // one per layer
+  std::vector<std::unique_ptr<Strategy>> strategies_;
+  StateBuffer scratch_;  // attend(): merged records before normalisation
+};
+
+}  // namespace treeattn

@@ -1,0 +1,348 @@
+// The decode session (include/treeattn/session.hpp): agreement at creation, the per-layer KV
+// shards under one placement, appends, and attention through the strategies.
+#include "treeattn/session.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace treeattn {
+namespace {
+
+std::string rank_prefix(const Communicator& c) {
+  return "rank " + std::to_string(c.world_rank()) + ": ";
+}
+
+// What every rank must agree on, serialized as "name=value" fields in a fixed-size record for
+// an all-gather, with this rank's own verdict on its configuration.
+constexpr std::size_t kFieldsBytes = 3072;
+constexpr std::size_t kErrorBytes = 400;
+
+struct Fingerprint {
+  int32_t error = 0;  // 1: this rank's own configuration is invalid (text below)
+  int32_t overflow = 0;
+  char fields[kFieldsBytes];  // name \x1f value \x1e name \x1f value ...
+  char error_text[kErrorBytes];
+};
+
+using Fields = std::vector<std::pair<std::string, std::string>>;
+
+Fingerprint make_fingerprint(const Fields& fields, const std::string& local_error) {
+  Fingerprint f{};
+  std::string flat;
+  for (const auto& [k, v] : fields) flat += k + '\x1f' + v + '\x1e';
+  if (flat.size() >= kFieldsBytes) {
+    f.overflow = 1;
+    flat.resize(kFieldsBytes - 1);
+  }
+  std::memcpy(f.fields, flat.data(), flat.size());
+  f.error = local_error.empty() ? 0 : 1;
+  std::snprintf(f.error_text, sizeof(f.error_text), "%s", local_error.c_str());
+  return f;
+}
+
+Fields parse_fields(const Fingerprint& f) {
+  Fields out;
+  const std::string flat(f.fields, strnlen(f.fields, kFieldsBytes));
+  std::size_t at = 0;
+  while (at < flat.size()) {
+    const std::size_t sep = flat.find('\x1f', at), end = flat.find('\x1e', at);
+    if (sep == std::string::npos || end == std::string::npos || sep > end) break;
+    out.emplace_back(flat.substr(at, sep - at), flat.substr(sep + 1, end - sep - 1));
+    at = end + 1;
+  }
+  return out;
+}
+
+// (field, rank 0's value, other's value) for every field that differs, in field order.
+std::vector<std::tuple<std::string, std::string, std::string>> differences(const Fields& a,
+                                                                            const Fields& b) {
+  std::vector<std::tuple<std::string, std::string, std::string>> d;
+  const std::size_t n = std::max(a.size(), b.size());
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::string name = i < a.size() ? a[i].first : b[i].first;
+    const std::string va = i < a.size() ? a[i].second : "(absent)";
+    std::string vb = "(absent)";
+    if (i < b.size()) vb = b[i].first == name ? b[i].second : b[i].first + "=" + b[i].second;
+    if (va != vb) d.emplace_back(name, va, vb);
+  }
+  return d;
+}
+
+std::string describe(const Fields& f) {
+  std::string s;
+  for (const auto& [k, v] : f) {
+    if (k == "shard plan (lengths per rank)") {
+      s += " plan=" + v;
+      continue;
+    }
+    if (!s.empty()) s += " ";
+    s += k + "=" + v;
+  }
+  return s;
+}
+
+// All-gathers the fingerprints; every rank returns the same verdict.
+Status agree(Communicator& comm, const Fields& fields, const std::string& local_error,
+             const std::string& when) {
+  const Fingerprint mine = make_fingerprint(fields, local_error);
+  const auto p = static_cast<std::size_t>(comm.size());
+  std::vector<Fingerprint> all(p);
+  TREEATTN_RETURN_IF_ERROR(comm.allgather(&mine, sizeof(Fingerprint), all.data()));
+  for (std::size_t r = 0; r < p; ++r)
+    if (all[r].error)
+      return invalid_argument(
+          rank_prefix(comm) + "rank " + std::to_string(r) + " rejected the run configuration " +
+          when + ": " +
+          std::string(all[r].error_text, strnlen(all[r].error_text, sizeof(all[r].error_text))));
+  std::vector<Fields> parsed(p);
+  for (std::size_t r = 0; r < p; ++r) parsed[r] = parse_fields(all[r]);
+  std::vector<int> bad;
+  for (std::size_t r = 1; r < p; ++r)
+    if (!differences(parsed[0], parsed[r]).empty() ||
+        std::memcmp(all[0].fields, all[r].fields, kFieldsBytes) != 0)
+      bad.push_back(static_cast<int>(r));
+  if (bad.empty()) return Status::ok();
+  const auto first = static_cast<std::size_t>(bad.front());
+  const auto diffs = differences(parsed[0], parsed[first]);
+  std::string msg = rank_prefix(comm) + "ranks disagree on the run " + when + ": ";
+  for (std::size_t i = 0; i < diffs.size(); ++i) {
+    const auto& [name, a, b] = diffs[i];
+    if (i) msg += ", ";
+    msg += "rank 0 has " + name + "=" + a + ", rank " + std::to_string(first) + " has " + name +
+           "=" + b;
+  }
+  if (diffs.empty()) msg += "configuration records differ beyond their first " +
+                            std::to_string(kFieldsBytes) + " bytes";
+  msg += " (ranks differing from rank 0:";
+  for (int r : bad) msg += " " + std::to_string(r);
+  msg += "; rank 0: " + describe(parsed[0]) + "; rank " + std::to_string(first) + ": " +
+         describe(parsed[first]) + ")";
+  return {Code::kMismatch, msg};
+}
+
+std::vector<int64_t> expand_context(const SessionConfig& c) {
+  std::vector<int64_t> lens = c.context;
+  if (lens.empty()) lens.assign(static_cast<std::size_t>(std::max<int64_t>(c.shape.batch, 0)), 0);
+  if (lens.size() == 1 && c.shape.batch > 1)
+    lens.assign(static_cast<std::size_t>(c.shape.batch), lens[0]);
+  return lens;
+}
+
+Result<ShardPlan> make_plan(const SessionConfig& c, int ranks, std::vector<int64_t> lens) {
+  if (static_cast<int64_t>(lens.size()) != c.shape.batch)
+    return invalid_argument("got " + std::to_string(c.context.size()) +
+                            " context lengths for batch " + std::to_string(c.shape.batch) +
+                            " (give one, or one per batch row)");
+  // `single` places every token on rank 0 whatever the requested placement.
+  if (c.strategy == "single") return ShardPlan::make(ShardKind::kSingle, ranks, std::move(lens));
+  return ShardPlan::make(c.placement, ranks, std::move(lens), c.explicit_len, c.holder);
+}
+
+Fields config_fields(const SessionConfig& c, const std::string& strategy,
+                     const StrategyOptions& o, uint64_t plan_fp) {
+  Fields f = {{"strategy", strategy},
+              {"batch", std::to_string(c.shape.batch)},
+              {"heads", std::to_string(c.shape.heads)},
+              {"kv_heads", std::to_string(c.shape.kv_heads)},
+              {"head_dim", std::to_string(c.shape.head_dim)},
+              {"q_len", std::to_string(c.shape.q_len)},
+              {"dtype", std::string(dtype_name(c.dtype))},
+              {"shard", std::string(shard_kind_name(c.placement))},
+              {"layers", std::to_string(c.layers)},
+              {"root", std::to_string(o.root)},
+              {"fanout", std::to_string(o.fanout)}};
+  for (const auto& kv : c.agree_also) f.push_back(kv);
+  f.emplace_back("shard plan (lengths per rank)", std::to_string(plan_fp));
+  return f;
+}
+
+}  // namespace
+
+DecodeSession::~DecodeSession() = default;
+
+Result<std::unique_ptr<DecodeSession>> DecodeSession::create(Communicator& comm,
+                                                             const SessionConfig& config,
+                                                             Executor& executor) {
+  comm.set_timeout(config.timeout);
+  const int p = comm.size(), me = comm.rank();
+
+  // Local validation; its verdict travels with the fingerprint so that no rank waits alone.
+  std::string local_error;
+  const StrategyRegistry& registry = StrategyRegistry::for_backend(comm.capabilities());
+  Result<ShardPlan> plan = make_plan(config, p, expand_context(config));
+  if (Status s = config.shape.validate(); !s.is_ok())
+    local_error = s.to_string();
+  else if (config.layers < 1)
+    local_error = "layers must be >= 1, got " + std::to_string(config.layers);
+  else if (!registry.contains(config.strategy))
+    local_error = registry.create(config.strategy, config.options).status().to_string();
+  else if (!plan.is_ok())
+    local_error = plan.status().to_string();
+  else if (config.reserve_tokens < 0)
+    local_error = "reserve_tokens must be >= 0, got " + std::to_string(config.reserve_tokens);
+  else if (executor.memory() != MemorySpace::kHost)
+    local_error = "executor '" + std::string(executor.name()) +
+                  "': KV shards in device memory are not supported by this build's session";
+  const uint64_t plan_fp = plan.is_ok() ? plan->fingerprint() : 0;
+  if (config.check_agreement && p > 1)
+    TREEATTN_RETURN_IF_ERROR(agree(comm,
+                                   config_fields(config, config.strategy, config.options, plan_fp),
+                                   local_error, "at setup"));
+  if (!local_error.empty()) return invalid_argument(rank_prefix(comm) + local_error);
+
+  std::unique_ptr<DecodeSession> s(new DecodeSession());
+  s->config_ = config;
+  s->comm_ = &comm;
+  s->exec_ = &executor;
+  s->plan_ = std::move(*plan);
+  s->shards_.reserve(static_cast<std::size_t>(config.layers));
+  for (int l = 0; l < config.layers; ++l) {
+    auto shard =
+        LocalShard::create(config.shape, config.dtype, s->plan_, me, config.reserve_tokens);
+    TREEATTN_RETURN_IF_ERROR(shard.status());
+    s->shards_.push_back(std::move(*shard));
+  }
+  auto strategy = registry.create(config.strategy, config.options);
+  TREEATTN_RETURN_IF_ERROR(strategy.status());
+  TREEATTN_RETURN_IF_ERROR(
+      (*strategy)->setup(comm, executor, config.shape, config.dtype, s->plan_));
+  s->strategies_.push_back(std::move(*strategy));
+  return s;
+}
+
+Status DecodeSession::check_layer(int layer, const char* op) const {
+  if (layer < 0 || layer >= config_.layers)
+    return invalid_argument(rank_prefix(*comm_) + op + ": layer " + std::to_string(layer) +
+                            " is outside [0, " + std::to_string(config_.layers) + ")");
+  return Status::ok();
+}
+
+bool DecodeSession::owns(int64_t b, int64_t pos) const {
+  if (b < 0 || b >= plan_.batch() || pos < 0 || pos >= plan_.total_len(b)) return false;
+  return plan_.owner(b, pos) == comm_->rank();
+}
+
+Status DecodeSession::store(int layer, int64_t b, int64_t pos, const float* k, const float* v) {
+  TREEATTN_RETURN_IF_ERROR(check_layer(layer, "store"));
+  if (b < 0 || b >= plan_.batch())
+    return invalid_argument(rank_prefix(*comm_) + "store: batch row " + std::to_string(b) +
+                            " is outside [0, " + std::to_string(plan_.batch()) + ")");
+  if (pos < 0 || pos >= plan_.total_len(b))
+    return invalid_argument(rank_prefix(*comm_) + "store: position " + std::to_string(pos) +
+                            " of row " + std::to_string(b) + " is outside [0, " +
+                            std::to_string(plan_.total_len(b)) + ")");
+  const int me = comm_->rank();
+  if (plan_.owner(b, pos) != me)
+    return invalid_argument(rank_prefix(*comm_) + "store: position " + std::to_string(pos) +
+                            " of row " + std::to_string(b) + " belongs to rank " +
+                            std::to_string(plan_.owner(b, pos)) + " (" + plan_.to_string() + ")");
+  if (k == nullptr || v == nullptr) return invalid_argument(rank_prefix(*comm_) + "store: null K or V");
+  const int64_t slot = (pos - plan_.pos_start(me, b)) / plan_.pos_stride();
+  LocalShard& shard = shards_[static_cast<std::size_t>(layer)];
+  if (slot >= shard.capacity()) shard.reserve(slot + 1);
+  shard.set_slot(b, slot, k, v);
+  return Status::ok();
+}
+
+Status DecodeSession::append(const float* k, const float* v) {
+  if (k == nullptr || v == nullptr)
+    return invalid_argument(rank_prefix(*comm_) + "append: null K or V");
+  const int me = comm_->rank();
+  const AttnShape& s = config_.shape;
+  const auto per_row = static_cast<std::size_t>(s.kv_heads * s.head_dim);
+  const auto per_layer = static_cast<std::size_t>(s.batch) * per_row;
+  for (int64_t b = 0; b < s.batch; ++b) {
+    if (plan_.append_owner(b) != me) continue;
+    const int64_t slot = plan_.len(me, b);
+    for (std::size_t l = 0; l < shards_.size(); ++l) {
+      LocalShard& shard = shards_[l];
+      if (slot >= shard.capacity()) shard.reserve(slot + 1);
+      const std::size_t off = l * per_layer + static_cast<std::size_t>(b) * per_row;
+      shard.set_slot(b, slot, k + off, v + off);
+    }
+  }
+  plan_.append_one();  // once for every layer
+  return Status::ok();
+}
+
+Status DecodeSession::extend(int64_t n) {
+  if (n < 0)
+    return invalid_argument(rank_prefix(*comm_) + "extend: n must be >= 0, got " +
+                            std::to_string(n));
+  bool empty = true;
+  for (int64_t len : plan_.total_lens()) empty = empty && len == 0;
+  if (empty && n > 0) {
+    std::vector<int64_t> lens(static_cast<std::size_t>(config_.shape.batch), n);
+    auto plan = make_plan(config_, comm_->size(), std::move(lens));
+    if (!plan.is_ok())
+      return Status(plan.status().code(),
+                    rank_prefix(*comm_) + "extend: " + plan.status().message());
+    plan_ = std::move(*plan);
+  } else {
+    for (int64_t i = 0; i < n; ++i) plan_.append_one();
+  }
+  const int64_t need = plan_.max_len(comm_->rank());
+  for (LocalShard& shard : shards_)
+    if (need > shard.capacity()) shard.reserve(need + config_.reserve_tokens);
+  return Status::ok();
+}
+
+KVShard DecodeSession::view(int layer) const {
+  return shards_[static_cast<std::size_t>(layer)].view(plan_);
+}
+
+std::size_t DecodeSession::live_kv_bytes() const {
+  std::size_t total = 0;
+  for (const LocalShard& shard : shards_) total += shard.live_bytes(plan_);
+  return total;
+}
+
+bool DecodeSession::delivers_result(int strategy) const {
+  return strategies_[static_cast<std::size_t>(strategy)]->delivers_result(comm_->rank());
+}
+
+Status DecodeSession::attend_states(int layer, const float* q, StateBuffer& states, int strategy) {
+  TREEATTN_RETURN_IF_ERROR(check_layer(layer, "attend"));
+  if (strategy < 0 || strategy >= strategy_count())
+    return invalid_argument(rank_prefix(*comm_) + "attend: strategy index " +
+                            std::to_string(strategy) + " is outside [0, " +
+                            std::to_string(strategy_count()) + ")");
+  if (q == nullptr) return invalid_argument(rank_prefix(*comm_) + "attend: null query");
+  return strategies_[static_cast<std::size_t>(strategy)]->step(q, view(layer), plan_, states);
+}
+
+Status DecodeSession::attend(int layer, const float* q, float* out, float* lse) {
+  TREEATTN_RETURN_IF_ERROR(attend_states(layer, q, scratch_, 0));
+  if (!delivers_result(0)) return Status::ok();
+  if (out == nullptr) return invalid_argument(rank_prefix(*comm_) + "attend: null output");
+  return exec_->normalize(scratch_.data(), scratch_.records(),
+                          static_cast<std::size_t>(config_.shape.head_dim), out, lse);
+}
+
+Status DecodeSession::check_agreement(
+    const std::string& when, const std::vector<std::pair<std::string, std::string>>& extra) {
+  if (comm_->size() == 1) return Status::ok();
+  SessionConfig c = config_;
+  c.agree_also.insert(c.agree_also.end(), extra.begin(), extra.end());
+  return agree(*comm_, config_fields(c, c.strategy, c.options, plan_.fingerprint()), "", when);
+}
+
+Result<int> DecodeSession::add_strategy(const std::string& name, const StrategyOptions& options) {
+  const StrategyRegistry& registry = StrategyRegistry::for_backend(comm_->capabilities());
+  std::string local_error;
+  if (!registry.contains(name))
+    local_error = registry.create(name, options).status().to_string();
+  if (config_.check_agreement && comm_->size() > 1)
+    TREEATTN_RETURN_IF_ERROR(agree(*comm_, config_fields(config_, name, options, plan_.fingerprint()),
+                                   local_error, "adding strategy " + name));
+  if (!local_error.empty()) return invalid_argument(rank_prefix(*comm_) + local_error);
+  auto strategy = registry.create(name, options);
+  TREEATTN_RETURN_IF_ERROR(strategy.status());
+  TREEATTN_RETURN_IF_ERROR((*strategy)->setup(*comm_, *exec_, config_.shape, config_.dtype, plan_));
+  strategies_.push_back(std::move(*strategy));
+  return strategy_count() - 1;
+}
+
+}  // namespace treeattn
