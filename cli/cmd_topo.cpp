@@ -17,6 +17,7 @@
 #include "commands.hpp"
 #include "launcher.hpp"
 #include "treeattn/comm_mpi.hpp"
+#include "treeattn/detect.hpp"
 #include "treeattn/dtype.hpp"
 #include "treeattn/shape.hpp"
 #include "treeattn/topology.hpp"

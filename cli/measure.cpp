@@ -11,6 +11,7 @@
 #include <fstream>
 #include <string>
 
+#include "treeattn/measure.hpp"
 #include "treeattn/oracle.hpp"
 #include "treeattn/strategy.hpp"
 #include "treeattn/workload.hpp"
@@ -70,19 +71,6 @@ RunConfig base_run_config(const MeasureConfig& c, int ranks) {
 }
 
 }  // namespace
-
-void reset_peak_rss() {
-  std::ofstream f("/proc/self/clear_refs");
-  if (f) f << "5";
-}
-
-uint64_t current_peak_rss() {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
-  return static_cast<uint64_t>(peak_rss_bytes());
-}
 
 MemoryNeed memory_need(const MeasureConfig& c, int ranks) {
   const double total_kv = 2.0 * static_cast<double>(c.seq + (c.append ? c.warmup + c.iters : 0)) *

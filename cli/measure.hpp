@@ -46,8 +46,4 @@ struct MemoryNeed {
 };
 MemoryNeed memory_need(const MeasureConfig& config, int ranks);
 
-// Resets the kernel's peak-RSS counter of this process (Linux clear_refs 5) and reads it.
-void reset_peak_rss();
-uint64_t current_peak_rss();
-
 }  // namespace treeattn::cli

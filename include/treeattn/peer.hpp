@@ -6,6 +6,9 @@
 // It writes the same state records as decode_partial (m, l, unnormalized o), so it can be
 // checked against the oracle. Only f32 KV is supported; it allocates its score workspace per
 // call. Threads are OpenBLAS threads inside each GEMM.
+//
+// Part of the measurement library treeattn_measure (src/measure), which alone links OpenBLAS;
+// libtreeattn does not.
 #pragma once
 
 #include "treeattn/shape.hpp"

@@ -15,6 +15,8 @@
 //               dtype size, summed over the batch; for fp8/int8 plus the 4-byte per-token
 //               scales of K and V).
 //   flops:      2 * D per (row, token) for q.k and 2 * D for p*v, rows = batch*heads*q_len.
+//
+// Part of the measurement library treeattn_measure (src/measure), not of libtreeattn.
 #pragma once
 
 #include <cstdint>

@@ -94,8 +94,9 @@ std::string topology_to_json(const Topology& t);
 std::vector<std::string> preset_names();
 Result<Topology> preset_topology(std::string_view name);
 
-// Numbers measured on a running job (by the CLI's `topo --detect`: shared-memory split,
-// memory-bandwidth probe, ping-pong between ranks on the same and on different nodes).
+// Numbers measured on a running job (by detect_topology in detect.hpp, part of the measurement
+// library treeattn_measure: shared-memory split, memory-bandwidth probe, ping-pong between ranks
+// on the same and on different nodes).
 struct MeasuredTopology {
   std::string name = "detected";
   int nodes = 1;
@@ -113,58 +114,5 @@ struct MeasuredTopology {
   std::vector<std::string> sources;
 };
 Result<Topology> topology_from_measurements(const MeasuredTopology& m);
-
-class Communicator;
-
-// What `treeattn topo --detect` measures (src/topology/detect.cpp), collectively over a running
-// job through the Communicator interface only (no MPI here):
-//   nodes            the shared-memory split (split_shared); ranks_per_node is the largest node
-//   node level       ping-pong between rank 0 and the next rank on its node: half round trip
-//                    of latency_bytes (latency) and of bandwidth_bytes (bandwidth, with the
-//                    latency subtracted); medians over the iterations
-//   network level    the same between rank 0 and the first rank on another node
-//   memory           the streaming-read probe (roofline.hpp) on rank 0 with probe_threads,
-//                    and the decode kernel's own read rate with every rank computing at once
-//                    (the model's memory.bandwidth_GBps; see DetectOptions::kernel_tokens)
-//   bandwidth        ping-pong gives latency; the node level's bandwidth is measured with every
-//                    rank exchanging bandwidth_bytes with a partner on its node at once (the
-//                    per-rank rate when all ranks copy, as in a ring step); the network level
-//                    takes one pair's rate (the model shares a node's links among its ranks)
-//   overhead         a small allreduce_states (the `tree` merge) timed on each node and on the
-//                    whole job; what the cost model does not explain from the links becomes
-//                    collective_overhead_us (node) and network.call_overhead_us (the extra of
-//                    a call that crosses nodes)
-//   cores            all ranks on one machine (same boot id, as on the emulated cluster) share
-//                    its cores: max_concurrent_ranks = cores when the job has more ranks
-// Every rank returns the same Topology (rank 0's measurements are broadcast).
-struct DetectOptions {
-  std::string name = "detected";
-  int nodes = 0;  // > 0: group the ranks into this many equal blocks instead of split_shared
-  int latency_iters = 200;
-  int64_t latency_bytes = 8;
-  int bandwidth_iters = 10;
-  int64_t bandwidth_bytes = int64_t{4} << 20;
-  int64_t probe_bytes = int64_t{256} << 20;
-  int probe_threads = 0;  // 0: cores / ranks on rank 0's node (the kernel's default)
-  int probe_repeats = 3;
-  int allreduce_iters = 50;
-  int allreduce_records = 32;  // records of head_dim + 2 floats (llama3-8b, batch 1: 32 heads)
-  int head_dim = 128;
-  // The decode kernel, timed on every rank at once (as in a real step): a shard of
-  // kernel_tokens tokens of kernel_heads / kernel_kv_heads x head_dim in kernel_dtype
-  // ("bf16", "f16", "f32"). Its achieved read rate becomes memory.bandwidth_GBps (the rate the
-  // local phase really runs at; the probe's figure is recorded in sources), and a 16-token
-  // shard's time becomes kernel_overhead_us. kernel_tokens = 0 keeps the probe's rate and
-  // kernel_overhead_us below.
-  int64_t kernel_tokens = 16384;
-  int kernel_heads = 32, kernel_kv_heads = 8;
-  std::string kernel_dtype = "bf16";
-  int kernel_iters = 15;
-  int kernel_threads = 0;  // 0: cores / ranks on the node (the CLI's default)
-  double kernel_overhead_us = 2.0;
-};
-// Collective over `world`. Also fills `notes` (if given) with one line per measurement.
-Result<Topology> detect_topology(Communicator& world, const DetectOptions& options,
-                                 std::vector<std::string>* notes = nullptr);
 
 }  // namespace treeattn

@@ -1,6 +1,7 @@
-// Measuring the topology of a running job (topology.hpp: detect_topology): the shared-memory
+// Measuring the topology of a running job (detect.hpp: detect_topology): the shared-memory
 // split, ping-pongs on the node and network levels, the memory-bandwidth probe and a small
-// merge allreduce, all through the Communicator interface (no MPI headers here).
+// merge allreduce, all through the Communicator interface (no MPI headers here). Part of the
+// measurement library treeattn_measure.
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -14,6 +15,7 @@
 
 #include "treeattn/comm.hpp"
 #include "treeattn/cost_model.hpp"
+#include "treeattn/detect.hpp"
 #include "treeattn/dtype.hpp"
 #include "treeattn/kernel.hpp"
 #include "treeattn/roofline.hpp"

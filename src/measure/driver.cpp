@@ -1,6 +1,5 @@
 // The decode driver: agreement checks, set-up, timed steps with accounting, and result checks.
-#include <sys/resource.h>
-
+// Part of the measurement library treeattn_measure.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -8,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "treeattn/measure.hpp"
 #include "treeattn/oracle.hpp"
 #include "treeattn/workload.hpp"
 
@@ -219,12 +219,6 @@ std::vector<int64_t> expand_lengths(const RunConfig& c) {
 }
 
 }  // namespace
-
-int64_t peak_rss_bytes() {
-  rusage u{};
-  if (getrusage(RUSAGE_SELF, &u) != 0) return -1;
-  return static_cast<int64_t>(u.ru_maxrss) * 1024;  // Linux reports KiB
-}
 
 Result<ShardPlan> initial_plan(const RunConfig& config, int ranks) {
   std::vector<int64_t> lens = expand_lengths(config);

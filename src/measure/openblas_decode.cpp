@@ -108,9 +108,9 @@ Status openblas_decode_partial(const AttnShape& shape, const float* q, const KVS
       for (int64_t r = 0; r < R; ++r) {
         const int64_t i = r / G, g = r % G;
         float* dst = dst0 + static_cast<std::size_t>(i * H + kvh * G + g) * rec;
-        dst[0] = m[static_cast<std::size_t>(r)];
-        dst[1] = l[static_cast<std::size_t>(r)];
-        for (int64_t d = 0; d < D; ++d) dst[2 + d] = o[static_cast<std::size_t>(r * D + d)];
+        state_m(dst) = m[static_cast<std::size_t>(r)];
+        state_l(dst) = l[static_cast<std::size_t>(r)];
+        for (int64_t d = 0; d < D; ++d) state_o(dst)[d] = o[static_cast<std::size_t>(r * D + d)];
       }
     }
   }

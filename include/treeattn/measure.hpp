@@ -1,0 +1,28 @@
+// Memory readings of this process for the benchmark harness: the peak resident set size, and
+// resetting it so that one measured method does not inherit another's peak.
+//
+// Part of the measurement library treeattn_measure (src/measure), not of libtreeattn: nothing
+// in the core library reads process memory.
+//
+//   peak_rss_bytes()    getrusage's ru_maxrss: the peak since the process started; never reset.
+//   reset_peak_rss()    Linux: writes 5 to /proc/self/clear_refs, which sets the kernel's
+//                       high-water mark (VmHWM) back to the current RSS.
+//   current_peak_rss()  VmHWM from /proc/self/status: the peak since the last reset_peak_rss()
+//                       (or the start); peak_rss_bytes() where /proc is not readable.
+#pragma once
+
+#include <cstdint>
+
+namespace treeattn {
+
+// Peak resident set size since the process started (getrusage), in bytes; -1 if unavailable.
+int64_t peak_rss_bytes();
+
+// Resets the kernel's peak-RSS counter of this process. Returns false where /proc/self/clear_refs
+// cannot be written (not Linux, or restricted); current_peak_rss() then keeps counting from start.
+bool reset_peak_rss();
+
+// Peak resident set size since the last reset_peak_rss() (or the start), in bytes.
+uint64_t current_peak_rss();
+
+}  // namespace treeattn

@@ -1,0 +1,35 @@
+// Peak-RSS readings of this process (see include/treeattn/measure.hpp): getrusage for the
+// lifetime peak, /proc/self/clear_refs and VmHWM for a peak that can be reset.
+#include "treeattn/measure.hpp"
+
+#include <sys/resource.h>
+
+#include <fstream>
+#include <string>
+
+namespace treeattn {
+
+int64_t peak_rss_bytes() {
+  rusage u{};
+  if (getrusage(RUSAGE_SELF, &u) != 0) return -1;
+  return static_cast<int64_t>(u.ru_maxrss) * 1024;  // Linux reports KiB
+}
+
+bool reset_peak_rss() {
+  std::ofstream f("/proc/self/clear_refs");
+  if (!f) return false;
+  f << "5";
+  f.flush();
+  return static_cast<bool>(f);
+}
+
+uint64_t current_peak_rss() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  const int64_t lifetime = peak_rss_bytes();
+  return lifetime > 0 ? static_cast<uint64_t>(lifetime) : 0;
+}
+
+}  // namespace treeattn
