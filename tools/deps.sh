@@ -11,6 +11,7 @@ packages=(
   libopenblas-dev                              # the OpenBLAS peer kernel in benchmarks
   gnuplot-nox                                  # --plot
   python3 python3-numpy                        # tests recheck saved .npy cases with numpy
+  python3-dev pybind11-dev python3-pybind11 python3-mpi4py  # python/ (no nanobind in Debian 12)
   iproute2                                     # emulated multi-host cluster (netns, tc)
 )
 
