@@ -218,6 +218,7 @@ struct Group {
         cv(world_rank.size()),
         member(world_rank.size(), Member::kActive),
         member_reason(world_rank.size()),
+        member_code(world_rank.size(), Code::kOk),
         slot(world_rank.size(), Slot::kAbsent),
         call(world_rank.size()),
         result(world_rank.size()),
@@ -232,6 +233,14 @@ struct Group {
            static_cast<std::size_t>(dst);
   }
   int wr(int r) const { return world_rank[static_cast<std::size_t>(r)]; }
+  // The first failure or departure of member r sticks.
+  void set_member(int r, Member state, Code code, std::string reason) {
+    const auto i = static_cast<std::size_t>(r);
+    if (member[i] != Member::kActive) return;
+    member[i] = state;
+    member_code[i] = code;
+    member_reason[i] = std::move(reason);
+  }
   void wake_all() {
     for (auto& c : cv) c.notify_all();
   }
@@ -243,7 +252,8 @@ struct Group {
   std::mutex mu;                            // guards everything below
   std::vector<std::condition_variable> cv;  // member r waits on cv[r]
   std::vector<Member> member;
-  std::vector<std::string> member_reason;  // why a member failed
+  std::vector<std::string> member_reason;  // why a member failed or left
+  std::vector<Code> member_code;           // the code its failure returned
 
   // The collective in progress (number completed + 1).
   int64_t completed = 0;
@@ -310,11 +320,13 @@ void run_collective(Group& g, int64_t k) {
       failed = true;
       std::size_t first = 1;
       while (compatible(g.call[0], g.call[first])) ++first;
-      const std::string detail =
+      std::string detail =
           "collective #" + std::to_string(k) + " does not match across ranks: rank " +
           std::to_string(g.wr(0)) + " called " + describe(g.call[0]) + ", rank " +
           std::to_string(g.wr(static_cast<int>(first))) + " called " + describe(g.call[first]) +
-          " (" + rank_list(differ) + " differ from rank " + std::to_string(g.wr(0)) + ")";
+          " (ranks differing from rank " + std::to_string(g.wr(0)) + ":";
+      for (int r : differ) detail += " " + std::to_string(r);
+      detail += ")";
       for (std::size_t r = 0; r < p; ++r)
         g.result[r] = {Code::kMismatch,
                        who(r) + kind_name(g.call[r].kind) + where(r) + ": " + detail};
@@ -411,8 +423,7 @@ class LocalCommunicator final : public Communicator {
     withdraw_ops();
     const auto me = static_cast<std::size_t>(rank_);
     if (g_->member[me] == Member::kActive) {
-      g_->member[me] = Member::kLeft;
-      g_->member_reason[me] = "destroyed its communicator";
+      g_->set_member(rank_, Member::kLeft, Code::kOk, "destroyed its communicator");
       g_->wake_all();
     }
   }
@@ -651,11 +662,7 @@ class LocalCommunicator final : public Communicator {
     broken_reason_ = s.message();
     std::lock_guard<std::mutex> lk(g_->mu);
     withdraw_ops();
-    const auto me = static_cast<std::size_t>(rank_);
-    if (g_->member[me] == Member::kActive) {
-      g_->member[me] = Member::kFailed;
-      g_->member_reason[me] = s.message();
-    }
+    g_->set_member(rank_, Member::kFailed, s.code(), s.message());
   }
 
   void set_activity(const std::string& op, int64_t seq) {
@@ -709,16 +716,15 @@ class LocalCommunicator final : public Communicator {
                       std::to_string(std::chrono::duration_cast<milliseconds>(waited).count()) +
                       " ms in " + what + ": it cannot complete";
     for (int r : culprits) {
-      if (g_->member[static_cast<std::size_t>(r)] == Member::kFailed) any_timeout = true;
+      if (g_->member_code[static_cast<std::size_t>(r)] == Code::kTimeout) any_timeout = true;
       msg += whereabouts(r);
     }
     msg += extra;
-    const auto me = static_cast<std::size_t>(rank_);
-    g_->member[me] = Member::kFailed;
-    g_->member_reason[me] = "gave up in " + what;
+    const Code code = any_timeout ? Code::kTimeout : Code::kInternal;
+    g_->set_member(rank_, Member::kFailed, code, "gave up in " + what);
     withdraw_ops();
     mark_consequential();
-    return {any_timeout ? Code::kTimeout : Code::kInternal, msg};
+    return {code, msg};
   }
 
   // ---- collectives ------------------------------------------------------------------------
@@ -773,7 +779,7 @@ class LocalCommunicator final : public Communicator {
         if (!left.empty()) {
           withdraw_slot();
           clear_activity();
-          return cannot_complete(what, Clock::now() - start, left, never_arrived());
+          return cannot_complete(what, Clock::now() - start, left, never_arrived(left));
         }
         if (limit.count() <= 0) {
           g.cv[me].wait(lk);
@@ -802,7 +808,8 @@ class LocalCommunicator final : public Communicator {
 
   // "; ranks 1, 3 never arrived; rank 1 is waiting in gather (collective #2) at step 1". Holds
   // g.mu.
-  std::string never_arrived() const {
+  // Members in `described` are named without their whereabouts (the caller gave them).
+  std::string never_arrived(const std::vector<int>& described = {}) const {
     std::vector<int> absent, names;
     for (int r = 0; r < g_->size; ++r)
       if (g_->slot[static_cast<std::size_t>(r)] == Slot::kAbsent) {
@@ -811,7 +818,8 @@ class LocalCommunicator final : public Communicator {
       }
     if (absent.empty()) return "";
     std::string s = "; " + rank_list(names) + " never arrived";
-    for (int r : absent) s += whereabouts(r);
+    for (int r : absent)
+      if (std::find(described.begin(), described.end(), r) == described.end()) s += whereabouts(r);
     return s;
   }
 
@@ -819,9 +827,7 @@ class LocalCommunicator final : public Communicator {
     const auto ms = std::chrono::duration_cast<milliseconds>(waited).count();
     const std::string msg =
         who() + "timed out after " + std::to_string(ms) + " ms in " + what + never_arrived();
-    const auto me = static_cast<std::size_t>(rank_);
-    g_->member[me] = Member::kFailed;
-    g_->member_reason[me] = "timed out in " + what;
+    g_->set_member(rank_, Member::kFailed, Code::kTimeout, "timed out in " + what);
     withdraw_ops();
     return {Code::kTimeout, msg};
   }
@@ -962,8 +968,7 @@ class LocalCommunicator final : public Communicator {
           std::string msg = who() + "timed out after " + std::to_string(ms) + " ms in " + what +
                             still_waiting(ops);
           for (int r : pending_peers()) msg += whereabouts(r);
-          g.member[me] = Member::kFailed;
-          g.member_reason[me] = "timed out in " + what;
+          g.set_member(rank_, Member::kFailed, Code::kTimeout, "timed out in " + what);
           withdraw_ops();
           return {Code::kTimeout, msg};
         }
