@@ -8,17 +8,20 @@
 // uses positions s * q_len .. s * q_len + q_len - 1 of the query stream, scaled by q_scale
 // (larger values sharpen the softmax).
 //
-// Driver: run_decode() checks that all ranks agree on the run (a fingerprint exchange, on by
-// default, per step in debug mode), builds the shard plan and this rank's shard, and runs
-// warmup + steps decode steps with the named strategy, appending one generated token per batch
-// row after each step when asked. Per timed step it reports this rank's wall time and the
-// slowest rank's, the bytes this rank handed to the communicator, the bytes the transport saw
-// (TCP counters, when the job runs over TCP), and the attention working set; beside them the
-// analytic model (strategy.hpp). check_against_oracle() compares a step's merged states with the
-// float64 oracle over the regenerated cache.
+// Driver: run_decode() runs warmup + steps decode steps of one strategy through a DecodeSession
+// (session.hpp) filled with the workload: the session checks that all ranks agree on the run
+// (the configuration plus warm-up, steps, appends, seed and query scale; per step in debug
+// mode), and the driver appends one generated token per batch row after each step when asked.
+// Per timed step it reports this rank's wall time and the slowest rank's, the bytes this rank
+// handed to the communicator, the bytes the transport saw (TCP counters, when the job runs over
+// TCP), and the attention working set; beside them the analytic model (strategy.hpp).
+// run_interleaved() measures several strategies on the very same shards (one session, the
+// strategies added to it; `single` in a second session with its own placement), one step of each
+// in turn, starting one later every step, so that slow drift of a shared machine hits them alike.
+// check_against_oracle() compares a step's merged states with the float64 oracle over the
+// regenerated cache.
 //
-// Part of the measurement library treeattn_measure (src/measure), not of libtreeattn: link
-// treeattn_measure to use these.
+// Part of the measurement library treeattn_measure (src/measure), not of libtreeattn.
 #pragma once
 
 #include <chrono>
@@ -109,6 +112,12 @@ struct RunReport {
 };
 
 Result<RunReport> run_decode(Communicator& comm, const RunConfig& config);
+
+// The strategies named, round robin on the same data (config.strategy is ignored); one report
+// per name, in order. peak_rss_bytes is not filled (the strategies share one process's memory:
+// measure it per strategy with run_decode).
+Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConfig& config,
+                                               std::span<const std::string> strategies);
 
 // The plan a config starts from on `ranks` ranks (total_len expanded, `single` forcing its kind).
 Result<ShardPlan> initial_plan(const RunConfig& config, int ranks);

@@ -1,4 +1,6 @@
-// The decode driver: agreement checks, set-up, timed steps with accounting, and result checks.
+// The decode driver: a client of the decode session (session.hpp) that adds what measuring needs
+// around it: the deterministic workload stored into the session, fault injection, timed steps
+// with byte counters, several strategies interleaved step by step, and the oracle checks.
 // Part of the measurement library treeattn_measure.
 #include <algorithm>
 #include <chrono>
@@ -9,6 +11,7 @@
 
 #include "treeattn/measure.hpp"
 #include "treeattn/oracle.hpp"
+#include "treeattn/session.hpp"
 #include "treeattn/workload.hpp"
 
 namespace treeattn {
@@ -27,125 +30,6 @@ std::string float_bits(float x) {
 
 std::string rank_prefix(const Communicator& c) {
   return "rank " + std::to_string(c.world_rank()) + ": ";
-}
-
-// What every rank must agree on, as a fixed-size record for an all-gather.
-struct Fingerprint {
-  char strategy[24];
-  int64_t batch, heads, kv_heads, head_dim, q_len, dtype, shard, root, fanout, warmup, steps,
-      append, step, seed;
-  uint64_t plan;
-  uint32_t q_scale_bits;
-  int32_t error;  // 1: this rank's own configuration is invalid (text below)
-  char error_text[200];
-};
-
-Fingerprint make_fingerprint(const RunConfig& c, uint64_t plan_fp, int64_t step,
-                             const std::string& local_error) {
-  Fingerprint f{};
-  std::snprintf(f.strategy, sizeof(f.strategy), "%s", c.strategy.c_str());
-  f.batch = c.shape.batch;
-  f.heads = c.shape.heads;
-  f.kv_heads = c.shape.kv_heads;
-  f.head_dim = c.shape.head_dim;
-  f.q_len = c.shape.q_len;
-  f.dtype = static_cast<int64_t>(c.dtype);
-  f.shard = static_cast<int64_t>(c.shard);
-  f.root = c.options.root;
-  f.fanout = c.options.fanout;
-  f.warmup = c.warmup;
-  f.steps = c.steps;
-  f.append = c.append ? 1 : 0;
-  f.step = step;
-  f.seed = static_cast<int64_t>(c.seed);
-  f.plan = plan_fp;
-  std::memcpy(&f.q_scale_bits, &c.q_scale, sizeof(float));
-  f.error = local_error.empty() ? 0 : 1;
-  std::snprintf(f.error_text, sizeof(f.error_text), "%s", local_error.c_str());
-  return f;
-}
-
-std::string describe(const Fingerprint& f) {
-  return std::string("strategy=") +
-         std::string(f.strategy, strnlen(f.strategy, sizeof(f.strategy))) +
-         " B=" + std::to_string(f.batch) + " H=" + std::to_string(f.heads) +
-         " Hkv=" + std::to_string(f.kv_heads) + " D=" + std::to_string(f.head_dim) +
-         " Q=" + std::to_string(f.q_len) +
-         " dtype=" + std::string(dtype_name(static_cast<DType>(f.dtype))) +
-         " shard=" + std::string(shard_kind_name(static_cast<ShardKind>(f.shard))) +
-         " plan=" + std::to_string(f.plan);
-}
-
-// Field-by-field differences "head_dim=64 vs 128".
-std::vector<std::pair<std::string, std::pair<std::string, std::string>>> differences(
-    const Fingerprint& a, const Fingerprint& b) {
-  std::vector<std::pair<std::string, std::pair<std::string, std::string>>> d;
-  auto num = [&](const char* name, int64_t x, int64_t y) {
-    if (x != y) d.push_back({name, {std::to_string(x), std::to_string(y)}});
-  };
-  const std::string sa(a.strategy, strnlen(a.strategy, sizeof(a.strategy)));
-  const std::string sb(b.strategy, strnlen(b.strategy, sizeof(b.strategy)));
-  if (sa != sb) d.push_back({"strategy", {sa, sb}});
-  num("batch", a.batch, b.batch);
-  num("heads", a.heads, b.heads);
-  num("kv_heads", a.kv_heads, b.kv_heads);
-  num("head_dim", a.head_dim, b.head_dim);
-  num("q_len", a.q_len, b.q_len);
-  if (a.dtype != b.dtype)
-    d.push_back({"dtype",
-                 {std::string(dtype_name(static_cast<DType>(a.dtype))),
-                  std::string(dtype_name(static_cast<DType>(b.dtype)))}});
-  if (a.shard != b.shard)
-    d.push_back({"shard",
-                 {std::string(shard_kind_name(static_cast<ShardKind>(a.shard))),
-                  std::string(shard_kind_name(static_cast<ShardKind>(b.shard)))}});
-  num("root", a.root, b.root);
-  num("fanout", a.fanout, b.fanout);
-  num("warmup", a.warmup, b.warmup);
-  num("steps", a.steps, b.steps);
-  num("append", a.append, b.append);
-  num("step", a.step, b.step);
-  num("seed", a.seed, b.seed);
-  if (a.q_scale_bits != b.q_scale_bits) {
-    float x, y;
-    std::memcpy(&x, &a.q_scale_bits, 4);
-    std::memcpy(&y, &b.q_scale_bits, 4);
-    d.push_back({"q_scale", {std::to_string(x), std::to_string(y)}});
-  }
-  if (a.plan != b.plan)
-    d.push_back(
-        {"shard plan (lengths per rank)", {std::to_string(a.plan), std::to_string(b.plan)}});
-  return d;
-}
-
-// All-gathers the fingerprints; every rank returns the same verdict.
-Status agree(Communicator& comm, const Fingerprint& mine, const char* when) {
-  const auto p = static_cast<std::size_t>(comm.size());
-  std::vector<Fingerprint> all(p);
-  TREEATTN_RETURN_IF_ERROR(comm.allgather(&mine, sizeof(Fingerprint), all.data()));
-  for (std::size_t r = 0; r < p; ++r)
-    if (all[r].error)
-      return invalid_argument(
-          rank_prefix(comm) + "rank " + std::to_string(r) + " rejected the run configuration " +
-          when + ": " +
-          std::string(all[r].error_text, strnlen(all[r].error_text, sizeof(all[r].error_text))));
-  std::vector<int> bad;
-  for (std::size_t r = 1; r < p; ++r)
-    if (!differences(all[0], all[r]).empty()) bad.push_back(static_cast<int>(r));
-  if (bad.empty()) return Status::ok();
-  const auto first = static_cast<std::size_t>(bad.front());
-  const auto diffs = differences(all[0], all[first]);
-  std::string msg = rank_prefix(comm) + "ranks disagree on the run " + when + ": ";
-  for (std::size_t i = 0; i < diffs.size(); ++i) {
-    if (i) msg += ", ";
-    msg += "rank 0 has " + diffs[i].first + "=" + diffs[i].second.first + ", rank " +
-           std::to_string(first) + " has " + diffs[i].first + "=" + diffs[i].second.second;
-  }
-  msg += " (ranks differing from rank 0:";
-  for (int r : bad) msg += " " + std::to_string(r);
-  msg += "; rank 0: " + describe(all[0]) + "; rank " + std::to_string(first) + ": " +
-         describe(all[first]) + ")";
-  return {Code::kMismatch, msg};
 }
 
 // First non-finite value in a typed buffer region, as (index, value) or -1.
@@ -218,6 +102,150 @@ std::vector<int64_t> expand_lengths(const RunConfig& c) {
   return lens;
 }
 
+std::string float_text(float x) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.9g", static_cast<double>(x));
+  return buf;
+}
+
+// The session a run decodes through: the run's placement, one layer, room for the appends, and
+// the run's own settings among the fields every rank must agree on.
+SessionConfig session_config(const RunConfig& c, const std::string& strategy) {
+  SessionConfig s;
+  s.shape = c.shape;
+  s.dtype = c.dtype;
+  s.layers = 1;
+  s.placement = c.shard;
+  s.context = expand_lengths(c);
+  s.explicit_len = c.explicit_len;
+  s.reserve_tokens = c.spare_tokens + (c.append ? c.warmup + c.steps : 0);
+  s.strategy = strategy;
+  s.options = c.options;
+  s.timeout = c.timeout;
+  s.check_agreement = c.check_fingerprint;
+  s.agree_also = {{"warmup", std::to_string(c.warmup)},
+                  {"steps", std::to_string(c.steps)},
+                  {"append", c.append ? "1" : "0"},
+                  {"seed", std::to_string(c.seed)},
+                  {"q_scale", float_text(c.q_scale)}};
+  return s;
+}
+
+// Stores this rank's tokens of the workload into layer 0 of the session.
+Status fill_from_workload(const WorkloadSpec& w, DecodeSession& s) {
+  const ShardPlan& plan = s.plan();
+  const int r = s.comm().rank();
+  const auto per_token = static_cast<std::size_t>(w.shape.kv_heads * w.shape.head_dim);
+  Status first_error;
+  for (int64_t b = 0; b < w.shape.batch; ++b) {
+    const int64_t n = plan.len(r, b), start = plan.pos_start(r, b), stride = plan.pos_stride();
+    // Threads only pay off for large shards (and spin-waiting threads hurt oversubscribed ranks).
+#pragma omp parallel if (n * static_cast <int64_t>(per_token) >= (int64_t{1} << 20))
+    {
+      std::vector<float> k(per_token), v(per_token);
+#pragma omp for schedule(static)
+      for (int64_t j = 0; j < n; ++j) {
+        make_token(w, b, start + j * stride, k.data(), v.data());
+        Status st = s.store(0, b, start + j * stride, k.data(), v.data());
+        if (!st.is_ok()) {
+#pragma omp critical
+          if (first_error.is_ok()) first_error = st;
+        }
+      }
+    }
+  }
+  return first_error;
+}
+
+// Fault injection for the failure tests: a NaN in the first K value this rank holds.
+Status inject_nan(const WorkloadSpec& w, DecodeSession& s) {
+  const ShardPlan& plan = s.plan();
+  const int me = s.comm().rank();
+  if (plan.total_tokens(me) == 0) return Status::ok();
+  int64_t b = 0;
+  while (plan.len(me, b) == 0) ++b;
+  const auto per_token = static_cast<std::size_t>(w.shape.kv_heads * w.shape.head_dim);
+  std::vector<float> k(per_token), v(per_token);
+  const int64_t pos = plan.pos_start(me, b);
+  make_token(w, b, pos, k.data(), v.data());
+  k[0] = std::numeric_limits<float>::quiet_NaN();
+  return s.store(0, b, pos, k.data(), v.data());
+}
+
+// The K/V of the token every row appends after step `step` (its next position), all rows.
+void next_tokens(const WorkloadSpec& w, const DecodeSession& s, std::vector<float>& k,
+                 std::vector<float>& v) {
+  const AttnShape& sh = w.shape;
+  const auto per_row = static_cast<std::size_t>(sh.kv_heads * sh.head_dim);
+  k.resize(static_cast<std::size_t>(sh.batch) * per_row);
+  v.resize(k.size());
+  for (int64_t b = 0; b < sh.batch; ++b)
+    make_token(w, b, s.length(b), k.data() + static_cast<std::size_t>(b) * per_row,
+               v.data() + static_cast<std::size_t>(b) * per_row);
+}
+
+// TCP bytes one barrier costs (subtracted from each step's wire bytes); 0 when unobservable.
+Result<uint64_t> barrier_wire_bytes(Communicator& comm) {
+  if (!comm.transport_bytes_sent().has_value()) return uint64_t{0};
+  TREEATTN_RETURN_IF_ERROR(comm.barrier());
+  uint64_t best = std::numeric_limits<uint64_t>::max();
+  for (int i = 0; i < 3; ++i) {
+    const uint64_t a = comm.transport_bytes_sent().value_or(0);
+    TREEATTN_RETURN_IF_ERROR(comm.barrier());
+    const uint64_t b = comm.transport_bytes_sent().value_or(0);
+    best = std::min(best, b - a);
+  }
+  return best;
+}
+
+// One measured step of strategy `index` of the session: barrier, timed attend, counters, the
+// slowest rank's time. Leaves the merged states in out.
+Result<StepReport> timed_step(DecodeSession& s, int index, const float* q, StateBuffer& out,
+                              uint64_t barrier_wire, std::size_t q_bytes) {
+  Communicator& comm = s.comm();
+  const bool wire = comm.transport_bytes_sent().has_value();
+  TREEATTN_RETURN_IF_ERROR(comm.barrier());
+  const CommCounters before = comm.counters();
+  const uint64_t wire_before = wire ? comm.transport_bytes_sent().value_or(0) : 0;
+  const auto t0 = Clock::now();
+  TREEATTN_RETURN_IF_ERROR(s.attend_states(0, q, out, index));
+  const auto t1 = Clock::now();
+  const CommCounters after = comm.counters();
+  TREEATTN_RETURN_IF_ERROR(comm.barrier());
+  const uint64_t wire_after = wire ? comm.transport_bytes_sent().value_or(0) : 0;
+  StepReport r;
+  r.seconds = std::chrono::duration<double>(t1 - t0).count();
+  float worst = static_cast<float>(r.seconds);
+  TREEATTN_RETURN_IF_ERROR(comm.allreduce(&worst, 1, ReduceOp::kMax));
+  r.max_seconds = worst;
+  r.p2p_bytes = after.p2p_bytes - before.p2p_bytes;
+  r.p2p_messages = after.p2p_messages - before.p2p_messages;
+  r.collective_calls = after.collective_calls - before.collective_calls;
+  r.collective_payload_bytes = after.collective_payload_bytes - before.collective_payload_bytes;
+  if (wire) {
+    const uint64_t d = wire_after - wire_before;
+    r.wire_bytes = d > barrier_wire ? d - barrier_wire : 0;
+  }
+  r.working_set_bytes =
+      s.live_kv_bytes() + q_bytes + out.bytes() + s.strategy(index).buffer_bytes();
+  return r;
+}
+
+// Creates the session of a run for `strategy` and fills it with the workload.
+Result<std::unique_ptr<DecodeSession>> open_session(Communicator& comm, const RunConfig& config,
+                                                    const std::string& strategy) {
+  if (config.steps < 1 || config.warmup < 0)
+    return invalid_argument(rank_prefix(comm) + "steps must be >= 1 and warmup >= 0, got steps=" +
+                            std::to_string(config.steps) +
+                            " warmup=" + std::to_string(config.warmup));
+  auto session = DecodeSession::create(comm, session_config(config, strategy));
+  TREEATTN_RETURN_IF_ERROR(session.status());
+  const WorkloadSpec spec{config.shape, config.dtype, config.seed, config.q_scale};
+  TREEATTN_RETURN_IF_ERROR(fill_from_workload(spec, **session));
+  if (config.inject_nan_rank == comm.rank()) TREEATTN_RETURN_IF_ERROR(inject_nan(spec, **session));
+  return session;
+}
+
 }  // namespace
 
 Result<ShardPlan> initial_plan(const RunConfig& config, int ranks) {
@@ -232,135 +260,100 @@ Result<ShardPlan> initial_plan(const RunConfig& config, int ranks) {
   return ShardPlan::make(config.shard, ranks, std::move(lens), config.explicit_len, 0);
 }
 
-Result<RunReport> run_decode(Communicator& comm, const RunConfig& config) {
+Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConfig& config,
+                                               std::span<const std::string> strategies) {
   comm.set_timeout(config.timeout);
   comm.set_context("setup");
-  const int me = comm.rank(), p = comm.size();
-
-  // Local validation; its verdict travels in the fingerprint so that no rank waits alone.
-  std::string local_error;
-  const StrategyRegistry& registry = StrategyRegistry::for_backend(comm.capabilities());
-  Result<ShardPlan> plan0 = initial_plan(config, p);
-  if (Status s = config.shape.validate(); !s.is_ok())
-    local_error = s.to_string();
-  else if (!registry.contains(config.strategy))
-    local_error = registry.create(config.strategy, config.options).status().to_string();
-  else if (!plan0.is_ok())
-    local_error = plan0.status().to_string();
-  else if (dtype_is_quantized(config.dtype))
-    local_error = "KV dtype " + std::string(dtype_name(config.dtype)) +
-                  " is quantized: the kernels and `treeattn bench --kernel` support it, but the "
-                  "distributed strategies do not yet carry per-token scales (use f32, f16 or bf16)";
-  else if (config.steps < 1 || config.warmup < 0)
-    local_error = "steps must be >= 1 and warmup >= 0, got steps=" + std::to_string(config.steps) +
-                  " warmup=" + std::to_string(config.warmup);
-  const uint64_t plan_fp = plan0.is_ok() ? plan0->fingerprint() : 0;
-  if (config.check_fingerprint && p > 1)
-    TREEATTN_RETURN_IF_ERROR(
-        agree(comm, make_fingerprint(config, plan_fp, -1, local_error), "at setup"));
-  if (!local_error.empty()) return invalid_argument(rank_prefix(comm) + local_error);
-
-  RunReport report;
-  report.plan = std::move(*plan0);
-  ShardPlan& plan = report.plan;
-  auto strategy = registry.create(config.strategy, config.options);
-  TREEATTN_RETURN_IF_ERROR(strategy.status());
-  Strategy& strat = **strategy;
-  report.has_result = strat.delivers_result(me);
-
-  WorkloadSpec spec{config.shape, config.dtype, config.seed, config.q_scale};
-  const int total_steps = config.warmup + config.steps;
-  auto shard = LocalShard::create(config.shape, config.dtype, plan, me,
-                                  config.spare_tokens + (config.append ? total_steps : 0));
-  TREEATTN_RETURN_IF_ERROR(shard.status());
-  TREEATTN_RETURN_IF_ERROR(fill_local_shard(spec, plan, *shard));
-  if (config.inject_nan_rank == me && plan.total_tokens(me) > 0) {
-    int64_t b = 0;
-    while (plan.len(me, b) == 0) ++b;
-    float k[1] = {std::numeric_limits<float>::quiet_NaN()};
-    store_from_float(shard->cache().k_data(), config.dtype, shard->cache().index(b, 0, 0), k[0]);
+  if (strategies.empty()) return invalid_argument(rank_prefix(comm) + "no strategies to run");
+  const int me = comm.rank();
+  // Two sessions at most: one for every strategy on the run's placement (they share its shards)
+  // and one for `single`, whose placement puts the whole cache on rank 0.
+  struct Slot {
+    DecodeSession* session = nullptr;
+    int index = 0;
+  };
+  std::unique_ptr<DecodeSession> shared, single;
+  std::vector<Slot> slots;
+  for (const std::string& name : strategies) {
+    std::unique_ptr<DecodeSession>& owner = name == "single" ? single : shared;
+    Slot slot;
+    if (!owner) {
+      auto s = open_session(comm, config, name);
+      TREEATTN_RETURN_IF_ERROR(s.status());
+      owner = std::move(*s);
+    } else {
+      auto idx = owner->add_strategy(name, config.options);
+      TREEATTN_RETURN_IF_ERROR(idx.status());
+      slot.index = *idx;
+    }
+    slot.session = owner.get();
+    slots.push_back(slot);
   }
-  TREEATTN_RETURN_IF_ERROR(strat.setup(comm, config.shape, config.dtype, plan));
 
   const AttnShape& s = config.shape;
-  std::vector<float> q(static_cast<std::size_t>(s.batch * s.q_len * s.heads * s.head_dim));
-  const auto per_row = static_cast<std::size_t>(s.kv_heads * s.head_dim);
-  std::vector<float> k_new(static_cast<std::size_t>(s.batch) * per_row),
-      v_new(static_cast<std::size_t>(s.batch) * per_row);
-  StateBuffer out;
-
-  // Per-barrier TCP bytes, subtracted from each step's measurement (one barrier ends a step).
-  uint64_t barrier_wire = 0;
-  bool wire = comm.transport_bytes_sent().has_value();
-  if (wire) {
-    TREEATTN_RETURN_IF_ERROR(comm.barrier());
-    uint64_t best = std::numeric_limits<uint64_t>::max();
-    for (int i = 0; i < 3; ++i) {
-      const uint64_t a = comm.transport_bytes_sent().value_or(0);
-      TREEATTN_RETURN_IF_ERROR(comm.barrier());
-      const uint64_t b = comm.transport_bytes_sent().value_or(0);
-      best = std::min(best, b - a);
-    }
-    barrier_wire = best;
+  const WorkloadSpec spec{config.shape, config.dtype, config.seed, config.q_scale};
+  std::vector<RunReport> reports(strategies.size());
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    reports[i].has_result = slots[i].session->delivers_result(slots[i].index);
   }
+  std::vector<float> q(static_cast<std::size_t>(s.batch * s.q_len * s.heads * s.head_dim));
+  std::vector<float> k_new, v_new;
+  StateBuffer out;
+  auto barrier_wire = barrier_wire_bytes(comm);
+  TREEATTN_RETURN_IF_ERROR(barrier_wire.status());
 
+  const int total_steps = config.warmup + config.steps;
+  const std::size_t n = slots.size();
   for (int step = 0; step < total_steps; ++step) {
     comm.set_context("step " + std::to_string(step));
-    if (config.check_every_step && p > 1)
-      TREEATTN_RETURN_IF_ERROR(agree(comm, make_fingerprint(config, plan.fingerprint(), step, ""),
-                                     ("at step " + std::to_string(step)).c_str()));
     make_query(spec, step, q.data());
-    const KVShard local = shard->view(plan);
-    if (config.check_inputs)
-      TREEATTN_RETURN_IF_ERROR(check_inputs_everywhere(comm, config, q.data(), local, step));
     const bool timed = step >= config.warmup;
-    if (timed && step == config.warmup) {
-      auto m = analytic_cost(config.strategy, s, config.dtype, plan, me, config.options);
-      TREEATTN_RETURN_IF_ERROR(m.status());
-      report.model = *m;
-      report.kv_bytes = shard->live_bytes(plan);
-    }
-
-    TREEATTN_RETURN_IF_ERROR(comm.barrier());
-    const CommCounters before = comm.counters();
-    const uint64_t wire_before = wire ? comm.transport_bytes_sent().value_or(0) : 0;
-    const auto t0 = Clock::now();
-    TREEATTN_RETURN_IF_ERROR(strat.step(q.data(), local, plan, out));
-    const auto t1 = Clock::now();
-    CommCounters after = comm.counters();
-    TREEATTN_RETURN_IF_ERROR(comm.barrier());
-    const uint64_t wire_after = wire ? comm.transport_bytes_sent().value_or(0) : 0;
-
-    if (timed) {
-      StepReport r;
-      r.step = step;
-      r.seconds = std::chrono::duration<double>(t1 - t0).count();
-      float worst = static_cast<float>(r.seconds);
-      TREEATTN_RETURN_IF_ERROR(comm.allreduce(&worst, 1, ReduceOp::kMax));
-      r.max_seconds = worst;
-      r.p2p_bytes = after.p2p_bytes - before.p2p_bytes;
-      r.p2p_messages = after.p2p_messages - before.p2p_messages;
-      r.collective_calls = after.collective_calls - before.collective_calls;
-      r.collective_payload_bytes = after.collective_payload_bytes - before.collective_payload_bytes;
-      if (wire) {
-        const uint64_t d = wire_after - wire_before;
-        r.wire_bytes = d > barrier_wire ? d - barrier_wire : 0;
+    // Round robin, starting one strategy later every step, so neither slow drift of a shared
+    // machine nor the position in the round favours one strategy.
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::size_t i = (j + static_cast<std::size_t>(step)) % n;
+      DecodeSession& ses = *slots[i].session;
+      if (config.check_every_step && comm.size() > 1)
+        TREEATTN_RETURN_IF_ERROR(ses.check_agreement("at step " + std::to_string(step),
+                                                     {{"step", std::to_string(step)}}));
+      if (config.check_inputs)
+        TREEATTN_RETURN_IF_ERROR(
+            check_inputs_everywhere(comm, config, q.data(), ses.view(0), step));
+      RunReport& rep = reports[i];
+      if (timed && step == config.warmup) {
+        auto m = analytic_cost(strategies[i], s, config.dtype, ses.plan(), me, config.options);
+        TREEATTN_RETURN_IF_ERROR(m.status());
+        rep.model = *m;
+        rep.kv_bytes = ses.live_kv_bytes();
       }
-      r.working_set_bytes =
-          shard->live_bytes(plan) + q.size() * sizeof(float) + out.bytes() + strat.buffer_bytes();
-      report.steps.push_back(r);
-      if (config.keep_states) report.states.push_back(out);
+      auto r = timed_step(ses, slots[i].index, q.data(), out, *barrier_wire,
+                          q.size() * sizeof(float));
+      TREEATTN_RETURN_IF_ERROR(r.status());
+      if (timed) {
+        r->step = step;
+        rep.steps.push_back(*r);
+        if (config.keep_states) rep.states.push_back(out);
+      }
     }
-    if (config.append) {
-      for (int64_t b = 0; b < s.batch; ++b)
-        make_token(spec, b, plan.total_len(b), k_new.data() + static_cast<std::size_t>(b) * per_row,
-                   v_new.data() + static_cast<std::size_t>(b) * per_row);
-      TREEATTN_RETURN_IF_ERROR(append_token(plan, *shard, k_new.data(), v_new.data()));
-    }
+    if (config.append)
+      for (DecodeSession* ses : {shared.get(), single.get()}) {
+        if (!ses) continue;
+        next_tokens(spec, *ses, k_new, v_new);
+        TREEATTN_RETURN_IF_ERROR(ses->append(k_new.data(), v_new.data()));
+      }
   }
   comm.set_context("");
-  report.peak_rss_bytes = peak_rss_bytes();
-  return report;
+  for (std::size_t i = 0; i < n; ++i) reports[i].plan = slots[i].session->plan();
+  return reports;
+}
+
+Result<RunReport> run_decode(Communicator& comm, const RunConfig& config) {
+  const std::string names[1] = {config.strategy};
+  auto reports = run_interleaved(comm, config, names);
+  TREEATTN_RETURN_IF_ERROR(reports.status());
+  RunReport r = std::move(reports->front());
+  r.peak_rss_bytes = peak_rss_bytes();
+  return r;
 }
 
 double CheckResult::rel_error() const {
