@@ -221,9 +221,9 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
                                          f.no_peer, f.kernel_cases, f.json});
   auto methods = resolve_methods(f.methods);
   if (!methods.is_ok()) return fail(cmd, methods.status());
-  if (!parse_dtype(f.shape.dtype) || dtype_is_quantized(*parse_dtype(f.shape.dtype)))
-    return fail(cmd, invalid_argument("--dtype '" + f.shape.dtype + "': the distributed strategies take "
-                                      "f32, f16 or bf16 (fp8 and int8 KV: bench --kernel)"));
+  if (!parse_dtype(f.shape.dtype))
+    return fail(cmd, invalid_argument("--dtype '" + f.shape.dtype + "': run and bench take one of "
+                                      "f32, f16, bf16, fp8, int8 (lists: bench --kernel)"));
   if (f.warmup < 0 || f.iters < 1) return fail(cmd, invalid_argument("--warmup must be >= 0 and --iters/--steps >= 1"));
   if (f.fanout < 1) return fail(cmd, invalid_argument("--fanout must be >= 1"));
   if (!f.cluster.empty() && sub.count("--ranks") == 0)  // --cluster KxR implies K x R ranks

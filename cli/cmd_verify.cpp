@@ -32,6 +32,7 @@ struct VerifyFlags {
   std::string save;
   int timeout_ms = 60000;
   double tolerance = 1e-5;
+  std::string dtypes = "f32,f16,bf16";  // the KV types cases draw from
 };
 
 struct Case {
@@ -46,13 +47,12 @@ struct Case {
 };
 
 // Everything about case `seed` follows from the seed, so `--seed S --cases 1` reruns it.
-Case make_case(uint64_t seed, int ranks) {
+Case make_case(uint64_t seed, int ranks, const std::vector<DType>& types) {
   std::mt19937_64 rng(seed * 0x9e3779b97f4a7c15ull + 17);
   auto pick = [&](auto const& options) { return options[rng() % options.size()]; };
   const std::vector<std::pair<int64_t, int64_t>> heads = {{1, 1}, {4, 1}, {4, 4}, {8, 2}, {32, 8}, {32, 4}};
   const std::vector<int64_t> dims = {64, 80, 96, 128, 192, 256};
   const std::vector<int64_t> qlens = {1, 1, 2, 4};
-  const std::vector<DType> types = {DType::kF32, DType::kF16, DType::kBF16};
   const std::vector<std::string> shards = {"even", "uneven", "striped", "empty", "explicit"};
   Case c;
   c.seed = seed;
@@ -138,8 +138,14 @@ nlohmann::json save_case(const std::filesystem::path& dir, const Case& c, const 
         for (int64_t d = 0; d < D; ++d) {
           const std::size_t src = cache.index(b, h, t) + static_cast<std::size_t>(d);
           const std::size_t dst = static_cast<std::size_t>(((b * Hkv + h) * nmax + t) * D + d);
-          k[dst] = load_as_float(cache.k_data(), r.dtype, src);
-          v[dst] = load_as_float(cache.v_data(), r.dtype, src);
+          if (dtype_is_quantized(r.dtype)) {  // codes times the token's scale, as the kernels read them
+            const std::size_t si = cache.scale_index(b, h, t);
+            k[dst] = dequantize(cache.k_data(), r.dtype, src, cache.k_scale_data()[si]);
+            v[dst] = dequantize(cache.v_data(), r.dtype, src, cache.v_scale_data()[si]);
+          } else {
+            k[dst] = load_as_float(cache.k_data(), r.dtype, src);
+            v[dst] = load_as_float(cache.v_data(), r.dtype, src);
+          }
         }
   std::vector<float> out(static_cast<std::size_t>(B * Q * H * D)), lse(static_cast<std::size_t>(B * Q * H));
   for (std::size_t i = 0; i < st.records(); ++i)
@@ -157,11 +163,13 @@ nlohmann::json save_case(const std::filesystem::path& dir, const Case& c, const 
           {"causal", "query i of q_len sees keys at positions <= kv_length - q_len + i"},
           {"files", {{"q", stem + "-q.npy"}, {"k", stem + "-k.npy"}, {"v", stem + "-v.npy"},
                      {"out", stem + "-out.npy"}, {"lse", stem + "-lse.npy"}}},
-          {"note", "k and v are the cache values widened exactly to float32 (padding rows are 0); "
+          {"note", "k and v are the cache values widened exactly to float32 (quantized: code times "
+                   "the token's scale; padding rows are 0); "
                    "lse is natural-log"}};
 }
 
-int verify_job(VerifyFlags& f, const std::vector<std::string>& methods) {
+int verify_job(VerifyFlags& f, const std::vector<std::string>& methods,
+               const std::vector<DType>& types) {
   auto world_r = mpi_init_world(nullptr, nullptr);
   if (!world_r.is_ok()) {
     std::fprintf(stderr, "treeattn verify: error: %s\n", world_r.status().to_string().c_str());
@@ -177,7 +185,7 @@ int verify_job(VerifyFlags& f, const std::vector<std::string>& methods) {
   int failures = 0;
   nlohmann::json saved = nlohmann::json::array();
   for (int i = 0; i < f.cases; ++i) {
-    Case c = make_case(f.seed + static_cast<uint64_t>(i), P);
+    Case c = make_case(f.seed + static_cast<uint64_t>(i), P, types);
     c.config.timeout = std::chrono::milliseconds(f.timeout_ms);
     for (const auto& m : methods) {
       RunConfig rc = c.config;
@@ -247,6 +255,10 @@ Runner add_verify_command(CLI::App& app, const Invocation& inv) {
   sub->add_option("--save", f->save, "Write each case's q, k, v, output and LSE as .npy + index.json");
   sub->add_option("--tolerance", f->tolerance, "Max error relative to max(1, max|ref|)")->capture_default_str();
   sub->add_option("--timeout-ms", f->timeout_ms, "Per-operation timeout")->capture_default_str();
+  sub->add_option("--dtype", f->dtypes,
+                  "KV types the cases draw from (comma-separated: f32, f16, bf16, fp8, int8; "
+                  "quantized types are checked against the oracle on the dequantized cache)")
+      ->capture_default_str();
   return [f, &inv] {
     std::vector<std::string> methods;
     const auto& reg = StrategyRegistry::for_backend(CommCapabilities{});
@@ -264,7 +276,23 @@ Runner add_verify_command(CLI::App& app, const Invocation& inv) {
       std::fprintf(stderr, "treeattn verify: error: --cases and --ranks must be >= 1\n");
       return 2;
     }
-    if (started_by_mpi_launcher()) return verify_job(*f, methods);
+    std::vector<DType> types;
+    for (const auto& name : split_list(f->dtypes)) {
+      const auto t = parse_dtype(name);
+      if (!t) {
+        std::fprintf(stderr,
+                     "treeattn verify: error: --dtype: unknown type '%s' (known: f32, f16, bf16, "
+                     "fp8, int8)\n",
+                     name.c_str());
+        return 2;
+      }
+      types.push_back(*t);
+    }
+    if (types.empty()) {
+      std::fprintf(stderr, "treeattn verify: error: --dtype: no type given\n");
+      return 2;
+    }
+    if (started_by_mpi_launcher()) return verify_job(*f, methods, types);
     LaunchOptions lo;
     lo.ranks = f->ranks;
     auto rc = run_under_mpirun(lo, inv.args);

@@ -117,33 +117,55 @@ Result<std::vector<Point>> measure(Communicator& comm, const MeasureConfig& c) {
     ref = std::move(r).value();
   }
 
-  std::vector<Point> points;
-  for (const auto& method : c.methods) {
+  // Pass 1, memory: each method alone in a fresh session for one step, so that its peak RSS is
+  // its own (the KV shard, its buffers) and not another method's.
+  std::vector<double> peak_rss(c.methods.size(), 0.0);
+  for (std::size_t m = 0; m < c.methods.size(); ++m) {
     if (c.progress && me == 0)
-      std::fprintf(stderr, "  %-11s p=%d seq=%lld ...\n", method.c_str(), P, static_cast<long long>(c.seq));
+      std::fprintf(stderr, "  %-11s p=%d seq=%lld memory...\n", c.methods[m].c_str(), P,
+                   static_cast<long long>(c.seq));
     RunConfig rc = base_run_config(c, P);
-    rc.strategy = method;
+    rc.strategy = c.methods[m];
+    rc.warmup = 0;
+    rc.steps = 1;
+    rc.append = false;
+    rc.keep_states = false;
     TREEATTN_RETURN_IF_ERROR(comm.barrier());
     // Give the previous method's memory back to the kernel before the high-water mark is reset,
     // so that one method's peak RSS does not carry another's retained heap.
     malloc_trim(0);
     reset_peak_rss();
-    auto rep_r = run_decode(comm, rc);
-    if (!rep_r.is_ok()) return rep_r.status();
-    RunReport rep = std::move(rep_r).value();
+    auto rep = run_decode(comm, rc);
+    if (!rep.is_ok()) return rep.status();
+    peak_rss[m] = static_cast<double>(current_peak_rss());
+  }
+  malloc_trim(0);
+
+  // Pass 2, latency and bytes: every method on the same shards, one step of each in turn.
+  if (c.progress && me == 0)
+    std::fprintf(stderr, "  %zu methods round robin, p=%d seq=%lld, %d + %d steps...\n",
+                 c.methods.size(), P, static_cast<long long>(c.seq), c.warmup, c.iters);
+  RunConfig rc = base_run_config(c, P);
+  auto reports = run_interleaved(comm, rc, c.methods);
+  if (!reports.is_ok()) return reports.status();
+
+  std::vector<Point> points;
+  for (std::size_t m = 0; m < c.methods.size(); ++m) {
+    const std::string& method = c.methods[m];
+    RunReport& rep = (*reports)[m];
 
     RankStats mine;
     const double n = static_cast<double>(std::max<std::size_t>(1, rep.steps.size()));
     double wire = 0;
     bool have_wire = true;
-    for (const auto& s : rep.steps) {
-      mine.counted_bytes += static_cast<double>(s.p2p_bytes + s.collective_payload_bytes) / n;
-      mine.working_set = std::max(mine.working_set, static_cast<double>(s.working_set_bytes));
-      if (s.wire_bytes) wire += static_cast<double>(*s.wire_bytes) / n;
+    for (const auto& st : rep.steps) {
+      mine.counted_bytes += static_cast<double>(st.p2p_bytes + st.collective_payload_bytes) / n;
+      mine.working_set = std::max(mine.working_set, static_cast<double>(st.working_set_bytes));
+      if (st.wire_bytes) wire += static_cast<double>(*st.wire_bytes) / n;
       else have_wire = false;
     }
     mine.wire_bytes = have_wire && P > 1 ? wire : -1;
-    mine.peak_rss = static_cast<double>(current_peak_rss());
+    mine.peak_rss = peak_rss[m];
     mine.kv_bytes = static_cast<double>(rep.kv_bytes);
     mine.model_bytes = rep.model.bytes_sent;
     mine.model_working_set = rep.model.working_set_bytes;

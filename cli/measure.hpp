@@ -1,6 +1,8 @@
-// One measured point per method: runs the strategies one after another on the same generated
-// data in the same job, checks each against the float64 oracle outside the timed loop, and
-// aggregates latency, bytes and memory over ranks. Collective over the communicator; the
+// One measured point per method, in two passes over the same generated data in the same job:
+// memory (each method alone for one step, its peak RSS reset before) and then latency and
+// bytes (every method on the same shards, one step of each in turn, so that drift on a shared
+// machine hits all methods alike). Each is checked against the float64 oracle outside the
+// timed loop, and latency, bytes and memory are aggregated over ranks. Collective over the communicator; the
 // points are complete on rank 0.
 #pragma once
 

@@ -103,7 +103,10 @@ void ShapeFlags::add_to(CLI::App& app, bool lists) {
       ->capture_default_str();
   app.add_option("--q-len", q_len, "New tokens per step (>1: speculative decoding, causal)")
       ->capture_default_str();
-  app.add_option("--dtype", dtype, "KV cache element type: f32, f16, bf16")->capture_default_str();
+  app.add_option("--dtype", dtype,
+                 "KV cache element type: f32, f16, bf16, or fp8 / int8 (quantized, a float32 "
+                 "scale per token and KV head)")
+      ->capture_default_str();
   app.add_option("--shard", shard,
                  "KV placement over ranks: even, uneven (contiguous, unequal), striped (token t on "
                  "rank t mod p), empty (one rank holds nothing)")
@@ -134,7 +137,7 @@ Status ShapeFlags::resolve(const CLI::App& app) {
   if (!seqs_r.is_ok()) return invalid_argument("--seq: " + seqs_r.status().message());
   seqs = *seqs_r;
   if (!parse_dtype(dtype).has_value() && split_list(dtype).size() <= 1)
-    return invalid_argument("--dtype: unknown type '" + dtype + "' (known: f32, f16, bf16)");
+    return invalid_argument("--dtype: unknown type '" + dtype + "' (known: f32, f16, bf16, fp8, int8)");
   if (shard != "even" && shard != "uneven" && shard != "striped" && shard != "empty")
     return invalid_argument("--shard: unknown placement '" + shard +
                             "' (known: even, uneven, striped, empty)");

@@ -40,6 +40,8 @@ LatencyStats LatencyStats::of(std::vector<double> s) {
   if (s.empty()) return r;
   std::sort(s.begin(), s.end());
   r.min = s.front();
+  r.max = s.back();
+  r.p10 = percentile(s, 0.10);
   r.p50 = percentile(s, 0.50);
   r.p90 = percentile(s, 0.90);
   r.p99 = percentile(s, 0.99);
@@ -64,8 +66,9 @@ nlohmann::json Point::to_json() const {
       {"shard", shard},
       {"iterations", iterations},
       {"latency_us",
-       {{"min", latency_us.min}, {"p50", latency_us.p50}, {"p90", latency_us.p90},
-        {"p99", latency_us.p99}, {"mean", latency_us.mean}}},
+       {{"min", latency_us.min}, {"p10", latency_us.p10}, {"p50", latency_us.p50},
+        {"p90", latency_us.p90}, {"p99", latency_us.p99}, {"max", latency_us.max},
+        {"mean", latency_us.mean}, {"spread", latency_us.spread()}}},
       {"bytes_sent_per_rank", bytes_sent_per_rank},
       {"bytes_formula", bytes_formula},
       {"peak_bytes_per_rank", peak_bytes_per_rank},
@@ -96,7 +99,8 @@ Point Point::from_json(const nlohmann::json& j) {
   p.shard = j.at("shard");
   p.iterations = j.at("iterations");
   const auto& l = j.at("latency_us");
-  p.latency_us = {l.at("min"), l.at("p50"), l.at("p90"), l.at("p99"), l.at("mean")};
+  p.latency_us = {l.at("min"), l.at("p50"), l.at("p90"), l.at("p99"), l.at("mean"),
+                  l.value("p10", 0.0), l.value("max", 0.0)};
   p.bytes_sent_per_rank = j.at("bytes_sent_per_rank");
   if (!j.at("bytes_wire_per_rank").is_null()) p.bytes_wire_per_rank = j.at("bytes_wire_per_rank").get<uint64_t>();
   p.bytes_formula = j.at("bytes_formula");
@@ -115,8 +119,8 @@ void print_table(const std::vector<Point>& points, const std::string& speedup_ba
   std::map<std::tuple<int, int64_t, int64_t>, double> base;  // (ranks, seq, batch) -> p50
   for (const auto& p : points)
     if (p.method == speedup_base) base[{p.ranks, p.seq, p.batch}] = p.latency_us.p50;
-  std::printf("%-12s %5s %6s %5s | %9s %9s %9s | %9s | %11s %11s | %11s %11s | %10s %8s | %8s %s\n",
-              "method", "ranks", "seq", "batch", "p50", "p90", "min",
+  std::printf("%-12s %5s %6s %5s | %9s %9s %9s %6s | %9s | %11s %11s | %11s %11s | %10s %8s | %8s %s\n",
+              "method", "ranks", "seq", "batch", "p50", "p90", "min", "spread",
               speedup_base.empty() ? "" : ("vs " + speedup_base).c_str(), "sent/rank",
               "formula", "peak/rank", "formula", "peak RSS", "KV GB/s", "rel err", "");
   std::string last_group;
@@ -128,10 +132,11 @@ void print_table(const std::vector<Point>& points, const std::string& speedup_ba
     auto it = base.find({p.ranks, p.seq, p.batch});
     if (it != base.end() && p.latency_us.p50 > 0)
       speed = fmt::format("{:.2f}x", it->second / p.latency_us.p50);
-    std::printf("%-12s %5d %6s %5lld | %9s %9s %9s | %9s | %11s %11s | %11s %11s | %10s %8.2f | %8.1e %s\n",
+    std::printf("%-12s %5d %6s %5lld | %9s %9s %9s %5.0f%% | %9s | %11s %11s | %11s %11s | %10s %8.2f | %8.1e %s\n",
                 p.method.c_str(), p.ranks, format_size(p.seq).c_str(),
                 static_cast<long long>(p.batch), us(p.latency_us.p50).c_str(),
-                us(p.latency_us.p90).c_str(), us(p.latency_us.min).c_str(), speed.c_str(),
+                us(p.latency_us.p90).c_str(), us(p.latency_us.min).c_str(),
+                100.0 * p.latency_us.spread(), speed.c_str(),
                 format_bytes(static_cast<double>(p.bytes_sent_per_rank)).c_str(),
                 format_bytes(static_cast<double>(p.bytes_formula)).c_str(),
                 format_bytes(static_cast<double>(p.peak_bytes_per_rank)).c_str(),

@@ -15,6 +15,9 @@ namespace treeattn::cli {
 
 struct LatencyStats {
   double min = 0, p50 = 0, p90 = 0, p99 = 0, mean = 0;
+  double p10 = 0, max = 0;
+  // (p90 - p10) / p50: how much the steps of one method scatter, for judging a difference.
+  double spread() const { return p50 > 0 ? (p90 - p10) / p50 : 0; }
   static LatencyStats of(std::vector<double> samples_us);
 };
 
