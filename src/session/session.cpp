@@ -137,6 +137,12 @@ Result<ShardPlan> make_plan(const SessionConfig& c, int ranks, std::vector<int64
                             " (give one, or one per batch row)");
   // `single` places every token on rank 0 whatever the requested placement.
   if (c.strategy == "single") return ShardPlan::make(ShardKind::kSingle, ranks, std::move(lens));
+  // An explicit placement describes the prefill (extend); before it every rank holds nothing.
+  const bool empty = std::all_of(lens.begin(), lens.end(), [](int64_t n) { return n == 0; });
+  if (c.placement == ShardKind::kExplicit && empty) {
+    const std::vector<int64_t> zeros(static_cast<std::size_t>(ranks), 0);
+    return ShardPlan::make(c.placement, ranks, std::move(lens), zeros, c.holder);
+  }
   return ShardPlan::make(c.placement, ranks, std::move(lens), c.explicit_len, c.holder);
 }
 

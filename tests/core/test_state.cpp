@@ -142,6 +142,73 @@ TEST_P(StateAssociativity, AnyTreeShapeMatchesFloat64) {
 INSTANTIATE_TEST_SUITE_P(Partials, StateAssociativity,
                          ::testing::Values(1, 2, 3, 5, 17, 32, 55, 97, 133));
 
+// max(+0, -0) keeps the sign of its second operand; state_merge itself folds m = -0 to +0, so
+// merge(a, b) and merge(b, a) agree bit for bit for every backend that calls it (not only the
+// MPI op, where the fold used to live).
+TEST(State, SignedZeroMaxIsFoldedSoMergeStaysCommutative) {
+  Rec a(kD + 2, 1.0f), b(kD + 2, 2.0f);
+  state_m(a.data()) = 0.0f;
+  state_m(b.data()) = -0.0f;
+  Rec ab = a, ba = b;
+  state_merge(ab.data(), b.data(), kD);
+  state_merge(ba.data(), a.data(), kD);
+  EXPECT_EQ(std::memcmp(ab.data(), ba.data(), ab.size() * sizeof(float)), 0);
+  EXPECT_FALSE(std::signbit(state_m(ab.data())));
+  // Both -0: the result is +0 too (never -0 from a merge of two non-empty states).
+  Rec c = b;
+  state_merge(c.data(), b.data(), kD);
+  EXPECT_FALSE(std::signbit(state_m(c.data())));
+  // The identity still returns the other side bit for bit, -0 included.
+  Rec e = empty_rec();
+  state_merge(e.data(), b.data(), kD);
+  EXPECT_EQ(std::memcmp(e.data(), b.data(), b.size() * sizeof(float)), 0);
+}
+
+TEST(State, NamedFieldsAreThePackedOffsets) {
+  Rec r(kD + 2);
+  for (std::size_t i = 0; i < r.size(); ++i) r[i] = static_cast<float>(i);
+  EXPECT_EQ(state_m(r.data()), r[kStateM]);
+  EXPECT_EQ(state_l(r.data()), r[kStateL]);
+  EXPECT_EQ(state_o(r.data()), r.data() + kStateO);
+  EXPECT_EQ(kStateM, 0u);
+  EXPECT_EQ(kStateL, 1u);
+  EXPECT_EQ(kStateO, 2u);
+}
+
+// The sum form of tree-paper / tree2 rebuilds the merge: merging records and summing their
+// weighted forms under the common max LSE give the same output and LSE.
+TEST(State, SumFormOfTwoRecordsMatchesTheirMerge) {
+  std::mt19937_64 rng(7);
+  const Rec a = random_rec(rng, 3.0f, 40), b = random_rec(rng, -2.0f, 17);
+  Rec merged = a;
+  state_merge(merged.data(), b.data(), kD);
+  const float M = std::max(state_lse(a.data()), state_lse(b.data()));
+  Rec na(kD), nb(kD);
+  float wa = 0, wb = 0;
+  state_to_sum_form(a.data(), M, kD, na.data(), &wa);
+  state_to_sum_form(b.data(), M, kD, nb.data(), &wb);
+  Rec sum(kD);
+  for (std::size_t d = 0; d < kD; ++d) sum[d] = na[d] + nb[d];
+  Rec rebuilt(kD + 2);
+  state_from_sum_form(M, sum.data(), wa + wb, kD, rebuilt.data());
+  Rec o1(kD), o2(kD);
+  float l1 = 0, l2 = 0;
+  state_normalize(merged.data(), kD, o1.data(), &l1);
+  state_normalize(rebuilt.data(), kD, o2.data(), &l2);
+  EXPECT_NEAR(l1, l2, 1e-5f * std::max(1.0f, std::fabs(l1)));
+  for (std::size_t d = 0; d < kD; ++d) EXPECT_NEAR(o1[d], o2[d], 1e-5f);
+  // Empty records weigh nothing, and an all-empty sum rebuilds the empty state.
+  const Rec e = empty_rec();
+  float we = 1;
+  Rec ne(kD, 1.0f);
+  state_to_sum_form(e.data(), M, kD, ne.data(), &we);
+  EXPECT_EQ(we, 0.0f);
+  for (float x : ne) EXPECT_EQ(x, 0.0f);
+  Rec out(kD + 2, 5.0f);
+  state_from_sum_form(-kInf, ne.data(), 0.0f, kD, out.data());
+  EXPECT_TRUE(state_is_empty(out.data()));
+}
+
 TEST(State, AllEmptyPartialsNormalizeToZeroAndMinusInf) {
   std::vector<Rec> parts(17, empty_rec());
   std::mt19937_64 rng(3);

@@ -2,9 +2,9 @@
 // has (ctest runs it at 1, 2, 3, 4, 5, 7 and 8 ranks).
 //
 // Cases cover even, uneven, striped and explicit shards with empty ranks, odd and ragged
-// lengths, GQA, batch > 1, q_len > 1, the three KV dtypes, root-only delivery, `hier` with an
-// explicit node grouping and by shared memory, and a multi-step decode with appends compared
-// with decoding the whole sequence on one rank.
+// lengths, GQA, batch > 1, q_len > 1, the five KV dtypes (fp8 and int8 with their scales),
+// root-only delivery, `hier` with an explicit node grouping and by shared memory, and a
+// multi-step decode with appends compared with decoding the whole sequence on one rank.
 //
 // Tolerance (documented rule): max |out - ref| <= 1e-5 * max(1, max |ref|), for every dtype.
 // The oracle widens the very same f16/bf16 cache values exactly to double, so the only error
@@ -102,6 +102,15 @@ std::vector<Case> make_cases(int p) {
         add("f32 root-only", {1, 4, 2, 64, 1}, DType::kF32, {50}, ShardKind::kEven, 2.0f);
     c->options.root = p - 1;
   }
+  // Quantized KV (a float32 scale per token and KV head): the oracle reads the same codes and
+  // scales (the dequantized cache); ring-kv carries the scales with the shards.
+  {
+    RunConfig* c = add("fp8 appends striped", {2, 4, 2, 64, 1}, DType::kFP8, {57, 21},
+                       ShardKind::kStriped, 2.0f);
+    c->steps = 2;
+    c->append = true;
+  }
+  add("int8 q2 uneven", {1, 8, 2, 128, 2}, DType::kInt8, {90}, ShardKind::kUneven, 2.0f);
   return cases;
 }
 
