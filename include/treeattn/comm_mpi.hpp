@@ -41,3 +41,11 @@ Status mpi_finalize();
 bool mpi_active();
 
 }  // namespace treeattn
+
+namespace treeattn {
+
+// Wraps an existing MPI communicator (given as its Fortran handle, MPI_Comm_c2f) that the
+// caller keeps alive; MPI must be initialized (e.g. by mpi4py). The result duplicates it.
+Result<std::unique_ptr<Communicator>> mpi_wrap_fortran(int64_t fortran_handle);
+
+}  // namespace treeattn

@@ -619,3 +619,35 @@ bool mpi_active() {
 }
 
 }  // namespace treeattn
+
+namespace treeattn {
+
+Result<std::unique_ptr<Communicator>> mpi_wrap_fortran(int64_t fortran_handle) {
+  if (!mpi_active())
+    return invalid_argument("cannot wrap MPI communicator handle " +
+                            std::to_string(fortran_handle) +
+                            ": MPI is not initialized (or already finalized)");
+  if (fortran_handle < INT_MIN || fortran_handle > INT_MAX)
+    return invalid_argument("MPI communicator handle " + std::to_string(fortran_handle) +
+                            " is not a Fortran handle (outside the range of MPI_Fint)");
+  MPI_Comm c = MPI_Comm_f2c(static_cast<MPI_Fint>(fortran_handle));
+  if (c == MPI_COMM_NULL)
+    return invalid_argument("MPI communicator handle " + std::to_string(fortran_handle) +
+                            " is MPI_COMM_NULL or not a valid communicator");
+  int inter = 0;
+  if (int rc = MPI_Comm_test_inter(c, &inter); rc != MPI_SUCCESS)
+    return invalid_argument("MPI communicator handle " + std::to_string(fortran_handle) +
+                            " is not a valid communicator: " + mpi_error_text(rc));
+  if (inter)
+    return invalid_argument("MPI communicator handle " + std::to_string(fortran_handle) +
+                            " is an intercommunicator; treeattn needs an intracommunicator");
+  MPI_Comm dup = MPI_COMM_NULL;
+  if (int rc = MPI_Comm_dup(c, &dup); rc != MPI_SUCCESS)
+    return internal_error("MPI_Comm_dup of communicator handle " + std::to_string(fortran_handle) +
+                          " failed: " + mpi_error_text(rc));
+  auto comm = std::make_unique<MpiCommunicator>(dup, std::make_shared<CommShared>());
+  TREEATTN_RETURN_IF_ERROR(comm->init());
+  return std::unique_ptr<Communicator>(std::move(comm));
+}
+
+}  // namespace treeattn

@@ -1,0 +1,708 @@
+// The Python extension `treeattn._treeattn`: numpy bindings of the kernel, the state algebra, the
+// float64 oracle and the decode session (over mpi4py or the in-process communicator).
+//
+// Why pybind11: it is packaged in Debian 12 (pybind11-dev, python3-pybind11), so the module
+// builds from apt packages like the rest of treeattn; nanobind is not packaged there.
+//
+// Arrays and copies:
+//   - Every float input must already have dtype float32 (K/V: float32, float16, or uint16 holding
+//     bfloat16 bits with dtype="bf16"); anything else raises TypeError instead of silently
+//     converting a possibly huge array.
+//   - K and V are never copied: any strides work as long as the last axis (head_dim) is
+//     contiguous and K and V have the same strides (a slice of a larger cache is a view);
+//     otherwise ValueError tells the caller to pass np.ascontiguousarray.
+//   - q, states and the K/V given to Session.store/append are read in place when C-contiguous
+//     and copied otherwise (they are one step's worth of data).
+//   - Outputs are numpy arrays the C++ code writes into directly.
+//
+// Errors: a non-ok treeattn::Status raises treeattn.Error with exactly Status::message() as its
+// text and the code name in .code: InvalidArgumentError (also a ValueError) for
+// kInvalidArgument, and RuntimeError subclasses for the others (UnsupportedError, MismatchError,
+// PeerTimeoutError, NumericsError, InternalError, OutOfMemoryError). Checks this file makes
+// itself on shapes raise InvalidArgumentError too; wrong dtypes raise TypeError.
+//
+// The GIL is released during every call that computes or communicates, so several Python
+// threads can each drive one rank of the in-process communicator (treeattn.run_local).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <iterator>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "treeattn/comm.hpp"
+#include "treeattn/comm_local.hpp"
+#include "treeattn/kernel.hpp"
+#include "treeattn/oracle.hpp"
+#include "treeattn/session.hpp"
+#include "treeattn/shape.hpp"
+#include "treeattn/state.hpp"
+#include "treeattn/status.hpp"
+#include "treeattn/strategy.hpp"
+#if defined(TREEATTN_PY_WITH_MPI)
+#include "treeattn/comm_mpi.hpp"
+#endif
+
+namespace py = pybind11;
+
+namespace treeattn::python {
+namespace {
+
+// ---- errors ------------------------------------------------------------------------------------
+
+// A non-ok Status on its way to Python (translated in the module's exception translator).
+class StatusError : public std::exception {
+ public:
+  explicit StatusError(Status s) : status_(std::move(s)) {}
+  const char* what() const noexcept override { return status_.message().c_str(); }
+  const Status& status() const { return status_; }
+
+ private:
+  Status status_;
+};
+
+void check(const Status& s) {
+  if (!s.is_ok()) throw StatusError(s);
+}
+template <class T>
+T unwrap(Result<T>&& r) {
+  if (!r.is_ok()) throw StatusError(r.status());
+  return std::move(r).value();
+}
+[[noreturn]] void invalid(const std::string& message) {
+  throw StatusError(invalid_argument(message));
+}
+
+// Python exception types by Code (index = static_cast<int>(code)); owned by the module.
+constexpr int kCodes = static_cast<int>(Code::kOutOfMemory) + 1;
+std::array<PyObject*, kCodes> g_errors{};
+
+void set_python_error(const Status& s) {
+  PyObject* type = g_errors[static_cast<std::size_t>(s.code())];
+  if (type == nullptr) type = g_errors[static_cast<std::size_t>(Code::kInternal)];
+  py::object inst = py::reinterpret_borrow<py::object>(type)(s.message());
+  inst.attr("code") = py::str(code_name(s.code()));
+  PyErr_SetObject(type, inst.ptr());
+}
+
+// Creates treeattn.<name> deriving from the given bases and adds it to the module.
+PyObject* make_error(py::module_& m, const char* name, py::tuple bases, const char* doc) {
+  const std::string full = std::string("treeattn.") + name;
+  PyObject* t = PyErr_NewExceptionWithDoc(full.c_str(), doc, bases.ptr(), nullptr);
+  if (t == nullptr) throw py::error_already_set();
+  m.add_object(name, py::reinterpret_borrow<py::object>(t));
+  return t;  // the module keeps a reference for the lifetime of the interpreter
+}
+
+// ---- arrays ------------------------------------------------------------------------------------
+
+using F32Array = py::array_t<float, py::array::c_style | py::array::forcecast>;
+
+std::string shape_text(const py::array& a) {
+  std::string s = "(";
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+// A float32 array in C order: the caller's buffer when it already is one, a copy when it is
+// float32 with other strides. Other dtypes raise TypeError.
+F32Array as_f32(const py::array& a, const char* what) {
+  if (!a.dtype().is(py::dtype::of<float>()))
+    throw py::type_error(std::string(what) + " must have dtype float32, got " +
+                         std::string(py::str(a.dtype())) + " (convert it with .astype(np.float32))");
+  return F32Array::ensure(a);
+}
+
+void expect_ndim(const py::array& a, py::ssize_t ndim, const char* what, const char* layout) {
+  if (a.ndim() != ndim)
+    invalid(std::string(what) + " must be " + std::to_string(ndim) + "-D " + layout + ", got shape " +
+            shape_text(a));
+}
+
+// Per-batch-row int64 values from None (fallback), an int (every row) or a sequence of batch ints.
+std::vector<int64_t> rows(const py::object& o, int64_t batch, const char* what,
+                          const std::vector<int64_t>& fallback) {
+  if (o.is_none()) return fallback;
+  if (py::isinstance<py::int_>(o)) return std::vector<int64_t>(static_cast<std::size_t>(batch), o.cast<int64_t>());
+  auto v = o.cast<std::vector<int64_t>>();
+  if (static_cast<int64_t>(v.size()) != batch)
+    invalid(std::string(what) + " has " + std::to_string(v.size()) + " values for batch " +
+            std::to_string(batch) + " (give one int, or one per batch row)");
+  return v;
+}
+
+// K and V as a KVShard view over the caller's numpy memory, plus the per-row spans it points to.
+struct KVArgs {
+  py::array k, v;  // keep the buffers alive while the view is used
+  std::vector<int64_t> len, pos_start, total_len;
+  KVShard shard;
+};
+
+DType kv_dtype(const py::array& k, const std::optional<std::string>& name) {
+  const bool f32 = k.dtype().is(py::dtype::of<float>());
+  const bool f16 = k.dtype().is(py::dtype("float16"));
+  const bool u16 = k.dtype().is(py::dtype::of<uint16_t>());
+  const std::string got = py::str(k.dtype());
+  if (!name) {
+    if (f32) return DType::kF32;
+    if (f16) return DType::kF16;
+    if (u16)
+      throw py::type_error("k has dtype uint16: pass dtype=\"bf16\" if it holds bfloat16 bits");
+    throw py::type_error("k and v must have dtype float32 or float16 (or uint16 with dtype=\"bf16\"), "
+                         "got " + got);
+  }
+  const auto t = parse_dtype(*name);
+  if (!t) invalid("unknown KV dtype '" + *name + "' (known: f32, f16, bf16)");
+  if (dtype_is_quantized(*t))
+    check(unsupported("KV dtype " + std::string(dtype_name(*t)) +
+                      " is not supported by the Python decode_partial/oracle (use f32, f16, bf16)"));
+  const bool ok = (*t == DType::kF32 && f32) || (*t == DType::kF16 && f16) || (*t == DType::kBF16 && u16);
+  if (!ok)
+    throw py::type_error("dtype=\"" + std::string(dtype_name(*t)) + "\" needs k and v of numpy dtype " +
+                         (*t == DType::kF32 ? "float32" : *t == DType::kF16 ? "float16" : "uint16") +
+                         ", got " + got);
+  return *t;
+}
+
+// k, v: [B, Hkv, N, D]. lengths (tokens per row, default N), pos_start (default 0), total_len
+// (default: the position after the row's last token) and pos_stride as in KVShard (shape.hpp).
+KVArgs kv_args(const py::array& k, const py::array& v, const std::optional<std::string>& dtype,
+               const py::object& lengths, const py::object& pos_start, const py::object& total_len,
+               int64_t pos_stride) {
+  KVArgs a;
+  a.k = k;
+  a.v = v;
+  expect_ndim(k, 4, "k", "[batch, kv_heads, tokens, head_dim]");
+  expect_ndim(v, 4, "v", "[batch, kv_heads, tokens, head_dim]");
+  for (py::ssize_t i = 0; i < 4; ++i)
+    if (k.shape(i) != v.shape(i))
+      invalid("k and v must have the same shape, got k " + shape_text(k) + " and v " + shape_text(v));
+  const DType t = kv_dtype(k, dtype);
+  if (!v.dtype().is(k.dtype()))
+    throw py::type_error("k and v must have the same dtype, got " + std::string(py::str(k.dtype())) +
+                         " and " + std::string(py::str(v.dtype())));
+  const auto item = static_cast<py::ssize_t>(dtype_size(t));
+  const int64_t batch = k.shape(0), n = k.shape(2), d = k.shape(3);
+  // Element strides; an axis of extent 1 is never stepped over, so its stride does not matter.
+  const int64_t fallback[3] = {k.shape(1) * n * d, n * d, d};
+  int64_t stride[3];
+  for (py::ssize_t i = 0; i < 4; ++i) {
+    const bool same = k.strides(i) == v.strides(i) || k.shape(i) == 1;
+    const bool last_ok = i < 3 || k.strides(3) == item || d == 1;
+    if (!same || !last_ok || k.strides(i) < 0 || k.strides(i) % item != 0)
+      invalid("k and v must share their strides, with head_dim contiguous and no negative strides "
+              "(got k strides " + std::string(py::str(py::cast(std::vector<py::ssize_t>(
+                                      k.strides(), k.strides() + 4)))) +
+              ", v strides " +
+              std::string(py::str(py::cast(std::vector<py::ssize_t>(v.strides(), v.strides() + 4)))) +
+              "); pass np.ascontiguousarray(k) and np.ascontiguousarray(v)");
+    if (i < 3) stride[i] = k.shape(i) == 1 ? fallback[i] : k.strides(i) / item;
+  }
+  a.len = rows(lengths, batch, "lengths", std::vector<int64_t>(static_cast<std::size_t>(batch), n));
+  for (int64_t l : a.len)
+    if (l > n) invalid("lengths: " + std::to_string(l) + " tokens in a row of k and v with " +
+                       std::to_string(n) + " token slots");
+  a.pos_start = rows(pos_start, batch, "pos_start", std::vector<int64_t>(static_cast<std::size_t>(batch), 0));
+  std::vector<int64_t> end(static_cast<std::size_t>(batch));
+  for (std::size_t b = 0; b < end.size(); ++b)
+    end[b] = a.len[b] > 0 ? a.pos_start[b] + (a.len[b] - 1) * pos_stride + 1 : a.pos_start[b];
+  a.total_len = rows(total_len, batch, "total_len", end);
+  KVShard& s = a.shard;
+  s.dtype = t;
+  s.k = k.data();
+  s.v = v.data();
+  s.stride_batch = stride[0];
+  s.stride_head = stride[1];
+  s.stride_token = stride[2];
+  s.len = a.len;
+  s.pos_start = a.pos_start;
+  s.total_len = a.total_len;
+  s.pos_stride = pos_stride;
+  return a;
+}
+
+// The decode shape of q [B, Q, H, D] against k [B, Hkv, N, D].
+AttnShape attn_shape(const py::array& q, const py::array& k) {
+  expect_ndim(q, 4, "q", "[batch, q_len, heads, head_dim]");
+  if (q.shape(0) != k.shape(0) || q.shape(3) != k.shape(3))
+    invalid("q " + shape_text(q) + " ([batch, q_len, heads, head_dim]) and k " + shape_text(k) +
+            " ([batch, kv_heads, tokens, head_dim]) disagree on batch or head_dim");
+  AttnShape s;
+  s.batch = q.shape(0);
+  s.q_len = q.shape(1);
+  s.heads = q.shape(2);
+  s.kv_heads = k.shape(1);
+  s.head_dim = q.shape(3);
+  check(s.validate());
+  return s;
+}
+
+std::vector<py::ssize_t> dims(std::initializer_list<int64_t> l) {
+  return std::vector<py::ssize_t>(l.begin(), l.end());
+}
+
+// ---- kernels, states, oracle -------------------------------------------------------------------
+
+py::array_t<float> decode_partial_py(const py::array& q_in, const py::array& k, const py::array& v,
+                                     std::optional<std::string> dtype, float scale,
+                                     const py::object& lengths, const py::object& pos_start,
+                                     const py::object& total_len, int64_t pos_stride, int threads,
+                                     int64_t chunk_tokens, const std::string& isa) {
+  KVArgs kv = kv_args(k, v, dtype, lengths, pos_start, total_len, pos_stride);
+  const AttnShape shape = attn_shape(q_in, k);
+  F32Array q = as_f32(q_in, "q");
+  DecodeOptions o;
+  o.scale = scale;
+  o.threads = threads;
+  o.chunk_tokens = chunk_tokens;
+  o.isa = unwrap(parse_isa(isa));
+  py::array_t<float> states(dims({shape.batch, shape.q_len, shape.heads, shape.head_dim + 2}));
+  float* out = states.mutable_data();
+  const float* qp = q.data();
+  {
+    py::gil_scoped_release nogil;
+    check(decode_partial(shape, qp, kv.shard, out, o));
+  }
+  return states;
+}
+
+py::tuple oracle_py(const py::array& q_in, const py::array& k, const py::array& v,
+                    std::optional<std::string> dtype, double scale, const py::object& lengths,
+                    const py::object& pos_start, const py::object& total_len, int64_t pos_stride) {
+  KVArgs kv = kv_args(k, v, dtype, lengths, pos_start, total_len, pos_stride);
+  const AttnShape shape = attn_shape(q_in, k);
+  F32Array q = as_f32(q_in, "q");
+  py::array_t<double> out(dims({shape.batch, shape.q_len, shape.heads, shape.head_dim}));
+  py::array_t<double> lse(dims({shape.batch, shape.q_len, shape.heads}));
+  double* op = out.mutable_data();
+  double* lp = lse.mutable_data();
+  const float* qp = q.data();
+  {
+    py::gil_scoped_release nogil;
+    check(oracle_attention(shape, qp, kv.shard, op, lp, scale));
+  }
+  return py::make_tuple(out, lse);
+}
+
+// states [..., D + 2] float32 -> (number of records, D).
+std::pair<std::size_t, std::size_t> records_of(const py::array& a, const char* what) {
+  if (a.ndim() < 1 || a.shape(a.ndim() - 1) < 2)
+    invalid(std::string(what) + " must be state records [..., head_dim + 2], got shape " + shape_text(a));
+  const auto rec = static_cast<std::size_t>(a.shape(a.ndim() - 1));
+  return {static_cast<std::size_t>(a.size()) / rec, rec - 2};
+}
+
+py::array_t<float> merge_states_py(const py::array& a_in, const py::array& b_in, const py::object& out_obj) {
+  F32Array a = as_f32(a_in, "a");
+  F32Array b = as_f32(b_in, "b");
+  const auto [n, d] = records_of(a, "a");
+  bool same = a.ndim() == b.ndim();
+  for (py::ssize_t i = 0; same && i < a.ndim(); ++i) same = a.shape(i) == b.shape(i);
+  if (!same) invalid("merge_states: a " + shape_text(a) + " and b " + shape_text(b) + " differ in shape");
+  py::array_t<float> out;
+  if (out_obj.is_none()) {
+    out = py::array_t<float>(std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim()));
+  } else {
+    out = py::cast<py::array>(out_obj);
+    if (!out.dtype().is(py::dtype::of<float>()) || !(out.flags() & py::array::c_style) || !out.writeable())
+      throw py::type_error("merge_states: out must be a writeable C-contiguous float32 array");
+    bool match = out.ndim() == a.ndim();
+    for (py::ssize_t i = 0; match && i < a.ndim(); ++i) match = out.shape(i) == a.shape(i);
+    if (!match) invalid("merge_states: out " + shape_text(out) + " must have the shape of a " + shape_text(a));
+  }
+  float* acc = out.mutable_data();
+  // The merge is commutative bit for bit (state.hpp), so out may alias either input.
+  const float* first = a.data();
+  const float* second = b.data();
+  if (acc == second) std::swap(first, second);
+  const std::size_t floats = n * state_record_floats(d);
+  if (acc != first) std::memcpy(acc, first, floats * sizeof(float));
+  state_merge_n(acc, second, n, d);
+  return out;
+}
+
+py::tuple normalize_py(const py::array& s_in) {
+  F32Array s = as_f32(s_in, "states");
+  const auto [n, d] = records_of(s, "states");
+  std::vector<py::ssize_t> lead(s.shape(), s.shape() + s.ndim() - 1);
+  std::vector<py::ssize_t> full = lead;
+  full.push_back(static_cast<py::ssize_t>(d));
+  py::array_t<float> out(full), lse(lead);
+  float* op = out.mutable_data();
+  float* lp = lse.mutable_data();
+  const float* rec = s.data();
+  for (std::size_t i = 0; i < n; ++i)
+    state_normalize(rec + i * state_record_floats(d), d, op + i * d, lp + i);
+  return py::make_tuple(out, lse);
+}
+
+// ---- communicators and the session -------------------------------------------------------------
+
+// A Communicator owned by Python. An MPI communicator that outlives MPI (the interpreter shuts
+// mpi4py down first) is leaked instead of freed: MPI calls after MPI_Finalize are erroneous.
+struct PyComm {
+  std::unique_ptr<Communicator> comm;
+  bool mpi = false;
+  ~PyComm() {
+#if defined(TREEATTN_PY_WITH_MPI)
+    if (mpi && !mpi_active()) (void)comm.release();
+#endif
+  }
+};
+
+struct PySession {
+  std::shared_ptr<PyComm> comm;  // the session's communicator lives at least as long
+  std::unique_ptr<DecodeSession> s;
+  ~PySession() {
+#if defined(TREEATTN_PY_WITH_MPI)
+    if (comm->mpi && !mpi_active()) (void)s.release();  // its strategies may own MPI objects
+#endif
+  }
+  DecodeSession& get() { return *s; }
+};
+
+std::vector<int> int_list(const py::object& o) {
+  return o.is_none() ? std::vector<int>{} : o.cast<std::vector<int>>();
+}
+
+std::unique_ptr<PySession> make_session(std::shared_ptr<PyComm> comm, int64_t batch, int64_t heads,
+                                        int64_t kv_heads, int64_t head_dim, int64_t q_len,
+                                        const std::string& dtype, int layers,
+                                        const std::string& placement, const py::object& context,
+                                        const py::object& explicit_len, int holder,
+                                        int64_t reserve_tokens, const std::string& strategy,
+                                        int root, int fanout, const py::object& node_of_rank,
+                                        float scale, int threads, const std::string& isa,
+                                        double timeout_s, bool check_agreement,
+                                        const py::object& agree_also) {
+  SessionConfig c;
+  c.shape = AttnShape{batch, heads, kv_heads, head_dim, q_len};
+  const auto t = parse_dtype(dtype);
+  if (!t) invalid("unknown KV dtype '" + dtype + "' (known: f32, f16, bf16, fp8, int8)");
+  c.dtype = *t;
+  c.layers = layers;
+  c.placement = unwrap(parse_shard_kind(placement));
+  if (py::isinstance<py::int_>(context))
+    c.context = {context.cast<int64_t>()};
+  else
+    c.context = context.cast<std::vector<int64_t>>();
+  if (!explicit_len.is_none()) c.explicit_len = explicit_len.cast<std::vector<int64_t>>();
+  c.holder = holder;
+  c.reserve_tokens = reserve_tokens;
+  c.strategy = strategy;
+  c.options.root = root;
+  c.options.fanout = fanout;
+  c.options.node_of_rank = int_list(node_of_rank);
+  c.options.kernel.scale = scale;
+  c.options.kernel.threads = threads;
+  c.options.kernel.isa = unwrap(parse_isa(isa));
+  if (timeout_s < 0) invalid("timeout must be >= 0 seconds (0 waits forever), got " + std::to_string(timeout_s));
+  c.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0 + 0.5));
+  c.check_agreement = check_agreement;
+  if (!agree_also.is_none())
+    c.agree_also = agree_also.cast<std::vector<std::pair<std::string, std::string>>>();
+  auto out = std::make_unique<PySession>();
+  out->comm = std::move(comm);
+  Communicator& cm = *out->comm->comm;
+  Result<std::unique_ptr<DecodeSession>> r = [&] {
+    py::gil_scoped_release nogil;
+    return DecodeSession::create(cm, c);
+  }();
+  out->s = unwrap(std::move(r));
+  return out;
+}
+
+// Checks a [*lead, kv_heads, head_dim]-shaped float32 K or V block of a session.
+F32Array kv_block(const py::array& a, const char* what, std::vector<int64_t> want, const char* layout) {
+  F32Array f = as_f32(a, what);
+  bool ok = f.ndim() == static_cast<py::ssize_t>(want.size());
+  for (std::size_t i = 0; ok && i < want.size(); ++i) ok = f.shape(static_cast<py::ssize_t>(i)) == want[i];
+  if (!ok) {
+    std::string w = "(";
+    for (std::size_t i = 0; i < want.size(); ++i) w += (i ? ", " : "") + std::to_string(want[i]);
+    invalid(std::string(what) + " must have shape " + w + ") " + layout + ", got " + shape_text(f));
+  }
+  return f;
+}
+
+F32Array session_query(const DecodeSession& s, const py::array& q_in) {
+  const AttnShape& sh = s.shape();
+  return kv_block(q_in, "q", {sh.batch, sh.q_len, sh.heads, sh.head_dim}, "[batch, q_len, heads, head_dim]");
+}
+
+void store_py(PySession& ps, int layer, int64_t b, const py::object& pos, const py::array& k_in,
+              const py::array& v_in) {
+  DecodeSession& s = ps.get();
+  const AttnShape& sh = s.shape();
+  const auto per = static_cast<std::size_t>(sh.kv_heads * sh.head_dim);
+  if (py::isinstance<py::int_>(pos)) {
+    F32Array k = kv_block(k_in, "k", {sh.kv_heads, sh.head_dim}, "[kv_heads, head_dim]");
+    F32Array v = kv_block(v_in, "v", {sh.kv_heads, sh.head_dim}, "[kv_heads, head_dim]");
+    check(s.store(layer, b, pos.cast<int64_t>(), k.data(), v.data()));
+    return;
+  }
+  const auto positions = pos.cast<std::vector<int64_t>>();
+  const auto n = static_cast<int64_t>(positions.size());
+  F32Array k = kv_block(k_in, "k", {n, sh.kv_heads, sh.head_dim}, "[positions, kv_heads, head_dim]");
+  F32Array v = kv_block(v_in, "v", {n, sh.kv_heads, sh.head_dim}, "[positions, kv_heads, head_dim]");
+  for (std::size_t i = 0; i < positions.size(); ++i)
+    check(s.store(layer, b, positions[i], k.data() + i * per, v.data() + i * per));
+}
+
+std::vector<int64_t> plan_row(const ShardPlan& plan, int rank, bool starts) {
+  if (rank < 0 || rank >= plan.ranks())
+    invalid("rank " + std::to_string(rank) + " is outside [0, " + std::to_string(plan.ranks()) + ")");
+  auto sp = starts ? plan.pos_starts(rank) : plan.lens(rank);
+  return {sp.begin(), sp.end()};
+}
+
+}  // namespace
+}  // namespace treeattn::python
+
+PYBIND11_MODULE(_treeattn, m) {
+  using namespace treeattn;          // NOLINT(google-build-using-namespace)
+  using namespace treeattn::python;  // NOLINT(google-build-using-namespace)
+  m.doc() = "treeattn: exact distributed attention decoding (C++ core, numpy bindings)";
+
+  // Exceptions: treeattn.Error, and one subclass per Status code.
+  py::module_ builtins = py::module_::import("builtins");
+  py::object exc = builtins.attr("Exception"), value_error = builtins.attr("ValueError"),
+             runtime_error = builtins.attr("RuntimeError");
+  PyObject* base = make_error(m, "Error", py::make_tuple(exc),
+                              "A treeattn Status that is not ok; str() is its message, .code its code name.");
+  py::object base_error = py::reinterpret_borrow<py::object>(base);
+  auto sub = [&](Code c, const char* name, py::object other, const char* doc) {
+    g_errors[static_cast<std::size_t>(c)] = make_error(m, name, py::make_tuple(base_error, other), doc);
+  };
+  sub(Code::kInvalidArgument, "InvalidArgumentError", value_error, "A caller-supplied value is out of range or inconsistent.");
+  sub(Code::kUnsupported, "UnsupportedError", runtime_error, "A valid request this build cannot serve (head dim, dtype, ISA).");
+  sub(Code::kMismatch, "MismatchError", runtime_error, "Ranks disagree on a shape, dtype or plan.");
+  sub(Code::kTimeout, "PeerTimeoutError", runtime_error, "A peer rank did not arrive within the configured time.");
+  sub(Code::kNumerics, "NumericsError", runtime_error, "An opt-in check found NaN/Inf in an input.");
+  sub(Code::kInternal, "InternalError", runtime_error, "A backend call failed.");
+  sub(Code::kOutOfMemory, "OutOfMemoryError", runtime_error, "A requested allocation would not fit.");
+  g_errors[static_cast<std::size_t>(Code::kOk)] = g_errors[static_cast<std::size_t>(Code::kInternal)];
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      set_python_error(e.status());
+    }
+  });
+
+#if defined(TREEATTN_PY_WITH_MPI)
+  m.attr("has_mpi") = true;
+#else
+  m.attr("has_mpi") = false;
+#endif
+  m.attr("supported_head_dims") = py::cast(std::vector<int>(std::begin(kSupportedHeadDims), std::end(kSupportedHeadDims)));
+  m.def("best_isa", [] { return std::string(isa_name(best_isa())); },
+        "The best kernel ISA this CPU supports.");
+
+  m.def("decode_partial", &decode_partial_py, py::arg("q"), py::arg("k"), py::arg("v"), py::kw_only(),
+        py::arg("dtype") = py::none(), py::arg("scale") = 0.0f, py::arg("lengths") = py::none(),
+        py::arg("pos_start") = py::none(), py::arg("total_len") = py::none(),
+        py::arg("pos_stride") = 1, py::arg("threads") = 0, py::arg("chunk_tokens") = 0,
+        py::arg("isa") = "auto",
+        R"(Partial attention states of q against one KV shard (kernel.hpp).
+
+q [B, Q, H, D] float32; k, v [B, Hkv, N, D] float32, float16, or uint16 with dtype="bf16" (any
+strides with head_dim contiguous; never copied). lengths: tokens used per row (default N);
+pos_start: global position of each row's first token (default 0); total_len: the whole
+context length per row (default: one past the row's last token), which sets the causal limit
+of multi-token queries; pos_stride: position step between tokens (striped shards).
+scale 0 means 1/sqrt(D). Returns states [B, Q, H, D + 2] float32 records [m, l, o...].)");
+  m.def("oracle", &oracle_py, py::arg("q"), py::arg("k"), py::arg("v"), py::kw_only(),
+        py::arg("dtype") = py::none(), py::arg("scale") = 0.0, py::arg("lengths") = py::none(),
+        py::arg("pos_start") = py::none(), py::arg("total_len") = py::none(),
+        py::arg("pos_stride") = 1,
+        "The float64 oracle (oracle.hpp) over the same arguments as decode_partial: returns "
+        "(out [B, Q, H, D] float64, lse [B, Q, H] float64, natural log).");
+  m.def("merge_states", &merge_states_py, py::arg("a"), py::arg("b"), py::kw_only(),
+        py::arg("out") = py::none(),
+        "Merges two arrays of state records [..., D + 2] (state.hpp); out may be a or b.");
+  m.def("normalize", &normalize_py, py::arg("states"),
+        "(out [..., D], lse [...]) of state records [..., D + 2]: o / l and m + log(l).");
+
+  py::class_<PyComm, std::shared_ptr<PyComm>>(m, "Comm",
+                                              "A treeattn communicator (MPI or in-process).")
+      .def_property_readonly("rank", [](const PyComm& c) { return c.comm->rank(); })
+      .def_property_readonly("size", [](const PyComm& c) { return c.comm->size(); })
+      .def_property_readonly("backend", [](const PyComm& c) { return std::string(c.comm->backend_name()); })
+      .def("strategies",
+           [](const PyComm& c) {
+             std::vector<std::pair<std::string, std::string>> out;
+             for (const StrategyInfo& i : StrategyRegistry::for_backend(c.comm->capabilities()).list())
+               out.emplace_back(std::string(i.name), std::string(i.summary));
+             return out;
+           },
+           "(name, summary) of the strategies this backend offers.")
+      .def("__repr__", [](const PyComm& c) {
+        return "<treeattn.Comm " + std::string(c.comm->backend_name()) + " rank " +
+               std::to_string(c.comm->rank()) + " of " + std::to_string(c.comm->size()) + ">";
+      });
+
+  m.def("local_world",
+        [](int size, const py::object& node_of_rank) {
+          LocalWorldOptions o;
+          o.node_of_rank = int_list(node_of_rank);
+          auto comms = unwrap(make_local_world(size, o));
+          std::vector<std::shared_ptr<PyComm>> out;
+          for (auto& c : comms) {
+            auto pc = std::make_shared<PyComm>();
+            pc->comm = std::move(c);
+            out.push_back(std::move(pc));
+          }
+          return out;
+        },
+        py::arg("size"), py::arg("node_of_rank") = py::none(),
+        "size in-process communicators sharing one world (comm_local.hpp): hand communicator r "
+        "to the thread that plays rank r.");
+#if defined(TREEATTN_PY_WITH_MPI)
+  m.def("_mpi_comm_from_fortran",
+        [](int64_t handle) {
+          auto pc = std::make_shared<PyComm>();
+          pc->comm = unwrap(mpi_wrap_fortran(handle));
+          pc->mpi = true;
+          return pc;
+        },
+        py::arg("handle"), "A Comm duplicating the MPI communicator with this Fortran handle.");
+#endif
+
+  py::class_<PySession>(m, "Session", R"(The decode session (session.hpp): this rank's KV shards of
+every layer under one placement, and the strategy that merges the ranks' partial states.
+Collective calls (the constructor, append, attend, attend_states, add_strategy,
+check_agreement) must be made by every rank in the same order.)")
+      .def(py::init(&make_session), py::arg("comm"), py::kw_only(), py::arg("batch") = 1,
+           py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("q_len") = 1,
+           py::arg("dtype") = "bf16", py::arg("layers") = 1, py::arg("placement") = "even",
+           py::arg("context") = py::int_(0), py::arg("explicit_len") = py::none(),
+           py::arg("holder") = 0, py::arg("reserve_tokens") = 0, py::arg("strategy") = "tree",
+           py::arg("root") = -1, py::arg("fanout") = 2, py::arg("node_of_rank") = py::none(),
+           py::arg("scale") = 0.0f, py::arg("threads") = 0, py::arg("isa") = "auto",
+           py::arg("timeout") = 60.0, py::arg("check_agreement") = true,
+           py::arg("agree_also") = py::none())
+      .def_property_readonly("rank", [](PySession& s) { return s.get().comm().rank(); })
+      .def_property_readonly("size", [](PySession& s) { return s.get().comm().size(); })
+      .def_property_readonly("layers", [](PySession& s) { return s.get().layers(); })
+      .def_property_readonly("batch", [](PySession& s) { return s.get().shape().batch; })
+      .def_property_readonly("heads", [](PySession& s) { return s.get().shape().heads; })
+      .def_property_readonly("kv_heads", [](PySession& s) { return s.get().shape().kv_heads; })
+      .def_property_readonly("head_dim", [](PySession& s) { return s.get().shape().head_dim; })
+      .def_property_readonly("q_len", [](PySession& s) { return s.get().shape().q_len; })
+      .def_property_readonly("dtype", [](PySession& s) { return std::string(dtype_name(s.get().config().dtype)); })
+      .def_property_readonly("strategy", [](PySession& s) { return s.get().config().strategy; })
+      .def_property_readonly("plan", [](PySession& s) { return s.get().plan().to_string(); })
+      .def_property_readonly("pos_stride", [](PySession& s) { return s.get().plan().pos_stride(); })
+      .def_property_readonly("live_kv_bytes", [](PySession& s) { return s.get().live_kv_bytes(); })
+      .def("length", [](PySession& s, int64_t b) {
+             if (b < 0 || b >= s.get().shape().batch)
+               invalid("batch row " + std::to_string(b) + " is outside [0, " + std::to_string(s.get().shape().batch) + ")");
+             return s.get().length(b);
+           }, py::arg("b"), "Tokens in row b (over all ranks).")
+      .def("owns", [](PySession& s, int64_t b, int64_t pos) { return s.get().owns(b, pos); },
+           py::arg("b"), py::arg("pos"), "Whether this rank holds position pos of row b.")
+      .def("shard_lengths", [](PySession& s, std::optional<int> rank) {
+             return plan_row(s.get().plan(), rank.value_or(s.get().comm().rank()), false);
+           }, py::arg("rank") = py::none(), "Tokens per batch row that a rank (default: this one) holds.")
+      .def("shard_starts", [](PySession& s, std::optional<int> rank) {
+             return plan_row(s.get().plan(), rank.value_or(s.get().comm().rank()), true);
+           }, py::arg("rank") = py::none(), "Global position of each row's first token on a rank.")
+      .def("owned_positions", [](PySession& s, int64_t b, std::optional<int> rank) {
+             const ShardPlan& plan = s.get().plan();
+             if (b < 0 || b >= plan.batch())
+               invalid("batch row " + std::to_string(b) + " is outside [0, " + std::to_string(plan.batch()) + ")");
+             const int r = rank.value_or(s.get().comm().rank());
+             const int64_t start = plan_row(plan, r, true)[static_cast<std::size_t>(b)];
+             const int64_t len = plan.len(r, b);
+             py::array_t<int64_t> out(dims({len}));
+             int64_t* p = out.mutable_data();
+             for (int64_t j = 0; j < len; ++j) p[j] = start + j * plan.pos_stride();
+             return out;
+           }, py::arg("b"), py::arg("rank") = py::none(),
+           "The global positions of row b that a rank (default: this one) holds, in slot order.")
+      .def("extend", [](PySession& s, int64_t n) { check(s.get().extend(n)); }, py::arg("n"),
+           "Grows every row by n tokens (a prefill on an empty session); owners then store() them.")
+      .def("store", &store_py, py::arg("layer"), py::arg("b"), py::arg("pos"), py::arg("k"), py::arg("v"),
+           "Writes K and V of position pos (an int, with k, v [kv_heads, head_dim]) or of several "
+           "positions (a sequence, with k, v [positions, kv_heads, head_dim]) of row b; this rank "
+           "must own them.")
+      .def("append", [](PySession& ps, const py::array& k_in, const py::array& v_in) {
+             DecodeSession& s = ps.get();
+             const AttnShape& sh = s.shape();
+             const std::vector<int64_t> want = {s.layers(), sh.batch, sh.kv_heads, sh.head_dim};
+             F32Array k = kv_block(k_in, "k", want, "[layers, batch, kv_heads, head_dim]");
+             F32Array v = kv_block(v_in, "v", want, "[layers, batch, kv_heads, head_dim]");
+             const float* kp = k.data();
+             const float* vp = v.data();
+             py::gil_scoped_release nogil;
+             check(s.append(kp, vp));
+           }, py::arg("k"), py::arg("v"),
+           "Collective. Appends one token to every row of every layer (k, v [layers, batch, "
+           "kv_heads, head_dim], the same on every rank); only its owner stores it.")
+      .def("attend", [](PySession& ps, int layer, const py::array& q_in) -> py::object {
+             DecodeSession& s = ps.get();
+             const AttnShape& sh = s.shape();
+             F32Array q = session_query(s, q_in);
+             py::array_t<float> out(dims({sh.batch, sh.q_len, sh.heads, sh.head_dim}));
+             py::array_t<float> lse(dims({sh.batch, sh.q_len, sh.heads}));
+             float* op = out.mutable_data();
+             float* lp = lse.mutable_data();
+             const float* qp = q.data();
+             {
+               py::gil_scoped_release nogil;
+               check(s.attend(layer, qp, op, lp));
+             }
+             if (!s.delivers_result()) return py::none();
+             return py::make_tuple(out, lse);
+           }, py::arg("layer"), py::arg("q"),
+           "Collective. (out [B, Q, H, D], lse [B, Q, H]) float32: exact attention over every "
+           "rank's tokens of the layer; None on ranks that get no result (root >= 0).")
+      .def("attend_states", [](PySession& ps, int layer, const py::array& q_in, int strategy) {
+             DecodeSession& s = ps.get();
+             const AttnShape& sh = s.shape();
+             F32Array q = session_query(s, q_in);
+             StateBuffer states;
+             const float* qp = q.data();
+             {
+               py::gil_scoped_release nogil;
+               check(s.attend_states(layer, qp, states, strategy));
+             }
+             py::array_t<float> out(dims({sh.batch, sh.q_len, sh.heads, sh.head_dim + 2}));
+             std::memcpy(out.mutable_data(), states.data(), states.bytes());
+             return out;
+           }, py::arg("layer"), py::arg("q"), py::arg("strategy") = 0,
+           "Collective. The merged state records [B, Q, H, D + 2] (strategy: an index from "
+           "add_strategy, 0 = the configured one).")
+      .def("delivers_result", [](PySession& s, int strategy) {
+             if (strategy < 0 || strategy >= s.get().strategy_count())
+               invalid("strategy index " + std::to_string(strategy) + " is outside [0, " +
+                       std::to_string(s.get().strategy_count()) + ")");
+             return s.get().delivers_result(strategy);
+           }, py::arg("strategy") = 0)
+      .def("add_strategy", [](PySession& ps, const std::string& name, int root, int fanout,
+                              const py::object& node_of_rank) {
+             StrategyOptions o = ps.get().config().options;
+             o.root = root;
+             o.fanout = fanout;
+             o.node_of_rank = int_list(node_of_rank);
+             py::gil_scoped_release nogil;
+             return unwrap(ps.get().add_strategy(name, o));
+           }, py::arg("name"), py::kw_only(), py::arg("root") = -1, py::arg("fanout") = 2,
+           py::arg("node_of_rank") = py::none(),
+           "Collective. One more strategy on the same shards; returns its index for attend_states.")
+      .def("check_agreement", [](PySession& ps, const std::string& when,
+                                 const std::vector<std::pair<std::string, std::string>>& extra) {
+             py::gil_scoped_release nogil;
+             check(ps.get().check_agreement(when, extra));
+           }, py::arg("when") = "", py::arg("extra") = std::vector<std::pair<std::string, std::string>>{},
+           "Collective. Fails with MismatchError naming the ranks and fields that differ.");
+}
