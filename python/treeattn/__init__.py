@@ -22,6 +22,7 @@ are never converted silently (see _treeattn.cpp for when arrays are read in plac
 """
 
 import threading
+import traceback
 
 from . import _treeattn
 from ._treeattn import (  # noqa: F401  (re-exported)
@@ -71,13 +72,15 @@ def run_local(size, fn, node_of_rank=None):
     """Runs fn(comm) on `size` threads, thread r with rank r of one in-process world.
 
     Returns the list of the ranks' return values. If any rank raised, re-raises the exception
-    of the lowest rank whose error was not a PeerTimeoutError (a rank that failed first makes
-    the others time out), else the lowest rank's. Each thread drops its communicator when fn
-    returns, so peers still waiting on it fail instead of hanging (unless fn's result keeps it).
+    raised first (in time) that is not a PeerTimeoutError, else the first one: a rank that fails
+    makes its peers fail or time out after it. Each thread drops its communicator when fn
+    returns or raises, so peers still waiting on it fail at once instead of hanging (unless fn's
+    return value keeps it alive).
     """
     comms = local_world(size, node_of_rank)
     results = [None] * size
-    errors = [None] * size
+    errors = []  # in the order they were raised
+    lock = threading.Lock()
 
     def body(r):
         comm = comms[r]
@@ -85,7 +88,11 @@ def run_local(size, fn, node_of_rank=None):
         try:
             results[r] = fn(comm)
         except BaseException as e:  # noqa: B036  (re-raised on the calling thread)
-            errors[r] = e
+            # The traceback's frames would keep fn's `comm` (and its sessions) alive; clear their
+            # locals so the communicator goes now and peers waiting on it fail at once.
+            traceback.clear_frames(e.__traceback__)
+            with lock:
+                errors.append(e)
         finally:
             del comm
 
@@ -95,8 +102,7 @@ def run_local(size, fn, node_of_rank=None):
         t.start()
     for t in threads:
         t.join()
-    failed = [e for e in errors if e is not None]
-    if failed:
-        own = [e for e in failed if not isinstance(e, PeerTimeoutError)]
-        raise (own or failed)[0]
+    if errors:
+        own = [e for e in errors if not isinstance(e, PeerTimeoutError)]
+        raise (own or errors)[0]
     return results
