@@ -23,7 +23,8 @@
 //     and bcast binomial trees.
 //   NCCL: allreduce = min(ring, tree) from NCCL's own tuning formulas (pipelined ring; chain
 //     inside a node plus a binary tree over nodes), with collective_overhead_us per call.
-// Each strategy's rounds are documented at its model in src/topology/cost_model.cpp.
+// Each strategy's rounds are documented at its model, in the strategy's own file
+// (src/strategies/<name>.cpp, its descriptor's `model`).
 //
 // Pure functions: no MPI, no clocks. Machines that do not exist are fine.
 #pragma once
@@ -56,14 +57,18 @@ struct CostQuery {
 
 struct Prediction {
   std::string strategy;
-  double latency_us = 0;           // one decode step, all ranks done
-  double local_us = 0;             // local attention part (for ring-kv: all p kernel calls)
-  double comm_us = 0;              // communication part not hidden under compute
-  double bytes_sent_per_rank = 0;  // the busiest rank's bytes sent per step
-  double peak_bytes = 0;           // the largest per-rank working set (KV shard + buffers)
-  int collective_calls = 0;        // library calls per step (collectives or send/recv phases)
-  int comm_rounds = 0;             // sequential message rounds on the critical path
-  std::string algorithm;           // how it was modeled, e.g. "allreduce: recursive doubling"
+  double latency_us = 0;  // one decode step, all ranks done
+  double local_us = 0;    // local attention part (for ring-kv: all p kernel calls)
+  double comm_us = 0;     // communication part not hidden under compute
+  // The busiest rank's bytes sent per step, as the simulated algorithm moves them (subtrees
+  // forwarded in a binomial gather, recursive doubling below 10000 B...). analytic_cost
+  // (strategy.hpp) counts what each rank hands to the communicator for a given shard plan;
+  // where the two differ is written there.
+  double bytes_sent_per_rank = 0;
+  double peak_bytes = 0;     // the largest per-rank working set (KV shard + buffers)
+  int collective_calls = 0;  // library calls per step (collectives or send/recv phases)
+  int comm_rounds = 0;       // sequential message rounds on the critical path
+  std::string algorithm;     // how it was modeled, e.g. "allreduce: recursive doubling"
 };
 
 // Predicts one strategy. Errors: unknown strategy (lists the known ones), invalid shape or

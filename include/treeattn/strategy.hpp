@@ -100,7 +100,8 @@ struct StrategyInfo {
 
 // The strategies a backend offers, by name. Host backends with user-defined reductions (MPI)
 // use the full table; backends without them (NCCL) map `tree` to the all-gather form and do
-// not offer `hier` (whose intra-node step is a user-defined reduce).
+// not offer `hier` (whose intra-node step is a user-defined reduce). Both tables come from the
+// strategies' descriptors (src/strategies/descriptor.hpp, one in each strategy's file).
 class StrategyRegistry {
  public:
   static const StrategyRegistry& for_backend(const CommCapabilities& caps);
@@ -128,8 +129,33 @@ struct CostEstimate {
 // collectives are modelled as Open MPI's large-message algorithms would move them (allreduce
 // 2 (p-1)/p S as in the paper's eq. 14, binomial reduce/broadcast trees, ring all-gather);
 // S = batch * q_len * heads * (head_dim + 2) * 4 bytes is one step's state records.
+// Point-to-point strategies count exactly the payload they hand to the communicator (ring-kv:
+// each forwarded shard and its metadata message), and a gather counts the S bytes each rank
+// hands to it, so the bench can compare this with the bytes counted at the communicator.
+//
+// The cost model (cost_model.hpp, predict) answers a different question with the same
+// vocabulary: the busiest rank's bytes on a topology, for an even split of the context, under
+// the algorithm the topology's library picks at this message size, simulated message by
+// message. Both come from the strategy's descriptor (src/strategies/descriptor.hpp), and they
+// agree (tests/strategies/test_descriptors.cpp) except where they model different things:
+//   - allreduces below 10000 B: predict uses recursive doubling (log2 p whole messages), this
+//     the ring's 2 (p-1)/p S (tree, tree-paper, tree2), and NCCL's tree sends 2 S;
+//   - gather-root: predict's binomial gather forwards whole subtrees, this counts the S each
+//     rank hands to the gather;
+//   - hier: predict's intra-node broadcast is one shared-memory write by the leader, this a
+//     binomial tree inside the node (they agree with up to 2 ranks per node);
+//   - ring-kv: predict leaves out the (3 batch + 1) * 8 bytes metadata message per hop;
+//   - single on NCCL: predict's pipelined ring broadcast sends S from every rank;
+//   - working sets: predict adds S for tree's reduction buffer, r S at hier's leaders (the
+//     node's states), and nothing at p = 1.
 Result<CostEstimate> analytic_cost(std::string_view strategy, const AttnShape& shape, DType dtype,
                                    const ShardPlan& plan, int rank,
                                    const StrategyOptions& options = {});
+
+// The KV storage a job of `ranks` ranks running `strategy` holds, as a multiple of the bytes of
+// the whole KV cache: 1 for the sharded strategies, 3 for ring-kv (the shards and each rank's
+// send and receive buffers), 1 + 1/p for single (rank 0's whole cache next to the job's
+// shards). For memory pre-checks; InvalidArgument for an unknown strategy or ranks < 1.
+Result<double> strategy_kv_memory_factor(std::string_view strategy, int ranks);
 
 }  // namespace treeattn

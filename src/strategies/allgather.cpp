@@ -7,7 +7,16 @@
 // it is the form `tree` takes on a backend without user-defined reductions: one collective, no
 // custom operator, at the price of p times the receive volume. Identical inputs merged in the
 // same order give every rank the same bits. With options.root >= 0 it is a gather to the root.
+//
+// Message ordering (comm.hpp): no point-to-point messages; every rank makes the same single
+// collective call per step.
+//
+// Cost: both models count the (p - 1) S bytes each rank sends in the all-gather (ring,
+// recursive doubling and Bruck all send that much); the analytic model counts S from every
+// rank but the root for the gather.
 #include "strategies/common.hpp"
+#include "strategies/descriptor.hpp"
+#include "topology/cost_sim.hpp"
 
 namespace treeattn::strategies {
 namespace {
@@ -24,8 +33,7 @@ class Allgather final : public StrategyBase {
     note_buffers(bytes);
     TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out));
     if (options_.root >= 0) {
-      TREEATTN_RETURN_IF_ERROR(
-          comm_->gather(out, state_bytes(), all_.as<float>(), options_.root));
+      TREEATTN_RETURN_IF_ERROR(comm_->gather(out, state_bytes(), all_.as<float>(), options_.root));
       if (comm_->rank() != options_.root) return Status::ok();
     } else {
       TREEATTN_RETURN_IF_ERROR(comm_->allgather(out, state_bytes(), all_.as<float>()));
@@ -38,13 +46,61 @@ class Allgather final : public StrategyBase {
   Buffer all_;
 };
 
-}  // namespace
-
 std::unique_ptr<Strategy> make_allgather(const StrategyOptions& o) {
   return std::make_unique<Allgather>(o, "allgather");
 }
-std::unique_ptr<Strategy> make_allgather_named(const StrategyOptions& o, std::string_view name) {
-  return std::make_unique<Allgather>(o, name);
+// The same strategy under the name `tree` (kTreeAsAllgatherDescriptor).
+std::unique_ptr<Strategy> make_tree_as_allgather(const StrategyOptions& o) {
+  return std::make_unique<Allgather>(o, "tree");
 }
+
+CostEstimate analytic(const AnalyticInput& in) {
+  if (in.p == 1) return in.no_communication(in.S);
+  const double P = in.p;
+  CostEstimate c;
+  c.bytes_sent = in.all ? (P - 1) * in.S : (in.rank == in.root ? 0.0 : in.S);
+  c.working_set_bytes = in.base_ws() + P * in.S;
+  c.formula = "sent = (p-1) S (ring all-gather); ws = KV + q + S + p S";
+  return c;
+}
+
+// The cost model: every rank gathers all p states and merges them locally.
+Prediction model(const cost::Ctx& c) {
+  cost::RoundSim sim(c.topo, c.p, c.r);
+  cost::CommCost comm;
+  if (c.p > 1) {
+    if (c.nccl()) {
+      const cost::ClosedForm f = cost::nccl_allgather(c.topo, c.p, c.r, c.state_bytes);
+      sim.add_sent_all(f.bytes_per_rank);
+      sim.add_rounds(f.hops);
+      comm.add(c.call(c.n > 1) + f.us, "NCCL ring allgather");
+    } else {
+      std::string algo;
+      const double t = cost::mpi_allgather(sim, c.state_bytes, algo);
+      comm.add(c.call(c.n > 1) + t, "allgather " + algo);
+    }
+  }
+  const double local = c.local_us(c.shard_tokens, c.p) + (c.p > 1 ? c.merge_us(c.p) : 0.0);
+  return cost::finish(c, local, comm, sim, static_cast<double>(c.p) * c.state_bytes);
+}
+
+}  // namespace
+
+constinit const StrategyDescriptor kAllgatherDescriptor{
+    .info = {"allgather", "all-gather the partial states, merge locally"},
+    .create = make_allgather,
+    .analytic = analytic,
+    .model = model,
+    .kv_memory_factor = kv_shards_only,
+};
+
+// `tree` on a backend without user-defined reductions (tree.cpp's stand-in there).
+constinit const StrategyDescriptor kTreeAsAllgatherDescriptor{
+    .info = {"tree", "all-gather of partial states and a local merge (no user-defined reductions)"},
+    .create = make_tree_as_allgather,
+    .analytic = analytic,
+    .model = model,
+    .kv_memory_factor = kv_shards_only,
+};
 
 }  // namespace treeattn::strategies

@@ -1,5 +1,5 @@
 // Internal helpers shared by the strategy implementations: the local partial, canonical merges,
-// and the factory functions the registry calls.
+// the binomial tree. Each strategy is reached through its descriptor (descriptor.hpp).
 #pragma once
 
 #include <algorithm>
@@ -34,8 +34,8 @@ class StrategyBase : public Strategy {
                               std::to_string(comm.size()) + ")");
     if (executor.memory() != comm.capabilities().memory)
       return invalid_argument(who(comm) + std::string(name()) + ": the executor '" +
-                              std::string(executor.name()) +
-                              "' and the communicator '" + std::string(comm.backend_name()) +
+                              std::string(executor.name()) + "' and the communicator '" +
+                              std::string(comm.backend_name()) +
                               "' work in different memory spaces");
     comm_ = &comm;
     exec_ = &executor;
@@ -99,16 +99,5 @@ inline std::vector<int> binomial_children(int i, int n) {
   for (int m = 1; m < low && i + m < n; m <<= 1) c.push_back(i + m);
   return c;
 }
-
-std::unique_ptr<Strategy> make_tree(const StrategyOptions& o);
-std::unique_ptr<Strategy> make_tree_paper(const StrategyOptions& o);
-std::unique_ptr<Strategy> make_tree2(const StrategyOptions& o);
-std::unique_ptr<Strategy> make_hier(const StrategyOptions& o);
-std::unique_ptr<Strategy> make_ring_kv(const StrategyOptions& o);
-std::unique_ptr<Strategy> make_ring_state(const StrategyOptions& o);
-std::unique_ptr<Strategy> make_allgather(const StrategyOptions& o);
-std::unique_ptr<Strategy> make_allgather_named(const StrategyOptions& o, std::string_view name);
-std::unique_ptr<Strategy> make_gather_root(const StrategyOptions& o);
-std::unique_ptr<Strategy> make_single(const StrategyOptions& o);
 
 }  // namespace treeattn::strategies

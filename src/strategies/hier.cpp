@@ -14,9 +14,21 @@
 // options.root >= 0 the root's node is leader 0 and the root its leader, and step 3 is skipped.
 // Per step a non-leader sends S bytes (S = one step's records); a leader sends S to its parent
 // and S to each child on the way down, plus its share of the intra-node broadcast.
+//
+// Message ordering (comm.hpp): point-to-point messages only between leaders, at most one per
+// ordered pair and direction per step (a child's state up, then the final state down), posted
+// on both sides from the replicated fan-out and leader count; tags 500/501 are labels, and
+// every request completes before the intra-node broadcast.
+//
+// Cost: the analytic model takes the grouping from options.node_of_rank (all ranks on one node
+// when empty) and counts the intra-node broadcast as a binomial tree; the cost model places r
+// ranks per node in blocks and counts that broadcast as one shared-memory write by the leader.
+// Both count S per tree edge elsewhere.
 #include <algorithm>
 
 #include "strategies/common.hpp"
+#include "strategies/descriptor.hpp"
+#include "topology/cost_sim.hpp"
 
 namespace treeattn::strategies {
 namespace {
@@ -99,8 +111,7 @@ class Hier final : public StrategyBase {
         TREEATTN_RETURN_IF_ERROR(leaders_->wait_all(reqs));
       }
     }
-    if (all && node_->size() > 1)
-      TREEATTN_RETURN_IF_ERROR(node_->broadcast(out, state_bytes(), 0));
+    if (all && node_->size() > 1) TREEATTN_RETURN_IF_ERROR(node_->broadcast(out, state_bytes(), 0));
     return Status::ok();
   }
 
@@ -129,8 +140,120 @@ class Hier final : public StrategyBase {
   Buffer child_;
 };
 
+std::unique_ptr<Strategy> make_hier(const StrategyOptions& o) { return std::make_unique<Hier>(o); }
+
+CostEstimate analytic(const AnalyticInput& in) {
+  if (in.p == 1) return in.no_communication(0.0);
+  const int p = in.p, rank = in.rank;
+  const double S = in.S;
+  // Modelled with one node per rank group given; without an explicit grouping every rank
+  // is assumed on one node (shared memory).
+  std::vector<int> node = in.options.node_of_rank;
+  if (node.empty()) node.assign(static_cast<std::size_t>(p), 0);
+  std::vector<int> members, leaders;  // my node's ranks; first rank of each node
+  const int mynode = node[static_cast<std::size_t>(rank)];
+  for (int r = 0; r < p; ++r)
+    if (node[static_cast<std::size_t>(r)] == mynode) members.push_back(r);
+  for (int r = 0; r < p; ++r) {
+    bool first = true;
+    for (int s = 0; s < r; ++s)
+      if (node[static_cast<std::size_t>(s)] == node[static_cast<std::size_t>(r)]) first = false;
+    if (first) leaders.push_back(r);
+  }
+  const bool leader = members.front() == rank;
+  const int L = static_cast<int>(leaders.size()), k = std::max(1, in.options.fanout);
+  double sent = leader ? 0.0 : S;  // intra-node reduce
+  if (leader) {
+    int li = 0;
+    for (int i = 0; i < L; ++i)
+      if (leaders[static_cast<std::size_t>(i)] == rank) li = i;
+    const int children = std::max(0, std::min(L - 1, li * k + k) - li * k);
+    if (li > 0) sent += S;
+    if (in.all) sent += S * children;
+  }
+  if (in.all) {
+    const int n = static_cast<int>(members.size());
+    int me = 0;
+    for (int i = 0; i < n; ++i)
+      if (members[static_cast<std::size_t>(i)] == rank) me = i;
+    sent += S * AnalyticInput::bcast_sends(me, n, 0);
+  }
+  CostEstimate c;
+  c.bytes_sent = sent;
+  c.working_set_bytes = in.base_ws() + (leader ? S * k : 0.0);
+  c.formula =
+      "sent = S per tree edge (intra reduce, leader tree up and down, binomial "
+      "broadcast); ws = KV + q + S + k S at leaders";
+  return c;
+}
+
+// The cost model: (1) every rank of a node hands its state to the node
+// leader (its first rank) over shared memory and the leader merges them; (2) the n leaders
+// form a k-ary tree in heap order (leader i's children are i k + 1 .. i k + k): from the
+// deepest level up, each leader receives its children's states and sends the merge to its
+// parent (one round per level); (3) the final states go back down the same tree (a parent
+// sends to each child in turn) and (4) each leader broadcasts them inside its node.
+Prediction model(const cost::Ctx& c) {
+  cost::RoundSim sim(c.topo, c.p, c.r);
+  cost::CommCost comm;
+  const double S = c.state_bytes;
+  auto leader = [&](int node) { return node * c.r; };
+  if (c.r > 1) {
+    cost::Round in;
+    for (int i = 0; i < c.p; ++i)
+      if (i % c.r != 0) in.push_back({i, leader(i / c.r), S, true});
+    comm.add(c.call(false) + sim.round(in), "intra-node reduce to leader");
+  }
+  if (c.n > 1) {
+    // Heap levels: level(i) = depth of leader i; one round per level, deepest first.
+    std::vector<int> level(static_cast<std::size_t>(c.n), 0);
+    int depth = 0;
+    for (int i = 1; i < c.n; ++i) {
+      const int lv = level[static_cast<std::size_t>((i - 1) / c.fanout)] + 1;
+      level[static_cast<std::size_t>(i)] = lv;
+      depth = std::max(depth, lv);
+    }
+    std::vector<cost::Round> up;
+    for (int lv = depth; lv >= 1; --lv) {
+      cost::Round rd;
+      for (int i = 1; i < c.n; ++i)
+        if (level[static_cast<std::size_t>(i)] == lv)
+          rd.push_back({leader(i), leader((i - 1) / c.fanout), S, true});
+      up.push_back(rd);
+    }
+    double t = 0;
+    for (const cost::Round& rd : up) t += sim.round(rd);
+    comm.add(c.call(true) + t, "inter-leader " + std::to_string(c.fanout) + "-ary tree reduce (" +
+                                   std::to_string(up.size()) + " rounds)");
+    t = 0;
+    for (auto it = up.rbegin(); it != up.rend(); ++it) {
+      cost::Round down;
+      for (const cost::Msg& m : *it) down.push_back({m.dst, m.src, S, false});
+      t += sim.round(down);
+    }
+    comm.add(c.call(true) + t, "inter-leader tree broadcast");
+  }
+  if (c.r > 1) {
+    cost::Round out;
+    for (int i = 0; i < c.p; ++i)
+      if (i % c.r != 0) out.push_back({leader(i / c.r), i, S, false, true});
+    comm.add(c.call(false) + sim.round(out), "intra-node shared broadcast");
+  }
+  // The leader's shared segment holds the node's r states.
+  return cost::finish(c, c.local_us(c.shard_tokens, c.p), comm, sim, static_cast<double>(c.r) * S);
+}
+
 }  // namespace
 
-std::unique_ptr<Strategy> make_hier(const StrategyOptions& o) { return std::make_unique<Hier>(o); }
+// Not offered without user-defined reductions: step 1 is a reduce_states inside each node.
+constinit const StrategyDescriptor kHierDescriptor{
+    .info = {"hier", "merge to node leaders, k-ary tree over leaders, broadcast inside nodes"},
+    .create = make_hier,
+    .needs_user_reductions = true,
+    .without_user_reductions = nullptr,
+    .analytic = analytic,
+    .model = model,
+    .kv_memory_factor = kv_shards_only,
+};
 
 }  // namespace treeattn::strategies

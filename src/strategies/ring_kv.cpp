@@ -11,17 +11,27 @@
 //
 // A shard travels as one metadata message (per batch row: length, global position of the first
 // token, context length; and the position stride) followed by one message per (batch row, KV
-// head) for K and one for V (and, for quantized dtypes, one each for their per-token scales). The positions travel with the data, so the causal limit for
-// q_len > 1 is right on whichever rank computes the shard; the receiver checks the lengths
-// against the replicated plan. Receive buffers are dense [batch][kv_heads][max_len][head_dim];
-// two are needed when p >= 3 (one is forwarded while the next arrives), one when p = 2.
+// head) for K and one for V (and, for quantized dtypes, one each for their per-token scales). The
+// positions travel with the data, so the causal limit for q_len > 1 is right on whichever rank
+// computes the shard; the receiver checks the lengths against the replicated plan. Receive buffers
+// are dense [batch][kv_heads][max_len][head_dim]; two are needed when p >= 3 (one is forwarded
+// while the next arrives), one when p = 2.
 //
 // Cost per rank and step: sends (p - 1) KV shards (2 t n_kv d_h s bytes each for t tokens per
-// shard: the paper's V_ring, independent of p in total) and reads p shards from memory.
+// shard: the paper's V_ring, independent of p in total) and reads p shards from memory. The
+// analytic model counts exactly the payload posted (each forwarded shard and its metadata
+// message); the cost model leaves out the metadata (a few bytes per hop).
+//
+// Message ordering (comm.hpp): in each hop a rank posts to rank + 1 (and from rank - 1) the
+// metadata message, then per (batch row, KV head) K, V and, quantized, their scales, with the
+// lengths taken from the replicated plan on both sides; tags 600/601/602 are labels, and every
+// request of a hop completes before the next hop is posted.
 #include <algorithm>
 #include <cstring>
 
 #include "strategies/common.hpp"
+#include "strategies/descriptor.hpp"
+#include "topology/cost_sim.hpp"
 
 namespace treeattn::strategies {
 namespace {
@@ -32,6 +42,12 @@ constexpr int kTagData = 601;
 constexpr int kTagScale = 602;
 constexpr int64_t kMinPiece = 4096;
 constexpr int kMaxPieces = 8;
+
+// Bytes of the metadata message that precedes each shard: per batch row its length, global
+// position of the first token and context length, then the position stride.
+std::size_t shard_meta_bytes(int64_t batch) {
+  return static_cast<std::size_t>(3 * batch + 1) * sizeof(int64_t);
+}
 
 // One shard in flight: K and V (and their scales for quantized dtypes) in the executor's memory,
 // dense [batch][kv_heads][max_len][...]; the metadata travels in executor memory too (a device
@@ -62,8 +78,9 @@ class RingKV final : public StrategyBase {
                          "stride equal to head_dim (" +
                          std::to_string(D) + "), got " + std::to_string(local.stride_token));
     if (quant && plan.total_tokens(r) > 0 && local.scale_stride_token != 1)
-      return unsupported(who() + "ring-kv sends scales as contiguous rows and needs a scale "
-                                 "token stride of 1, got " +
+      return unsupported(who() +
+                         "ring-kv sends scales as contiguous rows and needs a scale "
+                         "token stride of 1, got " +
                          std::to_string(local.scale_stride_token));
 
     // Buffers sized for the longest shard that will arrive.
@@ -73,7 +90,7 @@ class RingKV final : public StrategyBase {
     const int nbuf = p >= 3 ? 2 : (p == 2 ? 1 : 0);
     const auto buf_bytes = static_cast<std::size_t>(B * H * max_len * D) * es;
     const auto scale_bytes = quant ? static_cast<std::size_t>(B * H * max_len) * sizeof(float) : 0;
-    const std::size_t meta_bytes = static_cast<std::size_t>(3 * B + 1) * sizeof(int64_t);
+    const std::size_t meta_bytes = shard_meta_bytes(B);
     for (int i = 0; i < nbuf; ++i) {
       ShardBuffer& sb = bufs_[i];
       sb.max_len = max_len;
@@ -171,7 +188,7 @@ class RingKV final : public StrategyBase {
   }
 
   Status post_send(const KVShard& kv, const Buffer& meta, int to, std::vector<CommRequest>& reqs) {
-    const std::size_t meta_bytes = static_cast<std::size_t>(3 * shape_.batch + 1) * sizeof(int64_t);
+    const std::size_t meta_bytes = shard_meta_bytes(shape_.batch);
     auto m = comm_->isend(meta.data(), meta_bytes, to, kTagMeta);
     TREEATTN_RETURN_IF_ERROR(m.status());
     reqs.push_back(*m);
@@ -190,8 +207,8 @@ class RingKV final : public StrategyBase {
           reqs.push_back(*sq);
         }
         if (!quant) continue;
-        const auto soff = static_cast<std::size_t>(b * kv.scale_stride_batch +
-                                                   h * kv.scale_stride_head);
+        const auto soff =
+            static_cast<std::size_t>(b * kv.scale_stride_batch + h * kv.scale_stride_head);
         for (const float* src : {kv.k_scale, kv.v_scale}) {
           auto sq = comm_->isend(src + soff, static_cast<std::size_t>(len) * sizeof(float), to,
                                  kTagScale);
@@ -283,10 +300,73 @@ class RingKV final : public StrategyBase {
   std::vector<int64_t> piece_len_, piece_pos_;
 };
 
-}  // namespace
-
 std::unique_ptr<Strategy> make_ring_kv(const StrategyOptions& o) {
   return std::make_unique<RingKV>(o);
 }
+
+CostEstimate analytic(const AnalyticInput& in) {
+  const int p = in.p, rank = in.rank;
+  const double P = p;
+  double sent = 0;
+  for (int k = 0; k + 1 < p; ++k) sent += in.kv_bytes(((rank - k) % p + p) % p);
+  sent += (P - 1) * static_cast<double>(shard_meta_bytes(in.shape.batch));
+  int64_t max_len = 0;
+  for (int o = 0; o < p; ++o)
+    if (o != rank) max_len = std::max(max_len, in.plan.max_len(o));
+  const double buf = static_cast<double>(in.shape.batch * max_len) * in.kv_per_token;
+  const int nbuf = p >= 3 ? 2 : (p == 2 ? 1 : 0);
+  CostEstimate c;
+  c.bytes_sent = sent;
+  c.working_set_bytes = in.base_ws() + nbuf * buf + P * in.S;
+  c.formula =
+      "sent = sum of the p-1 KV shards forwarded (paper: 2btd per hop); "
+      "ws = KV + q + S + (1 or 2) receive buffers + p S (paper eq. 8: 4btd + 2bd)";
+  return c;
+}
+
+// The cost model: p-1 steps; in each, every rank
+// sends the KV shard it holds to rank + 1 (nonblocking, progressed between pieces of the
+// kernel) while computing attention on it. A step costs max(local, transfer); the last shard
+// is computed after the loop, then the p partials are merged. Buffers: the own shard plus two
+// receive buffers (one when p = 2) and p partial states.
+Prediction model(const cost::Ctx& c) {
+  cost::RoundSim sim(c.topo, c.p, c.r);
+  cost::CommCost comm;
+  const double loc = c.local_us(c.shard_tokens, c.p);
+  double total = loc;
+  if (c.p > 1) {
+    cost::Round r;
+    const double kv = c.kv_bytes(c.shard_tokens);
+    for (int i = 0; i < c.p; ++i) r.push_back({i, (i + 1) % c.p, kv, false});
+    const double k = c.p - 1;
+    const double step_comm = c.call(c.n > 1) + sim.round(r, k);
+    total += k * (c.oversubscribed() ? loc + step_comm : std::max(loc, step_comm));
+    comm.calls = c.p - 1;
+    comm.algorithm =
+        std::to_string(c.p - 1) +
+        " ring steps of KV(t) = " + std::to_string(static_cast<int64_t>(kv)) +
+        (c.oversubscribed() ? " B, not overlapped (ranks > cores)" : " B, overlapped with compute");
+  }
+  // total >= p * loc, so the exposed communication is what is left over.
+  const double local_all = loc * c.p;
+  comm.us = total - local_all;
+  const double merge = c.p > 1 ? c.merge_us(c.p) : 0.0;
+  const double buffers = c.p >= 3 ? 2.0 : (c.p == 2 ? 1.0 : 0.0);
+  return cost::finish(c, local_all + merge, comm, sim,
+                      buffers * c.kv_bytes(c.shard_tokens) + (c.p > 1 ? c.p * c.state_bytes : 0.0));
+}
+
+// Each rank's shard and its two receive buffers.
+double kv_memory_factor(int) { return 3.0; }
+
+}  // namespace
+
+constinit const StrategyDescriptor kRingKVDescriptor{
+    .info = {"ring-kv", "KV shards rotate around the ring, overlapped with local attention"},
+    .create = make_ring_kv,
+    .analytic = analytic,
+    .model = model,
+    .kv_memory_factor = kv_memory_factor,
+};
 
 }  // namespace treeattn::strategies

@@ -7,7 +7,15 @@
 // ring baseline the paper did not run: (p - 1) * S bytes per rank instead of the KV ring's
 // (p - 1) * 2 t d, but p - 1 latencies in sequence instead of log p. With options.root >= 0 the
 // ring still runs and only the root merges.
+//
+// Message ordering (comm.hpp): one message per hop from rank r to rank r + 1, posted on both
+// sides in hop order with the size of one step's states; tag 300 is a label, and each hop's
+// requests complete before the next hop.
+//
+// Cost: both models count the (p - 1) S bytes each rank forwards.
 #include "strategies/common.hpp"
+#include "strategies/descriptor.hpp"
+#include "topology/cost_sim.hpp"
 
 namespace treeattn::strategies {
 namespace {
@@ -45,10 +53,46 @@ class RingState final : public StrategyBase {
   Buffer all_;
 };
 
-}  // namespace
-
 std::unique_ptr<Strategy> make_ring_state(const StrategyOptions& o) {
   return std::make_unique<RingState>(o);
 }
+
+CostEstimate analytic(const AnalyticInput& in) {
+  if (in.p == 1) return in.no_communication(in.S);
+  const double P = in.p;
+  CostEstimate c;
+  c.bytes_sent = (P - 1) * in.S;
+  c.working_set_bytes = in.base_ws() + P * in.S;
+  c.formula = "sent = (p-1) S; ws = KV + q + S + p S";
+  return c;
+}
+
+// The cost model: p-1 steps; in each, every rank forwards the state it received last (its own
+// first) to rank + 1. Every rank then holds all p partials and merges them in rank order.
+Prediction model(const cost::Ctx& c) {
+  cost::RoundSim sim(c.topo, c.p, c.r);
+  cost::CommCost comm;
+  if (c.p > 1) {
+    cost::Round r;
+    for (int i = 0; i < c.p; ++i) r.push_back({i, (i + 1) % c.p, c.state_bytes, false});
+    const double k = c.p - 1;
+    comm.us = k * (c.call(c.n > 1) + sim.round(r, k));
+    comm.calls = c.p - 1;
+    comm.algorithm = std::to_string(c.p - 1) + " ring steps of S";
+  }
+  const double merge = c.p > 1 ? c.merge_us(c.p) : 0.0;
+  return cost::finish(c, c.local_us(c.shard_tokens, c.p) + merge, comm, sim,
+                      c.p > 1 ? c.p * c.state_bytes : 0.0);
+}
+
+}  // namespace
+
+constinit const StrategyDescriptor kRingStateDescriptor{
+    .info = {"ring-state", "partial states rotate around the ring (p - 1 small messages)"},
+    .create = make_ring_state,
+    .analytic = analytic,
+    .model = model,
+    .kv_memory_factor = kv_shards_only,
+};
 
 }  // namespace treeattn::strategies

@@ -5,7 +5,16 @@
 // receive the result by broadcast (or, with options.root >= 0, only the root receives it, by
 // one message from rank 0). With p = 1 it is just the local kernel. Its latency is the time of
 // one rank reading the whole cache, which the sharded strategies divide by p.
+//
+// Message ordering (comm.hpp): with options.root > 0 the only point-to-point message is the
+// result from rank 0 to the root (tag 400 is a label), completed before run() returns; otherwise
+// a broadcast, the same call on every rank.
+//
+// Cost: both models count S per child of rank 0 in a binomial broadcast (Open MPI); NCCL's
+// pipelined ring broadcast in the cost model sends S from every rank but the last.
 #include "strategies/common.hpp"
+#include "strategies/descriptor.hpp"
+#include "topology/cost_sim.hpp"
 
 namespace treeattn::strategies {
 namespace {
@@ -56,10 +65,58 @@ class Single final : public StrategyBase {
   }
 };
 
-}  // namespace
-
 std::unique_ptr<Strategy> make_single(const StrategyOptions& o) {
   return std::make_unique<Single>(o);
 }
+
+CostEstimate analytic(const AnalyticInput& in) {
+  CostEstimate c;
+  if (in.p == 1)
+    c.bytes_sent = 0;
+  else if (in.all)
+    c.bytes_sent = in.S * AnalyticInput::bcast_sends(in.rank, in.p, 0);
+  else
+    c.bytes_sent = (in.rank == 0 && in.options.root != 0) ? in.S : 0.0;
+  c.working_set_bytes = in.base_ws();
+  c.formula = "sent = S per binomial broadcast child of rank 0; ws = KV (all on rank 0) + q + S";
+  return c;
+}
+
+// The cost model: rank 0 holds the whole KV cache and computes alone; in a job of p > 1 ranks it
+// then broadcasts the result (binomial for MPI, ring for NCCL).
+Prediction model(const cost::Ctx& c) {
+  cost::Ctx one = c;
+  one.shard_tokens = c.context;
+  cost::RoundSim sim(c.topo, c.p, c.r);
+  cost::CommCost comm;
+  if (c.p > 1) {
+    if (c.nccl()) {
+      const cost::ClosedForm f = cost::nccl_bcast(c.topo, c.p, c.r, c.state_bytes);
+      sim.add_sent_all(f.bytes_per_rank);
+      sim.add_rounds(f.hops);
+      comm.add(c.call(c.n > 1) + f.us, "NCCL ring broadcast of the result");
+    } else {
+      comm.add(c.call(c.n > 1) + cost::mpi_bcast_binomial(sim, c.state_bytes),
+               "binomial broadcast of the result");
+    }
+  } else {
+    comm.algorithm = "no communication";
+  }
+  return cost::finish(one, one.local_us(c.context, 1), comm, sim, 0.0);
+}
+
+// Rank 0's whole cache beside its 1/p shard of the placement the other strategies share.
+double kv_memory_factor(int ranks) { return 1.0 + 1.0 / ranks; }
+
+}  // namespace
+
+constinit const StrategyDescriptor kSingleDescriptor{
+    .info = {"single", "one rank holds the whole KV cache and broadcasts the result"},
+    .create = make_single,
+    .whole_cache_on_one_rank = true,
+    .analytic = analytic,
+    .model = model,
+    .kv_memory_factor = kv_memory_factor,
+};
 
 }  // namespace treeattn::strategies

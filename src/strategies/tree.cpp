@@ -10,7 +10,17 @@
 // +0 in m), and Open MPI's allreduce algorithms compute each record along a single reduction
 // tree whose result (or the partner's mirror image a (+) b == b (+) a) every rank receives;
 // the multirank tests compare all ranks' bytes. With options.root >= 0 it is one MPI_Reduce.
+//
+// Message ordering (comm.hpp): no point-to-point messages; every rank makes the same single
+// collective call per step, so there is nothing to match.
+//
+// Cost: the analytic model counts the ring allreduce's 2 (p-1)/p S per rank (paper eq. 14; a
+// reduce sends S from every rank but the root); the cost model simulates the allreduce the
+// topology's library picks at S bytes and keeps one more S for the reduction buffer. On a
+// backend without user-defined reductions `tree` is the all-gather form (allgather.cpp).
 #include "strategies/common.hpp"
+#include "strategies/descriptor.hpp"
+#include "topology/cost_sim.hpp"
 
 namespace treeattn::strategies {
 namespace {
@@ -27,8 +37,37 @@ class Tree final : public StrategyBase {
   }
 };
 
+std::unique_ptr<Strategy> make_tree(const StrategyOptions& o) { return std::make_unique<Tree>(o); }
+
+CostEstimate analytic(const AnalyticInput& in) {
+  if (in.p == 1) return in.no_communication(0.0);
+  const double P = in.p;
+  CostEstimate c;
+  c.bytes_sent = in.all ? 2.0 * (P - 1) / P * in.S : (in.rank == in.root ? 0.0 : in.S);
+  c.working_set_bytes = in.base_ws();
+  c.formula = in.all ? "sent = 2(p-1)/p S (allreduce, paper eq. 14); ws = KV + q + S"
+                     : "sent = S (binomial reduce, non-root); ws = KV + q + S";
+  return c;
+}
+
+// One MPI_Allreduce of the packed (m, l, o[D]) records with the merge as a user op.
+Prediction model(const cost::Ctx& c) {
+  cost::RoundSim sim(c.topo, c.p, c.r);
+  cost::CommCost comm;
+  cost::allreduce(c, sim, comm, c.state_bytes, "merge-op");
+  return cost::finish(c, c.local_us(c.shard_tokens, c.p), comm, sim, c.state_bytes);
+}
+
 }  // namespace
 
-std::unique_ptr<Strategy> make_tree(const StrategyOptions& o) { return std::make_unique<Tree>(o); }
+constinit const StrategyDescriptor kTreeDescriptor{
+    .info = {"tree", "one allreduce with the state merge as a user-defined reduction"},
+    .create = make_tree,
+    .needs_user_reductions = true,
+    .without_user_reductions = &kTreeAsAllgatherDescriptor,
+    .analytic = analytic,
+    .model = model,
+    .kv_memory_factor = kv_shards_only,
+};
 
 }  // namespace treeattn::strategies

@@ -17,10 +17,20 @@
 // The sums run in float32 in whatever order the library's algorithm uses; Open MPI's algorithms
 // give every rank the same result, which the multirank tests check. With options.root >= 0 the
 // MAX stays an allreduce (every rank needs M to scale) and the sums become reduces to the root.
+//
+// Message ordering (comm.hpp): no point-to-point messages; every rank makes the same two or
+// three collective calls in the same order per step.
+//
+// Cost: the analytic model counts ring allreduces (2 (p-1)/p of each message per rank; the
+// reduces send their message from every rank but the root); the cost model simulates each
+// allreduce with the algorithm the topology's library picks at its own size (the MAX of n
+// floats is small, recursive doubling on Open MPI) and adds the local rescale.
 #include <cmath>
 #include <limits>
 
 #include "strategies/common.hpp"
+#include "strategies/descriptor.hpp"
+#include "topology/cost_sim.hpp"
 
 namespace treeattn::strategies {
 namespace {
@@ -63,13 +73,73 @@ class TreePaper final : public StrategyBase {
   Buffer lse_, num_, den_;
 };
 
-}  // namespace
-
 std::unique_ptr<Strategy> make_tree_paper(const StrategyOptions& o) {
   return std::make_unique<TreePaper>(o, false);
 }
 std::unique_ptr<Strategy> make_tree2(const StrategyOptions& o) {
   return std::make_unique<TreePaper>(o, true);
 }
+
+// Both forms send the same bytes: MAX over n floats, then SUMs over n (D + 1) floats.
+CostEstimate analytic(const AnalyticInput& in, bool fused) {
+  if (in.p == 1) return in.no_communication(0.0);
+  const double P = in.p;
+  const double n = static_cast<double>(in.shape.batch * in.shape.q_len * in.shape.heads);
+  const double max_part = 2.0 * (P - 1) / P * n * 4.0;
+  const double sum_part =
+      in.all ? 2.0 * (P - 1) / P * (in.S - n * 4.0) : (in.rank == in.root ? 0.0 : in.S - n * 4.0);
+  CostEstimate c;
+  c.bytes_sent = max_part + sum_part;
+  c.working_set_bytes = in.base_ws() + in.S;  // lse + numerators + denominators
+  c.formula = fused ? "sent = 2(p-1)/p (n + n(D+1)) 4 B (MAX, fused SUM); ws = KV + q + 2S"
+                    : "sent = 2(p-1)/p (n + nD + n) 4 B (MAX, SUM, SUM); ws = KV + q + 2S";
+  return c;
+}
+CostEstimate analytic_paper(const AnalyticInput& in) { return analytic(in, false); }
+CostEstimate analytic_fused(const AnalyticInput& in) { return analytic(in, true); }
+
+// tree-paper: Algorithm 3 of the paper: MAX of lse (one float per row), SUM of the rescaled
+// outputs (D floats per row), SUM of the denominators (one float per row), then a local
+// rescale and divide.
+Prediction model_paper(const cost::Ctx& c) {
+  cost::RoundSim sim(c.topo, c.p, c.r);
+  cost::CommCost comm;
+  const double row = c.rows() * 4.0;
+  cost::allreduce(c, sim, comm, row, "max(lse)");
+  cost::allreduce(c, sim, comm, row * static_cast<double>(c.shape.head_dim), "sum(num)");
+  cost::allreduce(c, sim, comm, row, "sum(den)");
+  const double rescale = cost::transfer_us(3.0 * c.state_bytes, c.topo.memory_bandwidth_GBps);
+  return cost::finish(c, c.local_us(c.shard_tokens, c.p) + rescale, comm, sim, c.state_bytes);
+}
+
+// tree2: MAX of m, then one fused SUM of (l, o[D]) rescaled to the global max.
+Prediction model_fused(const cost::Ctx& c) {
+  cost::RoundSim sim(c.topo, c.p, c.r);
+  cost::CommCost comm;
+  const double row = c.rows() * 4.0;
+  cost::allreduce(c, sim, comm, row, "max(m)");
+  cost::allreduce(c, sim, comm, row * static_cast<double>(c.shape.head_dim + 1), "sum(l,o)");
+  const double rescale = cost::transfer_us(2.0 * c.state_bytes, c.topo.memory_bandwidth_GBps);
+  return cost::finish(c, c.local_us(c.shard_tokens, c.p) + rescale, comm, sim, c.state_bytes);
+}
+
+}  // namespace
+
+constinit const StrategyDescriptor kTreePaperDescriptor{
+    .info = {"tree-paper",
+             "the paper's three allreduces: MAX of LSE, SUM of outputs, SUM of denominators"},
+    .create = make_tree_paper,
+    .analytic = analytic_paper,
+    .model = model_paper,
+    .kv_memory_factor = kv_shards_only,
+};
+
+constinit const StrategyDescriptor kTree2Descriptor{
+    .info = {"tree2", "MAX of LSE, then one fused SUM of outputs and denominators"},
+    .create = make_tree2,
+    .analytic = analytic_fused,
+    .model = model_fused,
+    .kv_memory_factor = kv_shards_only,
+};
 
 }  // namespace treeattn::strategies

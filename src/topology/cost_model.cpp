@@ -1,114 +1,23 @@
 // The strategy cost model, the planner and the paper sweep (see cost_model.hpp for the
 // vocabulary: p, r, n, t, S, KV(t), alpha_L, beta_L).
 //
-// Communication is simulated as rounds of concurrent messages (RoundSim). Each collective
-// algorithm is a generator of rounds; each strategy is a sequence of collectives around the
-// local kernel. Rounds that repeat identically (ring steps) are simulated once and multiplied.
+// Communication is simulated as rounds of concurrent messages (RoundSim, cost_sim.hpp). Each
+// collective algorithm is a generator of rounds; each strategy is a sequence of collectives
+// around the local kernel, modelled in the strategy's own file (its descriptor's `model`,
+// src/strategies/descriptor.hpp). Rounds that repeat identically (ring steps) are simulated
+// once and multiplied.
 #include "treeattn/cost_model.hpp"
 
 #include <algorithm>
 #include <cmath>
 
+#include "strategies/descriptor.hpp"
+#include "topology/cost_sim.hpp"
 #include "treeattn/state.hpp"
 
 namespace treeattn {
+namespace cost {
 namespace {
-
-constexpr double kUsPerSecond = 1e6;
-// Plans predicted within 1% of the fastest are ties for the planner (see plan()).
-constexpr double kPlanTieFraction = 0.01;
-
-// Bytes over GB/s, in microseconds.
-double transfer_us(double bytes, double gbps) { return bytes / (gbps * 1e3); }
-
-struct Msg {
-  int src = 0;
-  int dst = 0;
-  double bytes = 0;
-  bool reduce = false;  // the receiver merges the payload into its own (costs memory traffic)
-  bool shared = false;  // shared-memory multicast: the sender's cost is paid once per round
-};
-using Round = std::vector<Msg>;
-
-// Simulates rounds of messages on a block placement of p ranks, r per node.
-class RoundSim {
- public:
-  RoundSim(const Topology& topo, int p, int r) : topo_(topo), p_(p), r_(r) {
-    sent_.assign(static_cast<std::size_t>(p), 0.0);
-  }
-  int node_of(int rank) const { return rank / r_; }
-  int nodes() const { return (p_ + r_ - 1) / r_; }
-  const LinkLevel& link(int a, int b) const {
-    return node_of(a) == node_of(b) ? topo_.node : *topo_.network;
-  }
-
-  // Time of one round in us; adds each rank's sent bytes times `repeat`. A rank serializes
-  // its own sends (and its own receives) at each message's link bandwidth; a node's ranks
-  // share its links_per_node network links, so a node also needs
-  // network latency + (bytes leaving or entering it) / (links_per_node * bandwidth).
-  double round(const Round& msgs, double repeat = 1.0) {
-    if (msgs.empty()) return 0.0;
-    const std::size_t np = static_cast<std::size_t>(p_);
-    const std::size_t nn = static_cast<std::size_t>(nodes());
-    std::vector<double> lat(np, 0.0), send_t(np, 0.0), recv_t(np, 0.0);
-    std::vector<double> node_out(nn, 0.0), node_in(nn, 0.0);
-    std::vector<char> shared_paid(np, 0);
-    bool any_inter = false;
-    for (const Msg& m : msgs) {
-      const LinkLevel& l = link(m.src, m.dst);
-      const double t = transfer_us(m.bytes, l.bandwidth_GBps);
-      const auto s = static_cast<std::size_t>(m.src);
-      const auto d = static_cast<std::size_t>(m.dst);
-      lat[s] = std::max(lat[s], l.latency_us);
-      lat[d] = std::max(lat[d], l.latency_us);
-      const bool pay_send = !m.shared || !shared_paid[s];
-      if (pay_send) {
-        send_t[s] += t;
-        sent_[s] += m.bytes * repeat;
-        shared_paid[s] = 1;
-      }
-      recv_t[d] += t;
-      // Merging a received payload reads it and the accumulator and writes the accumulator.
-      if (m.reduce) recv_t[d] += transfer_us(3.0 * m.bytes, topo_.memory_bandwidth_GBps);
-      if (node_of(m.src) != node_of(m.dst)) {
-        any_inter = true;
-        if (pay_send) node_out[static_cast<std::size_t>(node_of(m.src))] += m.bytes;
-        node_in[static_cast<std::size_t>(node_of(m.dst))] += m.bytes;
-      }
-    }
-    double worst = 0.0;
-    for (std::size_t i = 0; i < np; ++i)
-      worst = std::max(worst, lat[i] + std::max(send_t[i], recv_t[i]));
-    if (any_inter) {
-      const LinkLevel& net = *topo_.network;
-      const double node_bw = net.bandwidth_GBps * net.links_per_node;
-      for (std::size_t k = 0; k < nn; ++k)
-        worst = std::max(worst,
-                         net.latency_us + transfer_us(std::max(node_out[k], node_in[k]), node_bw));
-    }
-    rounds_ += repeat;
-    if (any_inter) ++inter_rounds_;
-    return worst;
-  }
-
-  double max_sent() const { return *std::max_element(sent_.begin(), sent_.end()); }
-  void add_sent_all(double bytes) {
-    for (double& s : sent_) s += bytes;
-  }
-  int rounds() const { return static_cast<int>(std::lround(rounds_)); }
-  void add_rounds(double k) { rounds_ += k; }
-  int p() const { return p_; }
-  // Rounds simulated so far that had a message between nodes (to tell whether a library
-  // call crossed the network).
-  int inter_rounds() const { return inter_rounds_; }
-
- private:
-  const Topology& topo_;
-  int p_, r_;
-  std::vector<double> sent_;
-  double rounds_ = 0;
-  int inter_rounds_ = 0;
-};
 
 int ceil_log2(int p) {
   int k = 0;
@@ -120,19 +29,6 @@ int floor_pow2(int p) {
   while (v * 2 <= p) v *= 2;
   return v;
 }
-
-// Where a model's time goes.
-struct CommCost {
-  double us = 0;
-  int calls = 0;
-  std::string algorithm;
-  void add(double t, std::string_view what) {
-    us += t;
-    ++calls;
-    if (!algorithm.empty()) algorithm += "; ";
-    algorithm += what;
-  }
-};
 
 // Open MPI tuned's classic fixed decision (coll_tuned_decision_fixed.c): recursive doubling
 // below 10000 bytes, ring above. Kept here as one constant so the choice is visible.
@@ -176,6 +72,53 @@ double mpi_allreduce_ring(RoundSim& sim, double m) {
   }
   const double k = p - 1;
   return k * sim.round(rs, k) + k * sim.round(ag, k);
+}
+
+}  // namespace
+
+double RoundSim::round(const Round& msgs, double repeat) {
+  if (msgs.empty()) return 0.0;
+  const std::size_t np = static_cast<std::size_t>(p_);
+  const std::size_t nn = static_cast<std::size_t>(nodes());
+  std::vector<double> lat(np, 0.0), send_t(np, 0.0), recv_t(np, 0.0);
+  std::vector<double> node_out(nn, 0.0), node_in(nn, 0.0);
+  std::vector<char> shared_paid(np, 0);
+  bool any_inter = false;
+  for (const Msg& m : msgs) {
+    const LinkLevel& l = link(m.src, m.dst);
+    const double t = transfer_us(m.bytes, l.bandwidth_GBps);
+    const auto s = static_cast<std::size_t>(m.src);
+    const auto d = static_cast<std::size_t>(m.dst);
+    lat[s] = std::max(lat[s], l.latency_us);
+    lat[d] = std::max(lat[d], l.latency_us);
+    const bool pay_send = !m.shared || !shared_paid[s];
+    if (pay_send) {
+      send_t[s] += t;
+      sent_[s] += m.bytes * repeat;
+      shared_paid[s] = 1;
+    }
+    recv_t[d] += t;
+    // Merging a received payload reads it and the accumulator and writes the accumulator.
+    if (m.reduce) recv_t[d] += transfer_us(3.0 * m.bytes, topo_.memory_bandwidth_GBps);
+    if (node_of(m.src) != node_of(m.dst)) {
+      any_inter = true;
+      if (pay_send) node_out[static_cast<std::size_t>(node_of(m.src))] += m.bytes;
+      node_in[static_cast<std::size_t>(node_of(m.dst))] += m.bytes;
+    }
+  }
+  double worst = 0.0;
+  for (std::size_t i = 0; i < np; ++i)
+    worst = std::max(worst, lat[i] + std::max(send_t[i], recv_t[i]));
+  if (any_inter) {
+    const LinkLevel& net = *topo_.network;
+    const double node_bw = net.bandwidth_GBps * net.links_per_node;
+    for (std::size_t k = 0; k < nn; ++k)
+      worst =
+          std::max(worst, net.latency_us + transfer_us(std::max(node_out[k], node_in[k]), node_bw));
+  }
+  rounds_ += repeat;
+  if (any_inter) ++inter_rounds_;
+  return worst;
 }
 
 // Allgather of m bytes per rank: recursive doubling (p a power of two) or Bruck for small
@@ -233,12 +176,7 @@ double mpi_bcast_binomial(RoundSim& sim, double m) {
 
 // ---- NCCL algorithms, from NCCL's tuning model ----------------------------------------------
 
-struct ClosedForm {
-  double us = 0;
-  double bytes_per_rank = 0;
-  int hops = 0;
-  std::string algo;
-};
+namespace {
 
 // Ring hops that cross nodes in `steps` ring steps over n nodes (one crossing per node per
 // circuit of p hops).
@@ -279,6 +217,8 @@ ClosedForm nccl_allreduce(const Topology& topo, int p, int r, double m) {
   return tree.us < ring.us ? tree : ring;
 }
 
+}  // namespace
+
 ClosedForm nccl_allgather(const Topology& topo, int p, int r, double m) {
   const int n = (p + r - 1) / r;
   ClosedForm c;
@@ -306,61 +246,6 @@ ClosedForm nccl_bcast(const Topology& topo, int p, int r, double m) {
 }
 
 // ---- the model ------------------------------------------------------------------------------
-
-struct Ctx {
-  const Topology& topo;
-  AttnShape shape;
-  double s = 2;  // KV dtype bytes
-  int64_t context = 0;
-  int p = 1;
-  int r = 1;  // ranks per node actually used
-  int n = 1;
-  int fanout = 2;
-  double state_bytes = 0;  // S
-  double q_bytes = 0;
-  int64_t shard_tokens = 0;
-
-  double kv_bytes(int64_t tokens) const {
-    return 2.0 * static_cast<double>(shape.batch) * static_cast<double>(tokens) *
-           static_cast<double>(shape.kv_heads) * static_cast<double>(shape.head_dim) * s;
-  }
-  double rows() const {
-    return static_cast<double>(shape.batch) * static_cast<double>(shape.q_len) *
-           static_cast<double>(shape.heads);
-  }
-  // How many times slower the local phase runs because ranks share cores.
-  double concurrency_factor(int ranks) const {
-    if (topo.max_concurrent_ranks <= 0 || ranks <= topo.max_concurrent_ranks) return 1.0;
-    return std::ceil(static_cast<double>(ranks) / topo.max_concurrent_ranks);
-  }
-  // One local decode kernel over `tokens` tokens, `ranks` ranks running it at once.
-  double local_us(int64_t tokens, int ranks) const {
-    const double bytes = kv_bytes(tokens) + q_bytes + state_bytes;
-    double t = transfer_us(bytes, topo.memory_bandwidth_GBps);
-    if (topo.peak_tflops) {
-      const double flops =
-          4.0 * rows() * static_cast<double>(tokens) * static_cast<double>(shape.head_dim);
-      t = std::max(t, flops / (*topo.peak_tflops * 1e12) * kUsPerSecond);
-    }
-    return topo.kernel_overhead_us + t * concurrency_factor(ranks);
-  }
-  // Merging k states held in memory (reads k states, writes one).
-  double merge_us(double k) const {
-    return transfer_us((k + 1.0) * state_bytes, topo.memory_bandwidth_GBps);
-  }
-  bool nccl() const { return topo.collectives == CollectiveLibrary::kNccl; }
-  // Fixed cost of one library call: collective_overhead_us, plus the network's
-  // call_overhead_us when the call's messages crossed nodes.
-  double call(bool crossed) const {
-    return topo.collective_overhead_us +
-           (crossed && topo.network ? topo.network->call_overhead_us : 0.0);
-  }
-  // Ranks oversubscribe the cores: a rank that copies or waits for a transfer takes a core
-  // from one that computes, so ring-kv's transfers do not hide under its kernel.
-  bool oversubscribed() const {
-    return topo.max_concurrent_ranks > 0 && p > topo.max_concurrent_ranks;
-  }
-};
 
 // One allreduce of m bytes with a reduction, in the topology's collective library.
 void allreduce(const Ctx& c, RoundSim& sim, CommCost& cost, double m, std::string_view label) {
@@ -427,10 +312,9 @@ Status make_ctx(const CostQuery& q, const Topology& topo, Ctx& c) {
   return Status::ok();
 }
 
-Prediction finish(std::string_view name, const Ctx& c, double local, const CommCost& comm,
-                  const RoundSim& sim, double extra_peak) {
+Prediction finish(const Ctx& c, double local, const CommCost& comm, const RoundSim& sim,
+                  double extra_peak) {
   Prediction pr;
-  pr.strategy = std::string(name);
   pr.local_us = local;
   pr.comm_us = comm.us;
   pr.latency_us = local + comm.us;
@@ -442,249 +326,51 @@ Prediction finish(std::string_view name, const Ctx& c, double local, const CommC
   return pr;
 }
 
-// tree: one MPI_Allreduce of the packed (m, l, o[D]) records with the merge as a user op.
-Prediction model_tree(const Ctx& c) {
-  RoundSim sim(c.topo, c.p, c.r);
-  CommCost comm;
-  allreduce(c, sim, comm, c.state_bytes, "merge-op");
-  return finish("tree", c, c.local_us(c.shard_tokens, c.p), comm, sim, c.state_bytes);
-}
+}  // namespace cost
 
-// tree-paper: Algorithm 3 of the paper: MAX of lse (one float per row), SUM of the rescaled
-// outputs (D floats per row), SUM of the denominators (one float per row), then a local
-// rescale and divide.
-Prediction model_tree_paper(const Ctx& c) {
-  RoundSim sim(c.topo, c.p, c.r);
-  CommCost comm;
-  const double row = c.rows() * 4.0;
-  allreduce(c, sim, comm, row, "max(lse)");
-  allreduce(c, sim, comm, row * static_cast<double>(c.shape.head_dim), "sum(num)");
-  allreduce(c, sim, comm, row, "sum(den)");
-  const double rescale = transfer_us(3.0 * c.state_bytes, c.topo.memory_bandwidth_GBps);
-  return finish("tree-paper", c, c.local_us(c.shard_tokens, c.p) + rescale, comm, sim,
-                c.state_bytes);
-}
+namespace {
 
-// tree2: MAX of m, then one fused SUM of (l, o[D]) rescaled to the global max.
-Prediction model_tree2(const Ctx& c) {
-  RoundSim sim(c.topo, c.p, c.r);
-  CommCost comm;
-  const double row = c.rows() * 4.0;
-  allreduce(c, sim, comm, row, "max(m)");
-  allreduce(c, sim, comm, row * static_cast<double>(c.shape.head_dim + 1), "sum(l,o)");
-  const double rescale = transfer_us(2.0 * c.state_bytes, c.topo.memory_bandwidth_GBps);
-  return finish("tree2", c, c.local_us(c.shard_tokens, c.p) + rescale, comm, sim, c.state_bytes);
-}
-
-// hier (src/strategies/hier.cpp): (1) every rank of a node hands its state to the node
-// leader (its first rank) over shared memory and the leader merges them; (2) the n leaders
-// form a k-ary tree in heap order (leader i's children are i k + 1 .. i k + k): from the
-// deepest level up, each leader receives its children's states and sends the merge to its
-// parent (one round per level); (3) the final states go back down the same tree (a parent
-// sends to each child in turn) and (4) each leader broadcasts them inside its node.
-Prediction model_hier(const Ctx& c) {
-  RoundSim sim(c.topo, c.p, c.r);
-  CommCost comm;
-  const double S = c.state_bytes;
-  auto leader = [&](int node) { return node * c.r; };
-  if (c.r > 1) {
-    Round in;
-    for (int i = 0; i < c.p; ++i)
-      if (i % c.r != 0) in.push_back({i, leader(i / c.r), S, true});
-    comm.add(c.call(false) + sim.round(in), "intra-node reduce to leader");
-  }
-  if (c.n > 1) {
-    // Heap levels: level(i) = depth of leader i; one round per level, deepest first.
-    std::vector<int> level(static_cast<std::size_t>(c.n), 0);
-    int depth = 0;
-    for (int i = 1; i < c.n; ++i) {
-      const int lv = level[static_cast<std::size_t>((i - 1) / c.fanout)] + 1;
-      level[static_cast<std::size_t>(i)] = lv;
-      depth = std::max(depth, lv);
-    }
-    std::vector<Round> up;
-    for (int lv = depth; lv >= 1; --lv) {
-      Round rd;
-      for (int i = 1; i < c.n; ++i)
-        if (level[static_cast<std::size_t>(i)] == lv)
-          rd.push_back({leader(i), leader((i - 1) / c.fanout), S, true});
-      up.push_back(rd);
-    }
-    double t = 0;
-    for (const Round& rd : up) t += sim.round(rd);
-    comm.add(c.call(true) + t, "inter-leader " + std::to_string(c.fanout) + "-ary tree reduce (" +
-                                   std::to_string(up.size()) + " rounds)");
-    t = 0;
-    for (auto it = up.rbegin(); it != up.rend(); ++it) {
-      Round down;
-      for (const Msg& m : *it) down.push_back({m.dst, m.src, S, false});
-      t += sim.round(down);
-    }
-    comm.add(c.call(true) + t, "inter-leader tree broadcast");
-  }
-  if (c.r > 1) {
-    Round out;
-    for (int i = 0; i < c.p; ++i)
-      if (i % c.r != 0) out.push_back({leader(i / c.r), i, S, false, true});
-    comm.add(c.call(false) + sim.round(out), "intra-node shared broadcast");
-  }
-  // The leader's shared segment holds the node's r states.
-  return finish("hier", c, c.local_us(c.shard_tokens, c.p), comm, sim,
-                static_cast<double>(c.r) * S);
-}
-
-// ring-kv (the paper's baseline, src/strategies/ring_kv.cpp): p-1 steps; in each, every rank
-// sends the KV shard it holds to rank + 1 (nonblocking, progressed between pieces of the
-// kernel) while computing attention on it. A step costs max(local, transfer); the last shard
-// is computed after the loop, then the p partials are merged. Buffers: the own shard plus two
-// receive buffers (one when p = 2) and p partial states.
-Prediction model_ring_kv(const Ctx& c) {
-  RoundSim sim(c.topo, c.p, c.r);
-  CommCost comm;
-  const double loc = c.local_us(c.shard_tokens, c.p);
-  double total = loc;
-  if (c.p > 1) {
-    Round r;
-    const double kv = c.kv_bytes(c.shard_tokens);
-    for (int i = 0; i < c.p; ++i) r.push_back({i, (i + 1) % c.p, kv, false});
-    const double k = c.p - 1;
-    const double step_comm = c.call(c.n > 1) + sim.round(r, k);
-    total += k * (c.oversubscribed() ? loc + step_comm : std::max(loc, step_comm));
-    comm.calls = c.p - 1;
-    comm.algorithm =
-        std::to_string(c.p - 1) +
-        " ring steps of KV(t) = " + std::to_string(static_cast<int64_t>(kv)) +
-        (c.oversubscribed() ? " B, not overlapped (ranks > cores)" : " B, overlapped with compute");
-  }
-  // total >= p * loc, so the exposed communication is what is left over.
-  const double local_all = loc * c.p;
-  comm.us = total - local_all;
-  const double merge = c.p > 1 ? c.merge_us(c.p) : 0.0;
-  const double buffers = c.p >= 3 ? 2.0 : (c.p == 2 ? 1.0 : 0.0);
-  return finish("ring-kv", c, local_all + merge, comm, sim,
-                buffers * c.kv_bytes(c.shard_tokens) + (c.p > 1 ? c.p * c.state_bytes : 0.0));
-}
-
-// ring-state (src/strategies/ring_state.cpp): p-1 steps; in each, every rank forwards the
-// state it received last (its own first) to rank + 1. Every rank then holds all p partials and
-// merges them in rank order.
-Prediction model_ring_state(const Ctx& c) {
-  RoundSim sim(c.topo, c.p, c.r);
-  CommCost comm;
-  if (c.p > 1) {
-    Round r;
-    for (int i = 0; i < c.p; ++i) r.push_back({i, (i + 1) % c.p, c.state_bytes, false});
-    const double k = c.p - 1;
-    comm.us = k * (c.call(c.n > 1) + sim.round(r, k));
-    comm.calls = c.p - 1;
-    comm.algorithm = std::to_string(c.p - 1) + " ring steps of S";
-  }
-  const double merge = c.p > 1 ? c.merge_us(c.p) : 0.0;
-  return finish("ring-state", c, c.local_us(c.shard_tokens, c.p) + merge, comm, sim,
-                c.p > 1 ? c.p * c.state_bytes : 0.0);
-}
-
-// allgather: every rank gathers all p states and merges them locally.
-Prediction model_allgather(const Ctx& c) {
-  RoundSim sim(c.topo, c.p, c.r);
-  CommCost comm;
-  if (c.p > 1) {
-    if (c.nccl()) {
-      const ClosedForm f = nccl_allgather(c.topo, c.p, c.r, c.state_bytes);
-      sim.add_sent_all(f.bytes_per_rank);
-      sim.add_rounds(f.hops);
-      comm.add(c.call(c.n > 1) + f.us, "NCCL ring allgather");
-    } else {
-      std::string algo;
-      const double t = mpi_allgather(sim, c.state_bytes, algo);
-      comm.add(c.call(c.n > 1) + t, "allgather " + algo);
-    }
-  }
-  const double local = c.local_us(c.shard_tokens, c.p) + (c.p > 1 ? c.merge_us(c.p) : 0.0);
-  return finish("allgather", c, local, comm, sim, static_cast<double>(c.p) * c.state_bytes);
-}
-
-// gather-root: binomial gather of the p states to rank 0, merge there, broadcast the merged
-// state (binomial for MPI, pipelined ring for NCCL).
-Prediction model_gather_root(const Ctx& c) {
-  RoundSim sim(c.topo, c.p, c.r);
-  CommCost comm;
-  double root_merge = 0;
-  if (c.p > 1) {
-    comm.add(c.call(c.n > 1) + mpi_gather_binomial(sim, c.state_bytes), "binomial gather");
-    root_merge = c.merge_us(c.p);
-    if (c.nccl()) {
-      const ClosedForm f = nccl_bcast(c.topo, c.p, c.r, c.state_bytes);
-      sim.add_sent_all(f.bytes_per_rank);
-      sim.add_rounds(f.hops);
-      comm.add(c.call(c.n > 1) + f.us, "NCCL ring broadcast");
-    } else {
-      comm.add(c.call(c.n > 1) + mpi_bcast_binomial(sim, c.state_bytes), "binomial broadcast");
-    }
-  }
-  return finish("gather-root", c, c.local_us(c.shard_tokens, c.p) + root_merge, comm, sim,
-                static_cast<double>(c.p) * c.state_bytes);
-}
-
-// single (src/strategies/single.cpp): rank 0 holds the whole KV cache and computes alone; in
-// a job of p > 1 ranks it then broadcasts the result (binomial for MPI, ring for NCCL).
-Prediction model_single(const Ctx& c) {
-  Ctx one = c;
-  one.shard_tokens = c.context;
-  RoundSim sim(c.topo, c.p, c.r);
-  CommCost comm;
-  if (c.p > 1) {
-    if (c.nccl()) {
-      const ClosedForm f = nccl_bcast(c.topo, c.p, c.r, c.state_bytes);
-      sim.add_sent_all(f.bytes_per_rank);
-      sim.add_rounds(f.hops);
-      comm.add(c.call(c.n > 1) + f.us, "NCCL ring broadcast of the result");
-    } else {
-      comm.add(c.call(c.n > 1) + mpi_bcast_binomial(sim, c.state_bytes),
-               "binomial broadcast of the result");
-    }
-  } else {
-    comm.algorithm = "no communication";
-  }
-  return finish("single", one, one.local_us(c.context, 1), comm, sim, 0.0);
-}
+// Plans predicted within 1% of the fastest are ties for the planner (see plan()).
+constexpr double kPlanTieFraction = 0.01;
 
 }  // namespace
 
 const std::vector<std::string>& modeled_strategies() {
-  static const std::vector<std::string> kNames = {"tree",      "tree-paper",  "tree2",
-                                                  "hier",      "ring-kv",     "ring-state",
-                                                  "allgather", "gather-root", "single"};
+  static const std::vector<std::string> kNames = [] {
+    std::vector<std::string> v;
+    for (const strategies::StrategyDescriptor* d : strategies::strategy_descriptors(true))
+      if (d->model) v.emplace_back(d->info.name);
+    return v;
+  }();
   return kNames;
 }
 
 Result<Prediction> predict(std::string_view strategy, const CostQuery& q, const Topology& topo) {
-  Ctx c{topo, {}};
-  TREEATTN_RETURN_IF_ERROR(make_ctx(q, topo, c));
-  if (strategy == "tree") return model_tree(c);
-  if (strategy == "tree-paper") return model_tree_paper(c);
-  if (strategy == "tree2") return model_tree2(c);
-  if (strategy == "hier") return model_hier(c);
-  if (strategy == "ring-kv") return model_ring_kv(c);
-  if (strategy == "ring-state") return model_ring_state(c);
-  if (strategy == "allgather") return model_allgather(c);
-  if (strategy == "gather-root") return model_gather_root(c);
-  if (strategy == "single") return model_single(c);
-  std::string known;
-  for (const auto& s : modeled_strategies()) known += (known.empty() ? "" : ", ") + s;
-  return invalid_argument("cost model: unknown strategy '" + std::string(strategy) +
-                          "' (known: " + known + ")");
+  cost::Ctx c{topo, {}};
+  TREEATTN_RETURN_IF_ERROR(cost::make_ctx(q, topo, c));
+  const strategies::StrategyDescriptor* d = strategies::find_strategy_descriptor(strategy);
+  if (!d || !d->model) {
+    std::string known;
+    for (const auto& s : modeled_strategies()) known += (known.empty() ? "" : ", ") + s;
+    return invalid_argument("cost model: unknown strategy '" + std::string(strategy) +
+                            "' (known: " + known + ")");
+  }
+  Prediction pr = d->model(c);
+  pr.strategy = std::string(d->info.name);
+  return pr;
 }
 
 Result<std::vector<PlanEntry>> plan(const CostQuery& q, const Topology& topo,
                                     const PlanOptions& opts) {
+  // Strategies that need the whole cache on one rank (single) are ranked only when asked.
   std::vector<std::string> names = opts.candidates;
-  if (names.empty()) {
-    for (const auto& s : modeled_strategies())
-      if (s != "single" || opts.include_single) names.push_back(s);
-  } else if (opts.include_single &&
-             std::find(names.begin(), names.end(), "single") == names.end()) {
-    names.push_back("single");
+  const bool all_modeled = names.empty();
+  for (const strategies::StrategyDescriptor* d : strategies::strategy_descriptors(true)) {
+    if (!d->model) continue;
+    const bool listed = std::find(names.begin(), names.end(), d->info.name) != names.end();
+    if (listed) continue;
+    if (d->whole_cache_on_one_rank ? opts.include_single : all_modeled)
+      names.emplace_back(d->info.name);
   }
   std::vector<PlanEntry> out;
   for (const auto& name : names) {
