@@ -117,21 +117,23 @@ std::string shape_text(const py::array& a) {
 F32Array as_f32(const py::array& a, const char* what) {
   if (!a.dtype().is(py::dtype::of<float>()))
     throw py::type_error(std::string(what) + " must have dtype float32, got " +
-                         std::string(py::str(a.dtype())) + " (convert it with .astype(np.float32))");
+                         std::string(py::str(a.dtype())) +
+                         " (convert it with .astype(np.float32))");
   return F32Array::ensure(a);
 }
 
 void expect_ndim(const py::array& a, py::ssize_t ndim, const char* what, const char* layout) {
   if (a.ndim() != ndim)
-    invalid(std::string(what) + " must be " + std::to_string(ndim) + "-D " + layout + ", got shape " +
-            shape_text(a));
+    invalid(std::string(what) + " must be " + std::to_string(ndim) + "-D " + layout +
+            ", got shape " + shape_text(a));
 }
 
 // Per-batch-row int64 values from None (fallback), an int (every row) or a sequence of batch ints.
 std::vector<int64_t> rows(const py::object& o, int64_t batch, const char* what,
                           const std::vector<int64_t>& fallback) {
   if (o.is_none()) return fallback;
-  if (py::isinstance<py::int_>(o)) return std::vector<int64_t>(static_cast<std::size_t>(batch), o.cast<int64_t>());
+  if (py::isinstance<py::int_>(o))
+    return std::vector<int64_t>(static_cast<std::size_t>(batch), o.cast<int64_t>());
   auto v = o.cast<std::vector<int64_t>>();
   if (static_cast<int64_t>(v.size()) != batch)
     invalid(std::string(what) + " has " + std::to_string(v.size()) + " values for batch " +
@@ -156,18 +158,25 @@ DType kv_dtype(const py::array& k, const std::optional<std::string>& name) {
     if (f16) return DType::kF16;
     if (u16)
       throw py::type_error("k has dtype uint16: pass dtype=\"bf16\" if it holds bfloat16 bits");
-    throw py::type_error("k and v must have dtype float32 or float16 (or uint16 with dtype=\"bf16\"), "
-                         "got " + got);
+    throw py::type_error(
+        "k and v must have dtype float32 or float16 (or uint16 with dtype=\"bf16\"), "
+        "got " +
+        got);
   }
   const auto t = parse_dtype(*name);
   if (!t) invalid("unknown KV dtype '" + *name + "' (known: f32, f16, bf16)");
   if (dtype_is_quantized(*t))
-    check(unsupported("KV dtype " + std::string(dtype_name(*t)) +
-                      " is not supported by the Python decode_partial/oracle (use f32, f16, bf16)"));
-  const bool ok = (*t == DType::kF32 && f32) || (*t == DType::kF16 && f16) || (*t == DType::kBF16 && u16);
+    check(
+        unsupported("KV dtype " + std::string(dtype_name(*t)) +
+                    " is not supported by the Python decode_partial/oracle (use f32, f16, bf16)"));
+  const bool ok =
+      (*t == DType::kF32 && f32) || (*t == DType::kF16 && f16) || (*t == DType::kBF16 && u16);
   if (!ok)
-    throw py::type_error("dtype=\"" + std::string(dtype_name(*t)) + "\" needs k and v of numpy dtype " +
-                         (*t == DType::kF32 ? "float32" : *t == DType::kF16 ? "float16" : "uint16") +
+    throw py::type_error("dtype=\"" + std::string(dtype_name(*t)) +
+                         "\" needs k and v of numpy dtype " +
+                         (*t == DType::kF32   ? "float32"
+                          : *t == DType::kF16 ? "float16"
+                                              : "uint16") +
                          ", got " + got);
   return *t;
 }
@@ -184,11 +193,13 @@ KVArgs kv_args(const py::array& k, const py::array& v, const std::optional<std::
   expect_ndim(v, 4, "v", "[batch, kv_heads, tokens, head_dim]");
   for (py::ssize_t i = 0; i < 4; ++i)
     if (k.shape(i) != v.shape(i))
-      invalid("k and v must have the same shape, got k " + shape_text(k) + " and v " + shape_text(v));
+      invalid("k and v must have the same shape, got k " + shape_text(k) + " and v " +
+              shape_text(v));
   const DType t = kv_dtype(k, dtype);
   if (!v.dtype().is(k.dtype()))
-    throw py::type_error("k and v must have the same dtype, got " + std::string(py::str(k.dtype())) +
-                         " and " + std::string(py::str(v.dtype())));
+    throw py::type_error("k and v must have the same dtype, got " +
+                         std::string(py::str(k.dtype())) + " and " +
+                         std::string(py::str(v.dtype())));
   const auto item = static_cast<py::ssize_t>(dtype_size(t));
   const int64_t batch = k.shape(0), n = k.shape(2), d = k.shape(3);
   // Element strides; an axis of extent 1 is never stepped over, so its stride does not matter.
@@ -198,19 +209,22 @@ KVArgs kv_args(const py::array& k, const py::array& v, const std::optional<std::
     const bool same = k.strides(i) == v.strides(i) || k.shape(i) == 1;
     const bool last_ok = i < 3 || k.strides(3) == item || d == 1;
     if (!same || !last_ok || k.strides(i) < 0 || k.strides(i) % item != 0)
-      invalid("k and v must share their strides, with head_dim contiguous and no negative strides "
-              "(got k strides " + std::string(py::str(py::cast(std::vector<py::ssize_t>(
-                                      k.strides(), k.strides() + 4)))) +
-              ", v strides " +
-              std::string(py::str(py::cast(std::vector<py::ssize_t>(v.strides(), v.strides() + 4)))) +
-              "); pass np.ascontiguousarray(k) and np.ascontiguousarray(v)");
+      invalid(
+          "k and v must share their strides, with head_dim contiguous and no negative strides "
+          "(got k strides " +
+          std::string(py::str(py::cast(std::vector<py::ssize_t>(k.strides(), k.strides() + 4)))) +
+          ", v strides " +
+          std::string(py::str(py::cast(std::vector<py::ssize_t>(v.strides(), v.strides() + 4)))) +
+          "); pass np.ascontiguousarray(k) and np.ascontiguousarray(v)");
     if (i < 3) stride[i] = k.shape(i) == 1 ? fallback[i] : k.strides(i) / item;
   }
   a.len = rows(lengths, batch, "lengths", std::vector<int64_t>(static_cast<std::size_t>(batch), n));
   for (int64_t l : a.len)
-    if (l > n) invalid("lengths: " + std::to_string(l) + " tokens in a row of k and v with " +
-                       std::to_string(n) + " token slots");
-  a.pos_start = rows(pos_start, batch, "pos_start", std::vector<int64_t>(static_cast<std::size_t>(batch), 0));
+    if (l > n)
+      invalid("lengths: " + std::to_string(l) + " tokens in a row of k and v with " +
+              std::to_string(n) + " token slots");
+  a.pos_start =
+      rows(pos_start, batch, "pos_start", std::vector<int64_t>(static_cast<std::size_t>(batch), 0));
   std::vector<int64_t> end(static_cast<std::size_t>(batch));
   for (std::size_t b = 0; b < end.size(); ++b)
     end[b] = a.len[b] > 0 ? a.pos_start[b] + (a.len[b] - 1) * pos_stride + 1 : a.pos_start[b];
@@ -295,28 +309,34 @@ py::tuple oracle_py(const py::array& q_in, const py::array& k, const py::array& 
 // states [..., D + 2] float32 -> (number of records, D).
 std::pair<std::size_t, std::size_t> records_of(const py::array& a, const char* what) {
   if (a.ndim() < 1 || a.shape(a.ndim() - 1) < 2)
-    invalid(std::string(what) + " must be state records [..., head_dim + 2], got shape " + shape_text(a));
+    invalid(std::string(what) + " must be state records [..., head_dim + 2], got shape " +
+            shape_text(a));
   const auto rec = static_cast<std::size_t>(a.shape(a.ndim() - 1));
   return {static_cast<std::size_t>(a.size()) / rec, rec - 2};
 }
 
-py::array_t<float> merge_states_py(const py::array& a_in, const py::array& b_in, const py::object& out_obj) {
+py::array_t<float> merge_states_py(const py::array& a_in, const py::array& b_in,
+                                   const py::object& out_obj) {
   F32Array a = as_f32(a_in, "a");
   F32Array b = as_f32(b_in, "b");
   const auto [n, d] = records_of(a, "a");
   bool same = a.ndim() == b.ndim();
   for (py::ssize_t i = 0; same && i < a.ndim(); ++i) same = a.shape(i) == b.shape(i);
-  if (!same) invalid("merge_states: a " + shape_text(a) + " and b " + shape_text(b) + " differ in shape");
+  if (!same)
+    invalid("merge_states: a " + shape_text(a) + " and b " + shape_text(b) + " differ in shape");
   py::array_t<float> out;
   if (out_obj.is_none()) {
     out = py::array_t<float>(std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim()));
   } else {
     out = py::cast<py::array>(out_obj);
-    if (!out.dtype().is(py::dtype::of<float>()) || !(out.flags() & py::array::c_style) || !out.writeable())
+    if (!out.dtype().is(py::dtype::of<float>()) || !(out.flags() & py::array::c_style) ||
+        !out.writeable())
       throw py::type_error("merge_states: out must be a writeable C-contiguous float32 array");
     bool match = out.ndim() == a.ndim();
     for (py::ssize_t i = 0; match && i < a.ndim(); ++i) match = out.shape(i) == a.shape(i);
-    if (!match) invalid("merge_states: out " + shape_text(out) + " must have the shape of a " + shape_text(a));
+    if (!match)
+      invalid("merge_states: out " + shape_text(out) + " must have the shape of a " +
+              shape_text(a));
   }
   float* acc = out.mutable_data();
   // The merge is commutative bit for bit (state.hpp), so out may alias either input.
@@ -373,16 +393,13 @@ std::vector<int> int_list(const py::object& o) {
   return o.is_none() ? std::vector<int>{} : o.cast<std::vector<int>>();
 }
 
-std::unique_ptr<PySession> make_session(std::shared_ptr<PyComm> comm, int64_t batch, int64_t heads,
-                                        int64_t kv_heads, int64_t head_dim, int64_t q_len,
-                                        const std::string& dtype, int layers,
-                                        const std::string& placement, const py::object& context,
-                                        const py::object& explicit_len, int holder,
-                                        int64_t reserve_tokens, const std::string& strategy,
-                                        int root, int fanout, const py::object& node_of_rank,
-                                        float scale, int threads, const std::string& isa,
-                                        double timeout_s, bool check_agreement,
-                                        const py::object& agree_also) {
+std::unique_ptr<PySession> make_session(
+    std::shared_ptr<PyComm> comm, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
+    int64_t q_len, const std::string& dtype, int layers, const std::string& placement,
+    const py::object& context, const py::object& explicit_len, int holder, int64_t reserve_tokens,
+    const std::string& strategy, int root, int fanout, const py::object& node_of_rank, float scale,
+    int threads, const std::string& isa, double timeout_s, bool check_agreement,
+    const py::object& agree_also) {
   SessionConfig c;
   c.shape = AttnShape{batch, heads, kv_heads, head_dim, q_len};
   const auto t = parse_dtype(dtype);
@@ -404,7 +421,8 @@ std::unique_ptr<PySession> make_session(std::shared_ptr<PyComm> comm, int64_t ba
   c.options.kernel.scale = scale;
   c.options.kernel.threads = threads;
   c.options.kernel.isa = unwrap(parse_isa(isa));
-  if (timeout_s < 0) invalid("timeout must be >= 0 seconds (0 waits forever), got " + std::to_string(timeout_s));
+  if (timeout_s < 0)
+    invalid("timeout must be >= 0 seconds (0 waits forever), got " + std::to_string(timeout_s));
   c.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0 + 0.5));
   c.check_agreement = check_agreement;
   if (!agree_also.is_none())
@@ -421,10 +439,12 @@ std::unique_ptr<PySession> make_session(std::shared_ptr<PyComm> comm, int64_t ba
 }
 
 // Checks a [*lead, kv_heads, head_dim]-shaped float32 K or V block of a session.
-F32Array kv_block(const py::array& a, const char* what, std::vector<int64_t> want, const char* layout) {
+F32Array kv_block(const py::array& a, const char* what, std::vector<int64_t> want,
+                  const char* layout) {
   F32Array f = as_f32(a, what);
   bool ok = f.ndim() == static_cast<py::ssize_t>(want.size());
-  for (std::size_t i = 0; ok && i < want.size(); ++i) ok = f.shape(static_cast<py::ssize_t>(i)) == want[i];
+  for (std::size_t i = 0; ok && i < want.size(); ++i)
+    ok = f.shape(static_cast<py::ssize_t>(i)) == want[i];
   if (!ok) {
     std::string w = "(";
     for (std::size_t i = 0; i < want.size(); ++i) w += (i ? ", " : "") + std::to_string(want[i]);
@@ -435,7 +455,8 @@ F32Array kv_block(const py::array& a, const char* what, std::vector<int64_t> wan
 
 F32Array session_query(const DecodeSession& s, const py::array& q_in) {
   const AttnShape& sh = s.shape();
-  return kv_block(q_in, "q", {sh.batch, sh.q_len, sh.heads, sh.head_dim}, "[batch, q_len, heads, head_dim]");
+  return kv_block(q_in, "q", {sh.batch, sh.q_len, sh.heads, sh.head_dim},
+                  "[batch, q_len, heads, head_dim]");
 }
 
 void store_py(PySession& ps, int layer, int64_t b, const py::object& pos, const py::array& k_in,
@@ -451,15 +472,18 @@ void store_py(PySession& ps, int layer, int64_t b, const py::object& pos, const 
   }
   const auto positions = pos.cast<std::vector<int64_t>>();
   const auto n = static_cast<int64_t>(positions.size());
-  F32Array k = kv_block(k_in, "k", {n, sh.kv_heads, sh.head_dim}, "[positions, kv_heads, head_dim]");
-  F32Array v = kv_block(v_in, "v", {n, sh.kv_heads, sh.head_dim}, "[positions, kv_heads, head_dim]");
+  F32Array k =
+      kv_block(k_in, "k", {n, sh.kv_heads, sh.head_dim}, "[positions, kv_heads, head_dim]");
+  F32Array v =
+      kv_block(v_in, "v", {n, sh.kv_heads, sh.head_dim}, "[positions, kv_heads, head_dim]");
   for (std::size_t i = 0; i < positions.size(); ++i)
     check(s.store(layer, b, positions[i], k.data() + i * per, v.data() + i * per));
 }
 
 std::vector<int64_t> plan_row(const ShardPlan& plan, int rank, bool starts) {
   if (rank < 0 || rank >= plan.ranks())
-    invalid("rank " + std::to_string(rank) + " is outside [0, " + std::to_string(plan.ranks()) + ")");
+    invalid("rank " + std::to_string(rank) + " is outside [0, " + std::to_string(plan.ranks()) +
+            ")");
   auto sp = starts ? plan.pos_starts(rank) : plan.lens(rank);
   return {sp.begin(), sp.end()};
 }
@@ -476,20 +500,28 @@ PYBIND11_MODULE(_treeattn, m) {
   py::module_ builtins = py::module_::import("builtins");
   py::object exc = builtins.attr("Exception"), value_error = builtins.attr("ValueError"),
              runtime_error = builtins.attr("RuntimeError");
-  PyObject* base = make_error(m, "Error", py::make_tuple(exc),
-                              "A treeattn Status that is not ok; str() is its message, .code its code name.");
+  PyObject* base =
+      make_error(m, "Error", py::make_tuple(exc),
+                 "A treeattn Status that is not ok; str() is its message, .code its code name.");
   py::object base_error = py::reinterpret_borrow<py::object>(base);
   auto sub = [&](Code c, const char* name, py::object other, const char* doc) {
-    g_errors[static_cast<std::size_t>(c)] = make_error(m, name, py::make_tuple(base_error, other), doc);
+    g_errors[static_cast<std::size_t>(c)] =
+        make_error(m, name, py::make_tuple(base_error, other), doc);
   };
-  sub(Code::kInvalidArgument, "InvalidArgumentError", value_error, "A caller-supplied value is out of range or inconsistent.");
-  sub(Code::kUnsupported, "UnsupportedError", runtime_error, "A valid request this build cannot serve (head dim, dtype, ISA).");
+  sub(Code::kInvalidArgument, "InvalidArgumentError", value_error,
+      "A caller-supplied value is out of range or inconsistent.");
+  sub(Code::kUnsupported, "UnsupportedError", runtime_error,
+      "A valid request this build cannot serve (head dim, dtype, ISA).");
   sub(Code::kMismatch, "MismatchError", runtime_error, "Ranks disagree on a shape, dtype or plan.");
-  sub(Code::kTimeout, "PeerTimeoutError", runtime_error, "A peer rank did not arrive within the configured time.");
-  sub(Code::kNumerics, "NumericsError", runtime_error, "An opt-in check found NaN/Inf in an input.");
+  sub(Code::kTimeout, "PeerTimeoutError", runtime_error,
+      "A peer rank did not arrive within the configured time.");
+  sub(Code::kNumerics, "NumericsError", runtime_error,
+      "An opt-in check found NaN/Inf in an input.");
   sub(Code::kInternal, "InternalError", runtime_error, "A backend call failed.");
-  sub(Code::kOutOfMemory, "OutOfMemoryError", runtime_error, "A requested allocation would not fit.");
-  g_errors[static_cast<std::size_t>(Code::kOk)] = g_errors[static_cast<std::size_t>(Code::kInternal)];
+  sub(Code::kOutOfMemory, "OutOfMemoryError", runtime_error,
+      "A requested allocation would not fit.");
+  g_errors[static_cast<std::size_t>(Code::kOk)] =
+      g_errors[static_cast<std::size_t>(Code::kInternal)];
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -503,15 +535,17 @@ PYBIND11_MODULE(_treeattn, m) {
 #else
   m.attr("has_mpi") = false;
 #endif
-  m.attr("supported_head_dims") = py::cast(std::vector<int>(std::begin(kSupportedHeadDims), std::end(kSupportedHeadDims)));
-  m.def("best_isa", [] { return std::string(isa_name(best_isa())); },
-        "The best kernel ISA this CPU supports.");
+  m.attr("supported_head_dims") =
+      py::cast(std::vector<int>(std::begin(kSupportedHeadDims), std::end(kSupportedHeadDims)));
+  m.def(
+      "best_isa", [] { return std::string(isa_name(best_isa())); },
+      "The best kernel ISA this CPU supports.");
 
-  m.def("decode_partial", &decode_partial_py, py::arg("q"), py::arg("k"), py::arg("v"), py::kw_only(),
-        py::arg("dtype") = py::none(), py::arg("scale") = 0.0f, py::arg("lengths") = py::none(),
-        py::arg("pos_start") = py::none(), py::arg("total_len") = py::none(),
-        py::arg("pos_stride") = 1, py::arg("threads") = 0, py::arg("chunk_tokens") = 0,
-        py::arg("isa") = "auto",
+  m.def("decode_partial", &decode_partial_py, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::kw_only(), py::arg("dtype") = py::none(), py::arg("scale") = 0.0f,
+        py::arg("lengths") = py::none(), py::arg("pos_start") = py::none(),
+        py::arg("total_len") = py::none(), py::arg("pos_stride") = 1, py::arg("threads") = 0,
+        py::arg("chunk_tokens") = 0, py::arg("isa") = "auto",
         R"(Partial attention states of q against one KV shard (kernel.hpp).
 
 q [B, Q, H, D] float32; k, v [B, Hkv, N, D] float32, float16, or uint16 with dtype="bf16" (any
@@ -536,45 +570,50 @@ scale 0 means 1/sqrt(D). Returns states [B, Q, H, D + 2] float32 records [m, l, 
                                               "A treeattn communicator (MPI or in-process).")
       .def_property_readonly("rank", [](const PyComm& c) { return c.comm->rank(); })
       .def_property_readonly("size", [](const PyComm& c) { return c.comm->size(); })
-      .def_property_readonly("backend", [](const PyComm& c) { return std::string(c.comm->backend_name()); })
-      .def("strategies",
-           [](const PyComm& c) {
-             std::vector<std::pair<std::string, std::string>> out;
-             for (const StrategyInfo& i : StrategyRegistry::for_backend(c.comm->capabilities()).list())
-               out.emplace_back(std::string(i.name), std::string(i.summary));
-             return out;
-           },
-           "(name, summary) of the strategies this backend offers.")
+      .def_property_readonly("backend",
+                             [](const PyComm& c) { return std::string(c.comm->backend_name()); })
+      .def(
+          "strategies",
+          [](const PyComm& c) {
+            std::vector<std::pair<std::string, std::string>> out;
+            for (const StrategyInfo& i :
+                 StrategyRegistry::for_backend(c.comm->capabilities()).list())
+              out.emplace_back(std::string(i.name), std::string(i.summary));
+            return out;
+          },
+          "(name, summary) of the strategies this backend offers.")
       .def("__repr__", [](const PyComm& c) {
         return "<treeattn.Comm " + std::string(c.comm->backend_name()) + " rank " +
                std::to_string(c.comm->rank()) + " of " + std::to_string(c.comm->size()) + ">";
       });
 
-  m.def("local_world",
-        [](int size, const py::object& node_of_rank) {
-          LocalWorldOptions o;
-          o.node_of_rank = int_list(node_of_rank);
-          auto comms = unwrap(make_local_world(size, o));
-          std::vector<std::shared_ptr<PyComm>> out;
-          for (auto& c : comms) {
-            auto pc = std::make_shared<PyComm>();
-            pc->comm = std::move(c);
-            out.push_back(std::move(pc));
-          }
-          return out;
-        },
-        py::arg("size"), py::arg("node_of_rank") = py::none(),
-        "size in-process communicators sharing one world (comm_local.hpp): hand communicator r "
-        "to the thread that plays rank r.");
-#if defined(TREEATTN_PY_WITH_MPI)
-  m.def("_mpi_comm_from_fortran",
-        [](int64_t handle) {
+  m.def(
+      "local_world",
+      [](int size, const py::object& node_of_rank) {
+        LocalWorldOptions o;
+        o.node_of_rank = int_list(node_of_rank);
+        auto comms = unwrap(make_local_world(size, o));
+        std::vector<std::shared_ptr<PyComm>> out;
+        for (auto& c : comms) {
           auto pc = std::make_shared<PyComm>();
-          pc->comm = unwrap(mpi_wrap_fortran(handle));
-          pc->mpi = true;
-          return pc;
-        },
-        py::arg("handle"), "A Comm duplicating the MPI communicator with this Fortran handle.");
+          pc->comm = std::move(c);
+          out.push_back(std::move(pc));
+        }
+        return out;
+      },
+      py::arg("size"), py::arg("node_of_rank") = py::none(),
+      "size in-process communicators sharing one world (comm_local.hpp): hand communicator r "
+      "to the thread that plays rank r.");
+#if defined(TREEATTN_PY_WITH_MPI)
+  m.def(
+      "_mpi_comm_from_fortran",
+      [](int64_t handle) {
+        auto pc = std::make_shared<PyComm>();
+        pc->comm = unwrap(mpi_wrap_fortran(handle));
+        pc->mpi = true;
+        return pc;
+      },
+      py::arg("handle"), "A Comm duplicating the MPI communicator with this Fortran handle.");
 #endif
 
   py::class_<PySession>(m, "Session", R"(The decode session (session.hpp): this rank's KV shards of
@@ -598,111 +637,149 @@ check_agreement) must be made by every rank in the same order.)")
       .def_property_readonly("kv_heads", [](PySession& s) { return s.get().shape().kv_heads; })
       .def_property_readonly("head_dim", [](PySession& s) { return s.get().shape().head_dim; })
       .def_property_readonly("q_len", [](PySession& s) { return s.get().shape().q_len; })
-      .def_property_readonly("dtype", [](PySession& s) { return std::string(dtype_name(s.get().config().dtype)); })
+      .def_property_readonly(
+          "dtype", [](PySession& s) { return std::string(dtype_name(s.get().config().dtype)); })
       .def_property_readonly("strategy", [](PySession& s) { return s.get().config().strategy; })
       .def_property_readonly("plan", [](PySession& s) { return s.get().plan().to_string(); })
       .def_property_readonly("pos_stride", [](PySession& s) { return s.get().plan().pos_stride(); })
       .def_property_readonly("live_kv_bytes", [](PySession& s) { return s.get().live_kv_bytes(); })
-      .def("length", [](PySession& s, int64_t b) {
-             if (b < 0 || b >= s.get().shape().batch)
-               invalid("batch row " + std::to_string(b) + " is outside [0, " + std::to_string(s.get().shape().batch) + ")");
-             return s.get().length(b);
-           }, py::arg("b"), "Tokens in row b (over all ranks).")
-      .def("owns", [](PySession& s, int64_t b, int64_t pos) { return s.get().owns(b, pos); },
-           py::arg("b"), py::arg("pos"), "Whether this rank holds position pos of row b.")
-      .def("shard_lengths", [](PySession& s, std::optional<int> rank) {
-             return plan_row(s.get().plan(), rank.value_or(s.get().comm().rank()), false);
-           }, py::arg("rank") = py::none(), "Tokens per batch row that a rank (default: this one) holds.")
-      .def("shard_starts", [](PySession& s, std::optional<int> rank) {
-             return plan_row(s.get().plan(), rank.value_or(s.get().comm().rank()), true);
-           }, py::arg("rank") = py::none(), "Global position of each row's first token on a rank.")
-      .def("owned_positions", [](PySession& s, int64_t b, std::optional<int> rank) {
-             const ShardPlan& plan = s.get().plan();
-             if (b < 0 || b >= plan.batch())
-               invalid("batch row " + std::to_string(b) + " is outside [0, " + std::to_string(plan.batch()) + ")");
-             const int r = rank.value_or(s.get().comm().rank());
-             const int64_t start = plan_row(plan, r, true)[static_cast<std::size_t>(b)];
-             const int64_t len = plan.len(r, b);
-             py::array_t<int64_t> out(dims({len}));
-             int64_t* p = out.mutable_data();
-             for (int64_t j = 0; j < len; ++j) p[j] = start + j * plan.pos_stride();
-             return out;
-           }, py::arg("b"), py::arg("rank") = py::none(),
-           "The global positions of row b that a rank (default: this one) holds, in slot order.")
-      .def("extend", [](PySession& s, int64_t n) { check(s.get().extend(n)); }, py::arg("n"),
-           "Grows every row by n tokens (a prefill on an empty session); owners then store() them.")
-      .def("store", &store_py, py::arg("layer"), py::arg("b"), py::arg("pos"), py::arg("k"), py::arg("v"),
+      .def(
+          "length",
+          [](PySession& s, int64_t b) {
+            if (b < 0 || b >= s.get().shape().batch)
+              invalid("batch row " + std::to_string(b) + " is outside [0, " +
+                      std::to_string(s.get().shape().batch) + ")");
+            return s.get().length(b);
+          },
+          py::arg("b"), "Tokens in row b (over all ranks).")
+      .def(
+          "owns", [](PySession& s, int64_t b, int64_t pos) { return s.get().owns(b, pos); },
+          py::arg("b"), py::arg("pos"), "Whether this rank holds position pos of row b.")
+      .def(
+          "shard_lengths",
+          [](PySession& s, std::optional<int> rank) {
+            return plan_row(s.get().plan(), rank.value_or(s.get().comm().rank()), false);
+          },
+          py::arg("rank") = py::none(),
+          "Tokens per batch row that a rank (default: this one) holds.")
+      .def(
+          "shard_starts",
+          [](PySession& s, std::optional<int> rank) {
+            return plan_row(s.get().plan(), rank.value_or(s.get().comm().rank()), true);
+          },
+          py::arg("rank") = py::none(), "Global position of each row's first token on a rank.")
+      .def(
+          "owned_positions",
+          [](PySession& s, int64_t b, std::optional<int> rank) {
+            const ShardPlan& plan = s.get().plan();
+            if (b < 0 || b >= plan.batch())
+              invalid("batch row " + std::to_string(b) + " is outside [0, " +
+                      std::to_string(plan.batch()) + ")");
+            const int r = rank.value_or(s.get().comm().rank());
+            const int64_t start = plan_row(plan, r, true)[static_cast<std::size_t>(b)];
+            const int64_t len = plan.len(r, b);
+            py::array_t<int64_t> out(dims({len}));
+            int64_t* p = out.mutable_data();
+            for (int64_t j = 0; j < len; ++j) p[j] = start + j * plan.pos_stride();
+            return out;
+          },
+          py::arg("b"), py::arg("rank") = py::none(),
+          "The global positions of row b that a rank (default: this one) holds, in slot order.")
+      .def(
+          "extend", [](PySession& s, int64_t n) { check(s.get().extend(n)); }, py::arg("n"),
+          "Grows every row by n tokens (a prefill on an empty session); owners then store() them.")
+      .def("store", &store_py, py::arg("layer"), py::arg("b"), py::arg("pos"), py::arg("k"),
+           py::arg("v"),
            "Writes K and V of position pos (an int, with k, v [kv_heads, head_dim]) or of several "
            "positions (a sequence, with k, v [positions, kv_heads, head_dim]) of row b; this rank "
            "must own them.")
-      .def("append", [](PySession& ps, const py::array& k_in, const py::array& v_in) {
-             DecodeSession& s = ps.get();
-             const AttnShape& sh = s.shape();
-             const std::vector<int64_t> want = {s.layers(), sh.batch, sh.kv_heads, sh.head_dim};
-             F32Array k = kv_block(k_in, "k", want, "[layers, batch, kv_heads, head_dim]");
-             F32Array v = kv_block(v_in, "v", want, "[layers, batch, kv_heads, head_dim]");
-             const float* kp = k.data();
-             const float* vp = v.data();
-             py::gil_scoped_release nogil;
-             check(s.append(kp, vp));
-           }, py::arg("k"), py::arg("v"),
-           "Collective. Appends one token to every row of every layer (k, v [layers, batch, "
-           "kv_heads, head_dim], the same on every rank); only its owner stores it.")
-      .def("attend", [](PySession& ps, int layer, const py::array& q_in) -> py::object {
-             DecodeSession& s = ps.get();
-             const AttnShape& sh = s.shape();
-             F32Array q = session_query(s, q_in);
-             py::array_t<float> out(dims({sh.batch, sh.q_len, sh.heads, sh.head_dim}));
-             py::array_t<float> lse(dims({sh.batch, sh.q_len, sh.heads}));
-             float* op = out.mutable_data();
-             float* lp = lse.mutable_data();
-             const float* qp = q.data();
-             {
-               py::gil_scoped_release nogil;
-               check(s.attend(layer, qp, op, lp));
-             }
-             if (!s.delivers_result()) return py::none();
-             return py::make_tuple(out, lse);
-           }, py::arg("layer"), py::arg("q"),
-           "Collective. (out [B, Q, H, D], lse [B, Q, H]) float32: exact attention over every "
-           "rank's tokens of the layer; None on ranks that get no result (root >= 0).")
-      .def("attend_states", [](PySession& ps, int layer, const py::array& q_in, int strategy) {
-             DecodeSession& s = ps.get();
-             const AttnShape& sh = s.shape();
-             F32Array q = session_query(s, q_in);
-             StateBuffer states;
-             const float* qp = q.data();
-             {
-               py::gil_scoped_release nogil;
-               check(s.attend_states(layer, qp, states, strategy));
-             }
-             py::array_t<float> out(dims({sh.batch, sh.q_len, sh.heads, sh.head_dim + 2}));
-             std::memcpy(out.mutable_data(), states.data(), states.bytes());
-             return out;
-           }, py::arg("layer"), py::arg("q"), py::arg("strategy") = 0,
-           "Collective. The merged state records [B, Q, H, D + 2] (strategy: an index from "
-           "add_strategy, 0 = the configured one).")
-      .def("delivers_result", [](PySession& s, int strategy) {
-             if (strategy < 0 || strategy >= s.get().strategy_count())
-               invalid("strategy index " + std::to_string(strategy) + " is outside [0, " +
-                       std::to_string(s.get().strategy_count()) + ")");
-             return s.get().delivers_result(strategy);
-           }, py::arg("strategy") = 0)
-      .def("add_strategy", [](PySession& ps, const std::string& name, int root, int fanout,
-                              const py::object& node_of_rank) {
-             StrategyOptions o = ps.get().config().options;
-             o.root = root;
-             o.fanout = fanout;
-             o.node_of_rank = int_list(node_of_rank);
-             py::gil_scoped_release nogil;
-             return unwrap(ps.get().add_strategy(name, o));
-           }, py::arg("name"), py::kw_only(), py::arg("root") = -1, py::arg("fanout") = 2,
-           py::arg("node_of_rank") = py::none(),
-           "Collective. One more strategy on the same shards; returns its index for attend_states.")
-      .def("check_agreement", [](PySession& ps, const std::string& when,
-                                 const std::vector<std::pair<std::string, std::string>>& extra) {
-             py::gil_scoped_release nogil;
-             check(ps.get().check_agreement(when, extra));
-           }, py::arg("when") = "", py::arg("extra") = std::vector<std::pair<std::string, std::string>>{},
-           "Collective. Fails with MismatchError naming the ranks and fields that differ.");
+      .def(
+          "append",
+          [](PySession& ps, const py::array& k_in, const py::array& v_in) {
+            DecodeSession& s = ps.get();
+            const AttnShape& sh = s.shape();
+            const std::vector<int64_t> want = {s.layers(), sh.batch, sh.kv_heads, sh.head_dim};
+            F32Array k = kv_block(k_in, "k", want, "[layers, batch, kv_heads, head_dim]");
+            F32Array v = kv_block(v_in, "v", want, "[layers, batch, kv_heads, head_dim]");
+            const float* kp = k.data();
+            const float* vp = v.data();
+            py::gil_scoped_release nogil;
+            check(s.append(kp, vp));
+          },
+          py::arg("k"), py::arg("v"),
+          "Collective. Appends one token to every row of every layer (k, v [layers, batch, "
+          "kv_heads, head_dim], the same on every rank); only its owner stores it.")
+      .def(
+          "attend",
+          [](PySession& ps, int layer, const py::array& q_in) -> py::object {
+            DecodeSession& s = ps.get();
+            const AttnShape& sh = s.shape();
+            F32Array q = session_query(s, q_in);
+            py::array_t<float> out(dims({sh.batch, sh.q_len, sh.heads, sh.head_dim}));
+            py::array_t<float> lse(dims({sh.batch, sh.q_len, sh.heads}));
+            float* op = out.mutable_data();
+            float* lp = lse.mutable_data();
+            const float* qp = q.data();
+            {
+              py::gil_scoped_release nogil;
+              check(s.attend(layer, qp, op, lp));
+            }
+            if (!s.delivers_result()) return py::none();
+            return py::make_tuple(out, lse);
+          },
+          py::arg("layer"), py::arg("q"),
+          "Collective. (out [B, Q, H, D], lse [B, Q, H]) float32: exact attention over every "
+          "rank's tokens of the layer; None on ranks that get no result (root >= 0).")
+      .def(
+          "attend_states",
+          [](PySession& ps, int layer, const py::array& q_in, int strategy) {
+            DecodeSession& s = ps.get();
+            const AttnShape& sh = s.shape();
+            F32Array q = session_query(s, q_in);
+            StateBuffer states;
+            const float* qp = q.data();
+            {
+              py::gil_scoped_release nogil;
+              check(s.attend_states(layer, qp, states, strategy));
+            }
+            py::array_t<float> out(dims({sh.batch, sh.q_len, sh.heads, sh.head_dim + 2}));
+            std::memcpy(out.mutable_data(), states.data(), states.bytes());
+            return out;
+          },
+          py::arg("layer"), py::arg("q"), py::arg("strategy") = 0,
+          "Collective. The merged state records [B, Q, H, D + 2] (strategy: an index from "
+          "add_strategy, 0 = the configured one).")
+      .def(
+          "delivers_result",
+          [](PySession& s, int strategy) {
+            if (strategy < 0 || strategy >= s.get().strategy_count())
+              invalid("strategy index " + std::to_string(strategy) + " is outside [0, " +
+                      std::to_string(s.get().strategy_count()) + ")");
+            return s.get().delivers_result(strategy);
+          },
+          py::arg("strategy") = 0)
+      .def(
+          "add_strategy",
+          [](PySession& ps, const std::string& name, int root, int fanout,
+             const py::object& node_of_rank) {
+            StrategyOptions o = ps.get().config().options;
+            o.root = root;
+            o.fanout = fanout;
+            o.node_of_rank = int_list(node_of_rank);
+            py::gil_scoped_release nogil;
+            return unwrap(ps.get().add_strategy(name, o));
+          },
+          py::arg("name"), py::kw_only(), py::arg("root") = -1, py::arg("fanout") = 2,
+          py::arg("node_of_rank") = py::none(),
+          "Collective. One more strategy on the same shards; returns its index for attend_states.")
+      .def(
+          "check_agreement",
+          [](PySession& ps, const std::string& when,
+             const std::vector<std::pair<std::string, std::string>>& extra) {
+            py::gil_scoped_release nogil;
+            check(ps.get().check_agreement(when, extra));
+          },
+          py::arg("when") = "",
+          py::arg("extra") = std::vector<std::pair<std::string, std::string>>{},
+          "Collective. Fails with MismatchError naming the ranks and fields that differ.");
 }
