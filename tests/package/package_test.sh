@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Installs a treeattn build into a fresh prefix, builds examples/cpp against it with
 # find_package(treeattn) and runs it under mpirun. Fails (non-zero, with the step named) when
-# the install, the consumer's configure or build, the check that find_package used the install
-# prefix (not the build tree or the source tree), or the example's own oracle check fails.
+# the install, an installed header that does not compile on its own (it includes one that is
+# not installed), the consumer's configure or build, the check that find_package used the
+# install prefix (not the build tree or the source tree), or the example's own oracle check
+# fails.
 #
 # usage: package_test.sh BUILD_DIR EXAMPLE_DIR WORK_DIR CMAKE GENERATOR CXX LINK_FLAGS MPIEXEC...
 set -euo pipefail
@@ -26,6 +28,12 @@ source_dir=$(cd "$example/../.." && pwd)
 if grep -rl -e "$build" -e "$source_dir/" "$(dirname "$config")"; then
   fail "installed CMake files refer to the build or source tree (above)"
 fi
+
+step "every installed header compiles on its own against $prefix/include"
+for h in "$prefix"/include/treeattn/*.hpp; do
+  echo "#include <treeattn/$(basename "$h")>" |
+    "$cxx" -std=c++20 -fsyntax-only -x c++ -I"$prefix/include" - || fail "$h is not self-contained"
+done
 
 step "configure $example against $prefix"
 "$cmake" -S "$example" -B "$work/build" -G "$generator" -DCMAKE_CXX_COMPILER="$cxx" \
