@@ -146,8 +146,9 @@ struct CostEstimate {
 //     binomial tree inside the node (they agree with up to 2 ranks per node);
 //   - ring-kv: predict leaves out the (3 batch + 1) * 8 bytes metadata message per hop;
 //   - single on NCCL: predict's pipelined ring broadcast sends S from every rank;
-//   - working sets: predict adds S for tree's reduction buffer, r S at hier's leaders (the
-//     node's states), and nothing at p = 1.
+//   - working sets: predict keeps S more for tree's reduction buffer, r S at a hier leader (its
+//     node's states) where this keeps k S (its children's), and at p = 1 S more for tree-paper,
+//     tree2 and gather-root and S less for ring-kv and ring-state.
 Result<CostEstimate> analytic_cost(std::string_view strategy, const AttnShape& shape, DType dtype,
                                    const ShardPlan& plan, int rank,
                                    const StrategyOptions& options = {});

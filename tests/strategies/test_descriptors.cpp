@@ -1,0 +1,310 @@
+// The strategy descriptors (src/strategies/descriptor.hpp): the tables built from them, and the
+// two byte models they carry, analytic_cost and the cost model's predict, checked against each
+// other for every strategy at 1..8 ranks, several shapes, dtypes, placements (ranks per node),
+// both collective libraries and every shard kind: equal wherever strategy.hpp says they model
+// the same thing, and in the documented relation where they do not.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "strategies/descriptor.hpp"
+#include "treeattn/cost_model.hpp"
+#include "treeattn/strategy.hpp"
+
+namespace treeattn {
+namespace {
+
+using strategies::find_strategy_descriptor;
+using strategies::strategy_descriptors;
+using strategies::StrategyDescriptor;
+
+TEST(Descriptors, EveryStrategyIsCompleteAndNamedOnce) {
+  for (bool user_reductions : {true, false}) {
+    std::set<std::string_view> names;
+    for (const StrategyDescriptor* d : strategy_descriptors(user_reductions)) {
+      const std::string name(d->info.name);
+      EXPECT_TRUE(names.insert(d->info.name).second) << "twice: " << name;
+      EXPECT_FALSE(d->info.summary.empty()) << name;
+      ASSERT_NE(d->create, nullptr) << name;
+      EXPECT_NE(d->analytic, nullptr) << name;
+      EXPECT_NE(d->model, nullptr) << name;
+      EXPECT_NE(d->kv_memory_factor, nullptr) << name;
+      EXPECT_EQ(d->create(StrategyOptions{})->name(), d->info.name) << name;
+      EXPECT_EQ(find_strategy_descriptor(d->info.name, user_reductions), d) << name;
+      EXPECT_TRUE(user_reductions || !d->needs_user_reductions) << name;
+    }
+  }
+  EXPECT_EQ(find_strategy_descriptor("butterfly"), nullptr);
+}
+
+TEST(Descriptors, TablesMatchTheRegistriesAndTheCostModel) {
+  for (bool user_reductions : {true, false}) {
+    CommCapabilities caps;
+    caps.user_reductions = user_reductions;
+    const auto infos = StrategyRegistry::for_backend(caps).list();
+    const auto table = strategy_descriptors(user_reductions);
+    ASSERT_EQ(infos.size(), table.size());
+    for (std::size_t i = 0; i < infos.size(); ++i) {
+      EXPECT_EQ(infos[i].name, table[i]->info.name);
+      EXPECT_EQ(infos[i].summary, table[i]->info.summary);
+    }
+  }
+  // Without user-defined reductions every host strategy is offered as itself, by its stand-in
+  // under the same name, or (no stand-in) not at all.
+  for (const StrategyDescriptor* d : strategy_descriptors(true)) {
+    const StrategyDescriptor* there = find_strategy_descriptor(d->info.name, false);
+    if (!d->needs_user_reductions)
+      EXPECT_EQ(there, d);
+    else
+      EXPECT_EQ(there, d->without_user_reductions) << d->info.name;
+  }
+  EXPECT_EQ(find_strategy_descriptor("hier", false), nullptr);
+  ASSERT_NE(find_strategy_descriptor("tree", false), nullptr);
+  EXPECT_NE(find_strategy_descriptor("tree", false), find_strategy_descriptor("tree", true));
+  std::vector<std::string> host;
+  for (const StrategyDescriptor* d : strategy_descriptors(true)) host.emplace_back(d->info.name);
+  EXPECT_EQ(modeled_strategies(), host);
+}
+
+TEST(Descriptors, KvMemoryFactorIsWhatTheMemoryPreCheckCounted) {
+  for (int p = 1; p <= 8; ++p) {
+    for (const StrategyDescriptor* d : strategy_descriptors(true)) {
+      const std::string name(d->info.name);
+      auto f = strategy_kv_memory_factor(name, p);
+      ASSERT_TRUE(f.is_ok()) << f.status().to_string();
+      const double want = name == "ring-kv" ? 3.0 : name == "single" ? 1.0 + 1.0 / p : 1.0;
+      EXPECT_DOUBLE_EQ(*f, want) << name << " p=" << p;
+    }
+  }
+  EXPECT_FALSE(strategy_kv_memory_factor("butterfly", 4).is_ok());
+  EXPECT_FALSE(strategy_kv_memory_factor("tree", 0).is_ok());
+}
+
+// ---- the two byte models --------------------------------------------------------------------
+
+// p ranks, r per node in blocks (one node when r >= p), on round-number links.
+Topology machine(int p, int r, CollectiveLibrary lib) {
+  Topology t;
+  t.name = "descriptor-test";
+  t.ranks_per_node = std::min(r, p);
+  t.nodes = (p + t.ranks_per_node - 1) / t.ranks_per_node;
+  t.collectives = lib;
+  t.node = LinkLevel{"node", 1.0, 10.0, 1};
+  if (t.nodes > 1) t.network = LinkLevel{"network", 5.0, 1.0, 1};
+  t.memory_bandwidth_GBps = 20.0;
+  return t;
+}
+
+struct Case {
+  AttnShape shape;
+  DType dtype;
+};
+
+const Case kCases[] = {
+    {{1, 1, 1, 64, 1}, DType::kF32},      // S = 264 B: recursive doubling on Open MPI
+    {{1, 32, 8, 128, 1}, DType::kBF16},   // S = 16640 B: tree's allreduce is a ring
+    {{2, 16, 4, 128, 2}, DType::kFP8},    // q_len 2, quantized KV
+    {{4, 640, 64, 64, 1}, DType::kBF16},  // n = 2560 records: every allreduce is a ring
+};
+
+constexpr int64_t kTokensPerRank = 840;  // 840 = lcm(1..8): N is even over every p
+
+Result<ShardPlan> plan_of(ShardKind kind, int p, int batch, int64_t n) {
+  std::vector<int64_t> explicit_len;
+  if (kind == ShardKind::kExplicit) {  // rank 0 empty, the others split each row
+    for (int r = 0; r < p; ++r)
+      for (int b = 0; b < batch; ++b)
+        explicit_len.push_back(r == 0 ? 0 : n / (p - 1) + ((r - 1) < n % (p - 1) ? 1 : 0));
+  }
+  return ShardPlan::make(kind, p, std::vector<int64_t>(static_cast<std::size_t>(batch), n),
+                         explicit_len, 0);
+}
+
+double meta_bytes(const AttnShape& s) { return static_cast<double>(3 * s.batch + 1) * 8.0; }
+
+// Every rank's analytic estimate of one strategy.
+std::vector<CostEstimate> per_rank(std::string_view name, const AttnShape& shape, DType dtype,
+                                   const ShardPlan& plan, const StrategyOptions& o) {
+  std::vector<CostEstimate> v;
+  for (int r = 0; r < plan.ranks(); ++r) {
+    auto c = analytic_cost(name, shape, dtype, plan, r, o);
+    EXPECT_TRUE(c.is_ok()) << name << " rank " << r << ": " << c.status().to_string();
+    v.push_back(c.is_ok() ? *c : CostEstimate{});
+  }
+  return v;
+}
+double max_sent(const std::vector<CostEstimate>& v) {
+  double m = 0;
+  for (const auto& c : v) m = std::max(m, c.bytes_sent);
+  return m;
+}
+double sum_sent(const std::vector<CostEstimate>& v) {
+  double m = 0;
+  for (const auto& c : v) m += c.bytes_sent;
+  return m;
+}
+double max_ws(const std::vector<CostEstimate>& v) {
+  double m = 0;
+  for (const auto& c : v) m = std::max(m, c.working_set_bytes);
+  return m;
+}
+// Every allreduce of the prediction ran as a ring (Open MPI above 10000 B, or NCCL's ring).
+bool all_rings(const Prediction& pr) {
+  return pr.algorithm.find("recursive doubling") == std::string::npos &&
+         pr.algorithm.find("tree allreduce") == std::string::npos;
+}
+
+// The cost model's peak minus the analytic working set, as strategy.hpp documents it: tree's
+// reduction buffer; the node's r states at a hier leader against the analytic model's k
+// children's states; and at p = 1 the buffers one model keeps and the other does not.
+double peak_minus_ws(const std::string& name, int p, int r, int k, double S) {
+  if (name == "tree") return S;
+  if (name == "hier") return r * S - (p > 1 ? k * S : 0.0);
+  if (p > 1 || name == "allgather" || name == "single") return 0.0;
+  if (name == "ring-kv" || name == "ring-state") return -S;
+  return S;  // tree-paper, tree2, gather-root at p = 1
+}
+
+TEST(Descriptors, AnalyticAndPredictedBytesAgreeWhereTheyModelTheSameThing) {
+  int equal_bytes = 0, compared_ws = 0, related = 0;
+  for (const Case& cs : kCases) {
+    const AttnShape& sh = cs.shape;
+    const double S = static_cast<double>(sh.batch * sh.q_len * sh.heads * (sh.head_dim + 2) * 4);
+    for (int p = 1; p <= 8; ++p) {
+      const int64_t n = kTokensPerRank * p;
+      for (int r : {1, 2, 3, 8}) {
+        for (CollectiveLibrary lib : {CollectiveLibrary::kMpi, CollectiveLibrary::kNccl}) {
+          const bool mpi = lib == CollectiveLibrary::kMpi;
+          const Topology topo = machine(p, r, lib);
+          const int rpn = topo.ranks_per_node;
+          CostQuery q;
+          q.shape = sh;
+          q.kv_dtype = cs.dtype;
+          q.context = n;
+          q.ranks = p;
+          q.ranks_per_node = rpn;
+          q.hier_fanout = 2;
+          StrategyOptions o;  // every rank gets the result; hier grouped as the topology places
+          o.fanout = q.hier_fanout;
+          for (int i = 0; i < p; ++i) o.node_of_rank.push_back(i / rpn);
+          for (const StrategyDescriptor* d : strategy_descriptors(true)) {
+            const std::string name(d->info.name);
+            const std::string label =
+                name + " p=" + std::to_string(p) + " r=" + std::to_string(rpn) +
+                (mpi ? " mpi" : " nccl") + " shape B=" + std::to_string(sh.batch) +
+                " H=" + std::to_string(sh.heads) + " D=" + std::to_string(sh.head_dim);
+            auto pr = predict(name, q, topo);
+            ASSERT_TRUE(pr.is_ok()) << label << ": " << pr.status().to_string();
+            const double predicted = pr->bytes_sent_per_rank;
+            auto plan = plan_of(d->whole_cache_on_one_rank ? ShardKind::kSingle : ShardKind::kEven,
+                                p, static_cast<int>(sh.batch), n);
+            ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+            const auto est = per_rank(name, sh, cs.dtype, *plan, o);
+            const double analytic = max_sent(est);
+            if (p == 1) {
+              EXPECT_EQ(analytic, 0.0) << label;
+              EXPECT_EQ(predicted, 0.0) << label;
+              ++equal_bytes;
+            } else if (name == "tree" || name == "tree-paper" || name == "tree2") {
+              if (all_rings(*pr)) {
+                EXPECT_DOUBLE_EQ(analytic, predicted) << label << ": " << pr->algorithm;
+                ++equal_bytes;
+              }
+            } else if (name == "hier") {
+              if (rpn <= 2) {
+                EXPECT_DOUBLE_EQ(analytic, predicted) << label;
+                ++equal_bytes;
+              } else {  // a binomial broadcast inside the node vs one shared-memory write
+                EXPECT_GE(analytic, predicted) << label;
+                ++related;
+              }
+            } else if (name == "ring-kv") {
+              EXPECT_DOUBLE_EQ(analytic, predicted + (p - 1) * meta_bytes(sh)) << label;
+              ++equal_bytes;
+            } else if (name == "ring-state" || name == "allgather") {
+              EXPECT_DOUBLE_EQ(analytic, predicted) << label;
+              EXPECT_DOUBLE_EQ(analytic, (p - 1) * S) << label;
+              ++equal_bytes;
+            } else if (name == "gather-root") {
+              if (mpi) {  // the binomial gather forwards subtrees
+                EXPECT_GE(predicted, analytic) << label;
+                ++related;
+              }
+            } else if (name == "single") {
+              if (mpi) {
+                EXPECT_DOUBLE_EQ(analytic, predicted) << label;
+                ++equal_bytes;
+              }
+            } else {
+              ADD_FAILURE() << "no rule for " << label;
+            }
+
+            // Working sets (the busiest rank's): equal but for the documented differences.
+            EXPECT_DOUBLE_EQ(pr->peak_bytes, max_ws(est) + peak_minus_ws(name, p, rpn, 2, S))
+                << label;
+            ++compared_ws;
+          }
+        }
+      }
+    }
+  }
+  // The rules above must have compared something in every family.
+  EXPECT_GT(equal_bytes, 500);
+  EXPECT_GT(compared_ws, 500);
+  EXPECT_GT(related, 50);
+}
+
+// The analytic bytes of the strategies that send states depend on S alone, not on where the KV
+// lies; ring-kv forwards every shard p - 1 times whatever the placement, which over the job is
+// p times the cost model's even-split figure (plus the metadata messages).
+TEST(Descriptors, ShardKindsChangeOnlyTheKvBytes) {
+  int checked = 0;
+  for (const Case& cs : kCases) {
+    const AttnShape& sh = cs.shape;
+    for (int p = 1; p <= 8; ++p) {
+      const int64_t n = kTokensPerRank * p;
+      const Topology topo = machine(p, p, CollectiveLibrary::kMpi);
+      CostQuery q;
+      q.shape = sh;
+      q.kv_dtype = cs.dtype;
+      q.context = n;
+      q.ranks = p;
+      auto even = plan_of(ShardKind::kEven, p, static_cast<int>(sh.batch), n);
+      ASSERT_TRUE(even.is_ok());
+      for (ShardKind kind : {ShardKind::kEven, ShardKind::kUneven, ShardKind::kStriped,
+                             ShardKind::kExplicit, ShardKind::kSingle}) {
+        if (kind == ShardKind::kExplicit && p == 1) continue;
+        auto plan = plan_of(kind, p, static_cast<int>(sh.batch), n);
+        ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+        const std::string label = std::string(shard_kind_name(kind)) + " p=" + std::to_string(p);
+        for (const StrategyDescriptor* d : strategy_descriptors(true)) {
+          const std::string name(d->info.name);
+          if (d->whole_cache_on_one_rank) continue;  // needs kSingle; compared above
+          const auto got = per_rank(name, sh, cs.dtype, *plan, {});
+          if (name == "ring-kv") {
+            auto pr = predict(name, q, topo);
+            ASSERT_TRUE(pr.is_ok());
+            EXPECT_DOUBLE_EQ(sum_sent(got),
+                             p * pr->bytes_sent_per_rank + p * (p - 1) * meta_bytes(sh))
+                << name << " " << label;
+          } else {
+            const auto ref = per_rank(name, sh, cs.dtype, *even, {});
+            for (int r = 0; r < p; ++r)
+              EXPECT_EQ(got[static_cast<std::size_t>(r)].bytes_sent,
+                        ref[static_cast<std::size_t>(r)].bytes_sent)
+                  << name << " " << label << " rank " << r;
+          }
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 1000);
+}
+
+}  // namespace
+}  // namespace treeattn
