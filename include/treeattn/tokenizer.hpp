@@ -1,0 +1,105 @@
+// Byte-level BPE tokenizer (tokenizer.ggml.model = "gpt2") built from GGUF metadata, behaving
+// as llama.cpp's (src/llama-vocab.cpp, unicode.cpp) so that token ids match it.
+//
+// encode(text):
+//   1. Special tokens: the text is partitioned on literal occurrences of the special tokens,
+//      longest token first as llama.cpp does. Control tokens (<|im_start|>, ...) and the
+//      unknown token are matched only with parse_special; user-defined tokens always.
+//   2. Pre-tokenizer: each remaining fragment is split by the regexes llama.cpp uses for
+//      tokenizer.ggml.pre (applied in sequence, each splitting the pieces of the previous one,
+//      unmatched text kept as its own piece), run with PCRE2 in UTF mode with Unicode
+//      properties. `\s` is written out as Unicode's White_Space set, llama.cpp's definition.
+//   3. Byte-level mapping (GPT-2's bytes_to_unicode) of each piece, then BPE: merge the adjacent
+//      pair of lowest merge rank (leftmost on ties) until none applies; pre-tokenizers of the
+//      llama-bpe family first emit a whole piece that is itself a token (ignore_merges).
+//   4. BOS first / EOS last when add_special and the file asks for them
+//      (tokenizer.ggml.add_bos_token / add_eos_token, with llama.cpp's per-pre defaults).
+// The input must be valid UTF-8 (an error names the first bad byte otherwise). A byte whose
+// byte-level token the vocabulary lacks is dropped, as llama.cpp drops it (SmolLM2 has none
+// for 0x04, 0x06, 0x13, 0x14, 0x16, 0x1d and the lead bytes 0xf1, 0xf2), so such text does not
+// round-trip.
+//
+// decode(ids) maps each token back to bytes (byte-level mapping reversed; user-defined tokens
+// verbatim; control tokens only with render_special) and concatenates them. The result is
+// bytes: a cut in the middle of a multi-byte character is left as is.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "treeattn/gguf.hpp"
+#include "treeattn/status.hpp"
+
+namespace treeattn {
+
+using TokenId = int32_t;
+
+// tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
+enum class TokenType : int32_t {
+  kUndefined = 0,
+  kNormal = 1,
+  kUnknown = 2,
+  kControl = 3,
+  kUserDefined = 4,
+  kUnused = 5,
+  kByte = 6,
+};
+
+class Tokenizer {
+ public:
+  // Reads tokenizer.ggml.{model, pre, tokens, token_type, merges, bos_token_id, eos_token_id,
+  // unknown_token_id, padding_token_id, add_bos_token, add_eos_token}. kUnsupported for a
+  // model other than gpt2 or an unknown pre-tokenizer (the message lists the supported ones);
+  // kInvalidArgument for inconsistent metadata (ids out of range, malformed merges, ...).
+  static Result<Tokenizer> from_gguf(const gguf::File& file);
+
+  Tokenizer(Tokenizer&&) noexcept;
+  Tokenizer& operator=(Tokenizer&&) noexcept;
+  ~Tokenizer();
+
+  // The supported tokenizer.ggml.pre names (a missing key means "default").
+  static std::vector<std::string_view> supported_pre_tokenizers();
+
+  // add_special: BOS/EOS as the file asks. parse_special: control tokens written in the text
+  // (e.g. "<|im_start|>") become their ids; otherwise they are tokenized as plain text.
+  Result<std::vector<TokenId>> encode(std::string_view text, bool add_special = true,
+                                      bool parse_special = true) const;
+  // kInvalidArgument naming the position and id of a token outside [0, n_vocab).
+  Result<std::string> decode(std::span<const TokenId> ids, bool render_special = false) const;
+  Result<std::string> token_to_piece(TokenId id, bool render_special = false) const;
+
+  int32_t n_vocab() const;
+  std::string_view pre() const;                   // the pre-tokenizer in use
+  std::string_view token_text(TokenId id) const;  // as stored (byte-level encoded); id checked
+  TokenType token_type(TokenId id) const;
+  TokenId find_token(std::string_view text) const;  // exact stored text; -1 when absent
+  TokenId bos_id() const;                           // -1 when the file has none
+  TokenId eos_id() const;
+  TokenId unknown_id() const;
+  TokenId padding_id() const;
+  bool add_bos() const;
+  bool add_eos() const;
+  // End of generation: EOS, or a control token named <|im_end|>, <|endoftext|>, <|eot_id|>,
+  // <end_of_turn>, <|end|> (what llama.cpp also treats as end-of-generation).
+  bool is_end_of_generation(TokenId id) const;
+
+ private:
+  struct Impl;
+  explicit Tokenizer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// ChatML, the prompt format of SmolLM2-Instruct, Qwen and others:
+//   [<|im_start|>system\n{system}<|im_end|>\n]<|im_start|>user\n{user}<|im_end|>\n
+//   <|im_start|>assistant\n
+// The system block is left out when `system` is empty. (SmolLM2's own chat template inserts
+// "You are a helpful AI assistant named SmolLM, trained by Hugging Face" when no system
+// message is given; pass it as `system` to reproduce that exactly.) Encode the result with
+// parse_special = true.
+std::string format_chatml(std::string_view user, std::string_view system = {});
+
+}  // namespace treeattn

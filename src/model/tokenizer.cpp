@@ -1,0 +1,568 @@
+// Byte-level BPE tokenizer from GGUF metadata (see include/treeattn/tokenizer.hpp).
+//
+// Followed: llama.cpp's src/llama-vocab.cpp (pre-tokenizer regexes per tokenizer.ggml.pre,
+// special-token partition, BPE with a priority queue of bigrams ranked by merge index,
+// token_to_piece) and src/unicode.cpp (sequential regex splitting, GPT-2 byte mapping),
+// as vendored in llama-cpp-python 0.3.x. The expected ids in tests/model/data were produced
+// by that llama.cpp (tests/model/make_tokenizer_fixture.py).
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include "treeattn/tokenizer.hpp"
+
+#include <pcre2.h>
+
+#include <algorithm>
+#include <array>
+#include <functional>
+#include <queue>
+#include <unordered_map>
+
+namespace treeattn {
+namespace {
+
+// Unicode White_Space, which is what llama.cpp's unicode tables call whitespace; PCRE2's own
+// \s under UCP adds U+180E, so the regexes below spell the set out. Written for use inside a
+// character class.
+#define TA_WS                                                                        \
+  "\\t\\n\\x{0B}\\f\\r \\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}" \
+  "\\x{202F}\\x{205F}\\x{3000}"
+
+// GPT-2's pattern as llama.cpp writes it for LLAMA_VOCAB_PRE_TYPE_GPT2 (and as the second
+// pattern of SMOLLM / STARCODER / ...):
+//   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)
+// (its hand-written matcher, unicode_regex_split_custom_gpt2, also takes a lone \s+ last).
+constexpr const char* kGpt2Regex = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^" TA_WS
+                                   "\\p{L}\\p{N}]+|[" TA_WS "]+(?![^" TA_WS "])|[" TA_WS "]+";
+
+// LLAMA_VOCAB_PRE_TYPE_LLAMA3 ("llama3", "llama-v3", "llama-bpe", "falcon3", ...), llama.cpp's
+// adaptation (case-insensitive contractions spelled out) of Llama 3's tokenizer.json pattern:
+//   (?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|
+//   \p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
+constexpr const char* kLlama3Regex =
+    "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
+    "\\p{N}{1,3}| ?[^" TA_WS "\\p{L}\\p{N}]+[\\r\\n]*|[" TA_WS "]*[\\r\\n]+|[" TA_WS "]+(?![^" TA_WS
+    "])|[" TA_WS "]+";
+
+struct PreTokenizer {
+  std::string_view name;
+  std::vector<const char*> regexes;  // applied in sequence
+  bool ignore_merges;                // emit a whole piece that is a token without BPE
+  bool default_add_bos;
+};
+
+// LLAMA_VOCAB_PRE_TYPE_DEFAULT (no or "default" tokenizer.ggml.pre).
+constexpr const char* kDefaultPunct = "[\\p{P}\\$\\+<=>\\^~\\|]+";
+
+// Every name pre_tokenizer() accepts (llama.cpp's names, plus "gpt2").
+constexpr std::string_view kPreNames[] = {
+    "default",   "gpt-2",  "gpt2",       "smollm",    "starcoder", "refact",  "command-r",
+    "codeshell", "exaone", "minerva-7b", "llama-bpe", "llama3",    "llama-v3"};
+
+std::string supported_list() {
+  std::string s;
+  for (const std::string_view n : kPreNames) s += (s.empty() ? "" : ", ") + std::string(n);
+  return s;
+}
+
+Result<PreTokenizer> pre_tokenizer(std::string_view pre) {
+  if (pre == "default")
+    return PreTokenizer{
+        pre, {kDefaultPunct, kGpt2Regex, "\\p{N}+", "[0-9][0-9][0-9]"}, false, false};
+  // llama.cpp's name is "gpt-2"; "gpt2" is accepted as well.
+  if (pre == "gpt-2" || pre == "gpt2") return PreTokenizer{pre, {kGpt2Regex}, false, false};
+  // SMOLLM shares its patterns with STARCODER, REFACT, COMMAND_R, CODESHELL, EXAONE, MINERVA:
+  // every digit a piece of its own, then GPT-2's pattern.
+  if (pre == "smollm" || pre == "starcoder" || pre == "refact" || pre == "command-r" ||
+      pre == "codeshell" || pre == "exaone" || pre == "minerva-7b")
+    return PreTokenizer{pre, {"\\p{N}", kGpt2Regex}, false, false};
+  if (pre == "llama-bpe" || pre == "llama3" || pre == "llama-v3")
+    return PreTokenizer{pre, {kLlama3Regex}, true, true};
+  return unsupported("tokenizer.ggml.pre '" + std::string(pre) +
+                     "' is not supported (supported: " + supported_list() + ")");
+}
+
+// GPT-2's bytes_to_unicode: printable Latin-1 bytes map to themselves, the other 68 bytes to
+// U+0100.. in byte order.
+struct ByteMap {
+  std::array<uint32_t, 256> cp{};
+  std::array<std::string, 256> utf8;
+  std::array<int16_t, 324> byte_of{};  // codepoint -> byte, -1 if not a mapped codepoint
+  ByteMap() {
+    byte_of.fill(-1);
+    uint32_t next = 256;
+    for (uint32_t b = 0; b < 256; ++b) {
+      const bool keep = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174);
+      cp[b] = keep ? b : next++;
+      byte_of[cp[b]] = static_cast<int16_t>(b);
+      const uint32_t c = cp[b];
+      utf8[b] = c < 0x80 ? std::string(1, static_cast<char>(c))
+                         : std::string{static_cast<char>(0xC0 | (c >> 6)),
+                                       static_cast<char>(0x80 | (c & 0x3F))};
+    }
+  }
+};
+const ByteMap& byte_map() {
+  static const ByteMap m;
+  return m;
+}
+
+// Length of the valid UTF-8 sequence at s[i], or 0 if invalid (overlong, surrogate, > U+10FFFF,
+// truncated). Also yields the codepoint.
+std::size_t utf8_seq(std::string_view s, std::size_t i, uint32_t* cp_out = nullptr) {
+  const auto b = [&](std::size_t k) { return static_cast<unsigned char>(s[k]); };
+  const unsigned char c = b(i);
+  std::size_t n;
+  uint32_t cp;
+  if (c < 0x80) {
+    if (cp_out) *cp_out = c;
+    return 1;
+  } else if (c >= 0xC2 && c <= 0xDF) {
+    n = 2, cp = c & 0x1F;
+  } else if (c >= 0xE0 && c <= 0xEF) {
+    n = 3, cp = c & 0x0F;
+  } else if (c >= 0xF0 && c <= 0xF4) {
+    n = 4, cp = c & 0x07;
+  } else {
+    return 0;
+  }
+  if (i + n > s.size()) return 0;
+  for (std::size_t k = 1; k < n; ++k) {
+    if ((b(i + k) & 0xC0) != 0x80) return 0;
+    cp = (cp << 6) | (b(i + k) & 0x3F);
+  }
+  if ((n == 3 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) ||
+      (n == 4 && (cp < 0x10000 || cp > 0x10FFFF)))
+    return 0;
+  if (cp_out) *cp_out = cp;
+  return n;
+}
+
+struct StringHash {
+  using is_transparent = void;
+  std::size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+};
+template <class V>
+using StringMap = std::unordered_map<std::string, V, StringHash, std::equal_to<>>;
+
+struct CodeDeleter {
+  void operator()(pcre2_code* c) const { pcre2_code_free(c); }
+};
+struct MatchDataDeleter {
+  void operator()(pcre2_match_data* m) const { pcre2_match_data_free(m); }
+};
+
+}  // namespace
+
+struct Tokenizer::Impl {
+  PreTokenizer pre;
+  std::string pre_name;
+  std::vector<std::unique_ptr<pcre2_code, CodeDeleter>> regexes;
+  std::vector<std::string> text;   // stored token text
+  std::vector<std::string> bytes;  // decoded bytes of normal/byte tokens
+  std::vector<TokenType> type;
+  StringMap<TokenId> id_of;
+  StringMap<int32_t> merge_rank;  // "left right" -> rank
+  std::vector<TokenId> specials;  // control/user-defined/unknown, longest text first
+  std::vector<bool> eog;
+  TokenId bos = -1, eos = -1, unk = -1, pad = -1;
+  bool add_bos = false, add_eos = false;
+
+  Status split(std::string_view text, std::vector<std::string_view>& pieces) const;
+  void bpe(std::string_view word, std::vector<TokenId>& out) const;
+  TokenId lookup(std::string_view s) const {
+    const auto it = id_of.find(s);
+    return it == id_of.end() ? -1 : it->second;
+  }
+};
+
+Tokenizer::Tokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
+Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
+Tokenizer::~Tokenizer() = default;
+
+std::vector<std::string_view> Tokenizer::supported_pre_tokenizers() {
+  return {std::begin(kPreNames), std::end(kPreNames)};
+}
+
+Result<Tokenizer> Tokenizer::from_gguf(const gguf::File& f) {
+  const std::string file = "gguf " + f.path() + ": ";
+  auto impl = std::make_unique<Impl>();
+  Impl& t = *impl;
+
+  Result<std::string_view> model = f.get_string("tokenizer.ggml.model");
+  if (!model.is_ok()) return model.status();
+  if (*model != "gpt2")
+    return unsupported(file + "tokenizer.ggml.model is '" + std::string(*model) +
+                       "', only 'gpt2' (byte-level BPE) is supported");
+  Result<std::string_view> pre = f.get_string_or("tokenizer.ggml.pre", "default");
+  if (!pre.is_ok()) return pre.status();
+  t.pre_name = std::string(*pre);
+  Result<PreTokenizer> pt = pre_tokenizer(t.pre_name);
+  if (!pt.is_ok()) return Status(pt.status().code(), file + pt.status().message());
+  t.pre = std::move(pt.value());
+  t.pre.name = t.pre_name;
+  for (const char* rx : t.pre.regexes) {
+    int err = 0;
+    PCRE2_SIZE at = 0;
+    pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(rx), PCRE2_ZERO_TERMINATED,
+                                     PCRE2_UTF | PCRE2_UCP, &err, &at, nullptr);
+    if (code == nullptr) {
+      PCRE2_UCHAR msg[256];
+      pcre2_get_error_message(err, msg, sizeof(msg));
+      return internal_error("tokenizer: PCRE2 cannot compile the " + t.pre_name +
+                            " pre-tokenizer pattern at offset " + std::to_string(at) + ": " +
+                            reinterpret_cast<const char*>(msg));
+    }
+    pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);  // optional speed-up; interpreted otherwise
+    t.regexes.emplace_back(code);
+  }
+
+  // Vocabulary.
+  Result<std::vector<std::string_view>> tokens = f.get_string_array("tokenizer.ggml.tokens");
+  if (!tokens.is_ok()) return tokens.status();
+  if (tokens->empty() || tokens->size() > static_cast<std::size_t>(INT32_MAX))
+    return invalid_argument(file + "tokenizer.ggml.tokens has " + std::to_string(tokens->size()) +
+                            " entries");
+  const auto n = static_cast<TokenId>(tokens->size());
+  t.type.assign(static_cast<std::size_t>(n), TokenType::kNormal);
+  if (f.has("tokenizer.ggml.token_type")) {
+    Result<std::vector<int64_t>> types = f.get_int_array("tokenizer.ggml.token_type");
+    if (!types.is_ok()) return types.status();
+    if (types->size() != tokens->size())
+      return invalid_argument(file + "tokenizer.ggml.token_type has " +
+                              std::to_string(types->size()) + " entries, tokenizer.ggml.tokens " +
+                              std::to_string(tokens->size()));
+    for (TokenId i = 0; i < n; ++i) {
+      const int64_t v = (*types)[i];
+      if (v < 0 || v > 6)
+        return invalid_argument(file + "tokenizer.ggml.token_type[" + std::to_string(i) +
+                                "] = " + std::to_string(v) + ", expected 0..6");
+      t.type[i] = static_cast<TokenType>(v);
+    }
+  }
+  const ByteMap& bm = byte_map();
+  t.text.reserve(static_cast<std::size_t>(n));
+  t.bytes.resize(static_cast<std::size_t>(n));
+  t.id_of.reserve(static_cast<std::size_t>(n));
+  for (TokenId i = 0; i < n; ++i) {
+    const std::string_view s = (*tokens)[i];
+    t.text.emplace_back(s);
+    t.id_of[t.text.back()] = i;  // a duplicate text maps to its last id, as in llama.cpp
+    // Decoded bytes: each codepoint of the stored text back through the byte map; a codepoint
+    // outside it (possible only in a vocabulary that is not byte-level) passes through as is.
+    std::string& out = t.bytes[i];
+    for (std::size_t k = 0; k < s.size();) {
+      uint32_t cp = 0;
+      const std::size_t len = utf8_seq(s, k, &cp);
+      if (len == 0) {
+        out += s[k++];
+        continue;
+      }
+      if (cp < bm.byte_of.size() && bm.byte_of[cp] >= 0)
+        out += static_cast<char>(bm.byte_of[cp]);
+      else
+        out.append(s.substr(k, len));
+      k += len;
+    }
+  }
+
+  // Merges.
+  Result<std::vector<std::string_view>> merges = f.get_string_array("tokenizer.ggml.merges");
+  if (!merges.is_ok()) return merges.status();
+  t.merge_rank.reserve(merges->size());
+  for (std::size_t r = 0; r < merges->size(); ++r) {
+    const std::string_view m = (*merges)[r];
+    const std::size_t sp = m.size() > 1 ? m.find(' ', 1) : std::string_view::npos;
+    if (sp == std::string_view::npos || sp + 1 >= m.size())
+      return invalid_argument(file + "tokenizer.ggml.merges[" + std::to_string(r) + "] '" +
+                              std::string(m.substr(0, 60)) + "' is not 'left right'");
+    t.merge_rank.emplace(std::string(m), static_cast<int32_t>(r));  // first rank wins
+  }
+
+  // Special ids and BOS/EOS rules.
+  const auto id_key = [&](const char* key, TokenId& out) -> Status {
+    if (!f.has(key)) return Status::ok();
+    Result<int64_t> v = f.get_int(key);
+    if (!v.is_ok()) return v.status();
+    if (*v < -1 || *v >= n)
+      return invalid_argument(file + key + " = " + std::to_string(*v) +
+                              " is outside the vocabulary of " + std::to_string(n) + " tokens");
+    out = static_cast<TokenId>(*v);
+    return Status::ok();
+  };
+  TREEATTN_RETURN_IF_ERROR(id_key("tokenizer.ggml.bos_token_id", t.bos));
+  TREEATTN_RETURN_IF_ERROR(id_key("tokenizer.ggml.eos_token_id", t.eos));
+  TREEATTN_RETURN_IF_ERROR(id_key("tokenizer.ggml.unknown_token_id", t.unk));
+  TREEATTN_RETURN_IF_ERROR(id_key("tokenizer.ggml.padding_token_id", t.pad));
+  Result<bool> add_bos = f.get_bool_or("tokenizer.ggml.add_bos_token", t.pre.default_add_bos);
+  if (!add_bos.is_ok()) return add_bos.status();
+  Result<bool> add_eos = f.get_bool_or("tokenizer.ggml.add_eos_token", false);
+  if (!add_eos.is_ok()) return add_eos.status();
+  t.add_bos = *add_bos;
+  t.add_eos = *add_eos;
+  if (t.add_bos && t.bos < 0)
+    return invalid_argument(file + "BOS is to be added but tokenizer.ggml.bos_token_id is missing");
+  if (t.add_eos && t.eos < 0)
+    return invalid_argument(file + "EOS is to be added but tokenizer.ggml.eos_token_id is missing");
+
+  // Special tokens, longest first; end-of-generation set.
+  t.eog.assign(static_cast<std::size_t>(n), false);
+  for (TokenId i = 0; i < n; ++i) {
+    const TokenType ty = t.type[i];
+    if ((ty == TokenType::kControl || ty == TokenType::kUserDefined || ty == TokenType::kUnknown) &&
+        !t.text[i].empty())
+      t.specials.push_back(i);
+    const std::string& s = t.text[i];
+    if (ty == TokenType::kControl &&
+        (s == "<|im_end|>" || s == "<|endoftext|>" || s == "<|eot_id|>" || s == "<|eom_id|>" ||
+         s == "<end_of_turn>" || s == "<|end|>"))
+      t.eog[i] = true;
+  }
+  if (t.eos >= 0) t.eog[t.eos] = true;
+  std::stable_sort(t.specials.begin(), t.specials.end(),
+                   [&](TokenId a, TokenId b) { return t.text[a].size() > t.text[b].size(); });
+  return Tokenizer(std::move(impl));
+}
+
+// Splits `fragment` (valid UTF-8) into pre-tokenizer pieces: each regex in turn splits every piece
+// of the previous pass into its matches and the unmatched text between them.
+Status Tokenizer::Impl::split(std::string_view fragment,
+                              std::vector<std::string_view>& pieces) const {
+  pieces.assign(1, fragment);
+  std::vector<std::string_view> next;
+  std::unique_ptr<pcre2_match_data, MatchDataDeleter> md;
+  for (const auto& rx : regexes) {
+    md.reset(pcre2_match_data_create_from_pattern(rx.get(), nullptr));
+    if (!md) return Status(Code::kOutOfMemory, "tokenizer: cannot allocate PCRE2 match data");
+    next.clear();
+    for (const std::string_view piece : pieces) {
+      const auto* subject = reinterpret_cast<PCRE2_SPTR>(piece.data());
+      std::size_t pos = 0, emitted = 0;
+      while (pos < piece.size()) {
+        const int rc = pcre2_match(rx.get(), subject, piece.size(), pos, PCRE2_NO_UTF_CHECK,
+                                   md.get(), nullptr);
+        if (rc == PCRE2_ERROR_NOMATCH) break;
+        if (rc < 0) {
+          PCRE2_UCHAR msg[256];
+          pcre2_get_error_message(rc, msg, sizeof(msg));
+          return internal_error("tokenizer: PCRE2 match failed: " +
+                                std::string(reinterpret_cast<const char*>(msg)));
+        }
+        const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md.get());
+        const std::size_t b = ov[0], e = ov[1];
+        if (e == b) {  // an empty match (none of the patterns has one): step one character
+          pos = b + std::max<std::size_t>(1, utf8_seq(piece, b));
+          continue;
+        }
+        if (b > emitted) next.push_back(piece.substr(emitted, b - emitted));
+        next.push_back(piece.substr(b, e - b));
+        emitted = pos = e;
+      }
+      if (emitted < piece.size()) next.push_back(piece.substr(emitted));
+    }
+    pieces.swap(next);
+  }
+  return Status::ok();
+}
+
+// BPE over one pre-tokenizer piece (raw bytes), as llama.cpp's llm_tokenizer_bpe_session.
+void Tokenizer::Impl::bpe(std::string_view raw, std::vector<TokenId>& out) const {
+  const ByteMap& bm = byte_map();
+  std::string word;
+  word.reserve(raw.size() * 2);
+  for (const char ch : raw) word += bm.utf8[static_cast<unsigned char>(ch)];
+  if (pre.ignore_merges) {
+    const TokenId whole = lookup(word);
+    if (whole >= 0) {
+      out.push_back(whole);
+      return;
+    }
+  }
+  struct Symbol {
+    int prev, next;
+    std::size_t start, len;
+  };
+  std::vector<Symbol> sym;
+  for (std::size_t k = 0; k < word.size();) {
+    const std::size_t len = utf8_seq(word, k);  // 1 or 2: the byte map's codepoints
+    sym.push_back({static_cast<int>(sym.size()) - 1, static_cast<int>(sym.size()) + 1, k, len});
+    k += len;
+  }
+  if (sym.empty()) return;
+  sym.back().next = -1;
+
+  struct Bigram {
+    int32_t rank;
+    int left, right;
+    std::size_t len;
+  };
+  const auto worse = [](const Bigram& a, const Bigram& b) {
+    return a.rank > b.rank || (a.rank == b.rank && a.left > b.left);
+  };
+  std::priority_queue<Bigram, std::vector<Bigram>, decltype(worse)> queue(worse);
+  std::string key;
+  const auto add = [&](int l, int r) {
+    if (l < 0 || r < 0) return;
+    key.assign(word, sym[l].start, sym[l].len);
+    key += ' ';
+    key.append(word, sym[r].start, sym[r].len);
+    const auto it = merge_rank.find(std::string_view(key));
+    if (it != merge_rank.end()) queue.push({it->second, l, r, sym[l].len + sym[r].len});
+  };
+  for (int i = 1; i < static_cast<int>(sym.size()); ++i) add(i - 1, i);
+  while (!queue.empty()) {
+    const Bigram bg = queue.top();
+    queue.pop();
+    Symbol& l = sym[bg.left];
+    Symbol& r = sym[bg.right];
+    if (l.len == 0 || r.len == 0 || l.len + r.len != bg.len) continue;  // outdated
+    l.len += r.len;
+    r.len = 0;
+    l.next = r.next;
+    if (r.next >= 0) sym[r.next].prev = bg.left;
+    add(l.prev, bg.left);
+    add(bg.left, l.next);
+  }
+  for (int i = 0; i >= 0; i = sym[i].next) {
+    const std::string_view s(word.data() + sym[i].start, sym[i].len);
+    TokenId id = lookup(s);
+    if (id >= 0) {
+      out.push_back(id);
+      continue;
+    }
+    // Not in the vocabulary (a byte whose token the vocabulary lacks, or a merge result of an
+    // inconsistent vocabulary): its byte tokens, and bytes without a token are dropped, as
+    // llama.cpp drops them (SmolLM2 has no token for bytes 0x04, 0x06, 0x13, 0x14, 0x16, 0x1d,
+    // nor for the lead bytes 0xf1, 0xf2 of planes 4-12). Emitting the unknown token instead
+    // would put <|endoftext|> into SmolLM2 prompts.
+    for (std::size_t k = 0; k < s.size();) {
+      const std::size_t len = std::max<std::size_t>(1, utf8_seq(s, k));
+      id = lookup(s.substr(k, len));
+      if (id >= 0) out.push_back(id);
+      k += len;
+    }
+  }
+}
+
+Result<std::vector<TokenId>> Tokenizer::encode(std::string_view text, bool add_special,
+                                               bool parse_special) const {
+  const Impl& t = *impl_;
+  for (std::size_t k = 0; k < text.size();) {
+    const std::size_t len = utf8_seq(text, k);
+    if (len == 0) {
+      static const char* hex = "0123456789abcdef";
+      const auto c = static_cast<unsigned char>(text[k]);
+      return invalid_argument(std::string("tokenizer: the text is not valid UTF-8 at byte ") +
+                              std::to_string(k) + " (0x" + hex[c >> 4] + hex[c & 15] + ")");
+    }
+    k += len;
+  }
+
+  // Partition on special tokens: fragments are either a token id or a span of raw text.
+  struct Fragment {
+    TokenId id;  // -1 for text
+    std::string_view text;
+  };
+  std::vector<Fragment> frags{{-1, text}};
+  for (const TokenId sid : t.specials) {
+    const TokenType ty = t.type[sid];
+    if (!parse_special && (ty == TokenType::kControl || ty == TokenType::kUnknown)) continue;
+    const std::string& st = t.text[sid];
+    std::vector<Fragment> next;
+    next.reserve(frags.size());
+    for (const Fragment& fr : frags) {
+      if (fr.id >= 0) {
+        next.push_back(fr);
+        continue;
+      }
+      std::size_t from = 0;
+      for (std::size_t at; (at = fr.text.find(st, from)) != std::string_view::npos;) {
+        if (at > from) next.push_back({-1, fr.text.substr(from, at - from)});
+        next.push_back({sid, {}});
+        from = at + st.size();
+      }
+      if (from < fr.text.size()) next.push_back({-1, fr.text.substr(from)});
+    }
+    frags.swap(next);
+  }
+
+  std::vector<TokenId> out;
+  if (add_special && t.add_bos) out.push_back(t.bos);
+  std::vector<std::string_view> pieces;
+  for (const Fragment& fr : frags) {
+    if (fr.id >= 0) {
+      out.push_back(fr.id);
+      continue;
+    }
+    TREEATTN_RETURN_IF_ERROR(t.split(fr.text, pieces));
+    for (const std::string_view p : pieces) t.bpe(p, out);
+  }
+  if (add_special && t.add_eos) out.push_back(t.eos);
+  return out;
+}
+
+Result<std::string> Tokenizer::token_to_piece(TokenId id, bool render_special) const {
+  const Impl& t = *impl_;
+  if (id < 0 || id >= n_vocab())
+    return invalid_argument("tokenizer: token id " + std::to_string(id) +
+                            " is outside the vocabulary of " + std::to_string(n_vocab()) +
+                            " tokens");
+  switch (t.type[id]) {
+    case TokenType::kControl:
+    case TokenType::kUnknown:
+      return render_special ? t.text[id] : std::string();
+    case TokenType::kUserDefined:
+      return t.text[id];
+    case TokenType::kUnused:
+    case TokenType::kUndefined:
+    case TokenType::kNormal:
+    case TokenType::kByte:
+      return t.bytes[id];
+  }
+  return std::string();
+}
+
+Result<std::string> Tokenizer::decode(std::span<const TokenId> ids, bool render_special) const {
+  std::string out;
+  for (std::size_t k = 0; k < ids.size(); ++k) {
+    Result<std::string> piece = token_to_piece(ids[k], render_special);
+    if (!piece.is_ok())
+      return invalid_argument(piece.status().message() + " (at position " + std::to_string(k) +
+                              " of " + std::to_string(ids.size()) + ")");
+    out += *piece;
+  }
+  return out;
+}
+
+int32_t Tokenizer::n_vocab() const { return static_cast<int32_t>(impl_->text.size()); }
+std::string_view Tokenizer::pre() const { return impl_->pre_name; }
+std::string_view Tokenizer::token_text(TokenId id) const {
+  return id >= 0 && id < n_vocab() ? std::string_view(impl_->text[id]) : std::string_view();
+}
+TokenType Tokenizer::token_type(TokenId id) const {
+  return id >= 0 && id < n_vocab() ? impl_->type[id] : TokenType::kUndefined;
+}
+TokenId Tokenizer::find_token(std::string_view text) const { return impl_->lookup(text); }
+TokenId Tokenizer::bos_id() const { return impl_->bos; }
+TokenId Tokenizer::eos_id() const { return impl_->eos; }
+TokenId Tokenizer::unknown_id() const { return impl_->unk; }
+TokenId Tokenizer::padding_id() const { return impl_->pad; }
+bool Tokenizer::add_bos() const { return impl_->add_bos; }
+bool Tokenizer::add_eos() const { return impl_->add_eos; }
+bool Tokenizer::is_end_of_generation(TokenId id) const {
+  return id >= 0 && id < n_vocab() && impl_->eog[id];
+}
+
+std::string format_chatml(std::string_view user, std::string_view system) {
+  std::string s;
+  if (!system.empty()) {
+    s += "<|im_start|>system\n";
+    s += system;
+    s += "<|im_end|>\n";
+  }
+  s += "<|im_start|>user\n";
+  s += user;
+  s += "<|im_end|>\n<|im_start|>assistant\n";
+  return s;
+}
+
+}  // namespace treeattn
