@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -161,16 +162,19 @@ bool all_rings(const Prediction& pr) {
 // The cost model's peak minus the analytic working set, as strategy.hpp documents it: tree's
 // reduction buffer; the node's r states at a hier leader against the analytic model's k
 // children's states; and at p = 1 the buffers one model keeps and the other does not.
-double peak_minus_ws(const std::string& name, int p, int r, int k, double S) {
+// A strategy without a rule here fails the test: a new strategy says how its models relate.
+std::optional<double> peak_minus_ws(const std::string& name, int p, int r, int k, double S) {
   if (name == "tree") return S;
   if (name == "hier") return r * S - (p > 1 ? k * S : 0.0);
-  if (p > 1 || name == "allgather" || name == "single") return 0.0;
-  if (name == "ring-kv" || name == "ring-state") return -S;
-  return S;  // tree-paper, tree2, gather-root at p = 1
+  if (name == "allgather" || name == "single") return 0.0;
+  if (name == "ring-kv" || name == "ring-state") return p > 1 ? 0.0 : -S;
+  if (name == "tree-paper" || name == "tree2" || name == "gather-root") return p > 1 ? 0.0 : S;
+  return std::nullopt;
 }
 
 TEST(Descriptors, AnalyticAndPredictedBytesAgreeWhereTheyModelTheSameThing) {
   int equal_bytes = 0, compared_ws = 0, related = 0;
+  std::set<std::string> no_rule;
   for (const Case& cs : kCases) {
     const AttnShape& sh = cs.shape;
     const double S = static_cast<double>(sh.batch * sh.q_len * sh.heads * (sh.head_dim + 2) * 4);
@@ -240,12 +244,16 @@ TEST(Descriptors, AnalyticAndPredictedBytesAgreeWhereTheyModelTheSameThing) {
                 ++equal_bytes;
               }
             } else {
-              ADD_FAILURE() << "no rule for " << label;
+              no_rule.insert(name);
             }
 
             // Working sets (the busiest rank's): equal but for the documented differences.
-            EXPECT_DOUBLE_EQ(pr->peak_bytes, max_ws(est) + peak_minus_ws(name, p, rpn, 2, S))
-                << label;
+            const std::optional<double> gap = peak_minus_ws(name, p, rpn, 2, S);
+            if (!gap) {
+              no_rule.insert(name);
+              continue;
+            }
+            EXPECT_DOUBLE_EQ(pr->peak_bytes, max_ws(est) + *gap) << label;
             ++compared_ws;
           }
         }
@@ -256,6 +264,10 @@ TEST(Descriptors, AnalyticAndPredictedBytesAgreeWhereTheyModelTheSameThing) {
   EXPECT_GT(equal_bytes, 500);
   EXPECT_GT(compared_ws, 500);
   EXPECT_GT(related, 50);
+  for (const std::string& name : no_rule)
+    ADD_FAILURE() << "no rule for " << name
+                  << ": say here (and at analytic_cost) how its analytic bytes and working set "
+                     "relate to the cost model's";
 }
 
 // The analytic bytes of the strategies that send states depend on S alone, not on where the KV
@@ -263,6 +275,7 @@ TEST(Descriptors, AnalyticAndPredictedBytesAgreeWhereTheyModelTheSameThing) {
 // p times the cost model's even-split figure (plus the metadata messages).
 TEST(Descriptors, ShardKindsChangeOnlyTheKvBytes) {
   int checked = 0;
+  std::set<std::string> no_rule;
   for (const Case& cs : kCases) {
     const AttnShape& sh = cs.shape;
     for (int p = 1; p <= 8; ++p) {
@@ -291,12 +304,15 @@ TEST(Descriptors, ShardKindsChangeOnlyTheKvBytes) {
             EXPECT_DOUBLE_EQ(sum_sent(got),
                              p * pr->bytes_sent_per_rank + p * (p - 1) * meta_bytes(sh))
                 << name << " " << label;
-          } else {
+          } else if (name == "tree" || name == "tree-paper" || name == "tree2" || name == "hier" ||
+                     name == "ring-state" || name == "allgather" || name == "gather-root") {
             const auto ref = per_rank(name, sh, cs.dtype, *even, {});
             for (int r = 0; r < p; ++r)
               EXPECT_EQ(got[static_cast<std::size_t>(r)].bytes_sent,
                         ref[static_cast<std::size_t>(r)].bytes_sent)
                   << name << " " << label << " rank " << r;
+          } else {
+            no_rule.insert(name);
           }
           ++checked;
         }
@@ -304,6 +320,9 @@ TEST(Descriptors, ShardKindsChangeOnlyTheKvBytes) {
     }
   }
   EXPECT_GT(checked, 1000);
+  for (const std::string& name : no_rule)
+    ADD_FAILURE() << "no rule for " << name << ": say here how its analytic bytes depend on the "
+                  << "placement";
 }
 
 }  // namespace
