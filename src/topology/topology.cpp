@@ -1,13 +1,16 @@
 // Topology validation, the JSON file format (docs/topology.md), and building a Topology from
 // measured numbers. Parse errors name the file, the JSON path of the value and what was
-// expected, e.g. "t.json: $.levels[1].latency_us: expected a number > 0, got \"fast\"".
+// expected, e.g. "t.json: $.levels[1].latency_us: expected a number > 0, got \"fast\"". Files
+// are parsed strictly: duplicate keys, numbers beyond a double and absurd nesting are errors too.
 #include "treeattn/topology.hpp"
 
 #include <cmath>
 #include <fstream>
 #include <initializer_list>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <vector>
 
 namespace treeattn {
 namespace {
@@ -104,6 +107,124 @@ class ObjectReader {
 };
 
 constexpr int kMaxCount = 1 << 20;
+
+// Topology files are three levels deep; anything far deeper is not one, and a value nested tens
+// of thousands of levels deep would overflow the stack when it is printed or compared.
+constexpr std::size_t kMaxDepth = 64;
+
+// Builds the document through nlohmann's SAX interface (its parser is iterative) and rejects,
+// with the JSON path of the value, what the plain parser would accept or throw on: nesting deeper
+// than kMaxDepth, a key given twice in one object (the plain parser keeps the last silently), and
+// a number that does not fit a double (1e400, a 5000-digit integer: an out_of_range exception).
+class StrictSax : public nlohmann::json_sax<json> {
+ public:
+  explicit StrictSax(json& out) : dom_(out, false) {}
+
+  bool null() override { return value() && dom_.null(); }
+  bool boolean(bool v) override { return value() && dom_.boolean(v); }
+  bool number_integer(number_integer_t v) override { return value() && dom_.number_integer(v); }
+  bool number_unsigned(number_unsigned_t v) override { return value() && dom_.number_unsigned(v); }
+  bool number_float(number_float_t v, const string_t& s) override {
+    return value() && dom_.number_float(v, s);
+  }
+  bool string(string_t& v) override { return value() && dom_.string(v); }
+  bool binary(binary_t& v) override { return value() && dom_.binary(v); }
+  bool start_object(std::size_t n) override {
+    if (!value() || !open(false)) return false;
+    return dom_.start_object(n);
+  }
+  bool key(string_t& k) override {
+    Frame& f = frames_.back();
+    const bool first = f.keys.insert(k).second;
+    f.key = k;
+    if (!first) {
+      error_ = path() + ": duplicate key (each key may appear once per object)";
+      return false;
+    }
+    return dom_.key(k);
+  }
+  bool end_object() override {
+    frames_.pop_back();
+    return dom_.end_object();
+  }
+  bool start_array(std::size_t n) override {
+    if (!value() || !open(true)) return false;
+    return dom_.start_array(n);
+  }
+  bool end_array() override {
+    frames_.pop_back();
+    return dom_.end_array();
+  }
+  bool parse_error(std::size_t, const std::string& token,
+                   const nlohmann::detail::exception& ex) override {
+    if (ex.id == 406) {  // out_of_range: number overflow
+      std::string shown = token.size() > 40 ? token.substr(0, 37) + "..." : token;
+      error_ = path() + ": the number " + shown + " (" + std::to_string(token.size()) +
+               " characters) does not fit in a double";
+    } else {
+      // what() is "[json.exception.parse_error.101] parse error at line 3, column 5: ..."
+      std::string what = ex.what();
+      const auto pos = what.find("] ");
+      if (pos != std::string::npos) what = what.substr(pos + 2);
+      error_ = "not valid JSON: " + what;
+    }
+    return false;
+  }
+  const std::string& error() const { return error_; }
+
+ private:
+  struct Frame {
+    bool array = false;
+    std::size_t count = 0;  // elements begun (arrays)
+    std::string key;        // the current key (objects)
+    std::set<std::string> keys;
+  };
+  // A value begins in the current container: count array elements for the path.
+  bool value() {
+    if (!frames_.empty() && frames_.back().array) ++frames_.back().count;
+    return true;
+  }
+  bool open(bool array) {
+    if (frames_.size() >= kMaxDepth) {
+      std::string where = path();
+      if (where.size() > 60) where = where.substr(0, 57) + "...";
+      error_ = where + ": nested deeper than " + std::to_string(kMaxDepth) +
+               " levels (a topology file has 3)";
+      return false;
+    }
+    frames_.push_back(Frame{array, 0, {}, {}});
+    return true;
+  }
+  std::string path() const {
+    std::string p = "$";
+    for (const Frame& f : frames_) {
+      if (f.array) {
+        if (f.count > 0) p += "[" + std::to_string(f.count - 1) + "]";
+      } else if (!f.key.empty()) {
+        p += "." + f.key;
+      }
+    }
+    return p;
+  }
+
+  nlohmann::detail::json_sax_dom_parser<json> dom_;
+  std::vector<Frame> frames_;
+  std::string error_;
+};
+
+Status parse_strict_json(std::string_view text, const std::string& source, json& out) {
+  StrictSax sax(out);
+  bool ok = false;
+  try {
+    ok = json::sax_parse(text.begin(), text.end(), &sax);
+  } catch (const std::exception& e) {  // the SAX handler never throws; belt and braces
+    return invalid_argument(source + ": not valid JSON: " + e.what());
+  }
+  if (!ok || !sax.error().empty())
+    return invalid_argument(source + ": " +
+                            (sax.error().empty() ? std::string("not valid JSON") : sax.error()));
+  return Status::ok();
+}
 
 Status parse_level(const ObjectReader& r, std::string_view expected_name, LinkLevel& out) {
   TREEATTN_RETURN_IF_ERROR(r.check_object());
@@ -202,15 +323,7 @@ Status Topology::validate() const {
 Result<Topology> parse_topology_json(std::string_view text, std::string_view source_sv) {
   const std::string source(source_sv);
   json doc;
-  try {
-    doc = json::parse(text.begin(), text.end());
-  } catch (const json::parse_error& e) {
-    // e.what() is "[json.exception.parse_error.101] parse error at line 3, column 5: ..."
-    std::string what = e.what();
-    const auto pos = what.find("] ");
-    if (pos != std::string::npos) what = what.substr(pos + 2);
-    return invalid_argument(source + ": not valid JSON: " + what);
-  }
+  TREEATTN_RETURN_IF_ERROR(parse_strict_json(text, source, doc));
   const ObjectReader r(doc, source, "$");
   TREEATTN_RETURN_IF_ERROR(r.check_object());
   TREEATTN_RETURN_IF_ERROR(
@@ -311,9 +424,17 @@ Result<Topology> load_topology(std::string_view path_or_preset) {
                             "' (give a JSON file or preset:NAME; presets: dgx-h100x16, mi300x4, "
                             "rtx4090x2, local, emu-veth, emu-1gbit)");
   }
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return parse_topology_json(ss.str(), path);
+  // A topology file is a few hundred bytes: stop reading well before a wrong path (a log, a
+  // device such as /dev/zero) fills memory.
+  constexpr std::size_t kMaxBytes = 16u << 20;
+  std::string text(kMaxBytes + 1, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  if (in.bad()) return invalid_argument("cannot read topology file '" + path + "'");
+  text.resize(static_cast<std::size_t>(in.gcount()));
+  if (text.size() > kMaxBytes)
+    return invalid_argument("topology file '" + path + "' is larger than 16 MiB: not a topology " +
+                            "file (docs/topology.md)");
+  return parse_topology_json(text, path);
 }
 
 std::string topology_to_json(const Topology& t) {
