@@ -89,6 +89,15 @@ class Executor {
   // states <- the partial states of q against kv (kernel.hpp decode_partial semantics).
   virtual Status partial(const AttnShape& shape, const float* q, const KVShard& kv, float* states,
                          const DecodeOptions& options) = 0;
+  // The partial states of q against each chunk of chunk_tokens consecutive token slots of kv,
+  // separately: chunk c covers slots [c * chunk_tokens, (c + 1) * chunk_tokens) of every batch
+  // row (the last may be shorter) and its records go to states + c * records * (head_dim + 2),
+  // for c < chunks = ceil(max row length / chunk_tokens). Each chunk is one kernel work item per
+  // KV head, so every chunk's bits are independent of the thread count and of where the chunk
+  // sits in memory (the deterministic strategy's leaves).
+  virtual Status partial_chunks(const AttnShape& shape, const float* q, const KVShard& kv,
+                                int64_t chunk_tokens, float* states,
+                                const DecodeOptions& options) = 0;
   // n records set to the empty state.
   virtual Status set_empty(float* states, std::size_t n, std::size_t head_dim) = 0;
   // acc[i] <- acc[i] (+) x[i] for n records.

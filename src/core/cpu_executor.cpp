@@ -1,8 +1,12 @@
 // The host executor (executor.hpp): today's CPU kernels and the state algebra on host memory.
+#include <omp.h>
+
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "treeattn/executor.hpp"
 #include "treeattn/state.hpp"
@@ -41,6 +45,51 @@ class CpuExecutor final : public Executor {
   Status partial(const AttnShape& shape, const float* q, const KVShard& kv, float* states,
                  const DecodeOptions& options) override {
     return decode_partial(shape, q, kv, states, options);
+  }
+  Status partial_chunks(const AttnShape& shape, const float* q, const KVShard& kv,
+                        int64_t chunk_tokens, float* states,
+                        const DecodeOptions& options) override {
+    if (chunk_tokens < 1)
+      return invalid_argument("partial_chunks: chunk_tokens must be >= 1, got " +
+                              std::to_string(chunk_tokens));
+    TREEATTN_RETURN_IF_ERROR(kv.validate(shape));
+    int64_t longest = 0;
+    for (int64_t n : kv.len) longest = std::max(longest, n);
+    const int64_t chunks = (longest + chunk_tokens - 1) / chunk_tokens;
+    const auto B = static_cast<std::size_t>(shape.batch);
+    const std::size_t per_chunk = static_cast<std::size_t>(shape.batch * shape.q_len * shape.heads) *
+                                  state_record_floats(static_cast<std::size_t>(shape.head_dim));
+    const std::size_t es = dtype_size(kv.dtype);
+    DecodeOptions one = options;
+    one.threads = 1;               // chunks in parallel, each one work item per KV head
+    one.chunk_tokens = chunk_tokens;
+    const int threads = options.threads > 0 ? options.threads : omp_get_max_threads();
+    Status first;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (chunks > 1)
+    for (int64_t c = 0; c < chunks; ++c) {
+      std::vector<int64_t> len(B), pos(B);
+      for (std::size_t b = 0; b < B; ++b) {
+        len[b] = std::clamp<int64_t>(kv.len[b] - c * chunk_tokens, 0, chunk_tokens);
+        pos[b] = kv.pos_start[b] + c * chunk_tokens * kv.pos_stride;
+      }
+      KVShard part = kv;
+      const auto off = static_cast<std::size_t>(c * chunk_tokens * kv.stride_token) * es;
+      part.k = static_cast<const uint8_t*>(kv.k) + off;
+      part.v = static_cast<const uint8_t*>(kv.v) + off;
+      if (kv.k_scale) {
+        const auto soff = static_cast<std::size_t>(c * chunk_tokens * kv.scale_stride_token);
+        part.k_scale = kv.k_scale + soff;
+        part.v_scale = kv.v_scale + soff;
+      }
+      part.len = len;
+      part.pos_start = pos;
+      Status s = decode_partial(shape, q, part, states + static_cast<std::size_t>(c) * per_chunk, one);
+      if (!s.is_ok()) {
+#pragma omp critical
+        if (first.is_ok()) first = s;
+      }
+    }
+    return first;
   }
   Status set_empty(float* states, std::size_t n, std::size_t d) override {
     const std::size_t r = state_record_floats(d);

@@ -90,6 +90,7 @@ extern const StrategyDescriptor kAllgatherDescriptor;        // allgather.cpp
 extern const StrategyDescriptor kTreeAsAllgatherDescriptor;  // allgather.cpp (tree, no user ops)
 extern const StrategyDescriptor kGatherRootDescriptor;       // gather_root.cpp
 extern const StrategyDescriptor kSingleDescriptor;           // single.cpp
+extern const StrategyDescriptor kTreeDetDescriptor;          // tree_det.cpp
 
 // The strategies a backend offers, in the CLI's order (registry.cpp).
 std::span<const StrategyDescriptor* const> strategy_descriptors(bool user_reductions);

@@ -17,6 +17,11 @@ constexpr const StrategyDescriptor* kHostTable[] = {
     &kAllgatherDescriptor, &kGatherRootDescriptor, &kSingleDescriptor,
 };
 
+// Offered by name (run --deterministic, --methods tree-det) on every backend, but not part of
+// `all` or of the planner's candidates: tree-det needs a contiguous placement, and it trades
+// speed for bits that do not depend on the rank count.
+constexpr const StrategyDescriptor* const kByNameOnly[] = {&kTreeDetDescriptor};
+
 // Backends without user-defined reductions (NCCL): the same table, with each strategy that
 // needs them replaced by its stand-in (tree -> the all-gather form) or left out (hier).
 std::vector<const StrategyDescriptor*> without_user_reductions() {
@@ -47,6 +52,8 @@ std::span<const StrategyDescriptor* const> strategy_descriptors(bool user_reduct
 
 const StrategyDescriptor* find_strategy_descriptor(std::string_view name, bool user_reductions) {
   for (const StrategyDescriptor* d : strategy_descriptors(user_reductions))
+    if (d->info.name == name) return d;
+  for (const StrategyDescriptor* d : kByNameOnly)
     if (d->info.name == name) return d;
   return nullptr;
 }
@@ -107,6 +114,7 @@ Result<std::unique_ptr<Strategy>> StrategyRegistry::create(std::string_view name
     if (!known.empty()) known += ", ";
     known += i.name;
   }
+  for (const strategies::StrategyDescriptor* d : strategies::kByNameOnly) known += ", " + std::string(d->info.name);
   return invalid_argument("unknown strategy '" + std::string(name) + "' (known: " + known + ")");
 }
 
