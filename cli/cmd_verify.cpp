@@ -6,7 +6,9 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -14,9 +16,11 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "job_status.hpp"
 #include "launcher.hpp"
 #include "options.hpp"
 #include "treeattn/comm_mpi.hpp"
+#include "treeattn/measure.hpp"
 #include "treeattn/oracle.hpp"
 #include "treeattn/strategy.hpp"
 #include "treeattn/workload.hpp"
@@ -33,7 +37,16 @@ struct VerifyFlags {
   int timeout_ms = 60000;
   double tolerance = 1e-5;
   std::string dtypes = "f32,f16,bf16";  // the KV types cases draw from
+  bool deterministic = false;           // tree-det (plus --methods); contiguous placements only
+  std::string json;                     // one record per check, with output_sha256
 };
+
+// --save DIR (created now) and --json FILE, before any case runs.
+Status check_outputs(const VerifyFlags& f) {
+  if (!f.save.empty()) TREEATTN_RETURN_IF_ERROR(prepare_output_dir("--save", f.save));
+  if (!f.json.empty()) TREEATTN_RETURN_IF_ERROR(check_output_file("--json", f.json));
+  return Status::ok();
+}
 
 struct Case {
   uint64_t seed;
@@ -47,13 +60,15 @@ struct Case {
 };
 
 // Everything about case `seed` follows from the seed, so `--seed S --cases 1` reruns it.
-Case make_case(uint64_t seed, int ranks, const std::vector<DType>& types) {
+Case make_case(uint64_t seed, int ranks, const std::vector<DType>& types, bool contiguous) {
   std::mt19937_64 rng(seed * 0x9e3779b97f4a7c15ull + 17);
   auto pick = [&](auto const& options) { return options[rng() % options.size()]; };
   const std::vector<std::pair<int64_t, int64_t>> heads = {{1, 1}, {4, 1}, {4, 4}, {8, 2}, {32, 8}, {32, 4}};
   const std::vector<int64_t> dims = {64, 80, 96, 128, 192, 256};
   const std::vector<int64_t> qlens = {1, 1, 2, 4};
-  const std::vector<std::string> shards = {"even", "uneven", "striped", "empty", "explicit"};
+  const std::vector<std::string> shards =
+      contiguous ? std::vector<std::string>{"even", "uneven", "empty", "explicit"}
+                 : std::vector<std::string>{"even", "uneven", "striped", "empty", "explicit"};
   Case c;
   c.seed = seed;
   RunConfig& r = c.config;
@@ -178,20 +193,34 @@ int verify_job(VerifyFlags& f, const std::vector<std::string>& methods,
   std::unique_ptr<Communicator> world = std::move(world_r).value();
   const int P = world->size();
   const bool lead = world->rank() == 0;
+  {
+    // A job started by an outside mpirun has not had its outputs checked: rank 0 does it.
+    const Status s = lead ? check_outputs(f) : Status::ok();
+    float bad = s.is_ok() ? 0.0f : 1.0f;
+    const Status agreed = world->allreduce(&bad, 1, ReduceOp::kMax);
+    if (!agreed.is_ok() || bad != 0.0f) {
+      if (!s.is_ok()) std::fprintf(stderr, "treeattn verify: error: %s\n", s.to_string().c_str());
+      world.reset();
+      (void)mpi_finalize();
+      return 2;
+    }
+  }
   if (lead)
     std::printf("treeattn verify: %d random cases x %zu methods on %d ranks, tolerance %.0e "
                 "relative to max(1, max|ref|), float64 oracle\n\n%-6s %-58s %-11s %10s %s\n",
                 f.cases, methods.size(), P, f.tolerance, "seed", "case", "method", "rel err", "");
   int failures = 0;
   nlohmann::json saved = nlohmann::json::array();
+  nlohmann::json records = nlohmann::json::array();
   for (int i = 0; i < f.cases; ++i) {
-    Case c = make_case(f.seed + static_cast<uint64_t>(i), P, types);
+    Case c = make_case(f.seed + static_cast<uint64_t>(i), P, types, f.deterministic);
     c.config.timeout = std::chrono::milliseconds(f.timeout_ms);
     for (const auto& m : methods) {
       RunConfig rc = c.config;
       rc.strategy = m;
       auto rep = run_decode(*world, rc);
       double err = 0;
+      std::string hash;
       bool ok = rep.is_ok();
       std::string why = ok ? "" : rep.status().to_string();
       if (ok) {
@@ -204,7 +233,15 @@ int verify_job(VerifyFlags& f, const std::vector<std::string>& methods,
             ok = chk.value().passed;
             if (!ok) why = chk.value().detail;
           }
-          if (!f.save.empty() && m == methods.front()) saved.push_back(save_case(f.save, c, st, m));
+          hash = output_sha256(st);
+          if (!f.save.empty() && m == methods.front()) {
+            try {
+              saved.push_back(save_case(f.save, c, st, m));
+            } catch (const std::exception& e) {  // the disk filled up, the directory went away
+              ok = false;
+              why = "cannot save the case to " + f.save + ": " + e.what();
+            }
+          }
         }
         Status same = check_identical_across_ranks(*world, st);
         if (!same.is_ok()) { ok = false; why = same.to_string(); }
@@ -213,9 +250,12 @@ int verify_job(VerifyFlags& f, const std::vector<std::string>& methods,
         ok = flag[0] == 0.0;
         err = flag[1];
       } else if (rep.status().code() == Code::kTimeout || rep.status().code() == Code::kInternal) {
-        mpi_abort(3, fmt::format("treeattn verify: rank {}: case seed {} method {}: {}",
+        abort_job(3, fmt::format("treeattn verify: rank {}: case seed {} method {}: {}",
                                  world->rank(), c.seed, m, why));
       }
+      if (lead)
+        records.push_back({{"seed", c.seed}, {"case", c.describe()}, {"method", m}, {"ranks", P},
+                           {"max_rel_err", err}, {"ok", ok}, {"output_sha256", hash}});
       if (lead) {
         std::printf("%-6llu %-58s %-11s %10.2e %s\n", static_cast<unsigned long long>(c.seed),
                     c.describe().c_str(), m.c_str(), err, ok ? "ok" : "FAIL");
@@ -232,6 +272,11 @@ int verify_job(VerifyFlags& f, const std::vector<std::string>& methods,
       std::ofstream idx(std::filesystem::path(f.save) / "index.json");
       idx << nlohmann::json{{"ranks", P}, {"cases", saved}}.dump(2) << "\n";
       std::printf("\nsaved %zu cases to %s (index.json + .npy files)\n", saved.size(), f.save.c_str());
+    }
+    if (!f.json.empty()) {
+      std::ofstream out(f.json);
+      out << nlohmann::json{{"ranks", P}, {"checks", records}}.dump(2) << "\n";
+      if (!out) std::fprintf(stderr, "treeattn verify: cannot write %s\n", f.json.c_str());
     }
     std::printf("\n%s: %d of %zu checks failed\n", failures ? "FAILED" : "PASSED", failures,
                 static_cast<std::size_t>(f.cases) * methods.size());
@@ -254,26 +299,52 @@ Runner add_verify_command(CLI::App& app, const Invocation& inv) {
   sub->add_option("--methods", f->methods, "Strategies (comma-separated) or all")->capture_default_str();
   sub->add_option("--save", f->save, "Write each case's q, k, v, output and LSE as .npy + index.json");
   sub->add_option("--tolerance", f->tolerance, "Max error relative to max(1, max|ref|)")->capture_default_str();
-  sub->add_option("--timeout-ms", f->timeout_ms, "Per-operation timeout")->capture_default_str();
+  sub->add_option("--timeout-ms", f->timeout_ms, "Per-operation timeout in ms (0: wait forever)")
+      ->capture_default_str();
   sub->add_option("--dtype", f->dtypes,
                   "KV types the cases draw from (comma-separated: f32, f16, bf16, fp8, int8; "
                   "quantized types are checked against the oracle on the dequantized cache)")
       ->capture_default_str();
-  return [f, &inv] {
+  sub->add_flag("--deterministic", f->deterministic,
+                "Check tree-det (the same bits for any rank count) alone, or with --methods; "
+                "cases use contiguous placements only");
+  sub->add_option("--json", f->json, "Write one record per check (error, ok, output_sha256)");
+  return [f, &inv, sub] {
     std::vector<std::string> methods;
     const auto& reg = StrategyRegistry::for_backend(CommCapabilities{});
     if (f->methods == "all") {
       for (const auto& i : reg.list()) methods.emplace_back(i.name);
     } else {
       methods = split_list(f->methods);
+      if (methods.empty()) {
+        std::fprintf(stderr, "treeattn verify: error: --methods '%s': no method given (name "
+                     "strategies, comma-separated, or all)\n", f->methods.c_str());
+        return 2;
+      }
       for (const auto& m : methods)
         if (!reg.contains(m)) {
           std::fprintf(stderr, "treeattn verify: error: unknown method '%s'\n", m.c_str());
           return 2;
         }
     }
+    if (f->deterministic) {
+      std::vector<std::string> m = {"tree-det"};
+      if (sub->count("--methods") > 0)
+        for (const auto& x : methods)
+          if (x != "tree-det") m.push_back(x);
+      methods = m;
+    }
     if (f->cases < 1 || f->ranks < 1) {
       std::fprintf(stderr, "treeattn verify: error: --cases and --ranks must be >= 1\n");
+      return 2;
+    }
+    if (!std::isfinite(f->tolerance) || f->tolerance < 0) {
+      std::fprintf(stderr, "treeattn verify: error: --tolerance %g: must be a finite number >= 0 "
+                   "(relative to max(1, max|ref|); default 1e-5)\n", f->tolerance);
+      return 2;
+    }
+    if (Status s = check_timeout_ms("--timeout-ms", f->timeout_ms); !s.is_ok()) {
+      std::fprintf(stderr, "treeattn verify: error: %s\n", s.to_string().c_str());
       return 2;
     }
     std::vector<DType> types;
@@ -293,12 +364,23 @@ Runner add_verify_command(CLI::App& app, const Invocation& inv) {
       return 2;
     }
     if (started_by_mpi_launcher()) return verify_job(*f, methods, types);
+    // Outputs before the run, not after it (the job's rank 0 checks again, harmlessly).
+    if (Status s = check_outputs(*f); !s.is_ok()) {
+      std::fprintf(stderr, "treeattn verify: error: %s\n", s.to_string().c_str());
+      return 2;
+    }
     LaunchOptions lo;
     lo.ranks = f->ranks;
+    lo.who = "treeattn verify";
     auto rc = run_under_mpirun(lo, inv.args);
     if (!rc.is_ok()) {
       std::fprintf(stderr, "treeattn verify: error: %s\n", rc.status().to_string().c_str());
       return 2;
+    }
+    if (const int sig = interrupted_by(); sig != 0) {
+      std::fprintf(stderr, "treeattn verify: interrupted by signal %d (%s); the job was stopped\n",
+                   sig, strsignal(sig));
+      return 128 + sig;
     }
     return rc.value();
   };

@@ -11,7 +11,12 @@
 //                       (or the start); peak_rss_bytes() where /proc is not readable.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <span>
+#include <string>
+
+#include "treeattn/state_buffer.hpp"
 
 namespace treeattn {
 
@@ -24,5 +29,12 @@ bool reset_peak_rss();
 
 // Peak resident set size since the last reset_peak_rss() (or the start), in bytes.
 uint64_t current_peak_rss();
+
+// SHA-256 of bytes as 64 lowercase hex digits (OpenSSL); "" if libcrypto fails.
+std::string sha256_hex(std::span<const std::byte> bytes);
+// The hash every JSON record of run, verify and bench carries: SHA-256 of the normalized output
+// [batch][q_len][heads][head_dim] followed by the LSE [batch][q_len][heads], float32 bytes, of
+// these merged states (rank 0's). Equal hashes: bitwise equal results.
+std::string output_sha256(const StateBuffer& states);
 
 }  // namespace treeattn
