@@ -35,6 +35,23 @@ struct Ctx;  // src/topology/cost_sim.hpp
 
 namespace strategies {
 
+// ---- the byte quantities both models use (one definition each) -----------------------------
+
+// S: one step's state records, batch * q_len * heads * (head_dim + 2) float32.
+inline double state_bytes(const AttnShape& s) {
+  return static_cast<double>(s.batch * s.q_len * s.heads) * static_cast<double>(s.head_dim + 2) *
+         4.0;
+}
+// The query, batch * q_len * heads * head_dim float32.
+inline double query_bytes(const AttnShape& s) {
+  return static_cast<double>(s.batch * s.q_len * s.heads * s.head_dim) * 4.0;
+}
+// One token of one batch row in the KV cache: its K and V over every KV head.
+inline double kv_bytes_per_token(const AttnShape& s, DType dtype) {
+  return 2.0 * static_cast<double>(s.kv_heads * s.head_dim) *
+         static_cast<double>(dtype_size(dtype));
+}
+
 // What analytic_cost knows about rank `rank` in one step, with the quantities every strategy's
 // formula uses (the vocabulary of strategy.hpp: S, q, KV).
 struct AnalyticInput {

@@ -114,7 +114,8 @@ Result<std::unique_ptr<Strategy>> StrategyRegistry::create(std::string_view name
     if (!known.empty()) known += ", ";
     known += i.name;
   }
-  for (const strategies::StrategyDescriptor* d : strategies::kByNameOnly) known += ", " + std::string(d->info.name);
+  for (const strategies::StrategyDescriptor* d : strategies::kByNameOnly)
+    known += ", " + std::string(d->info.name);
   return invalid_argument("unknown strategy '" + std::string(name) + "' (known: " + known + ")");
 }
 
@@ -130,16 +131,17 @@ Result<CostEstimate> analytic_cost(std::string_view strategy, const AttnShape& s
   const strategies::StrategyDescriptor* d = strategies::find_strategy_descriptor(strategy);
   if (!d || !d->analytic)
     return invalid_argument("analytic_cost: unknown strategy '" + std::string(strategy) + "'");
-  const double S = static_cast<double>(shape.batch * shape.q_len * shape.heads) *
-                   static_cast<double>(shape.head_dim + 2) * 4.0;
-  const double q_bytes =
-      static_cast<double>(shape.batch * shape.q_len * shape.heads * shape.head_dim) * 4.0;
-  const double kv_per_token = 2.0 * static_cast<double>(shape.kv_heads * shape.head_dim) *
-                              static_cast<double>(dtype_size(dtype));
-  const strategies::AnalyticInput in{
-      shape,           dtype, plan,    rank,         options,
-      plan.ranks(),    S,     q_bytes, kv_per_token, options.root >= 0 ? options.root : 0,
-      options.root < 0};
+  const strategies::AnalyticInput in{.shape = shape,
+                                     .dtype = dtype,
+                                     .plan = plan,
+                                     .rank = rank,
+                                     .options = options,
+                                     .p = plan.ranks(),
+                                     .S = strategies::state_bytes(shape),
+                                     .q_bytes = strategies::query_bytes(shape),
+                                     .kv_per_token = strategies::kv_bytes_per_token(shape, dtype),
+                                     .root = options.root >= 0 ? options.root : 0,
+                                     .all = options.root < 0};
   return d->analytic(in);
 }
 

@@ -13,7 +13,6 @@
 
 #include "strategies/descriptor.hpp"
 #include "topology/cost_sim.hpp"
-#include "treeattn/state.hpp"
 
 namespace treeattn {
 namespace cost {
@@ -298,16 +297,14 @@ Status make_ctx(const CostQuery& q, const Topology& topo, Ctx& c) {
     return invalid_argument("cost model: hier_fanout must be >= 1, got " +
                             std::to_string(q.hier_fanout));
   c.shape = q.shape;
-  c.s = static_cast<double>(dtype_size(q.kv_dtype));
+  c.kv_token_bytes = strategies::kv_bytes_per_token(q.shape, q.kv_dtype);
   c.context = q.context;
   c.p = p;
   c.r = std::min(r, p);
   c.n = n;
   c.fanout = q.hier_fanout;
-  c.state_bytes =
-      c.rows() *
-      static_cast<double>(state_record_floats(static_cast<std::size_t>(q.shape.head_dim))) * 4.0;
-  c.q_bytes = c.rows() * static_cast<double>(q.shape.head_dim) * 4.0;
+  c.state_bytes = strategies::state_bytes(q.shape);
+  c.q_bytes = strategies::query_bytes(q.shape);
   c.shard_tokens = (q.context + p - 1) / p;
   return Status::ok();
 }

@@ -106,7 +106,7 @@ struct ClosedForm {
 struct Ctx {
   const Topology& topo;
   AttnShape shape;
-  double s = 2;  // KV dtype bytes
+  double kv_token_bytes = 0;  // one token of one batch row (strategies::kv_bytes_per_token)
   int64_t context = 0;
   int p = 1;
   int r = 1;  // ranks per node actually used
@@ -117,8 +117,7 @@ struct Ctx {
   int64_t shard_tokens = 0;
 
   double kv_bytes(int64_t tokens) const {
-    return 2.0 * static_cast<double>(shape.batch) * static_cast<double>(tokens) *
-           static_cast<double>(shape.kv_heads) * static_cast<double>(shape.head_dim) * s;
+    return static_cast<double>(shape.batch) * static_cast<double>(tokens) * kv_token_bytes;
   }
   double rows() const {
     return static_cast<double>(shape.batch) * static_cast<double>(shape.q_len) *
@@ -158,7 +157,8 @@ struct Ctx {
   }
 };
 
-// Validates q against topo and fills c (p, r, n, t, S; the KV dtype's bytes).
+// Validates q against topo and fills c (p, r, n, t; S, the query's and a KV token's bytes as
+// analytic_cost counts them, src/strategies/descriptor.hpp).
 Status make_ctx(const CostQuery& q, const Topology& topo, Ctx& c);
 
 // The prediction of a strategy whose local phase takes `local` us and whose communication is
