@@ -46,10 +46,13 @@ inline double state_bytes(const AttnShape& s) {
 inline double query_bytes(const AttnShape& s) {
   return static_cast<double>(s.batch * s.q_len * s.heads * s.head_dim) * 4.0;
 }
-// One token of one batch row in the KV cache: its K and V over every KV head.
+// One token of one batch row in the KV cache: its K and V over every KV head, each with its
+// float32 scale per KV head for quantized dtypes (what the cache holds, the kernel reads and
+// ring-kv sends).
 inline double kv_bytes_per_token(const AttnShape& s, DType dtype) {
-  return 2.0 * static_cast<double>(s.kv_heads * s.head_dim) *
-         static_cast<double>(dtype_size(dtype));
+  const double scales = dtype_is_quantized(dtype) ? sizeof(float) : 0.0;
+  return 2.0 * static_cast<double>(s.kv_heads) *
+         (static_cast<double>(s.head_dim) * static_cast<double>(dtype_size(dtype)) + scales);
 }
 
 // What analytic_cost knows about rank `rank` in one step, with the quantities every strategy's
