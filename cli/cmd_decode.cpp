@@ -10,6 +10,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -18,6 +19,7 @@
 #include "cluster.hpp"
 #include "cmd_kernel.hpp"
 #include "commands.hpp"
+#include "job_status.hpp"
 #include "launcher.hpp"
 #include "measure.hpp"
 #include "options.hpp"
@@ -54,6 +56,9 @@ struct DecodeFlags {
   std::string isa = "auto";
   bool no_peer = false;
   bool ranks_given = false;  // --ranks on the command line (not the default)
+  std::string inject;        // --inject (debug): one fault
+  InjectSpec inject_spec;
+  bool deterministic = false;  // add tree-det (the same bits for any rank count) to the methods
 };
 
 std::vector<std::string> all_methods() {
@@ -87,6 +92,45 @@ int default_threads(int ranks_here) {
   return std::max(1, cores / std::max(1, ranks_here));
 }
 
+// Kernel threads per rank beyond this only oversubscribe the cores further (and thousands make
+// the OpenMP runtime refuse): max(64, 4 x the cores of this host).
+int max_threads() {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::max(64, 4 * cores);
+}
+
+Status check_threads(int threads) {
+  if (threads < 0 || threads > max_threads())
+    return invalid_argument(fmt::format(
+        "--threads {}: must be between 0 (cores / ranks on the host) and {} (4 x this host's "
+        "{} cores, at least 64)",
+        threads, max_threads(), std::max(1u, std::thread::hardware_concurrency())));
+  return Status::ok();
+}
+
+// --inject against the job: the rank exists and the step is one the run has.
+Status check_inject(const DecodeFlags& f, int64_t ranks) {
+  const InjectSpec& i = f.inject_spec;
+  if (i.kind == InjectSpec::Kind::kNone) return Status::ok();
+  if (i.rank >= ranks)
+    return invalid_argument(fmt::format("--inject {}: there is no rank {} in a job of {} ranks",
+                                        i.to_string(), i.rank, ranks));
+  if ((i.kind == InjectSpec::Kind::kKill || i.kind == InjectSpec::Kind::kNeverArrive) &&
+      i.step >= f.warmup + f.iters)
+    return invalid_argument(fmt::format(
+        "--inject {}: step {} is past the run's {} steps (warm-up steps count from 0)",
+        i.to_string(), i.step, f.warmup + f.iters));
+  return Status::ok();
+}
+
+// The output flags, checked before any work (in a job started by an outside mpirun: on rank 0).
+Status check_outputs(const DecodeFlags& f) {
+  if (!f.json.empty()) TREEATTN_RETURN_IF_ERROR(check_output_file("--json", f.json));
+  if (!f.csv.empty()) TREEATTN_RETURN_IF_ERROR(check_output_file("--csv", f.csv));
+  if (!f.plot.empty()) TREEATTN_RETURN_IF_ERROR(check_plot_output("--plot", f.plot));
+  return Status::ok();
+}
+
 int local_ranks(int world) {
   if (const char* v = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) return std::atoi(v);
   return world;
@@ -111,6 +155,7 @@ MeasureConfig measure_config(const DecodeFlags& f, const std::vector<std::string
   mc.root = f.root;
   mc.timeout_ms = f.timeout_ms;
   mc.check = !f.no_check;
+  mc.inject = f.inject_spec;
   return mc;
 }
 
@@ -138,6 +183,23 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
     (void)mpi_finalize();
     return 2;
   }
+  {
+    // What depends on the job (its size, this host) or what a job started by an outside mpirun
+    // has not been checked for: every rank stops, rank 0 says why.
+    Status s = check_threads(f.threads);
+    if (s.is_ok()) s = check_inject(f, P);
+    if (s.is_ok() && lead && f.child_json.empty()) s = check_outputs(f);
+    float bad = s.is_ok() ? 0.0f : 1.0f;
+    const Status agreed = world->allreduce(&bad, 1, ReduceOp::kMax);
+    if (!agreed.is_ok() || bad != 0.0f) {
+      if (lead && !s.is_ok()) std::fprintf(stderr, "treeattn %s: error: %s\n", cmd, s.to_string().c_str());
+      world.reset();
+      (void)mpi_finalize();
+      return 2;
+    }
+  }
+  if (f.inject_spec.kind == InjectSpec::Kind::kMismatch && world->rank() == f.inject_spec.rank)
+    f.shape.head_dim = f.shape.head_dim == 64 ? 128 : 64;  // the set-up agreement must name it
   const int threads = f.threads > 0 ? f.threads : default_threads(local_ranks(P));
   if (lead && !bench && f.child_json.empty()) {
     const AttnShape s = f.shape.shape();
@@ -184,7 +246,7 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
                  status.to_string().c_str());
     if (status.code() == Code::kTimeout || status.code() == Code::kInternal ||
         status.code() == Code::kMismatch)
-      mpi_abort(3, "");
+      abort_job(3, "");
     world.reset();
     (void)mpi_finalize();
     return 2;
@@ -221,19 +283,45 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
                                          f.no_peer, f.kernel_cases, f.json});
   auto methods = resolve_methods(f.methods);
   if (!methods.is_ok()) return fail(cmd, methods.status());
+  if (f.deterministic) {  // tree-det first; with the default `all`, compared with tree only
+    std::vector<std::string> m = {"tree-det"};
+    if (sub.count("--methods") == 0) m.push_back("tree");
+    else
+      for (const auto& x : *methods)
+        if (x != "tree-det") m.push_back(x);
+    methods = m;
+    if (f.shape.shard == "striped")
+      return fail(cmd, invalid_argument("--deterministic needs a contiguous placement (even, "
+                                        "uneven or empty), not --shard striped"));
+  }
   if (!parse_dtype(f.shape.dtype))
     return fail(cmd, invalid_argument("--dtype '" + f.shape.dtype + "': run and bench take one of "
                                       "f32, f16, bf16, fp8, int8 (lists: bench --kernel)"));
   if (f.warmup < 0 || f.iters < 1) return fail(cmd, invalid_argument("--warmup must be >= 0 and --iters/--steps >= 1"));
   if (f.fanout < 1) return fail(cmd, invalid_argument("--fanout must be >= 1"));
+  if (Status s = check_timeout_ms("--timeout-ms", f.timeout_ms); !s.is_ok()) return fail(cmd, s);
+  if (Status s = check_threads(f.threads); !s.is_ok()) return fail(cmd, s);
+  if (!f.inject.empty()) {
+    auto spec = parse_inject(f.inject);
+    if (!spec.is_ok()) return fail(cmd, spec.status());
+    f.inject_spec = *spec;
+  }
   if (!f.cluster.empty() && sub.count("--ranks") == 0)  // --cluster KxR implies K x R ranks
     if (auto spec = parse_cluster(f.cluster, f.link); spec.is_ok()) f.ranks = std::to_string(spec->ranks());
   auto ranks = parse_size_list(f.ranks);
   if (!ranks.is_ok()) return fail(cmd, invalid_argument("--ranks: " + ranks.status().message()));
-  for (int64_t p : ranks.value())
+  for (int64_t p : ranks.value()) {
     if (p < 1 || p > 4096) return fail(cmd, invalid_argument(fmt::format("--ranks {} is out of range 1..4096", p)));
+    if (Status s = check_inject(f, p); !s.is_ok()) return fail(cmd, s);
+  }
   if (!bench && (ranks.value().size() > 1 || f.shape.seqs.size() > 1 || f.shape.batches.size() > 1))
     return fail(cmd, invalid_argument("run takes one --ranks, --seq and --batch; use bench to sweep"));
+  if (!started_by_mpi_launcher())
+    for (int64_t p : ranks.value()) {
+      LaunchOptions lo;
+      lo.ranks = static_cast<int>(p);
+      if (Status s = check_local_rank_count(lo, "--ranks"); !s.is_ok()) return fail(cmd, s);
+    }
   for (int64_t seq : f.shape.seqs)
     for (int64_t b : f.shape.batches) {
       const MeasureConfig mc = measure_config(f, methods.value(), seq, b);
@@ -242,9 +330,13 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
         if (need.available_bytes > 0 && need.per_job_bytes > 0.9 * need.available_bytes)
           return fail(cmd, Status(Code::kOutOfMemory,
                                   fmt::format("a context of {} tokens ({}, batch {}) on {} ranks "
-                                              "needs about {} of memory; this machine has {} available",
+                                              "needs about {} of memory ({} of KV cache, {} of "
+                                              "queries, outputs and states); this machine has {} "
+                                              "available",
                                               seq, mc.shape.to_string(), b, p,
                                               format_bytes(need.per_job_bytes),
+                                              format_bytes(need.kv_bytes),
+                                              format_bytes(need.state_bytes),
                                               format_bytes(need.available_bytes))));
       }
     }
@@ -264,14 +356,15 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
   f.ranks_given = sub.count("--ranks") > 0;
   if (started_by_mpi_launcher()) return run_job(cmd, f, methods.value(), bench);
 
-  // Plain shell: one mpirun per rank count, results gathered here.
+  // Plain shell: every output path is checked before the first job starts.
+  if (Status s = check_outputs(f); !s.is_ok()) return fail(cmd, s);
+  // One mpirun per rank count, results gathered here.
   std::vector<Point> points;
   int worst = 0;
   for (int64_t p : ranks.value()) {
-    char tmpl[] = "/tmp/treeattn-points-XXXXXX";
-    const int fd = mkstemp(tmpl);
-    if (fd < 0) return fail(cmd, internal_error("cannot create a temporary file"));
-    close(fd);
+    const std::string tmpl_path = make_temp_file("points");
+    if (tmpl_path.empty()) return fail(cmd, internal_error("cannot create a temporary file in /tmp"));
+    const char* tmpl = tmpl_path.c_str();
     std::vector<std::string> args = inv.args;
     args.insert(args.end(), {"--ranks", std::to_string(p), "--child-json", tmpl});
     // Emulated hosts all share this machine's cores, which the per-host local rank count
@@ -280,13 +373,23 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
       args.insert(args.end(), {"--threads", std::to_string(default_threads(static_cast<int>(p)))});
     LaunchOptions lo;
     lo.ranks = static_cast<int>(p);
+    lo.who = std::string("treeattn ") + cmd;
     if (cluster) {
       auto prefix = cluster_session_prefix(*cluster, lo.ranks);
       if (!prefix.is_ok()) return fail(cmd, prefix.status());
       lo.session_prefix = std::move(prefix).value();
     }
     auto rc = run_under_mpirun(lo, args);
-    if (!rc.is_ok()) return fail(cmd, rc.status());
+    if (!rc.is_ok()) {
+      std::remove(tmpl);
+      return fail(cmd, rc.status());
+    }
+    if (const int sig = interrupted_by(); sig != 0) {
+      std::remove(tmpl);
+      std::fprintf(stderr, "treeattn %s: interrupted by signal %d (%s); the %lld-rank job was "
+                   "stopped\n", cmd, sig, strsignal(sig), static_cast<long long>(p));
+      return 128 + sig;
+    }
     std::ifstream in(tmpl);
     nlohmann::json j;
     try {
@@ -294,10 +397,15 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
     } catch (...) {
     }
     std::remove(tmpl);
-    if (rc.value() != 0 && rc.value() != 1) {
+    // Exit 1 means "not exact" only when the job's points say so; a rank that ended otherwise
+    // (a library's exit(1)) is a failed job, named by the launcher's lines above.
+    bool inexact = false;
+    if (j.contains("points"))
+      for (const auto& pj : j["points"]) inexact = inexact || !pj.value("ok", true);
+    if (rc.value() != 0 && !(rc.value() == 1 && inexact)) {
       std::fprintf(stderr, "treeattn %s: the %lld-rank job failed (exit %d)\n", cmd,
                    static_cast<long long>(p), rc.value());
-      return rc.value();
+      return rc.value() == 1 ? 2 : rc.value();
     }
     worst = std::max(worst, rc.value());
     if (j.contains("points"))
@@ -344,8 +452,18 @@ void add_common(CLI::App* sub, DecodeFlags& f, bool bench) {
   sub->add_option("--fanout", f.fanout, "hier: children per node leader in the inter-node tree")->capture_default_str();
   sub->add_option("--root", f.root, "Deliver the result to this rank only (-1: every rank)")->capture_default_str();
   sub->add_option("--threads", f.threads, "Kernel threads per rank (0: cores / ranks on the host)")->capture_default_str();
-  sub->add_option("--timeout-ms", f.timeout_ms, "Per-operation timeout; a missing rank is named after it")->capture_default_str();
+  sub->add_option("--timeout-ms", f.timeout_ms,
+                  "Per-operation timeout in ms (0: wait forever); a missing rank is named after it")
+      ->capture_default_str();
+  sub->add_option("--inject", f.inject,
+                  "Debug: inject one fault to see the failure behaviour: never-arrive:RANK@STEP, "
+                  "kill:RANK@STEP (SIGKILL), nan:RANK, slow:RANK:MS, mismatch:RANK (steps count "
+                  "warm-up steps from 0)")
+      ->group("Debug");
   sub->add_flag("--no-check", f.no_check, "Skip the float64 oracle check (not recommended)");
+  sub->add_flag("--deterministic", f.deterministic,
+                "Decode with tree-det: output and LSE the same bits whatever the rank count, "
+                "placement and threads (compared with tree, or with --methods)");
   sub->add_option("--baseline", f.baseline, "Method the speed-up column compares against")->capture_default_str();
   sub->add_option("--json", f.json, "Write every measured point as JSON");
   sub->add_option("--csv", f.csv, "Write every measured point as CSV");

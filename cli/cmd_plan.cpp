@@ -215,7 +215,12 @@ int plan_sweep(PlanFlags& f, const CLI::App& sub) {
   if (!f.devices.empty()) {
     auto d = parse_size_list(f.devices);
     if (!d.is_ok()) return fail(invalid_argument("--devices: " + d.status().message()));
-    for (int64_t v : *d) so.devices.push_back(static_cast<int>(v));
+    for (int64_t v : *d) {
+      if (v < 1 || v > (1 << 20))
+        return fail(invalid_argument(
+            fmt::format("--devices: {} is not a device count (1 to 1048576)", v)));
+      so.devices.push_back(static_cast<int>(v));
+    }
   }
   // The paper's contexts are decimal (80k = 80,000 ... 5.12M = 5,120,000); an explicit --seq
   // (binary suffixes, as everywhere in this CLI) replaces them.
@@ -286,34 +291,16 @@ Result<int> run_self(const std::vector<std::string>& args) {
   std::string line;
   for (const auto& a : cmd) line += (line.empty() ? "" : " ") + a;
   std::fprintf(stderr, "$ %s\n", line.c_str());
-  std::vector<char*> argv;
-  for (auto& a : cmd) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  std::fflush(stdout);
-  std::fflush(stderr);
-  const pid_t pid = fork();
-  if (pid < 0) return internal_error(std::string("fork failed: ") + std::strerror(errno));
-  if (pid == 0) {
-    unsetenv("TREEATTN_LAUNCHED");
-    execv(argv[0], argv.data());
-    _exit(127);
-  }
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0)
-    if (errno != EINTR)
-      return internal_error(std::string("waitpid failed: ") + std::strerror(errno));
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return 1;
+  unsetenv("TREEATTN_LAUNCHED");  // the child is a fresh command, not a rank of a job
+  // Stop signals are forwarded to the child (which forwards them to its mpirun).
+  auto rc = run_child(cmd);
+  if (rc.is_ok() && interrupted_by() != 0)
+    std::fprintf(stderr, "treeattn plan: interrupted by signal %d (%s)\n", interrupted_by(),
+                 strsignal(interrupted_by()));
+  return rc;
 }
 
-std::string temp_path(const char* what) {
-  char tmpl[64];
-  std::snprintf(tmpl, sizeof(tmpl), "/tmp/treeattn-%s-XXXXXX", what);
-  const int fd = mkstemp(tmpl);
-  if (fd >= 0) close(fd);
-  return tmpl;
-}
+std::string temp_path(const char* what) { return make_temp_file(what); }
 
 struct Config {
   ClusterSpec spec;
@@ -396,6 +383,7 @@ int plan_validate(PlanFlags& f) {
           "--dtype",     f.shape.dtype};
       args.insert(args.end(), where.begin(), where.end());
       auto rc = run_self(args);
+      if (!rc.is_ok() || *rc != 0) std::remove(tfile.c_str());
       if (!rc.is_ok()) return fail(rc.status());
       if (*rc != 0) {
         std::fprintf(stderr, "treeattn plan --validate: topo --detect on %s failed (exit %d)\n",
@@ -440,6 +428,7 @@ int plan_validate(PlanFlags& f) {
                                      bfile};
     args.insert(args.end(), where.begin(), where.end());
     auto rc = run_self(args);
+    if (!rc.is_ok() || *rc != 0) std::remove(bfile.c_str());
     if (!rc.is_ok()) return fail(rc.status());
     if (*rc != 0) {
       std::fprintf(stderr, "treeattn plan --validate: bench on %s failed (exit %d)\n",
@@ -602,6 +591,14 @@ int run_plan(PlanFlags& f, const CLI::App& sub) {
         "--ranks-per-node must be >= 0 (0 = the topology's), got {}", f.ranks_per_node)));
   if (f.fanout < 1)
     return fail(invalid_argument(fmt::format("--fanout must be >= 1, got {}", f.fanout)));
+  if (!f.devices.empty() && !f.sweep)
+    return fail(invalid_argument("--devices is a --sweep option"));
+  if (!f.plot.empty() && !f.sweep) return fail(invalid_argument("--plot is a --sweep option"));
+  // Outputs before any work.
+  if (!f.json.empty())
+    if (Status s = check_output_file("--json", f.json); !s.is_ok()) return fail(s);
+  if (!f.plot.empty())
+    if (Status s = check_plot_output("--plot", f.plot); !s.is_ok()) return fail(s);
   if (f.sweep) return plan_sweep(f, sub);
   if (f.validate) {
     if (f.warmup < 0 || f.iters < 1)

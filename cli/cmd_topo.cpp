@@ -9,13 +9,16 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <thread>
 #include <memory>
 
 #include "cluster.hpp"
 #include "commands.hpp"
+#include "job_status.hpp"
 #include "launcher.hpp"
+#include "options.hpp"
 #include "treeattn/comm_mpi.hpp"
 #include "treeattn/detect.hpp"
 #include "treeattn/dtype.hpp"
@@ -96,7 +99,7 @@ int detect_job(const TopoFlags& f) {
   if (!t.is_ok()) {
     std::fprintf(stderr, "treeattn topo --detect: rank %d: error: %s\n", world->rank(),
                  t.status().to_string().c_str());
-    if (t.status().code() == Code::kTimeout) mpi_abort(3, "");
+    if (t.status().code() == Code::kTimeout) abort_job(3, "");
     rc = 2;
   } else if (world->rank() == 0) {
     for (const auto& n : notes) std::printf("  %s\n", n.c_str());
@@ -126,7 +129,7 @@ int run_topo(TopoFlags& f, const CLI::App& sub, const Invocation& inv) {
   if (modes != 1)
     return fail(invalid_argument("give exactly one of --detect, --show FILE|preset:NAME, --list"));
   if (f.list) {
-    for (const auto& n : preset_names()) {
+    for (const auto& n : treeattn::preset_names()) {
       auto t = preset_topology(n);
       std::printf("preset:%-12s %s\n", n.c_str(), t.is_ok() ? t->description.c_str() : "?");
     }
@@ -150,6 +153,12 @@ int run_topo(TopoFlags& f, const CLI::App& sub, const Invocation& inv) {
   if (f.kernel_tokens < 0 || f.kernel_tokens > (int64_t{1} << 24))
     return fail(invalid_argument(
         fmt::format("--kernel-tokens must be in [0, 16M], got {}", f.kernel_tokens)));
+  if (f.probe_mib > (int64_t{1} << 20))
+    return fail(invalid_argument(
+        fmt::format("--probe-mib must be in [16, 1048576] (1 TiB), got {}", f.probe_mib)));
+  if (Status s = check_timeout_ms("--timeout-ms", f.timeout_ms); !s.is_ok()) return fail(s);
+  if (!f.out.empty() && !started_by_mpi_launcher())  // once, before the job starts
+    if (Status s = check_output_file("--out", f.out); !s.is_ok()) return fail(s);
   std::optional<ClusterSpec> cluster;
   if (!f.cluster.empty()) {
     auto spec = parse_cluster(f.cluster, f.link);
@@ -162,6 +171,7 @@ int run_topo(TopoFlags& f, const CLI::App& sub, const Invocation& inv) {
   if (started_by_mpi_launcher()) return detect_job(f);
   LaunchOptions lo;
   lo.ranks = f.ranks;
+  lo.who = "treeattn topo";
   if (cluster) {
     auto prefix = cluster_session_prefix(*cluster, f.ranks);
     if (!prefix.is_ok()) return fail(prefix.status());
@@ -176,6 +186,11 @@ int run_topo(TopoFlags& f, const CLI::App& sub, const Invocation& inv) {
   }
   auto rc = run_under_mpirun(lo, args);
   if (!rc.is_ok()) return fail(rc.status());
+  if (const int sig = interrupted_by(); sig != 0) {
+    std::fprintf(stderr, "treeattn topo: interrupted by signal %d (%s); the job was stopped\n",
+                 sig, strsignal(sig));
+    return 128 + sig;
+  }
   return rc.value();
 }
 
@@ -215,7 +230,8 @@ Runner add_topo_command(CLI::App& app, const Invocation& inv) {
       ->capture_default_str();
   sub->add_option("--bandwidth-iters", f->bandwidth_iters, "4 MiB ping-pongs / exchanges per level")
       ->capture_default_str();
-  sub->add_option("--timeout-ms", f->timeout_ms, "Per-operation timeout")->capture_default_str();
+  sub->add_option("--timeout-ms", f->timeout_ms, "Per-operation timeout in ms (0: wait forever)")
+      ->capture_default_str();
   sub->add_option("--heads", f->heads,
                   "--detect: query heads of the timed kernel (and of the "
                   "timed merge: one state per head)")

@@ -1,14 +1,26 @@
 // Re-execution under mpirun (see launcher.hpp).
 #include "launcher.hpp"
 
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <climits>
+#include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <optional>
 #include <sstream>
+#include <thread>
+
+#include "job_status.hpp"
 
 namespace treeattn::cli {
 namespace {
@@ -68,28 +80,219 @@ std::vector<std::string> mpirun_command(const LaunchOptions& options,
   return cmd;
 }
 
-Result<int> run_under_mpirun(const LaunchOptions& options,
-                             const std::vector<std::string>& program_args) {
-  const std::vector<std::string> cmd = mpirun_command(options, program_args);
+Status check_local_rank_count(const LaunchOptions& options, const std::string& flag) {
+  if (const char* extra = env("TREEATTN_MPIRUN_ARGS")) {
+    std::istringstream ss(extra);
+    std::string a;
+    while (ss >> a)
+      if (a == "--host" || a == "-H" || a == "-host" || a == "--hostfile" || a == "-hostfile" ||
+          a == "--machinefile" || a == "-machinefile" || a == "--default-hostfile")
+        return Status::ok();  // the ranks run elsewhere
+  }
+  const long cores = std::max(1l, sysconf(_SC_NPROCESSORS_ONLN));
+  long cap = std::max(64l, 16 * cores);
+  double avail = 0;
+  {
+    std::ifstream f("/proc/meminfo");
+    std::string key, unit;
+    double kb = 0;
+    while (f >> key >> kb >> unit)
+      if (key == "MemAvailable:") avail = kb * 1024.0;
+  }
+  constexpr double kPerRank = 48.0 * 1024 * 1024;
+  if (avail > 0) cap = std::min(cap, std::max(1l, static_cast<long>(avail / kPerRank)));
+  std::string why = "this machine's cap (max(64, 16 x " + std::to_string(cores) +
+                    " cores), and ~48 MiB per rank of the memory available)";
+  if (const char* v = env("TREEATTN_MAX_LOCAL_RANKS")) {
+    cap = std::atol(v);
+    why = "$TREEATTN_MAX_LOCAL_RANKS";
+  }
+  if (options.ranks > cap)
+    return invalid_argument(
+        flag + " " + std::to_string(options.ranks) + ": more local ranks than " + why + ", " +
+        std::to_string(cap) +
+        ": beyond it a run measures the scheduler rather than the algorithm and Open MPI runs "
+        "out of descriptors and shared memory (set TREEATTN_MAX_LOCAL_RANKS to override, or "
+        "run under your own mpirun with a hostfile)");
+  static int warned_for = 0;  // once per rank count, however often it is checked
+  if (options.ranks > 4 * cores && warned_for != options.ranks && (warned_for = options.ranks))
+    std::fprintf(stderr,
+                 "treeattn: warning: %d ranks on %ld cores: every decode step waits until each "
+                 "rank has had a core, so timings show the oversubscription (results stay exact)\n",
+                 options.ranks, cores);
+  return Status::ok();
+}
+
+namespace {
+
+volatile std::sig_atomic_t g_child = 0;      // pid being waited for
+volatile std::sig_atomic_t g_signal = 0;     // first signal received
+volatile std::sig_atomic_t g_forwarded = 0;  // forwarded to the child already
+int g_last_interrupt = 0;
+
+void forward_signal(int sig) {
+  if (g_signal == 0) g_signal = sig;
+  if (g_child > 0 && !g_forwarded) {
+    g_forwarded = 1;
+    kill(static_cast<pid_t>(g_child), sig);
+  }
+}
+
+// Kills every rank recorded in the job's status files that is still this executable.
+void kill_ranks(const std::string& status_dir) {
+  if (status_dir.empty()) return;
+  const std::string exe = self_exe();
+  for (const RankFate& f : read_rank_status(status_dir)) {
+    if (f.pid <= 0) continue;
+    char buf[PATH_MAX];
+    const std::string link = "/proc/" + std::to_string(f.pid) + "/exe";
+    const ssize_t n = readlink(link.c_str(), buf, sizeof(buf) - 1);
+    if (n <= 0) continue;
+    buf[n] = '\0';
+    if (exe == buf) kill(static_cast<pid_t>(f.pid), SIGKILL);
+  }
+}
+
+// Forks cmd with the extra environment, forwards stop signals, waits (see launcher.hpp).
+Result<int> run_forwarding(const std::vector<std::string>& cmd,
+                           const std::vector<std::pair<std::string, std::string>>& extra_env,
+                           const std::string& status_dir) {
   std::vector<char*> argv;
   for (const auto& a : cmd) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
+  g_signal = 0;
+  g_forwarded = 0;
+  g_child = 0;
+  g_last_interrupt = 0;
+  struct sigaction sa {}, old[3];
+  sa.sa_handler = forward_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = 0;  // no SA_RESTART: waitpid returns EINTR and the grace period starts
+  const int sigs[3] = {SIGINT, SIGTERM, SIGHUP};
+  for (int i = 0; i < 3; ++i) sigaction(sigs[i], &sa, &old[i]);
+  auto restore = [&] {
+    for (int i = 0; i < 3; ++i) sigaction(sigs[i], &old[i], nullptr);
+    g_child = 0;
+  };
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t parent = getpid();
   const pid_t pid = fork();
-  if (pid < 0) return internal_error(std::string("fork failed: ") + std::strerror(errno));
+  if (pid < 0) {
+    restore();
+    return internal_error(std::string("fork failed: ") + std::strerror(errno));
+  }
   if (pid == 0) {
-    setenv("TREEATTN_LAUNCHED", "1", 1);
+    for (int i = 0; i < 3; ++i) sigaction(sigs[i], &old[i], nullptr);
+    setpgid(0, 0);  // terminal signals reach us only; we forward them once
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (getppid() != parent) _exit(128 + SIGTERM);  // the parent died before prctl
+    const int devnull = open("/dev/null", O_RDONLY);
+    if (devnull >= 0) {
+      dup2(devnull, STDIN_FILENO);
+      close(devnull);
+    }
+    for (const auto& [k, v] : extra_env) setenv(k.c_str(), v.c_str(), 1);
     execvp(argv[0], argv.data());
     std::fprintf(stderr, "treeattn: cannot run %s: %s (is Open MPI installed? apt-get install "
                  "openmpi-bin)\n", argv[0], std::strerror(errno));
     _exit(127);
   }
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0) {
-    if (errno != EINTR) return internal_error(std::string("waitpid failed: ") + std::strerror(errno));
+  g_child = pid;
+  if (g_signal != 0 && !g_forwarded) {  // a signal came between fork and here
+    g_forwarded = 1;
+    kill(pid, g_signal);
   }
+  int status = 0;
+  using Clock = std::chrono::steady_clock;
+  std::optional<Clock::time_point> deadline;
+  bool killed = false;
+  for (;;) {
+    const pid_t w = waitpid(pid, &status, deadline ? WNOHANG : 0);
+    if (w == pid) break;
+    if (w < 0 && errno != EINTR) {
+      restore();
+      return internal_error(std::string("waitpid failed: ") + std::strerror(errno));
+    }
+    if (g_signal != 0 && !deadline) deadline = Clock::now() + std::chrono::seconds(10);
+    if (deadline && !killed && Clock::now() > *deadline) {
+      std::fprintf(stderr, "treeattn: the job did not stop within 10 s of the signal: killing it\n");
+      kill(pid, SIGKILL);
+      kill_ranks(status_dir);
+      killed = true;
+    }
+    if (deadline) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  g_last_interrupt = g_signal;
+  restore();
+  if (killed) kill_ranks(status_dir);  // ranks orphaned by the SIGKILLed mpirun
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
   return 1;
+}
+
+void remove_dir(const std::string& dir) {
+  if (DIR* d = opendir(dir.c_str())) {
+    while (const dirent* e = readdir(d))
+      if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0)
+        unlink((dir + "/" + e->d_name).c_str());
+    closedir(d);
+  }
+  rmdir(dir.c_str());
+}
+
+}  // namespace
+
+int interrupted_by() { return g_last_interrupt; }
+
+std::string make_temp_file(const std::string& what) {
+  std::string tmpl = "/tmp/treeattn-" + what + "-" + std::to_string(getpid()) + "-XXXXXX";
+  const int fd = mkstemp(tmpl.data());
+  if (fd < 0) return "";
+  close(fd);
+  return tmpl;
+}
+
+void remove_stale_temp_files() {
+  DIR* d = opendir("/tmp");
+  if (d == nullptr) return;
+  while (const dirent* e = readdir(d)) {
+    // treeattn-WHAT-PID-XXXXXX, WHAT one of ours
+    const std::string name = e->d_name;
+    std::string what;
+    for (const char* w : {"job", "points", "plot", "topo", "bench"})
+      if (name.rfind(std::string("treeattn-") + w + "-", 0) == 0) what = w;
+    if (what.empty()) continue;
+    const std::string rest = name.substr(10 + what.size());
+    const auto dash = rest.find('-');
+    if (dash == std::string::npos || dash == 0 || rest.size() != dash + 7) continue;
+    if (rest.find_first_not_of("0123456789") != dash) continue;
+    const long pid = std::atol(rest.substr(0, dash).c_str());
+    if (pid <= 0 || kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM) continue;
+    const std::string path = "/tmp/" + name;
+    if (what == "job") remove_dir(path);
+    else unlink(path.c_str());
+  }
+  closedir(d);
+}
+
+Result<int> run_child(const std::vector<std::string>& cmd) { return run_forwarding(cmd, {}, ""); }
+
+Result<int> run_under_mpirun(const LaunchOptions& options,
+                             const std::vector<std::string>& program_args) {
+  TREEATTN_RETURN_IF_ERROR(check_local_rank_count(options, "--ranks"));
+  const std::vector<std::string> cmd = mpirun_command(options, program_args);
+  remove_stale_temp_files();
+  std::string tmpl = "/tmp/treeattn-job-" + std::to_string(getpid()) + "-XXXXXX";
+  const std::string dir = mkdtemp(tmpl.data()) != nullptr ? tmpl : std::string();
+  std::vector<std::pair<std::string, std::string>> extra = {{"TREEATTN_LAUNCHED", "1"}};
+  if (!dir.empty()) extra.emplace_back("TREEATTN_STATUS_DIR", dir);
+  auto rc = run_forwarding(cmd, extra, dir);
+  if (rc.is_ok() && *rc != 0 && interrupted_by() == 0 && !dir.empty())
+    for (const std::string& line : unexplained_ends(read_rank_status(dir), options.who))
+      std::fprintf(stderr, "%s\n", line.c_str());
+  if (!dir.empty()) remove_dir(dir);
+  return rc;
 }
 
 }  // namespace treeattn::cli

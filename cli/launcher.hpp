@@ -26,15 +26,47 @@ struct LaunchOptions {
   // When set (cluster.hpp: `cluster.sh session K --slots R ... --`), the job runs through this
   // prefix instead of plain mpirun; the prefix supplies the machine flags itself.
   std::vector<std::string> session_prefix;
+  // Prefix of our own lines about the job ("treeattn bench").
+  std::string who = "treeattn";
 };
 
 // The command line that would be run (for messages and --dry-run).
 std::vector<std::string> mpirun_command(const LaunchOptions& options,
                                         const std::vector<std::string>& program_args);
 
+// Local launches (mpirun on this machine, the emulated cluster included) are capped at
+// max(64, 16 x cores) ranks, and at what MemAvailable holds at ~48 MiB per rank (Open MPI's
+// per-process baseline here); $TREEATTN_MAX_LOCAL_RANKS overrides the cap. Beyond it a run
+// measures the scheduler, not the algorithm (every decode step waits until every rank has had
+// a core), start-up alone takes minutes, and Open MPI runs out of file descriptors and shared
+// memory somewhere past a thousand local processes. Above 4 ranks per core a warning is
+// printed. Launches that name hosts ($TREEATTN_MPIRUN_ARGS with --host/--hostfile) are not
+// capped. `flag` names the option in the message.
+Status check_local_rank_count(const LaunchOptions& options, const std::string& flag);
+
 // Runs this executable with program_args under mpirun with options.ranks ranks and waits.
 // Returns the child's exit code (128 + signal when it was killed).
+//
+// mpirun runs in its own process group with stdin from /dev/null, and dies with us
+// (PR_SET_PDEATHSIG). SIGINT, SIGTERM and SIGHUP that reach this process are forwarded to it
+// once (mpirun then stops its ranks); if the job has not ended 10 s later, mpirun and every
+// rank are killed. Afterwards interrupted_by() is the signal (0 when none came) and the caller
+// removes its temporary files and exits with 128 + that signal. When the job fails, a line of
+// our own names each rank that ended without a message of treeattn's (job_status.hpp).
 Result<int> run_under_mpirun(const LaunchOptions& options,
                              const std::vector<std::string>& program_args);
+
+// The same signal handling for any child command (cmd[0] is looked up in PATH).
+Result<int> run_child(const std::vector<std::string>& cmd);
+
+// The signal that interrupted the last run_under_mpirun / run_child, or 0.
+int interrupted_by();
+
+// A new empty temporary file /tmp/treeattn-WHAT-PID-XXXXXX (its path, or "" on failure). The
+// pid in the name lets a later run remove what a SIGKILLed run could not:
+// run_under_mpirun first removes such files and /tmp/treeattn-job-PID-* directories of
+// processes that no longer exist.
+std::string make_temp_file(const std::string& what);
+void remove_stale_temp_files();
 
 }  // namespace treeattn::cli

@@ -7,14 +7,44 @@
 //   treeattn topo     detect or show a topology (docs/topology.md)
 //   treeattn plan     predicted cost of every strategy on a topology, the paper-scale sweep,
 //                     and predicted vs measured (--validate)
+//
+// Every subcommand reports its errors as one line and exit code 2; an exception that escapes
+// one (std::bad_alloc for a shape that passed the memory pre-check, a filesystem error) is
+// turned into such a line here, and inside an MPI job it ends the job so that no rank waits
+// for the one that failed.
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <new>
+#include <string>
 
 #include "commands.hpp"
+#include "job_status.hpp"
+#include "treeattn/comm_mpi.hpp"
+
+namespace {
+
+std::string rank_label() {
+  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"})
+    if (const char* v = std::getenv(name); v != nullptr && *v != '\0')
+      return std::string("rank ") + v + ": ";
+  return "";
+}
+
+int report_exception(const std::string& cmd, const std::string& what) {
+  const std::string line = "treeattn " + cmd + ": " + rank_label() + "error: " + what;
+  if (treeattn::mpi_active()) treeattn::cli::abort_job(2, line);  // the others must not wait
+  std::fprintf(stderr, "%s\n", line.c_str());
+  return 2;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace treeattn::cli;
+  rank_status_open();
   Invocation inv;
   for (int i = 1; i < argc; ++i) inv.args.emplace_back(argv[i]);
 
@@ -30,14 +60,25 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    const int rc = app.exit(e);
+    rank_status_returned(rc);
+    return rc;
   }
   const std::string name = app.get_subcommands().front()->get_name();
-  if (name == "run") return run();
-  if (name == "verify") return verify();
-  if (name == "bench") return bench();
-  if (name == "topo") return topo();
-  if (name == "plan") return plan();
-  std::fprintf(stderr, "treeattn: unknown subcommand %s\n", name.c_str());
-  return 2;
+  int rc = 2;
+  try {
+    if (name == "run") rc = run();
+    else if (name == "verify") rc = verify();
+    else if (name == "bench") rc = bench();
+    else if (name == "topo") rc = topo();
+    else if (name == "plan") rc = plan();
+    else std::fprintf(stderr, "treeattn: unknown subcommand %s\n", name.c_str());
+  } catch (const std::bad_alloc&) {
+    rc = report_exception(name, "out of memory (an allocation failed: a smaller --seq, --batch, "
+                                "--heads or --q-len, or more ranks, would fit)");
+  } catch (const std::exception& e) {
+    rc = report_exception(name, e.what());
+  }
+  rank_status_returned(rc);
+  return rc;
 }

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <string>
 
+#include "job_status.hpp"
 #include "treeattn/measure.hpp"
 #include "treeattn/oracle.hpp"
 #include "treeattn/strategy.hpp"
@@ -53,6 +54,19 @@ RunConfig base_run_config(const MeasureConfig& c, int ranks) {
   r.options.root = c.root;
   r.options.fanout = c.fanout;
   r.options.kernel.threads = c.threads;
+  const InjectSpec& inj = c.inject;
+  if (inj.kind == InjectSpec::Kind::kNan) {
+    r.inject_nan_rank = inj.rank;
+    r.check_inputs = true;  // every rank then names the one that brought it
+  }
+  if (inj.kind == InjectSpec::Kind::kNeverArrive) r.inject_never_arrive_rank = inj.rank;
+  if (inj.kind == InjectSpec::Kind::kKill) r.inject_kill_rank = inj.rank;
+  r.inject_step = inj.step;
+  if (inj.kind == InjectSpec::Kind::kSlow) {
+    r.inject_slow_rank = inj.rank;
+    r.inject_slow_ms = inj.ms;
+  }
+  r.on_step = [](int64_t step) { rank_status_step(step); };
   if (c.nodes > 1) {
     r.options.node_of_rank.resize(static_cast<std::size_t>(ranks));
     for (int i = 0; i < ranks; ++i)
@@ -73,16 +87,35 @@ RunConfig base_run_config(const MeasureConfig& c, int ranks) {
 }  // namespace
 
 MemoryNeed memory_need(const MeasureConfig& c, int ranks) {
-  const double total_kv = 2.0 * static_cast<double>(c.seq + (c.append ? c.warmup + c.iters : 0)) *
-                          static_cast<double>(c.shape.batch * c.shape.kv_heads * c.shape.head_dim) *
-                          static_cast<double>(dtype_size(c.dtype));
-  double factor = 1.0;  // the shards of one method
+  const double P = ranks;
+  const double B = static_cast<double>(c.shape.batch), Q = static_cast<double>(c.shape.q_len);
+  const double H = static_cast<double>(c.shape.heads), Hkv = static_cast<double>(c.shape.kv_heads);
+  const double D = static_cast<double>(c.shape.head_dim);
+  const double tokens = static_cast<double>(c.seq) + (c.append ? c.warmup + c.iters : 0);
+  double per_token = 2.0 * B * Hkv * D * static_cast<double>(dtype_size(c.dtype));
+  if (dtype_is_quantized(c.dtype)) per_token += 2.0 * B * Hkv * 4.0;  // a float scale each
+  const double total_kv = tokens * per_token;
+  bool single = false, ring_kv = false;
+  double buffers = 0;  // receive buffers of the strategies, in states, per rank
   for (const auto& m : c.methods) {
-    if (m == "ring-kv") factor = std::max(factor, 3.0);  // shard + send and receive buffers
-    if (m == "single") factor = std::max(factor, 1.0 + 1.0 / ranks);
+    single = single || m == "single";
+    ring_kv = ring_kv || m == "ring-kv";
+    buffers += (m == "allgather" || m == "gather-root" || m == "auto") ? P : 2.0;
   }
   MemoryNeed need;
-  need.per_job_bytes = std::max(total_kv * factor, c.check ? 2.0 * total_kv : 0.0);
+  // Shards of the shared session, single's whole cache, ring-kv's two shard-sized buffers per
+  // rank, and the oracle's regenerated cache.
+  need.kv_bytes = total_kv * (1.0 + (single ? 1.0 : 0.0) + (ring_kv ? 2.0 : 0.0) +
+                              (c.check ? 1.0 : 0.0));
+  const double records = B * Q * H;
+  const double state = records * (D + 2) * 4.0;
+  const double methods = static_cast<double>(std::max<std::size_t>(1, c.methods.size()));
+  const double per_rank = records * D * 4.0                        // the query
+                          + state * (1.0 + methods * c.iters)      // output + kept states
+                          + state * buffers                        // strategy buffers
+                          + 32.0 * 1024 * 1024;                    // process baseline
+  need.state_bytes = P * per_rank + (c.check ? 2.0 * records * (D + 1) * 8.0 : 0.0);
+  need.per_job_bytes = need.kv_bytes + need.state_bytes;
   std::ifstream f("/proc/meminfo");
   std::string key;
   double kb = 0;
@@ -112,6 +145,7 @@ Result<std::vector<Point>> measure(Communicator& comm, const MeasureConfig& c) {
   OracleReference ref;
   if (c.check && me == check_rank) {
     if (c.progress) std::fprintf(stderr, "  float64 oracle over %s tokens...\n", std::to_string(c.seq).c_str());
+    rank_status_phase(fmt::format("p={} seq={} batch={}: the float64 oracle", P, c.seq, c.shape.batch));
     auto r = oracle_reference(base_run_config(c, P), c.warmup + c.iters - 1);
     if (!r.is_ok()) return r.status();
     ref = std::move(r).value();
@@ -124,6 +158,8 @@ Result<std::vector<Point>> measure(Communicator& comm, const MeasureConfig& c) {
     if (c.progress && me == 0)
       std::fprintf(stderr, "  %-11s p=%d seq=%lld memory...\n", c.methods[m].c_str(), P,
                    static_cast<long long>(c.seq));
+    rank_status_phase(fmt::format("p={} seq={} batch={}: memory pass of {}", P, c.seq,
+                                  c.shape.batch, c.methods[m]));
     RunConfig rc = base_run_config(c, P);
     rc.strategy = c.methods[m];
     rc.warmup = 0;
@@ -145,6 +181,10 @@ Result<std::vector<Point>> measure(Communicator& comm, const MeasureConfig& c) {
   if (c.progress && me == 0)
     std::fprintf(stderr, "  %zu methods round robin, p=%d seq=%lld, %d + %d steps...\n",
                  c.methods.size(), P, static_cast<long long>(c.seq), c.warmup, c.iters);
+  std::string names;
+  for (const auto& m : c.methods) names += (names.empty() ? "" : ",") + m;
+  rank_status_phase(fmt::format("p={} seq={} batch={}: timed steps of {}", P, c.seq,
+                                c.shape.batch, names));
   RunConfig rc = base_run_config(c, P);
   auto reports = run_interleaved(comm, rc, c.methods);
   if (!reports.is_ok()) return reports.status();
@@ -197,7 +237,14 @@ Result<std::vector<Point>> measure(Communicator& comm, const MeasureConfig& c) {
     float bad = errs[1] > 0 ? 1.0f : 0.0f;
     TREEATTN_RETURN_IF_ERROR(comm.allreduce(&bad, 1, ReduceOp::kMax));
 
+    // The hash of the result this rank got (rank 0's, or the root's), for comparing runs.
+    char hash[65] = {0};
+    if (me == check_rank && rep.has_result && !rep.states.empty())
+      std::snprintf(hash, sizeof(hash), "%s", output_sha256(rep.states.back()).c_str());
+    TREEATTN_RETURN_IF_ERROR(comm.broadcast(hash, sizeof(hash), check_rank));
+
     Point p;
+    p.output_sha256 = hash;
     p.method = method;
     p.ranks = P;
     p.nodes = c.nodes;

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "options.hpp"
 #include "report.hpp"
 #include "treeattn/comm.hpp"
 #include "treeattn/shape.hpp"
@@ -34,16 +35,22 @@ struct MeasureConfig {
   bool check = true;
   double tolerance = 1e-5;
   bool progress = false;  // progress lines on stderr (rank 0)
+  InjectSpec inject;      // --inject (debug)
 };
 
 // The number of tokens a rank will hold, for the memory pre-check.
 Result<std::vector<Point>> measure(Communicator& comm, const MeasureConfig& config);
 
-// Bytes the run needs on the busiest rank (KV shard, ring buffers, single's whole cache, the
-// oracle's regenerated cache) and the bytes this machine has available (MemAvailable), for a
-// clear "does not fit" error before anything is allocated.
+// Bytes the whole job needs on this machine and the bytes it has available (MemAvailable), for
+// a clear "does not fit" error before anything is allocated: the KV shards of the shared
+// session, `single`'s whole cache and ring-kv's two receive buffers, the oracle's regenerated
+// cache and its float64 outputs, and per rank the query, the output states, the states kept
+// for every timed step of every method, the strategies' receive buffers and a process baseline.
+// Computed in doubles, so absurd shapes (--q-len 2^31) give a number, not an overflow.
 struct MemoryNeed {
   double per_job_bytes = 0;
+  double kv_bytes = 0;     // the cache terms
+  double state_bytes = 0;  // queries, outputs, kept states and strategy buffers, all ranks
   double available_bytes = 0;
 };
 MemoryNeed memory_need(const MeasureConfig& config, int ranks);

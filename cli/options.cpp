@@ -4,7 +4,16 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <sstream>
 
 namespace treeattn::cli {
@@ -34,27 +43,53 @@ std::vector<std::string> split_list(const std::string& text) {
   return out;
 }
 
+// 128-bit intermediates for exact size arithmetic (GCC/Clang extension).
+__extension__ typedef __int128 i128;
+
 Result<int64_t> parse_size(const std::string& text) {
   if (text.empty()) return invalid_argument("empty size");
-  double mult = 1;
-  std::string num = text;
-  const char last = text.back();
-  if (last == 'k' || last == 'K') mult = 1024.0;
-  if (last == 'm' || last == 'M') mult = 1024.0 * 1024.0;
-  if (last == 'g' || last == 'G') mult = 1024.0 * 1024.0 * 1024.0;
-  if (mult != 1) num.pop_back();
-  std::size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(num, &used);
-  } catch (...) {
-    used = 0;
+  const std::string bad = "'" + text +
+                          "' is not a size (digits, an optional fraction and an optional suffix k "
+                          "= 1024, M = 1024^2, G = 1024^3: 4096, 64k, 1M, 1.5M)";
+  // Strictly [0-9]+ ( "." [0-9]+ )? [kKmMgG]?: no sign, exponent, hexadecimal or spaces, and a
+  // suffix needs a number in front of it.
+  std::size_t i = 0;
+  i128 whole = 0, frac = 0, den = 1;
+  while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) {
+    if (whole > 1'000'000'000'000'000'000) return invalid_argument("size '" + text + "' is too large");
+    whole = whole * 10 + (text[i++] - '0');
   }
-  if (used != num.size() || !(v >= 0) || !std::isfinite(v))
-    return invalid_argument("'" + text + "' is not a size (examples: 4096, 64k, 1M, 5.12M)");
-  const double tokens = std::round(v * mult);
-  if (tokens > 9.0e15) return invalid_argument("size '" + text + "' is too large");
-  return static_cast<int64_t>(tokens);
+  if (i == 0) return invalid_argument(bad);
+  if (i < text.size() && text[i] == '.') {
+    ++i;
+    const std::size_t start = i;
+    while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) {
+      if (den > 1'000'000'000'000'000) return invalid_argument(bad);  // 18 decimals is plenty
+      frac = frac * 10 + (text[i++] - '0');
+      den *= 10;
+    }
+    if (i == start) return invalid_argument(bad);
+  }
+  i128 mult = 1;
+  if (i < text.size()) {
+    const char c = text[i++];
+    if (c == 'k' || c == 'K') mult = 1024;
+    else if (c == 'm' || c == 'M') mult = 1024 * 1024;
+    else if (c == 'g' || c == 'G') mult = 1024 * 1024 * 1024;
+    else return invalid_argument(bad);
+  }
+  if (i != text.size()) return invalid_argument(bad);
+  const i128 num = whole * den + frac;  // the value is num / den, times mult
+  const i128 scaled = num * mult;
+  if (scaled / den > static_cast<i128>(9'000'000'000'000'000))
+    return invalid_argument("size '" + text + "' is too large");
+  if (scaled % den != 0) {
+    const auto lo = static_cast<long long>(scaled / den);
+    return invalid_argument(fmt::format(
+        "'{}' is {:.10g} tokens, not a whole number (use {} or {})", text,
+        static_cast<double>(scaled) / static_cast<double>(den), lo, lo + 1));
+  }
+  return static_cast<int64_t>(scaled / den);
 }
 
 Result<std::vector<int64_t>> parse_size_list(const std::string& text) {
@@ -66,6 +101,128 @@ Result<std::vector<int64_t>> parse_size_list(const std::string& text) {
   }
   if (out.empty()) return invalid_argument("empty list '" + text + "'");
   return out;
+}
+
+Result<int64_t> parse_count(const std::string& text, int64_t max) {
+  if (text.empty() || text.size() > 18) return invalid_argument("'" + text + "' is not a count");
+  int64_t v = 0;
+  for (char c : text) {
+    if (!std::isdigit(static_cast<unsigned char>(c)))
+      return invalid_argument("'" + text + "' is not a count (decimal digits only)");
+    v = v * 10 + (c - '0');
+  }
+  if (v > max) return invalid_argument("'" + text + "' is larger than " + std::to_string(max));
+  return v;
+}
+
+Result<InjectSpec> parse_inject(const std::string& text) {
+  const std::string usage = "--inject '" + text +
+                            "': expected never-arrive:RANK@STEP, kill:RANK@STEP, nan:RANK, "
+                            "slow:RANK:MS or mismatch:RANK";
+  const auto colon = text.find(':');
+  if (colon == std::string::npos) return invalid_argument(usage);
+  const std::string kind = text.substr(0, colon), rest = text.substr(colon + 1);
+  InjectSpec spec;
+  std::string rank = rest;
+  if (kind == "never-arrive" || kind == "kill") {
+    spec.kind = kind == "kill" ? InjectSpec::Kind::kKill : InjectSpec::Kind::kNeverArrive;
+    const auto at = rest.find('@');
+    if (at == std::string::npos) return invalid_argument(usage + " (" + kind + " needs @STEP)");
+    rank = rest.substr(0, at);
+    auto step = parse_count(rest.substr(at + 1), 1 << 30);
+    if (!step.is_ok()) return invalid_argument(usage + ": STEP " + step.status().message());
+    spec.step = *step;
+  } else if (kind == "slow") {
+    spec.kind = InjectSpec::Kind::kSlow;
+    const auto c2 = rest.find(':');
+    if (c2 == std::string::npos) return invalid_argument(usage + " (slow needs :MS)");
+    rank = rest.substr(0, c2);
+    auto ms = parse_count(rest.substr(c2 + 1), 3'600'000);
+    if (!ms.is_ok()) return invalid_argument(usage + ": MS " + ms.status().message());
+    spec.ms = static_cast<int>(*ms);
+  } else if (kind == "nan") {
+    spec.kind = InjectSpec::Kind::kNan;
+  } else if (kind == "mismatch") {
+    spec.kind = InjectSpec::Kind::kMismatch;
+  } else {
+    return invalid_argument(usage);
+  }
+  auto r = parse_count(rank, 1 << 20);
+  if (!r.is_ok()) return invalid_argument(usage + ": RANK " + r.status().message());
+  spec.rank = static_cast<int>(*r);
+  return spec;
+}
+
+std::string InjectSpec::to_string() const {
+  switch (kind) {
+    case Kind::kNone: return "none";
+    case Kind::kNeverArrive: return fmt::format("never-arrive:{}@{}", rank, step);
+    case Kind::kKill: return fmt::format("kill:{}@{}", rank, step);
+    case Kind::kNan: return fmt::format("nan:{}", rank);
+    case Kind::kSlow: return fmt::format("slow:{}:{}", rank, ms);
+    case Kind::kMismatch: return fmt::format("mismatch:{}", rank);
+  }
+  return "?";
+}
+
+Status check_output_file(const std::string& flag, const std::string& path) {
+  const std::string what = flag + " '" + path + "'";
+  if (path.empty()) return invalid_argument(flag + ": empty path");
+  struct stat st {};
+  if (stat(path.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode))
+      return invalid_argument(what + " is a directory; give a file name in it (" +
+                              (path.back() == '/' ? path : path + "/") + "out" +
+                              (flag == "--plot" ? ".png" : flag == "--csv" ? ".csv" : ".json") +
+                              ")");
+    if (S_ISCHR(st.st_mode) || S_ISFIFO(st.st_mode)) return Status::ok();  // /dev/stdout, a pipe
+    const int fd = open(path.c_str(), O_WRONLY | O_CLOEXEC);  // no O_TRUNC: leave it as it is
+    if (fd < 0) return invalid_argument(what + " cannot be written: " + std::strerror(errno));
+    close(fd);
+    return Status::ok();
+  }
+  if (errno != ENOENT) return invalid_argument(what + " cannot be written: " + std::strerror(errno));
+  // Create it now (and remove it again): the only test that sees read-only filesystems, /proc
+  // and permissions exactly as the write after the run will.
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) return invalid_argument(what + " cannot be created: " + std::strerror(errno));
+  close(fd);
+  unlink(path.c_str());
+  return Status::ok();
+}
+
+Status check_plot_output(const std::string& flag, const std::string& path) {
+  TREEATTN_RETURN_IF_ERROR(check_output_file(flag, path));
+  const char* path_env = std::getenv("PATH");
+  std::stringstream dirs(path_env != nullptr ? path_env : "/usr/bin:/bin");
+  std::string d;
+  while (std::getline(dirs, d, ':'))
+    if (!d.empty() && access((d + "/gnuplot").c_str(), X_OK) == 0) return Status::ok();
+  return invalid_argument(flag + " needs gnuplot, which is not installed (apt-get install "
+                          "gnuplot-nox)");
+}
+
+Status prepare_output_dir(const std::string& flag, const std::string& dir) {
+  const std::string what = flag + " '" + dir + "'";
+  if (dir.empty()) return invalid_argument(flag + ": empty path");
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return invalid_argument(what + ": cannot create the directory: " + ec.message());
+  if (!std::filesystem::is_directory(dir, ec))
+    return invalid_argument(what + " exists and is not a directory");
+  const std::string probe = dir + "/.treeattn-write-test-" + std::to_string(getpid());
+  const int fd = open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) return invalid_argument(what + ": cannot create files in it: " + std::strerror(errno));
+  close(fd);
+  unlink(probe.c_str());
+  return Status::ok();
+}
+
+Status check_timeout_ms(const std::string& flag, int64_t ms) {
+  if (ms < 0)
+    return invalid_argument(flag + " " + std::to_string(ms) +
+                            ": must be >= 0 (milliseconds; 0 waits forever)");
+  return Status::ok();
 }
 
 std::string format_size(int64_t tokens) {

@@ -25,11 +25,43 @@ struct Preset {
 const std::vector<Preset>& presets();
 std::string preset_names();
 
-// "4096", "64k" (x1024), "1M" (x1024^2), "1.5M", "5.12M"; suffixes are binary.
+// "4096", "64k" (x1024), "1M" (x1024^2), "1.5M"; suffixes are binary. Strict: digits with an
+// optional fraction and suffix, nothing else (no sign, exponent, hexadecimal, or a suffix
+// alone), and the result must be a whole number of tokens ("5.12M" is 5368709.12: an error that
+// names the two nearest whole numbers).
 Result<int64_t> parse_size(const std::string& text);
 Result<std::vector<int64_t>> parse_size_list(const std::string& text);
 std::vector<std::string> split_list(const std::string& text);
 std::string format_size(int64_t tokens);  // 65536 -> "64k"
+
+// A decimal count: digits only, at most max.
+Result<int64_t> parse_count(const std::string& text, int64_t max);
+
+// --inject (a debug option of run and bench, used by tools/soak.sh): one fault, to see the
+// failure behaviour on purpose. never-arrive:RANK@STEP (the rank stops taking part at that
+// decode step, warm-up steps counted from 0; the others time out and name it), kill:RANK@STEP
+// (SIGKILL at that step), nan:RANK (a NaN in its first K value, with the input check on, so
+// every rank names it), slow:RANK:MS (late by MS at every step, within the timeout: the run
+// succeeds), mismatch:RANK (it uses another head_dim: the set-up agreement names it).
+struct InjectSpec {
+  enum class Kind { kNone, kNeverArrive, kKill, kNan, kSlow, kMismatch };
+  Kind kind = Kind::kNone;
+  int rank = -1;
+  int64_t step = 0;  // never-arrive, kill
+  int ms = 0;        // slow
+  std::string to_string() const;
+};
+Result<InjectSpec> parse_inject(const std::string& text);
+
+// Output paths, checked before any work so that a run does not end in an unwritable path:
+// a file (--json, --csv) that can be created or written, not a directory; a plot also needs
+// gnuplot; an output directory (verify --save) is created now and must accept new files.
+// `flag` names the option in the message.
+Status check_output_file(const std::string& flag, const std::string& path);
+Status check_plot_output(const std::string& flag, const std::string& path);
+Status prepare_output_dir(const std::string& flag, const std::string& dir);
+// --timeout-ms: >= 0 (0 waits forever).
+Status check_timeout_ms(const std::string& flag, int64_t ms);
 std::string format_bytes(double bytes);    // "1.50 GiB"
 
 // Flags that describe the decode problem; every subcommand has them.

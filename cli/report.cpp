@@ -26,6 +26,16 @@ double percentile(const std::vector<double>& sorted, double p) {
   return sorted[lo] * (1 - f) + sorted[hi] * f;
 }
 
+// Text inside a gnuplot single-quoted string: a quote is written twice.
+std::string gnuplot_quoted(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '\'') out += '\'';
+    if (c != '\n') out += c;
+  }
+  return out;
+}
+
 std::string us(double v) {
   if (v >= 1e6) return fmt::format("{:.2f}s", v / 1e6);
   if (v >= 1e4) return fmt::format("{:.1f}ms", v / 1e3);
@@ -77,6 +87,7 @@ nlohmann::json Point::to_json() const {
       {"kv_bytes_read", kv_bytes_read},
       {"kv_gbps", kv_gbps},
       {"max_rel_err", max_rel_err},
+      {"output_sha256", output_sha256},
       {"tolerance", tolerance},
       {"ok", ok},
   };
@@ -110,6 +121,7 @@ Point Point::from_json(const nlohmann::json& j) {
   p.kv_bytes_read = j.at("kv_bytes_read");
   p.kv_gbps = j.at("kv_gbps");
   p.max_rel_err = j.at("max_rel_err");
+  p.output_sha256 = j.value("output_sha256", std::string());
   p.tolerance = j.at("tolerance");
   p.ok = j.at("ok");
   return p;
@@ -199,7 +211,7 @@ Status write_plot(const std::string& path, const std::vector<Point>& points,
       "set multiplot layout 1,2 title '{}'\n"
       "set logscale xy\nset grid\nset key left top\n"
       "set xlabel 'context tokens'\nset ylabel 'p50 latency per decode step (us)'\n",
-      path, title);
+      gnuplot_quoted(path), gnuplot_quoted(title));
   auto plot_cmd = [&](int col) {
     std::string s = "plot ";
     int idx = 0;

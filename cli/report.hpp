@@ -37,6 +37,7 @@ struct Point {
   uint64_t kv_bytes_read = 0;               // KV bytes all ranks' kernels read in one step
   double kv_gbps = 0;                       // kv_bytes_read / p50 latency (aggregate)
   double max_rel_err = 0;                   // vs the float64 reference, outside the timed loop
+  std::string output_sha256;                // of the last step's output + LSE (rank 0's), measure.hpp
   double tolerance = 0;
   bool ok = true;
 

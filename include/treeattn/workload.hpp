@@ -26,6 +26,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -87,6 +88,17 @@ struct RunConfig {
   bool check_inputs = false;                 // scan q, K, V for NaN/Inf and name the rank
   bool keep_states = true;                   // keep every timed step's merged states in the report
   int inject_nan_rank = -1;  // fault injection: that rank puts a NaN in its first K value
+  // More fault injection (treeattn run/bench --inject, tools/soak.sh). At decode step
+  // inject_step (warm-up steps counted from 0) rank inject_never_arrive_rank stops taking part
+  // (it sleeps until the others' timeout ends the job) and rank inject_kill_rank kills itself
+  // with SIGKILL; rank inject_slow_rank sleeps inject_slow_ms before every step.
+  int inject_never_arrive_rank = -1;
+  int inject_kill_rank = -1;
+  int64_t inject_step = 0;
+  int inject_slow_rank = -1;
+  int inject_slow_ms = 0;
+  // Called on every rank as each decode step begins (progress reporting); may be empty.
+  std::function<void(int64_t step)> on_step;
 };
 
 struct StepReport {

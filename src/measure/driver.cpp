@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstring>
 #include <limits>
+#include <thread>
 #include <vector>
 
 #include "treeattn/measure.hpp"
@@ -172,6 +174,24 @@ Status inject_nan(const WorkloadSpec& w, DecodeSession& s) {
   return s.store(0, b, pos, k.data(), v.data());
 }
 
+// Debug fault injection (RunConfig::inject_*), as step `step` begins on this rank.
+Status inject_faults(const Communicator& comm, const RunConfig& c, int64_t step) {
+  const int me = comm.rank();
+  if (c.inject_slow_rank == me && c.inject_slow_ms > 0)
+    std::this_thread::sleep_for(std::chrono::milliseconds(c.inject_slow_ms));
+  if (step != c.inject_step) return Status::ok();
+  if (c.inject_kill_rank == me) std::raise(SIGKILL);
+  if (c.inject_never_arrive_rank == me) {
+    // Sleep past the others' timeout (they name this rank and end the job); bounded, so that
+    // a job without a timeout still ends.
+    std::this_thread::sleep_for(std::max<std::chrono::milliseconds>(
+        std::chrono::milliseconds(30000), 4 * c.timeout));
+    return internal_error(rank_prefix(comm) + "injected fault: never arrived at step " +
+                          std::to_string(step) + " (and no other rank ended the job)");
+  }
+  return Status::ok();
+}
+
 // The K/V of the token every row appends after step `step` (its next position), all rows.
 void next_tokens(const WorkloadSpec& w, const DecodeSession& s, std::vector<float>& k,
                  std::vector<float>& v) {
@@ -306,6 +326,8 @@ Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConf
   const std::size_t n = slots.size();
   for (int step = 0; step < total_steps; ++step) {
     comm.set_context("step " + std::to_string(step));
+    if (config.on_step) config.on_step(step);
+    TREEATTN_RETURN_IF_ERROR(inject_faults(comm, config, step));
     make_query(spec, step, q.data());
     const bool timed = step >= config.warmup;
     // Round robin, starting one strategy later every step, so neither slow drift of a shared
