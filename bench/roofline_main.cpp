@@ -1,10 +1,17 @@
 // treeattn_roofline: prints the kernel roofline table (bandwidth probe, FMA probe, kernel and
-// OpenBLAS peer timings) until the CLI exposes it as `treeattn bench --kernel`.
+// OpenBLAS peer timings), the table of `treeattn bench --kernel`, with the knobs used to compare
+// the tiled KV layout's alternatives in one run.
 //
 //   treeattn_roofline [--dtype f32,bf16,f16,fp8,int8] [--threads 0,1] [--repeats 5] [--isa auto]
-//                     [--seq N] [--batch B] [--q-len Q] [--chunk N] [--probe-mib 1024]
-//                     [--no-peer] [--json FILE]
-// --seq/--batch/--q-len replace the default cases with one llama3-8b-shaped case.
+//                     [--seq N,...] [--batch B] [--q-len Q] [--heads H] [--kv-heads K]
+//                     [--head-dim D] [--chunk N] [--probe-mib 1024] [--probe-once]
+//                     [--layouts rows,tiled] [--tile-tokens 16,32] [--tile-layout split,interleaved]
+//                     [--no-peer] [--no-check] [--json FILE]
+// --seq (a list) replaces the default cases with one case per length of the shape given by
+// --batch/--q-len/--heads/--kv-heads/--head-dim (default llama3-8b: 32, 8, 128). The tiled
+// layout is timed once per (tile tokens x tile layout); the environment variables
+// TREEATTN_TILED_BLOCK_TILES and TREEATTN_TILED_PREFETCH_BYTES set the tiled kernel's block
+// and prefetch distance for a run (see src/kernels/cpu/cpu_targets.hpp).
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -38,7 +45,11 @@ int main(int argc, char** argv) {
   using namespace treeattn;
   RooflineOptions opt;
   std::string json;
-  int64_t seq = 0, batch = 1, q_len = 1;
+  int64_t batch = 1, q_len = 1, heads = 32, kv_heads = 8, head_dim = 128;
+  std::vector<int64_t> seqs;
+  std::vector<int64_t> tile_tokens{kKVTileTokens};
+  std::vector<KVTileLayout> tile_layouts{kKVTileLayout};
+  bool tiled = true;
   for (int i = 1; i < argc; ++i) {
     const std::string_view a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
@@ -59,7 +70,38 @@ int main(int argc, char** argv) {
       if (!isa.is_ok()) return usage(isa.status().message().c_str());
       opt.isa = isa.value();
     } else if (a == "--seq") {
-      seq = std::atoll(next().c_str());
+      for (const std::string& t : split(next())) seqs.push_back(std::atoll(t.c_str()));
+    } else if (a == "--heads") {
+      heads = std::atoll(next().c_str());
+    } else if (a == "--kv-heads") {
+      kv_heads = std::atoll(next().c_str());
+    } else if (a == "--head-dim") {
+      head_dim = std::atoll(next().c_str());
+    } else if (a == "--probe-once") {
+      opt.probe_each_repeat = false;
+    } else if (a == "--no-check") {
+      opt.check = false;
+    } else if (a == "--layouts") {
+      opt.rows = tiled = false;
+      for (const std::string& l : split(next())) {
+        if (l == "rows") {
+          opt.rows = true;
+        } else if (l == "tiled") {
+          tiled = true;
+        } else {
+          return usage(("unknown layout '" + l + "' (rows, tiled)").c_str());
+        }
+      }
+    } else if (a == "--tile-tokens") {
+      tile_tokens.clear();
+      for (const std::string& t : split(next())) tile_tokens.push_back(std::atoll(t.c_str()));
+    } else if (a == "--tile-layout") {
+      tile_layouts.clear();
+      for (const std::string& l : split(next())) {
+        const Result<KVTileLayout> tl = parse_kv_tile_layout(l);
+        if (!tl.is_ok()) return usage(tl.status().message().c_str());
+        tile_layouts.push_back(tl.value());
+      }
     } else if (a == "--batch") {
       batch = std::atoll(next().c_str());
     } else if (a == "--q-len") {
@@ -76,7 +118,12 @@ int main(int argc, char** argv) {
       return usage(("unknown option '" + std::string(a) + "'").c_str());
     }
   }
-  if (seq > 0) opt.cases = {RooflineCase{AttnShape{batch, 32, 8, 128, q_len}, seq}};
+  for (int64_t seq : seqs)
+    opt.cases.push_back(RooflineCase{AttnShape{batch, heads, kv_heads, head_dim, q_len}, seq});
+  opt.tiles.clear();
+  if (tiled)
+    for (int64_t tt : tile_tokens)
+      for (KVTileLayout tl : tile_layouts) opt.tiles.push_back(RooflineTiles{tt, tl});
   const Result<std::vector<RooflineRecord>> r = run_roofline(opt);
   if (!r.is_ok()) {
     std::fprintf(stderr, "treeattn_roofline: %s\n", r.status().to_string().c_str());

@@ -8,6 +8,14 @@
 // reports the achieved KV read rate and its fraction of each limit. Optionally it times the
 // OpenBLAS peer (f32 only) in the same run.
 //
+// Two KV layouts are timed side by side on the same values (record field `layout`): "rows",
+// the caller's [batch][kv_heads][tokens][head_dim] read by decode_partial(), and "tiled", the
+// library-owned tile layout of kv_tiles.hpp read by decode_partial_tiled() (one record per
+// tile configuration asked for). Within a case the timed runs of every layout alternate, and
+// with probe_each_repeat the bandwidth probe runs before each round, so the machine's load
+// drifts equally over all of them; fraction_of_bandwidth is then the median over rounds of
+// (kernel GB/s / probe GB/s of that round), bandwidth_gbps the median probe.
+//
 //   bandwidth:  streaming read of a buffer much larger than the caches (default 1 GiB),
 //               every thread reading its own contiguous part, median of repeats.
 //   peak:       independent FMA chains in registers with the kernel's ISA, median of repeats.
@@ -24,6 +32,7 @@
 #include <vector>
 
 #include "treeattn/kernel.hpp"
+#include "treeattn/kv_tiles.hpp"
 #include "treeattn/shape.hpp"
 #include "treeattn/status.hpp"
 
@@ -32,6 +41,12 @@ namespace treeattn {
 struct RooflineCase {
   AttnShape shape;  // batch, heads, kv_heads, head_dim, q_len
   int64_t seq = 0;  // KV tokens per batch row
+};
+
+// A tiled-layout configuration to time: tile size and placement (kv_tiles.hpp).
+struct RooflineTiles {
+  int64_t tile_tokens = kKVTileTokens;
+  KVTileLayout layout = kKVTileLayout;
 };
 
 struct RooflineOptions {
@@ -44,20 +59,26 @@ struct RooflineOptions {
   int64_t probe_bytes = int64_t{1} << 30;   // bandwidth probe buffer
   bool peer = true;                         // also time the OpenBLAS peer (f32 only)
   bool check = true;                        // compare one output row set with the reference
+  bool rows = true;                         // time the caller's row layout (decode_partial)
+  std::vector<RooflineTiles> tiles{RooflineTiles{}};  // tiled configurations (empty: none)
+  bool probe_each_repeat = true;            // re-run the bandwidth probe before every round
 };
 
 struct RooflineRecord {
   std::string shape;            // AttnShape::to_string()
   std::string dtype;            // "f32", "bf16", "f16"
   std::string isa;              // kernel target that ran
+  std::string layout;           // "rows" or "tiled"
+  int64_t tile_tokens = 0;      // tiled: tokens per tile (0 for rows)
+  std::string tile_layout;      // tiled: "split" or "interleaved" (empty for rows)
   int64_t batch = 0, heads = 0, kv_heads = 0, head_dim = 0, q_len = 0;
   int64_t seq = 0;              // KV tokens per batch row
   int threads = 0;
   int64_t kv_bytes = 0;
   double seconds = 0;           // median kernel time
   double gbps = 0;              // kv_bytes / seconds / 1e9
-  double bandwidth_gbps = 0;    // measured by the probe with the same threads
-  double fraction_of_bandwidth = 0;
+  double bandwidth_gbps = 0;    // measured by the probe with the same threads (median)
+  double fraction_of_bandwidth = 0;  // median over rounds of gbps / probe (see above)
   double flops = 0;
   double peak_gflops = 0;       // measured FMA peak with the same threads and ISA
   double compute_seconds = 0;   // flops / peak

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "kernels/cpu/cpu_targets.hpp"
+#include "treeattn/kv_tiles.hpp"
 #include "treeattn/oracle.hpp"
 #include "treeattn/peer.hpp"
 #include "treeattn/state.hpp"
@@ -122,6 +123,61 @@ std::string fmt(const char* f, double v) {
   return buf;
 }
 
+
+// The streaming-read probe: a buffer much larger than the caches, each thread reading its own
+// contiguous part (first touched by that thread). run() times one pass and returns GB/s.
+class BandwidthProbe {
+ public:
+  static Result<std::unique_ptr<BandwidthProbe>> create(int threads, int64_t bytes) {
+    if (bytes < (int64_t{1} << 20))
+      return invalid_argument("bandwidth probe needs at least 1 MiB, got " + std::to_string(bytes));
+    auto p = std::unique_ptr<BandwidthProbe>(new BandwidthProbe(threads, bytes));
+    if (p->read_ == nullptr) return internal_error("no read-stream probe built for this CPU");
+    if (p->buf_.data() == nullptr)
+      return Status(Code::kOutOfMemory, "cannot allocate the probe buffer");
+    float* f = p->floats();
+    const std::size_t n = p->floats_per_thread_;
+#pragma omp parallel num_threads(p->threads_)
+    {
+      const std::size_t tid = static_cast<std::size_t>(omp_get_thread_num());
+      std::memset(f + tid * n, 0, n * 4);
+    }
+    return p;
+  }
+
+  double run() {
+    float sum = 0;
+    float* f = floats();
+    const std::size_t n = floats_per_thread_;
+    const kernels::cpu::ReadStreamFn read = read_;
+    const auto t0 = Clock::now();
+#pragma omp parallel num_threads(threads_) reduction(+ : sum)
+    {
+      const std::size_t tid = static_cast<std::size_t>(omp_get_thread_num());
+      sum += read(f + tid * n, static_cast<int64_t>(n));
+    }
+    const double s = seconds_since(t0);
+    sink_ = sink_ + sum;
+    return static_cast<double>(per_thread_) * threads_ / s / 1e9;
+  }
+
+ private:
+  BandwidthProbe(int threads, int64_t bytes)
+      : threads_(resolve_threads(threads)),
+        per_thread_(bytes / threads_ / 512 * 512),  // whole 512-byte lines per thread
+        floats_per_thread_(static_cast<std::size_t>(per_thread_ / 4)),
+        read_(kernels::cpu::read_stream_for(probe_isa(Isa::kAuto))),
+        buf_(static_cast<std::size_t>(per_thread_) * static_cast<std::size_t>(threads_)) {}
+  float* floats() const { return reinterpret_cast<float*>(buf_.data()); }
+
+  int threads_;
+  int64_t per_thread_;
+  std::size_t floats_per_thread_;
+  kernels::cpu::ReadStreamFn read_;
+  AlignedBuffer buf_;
+  volatile float sink_ = 0;
+};
+
 }  // namespace
 
 std::vector<RooflineCase> default_roofline_cases() {
@@ -133,36 +189,13 @@ std::vector<RooflineCase> default_roofline_cases() {
 }
 
 Result<double> measure_read_bandwidth(int threads, int64_t bytes, int repeats) {
-  if (bytes < (int64_t{1} << 20))
-    return invalid_argument("bandwidth probe needs at least 1 MiB, got " + std::to_string(bytes));
   if (repeats < 1) return invalid_argument("repeats must be >= 1, got " + std::to_string(repeats));
-  const int T = resolve_threads(threads);
-  const kernels::cpu::ReadStreamFn read = kernels::cpu::read_stream_for(probe_isa(Isa::kAuto));
-  if (read == nullptr) return internal_error("no read-stream probe built for this CPU");
-  // Whole 512-byte lines per thread.
-  const int64_t per_thread = bytes / T / 512 * 512;
-  const std::size_t floats_per_thread = static_cast<std::size_t>(per_thread / 4);
-  AlignedBuffer buf(static_cast<std::size_t>(per_thread) * static_cast<std::size_t>(T));
-  if (buf.data() == nullptr) return Status(Code::kOutOfMemory, "cannot allocate the probe buffer");
-  auto* f = reinterpret_cast<float*>(buf.data());
-#pragma omp parallel num_threads(T)
-  {
-    const std::size_t tid = static_cast<std::size_t>(omp_get_thread_num());
-    std::memset(f + tid * floats_per_thread, 0, floats_per_thread * 4);
-  }
+  Result<std::unique_ptr<BandwidthProbe>> probe = BandwidthProbe::create(threads, bytes);
+  if (!probe.is_ok()) return probe.status();
   std::vector<double> rates;
-  volatile float sink = 0;
   for (int r = 0; r < repeats + 1; ++r) {
-    float sum = 0;
-    const auto t0 = Clock::now();
-#pragma omp parallel num_threads(T) reduction(+ : sum)
-    {
-      const std::size_t tid = static_cast<std::size_t>(omp_get_thread_num());
-      sum += read(f + tid * floats_per_thread, static_cast<int64_t>(floats_per_thread));
-    }
-    const double s = seconds_since(t0);
-    sink = sink + sum;
-    if (r > 0) rates.push_back(static_cast<double>(per_thread) * T / s / 1e9);  // r = 0: warm-up
+    const double gbps = probe.value()->run();
+    if (r > 0) rates.push_back(gbps);  // r = 0: warm-up
   }
   return median(rates);
 }
@@ -206,11 +239,27 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
   if (!isa_supported(isa))
     return unsupported("ISA target " + std::string(isa_name(isa)) + " is not supported by this CPU");
 
+  if (!options.rows && options.tiles.empty())
+    return invalid_argument("roofline: no KV layout to time (rows off and no tile configuration)");
+  for (const RooflineTiles& tc : options.tiles)
+    if (tc.tile_tokens < 16 || tc.tile_tokens > 256 || tc.tile_tokens % 16 != 0)
+      return invalid_argument("roofline: tile_tokens must be a multiple of 16 in [16, 256], got " +
+                              std::to_string(tc.tile_tokens));
+
   std::vector<RooflineRecord> out;
   for (int threads_opt : options.threads) {
     const int T = resolve_threads(threads_opt);
-    Result<double> bw = measure_read_bandwidth(T, options.probe_bytes, options.repeats);
-    if (!bw.is_ok()) return bw.status();
+    Result<std::unique_ptr<BandwidthProbe>> probe = BandwidthProbe::create(T, options.probe_bytes);
+    if (!probe.is_ok()) return probe.status();
+    double bw_once = 0;  // without probe_each_repeat: one median for the thread count
+    if (!options.probe_each_repeat) {
+      std::vector<double> rates;
+      for (int r = 0; r < options.repeats + 1; ++r) {
+        const double g = probe.value()->run();
+        if (r > 0) rates.push_back(g);
+      }
+      bw_once = median(rates);
+    }
     Result<double> peak = measure_peak_gflops(T, isa, options.repeats);
     if (!peak.is_ok()) return peak.status();
 
@@ -268,94 +317,135 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
         opt.isa = isa;
         opt.chunk_tokens = options.chunk_tokens;
 
-        std::vector<double> times;
+        // The layouts timed for this case: rows, then each tiled configuration (same values).
+        struct Variant {
+          std::string layout;
+          RooflineTiles tiles;
+          TiledKVCache cache;
+          std::vector<double> seconds, fractions;
+        };
+        std::vector<Variant> variants;
+        if (options.rows) variants.push_back(Variant{"rows", {0, kKVTileLayout}, {}, {}, {}});
+        for (const RooflineTiles& tc : options.tiles) {
+          Result<TiledKVCache> tiled =
+              TiledKVCache::copy_from(s, kv, 0, tc.layout, tc.tile_tokens);
+          if (!tiled.is_ok()) return tiled.status();
+          variants.push_back(Variant{"tiled", tc, std::move(tiled).value(), {}, {}});
+        }
+        auto run_variant = [&](const Variant& v, const AttnShape& shape, std::span<const int64_t> l,
+                               float* st) -> Status {
+          if (v.layout == "rows") {
+            KVShard view = kv;
+            view.len = l;
+            view.total_len = l;
+            return decode_partial(shape, q.data(), view, st, opt);
+          }
+          return decode_partial_tiled(shape, q.data(), v.cache.view(l, start, l), st, opt);
+        };
+        const int64_t kv_bytes =
+            static_cast<int64_t>(2 * kv_elems * es + (quant ? 2 * kv_tokens * 4 : 0));
+        std::vector<double> probes;
         for (int r = 0; r < options.repeats + 1; ++r) {
-          const auto t0 = Clock::now();
-          TREEATTN_RETURN_IF_ERROR(decode_partial(s, q.data(), kv, states.data(), opt));
-          if (r > 0) times.push_back(seconds_since(t0));
-        }
-
-        RooflineRecord rec;
-        rec.shape = s.to_string();
-        rec.dtype = std::string(dtype_name(t));
-        rec.isa = std::string(isa_name(isa));
-        rec.batch = s.batch;
-        rec.heads = s.heads;
-        rec.kv_heads = s.kv_heads;
-        rec.head_dim = s.head_dim;
-        rec.q_len = s.q_len;
-        rec.seq = c.seq;
-        rec.threads = T;
-        // Quantized: the per-token scales are read too.
-        rec.kv_bytes = static_cast<int64_t>(2 * kv_elems * es + (quant ? 2 * kv_tokens * 4 : 0));
-        rec.seconds = median(times);
-        rec.gbps = static_cast<double>(rec.kv_bytes) / rec.seconds / 1e9;
-        rec.bandwidth_gbps = bw.value();
-        rec.fraction_of_bandwidth = rec.gbps / rec.bandwidth_gbps;
-        rec.flops = 4.0 * static_cast<double>(s.batch * s.heads * s.q_len) *
-                    static_cast<double>(c.seq) * static_cast<double>(s.head_dim);
-        rec.peak_gflops = peak.value();
-        rec.compute_seconds = rec.flops / (rec.peak_gflops * 1e9);
-        rec.memory_seconds = static_cast<double>(rec.kv_bytes) / (rec.bandwidth_gbps * 1e9);
-        rec.bound = rec.compute_seconds > rec.memory_seconds ? "compute" : "memory";
-        rec.fraction_of_bound = std::max(rec.compute_seconds, rec.memory_seconds) / rec.seconds;
-
-        if (options.check) {
-          // Oracle on the first 2048 tokens of batch row 0 (a view of the same data).
-          AttnShape cs = s;
-          cs.batch = 1;
-          std::vector<int64_t> cl{std::min<int64_t>(c.seq, 2048)}, c0{0};
-          KVShard ck = kv;
-          ck.len = cl;
-          ck.pos_start = c0;
-          ck.total_len = cl;
-          const std::size_t crow = static_cast<std::size_t>(cs.q_len * cs.heads);
-          const std::size_t D = static_cast<std::size_t>(s.head_dim);
-          std::vector<float> cst(crow * (D + 2));
-          TREEATTN_RETURN_IF_ERROR(decode_partial(cs, q.data(), ck, cst.data(), opt));
-          std::vector<double> ref(crow * D), lse(crow);
-          TREEATTN_RETURN_IF_ERROR(oracle_attention(cs, q.data(), ck, ref.data(), lse.data()));
-          rec.max_rel_error = rel_error(cst, ref, crow, D);
-          if (quant) {
-            // The same check rows against the oracle on the unquantized values (table token
-            // (h * seq + j) % kPeriod for head h, token j of batch row 0).
-            const int64_t n = cl[0];
-            std::vector<float> kf(static_cast<std::size_t>(s.kv_heads * n) * D), vf(kf.size());
-            for (int64_t h = 0; h < s.kv_heads; ++h)
-              for (int64_t j = 0; j < n; ++j) {
-                const auto src = static_cast<std::size_t>((h * c.seq + j) % kPeriod) * D;
-                const auto dst = static_cast<std::size_t>(h * n + j) * D;
-                std::memcpy(kf.data() + dst, ktable.data() + src, D * sizeof(float));
-                std::memcpy(vf.data() + dst, vtable.data() + src, D * sizeof(float));
-              }
-            KVShard uk = ck;
-            uk.dtype = DType::kF32;
-            uk.k = kf.data();
-            uk.v = vf.data();
-            uk.stride_token = s.head_dim;
-            uk.stride_head = n * s.head_dim;
-            uk.stride_batch = s.kv_heads * uk.stride_head;
-            uk.k_scale = uk.v_scale = nullptr;
-            TREEATTN_RETURN_IF_ERROR(oracle_attention(cs, q.data(), uk, ref.data(), lse.data()));
-            rec.max_rel_error_unquantized = rel_error(cst, ref, crow, D);
-          }
-        }
-
-        if (options.peer && t == DType::kF32 && openblas_available()) {
-          std::vector<double> pt;
-          for (int r = 0; r < options.repeats + 1; ++r) {
+          const double bw_r = options.probe_each_repeat ? probe.value()->run() : bw_once;
+          if (r > 0) probes.push_back(bw_r);
+          for (Variant& v : variants) {
             const auto t0 = Clock::now();
-            TREEATTN_RETURN_IF_ERROR(
-                openblas_decode_partial(s, q.data(), kv, states.data(), 0.0f, T));
-            if (r > 0) pt.push_back(seconds_since(t0));
+            TREEATTN_RETURN_IF_ERROR(run_variant(v, s, len, states.data()));
+            const double sec = seconds_since(t0);
+            if (r == 0) continue;  // warm-up round
+            v.seconds.push_back(sec);
+            v.fractions.push_back(static_cast<double>(kv_bytes) / sec / 1e9 / bw_r);
           }
-          rec.peer_seconds = median(pt);
-          rec.ours_over_peer = rec.seconds / rec.peer_seconds;
-          // OpenBLAS's worker threads busy-wait for a while after a call (THREAD_TIMEOUT,
-          // ~2^28 cycles) and would steal the cores the next kernel timing runs on.
-          std::this_thread::sleep_for(std::chrono::milliseconds(500));
         }
-        out.push_back(rec);
+
+        for (Variant& v : variants) {
+          RooflineRecord rec;
+          rec.shape = s.to_string();
+          rec.dtype = std::string(dtype_name(t));
+          rec.isa = std::string(isa_name(isa));
+          rec.layout = v.layout;
+          if (v.layout == "tiled") {
+            rec.tile_tokens = v.tiles.tile_tokens;
+            rec.tile_layout = std::string(kv_tile_layout_name(v.tiles.layout));
+          }
+          rec.batch = s.batch;
+          rec.heads = s.heads;
+          rec.kv_heads = s.kv_heads;
+          rec.head_dim = s.head_dim;
+          rec.q_len = s.q_len;
+          rec.seq = c.seq;
+          rec.threads = T;
+          // Quantized: the per-token scales are read too.
+          rec.kv_bytes = kv_bytes;
+          rec.seconds = median(v.seconds);
+          rec.gbps = static_cast<double>(rec.kv_bytes) / rec.seconds / 1e9;
+          rec.bandwidth_gbps = median(probes);
+          rec.fraction_of_bandwidth = median(v.fractions);
+          rec.flops = 4.0 * static_cast<double>(s.batch * s.heads * s.q_len) *
+                      static_cast<double>(c.seq) * static_cast<double>(s.head_dim);
+          rec.peak_gflops = peak.value();
+          rec.compute_seconds = rec.flops / (rec.peak_gflops * 1e9);
+          rec.memory_seconds = static_cast<double>(rec.kv_bytes) / (rec.bandwidth_gbps * 1e9);
+          rec.bound = rec.compute_seconds > rec.memory_seconds ? "compute" : "memory";
+          rec.fraction_of_bound = std::max(rec.compute_seconds, rec.memory_seconds) / rec.seconds;
+
+          if (options.check) {
+            // Oracle on the first 2048 tokens of batch row 0 (a view of the same data).
+            AttnShape cs = s;
+            cs.batch = 1;
+            std::vector<int64_t> cl{std::min<int64_t>(c.seq, 2048)}, c0{0};
+            KVShard ck = kv;
+            ck.len = cl;
+            ck.pos_start = c0;
+            ck.total_len = cl;
+            const std::size_t crow = static_cast<std::size_t>(cs.q_len * cs.heads);
+            const std::size_t D = static_cast<std::size_t>(s.head_dim);
+            std::vector<float> cst(crow * (D + 2));
+            TREEATTN_RETURN_IF_ERROR(run_variant(v, cs, cl, cst.data()));
+            std::vector<double> ref(crow * D), lse(crow);
+            TREEATTN_RETURN_IF_ERROR(oracle_attention(cs, q.data(), ck, ref.data(), lse.data()));
+            rec.max_rel_error = rel_error(cst, ref, crow, D);
+            if (quant) {
+              // The same check rows against the oracle on the unquantized values (table token
+              // (h * seq + j) % kPeriod for head h, token j of batch row 0).
+              const int64_t n = cl[0];
+              std::vector<float> kf(static_cast<std::size_t>(s.kv_heads * n) * D), vf(kf.size());
+              for (int64_t h = 0; h < s.kv_heads; ++h)
+                for (int64_t j = 0; j < n; ++j) {
+                  const auto src = static_cast<std::size_t>((h * c.seq + j) % kPeriod) * D;
+                  const auto dst = static_cast<std::size_t>(h * n + j) * D;
+                  std::memcpy(kf.data() + dst, ktable.data() + src, D * sizeof(float));
+                  std::memcpy(vf.data() + dst, vtable.data() + src, D * sizeof(float));
+                }
+              KVShard uk = ck;
+              uk.dtype = DType::kF32;
+              uk.k = kf.data();
+              uk.v = vf.data();
+              uk.stride_token = s.head_dim;
+              uk.stride_head = n * s.head_dim;
+              uk.stride_batch = s.kv_heads * uk.stride_head;
+              uk.k_scale = uk.v_scale = nullptr;
+              TREEATTN_RETURN_IF_ERROR(oracle_attention(cs, q.data(), uk, ref.data(), lse.data()));
+              rec.max_rel_error_unquantized = rel_error(cst, ref, crow, D);
+            }
+          }
+
+          if (options.peer && v.layout == "rows" && t == DType::kF32 && openblas_available()) {
+            std::vector<double> pt;
+            for (int r = 0; r < options.repeats + 1; ++r) {
+              const auto t0 = Clock::now();
+              TREEATTN_RETURN_IF_ERROR(
+                  openblas_decode_partial(s, q.data(), kv, states.data(), 0.0f, T));
+              if (r > 0) pt.push_back(seconds_since(t0));
+            }
+            rec.peer_seconds = median(pt);
+            rec.ours_over_peer = rec.seconds / rec.peer_seconds;
+            // OpenBLAS's worker threads busy-wait for a while after a call (THREAD_TIMEOUT,
+            // ~2^28 cycles) and would steal the cores the next kernel timing runs on.
+            std::this_thread::sleep_for(std::chrono::milliseconds(500));
+          }
+          out.push_back(rec);
+        }
       }
     }
   }
@@ -366,9 +456,9 @@ std::string roofline_table(const std::vector<RooflineRecord>& records) {
   std::string s;
   char line[512];
   std::snprintf(line, sizeof line,
-                "%-26s %-5s %-7s %3s %7s %8s %8s %7s %7s %6s %8s %-7s %6s %9s %9s %8s %8s\n", "shape",
-                "dtype", "isa", "thr", "seq", "kv_MB", "ms", "GB/s", "bw_GB/s", "frac",
-                "peak_GF", "bound", "f_bnd", "blas_ms", "ours/blas", "rel_err", "err_unq");
+                "%-26s %-5s %-7s %-16s %3s %7s %8s %8s %7s %7s %6s %8s %-7s %6s %9s %9s %8s %8s\n",
+                "shape", "dtype", "isa", "layout", "thr", "seq", "kv_MB", "ms", "GB/s", "bw_GB/s",
+                "frac", "peak_GF", "bound", "f_bnd", "blas_ms", "ours/blas", "rel_err", "err_unq");
   s += line;
   for (const RooflineRecord& r : records) {
     const std::string peer_ms = r.peer_seconds >= 0 ? fmt("%.2f", r.peer_seconds * 1e3) : "-";
@@ -376,10 +466,14 @@ std::string roofline_table(const std::vector<RooflineRecord>& records) {
     const std::string err = r.max_rel_error >= 0 ? fmt("%.1e", r.max_rel_error) : "-";
     const std::string errq =
         r.max_rel_error_unquantized >= 0 ? fmt("%.1e", r.max_rel_error_unquantized) : "-";
+    const std::string layout =
+        r.layout == "tiled"
+            ? "tiled" + std::to_string(r.tile_tokens) + "-" + r.tile_layout
+            : r.layout;
     std::snprintf(line, sizeof line,
-                  "%-26s %-5s %-7s %3d %7lld %8.1f %8.2f %7.2f %7.2f %6.3f %8.1f %-7s %6.3f %9s "
-                  "%9s %8s %8s\n",
-                  r.shape.c_str(), r.dtype.c_str(), r.isa.c_str(), r.threads,
+                  "%-26s %-5s %-7s %-16s %3d %7lld %8.1f %8.2f %7.2f %7.2f %6.3f %8.1f %-7s %6.3f "
+                  "%9s %9s %8s %8s\n",
+                  r.shape.c_str(), r.dtype.c_str(), r.isa.c_str(), layout.c_str(), r.threads,
                   static_cast<long long>(r.seq), static_cast<double>(r.kv_bytes) / 1048576.0,
                   r.seconds * 1e3, r.gbps, r.bandwidth_gbps, r.fraction_of_bandwidth,
                   r.peak_gflops, r.bound.c_str(), r.fraction_of_bound, peer_ms.c_str(),
@@ -396,7 +490,8 @@ std::string roofline_json(const std::vector<RooflineRecord>& records) {
     auto num = [](double v) { return fmt("%.9g", v); };
     s += i ? ",\n " : "\n ";
     s += "{\"shape\": \"" + r.shape + "\", \"dtype\": \"" + r.dtype + "\", \"isa\": \"" + r.isa +
-         "\", \"batch\": " + std::to_string(r.batch) + ", \"heads\": " + std::to_string(r.heads) +
+         "\", \"layout\": \"" + r.layout + "\", \"tile_tokens\": " + std::to_string(r.tile_tokens) +
+         ", \"tile_layout\": \"" + r.tile_layout + "\", \"batch\": " + std::to_string(r.batch) + ", \"heads\": " + std::to_string(r.heads) +
          ", \"kv_heads\": " + std::to_string(r.kv_heads) +
          ", \"head_dim\": " + std::to_string(r.head_dim) + ", \"q_len\": " + std::to_string(r.q_len) +
          ", \"seq\": " + std::to_string(r.seq) + ", \"threads\": " + std::to_string(r.threads) +

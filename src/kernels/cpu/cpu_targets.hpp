@@ -63,6 +63,41 @@ struct ItemArgs {
   int prefetch_tokens = 0;        // software prefetch distance in tokens (0: none)
 };
 
+// One item of the tiled kernel (kv_tiles.hpp layout): the R = group * q_len query rows of one
+// KV head against the tiles of one chunk. Tile i of the chunk: K^T [head_dim][tile_tokens] at
+// k + i * tile_stride, V [tile_tokens][head_dim] at v + i * tile_stride, and for fp8/int8 the
+// scales of its tokens at k_scale + i * scale_tile_stride (v_scale alike).
+struct TiledItemArgs {
+  int head_dim = 0;
+  DType dtype = DType::kF32;
+  int tile_tokens = 0;            // T: a multiple of 16
+  const char* k = nullptr;        // K^T of the chunk's first tile
+  const char* v = nullptr;        // V of the chunk's first tile
+  int64_t tile_stride = 0;        // bytes between tiles (K and V alike)
+  const float* k_scale = nullptr; // quantized dtypes: scales of the first tile's tokens
+  const float* v_scale = nullptr;
+  int64_t scale_tile_stride = 0;  // floats between the scales of consecutive tiles
+  int64_t tokens = 0;             // tokens any row of this item may see (>= 1)
+  int rows = 0;                   // R = group * q_len; row r = query (r / group), head r % group
+  const float* q = nullptr;       // R rows of head_dim floats, contiguous
+  const int64_t* visible = nullptr;  // per row: tokens of this chunk the row sees, in [0, tokens]
+  float scale = 1.0f;
+  float* out = nullptr;           // R records [m, l, o_0..o_{D-1}]
+  int block_tiles = 1;            // tiles per online-softmax block
+  float* scores = nullptr;        // scratch: (R + 2) * (block_tiles * tile_tokens + 32) floats
+  int64_t prefetch_bytes = 0;     // software prefetch distance per stream (0: none)
+};
+
+using TiledItemFn = void (*)(const TiledItemArgs&);
+
+// Tiles per online-softmax block of the tiled kernel and its software prefetch distance; the
+// measurements behind both are in tiled_item_impl.hpp. TREEATTN_TILED_BLOCK_TILES and
+// TREEATTN_TILED_PREFETCH_BYTES override them (read once; for experiments).
+inline constexpr int kTiledBlockTiles = 1;
+inline constexpr int64_t kTiledPrefetchBytes = 4096;
+int tiled_block_tiles();
+int64_t tiled_prefetch_bytes();
+
 // The default software prefetch distance in tokens for rows of row_bytes bytes;
 // TREEATTN_PREFETCH_TOKENS in the environment overrides it (read once; 0 disables; for
 // experiments on other CPUs).
@@ -89,18 +124,21 @@ FmaBurnFn fma_burn_for(Isa isa);
 
 namespace generic {
 void decode_item(const ItemArgs& a);
+void decode_tiled_item(const TiledItemArgs& a);
 void exp_array(const float* in, float* out, int64_t n);
 float read_stream(const float* p, int64_t n);
 float fma_burn(int64_t iters, float seed, double* flops);
 }  // namespace generic
 namespace avx2 {
 void decode_item(const ItemArgs& a);
+void decode_tiled_item(const TiledItemArgs& a);
 void exp_array(const float* in, float* out, int64_t n);
 float read_stream(const float* p, int64_t n);
 float fma_burn(int64_t iters, float seed, double* flops);
 }  // namespace avx2
 namespace avx512 {
 void decode_item(const ItemArgs& a);
+void decode_tiled_item(const TiledItemArgs& a);
 void exp_array(const float* in, float* out, int64_t n);
 float read_stream(const float* p, int64_t n);
 float fma_burn(int64_t iters, float seed, double* flops);

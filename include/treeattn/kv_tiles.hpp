@@ -1,0 +1,181 @@
+// The tiled KV cache: the layout the library stores appended tokens in when it owns the cache,
+// chosen so that the CPU decode kernel reads it at the memory limit.
+//
+// Every (batch row, KV head) holds a sequence of fixed-size token tiles. Inside tile i, which
+// holds tokens [i*T, (i+1)*T) of the row (T = tile_tokens):
+//   K   transposed, [head_dim][T]: the T keys' element d are contiguous, so the scores of a
+//       tile are vertical FMAs of a broadcast q[d] with one vector of tokens, no horizontal
+//       reduction (the caller layout [N][head_dim] needs one transposing sum per 16 scores);
+//   V   rows, [T][head_dim]: the output update broadcasts p[t] and walks V[t] along head_dim;
+//   scales (fp8, int8 only): float32 k_scale[T] and v_scale[T], one per token as in KVShard.
+// Element widths and encodings are dtype.hpp's; the last tile of a row may be partly filled
+// (slots past the row's length are never read into a result).
+//
+// Two placements of the tiles (KVTileLayout): kSplit keeps all K tiles of a (row, head) in one
+// region and all V tiles in another (two sequential streams, like the caller layout);
+// kInterleaved stores tile i as one record [K^T][V][k_scale][v_scale] (one stream).
+//
+// How the decode session should use it (it owns the KV shards through LocalShard):
+//   1. create:  auto c = TiledKVCache::create(shape, dtype, capacity_tokens);  // per layer
+//   2. append:  c->set_tokens(b, slot, k, v) with k, v [kv_heads][head_dim] floats (narrowed or
+//               quantized exactly like KVCache::set_token); before writing slot >= capacity(),
+//               c->reserve(2 * capacity()) (keeps the contents, may fail with kOutOfMemory).
+//               Caches that already hold codes: set_token_raw(); a whole KVShard: copy_from().
+//   3. attend:  TiledKVShard view = c->view(len, pos_start, total_len, pos_stride);
+//               decode_partial_tiled(shape, q, view, states, options);
+//      with exactly the len / pos_start / total_len / pos_stride spans LocalShard::view() puts
+//      into a KVShard today (local slot j of row b at global position pos_start[b] + j*stride).
+//      The states, the causal rule for q_len > 1, the -inf/NaN rules, the chunking and the
+//      bitwise independence of the thread count are decode_partial()'s (kernel.hpp); results
+//      are not bit-identical to decode_partial() (other summation order), both are within the
+//      oracle tolerance.
+//   Strategies that move KV between ranks (ring-kv) need the caller layout: read_token() or
+//   read_token_raw() give a token back, copy_from() takes a received KVShard.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <span>
+#include <string_view>
+
+#include "treeattn/dtype.hpp"
+#include "treeattn/kernel.hpp"
+#include "treeattn/shape.hpp"
+#include "treeattn/status.hpp"
+
+namespace treeattn {
+
+// Tokens per tile: a multiple of every vector width (16 floats), and 16 <= T <= 256. Chosen by
+// measurement with bench/treeattn_roofline --tile-tokens 16,32 --tile-layout split,interleaved
+// (numbers at kKVTileLayout below).
+inline constexpr int64_t kKVTileTokens = 32;
+
+enum class KVTileLayout : uint8_t {
+  kSplit,        // K tiles of a (row, head) contiguous, V tiles contiguous elsewhere
+  kInterleaved,  // tile i = [K^T][V][k_scale][v_scale], tiles contiguous
+};
+// The placement TiledKVCache uses unless told otherwise. First measurement (1 thread, llama3-8b
+// shape, bf16, 64k tokens, loaded machine, software prefetch 4-8 KiB ahead): interleaved 25-26
+// GB/s, split 12-15 GB/s (two streams whose prefetches collide), rows 17-18 GB/s.
+inline constexpr KVTileLayout kKVTileLayout = KVTileLayout::kInterleaved;
+
+std::string_view kv_tile_layout_name(KVTileLayout layout);  // "split", "interleaved"
+Result<KVTileLayout> parse_kv_tile_layout(std::string_view name);
+
+// A read-only view of a tiled KV shard. Token t of (batch row b, KV head h) is lane t % T of
+// tile t / T; with base(b, h, i) = b * batch_stride + h * head_stride + i * tile_stride bytes:
+//   K element d   at (const char*)k + base + (d * T + t % T) * dtype_size(dtype)
+//   V element d   at (const char*)v + base + ((t % T) * head_dim + d) * dtype_size(dtype)
+//   scales        k_scale[b * scale_batch_stride + h * scale_head_stride +
+//                         (t / T) * scale_tile_stride + t % T]   (and v_scale alike)
+// len, pos_start, total_len and pos_stride mean exactly what they mean in KVShard: row b has
+// len[b] tokens (slots 0 .. len[b]-1) at global positions pos_start[b] + j * pos_stride in a
+// context of total_len[b] tokens.
+struct TiledKVShard {
+  DType dtype = DType::kF32;
+  MemorySpace memory = MemorySpace::kHost;
+  int64_t tile_tokens = kKVTileTokens;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t tile_stride = 0;   // bytes between consecutive tiles of one (row, head)
+  int64_t head_stride = 0;   // bytes between KV heads
+  int64_t batch_stride = 0;  // bytes between batch rows
+  const float* k_scale = nullptr;  // quantized dtypes only
+  const float* v_scale = nullptr;
+  int64_t scale_tile_stride = 0;  // floats
+  int64_t scale_head_stride = 0;
+  int64_t scale_batch_stride = 0;
+  std::span<const int64_t> len;
+  std::span<const int64_t> pos_start;
+  std::span<const int64_t> total_len;
+  int64_t pos_stride = 1;
+
+  // The checks of KVShard::validate (spans, lengths, positions, pointers, scales) plus the
+  // tile size (a multiple of 16 in [16, 256]) and tile strides that hold a whole tile.
+  Status validate(const AttnShape& shape) const;
+};
+
+// An owning tiled cache of `capacity` token slots per (batch row, KV head), 64-byte aligned,
+// zero-filled. Not copyable (it may hold gigabytes); movable.
+class TiledKVCache {
+ public:
+  TiledKVCache() = default;
+  TiledKVCache(TiledKVCache&&) noexcept = default;
+  TiledKVCache& operator=(TiledKVCache&&) noexcept = default;
+
+  // capacity_tokens >= 0 (rounded up to whole tiles). Fails on an invalid shape, a tile size
+  // that is not a multiple of 16 in [16, 256], or when the memory cannot be allocated.
+  static Result<TiledKVCache> create(const AttnShape& shape, DType dtype, int64_t capacity_tokens,
+                                     KVTileLayout layout = kKVTileLayout,
+                                     int64_t tile_tokens = kKVTileTokens);
+  // The same tokens as a caller-layout view (raw copy: codes and scales are kept, so the
+  // cache holds bit-identical values). shape.batch rows, len[b] tokens each.
+  static Result<TiledKVCache> copy_from(const AttnShape& shape, const KVShard& src,
+                                        int64_t capacity_tokens = 0,
+                                        KVTileLayout layout = kKVTileLayout,
+                                        int64_t tile_tokens = kKVTileTokens);
+
+  const AttnShape& shape() const { return shape_; }
+  DType dtype() const { return dtype_; }
+  KVTileLayout layout() const { return layout_; }
+  int64_t tile_tokens() const { return tile_; }
+  int64_t capacity() const { return tiles_ * tile_; }  // token slots per (row, head)
+  std::size_t bytes() const { return bytes_; }           // everything allocated
+
+  // Writes slot t of (b, h) from head_dim floats each, narrowed (f16/bf16, round to nearest
+  // even) or quantized with a per-token scale (fp8/int8, quantize_token() in dtype.hpp) exactly
+  // as KVCache::set_token does. Requires 0 <= b < batch, 0 <= h < kv_heads, 0 <= t < capacity().
+  void set_token(int64_t b, int64_t h, int64_t t, const float* k, const float* v);
+  // set_token for every KV head of slot t: k, v are [kv_heads][head_dim] floats (the form
+  // LocalShard::set_slot and the session's appends take).
+  void set_tokens(int64_t b, int64_t t, const float* k, const float* v);
+  // Writes already-encoded elements (head_dim elements of dtype() each) and, for fp8/int8, the
+  // token's scales (ignored otherwise).
+  void set_token_raw(int64_t b, int64_t h, int64_t t, const void* k, const void* v,
+                     float k_scale = 0.0f, float v_scale = 0.0f);
+  // Reads slot t of (b, h) back: dequantize() of each element (exact for every dtype).
+  void read_token(int64_t b, int64_t h, int64_t t, float* k, float* v) const;
+  // Reads the encoded elements and scales back (scales are 0 for unquantized dtypes).
+  void read_token_raw(int64_t b, int64_t h, int64_t t, void* k, void* v, float* k_scale,
+                      float* v_scale) const;
+
+  // Makes room for at least `tokens` slots per (row, head), keeping every written slot.
+  Status reserve(int64_t tokens);
+
+  // A view of slots [0, len[b]) of every batch row; the spans must outlive the view.
+  TiledKVShard view(std::span<const int64_t> len, std::span<const int64_t> pos_start,
+                    std::span<const int64_t> total_len, int64_t pos_stride = 1) const;
+
+ private:
+  struct Free {
+    void operator()(void* p) const { std::free(p); }
+  };
+  // Byte offsets of slot t's K and V element 0 and of its scale (in floats).
+  std::size_t k_offset(int64_t b, int64_t h, int64_t t) const;
+  std::size_t v_offset(int64_t b, int64_t h, int64_t t) const;
+  std::size_t scale_index(int64_t b, int64_t h, int64_t t) const;
+  Status allocate(int64_t tiles);
+
+  AttnShape shape_;
+  DType dtype_ = DType::kF32;
+  KVTileLayout layout_ = kKVTileLayout;
+  int64_t tile_ = kKVTileTokens;
+  int64_t tiles_ = 0;        // tiles per (row, head)
+  int64_t tile_stride_ = 0;  // bytes between tiles of a (row, head)
+  int64_t head_stride_ = 0;  // bytes
+  int64_t scale_tile_stride_ = 0, scale_head_stride_ = 0;  // floats
+  std::size_t v_base_ = 0;      // byte offset of V tile 0 of (0, 0)
+  std::size_t kscale_base_ = 0; // float offsets of the scales of tile 0 of (0, 0)
+  std::size_t vscale_base_ = 0;
+  std::size_t bytes_ = 0;
+  std::unique_ptr<uint8_t, Free> mem_;
+};
+
+// decode_partial() on a tiled shard: same contract (states, defaults, determinism, errors),
+// every Isa target (kReference is a scalar loop over the tiles). options.chunk_tokens is
+// rounded up to a whole number of tiles.
+Status decode_partial_tiled(const AttnShape& shape, const float* q, const TiledKVShard& kv,
+                            float* states, const DecodeOptions& options = {});
+
+}  // namespace treeattn

@@ -1,0 +1,307 @@
+// The SIMD decode item kernel for the tiled KV layout (include/treeattn/kv_tiles.hpp), written
+// once and compiled once per ISA target.
+//
+// Included by kernel_avx512.cpp, kernel_avx2.cpp and kernel_generic.cpp right after
+// decode_item_impl.hpp, inside the same anonymous namespace: it uses that file's Ops contract,
+// load_elems<DT>(), elem_bytes<DT>() and kNegInf, and adds nothing shared across targets.
+//
+// One item = the R query rows of one KV head (group * q_len rows) against the tiles of one
+// chunk, in blocks of TiledItemArgs::block_tiles tiles:
+//   1. scores: units of 2 vectors of W tokens. K is transposed inside a tile ([D][T]), so the
+//      scores of a unit for RS rows are 2 * RS accumulators updated by vertical FMAs of the
+//      broadcast q[r][d] with the unit's two K vectors at each d: no horizontal reduction, and
+//      each K vector is widened once for all RS rows (RS up to 8 with AVX-512's 32 registers,
+//      6 with AVX2's 16). Each vector has its own base pointer, so a unit may span two tiles
+//      (T = 16 with W = 16) and vectors past the block repeat the first one (then masked).
+//   2. online softmax per row over the block, as in decode_item_impl.hpp: block max, rescale
+//      of (l, o) by exp(m_old - m_new) only when the max moved, p = exp(s - m), -inf past the
+//      row's visible tokens (a blend, so K values there never matter).
+//   3. values: V rows [T][D]; tiles of RV rows x NV vectors of D held in registers over the
+//      block's tokens, p[r][t] broadcast; a row never multiplies a value past its visible
+//      tokens (rows tiled 4/3/2/1 over the tokens they all see, then each row's extra tokens).
+// Software prefetch (prefetch_bytes > 0): each stream (K and V tiles; one stream when a tile
+// holds both) is fetched into L2 prefetch_bytes ahead of the tokens consumed, a few lines per
+// score unit.
+//
+// Quantized K/V (fp8, int8): logits are (q . k_codes) * k_scale * scale and the value weight
+// of a token is p * v_scale (l sums p), scales read from the tiles, as in the row kernel.
+
+constexpr int kUnitTokens = 2 * Ops::W;
+constexpr int kMaxScoreRows = Ops::W >= 16 ? 8 : 6;
+constexpr int kValueVecs = Ops::W >= 16 ? 4 : 2;
+
+// Row stride of the score scratch for a block of n tokens (a whole number of 32 tokens, which
+// covers the score units of every target). The driver sizes the scratch with the same rule.
+constexpr int64_t tiled_score_ld(int64_t block_tokens) { return (block_tokens + 31) / 32 * 32; }
+
+// Raw dot products of RS rows (q, row stride D) with the 2W tokens of one unit: vector j reads
+// K^T row d at kb[j] + d * row_bytes. Stores s[r * ld + j * W + lane].
+template <DType DT, int RS>
+inline void tiled_score_unit(const float* q, int D, const char* kb0, const char* kb1,
+                             int64_t row_bytes, float* s, int64_t ld) {
+  using V = typename Ops::V;
+  V acc0[RS], acc1[RS];
+  for (int r = 0; r < RS; ++r) acc0[r] = acc1[r] = Ops::zero();
+#pragma GCC unroll 4
+  for (int d = 0; d < D; ++d) {
+    const V k0 = load_elems<DT>(kb0 + d * row_bytes, 0);
+    const V k1 = load_elems<DT>(kb1 + d * row_bytes, 0);
+    for (int r = 0; r < RS; ++r) {
+      const V qb = Ops::set1(q[r * D + d]);
+      acc0[r] = Ops::fma(qb, k0, acc0[r]);
+      acc1[r] = Ops::fma(qb, k1, acc1[r]);
+    }
+  }
+  for (int r = 0; r < RS; ++r) {
+    Ops::storeu(s + r * ld, acc0[r]);
+    Ops::storeu(s + r * ld + Ops::W, acc1[r]);
+  }
+}
+
+// Where the software prefetch of an item stands: streams of `len` bytes from s0 (and s1 when
+// K and V tiles live apart), fetched up to `done`.
+struct TiledPrefetch {
+  const char* s0 = nullptr;
+  const char* s1 = nullptr;
+  int64_t len = 0;
+  int64_t done = 0;
+  int64_t ahead = 0;  // prefetch_bytes
+  // Fetch everything below consumed + ahead (clipped to the streams).
+  void upto(int64_t consumed) {
+    int64_t target = consumed + ahead;
+    if (target > len) target = len;
+    for (; done < target; done += 64) {
+      __builtin_prefetch(s0 + done, 0, 2);
+      if (s1 != nullptr) __builtin_prefetch(s1 + done, 0, 2);
+    }
+  }
+};
+
+// Scores of RS rows for the n tokens of a block starting at tile `bt` of the item (padded to
+// whole units); `pf` (first row group only) advances the prefetch per unit.
+template <DType DT, int RS>
+void tiled_score_rows(const TiledItemArgs& a, const float* q, int64_t bt, int n, float* s,
+                      int64_t ld, TiledPrefetch* pf) {
+  constexpr int64_t es = elem_bytes<DT>();
+  const int64_t T = a.tile_tokens;
+  const int64_t row_bytes = T * es;
+  auto vec_base = [&](int64_t tok) {  // K^T row 0 of the vector holding block token tok
+    return a.k + (bt + tok / T) * a.tile_stride + (tok % T) * es;
+  };
+  for (int u = 0; u < n; u += kUnitTokens) {
+    const char* k0 = vec_base(u);
+    const char* k1 = u + Ops::W < n ? vec_base(u + Ops::W) : k0;
+    if (pf != nullptr) pf->upto((bt * T + u + kUnitTokens) * a.tile_stride / T);
+    tiled_score_unit<DT, RS>(q, a.head_dim, k0, k1, row_bytes, s + u, ld);
+  }
+}
+
+template <DType DT, int RS>
+void tiled_score_dispatch_n(int rs, const TiledItemArgs& a, const float* q, int64_t bt, int n,
+                            float* s, int64_t ld, TiledPrefetch* pf) {
+  if constexpr (RS > 1) {
+    if (rs < RS) return tiled_score_dispatch_n<DT, RS - 1>(rs, a, q, bt, n, s, ld, pf);
+  }
+  tiled_score_rows<DT, RS>(a, q, bt, n, s, ld, pf);
+}
+
+// o[r][d0 .. d0 + NV*W) += sum_{t in [tb, te)} p[r][t] * V[t][d0 ..] for RV rows; block token
+// t is lane t % T of tile bt + t / T.
+template <DType DT, int RV, int NV>
+inline void tiled_value_slice(const TiledItemArgs& a, int64_t bt, float* const* o,
+                              const float* const* p, int tb, int te, int d0) {
+  using V = typename Ops::V;
+  constexpr int64_t es = elem_bytes<DT>();
+  const int64_t T = a.tile_tokens, D = a.head_dim;
+  V acc[RV][NV];
+  for (int r = 0; r < RV; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = Ops::loadu(o[r] + d0 + j * Ops::W);
+  int t = tb;
+  while (t < te) {
+    const int64_t tile = t / T;
+    const int tile_end = static_cast<int>((tile + 1) * T < te ? (tile + 1) * T : te);
+    const char* row = a.v + (bt + tile) * a.tile_stride + ((t - tile * T) * D + d0) * es;
+    for (; t < tile_end; ++t, row += D * es) {
+      V vv[NV];
+      for (int j = 0; j < NV; ++j) vv[j] = load_elems<DT>(row, j * Ops::W);
+      for (int r = 0; r < RV; ++r) {
+        const V pb = Ops::set1(p[r][t]);
+        for (int j = 0; j < NV; ++j) acc[r][j] = Ops::fma(pb, vv[j], acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < RV; ++r)
+    for (int j = 0; j < NV; ++j) Ops::storeu(o[r] + d0 + j * Ops::W, acc[r][j]);
+}
+
+template <DType DT, int RV>
+inline void tiled_value_rows(const TiledItemArgs& a, int64_t bt, float* const* o,
+                             const float* const* p, int tb, int te) {
+  if (tb >= te) return;
+  const int D = a.head_dim;
+  int d0 = 0;
+  for (; d0 + kValueVecs * Ops::W <= D; d0 += kValueVecs * Ops::W)
+    tiled_value_slice<DT, RV, kValueVecs>(a, bt, o, p, tb, te, d0);
+  for (; d0 < D; d0 += Ops::W) tiled_value_slice<DT, RV, 1>(a, bt, o, p, tb, te, d0);
+}
+
+template <DType DT>
+void run_tiled_item(const TiledItemArgs& a) {
+  using V = typename Ops::V;
+  constexpr bool kQuant = DT == DType::kFP8 || DT == DType::kInt8;
+  const int R = a.rows;
+  const int D = a.head_dim;
+  const int64_t kRec = D + 2;
+  const int64_t T = a.tile_tokens;
+  const int64_t block_tokens = a.block_tiles * T;
+  const int64_t ld = tiled_score_ld(block_tokens);
+  float* s = a.scores;
+
+  for (int r = 0; r < R; ++r) {
+    float* rec = a.out + r * kRec;
+    rec[kM] = kNegInf;
+    for (int64_t i = kL; i < kRec; ++i) rec[i] = 0.0f;
+  }
+
+  const int64_t tiles = (a.tokens + T - 1) / T;
+  TiledPrefetch pf_state;
+  TiledPrefetch* pf = nullptr;
+  if (a.prefetch_bytes > 0) {
+    pf_state.s0 = a.k;
+    // One stream when the V tile sits inside the K tile's record (interleaved layout).
+    const bool one_stream = a.v > a.k && a.v < a.k + a.tile_stride;
+    pf_state.s1 = one_stream ? nullptr : a.v;
+    pf_state.len = tiles * a.tile_stride;
+    pf_state.ahead = a.prefetch_bytes;
+    pf_state.upto(0);
+    pf = &pf_state;
+  }
+
+  for (int64_t tb = 0; tb < a.tokens; tb += block_tokens) {
+    const int64_t bt = tb / T;  // first tile of the block
+    const int n = static_cast<int>(a.tokens - tb < block_tokens ? a.tokens - tb : block_tokens);
+    const int padded = (n + kUnitTokens - 1) / kUnitTokens * kUnitTokens;
+
+    // 1. Scores, rows in groups of up to kMaxScoreRows; the first group drives the prefetch.
+    for (int r0 = 0; r0 < R; r0 += kMaxScoreRows) {
+      const int rs = R - r0 < kMaxScoreRows ? R - r0 : kMaxScoreRows;
+      tiled_score_dispatch_n<DT, kMaxScoreRows>(rs, a, a.q + r0 * D, bt, n, s + r0 * ld, ld,
+                                                r0 == 0 ? pf : nullptr);
+    }
+
+    // 2. Online softmax per row; afterwards s holds p = exp(s - m) for the row's visible
+    //    tokens of the block (0 past them), times the value scale for quantized V.
+    const V vscale = Ops::set1(a.scale);
+    float* ksc = s + R * ld;
+    float* vsc = s + (R + 1) * ld;
+    if constexpr (kQuant) {
+      for (int t = 0; t < n; ++t) {
+        const int64_t tile = bt + t / T, lane = t % T;
+        ksc[t] = a.k_scale[tile * a.scale_tile_stride + lane] * a.scale;
+        vsc[t] = a.v_scale[tile * a.scale_tile_stride + lane];
+      }
+      for (int t = n; t < padded; ++t) ksc[t] = vsc[t] = 0.0f;
+    }
+    for (int r = 0; r < R; ++r) {
+      float* sr = s + r * ld;
+      const int64_t vis = a.visible[r] - tb;
+      const int take = vis <= 0 ? 0 : (vis < n ? static_cast<int>(vis) : n);
+      float* rec = a.out + r * kRec;
+      if (take == 0) continue;
+      int t = 0;
+      if constexpr (kQuant) {
+        for (; t + Ops::W <= take; t += Ops::W)
+          Ops::storeu(sr + t, Ops::mul(Ops::loadu(sr + t), Ops::loadu(ksc + t)));
+        for (; t < take; ++t) sr[t] *= ksc[t];
+      } else {
+        for (; t + Ops::W <= take; t += Ops::W)
+          Ops::storeu(sr + t, Ops::mul(Ops::loadu(sr + t), vscale));
+        for (; t < take; ++t) sr[t] *= a.scale;
+      }
+      for (; t < padded; ++t) sr[t] = kNegInf;
+      V vmax = Ops::set1(kNegInf);
+      for (int j = 0; j < padded; j += Ops::W) vmax = Ops::max(Ops::loadu(sr + j), vmax);
+      float mb = Ops::reduce_max(vmax);
+      if (!(mb > kNegInf)) {  // -inf or NaN: look for a NaN the max may have dropped
+        for (int j = 0; j < take; ++j)
+          if (sr[j] != sr[j]) mb = sr[j];
+      }
+      const float m_old = rec[kM];
+      float m_new;
+      if (m_old != m_old || mb != mb) {
+        m_new = mb != mb ? mb : m_old;
+      } else {
+        m_new = mb > m_old ? mb : m_old;
+      }
+      if (m_new == kNegInf) continue;  // every visible logit so far is -inf: nothing to add
+      if (m_new != m_old && m_old != kNegInf) {
+        const float alpha = __builtin_expf(m_old - m_new);
+        rec[kL] *= alpha;
+        const V va = Ops::set1(alpha);
+        for (int d = 0; d < D; d += Ops::W)
+          Ops::storeu(rec + kO + d, Ops::mul(Ops::loadu(rec + kO + d), va));
+      }
+      rec[kM] = m_new;
+      const V vm = Ops::set1(m_new);
+      V lsum = Ops::zero();
+      for (int j = 0; j < padded; j += Ops::W) {
+        const V p = Ops::exp(Ops::sub(Ops::loadu(sr + j), vm));
+        lsum = Ops::add(lsum, p);
+        if constexpr (kQuant) {
+          Ops::storeu(sr + j, Ops::mul(p, Ops::loadu(vsc + j)));
+        } else {
+          Ops::storeu(sr + j, p);
+        }
+      }
+      rec[kL] += Ops::reduce_add(lsum);
+    }
+
+    // 3. Values: rows tiled 4/3/2/1 over the tokens they all take, then each row alone.
+    auto take_of = [&](int r) -> int {
+      const int64_t vis = a.visible[r] - tb;
+      int take = vis <= 0 ? 0 : (vis < n ? static_cast<int>(vis) : n);
+      if (take > 0 && a.out[r * kRec + kM] == kNegInf) take = 0;
+      return take;
+    };
+    auto run_group = [&](auto rv_tag, int rb) {
+      constexpr int RV = decltype(rv_tag)::value;
+      float* o[RV];
+      const float* p[RV];
+      int tk[RV];
+      int common = n;
+      for (int i = 0; i < RV; ++i) {
+        o[i] = a.out + (rb + i) * kRec + kO;
+        p[i] = s + (rb + i) * ld;
+        tk[i] = take_of(rb + i);
+        common = tk[i] < common ? tk[i] : common;
+      }
+      tiled_value_rows<DT, RV>(a, bt, o, p, 0, common);
+      if constexpr (RV > 1) {
+        for (int i = 0; i < RV; ++i) tiled_value_rows<DT, 1>(a, bt, o + i, p + i, common, tk[i]);
+      }
+    };
+    int r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) run_group(RowTile<4>{}, r0);
+    if (R - r0 == 3) run_group(RowTile<3>{}, r0);
+    if (R - r0 == 2) run_group(RowTile<2>{}, r0);
+    if (R - r0 == 1) run_group(RowTile<1>{}, r0);
+  }
+
+  // A NaN logit leaves m finite but l NaN; report it in m too, as the reference does.
+  for (int r = 0; r < R; ++r) {
+    float* rec = a.out + r * kRec;
+    if (rec[kL] != rec[kL]) rec[kM] = rec[kL];
+  }
+}
+
+// The one run-time to compile-time switch of the tiled kernel: the dtype (head_dim and the tile
+// size stay run-time values; the dispatcher has validated both).
+void dispatch_tiled_item(const TiledItemArgs& a) {
+  switch (a.dtype) {
+    case DType::kF32: return run_tiled_item<DType::kF32>(a);
+    case DType::kF16: return run_tiled_item<DType::kF16>(a);
+    case DType::kBF16: return run_tiled_item<DType::kBF16>(a);
+    case DType::kFP8: return run_tiled_item<DType::kFP8>(a);
+    case DType::kInt8: return run_tiled_item<DType::kInt8>(a);
+  }
+}

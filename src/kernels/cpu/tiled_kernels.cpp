@@ -1,0 +1,333 @@
+// decode_partial_tiled() (include/treeattn/kv_tiles.hpp): validation and defaults, the scalar
+// reference over tiles, and the work-item driver of the SIMD tiled item kernels.
+//
+// The driver mirrors cpu_kernels.cpp's: items are (batch row b, chunk c, KV head) in that
+// order, chunk c of row b covering tokens [c * chunk, (c + 1) * chunk) of the tokens some query
+// of the row can see, with chunk a whole number of tiles; items run on OpenMP threads and
+// their states are merged in chunk order with state_merge. The chunk size never depends on the
+// thread count, so results are bitwise identical for any thread count.
+//
+// Compiled for the baseline ISA; only the item kernels (cpu_targets.hpp) are per target.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/cpu_targets.hpp"
+#include "kernels/kernel_impl.hpp"
+#include "treeattn/kv_tiles.hpp"
+#include "treeattn/state.hpp"
+
+namespace treeattn {
+namespace kernels {
+namespace {
+
+using cpu::TiledItemArgs;
+using cpu::TiledItemFn;
+
+template <class T>
+void grow(std::vector<T>& v, std::size_t n) {
+  if (v.size() < n) v.resize(n);
+}
+
+// Tokens of a shard row that a query with causal limit `limit` sees.
+int64_t visible_tokens(int64_t len, int64_t pos_start, int64_t pos_stride, int64_t limit) {
+  if (limit < pos_start) return 0;
+  const int64_t last = (limit - pos_start) / pos_stride;
+  return std::min(len, last + 1);
+}
+
+struct ThreadScratch {
+  std::vector<float> q;
+  std::vector<int64_t> visible;
+  std::vector<float> scores;
+};
+
+ThreadScratch& thread_scratch() {
+  thread_local ThreadScratch s;
+  return s;
+}
+
+struct CallScratch {
+  std::vector<int64_t> first_chunk;
+  std::vector<int64_t> needed;
+  std::vector<float> chunk_states;
+};
+
+CallScratch& call_scratch() {
+  thread_local CallScratch s;
+  return s;
+}
+
+// Byte offset of tile i of (b, h) and float offset of its scales.
+int64_t tile_offset(const TiledKVShard& kv, int64_t b, int64_t h, int64_t i) {
+  return b * kv.batch_stride + h * kv.head_stride + i * kv.tile_stride;
+}
+int64_t scale_offset(const TiledKVShard& kv, int64_t b, int64_t h, int64_t i) {
+  return b * kv.scale_batch_stride + h * kv.scale_head_stride + i * kv.scale_tile_stride;
+}
+
+// The scalar reference over tiles: decode_reference's per-token online softmax (one token at a
+// time, float), reading K and V through the tile layout.
+Status decode_tiled_reference(const AttnShape& shape, const float* q, const TiledKVShard& kv,
+                              float* states, const ResolvedOptions& opt) {
+  const int64_t B = shape.batch, H = shape.heads, Hkv = shape.kv_heads, D = shape.head_dim;
+  const int64_t Q = shape.q_len, G = shape.group(), T = kv.tile_tokens;
+  const std::size_t rec = static_cast<std::size_t>(D + 2);
+  const std::size_t rows_per_item = static_cast<std::size_t>(G * Q);
+  const int64_t chunk = (opt.chunk_tokens + T - 1) / T * T;
+
+  std::vector<int64_t> first_chunk(static_cast<std::size_t>(B) + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = kv.len[static_cast<std::size_t>(b)];
+    first_chunk[static_cast<std::size_t>(b) + 1] =
+        first_chunk[static_cast<std::size_t>(b)] + (n + chunk - 1) / chunk;
+  }
+  const int64_t items = first_chunk[static_cast<std::size_t>(B)] * Hkv;
+  std::vector<float> scratch(static_cast<std::size_t>(items) * rows_per_item * rec);
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+#pragma omp parallel for schedule(dynamic) num_threads(opt.threads)
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t kvh = item % Hkv, gchunk = item / Hkv;
+    int64_t b = 0;
+    while (first_chunk[static_cast<std::size_t>(b) + 1] <= gchunk) ++b;
+    const auto ub = static_cast<std::size_t>(b);
+    const int64_t t0 = (gchunk - first_chunk[ub]) * chunk;
+    const int64_t t1 = std::min(kv.len[ub], t0 + chunk);
+    float* out = scratch.data() + static_cast<std::size_t>(item) * rows_per_item * rec;
+    for (std::size_t r = 0; r < rows_per_item; ++r)
+      state_set_empty(out + r * rec, static_cast<std::size_t>(D));
+    std::vector<float> kf(static_cast<std::size_t>(D)), vf(kf.size());
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t pos = kv.pos_start[ub] + t * kv.pos_stride;
+      const int64_t tile = t / T, lane = t % T;
+      const auto* kt = static_cast<const uint8_t*>(kv.k) + tile_offset(kv, b, kvh, tile);
+      const auto* vt = static_cast<const uint8_t*>(kv.v) + tile_offset(kv, b, kvh, tile);
+      float ks = 1.0f, vs = 1.0f;
+      if (kv.k_scale != nullptr) {
+        ks = kv.k_scale[scale_offset(kv, b, kvh, tile) + lane];
+        vs = kv.v_scale[scale_offset(kv, b, kvh, tile) + lane];
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        kf[static_cast<std::size_t>(d)] =
+            dequantize(kt, kv.dtype, static_cast<std::size_t>(d * T + lane), ks);
+        vf[static_cast<std::size_t>(d)] =
+            dequantize(vt, kv.dtype, static_cast<std::size_t>(lane * D + d), vs);
+      }
+      for (int64_t i = 0; i < Q; ++i) {
+        if (pos > kv.total_len[ub] - Q + i) continue;  // causal limit
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qv = q + ((b * Q + i) * H + kvh * G + g) * D;
+          float dot = 0.0f;
+          for (int64_t d = 0; d < D; ++d) dot += qv[d] * kf[static_cast<std::size_t>(d)];
+          const float s = dot * opt.scale;
+          if (s == kNegInf) continue;
+          float* st = out + static_cast<std::size_t>(i * G + g) * rec;
+          float m = state_m(st);
+          const float m_new = (std::isnan(s) || std::isnan(m)) ? kNaN : (s > m ? s : m);
+          if (m_new != m) {
+            const float a = (m == kNegInf) ? 0.0f : std::exp(m - m_new);
+            state_l(st) *= a;
+            for (int64_t d = 0; d < D; ++d) state_o(st)[d] *= a;
+            state_m(st) = m_new;
+            m = m_new;
+          }
+          const float p = std::exp(s - m);
+          state_l(st) += p;
+          for (int64_t d = 0; d < D; ++d) state_o(st)[d] += p * vf[static_cast<std::size_t>(d)];
+        }
+      }
+    }
+  }
+  for (std::size_t r = 0; r < static_cast<std::size_t>(B * Q * H); ++r)
+    state_set_empty(states + r * rec, static_cast<std::size_t>(D));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t c = first_chunk[static_cast<std::size_t>(b)];
+         c < first_chunk[static_cast<std::size_t>(b) + 1]; ++c)
+      for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+        const float* in = scratch.data() + static_cast<std::size_t>(c * Hkv + kvh) * rows_per_item * rec;
+        for (int64_t i = 0; i < Q; ++i)
+          for (int64_t g = 0; g < G; ++g)
+            state_merge(states + static_cast<std::size_t>((b * Q + i) * H + kvh * G + g) * rec,
+                        in + static_cast<std::size_t>(i * G + g) * rec, static_cast<std::size_t>(D));
+      }
+  return Status::ok();
+}
+
+Status run_tiled_driver(TiledItemFn item_fn, const AttnShape& shape, const float* q,
+                        const TiledKVShard& kv, float* states, const ResolvedOptions& opt) {
+  const int64_t B = shape.batch, H = shape.heads, Hkv = shape.kv_heads, D = shape.head_dim;
+  const int64_t Q = shape.q_len, G = shape.group(), T = kv.tile_tokens;
+  const int64_t R = G * Q;
+  const std::size_t rec = static_cast<std::size_t>(D + 2);
+  const std::size_t item_floats = static_cast<std::size_t>(R) * rec;
+  const int64_t chunk = (opt.chunk_tokens + T - 1) / T * T;
+  // A block holds at least one 32-token score unit (smaller blocks would pad every unit).
+  const int block_tiles =
+      std::max<int>(cpu::tiled_block_tiles(), static_cast<int>((32 + T - 1) / T));
+  const int64_t ld = (block_tiles * T + 31) / 32 * 32;  // tiled_score_ld() in the item kernel
+  const int64_t prefetch = cpu::tiled_prefetch_bytes();
+
+  CallScratch& cs = call_scratch();
+  grow(cs.first_chunk, static_cast<std::size_t>(B) + 1);
+  grow(cs.needed, static_cast<std::size_t>(B));
+  cs.first_chunk[0] = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const auto ub = static_cast<std::size_t>(b);
+    const int64_t need =
+        visible_tokens(kv.len[ub], kv.pos_start[ub], kv.pos_stride, kv.total_len[ub] - 1);
+    cs.needed[ub] = need;
+    cs.first_chunk[ub + 1] = cs.first_chunk[ub] + (need + chunk - 1) / chunk;
+  }
+  const int64_t items = cs.first_chunk[static_cast<std::size_t>(B)] * Hkv;
+  grow(cs.chunk_states, static_cast<std::size_t>(items) * item_floats);
+  float* chunk_states = cs.chunk_states.data();
+  const int64_t* first_chunk = cs.first_chunk.data();
+  const int64_t* needed = cs.needed.data();
+  const bool quant = dtype_is_quantized(kv.dtype);
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(opt.threads)
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t kvh = item % Hkv;
+    const int64_t gchunk = item / Hkv;
+    const int64_t b = std::upper_bound(first_chunk, first_chunk + B + 1, gchunk) - first_chunk - 1;
+    const auto ub = static_cast<std::size_t>(b);
+    const int64_t t0 = (gchunk - first_chunk[ub]) * chunk;
+    const int64_t t1 = std::min(needed[ub], t0 + chunk);
+
+    ThreadScratch& ts = thread_scratch();
+    grow(ts.q, static_cast<std::size_t>(R * D));
+    grow(ts.visible, static_cast<std::size_t>(R));
+    grow(ts.scores, static_cast<std::size_t>((R + 2) * ld));
+    for (int64_t i = 0; i < Q; ++i) {
+      const int64_t vis = visible_tokens(kv.len[ub], kv.pos_start[ub], kv.pos_stride,
+                                         kv.total_len[ub] - Q + i);
+      const int64_t in_chunk = std::clamp<int64_t>(vis - t0, 0, t1 - t0);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = i * G + g;
+        ts.visible[static_cast<std::size_t>(r)] = in_chunk;
+        std::memcpy(ts.q.data() + r * D, q + ((b * Q + i) * H + kvh * G + g) * D,
+                    static_cast<std::size_t>(D) * sizeof(float));
+      }
+    }
+    const int64_t tile0 = t0 / T;
+    TiledItemArgs a;
+    a.head_dim = static_cast<int>(D);
+    a.dtype = kv.dtype;
+    a.tile_tokens = static_cast<int>(T);
+    a.k = static_cast<const char*>(kv.k) + tile_offset(kv, b, kvh, tile0);
+    a.v = static_cast<const char*>(kv.v) + tile_offset(kv, b, kvh, tile0);
+    a.tile_stride = kv.tile_stride;
+    if (quant) {
+      a.k_scale = kv.k_scale + scale_offset(kv, b, kvh, tile0);
+      a.v_scale = kv.v_scale + scale_offset(kv, b, kvh, tile0);
+      a.scale_tile_stride = kv.scale_tile_stride;
+    }
+    a.tokens = t1 - t0;
+    a.rows = static_cast<int>(R);
+    a.q = ts.q.data();
+    a.visible = ts.visible.data();
+    a.scale = opt.scale;
+    a.out = chunk_states + static_cast<std::size_t>(item) * item_floats;
+    a.block_tiles = block_tiles;
+    a.scores = ts.scores.data();
+    a.prefetch_bytes = prefetch;
+    item_fn(a);
+  }
+
+#pragma omp parallel for schedule(static) num_threads(opt.threads)
+  for (int64_t bh = 0; bh < B * Hkv; ++bh) {
+    const int64_t b = bh / Hkv, kvh = bh % Hkv;
+    const auto ub = static_cast<std::size_t>(b);
+    for (int64_t i = 0; i < Q; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        float* dst = states + static_cast<std::size_t>((b * Q + i) * H + kvh * G + g) * rec;
+        state_set_empty(dst, static_cast<std::size_t>(D));
+        for (int64_t c = first_chunk[ub]; c < first_chunk[ub + 1]; ++c) {
+          const float* src = chunk_states + static_cast<std::size_t>(c * Hkv + kvh) * item_floats +
+                             static_cast<std::size_t>(i * G + g) * rec;
+          state_merge(dst, src, static_cast<std::size_t>(D));
+        }
+      }
+  }
+  return Status::ok();
+}
+
+TiledItemFn tiled_item_for(Isa isa) {
+  switch (isa) {
+    case Isa::kGeneric: return &cpu::generic::decode_tiled_item;
+#if defined(TREEATTN_HAVE_X86_KERNELS)
+    case Isa::kAvx2: return &cpu::avx2::decode_tiled_item;
+    case Isa::kAvx512: return &cpu::avx512::decode_tiled_item;
+#endif
+    default: return nullptr;
+  }
+}
+
+// An integer from the environment, or `fallback` when unset or empty; clamped to [lo, hi].
+int64_t env_int(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
+  const char* e = std::getenv(name);
+  if (e == nullptr || *e == '\0') return fallback;
+  const long long v = std::strtoll(e, nullptr, 10);
+  return std::clamp<int64_t>(v, lo, hi);
+}
+
+}  // namespace
+
+namespace cpu {
+int tiled_block_tiles() {
+  static const int v =
+      static_cast<int>(env_int("TREEATTN_TILED_BLOCK_TILES", kTiledBlockTiles, 1, 64));
+  return v;
+}
+int64_t tiled_prefetch_bytes() {
+  static const int64_t v =
+      env_int("TREEATTN_TILED_PREFETCH_BYTES", kTiledPrefetchBytes, 0, int64_t{1} << 20);
+  return v;
+}
+}  // namespace cpu
+}  // namespace kernels
+
+Status decode_partial_tiled(const AttnShape& shape, const float* q, const TiledKVShard& kv,
+                            float* states, const DecodeOptions& options) {
+  TREEATTN_RETURN_IF_ERROR(shape.validate());
+  TREEATTN_RETURN_IF_ERROR(kv.validate(shape));
+  if (kv.memory != MemorySpace::kHost)
+    return unsupported("decode_partial_tiled runs on host memory; the tiled shard is device memory");
+  if (q == nullptr) return invalid_argument("query pointer is null");
+  if (states == nullptr) return invalid_argument("state output pointer is null");
+  if (options.threads < 0)
+    return invalid_argument("threads must be >= 0, got " + std::to_string(options.threads));
+  if (options.chunk_tokens < 0)
+    return invalid_argument("chunk_tokens must be >= 0, got " +
+                            std::to_string(options.chunk_tokens));
+  if (!(options.scale >= 0.0f) || std::isinf(options.scale))
+    return invalid_argument("scale must be finite and >= 0 (0 = 1/sqrt(head_dim)), got " +
+                            std::to_string(options.scale));
+
+  kernels::ResolvedOptions r{};
+  r.scale = options.scale != 0.0f
+                ? options.scale
+                : static_cast<float>(1.0 / std::sqrt(static_cast<double>(shape.head_dim)));
+  r.threads = options.threads > 0 ? options.threads : omp_get_max_threads();
+  r.chunk_tokens = options.chunk_tokens > 0 ? options.chunk_tokens : 1024;
+
+  const Isa isa = options.isa == Isa::kAuto ? best_isa() : options.isa;
+  if (isa == Isa::kReference) return kernels::decode_tiled_reference(shape, q, kv, states, r);
+  if (!isa_supported(isa))
+    return unsupported("ISA target " + std::string(isa_name(isa)) + " is not supported by this CPU");
+  const kernels::cpu::TiledItemFn fn = kernels::tiled_item_for(isa);
+  if (fn == nullptr)
+    return unsupported("ISA target " + std::string(isa_name(isa)) +
+                       " is not built into this library");
+  return kernels::run_tiled_driver(fn, shape, q, kv, states, r);
+}
+
+}  // namespace treeattn

@@ -1,0 +1,496 @@
+// The tiled KV layout (kv_tiles.hpp) and decode_partial_tiled() on every kernel target this CPU
+// can run, against the float64 oracle on the same values in the caller layout: a sweep over
+// KV lengths 0..16384 (tails around every vector width and tile size), every dtype (fp8/int8
+// with per-token scales), GQA groups 1..8 including the SmolLM2 shape (H 9, Hkv 3, D 64),
+// every supported head dim, ragged batches, Q 1 and 4, tile sizes 16 and 32, both tile
+// layouts and two chunkings. Plus: the cache's encoding (bit-identical to KVCache, read back,
+// growth), striped positions with Q > 1, causally hidden and tail-slot NaNs never read, NaN
+// propagation, empty rows, extreme logits, the exact fixture bit for bit, bitwise determinism
+// across thread counts, and the validation messages.
+//
+// Tolerance: tests/support/test_data.hpp (1e-5 relative to max(1, max|ref|), output and LSE).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "support/test_data.hpp"
+#include "treeattn/kv_tiles.hpp"
+
+namespace treeattn {
+namespace {
+
+using testing::Errors;
+using testing::Problem;
+
+constexpr double kTol = 1e-5;
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+struct TileConfig {
+  int64_t tokens;
+  KVTileLayout layout;
+};
+constexpr TileConfig kTileConfigs[] = {{32, KVTileLayout::kSplit},
+                                       {16, KVTileLayout::kInterleaved},
+                                       {32, KVTileLayout::kInterleaved},
+                                       {16, KVTileLayout::kSplit}};
+
+std::string tile_name(const TileConfig& c) {
+  return "T" + std::to_string(c.tokens) + "_" + std::string(kv_tile_layout_name(c.layout));
+}
+
+TiledKVCache tiled_copy(const AttnShape& shape, const KVShard& src, const TileConfig& c,
+                        int64_t capacity = 0) {
+  Result<TiledKVCache> r = TiledKVCache::copy_from(shape, src, capacity, c.layout, c.tokens);
+  EXPECT_TRUE(r.is_ok()) << r.status().to_string();
+  return std::move(r).value();
+}
+
+struct HeadsConfig {
+  int64_t heads, kv_heads;
+};
+// Groups 1, 2, 3 (SmolLM2 9/3), 4 (llama3 32/8), 5, 6, 7, 8.
+constexpr HeadsConfig kHeads[] = {{4, 4}, {4, 2}, {9, 3},   {32, 8},
+                                  {10, 2}, {6, 1}, {14, 2}, {32, 4}};
+constexpr int64_t kLengths[] = {0,  1,  2,  3,   7,   15,  16,  17,   31,   32,  33,
+                                54, 97, 113, 256, 339, 799, 1024, 2048, 16384};
+constexpr int64_t kDims[] = {64, 80, 96, 128, 192, 256};
+constexpr int64_t kBatches[] = {1, 3, 17};
+constexpr DType kTypes[] = {DType::kF32, DType::kF16, DType::kBF16, DType::kFP8, DType::kInt8};
+
+struct SweepCase {
+  AttnShape shape;
+  DType dtype;
+  std::vector<int64_t> len;
+  TileConfig tile;
+  std::string name;
+};
+
+// Cycles heads, dims, batches and tile configurations against every (length, dtype, Q), capping
+// the oracle's work so the sweep stays quick.
+std::vector<SweepCase> sweep_cases() {
+  std::vector<SweepCase> cases;
+  int k = 0;
+  for (int64_t L : kLengths)
+    for (DType t : kTypes)
+      for (int64_t Q : {1, 4}) {
+        HeadsConfig hc = kHeads[k % 8];
+        const int64_t D = kDims[(k / 3) % 6];
+        int64_t B = kBatches[(k / 2) % 3];
+        const TileConfig tile = kTileConfigs[(k / 5) % 4];
+        ++k;
+        while (B * hc.heads * std::max<int64_t>(L, 1) * D * Q > 60'000'000 && B > 1)
+          B = B > 3 ? 3 : 1;
+        while (hc.heads * std::max<int64_t>(L, 1) * D * Q > 60'000'000 && hc.heads > 9)
+          hc = {9, 3};
+        SweepCase c;
+        c.shape = AttnShape{B, hc.heads, hc.kv_heads, D, Q};
+        c.dtype = t;
+        c.tile = tile;
+        for (int64_t b = 0; b < B; ++b) c.len.push_back(std::max<int64_t>(0, L - 13 * b));
+        c.name = "L" + std::to_string(L) + "_" + std::string(dtype_name(t)) + "_B" +
+                 std::to_string(B) + "_H" + std::to_string(hc.heads) + "_Hkv" +
+                 std::to_string(hc.kv_heads) + "_D" + std::to_string(D) + "_Q" +
+                 std::to_string(Q) + "_" + tile_name(tile);
+        cases.push_back(std::move(c));
+      }
+  // The model decode's shape at a length past several chunks, every tile configuration.
+  for (const TileConfig& tile : kTileConfigs)
+    for (DType t : kTypes) {
+      SweepCase c;
+      c.shape = AttnShape{2, 9, 3, 64, 1};
+      c.dtype = t;
+      c.tile = tile;
+      c.len = {5001, 4097};
+      c.name = "SmolLM2_" + std::string(dtype_name(t)) + "_" + tile_name(tile);
+      cases.push_back(std::move(c));
+    }
+  return cases;
+}
+
+void PrintTo(const SweepCase& c, std::ostream* os) { *os << c.name; }
+
+class TiledSweep : public ::testing::TestWithParam<SweepCase> {};
+
+TEST_P(TiledSweep, EveryTargetMatchesOracle) {
+  const SweepCase& c = GetParam();
+  Problem p(c.shape, c.dtype, c.len, 4321 + static_cast<uint64_t>(c.len[0]));
+  std::vector<double> out(p.rows() * static_cast<std::size_t>(c.shape.head_dim)), lse(p.rows());
+  ASSERT_TRUE(oracle_attention(p.shape, p.q.data(), p.whole(), out.data(), lse.data()).is_ok());
+  const TiledKVCache tiled = tiled_copy(c.shape, p.whole(), c.tile);
+  const TiledKVShard view = tiled.view(p.len, p.start, p.total, 1);
+  std::vector<float> st(p.rows() * static_cast<std::size_t>(c.shape.head_dim + 2));
+  for (Isa isa : testing::runnable_isas()) {
+    for (int64_t chunk : {int64_t{0}, int64_t{37}}) {
+      DecodeOptions opt;
+      opt.isa = isa;
+      opt.chunk_tokens = chunk;
+      const Status s = decode_partial_tiled(p.shape, p.q.data(), view, st.data(), opt);
+      ASSERT_TRUE(s.is_ok()) << s.to_string();
+      const Errors e = testing::compare_states(p.shape, st.data(), out.data(), lse.data());
+      EXPECT_FALSE(e.nan_mismatch) << isa_name(isa);
+      EXPECT_LE(e.out_rel(), kTol) << isa_name(isa) << " chunk " << chunk;
+      EXPECT_LE(e.lse_abs, kTol) << isa_name(isa) << " chunk " << chunk;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiled, TiledSweep, ::testing::ValuesIn(sweep_cases()),
+                         [](const auto& param_info) { return param_info.param.name; });
+
+// set_token encodes exactly like KVCache::set_token (same codes and scales), read_token gives
+// the dequantized values back, set_tokens writes every head, and reserve keeps the contents.
+TEST(TiledCache, EncodingMatchesKVCacheAndSurvivesGrowth) {
+  for (DType t : kTypes)
+    for (const TileConfig& tc : kTileConfigs) {
+      const AttnShape s{2, 6, 3, 80, 1};
+      const int64_t n = 45;
+      KVCache ref(s, t, n);
+      Result<TiledKVCache> c = TiledKVCache::create(s, t, 20, tc.layout, tc.tokens);
+      ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+      EXPECT_EQ(c->capacity(), 32);  // 20 rounded up to whole tiles
+      std::mt19937_64 rng(7);
+      std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+      std::vector<float> k(static_cast<std::size_t>(3 * 80)), v(k.size());
+      for (int64_t b = 0; b < 2; ++b)
+        for (int64_t tok = 0; tok < n; ++tok) {
+          for (auto& x : k) x = u(rng);
+          for (auto& x : v) x = u(rng);
+          for (int64_t h = 0; h < 3; ++h) ref.set_token(b, h, tok, k.data() + h * 80, v.data() + h * 80);
+          if (tok >= c->capacity()) {
+            ASSERT_TRUE(c->reserve(2 * c->capacity()).is_ok());
+          }
+          c->set_tokens(b, tok, k.data(), v.data());
+        }
+      EXPECT_GE(c->capacity(), n);
+      const std::size_t es = dtype_size(t);
+      std::vector<uint8_t> kr(80 * es), vr(kr.size());
+      std::vector<float> kf(80), vf(80);
+      for (int64_t b = 0; b < 2; ++b)
+        for (int64_t h = 0; h < 3; ++h)
+          for (int64_t tok = 0; tok < n; ++tok) {
+            float ks = -1, vs = -1;
+            c->read_token_raw(b, h, tok, kr.data(), vr.data(), &ks, &vs);
+            const std::size_t i = ref.index(b, h, tok) * es;
+            ASSERT_EQ(std::memcmp(kr.data(), static_cast<const uint8_t*>(ref.k_data()) + i, kr.size()), 0)
+                << dtype_name(t) << " " << tile_name(tc) << " b" << b << " h" << h << " t" << tok;
+            ASSERT_EQ(std::memcmp(vr.data(), static_cast<const uint8_t*>(ref.v_data()) + i, vr.size()), 0);
+            const float rks = dtype_is_quantized(t) ? ref.k_scale_data()[ref.scale_index(b, h, tok)] : 0.0f;
+            const float rvs = dtype_is_quantized(t) ? ref.v_scale_data()[ref.scale_index(b, h, tok)] : 0.0f;
+            EXPECT_EQ(ks, rks);
+            EXPECT_EQ(vs, rvs);
+            c->read_token(b, h, tok, kf.data(), vf.data());
+            for (std::size_t d = 0; d < 80; ++d) {
+              EXPECT_EQ(kf[d], dequantize(ref.k_data(), t, ref.index(b, h, tok) + d, rks));
+              EXPECT_EQ(vf[d], dequantize(ref.v_data(), t, ref.index(b, h, tok) + d, rvs));
+            }
+          }
+    }
+}
+
+// Growing the cache between decodes changes no bit of the result.
+TEST(TiledCache, ReserveKeepsResultsBitForBit) {
+  for (const TileConfig& tc : kTileConfigs) {
+    Problem p(AttnShape{2, 8, 2, 128, 2}, DType::kBF16, {700, 333}, 5);
+    TiledKVCache c = tiled_copy(p.shape, p.whole(), tc);
+    std::vector<float> a(p.rows() * 130), b(a.size());
+    ASSERT_TRUE(decode_partial_tiled(p.shape, p.q.data(), c.view(p.len, p.start, p.total), a.data()).is_ok());
+    ASSERT_TRUE(c.reserve(5000).is_ok());
+    EXPECT_GE(c.capacity(), 5000);
+    ASSERT_TRUE(decode_partial_tiled(p.shape, p.q.data(), c.view(p.len, p.start, p.total), b.data()).is_ok());
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << tile_name(tc);
+  }
+}
+
+// Slots past a row's length (the rest of the last tile, and later tiles) hold NaN: never read.
+TEST(TiledKernel, TailSlotsAreNeverRead) {
+  for (DType t : kTypes)
+    for (const TileConfig& tc : kTileConfigs)
+      for (int64_t n : {1, 5, 15, 16, 17, 31, 33, 63, 64, 65, 100}) {
+        AttnShape s{1, 12, 3, 96, 1};
+        Problem p(s, t, {n}, static_cast<uint64_t>(n));
+        TiledKVCache c = tiled_copy(s, p.whole(), tc, n + 80);
+        std::vector<float> nan_row(96, kNaN);
+        for (int64_t h = 0; h < 3; ++h)
+          for (int64_t j = n; j < c.capacity(); ++j) c.set_token(0, h, j, nan_row.data(), nan_row.data());
+        std::vector<double> out(p.rows() * 96), lse(p.rows());
+        ASSERT_TRUE(oracle_attention(s, p.q.data(), p.whole(), out.data(), lse.data()).is_ok());
+        std::vector<float> st(p.rows() * 98);
+        for (Isa isa : testing::runnable_isas()) {
+          DecodeOptions opt;
+          opt.isa = isa;
+          ASSERT_TRUE(decode_partial_tiled(s, p.q.data(), c.view(p.len, p.start, p.total), st.data(), opt).is_ok());
+          const Errors e = testing::compare_states(s, st.data(), out.data(), lse.data());
+          EXPECT_FALSE(e.nan_mismatch) << isa_name(isa) << " n=" << n << " " << tile_name(tc);
+          EXPECT_LE(e.out_rel(), kTol) << isa_name(isa) << " n=" << n << " " << tile_name(tc);
+        }
+      }
+}
+
+// Striped placement (token j at global position r + j*p) with Q = 4 and the causal limit
+// falling inside tiles.
+TEST(TiledKernel, StripedPositionsWithMultiTokenQuery) {
+  AttnShape shape{3, 8, 2, 128, 4};
+  for (const TileConfig& tc : kTileConfigs)
+    for (int64_t p : {2, 3, 5})
+      for (int64_t r = 0; r < p; ++r) {
+        const int64_t N = 301;
+        std::vector<int64_t> total{N, N - 50, 3};
+        std::vector<int64_t> len, start;
+        for (int64_t b = 0; b < 3; ++b) {
+          const int64_t tb = total[static_cast<std::size_t>(b)];
+          len.push_back(tb > r ? (tb - r + p - 1) / p : 0);
+          start.push_back(r);
+        }
+        Problem prob(shape, DType::kBF16, {N, N, N}, static_cast<uint64_t>(p * 10 + r));
+        const KVShard kv = prob.cache.view(0, len, start, total, p);
+        TiledKVCache c = tiled_copy(shape, kv, tc);
+        std::vector<double> out(prob.rows() * 128), lse(prob.rows());
+        ASSERT_TRUE(oracle_attention(shape, prob.q.data(), kv, out.data(), lse.data()).is_ok());
+        std::vector<float> st(prob.rows() * 130);
+        for (Isa isa : testing::runnable_isas())
+          for (int64_t chunk : {int64_t{0}, int64_t{16}}) {
+            DecodeOptions opt;
+            opt.isa = isa;
+            opt.chunk_tokens = chunk;
+            ASSERT_TRUE(decode_partial_tiled(shape, prob.q.data(), c.view(len, start, total, p), st.data(), opt).is_ok());
+            const Errors e = testing::compare_states(shape, st.data(), out.data(), lse.data());
+            EXPECT_FALSE(e.nan_mismatch);
+            EXPECT_LE(e.out_rel(), kTol) << isa_name(isa) << " p=" << p << " r=" << r << " " << tile_name(tc);
+            EXPECT_LE(e.lse_abs, kTol);
+          }
+      }
+}
+
+// A NaN at a position only the last query may see reaches that query's rows only; a visible
+// NaN in K or V reaches exactly the heads of its KV head.
+TEST(TiledKernel, NaNReachesExactlyTheRowsThatSeeIt) {
+  for (const TileConfig& tc : kTileConfigs) {
+    AttnShape s{1, 4, 1, 64, 4};
+    const int64_t n = 70;
+    Problem p(s, DType::kF32, {n}, 3);
+    std::vector<float> nan_row(64, kNaN);
+    p.cache.set_token(0, 0, n - 1, nan_row.data(), nan_row.data());
+    TiledKVCache c = tiled_copy(s, p.whole(), tc);
+    std::vector<float> st(p.rows() * 66);
+    for (Isa isa : testing::runnable_isas())
+      for (int64_t chunk : {int64_t{0}, int64_t{16}}) {
+        DecodeOptions opt;
+        opt.isa = isa;
+        opt.chunk_tokens = chunk;
+        ASSERT_TRUE(decode_partial_tiled(s, p.q.data(), c.view(p.len, p.start, p.total), st.data(), opt).is_ok());
+        for (std::size_t r = 0; r < p.rows(); ++r) {
+          const bool last_query = r / 4 == 3;
+          EXPECT_EQ(std::isnan(st[r * 66 + 1]), last_query) << isa_name(isa) << " record " << r;
+          EXPECT_EQ(std::isnan(st[r * 66 + 2]), last_query) << isa_name(isa) << " record " << r;
+        }
+      }
+  }
+  for (int which = 0; which < 2; ++which) {
+    Problem p(AttnShape{1, 4, 2, 64, 1}, DType::kF32, {300}, 77);
+    std::vector<float> k(64, 0.1f), v(64, 0.2f);
+    (which == 0 ? k : v)[9] = kNaN;
+    p.cache.set_token(0, 1, 123, k.data(), v.data());  // KV head 1 serves heads 2 and 3
+    for (const TileConfig& tc : kTileConfigs) {
+      TiledKVCache c = tiled_copy(p.shape, p.whole(), tc);
+      std::vector<float> st(4 * 66), out(64);
+      for (Isa isa : testing::runnable_isas()) {
+        DecodeOptions opt;
+        opt.isa = isa;
+        ASSERT_TRUE(decode_partial_tiled(p.shape, p.q.data(), c.view(p.len, p.start, p.total), st.data(), opt).is_ok());
+        for (int h = 0; h < 4; ++h) {
+          float lse = 0;
+          state_normalize(st.data() + h * 66, 64, out.data(), &lse);
+          const bool nan = std::isnan(out[9]) || std::isnan(lse);
+          EXPECT_EQ(nan, h >= 2) << isa_name(isa) << " head " << h << (which ? " V" : " K");
+          if (which == 0 && h >= 2) {
+            EXPECT_TRUE(std::isnan(st[static_cast<std::size_t>(h) * 66])) << "m must be NaN";
+          }
+        }
+      }
+    }
+  }
+}
+
+// Rows of a ragged batch with no tokens give the empty state exactly.
+TEST(TiledKernel, EmptyRows) {
+  AttnShape s{3, 8, 2, 128, 2};
+  Problem p(s, DType::kF16, {0, 37, 0}, 5);
+  for (const TileConfig& tc : kTileConfigs) {
+    TiledKVCache c = tiled_copy(s, p.whole(), tc);
+    std::vector<float> st(p.rows() * 130, 123.0f);
+    for (Isa isa : testing::runnable_isas()) {
+      DecodeOptions opt;
+      opt.isa = isa;
+      ASSERT_TRUE(decode_partial_tiled(s, p.q.data(), c.view(p.len, p.start, p.total), st.data(), opt).is_ok());
+      for (std::size_t r = 0; r < p.rows(); ++r) {
+        if (r / 16 == 1) {
+          EXPECT_GT(st[r * 130 + 1], 0.0f);
+          continue;
+        }
+        EXPECT_TRUE(state_is_empty(st.data() + r * 130)) << isa_name(isa) << " record " << r;
+      }
+    }
+  }
+}
+
+// Raw logits of -524288 (and large positive ones) are ordinary numbers, not sentinels.
+TEST(TiledKernel, ExtremeLogits) {
+  for (float target : {-524288.0f, 60000.0f}) {
+    AttnShape shape{1, 1, 1, 64, 1};
+    KVCache cache(shape, DType::kF32, 4);
+    std::vector<float> k(64, 0.0f), v(64, 0.0f);
+    for (int t = 0; t < 4; ++t) {
+      k[0] = target;
+      v[0] = static_cast<float>(t);
+      cache.set_token(0, 0, t, k.data(), v.data());
+    }
+    std::vector<float> q(64, 0.0f);
+    q[0] = 1.0f;
+    std::vector<int64_t> len{4}, start{0}, total{4};
+    TiledKVCache c = tiled_copy(shape, cache.view(0, len, start, total, 1), kTileConfigs[0]);
+    std::vector<float> st(66), out(64);
+    for (Isa isa : testing::runnable_isas()) {
+      DecodeOptions opt;
+      opt.isa = isa;
+      opt.scale = 1.0f;
+      ASSERT_TRUE(decode_partial_tiled(shape, q.data(), c.view(len, start, total), st.data(), opt).is_ok());
+      float lse = 0;
+      state_normalize(st.data(), 64, out.data(), &lse);
+      EXPECT_EQ(out[0], 1.5f) << isa_name(isa) << " logit " << target;
+      EXPECT_FLOAT_EQ(lse, target + std::log(4.0f)) << isa_name(isa);
+    }
+  }
+}
+
+// q = 0 makes every weight exp(0) = 1 exactly, so with small-integer V and a power-of-two
+// length the output is mean(V) bit for bit for every chunking, thread count, target and tiling.
+TEST(TiledKernel, ZeroQueryGivesMeanOfValuesBitForBit) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16})
+    for (int64_t D : {64, 128, 256}) {
+      AttnShape shape{2, 8, 2, D, 1};
+      const int64_t N = 1024;
+      KVCache cache(shape, t, N);
+      std::vector<float> k(static_cast<std::size_t>(D)), v(k.size());
+      std::vector<double> sum(static_cast<std::size_t>(2 * 2 * D), 0.0);
+      for (int64_t b = 0; b < 2; ++b)
+        for (int64_t h = 0; h < 2; ++h)
+          for (int64_t tok = 0; tok < N; ++tok) {
+            for (int64_t d = 0; d < D; ++d) {
+              k[static_cast<std::size_t>(d)] = static_cast<float>((tok * 7 + d) % 11) - 5.0f;
+              v[static_cast<std::size_t>(d)] = static_cast<float>((tok * 3 + d * 5 + b + h) % 17) - 8.0f;
+              sum[static_cast<std::size_t>((b * 2 + h) * D + d)] += v[static_cast<std::size_t>(d)];
+            }
+            cache.set_token(b, h, tok, k.data(), v.data());
+          }
+      std::vector<int64_t> len{N, N}, start{0, 0}, total{N, N};
+      std::vector<float> q(static_cast<std::size_t>(2 * 8 * D), 0.0f);
+      std::vector<float> st(static_cast<std::size_t>(2 * 8 * (D + 2))), out(static_cast<std::size_t>(D));
+      for (const TileConfig& tc : kTileConfigs) {
+        TiledKVCache c = tiled_copy(shape, cache.view(0, len, start, total, 1), tc);
+        for (Isa isa : testing::runnable_isas())
+          for (int64_t chunk : {1, 64, 100, 1024, 4096})
+            for (int threads : {1, 2}) {
+              DecodeOptions opt;
+              opt.isa = isa;
+              opt.chunk_tokens = chunk;
+              opt.threads = threads;
+              ASSERT_TRUE(decode_partial_tiled(shape, q.data(), c.view(len, start, total), st.data(), opt).is_ok());
+              for (int64_t b = 0; b < 2; ++b)
+                for (int64_t h = 0; h < 8; ++h) {
+                  float lse = 0;
+                  state_normalize(st.data() + static_cast<std::size_t>(b * 8 + h) * static_cast<std::size_t>(D + 2),
+                                  static_cast<std::size_t>(D), out.data(), &lse);
+                  for (int64_t d = 0; d < D; ++d) {
+                    const float mean = static_cast<float>(sum[static_cast<std::size_t>((b * 2 + h / 4) * D + d)] / N);
+                    ASSERT_EQ(out[static_cast<std::size_t>(d)], mean)
+                        << isa_name(isa) << " chunk " << chunk << " threads " << threads << " "
+                        << dtype_name(t) << " " << tile_name(tc);
+                  }
+                  ASSERT_EQ(lse, std::log(1024.0f));
+                }
+            }
+      }
+    }
+}
+
+TEST(TiledKernel, SameBitsForAnyThreadCount) {
+  for (DType t : kTypes) {
+    Problem p(AttnShape{2, 32, 8, 128, 1}, t, {5000, 4097}, 9);
+    Problem smol(AttnShape{1, 9, 3, 64, 3}, t, {3333}, 10);
+    for (const TileConfig& tc : kTileConfigs)
+      for (const Problem* pr : {&p, &smol}) {
+        TiledKVCache c = tiled_copy(pr->shape, pr->whole(), tc);
+        const TiledKVShard view = c.view(pr->len, pr->start, pr->total);
+        std::vector<float> a(pr->rows() * static_cast<std::size_t>(pr->shape.head_dim + 2)), b(a.size());
+        for (Isa isa : testing::runnable_isas()) {
+          DecodeOptions o1;
+          o1.isa = isa;
+          o1.threads = 1;
+          ASSERT_TRUE(decode_partial_tiled(pr->shape, pr->q.data(), view, a.data(), o1).is_ok());
+          for (int threads : {2, 3, 5, 8}) {
+            DecodeOptions o2 = o1;
+            o2.threads = threads;
+            ASSERT_TRUE(decode_partial_tiled(pr->shape, pr->q.data(), view, b.data(), o2).is_ok());
+            EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+                << isa_name(isa) << " " << dtype_name(t) << " threads " << threads << " "
+                << tile_name(tc);
+          }
+        }
+      }
+  }
+}
+
+TEST(TiledErrors, BadArgumentsAreNamed) {
+  const AttnShape s{2, 8, 2, 64, 1};
+  auto bad_tile = TiledKVCache::create(s, DType::kF32, 10, KVTileLayout::kSplit, 24);
+  ASSERT_FALSE(bad_tile.is_ok());
+  EXPECT_NE(bad_tile.status().message().find("tile_tokens must be a multiple of 16"), std::string::npos)
+      << bad_tile.status().message();
+  EXPECT_FALSE(TiledKVCache::create(s, DType::kF32, -1).is_ok());
+  EXPECT_FALSE(TiledKVCache::create(AttnShape{1, 8, 3, 64, 1}, DType::kF32, 10).is_ok());
+  EXPECT_FALSE(parse_kv_tile_layout("diagonal").is_ok());
+  EXPECT_EQ(parse_kv_tile_layout("interleaved").value(), KVTileLayout::kInterleaved);
+
+  Result<TiledKVCache> c = TiledKVCache::create(s, DType::kF32, 40);
+  ASSERT_TRUE(c.is_ok());
+  std::vector<int64_t> len{40, 3}, start{0, 0}, total{40, 3}, one{40};
+  std::vector<float> q(2 * 8 * 64), st(2 * 8 * 66);
+  // Spans of the wrong size.
+  Status e = decode_partial_tiled(s, q.data(), c->view(one, one, one), st.data());
+  EXPECT_EQ(e.code(), Code::kInvalidArgument);
+  EXPECT_NE(e.message().find("batch is 2"), std::string::npos) << e.message();
+  // Positions past the context.
+  std::vector<int64_t> short_total{39, 3};
+  e = decode_partial_tiled(s, q.data(), c->view(len, start, short_total), st.data());
+  EXPECT_NE(e.message().find("batch row 0"), std::string::npos) << e.message();
+  // A tile stride smaller than a tile, a null pointer, scales on f32, device memory.
+  TiledKVShard v = c->view(len, start, total);
+  v.tile_stride = 100;
+  e = decode_partial_tiled(s, q.data(), v, st.data());
+  EXPECT_NE(e.message().find("smaller than one tile"), std::string::npos) << e.message();
+  v = c->view(len, start, total);
+  v.v = nullptr;
+  EXPECT_FALSE(decode_partial_tiled(s, q.data(), v, st.data()).is_ok());
+  v = c->view(len, start, total);
+  v.k_scale = st.data();
+  e = decode_partial_tiled(s, q.data(), v, st.data());
+  EXPECT_NE(e.message().find("scales are only for quantized"), std::string::npos) << e.message();
+  v = c->view(len, start, total);
+  v.memory = MemorySpace::kDevice;
+  EXPECT_EQ(decode_partial_tiled(s, q.data(), v, st.data()).code(), Code::kUnsupported);
+  EXPECT_FALSE(decode_partial_tiled(s, nullptr, c->view(len, start, total), st.data()).is_ok());
+  // Quantized caches need their scales.
+  Result<TiledKVCache> qc = TiledKVCache::create(s, DType::kInt8, 40);
+  ASSERT_TRUE(qc.is_ok());
+  v = qc->view(len, start, total);
+  v.v_scale = nullptr;
+  e = decode_partial_tiled(s, q.data(), v, st.data());
+  EXPECT_NE(e.message().find("null scale pointer"), std::string::npos) << e.message();
+}
+
+}  // namespace
+}  // namespace treeattn
