@@ -13,8 +13,10 @@
 #include <vector>
 
 #include "strategies/descriptor.hpp"
+#include "treeattn/comm_local.hpp"
 #include "treeattn/cost_model.hpp"
 #include "treeattn/strategy.hpp"
+#include "treeattn/workload.hpp"
 
 namespace treeattn {
 namespace {
@@ -323,6 +325,53 @@ TEST(Descriptors, ShardKindsChangeOnlyTheKvBytes) {
   for (const std::string& name : no_rule)
     ADD_FAILURE() << "no rule for " << name << ": say here how its analytic bytes depend on the "
                   << "placement";
+}
+
+// The analytic bytes of the strategies that only send point-to-point messages are exactly what
+// each rank hands to the communicator, quantized KV (whose scales travel with ring-kv's shards)
+// included. Run over the in-process communicator.
+TEST(Descriptors, PointToPointBytesAreCountedExactlyForEveryDtype) {
+  int runs = 0;
+  for (DType dtype : {DType::kFP8, DType::kInt8, DType::kBF16}) {
+    for (int p : {2, 3, 5}) {
+      for (ShardKind kind : {ShardKind::kEven, ShardKind::kUneven, ShardKind::kStriped}) {
+        for (const char* strategy : {"ring-kv", "ring-state", "single"}) {
+          RunConfig cfg;
+          cfg.strategy = strategy;
+          cfg.shape = AttnShape{2, 4, 2, 64, 1};
+          cfg.dtype = dtype;
+          cfg.total_len = {301, 77};
+          cfg.shard = kind;
+          cfg.options.kernel.threads = 1;
+          if (cfg.strategy == "single") cfg.options.root = p - 1;  // one message from rank 0
+          const std::string label = std::string(strategy) + " " + std::string(dtype_name(dtype)) +
+                                    " " + std::string(shard_kind_name(kind)) +
+                                    " p=" + std::to_string(p);
+          std::vector<StepReport> steps(static_cast<std::size_t>(p));
+          std::vector<CostEstimate> models(static_cast<std::size_t>(p));
+          const Status st = run_local(p, [&](Communicator& comm) -> Status {
+            auto rep = run_decode(comm, cfg);
+            if (!rep.is_ok()) return rep.status();
+            if (rep->steps.size() != 1)
+              return internal_error("rank " + std::to_string(comm.rank()) + ": " +
+                                    std::to_string(rep->steps.size()) + " steps, expected 1");
+            steps[static_cast<std::size_t>(comm.rank())] = rep->steps[0];
+            models[static_cast<std::size_t>(comm.rank())] = rep->model;
+            return Status::ok();
+          });
+          ASSERT_TRUE(st.is_ok()) << label << ": " << st.to_string();
+          for (int r = 0; r < p; ++r) {
+            const auto i = static_cast<std::size_t>(r);
+            EXPECT_EQ(static_cast<double>(steps[i].p2p_bytes), models[i].bytes_sent)
+                << label << " rank " << r << " (" << models[i].formula << ")";
+            EXPECT_EQ(steps[i].collective_calls, 0u) << label << " rank " << r;
+          }
+          ++runs;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(runs, 3 * 3 * 3 * 3);
 }
 
 }  // namespace
