@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "strategies/descriptor.hpp"
+
 namespace treeattn {
 namespace {
 __extension__ typedef __int128 Int128;  // exact N * r (r + 1) / 2 for any plan size
@@ -221,9 +223,11 @@ KVShard LocalShard::view(const ShardPlan& plan) const {
                      plan.pos_stride());
 }
 
+// K and V of every live token, with their scales for quantized dtypes (the bytes the analytic
+// cost model counts for a shard).
 std::size_t LocalShard::live_bytes(const ShardPlan& plan) const {
-  return static_cast<std::size_t>(plan.total_tokens(rank_) * shape_.kv_heads * shape_.head_dim) *
-         dtype_size(cache_.dtype()) * 2;
+  return static_cast<std::size_t>(plan.total_tokens(rank_)) *
+         static_cast<std::size_t>(strategies::kv_bytes_per_token(shape_, cache_.dtype()));
 }
 
 void LocalShard::reserve(int64_t tokens) {

@@ -349,6 +349,7 @@ TEST(Descriptors, PointToPointBytesAreCountedExactlyForEveryDtype) {
                                     " p=" + std::to_string(p);
           std::vector<StepReport> steps(static_cast<std::size_t>(p));
           std::vector<CostEstimate> models(static_cast<std::size_t>(p));
+          std::vector<double> kv(static_cast<std::size_t>(p));  // the session's live KV bytes
           const Status st = run_local(p, [&](Communicator& comm) -> Status {
             auto rep = run_decode(comm, cfg);
             if (!rep.is_ok()) return rep.status();
@@ -357,6 +358,7 @@ TEST(Descriptors, PointToPointBytesAreCountedExactlyForEveryDtype) {
                                     std::to_string(rep->steps.size()) + " steps, expected 1");
             steps[static_cast<std::size_t>(comm.rank())] = rep->steps[0];
             models[static_cast<std::size_t>(comm.rank())] = rep->model;
+            kv[static_cast<std::size_t>(comm.rank())] = static_cast<double>(rep->kv_bytes);
             return Status::ok();
           });
           ASSERT_TRUE(st.is_ok()) << label << ": " << st.to_string();
@@ -365,6 +367,13 @@ TEST(Descriptors, PointToPointBytesAreCountedExactlyForEveryDtype) {
             EXPECT_EQ(static_cast<double>(steps[i].p2p_bytes), models[i].bytes_sent)
                 << label << " rank " << r << " (" << models[i].formula << ")";
             EXPECT_EQ(steps[i].collective_calls, 0u) << label << " rank " << r;
+            // The KV the session holds (scales included) is the analytic model's KV term.
+            if (cfg.strategy == "ring-state") {
+              const double S = strategies::state_bytes(cfg.shape);
+              EXPECT_DOUBLE_EQ(models[i].working_set_bytes,
+                               kv[i] + strategies::query_bytes(cfg.shape) + S + p * S)
+                  << label << " rank " << r;
+            }
           }
           ++runs;
         }
