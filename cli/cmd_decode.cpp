@@ -330,14 +330,14 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
         if (need.available_bytes > 0 && need.per_job_bytes > 0.9 * need.available_bytes)
           return fail(cmd, Status(Code::kOutOfMemory,
                                   fmt::format("a context of {} tokens ({}, batch {}) on {} ranks "
-                                              "needs about {} of memory ({} of KV cache, {} of "
-                                              "queries, outputs and states); this machine has {} "
-                                              "available",
+                                              "needs about {} of memory; this machine has {} "
+                                              "available ({} of KV cache, {} of queries, outputs "
+                                              "and states)",
                                               seq, mc.shape.to_string(), b, p,
                                               format_bytes(need.per_job_bytes),
+                                              format_bytes(need.available_bytes),
                                               format_bytes(need.kv_bytes),
-                                              format_bytes(need.state_bytes),
-                                              format_bytes(need.available_bytes))));
+                                              format_bytes(need.state_bytes))));
       }
     }
 

@@ -117,7 +117,7 @@ case "$case_name" in
     [ -z "$(ls -A "$tmp/dir")" ] || fail "the output checks left files in $tmp/dir"
     ;;
   huge_shapes)
-    expect 2 "needs about .* \(.* of KV cache, .* TiB of queries, outputs and states\); this machine has" 10 -- \
+    expect 2 "needs about .* of memory; this machine has .* available \(.* of KV cache, .* TiB of queries, outputs and states\)" 10 -- \
       "$bin" run --q-len 2147483647
     expect 2 "needs about .* of queries, outputs and states" 10 -- "$bin" run --heads 1073741824 --kv-heads 8
     expect 2 "needs about .* of queries, outputs and states" 10 -- "$bin" run --q-len 1000000
