@@ -153,10 +153,14 @@ Result<CostEstimate> analytic_cost(std::string_view strategy, const AttnShape& s
                                    const ShardPlan& plan, int rank,
                                    const StrategyOptions& options = {});
 
-// The KV storage a job of `ranks` ranks running `strategy` holds, as a multiple of the bytes of
-// the whole KV cache: 1 for the sharded strategies, 3 for ring-kv (the shards and each rank's
-// send and receive buffers), 1 + 1/p for single (rank 0's whole cache next to the job's
-// shards). For memory pre-checks; InvalidArgument for an unknown strategy or ranks < 1.
-Result<double> strategy_kv_memory_factor(std::string_view strategy, int ranks);
+// The KV storage a run of `strategy` on `ranks` ranks needs beside one placement of the cache
+// shared by every strategy of the run, in copies of the whole cache: ring-kv's receive buffers,
+// each the size of a shard (2: two per rank; 1 at p = 2, 0 at p = 1), single's own placement
+// (1: the whole cache on rank 0, which a shared sharded placement cannot serve), 0 for the
+// others. For memory pre-checks before any plan exists (a run of several strategies needs
+// 1 + the sum over the distinct strategies, KV bytes of the whole cache each); with a plan,
+// analytic_cost's working set is each rank's exact figure. InvalidArgument for an unknown
+// strategy or ranks < 1.
+Result<double> strategy_extra_kv_caches(std::string_view strategy, int ranks);
 
 }  // namespace treeattn

@@ -91,7 +91,7 @@ constinit const StrategyDescriptor kAllgatherDescriptor{
     .create = make_allgather,
     .analytic = analytic,
     .model = model,
-    .kv_memory_factor = kv_shards_only,
+    .extra_kv_caches = no_extra_kv,
 };
 
 // `tree` on a backend without user-defined reductions (tree.cpp's stand-in there).
@@ -100,7 +100,7 @@ constinit const StrategyDescriptor kTreeAsAllgatherDescriptor{
     .create = make_tree_as_allgather,
     .analytic = analytic,
     .model = model,
-    .kv_memory_factor = kv_shards_only,
+    .extra_kv_caches = no_extra_kv,
 };
 
 }  // namespace treeattn::strategies

@@ -11,8 +11,9 @@
 //             messages and the local work of one step on a topology, simulated with the
 //             collective algorithms the topology's library picks at this message size
 //             (src/topology/cost_sim.hpp);
-//   kv_memory_factor  the KV storage a whole job holds, as a multiple of the KV cache (the
-//             CLI's memory pre-check, strategy_kv_memory_factor()).
+//   extra_kv_caches  the KV storage a run needs beside one shared placement of the cache, in
+//             copies of the whole cache (the CLI's memory pre-check,
+//             strategy_extra_kv_caches()).
 // How the two byte models relate is written at analytic_cost (strategy.hpp); where they differ
 // for one strategy, its descriptor's comment says why, and tests/strategies/test_descriptors.cpp
 // checks that they agree wherever they should.
@@ -95,8 +96,8 @@ struct StrategyDescriptor {
   CostEstimate (*analytic)(const AnalyticInput&) = nullptr;
   // predict() for this strategy (Prediction::strategy is filled in by predict()).
   Prediction (*model)(const cost::Ctx&) = nullptr;
-  // Bytes of KV storage of a job on `ranks` ranks over the bytes of the whole KV cache.
-  double (*kv_memory_factor)(int ranks) = nullptr;
+  // strategy_extra_kv_caches() (strategy.hpp) on `ranks` ranks.
+  double (*extra_kv_caches)(int ranks) = nullptr;
 };
 
 // Defined in each strategy's file.
@@ -120,8 +121,9 @@ std::span<const StrategyDescriptor* const> strategy_descriptors(bool user_reduct
 const StrategyDescriptor* find_strategy_descriptor(std::string_view name,
                                                    bool user_reductions = true);
 
-// A KV memory factor of 1: the strategy holds the shards and nothing more of the cache.
-inline double kv_shards_only(int) { return 1.0; }
+// extra_kv_caches of a strategy that works on the shared placement's shards and keeps no
+// KV-sized buffers.
+inline double no_extra_kv(int) { return 0.0; }
 
 }  // namespace strategies
 }  // namespace treeattn

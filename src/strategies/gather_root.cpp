@@ -91,7 +91,7 @@ constinit const StrategyDescriptor kGatherRootDescriptor{
     .create = make_gather_root,
     .analytic = analytic,
     .model = model,
-    .kv_memory_factor = kv_shards_only,
+    .extra_kv_caches = no_extra_kv,
 };
 
 }  // namespace treeattn::strategies

@@ -253,7 +253,7 @@ constinit const StrategyDescriptor kHierDescriptor{
     .without_user_reductions = nullptr,
     .analytic = analytic,
     .model = model,
-    .kv_memory_factor = kv_shards_only,
+    .extra_kv_caches = no_extra_kv,
 };
 
 }  // namespace treeattn::strategies

@@ -145,15 +145,15 @@ Result<CostEstimate> analytic_cost(std::string_view strategy, const AttnShape& s
   return d->analytic(in);
 }
 
-Result<double> strategy_kv_memory_factor(std::string_view strategy, int ranks) {
+Result<double> strategy_extra_kv_caches(std::string_view strategy, int ranks) {
   const strategies::StrategyDescriptor* d = strategies::find_strategy_descriptor(strategy);
-  if (!d || !d->kv_memory_factor)
-    return invalid_argument("strategy_kv_memory_factor: unknown strategy '" +
-                            std::string(strategy) + "'");
+  if (!d || !d->extra_kv_caches)
+    return invalid_argument("strategy_extra_kv_caches: unknown strategy '" + std::string(strategy) +
+                            "'");
   if (ranks < 1)
-    return invalid_argument("strategy_kv_memory_factor: ranks must be >= 1, got " +
+    return invalid_argument("strategy_extra_kv_caches: ranks must be >= 1, got " +
                             std::to_string(ranks));
-  return d->kv_memory_factor(ranks);
+  return d->extra_kv_caches(ranks);
 }
 
 }  // namespace treeattn

@@ -356,8 +356,9 @@ Prediction model(const cost::Ctx& c) {
                       buffers * c.kv_bytes(c.shard_tokens) + (c.p > 1 ? c.p * c.state_bytes : 0.0));
 }
 
-// Each rank's shard and its two receive buffers.
-double kv_memory_factor(int) { return 3.0; }
+// The receive buffers, each the size of a shard: two per rank (one at p = 2), i.e. two copies
+// of the cache over the job.
+double extra_kv_caches(int ranks) { return ranks >= 3 ? 2.0 : (ranks == 2 ? 1.0 : 0.0); }
 
 }  // namespace
 
@@ -366,7 +367,7 @@ constinit const StrategyDescriptor kRingKVDescriptor{
     .create = make_ring_kv,
     .analytic = analytic,
     .model = model,
-    .kv_memory_factor = kv_memory_factor,
+    .extra_kv_caches = extra_kv_caches,
 };
 
 }  // namespace treeattn::strategies

@@ -92,7 +92,7 @@ constinit const StrategyDescriptor kRingStateDescriptor{
     .create = make_ring_state,
     .analytic = analytic,
     .model = model,
-    .kv_memory_factor = kv_shards_only,
+    .extra_kv_caches = no_extra_kv,
 };
 
 }  // namespace treeattn::strategies

@@ -105,8 +105,8 @@ Prediction model(const cost::Ctx& c) {
   return cost::finish(one, one.local_us(c.context, 1), comm, sim, 0.0);
 }
 
-// Rank 0's whole cache beside its 1/p shard of the placement the other strategies share.
-double kv_memory_factor(int ranks) { return 1.0 + 1.0 / ranks; }
+// Its own placement (the whole cache on rank 0): one more copy beside a shared placement.
+double extra_kv_caches(int) { return 1.0; }
 
 }  // namespace
 
@@ -116,7 +116,7 @@ constinit const StrategyDescriptor kSingleDescriptor{
     .whole_cache_on_one_rank = true,
     .analytic = analytic,
     .model = model,
-    .kv_memory_factor = kv_memory_factor,
+    .extra_kv_caches = extra_kv_caches,
 };
 
 }  // namespace treeattn::strategies

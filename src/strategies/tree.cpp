@@ -67,7 +67,7 @@ constinit const StrategyDescriptor kTreeDescriptor{
     .without_user_reductions = &kTreeAsAllgatherDescriptor,
     .analytic = analytic,
     .model = model,
-    .kv_memory_factor = kv_shards_only,
+    .extra_kv_caches = no_extra_kv,
 };
 
 }  // namespace treeattn::strategies

@@ -447,7 +447,7 @@ constinit const StrategyDescriptor kTreeDetDescriptor{
     .create = make_tree_det,
     .analytic = analytic,
     .model = model,
-    .kv_memory_factor = kv_shards_only,
+    .extra_kv_caches = no_extra_kv,
 };
 
 

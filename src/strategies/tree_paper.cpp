@@ -131,7 +131,7 @@ constinit const StrategyDescriptor kTreePaperDescriptor{
     .create = make_tree_paper,
     .analytic = analytic_paper,
     .model = model_paper,
-    .kv_memory_factor = kv_shards_only,
+    .extra_kv_caches = no_extra_kv,
 };
 
 constinit const StrategyDescriptor kTree2Descriptor{
@@ -139,7 +139,7 @@ constinit const StrategyDescriptor kTree2Descriptor{
     .create = make_tree2,
     .analytic = analytic_fused,
     .model = model_fused,
-    .kv_memory_factor = kv_shards_only,
+    .extra_kv_caches = no_extra_kv,
 };
 
 }  // namespace treeattn::strategies

@@ -35,7 +35,7 @@ TEST(Descriptors, EveryStrategyIsCompleteAndNamedOnce) {
       ASSERT_NE(d->create, nullptr) << name;
       EXPECT_NE(d->analytic, nullptr) << name;
       EXPECT_NE(d->model, nullptr) << name;
-      EXPECT_NE(d->kv_memory_factor, nullptr) << name;
+      EXPECT_NE(d->extra_kv_caches, nullptr) << name;
       EXPECT_EQ(d->create(StrategyOptions{})->name(), d->info.name) << name;
       EXPECT_EQ(find_strategy_descriptor(d->info.name, user_reductions), d) << name;
       EXPECT_TRUE(user_reductions || !d->needs_user_reductions) << name;
@@ -73,18 +73,34 @@ TEST(Descriptors, TablesMatchTheRegistriesAndTheCostModel) {
   EXPECT_EQ(modeled_strategies(), host);
 }
 
-TEST(Descriptors, KvMemoryFactorIsWhatTheMemoryPreCheckCounted) {
-  for (int p = 1; p <= 8; ++p) {
-    for (const StrategyDescriptor* d : strategy_descriptors(true)) {
-      const std::string name(d->info.name);
-      auto f = strategy_kv_memory_factor(name, p);
-      ASSERT_TRUE(f.is_ok()) << f.status().to_string();
-      const double want = name == "ring-kv" ? 3.0 : name == "single" ? 1.0 + 1.0 / p : 1.0;
-      EXPECT_DOUBLE_EQ(*f, want) << name << " p=" << p;
+// The memory pre-check's extra KV copies: ring-kv's receive buffers (which its analytic working
+// set counts for an even split: extra copies x the cache / p per rank), single's own placement.
+TEST(Descriptors, ExtraKvCachesAreRingKvsBuffersAndSinglesPlacement) {
+  const AttnShape shape{2, 8, 4, 64, 1};
+  for (DType dtype : {DType::kBF16, DType::kInt8}) {
+    for (int p = 1; p <= 8; ++p) {
+      for (const StrategyDescriptor* d : strategy_descriptors(true)) {
+        const std::string name(d->info.name);
+        auto f = strategy_extra_kv_caches(name, p);
+        ASSERT_TRUE(f.is_ok()) << f.status().to_string();
+        const double want = name == "ring-kv" ? (p >= 3 ? 2.0 : p - 1.0) : name == "single";
+        EXPECT_EQ(*f, want) << name << " p=" << p;
+      }
+      const int64_t n = 840 * p;
+      auto plan = ShardPlan::make(ShardKind::kEven, p, {n, n});
+      ASSERT_TRUE(plan.is_ok());
+      auto ws = analytic_cost("ring-kv", shape, dtype, *plan, 0);
+      ASSERT_TRUE(ws.is_ok());
+      const double cache =
+          2.0 * static_cast<double>(n) * strategies::kv_bytes_per_token(shape, dtype);
+      const double S = strategies::state_bytes(shape);
+      const double buffers =
+          ws->working_set_bytes - (cache / p + strategies::query_bytes(shape) + S + p * S);
+      EXPECT_DOUBLE_EQ(buffers, *strategy_extra_kv_caches("ring-kv", p) * cache / p) << "p=" << p;
     }
   }
-  EXPECT_FALSE(strategy_kv_memory_factor("butterfly", 4).is_ok());
-  EXPECT_FALSE(strategy_kv_memory_factor("tree", 0).is_ok());
+  EXPECT_FALSE(strategy_extra_kv_caches("butterfly", 4).is_ok());
+  EXPECT_FALSE(strategy_extra_kv_caches("tree", 0).is_ok());
 }
 
 // ---- the two byte models --------------------------------------------------------------------
