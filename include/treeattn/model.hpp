@@ -1,0 +1,165 @@
+// A Llama-architecture model read from a GGUF file, and the CPU pieces of its forward pass.
+//
+// LlamaModel::load maps the file (gguf.hpp: MAP_SHARED, so the ranks of a node share one copy of
+// the weights), reads the hyper-parameters from `llama.*` metadata and checks every tensor's
+// presence, type and shape before anything is computed. The weights stay in the file's format;
+// the matrix-vector kernels read them in place.
+//
+// Forward pass of one token x (n_embd floats) through layer l, as llama.cpp computes it:
+//   xn = rmsnorm(x) * attn_norm                 rmsnorm(x) = x / sqrt(mean(x^2) + eps)
+//   q = Wq xn, k = Wk xn, v = Wv xn              q: n_head heads, k and v: n_head_kv heads
+//   q, k <- RoPE(pos)                           see below
+//   a = attention(q, K, V)                      grouped-query attention over positions <= pos,
+//                                               scale 1/sqrt(head_dim): the caller's job
+//                                               (a DecodeSession in decode, generate.hpp)
+//   x += Wo a
+//   xn = rmsnorm(x) * ffn_norm
+//   x += Wdown (silu(Wgate xn) * Wup xn)        silu(g) = g / (1 + exp(-g))
+// then logits = Wout (rmsnorm(x) * output_norm), Wout = output.weight or, when the file has none,
+// token_embd.weight (tied).
+//
+// RoPE: llama.cpp's converter stores the rows of Wq and Wk permuted within each head so that the
+// rotation acts on ADJACENT pairs (x[2i], x[2i+1]) (ggml's "normal" rope mode); Hugging Face's
+// rotate-half form on the unpermuted weights is the same function. For pair i < rope_dim / 2:
+//   theta_i = (pos / linear_factor) * base^(-2i / rope_dim) / freq_factor_i
+//   (x[2i], x[2i+1]) <- (x[2i] cos - x[2i+1] sin, x[2i] sin + x[2i+1] cos)
+// with freq_factor_i from the tensor rope_freqs.weight when present (how GGUF carries Llama-3.1's
+// rope scaling), else 1, and linear_factor from rope.scaling.type = linear. The angle and its
+// cosine and sine are computed in double (llama.cpp accumulates the angle in float, which is off
+// by ~1e-3 rad at 32k positions), then rounded to float.
+//
+// Matrix-vector kernels (matmul below): F32, F16, BF16, Q8_0, Q4_0 and Q4_1 rows against float
+// activations, accumulated in float with FMA, SIMD per ISA (AVX-512, AVX2, generic; chosen at
+// run time like the attention kernel), rows split over OpenMP threads. The bits of one
+// (row, token) dot product do not depend on the thread count or on how many tokens are computed
+// together, so a token's hidden states are the same bits in a prefill batch and in a one-token
+// step, on every rank (the deterministic decode relies on it). Activations are not quantized
+// (llama.cpp quantizes them to 8 bits for its integer kernels; here they stay float, which keeps
+// the forward pass within float rounding of a float64 reference).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "treeattn/gguf.hpp"
+#include "treeattn/kernel.hpp"
+#include "treeattn/status.hpp"
+#include "treeattn/tokenizer.hpp"
+
+namespace treeattn::model {
+
+// One weight matrix in the file's format: `rows` outputs of `cols` inputs, row r at
+// data + r * row_bytes.
+struct WeightMatrix {
+  std::string name;
+  uint32_t type = 0;  // ggml type id (gguf::TensorType)
+  const uint8_t* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t row_bytes = 0;
+
+  static Result<WeightMatrix> from_tensor(const gguf::TensorInfo& t);
+  std::size_t bytes() const { return static_cast<std::size_t>(rows * row_bytes); }
+};
+
+struct MatvecOptions {
+  int threads = 0;      // 0: every thread OpenMP offers
+  Isa isa = Isa::kAuto; // kAuto: best_isa(); kReference runs the generic target
+};
+
+// ys[i][t * mats[i]->rows + r] = <row r of mats[i], x + t * x_stride> for every matrix i, row r
+// and token t < tokens. The matrices share the input (cols equal); their rows are split over
+// the threads together. kInvalidArgument for mismatched sizes, kUnsupported for a type without
+// a kernel or an ISA this CPU lacks.
+Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t tokens,
+              int64_t x_stride, std::span<float* const> ys, const MatvecOptions& options = {});
+// The ISA matmul runs with these options ("avx512", "avx2", "generic").
+Isa matmul_isa(const MatvecOptions& options);
+
+// Hyper-parameters from the file's metadata (`{arch}.` keys).
+struct LlamaConfig {
+  std::string architecture;  // general.architecture
+  std::string name;          // general.name (may be empty)
+  int n_layers = 0;
+  int64_t n_embd = 0;
+  int64_t n_ff = 0;
+  int64_t n_head = 0;
+  int64_t n_head_kv = 0;
+  int64_t head_dim = 0;
+  int64_t n_vocab = 0;
+  int64_t n_ctx_train = 0;   // context_length (0: not given)
+  double rms_eps = 1e-5;
+  double rope_base = 10000.0;
+  int64_t rope_dim = 0;
+  double rope_linear_factor = 1.0;  // rope.scaling.type = linear: positions divided by it
+  bool rope_freq_factors = false;   // rope_freqs.weight present (Llama-3.1 style scaling)
+  bool tied_output = false;         // no output.weight: the head is token_embd.weight
+
+  // KV cache values per token over all layers (K and V): 2 * n_layers * n_head_kv * head_dim.
+  int64_t kv_values_per_token() const { return 2 * n_layers * n_head_kv * head_dim; }
+  std::string to_string() const;
+};
+
+// Temporary activations of the forward pieces; one per thread that calls them (a LlamaModel
+// is shared read-only by every rank thread of a process).
+struct ForwardScratch {
+  std::vector<float> xn, gate, up, tmp;
+};
+
+class LlamaModel {
+ public:
+  // Opens and checks the file: kInvalidArgument for a missing or malformed file or tensor shape
+  // (naming the file, the key or the tensor, what was expected and what was found),
+  // kUnsupported for an architecture other than llama, a tensor type without a kernel, bias
+  // tensors, YaRN rope scaling or a head dim without an attention kernel.
+  static Result<std::unique_ptr<LlamaModel>> load(const std::string& path);
+
+  const LlamaConfig& config() const { return cfg_; }
+  const gguf::File& file() const { return file_; }
+  const std::string& path() const { return file_.path(); }
+  // Bytes of weights one decoded token reads: every layer matrix, the output head, one
+  // embedding row (what bounds decode speed from below at short contexts).
+  std::size_t weight_bytes_per_token() const;
+  // The types of the layer matrices, e.g. "q4_1 (210), q8_0 (1)", for reports.
+  std::string weight_types() const;
+
+  // x[t] = the embedding of tokens[t] (n_embd floats each). kInvalidArgument for an id outside
+  // [0, n_vocab).
+  Status embed(std::span<const TokenId> tokens, float* x) const;
+  // For T tokens at positions pos[t]: q [T][n_head * head_dim], k and v [T][n_head_kv *
+  // head_dim], RoPE applied to q and k.
+  Status attention_inputs(int layer, const float* x, int64_t tokens, const int64_t* pos,
+                          float* q, float* k, float* v, ForwardScratch& scratch,
+                          const MatvecOptions& options) const;
+  // x += Wo a; x += FFN(x) for T tokens (a: [T][n_head * head_dim]).
+  Status attention_output_and_ffn(int layer, const float* a, int64_t tokens, float* x,
+                                  ForwardScratch& scratch, const MatvecOptions& options) const;
+  // logits (n_vocab floats) of one hidden state.
+  Status logits(const float* x, float* logits, ForwardScratch& scratch,
+                const MatvecOptions& options) const;
+
+  // RoPE of `heads` heads (head_dim floats each, contiguous) at position pos, in place.
+  void apply_rope(float* heads, int64_t n_heads, int64_t pos) const;
+
+ private:
+  struct Layer {
+    WeightMatrix wq, wk, wv, wo, gate, up, down;
+    std::vector<float> attn_norm, ffn_norm;
+  };
+  explicit LlamaModel(gguf::File file) : file_(std::move(file)) {}
+  Status init();
+  void rmsnorm(const float* x, const std::vector<float>& w, int64_t tokens, float* out) const;
+
+  gguf::File file_;
+  LlamaConfig cfg_;
+  WeightMatrix tok_embd_, output_;
+  std::vector<float> output_norm_;
+  std::vector<Layer> layers_;
+  std::vector<double> inv_freq_;  // per rotated pair, factors applied
+};
+
+}  // namespace treeattn::model

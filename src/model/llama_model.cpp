@@ -1,0 +1,355 @@
+// LlamaModel: loading and checking a Llama-architecture GGUF file, and the CPU forward pieces
+// (embedding, RMSNorm, projections, RoPE, SwiGLU, output head). See include/treeattn/model.hpp.
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <sstream>
+
+#include "treeattn/model.hpp"
+#include "treeattn/shape.hpp"
+
+namespace treeattn::model {
+namespace {
+
+std::string dims_string(const std::vector<uint64_t>& d) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+}  // namespace
+
+std::string LlamaConfig::to_string() const {
+  std::ostringstream os;
+  os << architecture << (name.empty() ? "" : " '" + name + "'") << ": " << n_layers
+     << " layers, embd " << n_embd << ", ffn " << n_ff << ", " << n_head << " heads, "
+     << n_head_kv << " KV heads, head dim " << head_dim << ", vocab " << n_vocab
+     << ", rope base " << rope_base << " dims " << rope_dim;
+  if (rope_freq_factors) os << " (freq factors)";
+  if (rope_linear_factor != 1.0) os << " (linear x" << rope_linear_factor << ")";
+  if (tied_output) os << ", tied output";
+  return os.str();
+}
+
+Result<std::unique_ptr<LlamaModel>> LlamaModel::load(const std::string& path) {
+  auto f = gguf::File::open(path);
+  if (!f.is_ok()) return f.status();
+  std::unique_ptr<LlamaModel> m(new LlamaModel(std::move(f).value()));
+  TREEATTN_RETURN_IF_ERROR(m->init());
+  return m;
+}
+
+Status LlamaModel::init() {
+  const gguf::File& f = file_;
+  const std::string who = "model " + f.path() + ": ";
+  auto arch = f.get_string("general.architecture");
+  if (!arch.is_ok()) return arch.status();
+  cfg_.architecture = std::string(*arch);
+  if (cfg_.architecture != "llama")
+    return unsupported(who + "architecture '" + cfg_.architecture +
+                       "' is not supported (general.architecture must be 'llama')");
+  auto name = f.get_string_or("general.name", "");
+  if (!name.is_ok()) return name.status();
+  cfg_.name = std::string(*name);
+  const std::string a = cfg_.architecture + ".";
+  auto need_int = [&](const std::string& key, int64_t& out) -> Status {
+    auto v = f.get_int(a + key);
+    if (!v.is_ok()) return v.status();
+    if (*v <= 0)
+      return invalid_argument(who + a + key + " = " + std::to_string(*v) + " must be positive");
+    out = *v;
+    return Status::ok();
+  };
+  int64_t layers = 0;
+  TREEATTN_RETURN_IF_ERROR(need_int("block_count", layers));
+  if (layers > 100000) return invalid_argument(who + a + "block_count is absurd");
+  cfg_.n_layers = static_cast<int>(layers);
+  TREEATTN_RETURN_IF_ERROR(need_int("embedding_length", cfg_.n_embd));
+  TREEATTN_RETURN_IF_ERROR(need_int("feed_forward_length", cfg_.n_ff));
+  TREEATTN_RETURN_IF_ERROR(need_int("attention.head_count", cfg_.n_head));
+  {
+    auto v = f.get_int_or(a + "attention.head_count_kv", cfg_.n_head);
+    if (!v.is_ok()) return v.status();
+    cfg_.n_head_kv = *v;
+    if (cfg_.n_head_kv <= 0 || cfg_.n_head % cfg_.n_head_kv != 0)
+      return invalid_argument(who + a + "attention.head_count_kv = " +
+                              std::to_string(cfg_.n_head_kv) + " must divide head_count " +
+                              std::to_string(cfg_.n_head));
+  }
+  if (cfg_.n_embd % cfg_.n_head != 0)
+    return invalid_argument(who + "embedding_length " + std::to_string(cfg_.n_embd) +
+                            " is not a multiple of head_count " + std::to_string(cfg_.n_head));
+  {
+    auto k = f.get_int_or(a + "attention.key_length", cfg_.n_embd / cfg_.n_head);
+    auto v = f.get_int_or(a + "attention.value_length", cfg_.n_embd / cfg_.n_head);
+    if (!k.is_ok()) return k.status();
+    if (!v.is_ok()) return v.status();
+    if (*k != *v)
+      return unsupported(who + "key_length " + std::to_string(*k) + " != value_length " +
+                         std::to_string(*v));
+    cfg_.head_dim = *k;
+  }
+  if (!head_dim_supported(cfg_.head_dim))
+    return unsupported(who + "head dim " + std::to_string(cfg_.head_dim) +
+                       " has no attention kernel (supported: " + supported_head_dims_string() +
+                       ")");
+  {
+    auto v = f.get_float_or(a + "attention.layer_norm_rms_epsilon", 1e-5);
+    if (!v.is_ok()) return v.status();
+    cfg_.rms_eps = *v;
+    auto b = f.get_float_or(a + "rope.freq_base", 10000.0);
+    if (!b.is_ok()) return b.status();
+    cfg_.rope_base = *b;
+    if (!(cfg_.rope_base > 1.0))
+      return invalid_argument(who + a + "rope.freq_base = " + std::to_string(*b) +
+                              " must be > 1");
+    auto d = f.get_int_or(a + "rope.dimension_count", cfg_.head_dim);
+    if (!d.is_ok()) return d.status();
+    cfg_.rope_dim = *d;
+    if (cfg_.rope_dim <= 0 || cfg_.rope_dim > cfg_.head_dim || cfg_.rope_dim % 2 != 0)
+      return invalid_argument(who + a + "rope.dimension_count = " + std::to_string(*d) +
+                              " must be even and in (0, head dim " +
+                              std::to_string(cfg_.head_dim) + "]");
+    auto ctx = f.get_int_or(a + "context_length", 0);
+    if (!ctx.is_ok()) return ctx.status();
+    cfg_.n_ctx_train = *ctx;
+    auto st = f.get_string_or(a + "rope.scaling.type", "none");
+    if (!st.is_ok()) return st.status();
+    if (*st == "linear") {
+      auto fac = f.get_float(a + "rope.scaling.factor");
+      if (!fac.is_ok()) return fac.status();
+      if (!(*fac > 0.0))
+        return invalid_argument(who + a + "rope.scaling.factor must be positive");
+      cfg_.rope_linear_factor = *fac;
+    } else if (*st != "none") {
+      return unsupported(who + a + "rope.scaling.type = '" + std::string(*st) +
+                         "' is not supported (none, linear, or Llama-3 freq factors in "
+                         "rope_freqs.weight)");
+    }
+  }
+
+  // Tensors.
+  auto matrix = [&](const std::string& tname, int64_t cols, int64_t rows,
+                    WeightMatrix& out) -> Status {
+    auto t = f.tensor(tname);
+    if (!t.is_ok()) return Status(t.status().code(), who + t.status().message());
+    const gguf::TensorInfo& ti = **t;
+    const std::vector<uint64_t> want = {static_cast<uint64_t>(cols), static_cast<uint64_t>(rows)};
+    if (ti.dims != want)
+      return invalid_argument(who + "tensor '" + tname + "' has dims " + dims_string(ti.dims) +
+                              ", expected " + dims_string(want) + " (ggml order)");
+    auto m = WeightMatrix::from_tensor(ti);
+    if (!m.is_ok()) return Status(m.status().code(), who + m.status().message());
+    out = std::move(m).value();
+    return Status::ok();
+  };
+  auto vector = [&](const std::string& tname, int64_t n, std::vector<float>& out) -> Status {
+    auto t = f.tensor(tname);
+    if (!t.is_ok()) return Status(t.status().code(), who + t.status().message());
+    const gguf::TensorInfo& ti = **t;
+    if (ti.n_elements != static_cast<uint64_t>(n) || ti.dims.size() != 1)
+      return invalid_argument(who + "tensor '" + tname + "' has dims " + dims_string(ti.dims) +
+                              ", expected [" + std::to_string(n) + "]");
+    out.assign(static_cast<std::size_t>(n), 0.0f);
+    Status s = gguf::dequantize_row(ti.type, ti.data, out.data(), out.size());
+    if (!s.is_ok()) return Status(s.code(), who + "tensor '" + tname + "': " + s.message());
+    return Status::ok();
+  };
+  for (const auto& t : f.tensors())
+    if (t.name.ends_with(".bias"))
+      return unsupported(who + "tensor '" + std::string(t.name) +
+                         "': bias tensors are not part of the llama forward pass here");
+
+  const gguf::TensorInfo* emb = f.find_tensor("token_embd.weight");
+  if (emb == nullptr) return invalid_argument(who + "tensor 'token_embd.weight' not found");
+  if (emb->dims.size() != 2 || emb->dims[0] != static_cast<uint64_t>(cfg_.n_embd))
+    return invalid_argument(who + "tensor 'token_embd.weight' has dims " +
+                            dims_string(emb->dims) + ", expected [" +
+                            std::to_string(cfg_.n_embd) + ", n_vocab]");
+  cfg_.n_vocab = static_cast<int64_t>(emb->dims[1]);
+  {
+    auto v = f.get_int_or(a + "vocab_size", cfg_.n_vocab);
+    if (!v.is_ok()) return v.status();
+    if (*v != cfg_.n_vocab)
+      return invalid_argument(who + a + "vocab_size = " + std::to_string(*v) +
+                              " but token_embd.weight has " + std::to_string(cfg_.n_vocab) +
+                              " rows");
+  }
+  TREEATTN_RETURN_IF_ERROR(matrix("token_embd.weight", cfg_.n_embd, cfg_.n_vocab, tok_embd_));
+  if (f.find_tensor("output.weight") != nullptr) {
+    TREEATTN_RETURN_IF_ERROR(matrix("output.weight", cfg_.n_embd, cfg_.n_vocab, output_));
+  } else {
+    cfg_.tied_output = true;
+    output_ = tok_embd_;
+  }
+  TREEATTN_RETURN_IF_ERROR(vector("output_norm.weight", cfg_.n_embd, output_norm_));
+  const int64_t qd = cfg_.n_head * cfg_.head_dim, kvd = cfg_.n_head_kv * cfg_.head_dim;
+  layers_.resize(static_cast<std::size_t>(cfg_.n_layers));
+  for (int l = 0; l < cfg_.n_layers; ++l) {
+    Layer& L = layers_[static_cast<std::size_t>(l)];
+    const std::string p = "blk." + std::to_string(l) + ".";
+    TREEATTN_RETURN_IF_ERROR(vector(p + "attn_norm.weight", cfg_.n_embd, L.attn_norm));
+    TREEATTN_RETURN_IF_ERROR(vector(p + "ffn_norm.weight", cfg_.n_embd, L.ffn_norm));
+    TREEATTN_RETURN_IF_ERROR(matrix(p + "attn_q.weight", cfg_.n_embd, qd, L.wq));
+    TREEATTN_RETURN_IF_ERROR(matrix(p + "attn_k.weight", cfg_.n_embd, kvd, L.wk));
+    TREEATTN_RETURN_IF_ERROR(matrix(p + "attn_v.weight", cfg_.n_embd, kvd, L.wv));
+    TREEATTN_RETURN_IF_ERROR(matrix(p + "attn_output.weight", qd, cfg_.n_embd, L.wo));
+    TREEATTN_RETURN_IF_ERROR(matrix(p + "ffn_gate.weight", cfg_.n_embd, cfg_.n_ff, L.gate));
+    TREEATTN_RETURN_IF_ERROR(matrix(p + "ffn_up.weight", cfg_.n_embd, cfg_.n_ff, L.up));
+    TREEATTN_RETURN_IF_ERROR(matrix(p + "ffn_down.weight", cfg_.n_ff, cfg_.n_embd, L.down));
+  }
+
+  // RoPE frequencies.
+  const int64_t pairs = cfg_.rope_dim / 2;
+  inv_freq_.resize(static_cast<std::size_t>(pairs));
+  std::vector<float> factors;
+  if (f.find_tensor("rope_freqs.weight") != nullptr) {
+    TREEATTN_RETURN_IF_ERROR(vector("rope_freqs.weight", pairs, factors));
+    cfg_.rope_freq_factors = true;
+    for (std::size_t i = 0; i < factors.size(); ++i)
+      if (!(factors[i] > 0.0f))
+        return invalid_argument(who + "rope_freqs.weight[" + std::to_string(i) +
+                                "] must be positive");
+  }
+  for (int64_t i = 0; i < pairs; ++i) {
+    double w = std::pow(cfg_.rope_base, -2.0 * static_cast<double>(i) /
+                                            static_cast<double>(cfg_.rope_dim));
+    if (!factors.empty()) w /= static_cast<double>(factors[static_cast<std::size_t>(i)]);
+    inv_freq_[static_cast<std::size_t>(i)] = w / cfg_.rope_linear_factor;
+  }
+  return Status::ok();
+}
+
+std::size_t LlamaModel::weight_bytes_per_token() const {
+  std::size_t b = output_.bytes() + static_cast<std::size_t>(tok_embd_.row_bytes);
+  for (const Layer& L : layers_)
+    b += L.wq.bytes() + L.wk.bytes() + L.wv.bytes() + L.wo.bytes() + L.gate.bytes() +
+         L.up.bytes() + L.down.bytes();
+  return b;
+}
+
+std::string LlamaModel::weight_types() const {
+  std::map<std::string, int> n;
+  for (const Layer& L : layers_)
+    for (const WeightMatrix* m : {&L.wq, &L.wk, &L.wv, &L.wo, &L.gate, &L.up, &L.down})
+      ++n[gguf::tensor_type_name(m->type)];
+  ++n[gguf::tensor_type_name(output_.type) + (cfg_.tied_output ? " head (tied)" : " head")];
+  std::string s;
+  for (const auto& [k, v] : n) s += (s.empty() ? "" : ", ") + k + " x" + std::to_string(v);
+  return s;
+}
+
+Status LlamaModel::embed(std::span<const TokenId> tokens, float* x) const {
+  for (std::size_t t = 0; t < tokens.size(); ++t) {
+    const TokenId id = tokens[t];
+    if (id < 0 || id >= cfg_.n_vocab)
+      return invalid_argument("model " + path() + ": token id " + std::to_string(id) +
+                              " at position " + std::to_string(t) + " is outside [0, " +
+                              std::to_string(cfg_.n_vocab) + ")");
+    TREEATTN_RETURN_IF_ERROR(gguf::dequantize_row(
+        tok_embd_.type, tok_embd_.data + static_cast<int64_t>(id) * tok_embd_.row_bytes,
+        x + static_cast<int64_t>(t) * cfg_.n_embd, static_cast<std::size_t>(cfg_.n_embd)));
+  }
+  return Status::ok();
+}
+
+void LlamaModel::rmsnorm(const float* x, const std::vector<float>& w, int64_t tokens,
+                         float* out) const {
+  const int64_t n = cfg_.n_embd;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* xt = x + t * n;
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(xt[i]) * xt[i];
+    const double r = 1.0 / std::sqrt(ss / static_cast<double>(n) + cfg_.rms_eps);
+    float* o = out + t * n;
+    for (int64_t i = 0; i < n; ++i)
+      o[i] = static_cast<float>(static_cast<double>(xt[i]) * r) * w[static_cast<std::size_t>(i)];
+  }
+}
+
+void LlamaModel::apply_rope(float* heads, int64_t n_heads, int64_t pos) const {
+  const std::size_t pairs = inv_freq_.size();
+  float cs[256], sn[256];  // rope_dim / 2 <= head_dim / 2 <= 128
+  for (std::size_t i = 0; i < pairs; ++i) {
+    const double th = static_cast<double>(pos) * inv_freq_[i];
+    cs[i] = static_cast<float>(std::cos(th));
+    sn[i] = static_cast<float>(std::sin(th));
+  }
+  for (int64_t h = 0; h < n_heads; ++h) {
+    float* x = heads + h * cfg_.head_dim;
+    for (std::size_t i = 0; i < pairs; ++i) {
+      const float a = x[2 * i], b = x[2 * i + 1];
+      x[2 * i] = a * cs[i] - b * sn[i];
+      x[2 * i + 1] = a * sn[i] + b * cs[i];
+    }
+  }
+}
+
+Status LlamaModel::attention_inputs(int layer, const float* x, int64_t tokens, const int64_t* pos,
+                                    float* q, float* k, float* v, ForwardScratch& s,
+                                    const MatvecOptions& options) const {
+  if (layer < 0 || layer >= cfg_.n_layers)
+    return invalid_argument("attention_inputs: layer " + std::to_string(layer) + " of " +
+                            std::to_string(cfg_.n_layers));
+  const Layer& L = layers_[static_cast<std::size_t>(layer)];
+  s.xn.resize(static_cast<std::size_t>(tokens * cfg_.n_embd));
+  rmsnorm(x, L.attn_norm, tokens, s.xn.data());
+  const WeightMatrix* mats[] = {&L.wq, &L.wk, &L.wv};
+  float* ys[] = {q, k, v};
+  TREEATTN_RETURN_IF_ERROR(matmul(mats, s.xn.data(), tokens, cfg_.n_embd, ys, options));
+  const int64_t qd = cfg_.n_head * cfg_.head_dim, kvd = cfg_.n_head_kv * cfg_.head_dim;
+  for (int64_t t = 0; t < tokens; ++t) {
+    apply_rope(q + t * qd, cfg_.n_head, pos[t]);
+    apply_rope(k + t * kvd, cfg_.n_head_kv, pos[t]);
+  }
+  return Status::ok();
+}
+
+Status LlamaModel::attention_output_and_ffn(int layer, const float* a, int64_t tokens, float* x,
+                                            ForwardScratch& s,
+                                            const MatvecOptions& options) const {
+  if (layer < 0 || layer >= cfg_.n_layers)
+    return invalid_argument("attention_output_and_ffn: layer " + std::to_string(layer));
+  const Layer& L = layers_[static_cast<std::size_t>(layer)];
+  const int64_t n = cfg_.n_embd, nff = cfg_.n_ff;
+  const auto tn = static_cast<std::size_t>(tokens * n);
+  s.tmp.resize(tn);
+  {
+    const WeightMatrix* mats[] = {&L.wo};
+    float* ys[] = {s.tmp.data()};
+    TREEATTN_RETURN_IF_ERROR(
+        matmul(mats, a, tokens, cfg_.n_head * cfg_.head_dim, ys, options));
+  }
+  for (std::size_t i = 0; i < tn; ++i) x[i] += s.tmp[i];
+  s.xn.resize(tn);
+  rmsnorm(x, L.ffn_norm, tokens, s.xn.data());
+  s.gate.resize(static_cast<std::size_t>(tokens * nff));
+  s.up.resize(static_cast<std::size_t>(tokens * nff));
+  {
+    const WeightMatrix* mats[] = {&L.gate, &L.up};
+    float* ys[] = {s.gate.data(), s.up.data()};
+    TREEATTN_RETURN_IF_ERROR(matmul(mats, s.xn.data(), tokens, n, ys, options));
+  }
+  for (std::size_t i = 0; i < s.gate.size(); ++i) {
+    const float g = s.gate[i];
+    s.gate[i] = g / (1.0f + std::exp(-g)) * s.up[i];
+  }
+  {
+    const WeightMatrix* mats[] = {&L.down};
+    float* ys[] = {s.tmp.data()};
+    TREEATTN_RETURN_IF_ERROR(matmul(mats, s.gate.data(), tokens, nff, ys, options));
+  }
+  for (std::size_t i = 0; i < tn; ++i) x[i] += s.tmp[i];
+  return Status::ok();
+}
+
+Status LlamaModel::logits(const float* x, float* out, ForwardScratch& s,
+                          const MatvecOptions& options) const {
+  s.xn.resize(static_cast<std::size_t>(cfg_.n_embd));
+  rmsnorm(x, output_norm_, 1, s.xn.data());
+  const WeightMatrix* mats[] = {&output_};
+  float* ys[] = {out};
+  return matmul(mats, s.xn.data(), 1, cfg_.n_embd, ys, options);
+}
+
+}  // namespace treeattn::model

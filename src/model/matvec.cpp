@@ -1,0 +1,132 @@
+// The weight matrix-vector driver: checks the request, picks the ISA target, splits the rows of
+// all matrices over OpenMP threads and the tokens into tiles, and calls the per-ISA row kernel
+// (matvec_targets.hpp). Compiled for the baseline ISA.
+//
+// Work split: the rows of every matrix are concatenated and cut into chunks of kRowChunk rows;
+// threads take chunks statically (the same chunks for every token tile). The tokens go in tiles
+// of kTokenTile, outermost, so that a prefill streams its activations through memory once per
+// tile while each thread's weight rows stay in its cache.
+// Neither split changes a (row, token) result (see matvec_targets.hpp).
+#include <omp.h>
+
+#include <algorithm>
+#include <string>
+
+#include "model/matvec_targets.hpp"
+#include "treeattn/model.hpp"
+
+namespace treeattn::model {
+namespace {
+
+constexpr int64_t kRowChunk = 16;
+constexpr int64_t kTokenTile = 32;
+
+detail::RowsFn rows_fn(Isa isa) {
+  switch (isa) {
+#if defined(TREEATTN_MODEL_X86)
+    case Isa::kAvx512:
+      return detail::rows_avx512;
+    case Isa::kAvx2:
+      return detail::rows_avx2;
+#endif
+    default:
+      return detail::rows_generic;
+  }
+}
+
+bool kernel_type(uint32_t t) {
+  return t == detail::kTypeF32 || t == detail::kTypeF16 || t == detail::kTypeBF16 ||
+         t == detail::kTypeQ8_0 || t == detail::kTypeQ4_0 || t == detail::kTypeQ4_1;
+}
+
+}  // namespace
+
+Result<WeightMatrix> WeightMatrix::from_tensor(const gguf::TensorInfo& t) {
+  WeightMatrix m;
+  m.name = std::string(t.name);
+  m.type = t.type;
+  if (!kernel_type(t.type))
+    return unsupported("tensor '" + m.name + "' has type " + gguf::tensor_type_name(t.type) +
+                       "; the matrix kernels read f32, f16, bf16, q8_0, q4_0 and q4_1");
+  if (t.dims.empty() || t.dims.size() > 2)
+    return invalid_argument("tensor '" + m.name + "' has " + std::to_string(t.dims.size()) +
+                            " dimensions; a weight matrix has 1 or 2");
+  m.data = t.data;
+  m.cols = static_cast<int64_t>(t.dims[0]);
+  m.rows = static_cast<int64_t>(t.n_rows());
+  m.row_bytes = static_cast<int64_t>(t.row_bytes());
+  const gguf::BlockLayout bl = gguf::block_layout(t.type);
+  if (bl.block_elems > 1 && m.cols % bl.block_elems != 0)
+    return invalid_argument("tensor '" + m.name + "': " + std::to_string(m.cols) +
+                            " columns is not a whole number of " +
+                            std::to_string(bl.block_elems) + "-value blocks");
+  return m;
+}
+
+Isa matmul_isa(const MatvecOptions& options) {
+  Isa isa = options.isa == Isa::kAuto ? best_isa() : options.isa;
+  if (isa == Isa::kReference) isa = Isa::kGeneric;
+  return isa;
+}
+
+Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t tokens,
+              int64_t x_stride, std::span<float* const> ys, const MatvecOptions& options) {
+  if (mats.empty() || mats.size() != ys.size())
+    return invalid_argument("matmul: " + std::to_string(mats.size()) + " matrices and " +
+                            std::to_string(ys.size()) + " outputs");
+  if (tokens < 0) return invalid_argument("matmul: negative token count");
+  const int64_t cols = mats[0]->cols;
+  if (x_stride < cols)
+    return invalid_argument("matmul: x_stride " + std::to_string(x_stride) + " < " +
+                            std::to_string(cols) + " columns");
+  for (std::size_t i = 0; i < mats.size(); ++i) {
+    const WeightMatrix& m = *mats[i];
+    if (m.cols != cols)
+      return invalid_argument("matmul: '" + m.name + "' has " + std::to_string(m.cols) +
+                              " columns, '" + mats[0]->name + "' " + std::to_string(cols));
+    if (!kernel_type(m.type))
+      return unsupported("matmul: '" + m.name + "' has type " + gguf::tensor_type_name(m.type));
+    if (m.data == nullptr || ys[i] == nullptr)
+      return invalid_argument("matmul: null data or output for '" + m.name + "'");
+  }
+  const Isa isa = matmul_isa(options);
+  if (!isa_supported(isa))
+    return unsupported("matmul: this CPU cannot run the " + std::string(isa_name(isa)) +
+                       " target");
+  if (tokens == 0) return Status::ok();
+  const detail::RowsFn fn = rows_fn(isa);
+
+  // Chunk c covers rows [c * kRowChunk, ...) of the concatenation, clipped to one matrix.
+  std::vector<int64_t> first_chunk(mats.size() + 1, 0);
+  for (std::size_t i = 0; i < mats.size(); ++i)
+    first_chunk[i + 1] = first_chunk[i] + (mats[i]->rows + kRowChunk - 1) / kRowChunk;
+  const int64_t chunks = first_chunk.back();
+  int threads = options.threads > 0 ? options.threads : omp_get_max_threads();
+  threads = static_cast<int>(std::min<int64_t>(threads, chunks));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  for (int64_t t0 = 0; t0 < tokens; t0 += kTokenTile) {
+    // The same static split every tile: each thread keeps its rows' weights in cache.
+#pragma omp for schedule(static) nowait
+    for (int64_t c = 0; c < chunks; ++c) {
+      const auto it = std::upper_bound(first_chunk.begin(), first_chunk.end(), c);
+      const std::size_t i = static_cast<std::size_t>(it - first_chunk.begin()) - 1;
+      const WeightMatrix& m = *mats[i];
+      detail::RowsArgs a;
+      a.type = m.type;
+      a.w = m.data;
+      a.row_bytes = m.row_bytes;
+      a.cols = cols;
+      a.row_begin = (c - first_chunk[i]) * kRowChunk;
+      a.row_end = std::min(m.rows, a.row_begin + kRowChunk);
+      a.x = x + t0 * x_stride;
+      a.x_stride = x_stride;
+      a.tokens = std::min(kTokenTile, tokens - t0);
+      a.y = ys[i] + t0 * m.rows;
+      a.y_stride = m.rows;
+      fn(a);
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace treeattn::model

@@ -1,0 +1,60 @@
+// The weight row kernel for AVX-512 (F, BW, VL, DQ): 16 floats per vector, 4 tokens per pass
+// (16 accumulators). Compiled with its own -m flags; called only when the CPU has AVX-512.
+// GCC 12's AVX-512 conversions start from _mm512_undefined_ps(), which -Wmaybe-uninitialized
+// reports as a use of an uninitialized value (a false positive).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "model/matvec_targets.hpp"
+
+namespace treeattn::model::detail::avx512 {
+namespace {
+
+struct Ops {
+  using V = __m512;
+  static constexpr int W = 16;
+  static constexpr int NT = 4;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V loadu(const float* p) { return _mm512_loadu_ps(p); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V load_f16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static V load_bf16(const uint16_t* p) {
+    const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+  }
+  static V load_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V nib(const uint8_t* qs, int j) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i m = _mm_set1_epi8(0x0f);
+    const __m128i n = j == 0 ? _mm_and_si128(b, m) : _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n));
+  }
+  static float f16(uint16_t h) { return _cvtsh_ss(h); }
+  static float reduce_add(V v) {
+    const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+  }
+};
+
+#include "model/matvec_impl.hpp"
+
+}  // namespace
+}  // namespace treeattn::model::detail::avx512
+
+namespace treeattn::model::detail {
+void rows_avx512(const RowsArgs& a) { avx512::rows_impl(a); }
+}  // namespace treeattn::model::detail

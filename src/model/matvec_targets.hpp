@@ -1,0 +1,49 @@
+// Internal interface between the weight matrix-vector driver (matvec.cpp) and the per-ISA row
+// kernels (matvec_avx512.cpp, matvec_avx2.cpp, matvec_generic.cpp).
+//
+// The driver, compiled for the baseline ISA, splits the rows of one or more weight matrices over
+// OpenMP threads and the tokens into tiles that stay in L2; a target computes one RowsArgs job:
+// y[t][r] = <row r of W, x[t]> for a range of rows and a range of tokens.
+//
+// Bits: every (row, token) dot product is computed by the same sequence of operations whatever
+// the thread count, the row range, the token range and the number of tokens that share the
+// decoded weights (the targets process up to a few tokens at a time, each with its own
+// accumulators in the same order). So one token's output is the same bits in a one-token
+// decode step and in any prefill batch, on any rank, which the deterministic decode needs.
+// (Different ISA targets give different bits; every rank of a job runs the same one.)
+//
+// Like cpu_targets.hpp this header is plain data: each target translation unit is compiled with
+// its own -m flags and must not odr-use inline functions shared with other translation units.
+#pragma once
+
+#include <cstdint>
+
+namespace treeattn::model::detail {
+
+// ggml type ids the targets read (gguf.hpp TensorType): F32 0, F16 1, Q4_0 2, Q4_1 3, Q8_0 8,
+// BF16 30.
+inline constexpr uint32_t kTypeF32 = 0, kTypeF16 = 1, kTypeQ4_0 = 2, kTypeQ4_1 = 3,
+                          kTypeQ8_0 = 8, kTypeBF16 = 30;
+
+struct RowsArgs {
+  uint32_t type = 0;
+  const uint8_t* w = nullptr;  // row 0 of the matrix
+  int64_t row_bytes = 0;
+  int64_t cols = 0;            // quantized types: a multiple of 32
+  int64_t row_begin = 0, row_end = 0;
+  const float* x = nullptr;    // token 0 of the range: cols floats, x_stride floats apart
+  int64_t x_stride = 0;
+  int64_t tokens = 0;
+  float* y = nullptr;          // (token 0 of the range, row 0 of the matrix), y_stride apart
+  int64_t y_stride = 0;
+};
+
+using RowsFn = void (*)(const RowsArgs&);
+
+void rows_generic(const RowsArgs& a);
+#if defined(TREEATTN_MODEL_X86)
+void rows_avx2(const RowsArgs& a);
+void rows_avx512(const RowsArgs& a);
+#endif
+
+}  // namespace treeattn::model::detail

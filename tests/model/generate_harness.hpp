@@ -1,0 +1,77 @@
+// Runs a Generator over the in-process communicator (threads as ranks) for the model tests:
+// prefill a prompt, then decode steps that either follow given tokens (teacher forcing, to
+// compare logits position by position with a reference) or pick greedily. Every rank's tokens
+// and logits are kept, so a test can check that the ranks agree bit for bit.
+#pragma once
+
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "treeattn/comm_local.hpp"
+#include "treeattn/generate.hpp"
+
+namespace treeattn::testing {
+
+struct GenRun {
+  // Per rank: the logits after the prefill and after each step, and the tokens chosen.
+  std::vector<std::vector<std::vector<float>>> logits;
+  std::vector<std::vector<int32_t>> tokens;
+  Status status;
+};
+
+struct GenCase {
+  std::vector<std::string> methods = {"tree"};
+  DType kv = DType::kF32;
+  int steps = 4;
+  const std::vector<int32_t>* forced = nullptr;  // tokens fed at each step (else greedy)
+  int threads = 1;
+};
+
+inline GenRun run_generation(const model::LlamaModel& m, int ranks, const GenCase& c,
+                             const std::vector<int32_t>& prompt, int method_index = 0) {
+  GenRun out;
+  out.logits.resize(static_cast<std::size_t>(ranks));
+  out.tokens.resize(static_cast<std::size_t>(ranks));
+  out.status = run_local(ranks, [&](Communicator& comm) -> Status {
+    model::GeneratorConfig gc;
+    gc.methods = c.methods;
+    gc.kv_dtype = c.kv;
+    gc.threads = c.threads;
+    gc.reserve_tokens = c.steps;
+    gc.timeout = std::chrono::milliseconds(120000);
+    auto g = model::Generator::create(comm, m, gc);
+    TREEATTN_RETURN_IF_ERROR(g.status());
+    auto& logits = out.logits[static_cast<std::size_t>(comm.rank())];
+    auto& toks = out.tokens[static_cast<std::size_t>(comm.rank())];
+    std::vector<float> l;
+    TREEATTN_RETURN_IF_ERROR((*g)->prefill(prompt, l));
+    logits.push_back(l);
+    for (int s = 0; s < c.steps; ++s) {
+      const int32_t t = c.forced != nullptr ? (*c.forced)[static_cast<std::size_t>(s)]
+                                            : model::top_two(l).first;
+      toks.push_back(t);
+      TREEATTN_RETURN_IF_ERROR((*g)->step(t, l, method_index));
+      logits.push_back(l);
+    }
+    return Status::ok();
+  });
+  return out;
+}
+
+// "" when every rank has the same tokens and logits bits as rank 0, else which differs.
+inline std::string ranks_agree(const GenRun& r) {
+  for (std::size_t k = 1; k < r.logits.size(); ++k) {
+    if (r.tokens[k] != r.tokens[0]) return "rank " + std::to_string(k) + "'s tokens differ";
+    for (std::size_t s = 0; s < r.logits[0].size(); ++s)
+      if (r.logits[k][s].size() != r.logits[0][s].size() ||
+          std::memcmp(r.logits[k][s].data(), r.logits[0][s].data(),
+                      r.logits[0][s].size() * sizeof(float)) != 0)
+        return "rank " + std::to_string(k) + "'s logits at step " + std::to_string(s) +
+               " differ from rank 0's";
+  }
+  return "";
+}
+
+}  // namespace treeattn::testing

@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Independent float64 reference of a Llama GGUF model's forward pass (numpy + the `gguf` package).
+
+Written from Hugging Face's modeling_llama conventions, not from treeattn's code: the weights are
+dequantized with gguf.quants.dequantize, the Q and K rows are put back into Hugging Face's order
+(undoing llama.cpp's converter permutation) and RoPE is applied in the rotate-half form. Agreement
+with treeattn's adjacent-pair RoPE on the permuted weights is therefore a check of the convention,
+not a restatement of it.
+
+Usage:
+  llama_reference.py MODEL.gguf --tokens 1,2,3 --out logits.f64 [--positions all|last]
+                     [--kv-round none|f16|bf16]
+Writes the logits as raw little-endian float64, [positions][n_vocab], and prints a JSON summary
+(shape, argmax per position) on stdout. --kv-round rounds K (after RoPE) and V to that type
+before attention, as a KV cache of that dtype would hold them.
+"""
+import argparse
+import json
+import sys
+
+import numpy as np
+
+try:
+    import gguf
+except ImportError:  # the caller skips on exit code 77
+    print("the gguf package is not installed (pip install gguf)", file=sys.stderr)
+    sys.exit(77)
+
+
+def field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def round_kv(x, kind):
+    if kind == "none":
+        return x
+    if kind == "f16":
+        return x.astype(np.float32).astype(np.float16).astype(np.float64)
+    if kind == "bf16":
+        u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16
+        return u.astype(np.uint32).view(np.float32).astype(np.float64)
+    raise ValueError(kind)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--tokens", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--positions", default="last", choices=["all", "last"])
+    ap.add_argument("--kv-round", default="none", choices=["none", "f16", "bf16"])
+    a = ap.parse_args()
+    toks = [int(t) for t in a.tokens.split(",") if t]
+
+    r = gguf.GGUFReader(a.model)
+    arch = field(r, "general.architecture")
+    assert arch == "llama", arch
+    p = arch + "."
+    n_layer = int(field(r, p + "block_count"))
+    n_embd = int(field(r, p + "embedding_length"))
+    n_head = int(field(r, p + "attention.head_count"))
+    n_kv = int(field(r, p + "attention.head_count_kv", n_head))
+    hd = n_embd // n_head
+    eps = float(field(r, p + "attention.layer_norm_rms_epsilon", 1e-5))
+    base = float(field(r, p + "rope.freq_base", 10000.0))
+    rope_dim = int(field(r, p + "rope.dimension_count", hd))
+    assert rope_dim == hd, "the reference implements full-width RoPE only"
+    scaling = field(r, p + "rope.scaling.type", "none")
+    lin = float(field(r, p + "rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+
+    tensors = {t.name: t for t in r.tensors}
+
+    def W(name):  # numpy order: [rows, cols], float64
+        t = tensors[name]
+        return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64).reshape(
+            int(t.shape[1]) if len(t.shape) > 1 else -1, -1)
+
+    def vec(name):
+        t = tensors[name]
+        return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64).reshape(-1)
+
+    def unpermute(w, heads):  # llama.cpp's converter permutation, undone
+        rows = w.shape[0]
+        return w.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(rows, -1)
+
+    def rmsnorm(x, w):
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+    T = len(toks)
+    pos = np.arange(T, dtype=np.float64) / lin
+    inv = base ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
+    if "rope_freqs.weight" in tensors:
+        inv = inv / vec("rope_freqs.weight")
+    ang = np.outer(pos, inv)                       # [T, hd/2]
+    cos = np.concatenate([np.cos(ang)] * 2, -1)    # [T, hd]
+    sin = np.concatenate([np.sin(ang)] * 2, -1)
+
+    def rope(x):  # x [T, heads, hd], rotate-half form
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+        rot = np.concatenate([-x2, x1], -1)
+        return x * cos[:, None, :] + rot * sin[:, None, :]
+
+    emb = W("token_embd.weight")
+    x = emb[toks]                                   # [T, n_embd]
+    mask = np.triu(np.full((T, T), -np.inf), 1)
+    g = n_head // n_kv
+    for l in range(n_layer):
+        b = "blk.%d." % l
+        h = rmsnorm(x, vec(b + "attn_norm.weight"))
+        q = h @ unpermute(W(b + "attn_q.weight"), n_head).T
+        k = h @ unpermute(W(b + "attn_k.weight"), n_kv).T
+        v = h @ W(b + "attn_v.weight").T
+        q = rope(q.reshape(T, n_head, hd))
+        k = round_kv(rope(k.reshape(T, n_kv, hd)), a.kv_round)
+        v = round_kv(v.reshape(T, n_kv, hd), a.kv_round)
+        out = np.empty((T, n_head, hd))
+        for hh in range(n_head):
+            s = q[:, hh, :] @ k[:, hh // g, :].T / np.sqrt(hd) + mask
+            s = np.exp(s - s.max(-1, keepdims=True))
+            s /= s.sum(-1, keepdims=True)
+            out[:, hh, :] = s @ v[:, hh // g, :]
+        x = x + out.reshape(T, n_embd) @ W(b + "attn_output.weight").T
+        h = rmsnorm(x, vec(b + "ffn_norm.weight"))
+        gate = h @ W(b + "ffn_gate.weight").T
+        up = h @ W(b + "ffn_up.weight").T
+        x = x + (gate / (1.0 + np.exp(-gate)) * up) @ W(b + "ffn_down.weight").T
+    x = rmsnorm(x, vec("output_norm.weight"))
+    head = W("output.weight") if "output.weight" in tensors else emb
+    rows = x if a.positions == "all" else x[-1:]
+    logits = rows @ head.T
+    logits.astype("<f8").tofile(a.out)
+    print(json.dumps({"positions": int(logits.shape[0]), "n_vocab": int(logits.shape[1]),
+                      "argmax": [int(i) for i in logits.argmax(-1)]}))
+
+
+if __name__ == "__main__":
+    main()
