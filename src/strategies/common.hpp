@@ -66,8 +66,12 @@ class StrategyBase : public Strategy {
   // grows).
   Status ensure(Buffer& buf, std::size_t bytes) const {
     if (buf.bytes() >= bytes) return Status::ok();
+    // A buffer that grows (ring-kv's receive buffers grow with every appended token) gets 1/8
+    // of headroom, so a decode loop reallocates (and faults in fresh pages) every few thousand
+    // steps instead of every step; untouched headroom is not resident.
+    const std::size_t want = buf.empty() ? bytes : std::max(bytes, buf.bytes() + buf.bytes() / 8);
     buf.reset();
-    auto b = exec_->allocate(bytes);
+    auto b = exec_->allocate(want);
     TREEATTN_RETURN_IF_ERROR(b.status());
     buf = std::move(*b);
     return Status::ok();
