@@ -1,4 +1,5 @@
-// Label `large`: greedy continuations of 64 tokens after prompts of 100, 1000 and 4000 tokens on
+// Label `large`: the real model's logits against the float64 numpy reference, and greedy
+// continuations of 64 tokens after prompts of 100, 1000 and 4000 tokens on
 // the real model (SmolLM2-135M-Instruct; skipped when absent), at 1, 2, 3 and 4 in-process ranks
 // for every strategy. One prefill per rank count feeds one session per strategy
 // (GeneratorConfig::methods), then each strategy decodes from its own session. Every
@@ -7,11 +8,15 @@
 // logits bits at every rank count, with no exemption.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
 
+#include "model/generate_harness.hpp"
 #include "model/model_path.hpp"
+#include "model/tiny_llama.hpp"
 #include "treeattn/comm_local.hpp"
 #include "treeattn/generate.hpp"
 #include "treeattn/strategy.hpp"
@@ -81,6 +86,52 @@ std::vector<int32_t> long_prompt(const Tokenizer& tok, int64_t n) {
   }
   out.resize(static_cast<std::size_t>(n));
   return out;
+}
+
+// Logits of the real model against the float64 reference (about 30 s of numpy). Bound: 30 layers
+// of float32 activations with float accumulation, against float64 on the same dequantized
+// weights. Measured: 1.0e-6 of the logit range (AVX-512); 2e-5 leaves room for other ISAs'
+// summation orders while a convention error (RoPE pairing, frequencies, norm epsilon) moves the
+// logits by O(1) of the range.
+TEST(SmolLM2Large, LogitsMatchTheFloat64Reference) {
+  TREEATTN_REQUIRE_REAL_MODEL(path);
+  auto loaded = model::LlamaModel::load(path);
+  ASSERT_TRUE(loaded.is_ok()) << loaded.status().to_string();
+  const std::vector<int32_t> prompt = {504, 3575, 282, 4649, 314};  // "The capital of France is"
+  const std::vector<int32_t> forced = {7042, 30, 198, 198, 504, 3575};  // " Paris." ... (fed)
+  std::vector<int32_t> all = prompt;
+  all.insert(all.end(), forced.begin(), forced.end());
+  testing::ScratchDir dir;
+  std::string why;
+  auto ref = testing::run_reference(path, all, true, "none", dir.path("ref.f64"), &why);
+  if (!ref) {
+    GTEST_SKIP() << why;
+  }
+  const std::size_t nv = 49152;
+  ASSERT_EQ(ref->size(), all.size() * nv) << why;
+  testing::GenCase c;
+  c.kv = DType::kF32;
+  c.steps = static_cast<int>(forced.size());
+  c.forced = &forced;
+  c.threads = 2;
+  const auto run = testing::run_generation(**loaded, 1, c, prompt);
+  ASSERT_TRUE(run.status.is_ok()) << run.status.to_string();
+  double worst = 0;
+  for (std::size_t s = 0; s < run.logits[0].size(); ++s) {
+    const double* r = ref->data() + (prompt.size() - 1 + s) * nv;
+    double e = 0, mag = 0;
+    for (std::size_t i = 0; i < nv; ++i) {
+      e = std::max(e, std::fabs(run.logits[0][s][i] - r[i]));
+      mag = std::max(mag, std::fabs(r[i]));
+    }
+    worst = std::max(worst, e / mag);
+    EXPECT_LE(e / mag, 2e-5) << "position " << prompt.size() - 1 + s;
+    EXPECT_EQ(model::top_two(run.logits[0][s]).first,
+              static_cast<int>(std::max_element(r, r + nv) - r))
+        << "position " << prompt.size() - 1 + s;
+  }
+  std::printf("[ reference ] SmolLM2 %zu positions: max relative logit error %.2e (bound 2e-5)\n",
+              run.logits[0].size(), worst);
 }
 
 TEST(SmolLM2Large, GreedySixtyFourTokensAgreeForEveryStrategyAndRankCount) {

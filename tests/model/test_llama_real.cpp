@@ -1,7 +1,7 @@
 // The forward pass on the real model, SmolLM2-135M-Instruct (Q4_1 GGUF; skipped when absent):
-// logits against the independent float64 numpy reference (llama_reference.py), real text for a
-// real question, and greedy continuations equal at 1-4 in-process ranks (a short version here;
-// test_llama_large runs long prompts and 64 tokens for every strategy).
+// its configuration, real text for a real question, and greedy continuations equal at 1-3
+// in-process ranks (a short version here; test_llama_large compares the logits with the float64
+// reference and runs long prompts and 64 tokens for every strategy at 1-4 ranks).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -56,51 +56,6 @@ TEST(SmolLM2, ConfigIsReadFromTheFile) {
   EXPECT_NEAR(static_cast<double>(l.model->weight_bytes_per_token()), 92e6, 6e6);
 }
 
-// Bound: 30 layers of float32 activations with float accumulation, against float64 on the same
-// dequantized weights. Measured here: ~1e-5 of the logit range; 2e-4 leaves room for other
-// ISAs' summation orders while a convention error (RoPE pairing, frequencies, norm epsilon)
-// moves the logits by O(1) of the range.
-TEST(SmolLM2, LogitsMatchTheFloat64Reference) {
-  TREEATTN_REQUIRE_REAL_MODEL(path);
-  auto l = load(path);
-  ASSERT_TRUE(l.model && l.tok);
-  const std::vector<int32_t> prompt = {504, 3575, 282, 4649, 314};  // "The capital of France is"
-  const std::vector<int32_t> forced = {7042, 30, 198, 198, 504, 3575};  // " Paris." ... (fed)
-  std::vector<int32_t> all = prompt;
-  all.insert(all.end(), forced.begin(), forced.end());
-  testing::ScratchDir dir;
-  std::string why;
-  auto ref = testing::run_reference(path, all, true, "none", dir.path("ref.f64"), &why);
-  if (!ref) {
-    GTEST_SKIP() << why;
-  }
-  const std::size_t nv = 49152;
-  ASSERT_EQ(ref->size(), all.size() * nv) << why;
-  testing::GenCase c;
-  c.kv = DType::kF32;
-  c.steps = static_cast<int>(forced.size());
-  c.forced = &forced;
-  c.threads = 2;
-  const auto run = testing::run_generation(*l.model, 1, c, prompt);
-  ASSERT_TRUE(run.status.is_ok()) << run.status.to_string();
-  double worst = 0;
-  for (std::size_t s = 0; s < run.logits[0].size(); ++s) {
-    const double* r = ref->data() + (prompt.size() - 1 + s) * nv;
-    double e = 0, mag = 0;
-    for (std::size_t i = 0; i < nv; ++i) {
-      e = std::max(e, std::fabs(run.logits[0][s][i] - r[i]));
-      mag = std::max(mag, std::fabs(r[i]));
-    }
-    worst = std::max(worst, e / mag);
-    EXPECT_LE(e / mag, 2e-4) << "position " << prompt.size() - 1 + s;
-    EXPECT_EQ(model::top_two(run.logits[0][s]).first,
-              static_cast<int>(std::max_element(r, r + nv) - r))
-        << "position " << prompt.size() - 1 + s;
-  }
-  std::printf("[ reference ] SmolLM2 %zu positions: max relative logit error %.2e (bound 2e-4)\n",
-              run.logits[0].size(), worst);
-}
-
 std::string greedy_text(const Loaded& l, const std::vector<int32_t>& prompt, int steps,
                         int ranks) {
   testing::GenCase c;
@@ -144,15 +99,15 @@ TEST(SmolLM2, GreedyContinuationsAgreeAcrossRanks) {
   ASSERT_TRUE(ids.is_ok());
   testing::GenCase base;
   base.kv = DType::kF16;
-  base.steps = 8;
-  for (const std::string method : {"tree", "ring-kv", "tree-det"}) {
+  base.steps = 6;
+  for (const std::string method : {"ring-kv", "tree-det"}) {
     testing::GenCase c = base;
     c.methods = {method};
     c.threads = 2;
     const auto ref = testing::run_generation(*l.model, 1, c, *ids);
     ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
     c.threads = 1;
-    for (const int ranks : {2, 3, 4}) {
+    for (const int ranks : {2, 3}) {
       const auto run = testing::run_generation(*l.model, ranks, c, *ids);
       ASSERT_TRUE(run.status.is_ok()) << run.status.to_string();
       ASSERT_EQ(testing::ranks_agree(run), "");
