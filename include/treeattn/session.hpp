@@ -15,8 +15,10 @@
 //     s->append(k_all_layers, v_all_layers);          // the new token, stored by its owner only
 //
 // Memory: the KV shards, q, out and lse of attend live in the executor's memory space
-// (executor.hpp; host memory for the CPU executor). store/append take host floats and narrow them
-// to the cache dtype (quantized dtypes keep a per-token, per-KV-head scale).
+// (executor.hpp; host memory for the CPU executor, device memory for the CUDA executor). store/
+// append take host floats and narrow them to the cache dtype (quantized dtypes keep a per-token,
+// per-KV-head scale); on a device executor they are staged and copied to the device before the
+// next attention (LocalShard, sharding.hpp). attend_states returns host records either way.
 //
 // q_len (AttnShape::q_len) is fixed per session: every attend call passes q_len queries per
 // batch row; query i sees the positions <= length - q_len + i (shape.hpp).
@@ -127,6 +129,8 @@ class DecodeSession {
  private:
   DecodeSession() = default;
   Status check_layer(int layer, const char* op) const;
+  // Device executors: runs the strategy into device_scratch_ (grown as needed).
+  Status run_on_device(int layer, const float* q, int strategy);
 
   SessionConfig config_;
   Communicator* comm_ = nullptr;
@@ -135,6 +139,7 @@ class DecodeSession {
   std::vector<LocalShard> shards_;  // one per layer
   std::vector<std::unique_ptr<Strategy>> strategies_;
   StateBuffer scratch_;  // attend(): merged records before normalisation
+  Buffer device_scratch_;  // the same in the executor's memory, for a device executor
 };
 
 }  // namespace treeattn

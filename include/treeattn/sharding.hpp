@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -88,21 +89,42 @@ class ShardPlan {
   std::vector<int64_t> len_, pos_start_;  // [rank][batch]
 };
 
+class Executor;  // executor.hpp
+
 // This rank's part of the KV cache: an owning buffer [batch][kv_heads][capacity][head_dim] whose
 // slot j of row b holds the token at global position plan.pos_start(rank, b) + j * stride.
+//
+// Device storage: created with an executor whose memory() is MemorySpace::kDevice, K and V (and
+// the scales) are buffers of that executor, in the same layout, zero-filled like KVCache.
+// set_slot narrows on the host into a staging list (thread-safe); flush() copies the staged
+// tokens with from_host, one copy per run of consecutive slots per KV head (and tensor), so a
+// prefill of n tokens costs batch x kv_heads x 2 copies, not n x kv_heads x 2. view() shows what
+// has been flushed (KVShard::memory = kDevice); DecodeSession flushes before every attention.
+// Errors of the device path (out of memory while growing, a failed copy) are kept and returned by
+// flush() and status(). cache() is the host cache and stays empty then.
 class LocalShard {
  public:
-  LocalShard() = default;
+  LocalShard();
+  ~LocalShard();
+  LocalShard(LocalShard&&) noexcept;
+  LocalShard& operator=(LocalShard&&) noexcept;
   // Capacity = the rank's longest row plus spare_tokens (room for appends before growing).
+  // executor: null or a host executor keeps the shard in a host KVCache; a device executor
+  // (which must outlive the shard) holds it in its memory.
   static Result<LocalShard> create(const AttnShape& shape, DType dtype, const ShardPlan& plan,
-                                   int rank, int64_t spare_tokens);
+                                   int rank, int64_t spare_tokens, Executor* executor = nullptr);
 
   const AttnShape& shape() const { return shape_; }
-  DType dtype() const { return cache_.dtype(); }
+  DType dtype() const;
   int rank() const { return rank_; }
-  int64_t capacity() const { return cache_.capacity(); }
+  int64_t capacity() const;
   KVCache& cache() { return cache_; }
   const KVCache& cache() const { return cache_; }
+  MemorySpace memory() const { return device_ ? MemorySpace::kDevice : MemorySpace::kHost; }
+  // Device storage: copies the staged tokens to the device. Host storage: nothing to do (OK).
+  Status flush();
+  // The first error of the device path so far (OK on the host path).
+  Status status() const;
 
   // Writes local slot j of row b from k, v [kv_heads][head_dim] floats (narrowed to dtype).
   void set_slot(int64_t b, int64_t j, const float* k, const float* v);
@@ -110,15 +132,17 @@ class LocalShard {
   KVShard view(const ShardPlan& plan) const;
   // Bytes of K and V the rank holds for the plan (live tokens only).
   std::size_t live_bytes(const ShardPlan& plan) const;
-  std::size_t allocated_bytes() const { return cache_.bytes(); }
+  std::size_t allocated_bytes() const;
 
   // Makes room for at least `tokens` slots per row, keeping the contents (doubling growth).
   void reserve(int64_t tokens);
 
  private:
+  struct DeviceStore;  // sharding.cpp
   AttnShape shape_;
   int rank_ = 0;
   KVCache cache_;
+  std::unique_ptr<DeviceStore> device_;
 };
 
 // Appends one decoded token to every batch row: k_new and v_new are [batch][kv_heads][head_dim]

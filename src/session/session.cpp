@@ -188,9 +188,6 @@ Result<std::unique_ptr<DecodeSession>> DecodeSession::create(Communicator& comm,
     local_error = plan.status().to_string();
   else if (config.reserve_tokens < 0)
     local_error = "reserve_tokens must be >= 0, got " + std::to_string(config.reserve_tokens);
-  else if (executor.memory() != MemorySpace::kHost)
-    local_error = "executor '" + std::string(executor.name()) +
-                  "': KV shards in device memory are not supported by this build's session";
   const uint64_t plan_fp = plan.is_ok() ? plan->fingerprint() : 0;
   if (config.check_agreement && p > 1)
     TREEATTN_RETURN_IF_ERROR(agree(comm,
@@ -205,8 +202,9 @@ Result<std::unique_ptr<DecodeSession>> DecodeSession::create(Communicator& comm,
   s->plan_ = std::move(*plan);
   s->shards_.reserve(static_cast<std::size_t>(config.layers));
   for (int l = 0; l < config.layers; ++l) {
-    auto shard =
-        LocalShard::create(config.shape, config.dtype, s->plan_, me, config.reserve_tokens);
+    // A device executor holds the shards in its memory (LocalShard's device storage).
+    auto shard = LocalShard::create(config.shape, config.dtype, s->plan_, me,
+                                    config.reserve_tokens, &executor);
     TREEATTN_RETURN_IF_ERROR(shard.status());
     s->shards_.push_back(std::move(*shard));
   }
@@ -249,7 +247,7 @@ Status DecodeSession::store(int layer, int64_t b, int64_t pos, const float* k, c
   LocalShard& shard = shards_[static_cast<std::size_t>(layer)];
   if (slot >= shard.capacity()) shard.reserve(slot + 1);
   shard.set_slot(b, slot, k, v);
-  return Status::ok();
+  return shard.status();  // device storage: a failed growth or copy
 }
 
 Status DecodeSession::append(const float* k, const float* v) {
@@ -270,6 +268,7 @@ Status DecodeSession::append(const float* k, const float* v) {
     }
   }
   plan_.append_one();  // once for every layer
+  for (const LocalShard& shard : shards_) TREEATTN_RETURN_IF_ERROR(shard.status());
   return Status::ok();
 }
 
@@ -290,8 +289,10 @@ Status DecodeSession::extend(int64_t n) {
     for (int64_t i = 0; i < n; ++i) plan_.append_one();
   }
   const int64_t need = plan_.max_len(comm_->rank());
-  for (LocalShard& shard : shards_)
+  for (LocalShard& shard : shards_) {
     if (need > shard.capacity()) shard.reserve(need + config_.reserve_tokens);
+    TREEATTN_RETURN_IF_ERROR(shard.status());
+  }
   return Status::ok();
 }
 
@@ -316,10 +317,48 @@ Status DecodeSession::attend_states(int layer, const float* q, StateBuffer& stat
                             std::to_string(strategy) + " is outside [0, " +
                             std::to_string(strategy_count()) + ")");
   if (q == nullptr) return invalid_argument(rank_prefix(*comm_) + "attend: null query");
-  return strategies_[static_cast<std::size_t>(strategy)]->step(q, view(layer), plan_, states);
+  TREEATTN_RETURN_IF_ERROR(shards_[static_cast<std::size_t>(layer)].flush());
+  Strategy& st = *strategies_[static_cast<std::size_t>(strategy)];
+  if (exec_->memory() == MemorySpace::kHost) return st.step(q, view(layer), plan_, states);
+  // Device executor: the strategy merges into a buffer in its memory, copied to the host here.
+  const AttnShape& sh = config_.shape;
+  const auto B = static_cast<std::size_t>(sh.batch), Q = static_cast<std::size_t>(sh.q_len),
+             H = static_cast<std::size_t>(sh.heads), D = static_cast<std::size_t>(sh.head_dim);
+  if (states.records() != B * Q * H || states.head_dim() != D) states = StateBuffer(B, Q, H, D);
+  TREEATTN_RETURN_IF_ERROR(run_on_device(layer, q, strategy));
+  if (!delivers_result(strategy)) return Status::ok();
+  return exec_->to_host(states.data(), device_scratch_.data(), states.bytes());
+}
+
+Status DecodeSession::run_on_device(int layer, const float* q, int strategy) {
+  const AttnShape& sh = config_.shape;
+  const std::size_t bytes = static_cast<std::size_t>(sh.batch * sh.q_len * sh.heads) *
+                            state_record_floats(static_cast<std::size_t>(sh.head_dim)) *
+                            sizeof(float);
+  if (device_scratch_.bytes() < bytes) {
+    device_scratch_.reset();
+    auto b = exec_->allocate(bytes);
+    if (!b.is_ok())
+      return Status(b.status().code(), rank_prefix(*comm_) + "attend: " + b.status().message());
+    device_scratch_ = std::move(*b);
+  }
+  return strategies_[static_cast<std::size_t>(strategy)]->run(q, view(layer), plan_,
+                                                              device_scratch_.as<float>());
 }
 
 Status DecodeSession::attend(int layer, const float* q, float* out, float* lse) {
+  if (exec_->memory() != MemorySpace::kHost) {
+    TREEATTN_RETURN_IF_ERROR(check_layer(layer, "attend"));
+    if (q == nullptr) return invalid_argument(rank_prefix(*comm_) + "attend: null query");
+    TREEATTN_RETURN_IF_ERROR(shards_[static_cast<std::size_t>(layer)].flush());
+    TREEATTN_RETURN_IF_ERROR(run_on_device(layer, q, 0));
+    if (!delivers_result(0)) return Status::ok();
+    if (out == nullptr) return invalid_argument(rank_prefix(*comm_) + "attend: null output");
+    return exec_->normalize(device_scratch_.as<float>(),
+                            static_cast<std::size_t>(config_.shape.batch * config_.shape.q_len *
+                                                     config_.shape.heads),
+                            static_cast<std::size_t>(config_.shape.head_dim), out, lse);
+  }
   TREEATTN_RETURN_IF_ERROR(attend_states(layer, q, scratch_, 0));
   if (!delivers_result(0)) return Status::ok();
   if (out == nullptr) return invalid_argument(rank_prefix(*comm_) + "attend: null output");

@@ -3,8 +3,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
+#include <numeric>
 
 #include "strategies/descriptor.hpp"
+#include "treeattn/executor.hpp"
 
 namespace treeattn {
 namespace {
@@ -193,8 +196,225 @@ std::string ShardPlan::to_string() const {
 
 // ---- LocalShard -----------------------------------------------------------------------------
 
+// ---- LocalShard: device storage (see sharding.hpp) ---------------------------------------------
+
+struct LocalShard::DeviceStore {
+  static constexpr std::size_t kFlushBytes = std::size_t{64} << 20;  // staged bytes before a flush
+
+  Executor* exec = nullptr;
+  AttnShape shape;
+  DType dtype = DType::kF32;
+  int64_t capacity = 0;
+  Buffer k, v, k_scale, v_scale;  // [batch][kv_heads][capacity][head_dim] / [..][capacity]
+  std::mutex mu;
+  // Staged tokens: slot (b, j) of token i and its record at bytes[i * token_bytes]: K then V codes
+  // [kv_heads][head_dim], then (quantized dtypes) K then V scales [kv_heads].
+  std::vector<std::pair<int64_t, int64_t>> slots;
+  std::vector<uint8_t> bytes;
+  std::size_t token_bytes = 0;
+  Status error;
+
+  std::size_t es() const { return dtype_size(dtype); }
+  std::size_t head_bytes() const { return static_cast<std::size_t>(shape.head_dim) * es(); }
+  std::size_t codes_bytes() const { return static_cast<std::size_t>(shape.kv_heads) * head_bytes(); }
+  // Byte offset of (b, h, slot j) in K or V of a buffer with capacity cap, and of its scale.
+  std::size_t at(int64_t b, int64_t h, int64_t j, int64_t cap) const {
+    return static_cast<std::size_t>((b * shape.kv_heads + h) * cap + j) * head_bytes();
+  }
+  std::size_t scale_at(int64_t b, int64_t h, int64_t j, int64_t cap) const {
+    return static_cast<std::size_t>((b * shape.kv_heads + h) * cap + j) * sizeof(float);
+  }
+
+  void fail(const Status& s) {
+    if (error.is_ok()) error = s;
+  }
+
+  // Zeros buf: one from_host of up to 1 MiB, then copies that double the zeroed prefix.
+  Status zero(Buffer& buf) {
+    const std::size_t n = buf.bytes();
+    if (n == 0) return Status::ok();
+    const std::size_t first = std::min<std::size_t>(n, std::size_t{1} << 20);
+    const std::vector<uint8_t> zeros(first, 0);
+    TREEATTN_RETURN_IF_ERROR(exec->from_host(buf.data(), zeros.data(), first));
+    auto* base = static_cast<uint8_t*>(buf.data());
+    for (std::size_t done = first; done < n;) {
+      const std::size_t c = std::min(done, n - done);
+      TREEATTN_RETURN_IF_ERROR(exec->copy(base + done, base, c));
+      done += c;
+    }
+    return Status::ok();
+  }
+
+  Status make(Buffer& buf, std::size_t n, const char* what) {
+    auto b = exec->allocate(n);
+    if (!b.is_ok())
+      return Status(b.status().code(), "KV shard " + std::string(what) + " (" +
+                                           std::to_string(n) + " bytes): " + b.status().message());
+    buf = std::move(*b);
+    return zero(buf);
+  }
+
+  Status allocate(int64_t cap, Buffer& nk, Buffer& nv, Buffer& nks, Buffer& nvs) {
+    const auto rows = static_cast<std::size_t>(shape.batch * shape.kv_heads * cap);
+    TREEATTN_RETURN_IF_ERROR(make(nk, rows * head_bytes(), "K"));
+    TREEATTN_RETURN_IF_ERROR(make(nv, rows * head_bytes(), "V"));
+    if (dtype_is_quantized(dtype)) {
+      TREEATTN_RETURN_IF_ERROR(make(nks, rows * sizeof(float), "K scales"));
+      TREEATTN_RETURN_IF_ERROR(make(nvs, rows * sizeof(float), "V scales"));
+    }
+    return Status::ok();
+  }
+
+  // Narrows one token ([kv_heads][head_dim] floats of K and V) into rec, as KVCache::set_token.
+  void narrow(const float* kf, const float* vf, uint8_t* rec) const {
+    const auto D = static_cast<std::size_t>(shape.head_dim);
+    const std::size_t cb = codes_bytes();
+    for (int64_t h = 0; h < shape.kv_heads; ++h) {
+      const std::size_t e0 = static_cast<std::size_t>(h) * D;  // element index in the record
+      if (dtype_is_quantized(dtype)) {
+        const float ks = quantize_token(rec, dtype, e0, kf + e0, D);
+        const float vs = quantize_token(rec + cb, dtype, e0, vf + e0, D);
+        std::memcpy(rec + 2 * cb + static_cast<std::size_t>(h) * sizeof(float), &ks, sizeof(float));
+        std::memcpy(rec + 2 * cb + static_cast<std::size_t>(shape.kv_heads + h) * sizeof(float),
+                    &vs, sizeof(float));
+        continue;
+      }
+      for (std::size_t d = 0; d < D; ++d) {
+        store_from_float(rec, dtype, e0 + d, kf[e0 + d]);
+        store_from_float(rec + cb, dtype, e0 + d, vf[e0 + d]);
+      }
+    }
+  }
+
+  // Copies the staged tokens: sorted by slot (the last store of a slot wins), one from_host per
+  // run of consecutive slots of a row, per KV head and tensor.
+  Status flush_locked() {
+    if (slots.empty()) return error;
+    std::vector<std::size_t> order(slots.size());
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::stable_sort(order.begin(), order.end(),
+                     [this](std::size_t a, std::size_t b) { return slots[a] < slots[b]; });
+    std::vector<std::size_t> keep;  // the last store of every slot, in slot order
+    keep.reserve(order.size());
+    for (std::size_t i = 0; i < order.size(); ++i)
+      if (i + 1 == order.size() || slots[order[i + 1]] != slots[order[i]]) keep.push_back(order[i]);
+    const bool quant = dtype_is_quantized(dtype);
+    const std::size_t hb = head_bytes(), cb = codes_bytes();
+    std::vector<uint8_t> pack;
+    Status st;
+    for (std::size_t r0 = 0; r0 < keep.size() && st.is_ok();) {
+      const auto [b, j0] = slots[keep[r0]];
+      std::size_t r1 = r0 + 1;
+      while (r1 < keep.size() && slots[keep[r1]].first == b &&
+             slots[keep[r1]].second == j0 + static_cast<int64_t>(r1 - r0))
+        ++r1;
+      const auto n = static_cast<int64_t>(r1 - r0);
+      if (b < 0 || b >= shape.batch || j0 < 0 || j0 + n > capacity) {
+        st = invalid_argument("KV shard: slots [" + std::to_string(j0) + ", " +
+                              std::to_string(j0 + n) + ") of batch row " + std::to_string(b) +
+                              " are outside the capacity " + std::to_string(capacity));
+        break;
+      }
+      for (int64_t h = 0; h < shape.kv_heads && st.is_ok(); ++h) {
+        const auto hh = static_cast<std::size_t>(h);
+        for (int t = 0; t < 2 && st.is_ok(); ++t) {  // K, V
+          pack.resize(static_cast<std::size_t>(n) * hb);
+          for (std::size_t i = r0; i < r1; ++i)
+            std::memcpy(pack.data() + (i - r0) * hb,
+                        bytes.data() + keep[i] * token_bytes + static_cast<std::size_t>(t) * cb +
+                            hh * hb,
+                        hb);
+          Buffer& dst = t == 0 ? k : v;
+          st = exec->from_host(static_cast<uint8_t*>(dst.data()) + at(b, h, j0, capacity),
+                               pack.data(), pack.size());
+          if (!quant || !st.is_ok()) continue;
+          pack.resize(static_cast<std::size_t>(n) * sizeof(float));
+          const std::size_t so =
+              2 * cb + (static_cast<std::size_t>(t) * static_cast<std::size_t>(shape.kv_heads) + hh) *
+                           sizeof(float);
+          for (std::size_t i = r0; i < r1; ++i)
+            std::memcpy(pack.data() + (i - r0) * sizeof(float),
+                        bytes.data() + keep[i] * token_bytes + so, sizeof(float));
+          Buffer& sdst = t == 0 ? k_scale : v_scale;
+          st = exec->from_host(static_cast<uint8_t*>(sdst.data()) + scale_at(b, h, j0, capacity),
+                               pack.data(), pack.size());
+        }
+      }
+      r0 = r1;
+    }
+    slots.clear();
+    bytes.clear();
+    if (!st.is_ok()) fail(st);
+    return error;
+  }
+
+  // Grows to at least `tokens` slots per row (doubling), keeping the contents.
+  Status grow_locked(int64_t tokens) {
+    if (tokens <= capacity) return error;
+    TREEATTN_RETURN_IF_ERROR(flush_locked());
+    const int64_t cap = std::max(tokens, 2 * capacity);
+    Buffer nk, nv, nks, nvs;
+    Status st = allocate(cap, nk, nv, nks, nvs);
+    const bool quant = dtype_is_quantized(dtype);
+    for (int64_t b = 0; b < shape.batch && st.is_ok(); ++b)
+      for (int64_t h = 0; h < shape.kv_heads && st.is_ok() && capacity > 0; ++h) {
+        const std::size_t row = static_cast<std::size_t>(capacity) * head_bytes();
+        st = exec->copy(static_cast<uint8_t*>(nk.data()) + at(b, h, 0, cap),
+                        static_cast<const uint8_t*>(k.data()) + at(b, h, 0, capacity), row);
+        if (st.is_ok())
+          st = exec->copy(static_cast<uint8_t*>(nv.data()) + at(b, h, 0, cap),
+                          static_cast<const uint8_t*>(v.data()) + at(b, h, 0, capacity), row);
+        if (!quant || !st.is_ok()) continue;  // the per-token scales move with the codes
+        const std::size_t srow = static_cast<std::size_t>(capacity) * sizeof(float);
+        st = exec->copy(static_cast<uint8_t*>(nks.data()) + scale_at(b, h, 0, cap),
+                        static_cast<const uint8_t*>(k_scale.data()) + scale_at(b, h, 0, capacity),
+                        srow);
+        if (st.is_ok())
+          st = exec->copy(static_cast<uint8_t*>(nvs.data()) + scale_at(b, h, 0, cap),
+                          static_cast<const uint8_t*>(v_scale.data()) + scale_at(b, h, 0, capacity),
+                          srow);
+      }
+    if (!st.is_ok()) {
+      fail(st);
+      return error;
+    }
+    k = std::move(nk);
+    v = std::move(nv);
+    k_scale = std::move(nks);
+    v_scale = std::move(nvs);
+    capacity = cap;
+    return error;
+  }
+};
+
+LocalShard::LocalShard() = default;
+LocalShard::~LocalShard() = default;
+LocalShard::LocalShard(LocalShard&&) noexcept = default;
+LocalShard& LocalShard::operator=(LocalShard&&) noexcept = default;
+
+DType LocalShard::dtype() const { return device_ ? device_->dtype : cache_.dtype(); }
+int64_t LocalShard::capacity() const { return device_ ? device_->capacity : cache_.capacity(); }
+
+std::size_t LocalShard::allocated_bytes() const {
+  if (!device_) return cache_.bytes();
+  return device_->k.bytes() + device_->v.bytes() + device_->k_scale.bytes() +
+         device_->v_scale.bytes();
+}
+
+Status LocalShard::flush() {
+  if (!device_) return Status::ok();
+  std::lock_guard<std::mutex> lk(device_->mu);
+  return device_->flush_locked();
+}
+
+Status LocalShard::status() const {
+  if (!device_) return Status::ok();
+  std::lock_guard<std::mutex> lk(device_->mu);
+  return device_->error;
+}
+
 Result<LocalShard> LocalShard::create(const AttnShape& shape, DType dtype, const ShardPlan& plan,
-                                      int rank, int64_t spare_tokens) {
+                                      int rank, int64_t spare_tokens, Executor* executor) {
   TREEATTN_RETURN_IF_ERROR(shape.validate());
   if (plan.batch() != shape.batch)
     return invalid_argument("shard plan has " + std::to_string(plan.batch()) +
@@ -207,11 +427,38 @@ Result<LocalShard> LocalShard::create(const AttnShape& shape, DType dtype, const
   LocalShard s;
   s.shape_ = shape;
   s.rank_ = rank;
-  s.cache_ = KVCache(shape, dtype, plan.max_len(rank) + spare_tokens);
+  if (executor == nullptr || executor->memory() == MemorySpace::kHost) {
+    s.cache_ = KVCache(shape, dtype, plan.max_len(rank) + spare_tokens);
+    return s;
+  }
+  auto d = std::make_unique<DeviceStore>();
+  d->exec = executor;
+  d->shape = shape;
+  d->dtype = dtype;
+  d->capacity = plan.max_len(rank) + spare_tokens;
+  d->token_bytes = 2 * d->codes_bytes() +
+                   (dtype_is_quantized(dtype) ? 2 * static_cast<std::size_t>(shape.kv_heads) *
+                                                    sizeof(float)
+                                              : 0);
+  const Status st = d->allocate(d->capacity, d->k, d->v, d->k_scale, d->v_scale);
+  if (!st.is_ok())
+    return Status(st.code(), "rank " + std::to_string(rank) + ": executor '" +
+                                 std::string(executor->name()) + "': " + st.message());
+  s.device_ = std::move(d);
   return s;
 }
 
 void LocalShard::set_slot(int64_t b, int64_t j, const float* k, const float* v) {
+  if (device_) {
+    thread_local std::vector<uint8_t> rec;
+    rec.resize(device_->token_bytes);
+    device_->narrow(k, v, rec.data());
+    std::lock_guard<std::mutex> lk(device_->mu);
+    device_->slots.emplace_back(b, j);
+    device_->bytes.insert(device_->bytes.end(), rec.begin(), rec.end());
+    if (device_->bytes.size() >= DeviceStore::kFlushBytes) (void)device_->flush_locked();
+    return;
+  }
   const auto D = static_cast<std::size_t>(shape_.head_dim);
   for (int64_t h = 0; h < shape_.kv_heads; ++h)
     cache_.set_token(b, h, j, k + static_cast<std::size_t>(h) * D,
@@ -219,6 +466,29 @@ void LocalShard::set_slot(int64_t b, int64_t j, const float* k, const float* v) 
 }
 
 KVShard LocalShard::view(const ShardPlan& plan) const {
+  if (device_) {
+    const DeviceStore& d = *device_;
+    KVShard s;
+    s.dtype = d.dtype;
+    s.memory = MemorySpace::kDevice;
+    s.k = d.k.data();
+    s.v = d.v.data();
+    s.stride_token = shape_.head_dim;
+    s.stride_head = d.capacity * shape_.head_dim;
+    s.stride_batch = shape_.kv_heads * s.stride_head;
+    s.len = plan.lens(rank_);
+    s.pos_start = plan.pos_starts(rank_);
+    s.total_len = plan.total_lens();
+    s.pos_stride = plan.pos_stride();
+    if (dtype_is_quantized(d.dtype)) {
+      s.k_scale = d.k_scale.as<float>();
+      s.v_scale = d.v_scale.as<float>();
+      s.scale_stride_token = 1;
+      s.scale_stride_head = d.capacity;
+      s.scale_stride_batch = shape_.kv_heads * d.capacity;
+    }
+    return s;
+  }
   return cache_.view(0, plan.lens(rank_), plan.pos_starts(rank_), plan.total_lens(),
                      plan.pos_stride());
 }
@@ -227,10 +497,15 @@ KVShard LocalShard::view(const ShardPlan& plan) const {
 // cost model counts for a shard).
 std::size_t LocalShard::live_bytes(const ShardPlan& plan) const {
   return static_cast<std::size_t>(plan.total_tokens(rank_)) *
-         static_cast<std::size_t>(strategies::kv_bytes_per_token(shape_, cache_.dtype()));
+         static_cast<std::size_t>(strategies::kv_bytes_per_token(shape_, dtype()));
 }
 
 void LocalShard::reserve(int64_t tokens) {
+  if (device_) {
+    std::lock_guard<std::mutex> lk(device_->mu);
+    (void)device_->grow_locked(tokens);
+    return;
+  }
   if (tokens <= cache_.capacity()) return;
   const int64_t cap = std::max(tokens, 2 * cache_.capacity());
   KVCache bigger(shape_, cache_.dtype(), cap);
