@@ -25,5 +25,7 @@ Runner add_verify_command(CLI::App& app, const Invocation& inv);
 // Topology and planning (cmd_topo.cpp, cmd_plan.cpp).
 Runner add_topo_command(CLI::App& app, const Invocation& inv);
 Runner add_plan_command(CLI::App& app, const Invocation& inv);
+// Text generation with a GGUF model over sharded KV caches (cmd_generate.cpp).
+Runner add_generate_command(CLI::App& app, const Invocation& inv);
 
 }  // namespace treeattn::cli

