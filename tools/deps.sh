@@ -15,6 +15,7 @@ packages=(
   python3-dev pybind11-dev python3-pybind11 python3-mpi4py  # python/ (no nanobind in Debian 12)
   iproute2                                     # emulated multi-host cluster (netns, tc)
   libpcre2-dev python3-pip                     # tokenizer regexes; pip fetches the real model
+  clang libclang-rt-14-dev                     # fuzz/: libFuzzer targets (tools/test.sh runs them)
 )
 
 missing=()

@@ -2,16 +2,20 @@
 # The whole test suite: install what is missing, build with warnings as errors, run every test
 # except the label `large` (slow, ~9 GiB). The `cluster` tests (emulated hosts in network
 # namespaces) run too when this user can create namespaces (root); otherwise they are skipped
-# with a message. `tools/test.sh --all` also runs `large`.
+# with a message. `tools/test.sh --all` also runs `large`. The libFuzzer targets (fuzz/, built
+# with clang into build/fuzz) run 10 s each; tools/fuzz.sh runs long campaigns.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/deps.sh
 tools/build.sh
 if [ "${1:-}" = "--all" ]; then
   ctest --test-dir build/release --output-on-failure --timeout 900 -j1
+  tools/fuzz.sh --ci
   exit 0
 fi
 ctest --preset release -j1
+echo "== fuzz: every libFuzzer target for 10 s after its regression inputs (tools/fuzz.sh --ci) =="
+tools/fuzz.sh --ci
 probe="treeattn-probe-$$"
 if ip netns add "$probe" 2>/dev/null; then
   ip netns del "$probe"

@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""Writes the checked-in seed corpora of the fuzz targets (fuzz/corpus/<target>/), so that each
+campaign starts from valid inputs of every shape the parsers know instead of from nothing:
+
+  fuzz_topology     every preset (from `treeattn topo --show`, when a built treeattn is given),
+                    a minimal file, both level layouts, and a few malformed ones
+  fuzz_cli_parsers  sizes, lists, counts and --inject specs (first byte: which parser)
+  fuzz_gguf         small GGUF v2/v3 files: every metadata value type, arrays, alignment, and
+                    tensors of each readable type (f32, f16, bf16, q8_0, q4_0, q4_1) and one
+                    unreadable (q6_K), built here byte by byte from the format description
+  fuzz_tokenizer    texts: ASCII, digits, code, whitespace runs, accents, CJK, emoji, ChatML
+                    (first byte: which tokenizer and flags)
+
+Usage: fuzz/make_seeds.py [path/to/treeattn]. Deterministic; rerun after changing it."""
+import json
+import os
+import struct
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def write(target, name, data):
+    d = os.path.join(HERE, "corpus", target)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data if isinstance(data, bytes) else data.encode())
+
+
+# ---- topology ------------------------------------------------------------------------------
+def topology(treeattn):
+    minimal = {"format": "treeattn-topology/1", "name": "m", "nodes": 1, "ranks_per_node": 1,
+               "memory": {"bandwidth_GBps": 10},
+               "levels": [{"name": "node", "latency_us": 1, "bandwidth_GBps": 5}]}
+    write("fuzz_topology", "minimal.json", json.dumps(minimal))
+    two = dict(minimal, name="two", nodes=2, ranks_per_node=4, collectives="nccl",
+               collective_overhead_us=1.5, description="two levels",
+               compute={"peak_TFLOPs": 2, "kernel_overhead_us": 3, "max_concurrent_ranks": 2},
+               sources=["made up"])
+    two["memory"] = {"bandwidth_GBps": 30, "capacity_GB": 16}
+    two["levels"] = [{"name": "node", "latency_us": 0.5, "bandwidth_GBps": 9},
+                     {"name": "network", "latency_us": 12, "bandwidth_GBps": 0.125,
+                      "links_per_node": 1, "call_overhead_us": 40}]
+    write("fuzz_topology", "two-levels.json", json.dumps(two, indent=2))
+    write("fuzz_topology", "bad-number.json", json.dumps(minimal).replace("10}", "1e400}"))
+    write("fuzz_topology", "bad-dup.json", json.dumps(minimal).replace('"nodes": 1', '"nodes": 1, "nodes": 2'))
+    write("fuzz_topology", "bad-deep.json", "[" * 70 + "]" * 70)
+    write("fuzz_topology", "bad-syntax.json", '{"format": "treeattn-topology/1", "name": ')
+    if treeattn:
+        for preset in ["dgx-h100x16", "mi300x4", "rtx4090x2", "local", "emu-veth", "emu-1gbit"]:
+            out = subprocess.run([treeattn, "topo", "--show", "preset:" + preset],
+                                 capture_output=True, text=True, check=True).stdout
+            write("fuzz_topology", "preset-" + preset + ".json", out[out.index("{"):])
+
+
+# ---- CLI parsers ---------------------------------------------------------------------------
+def cli():
+    seeds = [(0, "4096"), (0, "64k"), (0, "1M"), (0, "1.5M"), (0, "5.12M"), (0, "0"), (0, "7G"),
+             (0, "0x10"), (0, "1e3"), (1, "1k,4k,1M"), (1, "1,,2"), (1, ","), (2, "123"),
+             (2, "99999999999"), (3, "tree,ring-kv,,all"), (4, "kill:1@3"), (4, "slow:2:50"),
+             (4, "never-arrive:0@0"), (4, "nan:3"), (4, "mismatch:1"), (4, "kill:1")]
+    for i, (sel, text) in enumerate(seeds):
+        write("fuzz_cli_parsers", "seed-%02d" % i, bytes([sel]) + text.encode())
+
+
+# ---- GGUF ----------------------------------------------------------------------------------
+def gstr(s):
+    b = s.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+SCALARS = [(0, "<B", 7), (1, "<b", -7), (2, "<H", 700), (3, "<h", -700), (4, "<I", 70000),
+           (5, "<i", -70000), (6, "<f", 1.5), (7, "<B", 1), (10, "<Q", 2**40), (11, "<q", -2**40),
+           (12, "<d", 2.25)]
+
+
+def gguf(version, kvs, tensors, alignment=32):
+    """kvs: list of (key, type, payload bytes); tensors: list of (name, dims, type, data)."""
+    head = b"GGUF" + struct.pack("<I", version) + struct.pack("<QQ", len(tensors), len(kvs))
+    body = b""
+    for key, t, payload in kvs:
+        body += gstr(key) + struct.pack("<I", t) + payload
+    offset = 0
+    infos = b""
+    datas = []
+    for name, dims, t, data in tensors:
+        infos += gstr(name) + struct.pack("<I", len(dims))
+        for d in dims:
+            infos += struct.pack("<Q", d)
+        infos += struct.pack("<IQ", t, offset)
+        datas.append((offset, data))
+        offset += (len(data) + alignment - 1) // alignment * alignment
+    out = head + body + infos
+    out += b"\0" * ((-len(out)) % alignment)
+    blob = bytearray(offset)
+    for off, data in datas:
+        blob[off:off + len(data)] = data
+    return out + bytes(blob)
+
+
+def f16(x):
+    return struct.pack("<e", x)
+
+
+def gguf_seeds():
+    kvs = [("general.architecture", 8, gstr("llama")), ("general.alignment", 4, struct.pack("<I", 32))]
+    for t, fmt, v in SCALARS:
+        kvs.append(("scalar.type%d" % t, t, struct.pack(fmt, v)))
+    kvs.append(("array.i32", 9, struct.pack("<IQ", 5, 3) + struct.pack("<3i", 1, -2, 3)))
+    kvs.append(("array.f64", 9, struct.pack("<IQ", 12, 2) + struct.pack("<2d", 0.5, -1e300)))
+    kvs.append(("array.str", 9, struct.pack("<IQ", 8, 2) + gstr("a") + gstr("bc")))
+    kvs.append(("array.empty", 9, struct.pack("<IQ", 0, 0)))
+    rows, cols = 2, 64
+    f32 = b"".join(struct.pack("<f", (i % 7) - 3.0) for i in range(rows * cols))
+    f16s = b"".join(f16((i % 5) - 2.0) for i in range(rows * cols))
+    bf16 = b"".join(struct.pack("<f", (i % 3) - 1.0)[2:] for i in range(rows * cols))
+    q8 = b"".join(f16(0.25) + bytes((j * 7) % 256 for j in range(32)) for _ in range(rows * cols // 32))
+    q40 = b"".join(f16(0.5) + bytes((j * 13) % 256 for j in range(16)) for _ in range(rows * cols // 32))
+    q41 = b"".join(f16(0.5) + f16(-1.0) + bytes((j * 11) % 256 for j in range(16)) for _ in range(rows * cols // 32))
+    tensors = [("w.f32", [cols, rows], 0, f32), ("w.f16", [cols, rows], 1, f16s),
+               ("w.bf16", [cols, rows], 30, bf16), ("w.q8_0", [cols, rows], 8, q8),
+               ("w.q4_0", [cols, rows], 2, q40), ("w.q4_1", [cols, rows], 3, q41),
+               ("w.q6_k", [256, 1], 14, bytes(210)), ("v.1d", [cols], 0, f32[:cols * 4])]
+    write("fuzz_gguf", "full-v3.gguf", gguf(3, kvs, tensors))
+    write("fuzz_gguf", "full-v2.gguf", gguf(2, kvs[:4], tensors[:2]))
+    write("fuzz_gguf", "empty-v3.gguf", gguf(3, [], []))
+    write("fuzz_gguf", "meta-only.gguf", gguf(3, kvs, []))
+    kv64 = [("general.alignment", 4, struct.pack("<I", 64))]
+    write("fuzz_gguf", "align64.gguf", gguf(3, kv64, tensors[:1], alignment=64))
+    # A tokenizer header like the one fuzz_tokenizer builds (without tensors).
+    toks = [chr(c) for c in range(33, 127)] + ["Ġt", "he", "<|im_start|>"]
+    tk = [("tokenizer.ggml.model", 8, gstr("gpt2")), ("tokenizer.ggml.pre", 8, gstr("smollm")),
+          ("tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, len(toks)) + b"".join(gstr(t) for t in toks)),
+          ("tokenizer.ggml.merges", 9, struct.pack("<IQ", 8, 2) + gstr("Ġ t") + gstr("h e"))]
+    write("fuzz_gguf", "tokenizer.gguf", gguf(3, tk, []))
+    write("fuzz_gguf", "truncated.gguf", gguf(3, kvs, tensors)[:200])
+
+
+# ---- tokenizer -----------------------------------------------------------------------------
+def tokenizer():
+    texts = ["the cat sat on the mat", "Hello, World! 12345 67890", "  leading and   runs  \n\n\t end",
+             "def f(x):\n    return x ** 2  # square\n", "caf\u00e9 na\u00efve \u00e9t\u00e9",
+             "\u4e2d\u6587\u6d4b\u8bd5 \u65e5\u672c\u8a9e", "emoji \U0001F600\U0001F680 ok",
+             "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n", "<user_tok>abc<user_tok>",
+             "ab bc 123 1234 the he", "I'm you're we'll they've it's", "\u00a0\u2003\u3000 spaces",
+             "x" * 300, "1" * 50]
+    for i, t in enumerate(texts):
+        write("fuzz_tokenizer", "seed-%02d" % i, bytes([(i * 7) % 64]) + t.encode())
+
+
+if __name__ == "__main__":
+    topology(sys.argv[1] if len(sys.argv) > 1 else None)
+    cli()
+    gguf_seeds()
+    tokenizer()
