@@ -504,7 +504,13 @@ int cuda_device_count(std::string* why) {
   const cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
-    if (why) *why = "cudaGetDeviceCount: " + cuda_error_text(e);
+    if (why) {
+      *why = "cudaGetDeviceCount: " + cuda_error_text(e);
+      if (e == cudaErrorInsufficientDriver || e == cudaErrorNoDevice)
+        *why += " (no NVIDIA GPU or driver on this machine, or a driver older than CUDA " +
+                std::to_string(CUDART_VERSION / 1000) + "." +
+                std::to_string(CUDART_VERSION % 1000 / 10) + " needs)";
+    }
     return 0;
   }
   if (n == 0 && why) *why = "cudaGetDeviceCount found 0 devices";
