@@ -187,8 +187,9 @@ model::GeneratorConfig generator_config(const GenFlags& f, const std::vector<std
   return gc;
 }
 
-// Everything checkable before ranks start. On success: the model path.
-Result<std::string> preflight(const GenFlags& f, const CLI::App& sub) {
+// Everything checkable before ranks start (output files: by one process only). On success: the
+// model path.
+Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check_outputs) {
   const int sources = (sub.count("--prompt") > 0) + (sub.count("--prompt-file") > 0) +
                       (sub.count("--prompt-tokens") > 0);
   if (sources != 1)
@@ -221,22 +222,23 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub) {
   TREEATTN_RETURN_IF_ERROR(sp.validate());
   TREEATTN_RETURN_IF_ERROR(check_timeout_ms("--timeout-ms", f.timeout_ms));
   if (f.threads < 0) return invalid_argument("--threads must be >= 0");
-  if (!f.json.empty()) TREEATTN_RETURN_IF_ERROR(check_output_file("--json", f.json));
+  if (check_outputs && !f.json.empty())
+    TREEATTN_RETURN_IF_ERROR(check_output_file("--json", f.json));
   auto path = resolve_model(f.model);
   if (!path.is_ok()) return path.status();
   auto m = model::LlamaModel::load(*path);
   if (!m.is_ok()) return m.status();
   auto tok = Tokenizer::from_gguf((*m)->file());
   if (!tok.is_ok()) return tok.status();
-  auto prompt = make_prompt(f, *tok);
-  if (!prompt.is_ok()) return prompt.status();
-  const auto n = static_cast<int64_t>(prompt->size());
-  if (f.ranks > n)
-    return invalid_argument(fmt::format(
-        "--ranks {} is larger than the prompt ({} tokens): every rank holds part of the "
-        "prompt's KV cache; use at most {} ranks or a longer prompt",
-        f.ranks, n, n));
-  // Memory: estimated before anything is allocated, for the ranks on this machine.
+  // Memory first (a synthetic prompt's length is known before it is built): estimated before
+  // anything is allocated, for the ranks on this machine.
+  std::vector<TokenId> prompt;
+  if (f.prompt_tokens == 0) {
+    auto p = make_prompt(f, *tok);
+    if (!p.is_ok()) return p.status();
+    prompt = std::move(p).value();
+  }
+  const int64_t n = f.prompt_tokens > 0 ? f.prompt_tokens : static_cast<int64_t>(prompt.size());
   const auto& cfg = (*m)->config();
   const int here = f.ranks;  // local launches put every rank here
   const auto est = model::estimate_memory(cfg, generator_config(f, methods, 1), f.ranks, n,
@@ -254,7 +256,12 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub) {
                               format_bytes(static_cast<double>(est.kv_bytes)),
                               format_bytes(static_cast<double>(est.prefill_bytes)),
                               format_bytes(weights), format_bytes(static_cast<double>(avail))));
-  if (cfg.n_ctx_train > 0 && n + f.new_tokens > cfg.n_ctx_train)
+  if (f.ranks > n)
+    return invalid_argument(fmt::format(
+        "--ranks {} is larger than the prompt ({} tokens): every rank holds part of the "
+        "prompt's KV cache; use at most {} ranks or a longer prompt",
+        f.ranks, n, n));
+  if (cfg.n_ctx_train > 0 && n + f.new_tokens > cfg.n_ctx_train && !started_by_mpi_launcher())
     std::fprintf(stderr,
                  "treeattn generate: note: %lld tokens is beyond the model's training context "
                  "(%lld); RoPE positions past it degrade the text (timing is unaffected)\n",
@@ -584,7 +591,7 @@ int generate_command(GenFlags& f, const CLI::App& sub, const Invocation& inv) {
     {
       std::unique_ptr<Communicator> comm = std::move(world).value();
       // Checked on every rank (the job may come from an outside mpirun): all or none go on.
-      auto path = preflight(f, sub);
+      auto path = preflight(f, sub, comm->rank() == 0);
       float bad = path.is_ok() ? 0.0f : 1.0f;
       if (path.is_ok() && sub.count("--ranks") > 0 && f.ranks != comm->size()) {
         if (comm->rank() == 0)
@@ -601,7 +608,7 @@ int generate_command(GenFlags& f, const CLI::App& sub, const Invocation& inv) {
     (void)mpi_finalize();
     return rc;
   }
-  auto path = preflight(f, sub);
+  auto path = preflight(f, sub, true);
   if (!path.is_ok()) return fail(path.status());
   if (f.ranks == 1) {
     auto world = make_local_world(1);

@@ -188,6 +188,7 @@ inline std::vector<uint8_t> build_tiny_llama(const TinyLlamaSpec& s) {
   return g.build();
 }
 
+#ifdef TREEATTN_LLAMA_REFERENCE
 // The python interpreter the reference runs with ($TREEATTN_PYTHON, else python3).
 inline std::string reference_python() {
   const char* p = std::getenv("TREEATTN_PYTHON");
@@ -224,5 +225,6 @@ inline std::optional<std::vector<double>> run_reference(const std::string& model
   std::memcpy(v.data(), bytes.data(), v.size() * 8);
   return v;
 }
+#endif  // TREEATTN_LLAMA_REFERENCE
 
 }  // namespace treeattn::testing

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# CLI tests of `treeattn generate`: usage: generate_cli_test.sh TREEATTN MAKE_TINY_GGUF CASE.
+# Error cases check exit code 2 and a message naming the problem; the real-model cases (skipped,
+# exit 0 with a note, when the model is absent) check text, JSON keys, and that --deterministic
+# gives the same tokens at 1 and 3 ranks with --check.
+set -uo pipefail
+B="$1"; MAKE="$2"; CASE="$3"
+T="$(mktemp -d)"; trap 'rm -rf "$T"' EXIT
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+MODEL="$("$root/tools/model-path.sh" 2>/dev/null || true)"
+
+fail() { echo "FAIL ($CASE): $*"; echo "--- output:"; cat "$T/out" 2>/dev/null; exit 1; }
+# expect CODE REGEX -- command...
+expect() {
+  local code="$1" re="$2"; shift 3
+  "$@" >"$T/out" 2>&1; local rc=$?
+  [ "$rc" = "$code" ] || fail "exit $rc, expected $code: $*"
+  grep -Eq -- "$re" "$T/out" || fail "no match for /$re/: $*"
+}
+need_model() { if [ -z "$MODEL" ]; then echo "SKIP: the real model is absent"; exit 0; fi; }
+
+case "$CASE" in
+  missing_model)
+    expect 2 "error: .*--model /nonexistent/m.gguf: no such file" -- \
+      "$B" generate --model /nonexistent/m.gguf --prompt hi ;;
+  wrong_architecture)
+    "$MAKE" "$T/g.gguf" gemma || fail "make_tiny_gguf"
+    expect 2 "error: .*$T/g.gguf: architecture 'gemma' is not supported" -- \
+      "$B" generate --model "$T/g.gguf" --prompt hi ;;
+  unsupported_tensor_type)
+    "$MAKE" "$T/q.gguf" q6k || fail "make_tiny_gguf"
+    expect 2 "error: .*$T/q.gguf: .*tensor 'blk.0.attn_q.weight' has type q6_K, which is not supported" -- \
+      "$B" generate --model "$T/q.gguf" --prompt hi ;;
+  missing_tensor)
+    "$MAKE" "$T/m.gguf" no-ffn-up || fail "make_tiny_gguf"
+    expect 2 "error: .*blk.1.ffn_up.weight' not found" -- \
+      "$B" generate --model "$T/m.gguf" --prompt hi ;;
+  prompt_too_long_for_memory)
+    need_model
+    expect 2 "error: OUT_OF_MEMORY|error: .*a prompt of 1000000000 tokens .* needs about .* available" -- \
+      "$B" generate --model "$MODEL" --prompt-tokens 1000000000 ;;
+  ranks_larger_than_prompt)
+    need_model
+    expect 2 "error: .*--ranks 4 is larger than the prompt \(2 tokens\)" -- \
+      "$B" generate --model "$MODEL" --prompt "Hi there" --ranks 4 ;;
+  bad_flags)
+    expect 2 "exactly one of --prompt" -- "$B" generate --prompt a --prompt-tokens 5
+    expect 2 "--kv-dtype 'fp8': one of f16, bf16, f32" -- "$B" generate --prompt a --kv-dtype fp8
+    expect 2 "unknown method 'nope'" -- "$B" generate --prompt a --method nope
+    expect 2 "--top-p" -- "$B" generate --prompt a --temperature 1 --top-p 0 ;;
+  answers_with_json)
+    need_model
+    expect 0 "Paris" -- "$B" generate --model "$MODEL" --prompt "What is the capital of France?" \
+      --chat --new-tokens 24 --json "$T/g.json"
+    grep -Eq "time to first token|decode tree" "$T/out" || fail "no report"
+    python3 - "$T/g.json" <<'PY' || fail "JSON keys"
+import json, sys
+j = json.load(open(sys.argv[1]))
+for k in ["prompt_tokens", "tokens", "text", "ranks", "method", "ttft_ms", "prefill_tokens_per_s",
+          "decode_ms_p50", "decode_ms_p99", "tokens_per_s", "bytes_sent_per_rank_per_token",
+          "peak_rss_bytes"]:
+    assert k in j, k
+assert "Paris" in j["text"], j["text"]
+assert j["ranks"] == 1 and j["method"] == "tree"
+PY
+    ;;
+  deterministic_across_ranks)
+    need_model
+    for p in 1 3; do
+      expect 0 "decode tree-det" -- "$B" generate --model "$MODEL" --prompt-tokens 300 \
+        --new-tokens 12 --ignore-eos --deterministic --check --quiet --ranks $p --json "$T/d$p.json"
+    done
+    python3 - "$T/d1.json" "$T/d3.json" <<'PY' || fail "tree-det tokens differ between 1 and 3 ranks"
+import json, sys
+a, b = (json.load(open(f)) for f in sys.argv[1:3])
+assert a["tokens"] == b["tokens"] and len(a["tokens"]) == 12, (a["tokens"], b["tokens"])
+assert b["ranks"] == 3 and b["ranks_agree"]
+PY
+    ;;
+  *) echo "unknown case $CASE"; exit 2 ;;
+esac
+echo "PASS ($CASE)"
