@@ -71,6 +71,7 @@ struct GenFlags {
   bool check = false;
   bool ignore_eos = false;
   bool quiet = false;
+  bool synthetic_kv = false;
   int timeout_ms = 600000;
   int fanout = 2;
 };
@@ -198,6 +199,8 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
   if (sub.count("--prompt-tokens") > 0 && f.prompt_tokens < 1)
     return invalid_argument("--prompt-tokens must be >= 1");
   if (f.new_tokens < 1) return invalid_argument("--new-tokens must be >= 1");
+  if (f.synthetic_kv && sub.count("--prompt-tokens") == 0)
+    return invalid_argument("--synthetic-kv needs --prompt-tokens N (a context to time decode at)");
   if (f.ranks < 1 || f.ranks > 4096) return invalid_argument("--ranks must be in 1..4096");
   const auto dt = parse_dtype(f.kv_dtype);
   if (!dt || dtype_is_quantized(*dt))
@@ -363,7 +366,10 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
   const auto t0 = Clock::now();
   auto last_print = t0;
   std::vector<float> logits;
-  Status st = (*g)->prefill(*prompt, logits, [&](int l, int layers) {
+  Status st = f.synthetic_kv ? (*g)->prefill_synthetic(n - 1, f.seed) : Status::ok();
+  if (f.synthetic_kv && st.is_ok())  // the prompt's last token runs as a decode step
+    st = (*g)->step(prompt->back(), logits, 0);
+  if (!f.synthetic_kv) st = (*g)->prefill(*prompt, logits, [&](int l, int layers) {
     if (!lead || n < 2048) return;
     const auto now = Clock::now();
     if (l < layers && now - last_print < std::chrono::seconds(2)) return;
@@ -405,6 +411,13 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
     r.method = (*g)->method(k);
     model::Sampler smp({f.temperature, f.top_k, f.top_p, f.seed});
     logits = first_logits;
+    if (f.synthetic_kv && k > 0) {  // this session's copy of the step that ended the "prefill"
+      st = (*g)->step(prompt->back(), logits, k);
+      if (!st.is_ok()) {
+        say_error(st);
+        abort_job(3, "");
+      }
+    }
     TokenId t = k == 0 ? first : smp.sample(logits);  // the same draws as method 0
     r.tokens.push_back(t);
     if (k == 0) {
@@ -507,11 +520,15 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
     rss_list += (rss_list.empty() ? "" : " ") + format_bytes(static_cast<double>(a.rss));
   }
   const model::PrefillStats& ps = (*g)->prefill_stats();
-  std::fprintf(stderr,
-               "\nprompt %lld tokens: prefill %.2f s (%.1f tokens/s, attention %.2f s, waiting "
-               "%.2f s on rank 0), time to first token %.1f ms\n",
-               static_cast<long long>(n), prefill_s, static_cast<double>(n) / prefill_s,
-               ps.attention_seconds, ps.wait_seconds, ttft_ms);
+  if (f.synthetic_kv)
+    std::fprintf(stderr, "\nprompt %lld tokens: synthetic KV cache (not computed, %.2f s to fill)\n",
+                 static_cast<long long>(n), prefill_s);
+  else
+    std::fprintf(stderr,
+                 "\nprompt %lld tokens: prefill %.2f s (%.1f tokens/s, attention %.2f s, waiting "
+                 "%.2f s on rank 0), time to first token %.1f ms\n",
+                 static_cast<long long>(n), prefill_s, static_cast<double>(n) / prefill_s,
+                 ps.attention_seconds, ps.wait_seconds, ttft_ms);
   nlohmann::json jm = nlohmann::json::array();
   for (std::size_t k = 0; k < results.size(); ++k) {
     const MethodResult& r = results[k];
@@ -562,6 +579,7 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
         {"placement", f.placement},
         {"ttft_ms", ttft_ms},
         {"prefill_ms", prefill_s * 1e3},
+        {"synthetic_kv", f.synthetic_kv},
         {"prefill_tokens_per_s", static_cast<double>(n) / prefill_s},
         {"prefill_bytes_sent_rank0", ps.bytes_sent},
         {"decode_ms_p50", jm[0]["decode_ms_p50"]},
@@ -671,6 +689,9 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
                 "Hash the token stream on every rank at every step and stop on a divergence");
   sub->add_flag("--ignore-eos", f->ignore_eos, "Generate --new-tokens even past end of text");
   sub->add_flag("--quiet", f->quiet, "Do not print the text (report only)");
+  sub->add_flag("--synthetic-kv", f->synthetic_kv,
+                "Benchmarks: fill the prompt's KV cache with seeded values instead of computing "
+                "the prefill (with --prompt-tokens; decode speed is real, the text is not)");
   sub->add_option("--timeout-ms", f->timeout_ms,
                   "Per communicator operation (a long prefill layer waits in one)")
       ->capture_default_str();

@@ -143,6 +143,11 @@ class Generator {
   // progress(layer_done, layers) is called on every rank after each layer.
   Status prefill(std::span<const TokenId> prompt, std::vector<float>& logits,
                  const std::function<void(int, int)>& progress = {});
+  // Collective, for decode benchmarks at long contexts: lays out n positions like prefill() but
+  // fills their K/V with seeded values in [-1, 1) instead of computing them (no model work, no
+  // communication). The text decoded after it is meaningless; its speed is that of a real one
+  // (attention reads every cached value whatever it is).
+  Status prefill_synthetic(int64_t n, uint64_t seed);
   // Collective. Runs `token` at the next position through session `method` and leaves the
   // logits of that position in `logits` on every rank.
   Status step(TokenId token, std::vector<float>& logits, int method = 0);

@@ -310,6 +310,36 @@ Status Generator::prefill(std::span<const TokenId> prompt, std::vector<float>& l
   return Status::ok();
 }
 
+Status Generator::prefill_synthetic(int64_t n, uint64_t seed) {
+  const auto t_start = Clock::now();
+  prefill_stats_ = PrefillStats{};
+  const LlamaConfig& mc = model_->config();
+  if (n < 1) return invalid_argument(rank_prefix(*comm_) + "prefill_synthetic: n must be >= 1");
+  const int64_t kvd = mc.n_head_kv * mc.head_dim;
+  std::vector<float> k(static_cast<std::size_t>(kvd)), v(k.size());
+  for (auto& s : sessions_) {
+    if (s->length(0) != 0)
+      return invalid_argument(rank_prefix(*comm_) + "prefill_synthetic: the session is not empty");
+    TREEATTN_RETURN_IF_ERROR(s->extend(n));
+    for (int l = 0; l < mc.n_layers; ++l)
+      for (int64_t ps = 0; ps < n; ++ps) {
+        if (!s->owns(0, ps)) continue;
+        uint64_t z = seed ^ (static_cast<uint64_t>(l) << 48) ^ (static_cast<uint64_t>(ps) << 8);
+        for (int64_t i = 0; i < 2 * kvd; ++i) {
+          z += 0x9e3779b97f4a7c15ull;
+          uint64_t r = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+          r = (r ^ (r >> 27)) * 0x94d049bb133111ebull;
+          const float val = static_cast<float>(static_cast<int64_t>((r ^ (r >> 31)) >> 40) -
+                                               (int64_t{1} << 23)) * 0x1p-23f;
+          (i < kvd ? k[static_cast<std::size_t>(i)] : v[static_cast<std::size_t>(i - kvd)]) = val;
+        }
+        TREEATTN_RETURN_IF_ERROR(s->store(l, 0, ps, k.data(), v.data()));
+      }
+  }
+  prefill_stats_.seconds = seconds_since(t_start);
+  return Status::ok();
+}
+
 Status Generator::step(TokenId token, std::vector<float>& logits, int method) {
   if (method < 0 || method >= methods())
     return invalid_argument(rank_prefix(*comm_) + "step: method index " + std::to_string(method));

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "model/matvec_targets.hpp"
 #include "treeattn/model.hpp"
@@ -104,6 +105,10 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   int threads = options.threads > 0 ? options.threads : omp_get_max_threads();
   threads = static_cast<int>(std::min<int64_t>(threads, chunks));
 #pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+  thread_local std::vector<float> scratch;
+  if (scratch.size() < static_cast<std::size_t>(detail::kMaxRowBlock * cols))
+    scratch.resize(static_cast<std::size_t>(detail::kMaxRowBlock * cols));
   for (int64_t t0 = 0; t0 < tokens; t0 += kTokenTile) {
     // The same static split every tile: each thread keeps its rows' weights in cache.
 #pragma omp for schedule(static) nowait
@@ -123,8 +128,10 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
       a.tokens = std::min(kTokenTile, tokens - t0);
       a.y = ys[i] + t0 * m.rows;
       a.y_stride = m.rows;
+      a.scratch = scratch.data();
       fn(a);
     }
+  }
   }
   return Status::ok();
 }

@@ -1,10 +1,11 @@
-// The weight row kernel for AVX2 + FMA + F16C: 8 floats per vector, 2 tokens per pass (16
-// accumulators would spill the 16 registers). Compiled with its own -m flags; called only
+// The weight row kernel for AVX2 + FMA + F16C: 8 floats per vector, 4 accumulators per (row,
+// token); micro-tiles of 3 rows x 1 token (more would spill the 16 registers). Compiled with its own -m flags; called only
 // when the CPU has AVX2 and FMA.
 #include <immintrin.h>
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "model/matvec_targets.hpp"
 
@@ -14,13 +15,16 @@ namespace {
 struct Ops {
   using V = __m256;
   static constexpr int W = 8;
-  static constexpr int NT = 2;
+  static constexpr int RB1 = 2;  // one token: 2 rows x 4 accumulators in flight
+  static constexpr int RB = 3;   // batched: 3 rows x 1 token x 4 = 12 of the 16 registers
+  static constexpr int NT = 1;
   static V zero() { return _mm256_setzero_ps(); }
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V loadu(const float* p) { return _mm256_loadu_ps(p); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static void storeu(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }

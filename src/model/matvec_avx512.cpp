@@ -1,5 +1,5 @@
-// The weight row kernel for AVX-512 (F, BW, VL, DQ): 16 floats per vector, 4 tokens per pass
-// (16 accumulators). Compiled with its own -m flags; called only when the CPU has AVX-512.
+// The weight row kernel for AVX-512 (F, BW, VL, DQ): 16 floats per vector; micro-tiles of 4 rows
+// x 3 tokens (24 of the 32 registers accumulate). Compiled with its own -m flags; called only when the CPU has AVX-512.
 // GCC 12's AVX-512 conversions start from _mm512_undefined_ps(), which -Wmaybe-uninitialized
 // reports as a use of an uninitialized value (a false positive).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "model/matvec_targets.hpp"
 
@@ -17,13 +18,16 @@ namespace {
 struct Ops {
   using V = __m512;
   static constexpr int W = 16;
-  static constexpr int NT = 4;
+  static constexpr int RB1 = 4;  // one token: 4 rows x 2 accumulators in flight
+  static constexpr int RB = 4;   // batched: 4 rows x 3 tokens x 2 = 24 accumulators
+  static constexpr int NT = 3;
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V loadu(const float* p) { return _mm512_loadu_ps(p); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static void storeu(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }

@@ -1,9 +1,9 @@
 // The weight row kernel for any CPU: fixed arrays of 8 floats the compiler may vectorize for the
-// baseline ISA, no intrinsics; fma is std::fma (one rounding, as the SIMD targets). 2 tokens
-// per pass. Compiled without extra flags.
+// baseline ISA, no intrinsics; fma is std::fma (one rounding, as the SIMD targets). Compiled without extra flags.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "model/matvec_targets.hpp"
 
@@ -12,6 +12,8 @@ namespace {
 
 struct Ops {
   static constexpr int W = 8;
+  static constexpr int RB1 = 2;
+  static constexpr int RB = 2;
   static constexpr int NT = 2;
   struct V {
     float v[W];
@@ -35,6 +37,7 @@ struct Ops {
     for (int i = 0; i < W; ++i) a.v[i] *= b.v[i];
     return a;
   }
+  static void storeu(float* p, V v) { std::memcpy(p, v.v, sizeof(v.v)); }
   static V add(V a, V b) {
     for (int i = 0; i < W; ++i) a.v[i] += b.v[i];
     return a;

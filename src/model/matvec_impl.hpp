@@ -3,21 +3,28 @@
 // Included (not compiled on its own) by matvec_avx512.cpp, matvec_avx2.cpp and
 // matvec_generic.cpp inside an anonymous namespace, after each defines `struct Ops`:
 //
-//   using V;  static constexpr int W (floats per vector, 8 or 16), NT (tokens per pass)
-//   V zero(), set1(float), loadu(const float*)
+//   using V;  static constexpr int W (floats per vector, 8 or 16)
+//   static constexpr int RB1 (rows per pass of the one-token path), RB, NT (rows and tokens of
+//   the batched micro-kernel: RB * NT * 32 / W accumulators must fit the registers)
+//   V zero(), set1(float), loadu(const float*);  void storeu(float*, V)
 //   V fma(a, b, c) = a * b + c (one rounding);  V mul(a, b);  V add(a, b)
 //   V load_f16(const uint16_t*), load_bf16(const uint16_t*), load_i8(const int8_t*)   W values
 //   V nib(const uint8_t* qs, int j)   elements j*W .. j*W+W-1 of a 4-bit block as floats
 //                                     (element e < 16: qs[e] & 15, else qs[e - 16] >> 4)
 //   float f16(uint16_t);  float reduce_add(V)   (a fixed order of lane additions)
 //
-// One row against n <= NT tokens: the row is read once, every 32-value block is decoded into
-// 32 / W weight vectors, and each token accumulates w * x into its own A = 2 * 32 / W vector
-// accumulators (even and odd blocks alternate, so consecutive FMAs are independent). The result
-// of a token is (acc[0] + acc[1] + ... + acc[A-1]) summed lane-wise, then reduce_add, then the
-// scalar tail (float types with cols % 32 != 0) in column order. That sequence does not depend
-// on n or on which tokens share the pass: the bits of a (row, token) product are fixed
-// (matvec_targets.hpp).
+// The arithmetic of one (row, token) product, the same on every path: every 32-value block is
+// decoded into kVB = 32 / W weight vectors w_j, and accumulator j of the pair takes
+// acc_j = fma(w_j, x_j, acc_j), block after block. The result is (acc_0 + acc_1 + ... ) summed
+// lane-wise in that order, then reduce_add, then the scalar tail (float types with cols % 32 != 0)
+// in column order. The paths differ only in how many rows and tokens share a pass:
+//   - few tokens: RB1 rows per pass decode their blocks in registers and each token is a pass
+//     (independent accumulator chains across the rows hide the FMA latency);
+//   - many tokens: RB rows are decoded once into a float scratch row (L1), then micro-tiles of
+//     RB rows x NT tokens run from it, so a weight is decoded once per token tile and each
+//     activation load serves RB rows.
+// So the bits of a (row, token) product do not depend on the token count, the tile or the rows
+// sharing its pass (matvec_targets.hpp).
 //
 // Decoding a block (ggml's formats; d and m are f16):
 //   Q8_0  w = d * q                 exact in float (11-bit d times an 8-bit integer)
@@ -25,8 +32,8 @@
 //   Q4_1  w = fma(d, q, m)          one rounding
 //   F16, BF16, F32                  widened exactly
 
-constexpr int kVB = 32 / Ops::W;  // vectors per 32-value block
-constexpr int kA = 2 * kVB;       // accumulators per token
+constexpr int kVB = 32 / Ops::W;  // vectors per 32-value block = accumulators per (row, token)
+constexpr int64_t kBatchTokens = 4;  // from this many tokens on, the batched path
 
 inline uint16_t rd16(const uint8_t* p) {
   uint16_t v;
@@ -109,61 +116,110 @@ struct Block<kTypeBF16> {
   }
 };
 
-// out[t * y_stride] = <row, x[t]> for t < N.
-template <uint32_t T, int N>
-inline void dot_group(const uint8_t* row, int64_t cols, const float* x, int64_t x_stride,
-                      float* out, int64_t y_stride) {
+template <uint32_t T>
+constexpr bool kFloatType = T == kTypeF32 || T == kTypeF16 || T == kTypeBF16;
+
+// The end of a (row, token) product: accumulators in order, lanes, then the scalar tail.
+template <uint32_t T>
+inline float finish(const typename Ops::V* acc, const uint8_t* row, const float* x, int64_t cols) {
+  typename Ops::V s = acc[0];
+  for (int j = 1; j < kVB; ++j) s = Ops::add(s, acc[j]);
+  float r = Ops::reduce_add(s);
+  if constexpr (kFloatType<T>) {
+    for (int64_t c = cols / 32 * 32; c < cols; ++c) r += Block<T>::scalar(row, c) * x[c];
+  }
+  return r;
+}
+
+// One token, RBn rows decoded in registers: y[r] = <row r, x>.
+template <uint32_t T, int RBn>
+inline void dot_rows_1(const uint8_t* const* rows, int64_t cols, const float* x, float* y) {
   using V = typename Ops::V;
-  V acc[N][kA];
-  for (int t = 0; t < N; ++t)
-    for (int a = 0; a < kA; ++a) acc[t][a] = Ops::zero();
+  V acc[RBn][kVB];
+  for (int r = 0; r < RBn; ++r)
+    for (int j = 0; j < kVB; ++j) acc[r][j] = Ops::zero();
   const int64_t blocks = cols / 32;
   for (int64_t b = 0; b < blocks; ++b) {
-    V w[kVB];
-    Block<T>::decode(row + b * Block<T>::kBytes, w);
-    const int par = static_cast<int>(b & 1) * kVB;
-    for (int t = 0; t < N; ++t) {
-      const float* xb = x + t * x_stride + b * 32;
-      for (int j = 0; j < kVB; ++j)
-        acc[t][par + j] = Ops::fma(w[j], Ops::loadu(xb + j * Ops::W), acc[t][par + j]);
+    V xv[kVB];
+    for (int j = 0; j < kVB; ++j) xv[j] = Ops::loadu(x + b * 32 + j * Ops::W);
+    for (int r = 0; r < RBn; ++r) {
+      V w[kVB];
+      Block<T>::decode(rows[r] + b * Block<T>::kBytes, w);
+      for (int j = 0; j < kVB; ++j) acc[r][j] = Ops::fma(w[j], xv[j], acc[r][j]);
     }
   }
-  for (int t = 0; t < N; ++t) {
-    V s = acc[t][0];
-    for (int a = 1; a < kA; ++a) s = Ops::add(s, acc[t][a]);
-    float r = Ops::reduce_add(s);
-    if constexpr (T == kTypeF32 || T == kTypeF16 || T == kTypeBF16) {
-      const float* xt = x + t * x_stride;
-      for (int64_t c = blocks * 32; c < cols; ++c) r += Block<T>::scalar(row, c) * xt[c];
+  for (int r = 0; r < RBn; ++r) y[r] = finish<T>(acc[r], rows[r], x, cols);
+}
+
+// A micro-tile from decoded float rows: RBn rows (wf + r * wstride) x NTn tokens.
+template <uint32_t T, int RBn, int NTn>
+inline void dot_tile(const float* wf, int64_t wstride, const uint8_t* const* rows, int64_t cols,
+                     const float* x, int64_t x_stride, float* y, int64_t y_stride) {
+  using V = typename Ops::V;
+  V acc[RBn][NTn][kVB];
+  for (int r = 0; r < RBn; ++r)
+    for (int t = 0; t < NTn; ++t)
+      for (int j = 0; j < kVB; ++j) acc[r][t][j] = Ops::zero();
+  const int64_t blocks = cols / 32;
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int j = 0; j < kVB; ++j) {
+      V xv[NTn];
+      for (int t = 0; t < NTn; ++t) xv[t] = Ops::loadu(x + t * x_stride + b * 32 + j * Ops::W);
+      for (int r = 0; r < RBn; ++r) {
+        const V w = Ops::loadu(wf + r * wstride + b * 32 + j * Ops::W);
+        for (int t = 0; t < NTn; ++t) acc[r][t][j] = Ops::fma(w, xv[t], acc[r][t][j]);
+      }
     }
-    out[t * y_stride] = r;
   }
+  for (int r = 0; r < RBn; ++r)
+    for (int t = 0; t < NTn; ++t)
+      y[t * y_stride + r] = finish<T>(acc[r][t], rows[r], x + t * x_stride, cols);
+}
+
+template <uint32_t T, int RBn>
+inline void decode_rows(const uint8_t* const* rows, int64_t cols, float* wf, int64_t wstride) {
+  for (int r = 0; r < RBn; ++r)
+    for (int64_t b = 0; b < cols / 32; ++b) {
+      typename Ops::V w[kVB];
+      Block<T>::decode(rows[r] + b * Block<T>::kBytes, w);
+      for (int j = 0; j < kVB; ++j) Ops::storeu(wf + r * wstride + b * 32 + j * Ops::W, w[j]);
+    }
+}
+
+// RBn rows against every token of the job.
+template <uint32_t T, int RBn>
+inline void rows_block(const RowsArgs& a, int64_t r0) {
+  const uint8_t* rows[RBn];
+  for (int r = 0; r < RBn; ++r) rows[r] = a.w + (r0 + r) * a.row_bytes;
+  if (a.tokens < kBatchTokens) {
+    for (int64_t t = 0; t < a.tokens; ++t) {
+      float y[RBn];
+      dot_rows_1<T, RBn>(rows, a.cols, a.x + t * a.x_stride, y);
+      for (int r = 0; r < RBn; ++r) a.y[t * a.y_stride + r0 + r] = y[r];
+    }
+    return;
+  }
+  const int64_t wstride = a.cols;
+  decode_rows<T, RBn>(rows, a.cols, a.scratch, wstride);
+  int64_t t = 0;
+  for (; t + Ops::NT <= a.tokens; t += Ops::NT)
+    dot_tile<T, RBn, Ops::NT>(a.scratch, wstride, rows, a.cols, a.x + t * a.x_stride, a.x_stride,
+                              a.y + t * a.y_stride + r0, a.y_stride);
+  for (; t < a.tokens; ++t)
+    dot_tile<T, RBn, 1>(a.scratch, wstride, rows, a.cols, a.x + t * a.x_stride, a.x_stride,
+                        a.y + t * a.y_stride + r0, a.y_stride);
 }
 
 template <uint32_t T>
 void rows_typed(const RowsArgs& a) {
-  for (int64_t r = a.row_begin; r < a.row_end; ++r) {
-    const uint8_t* row = a.w + r * a.row_bytes;
-    int64_t t = 0;
-    for (; t + Ops::NT <= a.tokens; t += Ops::NT)
-      dot_group<T, Ops::NT>(row, a.cols, a.x + t * a.x_stride, a.x_stride,
-                            a.y + t * a.y_stride + r, a.y_stride);
-    const float* x = a.x + t * a.x_stride;
-    float* y = a.y + t * a.y_stride + r;
-    switch (a.tokens - t) {
-      case 0:
-        break;
-      case 1:
-        dot_group<T, 1>(row, a.cols, x, a.x_stride, y, a.y_stride);
-        break;
-      case 2:
-        if constexpr (Ops::NT > 2) dot_group<T, 2>(row, a.cols, x, a.x_stride, y, a.y_stride);
-        break;
-      default:
-        if constexpr (Ops::NT > 3) dot_group<T, 3>(row, a.cols, x, a.x_stride, y, a.y_stride);
-        break;
-    }
+  constexpr int RB = Ops::RB;
+  int64_t r = a.row_begin;
+  if (a.tokens < kBatchTokens) {
+    for (; r + Ops::RB1 <= a.row_end; r += Ops::RB1) rows_block<T, Ops::RB1>(a, r);
+  } else {
+    for (; r + RB <= a.row_end; r += RB) rows_block<T, RB>(a, r);
   }
+  for (; r < a.row_end; ++r) rows_block<T, 1>(a, r);
 }
 
 void rows_impl(const RowsArgs& a) {

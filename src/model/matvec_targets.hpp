@@ -36,7 +36,11 @@ struct RowsArgs {
   int64_t tokens = 0;
   float* y = nullptr;          // (token 0 of the range, row 0 of the matrix), y_stride apart
   int64_t y_stride = 0;
+  float* scratch = nullptr;    // kMaxRowBlock * cols floats (the batched path's decoded rows)
 };
+
+// The most rows a target decodes together (its Ops::RB <= this).
+inline constexpr int kMaxRowBlock = 4;
 
 using RowsFn = void (*)(const RowsArgs&);
 
