@@ -1,5 +1,6 @@
 // Google Benchmark microbenchmarks of the decode kernel (per ISA target and dtype, llama3-8b
-// head layout) and of the state merge. Not part of the test suite; run
+// head layout; the caller's row layout and the tiled layout of kv_tiles.hpp) and of the state
+// merge. Not part of the test suite; run
 //   build/<dir>/bench/treeattn_microbench --benchmark_filter=Decode
 // Reported bytes/s count the KV bytes the kernel must read.
 #include <benchmark/benchmark.h>
@@ -8,6 +9,7 @@
 #include <vector>
 
 #include "treeattn/kernel.hpp"
+#include "treeattn/kv_tiles.hpp"
 #include "treeattn/shape.hpp"
 #include "treeattn/state.hpp"
 
@@ -62,6 +64,50 @@ void decode_args(benchmark::internal::Benchmark* b) {
   b->Args({static_cast<int64_t>(Isa::kAvx512), static_cast<int64_t>(DType::kBF16), 65536, 4, 1});
 }
 BENCHMARK(BM_Decode)->Apply(decode_args)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+// The same decode on the tiled layout (kv_tiles.hpp, default tile size and placement).
+// args: isa, dtype, tokens, q_len, threads
+void BM_DecodeTiled(benchmark::State& st) {
+  const auto isa = static_cast<Isa>(st.range(0));
+  const auto dtype = static_cast<DType>(st.range(1));
+  const int64_t n = st.range(2), Q = st.range(3);
+  if (!isa_supported(isa)) {
+    st.SkipWithError("CPU lacks this ISA");
+    return;
+  }
+  const AttnShape s{1, 32, 8, 128, Q};
+  Result<TiledKVCache> cache = TiledKVCache::create(s, dtype, n);
+  if (!cache.is_ok()) {
+    st.SkipWithError(cache.status().message().c_str());
+    return;
+  }
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> k(128), v(128);
+  for (int64_t h = 0; h < 8; ++h)
+    for (int64_t t = 0; t < n; ++t) {
+      for (auto& x : k) x = u(rng);
+      for (auto& x : v) x = u(rng);
+      cache->set_token(0, h, t, k.data(), v.data());
+    }
+  std::vector<float> q(static_cast<std::size_t>(Q * 32 * 128));
+  for (auto& x : q) x = u(rng);
+  std::vector<int64_t> len{n}, start{0};
+  const TiledKVShard kv = cache->view(len, start, len, 1);
+  std::vector<float> states(static_cast<std::size_t>(Q * 32 * 130));
+  DecodeOptions opt;
+  opt.isa = isa;
+  opt.threads = static_cast<int>(st.range(4));
+  for (auto _ : st) {
+    const Status r = decode_partial_tiled(s, q.data(), kv, states.data(), opt);
+    if (!r.is_ok()) st.SkipWithError(r.message().c_str());
+    benchmark::DoNotOptimize(states.data());
+  }
+  // The KV bytes the kernel must read (tokens x heads x 128 x 2), not the padded allocation.
+  st.SetBytesProcessed(st.iterations() * n * 8 * 128 * 2 * static_cast<int64_t>(dtype_size(dtype)));
+  st.SetLabel(std::string(isa_name(isa)) + "/" + std::string(dtype_name(dtype)));
+}
+BENCHMARK(BM_DecodeTiled)->Apply(decode_args)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 // Merging n records of head dim D into n others (one tree level on one rank).
 void BM_Merge(benchmark::State& st) {

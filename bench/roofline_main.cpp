@@ -6,12 +6,13 @@
 //                     [--seq N,...] [--batch B] [--q-len Q] [--heads H] [--kv-heads K]
 //                     [--head-dim D] [--chunk N] [--probe-mib 1024] [--probe-once]
 //                     [--layouts rows,tiled] [--tile-tokens 16,32] [--tile-layout split,interleaved]
-//                     [--no-peer] [--no-check] [--json FILE]
+//                     [--block-tiles 1,2,4] [--prefetch 0,4096] [--no-peer] [--no-check]
+//                     [--json FILE]
 // --seq (a list) replaces the default cases with one case per length of the shape given by
 // --batch/--q-len/--heads/--kv-heads/--head-dim (default llama3-8b: 32, 8, 128). The tiled
-// layout is timed once per (tile tokens x tile layout); the environment variables
-// TREEATTN_TILED_BLOCK_TILES and TREEATTN_TILED_PREFETCH_BYTES set the tiled kernel's block
-// and prefetch distance for a run (see src/kernels/cpu/cpu_targets.hpp).
+// layout is timed once per (tile tokens x tile layout x softmax block tiles x prefetch bytes);
+// 0 block tiles and -1 prefetch bytes mean the kernel's defaults (src/kernels/cpu/
+// cpu_targets.hpp), rows in the table read t<tokens><s|i>-b<block tiles>-p<prefetch bytes>.
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -49,6 +50,8 @@ int main(int argc, char** argv) {
   std::vector<int64_t> seqs;
   std::vector<int64_t> tile_tokens{kKVTileTokens};
   std::vector<KVTileLayout> tile_layouts{kKVTileLayout};
+  std::vector<int> block_tiles{0};
+  std::vector<int64_t> prefetch{-1};
   bool tiled = true;
   for (int i = 1; i < argc; ++i) {
     const std::string_view a = argv[i];
@@ -95,6 +98,12 @@ int main(int argc, char** argv) {
     } else if (a == "--tile-tokens") {
       tile_tokens.clear();
       for (const std::string& t : split(next())) tile_tokens.push_back(std::atoll(t.c_str()));
+    } else if (a == "--block-tiles") {
+      block_tiles.clear();
+      for (const std::string& t : split(next())) block_tiles.push_back(std::atoi(t.c_str()));
+    } else if (a == "--prefetch") {
+      prefetch.clear();
+      for (const std::string& t : split(next())) prefetch.push_back(std::atoll(t.c_str()));
     } else if (a == "--tile-layout") {
       tile_layouts.clear();
       for (const std::string& l : split(next())) {
@@ -123,7 +132,9 @@ int main(int argc, char** argv) {
   opt.tiles.clear();
   if (tiled)
     for (int64_t tt : tile_tokens)
-      for (KVTileLayout tl : tile_layouts) opt.tiles.push_back(RooflineTiles{tt, tl});
+      for (KVTileLayout tl : tile_layouts)
+        for (int bt : block_tiles)
+          for (int64_t pf : prefetch) opt.tiles.push_back(RooflineTiles{tt, tl, bt, pf});
   const Result<std::vector<RooflineRecord>> r = run_roofline(opt);
   if (!r.is_ok()) {
     std::fprintf(stderr, "treeattn_roofline: %s\n", r.status().to_string().c_str());

@@ -47,6 +47,8 @@ struct RooflineCase {
 struct RooflineTiles {
   int64_t tile_tokens = kKVTileTokens;
   KVTileLayout layout = kKVTileLayout;
+  int block_tiles = 0;         // tiles per softmax block; 0: the kernel's default
+  int64_t prefetch_bytes = -1; // software prefetch distance; -1: the kernel's default, 0: none
 };
 
 struct RooflineOptions {
@@ -71,6 +73,8 @@ struct RooflineRecord {
   std::string layout;           // "rows" or "tiled"
   int64_t tile_tokens = 0;      // tiled: tokens per tile (0 for rows)
   std::string tile_layout;      // tiled: "split" or "interleaved" (empty for rows)
+  int block_tiles = 0;          // tiled: tiles per softmax block the kernel ran with
+  int64_t prefetch_bytes = 0;   // tiled: software prefetch distance the kernel ran with
   int64_t batch = 0, heads = 0, kv_heads = 0, head_dim = 0, q_len = 0;
   int64_t seq = 0;              // KV tokens per batch row
   int threads = 0;

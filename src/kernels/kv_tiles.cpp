@@ -2,6 +2,8 @@
 // reads in the tile layout, and the validation of tiled views.
 #include "treeattn/kv_tiles.hpp"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -166,8 +168,11 @@ Status TiledKVCache::allocate(int64_t tiles) {
     scale_tile_stride_ = record / 4;
     scale_head_stride_ = tiles * record / 4;
   }
-  const auto bytes = static_cast<std::size_t>(std::max<int64_t>(round_up(total, 64), 64));
-  void* p = std::aligned_alloc(64, bytes);
+  const bool huge = std::getenv("TREEATTN_TILED_HUGEPAGES") != nullptr;  // EXPERIMENT
+  const int64_t align = huge ? (int64_t{1} << 21) : 64;
+  const auto bytes = static_cast<std::size_t>(std::max<int64_t>(round_up(total, align), align));
+  void* p = std::aligned_alloc(static_cast<std::size_t>(align), bytes);
+  if (huge && p != nullptr) madvise(p, bytes, MADV_HUGEPAGE);
   if (p == nullptr)
     return Status(Code::kOutOfMemory, "cannot allocate " + std::to_string(bytes) +
                                           " bytes for a tiled KV cache (" + shape_.to_string() +

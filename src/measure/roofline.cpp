@@ -340,7 +340,17 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
             view.total_len = l;
             return decode_partial(shape, q.data(), view, st, opt);
           }
-          return decode_partial_tiled(shape, q.data(), v.cache.view(l, start, l), st, opt);
+          // The tiled kernel's block and prefetch for this configuration (the defaults unless
+          // the configuration names others), restored afterwards.
+          const kernels::cpu::TiledTuning saved = kernels::cpu::tiled_tuning();
+          kernels::cpu::TiledTuning tuning = saved;
+          if (v.tiles.block_tiles > 0) tuning.block_tiles = v.tiles.block_tiles;
+          if (v.tiles.prefetch_bytes >= 0) tuning.prefetch_bytes = v.tiles.prefetch_bytes;
+          kernels::cpu::set_tiled_tuning(tuning);
+          const Status st_run =
+              decode_partial_tiled(shape, q.data(), v.cache.view(l, start, l), st, opt);
+          kernels::cpu::set_tiled_tuning(saved);
+          return st_run;
         };
         const int64_t kv_bytes =
             static_cast<int64_t>(2 * kv_elems * es + (quant ? 2 * kv_tokens * 4 : 0));
@@ -367,6 +377,10 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
           if (v.layout == "tiled") {
             rec.tile_tokens = v.tiles.tile_tokens;
             rec.tile_layout = std::string(kv_tile_layout_name(v.tiles.layout));
+            const kernels::cpu::TiledTuning tuning = kernels::cpu::tiled_tuning();
+            rec.block_tiles = v.tiles.block_tiles > 0 ? v.tiles.block_tiles : tuning.block_tiles;
+            rec.prefetch_bytes =
+                v.tiles.prefetch_bytes >= 0 ? v.tiles.prefetch_bytes : tuning.prefetch_bytes;
           }
           rec.batch = s.batch;
           rec.heads = s.heads;
@@ -466,10 +480,11 @@ std::string roofline_table(const std::vector<RooflineRecord>& records) {
     const std::string err = r.max_rel_error >= 0 ? fmt("%.1e", r.max_rel_error) : "-";
     const std::string errq =
         r.max_rel_error_unquantized >= 0 ? fmt("%.1e", r.max_rel_error_unquantized) : "-";
-    const std::string layout =
-        r.layout == "tiled"
-            ? "tiled" + std::to_string(r.tile_tokens) + "-" + r.tile_layout
-            : r.layout;
+    std::string layout = r.layout;
+    if (r.layout == "tiled") {
+      layout = "t" + std::to_string(r.tile_tokens) + (r.tile_layout == "split" ? "s" : "i") +
+               "-b" + std::to_string(r.block_tiles) + "-p" + std::to_string(r.prefetch_bytes);
+    }
     std::snprintf(line, sizeof line,
                   "%-26s %-5s %-7s %-16s %3d %7lld %8.1f %8.2f %7.2f %7.2f %6.3f %8.1f %-7s %6.3f "
                   "%9s %9s %8s %8s\n",
@@ -491,7 +506,9 @@ std::string roofline_json(const std::vector<RooflineRecord>& records) {
     s += i ? ",\n " : "\n ";
     s += "{\"shape\": \"" + r.shape + "\", \"dtype\": \"" + r.dtype + "\", \"isa\": \"" + r.isa +
          "\", \"layout\": \"" + r.layout + "\", \"tile_tokens\": " + std::to_string(r.tile_tokens) +
-         ", \"tile_layout\": \"" + r.tile_layout + "\", \"batch\": " + std::to_string(r.batch) + ", \"heads\": " + std::to_string(r.heads) +
+         ", \"tile_layout\": \"" + r.tile_layout + "\", \"block_tiles\": " +
+         std::to_string(r.block_tiles) + ", \"prefetch_bytes\": " + std::to_string(r.prefetch_bytes) +
+         ", \"batch\": " + std::to_string(r.batch) + ", \"heads\": " + std::to_string(r.heads) +
          ", \"kv_heads\": " + std::to_string(r.kv_heads) +
          ", \"head_dim\": " + std::to_string(r.head_dim) + ", \"q_len\": " + std::to_string(r.q_len) +
          ", \"seq\": " + std::to_string(r.seq) + ", \"threads\": " + std::to_string(r.threads) +

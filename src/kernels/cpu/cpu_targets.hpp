@@ -90,13 +90,20 @@ struct TiledItemArgs {
 
 using TiledItemFn = void (*)(const TiledItemArgs&);
 
-// Tiles per online-softmax block of the tiled kernel and its software prefetch distance; the
-// measurements behind both are in tiled_item_impl.hpp. TREEATTN_TILED_BLOCK_TILES and
-// TREEATTN_TILED_PREFETCH_BYTES override them (read once; for experiments).
-inline constexpr int kTiledBlockTiles = 1;
+// Tiles per online-softmax block of the tiled kernel and its software prefetch distance per
+// stream; the measurements behind both are in tiled_item_impl.hpp.
+inline constexpr int kTiledBlockTiles = 4;
 inline constexpr int64_t kTiledPrefetchBytes = 4096;
-int tiled_block_tiles();
-int64_t tiled_prefetch_bytes();
+struct TiledTuning {
+  int block_tiles = kTiledBlockTiles;
+  int64_t prefetch_bytes = kTiledPrefetchBytes;  // 0: no software prefetch
+};
+// What the tiled driver uses: the defaults above, overridden by the environment variables
+// TREEATTN_TILED_BLOCK_TILES and TREEATTN_TILED_PREFETCH_BYTES (read once), or by
+// set_tiled_tuning() (benchmarks comparing alternatives in one run; call it only while no
+// tiled kernel runs).
+TiledTuning tiled_tuning();
+void set_tiled_tuning(const TiledTuning& t);
 
 // The default software prefetch distance in tokens for rows of row_bytes bytes;
 // TREEATTN_PREFETCH_TOKENS in the environment overrides it (read once; 0 disables; for

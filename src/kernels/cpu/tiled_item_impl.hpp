@@ -36,14 +36,25 @@ constexpr int64_t tiled_score_ld(int64_t block_tokens) { return (block_tokens + 
 
 // Raw dot products of RS rows (q, row stride D) with the 2W tokens of one unit: vector j reads
 // K^T row d at kb[j] + d * row_bytes. Stores s[r * ld + j * W + lane].
-template <DType DT, int RS>
+// With PF, also prefetches pf_per_d lines of each prefetch stream per d (into L2), from pf0
+// (and pf1 when not null), so that the requests are spread over the unit's work.
+template <DType DT, int RS, bool PF>
 inline void tiled_score_unit(const float* q, int D, const char* kb0, const char* kb1,
-                             int64_t row_bytes, float* s, int64_t ld) {
+                             int64_t row_bytes, float* s, int64_t ld, const char* pf0,
+                             const char* pf1, int pf_per_d) {
   using V = typename Ops::V;
   V acc0[RS], acc1[RS];
   for (int r = 0; r < RS; ++r) acc0[r] = acc1[r] = Ops::zero();
 #pragma GCC unroll 4
   for (int d = 0; d < D; ++d) {
+    if constexpr (PF) {
+      for (int j = 0; j < pf_per_d; ++j) {
+        __builtin_prefetch(pf0 + j * 64, 0, 2);
+        if (pf1 != nullptr) __builtin_prefetch(pf1 + j * 64, 0, 2);
+      }
+      pf0 += pf_per_d * 64;
+      if (pf1 != nullptr) pf1 += pf_per_d * 64;
+    }
     const V k0 = load_elems<DT>(kb0 + d * row_bytes, 0);
     const V k1 = load_elems<DT>(kb1 + d * row_bytes, 0);
     for (int r = 0; r < RS; ++r) {
@@ -86,13 +97,32 @@ void tiled_score_rows(const TiledItemArgs& a, const float* q, int64_t bt, int n,
   const int64_t T = a.tile_tokens;
   const int64_t row_bytes = T * es;
   auto vec_base = [&](int64_t tok) {  // K^T row 0 of the vector holding block token tok
-    return a.k + (bt + tok / T) * a.tile_stride + (tok % T) * es;
+    const int64_t tile = tok / T;
+    return a.k + (bt + tile) * a.tile_stride + (tok - tile * T) * es;
   };
   for (int u = 0; u < n; u += kUnitTokens) {
     const char* k0 = vec_base(u);
     const char* k1 = u + Ops::W < n ? vec_base(u + Ops::W) : k0;
-    if (pf != nullptr) pf->upto((bt * T + u + kUnitTokens) * a.tile_stride / T);
-    tiled_score_unit<DT, RS>(q, a.head_dim, k0, k1, row_bytes, s + u, ld);
+    if (pf == nullptr) {
+      tiled_score_unit<DT, RS, false>(q, a.head_dim, k0, k1, row_bytes, s + u, ld, nullptr,
+                                       nullptr, 0);
+      continue;
+    }
+    // Lines still to fetch so that the streams stay `ahead` bytes past this unit, spread
+    // evenly over the unit's head_dim steps (rounded up; overshooting a line is harmless).
+    int64_t target = (bt * T + u + kUnitTokens) * a.tile_stride / T + pf->ahead;
+    if (target > pf->len) target = pf->len;
+    const int64_t lines = target > pf->done ? (target - pf->done + 63) / 64 : 0;
+    const int per_d = static_cast<int>((lines + a.head_dim - 1) / a.head_dim);
+    if (per_d == 0) {
+      tiled_score_unit<DT, RS, false>(q, a.head_dim, k0, k1, row_bytes, s + u, ld, nullptr,
+                                       nullptr, 0);
+      continue;
+    }
+    tiled_score_unit<DT, RS, true>(q, a.head_dim, k0, k1, row_bytes, s + u, ld,
+                                    pf->s0 + pf->done,
+                                    pf->s1 != nullptr ? pf->s1 + pf->done : nullptr, per_d);
+    pf->done += int64_t{per_d} * a.head_dim * 64;
   }
 }
 
@@ -195,10 +225,14 @@ void run_tiled_item(const TiledItemArgs& a) {
     float* ksc = s + R * ld;
     float* vsc = s + (R + 1) * ld;
     if constexpr (kQuant) {
-      for (int t = 0; t < n; ++t) {
-        const int64_t tile = bt + t / T, lane = t % T;
-        ksc[t] = a.k_scale[tile * a.scale_tile_stride + lane] * a.scale;
-        vsc[t] = a.v_scale[tile * a.scale_tile_stride + lane];
+      for (int t0 = 0; t0 < n; t0 += static_cast<int>(T)) {
+        const int m = n - t0 < T ? n - t0 : static_cast<int>(T);
+        const float* kst = a.k_scale + (bt + t0 / T) * a.scale_tile_stride;
+        const float* vst = a.v_scale + (bt + t0 / T) * a.scale_tile_stride;
+        for (int j = 0; j < m; ++j) {
+          ksc[t0 + j] = kst[j] * a.scale;
+          vsc[t0 + j] = vst[j];
+        }
       }
       for (int t = n; t < padded; ++t) ksc[t] = vsc[t] = 0.0f;
     }

@@ -11,6 +11,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -170,10 +171,10 @@ Status run_tiled_driver(TiledItemFn item_fn, const AttnShape& shape, const float
   const std::size_t item_floats = static_cast<std::size_t>(R) * rec;
   const int64_t chunk = (opt.chunk_tokens + T - 1) / T * T;
   // A block holds at least one 32-token score unit (smaller blocks would pad every unit).
-  const int block_tiles =
-      std::max<int>(cpu::tiled_block_tiles(), static_cast<int>((32 + T - 1) / T));
+  const cpu::TiledTuning tuning = cpu::tiled_tuning();
+  const int block_tiles = std::max<int>(tuning.block_tiles, static_cast<int>((32 + T - 1) / T));
   const int64_t ld = (block_tiles * T + 31) / 32 * 32;  // tiled_score_ld() in the item kernel
-  const int64_t prefetch = cpu::tiled_prefetch_bytes();
+  const int64_t prefetch = tuning.prefetch_bytes;
 
   CallScratch& cs = call_scratch();
   grow(cs.first_chunk, static_cast<std::size_t>(B) + 1);
@@ -282,15 +283,24 @@ int64_t env_int(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
 }  // namespace
 
 namespace cpu {
-int tiled_block_tiles() {
-  static const int v =
-      static_cast<int>(env_int("TREEATTN_TILED_BLOCK_TILES", kTiledBlockTiles, 1, 64));
-  return v;
+namespace {
+std::atomic<int> g_block_tiles{
+    static_cast<int>(env_int("TREEATTN_TILED_BLOCK_TILES", kTiledBlockTiles, 1, 64))};
+std::atomic<int64_t> g_prefetch_bytes{
+    env_int("TREEATTN_TILED_PREFETCH_BYTES", kTiledPrefetchBytes, 0, int64_t{1} << 20)};
+}  // namespace
+
+TiledTuning tiled_tuning() {
+  TiledTuning t;
+  t.block_tiles = g_block_tiles.load(std::memory_order_relaxed);
+  t.prefetch_bytes = g_prefetch_bytes.load(std::memory_order_relaxed);
+  return t;
 }
-int64_t tiled_prefetch_bytes() {
-  static const int64_t v =
-      env_int("TREEATTN_TILED_PREFETCH_BYTES", kTiledPrefetchBytes, 0, int64_t{1} << 20);
-  return v;
+
+void set_tiled_tuning(const TiledTuning& t) {
+  g_block_tiles.store(std::clamp(t.block_tiles, 1, 64), std::memory_order_relaxed);
+  g_prefetch_bytes.store(std::clamp<int64_t>(t.prefetch_bytes, 0, int64_t{1} << 20),
+                         std::memory_order_relaxed);
 }
 }  // namespace cpu
 }  // namespace kernels
