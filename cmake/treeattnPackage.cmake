@@ -39,7 +39,7 @@ install(TARGETS ${_treeattn_exported} EXPORT treeattnTargets
 #   treeattn_measure: workload, roofline, peer, detect, measure
 #   treeattn_model:   gguf, tokenizer
 # and, without MPI, the MPI backend's.
-set(_treeattn_not_installed workload roofline peer detect measure gguf tokenizer)
+set(_treeattn_not_installed workload roofline peer detect measure gguf tokenizer model generate)
 if(NOT TARGET treeattn_mpi)
   list(APPEND _treeattn_not_installed comm_mpi)
 endif()
