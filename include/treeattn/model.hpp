@@ -67,8 +67,8 @@ struct WeightMatrix {
 };
 
 struct MatvecOptions {
-  int threads = 0;      // 0: every thread OpenMP offers
-  Isa isa = Isa::kAuto; // kAuto: best_isa(); kReference runs the generic target
+  int threads = 0;       // 0: every thread OpenMP offers
+  Isa isa = Isa::kAuto;  // kAuto: best_isa(); kReference runs the generic target
 };
 
 // ys[i][t * mats[i]->rows + r] = <row r of mats[i], x + t * x_stride> for every matrix i, row r
@@ -91,7 +91,7 @@ struct LlamaConfig {
   int64_t n_head_kv = 0;
   int64_t head_dim = 0;
   int64_t n_vocab = 0;
-  int64_t n_ctx_train = 0;   // context_length (0: not given)
+  int64_t n_ctx_train = 0;  // context_length (0: not given)
   double rms_eps = 1e-5;
   double rope_base = 10000.0;
   int64_t rope_dim = 0;
@@ -132,8 +132,8 @@ class LlamaModel {
   Status embed(std::span<const TokenId> tokens, float* x) const;
   // For T tokens at positions pos[t]: q [T][n_head * head_dim], k and v [T][n_head_kv *
   // head_dim], RoPE applied to q and k.
-  Status attention_inputs(int layer, const float* x, int64_t tokens, const int64_t* pos,
-                          float* q, float* k, float* v, ForwardScratch& scratch,
+  Status attention_inputs(int layer, const float* x, int64_t tokens, const int64_t* pos, float* q,
+                          float* k, float* v, ForwardScratch& scratch,
                           const MatvecOptions& options) const;
   // x += Wo a; x += FFN(x) for T tokens (a: [T][n_head * head_dim]).
   Status attention_output_and_ffn(int layer, const float* a, int64_t tokens, float* x,

@@ -1,5 +1,5 @@
-// Generator: the prefill across ranks (balanced block compute placement, per-layer all-gather of the
-// prompt's K/V, causal attention by query blocks with the decode kernel) and the decode step
+// Generator: the prefill across ranks (balanced block compute placement, per-layer all-gather of
+// the prompt's K/V, causal attention by query blocks with the decode kernel) and the decode step
 // through a DecodeSession. See include/treeattn/generate.hpp for the algorithm and its
 // guarantees.
 #include <omp.h>
@@ -41,7 +41,7 @@ double prefill_position_weight(const LlamaConfig& c) {
   const double kvd = static_cast<double>(c.n_head_kv * c.head_dim);
   const double e = static_cast<double>(c.n_embd), ff = static_cast<double>(c.n_ff);
   const double per_token = e * (2 * qd + 2 * kvd) + 3 * e * ff;  // q, o, k, v, gate, up, down
-  return 2.0 * qd / per_token;  // q.k and p.v per earlier position
+  return 2.0 * qd / per_token;                                   // q.k and p.v per earlier position
 }
 
 std::vector<int64_t> prefill_positions(int64_t n, int ranks, int rank, double position_weight) {
@@ -77,8 +77,8 @@ MemoryEstimate estimate_memory(const LlamaConfig& cfg, const GeneratorConfig& ge
     const int64_t tokens = m == "single" ? total : (prompt + ranks - 1) / ranks + new_tokens + 1;
     e.kv_bytes += static_cast<std::size_t>(per_token * static_cast<double>(tokens));
     if (m == "ring-kv")  // two receive buffers of the largest shard of one layer
-      e.kv_bytes += static_cast<std::size_t>(2.0 * per_token / cfg.n_layers *
-                                             static_cast<double>(tokens));
+      e.kv_bytes +=
+          static_cast<std::size_t>(2.0 * per_token / cfg.n_layers * static_cast<double>(tokens));
   }
   // Prefill: hidden states and queries of this rank's positions (balanced by cost, so a rank
   // with early positions holds more of them: at most 1.5 n / p plus a block), the send and
@@ -107,8 +107,9 @@ Result<std::unique_ptr<Generator>> Generator::create(Communicator& comm, const L
   if (config.methods.empty())
     return invalid_argument(rank_prefix(comm) + "generate: no decode method given");
   if (dtype_is_quantized(config.kv_dtype))
-    return unsupported(rank_prefix(comm) + "generate: the KV cache dtype must be f32, f16 or "
-                                           "bf16, not " +
+    return unsupported(rank_prefix(comm) +
+                       "generate: the KV cache dtype must be f32, f16 or "
+                       "bf16, not " +
                        std::string(dtype_name(config.kv_dtype)));
   for (const std::string& m : config.methods) {
     SessionConfig sc;
@@ -187,7 +188,8 @@ Status Generator::prefill_layer_attention(const float* q, const std::vector<int6
                       static_cast<float*>(nullptr));
   }
   for (const Status& s : errors)
-    if (!s.is_ok()) return Status(s.code(), rank_prefix(*comm_) + "prefill attention: " + s.message());
+    if (!s.is_ok())
+      return Status(s.code(), rank_prefix(*comm_) + "prefill attention: " + s.message());
   return Status::ok();
 }
 
@@ -207,8 +209,7 @@ Status Generator::prefill(std::span<const TokenId> prompt, std::vector<float>& l
   for (const TokenId id : prompt)
     if (id < 0 || id >= mc.n_vocab)
       return invalid_argument(rank_prefix(*comm_) + "prefill: token id " + std::to_string(id) +
-                              " is outside the vocabulary [0, " + std::to_string(mc.n_vocab) +
-                              ")");
+                              " is outside the vocabulary [0, " + std::to_string(mc.n_vocab) + ")");
   for (auto& s : sessions_) TREEATTN_RETURN_IF_ERROR(s->extend(n));
 
   std::vector<std::vector<int64_t>> all_pos(static_cast<std::size_t>(p));
@@ -236,7 +237,8 @@ Status Generator::prefill(std::span<const TokenId> prompt, std::vector<float>& l
   TREEATTN_RETURN_IF_ERROR(model_->embed(ids, x.data()));
   std::vector<float> q(static_cast<std::size_t>(t * qd)), kf(static_cast<std::size_t>(t * kvd)),
       vf(kf.size()), attn(q.size());
-  std::vector<uint8_t> send(max_t * tok_bytes), recv(static_cast<std::size_t>(p) * max_t * tok_bytes);
+  std::vector<uint8_t> send(max_t * tok_bytes),
+      recv(static_cast<std::size_t>(p) * max_t * tok_bytes);
   std::vector<uint8_t> klayer(static_cast<std::size_t>(n * kvd) * ds), vlayer(klayer.size());
   std::vector<float> kst(static_cast<std::size_t>(kvd)), vst(kst.size());
 
@@ -251,7 +253,8 @@ Status Generator::prefill(std::span<const TokenId> prompt, std::vector<float>& l
     for (int64_t i = 0; i < t; ++i) {
       uint8_t* dst = send.data() + static_cast<std::size_t>(i) * tok_bytes;
       for (int64_t e = 0; e < kvd; ++e) {
-        store_from_float(dst, dt, static_cast<std::size_t>(e), kf[static_cast<std::size_t>(i * kvd + e)]);
+        store_from_float(dst, dt, static_cast<std::size_t>(e),
+                         kf[static_cast<std::size_t>(i * kvd + e)]);
         store_from_float(dst, dt, static_cast<std::size_t>(kvd + e),
                          vf[static_cast<std::size_t>(i * kvd + e)]);
       }
@@ -329,8 +332,9 @@ Status Generator::prefill_synthetic(int64_t n, uint64_t seed) {
           z += 0x9e3779b97f4a7c15ull;
           uint64_t r = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
           r = (r ^ (r >> 27)) * 0x94d049bb133111ebull;
-          const float val = static_cast<float>(static_cast<int64_t>((r ^ (r >> 31)) >> 40) -
-                                               (int64_t{1} << 23)) * 0x1p-23f;
+          const float val =
+              static_cast<float>(static_cast<int64_t>((r ^ (r >> 31)) >> 40) - (int64_t{1} << 23)) *
+              0x1p-23f;
           (i < kvd ? k[static_cast<std::size_t>(i)] : v[static_cast<std::size_t>(i - kvd)]) = val;
         }
         TREEATTN_RETURN_IF_ERROR(s->store(l, 0, ps, k.data(), v.data()));
@@ -357,8 +361,8 @@ Status Generator::step(TokenId token, std::vector<float>& logits, int method) {
   TREEATTN_RETURN_IF_ERROR(s.extend(1));
   const bool mine = s.owns(0, pos);
   for (int l = 0; l < mc.n_layers; ++l) {
-    TREEATTN_RETURN_IF_ERROR(
-        model_->attention_inputs(l, x_.data(), 1, &pos, q_.data(), k_.data(), v_.data(), scratch_, mv_));
+    TREEATTN_RETURN_IF_ERROR(model_->attention_inputs(l, x_.data(), 1, &pos, q_.data(), k_.data(),
+                                                      v_.data(), scratch_, mv_));
     if (mine) TREEATTN_RETURN_IF_ERROR(s.store(l, 0, pos, k_.data(), v_.data()));
     TREEATTN_RETURN_IF_ERROR(s.attend(l, q_.data(), attn_.data(), nullptr));
     TREEATTN_RETURN_IF_ERROR(

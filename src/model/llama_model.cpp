@@ -22,9 +22,9 @@ std::string dims_string(const std::vector<uint64_t>& d) {
 std::string LlamaConfig::to_string() const {
   std::ostringstream os;
   os << architecture << (name.empty() ? "" : " '" + name + "'") << ": " << n_layers
-     << " layers, embd " << n_embd << ", ffn " << n_ff << ", " << n_head << " heads, "
-     << n_head_kv << " KV heads, head dim " << head_dim << ", vocab " << n_vocab
-     << ", rope base " << rope_base << " dims " << rope_dim;
+     << " layers, embd " << n_embd << ", ffn " << n_ff << ", " << n_head << " heads, " << n_head_kv
+     << " KV heads, head dim " << head_dim << ", vocab " << n_vocab << ", rope base " << rope_base
+     << " dims " << rope_dim;
   if (rope_freq_factors) os << " (freq factors)";
   if (rope_linear_factor != 1.0) os << " (linear x" << rope_linear_factor << ")";
   if (tied_output) os << ", tied output";
@@ -72,9 +72,9 @@ Status LlamaModel::init() {
     if (!v.is_ok()) return v.status();
     cfg_.n_head_kv = *v;
     if (cfg_.n_head_kv <= 0 || cfg_.n_head % cfg_.n_head_kv != 0)
-      return invalid_argument(who + a + "attention.head_count_kv = " +
-                              std::to_string(cfg_.n_head_kv) + " must divide head_count " +
-                              std::to_string(cfg_.n_head));
+      return invalid_argument(who + a +
+                              "attention.head_count_kv = " + std::to_string(cfg_.n_head_kv) +
+                              " must divide head_count " + std::to_string(cfg_.n_head));
   }
   if (cfg_.n_embd % cfg_.n_head != 0)
     return invalid_argument(who + "embedding_length " + std::to_string(cfg_.n_embd) +
@@ -101,15 +101,14 @@ Status LlamaModel::init() {
     if (!b.is_ok()) return b.status();
     cfg_.rope_base = *b;
     if (!(cfg_.rope_base > 1.0))
-      return invalid_argument(who + a + "rope.freq_base = " + std::to_string(*b) +
-                              " must be > 1");
+      return invalid_argument(who + a + "rope.freq_base = " + std::to_string(*b) + " must be > 1");
     auto d = f.get_int_or(a + "rope.dimension_count", cfg_.head_dim);
     if (!d.is_ok()) return d.status();
     cfg_.rope_dim = *d;
     if (cfg_.rope_dim <= 0 || cfg_.rope_dim > cfg_.head_dim || cfg_.rope_dim % 2 != 0)
       return invalid_argument(who + a + "rope.dimension_count = " + std::to_string(*d) +
-                              " must be even and in (0, head dim " +
-                              std::to_string(cfg_.head_dim) + "]");
+                              " must be even and in (0, head dim " + std::to_string(cfg_.head_dim) +
+                              "]");
     auto ctx = f.get_int_or(a + "context_length", 0);
     if (!ctx.is_ok()) return ctx.status();
     cfg_.n_ctx_train = *ctx;
@@ -118,8 +117,7 @@ Status LlamaModel::init() {
     if (*st == "linear") {
       auto fac = f.get_float(a + "rope.scaling.factor");
       if (!fac.is_ok()) return fac.status();
-      if (!(*fac > 0.0))
-        return invalid_argument(who + a + "rope.scaling.factor must be positive");
+      if (!(*fac > 0.0)) return invalid_argument(who + a + "rope.scaling.factor must be positive");
       cfg_.rope_linear_factor = *fac;
     } else if (*st != "none") {
       return unsupported(who + a + "rope.scaling.type = '" + std::string(*st) +
@@ -163,9 +161,8 @@ Status LlamaModel::init() {
   const gguf::TensorInfo* emb = f.find_tensor("token_embd.weight");
   if (emb == nullptr) return invalid_argument(who + "tensor 'token_embd.weight' not found");
   if (emb->dims.size() != 2 || emb->dims[0] != static_cast<uint64_t>(cfg_.n_embd))
-    return invalid_argument(who + "tensor 'token_embd.weight' has dims " +
-                            dims_string(emb->dims) + ", expected [" +
-                            std::to_string(cfg_.n_embd) + ", n_vocab]");
+    return invalid_argument(who + "tensor 'token_embd.weight' has dims " + dims_string(emb->dims) +
+                            ", expected [" + std::to_string(cfg_.n_embd) + ", n_vocab]");
   cfg_.n_vocab = static_cast<int64_t>(emb->dims[1]);
   {
     auto v = f.get_int_or(a + "vocab_size", cfg_.n_vocab);
@@ -212,8 +209,8 @@ Status LlamaModel::init() {
                                 "] must be positive");
   }
   for (int64_t i = 0; i < pairs; ++i) {
-    double w = std::pow(cfg_.rope_base, -2.0 * static_cast<double>(i) /
-                                            static_cast<double>(cfg_.rope_dim));
+    double w = std::pow(cfg_.rope_base,
+                        -2.0 * static_cast<double>(i) / static_cast<double>(cfg_.rope_dim));
     if (!factors.empty()) w /= static_cast<double>(factors[static_cast<std::size_t>(i)]);
     inv_freq_[static_cast<std::size_t>(i)] = w / cfg_.rope_linear_factor;
   }
@@ -223,8 +220,8 @@ Status LlamaModel::init() {
 std::size_t LlamaModel::weight_bytes_per_token() const {
   std::size_t b = output_.bytes() + static_cast<std::size_t>(tok_embd_.row_bytes);
   for (const Layer& L : layers_)
-    b += L.wq.bytes() + L.wk.bytes() + L.wv.bytes() + L.wo.bytes() + L.gate.bytes() +
-         L.up.bytes() + L.down.bytes();
+    b += L.wq.bytes() + L.wk.bytes() + L.wv.bytes() + L.wo.bytes() + L.gate.bytes() + L.up.bytes() +
+         L.down.bytes();
   return b;
 }
 
@@ -306,8 +303,7 @@ Status LlamaModel::attention_inputs(int layer, const float* x, int64_t tokens, c
 }
 
 Status LlamaModel::attention_output_and_ffn(int layer, const float* a, int64_t tokens, float* x,
-                                            ForwardScratch& s,
-                                            const MatvecOptions& options) const {
+                                            ForwardScratch& s, const MatvecOptions& options) const {
   if (layer < 0 || layer >= cfg_.n_layers)
     return invalid_argument("attention_output_and_ffn: layer " + std::to_string(layer));
   const Layer& L = layers_[static_cast<std::size_t>(layer)];
@@ -317,8 +313,7 @@ Status LlamaModel::attention_output_and_ffn(int layer, const float* a, int64_t t
   {
     const WeightMatrix* mats[] = {&L.wo};
     float* ys[] = {s.tmp.data()};
-    TREEATTN_RETURN_IF_ERROR(
-        matmul(mats, a, tokens, cfg_.n_head * cfg_.head_dim, ys, options));
+    TREEATTN_RETURN_IF_ERROR(matmul(mats, a, tokens, cfg_.n_head * cfg_.head_dim, ys, options));
   }
   for (std::size_t i = 0; i < tn; ++i) x[i] += s.tmp[i];
   s.xn.resize(tn);

@@ -59,8 +59,8 @@ Result<WeightMatrix> WeightMatrix::from_tensor(const gguf::TensorInfo& t) {
   const gguf::BlockLayout bl = gguf::block_layout(t.type);
   if (bl.block_elems > 1 && m.cols % bl.block_elems != 0)
     return invalid_argument("tensor '" + m.name + "': " + std::to_string(m.cols) +
-                            " columns is not a whole number of " +
-                            std::to_string(bl.block_elems) + "-value blocks");
+                            " columns is not a whole number of " + std::to_string(bl.block_elems) +
+                            "-value blocks");
   return m;
 }
 
@@ -92,8 +92,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   }
   const Isa isa = matmul_isa(options);
   if (!isa_supported(isa))
-    return unsupported("matmul: this CPU cannot run the " + std::string(isa_name(isa)) +
-                       " target");
+    return unsupported("matmul: this CPU cannot run the " + std::string(isa_name(isa)) + " target");
   if (tokens == 0) return Status::ok();
   const detail::RowsFn fn = rows_fn(isa);
 
@@ -106,32 +105,32 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   threads = static_cast<int>(std::min<int64_t>(threads, chunks));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-  thread_local std::vector<float> scratch;
-  if (scratch.size() < static_cast<std::size_t>(detail::kMaxRowBlock * cols))
-    scratch.resize(static_cast<std::size_t>(detail::kMaxRowBlock * cols));
-  for (int64_t t0 = 0; t0 < tokens; t0 += kTokenTile) {
-    // The same static split every tile: each thread keeps its rows' weights in cache.
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < static_cast<std::size_t>(detail::kMaxRowBlock * cols))
+      scratch.resize(static_cast<std::size_t>(detail::kMaxRowBlock * cols));
+    for (int64_t t0 = 0; t0 < tokens; t0 += kTokenTile) {
+      // The same static split every tile: each thread keeps its rows' weights in cache.
 #pragma omp for schedule(static) nowait
-    for (int64_t c = 0; c < chunks; ++c) {
-      const auto it = std::upper_bound(first_chunk.begin(), first_chunk.end(), c);
-      const std::size_t i = static_cast<std::size_t>(it - first_chunk.begin()) - 1;
-      const WeightMatrix& m = *mats[i];
-      detail::RowsArgs a;
-      a.type = m.type;
-      a.w = m.data;
-      a.row_bytes = m.row_bytes;
-      a.cols = cols;
-      a.row_begin = (c - first_chunk[i]) * kRowChunk;
-      a.row_end = std::min(m.rows, a.row_begin + kRowChunk);
-      a.x = x + t0 * x_stride;
-      a.x_stride = x_stride;
-      a.tokens = std::min(kTokenTile, tokens - t0);
-      a.y = ys[i] + t0 * m.rows;
-      a.y_stride = m.rows;
-      a.scratch = scratch.data();
-      fn(a);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const auto it = std::upper_bound(first_chunk.begin(), first_chunk.end(), c);
+        const std::size_t i = static_cast<std::size_t>(it - first_chunk.begin()) - 1;
+        const WeightMatrix& m = *mats[i];
+        detail::RowsArgs a;
+        a.type = m.type;
+        a.w = m.data;
+        a.row_bytes = m.row_bytes;
+        a.cols = cols;
+        a.row_begin = (c - first_chunk[i]) * kRowChunk;
+        a.row_end = std::min(m.rows, a.row_begin + kRowChunk);
+        a.x = x + t0 * x_stride;
+        a.x_stride = x_stride;
+        a.tokens = std::min(kTokenTile, tokens - t0);
+        a.y = ys[i] + t0 * m.rows;
+        a.y_stride = m.rows;
+        a.scratch = scratch.data();
+        fn(a);
+      }
     }
-  }
   }
   return Status::ok();
 }

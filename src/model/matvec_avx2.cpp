@@ -1,6 +1,6 @@
 // The weight row kernel for AVX2 + FMA + F16C: 8 floats per vector, 4 accumulators per (row,
-// token); micro-tiles of 3 rows x 1 token (more would spill the 16 registers). Compiled with its own -m flags; called only
-// when the CPU has AVX2 and FMA.
+// token); micro-tiles of 3 rows x 1 token (more would spill the 16 registers). Compiled with its
+// own -m flags; called only when the CPU has AVX2 and FMA.
 #include <immintrin.h>
 
 #include <cstdint>

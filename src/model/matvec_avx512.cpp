@@ -1,7 +1,7 @@
 // The weight row kernel for AVX-512 (F, BW, VL, DQ): 16 floats per vector; micro-tiles of 4 rows
-// x 3 tokens (24 of the 32 registers accumulate). Compiled with its own -m flags; called only when the CPU has AVX-512.
-// GCC 12's AVX-512 conversions start from _mm512_undefined_ps(), which -Wmaybe-uninitialized
-// reports as a use of an uninitialized value (a false positive).
+// x 3 tokens (24 of the 32 registers accumulate). Compiled with its own -m flags; called only when
+// the CPU has AVX-512. GCC 12's AVX-512 conversions start from _mm512_undefined_ps(), which
+// -Wmaybe-uninitialized reports as a use of an uninitialized value (a false positive).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
@@ -32,7 +32,8 @@ struct Ops {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static V load_bf16(const uint16_t* p) {
-    const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i u =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
   }
   static V load_i8(const int8_t* p) {

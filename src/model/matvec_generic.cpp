@@ -1,5 +1,6 @@
 // The weight row kernel for any CPU: fixed arrays of 8 floats the compiler may vectorize for the
-// baseline ISA, no intrinsics; fma is std::fma (one rounding, as the SIMD targets). Compiled without extra flags.
+// baseline ISA, no intrinsics; fma is std::fma (one rounding, as the SIMD targets). Compiled
+// without extra flags.
 #include <cmath>
 #include <cstdint>
 #include <cstring>

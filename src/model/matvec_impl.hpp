@@ -32,7 +32,7 @@
 //   Q4_1  w = fma(d, q, m)          one rounding
 //   F16, BF16, F32                  widened exactly
 
-constexpr int kVB = 32 / Ops::W;  // vectors per 32-value block = accumulators per (row, token)
+constexpr int kVB = 32 / Ops::W;     // vectors per 32-value block = accumulators per (row, token)
 constexpr int64_t kBatchTokens = 4;  // from this many tokens on, the batched path
 
 inline uint16_t rd16(const uint8_t* p) {

@@ -22,21 +22,21 @@ namespace treeattn::model::detail {
 
 // ggml type ids the targets read (gguf.hpp TensorType): F32 0, F16 1, Q4_0 2, Q4_1 3, Q8_0 8,
 // BF16 30.
-inline constexpr uint32_t kTypeF32 = 0, kTypeF16 = 1, kTypeQ4_0 = 2, kTypeQ4_1 = 3,
-                          kTypeQ8_0 = 8, kTypeBF16 = 30;
+inline constexpr uint32_t kTypeF32 = 0, kTypeF16 = 1, kTypeQ4_0 = 2, kTypeQ4_1 = 3, kTypeQ8_0 = 8,
+                          kTypeBF16 = 30;
 
 struct RowsArgs {
   uint32_t type = 0;
   const uint8_t* w = nullptr;  // row 0 of the matrix
   int64_t row_bytes = 0;
-  int64_t cols = 0;            // quantized types: a multiple of 32
+  int64_t cols = 0;  // quantized types: a multiple of 32
   int64_t row_begin = 0, row_end = 0;
-  const float* x = nullptr;    // token 0 of the range: cols floats, x_stride floats apart
+  const float* x = nullptr;  // token 0 of the range: cols floats, x_stride floats apart
   int64_t x_stride = 0;
   int64_t tokens = 0;
-  float* y = nullptr;          // (token 0 of the range, row 0 of the matrix), y_stride apart
+  float* y = nullptr;  // (token 0 of the range, row 0 of the matrix), y_stride apart
   int64_t y_stride = 0;
-  float* scratch = nullptr;    // kMaxRowBlock * cols floats (the batched path's decoded rows)
+  float* scratch = nullptr;  // kMaxRowBlock * cols floats (the batched path's decoded rows)
 };
 
 // The most rows a target decodes together (its Ops::RB <= this).

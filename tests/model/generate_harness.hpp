@@ -49,8 +49,8 @@ inline GenRun run_generation(const model::LlamaModel& m, int ranks, const GenCas
     TREEATTN_RETURN_IF_ERROR((*g)->prefill(prompt, l));
     logits.push_back(l);
     for (int s = 0; s < c.steps; ++s) {
-      const int32_t t = c.forced != nullptr ? (*c.forced)[static_cast<std::size_t>(s)]
-                                            : model::top_two(l).first;
+      const int32_t t =
+          c.forced != nullptr ? (*c.forced)[static_cast<std::size_t>(s)] : model::top_two(l).first;
       toks.push_back(t);
       TREEATTN_RETURN_IF_ERROR((*g)->step(t, l, method_index));
       logits.push_back(l);

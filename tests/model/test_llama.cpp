@@ -69,14 +69,15 @@ TEST(Matmul, EveryTypeAndIsaMatchesTheFloat64Dot) {
         ASSERT_TRUE(model::matmul(mats, x.data(), tokens, cols, ys, {2, isa}).is_ok());
         for (int64_t t = 0; t < tokens; ++t)
           for (int64_t r = 0; r < rows; ++r) {
-            const auto ref = gguf::dot_row_reference(type, m.data + r * m.row_bytes,
-                                                     x.data() + t * cols,
-                                                     static_cast<std::size_t>(cols));
+            const auto ref =
+                gguf::dot_row_reference(type, m.data + r * m.row_bytes, x.data() + t * cols,
+                                        static_cast<std::size_t>(cols));
             ASSERT_TRUE(ref.is_ok());
             // Float accumulation of `cols` products: |error| <= cols * eps * sum |w x|; the
             // sum of |w x| is bounded here by the row's dequantized magnitudes.
             std::vector<float> w(static_cast<std::size_t>(cols));
-            ASSERT_TRUE(gguf::dequantize_row(type, m.data + r * m.row_bytes, w.data(), w.size()).is_ok());
+            ASSERT_TRUE(
+                gguf::dequantize_row(type, m.data + r * m.row_bytes, w.data(), w.size()).is_ok());
             double mag = 0;
             for (int64_t c = 0; c < cols; ++c)
               mag += std::fabs(static_cast<double>(w[static_cast<std::size_t>(c)]) *
@@ -114,7 +115,8 @@ TEST(Matmul, BitsDoNotDependOnBatchingThreadsOrRowGrouping) {
           std::vector<float> one(static_cast<std::size_t>(rows));
           const WeightMatrix* mats[] = {&a};
           float* ys[] = {one.data()};
-          ASSERT_TRUE(model::matmul(mats, x.data() + t * cols, 1, cols, ys, {threads, isa}).is_ok());
+          ASSERT_TRUE(
+              model::matmul(mats, x.data() + t * cols, 1, cols, ys, {threads, isa}).is_ok());
           ASSERT_EQ(0, std::memcmp(one.data(), all.data() + t * rows, one.size() * 4))
               << gguf::tensor_type_name(type) << " " << isa_name(isa) << " token " << t;
         }
@@ -208,10 +210,11 @@ void check_against_reference(const TinyLlamaSpec& spec, DType kv, const std::str
         EXPECT_EQ(top.first, argmax(r, nv)) << "position " << position;
       }
     }
-    std::printf("[ reference ] %s kv %s ranks %d: %zu positions, max relative logit error %.2e "
-                "(bound %.0e)\n",
-                spec.output_weight ? "output.weight+rope_freqs" : "tied head",
-                std::string(dtype_name(kv)).c_str(), ranks, run.logits[0].size(), worst, bound);
+    std::printf(
+        "[ reference ] %s kv %s ranks %d: %zu positions, max relative logit error %.2e "
+        "(bound %.0e)\n",
+        spec.output_weight ? "output.weight+rope_freqs" : "tied head",
+        std::string(dtype_name(kv)).c_str(), ranks, run.logits[0].size(), worst, bound);
   }
 }
 
@@ -297,10 +300,11 @@ TEST(TinyLlama, GreedyContinuationsAgreeAcrossRanksAndStrategies) {
       for (std::size_t s = 0; s < run.tokens[0].size(); ++s) {
         if (run.tokens[0][s] == ref.tokens[0][s]) continue;
         const auto top = model::top_two(ref.logits[0][s]);
-        std::printf("[ near tie  ] %s x%d step %zu: token %d vs %d, reference top-2 gap %.3g "
-                    "(bound %.0e)\n",
-                    method.c_str(), ranks, s, run.tokens[0][s], ref.tokens[0][s],
-                    static_cast<double>(top.gap()), kNearTie);
+        std::printf(
+            "[ near tie  ] %s x%d step %zu: token %d vs %d, reference top-2 gap %.3g "
+            "(bound %.0e)\n",
+            method.c_str(), ranks, s, run.tokens[0][s], ref.tokens[0][s],
+            static_cast<double>(top.gap()), kNearTie);
         EXPECT_LT(top.gap(), kNearTie) << method << " x" << ranks << " diverged at step " << s
                                        << " where the reference's top two are not tied";
         ++near_ties;

@@ -78,7 +78,8 @@ std::vector<int32_t> long_prompt(const Tokenizer& tok, int64_t n) {
         "Section " + std::to_string(section) +
         ". The river valley was settled early: farmers grew barley and flax, traders carried "
         "salt and copper upstream, and every spring flood rebuilt the fields. Record " +
-        std::to_string(section * 37 % 101) + " lists the harvest, the number of boats and the "
+        std::to_string(section * 37 % 101) +
+        " lists the harvest, the number of boats and the "
         "names of the families who kept the granaries. ";
     auto ids = tok.encode(text, false, false);
     if (!ids.is_ok()) break;
@@ -159,8 +160,8 @@ TEST(SmolLM2Large, GreedySixtyFourTokensAgreeForEveryStrategyAndRankCount) {
         if (methods[k] == "tree-det") {
           ASSERT_EQ(a.tokens, b.tokens) << "tree-det x" << ranks << " prompt " << n;
           for (std::size_t s = 0; s < a.logits.size(); ++s)
-            ASSERT_EQ(0, std::memcmp(a.logits[s].data(), b.logits[s].data(),
-                                     a.logits[s].size() * 4))
+            ASSERT_EQ(0,
+                      std::memcmp(a.logits[s].data(), b.logits[s].data(), a.logits[s].size() * 4))
                 << "tree-det x" << ranks << " prompt " << n << " step " << s;
           continue;
         }
@@ -176,9 +177,10 @@ TEST(SmolLM2Large, GreedySixtyFourTokensAgreeForEveryStrategyAndRankCount) {
         }
       }
     }
-    std::printf("[ greedy    ] prompt %lld: %zu strategies x 2-4 ranks vs 1 rank, %d tokens, "
-                "%d near-tie divergences\n",
-                static_cast<long long>(n), methods.size(), kSteps, near);
+    std::printf(
+        "[ greedy    ] prompt %lld: %zu strategies x 2-4 ranks vs 1 rank, %d tokens, "
+        "%d near-tie divergences\n",
+        static_cast<long long>(n), methods.size(), kSteps, near);
   }
 }
 

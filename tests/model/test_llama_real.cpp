@@ -56,8 +56,7 @@ TEST(SmolLM2, ConfigIsReadFromTheFile) {
   EXPECT_NEAR(static_cast<double>(l.model->weight_bytes_per_token()), 92e6, 6e6);
 }
 
-std::string greedy_text(const Loaded& l, const std::vector<int32_t>& prompt, int steps,
-                        int ranks) {
+std::string greedy_text(const Loaded& l, const std::vector<int32_t>& prompt, int steps, int ranks) {
   testing::GenCase c;
   c.kv = DType::kF16;
   c.steps = steps;

@@ -29,8 +29,7 @@ namespace treeattn::testing {
 class ScratchDir {
  public:
   ScratchDir() {
-    std::string tmpl =
-        (std::filesystem::temp_directory_path() / "treeattn_model_XXXXXX").string();
+    std::string tmpl = (std::filesystem::temp_directory_path() / "treeattn_model_XXXXXX").string();
     dir_ = mkdtemp(tmpl.data());
   }
   ~ScratchDir() {
@@ -54,11 +53,11 @@ struct TinyLlamaSpec {
   int64_t n_ff = 512;
   int64_t n_vocab = 320;
   double rope_base = 10000.0;
-  bool output_weight = false;   // else tied to token_embd
-  bool rope_freqs = false;      // Llama-3-style frequency factors
-  uint32_t embd_type = 8;       // q8_0
+  bool output_weight = false;             // else tied to token_embd
+  bool rope_freqs = false;                // Llama-3-style frequency factors
+  uint32_t embd_type = 8;                 // q8_0
   std::optional<uint32_t> override_type;  // every layer matrix of this type instead
-  std::string drop_tensor;      // leave this tensor out
+  std::string drop_tensor;                // leave this tensor out
   uint64_t seed = 1;
 };
 
@@ -116,7 +115,8 @@ inline std::vector<uint8_t> random_matrix(uint32_t type, int64_t rows, int64_t c
         }
         break;
       default:  // any other type: bytes of the right size (the loader must reject it)
-        for (int64_t i = 0; i < cols / 256 * 210; ++i) out.push_back(static_cast<uint8_t>(byte(rng)));
+        for (int64_t i = 0; i < cols / 256 * 210; ++i)
+          out.push_back(static_cast<uint8_t>(byte(rng)));
         break;
     }
   }
@@ -168,7 +168,8 @@ inline std::vector<uint8_t> build_tiny_llama(const TinyLlamaSpec& s) {
   add("output_norm.weight", {static_cast<uint64_t>(s.n_embd)}, 0, norm(s.n_embd));
   if (s.rope_freqs) {
     std::vector<float> f(static_cast<std::size_t>(hd / 2));
-    for (std::size_t i = 0; i < f.size(); ++i) f[i] = i < f.size() / 2 ? 1.0f : 1.0f + 3.0f * std::fabs(u(rng));
+    for (std::size_t i = 0; i < f.size(); ++i)
+      f[i] = i < f.size() / 2 ? 1.0f : 1.0f + 3.0f * std::fabs(u(rng));
     add("rope_freqs.weight", {static_cast<uint64_t>(hd / 2)}, 0, f32_vector(f));
   }
   const auto& cyc = tiny_cycle();
@@ -197,18 +198,15 @@ inline std::string reference_python() {
 
 // Runs llama_reference.py. Returns the float64 logits [positions][n_vocab], or nullopt with
 // `why` set when the reference cannot run here (no python, numpy or gguf: the caller skips).
-inline std::optional<std::vector<double>> run_reference(const std::string& model,
-                                                        const std::vector<int32_t>& tokens,
-                                                        bool all_positions,
-                                                        const std::string& kv_round,
-                                                        const std::string& out_path,
-                                                        std::string* why) {
+inline std::optional<std::vector<double>> run_reference(
+    const std::string& model, const std::vector<int32_t>& tokens, bool all_positions,
+    const std::string& kv_round, const std::string& out_path, std::string* why) {
   std::string toks;
   for (const int32_t t : tokens) toks += (toks.empty() ? "" : ",") + std::to_string(t);
   const std::string cmd = reference_python() + " " + TREEATTN_LLAMA_REFERENCE + " '" + model +
                           "' --tokens " + toks + " --out '" + out_path + "' --positions " +
-                          (all_positions ? "all" : "last") + " --kv-round " + kv_round +
-                          " > '" + out_path + ".json' 2> '" + out_path + ".err'";
+                          (all_positions ? "all" : "last") + " --kv-round " + kv_round + " > '" +
+                          out_path + ".json' 2> '" + out_path + ".err'";
   const int rc = std::system(cmd.c_str());
   const int code = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
   if (code != 0) {
