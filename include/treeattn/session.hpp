@@ -138,7 +138,7 @@ class DecodeSession {
   ShardPlan plan_;
   std::vector<LocalShard> shards_;  // one per layer
   std::vector<std::unique_ptr<Strategy>> strategies_;
-  StateBuffer scratch_;  // attend(): merged records before normalisation
+  StateBuffer scratch_;    // attend(): merged records before normalisation
   Buffer device_scratch_;  // the same in the executor's memory, for a device executor
 };
 

@@ -203,8 +203,8 @@ Result<std::unique_ptr<DecodeSession>> DecodeSession::create(Communicator& comm,
   s->shards_.reserve(static_cast<std::size_t>(config.layers));
   for (int l = 0; l < config.layers; ++l) {
     // A device executor holds the shards in its memory (LocalShard's device storage).
-    auto shard = LocalShard::create(config.shape, config.dtype, s->plan_, me,
-                                    config.reserve_tokens, &executor);
+    auto shard = LocalShard::create(config.shape, config.dtype, s->plan_, me, config.reserve_tokens,
+                                    &executor);
     TREEATTN_RETURN_IF_ERROR(shard.status());
     s->shards_.push_back(std::move(*shard));
   }
@@ -354,10 +354,10 @@ Status DecodeSession::attend(int layer, const float* q, float* out, float* lse) 
     TREEATTN_RETURN_IF_ERROR(run_on_device(layer, q, 0));
     if (!delivers_result(0)) return Status::ok();
     if (out == nullptr) return invalid_argument(rank_prefix(*comm_) + "attend: null output");
-    return exec_->normalize(device_scratch_.as<float>(),
-                            static_cast<std::size_t>(config_.shape.batch * config_.shape.q_len *
-                                                     config_.shape.heads),
-                            static_cast<std::size_t>(config_.shape.head_dim), out, lse);
+    return exec_->normalize(
+        device_scratch_.as<float>(),
+        static_cast<std::size_t>(config_.shape.batch * config_.shape.q_len * config_.shape.heads),
+        static_cast<std::size_t>(config_.shape.head_dim), out, lse);
   }
   TREEATTN_RETURN_IF_ERROR(attend_states(layer, q, scratch_, 0));
   if (!delivers_result(0)) return Status::ok();

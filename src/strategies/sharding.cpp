@@ -216,7 +216,9 @@ struct LocalShard::DeviceStore {
 
   std::size_t es() const { return dtype_size(dtype); }
   std::size_t head_bytes() const { return static_cast<std::size_t>(shape.head_dim) * es(); }
-  std::size_t codes_bytes() const { return static_cast<std::size_t>(shape.kv_heads) * head_bytes(); }
+  std::size_t codes_bytes() const {
+    return static_cast<std::size_t>(shape.kv_heads) * head_bytes();
+  }
   // Byte offset of (b, h, slot j) in K or V of a buffer with capacity cap, and of its scale.
   std::size_t at(int64_t b, int64_t h, int64_t j, int64_t cap) const {
     return static_cast<std::size_t>((b * shape.kv_heads + h) * cap + j) * head_bytes();
@@ -248,8 +250,8 @@ struct LocalShard::DeviceStore {
   Status make(Buffer& buf, std::size_t n, const char* what) {
     auto b = exec->allocate(n);
     if (!b.is_ok())
-      return Status(b.status().code(), "KV shard " + std::string(what) + " (" +
-                                           std::to_string(n) + " bytes): " + b.status().message());
+      return Status(b.status().code(), "KV shard " + std::string(what) + " (" + std::to_string(n) +
+                                           " bytes): " + b.status().message());
     buf = std::move(*b);
     return zero(buf);
   }
@@ -320,18 +322,19 @@ struct LocalShard::DeviceStore {
         for (int t = 0; t < 2 && st.is_ok(); ++t) {  // K, V
           pack.resize(static_cast<std::size_t>(n) * hb);
           for (std::size_t i = r0; i < r1; ++i)
-            std::memcpy(pack.data() + (i - r0) * hb,
-                        bytes.data() + keep[i] * token_bytes + static_cast<std::size_t>(t) * cb +
-                            hh * hb,
-                        hb);
+            std::memcpy(
+                pack.data() + (i - r0) * hb,
+                bytes.data() + keep[i] * token_bytes + static_cast<std::size_t>(t) * cb + hh * hb,
+                hb);
           Buffer& dst = t == 0 ? k : v;
           st = exec->from_host(static_cast<uint8_t*>(dst.data()) + at(b, h, j0, capacity),
                                pack.data(), pack.size());
           if (!quant || !st.is_ok()) continue;
           pack.resize(static_cast<std::size_t>(n) * sizeof(float));
           const std::size_t so =
-              2 * cb + (static_cast<std::size_t>(t) * static_cast<std::size_t>(shape.kv_heads) + hh) *
-                           sizeof(float);
+              2 * cb +
+              (static_cast<std::size_t>(t) * static_cast<std::size_t>(shape.kv_heads) + hh) *
+                  sizeof(float);
           for (std::size_t i = r0; i < r1; ++i)
             std::memcpy(pack.data() + (i - r0) * sizeof(float),
                         bytes.data() + keep[i] * token_bytes + so, sizeof(float));
@@ -436,10 +439,10 @@ Result<LocalShard> LocalShard::create(const AttnShape& shape, DType dtype, const
   d->shape = shape;
   d->dtype = dtype;
   d->capacity = plan.max_len(rank) + spare_tokens;
-  d->token_bytes = 2 * d->codes_bytes() +
-                   (dtype_is_quantized(dtype) ? 2 * static_cast<std::size_t>(shape.kv_heads) *
-                                                    sizeof(float)
-                                              : 0);
+  d->token_bytes =
+      2 * d->codes_bytes() + (dtype_is_quantized(dtype)
+                                  ? 2 * static_cast<std::size_t>(shape.kv_heads) * sizeof(float)
+                                  : 0);
   const Status st = d->allocate(d->capacity, d->k, d->v, d->k_scale, d->v_scale);
   if (!st.is_ok())
     return Status(st.code(), "rank " + std::to_string(rank) + ": executor '" +

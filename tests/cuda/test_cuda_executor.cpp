@@ -119,11 +119,11 @@ TEST_F(CudaExecutorTest, PartialMatchesTheOracle) {
     std::vector<int64_t> len;
   };
   const std::vector<Case> cases = {
-      {{1, 8, 8, 0, 1}, {1}},                    // MHA, one token
-      {{3, 32, 8, 0, 1}, {5000, 0, 777}},        // GQA 4, ragged, an empty row, splits
-      {{2, 8, 1, 0, 3}, {1031, 2}},              // GQA 8 x Q 3 = 24 rows: 3 row groups
-      {{5, 6, 2, 0, 2}, {1, 2, 3, 300, 4099}},   // GQA 3 x Q 2 = 6 rows (8-row blocks)
-      {{2, 4, 2, 0, 5}, {3, 17}},                // Q > context of a row
+      {{1, 8, 8, 0, 1}, {1}},                   // MHA, one token
+      {{3, 32, 8, 0, 1}, {5000, 0, 777}},       // GQA 4, ragged, an empty row, splits
+      {{2, 8, 1, 0, 3}, {1031, 2}},             // GQA 8 x Q 3 = 24 rows: 3 row groups
+      {{5, 6, 2, 0, 2}, {1, 2, 3, 300, 4099}},  // GQA 3 x Q 2 = 6 rows (8-row blocks)
+      {{2, 4, 2, 0, 5}, {3, 17}},               // Q > context of a row
   };
   uint64_t seed = 1;
   for (const Case& c : cases)
@@ -175,9 +175,9 @@ TEST_F(CudaExecutorTest, EmptyShardGivesEmptyStates) {
   Buffer qd = upload(p.q.data(), p.q.size() * sizeof(float));
   Buffer st = upload(nullptr, recf * sizeof(float));
   const DeviceCache d = upload_cache(p.cache, shape.batch);
-  ASSERT_TRUE(exec->partial(shape, qd.as<float>(), on_device(p.whole(), p.cache, d),
-                            st.as<float>(), {})
-                  .is_ok());
+  ASSERT_TRUE(
+      exec->partial(shape, qd.as<float>(), on_device(p.whole(), p.cache, d), st.as<float>(), {})
+          .is_ok());
   const auto s = download<float>(st, recf);
   for (std::size_t r = 0; r < 8; ++r) {
     EXPECT_EQ(s[r * 66], -std::numeric_limits<float>::infinity());
@@ -198,8 +198,8 @@ TEST_F(CudaExecutorTest, PartialChunksMatchTheCpuExecutor) {
     const DeviceCache d = upload_cache(p.cache, shape.batch);
     Buffer qd = upload(p.q.data(), p.q.size() * sizeof(float));
     Buffer st = upload(nullptr, per * chunks * sizeof(float));
-    ASSERT_TRUE(exec->partial_chunks(shape, qd.as<float>(), on_device(p.whole(), p.cache, d),
-                                     chunk, st.as<float>(), {})
+    ASSERT_TRUE(exec->partial_chunks(shape, qd.as<float>(), on_device(p.whole(), p.cache, d), chunk,
+                                     st.as<float>(), {})
                     .is_ok());
     const auto gpu = download<float>(st, per * chunks);
     for (std::size_t r = 0; r < per * chunks / 66; ++r) {
@@ -212,7 +212,8 @@ TEST_F(CudaExecutorTest, PartialChunksMatchTheCpuExecutor) {
       state_normalize(a, 64, oa.data(), &la);
       state_normalize(b, 64, ob.data(), &lb);
       EXPECT_NEAR(la, lb, 1e-5f * std::max(1.0f, std::abs(la)));
-      for (int i = 0; i < 64; ++i) EXPECT_NEAR(oa[static_cast<std::size_t>(i)], ob[static_cast<std::size_t>(i)], 1e-5f);
+      for (int i = 0; i < 64; ++i)
+        EXPECT_NEAR(oa[static_cast<std::size_t>(i)], ob[static_cast<std::size_t>(i)], 1e-5f);
     }
   }
 }
@@ -253,8 +254,8 @@ TEST_F(CudaExecutorTest, StateKernelsMatchTheCpuExecutor) {
       int bad = 0;
       for (std::size_t i = 0; i < want.size(); ++i)
         if (!same_or_close(want[i], g[i]) && bad++ < 5)
-          ADD_FAILURE() << op << " d=" << d << " element " << i << ": cpu " << want[i]
-                        << " gpu " << g[i];
+          ADD_FAILURE() << op << " d=" << d << " element " << i << ": cpu " << want[i] << " gpu "
+                        << g[i];
     };
     // merge_ordered
     std::vector<float> out(n * rf);
@@ -272,10 +273,12 @@ TEST_F(CudaExecutorTest, StateKernelsMatchTheCpuExecutor) {
     std::vector<float> lse(n), nout(n * d), nlse(n);
     ASSERT_TRUE(cpu.lse(all.data(), n, d, lse.data()).is_ok());
     ASSERT_TRUE(cpu.normalize(all.data(), n, d, nout.data(), nlse.data()).is_ok());
-    Buffer lsed = upload(nullptr, n * sizeof(float)), noutd = upload(nullptr, n * d * sizeof(float)),
+    Buffer lsed = upload(nullptr, n * sizeof(float)),
+           noutd = upload(nullptr, n * d * sizeof(float)),
            nlsed = upload(nullptr, n * sizeof(float));
     ASSERT_TRUE(exec->lse(ad.as<float>(), n, d, lsed.as<float>()).is_ok());
-    ASSERT_TRUE(exec->normalize(ad.as<float>(), n, d, noutd.as<float>(), nlsed.as<float>()).is_ok());
+    ASSERT_TRUE(
+        exec->normalize(ad.as<float>(), n, d, noutd.as<float>(), nlsed.as<float>()).is_ok());
     check(lse, lsed, "lse");
     check(nout, noutd, "normalize");
     check(nlse, nlsed, "normalize lse");
@@ -286,13 +289,14 @@ TEST_F(CudaExecutorTest, StateKernelsMatchTheCpuExecutor) {
     for (bool fused : {false, true}) {
       const std::size_t ns = fused ? d + 1 : d;
       std::vector<float> num(n * ns), den(n), back(n * rf);
-      ASSERT_TRUE(cpu.to_sum_form(all.data(), mx.data(), n, d, num.data(), ns,
-                                  fused ? nullptr : den.data())
-                      .is_ok());
+      ASSERT_TRUE(
+          cpu.to_sum_form(all.data(), mx.data(), n, d, num.data(), ns, fused ? nullptr : den.data())
+              .is_ok());
       ASSERT_TRUE(cpu.from_sum_form(mx.data(), num.data(), ns, fused ? nullptr : den.data(), n, d,
                                     back.data())
                       .is_ok());
-      Buffer numd = upload(nullptr, n * ns * sizeof(float)), dend = upload(nullptr, n * sizeof(float)),
+      Buffer numd = upload(nullptr, n * ns * sizeof(float)),
+             dend = upload(nullptr, n * sizeof(float)),
              backd = upload(nullptr, n * rf * sizeof(float));
       ASSERT_TRUE(exec->to_sum_form(ad.as<float>(), mxd.as<float>(), n, d, numd.as<float>(), ns,
                                     fused ? nullptr : dend.as<float>())

@@ -35,8 +35,8 @@ TEST(CudaGeometry, VisibleCountMatchesTheCausalRuleSlotBySlot) {
       for (int64_t j = 0; j < len; ++j)
         if (pos0 + j * stride <= total - q_len + i) brute = j + 1;  // a prefix: positions grow
       ASSERT_EQ(visible_count(len, pos0, total, stride, q_len, i), brute)
-          << "len " << len << " pos0 " << pos0 << " stride " << stride << " N " << total
-          << " Q " << q_len << " i " << i;
+          << "len " << len << " pos0 " << pos0 << " stride " << stride << " N " << total << " Q "
+          << q_len << " i " << i;
     }
   }
   // Q larger than the context: early queries see nothing.
@@ -193,7 +193,7 @@ TEST(CudaGeometry, SplitPlanCoversTheVisibleSlots) {
             ASSERT_LE(p.splits, kMaxSplits);
             ASSERT_GE(p.chunk, 1);
             if (vis > 0) {
-              EXPECT_GE(p.splits * p.chunk, vis);       // every visible slot has a split
+              EXPECT_GE(p.splits * p.chunk, vis);        // every visible slot has a split
               EXPECT_LT((p.splits - 1) * p.chunk, vis);  // and no split is empty everywhere
               EXPECT_EQ(p.chunk % kSplitAlign, 0);
               if (p.splits > 1) {
@@ -203,7 +203,8 @@ TEST(CudaGeometry, SplitPlanCoversTheVisibleSlots) {
             EXPECT_EQ(p.launches, (batch + kMaxBatchPerLaunch - 1) / kMaxBatchPerLaunch);
             EXPECT_EQ(p.blocks_per_batch_row, p.splits * p.rows.row_groups * kv_heads);
             // About the targeted number of blocks (kTargetCtas, or kMaxSplits splits, or splits
-            // of kMinSplitTokens), less at most a quarter lost to the alignment of the split length.
+            // of kMinSplitTokens), less at most a quarter lost to the alignment of the split
+            // length.
             const int64_t per_split = batch * kv_heads * p.rows.row_groups;
             const int64_t want = std::min({(kTargetCtas + per_split - 1) / per_split, kMaxSplits,
                                            std::max<int64_t>(1, vis / kMinSplitTokens)});

@@ -51,8 +51,8 @@ class HostBackedDevice final : public Executor {
                  const DecodeOptions& o) override {
     return cpu().partial(s, q, kv, st, o);
   }
-  Status partial_chunks(const AttnShape& s, const float* q, const KVShard& kv, int64_t c,
-                        float* st, const DecodeOptions& o) override {
+  Status partial_chunks(const AttnShape& s, const float* q, const KVShard& kv, int64_t c, float* st,
+                        const DecodeOptions& o) override {
     return cpu().partial_chunks(s, q, kv, c, st, o);
   }
   Status set_empty(float* st, std::size_t n, std::size_t d) override {
@@ -61,8 +61,8 @@ class HostBackedDevice final : public Executor {
   Status merge(float* a, const float* x, std::size_t n, std::size_t d) override {
     return cpu().merge(a, x, n, d);
   }
-  Status merge_ordered(const float* p, std::size_t c, std::size_t ps, std::size_t n,
-                       std::size_t d, float* out) override {
+  Status merge_ordered(const float* p, std::size_t c, std::size_t ps, std::size_t n, std::size_t d,
+                       float* out) override {
     return cpu().merge_ordered(p, c, ps, n, d, out);
   }
   Status lse(const float* st, std::size_t n, std::size_t d, float* out) override {
@@ -76,8 +76,7 @@ class HostBackedDevice final : public Executor {
                        std::size_t n, std::size_t d, float* st) override {
     return cpu().from_sum_form(m, num, ns, den, n, d, st);
   }
-  Status normalize(const float* st, std::size_t n, std::size_t d, float* out,
-                   float* lse) override {
+  Status normalize(const float* st, std::size_t n, std::size_t d, float* out, float* lse) override {
     return cpu().normalize(st, n, d, out, lse);
   }
 

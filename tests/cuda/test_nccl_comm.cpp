@@ -70,12 +70,13 @@ Status every_operation(Communicator& c, Executor& e) {
   const int p = c.size(), r = c.rank();
   TREEATTN_RETURN_IF_ERROR(expect(c.backend_name() == "nccl", "backend name"));
   const CommCapabilities caps = c.capabilities();
-  TREEATTN_RETURN_IF_ERROR(expect(caps.memory == MemorySpace::kDevice && !caps.user_reductions &&
-                                      caps.stream_ordered,
-                                  "capabilities"));
+  TREEATTN_RETURN_IF_ERROR(
+      expect(caps.memory == MemorySpace::kDevice && !caps.user_reductions && caps.stream_ordered,
+             "capabilities"));
   const std::size_t n = 1000;
   std::vector<float> mine(n);
-  for (std::size_t i = 0; i < n; ++i) mine[i] = static_cast<float>(r + 1) * 0.5f + static_cast<float>(i);
+  for (std::size_t i = 0; i < n; ++i)
+    mine[i] = static_cast<float>(r + 1) * 0.5f + static_cast<float>(i);
   // allreduce sum and max
   auto a = device_floats(e, mine);
   TREEATTN_RETURN_IF_ERROR(a.status());
@@ -89,7 +90,8 @@ Status every_operation(Communicator& c, Executor& e) {
   TREEATTN_RETURN_IF_ERROR(c.allreduce(m->as<float>(), n, ReduceOp::kMax));
   auto mx = host_floats(e, *m, n);
   TREEATTN_RETURN_IF_ERROR(mx.status());
-  TREEATTN_RETURN_IF_ERROR(expect((*mx)[7] == 0.5f * static_cast<float>(p) + 7.0f, "allreduce max"));
+  TREEATTN_RETURN_IF_ERROR(
+      expect((*mx)[7] == 0.5f * static_cast<float>(p) + 7.0f, "allreduce max"));
   // allgather in rank order
   auto g = e.allocate(static_cast<std::size_t>(p) * n * sizeof(float));
   TREEATTN_RETURN_IF_ERROR(g.status());
@@ -99,9 +101,9 @@ Status every_operation(Communicator& c, Executor& e) {
   auto all = host_floats(e, *g, static_cast<std::size_t>(p) * n);
   TREEATTN_RETURN_IF_ERROR(all.status());
   for (int k = 0; k < p; ++k)
-    TREEATTN_RETURN_IF_ERROR(expect((*all)[static_cast<std::size_t>(k) * n + 3] ==
-                                        static_cast<float>(k + 1) * 0.5f + 3.0f,
-                                    "allgather order"));
+    TREEATTN_RETURN_IF_ERROR(expect(
+        (*all)[static_cast<std::size_t>(k) * n + 3] == static_cast<float>(k + 1) * 0.5f + 3.0f,
+        "allgather order"));
   // gather to the last rank
   const int root = p - 1;
   auto gr = e.allocate(static_cast<std::size_t>(p) * n * sizeof(float));
@@ -158,8 +160,8 @@ Status every_operation(Communicator& c, Executor& e) {
   TREEATTN_RETURN_IF_ERROR(c.synchronize());
   auto half = c.split(r % 2, -r);  // key -r: reversed order inside each half
   TREEATTN_RETURN_IF_ERROR(half.status());
-  TREEATTN_RETURN_IF_ERROR(expect(*half != nullptr && (*half)->size() == (p - r % 2 + 1) / 2,
-                                  "split size"));
+  TREEATTN_RETURN_IF_ERROR(
+      expect(*half != nullptr && (*half)->size() == (p - r % 2 + 1) / 2, "split size"));
   const int expect_rank = ((p - 1 - r % 2) / 2) - r / 2;
   TREEATTN_RETURN_IF_ERROR(expect((*half)->rank() == expect_rank, "split order by key"));
   TREEATTN_RETURN_IF_ERROR((*half)->barrier());
@@ -173,15 +175,15 @@ Status every_operation(Communicator& c, Executor& e) {
   TREEATTN_RETURN_IF_ERROR(
       expect(c.allreduce_states(a->as<float>(), 1, 64).code() == Code::kUnsupported,
              "allreduce_states unsupported"));
-  TREEATTN_RETURN_IF_ERROR(expect(c.isend(src->data(), 4, p, 0).status().code() ==
-                                      Code::kInvalidArgument,
-                                  "peer out of range"));
+  TREEATTN_RETURN_IF_ERROR(
+      expect(c.isend(src->data(), 4, p, 0).status().code() == Code::kInvalidArgument,
+             "peer out of range"));
   const CommRequest bogus{12345};
   TREEATTN_RETURN_IF_ERROR(
       expect(c.wait_all({&bogus, 1}).code() == Code::kInvalidArgument, "unknown request"));
-  TREEATTN_RETURN_IF_ERROR(expect(c.counters().p2p_messages == 3 &&
-                                      c.counters().p2p_bytes == 2 * n * sizeof(float),
-                                  "p2p counters"));
+  TREEATTN_RETURN_IF_ERROR(
+      expect(c.counters().p2p_messages == 3 && c.counters().p2p_bytes == 2 * n * sizeof(float),
+             "p2p counters"));
   return Status::ok();
 }
 
@@ -255,8 +257,8 @@ Status session_matches_oracle(Communicator& c, Executor& e) {
   for (std::size_t i = 0; i < q.size(); ++i) q[i] = 2.0f * value(9, 9, static_cast<int64_t>(i), 3);
   const std::vector<int64_t> zeros(2, 0);
   std::vector<double> ref(q.size()), ref_lse(q.size() / static_cast<std::size_t>(s.head_dim));
-  TREEATTN_RETURN_IF_ERROR(
-      oracle_attention(s, q.data(), whole.view(0, lens, zeros, lens, 1), ref.data(), ref_lse.data()));
+  TREEATTN_RETURN_IF_ERROR(oracle_attention(s, q.data(), whole.view(0, lens, zeros, lens, 1),
+                                            ref.data(), ref_lse.data()));
 
   const StrategyRegistry& reg = StrategyRegistry::for_backend(c.capabilities());
   for (const StrategyInfo& info : reg.list()) {
@@ -303,7 +305,8 @@ Status session_matches_oracle(Communicator& c, Executor& e) {
     }
     worst /= big;
     for (std::size_t i = 0; i < ref_lse.size(); ++i)
-      worst = std::max(worst, std::fabs((*lse)[i] - ref_lse[i]) / std::max(1.0, std::fabs(ref_lse[i])));
+      worst =
+          std::max(worst, std::fabs((*lse)[i] - ref_lse[i]) / std::max(1.0, std::fabs(ref_lse[i])));
     if (worst > 1e-5)
       return internal_error("strategy " + cfg.strategy + ": error " + std::to_string(worst) +
                             " against the oracle at " + std::to_string(c.size()) + " ranks");

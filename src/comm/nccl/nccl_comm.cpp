@@ -122,8 +122,8 @@ class NcclComm final : public Communicator {
     TREEATTN_RETURN_IF_ERROR(check_nccl("ncclCommCount", ncclCommCount(comm_, &size_)));
     TREEATTN_RETURN_IF_ERROR(check_cuda("cudaSetDevice", use_device(device_)));
     scratch_bytes_ = static_cast<std::size_t>(size_) * sizeof(uint64_t) + 64;
-    TREEATTN_RETURN_IF_ERROR(check_cuda("cudaMalloc (communicator scratch)",
-                                        cudaMalloc(&scratch_, scratch_bytes_)));
+    TREEATTN_RETURN_IF_ERROR(
+        check_cuda("cudaMalloc (communicator scratch)", cudaMalloc(&scratch_, scratch_bytes_)));
     TREEATTN_RETURN_IF_ERROR(check_cuda(
         "cudaEventCreate", cudaEventCreateWithFlags(&sync_event_, cudaEventDisableTiming)));
     watchdog_ = std::thread([this] { watch(); });
@@ -226,8 +226,8 @@ class NcclComm final : public Communicator {
           if (r != ncclSuccess) return r;
           if (rank_ == root) {
             for (int p : peers) {
-              r = ncclRecv(static_cast<uint8_t*>(recv) + static_cast<std::size_t>(p) * bytes,
-                           bytes, ncclUint8, p, c, stream_);
+              r = ncclRecv(static_cast<uint8_t*>(recv) + static_cast<std::size_t>(p) * bytes, bytes,
+                           ncclUint8, p, c, stream_);
               if (r != ncclSuccess && r != ncclInProgress) break;
             }
           } else {
@@ -340,10 +340,10 @@ class NcclComm final : public Communicator {
       return ncclAllGather(ids + rank_, ids, sizeof(uint64_t), ncclUint8, c, stream_);
     }));
     std::vector<uint64_t> all(static_cast<std::size_t>(size_));
-    TREEATTN_RETURN_IF_ERROR(check_cuda(
-        "cudaMemcpyAsync (split_shared)",
-        cudaMemcpyAsync(all.data(), ids, all.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost,
-                        stream_)));
+    TREEATTN_RETURN_IF_ERROR(
+        check_cuda("cudaMemcpyAsync (split_shared)",
+                   cudaMemcpyAsync(all.data(), ids, all.size() * sizeof(uint64_t),
+                                   cudaMemcpyDeviceToHost, stream_)));
     TREEATTN_RETURN_IF_ERROR(wait_stream("split_shared"));
     int color = rank_;
     for (int r = 0; r < size_; ++r)
@@ -613,8 +613,9 @@ class NcclComm final : public Communicator {
         std::string msg = who() + "NCCL " + t.what + " did not complete within " +
                           std::to_string(t.timeout_ms) + " ms; ";
         if (t.peers.empty()) {
-          msg += "NCCL does not report which rank is missing (every rank of the communicator "
-                 "must reach this collective)";
+          msg +=
+              "NCCL does not report which rank is missing (every rank of the communicator "
+              "must reach this collective)";
         } else {
           msg += "waiting for rank";
           msg += t.peers.size() > 1 ? "s" : "";
@@ -632,8 +633,8 @@ class NcclComm final : public Communicator {
           ncclResult_t ae = ncclSuccess;
           if (ncclCommGetAsyncError(comm_, &ae) == ncclSuccess && ae != ncclSuccess &&
               ae != ncclInProgress) {
-            failure_ = internal_error(who() + "NCCL reported an asynchronous error: " +
-                                      nccl_text(ae, comm_));
+            failure_ = internal_error(
+                who() + "NCCL reported an asynchronous error: " + nccl_text(ae, comm_));
             failed_ = true;
           }
         }
@@ -666,8 +667,8 @@ class NcclComm final : public Communicator {
   std::set<int64_t> outstanding_;
 
   // Shared with the watchdog.
-  mutable std::mutex mu_;     // tracked_, spare_events_, failure_, stop_
-  std::mutex nccl_mu_;        // comm_ and every call on it
+  mutable std::mutex mu_;  // tracked_, spare_events_, failure_, stop_
+  std::mutex nccl_mu_;     // comm_ and every call on it
   std::condition_variable cv_;
   std::deque<Tracked> tracked_;
   std::vector<cudaEvent_t> spare_events_;
@@ -694,8 +695,9 @@ Result<std::unique_ptr<Communicator>> make_nccl_communicator(Communicator& boots
   const int me = bootstrap.rank(), p = bootstrap.size();
   const std::string who = "rank " + std::to_string(bootstrap.world_rank()) + ": ";
   if (bootstrap.capabilities().memory != MemorySpace::kHost)
-    return invalid_argument(who + "make_nccl_communicator needs a host communicator to bootstrap "
-                                  "from (MPI or in-process), got '" +
+    return invalid_argument(who +
+                            "make_nccl_communicator needs a host communicator to bootstrap "
+                            "from (MPI or in-process), got '" +
                             std::string(bootstrap.backend_name()) + "'");
 
   // Local checks and rank 0's unique id travel together, so every rank reports the same error.
@@ -720,8 +722,8 @@ Result<std::unique_ptr<Communicator>> make_nccl_communicator(Communicator& boots
   TREEATTN_RETURN_IF_ERROR(bootstrap.allgather(&mine, sizeof(Hello), all.data()));
   for (int r = 0; r < p; ++r)
     if (!all[static_cast<std::size_t>(r)].ok)
-      return invalid_argument(who + "NCCL set-up: rank " + std::to_string(r) + " cannot join: " +
-                              all[static_cast<std::size_t>(r)].error);
+      return invalid_argument(who + "NCCL set-up: rank " + std::to_string(r) +
+                              " cannot join: " + all[static_cast<std::size_t>(r)].error);
 
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
   cfg.blocking = 0;
@@ -746,8 +748,8 @@ Result<std::unique_ptr<Communicator>> make_nccl_communicator(Communicator& boots
   if (r != ncclSuccess) {
     const std::string text = nccl_text(r, comm);
     if (comm) (void)ncclCommAbort(comm);
-    return internal_error(who + "ncclCommInitRankConfig (" + std::to_string(p) +
-                          " ranks, device " + std::to_string(info->device) + ") failed: " + text);
+    return internal_error(who + "ncclCommInitRankConfig (" + std::to_string(p) + " ranks, device " +
+                          std::to_string(info->device) + ") failed: " + text);
   }
   auto shared = std::make_shared<CommShared>();
   shared->timeout = bootstrap.timeout();

@@ -49,11 +49,16 @@ using LaunchFn = cudaError_t (*)(int, int, const gpu::DecodeParams&, int64_t, cu
 
 LaunchFn launcher_for(DType t) {
   switch (t) {
-    case DType::kF32: return gpu::launch_decode_f32;
-    case DType::kF16: return gpu::launch_decode_f16;
-    case DType::kBF16: return gpu::launch_decode_bf16;
-    case DType::kFP8: return gpu::launch_decode_fp8;
-    case DType::kInt8: return gpu::launch_decode_int8;
+    case DType::kF32:
+      return gpu::launch_decode_f32;
+    case DType::kF16:
+      return gpu::launch_decode_f16;
+    case DType::kBF16:
+      return gpu::launch_decode_bf16;
+    case DType::kFP8:
+      return gpu::launch_decode_fp8;
+    case DType::kInt8:
+      return gpu::launch_decode_int8;
   }
   return nullptr;
 }
@@ -137,34 +142,34 @@ class CudaExecutor final : public Executor {
     TREEATTN_RETURN_IF_ERROR(check_decode(shape, q, kv, states, options, "partial"));
     int64_t max_visible = 0;
     for (std::size_t b = 0; b < kv.len.size(); ++b)
-      max_visible = std::max(max_visible,
-                             gpu::visible_count(kv.len[b], kv.pos_start[b], kv.total_len[b],
-                                                kv.pos_stride, shape.q_len, shape.q_len - 1));
+      max_visible =
+          std::max(max_visible, gpu::visible_count(kv.len[b], kv.pos_start[b], kv.total_len[b],
+                                                   kv.pos_stride, shape.q_len, shape.q_len - 1));
     const gpu::SplitPlan plan = gpu::plan_decode(shape.batch, shape.kv_heads, shape.group(),
                                                  shape.q_len, max_visible, options.chunk_tokens);
     const int64_t rec_floats = shape.head_dim + 2;
     const int64_t records = shape.batch * shape.q_len * shape.heads;
     float* out = states;
     if (plan.splits > 1) {
-      const auto bytes = static_cast<std::size_t>(plan.splits * records * rec_floats) * sizeof(float);
+      const auto bytes =
+          static_cast<std::size_t>(plan.splits * records * rec_floats) * sizeof(float);
       if (workspace_.bytes() < bytes) {
         workspace_.reset();
         auto w = allocate(bytes);
         if (!w.is_ok())
-          return Status(w.status().code(),
-                        w.status().message() + " (split workspace of partial: " +
-                            std::to_string(plan.splits) + " splits of " +
-                            std::to_string(plan.chunk) + " tokens)");
+          return Status(w.status().code(), w.status().message() + " (split workspace of partial: " +
+                                               std::to_string(plan.splits) + " splits of " +
+                                               std::to_string(plan.chunk) + " tokens)");
         workspace_ = std::move(*w);
       }
       out = workspace_.as<float>();
     }
     TREEATTN_RETURN_IF_ERROR(launch(shape, q, kv, plan, out, records * rec_floats, options));
     if (plan.splits > 1)
-      TREEATTN_RETURN_IF_ERROR(check(gpu::launch_merge(nullptr, out, plan.splits,
-                                                       records * rec_floats, records,
-                                                       shape.head_dim, states, stream_),
-                                     "merge kernel (splits of partial)"));
+      TREEATTN_RETURN_IF_ERROR(
+          check(gpu::launch_merge(nullptr, out, plan.splits, records * rec_floats, records,
+                                  shape.head_dim, states, stream_),
+                "merge kernel (splits of partial)"));
     return Status::ok();
   }
 
@@ -230,8 +235,8 @@ class CudaExecutor final : public Executor {
     TREEATTN_RETURN_IF_ERROR(check_ptr(max_lse, "to_sum_form max_lse"));
     TREEATTN_RETURN_IF_ERROR(check_ptr(num, "to_sum_form num"));
     if (den) TREEATTN_RETURN_IF_ERROR(check_ptr(den, "to_sum_form den"));
-    return check(gpu::launch_to_sum_form(states, max_lse, i64(n), i64(d), num, i64(num_stride),
-                                         den, stream_),
+    return check(gpu::launch_to_sum_form(states, max_lse, i64(n), i64(d), num, i64(num_stride), den,
+                                         stream_),
                  "to_sum_form kernel");
   }
   Status from_sum_form(const float* max_lse, const float* num, std::size_t num_stride,
@@ -332,15 +337,16 @@ class CudaExecutor final : public Executor {
     if (options.chunk_tokens < 0)
       return invalid_argument(where + "chunk_tokens must be >= 0, got " +
                               std::to_string(options.chunk_tokens));
-    if (std::find(std::begin(gpu::kCudaHeadDims), std::end(gpu::kCudaHeadDims),
-                  shape.head_dim) == std::end(gpu::kCudaHeadDims))
+    if (std::find(std::begin(gpu::kCudaHeadDims), std::end(gpu::kCudaHeadDims), shape.head_dim) ==
+        std::end(gpu::kCudaHeadDims))
       return unsupported(where + "head_dim " + std::to_string(shape.head_dim) +
                          " has no CUDA kernel (supported: " + supported_cuda_head_dims() + ")");
     if (launcher_for(kv.dtype) == nullptr)
       return unsupported(where + "KV dtype " + std::string(dtype_name(kv.dtype)) +
                          " has no CUDA kernel");
     if (kv.memory != MemorySpace::kDevice)
-      return invalid_argument(where + "the KV shard is marked as host memory (KVShard::memory); "
+      return invalid_argument(where +
+                              "the KV shard is marked as host memory (KVShard::memory); "
                               "the CUDA executor reads K and V from device memory");
     TREEATTN_RETURN_IF_ERROR(check_ptr(q, "query"));
     TREEATTN_RETURN_IF_ERROR(check_ptr(states, "state output"));
@@ -373,9 +379,10 @@ class CudaExecutor final : public Executor {
   Status launch(const AttnShape& shape, const float* q, const KVShard& kv,
                 const gpu::SplitPlan& plan, float* out, int64_t split_stride,
                 const DecodeOptions& options) {
-    const float scale = options.scale != 0.0f
-                            ? options.scale
-                            : static_cast<float>(1.0 / std::sqrt(static_cast<double>(shape.head_dim)));
+    const float scale =
+        options.scale != 0.0f
+            ? options.scale
+            : static_cast<float>(1.0 / std::sqrt(static_cast<double>(shape.head_dim)));
     gpu::DecodeParams p;
     p.q = q;
     p.k = kv.k;
@@ -415,10 +422,10 @@ class CudaExecutor final : public Executor {
         return unsupported(who_ + ": " + std::to_string(blocks) +
                            " thread blocks in one launch (more than 2^31 - 1); use a larger "
                            "chunk_tokens");
-      TREEATTN_RETURN_IF_ERROR(check(
-          fn(static_cast<int>(shape.head_dim), plan.rows.rows_tpl, p, blocks, stream_),
-          "decode kernel launch (" + std::string(dtype_name(kv.dtype)) + ", head_dim " +
-              std::to_string(shape.head_dim) + ", " + std::to_string(blocks) + " blocks)"));
+      TREEATTN_RETURN_IF_ERROR(
+          check(fn(static_cast<int>(shape.head_dim), plan.rows.rows_tpl, p, blocks, stream_),
+                "decode kernel launch (" + std::string(dtype_name(kv.dtype)) + ", head_dim " +
+                    std::to_string(shape.head_dim) + ", " + std::to_string(blocks) + " blocks)"));
     }
     return Status::ok();
   }
@@ -445,22 +452,21 @@ Result<std::unique_ptr<Executor>> CudaExecutor::create(const CudaExecutorOptions
   e->device_ = device;
   e->who_ = "cuda executor (device " + std::to_string(device) + ")";
   TREEATTN_RETURN_IF_ERROR(e->check(use_device(device), "cudaSetDevice"));
-  TREEATTN_RETURN_IF_ERROR(e->check(cudaGetDeviceProperties(&e->props_, device),
-                                    "cudaGetDeviceProperties"));
+  TREEATTN_RETURN_IF_ERROR(
+      e->check(cudaGetDeviceProperties(&e->props_, device), "cudaGetDeviceProperties"));
   if (const cudaError_t img = gpu::probe_kernel_image(); img != cudaSuccess) {
     (void)cudaGetLastError();
     return unsupported(e->who_ + ": " + e->props_.name + " (compute capability " +
                        std::to_string(e->props_.major) + "." + std::to_string(e->props_.minor) +
                        ") cannot run this build's kernels (built for CUDA architectures " +
-                       TREEATTN_CUDA_ARCHS + "; set CMAKE_CUDA_ARCHITECTURES): " +
-                       cuda_error_text(img));
+                       TREEATTN_CUDA_ARCHS +
+                       "; set CMAKE_CUDA_ARCHITECTURES): " + cuda_error_text(img));
   }
   if (o.stream) {
     e->stream_ = static_cast<cudaStream_t>(o.stream);
   } else {
-    TREEATTN_RETURN_IF_ERROR(
-        e->check(cudaStreamCreateWithFlags(&e->stream_, cudaStreamNonBlocking),
-                 "cudaStreamCreateWithFlags"));
+    TREEATTN_RETURN_IF_ERROR(e->check(cudaStreamCreateWithFlags(&e->stream_, cudaStreamNonBlocking),
+                                      "cudaStreamCreateWithFlags"));
     e->owns_stream_ = true;
   }
   return std::unique_ptr<Executor>(std::move(e));
@@ -562,8 +568,9 @@ Result<std::unique_ptr<CudaGraph>> cuda_capture_end(Executor& executor) {
   cudaError_t e = cudaStreamEndCapture((*c)->stream(), &graph);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
-    return internal_error(who + ": cudaStreamEndCapture failed (an operation that is not a "
-                                "stream operation ran during the capture?): " +
+    return internal_error(who +
+                          ": cudaStreamEndCapture failed (an operation that is not a "
+                          "stream operation ran during the capture?): " +
                           cuda_error_text(e));
   }
   cudaGraphExec_t instance = nullptr;

@@ -70,7 +70,6 @@ cudaError_t launch_from_sum_form(const float* max_lse, const float* num, int64_t
                                  const float* den, int64_t n, int64_t head_dim, float* states,
                                  cudaStream_t stream);
 
-
 // cudaSuccess when the current device can run this build's kernels (cudaFuncGetAttributes of one
 // of them: no image for the device's architecture is cudaErrorNoKernelImageForDevice).
 cudaError_t probe_kernel_image();

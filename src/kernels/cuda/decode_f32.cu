@@ -5,7 +5,7 @@
 namespace treeattn::gpu {
 
 cudaError_t launch_decode_f32(int head_dim, int rows_tpl, const DecodeParams& p, int64_t blocks,
-                            cudaStream_t stream) {
+                              cudaStream_t stream) {
   return launch_decode_dtype<DType::kF32>(head_dim, rows_tpl, p, blocks, stream);
 }
 

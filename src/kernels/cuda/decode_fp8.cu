@@ -5,7 +5,7 @@
 namespace treeattn::gpu {
 
 cudaError_t launch_decode_fp8(int head_dim, int rows_tpl, const DecodeParams& p, int64_t blocks,
-                            cudaStream_t stream) {
+                              cudaStream_t stream) {
   return launch_decode_dtype<DType::kFP8>(head_dim, rows_tpl, p, blocks, stream);
 }
 

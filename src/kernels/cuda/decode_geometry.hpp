@@ -62,9 +62,7 @@ TREEATTN_HD constexpr int elem_bytes(DType t) {
   return t == DType::kF32 ? 4 : (t == DType::kFP8 || t == DType::kInt8) ? 1 : 2;
 }
 TREEATTN_HD constexpr int vec_bytes(DType t) { return vec_elems(t) * elem_bytes(t); }
-TREEATTN_HD constexpr int lanes_per_token(DType t, int head_dim) {
-  return head_dim / vec_elems(t);
-}
+TREEATTN_HD constexpr int lanes_per_token(DType t, int head_dim) { return head_dim / vec_elems(t); }
 TREEATTN_HD constexpr int tokens_per_warp(DType t, int head_dim) {
   return kWarpSize / lanes_per_token(t, head_dim);
 }
@@ -153,7 +151,8 @@ TREEATTN_HD constexpr ItemIndex decode_item(int64_t block, int64_t splits, int64
 }
 TREEATTN_HD constexpr int64_t encode_item(const ItemIndex& it, int64_t splits, int64_t row_groups,
                                           int64_t kv_heads) {
-  return it.split + splits * (it.row_group + row_groups * (it.kv_head + kv_heads * it.batch_in_launch));
+  return it.split +
+         splits * (it.row_group + row_groups * (it.kv_head + kv_heads * it.batch_in_launch));
 }
 
 // Where lane `lane` of a warp works: its token slot in the warp and its first head_dim element.
@@ -190,10 +189,10 @@ TREEATTN_HD constexpr int64_t kv_offset(int64_t b, int64_t h, int64_t j, int64_t
 // ---- split planning (host) ---------------------------------------------------------------------
 
 struct SplitPlan {
-  int64_t chunk = 1;       // token slots per split
-  int64_t splits = 1;      // splits per (row, KV head, row group)
-  RowSplit rows;           // row groups per KV head
-  int64_t launches = 1;    // ceil(batch / kMaxBatchPerLaunch)
+  int64_t chunk = 1;                 // token slots per split
+  int64_t splits = 1;                // splits per (row, KV head, row group)
+  RowSplit rows;                     // row groups per KV head
+  int64_t launches = 1;              // ceil(batch / kMaxBatchPerLaunch)
   int64_t blocks_per_batch_row = 1;  // splits * row_groups * kv_heads
 };
 

@@ -130,8 +130,8 @@ struct KvVec<DType::kInt8> {
 template <DType T>
 __device__ inline typename KvVec<T>::Raw load_vec(const void* base, int64_t elem) {
   using V = KvVec<T>;
-  return __ldg(reinterpret_cast<const typename V::Raw*>(static_cast<const typename V::Elem*>(base) +
-                                                        elem));
+  return __ldg(
+      reinterpret_cast<const typename V::Raw*>(static_cast<const typename V::Elem*>(base) + elem));
 }
 
 // max that keeps NaN (fmaxf would drop it), as the CPU kernels do.
@@ -351,11 +351,20 @@ cudaError_t launch_decode_rows(int rows_tpl, const DecodeParams& p, int64_t bloc
                                cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(blocks));
   switch (rows_tpl) {
-    case 1: decode_split_kernel<T, D, 1><<<grid, kDecodeThreads, 0, stream>>>(p); break;
-    case 2: decode_split_kernel<T, D, 2><<<grid, kDecodeThreads, 0, stream>>>(p); break;
-    case 4: decode_split_kernel<T, D, 4><<<grid, kDecodeThreads, 0, stream>>>(p); break;
-    case 8: decode_split_kernel<T, D, 8><<<grid, kDecodeThreads, 0, stream>>>(p); break;
-    default: return cudaErrorInvalidValue;
+    case 1:
+      decode_split_kernel<T, D, 1><<<grid, kDecodeThreads, 0, stream>>>(p);
+      break;
+    case 2:
+      decode_split_kernel<T, D, 2><<<grid, kDecodeThreads, 0, stream>>>(p);
+      break;
+    case 4:
+      decode_split_kernel<T, D, 4><<<grid, kDecodeThreads, 0, stream>>>(p);
+      break;
+    case 8:
+      decode_split_kernel<T, D, 8><<<grid, kDecodeThreads, 0, stream>>>(p);
+      break;
+    default:
+      return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
 }
@@ -365,9 +374,12 @@ cudaError_t launch_decode_dtype(int head_dim, int rows_tpl, const DecodeParams& 
                                 cudaStream_t stream) {
   if (blocks <= 0 || blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   switch (head_dim) {
-    case 64: return launch_decode_rows<T, 64>(rows_tpl, p, blocks, stream);
-    case 128: return launch_decode_rows<T, 128>(rows_tpl, p, blocks, stream);
-    default: return cudaErrorInvalidValue;
+    case 64:
+      return launch_decode_rows<T, 64>(rows_tpl, p, blocks, stream);
+    case 128:
+      return launch_decode_rows<T, 128>(rows_tpl, p, blocks, stream);
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 

@@ -119,8 +119,8 @@ __global__ void __launch_bounds__(kThreads)
 
 template <int K>
 __global__ void __launch_bounds__(kThreads)
-    to_sum_form_kernel(const float* states, const float* max_lse, int64_t n, int64_t d,
-                       float* num, int64_t num_stride, float* den) {
+    to_sum_form_kernel(const float* states, const float* max_lse, int64_t n, int64_t d, float* num,
+                       int64_t num_stride, float* den) {
   const int64_t i = warp_record(n);
   if (i < 0) return;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
@@ -185,10 +185,20 @@ cudaError_t launch_merge(const float* init, const float* parts, int64_t count, i
   if (n == 0) return cudaSuccess;
   if (too_many(n)) return cudaErrorInvalidConfiguration;
   switch (state_lane_elems(head_dim)) {
-    case 2: merge_kernel<2><<<warp_grid(n), kThreads, 0, stream>>>(init, parts, count, part_stride, n, head_dim, out); break;
-    case 4: merge_kernel<4><<<warp_grid(n), kThreads, 0, stream>>>(init, parts, count, part_stride, n, head_dim, out); break;
-    case 8: merge_kernel<8><<<warp_grid(n), kThreads, 0, stream>>>(init, parts, count, part_stride, n, head_dim, out); break;
-    default: return cudaErrorInvalidValue;
+    case 2:
+      merge_kernel<2><<<warp_grid(n), kThreads, 0, stream>>>(init, parts, count, part_stride, n,
+                                                             head_dim, out);
+      break;
+    case 4:
+      merge_kernel<4><<<warp_grid(n), kThreads, 0, stream>>>(init, parts, count, part_stride, n,
+                                                             head_dim, out);
+      break;
+    case 8:
+      merge_kernel<8><<<warp_grid(n), kThreads, 0, stream>>>(init, parts, count, part_stride, n,
+                                                             head_dim, out);
+      break;
+    default:
+      return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
 }
@@ -214,10 +224,17 @@ cudaError_t launch_normalize(const float* states, int64_t n, int64_t head_dim, f
   if (n == 0) return cudaSuccess;
   if (too_many(n)) return cudaErrorInvalidConfiguration;
   switch (state_lane_elems(head_dim)) {
-    case 2: normalize_kernel<2><<<warp_grid(n), kThreads, 0, stream>>>(states, n, head_dim, out, lse); break;
-    case 4: normalize_kernel<4><<<warp_grid(n), kThreads, 0, stream>>>(states, n, head_dim, out, lse); break;
-    case 8: normalize_kernel<8><<<warp_grid(n), kThreads, 0, stream>>>(states, n, head_dim, out, lse); break;
-    default: return cudaErrorInvalidValue;
+    case 2:
+      normalize_kernel<2><<<warp_grid(n), kThreads, 0, stream>>>(states, n, head_dim, out, lse);
+      break;
+    case 4:
+      normalize_kernel<4><<<warp_grid(n), kThreads, 0, stream>>>(states, n, head_dim, out, lse);
+      break;
+    case 8:
+      normalize_kernel<8><<<warp_grid(n), kThreads, 0, stream>>>(states, n, head_dim, out, lse);
+      break;
+    default:
+      return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
 }
@@ -228,10 +245,20 @@ cudaError_t launch_to_sum_form(const float* states, const float* max_lse, int64_
   if (n == 0) return cudaSuccess;
   if (too_many(n)) return cudaErrorInvalidConfiguration;
   switch (state_lane_elems(head_dim)) {
-    case 2: to_sum_form_kernel<2><<<warp_grid(n), kThreads, 0, stream>>>(states, max_lse, n, head_dim, num, num_stride, den); break;
-    case 4: to_sum_form_kernel<4><<<warp_grid(n), kThreads, 0, stream>>>(states, max_lse, n, head_dim, num, num_stride, den); break;
-    case 8: to_sum_form_kernel<8><<<warp_grid(n), kThreads, 0, stream>>>(states, max_lse, n, head_dim, num, num_stride, den); break;
-    default: return cudaErrorInvalidValue;
+    case 2:
+      to_sum_form_kernel<2><<<warp_grid(n), kThreads, 0, stream>>>(states, max_lse, n, head_dim,
+                                                                   num, num_stride, den);
+      break;
+    case 4:
+      to_sum_form_kernel<4><<<warp_grid(n), kThreads, 0, stream>>>(states, max_lse, n, head_dim,
+                                                                   num, num_stride, den);
+      break;
+    case 8:
+      to_sum_form_kernel<8><<<warp_grid(n), kThreads, 0, stream>>>(states, max_lse, n, head_dim,
+                                                                   num, num_stride, den);
+      break;
+    default:
+      return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
 }
@@ -242,10 +269,20 @@ cudaError_t launch_from_sum_form(const float* max_lse, const float* num, int64_t
   if (n == 0) return cudaSuccess;
   if (too_many(n)) return cudaErrorInvalidConfiguration;
   switch (state_lane_elems(head_dim)) {
-    case 2: from_sum_form_kernel<2><<<warp_grid(n), kThreads, 0, stream>>>(max_lse, num, num_stride, den, n, head_dim, states); break;
-    case 4: from_sum_form_kernel<4><<<warp_grid(n), kThreads, 0, stream>>>(max_lse, num, num_stride, den, n, head_dim, states); break;
-    case 8: from_sum_form_kernel<8><<<warp_grid(n), kThreads, 0, stream>>>(max_lse, num, num_stride, den, n, head_dim, states); break;
-    default: return cudaErrorInvalidValue;
+    case 2:
+      from_sum_form_kernel<2><<<warp_grid(n), kThreads, 0, stream>>>(max_lse, num, num_stride, den,
+                                                                     n, head_dim, states);
+      break;
+    case 4:
+      from_sum_form_kernel<4><<<warp_grid(n), kThreads, 0, stream>>>(max_lse, num, num_stride, den,
+                                                                     n, head_dim, states);
+      break;
+    case 8:
+      from_sum_form_kernel<8><<<warp_grid(n), kThreads, 0, stream>>>(max_lse, num, num_stride, den,
+                                                                     n, head_dim, states);
+      break;
+    default:
+      return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
 }

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# tools/gpu-check.sh OUTDIR: the one command to run on a machine with a GPU.
+#
+# Needs only the CUDA toolkit (nvcc, with NCCL for the communicator part), CMake, ninja (or make),
+# a C++ compiler and python3 (PyTorch optional, for the SDPA peer); no MPI, CLI11, fmt, json,
+# GoogleTest or network. It configures a core-only build (TREEATTN_CORE_ONLY: libtreeattn, the
+# CUDA executor, the NCCL communicator and tools/gpu_check) in build/gpu-check, builds gpu_check,
+# runs it (correctness against the float64 oracle, bandwidth, virtual ranks, NCCL; see
+# tools/gpu_check/gpu_check.cpp), runs PyTorch's SDPA on the same shapes when torch is
+# importable, writes OUTDIR/gpu-check.json and prints a short table.
+#
+# Exit status: 0 every result correct; 1 a wrong result; 2 no usable GPU, or the build failed.
+# Environment: TREEATTN_GPU_CHECK_BUILD (build dir), TREEATTN_GPU_CHECK_CMAKE_ARGS (extra
+# configure arguments, e.g. -DCMAKE_CUDA_ARCHITECTURES=100), TREEATTN_GPU_CHECK_ARGS (extra
+# gpu_check arguments: --seed N --cases N --max-tokens N).
+set -uo pipefail
+if [ $# -ne 1 ]; then
+  echo "usage: $0 OUTDIR" >&2
+  exit 2
+fi
+mkdir -p "$1" && out=$(cd "$1" && pwd)
+cd "$(dirname "$0")/.."
+build=${TREEATTN_GPU_CHECK_BUILD:-build/gpu-check}
+start=$(date +%s)
+
+if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH=/usr/local/cuda/bin:$PATH
+fi
+if ! command -v nvcc >/dev/null 2>&1; then
+  echo "gpu-check: nvcc not found (install the CUDA toolkit or put its bin/ on PATH)" >&2
+  exit 2
+fi
+generator=()
+if command -v ninja >/dev/null 2>&1; then generator=(-G Ninja); fi
+
+echo "== configure ($build, core only, CUDA on)"
+# shellcheck disable=SC2086
+if ! cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DTREEATTN_CORE_ONLY=ON \
+    -DTREEATTN_WITH_CUDA=ON -DTREEATTN_WERROR=OFF ${TREEATTN_GPU_CHECK_CMAKE_ARGS:-} \
+    >"$out/configure.log" 2>&1; then
+  tail -n 30 "$out/configure.log" >&2
+  echo "gpu-check: configure failed (full log: $out/configure.log)" >&2
+  exit 2
+fi
+grep -E "treeattn: (CUDA|NCCL|no CUDA)" "$out/configure.log" || true
+echo "== build gpu_check"
+if ! cmake --build "$build" -j"$(nproc 2>/dev/null || echo 4)" --target gpu_check \
+    >"$out/build.log" 2>&1; then
+  tail -n 40 "$out/build.log" >&2
+  echo "gpu-check: build failed (full log: $out/build.log)" >&2
+  exit 2
+fi
+built=$(date +%s)
+echo "   built in $((built - start)) s"
+
+echo "== gpu_check"
+# shellcheck disable=SC2086
+"$build/tools/gpu_check/gpu_check" "$out" ${TREEATTN_GPU_CHECK_ARGS:-} 2>&1 | tee "$out/gpu_check.log"
+rc=${PIPESTATUS[0]}
+if [ "$rc" -eq 2 ]; then
+  echo "gpu-check: no usable GPU here; nothing was measured (details: $out/gpu-check-core.json)" >&2
+  cp "$out/gpu-check-core.json" "$out/gpu-check.json" 2>/dev/null || true
+  exit 2
+fi
+
+if command -v python3 >/dev/null 2>&1; then
+  echo "== PyTorch SDPA peer"
+  timeout 240 python3 tools/gpu_check/sdpa_peer.py "$out" || echo "   (sdpa peer failed or timed out; see above)"
+  python3 tools/gpu_check/report.py "$out" "$((built - start))" || cp "$out/gpu-check-core.json" "$out/gpu-check.json"
+else
+  cp "$out/gpu-check-core.json" "$out/gpu-check.json"
+fi
+echo "gpu-check: $(( $(date +%s) - start )) s in all; exit $rc ($([ "$rc" -eq 0 ] && echo 'all results correct' || echo 'WRONG RESULTS'))"
+exit "$rc"

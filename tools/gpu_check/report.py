@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""Joins the GPU check's parts into OUTDIR/gpu-check.json and prints the short table.
+
+Inputs: OUTDIR/gpu-check-core.json (gpu_check), OUTDIR/sdpa.json (sdpa_peer.py, optional) and the
+build time in seconds (argument). The targets of the GPU issue are evaluated and shown, but only
+wrong results (gpu_check's verdict) fail the run.
+"""
+import json
+import os
+import sys
+
+
+def main(outdir, build_seconds):
+    with open(os.path.join(outdir, "gpu-check-core.json")) as f:
+        core = json.load(f)
+    sdpa = {"available": False, "reason": "sdpa_peer.py did not run"}
+    path = os.path.join(outdir, "sdpa.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            sdpa = json.load(f)
+    peer = {(r["batch"], r["tokens"]): r for r in sdpa.get("shapes", [])}
+    copy = core.get("probes", {}).get("copy_gbps") or 0
+    print(f"\n{'batch':>5} {'tokens':>8} {'KV GiB':>7} {'GB/s':>7} {'of copy':>8} "
+          f"{'sdpa GB/s':>10} {'vs sdpa':>8}")
+    for row in core.get("bandwidth", []):
+        p = peer.get((row["batch"], row["tokens"]), {})
+        row["sdpa_gbps"] = p.get("gbps")
+        row["sdpa_error"] = p.get("error")
+        row["speedup_vs_sdpa"] = (row["gbps"] / p["gbps"]) if p.get("gbps") else None
+        sp = f"{row['speedup_vs_sdpa']:.2f}x" if row["speedup_vs_sdpa"] else "-"
+        sg = f"{p['gbps']:.0f}" if p.get("gbps") else "-"
+        print(f"{row['batch']:>5} {row['tokens']:>8} {row['kv_bytes'] / 2**30:>7.2f} "
+              f"{(row['gbps'] or 0):>7.0f} {100 * (row['fraction_of_copy'] or 0):>7.0f}% "
+              f"{sg:>10} {sp:>8}")
+    targets = []
+    long_b1 = [r for r in core.get("bandwidth", []) if r["batch"] == 1 and r["tokens"] >= 262144]
+    if long_b1 and copy:
+        worst = min(r["fraction_of_copy"] or 0 for r in long_b1)
+        targets.append({"target": "kernel >= 85% of copy bandwidth at >= 256k tokens, bf16, batch 1",
+                        "met": worst >= 0.85, "value": worst})
+    faster = [r["speedup_vs_sdpa"] for r in core.get("bandwidth", []) if r.get("speedup_vs_sdpa")]
+    if faster:
+        targets.append({"target": "faster than PyTorch SDPA on the same shapes",
+                        "met": min(faster) > 1.0, "value": min(faster)})
+    merges = [v.get("merge_graph_us") or v.get("merge_us") for v in core.get("virtual_ranks", [])
+              if v["p"] >= 2]
+    if merges:
+        targets.append({"target": "merge of P partial states < 10 us (llama3-8b, batch 1)",
+                        "met": max(merges) < 10, "value": max(merges)})
+    for t in targets:
+        print(f"target {'met' if t['met'] else 'NOT met'}: {t['target']} ({t['value']:.3g})")
+    core["sdpa_peer"] = sdpa
+    core["targets"] = targets
+    core["build_seconds"] = build_seconds
+    with open(os.path.join(outdir, "gpu-check.json"), "w") as f:
+        json.dump(core, f, indent=2)
+    bad = [c for c in core.get("checks", []) if not c["ok"]]
+    print(f"\n{len(core.get('checks', []))} checks, {len(bad)} wrong; "
+          f"written {os.path.join(outdir, 'gpu-check.json')}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: report.py OUTDIR BUILD_SECONDS")
+    main(sys.argv[1], float(sys.argv[2]))
