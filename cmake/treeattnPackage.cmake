@@ -38,8 +38,10 @@ install(TARGETS ${_treeattn_exported} EXPORT treeattnTargets
 # tests/package compiles every installed header on its own against the install prefix):
 #   treeattn_measure: workload, roofline, peer, detect, measure
 #   treeattn_model:   gguf, tokenizer
+#   treeattn_cuda, treeattn_nccl (not exported yet): executor_cuda, comm_nccl
 # and, without MPI, the MPI backend's.
-set(_treeattn_not_installed workload roofline peer detect measure gguf tokenizer model generate)
+set(_treeattn_not_installed workload roofline peer detect measure gguf tokenizer model generate
+    executor_cuda comm_nccl)
 if(NOT TARGET treeattn_mpi)
   list(APPEND _treeattn_not_installed comm_mpi)
 endif()
