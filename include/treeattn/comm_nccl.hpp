@@ -29,7 +29,8 @@
 //   barrier wait for the stream; collectives and test_all do not block.
 // - Timeouts: the NCCL communicator is non-blocking (ncclConfig_t::blocking = 0). A watchdog
 //   thread polls ncclCommGetAsyncError and the completion of every enqueued operation; an
-//   operation not complete after timeout() (0: never) or an asynchronous NCCL error aborts the
+//   operation not complete timeout() (0: never) after it was enqueued or after the operation
+//   before it completed, whichever is later, or an asynchronous NCCL error aborts the
 //   communicator (ncclCommAbort; the kernels waiting for the missing rank return) and every
 //   later call returns the error: kTimeout "rank R: NCCL <op> (#k at <context>) did not complete
 //   within N ms; waiting for ranks X, Y (the peers of its point-to-point messages)" or, for a

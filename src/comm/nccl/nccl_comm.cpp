@@ -607,6 +607,11 @@ class NcclComm final : public Communicator {
         }
         spare_events_.push_back(tracked_.front().done);
         tracked_.pop_front();
+        // The next operation's time starts now at the latest (a deep queue of enqueued steps
+        // must not count against the operations at its end).
+        if (!tracked_.empty() && tracked_.front().timeout_ms > 0)
+          tracked_.front().deadline = std::max(
+              tracked_.front().deadline, Clock::now() + milliseconds(tracked_.front().timeout_ms));
       }
       if (!failed_.load() && !tracked_.empty() && Clock::now() > tracked_.front().deadline) {
         const Tracked& t = tracked_.front();
