@@ -27,6 +27,7 @@ struct GenCase {
   int steps = 4;
   const std::vector<int32_t>* forced = nullptr;  // tokens fed at each step (else greedy)
   int threads = 1;
+  ShardKind placement = ShardKind::kEven;
 };
 
 inline GenRun run_generation(const model::LlamaModel& m, int ranks, const GenCase& c,
@@ -39,6 +40,7 @@ inline GenRun run_generation(const model::LlamaModel& m, int ranks, const GenCas
     gc.methods = c.methods;
     gc.kv_dtype = c.kv;
     gc.threads = c.threads;
+    gc.placement = c.placement;
     gc.reserve_tokens = c.steps;
     gc.timeout = std::chrono::milliseconds(120000);
     auto g = model::Generator::create(comm, m, gc);

@@ -316,6 +316,36 @@ TEST(TinyLlama, GreedyContinuationsAgreeAcrossRanksAndStrategies) {
               every_strategy().size(), near_ties);
 }
 
+TEST(TinyLlama, EveryPlacementGivesTheSameGreedyTokens) {
+  ScratchDir dir;
+  const std::string path = dir.path("tiny.gguf");
+  TinyLlamaSpec spec;
+  spec.seed = 33;
+  testing::GgufBuilder::write(path, testing::build_tiny_llama(spec));
+  auto m = LlamaModel::load(path);
+  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+  std::vector<int32_t> prompt(97);
+  for (std::size_t i = 0; i < prompt.size(); ++i)
+    prompt[i] = static_cast<int32_t>((i * 37 + 11) % static_cast<std::size_t>(spec.n_vocab));
+  testing::GenCase c;
+  c.kv = DType::kBF16;
+  c.steps = 10;
+  const auto ref = testing::run_generation(**m, 1, c, prompt);
+  ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+  for (const ShardKind k : {ShardKind::kUneven, ShardKind::kStriped}) {
+    c.placement = k;
+    const auto run = testing::run_generation(**m, 3, c, prompt);
+    ASSERT_TRUE(run.status.is_ok()) << run.status.to_string();
+    ASSERT_EQ(testing::ranks_agree(run), "");
+    for (std::size_t s = 0; s < run.tokens[0].size(); ++s) {
+      if (run.tokens[0][s] == ref.tokens[0][s]) continue;
+      EXPECT_LT(model::top_two(ref.logits[0][s]).gap(), kNearTie)
+          << shard_kind_name(k) << " diverged at step " << s << " without a near tie";
+      break;
+    }
+  }
+}
+
 TEST(Prefill, BlocksCoverThePromptOnceAndBalanceTheWork) {
   const double w = 1152.0 / 3.54e6;  // SmolLM2's prefill_position_weight
   for (const int64_t n : {int64_t{1}, int64_t{63}, int64_t{64}, int64_t{65}, int64_t{1000},
