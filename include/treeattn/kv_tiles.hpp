@@ -3,9 +3,11 @@
 //
 // Every (batch row, KV head) holds a sequence of fixed-size token tiles. Inside tile i, which
 // holds tokens [i*T, (i+1)*T) of the row (T = tile_tokens):
-//   K   transposed, [head_dim][T]: the T keys' element d are contiguous, so the scores of a
-//       tile are vertical FMAs of a broadcast q[d] with one vector of tokens, no horizontal
-//       reduction (the caller layout [N][head_dim] needs one transposing sum per 16 scores);
+//   K   transposed in panels of P = kv_tile_panel(T) = min(T, 32) tokens, [T/P][head_dim][P]:
+//       the P keys' element d are contiguous, so the scores of a panel are vertical FMAs of a
+//       broadcast q[d] with vectors of tokens, no horizontal reduction (the caller layout
+//       [N][head_dim] needs one transposing sum per 16 scores), and the kernel reads each
+//       panel front to back (a panel is the AVX-512 kernel's 32-token score unit);
 //   V   rows, [T][head_dim]: the output update broadcasts p[t] and walks V[t] along head_dim;
 //   scales (fp8, int8 only): float32 k_scale[T] and v_scale[T], one per token as in KVShard.
 // Element widths and encodings are dtype.hpp's; the last tile of a row may be partly filled
@@ -46,10 +48,10 @@
 
 namespace treeattn {
 
-// Tokens per tile: a multiple of every vector width (16 floats), and 16 <= T <= 256. Chosen by
+// Tokens per tile: 16 or a multiple of 32 up to 256 (whole vectors and whole K panels). Chosen by
 // measurement with bench/treeattn_roofline --tile-tokens 16,32 --tile-layout split,interleaved
 // (numbers at kKVTileLayout below).
-inline constexpr int64_t kKVTileTokens = 32;
+inline constexpr int64_t kKVTileTokens = 128;
 
 enum class KVTileLayout : uint8_t {
   kSplit,        // K tiles of a (row, head) contiguous, V tiles contiguous elsewhere
@@ -60,12 +62,17 @@ enum class KVTileLayout : uint8_t {
 // GB/s, split 12-15 GB/s (two streams whose prefetches collide), rows 17-18 GB/s.
 inline constexpr KVTileLayout kKVTileLayout = KVTileLayout::kInterleaved;
 
+// Tokens per K panel of a tile of tile_tokens tokens.
+constexpr int64_t kv_tile_panel(int64_t tile_tokens) { return tile_tokens < 32 ? tile_tokens : 32; }
+
 std::string_view kv_tile_layout_name(KVTileLayout layout);  // "split", "interleaved"
 Result<KVTileLayout> parse_kv_tile_layout(std::string_view name);
 
-// A read-only view of a tiled KV shard. Token t of (batch row b, KV head h) is lane t % T of
-// tile t / T; with base(b, h, i) = b * batch_stride + h * head_stride + i * tile_stride bytes:
-//   K element d   at (const char*)k + base + (d * T + t % T) * dtype_size(dtype)
+// A read-only view of a tiled KV shard. Token t of (batch row b, KV head h) is lane l = t % T of
+// tile t / T; with base(b, h, i) = b * batch_stride + h * head_stride + i * tile_stride bytes
+// and P = kv_tile_panel(T):
+//   K element d   at (const char*)k + base + ((l / P) * head_dim * P + d * P + l % P) *
+//                    dtype_size(dtype)
 //   V element d   at (const char*)v + base + ((t % T) * head_dim + d) * dtype_size(dtype)
 //   scales        k_scale[b * scale_batch_stride + h * scale_head_stride +
 //                         (t / T) * scale_tile_stride + t % T]   (and v_scale alike)
@@ -92,7 +99,7 @@ struct TiledKVShard {
   int64_t pos_stride = 1;
 
   // The checks of KVShard::validate (spans, lengths, positions, pointers, scales) plus the
-  // tile size (a multiple of 16 in [16, 256]) and tile strides that hold a whole tile.
+  // tile size (16 or a multiple of 32 up to 256) and tile strides that hold a whole tile.
   Status validate(const AttnShape& shape) const;
 };
 
@@ -105,7 +112,7 @@ class TiledKVCache {
   TiledKVCache& operator=(TiledKVCache&&) noexcept = default;
 
   // capacity_tokens >= 0 (rounded up to whole tiles). Fails on an invalid shape, a tile size
-  // that is not a multiple of 16 in [16, 256], or when the memory cannot be allocated.
+  // other than 16 or a multiple of 32 up to 256, or when the memory cannot be allocated.
   static Result<TiledKVCache> create(const AttnShape& shape, DType dtype, int64_t capacity_tokens,
                                      KVTileLayout layout = kKVTileLayout,
                                      int64_t tile_tokens = kKVTileTokens);

@@ -83,6 +83,12 @@ struct RooflineRecord {
   double gbps = 0;              // kv_bytes / seconds / 1e9
   double bandwidth_gbps = 0;    // measured by the probe with the same threads (median)
   double fraction_of_bandwidth = 0;  // median over rounds of gbps / probe (see above)
+  // Best of the rounds: fastest kernel run over the fastest probe run. On a machine shared with
+  // other work the medians carry the interference; the best rounds show what the kernel does
+  // when it has the cores and the memory to itself.
+  double gbps_best = 0;
+  double bandwidth_gbps_best = 0;
+  double fraction_best = 0;
   double flops = 0;
   double peak_gflops = 0;       // measured FMA peak with the same threads and ISA
   double compute_seconds = 0;   // flops / peak

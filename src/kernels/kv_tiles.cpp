@@ -2,8 +2,6 @@
 // reads in the tile layout, and the validation of tiled views.
 #include "treeattn/kv_tiles.hpp"
 
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -16,8 +14,8 @@ bool mul_ok(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow
 bool add_ok(int64_t a, int64_t b, int64_t* out) { return !__builtin_add_overflow(a, b, out); }
 
 Status check_tile_tokens(int64_t t) {
-  if (t < 16 || t > 256 || t % 16 != 0)
-    return invalid_argument("tile_tokens must be a multiple of 16 in [16, 256], got " +
+  if (t != 16 && (t < 32 || t > 256 || t % 32 != 0))
+    return invalid_argument("tile_tokens must be 16 or a multiple of 32 up to 256, got " +
                             std::to_string(t));
   return Status::ok();
 }
@@ -168,11 +166,8 @@ Status TiledKVCache::allocate(int64_t tiles) {
     scale_tile_stride_ = record / 4;
     scale_head_stride_ = tiles * record / 4;
   }
-  const bool huge = std::getenv("TREEATTN_TILED_HUGEPAGES") != nullptr;  // EXPERIMENT
-  const int64_t align = huge ? (int64_t{1} << 21) : 64;
-  const auto bytes = static_cast<std::size_t>(std::max<int64_t>(round_up(total, align), align));
-  void* p = std::aligned_alloc(static_cast<std::size_t>(align), bytes);
-  if (huge && p != nullptr) madvise(p, bytes, MADV_HUGEPAGE);
+  const auto bytes = static_cast<std::size_t>(std::max<int64_t>(round_up(total, 64), 64));
+  void* p = std::aligned_alloc(64, bytes);
   if (p == nullptr)
     return Status(Code::kOutOfMemory, "cannot allocate " + std::to_string(bytes) +
                                           " bytes for a tiled KV cache (" + shape_.to_string() +
@@ -186,8 +181,10 @@ Status TiledKVCache::allocate(int64_t tiles) {
 
 std::size_t TiledKVCache::k_offset(int64_t b, int64_t h, int64_t t) const {
   const int64_t es = static_cast<int64_t>(dtype_size(dtype_));
+  const int64_t P = kv_tile_panel(tile_), lane = t % tile_;
   return static_cast<std::size_t>((b * shape_.kv_heads + h) * head_stride_ +
-                                  (t / tile_) * tile_stride_ + (t % tile_) * es);
+                                  (t / tile_) * tile_stride_ +
+                                  ((lane / P) * shape_.head_dim * P + lane % P) * es);
 }
 
 std::size_t TiledKVCache::v_offset(int64_t b, int64_t h, int64_t t) const {
@@ -206,12 +203,12 @@ void TiledKVCache::set_token_raw(int64_t b, int64_t h, int64_t t, const void* k,
                                  float k_scale, float v_scale) {
   const std::size_t es = dtype_size(dtype_);
   const auto D = static_cast<std::size_t>(shape_.head_dim);
-  const auto T = static_cast<std::size_t>(tile_);
+  const auto P = static_cast<std::size_t>(kv_tile_panel(tile_));
   uint8_t* base = mem_.get();
-  // K^T: element d of this token sits T elements after element d - 1.
+  // K^T: element d of this token sits P elements (one panel row) after element d - 1.
   uint8_t* kd = base + k_offset(b, h, t);
   const auto* ks = static_cast<const uint8_t*>(k);
-  for (std::size_t d = 0; d < D; ++d) std::memcpy(kd + d * T * es, ks + d * es, es);
+  for (std::size_t d = 0; d < D; ++d) std::memcpy(kd + d * P * es, ks + d * es, es);
   std::memcpy(base + v_offset(b, h, t), v, D * es);
   if (dtype_is_quantized(dtype_)) {
     auto* f = reinterpret_cast<float*>(base);
@@ -246,11 +243,11 @@ void TiledKVCache::read_token_raw(int64_t b, int64_t h, int64_t t, void* k, void
                                   float* k_scale, float* v_scale) const {
   const std::size_t es = dtype_size(dtype_);
   const auto D = static_cast<std::size_t>(shape_.head_dim);
-  const auto T = static_cast<std::size_t>(tile_);
+  const auto P = static_cast<std::size_t>(kv_tile_panel(tile_));
   const uint8_t* base = mem_.get();
   const uint8_t* kd = base + k_offset(b, h, t);
   auto* ko = static_cast<uint8_t*>(k);
-  for (std::size_t d = 0; d < D; ++d) std::memcpy(ko + d * es, kd + d * T * es, es);
+  for (std::size_t d = 0; d < D; ++d) std::memcpy(ko + d * es, kd + d * P * es, es);
   std::memcpy(v, base + v_offset(b, h, t), D * es);
   *k_scale = *v_scale = 0.0f;
   if (dtype_is_quantized(dtype_)) {
@@ -359,13 +356,15 @@ Result<TiledKVCache> TiledKVCache::copy_from(const AttnShape& shape, const KVSha
       const int64_t m = std::min(T, n - t0);
       uint8_t* kt = base + dst.k_offset(b, h, t0);
       uint8_t* vt = base + dst.v_offset(b, h, t0);
+      const int64_t P = kv_tile_panel(T);
       for (int64_t j = 0; j < m; ++j) {
         const int64_t e = b * src.stride_batch + h * src.stride_head + (t0 + j) * src.stride_token;
         const uint8_t* ks = static_cast<const uint8_t*>(src.k) + e * es;
         std::memcpy(vt + j * D * es, static_cast<const uint8_t*>(src.v) + e * es,
                     static_cast<std::size_t>(D * es));
+        uint8_t* kp = kt + ((j / P) * D * P + j % P) * es;  // this token's K panel column
         for (int64_t d = 0; d < D; ++d)
-          std::memcpy(kt + (d * T + j) * es, ks + d * es, static_cast<std::size_t>(es));
+          std::memcpy(kp + d * P * es, ks + d * es, static_cast<std::size_t>(es));
         if (quant) {
           const int64_t si = b * src.scale_stride_batch + h * src.scale_stride_head +
                              (t0 + j) * src.scale_stride_token;

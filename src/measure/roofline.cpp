@@ -242,8 +242,8 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
   if (!options.rows && options.tiles.empty())
     return invalid_argument("roofline: no KV layout to time (rows off and no tile configuration)");
   for (const RooflineTiles& tc : options.tiles)
-    if (tc.tile_tokens < 16 || tc.tile_tokens > 256 || tc.tile_tokens % 16 != 0)
-      return invalid_argument("roofline: tile_tokens must be a multiple of 16 in [16, 256], got " +
+    if (tc.tile_tokens != 16 && (tc.tile_tokens < 32 || tc.tile_tokens > 256 || tc.tile_tokens % 32))
+      return invalid_argument("roofline: tile_tokens must be 16 or a multiple of 32 up to 256, got " +
                               std::to_string(tc.tile_tokens));
 
   std::vector<RooflineRecord> out;
@@ -395,6 +395,10 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
           rec.gbps = static_cast<double>(rec.kv_bytes) / rec.seconds / 1e9;
           rec.bandwidth_gbps = median(probes);
           rec.fraction_of_bandwidth = median(v.fractions);
+          rec.gbps_best = static_cast<double>(rec.kv_bytes) /
+                          *std::min_element(v.seconds.begin(), v.seconds.end()) / 1e9;
+          rec.bandwidth_gbps_best = *std::max_element(probes.begin(), probes.end());
+          rec.fraction_best = rec.gbps_best / rec.bandwidth_gbps_best;
           rec.flops = 4.0 * static_cast<double>(s.batch * s.heads * s.q_len) *
                       static_cast<double>(c.seq) * static_cast<double>(s.head_dim);
           rec.peak_gflops = peak.value();
@@ -470,9 +474,11 @@ std::string roofline_table(const std::vector<RooflineRecord>& records) {
   std::string s;
   char line[512];
   std::snprintf(line, sizeof line,
-                "%-26s %-5s %-7s %-16s %3s %7s %8s %8s %7s %7s %6s %8s %-7s %6s %9s %9s %8s %8s\n",
+                "%-26s %-5s %-7s %-16s %3s %7s %8s %8s %7s %7s %6s %7s %7s %6s %8s %-7s %6s %9s %9s "
+                "%8s %8s\n",
                 "shape", "dtype", "isa", "layout", "thr", "seq", "kv_MB", "ms", "GB/s", "bw_GB/s",
-                "frac", "peak_GF", "bound", "f_bnd", "blas_ms", "ours/blas", "rel_err", "err_unq");
+                "frac", "best", "bw_best", "f_best", "peak_GF", "bound", "f_bnd", "blas_ms",
+                "ours/blas", "rel_err", "err_unq");
   s += line;
   for (const RooflineRecord& r : records) {
     const std::string peer_ms = r.peer_seconds >= 0 ? fmt("%.2f", r.peer_seconds * 1e3) : "-";
@@ -486,11 +492,12 @@ std::string roofline_table(const std::vector<RooflineRecord>& records) {
                "-b" + std::to_string(r.block_tiles) + "-p" + std::to_string(r.prefetch_bytes);
     }
     std::snprintf(line, sizeof line,
-                  "%-26s %-5s %-7s %-16s %3d %7lld %8.1f %8.2f %7.2f %7.2f %6.3f %8.1f %-7s %6.3f "
-                  "%9s %9s %8s %8s\n",
+                  "%-26s %-5s %-7s %-16s %3d %7lld %8.1f %8.2f %7.2f %7.2f %6.3f %7.2f %7.2f %6.3f "
+                  "%8.1f %-7s %6.3f %9s %9s %8s %8s\n",
                   r.shape.c_str(), r.dtype.c_str(), r.isa.c_str(), layout.c_str(), r.threads,
                   static_cast<long long>(r.seq), static_cast<double>(r.kv_bytes) / 1048576.0,
-                  r.seconds * 1e3, r.gbps, r.bandwidth_gbps, r.fraction_of_bandwidth,
+                  r.seconds * 1e3, r.gbps, r.bandwidth_gbps, r.fraction_of_bandwidth, r.gbps_best,
+                  r.bandwidth_gbps_best, r.fraction_best,
                   r.peak_gflops, r.bound.c_str(), r.fraction_of_bound, peer_ms.c_str(),
                   ratio.c_str(), err.c_str(), errq.c_str());
     s += line;
@@ -515,6 +522,9 @@ std::string roofline_json(const std::vector<RooflineRecord>& records) {
          ", \"kv_bytes\": " + std::to_string(r.kv_bytes) + ", \"seconds\": " + num(r.seconds) +
          ", \"gbps\": " + num(r.gbps) + ", \"bandwidth_gbps\": " + num(r.bandwidth_gbps) +
          ", \"fraction_of_bandwidth\": " + num(r.fraction_of_bandwidth) +
+         ", \"gbps_best\": " + num(r.gbps_best) +
+         ", \"bandwidth_gbps_best\": " + num(r.bandwidth_gbps_best) +
+         ", \"fraction_best\": " + num(r.fraction_best) +
          ", \"flops\": " + num(r.flops) + ", \"peak_gflops\": " + num(r.peak_gflops) +
          ", \"compute_seconds\": " + num(r.compute_seconds) +
          ", \"memory_seconds\": " + num(r.memory_seconds) + ", \"bound\": \"" + r.bound +

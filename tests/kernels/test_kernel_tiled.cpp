@@ -35,6 +35,8 @@ struct TileConfig {
 };
 constexpr TileConfig kTileConfigs[] = {{32, KVTileLayout::kSplit},
                                        {16, KVTileLayout::kInterleaved},
+                                       {128, KVTileLayout::kInterleaved},
+                                       {64, KVTileLayout::kSplit},
                                        {32, KVTileLayout::kInterleaved},
                                        {16, KVTileLayout::kSplit}};
 
@@ -80,7 +82,7 @@ std::vector<SweepCase> sweep_cases() {
         HeadsConfig hc = kHeads[k % 8];
         const int64_t D = kDims[(k / 3) % 6];
         int64_t B = kBatches[(k / 2) % 3];
-        const TileConfig tile = kTileConfigs[(k / 5) % 4];
+        const TileConfig tile = kTileConfigs[(k / 5) % 6];
         ++k;
         while (B * hc.heads * std::max<int64_t>(L, 1) * D * Q > 60'000'000 && B > 1)
           B = B > 3 ? 3 : 1;
@@ -151,7 +153,7 @@ TEST(TiledCache, EncodingMatchesKVCacheAndSurvivesGrowth) {
       KVCache ref(s, t, n);
       Result<TiledKVCache> c = TiledKVCache::create(s, t, 20, tc.layout, tc.tokens);
       ASSERT_TRUE(c.is_ok()) << c.status().to_string();
-      EXPECT_EQ(c->capacity(), 32);  // 20 rounded up to whole tiles
+      EXPECT_EQ(c->capacity(), (20 + tc.tokens - 1) / tc.tokens * tc.tokens);  // whole tiles
       std::mt19937_64 rng(7);
       std::uniform_real_distribution<float> u(-3.0f, 3.0f);
       std::vector<float> k(static_cast<std::size_t>(3 * 80)), v(k.size());
@@ -446,10 +448,13 @@ TEST(TiledKernel, SameBitsForAnyThreadCount) {
 
 TEST(TiledErrors, BadArgumentsAreNamed) {
   const AttnShape s{2, 8, 2, 64, 1};
-  auto bad_tile = TiledKVCache::create(s, DType::kF32, 10, KVTileLayout::kSplit, 24);
-  ASSERT_FALSE(bad_tile.is_ok());
-  EXPECT_NE(bad_tile.status().message().find("tile_tokens must be a multiple of 16"), std::string::npos)
-      << bad_tile.status().message();
+  for (int64_t bad : {0, 8, 24, 48, 288}) {
+    auto bad_tile = TiledKVCache::create(s, DType::kF32, 10, KVTileLayout::kSplit, bad);
+    ASSERT_FALSE(bad_tile.is_ok());
+    EXPECT_NE(bad_tile.status().message().find("tile_tokens must be 16 or a multiple of 32"),
+              std::string::npos)
+        << bad_tile.status().message();
+  }
   EXPECT_FALSE(TiledKVCache::create(s, DType::kF32, -1).is_ok());
   EXPECT_FALSE(TiledKVCache::create(AttnShape{1, 8, 3, 64, 1}, DType::kF32, 10).is_ok());
   EXPECT_FALSE(parse_kv_tile_layout("diagonal").is_ok());

@@ -64,13 +64,14 @@ struct ItemArgs {
 };
 
 // One item of the tiled kernel (kv_tiles.hpp layout): the R = group * q_len query rows of one
-// KV head against the tiles of one chunk. Tile i of the chunk: K^T [head_dim][tile_tokens] at
-// k + i * tile_stride, V [tile_tokens][head_dim] at v + i * tile_stride, and for fp8/int8 the
-// scales of its tokens at k_scale + i * scale_tile_stride (v_scale alike).
+// KV head against the tiles of one chunk. Tile i of the chunk: K transposed in panels of
+// P = min(tile_tokens, 32) tokens, [tile_tokens / P][head_dim][P], at k + i * tile_stride,
+// V [tile_tokens][head_dim] at v + i * tile_stride, and for fp8/int8 the scales of its tokens
+// at k_scale + i * scale_tile_stride (v_scale alike).
 struct TiledItemArgs {
   int head_dim = 0;
   DType dtype = DType::kF32;
-  int tile_tokens = 0;            // T: a multiple of 16
+  int tile_tokens = 0;            // T: 16 or a multiple of 32
   const char* k = nullptr;        // K^T of the chunk's first tile
   const char* v = nullptr;        // V of the chunk's first tile
   int64_t tile_stride = 0;        // bytes between tiles (K and V alike)
@@ -92,8 +93,8 @@ using TiledItemFn = void (*)(const TiledItemArgs&);
 
 // Tiles per online-softmax block of the tiled kernel and its software prefetch distance per
 // stream; the measurements behind both are in tiled_item_impl.hpp.
-inline constexpr int kTiledBlockTiles = 4;
-inline constexpr int64_t kTiledPrefetchBytes = 4096;
+inline constexpr int kTiledBlockTiles = 1;
+inline constexpr int64_t kTiledPrefetchBytes = 8192;
 struct TiledTuning {
   int block_tiles = kTiledBlockTiles;
   int64_t prefetch_bytes = kTiledPrefetchBytes;  // 0: no software prefetch

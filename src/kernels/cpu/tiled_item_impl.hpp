@@ -20,8 +20,8 @@
 //      block's tokens, p[r][t] broadcast; a row never multiplies a value past its visible
 //      tokens (rows tiled 4/3/2/1 over the tokens they all see, then each row's extra tokens).
 // Software prefetch (prefetch_bytes > 0): each stream (K and V tiles; one stream when a tile
-// holds both) is fetched into L2 prefetch_bytes ahead of the tokens consumed, a few lines per
-// score unit.
+// holds both) is fetched into L2 prefetch_bytes ahead of the block being read, the requests
+// spread evenly over both passes (see TiledPrefetch).
 //
 // Quantized K/V (fp8, int8): logits are (q . k_codes) * k_scale * scale and the value weight
 // of a token is p * v_scale (l sums p), scales read from the tiles, as in the row kernel.
@@ -70,59 +70,70 @@ inline void tiled_score_unit(const float* q, int D, const char* kb0, const char*
 }
 
 // Where the software prefetch of an item stands: streams of `len` bytes from s0 (and s1 when
-// K and V tiles live apart), fetched up to `done`.
+// K and V tiles live apart), fetched up to `done`. Each block plans the lines that bring the
+// streams `ahead` bytes past the block's end and issues them evenly over its time, half
+// spread over the score pass (a few per head_dim step) and half over the value pass (a few
+// per token), so that requests stay in flight while the core computes, `ahead` bytes (the
+// lead) before the data is read.
 struct TiledPrefetch {
   const char* s0 = nullptr;
   const char* s1 = nullptr;
   int64_t len = 0;
   int64_t done = 0;
-  int64_t ahead = 0;  // prefetch_bytes
-  // Fetch everything below consumed + ahead (clipped to the streams).
-  void upto(int64_t consumed) {
-    int64_t target = consumed + ahead;
+  int64_t ahead = 0;        // prefetch_bytes
+  int64_t score_lines = 0;  // this block's share of the score pass
+  int64_t value_lines = 0;  // this block's share of the value pass
+  void upto(int64_t target) {
     if (target > len) target = len;
     for (; done < target; done += 64) {
       __builtin_prefetch(s0 + done, 0, 2);
       if (s1 != nullptr) __builtin_prefetch(s1 + done, 0, 2);
     }
   }
+  void plan_block(int64_t block_end) {
+    const int64_t target = block_end + ahead < len ? block_end + ahead : len;
+    const int64_t lines = target > done ? (target - done + 63) / 64 : 0;
+    score_lines = (lines + 1) / 2;
+    value_lines = lines - score_lines;
+  }
+  // Lines per step for `lines` over `steps` steps (rounded up: overshooting a line is
+  // harmless), and the pointers of the next line.
+  static int per_step(int64_t lines, int64_t steps) {
+    return steps > 0 ? static_cast<int>((lines + steps - 1) / steps) : 0;
+  }
+  const char* p0() const { return s0 + done; }
+  const char* p1() const { return s1 != nullptr ? s1 + done : nullptr; }
 };
 
 // Scores of RS rows for the n tokens of a block starting at tile `bt` of the item (padded to
-// whole units); `pf` (first row group only) advances the prefetch per unit.
+// whole units); `pf` (first row group only) issues the block's score-pass prefetch share.
 template <DType DT, int RS>
 void tiled_score_rows(const TiledItemArgs& a, const float* q, int64_t bt, int n, float* s,
                       int64_t ld, TiledPrefetch* pf) {
   constexpr int64_t es = elem_bytes<DT>();
   const int64_t T = a.tile_tokens;
-  const int64_t row_bytes = T * es;
+  const int64_t P = T < 32 ? T : 32;  // kv_tile_panel(): tokens per K panel
+  const int64_t row_bytes = P * es;
   auto vec_base = [&](int64_t tok) {  // K^T row 0 of the vector holding block token tok
-    const int64_t tile = tok / T;
-    return a.k + (bt + tile) * a.tile_stride + (tok - tile * T) * es;
+    const int64_t tile = tok / T, lane = tok - tile * T, panel = lane / P;
+    return a.k + (bt + tile) * a.tile_stride + (panel * a.head_dim * P + lane - panel * P) * es;
   };
   for (int u = 0; u < n; u += kUnitTokens) {
     const char* k0 = vec_base(u);
     const char* k1 = u + Ops::W < n ? vec_base(u + Ops::W) : k0;
-    if (pf == nullptr) {
-      tiled_score_unit<DT, RS, false>(q, a.head_dim, k0, k1, row_bytes, s + u, ld, nullptr,
-                                       nullptr, 0);
-      continue;
-    }
-    // Lines still to fetch so that the streams stay `ahead` bytes past this unit, spread
-    // evenly over the unit's head_dim steps (rounded up; overshooting a line is harmless).
-    int64_t target = (bt * T + u + kUnitTokens) * a.tile_stride / T + pf->ahead;
-    if (target > pf->len) target = pf->len;
-    const int64_t lines = target > pf->done ? (target - pf->done + 63) / 64 : 0;
-    const int per_d = static_cast<int>((lines + a.head_dim - 1) / a.head_dim);
+    const int64_t units_left = (n - u + kUnitTokens - 1) / kUnitTokens;
+    const int per_d =
+        pf != nullptr ? TiledPrefetch::per_step(pf->score_lines, units_left * a.head_dim) : 0;
     if (per_d == 0) {
       tiled_score_unit<DT, RS, false>(q, a.head_dim, k0, k1, row_bytes, s + u, ld, nullptr,
                                        nullptr, 0);
       continue;
     }
-    tiled_score_unit<DT, RS, true>(q, a.head_dim, k0, k1, row_bytes, s + u, ld,
-                                    pf->s0 + pf->done,
-                                    pf->s1 != nullptr ? pf->s1 + pf->done : nullptr, per_d);
-    pf->done += int64_t{per_d} * a.head_dim * 64;
+    tiled_score_unit<DT, RS, true>(q, a.head_dim, k0, k1, row_bytes, s + u, ld, pf->p0(),
+                                    pf->p1(), per_d);
+    const int64_t issued = int64_t{per_d} * a.head_dim;
+    pf->done += issued * 64;
+    pf->score_lines = pf->score_lines > issued ? pf->score_lines - issued : 0;
   }
 }
 
@@ -137,9 +148,11 @@ void tiled_score_dispatch_n(int rs, const TiledItemArgs& a, const float* q, int6
 
 // o[r][d0 .. d0 + NV*W) += sum_{t in [tb, te)} p[r][t] * V[t][d0 ..] for RV rows; block token
 // t is lane t % T of tile bt + t / T.
-template <DType DT, int RV, int NV>
+// With PF, also prefetches pf_per_t lines of each stream per token, from pf0 (and pf1).
+template <DType DT, int RV, int NV, bool PF>
 inline void tiled_value_slice(const TiledItemArgs& a, int64_t bt, float* const* o,
-                              const float* const* p, int tb, int te, int d0) {
+                              const float* const* p, int tb, int te, int d0, const char* pf0,
+                              const char* pf1, int pf_per_t) {
   using V = typename Ops::V;
   constexpr int64_t es = elem_bytes<DT>();
   const int64_t T = a.tile_tokens, D = a.head_dim;
@@ -152,6 +165,14 @@ inline void tiled_value_slice(const TiledItemArgs& a, int64_t bt, float* const* 
     const int tile_end = static_cast<int>((tile + 1) * T < te ? (tile + 1) * T : te);
     const char* row = a.v + (bt + tile) * a.tile_stride + ((t - tile * T) * D + d0) * es;
     for (; t < tile_end; ++t, row += D * es) {
+      if constexpr (PF) {
+        for (int j = 0; j < pf_per_t; ++j) {
+          __builtin_prefetch(pf0 + j * 64, 0, 2);
+          if (pf1 != nullptr) __builtin_prefetch(pf1 + j * 64, 0, 2);
+        }
+        pf0 += pf_per_t * 64;
+        if (pf1 != nullptr) pf1 += pf_per_t * 64;
+      }
       V vv[NV];
       for (int j = 0; j < NV; ++j) vv[j] = load_elems<DT>(row, j * Ops::W);
       for (int r = 0; r < RV; ++r) {
@@ -164,15 +185,28 @@ inline void tiled_value_slice(const TiledItemArgs& a, int64_t bt, float* const* 
     for (int j = 0; j < NV; ++j) Ops::storeu(o[r] + d0 + j * Ops::W, acc[r][j]);
 }
 
+// o += p * V over tokens [tb, te) for RV rows, D in slices; `pf` (first row tile only) issues
+// the block's value-pass prefetch share during the first slice.
 template <DType DT, int RV>
 inline void tiled_value_rows(const TiledItemArgs& a, int64_t bt, float* const* o,
-                             const float* const* p, int tb, int te) {
+                             const float* const* p, int tb, int te, TiledPrefetch* pf) {
   if (tb >= te) return;
   const int D = a.head_dim;
   int d0 = 0;
+  const int per_t = pf != nullptr ? TiledPrefetch::per_step(pf->value_lines, te - tb) : 0;
+  if (per_t > 0) {
+    static_assert(kValueVecs * Ops::W <= 64, "the first slice fits the smallest head dim");
+    tiled_value_slice<DT, RV, kValueVecs, true>(a, bt, o, p, tb, te, 0, pf->p0(), pf->p1(),
+                                                per_t);
+    d0 = kValueVecs * Ops::W;
+    const int64_t issued = int64_t{per_t} * (te - tb);
+    pf->done += issued * 64;
+    pf->value_lines = pf->value_lines > issued ? pf->value_lines - issued : 0;
+  }
   for (; d0 + kValueVecs * Ops::W <= D; d0 += kValueVecs * Ops::W)
-    tiled_value_slice<DT, RV, kValueVecs>(a, bt, o, p, tb, te, d0);
-  for (; d0 < D; d0 += Ops::W) tiled_value_slice<DT, RV, 1>(a, bt, o, p, tb, te, d0);
+    tiled_value_slice<DT, RV, kValueVecs, false>(a, bt, o, p, tb, te, d0, nullptr, nullptr, 0);
+  for (; d0 < D; d0 += Ops::W)
+    tiled_value_slice<DT, RV, 1, false>(a, bt, o, p, tb, te, d0, nullptr, nullptr, 0);
 }
 
 template <DType DT>
@@ -203,7 +237,7 @@ void run_tiled_item(const TiledItemArgs& a) {
     pf_state.s1 = one_stream ? nullptr : a.v;
     pf_state.len = tiles * a.tile_stride;
     pf_state.ahead = a.prefetch_bytes;
-    pf_state.upto(0);
+    pf_state.upto(a.prefetch_bytes);
     pf = &pf_state;
   }
 
@@ -211,6 +245,7 @@ void run_tiled_item(const TiledItemArgs& a) {
     const int64_t bt = tb / T;  // first tile of the block
     const int n = static_cast<int>(a.tokens - tb < block_tokens ? a.tokens - tb : block_tokens);
     const int padded = (n + kUnitTokens - 1) / kUnitTokens * kUnitTokens;
+    if (pf != nullptr) pf->plan_block((bt + (n + T - 1) / T) * a.tile_stride);
 
     // 1. Scores, rows in groups of up to kMaxScoreRows; the first group drives the prefetch.
     for (int r0 = 0; r0 < R; r0 += kMaxScoreRows) {
@@ -297,7 +332,7 @@ void run_tiled_item(const TiledItemArgs& a) {
       if (take > 0 && a.out[r * kRec + kM] == kNegInf) take = 0;
       return take;
     };
-    auto run_group = [&](auto rv_tag, int rb) {
+    auto run_group = [&](auto rv_tag, int rb, TiledPrefetch* gpf) {
       constexpr int RV = decltype(rv_tag)::value;
       float* o[RV];
       const float* p[RV];
@@ -309,16 +344,18 @@ void run_tiled_item(const TiledItemArgs& a) {
         tk[i] = take_of(rb + i);
         common = tk[i] < common ? tk[i] : common;
       }
-      tiled_value_rows<DT, RV>(a, bt, o, p, 0, common);
+      tiled_value_rows<DT, RV>(a, bt, o, p, 0, common, gpf);
       if constexpr (RV > 1) {
-        for (int i = 0; i < RV; ++i) tiled_value_rows<DT, 1>(a, bt, o + i, p + i, common, tk[i]);
+        for (int i = 0; i < RV; ++i)
+          tiled_value_rows<DT, 1>(a, bt, o + i, p + i, common, tk[i], nullptr);
       }
     };
     int r0 = 0;
-    for (; r0 + 4 <= R; r0 += 4) run_group(RowTile<4>{}, r0);
-    if (R - r0 == 3) run_group(RowTile<3>{}, r0);
-    if (R - r0 == 2) run_group(RowTile<2>{}, r0);
-    if (R - r0 == 1) run_group(RowTile<1>{}, r0);
+    for (; r0 + 4 <= R; r0 += 4) run_group(RowTile<4>{}, r0, r0 == 0 ? pf : nullptr);
+    TiledPrefetch* last_pf = r0 == 0 ? pf : nullptr;
+    if (R - r0 == 3) run_group(RowTile<3>{}, r0, last_pf);
+    if (R - r0 == 2) run_group(RowTile<2>{}, r0, last_pf);
+    if (R - r0 == 1) run_group(RowTile<1>{}, r0, last_pf);
   }
 
   // A NaN logit leaves m finite but l NaN; report it in m too, as the reference does.

@@ -79,6 +79,7 @@ Status decode_tiled_reference(const AttnShape& shape, const float* q, const Tile
                               float* states, const ResolvedOptions& opt) {
   const int64_t B = shape.batch, H = shape.heads, Hkv = shape.kv_heads, D = shape.head_dim;
   const int64_t Q = shape.q_len, G = shape.group(), T = kv.tile_tokens;
+  const int64_t P = kv_tile_panel(T);
   const std::size_t rec = static_cast<std::size_t>(D + 2);
   const std::size_t rows_per_item = static_cast<std::size_t>(G * Q);
   const int64_t chunk = (opt.chunk_tokens + T - 1) / T * T;
@@ -117,8 +118,8 @@ Status decode_tiled_reference(const AttnShape& shape, const float* q, const Tile
         vs = kv.v_scale[scale_offset(kv, b, kvh, tile) + lane];
       }
       for (int64_t d = 0; d < D; ++d) {
-        kf[static_cast<std::size_t>(d)] =
-            dequantize(kt, kv.dtype, static_cast<std::size_t>(d * T + lane), ks);
+        kf[static_cast<std::size_t>(d)] = dequantize(
+            kt, kv.dtype, static_cast<std::size_t>((lane / P) * D * P + d * P + lane % P), ks);
         vf[static_cast<std::size_t>(d)] =
             dequantize(vt, kv.dtype, static_cast<std::size_t>(lane * D + d), vs);
       }
