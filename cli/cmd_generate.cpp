@@ -637,7 +637,8 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
         {"methods", jm},
     };
     std::ofstream out(f.json);
-    out << j.dump(2) << "\n";
+    // Generated text may end inside a multi-byte character: invalid UTF-8 becomes U+FFFD.
+    out << j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
     if (!out) rc = fail(invalid_argument("--json " + f.json + ": write failed"));
   }
   return rc;

@@ -20,7 +20,7 @@ namespace treeattn::model {
 namespace {
 
 constexpr int64_t kRowChunk = 16;
-constexpr int64_t kTokenTile = 32;
+constexpr int64_t kTokenTile = 36;  // a multiple of every target's NT (3, 2, 1)
 
 detail::RowsFn rows_fn(Isa isa) {
   switch (isa) {
