@@ -20,8 +20,8 @@
 //      block's tokens, p[r][t] broadcast; a row never multiplies a value past its visible
 //      tokens (rows tiled 4/3/2/1 over the tokens they all see, then each row's extra tokens).
 // Software prefetch (prefetch_bytes > 0): each stream (K and V tiles; one stream when a tile
-// holds both) is fetched into L2 prefetch_bytes ahead of the block being read, the requests
-// spread evenly over both passes (see TiledPrefetch).
+// holds both) is fetched into L1 (prefetcht0) prefetch_bytes ahead of the block being read,
+// the requests spread evenly over both passes (see TiledPrefetch).
 //
 // Quantized K/V (fp8, int8): logits are (q . k_codes) * k_scale * scale and the value weight
 // of a token is p * v_scale (l sums p), scales read from the tiles, as in the row kernel.
@@ -36,7 +36,7 @@ constexpr int64_t tiled_score_ld(int64_t block_tokens) { return (block_tokens + 
 
 // Raw dot products of RS rows (q, row stride D) with the 2W tokens of one unit: vector j reads
 // K^T row d at kb[j] + d * row_bytes. Stores s[r * ld + j * W + lane].
-// With PF, also prefetches pf_per_d lines of each prefetch stream per d (into L2), from pf0
+// With PF, also prefetches pf_per_d lines of each prefetch stream per d (into L1), from pf0
 // (and pf1 when not null), so that the requests are spread over the unit's work.
 template <DType DT, int RS, bool PF>
 inline void tiled_score_unit(const float* q, int D, const char* kb0, const char* kb1,
@@ -49,8 +49,8 @@ inline void tiled_score_unit(const float* q, int D, const char* kb0, const char*
   for (int d = 0; d < D; ++d) {
     if constexpr (PF) {
       for (int j = 0; j < pf_per_d; ++j) {
-        __builtin_prefetch(pf0 + j * 64, 0, 2);
-        if (pf1 != nullptr) __builtin_prefetch(pf1 + j * 64, 0, 2);
+        __builtin_prefetch(pf0 + j * 64, 0, 3);
+        if (pf1 != nullptr) __builtin_prefetch(pf1 + j * 64, 0, 3);
       }
       pf0 += pf_per_d * 64;
       if (pf1 != nullptr) pf1 += pf_per_d * 64;
@@ -86,8 +86,8 @@ struct TiledPrefetch {
   void upto(int64_t target) {
     if (target > len) target = len;
     for (; done < target; done += 64) {
-      __builtin_prefetch(s0 + done, 0, 2);
-      if (s1 != nullptr) __builtin_prefetch(s1 + done, 0, 2);
+      __builtin_prefetch(s0 + done, 0, 3);
+      if (s1 != nullptr) __builtin_prefetch(s1 + done, 0, 3);
     }
   }
   void plan_block(int64_t block_end) {
@@ -167,8 +167,8 @@ inline void tiled_value_slice(const TiledItemArgs& a, int64_t bt, float* const* 
     for (; t < tile_end; ++t, row += D * es) {
       if constexpr (PF) {
         for (int j = 0; j < pf_per_t; ++j) {
-          __builtin_prefetch(pf0 + j * 64, 0, 2);
-          if (pf1 != nullptr) __builtin_prefetch(pf1 + j * 64, 0, 2);
+          __builtin_prefetch(pf0 + j * 64, 0, 3);
+          if (pf1 != nullptr) __builtin_prefetch(pf1 + j * 64, 0, 3);
         }
         pf0 += pf_per_t * 64;
         if (pf1 != nullptr) pf1 += pf_per_t * 64;
