@@ -332,11 +332,14 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
           if (!tiled.is_ok()) return tiled.status();
           variants.push_back(Variant{"tiled", tc, std::move(tiled).value(), {}, {}});
         }
+        // Runs one layout on the first shape.batch rows, each with l[b] tokens from position 0.
         auto run_variant = [&](const Variant& v, const AttnShape& shape, std::span<const int64_t> l,
                                float* st) -> Status {
+          const std::span<const int64_t> l0 = std::span<const int64_t>(start).first(l.size());
           if (v.layout == "rows") {
             KVShard view = kv;
             view.len = l;
+            view.pos_start = l0;
             view.total_len = l;
             return decode_partial(shape, q.data(), view, st, opt);
           }
@@ -348,7 +351,7 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
           if (v.tiles.prefetch_bytes >= 0) tuning.prefetch_bytes = v.tiles.prefetch_bytes;
           kernels::cpu::set_tiled_tuning(tuning);
           const Status st_run =
-              decode_partial_tiled(shape, q.data(), v.cache.view(l, start, l), st, opt);
+              decode_partial_tiled(shape, q.data(), v.cache.view(l, l0, l), st, opt);
           kernels::cpu::set_tiled_tuning(saved);
           return st_run;
         };

@@ -7,15 +7,16 @@
 //
 // One item = the R query rows of one KV head (group * q_len rows) against the tiles of one
 // chunk, in blocks of TiledItemArgs::block_tiles tiles:
-//   1. scores: units of 2 vectors of W tokens. K is transposed inside a tile ([D][T]), so the
-//      scores of a unit for RS rows are 2 * RS accumulators updated by vertical FMAs of the
-//      broadcast q[r][d] with the unit's two K vectors at each d: no horizontal reduction, and
-//      each K vector is widened once for all RS rows (RS up to 8 with AVX-512's 32 registers,
-//      6 with AVX2's 16). Each vector has its own base pointer, so a unit may span two tiles
-//      (T = 16 with W = 16) and vectors past the block repeat the first one (then masked).
+//   1. scores: units of 2 vectors of W tokens. K is transposed in 32-token panels ([D][32]),
+//      so the scores of a unit for RS rows are 2 * RS accumulators updated by vertical FMAs of
+//      the broadcast q[r][d] with the unit's two K vectors at each d: no horizontal reduction,
+//      each K vector widened once for all RS rows (RS up to 8 with AVX-512's 32 registers, 6
+//      with AVX2's 16), and an AVX-512 unit reads its panel front to back. Each vector has its
+//      own base pointer, so a unit may span two tiles (T = 16 with W = 16) and vectors past
+//      the block repeat the first one (then masked).
 //   2. online softmax per row over the block, as in decode_item_impl.hpp: block max, rescale
-//      of (l, o) by exp(m_old - m_new) only when the max moved, p = exp(s - m), -inf past the
-//      row's visible tokens (a blend, so K values there never matter).
+//      of (l, o) by exp(m_old - m_new) only when the max moved, p = exp(s - m); scores past
+//      the row's visible tokens are overwritten with -inf, so K values there never matter.
 //   3. values: V rows [T][D]; tiles of RV rows x NV vectors of D held in registers over the
 //      block's tokens, p[r][t] broadcast; a row never multiplies a value past its visible
 //      tokens (rows tiled 4/3/2/1 over the tokens they all see, then each row's extra tokens).
@@ -25,6 +26,27 @@
 //
 // Quantized K/V (fp8, int8): logits are (q . k_codes) * k_scale * scale and the value weight
 // of a token is p * v_scale (l sums p), scales read from the tiles, as in the row kernel.
+//
+// Limits, written before optimising (per token and KV head, llama3-8b: group 4, D 128):
+//   bytes    f32 1024, bf16/f16 512, fp8/int8 256 + 8 of scales; at the probe's 21-25 GB/s
+//            per core (issue 5's numbers) 41-49 / 20-24 / 11-13 ns.
+//   flops    2048 (4 rows x 128 x (q.k + p.v) x 2) = 64 512-bit FMAs; at the measured FMA
+//            peak of one core (117-260 GFLOP/s, the VM's clock moves) 8-17.5 ns.
+//   inner-loop instructions (AVX-512, this kernel): scores per d-step for 4 rows and 32 tokens:
+//            2 K loads (+2 vpmovzxwd+2 vpslld for bf16, 2 vcvtph2ps for f16), 4 vbroadcastss,
+//            8 FMA -> per token 8 loads, 16 broadcasts, 32 FMA (+16 / +8 widening ops); values
+//            per token: 8 V loads (+16 / +8), 8 broadcasts, 32 FMA; softmax ~8 per token;
+//            in all ~114 (f32), ~146 (bf16), ~130 (f16) instructions, 64 of them FMAs.
+//   prediction: memory-bound with a 2-4x margin for f32 and 1.5-2x for bf16/f16, so >= 0.85 of
+//            the probe with prefetch hiding the compute; fp8/int8 compute-bound (fp8 widening
+//            is 7 instructions per 16 values).
+// Result (README's kernel roofline section has the table): in cache the item runs at
+// 10-11 ns per token and KV head for every 16/32-bit dtype (~200 GFLOP/s, about 0.75 of the
+// best FMA peak measured), but from DRAM compute and memory overlap only partly: with group
+// 1, 2, 4, 8 (same run, bf16, 1 thread, 128k tokens) the kernel reaches 0.91, 0.91, 0.77,
+// 0.51 of the probe, i.e. time ~ memory + 0.6 x compute. Leads longer than 8 KiB measured
+// worse, not better (presumably the core's outstanding misses are full and the prefetches
+// stall it), so the prefetch cannot run far enough ahead to hide all of the compute.
 
 constexpr int kUnitTokens = 2 * Ops::W;
 constexpr int kMaxScoreRows = Ops::W >= 16 ? 8 : 6;
