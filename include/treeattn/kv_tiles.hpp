@@ -31,6 +31,9 @@
 //      bitwise independence of the thread count are decode_partial()'s (kernel.hpp); results
 //      are not bit-identical to decode_partial() (other summation order), both are within the
 //      oracle tolerance.
+//   A view stays valid until the next reserve() (which moves the memory); writes and decodes
+//   must not overlap in time (no internal locking). Memory: the caller layout's bytes rounded up
+//   to whole tiles and 64-byte records (bytes()).
 //   Strategies that move KV between ranks (ring-kv) need the caller layout: read_token() or
 //   read_token_raw() give a token back, copy_from() takes a received KVShard.
 #pragma once
