@@ -82,6 +82,16 @@ Result<std::vector<std::string>> resolve_methods(const std::string& text) {
   return v;
 }
 
+// The layout run_interleaved will choose (workload.hpp): tiled unless a method reads rows.
+std::string layout_label(const std::string& flag, const std::vector<std::string>& methods) {
+  if (flag != "auto") return flag;
+  const StrategyRegistry& registry = StrategyRegistry::for_backend(CommCapabilities{});
+  for (const auto& m : methods)
+    if (const StrategyInfo* info = registry.info(m); info && info->reads_kv_rows)
+      return "rows (auto: " + m + " reads rows)";
+  return "tiled (auto)";
+}
+
 int fail(const char* cmd, const Status& s) {
   std::fprintf(stderr, "treeattn %s: error: %s\n", cmd, s.to_string().c_str());
   return 2;
@@ -146,6 +156,7 @@ MeasureConfig measure_config(const DecodeFlags& f, const std::vector<std::string
   mc.dtype = *parse_dtype(f.shape.dtype);
   mc.seq = seq;
   mc.shard = f.shape.shard;
+  mc.kv_layout = *parse_kv_layout(f.shape.kv_layout);
   mc.seed = f.shape.seed;
   mc.warmup = f.warmup;
   mc.iters = f.iters;
@@ -204,10 +215,11 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
   if (lead && !bench && f.child_json.empty()) {
     const AttnShape s = f.shape.shape();
     std::printf("treeattn run: %d ranks, %s, %s KV, %s tokens (%s shards), %d warm-up + %d decode "
-                "steps%s; kernel %s, %d thread(s) per rank\n",
+                "steps%s; kernel %s, KV layout %s, %d thread(s) per rank\n",
                 P, s.to_string().c_str(), f.shape.dtype.c_str(), format_size(f.shape.seqs[0]).c_str(),
                 f.shape.shard.c_str(), f.warmup, f.iters, f.append ? " with appends" : "",
-                std::string(isa_name(best_isa())).c_str(), threads);
+                std::string(isa_name(best_isa())).c_str(),
+                layout_label(f.shape.kv_layout, methods).c_str(), threads);
     std::printf("checking every method against the float64 oracle (max rel err <= 1e-5) and "
                 "bit-identical results on all ranks\n\n");
     std::fflush(stdout);
@@ -354,6 +366,14 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
 
   // Under an existing mpirun/srun the job's world is used; --ranks, if given, must match it.
   f.ranks_given = sub.count("--ranks") > 0;
+  if (f.shape.kv_layout == "tiled") {
+    const StrategyRegistry& registry = StrategyRegistry::for_backend(CommCapabilities{});
+    for (const auto& m : *methods)
+      if (const StrategyInfo* info = registry.info(m); info && info->reads_kv_rows)
+        return fail(cmd, invalid_argument("--kv-layout tiled: method " + m +
+                                          " reads the KV cache as rows (use --kv-layout auto or "
+                                          "rows, or leave " + m + " out of --methods)"));
+  }
   if (started_by_mpi_launcher()) return run_job(cmd, f, methods.value(), bench);
 
   // Plain shell: every output path is checked before the first job starts.
@@ -414,10 +434,11 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
   if (!bench) {
     const AttnShape s = f.shape.shape();
     std::printf("treeattn run: %s ranks, %s, %s KV, %s tokens (%s shards), %d warm-up + %d decode "
-                "steps%s; kernel %s\n",
+                "steps%s; kernel %s, KV layout %s\n",
                 f.ranks.c_str(), s.to_string().c_str(), f.shape.dtype.c_str(),
                 format_size(f.shape.seqs[0]).c_str(), f.shape.shard.c_str(), f.warmup, f.iters,
-                f.append ? " with appends" : "", std::string(isa_name(best_isa())).c_str());
+                f.append ? " with appends" : "", std::string(isa_name(best_isa())).c_str(),
+                layout_label(f.shape.kv_layout, *methods).c_str());
     std::printf("every method checked against the float64 oracle (max rel err <= 1e-5) and for "
                 "bit-identical results on all ranks\n\n");
   }

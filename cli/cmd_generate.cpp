@@ -59,6 +59,7 @@ struct GenFlags {
   std::string method = "tree";
   std::string kv_dtype = "f16";
   std::string placement = "even";
+  std::string kv_layout = "auto";
   bool chat = false;
   std::string system = kSmolSystem;
   std::string json;
@@ -186,6 +187,7 @@ model::GeneratorConfig generator_config(const GenFlags& f, const std::vector<std
   gc.methods = methods;
   gc.kv_dtype = *parse_dtype(f.kv_dtype);
   gc.placement = *parse_shard_kind(f.placement);
+  gc.kv_layout = *parse_kv_layout(f.kv_layout);
   gc.threads = threads;
   gc.reserve_tokens = f.new_tokens;
   gc.fanout = f.fanout;
@@ -211,6 +213,8 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
   const auto dt = parse_dtype(f.kv_dtype);
   if (!dt || dtype_is_quantized(*dt))
     return invalid_argument("--kv-dtype '" + f.kv_dtype + "': one of f16, bf16, f32");
+  if (auto l = parse_kv_layout(f.kv_layout); !l.is_ok())
+    return invalid_argument("--kv-layout: " + l.status().message());
   const auto pk = parse_shard_kind(f.placement);
   if (!pk.is_ok() ||
       (*pk != ShardKind::kEven && *pk != ShardKind::kUneven && *pk != ShardKind::kStriped))
@@ -359,7 +363,7 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
     std::fprintf(
         stderr,
         "treeattn generate: %s | %d rank(s) x %d thread(s), matmul %s | method %s | KV "
-        "%s (%s placement) | prompt %lld tokens, up to %lld new\n",
+        "%s (%s placement, %s layout) | prompt %lld tokens, up to %lld new\n",
         cfg.to_string().c_str(), P, threads,
         std::string(isa_name(model::matmul_isa({threads, Isa::kAuto}))).c_str(),
         [&] {
@@ -368,7 +372,7 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
           return s;
         }()
             .c_str(),
-        f.kv_dtype.c_str(), f.placement.c_str(), static_cast<long long>(n),
+        f.kv_dtype.c_str(), f.placement.c_str(), f.kv_layout.c_str(), static_cast<long long>(n),
         static_cast<long long>(f.new_tokens));
 
   // ---- prefill ----
@@ -618,6 +622,7 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
         {"method", r0.method},
         {"kv_dtype", f.kv_dtype},
         {"placement", f.placement},
+        {"kv_layout", f.kv_layout},
         {"ttft_ms", ttft_ms},
         {"prefill_ms", prefill_s * 1e3},
         {"synthetic_kv", f.synthetic_kv},
@@ -721,6 +726,10 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
       ->capture_default_str();
   sub->add_option("--placement", f->placement,
                   "KV placement over ranks: even, uneven, striped (single: always rank 0)")
+      ->capture_default_str();
+  sub->add_option("--kv-layout", f->kv_layout,
+                  "How ranks store the KV cache: auto (tiled, the layout the CPU kernel reads "
+                  "fastest; rows for ring-kv and tree-det), rows or tiled")
       ->capture_default_str();
   sub->add_flag("--chat", f->chat, "Wrap the prompt in the ChatML template (instruct models)");
   sub->add_option("--system", f->system, "System message with --chat")->capture_default_str();

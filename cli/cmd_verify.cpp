@@ -39,7 +39,18 @@ struct VerifyFlags {
   std::string dtypes = "f32,f16,bf16";  // the KV types cases draw from
   bool deterministic = false;           // tree-det (plus --methods); contiguous placements only
   std::string json;                     // one record per check, with output_sha256
+  std::string kv_layout = "auto";       // auto: cases alternate rows and tiled
 };
+
+// The KV layout of one check: the flag's, or with auto the tiled layout on odd seeds and rows
+// on even ones, so that both are checked; strategies that read rows (ring-kv, tree-det) always
+// get rows.
+KVLayout check_layout(const std::string& flag, uint64_t seed, const std::string& method) {
+  const StrategyInfo* info = StrategyRegistry::for_backend(CommCapabilities{}).info(method);
+  if (info != nullptr && info->reads_kv_rows) return KVLayout::kRows;
+  if (flag != "auto") return *parse_kv_layout(flag);
+  return seed % 2 == 1 ? KVLayout::kTiled : KVLayout::kRows;
+}
 
 // --save DIR (created now) and --json FILE, before any case runs.
 Status check_outputs(const VerifyFlags& f) {
@@ -207,7 +218,8 @@ int verify_job(VerifyFlags& f, const std::vector<std::string>& methods,
   }
   if (lead)
     std::printf("treeattn verify: %d random cases x %zu methods on %d ranks, tolerance %.0e "
-                "relative to max(1, max|ref|), float64 oracle\n\n%-6s %-58s %-11s %10s %s\n",
+                "relative to max(1, max|ref|), float64 oracle; /tiled: the check read the tiled KV "
+                "layout\n\n%-6s %-58s %-16s %10s %s\n",
                 f.cases, methods.size(), P, f.tolerance, "seed", "case", "method", "rel err", "");
   int failures = 0;
   nlohmann::json saved = nlohmann::json::array();
@@ -218,6 +230,8 @@ int verify_job(VerifyFlags& f, const std::vector<std::string>& methods,
     for (const auto& m : methods) {
       RunConfig rc = c.config;
       rc.strategy = m;
+      rc.kv_layout = check_layout(f.kv_layout, c.seed, m);
+      const std::string label = m + (rc.kv_layout == KVLayout::kTiled ? "/tiled" : "");
       auto rep = run_decode(*world, rc);
       double err = 0;
       std::string hash;
@@ -255,10 +269,11 @@ int verify_job(VerifyFlags& f, const std::vector<std::string>& methods,
       }
       if (lead)
         records.push_back({{"seed", c.seed}, {"case", c.describe()}, {"method", m}, {"ranks", P},
+                           {"kv_layout", std::string(kv_layout_name(rc.kv_layout))},
                            {"max_rel_err", err}, {"ok", ok}, {"output_sha256", hash}});
       if (lead) {
-        std::printf("%-6llu %-58s %-11s %10.2e %s\n", static_cast<unsigned long long>(c.seed),
-                    c.describe().c_str(), m.c_str(), err, ok ? "ok" : "FAIL");
+        std::printf("%-6llu %-58s %-16s %10.2e %s\n", static_cast<unsigned long long>(c.seed),
+                    c.describe().c_str(), label.c_str(), err, ok ? "ok" : "FAIL");
         if (!ok)
           std::printf("       %s\n       rerun: treeattn verify --ranks %d --seed %llu --cases 1 --methods %s\n",
                       why.c_str(), P, static_cast<unsigned long long>(c.seed), m.c_str());
@@ -309,6 +324,10 @@ Runner add_verify_command(CLI::App& app, const Invocation& inv) {
                 "Check tree-det (the same bits for any rank count) alone, or with --methods; "
                 "cases use contiguous placements only");
   sub->add_option("--json", f->json, "Write one record per check (error, ok, output_sha256)");
+  sub->add_option("--kv-layout", f->kv_layout,
+                  "KV layout of the checks: auto (odd seeds tiled, even seeds rows), rows or tiled "
+                  "(ring-kv and tree-det always read rows)")
+      ->capture_default_str();
   return [f, &inv, sub] {
     std::vector<std::string> methods;
     const auto& reg = StrategyRegistry::for_backend(CommCapabilities{});
@@ -361,6 +380,10 @@ Runner add_verify_command(CLI::App& app, const Invocation& inv) {
     }
     if (types.empty()) {
       std::fprintf(stderr, "treeattn verify: error: --dtype: no type given\n");
+      return 2;
+    }
+    if (auto l = parse_kv_layout(f->kv_layout); !l.is_ok()) {
+      std::fprintf(stderr, "treeattn verify: error: --kv-layout: %s\n", l.status().message().c_str());
       return 2;
     }
     if (started_by_mpi_launcher()) return verify_job(*f, methods, types);

@@ -73,6 +73,7 @@ RunConfig base_run_config(const MeasureConfig& c, int ranks) {
       r.options.node_of_rank[static_cast<std::size_t>(i)] = static_cast<int>(
           static_cast<int64_t>(i) * c.nodes / ranks);
   }
+  r.kv_layout = c.kv_layout;
   if (c.shard == "empty" && ranks > 1) {
     r.shard = ShardKind::kExplicit;
     r.explicit_len = explicit_empty_lens(c.seq, ranks);
@@ -256,6 +257,7 @@ Result<std::vector<Point>> measure(Communicator& comm, const MeasureConfig& c) {
     p.q_len = c.shape.q_len;
     p.dtype = std::string(dtype_name(c.dtype));
     p.shard = c.shard;
+    p.kv_layout = std::string(kv_layout_name(rep.kv_layout));
     p.iterations = static_cast<int>(rep.steps.size());
     std::vector<double> lat;
     for (const auto& s : rep.steps) lat.push_back(s.max_seconds * 1e6);

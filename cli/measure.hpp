@@ -13,6 +13,7 @@
 #include "report.hpp"
 #include "treeattn/comm.hpp"
 #include "treeattn/shape.hpp"
+#include "treeattn/sharding.hpp"
 #include "treeattn/status.hpp"
 
 namespace treeattn::cli {
@@ -23,6 +24,7 @@ struct MeasureConfig {
   DType dtype = DType::kBF16;
   int64_t seq = 0;
   std::string shard = "even";  // even, uneven, striped, empty
+  KVLayout kv_layout = KVLayout::kAuto;
   uint64_t seed = 1;
   int warmup = 2;
   int iters = 10;

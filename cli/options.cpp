@@ -268,6 +268,11 @@ void ShapeFlags::add_to(CLI::App& app, bool lists) {
                  "KV placement over ranks: even, uneven (contiguous, unequal), striped (token t on "
                  "rank t mod p), empty (one rank holds nothing)")
       ->capture_default_str();
+  app.add_option("--kv-layout", kv_layout,
+                 "How each rank stores its KV shard: tiled (the layout the CPU kernel reads "
+                 "fastest), rows ([batch][kv_heads][tokens][head_dim]), or auto = tiled unless a "
+                 "method reads rows itself (ring-kv, tree-det); one layout for all methods of a run")
+      ->capture_default_str();
   app.add_option("--seed", seed, "Seed of the generated query and cache")->capture_default_str();
 }
 
@@ -295,6 +300,8 @@ Status ShapeFlags::resolve(const CLI::App& app) {
   seqs = *seqs_r;
   if (!parse_dtype(dtype).has_value() && split_list(dtype).size() <= 1)
     return invalid_argument("--dtype: unknown type '" + dtype + "' (known: f32, f16, bf16, fp8, int8)");
+  if (auto l = parse_kv_layout(kv_layout); !l.is_ok())
+    return invalid_argument("--kv-layout: " + l.status().message());
   if (shard != "even" && shard != "uneven" && shard != "striped" && shard != "empty")
     return invalid_argument("--shard: unknown placement '" + shard +
                             "' (known: even, uneven, striped, empty)");

@@ -8,6 +8,7 @@
 
 #include "treeattn/dtype.hpp"
 #include "treeattn/shape.hpp"
+#include "treeattn/sharding.hpp"
 #include "treeattn/status.hpp"
 
 namespace CLI {
@@ -75,6 +76,7 @@ struct ShapeFlags {
   int64_t q_len = 1;
   std::string dtype = "bf16";
   std::string shard = "even";
+  std::string kv_layout = "auto";  // auto, rows, tiled (sharding.hpp KVLayout)
   uint64_t seed = 1;
   std::string batch_list;  // --batch as a list (bench)
   // Filled by resolve(): every --seq and --batch value.

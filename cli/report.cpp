@@ -74,6 +74,7 @@ nlohmann::json Point::to_json() const {
       {"q_len", q_len},
       {"dtype", dtype},
       {"shard", shard},
+      {"kv_layout", kv_layout},
       {"iterations", iterations},
       {"latency_us",
        {{"min", latency_us.min}, {"p10", latency_us.p10}, {"p50", latency_us.p50},
@@ -108,6 +109,7 @@ Point Point::from_json(const nlohmann::json& j) {
   p.q_len = j.at("q_len");
   p.dtype = j.at("dtype");
   p.shard = j.at("shard");
+  p.kv_layout = j.value("kv_layout", "rows");  // files written before the tiled layout: rows
   p.iterations = j.at("iterations");
   const auto& l = j.at("latency_us");
   p.latency_us = {l.at("min"), l.at("p50"), l.at("p90"), l.at("p99"), l.at("mean"),

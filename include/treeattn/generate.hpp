@@ -96,6 +96,9 @@ TopTwo top_two(std::span<const float> logits);
 struct GeneratorConfig {
   std::vector<std::string> methods = {"tree"};  // strategies (strategy.hpp), one session each
   ShardKind placement = ShardKind::kEven;       // for every method but `single`
+  // The sessions' KV layout (sharding.hpp); kAuto: tiled for every method that reads either
+  // layout, rows for ring-kv and tree-det.
+  KVLayout kv_layout = KVLayout::kAuto;
   DType kv_dtype = DType::kF16;
   int threads = 0;  // matmul and attention threads per rank (0: OpenMP's default)
   Isa isa = Isa::kAuto;

@@ -193,6 +193,12 @@ class TiledKVCache {
   std::unique_ptr<uint8_t, Free> mem_;
 };
 
+// Element d of token t (a slot of the view, t < len[b]) of KV head h in batch row b, K
+// (value = false) or V, dequantized (exact for every dtype), read through the view's addressing
+// above. For checks that walk a shard (the harness's NaN scan); kernels do not use it.
+float tiled_element(const TiledKVShard& kv, int64_t head_dim, bool value, int64_t b, int64_t h,
+                    int64_t t, int64_t d);
+
 // decode_partial() on a tiled shard: same contract (states, defaults, determinism, errors),
 // every Isa target (kReference is a scalar loop over the tiles). options.chunk_tokens is
 // rounded up to a whole number of tiles.

@@ -55,6 +55,11 @@ struct SessionConfig {
   std::vector<int64_t> explicit_len;  // ShardKind::kExplicit (see ShardPlan::make)
   int holder = 0;                     // ShardKind::kSingle
   int64_t reserve_tokens = 0;         // spare slots per row before a shard has to grow
+  // How the shards store tokens (sharding.hpp): kAuto = the tiled layout the CPU kernel reads
+  // fastest, unless the executor is a device or the strategy walks rows itself (ring-kv,
+  // tree-det); config() reports the layout chosen. A session on the tiled layout refuses
+  // add_strategy of a strategy that reads rows.
+  KVLayout layout = KVLayout::kAuto;
   std::string strategy = "tree";      // a name from StrategyRegistry::for_backend(comm)
   StrategyOptions options;            // root, fan-out, node grouping, kernel options
   std::chrono::milliseconds timeout{60000};  // per communicator operation; 0 = wait forever
@@ -98,7 +103,8 @@ class DecodeSession {
   // the n tokens are laid out by the configured placement (a prefill); otherwise they are placed
   // as n appends would be.
   Status extend(int64_t n);
-  // This rank's live tokens of one layer, as the kernels read them.
+  // This rank's live tokens of one layer, as the kernels read them (on the tiled layout a
+  // KVShard whose `tiled` view stays valid until the next view, store, append or extend).
   KVShard view(int layer) const;
   // Bytes of K and V (and scales) this rank holds for live tokens, over all layers.
   std::size_t live_kv_bytes() const;

@@ -53,6 +53,8 @@ struct AttnShape {
 // Where a buffer lives: host memory, or the memory of one accelerator (a CUDA device).
 enum class MemorySpace : uint8_t { kHost, kDevice };
 
+struct TiledKVShard;  // kv_tiles.hpp
+
 // A read-only view of one shard of the KV cache.
 struct KVShard {
   DType dtype = DType::kF32;
@@ -75,6 +77,13 @@ struct KVShard {
   int64_t scale_stride_batch = 0;
   int64_t scale_stride_head = 0;
   int64_t scale_stride_token = 1;
+  // Set when the shard's tokens are in the library's tiled layout (kv_tiles.hpp; what a decode
+  // session stores by default on the host) rather than in rows: decode_partial() and the CPU
+  // executor's partial() read *tiled, and k, v, the strides and the scales above are unused
+  // (null / 0). The view's dtype, memory and the len / pos_start / total_len / pos_stride spans
+  // are the same as *tiled's. Code that walks rows (offsetting k and v, sending them) must check
+  // it; Executor::partial_chunks rejects it.
+  const TiledKVShard* tiled = nullptr;
 
   // Checks that the view is consistent with the shape: spans sized batch, non-negative
   // lengths, pointers non-null where any length is non-zero, strides large enough and

@@ -34,6 +34,19 @@ namespace treeattn {
 
 enum class ShardKind : uint8_t { kEven, kUneven, kStriped, kExplicit, kSingle };
 
+// How a LocalShard stores its tokens:
+//   rows    [batch][kv_heads][capacity][head_dim] (KVCache, the caller layout of shape.hpp);
+//           every strategy and executor reads it, and device shards are always rows.
+//   tiled   the tiled layout of kv_tiles.hpp (TiledKVCache, host memory), which the CPU kernel
+//           reads near the memory limit (README, kernel roofline: 0.82-0.89 of the probe against
+//           0.54-0.61 for rows on one thread at 256k tokens). Strategies that walk rows
+//           themselves (StrategyInfo::reads_kv_rows: ring-kv, tree-det) cannot use it.
+//   auto    (DecodeSession only) tiled on a host executor when the session's strategy reads
+//           either layout, rows otherwise.
+enum class KVLayout : uint8_t { kAuto, kRows, kTiled };
+std::string_view kv_layout_name(KVLayout layout);       // "auto", "rows", "tiled"
+Result<KVLayout> parse_kv_layout(std::string_view name);
+
 std::string_view shard_kind_name(ShardKind kind);
 Result<ShardKind> parse_shard_kind(std::string_view name);  // even|uneven|striped|explicit|single
 
@@ -94,6 +107,10 @@ class Executor;  // executor.hpp
 // This rank's part of the KV cache: an owning buffer [batch][kv_heads][capacity][head_dim] whose
 // slot j of row b holds the token at global position plan.pos_start(rank, b) + j * stride.
 //
+// Tiled storage (KVLayout::kTiled, host only): the same slots in a TiledKVCache; view() returns
+// a KVShard whose `tiled` points at a TiledKVShard kept inside this LocalShard (valid until the
+// next view(), reserve() or move of this shard), and cache() stays empty.
+//
 // Device storage: created with an executor whose memory() is MemorySpace::kDevice, K and V (and
 // the scales) are buffers of that executor, in the same layout, zero-filled like KVCache.
 // set_slot narrows on the host into a staging list (thread-safe); flush() copies the staged
@@ -111,8 +128,10 @@ class LocalShard {
   // Capacity = the rank's longest row plus spare_tokens (room for appends before growing).
   // executor: null or a host executor keeps the shard in a host KVCache; a device executor
   // (which must outlive the shard) holds it in its memory.
+  // layout: kRows or kTiled (kTiled needs host memory; kAuto is rows here).
   static Result<LocalShard> create(const AttnShape& shape, DType dtype, const ShardPlan& plan,
-                                   int rank, int64_t spare_tokens, Executor* executor = nullptr);
+                                   int rank, int64_t spare_tokens, Executor* executor = nullptr,
+                                   KVLayout layout = KVLayout::kRows);
 
   const AttnShape& shape() const { return shape_; }
   DType dtype() const;
@@ -121,6 +140,7 @@ class LocalShard {
   KVCache& cache() { return cache_; }
   const KVCache& cache() const { return cache_; }
   MemorySpace memory() const { return device_ ? MemorySpace::kDevice : MemorySpace::kHost; }
+  KVLayout layout() const { return tiled_ ? KVLayout::kTiled : KVLayout::kRows; }
   // Device storage: copies the staged tokens to the device. Host storage: nothing to do (OK).
   Status flush();
   // The first error of the device path so far (OK on the host path).
@@ -143,6 +163,9 @@ class LocalShard {
   int rank_ = 0;
   KVCache cache_;
   std::unique_ptr<DeviceStore> device_;
+  struct Tiled;  // sharding.cpp: the TiledKVCache and the view handed out last
+  std::unique_ptr<Tiled> tiled_;
+  Status tiled_error_;  // a failed growth of the tiled cache (status())
 };
 
 // Appends one decoded token to every batch row: k_new and v_new are [batch][kv_heads][head_dim]

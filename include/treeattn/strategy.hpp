@@ -96,6 +96,10 @@ class Strategy {
 struct StrategyInfo {
   std::string_view name;
   std::string_view summary;
+  // The strategy walks the KV shard's rows itself (sends them, or cuts views out of them), so
+  // it needs KVLayout::kRows (sharding.hpp); the others only hand the whole shard to the
+  // executor's partial() and read either layout.
+  bool reads_kv_rows = false;
 };
 
 // The strategies a backend offers, by name. Host backends with user-defined reductions (MPI)
@@ -108,6 +112,8 @@ class StrategyRegistry {
 
   std::span<const StrategyInfo> list() const;
   bool contains(std::string_view name) const;
+  // The strategy's StrategyInfo; null when name is not one of them.
+  const StrategyInfo* info(std::string_view name) const;
   // InvalidArgument naming the known strategies when name is not one of them.
   Result<std::unique_ptr<Strategy>> create(std::string_view name,
                                            const StrategyOptions& options) const;

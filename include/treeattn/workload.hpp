@@ -81,6 +81,10 @@ struct RunConfig {
   int steps = 1;             // timed steps
   bool append = false;       // append one generated token per row after every step
   int64_t spare_tokens = 0;  // extra shard capacity (appends beyond it grow the shard)
+  // The shards' storage (sharding.hpp). run_interleaved resolves kAuto once for all its
+  // strategies, so they read the same layout: tiled unless one of them reads rows (ring-kv,
+  // tree-det); run_decode lets the session choose for its one strategy.
+  KVLayout kv_layout = KVLayout::kAuto;
   StrategyOptions options;
   std::chrono::milliseconds timeout{60000};  // per communicator operation; 0 = forever
   bool check_fingerprint = true;             // at setup
@@ -120,6 +124,7 @@ struct RunReport {
   bool has_result = false;          // whether this rank receives results (root option)
   CostEstimate model;               // analytic cost for this rank at the first timed step
   std::size_t kv_bytes = 0;         // this rank's live KV bytes at the first timed step
+  KVLayout kv_layout = KVLayout::kRows;  // the layout the strategy read (rows or tiled)
   int64_t peak_rss_bytes = 0;       // of this process, after the run (measure.hpp)
 };
 

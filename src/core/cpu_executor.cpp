@@ -52,6 +52,10 @@ class CpuExecutor final : public Executor {
     if (chunk_tokens < 1)
       return invalid_argument("partial_chunks: chunk_tokens must be >= 1, got " +
                               std::to_string(chunk_tokens));
+    if (kv.tiled != nullptr)
+      return invalid_argument(
+          "partial_chunks: the KV shard is in the tiled layout; chunks are cut from row views "
+          "(a decode session for the deterministic strategy stores rows)");
     TREEATTN_RETURN_IF_ERROR(kv.validate(shape));
     int64_t longest = 0;
     for (int64_t n : kv.len) longest = std::max(longest, n);

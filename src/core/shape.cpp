@@ -3,6 +3,8 @@
 
 #include <string>
 
+#include "treeattn/kv_tiles.hpp"
+
 namespace treeattn {
 namespace {
 
@@ -57,6 +59,16 @@ Status AttnShape::validate() const {
 }
 
 Status KVShard::validate(const AttnShape& shape) const {
+  if (tiled != nullptr) {
+    if (tiled->dtype != dtype || tiled->memory != memory)
+      return invalid_argument("KV shard: its tiled view holds " +
+                              std::string(dtype_name(tiled->dtype)) + " in " +
+                              (tiled->memory == MemorySpace::kHost ? "host" : "device") +
+                              " memory, the shard says " + std::string(dtype_name(dtype)) +
+                              " in " + (memory == MemorySpace::kHost ? "host" : "device") +
+                              " memory");
+    return tiled->validate(shape);
+  }
   const auto batch = static_cast<std::size_t>(shape.batch);
   if (len.size() != batch || pos_start.size() != batch || total_len.size() != batch)
     return invalid_argument("KV shard describes " + std::to_string(len.size()) + " lengths, " +

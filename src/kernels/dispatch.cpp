@@ -6,6 +6,7 @@
 
 #include "kernels/kernel_impl.hpp"
 #include "treeattn/kernel.hpp"
+#include "treeattn/kv_tiles.hpp"
 
 namespace treeattn {
 
@@ -50,6 +51,12 @@ Isa best_isa() {
 
 Status decode_partial(const AttnShape& shape, const float* q, const KVShard& kv, float* states,
                       const DecodeOptions& options) {
+  // A shard in the library's tiled layout (a decode session's own cache) has its own kernels.
+  if (kv.tiled != nullptr) {
+    TREEATTN_RETURN_IF_ERROR(shape.validate());
+    TREEATTN_RETURN_IF_ERROR(kv.validate(shape));
+    return decode_partial_tiled(shape, q, *kv.tiled, states, options);
+  }
   TREEATTN_RETURN_IF_ERROR(shape.validate());
   TREEATTN_RETURN_IF_ERROR(kv.validate(shape));
   if (q == nullptr) return invalid_argument("query pointer is null");

@@ -268,6 +268,22 @@ void TiledKVCache::read_token(int64_t b, int64_t h, int64_t t, float* k, float* 
   }
 }
 
+float tiled_element(const TiledKVShard& kv, int64_t head_dim, bool value, int64_t b, int64_t h,
+                    int64_t t, int64_t d) {
+  const int64_t T = kv.tile_tokens, P = kv_tile_panel(T), tile = t / T, lane = t % T;
+  const int64_t base = b * kv.batch_stride + h * kv.head_stride + tile * kv.tile_stride;
+  const auto es = static_cast<int64_t>(dtype_size(kv.dtype));
+  const int64_t elem = value ? lane * head_dim + d : (lane / P) * head_dim * P + d * P + lane % P;
+  const auto* at = static_cast<const uint8_t*>(value ? kv.v : kv.k) + base + elem * es;
+  float scale = 0.0f;
+  if (dtype_is_quantized(kv.dtype)) {
+    const int64_t si = b * kv.scale_batch_stride + h * kv.scale_head_stride +
+                       tile * kv.scale_tile_stride + lane;
+    scale = (value ? kv.v_scale : kv.k_scale)[si];
+  }
+  return dequantize(at, kv.dtype, 0, scale);
+}
+
 Status TiledKVCache::reserve(int64_t tokens) {
   if (tokens <= capacity()) return Status::ok();
   TiledKVCache grown;

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "treeattn/kv_tiles.hpp"
 #include "treeattn/measure.hpp"
 #include "treeattn/oracle.hpp"
 #include "treeattn/session.hpp"
@@ -59,7 +60,9 @@ Bad scan_inputs(const RunConfig& c, const float* q, const KVShard& kv) {
           const auto idx = static_cast<std::size_t>(b * kv.stride_batch + h * kv.stride_head +
                                                     j * kv.stride_token + d);
           for (int t = 0; t < 2; ++t) {
-            const float x = load_as_float(t == 0 ? kv.k : kv.v, kv.dtype, idx);
+            const float x = kv.tiled != nullptr
+                                ? tiled_element(*kv.tiled, s.head_dim, t == 1, b, h, j, d)
+                                : load_as_float(t == 0 ? kv.k : kv.v, kv.dtype, idx);
             if (!std::isfinite(x)) {
               bad.tensor = 2 + t;
               bad.b = b;
@@ -121,6 +124,7 @@ SessionConfig session_config(const RunConfig& c, const std::string& strategy) {
   s.context = expand_lengths(c);
   s.explicit_len = c.explicit_len;
   s.reserve_tokens = c.spare_tokens + (c.append ? c.warmup + c.steps : 0);
+  s.layout = c.kv_layout;
   s.strategy = strategy;
   s.options = c.options;
   s.timeout = c.timeout;
@@ -286,6 +290,16 @@ Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConf
   comm.set_context("setup");
   if (strategies.empty()) return invalid_argument(rank_prefix(comm) + "no strategies to run");
   const int me = comm.rank();
+  // One KV layout for every strategy of the run, so that they read the same bytes the same way:
+  // tiled unless one of them walks rows itself (ring-kv, tree-det).
+  RunConfig cfg = config;
+  if (cfg.kv_layout == KVLayout::kAuto) {
+    const StrategyRegistry& registry = StrategyRegistry::for_backend(comm.capabilities());
+    cfg.kv_layout = KVLayout::kTiled;
+    for (const std::string& name : strategies)
+      if (const StrategyInfo* info = registry.info(name); info && info->reads_kv_rows)
+        cfg.kv_layout = KVLayout::kRows;
+  }
   // Two sessions at most: one for every strategy on the run's placement (they share its shards)
   // and one for `single`, whose placement puts the whole cache on rank 0.
   struct Slot {
@@ -298,7 +312,7 @@ Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConf
     std::unique_ptr<DecodeSession>& owner = name == "single" ? single : shared;
     Slot slot;
     if (!owner) {
-      auto s = open_session(comm, config, name);
+      auto s = open_session(comm, cfg, name);
       TREEATTN_RETURN_IF_ERROR(s.status());
       owner = std::move(*s);
     } else {
@@ -315,6 +329,7 @@ Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConf
   std::vector<RunReport> reports(strategies.size());
   for (std::size_t i = 0; i < slots.size(); ++i) {
     reports[i].has_result = slots[i].session->delivers_result(slots[i].index);
+    reports[i].kv_layout = slots[i].session->config().layout;
   }
   std::vector<float> q(static_cast<std::size_t>(s.batch * s.q_len * s.heads * s.head_dim));
   std::vector<float> k_new, v_new;

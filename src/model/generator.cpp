@@ -117,6 +117,7 @@ Result<std::unique_ptr<Generator>> Generator::create(Communicator& comm, const L
     sc.dtype = config.kv_dtype;
     sc.layers = mc.n_layers;
     sc.placement = m == "single" ? ShardKind::kSingle : config.placement;
+    sc.layout = config.kv_layout;
     sc.reserve_tokens = config.reserve_tokens + 1;
     sc.strategy = m;
     sc.options.fanout = config.fanout;

@@ -157,6 +157,7 @@ Fields config_fields(const SessionConfig& c, const std::string& strategy,
               {"dtype", std::string(dtype_name(c.dtype))},
               {"shard", std::string(shard_kind_name(c.placement))},
               {"layers", std::to_string(c.layers)},
+              {"kv_layout", std::string(kv_layout_name(c.layout))},
               {"root", std::to_string(o.root)},
               {"fanout", std::to_string(o.fanout)}};
   for (const auto& kv : c.agree_also) f.push_back(kv);
@@ -188,15 +189,29 @@ Result<std::unique_ptr<DecodeSession>> DecodeSession::create(Communicator& comm,
     local_error = plan.status().to_string();
   else if (config.reserve_tokens < 0)
     local_error = "reserve_tokens must be >= 0, got " + std::to_string(config.reserve_tokens);
+  // The KV layout: tiled where the executor is the host's and the strategy reads either.
+  SessionConfig resolved = config;
+  const StrategyInfo* info = registry.info(config.strategy);
+  const bool host = executor.memory() == MemorySpace::kHost;
+  const bool rows_only = info != nullptr && info->reads_kv_rows;
+  if (resolved.layout == KVLayout::kAuto)
+    resolved.layout = host && !rows_only ? KVLayout::kTiled : KVLayout::kRows;
+  else if (resolved.layout == KVLayout::kTiled && local_error.empty() && !host)
+    local_error = "the tiled KV layout is for host memory; executor '" +
+                  std::string(executor.name()) + "' keeps its shards as rows";
+  else if (resolved.layout == KVLayout::kTiled && local_error.empty() && rows_only)
+    local_error = "strategy " + config.strategy +
+                  " reads the KV cache as rows and cannot run on the tiled layout (use the rows "
+                  "or auto layout)";
   const uint64_t plan_fp = plan.is_ok() ? plan->fingerprint() : 0;
   if (config.check_agreement && p > 1)
     TREEATTN_RETURN_IF_ERROR(agree(comm,
-                                   config_fields(config, config.strategy, config.options, plan_fp),
+                                   config_fields(resolved, config.strategy, config.options, plan_fp),
                                    local_error, "at setup"));
   if (!local_error.empty()) return invalid_argument(rank_prefix(comm) + local_error);
 
   std::unique_ptr<DecodeSession> s(new DecodeSession());
-  s->config_ = config;
+  s->config_ = resolved;
   s->comm_ = &comm;
   s->exec_ = &executor;
   s->plan_ = std::move(*plan);
@@ -204,7 +219,7 @@ Result<std::unique_ptr<DecodeSession>> DecodeSession::create(Communicator& comm,
   for (int l = 0; l < config.layers; ++l) {
     // A device executor holds the shards in its memory (LocalShard's device storage).
     auto shard = LocalShard::create(config.shape, config.dtype, s->plan_, me, config.reserve_tokens,
-                                    &executor);
+                                    &executor, resolved.layout);
     TREEATTN_RETURN_IF_ERROR(shard.status());
     s->shards_.push_back(std::move(*shard));
   }
@@ -379,6 +394,10 @@ Result<int> DecodeSession::add_strategy(const std::string& name, const StrategyO
   std::string local_error;
   if (!registry.contains(name))
     local_error = registry.create(name, options).status().to_string();
+  else if (config_.layout == KVLayout::kTiled && registry.info(name)->reads_kv_rows)
+    local_error = "strategy " + name +
+                  " reads the KV cache as rows and cannot join a session on the tiled layout "
+                  "(create the session with the rows layout to compare it on the same shards)";
   if (config_.check_agreement && comm_->size() > 1)
     TREEATTN_RETURN_IF_ERROR(agree(*comm_, config_fields(config_, name, options, plan_.fingerprint()),
                                    local_error, "adding strategy " + name));

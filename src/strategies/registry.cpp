@@ -105,6 +105,11 @@ bool StrategyRegistry::contains(std::string_view name) const {
   return strategies::find_strategy_descriptor(name, user_reductions_) != nullptr;
 }
 
+const StrategyInfo* StrategyRegistry::info(std::string_view name) const {
+  const auto* d = strategies::find_strategy_descriptor(name, user_reductions_);
+  return d ? &d->info : nullptr;
+}
+
 Result<std::unique_ptr<Strategy>> StrategyRegistry::create(std::string_view name,
                                                            const StrategyOptions& options) const {
   if (const auto* d = strategies::find_strategy_descriptor(name, user_reductions_))

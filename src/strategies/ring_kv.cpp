@@ -68,6 +68,9 @@ class RingKV final : public StrategyBase {
     const int64_t B = shape_.batch, H = shape_.kv_heads, D = shape_.head_dim;
     const std::size_t es = dtype_size(dtype_);
     const bool quant = dtype_is_quantized(dtype_);
+    if (local.tiled != nullptr)
+      return invalid_argument(who() + "ring-kv sends its shard's rows; the shard is in the tiled "
+                                      "layout (create the session with KVLayout::kRows)");
     if (local.dtype != dtype_)
       return invalid_argument(who() + "ring-kv: local shard dtype " +
                               std::string(dtype_name(local.dtype)) + " differs from the run's " +
@@ -363,7 +366,8 @@ double extra_kv_caches(int ranks) { return ranks >= 3 ? 2.0 : (ranks == 2 ? 1.0 
 }  // namespace
 
 constinit const StrategyDescriptor kRingKVDescriptor{
-    .info = {"ring-kv", "KV shards rotate around the ring, overlapped with local attention"},
+    .info = {"ring-kv", "KV shards rotate around the ring, overlapped with local attention",
+             /*reads_kv_rows=*/true},
     .create = make_ring_kv,
     .analytic = analytic,
     .model = model,

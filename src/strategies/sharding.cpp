@@ -8,6 +8,7 @@
 
 #include "strategies/descriptor.hpp"
 #include "treeattn/executor.hpp"
+#include "treeattn/kv_tiles.hpp"
 
 namespace treeattn {
 namespace {
@@ -36,6 +37,25 @@ Result<ShardKind> parse_shard_kind(std::string_view name) {
     if (shard_kind_name(k) == name) return k;
   return invalid_argument("unknown shard kind '" + std::string(name) +
                           "' (known: even, uneven, striped, explicit, single)");
+}
+
+std::string_view kv_layout_name(KVLayout layout) {
+  switch (layout) {
+    case KVLayout::kAuto:
+      return "auto";
+    case KVLayout::kRows:
+      return "rows";
+    case KVLayout::kTiled:
+      return "tiled";
+  }
+  return "?";
+}
+
+Result<KVLayout> parse_kv_layout(std::string_view name) {
+  for (KVLayout l : {KVLayout::kAuto, KVLayout::kRows, KVLayout::kTiled})
+    if (kv_layout_name(l) == name) return l;
+  return invalid_argument("unknown KV layout '" + std::string(name) +
+                          "' (known: auto, rows, tiled)");
 }
 
 Result<ShardPlan> ShardPlan::make(ShardKind kind, int ranks, std::vector<int64_t> total_len,
@@ -390,15 +410,28 @@ struct LocalShard::DeviceStore {
   }
 };
 
+// Tiled storage: the cache, and the TiledKVShard the last view() pointed its KVShard at.
+struct LocalShard::Tiled {
+  TiledKVCache cache;
+  mutable TiledKVShard view;
+};
+
 LocalShard::LocalShard() = default;
 LocalShard::~LocalShard() = default;
 LocalShard::LocalShard(LocalShard&&) noexcept = default;
 LocalShard& LocalShard::operator=(LocalShard&&) noexcept = default;
 
-DType LocalShard::dtype() const { return device_ ? device_->dtype : cache_.dtype(); }
-int64_t LocalShard::capacity() const { return device_ ? device_->capacity : cache_.capacity(); }
+DType LocalShard::dtype() const {
+  if (tiled_) return tiled_->cache.dtype();
+  return device_ ? device_->dtype : cache_.dtype();
+}
+int64_t LocalShard::capacity() const {
+  if (tiled_) return tiled_->cache.capacity();
+  return device_ ? device_->capacity : cache_.capacity();
+}
 
 std::size_t LocalShard::allocated_bytes() const {
+  if (tiled_) return tiled_->cache.bytes();
   if (!device_) return cache_.bytes();
   return device_->k.bytes() + device_->v.bytes() + device_->k_scale.bytes() +
          device_->v_scale.bytes();
@@ -411,13 +444,15 @@ Status LocalShard::flush() {
 }
 
 Status LocalShard::status() const {
+  if (tiled_) return tiled_error_;
   if (!device_) return Status::ok();
   std::lock_guard<std::mutex> lk(device_->mu);
   return device_->error;
 }
 
 Result<LocalShard> LocalShard::create(const AttnShape& shape, DType dtype, const ShardPlan& plan,
-                                      int rank, int64_t spare_tokens, Executor* executor) {
+                                      int rank, int64_t spare_tokens, Executor* executor,
+                                      KVLayout layout) {
   TREEATTN_RETURN_IF_ERROR(shape.validate());
   if (plan.batch() != shape.batch)
     return invalid_argument("shard plan has " + std::to_string(plan.batch()) +
@@ -427,10 +462,24 @@ Result<LocalShard> LocalShard::create(const AttnShape& shape, DType dtype, const
                             std::to_string(plan.ranks()) + " ranks");
   if (spare_tokens < 0)
     return invalid_argument("spare tokens must be >= 0, got " + std::to_string(spare_tokens));
+  const bool host = executor == nullptr || executor->memory() == MemorySpace::kHost;
+  if (layout == KVLayout::kTiled && !host)
+    return invalid_argument("rank " + std::to_string(rank) + ": the tiled KV layout is for host "
+                            "memory; executor '" + std::string(executor->name()) +
+                            "' keeps its shards as rows");
   LocalShard s;
   s.shape_ = shape;
   s.rank_ = rank;
-  if (executor == nullptr || executor->memory() == MemorySpace::kHost) {
+  if (layout == KVLayout::kTiled) {
+    auto c = TiledKVCache::create(shape, dtype, plan.max_len(rank) + spare_tokens);
+    if (!c.is_ok())
+      return Status(c.status().code(), "rank " + std::to_string(rank) + ": tiled KV shard: " +
+                                           c.status().message());
+    s.tiled_ = std::make_unique<Tiled>();
+    s.tiled_->cache = std::move(*c);
+    return s;
+  }
+  if (host) {
     s.cache_ = KVCache(shape, dtype, plan.max_len(rank) + spare_tokens);
     return s;
   }
@@ -452,6 +501,16 @@ Result<LocalShard> LocalShard::create(const AttnShape& shape, DType dtype, const
 }
 
 void LocalShard::set_slot(int64_t b, int64_t j, const float* k, const float* v) {
+  if (tiled_) {
+    if (j < tiled_->cache.capacity()) {
+      tiled_->cache.set_tokens(b, j, k, v);
+    } else if (tiled_error_.is_ok()) {  // a failed reserve() left no room (status() says why)
+      tiled_error_ = Status(Code::kOutOfMemory, "rank " + std::to_string(rank_) + ": slot " +
+                                   std::to_string(j) + " is beyond the tiled KV shard's " +
+                                   std::to_string(tiled_->cache.capacity()) + " slots");
+    }
+    return;
+  }
   if (device_) {
     thread_local std::vector<uint8_t> rec;
     rec.resize(device_->token_bytes);
@@ -469,6 +528,19 @@ void LocalShard::set_slot(int64_t b, int64_t j, const float* k, const float* v) 
 }
 
 KVShard LocalShard::view(const ShardPlan& plan) const {
+  if (tiled_) {
+    tiled_->view = tiled_->cache.view(plan.lens(rank_), plan.pos_starts(rank_), plan.total_lens(),
+                                      plan.pos_stride());
+    KVShard s;
+    s.dtype = tiled_->cache.dtype();
+    s.memory = MemorySpace::kHost;
+    s.len = tiled_->view.len;
+    s.pos_start = tiled_->view.pos_start;
+    s.total_len = tiled_->view.total_len;
+    s.pos_stride = tiled_->view.pos_stride;
+    s.tiled = &tiled_->view;
+    return s;
+  }
   if (device_) {
     const DeviceStore& d = *device_;
     KVShard s;
@@ -504,6 +576,15 @@ std::size_t LocalShard::live_bytes(const ShardPlan& plan) const {
 }
 
 void LocalShard::reserve(int64_t tokens) {
+  if (tiled_) {
+    const int64_t cap = tiled_->cache.capacity();
+    if (tokens <= cap) return;
+    const Status st = tiled_->cache.reserve(std::max(tokens, 2 * cap));
+    if (!st.is_ok() && tiled_error_.is_ok())
+      tiled_error_ = Status(st.code(), "rank " + std::to_string(rank_) +
+                                           ": growing the tiled KV shard: " + st.message());
+    return;
+  }
   if (device_) {
     std::lock_guard<std::mutex> lk(device_->mu);
     (void)device_->grow_locked(tokens);

@@ -94,6 +94,10 @@ class TreeDet final : public StrategyBase {
 
   Status run(const float* q, const KVShard& local, const ShardPlan& plan, float* out) override {
     TREEATTN_RETURN_IF_ERROR(check_plan(plan));
+    if (local.tiled != nullptr)
+      return invalid_argument(who() + "tree-det cuts 256-token chunks out of its shard's rows; "
+                                      "the shard is in the tiled layout (create the session with "
+                                      "KVLayout::kRows)");
     const int p = comm_->size(), me = comm_->rank();
     const int64_t B = shape_.batch, Hkv = shape_.kv_heads, D = shape_.head_dim;
     const std::size_t D_ = head_dim(), row_recs = row_records(), row_floats = row_recs * rec_floats();
@@ -443,7 +447,8 @@ Prediction model(const cost::Ctx& c) {
 
 constinit const StrategyDescriptor kTreeDetDescriptor{
     .info = {"tree-det", "deterministic: the same bits for any rank count, placement and thread "
-                         "count (canonical tree over 256-token chunks)"},
+                         "count (canonical tree over 256-token chunks)",
+             /*reads_kv_rows=*/true},
     .create = make_tree_det,
     .analytic = analytic,
     .model = model,

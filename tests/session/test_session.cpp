@@ -10,6 +10,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "treeattn/comm_local.hpp"
@@ -92,6 +93,7 @@ struct LoopCase {
   int appends = 3;
   int layers = 3;
   bool explicit_empty = false;  // kExplicit with every even rank empty
+  KVLayout layout = KVLayout::kAuto;
 };
 
 // The model-shaped loop on p ranks; every rank checks its own output against the oracle and
@@ -111,6 +113,7 @@ std::string run_loop(const LoopCase& c, int p) {
     cfg.layers = c.layers;
     cfg.placement = c.placement;
     cfg.strategy = c.strategy;
+    cfg.layout = c.layout;
     cfg.timeout = std::chrono::milliseconds(20000);
     cfg.options.kernel.threads = 1;
     if (c.explicit_empty) {
@@ -204,7 +207,13 @@ TEST_P(SessionLoop, EveryPlacementMatchesTheOracleAcrossLayersAndAppends) {
       {"int8-tree-paper", gqa, DType::kInt8, ShardKind::kStriped, "tree-paper", 70, 2, 2},
       {"empty-prompt", gqa, DType::kF32, ShardKind::kEven, "tree", 0, 3, 1},
   };
-  for (const LoopCase& c : cases) EXPECT_EQ(run_loop(c, p), "") << c.name << " at " << p << " ranks";
+  // auto: the tiled layout for every strategy but ring-kv; then every case on rows.
+  for (KVLayout layout : {KVLayout::kAuto, KVLayout::kRows})
+    for (LoopCase c : cases) {
+      c.layout = layout;
+      EXPECT_EQ(run_loop(c, p), "")
+          << c.name << " at " << p << " ranks, layout " << kv_layout_name(layout);
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, SessionLoop, ::testing::Values(1, 2, 3, 5, 8));
@@ -329,6 +338,95 @@ TEST(Session, ExtraStrategiesShareTheShardsAndSingleCannotJoin) {
     return Status::ok();
   });
   EXPECT_TRUE(st.is_ok()) << st.to_string();
+}
+
+// The layout a session chooses, and the strategies that cannot read the tiled one.
+TEST(Session, KVLayoutAutoIsTiledExceptForStrategiesThatReadRows) {
+  Status st = run_local(3, [](Communicator& comm) -> Status {
+    SessionConfig cfg;
+    cfg.shape = AttnShape{1, 4, 2, 64, 1};
+    cfg.context = {200};
+    cfg.options.kernel.threads = 1;
+    for (const auto& [name, want] :
+         std::vector<std::pair<std::string, KVLayout>>{{"tree", KVLayout::kTiled},
+                                                       {"allgather", KVLayout::kTiled},
+                                                       {"ring-kv", KVLayout::kRows},
+                                                       {"tree-det", KVLayout::kRows}}) {
+      cfg.strategy = name;
+      auto s = DecodeSession::create(comm, cfg);
+      TREEATTN_RETURN_IF_ERROR(s.status());
+      if ((*s)->config().layout != want)
+        return internal_error(name + ": layout " +
+                              std::string(kv_layout_name((*s)->config().layout)));
+      const KVShard v = (*s)->view(0);
+      if ((v.tiled != nullptr) != (want == KVLayout::kTiled))
+        return internal_error(name + ": the view does not match the layout");
+    }
+    // Explicitly tiled: a strategy that walks rows is refused at creation and at add_strategy,
+    // with the same message on every rank.
+    cfg.layout = KVLayout::kTiled;
+    cfg.strategy = "ring-kv";
+    auto bad = DecodeSession::create(comm, cfg);
+    if (bad.is_ok() || bad.status().message().find("reads the KV cache as rows") ==
+                           std::string::npos)
+      return internal_error("ring-kv on tiled: " + bad.status().to_string());
+    cfg.strategy = "tree";
+    auto s = DecodeSession::create(comm, cfg);
+    TREEATTN_RETURN_IF_ERROR(s.status());
+    auto added = (*s)->add_strategy("tree-det", cfg.options);
+    if (added.is_ok() || added.status().message().find("cannot join a session on the tiled") ==
+                             std::string::npos)
+      return internal_error("tree-det joining tiled: " + added.status().to_string());
+    // The other strategies join and read the same tiled shards.
+    auto ok = (*s)->add_strategy("ring-state", cfg.options);
+    return ok.status();
+  });
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+}
+
+// The tiled and the rows layout hold the same values: every strategy's merged output on each
+// agrees to the oracle's tolerance, and the tiled results do not depend on the kernel threads.
+TEST(Session, TiledAndRowsLayoutsAgreeAndTiledIsThreadCountIndependent) {
+  const AttnShape sh{2, 9, 3, 64, 1};  // the SmolLM2 attention shape, two rows
+  const int64_t n = 1000;              // > one tile per rank, a partial last tile
+  std::vector<std::vector<float>> results;
+  for (const auto& [layout, threads] : std::vector<std::pair<KVLayout, int>>{
+           {KVLayout::kRows, 1}, {KVLayout::kTiled, 1}, {KVLayout::kTiled, 2}}) {
+    std::vector<float> got;
+    std::mutex mu;
+    Status st = run_local(2, [&](Communicator& comm) -> Status {
+      SessionConfig cfg;
+      cfg.shape = sh;
+      cfg.dtype = DType::kBF16;
+      cfg.context = {n, n - 333};
+      cfg.layout = layout;
+      cfg.options.kernel.threads = threads;
+      cfg.options.kernel.chunk_tokens = 128;  // several work items per row and KV head
+      auto s = DecodeSession::create(comm, cfg);
+      TREEATTN_RETURN_IF_ERROR(s.status());
+      for (int64_t b = 0; b < 2; ++b)
+        for (int64_t pos = 0; pos < (*s)->length(b); ++pos)
+          if ((*s)->owns(b, pos))
+            TREEATTN_RETURN_IF_ERROR((*s)->store(0, b, pos, token(sh, 0, 1, b, pos).data(),
+                                                 token(sh, 0, 2, b, pos).data()));
+      const auto q = query(sh, 0, 0);
+      std::vector<float> out(q.size()), lse(static_cast<std::size_t>(2 * 9));
+      TREEATTN_RETURN_IF_ERROR((*s)->attend(0, q.data(), out.data(), lse.data()));
+      std::vector<double> ref_out, ref_lse;
+      oracle(sh, cfg.dtype, 0, {n, n - 333}, q.data(), ref_out, ref_lse);
+      const double e = rel_error(out, lse, ref_out, ref_lse);
+      if (!(e <= 1e-5)) return internal_error("error " + std::to_string(e));
+      std::lock_guard<std::mutex> lock(mu);
+      if (comm.rank() == 0) got = out;
+      return Status::ok();
+    });
+    ASSERT_TRUE(st.is_ok()) << st.to_string() << " (layout " << kv_layout_name(layout)
+                            << ", " << threads << " threads)";
+    results.push_back(got);
+  }
+  EXPECT_EQ(std::memcmp(results[1].data(), results[2].data(), results[1].size() * sizeof(float)),
+            0)
+      << "the tiled layout's output changed with the thread count";
 }
 
 TEST(Session, RootDeliveryWritesOnlyTheRoot) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "treeattn/kv_tiles.hpp"
 #include "treeattn/sharding.hpp"
 #include "treeattn/workload.hpp"
 
@@ -154,6 +155,7 @@ TEST(ShardPlan, FingerprintSeesEveryLength) {
 // appends that outgrow the shard's capacity.
 TEST(LocalShard, HoldsItsTokensThroughAppendsAndGrowth) {
   const AttnShape shape{2, 4, 2, 64, 1};
+  for (KVLayout layout : {KVLayout::kRows, KVLayout::kTiled})
   for (DType dt : {DType::kF32, DType::kF16, DType::kBF16})
     for (ShardKind kind : {ShardKind::kEven, ShardKind::kStriped}) {
       const int p = 3;
@@ -163,8 +165,9 @@ TEST(LocalShard, HoldsItsTokensThroughAppendsAndGrowth) {
       std::vector<ShardPlan> plans(p, *plan0);
       std::vector<LocalShard> shards;
       for (int r = 0; r < p; ++r) {
-        auto s = LocalShard::create(shape, dt, *plan0, r, /*spare_tokens=*/0);
+        auto s = LocalShard::create(shape, dt, *plan0, r, /*spare_tokens=*/0, nullptr, layout);
         ASSERT_TRUE(s.is_ok());
+        ASSERT_EQ(s->layout(), layout);
         ASSERT_TRUE(fill_local_shard(spec, *plan0, *s).is_ok());
         shards.push_back(std::move(*s));
       }
@@ -184,6 +187,8 @@ TEST(LocalShard, HoldsItsTokensThroughAppendsAndGrowth) {
         const ShardPlan& plan = plans[static_cast<std::size_t>(r)];
         const KVShard view = shards[static_cast<std::size_t>(r)].view(plan);
         ASSERT_TRUE(view.validate(shape).is_ok());
+        ASSERT_EQ(view.tiled != nullptr, layout == KVLayout::kTiled);
+        ASSERT_TRUE(shards[static_cast<std::size_t>(r)].status().is_ok());
         for (int64_t b = 0; b < 2; ++b)
           for (int64_t j = 0; j < plan.len(r, b); ++j) {
             const int64_t pos = plan.pos_start(r, b) + j * plan.pos_stride();
@@ -192,10 +197,12 @@ TEST(LocalShard, HoldsItsTokensThroughAppendsAndGrowth) {
               for (int64_t d = 0; d < shape.head_dim; ++d) {
                 const auto idx = static_cast<std::size_t>(
                     b * view.stride_batch + h * view.stride_head + j * view.stride_token + d);
-                ASSERT_EQ(load_as_float(view.k, dt, idx),
-                          k[static_cast<std::size_t>(h * shape.head_dim + d)]);
-                ASSERT_EQ(load_as_float(view.v, dt, idx),
-                          v[static_cast<std::size_t>(h * shape.head_dim + d)]);
+                const float gk = view.tiled ? tiled_element(*view.tiled, 64, false, b, h, j, d)
+                                            : load_as_float(view.k, dt, idx);
+                const float gv = view.tiled ? tiled_element(*view.tiled, 64, true, b, h, j, d)
+                                            : load_as_float(view.v, dt, idx);
+                ASSERT_EQ(gk, k[static_cast<std::size_t>(h * shape.head_dim + d)]);
+                ASSERT_EQ(gv, v[static_cast<std::size_t>(h * shape.head_dim + d)]);
               }
           }
       }

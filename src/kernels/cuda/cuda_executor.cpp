@@ -330,6 +330,9 @@ class CudaExecutor final : public Executor {
     const std::string where = who_ + ": " + op + ": ";
     TREEATTN_RETURN_IF_ERROR(current());
     TREEATTN_RETURN_IF_ERROR(shape.validate());
+    if (kv.tiled != nullptr)
+      return invalid_argument(where + "the KV shard is in the host tiled layout (kv_tiles.hpp); "
+                                      "device shards are rows");
     TREEATTN_RETURN_IF_ERROR(kv.validate(shape));
     if (!(options.scale >= 0.0f) || std::isinf(options.scale))
       return invalid_argument(where + "scale must be finite and >= 0 (0 = 1/sqrt(head_dim)), got " +
