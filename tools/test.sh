@@ -3,7 +3,7 @@
 # except the label `large` (slow, ~9 GiB). The `cluster` tests (emulated hosts in network
 # namespaces) run too when this user can create namespaces (root); otherwise they are skipped
 # with a message. `tools/test.sh --all` also runs `large`. The libFuzzer targets (fuzz/, built
-# with clang into build/fuzz) run 10 s each; tools/fuzz.sh runs long campaigns.
+# with clang into build/fuzz) run 30 s each; tools/fuzz.sh runs long campaigns.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/deps.sh
@@ -14,7 +14,7 @@ if [ "${1:-}" = "--all" ]; then
   exit 0
 fi
 ctest --preset release -j1
-echo "== fuzz: every libFuzzer target for 10 s after its regression inputs (tools/fuzz.sh --ci) =="
+echo "== fuzz: every libFuzzer target for 30 s after its regression inputs (tools/fuzz.sh --ci) =="
 tools/fuzz.sh --ci
 probe="treeattn-probe-$$"
 if ip netns add "$probe" 2>/dev/null; then
