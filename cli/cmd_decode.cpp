@@ -4,6 +4,12 @@
 //
 // From a plain shell both re-execute themselves under mpirun (one job per rank count); under
 // an existing mpirun/srun they use that job's world.
+//
+// --device cuda: every rank decodes on one GPU (the CUDA executor on device local rank % GPUs)
+// and the sessions merge over NCCL, bootstrapped over the MPI world; the measuring (barriers,
+// timings, checks) stays on MPI in host memory (workload.hpp). What the build lacks is refused
+// before any rank starts; a rank without a GPU fails the set-up on every rank, and rank 0 names
+// it.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <unistd.h>
@@ -25,6 +31,8 @@
 #include "options.hpp"
 #include "report.hpp"
 #include "treeattn/comm_mpi.hpp"
+#include "treeattn/comm_nccl.hpp"
+#include "treeattn/executor_cuda.hpp"
 #include "treeattn/kernel.hpp"
 #include "treeattn/strategy.hpp"
 
@@ -59,32 +67,57 @@ struct DecodeFlags {
   std::string inject;        // --inject (debug): one fault
   InjectSpec inject_spec;
   bool deterministic = false;  // add tree-det (the same bits for any rank count) to the methods
+  std::string device = "cpu";  // --device
+  Device device_kind = Device::kCpu;
 };
 
-std::vector<std::string> all_methods() {
+// The communicator the sessions merge over on each device: MPI (host) or NCCL (comm_nccl.hpp).
+CommCapabilities session_caps(Device d) {
+  if (d == Device::kCpu) return CommCapabilities{};
+  return CommCapabilities{MemorySpace::kDevice, /*user_reductions=*/false, /*stream_ordered=*/true};
+}
+
+std::vector<std::string> all_methods(Device d = Device::kCpu) {
   std::vector<std::string> v;
-  for (const auto& i : StrategyRegistry::for_backend(CommCapabilities{}).list()) v.emplace_back(i.name);
+  for (const auto& i : StrategyRegistry::for_backend(session_caps(d)).list())
+    v.emplace_back(i.name);
   return v;
 }
 
-Result<std::vector<std::string>> resolve_methods(const std::string& text) {
-  if (text == "all") return all_methods();
+Result<std::vector<std::string>> resolve_methods(const std::string& text, Device d) {
+  if (text == "all") return all_methods(d);
   std::vector<std::string> v = split_list(text);
   const auto& reg = StrategyRegistry::for_backend(CommCapabilities{});
-  for (const auto& m : v)
+  const auto& here = StrategyRegistry::for_backend(session_caps(d));
+  for (const auto& m : v) {
     if (m != "auto" && !reg.contains(m)) {
       std::string known;
       for (const auto& k : all_methods()) known += (known.empty() ? "" : ", ") + k;
       return invalid_argument("--methods: unknown method '" + m + "' (known: " + known +
                               ", auto (the planner's choice), or all)");
     }
+    if (d == Device::kCuda && m == "auto")
+      return invalid_argument(
+          "--methods auto with --device cuda: the planner models CPU ranks "
+          "and host links; name the methods (or all)");
+    if (m != "auto" && !here.contains(m)) {
+      std::string known;
+      for (const auto& k : all_methods(d)) known += (known.empty() ? "" : ", ") + k;
+      return invalid_argument("--methods: method '" + m + "' is not available with --device " +
+                              device_name(d) +
+                              " (NCCL has no user-defined reductions; there: " + known + ")");
+    }
+  }
   if (v.empty()) return invalid_argument("--methods: empty list");
   return v;
 }
 
-// The layout run_interleaved will choose (workload.hpp): tiled unless a method reads rows.
-std::string layout_label(const std::string& flag, const std::vector<std::string>& methods) {
+// The layout run_interleaved will choose (workload.hpp): rows on a GPU, else tiled unless a
+// method reads rows.
+std::string layout_label(const std::string& flag, const std::vector<std::string>& methods,
+                         Device d) {
   if (flag != "auto") return flag;
+  if (d == Device::kCuda) return "rows (auto: the GPU's shards)";
   const StrategyRegistry& registry = StrategyRegistry::for_backend(CommCapabilities{});
   for (const auto& m : methods)
     if (const StrategyInfo* info = registry.info(m); info && info->reads_kv_rows)
@@ -95,6 +128,86 @@ std::string layout_label(const std::string& flag, const std::vector<std::string>
 int fail(const char* cmd, const Status& s) {
   std::fprintf(stderr, "treeattn %s: error: %s\n", cmd, s.to_string().c_str());
   return 2;
+}
+
+// This rank's GPU for --device cuda. Members in this order, so that the NCCL communicator goes
+// before the executor whose stream it uses (and both before the MPI world, which the caller
+// destroys after them).
+struct RankDevice {
+  std::unique_ptr<Executor> executor;
+  std::unique_ptr<Communicator> comm;
+  std::string description = "device cpu";  // the report's header line
+};
+
+// "device cuda: NVIDIA H200 (sm_90, 141 GiB)"
+std::string describe_cuda(const Executor& e) {
+  auto info = cuda_device_info(e);
+  if (!info.is_ok()) return "device cuda";
+  return fmt::format("device cuda: {} (sm_{}{}, {:.0f} GiB)", info->name, info->cc_major,
+                     info->cc_minor, static_cast<double>(info->memory_bytes) / (1ull << 30));
+}
+
+// Collective over world: the message of the lowest rank whose `mine` failed ("rank R: ...",
+// and how many others failed), the same on every rank; empty when every rank succeeded. So a
+// rank that fails alone does not leave the others waiting for it.
+Result<std::string> first_failure(Communicator& world, const Status& mine) {
+  const int P = world.size(), me = world.rank();
+  float lowest = mine.is_ok() ? 0.0f : static_cast<float>(P - me);  // max = lowest failing rank
+  TREEATTN_RETURN_IF_ERROR(world.allreduce(&lowest, 1, ReduceOp::kMax));
+  if (lowest == 0.0f) return std::string();
+  float failed = mine.is_ok() ? 0.0f : 1.0f;
+  TREEATTN_RETURN_IF_ERROR(world.allreduce(&failed, 1, ReduceOp::kSum));
+  const int who = P - static_cast<int>(lowest);
+  char text[1024] = {};
+  if (me == who) {
+    // Library messages that already name the rank keep their own prefix.
+    const std::string m = mine.message().rfind("rank ", 0) == 0
+                              ? mine.to_string()
+                              : fmt::format("rank {}: {}", me, mine.to_string());
+    std::snprintf(text, sizeof(text), "%s", m.c_str());
+  }
+  TREEATTN_RETURN_IF_ERROR(world.broadcast(text, sizeof(text), who));
+  std::string out = text;
+  const int others = static_cast<int>(failed) - 1;
+  if (others > 0) out += fmt::format(" (and {} more rank{})", others, others == 1 ? "" : "s");
+  return out;
+}
+
+// Collective over world. --device cuda: the CUDA executor (device -1: local rank % GPUs; no more
+// ranks on a host than its GPUs), agreed by every rank, then the NCCL communicator over world on
+// its stream (collective; its set-up honours world's timeout), agreed again. On failure every rank
+// returns the first failing rank's message; rank 0 prints it.
+Result<RankDevice> open_device(Communicator& world, Device d) {
+  RankDevice dev;
+  if (d == Device::kCpu) return dev;
+  Status mine;
+  // NCCL takes one GPU per rank: the ranks of a host must not outnumber its GPUs.
+  auto host = world.split_shared(world.rank());
+  std::string why;
+  const int gpus = cuda_device_count(&why);
+  if (!host.is_ok())
+    mine = host.status();
+  else if (gpus > 0 && (*host)->size() > gpus)
+    mine = invalid_argument(fmt::format(
+        "{} ranks on this host share its {} GPU{}; --device cuda needs one GPU per rank (NCCL), "
+        "so at most {} rank{} per host",
+        (*host)->size(), gpus, gpus == 1 ? "" : "s", gpus, gpus == 1 ? "" : "s"));
+  else if (auto e = make_cuda_executor(); e.is_ok())
+    dev.executor = std::move(e).value();
+  else
+    mine = e.status();
+  auto agreed = first_failure(world, mine);
+  TREEATTN_RETURN_IF_ERROR(agreed.status());
+  if (!agreed->empty()) return unsupported(*agreed);
+  if (auto c = make_nccl_communicator(world, *dev.executor); c.is_ok())
+    dev.comm = std::move(c).value();
+  else
+    mine = c.status();
+  agreed = first_failure(world, mine);
+  TREEATTN_RETURN_IF_ERROR(agreed.status());
+  if (!agreed->empty()) return unsupported(*agreed);
+  dev.description = describe_cuda(*dev.executor);
+  return dev;
 }
 
 int default_threads(int ranks_here) {
@@ -209,17 +322,34 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
       return 2;
     }
   }
+  // --device cuda: this rank's GPU and the NCCL communicator, or every rank stops and rank 0
+  // names the first rank that has none.
+  world->set_timeout(std::chrono::milliseconds(f.timeout_ms));
+  auto dev_r = open_device(*world, f.device_kind);
+  if (!dev_r.is_ok()) {
+    if (lead)
+      std::fprintf(stderr, "treeattn %s: error: %s\n", cmd, dev_r.status().message().c_str());
+    world.reset();
+    (void)mpi_finalize();
+    return 2;
+  }
+  RankDevice dev = std::move(dev_r).value();
+  const bool cuda = f.device_kind == Device::kCuda;
+  const std::string kernel_label = cuda ? "cuda" : std::string(isa_name(best_isa()));
   if (f.inject_spec.kind == InjectSpec::Kind::kMismatch && world->rank() == f.inject_spec.rank)
     f.shape.head_dim = f.shape.head_dim == 64 ? 128 : 64;  // the set-up agreement must name it
   const int threads = f.threads > 0 ? f.threads : default_threads(local_ranks(P));
   if (lead && !bench && f.child_json.empty()) {
     const AttnShape s = f.shape.shape();
-    std::printf("treeattn run: %d ranks, %s, %s KV, %s tokens (%s shards), %d warm-up + %d decode "
-                "steps%s; kernel %s, KV layout %s, %d thread(s) per rank\n",
-                P, s.to_string().c_str(), f.shape.dtype.c_str(), format_size(f.shape.seqs[0]).c_str(),
-                f.shape.shard.c_str(), f.warmup, f.iters, f.append ? " with appends" : "",
-                std::string(isa_name(best_isa())).c_str(),
-                layout_label(f.shape.kv_layout, methods).c_str(), threads);
+    const std::string threads_text = cuda ? "" : fmt::format(", {} thread(s) per rank", threads);
+    std::printf(
+        "treeattn run: %d ranks, %s, %s KV, %s tokens (%s shards), %d warm-up + %d decode "
+        "steps%s; kernel %s, KV layout %s%s\n",
+        P, s.to_string().c_str(), f.shape.dtype.c_str(), format_size(f.shape.seqs[0]).c_str(),
+        f.shape.shard.c_str(), f.warmup, f.iters, f.append ? " with appends" : "",
+        kernel_label.c_str(), layout_label(f.shape.kv_layout, methods, f.device_kind).c_str(),
+        threads_text.c_str());
+    std::printf("%s\n", dev.description.c_str());
     std::printf("checking every method against the float64 oracle (max rel err <= 1e-5) and "
                 "bit-identical results on all ranks\n\n");
     std::fflush(stdout);
@@ -232,6 +362,9 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
     for (int64_t seq : f.shape.seqs) {
       MeasureConfig mc = measure_config(f, methods, seq, batch);
       mc.threads = threads;
+      mc.device = f.device_kind;
+      mc.executor = dev.executor.get();
+      mc.device_comm = dev.comm.get();
       if (auto planned = resolve_auto_methods(mc.methods, mc.shape, mc.dtype, seq, P, f.topology,
                                               f.cluster, f.link, f.fanout, lead);
           !planned.is_ok()) {
@@ -259,6 +392,7 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
     if (status.code() == Code::kTimeout || status.code() == Code::kInternal ||
         status.code() == Code::kMismatch)
       abort_job(3, "");
+    dev = RankDevice();  // NCCL, then the executor, before the world they use
     world.reset();
     (void)mpi_finalize();
     return 2;
@@ -268,19 +402,27 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
   int rc = all_ok ? 0 : 1;
   if (lead) {
     if (!f.child_json.empty()) {
-      Status s = write_json(f.child_json, points, nlohmann::json::object());
+      // The launching shell prints the header: it learns the device from here.
+      Status s = write_json(f.child_json, points, {{"device_description", dev.description}});
       if (!s.is_ok()) rc = fail(cmd, s);
     } else {
+      if (bench) std::printf("%s\n", dev.description.c_str());
       print_table(points, f.baseline);
-      nlohmann::json meta = {{"command", cmd}, {"kernel_isa", isa_name(best_isa())},
-                             {"threads_per_rank", threads}, {"warmup", f.warmup},
-                             {"iterations", f.iters}, {"append", f.append}};
+      nlohmann::json meta = {{"command", cmd},
+                             {"kernel_isa", kernel_label},
+                             {"threads_per_rank", threads},
+                             {"warmup", f.warmup},
+                             {"iterations", f.iters},
+                             {"append", f.append},
+                             {"device", device_name(f.device_kind)},
+                             {"device_description", dev.description}};
       if (!f.json.empty()) if (Status s = write_json(f.json, points, meta); !s.is_ok()) rc = fail(cmd, s);
       if (!f.csv.empty()) if (Status s = write_csv(f.csv, points); !s.is_ok()) rc = fail(cmd, s);
       if (!f.plot.empty()) if (Status s = write_plot(f.plot, points, "treeattn bench"); !s.is_ok()) rc = fail(cmd, s);
       if (!all_ok) std::printf("\nFAILED: at least one method is not exact (see the rel err column)\n");
     }
   }
+  dev = RankDevice();
   world.reset();
   (void)mpi_finalize();
   return rc;
@@ -290,10 +432,25 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
 int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invocation& inv,
                 bool bench) {
   if (Status s = f.shape.resolve(sub); !s.is_ok()) return fail(cmd, s);
+  // --device: what this build can run, before any rank starts (a missing GPU is found by the
+  // ranks themselves: open_device).
+  auto device = parse_device(f.device);
+  if (!device.is_ok()) return fail(cmd, device.status());
+  f.device_kind = *device;
+  if (Status s = check_device_built(f.device_kind); !s.is_ok()) return fail(cmd, s);
+  if (f.device_kind == Device::kCuda && bench && f.kernel)
+    return fail(cmd, unsupported("bench --kernel --device cuda: the GPU kernel's roofline (the "
+                                 "device-to-device copy probe and the decode kernel on device "
+                                 "buffers) is measured by tools/gpu-check.sh OUTDIR; bench "
+                                 "--kernel measures the CPU kernel"));
+  if (f.device_kind == Device::kCuda && f.shape.kv_layout == "tiled")
+    return fail(cmd, invalid_argument("--kv-layout tiled is the CPU kernel's layout in host "
+                                      "memory; with --device cuda the shards are rows (use "
+                                      "--kv-layout auto or rows)"));
   if (bench && f.kernel)
     return kernel_bench(KernelBenchFlags{f.shape, f.shape.dtype, f.threads, f.repeats, f.isa,
                                          f.no_peer, f.kernel_cases, f.json});
-  auto methods = resolve_methods(f.methods);
+  auto methods = resolve_methods(f.methods, f.device_kind);
   if (!methods.is_ok()) return fail(cmd, methods.status());
   if (f.deterministic) {  // tree-det first; with the default `all`, compared with tree only
     std::vector<std::string> m = {"tree-det"};
@@ -381,6 +538,7 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
   // One mpirun per rank count, results gathered here.
   std::vector<Point> points;
   int worst = 0;
+  std::string device_description;  // rank 0's of the first job (jobs write it with their points)
   for (int64_t p : ranks.value()) {
     const std::string tmpl_path = make_temp_file("points");
     if (tmpl_path.empty()) return fail(cmd, internal_error("cannot create a temporary file in /tmp"));
@@ -428,23 +586,37 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
       return rc.value() == 1 ? 2 : rc.value();
     }
     worst = std::max(worst, rc.value());
+    if (device_description.empty() && j.contains("meta") && j["meta"].is_object())
+      device_description = j["meta"].value("device_description", std::string());
     if (j.contains("points"))
       for (const auto& pj : j["points"]) points.push_back(Point::from_json(pj));
   }
+  const bool cuda = f.device_kind == Device::kCuda;
+  const std::string kernel_label = cuda ? "cuda" : std::string(isa_name(best_isa()));
+  if (device_description.empty()) device_description = std::string("device ") + f.device;
   if (!bench) {
     const AttnShape s = f.shape.shape();
-    std::printf("treeattn run: %s ranks, %s, %s KV, %s tokens (%s shards), %d warm-up + %d decode "
-                "steps%s; kernel %s, KV layout %s\n",
-                f.ranks.c_str(), s.to_string().c_str(), f.shape.dtype.c_str(),
-                format_size(f.shape.seqs[0]).c_str(), f.shape.shard.c_str(), f.warmup, f.iters,
-                f.append ? " with appends" : "", std::string(isa_name(best_isa())).c_str(),
-                layout_label(f.shape.kv_layout, *methods).c_str());
+    std::printf(
+        "treeattn run: %s ranks, %s, %s KV, %s tokens (%s shards), %d warm-up + %d decode "
+        "steps%s; kernel %s, KV layout %s\n",
+        f.ranks.c_str(), s.to_string().c_str(), f.shape.dtype.c_str(),
+        format_size(f.shape.seqs[0]).c_str(), f.shape.shard.c_str(), f.warmup, f.iters,
+        f.append ? " with appends" : "", kernel_label.c_str(),
+        layout_label(f.shape.kv_layout, *methods, f.device_kind).c_str());
+    std::printf("%s\n", device_description.c_str());
     std::printf("every method checked against the float64 oracle (max rel err <= 1e-5) and for "
                 "bit-identical results on all ranks\n\n");
+  } else {
+    std::printf("%s\n", device_description.c_str());
   }
   print_table(points, f.baseline);
-  nlohmann::json meta = {{"command", cmd}, {"kernel_isa", isa_name(best_isa())},
-                         {"warmup", f.warmup}, {"iterations", f.iters}, {"append", f.append}};
+  nlohmann::json meta = {{"command", cmd},
+                         {"kernel_isa", kernel_label},
+                         {"warmup", f.warmup},
+                         {"iterations", f.iters},
+                         {"append", f.append},
+                         {"device", device_name(f.device_kind)},
+                         {"device_description", device_description}};
   if (!f.json.empty()) if (Status s = write_json(f.json, points, meta); !s.is_ok()) return fail(cmd, s);
   if (!f.csv.empty()) if (Status s = write_csv(f.csv, points); !s.is_ok()) return fail(cmd, s);
   if (!f.plot.empty()) {
@@ -481,6 +653,12 @@ void add_common(CLI::App* sub, DecodeFlags& f, bool bench) {
                   "kill:RANK@STEP (SIGKILL), nan:RANK, slow:RANK:MS, mismatch:RANK (steps count "
                   "warm-up steps from 0)")
       ->group("Debug");
+  sub->add_option("--device", f.device,
+                  "Where each rank decodes: cpu, or cuda (one GPU per rank: GPU = local rank % "
+                  "GPUs on the host, NCCL between ranks; needs a treeattn built with CUDA and "
+                  "NCCL and a GPU for every rank; KV layout rows; not with bench --kernel: "
+                  "tools/gpu-check.sh)")
+      ->capture_default_str();
   sub->add_flag("--no-check", f.no_check, "Skip the float64 oracle check (not recommended)");
   sub->add_flag("--deterministic", f.deterministic,
                 "Decode with tree-det: output and LSE the same bits whatever the rank count, "

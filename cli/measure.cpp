@@ -74,6 +74,8 @@ RunConfig base_run_config(const MeasureConfig& c, int ranks) {
           static_cast<int64_t>(i) * c.nodes / ranks);
   }
   r.kv_layout = c.kv_layout;
+  r.executor = c.executor;
+  r.device_comm = c.device_comm;
   if (c.shard == "empty" && ranks > 1) {
     r.shard = ShardKind::kExplicit;
     r.explicit_len = explicit_empty_lens(c.seq, ranks);
@@ -106,8 +108,9 @@ MemoryNeed memory_need(const MeasureConfig& c, int ranks) {
   MemoryNeed need;
   // Shards of the shared session, single's whole cache, ring-kv's two shard-sized buffers per
   // rank, and the oracle's regenerated cache.
-  need.kv_bytes = total_kv * (1.0 + (single ? 1.0 : 0.0) + (ring_kv ? 2.0 : 0.0) +
-                              (c.check ? 1.0 : 0.0));
+  const double session_caches = 1.0 + (single ? 1.0 : 0.0) + (ring_kv ? 2.0 : 0.0);
+  need.kv_bytes =
+      total_kv * ((c.device == Device::kCuda ? 0.0 : session_caches) + (c.check ? 1.0 : 0.0));
   const double records = B * Q * H;
   const double state = records * (D + 2) * 4.0;
   const double methods = static_cast<double>(std::max<std::size_t>(1, c.methods.size()));
@@ -130,12 +133,16 @@ Result<std::vector<Point>> measure(Communicator& comm, const MeasureConfig& c) {
   const int P = comm.size();
   const int me = comm.rank();
   const int check_rank = c.root >= 0 ? c.root : 0;
-  const StrategyRegistry& registry = StrategyRegistry::for_backend(comm.capabilities());
+  // The strategies the sessions' communicator offers (NCCL: no hier, tree as an all-gather).
+  const Communicator& session_comm = c.device_comm != nullptr ? *c.device_comm : comm;
+  const StrategyRegistry& registry = StrategyRegistry::for_backend(session_comm.capabilities());
   for (const auto& m : c.methods)
     if (!registry.contains(m)) {
       std::string known;
       for (const auto& i : registry.list()) known += (known.empty() ? "" : ", ") + std::string(i.name);
-      return invalid_argument("unknown method '" + m + "' (known: " + known + ")");
+      const std::string over =
+          c.device_comm != nullptr ? " over " + std::string(session_comm.backend_name()) : "";
+      return invalid_argument("unknown method '" + m + "'" + over + " (known: " + known + ")");
     }
 
   // Large buffers (KV shards, ring buffers) always come from mmap and go back on free; glibc's
@@ -258,6 +265,7 @@ Result<std::vector<Point>> measure(Communicator& comm, const MeasureConfig& c) {
     p.dtype = std::string(dtype_name(c.dtype));
     p.shard = c.shard;
     p.kv_layout = std::string(kv_layout_name(rep.kv_layout));
+    p.device = device_name(c.device);
     p.iterations = static_cast<int>(rep.steps.size());
     std::vector<double> lat;
     for (const auto& s : rep.steps) lat.push_back(s.max_seconds * 1e6);

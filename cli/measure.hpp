@@ -12,6 +12,7 @@
 #include "options.hpp"
 #include "report.hpp"
 #include "treeattn/comm.hpp"
+#include "treeattn/executor.hpp"
 #include "treeattn/shape.hpp"
 #include "treeattn/sharding.hpp"
 #include "treeattn/status.hpp"
@@ -38,6 +39,12 @@ struct MeasureConfig {
   double tolerance = 1e-5;
   bool progress = false;  // progress lines on stderr (rank 0)
   InjectSpec inject;      // --inject (debug)
+  // Where the ranks decode (--device): the executor and the communicator the sessions use,
+  // owned by the caller (RunConfig::executor / device_comm; null: the CPU executor and the
+  // measuring communicator). The measuring communicator stays the host one.
+  Device device = Device::kCpu;
+  Executor* executor = nullptr;
+  Communicator* device_comm = nullptr;
 };
 
 // The number of tokens a rank will hold, for the memory pre-check.
@@ -45,7 +52,8 @@ Result<std::vector<Point>> measure(Communicator& comm, const MeasureConfig& conf
 
 // Bytes the whole job needs on this machine and the bytes it has available (MemAvailable), for
 // a clear "does not fit" error before anything is allocated: the KV shards of the shared
-// session, `single`'s whole cache and ring-kv's two receive buffers, the oracle's regenerated
+// session, `single`'s whole cache and ring-kv's two receive buffers (none of them with --device
+// cuda: they are in GPU memory, whose lack the session reports), the oracle's regenerated
 // cache and its float64 outputs, and per rank the query, the output states, the states kept
 // for every timed step of every method, the strategies' receive buffers and a process baseline.
 // Computed in doubles, so absurd shapes (--q-len 2^31) give a number, not an overflow.

@@ -16,6 +16,9 @@
 #include <filesystem>
 #include <sstream>
 
+#include "treeattn/comm_nccl.hpp"
+#include "treeattn/executor_cuda.hpp"
+
 namespace treeattn::cli {
 
 const std::vector<Preset>& presets() {
@@ -222,6 +225,29 @@ Status check_timeout_ms(const std::string& flag, int64_t ms) {
   if (ms < 0)
     return invalid_argument(flag + " " + std::to_string(ms) +
                             ": must be >= 0 (milliseconds; 0 waits forever)");
+  return Status::ok();
+}
+
+Result<Device> parse_device(const std::string& text) {
+  if (text == "cpu") return Device::kCpu;
+  if (text == "cuda") return Device::kCuda;
+  return invalid_argument("--device '" + text + "': unknown device (known: cpu, cuda)");
+}
+
+const char* device_name(Device d) { return d == Device::kCuda ? "cuda" : "cpu"; }
+
+Status check_device_built(Device d) {
+  if (d == Device::kCpu) return Status::ok();
+  if (!cuda_built())
+    return unsupported(
+        "--device cuda: this treeattn was built without CUDA (nvcc was not found at configure "
+        "time; see README, GPUs)");
+  // The strategies need a communicator in the executor's memory, even for one rank: NCCL.
+  if (!nccl_built())
+    return unsupported(
+        "--device cuda: this treeattn was built with CUDA but without NCCL, which the ranks' "
+        "communicator on the GPU needs, even for one rank (NCCL was not found at configure time; "
+        "see README, GPUs)");
   return Status::ok();
 }
 

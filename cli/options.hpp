@@ -65,6 +65,16 @@ Status prepare_output_dir(const std::string& flag, const std::string& dir);
 Status check_timeout_ms(const std::string& flag, int64_t ms);
 std::string format_bytes(double bytes);    // "1.50 GiB"
 
+// --device of run and bench: where each rank decodes. cpu: the host kernels; cuda: one GPU per
+// rank (the CUDA executor, executor_cuda.hpp) with NCCL between the ranks (comm_nccl.hpp).
+enum class Device { kCpu, kCuda };
+// "cpu" or "cuda"; anything else is an error naming the known values.
+Result<Device> parse_device(const std::string& text);
+const char* device_name(Device d);  // "cpu", "cuda"
+// What this build can run on `d`, before any rank starts: cuda needs the CUDA executor and the
+// NCCL communicator compiled in (not a GPU: each rank finds out whether it has one).
+Status check_device_built(Device d);
+
 // Flags that describe the decode problem; every subcommand has them.
 struct ShapeFlags {
   std::string preset;

@@ -75,6 +75,7 @@ nlohmann::json Point::to_json() const {
       {"dtype", dtype},
       {"shard", shard},
       {"kv_layout", kv_layout},
+      {"device", device},
       {"iterations", iterations},
       {"latency_us",
        {{"min", latency_us.min}, {"p10", latency_us.p10}, {"p50", latency_us.p50},
@@ -110,6 +111,7 @@ Point Point::from_json(const nlohmann::json& j) {
   p.dtype = j.at("dtype");
   p.shard = j.at("shard");
   p.kv_layout = j.value("kv_layout", "rows");  // files written before the tiled layout: rows
+  p.device = j.value("device", "cpu");         // files written before --device: cpu
   p.iterations = j.at("iterations");
   const auto& l = j.at("latency_us");
   p.latency_us = {l.at("min"), l.at("p50"), l.at("p90"), l.at("p99"), l.at("mean"),
@@ -179,16 +181,17 @@ Status write_csv(const std::string& path, const std::vector<Point>& points) {
   f << "method,ranks,nodes,seq,batch,heads,kv_heads,head_dim,q_len,dtype,shard,iterations,"
        "lat_min_us,lat_p50_us,lat_p90_us,lat_p99_us,bytes_sent_per_rank,bytes_wire_per_rank,"
        "bytes_formula,peak_bytes_per_rank,peak_bytes_formula,peak_rss_bytes,kv_bytes_read,"
-       "kv_gbps,max_rel_err,ok\n";
+       "kv_gbps,max_rel_err,ok,device\n";
   for (const auto& p : points)
-    f << fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{:.3f},{:.3f},{:.3f},{:.3f},{},{},{},{},{},{},{},{:.3f},{:.3e},{}\n",
-                     p.method, p.ranks, p.nodes, p.seq, p.batch, p.heads, p.kv_heads, p.head_dim,
-                     p.q_len, p.dtype, p.shard, p.iterations, p.latency_us.min, p.latency_us.p50,
-                     p.latency_us.p90, p.latency_us.p99, p.bytes_sent_per_rank,
-                     p.bytes_wire_per_rank ? std::to_string(*p.bytes_wire_per_rank) : "",
-                     p.bytes_formula, p.peak_bytes_per_rank, p.peak_bytes_formula,
-                     p.peak_rss_bytes, p.kv_bytes_read, p.kv_gbps, p.max_rel_err,
-                     p.ok ? 1 : 0);
+    f << fmt::format(
+        "{},{},{},{},{},{},{},{},{},{},{},{},{:.3f},{:.3f},{:.3f},{:.3f},"
+        "{},{},{},{},{},{},{},{:.3f},{:.3e},{},{}\n",
+        p.method, p.ranks, p.nodes, p.seq, p.batch, p.heads, p.kv_heads, p.head_dim, p.q_len,
+        p.dtype, p.shard, p.iterations, p.latency_us.min, p.latency_us.p50, p.latency_us.p90,
+        p.latency_us.p99, p.bytes_sent_per_rank,
+        p.bytes_wire_per_rank ? std::to_string(*p.bytes_wire_per_rank) : "", p.bytes_formula,
+        p.peak_bytes_per_rank, p.peak_bytes_formula, p.peak_rss_bytes, p.kv_bytes_read, p.kv_gbps,
+        p.max_rel_err, p.ok ? 1 : 0, p.device);
   return f ? Status::ok() : internal_error("writing '" + path + "' failed");
 }
 

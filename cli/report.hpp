@@ -27,6 +27,7 @@ struct Point {
   int64_t seq = 0, batch = 1, heads = 0, kv_heads = 0, head_dim = 0, q_len = 1;
   std::string dtype, shard;
   std::string kv_layout = "rows";  // the KV layout the method read (rows or tiled)
+  std::string device = "cpu";      // where the ranks decoded: cpu or cuda (--device)
   int iterations = 0;
   LatencyStats latency_us;                  // per decode step, max over ranks of each step
   uint64_t bytes_sent_per_rank = 0;         // counted at the communicator, max over ranks

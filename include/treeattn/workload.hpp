@@ -18,6 +18,9 @@
 // run_interleaved() measures several strategies on the very same shards (one session, the
 // strategies added to it; `single` in a second session with its own placement), one step of each
 // in turn, starting one later every step, so that slow drift of a shared machine hits them alike.
+// Both run on any executor (RunConfig::executor, e.g. the CUDA one, with RunConfig::device_comm,
+// e.g. NCCL): the shards then live in its memory, each step's query is copied there, and the
+// merged states come back to the host for the checks.
 // check_against_oracle() compares a step's merged states with the float64 oracle over the
 // regenerated cache.
 //
@@ -33,6 +36,7 @@
 #include <vector>
 
 #include "treeattn/comm.hpp"
+#include "treeattn/executor.hpp"
 #include "treeattn/shape.hpp"
 #include "treeattn/sharding.hpp"
 #include "treeattn/state_buffer.hpp"
@@ -103,6 +107,17 @@ struct RunConfig {
   int inject_slow_ms = 0;
   // Called on every rank as each decode step begins (progress reporting); may be empty.
   std::function<void(int64_t step)> on_step;
+  // Where the sessions run (executor.hpp, comm.hpp); both must outlive the run. executor: null =
+  // cpu_executor(); a device executor (CUDA) keeps the shards in its memory as rows (kAuto
+  // resolves to rows, kTiled is refused) and the driver copies each step's query into a buffer
+  // of its own there. device_comm: the communicator the sessions merge over (NCCL with a CUDA
+  // executor; its memory space must be the executor's); null = the `comm` argument. The driver
+  // keeps `comm` (host memory) for its own operations: barriers, the slowest rank's time, the
+  // input scan, the wire-byte probe, fault injection and, when device_comm works in device
+  // memory, the agreement on the run (which the session would otherwise do over device_comm);
+  // byte counters are read from device_comm. device_comm must have comm's ranks and size.
+  Executor* executor = nullptr;
+  Communicator* device_comm = nullptr;
 };
 
 struct StepReport {

@@ -1,6 +1,13 @@
 // The decode driver: a client of the decode session (session.hpp) that adds what measuring needs
 // around it: the deterministic workload stored into the session, fault injection, timed steps
 // with byte counters, several strategies interleaved step by step, and the oracle checks.
+//
+// Two communicators: `comm` (host memory) carries the driver's own operations (barriers, the
+// slowest rank's time, the input scan, the wire-byte probe) and the session communicator
+// (RunConfig::device_comm, NCCL beside a CUDA executor; `comm` by default) carries the sessions'
+// merges, whose bytes the steps report. A session communicator in device memory cannot run the
+// session's agreement on the run (it all-gathers host records), so there the driver agrees over
+// `comm` itself (agree_on_host) and creates the sessions without it.
 // Part of the measurement library treeattn_measure.
 #include <algorithm>
 #include <chrono>
@@ -8,7 +15,10 @@
 #include <csignal>
 #include <cstring>
 #include <limits>
+#include <span>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "treeattn/kv_tiles.hpp"
@@ -42,7 +52,8 @@ struct Bad {
   double value = 0;
 };
 
-Bad scan_inputs(const RunConfig& c, const float* q, const KVShard& kv) {
+// kv may be null: only the query is scanned (a device executor's shard is not host-readable).
+Bad scan_inputs(const RunConfig& c, const float* q, const KVShard* kv_or_null) {
   Bad bad;
   const AttnShape& s = c.shape;
   const std::size_t nq = static_cast<std::size_t>(s.batch * s.q_len * s.heads * s.head_dim);
@@ -53,6 +64,8 @@ Bad scan_inputs(const RunConfig& c, const float* q, const KVShard& kv) {
       bad.value = q[i];
       return bad;
     }
+  if (kv_or_null == nullptr) return bad;
+  const KVShard& kv = *kv_or_null;
   for (int64_t b = 0; b < s.batch; ++b)
     for (int64_t h = 0; h < s.kv_heads; ++h)
       for (int64_t j = 0; j < kv.len[static_cast<std::size_t>(b)]; ++j)
@@ -78,7 +91,7 @@ Bad scan_inputs(const RunConfig& c, const float* q, const KVShard& kv) {
 }
 
 Status check_inputs_everywhere(Communicator& comm, const RunConfig& c, const float* q,
-                               const KVShard& kv, int64_t step) {
+                               const KVShard* kv, int64_t step) {
   const Bad mine = scan_inputs(c, q, kv);
   std::vector<Bad> all(static_cast<std::size_t>(comm.size()));
   TREEATTN_RETURN_IF_ERROR(comm.allgather(&mine, sizeof(Bad), all.data()));
@@ -114,8 +127,9 @@ std::string float_text(float x) {
 }
 
 // The session a run decodes through: the run's placement, one layer, room for the appends, and
-// the run's own settings among the fields every rank must agree on.
-SessionConfig session_config(const RunConfig& c, const std::string& strategy) {
+// the run's own settings among the fields every rank must agree on. session_agrees: whether the
+// session checks the agreement itself (not over a device-memory communicator: agree_on_host).
+SessionConfig session_config(const RunConfig& c, const std::string& strategy, bool session_agrees) {
   SessionConfig s;
   s.shape = c.shape;
   s.dtype = c.dtype;
@@ -128,13 +142,118 @@ SessionConfig session_config(const RunConfig& c, const std::string& strategy) {
   s.strategy = strategy;
   s.options = c.options;
   s.timeout = c.timeout;
-  s.check_agreement = c.check_fingerprint;
+  s.check_agreement = c.check_fingerprint && session_agrees;
   s.agree_also = {{"warmup", std::to_string(c.warmup)},
                   {"steps", std::to_string(c.steps)},
                   {"append", c.append ? "1" : "0"},
                   {"seed", std::to_string(c.seed)},
                   {"q_scale", float_text(c.q_scale)}};
   return s;
+}
+
+// ---- agreement over the host communicator ---------------------------------------------------
+
+using Fields = std::vector<std::pair<std::string, std::string>>;
+
+// A list as one field value: the values while short, else their count and an FNV-1a hash.
+template <class T>
+std::string list_text(const std::vector<T>& v) {
+  std::string text;
+  for (const T& x : v) text += (text.empty() ? "" : ",") + std::to_string(x);
+  if (text.size() <= 64) return "[" + text + "]";
+  uint64_t h = 1469598103934665603ull;
+  for (const char ch : text) h = (h ^ static_cast<unsigned char>(ch)) * 1099511628211ull;
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%zu values, fnv1a %016llx", v.size(),
+                static_cast<unsigned long long>(h));
+  return buf;
+}
+
+// What every rank's run must share when the driver agrees for the sessions (agree_on_host): the
+// fields the session would compare (shape, dtype, placement, lengths, layout, strategies and
+// their options) and the driver's own (steps, appends, seed, query scale), plus where it runs.
+Fields run_fields(const RunConfig& c, std::span<const std::string> strategies,
+                  const Communicator& session_comm, const Executor& exec) {
+  std::string names;
+  for (const std::string& n : strategies) names += (names.empty() ? "" : ",") + n;
+  const AttnShape& s = c.shape;
+  return {{"batch", std::to_string(s.batch)},
+          {"heads", std::to_string(s.heads)},
+          {"kv_heads", std::to_string(s.kv_heads)},
+          {"head_dim", std::to_string(s.head_dim)},
+          {"q_len", std::to_string(s.q_len)},
+          {"dtype", std::string(dtype_name(c.dtype))},
+          {"strategies", names},
+          {"placement", std::string(shard_kind_name(c.shard))},
+          {"context", list_text(expand_lengths(c))},
+          {"explicit_len", list_text(c.explicit_len)},
+          {"kv_layout", std::string(kv_layout_name(c.kv_layout))},
+          {"spare_tokens", std::to_string(c.spare_tokens)},
+          {"root", std::to_string(c.options.root)},
+          {"fanout", std::to_string(c.options.fanout)},
+          {"node_of_rank", list_text(c.options.node_of_rank)},
+          {"scale", float_text(c.options.kernel.scale)},
+          {"warmup", std::to_string(c.warmup)},
+          {"steps", std::to_string(c.steps)},
+          {"append", c.append ? "1" : "0"},
+          {"seed", std::to_string(c.seed)},
+          {"q_scale", float_text(c.q_scale)},
+          {"executor", std::string(exec.name())},
+          {"session_comm", std::string(session_comm.backend_name()) + " of " +
+                               std::to_string(session_comm.size()) + " ranks"}};
+}
+
+// One rank's fields (name=value lines) and the error it found locally, all-gathered.
+struct HostFingerprint {
+  char error[512];
+  char fields[3584];
+};
+
+// Collective over the host communicator comm: every rank all-gathers the fields and its local
+// error (empty: none) and every rank returns the same verdict: the lowest rank that rejected the
+// run with its reason, or kMismatch naming the first rank whose fields differ from rank 0's and
+// the first field that differs. `when`: "at setup", "at step 3".
+Status agree_on_host(Communicator& comm, const Fields& fields, const std::string& local_error,
+                     const std::string& when) {
+  HostFingerprint mine{};
+  std::snprintf(mine.error, sizeof(mine.error), "%s", local_error.c_str());
+  std::string text;
+  for (const auto& [name, value] : fields) text += name + "=" + value + "\n";
+  if (text.size() >= sizeof(mine.fields))
+    return internal_error(rank_prefix(comm) + "the run's fields take " +
+                          std::to_string(text.size()) + " bytes, more than the " +
+                          std::to_string(sizeof(mine.fields)) + " the agreement record holds");
+  std::memcpy(mine.fields, text.data(), text.size());
+  std::vector<HostFingerprint> all(static_cast<std::size_t>(comm.size()));
+  TREEATTN_RETURN_IF_ERROR(comm.allgather(&mine, sizeof(mine), all.data()));
+  auto str = [](const char* p, std::size_t n) { return std::string(p, strnlen(p, n)); };
+  for (std::size_t r = 0; r < all.size(); ++r)
+    if (all[r].error[0] != '\0')
+      return invalid_argument(rank_prefix(comm) + "rank " + std::to_string(r) +
+                              " rejected the run configuration " + when + ": " +
+                              str(all[r].error, sizeof(all[r].error)));
+  auto lines = [&](const HostFingerprint& f) {
+    std::vector<std::string> out;
+    const std::string t = str(f.fields, sizeof(f.fields));
+    for (std::size_t at = 0, nl; at < t.size(); at = nl + 1) {
+      nl = t.find('\n', at);
+      if (nl == std::string::npos) nl = t.size();
+      out.push_back(t.substr(at, nl - at));
+    }
+    return out;
+  };
+  const std::vector<std::string> first = lines(all[0]);
+  for (std::size_t r = 1; r < all.size(); ++r) {
+    const std::vector<std::string> other = lines(all[r]);
+    if (other == first) continue;
+    std::size_t i = 0;
+    while (i < first.size() && i < other.size() && first[i] == other[i]) ++i;
+    const std::string theirs = i < other.size() ? other[i] : "(nothing)";
+    const std::string ours = i < first.size() ? first[i] : "(nothing)";
+    return {Code::kMismatch, rank_prefix(comm) + "ranks disagree on the run " + when + ": rank " +
+                                 std::to_string(r) + " has " + theirs + ", rank 0 has " + ours};
+  }
+  return Status::ok();
 }
 
 // Stores this rank's tokens of the workload into layer 0 of the session.
@@ -223,20 +342,26 @@ Result<uint64_t> barrier_wire_bytes(Communicator& comm) {
 }
 
 // One measured step of strategy `index` of the session: barrier, timed attend, counters, the
-// slowest rank's time. Leaves the merged states in out.
-Result<StepReport> timed_step(DecodeSession& s, int index, const float* q, StateBuffer& out,
-                              uint64_t barrier_wire, std::size_t q_bytes) {
-  Communicator& comm = s.comm();
-  const bool wire = comm.transport_bytes_sent().has_value();
+// slowest rank's time. q is in the session executor's memory. Barriers and the slowest time go
+// over the host communicator comm; bytes are the session communicator's. Leaves the merged
+// states (host records) in out.
+Result<StepReport> timed_step(Communicator& comm, DecodeSession& s, int index, const float* q,
+                              StateBuffer& out, uint64_t barrier_wire, std::size_t q_bytes) {
+  Communicator& scomm = s.comm();
+  const bool wire = scomm.transport_bytes_sent().has_value();
   TREEATTN_RETURN_IF_ERROR(comm.barrier());
-  const CommCounters before = comm.counters();
-  const uint64_t wire_before = wire ? comm.transport_bytes_sent().value_or(0) : 0;
+  const CommCounters before = scomm.counters();
+  const uint64_t wire_before = wire ? scomm.transport_bytes_sent().value_or(0) : 0;
   const auto t0 = Clock::now();
   TREEATTN_RETURN_IF_ERROR(s.attend_states(0, q, out, index));
+  // On a device a rank without results copies nothing back, so its queued kernels and
+  // collectives may still run: the step ends when they are done (no-ops on the host).
+  TREEATTN_RETURN_IF_ERROR(scomm.synchronize());
+  TREEATTN_RETURN_IF_ERROR(s.executor().synchronize());
   const auto t1 = Clock::now();
-  const CommCounters after = comm.counters();
+  const CommCounters after = scomm.counters();
   TREEATTN_RETURN_IF_ERROR(comm.barrier());
-  const uint64_t wire_after = wire ? comm.transport_bytes_sent().value_or(0) : 0;
+  const uint64_t wire_after = wire ? scomm.transport_bytes_sent().value_or(0) : 0;
   StepReport r;
   r.seconds = std::chrono::duration<double>(t1 - t0).count();
   float worst = static_cast<float>(r.seconds);
@@ -255,14 +380,18 @@ Result<StepReport> timed_step(DecodeSession& s, int index, const float* q, State
   return r;
 }
 
-// Creates the session of a run for `strategy` and fills it with the workload.
-Result<std::unique_ptr<DecodeSession>> open_session(Communicator& comm, const RunConfig& config,
-                                                    const std::string& strategy) {
+// Creates the session of a run for `strategy` on the session communicator and executor and
+// fills it with the workload.
+Result<std::unique_ptr<DecodeSession>> open_session(Communicator& comm, Executor& exec,
+                                                    const RunConfig& config,
+                                                    const std::string& strategy,
+                                                    bool session_agrees) {
   if (config.steps < 1 || config.warmup < 0)
     return invalid_argument(rank_prefix(comm) + "steps must be >= 1 and warmup >= 0, got steps=" +
                             std::to_string(config.steps) +
                             " warmup=" + std::to_string(config.warmup));
-  auto session = DecodeSession::create(comm, session_config(config, strategy));
+  auto session =
+      DecodeSession::create(comm, session_config(config, strategy, session_agrees), exec);
   TREEATTN_RETURN_IF_ERROR(session.status());
   const WorkloadSpec spec{config.shape, config.dtype, config.seed, config.q_scale};
   TREEATTN_RETURN_IF_ERROR(fill_from_workload(spec, **session));
@@ -286,19 +415,48 @@ Result<ShardPlan> initial_plan(const RunConfig& config, int ranks) {
 
 Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConfig& config,
                                                std::span<const std::string> strategies) {
+  Communicator& scomm = config.device_comm != nullptr ? *config.device_comm : comm;
+  Executor& exec = config.executor != nullptr ? *config.executor : cpu_executor();
+  const bool device = exec.memory() != MemorySpace::kHost;
+  // The session's own agreement all-gathers host records over its communicator.
+  const bool session_agrees = scomm.capabilities().memory == MemorySpace::kHost;
+  auto set_context = [&](const std::string& text) {
+    comm.set_context(text);
+    if (&scomm != &comm) scomm.set_context(text);
+  };
   comm.set_timeout(config.timeout);
-  comm.set_context("setup");
+  scomm.set_timeout(config.timeout);
+  set_context("setup");
   if (strategies.empty()) return invalid_argument(rank_prefix(comm) + "no strategies to run");
   const int me = comm.rank();
   // One KV layout for every strategy of the run, so that they read the same bytes the same way:
-  // tiled unless one of them walks rows itself (ring-kv, tree-det).
+  // tiled unless one of them walks rows itself (ring-kv, tree-det) or the shards are a device's
+  // (rows; an explicit tiled layout there is the session's clear error).
   RunConfig cfg = config;
   if (cfg.kv_layout == KVLayout::kAuto) {
-    const StrategyRegistry& registry = StrategyRegistry::for_backend(comm.capabilities());
-    cfg.kv_layout = KVLayout::kTiled;
+    const StrategyRegistry& registry = StrategyRegistry::for_backend(scomm.capabilities());
+    cfg.kv_layout = device ? KVLayout::kRows : KVLayout::kTiled;
     for (const std::string& name : strategies)
       if (const StrategyInfo* info = registry.info(name); info && info->reads_kv_rows)
         cfg.kv_layout = KVLayout::kRows;
+  }
+  if (&scomm != &comm) {
+    // The driver pairs comm's rank r with the session communicator's rank r.
+    std::string local_error;
+    if (scomm.size() != comm.size() || scomm.rank() != comm.rank())
+      local_error = "the session communicator's rank " + std::to_string(scomm.rank()) + " of " +
+                    std::to_string(scomm.size()) + " is not the host communicator's rank " +
+                    std::to_string(comm.rank()) + " of " + std::to_string(comm.size());
+    else if (scomm.capabilities().memory != exec.memory())
+      local_error = "the session communicator '" + std::string(scomm.backend_name()) +
+                    "' and the executor '" + std::string(exec.name()) +
+                    "' work in different memory spaces";
+    // Every rank takes part (the local errors travel with it), comparing the run's fields only
+    // where the session cannot (and the run asks for the check).
+    const bool compare = config.check_fingerprint && !session_agrees;
+    TREEATTN_RETURN_IF_ERROR(
+        agree_on_host(comm, compare ? run_fields(cfg, strategies, scomm, exec) : Fields{},
+                      local_error, "at setup"));
   }
   // Two sessions at most: one for every strategy on the run's placement (they share its shards)
   // and one for `single`, whose placement puts the whole cache on rank 0.
@@ -312,7 +470,7 @@ Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConf
     std::unique_ptr<DecodeSession>& owner = name == "single" ? single : shared;
     Slot slot;
     if (!owner) {
-      auto s = open_session(comm, cfg, name);
+      auto s = open_session(scomm, exec, cfg, name, session_agrees);
       TREEATTN_RETURN_IF_ERROR(s.status());
       owner = std::move(*s);
     } else {
@@ -332,6 +490,18 @@ Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConf
     reports[i].kv_layout = slots[i].session->config().layout;
   }
   std::vector<float> q(static_cast<std::size_t>(s.batch * s.q_len * s.heads * s.head_dim));
+  const std::size_t q_bytes = q.size() * sizeof(float);
+  // The sessions read the query in the executor's memory: on a device, one buffer there that
+  // every step's query is copied into.
+  Buffer q_device;
+  if (device) {
+    auto b = exec.allocate(q_bytes);
+    if (!b.is_ok())
+      return Status(b.status().code(), rank_prefix(comm) + "the query buffer on executor '" +
+                                           std::string(exec.name()) + "': " + b.status().message());
+    q_device = std::move(*b);
+  }
+  const float* q_attend = device ? q_device.as<float>() : q.data();
   std::vector<float> k_new, v_new;
   StateBuffer out;
   auto barrier_wire = barrier_wire_bytes(comm);
@@ -340,22 +510,38 @@ Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConf
   const int total_steps = config.warmup + config.steps;
   const std::size_t n = slots.size();
   for (int step = 0; step < total_steps; ++step) {
-    comm.set_context("step " + std::to_string(step));
+    set_context("step " + std::to_string(step));
     if (config.on_step) config.on_step(step);
     TREEATTN_RETURN_IF_ERROR(inject_faults(comm, config, step));
     make_query(spec, step, q.data());
+    if (device) TREEATTN_RETURN_IF_ERROR(exec.from_host(q_device.data(), q.data(), q_bytes));
     const bool timed = step >= config.warmup;
     // Round robin, starting one strategy later every step, so neither slow drift of a shared
     // machine nor the position in the round favours one strategy.
     for (std::size_t j = 0; j < n; ++j) {
       const std::size_t i = (j + static_cast<std::size_t>(step)) % n;
       DecodeSession& ses = *slots[i].session;
-      if (config.check_every_step && comm.size() > 1)
-        TREEATTN_RETURN_IF_ERROR(ses.check_agreement("at step " + std::to_string(step),
-                                                     {{"step", std::to_string(step)}}));
-      if (config.check_inputs)
+      if (config.check_every_step && comm.size() > 1) {
+        const std::string when = "at step " + std::to_string(step);
+        if (session_agrees) {
+          TREEATTN_RETURN_IF_ERROR(ses.check_agreement(when, {{"step", std::to_string(step)}}));
+        } else {
+          Fields fields = run_fields(cfg, strategies, scomm, exec);
+          fields.emplace_back("step", std::to_string(step));
+          const auto lens = ses.plan().total_lens();
+          fields.emplace_back("context now",
+                              list_text(std::vector<int64_t>(lens.begin(), lens.end())));
+          TREEATTN_RETURN_IF_ERROR(agree_on_host(comm, fields, "", when));
+        }
+      }
+      // The scan reads host memory only: the host query, and the shard where it is the host's
+      // (a device executor's shard is not readable here, so on a device only the query is
+      // scanned; a non-finite K/V value there shows in the results and the oracle check).
+      if (config.check_inputs) {
+        const KVShard view = device ? KVShard{} : ses.view(0);
         TREEATTN_RETURN_IF_ERROR(
-            check_inputs_everywhere(comm, config, q.data(), ses.view(0), step));
+            check_inputs_everywhere(comm, config, q.data(), device ? nullptr : &view, step));
+      }
       RunReport& rep = reports[i];
       if (timed && step == config.warmup) {
         auto m = analytic_cost(strategies[i], s, config.dtype, ses.plan(), me, config.options);
@@ -363,8 +549,7 @@ Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConf
         rep.model = *m;
         rep.kv_bytes = ses.live_kv_bytes();
       }
-      auto r = timed_step(ses, slots[i].index, q.data(), out, *barrier_wire,
-                          q.size() * sizeof(float));
+      auto r = timed_step(comm, ses, slots[i].index, q_attend, out, *barrier_wire, q_bytes);
       TREEATTN_RETURN_IF_ERROR(r.status());
       if (timed) {
         r->step = step;
@@ -379,7 +564,7 @@ Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConf
         TREEATTN_RETURN_IF_ERROR(ses->append(k_new.data(), v_new.data()));
       }
   }
-  comm.set_context("");
+  set_context("");
   for (std::size_t i = 0; i < n; ++i) reports[i].plan = slots[i].session->plan();
   return reports;
 }

@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# `--device cpu|cuda` of treeattn run and bench (issue 11, item 6).
+# Usage: device_test.sh /path/to/treeattn CASE
+#
+#   flags      without ranks: an unknown device names the known ones; with cuda, --kv-layout tiled
+#              and bench --kernel are refused (or, in a build without CUDA, the build is named);
+#              --help describes --device
+#   cuda       bench and run --device cuda at 1 and 2 ranks: on a machine without a usable GPU
+#              (or a build without CUDA/NCCL) exit 2 with one line that names the problem, fast
+#              and without a crash; on a machine with GPUs the run must succeed instead, its JSON
+#              points carrying "device": "cuda" and the report naming the GPU
+#   cpu_json   bench --device cpu (and without --device): every JSON point and the metadata say
+#              "cpu", the CSV has the device column, the report header says "device cpu"
+set -u
+bin=$1
+case_name=$2
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+py=/usr/bin/python3
+
+fail() { echo "FAIL: $*"; exit 1; }
+
+# expect CODE PATTERN MAX_SECONDS -- command...: exit code, a line matching PATTERN, no crash
+# text, within MAX_SECONDS. The output is left in $out.
+expect() {
+  local code=$1 pattern=$2 max=$3 rc t0 t1
+  shift 4
+  t0=$(date +%s)
+  out=$(timeout 120 "$@" 2>&1)
+  rc=$?
+  t1=$(date +%s)
+  [ "$rc" = "$code" ] || { echo "$out" | tail -20; fail "expected exit $code, got $rc from: $*"; }
+  grep -qE -- "$pattern" <<<"$out" || { echo "$out" | tail -20; fail "expected /$pattern/ from: $*"; }
+  if grep -qE "terminate called|what\(\)|Segmentation|Aborted|core dumped" <<<"$out"; then
+    echo "$out" | tail -20; fail "a crash or an uncaught exception in: $*"
+  fi
+  [ $((t1 - t0)) -le "$max" ] || fail "took $((t1 - t0)) s (at most $max) for: $*"
+}
+
+# What this build and machine say when CUDA cannot be used.
+no_cuda='built without CUDA \(nvcc was not found at configure time; see README, GPUs\)|without NCCL|no CUDA device'
+# ... and when a host has fewer GPUs than ranks (the 2-rank runs on a machine with one GPU).
+too_few='ranks on this host share its [0-9]+ GPUs?; --device cuda needs one GPU per rank'
+tiny=(--preset mha-64 --seq 1k --warmup 0)
+
+case "$case_name" in
+  flags)
+    expect 2 "--device 'tpu': unknown device \(known: cpu, cuda\)" 5 -- "$bin" bench --device tpu
+    expect 2 "--device 'tpu': unknown device \(known: cpu, cuda\)" 5 -- "$bin" run --device tpu
+    expect 2 "--device 'CUDA': unknown device" 5 -- "$bin" run --device CUDA
+    expect 2 "--kv-layout tiled .*with --device cuda the shards are rows|$no_cuda" 5 -- \
+      "$bin" bench --device cuda --kv-layout tiled
+    expect 2 "--kv-layout tiled .*with --device cuda the shards are rows|$no_cuda" 5 -- \
+      "$bin" run --device cuda --kv-layout tiled
+    expect 2 "bench --kernel --device cuda: .*tools/gpu-check.sh|$no_cuda" 5 -- \
+      "$bin" bench --kernel --device cuda
+    expect 2 "--methods auto with --device cuda|$no_cuda" 5 -- "$bin" bench --device cuda --methods auto
+    expect 2 "method 'hier' is not available with --device cuda|$no_cuda" 5 -- \
+      "$bin" bench --device cuda --methods hier
+    help=$("$bin" bench --help) || fail "bench --help"
+    grep -qE -- "--device TEXT=cpu" <<<"$help" || { echo "$help"; fail "bench --help lacks --device and its default"; }
+    grep -qE "cuda \(one GPU per rank" <<<"$help" || fail "bench --help does not say what cuda needs"
+    "$bin" run --help | grep -qE -- "--device" || fail "run --help lacks --device" ;;
+  cuda)
+    for cmd in bench run; do
+      for p in 1 2; do
+        iters=--iters; [ $cmd = run ] && iters=--steps
+        rm -f "$tmp/c.json"
+        t0=$(date +%s)
+        out=$(timeout 120 "$bin" $cmd --device cuda --ranks $p "${tiny[@]}" $iters 1 --methods tree \
+              --json "$tmp/c.json" 2>&1)
+        rc=$?
+        t1=$(date +%s)
+        if grep -qE "terminate called|what\(\)|Segmentation|Aborted|core dumped" <<<"$out"; then
+          echo "$out" | tail -20; fail "$cmd --device cuda --ranks $p crashed"
+        fi
+        if [ $rc = 0 ]; then
+          # A machine with GPUs: the real path must work.
+          grep -qE "^device cuda: .* \(sm_[0-9]+, [0-9]+ GiB\)" <<<"$out" || { echo "$out"; fail "no device line"; }
+          $py - "$tmp/c.json" <<'PY' || fail "$cmd --device cuda JSON"
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["meta"]["device"] == "cuda", d["meta"]
+assert d["points"] and all(p["device"] == "cuda" and p["ok"] and p["kv_layout"] == "rows" for p in d["points"]), d["points"]
+PY
+          continue
+        fi
+        [ $rc = 2 ] || { echo "$out" | tail -20; fail "$cmd --device cuda --ranks $p: exit $rc, expected 2"; }
+        # One line says it all: the command, "error", the rank that found it, the problem.
+        grep -qE "^treeattn $cmd: error: .*($no_cuda|$too_few)" <<<"$out" || {
+          echo "$out"; fail "$cmd --device cuda --ranks $p: no line naming the problem"; }
+        [ "$(grep -cE "^treeattn $cmd: error: " <<<"$out")" = 1 ] || {
+          echo "$out"; fail "$cmd --device cuda --ranks $p: more than one error line"; }
+        if grep -q "no CUDA device" <<<"$out"; then
+          grep -qE "^treeattn $cmd: error: rank 0: " <<<"$out" || { echo "$out"; fail "the rank is not named"; }
+          if [ $p = 2 ]; then
+            grep -q "(and 1 more rank)" <<<"$out" || { echo "$out"; fail "the other rank is not counted"; }
+          fi
+        fi
+        [ $((t1 - t0)) -le 60 ] || fail "$cmd --device cuda --ranks $p took $((t1 - t0)) s"
+        [ ! -e "$tmp/c.json" ] || fail "a failed run wrote its JSON"
+      done
+    done ;;
+  cpu_json)
+    timeout 300 "$bin" bench --device cpu --ranks 2 "${tiny[@]}" --iters 2 --methods tree,single \
+      --json "$tmp/a.json" --csv "$tmp/a.csv" > "$tmp/a.txt" 2>&1 || { cat "$tmp/a.txt"; fail "bench --device cpu"; }
+    grep -qx "device cpu" "$tmp/a.txt" || { cat "$tmp/a.txt"; fail "no 'device cpu' header line"; }
+    timeout 300 "$bin" bench --ranks 1 "${tiny[@]}" --iters 2 --methods tree \
+      --json "$tmp/b.json" > "$tmp/b.txt" 2>&1 || { cat "$tmp/b.txt"; fail "bench without --device"; }
+    $py - "$tmp/a.json" "$tmp/a.csv" "$tmp/b.json" <<'PY' || fail "device keys"
+import csv, json, sys
+a = json.load(open(sys.argv[1]))
+assert a["meta"]["device"] == "cpu" and a["meta"]["device_description"] == "device cpu", a["meta"]
+assert len(a["points"]) == 2, a["points"]
+for p in a["points"]:
+    assert p["device"] == "cpu" and p["ok"], p
+rows = list(csv.DictReader(open(sys.argv[2])))
+assert len(rows) == 2 and all(r["device"] == "cpu" for r in rows), rows
+b = json.load(open(sys.argv[3]))
+assert b["points"] and all(p["device"] == "cpu" for p in b["points"]), b["points"]
+print("device keys ok")
+PY
+    ;;
+  *)
+    echo "unknown case $case_name"; exit 2 ;;
+esac
+echo "ok: $case_name"
