@@ -83,13 +83,24 @@ std::string describe(const Fields& f) {
   return s;
 }
 
-// All-gathers the fingerprints; every rank returns the same verdict.
-Status agree(Communicator& comm, const Fields& fields, const std::string& local_error,
-             const std::string& when) {
+// All-gathers the fingerprints; every rank returns the same verdict. A communicator whose
+// buffers live in device memory (NCCL) gets them staged through the executor.
+Status agree(Communicator& comm, Executor& exec, const Fields& fields,
+             const std::string& local_error, const std::string& when) {
   const Fingerprint mine = make_fingerprint(fields, local_error);
   const auto p = static_cast<std::size_t>(comm.size());
   std::vector<Fingerprint> all(p);
-  TREEATTN_RETURN_IF_ERROR(comm.allgather(&mine, sizeof(Fingerprint), all.data()));
+  if (comm.capabilities().memory == MemorySpace::kHost) {
+    TREEATTN_RETURN_IF_ERROR(comm.allgather(&mine, sizeof(Fingerprint), all.data()));
+  } else {
+    auto send = exec.allocate(sizeof(Fingerprint));
+    TREEATTN_RETURN_IF_ERROR(send.status());
+    auto recv = exec.allocate(p * sizeof(Fingerprint));
+    TREEATTN_RETURN_IF_ERROR(recv.status());
+    TREEATTN_RETURN_IF_ERROR(exec.from_host(send->data(), &mine, sizeof(Fingerprint)));
+    TREEATTN_RETURN_IF_ERROR(comm.allgather(send->data(), sizeof(Fingerprint), recv->data()));
+    TREEATTN_RETURN_IF_ERROR(exec.to_host(all.data(), recv->data(), p * sizeof(Fingerprint)));
+  }
   for (std::size_t r = 0; r < p; ++r)
     if (all[r].error)
       return invalid_argument(
@@ -205,7 +216,7 @@ Result<std::unique_ptr<DecodeSession>> DecodeSession::create(Communicator& comm,
                   "or auto layout)";
   const uint64_t plan_fp = plan.is_ok() ? plan->fingerprint() : 0;
   if (config.check_agreement && p > 1)
-    TREEATTN_RETURN_IF_ERROR(agree(comm,
+    TREEATTN_RETURN_IF_ERROR(agree(comm, executor,
                                    config_fields(resolved, config.strategy, config.options, plan_fp),
                                    local_error, "at setup"));
   if (!local_error.empty()) return invalid_argument(rank_prefix(comm) + local_error);
@@ -386,7 +397,8 @@ Status DecodeSession::check_agreement(
   if (comm_->size() == 1) return Status::ok();
   SessionConfig c = config_;
   c.agree_also.insert(c.agree_also.end(), extra.begin(), extra.end());
-  return agree(*comm_, config_fields(c, c.strategy, c.options, plan_.fingerprint()), "", when);
+  return agree(*comm_, *exec_, config_fields(c, c.strategy, c.options, plan_.fingerprint()), "",
+               when);
 }
 
 Result<int> DecodeSession::add_strategy(const std::string& name, const StrategyOptions& options) {
@@ -399,7 +411,8 @@ Result<int> DecodeSession::add_strategy(const std::string& name, const StrategyO
                   " reads the KV cache as rows and cannot join a session on the tiled layout "
                   "(create the session with the rows layout to compare it on the same shards)";
   if (config_.check_agreement && comm_->size() > 1)
-    TREEATTN_RETURN_IF_ERROR(agree(*comm_, config_fields(config_, name, options, plan_.fingerprint()),
+    TREEATTN_RETURN_IF_ERROR(agree(*comm_, *exec_,
+                                   config_fields(config_, name, options, plan_.fingerprint()),
                                    local_error, "adding strategy " + name));
   if (!local_error.empty()) return invalid_argument(rank_prefix(*comm_) + local_error);
   auto strategy = registry.create(name, options);

@@ -27,11 +27,13 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "treeattn/comm_local.hpp"
 #include "treeattn/executor.hpp"
 #include "treeattn/strategy.hpp"
+#include "treeattn/session.hpp"
 #include "treeattn/workload.hpp"
 
 namespace treeattn {
@@ -129,8 +131,6 @@ class StandInDevice final : public Executor {
 
   int partial_calls = 0;
 
- private:
-  static Executor& cpu() { return cpu_executor(); }
   // kInvalidArgument unless [p, p + bytes) lies in a live buffer of this executor.
   Status mine(const void* p, std::size_t bytes, const char* what) {
     const auto a = reinterpret_cast<uintptr_t>(p);
@@ -143,6 +143,9 @@ class StandInDevice final : public Executor {
     return invalid_argument(std::string("stand-in device: ") + what +
                             " is not in this executor's memory (a host pointer on a device)");
   }
+
+ private:
+  static Executor& cpu() { return cpu_executor(); }
   std::mutex mu_;
   std::map<uintptr_t, std::size_t> live_;
 };
@@ -177,8 +180,13 @@ class NoReductionComm final : public Communicator {
     return unsupported("no user-defined reductions");
   }
   Status allgather(const void* s, std::size_t b, void* r) override {
+    if (device) {  // as NCCL would: both buffers must be device memory
+      TREEATTN_RETURN_IF_ERROR(device->mine(s, b, "allgather send"));
+      TREEATTN_RETURN_IF_ERROR(device->mine(r, b * static_cast<std::size_t>(size()), "allgather recv"));
+    }
     return fwd([&] { return in_->allgather(s, b, r); });
   }
+  StandInDevice* device = nullptr;  // when set, allgather checks its pointers against it
   Status gather(const void* s, std::size_t b, void* r, int root) override {
     return fwd([&] { return in_->gather(s, b, r, root); });
   }
@@ -404,6 +412,44 @@ TEST(DriverDevice, DeviceRefusesTiledAndAgreesOverTheHostCommunicator) {
     EXPECT_EQ(mismatch[r].code(), Code::kMismatch) << mismatch[r].to_string();
     EXPECT_NE(mismatch[r].message().find("rank 2 has seed=8, rank 0 has seed=7"), std::string::npos)
         << mismatch[r].to_string();
+  }
+}
+
+// The session's own agreement (create, add_strategy, check_agreement) over a communicator in
+// device memory stages its records through the executor: every buffer the all-gather sees is
+// the device's, and a mismatch is still named on every rank.
+TEST(DriverDevice, SessionAgreementStagesThroughTheDevice) {
+  constexpr int P = 2;
+  auto dcomms = wrapped_world(P, MemorySpace::kDevice);
+  ASSERT_EQ(dcomms.size(), static_cast<std::size_t>(P));
+  std::vector<std::unique_ptr<StandInDevice>> devices;
+  for (int r = 0; r < P; ++r) {
+    devices.push_back(std::make_unique<StandInDevice>());
+    dcomms[static_cast<std::size_t>(r)]->device = devices.back().get();
+  }
+  std::vector<Status> same(P), added(P), differ(P);
+  std::vector<std::thread> threads;  // one thread per rank of the wrapped in-process world
+  for (int r = 0; r < P; ++r)
+    threads.emplace_back([&, r] {
+      const auto i = static_cast<std::size_t>(r);
+      SessionConfig cfg;
+      cfg.shape = AttnShape{1, 4, 2, 64, 1};
+      cfg.context = {100};
+      cfg.strategy = "allgather";
+      cfg.timeout = std::chrono::milliseconds(10000);
+      auto s = DecodeSession::create(*dcomms[i], cfg, *devices[i]);
+      same[i] = s.status();
+      if (s.is_ok()) added[i] = (*s)->add_strategy("ring-state", cfg.options).status();
+      if (r == 1) cfg.shape.head_dim = 128;
+      differ[i] = DecodeSession::create(*dcomms[i], cfg, *devices[i]).status();
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < P; ++r) {
+    const auto i = static_cast<std::size_t>(r);
+    EXPECT_TRUE(same[i].is_ok()) << "rank " << r << ": " << same[i].to_string();
+    EXPECT_TRUE(added[i].is_ok()) << "rank " << r << ": " << added[i].to_string();
+    EXPECT_EQ(differ[i].code(), Code::kMismatch) << differ[i].to_string();
+    EXPECT_NE(differ[i].message().find("head_dim"), std::string::npos) << differ[i].to_string();
   }
 }
 
