@@ -16,6 +16,7 @@ packages=(
   iproute2                                     # emulated multi-host cluster (netns, tc)
   libpcre2-dev python3-pip                     # tokenizer regexes; pip fetches the real model
   clang libclang-rt-14-dev                     # fuzz/: libFuzzer targets (tools/test.sh runs them)
+  libomp-14-dev                                # tools/sanitize.sh tsan: OpenMP visible to TSan (Archer)
 )
 
 missing=()
