@@ -21,6 +21,23 @@
 namespace treeattn {
 namespace {
 
+// MemAvailable from /proc/meminfo in bytes; 0 when it cannot be read (no check then).
+double mem_available_bytes() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (f == nullptr) return 0;
+  char key[64];
+  unsigned long long kb = 0;
+  double bytes = 0;
+  while (std::fscanf(f, "%63s %llu kB\n", key, &kb) == 2)
+    if (std::strcmp(key, "MemAvailable:") == 0) bytes = static_cast<double>(kb) * 1024.0;
+  std::fclose(f);
+  return bytes;
+}
+
+}  // namespace
+
+namespace {
+
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) {
@@ -245,6 +262,32 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
     if (tc.tile_tokens != 16 && (tc.tile_tokens < 32 || tc.tile_tokens > 256 || tc.tile_tokens % 32))
       return invalid_argument("roofline: tile_tokens must be 16 or a multiple of 32 up to 256, got " +
                               std::to_string(tc.tile_tokens));
+
+  // Memory before anything is allocated (a case's KV, a tiled copy per tile configuration,
+  // the query and the states): a shape that cannot fit is an error naming it, not an abort.
+  const double available = mem_available_bytes();
+  for (const RooflineCase& c : cases)
+    for (DType t : options.dtypes) {
+      const AttnShape& s = c.shape;
+      const double tokens = static_cast<double>(s.batch) * static_cast<double>(s.kv_heads) *
+                            static_cast<double>(c.seq);
+      double per_token = 2.0 * static_cast<double>(s.head_dim) * static_cast<double>(dtype_size(t));
+      if (dtype_is_quantized(t)) per_token += 2.0 * sizeof(float);
+      const double kv = tokens * per_token * (1.0 + static_cast<double>(options.tiles.size()));
+      const double rows = static_cast<double>(s.batch) * static_cast<double>(s.q_len) *
+                          static_cast<double>(s.heads);
+      const double q = rows * static_cast<double>(s.head_dim) * sizeof(float);
+      const double states = 2.0 * rows * static_cast<double>(s.head_dim + 2) * sizeof(float);
+      const double need = kv + q + states;
+      if (available > 0 && need > available)
+        return Status(Code::kOutOfMemory,
+                      "roofline: " + s.to_string() + " " + std::string(dtype_name(t)) + " at " +
+                          std::to_string(c.seq) + " tokens needs " +
+                          std::to_string(static_cast<long long>(need / (1 << 20))) +
+                          " MiB (KV, its tiled copies, query and states); " +
+                          std::to_string(static_cast<long long>(available / (1 << 20))) +
+                          " MiB are available (MemAvailable)");
+    }
 
   std::vector<RooflineRecord> out;
   for (int threads_opt : options.threads) {

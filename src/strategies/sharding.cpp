@@ -595,7 +595,9 @@ void LocalShard::reserve(int64_t tokens) {
   KVCache bigger(shape_, cache_.dtype(), cap);
   const std::size_t es = dtype_size(cache_.dtype());
   const auto row = static_cast<std::size_t>(cache_.capacity() * shape_.head_dim) * es;
-  for (int64_t b = 0; b < shape_.batch; ++b)
+  // An empty cache (capacity 0) has no storage to copy: memcpy from its null data, even of 0
+  // bytes, is undefined (UBSan reports it).
+  for (int64_t b = 0; b < shape_.batch && cache_.capacity() > 0; ++b)
     for (int64_t h = 0; h < shape_.kv_heads; ++h) {
       const std::size_t from = cache_.index(b, h, 0) * es, to = bigger.index(b, h, 0) * es;
       std::memcpy(static_cast<uint8_t*>(bigger.k_data()) + to,
