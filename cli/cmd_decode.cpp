@@ -112,6 +112,23 @@ Result<std::vector<std::string>> resolve_methods(const std::string& text, Device
   return v;
 }
 
+// Whether this build can run --device d (kept out of options.cpp, which the fuzzers link
+// without the CUDA and NCCL libraries).
+Status check_device_built(Device d) {
+  if (d == Device::kCpu) return Status::ok();
+  if (!cuda_built())
+    return unsupported(
+        "--device cuda: this treeattn was built without CUDA (nvcc was not found at configure "
+        "time; see README, GPUs)");
+  // The strategies need a communicator in the executor's memory, even for one rank: NCCL.
+  if (!nccl_built())
+    return unsupported(
+        "--device cuda: this treeattn was built with CUDA but without NCCL, which the ranks' "
+        "communicator on the GPU needs, even for one rank (NCCL was not found at configure time; "
+        "see README, GPUs)");
+  return Status::ok();
+}
+
 // The layout run_interleaved will choose (workload.hpp): rows on a GPU, else tiled unless a
 // method reads rows.
 std::string layout_label(const std::string& flag, const std::vector<std::string>& methods,

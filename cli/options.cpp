@@ -16,8 +16,6 @@
 #include <filesystem>
 #include <sstream>
 
-#include "treeattn/comm_nccl.hpp"
-#include "treeattn/executor_cuda.hpp"
 
 namespace treeattn::cli {
 
@@ -235,21 +233,6 @@ Result<Device> parse_device(const std::string& text) {
 }
 
 const char* device_name(Device d) { return d == Device::kCuda ? "cuda" : "cpu"; }
-
-Status check_device_built(Device d) {
-  if (d == Device::kCpu) return Status::ok();
-  if (!cuda_built())
-    return unsupported(
-        "--device cuda: this treeattn was built without CUDA (nvcc was not found at configure "
-        "time; see README, GPUs)");
-  // The strategies need a communicator in the executor's memory, even for one rank: NCCL.
-  if (!nccl_built())
-    return unsupported(
-        "--device cuda: this treeattn was built with CUDA but without NCCL, which the ranks' "
-        "communicator on the GPU needs, even for one rank (NCCL was not found at configure time; "
-        "see README, GPUs)");
-  return Status::ok();
-}
 
 std::string format_size(int64_t tokens) {
   if (tokens >= (1 << 20) && tokens % (1 << 20) == 0) return fmt::format("{}M", tokens >> 20);

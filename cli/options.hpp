@@ -71,9 +71,8 @@ enum class Device { kCpu, kCuda };
 // "cpu" or "cuda"; anything else is an error naming the known values.
 Result<Device> parse_device(const std::string& text);
 const char* device_name(Device d);  // "cpu", "cuda"
-// What this build can run on `d`, before any rank starts: cuda needs the CUDA executor and the
-// NCCL communicator compiled in (not a GPU: each rank finds out whether it has one).
-Status check_device_built(Device d);
+// (What a build can run, check_device_built, is in cmd_decode.cpp: cuda needs the CUDA executor
+// and the NCCL communicator compiled in, not a GPU; each rank finds out whether it has one.)
 
 // Flags that describe the decode problem; every subcommand has them.
 struct ShapeFlags {

@@ -44,8 +44,24 @@ enum class ShardKind : uint8_t { kEven, kUneven, kStriped, kExplicit, kSingle };
 //   auto    (DecodeSession only) tiled on a host executor when the session's strategy reads
 //           either layout, rows otherwise.
 enum class KVLayout : uint8_t { kAuto, kRows, kTiled };
-std::string_view kv_layout_name(KVLayout layout);       // "auto", "rows", "tiled"
-Result<KVLayout> parse_kv_layout(std::string_view name);
+inline std::string_view kv_layout_name(KVLayout layout) {
+  switch (layout) {
+    case KVLayout::kAuto:
+      return "auto";
+    case KVLayout::kRows:
+      return "rows";
+    case KVLayout::kTiled:
+      return "tiled";
+  }
+  return "?";
+}
+// Inline (no library needed), so the CLI's option parsing links without the strategies.
+inline Result<KVLayout> parse_kv_layout(std::string_view name) {
+  for (KVLayout l : {KVLayout::kAuto, KVLayout::kRows, KVLayout::kTiled})
+    if (kv_layout_name(l) == name) return l;
+  return invalid_argument("unknown KV layout '" + std::string(name) +
+                          "' (known: auto, rows, tiled)");
+}
 
 std::string_view shard_kind_name(ShardKind kind);
 Result<ShardKind> parse_shard_kind(std::string_view name);  // even|uneven|striped|explicit|single

@@ -39,25 +39,6 @@ Result<ShardKind> parse_shard_kind(std::string_view name) {
                           "' (known: even, uneven, striped, explicit, single)");
 }
 
-std::string_view kv_layout_name(KVLayout layout) {
-  switch (layout) {
-    case KVLayout::kAuto:
-      return "auto";
-    case KVLayout::kRows:
-      return "rows";
-    case KVLayout::kTiled:
-      return "tiled";
-  }
-  return "?";
-}
-
-Result<KVLayout> parse_kv_layout(std::string_view name) {
-  for (KVLayout l : {KVLayout::kAuto, KVLayout::kRows, KVLayout::kTiled})
-    if (kv_layout_name(l) == name) return l;
-  return invalid_argument("unknown KV layout '" + std::string(name) +
-                          "' (known: auto, rows, tiled)");
-}
-
 Result<ShardPlan> ShardPlan::make(ShardKind kind, int ranks, std::vector<int64_t> total_len,
                                   std::span<const int64_t> explicit_len, int holder) {
   if (ranks < 1)
