@@ -455,18 +455,13 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
   if (!device.is_ok()) return fail(cmd, device.status());
   f.device_kind = *device;
   if (Status s = check_device_built(f.device_kind); !s.is_ok()) return fail(cmd, s);
-  if (f.device_kind == Device::kCuda && bench && f.kernel)
-    return fail(cmd, unsupported("bench --kernel --device cuda: the GPU kernel's roofline (the "
-                                 "device-to-device copy probe and the decode kernel on device "
-                                 "buffers) is measured by tools/gpu-check.sh OUTDIR; bench "
-                                 "--kernel measures the CPU kernel"));
   if (f.device_kind == Device::kCuda && f.shape.kv_layout == "tiled")
     return fail(cmd, invalid_argument("--kv-layout tiled is the CPU kernel's layout in host "
                                       "memory; with --device cuda the shards are rows (use "
                                       "--kv-layout auto or rows)"));
   if (bench && f.kernel)
     return kernel_bench(KernelBenchFlags{f.shape, f.shape.dtype, f.threads, f.repeats, f.isa,
-                                         f.no_peer, f.kernel_cases, f.json});
+                                         f.no_peer, f.kernel_cases, f.json, f.device_kind});
   auto methods = resolve_methods(f.methods, f.device_kind);
   if (!methods.is_ok()) return fail(cmd, methods.status());
   if (f.deterministic) {  // tree-det first; with the default `all`, compared with tree only

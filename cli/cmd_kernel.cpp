@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <fstream>
 
+#include "treeattn/executor_cuda.hpp"
 #include "treeattn/roofline.hpp"
 
 namespace treeattn::cli {
@@ -43,7 +44,20 @@ int kernel_bench(const KernelBenchFlags& f) {
         o.cases.push_back(c);
       }
   }
-  auto r = run_roofline(o);
+  Result<std::vector<RooflineRecord>> r = std::vector<RooflineRecord>{};
+  if (f.device == Device::kCuda) {
+    // The GPU kernel in device memory against a device-to-device copy probe; the same report.
+    auto exec = make_cuda_executor();
+    if (!exec.is_ok()) return fail(exec.status());
+    if (auto info = cuda_device_info(**exec); info.is_ok())
+      std::printf("device cuda: %s (sm_%d%d, %.0f GiB); bw_GB/s is a device-to-device copy "
+                  "(read + write)\n",
+                  info->name.c_str(), info->cc_major, info->cc_minor,
+                  static_cast<double>(info->memory_bytes) / (1 << 30));
+    r = run_roofline_on(**exec, o);
+  } else {
+    r = run_roofline(o);
+  }
   if (!r.is_ok()) return fail(r.status());
   std::printf("%s", roofline_table(r.value()).c_str());
   if (!f.json.empty()) {

@@ -16,6 +16,7 @@ struct KernelBenchFlags {
   bool no_peer = false;
   bool default_cases = false;  // the cases instead of the shape flags
   std::string json;
+  Device device = Device::kCpu;  // cuda: the CUDA executor's kernel (run_roofline_on)
 };
 
 int kernel_bench(const KernelBenchFlags& flags);

@@ -116,6 +116,19 @@ Result<double> measure_peak_gflops(int threads, Isa isa, int repeats);
 // Runs every case x dtype x thread count. Probes are measured once per thread count.
 Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options);
 
+class Executor;  // executor.hpp
+
+// The same roofline on another executor (`bench --kernel --device cuda`): for each case and
+// dtype the KV cache in the executor's memory in the rows layout, the decode kernel through
+// Executor::partial (timed with a synchronize after each call), and instead of the host probes a
+// copy probe inside the executor's memory (Executor::copy of probe_bytes, counted as bytes read +
+// written per second, the convention of tools/gpu-check.sh). Records have the same fields:
+// isa = the executor's name, threads 0, peak_gflops 0 (not measured: bound "memory"), no peer;
+// the check compares batch row 0's first 2048 tokens with the float64 oracle on the host copy.
+// options.threads, isa, rows, tiles and peer are ignored.
+Result<std::vector<RooflineRecord>> run_roofline_on(Executor& executor,
+                                                    const RooflineOptions& options);
+
 // A fixed-width text table of the records (one line per record, with a header).
 std::string roofline_table(const std::vector<RooflineRecord>& records);
 

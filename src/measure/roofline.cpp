@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "kernels/cpu/cpu_targets.hpp"
+#include "treeattn/executor.hpp"
 #include "treeattn/kv_tiles.hpp"
 #include "treeattn/oracle.hpp"
 #include "treeattn/peer.hpp"
@@ -517,6 +518,196 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
           out.push_back(rec);
         }
       }
+    }
+  }
+  return out;
+}
+
+Result<std::vector<RooflineRecord>> run_roofline_on(Executor& exec,
+                                                    const RooflineOptions& options) {
+  const std::vector<RooflineCase> cases =
+      options.cases.empty() ? default_roofline_cases() : options.cases;
+  if (options.repeats < 1) return invalid_argument("roofline: repeats must be >= 1");
+  if (options.probe_bytes < 1) return invalid_argument("roofline: probe_bytes must be >= 1");
+  const std::string who = "roofline on " + std::string(exec.name()) + ": ";
+  const int host_threads = resolve_threads(0);
+
+  // The copy probe inside the executor's memory: the median of `repeats` timed copies.
+  std::vector<double> probes;
+  {
+    const auto n = static_cast<std::size_t>(options.probe_bytes);
+    auto a = exec.allocate(n);
+    TREEATTN_RETURN_IF_ERROR(a.status());
+    auto b = exec.allocate(n);
+    TREEATTN_RETURN_IF_ERROR(b.status());
+    for (int r = 0; r < options.repeats + 1; ++r) {
+      const auto t0 = Clock::now();
+      TREEATTN_RETURN_IF_ERROR(exec.copy(b->data(), a->data(), n));
+      TREEATTN_RETURN_IF_ERROR(exec.synchronize());
+      const double sec = seconds_since(t0);
+      if (r > 0) probes.push_back(2.0 * static_cast<double>(n) / sec / 1e9);
+    }
+  }
+  const double bw = median(probes);
+  const double bw_best = *std::max_element(probes.begin(), probes.end());
+
+  std::vector<RooflineRecord> out;
+  for (const RooflineCase& c : cases) {
+    const AttnShape& s = c.shape;
+    TREEATTN_RETURN_IF_ERROR(s.validate());
+    if (c.seq < 1) return invalid_argument(who + "seq must be >= 1, got " + std::to_string(c.seq));
+    for (DType t : options.dtypes) {
+      const std::size_t es = dtype_size(t);
+      const bool quant = dtype_is_quantized(t);
+      const auto kv_elems = static_cast<std::size_t>(s.batch * s.kv_heads * c.seq * s.head_dim);
+      const auto kv_tokens = static_cast<std::size_t>(s.batch * s.kv_heads * c.seq);
+      const double host_need = 2.0 * static_cast<double>(kv_elems * es);
+      if (const double avail = mem_available_bytes(); avail > 0 && host_need > avail)
+        return Status(Code::kOutOfMemory, who + s.to_string() + " at " + std::to_string(c.seq) +
+                                              " tokens needs " +
+                                              std::to_string(static_cast<long long>(host_need / (1 << 20))) +
+                                              " MiB of host memory for the cache it copies; " +
+                                              std::to_string(static_cast<long long>(avail / (1 << 20))) +
+                                              " MiB are available");
+      // The values on the host (kept for the oracle), then copied into the executor's memory.
+      AlignedBuffer kh(kv_elems * es), vh(kv_elems * es);
+      if (kh.data() == nullptr || vh.data() == nullptr)
+        return Status(Code::kOutOfMemory, who + "cannot allocate the host copy of the cache");
+      std::vector<float> kscale, vscale, ktable, vtable;
+      if (quant) {
+        kscale.resize(kv_tokens);
+        vscale.resize(kv_tokens);
+        fill_quantized(kh.data(), kscale.data(), static_cast<int64_t>(kv_tokens), s.head_dim, t,
+                       1, host_threads, ktable);
+        fill_quantized(vh.data(), vscale.data(), static_cast<int64_t>(kv_tokens), s.head_dim, t,
+                       2, host_threads, vtable);
+      } else {
+        fill_random(kh.data(), kv_elems * es, t, 1, host_threads);
+        fill_random(vh.data(), kv_elems * es, t, 2, host_threads);
+      }
+      std::vector<float> q(static_cast<std::size_t>(s.batch * s.q_len * s.heads * s.head_dim));
+      std::mt19937_64 rng(3);
+      std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+      for (float& x : q) x = u(rng);
+      const std::size_t rows = static_cast<std::size_t>(s.batch * s.q_len * s.heads);
+      const std::size_t D = static_cast<std::size_t>(s.head_dim);
+      const std::size_t st_bytes = rows * (D + 2) * sizeof(float);
+
+      auto dk = exec.allocate(kv_elems * es);
+      TREEATTN_RETURN_IF_ERROR(dk.status());
+      auto dv = exec.allocate(kv_elems * es);
+      TREEATTN_RETURN_IF_ERROR(dv.status());
+      auto dq = exec.allocate(q.size() * sizeof(float));
+      TREEATTN_RETURN_IF_ERROR(dq.status());
+      auto dst = exec.allocate(st_bytes);
+      TREEATTN_RETURN_IF_ERROR(dst.status());
+      Buffer dks, dvs;
+      TREEATTN_RETURN_IF_ERROR(exec.from_host(dk->data(), kh.data(), kv_elems * es));
+      TREEATTN_RETURN_IF_ERROR(exec.from_host(dv->data(), vh.data(), kv_elems * es));
+      TREEATTN_RETURN_IF_ERROR(exec.from_host(dq->data(), q.data(), q.size() * sizeof(float)));
+      if (quant) {
+        auto a = exec.allocate(kv_tokens * sizeof(float));
+        TREEATTN_RETURN_IF_ERROR(a.status());
+        auto b = exec.allocate(kv_tokens * sizeof(float));
+        TREEATTN_RETURN_IF_ERROR(b.status());
+        dks = std::move(*a);
+        dvs = std::move(*b);
+        TREEATTN_RETURN_IF_ERROR(exec.from_host(dks.data(), kscale.data(), kv_tokens * sizeof(float)));
+        TREEATTN_RETURN_IF_ERROR(exec.from_host(dvs.data(), vscale.data(), kv_tokens * sizeof(float)));
+      }
+      std::vector<int64_t> len(static_cast<std::size_t>(s.batch), c.seq);
+      std::vector<int64_t> start(len.size(), 0);
+      // A rows view of the same layout over host or executor memory.
+      auto view = [&](const void* k, const void* v, const float* ks, const float* vs,
+                      MemorySpace memory) {
+        KVShard kv;
+        kv.dtype = t;
+        kv.memory = memory;
+        kv.k = k;
+        kv.v = v;
+        kv.stride_token = s.head_dim;
+        kv.stride_head = c.seq * s.head_dim;
+        kv.stride_batch = s.kv_heads * kv.stride_head;
+        kv.len = len;
+        kv.pos_start = start;
+        kv.total_len = len;
+        if (quant) {
+          kv.k_scale = ks;
+          kv.v_scale = vs;
+          kv.scale_stride_token = 1;
+          kv.scale_stride_head = c.seq;
+          kv.scale_stride_batch = s.kv_heads * c.seq;
+        }
+        return kv;
+      };
+      const KVShard kv = view(dk->data(), dv->data(), dks.as<float>(), dvs.as<float>(),
+                              exec.memory());
+      DecodeOptions opt;
+      opt.chunk_tokens = options.chunk_tokens;
+      const int64_t kv_bytes =
+          static_cast<int64_t>(2 * kv_elems * es + (quant ? 2 * kv_tokens * sizeof(float) : 0));
+      std::vector<double> seconds, fractions;
+      for (int r = 0; r < options.repeats + 1; ++r) {
+        const auto t0 = Clock::now();
+        TREEATTN_RETURN_IF_ERROR(exec.partial(s, dq->as<float>(), kv, dst->as<float>(), opt));
+        TREEATTN_RETURN_IF_ERROR(exec.synchronize());
+        const double sec = seconds_since(t0);
+        if (r == 0) continue;  // warm-up
+        seconds.push_back(sec);
+        fractions.push_back(static_cast<double>(kv_bytes) / sec / 1e9 / bw);
+      }
+
+      RooflineRecord rec;
+      rec.shape = s.to_string();
+      rec.dtype = std::string(dtype_name(t));
+      rec.isa = std::string(exec.name());
+      rec.layout = "rows";
+      rec.batch = s.batch;
+      rec.heads = s.heads;
+      rec.kv_heads = s.kv_heads;
+      rec.head_dim = s.head_dim;
+      rec.q_len = s.q_len;
+      rec.seq = c.seq;
+      rec.threads = 0;
+      rec.kv_bytes = kv_bytes;
+      rec.seconds = median(seconds);
+      rec.gbps = static_cast<double>(kv_bytes) / rec.seconds / 1e9;
+      rec.bandwidth_gbps = bw;
+      rec.fraction_of_bandwidth = median(fractions);
+      rec.gbps_best =
+          static_cast<double>(kv_bytes) / *std::min_element(seconds.begin(), seconds.end()) / 1e9;
+      rec.bandwidth_gbps_best = bw_best;
+      rec.fraction_best = rec.gbps_best / bw_best;
+      rec.flops = 4.0 * static_cast<double>(s.batch * s.heads * s.q_len) *
+                  static_cast<double>(c.seq) * static_cast<double>(s.head_dim);
+      rec.peak_gflops = 0;
+      rec.compute_seconds = 0;
+      rec.memory_seconds = static_cast<double>(kv_bytes) / (bw * 1e9);
+      rec.bound = "memory";
+      rec.fraction_of_bound = rec.memory_seconds / rec.seconds;
+
+      if (options.check) {
+        // Batch row 0's first 2048 tokens on the executor, against the oracle on the host copy.
+        AttnShape cs = s;
+        cs.batch = 1;
+        std::vector<int64_t> cl{std::min<int64_t>(c.seq, 2048)}, c0{0};
+        KVShard ck = kv;
+        ck.len = cl;
+        ck.pos_start = c0;
+        ck.total_len = cl;
+        const std::size_t crow = static_cast<std::size_t>(cs.q_len * cs.heads);
+        TREEATTN_RETURN_IF_ERROR(exec.partial(cs, dq->as<float>(), ck, dst->as<float>(), opt));
+        std::vector<float> cst(crow * (D + 2));
+        TREEATTN_RETURN_IF_ERROR(exec.to_host(cst.data(), dst->data(), cst.size() * sizeof(float)));
+        KVShard hk = view(kh.data(), vh.data(), kscale.data(), vscale.data(), MemorySpace::kHost);
+        hk.len = cl;
+        hk.pos_start = c0;
+        hk.total_len = cl;
+        std::vector<double> ref(crow * D), lse(crow);
+        TREEATTN_RETURN_IF_ERROR(oracle_attention(cs, q.data(), hk, ref.data(), lse.data()));
+        rec.max_rel_error = rel_error(cst, ref, crow, D);
+      }
+      out.push_back(rec);
     }
   }
   return out;

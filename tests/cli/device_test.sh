@@ -3,9 +3,10 @@
 # Usage: device_test.sh /path/to/treeattn CASE
 #
 #   flags      without ranks: an unknown device names the known ones; with cuda, --kv-layout tiled
-#              and bench --kernel are refused (or, in a build without CUDA, the build is named);
+#              is refused (or, in a build without CUDA, the build is named);
 #              --help describes --device
-#   cuda       bench and run --device cuda at 1 and 2 ranks: on a machine without a usable GPU
+#   cuda       bench --kernel --device cuda, and bench and run --device cuda at 1 and 2 ranks: on a
+#              machine without a usable GPU
 #              (or a build without CUDA/NCCL) exit 2 with one line that names the problem, fast
 #              and without a crash; on a machine with GPUs the run must succeed instead, its JSON
 #              points carrying "device": "cuda" and the report naming the GPU
@@ -53,8 +54,6 @@ case "$case_name" in
       "$bin" bench --device cuda --kv-layout tiled
     expect 2 "--kv-layout tiled .*with --device cuda the shards are rows|$no_cuda" 5 -- \
       "$bin" run --device cuda --kv-layout tiled
-    expect 2 "bench --kernel --device cuda: .*tools/gpu-check.sh|$no_cuda" 5 -- \
-      "$bin" bench --kernel --device cuda
     expect 2 "--methods auto with --device cuda|$no_cuda" 5 -- "$bin" bench --device cuda --methods auto
     expect 2 "method 'hier' is not available with --device cuda|$no_cuda" 5 -- \
       "$bin" bench --device cuda --methods hier
@@ -63,6 +62,25 @@ case "$case_name" in
     grep -qE "cuda \(one GPU per rank" <<<"$help" || fail "bench --help does not say what cuda needs"
     "$bin" run --help | grep -qE -- "--device" || fail "run --help lacks --device" ;;
   cuda)
+    # bench --kernel --device cuda: the GPU kernel's roofline (run_roofline_on), or one error line.
+    out=$(timeout 120 "$bin" bench --kernel --device cuda --heads 8 --kv-heads 2 --head-dim 128 \
+          --seq 4k --dtype bf16 --repeats 1 --json "$tmp/k.json" 2>&1)
+    rc=$?
+    if grep -qE "terminate called|what\(\)|Segmentation|Aborted|core dumped" <<<"$out"; then
+      echo "$out" | tail -20; fail "bench --kernel --device cuda crashed"
+    fi
+    if [ $rc = 0 ]; then
+      grep -qE "^device cuda: .* \(sm_[0-9]+, [0-9]+ GiB\)" <<<"$out" || { echo "$out"; fail "no device line"; }
+      $py - "$tmp/k.json" <<'PY' || fail "bench --kernel --device cuda JSON"
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r and all(x["isa"] == "cuda" and x["layout"] == "rows" and 0 <= x["max_rel_error"] < 1e-5 for x in r), r
+PY
+    else
+      [ $rc = 2 ] || { echo "$out" | tail -20; fail "bench --kernel --device cuda: exit $rc, expected 2"; }
+      grep -qE "^treeattn bench --kernel: error: .*($no_cuda)" <<<"$out" || {
+        echo "$out"; fail "bench --kernel --device cuda: no line naming the problem"; }
+    fi
     for cmd in bench run; do
       for p in 1 2; do
         iters=--iters; [ $cmd = run ] && iters=--steps

@@ -32,6 +32,7 @@
 
 #include "treeattn/comm_local.hpp"
 #include "treeattn/executor.hpp"
+#include "treeattn/roofline.hpp"
 #include "treeattn/strategy.hpp"
 #include "treeattn/session.hpp"
 #include "treeattn/workload.hpp"
@@ -451,6 +452,35 @@ TEST(DriverDevice, SessionAgreementStagesThroughTheDevice) {
     EXPECT_EQ(differ[i].code(), Code::kMismatch) << differ[i].to_string();
     EXPECT_NE(differ[i].message().find("head_dim"), std::string::npos) << differ[i].to_string();
   }
+}
+
+// bench --kernel --device cuda's roofline (run_roofline_on) through the executor seam: on a
+// stand-in device that rejects host pointers and on the CPU executor, every record is filled and
+// matches the float64 oracle (f32, bf16, int8 with scales; GQA, Q 2, batch 2).
+TEST(RooflineOn, StandInDeviceAndCpuExecutorMatchTheOracle) {
+  RooflineOptions o;
+  o.cases = {RooflineCase{AttnShape{2, 8, 2, 128, 1}, 3000},
+             RooflineCase{AttnShape{1, 4, 4, 64, 2}, 1000}};
+  o.dtypes = {DType::kF32, DType::kBF16, DType::kInt8};
+  o.repeats = 2;
+  o.probe_bytes = int64_t{1} << 20;
+  StandInDevice device;
+  for (Executor* exec : {static_cast<Executor*>(&device), &cpu_executor()}) {
+    auto r = run_roofline_on(*exec, o);
+    ASSERT_TRUE(r.is_ok()) << exec->name() << ": " << r.status().to_string();
+    ASSERT_EQ(r->size(), 6u);
+    for (const RooflineRecord& x : *r) {
+      EXPECT_EQ(x.isa, std::string(exec->name()));
+      EXPECT_EQ(x.layout, "rows");
+      EXPECT_GT(x.gbps, 0);
+      EXPECT_GT(x.bandwidth_gbps, 0);
+      EXPECT_GT(x.fraction_of_bandwidth, 0);
+      EXPECT_EQ(x.bound, "memory");
+      EXPECT_GE(x.max_rel_error, 0);
+      EXPECT_LT(x.max_rel_error, 1e-5) << x.shape << " " << x.dtype;
+    }
+  }
+  EXPECT_GT(device.partial_calls, 0);
 }
 
 }  // namespace
