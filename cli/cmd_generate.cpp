@@ -166,16 +166,6 @@ int local_ranks(int world) {
   return world;
 }
 
-uint64_t mem_available() {
-  std::ifstream f("/proc/meminfo");
-  std::string key;
-  uint64_t kb = 0;
-  std::string unit;
-  while (f >> key >> kb >> unit)
-    if (key == "MemAvailable:") return kb * 1024;
-  return 0;
-}
-
 std::vector<std::string> methods_of(const GenFlags& f) {
   if (f.deterministic) return {"tree-det"};
   return split_list(f.method);
@@ -260,7 +250,7 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
       model::estimate_memory(cfg, generator_config(f, methods, 1), f.ranks, n, f.new_tokens);
   const double weights = static_cast<double>((*m)->file().file_size());  // shared page cache
   const double need = static_cast<double>(est.total()) * here + weights;
-  const uint64_t avail = mem_available();
+  const uint64_t avail = mem_available_bytes();
   if (avail > 0 && need > 0.9 * static_cast<double>(avail))
     return Status(Code::kOutOfMemory,
                   fmt::format("a prompt of {} tokens + {} new on {} rank(s) needs about {} "

@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "job_status.hpp"
+#include "treeattn/measure.hpp"
 
 namespace treeattn::cli {
 namespace {
@@ -91,14 +92,7 @@ Status check_local_rank_count(const LaunchOptions& options, const std::string& f
   }
   const long cores = std::max(1l, sysconf(_SC_NPROCESSORS_ONLN));
   long cap = std::max(64l, 16 * cores);
-  double avail = 0;
-  {
-    std::ifstream f("/proc/meminfo");
-    std::string key, unit;
-    double kb = 0;
-    while (f >> key >> kb >> unit)
-      if (key == "MemAvailable:") avail = kb * 1024.0;
-  }
+  const auto avail = static_cast<double>(mem_available_bytes());
   constexpr double kPerRank = 48.0 * 1024 * 1024;
   if (avail > 0) cap = std::min(cap, std::max(1l, static_cast<long>(avail / kPerRank)));
   std::string why = "this machine's cap (max(64, 16 x " + std::to_string(cores) +

@@ -120,12 +120,7 @@ MemoryNeed memory_need(const MeasureConfig& c, int ranks) {
                           + 32.0 * 1024 * 1024;                    // process baseline
   need.state_bytes = P * per_rank + (c.check ? 2.0 * records * (D + 1) * 8.0 : 0.0);
   need.per_job_bytes = need.kv_bytes + need.state_bytes;
-  std::ifstream f("/proc/meminfo");
-  std::string key;
-  double kb = 0;
-  std::string unit;
-  while (f >> key >> kb >> unit)
-    if (key == "MemAvailable:") need.available_bytes = kb * 1024.0;
+  need.available_bytes = static_cast<double>(mem_available_bytes());
   return need;
 }
 

@@ -30,6 +30,11 @@ bool reset_peak_rss();
 // Peak resident set size since the last reset_peak_rss() (or the start), in bytes.
 uint64_t current_peak_rss();
 
+// MemAvailable of /proc/meminfo in bytes (what can be allocated without swapping); 0 where it
+// cannot be read. The memory pre-checks (run/bench, generate, bench --kernel, the launcher's
+// rank cap) all use this one reading.
+uint64_t mem_available_bytes();
+
 // SHA-256 of bytes as 64 lowercase hex digits (OpenSSL); "" if libcrypto fails.
 std::string sha256_hex(std::span<const std::byte> bytes);
 // The hash every JSON record of run, verify and bench carries: SHA-256 of the normalized output
