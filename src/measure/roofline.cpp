@@ -8,34 +8,21 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
+#include <span>
 #include <thread>
 
 #include "kernels/cpu/cpu_targets.hpp"
 #include "treeattn/executor.hpp"
 #include "treeattn/kv_tiles.hpp"
+#include "treeattn/measure.hpp"
 #include "treeattn/oracle.hpp"
 #include "treeattn/peer.hpp"
 #include "treeattn/state.hpp"
 
 namespace treeattn {
-namespace {
-
-// MemAvailable from /proc/meminfo in bytes; 0 when it cannot be read (no check then).
-double mem_available_bytes() {
-  std::FILE* f = std::fopen("/proc/meminfo", "r");
-  if (f == nullptr) return 0;
-  char key[64];
-  unsigned long long kb = 0;
-  double bytes = 0;
-  while (std::fscanf(f, "%63s %llu kB\n", key, &kb) == 2)
-    if (std::strcmp(key, "MemAvailable:") == 0) bytes = static_cast<double>(kb) * 1024.0;
-  std::fclose(f);
-  return bytes;
-}
-
-}  // namespace
 
 namespace {
 
@@ -196,6 +183,164 @@ class BandwidthProbe {
   volatile float sink_ = 0;
 };
 
+
+// One case's cache and query on the host: K and V [batch][kv_heads][seq][head_dim] of random
+// values in the dtype (fp8/int8: codes, a scale per token, and the unquantized table), the query,
+// and every row's length (seq) and start (0).
+struct HostCase {
+  AttnShape shape;
+  int64_t seq = 0;
+  DType dtype = DType::kF32;
+  AlignedBuffer k{0}, v{0};
+  std::vector<float> k_scale, v_scale, k_table, v_table, q;
+  std::vector<int64_t> len, start;
+
+  bool quantized() const { return dtype_is_quantized(dtype); }
+  std::size_t kv_elems() const {
+    return static_cast<std::size_t>(shape.batch * shape.kv_heads * seq * shape.head_dim);
+  }
+  std::size_t kv_tokens() const {
+    return static_cast<std::size_t>(shape.batch * shape.kv_heads * seq);
+  }
+  std::size_t code_bytes() const { return kv_elems() * dtype_size(dtype); }  // of K (or V)
+  std::size_t scale_bytes() const { return quantized() ? kv_tokens() * sizeof(float) : 0; }
+  // What one decode step reads: K and V and, quantized, their scales.
+  int64_t kv_bytes() const { return static_cast<int64_t>(2 * (code_bytes() + scale_bytes())); }
+  // A rows view of the whole cache over these K/V (and scale) pointers in `memory`.
+  KVShard view(const void* kp, const void* vp, const float* ks, const float* vs,
+               MemorySpace memory) const {
+    KVShard kv;
+    kv.dtype = dtype;
+    kv.memory = memory;
+    kv.k = kp;
+    kv.v = vp;
+    kv.stride_token = shape.head_dim;
+    kv.stride_head = seq * shape.head_dim;
+    kv.stride_batch = shape.kv_heads * kv.stride_head;
+    kv.len = len;
+    kv.pos_start = start;
+    kv.total_len = len;
+    if (quantized()) {
+      kv.k_scale = ks;
+      kv.v_scale = vs;
+      kv.scale_stride_token = 1;
+      kv.scale_stride_head = seq;
+      kv.scale_stride_batch = shape.kv_heads * seq;
+    }
+    return kv;
+  }
+  KVShard host_view() const {
+    return view(k.data(), v.data(), k_scale.data(), v_scale.data(), MemorySpace::kHost);
+  }
+};
+
+Result<HostCase> make_host_case(const RooflineCase& c, DType t, int threads) {
+  HostCase h;
+  h.shape = c.shape;
+  h.seq = c.seq;
+  h.dtype = t;
+  h.k = AlignedBuffer(h.code_bytes());
+  h.v = AlignedBuffer(h.code_bytes());
+  if (h.k.data() == nullptr || h.v.data() == nullptr)
+    return Status(Code::kOutOfMemory, "cannot allocate " + std::to_string(2 * h.code_bytes()) +
+                                          " bytes of KV for " + c.shape.to_string());
+  if (h.quantized()) {
+    h.k_scale.resize(h.kv_tokens());
+    h.v_scale.resize(h.kv_tokens());
+    fill_quantized(h.k.data(), h.k_scale.data(), static_cast<int64_t>(h.kv_tokens()),
+                   c.shape.head_dim, t, 1, threads, h.k_table);
+    fill_quantized(h.v.data(), h.v_scale.data(), static_cast<int64_t>(h.kv_tokens()),
+                   c.shape.head_dim, t, 2, threads, h.v_table);
+  } else {
+    fill_random(h.k.data(), h.code_bytes(), t, 1, threads);
+    fill_random(h.v.data(), h.code_bytes(), t, 2, threads);
+  }
+  h.q.resize(static_cast<std::size_t>(c.shape.batch * c.shape.q_len * c.shape.heads *
+                                      c.shape.head_dim));
+  std::mt19937_64 rng(3);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (float& x : h.q) x = u(rng);
+  h.len.assign(static_cast<std::size_t>(c.shape.batch), c.seq);
+  h.start.assign(h.len.size(), 0);
+  return h;
+}
+
+// The fields every record has: the case, the timings (median and best round) against the probe.
+RooflineRecord timed_record(const HostCase& h, const std::vector<double>& seconds,
+                            const std::vector<double>& fractions,
+                            const std::vector<double>& probes) {
+  const AttnShape& s = h.shape;
+  RooflineRecord rec;
+  rec.shape = s.to_string();
+  rec.dtype = std::string(dtype_name(h.dtype));
+  rec.batch = s.batch;
+  rec.heads = s.heads;
+  rec.kv_heads = s.kv_heads;
+  rec.head_dim = s.head_dim;
+  rec.q_len = s.q_len;
+  rec.seq = h.seq;
+  rec.kv_bytes = h.kv_bytes();
+  rec.seconds = median(seconds);
+  rec.gbps = static_cast<double>(rec.kv_bytes) / rec.seconds / 1e9;
+  rec.bandwidth_gbps = median(probes);
+  rec.fraction_of_bandwidth = median(fractions);
+  rec.gbps_best =
+      static_cast<double>(rec.kv_bytes) / *std::min_element(seconds.begin(), seconds.end()) / 1e9;
+  rec.bandwidth_gbps_best = *std::max_element(probes.begin(), probes.end());
+  rec.fraction_best = rec.gbps_best / rec.bandwidth_gbps_best;
+  rec.flops = 4.0 * static_cast<double>(s.batch * s.heads * s.q_len) *
+              static_cast<double>(h.seq) * static_cast<double>(s.head_dim);
+  rec.memory_seconds = static_cast<double>(rec.kv_bytes) / (rec.bandwidth_gbps * 1e9);
+  return rec;
+}
+
+// The check of one timed layout: `run` decodes batch row 0's first min(seq, 2048) tokens (shape
+// with batch 1, lengths, host states out) and the states are compared with the float64 oracle on
+// the host cache and, for fp8/int8, on the values before quantization.
+Status check_record(
+    const HostCase& h,
+    const std::function<Status(const AttnShape&, std::span<const int64_t>, float*)>& run,
+    RooflineRecord& rec) {
+  const AttnShape& s = h.shape;
+  AttnShape cs = s;
+  cs.batch = 1;
+  std::vector<int64_t> cl{std::min<int64_t>(h.seq, 2048)}, c0{0};
+  const std::size_t crow = static_cast<std::size_t>(cs.q_len * cs.heads);
+  const std::size_t D = static_cast<std::size_t>(s.head_dim);
+  std::vector<float> cst(crow * (D + 2));
+  TREEATTN_RETURN_IF_ERROR(run(cs, cl, cst.data()));
+  KVShard ck = h.host_view();
+  ck.len = cl;
+  ck.pos_start = c0;
+  ck.total_len = cl;
+  std::vector<double> ref(crow * D), lse(crow);
+  TREEATTN_RETURN_IF_ERROR(oracle_attention(cs, h.q.data(), ck, ref.data(), lse.data()));
+  rec.max_rel_error = rel_error(cst, ref, crow, D);
+  if (!h.quantized()) return Status::ok();
+  // The same rows against the oracle on the unquantized values (table token
+  // (h * seq + j) % kPeriod for head h, token j of batch row 0).
+  const int64_t n = cl[0];
+  std::vector<float> kf(static_cast<std::size_t>(s.kv_heads * n) * D), vf(kf.size());
+  for (int64_t hd = 0; hd < s.kv_heads; ++hd)
+    for (int64_t j = 0; j < n; ++j) {
+      const auto src = static_cast<std::size_t>((hd * h.seq + j) % kPeriod) * D;
+      const auto dst = static_cast<std::size_t>(hd * n + j) * D;
+      std::memcpy(kf.data() + dst, h.k_table.data() + src, D * sizeof(float));
+      std::memcpy(vf.data() + dst, h.v_table.data() + src, D * sizeof(float));
+    }
+  KVShard uk = ck;
+  uk.dtype = DType::kF32;
+  uk.k = kf.data();
+  uk.v = vf.data();
+  uk.stride_token = s.head_dim;
+  uk.stride_head = n * s.head_dim;
+  uk.stride_batch = s.kv_heads * uk.stride_head;
+  uk.k_scale = uk.v_scale = nullptr;
+  TREEATTN_RETURN_IF_ERROR(oracle_attention(cs, h.q.data(), uk, ref.data(), lse.data()));
+  rec.max_rel_error_unquantized = rel_error(cst, ref, crow, D);
+  return Status::ok();
+}
+
 }  // namespace
 
 std::vector<RooflineCase> default_roofline_cases() {
@@ -266,7 +411,7 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
 
   // Memory before anything is allocated (a case's KV, a tiled copy per tile configuration,
   // the query and the states): a shape that cannot fit is an error naming it, not an abort.
-  const double available = mem_available_bytes();
+  const auto available = static_cast<double>(mem_available_bytes());
   for (const RooflineCase& c : cases)
     for (DType t : options.dtypes) {
       const AttnShape& s = c.shape;
@@ -310,50 +455,10 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
     for (const RooflineCase& c : cases) {
       const AttnShape& s = c.shape;
       for (DType t : options.dtypes) {
-        const std::size_t es = dtype_size(t);
-        const std::size_t kv_elems =
-            static_cast<std::size_t>(s.batch * s.kv_heads * c.seq * s.head_dim);
-        AlignedBuffer kbuf(kv_elems * es), vbuf(kv_elems * es);
-        if (kbuf.data() == nullptr || vbuf.data() == nullptr)
-          return Status(Code::kOutOfMemory, "cannot allocate " + std::to_string(2 * kv_elems * es) +
-                                                " bytes of KV for " + s.to_string());
-        const bool quant = dtype_is_quantized(t);
-        const auto kv_tokens = static_cast<std::size_t>(s.batch * s.kv_heads * c.seq);
-        std::vector<float> kscale, vscale, ktable, vtable;
-        if (quant) {
-          kscale.resize(kv_tokens);
-          vscale.resize(kv_tokens);
-          fill_quantized(kbuf.data(), kscale.data(), static_cast<int64_t>(kv_tokens), s.head_dim,
-                         t, 1, T, ktable);
-          fill_quantized(vbuf.data(), vscale.data(), static_cast<int64_t>(kv_tokens), s.head_dim,
-                         t, 2, T, vtable);
-        } else {
-          fill_random(kbuf.data(), kv_elems * es, t, 1, T);
-          fill_random(vbuf.data(), kv_elems * es, t, 2, T);
-        }
-        std::vector<float> q(static_cast<std::size_t>(s.batch * s.q_len * s.heads * s.head_dim));
-        std::mt19937_64 rng(3);
-        std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-        for (float& x : q) x = u(rng);
-        std::vector<int64_t> len(static_cast<std::size_t>(s.batch), c.seq);
-        std::vector<int64_t> start(len.size(), 0);
-        KVShard kv;
-        kv.dtype = t;
-        kv.k = kbuf.data();
-        kv.v = vbuf.data();
-        kv.stride_token = s.head_dim;
-        kv.stride_head = c.seq * s.head_dim;
-        kv.stride_batch = s.kv_heads * kv.stride_head;
-        kv.len = len;
-        kv.pos_start = start;
-        kv.total_len = len;
-        if (quant) {
-          kv.k_scale = kscale.data();
-          kv.v_scale = vscale.data();
-          kv.scale_stride_token = 1;
-          kv.scale_stride_head = c.seq;
-          kv.scale_stride_batch = s.kv_heads * c.seq;
-        }
+        Result<HostCase> hc = make_host_case(c, t, T);
+        if (!hc.is_ok()) return hc.status();
+        const HostCase& h = *hc;
+        const KVShard kv = h.host_view();
         const std::size_t rows = static_cast<std::size_t>(s.batch * s.q_len * s.heads);
         std::vector<float> states(rows * static_cast<std::size_t>(s.head_dim + 2));
         DecodeOptions opt;
@@ -379,13 +484,13 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
         // Runs one layout on the first shape.batch rows, each with l[b] tokens from position 0.
         auto run_variant = [&](const Variant& v, const AttnShape& shape, std::span<const int64_t> l,
                                float* st) -> Status {
-          const std::span<const int64_t> l0 = std::span<const int64_t>(start).first(l.size());
+          const std::span<const int64_t> l0 = std::span<const int64_t>(h.start).first(l.size());
           if (v.layout == "rows") {
             KVShard view = kv;
             view.len = l;
             view.pos_start = l0;
             view.total_len = l;
-            return decode_partial(shape, q.data(), view, st, opt);
+            return decode_partial(shape, h.q.data(), view, st, opt);
           }
           // The tiled kernel's block and prefetch for this configuration (the defaults unless
           // the configuration names others), restored afterwards.
@@ -395,23 +500,21 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
           if (v.tiles.prefetch_bytes >= 0) tuning.prefetch_bytes = v.tiles.prefetch_bytes;
           kernels::cpu::set_tiled_tuning(tuning);
           const Status st_run =
-              decode_partial_tiled(shape, q.data(), v.cache.view(l, l0, l), st, opt);
+              decode_partial_tiled(shape, h.q.data(), v.cache.view(l, l0, l), st, opt);
           kernels::cpu::set_tiled_tuning(saved);
           return st_run;
         };
-        const int64_t kv_bytes =
-            static_cast<int64_t>(2 * kv_elems * es + (quant ? 2 * kv_tokens * 4 : 0));
         std::vector<double> probes;
         for (int r = 0; r < options.repeats + 1; ++r) {
           const double bw_r = options.probe_each_repeat ? probe.value()->run() : bw_once;
           if (r > 0) probes.push_back(bw_r);
           for (Variant& v : variants) {
             const auto t0 = Clock::now();
-            TREEATTN_RETURN_IF_ERROR(run_variant(v, s, len, states.data()));
+            TREEATTN_RETURN_IF_ERROR(run_variant(v, s, h.len, states.data()));
             const double sec = seconds_since(t0);
             if (r == 0) continue;  // warm-up round
             v.seconds.push_back(sec);
-            v.fractions.push_back(static_cast<double>(kv_bytes) / sec / 1e9 / bw_r);
+            v.fractions.push_back(static_cast<double>(h.kv_bytes()) / sec / 1e9 / bw_r);
           }
         }
 
@@ -422,7 +525,7 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
           for (int r = 0; r < options.repeats + 1; ++r) {
             const auto t0 = Clock::now();
             TREEATTN_RETURN_IF_ERROR(
-                openblas_decode_partial(s, q.data(), kv, states.data(), 0.0f, T));
+                openblas_decode_partial(s, h.q.data(), kv, states.data(), 0.0f, T));
             if (r > 0) pt.push_back(seconds_since(t0));
           }
           peer_seconds = median(pt);
@@ -432,9 +535,7 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
         }
 
         for (Variant& v : variants) {
-          RooflineRecord rec;
-          rec.shape = s.to_string();
-          rec.dtype = std::string(dtype_name(t));
+          RooflineRecord rec = timed_record(h, v.seconds, v.fractions, probes);
           rec.isa = std::string(isa_name(isa));
           rec.layout = v.layout;
           if (v.layout == "tiled") {
@@ -445,72 +546,18 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
             rec.prefetch_bytes =
                 v.tiles.prefetch_bytes >= 0 ? v.tiles.prefetch_bytes : tuning.prefetch_bytes;
           }
-          rec.batch = s.batch;
-          rec.heads = s.heads;
-          rec.kv_heads = s.kv_heads;
-          rec.head_dim = s.head_dim;
-          rec.q_len = s.q_len;
-          rec.seq = c.seq;
           rec.threads = T;
-          // Quantized: the per-token scales are read too.
-          rec.kv_bytes = kv_bytes;
-          rec.seconds = median(v.seconds);
-          rec.gbps = static_cast<double>(rec.kv_bytes) / rec.seconds / 1e9;
-          rec.bandwidth_gbps = median(probes);
-          rec.fraction_of_bandwidth = median(v.fractions);
-          rec.gbps_best = static_cast<double>(rec.kv_bytes) /
-                          *std::min_element(v.seconds.begin(), v.seconds.end()) / 1e9;
-          rec.bandwidth_gbps_best = *std::max_element(probes.begin(), probes.end());
-          rec.fraction_best = rec.gbps_best / rec.bandwidth_gbps_best;
-          rec.flops = 4.0 * static_cast<double>(s.batch * s.heads * s.q_len) *
-                      static_cast<double>(c.seq) * static_cast<double>(s.head_dim);
           rec.peak_gflops = peak.value();
           rec.compute_seconds = rec.flops / (rec.peak_gflops * 1e9);
-          rec.memory_seconds = static_cast<double>(rec.kv_bytes) / (rec.bandwidth_gbps * 1e9);
           rec.bound = rec.compute_seconds > rec.memory_seconds ? "compute" : "memory";
           rec.fraction_of_bound = std::max(rec.compute_seconds, rec.memory_seconds) / rec.seconds;
-
-          if (options.check) {
-            // Oracle on the first 2048 tokens of batch row 0 (a view of the same data).
-            AttnShape cs = s;
-            cs.batch = 1;
-            std::vector<int64_t> cl{std::min<int64_t>(c.seq, 2048)}, c0{0};
-            KVShard ck = kv;
-            ck.len = cl;
-            ck.pos_start = c0;
-            ck.total_len = cl;
-            const std::size_t crow = static_cast<std::size_t>(cs.q_len * cs.heads);
-            const std::size_t D = static_cast<std::size_t>(s.head_dim);
-            std::vector<float> cst(crow * (D + 2));
-            TREEATTN_RETURN_IF_ERROR(run_variant(v, cs, cl, cst.data()));
-            std::vector<double> ref(crow * D), lse(crow);
-            TREEATTN_RETURN_IF_ERROR(oracle_attention(cs, q.data(), ck, ref.data(), lse.data()));
-            rec.max_rel_error = rel_error(cst, ref, crow, D);
-            if (quant) {
-              // The same check rows against the oracle on the unquantized values (table token
-              // (h * seq + j) % kPeriod for head h, token j of batch row 0).
-              const int64_t n = cl[0];
-              std::vector<float> kf(static_cast<std::size_t>(s.kv_heads * n) * D), vf(kf.size());
-              for (int64_t h = 0; h < s.kv_heads; ++h)
-                for (int64_t j = 0; j < n; ++j) {
-                  const auto src = static_cast<std::size_t>((h * c.seq + j) % kPeriod) * D;
-                  const auto dst = static_cast<std::size_t>(h * n + j) * D;
-                  std::memcpy(kf.data() + dst, ktable.data() + src, D * sizeof(float));
-                  std::memcpy(vf.data() + dst, vtable.data() + src, D * sizeof(float));
-                }
-              KVShard uk = ck;
-              uk.dtype = DType::kF32;
-              uk.k = kf.data();
-              uk.v = vf.data();
-              uk.stride_token = s.head_dim;
-              uk.stride_head = n * s.head_dim;
-              uk.stride_batch = s.kv_heads * uk.stride_head;
-              uk.k_scale = uk.v_scale = nullptr;
-              TREEATTN_RETURN_IF_ERROR(oracle_attention(cs, q.data(), uk, ref.data(), lse.data()));
-              rec.max_rel_error_unquantized = rel_error(cst, ref, crow, D);
-            }
-          }
-
+          if (options.check)
+            TREEATTN_RETURN_IF_ERROR(check_record(
+                h,
+                [&](const AttnShape& cs, std::span<const int64_t> cl, float* st) {
+                  return run_variant(v, cs, cl, st);
+                },
+                rec));
           if (peer_seconds >= 0) {
             rec.peer_seconds = peer_seconds;
             rec.ours_over_peer = rec.seconds / peer_seconds;
@@ -531,8 +578,9 @@ Result<std::vector<RooflineRecord>> run_roofline_on(Executor& exec,
   if (options.probe_bytes < 1) return invalid_argument("roofline: probe_bytes must be >= 1");
   const std::string who = "roofline on " + std::string(exec.name()) + ": ";
   const int host_threads = resolve_threads(0);
+  const auto available = static_cast<double>(mem_available_bytes());
 
-  // The copy probe inside the executor's memory: the median of `repeats` timed copies.
+  // The copy probe inside the executor's memory: `repeats` timed copies after a warm-up.
   std::vector<double> probes;
   {
     const auto n = static_cast<std::size_t>(options.probe_bytes);
@@ -549,7 +597,14 @@ Result<std::vector<RooflineRecord>> run_roofline_on(Executor& exec,
     }
   }
   const double bw = median(probes);
-  const double bw_best = *std::max_element(probes.begin(), probes.end());
+
+  // Copies host bytes into a new buffer of the executor.
+  auto upload = [&](const void* src, std::size_t bytes) -> Result<Buffer> {
+    auto buf = exec.allocate(bytes);
+    TREEATTN_RETURN_IF_ERROR(buf.status());
+    if (bytes > 0) TREEATTN_RETURN_IF_ERROR(exec.from_host(buf->data(), src, bytes));
+    return buf;
+  };
 
   std::vector<RooflineRecord> out;
   for (const RooflineCase& c : cases) {
@@ -557,95 +612,38 @@ Result<std::vector<RooflineRecord>> run_roofline_on(Executor& exec,
     TREEATTN_RETURN_IF_ERROR(s.validate());
     if (c.seq < 1) return invalid_argument(who + "seq must be >= 1, got " + std::to_string(c.seq));
     for (DType t : options.dtypes) {
-      const std::size_t es = dtype_size(t);
-      const bool quant = dtype_is_quantized(t);
-      const auto kv_elems = static_cast<std::size_t>(s.batch * s.kv_heads * c.seq * s.head_dim);
-      const auto kv_tokens = static_cast<std::size_t>(s.batch * s.kv_heads * c.seq);
-      const double host_need = 2.0 * static_cast<double>(kv_elems * es);
-      if (const double avail = mem_available_bytes(); avail > 0 && host_need > avail)
-        return Status(Code::kOutOfMemory, who + s.to_string() + " at " + std::to_string(c.seq) +
-                                              " tokens needs " +
-                                              std::to_string(static_cast<long long>(host_need / (1 << 20))) +
-                                              " MiB of host memory for the cache it copies; " +
-                                              std::to_string(static_cast<long long>(avail / (1 << 20))) +
-                                              " MiB are available");
-      // The values on the host (kept for the oracle), then copied into the executor's memory.
-      AlignedBuffer kh(kv_elems * es), vh(kv_elems * es);
-      if (kh.data() == nullptr || vh.data() == nullptr)
-        return Status(Code::kOutOfMemory, who + "cannot allocate the host copy of the cache");
-      std::vector<float> kscale, vscale, ktable, vtable;
-      if (quant) {
-        kscale.resize(kv_tokens);
-        vscale.resize(kv_tokens);
-        fill_quantized(kh.data(), kscale.data(), static_cast<int64_t>(kv_tokens), s.head_dim, t,
-                       1, host_threads, ktable);
-        fill_quantized(vh.data(), vscale.data(), static_cast<int64_t>(kv_tokens), s.head_dim, t,
-                       2, host_threads, vtable);
-      } else {
-        fill_random(kh.data(), kv_elems * es, t, 1, host_threads);
-        fill_random(vh.data(), kv_elems * es, t, 2, host_threads);
-      }
-      std::vector<float> q(static_cast<std::size_t>(s.batch * s.q_len * s.heads * s.head_dim));
-      std::mt19937_64 rng(3);
-      std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-      for (float& x : q) x = u(rng);
-      const std::size_t rows = static_cast<std::size_t>(s.batch * s.q_len * s.heads);
-      const std::size_t D = static_cast<std::size_t>(s.head_dim);
-      const std::size_t st_bytes = rows * (D + 2) * sizeof(float);
-
-      auto dk = exec.allocate(kv_elems * es);
+      // The values stay on the host for the oracle; a copy goes into the executor's memory.
+      const double host_need = 2.0 * static_cast<double>(
+                                         static_cast<std::size_t>(s.batch * s.kv_heads * c.seq *
+                                                                  s.head_dim) * dtype_size(t));
+      if (available > 0 && host_need > available)
+        return Status(Code::kOutOfMemory,
+                      who + s.to_string() + " at " + std::to_string(c.seq) + " tokens needs " +
+                          std::to_string(static_cast<long long>(host_need / (1 << 20))) +
+                          " MiB of host memory for the cache it copies; " +
+                          std::to_string(static_cast<long long>(available / (1 << 20))) +
+                          " MiB are available");
+      Result<HostCase> hc = make_host_case(c, t, host_threads);
+      if (!hc.is_ok()) return hc.status();
+      const HostCase& h = *hc;
+      auto dk = upload(h.k.data(), h.code_bytes());
       TREEATTN_RETURN_IF_ERROR(dk.status());
-      auto dv = exec.allocate(kv_elems * es);
+      auto dv = upload(h.v.data(), h.code_bytes());
       TREEATTN_RETURN_IF_ERROR(dv.status());
-      auto dq = exec.allocate(q.size() * sizeof(float));
+      auto dks = upload(h.k_scale.data(), h.scale_bytes());
+      TREEATTN_RETURN_IF_ERROR(dks.status());
+      auto dvs = upload(h.v_scale.data(), h.scale_bytes());
+      TREEATTN_RETURN_IF_ERROR(dvs.status());
+      auto dq = upload(h.q.data(), h.q.size() * sizeof(float));
       TREEATTN_RETURN_IF_ERROR(dq.status());
+      const std::size_t st_bytes = static_cast<std::size_t>(s.batch * s.q_len * s.heads) *
+                                   static_cast<std::size_t>(s.head_dim + 2) * sizeof(float);
       auto dst = exec.allocate(st_bytes);
       TREEATTN_RETURN_IF_ERROR(dst.status());
-      Buffer dks, dvs;
-      TREEATTN_RETURN_IF_ERROR(exec.from_host(dk->data(), kh.data(), kv_elems * es));
-      TREEATTN_RETURN_IF_ERROR(exec.from_host(dv->data(), vh.data(), kv_elems * es));
-      TREEATTN_RETURN_IF_ERROR(exec.from_host(dq->data(), q.data(), q.size() * sizeof(float)));
-      if (quant) {
-        auto a = exec.allocate(kv_tokens * sizeof(float));
-        TREEATTN_RETURN_IF_ERROR(a.status());
-        auto b = exec.allocate(kv_tokens * sizeof(float));
-        TREEATTN_RETURN_IF_ERROR(b.status());
-        dks = std::move(*a);
-        dvs = std::move(*b);
-        TREEATTN_RETURN_IF_ERROR(exec.from_host(dks.data(), kscale.data(), kv_tokens * sizeof(float)));
-        TREEATTN_RETURN_IF_ERROR(exec.from_host(dvs.data(), vscale.data(), kv_tokens * sizeof(float)));
-      }
-      std::vector<int64_t> len(static_cast<std::size_t>(s.batch), c.seq);
-      std::vector<int64_t> start(len.size(), 0);
-      // A rows view of the same layout over host or executor memory.
-      auto view = [&](const void* k, const void* v, const float* ks, const float* vs,
-                      MemorySpace memory) {
-        KVShard kv;
-        kv.dtype = t;
-        kv.memory = memory;
-        kv.k = k;
-        kv.v = v;
-        kv.stride_token = s.head_dim;
-        kv.stride_head = c.seq * s.head_dim;
-        kv.stride_batch = s.kv_heads * kv.stride_head;
-        kv.len = len;
-        kv.pos_start = start;
-        kv.total_len = len;
-        if (quant) {
-          kv.k_scale = ks;
-          kv.v_scale = vs;
-          kv.scale_stride_token = 1;
-          kv.scale_stride_head = c.seq;
-          kv.scale_stride_batch = s.kv_heads * c.seq;
-        }
-        return kv;
-      };
-      const KVShard kv = view(dk->data(), dv->data(), dks.as<float>(), dvs.as<float>(),
-                              exec.memory());
+      const KVShard kv =
+          h.view(dk->data(), dv->data(), dks->as<float>(), dvs->as<float>(), exec.memory());
       DecodeOptions opt;
       opt.chunk_tokens = options.chunk_tokens;
-      const int64_t kv_bytes =
-          static_cast<int64_t>(2 * kv_elems * es + (quant ? 2 * kv_tokens * sizeof(float) : 0));
       std::vector<double> seconds, fractions;
       for (int r = 0; r < options.repeats + 1; ++r) {
         const auto t0 = Clock::now();
@@ -654,59 +652,33 @@ Result<std::vector<RooflineRecord>> run_roofline_on(Executor& exec,
         const double sec = seconds_since(t0);
         if (r == 0) continue;  // warm-up
         seconds.push_back(sec);
-        fractions.push_back(static_cast<double>(kv_bytes) / sec / 1e9 / bw);
+        fractions.push_back(static_cast<double>(h.kv_bytes()) / sec / 1e9 / bw);
       }
 
-      RooflineRecord rec;
-      rec.shape = s.to_string();
-      rec.dtype = std::string(dtype_name(t));
+      RooflineRecord rec = timed_record(h, seconds, fractions, probes);
       rec.isa = std::string(exec.name());
       rec.layout = "rows";
-      rec.batch = s.batch;
-      rec.heads = s.heads;
-      rec.kv_heads = s.kv_heads;
-      rec.head_dim = s.head_dim;
-      rec.q_len = s.q_len;
-      rec.seq = c.seq;
       rec.threads = 0;
-      rec.kv_bytes = kv_bytes;
-      rec.seconds = median(seconds);
-      rec.gbps = static_cast<double>(kv_bytes) / rec.seconds / 1e9;
-      rec.bandwidth_gbps = bw;
-      rec.fraction_of_bandwidth = median(fractions);
-      rec.gbps_best =
-          static_cast<double>(kv_bytes) / *std::min_element(seconds.begin(), seconds.end()) / 1e9;
-      rec.bandwidth_gbps_best = bw_best;
-      rec.fraction_best = rec.gbps_best / bw_best;
-      rec.flops = 4.0 * static_cast<double>(s.batch * s.heads * s.q_len) *
-                  static_cast<double>(c.seq) * static_cast<double>(s.head_dim);
-      rec.peak_gflops = 0;
+      rec.peak_gflops = 0;  // not measured on the executor: the bandwidth bound
       rec.compute_seconds = 0;
-      rec.memory_seconds = static_cast<double>(kv_bytes) / (bw * 1e9);
       rec.bound = "memory";
       rec.fraction_of_bound = rec.memory_seconds / rec.seconds;
-
-      if (options.check) {
-        // Batch row 0's first 2048 tokens on the executor, against the oracle on the host copy.
-        AttnShape cs = s;
-        cs.batch = 1;
-        std::vector<int64_t> cl{std::min<int64_t>(c.seq, 2048)}, c0{0};
-        KVShard ck = kv;
-        ck.len = cl;
-        ck.pos_start = c0;
-        ck.total_len = cl;
-        const std::size_t crow = static_cast<std::size_t>(cs.q_len * cs.heads);
-        TREEATTN_RETURN_IF_ERROR(exec.partial(cs, dq->as<float>(), ck, dst->as<float>(), opt));
-        std::vector<float> cst(crow * (D + 2));
-        TREEATTN_RETURN_IF_ERROR(exec.to_host(cst.data(), dst->data(), cst.size() * sizeof(float)));
-        KVShard hk = view(kh.data(), vh.data(), kscale.data(), vscale.data(), MemorySpace::kHost);
-        hk.len = cl;
-        hk.pos_start = c0;
-        hk.total_len = cl;
-        std::vector<double> ref(crow * D), lse(crow);
-        TREEATTN_RETURN_IF_ERROR(oracle_attention(cs, q.data(), hk, ref.data(), lse.data()));
-        rec.max_rel_error = rel_error(cst, ref, crow, D);
-      }
+      if (options.check)
+        TREEATTN_RETURN_IF_ERROR(check_record(
+            h,
+            [&](const AttnShape& cs, std::span<const int64_t> cl, float* host_states) {
+              KVShard ck = kv;
+              ck.len = cl;
+              ck.pos_start = std::span<const int64_t>(h.start).first(cl.size());
+              ck.total_len = cl;
+              if (Status st = exec.partial(cs, dq->as<float>(), ck, dst->as<float>(), opt);
+                  !st.is_ok())
+                return st;
+              const std::size_t n = static_cast<std::size_t>(cs.q_len * cs.heads) *
+                                    static_cast<std::size_t>(cs.head_dim + 2);
+              return exec.to_host(host_states, dst->data(), n * sizeof(float));
+            },
+            rec));
       out.push_back(rec);
     }
   }
