@@ -5,9 +5,8 @@
 // Two communicators: `comm` (host memory) carries the driver's own operations (barriers, the
 // slowest rank's time, the input scan, the wire-byte probe) and the session communicator
 // (RunConfig::device_comm, NCCL beside a CUDA executor; `comm` by default) carries the sessions'
-// merges, whose bytes the steps report. A session communicator in device memory cannot run the
-// session's agreement on the run (it all-gathers host records), so there the driver agrees over
-// `comm` itself (agree_on_host) and creates the sessions without it.
+// merges, whose bytes the steps report. The sessions agree on the run over theirs (staging the
+// records through the executor where it works in device memory).
 // Part of the measurement library treeattn_measure.
 #include <algorithm>
 #include <chrono>
@@ -127,9 +126,8 @@ std::string float_text(float x) {
 }
 
 // The session a run decodes through: the run's placement, one layer, room for the appends, and
-// the run's own settings among the fields every rank must agree on. session_agrees: whether the
-// session checks the agreement itself (not over a device-memory communicator: agree_on_host).
-SessionConfig session_config(const RunConfig& c, const std::string& strategy, bool session_agrees) {
+// the run's own settings among the fields every rank must agree on.
+SessionConfig session_config(const RunConfig& c, const std::string& strategy) {
   SessionConfig s;
   s.shape = c.shape;
   s.dtype = c.dtype;
@@ -142,7 +140,7 @@ SessionConfig session_config(const RunConfig& c, const std::string& strategy, bo
   s.strategy = strategy;
   s.options = c.options;
   s.timeout = c.timeout;
-  s.check_agreement = c.check_fingerprint && session_agrees;
+  s.check_agreement = c.check_fingerprint;
   s.agree_also = {{"warmup", std::to_string(c.warmup)},
                   {"steps", std::to_string(c.steps)},
                   {"append", c.append ? "1" : "0"},
@@ -151,108 +149,23 @@ SessionConfig session_config(const RunConfig& c, const std::string& strategy, bo
   return s;
 }
 
-// ---- agreement over the host communicator ---------------------------------------------------
-
-using Fields = std::vector<std::pair<std::string, std::string>>;
-
-// A list as one field value: the values while short, else their count and an FNV-1a hash.
-template <class T>
-std::string list_text(const std::vector<T>& v) {
-  std::string text;
-  for (const T& x : v) text += (text.empty() ? "" : ",") + std::to_string(x);
-  if (text.size() <= 64) return "[" + text + "]";
-  uint64_t h = 1469598103934665603ull;
-  for (const char ch : text) h = (h ^ static_cast<unsigned char>(ch)) * 1099511628211ull;
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%zu values, fnv1a %016llx", v.size(),
-                static_cast<unsigned long long>(h));
-  return buf;
-}
-
-// What every rank's run must share when the driver agrees for the sessions (agree_on_host): the
-// fields the session would compare (shape, dtype, placement, lengths, layout, strategies and
-// their options) and the driver's own (steps, appends, seed, query scale), plus where it runs.
-Fields run_fields(const RunConfig& c, std::span<const std::string> strategies,
-                  const Communicator& session_comm, const Executor& exec) {
-  std::string names;
-  for (const std::string& n : strategies) names += (names.empty() ? "" : ",") + n;
-  const AttnShape& s = c.shape;
-  return {{"batch", std::to_string(s.batch)},
-          {"heads", std::to_string(s.heads)},
-          {"kv_heads", std::to_string(s.kv_heads)},
-          {"head_dim", std::to_string(s.head_dim)},
-          {"q_len", std::to_string(s.q_len)},
-          {"dtype", std::string(dtype_name(c.dtype))},
-          {"strategies", names},
-          {"placement", std::string(shard_kind_name(c.shard))},
-          {"context", list_text(expand_lengths(c))},
-          {"explicit_len", list_text(c.explicit_len)},
-          {"kv_layout", std::string(kv_layout_name(c.kv_layout))},
-          {"spare_tokens", std::to_string(c.spare_tokens)},
-          {"root", std::to_string(c.options.root)},
-          {"fanout", std::to_string(c.options.fanout)},
-          {"node_of_rank", list_text(c.options.node_of_rank)},
-          {"scale", float_text(c.options.kernel.scale)},
-          {"warmup", std::to_string(c.warmup)},
-          {"steps", std::to_string(c.steps)},
-          {"append", c.append ? "1" : "0"},
-          {"seed", std::to_string(c.seed)},
-          {"q_scale", float_text(c.q_scale)},
-          {"executor", std::string(exec.name())},
-          {"session_comm", std::string(session_comm.backend_name()) + " of " +
-                               std::to_string(session_comm.size()) + " ranks"}};
-}
-
-// One rank's fields (name=value lines) and the error it found locally, all-gathered.
-struct HostFingerprint {
-  char error[512];
-  char fields[3584];
-};
-
-// Collective over the host communicator comm: every rank all-gathers the fields and its local
-// error (empty: none) and every rank returns the same verdict: the lowest rank that rejected the
-// run with its reason, or kMismatch naming the first rank whose fields differ from rank 0's and
-// the first field that differs. `when`: "at setup", "at step 3".
-Status agree_on_host(Communicator& comm, const Fields& fields, const std::string& local_error,
-                     const std::string& when) {
-  HostFingerprint mine{};
+// Collective over the host communicator: every rank learns the errors the others found in their
+// own part of the run's set-up (local_error, empty: none) and returns the same verdict, the lowest
+// rank's reason. `when`: "at setup".
+Status agree_local_errors(Communicator& comm, const std::string& local_error,
+                          const std::string& when) {
+  struct Record {
+    char error[512];
+  };
+  Record mine{};
   std::snprintf(mine.error, sizeof(mine.error), "%s", local_error.c_str());
-  std::string text;
-  for (const auto& [name, value] : fields) text += name + "=" + value + "\n";
-  if (text.size() >= sizeof(mine.fields))
-    return internal_error(rank_prefix(comm) + "the run's fields take " +
-                          std::to_string(text.size()) + " bytes, more than the " +
-                          std::to_string(sizeof(mine.fields)) + " the agreement record holds");
-  std::memcpy(mine.fields, text.data(), text.size());
-  std::vector<HostFingerprint> all(static_cast<std::size_t>(comm.size()));
+  std::vector<Record> all(static_cast<std::size_t>(comm.size()));
   TREEATTN_RETURN_IF_ERROR(comm.allgather(&mine, sizeof(mine), all.data()));
-  auto str = [](const char* p, std::size_t n) { return std::string(p, strnlen(p, n)); };
   for (std::size_t r = 0; r < all.size(); ++r)
     if (all[r].error[0] != '\0')
       return invalid_argument(rank_prefix(comm) + "rank " + std::to_string(r) +
                               " rejected the run configuration " + when + ": " +
-                              str(all[r].error, sizeof(all[r].error)));
-  auto lines = [&](const HostFingerprint& f) {
-    std::vector<std::string> out;
-    const std::string t = str(f.fields, sizeof(f.fields));
-    for (std::size_t at = 0, nl; at < t.size(); at = nl + 1) {
-      nl = t.find('\n', at);
-      if (nl == std::string::npos) nl = t.size();
-      out.push_back(t.substr(at, nl - at));
-    }
-    return out;
-  };
-  const std::vector<std::string> first = lines(all[0]);
-  for (std::size_t r = 1; r < all.size(); ++r) {
-    const std::vector<std::string> other = lines(all[r]);
-    if (other == first) continue;
-    std::size_t i = 0;
-    while (i < first.size() && i < other.size() && first[i] == other[i]) ++i;
-    const std::string theirs = i < other.size() ? other[i] : "(nothing)";
-    const std::string ours = i < first.size() ? first[i] : "(nothing)";
-    return {Code::kMismatch, rank_prefix(comm) + "ranks disagree on the run " + when + ": rank " +
-                                 std::to_string(r) + " has " + theirs + ", rank 0 has " + ours};
-  }
+                              std::string(all[r].error, strnlen(all[r].error, sizeof(all[r].error))));
   return Status::ok();
 }
 
@@ -384,14 +297,13 @@ Result<StepReport> timed_step(Communicator& comm, DecodeSession& s, int index, c
 // fills it with the workload.
 Result<std::unique_ptr<DecodeSession>> open_session(Communicator& comm, Executor& exec,
                                                     const RunConfig& config,
-                                                    const std::string& strategy,
-                                                    bool session_agrees) {
+                                                    const std::string& strategy) {
   if (config.steps < 1 || config.warmup < 0)
     return invalid_argument(rank_prefix(comm) + "steps must be >= 1 and warmup >= 0, got steps=" +
                             std::to_string(config.steps) +
                             " warmup=" + std::to_string(config.warmup));
   auto session =
-      DecodeSession::create(comm, session_config(config, strategy, session_agrees), exec);
+      DecodeSession::create(comm, session_config(config, strategy), exec);
   TREEATTN_RETURN_IF_ERROR(session.status());
   const WorkloadSpec spec{config.shape, config.dtype, config.seed, config.q_scale};
   TREEATTN_RETURN_IF_ERROR(fill_from_workload(spec, **session));
@@ -418,8 +330,6 @@ Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConf
   Communicator& scomm = config.device_comm != nullptr ? *config.device_comm : comm;
   Executor& exec = config.executor != nullptr ? *config.executor : cpu_executor();
   const bool device = exec.memory() != MemorySpace::kHost;
-  // The session's own agreement all-gathers host records over its communicator.
-  const bool session_agrees = scomm.capabilities().memory == MemorySpace::kHost;
   auto set_context = [&](const std::string& text) {
     comm.set_context(text);
     if (&scomm != &comm) scomm.set_context(text);
@@ -451,12 +361,9 @@ Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConf
       local_error = "the session communicator '" + std::string(scomm.backend_name()) +
                     "' and the executor '" + std::string(exec.name()) +
                     "' work in different memory spaces";
-    // Every rank takes part (the local errors travel with it), comparing the run's fields only
-    // where the session cannot (and the run asks for the check).
-    const bool compare = config.check_fingerprint && !session_agrees;
-    TREEATTN_RETURN_IF_ERROR(
-        agree_on_host(comm, compare ? run_fields(cfg, strategies, scomm, exec) : Fields{},
-                      local_error, "at setup"));
+    // Every rank takes part, so that a rank's error reaches the others instead of a hang; the
+    // sessions then agree on the run's fields themselves.
+    TREEATTN_RETURN_IF_ERROR(agree_local_errors(comm, local_error, "at setup"));
   }
   // Two sessions at most: one for every strategy on the run's placement (they share its shards)
   // and one for `single`, whose placement puts the whole cache on rank 0.
@@ -470,7 +377,7 @@ Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConf
     std::unique_ptr<DecodeSession>& owner = name == "single" ? single : shared;
     Slot slot;
     if (!owner) {
-      auto s = open_session(scomm, exec, cfg, name, session_agrees);
+      auto s = open_session(scomm, exec, cfg, name);
       TREEATTN_RETURN_IF_ERROR(s.status());
       owner = std::move(*s);
     } else {
@@ -521,19 +428,9 @@ Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConf
     for (std::size_t j = 0; j < n; ++j) {
       const std::size_t i = (j + static_cast<std::size_t>(step)) % n;
       DecodeSession& ses = *slots[i].session;
-      if (config.check_every_step && comm.size() > 1) {
-        const std::string when = "at step " + std::to_string(step);
-        if (session_agrees) {
-          TREEATTN_RETURN_IF_ERROR(ses.check_agreement(when, {{"step", std::to_string(step)}}));
-        } else {
-          Fields fields = run_fields(cfg, strategies, scomm, exec);
-          fields.emplace_back("step", std::to_string(step));
-          const auto lens = ses.plan().total_lens();
-          fields.emplace_back("context now",
-                              list_text(std::vector<int64_t>(lens.begin(), lens.end())));
-          TREEATTN_RETURN_IF_ERROR(agree_on_host(comm, fields, "", when));
-        }
-      }
+      if (config.check_every_step && comm.size() > 1)
+        TREEATTN_RETURN_IF_ERROR(ses.check_agreement("at step " + std::to_string(step),
+                                                     {{"step", std::to_string(step)}}));
       // The scan reads host memory only: the host query, and the shard where it is the host's
       // (a device executor's shard is not readable here, so on a device only the query is
       // scanned; a non-finite K/V value there shows in the results and the oracle check).
