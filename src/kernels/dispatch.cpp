@@ -49,16 +49,9 @@ Isa best_isa() {
   return Isa::kReference;
 }
 
-Status decode_partial(const AttnShape& shape, const float* q, const KVShard& kv, float* states,
-                      const DecodeOptions& options) {
-  // A shard in the library's tiled layout (a decode session's own cache) has its own kernels.
-  if (kv.tiled != nullptr) {
-    TREEATTN_RETURN_IF_ERROR(shape.validate());
-    TREEATTN_RETURN_IF_ERROR(kv.validate(shape));
-    return decode_partial_tiled(shape, q, *kv.tiled, states, options);
-  }
-  TREEATTN_RETURN_IF_ERROR(shape.validate());
-  TREEATTN_RETURN_IF_ERROR(kv.validate(shape));
+namespace kernels {
+Result<ResolvedOptions> resolve_options(const AttnShape& shape, const float* q,
+                                        const float* states, const DecodeOptions& options) {
   if (q == nullptr) return invalid_argument("query pointer is null");
   if (states == nullptr) return invalid_argument("state output pointer is null");
   if (options.threads < 0)
@@ -69,22 +62,34 @@ Status decode_partial(const AttnShape& shape, const float* q, const KVShard& kv,
   if (!(options.scale >= 0.0f) || std::isinf(options.scale))
     return invalid_argument("scale must be finite and >= 0 (0 = 1/sqrt(head_dim)), got " +
                             std::to_string(options.scale));
-
-  kernels::ResolvedOptions r{};
+  ResolvedOptions r{};
   r.scale = options.scale != 0.0f
                 ? options.scale
                 : static_cast<float>(1.0 / std::sqrt(static_cast<double>(shape.head_dim)));
   r.threads = options.threads > 0 ? options.threads : omp_get_max_threads();
   r.chunk_tokens = options.chunk_tokens > 0 ? options.chunk_tokens : 1024;
+  r.isa = options.isa == Isa::kAuto ? best_isa() : options.isa;
+  if (r.isa != Isa::kReference && !isa_supported(r.isa))
+    return unsupported("ISA target " + std::string(isa_name(r.isa)) +
+                       " is not supported by this CPU");
+  return r;
+}
+}  // namespace kernels
 
-  Isa isa = options.isa == Isa::kAuto ? best_isa() : options.isa;
-  if (isa == Isa::kReference) return kernels::decode_reference(shape, q, kv, states, r);
-  if (!isa_supported(isa))
-    return unsupported("ISA target " + std::string(isa_name(isa)) + " is not supported by this CPU");
-  kernels::KernelFn fn = kernels::cpu_kernel_for(isa);
+Status decode_partial(const AttnShape& shape, const float* q, const KVShard& kv, float* states,
+                      const DecodeOptions& options) {
+  TREEATTN_RETURN_IF_ERROR(shape.validate());
+  TREEATTN_RETURN_IF_ERROR(kv.validate(shape));
+  // A shard in the library's tiled layout (a decode session's own cache) has its own kernels.
+  if (kv.tiled != nullptr) return decode_partial_tiled(shape, q, *kv.tiled, states, options);
+  auto r = kernels::resolve_options(shape, q, states, options);
+  TREEATTN_RETURN_IF_ERROR(r.status());
+  if (r->isa == Isa::kReference) return kernels::decode_reference(shape, q, kv, states, *r);
+  kernels::KernelFn fn = kernels::cpu_kernel_for(r->isa);
   if (fn == nullptr)
-    return unsupported("ISA target " + std::string(isa_name(isa)) + " is not built into this library");
-  return fn(shape, q, kv, states, r);
+    return unsupported("ISA target " + std::string(isa_name(r->isa)) +
+                       " is not built into this library");
+  return fn(shape, q, kv, states, *r);
 }
 
 }  // namespace treeattn

@@ -14,7 +14,15 @@ struct ResolvedOptions {
   float scale;
   int threads;           // >= 1
   int64_t chunk_tokens;  // >= 1
+  Isa isa;               // kReference, or a CPU target this CPU supports
 };
+
+// What every CPU decode entry point (decode_partial, decode_partial_tiled) checks before calling
+// a kernel, after validating the shape and the view: the pointers and options, resolved to
+// their defaults (scale 1/sqrt(head_dim), OpenMP's thread count, 1024-token chunks, the best ISA
+// of this CPU). Whether a kernel for the ISA is built is the caller's question (its own table).
+Result<ResolvedOptions> resolve_options(const AttnShape& shape, const float* q,
+                                        const float* states, const DecodeOptions& options);
 
 using KernelFn = Status (*)(const AttnShape&, const float* q, const KVShard&, float* states,
                             const ResolvedOptions&);

@@ -312,33 +312,14 @@ Status decode_partial_tiled(const AttnShape& shape, const float* q, const TiledK
   TREEATTN_RETURN_IF_ERROR(kv.validate(shape));
   if (kv.memory != MemorySpace::kHost)
     return unsupported("decode_partial_tiled runs on host memory; the tiled shard is device memory");
-  if (q == nullptr) return invalid_argument("query pointer is null");
-  if (states == nullptr) return invalid_argument("state output pointer is null");
-  if (options.threads < 0)
-    return invalid_argument("threads must be >= 0, got " + std::to_string(options.threads));
-  if (options.chunk_tokens < 0)
-    return invalid_argument("chunk_tokens must be >= 0, got " +
-                            std::to_string(options.chunk_tokens));
-  if (!(options.scale >= 0.0f) || std::isinf(options.scale))
-    return invalid_argument("scale must be finite and >= 0 (0 = 1/sqrt(head_dim)), got " +
-                            std::to_string(options.scale));
-
-  kernels::ResolvedOptions r{};
-  r.scale = options.scale != 0.0f
-                ? options.scale
-                : static_cast<float>(1.0 / std::sqrt(static_cast<double>(shape.head_dim)));
-  r.threads = options.threads > 0 ? options.threads : omp_get_max_threads();
-  r.chunk_tokens = options.chunk_tokens > 0 ? options.chunk_tokens : 1024;
-
-  const Isa isa = options.isa == Isa::kAuto ? best_isa() : options.isa;
-  if (isa == Isa::kReference) return kernels::decode_tiled_reference(shape, q, kv, states, r);
-  if (!isa_supported(isa))
-    return unsupported("ISA target " + std::string(isa_name(isa)) + " is not supported by this CPU");
-  const kernels::cpu::TiledItemFn fn = kernels::tiled_item_for(isa);
+  auto r = kernels::resolve_options(shape, q, states, options);
+  TREEATTN_RETURN_IF_ERROR(r.status());
+  if (r->isa == Isa::kReference) return kernels::decode_tiled_reference(shape, q, kv, states, *r);
+  const kernels::cpu::TiledItemFn fn = kernels::tiled_item_for(r->isa);
   if (fn == nullptr)
-    return unsupported("ISA target " + std::string(isa_name(isa)) +
+    return unsupported("ISA target " + std::string(isa_name(r->isa)) +
                        " is not built into this library");
-  return kernels::run_tiled_driver(fn, shape, q, kv, states, r);
+  return kernels::run_tiled_driver(fn, shape, q, kv, states, *r);
 }
 
 }  // namespace treeattn
