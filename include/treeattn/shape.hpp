@@ -55,6 +55,14 @@ enum class MemorySpace : uint8_t { kHost, kDevice };
 
 struct TiledKVShard;  // kv_tiles.hpp
 
+// The placement part of a shard view's validation, shared by KVShard and TiledKVShard: spans
+// sized batch, pos_stride >= 1, non-negative lengths, and every row's tokens at positions
+// pos_start + j * pos_stride inside [0, total_len). `what` names the view in messages
+// ("KV shard"). Sets *any to whether some row holds tokens.
+Status validate_placement(const AttnShape& shape, std::span<const int64_t> len,
+                          std::span<const int64_t> pos_start, std::span<const int64_t> total_len,
+                          int64_t pos_stride, const char* what, bool* any);
+
 // A read-only view of one shard of the KV cache.
 struct KVShard {
   DType dtype = DType::kF32;

@@ -40,33 +40,16 @@ Result<KVTileLayout> parse_kv_tile_layout(std::string_view name) {
 }
 
 Status TiledKVShard::validate(const AttnShape& shape) const {
-  const auto batch = static_cast<std::size_t>(shape.batch);
-  if (len.size() != batch || pos_start.size() != batch || total_len.size() != batch)
-    return invalid_argument("tiled KV shard describes " + std::to_string(len.size()) +
-                            " lengths, " + std::to_string(pos_start.size()) +
-                            " start positions and " + std::to_string(total_len.size()) +
-                            " total lengths; batch is " + std::to_string(batch));
-  if (pos_stride < 1)
-    return invalid_argument("tiled KV shard position stride must be >= 1, got " +
-                            std::to_string(pos_stride));
+  bool any = false;
+  TREEATTN_RETURN_IF_ERROR(
+      validate_placement(shape, len, pos_start, total_len, pos_stride, "tiled KV shard", &any));
   TREEATTN_RETURN_IF_ERROR(check_tile_tokens(tile_tokens));
+  const auto batch = static_cast<std::size_t>(shape.batch);
   const int64_t es = static_cast<int64_t>(dtype_size(dtype));
   const int64_t tile_bytes = shape.head_dim * tile_tokens * es;  // K^T or V of one tile
-  bool any = false;
   for (std::size_t b = 0; b < batch; ++b) {
-    const std::string row = "batch row " + std::to_string(b);
-    if (len[b] < 0) return invalid_argument(row + ": negative KV length " + std::to_string(len[b]));
-    if (total_len[b] < 0)
-      return invalid_argument(row + ": negative total length " + std::to_string(total_len[b]));
     if (len[b] == 0) continue;
-    any = true;
-    int64_t last = 0;
-    if (pos_start[b] < 0 || !mul_ok(len[b] - 1, pos_stride, &last) ||
-        !add_ok(last, pos_start[b], &last) || last >= total_len[b])
-      return invalid_argument(row + ": shard tokens at positions " + std::to_string(pos_start[b]) +
-                              " + j*" + std::to_string(pos_stride) + " for j < " +
-                              std::to_string(len[b]) + " do not fit in a context of " +
-                              std::to_string(total_len[b]) + " tokens");
+    const std::string row = "batch row " + std::to_string(b);
     const int64_t tiles = (len[b] + tile_tokens - 1) / tile_tokens;
     int64_t far = 0, t = 0;
     if (!mul_ok(static_cast<int64_t>(b), batch_stride, &far) ||
