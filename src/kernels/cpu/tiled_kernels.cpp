@@ -1,11 +1,8 @@
 // decode_partial_tiled() (include/treeattn/kv_tiles.hpp): validation and defaults, the scalar
 // reference over tiles, and the work-item driver of the SIMD tiled item kernels.
 //
-// The driver mirrors cpu_kernels.cpp's: items are (batch row b, chunk c, KV head) in that
-// order, chunk c of row b covering tokens [c * chunk, (c + 1) * chunk) of the tokens some query
-// of the row can see, with chunk a whole number of tiles; items run on OpenMP threads and
-// their states are merged in chunk order with state_merge. The chunk size never depends on the
-// thread count, so results are bitwise identical for any thread count.
+// The driver is the row kernels' (item_driver.hpp), with the chunk a whole number of tiles and
+// each item's K and V found through the tile addressing.
 //
 // Compiled for the baseline ISA; only the item kernels (cpu_targets.hpp) are per target.
 #include <omp.h>
@@ -20,6 +17,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_targets.hpp"
+#include "kernels/cpu/item_driver.hpp"
 #include "kernels/kernel_impl.hpp"
 #include "treeattn/kv_tiles.hpp"
 #include "treeattn/state.hpp"
@@ -30,40 +28,6 @@ namespace {
 
 using cpu::TiledItemArgs;
 using cpu::TiledItemFn;
-
-template <class T>
-void grow(std::vector<T>& v, std::size_t n) {
-  if (v.size() < n) v.resize(n);
-}
-
-// Tokens of a shard row that a query with causal limit `limit` sees.
-int64_t visible_tokens(int64_t len, int64_t pos_start, int64_t pos_stride, int64_t limit) {
-  if (limit < pos_start) return 0;
-  const int64_t last = (limit - pos_start) / pos_stride;
-  return std::min(len, last + 1);
-}
-
-struct ThreadScratch {
-  std::vector<float> q;
-  std::vector<int64_t> visible;
-  std::vector<float> scores;
-};
-
-ThreadScratch& thread_scratch() {
-  thread_local ThreadScratch s;
-  return s;
-}
-
-struct CallScratch {
-  std::vector<int64_t> first_chunk;
-  std::vector<int64_t> needed;
-  std::vector<float> chunk_states;
-};
-
-CallScratch& call_scratch() {
-  thread_local CallScratch s;
-  return s;
-}
 
 // Byte offset of tile i of (b, h) and float offset of its scales.
 int64_t tile_offset(const TiledKVShard& kv, int64_t b, int64_t h, int64_t i) {
@@ -165,100 +129,42 @@ Status decode_tiled_reference(const AttnShape& shape, const float* q, const Tile
 
 Status run_tiled_driver(TiledItemFn item_fn, const AttnShape& shape, const float* q,
                         const TiledKVShard& kv, float* states, const ResolvedOptions& opt) {
-  const int64_t B = shape.batch, H = shape.heads, Hkv = shape.kv_heads, D = shape.head_dim;
-  const int64_t Q = shape.q_len, G = shape.group(), T = kv.tile_tokens;
-  const int64_t R = G * Q;
-  const std::size_t rec = static_cast<std::size_t>(D + 2);
-  const std::size_t item_floats = static_cast<std::size_t>(R) * rec;
+  const int64_t T = kv.tile_tokens;
+  const int64_t R = shape.group() * shape.q_len;
   const int64_t chunk = (opt.chunk_tokens + T - 1) / T * T;
   // A block holds at least one 32-token score unit (smaller blocks would pad every unit).
   const cpu::TiledTuning tuning = cpu::tiled_tuning();
   const int block_tiles = std::max<int>(tuning.block_tiles, static_cast<int>((32 + T - 1) / T));
   const int64_t ld = (block_tiles * T + 31) / 32 * 32;  // tiled_score_ld() in the item kernel
-  const int64_t prefetch = tuning.prefetch_bytes;
-
-  CallScratch& cs = call_scratch();
-  grow(cs.first_chunk, static_cast<std::size_t>(B) + 1);
-  grow(cs.needed, static_cast<std::size_t>(B));
-  cs.first_chunk[0] = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    const auto ub = static_cast<std::size_t>(b);
-    const int64_t need =
-        visible_tokens(kv.len[ub], kv.pos_start[ub], kv.pos_stride, kv.total_len[ub] - 1);
-    cs.needed[ub] = need;
-    cs.first_chunk[ub + 1] = cs.first_chunk[ub] + (need + chunk - 1) / chunk;
-  }
-  const int64_t items = cs.first_chunk[static_cast<std::size_t>(B)] * Hkv;
-  grow(cs.chunk_states, static_cast<std::size_t>(items) * item_floats);
-  float* chunk_states = cs.chunk_states.data();
-  const int64_t* first_chunk = cs.first_chunk.data();
-  const int64_t* needed = cs.needed.data();
   const bool quant = dtype_is_quantized(kv.dtype);
-
-#pragma omp parallel for schedule(dynamic, 1) num_threads(opt.threads)
-  for (int64_t item = 0; item < items; ++item) {
-    const int64_t kvh = item % Hkv;
-    const int64_t gchunk = item / Hkv;
-    const int64_t b = std::upper_bound(first_chunk, first_chunk + B + 1, gchunk) - first_chunk - 1;
-    const auto ub = static_cast<std::size_t>(b);
-    const int64_t t0 = (gchunk - first_chunk[ub]) * chunk;
-    const int64_t t1 = std::min(needed[ub], t0 + chunk);
-
-    ThreadScratch& ts = thread_scratch();
-    grow(ts.q, static_cast<std::size_t>(R * D));
-    grow(ts.visible, static_cast<std::size_t>(R));
-    grow(ts.scores, static_cast<std::size_t>((R + 2) * ld));
-    for (int64_t i = 0; i < Q; ++i) {
-      const int64_t vis = visible_tokens(kv.len[ub], kv.pos_start[ub], kv.pos_stride,
-                                         kv.total_len[ub] - Q + i);
-      const int64_t in_chunk = std::clamp<int64_t>(vis - t0, 0, t1 - t0);
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t r = i * G + g;
-        ts.visible[static_cast<std::size_t>(r)] = in_chunk;
-        std::memcpy(ts.q.data() + r * D, q + ((b * Q + i) * H + kvh * G + g) * D,
-                    static_cast<std::size_t>(D) * sizeof(float));
-      }
-    }
-    const int64_t tile0 = t0 / T;
-    TiledItemArgs a;
-    a.head_dim = static_cast<int>(D);
-    a.dtype = kv.dtype;
-    a.tile_tokens = static_cast<int>(T);
-    a.k = static_cast<const char*>(kv.k) + tile_offset(kv, b, kvh, tile0);
-    a.v = static_cast<const char*>(kv.v) + tile_offset(kv, b, kvh, tile0);
-    a.tile_stride = kv.tile_stride;
-    if (quant) {
-      a.k_scale = kv.k_scale + scale_offset(kv, b, kvh, tile0);
-      a.v_scale = kv.v_scale + scale_offset(kv, b, kvh, tile0);
-      a.scale_tile_stride = kv.scale_tile_stride;
-    }
-    a.tokens = t1 - t0;
-    a.rows = static_cast<int>(R);
-    a.q = ts.q.data();
-    a.visible = ts.visible.data();
-    a.scale = opt.scale;
-    a.out = chunk_states + static_cast<std::size_t>(item) * item_floats;
-    a.block_tiles = block_tiles;
-    a.scores = ts.scores.data();
-    a.prefetch_bytes = prefetch;
-    item_fn(a);
-  }
-
-#pragma omp parallel for schedule(static) num_threads(opt.threads)
-  for (int64_t bh = 0; bh < B * Hkv; ++bh) {
-    const int64_t b = bh / Hkv, kvh = bh % Hkv;
-    const auto ub = static_cast<std::size_t>(b);
-    for (int64_t i = 0; i < Q; ++i)
-      for (int64_t g = 0; g < G; ++g) {
-        float* dst = states + static_cast<std::size_t>((b * Q + i) * H + kvh * G + g) * rec;
-        state_set_empty(dst, static_cast<std::size_t>(D));
-        for (int64_t c = first_chunk[ub]; c < first_chunk[ub + 1]; ++c) {
-          const float* src = chunk_states + static_cast<std::size_t>(c * Hkv + kvh) * item_floats +
-                             static_cast<std::size_t>(i * G + g) * rec;
-          state_merge(dst, src, static_cast<std::size_t>(D));
+  cpu::drive_items(
+      shape, q, kv.len, kv.pos_start, kv.total_len, kv.pos_stride, chunk,
+      static_cast<std::size_t>((R + 2) * ld), opt.threads, states,
+      [&](const cpu::DriverItem& it) {
+        const int64_t tile0 = it.t0 / T;
+        TiledItemArgs a;
+        a.head_dim = static_cast<int>(shape.head_dim);
+        a.dtype = kv.dtype;
+        a.tile_tokens = static_cast<int>(T);
+        a.k = static_cast<const char*>(kv.k) + tile_offset(kv, it.b, it.kv_head, tile0);
+        a.v = static_cast<const char*>(kv.v) + tile_offset(kv, it.b, it.kv_head, tile0);
+        a.tile_stride = kv.tile_stride;
+        if (quant) {
+          a.k_scale = kv.k_scale + scale_offset(kv, it.b, it.kv_head, tile0);
+          a.v_scale = kv.v_scale + scale_offset(kv, it.b, it.kv_head, tile0);
+          a.scale_tile_stride = kv.scale_tile_stride;
         }
-      }
-  }
+        a.tokens = it.t1 - it.t0;
+        a.rows = static_cast<int>(R);
+        a.q = it.q;
+        a.visible = it.visible;
+        a.scale = opt.scale;
+        a.out = it.out;
+        a.block_tiles = block_tiles;
+        a.scores = it.scores;
+        a.prefetch_bytes = tuning.prefetch_bytes;
+        item_fn(a);
+      });
   return Status::ok();
 }
 
