@@ -135,10 +135,9 @@ std::string layout_label(const std::string& flag, const std::vector<std::string>
                          Device d) {
   if (flag != "auto") return flag;
   if (d == Device::kCuda) return "rows (auto: the GPU's shards)";
-  const StrategyRegistry& registry = StrategyRegistry::for_backend(CommCapabilities{});
-  for (const auto& m : methods)
-    if (const StrategyInfo* info = registry.info(m); info && info->reads_kv_rows)
-      return "rows (auto: " + m + " reads rows)";
+  const std::string_view reader =
+      StrategyRegistry::for_backend(CommCapabilities{}).first_rows_reader(methods);
+  if (!reader.empty()) return "rows (auto: " + std::string(reader) + " reads rows)";
   return "tiled (auto)";
 }
 
@@ -536,12 +535,12 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
   // Under an existing mpirun/srun the job's world is used; --ranks, if given, must match it.
   f.ranks_given = sub.count("--ranks") > 0;
   if (f.shape.kv_layout == "tiled") {
-    const StrategyRegistry& registry = StrategyRegistry::for_backend(CommCapabilities{});
-    for (const auto& m : *methods)
-      if (const StrategyInfo* info = registry.info(m); info && info->reads_kv_rows)
-        return fail(cmd, invalid_argument("--kv-layout tiled: method " + m +
-                                          " reads the KV cache as rows (use --kv-layout auto or "
-                                          "rows, or leave " + m + " out of --methods)"));
+    const std::string m(
+        StrategyRegistry::for_backend(CommCapabilities{}).first_rows_reader(*methods));
+    if (!m.empty())
+      return fail(cmd, invalid_argument("--kv-layout tiled: method " + m +
+                                        " reads the KV cache as rows (use --kv-layout auto or "
+                                        "rows, or leave " + m + " out of --methods)"));
   }
   if (started_by_mpi_launcher()) return run_job(cmd, f, methods.value(), bench);
 

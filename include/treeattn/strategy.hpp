@@ -114,6 +114,9 @@ class StrategyRegistry {
   bool contains(std::string_view name) const;
   // The strategy's StrategyInfo; null when name is not one of them.
   const StrategyInfo* info(std::string_view name) const;
+  // The first of `names` that reads the KV cache as rows (StrategyInfo::reads_kv_rows), or ""
+  // when none does: what keeps a run of these strategies off the tiled layout.
+  std::string_view first_rows_reader(std::span<const std::string> names) const;
   // InvalidArgument naming the known strategies when name is not one of them.
   Result<std::unique_ptr<Strategy>> create(std::string_view name,
                                            const StrategyOptions& options) const;

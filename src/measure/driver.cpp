@@ -343,13 +343,12 @@ Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConf
   // tiled unless one of them walks rows itself (ring-kv, tree-det) or the shards are a device's
   // (rows; an explicit tiled layout there is the session's clear error).
   RunConfig cfg = config;
-  if (cfg.kv_layout == KVLayout::kAuto) {
-    const StrategyRegistry& registry = StrategyRegistry::for_backend(scomm.capabilities());
-    cfg.kv_layout = device ? KVLayout::kRows : KVLayout::kTiled;
-    for (const std::string& name : strategies)
-      if (const StrategyInfo* info = registry.info(name); info && info->reads_kv_rows)
-        cfg.kv_layout = KVLayout::kRows;
-  }
+  if (cfg.kv_layout == KVLayout::kAuto)
+    cfg.kv_layout = device || !StrategyRegistry::for_backend(scomm.capabilities())
+                                   .first_rows_reader(strategies)
+                                   .empty()
+                        ? KVLayout::kRows
+                        : KVLayout::kTiled;
   if (&scomm != &comm) {
     // The driver pairs comm's rank r with the session communicator's rank r.
     std::string local_error;

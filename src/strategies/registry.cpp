@@ -110,6 +110,12 @@ const StrategyInfo* StrategyRegistry::info(std::string_view name) const {
   return d ? &d->info : nullptr;
 }
 
+std::string_view StrategyRegistry::first_rows_reader(std::span<const std::string> names) const {
+  for (const std::string& n : names)
+    if (const StrategyInfo* i = info(n); i != nullptr && i->reads_kv_rows) return i->name;
+  return {};
+}
+
 Result<std::unique_ptr<Strategy>> StrategyRegistry::create(std::string_view name,
                                                            const StrategyOptions& options) const {
   if (const auto* d = strategies::find_strategy_descriptor(name, user_reductions_))
