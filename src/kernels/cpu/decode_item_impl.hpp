@@ -168,9 +168,67 @@ struct RowTile {
   static constexpr int value = N;
 };
 
+// The online-softmax update of one row's record `rec` with a block of raw scores sr[0, padded)
+// of which the row sees the first take (> 0): the scores are scaled (by scale, or quantized by
+// ksc[t] = k_scale * scale), the rest set to -inf, the block max found (a NaN wins), the record
+// rescaled to the new max, and sr left holding exp(s - m) (times vsc[t] when quantized) for the
+// value pass. Both item kernels (rows here, tiles in tiled_item_impl.hpp) run exactly this.
+template <bool kQuant>
+__attribute__((always_inline)) inline void softmax_block_row(float* sr, int take, int padded,
+                                                             const float* ksc, const float* vsc,
+                                                             float scale, int D, float* rec) {
+  using V = typename Ops::V;
+  int t = 0;
+  if constexpr (kQuant) {
+    for (; t + Ops::W <= take; t += Ops::W)
+      Ops::storeu(sr + t, Ops::mul(Ops::loadu(sr + t), Ops::loadu(ksc + t)));
+    for (; t < take; ++t) sr[t] *= ksc[t];
+  } else {
+    const V vscale = Ops::set1(scale);
+    for (; t + Ops::W <= take; t += Ops::W)
+      Ops::storeu(sr + t, Ops::mul(Ops::loadu(sr + t), vscale));
+    for (; t < take; ++t) sr[t] *= scale;
+  }
+  for (; t < padded; ++t) sr[t] = kNegInf;
+  V vmax = Ops::set1(kNegInf);
+  for (int j = 0; j < padded; j += Ops::W) vmax = Ops::max(Ops::loadu(sr + j), vmax);
+  float mb = Ops::reduce_max(vmax);
+  if (!(mb > kNegInf)) {  // -inf or NaN: look for a NaN the max may have dropped
+    for (int j = 0; j < take; ++j)
+      if (sr[j] != sr[j]) mb = sr[j];
+  }
+  const float m_old = rec[kM];
+  float m_new;
+  if (m_old != m_old || mb != mb) {
+    m_new = mb != mb ? mb : m_old;
+  } else {
+    m_new = mb > m_old ? mb : m_old;
+  }
+  if (m_new == kNegInf) return;  // every visible logit so far is -inf: nothing to add
+  if (m_new != m_old && m_old != kNegInf) {
+    const float alpha = __builtin_expf(m_old - m_new);
+    rec[kL] *= alpha;
+    const V va = Ops::set1(alpha);
+    for (int d = 0; d < D; d += Ops::W)
+      Ops::storeu(rec + kO + d, Ops::mul(Ops::loadu(rec + kO + d), va));
+  }
+  rec[kM] = m_new;
+  const V vm = Ops::set1(m_new);
+  V lsum = Ops::zero();
+  for (int j = 0; j < padded; j += Ops::W) {
+    const V p = Ops::exp(Ops::sub(Ops::loadu(sr + j), vm));
+    lsum = Ops::add(lsum, p);
+    if constexpr (kQuant) {
+      Ops::storeu(sr + j, Ops::mul(p, Ops::loadu(vsc + j)));
+    } else {
+      Ops::storeu(sr + j, p);
+    }
+  }
+  rec[kL] += Ops::reduce_add(lsum);
+}
+
 template <int D, DType DT>
 void run_item(const ItemArgs& a) {
-  using V = typename Ops::V;
   constexpr int kRec = D + 2;
   constexpr bool kQuant = DT == DType::kFP8 || DT == DType::kInt8;
   const int R = a.rows;
@@ -211,7 +269,6 @@ void run_item(const ItemArgs& a) {
 
     // 2. Online softmax per row. Afterwards s holds p = exp(s - m) for the row's visible
     //    tokens of the block (0 past them), times the value scale for quantized V.
-    const V vscale = Ops::set1(a.scale);
     // Quantized: per-token logit factors k_scale * scale and value scales, 0 past the block.
     float* ksc = s + R * kNB;
     float* vsc = s + (R + 1) * kNB;
@@ -226,53 +283,8 @@ void run_item(const ItemArgs& a) {
       float* sr = s + r * kNB;
       int64_t vis = a.visible[r] - tb;
       const int take = vis <= 0 ? 0 : (vis < n ? static_cast<int>(vis) : n);
-      float* rec = a.out + r * kRec;
       if (take == 0) continue;
-      int t = 0;
-      if constexpr (kQuant) {
-        for (; t + Ops::W <= take; t += Ops::W)
-          Ops::storeu(sr + t, Ops::mul(Ops::loadu(sr + t), Ops::loadu(ksc + t)));
-        for (; t < take; ++t) sr[t] *= ksc[t];
-      } else {
-        for (; t + Ops::W <= take; t += Ops::W)
-          Ops::storeu(sr + t, Ops::mul(Ops::loadu(sr + t), vscale));
-        for (; t < take; ++t) sr[t] *= a.scale;
-      }
-      for (; t < padded_w; ++t) sr[t] = kNegInf;
-      V vmax = Ops::set1(kNegInf);
-      for (int j = 0; j < padded_w; j += Ops::W) vmax = Ops::max(Ops::loadu(sr + j), vmax);
-      float mb = Ops::reduce_max(vmax);
-      if (!(mb > kNegInf)) {  // -inf or NaN: look for a NaN the max may have dropped
-        for (int j = 0; j < take; ++j)
-          if (sr[j] != sr[j]) mb = sr[j];
-      }
-      const float m_old = rec[kM];
-      float m_new;
-      if (m_old != m_old || mb != mb) {
-        m_new = mb != mb ? mb : m_old;
-      } else {
-        m_new = mb > m_old ? mb : m_old;
-      }
-      if (m_new == kNegInf) continue;  // every visible logit so far is -inf: nothing to add
-      if (m_new != m_old && m_old != kNegInf) {
-        const float alpha = __builtin_expf(m_old - m_new);
-        rec[kL] *= alpha;
-        const V va = Ops::set1(alpha);
-        for (int d = 0; d < D; d += Ops::W) Ops::storeu(rec + kO + d, Ops::mul(Ops::loadu(rec + kO + d), va));
-      }
-      rec[kM] = m_new;
-      const V vm = Ops::set1(m_new);
-      V lsum = Ops::zero();
-      for (int j = 0; j < padded_w; j += Ops::W) {
-        const V p = Ops::exp(Ops::sub(Ops::loadu(sr + j), vm));
-        lsum = Ops::add(lsum, p);
-        if constexpr (kQuant) {
-          Ops::storeu(sr + j, Ops::mul(p, Ops::loadu(vsc + j)));
-        } else {
-          Ops::storeu(sr + j, p);
-        }
-      }
-      rec[kL] += Ops::reduce_add(lsum);
+      softmax_block_row<kQuant>(sr, take, padded_w, ksc, vsc, a.scale, D, a.out + r * kRec);
     }
 
     // 3. Values. A row takes the first take_r tokens of the block (0 if it skipped the

@@ -233,7 +233,6 @@ inline void tiled_value_rows(const TiledItemArgs& a, int64_t bt, float* const* o
 
 template <DType DT>
 void run_tiled_item(const TiledItemArgs& a) {
-  using V = typename Ops::V;
   constexpr bool kQuant = DT == DType::kFP8 || DT == DType::kInt8;
   const int R = a.rows;
   const int D = a.head_dim;
@@ -278,7 +277,6 @@ void run_tiled_item(const TiledItemArgs& a) {
 
     // 2. Online softmax per row; afterwards s holds p = exp(s - m) for the row's visible
     //    tokens of the block (0 past them), times the value scale for quantized V.
-    const V vscale = Ops::set1(a.scale);
     float* ksc = s + R * ld;
     float* vsc = s + (R + 1) * ld;
     if constexpr (kQuant) {
@@ -297,54 +295,8 @@ void run_tiled_item(const TiledItemArgs& a) {
       float* sr = s + r * ld;
       const int64_t vis = a.visible[r] - tb;
       const int take = vis <= 0 ? 0 : (vis < n ? static_cast<int>(vis) : n);
-      float* rec = a.out + r * kRec;
       if (take == 0) continue;
-      int t = 0;
-      if constexpr (kQuant) {
-        for (; t + Ops::W <= take; t += Ops::W)
-          Ops::storeu(sr + t, Ops::mul(Ops::loadu(sr + t), Ops::loadu(ksc + t)));
-        for (; t < take; ++t) sr[t] *= ksc[t];
-      } else {
-        for (; t + Ops::W <= take; t += Ops::W)
-          Ops::storeu(sr + t, Ops::mul(Ops::loadu(sr + t), vscale));
-        for (; t < take; ++t) sr[t] *= a.scale;
-      }
-      for (; t < padded; ++t) sr[t] = kNegInf;
-      V vmax = Ops::set1(kNegInf);
-      for (int j = 0; j < padded; j += Ops::W) vmax = Ops::max(Ops::loadu(sr + j), vmax);
-      float mb = Ops::reduce_max(vmax);
-      if (!(mb > kNegInf)) {  // -inf or NaN: look for a NaN the max may have dropped
-        for (int j = 0; j < take; ++j)
-          if (sr[j] != sr[j]) mb = sr[j];
-      }
-      const float m_old = rec[kM];
-      float m_new;
-      if (m_old != m_old || mb != mb) {
-        m_new = mb != mb ? mb : m_old;
-      } else {
-        m_new = mb > m_old ? mb : m_old;
-      }
-      if (m_new == kNegInf) continue;  // every visible logit so far is -inf: nothing to add
-      if (m_new != m_old && m_old != kNegInf) {
-        const float alpha = __builtin_expf(m_old - m_new);
-        rec[kL] *= alpha;
-        const V va = Ops::set1(alpha);
-        for (int d = 0; d < D; d += Ops::W)
-          Ops::storeu(rec + kO + d, Ops::mul(Ops::loadu(rec + kO + d), va));
-      }
-      rec[kM] = m_new;
-      const V vm = Ops::set1(m_new);
-      V lsum = Ops::zero();
-      for (int j = 0; j < padded; j += Ops::W) {
-        const V p = Ops::exp(Ops::sub(Ops::loadu(sr + j), vm));
-        lsum = Ops::add(lsum, p);
-        if constexpr (kQuant) {
-          Ops::storeu(sr + j, Ops::mul(p, Ops::loadu(vsc + j)));
-        } else {
-          Ops::storeu(sr + j, p);
-        }
-      }
-      rec[kL] += Ops::reduce_add(lsum);
+      softmax_block_row<kQuant>(sr, take, padded, ksc, vsc, a.scale, D, a.out + r * kRec);
     }
 
     // 3. Values: rows tiled 4/3/2/1 over the tokens they all take, then each row alone.
