@@ -36,6 +36,7 @@
 #include "options.hpp"
 #include "treeattn/comm_local.hpp"
 #include "treeattn/comm_mpi.hpp"
+#include "treeattn/engine.hpp"
 #include "treeattn/generate.hpp"
 #include "treeattn/measure.hpp"
 #include "treeattn/model.hpp"
@@ -73,6 +74,8 @@ struct GenFlags {
   bool ignore_eos = false;
   bool quiet = false;
   bool synthetic_kv = false;
+  bool engine = false;
+  std::string kv_memory;
   int timeout_ms = 600000;
   int fanout = 2;
 };
@@ -212,8 +215,21 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
   const auto& reg = StrategyRegistry::for_backend(CommCapabilities{});
   const auto methods = methods_of(f);
   if (methods.empty()) return invalid_argument("--method: empty");
+  if (f.engine) {
+    if (methods.size() != 1 ||
+        (methods[0] != "tree" && methods[0] != "allreduce" && methods[0] != "allgather"))
+      return invalid_argument("--engine: --method is the engine's merge, one of tree, allreduce, "
+                              "allgather (not '" + f.method + "')");
+    if (f.synthetic_kv) return invalid_argument("--engine does not take --synthetic-kv");
+    if (!f.kv_memory.empty()) {
+      auto b = parse_bytes(f.kv_memory);
+      if (!b.is_ok()) return Status(b.status().code(), "--kv-memory: " + b.status().message());
+    }
+  } else if (!f.kv_memory.empty()) {
+    return invalid_argument("--kv-memory needs --engine");
+  }
   for (const auto& m : methods)
-    if (m != "auto" && m != "tree-det" && !reg.contains(m)) {
+    if (!f.engine && m != "auto" && m != "tree-det" && !reg.contains(m)) {
       std::string known;
       for (const auto& i : reg.list()) known += std::string(i.name) + ", ";
       return invalid_argument("--method: unknown method '" + m + "' (known: " + known +
@@ -317,7 +333,137 @@ struct MethodResult {
 };
 
 // The job: every rank runs this with its communicator.
+// --engine: the prompt as one request of the serving engine (include/treeattn/engine.hpp), the
+// path `treeattn serve` takes: paged KV over the ranks, prefill by the tree merge in chunks, the
+// same tokens bit for bit as a server request with the same prompt and sampling.
+int run_engine_job(Communicator& comm, const GenFlags& f, const std::string& model_path) {
+  const bool lead = comm.rank() == 0;
+  const int P = comm.size();
+  auto say_error = [&](const Status& s) {
+    std::fprintf(stderr, "treeattn generate: rank %d: error: %s\n", comm.rank(),
+                 s.to_string().c_str());
+    return 2;
+  };
+  auto m = model::LlamaModel::load(model_path);
+  if (!m.is_ok()) return say_error(m.status());
+  auto tok = Tokenizer::from_gguf((*m)->file());
+  if (!tok.is_ok()) return say_error(tok.status());
+  auto prompt = make_prompt(f, *tok);
+  if (!prompt.is_ok()) return say_error(prompt.status());
+  const auto n = static_cast<int64_t>(prompt->size());
+  const auto& cfg = (*m)->config();
+  const int threads = f.threads > 0 ? f.threads : default_threads(local_ranks(P));
+  engine::EngineConfig ec;
+  auto dt = parse_dtype(f.kv_dtype);
+  if (!dt) return say_error(invalid_argument("--kv-dtype " + f.kv_dtype));
+  ec.kv_dtype = *dt;
+  ec.threads = threads;
+  ec.merge = f.method;
+  ec.timeout = std::chrono::milliseconds(f.timeout_ms);
+  if (!f.kv_memory.empty()) {
+    auto bytes = parse_bytes(f.kv_memory);
+    if (!bytes.is_ok()) return say_error(bytes.status());
+    ec.kv_memory = static_cast<std::size_t>(*bytes);
+  } else {  // the pages this prompt needs on each rank, and a few more
+    ec.kv_pages = (n + f.new_tokens + ec.page_tokens - 1) / ec.page_tokens / P + 2;
+  }
+  auto e = engine::Engine::create(comm, **m, ec);
+  if (!e.is_ok()) return say_error(e.status());
+  engine::Engine& eng = **e;
+  if (lead)
+    std::fprintf(stderr,
+                 "treeattn generate --engine: %s | %d rank(s) x %d thread(s) | merge %s | KV %s "
+                 "pages of %lld tokens, %lld per rank | prompt %lld tokens, up to %lld new\n",
+                 cfg.to_string().c_str(), P, threads, ec.merge.c_str(), f.kv_dtype.c_str(),
+                 static_cast<long long>(ec.page_tokens),
+                 static_cast<long long>(eng.metrics().pages_per_rank), static_cast<long long>(n),
+                 static_cast<long long>(f.new_tokens));
+  std::vector<TokenId> out;
+  engine::RequestTimings timings;
+  Status failure;
+  std::string streamed;
+  std::size_t printed = 0;
+  const auto t0 = Clock::now();
+  double ttft_ms = 0;
+  if (lead) {
+    engine::Request r;
+    r.prompt = *prompt;
+    r.max_new_tokens = f.new_tokens;
+    r.sampling = {f.temperature, f.top_k, f.top_p, f.seed};
+    if (!f.ignore_eos)
+      for (TokenId id = 0; id < tok->n_vocab(); ++id)
+        if (tok->is_end_of_generation(id)) r.stop_tokens.push_back(id);
+    auto id = eng.submit(std::move(r), [&](const engine::TokenEvent& ev) {
+      if (ev.token >= 0) {
+        if (out.empty())
+          ttft_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+        out.push_back(ev.token);
+        if (!f.quiet && ev.finish != engine::FinishReason::kStop) {
+          auto piece = tok->token_to_piece(ev.token);
+          if (piece.is_ok()) streamed += *piece;
+          const std::size_t upto = complete_utf8_prefix(streamed);
+          if (upto > printed) {
+            std::fwrite(streamed.data() + printed, 1, upto - printed, stdout);
+            std::fflush(stdout);
+            printed = upto;
+          }
+        }
+      }
+      timings = ev.timings;
+      if (ev.finish == engine::FinishReason::kError) failure = ev.error;
+      if (ev.finish != engine::FinishReason::kNone) eng.stop(true);
+    });
+    if (!id.is_ok()) {
+      say_error(id.status());
+      eng.stop(false);
+    }
+  }
+  Status st = eng.run();
+  if (!st.is_ok()) {
+    say_error(st);
+    abort_job(3, "");
+  }
+  if (!lead) return 0;
+  if (!failure.is_ok()) return say_error(failure);
+  if (out.empty()) return 2;
+  if (!f.quiet) {
+    std::fwrite(streamed.data() + printed, 1, streamed.size() - printed, stdout);
+    std::printf("\n");
+  }
+  const auto mt = eng.metrics();
+  const double decode_ms =
+      out.size() > 1 ? timings.decode_seconds * 1e3 / static_cast<double>(out.size() - 1) : 0.0;
+  std::fprintf(stderr,
+               "engine: TTFT %.1f ms (prefill %.0f tokens/s) | decode %.2f ms/token (%.1f "
+               "tokens/s) | %zu tokens | rank 0 sent %.1f KB in %lld merges\n",
+               ttft_ms, static_cast<double>(n) / std::max(1e-9, timings.prefill_seconds), decode_ms,
+               decode_ms > 0 ? 1e3 / decode_ms : 0.0, out.size(),
+               static_cast<double>(mt.bytes_sent) / 1e3, static_cast<long long>(mt.merges));
+  if (!f.json.empty()) {
+    auto text = tok->decode(out);
+    nlohmann::json j = {{"model", model_path},
+                        {"model_config", cfg.to_string()},
+                        {"engine", true},
+                        {"prompt_tokens", *prompt},
+                        {"tokens", out},
+                        {"text", text.is_ok() ? *text : ""},
+                        {"ranks", P},
+                        {"threads_per_rank", threads},
+                        {"method", ec.merge},
+                        {"kv_dtype", f.kv_dtype},
+                        {"ttft_ms", ttft_ms},
+                        {"prefill_ms", timings.prefill_seconds * 1e3},
+                        {"decode_ms_per_token", decode_ms},
+                        {"bytes_sent_rank0", mt.bytes_sent}};
+    std::ofstream o(f.json);
+    o << j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+    if (!o) return fail(invalid_argument("--json " + f.json + ": write failed"));
+  }
+  return 0;
+}
+
 int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path) {
+  if (f.engine) return run_engine_job(comm, f, model_path);
   const bool lead = comm.rank() == 0;
   const int P = comm.size();
   auto say_error = [&](const Status& s) {
@@ -735,6 +881,12 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
       ->capture_default_str();
   sub->add_flag("--check", f->check,
                 "Hash the token stream on every rank at every step and stop on a divergence");
+  sub->add_flag("--engine", f->engine,
+                "Run the prompt as one request of the serving engine (paged KV, chunked prefill "
+                "by the tree merge; what `treeattn serve` runs); --method is then the engine's "
+                "merge: tree, allreduce or allgather");
+  sub->add_option("--kv-memory", f->kv_memory,
+                  "--engine: KV page memory per rank, e.g. 2G (default: what the prompt needs)");
   sub->add_flag("--ignore-eos", f->ignore_eos, "Generate --new-tokens even past end of text");
   sub->add_flag("--quiet", f->quiet, "Do not print the text (report only)");
   sub->add_flag("--synthetic-kv", f->synthetic_kv,

@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <cstring>
 #include <filesystem>
 #include <sstream>
@@ -91,6 +92,25 @@ Result<int64_t> parse_size(const std::string& text) {
         static_cast<double>(scaled) / static_cast<double>(den), lo, lo + 1));
   }
   return static_cast<int64_t>(scaled / den);
+}
+
+Result<int64_t> parse_bytes(const std::string& text) {
+  std::string t = text;
+  if (t.size() > 2 && (t.ends_with("iB") || t.ends_with("ib"))) t.resize(t.size() - 2);
+  else if (t.size() > 1 && (t.back() == 'B' || t.back() == 'b')) t.pop_back();
+  if (!t.empty() && (t.back() == 't' || t.back() == 'T')) {  // terabytes: G x 1024
+    t.back() = 'G';
+    auto g = parse_size(t);
+    if (!g.is_ok()) return g.status();
+    if (*g > std::numeric_limits<int64_t>::max() / 1024)
+      return invalid_argument("'" + text + "' is too large");
+    return *g * 1024;
+  }
+  auto b = parse_size(t);
+  if (!b.is_ok())
+    return invalid_argument("'" + text + "' is not a byte count (4096, 512K, 64M, 2G, 1.5G)");
+  if (*b < 1) return invalid_argument("'" + text + "': the byte count must be >= 1");
+  return b;
 }
 
 Result<std::vector<int64_t>> parse_size_list(const std::string& text) {

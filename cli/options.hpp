@@ -32,6 +32,9 @@ std::string preset_names();
 // names the two nearest whole numbers).
 Result<int64_t> parse_size(const std::string& text);
 Result<std::vector<int64_t>> parse_size_list(const std::string& text);
+// Bytes: "4096", "512K", "64M", "2G", "1.5G" (binary suffixes K, M, G, T; case-insensitive; an
+// optional trailing B or iB), >= 1. Strict like parse_size.
+Result<int64_t> parse_bytes(const std::string& text);
 std::vector<std::string> split_list(const std::string& text);
 std::string format_size(int64_t tokens);  // 65536 -> "64k"
 

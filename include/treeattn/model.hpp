@@ -141,6 +141,11 @@ class LlamaModel {
   // logits (n_vocab floats) of one hidden state.
   Status logits(const float* x, float* logits, ForwardScratch& scratch,
                 const MatvecOptions& options) const;
+  // The same for T hidden states x [T][n_embd] -> logits [T][n_vocab], the output head read once
+  // for all of them (the serving engine's batched step); each token's bits equal the one-token
+  // call's (matmul's bits per token do not depend on the token count).
+  Status logits(const float* x, int64_t tokens, float* logits, ForwardScratch& scratch,
+                const MatvecOptions& options) const;
 
   // RoPE of `heads` heads (head_dim floats each, contiguous) at position pos, in place.
   void apply_rope(float* heads, int64_t n_heads, int64_t pos) const;

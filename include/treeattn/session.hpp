@@ -3,16 +3,24 @@
 // A DecodeSession is created collectively by every rank of a communicator with the same
 // configuration (it checks that they agree and names the ranks and fields that differ). It owns
 // this rank's KV shards of every layer under one placement (ShardPlan, sharding.hpp) and the
-// strategy (strategy.hpp) that merges the ranks' partial states. A model calls it once per layer
-// and token:
+// strategy (strategy.hpp) that merges the ranks' partial states. A model's decode step sees the
+// new token's own key, so the order per token is grow, store, attend (what Generator::step does):
 //
 //   auto s = DecodeSession::create(comm, cfg);        // cfg.layers = 30, cfg.strategy = "tree"
 //   s->extend(prompt_len);                            // lay the prompt out over the ranks
 //   for each layer l, position pos this rank owns:    // prefill: each rank stores its part
 //     s->store(l, b, pos, k, v);
-//   loop:
-//     for each layer l: s->attend(l, q_l, out_l);     // merged exact attention, every rank
-//     s->append(k_all_layers, v_all_layers);          // the new token, stored by its owner only
+//   loop (one new token per row at position pos = length):
+//     s->extend(1);                                   // place it (every rank, same call)
+//     for each layer l:
+//       compute q_l, k_l, v_l of the token
+//       if (s->owns(b, pos)) s->store(l, b, pos, k_l, v_l);   // its owner keeps it
+//       s->attend(l, q_l, out_l);                     // merged exact attention over 0..pos
+//
+// append(k_all_layers, v_all_layers) is the same grow-and-store for callers that have every
+// layer's K/V before attending (benchmarks); attending before it does not see the new token.
+// Many sequences joining and leaving, paged KV and prefix reuse: the serving engine
+// (engine.hpp), which keeps its own paged cache and does not use this class.
 //
 // Memory: the KV shards, q, out and lse of attend live in the executor's memory space
 // (executor.hpp; host memory for the CPU executor, device memory for the CUDA executor). store/

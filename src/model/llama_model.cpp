@@ -347,4 +347,15 @@ Status LlamaModel::logits(const float* x, float* out, ForwardScratch& s,
   return matmul(mats, s.xn.data(), 1, cfg_.n_embd, ys, options);
 }
 
+Status LlamaModel::logits(const float* x, int64_t tokens, float* out, ForwardScratch& s,
+                          const MatvecOptions& options) const {
+  if (tokens < 0) return invalid_argument("logits: negative token count");
+  if (tokens == 0) return Status::ok();
+  s.xn.resize(static_cast<std::size_t>(tokens * cfg_.n_embd));
+  rmsnorm(x, output_norm_, tokens, s.xn.data());
+  const WeightMatrix* mats[] = {&output_};
+  float* ys[] = {out};
+  return matmul(mats, s.xn.data(), tokens, cfg_.n_embd, ys, options);
+}
+
 }  // namespace treeattn::model

@@ -91,6 +91,9 @@ struct TiledItemArgs {
 };
 
 using TiledItemFn = void (*)(const TiledItemArgs&);
+// The tiled item kernel of a target, or nullptr when the target is not built (kAuto and
+// kReference have none). Used by the tiled driver and the paged one (paged_kernels.cpp).
+TiledItemFn tiled_item_for(Isa isa);
 
 // Tiles per online-softmax block of the tiled kernel (one fused pass per tile: scores, softmax,
 // values). Two passes over 4 tiles of 32 tokens cut the in-cache time (bf16 11.0 -> 10.0 ns per

@@ -168,17 +168,6 @@ Status run_tiled_driver(TiledItemFn item_fn, const AttnShape& shape, const float
   return Status::ok();
 }
 
-TiledItemFn tiled_item_for(Isa isa) {
-  switch (isa) {
-    case Isa::kGeneric: return &cpu::generic::decode_tiled_item;
-#if defined(TREEATTN_HAVE_X86_KERNELS)
-    case Isa::kAvx2: return &cpu::avx2::decode_tiled_item;
-    case Isa::kAvx512: return &cpu::avx512::decode_tiled_item;
-#endif
-    default: return nullptr;
-  }
-}
-
 // An integer from the environment, or `fallback` when unset or empty; clamped to [lo, hi].
 int64_t env_int(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
   const char* e = std::getenv(name);
@@ -196,6 +185,17 @@ std::atomic<int> g_block_tiles{
 std::atomic<int64_t> g_prefetch_bytes{
     env_int("TREEATTN_TILED_PREFETCH_BYTES", kTiledPrefetchBytes, 0, int64_t{1} << 20)};
 }  // namespace
+
+TiledItemFn tiled_item_for(Isa isa) {
+  switch (isa) {
+    case Isa::kGeneric: return &generic::decode_tiled_item;
+#if defined(TREEATTN_HAVE_X86_KERNELS)
+    case Isa::kAvx2: return &avx2::decode_tiled_item;
+    case Isa::kAvx512: return &avx512::decode_tiled_item;
+#endif
+    default: return nullptr;
+  }
+}
 
 TiledTuning tiled_tuning() {
   TiledTuning t;
@@ -221,7 +221,7 @@ Status decode_partial_tiled(const AttnShape& shape, const float* q, const TiledK
   auto r = kernels::resolve_options(shape, q, states, options);
   TREEATTN_RETURN_IF_ERROR(r.status());
   if (r->isa == Isa::kReference) return kernels::decode_tiled_reference(shape, q, kv, states, *r);
-  const kernels::cpu::TiledItemFn fn = kernels::tiled_item_for(r->isa);
+  const kernels::cpu::TiledItemFn fn = kernels::cpu::tiled_item_for(r->isa);
   if (fn == nullptr)
     return unsupported("ISA target " + std::string(isa_name(r->isa)) +
                        " is not built into this library");

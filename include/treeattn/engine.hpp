@@ -1,0 +1,197 @@
+// The serving engine: many requests decoded together over one KV cache sharded over the ranks
+// of a communicator, in pages, with prefix reuse.
+//
+// Every rank of the job creates an Engine over the same model and configuration. Rank 0 takes
+// requests (submit, cancel: thread-safe, from any thread, e.g. HTTP handlers), schedules them
+// and broadcasts one step description per step; every rank applies it identically and runs the
+// same batched forward pass, so every rank samples the same tokens and nothing else is sent.
+// Tokens come out on rank 0 through each request's callback, on the thread that runs the steps.
+//
+// The KV cache (paged_kv.hpp): every rank keeps, per layer, a pool of pages of page_tokens
+// tokens. Logical page j of a sequence (positions [j T, (j + 1) T)) lives on rank j mod p. The
+// page table, the free lists of every rank and the prefix index are replicated: every rank
+// applies the same step descriptions to them in the same order, so each rank knows where every
+// page is without a page table ever being sent, and rank 0 knows every rank's free pages when it
+// admits a request. A rank stores K/V only in the pages it owns.
+//
+// One step = one forward pass over a batch of rows: a chunk of prompt tokens for each sequence
+// still prefilling (at most prefill_chunk tokens over all of them) and one token for each
+// sequence decoding. The dense part is split over the ranks: rank r embeds and projects rows
+// [r R/p, (r+1) R/p) (rounded up). Per layer: each rank projects q, k, v of its rows and the ranks
+// all-gather them ((n_head + 2 n_head_kv) head_dim floats per row); the owners store k and v
+// into their pages; every rank computes the partial states of every row's queries over its own
+// pages in one kernel pass (decode_partial_paged); one merge per layer combines the ranks'
+// states of all rows (EngineConfig::merge); each rank then runs the output projection and the
+// feed-forward network for its own rows. The hidden states of the rows that end a sequence's
+// known tokens are all-gathered and every rank computes their logits and samples. A prompt
+// (fresh, or a follow-up against cached pages) is thus prefilled by the tree merge: the new
+// queries travel, the cached K/V stays where it is, and no rank ever receives K/V.
+//
+// Exactness and batch invariance: attention is exact softmax attention (float accumulation,
+// states merged as state.hpp). A request's logits do not depend on what else is in the batch,
+// how its prompt was chunked, or whether its prefix came from the cache: the matrix kernels'
+// bits per token do not depend on how many tokens are computed together (model.hpp), a query's
+// paged partial state depends only on its own pages (paged_kv.hpp), and the merge `tree`
+// combines the ranks' states along a fixed binomial tree whose shape depends only on the rank
+// count (never on the number of records, unlike an MPI allreduce, whose algorithm and
+// segmentation change with the message size). So greedy tokens through the engine are the same
+// bits as the request run alone, at any batch and chunk size, for a given rank count.
+//
+// Admission: a request is admitted when every rank has the pages its whole prompt plus
+// max_new_tokens need (counted per rank under the placement rule, minus the prefix pages it
+// reuses), taking free pages first and then evicting unreferenced cached pages (least recently
+// used first). Admitted requests never run out of pages. A request that could never fit the
+// pools is refused by submit(); a full queue is refused with kOutOfMemory (a server's 429).
+//
+// Prefix reuse: a page whose tokens are all written is indexed by a hash chain of the token ids
+// of the sequence up to its end (h_j = H(h_{j-1}, tokens of page j)); a new request whose prompt
+// starts with indexed pages takes them (reference counts) and prefills only the rest. At least
+// the prompt's last token is always computed (its logits start the generation). Pages hold
+// generated tokens too, so a follow-up turn that repeats the conversation reuses them.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "treeattn/comm.hpp"
+#include "treeattn/dtype.hpp"
+#include "treeattn/generate.hpp"  // SamplingParams
+#include "treeattn/kernel.hpp"
+#include "treeattn/model.hpp"
+#include "treeattn/status.hpp"
+#include "treeattn/tokenizer.hpp"
+
+namespace treeattn::engine {
+
+using RequestId = uint64_t;
+
+enum class FinishReason : uint8_t {
+  kNone,       // more tokens follow
+  kStop,       // a stop token was sampled (it is the event's token; not part of the text)
+  kLength,     // max_new_tokens reached
+  kCancelled,  // cancel() or stop(false)
+  kError,      // the engine failed (TokenEvent::error says why)
+};
+const char* finish_reason_name(FinishReason r);  // "none", "stop", "length", "cancelled", "error"
+
+struct Request {
+  std::vector<TokenId> prompt;          // >= 1 token ids inside the vocabulary
+  model::SamplingParams sampling;       // temperature 0: greedy
+  int64_t max_new_tokens = 16;          // >= 1
+  std::vector<TokenId> stop_tokens;     // generation ends when one is sampled
+  bool return_logits = false;           // copy the logits of every sampled position (tests)
+};
+
+struct RequestTimings {
+  double queue_seconds = 0;    // submit -> admitted
+  double prefill_seconds = 0;  // admitted -> first token
+  double decode_seconds = 0;   // first token -> last token
+  int64_t prompt_tokens = 0;
+  int64_t cached_tokens = 0;     // prompt tokens taken from the prefix cache
+  int64_t generated_tokens = 0;
+};
+
+// What a request's callback receives, on rank 0, on the engine's thread (keep it short).
+struct TokenEvent {
+  RequestId id = 0;
+  TokenId token = -1;             // -1 on events that carry no token (cancelled, error)
+  int64_t index = 0;              // index of this generated token (0 = the first)
+  FinishReason finish = FinishReason::kNone;  // != kNone: the request's last event
+  Status error;                   // finish == kError
+  RequestTimings timings;         // up to this event
+  std::vector<float> logits;      // Request::return_logits only
+};
+using TokenCallback = std::function<void(const TokenEvent&)>;
+
+struct EngineConfig {
+  DType kv_dtype = DType::kF16;  // f32, f16 or bf16
+  int64_t page_tokens = 64;      // tokens per page: 16 or a multiple of 32 up to 256 (kv_tiles)
+  int64_t kv_pages = 0;          // pages per rank; 0: from kv_memory
+  std::size_t kv_memory = 0;     // bytes of KV pages per rank; 0: half of MemAvailable
+  int max_batch = 16;            // sequences in one step (prefilling and decoding)
+  int64_t prefill_chunk = 256;   // prompt tokens per step over all prefilling sequences
+  int max_queue = 256;           // waiting requests; submit() refuses beyond (kOutOfMemory)
+  bool prefix_cache = true;
+  // How the ranks' states are merged each layer: "tree" (a fixed binomial tree over
+  // point-to-point messages to rank 0, then a broadcast: bit-identical on every rank and batch
+  // invariant), "allreduce" (one MPI_Allreduce with the merge as a user-defined operation: one
+  // collective, but its bits may depend on the batch at more than two ranks), "allgather" (every
+  // rank gathers all states and merges them in rank order: batch invariant, (p-1) S sent).
+  std::string merge = "tree";
+  int threads = 0;  // per rank, matmul and attention (0: OpenMP's default)
+  Isa isa = Isa::kAuto;
+  std::chrono::milliseconds timeout{600000};   // per communicator operation; 0 = forever
+  std::chrono::milliseconds idle_tick{20};     // an idle rank 0 broadcasts at least this often
+};
+
+struct EngineMetrics {
+  int64_t running = 0;  // admitted, not finished
+  int64_t waiting = 0;  // submitted, not admitted
+  int64_t requests_total = 0;
+  int64_t prompt_tokens_total = 0;
+  int64_t cached_tokens_total = 0;
+  int64_t generated_tokens_total = 0;
+  int64_t steps = 0;
+  int64_t pages_per_rank = 0;
+  std::vector<int64_t> pages_used;    // per rank: referenced by a live sequence
+  std::vector<int64_t> pages_cached;  // per rank: unreferenced, kept for prefix reuse (evictable)
+  std::vector<int64_t> pages_free;    // per rank: on the free list
+  std::vector<double> merge_seconds;  // per rank: time in the per-layer merge and q/k/v all-gather
+  std::vector<double> attention_seconds;  // per rank: time in the paged kernel, total
+  int64_t merges = 0;                 // per-layer merges run (each rank ran this many)
+  uint64_t bytes_sent = 0;            // rank 0's bytes sent (communicator counters)
+  bool failed = false;
+  std::string error;
+};
+
+class Engine {
+ public:
+  // Collective over comm: checks that the ranks agree on the model and the configuration and
+  // allocates the page pools. model and comm must outlive the engine.
+  static Result<std::unique_ptr<Engine>> create(Communicator& comm, const model::LlamaModel& model,
+                                                const EngineConfig& config);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Rank 0, thread-safe. Queues a request; its events go to `callback` (rank 0's step thread).
+  // kInvalidArgument: empty prompt, ids outside the vocabulary, max_new_tokens < 1, bad
+  // sampling, or prompt + max_new_tokens more than the pools can ever hold for one sequence
+  // (message names both numbers); kOutOfMemory: the queue is full; kInternal: the engine failed
+  // or is stopping; kInvalidArgument on ranks other than 0.
+  Result<RequestId> submit(Request request, TokenCallback callback);
+  // Rank 0, thread-safe. The request ends with a kCancelled event (unless it already ended) and
+  // its pages are released at the next step.
+  void cancel(RequestId id);
+  // Rank 0, thread-safe: makes run() return on every rank. drain: after every admitted and
+  // queued request has finished (new submits are refused); otherwise at the next step, with the
+  // requests in flight cancelled.
+  void stop(bool drain);
+
+  // Collective: steps until stop() (rank 0 decides; every rank returns together) or an error.
+  // On an error every request in flight ends with a kError event and the error is returned.
+  Status run();
+  // Collective: one step. Returns, identically on every rank, whether work remains (admitted or
+  // queued requests) after it.
+  Result<bool> step();
+
+  // Tokens one sequence can ever hold (prompt + generated): every rank's pool, under the
+  // placement rule.
+  int64_t max_sequence_tokens() const;
+  EngineMetrics metrics() const;  // rank 0 (thread-safe)
+  const EngineConfig& config() const;
+  const model::LlamaModel& model() const;
+  Communicator& comm() const;
+
+ private:
+  struct Impl;
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace treeattn::engine

@@ -1,0 +1,919 @@
+// The serving engine: scheduling on rank 0, replicated step descriptions, the batched forward
+// pass over paged, sequence-sharded KV. See include/treeattn/engine.hpp.
+#include "treeattn/engine.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "engine/merge.hpp"
+#include "engine/page_table.hpp"
+#include "treeattn/kv_tiles.hpp"
+#include "treeattn/measure.hpp"
+#include "treeattn/paged_kv.hpp"
+#include "treeattn/state.hpp"
+
+namespace treeattn::engine {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+std::string rank_prefix(const Communicator& c) { return "rank " + std::to_string(c.rank()) + ": "; }
+
+// Step description kinds.
+constexpr int64_t kStepRun = 1;
+constexpr int64_t kStepStop = 2;
+
+int64_t bits_of(double d) { return std::bit_cast<int64_t>(d); }
+double double_of(int64_t v) { return std::bit_cast<double>(v); }
+
+bool valid_page_tokens(int64_t t) { return t == 16 || (t >= 32 && t <= 256 && t % 32 == 0); }
+
+}  // namespace
+
+const char* finish_reason_name(FinishReason r) {
+  switch (r) {
+    case FinishReason::kNone: return "none";
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kCancelled: return "cancelled";
+    case FinishReason::kError: return "error";
+  }
+  return "?";
+}
+
+struct Engine::Impl {
+  Communicator* comm = nullptr;
+  const model::LlamaModel* model = nullptr;
+  EngineConfig cfg;
+  model::MatvecOptions mv;
+  MergeKind merge = MergeKind::kTree;
+  int p = 1, me = 0;
+  int64_t T = 64;
+  std::vector<TiledKVCache> pools;  // one per layer: this rank's pages
+  std::unique_ptr<PageTable> table;
+
+  struct Seq {
+    RequestId id = 0;
+    Request req;
+    std::vector<TokenId> tokens;  // prompt, then generated
+    int64_t prompt_len = 0;
+    int64_t computed = 0;  // positions whose K/V are stored
+    std::vector<PageRef> pages;     // logical page j
+    std::vector<uint64_t> hashes;   // chain hash of full pages 0 .. hashes.size() - 1
+    std::vector<int64_t> reserve_left;  // per rank
+    int64_t generated = 0;
+    int64_t cached_tokens = 0;
+    model::Sampler sampler{model::SamplingParams{}};
+    // rank 0 only
+    TokenCallback cb;
+    Clock::time_point submitted, admitted, first_token;
+  };
+  std::vector<std::unique_ptr<Seq>> running;  // admission order, replicated
+
+  // ---- rank 0: the inbox ----
+  struct Pending {
+    RequestId id = 0;
+    Request req;
+    TokenCallback cb;
+    Clock::time_point submitted;
+  };
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Pending> waiting;
+  std::vector<RequestId> cancel_ids;
+  bool stop_now = false, stop_drain = false;
+  RequestId next_id = 1;
+  bool failed = false;
+  std::string failure;
+  EngineMetrics snapshot;  // guarded by mu
+
+  // ---- step scratch ----
+  model::ForwardScratch fs;
+  std::vector<float> x, q, k, v, attn, states, merge_scratch, xs, xs_all, logits;
+  std::vector<float> qkv_send, qkv_recv, qkv_local;
+  std::vector<TokenId> row_tok;
+  std::vector<int64_t> row_pos;
+  std::vector<double> rank_times;  // gather of per-rank timings on rank 0
+  double merge_s = 0, attn_s = 0;
+  int64_t merges = 0, steps = 0;
+  int64_t requests_total = 0, prompt_total = 0, cached_total = 0, generated_total = 0;
+  std::vector<double> rank_merge_s, rank_attn_s;
+
+  // ------------------------------------------------------------------------------------------
+  Status check_request(const Request& r) const {
+    const auto& mc = model->config();
+    if (r.prompt.empty()) return invalid_argument("the prompt is empty");
+    for (std::size_t i = 0; i < r.prompt.size(); ++i)
+      if (r.prompt[i] < 0 || r.prompt[i] >= mc.n_vocab)
+        return invalid_argument("prompt token " + std::to_string(i) + " is id " +
+                                std::to_string(r.prompt[i]) + ", outside the vocabulary [0, " +
+                                std::to_string(mc.n_vocab) + ")");
+    for (const TokenId t : r.stop_tokens)
+      if (t < 0 || t >= mc.n_vocab)
+        return invalid_argument("stop token id " + std::to_string(t) +
+                                " is outside the vocabulary [0, " + std::to_string(mc.n_vocab) +
+                                ")");
+    if (r.max_new_tokens < 1)
+      return invalid_argument("max_new_tokens is " + std::to_string(r.max_new_tokens) +
+                              "; it must be >= 1");
+    TREEATTN_RETURN_IF_ERROR(r.sampling.validate());
+    const int64_t need = static_cast<int64_t>(r.prompt.size()) + r.max_new_tokens - 1;
+    if (need > max_sequence_tokens())
+      return invalid_argument("the prompt has " + std::to_string(r.prompt.size()) +
+                              " tokens and max_new_tokens is " + std::to_string(r.max_new_tokens) +
+                              ": " + std::to_string(need) + " positions to store, but the KV pools hold at most " +
+                              std::to_string(max_sequence_tokens()) + " positions for one sequence");
+    return Status::ok();
+  }
+
+  int64_t max_sequence_tokens() const {
+    // Logical page j on rank j mod p: with P pages per rank, p * P pages in all.
+    return static_cast<int64_t>(p) * table->pages_per_rank() * T;
+  }
+
+  Seq* find(RequestId id) {
+    for (auto& s : running)
+      if (s->id == id) return s.get();
+    return nullptr;
+  }
+
+  void emit(Seq& s, TokenEvent ev) {
+    if (me != 0 || !s.cb) return;
+    ev.id = s.id;
+    ev.timings.prompt_tokens = s.prompt_len;
+    ev.timings.cached_tokens = s.cached_tokens;
+    ev.timings.generated_tokens = s.generated;
+    ev.timings.queue_seconds = seconds(s.admitted - s.submitted);
+    if (s.generated > 0) {
+      ev.timings.prefill_seconds = seconds(s.first_token - s.admitted);
+      ev.timings.decode_seconds = seconds(Clock::now() - s.first_token);
+    }
+    s.cb(ev);
+  }
+
+  // Releases a sequence's pages and reservation (replicated) and drops it.
+  void retire(RequestId id) {
+    for (auto it = running.begin(); it != running.end(); ++it) {
+      if ((*it)->id != id) continue;
+      Seq& s = **it;
+      for (const PageRef& pg : s.pages) table->release(pg);
+      table->unreserve(s.reserve_left);
+      running.erase(it);
+      return;
+    }
+  }
+
+  // Admission of one request on every rank. decide (rank 0): returns false when it does not fit
+  // now; other ranks: it must fit (rank 0 decided on the same state).
+  Result<bool> admit(RequestId id, Request req, bool decide, TokenCallback cb,
+                     Clock::time_point submitted) {
+    auto s = std::make_unique<Seq>();
+    s->id = id;
+    s->prompt_len = static_cast<int64_t>(req.prompt.size());
+    s->tokens = req.prompt;
+    s->sampler = model::Sampler(req.sampling);
+    const int64_t n = s->prompt_len;
+    // Prefix hits: full pages of the prompt, leaving at least the last prompt token to compute.
+    std::vector<PageRef> hits;
+    std::vector<uint64_t> hashes;
+    uint64_t parent = PageTable::kRootHash;
+    if (cfg.prefix_cache) {
+      const int64_t max_hits = (n - 1) / T;
+      for (int64_t j = 0; j < max_hits; ++j) {
+        const std::span<const TokenId> toks(req.prompt.data() + j * T, static_cast<std::size_t>(T));
+        const uint64_t h = PageTable::chain_hash(parent, toks);
+        const PageRef ref = table->lookup(h, parent, toks);
+        if (ref.rank < 0) break;
+        hits.push_back(ref);
+        hashes.push_back(h);
+        parent = h;
+      }
+    }
+    const int64_t positions = n + req.max_new_tokens - 1;
+    const int64_t end_page = (positions + T - 1) / T;
+    std::vector<int64_t> need =
+        table->pages_needed(static_cast<int64_t>(hits.size()), end_page);
+    std::vector<int64_t> extra(static_cast<std::size_t>(p), 0);  // cached hits leave the LRU
+    for (const PageRef& h : hits)
+      if (table->refcount(h) == 0) ++extra[static_cast<std::size_t>(h.rank)];
+    for (int r = 0; r < p; ++r)
+      if (need[static_cast<std::size_t>(r)] + extra[static_cast<std::size_t>(r)] > table->available(r)) {
+        if (decide) return false;
+        return internal_error(rank_prefix(*comm) + "request " + std::to_string(id) +
+                              " admitted by rank 0 does not fit rank " + std::to_string(r) +
+                              "'s pages here: the replicated page tables diverged");
+      }
+    for (const PageRef& h : hits) table->acquire(h);
+    table->reserve(need);
+    s->reserve_left = need;
+    s->pages = hits;
+    s->hashes = hashes;
+    s->computed = static_cast<int64_t>(hits.size()) * T;
+    s->cached_tokens = s->computed;
+    s->req = std::move(req);
+    s->cb = std::move(cb);
+    s->submitted = submitted;
+    s->admitted = Clock::now();
+    running.push_back(std::move(s));
+    ++requests_total;
+    prompt_total += n;
+    cached_total += running.back()->cached_tokens;
+    return true;
+  }
+
+  // ---- step descriptions ----
+  struct Plan {
+    int64_t kind = kStepRun;
+    int64_t waiting_after = 0;
+    std::vector<RequestId> cancels;
+    struct Admit {
+      RequestId id;
+      Request req;
+    };
+    std::vector<Admit> admits;
+    std::vector<std::pair<RequestId, int64_t>> work;
+  };
+
+  static void put_request(std::vector<int64_t>& w, RequestId id, const Request& r) {
+    w.push_back(static_cast<int64_t>(id));
+    w.push_back(static_cast<int64_t>(r.prompt.size()));
+    w.push_back(r.max_new_tokens);
+    w.push_back(bits_of(r.sampling.temperature));
+    w.push_back(r.sampling.top_k);
+    w.push_back(bits_of(r.sampling.top_p));
+    w.push_back(static_cast<int64_t>(r.sampling.seed));
+    w.push_back(r.return_logits ? 1 : 0);
+    w.push_back(static_cast<int64_t>(r.stop_tokens.size()));
+    for (TokenId t : r.stop_tokens) w.push_back(t);
+    for (TokenId t : r.prompt) w.push_back(t);
+  }
+
+  static std::vector<int64_t> encode(const Plan& pl) {
+    std::vector<int64_t> w = {pl.kind, pl.waiting_after, static_cast<int64_t>(pl.cancels.size()),
+                              static_cast<int64_t>(pl.admits.size()),
+                              static_cast<int64_t>(pl.work.size())};
+    for (RequestId id : pl.cancels) w.push_back(static_cast<int64_t>(id));
+    for (const auto& a : pl.admits) put_request(w, a.id, a.req);
+    for (const auto& [id, n] : pl.work) {
+      w.push_back(static_cast<int64_t>(id));
+      w.push_back(n);
+    }
+    return w;
+  }
+
+  Result<Plan> decode_plan(const std::vector<int64_t>& w) const {
+    std::size_t i = 0;
+    auto next = [&](int64_t& out) {
+      if (i >= w.size()) return false;
+      out = w[i++];
+      return true;
+    };
+    const auto bad = [&] {
+      return internal_error(rank_prefix(*comm) + "malformed step description from rank 0 (word " +
+                            std::to_string(i) + " of " + std::to_string(w.size()) + ")");
+    };
+    Plan pl;
+    int64_t nc = 0, na = 0, nw = 0;
+    if (!next(pl.kind) || !next(pl.waiting_after) || !next(nc) || !next(na) || !next(nw)) return bad();
+    for (int64_t c = 0; c < nc; ++c) {
+      int64_t id;
+      if (!next(id)) return bad();
+      pl.cancels.push_back(static_cast<RequestId>(id));
+    }
+    for (int64_t a = 0; a < na; ++a) {
+      Plan::Admit ad;
+      int64_t id, np, temp, topk, topp, seed, rl, ns;
+      if (!next(id) || !next(np) || !next(ad.req.max_new_tokens) || !next(temp) || !next(topk) ||
+          !next(topp) || !next(seed) || !next(rl) || !next(ns))
+        return bad();
+      if (np < 0 || ns < 0 || static_cast<std::size_t>(np + ns) > w.size() - i) return bad();
+      ad.id = static_cast<RequestId>(id);
+      ad.req.sampling.temperature = double_of(temp);
+      ad.req.sampling.top_k = static_cast<int>(topk);
+      ad.req.sampling.top_p = double_of(topp);
+      ad.req.sampling.seed = static_cast<uint64_t>(seed);
+      ad.req.return_logits = rl != 0;
+      for (int64_t j = 0; j < ns; ++j) ad.req.stop_tokens.push_back(static_cast<TokenId>(w[i++]));
+      for (int64_t j = 0; j < np; ++j) ad.req.prompt.push_back(static_cast<TokenId>(w[i++]));
+      pl.admits.push_back(std::move(ad));
+    }
+    for (int64_t j = 0; j < nw; ++j) {
+      int64_t id, n;
+      if (!next(id) || !next(n)) return bad();
+      pl.work.emplace_back(static_cast<RequestId>(id), n);
+    }
+    if (i != w.size()) return bad();
+    return pl;
+  }
+
+  // Rank 0: what this step does. Applies cancels and admissions to the replicated state as it
+  // decides them (the other ranks apply the same from the description).
+  Result<Plan> make_plan() {
+    Plan pl;
+    std::vector<Pending> admitted_now;
+    {
+      std::unique_lock lk(mu);
+      if (running.empty() && waiting.empty() && cancel_ids.empty() && !stop_now && !stop_drain)
+        cv.wait_for(lk, cfg.idle_tick);
+      // Cancels: waiting requests end here; running ones in this step, on every rank.
+      for (RequestId id : cancel_ids) {
+        auto it = std::find_if(waiting.begin(), waiting.end(), [&](const Pending& pend) { return pend.id == id; });
+        if (it != waiting.end()) {
+          Pending pd = std::move(*it);
+          waiting.erase(it);
+          lk.unlock();
+          if (pd.cb) {
+            TokenEvent ev;
+            ev.id = pd.id;
+            ev.finish = FinishReason::kCancelled;
+            pd.cb(ev);
+          }
+          lk.lock();
+          continue;
+        }
+        if (find(id) != nullptr &&
+            std::find(pl.cancels.begin(), pl.cancels.end(), id) == pl.cancels.end())
+          pl.cancels.push_back(id);
+      }
+      cancel_ids.clear();
+      if (stop_now) {
+        for (auto& s : running)
+          if (std::find(pl.cancels.begin(), pl.cancels.end(), s->id) == pl.cancels.end())
+            pl.cancels.push_back(s->id);
+        std::deque<Pending> drop;
+        drop.swap(waiting);
+        lk.unlock();
+        for (Pending& pd : drop)
+          if (pd.cb) {
+            TokenEvent ev;
+            ev.id = pd.id;
+            ev.finish = FinishReason::kCancelled;
+            pd.cb(ev);
+          }
+        lk.lock();
+        pl.kind = kStepStop;
+      }
+    }
+    for (RequestId id : pl.cancels) cancel_running(id);
+    if (pl.kind == kStepStop) return pl;
+    // Admissions, first come first served: the head of the queue waits for pages rather than
+    // being overtaken.
+    for (;;) {
+      Pending pd;
+      {
+        std::lock_guard lk(mu);
+        if (waiting.empty() || static_cast<int>(running.size()) >= cfg.max_batch) break;
+        pd = waiting.front();
+      }
+      auto ok = admit(pd.id, pd.req, true, pd.cb, pd.submitted);
+      TREEATTN_RETURN_IF_ERROR(ok.status());
+      if (!*ok) break;
+      {
+        std::lock_guard lk(mu);
+        waiting.pop_front();
+      }
+      pl.admits.push_back({pd.id, std::move(pd.req)});
+    }
+    pl.work = choose_work();
+    {
+      std::lock_guard lk(mu);
+      pl.waiting_after = static_cast<int64_t>(waiting.size());
+      if (stop_drain && running.empty() && waiting.empty()) pl.kind = kStepStop;
+    }
+    return pl;
+  }
+
+  void cancel_running(RequestId id) {
+    Seq* s = find(id);
+    if (s == nullptr) return;
+    TokenEvent ev;
+    ev.finish = FinishReason::kCancelled;
+    emit(*s, ev);
+    retire(id);
+  }
+
+  // Decoding sequences always take their one token; prefilling ones share prefill_chunk tokens
+  // in admission order.
+  std::vector<std::pair<RequestId, int64_t>> choose_work() const {
+    std::vector<std::pair<RequestId, int64_t>> work;
+    int64_t budget = cfg.prefill_chunk;
+    for (const auto& s : running) {
+      const int64_t pending = static_cast<int64_t>(s->tokens.size()) - s->computed;
+      if (s->computed >= s->prompt_len) {
+        work.emplace_back(s->id, pending);  // 1
+      } else if (budget > 0) {
+        const int64_t n = std::min(pending, budget);
+        budget -= n;
+        work.emplace_back(s->id, n);
+      }
+    }
+    return work;
+  }
+
+  // ---- the batched forward pass ----
+  Status forward(const std::vector<std::pair<RequestId, int64_t>>& work) {
+    const auto& mc = model->config();
+    const int64_t E = mc.n_embd, H = mc.n_head, Hkv = mc.n_head_kv, D = mc.head_dim;
+    const int64_t qd = H * D, kvd = Hkv * D;
+    const std::size_t rec = static_cast<std::size_t>(D + 2);
+    // Rows, and pages for the positions they store (allocated on every rank's table).
+    std::vector<Seq*> seqs;
+    std::vector<int64_t> first_row;
+    int64_t rows = 0;
+    row_tok.clear();
+    row_pos.clear();
+    for (const auto& [id, n] : work) {
+      Seq* s = find(id);
+      if (s == nullptr || n < 1 || s->computed + n > static_cast<int64_t>(s->tokens.size()))
+        return internal_error(rank_prefix(*comm) + "step description names request " +
+                              std::to_string(id) + " with " + std::to_string(n) +
+                              " tokens, which this rank cannot run");
+      seqs.push_back(s);
+      first_row.push_back(rows);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t pos = s->computed + i;
+        row_tok.push_back(s->tokens[static_cast<std::size_t>(pos)]);
+        row_pos.push_back(pos);
+        const int64_t j = pos / T;
+        if (j == static_cast<int64_t>(s->pages.size())) {
+          const int owner = table->owner(j);
+          auto pg = table->allocate(owner);
+          TREEATTN_RETURN_IF_ERROR(pg.status());
+          --s->reserve_left[static_cast<std::size_t>(owner)];
+          s->pages.push_back(*pg);
+        }
+      }
+      rows += n;
+    }
+    if (rows == 0) return Status::ok();
+    // The dense part is split: rank r computes rows [lo, lo + mine) (embedding, projections,
+    // output projection, FFN); per layer the ranks all-gather q, k and v of every row, so that
+    // the owners store K/V and every rank computes its pages' partial states for every row. A
+    // row's bits do not depend on which rank computes it or on how many rows it is computed with
+    // (matmul per token, model.hpp), so the split changes no bit.
+    const int64_t per = (rows + p - 1) / p;  // rows per rank (slots; the last ranks may have fewer)
+    const int64_t lo = std::min(rows, me * per), mine = std::min(rows, lo + per) - lo;
+    const int64_t packed = qd + 2 * kvd;     // floats of one row's q, k, v
+    x.resize(static_cast<std::size_t>(std::max<int64_t>(mine, 1) * E));
+    q.resize(static_cast<std::size_t>(rows * qd));
+    k.resize(static_cast<std::size_t>(rows * kvd));
+    v.resize(k.size());
+    attn.resize(static_cast<std::size_t>(std::max<int64_t>(mine, 1) * qd));
+    states.resize(static_cast<std::size_t>(rows * H) * rec);
+    qkv_send.resize(static_cast<std::size_t>(per * packed));
+    qkv_recv.resize(static_cast<std::size_t>(p * per * packed));
+    qkv_local.resize(static_cast<std::size_t>(std::max<int64_t>(mine, 1) * packed));
+    if (mine > 0)
+      TREEATTN_RETURN_IF_ERROR(model->embed(
+          std::span<const TokenId>(row_tok.data() + lo, static_cast<std::size_t>(mine)), x.data()));
+
+    // This rank's pages of each work item's sequence, as the kernel reads them.
+    struct EntryPages {
+      std::vector<int32_t> ids;
+      std::vector<int64_t> pos;
+      std::vector<int32_t> len;
+    };
+    std::vector<EntryPages> ep(work.size());
+    std::vector<PagedEntry> entries(work.size());
+    for (std::size_t w = 0; w < work.size(); ++w) {
+      const Seq& s = *seqs[w];
+      const int64_t end = s.computed + work[w].second;  // length after this step
+      for (int64_t j = 0; j * T < end; ++j) {
+        const PageRef& pg = s.pages[static_cast<std::size_t>(j)];
+        if (pg.rank != me) continue;
+        ep[w].ids.push_back(pg.id);
+        ep[w].pos.push_back(j * T);
+        ep[w].len.push_back(static_cast<int32_t>(std::min(T, end - j * T)));
+      }
+      PagedEntry& e = entries[w];
+      e.q = q.data() + first_row[w] * qd;
+      e.n_q = work[w].second;
+      e.first_pos = s.computed;
+      e.pages = ep[w].ids;
+      e.page_pos = ep[w].pos;
+      e.page_len = ep[w].len;
+      e.states = states.data() + static_cast<std::size_t>(first_row[w] * H) * rec;
+    }
+    DecodeOptions dopt;
+    dopt.threads = cfg.threads;
+    dopt.isa = cfg.isa;
+    const AttnShape shape{1, H, Hkv, D, 1};
+    const int64_t pool_pages = table->pages_per_rank();
+    const std::vector<int64_t> no_len;
+    float* ql = qkv_local.data();
+    float* kl = ql + std::max<int64_t>(mine, 1) * qd;
+    float* vl = kl + std::max<int64_t>(mine, 1) * kvd;
+
+    for (int l = 0; l < mc.n_layers; ++l) {
+      if (mine > 0)
+        TREEATTN_RETURN_IF_ERROR(model->attention_inputs(l, x.data(), mine, row_pos.data() + lo, ql,
+                                                         kl, vl, fs, mv));
+      if (p == 1) {
+        std::memcpy(q.data(), ql, static_cast<std::size_t>(rows * qd) * sizeof(float));
+        std::memcpy(k.data(), kl, static_cast<std::size_t>(rows * kvd) * sizeof(float));
+        std::memcpy(v.data(), vl, static_cast<std::size_t>(rows * kvd) * sizeof(float));
+      } else {
+        for (int64_t i = 0; i < mine; ++i) {
+          float* dst = qkv_send.data() + i * packed;
+          std::memcpy(dst, ql + i * qd, static_cast<std::size_t>(qd) * sizeof(float));
+          std::memcpy(dst + qd, kl + i * kvd, static_cast<std::size_t>(kvd) * sizeof(float));
+          std::memcpy(dst + qd + kvd, vl + i * kvd, static_cast<std::size_t>(kvd) * sizeof(float));
+        }
+        const auto tg = Clock::now();
+        TREEATTN_RETURN_IF_ERROR(comm->allgather(qkv_send.data(),
+                                                 static_cast<std::size_t>(per * packed) * sizeof(float),
+                                                 qkv_recv.data()));
+        merge_s += seconds(Clock::now() - tg);
+        for (int64_t row = 0; row < rows; ++row) {
+          const float* src = qkv_recv.data() + ((row / per) * per + row % per) * packed;
+          std::memcpy(q.data() + row * qd, src, static_cast<std::size_t>(qd) * sizeof(float));
+          std::memcpy(k.data() + row * kvd, src + qd, static_cast<std::size_t>(kvd) * sizeof(float));
+          std::memcpy(v.data() + row * kvd, src + qd + kvd, static_cast<std::size_t>(kvd) * sizeof(float));
+        }
+      }
+      // The owners store K and V.
+      TiledKVCache& pool = pools[static_cast<std::size_t>(l)];
+      for (std::size_t w = 0; w < work.size(); ++w) {
+        const Seq& s = *seqs[w];
+        for (int64_t i = 0; i < work[w].second; ++i) {
+          const int64_t row = first_row[w] + i, pos = s.computed + i;
+          const PageRef& pg = s.pages[static_cast<std::size_t>(pos / T)];
+          if (pg.rank != me) continue;
+          pool.set_tokens(0, static_cast<int64_t>(pg.id) * T + pos % T, k.data() + row * kvd,
+                          v.data() + row * kvd);
+        }
+      }
+      const auto ta = Clock::now();
+      const TiledKVShard view = pool.view(no_len, no_len, no_len, 1);
+      TREEATTN_RETURN_IF_ERROR(decode_partial_paged(shape, view, pool_pages, entries, dopt));
+      const auto tm = Clock::now();
+      attn_s += seconds(tm - ta);
+      TREEATTN_RETURN_IF_ERROR(merge_states(*comm, merge, states.data(),
+                                            static_cast<std::size_t>(rows * H),
+                                            static_cast<std::size_t>(D), merge_scratch));
+      merge_s += seconds(Clock::now() - tm);
+      ++merges;
+      for (int64_t r = 0; r < mine * H; ++r)
+        state_normalize(states.data() + static_cast<std::size_t>(lo * H + r) * rec,
+                        static_cast<std::size_t>(D), attn.data() + r * D,
+                        static_cast<float*>(nullptr));
+      if (mine > 0)
+        TREEATTN_RETURN_IF_ERROR(
+            model->attention_output_and_ffn(l, attn.data(), mine, x.data(), fs, mv));
+    }
+
+    // Bookkeeping: positions stored, full pages indexed.
+    for (std::size_t w = 0; w < work.size(); ++w) {
+      Seq& s = *seqs[w];
+      s.computed += work[w].second;
+      while (static_cast<int64_t>(s.hashes.size() + 1) * T <= s.computed) {
+        const int64_t j = static_cast<int64_t>(s.hashes.size());
+        const uint64_t parent = j == 0 ? PageTable::kRootHash : s.hashes.back();
+        const std::span<const TokenId> toks(s.tokens.data() + j * T, static_cast<std::size_t>(T));
+        const uint64_t h = PageTable::chain_hash(parent, toks);
+        s.hashes.push_back(h);
+        if (cfg.prefix_cache) table->insert(h, parent, toks, s.pages[static_cast<std::size_t>(j)]);
+      }
+    }
+
+    // Logits of the rows that end a sequence's known tokens; sampling, identical on every rank.
+    std::vector<std::size_t> sample_w;
+    for (std::size_t w = 0; w < work.size(); ++w)
+      if (seqs[w]->computed == static_cast<int64_t>(seqs[w]->tokens.size())) sample_w.push_back(w);
+    if (sample_w.empty()) return Status::ok();
+    const auto S = static_cast<int64_t>(sample_w.size());
+    // Each rank puts the hidden states of the sampled rows it computed into their slots; an
+    // all-gather gives every rank every sampled row, and every rank computes the same logits.
+    xs.assign(static_cast<std::size_t>(S * E), 0.0f);
+    for (int64_t i = 0; i < S; ++i) {
+      const std::size_t w = sample_w[static_cast<std::size_t>(i)];
+      const int64_t row = first_row[w] + work[w].second - 1;
+      if (row >= lo && row < lo + mine)
+        std::memcpy(xs.data() + i * E, x.data() + (row - lo) * E,
+                    static_cast<std::size_t>(E) * sizeof(float));
+    }
+    if (p > 1) {
+      xs_all.resize(static_cast<std::size_t>(p * S * E));
+      TREEATTN_RETURN_IF_ERROR(comm->allgather(
+          xs.data(), static_cast<std::size_t>(S * E) * sizeof(float), xs_all.data()));
+      for (int64_t i = 0; i < S; ++i) {
+        const std::size_t w = sample_w[static_cast<std::size_t>(i)];
+        const int64_t owner = (first_row[w] + work[w].second - 1) / per;
+        std::memcpy(xs.data() + i * E, xs_all.data() + (owner * S + i) * E,
+                    static_cast<std::size_t>(E) * sizeof(float));
+      }
+    }
+    logits.resize(static_cast<std::size_t>(S * mc.n_vocab));
+    TREEATTN_RETURN_IF_ERROR(model->logits(xs.data(), S, logits.data(), fs, mv));
+    std::vector<RequestId> done;
+    for (int64_t i = 0; i < S; ++i) {
+      Seq& s = *seqs[sample_w[static_cast<std::size_t>(i)]];
+      const std::span<const float> lg(logits.data() + i * mc.n_vocab,
+                                      static_cast<std::size_t>(mc.n_vocab));
+      const TokenId tok = s.sampler.sample(lg);
+      s.tokens.push_back(tok);
+      ++s.generated;
+      ++generated_total;
+      if (s.generated == 1) s.first_token = Clock::now();
+      TokenEvent ev;
+      ev.token = tok;
+      ev.index = s.generated - 1;
+      if (std::find(s.req.stop_tokens.begin(), s.req.stop_tokens.end(), tok) != s.req.stop_tokens.end())
+        ev.finish = FinishReason::kStop;
+      else if (s.generated >= s.req.max_new_tokens)
+        ev.finish = FinishReason::kLength;
+      if (s.req.return_logits && me == 0) ev.logits.assign(lg.begin(), lg.end());
+      emit(s, ev);
+      if (ev.finish != FinishReason::kNone) done.push_back(s.id);
+    }
+    for (RequestId id : done) retire(id);
+    return Status::ok();
+  }
+
+  void update_snapshot() {
+    EngineMetrics m;
+    m.running = static_cast<int64_t>(running.size());
+    m.requests_total = requests_total;
+    m.prompt_tokens_total = prompt_total;
+    m.cached_tokens_total = cached_total;
+    m.generated_tokens_total = generated_total;
+    m.steps = steps;
+    m.pages_per_rank = table->pages_per_rank();
+    for (int r = 0; r < p; ++r) {
+      m.pages_used.push_back(table->used_pages(r));
+      m.pages_cached.push_back(table->cached_pages(r));
+      m.pages_free.push_back(table->free_pages(r));
+    }
+    m.merge_seconds = rank_merge_s;
+    m.attention_seconds = rank_attn_s;
+    m.merges = merges;
+    m.bytes_sent = comm->counters().p2p_bytes + comm->counters().collective_payload_bytes;
+    std::lock_guard lk(mu);
+    m.waiting = static_cast<int64_t>(waiting.size());
+    m.failed = failed;
+    m.error = failure;
+    snapshot = std::move(m);
+  }
+
+  // One step on every rank. *stop: the step was a stop step.
+  Result<bool> step(bool* stop) {
+    Plan pl;
+    std::vector<int64_t> words;
+    int64_t header[2] = {0, 0};
+    if (me == 0) {
+      auto r = make_plan();
+      TREEATTN_RETURN_IF_ERROR(r.status());
+      pl = std::move(r).value();
+      words = encode(pl);
+      header[0] = static_cast<int64_t>(words.size());
+    }
+    comm->set_context("engine step " + std::to_string(steps));
+    TREEATTN_RETURN_IF_ERROR(comm->broadcast(header, sizeof(header), 0));
+    if (me != 0) words.resize(static_cast<std::size_t>(header[0]));
+    TREEATTN_RETURN_IF_ERROR(comm->broadcast(words.data(), words.size() * sizeof(int64_t), 0));
+    if (me != 0) {
+      auto r = decode_plan(words);
+      TREEATTN_RETURN_IF_ERROR(r.status());
+      pl = std::move(r).value();
+      for (RequestId id : pl.cancels) cancel_running(id);
+      for (auto& a : pl.admits) {
+        auto ok = admit(a.id, std::move(a.req), false, {}, Clock::now());
+        TREEATTN_RETURN_IF_ERROR(ok.status());
+      }
+    }
+    ++steps;
+    if (pl.kind == kStepStop) {
+      *stop = true;
+      update_snapshot();
+      return false;
+    }
+    TREEATTN_RETURN_IF_ERROR(forward(pl.work));
+    // Per-rank timings to rank 0 for the metrics (two doubles per rank).
+    double mine[2] = {merge_s, attn_s};
+    rank_times.resize(static_cast<std::size_t>(2 * p));
+    TREEATTN_RETURN_IF_ERROR(comm->gather(mine, sizeof(mine), rank_times.data(), 0));
+    if (me == 0) {
+      rank_merge_s.assign(static_cast<std::size_t>(p), 0.0);
+      rank_attn_s.assign(static_cast<std::size_t>(p), 0.0);
+      for (int r = 0; r < p; ++r) {
+        rank_merge_s[static_cast<std::size_t>(r)] = rank_times[static_cast<std::size_t>(2 * r)];
+        rank_attn_s[static_cast<std::size_t>(r)] = rank_times[static_cast<std::size_t>(2 * r + 1)];
+      }
+      update_snapshot();
+    }
+    return !running.empty() || pl.waiting_after > 0;
+  }
+
+  void fail_all(const Status& st) {
+    std::deque<Pending> drop;
+    {
+      std::lock_guard lk(mu);
+      failed = true;
+      failure = st.message();
+      drop.swap(waiting);
+    }
+    if (me != 0) return;
+    for (auto& s : running) {
+      TokenEvent ev;
+      ev.finish = FinishReason::kError;
+      ev.error = st;
+      emit(*s, ev);
+    }
+    for (Pending& pd : drop)
+      if (pd.cb) {
+        TokenEvent ev;
+        ev.id = pd.id;
+        ev.finish = FinishReason::kError;
+        ev.error = st;
+        pd.cb(ev);
+      }
+    update_snapshot();
+  }
+};
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() = default;
+
+Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::LlamaModel& model,
+                                               const EngineConfig& config) {
+  auto impl = std::make_unique<Impl>();
+  Impl& e = *impl;
+  e.comm = &comm;
+  e.model = &model;
+  e.cfg = config;
+  e.p = comm.size();
+  e.me = comm.rank();
+  e.T = config.page_tokens;
+  e.mv.threads = config.threads;
+  e.mv.isa = config.isa;
+  const auto& mc = model.config();
+  const std::string who = rank_prefix(comm) + "engine: ";
+  // Local checks first; every rank then learns every rank's verdict, so a rank with a bad
+  // configuration is named on all of them and none waits for it.
+  // Ranks sharing this host split its memory (collective, so every rank calls it).
+  comm.set_timeout(config.timeout);
+  comm.set_context("engine create");
+  int local_ranks = 1;
+  {
+    auto shared = comm.split_shared(comm.rank());
+    if (shared.is_ok() && *shared) local_ranks = (*shared)->size();
+  }
+  Status local;
+  auto merge = parse_merge(config.merge);
+  if (!merge.is_ok()) local = merge.status();
+  else e.merge = *merge;
+  if (local.is_ok() && !valid_page_tokens(config.page_tokens))
+    local = invalid_argument("page_tokens " + std::to_string(config.page_tokens) +
+                             " must be 16 or a multiple of 32 up to 256");
+  if (local.is_ok() && config.kv_dtype != DType::kF32 && config.kv_dtype != DType::kF16 &&
+      config.kv_dtype != DType::kBF16)
+    local = unsupported("the KV dtype must be f32, f16 or bf16, not " +
+                        std::string(dtype_name(config.kv_dtype)));
+  if (local.is_ok() && config.max_batch < 1)
+    local = invalid_argument("max_batch must be >= 1");
+  if (local.is_ok() && config.prefill_chunk < 1)
+    local = invalid_argument("prefill_chunk must be >= 1");
+  if (local.is_ok() && config.max_queue < 0) local = invalid_argument("max_queue must be >= 0");
+  // Pages: per-layer page bytes from a one-page pool.
+  const AttnShape pool_shape{1, mc.n_head, mc.n_head_kv, mc.head_dim, 1};
+  int64_t pages = config.kv_pages;
+  if (local.is_ok()) {
+    auto probe = TiledKVCache::create(pool_shape, config.kv_dtype, e.T, kKVTileLayout, e.T);
+    if (!probe.is_ok()) {
+      local = probe.status();
+    } else if (pages <= 0) {
+      const std::size_t per_page = probe->bytes() * static_cast<std::size_t>(mc.n_layers);
+      std::size_t budget = config.kv_memory;
+      if (budget == 0) {
+        budget = static_cast<std::size_t>(mem_available_bytes() / 2 / static_cast<uint64_t>(local_ranks));
+      }
+      pages = static_cast<int64_t>(budget / per_page);
+      if (pages < 1)
+        local = invalid_argument("the KV memory (" + std::to_string(budget) +
+                                 " bytes per rank) holds no page of " + std::to_string(e.T) +
+                                 " tokens (" + std::to_string(per_page) + " bytes over " +
+                                 std::to_string(mc.n_layers) + " layers)");
+    }
+  }
+  // Agreement: configuration, model and local verdicts, from every rank.
+  const std::string desc = mc.to_string() + "|" + std::to_string(model.file().file_size()) + "|" +
+                           std::string(dtype_name(config.kv_dtype)) + "|" +
+                           std::to_string(config.page_tokens) + "|" + std::to_string(config.max_batch) +
+                           "|" + std::to_string(config.prefill_chunk) + "|" + config.merge + "|" +
+                           (config.prefix_cache ? "1" : "0") + "|" + std::to_string(config.max_queue);
+  struct Verdict {
+    uint64_t hash;
+    int64_t pages;
+    int32_t ok;
+    int32_t pad;
+  };
+  Verdict mine{std::hash<std::string>{}(desc), pages, local.is_ok() ? 1 : 0, 0};
+  std::vector<Verdict> all(static_cast<std::size_t>(e.p));
+  TREEATTN_RETURN_IF_ERROR(comm.allgather(&mine, sizeof(mine), all.data()));
+  if (!local.is_ok()) return Status(local.code(), who + local.message());
+  int64_t min_pages = pages;
+  for (int r = 0; r < e.p; ++r) {
+    const Verdict& vr = all[static_cast<std::size_t>(r)];
+    if (vr.ok == 0)
+      return invalid_argument(who + "rank " + std::to_string(r) +
+                              " refused the engine configuration (its own message names why)");
+    if (vr.hash != all[0].hash)
+      return Status(Code::kMismatch, who + "rank " + std::to_string(r) +
+                                         "'s model or engine configuration differs from rank 0's");
+    min_pages = std::min(min_pages, vr.pages);
+  }
+  // Every rank uses the smallest pool (the replicated table assumes one size).
+  pages = min_pages;
+  e.pools.reserve(static_cast<std::size_t>(mc.n_layers));
+  Status alloc;
+  for (int l = 0; l < mc.n_layers && alloc.is_ok(); ++l) {
+    auto c = TiledKVCache::create(pool_shape, config.kv_dtype, pages * e.T, kKVTileLayout, e.T);
+    if (!c.is_ok()) alloc = c.status();
+    else e.pools.push_back(std::move(c).value());
+  }
+  int32_t ok = alloc.is_ok() ? 1 : 0;
+  std::vector<int32_t> oks(static_cast<std::size_t>(e.p));
+  TREEATTN_RETURN_IF_ERROR(comm.allgather(&ok, sizeof(ok), oks.data()));
+  if (!alloc.is_ok()) return Status(alloc.code(), who + "KV pools: " + alloc.message());
+  for (int r = 0; r < e.p; ++r)
+    if (oks[static_cast<std::size_t>(r)] == 0)
+      return Status(Code::kOutOfMemory, who + "rank " + std::to_string(r) +
+                                            " could not allocate its KV pools");
+  e.table = std::make_unique<PageTable>(e.p, pages, e.T);
+  e.rank_merge_s.assign(static_cast<std::size_t>(e.p), 0.0);
+  e.rank_attn_s.assign(static_cast<std::size_t>(e.p), 0.0);
+  e.update_snapshot();
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+Result<RequestId> Engine::submit(Request request, TokenCallback callback) {
+  Impl& e = *impl_;
+  if (e.me != 0) return invalid_argument(rank_prefix(*e.comm) + "submit: only rank 0 takes requests");
+  TREEATTN_RETURN_IF_ERROR(e.check_request(request));
+  std::lock_guard lk(e.mu);
+  if (e.failed) return internal_error("the engine failed: " + e.failure);
+  if (e.stop_now || e.stop_drain) return internal_error("the engine is stopping");
+  if (static_cast<int>(e.waiting.size()) >= e.cfg.max_queue)
+    return Status(Code::kOutOfMemory, "the request queue is full (" +
+                                          std::to_string(e.waiting.size()) + " waiting)");
+  const RequestId id = e.next_id++;
+  e.waiting.push_back({id, std::move(request), std::move(callback), Clock::now()});
+  e.cv.notify_all();
+  return id;
+}
+
+void Engine::cancel(RequestId id) {
+  Impl& e = *impl_;
+  std::lock_guard lk(e.mu);
+  e.cancel_ids.push_back(id);
+  e.cv.notify_all();
+}
+
+void Engine::stop(bool drain) {
+  Impl& e = *impl_;
+  std::lock_guard lk(e.mu);
+  if (drain) e.stop_drain = true;
+  else e.stop_now = true;
+  e.cv.notify_all();
+}
+
+Status Engine::run() {
+  for (;;) {
+    bool stop = false;
+    auto r = impl_->step(&stop);
+    if (!r.is_ok()) {
+      impl_->fail_all(r.status());
+      return r.status();
+    }
+    if (stop) return Status::ok();
+  }
+}
+
+Result<bool> Engine::step() {
+  bool stop = false;
+  auto r = impl_->step(&stop);
+  if (!r.is_ok()) impl_->fail_all(r.status());
+  return r;
+}
+
+int64_t Engine::max_sequence_tokens() const { return impl_->max_sequence_tokens(); }
+
+EngineMetrics Engine::metrics() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->snapshot;
+}
+const EngineConfig& Engine::config() const { return impl_->cfg; }
+const model::LlamaModel& Engine::model() const { return *impl_->model; }
+Communicator& Engine::comm() const { return *impl_->comm; }
+
+}  // namespace treeattn::engine

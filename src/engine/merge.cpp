@@ -1,0 +1,71 @@
+// merge_states: see merge.hpp.
+#include "engine/merge.hpp"
+
+#include <string>
+
+#include "treeattn/state.hpp"
+
+namespace treeattn::engine {
+
+Result<MergeKind> parse_merge(std::string_view name) {
+  if (name == "tree") return MergeKind::kTree;
+  if (name == "allreduce") return MergeKind::kAllreduce;
+  if (name == "allgather") return MergeKind::kAllgather;
+  return invalid_argument("unknown engine merge '" + std::string(name) +
+                          "' (known: tree, allreduce, allgather)");
+}
+
+const char* merge_name(MergeKind kind) {
+  switch (kind) {
+    case MergeKind::kTree: return "tree";
+    case MergeKind::kAllreduce: return "allreduce";
+    case MergeKind::kAllgather: return "allgather";
+  }
+  return "?";
+}
+
+Status merge_states(Communicator& comm, MergeKind kind, float* records, std::size_t n,
+                    std::size_t head_dim, std::vector<float>& scratch) {
+  const int p = comm.size(), r = comm.rank();
+  if (p == 1 || n == 0) return Status::ok();
+  const std::size_t rec = head_dim + 2;
+  const std::size_t floats = n * rec;
+  const std::size_t bytes = floats * sizeof(float);
+  switch (kind) {
+    case MergeKind::kAllreduce:
+      return comm.allreduce_states(records, n, head_dim);
+    case MergeKind::kAllgather: {
+      if (scratch.size() < floats * static_cast<std::size_t>(p))
+        scratch.resize(floats * static_cast<std::size_t>(p));
+      TREEATTN_RETURN_IF_ERROR(comm.allgather(records, bytes, scratch.data()));
+      // Rank 0's records, then (+) rank 1's, ... in rank order.
+      for (std::size_t i = 0; i < floats; ++i) records[i] = scratch[i];
+      for (int q = 1; q < p; ++q)
+        state_merge_n(records, scratch.data() + static_cast<std::size_t>(q) * floats, n, head_dim);
+      return Status::ok();
+    }
+    case MergeKind::kTree: {
+      if (scratch.size() < floats) scratch.resize(floats);
+      for (int dist = 1; dist < p; dist *= 2) {
+        if (r % (2 * dist) == dist) {  // send up and leave the reduction
+          auto req = comm.isend(records, bytes, r - dist, 0);
+          TREEATTN_RETURN_IF_ERROR(req.status());
+          const CommRequest reqs[1] = {*req};
+          TREEATTN_RETURN_IF_ERROR(comm.wait_all(reqs));
+          break;
+        }
+        if (r % (2 * dist) == 0 && r + dist < p) {
+          auto req = comm.irecv(scratch.data(), bytes, r + dist, 0);
+          TREEATTN_RETURN_IF_ERROR(req.status());
+          const CommRequest reqs[1] = {*req};
+          TREEATTN_RETURN_IF_ERROR(comm.wait_all(reqs));
+          state_merge_n(records, scratch.data(), n, head_dim);  // lower ranks on the left
+        }
+      }
+      return comm.broadcast(records, bytes, 0);
+    }
+  }
+  return internal_error("merge_states: unknown kind");
+}
+
+}  // namespace treeattn::engine

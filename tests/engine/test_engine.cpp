@@ -1,0 +1,413 @@
+// The serving engine (include/treeattn/engine.hpp) on tiny random-weight Llama models, with
+// threads as ranks: agreement with the Generator's decode (itself checked against the float64
+// reference in tests/model), batch invariance (a request's tokens and logits bits are the same
+// alone and in a staggered batch with chunked prefill and prefix reuse, at 1-4 ranks), prefix
+// reuse for follow-up turns, admission under memory pressure with eviction, cancellation, bad
+// requests and a rank that never arrives.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "model/generate_harness.hpp"
+#include "model/tiny_llama.hpp"
+#include "treeattn/comm_local.hpp"
+#include "treeattn/engine.hpp"
+
+namespace treeattn::engine {
+namespace {
+
+using testing::ScratchDir;
+
+struct Submitted {
+  int at_step = 0;
+  Request req;
+};
+
+struct Outcome {
+  std::vector<TokenId> tokens;
+  std::vector<std::vector<float>> logits;
+  FinishReason finish = FinishReason::kNone;
+  int64_t cached = -1;
+  Status error;
+};
+
+struct RunResult {
+  std::vector<Outcome> out;
+  EngineMetrics metrics;
+  Status status;
+};
+
+class TinyModel {
+ public:
+  explicit TinyModel(testing::TinyLlamaSpec spec = {}) {
+    path_ = dir_.path("tiny.gguf");
+    testing::GgufBuilder::write(path_, testing::build_tiny_llama(spec));
+    auto m = model::LlamaModel::load(path_);
+    EXPECT_TRUE(m.is_ok()) << m.status().to_string();
+    model_ = std::move(m).value();
+  }
+  const model::LlamaModel& operator*() const { return *model_; }
+
+ private:
+  ScratchDir dir_;
+  std::string path_;
+  std::unique_ptr<model::LlamaModel> model_;
+};
+
+EngineConfig base_config() {
+  EngineConfig c;
+  c.kv_dtype = DType::kF32;
+  c.page_tokens = 16;
+  c.kv_pages = 64;
+  c.threads = 1;
+  c.timeout = std::chrono::milliseconds(60000);
+  c.idle_tick = std::chrono::milliseconds(1);
+  return c;
+}
+
+// Runs the requests through one engine over p in-process ranks. alone: one request at a time
+// (each submitted when the previous one finished); otherwise request i is submitted before
+// step subs[i].at_step.
+RunResult run_engine(const model::LlamaModel& m, int p, const EngineConfig& cfg,
+                     const std::vector<Submitted>& subs, bool alone,
+                     const std::function<void(Engine&, RequestId, const TokenEvent&)>& hook = {}) {
+  RunResult res;
+  res.out.resize(subs.size());
+  std::mutex mu;
+  std::map<RequestId, std::size_t> index;
+  res.status = run_local(p, [&](Communicator& comm) -> Status {
+    auto e = Engine::create(comm, m, cfg);
+    TREEATTN_RETURN_IF_ERROR(e.status());
+    Engine& eng = **e;
+    if (comm.rank() != 0) return eng.run();
+    auto cb = [&](const TokenEvent& ev) {
+      std::lock_guard lk(mu);
+      Outcome& o = res.out[index.at(ev.id)];
+      if (ev.token >= 0) o.tokens.push_back(ev.token);
+      if (!ev.logits.empty()) o.logits.push_back(ev.logits);
+      o.cached = ev.timings.cached_tokens;
+      if (ev.finish != FinishReason::kNone) {
+        o.finish = ev.finish;
+        o.error = ev.error;
+      }
+      if (hook) hook(eng, ev.id, ev);
+    };
+    auto submit = [&](std::size_t i) -> Status {
+      std::lock_guard lk(mu);
+      auto id = eng.submit(subs[i].req, cb);
+      TREEATTN_RETURN_IF_ERROR(id.status());
+      index[*id] = i;
+      return Status::ok();
+    };
+    Status st;
+    if (alone) {
+      for (std::size_t i = 0; i < subs.size() && st.is_ok(); ++i) {
+        st = submit(i);
+        for (bool more = true; more && st.is_ok();) {
+          auto r = eng.step();
+          if (!r.is_ok()) st = r.status();
+          else more = *r;
+        }
+      }
+    } else {
+      std::size_t next = 0;
+      for (int s = 0; st.is_ok(); ++s) {
+        while (next < subs.size() && subs[next].at_step <= s && st.is_ok()) st = submit(next++);
+        auto r = eng.step();
+        if (!r.is_ok()) st = r.status();
+        else if (!*r && next == subs.size()) break;
+      }
+    }
+    eng.stop(false);
+    auto last = eng.step();  // the stop step: every rank's run() returns
+    res.metrics = eng.metrics();
+    TREEATTN_RETURN_IF_ERROR(st);
+    return last.status();
+  });
+  return res;
+}
+
+std::vector<TokenId> random_tokens(std::mt19937_64& rng, int n, int vocab) {
+  std::uniform_int_distribution<int> u(0, vocab - 1);
+  std::vector<TokenId> t(static_cast<std::size_t>(n));
+  for (auto& x : t) x = u(rng);
+  return t;
+}
+
+Request greedy(std::vector<TokenId> prompt, int64_t max_new) {
+  Request r;
+  r.prompt = std::move(prompt);
+  r.max_new_tokens = max_new;
+  r.return_logits = true;
+  return r;
+}
+
+std::string same_bits(const Outcome& a, const Outcome& b) {
+  if (a.tokens != b.tokens) return "tokens differ";
+  if (a.logits.size() != b.logits.size()) return "logit counts differ";
+  for (std::size_t s = 0; s < a.logits.size(); ++s)
+    if (a.logits[s].size() != b.logits[s].size() ||
+        std::memcmp(a.logits[s].data(), b.logits[s].data(), a.logits[s].size() * 4) != 0)
+      return "logits of generated token " + std::to_string(s) + " differ";
+  return "";
+}
+
+TEST(Engine, GreedyDecodeMatchesTheGeneratorWithinFloatRounding) {
+  TinyModel m;
+  std::mt19937_64 rng(3);
+  const auto prompt = random_tokens(rng, 40, 320);
+  for (int p : {1, 3}) {
+    const auto res = run_engine(*m, p, base_config(), {{0, greedy(prompt, 8)}}, true);
+    ASSERT_TRUE(res.status.is_ok()) << res.status.to_string();
+    const Outcome& o = res.out[0];
+    ASSERT_EQ(o.tokens.size(), 8u);
+    EXPECT_EQ(o.finish, FinishReason::kLength);
+    // The Generator fed the engine's tokens: the logits of every position agree.
+    testing::GenCase c;
+    c.kv = DType::kF32;
+    c.steps = 7;
+    std::vector<int32_t> forced(o.tokens.begin(), o.tokens.end() - 1);
+    c.forced = &forced;
+    const auto gen = testing::run_generation(*m, p, c, prompt);
+    ASSERT_TRUE(gen.status.is_ok()) << gen.status.to_string();
+    for (std::size_t s = 0; s < 8; ++s) {
+      const auto& a = o.logits[s];
+      const auto& b = gen.logits[0][s];
+      float mag = 0, err = 0;
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        mag = std::max(mag, std::fabs(b[i]));
+        err = std::max(err, std::fabs(a[i] - b[i]));
+      }
+      EXPECT_LE(err, 1e-5f * mag) << "p " << p << " generated token " << s;
+      const auto top = model::top_two(b);
+      if (top.gap() > 1e-4f * mag) {
+        EXPECT_EQ(o.tokens[s], top.first) << "p " << p << " token " << s;
+      }
+    }
+  }
+}
+
+// 16 requests of different lengths, 6 of them sharing a 70-token prefix, 2 asking for stop
+// tokens; alone (no prefix cache, whole-prompt prefill) vs staggered in one batch (prefix cache,
+// 24-token prefill chunks, max batch 16).
+std::vector<Submitted> mixed_requests(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const auto shared = random_tokens(rng, 70, 320);
+  std::vector<Submitted> subs;
+  for (int i = 0; i < 16; ++i) {
+    std::vector<TokenId> prompt;
+    if (i % 3 == 0) prompt = shared;
+    const auto tail = random_tokens(rng, 1 + (i * 37) % 90, 320);
+    prompt.insert(prompt.end(), tail.begin(), tail.end());
+    Request r = greedy(prompt, 3 + i % 6);
+    if (i == 5 || i == 11) r.stop_tokens = {static_cast<TokenId>(i), 7, 100};
+    subs.push_back({i / 2, std::move(r)});
+  }
+  return subs;
+}
+
+TEST(Engine, BatchInvarianceTokensAndLogitsBitsAreTheSameAloneAndInABatch) {
+  TinyModel m;
+  const auto subs = mixed_requests(11);
+  for (int p : {1, 2, 3, 4}) {
+    EngineConfig alone_cfg = base_config();
+    alone_cfg.prefix_cache = false;
+    alone_cfg.prefill_chunk = 4096;
+    const auto alone = run_engine(*m, p, alone_cfg, subs, true);
+    ASSERT_TRUE(alone.status.is_ok()) << alone.status.to_string();
+    EngineConfig batch_cfg = base_config();
+    batch_cfg.prefill_chunk = 24;
+    const auto batch = run_engine(*m, p, batch_cfg, subs, false);
+    ASSERT_TRUE(batch.status.is_ok()) << batch.status.to_string();
+    int64_t cached = 0;
+    for (std::size_t i = 0; i < subs.size(); ++i) {
+      EXPECT_EQ(same_bits(alone.out[i], batch.out[i]), "") << "p " << p << " request " << i;
+      EXPECT_NE(batch.out[i].finish, FinishReason::kNone);
+      EXPECT_EQ(alone.out[i].cached, 0);
+      cached += batch.out[i].cached;
+    }
+    EXPECT_GE(cached, 64) << "p " << p << ": the shared prefix was never reused";
+    // Every page back: none referenced, all free or cached.
+    for (int r = 0; r < p; ++r) {
+      EXPECT_EQ(batch.metrics.pages_used[static_cast<std::size_t>(r)], 0) << "rank " << r;
+      EXPECT_EQ(batch.metrics.pages_free[static_cast<std::size_t>(r)] +
+                    batch.metrics.pages_cached[static_cast<std::size_t>(r)],
+                batch_cfg.kv_pages);
+    }
+  }
+}
+
+TEST(Engine, AllgatherMergeIsBatchInvariantAndAgreesWithTheTreeWithinRounding) {
+  TinyModel m;
+  auto subs = mixed_requests(12);
+  subs.resize(8);
+  EngineConfig cfg = base_config();
+  cfg.merge = "allgather";
+  cfg.prefix_cache = false;
+  const auto alone = run_engine(*m, 3, cfg, subs, true);
+  ASSERT_TRUE(alone.status.is_ok()) << alone.status.to_string();
+  cfg.prefix_cache = true;
+  cfg.prefill_chunk = 20;
+  const auto batch = run_engine(*m, 3, cfg, subs, false);
+  ASSERT_TRUE(batch.status.is_ok()) << batch.status.to_string();
+  for (std::size_t i = 0; i < subs.size(); ++i)
+    EXPECT_EQ(same_bits(alone.out[i], batch.out[i]), "") << "request " << i;
+}
+
+TEST(Engine, FollowUpTurnReusesTheConversationsPagesAndGivesTheSameBits) {
+  TinyModel m;
+  std::mt19937_64 rng(21);
+  const auto doc = random_tokens(rng, 100, 320);
+  EngineConfig cfg = base_config();
+  // Turn 1, then turn 2 = turn 1's prompt + its answer + a question, in one engine.
+  const auto first = run_engine(*m, 2, cfg, {{0, greedy(doc, 12)}}, true);
+  ASSERT_TRUE(first.status.is_ok()) << first.status.to_string();
+  std::vector<TokenId> follow = doc;
+  follow.insert(follow.end(), first.out[0].tokens.begin(), first.out[0].tokens.end());
+  const auto question = random_tokens(rng, 9, 320);
+  follow.insert(follow.end(), question.begin(), question.end());
+  const auto both = run_engine(*m, 2, cfg, {{0, greedy(doc, 12)}, {0, greedy(follow, 6)}}, true);
+  ASSERT_TRUE(both.status.is_ok()) << both.status.to_string();
+  // doc (100) + 11 stored answer tokens = 111 positions: 6 full pages of 16 = 96 tokens.
+  EXPECT_EQ(both.out[1].cached, 96);
+  cfg.prefix_cache = false;
+  const auto cold = run_engine(*m, 2, cfg, {{0, greedy(follow, 6)}}, true);
+  ASSERT_TRUE(cold.status.is_ok());
+  EXPECT_EQ(cold.out[0].cached, 0);
+  EXPECT_EQ(same_bits(both.out[1], cold.out[0]), "");
+}
+
+TEST(Engine, AdmissionWaitsForPagesEvictsCachedOnesAndLeaksNothing) {
+  TinyModel m;
+  std::mt19937_64 rng(5);
+  EngineConfig cfg = base_config();
+  cfg.kv_pages = 6;  // per rank; 2 ranks: 12 pages of 16 = 192 positions
+  std::vector<Submitted> subs;
+  for (int i = 0; i < 10; ++i) subs.push_back({0, greedy(random_tokens(rng, 60 + i, 320), 4)});
+  const auto res = run_engine(*m, 2, cfg, subs, false);
+  ASSERT_TRUE(res.status.is_ok()) << res.status.to_string();
+  for (const auto& o : res.out) EXPECT_EQ(o.finish, FinishReason::kLength);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(res.metrics.pages_used[static_cast<std::size_t>(r)], 0);
+    EXPECT_EQ(res.metrics.pages_free[static_cast<std::size_t>(r)] +
+                  res.metrics.pages_cached[static_cast<std::size_t>(r)],
+              6);
+  }
+  EXPECT_EQ(res.metrics.running, 0);
+  EXPECT_EQ(res.metrics.generated_tokens_total, 40);
+}
+
+TEST(Engine, CancelEndsTheRequestAndFreesItsPages) {
+  TinyModel m;
+  std::mt19937_64 rng(8);
+  EngineConfig cfg = base_config();
+  std::vector<Submitted> subs = {{0, greedy(random_tokens(rng, 50, 320), 200)},
+                                 {0, greedy(random_tokens(rng, 30, 320), 5)}};
+  const auto res = run_engine(*m, 3, cfg, subs, false,
+                              [](Engine& e, RequestId id, const TokenEvent& ev) {
+                                if (ev.index == 2 && ev.finish == FinishReason::kNone && id == 1)
+                                  e.cancel(id);
+                              });
+  ASSERT_TRUE(res.status.is_ok()) << res.status.to_string();
+  EXPECT_EQ(res.out[0].finish, FinishReason::kCancelled);
+  EXPECT_LT(res.out[0].tokens.size(), 10u);
+  EXPECT_EQ(res.out[1].finish, FinishReason::kLength);
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(res.metrics.pages_used[static_cast<std::size_t>(r)], 0);
+}
+
+TEST(Engine, BadRequestsAreRefusedWithTheirReason) {
+  TinyModel m;
+  const Status st = run_local(2, [&](Communicator& comm) -> Status {
+    EngineConfig cfg = base_config();
+    cfg.kv_pages = 4;  // 2 ranks x 4 pages x 16 tokens = 128 positions
+    auto e = Engine::create(comm, *m, cfg);
+    TREEATTN_RETURN_IF_ERROR(e.status());
+    Engine& eng = **e;
+    if (comm.rank() == 1) {
+      auto r = eng.submit(greedy({1, 2}, 1), {});
+      EXPECT_FALSE(r.is_ok());
+      EXPECT_NE(r.status().message().find("only rank 0"), std::string::npos);
+      return eng.run();
+    }
+    EXPECT_EQ(eng.max_sequence_tokens(), 128);
+    auto expect_refused = [&](Request r, const std::string& words) {
+      auto id = eng.submit(std::move(r), {});
+      ASSERT_FALSE(id.is_ok()) << words;
+      EXPECT_EQ(id.status().code(), Code::kInvalidArgument);
+      EXPECT_NE(id.status().message().find(words), std::string::npos) << id.status().message();
+    };
+    expect_refused(greedy({}, 4), "empty");
+    expect_refused(greedy({1, 320}, 4), "outside the vocabulary");
+    expect_refused(greedy({1, 2}, 0), "max_new_tokens");
+    Request stop = greedy({1, 2}, 3);
+    stop.stop_tokens = {-1};
+    expect_refused(stop, "stop token");
+    std::vector<TokenId> longp(120, 3);
+    expect_refused(greedy(longp, 10), "129 positions to store");  // both numbers named
+    expect_refused(greedy(longp, 10), "at most 128");
+    Request hot = greedy({1, 2}, 3);
+    hot.sampling.top_p = 0;
+    expect_refused(hot, "top-p");
+    eng.stop(false);
+    auto last = eng.step();
+    return last.status();
+  });
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+}
+
+TEST(Engine, MismatchedConfigurationsAndUnknownMergeAreNamedOnEveryRank) {
+  TinyModel m;
+  std::vector<std::string> msgs(2);
+  Status st = run_local(2, [&](Communicator& comm) -> Status {
+    EngineConfig cfg = base_config();
+    cfg.max_batch = comm.rank() == 1 ? 7 : 16;
+    auto e = Engine::create(comm, *m, cfg);
+    msgs[static_cast<std::size_t>(comm.rank())] = e.status().message();
+    return e.status();
+  });
+  EXPECT_FALSE(st.is_ok());
+  for (const auto& s : msgs) EXPECT_NE(s.find("rank 1's model or engine configuration differs"), std::string::npos) << s;
+  st = run_local(2, [&](Communicator& comm) -> Status {
+    EngineConfig cfg = base_config();
+    cfg.merge = "ring";
+    return Engine::create(comm, *m, cfg).status();
+  });
+  EXPECT_NE(st.message().find("unknown engine merge 'ring'"), std::string::npos) << st.to_string();
+}
+
+TEST(Engine, ARankThatNeverArrivesEndsEveryRequestWithAnErrorNotAHang) {
+  TinyModel m;
+  std::mt19937_64 rng(9);
+  std::vector<Outcome> got(1);
+  const auto t0 = std::chrono::steady_clock::now();
+  const Status st = run_local(3, [&](Communicator& comm) -> Status {
+    EngineConfig cfg = base_config();
+    cfg.timeout = std::chrono::milliseconds(2000);
+    auto e = Engine::create(comm, *m, cfg);
+    TREEATTN_RETURN_IF_ERROR(e.status());
+    if (comm.rank() == 2) return Status::ok();  // leaves: its communicator goes away
+    if (comm.rank() == 1) return (*e)->run();
+    auto id = (*e)->submit(greedy(random_tokens(rng, 20, 320), 50), [&](const TokenEvent& ev) {
+      if (ev.finish != FinishReason::kNone) {
+        got[0].finish = ev.finish;
+        got[0].error = ev.error;
+      }
+    });
+    TREEATTN_RETURN_IF_ERROR(id.status());
+    return (*e)->run();
+  });
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_EQ(got[0].finish, FinishReason::kError);
+  EXPECT_FALSE(got[0].error.is_ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+}
+
+}  // namespace
+}  // namespace treeattn::engine
