@@ -50,6 +50,13 @@ struct Tracker {
   int finished = 0;
   int64_t tokens = 0;
   std::vector<Clock::time_point> first, last;
+  std::vector<Clock::time_point> stamps;  // every generated token
+  // Engine metrics when the last sequence got its first token and when the first one ended:
+  // the decode window's per-rank breakdown.
+  const Engine* eng = nullptr;
+  int firsts = 0, n_req = 0;
+  bool ended = false;
+  engine::EngineMetrics w0, w1;
   std::vector<int64_t> cached;
   std::vector<engine::RequestTimings> timings;
   void reset(int n) {
@@ -60,6 +67,10 @@ struct Tracker {
     last.assign(static_cast<std::size_t>(n), {});
     cached.assign(static_cast<std::size_t>(n), 0);
     timings.assign(static_cast<std::size_t>(n), {});
+    stamps.clear();
+    firsts = 0;
+    n_req = n;
+    ended = false;
   }
   engine::TokenCallback callback(int i) {
     return [this, i](const TokenEvent& ev) {
@@ -67,12 +78,18 @@ struct Tracker {
       const auto u = static_cast<std::size_t>(i);
       if (ev.token >= 0) {
         ++tokens;
-        if (ev.index == 0) first[u] = Clock::now();
+        stamps.push_back(Clock::now());
+        if (ev.index == 0) {
+          first[u] = Clock::now();
+          if (++firsts == n_req && eng != nullptr) w0 = eng->metrics();
+        }
         last[u] = Clock::now();
       }
       cached[u] = ev.timings.cached_tokens;
       timings[u] = ev.timings;
       if (ev.finish != engine::FinishReason::kNone) {
+        if (!ended && eng != nullptr) w1 = eng->metrics();
+        ended = true;
         if (ev.finish == engine::FinishReason::kError)
           std::fprintf(stderr, "request %d failed: %s\n", i, ev.error.message().c_str());
         ++finished;
@@ -203,6 +220,7 @@ int main(int argc, char** argv) {
   runner = std::thread([&] { run_status = e.run(); });
   std::mt19937_64 rng(42);
   Tracker tr;
+  tr.eng = &e;
 
   if (tp->parsed()) {
     std::printf("decode throughput: %s, %d ranks x %d threads, %lld-token prompts, %lld new tokens, merge %s\n",
@@ -212,37 +230,60 @@ int main(int argc, char** argv) {
                 "merge us/layer (r0)");
     double base = 0;
     for (const int B : concurrency) {
+      // Phase 1 prefills the B prompts (one token each): their full pages stay cached. Phase 2
+      // submits the same prompts for `new` tokens: each reuses its own pages (distinct prompts,
+      // so every sequence still reads its own 2k-token cache) and recomputes only its last
+      // page, so all B sequences decode together. Throughput counts the tokens generated while
+      // all B are decoding (from the last first token to the first last token).
+      std::vector<std::vector<TokenId>> prompts;
+      for (int i = 0; i < B; ++i) prompts.push_back(random_prompt(rng, context, mc.n_vocab));
       tr.reset(B);
-      const auto m0 = e.metrics();
       const auto t0 = Clock::now();
       for (int i = 0; i < B; ++i) {
         Request r;
-        r.prompt = random_prompt(rng, context, mc.n_vocab);
+        r.prompt = prompts[static_cast<std::size_t>(i)];
+        r.max_new_tokens = 1;
+        if (auto id = e.submit(std::move(r), tr.callback(i)); !id.is_ok()) fail(id.status());
+      }
+      tr.wait(B);
+      const double prefill = since(t0);
+      tr.reset(B);
+      const auto m0 = e.metrics();
+      for (int i = 0; i < B; ++i) {
+        Request r;
+        r.prompt = prompts[static_cast<std::size_t>(i)];
         r.max_new_tokens = new_tokens;
         if (auto id = e.submit(std::move(r), tr.callback(i)); !id.is_ok()) fail(id.status());
       }
       tr.wait(B);
       const auto m1 = e.metrics();
-      // The window in which all B sequences decode: from the last first token to the first
-      // last token; the tokens generated in it.
       Clock::time_point w0 = tr.first[0], w1 = tr.last[0];
+      int64_t cached = 0;
       for (int i = 0; i < B; ++i) {
         w0 = std::max(w0, tr.first[static_cast<std::size_t>(i)]);
         w1 = std::min(w1, tr.last[static_cast<std::size_t>(i)]);
+        cached += tr.cached[static_cast<std::size_t>(i)];
       }
+      int64_t in_window = 0;
+      for (const auto& t : tr.stamps)
+        if (t > w0 && t <= w1) ++in_window;
       const double window = std::chrono::duration<double>(w1 - w0).count();
-      // Each sequence emits about one token per step inside the window.
-      const double steps = window > 0 ? static_cast<double>(new_tokens) * window /
-                                            std::chrono::duration<double>(tr.last[0] - tr.first[0]).count()
-                                      : 0;
-      const double tok_s = steps * B / window;
-      const double prefill = std::chrono::duration<double>(w0 - t0).count();
+      const double tok_s = window > 0 ? static_cast<double>(in_window) / window : 0.0;
       const double merge_us = (m1.merge_seconds[0] - m0.merge_seconds[0]) /
                               static_cast<double>(std::max<int64_t>(1, m1.merges - m0.merges)) * 1e6;
       if (base == 0) base = tok_s;
-      std::printf("  %-4d %12.1f %14.2f %16.1f %18.1f   (x%.2f of B=%d)\n", B, tok_s,
-                  1e3 * B / tok_s, static_cast<double>(B * context) / prefill, merge_us,
-                  tok_s / base, concurrency[0]);
+      const double wsteps = static_cast<double>(std::max<int64_t>(1, tr.w1.steps - tr.w0.steps));
+      for (std::size_t r = 0; r < tr.w1.dense_seconds.size(); ++r)
+        std::printf("    rank %zu per decode step (%d steps): dense %.2f ms, attention %.2f ms, merge+exchange %.2f ms\n",
+                    r, static_cast<int>(wsteps),
+                    1e3 * (tr.w1.dense_seconds[r] - tr.w0.dense_seconds[r]) / wsteps,
+                    1e3 * (tr.w1.attention_seconds[r] - tr.w0.attention_seconds[r]) / wsteps,
+                    1e3 * (tr.w1.merge_seconds[r] - tr.w0.merge_seconds[r]) / wsteps);
+      std::printf("  %-4d %12.1f %14.2f %16.1f %18.1f   (x%.2f of B=%d; %lld tokens in the window, "
+                  "%lld cached prompt tokens)\n",
+                  B, tok_s, tok_s > 0 ? 1e3 * B / tok_s : 0.0,
+                  static_cast<double>(B * context) / prefill, merge_us, tok_s / base,
+                  concurrency[0], static_cast<long long>(in_window), static_cast<long long>(cached));
       std::fflush(stdout);
     }
   } else if (fu->parsed()) {

@@ -123,6 +123,10 @@ struct EngineConfig {
   // collective, but its bits may depend on the batch at more than two ranks), "allgather" (every
   // rank gathers all states and merges them in rank order: batch invariant, (p-1) S sent).
   std::string merge = "tree";
+  // Fill every page with NaN when it is allocated (K and V of every layer, on its owner), so that
+  // a read of a stale or unwritten slot turns the logits into NaN (tests; costs a write of the
+  // page per allocation).
+  bool poison_pages = false;
   int threads = 0;  // per rank, matmul and attention (0: OpenMP's default)
   Isa isa = Isa::kAuto;
   std::chrono::milliseconds timeout{600000};   // per communicator operation; 0 = forever
@@ -143,6 +147,7 @@ struct EngineMetrics {
   std::vector<int64_t> pages_free;    // per rank: on the free list
   std::vector<double> merge_seconds;  // per rank: time in the per-layer merge and q/k/v all-gather
   std::vector<double> attention_seconds;  // per rank: time in the paged kernel, total
+  std::vector<double> dense_seconds;      // per rank: projections, output projection and FFN
   int64_t merges = 0;                 // per-layer merges run (each rank ran this many)
   uint64_t bytes_sent = 0;            // rank 0's bytes sent (communicator counters)
   bool failed = false;

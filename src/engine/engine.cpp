@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -104,10 +105,10 @@ struct Engine::Impl {
   std::vector<TokenId> row_tok;
   std::vector<int64_t> row_pos;
   std::vector<double> rank_times;  // gather of per-rank timings on rank 0
-  double merge_s = 0, attn_s = 0;
+  double merge_s = 0, attn_s = 0, dense_s = 0;
   int64_t merges = 0, steps = 0;
   int64_t requests_total = 0, prompt_total = 0, cached_total = 0, generated_total = 0;
-  std::vector<double> rank_merge_s, rank_attn_s;
+  std::vector<double> rank_merge_s, rank_attn_s, rank_dense_s;
 
   // ------------------------------------------------------------------------------------------
   Status check_request(const Request& r) const {
@@ -420,6 +421,14 @@ struct Engine::Impl {
     return work;
   }
 
+  void poison(PageRef pg) {
+    const auto& mc = model->config();
+    const std::vector<float> nan(static_cast<std::size_t>(mc.n_head_kv * mc.head_dim),
+                                 std::numeric_limits<float>::quiet_NaN());
+    for (TiledKVCache& pool : pools)
+      for (int64_t t = 0; t < T; ++t) pool.set_tokens(0, static_cast<int64_t>(pg.id) * T + t, nan.data(), nan.data());
+  }
+
   // ---- the batched forward pass ----
   Status forward(const std::vector<std::pair<RequestId, int64_t>>& work) {
     const auto& mc = model->config();
@@ -451,6 +460,7 @@ struct Engine::Impl {
           TREEATTN_RETURN_IF_ERROR(pg.status());
           --s->reserve_left[static_cast<std::size_t>(owner)];
           s->pages.push_back(*pg);
+          if (cfg.poison_pages && owner == me) poison(*pg);
         }
       }
       rows += n;
@@ -461,8 +471,12 @@ struct Engine::Impl {
     // the owners store K/V and every rank computes its pages' partial states for every row. A
     // row's bits do not depend on which rank computes it or on how many rows it is computed with
     // (matmul per token, model.hpp), so the split changes no bit.
-    const int64_t per = (rows + p - 1) / p;  // rows per rank (slots; the last ranks may have fewer)
-    const int64_t lo = std::min(rows, me * per), mine = std::min(rows, lo + per) - lo;
+    // One row (a lone decode step) is computed by every rank instead: splitting it would only
+    // add an all-gather (a synchronisation per layer) without shortening any rank's work.
+    const bool split = p > 1 && rows > 1;
+    const int64_t per = split ? (rows + p - 1) / p : rows;  // rows per rank (slots)
+    const int64_t lo = split ? std::min(rows, me * per) : 0;
+    const int64_t mine = std::min(rows, lo + per) - lo;
     const int64_t packed = qd + 2 * kvd;     // floats of one row's q, k, v
     x.resize(static_cast<std::size_t>(std::max<int64_t>(mine, 1) * E));
     q.resize(static_cast<std::size_t>(rows * qd));
@@ -515,10 +529,12 @@ struct Engine::Impl {
     float* vl = kl + std::max<int64_t>(mine, 1) * kvd;
 
     for (int l = 0; l < mc.n_layers; ++l) {
+      const auto td = Clock::now();
       if (mine > 0)
         TREEATTN_RETURN_IF_ERROR(model->attention_inputs(l, x.data(), mine, row_pos.data() + lo, ql,
                                                          kl, vl, fs, mv));
-      if (p == 1) {
+      dense_s += seconds(Clock::now() - td);
+      if (!split) {
         std::memcpy(q.data(), ql, static_cast<std::size_t>(rows * qd) * sizeof(float));
         std::memcpy(k.data(), kl, static_cast<std::size_t>(rows * kvd) * sizeof(float));
         std::memcpy(v.data(), vl, static_cast<std::size_t>(rows * kvd) * sizeof(float));
@@ -567,9 +583,11 @@ struct Engine::Impl {
         state_normalize(states.data() + static_cast<std::size_t>(lo * H + r) * rec,
                         static_cast<std::size_t>(D), attn.data() + r * D,
                         static_cast<float*>(nullptr));
+      const auto tf = Clock::now();
       if (mine > 0)
         TREEATTN_RETURN_IF_ERROR(
             model->attention_output_and_ffn(l, attn.data(), mine, x.data(), fs, mv));
+      dense_s += seconds(Clock::now() - tf);
     }
 
     // Bookkeeping: positions stored, full pages indexed.
@@ -602,7 +620,7 @@ struct Engine::Impl {
         std::memcpy(xs.data() + i * E, x.data() + (row - lo) * E,
                     static_cast<std::size_t>(E) * sizeof(float));
     }
-    if (p > 1) {
+    if (split) {
       xs_all.resize(static_cast<std::size_t>(p * S * E));
       TREEATTN_RETURN_IF_ERROR(comm->allgather(
           xs.data(), static_cast<std::size_t>(S * E) * sizeof(float), xs_all.data()));
@@ -656,6 +674,7 @@ struct Engine::Impl {
     }
     m.merge_seconds = rank_merge_s;
     m.attention_seconds = rank_attn_s;
+    m.dense_seconds = rank_dense_s;
     m.merges = merges;
     m.bytes_sent = comm->counters().p2p_bytes + comm->counters().collective_payload_bytes;
     std::lock_guard lk(mu);
@@ -699,15 +718,17 @@ struct Engine::Impl {
     }
     TREEATTN_RETURN_IF_ERROR(forward(pl.work));
     // Per-rank timings to rank 0 for the metrics (two doubles per rank).
-    double mine[2] = {merge_s, attn_s};
-    rank_times.resize(static_cast<std::size_t>(2 * p));
+    double mine[3] = {merge_s, attn_s, dense_s};
+    rank_times.resize(static_cast<std::size_t>(3 * p));
     TREEATTN_RETURN_IF_ERROR(comm->gather(mine, sizeof(mine), rank_times.data(), 0));
     if (me == 0) {
       rank_merge_s.assign(static_cast<std::size_t>(p), 0.0);
       rank_attn_s.assign(static_cast<std::size_t>(p), 0.0);
+      rank_dense_s.assign(static_cast<std::size_t>(p), 0.0);
       for (int r = 0; r < p; ++r) {
-        rank_merge_s[static_cast<std::size_t>(r)] = rank_times[static_cast<std::size_t>(2 * r)];
-        rank_attn_s[static_cast<std::size_t>(r)] = rank_times[static_cast<std::size_t>(2 * r + 1)];
+        rank_merge_s[static_cast<std::size_t>(r)] = rank_times[static_cast<std::size_t>(3 * r)];
+        rank_attn_s[static_cast<std::size_t>(r)] = rank_times[static_cast<std::size_t>(3 * r + 1)];
+        rank_dense_s[static_cast<std::size_t>(r)] = rank_times[static_cast<std::size_t>(3 * r + 2)];
       }
       update_snapshot();
     }
@@ -852,6 +873,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
   e.table = std::make_unique<PageTable>(e.p, pages, e.T);
   e.rank_merge_s.assign(static_cast<std::size_t>(e.p), 0.0);
   e.rank_attn_s.assign(static_cast<std::size_t>(e.p), 0.0);
+  e.rank_dense_s.assign(static_cast<std::size_t>(e.p), 0.0);
   e.update_snapshot();
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }

@@ -45,6 +45,10 @@ Status merge_states(Communicator& comm, MergeKind kind, float* records, std::siz
       return Status::ok();
     }
     case MergeKind::kTree: {
+      // Two ranks: the tree is one merge of rank 0's and rank 1's records, which the allreduce
+      // computes in one exchange with the same bits (the merge is exactly commutative, and each
+      // record is merged once whatever the algorithm or segmentation).
+      if (p == 2) return comm.allreduce_states(records, n, head_dim);
       if (scratch.size() < floats) scratch.resize(floats);
       for (int dist = 1; dist < p; dist *= 2) {
         if (r % (2 * dist) == dist) {  // send up and leave the reduction

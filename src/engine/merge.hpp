@@ -20,7 +20,8 @@ const char* merge_name(MergeKind kind);
 //               r mod 2^(k+1) == 2^k sends to r - 2^k, which merges its records (+) the
 //               received ones), then a broadcast. The association of every record depends on
 //               the rank count only, never on n: batch invariant. log2(p) rounds, each rank
-//               sends S at most once plus the broadcast.
+//               sends S at most once plus the broadcast. At two ranks it is the allreduce
+//               (one exchange; the same bits: one exactly commutative merge per record).
 //   kAllreduce  Communicator::allreduce_states (MPI_Allreduce with a user-defined operation).
 //   kAllgather  all-gather every rank's records, merge them in rank order 0..p-1 locally.
 // scratch grows as needed and is kept between calls.

@@ -69,6 +69,7 @@ EngineConfig base_config() {
   c.threads = 1;
   c.timeout = std::chrono::milliseconds(60000);
   c.idle_tick = std::chrono::milliseconds(1);
+  c.poison_pages = true;  // a stale or unwritten slot read anywhere would make NaN logits
   return c;
 }
 
@@ -152,6 +153,10 @@ Request greedy(std::vector<TokenId> prompt, int64_t max_new) {
 std::string same_bits(const Outcome& a, const Outcome& b) {
   if (a.tokens != b.tokens) return "tokens differ";
   if (a.logits.size() != b.logits.size()) return "logit counts differ";
+  if (a.logits.empty()) return "no logits";
+  for (const auto& l : a.logits)
+    for (const float x : l)
+      if (!std::isfinite(x)) return "a logit is not finite (a stale or unwritten KV slot was read?)";
   for (std::size_t s = 0; s < a.logits.size(); ++s)
     if (a.logits[s].size() != b.logits[s].size() ||
         std::memcmp(a.logits[s].data(), b.logits[s].data(), a.logits[s].size() * 4) != 0)
