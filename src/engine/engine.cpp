@@ -33,6 +33,7 @@ std::string rank_prefix(const Communicator& c) { return "rank " + std::to_string
 // Step description kinds.
 constexpr int64_t kStepRun = 1;
 constexpr int64_t kStepStop = 2;
+constexpr int64_t kStepFail = 3;  // rank 0 could not plan: every rank ends with an error
 
 int64_t bits_of(double d) { return std::bit_cast<int64_t>(d); }
 double double_of(int64_t v) { return std::bit_cast<double>(v); }
@@ -96,6 +97,7 @@ struct Engine::Impl {
   RequestId next_id = 1;
   bool failed = false;
   std::string failure;
+  Code failure_code = Code::kInternal;
   EngineMetrics snapshot;  // guarded by mu
 
   // ---- step scratch ----
@@ -128,6 +130,11 @@ struct Engine::Impl {
       return invalid_argument("max_new_tokens is " + std::to_string(r.max_new_tokens) +
                               "; it must be >= 1");
     TREEATTN_RETURN_IF_ERROR(r.sampling.validate());
+    if (r.max_new_tokens > max_sequence_tokens())  // also keeps the sum below from overflowing
+      return invalid_argument("max_new_tokens is " + std::to_string(r.max_new_tokens) +
+                              ", but the KV pools hold at most " +
+                              std::to_string(max_sequence_tokens()) +
+                              " positions for one sequence");
     const int64_t need = static_cast<int64_t>(r.prompt.size()) + r.max_new_tokens - 1;
     if (need > max_sequence_tokens())
       return invalid_argument("the prompt has " + std::to_string(r.prompt.size()) +
@@ -321,50 +328,43 @@ struct Engine::Impl {
   // decides them (the other ranks apply the same from the description).
   Result<Plan> make_plan() {
     Plan pl;
-    std::vector<Pending> admitted_now;
+    // Under the lock: take the cancels and the stop flag, and pull cancelled waiting requests
+    // out of the queue; their callbacks run after the lock is released (a callback may call
+    // cancel() or submit()).
+    std::vector<Pending> dropped;
     {
       std::unique_lock lk(mu);
       if (running.empty() && waiting.empty() && cancel_ids.empty() && !stop_now && !stop_drain)
         cv.wait_for(lk, cfg.idle_tick);
-      // Cancels: waiting requests end here; running ones in this step, on every rank.
-      for (RequestId id : cancel_ids) {
-        auto it = std::find_if(waiting.begin(), waiting.end(), [&](const Pending& pend) { return pend.id == id; });
+      std::vector<RequestId> ids;
+      ids.swap(cancel_ids);
+      for (RequestId id : ids) {
+        auto it = std::find_if(waiting.begin(), waiting.end(),
+                               [&](const Pending& pend) { return pend.id == id; });
         if (it != waiting.end()) {
-          Pending pd = std::move(*it);
+          dropped.push_back(std::move(*it));
           waiting.erase(it);
-          lk.unlock();
-          if (pd.cb) {
-            TokenEvent ev;
-            ev.id = pd.id;
-            ev.finish = FinishReason::kCancelled;
-            pd.cb(ev);
-          }
-          lk.lock();
-          continue;
-        }
-        if (find(id) != nullptr &&
-            std::find(pl.cancels.begin(), pl.cancels.end(), id) == pl.cancels.end())
+        } else if (find(id) != nullptr &&
+                   std::find(pl.cancels.begin(), pl.cancels.end(), id) == pl.cancels.end()) {
           pl.cancels.push_back(id);
+        }
       }
-      cancel_ids.clear();
       if (stop_now) {
         for (auto& s : running)
           if (std::find(pl.cancels.begin(), pl.cancels.end(), s->id) == pl.cancels.end())
             pl.cancels.push_back(s->id);
-        std::deque<Pending> drop;
-        drop.swap(waiting);
-        lk.unlock();
-        for (Pending& pd : drop)
-          if (pd.cb) {
-            TokenEvent ev;
-            ev.id = pd.id;
-            ev.finish = FinishReason::kCancelled;
-            pd.cb(ev);
-          }
-        lk.lock();
+        for (Pending& pd : waiting) dropped.push_back(std::move(pd));
+        waiting.clear();
         pl.kind = kStepStop;
       }
     }
+    for (Pending& pd : dropped)
+      if (pd.cb) {
+        TokenEvent ev;
+        ev.id = pd.id;
+        ev.finish = FinishReason::kCancelled;
+        pd.cb(ev);
+      }
     for (RequestId id : pl.cancels) cancel_running(id);
     if (pl.kind == kStepStop) return pl;
     // Admissions, first come first served: the head of the queue waits for pages rather than
@@ -686,84 +686,153 @@ struct Engine::Impl {
 
   // One step on every rank. *stop: the step was a stop step.
   Result<bool> step(bool* stop) {
+    {
+      std::lock_guard lk(mu);
+      if (failed) return Status(failure_code, failure);
+    }
     Plan pl;
     std::vector<int64_t> words;
     int64_t header[2] = {0, 0};
+    Status planned;
     if (me == 0) {
       auto r = make_plan();
-      TREEATTN_RETURN_IF_ERROR(r.status());
-      pl = std::move(r).value();
+      if (r.is_ok()) {
+        pl = std::move(r).value();
+      } else {  // the others learn it from the description instead of waiting for a timeout
+        planned = r.status();
+        pl = Plan{};
+        pl.kind = kStepFail;
+      }
       words = encode(pl);
       header[0] = static_cast<int64_t>(words.size());
     }
     comm->set_context("engine step " + std::to_string(steps));
     TREEATTN_RETURN_IF_ERROR(comm->broadcast(header, sizeof(header), 0));
-    if (me != 0) words.resize(static_cast<std::size_t>(header[0]));
+    if (me != 0) {
+      if (header[0] < 5 || header[0] > (int64_t{1} << 40))
+        return internal_error(rank_prefix(*comm) + "malformed step description length " +
+                              std::to_string(header[0]) + " from rank 0");
+      words.resize(static_cast<std::size_t>(header[0]));
+    }
     TREEATTN_RETURN_IF_ERROR(comm->broadcast(words.data(), words.size() * sizeof(int64_t), 0));
+    if (me == 0 && !planned.is_ok()) return planned;
+    // Apply the description; then every rank learns whether every rank could (one all-gather,
+    // which also carries each rank's timings for the metrics), so a rank that cannot apply it
+    // is named everywhere instead of leaving the others waiting in a merge.
+    Status applied;
     if (me != 0) {
       auto r = decode_plan(words);
-      TREEATTN_RETURN_IF_ERROR(r.status());
-      pl = std::move(r).value();
-      for (RequestId id : pl.cancels) cancel_running(id);
-      for (auto& a : pl.admits) {
-        auto ok = admit(a.id, std::move(a.req), false, {}, Clock::now());
-        TREEATTN_RETURN_IF_ERROR(ok.status());
+      if (!r.is_ok()) {
+        applied = r.status();
+      } else {
+        pl = std::move(r).value();
+        if (pl.kind == kStepFail)
+          return internal_error(rank_prefix(*comm) + "rank 0 failed while planning engine step " +
+                                std::to_string(steps) + " (its message says why)");
+        for (RequestId id : pl.cancels) cancel_running(id);
+        for (auto& a : pl.admits) {
+          auto ok = admit(a.id, std::move(a.req), false, {}, Clock::now());
+          if (!ok.is_ok()) {
+            applied = ok.status();
+            break;
+          }
+        }
       }
+    }
+    if (applied.is_ok()) applied = check_work(pl.work);
+    double mine[4] = {applied.is_ok() ? 1.0 : 0.0, merge_s, attn_s, dense_s};
+    rank_times.resize(static_cast<std::size_t>(4 * p));
+    TREEATTN_RETURN_IF_ERROR(comm->allgather(mine, sizeof(mine), rank_times.data()));
+    if (!applied.is_ok()) return applied;
+    for (int r = 0; r < p; ++r)
+      if (rank_times[static_cast<std::size_t>(4 * r)] != 1.0)
+        return internal_error(rank_prefix(*comm) + "rank " + std::to_string(r) +
+                              " could not apply engine step " + std::to_string(steps) +
+                              " (its message says why)");
+    rank_merge_s.assign(static_cast<std::size_t>(p), 0.0);
+    rank_attn_s.assign(static_cast<std::size_t>(p), 0.0);
+    rank_dense_s.assign(static_cast<std::size_t>(p), 0.0);
+    for (int r = 0; r < p; ++r) {
+      rank_merge_s[static_cast<std::size_t>(r)] = rank_times[static_cast<std::size_t>(4 * r + 1)];
+      rank_attn_s[static_cast<std::size_t>(r)] = rank_times[static_cast<std::size_t>(4 * r + 2)];
+      rank_dense_s[static_cast<std::size_t>(r)] = rank_times[static_cast<std::size_t>(4 * r + 3)];
     }
     ++steps;
     if (pl.kind == kStepStop) {
       *stop = true;
-      update_snapshot();
+      if (me == 0) update_snapshot();
       return false;
     }
     TREEATTN_RETURN_IF_ERROR(forward(pl.work));
-    // Per-rank timings to rank 0 for the metrics (two doubles per rank).
-    double mine[3] = {merge_s, attn_s, dense_s};
-    rank_times.resize(static_cast<std::size_t>(3 * p));
-    TREEATTN_RETURN_IF_ERROR(comm->gather(mine, sizeof(mine), rank_times.data(), 0));
-    if (me == 0) {
-      rank_merge_s.assign(static_cast<std::size_t>(p), 0.0);
-      rank_attn_s.assign(static_cast<std::size_t>(p), 0.0);
-      rank_dense_s.assign(static_cast<std::size_t>(p), 0.0);
-      for (int r = 0; r < p; ++r) {
-        rank_merge_s[static_cast<std::size_t>(r)] = rank_times[static_cast<std::size_t>(3 * r)];
-        rank_attn_s[static_cast<std::size_t>(r)] = rank_times[static_cast<std::size_t>(3 * r + 1)];
-        rank_dense_s[static_cast<std::size_t>(r)] = rank_times[static_cast<std::size_t>(3 * r + 2)];
-      }
-      update_snapshot();
-    }
+    if (me == 0) update_snapshot();
     return !running.empty() || pl.waiting_after > 0;
   }
 
+  // Whether this rank can run the work of a description (every named request is live and has
+  // the tokens to feed): the local half of the step agreement.
+  Status check_work(const std::vector<std::pair<RequestId, int64_t>>& work) {
+    for (const auto& [id, n] : work) {
+      Seq* s = find(id);
+      if (s == nullptr || n < 1 || s->computed + n > static_cast<int64_t>(s->tokens.size()))
+        return internal_error(rank_prefix(*comm) + "step description names request " +
+                              std::to_string(id) + " with " + std::to_string(n) +
+                              " tokens, which this rank cannot run");
+    }
+    return Status::ok();
+  }
+
+  // Every request in flight ends with an error event (rank 0); the sequences' pages are
+  // released; later steps return the same error.
   void fail_all(const Status& st) {
     std::deque<Pending> drop;
     {
       std::lock_guard lk(mu);
-      failed = true;
-      failure = st.message();
+      if (!failed) {
+        failed = true;
+        failure = st.message();
+        failure_code = st.code();
+      }
       drop.swap(waiting);
     }
+    TokenEvent ev;
+    ev.finish = FinishReason::kError;
+    ev.error = st;
+    for (auto& s : running) emit(*s, ev);
+    while (!running.empty()) retire(running.front()->id);
     if (me != 0) return;
-    for (auto& s : running) {
-      TokenEvent ev;
-      ev.finish = FinishReason::kError;
-      ev.error = st;
-      emit(*s, ev);
-    }
     for (Pending& pd : drop)
       if (pd.cb) {
-        TokenEvent ev;
         ev.id = pd.id;
-        ev.finish = FinishReason::kError;
-        ev.error = st;
         pd.cb(ev);
       }
     update_snapshot();
   }
+
+  // The engine goes away: whatever is still queued or running ends with kCancelled (rank 0).
+  void end_everything() {
+    std::deque<Pending> drop;
+    {
+      std::lock_guard lk(mu);
+      drop.swap(waiting);
+      stop_now = true;
+    }
+    TokenEvent ev;
+    ev.finish = FinishReason::kCancelled;
+    for (auto& s : running) emit(*s, ev);
+    running.clear();
+    if (me != 0) return;
+    for (Pending& pd : drop)
+      if (pd.cb) {
+        ev.id = pd.id;
+        pd.cb(ev);
+      }
+  }
 };
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-Engine::~Engine() = default;
+Engine::~Engine() {
+  if (impl_) impl_->end_everything();
+}
 
 Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::LlamaModel& model,
                                                const EngineConfig& config) {
@@ -805,6 +874,9 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
   if (local.is_ok() && config.prefill_chunk < 1)
     local = invalid_argument("prefill_chunk must be >= 1");
   if (local.is_ok() && config.max_queue < 0) local = invalid_argument("max_queue must be >= 0");
+  if (local.is_ok() && config.kv_pages > std::numeric_limits<int32_t>::max())
+    local = invalid_argument("kv_pages " + std::to_string(config.kv_pages) + " is more than " +
+                             std::to_string(std::numeric_limits<int32_t>::max()) + " pages");
   // Pages: per-layer page bytes from a one-page pool.
   const AttnShape pool_shape{1, mc.n_head, mc.n_head_kv, mc.head_dim, 1};
   int64_t pages = config.kv_pages;
@@ -818,7 +890,8 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
       if (budget == 0) {
         budget = static_cast<std::size_t>(mem_available_bytes() / 2 / static_cast<uint64_t>(local_ranks));
       }
-      pages = static_cast<int64_t>(budget / per_page);
+      pages = static_cast<int64_t>(std::min<std::size_t>(
+          budget / per_page, static_cast<std::size_t>(std::numeric_limits<int32_t>::max())));
       if (pages < 1)
         local = invalid_argument("the KV memory (" + std::to_string(budget) +
                                  " bytes per rank) holds no page of " + std::to_string(e.T) +
@@ -831,7 +904,11 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
                            std::string(dtype_name(config.kv_dtype)) + "|" +
                            std::to_string(config.page_tokens) + "|" + std::to_string(config.max_batch) +
                            "|" + std::to_string(config.prefill_chunk) + "|" + config.merge + "|" +
-                           (config.prefix_cache ? "1" : "0") + "|" + std::to_string(config.max_queue);
+                           (config.prefix_cache ? "1" : "0") + "|" + std::to_string(config.max_queue) +
+                           // Ranks compute replicated values (a lone row, the logits) and must
+                           // get the same bits: the same kernels on every rank.
+                           "|" + std::string(isa_name(model::matmul_isa(e.mv))) + "|" +
+                           std::string(isa_name(config.isa == Isa::kAuto ? best_isa() : config.isa));
   struct Verdict {
     uint64_t hash;
     int64_t pages;
@@ -849,8 +926,10 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
       return invalid_argument(who + "rank " + std::to_string(r) +
                               " refused the engine configuration (its own message names why)");
     if (vr.hash != all[0].hash)
-      return Status(Code::kMismatch, who + "rank " + std::to_string(r) +
-                                         "'s model or engine configuration differs from rank 0's");
+      return Status(Code::kMismatch,
+                    who + "rank " + std::to_string(r) +
+                        "'s model or engine configuration (or its CPU's kernel ISA: mixed ISAs "
+                        "give different bits; force one with isa) differs from rank 0's");
     min_pages = std::min(min_pages, vr.pages);
   }
   // Every rank uses the smallest pool (the replicated table assumes one size).

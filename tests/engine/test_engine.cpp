@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <random>
@@ -357,6 +358,7 @@ TEST(Engine, BadRequestsAreRefusedWithTheirReason) {
     std::vector<TokenId> longp(120, 3);
     expect_refused(greedy(longp, 10), "129 positions to store");  // both numbers named
     expect_refused(greedy(longp, 10), "at most 128");
+    expect_refused(greedy({1, 2}, std::numeric_limits<int64_t>::max() - 2), "max_new_tokens");
     Request hot = greedy({1, 2}, 3);
     hot.sampling.top_p = 0;
     expect_refused(hot, "top-p");
@@ -378,7 +380,7 @@ TEST(Engine, MismatchedConfigurationsAndUnknownMergeAreNamedOnEveryRank) {
     return e.status();
   });
   EXPECT_FALSE(st.is_ok());
-  for (const auto& s : msgs) EXPECT_NE(s.find("rank 1's model or engine configuration differs"), std::string::npos) << s;
+  for (const auto& s : msgs) EXPECT_NE(s.find("rank 1's model or engine configuration"), std::string::npos) << s;
   st = run_local(2, [&](Communicator& comm) -> Status {
     EngineConfig cfg = base_config();
     cfg.merge = "ring";
@@ -391,6 +393,7 @@ TEST(Engine, ARankThatNeverArrivesEndsEveryRequestWithAnErrorNotAHang) {
   TinyModel m;
   std::mt19937_64 rng(9);
   std::vector<Outcome> got(1);
+  int finals = 0;
   const auto t0 = std::chrono::steady_clock::now();
   const Status st = run_local(3, [&](Communicator& comm) -> Status {
     EngineConfig cfg = base_config();
@@ -401,17 +404,43 @@ TEST(Engine, ARankThatNeverArrivesEndsEveryRequestWithAnErrorNotAHang) {
     if (comm.rank() == 1) return (*e)->run();
     auto id = (*e)->submit(greedy(random_tokens(rng, 20, 320), 50), [&](const TokenEvent& ev) {
       if (ev.finish != FinishReason::kNone) {
+        ++finals;
         got[0].finish = ev.finish;
         got[0].error = ev.error;
       }
     });
     TREEATTN_RETURN_IF_ERROR(id.status());
-    return (*e)->run();
+    const Status st0 = (*e)->run();
+    // After a failure the engine stays failed: no more steps, no more events, no new requests.
+    auto again = (*e)->step();
+    EXPECT_FALSE(again.is_ok());
+    EXPECT_FALSE((*e)->submit(greedy({1, 2}, 2), {}).is_ok());
+    EXPECT_EQ((*e)->metrics().running, 0);
+    return st0;
   });
+  EXPECT_EQ(finals, 1);
   EXPECT_FALSE(st.is_ok());
   EXPECT_EQ(got[0].finish, FinishReason::kError);
   EXPECT_FALSE(got[0].error.is_ok());
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+}
+
+TEST(Engine, RequestsStillQueuedWhenTheEngineGoesAwayEndCancelled) {
+  TinyModel m;
+  std::vector<FinishReason> ends;
+  const Status st = run_local(1, [&](Communicator& comm) -> Status {
+    auto e = Engine::create(comm, *m, base_config());
+    TREEATTN_RETURN_IF_ERROR(e.status());
+    for (int i = 0; i < 2; ++i) {
+      auto id = (*e)->submit(greedy({1, 2, 3}, 4), [&](const TokenEvent& ev) {
+        if (ev.finish != FinishReason::kNone) ends.push_back(ev.finish);
+      });
+      TREEATTN_RETURN_IF_ERROR(id.status());
+    }
+    return Status::ok();  // the engine is destroyed without a step
+  });
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(ends, (std::vector<FinishReason>{FinishReason::kCancelled, FinishReason::kCancelled}));
 }
 
 }  // namespace
