@@ -27,5 +27,7 @@ Runner add_topo_command(CLI::App& app, const Invocation& inv);
 Runner add_plan_command(CLI::App& app, const Invocation& inv);
 // Text generation with a GGUF model over sharded KV caches (cmd_generate.cpp).
 Runner add_generate_command(CLI::App& app, const Invocation& inv);
+// The OpenAI-compatible HTTP server over the serving engine (cmd_serve.cpp).
+Runner add_serve_command(CLI::App& app, const Invocation& inv);
 
 }  // namespace treeattn::cli

@@ -7,6 +7,8 @@
 //   treeattn topo     detect or show a topology (docs/topology.md)
 //   treeattn plan     predicted cost of every strategy on a topology, the paper-scale sweep,
 //                     and predicted vs measured (--validate)
+//   treeattn generate text generation with a GGUF model over a sharded KV cache
+//   treeattn serve    an OpenAI-compatible HTTP server over the serving engine
 //
 // Every subcommand reports its errors as one line and exit code 2; an exception that escapes
 // one (std::bad_alloc for a shape that passed the memory pre-check, a filesystem error) is
@@ -58,6 +60,7 @@ int main(int argc, char** argv) {
   Runner topo = add_topo_command(app, inv);
   Runner plan = add_plan_command(app, inv);
   Runner generate = add_generate_command(app, inv);
+  Runner serve = add_serve_command(app, inv);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -74,6 +77,7 @@ int main(int argc, char** argv) {
     else if (name == "topo") rc = topo();
     else if (name == "plan") rc = plan();
     else if (name == "generate") rc = generate();
+    else if (name == "serve") rc = serve();
     else std::fprintf(stderr, "treeattn: unknown subcommand %s\n", name.c_str());
   } catch (const std::bad_alloc&) {
     rc = report_exception(name, "out of memory (an allocation failed: a smaller --seq, --batch, "

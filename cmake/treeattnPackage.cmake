@@ -37,10 +37,11 @@ install(TARGETS ${_treeattn_exported} EXPORT treeattnTargets
 # of libraries that are not installed (a header added for such a library goes in this list;
 # tests/package compiles every installed header on its own against the install prefix):
 #   treeattn_measure: workload, roofline, peer, detect, measure
-#   treeattn_model:   gguf, tokenizer
+#   treeattn_model:   gguf, tokenizer, model, generate
+#   treeattn_engine:  engine (with treeattn_serve, not exported yet)
 #   treeattn_cuda, treeattn_nccl (not exported yet): executor_cuda, comm_nccl
 # and, without MPI, the MPI backend's.
-set(_treeattn_not_installed workload roofline peer detect measure gguf tokenizer model generate
+set(_treeattn_not_installed workload roofline peer detect measure gguf tokenizer model generate engine
     executor_cuda comm_nccl)
 if(NOT TARGET treeattn_mpi)
   list(APPEND _treeattn_not_installed comm_mpi)

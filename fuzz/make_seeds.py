@@ -10,6 +10,8 @@ campaign starts from valid inputs of every shape the parsers know instead of fro
                     unreadable (q6_K), built here byte by byte from the format description
   fuzz_tokenizer    texts: ASCII, digits, code, whitespace runs, accents, CJK, emoji, ChatML
                     (first byte: which tokenizer and flags)
+  fuzz_serve_request  OpenAI chat and completions bodies, valid and malformed (first byte:
+                    the endpoint and the limits)
 
 Usage: fuzz/make_seeds.py [path/to/treeattn]. Deterministic; rerun after changing it."""
 import json
@@ -149,8 +151,31 @@ def tokenizer():
         write("fuzz_tokenizer", "seed-%02d" % i, bytes([(i * 7) % 64]) + t.encode())
 
 
+def serve_request():
+    chat, completion = b"\x01", b"\x00"
+    bodies = [
+        chat + b'{"model":"m","messages":[{"role":"user","content":"Hi"}]}',
+        chat + b'{"messages":[{"role":"system","content":"S"},{"role":"user","content":'
+               b'[{"type":"text","text":"a\\u00e9"}]}],"max_tokens":5,"temperature":0.7,'
+               b'"top_p":0.9,"seed":42,"stop":["\\n","END"],"stream":true,'
+               b'"stream_options":{"include_usage":true}}',
+        chat + b'{"messages":[{"role":"user","content":"x"}],"n":2}',
+        chat + b'{"messages":[{"role":"user","content":"x"}],"frequency_penalty":0,"logprobs":false,'
+               b'"tools":[],"response_format":{"type":"text"},"user":"u","max_completion_tokens":3}',
+        completion + b'{"prompt":"Once upon a time","max_tokens":16,"stop":"time"}',
+        completion + b'{"prompt":[1,2,3,300],"ignore_eos":true,"return_token_ids":true}',
+        completion + b'{"prompt":[[5,6]],"top_k":3}',
+        completion + b'{"prompt":"x","echo":true}',
+        chat + b'{"messages":[' * 10,
+        completion + b'{"prompt":"\\ud83d\\ude00 caf\\u00e9","stop":["\\u00e9"]}',
+    ]
+    for i, b in enumerate(bodies):
+        write("fuzz_serve_request", "seed-%02d" % i, b)
+
+
 if __name__ == "__main__":
     topology(sys.argv[1] if len(sys.argv) > 1 else None)
     cli()
     gguf_seeds()
     tokenizer()
+    serve_request()

@@ -8,6 +8,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev   # tests and microbenchmarks
   libopenmpi-dev openmpi-bin                   # the MPI communicator backend and mpirun
   libcli11-dev libfmt-dev nlohmann-json3-dev   # CLI flags, formatting, JSON reports/topologies
+  libcpp-httplib-dev curl                      # treeattn serve's HTTP server; its tests use curl
   libopenblas-dev                              # the OpenBLAS peer kernel in benchmarks
   libssl-dev                                   # SHA-256 of results (output_sha256 in JSON)
   gnuplot-nox                                  # --plot

@@ -169,8 +169,12 @@ class TiledKVCache {
                     std::span<const int64_t> total_len, int64_t pos_stride = 1) const;
 
  private:
+  // Frees what allocate() took: munmap for a mapping (`mapped` bytes), std::free otherwise.
   struct Free {
-    void operator()(void* p) const { std::free(p); }
+    Free() noexcept : mapped(0) {}  // (no default member initializer: CWG 1397)
+    explicit Free(std::size_t m) noexcept : mapped(m) {}
+    std::size_t mapped;
+    void operator()(void* p) const;
   };
   // Byte offsets of slot t's K and V element 0 and of its scale (in floats).
   std::size_t k_offset(int64_t b, int64_t h, int64_t t) const;

@@ -2,6 +2,8 @@
 // reads in the tile layout, and the validation of tiled views.
 #include "treeattn/kv_tiles.hpp"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -116,6 +118,12 @@ Result<TiledKVCache> TiledKVCache::create(const AttnShape& shape, DType dtype,
   return c;
 }
 
+void TiledKVCache::Free::operator()(void* p) const {
+  if (p == nullptr) return;
+  if (mapped > 0) munmap(p, mapped);
+  else std::free(p);
+}
+
 Status TiledKVCache::allocate(int64_t tiles) {
   const int64_t es = static_cast<int64_t>(dtype_size(dtype_));
   const int64_t T = tile_, D = shape_.head_dim, rows = shape_.batch * shape_.kv_heads;
@@ -150,13 +158,25 @@ Status TiledKVCache::allocate(int64_t tiles) {
     scale_head_stride_ = tiles * record / 4;
   }
   const auto bytes = static_cast<std::size_t>(std::max<int64_t>(round_up(total, 64), 64));
-  void* p = std::aligned_alloc(64, bytes);
+  // Large caches are anonymous mappings: zero pages the kernel commits as they are written, so a
+  // serving engine's multi-gigabyte page pool costs neither start-up time nor memory until used.
+  // Small ones come from the heap, zeroed.
+  constexpr std::size_t kMapFrom = std::size_t{2} << 20;
+  void* p = nullptr;
+  Free del;
+  if (bytes >= kMapFrom) {
+    p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) p = nullptr;
+    del.mapped = bytes;
+  } else {
+    p = std::aligned_alloc(64, bytes);
+    if (p != nullptr) std::memset(p, 0, bytes);
+  }
   if (p == nullptr)
     return Status(Code::kOutOfMemory, "cannot allocate " + std::to_string(bytes) +
                                           " bytes for a tiled KV cache (" + shape_.to_string() +
                                           ", " + std::to_string(tiles * T) + " tokens)");
-  std::memset(p, 0, bytes);
-  mem_.reset(static_cast<uint8_t*>(p));
+  mem_ = std::unique_ptr<uint8_t, Free>(static_cast<uint8_t*>(p), del);
   bytes_ = bytes;
   tiles_ = tiles;
   return Status::ok();

@@ -1,0 +1,86 @@
+// libFuzzer target: `treeattn serve`'s request parser (src/serve/api.hpp) on arbitrary bodies.
+// The first input byte picks the endpoint (bit 0: chat or completions) and the limits given to
+// the length check; the rest is the body. A refused body must give a 400 whose error body is
+// JSON with the four OpenAI fields; an accepted one is taken through what the server does
+// next: the chat template, the prompt over a byte-level codec, the length check, and its
+// prompt's bytes as generated tokens through the UTF-8 assembler and the stop strings, whose
+// output must be valid UTF-8 and never contain a stop string.
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+
+#include "serve/api.hpp"
+#include "serve/byte_codec.hpp"
+#include "serve/format.hpp"
+#include "serve/text.hpp"
+
+namespace {
+
+using namespace treeattn;
+using namespace treeattn::serve;
+
+void check(bool ok) {
+  if (!ok) std::abort();
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
+  if (size < 1) return 0;
+  const Endpoint ep = (data[0] & 1) != 0 ? Endpoint::kChat : Endpoint::kCompletion;
+  const int64_t context = (data[0] & 2) != 0 ? 64 : 0;
+  const int64_t pool = (data[0] & 4) != 0 ? 100 : 1 << 20;
+  const std::string_view body(reinterpret_cast<const char*>(data + 1), size - 1);
+  auto parsed = parse_request(ep, body);
+  if (auto* e = std::get_if<ApiError>(&parsed)) {
+    check(e->status == 400 && !e->message.empty());
+    const auto j = nlohmann::json::parse(error_body(*e));
+    for (const char* k : {"message", "type", "param", "code"}) check(j["error"].contains(k));
+    return 0;
+  }
+  const ParsedRequest& r = std::get<ParsedRequest>(parsed);
+  check(!r.max_tokens || *r.max_tokens >= 1);
+  check(r.temperature >= 0 && r.temperature <= 2 && r.top_p >= 0 && r.top_p <= 1);
+  check(r.stop.size() <= kMaxStopStrings);
+  testing::ByteCodec codec;
+  ChatTemplate chat;
+  chat.default_system = "S";
+  auto prompt = build_prompt(r, codec, chat);
+  if (auto* e = std::get_if<ApiError>(&prompt)) {
+    check(e->status == 400);
+    return 0;
+  }
+  const auto& ids = std::get<std::vector<TokenId>>(prompt);
+  check(!ids.empty());
+  auto max_new = check_lengths(r, static_cast<int64_t>(ids.size()), context, pool);
+  if (auto* n = std::get_if<int64_t>(&max_new)) {
+    check(*n >= 1);
+    if (context > 0) check(static_cast<int64_t>(ids.size()) + *n <= context);
+    check(static_cast<int64_t>(ids.size()) + *n <= pool);
+  }
+  // The prompt's bytes as a generation, ended by the end token.
+  Generation g(codec, r.stop);
+  for (std::size_t i = 0; i < ids.size() && !g.done(); ++i) {
+    engine::TokenEvent ev;
+    ev.token = ids[i] < 256 ? ids[i] : 'x';
+    g.on_event(ev);
+  }
+  engine::TokenEvent end;
+  end.token = testing::kByteEos;
+  end.finish = engine::FinishReason::kStop;
+  g.on_event(end);
+  check(g.done());
+  const std::string& text = g.text();
+  Utf8Assembler u;  // valid UTF-8 passes through unchanged
+  check(u.push(text) == text && u.held() == 0);
+  for (const std::string& s : r.stop) check(text.find(s) == std::string::npos);
+  // And the response body it would make is JSON.
+  ResponseMeta meta{ep, "id", 0, "m"};
+  Completion c;
+  c.text = text;
+  (void)nlohmann::json::parse(completion_body(meta, c));
+  return 0;
+}

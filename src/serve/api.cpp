@@ -1,0 +1,517 @@
+// The request parser, the chat template and the length check (api.hpp).
+#include "serve/api.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <set>
+
+namespace treeattn::serve {
+namespace {
+
+using nlohmann::json;
+
+ApiError bad(std::string message, std::string param, std::string code = {}) {
+  return ApiError{400, std::move(message), "invalid_request_error", std::move(param),
+                  std::move(code)};
+}
+
+const char* type_name(const json& v) {
+  switch (v.type()) {
+    case json::value_t::null:
+      return "null";
+    case json::value_t::boolean:
+      return "a boolean";
+    case json::value_t::number_integer:
+    case json::value_t::number_unsigned:
+      return "an integer";
+    case json::value_t::number_float:
+      return "a number";
+    case json::value_t::string:
+      return "a string";
+    case json::value_t::array:
+      return "an array";
+    case json::value_t::object:
+      return "an object";
+    default:
+      return "an unknown value";
+  }
+}
+
+ApiError wrong_type(const std::string& param, const char* expected, const json& v) {
+  return bad(fmt::format("Invalid type for '{}': expected {}, but got {} instead.", param, expected,
+                         type_name(v)),
+             param, "invalid_type");
+}
+
+// Nesting depth of a JSON text (strings skipped), without parsing it.
+int json_depth(std::string_view s) {
+  int depth = 0, max_depth = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : s) {
+    if (in_string) {
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
+      continue;
+    }
+    if (c == '"')
+      in_string = true;
+    else if (c == '[' || c == '{')
+      max_depth = std::max(max_depth, ++depth);
+    else if (c == ']' || c == '}')
+      --depth;
+  }
+  return max_depth;
+}
+
+// An integer: a JSON integer, or a float with an integral value (some clients send 5.0).
+std::optional<int64_t> as_int(const json& v) {
+  if (v.is_number_unsigned()) {
+    const auto u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return std::nullopt;
+    return static_cast<int64_t>(u);
+  }
+  if (v.is_number_integer()) return v.get<int64_t>();
+  if (v.is_number_float()) {
+    const double d = v.get<double>();
+    if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9.0e18)
+      return static_cast<int64_t>(d);
+  }
+  return std::nullopt;
+}
+
+Parsed<int64_t> get_int(const json& v, const std::string& param, int64_t lo, int64_t hi) {
+  const auto i = as_int(v);
+  if (!i) return wrong_type(param, "an integer", v);
+  if (*i < lo || *i > hi)
+    return bad(fmt::format("'{}' is {}; it must be between {} and {}.", param, *i, lo, hi), param,
+               "invalid_value");
+  return *i;
+}
+
+Parsed<double> get_number(const json& v, const std::string& param, double lo, double hi) {
+  if (!v.is_number()) return wrong_type(param, "a number", v);
+  const double d = v.get<double>();
+  if (!std::isfinite(d) || d < lo || d > hi)
+    return bad(fmt::format("'{}' is {}; it must be between {} and {}.", param, d, lo, hi), param,
+               "invalid_value");
+  return d;
+}
+
+Parsed<bool> get_bool(const json& v, const std::string& param) {
+  if (!v.is_boolean()) return wrong_type(param, "a boolean", v);
+  return v.get<bool>();
+}
+
+ApiError unsupported(const std::string& param, const std::string& what = {}) {
+  return bad(
+      fmt::format("'{}'{} is not supported by this server.", param, what.empty() ? "" : " " + what),
+      param, "unsupported_parameter");
+}
+
+// A field of the API that this server does not implement: only its neutral value passes.
+std::optional<ApiError> neutral_only(const std::string& key, const json& v) {
+  auto empty_or_null = [&] {
+    return v.is_null() || (v.is_array() && v.empty()) || (v.is_object() && v.empty()) ||
+           (v.is_string() && v.get<std::string>().empty());
+  };
+  if (key == "frequency_penalty" || key == "presence_penalty") {
+    auto d = get_number(v, key, -2.0, 2.0);
+    if (auto* e = std::get_if<ApiError>(&d)) return *e;
+    if (std::get<double>(d) != 0.0) return unsupported(key, "other than 0");
+    return std::nullopt;
+  }
+  if (key == "logprobs") {  // chat: a boolean; completions: an integer
+    if (v.is_boolean() && !v.get<bool>()) return std::nullopt;
+    if (as_int(v) == 0) return std::nullopt;
+    return unsupported(key);
+  }
+  if (key == "top_logprobs") {
+    if (as_int(v) == 0) return std::nullopt;
+    return unsupported(key);
+  }
+  if (key == "echo" || key == "parallel_tool_calls" || key == "store") {
+    auto b = get_bool(v, key);
+    if (auto* e = std::get_if<ApiError>(&b)) return *e;
+    if (std::get<bool>(b) && key == "echo") return unsupported(key, "true");
+    return std::nullopt;
+  }
+  if (key == "best_of") {
+    if (as_int(v) == 1) return std::nullopt;
+    return unsupported(key, "other than 1");
+  }
+  if (key == "response_format") {
+    if (v.is_object() && v.size() == 1 && v.contains("type") && v["type"] == "text")
+      return std::nullopt;
+    return unsupported(key, "other than {\"type\": \"text\"}");
+  }
+  if (key == "tool_choice" || key == "function_call") {
+    if (v.is_string() && (v == "none" || v == "auto")) return std::nullopt;
+    return unsupported(key);
+  }
+  if (key == "modalities") {
+    if (v.is_array() && v.size() == 1 && v[0] == "text") return std::nullopt;
+    return unsupported(key, "other than [\"text\"]");
+  }
+  if (key == "user" || key == "service_tier") {
+    if (!v.is_string()) return wrong_type(key, "a string", v);
+    return std::nullopt;
+  }
+  if (key == "metadata") {
+    if (!v.is_object()) return wrong_type(key, "an object", v);
+    return std::nullopt;
+  }
+  // logit_bias, tools, functions, suffix, reasoning_effort, prediction, audio, ...
+  if (empty_or_null()) return std::nullopt;
+  return unsupported(key);
+}
+
+const std::set<std::string, std::less<>> kNeutralChat = {"frequency_penalty",
+                                                         "presence_penalty",
+                                                         "logit_bias",
+                                                         "logprobs",
+                                                         "top_logprobs",
+                                                         "user",
+                                                         "response_format",
+                                                         "tools",
+                                                         "tool_choice",
+                                                         "parallel_tool_calls",
+                                                         "functions",
+                                                         "function_call",
+                                                         "store",
+                                                         "metadata",
+                                                         "service_tier",
+                                                         "modalities",
+                                                         "reasoning_effort",
+                                                         "prediction",
+                                                         "audio"};
+const std::set<std::string, std::less<>> kNeutralCompletion = {"frequency_penalty",
+                                                               "presence_penalty",
+                                                               "logit_bias",
+                                                               "logprobs",
+                                                               "user",
+                                                               "echo",
+                                                               "best_of",
+                                                               "suffix"};
+
+// A message's content: a string, or an array of {"type": "text", "text": ...} parts.
+Parsed<std::string> message_content(const json& v, const std::string& param) {
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_null()) return std::string();
+  if (!v.is_array()) return wrong_type(param, "a string or an array of content parts", v);
+  std::string text;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const json& part = v[i];
+    const std::string p = fmt::format("{}[{}]", param, i);
+    if (!part.is_object()) return wrong_type(p, "an object", part);
+    const auto type = part.find("type");
+    if (type == part.end() || !type->is_string())
+      return bad(fmt::format("'{}.type' is required and must be a string.", p), p + ".type");
+    if (*type != "text")
+      return unsupported(p + ".type", "'" + type->get<std::string>() + "' (only text parts)");
+    const auto t = part.find("text");
+    if (t == part.end() || !t->is_string())
+      return bad(fmt::format("'{}.text' is required and must be a string.", p), p + ".text");
+    for (const auto& [k, x] : part.items())
+      if (k != "type" && k != "text")
+        return bad(fmt::format("Unrecognized argument '{}.{}'.", p, k), p + "." + k,
+                   "unknown_parameter");
+    text += t->get<std::string>();
+  }
+  return text;
+}
+
+std::optional<ApiError> parse_messages(const json& v, std::vector<ChatMessage>& out) {
+  if (!v.is_array()) return wrong_type("messages", "an array", v);
+  if (v.empty()) return bad("'messages' must contain at least one message.", "messages");
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const json& m = v[i];
+    const std::string p = fmt::format("messages[{}]", i);
+    if (!m.is_object()) return wrong_type(p, "an object", m);
+    ChatMessage msg;
+    bool have_content = false;
+    for (const auto& [k, x] : m.items()) {
+      if (k == "role") {
+        if (!x.is_string()) return wrong_type(p + ".role", "a string", x);
+        msg.role = x.get<std::string>();
+      } else if (k == "content") {
+        auto c = message_content(x, p + ".content");
+        if (auto* e = std::get_if<ApiError>(&c)) return *e;
+        msg.content = std::move(std::get<std::string>(c));
+        have_content = !x.is_null();
+      } else if (k == "name") {
+        if (!x.is_string()) return wrong_type(p + ".name", "a string", x);
+      } else if (k == "refusal" || k == "tool_calls" || k == "function_call" ||
+                 k == "annotations" || k == "audio") {
+        if (!(x.is_null() || (x.is_array() && x.empty()))) return unsupported(p + "." + k);
+      } else {
+        return bad(fmt::format("Unrecognized argument '{}.{}'.", p, k), p + "." + k,
+                   "unknown_parameter");
+      }
+    }
+    if (msg.role.empty())
+      return bad(fmt::format("'{}.role' is required.", p), p + ".role", "missing_required");
+    if (msg.role == "developer") msg.role = "system";
+    if (msg.role != "system" && msg.role != "user" && msg.role != "assistant")
+      return bad(fmt::format("'{}.role' is '{}'; this server takes system, developer, user and "
+                             "assistant messages.",
+                             p, msg.role),
+                 p + ".role", "invalid_value");
+    if (!have_content && msg.role != "assistant")
+      return bad(fmt::format("'{}.content' is required.", p), p + ".content", "missing_required");
+    out.push_back(std::move(msg));
+  }
+  return std::nullopt;
+}
+
+// prompt: a string, token ids, or a one-element array of either.
+std::optional<ApiError> parse_prompt(const json& v, ParsedRequest& r) {
+  const json* p = &v;
+  if (v.is_array() && !v.empty() && (v[0].is_string() || v[0].is_array())) {
+    if (v.size() > 1)
+      return bad(
+          fmt::format("'prompt' holds {} prompts; this server takes one per request.", v.size()),
+          "prompt", "unsupported_value");
+    p = &v[0];
+  }
+  if (p->is_string()) {
+    r.prompt_text = p->get<std::string>();
+    return std::nullopt;
+  }
+  if (!p->is_array()) return wrong_type("prompt", "a string or an array of token ids", v);
+  if (p->empty()) return bad("'prompt' is empty.", "prompt", "invalid_value");
+  r.prompt_ids.reserve(p->size());
+  for (std::size_t i = 0; i < p->size(); ++i) {
+    const auto id = as_int((*p)[i]);
+    if (!id || *id < 0 || *id > std::numeric_limits<TokenId>::max())
+      return bad(fmt::format("'prompt[{}]' must be a token id (a non-negative integer).", i),
+                 "prompt", "invalid_value");
+    r.prompt_ids.push_back(static_cast<TokenId>(*id));
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> parse_stop(const json& v, std::vector<std::string>& out) {
+  if (v.is_string()) {
+    if (v.get<std::string>().empty()) return bad("'stop' must not be empty.", "stop");
+    out.push_back(v.get<std::string>());
+    return std::nullopt;
+  }
+  if (!v.is_array()) return wrong_type("stop", "a string or an array of strings", v);
+  if (v.size() > kMaxStopStrings)
+    return bad(fmt::format("'stop' has {} strings; at most {}.", v.size(), kMaxStopStrings), "stop",
+               "invalid_value");
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (!v[i].is_string()) return wrong_type(fmt::format("stop[{}]", i), "a string", v[i]);
+    if (v[i].get<std::string>().empty())
+      return bad(fmt::format("'stop[{}]' must not be empty.", i), "stop");
+    out.push_back(v[i].get<std::string>());
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body) {
+  if (json_depth(body) > kMaxJsonDepth)
+    return bad(fmt::format("The request body nests deeper than {} levels.", kMaxJsonDepth), "");
+  json j;
+  try {
+    j = json::parse(body);
+  } catch (const json::exception& e) {
+    return bad(fmt::format("We could not parse the JSON body of your request ({}).", e.what()), "",
+               "invalid_json");
+  }
+  if (!j.is_object())
+    return bad(fmt::format("The request body must be a JSON object, not {}.", type_name(j)), "",
+               "invalid_json");
+  ParsedRequest r;
+  r.endpoint = endpoint;
+  const bool chat = endpoint == Endpoint::kChat;
+  const auto& neutral = chat ? kNeutralChat : kNeutralCompletion;
+  bool have_input = false, have_stream_options = false;
+  std::optional<int64_t> max_tokens, max_completion_tokens;
+  for (const auto& [key, v] : j.items()) {
+    if (v.is_null() && key != "messages" && key != "prompt") continue;  // null: absent
+    std::optional<ApiError> err;
+    auto take = [&](auto parsed, auto& into) {
+      if (auto* e = std::get_if<ApiError>(&parsed))
+        err = *e;
+      else
+        into = std::get<std::decay_t<decltype(into)>>(parsed);
+    };
+    if (key == "model") {
+      if (!v.is_string())
+        err = wrong_type(key, "a string", v);
+      else
+        r.model = v.get<std::string>();
+    } else if (chat && key == "messages") {
+      err = parse_messages(v, r.messages);
+      have_input = true;
+    } else if (!chat && key == "prompt") {
+      err = parse_prompt(v, r);
+      have_input = true;
+    } else if (key == "max_tokens" || (chat && key == "max_completion_tokens")) {
+      auto i = get_int(v, key, 1, std::numeric_limits<int32_t>::max());
+      if (auto* e = std::get_if<ApiError>(&i))
+        err = *e;
+      else
+        (key == "max_tokens" ? max_tokens : max_completion_tokens) = std::get<int64_t>(i);
+    } else if (key == "temperature") {
+      take(get_number(v, key, 0.0, 2.0), r.temperature);
+    } else if (key == "top_p") {
+      take(get_number(v, key, 0.0, 1.0), r.top_p);
+    } else if (key == "top_k") {
+      int64_t k = 0;
+      take(get_int(v, key, 0, std::numeric_limits<int32_t>::max()), k);
+      r.top_k = static_cast<int>(k);
+    } else if (key == "seed") {
+      const auto s = as_int(v);
+      if (!s && !(v.is_number_unsigned()))
+        err = wrong_type(key, "an integer", v);
+      else
+        r.seed = v.is_number_unsigned() ? v.get<uint64_t>() : static_cast<uint64_t>(*s);
+    } else if (key == "n") {
+      int64_t n = 1;
+      take(get_int(v, key, 1, std::numeric_limits<int32_t>::max()), n);
+      if (!err && n != 1)
+        err = bad(fmt::format("'n' is {}; this server returns one choice per request (n = 1).", n),
+                  "n", "unsupported_value");
+    } else if (key == "stream") {
+      take(get_bool(v, key), r.stream);
+    } else if (key == "stream_options") {
+      if (!v.is_object()) {
+        err = wrong_type(key, "an object", v);
+      } else {
+        have_stream_options = true;
+        for (const auto& [k, x] : v.items()) {
+          if (k == "include_usage") {
+            if (!x.is_null()) take(get_bool(x, "stream_options.include_usage"), r.include_usage);
+          } else if (k == "continuous_usage_stats" || k == "include_obfuscation") {
+            if (!(x.is_null() || x == false)) err = unsupported("stream_options." + k);
+          } else {
+            err = bad(fmt::format("Unrecognized argument 'stream_options.{}'.", k),
+                      "stream_options." + k, "unknown_parameter");
+          }
+          if (err) break;
+        }
+      }
+    } else if (key == "stop") {
+      err = parse_stop(v, r.stop);
+    } else if (key == "ignore_eos") {
+      take(get_bool(v, key), r.ignore_eos);
+    } else if (key == "return_token_ids") {
+      take(get_bool(v, key), r.return_token_ids);
+    } else if (key == "cache_prompt") {
+      bool ignored = true;
+      take(get_bool(v, key), ignored);
+    } else if (neutral.contains(key)) {
+      err = neutral_only(key, v);
+    } else {
+      err = bad(fmt::format("Unrecognized request argument supplied: {}", key), key,
+                "unknown_parameter");
+    }
+    if (err) return *err;
+  }
+  if (!have_input) {
+    const char* what = chat ? "messages" : "prompt";
+    return bad(fmt::format("Missing required parameter: '{}'.", what), what, "missing_required");
+  }
+  if (have_stream_options && !r.stream)
+    return bad("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+               "stream_options", "invalid_value");
+  r.max_tokens = max_completion_tokens ? max_completion_tokens : max_tokens;
+  return r;
+}
+
+ChatTemplate ChatTemplate::from_template(std::string_view jinja) {
+  ChatTemplate t;
+  constexpr std::string_view kOpen = "<|im_start|>system\n";
+  const auto a = jinja.find(kOpen);
+  if (a == std::string_view::npos) return t;
+  const auto b = jinja.find("<|im_end|>", a + kOpen.size());
+  if (b == std::string_view::npos) return t;
+  const std::string_view text = jinja.substr(a + kOpen.size(), b - a - kOpen.size());
+  // Only a literal: a template that inserts the messages' content here has quotes or braces.
+  if (text.empty() || text.find_first_of("'\"{}+") != std::string_view::npos) return t;
+  t.default_system = std::string(text);
+  return t;
+}
+
+std::string ChatTemplate::render(std::span<const ChatMessage> messages) const {
+  std::string s;
+  if (!default_system.empty() && (messages.empty() || messages[0].role != "system"))
+    s += "<|im_start|>system\n" + default_system + "<|im_end|>\n";
+  for (const ChatMessage& m : messages)
+    s += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
+  s += "<|im_start|>assistant\n";
+  return s;
+}
+
+Parsed<std::vector<TokenId>> build_prompt(const ParsedRequest& request, const Codec& codec,
+                                          const ChatTemplate& chat) {
+  const char* param = request.endpoint == Endpoint::kChat ? "messages" : "prompt";
+  std::vector<TokenId> ids;
+  if (request.endpoint == Endpoint::kChat || request.prompt_text) {
+    const bool is_chat = request.endpoint == Endpoint::kChat;
+    auto enc =
+        codec.encode(is_chat ? chat.render(request.messages) : *request.prompt_text, is_chat);
+    if (!enc.is_ok())
+      return bad(fmt::format("The {} cannot be tokenized: {}", param, enc.status().message()),
+                 param, "invalid_value");
+    ids = std::move(enc).value();
+  } else {
+    ids = request.prompt_ids;
+    const int32_t n_vocab = codec.n_vocab();
+    for (std::size_t i = 0; i < ids.size(); ++i)
+      if (ids[i] < 0 || ids[i] >= n_vocab)
+        return bad(fmt::format("'prompt[{}]' is token id {}, outside the vocabulary [0, {}).", i,
+                               ids[i], n_vocab),
+                   "prompt", "invalid_value");
+  }
+  if (ids.empty())
+    return bad(fmt::format("The {} is empty after tokenization.", param), param, "invalid_value");
+  return ids;
+}
+
+Parsed<int64_t> check_lengths(const ParsedRequest& request, int64_t prompt_tokens, int64_t context,
+                              int64_t pool) {
+  const char* where = request.endpoint == Endpoint::kChat ? "messages" : "prompt";
+  struct Limit {
+    int64_t tokens;
+    std::string name;
+  };
+  std::vector<Limit> limits;
+  if (context > 0) limits.push_back({context, "This model's maximum context length is"});
+  if (pool > 0)
+    limits.push_back({pool, "The KV cache pool (--kv-memory, over all ranks) holds at most"});
+  for (const Limit& l : limits)
+    if (prompt_tokens + 1 > l.tokens)
+      return bad(fmt::format("{} {} tokens. However, your {} has {} tokens (and at least 1 is "
+                             "generated). Please reduce the length of the {}.",
+                             l.name, l.tokens, where, prompt_tokens, where),
+                 where, "context_length_exceeded");
+  if (request.max_tokens) {
+    const int64_t m = *request.max_tokens;
+    for (const Limit& l : limits)
+      if (prompt_tokens + m > l.tokens)
+        return bad(fmt::format("{} {} tokens. However, you requested {} tokens ({} in the {}, {} "
+                               "in the completion). Please reduce the length of the {} or "
+                               "completion.",
+                               l.name, l.tokens, prompt_tokens + m, prompt_tokens, where, m, where),
+                   "max_tokens", "context_length_exceeded");
+    return m;
+  }
+  int64_t left = std::numeric_limits<int32_t>::max();
+  for (const Limit& l : limits) left = std::min(left, l.tokens - prompt_tokens);
+  return request.endpoint == Endpoint::kChat ? left : std::min<int64_t>(16, left);
+}
+
+}  // namespace treeattn::serve

@@ -1,0 +1,123 @@
+// The OpenAI API as `treeattn serve` reads it: a request body of POST /v1/chat/completions or
+// POST /v1/completions becomes a ParsedRequest, or an ApiError that names the field.
+//
+// Pure functions, no sockets and no model: the parser, the chat template, the prompt builder
+// and the length check are unit-tested (tests/serve) and fuzzed (fuzz/fuzz_serve_request.cpp).
+//
+// What is accepted (OpenAI's names and shapes; null is the same as absent everywhere):
+//   model (string, not checked), messages (chat) / prompt (completions: a string, an array of
+//   token ids, or a one-element array of either), max_tokens and max_completion_tokens
+//   (integer >= 1; max_completion_tokens wins), temperature (0..2; 0 is greedy; default 1),
+//   top_p (0..1; 0 is greedy), seed (integer; default: a fresh one per request), stop (a
+//   string or an array of up to 16 non-empty strings), stream, stream_options.include_usage
+//   (only with stream true), n (1 only).
+// Extensions other servers also take: top_k (integer >= 0), ignore_eos (bool: the end-of-
+// generation tokens do not stop the request), return_token_ids (bool: choice.token_ids and
+// prompt_token_ids in the response, as vLLM), cache_prompt (bool, llama-server's; ignored: the
+// prefix cache is always on).
+// Fields of the OpenAI API this server does not implement are accepted at their neutral value
+// (frequency_penalty 0, logprobs false, tools [], response_format text, echo false, ...) and
+// refused with 400 otherwise; fields that are not in the API at all are refused with 400
+// ("Unrecognized request argument supplied: X"), as OpenAI does.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "treeattn/tokenizer.hpp"
+
+namespace treeattn::serve {
+
+// The body is {"error": {"message", "type", "param", "code"}} with HTTP status `status`;
+// param and code are null when empty.
+struct ApiError {
+  int status = 400;
+  std::string message;
+  std::string type = "invalid_request_error";
+  std::string param;
+  std::string code;
+};
+
+template <class T>
+using Parsed = std::variant<T, ApiError>;
+
+enum class Endpoint { kChat, kCompletion };
+
+struct ChatMessage {
+  std::string role;  // system, user or assistant ("developer" is read as system)
+  std::string content;
+};
+
+struct ParsedRequest {
+  Endpoint endpoint = Endpoint::kChat;
+  std::string model;
+  std::vector<ChatMessage> messages;       // kChat
+  std::optional<std::string> prompt_text;  // kCompletion, text
+  std::vector<TokenId> prompt_ids;         // kCompletion, token ids (when prompt_text is empty)
+  std::optional<int64_t> max_tokens;
+  double temperature = 1.0;
+  double top_p = 1.0;
+  int top_k = 0;
+  std::optional<uint64_t> seed;
+  std::vector<std::string> stop;
+  bool stream = false;
+  bool include_usage = false;
+  bool ignore_eos = false;
+  bool return_token_ids = false;
+};
+
+// Limits of the parser: nesting deeper than this is refused before the JSON is parsed (the
+// parser and the value's destructor are recursive).
+inline constexpr int kMaxJsonDepth = 64;
+inline constexpr std::size_t kMaxStopStrings = 16;
+
+Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body);
+
+// The model's chat template. Only ChatML is implemented (SmolLM2, Qwen, ...):
+//   [<|im_start|>system\n{default_system}<|im_end|>\n]   when the first message is not a system one
+//   <|im_start|>{role}\n{content}<|im_end|>\n            for each message
+//   <|im_start|>assistant\n
+// `from_template` reads the default system message from a Jinja template such as SmolLM2's
+// ("{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are
+// ...<|im_end|>\n' }}"); none when it has no literal one. The result is encoded with special
+// tokens parsed (control tokens written in a message's content become those tokens, as in
+// llama-server).
+struct ChatTemplate {
+  std::string default_system;
+  static ChatTemplate from_template(std::string_view jinja);
+  std::string render(std::span<const ChatMessage> messages) const;
+};
+
+// Text to token ids and back, as the server needs it (implemented over the model's Tokenizer by
+// TokenizerCodec, codec.hpp; tests use a byte-level one).
+class Codec {
+ public:
+  virtual ~Codec() = default;
+  // add_special: BOS as the model asks; parse_special: control tokens written in the text.
+  virtual Result<std::vector<TokenId>> encode(std::string_view text, bool parse_special) const = 0;
+  // The bytes of one token (control tokens: empty); may be part of a UTF-8 character.
+  virtual std::string piece(TokenId id) const = 0;
+  virtual int32_t n_vocab() const = 0;
+  // The tokens that end a generation (EOS, <|im_end|>, ...).
+  virtual std::vector<TokenId> end_of_generation() const = 0;
+};
+
+// The prompt's token ids: the chat template over the messages (chat), the text with the
+// model's BOS (completions, special tokens not parsed, as `treeattn generate`), or the ids as
+// given, checked against the vocabulary. 400 for an empty prompt or an id outside it.
+Parsed<std::vector<TokenId>> build_prompt(const ParsedRequest& request, const Codec& codec,
+                                          const ChatTemplate& chat);
+
+// How many tokens the request may generate, or the 400 that names both numbers when the
+// prompt (plus max_tokens) does not fit the model's context (`context`, 0: no limit) or what
+// the KV pool can hold for one sequence (`pool`). Without max_tokens: up to the limit for chat,
+// min(16, what is left) for completions (OpenAI's defaults).
+Parsed<int64_t> check_lengths(const ParsedRequest& request, int64_t prompt_tokens, int64_t context,
+                              int64_t pool);
+
+}  // namespace treeattn::serve

@@ -1,0 +1,23 @@
+// TokenizerCodec (codec.hpp).
+#include "serve/codec.hpp"
+
+namespace treeattn::serve {
+
+TokenizerCodec::TokenizerCodec(const Tokenizer& tokenizer) : tok_(&tokenizer) {
+  for (TokenId id = 0; id < tok_->n_vocab(); ++id)
+    if (tok_->is_end_of_generation(id)) eog_.push_back(id);
+}
+
+Result<std::vector<TokenId>> TokenizerCodec::encode(std::string_view text,
+                                                    bool parse_special) const {
+  return tok_->encode(text, /*add_special=*/true, parse_special);
+}
+
+std::string TokenizerCodec::piece(TokenId id) const {
+  auto p = tok_->token_to_piece(id);
+  return p.is_ok() ? std::move(p).value() : std::string();
+}
+
+int32_t TokenizerCodec::n_vocab() const { return tok_->n_vocab(); }
+
+}  // namespace treeattn::serve

@@ -1,0 +1,24 @@
+// The model's tokenizer as the server's Codec (api.hpp).
+#pragma once
+
+#include <vector>
+
+#include "serve/api.hpp"
+#include "treeattn/tokenizer.hpp"
+
+namespace treeattn::serve {
+
+class TokenizerCodec final : public Codec {
+ public:
+  explicit TokenizerCodec(const Tokenizer& tokenizer);
+  Result<std::vector<TokenId>> encode(std::string_view text, bool parse_special) const override;
+  std::string piece(TokenId id) const override;
+  int32_t n_vocab() const override;
+  std::vector<TokenId> end_of_generation() const override { return eog_; }
+
+ private:
+  const Tokenizer* tok_;
+  std::vector<TokenId> eog_;
+};
+
+}  // namespace treeattn::serve

@@ -1,0 +1,148 @@
+// Response bodies and server-sent events (format.hpp).
+#include "serve/format.hpp"
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <chrono>
+#include <random>
+
+namespace treeattn::serve {
+
+using nlohmann::json;
+
+std::string make_response_id(Endpoint endpoint) {
+  // A per-process random base plus a counter: unique without a lock.
+  static const uint64_t base = [] {
+    std::random_device rd;
+    return (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+           static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  }();
+  static std::atomic<uint64_t> counter{0};
+  const uint64_t n = counter.fetch_add(1, std::memory_order_relaxed);
+  return fmt::format("{}{:016x}{:08x}", endpoint == Endpoint::kChat ? "chatcmpl-" : "cmpl-", base,
+                     static_cast<uint32_t>(n));
+}
+
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+std::string error_body(const ApiError& e) {
+  json err = {{"message", e.message},
+              {"type", e.type},
+              {"param", e.param.empty() ? json(nullptr) : json(e.param)},
+              {"code", e.code.empty() ? json(nullptr) : json(e.code)}};
+  return dump(json{{"error", err}});
+}
+
+json usage_json(const Usage& u) {
+  return {{"prompt_tokens", u.prompt_tokens},
+          {"completion_tokens", u.completion_tokens},
+          {"total_tokens", u.prompt_tokens + u.completion_tokens},
+          {"prompt_tokens_details", {{"cached_tokens", u.cached_tokens}}}};
+}
+
+json timings_json(const TimingsInfo& t) {
+  const auto& r = t.timings;
+  const double decode_ms = r.decode_seconds * 1e3;
+  return {{"queue_ms", r.queue_seconds * 1e3},
+          {"prefill_ms", r.prefill_seconds * 1e3},
+          {"decode_ms", decode_ms},
+          {"decode_ms_per_token",
+           t.generated_tokens > 1 ? decode_ms / static_cast<double>(t.generated_tokens - 1) : 0.0},
+          {"prompt_tokens", r.prompt_tokens},
+          {"cached_tokens", r.cached_tokens},
+          {"generated_tokens", t.generated_tokens},
+          {"ranks", t.ranks},
+          {"method", t.method},
+          {"bytes_sent_per_token", t.bytes_sent_per_token}};
+}
+
+namespace {
+
+json finish_json(Finish f) {
+  if (f == Finish::kNone) return nullptr;
+  return finish_name(f);
+}
+
+json envelope(const ResponseMeta& meta, bool chunk) {
+  const bool chat = meta.endpoint == Endpoint::kChat;
+  return {
+      {"id", meta.id},
+      {"object", chat ? (chunk ? "chat.completion.chunk" : "chat.completion") : "text_completion"},
+      {"created", meta.created},
+      {"model", meta.model},
+      {"system_fingerprint", "treeattn"}};
+}
+
+json choice(const ResponseMeta& meta, const std::string* text, bool delta, Finish finish) {
+  json c = {{"index", 0}};
+  if (meta.endpoint == Endpoint::kChat) {
+    json m = json::object();
+    if (!delta) m["role"] = "assistant";
+    if (text != nullptr) m["content"] = *text;
+    c[delta ? "delta" : "message"] = std::move(m);
+  } else {
+    c["text"] = text != nullptr ? *text : std::string();
+  }
+  c["logprobs"] = nullptr;
+  c["finish_reason"] = finish_json(finish);
+  return c;
+}
+
+}  // namespace
+
+std::string completion_body(const ResponseMeta& meta, const Completion& c) {
+  json j = envelope(meta, false);
+  json ch = choice(meta, &c.text, false, c.finish);
+  if (c.token_ids != nullptr) ch["token_ids"] = *c.token_ids;
+  j["choices"] = json::array({std::move(ch)});
+  j["usage"] = usage_json(c.usage);
+  if (c.prompt_ids != nullptr) j["prompt_token_ids"] = *c.prompt_ids;
+  if (!c.timings.is_null()) j["timings"] = c.timings;
+  return dump(j);
+}
+
+std::string sse_data(const json& j) { return "data: " + dump(j) + "\n\n"; }
+std::string sse_done() { return "data: [DONE]\n\n"; }
+std::string sse_comment(std::string_view text) { return ": " + std::string(text) + "\n\n"; }
+
+json chunk_role(const ResponseMeta& meta) {
+  json j = envelope(meta, true);
+  json c = {{"index", 0},
+            {"delta", {{"role", "assistant"}, {"content", ""}}},
+            {"logprobs", nullptr},
+            {"finish_reason", nullptr}};
+  j["choices"] = json::array({std::move(c)});
+  return j;
+}
+
+json chunk_text(const ResponseMeta& meta, const std::string& text) {
+  json j = envelope(meta, true);
+  j["choices"] = json::array({choice(meta, &text, true, Finish::kNone)});
+  return j;
+}
+
+json chunk_finish(const ResponseMeta& meta, Finish finish, const json& timings,
+                  const std::vector<TokenId>* token_ids) {
+  json j = envelope(meta, true);
+  json c = choice(meta, nullptr, true, finish);
+  if (token_ids != nullptr) c["token_ids"] = *token_ids;
+  j["choices"] = json::array({std::move(c)});
+  if (!timings.is_null()) j["timings"] = timings;
+  return j;
+}
+
+json chunk_usage(const ResponseMeta& meta, const Usage& usage) {
+  json j = envelope(meta, true);
+  j["choices"] = json::array();
+  j["usage"] = usage_json(usage);
+  return j;
+}
+
+std::string models_body(const std::string& model_id, int64_t created, const json& meta) {
+  json m = {{"id", model_id}, {"object", "model"}, {"created", created}, {"owned_by", "treeattn"}};
+  if (!meta.is_null()) m["meta"] = meta;
+  return dump(json{{"object", "list"}, {"data", json::array({std::move(m)})}});
+}
+
+}  // namespace treeattn::serve

@@ -1,0 +1,175 @@
+// Incremental detokenization, stop strings and a request's output (text.hpp).
+#include "serve/text.hpp"
+
+#include <algorithm>
+
+namespace treeattn::serve {
+namespace {
+
+constexpr std::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD
+
+// Length of the UTF-8 sequence that lead byte c starts (RFC 3629), 0 for an invalid lead.
+int sequence_length(unsigned char c) {
+  if (c < 0x80) return 1;
+  if (c >= 0xC2 && c <= 0xDF) return 2;
+  if (c >= 0xE0 && c <= 0xEF) return 3;
+  if (c >= 0xF0 && c <= 0xF4) return 4;
+  return 0;
+}
+
+// Whether byte b may be the k-th byte (k >= 1) of a sequence that starts with lead.
+bool valid_continuation(unsigned char lead, int k, unsigned char b) {
+  if (k == 1) {
+    if (lead == 0xE0) return b >= 0xA0 && b <= 0xBF;  // no overlong forms
+    if (lead == 0xED) return b >= 0x80 && b <= 0x9F;  // no surrogates
+    if (lead == 0xF0) return b >= 0x90 && b <= 0xBF;
+    if (lead == 0xF4) return b >= 0x80 && b <= 0x8F;  // <= U+10FFFF
+  }
+  return b >= 0x80 && b <= 0xBF;
+}
+
+}  // namespace
+
+std::string Utf8Assembler::push(std::string_view bytes) {
+  pending_.append(bytes);
+  std::string out;
+  const std::size_t n = pending_.size();
+  std::size_t i = 0;
+  while (i < n) {
+    const auto c = static_cast<unsigned char>(pending_[i]);
+    const int len = sequence_length(c);
+    if (len == 1) {
+      out += static_cast<char>(c);
+      ++i;
+      continue;
+    }
+    if (len == 0) {
+      out += kReplacement;
+      ++i;
+      continue;
+    }
+    int k = 1;
+    while (k < len && i + k < n &&
+           valid_continuation(c, k, static_cast<unsigned char>(pending_[i + k])))
+      ++k;
+    if (k == len) {
+      out.append(pending_, i, static_cast<std::size_t>(len));
+      i += static_cast<std::size_t>(len);
+    } else if (i + k == n) {
+      break;  // a valid start that has not ended yet: hold it back
+    } else {
+      out += kReplacement;  // the maximal invalid subpart becomes one U+FFFD
+      i += static_cast<std::size_t>(k);
+    }
+  }
+  pending_.erase(0, i);
+  return out;
+}
+
+std::string Utf8Assembler::flush() {
+  std::string out = pending_.empty() ? std::string() : std::string(kReplacement);
+  pending_.clear();
+  return out;
+}
+
+StopMatcher::StopMatcher(std::vector<std::string> stops) {
+  for (std::string& s : stops)
+    if (!s.empty()) stops_.push_back(std::move(s));
+}
+
+StopMatcher::Out StopMatcher::push(std::string_view text) {
+  held_.append(text);
+  Out out;
+  std::size_t first = std::string::npos;
+  for (const std::string& s : stops_) first = std::min(first, held_.find(s));
+  if (first != std::string::npos) {
+    out.text = held_.substr(0, first);
+    out.stopped = true;
+    held_.clear();
+    return out;
+  }
+  // Hold back the longest end of the text that is a proper prefix of a stop string.
+  std::size_t hold = 0;
+  for (const std::string& s : stops_)
+    for (std::size_t k = std::min(s.size() - 1, held_.size()); k > hold; --k)
+      if (held_.compare(held_.size() - k, k, s, 0, k) == 0) {
+        hold = k;
+        break;
+      }
+  out.text = held_.substr(0, held_.size() - hold);
+  held_.erase(0, held_.size() - hold);
+  return out;
+}
+
+std::string StopMatcher::flush() {
+  std::string out = std::move(held_);
+  held_.clear();
+  return out;
+}
+
+const char* finish_name(Finish f) {
+  switch (f) {
+    case Finish::kNone:
+      return "none";
+    case Finish::kStop:
+      return "stop";
+    case Finish::kLength:
+      return "length";
+    case Finish::kCancelled:
+      return "cancelled";
+    case Finish::kError:
+      return "error";
+  }
+  return "?";
+}
+
+Generation::Update Generation::on_event(const engine::TokenEvent& event) {
+  Update u;
+  if (done()) return u;
+  timings_ = event.timings;
+  auto emit = [&](StopMatcher::Out o) {
+    u.text += o.text;
+    if (o.stopped) {
+      u.done = true;
+      u.finish = Finish::kStop;
+      u.stopped_by_string = true;
+    }
+  };
+  if (event.token >= 0) {
+    tokens_.push_back(event.token);
+    // The stop token is not part of the text (engine.hpp).
+    if (event.finish != engine::FinishReason::kStop)
+      emit(stop_.push(utf8_.push(codec_->piece(event.token))));
+  }
+  if (!u.done && event.finish != engine::FinishReason::kNone) {
+    emit(stop_.push(utf8_.flush()));
+    if (!u.done) {
+      u.text += stop_.flush();
+      u.done = true;
+      switch (event.finish) {
+        case engine::FinishReason::kStop:
+          u.finish = Finish::kStop;
+          break;
+        case engine::FinishReason::kLength:
+          u.finish = Finish::kLength;
+          break;
+        case engine::FinishReason::kCancelled:
+          u.finish = Finish::kCancelled;
+          u.error = "the request was cancelled (the server is stopping)";
+          break;
+        default:
+          u.finish = Finish::kError;
+          u.error = event.error.is_ok() ? std::string("the engine failed") : event.error.message();
+          break;
+      }
+    }
+  }
+  if (u.done) {
+    finish_ = u.finish;
+    error_ = u.error;
+  }
+  text_ += u.text;
+  return u;
+}
+
+}  // namespace treeattn::serve

@@ -1,0 +1,92 @@
+// From generated token ids to the text a client receives: bytes to whole UTF-8 characters,
+// stop strings, and the state of one request's output (Generation). Pure; unit-tested.
+//
+// A token is a run of bytes that may end inside a UTF-8 character (byte-level BPE splits rare
+// characters over several tokens). Utf8Assembler hands out only whole, valid characters and
+// holds back at most 3 bytes; an invalid byte becomes U+FFFD, so every text that leaves the
+// server is valid UTF-8 (JSON needs it).
+//
+// Stop strings: StopMatcher holds back the end of the text while it may be the start of a stop
+// string ("Hel" while "Hello" is a stop string), so a client never sees part of one. When one
+// appears, the text before it is the last text of the request; the stop string and whatever
+// follows are dropped (OpenAI's behaviour), and the caller cancels the request in the engine.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "serve/api.hpp"
+#include "treeattn/engine.hpp"
+
+namespace treeattn::serve {
+
+class Utf8Assembler {
+ public:
+  // The whole characters of what came so far; an incomplete one at the end is kept.
+  std::string push(std::string_view bytes);
+  // What is held back (an incomplete character: U+FFFD).
+  std::string flush();
+  std::size_t held() const { return pending_.size(); }
+
+ private:
+  std::string pending_;
+};
+
+class StopMatcher {
+ public:
+  explicit StopMatcher(std::vector<std::string> stops);
+  struct Out {
+    std::string text;      // safe to send
+    bool stopped = false;  // a stop string was found: `text` is everything before it
+  };
+  Out push(std::string_view text);
+  // At the end of generation: the text held back (it was not a stop string after all).
+  std::string flush();
+  std::size_t held() const { return held_.size(); }
+
+ private:
+  std::vector<std::string> stops_;
+  std::string held_;
+};
+
+enum class Finish { kNone, kStop, kLength, kCancelled, kError };
+const char* finish_name(Finish f);  // OpenAI's finish_reason: "stop", "length"; else the name
+
+// One request's output, fed with the engine's events in order.
+class Generation {
+ public:
+  Generation(const Codec& codec, std::vector<std::string> stop)
+      : codec_(&codec), stop_(std::move(stop)) {}
+
+  struct Update {
+    std::string text;  // new text to send (may be empty)
+    bool done = false;
+    Finish finish = Finish::kNone;
+    bool stopped_by_string = false;  // the caller cancels the request in the engine
+    std::string error;               // kError / kCancelled: why
+  };
+  // Events after the request is done (the engine's cancel after a stop string) are ignored.
+  Update on_event(const engine::TokenEvent& event);
+
+  bool done() const { return finish_ != Finish::kNone; }
+  Finish finish() const { return finish_; }
+  const std::string& error() const { return error_; }             // kError / kCancelled: why
+  const std::string& text() const { return text_; }               // everything sent so far
+  const std::vector<TokenId>& tokens() const { return tokens_; }  // generated, stop token too
+  int64_t completion_tokens() const { return static_cast<int64_t>(tokens_.size()); }
+  const engine::RequestTimings& timings() const { return timings_; }
+
+ private:
+  const Codec* codec_;
+  Utf8Assembler utf8_;
+  StopMatcher stop_;
+  std::string text_;
+  std::vector<TokenId> tokens_;
+  engine::RequestTimings timings_;
+  Finish finish_ = Finish::kNone;
+  std::string error_;
+};
+
+}  // namespace treeattn::serve

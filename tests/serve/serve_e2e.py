@@ -1,0 +1,651 @@
+#!/usr/bin/env python3
+"""End-to-end tests of `treeattn serve` with the real model, real sockets, curl and the official
+`openai` Python client (run by serve_e2e_test.sh with the venv of tools/serve-venv.sh).
+
+Usage: serve_e2e.py TREEATTN MODEL CASE
+
+Cases (each starts its own server on a free port, --port 0, and reads the address from the
+"listening on" line):
+  api         1 rank, with --api-key: /health, /v1/models, chat and completions, streamed and
+              not (streamed text == non-streamed text, greedy), usage and cached_tokens (prefix
+              reuse), stop strings, seeds reproducible, timings, errors the client raises as API
+              errors (400 BadRequestError naming the field, 401 AuthenticationError), curl with
+              malformed bodies and an oversized one (413), a prompt over the context (400 naming
+              both numbers), /metrics
+  flags       bad flags, a port in use, a KV pool too small: exit 2 with a message naming it
+  faults      1 rank: a full queue (429 + Retry-After, RateLimitError), a client that disconnects
+              mid-stream and a slow reader (no pages leaked: /metrics after), SIGTERM during a
+              stream (the stream finishes, exit 0)
+  exact1, exact2, exact4
+              1, 2 or 4 ranks: greedy completions and chats from 8 (exact4: 16) concurrent
+              clients equal `treeattn generate --engine` token for token
+  sigterm2    2 ranks (mpirun started by serve): SIGTERM during a stream, exit 0
+  rank_killed 2 ranks: rank 1 is killed (SIGKILL) during a stream: the stream ends (error event
+              or closed), the server exits non-zero, nothing hangs
+"""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+
+TREEATTN, MODEL, CASE = sys.argv[1], sys.argv[2], sys.argv[3]
+KEY = "e2e-key"
+OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never a proxy
+
+
+T0 = time.time()
+
+
+def log(*a):
+    print("[%5.1f s]" % (time.time() - T0), *a, flush=True)
+
+
+class Server:
+    """treeattn serve on a free port; stderr is kept (and echoed on failure)."""
+
+    def __init__(self, ranks=1, extra=(), key=None):
+        cmd = [TREEATTN, "serve", "--model", MODEL, "--port", "0", "--ranks", str(ranks),
+               "--kv-memory", "256M", "--shutdown-timeout", "60"]
+        if ranks > 1:
+            cmd += ["--threads", "1"]
+        if key:
+            cmd += ["--api-key", key]
+        cmd += list(extra)
+        self.key = key
+        self.lines = []
+        self.ready = threading.Event()
+        self.url = None
+        log("$", " ".join(cmd))
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True, errors="replace")
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self.ready.wait(180) or self.url is None:
+            self.dump()
+            raise SystemExit("FAIL: the server did not print its address")
+        log("server at", self.url)
+
+    def _read(self):
+        for line in self.proc.stderr:
+            line = line.rstrip("\n")
+            self.lines.append(line)
+            m = re.search(r"listening on (http://\S+)", line)
+            if m:
+                self.url = m.group(1)
+                self.ready.set()
+        self.ready.set()
+
+    def dump(self):
+        log("---- server stderr ----")
+        for line in self.lines:
+            log("  " + line)
+
+    def client(self, key=None, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or self.key or "none",
+                             max_retries=0, timeout=kw.get("timeout", 120))
+
+    def get(self, path, key=None):
+        req = urllib.request.Request(self.url + path)
+        k = key or self.key
+        if k:
+            req.add_header("Authorization", "Bearer " + k)
+        try:
+            with OPENER.open(req, timeout=30) as r:
+                return r.status, r.read().decode(), dict(r.headers)
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(), dict(e.headers)
+
+    def metrics(self):
+        code, body, _ = self.get("/metrics")
+        assert code == 200, (code, body)
+        out = {}
+        for line in body.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def curl(self, *args):
+        cmd = ["curl", "-sS", "-o", "-", "-w", "\n%{http_code}", "--max-time", "60"]
+        if self.key:
+            cmd += ["-H", "Authorization: Bearer " + self.key]
+        r = subprocess.run(cmd + list(args), capture_output=True, text=True)
+        body, _, code = r.stdout.rpartition("\n")
+        return int(code or 0), body
+
+    def stop(self, sig=signal.SIGTERM, timeout=90):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.dump()
+            self.proc.kill()
+            raise SystemExit("FAIL: the server did not exit %d s after the signal" % timeout)
+
+
+def check(cond, what, server=None):
+    if not cond:
+        if server:
+            server.dump()
+        raise SystemExit("FAIL: " + what)
+    log("ok:", what)
+
+
+def no_leaks(s, what):
+    """Every rank's used pages back to 0 and nothing running (the engine frees pages at its
+    next step: wait a little)."""
+    deadline = time.time() + 20
+    while True:
+        m = s.metrics()
+        used = {k: v for k, v in m.items() if k.startswith("treeattn_kv_pages_used{")}
+        if used and all(v == 0 for v in used.values()) and m["treeattn_requests_running"] == 0 \
+                and m["treeattn_requests_waiting"] == 0:
+            check(True, what + ": no KV pages held (%s)" % used)
+            return m
+        if time.time() > deadline:
+            check(False, what + ": pages still held after 20 s: %s running %s" %
+                  (used, m.get("treeattn_requests_running")), s)
+        time.sleep(0.2)
+
+
+def stream_chat(c, **kw):
+    chunks = list(c.chat.completions.create(stream=True, **kw))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    return chunks, text
+
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "1, 2, 3, 4,",
+]
+QUESTIONS = ["What is 2 + 2?", "Name a color of the sky.", "Say hello in French.",
+             "What is the largest planet?"]
+
+
+def case_api():
+    s = Server(key=KEY)
+    try:
+        code, body, _ = s.get("/health", key="wrong")  # /health needs no key
+        check(code == 200 and json.loads(body)["status"] == "ok", "/health 200 without a key")
+        c = s.client()
+        models = c.models.list()
+        check(models.data[0].id == os.path.basename(MODEL), "/v1/models: %s" % models.data[0].id)
+
+        # Chat, not streamed and streamed: the same greedy text.
+        msgs = [{"role": "user", "content": "What is the capital of France?"}]
+        r = c.chat.completions.create(model="any", messages=msgs, max_tokens=16, temperature=0)
+        text = r.choices[0].message.content
+        check(r.object == "chat.completion" and r.choices[0].message.role == "assistant",
+              "chat: %r" % text)
+        check(r.choices[0].finish_reason in ("stop", "length"), "finish_reason " +
+              r.choices[0].finish_reason)
+        check(r.usage.prompt_tokens > 20 and 0 < r.usage.completion_tokens <= 16 and
+              r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens,
+              "usage %s" % r.usage)
+        check(r.usage.prompt_tokens_details.cached_tokens is not None, "cached_tokens present")
+        t = r.model_extra["timings"]
+        check(t["ranks"] == 1 and t["method"] == "tree" and t["prefill_ms"] > 0, "timings %s" % t)
+        chunks, streamed = stream_chat(c, model="any", messages=msgs, max_tokens=16,
+                                       temperature=0, stream_options={"include_usage": True})
+        check(chunks[0].choices[0].delta.role == "assistant", "role chunk first")
+        check(streamed == text, "streamed chat == non-streamed (%r)" % streamed)
+        check(chunks[-1].usage is not None and chunks[-1].choices == [] and
+              chunks[-1].usage.completion_tokens == r.usage.completion_tokens, "usage chunk last")
+        fin = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+        check(len(fin) == 1 and fin[0].choices[0].finish_reason == r.choices[0].finish_reason,
+              "one finish chunk")
+
+        # Completions: text prompt and token ids; streamed == not.
+        r = c.completions.create(model="any", prompt=PROMPTS[2], max_tokens=16, temperature=0,
+                                 extra_body={"return_token_ids": True})
+        ctext = r.choices[0].text
+        check(r.object == "text_completion" and r.choices[0].finish_reason == "length" and
+              r.usage.completion_tokens == 16, "completion: %r" % ctext)
+        ids = r.model_extra["prompt_token_ids"]
+        r2 = c.completions.create(model="any", prompt=ids, max_tokens=16, temperature=0)
+        check(r2.choices[0].text == ctext, "prompt as token ids gives the same text")
+        st = "".join(ch.choices[0].text for ch in c.completions.create(
+            model="any", prompt=PROMPTS[2], max_tokens=16, temperature=0, stream=True)
+            if ch.choices)
+        check(st == ctext, "streamed completion == non-streamed")
+
+        # Prefix reuse: the same long prompt again takes its pages from the cache.
+        long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 30)
+        a = c.completions.create(model="any", prompt=long_prompt, max_tokens=4, temperature=0)
+        b = c.completions.create(model="any", prompt=long_prompt, max_tokens=4, temperature=0)
+        check(b.usage.prompt_tokens_details.cached_tokens >= 64 and
+              a.choices[0].text == b.choices[0].text,
+              "prefix reuse: %d of %d prompt tokens cached, same text" %
+              (b.usage.prompt_tokens_details.cached_tokens, b.usage.prompt_tokens))
+
+        # Stop strings: the text ends before the first one, finish_reason stop.
+        words = ctext.split()
+        stop = next((w for w in words[2:] if len(w) >= 3), None) or ctext[len(ctext) // 2:][:3]
+        want = ctext[:ctext.index(stop)]
+        r = c.completions.create(model="any", prompt=PROMPTS[2], max_tokens=16, temperature=0,
+                                 stop=[stop, "@@@@"])
+        check(r.choices[0].text == want and r.choices[0].finish_reason == "stop",
+              "stop %r: %r" % (stop, r.choices[0].text))
+        st = "".join(ch.choices[0].text for ch in c.completions.create(
+            model="any", prompt=PROMPTS[2], max_tokens=16, temperature=0, stream=True,
+            stop=stop) if ch.choices)
+        check(st == want, "streamed stop %r" % st)
+
+        # Seeds: the same seed, the same sampled text (streamed or not); another seed may differ.
+        kw = dict(model="any", prompt=PROMPTS[0], max_tokens=8, temperature=1.0, top_p=0.95)
+        x = c.completions.create(seed=1234, **kw).choices[0].text
+        y = c.completions.create(seed=1234, **kw).choices[0].text
+        z = "".join(ch.choices[0].text for ch in c.completions.create(seed=1234, stream=True, **kw)
+                    if ch.choices)
+        check(x == y == z, "seed 1234 reproducible: %r" % x)
+
+        # Errors the client raises as API errors.
+        try:
+            c.chat.completions.create(model="any", messages=msgs, n=2)
+            check(False, "n=2 refused")
+        except openai.BadRequestError as e:
+            check(e.status_code == 400 and e.body["param"] == "n", "n=2: 400 %s" % e.body)
+        try:
+            c.chat.completions.create(model="any", messages=msgs, temperature=5)
+            check(False, "temperature 5 refused")
+        except openai.BadRequestError as e:
+            check(e.body["param"] == "temperature", "temperature 5: 400 %s" % e.body["message"])
+        try:
+            s.client(key="wrong").chat.completions.create(model="any", messages=msgs)
+            check(False, "a wrong key refused")
+        except openai.AuthenticationError as e:
+            check(e.status_code == 401, "wrong key: 401 AuthenticationError")
+        code, _, _ = s.get("/metrics", key="wrong")
+        check(code == 401, "/metrics needs the key")
+        try:
+            c.completions.create(model="any", prompt=[17] * 9000, max_tokens=4)
+            check(False, "a prompt over the context refused")
+        except openai.BadRequestError as e:
+            m = e.body["message"]
+            check("8192" in m and "9000" in m, "prompt over the context: %s" % m)
+        try:
+            c.completions.create(model="any", prompt="hi", max_tokens=9000)
+            check(False, "max_tokens over the context refused")
+        except openai.BadRequestError as e:
+            check("8192" in e.body["message"], "max_tokens over the context: %s" %
+                  e.body["message"])
+
+        # curl: malformed bodies, wrong types, unknown fields, an oversized body.
+        corpus = ["{", "[]", "null", '{"messages": 3}', '{"messages": [{"role": "user"}]}',
+                  '{"messages": [{"role": "user", "content": "x"}], "bogus": 1}',
+                  '{"messages": [{"role": "user", "content": "x"}], "stop": [1]}',
+                  '{"messages": [{"role": "user", "content": "x"}], "max_tokens": "3"}',
+                  '\xff\xfe', '{"messages": [' * 200]
+        for body in corpus:
+            code, out = s.curl("-H", "Content-Type: application/json", "--data-binary", body,
+                               s.url + "/v1/chat/completions")
+            err = json.loads(out).get("error", {})
+            check(code == 400 and set(err) >= {"message", "type", "param", "code"},
+                  "curl %r: 400 %s" % (body[:40], err.get("message", "")[:60]))
+        with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+            f.write('{"prompt": "' + "a" * (33 << 20) + '"}')
+            f.flush()
+            code, out = s.curl("-H", "Content-Type: application/json", "--data-binary",
+                               "@" + f.name, s.url + "/v1/completions")
+        check(code == 413 and "error" in json.loads(out), "33 MiB body: 413")
+        code, out = s.curl(s.url + "/v1/nothing")
+        check(code == 404 and "error" in json.loads(out), "unknown route: 404")
+
+        m = s.metrics()
+        check(m['treeattn_kv_pages_used{rank="0"}'] == 0 and
+              m["treeattn_time_to_first_token_seconds_count"] >= 10 and
+              m["treeattn_inter_token_latency_seconds_count"] > 50 and
+              m["treeattn_prefix_cache_hit_tokens_total"] >= 64 and
+              m['treeattn_http_responses_total{code="400"}'] >= 10,
+              "/metrics: pages, TTFT/ITL histograms, prefix hits, responses by code")
+        t0 = time.time()
+        rc = s.stop()
+        check(rc == 0 and time.time() - t0 < 10,
+              "SIGTERM when idle: exit %d after %.1f s" % (rc, time.time() - t0), s)
+    except BaseException:
+        s.dump()
+        s.stop(signal.SIGKILL)
+        raise
+
+
+def raw_stream(url, path, body, key=None):
+    """A streamed POST over a plain socket (to disconnect or read slowly at will)."""
+    host, port = url[len("http://"):].rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    data = json.dumps(body).encode()
+    head = "POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" \
+           "Content-Length: %d\r\n" % (path, len(data))
+    if key:
+        head += "Authorization: Bearer %s\r\n" % key
+    sock.sendall(head.encode() + b"\r\n" + data)
+    return sock
+
+
+def case_faults():
+    s = Server(extra=["--max-batch", "2", "--max-queue", "1"])
+    try:
+        c = s.client()
+        # A full queue: 2 running + 1 waiting; the next one gets 429 with Retry-After.
+        socks, statuses = [], []
+        for i in range(8):
+            so = raw_stream(s.url, "/v1/completions",
+                            {"prompt": PROMPTS[i % 4], "max_tokens": 60, "stream": True,
+                             "ignore_eos": True})
+            head = b""
+            while b"\r\n\r\n" not in head:
+                piece = so.recv(4096)
+                if not piece:
+                    break
+                head += piece
+            status = int(head.split(b" ", 2)[1]) if head else 0
+            statuses.append(status)
+            if status != 200:
+                m = re.search(rb"Content-Length: (\d+)", head, re.I)
+                want = head.index(b"\r\n\r\n") + 4 + int(m.group(1)) if m else len(head)
+                while len(head) < want:
+                    piece = so.recv(4096)
+                    if not piece:
+                        break
+                    head += piece
+                so.close()
+                break
+            socks.append(so)
+            # The engine admits it (the batch holds 2) before the next one comes.
+            deadline = time.time() + 30
+            while time.time() < deadline:
+                m = s.metrics()
+                if m["treeattn_requests_waiting"] == max(0, len(socks) - 2) and \
+                        m["treeattn_requests_running"] == min(2, len(socks)):
+                    break
+                time.sleep(0.05)
+        last = head.decode("latin-1")
+        check(statuses[:3] == [200, 200, 200] and statuses[-1] == 429 and
+              "Retry-After: 1" in last and "rate_limit_error" in last,
+              "statuses %s: 2 running + 1 waiting, then 429 with Retry-After" % statuses, s)
+        try:
+            c.completions.create(model="any", prompt="x", max_tokens=2)
+            check(False, "429 raised")
+        except openai.RateLimitError as e:
+            check(e.status_code == 429, "the client raises RateLimitError")
+        # The three clients go away mid-stream: their requests are cancelled, pages freed.
+        for so in socks:
+            so.close()
+        no_leaks(s, "3 clients disconnected mid-stream")
+
+        # A slow reader: reads a few bytes at a time with pauses; gets the whole stream.
+        so = raw_stream(s.url, "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "Tell me a story."}],
+                         "max_tokens": 24, "stream": True, "temperature": 0})
+        got = b""
+        while b"data: [DONE]" not in got:
+            piece = so.recv(128)
+            if not piece:
+                break
+            got += piece
+            time.sleep(0.05)
+        so.close()
+        check(b"data: [DONE]" in got and (b'"finish_reason":"length"' in got or
+                                          b'"finish_reason":"stop"' in got),
+              "a slow reader gets the whole stream")
+        no_leaks(s, "after the slow reader")
+
+        # Disconnect during the prefill of a long prompt (before any token).
+        so = raw_stream(s.url, "/v1/completions",
+                        {"prompt": [100 + i % 1000 for i in range(3000)], "max_tokens": 50,
+                         "stream": True})
+        so.recv(16)
+        so.close()
+        no_leaks(s, "a client gone during a 3000-token prefill")
+
+        # SIGTERM during a stream: the stream finishes (drain), then exit 0.
+        result = {}
+
+        def consume():
+            try:
+                chunks = list(c.completions.create(model="any", prompt=PROMPTS[3], max_tokens=16,
+                                                   temperature=0, stream=True,
+                                                   extra_body={"ignore_eos": True}))
+                result["finish"] = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+                result["n"] = len(chunks)
+            except Exception as e:  # noqa: BLE001
+                result["error"] = repr(e)
+
+        th = threading.Thread(target=consume)
+        th.start()
+        time.sleep(1.0)
+        rc = s.stop()
+        th.join(60)
+        check(result.get("finish") == "length", "the stream in flight at SIGTERM finished: %s" %
+              result, s)
+        check(rc == 0, "exit %d after SIGTERM" % rc, s)
+    except BaseException:
+        s.dump()
+        s.stop(signal.SIGKILL)
+        raise
+
+
+def generate_tokens(ranks, prompt, n, chat):
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "g.json")
+        cmd = [TREEATTN, "generate", "--engine", "--model", MODEL, "--ranks", str(ranks),
+               "--prompt", prompt, "--new-tokens", str(n), "--temperature", "0", "--quiet",
+               "--json", out, "--kv-memory", "64M"]
+        if chat:
+            cmd.append("--chat")
+        if ranks > 1:
+            cmd += ["--threads", "1"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise SystemExit("FAIL: %s\n%s" % (" ".join(cmd), r.stderr))
+        j = json.load(open(out))
+        return j["prompt_tokens"], j["tokens"]
+
+
+def case_exact(ranks, copies=2):
+    n = 24
+    s = Server(ranks=ranks)
+    try:
+        c = s.client()
+        # 4 prompts, each sent by `copies` clients at once: 4 x copies concurrent requests,
+        # batched together (at most --max-batch 16 at a time).
+        distinct = [("completion", p) for p in PROMPTS[:2]] + [("chat", q) for q in QUESTIONS[:2]]
+        jobs = [(kind, text, copy) for kind, text in distinct for copy in range(copies)]
+        results = {}
+
+        def run(kind, text, copy):
+            try:
+                if kind == "completion":
+                    r = c.completions.create(model="any", prompt=text, max_tokens=n,
+                                             temperature=0, extra_body={"return_token_ids": True})
+                else:
+                    r = c.chat.completions.create(model="any",
+                                                  messages=[{"role": "user", "content": text}],
+                                                  max_tokens=n, temperature=0,
+                                                  extra_body={"return_token_ids": True})
+                results[(kind, text, copy)] = (r.model_extra["prompt_token_ids"],
+                                               r.choices[0].model_extra["token_ids"])
+            except Exception as e:  # noqa: BLE001
+                results[(kind, text, copy)] = e
+
+        t0 = time.time()
+        threads = [threading.Thread(target=run, args=j) for j in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        log("%d concurrent requests at %d rank(s): %.1f s" % (len(jobs), ranks, time.time() - t0))
+        m = s.metrics()
+        rc = s.stop()
+        check(rc == 0, "server exit %d" % rc, s)
+        for kind, text in distinct:
+            want_prompt, want = generate_tokens(ranks, text, n, kind == "chat")
+            for copy in range(copies):
+                got = results.get((kind, text, copy))
+                check(isinstance(got, tuple), "%s %r answered (%s)" % (kind, text, "ok" if isinstance(got, tuple) else got), s)
+                check(got[0] == want_prompt, "%s %r: the same prompt tokens as generate" %
+                      (kind, text))
+                check(got[1] == want, "%s %r (client %d): %d tokens over HTTP == generate "
+                      "--engine at %d rank(s)" % (kind, text, copy, len(want), ranks))
+        log("bytes sent by rank 0: %d over %d steps" % (m["treeattn_bytes_sent_total"],
+                                                          m["treeattn_engine_steps_total"]))
+    except BaseException:
+        s.dump()
+        s.stop(signal.SIGKILL)
+        raise
+
+
+def descendants(pid):
+    kids = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                ppid = int(open("/proc/%s/stat" % p).read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            kids.setdefault(ppid, []).append(int(p))
+    out, todo = [], [pid]
+    while todo:
+        q = todo.pop()
+        for k in kids.get(q, []):
+            out.append(k)
+            todo.append(k)
+    return out
+
+
+def rank_pid(server, rank):
+    for p in descendants(server.proc.pid):
+        try:
+            env = open("/proc/%d/environ" % p, "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"OMPI_COMM_WORLD_RANK=%d" % rank in env:
+            return p
+    return None
+
+
+def case_sigterm2():
+    s = Server(ranks=2)
+    try:
+        c = s.client()
+        result = {}
+
+        def consume():
+            try:
+                chunks = list(c.chat.completions.create(
+                    model="any", messages=[{"role": "user", "content": "Count to fifty."}],
+                    max_tokens=16, temperature=0, stream=True, extra_body={"ignore_eos": True}))
+                result["finish"] = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+            except Exception as e:  # noqa: BLE001
+                result["error"] = repr(e)
+
+        th = threading.Thread(target=consume)
+        th.start()
+        time.sleep(1.5)
+        rc = s.stop()
+        th.join(60)
+        check(result.get("finish") == "length", "2 ranks: the stream in flight at SIGTERM "
+              "finished: %s" % result, s)
+        check(rc == 0, "2 ranks: exit %d after SIGTERM" % rc, s)
+    except BaseException:
+        s.dump()
+        s.stop(signal.SIGKILL)
+        raise
+
+
+def case_rank_killed():
+    s = Server(ranks=2, extra=["--timeout-ms", "10000"])
+    try:
+        c = s.client(timeout=90)
+        result = {}
+
+        def streamed():
+            try:
+                chunks = list(c.completions.create(model="any", prompt=PROMPTS[0], max_tokens=160,
+                                                   temperature=0, stream=True,
+                                                   extra_body={"ignore_eos": True}))
+                result["streamed"] = "ended normally after %d chunks" % len(chunks)
+            except openai.APIError as e:
+                result["streamed"] = "APIError: " + e.message
+            except Exception as e:  # noqa: BLE001
+                result["streamed"] = repr(e)
+
+        def whole():
+            try:
+                c.completions.create(model="any", prompt=PROMPTS[1], max_tokens=160,
+                                     temperature=0, extra_body={"ignore_eos": True})
+                result["whole"] = "answered"
+            except openai.APIStatusError as e:
+                result["whole"] = "HTTP %d" % e.status_code
+            except Exception as e:  # noqa: BLE001
+                result["whole"] = repr(e)
+
+        threads = [threading.Thread(target=f) for f in (streamed, whole)]
+        for th in threads:
+            th.start()
+        time.sleep(1.5)
+        victim = rank_pid(s, 1)
+        check(victim is not None, "found rank 1's process")
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.time()
+        rc = s.proc.wait(90)
+        for th in threads:
+            th.join(90)
+        check(not any(th.is_alive() for th in threads), "both clients returned: %s" % result, s)
+        check(result["streamed"].startswith("APIError") and "died" in result["streamed"],
+              "the stream ended with an error event: %s" % result["streamed"], s)
+        check(result["whole"] == "HTTP 503", "the waiting request: %s" % result["whole"], s)
+        check(rc != 0, "the server exited non-zero (%d) %.1f s after rank 1 died" %
+              (rc, time.time() - t0), s)
+    except BaseException:
+        s.dump()
+        s.stop(signal.SIGKILL)
+        raise
+
+
+def case_flags():
+    def run(*args):
+        model = [] if "--model" in args else ["--model", MODEL]
+        r = subprocess.run([TREEATTN, "serve"] + model + list(args),
+                           capture_output=True, text=True, timeout=120)
+        return r.returncode, r.stderr
+
+    for args, want in [(["--port", "70000"], "--port"), (["--method", "ring"], "--method"),
+                       (["--kv-memory", "2X"], "--kv-memory"), (["--max-batch", "0"], "--max-batch"),
+                       (["--page-tokens", "40"], "--page-tokens"),
+                       (["--model", "/nonexistent.gguf"], "no such file"),
+                       (["--kv-memory", "1K", "--port", "0"], "KV memory")]:
+        rc, err = run(*args)
+        check(rc == 2 and want in err, "serve %s: exit 2 naming %s (%s)" %
+              (" ".join(args), want, err.strip().splitlines()[-1][:100] if err.strip() else ""))
+    # A port in use: refused before the model loads, naming the address.
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    rc, err = run("--port", str(port))
+    busy.close()
+    check(rc == 2 and "127.0.0.1:%d" % port in err, "a port in use: exit 2 (%s)" %
+          err.strip().splitlines()[-1][:100])
+
+
+CASES = {"api": case_api, "flags": case_flags, "faults": case_faults, "exact1": lambda: case_exact(1),
+         "exact2": lambda: case_exact(2), "exact4": lambda: case_exact(4, copies=4),
+         "sigterm2": case_sigterm2,
+         "rank_killed": case_rank_killed}
+
+if __name__ == "__main__":
+    t0 = time.time()
+    CASES[CASE]()
+    log("PASS %s (%.1f s)" % (CASE, time.time() - t0))

@@ -1,0 +1,482 @@
+// The pure pieces of `treeattn serve`: the OpenAI request parser (with a corpus of malformed
+// bodies, each refused with 400 naming its field), the chat template, the prompt and length
+// checks, UTF-8 assembly, stop strings, a request's output, response and SSE formatting, and
+// the Prometheus text.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "serve/api.hpp"
+#include "serve/byte_codec.hpp"
+#include "serve/format.hpp"
+#include "serve/metrics.hpp"
+#include "serve/text.hpp"
+
+namespace treeattn::serve {
+namespace {
+
+using nlohmann::json;
+using testing::ByteCodec;
+using testing::kByteEos;
+
+ParsedRequest ok(Endpoint ep, const std::string& body) {
+  auto r = parse_request(ep, body);
+  if (auto* e = std::get_if<ApiError>(&r)) {
+    ADD_FAILURE() << body << " -> " << e->message;
+    return {};
+  }
+  return std::get<ParsedRequest>(r);
+}
+
+ApiError err(Endpoint ep, const std::string& body) {
+  auto r = parse_request(ep, body);
+  if (!std::holds_alternative<ApiError>(r)) {
+    ADD_FAILURE() << "accepted: " << body;
+    return {};
+  }
+  return std::get<ApiError>(r);
+}
+
+TEST(ServeParse, ChatFields) {
+  const auto r = ok(Endpoint::kChat, R"({"model":"m","messages":[{"role":"system","content":"S"},
+      {"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],
+      "max_tokens":7,"temperature":0,"top_p":0.5,"seed":-3,"stop":"x","stream":true,
+      "stream_options":{"include_usage":true},"n":1,"user":"u","frequency_penalty":0,
+      "logprobs":false,"top_k":5,"ignore_eos":true,"return_token_ids":true,"tools":[],
+      "response_format":{"type":"text"},"cache_prompt":true,"presence_penalty":null})");
+  EXPECT_EQ(r.model, "m");
+  ASSERT_EQ(r.messages.size(), 2u);
+  EXPECT_EQ(r.messages[0].role, "system");
+  EXPECT_EQ(r.messages[1].content, "ab");
+  EXPECT_EQ(r.max_tokens, 7);
+  EXPECT_EQ(r.temperature, 0.0);
+  EXPECT_EQ(r.top_p, 0.5);
+  EXPECT_EQ(r.top_k, 5);
+  EXPECT_EQ(r.seed, static_cast<uint64_t>(-3));
+  EXPECT_EQ(r.stop, std::vector<std::string>{"x"});
+  EXPECT_TRUE(r.stream && r.include_usage && r.ignore_eos && r.return_token_ids);
+}
+
+TEST(ServeParse, Defaults) {
+  const auto r = ok(Endpoint::kChat, R"({"messages":[{"role":"user","content":"hi"}]})");
+  EXPECT_FALSE(r.max_tokens);
+  EXPECT_EQ(r.temperature, 1.0);
+  EXPECT_EQ(r.top_p, 1.0);
+  EXPECT_FALSE(r.seed);
+  EXPECT_FALSE(r.stream);
+  EXPECT_TRUE(r.stop.empty());
+}
+
+TEST(ServeParse, MaxCompletionTokensWins) {
+  const auto r = ok(Endpoint::kChat, R"({"messages":[{"role":"user","content":"hi"}],
+      "max_tokens":5,"max_completion_tokens":9})");
+  EXPECT_EQ(r.max_tokens, 9);
+}
+
+TEST(ServeParse, CompletionPrompts) {
+  auto r = ok(Endpoint::kCompletion, R"({"prompt":"abc","stop":["a","b"]})");
+  EXPECT_EQ(r.prompt_text, "abc");
+  EXPECT_EQ(r.stop.size(), 2u);
+  r = ok(Endpoint::kCompletion, R"({"prompt":[1,2,3.0]})");
+  EXPECT_FALSE(r.prompt_text);
+  EXPECT_EQ(r.prompt_ids, (std::vector<TokenId>{1, 2, 3}));
+  r = ok(Endpoint::kCompletion, R"({"prompt":["one"]})");
+  EXPECT_EQ(r.prompt_text, "one");
+  r = ok(Endpoint::kCompletion, R"({"prompt":[[4,5]]})");
+  EXPECT_EQ(r.prompt_ids, (std::vector<TokenId>{4, 5}));
+}
+
+// Every malformed body is a 400 with an OpenAI error whose param names the field.
+TEST(ServeParse, MalformedCorpus) {
+  struct Case {
+    Endpoint ep;
+    const char* body;
+    const char* param;
+  };
+  const Endpoint C = Endpoint::kChat, P = Endpoint::kCompletion;
+  const Case cases[] = {
+      {C, "", ""},
+      {C, "{", ""},
+      {C, "[]", ""},
+      {C, "42", ""},
+      {C, "\"s\"", ""},
+      {C, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}]} trailing", ""},
+      {C, "{}", "messages"},
+      {C, R"({"messages":null})", "messages"},
+      {C, R"({"messages":"hi"})", "messages"},
+      {C, R"({"messages":[]})", "messages"},
+      {C, R"({"messages":[1]})", "messages[0]"},
+      {C, R"({"messages":[{"content":"x"}]})", "messages[0].role"},
+      {C, R"({"messages":[{"role":"user"}]})", "messages[0].content"},
+      {C, R"({"messages":[{"role":"user","content":5}]})", "messages[0].content"},
+      {C, R"({"messages":[{"role":"tool","content":"x"}]})", "messages[0].role"},
+      {C, R"({"messages":[{"role":"user","content":"x","extra":1}]})", "messages[0].extra"},
+      {C, R"({"messages":[{"role":"user","content":[{"type":"image_url"}]}]})",
+       "messages[0].content[0].type"},
+      {C, R"({"messages":[{"role":"user","content":[{"type":"text"}]}]})",
+       "messages[0].content[0].text"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"max_tokens":0})", "max_tokens"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"max_tokens":"5"})", "max_tokens"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"max_tokens":1.5})", "max_tokens"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"max_completion_tokens":-1})",
+       "max_completion_tokens"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"temperature":"hot"})", "temperature"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"temperature":2.5})", "temperature"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"top_p":1.5})", "top_p"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"top_k":-1})", "top_k"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"seed":"1"})", "seed"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"seed":1.5})", "seed"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"n":2})", "n"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"n":0})", "n"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"stream":"yes"})", "stream"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"stream_options":{"include_usage":true}})",
+       "stream_options"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"stream":true,"stream_options":1})",
+       "stream_options"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"stream":true,"stream_options":{"x":1}})",
+       "stream_options.x"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"stop":""})", "stop"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"stop":[1]})", "stop[0]"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"stop":{"a":1}})", "stop"},
+      {C,
+       R"({"messages":[{"role":"user","content":"x"}],"stop":["1","2","3","4","5","6","7","8","9","10","11","12","13","14","15","16","17"]})",
+       "stop"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"frequency_penalty":1})",
+       "frequency_penalty"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"logprobs":true})", "logprobs"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]})", "tools"},
+      {C,
+       R"({"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}})",
+       "response_format"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"model":3})", "model"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"bogus":1})", "bogus"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"prompt":"p"})", "prompt"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"ignore_eos":1})", "ignore_eos"},
+      {P, "{}", "prompt"},
+      {P, R"({"prompt":null})", "prompt"},
+      {P, R"({"prompt":5})", "prompt"},
+      {P, R"({"prompt":[]})", "prompt"},
+      {P, R"({"prompt":[-1]})", "prompt"},
+      {P, R"({"prompt":[1,"a"]})", "prompt"},
+      {P, R"({"prompt":["a","b"]})", "prompt"},
+      {P, R"({"prompt":[[1],[2]]})", "prompt"},
+      {P, R"({"prompt":"x","echo":true})", "echo"},
+      {P, R"({"prompt":"x","best_of":3})", "best_of"},
+      {P, R"({"prompt":"x","suffix":"s"})", "suffix"},
+      {P, R"({"prompt":"x","messages":[]})", "messages"},
+      {P, R"({"prompt":"x","max_completion_tokens":5})", "max_completion_tokens"},
+      {P, R"({"prompt":"x","max_tokens":99999999999})", "max_tokens"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.body);
+    const ApiError e = err(c.ep, c.body);
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.type, "invalid_request_error");
+    EXPECT_EQ(e.param, c.param);
+    EXPECT_FALSE(e.message.empty());
+    // The body is the OpenAI shape.
+    const json j = json::parse(error_body(e));
+    ASSERT_TRUE(j.contains("error"));
+    for (const char* k : {"message", "type", "param", "code"}) EXPECT_TRUE(j["error"].contains(k));
+  }
+}
+
+TEST(ServeParse, DeepNestingIsRefusedWithoutRecursion) {
+  const std::string deep =
+      "{\"messages\":" + std::string(100000, '[') + std::string(100000, ']') + "}";
+  const ApiError e = err(Endpoint::kChat, deep);
+  EXPECT_EQ(e.status, 400);
+  EXPECT_NE(e.message.find("nests deeper"), std::string::npos);
+}
+
+TEST(ServeParse, InvalidUtf8InStringsIsAnError) {
+  const ApiError e = err(Endpoint::kCompletion, "{\"prompt\":\"\xff\xfe\"}");
+  EXPECT_EQ(e.status, 400);
+}
+
+TEST(ServeChat, SmolLM2TemplateAndRender) {
+  const std::string jinja =
+      "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ "
+      "'<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+      "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+      "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ "
+      "'<|im_start|>assistant\n' }}{% endif %}";
+  const ChatTemplate t = ChatTemplate::from_template(jinja);
+  EXPECT_EQ(t.default_system,
+            "You are a helpful AI assistant named SmolLM, trained by Hugging Face");
+  // The same text as format_chatml with that system message (what `generate --chat` encodes).
+  const std::vector<ChatMessage> user = {{"user", "Hi"}};
+  EXPECT_EQ(t.render(user), format_chatml("Hi", t.default_system));
+  const std::vector<ChatMessage> with_system = {
+      {"system", "S"}, {"user", "Hi"}, {"assistant", "A"}, {"user", "B"}};
+  EXPECT_EQ(t.render(with_system),
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+            "<|im_start|>assistant\nA<|im_end|>\n<|im_start|>user\nB<|im_end|>\n"
+            "<|im_start|>assistant\n");
+  // A template whose system text is not a literal gives no default.
+  EXPECT_TRUE(ChatTemplate::from_template("{{'<|im_start|>system\n' + x + '<|im_end|>'}}")
+                  .default_system.empty());
+}
+
+TEST(ServePrompt, BuildAndVocabulary) {
+  ByteCodec codec;
+  ChatTemplate t;
+  auto r = ok(Endpoint::kCompletion, R"({"prompt":"ab"})");
+  auto p = build_prompt(r, codec, t);
+  ASSERT_TRUE(std::holds_alternative<std::vector<TokenId>>(p));
+  EXPECT_EQ(std::get<std::vector<TokenId>>(p), (std::vector<TokenId>{'a', 'b'}));
+  r = ok(Endpoint::kCompletion, R"({"prompt":[1,999]})");
+  p = build_prompt(r, codec, t);
+  ASSERT_TRUE(std::holds_alternative<ApiError>(p));
+  EXPECT_NE(std::get<ApiError>(p).message.find("999"), std::string::npos);
+  r = ok(Endpoint::kCompletion, R"({"prompt":""})");
+  EXPECT_TRUE(std::holds_alternative<ApiError>(build_prompt(r, codec, t)));
+}
+
+TEST(ServeLengths, BothNumbersNamed) {
+  auto r = ok(Endpoint::kChat, R"({"messages":[{"role":"user","content":"x"}],"max_tokens":50})");
+  auto l = check_lengths(r, 100, 120, 1000);
+  ASSERT_TRUE(std::holds_alternative<ApiError>(l));
+  const ApiError& e = std::get<ApiError>(l);
+  EXPECT_EQ(e.code, "context_length_exceeded");
+  EXPECT_NE(e.message.find("120"), std::string::npos);
+  EXPECT_NE(e.message.find("150"), std::string::npos);
+  EXPECT_NE(e.message.find("100"), std::string::npos);
+  // The pool's limit, when it is the smaller one.
+  l = check_lengths(r, 100, 0, 130);
+  ASSERT_TRUE(std::holds_alternative<ApiError>(l));
+  EXPECT_NE(std::get<ApiError>(l).message.find("KV cache pool"), std::string::npos);
+  EXPECT_NE(std::get<ApiError>(l).message.find("130"), std::string::npos);
+  // A prompt alone too long.
+  r = ok(Endpoint::kChat, R"({"messages":[{"role":"user","content":"x"}]})");
+  l = check_lengths(r, 200, 120, 1000);
+  ASSERT_TRUE(std::holds_alternative<ApiError>(l));
+  EXPECT_NE(std::get<ApiError>(l).message.find("200"), std::string::npos);
+  // Defaults: chat takes what is left, completions 16.
+  EXPECT_EQ(std::get<int64_t>(check_lengths(r, 100, 120, 1000)), 20);
+  auto c = ok(Endpoint::kCompletion, R"({"prompt":"x"})");
+  EXPECT_EQ(std::get<int64_t>(check_lengths(c, 100, 1000, 1000)), 16);
+  EXPECT_EQ(std::get<int64_t>(check_lengths(c, 100, 110, 1000)), 10);
+}
+
+TEST(ServeUtf8, NeverSplitsACharacter) {
+  const std::string text = "a\xC3\xA9\xE4\xBD\xA0\xF0\x9F\x98\x80z";  // a é 你 😀 z
+  Utf8Assembler u;
+  std::string out;
+  for (const char c : text) {
+    const std::string piece = u.push(std::string(1, c));
+    // Every piece is whole characters.
+    Utf8Assembler check;
+    EXPECT_EQ(check.push(piece), piece);
+    EXPECT_EQ(check.held(), 0u);
+    out += piece;
+  }
+  out += u.flush();
+  EXPECT_EQ(out, text);
+}
+
+TEST(ServeUtf8, InvalidBytesBecomeReplacement) {
+  Utf8Assembler u;
+  EXPECT_EQ(u.push("\xFF"
+                   "a"),
+            "\xEF\xBF\xBD"
+            "a");
+  EXPECT_EQ(u.push("\xC3"), "");  // held
+  EXPECT_EQ(u.push("b"),
+            "\xEF\xBF\xBD"
+            "b");  // the lead never completed
+  EXPECT_EQ(u.push("\xE4\xBD"), "");
+  EXPECT_EQ(u.flush(), "\xEF\xBF\xBD");
+  EXPECT_EQ(u.push("\xED\xA0\x80"), "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");  // a surrogate
+  EXPECT_EQ(u.push("\xC0\xAF"), "\xEF\xBF\xBD\xEF\xBF\xBD");                  // overlong
+}
+
+TEST(ServeStop, HoldsBackPrefixesAndCutsAtTheStop) {
+  StopMatcher m({"Hello", "lo!"});
+  auto o = m.push("ab Hel");
+  EXPECT_EQ(o.text, "ab ");
+  EXPECT_FALSE(o.stopped);
+  o = m.push("p");
+  EXPECT_EQ(o.text, "Help");
+  o = m.push(" Hel");
+  EXPECT_EQ(o.text, " ");
+  o = m.push("lo there");
+  EXPECT_TRUE(o.stopped);
+  EXPECT_EQ(o.text, "");
+  StopMatcher n({"\n\n"});
+  EXPECT_EQ(n.push("x\n").text, "x");
+  EXPECT_EQ(n.flush(), "\n");
+  StopMatcher first({"b", "abc"});
+  o = first.push("xab");  // "b" ends the text before "abc" could
+  EXPECT_TRUE(o.stopped);
+  EXPECT_EQ(o.text, "xa");
+}
+
+engine::TokenEvent ev(TokenId t, engine::FinishReason f = engine::FinishReason::kNone) {
+  engine::TokenEvent e;
+  e.token = t;
+  e.finish = f;
+  return e;
+}
+
+TEST(ServeGeneration, StopStringAcrossTokensAndUtf8) {
+  ByteCodec codec;
+  Generation g(codec, {"é!"});
+  std::string sent;
+  bool stopped = false;
+  for (const char c : std::string("ok \xC3\xA9?\xC3\xA9!tail")) {
+    auto u = g.on_event(ev(static_cast<unsigned char>(c)));
+    sent += u.text;
+    if (u.done) {
+      stopped = u.stopped_by_string;
+      EXPECT_EQ(u.finish, Finish::kStop);
+      break;
+    }
+  }
+  EXPECT_TRUE(stopped);
+  EXPECT_EQ(sent, "ok \xC3\xA9?");
+  EXPECT_EQ(g.text(), sent);
+  EXPECT_EQ(g.completion_tokens(), 9);
+  // The engine's cancel event after it changes nothing.
+  EXPECT_FALSE(g.on_event(ev(-1, engine::FinishReason::kCancelled)).done);
+  EXPECT_EQ(g.finish(), Finish::kStop);
+}
+
+TEST(ServeGeneration, EosIsCountedButNotText) {
+  ByteCodec codec;
+  Generation g(codec, {"zz"});
+  EXPECT_EQ(g.on_event(ev('a')).text, "a");
+  EXPECT_EQ(g.on_event(ev('z')).text, "");  // may be the start of "zz"
+  auto u = g.on_event(ev(kByteEos, engine::FinishReason::kStop));
+  EXPECT_TRUE(u.done);
+  EXPECT_FALSE(u.stopped_by_string);
+  EXPECT_EQ(u.text, "z");  // released at the end
+  EXPECT_EQ(g.text(), "az");
+  EXPECT_EQ(g.tokens(), (std::vector<TokenId>{'a', 'z', kByteEos}));
+}
+
+TEST(ServeGeneration, LengthAndErrors) {
+  ByteCodec codec;
+  Generation g(codec, {});
+  g.on_event(ev(0xC3));
+  auto u = g.on_event(ev('x', engine::FinishReason::kLength));
+  EXPECT_EQ(u.finish, Finish::kLength);
+  EXPECT_EQ(g.text(), "\xEF\xBF\xBDx");
+  Generation h(codec, {});
+  auto e = ev(-1, engine::FinishReason::kError);
+  e.error = internal_error("rank 1 died");
+  u = h.on_event(e);
+  EXPECT_EQ(u.finish, Finish::kError);
+  EXPECT_NE(u.error.find("rank 1 died"), std::string::npos);
+}
+
+TEST(ServeFormat, CompletionBodies) {
+  ResponseMeta meta{Endpoint::kChat, make_response_id(Endpoint::kChat), 123, "smol"};
+  EXPECT_EQ(meta.id.rfind("chatcmpl-", 0), 0u);
+  EXPECT_NE(meta.id, make_response_id(Endpoint::kChat));
+  std::vector<TokenId> toks = {1, 2};
+  Completion c{"hi", Finish::kLength, {10, 2, 4}, json{{"prefill_ms", 1.0}}, &toks, nullptr};
+  json j = json::parse(completion_body(meta, c));
+  EXPECT_EQ(j["object"], "chat.completion");
+  EXPECT_EQ(j["model"], "smol");
+  EXPECT_EQ(j["created"], 123);
+  EXPECT_EQ(j["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(j["choices"][0]["message"]["content"], "hi");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(j["choices"][0]["token_ids"], json({1, 2}));
+  EXPECT_EQ(j["usage"]["total_tokens"], 12);
+  EXPECT_EQ(j["usage"]["prompt_tokens_details"]["cached_tokens"], 4);
+  EXPECT_EQ(j["timings"]["prefill_ms"], 1.0);
+  meta.endpoint = Endpoint::kCompletion;
+  j = json::parse(completion_body(meta, c));
+  EXPECT_EQ(j["object"], "text_completion");
+  EXPECT_EQ(j["choices"][0]["text"], "hi");
+}
+
+TEST(ServeFormat, StreamChunks) {
+  ResponseMeta meta{Endpoint::kChat, "chatcmpl-x", 1, "m"};
+  const std::string role = sse_data(chunk_role(meta));
+  ASSERT_EQ(role.rfind("data: ", 0), 0u);
+  ASSERT_EQ(role.substr(role.size() - 2), "\n\n");
+  json r = json::parse(role.substr(6));
+  EXPECT_EQ(r["object"], "chat.completion.chunk");
+  EXPECT_EQ(r["choices"][0]["delta"]["role"], "assistant");
+  json t = chunk_text(meta, "tok");
+  EXPECT_EQ(t["choices"][0]["delta"]["content"], "tok");
+  EXPECT_TRUE(t["choices"][0]["finish_reason"].is_null());
+  json f = chunk_finish(meta, Finish::kStop, json{{"ranks", 2}});
+  EXPECT_EQ(f["choices"][0]["finish_reason"], "stop");
+  EXPECT_TRUE(f["choices"][0]["delta"].empty());
+  EXPECT_EQ(f["timings"]["ranks"], 2);
+  json u = chunk_usage(meta, {3, 4, 0});
+  EXPECT_TRUE(u["choices"].empty());
+  EXPECT_EQ(u["usage"]["completion_tokens"], 4);
+  EXPECT_EQ(sse_done(), "data: [DONE]\n\n");
+  EXPECT_EQ(sse_comment("keep-alive"), ": keep-alive\n\n");
+  meta.endpoint = Endpoint::kCompletion;
+  EXPECT_EQ(chunk_text(meta, "a")["choices"][0]["text"], "a");
+}
+
+TEST(ServeFormat, TimingsAndModels) {
+  TimingsInfo ti;
+  ti.timings.prefill_seconds = 0.5;
+  ti.timings.decode_seconds = 0.9;
+  ti.timings.cached_tokens = 64;
+  ti.generated_tokens = 10;
+  ti.ranks = 4;
+  ti.method = "tree";
+  ti.bytes_sent_per_token = 123;
+  const json t = timings_json(ti);
+  EXPECT_DOUBLE_EQ(t["prefill_ms"].get<double>(), 500);
+  EXPECT_DOUBLE_EQ(t["decode_ms_per_token"].get<double>(), 100);
+  EXPECT_EQ(t["cached_tokens"], 64);
+  EXPECT_EQ(t["ranks"], 4);
+  EXPECT_EQ(t["method"], "tree");
+  const json m = json::parse(models_body("smol", 5, nullptr));
+  EXPECT_EQ(m["object"], "list");
+  EXPECT_EQ(m["data"][0]["id"], "smol");
+  EXPECT_EQ(m["data"][0]["object"], "model");
+}
+
+TEST(ServeMetrics, PrometheusText) {
+  engine::EngineMetrics e;
+  e.running = 2;
+  e.waiting = 1;
+  e.pages_per_rank = 100;
+  e.pages_used = {3, 4};
+  e.pages_cached = {1, 0};
+  e.pages_free = {96, 96};
+  e.merge_seconds = {0.5, 0.25};
+  e.attention_seconds = {1, 2};
+  e.merges = 10;
+  e.cached_tokens_total = 64;
+  ServerMetrics s;
+  s.ttft.observe(0.2);
+  s.ttft.observe(20);
+  s.itl.observe(0.01);
+  s.count_response(200);
+  s.count_response(429);
+  s.count_finish("stop");
+  const std::string text = prometheus_text(e, s.snapshot(), {"smol \"q\"", "tree", 2});
+  for (const char* line :
+       {"treeattn_requests_running 2\n", "treeattn_requests_waiting 1\n",
+        "treeattn_kv_pages_used{rank=\"1\"} 4\n", "treeattn_kv_pages_free{rank=\"0\"} 96\n",
+        "treeattn_kv_pages_cached{rank=\"0\"} 1\n",
+        "treeattn_merge_seconds_per_layer{rank=\"0\"} 0.05\n",
+        "treeattn_prefix_cache_hit_tokens_total 64\n",
+        "treeattn_time_to_first_token_seconds_bucket{le=\"0.25\"} 1\n",
+        "treeattn_time_to_first_token_seconds_bucket{le=\"30\"} 2\n",
+        "treeattn_time_to_first_token_seconds_bucket{le=\"+Inf\"} 2\n",
+        "treeattn_time_to_first_token_seconds_count 2\n",
+        "treeattn_inter_token_latency_seconds_bucket{le=\"0.01\"} 1\n",
+        "treeattn_http_responses_total{code=\"429\"} 1\n",
+        "treeattn_requests_finished_total{reason=\"stop\"} 1\n",
+        "treeattn_info{model=\"smol \\\"q\\\"\",method=\"tree\",ranks=\"2\"} 1\n",
+        "# TYPE treeattn_time_to_first_token_seconds histogram\n"})
+    EXPECT_NE(text.find(line), std::string::npos) << line << "\n" << text;
+}
+
+}  // namespace
+}  // namespace treeattn::serve

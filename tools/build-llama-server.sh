@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's llama-server from the llama.cpp source that the llama-cpp-python package on
+# PyPI vendors (vendor/llama.cpp in its source distribution), for bench/serve/loadgen.py's
+# comparison on the same GGUF. Result: build/llama-server/bin/llama-server (and the version it
+# was built from in build/llama-server/VERSION). Takes a long time on few cores (the whole of
+# ggml and llama.cpp: about half an hour on 2 cores).
+#
+# Usage: tools/build-llama-server.sh [--version X.Y.Z] [--jobs N]
+#   --version   the llama-cpp-python release (default: the newest on PyPI)
+#   --jobs      parallel compile jobs (default: nproc)
+# Needs cmake, a C++ compiler and pip; CPU only (GGML_NATIVE: this machine's ISA), no curl.
+# Then, for example (same GGUF, same total threads as the treeattn server, slots and the prompt
+# cache on, one KV pool shared by the slots):
+#   build/llama-server/bin/llama-server -m models/SmolLM2-135M-Instruct.Q4_1.gguf \
+#       --port 8081 -t 2 -np 16 -c 262144 --kv-unified --cache-reuse 64 -fa on
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+out="$root/build/llama-server"
+version=""
+jobs="$(nproc)"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --version) version=$2; shift 2 ;;
+    --jobs) jobs=$2; shift 2 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "build-llama-server: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+command -v cmake > /dev/null || { echo "build-llama-server: cmake is missing" >&2; exit 2; }
+mkdir -p "$out/download"
+spec="llama-cpp-python${version:+==$version}"
+echo "== downloading the source distribution of $spec"
+# --no-build-isolation with no build backend installed would fail; pip only downloads here.
+python3 -m pip download --no-binary :all: --no-deps --no-cache-dir -d "$out/download" "$spec"
+sdist=""
+for f in "$out/download"/llama_cpp_python-*.tar.gz "$out/download"/llama-cpp-python-*.tar.gz; do
+  if [ -f "$f" ] && { [ -z "$sdist" ] || [ "$f" -nt "$sdist" ]; }; then sdist=$f; fi
+done
+[ -n "$sdist" ] || { echo "build-llama-server: no sdist downloaded" >&2; exit 1; }
+rm -rf "$out/src"
+mkdir -p "$out/src"
+tar -xzf "$sdist" -C "$out/src" --strip-components=1
+src="$out/src/vendor/llama.cpp"
+[ -f "$src/CMakeLists.txt" ] || { echo "build-llama-server: $sdist has no vendor/llama.cpp" >&2; exit 1; }
+echo "== configuring llama.cpp from $(basename "$sdist")"
+cmake -S "$src" -B "$out/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+  -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_EXAMPLES=ON \
+  -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF > "$out/configure.log"
+echo "== building llama-server with $jobs jobs (log: $out/build.log)"
+cmake --build "$out/build" --target llama-server -j "$jobs" > "$out/build.log" 2>&1 \
+  || { tail -30 "$out/build.log"; exit 1; }
+mkdir -p "$out/bin"
+built="$(find "$out/build" -name llama-server -type f -perm -u+x | head -1)"
+[ -n "$built" ] || { echo "build-llama-server: no llama-server binary in $out/build" >&2; exit 1; }
+cp "$built" "$out/bin/llama-server"
+basename "$sdist" .tar.gz > "$out/VERSION"
+"$out/bin/llama-server" --version 2>&1 | head -2 || true
+echo "build-llama-server: $out/bin/llama-server ($(cat "$out/VERSION"))"
