@@ -113,6 +113,8 @@ class Target:
                     out["prompt_tokens"] = u.get("prompt_tokens")
                     d = u.get("prompt_tokens_details") or {}
                     out["cached"] = d.get("cached_tokens")
+            if not out["ok"] and out["error"] is None:
+                out["error"] = "the stream ended without data: [DONE]"
             if out["ok"] and not out["tokens"]:
                 out["tokens"] = out["chunks"]  # no usage chunk: one token per chunk
         except Exception as e:  # noqa: BLE001
@@ -309,6 +311,13 @@ def main():
         for r in rows:
             b = base.get((r["workload"], r["concurrency"]))
             if r["target"] == targets[0].name or not b:
+                continue
+            failed = [(x["target"], x["requests"] - x["ok"], x["requests"]) for x in (b, r)
+                      if x["ok"] < x["requests"]]
+            if failed:
+                print("  workload %s, concurrency %d: not comparable (%s)" % (
+                    r["workload"], r["concurrency"], ", ".join(
+                        "%s: %d of %d requests failed" % f for f in failed)))
                 continue
             print("  %s / %s, workload %s, concurrency %d: throughput %.2fx, TTFT p99 %.2fx" % (
                 targets[0].name, r["target"], r["workload"], r["concurrency"],
