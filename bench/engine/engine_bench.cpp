@@ -15,11 +15,11 @@
 //       the per-layer merge alone (SmolLM2 shape: 9 heads, head dim 64) for B = 1, 4, 16 decode
 //       rows, each kind, median of many calls.
 //
-// The README's figures were measured exactly so, as root (model: `tools/model-path.sh`):
-//   mpirun --allow-run-as-root --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 -np 2 \
+// The README's figures were measured exactly so, as root (one command per two lines):
+//   mpirun --allow-run-as-root --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 -np 2
 //       build/release/bench/treeattn_engine_bench --model $(tools/model-path.sh) throughput
 //   (the same with `followup`, and `merge` without --model), and across two emulated hosts:
-//   tools/cluster/cluster.sh session 2 --slots 1 --link 10gbit -- -np 2 \
+//   tools/cluster/cluster.sh session 2 --slots 1 --link 10gbit -- -np 2
 //       $PWD/build/release/bench/treeattn_engine_bench merge
 // Not part of the test suite. Ratios are measured within one run.
 #include <fmt/format.h>
