@@ -367,21 +367,28 @@ struct Engine::Impl {
       }
     for (RequestId id : pl.cancels) cancel_running(id);
     if (pl.kind == kStepStop) return pl;
-    // Admissions, first come first served: the head of the queue waits for pages rather than
-    // being overtaken.
-    for (;;) {
+    // Admissions, first come first served: the first request that does not fit waits for pages
+    // rather than being overtaken. A request whose prompt shares full pages with a sequence
+    // still prefilling them waits until they are computed and indexed, then takes them from the
+    // prefix cache (requests behind it may go first meanwhile): otherwise N clients sending the
+    // same long document at once would prefill it N times, each at 1/N of the chunk budget.
+    for (std::size_t at = 0;;) {
       Pending pd;
       {
         std::lock_guard lk(mu);
-        if (waiting.empty() || static_cast<int>(running.size()) >= cfg.max_batch) break;
-        pd = waiting.front();
+        if (at >= waiting.size() || static_cast<int>(running.size()) >= cfg.max_batch) break;
+        pd = waiting[at];
+      }
+      if (prefix_in_flight(pd.req.prompt)) {
+        ++at;
+        continue;
       }
       auto ok = admit(pd.id, pd.req, true, pd.cb, pd.submitted);
       TREEATTN_RETURN_IF_ERROR(ok.status());
       if (!*ok) break;
       {
         std::lock_guard lk(mu);
-        waiting.pop_front();
+        waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(at));
       }
       pl.admits.push_back({pd.id, std::move(pd.req)});
     }
@@ -392,6 +399,24 @@ struct Engine::Impl {
       if (stop_drain && running.empty() && waiting.empty()) pl.kind = kStepStop;
     }
     return pl;
+  }
+
+  // Rank 0, admission: whether a running sequence has not yet computed full pages that this
+  // prompt could take from the prefix cache once they are (the pages a prompt can reuse: those
+  // before its last token, as admit()).
+  bool prefix_in_flight(const std::vector<TokenId>& prompt) const {
+    if (!cfg.prefix_cache) return false;
+    const int64_t reusable = (static_cast<int64_t>(prompt.size()) - 1) / T;
+    for (const auto& s : running) {
+      if (s->computed >= reusable * T) continue;  // what it shares is indexed already
+      const int64_t limit = std::min<int64_t>(reusable * T, static_cast<int64_t>(s->tokens.size()));
+      int64_t same = 0;
+      while (same < limit && s->tokens[static_cast<std::size_t>(same)] ==
+                                 prompt[static_cast<std::size_t>(same)])
+        ++same;
+      if (same / T * T > s->computed) return true;
+    }
+    return false;
   }
 
   void cancel_running(RequestId id) {

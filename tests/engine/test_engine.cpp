@@ -290,6 +290,38 @@ TEST(Engine, FollowUpTurnReusesTheConversationsPagesAndGivesTheSameBits) {
   EXPECT_EQ(same_bits(both.out[1], cold.out[0]), "");
 }
 
+// Four requests for one 100-token document (different questions) arrive in the same step with
+// an unrelated one: the document is prefilled once; the other three wait for its pages and
+// take them from the cache (6 full pages of 16), the unrelated request does not wait behind
+// them, and every request gets the bits it gets alone.
+TEST(Engine, RequestsArrivingTogetherForOneDocumentPrefillItOnce) {
+  TinyModel m;
+  std::mt19937_64 rng(33);
+  const auto doc = random_tokens(rng, 100, 320);
+  std::vector<Submitted> subs;
+  for (int i = 0; i < 4; ++i) {
+    auto prompt = doc;
+    const auto question = random_tokens(rng, 5 + i, 320);
+    prompt.insert(prompt.end(), question.begin(), question.end());
+    subs.push_back({0, greedy(prompt, 4)});
+    if (i == 1) subs.push_back({0, greedy(random_tokens(rng, 40, 320), 4)});
+  }
+  EngineConfig cfg = base_config();
+  cfg.prefix_cache = false;
+  const auto alone = run_engine(*m, 2, cfg, subs, true);
+  ASSERT_TRUE(alone.status.is_ok()) << alone.status.to_string();
+  cfg.prefix_cache = true;
+  cfg.prefill_chunk = 20;
+  const auto batch = run_engine(*m, 2, cfg, subs, false);
+  ASSERT_TRUE(batch.status.is_ok()) << batch.status.to_string();
+  EXPECT_EQ(batch.out[0].cached, 0);
+  EXPECT_EQ(batch.out[2].cached, 0);  // the unrelated one
+  for (std::size_t i : {1u, 3u, 4u}) EXPECT_EQ(batch.out[i].cached, 96) << "request " << i;
+  EXPECT_EQ(batch.metrics.cached_tokens_total, 3 * 96);
+  for (std::size_t i = 0; i < subs.size(); ++i)
+    EXPECT_EQ(same_bits(alone.out[i], batch.out[i]), "") << "request " << i;
+}
+
 TEST(Engine, AdmissionWaitsForPagesEvictsCachedOnesAndLeaksNothing) {
   TinyModel m;
   std::mt19937_64 rng(5);
