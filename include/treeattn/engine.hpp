@@ -48,6 +48,9 @@
 // starts with indexed pages takes them (reference counts) and prefills only the rest. At least
 // the prompt's last token is always computed (its logits start the generation). Pages hold
 // generated tokens too, so a follow-up turn that repeats the conversation reuses them.
+// A request whose prompt shares full pages with a sequence that is still prefilling them
+// waits in the queue until they are computed and indexed, then takes them (requests behind it
+// may be admitted meanwhile), so requests that arrive together for one document prefill it once.
 #pragma once
 
 #include <chrono>
