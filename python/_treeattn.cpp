@@ -27,7 +27,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <unistd.h>
+
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -102,6 +105,86 @@ PyObject* make_error(py::module_& m, const char* name, py::tuple bases, const ch
   return t;  // the module keeps a reference for the lifetime of the interpreter
 }
 
+// ---- integers ---------------------------------------------------------------------------------
+
+// The type name Python shows for o ("NoneType", "str", "numpy.ndarray").
+std::string type_name(const py::handle& o) { return Py_TYPE(o.ptr())->tp_name; }
+
+// Whether o is one int: a Python int, a numpy integer or a 0-D integer array (an array of more
+// dimensions has __index__ too, but is a sequence here).
+bool is_int(const py::handle& o) {
+  if (py::isinstance<py::array>(o)) return py::reinterpret_borrow<py::array>(o).ndim() == 0;
+  return PyIndex_Check(o.ptr());
+}
+
+// An int64 from a Python int or anything with __index__ (numpy integers), with messages that
+// name the argument instead of pybind11's generic "Unable to cast Python instance".
+int64_t to_int64(const py::handle& o, const std::string& what) {
+  py::object i;
+  if (PyIndex_Check(o.ptr())) i = py::reinterpret_steal<py::object>(PyNumber_Index(o.ptr()));
+  if (!i) {
+    PyErr_Clear();  // a float array's __index__ refuses
+    throw py::type_error(what + " must be an int, got " + type_name(o));
+  }
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+  if (overflow != 0)
+    invalid(what + ": " + std::string(py::str(i)) + " does not fit in 64 bits");
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return v;
+}
+
+// A list of int64 from a sequence of ints (a list, a tuple, an integer numpy array; not a str).
+// At most max_count values are read: a longer sequence is refused before it is walked, so a
+// range(2**60) fails at once.
+std::vector<int64_t> to_int64_list(const py::handle& o, const std::string& what,
+                                   const std::string& expected, std::size_t max_count) {
+  const bool text = PyUnicode_Check(o.ptr()) || PyBytes_Check(o.ptr());
+  if (text || !PySequence_Check(o.ptr()))
+    throw py::type_error(what + " must be " + expected + ", got " + type_name(o));
+  const Py_ssize_t n = PySequence_Size(o.ptr());
+  if (n < 0) throw py::error_already_set();
+  if (static_cast<std::size_t>(n) > max_count)
+    invalid(what + " has " + std::to_string(n) + " values, more than the " +
+            std::to_string(max_count) + " it can use");
+  std::vector<int64_t> out;
+  out.reserve(static_cast<std::size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    py::object item = py::reinterpret_steal<py::object>(PySequence_GetItem(o.ptr(), i));
+    if (!item) throw py::error_already_set();
+    out.push_back(to_int64(item, what + "[" + std::to_string(i) + "]"));
+  }
+  return out;
+}
+
+// An int (given once for every entry) or a sequence of ints.
+std::vector<int64_t> int_or_list(const py::handle& o, const std::string& what,
+                                 std::size_t max_count) {
+  if (is_int(o)) return {to_int64(o, what)};
+  return to_int64_list(o, what, "an int or a sequence of ints (one per batch row)", max_count);
+}
+
+// The kernels' thread count: 0 (OpenMP's default) or 1..kMaxThreads. The kernel options
+// (kernel.hpp) declare no bound of their own, so the module keeps one here: a count in the
+// hundred thousands makes libgomp fail to create threads and crash the interpreter.
+constexpr int64_t kMaxThreads = 1024;
+
+int thread_count(const py::handle& o) {
+  py::object i;
+  if (is_int(o)) i = py::reinterpret_steal<py::object>(PyNumber_Index(o.ptr()));
+  if (!i) {
+    PyErr_Clear();
+    throw py::type_error("threads must be an int, got " + type_name(o));
+  }
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+  if (v == -1 && overflow == 0 && PyErr_Occurred()) throw py::error_already_set();
+  if (overflow != 0 || v < 0 || v > kMaxThreads)
+    invalid("threads must be 0 (the default) or in [1, " + std::to_string(kMaxThreads) +
+            "], got " + std::string(py::str(i)));
+  return static_cast<int>(v);
+}
+
 // ---- arrays ------------------------------------------------------------------------------------
 
 using F32Array = py::array_t<float, py::array::c_style | py::array::forcecast>;
@@ -112,14 +195,50 @@ std::string shape_text(const py::array& a) {
   return s + (a.ndim() == 1 ? ",)" : ")");
 }
 
+// This machine's physical memory in bytes (0 when unknown): no copy or cache larger than it can
+// be made, so such requests are refused before they are tried (the result then does not depend
+// on the kernel's overcommit policy, which may grant the allocation and kill the process later).
+uint64_t physical_memory() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page <= 0) return 0;
+  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
+}
+
+[[noreturn]] void memory_error(const std::string& message) {
+  PyErr_SetString(PyExc_MemoryError, message.c_str());
+  throw py::error_already_set();
+}
+
 // A float32 array in C order: the caller's buffer when it already is one, a copy when it is
-// float32 with other strides. Other dtypes raise TypeError.
+// float32 with other strides. Other dtypes raise TypeError; a copy that cannot be made raises
+// MemoryError naming the argument (a broadcast view can describe terabytes).
 F32Array as_f32(const py::array& a, const char* what) {
   if (!a.dtype().is(py::dtype::of<float>()))
     throw py::type_error(std::string(what) + " must have dtype float32, got " +
                          std::string(py::str(a.dtype())) +
                          " (convert it with .astype(np.float32))");
-  return F32Array::ensure(a);
+  if (F32Array::check_(a)) return py::reinterpret_borrow<F32Array>(a);
+  const auto bytes = static_cast<uint64_t>(a.size()) * sizeof(float);
+  const std::string head = std::string(what) + ": cannot copy a non-contiguous " + shape_text(a) +
+                           " float32 array (" + std::to_string(bytes) +
+                           " bytes) into a contiguous one: ";
+  const uint64_t memory = physical_memory();
+  if (memory != 0 && bytes > memory)
+    memory_error(head + "more than this machine's memory (" + std::to_string(memory) + " bytes)");
+  try {
+    return F32Array(py::reinterpret_borrow<py::object>(a));
+  } catch (py::error_already_set& e) {
+    if (!e.matches(PyExc_MemoryError)) throw;
+    memory_error(head + std::string(py::str(e.value())));
+  }
+}
+
+// Whether a has exactly the shape want.
+bool has_shape(const py::array& a, const std::vector<int64_t>& want) {
+  if (a.ndim() != static_cast<py::ssize_t>(want.size())) return false;
+  for (std::size_t i = 0; i < want.size(); ++i)
+    if (a.shape(static_cast<py::ssize_t>(i)) != want[i]) return false;
+  return true;
 }
 
 void expect_ndim(const py::array& a, py::ssize_t ndim, const char* what, const char* layout) {
@@ -132,13 +251,17 @@ void expect_ndim(const py::array& a, py::ssize_t ndim, const char* what, const c
 std::vector<int64_t> rows(const py::object& o, int64_t batch, const char* what,
                           const std::vector<int64_t>& fallback) {
   if (o.is_none()) return fallback;
-  if (py::isinstance<py::int_>(o))
-    return std::vector<int64_t>(static_cast<std::size_t>(batch), o.cast<int64_t>());
-  auto v = o.cast<std::vector<int64_t>>();
-  if (static_cast<int64_t>(v.size()) != batch)
-    invalid(std::string(what) + " has " + std::to_string(v.size()) + " values for batch " +
-            std::to_string(batch) + " (give one int, or one per batch row)");
-  return v;
+  const auto count = static_cast<std::size_t>(batch);
+  if (is_int(o)) return std::vector<int64_t>(count, to_int64(o, what));
+  const bool text = PyUnicode_Check(o.ptr()) || PyBytes_Check(o.ptr());
+  if (!text && PySequence_Check(o.ptr())) {
+    const Py_ssize_t n = PySequence_Size(o.ptr());
+    if (n < 0) throw py::error_already_set();
+    if (static_cast<std::size_t>(n) != count)  // before walking it: it may be a huge range
+      invalid(std::string(what) + " has " + std::to_string(n) + " values for batch " +
+              std::to_string(batch) + " (give one int, or one per batch row)");
+  }
+  return to_int64_list(o, what, "an int or a sequence of ints (one per batch row)", count);
 }
 
 // K and V as a KVShard view over the caller's numpy memory, plus the per-row spans it points to.
@@ -243,8 +366,11 @@ KVArgs kv_args(const py::array& k, const py::array& v, const std::optional<std::
   return a;
 }
 
-// The decode shape of q [B, Q, H, D] against k [B, Hkv, N, D].
-AttnShape attn_shape(const py::array& q, const py::array& k) {
+// The decode shape of q [B, Q, H, D] against k, v [B, Hkv, N, D]. Checked before q is copied and
+// before kv_args sizes its per-row lists, so that a huge broadcast view fails on its shape.
+AttnShape attn_shape(const py::array& q, const py::array& k, const py::array& v) {
+  expect_ndim(k, 4, "k", "[batch, kv_heads, tokens, head_dim]");
+  expect_ndim(v, 4, "v", "[batch, kv_heads, tokens, head_dim]");
   expect_ndim(q, 4, "q", "[batch, q_len, heads, head_dim]");
   if (q.shape(0) != k.shape(0) || q.shape(3) != k.shape(3))
     invalid("q " + shape_text(q) + " ([batch, q_len, heads, head_dim]) and k " + shape_text(k) +
@@ -268,14 +394,16 @@ std::vector<py::ssize_t> dims(std::initializer_list<int64_t> l) {
 py::array_t<float> decode_partial_py(const py::array& q_in, const py::array& k, const py::array& v,
                                      std::optional<std::string> dtype, float scale,
                                      const py::object& lengths, const py::object& pos_start,
-                                     const py::object& total_len, int64_t pos_stride, int threads,
-                                     int64_t chunk_tokens, const std::string& isa) {
-  KVArgs kv = kv_args(k, v, dtype, lengths, pos_start, total_len, pos_stride);
-  const AttnShape shape = attn_shape(q_in, k);
+                                     const py::object& total_len, int64_t pos_stride,
+                                     const py::object& threads, int64_t chunk_tokens,
+                                     const std::string& isa) {
+  const int thread_n = thread_count(threads);
+  const AttnShape shape = attn_shape(q_in, k, v);
   F32Array q = as_f32(q_in, "q");
+  KVArgs kv = kv_args(k, v, dtype, lengths, pos_start, total_len, pos_stride);
   DecodeOptions o;
   o.scale = scale;
-  o.threads = threads;
+  o.threads = thread_n;
   o.chunk_tokens = chunk_tokens;
   o.isa = unwrap(parse_isa(isa));
   py::array_t<float> states(dims({shape.batch, shape.q_len, shape.heads, shape.head_dim + 2}));
@@ -291,9 +419,9 @@ py::array_t<float> decode_partial_py(const py::array& q_in, const py::array& k, 
 py::tuple oracle_py(const py::array& q_in, const py::array& k, const py::array& v,
                     std::optional<std::string> dtype, double scale, const py::object& lengths,
                     const py::object& pos_start, const py::object& total_len, int64_t pos_stride) {
-  KVArgs kv = kv_args(k, v, dtype, lengths, pos_start, total_len, pos_stride);
-  const AttnShape shape = attn_shape(q_in, k);
+  const AttnShape shape = attn_shape(q_in, k, v);
   F32Array q = as_f32(q_in, "q");
+  KVArgs kv = kv_args(k, v, dtype, lengths, pos_start, total_len, pos_stride);
   py::array_t<double> out(dims({shape.batch, shape.q_len, shape.heads, shape.head_dim}));
   py::array_t<double> lse(dims({shape.batch, shape.q_len, shape.heads}));
   double* op = out.mutable_data();
@@ -317,27 +445,39 @@ std::pair<std::size_t, std::size_t> records_of(const py::array& a, const char* w
 
 py::array_t<float> merge_states_py(const py::array& a_in, const py::array& b_in,
                                    const py::object& out_obj) {
+  // Shapes and out first: no copy is made for a call that is refused anyway.
+  records_of(a_in, "a");
+  bool same = a_in.ndim() == b_in.ndim();
+  for (py::ssize_t i = 0; same && i < a_in.ndim(); ++i) same = a_in.shape(i) == b_in.shape(i);
+  if (!same)
+    invalid("merge_states: a " + shape_text(a_in) + " and b " + shape_text(b_in) +
+            " differ in shape");
+  py::array_t<float> out;
+  if (!out_obj.is_none()) {
+    // Checked on the caller's object itself: assigning it to an array_t<float> would convert it
+    // to a new float32 array and leave the caller's out untouched.
+    const bool ok = py::isinstance<py::array>(out_obj) && [&] {
+      const auto o = py::reinterpret_borrow<py::array>(out_obj);
+      return o.dtype().is(py::dtype::of<float>()) && (o.flags() & py::array::c_style) &&
+             o.writeable();
+    }();
+    if (!ok)
+      throw py::type_error(
+          "merge_states: out must be a writeable C-contiguous float32 numpy array, got " +
+          (py::isinstance<py::array>(out_obj)
+               ? std::string(py::str(py::reinterpret_borrow<py::array>(out_obj).dtype())) +
+                     " array"
+               : type_name(out_obj)));
+    out = py::reinterpret_borrow<py::array_t<float>>(out_obj);
+    if (!has_shape(out, std::vector<int64_t>(a_in.shape(), a_in.shape() + a_in.ndim())))
+      invalid("merge_states: out " + shape_text(out) + " must have the shape of a " +
+              shape_text(a_in));
+  }
   F32Array a = as_f32(a_in, "a");
   F32Array b = as_f32(b_in, "b");
   const auto [n, d] = records_of(a, "a");
-  bool same = a.ndim() == b.ndim();
-  for (py::ssize_t i = 0; same && i < a.ndim(); ++i) same = a.shape(i) == b.shape(i);
-  if (!same)
-    invalid("merge_states: a " + shape_text(a) + " and b " + shape_text(b) + " differ in shape");
-  py::array_t<float> out;
-  if (out_obj.is_none()) {
+  if (out_obj.is_none())
     out = py::array_t<float>(std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim()));
-  } else {
-    out = py::cast<py::array>(out_obj);
-    if (!out.dtype().is(py::dtype::of<float>()) || !(out.flags() & py::array::c_style) ||
-        !out.writeable())
-      throw py::type_error("merge_states: out must be a writeable C-contiguous float32 array");
-    bool match = out.ndim() == a.ndim();
-    for (py::ssize_t i = 0; match && i < a.ndim(); ++i) match = out.shape(i) == a.shape(i);
-    if (!match)
-      invalid("merge_states: out " + shape_text(out) + " must have the shape of a " +
-              shape_text(a));
-  }
   float* acc = out.mutable_data();
   // The merge is commutative bit for bit (state.hpp), so out may alias either input.
   const float* first = a.data();
@@ -350,6 +490,7 @@ py::array_t<float> merge_states_py(const py::array& a_in, const py::array& b_in,
 }
 
 py::tuple normalize_py(const py::array& s_in) {
+  records_of(s_in, "states");  // before any copy
   F32Array s = as_f32(s_in, "states");
   const auto [n, d] = records_of(s, "states");
   std::vector<py::ssize_t> lead(s.shape(), s.shape() + s.ndim() - 1);
@@ -363,6 +504,9 @@ py::tuple normalize_py(const py::array& s_in) {
     state_normalize(rec + i * state_record_floats(d), d, op + i * d, lp + i);
   return py::make_tuple(out, lse);
 }
+
+// The most ranks local_world makes (threads of one process).
+constexpr int kMaxLocalRanks = 4096;
 
 // ---- communicators and the session -------------------------------------------------------------
 
@@ -389,17 +533,47 @@ struct PySession {
   DecodeSession& get() { return *s; }
 };
 
-std::vector<int> int_list(const py::object& o) {
-  return o.is_none() ? std::vector<int>{} : o.cast<std::vector<int>>();
+// A list of ints (node_of_rank) from None (empty) or a sequence of at most max_count ints.
+std::vector<int> int_list(const py::object& o, const char* what, std::size_t max_count) {
+  if (o.is_none()) return {};
+  const std::vector<int64_t> v = to_int64_list(o, what, "a sequence of ints", max_count);
+  std::vector<int> out;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (v[i] < INT32_MIN || v[i] > INT32_MAX)
+      invalid(std::string(what) + "[" + std::to_string(i) + "] is " + std::to_string(v[i]) +
+              ", outside the range of a C int");
+    out.push_back(static_cast<int>(v[i]));
+  }
+  return out;
 }
 
+// The communicator argument of Session: a Comm, checked here because pybind11 passes None on as
+// a null pointer.
+std::shared_ptr<PyComm> comm_of(const py::object& o) {
+  std::shared_ptr<PyComm> comm;
+  if (py::isinstance<PyComm>(o)) comm = o.cast<std::shared_ptr<PyComm>>();
+  if (!comm || !comm->comm)
+    throw py::type_error(
+        "comm must be a treeattn.Comm (from treeattn.local_world, treeattn.run_local or "
+        "treeattn.mpi_comm), got " +
+        type_name(o));
+  return comm;
+}
+
+// The longest timeout accepted, in seconds (about 31 years): longer ones would overflow the
+// millisecond count, and "wait forever" is spelled 0.
+constexpr double kMaxTimeoutSeconds = 1e9;
+
 std::unique_ptr<PySession> make_session(
-    std::shared_ptr<PyComm> comm, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
+    const py::object& comm_obj, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
     int64_t q_len, const std::string& dtype, int layers, const std::string& placement,
     const py::object& context, const py::object& explicit_len, int holder, int64_t reserve_tokens,
     const std::string& strategy, int root, int fanout, const py::object& node_of_rank, float scale,
-    int threads, const std::string& isa, double timeout_s, bool check_agreement,
+    const py::object& threads, const std::string& isa, double timeout_s, bool check_agreement,
     const py::object& agree_also) {
+  std::shared_ptr<PyComm> comm = comm_of(comm_obj);
+  const int ranks = comm->comm->size();
+  const auto rows_max = static_cast<std::size_t>(std::max<int64_t>(batch, 1));
   SessionConfig c;
   c.shape = AttnShape{batch, heads, kv_heads, head_dim, q_len};
   const auto t = parse_dtype(dtype);
@@ -407,22 +581,35 @@ std::unique_ptr<PySession> make_session(
   c.dtype = *t;
   c.layers = layers;
   c.placement = unwrap(parse_shard_kind(placement));
-  if (py::isinstance<py::int_>(context))
-    c.context = {context.cast<int64_t>()};
-  else
-    c.context = context.cast<std::vector<int64_t>>();
-  if (!explicit_len.is_none()) c.explicit_len = explicit_len.cast<std::vector<int64_t>>();
+  c.context = int_or_list(context, "context", rows_max);
+  if (!explicit_len.is_none()) {
+    // One length per rank, or one per rank and batch row (ShardPlan::make).
+    const std::size_t most = rows_max > SIZE_MAX / static_cast<std::size_t>(ranks)
+                                 ? SIZE_MAX
+                                 : rows_max * static_cast<std::size_t>(ranks);
+    c.explicit_len = to_int64_list(explicit_len, "explicit_len", "a sequence of ints", most);
+    for (std::size_t i = 0; i < c.explicit_len.size(); ++i)
+      if (c.explicit_len[i] < 0)
+        invalid("explicit_len[" + std::to_string(i) + "] is " +
+                std::to_string(c.explicit_len[i]) + ": explicit shard lengths must be >= 0");
+  }
+  if (holder < 0 || holder >= ranks)
+    invalid("holder " + std::to_string(holder) + " is outside the ranks [0, " +
+            std::to_string(ranks) + ") of comm");
   c.holder = holder;
   c.reserve_tokens = reserve_tokens;
   c.strategy = strategy;
   c.options.root = root;
   c.options.fanout = fanout;
-  c.options.node_of_rank = int_list(node_of_rank);
+  c.options.node_of_rank =
+      int_list(node_of_rank, "node_of_rank", static_cast<std::size_t>(ranks));
   c.options.kernel.scale = scale;
-  c.options.kernel.threads = threads;
+  c.options.kernel.threads = thread_count(threads);
   c.options.kernel.isa = unwrap(parse_isa(isa));
-  if (timeout_s < 0)
-    invalid("timeout must be >= 0 seconds (0 waits forever), got " + std::to_string(timeout_s));
+  // Written so that NaN fails it too.
+  if (!(timeout_s >= 0 && timeout_s <= kMaxTimeoutSeconds))
+    invalid("timeout must be a number of seconds in [0, 1e9] (0 waits forever), got " +
+            std::string(py::str(py::float_(timeout_s))));
   c.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0 + 0.5));
   c.check_agreement = check_agreement;
   if (!agree_also.is_none())
@@ -438,19 +625,16 @@ std::unique_ptr<PySession> make_session(
   return out;
 }
 
-// Checks a [*lead, kv_heads, head_dim]-shaped float32 K or V block of a session.
+// Checks a [*lead, kv_heads, head_dim]-shaped float32 K or V block of a session (the shape before
+// any copy, so that a huge view of the wrong shape is a shape error).
 F32Array kv_block(const py::array& a, const char* what, std::vector<int64_t> want,
                   const char* layout) {
-  F32Array f = as_f32(a, what);
-  bool ok = f.ndim() == static_cast<py::ssize_t>(want.size());
-  for (std::size_t i = 0; ok && i < want.size(); ++i)
-    ok = f.shape(static_cast<py::ssize_t>(i)) == want[i];
-  if (!ok) {
+  if (!has_shape(a, want)) {
     std::string w = "(";
     for (std::size_t i = 0; i < want.size(); ++i) w += (i ? ", " : "") + std::to_string(want[i]);
-    invalid(std::string(what) + " must have shape " + w + ") " + layout + ", got " + shape_text(f));
+    invalid(std::string(what) + " must have shape " + w + ") " + layout + ", got " + shape_text(a));
   }
-  return f;
+  return as_f32(a, what);
 }
 
 F32Array session_query(const DecodeSession& s, const py::array& q_in) {
@@ -464,13 +648,17 @@ void store_py(PySession& ps, int layer, int64_t b, const py::object& pos, const 
   DecodeSession& s = ps.get();
   const AttnShape& sh = s.shape();
   const auto per = static_cast<std::size_t>(sh.kv_heads * sh.head_dim);
-  if (py::isinstance<py::int_>(pos)) {
+  if (is_int(pos)) {
+    const int64_t p = to_int64(pos, "pos");
     F32Array k = kv_block(k_in, "k", {sh.kv_heads, sh.head_dim}, "[kv_heads, head_dim]");
     F32Array v = kv_block(v_in, "v", {sh.kv_heads, sh.head_dim}, "[kv_heads, head_dim]");
-    check(s.store(layer, b, pos.cast<int64_t>(), k.data(), v.data()));
+    check(s.store(layer, b, p, k.data(), v.data()));
     return;
   }
-  const auto positions = pos.cast<std::vector<int64_t>>();
+  // As many positions as k has rows (k's shape is checked against their count below).
+  const auto most = static_cast<std::size_t>(k_in.ndim() >= 1 ? k_in.shape(0) : 0);
+  const auto positions =
+      to_int64_list(pos, "pos", "an int or a sequence of ints (positions of row b)", most);
   const auto n = static_cast<int64_t>(positions.size());
   F32Array k =
       kv_block(k_in, "k", {n, sh.kv_heads, sh.head_dim}, "[positions, kv_heads, head_dim]");
@@ -478,6 +666,38 @@ void store_py(PySession& ps, int layer, int64_t b, const py::object& pos, const 
       kv_block(v_in, "v", {n, sh.kv_heads, sh.head_dim}, "[positions, kv_heads, head_dim]");
   for (std::size_t i = 0; i < positions.size(); ++i)
     check(s.store(layer, b, positions[i], k.data() + i * per, v.data() + i * per));
+}
+
+// Refuses an extend whose new tokens cannot fit in this machine's memory, before the session
+// walks them: DecodeSession::extend places the tokens of a non-empty session one at a time and
+// only then sizes the shards, so extend(2**62) would run for years. (On an empty session the
+// tokens are laid out at once and the shard's own size check answers quickly.) The bound only
+// depends on values every rank shares, so every rank refuses the same call.
+void check_extend_fits(const DecodeSession& s, int64_t n) {
+  const ShardPlan& plan = s.plan();
+  bool empty = true;
+  for (int64_t b = 0; b < plan.batch(); ++b) empty = empty && plan.total_len(b) == 0;
+  if (n <= 0 || empty) return;
+  // New tokens go to one rank per row (the last rank, or the holder), or round-robin when
+  // striped: some rank gets at least this many of each row's n.
+  // In double: the products can pass 2**64, and the comparison needs no more precision.
+  const double share = plan.kind() == ShardKind::kStriped
+                           ? std::ceil(static_cast<double>(n) / plan.ranks())
+                           : static_cast<double>(n);
+  const AttnShape& sh = s.shape();
+  const double token_bytes = static_cast<double>(sh.kv_heads) * static_cast<double>(sh.head_dim) *
+                             static_cast<double>(dtype_size(s.config().dtype)) * 2;  // K and V
+  const double bytes = share * static_cast<double>(plan.batch()) * token_bytes * s.layers();
+  const uint64_t memory = physical_memory();
+  if (memory == 0 || bytes <= static_cast<double>(memory)) return;
+  const std::string least = bytes < 1e18 ? std::to_string(static_cast<uint64_t>(bytes))
+                                         : std::string(py::str(py::float_(bytes)));
+  throw StatusError(Status(
+      Code::kOutOfMemory, "rank " + std::to_string(s.comm().rank()) + ": extend: " +
+                              std::to_string(n) +
+                              " more tokens per row would put at least " + least +
+                              " bytes of K and V on one rank, more than this machine's memory (" +
+                              std::to_string(memory) + " bytes)"));
 }
 
 std::vector<int64_t> plan_row(const ShardPlan& plan, int rank, bool starts) {
@@ -590,8 +810,13 @@ scale 0 means 1/sqrt(D). Returns states [B, Q, H, D + 2] float32 records [m, l, 
   m.def(
       "local_world",
       [](int size, const py::object& node_of_rank) {
+        // Each rank is a thread of the caller's (run_local): far more would only exhaust memory
+        // building the communicators.
+        if (size < 1 || size > kMaxLocalRanks)
+          invalid("local_world: size must be in [1, " + std::to_string(kMaxLocalRanks) +
+                  "], got " + std::to_string(size));
         LocalWorldOptions o;
-        o.node_of_rank = int_list(node_of_rank);
+        o.node_of_rank = int_list(node_of_rank, "node_of_rank", static_cast<std::size_t>(size));
         auto comms = unwrap(make_local_world(size, o));
         std::vector<std::shared_ptr<PyComm>> out;
         for (auto& c : comms) {
@@ -686,7 +911,12 @@ check_agreement) must be made by every rank in the same order.)")
           py::arg("b"), py::arg("rank") = py::none(),
           "The global positions of row b that a rank (default: this one) holds, in slot order.")
       .def(
-          "extend", [](PySession& s, int64_t n) { check(s.get().extend(n)); }, py::arg("n"),
+          "extend",
+          [](PySession& s, int64_t n) {
+            check_extend_fits(s.get(), n);
+            check(s.get().extend(n));
+          },
+          py::arg("n"),
           "Grows every row by n tokens (a prefill on an empty session); owners then store() them.")
       .def("store", &store_py, py::arg("layer"), py::arg("b"), py::arg("pos"), py::arg("k"),
            py::arg("v"),
@@ -765,7 +995,8 @@ check_agreement) must be made by every rank in the same order.)")
             StrategyOptions o = ps.get().config().options;
             o.root = root;
             o.fanout = fanout;
-            o.node_of_rank = int_list(node_of_rank);
+            o.node_of_rank = int_list(node_of_rank, "node_of_rank",
+                                      static_cast<std::size_t>(ps.get().comm().size()));
             py::gil_scoped_release nogil;
             return unwrap(ps.get().add_strategy(name, o));
           },
