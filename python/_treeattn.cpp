@@ -27,6 +27,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <array>
@@ -164,9 +165,10 @@ std::vector<int64_t> int_or_list(const py::handle& o, const std::string& what,
   return to_int64_list(o, what, "an int or a sequence of ints (one per batch row)", max_count);
 }
 
-// The kernels' thread count: 0 (OpenMP's default) or 1..kMaxThreads. The kernel options
-// (kernel.hpp) declare no bound of their own, so the module keeps one here: a count in the
-// hundred thousands makes libgomp fail to create threads and crash the interpreter.
+// The kernels' thread count: 0 (OpenMP's default) or 1..kMaxThreads, refused here with the
+// message the kernels give (check_thread_count in src/kernels/dispatch.cpp), also for ints
+// beyond 64 bits: a count in the hundred thousands makes the OpenMP runtime fail to create its
+// team, which crashes the interpreter.
 constexpr int64_t kMaxThreads = 1024;
 
 int thread_count(const py::handle& o) {
@@ -180,8 +182,8 @@ int thread_count(const py::handle& o) {
   const long long v = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
   if (v == -1 && overflow == 0 && PyErr_Occurred()) throw py::error_already_set();
   if (overflow != 0 || v < 0 || v > kMaxThreads)
-    invalid("threads must be 0 (the default) or in [1, " + std::to_string(kMaxThreads) +
-            "], got " + std::string(py::str(i)));
+    invalid("threads " + std::string(py::str(i)) + ": must be between 0 (the default) and " +
+            std::to_string(kMaxThreads) + " (more threads only oversubscribe the cores)");
   return static_cast<int>(v);
 }
 
@@ -195,13 +197,20 @@ std::string shape_text(const py::array& a) {
   return s + (a.ndim() == 1 ? ",)" : ")");
 }
 
-// This machine's physical memory in bytes (0 when unknown): no copy or cache larger than it can
-// be made, so such requests are refused before they are tried (the result then does not depend
-// on the kernel's overcommit policy, which may grant the allocation and kill the process later).
-uint64_t physical_memory() {
+// The memory this process can have in bytes: the machine's physical memory, or less under an
+// address-space limit (ulimit -v); 0 when unknown. No copy or cache larger than it can be made,
+// so such requests are refused before they are tried (the result then does not depend on the
+// kernel's overcommit policy, which may grant the allocation and kill the process later).
+uint64_t memory_limit() {
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  if (pages <= 0 || page <= 0) return 0;
-  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
+  uint64_t limit = pages > 0 && page > 0
+                       ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page)
+                       : 0;
+  rlimit as{};
+  if (getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY &&
+      (limit == 0 || as.rlim_cur < limit))
+    limit = as.rlim_cur;
+  return limit;
 }
 
 [[noreturn]] void memory_error(const std::string& message) {
@@ -222,9 +231,10 @@ F32Array as_f32(const py::array& a, const char* what) {
   const std::string head = std::string(what) + ": cannot copy a non-contiguous " + shape_text(a) +
                            " float32 array (" + std::to_string(bytes) +
                            " bytes) into a contiguous one: ";
-  const uint64_t memory = physical_memory();
+  const uint64_t memory = memory_limit();
   if (memory != 0 && bytes > memory)
-    memory_error(head + "more than this machine's memory (" + std::to_string(memory) + " bytes)");
+    memory_error(head + "more than the memory this process can have (" + std::to_string(memory) +
+                 " bytes)");
   try {
     return F32Array(py::reinterpret_borrow<py::object>(a));
   } catch (py::error_already_set& e) {
@@ -612,8 +622,14 @@ std::unique_ptr<PySession> make_session(
             std::string(py::str(py::float_(timeout_s))));
   c.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0 + 0.5));
   c.check_agreement = check_agreement;
-  if (!agree_also.is_none())
-    c.agree_also = agree_also.cast<std::vector<std::pair<std::string, std::string>>>();
+  if (!agree_also.is_none()) {
+    try {
+      c.agree_also = agree_also.cast<std::vector<std::pair<std::string, std::string>>>();
+    } catch (const py::cast_error&) {
+      throw py::type_error("agree_also must be a sequence of (name, value) pairs of str, got " +
+                           type_name(agree_also));
+    }
+  }
   auto out = std::make_unique<PySession>();
   out->comm = std::move(comm);
   Communicator& cm = *out->comm->comm;
@@ -688,7 +704,7 @@ void check_extend_fits(const DecodeSession& s, int64_t n) {
   const double token_bytes = static_cast<double>(sh.kv_heads) * static_cast<double>(sh.head_dim) *
                              static_cast<double>(dtype_size(s.config().dtype)) * 2;  // K and V
   const double bytes = share * static_cast<double>(plan.batch()) * token_bytes * s.layers();
-  const uint64_t memory = physical_memory();
+  const uint64_t memory = memory_limit();
   if (memory == 0 || bytes <= static_cast<double>(memory)) return;
   const std::string least = bytes < 1e18 ? std::to_string(static_cast<uint64_t>(bytes))
                                          : std::string(py::str(py::float_(bytes)));
@@ -696,7 +712,7 @@ void check_extend_fits(const DecodeSession& s, int64_t n) {
       Code::kOutOfMemory, "rank " + std::to_string(s.comm().rank()) + ": extend: " +
                               std::to_string(n) +
                               " more tokens per row would put at least " + least +
-                              " bytes of K and V on one rank, more than this machine's memory (" +
+                              " bytes of K and V on one rank, more than the memory this process can have (" +
                               std::to_string(memory) + " bytes)"));
 }
 

@@ -29,11 +29,16 @@ class BoundaryTest(unittest.TestCase):
               "treeattn.decode_partial(q, k, k, threads={})")
         for t in (100000, 1025, -1, 2**31, 2**63):
             self.assert_child_raises(dp.format(t), "ValueError",
-                                     rf"^threads must be 0 \(the default\) or in \[1, 1024\], "
-                                     rf"got {t}$")
+                                     rf"^threads {t}: must be between 0 \(the default\) and 1024 "
+                                     r"\(more threads only oversubscribe the cores\)$")
         ses = SESSION + "treeattn.Session(c, heads=4, kv_heads=2, head_dim=64, threads={})"
         for t in (100000, -3):
-            self.assert_child_raises(ses.format(t), "ValueError", rf"^threads must be .* got {t}$")
+            self.assert_child_raises(ses.format(t), "ValueError",
+                                     rf"^threads {t}: must be between 0 \(the default\) and 1024")
+        self.assert_child_raises("treeattn.decode_partial(np.zeros((1, 1, 2, 64), np.float32), "
+                                 "np.zeros((1, 1, 8, 64), np.float32), "
+                                 "np.zeros((1, 1, 8, 64), np.float32), threads=1.5)",
+                                 "TypeError", r"^threads must be an int, got float$")
 
     def test_thread_counts_in_range_work(self):
         rng = np.random.default_rng(1)

@@ -65,6 +65,8 @@ def mpi_comm(comm=None):
     if comm is None:
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
+    if not callable(getattr(comm, "py2f", None)):
+        raise TypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
     return _treeattn._mpi_comm_from_fortran(comm.py2f())
 
 
