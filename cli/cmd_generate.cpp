@@ -19,6 +19,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -73,7 +74,8 @@ struct GenFlags {
   bool ignore_eos = false;
   bool quiet = false;
   bool synthetic_kv = false;
-  bool engine = false;
+  bool engine = false;   // --engine, or chosen by choose_path()
+  bool session = false;  // --session
   std::string kv_memory;
   int timeout_ms = 600000;
   int fanout = 2;
@@ -150,6 +152,23 @@ model::GeneratorConfig generator_config(const GenFlags& f, const std::vector<std
   return gc;
 }
 
+// Which path decodes: the serving engine (paged KV, chunked prefill by the tree merge; what
+// `treeattn serve` runs) unless the flags ask for what only the DecodeSession path has: a
+// strategy other than the engine's merges (tree, allreduce, allgather) or a comma list to
+// compare, tree-det (--deterministic), a synthetic KV cache, a placement, a KV layout, hier's
+// fan-out or the per-step token hash (--check). --session forces the DecodeSession path,
+// --engine the engine (and then refuses those flags). Every rank decides from the same flags.
+void choose_path(GenFlags& f, const CLI::App& sub) {
+  if (f.engine || f.session) return;
+  const auto methods = methods_of(f);
+  const bool engine_merge = methods.size() == 1 && (methods[0] == "tree" ||
+                                                    methods[0] == "allreduce" ||
+                                                    methods[0] == "allgather");
+  f.engine = engine_merge && !f.deterministic && !f.synthetic_kv && !f.check &&
+             sub.count("--placement") == 0 && sub.count("--kv-layout") == 0 &&
+             sub.count("--fanout") == 0;
+}
+
 // Everything checkable before ranks start (output files: by one process only). On success: the
 // model path.
 Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check_outputs) {
@@ -177,7 +196,15 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
   const auto& reg = StrategyRegistry::for_backend(CommCapabilities{});
   const auto methods = methods_of(f);
   if (methods.empty()) return invalid_argument("--method: empty");
+  if (f.engine && f.session) return invalid_argument("give --engine or --session, not both");
   if (f.engine) {
+    for (const char* flag : {"--placement", "--kv-layout", "--fanout"})
+      if (sub.count(flag) > 0)
+        return invalid_argument(std::string("--engine does not take ") + flag +
+                                " (the engine places pages itself; --session decodes with a placement)");
+    if (f.deterministic)
+      return invalid_argument("--engine does not take --deterministic (tree-det runs with --session)");
+    if (f.check) return invalid_argument("--engine does not take --check (use --session)");
     if (methods.size() != 1 ||
         (methods[0] != "tree" && methods[0] != "allreduce" && methods[0] != "allgather"))
       return invalid_argument("--engine: --method is the engine's merge, one of tree, allreduce, "
@@ -188,7 +215,7 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
       if (!b.is_ok()) return Status(b.status().code(), "--kv-memory: " + b.status().message());
     }
   } else if (!f.kv_memory.empty()) {
-    return invalid_argument("--kv-memory needs --engine");
+    return invalid_argument("--kv-memory is the engine's (not with --session or flags that imply it)");
   }
   for (const auto& m : methods)
     if (!f.engine && m != "auto" && m != "tree-det" && !reg.contains(m)) {
@@ -239,7 +266,7 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
                               format_bytes(static_cast<double>(est.kv_bytes)),
                               format_bytes(static_cast<double>(est.prefill_bytes)),
                               format_bytes(weights), format_bytes(static_cast<double>(avail))));
-  if (f.ranks > n)
+  if (f.ranks > n && !f.engine)  // the engine's ranks may hold no page
     return invalid_argument(fmt::format(
         "--ranks {} is larger than the prompt ({} tokens): every rank holds part of the "
         "prompt's KV cache; use at most {} ranks or a longer prompt",
@@ -334,13 +361,18 @@ int run_engine_job(Communicator& comm, const GenFlags& f, const std::string& mod
   engine::Engine& eng = **e;
   if (lead)
     std::fprintf(stderr,
-                 "treeattn generate --engine: %s | %d rank(s) x %d thread(s) | merge %s | KV %s "
+                 "treeattn generate (engine): %s | %d rank(s) x %d thread(s), matmul %s | merge %s | KV %s "
                  "pages of %lld tokens, %lld per rank | prompt %lld tokens, up to %lld new\n",
-                 cfg.to_string().c_str(), P, threads, ec.merge.c_str(), f.kv_dtype.c_str(),
+                 cfg.to_string().c_str(), P, threads,
+                 std::string(isa_name(model::matmul_isa({threads, Isa::kAuto}))).c_str(),
+                 ec.merge.c_str(), f.kv_dtype.c_str(),
                  static_cast<long long>(ec.page_tokens),
                  static_cast<long long>(eng.metrics().pages_per_rank), static_cast<long long>(n),
                  static_cast<long long>(f.new_tokens));
   std::vector<TokenId> out;
+  std::vector<double> token_ms;  // between consecutive tokens (decode steps)
+  Clock::time_point last_token;
+  uint64_t sent_at_first = 0;
   engine::RequestTimings timings;
   Status failure;
   std::string streamed;
@@ -357,8 +389,14 @@ int run_engine_job(Communicator& comm, const GenFlags& f, const std::string& mod
         if (tok->is_end_of_generation(id)) r.stop_tokens.push_back(id);
     auto id = eng.submit(std::move(r), [&](const engine::TokenEvent& ev) {
       if (ev.token >= 0) {
-        if (out.empty())
-          ttft_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+        const auto now = Clock::now();
+        if (out.empty()) {
+          ttft_ms = std::chrono::duration<double, std::milli>(now - t0).count();
+          sent_at_first = sent(comm);
+        } else {
+          token_ms.push_back(std::chrono::duration<double, std::milli>(now - last_token).count());
+        }
+        last_token = now;
         out.push_back(ev.token);
         if (!f.quiet && ev.finish != engine::FinishReason::kStop) {
           auto piece = tok->token_to_piece(ev.token);
@@ -385,6 +423,14 @@ int run_engine_job(Communicator& comm, const GenFlags& f, const std::string& mod
     say_error(st);
     abort_job(3, "");
   }
+  // Every rank's peak RSS and bytes sent, for the report.
+  const std::array<double, 2> mine = {static_cast<double>(peak_rss_bytes()),
+                                      static_cast<double>(sent(comm))};
+  std::vector<std::array<double, 2>> all(static_cast<std::size_t>(P));
+  if (Status g = comm.allgather(mine.data(), sizeof mine, all.data()); !g.is_ok()) {
+    say_error(g);
+    abort_job(3, "");
+  }
   if (!lead) return 0;
   if (!failure.is_ok()) return say_error(failure);
   if (out.empty()) return 2;
@@ -395,12 +441,32 @@ int run_engine_job(Communicator& comm, const GenFlags& f, const std::string& mod
   const auto mt = eng.metrics();
   const double decode_ms =
       out.size() > 1 ? timings.decode_seconds * 1e3 / static_cast<double>(out.size() - 1) : 0.0;
+  // Rank 0's bytes per decode step (the merges' fan-in and fan-out; the other ranks' totals are
+  // in bytes_sent_by_rank).
+  const double bytes_per_token =
+      out.size() > 1 ? static_cast<double>(sent(comm) - sent_at_first) /
+                           static_cast<double>(out.size() - 1)
+                     : 0.0;
+  uint64_t max_rss = 0;
+  std::vector<uint64_t> rss, bytes_by_rank;
+  for (const auto& a : all) {
+    rss.push_back(static_cast<uint64_t>(a[0]));
+    bytes_by_rank.push_back(static_cast<uint64_t>(a[1]));
+    max_rss = std::max(max_rss, rss.back());
+  }
+  std::string rss_list;
+  for (uint64_t r : rss) rss_list += (rss_list.empty() ? "" : " ") + format_bytes(static_cast<double>(r));
   std::fprintf(stderr,
-               "engine: TTFT %.1f ms (prefill %.0f tokens/s) | decode %.2f ms/token (%.1f "
-               "tokens/s) | %zu tokens | rank 0 sent %.1f KB in %lld merges\n",
-               ttft_ms, static_cast<double>(n) / std::max(1e-9, timings.prefill_seconds), decode_ms,
-               decode_ms > 0 ? 1e3 / decode_ms : 0.0, out.size(),
-               static_cast<double>(mt.bytes_sent) / 1e3, static_cast<long long>(mt.merges));
+               "prompt %lld tokens (%lld from the prefix cache): time to first token %.1f ms "
+               "(prefill %.0f tokens/s)\n"
+               "decode %s (engine) %zu tokens: %.2f ms/token p50, %.2f p99, %.1f tokens/s | "
+               "rank 0 sent %s/token in %lld merges in all\n"
+               "peak RSS per rank: %s (includes the mapped weights, shared between ranks)\n",
+               static_cast<long long>(n), static_cast<long long>(timings.cached_tokens), ttft_ms,
+               static_cast<double>(n) / std::max(1e-9, timings.prefill_seconds), ec.merge.c_str(),
+               out.size(), percentile(token_ms, 0.5), percentile(token_ms, 0.99),
+               decode_ms > 0 ? 1e3 / decode_ms : 0.0, format_bytes(bytes_per_token).c_str(),
+               static_cast<long long>(mt.merges), rss_list.c_str());
   if (!f.json.empty()) {
     auto text = tok->decode(out);
     nlohmann::json j = {{"model", model_path},
@@ -415,8 +481,20 @@ int run_engine_job(Communicator& comm, const GenFlags& f, const std::string& mod
                         {"kv_dtype", f.kv_dtype},
                         {"ttft_ms", ttft_ms},
                         {"prefill_ms", timings.prefill_seconds * 1e3},
+                        {"prefill_tokens_per_s",
+                         static_cast<double>(n) / std::max(1e-9, timings.prefill_seconds)},
+                        {"cached_tokens", timings.cached_tokens},
                         {"decode_ms_per_token", decode_ms},
-                        {"bytes_sent_rank0", mt.bytes_sent}};
+                        {"decode_ms", token_ms},
+                        {"decode_ms_p50", percentile(token_ms, 0.5)},
+                        {"decode_ms_p99", percentile(token_ms, 0.99)},
+                        {"tokens_per_s", decode_ms > 0 ? 1e3 / decode_ms : 0.0},
+                        {"bytes_sent_per_rank_per_token", bytes_per_token},
+                        {"bytes_sent_per_token_of", "rank 0, decode steps"},
+                        {"bytes_sent_rank0", mt.bytes_sent},
+                        {"bytes_sent_by_rank", bytes_by_rank},
+                        {"peak_rss_bytes", max_rss},
+                        {"peak_rss_bytes_by_rank", rss}};
     std::ofstream o(f.json);
     o << j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
     if (!o) return fail(invalid_argument("--json " + f.json + ": write failed"));
@@ -748,6 +826,7 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
 }
 
 int generate_command(GenFlags& f, const CLI::App& sub, const Invocation& inv) {
+  choose_path(f, sub);
   if (f.threads > 0 &&
       f.threads > std::max(64, 4 * static_cast<int>(std::thread::hardware_concurrency())))
     return fail(invalid_argument("--threads is larger than 4 x the cores"));
@@ -846,7 +925,12 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
   sub->add_flag("--engine", f->engine,
                 "Run the prompt as one request of the serving engine (paged KV, chunked prefill "
                 "by the tree merge; what `treeattn serve` runs); --method is then the engine's "
-                "merge: tree, allreduce or allgather");
+                "merge: tree, allreduce or allgather. The default, unless a flag below needs "
+                "the DecodeSession path");
+  sub->add_flag("--session", f->session,
+                "Decode on the DecodeSession with a strategy instead of the engine; implied by a "
+                "strategy other than tree/allreduce/allgather, a comma list, --deterministic, "
+                "--synthetic-kv, --placement, --kv-layout, --fanout and --check");
   sub->add_option("--kv-memory", f->kv_memory,
                   "--engine: KV page memory per rank, e.g. 2G (default: what the prompt needs)");
   sub->add_flag("--ignore-eos", f->ignore_eos, "Generate --new-tokens even past end of text");

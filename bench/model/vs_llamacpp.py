@@ -45,7 +45,7 @@ def bandwidth_gbs():
 def run_treeattn(b, model, ctx, threads, new_tokens):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    cmd = [b, "generate", "--model", model, "--prompt-tokens", str(ctx), "--new-tokens",
+    cmd = [b, "generate", "--session", "--model", model, "--prompt-tokens", str(ctx), "--new-tokens",
            str(new_tokens), "--ignore-eos", "--quiet", "--threads", str(threads), "--json", out,
            "--timeout-ms", "0"]
     if ctx > 4096:
