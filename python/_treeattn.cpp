@@ -520,11 +520,32 @@ constexpr int kMaxLocalRanks = 4096;
 
 // ---- communicators and the session -------------------------------------------------------------
 
+// Comm.__new__(Comm) and Session.__new__(Session) make instances whose __init__ never ran;
+// pybind11 gives such an instance raw storage from the class's operator new the first time a
+// method reads it. Zeroed storage reads as "no communicator" / "no session", which get() checks,
+// instead of as garbage pointers.
+struct ZeroedNew {
+  static void* operator new(std::size_t n) {
+    void* p = ::operator new(n);
+    std::memset(p, 0, n);
+    return p;
+  }
+  static void operator delete(void* p) { ::operator delete(p); }
+};
+
 // A Communicator owned by Python. An MPI communicator that outlives MPI (the interpreter shuts
 // mpi4py down first) is leaked instead of freed: MPI calls after MPI_Finalize are erroneous.
-struct PyComm {
+struct PyComm : ZeroedNew {
   std::unique_ptr<Communicator> comm;
   bool mpi = false;
+  // An instance made with Comm.__new__ holds no communicator.
+  Communicator& get() const {
+    if (!comm)
+      throw py::type_error(
+          "this Comm holds no communicator (make one with treeattn.local_world or "
+          "treeattn.mpi_comm)");
+    return *comm;
+  }
   ~PyComm() {
 #if defined(TREEATTN_PY_WITH_MPI)
     if (mpi && !mpi_active()) (void)comm.release();
@@ -532,7 +553,7 @@ struct PyComm {
   }
 };
 
-struct PySession {
+struct PySession : ZeroedNew {
   std::shared_ptr<PyComm> comm;  // the session's communicator lives at least as long
   std::unique_ptr<DecodeSession> s;
   ~PySession() {
@@ -540,7 +561,32 @@ struct PySession {
     if (comm->mpi && !mpi_active()) (void)s.release();  // its strategies may own MPI objects
 #endif
   }
-  DecodeSession& get() { return *s; }
+  // Set when a call that grows the rows failed after placing the new tokens: the placement then
+  // counts tokens the shards have no room for (DecodeSession::extend and append advance the
+  // placement before they grow the shards), and reading them would run past the shards.
+  bool unusable = false;
+  std::string unusable_why;
+  // An instance made with Session.__new__ and never initialized holds no session.
+  DecodeSession& get() {
+    if (!s) throw py::type_error("this Session was never initialized (call Session(comm, ...))");
+    if (unusable) throw StatusError(Status(Code::kInternal, unusable_why));
+    return *s;
+  }
+  std::vector<int64_t> row_lengths() const {
+    const auto lens = s->plan().total_lens();
+    return {lens.begin(), lens.end()};
+  }
+  // After a call that may have grown the rows: a failure that changed the row lengths leaves the
+  // session unusable (see `unusable`), and every later call says why.
+  void check_growth(const Status& st, const std::vector<int64_t>& before, const std::string& call) {
+    if (!st.is_ok() && row_lengths() != before) {
+      unusable = true;
+      unusable_why = "rank " + std::to_string(s->comm().rank()) + ": this session is unusable: " +
+                     call + " failed after it had placed the new tokens (" + st.message() +
+                     "); make a new Session";
+    }
+    check(st);
+  }
 };
 
 // A list of ints (node_of_rank) from None (empty) or a sequence of at most max_count ints.
@@ -560,13 +606,19 @@ std::vector<int> int_list(const py::object& o, const char* what, std::size_t max
 // The communicator argument of Session: a Comm, checked here because pybind11 passes None on as
 // a null pointer.
 std::shared_ptr<PyComm> comm_of(const py::object& o) {
-  std::shared_ptr<PyComm> comm;
-  if (py::isinstance<PyComm>(o)) comm = o.cast<std::shared_ptr<PyComm>>();
-  if (!comm || !comm->comm)
+  if (!py::isinstance<PyComm>(o))
     throw py::type_error(
         "comm must be a treeattn.Comm (from treeattn.local_world, treeattn.run_local or "
         "treeattn.mpi_comm), got " +
         type_name(o));
+  std::shared_ptr<PyComm> comm;
+  try {
+    comm = o.cast<std::shared_ptr<PyComm>>();
+  } catch (const py::cast_error&) {  // a Comm made with Comm.__new__ has no holder
+  }
+  if (!comm || !comm->comm)
+    throw py::type_error(
+        "comm holds no communicator (make one with treeattn.local_world or treeattn.mpi_comm)");
   return comm;
 }
 
@@ -684,20 +736,21 @@ void store_py(PySession& ps, int layer, int64_t b, const py::object& pos, const 
     check(s.store(layer, b, positions[i], k.data() + i * per, v.data() + i * per));
 }
 
-// Refuses an extend whose new tokens cannot fit in this machine's memory, before the session
-// walks them: DecodeSession::extend places the tokens of a non-empty session one at a time and
-// only then sizes the shards, so extend(2**62) would run for years. (On an empty session the
-// tokens are laid out at once and the shard's own size check answers quickly.) The bound only
-// depends on values every rank shares, so every rank refuses the same call.
+// Refuses an extend whose new tokens cannot fit in the memory this process can have, before the
+// session walks them: DecodeSession::extend places the tokens of a non-empty session one at a
+// time and only then sizes the shards, so extend(2**62) would run for years, and a failed growth
+// leaves the session unusable (PySession::check_growth). The bound only depends on values every
+// rank shares (on one machine), so every rank refuses the same call.
 void check_extend_fits(const DecodeSession& s, int64_t n) {
   const ShardPlan& plan = s.plan();
+  if (n <= 0) return;
   bool empty = true;
   for (int64_t b = 0; b < plan.batch(); ++b) empty = empty && plan.total_len(b) == 0;
-  if (n <= 0 || empty) return;
-  // New tokens go to one rank per row (the last rank, or the holder), or round-robin when
-  // striped: some rank gets at least this many of each row's n.
+  // The tokens of an empty session are laid out by the placement, and whatever it is some rank
+  // gets at least n / ranks of each row; on a non-empty session they go to one rank per row
+  // (the last rank, or the holder), or round-robin when striped.
   // In double: the products can pass 2**64, and the comparison needs no more precision.
-  const double share = plan.kind() == ShardKind::kStriped
+  const double share = empty || plan.kind() == ShardKind::kStriped
                            ? std::ceil(static_cast<double>(n) / plan.ranks())
                            : static_cast<double>(n);
   const AttnShape& sh = s.shape();
@@ -804,21 +857,22 @@ scale 0 means 1/sqrt(D). Returns states [B, Q, H, D + 2] float32 records [m, l, 
 
   py::class_<PyComm, std::shared_ptr<PyComm>>(m, "Comm",
                                               "A treeattn communicator (MPI or in-process).")
-      .def_property_readonly("rank", [](const PyComm& c) { return c.comm->rank(); })
-      .def_property_readonly("size", [](const PyComm& c) { return c.comm->size(); })
+      .def_property_readonly("rank", [](const PyComm& c) { return c.get().rank(); })
+      .def_property_readonly("size", [](const PyComm& c) { return c.get().size(); })
       .def_property_readonly("backend",
-                             [](const PyComm& c) { return std::string(c.comm->backend_name()); })
+                             [](const PyComm& c) { return std::string(c.get().backend_name()); })
       .def(
           "strategies",
           [](const PyComm& c) {
             std::vector<std::pair<std::string, std::string>> out;
             for (const StrategyInfo& i :
-                 StrategyRegistry::for_backend(c.comm->capabilities()).list())
+                 StrategyRegistry::for_backend(c.get().capabilities()).list())
               out.emplace_back(std::string(i.name), std::string(i.summary));
             return out;
           },
           "(name, summary) of the strategies this backend offers.")
       .def("__repr__", [](const PyComm& c) {
+        if (!c.comm) return std::string("<treeattn.Comm (none)>");
         return "<treeattn.Comm " + std::string(c.comm->backend_name()) + " rank " +
                std::to_string(c.comm->rank()) + " of " + std::to_string(c.comm->size()) + ">";
       });
@@ -928,9 +982,11 @@ check_agreement) must be made by every rank in the same order.)")
           "The global positions of row b that a rank (default: this one) holds, in slot order.")
       .def(
           "extend",
-          [](PySession& s, int64_t n) {
-            check_extend_fits(s.get(), n);
-            check(s.get().extend(n));
+          [](PySession& ps, int64_t n) {
+            DecodeSession& s = ps.get();
+            check_extend_fits(s, n);
+            const std::vector<int64_t> before = ps.row_lengths();
+            ps.check_growth(s.extend(n), before, "extend(" + std::to_string(n) + ")");
           },
           py::arg("n"),
           "Grows every row by n tokens (a prefill on an empty session); owners then store() them.")
@@ -949,8 +1005,13 @@ check_agreement) must be made by every rank in the same order.)")
             F32Array v = kv_block(v_in, "v", want, "[layers, batch, kv_heads, head_dim]");
             const float* kp = k.data();
             const float* vp = v.data();
-            py::gil_scoped_release nogil;
-            check(s.append(kp, vp));
+            const std::vector<int64_t> before = ps.row_lengths();
+            Status st;
+            {
+              py::gil_scoped_release nogil;
+              st = s.append(kp, vp);
+            }
+            ps.check_growth(st, before, "append");
           },
           py::arg("k"), py::arg("v"),
           "Collective. Appends one token to every row of every layer (k, v [layers, batch, "

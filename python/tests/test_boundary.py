@@ -56,6 +56,16 @@ class BoundaryTest(unittest.TestCase):
                 r"comm must be a treeattn\.Comm \(from treeattn\.local_world, treeattn\.run_local "
                 r"or treeattn\.mpi_comm\), got ")
 
+    def test_instances_that_were_never_initialized(self):
+        # Session.__new__ / Comm.__new__ make instances whose C++ object holds nothing.
+        for code, pattern in (
+                ("treeattn.Session.__new__(treeattn.Session).rank", "never initialized"),
+                ("treeattn.Session.__new__(treeattn.Session).extend(1)", "never initialized"),
+                ("treeattn.Comm.__new__(treeattn.Comm).size", "holds no communicator"),
+                ("treeattn.Session(treeattn.Comm.__new__(treeattn.Comm), heads=4, kv_heads=2, "
+                 "head_dim=64)", "^comm holds no communicator")):
+            self.assert_child_raises(code, "TypeError", pattern)
+
     # ---- item 3: arrays whose float32 copy cannot be made ----------------------------------------
     def test_huge_broadcast_views_raise_memory_error(self):
         # The issue's reproduction: a 40 TiB copy, refused because it exceeds this machine's
@@ -116,6 +126,31 @@ class BoundaryTest(unittest.TestCase):
             raise treeattn.OutOfMemoryError(msgs[2])
         """
         self.assert_child_raises(code, "OutOfMemoryError", r"^rank 2: extend: ", timeout=30)
+
+    def test_a_failed_growth_leaves_no_half_grown_session(self):
+        # An allocation that fails below the bound extend checks (here: 0.5 GiB of address space
+        # left, a 1 GiB shard asked for) used to leave the session counting tokens its shards
+        # had no room for; the next attend read past them and crashed.
+        code = """
+            import resource
+            vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status")
+                      if l.startswith("VmSize:"))
+            resource.setrlimit(resource.RLIMIT_AS, (vm + (2 << 30), vm + (2 << 30)))
+            hog = np.empty(3 << 29, np.uint8)  # 1.5 GiB of address space, never touched
+            c = treeattn.local_world(1)[0]
+            s = treeattn.Session(c, heads=4, kv_heads=1, head_dim=64, dtype="f32",
+                                 context=CONTEXT)
+            try:
+                s.extend(1 << 21)  # 2**21 tokens of 512 bytes
+            except treeattn.OutOfMemoryError:
+                pass
+            s.attend(0, np.zeros((1, 1, 4, 64), np.float32))
+        """
+        for context in (0, 4):
+            self.assert_child_raises(
+                code.replace("CONTEXT", str(context)), "InternalError",
+                r"^rank 0: this session is unusable: extend\(2097152\) failed after it had "
+                r"placed the new tokens \(rank 0: .*cannot allocate .*\); make a new Session$")
 
     def test_extend_still_grows_and_refuses_negative(self):
         c = treeattn.local_world(1)[0]

@@ -270,7 +270,8 @@ def session_ctor_call(g, treeattn, comm):
         elif name in ("scale", "timeout"):
             kw[name] = g.float_() if g.chance(0.7) else g.junk()
         elif name == "comm":
-            comm = g.pick([None, 0, "comm", [comm], treeattn.Comm])
+            comm = g.pick([None, 0, "comm", [comm], treeattn.Comm,
+                           treeattn.Comm.__new__(treeattn.Comm)])
         else:
             kw[name] = g.junk() if g.chance(0.6) else g.int_arg()
     return treeattn.Session, [comm], kw
@@ -361,6 +362,10 @@ def make_call(g, kind, treeattn, comm, session):
         return world_call(g, treeattn)
     if kind < 7 or session is None:
         return session_ctor_call(g, treeattn, comm)
+    if g.chance(0.02):  # an instance whose __init__ never ran
+        fn, args, kw = session_method_call(g, session, treeattn)
+        blank = treeattn.Session.__new__(treeattn.Session)
+        return getattr(blank, fn.__name__), args, kw
     return session_method_call(g, session, treeattn)
 
 
