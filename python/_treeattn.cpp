@@ -12,21 +12,25 @@
 //     contiguous and K and V have the same strides (a slice of a larger cache is a view);
 //     otherwise ValueError tells the caller to pass np.ascontiguousarray.
 //   - q, states and the K/V given to Session.store/append are read in place when C-contiguous
-//     and copied otherwise (they are one step's worth of data).
+//     and copied otherwise (they are one step's worth of data). Shapes are checked before any
+//     copy; a copy larger than the memory this process can have (a broadcast view can describe
+//     terabytes) raises MemoryError naming the argument.
 //   - Outputs are numpy arrays the C++ code writes into directly.
 //
 // Errors: a non-ok treeattn::Status raises treeattn.Error with exactly Status::message() as its
 // text and the code name in .code: InvalidArgumentError (also a ValueError) for
 // kInvalidArgument, and RuntimeError subclasses for the others (UnsupportedError, MismatchError,
 // PeerTimeoutError, NumericsError, InternalError, OutOfMemoryError). Checks this file makes
-// itself on shapes raise InvalidArgumentError too; wrong dtypes raise TypeError.
+// itself on shapes and values raise InvalidArgumentError too; wrong dtypes and arguments of the
+// wrong kind (None for comm, a str for lengths) raise TypeError naming the argument. threads is
+// 0 (the default) or 1..1024 everywhere. A session whose extend or append failed after placing
+// the new tokens (an allocation that failed) raises InternalError on every later call.
 //
 // The GIL is released during every call that computes or communicates, so several Python
 // threads can each drive one rank of the in-process communicator (treeattn.run_local).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -129,8 +133,7 @@ int64_t to_int64(const py::handle& o, const std::string& what) {
   }
   int overflow = 0;
   const long long v = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
-  if (overflow != 0)
-    invalid(what + ": " + std::string(py::str(i)) + " does not fit in 64 bits");
+  if (overflow != 0) invalid(what + ": " + std::string(py::str(i)) + " does not fit in 64 bits");
   if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
   return v;
 }
@@ -203,9 +206,8 @@ std::string shape_text(const py::array& a) {
 // kernel's overcommit policy, which may grant the allocation and kill the process later).
 uint64_t memory_limit() {
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  uint64_t limit = pages > 0 && page > 0
-                       ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page)
-                       : 0;
+  uint64_t limit =
+      pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : 0;
   rlimit as{};
   if (getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY &&
       (limit == 0 || as.rlim_cur < limit))
@@ -475,8 +477,7 @@ py::array_t<float> merge_states_py(const py::array& a_in, const py::array& b_in,
       throw py::type_error(
           "merge_states: out must be a writeable C-contiguous float32 numpy array, got " +
           (py::isinstance<py::array>(out_obj)
-               ? std::string(py::str(py::reinterpret_borrow<py::array>(out_obj).dtype())) +
-                     " array"
+               ? std::string(py::str(py::reinterpret_borrow<py::array>(out_obj).dtype())) + " array"
                : type_name(out_obj)));
     out = py::reinterpret_borrow<py::array_t<float>>(out_obj);
     if (!has_shape(out, std::vector<int64_t>(a_in.shape(), a_in.shape() + a_in.ndim())))
@@ -581,9 +582,9 @@ struct PySession : ZeroedNew {
   void check_growth(const Status& st, const std::vector<int64_t>& before, const std::string& call) {
     if (!st.is_ok() && row_lengths() != before) {
       unusable = true;
-      unusable_why = "rank " + std::to_string(s->comm().rank()) + ": this session is unusable: " +
-                     call + " failed after it had placed the new tokens (" + st.message() +
-                     "); make a new Session";
+      unusable_why =
+          "rank " + std::to_string(s->comm().rank()) + ": this session is unusable: " + call +
+          " failed after it had placed the new tokens (" + st.message() + "); make a new Session";
     }
     check(st);
   }
@@ -652,8 +653,8 @@ std::unique_ptr<PySession> make_session(
     c.explicit_len = to_int64_list(explicit_len, "explicit_len", "a sequence of ints", most);
     for (std::size_t i = 0; i < c.explicit_len.size(); ++i)
       if (c.explicit_len[i] < 0)
-        invalid("explicit_len[" + std::to_string(i) + "] is " +
-                std::to_string(c.explicit_len[i]) + ": explicit shard lengths must be >= 0");
+        invalid("explicit_len[" + std::to_string(i) + "] is " + std::to_string(c.explicit_len[i]) +
+                ": explicit shard lengths must be >= 0");
   }
   if (holder < 0 || holder >= ranks)
     invalid("holder " + std::to_string(holder) + " is outside the ranks [0, " +
@@ -663,8 +664,7 @@ std::unique_ptr<PySession> make_session(
   c.strategy = strategy;
   c.options.root = root;
   c.options.fanout = fanout;
-  c.options.node_of_rank =
-      int_list(node_of_rank, "node_of_rank", static_cast<std::size_t>(ranks));
+  c.options.node_of_rank = int_list(node_of_rank, "node_of_rank", static_cast<std::size_t>(ranks));
   c.options.kernel.scale = scale;
   c.options.kernel.threads = thread_count(threads);
   c.options.kernel.isa = unwrap(parse_isa(isa));
@@ -761,12 +761,12 @@ void check_extend_fits(const DecodeSession& s, int64_t n) {
   if (memory == 0 || bytes <= static_cast<double>(memory)) return;
   const std::string least = bytes < 1e18 ? std::to_string(static_cast<uint64_t>(bytes))
                                          : std::string(py::str(py::float_(bytes)));
-  throw StatusError(Status(
-      Code::kOutOfMemory, "rank " + std::to_string(s.comm().rank()) + ": extend: " +
-                              std::to_string(n) +
-                              " more tokens per row would put at least " + least +
-                              " bytes of K and V on one rank, more than the memory this process can have (" +
-                              std::to_string(memory) + " bytes)"));
+  throw StatusError(
+      Status(Code::kOutOfMemory,
+             "rank " + std::to_string(s.comm().rank()) + ": extend: " + std::to_string(n) +
+                 " more tokens per row would put at least " + least +
+                 " bytes of K and V on one rank, more than the memory this process can have (" +
+                 std::to_string(memory) + " bytes)"));
 }
 
 std::vector<int64_t> plan_row(const ShardPlan& plan, int rank, bool starts) {
@@ -842,7 +842,8 @@ strides with head_dim contiguous; never copied). lengths: tokens used per row (d
 pos_start: global position of each row's first token (default 0); total_len: the whole
 context length per row (default: one past the row's last token), which sets the causal limit
 of multi-token queries; pos_stride: position step between tokens (striped shards).
-scale 0 means 1/sqrt(D). Returns states [B, Q, H, D + 2] float32 records [m, l, o...].)");
+scale 0 means 1/sqrt(D); threads 0 means OpenMP's default, else 1..1024. Returns states
+[B, Q, H, D + 2] float32 records [m, l, o...].)");
   m.def("oracle", &oracle_py, py::arg("q"), py::arg("k"), py::arg("v"), py::kw_only(),
         py::arg("dtype") = py::none(), py::arg("scale") = 0.0, py::arg("lengths") = py::none(),
         py::arg("pos_start") = py::none(), py::arg("total_len") = py::none(),
@@ -851,7 +852,8 @@ scale 0 means 1/sqrt(D). Returns states [B, Q, H, D + 2] float32 records [m, l, 
         "(out [B, Q, H, D] float64, lse [B, Q, H] float64, natural log).");
   m.def("merge_states", &merge_states_py, py::arg("a"), py::arg("b"), py::kw_only(),
         py::arg("out") = py::none(),
-        "Merges two arrays of state records [..., D + 2] (state.hpp); out may be a or b.");
+        "Merges two arrays of state records [..., D + 2] (state.hpp) into out (a new array, or "
+        "a writeable C-contiguous float32 array of a's shape, which may be a or b).");
   m.def("normalize", &normalize_py, py::arg("states"),
         "(out [..., D], lse [...]) of state records [..., D + 2]: o / l and m + log(l).");
 
@@ -883,8 +885,8 @@ scale 0 means 1/sqrt(D). Returns states [B, Q, H, D + 2] float32 records [m, l, 
         // Each rank is a thread of the caller's (run_local): far more would only exhaust memory
         // building the communicators.
         if (size < 1 || size > kMaxLocalRanks)
-          invalid("local_world: size must be in [1, " + std::to_string(kMaxLocalRanks) +
-                  "], got " + std::to_string(size));
+          invalid("local_world: size must be in [1, " + std::to_string(kMaxLocalRanks) + "], got " +
+                  std::to_string(size));
         LocalWorldOptions o;
         o.node_of_rank = int_list(node_of_rank, "node_of_rank", static_cast<std::size_t>(size));
         auto comms = unwrap(make_local_world(size, o));
