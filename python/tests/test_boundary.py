@@ -102,15 +102,15 @@ class BoundaryTest(unittest.TestCase):
                                  r"^merge_states: a \(1, 1, 4, 64\) and b \(1099511627776, 1, 4, "
                                  r"64\) differ in shape$")
 
-    # ---- item 4: extend by more tokens than can ever fit ------------------------------------------
+    # ---- item 4: extend by more tokens than can ever fit -----------------------------------------
     def test_extend_beyond_memory_is_refused_at_once(self):
         for n in ("2**62", "2**40", "2**63 - 1"):
             t0 = time.monotonic()
             self.assert_child_raises(
                 SESSION + "s = treeattn.Session(c, heads=4, kv_heads=2, head_dim=64, context=16)\n"
                 f"s.extend({n})", "OutOfMemoryError",
-                r"^rank 0: extend: \d+ more tokens per row would put at least [\d.e+]+ bytes of K and V "
-                r"on one rank", timeout=30)
+                r"^rank 0: extend: \d+ more tokens per row would put at least [\d.e+]+ bytes of "
+                r"K and V on one rank", timeout=30)
             self.assertLess(time.monotonic() - t0, 20, n)
         # The same check on a striped session of 3 ranks (each rank holds a third of the tokens).
         code = """
@@ -160,7 +160,7 @@ class BoundaryTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "n must be >= 0"):
             s.extend(-1)
 
-    # ---- item 5: out, explicit_len, holder, timeout, integer lists ------------------------------
+    # ---- item 5: out, explicit_len, holder, timeout, integer lists -------------------------------
     def test_merge_states_out_must_be_float32(self):
         a = np.zeros((2, 66), np.float32)
         for out, why in ((np.zeros(a.shape), "float64"),
