@@ -18,7 +18,9 @@ Errors: every non-ok C++ Status raises a ``treeattn.Error`` whose text is the C+
 ``InvalidArgumentError`` (a ValueError) or a RuntimeError subclass (``UnsupportedError``,
 ``MismatchError``, ``PeerTimeoutError``, ``NumericsError``, ``InternalError``,
 ``OutOfMemoryError``); ``.code`` holds the code's name. A wrong dtype raises TypeError: inputs
-are never converted silently (see _treeattn.cpp for when arrays are read in place).
+are never converted silently (see _treeattn.cpp for when arrays are read in place). Arguments of
+the wrong kind (None for a communicator, a str for lengths) raise TypeError naming the argument,
+and a copy larger than the memory the process can have (a huge broadcast view) MemoryError.
 """
 
 import threading
