@@ -231,19 +231,23 @@ int default_threads(int ranks_here) {
   return std::max(1, cores / std::max(1, ranks_here));
 }
 
-// Kernel threads per rank beyond this only oversubscribe the cores further (and thousands make
-// the OpenMP runtime refuse): max(64, 4 x the cores of this host).
-int max_threads() {
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  return std::max(64, 4 * cores);
-}
+// --threads: the kernels' one cap (kernel.hpp, kMaxThreads), with the same message everywhere.
+Status check_threads(int threads) { return check_thread_count(threads, "--threads"); }
 
-Status check_threads(int threads) {
-  if (threads < 0 || threads > max_threads())
+// Caps of the counts that set how long a run takes (a typo must not run until killed): decode
+// steps (warm-up and timed, each kept per method for the report) and bench --kernel's repeats.
+constexpr int kMaxSteps = 100000;
+constexpr int kMaxRepeats = 10000;
+
+// --nodes and --root against a job of `ranks` ranks.
+Status check_job_flags(const DecodeFlags& f, int64_t ranks) {
+  if (f.nodes < 1 || f.nodes > ranks)
+    return invalid_argument(
+        fmt::format("--nodes {} must be between 1 and the {} ranks", f.nodes, ranks));
+  if (f.root < -1 || f.root >= ranks)
     return invalid_argument(fmt::format(
-        "--threads {}: must be between 0 (cores / ranks on the host) and {} (4 x this host's "
-        "{} cores, at least 64)",
-        threads, max_threads(), std::max(1u, std::thread::hardware_concurrency())));
+        "--root {} must be -1 (every rank gets the result) or a rank of the {}-rank job (0..{})",
+        f.root, ranks, ranks - 1));
   return Status::ok();
 }
 
@@ -317,8 +321,8 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
     (void)mpi_finalize();
     return 2;
   }
-  if (f.nodes < 1 || f.nodes > P) {
-    if (lead) std::fprintf(stderr, "treeattn %s: error: --nodes %d must be between 1 and the %d ranks\n", cmd, f.nodes, P);
+  if (Status s = check_job_flags(f, P); !s.is_ok()) {
+    if (lead) std::fprintf(stderr, "treeattn %s: error: %s\n", cmd, s.to_string().c_str());
     world.reset();
     (void)mpi_finalize();
     return 2;
@@ -458,9 +462,22 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
     return fail(cmd, invalid_argument("--kv-layout tiled is the CPU kernel's layout in host "
                                       "memory; with --device cuda the shards are rows (use "
                                       "--kv-layout auto or rows)"));
-  if (bench && f.kernel)
+  // Counts and thread numbers first: bench --kernel takes them too.
+  if (Status s = check_threads(f.threads); !s.is_ok()) return fail(cmd, s);
+  if (bench && f.kernel) {
+    if (Status s = check_range("--repeats", f.repeats, 1, kMaxRepeats); !s.is_ok())
+      return fail(cmd, s);
     return kernel_bench(KernelBenchFlags{f.shape, f.shape.dtype, f.threads, f.repeats, f.isa,
                                          f.no_peer, f.kernel_cases, f.json, f.device_kind});
+  }
+  // --device cuda on this machine's ranks: a machine without a usable GPU is refused here, not
+  // by every rank after mpirun has started them (ranks on named hosts find out for themselves).
+  if (f.device_kind == Device::kCuda && !started_by_mpi_launcher() && !launch_names_hosts()) {
+    std::string why;
+    if (cuda_device_count(&why) == 0)
+      return fail(cmd, unsupported("--device cuda: no CUDA device for the ranks on this machine" +
+                                   (why.empty() ? std::string() : ": " + why)));
+  }
   auto methods = resolve_methods(f.methods, f.device_kind);
   if (!methods.is_ok()) return fail(cmd, methods.status());
   if (f.deterministic) {  // tree-det first; with the default `all`, compared with tree only
@@ -474,13 +491,20 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
       return fail(cmd, invalid_argument("--deterministic needs a contiguous placement (even, "
                                         "uneven or empty), not --shard striped"));
   }
+  if (!StrategyRegistry::for_backend(CommCapabilities{}).contains(f.baseline)) {
+    std::string known;
+    for (const auto& k : all_methods()) known += (known.empty() ? "" : ", ") + k;
+    return fail(cmd, invalid_argument("--baseline: unknown method '" + f.baseline + "' (known: " +
+                                      known + ")"));
+  }
   if (!parse_dtype(f.shape.dtype))
     return fail(cmd, invalid_argument("--dtype '" + f.shape.dtype + "': run and bench take one of "
                                       "f32, f16, bf16, fp8, int8 (lists: bench --kernel)"));
-  if (f.warmup < 0 || f.iters < 1) return fail(cmd, invalid_argument("--warmup must be >= 0 and --iters/--steps >= 1"));
+  if (Status s = check_range("--warmup", f.warmup, 0, kMaxSteps); !s.is_ok()) return fail(cmd, s);
+  if (Status s = check_range(bench ? "--iters" : "--steps", f.iters, 1, kMaxSteps); !s.is_ok())
+    return fail(cmd, s);
   if (f.fanout < 1) return fail(cmd, invalid_argument("--fanout must be >= 1"));
   if (Status s = check_timeout_ms("--timeout-ms", f.timeout_ms); !s.is_ok()) return fail(cmd, s);
-  if (Status s = check_threads(f.threads); !s.is_ok()) return fail(cmd, s);
   if (!f.inject.empty()) {
     auto spec = parse_inject(f.inject);
     if (!spec.is_ok()) return fail(cmd, spec.status());
@@ -493,6 +517,9 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
   for (int64_t p : ranks.value()) {
     if (p < 1 || p > 4096) return fail(cmd, invalid_argument(fmt::format("--ranks {} is out of range 1..4096", p)));
     if (Status s = check_inject(f, p); !s.is_ok()) return fail(cmd, s);
+    // What the job would refuse once started, refused before mpirun starts it (a job started
+    // by an outside mpirun checks again against its own size: run_job).
+    if (Status s = check_job_flags(f, p); !s.is_ok()) return fail(cmd, s);
   }
   if (!bench && (ranks.value().size() > 1 || f.shape.seqs.size() > 1 || f.shape.batches.size() > 1))
     return fail(cmd, invalid_argument("run takes one --ranks, --seq and --batch; use bench to sweep"));

@@ -22,6 +22,7 @@
 #include "treeattn/comm_mpi.hpp"
 #include "treeattn/detect.hpp"
 #include "treeattn/dtype.hpp"
+#include "treeattn/kernel.hpp"
 #include "treeattn/shape.hpp"
 #include "treeattn/topology.hpp"
 
@@ -79,6 +80,7 @@ int detect_job(const TopoFlags& f) {
   if (!world_r.is_ok()) return fail(world_r.status());
   std::unique_ptr<Communicator> world = std::move(world_r).value();
   world->set_timeout(std::chrono::milliseconds(f.timeout_ms));
+  rank_status_phase("topo --detect");
   DetectOptions o;
   o.name = f.name;
   o.kernel_threads = f.threads;
@@ -142,10 +144,15 @@ int run_topo(TopoFlags& f, const CLI::App& sub, const Invocation& inv) {
     return fail(invalid_argument(
         fmt::format("--nodes {} must be between 0 (the shared-memory split) and --ranks {}",
                     f.nodes, f.ranks)));
-  if (f.probe_mib < 16 || f.latency_iters < 1 || f.bandwidth_iters < 1)
-    return fail(
-        invalid_argument("--probe-mib must be >= 16, --latency-iters and "
-                         "--bandwidth-iters >= 1"));
+  if (f.probe_mib < 16)
+    return fail(invalid_argument(fmt::format("--probe-mib {}: must be >= 16", f.probe_mib)));
+  // Each count sets how long the job runs (per level: small ping-pongs of microseconds, 4 MiB
+  // exchanges of milliseconds); the caps keep a typo from running until killed.
+  if (Status s = check_range("--latency-iters", f.latency_iters, 1, 1'000'000); !s.is_ok())
+    return fail(s);
+  if (Status s = check_range("--bandwidth-iters", f.bandwidth_iters, 1, 10'000); !s.is_ok())
+    return fail(s);
+  if (Status s = check_thread_count(f.threads, "--threads"); !s.is_ok()) return fail(s);
   if (Status s = AttnShape{1, f.heads, f.kv_heads, f.head_dim, 1}.validate(); !s.is_ok())
     return fail(s);
   if (!parse_dtype(f.dtype))

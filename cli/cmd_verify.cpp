@@ -28,6 +28,8 @@
 namespace treeattn::cli {
 namespace {
 
+constexpr int kMaxCases = 100000;
+
 struct VerifyFlags {
   int ranks = 4;
   int cases = 12;
@@ -228,6 +230,7 @@ int verify_job(VerifyFlags& f, const std::vector<std::string>& methods,
     Case c = make_case(f.seed + static_cast<uint64_t>(i), P, types, f.deterministic);
     c.config.timeout = std::chrono::milliseconds(f.timeout_ms);
     for (const auto& m : methods) {
+      rank_status_phase(fmt::format("verify: case seed {} method {}", c.seed, m));
       RunConfig rc = c.config;
       rc.strategy = m;
       rc.kv_layout = check_layout(f.kv_layout, c.seed, m);
@@ -353,8 +356,14 @@ Runner add_verify_command(CLI::App& app, const Invocation& inv) {
           if (x != "tree-det") m.push_back(x);
       methods = m;
     }
-    if (f->cases < 1 || f->ranks < 1) {
-      std::fprintf(stderr, "treeattn verify: error: --cases and --ranks must be >= 1\n");
+    if (f->ranks < 1) {
+      std::fprintf(stderr, "treeattn verify: error: --ranks must be >= 1\n");
+      return 2;
+    }
+    // Each case takes a fraction of a second to seconds; the cap keeps a typo from running
+    // until killed (and --seed + i from wrapping).
+    if (Status s = check_range("--cases", f->cases, 1, kMaxCases); !s.is_ok()) {
+      std::fprintf(stderr, "treeattn verify: error: %s\n", s.to_string().c_str());
       return 2;
     }
     if (!std::isfinite(f->tolerance) || f->tolerance < 0) {

@@ -75,6 +75,35 @@ void on_stop_signal(int sig) {
   std::raise(sig);
 }
 
+// A crash (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT): record it, then let the handler that was
+// there before (Open MPI's backtrace printer, or the default action) take the signal: it is
+// re-raised with that handler restored and delivered when this one returns.
+constexpr int kCrashSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
+struct sigaction g_crash_old[sizeof(kCrashSignals) / sizeof(int)];
+bool g_crash_watched = false;
+
+void on_crash_signal(int sig) {
+  if (!g_final) {
+    g_final = 1;
+    write_state("signal", sig, true);
+  }
+  for (std::size_t i = 0; i < sizeof(kCrashSignals) / sizeof(int); ++i)
+    if (kCrashSignals[i] == sig) sigaction(sig, &g_crash_old[i], nullptr);
+  std::raise(sig);
+}
+
+// After MPI_Init (the first phase comes after it), so that Open MPI's own handlers, installed
+// there only where none is, stay in place behind ours.
+void watch_crashes() {
+  if (g_crash_watched) return;
+  g_crash_watched = true;
+  struct sigaction sa {};
+  sa.sa_handler = on_crash_signal;
+  sigemptyset(&sa.sa_mask);
+  for (std::size_t i = 0; i < sizeof(kCrashSignals) / sizeof(int); ++i)
+    sigaction(kCrashSignals[i], &sa, &g_crash_old[i]);
+}
+
 void on_process_exit(int status, void*) {
   if (g_final) return;
   g_final = 1;
@@ -101,7 +130,11 @@ void rank_status_open() {
   const std::string path = std::string(dir) + "/rank-" + std::to_string(rank);
   g_fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (g_fd < 0) return;  // best effort: the job runs without it
-  const std::string header = "rank " + std::to_string(rank) + " pid " + std::to_string(getpid());
+  std::string header = "rank " + std::to_string(rank) + " pid " + std::to_string(getpid());
+  // Open MPI's job id names the job's shared-memory segments (launcher.cpp sweeps those of
+  // jobs that died without removing them).
+  if (const char* job = std::getenv("OMPI_MCA_ess_base_jobid"); job != nullptr && *job != '\0')
+    header += std::string(" job ") + job;
   write_region(kHeaderAt, kHeaderWidth, header.data(), header.size());
   write_state("running", 0, false);
   rank_status_phase("start-up");
@@ -115,6 +148,7 @@ void rank_status_open() {
 
 void rank_status_phase(std::string_view what) {
   if (g_fd < 0) return;
+  watch_crashes();
   g_phase.assign(what);
   write_region(kPhaseAt, kPhaseWidth, g_phase.data(), g_phase.size());
 }
@@ -149,7 +183,8 @@ std::vector<RankFate> read_rank_status(const std::string& dir) {
     std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     if (text.size() < kPhaseAt + 1) continue;
     RankFate f;
-    if (std::sscanf(text.c_str(), "rank %d pid %ld", &f.rank, &f.pid) != 2) continue;
+    if (std::sscanf(text.c_str(), "rank %d pid %ld job %lu", &f.rank, &f.pid, &f.job) < 2)
+      continue;
     std::istringstream state(trim(text.substr(kStateAt, kStateWidth)));
     state >> f.state >> f.value;
     f.phase = trim(text.substr(kPhaseAt, kPhaseWidth));
@@ -160,15 +195,33 @@ std::vector<RankFate> read_rank_status(const std::string& dir) {
   return out;
 }
 
+bool is_crash_signal(int sig) {
+  return sig == SIGSEGV || sig == SIGBUS || sig == SIGFPE || sig == SIGILL || sig == SIGABRT;
+}
+
 std::vector<std::string> unexplained_ends(const std::vector<RankFate>& fates,
-                                          const std::string& who) {
+                                          const std::string& who,
+                                          const std::vector<int>& died_before_abort) {
+  // The first rank that ended the job on purpose (MPI_Abort after printing why).
+  const RankFate* aborter = nullptr;
+  for (const RankFate& f : fates)
+    if (f.state == "aborted" && aborter == nullptr) aborter = &f;
   std::vector<std::string> lines;
   for (const RankFate& f : fates) {
     const std::string rank = "rank " + std::to_string(f.rank) + " (pid " + std::to_string(f.pid) + ")";
-    if (f.state == "running")
+    const bool died_first = std::find(died_before_abort.begin(), died_before_abort.end(),
+                                      f.rank) != died_before_abort.end();
+    if (f.state == "running" && aborter != nullptr && !died_first)
+      lines.push_back(who + ": " + rank + " was stopped in " + f.phase + " when rank " +
+                      std::to_string(aborter->rank) +
+                      " ended the job (MPI_Abort, after its error above)");
+    else if (f.state == "running")
       lines.push_back(who + ": " + rank + " died without a message in " + f.phase +
                       ": killed by a signal it cannot handle (SIGKILL: the OOM killer, a user or "
-                      "a scheduler) or crashed");
+                      "a scheduler)");
+    else if (f.state == "signal" && is_crash_signal(f.value))
+      lines.push_back(who + ": " + rank + " crashed in " + f.phase + ": signal " +
+                      std::to_string(f.value) + " (" + strsignal(f.value) + ")");
     else if (f.state == "exit" && f.value != 0)
       lines.push_back(who + ": " + rank + " exited with code " + std::to_string(f.value) + " in " +
                       f.phase + ", outside treeattn's error handling: the message above it, if "

@@ -10,7 +10,9 @@
 //   running      the rank has not ended (if the job is over: it died without running any code)
 //   returned C   treeattn's own code returned C, having printed its message
 //   aborted      treeattn ended the job with MPI_Abort after printing why
-//   signal S     ended by SIGTERM, SIGINT or SIGHUP (how mpirun stops the other ranks of a job)
+//   signal S     ended by SIGTERM, SIGINT or SIGHUP (how mpirun stops the other ranks of a job),
+//                or crashed with SIGSEGV, SIGBUS, SIGFPE, SIGILL or SIGABRT (recorded from the
+//                first phase on, after MPI_Init)
 //   exit C       exit(C) called outside treeattn's error handling (the OpenMP runtime, Open MPI)
 //
 // Writing a state costs one pwrite of a few hundred bytes; nothing here allocates in a signal
@@ -42,6 +44,7 @@ void rank_status_returned(int code);
 struct RankFate {
   int rank = -1;
   long pid = 0;
+  unsigned long job = 0;  // Open MPI's job id (0: not under Open MPI)
   std::string state;  // "running", "returned", "aborted", "signal", "exit"
   int value = 0;      // the code or the signal
   std::string phase;
@@ -49,8 +52,16 @@ struct RankFate {
 
 // Every rank file in dir (sorted by rank); files that cannot be parsed are skipped.
 std::vector<RankFate> read_rank_status(const std::string& dir);
-// One line per rank that ended without a message of treeattn's own: still `running` (died by
-// SIGKILL or a crash) or `exit C` with C != 0. `who` prefixes each line ("treeattn bench").
-std::vector<std::string> unexplained_ends(const std::vector<RankFate>& fates, const std::string& who);
+// One line per rank that ended without a message of treeattn's own, saying how:
+//   `signal S` for a crash signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT): that signal;
+//   still `running` while another rank ended the job through MPI_Abort: stopped by that abort
+//     (Open MPI ends the other ranks then), unless the launcher saw it gone before the abort
+//     (its rank in died_before_abort);
+//   still `running` otherwise: SIGKILL (the one signal it cannot record: the OOM killer, a
+//     user, a scheduler);
+//   `exit C` with C != 0: a library's exit().
+// `who` prefixes each line ("treeattn bench").
+std::vector<std::string> unexplained_ends(const std::vector<RankFate>& fates, const std::string& who,
+                                          const std::vector<int>& died_before_abort = {});
 
 }  // namespace treeattn::cli

@@ -16,6 +16,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
+#include <iterator>
 #include <optional>
 #include <sstream>
 #include <thread>
@@ -81,15 +83,20 @@ std::vector<std::string> mpirun_command(const LaunchOptions& options,
   return cmd;
 }
 
-Status check_local_rank_count(const LaunchOptions& options, const std::string& flag) {
+bool launch_names_hosts() {
   if (const char* extra = env("TREEATTN_MPIRUN_ARGS")) {
     std::istringstream ss(extra);
     std::string a;
     while (ss >> a)
       if (a == "--host" || a == "-H" || a == "-host" || a == "--hostfile" || a == "-hostfile" ||
           a == "--machinefile" || a == "-machinefile" || a == "--default-hostfile")
-        return Status::ok();  // the ranks run elsewhere
+        return true;
   }
+  return false;
+}
+
+Status check_local_rank_count(const LaunchOptions& options, const std::string& flag) {
+  if (launch_names_hosts()) return Status::ok();  // the ranks run elsewhere
   const long cores = std::max(1l, sysconf(_SC_NPROCESSORS_ONLN));
   long cap = std::max(64l, 16 * cores);
   const auto avail = static_cast<double>(mem_available_bytes());
@@ -123,6 +130,7 @@ volatile std::sig_atomic_t g_child = 0;      // pid being waited for
 volatile std::sig_atomic_t g_signal = 0;     // first signal received
 volatile std::sig_atomic_t g_forwarded = 0;  // forwarded to the child already
 int g_last_interrupt = 0;
+int g_child_signal = 0;  // the signal that ended the last child (mpirun), or 0
 
 void forward_signal(int sig) {
   if (g_signal == 0) g_signal = sig;
@@ -148,9 +156,11 @@ void kill_ranks(const std::string& status_dir) {
 }
 
 // Forks cmd with the extra environment, forwards stop signals, waits (see launcher.hpp).
+// poll, when set, is called about every 50 ms while the child runs.
 Result<int> run_forwarding(const std::vector<std::string>& cmd,
                            const std::vector<std::pair<std::string, std::string>>& extra_env,
-                           const std::string& status_dir) {
+                           const std::string& status_dir,
+                           const std::function<void()>& poll = {}) {
   std::vector<char*> argv;
   for (const auto& a : cmd) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
@@ -202,7 +212,7 @@ Result<int> run_forwarding(const std::vector<std::string>& cmd,
   std::optional<Clock::time_point> deadline;
   bool killed = false;
   for (;;) {
-    const pid_t w = waitpid(pid, &status, deadline ? WNOHANG : 0);
+    const pid_t w = waitpid(pid, &status, deadline || poll ? WNOHANG : 0);
     if (w == pid) break;
     if (w < 0 && errno != EINTR) {
       restore();
@@ -216,13 +226,27 @@ Result<int> run_forwarding(const std::vector<std::string>& cmd,
       killed = true;
     }
     if (deadline) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (poll && !deadline) {
+      poll();
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
   }
   g_last_interrupt = g_signal;
   restore();
   if (killed) kill_ranks(status_dir);  // ranks orphaned by the SIGKILLed mpirun
+  g_child_signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
   return 1;
+}
+
+// Whether pid is a live process (not gone, not a zombie waiting for its parent).
+bool process_alive(long pid) {
+  if (pid <= 0 || (kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM)) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const auto paren = text.rfind(')');
+  return paren == std::string::npos || paren + 2 >= text.size() || text[paren + 2] != 'Z';
 }
 
 void remove_dir(const std::string& dir) {
@@ -233,6 +257,38 @@ void remove_dir(const std::string& dir) {
     closedir(d);
   }
   rmdir(dir.c_str());
+}
+
+// Open MPI's shared-memory segments of the jobs recorded in status_dir whose ranks are all gone:
+// /dev/shm/vader_segment.HOST.UID.JOB.LOCALRANK (JOB in hex). mpirun removes them when a job
+// ends; a SIGKILLed mpirun leaves them (4 MiB per rank) until reboot.
+void remove_job_segments(const std::string& status_dir) {
+  std::vector<unsigned long> jobs;
+  for (const RankFate& f : read_rank_status(status_dir)) {
+    if (process_alive(f.pid)) return;  // still in use
+    if (f.job != 0 && std::find(jobs.begin(), jobs.end(), f.job) == jobs.end())
+      jobs.push_back(f.job);
+  }
+  if (jobs.empty()) return;
+  DIR* d = opendir("/dev/shm");
+  if (d == nullptr) return;
+  const std::string uid = "." + std::to_string(geteuid()) + ".";
+  while (const dirent* e = readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.rfind("vader_segment.", 0) != 0) continue;
+    const auto last = name.rfind('.');
+    const auto job_at = name.rfind('.', last - 1);
+    if (job_at == std::string::npos || job_at < 14 ||
+        name.compare(name.rfind('.', job_at - 1), uid.size(), uid) != 0)
+      continue;
+    const std::string hex = name.substr(job_at + 1, last - job_at - 1);
+    char* end = nullptr;
+    const unsigned long job = std::strtoul(hex.c_str(), &end, 16);
+    if (hex.empty() || *end != '\0') continue;
+    if (std::find(jobs.begin(), jobs.end(), job) != jobs.end())
+      unlink(("/dev/shm/" + name).c_str());
+  }
+  closedir(d);
 }
 
 }  // namespace
@@ -264,6 +320,7 @@ void remove_stale_temp_files() {
     const long pid = std::atol(rest.substr(0, dash).c_str());
     if (pid <= 0 || kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM) continue;
     const std::string path = "/tmp/" + name;
+    if (what == "job") remove_job_segments(path);
     if (what == "job") remove_dir(path);
     else unlink(path.c_str());
   }
@@ -281,11 +338,44 @@ Result<int> run_under_mpirun(const LaunchOptions& options,
   const std::string dir = mkdtemp(tmpl.data()) != nullptr ? tmpl : std::string();
   std::vector<std::pair<std::string, std::string>> extra = {{"TREEATTN_LAUNCHED", "1"}};
   if (!dir.empty()) extra.emplace_back("TREEATTN_STATUS_DIR", dir);
-  auto rc = run_forwarding(cmd, extra, dir);
+  // Which ranks were gone before any rank ended the job through MPI_Abort: those died on their
+  // own (SIGKILL, which leaves no record); a rank still `running` that went after the abort was
+  // stopped by it. Watched while the job runs, about every 50 ms (every 0.5 s past 64 ranks:
+  // each look reads every rank's file).
+  std::vector<int> died_before_abort;
+  bool abort_seen = false;
+  int polls = 0;
+  auto watch = [&] {
+    if (abort_seen || (options.ranks > 64 && ++polls % 10 != 0)) return;
+    const std::vector<RankFate> fates = read_rank_status(dir);
+    for (const RankFate& f : fates) abort_seen = abort_seen || f.state == "aborted";
+    if (abort_seen) return;  // gone in the same look as the abort: the abort's doing
+    for (const RankFate& f : fates)
+      if (f.state == "running" && !process_alive(f.pid) &&
+          std::find(died_before_abort.begin(), died_before_abort.end(), f.rank) ==
+              died_before_abort.end())
+        died_before_abort.push_back(f.rank);
+  };
+  auto rc = run_forwarding(cmd, extra, dir, dir.empty() ? std::function<void()>() : watch);
   if (rc.is_ok() && *rc != 0 && interrupted_by() == 0 && !dir.empty())
-    for (const std::string& line : unexplained_ends(read_rank_status(dir), options.who))
+    for (const std::string& line :
+         unexplained_ends(read_rank_status(dir), options.who, died_before_abort))
       std::fprintf(stderr, "%s\n", line.c_str());
-  if (!dir.empty()) remove_dir(dir);
+  if (!dir.empty()) {
+    // A SIGKILLed mpirun stops neither its ranks nor cleans up after them: end the ranks, then
+    // remove the job's shared-memory segments (nothing else will).
+    if (g_child_signal == SIGKILL) {
+      kill_ranks(dir);
+      for (int i = 0; i < 50; ++i) {  // up to 1 s for them to be gone
+        bool any = false;
+        for (const RankFate& f : read_rank_status(dir)) any = any || process_alive(f.pid);
+        if (!any) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+    remove_job_segments(dir);
+    remove_dir(dir);
+  }
   return rc;
 }
 

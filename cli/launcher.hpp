@@ -34,6 +34,10 @@ struct LaunchOptions {
 std::vector<std::string> mpirun_command(const LaunchOptions& options,
                                         const std::vector<std::string>& program_args);
 
+// Whether $TREEATTN_MPIRUN_ARGS names hosts (--host, --hostfile, ...): the ranks may then run
+// on other machines, and what this one has (cores, memory, GPUs) says nothing about theirs.
+bool launch_names_hosts();
+
 // Local launches (mpirun on this machine, the emulated cluster included) are capped at
 // max(64, 16 x cores) ranks, and at what MemAvailable holds at ~48 MiB per rank (Open MPI's
 // per-process baseline here); $TREEATTN_MAX_LOCAL_RANKS overrides the cap. Beyond it a run

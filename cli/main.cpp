@@ -24,6 +24,7 @@
 
 #include "commands.hpp"
 #include "job_status.hpp"
+#include "options.hpp"
 #include "treeattn/comm_mpi.hpp"
 
 namespace {
@@ -61,6 +62,7 @@ int main(int argc, char** argv) {
   Runner plan = add_plan_command(app, inv);
   Runner generate = add_generate_command(app, inv);
   Runner serve = add_serve_command(app, inv);
+  require_decimal_integers(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

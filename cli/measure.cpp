@@ -5,6 +5,7 @@
 #include <malloc.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -87,6 +88,34 @@ RunConfig base_run_config(const MeasureConfig& c, int ranks) {
   return r;
 }
 
+// The oracle is local arithmetic on one rank, minutes on a long context and a busy machine, not
+// communication: the other ranks wait for it here with a deadline of its own (a day, or none
+// with --timeout-ms 0), not with --timeout-ms, which names ranks that never arrived and would
+// blame a rank that is only computing. The wait polls and sleeps (the communicator's timed
+// path), leaving the cores to the oracle. They learn whether it failed (so that none waits in
+// a later collective for a rank that gave up); a rank that dies meanwhile ends the job through
+// mpirun. --timeout-ms applies again from the next operation on.
+constexpr std::chrono::hours kOracleDeadline{24};
+
+Status wait_for_oracle(Communicator& comm, int check_rank, const Status& oracle) {
+  const auto timeout = comm.timeout();
+  const std::string context = comm.context();
+  if (timeout.count() > 0)
+    comm.set_timeout(std::max<std::chrono::milliseconds>(timeout, kOracleDeadline));
+  comm.set_context(fmt::format("waiting for rank {}'s float64 oracle", check_rank));
+  float failed = oracle.is_ok() ? 0.0f : 1.0f;
+  const Status agreed = comm.allreduce(&failed, 1, ReduceOp::kMax);
+  comm.set_timeout(timeout);
+  comm.set_context(context);
+  TREEATTN_RETURN_IF_ERROR(agreed);
+  if (!oracle.is_ok()) return oracle;
+  if (failed != 0.0f)
+    return Status(Code::kInvalidArgument,
+                  fmt::format("rank {}: the float64 oracle failed on rank {} (its message is "
+                              "above)", comm.rank(), check_rank));
+  return Status::ok();
+}
+
 }  // namespace
 
 MemoryNeed memory_need(const MeasureConfig& c, int ranks) {
@@ -146,12 +175,21 @@ Result<std::vector<Point>> measure(Communicator& comm, const MeasureConfig& c) {
   // The float64 oracle over the regenerated whole cache, once for every method: the last
   // timed step (appends included).
   OracleReference ref;
-  if (c.check && me == check_rank) {
-    if (c.progress) std::fprintf(stderr, "  float64 oracle over %s tokens...\n", std::to_string(c.seq).c_str());
-    rank_status_phase(fmt::format("p={} seq={} batch={}: the float64 oracle", P, c.seq, c.shape.batch));
-    auto r = oracle_reference(base_run_config(c, P), c.warmup + c.iters - 1);
-    if (!r.is_ok()) return r.status();
-    ref = std::move(r).value();
+  if (c.check) {
+    Status oracle;
+    if (me == check_rank) {
+      if (c.progress) std::fprintf(stderr, "  float64 oracle over %s tokens...\n", std::to_string(c.seq).c_str());
+      rank_status_phase(fmt::format("p={} seq={} batch={}: the float64 oracle", P, c.seq, c.shape.batch));
+      auto r = oracle_reference(base_run_config(c, P), c.warmup + c.iters - 1);
+      if (r.is_ok())
+        ref = std::move(r).value();
+      else
+        oracle = r.status();
+    } else {
+      rank_status_phase(fmt::format("p={} seq={} batch={}: waiting for rank {}'s float64 oracle",
+                                    P, c.seq, c.shape.batch, check_rank));
+    }
+    TREEATTN_RETURN_IF_ERROR(wait_for_oracle(comm, check_rank, oracle));
   }
 
   // Pass 1, memory: each method alone in a fresh session for one step, so that its peak RSS is

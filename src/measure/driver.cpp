@@ -293,10 +293,30 @@ Result<StepReport> timed_step(Communicator& comm, DecodeSession& s, int index, c
   return r;
 }
 
+// Filling the shards is local work whose length differs from rank to rank (their shares of the
+// context, a busy core), not communication: the ranks meet after it over `host` with a
+// deadline of its own (a day; none when the timeout is 0) instead of the per-operation timeout,
+// which would name a rank that is still filling as one that never arrived. A rank whose fill
+// failed is named to every rank, so that none waits for it later.
+constexpr std::chrono::hours kLocalWorkDeadline{24};
+
+Status meet_after_local_work(Communicator& host, const Status& mine, const std::string& what) {
+  const auto timeout = host.timeout();
+  const std::string context = host.context();
+  if (timeout.count() > 0)
+    host.set_timeout(std::max<std::chrono::milliseconds>(timeout, kLocalWorkDeadline));
+  host.set_context(what);
+  Status agreed = agree_local_errors(host, mine.is_ok() ? "" : mine.to_string(), what);
+  host.set_timeout(timeout);
+  host.set_context(context);
+  if (!mine.is_ok()) return mine;
+  return agreed;
+}
+
 // Creates the session of a run for `strategy` on the session communicator and executor and
-// fills it with the workload.
-Result<std::unique_ptr<DecodeSession>> open_session(Communicator& comm, Executor& exec,
-                                                    const RunConfig& config,
+// fills it with the workload (the ranks meet over `host` afterwards).
+Result<std::unique_ptr<DecodeSession>> open_session(Communicator& comm, Communicator& host,
+                                                    Executor& exec, const RunConfig& config,
                                                     const std::string& strategy) {
   if (config.steps < 1 || config.warmup < 0)
     return invalid_argument(rank_prefix(comm) + "steps must be >= 1 and warmup >= 0, got steps=" +
@@ -306,8 +326,10 @@ Result<std::unique_ptr<DecodeSession>> open_session(Communicator& comm, Executor
       DecodeSession::create(comm, session_config(config, strategy), exec);
   TREEATTN_RETURN_IF_ERROR(session.status());
   const WorkloadSpec spec{config.shape, config.dtype, config.seed, config.q_scale};
-  TREEATTN_RETURN_IF_ERROR(fill_from_workload(spec, **session));
-  if (config.inject_nan_rank == comm.rank()) TREEATTN_RETURN_IF_ERROR(inject_nan(spec, **session));
+  Status filled = fill_from_workload(spec, **session);
+  if (filled.is_ok() && config.inject_nan_rank == comm.rank())
+    filled = inject_nan(spec, **session);
+  TREEATTN_RETURN_IF_ERROR(meet_after_local_work(host, filled, "while filling the KV shards"));
   return session;
 }
 
@@ -376,7 +398,7 @@ Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConf
     std::unique_ptr<DecodeSession>& owner = name == "single" ? single : shared;
     Slot slot;
     if (!owner) {
-      auto s = open_session(scomm, exec, cfg, name);
+      auto s = open_session(scomm, comm, exec, cfg, name);
       TREEATTN_RETURN_IF_ERROR(s.status());
       owner = std::move(*s);
     } else {

@@ -16,6 +16,7 @@
 
 #include "kernels/cpu/cpu_targets.hpp"
 #include "treeattn/executor.hpp"
+#include "treeattn/kernel.hpp"
 #include "treeattn/kv_tiles.hpp"
 #include "treeattn/measure.hpp"
 #include "treeattn/oracle.hpp"
@@ -353,6 +354,7 @@ std::vector<RooflineCase> default_roofline_cases() {
 
 Result<double> measure_read_bandwidth(int threads, int64_t bytes, int repeats) {
   if (repeats < 1) return invalid_argument("repeats must be >= 1, got " + std::to_string(repeats));
+  TREEATTN_RETURN_IF_ERROR(check_thread_count(threads));
   Result<std::unique_ptr<BandwidthProbe>> probe = BandwidthProbe::create(threads, bytes);
   if (!probe.is_ok()) return probe.status();
   std::vector<double> rates;
@@ -365,6 +367,7 @@ Result<double> measure_read_bandwidth(int threads, int64_t bytes, int repeats) {
 
 Result<double> measure_peak_gflops(int threads, Isa isa, int repeats) {
   if (repeats < 1) return invalid_argument("repeats must be >= 1, got " + std::to_string(repeats));
+  TREEATTN_RETURN_IF_ERROR(check_thread_count(threads));
   const int T = resolve_threads(threads);
   const kernels::cpu::FmaBurnFn burn = kernels::cpu::fma_burn_for(probe_isa(isa));
   if (burn == nullptr) return internal_error("no FMA probe built for ISA " + std::string(isa_name(isa)));
@@ -391,6 +394,7 @@ Result<double> measure_peak_gflops(int threads, Isa isa, int repeats) {
 Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options) {
   if (options.repeats < 1)
     return invalid_argument("repeats must be >= 1, got " + std::to_string(options.repeats));
+  for (int t : options.threads) TREEATTN_RETURN_IF_ERROR(check_thread_count(t));
   const std::vector<RooflineCase> cases =
       options.cases.empty() ? default_roofline_cases() : options.cases;
   for (const RooflineCase& c : cases) {

@@ -544,6 +544,12 @@ Status File::parse() {
   for (uint64_t k = 0; k < n_tensors; ++k) {
     TensorInfo t;
     TREEATTN_RETURN_IF_ERROR(c.read_string(t.name, "tensor " + std::to_string(k) + " name"));
+    // Metadata keys are "general.*" and "<arch>.*"; a tensor directory that starts with one is
+    // metadata the header's count left out (the count is wrong, not the tensor's shape).
+    if (t.name.rfind("general.", 0) == 0)
+      return c.fail("tensor " + std::to_string(k) + " is named " + quoted(t.name) +
+                    ", a metadata key: the header's metadata count (" + std::to_string(n_kv) +
+                    ") is smaller than the metadata that follows it");
     const std::string tn = "tensor " + quoted(t.name);
     uint32_t n_dims = 0;
     TREEATTN_RETURN_IF_ERROR(c.read(n_dims, tn + " dimension count"));

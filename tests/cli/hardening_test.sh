@@ -10,7 +10,8 @@
 #   outputs          --json/--csv/--plot/--out/--save into unwritable places or directories,
 #                    refused before any rank starts
 #   huge_shapes      shapes whose queries and states do not fit: the memory pre-check, and the
-#                    exception guard for what it does not cover (bench --kernel)
+#                    exception guard for what it does not cover (bench --kernel); --seq as large
+#                    as --q-len (which must not exceed the context)
 #   limits           rank caps, --threads, --timeout-ms, --tolerance, --methods '', --devices 0,
 #                    --inject syntax, and the help text of --timeout-ms
 #   interrupt        SIGTERM / SIGINT / timeout(1) on the launcher: forwarded, job stopped, no
@@ -118,14 +119,14 @@ case "$case_name" in
     ;;
   huge_shapes)
     expect 2 "needs about .* of memory; this machine has .* available \(.* of KV cache, .* TiB of queries, outputs and states\)" 10 -- \
-      "$bin" run --q-len 2147483647
+      "$bin" run --q-len 2147483647 --seq 2G
     expect 2 "needs about .* of queries, outputs and states" 10 -- "$bin" run --heads 1073741824 --kv-heads 8
-    expect 2 "needs about .* of queries, outputs and states" 10 -- "$bin" run --q-len 1000000
+    expect 2 "needs about .* of queries, outputs and states" 10 -- "$bin" run --q-len 1000000 --seq 1M
     expect 2 "needs about .* of queries, outputs and states" 10 -- "$bin" bench --batch 100000 --seq 1
     # bench --kernel checks each case against MemAvailable before allocating (under ASan an
     # allocation that large aborts instead of throwing, so the check must come first).
     expect 2 "treeattn bench --kernel: error: out of memory: roofline: .* needs [0-9]* MiB .* MiB are available" 10 -- \
-      "$bin" bench --kernel --seq 1k --q-len 100000000 --no-peer --repeats 1
+      "$bin" bench --kernel --seq 100M --q-len 100000000 --no-peer --repeats 1
     ;;
   limits)
     expect 2 "--ranks 2147483647: more local ranks than .* cap" 5 -- "$bin" verify --ranks 2147483647
