@@ -19,8 +19,10 @@
 //
 // append(k_all_layers, v_all_layers) is the same grow-and-store for callers that have every
 // layer's K/V before attending (benchmarks); attending before it does not see the new token.
-// Many sequences joining and leaving, paged KV and prefix reuse: the serving engine
-// (engine.hpp), which keeps its own paged cache and does not use this class.
+// Sequences that join, leave and grow on their own: the rows as sequence slots (add_sequence,
+// extend(seq, n), store_range, attend(layer, seqs, ...), below). Paged KV shared between
+// requests, prefix reuse and a scheduler: the serving engine (engine.hpp), which keeps its own
+// pages and does not use this class.
 //
 // Memory: the KV shards, q, out and lse of attend live in the executor's memory space
 // (executor.hpp; host memory for the CPU executor, device memory for the CUDA executor). store/
@@ -75,6 +77,10 @@ struct SessionConfig {
   // More fields every rank must agree on (name, value), checked with the configuration: callers
   // (the benchmark harness, a model) add what their run depends on.
   std::vector<std::pair<std::string, std::string>> agree_also;
+  // Sequences (the serving shape): the batch rows are shape.batch sequence slots, all free at
+  // creation (context must be empty), taken by add_sequence() and given back by
+  // remove_sequence(). False: every row is a live sequence from the start (the batch shape).
+  bool rows_start_free = false;
 };
 
 class DecodeSession {
@@ -117,11 +123,50 @@ class DecodeSession {
   // Bytes of K and V (and scales) this rank holds for live tokens, over all layers.
   std::size_t live_kv_bytes() const;
 
+  // ---- sequences ---------------------------------------------------------------------------------
+  // Rows are sequences: each grows on its own, joins and leaves. Every call here is local and
+  // deterministic: every rank makes the same calls in the same order (what a serving loop's
+  // step description gives them), so every rank keeps the same placement with no message.
+  // A model's step for a set S of live sequences, each with its new tokens:
+  //
+  //   for each seq in S: s->extend(seq, n_seq);          // place them (positions len .. len+n-1)
+  //   for each layer l:
+  //     compute q, k, v of the new tokens (in executor memory)
+  //     for each seq in S: s->store_range(l, seq, len_seq, n_seq, k_seq, v_seq);  // owners keep
+  //     s->attend(l, S, q, out);                          // exact attention, one merge for all
+  //
+  // (q_len = n_seq for every seq of one call; query i of a sequence sees positions
+  // <= length - q_len + i.) attend before store_range would not see the new tokens.
+  //
+  // The lowest free row, now live and empty; kOutOfMemory when all shape.batch rows are live.
+  Result<int64_t> add_sequence();
+  // The row becomes free and empty (its slots are reused, never read before written again).
+  Status remove_sequence(int64_t seq);
+  bool live(int64_t seq) const;
+  int64_t live_sequences() const;
+  // Grows one live sequence by n tokens, placed like extend(n) places one row's tokens (an empty
+  // sequence by the placement, then as appends); the owners then write them with store_range.
+  // kExplicit: explicit_len must hold one length per rank (summing to n) for an empty sequence.
+  Status extend(int64_t seq, int64_t n);
+  // Writes K and V of positions pos0 .. pos0 + n - 1 of a live sequence in `layer`: k and v are
+  // [n][kv_heads][head_dim] floats in the executor's memory (device memory for a device
+  // executor), the same on every rank; each rank keeps the positions it owns and skips the
+  // others. A device executor copies the range to the host once and stages it (one copy per
+  // range, flushed in runs before the next attention), not per token.
+  Status store_range(int layer, int64_t seq, int64_t pos0, int64_t n, const float* k,
+                     const float* v);
+
   // ---- attention ---------------------------------------------------------------------------------
   // Collective. q [batch][q_len][heads][head_dim]; out the exact attention over every rank's
   // tokens of `layer`, [batch][q_len][heads][head_dim], and lse [batch][q_len][heads] (natural
   // log; may be null). Written where delivers_result() (every rank unless options.root >= 0).
   Status attend(int layer, const float* q, float* out, float* lse = nullptr);
+  // Collective. Exact attention for the live sequences `seqs` (distinct; every rank the same
+  // list): q [seqs.size()][q_len][heads][head_dim] and out the same, lse [seqs.size()][q_len]
+  // [heads], in the order of `seqs`, in the executor's memory. The other rows are not read; one
+  // kernel pass and one merge serve them all.
+  Status attend(int layer, std::span<const int64_t> seqs, const float* q, float* out,
+                float* lse = nullptr);
   // Collective. The merged state records instead (state.hpp), for checks and benchmarks.
   // strategy: an index from add_strategy (0 = the configured one).
   Status attend_states(int layer, const float* q, StateBuffer& states, int strategy = 0);
@@ -143,17 +188,23 @@ class DecodeSession {
  private:
   DecodeSession() = default;
   Status check_layer(int layer, const char* op) const;
+  Status check_live(int64_t seq, const char* op) const;
+  Status check_all_live(const char* op) const;
   // Device executors: runs the strategy into device_scratch_ (grown as needed).
   Status run_on_device(int layer, const float* q, int strategy);
+  Status run_on_device(int layer, const float* q, int strategy, const ShardPlan& plan);
 
   SessionConfig config_;
   Communicator* comm_ = nullptr;
   Executor* exec_ = nullptr;
   ShardPlan plan_;
+  std::vector<char> live_;          // per row
   std::vector<LocalShard> shards_;  // one per layer
   std::vector<std::unique_ptr<Strategy>> strategies_;
   StateBuffer scratch_;    // attend(): merged records before normalisation
   Buffer device_scratch_;  // the same in the executor's memory, for a device executor
+  Buffer device_q_;        // attend(seqs): the batch's queries, on a device executor
+  std::vector<float> q_full_, staging_;  // attend(seqs) and store_range on the host
 };
 
 }  // namespace treeattn

@@ -101,6 +101,16 @@ class ShardPlan {
   int append_owner(int64_t b) const;
   // Records one appended token per batch row.
   void append_one();
+  // One row on its own (a sequence of a serving session, DecodeSession::extend(seq, n)): grows
+  // row b by n tokens. An empty row is laid out by the plan's kind as make() lays out a row of n
+  // tokens (kExplicit: by row_explicit, one length per rank summing to n); a non-empty row
+  // takes n appends (append_owner). kInvalidArgument for a bad row, n < 0 or bad lengths.
+  Status extend_row(int64_t b, int64_t n, std::span<const int64_t> row_explicit = {});
+  // Row b holds no tokens again (a sequence left); the other rows keep theirs.
+  void clear_row(int64_t b);
+  // A copy in which only the given rows keep their tokens (the others are empty): attention
+  // over a subset of the rows reads nothing of the others. Rows outside [0, batch) are ignored.
+  ShardPlan only_rows(std::span<const int64_t> rows) const;
 
   // A 64-bit hash of everything above, equal on ranks that built equal plans.
   uint64_t fingerprint() const;

@@ -170,7 +170,8 @@ Fields config_fields(const SessionConfig& c, const std::string& strategy,
               {"layers", std::to_string(c.layers)},
               {"kv_layout", std::string(kv_layout_name(c.layout))},
               {"root", std::to_string(o.root)},
-              {"fanout", std::to_string(o.fanout)}};
+              {"fanout", std::to_string(o.fanout)},
+              {"rows_start_free", c.rows_start_free ? "1" : "0"}};
   for (const auto& kv : c.agree_also) f.push_back(kv);
   f.emplace_back("shard plan (lengths per rank)", std::to_string(plan_fp));
   return f;
@@ -198,6 +199,9 @@ Result<std::unique_ptr<DecodeSession>> DecodeSession::create(Communicator& comm,
     local_error = registry.create(config.strategy, config.options).status().to_string();
   else if (!plan.is_ok())
     local_error = plan.status().to_string();
+  else if (config.rows_start_free &&
+           std::any_of(config.context.begin(), config.context.end(), [](int64_t n) { return n != 0; }))
+    local_error = "rows_start_free: the rows are free sequence slots, so the context must be empty";
   else if (config.reserve_tokens < 0)
     local_error = "reserve_tokens must be >= 0, got " + std::to_string(config.reserve_tokens);
   // The KV layout: tiled where the executor is the host's and the strategy reads either.
@@ -226,6 +230,7 @@ Result<std::unique_ptr<DecodeSession>> DecodeSession::create(Communicator& comm,
   s->comm_ = &comm;
   s->exec_ = &executor;
   s->plan_ = std::move(*plan);
+  s->live_.assign(static_cast<std::size_t>(config.shape.batch), config.rows_start_free ? 0 : 1);
   s->shards_.reserve(static_cast<std::size_t>(config.layers));
   for (int l = 0; l < config.layers; ++l) {
     // A device executor holds the shards in its memory (LocalShard's device storage).
@@ -277,6 +282,7 @@ Status DecodeSession::store(int layer, int64_t b, int64_t pos, const float* k, c
 }
 
 Status DecodeSession::append(const float* k, const float* v) {
+  TREEATTN_RETURN_IF_ERROR(check_all_live("append"));
   if (k == nullptr || v == nullptr)
     return invalid_argument(rank_prefix(*comm_) + "append: null K or V");
   const int me = comm_->rank();
@@ -299,6 +305,7 @@ Status DecodeSession::append(const float* k, const float* v) {
 }
 
 Status DecodeSession::extend(int64_t n) {
+  TREEATTN_RETURN_IF_ERROR(check_all_live("extend(n)"));
   if (n < 0)
     return invalid_argument(rank_prefix(*comm_) + "extend: n must be >= 0, got " +
                             std::to_string(n));
@@ -357,6 +364,11 @@ Status DecodeSession::attend_states(int layer, const float* q, StateBuffer& stat
 }
 
 Status DecodeSession::run_on_device(int layer, const float* q, int strategy) {
+  return run_on_device(layer, q, strategy, plan_);
+}
+
+Status DecodeSession::run_on_device(int layer, const float* q, int strategy,
+                                    const ShardPlan& plan) {
   const AttnShape& sh = config_.shape;
   const std::size_t bytes = static_cast<std::size_t>(sh.batch * sh.q_len * sh.heads) *
                             state_record_floats(static_cast<std::size_t>(sh.head_dim)) *
@@ -368,8 +380,8 @@ Status DecodeSession::run_on_device(int layer, const float* q, int strategy) {
       return Status(b.status().code(), rank_prefix(*comm_) + "attend: " + b.status().message());
     device_scratch_ = std::move(*b);
   }
-  return strategies_[static_cast<std::size_t>(strategy)]->run(q, view(layer), plan_,
-                                                              device_scratch_.as<float>());
+  return strategies_[static_cast<std::size_t>(strategy)]->run(
+      q, shards_[static_cast<std::size_t>(layer)].view(plan), plan, device_scratch_.as<float>());
 }
 
 Status DecodeSession::attend(int layer, const float* q, float* out, float* lse) {
@@ -392,11 +404,182 @@ Status DecodeSession::attend(int layer, const float* q, float* out, float* lse) 
                           static_cast<std::size_t>(config_.shape.head_dim), out, lse);
 }
 
+// ---- sequences ----------------------------------------------------------------------------------
+
+Status DecodeSession::check_live(int64_t seq, const char* op) const {
+  if (seq < 0 || seq >= plan_.batch())
+    return invalid_argument(rank_prefix(*comm_) + op + ": sequence " + std::to_string(seq) +
+                            " is outside [0, " + std::to_string(plan_.batch()) + ")");
+  if (!live_[static_cast<std::size_t>(seq)])
+    return invalid_argument(rank_prefix(*comm_) + op + ": sequence " + std::to_string(seq) +
+                            " is not live (add_sequence() first)");
+  return Status::ok();
+}
+
+Status DecodeSession::check_all_live(const char* op) const {
+  for (std::size_t b = 0; b < live_.size(); ++b)
+    if (!live_[b])
+      return invalid_argument(rank_prefix(*comm_) + op + " grows every row, but row " +
+                              std::to_string(b) +
+                              " is a free sequence slot: grow sequences with extend(seq, n) and "
+                              "store_range");
+  return Status::ok();
+}
+
+Result<int64_t> DecodeSession::add_sequence() {
+  for (std::size_t b = 0; b < live_.size(); ++b)
+    if (!live_[b]) {
+      live_[b] = 1;
+      plan_.clear_row(static_cast<int64_t>(b));
+      return static_cast<int64_t>(b);
+    }
+  return Status(Code::kOutOfMemory,
+                rank_prefix(*comm_) + "add_sequence: all " + std::to_string(live_.size()) +
+                    " sequence slots are live (remove one, or create the session with a larger "
+                    "batch)");
+}
+
+Status DecodeSession::remove_sequence(int64_t seq) {
+  TREEATTN_RETURN_IF_ERROR(check_live(seq, "remove_sequence"));
+  live_[static_cast<std::size_t>(seq)] = 0;
+  plan_.clear_row(seq);
+  return Status::ok();
+}
+
+bool DecodeSession::live(int64_t seq) const {
+  return seq >= 0 && seq < plan_.batch() && live_[static_cast<std::size_t>(seq)] != 0;
+}
+
+int64_t DecodeSession::live_sequences() const {
+  return std::count(live_.begin(), live_.end(), char{1});
+}
+
+Status DecodeSession::extend(int64_t seq, int64_t n) {
+  TREEATTN_RETURN_IF_ERROR(check_live(seq, "extend"));
+  if (n < 0)
+    return invalid_argument(rank_prefix(*comm_) + "extend: n must be >= 0, got " +
+                            std::to_string(n));
+  std::span<const int64_t> row_explicit;
+  if (plan_.kind() == ShardKind::kExplicit && length(seq) == 0 && n > 0) {
+    if (static_cast<int>(config_.explicit_len.size()) != comm_->size())
+      return invalid_argument(rank_prefix(*comm_) +
+                              "extend: an explicit placement of one sequence needs explicit_len "
+                              "with one length per rank (" + std::to_string(comm_->size()) +
+                              "), got " + std::to_string(config_.explicit_len.size()));
+    row_explicit = config_.explicit_len;
+  }
+  if (Status st = plan_.extend_row(seq, n, row_explicit); !st.is_ok())
+    return Status(st.code(), rank_prefix(*comm_) + "extend: " + st.message());
+  const int64_t need = plan_.max_len(comm_->rank());
+  for (LocalShard& shard : shards_) {
+    if (need > shard.capacity()) shard.reserve(need + config_.reserve_tokens);
+    TREEATTN_RETURN_IF_ERROR(shard.status());
+  }
+  return Status::ok();
+}
+
+Status DecodeSession::store_range(int layer, int64_t seq, int64_t pos0, int64_t n, const float* k,
+                                  const float* v) {
+  TREEATTN_RETURN_IF_ERROR(check_layer(layer, "store_range"));
+  TREEATTN_RETURN_IF_ERROR(check_live(seq, "store_range"));
+  const int64_t len = length(seq);
+  if (n < 0 || pos0 < 0 || pos0 > len || n > len - pos0)
+    return invalid_argument(rank_prefix(*comm_) + "store_range: positions " +
+                            std::to_string(pos0) + " + " + std::to_string(n) +
+                            " of sequence " + std::to_string(seq) + " are outside [0, " +
+                            std::to_string(len) + ") (extend the sequence first)");
+  if (n == 0) return Status::ok();
+  if (k == nullptr || v == nullptr)
+    return invalid_argument(rank_prefix(*comm_) + "store_range: null K or V");
+  const int me = comm_->rank();
+  std::vector<int64_t> mine;  // offsets in the range this rank owns
+  for (int64_t i = 0; i < n; ++i)
+    if (plan_.owner(seq, pos0 + i) == me) mine.push_back(i);
+  if (mine.empty()) return Status::ok();
+  const auto per = static_cast<std::size_t>(config_.shape.kv_heads * config_.shape.head_dim);
+  const float* kh = k;
+  const float* vh = v;
+  if (exec_->memory() != MemorySpace::kHost) {  // one copy of the range, then staged slots
+    const std::size_t count = static_cast<std::size_t>(n) * per;
+    staging_.resize(2 * count);
+    TREEATTN_RETURN_IF_ERROR(exec_->to_host(staging_.data(), k, count * sizeof(float)));
+    TREEATTN_RETURN_IF_ERROR(exec_->to_host(staging_.data() + count, v, count * sizeof(float)));
+    kh = staging_.data();
+    vh = staging_.data() + count;
+  }
+  LocalShard& shard = shards_[static_cast<std::size_t>(layer)];
+  for (int64_t i : mine) {
+    const int64_t slot = (pos0 + i - plan_.pos_start(me, seq)) / plan_.pos_stride();
+    if (slot >= shard.capacity()) shard.reserve(slot + 1);
+    shard.set_slot(seq, slot, kh + static_cast<std::size_t>(i) * per,
+                   vh + static_cast<std::size_t>(i) * per);
+  }
+  return shard.status();
+}
+
+Status DecodeSession::attend(int layer, std::span<const int64_t> seqs, const float* q, float* out,
+                             float* lse) {
+  TREEATTN_RETURN_IF_ERROR(check_layer(layer, "attend"));
+  std::vector<char> seen(live_.size(), 0);
+  for (int64_t seq : seqs) {
+    TREEATTN_RETURN_IF_ERROR(check_live(seq, "attend"));
+    if (seen[static_cast<std::size_t>(seq)]++)
+      return invalid_argument(rank_prefix(*comm_) + "attend: sequence " + std::to_string(seq) +
+                              " is listed twice");
+  }
+  if (seqs.empty()) return Status::ok();  // every rank has the same list: nobody waits
+  if (q == nullptr) return invalid_argument(rank_prefix(*comm_) + "attend: null query");
+  const AttnShape& sh = config_.shape;
+  const auto QH = static_cast<std::size_t>(sh.q_len * sh.heads);
+  const std::size_t D = static_cast<std::size_t>(sh.head_dim), qrow = QH * D;
+  const std::size_t rec = state_record_floats(D);
+  const std::size_t full = static_cast<std::size_t>(sh.batch) * qrow;
+  const ShardPlan sub = plan_.only_rows(seqs);
+  LocalShard& shard = shards_[static_cast<std::size_t>(layer)];
+  TREEATTN_RETURN_IF_ERROR(shard.flush());
+  // The batch's queries: the listed rows in place, zeros elsewhere (those rows hold no token in
+  // `sub`, so their queries are never read).
+  q_full_.assign(full, 0.0f);
+  const float* states = nullptr;
+  if (exec_->memory() == MemorySpace::kHost) {
+    for (std::size_t i = 0; i < seqs.size(); ++i)
+      std::memcpy(q_full_.data() + static_cast<std::size_t>(seqs[i]) * qrow, q + i * qrow,
+                  qrow * sizeof(float));
+    TREEATTN_RETURN_IF_ERROR(strategies_[0]->step(q_full_.data(), shard.view(sub), sub, scratch_));
+    states = scratch_.data();
+  } else {
+    if (device_q_.bytes() < full * sizeof(float)) {
+      device_q_.reset();
+      auto b = exec_->allocate(full * sizeof(float));
+      if (!b.is_ok())
+        return Status(b.status().code(), rank_prefix(*comm_) + "attend: " + b.status().message());
+      device_q_ = std::move(*b);
+    }
+    float* dq = device_q_.as<float>();
+    TREEATTN_RETURN_IF_ERROR(exec_->from_host(dq, q_full_.data(), full * sizeof(float)));
+    for (std::size_t i = 0; i < seqs.size(); ++i)
+      TREEATTN_RETURN_IF_ERROR(exec_->copy(dq + static_cast<std::size_t>(seqs[i]) * qrow,
+                                           q + i * qrow, qrow * sizeof(float)));
+    TREEATTN_RETURN_IF_ERROR(run_on_device(layer, dq, 0, sub));
+    states = device_scratch_.as<float>();
+  }
+  if (!delivers_result(0)) return Status::ok();
+  if (out == nullptr) return invalid_argument(rank_prefix(*comm_) + "attend: null output");
+  for (std::size_t i = 0; i < seqs.size(); ++i)
+    TREEATTN_RETURN_IF_ERROR(exec_->normalize(
+        states + static_cast<std::size_t>(seqs[i]) * QH * rec, QH, D, out + i * qrow,
+        lse == nullptr ? nullptr : lse + i * QH));
+  return Status::ok();
+}
+
 Status DecodeSession::check_agreement(
     const std::string& when, const std::vector<std::pair<std::string, std::string>>& extra) {
   if (comm_->size() == 1) return Status::ok();
   SessionConfig c = config_;
   c.agree_also.insert(c.agree_also.end(), extra.begin(), extra.end());
+  std::string live;
+  for (char l : live_) live += l ? '1' : '0';
+  c.agree_also.emplace_back("live sequences", live);
   return agree(*comm_, *exec_, config_fields(c, c.strategy, c.options, plan_.fingerprint()), "",
                when);
 }

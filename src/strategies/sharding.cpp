@@ -168,6 +168,59 @@ void ShardPlan::append_one() {
   }
 }
 
+Status ShardPlan::extend_row(int64_t b, int64_t n, std::span<const int64_t> row_explicit) {
+  if (b < 0 || b >= batch())
+    return invalid_argument("row " + std::to_string(b) + " is outside [0, " +
+                            std::to_string(batch()) + ")");
+  if (n < 0) return invalid_argument("a row grows by n >= 0 tokens, got " + std::to_string(n));
+  const std::size_t B = total_len_.size(), bi = static_cast<std::size_t>(b);
+  if (total_len_[bi] > 0 || n == 0) {
+    if (kind_ == ShardKind::kStriped) {  // position t on rank t mod p
+      const int64_t N = total_len_[bi], P = ranks_;
+      for (int64_t r = 0; r < P; ++r) {
+        // Positions t in [N, N + n) with t mod P == r: ceil-counts below each end.
+        const auto below = [&](int64_t end) { return end > r ? (end - r + P - 1) / P : 0; };
+        len_[static_cast<std::size_t>(r) * B + bi] += below(N + n) - below(N);
+      }
+    } else {
+      len_[static_cast<std::size_t>(append_owner(b)) * B + bi] += n;
+    }
+    total_len_[bi] += n;
+    return Status::ok();
+  }
+  auto one = make(kind_, ranks_, {n}, kind_ == ShardKind::kExplicit ? row_explicit
+                                                                     : std::span<const int64_t>{},
+                  holder_);
+  TREEATTN_RETURN_IF_ERROR(one.status());
+  for (std::size_t r = 0; r < static_cast<std::size_t>(ranks_); ++r) {
+    len_[r * B + bi] = one->len_[r];
+    pos_start_[r * B + bi] = one->pos_start_[r];
+  }
+  total_len_[bi] = n;
+  return Status::ok();
+}
+
+void ShardPlan::clear_row(int64_t b) {
+  if (b < 0 || b >= batch()) return;
+  const std::size_t B = total_len_.size(), bi = static_cast<std::size_t>(b);
+  for (std::size_t r = 0; r < static_cast<std::size_t>(ranks_); ++r) {
+    len_[r * B + bi] = 0;
+    // Where a row of no tokens starts under this kind (make() with N = 0).
+    pos_start_[r * B + bi] = kind_ == ShardKind::kStriped ? static_cast<int64_t>(r) : 0;
+  }
+  total_len_[bi] = 0;
+}
+
+ShardPlan ShardPlan::only_rows(std::span<const int64_t> rows) const {
+  ShardPlan p = *this;
+  std::vector<char> keep(total_len_.size(), 0);
+  for (int64_t b : rows)
+    if (b >= 0 && b < batch()) keep[static_cast<std::size_t>(b)] = 1;
+  for (std::size_t b = 0; b < keep.size(); ++b)
+    if (!keep[b]) p.clear_row(static_cast<int64_t>(b));
+  return p;
+}
+
 uint64_t ShardPlan::fingerprint() const {
   // FNV-1a over the plan's integers.
   uint64_t h = 1469598103934665603ull;

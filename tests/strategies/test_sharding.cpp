@@ -101,6 +101,35 @@ TEST(ShardPlan, StripedPlacesTokenTOnRankTModP) {
   EXPECT_EQ(plan->len(2, 0), 2);
 }
 
+// One row on its own (a session's sequence): extend_row lays an empty row out as make() would,
+// then grows it exactly as that many append_one() calls; clear_row and only_rows empty rows.
+TEST(ShardPlan, ExtendRowIsAPrefillThenAppendsAndOnlyRowsKeepsTheListedRows) {
+  for (ShardKind kind : {ShardKind::kEven, ShardKind::kUneven, ShardKind::kStriped})
+    for (int ranks : {1, 3, 4}) {
+      auto grown = ShardPlan::make(kind, ranks, {0, 5});
+      ASSERT_TRUE(grown.is_ok());
+      ASSERT_TRUE(grown->extend_row(0, 10).is_ok());
+      ASSERT_TRUE(grown->extend_row(0, 7).is_ok());
+      auto ref = ShardPlan::make(kind, ranks, {10});
+      ASSERT_TRUE(ref.is_ok());
+      for (int i = 0; i < 7; ++i) ref->append_one();
+      for (int r = 0; r < ranks; ++r) {
+        EXPECT_EQ(grown->len(r, 0), ref->len(r, 0)) << shard_kind_name(kind) << " rank " << r;
+        EXPECT_EQ(grown->pos_start(r, 0), ref->pos_start(r, 0)) << shard_kind_name(kind);
+      }
+      EXPECT_EQ(grown->total_len(1), 5);  // the other row is untouched
+      const std::vector<int64_t> keep = {1};
+      const ShardPlan only = grown->only_rows(keep);
+      EXPECT_EQ(only.total_len(0), 0);
+      EXPECT_EQ(only.total_len(1), 5);
+      for (int r = 0; r < ranks; ++r) EXPECT_EQ(only.len(r, 0), 0);
+      grown->clear_row(0);
+      EXPECT_EQ(grown->fingerprint(), only.fingerprint());
+      EXPECT_FALSE(grown->extend_row(2, 1).is_ok());
+      EXPECT_FALSE(grown->extend_row(0, -1).is_ok());
+    }
+}
+
 TEST(ShardPlan, RejectsBadInputsWithMessages) {
   const int64_t bad_sum[] = {1, 2, 3};
   auto a = ShardPlan::make(ShardKind::kExplicit, 3, {7}, bad_sum);
