@@ -8,13 +8,17 @@
 #   mismatch      the rank uses another head_dim: the set-up agreement must name it
 #   nan           the rank's K holds a NaN: every rank must name it (the input check)
 #   slow          the rank is late at every step, by a quarter of the timeout: the run must pass
+#   pgkill        not an --inject fault: the job's mpirun process group is SIGKILLed while the
+#                 ranks decode (as a user or a scheduler would end it): the launcher must name the
+#                 ranks, end them and remove Open MPI's shared-memory segments from /dev/shm
 #
 # The rank count, the strategy, the faulty rank and the step vary from trial to trial (rank
 # counts and strategies in turn, rank and step drawn from --seed). Columns: trials; hangs (no
 # exit within start-up allowance + timeout + 5 s: the run is then killed); exits whose message
-# names the faulty rank (for `slow`: runs that passed); exits with the expected code; trials
-# that left processes (found by a marker in their environment, then killed) or temporary files
-# behind; the longest trial.
+# names the faulty rank (for `slow`: runs that passed; for `pgkill`: the ranks named); exits with
+# the expected code; trials that left processes (found by a marker in their environment, then
+# killed), temporary files or /dev/shm segments (Open MPI's vader_segment.* files that appeared
+# during the trial and are still there a second after it) behind; the longest trial.
 #
 # Usage: tools/soak.sh [--trials N] [--ranks 2,3,4,5,6,7,8] [--timeout-ms 2000] [--seed S]
 #                      [--bin build/release/cli/treeattn] [--log FILE] [--faults a,b,...]
@@ -27,7 +31,7 @@ timeout_ms=2000
 seed=12
 bin=build/release/cli/treeattn
 log=
-faults_list=never-arrive,kill,mismatch,nan,slow
+faults_list=never-arrive,kill,mismatch,nan,slow,pgkill
 startup_s=15  # mpirun and up to 8 ranks starting on a small machine
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -67,10 +71,12 @@ marked_pids() {
 
 now_ms() { date +%s%3N; }
 
-declare -A n_trials n_hangs n_named n_code n_procs n_files max_ms
+shm_segments() { ls /dev/shm 2>/dev/null | grep '^vader_segment\.' | sort; }
+
+declare -A n_trials n_hangs n_named n_code n_procs n_files n_shm max_ms
 for f in "${faults[@]}"; do
   n_trials[$f]=0; n_hangs[$f]=0; n_named[$f]=0; n_code[$f]=0; n_procs[$f]=0; n_files[$f]=0
-  max_ms[$f]=0
+  n_shm[$f]=0; max_ms[$f]=0
 done
 
 t_start=$(now_ms)
@@ -86,14 +92,30 @@ for f in "${faults[@]}"; do
       mismatch) spec="mismatch:$r"; want=3; named="rank $r has head_dim=" ;;
       nan) spec="nan:$r"; want=2; named="rank $r brought a non-finite input" ;;
       slow) spec="slow:$r:$((timeout_ms / 4))"; want=0; named="^$m +$p .* ok$" ;;
+      pgkill) spec=""; want=137; named="rank [0-9]+ \\(pid [0-9]+\\) died without a message" ;;
       *) echo "soak.sh: unknown fault $f" >&2; exit 2 ;;
     esac
     mark="soak$$-$f-$i"
     out="$work/out"
+    shm_segments > "$work/shm-before"
     t0=$(now_ms)
-    TREEATTN_SOAK_MARK=$mark "$bin" run --ranks "$p" --seq 4k --methods "$m" --warmup $warmup \
-      --steps $steps --timeout-ms "$timeout_ms" --inject "$spec" > "$out" 2>&1 &
-    pid=$!
+    if [ "$f" = pgkill ]; then
+      # Decode until killed: the job's mpirun process group gets SIGKILL once every rank runs.
+      TREEATTN_SOAK_MARK=$mark "$bin" run --ranks "$p" --seq 4k --methods "$m" --warmup $warmup \
+        --steps 100000 --no-append --timeout-ms "$timeout_ms" > "$out" 2>&1 &
+      pid=$!
+      for _ in $(seq $((startup_s * 10))); do
+        [ "$(marked_pids "$mark" | wc -l)" -ge $((p + 2)) ] && grep -q "round robin" "$out" && break
+        sleep 0.1
+      done
+      sleep 0.$((RANDOM % 10))
+      mp=$(pgrep -P "$pid" mpirun)
+      [ -n "$mp" ] && kill -KILL -- "-$mp" 2>/dev/null
+    else
+      TREEATTN_SOAK_MARK=$mark "$bin" run --ranks "$p" --seq 4k --methods "$m" --warmup $warmup \
+        --steps $steps --timeout-ms "$timeout_ms" --inject "$spec" > "$out" 2>&1 &
+      pid=$!
+    fi
     hang=0
     while kill -0 "$pid" 2>/dev/null; do
       if [ $(($(now_ms) - t0)) -gt $((limit_s * 1000)) ]; then
@@ -115,6 +137,8 @@ for f in "${faults[@]}"; do
       [ -n "$left" ] && kill -KILL $left 2>/dev/null
     fi
     files=$(ls /tmp | grep -cE "^treeattn-[a-z]+-$pid-" || true)
+    sleep 0.5
+    shm_left=$(shm_segments | comm -13 "$work/shm-before" - | wc -l)
     rm -rf /tmp/treeattn-*-"$pid"-* 2>/dev/null
     n_trials[$f]=$((n_trials[$f] + 1))
     [ $hang = 1 ] && n_hangs[$f]=$((n_hangs[$f] + 1))
@@ -124,12 +148,14 @@ for f in "${faults[@]}"; do
     [ "$rc" = "$want" ] && n_code[$f]=$((n_code[$f] + 1))
     [ -n "$left" ] && n_procs[$f]=$((n_procs[$f] + 1))
     [ "$files" -gt 0 ] && n_files[$f]=$((n_files[$f] + 1))
+    [ "$shm_left" -gt 0 ] && n_shm[$f]=$((n_shm[$f] + 1))
     [ "$ms" -gt "${max_ms[$f]}" ] && max_ms[$f]=$ms
-    line="$f trial $i: ranks $p method $m inject $spec: exit $rc (want $want), $ms ms, named $is_named, hang $hang, procs left $(wc -w <<<"$left"), files left $files"
+    line="$f trial $i: ranks $p method $m inject $spec: exit $rc (want $want), $ms ms, named $is_named, hang $hang, procs left $(wc -w <<<"$left"), files left $files, shm segments left $shm_left"
     if [ -n "$log" ]; then
       { echo "== $line"; cat "$out"; } >> "$log"
     fi
-    if [ $hang = 1 ] || [ $is_named = 0 ] || [ "$rc" != "$want" ] || [ -n "$left" ] || [ "$files" -gt 0 ]; then
+    if [ $hang = 1 ] || [ $is_named = 0 ] || [ "$rc" != "$want" ] || [ -n "$left" ] || [ "$files" -gt 0 ] ||
+       [ "$shm_left" -gt 0 ]; then
       echo "UNEXPECTED: $line" >&2
       tail -5 "$out" | sed 's/^/    /' >&2
     fi
@@ -140,14 +166,14 @@ t_end=$(now_ms)
 echo
 echo "treeattn fault soak: $trials trials per fault at ${ranks_list//,/, } ranks in turn, strategies in turn, 4k tokens, $warmup warm-up + $steps steps, --timeout-ms $timeout_ms; hang = no exit within ${limit_s} s (${startup_s} s start-up + timeout + 5 s); $(( (t_end - t_start) / 1000 )) s in all"
 echo
-printf '| %-12s | %6s | %5s | %-28s | %13s | %14s | %15s | %8s |\n' fault trials hangs "exits naming the faulty rank" "expected exit" "processes left" "temp files left" "longest"
-printf '|%s|%s|%s|%s|%s|%s|%s|%s|\n' "--------------" "-------:" "------:" "------------------------------" "--------------:" "---------------:" "----------------:" "---------:"
+printf '| %-12s | %6s | %5s | %-28s | %13s | %14s | %15s | %14s | %8s |\n' fault trials hangs "exits naming the faulty rank" "expected exit" "processes left" "temp files left" "/dev/shm left" "longest"
+printf '|%s|%s|%s|%s|%s|%s|%s|%s|%s|\n' "--------------" "-------:" "------:" "------------------------------" "--------------:" "---------------:" "----------------:" "---------------:" "---------:"
 total_bad=0
 for f in "${faults[@]}"; do
   label="${n_named[$f]}"
   [ "$f" = slow ] && label="${n_named[$f]} (passed)"
-  printf '| %-12s | %6d | %5d | %-28s | %13s | %14d | %15d | %7.1fs |\n' "$f" "${n_trials[$f]}" "${n_hangs[$f]}" "$label" \
-    "${n_code[$f]}" "${n_procs[$f]}" "${n_files[$f]}" "$(awk "BEGIN{print ${max_ms[$f]}/1000}")"
-  total_bad=$((total_bad + n_hangs[$f] + n_procs[$f] + n_files[$f] + n_trials[$f] - n_named[$f] + n_trials[$f] - n_code[$f]))
+  printf '| %-12s | %6d | %5d | %-28s | %13s | %14d | %15d | %14d | %7.1fs |\n' "$f" "${n_trials[$f]}" "${n_hangs[$f]}" "$label" \
+    "${n_code[$f]}" "${n_procs[$f]}" "${n_files[$f]}" "${n_shm[$f]}" "$(awk "BEGIN{print ${max_ms[$f]}/1000}")"
+  total_bad=$((total_bad + n_hangs[$f] + n_procs[$f] + n_files[$f] + n_shm[$f] + n_trials[$f] - n_named[$f] + n_trials[$f] - n_code[$f]))
 done
 [ "$total_bad" = 0 ]
