@@ -357,6 +357,11 @@ Result<int> run_under_mpirun(const LaunchOptions& options,
         died_before_abort.push_back(f.rank);
   };
   auto rc = run_forwarding(cmd, extra, dir, dir.empty() ? std::function<void()>() : watch);
+  if (rc.is_ok() && g_child_signal != 0 && interrupted_by() == 0)
+    std::fprintf(stderr, "%s: mpirun itself was killed by signal %d (%s)%s\n", options.who.c_str(),
+                 g_child_signal, strsignal(g_child_signal),
+                 g_child_signal == SIGKILL ? "; its ranks are ended and its shared memory removed"
+                                           : "");
   if (rc.is_ok() && *rc != 0 && interrupted_by() == 0 && !dir.empty())
     for (const std::string& line :
          unexplained_ends(read_rank_status(dir), options.who, died_before_abort))
