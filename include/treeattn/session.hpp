@@ -190,6 +190,9 @@ class DecodeSession {
   Status check_layer(int layer, const char* op) const;
   Status check_live(int64_t seq, const char* op) const;
   Status check_all_live(const char* op) const;
+  // Grows every layer's shard to the plan; on failure restores `before` (no token is counted
+  // that has no room) and returns the error.
+  Status grow_shards(ShardPlan before, const char* op);
   // Device executors: runs the strategy into device_scratch_ (grown as needed).
   Status run_on_device(int layer, const float* q, int strategy);
   Status run_on_device(int layer, const float* q, int strategy, const ShardPlan& plan);

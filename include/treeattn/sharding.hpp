@@ -181,7 +181,11 @@ class LocalShard {
   std::size_t allocated_bytes() const;
 
   // Makes room for at least `tokens` slots per row, keeping the contents (doubling growth).
+  // A failure is kept and returned by status() from then on.
   void reserve(int64_t tokens);
+  // The same, returning a failure instead of keeping it (host storage: the shard is unchanged
+  // and usable; device storage keeps its errors as before).
+  Status try_reserve(int64_t tokens);
 
  private:
   struct DeviceStore;  // sharding.cpp

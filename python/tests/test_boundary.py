@@ -130,7 +130,9 @@ class BoundaryTest(unittest.TestCase):
     def test_a_failed_growth_leaves_no_half_grown_session(self):
         # An allocation that fails below the bound extend checks (here: 0.5 GiB of address space
         # left, a 1 GiB shard asked for) used to leave the session counting tokens its shards
-        # had no room for; the next attend read past them and crashed.
+        # had no room for; the next attend read past them and crashed. The session now puts its
+        # placement back when a shard cannot grow: the error is OutOfMemoryError, the lengths
+        # are those from before, and the session goes on working.
         code = """
             import resource
             vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status")
@@ -142,15 +144,17 @@ class BoundaryTest(unittest.TestCase):
                                  context=CONTEXT)
             try:
                 s.extend(1 << 21)  # 2**21 tokens of 512 bytes
+                raise AssertionError("extend(2**21) did not fail")
             except treeattn.OutOfMemoryError:
                 pass
-            s.attend(0, np.zeros((1, 1, 4, 64), np.float32))
+            assert s.length(0) == CONTEXT, s.length(0)
+            s.extend(2)
+            out = s.attend(0, np.zeros((1, 1, 4, 64), np.float32))
+            raise ValueError("usable after the failed growth")
         """
         for context in (0, 4):
-            self.assert_child_raises(
-                code.replace("CONTEXT", str(context)), "InternalError",
-                r"^rank 0: this session is unusable: extend\(2097152\) failed after it had "
-                r"placed the new tokens \(rank 0: .*cannot allocate .*\); make a new Session$")
+            self.assert_child_raises(code.replace("CONTEXT", str(context)), "ValueError",
+                                     r"^usable after the failed growth$")
 
     def test_extend_still_grows_and_refuses_negative(self):
         c = treeattn.local_world(1)[0]

@@ -2,6 +2,8 @@
 // shards under one placement, appends, and attention through the strategies.
 #include "treeattn/session.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -276,7 +278,9 @@ Status DecodeSession::store(int layer, int64_t b, int64_t pos, const float* k, c
   if (k == nullptr || v == nullptr) return invalid_argument(rank_prefix(*comm_) + "store: null K or V");
   const int64_t slot = (pos - plan_.pos_start(me, b)) / plan_.pos_stride();
   LocalShard& shard = shards_[static_cast<std::size_t>(layer)];
-  if (slot >= shard.capacity()) shard.reserve(slot + 1);
+  if (slot >= shard.capacity()) {
+    TREEATTN_RETURN_IF_ERROR(shard.try_reserve(slot + 1));
+  }
   shard.set_slot(b, slot, k, v);
   return shard.status();  // device storage: a failed growth or copy
 }
@@ -294,7 +298,10 @@ Status DecodeSession::append(const float* k, const float* v) {
     const int64_t slot = plan_.len(me, b);
     for (std::size_t l = 0; l < shards_.size(); ++l) {
       LocalShard& shard = shards_[l];
-      if (slot >= shard.capacity()) shard.reserve(slot + 1);
+      if (slot >= shard.capacity()) {
+        // Nothing counted yet: the plan has not moved.
+        TREEATTN_RETURN_IF_ERROR(shard.try_reserve(slot + 1));
+      }
       const std::size_t off = l * per_layer + static_cast<std::size_t>(b) * per_row;
       shard.set_slot(b, slot, k + off, v + off);
     }
@@ -309,6 +316,7 @@ Status DecodeSession::extend(int64_t n) {
   if (n < 0)
     return invalid_argument(rank_prefix(*comm_) + "extend: n must be >= 0, got " +
                             std::to_string(n));
+  ShardPlan before = plan_;
   bool empty = true;
   for (int64_t len : plan_.total_lens()) empty = empty && len == 0;
   if (empty && n > 0) {
@@ -319,12 +327,41 @@ Status DecodeSession::extend(int64_t n) {
                     rank_prefix(*comm_) + "extend: " + plan.status().message());
     plan_ = std::move(*plan);
   } else {
-    for (int64_t i = 0; i < n; ++i) plan_.append_one();
+    for (int64_t b = 0; b < plan_.batch(); ++b)  // n appends per row, counted at once
+      TREEATTN_RETURN_IF_ERROR(plan_.extend_row(b, n));
   }
+  return grow_shards(std::move(before), "extend");
+}
+
+Status DecodeSession::grow_shards(ShardPlan before, const char* op) {
   const int64_t need = plan_.max_len(comm_->rank());
+  // Refused before any allocation when it could never fit: K and V of the largest rank's slots
+  // per row, every row and layer, against this machine's physical memory. The largest rank's,
+  // so that every rank (same plan, same machines) gives the same answer with no message.
+  int64_t largest = 0;
+  for (int r = 0; r < plan_.ranks(); ++r) largest = std::max(largest, plan_.max_len(r));
+  const AttnShape& sh = config_.shape;
+  const double bytes = static_cast<double>(largest) * static_cast<double>(sh.batch) *
+                       static_cast<double>(sh.kv_heads * sh.head_dim) * 2.0 *
+                       static_cast<double>(dtype_size(config_.dtype)) *
+                       static_cast<double>(config_.layers);
+  const double physical = static_cast<double>(sysconf(_SC_PHYS_PAGES)) *
+                          static_cast<double>(sysconf(_SC_PAGESIZE));
+  if (physical > 0 && bytes > physical) {
+    plan_ = std::move(before);
+    return Status(Code::kOutOfMemory,
+                  rank_prefix(*comm_) + op + ": " + std::to_string(largest) +
+                      " token slots per row would take " + std::to_string(bytes / 1e9) +
+                      " GB of K and V on one rank, more than the machine's " +
+                      std::to_string(physical / 1e9) + " GB");
+  }
   for (LocalShard& shard : shards_) {
-    if (need > shard.capacity()) shard.reserve(need + config_.reserve_tokens);
-    TREEATTN_RETURN_IF_ERROR(shard.status());
+    Status st = need > shard.capacity() ? shard.try_reserve(need + config_.reserve_tokens)
+                                         : shard.status();
+    if (!st.is_ok()) {
+      plan_ = std::move(before);  // the placement never counts tokens it has no room for
+      return st;
+    }
   }
   return Status::ok();
 }
@@ -468,14 +505,10 @@ Status DecodeSession::extend(int64_t seq, int64_t n) {
                               "), got " + std::to_string(config_.explicit_len.size()));
     row_explicit = config_.explicit_len;
   }
+  ShardPlan before = plan_;
   if (Status st = plan_.extend_row(seq, n, row_explicit); !st.is_ok())
     return Status(st.code(), rank_prefix(*comm_) + "extend: " + st.message());
-  const int64_t need = plan_.max_len(comm_->rank());
-  for (LocalShard& shard : shards_) {
-    if (need > shard.capacity()) shard.reserve(need + config_.reserve_tokens);
-    TREEATTN_RETURN_IF_ERROR(shard.status());
-  }
-  return Status::ok();
+  return grow_shards(std::move(before), "extend");
 }
 
 Status DecodeSession::store_range(int layer, int64_t seq, int64_t pos0, int64_t n, const float* k,
@@ -510,7 +543,9 @@ Status DecodeSession::store_range(int layer, int64_t seq, int64_t pos0, int64_t 
   LocalShard& shard = shards_[static_cast<std::size_t>(layer)];
   for (int64_t i : mine) {
     const int64_t slot = (pos0 + i - plan_.pos_start(me, seq)) / plan_.pos_stride();
-    if (slot >= shard.capacity()) shard.reserve(slot + 1);
+    if (slot >= shard.capacity()) {
+      TREEATTN_RETURN_IF_ERROR(shard.try_reserve(slot + 1));
+    }
     shard.set_slot(seq, slot, kh + static_cast<std::size_t>(i) * per,
                    vh + static_cast<std::size_t>(i) * per);
   }

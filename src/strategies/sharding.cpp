@@ -478,7 +478,7 @@ Status LocalShard::flush() {
 }
 
 Status LocalShard::status() const {
-  if (tiled_) return tiled_error_;
+  if (!tiled_error_.is_ok() || !device_) return tiled_error_;  // host growth (tiled or rows)
   if (!device_) return Status::ok();
   std::lock_guard<std::mutex> lk(device_->mu);
   return device_->error;
@@ -610,23 +610,34 @@ std::size_t LocalShard::live_bytes(const ShardPlan& plan) const {
 }
 
 void LocalShard::reserve(int64_t tokens) {
+  const Status st = try_reserve(tokens);
+  if (!st.is_ok() && !device_ && tiled_error_.is_ok()) tiled_error_ = st;  // kept for status()
+}
+
+Status LocalShard::try_reserve(int64_t tokens) {
   if (tiled_) {
     const int64_t cap = tiled_->cache.capacity();
-    if (tokens <= cap) return;
+    if (tokens <= cap) return Status::ok();
     const Status st = tiled_->cache.reserve(std::max(tokens, 2 * cap));
-    if (!st.is_ok() && tiled_error_.is_ok())
-      tiled_error_ = Status(st.code(), "rank " + std::to_string(rank_) +
-                                           ": growing the tiled KV shard: " + st.message());
-    return;
+    if (!st.is_ok())
+      return Status(st.code(), "rank " + std::to_string(rank_) +
+                                   ": growing the tiled KV shard: " + st.message());
+    return Status::ok();
   }
   if (device_) {
     std::lock_guard<std::mutex> lk(device_->mu);
-    (void)device_->grow_locked(tokens);
-    return;
+    return device_->grow_locked(tokens);
   }
-  if (tokens <= cache_.capacity()) return;
+  if (tokens <= cache_.capacity()) return Status::ok();
   const int64_t cap = std::max(tokens, 2 * cache_.capacity());
-  KVCache bigger(shape_, cache_.dtype(), cap);
+  KVCache bigger;
+  try {
+    bigger = KVCache(shape_, cache_.dtype(), cap);
+  } catch (const std::bad_alloc&) {
+    return Status(Code::kOutOfMemory, "rank " + std::to_string(rank_) +
+                                          ": growing the KV shard to " + std::to_string(cap) +
+                                          " tokens per row: out of memory");
+  }
   const std::size_t es = dtype_size(cache_.dtype());
   const auto row = static_cast<std::size_t>(cache_.capacity() * shape_.head_dim) * es;
   // An empty cache (capacity 0) has no storage to copy: memcpy from its null data, even of 0
@@ -647,6 +658,7 @@ void LocalShard::reserve(int64_t tokens) {
       }
     }
   cache_ = std::move(bigger);
+  return Status::ok();
 }
 
 Status append_token(ShardPlan& plan, LocalShard& shard, const float* k_new, const float* v_new) {

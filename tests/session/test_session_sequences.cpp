@@ -246,5 +246,31 @@ TEST(SessionSequences, ErrorsNameTheSequenceAndNeverHang) {
   EXPECT_NE(bad.message().find("context must be empty"), std::string::npos) << bad.to_string();
 }
 
+// Growth that could never fit is refused at once (not token by token), and the session keeps
+// its length and stays usable: the placement never counts tokens it has no room for.
+TEST(SessionSequences, GrowthBeyondMemoryIsRefusedAtOnceAndLeavesTheSessionUsable) {
+  const Status st = run_local(2, [&](Communicator& comm) -> Status {
+    SessionConfig cfg;
+    cfg.shape = AttnShape{2, 4, 2, 64, 1};
+    cfg.context = {16};
+    cfg.timeout = std::chrono::milliseconds(20000);
+    auto created = DecodeSession::create(comm, cfg);
+    TREEATTN_RETURN_IF_ERROR(created.status());
+    DecodeSession& s = **created;
+    const Status all = s.extend(int64_t{1} << 62);
+    EXPECT_EQ(all.code(), Code::kOutOfMemory) << all.to_string();
+    EXPECT_EQ(s.length(0), 16);
+    EXPECT_TRUE(s.remove_sequence(1).is_ok());
+    const Status one = s.extend(0, int64_t{1} << 61);
+    EXPECT_EQ(one.code(), Code::kOutOfMemory) << one.to_string();
+    EXPECT_EQ(s.length(0), 16);
+    std::vector<float> q(4 * 64, 0.25f), out(q.size(), NAN);
+    TREEATTN_RETURN_IF_ERROR(s.attend(0, std::vector<int64_t>{0}, q.data(), out.data()));
+    for (float x : out) EXPECT_TRUE(std::isfinite(x));
+    return Status::ok();
+  });
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+}
+
 }  // namespace
 }  // namespace treeattn
