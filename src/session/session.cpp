@@ -111,26 +111,41 @@ Status agree(Communicator& comm, Executor& exec, const Fields& fields,
           std::string(all[r].error_text, strnlen(all[r].error_text, sizeof(all[r].error_text))));
   std::vector<Fields> parsed(p);
   for (std::size_t r = 0; r < p; ++r) parsed[r] = parse_fields(all[r]);
+  // Group the ranks by their record; the largest group is the reference (on a tie, the group of
+  // the lowest rank), so the message names the odd ranks out, not the healthy majority.
+  const auto same = [&](std::size_t a, std::size_t b) {
+    return differences(parsed[a], parsed[b]).empty() &&
+           std::memcmp(all[a].fields, all[b].fields, kFieldsBytes) == 0;
+  };
+  std::size_t ref = 0, ref_size = 0;
+  for (std::size_t r = 0; r < p; ++r) {
+    std::size_t n = 0;
+    for (std::size_t o = 0; o < p; ++o) n += same(r, o) ? 1 : 0;
+    if (n > ref_size) {
+      ref = r;
+      ref_size = n;
+    }
+  }
   std::vector<int> bad;
-  for (std::size_t r = 1; r < p; ++r)
-    if (!differences(parsed[0], parsed[r]).empty() ||
-        std::memcmp(all[0].fields, all[r].fields, kFieldsBytes) != 0)
-      bad.push_back(static_cast<int>(r));
+  for (std::size_t r = 0; r < p; ++r)
+    if (!same(ref, r)) bad.push_back(static_cast<int>(r));
   if (bad.empty()) return Status::ok();
   const auto first = static_cast<std::size_t>(bad.front());
-  const auto diffs = differences(parsed[0], parsed[first]);
+  const auto diffs = differences(parsed[ref], parsed[first]);
+  const std::string rn = "rank " + std::to_string(ref);
   std::string msg = rank_prefix(comm) + "ranks disagree on the run " + when + ": ";
   for (std::size_t i = 0; i < diffs.size(); ++i) {
     const auto& [name, a, b] = diffs[i];
     if (i) msg += ", ";
-    msg += "rank 0 has " + name + "=" + a + ", rank " + std::to_string(first) + " has " + name +
+    msg += rn + " has " + name + "=" + a + ", rank " + std::to_string(first) + " has " + name +
            "=" + b;
   }
   if (diffs.empty()) msg += "configuration records differ beyond their first " +
                             std::to_string(kFieldsBytes) + " bytes";
-  msg += " (ranks differing from rank 0:";
+  msg += ref_size * 2 > p ? " (ranks differing from the majority:"
+                          : " (ranks differing from " + rn + "'s configuration:";
   for (int r : bad) msg += " " + std::to_string(r);
-  msg += "; rank 0: " + describe(parsed[0]) + "; rank " + std::to_string(first) + ": " +
+  msg += "; " + rn + ": " + describe(parsed[ref]) + "; rank " + std::to_string(first) + ": " +
          describe(parsed[first]) + ")";
   return {Code::kMismatch, msg};
 }
