@@ -23,6 +23,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -110,6 +111,13 @@ Result<std::vector<TokenId>> make_prompt(const GenFlags& f, const Tokenizer& tok
   }
   std::string text = f.prompt;
   if (!f.prompt_file.empty()) {
+    std::error_code ec;
+    if (std::filesystem::is_directory(f.prompt_file, ec))
+      return invalid_argument("--prompt-file " + f.prompt_file +
+                              " is a directory; give the text file to read the prompt from");
+    if (std::filesystem::exists(f.prompt_file, ec) &&
+        !std::filesystem::is_regular_file(f.prompt_file, ec))
+      return invalid_argument("--prompt-file " + f.prompt_file + " is not a regular file");
     std::ifstream in(f.prompt_file, std::ios::binary);
     if (!in) return invalid_argument("--prompt-file " + f.prompt_file + ": cannot read it");
     std::stringstream ss;
@@ -870,7 +878,11 @@ int generate_command(GenFlags& f, const CLI::App& sub, const Invocation& inv) {
   if (f.model.empty()) args.insert(args.end(), {"--model", *path});
   auto rc = run_under_mpirun(lo, args);
   if (!rc.is_ok()) return fail(rc.status());
-  if (const int sig = interrupted_by(); sig != 0) return 128 + sig;
+  if (const int sig = interrupted_by(); sig != 0) {
+    std::fprintf(stderr, "treeattn generate: interrupted by signal %d (%s); the %d-rank job was "
+                 "stopped\n", sig, strsignal(sig), f.ranks);
+    return 128 + sig;
+  }
   return rc.value();
 }
 

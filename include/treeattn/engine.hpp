@@ -133,7 +133,9 @@ struct EngineConfig {
   int threads = 0;  // per rank, matmul and attention (0: OpenMP's default)
   Isa isa = Isa::kAuto;
   std::chrono::milliseconds timeout{600000};   // per communicator operation; 0 = forever
-  std::chrono::milliseconds idle_tick{20};     // an idle rank 0 broadcasts at least this often
+  // An idle rank 0 broadcasts an empty step at least this often (a heartbeat: a rank that died
+  // is found within it plus the timeout). Requests, cancels and stops wake it at once.
+  std::chrono::milliseconds idle_tick{250};
 };
 
 struct EngineMetrics {

@@ -51,7 +51,20 @@ case "$CASE" in
     expect 2 "exactly one of --prompt" -- "$B" generate --prompt a --prompt-tokens 5
     expect 2 "--kv-dtype 'fp8': one of f16, bf16, f32" -- "$B" generate --prompt a --kv-dtype fp8
     expect 2 "unknown method 'nope'" -- "$B" generate --prompt a --method nope
-    expect 2 "--top-p" -- "$B" generate --prompt a --temperature 1 --top-p 0 ;;
+    expect 2 "--top-p" -- "$B" generate --prompt a --temperature 1 --top-p 0
+    expect 2 "--prompt-file $T is a directory" -- "$B" generate --prompt-file "$T"
+    expect 2 "--prompt-file /dev/null is not a regular file" -- "$B" generate --prompt-file /dev/null ;;
+  interrupt)
+    need_model
+    "$B" generate --model "$MODEL" --ranks 2 --prompt-tokens 3000 --new-tokens 400 --ignore-eos \
+      --quiet > "$T/out" 2>&1 &
+    pid=$!
+    sleep 6
+    kill -INT "$pid"
+    wait "$pid"; rc=$?
+    [ "$rc" = 130 ] || { cat "$T/out"; fail "exit $rc after SIGINT, expected 130"; }
+    grep -qE "interrupted by signal 2 \(Interrupt\); the 2-rank job was stopped" "$T/out" \
+      || { cat "$T/out"; fail "no line saying the job was stopped"; } ;;
   answers_with_json)
     need_model
     expect 0 "Paris" -- "$B" generate --model "$MODEL" --prompt "What is the capital of France?" \

@@ -451,10 +451,17 @@ class MpiCommunicator final : public Communicator {
         if (!collective) pending = describe_pending(reqs, n);
         return diagnose_timeout(op, collective, now - start, pending);
       }
-      if (now - start < milliseconds(2))
+      // Spin briefly (a collective of a step usually completes within microseconds), then sleep
+      // in short and, once the wait is already long (an idle server's ranks waiting for the next
+      // step), longer naps: at most 0.5 ms late on a wait of 20 ms or more, instead of a quarter
+      // of a core polling while idle (measured: 2-rank idle `serve`, 29% of a core before).
+      const auto waited = now - start;
+      if (waited < milliseconds(2))
         sched_yield();
-      else
+      else if (waited < milliseconds(20))
         std::this_thread::sleep_for(std::chrono::microseconds(50));
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(500));
     }
   }
 
