@@ -29,25 +29,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-fail() { echo "FAIL: $*"; exit 1; }
-
-# expect CODE PATTERN MAX_SECONDS -- command...: exit code, a line matching PATTERN, no crash
-# or uncaught exception, and done within MAX_SECONDS.
-expect() {
-  local code=$1 pattern=$2 max=$3
-  shift 4
-  local out rc t0 t1
-  t0=$(date +%s)
-  out=$(timeout 120 "$@" 2>&1)
-  rc=$?
-  t1=$(date +%s)
-  [ "$rc" = "$code" ] || { echo "$out" | tail -20; fail "expected exit $code, got $rc from: $*"; }
-  grep -qE -- "$pattern" <<<"$out" || { echo "$out" | tail -20; fail "expected /$pattern/ from: $*"; }
-  if grep -qE "terminate called|what\(\)|Segmentation|Aborted|bad_alloc" <<<"$out"; then
-    echo "$out" | tail -20; fail "a crash or an uncaught exception in: $*"
-  fi
-  [ $((t1 - t0)) -le "$max" ] || fail "took $((t1 - t0)) s (at most $max) for: $*"
-}
+. "$(dirname "$0")/expect.sh"  # fail, expect
 
 # pids of processes whose environment carries VAR=VALUE (and, if given, also VAR2=VALUE2)
 pids_with() {

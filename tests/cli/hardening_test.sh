@@ -28,25 +28,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
-fail() { echo "FAIL: $*"; exit 1; }
-
-# expect CODE PATTERN MAX_SECONDS -- command...: exit code, a line matching PATTERN, no C++
-# runtime abort text, and done within MAX_SECONDS.
-expect() {
-  local code=$1 pattern=$2 max=$3
-  shift 4
-  local out rc t0 t1
-  t0=$(date +%s)
-  out=$(timeout 120 "$@" 2>&1)
-  rc=$?
-  t1=$(date +%s)
-  [ "$rc" = "$code" ] || { echo "$out" | tail -20; fail "expected exit $code, got $rc from: $*"; }
-  grep -qE -- "$pattern" <<<"$out" || { echo "$out" | tail -20; fail "expected /$pattern/ from: $*"; }
-  if grep -qE "terminate called|what\(\)|Segmentation|Aborted|bad_alloc" <<<"$out"; then
-    echo "$out" | tail -20; fail "a crash or an uncaught exception in: $*"
-  fi
-  [ $((t1 - t0)) -le "$max" ] || fail "took $((t1 - t0)) s (at most $max) for: $*"
-}
+. "$(dirname "$0")/expect.sh"  # fail, expect
 
 # Processes carrying this run's marker in their environment (ranks inherit it through mpirun).
 marked() {
