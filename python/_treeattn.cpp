@@ -49,6 +49,7 @@
 #include "treeattn/comm.hpp"
 #include "treeattn/comm_local.hpp"
 #include "treeattn/kernel.hpp"
+#include "treeattn/measure.hpp"
 #include "treeattn/oracle.hpp"
 #include "treeattn/session.hpp"
 #include "treeattn/shape.hpp"
@@ -1049,7 +1050,7 @@ check_agreement) must be made by every rank in the same order.)")
             const float* qp = q.data();
             {
               py::gil_scoped_release nogil;
-              check(s.attend_states(layer, qp, states, strategy));
+              check(measure::attend_states(s, layer, qp, states, strategy));
             }
             py::array_t<float> out(dims({sh.batch, sh.q_len, sh.heads, sh.head_dim + 2}));
             std::memcpy(out.mutable_data(), states.data(), states.bytes());
@@ -1061,10 +1062,11 @@ check_agreement) must be made by every rank in the same order.)")
       .def(
           "delivers_result",
           [](PySession& s, int strategy) {
-            if (strategy < 0 || strategy >= s.get().strategy_count())
+            const int count = measure::strategy_count(s.get());
+            if (strategy < 0 || strategy >= count)
               invalid("strategy index " + std::to_string(strategy) + " is outside [0, " +
-                      std::to_string(s.get().strategy_count()) + ")");
-            return s.get().delivers_result(strategy);
+                      std::to_string(count) + ")");
+            return measure::delivers_result(s.get(), strategy);
           },
           py::arg("strategy") = 0)
       .def(
@@ -1077,7 +1079,7 @@ check_agreement) must be made by every rank in the same order.)")
             o.node_of_rank = int_list(node_of_rank, "node_of_rank",
                                       static_cast<std::size_t>(ps.get().comm().size()));
             py::gil_scoped_release nogil;
-            return unwrap(ps.get().add_strategy(name, o));
+            return unwrap(measure::add_strategy(ps.get(), name, o));
           },
           py::arg("name"), py::kw_only(), py::arg("root") = -1, py::arg("fanout") = 2,
           py::arg("node_of_rank") = py::none(),

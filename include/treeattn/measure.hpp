@@ -1,8 +1,10 @@
 // Memory readings of this process for the benchmark harness: the peak resident set size, and
-// resetting it so that one measured method does not inherit another's peak.
+// resetting it so that one measured method does not inherit another's peak. Result hashes. And
+// the decode session's benchmark and check surface (namespace treeattn::measure, below): several
+// strategies on one cache, and the merged state records.
 //
 // Part of the measurement library treeattn_measure (src/measure), not of libtreeattn: nothing
-// in the core library reads process memory.
+// in the core library reads process memory, and a model never needs a second strategy.
 //
 //   peak_rss_bytes()    getrusage's ru_maxrss: the peak since the process started; never reset.
 //   reset_peak_rss()    Linux: writes 5 to /proc/self/clear_refs, which sets the kernel's
@@ -16,7 +18,10 @@
 #include <span>
 #include <string>
 
+#include "treeattn/session.hpp"
 #include "treeattn/state_buffer.hpp"
+#include "treeattn/status.hpp"
+#include "treeattn/strategy.hpp"
 
 namespace treeattn {
 
@@ -42,4 +47,37 @@ std::string sha256_hex(std::span<const std::byte> bytes);
 // these merged states (rank 0's). Equal hashes: bitwise equal results.
 std::string output_sha256(const StateBuffer& states);
 
+// ---- the session's benchmark and check surface ------------------------------------------------
+// Several strategies on one cache and the state records: what the benchmark driver (run, verify,
+// bench), the tests and the Python module's Session.add_strategy / attend_states use to compare
+// strategies on the very same shards. A strategy index is 0 for the session's configured
+// strategy and what add_strategy returned for the others.
+namespace measure {
+
+// Collective. Sets up one more strategy on the session's placement and shards and returns its
+// index. Every rank must agree on name and options (checked, with the configuration, when the
+// session checks agreement). `single` cannot join a session whose placement is not
+// ShardKind::kSingle; a strategy that reads rows (ring-kv, tree-det) cannot join the tiled layout.
+Result<int> add_strategy(DecodeSession& session, const std::string& name,
+                         const StrategyOptions& options);
+
+// Collective. The merged state records (state.hpp) of strategy `strategy` for the queries q
+// (the layout of DecodeSession::attend, in the executor's memory) instead of normalised
+// outputs: host records [batch][q_len][heads][head_dim + 2] in states on any executor (resized
+// to fit), written where delivers_result(session, strategy). kInvalidArgument for an index
+// outside [0, strategy_count).
+Status attend_states(DecodeSession& session, int layer, const float* q, StateBuffer& states,
+                     int strategy = 0);
+
+// The strategies the session holds (1 + the ones added).
+int strategy_count(const DecodeSession& session);
+
+// Strategy `index` itself (its buffer sizes, its name); 0 <= index < strategy_count(session).
+Strategy& strategy_of(const DecodeSession& session, int index);
+
+// Whether strategy `index` delivers its result on this rank (all ranks unless options.root >= 0);
+// 0 <= index < strategy_count(session).
+bool delivers_result(const DecodeSession& session, int index);
+
+}  // namespace measure
 }  // namespace treeattn

@@ -28,7 +28,12 @@
 // (executor.hpp; host memory for the CPU executor, device memory for the CUDA executor). store/
 // append take host floats and narrow them to the cache dtype (quantized dtypes keep a per-token,
 // per-KV-head scale); on a device executor they are staged and copied to the device before the
-// next attention (LocalShard, sharding.hpp). attend_states returns host records either way.
+// next attention (LocalShard, sharding.hpp).
+//
+// Benchmarks and checks: several strategies on the very same shards and the merged state
+// records (instead of normalised outputs) are not part of this class's public surface; the
+// measurement library reaches them (measure::add_strategy, measure::attend_states, measure.hpp,
+// treeattn_measure). Models use attend, delivers_result() and check_agreement.
 //
 // q_len (AttnShape::q_len) is fixed per session: every attend call passes q_len queries per
 // batch row; query i sees the positions <= length - q_len + i (shape.hpp).
@@ -56,6 +61,10 @@
 
 namespace treeattn {
 
+namespace measure {
+struct SessionAccess;  // the benchmark and check calls of measure.hpp (src/measure)
+}
+
 struct SessionConfig {
   AttnShape shape;                // batch, heads, kv_heads, head_dim, q_len (queries per attend)
   DType dtype = DType::kBF16;     // KV cache element type
@@ -68,7 +77,7 @@ struct SessionConfig {
   // How the shards store tokens (sharding.hpp): kAuto = the tiled layout the CPU kernel reads
   // fastest, unless the executor is a device or the strategy walks rows itself (ring-kv,
   // tree-det); config() reports the layout chosen. A session on the tiled layout refuses
-  // add_strategy of a strategy that reads rows.
+  // measure::add_strategy of a strategy that reads rows.
   KVLayout layout = KVLayout::kAuto;
   std::string strategy = "tree";      // a name from StrategyRegistry::for_backend(comm)
   StrategyOptions options;            // root, fan-out, node grouping, kernel options
@@ -161,16 +170,14 @@ class DecodeSession {
   // tokens of `layer`, [batch][q_len][heads][head_dim], and lse [batch][q_len][heads] (natural
   // log; may be null). Written where delivers_result() (every rank unless options.root >= 0).
   Status attend(int layer, const float* q, float* out, float* lse = nullptr);
+  // Whether attend writes out and lse on this rank.
+  bool delivers_result() const { return delivers_result(0); }
   // Collective. Exact attention for the live sequences `seqs` (distinct; every rank the same
   // list): q [seqs.size()][q_len][heads][head_dim] and out the same, lse [seqs.size()][q_len]
   // [heads], in the order of `seqs`, in the executor's memory. The other rows are not read; one
   // kernel pass and one merge serve them all.
   Status attend(int layer, std::span<const int64_t> seqs, const float* q, float* out,
                 float* lse = nullptr);
-  // Collective. The merged state records instead (state.hpp), for checks and benchmarks.
-  // strategy: an index from add_strategy (0 = the configured one).
-  Status attend_states(int layer, const float* q, StateBuffer& states, int strategy = 0);
-  bool delivers_result(int strategy = 0) const;
 
   // Collective. All-gathers the configuration, the current placement and `extra`, and fails with
   // kMismatch naming the ranks and fields that differ (the check create() runs, again; a debug
@@ -178,15 +185,20 @@ class DecodeSession {
   Status check_agreement(const std::string& when,
                          const std::vector<std::pair<std::string, std::string>>& extra = {});
 
-  // Collective. Sets up one more strategy on the same placement and shards (the benchmark
-  // harness compares them on the very same data); returns its index for attend_states. `single`
-  // cannot join a session whose placement is not ShardKind::kSingle.
-  Result<int> add_strategy(const std::string& name, const StrategyOptions& options);
-  Strategy& strategy(int index = 0) const { return *strategies_[static_cast<std::size_t>(index)]; }
-  int strategy_count() const { return static_cast<int>(strategies_.size()); }
 
  private:
+  // The measurement library's calls (measure.hpp) read and add strategies through these.
+  friend struct measure::SessionAccess;
+
   DecodeSession() = default;
+  // Collective. The merged state records of strategy `strategy` (0 = the configured one) instead
+  // of normalised outputs, host records on any executor.
+  Status attend_states(int layer, const float* q, StateBuffer& states, int strategy);
+  bool delivers_result(int strategy) const;
+  // Collective. One more strategy on the same placement and shards; returns its index. `single`
+  // cannot join a session whose placement is not ShardKind::kSingle.
+  Result<int> add_strategy(const std::string& name, const StrategyOptions& options);
+  int strategy_count() const { return static_cast<int>(strategies_.size()); }
   Status check_layer(int layer, const char* op) const;
   Status check_live(int64_t seq, const char* op) const;
   Status check_all_live(const char* op) const;

@@ -266,7 +266,7 @@ Result<StepReport> timed_step(Communicator& comm, DecodeSession& s, int index, c
   const CommCounters before = scomm.counters();
   const uint64_t wire_before = wire ? scomm.transport_bytes_sent().value_or(0) : 0;
   const auto t0 = Clock::now();
-  TREEATTN_RETURN_IF_ERROR(s.attend_states(0, q, out, index));
+  TREEATTN_RETURN_IF_ERROR(measure::attend_states(s, 0, q, out, index));
   // On a device a rank without results copies nothing back, so its queued kernels and
   // collectives may still run: the step ends when they are done (no-ops on the host).
   TREEATTN_RETURN_IF_ERROR(scomm.synchronize());
@@ -289,7 +289,7 @@ Result<StepReport> timed_step(Communicator& comm, DecodeSession& s, int index, c
     r.wire_bytes = d > barrier_wire ? d - barrier_wire : 0;
   }
   r.working_set_bytes =
-      s.live_kv_bytes() + q_bytes + out.bytes() + s.strategy(index).buffer_bytes();
+      s.live_kv_bytes() + q_bytes + out.bytes() + measure::strategy_of(s, index).buffer_bytes();
   return r;
 }
 
@@ -402,7 +402,7 @@ Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConf
       TREEATTN_RETURN_IF_ERROR(s.status());
       owner = std::move(*s);
     } else {
-      auto idx = owner->add_strategy(name, config.options);
+      auto idx = measure::add_strategy(*owner, name, config.options);
       TREEATTN_RETURN_IF_ERROR(idx.status());
       slot.index = *idx;
     }
@@ -414,7 +414,7 @@ Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConf
   const WorkloadSpec spec{config.shape, config.dtype, config.seed, config.q_scale};
   std::vector<RunReport> reports(strategies.size());
   for (std::size_t i = 0; i < slots.size(); ++i) {
-    reports[i].has_result = slots[i].session->delivers_result(slots[i].index);
+    reports[i].has_result = measure::delivers_result(*slots[i].session, slots[i].index);
     reports[i].kv_layout = slots[i].session->config().layout;
   }
   std::vector<float> q(static_cast<std::size_t>(s.batch * s.q_len * s.heads * s.head_dim));

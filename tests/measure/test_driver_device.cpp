@@ -32,6 +32,7 @@
 
 #include "treeattn/comm_local.hpp"
 #include "treeattn/executor.hpp"
+#include "treeattn/measure.hpp"
 #include "treeattn/roofline.hpp"
 #include "treeattn/strategy.hpp"
 #include "treeattn/session.hpp"
@@ -441,7 +442,7 @@ TEST(DriverDevice, SessionAgreementStagesThroughTheDevice) {
       cfg.timeout = std::chrono::milliseconds(10000);
       auto s = DecodeSession::create(*dcomms[i], cfg, *devices[i]);
       same[i] = s.status();
-      if (s.is_ok()) added[i] = (*s)->add_strategy("ring-state", cfg.options).status();
+      if (s.is_ok()) added[i] = measure::add_strategy(**s, "ring-state", cfg.options).status();
       if (r == 1) cfg.shape.head_dim = 128;
       differ[i] = DecodeSession::create(*dcomms[i], cfg, *devices[i]).status();
     });

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "treeattn/comm_local.hpp"
+#include "treeattn/measure.hpp"
 #include "treeattn/oracle.hpp"
 #include "treeattn/session.hpp"
 
@@ -321,17 +322,17 @@ TEST(Session, ExtraStrategiesShareTheShardsAndSingleCannotJoin) {
     std::vector<double> ref_out, ref_lse;
     oracle(cfg.shape, cfg.dtype, 0, {300}, q.data(), ref_out, ref_lse);
     for (const char* name : {"ring-state", "hier", "gather-root"}) {
-      auto idx = ses.add_strategy(name, cfg.options);
+      auto idx = measure::add_strategy(ses, name, cfg.options);
       TREEATTN_RETURN_IF_ERROR(idx.status());
       StateBuffer states;
-      TREEATTN_RETURN_IF_ERROR(ses.attend_states(0, q.data(), states, *idx));
+      TREEATTN_RETURN_IF_ERROR(measure::attend_states(ses, 0, q.data(), states, *idx));
       std::vector<float> out(q.size()), lse(states.records());
       for (std::size_t i = 0; i < states.records(); ++i)
         state_normalize(states.record(i), 64, out.data() + i * 64, lse.data() + i);
       const double e = rel_error(out, lse, ref_out, ref_lse);
       if (!(e <= 1e-5)) return internal_error(std::string(name) + ": error " + std::to_string(e));
     }
-    auto single = ses.add_strategy("single", cfg.options);
+    auto single = measure::add_strategy(ses, "single", cfg.options);
     if (single.is_ok()) return internal_error("single joined an even placement");
     if (single.status().message().find("needs the whole KV cache on rank 0") == std::string::npos)
       return internal_error("unexpected: " + single.status().to_string());
@@ -373,12 +374,12 @@ TEST(Session, KVLayoutAutoIsTiledExceptForStrategiesThatReadRows) {
     cfg.strategy = "tree";
     auto s = DecodeSession::create(comm, cfg);
     TREEATTN_RETURN_IF_ERROR(s.status());
-    auto added = (*s)->add_strategy("tree-det", cfg.options);
+    auto added = measure::add_strategy(**s, "tree-det", cfg.options);
     if (added.is_ok() || added.status().message().find("cannot join a session on the tiled") ==
                              std::string::npos)
       return internal_error("tree-det joining tiled: " + added.status().to_string());
     // The other strategies join and read the same tiled shards.
-    auto ok = (*s)->add_strategy("ring-state", cfg.options);
+    auto ok = measure::add_strategy(**s, "ring-state", cfg.options);
     return ok.status();
   });
   EXPECT_TRUE(st.is_ok()) << st.to_string();
