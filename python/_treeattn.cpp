@@ -11,10 +11,10 @@
 //   - K and V are never copied: any strides work as long as the last axis (head_dim) is
 //     contiguous and K and V have the same strides (a slice of a larger cache is a view);
 //     otherwise ValueError tells the caller to pass np.ascontiguousarray.
-//   - q, states and the K/V given to Session.store/append are read in place when C-contiguous
-//     and copied otherwise (they are one step's worth of data). Shapes are checked before any
-//     copy; a copy larger than the memory this process can have (a broadcast view can describe
-//     terabytes) raises MemoryError naming the argument.
+//   - q, states and the K/V given to Session.store/store_range/append are read in place when
+//     C-contiguous and copied otherwise (they are one step's worth of data). Shapes are checked
+//     before any copy; a copy larger than the memory this process can have (a broadcast view can
+//     describe terabytes) raises MemoryError naming the argument.
 //   - Outputs are numpy arrays the C++ code writes into directly.
 //
 // Errors: a non-ok treeattn::Status raises treeattn.Error with exactly Status::message() as its
@@ -169,12 +169,10 @@ std::vector<int64_t> int_or_list(const py::handle& o, const std::string& what,
   return to_int64_list(o, what, "an int or a sequence of ints (one per batch row)", max_count);
 }
 
-// The kernels' thread count: 0 (OpenMP's default) or 1..kMaxThreads, refused here with the
-// message the kernels give (check_thread_count in src/kernels/dispatch.cpp), also for ints
+// The kernels' thread count: 0 (OpenMP's default) or 1..kMaxThreads (kernel.hpp), refused here,
+// before any work, by the kernels' own check_thread_count and with its message, also for ints
 // beyond 64 bits: a count in the hundred thousands makes the OpenMP runtime fail to create its
 // team, which crashes the interpreter.
-constexpr int64_t kMaxThreads = 1024;
-
 int thread_count(const py::handle& o) {
   py::object i;
   if (is_int(o)) i = py::reinterpret_steal<py::object>(PyNumber_Index(o.ptr()));
@@ -185,10 +183,15 @@ int thread_count(const py::handle& o) {
   int overflow = 0;
   const long long v = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
   if (v == -1 && overflow == 0 && PyErr_Occurred()) throw py::error_already_set();
-  if (overflow != 0 || v < 0 || v > kMaxThreads)
-    invalid("threads " + std::string(py::str(i)) + ": must be between 0 (the default) and " +
-            std::to_string(kMaxThreads) + " (more threads only oversubscribe the cores)");
-  return static_cast<int>(v);
+  if (overflow == 0) {
+    check(check_thread_count(v));
+    return static_cast<int>(v);
+  }
+  // Beyond 64 bits: the kernels' message with the number as Python writes it (their text after
+  // the value is the same for every refused count, so -1's supplies it).
+  const std::string kernel_text = check_thread_count(-1).message();
+  const std::string tail = kernel_text.substr(kernel_text.find(':'));
+  invalid("threads " + std::string(py::str(i)) + tail);
 }
 
 // ---- arrays ------------------------------------------------------------------------------------
@@ -634,7 +637,7 @@ std::unique_ptr<PySession> make_session(
     const py::object& context, const py::object& explicit_len, int holder, int64_t reserve_tokens,
     const std::string& strategy, int root, int fanout, const py::object& node_of_rank, float scale,
     const py::object& threads, const std::string& isa, double timeout_s, bool check_agreement,
-    const py::object& agree_also) {
+    const py::object& agree_also, bool rows_start_free) {
   std::shared_ptr<PyComm> comm = comm_of(comm_obj);
   const int ranks = comm->comm->size();
   const auto rows_max = static_cast<std::size_t>(std::max<int64_t>(batch, 1));
@@ -675,6 +678,7 @@ std::unique_ptr<PySession> make_session(
             std::string(py::str(py::float_(timeout_s))));
   c.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0 + 0.5));
   c.check_agreement = check_agreement;
+  c.rows_start_free = rows_start_free;
   if (!agree_also.is_none()) {
     try {
       c.agree_also = agree_also.cast<std::vector<std::pair<std::string, std::string>>>();
@@ -742,14 +746,17 @@ void store_py(PySession& ps, int layer, int64_t b, const py::object& pos, const 
 // time and only then sizes the shards, so extend(2**62) would run for years, and a failed growth
 // leaves the session unusable (PySession::check_growth). The bound only depends on values every
 // rank shares (on one machine), so every rank refuses the same call.
-void check_extend_fits(const DecodeSession& s, int64_t n) {
+// seq < 0: extend(n) of every row; else extend(seq, n) of that one sequence (placed the same way,
+// so the same bound with one row).
+void check_extend_fits(const DecodeSession& s, int64_t n, int64_t seq = -1) {
   const ShardPlan& plan = s.plan();
   if (n <= 0) return;
+  const int64_t first = seq < 0 ? 0 : seq, end = seq < 0 ? plan.batch() : seq + 1;
   bool empty = true;
-  for (int64_t b = 0; b < plan.batch(); ++b) empty = empty && plan.total_len(b) == 0;
-  // The tokens of an empty session are laid out by the placement, and whatever it is some rank
-  // gets at least n / ranks of each row; on a non-empty session they go to one rank per row
-  // (the last rank, or the holder), or round-robin when striped.
+  for (int64_t b = first; b < end; ++b) empty = empty && plan.total_len(b) == 0;
+  // The tokens of empty rows are laid out by the placement, and whatever it is some rank gets
+  // at least n / ranks of each row; on non-empty rows they go to one rank per row (the last
+  // rank, or the holder), or round-robin when striped.
   // In double: the products can pass 2**64, and the comparison needs no more precision.
   const double share = empty || plan.kind() == ShardKind::kStriped
                            ? std::ceil(static_cast<double>(n) / plan.ranks())
@@ -757,17 +764,18 @@ void check_extend_fits(const DecodeSession& s, int64_t n) {
   const AttnShape& sh = s.shape();
   const double token_bytes = static_cast<double>(sh.kv_heads) * static_cast<double>(sh.head_dim) *
                              static_cast<double>(dtype_size(s.config().dtype)) * 2;  // K and V
-  const double bytes = share * static_cast<double>(plan.batch()) * token_bytes * s.layers();
+  const double bytes = share * static_cast<double>(end - first) * token_bytes * s.layers();
   const uint64_t memory = memory_limit();
   if (memory == 0 || bytes <= static_cast<double>(memory)) return;
   const std::string least = bytes < 1e18 ? std::to_string(static_cast<uint64_t>(bytes))
                                          : std::string(py::str(py::float_(bytes)));
-  throw StatusError(
-      Status(Code::kOutOfMemory,
-             "rank " + std::to_string(s.comm().rank()) + ": extend: " + std::to_string(n) +
-                 " more tokens per row would put at least " + least +
-                 " bytes of K and V on one rank, more than the memory this process can have (" +
-                 std::to_string(memory) + " bytes)"));
+  throw StatusError(Status(
+      Code::kOutOfMemory,
+      "rank " + std::to_string(s.comm().rank()) + ": extend: " + std::to_string(n) +
+          (seq < 0 ? " more tokens per row" : " more tokens of sequence " + std::to_string(seq)) +
+          " would put at least " + least +
+          " bytes of K and V on one rank, more than the memory this process can have (" +
+          std::to_string(memory) + " bytes)"));
 }
 
 std::vector<int64_t> plan_row(const ShardPlan& plan, int rank, bool starts) {
@@ -776,6 +784,87 @@ std::vector<int64_t> plan_row(const ShardPlan& plan, int rank, bool starts) {
             ")");
   auto sp = starts ? plan.pos_starts(rank) : plan.lens(rank);
   return {sp.begin(), sp.end()};
+}
+
+// A sequence slot argument: an int in [0, batch), as the session's own check words it (so that a
+// huge or negative value is an InvalidArgumentError, not pybind11's cast error).
+int64_t sequence_arg(const DecodeSession& s, const py::handle& o, const char* op) {
+  const int64_t seq = to_int64(o, "seq");
+  if (seq < 0 || seq >= s.shape().batch)
+    invalid("rank " + std::to_string(s.comm().rank()) + ": " + op + ": sequence " +
+            std::to_string(seq) + " is outside [0, " + std::to_string(s.shape().batch) + ")");
+  return seq;
+}
+
+// Session.extend(n, seq=None): every row (extend(n)) or one sequence (extend(seq, n)).
+void extend_py(PySession& ps, const py::object& n_obj, const py::object& seq_obj) {
+  DecodeSession& s = ps.get();
+  const int64_t n = to_int64(n_obj, "n");
+  if (seq_obj.is_none()) {
+    check_extend_fits(s, n);
+    const std::vector<int64_t> before = ps.row_lengths();
+    ps.check_growth(s.extend(n), before, "extend(" + std::to_string(n) + ")");
+    return;
+  }
+  const int64_t seq = sequence_arg(s, seq_obj, "extend");
+  // A free slot: the session's own error (it places nothing), before the memory bound is read.
+  if (!s.live(seq)) check(s.extend(seq, n));
+  check_extend_fits(s, n, seq);
+  const std::vector<int64_t> before = ps.row_lengths();
+  ps.check_growth(s.extend(seq, n), before,
+                  "extend(" + std::to_string(n) + ", seq=" + std::to_string(seq) + ")");
+}
+
+// Session.store_range(layer, seq, pos0, k, v): k, v [n, kv_heads, head_dim] float32.
+void store_range_py(PySession& ps, int layer, const py::object& seq_obj, const py::object& pos0_obj,
+                    const py::array& k_in, const py::array& v_in) {
+  DecodeSession& s = ps.get();
+  const AttnShape& sh = s.shape();
+  const int64_t seq = sequence_arg(s, seq_obj, "store_range");
+  const int64_t pos0 = to_int64(pos0_obj, "pos0");
+  expect_ndim(k_in, 3, "k", "[positions, kv_heads, head_dim]");
+  const int64_t n = k_in.shape(0);
+  F32Array k =
+      kv_block(k_in, "k", {n, sh.kv_heads, sh.head_dim}, "[positions, kv_heads, head_dim]");
+  F32Array v =
+      kv_block(v_in, "v", {n, sh.kv_heads, sh.head_dim}, "[positions, kv_heads, head_dim]");
+  const float* kp = k.data();
+  const float* vp = v.data();
+  Status st;
+  {
+    py::gil_scoped_release nogil;
+    st = s.store_range(layer, seq, pos0, n, kp, vp);
+  }
+  check(st);
+}
+
+// Session.attend(layer, q, seqs=None): the whole batch, or the live sequences `seqs` with q
+// [len(seqs), q_len, heads, head_dim]. (out, lse) in the order of q; None on a rank that gets no
+// result (root >= 0).
+py::object attend_py(PySession& ps, int layer, const py::array& q_in, const py::object& seqs_obj) {
+  DecodeSession& s = ps.get();
+  const AttnShape& sh = s.shape();
+  std::optional<std::vector<int64_t>> seqs;
+  if (!seqs_obj.is_none())
+    seqs = to_int64_list(seqs_obj, "seqs", "a sequence of ints (live sequences)",
+                         static_cast<std::size_t>(sh.batch));
+  const int64_t rows = seqs ? static_cast<int64_t>(seqs->size()) : sh.batch;
+  F32Array q = seqs ? kv_block(q_in, "q", {rows, sh.q_len, sh.heads, sh.head_dim},
+                               "[len(seqs), q_len, heads, head_dim]")
+                    : session_query(s, q_in);
+  py::array_t<float> out(dims({rows, sh.q_len, sh.heads, sh.head_dim}));
+  py::array_t<float> lse(dims({rows, sh.q_len, sh.heads}));
+  float* op = out.mutable_data();
+  float* lp = lse.mutable_data();
+  const float* qp = q.data();
+  Status st;
+  {
+    py::gil_scoped_release nogil;
+    st = seqs ? s.attend(layer, *seqs, qp, op, lp) : s.attend(layer, qp, op, lp);
+  }
+  check(st);
+  if (!s.delivers_result()) return py::none();
+  return py::make_tuple(out, lse);
 }
 
 }  // namespace
@@ -917,7 +1006,14 @@ scale 0 means 1/sqrt(D); threads 0 means OpenMP's default, else 1..1024. Returns
   py::class_<PySession>(m, "Session", R"(The decode session (session.hpp): this rank's KV shards of
 every layer under one placement, and the strategy that merges the ranks' partial states.
 Collective calls (the constructor, append, attend, attend_states, add_strategy,
-check_agreement) must be made by every rank in the same order.)")
+check_agreement) must be made by every rank in the same order.
+
+Sequences (rows_start_free=True: the batch rows are free sequence slots at creation, context
+must be 0): add_sequence, remove_sequence, extend(n, seq=...), store_range and
+attend(layer, q, seqs=...). The sequence calls are local and deterministic: every rank makes
+the same ones in the same order, so every rank keeps the same placement without a message.
+attend_states, add_strategy and delivers_result(strategy) are the benchmark and check calls
+(treeattn_measure's measure.hpp in C++).)")
       .def(py::init(&make_session), py::arg("comm"), py::kw_only(), py::arg("batch") = 1,
            py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("q_len") = 1,
            py::arg("dtype") = "bf16", py::arg("layers") = 1, py::arg("placement") = "even",
@@ -926,7 +1022,7 @@ check_agreement) must be made by every rank in the same order.)")
            py::arg("root") = -1, py::arg("fanout") = 2, py::arg("node_of_rank") = py::none(),
            py::arg("scale") = 0.0f, py::arg("threads") = 0, py::arg("isa") = "auto",
            py::arg("timeout") = 60.0, py::arg("check_agreement") = true,
-           py::arg("agree_also") = py::none())
+           py::arg("agree_also") = py::none(), py::arg("rows_start_free") = false)
       .def_property_readonly("rank", [](PySession& s) { return s.get().comm().rank(); })
       .def_property_readonly("size", [](PySession& s) { return s.get().comm().size(); })
       .def_property_readonly("layers", [](PySession& s) { return s.get().layers(); })
@@ -983,16 +1079,10 @@ check_agreement) must be made by every rank in the same order.)")
           },
           py::arg("b"), py::arg("rank") = py::none(),
           "The global positions of row b that a rank (default: this one) holds, in slot order.")
-      .def(
-          "extend",
-          [](PySession& ps, int64_t n) {
-            DecodeSession& s = ps.get();
-            check_extend_fits(s, n);
-            const std::vector<int64_t> before = ps.row_lengths();
-            ps.check_growth(s.extend(n), before, "extend(" + std::to_string(n) + ")");
-          },
-          py::arg("n"),
-          "Grows every row by n tokens (a prefill on an empty session); owners then store() them.")
+      .def("extend", &extend_py, py::arg("n"), py::kw_only(), py::arg("seq") = py::none(),
+           "Grows every row by n tokens (a prefill on an empty session); owners then store() "
+           "them. With seq: grows that live sequence only (an empty one is laid out by the "
+           "placement), and the K/V are written with store_range.")
       .def("store", &store_py, py::arg("layer"), py::arg("b"), py::arg("pos"), py::arg("k"),
            py::arg("v"),
            "Writes K and V of position pos (an int, with k, v [kv_heads, head_dim]) or of several "
@@ -1019,27 +1109,40 @@ check_agreement) must be made by every rank in the same order.)")
           py::arg("k"), py::arg("v"),
           "Collective. Appends one token to every row of every layer (k, v [layers, batch, "
           "kv_heads, head_dim], the same on every rank); only its owner stores it.")
+      .def("attend", &attend_py, py::arg("layer"), py::arg("q"), py::kw_only(),
+           py::arg("seqs") = py::none(),
+           "Collective. (out [B, Q, H, D], lse [B, Q, H]) float32: exact attention over every "
+           "rank's tokens of the layer; None on ranks that get no result (root >= 0). With seqs "
+           "(distinct live sequences, the same list on every rank): q and out are "
+           "[len(seqs), Q, H, D] and lse [len(seqs), Q, H], in the order of seqs; the other "
+           "rows are not read.")
       .def(
-          "attend",
-          [](PySession& ps, int layer, const py::array& q_in) -> py::object {
+          "add_sequence", [](PySession& ps) { return unwrap(ps.get().add_sequence()); },
+          "The lowest free sequence slot (batch row), now live and empty. OutOfMemoryError when "
+          "all batch slots are live. Local: every rank makes the same sequence calls in the "
+          "same order.")
+      .def(
+          "remove_sequence",
+          [](PySession& ps, const py::object& seq) {
             DecodeSession& s = ps.get();
-            const AttnShape& sh = s.shape();
-            F32Array q = session_query(s, q_in);
-            py::array_t<float> out(dims({sh.batch, sh.q_len, sh.heads, sh.head_dim}));
-            py::array_t<float> lse(dims({sh.batch, sh.q_len, sh.heads}));
-            float* op = out.mutable_data();
-            float* lp = lse.mutable_data();
-            const float* qp = q.data();
-            {
-              py::gil_scoped_release nogil;
-              check(s.attend(layer, qp, op, lp));
-            }
-            if (!s.delivers_result()) return py::none();
-            return py::make_tuple(out, lse);
+            check(s.remove_sequence(sequence_arg(s, seq, "remove_sequence")));
           },
-          py::arg("layer"), py::arg("q"),
-          "Collective. (out [B, Q, H, D], lse [B, Q, H]) float32: exact attention over every "
-          "rank's tokens of the layer; None on ranks that get no result (root >= 0).")
+          py::arg("seq"), "The sequence's slot becomes free and empty (reused by add_sequence).")
+      .def(
+          "live",
+          [](PySession& ps, const py::object& seq) {
+            DecodeSession& s = ps.get();
+            return s.live(to_int64(seq, "seq"));
+          },
+          py::arg("seq"), "Whether seq is a live sequence (False outside [0, batch)).")
+      .def(
+          "live_sequences", [](PySession& ps) { return ps.get().live_sequences(); },
+          "How many sequences are live.")
+      .def("store_range", &store_range_py, py::arg("layer"), py::arg("seq"), py::arg("pos0"),
+           py::arg("k"), py::arg("v"),
+           "Writes K and V (k, v [n, kv_heads, head_dim] float32, the same on every rank) of "
+           "positions pos0 .. pos0 + n - 1 of a live sequence; each rank keeps the positions it "
+           "owns. Extend the sequence first.")
       .def(
           "attend_states",
           [](PySession& ps, int layer, const py::array& q_in, int strategy) {

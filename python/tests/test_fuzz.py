@@ -254,6 +254,9 @@ def session_config(g):
         kw.update(placement="explicit", context=4, explicit_len=[4])
     if g.chance(0.2):
         kw.update(strategy=g.pick(["tree", "tree2", "ring-kv", "allgather", "single"]))
+    if g.chance(0.3):  # sequence slots: no context, no per-row explicit lengths
+        kw.update(rows_start_free=True, context=0, placement=g.pick(["even", "striped"]))
+        kw.pop("explicit_len", None)
     return kw
 
 
@@ -262,7 +265,8 @@ def session_ctor_call(g, treeattn, comm):
     for _ in range(g.pick([1, 1, 2])):
         name = g.pick(SESSION_INTS + ["dtype", "placement", "context", "explicit_len",
                                       "strategy", "node_of_rank", "scale", "isa", "timeout",
-                                      "check_agreement", "agree_also", "comm"])
+                                      "check_agreement", "agree_also", "rows_start_free",
+                                      "comm"])
         if name in SESSION_INTS:
             kw[name] = g.int_arg()
         elif name in ("dtype", "placement", "strategy", "isa"):
@@ -280,6 +284,8 @@ def session_ctor_call(g, treeattn, comm):
 def session_method_call(g, s, treeattn):
     L, B, Hkv, D, H, Q = s.layers, s.batch, s.kv_heads, s.head_dim, s.heads, s.q_len
     kv1 = g.block((Hkv, D))
+    n = g.pick([0, 1, 3])
+    seqs = g.pick([[], [0], [B - 1, 0], [0, 0]])
     calls = [
         ("length", [g.pick([0, B - 1])]),
         ("owns", [0, g.pick([0, 1, 5])]),
@@ -295,14 +301,26 @@ def session_method_call(g, s, treeattn):
         ("delivers_result", [0]),
         ("add_strategy", [g.pick(["tree", "allgather", "nope", "ring-kv"])]),
         ("check_agreement", [g.pick(["", "now"]), g.pick([[], [("a", "b")]])]),
+        ("add_sequence", []),
+        ("remove_sequence", [g.pick([0, B - 1, B])]),
+        ("live", [g.pick([0, B, -1])]),
+        ("live_sequences", []),
+        ("extend", [g.pick([0, 1, 2])], {"seq": g.pick([0, B - 1])}),
+        ("store_range", [0, g.pick([0, B - 1]), g.pick([0, 1]), g.block((n, Hkv, D)),
+                         g.block((n, Hkv, D))]),
+        ("attend", [0, g.block((len(seqs), Q, H, D))], {"seqs": seqs}),
     ]
-    name, args = g.pick(calls)
+    name, args, *rest = g.pick(calls)
+    kw = dict(rest[0]) if rest else {}
     if args and g.chance(0.8):
         args = list(args)
         for _ in range(g.pick([1, 1, 2])):
             i = g.r.randrange(len(args))
             args[i] = g.maybe(args[i], 1.0) if g.chance(0.5) else g.int_arg()
-    return getattr(s, name), args, {}
+    if kw and g.chance(0.5):
+        key = g.pick(list(kw))
+        kw[key] = g.maybe(kw[key], 1.0) if g.chance(0.5) else g.int_arg()
+    return getattr(s, name), args, kw
 
 
 def describe(fn, args, kw):

@@ -8,7 +8,10 @@ which Debian 12 packages; nanobind is not packaged there). numpy arrays in and o
   normalize(states)        (out, lse) of state records
   oracle(q, k, v)          the float64 reference (out, lse)
   Session(comm, ...)       the decode session: this rank's KV shards of every layer, merged
-                           across ranks by a strategy ("tree", "ring-kv", ...)
+                           across ranks by a strategy ("tree", "ring-kv", ...); with
+                           rows_start_free=True its rows are sequence slots that join
+                           (add_sequence), grow (extend(n, seq=...), store_range) and leave
+                           (remove_sequence), attended together by attend(layer, q, seqs=...)
 
 Communicators: ``mpi_comm(mpi4py_comm)`` wraps an mpi4py communicator (default COMM_WORLD);
 ``local_world(p)`` makes p in-process ranks for p threads, and ``run_local(p, fn)`` runs
