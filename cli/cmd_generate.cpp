@@ -77,6 +77,7 @@ struct GenFlags {
   bool synthetic_kv = false;
   bool engine = false;   // --engine, or chosen by choose_path()
   bool session = false;  // --session
+  std::string device = "cpu";  // --device: the model runs on CPU ranks only
   std::string kv_memory;
   int timeout_ms = 600000;
   int fanout = 2;
@@ -205,6 +206,12 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
   const auto methods = methods_of(f);
   if (methods.empty()) return invalid_argument("--method: empty");
   if (f.engine && f.session) return invalid_argument("give --engine or --session, not both");
+  if (auto d = parse_device(f.device); !d.is_ok())
+    return d.status();
+  else if (*d != Device::kCpu)
+    return unsupported("--device " + f.device +
+                       ": generate runs the model's forward pass and its KV cache on CPU ranks; "
+                       "GPU ranks decode attention in run, bench and verify (--device cuda)");
   if (f.engine) {
     for (const char* flag : {"--placement", "--kv-layout", "--fanout"})
       if (sub.count(flag) > 0)
@@ -939,6 +946,9 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
                 "by the tree merge; what `treeattn serve` runs); --method is then the engine's "
                 "merge: tree, allreduce or allgather. The default, unless a flag below needs "
                 "the DecodeSession path");
+  sub->add_option("--device", f->device,
+                  "Where the ranks run the model: cpu (the only one for models so far)")
+      ->capture_default_str();
   sub->add_flag("--session", f->session,
                 "Decode on the DecodeSession with a strategy instead of the engine; implied by a "
                 "strategy other than tree/allreduce/allgather, a comma list, --deterministic, "

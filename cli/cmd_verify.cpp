@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "device.hpp"
 #include "job_status.hpp"
 #include "launcher.hpp"
 #include "options.hpp"
@@ -42,12 +43,16 @@ struct VerifyFlags {
   bool deterministic = false;           // tree-det (plus --methods); contiguous placements only
   std::string json;                     // one record per check, with output_sha256
   std::string kv_layout = "auto";       // auto: cases alternate rows and tiled
+  std::string device = "cpu";           // --device
+  Device device_kind = Device::kCpu;
 };
 
 // The KV layout of one check: the flag's, or with auto the tiled layout on odd seeds and rows
 // on even ones, so that both are checked; strategies that read rows (ring-kv, tree-det) always
 // get rows.
-KVLayout check_layout(const std::string& flag, uint64_t seed, const std::string& method) {
+KVLayout check_layout(const std::string& flag, uint64_t seed, const std::string& method,
+                      Device device) {
+  if (device == Device::kCuda) return KVLayout::kRows;  // device shards are rows
   const StrategyInfo* info = StrategyRegistry::for_backend(CommCapabilities{}).info(method);
   if (info != nullptr && info->reads_kv_rows) return KVLayout::kRows;
   if (flag != "auto") return *parse_kv_layout(flag);
@@ -218,6 +223,17 @@ int verify_job(VerifyFlags& f, const std::vector<std::string>& methods,
       return 2;
     }
   }
+  // --device cuda: this rank's GPU and the NCCL communicator, or every rank stops with the
+  // first failing rank's message.
+  auto dev_r = open_device(*world, f.device_kind);
+  if (!dev_r.is_ok()) {
+    if (lead) std::fprintf(stderr, "treeattn verify: error: %s\n", dev_r.status().message().c_str());
+    world.reset();
+    (void)mpi_finalize();
+    return 2;
+  }
+  RankDevice dev = std::move(dev_r).value();
+  if (lead && f.device_kind == Device::kCuda) std::printf("%s\n", dev.description.c_str());
   if (lead)
     std::printf("treeattn verify: %d random cases x %zu methods on %d ranks, tolerance %.0e "
                 "relative to max(1, max|ref|), float64 oracle; /tiled: the check read the tiled KV "
@@ -233,7 +249,9 @@ int verify_job(VerifyFlags& f, const std::vector<std::string>& methods,
       rank_status_phase(fmt::format("verify: case seed {} method {}", c.seed, m));
       RunConfig rc = c.config;
       rc.strategy = m;
-      rc.kv_layout = check_layout(f.kv_layout, c.seed, m);
+      rc.kv_layout = check_layout(f.kv_layout, c.seed, m, f.device_kind);
+      rc.executor = dev.executor.get();  // null on the CPU: the CPU executor
+      rc.device_comm = dev.comm.get();
       const std::string label = m + (rc.kv_layout == KVLayout::kTiled ? "/tiled" : "");
       auto rep = run_decode(*world, rc);
       double err = 0;
@@ -299,6 +317,7 @@ int verify_job(VerifyFlags& f, const std::vector<std::string>& methods,
     std::printf("\n%s: %d of %zu checks failed\n", failures ? "FAILED" : "PASSED", failures,
                 static_cast<std::size_t>(f.cases) * methods.size());
   }
+  dev = RankDevice();  // NCCL, then the executor, before the world they use
   world.reset();
   (void)mpi_finalize();
   return failures ? 1 : 0;
@@ -331,9 +350,26 @@ Runner add_verify_command(CLI::App& app, const Invocation& inv) {
                   "KV layout of the checks: auto (odd seeds tiled, even seeds rows), rows or tiled "
                   "(ring-kv and tree-det always read rows)")
       ->capture_default_str();
+  sub->add_option("--device", f->device,
+                  "Where each rank runs the checks: cpu, or cuda (one GPU per rank, NCCL between "
+                  "ranks, KV layout rows; needs a treeattn built with CUDA and NCCL)")
+      ->capture_default_str();
   return [f, &inv, sub] {
+    auto device = parse_device(f->device);
+    Status dev_ok = device.is_ok() ? check_device_built(*device) : device.status();
+    if (dev_ok.is_ok()) dev_ok = check_device_here(*device);
+    if (!dev_ok.is_ok()) {
+      std::fprintf(stderr, "treeattn verify: error: %s\n", dev_ok.to_string().c_str());
+      return 2;
+    }
+    f->device_kind = *device;
+    if (f->device_kind == Device::kCuda && f->kv_layout == "tiled") {
+      std::fprintf(stderr, "treeattn verify: error: --kv-layout tiled is the CPU kernel's layout "
+                   "in host memory; with --device cuda the shards are rows\n");
+      return 2;
+    }
     std::vector<std::string> methods;
-    const auto& reg = StrategyRegistry::for_backend(CommCapabilities{});
+    const auto& reg = StrategyRegistry::for_backend(session_caps(f->device_kind));
     if (f->methods == "all") {
       for (const auto& i : reg.list()) methods.emplace_back(i.name);
     } else {
@@ -344,8 +380,13 @@ Runner add_verify_command(CLI::App& app, const Invocation& inv) {
         return 2;
       }
       for (const auto& m : methods)
-        if (!reg.contains(m)) {
+        if (!StrategyRegistry::for_backend(CommCapabilities{}).contains(m)) {
           std::fprintf(stderr, "treeattn verify: error: unknown method '%s'\n", m.c_str());
+          return 2;
+        } else if (!reg.contains(m)) {
+          std::fprintf(stderr, "treeattn verify: error: method '%s' is not available with "
+                       "--device %s (NCCL has no user-defined reductions)\n", m.c_str(),
+                       device_name(f->device_kind));
           return 2;
         }
     }

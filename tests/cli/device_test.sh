@@ -40,11 +40,31 @@ case "$case_name" in
     expect 2 "--methods auto with --device cuda|$no_cuda" 5 -- "$bin" bench --device cuda --methods auto
     expect 2 "method 'hier' is not available with --device cuda|$no_cuda" 5 -- \
       "$bin" bench --device cuda --methods hier
+    expect 2 "--device 'tpu': unknown device \(known: cpu, cuda\)" 5 -- "$bin" verify --device tpu
+    expect 2 "method 'hier' is not available with --device cuda|$no_cuda" 5 -- \
+      "$bin" verify --device cuda --methods hier
+    expect 0 "PASSED: 0 of 2 checks failed" 120 -- "$bin" verify --device cpu --ranks 2 --cases 2 \
+      --methods tree
     help=$("$bin" bench --help) || fail "bench --help"
     grep -qE -- "--device TEXT=cpu" <<<"$help" || { echo "$help"; fail "bench --help lacks --device and its default"; }
     grep -qE "cuda \(one GPU per rank" <<<"$help" || fail "bench --help does not say what cuda needs"
     "$bin" run --help | grep -qE -- "--device" || fail "run --help lacks --device" ;;
   cuda)
+    # verify --device cuda: every strategy NCCL can run checked on the GPUs against the float64
+    # oracle, or one error line before any rank starts.
+    out=$(timeout 300 "$bin" verify --device cuda --ranks 1 --cases 2 2>&1)
+    rc=$?
+    if grep -qE "terminate called|what\(\)|Segmentation|Aborted|core dumped" <<<"$out"; then
+      echo "$out" | tail -20; fail "verify --device cuda crashed"
+    fi
+    if [ $rc = 0 ]; then
+      grep -q "^device cuda" <<<"$out" || { echo "$out"; fail "verify --device cuda: no device line"; }
+      grep -q "PASSED" <<<"$out" || { echo "$out"; fail "verify --device cuda did not pass"; }
+    else
+      [ $rc = 2 ] || { echo "$out" | tail -20; fail "verify --device cuda: exit $rc, expected 0 or 2"; }
+      grep -qE "^treeattn verify: error: .*($no_cuda)" <<<"$out" || {
+        echo "$out"; fail "verify --device cuda: no line naming the problem"; }
+    fi
     # bench --kernel --device cuda: the GPU kernel's roofline (run_roofline_on), or one error line.
     out=$(timeout 120 "$bin" bench --kernel --device cuda --heads 8 --kv-heads 2 --head-dim 128 \
           --seq 4k --dtype bf16 --repeats 1 --json "$tmp/k.json" 2>&1)

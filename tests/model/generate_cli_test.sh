@@ -53,7 +53,10 @@ case "$CASE" in
     expect 2 "unknown method 'nope'" -- "$B" generate --prompt a --method nope
     expect 2 "--top-p" -- "$B" generate --prompt a --temperature 1 --top-p 0
     expect 2 "--prompt-file $T is a directory" -- "$B" generate --prompt-file "$T"
-    expect 2 "--prompt-file /dev/null is not a regular file" -- "$B" generate --prompt-file /dev/null ;;
+    expect 2 "--prompt-file /dev/null is not a regular file" -- "$B" generate --prompt-file /dev/null
+    expect 2 "--device cuda: generate runs the model's forward pass and its KV cache on CPU ranks" -- \
+      "$B" generate --prompt a --device cuda
+    expect 2 "--device 'tpu': unknown device" -- "$B" generate --prompt a --device tpu ;;
   interrupt)
     need_model
     "$B" generate --model "$MODEL" --ranks 2 --prompt-tokens 3000 --new-tokens 400 --ignore-eos \
