@@ -102,7 +102,7 @@ struct Engine::Impl {
 
   // ---- step scratch ----
   model::ForwardScratch fs;
-  std::vector<float> x, q, k, v, attn, states, merge_scratch, xs, xs_all, logits;
+  std::vector<float> x, q, k, v, attn, states, merge_scratch, xs, xs_all, logits, logits_all;
   std::vector<float> qkv_send, qkv_recv, qkv_local;
   std::vector<TokenId> row_tok;
   std::vector<int64_t> row_pos;
@@ -631,29 +631,52 @@ struct Engine::Impl {
       if (seqs[w]->computed == static_cast<int64_t>(seqs[w]->tokens.size())) sample_w.push_back(w);
     if (sample_w.empty()) return Status::ok();
     const auto S = static_cast<int64_t>(sample_w.size());
-    // Each rank puts the hidden states of the sampled rows it computed into their slots; an
-    // all-gather gives every rank every sampled row, and every rank computes the same logits.
-    xs.assign(static_cast<std::size_t>(S * E), 0.0f);
-    for (int64_t i = 0; i < S; ++i) {
-      const std::size_t w = sample_w[static_cast<std::size_t>(i)];
-      const int64_t row = first_row[w] + work[w].second - 1;
-      if (row >= lo && row < lo + mine)
-        std::memcpy(xs.data() + i * E, x.data() + (row - lo) * E,
-                    static_cast<std::size_t>(E) * sizeof(float));
-    }
-    if (split) {
-      xs_all.resize(static_cast<std::size_t>(p * S * E));
-      TREEATTN_RETURN_IF_ERROR(comm->allgather(
-          xs.data(), static_cast<std::size_t>(S * E) * sizeof(float), xs_all.data()));
+    const int64_t V = mc.n_vocab;
+    logits.resize(static_cast<std::size_t>(S * V));
+    if (!split) {  // every rank computed every row: the same logits everywhere
+      xs.resize(static_cast<std::size_t>(S * E));
       for (int64_t i = 0; i < S; ++i) {
         const std::size_t w = sample_w[static_cast<std::size_t>(i)];
-        const int64_t owner = (first_row[w] + work[w].second - 1) / per;
-        std::memcpy(xs.data() + i * E, xs_all.data() + (owner * S + i) * E,
+        const int64_t row = first_row[w] + work[w].second - 1;
+        std::memcpy(xs.data() + i * E, x.data() + row * E, static_cast<std::size_t>(E) * sizeof(float));
+      }
+      TREEATTN_RETURN_IF_ERROR(model->logits(xs.data(), S, logits.data(), fs, mv));
+    } else {
+      // Each rank computes the logits of the sampled rows it computed, and an all-gather gives
+      // every rank all of them, so every rank samples the same tokens. The output projection
+      // (vocab x embd) is the step's largest matrix: computing it for every row on every rank
+      // cost each rank as much as all the ranks' shares together. The bits are those of any
+      // other split (a row's logits do not depend on the rows computed with it, model.hpp).
+      std::vector<int64_t> owner(static_cast<std::size_t>(S)), slot(static_cast<std::size_t>(S));
+      std::vector<int64_t> count(static_cast<std::size_t>(p), 0);
+      for (int64_t i = 0; i < S; ++i) {
+        const std::size_t w = sample_w[static_cast<std::size_t>(i)];
+        const int64_t o = (first_row[w] + work[w].second - 1) / per;
+        owner[static_cast<std::size_t>(i)] = o;
+        slot[static_cast<std::size_t>(i)] = count[static_cast<std::size_t>(o)]++;
+      }
+      const int64_t most = *std::max_element(count.begin(), count.end());
+      const int64_t have = count[static_cast<std::size_t>(me)];
+      xs.resize(static_cast<std::size_t>(std::max<int64_t>(have, 1) * E));
+      for (int64_t i = 0; i < S; ++i) {
+        if (owner[static_cast<std::size_t>(i)] != me) continue;
+        const std::size_t w = sample_w[static_cast<std::size_t>(i)];
+        const int64_t row = first_row[w] + work[w].second - 1;
+        std::memcpy(xs.data() + slot[static_cast<std::size_t>(i)] * E, x.data() + (row - lo) * E,
                     static_cast<std::size_t>(E) * sizeof(float));
       }
+      xs_all.assign(static_cast<std::size_t>(most * V), 0.0f);  // this rank's rows, padded
+      if (have > 0)
+        TREEATTN_RETURN_IF_ERROR(model->logits(xs.data(), have, xs_all.data(), fs, mv));
+      logits_all.resize(static_cast<std::size_t>(p * most * V));
+      TREEATTN_RETURN_IF_ERROR(comm->allgather(
+          xs_all.data(), static_cast<std::size_t>(most * V) * sizeof(float), logits_all.data()));
+      for (int64_t i = 0; i < S; ++i)
+        std::memcpy(logits.data() + i * V,
+                    logits_all.data() + (owner[static_cast<std::size_t>(i)] * most +
+                                         slot[static_cast<std::size_t>(i)]) * V,
+                    static_cast<std::size_t>(V) * sizeof(float));
     }
-    logits.resize(static_cast<std::size_t>(S * mc.n_vocab));
-    TREEATTN_RETURN_IF_ERROR(model->logits(xs.data(), S, logits.data(), fs, mv));
     std::vector<RequestId> done;
     for (int64_t i = 0; i < S; ++i) {
       Seq& s = *seqs[sample_w[static_cast<std::size_t>(i)]];
