@@ -22,8 +22,9 @@
 // into their pages; every rank computes the partial states of every row's queries over its own
 // pages in one kernel pass (decode_partial_paged); one merge per layer combines the ranks'
 // states of all rows (EngineConfig::merge); each rank then runs the output projection and the
-// feed-forward network for its own rows. The hidden states of the rows that end a sequence's
-// known tokens are all-gathered and every rank computes their logits and samples. A prompt
+// feed-forward network for its own rows. Each rank computes the logits of its own rows that
+// end a sequence's known tokens, an all-gather gives every rank all of them (one row on its
+// own is computed by every rank), and every rank samples the same tokens. A prompt
 // (fresh, or a follow-up against cached pages) is thus prefilled by the tree merge: the new
 // queries travel, the cached K/V stays where it is, and no rank ever receives K/V.
 //
