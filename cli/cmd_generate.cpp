@@ -452,6 +452,7 @@ int run_engine_job(Communicator& comm, const GenFlags& f, const std::string& mod
   if (!f.quiet) {
     std::fwrite(streamed.data() + printed, 1, streamed.size() - printed, stdout);
     std::printf("\n");
+    std::fflush(stdout);  // the text before the report on stderr
   }
   const auto mt = eng.metrics();
   const double decode_ms =
