@@ -144,6 +144,10 @@ struct Engine::Impl {
     return Status::ok();
   }
 
+  // Full pages of an n-token prompt that can come from the prefix cache: all before its last
+  // token, whose logits start the generation.
+  int64_t reusable_pages(int64_t n) const { return (n - 1) / T; }
+
   int64_t max_sequence_tokens() const {
     // Logical page j on rank j mod p: with P pages per rank, p * P pages in all.
     return static_cast<int64_t>(p) * table->pages_per_rank() * T;
@@ -196,7 +200,7 @@ struct Engine::Impl {
     std::vector<uint64_t> hashes;
     uint64_t parent = PageTable::kRootHash;
     if (cfg.prefix_cache) {
-      const int64_t max_hits = (n - 1) / T;
+      const int64_t max_hits = reusable_pages(n);
       for (int64_t j = 0; j < max_hits; ++j) {
         const std::span<const TokenId> toks(req.prompt.data() + j * T, static_cast<std::size_t>(T));
         const uint64_t h = PageTable::chain_hash(parent, toks);
@@ -406,7 +410,7 @@ struct Engine::Impl {
   // before its last token, as admit()).
   bool prefix_in_flight(const std::vector<TokenId>& prompt) const {
     if (!cfg.prefix_cache) return false;
-    const int64_t reusable = (static_cast<int64_t>(prompt.size()) - 1) / T;
+    const int64_t reusable = reusable_pages(static_cast<int64_t>(prompt.size()));
     for (const auto& s : running) {
       if (s->computed >= reusable * T) continue;  // what it shares is indexed already
       const int64_t limit = std::min<int64_t>(reusable * T, static_cast<int64_t>(s->tokens.size()));
@@ -665,7 +669,8 @@ struct Engine::Impl {
         std::memcpy(xs.data() + slot[static_cast<std::size_t>(i)] * E, x.data() + (row - lo) * E,
                     static_cast<std::size_t>(E) * sizeof(float));
       }
-      xs_all.assign(static_cast<std::size_t>(most * V), 0.0f);  // this rank's rows, padded
+      // This rank's rows, then padding up to `most` rows that no rank reads (not cleared).
+      xs_all.resize(static_cast<std::size_t>(most * V));
       if (have > 0)
         TREEATTN_RETURN_IF_ERROR(model->logits(xs.data(), have, xs_all.data(), fs, mv));
       logits_all.resize(static_cast<std::size_t>(p * most * V));

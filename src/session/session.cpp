@@ -113,9 +113,9 @@ Status agree(Communicator& comm, Executor& exec, const Fields& fields,
   for (std::size_t r = 0; r < p; ++r) parsed[r] = parse_fields(all[r]);
   // Group the ranks by their record; the largest group is the reference (on a tie, the group of
   // the lowest rank), so the message names the odd ranks out, not the healthy majority.
+  // Ranks agree when their records are the same bytes (the fields are parsed from them).
   const auto same = [&](std::size_t a, std::size_t b) {
-    return differences(parsed[a], parsed[b]).empty() &&
-           std::memcmp(all[a].fields, all[b].fields, kFieldsBytes) == 0;
+    return std::memcmp(all[a].fields, all[b].fields, kFieldsBytes) == 0;
   };
   std::size_t ref = 0, ref_size = 0;
   for (std::size_t r = 0; r < p; ++r) {
@@ -480,9 +480,8 @@ Status DecodeSession::check_all_live(const char* op) const {
 
 Result<int64_t> DecodeSession::add_sequence() {
   for (std::size_t b = 0; b < live_.size(); ++b)
-    if (!live_[b]) {
+    if (!live_[b]) {  // free rows are empty (remove_sequence cleared it, or it never grew)
       live_[b] = 1;
-      plan_.clear_row(static_cast<int64_t>(b));
       return static_cast<int64_t>(b);
     }
   return Status(Code::kOutOfMemory,

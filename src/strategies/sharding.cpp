@@ -479,7 +479,6 @@ Status LocalShard::flush() {
 
 Status LocalShard::status() const {
   if (!tiled_error_.is_ok() || !device_) return tiled_error_;  // host growth (tiled or rows)
-  if (!device_) return Status::ok();
   std::lock_guard<std::mutex> lk(device_->mu);
   return device_->error;
 }
