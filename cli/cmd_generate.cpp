@@ -89,6 +89,17 @@ int fail(const Status& s) {
 }
 
 
+// --prompt-file names something a prompt can be read from (checked before the model is loaded).
+Status check_prompt_file(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    return invalid_argument("--prompt-file " + path +
+                            " is a directory; give the text file to read the prompt from");
+  if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec))
+    return invalid_argument("--prompt-file " + path + " is not a regular file");
+  return Status::ok();
+}
+
 // The prompt's token ids, the same on every rank.
 Result<std::vector<TokenId>> make_prompt(const GenFlags& f, const Tokenizer& tok) {
   if (f.prompt_tokens > 0) {
@@ -112,13 +123,7 @@ Result<std::vector<TokenId>> make_prompt(const GenFlags& f, const Tokenizer& tok
   }
   std::string text = f.prompt;
   if (!f.prompt_file.empty()) {
-    std::error_code ec;
-    if (std::filesystem::is_directory(f.prompt_file, ec))
-      return invalid_argument("--prompt-file " + f.prompt_file +
-                              " is a directory; give the text file to read the prompt from");
-    if (std::filesystem::exists(f.prompt_file, ec) &&
-        !std::filesystem::is_regular_file(f.prompt_file, ec))
-      return invalid_argument("--prompt-file " + f.prompt_file + " is not a regular file");
+    TREEATTN_RETURN_IF_ERROR(check_prompt_file(f.prompt_file));
     std::ifstream in(f.prompt_file, std::ios::binary);
     if (!in) return invalid_argument("--prompt-file " + f.prompt_file + ": cannot read it");
     std::stringstream ss;
@@ -246,7 +251,8 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
   model::SamplingParams sp{f.temperature, f.top_k, f.top_p, f.seed};
   TREEATTN_RETURN_IF_ERROR(sp.validate());
   TREEATTN_RETURN_IF_ERROR(check_timeout_ms("--timeout-ms", f.timeout_ms));
-  if (f.threads < 0) return invalid_argument("--threads must be >= 0");
+  TREEATTN_RETURN_IF_ERROR(check_thread_count(f.threads, "--threads"));
+  if (!f.prompt_file.empty()) TREEATTN_RETURN_IF_ERROR(check_prompt_file(f.prompt_file));
   if (check_outputs && !f.json.empty())
     TREEATTN_RETURN_IF_ERROR(check_output_file("--json", f.json));
   auto path = resolve_model(f.model);
@@ -843,9 +849,6 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
 
 int generate_command(GenFlags& f, const CLI::App& sub, const Invocation& inv) {
   choose_path(f, sub);
-  if (f.threads > 0 &&
-      f.threads > std::max(64, 4 * static_cast<int>(std::thread::hardware_concurrency())))
-    return fail(invalid_argument("--threads is larger than 4 x the cores"));
   if (started_by_mpi_launcher()) {
     auto world = mpi_init_world(nullptr, nullptr);
     if (!world.is_ok()) return fail(world.status());

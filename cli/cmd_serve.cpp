@@ -126,7 +126,7 @@ Result<std::string> preflight(const ServeFlags& f) {
   if (f.method != "tree" && f.method != "allreduce" && f.method != "allgather" &&
       f.method != "auto")
     return invalid_argument("--method '" + f.method + "': one of tree, allreduce, allgather, auto");
-  if (f.threads < 0) return invalid_argument("--threads must be >= 0");
+  TREEATTN_RETURN_IF_ERROR(check_thread_count(f.threads, "--threads"));
   if (f.context < 0) return invalid_argument("--context must be >= 0");
   if (f.shutdown_timeout < 0) return invalid_argument("--shutdown-timeout must be >= 0");
   TREEATTN_RETURN_IF_ERROR(check_timeout_ms("--timeout-ms", f.timeout_ms));
@@ -522,9 +522,6 @@ int serve_command(ServeFlags& f, const CLI::App& sub, const Invocation& inv) {
   catch_stop_signals();
   if (f.api_key.empty())
     if (const char* k = std::getenv("TREEATTN_API_KEY"); k != nullptr) f.api_key = k;
-  if (f.threads > 0 &&
-      f.threads > std::max(64, 4 * static_cast<int>(std::thread::hardware_concurrency())))
-    return fail(invalid_argument("--threads is larger than 4 x the cores"));
   if (started_by_mpi_launcher()) {
     auto world = mpi_init_world(nullptr, nullptr);
     if (!world.is_ok()) return fail(world.status());

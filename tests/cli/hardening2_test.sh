@@ -55,6 +55,8 @@ case "$case_name" in
     expect 2 "--threads -1: $threads_msg" 5 -- "$bin" topo --detect --threads -1
     expect 2 "--threads 4096: $threads_msg" 5 -- "$bin" run --ranks 2 --seq 1k --threads 4096
     expect 2 "--threads -1: $threads_msg" 5 -- "$bin" bench --ranks 2 --seq 1k --threads -1
+    expect 2 "--threads 2000: $threads_msg" 5 -- "$bin" generate --prompt a --threads 2000
+    expect 2 "--threads -1: $threads_msg" 5 -- "$bin" serve --threads -1
     ;;
   counts)
     expect 2 "--cases 2147483647: must be between 1 and 100000" 5 -- "$bin" verify --cases 2147483647

@@ -59,10 +59,13 @@ case "$CASE" in
     expect 2 "--device 'tpu': unknown device" -- "$B" generate --prompt a --device tpu ;;
   interrupt)
     need_model
-    "$B" generate --model "$MODEL" --ranks 2 --prompt-tokens 3000 --new-tokens 400 --ignore-eos \
+    "$B" generate --model "$MODEL" --ranks 2 --prompt-tokens 3000 --new-tokens 4000 --ignore-eos \
       --quiet > "$T/out" 2>&1 &
     pid=$!
-    sleep 6
+    # Signal once the ranks are running (their header is out), never after the job could end.
+    for _ in $(seq 1 100); do grep -q "treeattn generate (engine):" "$T/out" && break; sleep 0.2; done
+    grep -q "treeattn generate (engine):" "$T/out" || { cat "$T/out"; fail "the job did not start"; }
+    sleep 1
     kill -INT "$pid"
     wait "$pid"; rc=$?
     [ "$rc" = 130 ] || { cat "$T/out"; fail "exit $rc after SIGINT, expected 130"; }
