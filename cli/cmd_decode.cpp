@@ -315,8 +315,8 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
 int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invocation& inv,
                 bool bench) {
   if (Status s = f.shape.resolve(sub); !s.is_ok()) return fail(cmd, s);
-  // --device: what this build can run, before any rank starts (a missing GPU is found by the
-  // ranks themselves: open_device).
+  // --device: what this build can run, before any rank starts (whether this machine has a GPU:
+  // after the flags, below).
   auto device = parse_device(f.device);
   if (!device.is_ok()) return fail(cmd, device.status());
   f.device_kind = *device;
@@ -333,11 +333,12 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
     return kernel_bench(KernelBenchFlags{f.shape, f.shape.dtype, f.threads, f.repeats, f.isa,
                                          f.no_peer, f.kernel_cases, f.json, f.device_kind});
   }
-  // --device cuda on this machine's ranks: a machine without a usable GPU is refused here, not
-  // by every rank after mpirun has started them (ranks on named hosts find out for themselves).
-  if (Status s = check_device_here(f.device_kind); !s.is_ok()) return fail(cmd, s);
   auto methods = resolve_methods(f.methods, f.device_kind);
   if (!methods.is_ok()) return fail(cmd, methods.status());
+  // --device cuda on this machine's ranks: a machine without a usable GPU is refused here, once
+  // the flags are known good, not by every rank after mpirun has started them (ranks on named
+  // hosts find out for themselves).
+  if (Status s = check_device_here(f.device_kind); !s.is_ok()) return fail(cmd, s);
   if (f.deterministic) {  // tree-det first; with the default `all`, compared with tree only
     std::vector<std::string> m = {"tree-det"};
     if (sub.count("--methods") == 0) m.push_back("tree");

@@ -357,7 +357,6 @@ Runner add_verify_command(CLI::App& app, const Invocation& inv) {
   return [f, &inv, sub] {
     auto device = parse_device(f->device);
     Status dev_ok = device.is_ok() ? check_device_built(*device) : device.status();
-    if (dev_ok.is_ok()) dev_ok = check_device_here(*device);
     if (!dev_ok.is_ok()) {
       std::fprintf(stderr, "treeattn verify: error: %s\n", dev_ok.to_string().c_str());
       return 2;
@@ -365,30 +364,23 @@ Runner add_verify_command(CLI::App& app, const Invocation& inv) {
     f->device_kind = *device;
     if (f->device_kind == Device::kCuda && f->kv_layout == "tiled") {
       std::fprintf(stderr, "treeattn verify: error: --kv-layout tiled is the CPU kernel's layout "
-                   "in host memory; with --device cuda the shards are rows\n");
+                   "in host memory; with --device cuda the shards are rows (use --kv-layout "
+                   "auto or rows)\n");
       return 2;
     }
-    std::vector<std::string> methods;
-    const auto& reg = StrategyRegistry::for_backend(session_caps(f->device_kind));
-    if (f->methods == "all") {
-      for (const auto& i : reg.list()) methods.emplace_back(i.name);
-    } else {
-      methods = split_list(f->methods);
-      if (methods.empty()) {
-        std::fprintf(stderr, "treeattn verify: error: --methods '%s': no method given (name "
-                     "strategies, comma-separated, or all)\n", f->methods.c_str());
-        return 2;
-      }
-      for (const auto& m : methods)
-        if (!StrategyRegistry::for_backend(CommCapabilities{}).contains(m)) {
-          std::fprintf(stderr, "treeattn verify: error: unknown method '%s'\n", m.c_str());
-          return 2;
-        } else if (!reg.contains(m)) {
-          std::fprintf(stderr, "treeattn verify: error: method '%s' is not available with "
-                       "--device %s (NCCL has no user-defined reductions)\n", m.c_str(),
-                       device_name(f->device_kind));
-          return 2;
-        }
+    auto resolved = resolve_methods(f->methods, f->device_kind);
+    if (resolved.is_ok() && std::find(resolved->begin(), resolved->end(), "auto") != resolved->end())
+      resolved = invalid_argument("--methods: verify checks strategies; auto is the planner's "
+                                  "choice among them, not one");
+    if (!resolved.is_ok()) {
+      std::fprintf(stderr, "treeattn verify: error: %s\n", resolved.status().to_string().c_str());
+      return 2;
+    }
+    std::vector<std::string> methods = std::move(resolved).value();
+    // Once the flags are known good: a machine without a GPU for --device cuda.
+    if (Status s = check_device_here(f->device_kind); !s.is_ok()) {
+      std::fprintf(stderr, "treeattn verify: error: %s\n", s.to_string().c_str());
+      return 2;
     }
     if (f->deterministic) {
       std::vector<std::string> m = {"tree-det"};

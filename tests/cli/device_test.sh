@@ -24,6 +24,8 @@ py=/usr/bin/python3
 
 # What this build and machine say when CUDA cannot be used.
 no_cuda='built without CUDA \(nvcc was not found at configure time; see README, GPUs\)|without NCCL|no CUDA device'
+# ... what a build without them says (before any flag check).
+no_build='built without CUDA \(nvcc was not found at configure time; see README, GPUs\)|without NCCL'
 # ... and when a host has fewer GPUs than ranks (the 2-rank runs on a machine with one GPU).
 too_few='ranks on this host share its [0-9]+ GPUs?; --device cuda needs one GPU per rank'
 tiny=(--preset mha-64 --seq 1k --warmup 0)
@@ -37,11 +39,13 @@ case "$case_name" in
       "$bin" bench --device cuda --kv-layout tiled
     expect 2 "--kv-layout tiled .*with --device cuda the shards are rows|$no_cuda" 5 -- \
       "$bin" run --device cuda --kv-layout tiled
-    expect 2 "--methods auto with --device cuda|$no_cuda" 5 -- "$bin" bench --device cuda --methods auto
-    expect 2 "method 'hier' is not available with --device cuda|$no_cuda" 5 -- \
+    # Flag checks come before the search for a GPU: they are checked on every machine (a build
+    # without CUDA or NCCL refuses --device cuda first).
+    expect 2 "--methods auto with --device cuda|$no_build" 5 -- "$bin" bench --device cuda --methods auto
+    expect 2 "method 'hier' is not available with --device cuda|$no_build" 5 -- \
       "$bin" bench --device cuda --methods hier
     expect 2 "--device 'tpu': unknown device \(known: cpu, cuda\)" 5 -- "$bin" verify --device tpu
-    expect 2 "method 'hier' is not available with --device cuda|$no_cuda" 5 -- \
+    expect 2 "method 'hier' is not available with --device cuda|$no_build" 5 -- \
       "$bin" verify --device cuda --methods hier
     expect 0 "PASSED: 0 of 2 checks failed" 120 -- "$bin" verify --device cpu --ranks 2 --cases 2 \
       --methods tree
