@@ -158,6 +158,35 @@ def no_leaks(s, what):
         time.sleep(0.2)
 
 
+def stream_across_sigterm(s, start_stream, what):
+    """SIGTERM while a stream is running: start_stream() returns the stream; the signal goes
+    after its first chunk, and the stream must still end by its length (the drain), then the
+    server exits 0. 120 tokens take seconds, so the signal lands mid-stream."""
+    result, started = {}, threading.Event()
+
+    def consume():
+        try:
+            chunks = []
+            for ch in start_stream():
+                chunks.append(ch)
+                started.set()
+            result["finish"] = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+            result["n"] = sum(1 for ch in chunks if ch.choices and ch.choices[0].finish_reason
+                              is None)
+        except Exception as e:  # noqa: BLE001
+            result["error"] = repr(e)
+        started.set()
+
+    th = threading.Thread(target=consume)
+    th.start()
+    check(started.wait(120), what + ": the stream started", s)
+    rc = s.stop()
+    th.join(60)
+    check(result.get("finish") == "length", what + ": the stream in flight at SIGTERM finished: "
+          "%s" % result, s)
+    check(rc == 0, what + ": exit %d after SIGTERM" % rc, s)
+
+
 def stream_chat(c, **kw):
     chunks = list(c.chat.completions.create(stream=True, **kw))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
@@ -287,10 +316,15 @@ def case_api():
                   '{"messages": [{"role": "user", "content": "x"}], "bogus": 1}',
                   '{"messages": [{"role": "user", "content": "x"}], "stop": [1]}',
                   '{"messages": [{"role": "user", "content": "x"}], "max_tokens": "3"}',
-                  '\xff\xfe', '{"messages": [' * 200]
+                  b'{"prompt": "\xff\xfe"}', '{"messages": [' * 200]
         for body in corpus:
-            code, out = s.curl("-H", "Content-Type: application/json", "--data-binary", body,
-                               s.url + "/v1/chat/completions")
+            # Bytes that are not UTF-8 cannot travel as a command-line argument (Python would
+            # encode them): they go through a file.
+            with tempfile.NamedTemporaryFile("wb") as f:
+                f.write(body if isinstance(body, bytes) else body.encode())
+                f.flush()
+                code, out = s.curl("-H", "Content-Type: application/json", "--data-binary",
+                                   "@" + f.name, s.url + "/v1/chat/completions")
             err = json.loads(out).get("error", {})
             check(code == 400 and set(err) >= {"message", "type", "param", "code"},
                   "curl %r: 400 %s" % (body[:40], err.get("message", "")[:60]))
@@ -340,8 +374,9 @@ def case_faults():
         # A full queue: 2 running + 1 waiting; the next one gets 429 with Retry-After.
         socks, statuses = [], []
         for i in range(8):
+            # Long enough that only a cancellation ends them before no_leaks gives up.
             so = raw_stream(s.url, "/v1/completions",
-                            {"prompt": PROMPTS[i % 4], "max_tokens": 60, "stream": True,
+                            {"prompt": PROMPTS[i % 4], "max_tokens": 2000, "stream": True,
                              "ignore_eos": True})
             head = b""
             while b"\r\n\r\n" not in head:
@@ -382,7 +417,9 @@ def case_faults():
         # The three clients go away mid-stream: their requests are cancelled, pages freed.
         for so in socks:
             so.close()
-        no_leaks(s, "3 clients disconnected mid-stream")
+        m = no_leaks(s, "3 clients disconnected mid-stream")
+        gone = 'treeattn_requests_finished_total{reason="disconnected"}'
+        check(m.get(gone, 0) >= 3, "the 3 requests ended as disconnected: %s" % m.get(gone), s)
 
         # A slow reader: reads a few bytes at a time with pauses; gets the whole stream.
         so = raw_stream(s.url, "/v1/chat/completions",
@@ -403,33 +440,23 @@ def case_faults():
 
         # Disconnect during the prefill of a long prompt (before any token).
         so = raw_stream(s.url, "/v1/completions",
-                        {"prompt": [100 + i % 1000 for i in range(3000)], "max_tokens": 50,
-                         "stream": True})
+                        {"prompt": [100 + i % 1000 for i in range(3000)], "max_tokens": 2000,
+                         "stream": True, "ignore_eos": True})
         so.recv(16)
+        # Admitted (the metrics show it) before the client goes, so that no_leaks cannot pass
+        # on a snapshot taken before the engine saw it.
+        deadline = time.time() + 30
+        while s.metrics()["treeattn_requests_running"] != 1 and time.time() < deadline:
+            time.sleep(0.05)
         so.close()
-        no_leaks(s, "a client gone during a 3000-token prefill")
+        m = no_leaks(s, "a client gone during a 3000-token prefill")
+        check(m.get(gone, 0) >= 4, "the prefilling request ended as disconnected: %s" %
+              m.get(gone), s)
 
         # SIGTERM during a stream: the stream finishes (drain), then exit 0.
-        result = {}
-
-        def consume():
-            try:
-                chunks = list(c.completions.create(model="any", prompt=PROMPTS[3], max_tokens=16,
-                                                   temperature=0, stream=True,
-                                                   extra_body={"ignore_eos": True}))
-                result["finish"] = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
-                result["n"] = len(chunks)
-            except Exception as e:  # noqa: BLE001
-                result["error"] = repr(e)
-
-        th = threading.Thread(target=consume)
-        th.start()
-        time.sleep(1.0)
-        rc = s.stop()
-        th.join(60)
-        check(result.get("finish") == "length", "the stream in flight at SIGTERM finished: %s" %
-              result, s)
-        check(rc == 0, "exit %d after SIGTERM" % rc, s)
+        stream_across_sigterm(s, lambda: c.completions.create(
+            model="any", prompt=PROMPTS[3], max_tokens=120, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}), "1 rank")
     except BaseException:
         s.dump()
         s.stop(signal.SIGKILL)
@@ -539,25 +566,10 @@ def case_sigterm2():
     s = Server(ranks=2)
     try:
         c = s.client()
-        result = {}
-
-        def consume():
-            try:
-                chunks = list(c.chat.completions.create(
-                    model="any", messages=[{"role": "user", "content": "Count to fifty."}],
-                    max_tokens=16, temperature=0, stream=True, extra_body={"ignore_eos": True}))
-                result["finish"] = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
-            except Exception as e:  # noqa: BLE001
-                result["error"] = repr(e)
-
-        th = threading.Thread(target=consume)
-        th.start()
-        time.sleep(1.5)
-        rc = s.stop()
-        th.join(60)
-        check(result.get("finish") == "length", "2 ranks: the stream in flight at SIGTERM "
-              "finished: %s" % result, s)
-        check(rc == 0, "2 ranks: exit %d after SIGTERM" % rc, s)
+        stream_across_sigterm(s, lambda: c.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": "Count to fifty."}],
+            max_tokens=120, temperature=0, stream=True, extra_body={"ignore_eos": True}),
+            "2 ranks")
     except BaseException:
         s.dump()
         s.stop(signal.SIGKILL)
