@@ -21,6 +21,7 @@
 //   (the same with `followup`, and `merge` without --model), and across two emulated hosts:
 //   tools/cluster/cluster.sh session 2 --slots 1 --link 10gbit -- -np 2
 //       $PWD/build/release/bench/treeattn_engine_bench merge
+//   (and --link 1gbit for the 1 Gbit figures); `throughput --context 256` for the short contexts.
 // Not part of the test suite. Ratios are measured within one run.
 #include <fmt/format.h>
 
