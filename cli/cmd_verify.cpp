@@ -368,6 +368,11 @@ Runner add_verify_command(CLI::App& app, const Invocation& inv) {
                    "auto or rows)\n");
       return 2;
     }
+    if (split_list(f->methods).empty()) {
+      std::fprintf(stderr, "treeattn verify: error: --methods '%s': no method given (name "
+                   "strategies, comma-separated, or all)\n", f->methods.c_str());
+      return 2;
+    }
     auto resolved = resolve_methods(f->methods, f->device_kind);
     if (resolved.is_ok() && std::find(resolved->begin(), resolved->end(), "auto") != resolved->end())
       resolved = invalid_argument("--methods: verify checks strategies; auto is the planner's "
