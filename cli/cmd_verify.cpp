@@ -224,7 +224,9 @@ int verify_job(VerifyFlags& f, const std::vector<std::string>& methods,
     }
   }
   // --device cuda: this rank's GPU and the NCCL communicator, or every rank stops with the
-  // first failing rank's message.
+  // first failing rank's message. The NCCL set-up honours world's timeout and the communicator
+  // starts with it: --timeout-ms, as for decode (0: NCCL's finite default, comm_nccl.hpp).
+  world->set_timeout(std::chrono::milliseconds(f.timeout_ms));
   auto dev_r = open_device(*world, f.device_kind);
   if (!dev_r.is_ok()) {
     if (lead) std::fprintf(stderr, "treeattn verify: error: %s\n", dev_r.status().message().c_str());

@@ -34,9 +34,16 @@
 //   communicator (ncclCommAbort; the kernels waiting for the missing rank return) and every
 //   later call returns the error: kTimeout "rank R: NCCL <op> (#k at <context>) did not complete
 //   within N ms; waiting for ranks X, Y (the peers of its point-to-point messages)" or, for a
-//   collective, a message saying that NCCL does not tell which rank is missing. Results of the
-//   step that timed out are garbage. The blocking calls (wait_all, barrier, synchronize, split)
-//   return the error as soon as the watchdog raised it.
+//   collective, a message saying that NCCL does not tell which rank is missing. The same message
+//   (one condition, one message) when the missing rank shows while a non-blocking NCCL call is
+//   still in progress (newer NCCL connects at the first collective). Results of the step that
+//   timed out are garbage: a caller that copies results back checks synchronize() (the session
+//   does). The blocking calls (wait_all, barrier, synchronize, split) return the error as soon
+//   as the watchdog raised it.
+// - The timeout starts finite: the bootstrap's, or kNcclDefaultTimeout where the bootstrap's is
+//   0 (a queued NCCL kernel that waits for a dead rank never returns by itself). The destructor
+//   waits for the enqueued work at most timeout() (kNcclDefaultTimeout where it is 0), then
+//   aborts the NCCL communicator instead of finalizing it, so a rank never hangs on exit.
 // - split() is ncclCommSplit (ranks ordered by key, then rank); split_shared() groups the ranks
 //   whose host name and boot id agree. Sub-communicators share the settings and counters.
 // - Counters as the other backends: isend payload bytes and messages; per collective one call
@@ -45,6 +52,7 @@
 //   communicator (which must therefore outlive this one) to end the job.
 #pragma once
 
+#include <chrono>
 #include <memory>
 
 #include "treeattn/comm.hpp"
@@ -53,12 +61,17 @@
 
 namespace treeattn {
 
+// The NCCL communicator's timeout where its bootstrap communicator has none (0: wait forever),
+// and the destructor's limit where timeout() is 0. The CLI's --timeout-ms, SessionConfig::timeout
+// and EngineConfig::timeout replace it (comm.set_timeout) for their operations.
+inline constexpr std::chrono::milliseconds kNcclDefaultTimeout{60000};
+
 // Whether this build has the NCCL backend (TREEATTN_WITH_CUDA and NCCL found at configure time).
 bool nccl_built();
 
 // Collective over bootstrap (a host communicator). executor: a CUDA executor; the NCCL
 // communicator enqueues on its stream and must not outlive it or bootstrap. The set-up honours
-// bootstrap.timeout(), which the new communicator inherits.
+// bootstrap.timeout(), which the new communicator inherits (kNcclDefaultTimeout where it is 0).
 Result<std::unique_ptr<Communicator>> make_nccl_communicator(Communicator& bootstrap,
                                                              Executor& executor);
 

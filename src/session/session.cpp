@@ -16,6 +16,19 @@ std::string rank_prefix(const Communicator& c) {
   return "rank " + std::to_string(c.world_rank()) + ": ";
 }
 
+// The failure-state check before a device step's results are handed back (issue 21, 2). A
+// stream-ordered communicator (NCCL) only enqueues its collectives; when its watchdog aborts one
+// that waits for a missing rank, NCCL's kernels return normally, the stream completes and a copy
+// to the host succeeds, with garbage in it. The communicator knows: its synchronize() returns
+// the failure (comm_nccl.hpp). Called after the copy to the host that ends attend_states (the
+// stream is drained then, so it costs an event query) or the normalize that ends a device
+// attend (it then waits for the step, so that success means a result known to be good); a host
+// communicator has completed its calls and reported their errors already, so it is not asked.
+Status check_stream_ordered_comm(Communicator& c) {
+  if (!c.capabilities().stream_ordered) return Status::ok();
+  return c.synchronize();
+}
+
 // What every rank must agree on, serialized as "name=value" fields in a fixed-size record for
 // an all-gather, with this rank's own verdict on its configuration.
 constexpr std::size_t kFieldsBytes = 3072;
@@ -412,7 +425,8 @@ Status DecodeSession::attend_states(int layer, const float* q, StateBuffer& stat
   if (states.records() != B * Q * H || states.head_dim() != D) states = StateBuffer(B, Q, H, D);
   TREEATTN_RETURN_IF_ERROR(run_on_device(layer, q, strategy));
   if (!delivers_result(strategy)) return Status::ok();
-  return exec_->to_host(states.data(), device_scratch_.data(), states.bytes());
+  TREEATTN_RETURN_IF_ERROR(exec_->to_host(states.data(), device_scratch_.data(), states.bytes()));
+  return check_stream_ordered_comm(*comm_);  // not a success with garbage (see there)
 }
 
 Status DecodeSession::run_on_device(int layer, const float* q, int strategy) {
@@ -444,10 +458,11 @@ Status DecodeSession::attend(int layer, const float* q, float* out, float* lse) 
     TREEATTN_RETURN_IF_ERROR(run_on_device(layer, q, 0));
     if (!delivers_result(0)) return Status::ok();
     if (out == nullptr) return invalid_argument(rank_prefix(*comm_) + "attend: null output");
-    return exec_->normalize(
+    TREEATTN_RETURN_IF_ERROR(exec_->normalize(
         device_scratch_.as<float>(),
         static_cast<std::size_t>(config_.shape.batch * config_.shape.q_len * config_.shape.heads),
-        static_cast<std::size_t>(config_.shape.head_dim), out, lse);
+        static_cast<std::size_t>(config_.shape.head_dim), out, lse));
+    return check_stream_ordered_comm(*comm_);  // not a success with garbage (see there)
   }
   TREEATTN_RETURN_IF_ERROR(attend_states(layer, q, scratch_, 0));
   if (!delivers_result(0)) return Status::ok();

@@ -11,8 +11,10 @@
 #include <cmath>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "comm/nccl/nccl_policy.hpp"
 #include "treeattn/comm_local.hpp"
 #include "treeattn/comm_nccl.hpp"
 #include "treeattn/executor_cuda.hpp"
@@ -323,6 +325,61 @@ TEST(NcclComm, SessionOverNcclMatchesTheOracleForEveryStrategy) {
     s = run_nccl(p, session_matches_oracle);
     EXPECT_TRUE(s.is_ok()) << p << " ranks: " << s.to_string();
   }
+}
+
+// ---- host-side rules (nccl_policy.hpp): run on every machine -----------------------------------
+
+TEST(NcclPolicy, TheCommunicatorNeverStartsWithoutATimeout) {
+  using std::chrono::milliseconds;
+  EXPECT_GT(kNcclDefaultTimeout.count(), 0);
+  EXPECT_EQ(nccl_detail::initial_timeout(milliseconds(0)), kNcclDefaultTimeout);
+  EXPECT_EQ(nccl_detail::initial_timeout(milliseconds(1500)), milliseconds(1500));
+  // The destructor's wait is bounded even after set_timeout(0) ("wait forever").
+  EXPECT_EQ(nccl_detail::teardown_limit(milliseconds(0)), kNcclDefaultTimeout);
+  EXPECT_EQ(nccl_detail::teardown_limit(milliseconds(250)), milliseconds(250));
+}
+
+TEST(NcclPolicy, TheTeardownPollGivesUpAtItsLimit) {
+  // A stream that never drains (a queued collective waiting for a dead peer): the poll returns
+  // false at the limit, so the destructor aborts instead of hanging.
+  int naps = 0;
+  const auto start = std::chrono::steady_clock::now();
+  const bool drained = nccl_detail::poll_until([] { return false; }, std::chrono::milliseconds(60),
+                                               [&](auto) {
+                                                 ++naps;
+                                                 std::this_thread::sleep_for(
+                                                     std::chrono::milliseconds(1));
+                                               });
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_FALSE(drained);
+  EXPECT_GE(took, std::chrono::milliseconds(60));
+  EXPECT_LT(took, std::chrono::seconds(5));
+  EXPECT_GT(naps, 0);
+  // A stream that drains on the third look: true, without waiting for the limit.
+  int looks = 0;
+  EXPECT_TRUE(nccl_detail::poll_until([&] { return ++looks == 3; }, std::chrono::hours(1),
+                                      [](auto) {}));
+  EXPECT_EQ(looks, 3);
+}
+
+TEST(NcclPolicy, AMissingRankHasOneMessage) {
+  // The watchdog (an enqueued collective) and a non-blocking call still in progress (newer NCCL
+  // connects at the first collective) report the same condition with the same words, the ones
+  // ARankThatSkipsACollectiveIsATimeoutNotAHang looks for.
+  const std::string collective =
+      nccl_detail::missing_rank_message("rank 0: ", "allreduce (operation #1)", 2000, {});
+  const std::string in_progress =
+      nccl_detail::missing_rank_message("rank 0: ", "allreduce at step 2", 2000, {});
+  const std::string p2p =
+      nccl_detail::missing_rank_message("rank 2: ", "point-to-point group #4", 500, {1, 3});
+  for (const std::string& m : {collective, in_progress})
+    EXPECT_NE(m.find("did not complete within 2000 ms"), std::string::npos) << m;
+  EXPECT_EQ(collective.rfind("rank 0: NCCL allreduce", 0), 0u) << collective;
+  EXPECT_NE(collective.find("does not report which rank is missing"), std::string::npos);
+  EXPECT_NE(p2p.find("did not complete within 500 ms; waiting for ranks 1, 3"), std::string::npos)
+      << p2p;
+  EXPECT_NE(p2p.find("aborted the NCCL communicator"), std::string::npos) << p2p;
+  EXPECT_EQ(p2p.find("did not finish"), std::string::npos);
 }
 
 TEST(NcclComm, NoNcclBuildSaysSo) {

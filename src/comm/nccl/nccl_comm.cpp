@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "nccl_policy.hpp"
 #include "treeattn/comm_nccl.hpp"
 #include "treeattn/executor_cuda.hpp"
 
@@ -140,12 +141,22 @@ class NcclComm final : public Communicator {
     (void)use_device(device_);
     std::lock_guard<std::mutex> nk(nccl_mu_);
     if (comm_) {
-      if (!failed_.load()) {
-        // Flush what is enqueued, then free the communicator; a peer that never completes makes
-        // the finalize time out, and the communicator is aborted instead.
-        (void)cudaStreamSynchronize(stream_);
+      // The work enqueued on the stream may wait for a peer that is gone, and with the watchdog
+      // stopped nothing else would end it: wait at most the timeout (never unbounded,
+      // nccl_policy.hpp), then abort, which makes NCCL's kernels return.
+      const milliseconds limit = nccl_detail::teardown_limit(timeout());
+      const bool drained = !failed_.load() && nccl_detail::poll_until(
+                                                  [this] {
+                                                    const cudaError_t q = cudaStreamQuery(stream_);
+                                                    // An error is not "still running": stop.
+                                                    return q != cudaErrorNotReady;
+                                                  },
+                                                  limit, backoff);
+      if (drained) {
+        // Then free the communicator; a peer that never completes makes the finalize time
+        // out, and the communicator is aborted instead.
         ncclResult_t r = ncclCommFinalize(comm_);
-        const auto end = Clock::now() + milliseconds(10000);
+        const auto end = Clock::now() + limit;
         const auto since = Clock::now();
         while (r == ncclInProgress && Clock::now() < end) {
           backoff(since);
@@ -471,11 +482,10 @@ class NcclComm final : public Communicator {
         (void)ncclCommAbort(comm_);
         if (c != comm_) (void)ncclCommAbort(c);
         comm_ = nullptr;
+        // The same condition as the watchdog's (a rank that never came), so the same message.
         return fail_now(Code::kTimeout,
-                        std::string(call) + where() + " did not finish within " +
-                            std::to_string(timeout().count()) +
-                            " ms (NCCL waits for every rank of the communicator and does not say "
-                            "which one is missing); aborted the NCCL communicator");
+                        nccl_detail::missing_rank_message("", std::string(call) + where(),
+                                                          timeout().count(), {}));
       }
       backoff(since);
     }
@@ -615,19 +625,8 @@ class NcclComm final : public Communicator {
       }
       if (!failed_.load() && !tracked_.empty() && Clock::now() > tracked_.front().deadline) {
         const Tracked& t = tracked_.front();
-        std::string msg = who() + "NCCL " + t.what + " did not complete within " +
-                          std::to_string(t.timeout_ms) + " ms; ";
-        if (t.peers.empty()) {
-          msg +=
-              "NCCL does not report which rank is missing (every rank of the communicator "
-              "must reach this collective)";
-        } else {
-          msg += "waiting for rank";
-          msg += t.peers.size() > 1 ? "s" : "";
-          for (std::size_t i = 0; i < t.peers.size(); ++i)
-            msg += (i ? ", " : " ") + std::to_string(t.peers[i]);
-        }
-        failure_ = Status(Code::kTimeout, msg + "; aborted the NCCL communicator");
+        failure_ = Status(Code::kTimeout,
+                          nccl_detail::missing_rank_message(who(), t.what, t.timeout_ms, t.peers));
         failed_ = true;
       }
       // Asynchronous NCCL errors. nccl_mu_ is busy while this rank's thread is inside an NCCL
@@ -734,16 +733,16 @@ Result<std::unique_ptr<Communicator>> make_nccl_communicator(Communicator& boots
   cfg.blocking = 0;
   ncclComm_t comm = nullptr;
   ncclResult_t r = ncclCommInitRankConfig(&comm, p, all[0].id, me, &cfg);
-  const auto end = deadline_after(bootstrap.timeout());
+  const milliseconds limit = nccl_detail::initial_timeout(bootstrap.timeout());
+  const auto end = deadline_after(limit);
   const auto since = Clock::now();
   while (r == ncclInProgress && comm != nullptr) {
     if (Clock::now() > end) {
       (void)ncclCommAbort(comm);
       return Status(Code::kTimeout,
-                    who + "ncclCommInitRankConfig did not finish within " +
-                        std::to_string(bootstrap.timeout().count()) +
-                        " ms (every rank passed the bootstrap all-gather; NCCL does not say "
-                        "which rank stalled); aborted");
+                    nccl_detail::missing_rank_message(
+                        who, "ncclCommInitRankConfig (every rank passed the bootstrap all-gather)",
+                        limit.count(), {}));
     }
     backoff(since);
     ncclResult_t q = ncclInProgress;
@@ -757,7 +756,7 @@ Result<std::unique_ptr<Communicator>> make_nccl_communicator(Communicator& boots
                           std::to_string(info->device) + ") failed: " + text);
   }
   auto shared = std::make_shared<CommShared>();
-  shared->timeout = bootstrap.timeout();
+  shared->timeout = limit;  // never "forever" at the start (nccl_policy.hpp)
   shared->context = bootstrap.context();
   auto c = std::make_unique<NcclComm>(shared, comm, bootstrap.world_rank(), info->device,
                                       static_cast<cudaStream_t>(*stream), &bootstrap);
