@@ -9,7 +9,8 @@
 # tools/gpu_check/gpu_check.cpp), runs PyTorch's SDPA on the same shapes when torch is
 # importable, writes OUTDIR/gpu-check.json and prints a short table.
 #
-# Exit status: 0 every result correct; 1 a wrong result; 2 no usable GPU, or the build failed.
+# Exit status: 0 every result correct; 1 a wrong result (or gpu_check crashed); 2 the
+# environment: no usable GPU, a set-up that failed (the NCCL communicator), or the build failed.
 # Environment: TREEATTN_GPU_CHECK_BUILD (build dir), TREEATTN_GPU_CHECK_CMAKE_ARGS (extra
 # configure arguments, e.g. -DCMAKE_CUDA_ARCHITECTURES=100), TREEATTN_GPU_CHECK_ARGS (extra
 # gpu_check arguments: --seed N --cases N --max-tokens N).
@@ -57,10 +58,17 @@ echo "== gpu_check"
 # shellcheck disable=SC2086
 "$build/tools/gpu_check/gpu_check" "$out" ${TREEATTN_GPU_CHECK_ARGS:-} 2>&1 | tee "$out/gpu_check.log"
 rc=${PIPESTATUS[0]}
-if [ "$rc" -eq 2 ]; then
+# gpu_check: 0 correct, 1 a wrong result, 2 the environment (no usable GPU, or a set-up such as
+# the NCCL communicator failed); anything else is a crash, which counts as a failure (1), and
+# gpu-check-core.json holds the sections that ended before it ("complete": false).
+if [ "$rc" -eq 2 ] && grep -q '"section": "device", "name": "CUDA executor"' "$out/gpu-check-core.json" 2>/dev/null; then
   echo "gpu-check: no usable GPU here; nothing was measured (details: $out/gpu-check-core.json)" >&2
   cp "$out/gpu-check-core.json" "$out/gpu-check.json" 2>/dev/null || true
   exit 2
+fi
+if [ "$rc" -ne 0 ] && [ "$rc" -ne 1 ] && [ "$rc" -ne 2 ]; then
+  echo "gpu-check: gpu_check crashed (exit $rc); $out/gpu-check-core.json holds the sections before it" >&2
+  rc=1
 fi
 
 if command -v python3 >/dev/null 2>&1; then
@@ -70,5 +78,10 @@ if command -v python3 >/dev/null 2>&1; then
 else
   cp "$out/gpu-check-core.json" "$out/gpu-check.json"
 fi
-echo "gpu-check: $(( $(date +%s) - start )) s in all; exit $rc ($([ "$rc" -eq 0 ] && echo 'all results correct' || echo 'WRONG RESULTS'))"
+case "$rc" in
+  0) verdict='all results correct' ;;
+  2) verdict='a set-up failed (environment; see the ENV lines); no wrong result' ;;
+  *) verdict='WRONG RESULTS' ;;
+esac
+echo "gpu-check: $(( $(date +%s) - start )) s in all; exit $rc ($verdict)"
 exit "$rc"

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "comm/nccl/nccl_policy.hpp"
+#include "kernels/cuda/cuda_presence.hpp"
 #include "treeattn/comm_local.hpp"
 #include "treeattn/comm_nccl.hpp"
 #include "treeattn/executor_cuda.hpp"
@@ -41,14 +42,20 @@ Status run_nccl(int p, const Fn& fn, std::chrono::milliseconds timeout = std::ch
   });
 }
 
-// Skips unless NCCL is built and `ranks` devices exist.
-#define REQUIRE_DEVICES(ranks)                                                               \
-  do {                                                                                       \
-    if (!nccl_built()) GTEST_SKIP() << "this build has no NCCL backend";                     \
-    std::string why_;                                                                        \
-    const int n_ = cuda_device_count(&why_);                                                 \
-    if (n_ < (ranks))                                                                        \
-      GTEST_SKIP() << "needs " << (ranks) << " CUDA device(s), found " << n_ << " " << why_; \
+// Skips unless NCCL is built and `ranks` devices exist; a machine with no CUDA device or driver
+// skips, one whose CUDA is there but broken (cudaGetDeviceCount fails otherwise) fails
+// (cuda_presence.hpp).
+#define REQUIRE_DEVICES(ranks)                                                                 \
+  do {                                                                                         \
+    if (!nccl_built()) GTEST_SKIP() << "this build has no NCCL backend";                       \
+    const gpu::CudaProbe probe_ = gpu::probe_cuda();                                           \
+    const std::string absent_ = gpu::cuda_absence(probe_);                                     \
+    if (!absent_.empty()) GTEST_SKIP() << "no CUDA device here: " << absent_;                  \
+    if (probe_.count_error != gpu::kCudaSuccess)                                               \
+      FAIL() << "CUDA is present but cudaGetDeviceCount failed: " << probe_.error_name         \
+             << " (driver version " << probe_.driver_version << ")";                           \
+    if (probe_.device_count < (ranks))                                                         \
+      GTEST_SKIP() << "needs " << (ranks) << " CUDA devices, found " << probe_.device_count;   \
   } while (0)
 
 Result<Buffer> device_floats(Executor& e, const std::vector<float>& host) {

@@ -54,8 +54,11 @@ def main(outdir, build_seconds):
     core["build_seconds"] = build_seconds
     with open(os.path.join(outdir, "gpu-check.json"), "w") as f:
         json.dump(core, f, indent=2)
-    bad = [c for c in core.get("checks", []) if not c["ok"]]
-    print(f"\n{len(core.get('checks', []))} checks, {len(bad)} wrong; "
+    checks = core.get("checks", [])
+    bad = [c for c in checks if not c["ok"] and not c.get("environment")]
+    env = [c for c in checks if not c["ok"] and c.get("environment")]
+    done = "" if core.get("complete", True) else " (gpu_check did not finish: later sections missing)"
+    print(f"\n{len(checks)} checks, {len(bad)} wrong, {len(env)} set-up failures{done}; "
           f"written {os.path.join(outdir, 'gpu-check.json')}")
 
 

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "kernels/cuda/cuda_kernels.hpp"
+#include "kernels/cuda/cuda_presence.hpp"
 #include "kernels/cuda/decode_geometry.hpp"
 #include "treeattn/executor_cuda.hpp"
 #include "treeattn/state.hpp"
@@ -524,6 +525,26 @@ int cuda_device_count(std::string* why) {
   }
   if (n == 0 && why) *why = "cudaGetDeviceCount found 0 devices";
   return n;
+}
+
+// cuda_presence.hpp names these error codes as plain ints.
+static_assert(cudaSuccess == gpu::kCudaSuccess);
+static_assert(cudaErrorStubLibrary == gpu::kCudaErrorStubLibrary);
+static_assert(cudaErrorInsufficientDriver == gpu::kCudaErrorInsufficientDriver);
+static_assert(cudaErrorNoDevice == gpu::kCudaErrorNoDevice);
+
+gpu::CudaProbe gpu::probe_cuda() {
+  CudaProbe p;
+  p.built = true;
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  (void)cudaGetLastError();
+  p.count_error = static_cast<int>(e);
+  p.device_count = e == cudaSuccess ? n : 0;
+  p.error_name = cudaGetErrorName(e);
+  int v = 0;
+  if (cudaDriverGetVersion(&v) == cudaSuccess) p.driver_version = v;
+  return p;
 }
 
 Result<std::unique_ptr<Executor>> make_cuda_executor(const CudaExecutorOptions& options) {

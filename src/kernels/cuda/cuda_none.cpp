@@ -1,5 +1,6 @@
 // executor_cuda.hpp in a build without CUDA (TREEATTN_WITH_CUDA=OFF, or AUTO where no nvcc was
 // found): the same functions, each saying that this build has no CUDA executor.
+#include "kernels/cuda/cuda_presence.hpp"
 #include "treeattn/executor_cuda.hpp"
 
 namespace treeattn {
@@ -14,6 +15,8 @@ Status no_cuda(const char* op) {
 }  // namespace
 
 bool cuda_built() { return false; }
+
+gpu::CudaProbe gpu::probe_cuda() { return CudaProbe{}; }  // built = false
 
 int cuda_device_count(std::string* why) {
   if (why) *why = "this treeattn was built without CUDA";
