@@ -2,8 +2,10 @@
 # The main job on a fresh Debian 12 machine: install what is missing, build, and run a real
 # multi-rank tree-attention decode with an exactness check and a side-by-side comparison.
 # Extra arguments go to `treeattn run` (see `treeattn run --help`).
+# Builds only the treeattn command and the libraries it links (about half of the targets: no
+# tests, fuzz inputs, benchmarks or Python module); tools/test.sh builds and checks everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/deps.sh
-tools/build.sh
+tools/build.sh treeattn_cli
 exec build/release/cli/treeattn run "$@"
