@@ -1,8 +1,11 @@
 // Google Benchmark microbenchmarks of the decode kernel (per ISA target and dtype, llama3-8b
-// head layout; the caller's row layout and the tiled layout of kv_tiles.hpp) and of the state
-// merge. Not part of the test suite; run
+// head layout; the caller's row layout and the tiled layout of kv_tiles.hpp), of the state
+// merge and of the weight matrix kernels (model::matmul per ISA and GGUF type). Not part of the
+// test suite; run
 //   build/<dir>/bench/treeattn_microbench --benchmark_filter=Decode
-// Reported bytes/s count the KV bytes the kernel must read.
+//   build/<dir>/bench/treeattn_microbench --benchmark_filter=Matmul
+// Reported bytes/s count the KV bytes the kernel must read (Decode) or the weight bytes
+// (Matmul: the matrix is read once per call, whatever the token count).
 #include <benchmark/benchmark.h>
 
 #include <random>
@@ -10,6 +13,7 @@
 
 #include "treeattn/kernel.hpp"
 #include "treeattn/kv_tiles.hpp"
+#include "treeattn/model.hpp"
 #include "treeattn/shape.hpp"
 #include "treeattn/state.hpp"
 
@@ -135,6 +139,78 @@ void BM_Merge(benchmark::State& st) {
   st.SetBytesProcessed(st.iterations() * static_cast<int64_t>(2 * n * (D + 2) * sizeof(float)));
 }
 BENCHMARK(BM_Merge)->Args({128, 32})->Args({128, 1024})->Args({256, 1024});
+
+// One weight matrix of `rows` x 4096 (twice the 32 MB L3 of the test machines for the 4-bit
+// types at 8192 rows) against `tokens` activations. Random codes; every f16 scale set to 2^-7 so
+// that no value is a NaN or subnormal.
+// args: isa, ggml type, tokens, threads
+void BM_Matmul(benchmark::State& st) {
+  const auto isa = static_cast<Isa>(st.range(0));
+  const auto type = static_cast<uint32_t>(st.range(1));
+  const int64_t tokens = st.range(2), rows = 8192, cols = 4096;
+  if (!isa_supported(isa)) {
+    st.SkipWithError("CPU lacks this ISA");
+    return;
+  }
+  const gguf::BlockLayout bl = gguf::block_layout(type);
+  const int64_t row_bytes = cols / bl.block_elems * bl.block_bytes;
+  std::vector<uint8_t> w(static_cast<std::size_t>(rows * row_bytes));
+  std::mt19937_64 rng(1);
+  for (auto& b : w) b = static_cast<uint8_t>(rng());
+  std::vector<int> f16_at;  // offsets of the f16 fields in a block
+  switch (static_cast<gguf::TensorType>(type)) {
+    case gguf::TensorType::kQ6_K:
+      f16_at = {208};
+      break;
+    case gguf::TensorType::kQ4_1:
+    case gguf::TensorType::kQ5_1:
+    case gguf::TensorType::kQ4_K:
+    case gguf::TensorType::kQ5_K:
+      f16_at = {0, 2};
+      break;
+    default:
+      f16_at = {0};
+  }
+  for (std::size_t b = 0; b < w.size(); b += bl.block_bytes)
+    for (const int o : f16_at) {
+      w[b + static_cast<std::size_t>(o)] = 0x00;
+      w[b + static_cast<std::size_t>(o) + 1] = 0x20;  // 2^-7
+    }
+  model::WeightMatrix m;
+  m.name = "bench";
+  m.type = type;
+  m.data = w.data();
+  m.rows = rows;
+  m.cols = cols;
+  m.row_bytes = row_bytes;
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> x(static_cast<std::size_t>(tokens * cols)),
+      y(static_cast<std::size_t>(tokens * rows));
+  for (auto& v : x) v = u(rng);
+  const model::WeightMatrix* mats[] = {&m};
+  float* ys[] = {y.data()};
+  const model::MatvecOptions opt{static_cast<int>(st.range(3)), isa};
+  for (auto _ : st) {
+    const Status r = model::matmul(mats, x.data(), tokens, cols, ys, opt);
+    if (!r.is_ok()) st.SkipWithError(r.message().c_str());
+    benchmark::DoNotOptimize(y.data());
+  }
+  st.SetBytesProcessed(st.iterations() * static_cast<int64_t>(w.size()));
+  st.SetLabel(std::string(isa_name(isa)) + "/" + gguf::tensor_type_name(type));
+}
+
+void matmul_args(benchmark::internal::Benchmark* b) {
+  for (Isa isa : {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512})
+    for (const gguf::TensorType t :
+         {gguf::TensorType::kQ8_0, gguf::TensorType::kQ4_0, gguf::TensorType::kQ4_1,
+          gguf::TensorType::kQ5_0, gguf::TensorType::kQ5_1, gguf::TensorType::kQ4_K,
+          gguf::TensorType::kQ5_K, gguf::TensorType::kQ6_K})
+      for (int64_t tokens : {1, 16}) {
+        if (isa == Isa::kGeneric && tokens > 1) continue;
+        b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), tokens, 1});
+      }
+}
+BENCHMARK(BM_Matmul)->Apply(matmul_args)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 

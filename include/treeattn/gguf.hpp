@@ -15,9 +15,10 @@
 // byte offset and what was wrong; nothing here throws or aborts.
 //
 // Tensor types: the directory records any ggml type whose block layout is known (so sizes are
-// checked for all of them), but only F32, F16, BF16, Q8_0, Q4_0 and Q4_1 can be read
-// (dequantize_row, dot_row_reference, File::tensor); the others are kUnsupported with the type
-// and tensor named. A type id unknown to ggml makes the file unreadable (its size is unknown).
+// checked for all of them), but only F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K
+// and Q6_K can be read (dequantize_row, dot_row_reference, File::tensor); the others (Q2_K,
+// Q3_K, the IQ types, ...) are kUnsupported with the type and tensor named. A type id unknown to
+// ggml makes the file unreadable (its size is unknown).
 //
 // Dimension order is ggml's: dims[0] is the contiguous (innermost) one, so a weight matrix of
 // `rows x cols` (one output per row) has dims = {cols, rows} and rows of row_bytes() each.
@@ -53,13 +54,18 @@ enum class ValueType : uint32_t {
 // "uint32", "string", "array", ...; "type 77" for a number outside the format.
 std::string value_type_name(ValueType t);
 
-// ggml tensor types, numbered as in ggml.h. Only the first six are supported for reading.
+// ggml tensor types, numbered as in ggml.h: the ones supported for reading.
 enum class TensorType : uint32_t {
   kF32 = 0,
   kF16 = 1,
   kQ4_0 = 2,
   kQ4_1 = 3,
+  kQ5_0 = 6,
+  kQ5_1 = 7,
   kQ8_0 = 8,
+  kQ4_K = 12,
+  kQ5_K = 13,
+  kQ6_K = 14,
   kBF16 = 30,
 };
 // "f32", "q4_1", "q6_K", ...; "type 77" for ids ggml does not define.
@@ -75,21 +81,50 @@ struct BlockLayout {
 // The layout of every type ggml defines (supported or not); block_elems == 0 for unknown ids.
 BlockLayout block_layout(uint32_t type);
 
-// Block formats of the supported quantized types (32 values per block; d, m are IEEE f16):
+// Block formats of the supported quantized types (ggml's ggml-common.h; d, m, dmin are IEEE f16,
+// every field little-endian, blocks packed without padding):
+// 32 values per block, j < 16:
 //   Q8_0 (34 B): d, int8 q[32];                 x[j] = d * q[j]
 //   Q4_0 (18 B): d, uint8 qs[16];               x[j] = d * ((qs[j] & 15) - 8),
 //                                               x[j + 16] = d * ((qs[j] >> 4) - 8)
 //   Q4_1 (20 B): d, m, uint8 qs[16];            x[j] = d * (qs[j] & 15) + m,
 //                                               x[j + 16] = d * (qs[j] >> 4) + m
+//   Q5_0 (22 B): d, uint32 qh, uint8 qs[16];    x[j] = d * (((qs[j] & 15) | h(j) << 4) - 16),
+//                                               x[j + 16] = d * (((qs[j] >> 4) | h(j + 16) << 4)
+//                                               - 16),   h(e) = (qh >> e) & 1
+//   Q5_1 (24 B): d, m, uint32 qh, uint8 qs[16]; x[j] = d * ((qs[j] & 15) | h(j) << 4) + m,
+//                                               x[j + 16] = d * ((qs[j] >> 4) | h(j + 16) << 4)
+//                                               + m
+// 256 values per super-block ("K" types), in sub-blocks s of 32 (Q4_K, Q5_K) or 16 (Q6_K):
+//   Q4_K (144 B): d, dmin, uint8 scales[12], uint8 qs[128]
+//       sub-block s < 8 has 6-bit scale sc(s) and min m(s) packed in `scales`:
+//         s < 4: sc = scales[s] & 63,   m = scales[s + 4] & 63
+//         s >= 4: sc = (scales[s + 4] & 15) | (scales[s - 4] >> 6) << 4,
+//                 m = (scales[s + 4] >> 4) | (scales[s] >> 6) << 4
+//       value l < 32 of sub-block s: q = (qs[32 * (s / 2) + l] >> 4 * (s % 2)) & 15,
+//         x = (d * sc(s)) * q - dmin * m(s)
+//   Q5_K (176 B): d, dmin, uint8 scales[12], uint8 qh[32], uint8 qs[128]
+//       as Q4_K with a fifth bit: q |= ((qh[l] >> s) & 1) << 4
+//   Q6_K (210 B): uint8 ql[128], uint8 qh[64], int8 scales[16], d   (d last)
+//       value i = 128 h + 32 k + l (h < 2, k < 4, l < 32):
+//         q = ((ql[64 h + 32 (k % 2) + l] >> 4 (k / 2)) & 15 | ((qh[32 h + l] >> 2 k) & 3) << 4)
+//             - 32,
+//         x = (d * scales[8 h + 2 k + l / 16]) * q
+// Evaluated in float as written (d * sc and the products with q are exact in float; Q4_1, Q5_1,
+// Q4_K and Q5_K round once, at the last addition), which gives the gguf package's values bit for
+// bit (tests/model/test_kquants.cpp).
 inline constexpr uint32_t kQuantBlock = 32;
+inline constexpr uint32_t kSuperBlock = 256;
 
-// Dequantizes n values (n a multiple of the type's block size) starting at `row` into dst.
+// Dequantizes n values (n a multiple of the type's block size: 32, or 256 for the K types)
+// starting at `row` into dst.
 // kUnsupported for other types, kInvalidArgument for a partial block.
 Status dequantize_row(uint32_t type, const void* row, float* dst, std::size_t n);
 
 // The scalar reference dot product of n values of a stored row with float x, accumulated in
 // double, computed block by block from the codes (x[j] * q[j] sums scaled once per block)
-// rather than by dequantizing first; the SIMD matvec kernels are checked against it.
+// rather than by dequantizing first (K types: per sub-block, sum x q scaled by d * sc minus
+// sum x scaled by dmin * m); the SIMD matvec kernels are checked against it.
 Result<double> dot_row_reference(uint32_t type, const void* row, const float* x, std::size_t n);
 
 // One metadata value. Strings and array payloads point into the mapping of the File they came

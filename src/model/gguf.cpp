@@ -204,6 +204,43 @@ std::string quoted(std::string_view s) {
 
 float f16_at(const uint8_t* p) { return f16_to_float(load_le<uint16_t>(p)); }
 
+// The 5-bit code e < 32 of a Q5_0 / Q5_1 block (qh: the 32 fifth bits, qs: the nibbles).
+int q5_code(uint32_t qh, const uint8_t* qs, int e) {
+  const int lo = e < 16 ? qs[e] & 15 : qs[e - 16] >> 4;
+  return lo | static_cast<int>((qh >> e) & 1u) << 4;
+}
+
+// Scale and min of sub-block s < 8 of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4).
+void k_scale_min(const uint8_t* scales, int s, int& sc, int& m) {
+  if (s < 4) {
+    sc = scales[s] & 63;
+    m = scales[s + 4] & 63;
+  } else {
+    sc = (scales[s + 4] & 15) | (scales[s - 4] >> 6) << 4;
+    m = (scales[s + 4] >> 4) | (scales[s] >> 6) << 4;
+  }
+}
+
+// Code l < 32 of sub-block s < 8 of a Q4_K (qh == nullptr) or Q5_K super-block.
+int k_code(const uint8_t* qs, const uint8_t* qh, int s, int l) {
+  int q = (qs[32 * (s / 2) + l] >> 4 * (s % 2)) & 15;
+  if (qh != nullptr) q |= ((qh[l] >> s) & 1) << 4;
+  return q;
+}
+
+// Code i < 256 of a Q6_K super-block (-32 .. 31) and the index of its scale.
+int q6k_code(const uint8_t* b, int i) {
+  const int h = i / 128, k = (i % 128) / 32, l = i % 32;
+  const int lo = (b[64 * h + 32 * (k % 2) + l] >> 4 * (k / 2)) & 15;
+  const int hi = (b[128 + 32 * h + l] >> 2 * k) & 3;
+  return (lo | hi << 4) - 32;
+}
+int q6k_scale_index(int i) { return 8 * (i / 128) + 2 * ((i % 128) / 32) + (i % 32) / 16; }
+
+// Block sizes of the formats below (bytes).
+constexpr int kQ5_0Bytes = 22, kQ5_1Bytes = 24, kQ4_KBytes = 144, kQ5_KBytes = 176,
+              kQ6_KBytes = 210;
+
 }  // namespace
 
 std::string value_type_name(ValueType t) {
@@ -243,16 +280,26 @@ std::string tensor_type_name(uint32_t type) {
   return d ? d->name : "type " + std::to_string(type);
 }
 
+namespace {
+// The readable types, in the order error messages list them.
+constexpr TensorType kSupported[] = {
+    TensorType::kF32,  TensorType::kF16,  TensorType::kBF16, TensorType::kQ8_0,
+    TensorType::kQ4_0, TensorType::kQ4_1, TensorType::kQ5_0, TensorType::kQ5_1,
+    TensorType::kQ4_K, TensorType::kQ5_K, TensorType::kQ6_K,
+};
+
+// "(supported: f32, f16, ...)" for error messages.
+std::string supported_list() {
+  std::string s;
+  for (const TensorType t : kSupported)
+    s += (s.empty() ? "(supported: " : ", ") + tensor_type_name(static_cast<uint32_t>(t));
+  return s + ")";
+}
+}  // namespace
+
 bool tensor_type_supported(uint32_t type) {
-  switch (static_cast<TensorType>(type)) {
-    case TensorType::kF32:
-    case TensorType::kF16:
-    case TensorType::kBF16:
-    case TensorType::kQ8_0:
-    case TensorType::kQ4_0:
-    case TensorType::kQ4_1:
-      return true;
-  }
+  for (const TensorType t : kSupported)
+    if (static_cast<uint32_t>(t) == type) return true;
   return false;
 }
 
@@ -267,7 +314,7 @@ namespace {
 Status check_row(const char* fn, uint32_t type, std::size_t n) {
   if (!tensor_type_supported(type))
     return unsupported(std::string(fn) + ": tensor type " + tensor_type_name(type) +
-                       " is not supported (supported: f32, f16, bf16, q8_0, q4_0, q4_1)");
+                       " is not supported " + supported_list());
   const BlockLayout b = block_layout(type);
   if (n % b.block_elems != 0)
     return invalid_argument(std::string(fn) + ": " + std::to_string(n) + " values of " +
@@ -317,6 +364,46 @@ Status dequantize_row(uint32_t type, const void* row, float* dst, std::size_t n)
         }
       }
       break;
+    case TensorType::kQ5_0:
+      for (std::size_t b = 0; b < n / kQuantBlock; ++b, p += kQ5_0Bytes, dst += kQuantBlock) {
+        const float d = f16_at(p);
+        const uint32_t qh = load_le<uint32_t>(p + 2);
+        for (int e = 0; e < 32; ++e) dst[e] = d * static_cast<float>(q5_code(qh, p + 6, e) - 16);
+      }
+      break;
+    case TensorType::kQ5_1:
+      for (std::size_t b = 0; b < n / kQuantBlock; ++b, p += kQ5_1Bytes, dst += kQuantBlock) {
+        const float d = f16_at(p), m = f16_at(p + 2);
+        const uint32_t qh = load_le<uint32_t>(p + 4);
+        for (int e = 0; e < 32; ++e) dst[e] = d * static_cast<float>(q5_code(qh, p + 8, e)) + m;
+      }
+      break;
+    case TensorType::kQ4_K:
+    case TensorType::kQ5_K: {
+      const bool five = type == static_cast<uint32_t>(TensorType::kQ5_K);
+      const int bytes = five ? kQ5_KBytes : kQ4_KBytes;
+      for (std::size_t b = 0; b < n / kSuperBlock; ++b, p += bytes) {
+        const float d = f16_at(p), dmin = f16_at(p + 2);
+        const uint8_t* qh = five ? p + 16 : nullptr;
+        const uint8_t* qs = five ? p + 48 : p + 16;
+        for (int s = 0; s < 8; ++s, dst += 32) {
+          int sc = 0, m = 0;
+          k_scale_min(p + 4, s, sc, m);
+          const float ds = d * static_cast<float>(sc), dm = dmin * static_cast<float>(m);
+          for (int l = 0; l < 32; ++l) dst[l] = ds * static_cast<float>(k_code(qs, qh, s, l)) - dm;
+        }
+      }
+      break;
+    }
+    case TensorType::kQ6_K:
+      for (std::size_t b = 0; b < n / kSuperBlock; ++b, p += kQ6_KBytes, dst += kSuperBlock) {
+        const float d = f16_at(p + 208);
+        const auto* scales = reinterpret_cast<const int8_t*>(p + 192);
+        for (int i = 0; i < 256; ++i)
+          dst[i] = d * static_cast<float>(scales[q6k_scale_index(i)]) *
+                   static_cast<float>(q6k_code(p, i));
+      }
+      break;
   }
   return Status::ok();
 }
@@ -362,6 +449,57 @@ Result<double> dot_row_reference(uint32_t type, const void* row, const float* x,
           sx += double{x[j]} + double{x[j + 16]};
         }
         acc += double{f16_at(p)} * s + double{f16_at(p + 2)} * sx;
+      }
+      break;
+    case TensorType::kQ5_0:
+      for (std::size_t b = 0; b < n / kQuantBlock; ++b, p += kQ5_0Bytes, x += kQuantBlock) {
+        const uint32_t qh = load_le<uint32_t>(p + 2);
+        double s = 0.0;
+        for (int e = 0; e < 32; ++e) s += double{x[e]} * (q5_code(qh, p + 6, e) - 16);
+        acc += double{f16_at(p)} * s;
+      }
+      break;
+    case TensorType::kQ5_1:
+      for (std::size_t b = 0; b < n / kQuantBlock; ++b, p += kQ5_1Bytes, x += kQuantBlock) {
+        const uint32_t qh = load_le<uint32_t>(p + 4);
+        double s = 0.0, sx = 0.0;
+        for (int e = 0; e < 32; ++e) {
+          s += double{x[e]} * q5_code(qh, p + 8, e);
+          sx += double{x[e]};
+        }
+        acc += double{f16_at(p)} * s + double{f16_at(p + 2)} * sx;
+      }
+      break;
+    case TensorType::kQ4_K:
+    case TensorType::kQ5_K: {
+      const bool five = type == static_cast<uint32_t>(TensorType::kQ5_K);
+      const int bytes = five ? kQ5_KBytes : kQ4_KBytes;
+      for (std::size_t b = 0; b < n / kSuperBlock; ++b, p += bytes) {
+        const double d = f16_at(p), dmin = f16_at(p + 2);
+        const uint8_t* qh = five ? p + 16 : nullptr;
+        const uint8_t* qs = five ? p + 48 : p + 16;
+        for (int s = 0; s < 8; ++s, x += 32) {
+          int sc = 0, m = 0;
+          k_scale_min(p + 4, s, sc, m);
+          double sq = 0.0, sx = 0.0;
+          for (int l = 0; l < 32; ++l) {
+            sq += double{x[l]} * k_code(qs, qh, s, l);
+            sx += double{x[l]};
+          }
+          acc += d * sc * sq - dmin * m * sx;
+        }
+      }
+      break;
+    }
+    case TensorType::kQ6_K:
+      for (std::size_t b = 0; b < n / kSuperBlock; ++b, p += kQ6_KBytes, x += kSuperBlock) {
+        const double d = f16_at(p + 208);
+        const auto* scales = reinterpret_cast<const int8_t*>(p + 192);
+        for (int sub = 0; sub < 16; ++sub) {  // 16 values share a scale
+          double sq = 0.0;
+          for (int i = 16 * sub; i < 16 * sub + 16; ++i) sq += double{x[i]} * q6k_code(p, i);
+          acc += d * scales[q6k_scale_index(16 * sub)] * sq;
+        }
       }
       break;
   }
@@ -754,8 +892,7 @@ Result<const TensorInfo*> File::tensor(std::string_view name) const {
                             " tensors)");
   if (!tensor_type_supported(t->type))
     return unsupported("gguf " + path_ + ": tensor " + quoted(name) + " has type " +
-                       tensor_type_name(t->type) +
-                       ", which is not supported (supported: f32, f16, bf16, q8_0, q4_0, q4_1)");
+                       tensor_type_name(t->type) + ", which is not supported " + supported_list());
   return t;
 }
 

@@ -10,6 +10,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -35,9 +36,43 @@ detail::RowsFn rows_fn(Isa isa) {
   }
 }
 
+// The types the targets read, in the order error messages list them.
+constexpr uint32_t kKernelTypes[] = {
+    detail::kTypeF32,  detail::kTypeF16,  detail::kTypeBF16, detail::kTypeQ8_0,
+    detail::kTypeQ4_0, detail::kTypeQ4_1, detail::kTypeQ5_0, detail::kTypeQ5_1,
+    detail::kTypeQ4_K, detail::kTypeQ5_K, detail::kTypeQ6_K,
+};
+
 bool kernel_type(uint32_t t) {
-  return t == detail::kTypeF32 || t == detail::kTypeF16 || t == detail::kTypeBF16 ||
-         t == detail::kTypeQ8_0 || t == detail::kTypeQ4_0 || t == detail::kTypeQ4_1;
+  return std::find(std::begin(kKernelTypes), std::end(kKernelTypes), t) != std::end(kKernelTypes);
+}
+
+std::string kernel_types() {
+  std::string s;
+  for (const uint32_t t : kKernelTypes) s += (s.empty() ? "" : ", ") + gguf::tensor_type_name(t);
+  return s;
+}
+
+// A matrix the targets can read: a kernel type, whole blocks per row and rows of the block
+// size times the blocks (the targets read exactly cols / block_elems blocks per row).
+Status check_matrix(const char* who, const WeightMatrix& m) {
+  if (!kernel_type(m.type))
+    return unsupported(std::string(who) + "tensor '" + m.name + "' has type " +
+                       gguf::tensor_type_name(m.type) + "; the matrix kernels read " +
+                       kernel_types());
+  const gguf::BlockLayout bl = gguf::block_layout(m.type);
+  if (m.cols < 0 || m.cols % bl.block_elems != 0)
+    return invalid_argument(std::string(who) + "tensor '" + m.name + "' (" +
+                            gguf::tensor_type_name(m.type) + "): " + std::to_string(m.cols) +
+                            " columns is not a whole number of " + std::to_string(bl.block_elems) +
+                            "-value blocks");
+  const int64_t need = m.cols / bl.block_elems * bl.block_bytes;
+  if (m.row_bytes < need)
+    return invalid_argument(std::string(who) + "tensor '" + m.name + "' (" +
+                            gguf::tensor_type_name(m.type) + "): rows of " +
+                            std::to_string(m.row_bytes) + " bytes, " + std::to_string(m.cols) +
+                            " columns need " + std::to_string(need));
+  return Status::ok();
 }
 
 }  // namespace
@@ -48,7 +83,7 @@ Result<WeightMatrix> WeightMatrix::from_tensor(const gguf::TensorInfo& t) {
   m.type = t.type;
   if (!kernel_type(t.type))
     return unsupported("tensor '" + m.name + "' has type " + gguf::tensor_type_name(t.type) +
-                       "; the matrix kernels read f32, f16, bf16, q8_0, q4_0 and q4_1");
+                       "; the matrix kernels read " + kernel_types());
   if (t.dims.empty() || t.dims.size() > 2)
     return invalid_argument("tensor '" + m.name + "' has " + std::to_string(t.dims.size()) +
                             " dimensions; a weight matrix has 1 or 2");
@@ -56,11 +91,7 @@ Result<WeightMatrix> WeightMatrix::from_tensor(const gguf::TensorInfo& t) {
   m.cols = static_cast<int64_t>(t.dims[0]);
   m.rows = static_cast<int64_t>(t.n_rows());
   m.row_bytes = static_cast<int64_t>(t.row_bytes());
-  const gguf::BlockLayout bl = gguf::block_layout(t.type);
-  if (bl.block_elems > 1 && m.cols % bl.block_elems != 0)
-    return invalid_argument("tensor '" + m.name + "': " + std::to_string(m.cols) +
-                            " columns is not a whole number of " + std::to_string(bl.block_elems) +
-                            "-value blocks");
+  TREEATTN_RETURN_IF_ERROR(check_matrix("", m));
   return m;
 }
 
@@ -85,8 +116,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
     if (m.cols != cols)
       return invalid_argument("matmul: '" + m.name + "' has " + std::to_string(m.cols) +
                               " columns, '" + mats[0]->name + "' " + std::to_string(cols));
-    if (!kernel_type(m.type))
-      return unsupported("matmul: '" + m.name + "' has type " + gguf::tensor_type_name(m.type));
+    TREEATTN_RETURN_IF_ERROR(check_matrix("matmul: ", m));
     if (m.data == nullptr || ys[i] == nullptr)
       return invalid_argument("matmul: null data or output for '" + m.name + "'");
   }

@@ -43,6 +43,21 @@ struct Ops {
     const __m128i n = e < 16 ? _mm_and_si128(b, m) : _mm_and_si128(_mm_srli_epi16(b, 4), m);
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(n));
   }
+  using I = __m256i;
+  static I u8(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static I bits(uint32_t mask, int first) {
+    const I sh =
+        _mm256_add_epi32(_mm256_set1_epi32(first), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(mask)), sh),
+                            _mm256_set1_epi32(1));
+  }
+  static I shr(I v, int n) { return _mm256_srl_epi32(v, _mm_cvtsi32_si128(n)); }
+  static I shl(I v, int n) { return _mm256_sll_epi32(v, _mm_cvtsi32_si128(n)); }
+  static I and_(I v, int m) { return _mm256_and_si256(v, _mm256_set1_epi32(m)); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static V cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static float f16(uint16_t h) { return _cvtsh_ss(h); }
   static float reduce_add(V v) {
     const __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -46,6 +46,22 @@ struct Ops {
     const __m128i n = j == 0 ? _mm_and_si128(b, m) : _mm_and_si128(_mm_srli_epi16(b, 4), m);
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n));
   }
+  using I = __m512i;
+  static I u8(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static I bits(uint32_t mask, int first) {
+    const I sh =
+        _mm512_add_epi32(_mm512_set1_epi32(first),
+                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(mask)), sh),
+                            _mm512_set1_epi32(1));
+  }
+  static I shr(I v, int n) { return _mm512_srl_epi32(v, _mm_cvtsi32_si128(n)); }
+  static I shl(I v, int n) { return _mm512_sll_epi32(v, _mm_cvtsi32_si128(n)); }
+  static I and_(I v, int m) { return _mm512_and_si512(v, _mm512_set1_epi32(m)); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static V cvt(I v) { return _mm512_cvtepi32_ps(v); }
   static float f16(uint16_t h) { return _cvtsh_ss(h); }
   static float reduce_add(V v) {
     const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));

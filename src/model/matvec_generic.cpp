@@ -87,6 +87,40 @@ struct Ops {
       r.v[i] = static_cast<float>(e < 16 ? (qs[e + i] & 15) : (qs[e - 16 + i] >> 4));
     return r;
   }
+  struct I {
+    int32_t v[W];
+  };
+  static I u8(const uint8_t* p) {
+    I r;
+    for (int i = 0; i < W; ++i) r.v[i] = p[i];
+    return r;
+  }
+  static I bits(uint32_t mask, int first) {
+    I r;
+    for (int i = 0; i < W; ++i) r.v[i] = static_cast<int32_t>((mask >> (first + i)) & 1u);
+    return r;
+  }
+  static I shr(I a, int n) {
+    for (int i = 0; i < W; ++i) a.v[i] = static_cast<int32_t>(static_cast<uint32_t>(a.v[i]) >> n);
+    return a;
+  }
+  static I shl(I a, int n) {
+    for (int i = 0; i < W; ++i) a.v[i] = static_cast<int32_t>(static_cast<uint32_t>(a.v[i]) << n);
+    return a;
+  }
+  static I and_(I a, int m) {
+    for (int i = 0; i < W; ++i) a.v[i] &= m;
+    return a;
+  }
+  static I or_(I a, I b) {
+    for (int i = 0; i < W; ++i) a.v[i] |= b.v[i];
+    return a;
+  }
+  static V cvt(I a) {
+    V r;
+    for (int i = 0; i < W; ++i) r.v[i] = static_cast<float>(a.v[i]);
+    return r;
+  }
   // The AVX2 target's order: halves, then pairs, then the last two.
   static float reduce_add(V v) {
     float b[4];

@@ -12,10 +12,15 @@
 //   V nib(const uint8_t* qs, int j)   elements j*W .. j*W+W-1 of a 4-bit block as floats
 //                                     (element e < 16: qs[e] & 15, else qs[e - 16] >> 4)
 //   float f16(uint16_t);  float reduce_add(V)   (a fixed order of lane additions)
+//   using I (W int32 lanes), for the codes of the 5- and 6-bit and K types:
+//   I u8(const uint8_t* p)            W bytes, zero-extended
+//   I bits(uint32_t mask, int first)  lane i: (mask >> (first + i)) & 1
+//   I shr(I, int n), shl(I, int n), and_(I, int m), or_(I, I);  V cvt(I) (exact: |lanes| < 2^24)
 //
-// The arithmetic of one (row, token) product, the same on every path: every 32-value block is
-// decoded into kVB = 32 / W weight vectors w_j, and accumulator j of the pair takes
-// acc_j = fma(w_j, x_j, acc_j), block after block. The result is (acc_0 + acc_1 + ... ) summed
+// The arithmetic of one (row, token) product, the same on every path: every 32-value group of
+// the row (a whole block of the 32-value types, a sub-block or two of a 256-value K super-block)
+// is decoded into kVB = 32 / W weight vectors w_j, and accumulator j of the pair takes
+// acc_j = fma(w_j, x_j, acc_j), group after group. The result is (acc_0 + acc_1 + ... ) summed
 // lane-wise in that order, then reduce_add, then the scalar tail (float types with cols % 32 != 0)
 // in column order. The paths differ only in how many rows and tokens share a pass:
 //   - few tokens: RB1 rows per pass decode their blocks in registers and each token is a pass
@@ -26,14 +31,21 @@
 // So the bits of a (row, token) product do not depend on the token count, the tile or the rows
 // sharing its pass (matvec_targets.hpp).
 //
-// Decoding a block (ggml's formats; d and m are f16):
-//   Q8_0  w = d * q                 exact in float (11-bit d times an 8-bit integer)
-//   Q4_0  w = d * (q - 8)           exact
-//   Q4_1  w = fma(d, q, m)          one rounding
-//   F16, BF16, F32                  widened exactly
+// Decoding a group (ggml's formats, gguf.hpp; d, m, dmin are f16):
+//   Q8_0  w = d * q                      exact in float (11-bit d times an 8-bit integer)
+//   Q4_0  w = d * (q - 8)                exact
+//   Q5_0  w = d * (q - 16)               exact
+//   Q4_1  w = fma(d, q, m)               one rounding (d * q is exact)
+//   Q5_1  w = fma(d, q, m)               one rounding
+//   Q4_K  w = fma(d * sc, q, -(dmin * m)) one rounding (d * sc, dmin * m and d * sc * q exact)
+//   Q5_K  as Q4_K
+//   Q6_K  w = (d * sc) * (q - 32)        exact (11 + 7 + 5 significant bits)
+//   F16, BF16, F32                       widened exactly
+// so w is bit for bit gguf::dequantize_row's value on every path.
 
-constexpr int kVB = 32 / Ops::W;     // vectors per 32-value block = accumulators per (row, token)
+constexpr int kVB = 32 / Ops::W;     // vectors per 32-value group = accumulators per (row, token)
 constexpr int64_t kBatchTokens = 4;  // from this many tokens on, the batched path
+static_assert(Ops::W <= 16, "a Q6_K vector must lie inside one 16-value scale group");
 
 inline uint16_t rd16(const uint8_t* p) {
   uint16_t v;
@@ -47,7 +59,8 @@ struct Block;
 template <>
 struct Block<kTypeQ8_0> {
   static constexpr int kBytes = 34;
-  static void decode(const uint8_t* b, typename Ops::V* w) {
+  static constexpr int kGroups = 1;
+  static void decode(const uint8_t* b, int /*g*/, typename Ops::V* w) {
     const typename Ops::V d = Ops::set1(Ops::f16(rd16(b)));
     const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
     for (int j = 0; j < kVB; ++j) w[j] = Ops::mul(d, Ops::load_i8(q + j * Ops::W));
@@ -57,7 +70,8 @@ struct Block<kTypeQ8_0> {
 template <>
 struct Block<kTypeQ4_0> {
   static constexpr int kBytes = 18;
-  static void decode(const uint8_t* b, typename Ops::V* w) {
+  static constexpr int kGroups = 1;
+  static void decode(const uint8_t* b, int /*g*/, typename Ops::V* w) {
     const typename Ops::V d = Ops::set1(Ops::f16(rd16(b)));
     const typename Ops::V eight = Ops::set1(-8.0f);
     for (int j = 0; j < kVB; ++j) w[j] = Ops::mul(d, Ops::add(Ops::nib(b + 2, j), eight));
@@ -67,7 +81,8 @@ struct Block<kTypeQ4_0> {
 template <>
 struct Block<kTypeQ4_1> {
   static constexpr int kBytes = 20;
-  static void decode(const uint8_t* b, typename Ops::V* w) {
+  static constexpr int kGroups = 1;
+  static void decode(const uint8_t* b, int /*g*/, typename Ops::V* w) {
     const typename Ops::V d = Ops::set1(Ops::f16(rd16(b)));
     const typename Ops::V m = Ops::set1(Ops::f16(rd16(b + 2)));
     for (int j = 0; j < kVB; ++j) w[j] = Ops::fma(d, Ops::nib(b + 4, j), m);
@@ -77,7 +92,8 @@ struct Block<kTypeQ4_1> {
 template <>
 struct Block<kTypeF32> {
   static constexpr int kBytes = 128;
-  static void decode(const uint8_t* b, typename Ops::V* w) {
+  static constexpr int kGroups = 1;
+  static void decode(const uint8_t* b, int /*g*/, typename Ops::V* w) {
     for (int j = 0; j < kVB; ++j) {
       float tmp[Ops::W];
       std::memcpy(tmp, b + j * Ops::W * 4, sizeof(tmp));
@@ -94,7 +110,8 @@ struct Block<kTypeF32> {
 template <>
 struct Block<kTypeF16> {
   static constexpr int kBytes = 64;
-  static void decode(const uint8_t* b, typename Ops::V* w) {
+  static constexpr int kGroups = 1;
+  static void decode(const uint8_t* b, int /*g*/, typename Ops::V* w) {
     for (int j = 0; j < kVB; ++j)
       w[j] = Ops::load_f16(reinterpret_cast<const uint16_t*>(b) + j * Ops::W);
   }
@@ -104,7 +121,8 @@ struct Block<kTypeF16> {
 template <>
 struct Block<kTypeBF16> {
   static constexpr int kBytes = 64;
-  static void decode(const uint8_t* b, typename Ops::V* w) {
+  static constexpr int kGroups = 1;
+  static void decode(const uint8_t* b, int /*g*/, typename Ops::V* w) {
     for (int j = 0; j < kVB; ++j)
       w[j] = Ops::load_bf16(reinterpret_cast<const uint16_t*>(b) + j * Ops::W);
   }
@@ -116,8 +134,97 @@ struct Block<kTypeBF16> {
   }
 };
 
+template <>
+struct Block<kTypeQ5_0> {
+  static constexpr int kBytes = 22, kGroups = 1;
+  static void decode(const uint8_t* b, int /*g*/, typename Ops::V* w) {
+    const typename Ops::V d = Ops::set1(Ops::f16(rd16(b)));
+    const typename Ops::V sixteen = Ops::set1(-16.0f);
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    for (int j = 0; j < kVB; ++j) w[j] = Ops::mul(d, Ops::add(Ops::cvt(q5(qh, b + 6, j)), sixteen));
+  }
+  // Codes j*W .. j*W+W-1 of a Q5_0 / Q5_1 block: nibble | fifth bit << 4.
+  static typename Ops::I q5(uint32_t qh, const uint8_t* qs, int j) {
+    const int e = j * Ops::W;
+    const typename Ops::I lo = Ops::and_(Ops::shr(Ops::u8(qs + (e & 15)), e < 16 ? 0 : 4), 15);
+    return Ops::or_(lo, Ops::shl(Ops::bits(qh, e), 4));
+  }
+};
+
+template <>
+struct Block<kTypeQ5_1> {
+  static constexpr int kBytes = 24, kGroups = 1;
+  static void decode(const uint8_t* b, int /*g*/, typename Ops::V* w) {
+    const typename Ops::V d = Ops::set1(Ops::f16(rd16(b)));
+    const typename Ops::V m = Ops::set1(Ops::f16(rd16(b + 2)));
+    uint32_t qh;
+    std::memcpy(&qh, b + 4, 4);
+    for (int j = 0; j < kVB; ++j)
+      w[j] = Ops::fma(d, Ops::cvt(Block<kTypeQ5_0>::q5(qh, b + 8, j)), m);
+  }
+};
+
+// Q4_K and Q5_K: group g of a super-block is sub-block g (scale and min of its own).
+template <bool kFive>
+struct BlockK45 {
+  static constexpr int kBytes = kFive ? 176 : 144, kGroups = 8;
+  static void decode(const uint8_t* b, int g, typename Ops::V* w) {
+    const uint8_t* sc6 = b + 4;
+    int sc, m;
+    if (g < 4) {
+      sc = sc6[g] & 63;
+      m = sc6[g + 4] & 63;
+    } else {
+      sc = (sc6[g + 4] & 15) | (sc6[g - 4] >> 6) << 4;
+      m = (sc6[g + 4] >> 4) | (sc6[g] >> 6) << 4;
+    }
+    const typename Ops::V ds = Ops::set1(Ops::f16(rd16(b)) * static_cast<float>(sc));
+    const typename Ops::V ndm = Ops::set1(-(Ops::f16(rd16(b + 2)) * static_cast<float>(m)));
+    const uint8_t* qs = b + (kFive ? 48 : 16) + 32 * (g / 2);
+    for (int j = 0; j < kVB; ++j) {
+      typename Ops::I q = Ops::and_(Ops::shr(Ops::u8(qs + j * Ops::W), 4 * (g % 2)), 15);
+      if constexpr (kFive)
+        q = Ops::or_(q, Ops::shl(Ops::and_(Ops::shr(Ops::u8(b + 16 + j * Ops::W), g), 1), 4));
+      w[j] = Ops::fma(ds, Ops::cvt(q), ndm);
+    }
+  }
+};
+template <>
+struct Block<kTypeQ4_K> : BlockK45<false> {};
+template <>
+struct Block<kTypeQ5_K> : BlockK45<true> {};
+
+// Q6_K: group g = 4 h + k holds values 128 h + 32 k + l (l < 32), scales 8 h + 2 k + l / 16.
+template <>
+struct Block<kTypeQ6_K> {
+  static constexpr int kBytes = 210, kGroups = 8;
+  static void decode(const uint8_t* b, int g, typename Ops::V* w) {
+    const int h = g / 4, k = g % 4;
+    const float d = Ops::f16(rd16(b + 208));
+    const auto* scales = reinterpret_cast<const int8_t*>(b + 192) + 8 * h + 2 * k;
+    const uint8_t* ql = b + 64 * h + 32 * (k % 2);
+    const uint8_t* qh = b + 128 + 32 * h;
+    const typename Ops::V m32 = Ops::set1(-32.0f);
+    for (int j = 0; j < kVB; ++j) {
+      const int l = j * Ops::W;
+      const typename Ops::I lo = Ops::and_(Ops::shr(Ops::u8(ql + l), 4 * (k / 2)), 15);
+      const typename Ops::I hi = Ops::and_(Ops::shr(Ops::u8(qh + l), 2 * k), 3);
+      const typename Ops::V ds = Ops::set1(d * static_cast<float>(scales[l / 16]));
+      w[j] = Ops::mul(ds, Ops::add(Ops::cvt(Ops::or_(lo, Ops::shl(hi, 4))), m32));
+    }
+  }
+};
+
 template <uint32_t T>
 constexpr bool kFloatType = T == kTypeF32 || T == kTypeF16 || T == kTypeBF16;
+
+// Decodes 32-value group `gi` of a row (group gi % kGroups of block gi / kGroups).
+template <uint32_t T>
+inline void decode_group(const uint8_t* row, int64_t gi, typename Ops::V* w) {
+  constexpr int G = Block<T>::kGroups;
+  Block<T>::decode(row + gi / G * Block<T>::kBytes, static_cast<int>(gi % G), w);
+}
 
 // The end of a (row, token) product: accumulators in order, lanes, then the scalar tail.
 template <uint32_t T>
@@ -138,13 +245,13 @@ inline void dot_rows_1(const uint8_t* const* rows, int64_t cols, const float* x,
   V acc[RBn][kVB];
   for (int r = 0; r < RBn; ++r)
     for (int j = 0; j < kVB; ++j) acc[r][j] = Ops::zero();
-  const int64_t blocks = cols / 32;
-  for (int64_t b = 0; b < blocks; ++b) {
+  const int64_t groups = cols / 32;
+  for (int64_t b = 0; b < groups; ++b) {
     V xv[kVB];
     for (int j = 0; j < kVB; ++j) xv[j] = Ops::loadu(x + b * 32 + j * Ops::W);
     for (int r = 0; r < RBn; ++r) {
       V w[kVB];
-      Block<T>::decode(rows[r] + b * Block<T>::kBytes, w);
+      decode_group<T>(rows[r], b, w);
       for (int j = 0; j < kVB; ++j) acc[r][j] = Ops::fma(w[j], xv[j], acc[r][j]);
     }
   }
@@ -181,7 +288,7 @@ inline void decode_rows(const uint8_t* const* rows, int64_t cols, float* wf, int
   for (int r = 0; r < RBn; ++r)
     for (int64_t b = 0; b < cols / 32; ++b) {
       typename Ops::V w[kVB];
-      Block<T>::decode(rows[r] + b * Block<T>::kBytes, w);
+      decode_group<T>(rows[r], b, w);
       for (int j = 0; j < kVB; ++j) Ops::storeu(wf + r * wstride + b * 32 + j * Ops::W, w[j]);
     }
 }
@@ -228,6 +335,16 @@ void rows_impl(const RowsArgs& a) {
       return rows_typed<kTypeQ4_0>(a);
     case kTypeQ4_1:
       return rows_typed<kTypeQ4_1>(a);
+    case kTypeQ5_0:
+      return rows_typed<kTypeQ5_0>(a);
+    case kTypeQ5_1:
+      return rows_typed<kTypeQ5_1>(a);
+    case kTypeQ4_K:
+      return rows_typed<kTypeQ4_K>(a);
+    case kTypeQ5_K:
+      return rows_typed<kTypeQ5_K>(a);
+    case kTypeQ6_K:
+      return rows_typed<kTypeQ6_K>(a);
     case kTypeQ8_0:
       return rows_typed<kTypeQ8_0>(a);
     case kTypeF16:

@@ -20,16 +20,17 @@
 
 namespace treeattn::model::detail {
 
-// ggml type ids the targets read (gguf.hpp TensorType): F32 0, F16 1, Q4_0 2, Q4_1 3, Q8_0 8,
-// BF16 30.
-inline constexpr uint32_t kTypeF32 = 0, kTypeF16 = 1, kTypeQ4_0 = 2, kTypeQ4_1 = 3, kTypeQ8_0 = 8,
-                          kTypeBF16 = 30;
+// ggml type ids the targets read (gguf.hpp TensorType): F32 0, F16 1, Q4_0 2, Q4_1 3, Q5_0 6,
+// Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, BF16 30.
+inline constexpr uint32_t kTypeF32 = 0, kTypeF16 = 1, kTypeQ4_0 = 2, kTypeQ4_1 = 3, kTypeQ5_0 = 6,
+                          kTypeQ5_1 = 7, kTypeQ8_0 = 8, kTypeQ4_K = 12, kTypeQ5_K = 13,
+                          kTypeQ6_K = 14, kTypeBF16 = 30;
 
 struct RowsArgs {
   uint32_t type = 0;
   const uint8_t* w = nullptr;  // row 0 of the matrix
   int64_t row_bytes = 0;
-  int64_t cols = 0;  // quantized types: a multiple of 32
+  int64_t cols = 0;  // quantized types: a multiple of the block (32, or 256 for K types)
   int64_t row_begin = 0, row_end = 0;
   const float* x = nullptr;  // token 0 of the range: cols floats, x_stride floats apart
   int64_t x_stride = 0;

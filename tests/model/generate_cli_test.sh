@@ -29,8 +29,8 @@ case "$CASE" in
     expect 2 "error: .*$T/g.gguf: architecture 'gemma' is not supported" -- \
       "$B" generate --model "$T/g.gguf" --prompt hi ;;
   unsupported_tensor_type)
-    "$MAKE" "$T/q.gguf" q6k || fail "make_tiny_gguf"
-    expect 2 "error: .*$T/q.gguf: .*tensor 'blk.0.attn_q.weight' has type q6_K, which is not supported" -- \
+    "$MAKE" "$T/q.gguf" q2k || fail "make_tiny_gguf"
+    expect 2 "error: .*$T/q.gguf: .*tensor 'blk.0.attn_q.weight' has type q2_K, which is not supported" -- \
       "$B" generate --model "$T/q.gguf" --prompt hi ;;
   missing_tensor)
     "$MAKE" "$T/m.gguf" no-ffn-up || fail "make_tiny_gguf"

@@ -2,7 +2,7 @@
 // `treeattn generate`: make_tiny_gguf OUT VARIANT, VARIANT one of
 //   ok        a valid tiny model (no tokenizer: generate stops at the tokenizer)
 //   gemma     general.architecture = gemma
-//   q6k       every layer matrix of type q6_K (no kernel)
+//   q2k       every layer matrix of type q2_K (no kernel)
 //   no-ffn-up blk.1.ffn_up.weight missing
 #include <cstdio>
 #include <string>
@@ -11,15 +11,15 @@
 
 int main(int argc, char** argv) {
   if (argc != 3) {
-    std::fprintf(stderr, "usage: make_tiny_gguf OUT ok|gemma|q6k|no-ffn-up\n");
+    std::fprintf(stderr, "usage: make_tiny_gguf OUT ok|gemma|q2k|no-ffn-up\n");
     return 2;
   }
   treeattn::testing::TinyLlamaSpec s;
   const std::string v = argv[2];
   if (v == "gemma") {
     s.architecture = "gemma";
-  } else if (v == "q6k") {
-    s.override_type = 14;
+  } else if (v == "q2k") {
+    s.override_type = 10;
   } else if (v == "no-ffn-up") {
     s.drop_tensor = "blk.1.ffn_up.weight";
   } else if (v != "ok") {

@@ -262,9 +262,9 @@ TEST(Gguf, BlockLayoutsMatchGgml) {
   EXPECT_EQ(L(TensorType::kQ8_0).block_bytes, 34u);
   EXPECT_EQ(L(TensorType::kQ4_0).block_bytes, 18u);
   EXPECT_EQ(L(TensorType::kQ4_1).block_bytes, 20u);
-  EXPECT_EQ(gguf::block_layout(14).block_bytes, 210u);  // q6_K, known but unsupported
-  EXPECT_EQ(gguf::block_layout(4).block_elems, 0u);     // removed from ggml
-  EXPECT_EQ(gguf::tensor_type_name(14), "q6_K");
+  EXPECT_EQ(gguf::block_layout(10).block_bytes, 84u);  // q2_K, known but unsupported
+  EXPECT_EQ(gguf::block_layout(4).block_elems, 0u);    // removed from ggml
+  EXPECT_EQ(gguf::tensor_type_name(10), "q2_K");
   EXPECT_EQ(gguf::tensor_type_name(1000), "type 1000");
 }
 
@@ -324,10 +324,10 @@ TEST(Gguf, EverySupportedTypeDequantizesAndDotsTwoWays) {
       gguf::dequantize_row(id(TensorType::kQ4_1), q4_1_blocks().bytes.data(), out.data(), 31);
   EXPECT_EQ(partial.code(), Code::kInvalidArgument);
   EXPECT_NE(partial.message().find("q4_1"), std::string::npos) << partial.message();
-  const Status q6 = gguf::dequantize_row(14, q4_1_blocks().bytes.data(), out.data(), 256);
-  EXPECT_EQ(q6.code(), Code::kUnsupported);
-  EXPECT_NE(q6.message().find("q6_K"), std::string::npos) << q6.message();
-  EXPECT_EQ(gguf::dot_row_reference(14, out.data(), out.data(), 256).status().code(),
+  const Status q2 = gguf::dequantize_row(10, q4_1_blocks().bytes.data(), out.data(), 256);
+  EXPECT_EQ(q2.code(), Code::kUnsupported);
+  EXPECT_NE(q2.message().find("q2_K"), std::string::npos) << q2.message();
+  EXPECT_EQ(gguf::dot_row_reference(10, out.data(), out.data(), 256).status().code(),
             Code::kUnsupported);
 }
 
@@ -335,14 +335,14 @@ TEST(Gguf, UnsupportedTypeOpensButTensorIsUnsupported) {
   TempDir d;
   GgufBuilder b;
   b.tensor("ok", {32}, id(TensorType::kF32), std::vector<uint8_t>(128, 0));
-  b.tensor("blk.3.ffn_down.weight", {256, 2}, 14, std::vector<uint8_t>(420, 0));  // q6_K
-  const std::string p = write(d, "q6k.gguf", b.build());
+  b.tensor("blk.3.ffn_down.weight", {256, 2}, 10, std::vector<uint8_t>(168, 0));  // q2_K
+  const std::string p = write(d, "q2k.gguf", b.build());
   Result<File> r = File::open(p);
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
-  EXPECT_EQ(r->find_tensor("blk.3.ffn_down.weight")->n_bytes, 420u);
+  EXPECT_EQ(r->find_tensor("blk.3.ffn_down.weight")->n_bytes, 168u);
   const Status s = r->tensor("blk.3.ffn_down.weight").status();
   EXPECT_EQ(s.code(), Code::kUnsupported);
-  for (const char* part : {"'blk.3.ffn_down.weight'", "q6_K", "supported: f32"})
+  for (const char* part : {"'blk.3.ffn_down.weight'", "q2_K", "supported: f32"})
     EXPECT_NE(s.message().find(part), std::string::npos) << s.message();
   const Status missing = r->tensor("output.weight").status();
   EXPECT_EQ(missing.code(), Code::kInvalidArgument);

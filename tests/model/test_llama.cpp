@@ -142,12 +142,12 @@ TEST(Matmul, RejectsMismatchedInputsAndUnsupportedTypes) {
   Status s = model::matmul(mats, x.data(), 1, 96, ys);
   EXPECT_EQ(s.code(), Code::kInvalidArgument);
   EXPECT_NE(s.message().find("columns"), std::string::npos) << s.to_string();
-  a.type = 14;  // q6_K
+  a.type = 10;  // q2_K
   const WeightMatrix* one[] = {&a};
   float* y[] = {y1.data()};
   s = model::matmul(one, x.data(), 1, 64, y);
   EXPECT_EQ(s.code(), Code::kUnsupported) << s.to_string();
-  EXPECT_NE(s.message().find("q6_K"), std::string::npos) << s.to_string();
+  EXPECT_NE(s.message().find("q2_K"), std::string::npos) << s.to_string();
 }
 
 // max |ours - ref| / max |ref| over one logits vector.
@@ -424,8 +424,8 @@ TEST(LlamaModelLoad, ClearErrors) {
   s.architecture = "gemma";
   expect_load_error(s, Code::kUnsupported, "architecture 'gemma' is not supported");
   s = {};
-  s.override_type = 14;  // q6_K layer matrices
-  expect_load_error(s, Code::kUnsupported, "q6_K");
+  s.override_type = 10;  // q2_K layer matrices
+  expect_load_error(s, Code::kUnsupported, "q2_K");
   s = {};
   s.drop_tensor = "blk.1.ffn_up.weight";
   expect_load_error(s, Code::kInvalidArgument, "blk.1.ffn_up.weight");
