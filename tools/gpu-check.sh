@@ -6,8 +6,10 @@
 # GoogleTest or network. It configures a core-only build (TREEATTN_CORE_ONLY: libtreeattn, the
 # CUDA executor, the NCCL communicator and tools/gpu_check) in build/gpu-check, builds gpu_check,
 # runs it (correctness against the float64 oracle, bandwidth, virtual ranks, NCCL; see
-# tools/gpu_check/gpu_check.cpp), runs PyTorch's SDPA on the same shapes when torch is
-# importable, writes OUTDIR/gpu-check.json and prints a short table.
+# tools/gpu_check/gpu_check.cpp), then every gpu-labelled test (tests/cuda/test_cuda_executor.cpp
+# and test_nccl_comm.cpp, built against minitest instead of GoogleTest: tools/gpu_check/minitest),
+# runs PyTorch's SDPA on the same shapes when torch is importable, writes OUTDIR/gpu-check.json
+# and prints a short table.
 #
 # Exit status: 0 every result correct; 1 a wrong result (or gpu_check crashed); 2 the
 # environment: no usable GPU, a set-up that failed (the NCCL communicator), or the build failed.
@@ -44,9 +46,9 @@ if ! cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DTREEA
   exit 2
 fi
 grep -E "treeattn: (CUDA|NCCL|no CUDA)" "$out/configure.log" || true
-echo "== build gpu_check"
+echo "== build gpu_check and the GPU tests (minitest)"
 if ! cmake --build "$build" -j"$(nproc 2>/dev/null || echo 4)" --target gpu_check \
-    >"$out/build.log" 2>&1; then
+    gpu_minitest_selftest gpu_test_cuda_executor gpu_test_nccl_comm >"$out/build.log" 2>&1; then
   tail -n 40 "$out/build.log" >&2
   echo "gpu-check: build failed (full log: $out/build.log)" >&2
   exit 2
@@ -70,6 +72,25 @@ if [ "$rc" -ne 0 ] && [ "$rc" -ne 1 ] && [ "$rc" -ne 2 ]; then
   echo "gpu-check: gpu_check crashed (exit $rc); $out/gpu-check-core.json holds the sections before it" >&2
   rc=1
 fi
+
+# The gpu-labelled tests (tests/cuda/test_cuda_executor.cpp, test_nccl_comm.cpp: what ctest -L
+# gpu runs on a full machine), built against minitest; each writes OUTDIR/gpu-tests-NAME.json.
+echo "== GPU tests"
+if ! "$build/tools/gpu_check/gpu_minitest_selftest" >"$out/minitest-selftest.log" 2>&1; then
+  echo "   minitest's selftest failed (see $out/minitest-selftest.log): the GPU tests' verdicts cannot be trusted" >&2
+  rc=1
+fi
+for t in test_cuda_executor test_nccl_comm; do
+  MINITEST_JSON="$out/gpu-tests-$t.json" timeout 900 "$build/tools/gpu_check/gpu_$t" \
+    >"$out/gpu-tests-$t.log" 2>&1
+  trc=$?
+  echo "   $t: $(tail -n 2 "$out/gpu-tests-$t.log" | head -n 1) (exit $trc; log: $out/gpu-tests-$t.log)"
+  grep -A3 -E '^\S+:[0-9]+: Failure' "$out/gpu-tests-$t.log" | head -n 40 || true
+  if [ "$trc" -ne 0 ]; then
+    rc=1
+    [ -s "$out/gpu-tests-$t.json" ] || echo "   $t crashed or timed out before its summary" >&2
+  fi
+done
 
 if command -v python3 >/dev/null 2>&1; then
   echo "== PyTorch SDPA peer"

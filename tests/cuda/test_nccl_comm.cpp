@@ -20,7 +20,9 @@
 #include "treeattn/comm_nccl.hpp"
 #include "treeattn/executor_cuda.hpp"
 #include "treeattn/oracle.hpp"
+#if !TREEATTN_GPU_TESTS_NO_SESSION  // a core-only build without the session (gpu-check.sh)
 #include "treeattn/session.hpp"
+#endif
 
 namespace treeattn {
 namespace {
@@ -231,6 +233,7 @@ TEST(NcclComm, ARankThatSkipsACollectiveIsATimeoutNotAHang) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(25));
 }
 
+#if !TREEATTN_GPU_TESTS_NO_SESSION
 // The values the owners store (exact in every dtype's range) and the float64 oracle.
 float value(int64_t b, int64_t pos, int64_t i, int kind) {
   uint64_t x = (static_cast<uint64_t>(b) << 40) ^ (static_cast<uint64_t>(pos) << 12) ^
@@ -333,6 +336,7 @@ TEST(NcclComm, SessionOverNcclMatchesTheOracleForEveryStrategy) {
     EXPECT_TRUE(s.is_ok()) << p << " ranks: " << s.to_string();
   }
 }
+#endif  // !TREEATTN_GPU_TESTS_NO_SESSION
 
 // ---- host-side rules (nccl_policy.hpp): run on every machine -----------------------------------
 

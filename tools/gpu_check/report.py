@@ -49,6 +49,24 @@ def main(outdir, build_seconds):
                         "met": max(merges) < 10, "value": max(merges)})
     for t in targets:
         print(f"target {'met' if t['met'] else 'NOT met'}: {t['target']} ({t['value']:.3g})")
+    # The gpu-labelled tests, run by gpu-check.sh through minitest (gpu-tests-NAME.json).
+    tests = {}
+    for name in ("test_cuda_executor", "test_nccl_comm"):
+        tpath = os.path.join(outdir, f"gpu-tests-{name}.json")
+        if not os.path.exists(tpath):
+            tests[name] = {"ran": False}
+            print(f"gpu tests: {name} wrote no results (crashed, timed out or not built)")
+            continue
+        with open(tpath) as f:
+            t = json.load(f)
+        tests[name] = t
+        print(f"gpu tests: {name}: {t['passed']} passed, {t['failed']} failed, "
+              f"{t['skipped']} skipped")
+        for r in t["tests"]:
+            if r["result"] != "passed":
+                first = (r["message"].strip().splitlines() or [""])[-1]
+                print(f"  {r['result']:7} {r['name']}: {first[:150]}")
+    core["gpu_tests"] = tests
     core["sdpa_peer"] = sdpa
     core["targets"] = targets
     core["build_seconds"] = build_seconds
