@@ -278,8 +278,8 @@ TEST_F(CudaExecutorTest, StateKernelsMatchTheCpuExecutor) {
       for (std::size_t r = 0; r < n; ++r) {
         std::vector<const float*> in;
         for (std::size_t p = 0; p < k; ++p) in.push_back(all.data() + (p * n + r) * rf);
-        const double e =
-            tolerance::merged_record_excess(in.data(), k, d, g.data() + r * rf, want.data() + r * rf);
+        const double e = tolerance::merged_record_excess(in.data(), k, d, g.data() + r * rf,
+                                                         want.data() + r * rf);
         if (!(e <= 1.0) && bad++ < 5)
           ADD_FAILURE() << op << " d=" << d << " record " << r << ": " << e
                         << " times the bound (m cpu " << want[r * rf] << " gpu " << g[r * rf]

@@ -20,8 +20,9 @@ TEST(GpuCheckReport, ASetUpFailureIsTheEnvironmentNotAWrongResult) {
   EXPECT_EQ(rep.exit_code(), 0);
   rep.add(environment_check("nccl", "one rank: NCCL communicator set-up", Status::ok()));
   EXPECT_EQ(rep.exit_code(), 0);
-  rep.add(environment_check("nccl", "one rank: NCCL communicator set-up",
-                            internal_error("ncclCommInitRankConfig failed: unhandled system error")));
+  rep.add(
+      environment_check("nccl", "one rank: NCCL communicator set-up",
+                        internal_error("ncclCommInitRankConfig failed: unhandled system error")));
   EXPECT_EQ(rep.wrong_results(), 0u);
   EXPECT_EQ(rep.environment_failures(), 1u);
   EXPECT_EQ(rep.exit_code(), 2);

@@ -47,17 +47,17 @@ Status run_nccl(int p, const Fn& fn, std::chrono::milliseconds timeout = std::ch
 // Skips unless NCCL is built and `ranks` devices exist; a machine with no CUDA device or driver
 // skips, one whose CUDA is there but broken (cudaGetDeviceCount fails otherwise) fails
 // (cuda_presence.hpp).
-#define REQUIRE_DEVICES(ranks)                                                                 \
-  do {                                                                                         \
-    if (!nccl_built()) GTEST_SKIP() << "this build has no NCCL backend";                       \
-    const gpu::CudaProbe probe_ = gpu::probe_cuda();                                           \
-    const std::string absent_ = gpu::cuda_absence(probe_);                                     \
-    if (!absent_.empty()) GTEST_SKIP() << "no CUDA device here: " << absent_;                  \
-    if (probe_.count_error != gpu::kCudaSuccess)                                               \
-      FAIL() << "CUDA is present but cudaGetDeviceCount failed: " << probe_.error_name         \
-             << " (driver version " << probe_.driver_version << ")";                           \
-    if (probe_.device_count < (ranks))                                                         \
-      GTEST_SKIP() << "needs " << (ranks) << " CUDA devices, found " << probe_.device_count;   \
+#define REQUIRE_DEVICES(ranks)                                                               \
+  do {                                                                                       \
+    if (!nccl_built()) GTEST_SKIP() << "this build has no NCCL backend";                     \
+    const gpu::CudaProbe probe_ = gpu::probe_cuda();                                         \
+    const std::string absent_ = gpu::cuda_absence(probe_);                                   \
+    if (!absent_.empty()) GTEST_SKIP() << "no CUDA device here: " << absent_;                \
+    if (probe_.count_error != gpu::kCudaSuccess)                                             \
+      FAIL() << "CUDA is present but cudaGetDeviceCount failed: " << probe_.error_name       \
+             << " (driver version " << probe_.driver_version << ")";                         \
+    if (probe_.device_count < (ranks))                                                       \
+      GTEST_SKIP() << "needs " << (ranks) << " CUDA devices, found " << probe_.device_count; \
   } while (0)
 
 Result<Buffer> device_floats(Executor& e, const std::vector<float>& host) {
@@ -355,12 +355,12 @@ TEST(NcclPolicy, TheTeardownPollGivesUpAtItsLimit) {
   // false at the limit, so the destructor aborts instead of hanging.
   int naps = 0;
   const auto start = std::chrono::steady_clock::now();
-  const bool drained = nccl_detail::poll_until([] { return false; }, std::chrono::milliseconds(60),
-                                               [&](auto) {
-                                                 ++naps;
-                                                 std::this_thread::sleep_for(
-                                                     std::chrono::milliseconds(1));
-                                               });
+  const bool drained =
+      nccl_detail::poll_until([] { return false; }, std::chrono::milliseconds(60),
+                              [&](auto) {
+                                ++naps;
+                                std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                              });
   const auto took = std::chrono::steady_clock::now() - start;
   EXPECT_FALSE(drained);
   EXPECT_GE(took, std::chrono::milliseconds(60));
@@ -368,8 +368,8 @@ TEST(NcclPolicy, TheTeardownPollGivesUpAtItsLimit) {
   EXPECT_GT(naps, 0);
   // A stream that drains on the third look: true, without waiting for the limit.
   int looks = 0;
-  EXPECT_TRUE(nccl_detail::poll_until([&] { return ++looks == 3; }, std::chrono::hours(1),
-                                      [](auto) {}));
+  EXPECT_TRUE(
+      nccl_detail::poll_until([&] { return ++looks == 3; }, std::chrono::hours(1), [](auto) {}));
   EXPECT_EQ(looks, 3);
 }
 

@@ -91,7 +91,8 @@ TEST(StateTolerance, CancellingTermsWithAPerturbedExpPassTheNewBoundNotTheOld) {
   bool old_rule_rejects = false;
   for (std::size_t i = 0; i < d + 2; ++i) {
     const float x = host[i], y = dev[i];
-    old_rule_rejects |= std::fabs(x - y) > 4e-6f * std::max(1.0f, std::max(std::fabs(x), std::fabs(y)));
+    old_rule_rejects |=
+        std::fabs(x - y) > 4e-6f * std::max(1.0f, std::max(std::fabs(x), std::fabs(y)));
   }
   EXPECT_TRUE(old_rule_rejects) << "the case no longer shows why the bound changed";
 }
@@ -154,8 +155,8 @@ TEST(StateTolerance, AWrongMergeFails) {
     const auto parts = rows.parts(r);
     const float ma = state_m(parts[0]), mb = state_m(parts[1]);
     // Rows where the two weights differ (two non-empty, non-NaN parts with distinct m).
-    if (std::isnan(ma) || std::isnan(mb) || state_is_empty(parts[0]) ||
-        state_is_empty(parts[1]) || std::fabs(ma - mb) < 0.1f)
+    if (std::isnan(ma) || std::isnan(mb) || state_is_empty(parts[0]) || state_is_empty(parts[1]) ||
+        std::fabs(ma - mb) < 0.1f)
       continue;
     ++checked;
     const auto host = fold(parts, d, kHostExp);

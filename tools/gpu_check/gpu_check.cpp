@@ -445,8 +445,8 @@ void check_chunks_and_states(Executor& e, Report& rep) {
       std::vector<const float*> in(parts);
       for (std::size_t r = 0; r < n; ++r) {
         for (std::size_t p = 0; p < parts; ++p) in[p] = all.data() + (p * n + r) * rf;
-        const double em = tolerance::merged_record_excess(in.data(), parts, d,
-                                                          gm->data() + r * rf, want.data() + r * rf);
+        const double em = tolerance::merged_record_excess(in.data(), parts, d, gm->data() + r * rf,
+                                                          want.data() + r * rf);
         const double en = tolerance::normalized_excess(in.data(), parts, d, gn->data() + r * d,
                                                        norm.data() + r * d);
         const double excess = std::max(em, en);
@@ -918,9 +918,9 @@ int main(int argc, char** argv) {
     // Either no GPU here at all, or one that is there but cannot be used (an old driver, no
     // image for its architecture): both are the environment, named apart (cuda_presence.hpp).
     const std::string absent = gpu::cuda_absence(gpu::probe_cuda());
-    const std::string why = absent.empty()
-                                ? "a CUDA device is present but unusable: " + exec.status().to_string()
-                                : "no CUDA device or driver on this machine: " + absent;
+    const std::string why =
+        absent.empty() ? "a CUDA device is present but unusable: " + exec.status().to_string()
+                       : "no CUDA device or driver on this machine: " + absent;
     std::fprintf(stderr, "gpu_check: %s\n", why.c_str());
     rep.notes.push_back(why);
     rep.add(environment_check("device", "CUDA executor", exec.status()));

@@ -77,7 +77,10 @@ struct Report {
   std::vector<std::string> notes;
 
   void add(Check c) {
-    std::printf("  %-4s %-12s %-58s %s\n", c.ok ? "ok" : c.environment ? "ENV" : "FAIL",
+    std::printf("  %-4s %-12s %-58s %s\n",
+                c.ok            ? "ok"
+                : c.environment ? "ENV"
+                                : "FAIL",
                 c.section.c_str(), c.name.c_str(), c.detail.c_str());
     std::fflush(stdout);
     checks.push_back(std::move(c));
@@ -113,9 +116,8 @@ struct Report {
       o << "    {\"section\": " << json_str(c.section) << ", \"name\": " << json_str(c.name)
         << ", \"ok\": " << (c.ok ? "true" : "false")
         << ", \"environment\": " << (c.environment ? "true" : "false")
-        << ", \"error\": " << json_num(c.error)
-        << ", \"detail\": " << json_str(c.detail) << "}" << (i + 1 < checks.size() ? "," : "")
-        << "\n";
+        << ", \"error\": " << json_num(c.error) << ", \"detail\": " << json_str(c.detail) << "}"
+        << (i + 1 < checks.size() ? "," : "") << "\n";
     }
     o << "  ],\n  \"probes\": {\"copy_gbps\": " << json_num(copy_gbps)
       << ", \"read_gbps\": " << json_num(read_gbps) << "},\n  \"bandwidth\": [\n";

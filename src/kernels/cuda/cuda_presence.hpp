@@ -29,11 +29,11 @@ inline constexpr int kCudaErrorNoDevice = 100;
 
 // What the machine says, as plain values.
 struct CudaProbe {
-  bool built = false;       // this build has the CUDA executor
-  int count_error = 0;      // the cudaError_t of cudaGetDeviceCount
-  int device_count = 0;     // its count, when it succeeded
-  int driver_version = 0;   // cudaDriverGetVersion (0: no driver installed)
-  std::string error_name;   // "cudaErrorNoDevice", for messages
+  bool built = false;      // this build has the CUDA executor
+  int count_error = 0;     // the cudaError_t of cudaGetDeviceCount
+  int device_count = 0;    // its count, when it succeeded
+  int driver_version = 0;  // cudaDriverGetVersion (0: no driver installed)
+  std::string error_name;  // "cudaErrorNoDevice", for messages
 };
 
 CudaProbe probe_cuda();
@@ -44,8 +44,7 @@ inline std::string cuda_absence(const CudaProbe& p) {
   if (!p.built) return "this treeattn was built without CUDA";
   if (p.count_error == kCudaSuccess)
     return p.device_count > 0 ? std::string() : "cudaGetDeviceCount found 0 devices";
-  if (p.count_error == kCudaErrorNoDevice)
-    return "no CUDA device (" + p.error_name + ")";
+  if (p.count_error == kCudaErrorNoDevice) return "no CUDA device (" + p.error_name + ")";
   if (p.count_error == kCudaErrorInsufficientDriver && p.driver_version == 0)
     return "no NVIDIA driver installed (" + p.error_name + ", driver version 0)";
   if (p.count_error == kCudaErrorStubLibrary)

@@ -98,13 +98,14 @@ minitest::Counts minitest::run_all() {
     std::fflush(stdout);
     (c.failed ? failed : c.skipped ? skipped : passed) += 1;
     json += std::string(first ? "" : ",") + "\n  {\"name\": " + minitest::json_str(e.name) +
-            ", \"result\": \"" + result + "\", \"message\": " + minitest::json_str(c.messages) + "}";
+            ", \"result\": \"" + result + "\", \"message\": " + minitest::json_str(c.messages) +
+            "}";
     first = false;
   }
   json += "\n], \"passed\": " + std::to_string(passed) + ", \"failed\": " + std::to_string(failed) +
           ", \"skipped\": " + std::to_string(skipped) + "}\n";
-  std::printf("[==========] %d tests: %d passed, %d skipped, %d failed\n", passed + skipped + failed,
-              passed, skipped, failed);
+  std::printf("[==========] %d tests: %d passed, %d skipped, %d failed\n",
+              passed + skipped + failed, passed, skipped, failed);
   if (failed == 0) std::printf("[  PASSED  ] %d tests.\n", passed);
   if (const char* path = std::getenv("MINITEST_JSON")) {
     std::ofstream f(path);

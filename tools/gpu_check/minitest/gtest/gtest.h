@@ -90,7 +90,8 @@ class Reporter {
 template <class T, class = void>
 struct Streamable : std::false_type {};
 template <class T>
-struct Streamable<T, std::void_t<decltype(std::declval<std::ostream&>() << std::declval<const T&>())>>
+struct Streamable<T,
+                  std::void_t<decltype(std::declval<std::ostream&>() << std::declval<const T&>())>>
     : std::true_type {};
 
 template <class T>
@@ -114,8 +115,8 @@ struct Outcome {
 template <class A, class B, class Op>
 Outcome compare(const A& a, const B& b, Op op, const char* sa, const char* sb, const char* rel) {
   if (op(a, b)) return {};
-  return {false, std::string("Expected: (") + sa + ") " + rel + " (" + sb + "), actual: " +
-                     show(a) + " vs " + show(b)};
+  return {false, std::string("Expected: (") + sa + ") " + rel + " (" + sb +
+                     "), actual: " + show(a) + " vs " + show(b)};
 }
 
 inline Outcome truth(bool v, const char* text, bool want) {
@@ -137,28 +138,28 @@ Outcome near(const A& a, const B& b, const C& tol, const char* sa, const char* s
 #define MINITEST_CAT2(a, b) a##b
 #define MINITEST_CAT(a, b) MINITEST_CAT2(a, b)
 
-#define MINITEST_DEFINE(suite, name, base)                                                   \
-  class suite##_##name##_Test : public base {                                                \
-   public:                                                                                   \
-    void TestBody() override;                                                                \
-  };                                                                                         \
-  [[maybe_unused]] static const int MINITEST_CAT(minitest_registered_, __LINE__) =           \
-      ::minitest::add_test(#suite, #name, [] {                                               \
-        return std::unique_ptr<::testing::Test>(new suite##_##name##_Test());                \
-      });                                                                                    \
+#define MINITEST_DEFINE(suite, name, base)                                         \
+  class suite##_##name##_Test : public base {                                      \
+   public:                                                                         \
+    void TestBody() override;                                                      \
+  };                                                                               \
+  [[maybe_unused]] static const int MINITEST_CAT(minitest_registered_, __LINE__) = \
+      ::minitest::add_test(#suite, #name, [] {                                     \
+        return std::unique_ptr<::testing::Test>(new suite##_##name##_Test());      \
+      });                                                                          \
   void suite##_##name##_Test::TestBody()
 
 #define TEST(suite, name) MINITEST_DEFINE(suite, name, ::testing::Test)
 #define TEST_F(fixture, name) MINITEST_DEFINE(fixture, name, fixture)
 
 // Non-fatal: the statement goes on; fatal: `return` from the function.
-#define MINITEST_CHECK(outcome, kind, ret)                                          \
-  if (const ::minitest::Outcome minitest_o_ = (outcome); minitest_o_.ok) {          \
-  } else                                                                            \
+#define MINITEST_CHECK(outcome, kind, ret)                                 \
+  if (const ::minitest::Outcome minitest_o_ = (outcome); minitest_o_.ok) { \
+  } else                                                                   \
     ret ::minitest::Reporter(__FILE__, __LINE__, minitest_o_.text, kind) = ::minitest::Message()
 
 #define MINITEST_EXPECT(outcome) MINITEST_CHECK(outcome, ::minitest::Kind::kFailure, )
-#define MINITEST_ASSERT(outcome) MINITEST_CHECK(outcome, ::minitest::Kind::kFatal, return)
+#define MINITEST_ASSERT(outcome) MINITEST_CHECK(outcome, ::minitest::Kind::kFatal, return )
 
 #define MINITEST_CMP(a, b, op, rel) \
   ::minitest::compare((a), (b), [](const auto& x, const auto& y) { return x op y; }, #a, #b, rel)
@@ -181,11 +182,12 @@ Outcome near(const A& a, const B& b, const C& tol, const char* sa, const char* s
 #define ASSERT_GT(a, b) MINITEST_ASSERT(MINITEST_CMP(a, b, >, ">"))
 #define ASSERT_GE(a, b) MINITEST_ASSERT(MINITEST_CMP(a, b, >=, ">="))
 
-#define ADD_FAILURE() \
-  ::minitest::Reporter(__FILE__, __LINE__, "Failed", ::minitest::Kind::kFailure) = ::minitest::Message()
-#define FAIL()                                                                              \
+#define ADD_FAILURE()                                                              \
+  ::minitest::Reporter(__FILE__, __LINE__, "Failed", ::minitest::Kind::kFailure) = \
+      ::minitest::Message()
+#define FAIL()                                                                          \
   return ::minitest::Reporter(__FILE__, __LINE__, "Failed", ::minitest::Kind::kFatal) = \
              ::minitest::Message()
-#define GTEST_SKIP()                                                                       \
+#define GTEST_SKIP()                                                                    \
   return ::minitest::Reporter(__FILE__, __LINE__, "Skipped", ::minitest::Kind::kSkip) = \
              ::minitest::Message()
