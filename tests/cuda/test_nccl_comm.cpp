@@ -3,8 +3,10 @@
 // skips with the reason when this build has no NCCL or there are too few devices. One rank:
 // every operation, self point-to-point, splits, counters and argument errors; the decode session
 // over NCCL + the CUDA executor for every strategy NCCL serves against the float64 oracle.
-// Several GPUs: the same at P ranks, rank-order results, grouped two-way exchanges, and a rank
-// that skips a collective ending in kTimeout on the others instead of a hang.
+// Several GPUs: the same at P ranks, rank-order results, grouped two-way exchanges, a rank
+// that skips a collective ending in kTimeout on the others instead of a hang, and a
+// communicator destroyed while its collective waits for a dead rank returning (bounded wait,
+// then abort). Host-side (any machine): the timeouts, the teardown poll and the messages.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -234,6 +236,37 @@ TEST(NcclComm, ARankThatSkipsACollectiveIsATimeoutNotAHang) {
 }
 
 #if !TREEATTN_GPU_TESTS_NO_SESSION
+TEST(NcclComm, DestroyingACommunicatorWhoseCollectiveWaitsForADeadPeerReturns) {
+  // Rank 0 enqueues an all-reduce that rank 1 never joins and destroys its communicator at once,
+  // before the watchdog's deadline: the destructor stops the watchdog, so only its own bounded
+  // wait (the timeout, then ncclCommAbort) stands between it and a hang.
+  REQUIRE_DEVICES(2);
+  const auto start = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::duration destroy_took{};
+  const Status s = run_local(2, [&](Communicator& boot) -> Status {
+    boot.set_timeout(std::chrono::seconds(30));
+    CudaExecutorOptions o;
+    o.device = boot.rank();
+    auto exec = make_cuda_executor(o);
+    TREEATTN_RETURN_IF_ERROR(exec.status());
+    auto made = make_nccl_communicator(boot, **exec);
+    TREEATTN_RETURN_IF_ERROR(made.status());
+    std::unique_ptr<Communicator> c = std::move(*made);
+    c->set_timeout(std::chrono::milliseconds(3000));
+    if (c->rank() == 1) return Status::ok();  // gone
+    auto b = device_floats(**exec, std::vector<float>(64, 1.0f));
+    TREEATTN_RETURN_IF_ERROR(b.status());
+    TREEATTN_RETURN_IF_ERROR(c->allreduce(b->as<float>(), 64, ReduceOp::kSum));  // enqueued
+    const auto t0 = std::chrono::steady_clock::now();
+    c.reset();
+    destroy_took = std::chrono::steady_clock::now() - t0;
+    return Status::ok();
+  });
+  EXPECT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_LT(destroy_took, std::chrono::seconds(15));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));
+}
+
 // The values the owners store (exact in every dtype's range) and the float64 oracle.
 float value(int64_t b, int64_t pos, int64_t i, int kind) {
   uint64_t x = (static_cast<uint64_t>(b) << 40) ^ (static_cast<uint64_t>(pos) << 12) ^
