@@ -165,6 +165,11 @@ struct Block<kTypeQ5_1> {
   }
 };
 
+// v << n for n >= 0, v >> -n (logical) otherwise.
+inline typename Ops::I shift(typename Ops::I v, int n) {
+  return n >= 0 ? Ops::shl(v, n) : Ops::shr(v, -n);
+}
+
 // Q4_K and Q5_K: group g of a super-block is sub-block g (scale and min of its own).
 template <bool kFive>
 struct BlockK45 {
@@ -185,7 +190,7 @@ struct BlockK45 {
     for (int j = 0; j < kVB; ++j) {
       typename Ops::I q = Ops::and_(Ops::shr(Ops::u8(qs + j * Ops::W), 4 * (g % 2)), 15);
       if constexpr (kFive)
-        q = Ops::or_(q, Ops::shl(Ops::and_(Ops::shr(Ops::u8(b + 16 + j * Ops::W), g), 1), 4));
+        q = Ops::or_(q, Ops::and_(shift(Ops::u8(b + 16 + j * Ops::W), 4 - g), 16));  // bit g
       w[j] = Ops::fma(ds, Ops::cvt(q), ndm);
     }
   }
@@ -209,9 +214,10 @@ struct Block<kTypeQ6_K> {
     for (int j = 0; j < kVB; ++j) {
       const int l = j * Ops::W;
       const typename Ops::I lo = Ops::and_(Ops::shr(Ops::u8(ql + l), 4 * (k / 2)), 15);
-      const typename Ops::I hi = Ops::and_(Ops::shr(Ops::u8(qh + l), 2 * k), 3);
+      const typename Ops::I hi =
+          Ops::and_(shift(Ops::u8(qh + l), 4 - 2 * k), 0x30);  // bits 2k, 2k+1
       const typename Ops::V ds = Ops::set1(d * static_cast<float>(scales[l / 16]));
-      w[j] = Ops::mul(ds, Ops::add(Ops::cvt(Ops::or_(lo, Ops::shl(hi, 4))), m32));
+      w[j] = Ops::mul(ds, Ops::add(Ops::cvt(Ops::or_(lo, hi)), m32));
     }
   }
 };
@@ -219,11 +225,12 @@ struct Block<kTypeQ6_K> {
 template <uint32_t T>
 constexpr bool kFloatType = T == kTypeF32 || T == kTypeF16 || T == kTypeBF16;
 
-// Decodes 32-value group `gi` of a row (group gi % kGroups of block gi / kGroups).
-template <uint32_t T>
-inline void decode_group(const uint8_t* row, int64_t gi, typename Ops::V* w) {
-  constexpr int G = Block<T>::kGroups;
-  Block<T>::decode(row + gi / G * Block<T>::kBytes, static_cast<int>(gi % G), w);
+// f(g) for g = 0, 1, ..., G - 1 in that order, g a compile-time constant (so that a K block's
+// shifts and scale positions are immediates once decode is inlined).
+template <int G, class F>
+inline void for_each_group(F&& f) {
+  [&]<int... g>(std::integer_sequence<int, g...>) { (f(std::integral_constant<int, g>{}), ...); }
+  (std::make_integer_sequence<int, G>{});
 }
 
 // The end of a (row, token) product: accumulators in order, lanes, then the scalar tail.
@@ -245,15 +252,19 @@ inline void dot_rows_1(const uint8_t* const* rows, int64_t cols, const float* x,
   V acc[RBn][kVB];
   for (int r = 0; r < RBn; ++r)
     for (int j = 0; j < kVB; ++j) acc[r][j] = Ops::zero();
-  const int64_t groups = cols / 32;
-  for (int64_t b = 0; b < groups; ++b) {
-    V xv[kVB];
-    for (int j = 0; j < kVB; ++j) xv[j] = Ops::loadu(x + b * 32 + j * Ops::W);
-    for (int r = 0; r < RBn; ++r) {
-      V w[kVB];
-      decode_group<T>(rows[r], b, w);
-      for (int j = 0; j < kVB; ++j) acc[r][j] = Ops::fma(w[j], xv[j], acc[r][j]);
-    }
+  constexpr int G = Block<T>::kGroups;
+  const int64_t blocks = cols / 32 / G;
+  for (int64_t k = 0; k < blocks; ++k) {
+    for_each_group<G>([&](auto g) {  // 32-value group b of the row
+      const int64_t b = k * G + g;
+      V xv[kVB];
+      for (int j = 0; j < kVB; ++j) xv[j] = Ops::loadu(x + b * 32 + j * Ops::W);
+      for (int r = 0; r < RBn; ++r) {
+        V w[kVB];
+        Block<T>::decode(rows[r] + k * Block<T>::kBytes, g, w);
+        for (int j = 0; j < kVB; ++j) acc[r][j] = Ops::fma(w[j], xv[j], acc[r][j]);
+      }
+    });
   }
   for (int r = 0; r < RBn; ++r) y[r] = finish<T>(acc[r], rows[r], x, cols);
 }
@@ -285,12 +296,15 @@ inline void dot_tile(const float* wf, int64_t wstride, const uint8_t* const* row
 
 template <uint32_t T, int RBn>
 inline void decode_rows(const uint8_t* const* rows, int64_t cols, float* wf, int64_t wstride) {
+  constexpr int G = Block<T>::kGroups;
   for (int r = 0; r < RBn; ++r)
-    for (int64_t b = 0; b < cols / 32; ++b) {
-      typename Ops::V w[kVB];
-      decode_group<T>(rows[r], b, w);
-      for (int j = 0; j < kVB; ++j) Ops::storeu(wf + r * wstride + b * 32 + j * Ops::W, w[j]);
-    }
+    for (int64_t k = 0; k < cols / 32 / G; ++k)
+      for_each_group<G>([&](auto g) {
+        const int64_t b = k * G + g;
+        typename Ops::V w[kVB];
+        Block<T>::decode(rows[r] + k * Block<T>::kBytes, g, w);
+        for (int j = 0; j < kVB; ++j) Ops::storeu(wf + r * wstride + b * 32 + j * Ops::W, w[j]);
+      });
 }
 
 // RBn rows against every token of the job.
