@@ -69,10 +69,17 @@ fetch() {
     echo "model: waiting for another fetch into $models_dir"
     flock "$lock"
   fi
+  local rc=0
+  fetch_locked || rc=1
+  exec {lock}>&-
+  return "$rc"
+}
+
+# fetch_locked: the rest of fetch, with the folder's lock held (its variables in scope).
+fetch_locked() {
   if [ -f "$dest" ] && [ "$force" = 0 ]; then
     if good "$dest" "$bytes" "$sha"; then
       echo "model: $dest (size and SHA-256 checked)"
-      exec {lock}>&-
       return 0
     fi
     echo "model: $dest is not $name (its size or SHA-256 differs from tools/models.txt);" \
@@ -143,7 +150,6 @@ EOF
   fi
   rm -rf "$tmp"
   tmp=""
-  exec {lock}>&-
   return "$rc"
 }
 
