@@ -49,8 +49,6 @@ namespace treeattn::cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr const char* kSmolSystem =
-    "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
 
 struct GenFlags {
   std::string model;
@@ -63,7 +61,8 @@ struct GenFlags {
   std::string placement = "even";
   std::string kv_layout = "auto";
   bool chat = false;
-  std::string system = kSmolSystem;
+  std::string system;  // with --chat; not given: the model's template's default (Tokenizer)
+  bool system_given = false;
   std::string json;
   bool deterministic = false;
   double temperature = 0.0;
@@ -130,7 +129,7 @@ Result<std::vector<TokenId>> make_prompt(const GenFlags& f, const Tokenizer& tok
     ss << in.rdbuf();
     text = ss.str();
   }
-  if (f.chat) text = format_chatml(text, f.system);
+  if (f.chat) text = format_chatml(text, f.system_given ? f.system : tok.default_system());
   auto ids = tok.encode(text, true, f.chat);
   if (!ids.is_ok()) return ids.status();
   if (ids->empty()) return invalid_argument("the prompt is empty after tokenization");
@@ -930,7 +929,10 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
                   "fastest; rows for ring-kv and tree-det), rows or tiled")
       ->capture_default_str();
   sub->add_flag("--chat", f->chat, "Wrap the prompt in the ChatML template (instruct models)");
-  sub->add_option("--system", f->system, "System message with --chat")->capture_default_str();
+  sub->add_option("--system", f->system,
+                  "System message with --chat (default: the one the model's chat template "
+                  "inserts, e.g. SmolLM2's or Qwen2.5's; --system '' for none)")
+      ->each([f](const std::string&) { f->system_given = true; });
   sub->add_option("--json", f->json, "Write the tokens, text and timings as JSON");
   sub->add_flag("--deterministic", f->deterministic,
                 "Decode with tree-det: the same bits (and tokens) for any rank count");

@@ -1,4 +1,5 @@
-// A Llama-architecture model read from a GGUF file, and the CPU pieces of its forward pass.
+// A decoder model of the Llama family (llama, qwen2: see Architecture below) read from a GGUF
+// file, and the CPU pieces of its forward pass.
 //
 // LlamaModel::load maps the file (gguf.hpp: MAP_SHARED, so the ranks of a node share one copy of
 // the weights), reads the hyper-parameters from `llama.*` metadata and checks every tensor's
@@ -8,6 +9,7 @@
 // Forward pass of one token x (n_embd floats) through layer l, as llama.cpp computes it:
 //   xn = rmsnorm(x) * attn_norm                 rmsnorm(x) = x / sqrt(mean(x^2) + eps)
 //   q = Wq xn, k = Wk xn, v = Wv xn              q: n_head heads, k and v: n_head_kv heads
+//   q, k, v += bq, bk, bv                       qwen2 only, where the file has them
 //   q, k <- RoPE(pos)                           see below
 //   a = attention(q, K, V)                      grouped-query attention over positions <= pos,
 //                                               scale 1/sqrt(head_dim): the caller's job
@@ -23,6 +25,8 @@
 // rotate-half form on the unpermuted weights is the same function. For pair i < rope_dim / 2:
 //   theta_i = (pos / linear_factor) * base^(-2i / rope_dim) / freq_factor_i
 //   (x[2i], x[2i+1]) <- (x[2i] cos - x[2i+1] sin, x[2i] sin + x[2i+1] cos)
+// qwen2 files are not permuted and rotate the halves instead (RopeForm::kHalves, ggml's "neox"):
+//   (x[i], x[i+h]) <- (x[i] cos - x[i+h] sin, x[i] sin + x[i+h] cos),  h = rope_dim / 2
 // with freq_factor_i from the tensor rope_freqs.weight when present (how GGUF carries Llama-3.1's
 // rope scaling), else 1, and linear_factor from rope.scaling.type = linear. The angle and its
 // cosine and sine are computed in double (llama.cpp accumulates the angle in float, which is off
@@ -43,6 +47,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "treeattn/gguf.hpp"
@@ -80,6 +85,24 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
 // The ISA matmul runs with these options ("avx512", "avx2", "generic").
 Isa matmul_isa(const MatvecOptions& options);
 
+// What differs between the decoder architectures this forward pass runs (general.architecture),
+// declared once per architecture in src/model/architecture.cpp; the forward pass above is
+// composed from it, not copied per model.
+//   llama  Llama 1-3, SmolLM2, Mistral-style files: no biases, RoPE on adjacent pairs (the
+//          converter permuted Wq and Wk's rows for it).
+//   qwen2  Qwen2 / Qwen2.5: optional q, k, v biases (added after the projection, before RoPE),
+//          RoPE on the two halves of each head (ggml's "neox" mode: pair i is (x[i],
+//          x[i + rope_dim / 2]); the converter does not permute), eps and rope base from the file.
+enum class RopeForm : uint8_t { kAdjacentPairs, kHalves };
+struct Architecture {
+  std::string_view name;
+  RopeForm rope = RopeForm::kAdjacentPairs;
+  bool qkv_bias = false;  // blk.N.attn_{q,k,v}.bias are read (each optional); other biases refused
+};
+// The architecture named `name`, or nullptr. supported_architectures(): "llama, qwen2".
+const Architecture* find_architecture(std::string_view name);
+std::string supported_architectures();
+
 // Hyper-parameters from the file's metadata (`{arch}.` keys).
 struct LlamaConfig {
   std::string architecture;  // general.architecture
@@ -98,6 +121,8 @@ struct LlamaConfig {
   double rope_linear_factor = 1.0;  // rope.scaling.type = linear: positions divided by it
   bool rope_freq_factors = false;   // rope_freqs.weight present (Llama-3.1 style scaling)
   bool tied_output = false;         // no output.weight: the head is token_embd.weight
+  RopeForm rope_form = RopeForm::kAdjacentPairs;  // from the architecture
+  bool qkv_bias = false;                          // the file has q/k/v bias tensors
 
   // KV cache values per token over all layers (K and V): 2 * n_layers * n_head_kv * head_dim.
   int64_t kv_values_per_token() const { return 2 * n_layers * n_head_kv * head_dim; }
@@ -114,8 +139,9 @@ class LlamaModel {
  public:
   // Opens and checks the file: kInvalidArgument for a missing or malformed file or tensor shape
   // (naming the file, the key or the tensor, what was expected and what was found),
-  // kUnsupported for an architecture other than llama, a tensor type without a kernel, bias
-  // tensors, YaRN rope scaling or a head dim without an attention kernel.
+  // kUnsupported for an architecture not in supported_architectures(), a tensor type without a
+  // kernel, a bias tensor the architecture does not have, YaRN rope scaling or a head dim
+  // without an attention kernel.
   static Result<std::unique_ptr<LlamaModel>> load(const std::string& path);
 
   const LlamaConfig& config() const { return cfg_; }
@@ -154,6 +180,7 @@ class LlamaModel {
   struct Layer {
     WeightMatrix wq, wk, wv, wo, gate, up, down;
     std::vector<float> attn_norm, ffn_norm;
+    std::vector<float> bq, bk, bv;  // empty: no bias
   };
   explicit LlamaModel(gguf::File file) : file_(std::move(file)) {}
   Status init();

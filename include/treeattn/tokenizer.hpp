@@ -83,6 +83,9 @@ class Tokenizer {
   TokenId padding_id() const;
   bool add_bos() const;
   bool add_eos() const;
+  // The default system message of the file's chat template (tokenizer.chat_template), as
+  // chat_template_default_system() reads it; empty when it has none.
+  std::string_view default_system() const;
   // End of generation: EOS, or a control token named <|im_end|>, <|endoftext|>, <|eot_id|>,
   // <end_of_turn>, <|end|> (what llama.cpp also treats as end-of-generation).
   bool is_end_of_generation(TokenId id) const;
@@ -96,10 +99,16 @@ class Tokenizer {
 // ChatML, the prompt format of SmolLM2-Instruct, Qwen and others:
 //   [<|im_start|>system\n{system}<|im_end|>\n]<|im_start|>user\n{user}<|im_end|>\n
 //   <|im_start|>assistant\n
-// The system block is left out when `system` is empty. (SmolLM2's own chat template inserts
-// "You are a helpful AI assistant named SmolLM, trained by Hugging Face" when no system
-// message is given; pass it as `system` to reproduce that exactly.) Encode the result with
-// parse_special = true.
+// The system block is left out when `system` is empty. (A model's own template may insert a
+// default system message when none is given: Tokenizer::default_system(); pass it as `system`
+// to reproduce that exactly.) Encode the result with parse_special = true.
 std::string format_chatml(std::string_view user, std::string_view system = {});
+
+// The system message a ChatML Jinja template inserts when the conversation has none: the first
+// literal text between "<|im_start|>system\n" and "<|im_end|>" (a part that inserts a message's
+// content there is skipped). SmolLM2's template gives "You are a helpful AI assistant named
+// SmolLM, trained by Hugging Face", Qwen2.5's "You are Qwen, created by Alibaba Cloud. You are a
+// helpful assistant."; empty when the template has none.
+std::string chat_template_default_system(std::string_view jinja);
 
 }  // namespace treeattn

@@ -1,5 +1,6 @@
-// LlamaModel: loading and checking a Llama-architecture GGUF file, and the CPU forward pieces
-// (embedding, RMSNorm, projections, RoPE, SwiGLU, output head). See include/treeattn/model.hpp.
+// LlamaModel: loading and checking a GGUF file of the Llama family (architecture.cpp), and the
+// CPU forward pieces (embedding, RMSNorm, projections and biases, RoPE, SwiGLU, output head).
+// See include/treeattn/model.hpp.
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -27,6 +28,8 @@ std::string LlamaConfig::to_string() const {
      << " dims " << rope_dim;
   if (rope_freq_factors) os << " (freq factors)";
   if (rope_linear_factor != 1.0) os << " (linear x" << rope_linear_factor << ")";
+  if (rope_form == RopeForm::kHalves) os << " (halves)";
+  if (qkv_bias) os << ", qkv bias";
   if (tied_output) os << ", tied output";
   return os.str();
 }
@@ -45,9 +48,12 @@ Status LlamaModel::init() {
   auto arch = f.get_string("general.architecture");
   if (!arch.is_ok()) return arch.status();
   cfg_.architecture = std::string(*arch);
-  if (cfg_.architecture != "llama")
+  const Architecture* spec = find_architecture(cfg_.architecture);
+  if (spec == nullptr)
     return unsupported(who + "architecture '" + cfg_.architecture +
-                       "' is not supported (general.architecture must be 'llama')");
+                       "' is not supported (general.architecture must be one of: " +
+                       supported_architectures() + ")");
+  cfg_.rope_form = spec->rope;
   auto name = f.get_string_or("general.name", "");
   if (!name.is_ok()) return name.status();
   cfg_.name = std::string(*name);
@@ -153,10 +159,15 @@ Status LlamaModel::init() {
     if (!s.is_ok()) return Status(s.code(), who + "tensor '" + tname + "': " + s.message());
     return Status::ok();
   };
+  auto qkv_bias_name = [](std::string_view n) {
+    return n.starts_with("blk.") &&
+           (n.ends_with(".attn_q.bias") || n.ends_with(".attn_k.bias") || n.ends_with(".attn_v.bias"));
+  };
   for (const auto& t : f.tensors())
-    if (t.name.ends_with(".bias"))
+    if (t.name.ends_with(".bias") && !(spec->qkv_bias && qkv_bias_name(t.name)))
       return unsupported(who + "tensor '" + std::string(t.name) +
-                         "': bias tensors are not part of the llama forward pass here");
+                         "': bias tensors of this kind are not part of the " + cfg_.architecture +
+                         " forward pass");
 
   const gguf::TensorInfo* emb = f.find_tensor("token_embd.weight");
   if (emb == nullptr) return invalid_argument(who + "tensor 'token_embd.weight' not found");
@@ -194,6 +205,15 @@ Status LlamaModel::init() {
     TREEATTN_RETURN_IF_ERROR(matrix(p + "ffn_gate.weight", cfg_.n_embd, cfg_.n_ff, L.gate));
     TREEATTN_RETURN_IF_ERROR(matrix(p + "ffn_up.weight", cfg_.n_embd, cfg_.n_ff, L.up));
     TREEATTN_RETURN_IF_ERROR(matrix(p + "ffn_down.weight", cfg_.n_ff, cfg_.n_embd, L.down));
+    if (spec->qkv_bias) {
+      const std::pair<const char*, std::pair<int64_t, std::vector<float>*>> biases[] = {
+          {"attn_q.bias", {qd, &L.bq}}, {"attn_k.bias", {kvd, &L.bk}}, {"attn_v.bias", {kvd, &L.bv}}};
+      for (const auto& [bname, want] : biases)
+        if (f.find_tensor(p + bname) != nullptr) {
+          TREEATTN_RETURN_IF_ERROR(vector(p + bname, want.first, *want.second));
+          cfg_.qkv_bias = true;
+        }
+    }
   }
 
   // RoPE frequencies.
@@ -272,12 +292,17 @@ void LlamaModel::apply_rope(float* heads, int64_t n_heads, int64_t pos) const {
     cs[i] = static_cast<float>(std::cos(th));
     sn[i] = static_cast<float>(std::sin(th));
   }
+  // Pair i is (x[2i], x[2i+1]) on adjacent pairs, (x[i], x[i + pairs]) on halves.
+  const std::size_t second = cfg_.rope_form == RopeForm::kHalves ? pairs : 1;
+  const std::size_t stride = cfg_.rope_form == RopeForm::kHalves ? 1 : 2;
   for (int64_t h = 0; h < n_heads; ++h) {
     float* x = heads + h * cfg_.head_dim;
     for (std::size_t i = 0; i < pairs; ++i) {
-      const float a = x[2 * i], b = x[2 * i + 1];
-      x[2 * i] = a * cs[i] - b * sn[i];
-      x[2 * i + 1] = a * sn[i] + b * cs[i];
+      float* lo = x + i * stride;
+      float* hi = lo + second;
+      const float a = *lo, b = *hi;
+      *lo = a * cs[i] - b * sn[i];
+      *hi = a * sn[i] + b * cs[i];
     }
   }
 }
@@ -295,6 +320,14 @@ Status LlamaModel::attention_inputs(int layer, const float* x, int64_t tokens, c
   float* ys[] = {q, k, v};
   TREEATTN_RETURN_IF_ERROR(matmul(mats, s.xn.data(), tokens, cfg_.n_embd, ys, options));
   const int64_t qd = cfg_.n_head * cfg_.head_dim, kvd = cfg_.n_head_kv * cfg_.head_dim;
+  auto add_bias = [tokens](float* y, const std::vector<float>& b) {
+    const auto n = static_cast<int64_t>(b.size());
+    for (int64_t t = 0; t < tokens && n > 0; ++t)
+      for (int64_t i = 0; i < n; ++i) y[t * n + i] += b[static_cast<std::size_t>(i)];
+  };
+  add_bias(q, L.bq);
+  add_bias(k, L.bk);
+  add_bias(v, L.bv);
   for (int64_t t = 0; t < tokens; ++t) {
     apply_rope(q + t * qd, cfg_.n_head, pos[t]);
     apply_rope(k + t * kvd, cfg_.n_head_kv, pos[t]);

@@ -42,6 +42,13 @@ constexpr const char* kLlama3Regex =
     "\\p{N}{1,3}| ?[^" TA_WS "\\p{L}\\p{N}]+[\\r\\n]*|[" TA_WS "]*[\\r\\n]+|[" TA_WS "]+(?![^" TA_WS
     "])|[" TA_WS "]+";
 
+// LLAMA_VOCAB_PRE_TYPE_QWEN2 ("qwen2", "deepseek-r1-qwen"): Llama 3's pattern with every digit
+// a piece of its own (\p{N} instead of \p{N}{1,3}), as Qwen2's tokenizer.json writes it.
+constexpr const char* kQwen2Regex =
+    "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
+    "\\p{N}| ?[^" TA_WS "\\p{L}\\p{N}]+[\\r\\n]*|[" TA_WS "]*[\\r\\n]+|[" TA_WS "]+(?![^" TA_WS
+    "])|[" TA_WS "]+";
+
 struct PreTokenizer {
   std::string_view name;
   std::vector<const char*> regexes;  // applied in sequence
@@ -55,7 +62,8 @@ constexpr const char* kDefaultPunct = "[\\p{P}\\$\\+<=>\\^~\\|]+";
 // Every name pre_tokenizer() accepts (llama.cpp's names, plus "gpt2").
 constexpr std::string_view kPreNames[] = {
     "default",   "gpt-2",  "gpt2",       "smollm",    "starcoder", "refact",  "command-r",
-    "codeshell", "exaone", "minerva-7b", "llama-bpe", "llama3",    "llama-v3"};
+    "codeshell", "exaone", "minerva-7b", "llama-bpe", "llama3",    "llama-v3",
+    "qwen2",     "deepseek-r1-qwen"};
 
 std::string supported_list() {
   std::string s;
@@ -76,6 +84,8 @@ Result<PreTokenizer> pre_tokenizer(std::string_view pre) {
     return PreTokenizer{pre, {"\\p{N}", kGpt2Regex}, false, false};
   if (pre == "llama-bpe" || pre == "llama3" || pre == "llama-v3")
     return PreTokenizer{pre, {kLlama3Regex}, true, true};
+  if (pre == "qwen2" || pre == "deepseek-r1-qwen")
+    return PreTokenizer{pre, {kQwen2Regex}, false, false};
   return unsupported("tokenizer.ggml.pre '" + std::string(pre) +
                      "' is not supported (supported: " + supported_list() + ")");
 }
@@ -165,6 +175,7 @@ struct Tokenizer::Impl {
   std::vector<bool> eog;
   TokenId bos = -1, eos = -1, unk = -1, pad = -1;
   bool add_bos = false, add_eos = false;
+  std::string default_system;  // of tokenizer.chat_template
 
   Status split(std::string_view text, std::vector<std::string_view>& pieces) const;
   void bpe(std::string_view word, std::vector<TokenId>& out) const;
@@ -303,6 +314,10 @@ Result<Tokenizer> Tokenizer::from_gguf(const gguf::File& f) {
     return invalid_argument(file + "BOS is to be added but tokenizer.ggml.bos_token_id is missing");
   if (t.add_eos && t.eos < 0)
     return invalid_argument(file + "EOS is to be added but tokenizer.ggml.eos_token_id is missing");
+
+  Result<std::string_view> tmpl = f.get_string_or("tokenizer.chat_template", "");
+  if (!tmpl.is_ok()) return tmpl.status();
+  t.default_system = chat_template_default_system(*tmpl);
 
   // Special tokens, longest first; end-of-generation set.
   t.eog.assign(static_cast<std::size_t>(n), false);
@@ -548,6 +563,7 @@ TokenId Tokenizer::unknown_id() const { return impl_->unk; }
 TokenId Tokenizer::padding_id() const { return impl_->pad; }
 bool Tokenizer::add_bos() const { return impl_->add_bos; }
 bool Tokenizer::add_eos() const { return impl_->add_eos; }
+std::string_view Tokenizer::default_system() const { return impl_->default_system; }
 bool Tokenizer::is_end_of_generation(TokenId id) const {
   return id >= 0 && id < n_vocab() && impl_->eog[id];
 }
@@ -563,6 +579,20 @@ std::string format_chatml(std::string_view user, std::string_view system) {
   s += user;
   s += "<|im_end|>\n<|im_start|>assistant\n";
   return s;
+}
+
+std::string chat_template_default_system(std::string_view jinja) {
+  constexpr std::string_view kOpen = "<|im_start|>system\n";
+  for (auto a = jinja.find(kOpen); a != std::string_view::npos; a = jinja.find(kOpen, a + 1)) {
+    const auto b = jinja.find("<|im_end|>", a + kOpen.size());
+    if (b == std::string_view::npos) break;
+    const std::string_view text = jinja.substr(a + kOpen.size(), b - a - kOpen.size());
+    // Only a literal: where the template inserts a message's content here the text between the
+    // markers has quotes, braces or a '+'.
+    if (!text.empty() && text.find_first_of("'\"{}+") == std::string_view::npos)
+      return std::string(text);
+  }
+  return {};
 }
 
 }  // namespace treeattn

@@ -433,15 +433,7 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body) {
 
 ChatTemplate ChatTemplate::from_template(std::string_view jinja) {
   ChatTemplate t;
-  constexpr std::string_view kOpen = "<|im_start|>system\n";
-  const auto a = jinja.find(kOpen);
-  if (a == std::string_view::npos) return t;
-  const auto b = jinja.find("<|im_end|>", a + kOpen.size());
-  if (b == std::string_view::npos) return t;
-  const std::string_view text = jinja.substr(a + kOpen.size(), b - a - kOpen.size());
-  // Only a literal: a template that inserts the messages' content here has quotes or braces.
-  if (text.empty() || text.find_first_of("'\"{}+") != std::string_view::npos) return t;
-  t.default_system = std::string(text);
+  t.default_system = chat_template_default_system(jinja);
   return t;
 }
 

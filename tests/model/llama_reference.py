@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Independent float64 reference of a Llama GGUF model's forward pass (numpy + the `gguf` package).
+"""Independent float64 reference of a Llama or Qwen2 GGUF model's forward pass (numpy + `gguf`).
 
 Written from Hugging Face's modeling_llama conventions, not from treeattn's code: the weights are
 dequantized with gguf.quants.dequantize, the Q and K rows are put back into Hugging Face's order
 (undoing llama.cpp's converter permutation) and RoPE is applied in the rotate-half form. Agreement
 with treeattn's adjacent-pair RoPE on the permuted weights is therefore a check of the convention,
-not a restatement of it.
+not a restatement of it. qwen2 files are not permuted (llama.cpp rotates their halves, as Hugging
+Face does), and their q/k/v biases are added after the projections.
 
 Usage:
   llama_reference.py MODEL.gguf --tokens 1,2,3 --out logits.f64 [--positions all|last]
@@ -59,7 +60,8 @@ def main():
 
     r = gguf.GGUFReader(a.model)
     arch = field(r, "general.architecture")
-    assert arch == "llama", arch
+    # llama: the converter permuted Wq/Wk rows (undone below); qwen2: not permuted, q/k/v biases.
+    assert arch in ("llama", "qwen2"), arch
     p = arch + "."
     n_layer = int(field(r, p + "block_count"))
     n_embd = int(field(r, p + "embedding_length"))
@@ -85,6 +87,8 @@ def main():
         return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64).reshape(-1)
 
     def unpermute(w, heads):  # llama.cpp's converter permutation, undone
+        if arch != "llama":
+            return w
         rows = w.shape[0]
         return w.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(rows, -1)
 
@@ -115,6 +119,14 @@ def main():
         q = h @ unpermute(W(b + "attn_q.weight"), n_head).T
         k = h @ unpermute(W(b + "attn_k.weight"), n_kv).T
         v = h @ W(b + "attn_v.weight").T
+        for name, arr in (("attn_q.bias", "q"), ("attn_k.bias", "k"), ("attn_v.bias", "v")):
+            if b + name in tensors:
+                if arr == "q":
+                    q = q + vec(b + name)
+                elif arr == "k":
+                    k = k + vec(b + name)
+                else:
+                    v = v + vec(b + name)
         q = rope(q.reshape(T, n_head, hd))
         k = round_kv(rope(k.reshape(T, n_kv, hd)), a.kv_round)
         v = round_kv(v.reshape(T, n_kv, hd), a.kv_round)

@@ -213,7 +213,9 @@ void check_against_reference(const TinyLlamaSpec& spec, DType kv, const std::str
     std::printf(
         "[ reference ] %s kv %s ranks %d: %zu positions, max relative logit error %.2e "
         "(bound %.0e)\n",
-        spec.output_weight ? "output.weight+rope_freqs" : "tied head",
+        (spec.architecture + (spec.output_weight ? " output.weight" : " tied head") +
+         (spec.rope_freqs ? "+rope_freqs" : "") + (spec.qkv_bias ? "+qkv bias" : ""))
+            .c_str(),
         std::string(dtype_name(kv)).c_str(), ranks, run.logits[0].size(), worst, bound);
   }
 }
@@ -242,6 +244,101 @@ TEST(TinyLlama, LogitsMatchTheFloat64ReferenceWithAnF16Cache) {
   TinyLlamaSpec s;
   s.seed = 9;
   check_against_reference(s, DType::kF16, "f16", 2e-4);
+}
+
+// qwen2 (Qwen2 / Qwen2.5): q/k/v biases, RoPE on the halves of each head on unpermuted weights,
+// a separate output.weight. The reference adds the biases and rotates halves itself; a llama
+// pairing or a missing bias moves logits by O(1), far beyond the bound.
+TEST(TinyQwen2, LogitsMatchTheFloat64Reference) {
+  TinyLlamaSpec s;
+  s.architecture = "qwen2";
+  s.qkv_bias = true;
+  s.output_weight = true;
+  s.rope_base = 1000000.0;
+  s.seed = 13;
+  check_against_reference(s, DType::kF32, "none", 1e-5);
+}
+
+// bf16 K/V rounded the same way in the reference; a value rounding to the neighbouring bf16 on one
+// side moves by one bf16 ulp (7.8e-3 relative), diluted over the attention sum (measured 3.4e-5).
+TEST(TinyQwen2, LogitsMatchTheFloat64ReferenceWithABf16CacheAndTiedHead) {
+  TinyLlamaSpec s;
+  s.architecture = "qwen2";
+  s.qkv_bias = true;
+  s.seed = 17;
+  check_against_reference(s, DType::kBF16, "bf16", 2e-3);
+}
+
+// The architecture decides the RoPE pairing: the same tensors declared as qwen2 rotate
+// (x[i], x[i + head_dim / 2]), declared as llama (x[2i], x[2i + 1]).
+TEST(TinyQwen2, RotatesHalvesWhereLlamaRotatesAdjacentPairs) {
+  ScratchDir dir;
+  TinyLlamaSpec s;
+  s.architecture = "qwen2";
+  s.seed = 3;
+  testing::GgufBuilder::write(dir.path("q.gguf"), testing::build_tiny_llama(s));
+  s.architecture = "llama";
+  testing::GgufBuilder::write(dir.path("l.gguf"), testing::build_tiny_llama(s));
+  auto q = LlamaModel::load(dir.path("q.gguf"));
+  auto l = LlamaModel::load(dir.path("l.gguf"));
+  ASSERT_TRUE(q.is_ok()) << q.status().to_string();
+  ASSERT_TRUE(l.is_ok()) << l.status().to_string();
+  EXPECT_EQ((*q)->config().rope_form, model::RopeForm::kHalves);
+  EXPECT_EQ((*l)->config().rope_form, model::RopeForm::kAdjacentPairs);
+  // RoPE alone: position 3 of a head whose values are their own indices.
+  const int64_t hd = (*q)->config().head_dim, h = hd / 2;
+  std::vector<float> a(static_cast<std::size_t>(hd)), b;
+  for (int64_t i = 0; i < hd; ++i) a[static_cast<std::size_t>(i)] = static_cast<float>(i + 1);
+  b = a;
+  (*q)->apply_rope(a.data(), 1, 3);
+  (*l)->apply_rope(b.data(), 1, 3);
+  // Halves: pair 0 is (x[0], x[h]) rotated by 3 rad (theta_0 = pos).
+  EXPECT_FLOAT_EQ(a[0], static_cast<float>(std::cos(3.0) - static_cast<double>(h + 1) * std::sin(3.0)));
+  EXPECT_FLOAT_EQ(a[static_cast<std::size_t>(h)],
+                  static_cast<float>(std::sin(3.0) + static_cast<double>(h + 1) * std::cos(3.0)));
+  // Adjacent: pair 0 is (x[0], x[1]).
+  EXPECT_FLOAT_EQ(b[0], static_cast<float>(1.0 * std::cos(3.0) - 2.0 * std::sin(3.0)));
+  EXPECT_FLOAT_EQ(b[1], static_cast<float>(1.0 * std::sin(3.0) + 2.0 * std::cos(3.0)));
+}
+
+TEST(TinyQwen2, GreedyTokensAgreeAcrossRanksAndTreeDetIsBitIdentical) {
+  ScratchDir dir;
+  const std::string path = dir.path("tiny.gguf");
+  TinyLlamaSpec spec;
+  spec.architecture = "qwen2";
+  spec.qkv_bias = true;
+  spec.output_weight = true;
+  spec.seed = 23;
+  testing::GgufBuilder::write(path, testing::build_tiny_llama(spec));
+  auto m = LlamaModel::load(path);
+  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+  std::vector<int32_t> prompt(101);
+  for (std::size_t i = 0; i < prompt.size(); ++i)
+    prompt[i] = static_cast<int32_t>((i * 53 + 7) % static_cast<std::size_t>(spec.n_vocab));
+  testing::GenCase c;
+  c.kv = DType::kF16;
+  c.steps = 10;
+  c.methods = {"tree-det"};
+  const auto one = testing::run_generation(**m, 1, c, prompt);
+  ASSERT_TRUE(one.status.is_ok()) << one.status.to_string();
+  for (const int ranks : {2, 3, 4}) {
+    const auto run = testing::run_generation(**m, ranks, c, prompt);
+    ASSERT_TRUE(run.status.is_ok()) << run.status.to_string();
+    ASSERT_EQ(testing::ranks_agree(run), "");
+    ASSERT_EQ(run.tokens[0], one.tokens[0]) << "tree-det x" << ranks;
+    for (std::size_t st = 0; st < run.logits[0].size(); ++st)
+      ASSERT_EQ(0, std::memcmp(run.logits[0][st].data(), one.logits[0][st].data(),
+                               run.logits[0][st].size() * 4))
+          << "tree-det x" << ranks << " step " << st;
+  }
+  c.methods = {"tree"};
+  const auto tree3 = testing::run_generation(**m, 3, c, prompt);
+  ASSERT_TRUE(tree3.status.is_ok()) << tree3.status.to_string();
+  for (std::size_t st = 0; st < tree3.tokens[0].size(); ++st) {
+    if (tree3.tokens[0][st] == one.tokens[0][st]) continue;
+    EXPECT_LT(model::top_two(one.logits[0][st]).gap(), 1e-4) << "tree x3 diverged at " << st;
+    break;
+  }
 }
 
 std::vector<std::string> every_strategy() {
@@ -423,9 +520,13 @@ TEST(LlamaModelLoad, ClearErrors) {
   TinyLlamaSpec s;
   s.architecture = "gemma";
   expect_load_error(s, Code::kUnsupported, "architecture 'gemma' is not supported");
+  expect_load_error(s, Code::kUnsupported, "llama, qwen2");  // the message lists what is
   s = {};
   s.override_type = 10;  // q2_K layer matrices
   expect_load_error(s, Code::kUnsupported, "q2_K");
+  s = {};
+  s.qkv_bias = true;  // a llama file with biases: not part of its forward pass
+  expect_load_error(s, Code::kUnsupported, "blk.0.attn_q.bias");
   s = {};
   s.drop_tensor = "blk.1.ffn_up.weight";
   expect_load_error(s, Code::kInvalidArgument, "blk.1.ffn_up.weight");

@@ -262,8 +262,8 @@ TEST(Tokenizer, Errors) {
     b.str("tokenizer.ggml.model", "llama");
     expect_load_error(b, Code::kUnsupported, "'llama', only 'gpt2'");
   }
-  expect_load_error(v.builder("qwen2"), Code::kUnsupported, "'qwen2' is not supported");
-  expect_load_error(v.builder("qwen2"), Code::kUnsupported, "smollm");
+  expect_load_error(v.builder("chatglm-bpe"), Code::kUnsupported, "'chatglm-bpe' is not supported");
+  expect_load_error(v.builder("chatglm-bpe"), Code::kUnsupported, "smollm");
   {
     GgufBuilder b;
     b.str("tokenizer.ggml.model", "gpt2");

@@ -58,6 +58,7 @@ struct TinyLlamaSpec {
   uint32_t embd_type = 8;                 // q8_0
   std::optional<uint32_t> override_type;  // every layer matrix of this type instead
   std::string drop_tensor;                // leave this tensor out
+  bool qkv_bias = false;                  // blk.N.attn_{q,k,v}.bias (F32; qwen2 reads them)
   uint64_t seed = 1;
 };
 
@@ -181,6 +182,14 @@ inline std::vector<uint8_t> build_tiny_llama(const TinyLlamaSpec& s) {
     mat(p + "attn_q.weight", s.n_embd, s.n_head * hd, cyc[k++ % cyc.size()]);
     mat(p + "attn_k.weight", s.n_embd, s.n_kv * hd, cyc[k++ % cyc.size()]);
     mat(p + "attn_v.weight", s.n_embd, s.n_kv * hd, cyc[k++ % cyc.size()]);
+    if (s.qkv_bias)
+      for (const auto& [bname, n] : {std::pair<const char*, int64_t>{"attn_q.bias", s.n_head * hd},
+                                     {"attn_k.bias", s.n_kv * hd},
+                                     {"attn_v.bias", s.n_kv * hd}}) {
+        std::vector<float> b(static_cast<std::size_t>(n));
+        for (auto& x : b) x = 0.5f * u(rng);
+        add(p + bname, {static_cast<uint64_t>(n)}, 0, f32_vector(b));
+      }
     mat(p + "attn_output.weight", s.n_head * hd, s.n_embd, cyc[k++ % cyc.size()]);
     mat(p + "ffn_gate.weight", s.n_embd, s.n_ff, cyc[k++ % cyc.size()]);
     mat(p + "ffn_up.weight", s.n_embd, s.n_ff, cyc[k++ % cyc.size()]);
