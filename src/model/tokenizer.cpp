@@ -582,15 +582,36 @@ std::string format_chatml(std::string_view user, std::string_view system) {
 }
 
 std::string chat_template_default_system(std::string_view jinja) {
-  constexpr std::string_view kOpen = "<|im_start|>system\n";
+  // The newline after "system" is a newline character in some templates (SmolLM2's) and the
+  // escape \n inside a Jinja string literal in others (Qwen2.5's).
+  constexpr std::string_view kOpen = "<|im_start|>system";
   for (auto a = jinja.find(kOpen); a != std::string_view::npos; a = jinja.find(kOpen, a + 1)) {
-    const auto b = jinja.find("<|im_end|>", a + kOpen.size());
+    std::string_view rest = jinja.substr(a + kOpen.size());
+    bool escaped = false;
+    if (rest.starts_with("\\n")) {
+      escaped = true;
+      rest.remove_prefix(2);
+    } else if (rest.starts_with('\n')) {
+      rest.remove_prefix(1);
+    } else {
+      continue;
+    }
+    const auto b = rest.find("<|im_end|>");
     if (b == std::string_view::npos) break;
-    const std::string_view text = jinja.substr(a + kOpen.size(), b - a - kOpen.size());
+    const std::string_view text = rest.substr(0, b);
     // Only a literal: where the template inserts a message's content here the text between the
     // markers has quotes, braces or a '+'.
-    if (!text.empty() && text.find_first_of("'\"{}+") == std::string_view::npos)
-      return std::string(text);
+    if (text.empty() || text.find_first_of("'\"{}+") != std::string_view::npos) continue;
+    std::string out;
+    for (std::size_t k = 0; k < text.size(); ++k) {
+      if (escaped && text[k] == '\\' && k + 1 < text.size() && text[k + 1] == 'n') {
+        out += '\n';
+        ++k;
+      } else {
+        out += text[k];
+      }
+    }
+    return out;
   }
   return {};
 }

@@ -220,6 +220,25 @@ TEST(ServeChat, SmolLM2TemplateAndRender) {
                   .default_system.empty());
 }
 
+// Qwen2.5's template: the first system block (tools branch) inserts the content, the literal one
+// comes later, and its newlines are Jinja escapes (a backslash and 'n') in the file.
+TEST(ServeChat, Qwen25TemplateWithEscapedNewlines) {
+  const std::string jinja =
+      "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0]['role'] == "
+      "'system' %}\n        {{- messages[0]['content'] }}\n    {%- else %}\n        {{- 'You are "
+      "Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n    {%- endif %}\n    "
+      "{{- \"\\n\\n# Tools<|im_end|>\\n\" }}\n{%- else %}\n    {%- if messages[0]['role'] == "
+      "'system' %}\n        {{- '<|im_start|>system\\n' + messages[0]['content'] + "
+      "'<|im_end|>\\n' }}\n    {%- else %}\n        {{- '<|im_start|>system\\nYou are Qwen, "
+      "created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}\n    {%- endif "
+      "%}\n{%- endif %}";
+  EXPECT_EQ(ChatTemplate::from_template(jinja).default_system,
+            "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.");
+  // An escaped newline inside the message itself becomes a newline.
+  EXPECT_EQ(chat_template_default_system("{{ '<|im_start|>system\\nA\\nB<|im_end|>' }}"), "A\nB");
+  EXPECT_EQ(chat_template_default_system("{{ '<|im_start|>systemX<|im_end|>' }}"), "");
+}
+
 TEST(ServePrompt, BuildAndVocabulary) {
   ByteCodec codec;
   ChatTemplate t;
