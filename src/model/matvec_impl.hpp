@@ -134,6 +134,11 @@ struct Block<kTypeBF16> {
   }
 };
 
+// v << n for n > 0, v >> -n (logical) for n < 0, v for 0 (no instruction once n is a constant).
+inline typename Ops::I shift(typename Ops::I v, int n) {
+  return n > 0 ? Ops::shl(v, n) : n < 0 ? Ops::shr(v, -n) : v;
+}
+
 template <>
 struct Block<kTypeQ5_0> {
   static constexpr int kBytes = 22, kGroups = 1;
@@ -147,7 +152,7 @@ struct Block<kTypeQ5_0> {
   // Codes j*W .. j*W+W-1 of a Q5_0 / Q5_1 block: nibble | fifth bit << 4.
   static typename Ops::I q5(uint32_t qh, const uint8_t* qs, int j) {
     const int e = j * Ops::W;
-    const typename Ops::I lo = Ops::and_(Ops::shr(Ops::u8(qs + (e & 15)), e < 16 ? 0 : 4), 15);
+    const typename Ops::I lo = Ops::and_(shift(Ops::u8(qs + (e & 15)), e < 16 ? 0 : -4), 15);
     return Ops::or_(lo, Ops::shl(Ops::bits(qh, e), 4));
   }
 };
@@ -164,11 +169,6 @@ struct Block<kTypeQ5_1> {
       w[j] = Ops::fma(d, Ops::cvt(Block<kTypeQ5_0>::q5(qh, b + 8, j)), m);
   }
 };
-
-// v << n for n >= 0, v >> -n (logical) otherwise.
-inline typename Ops::I shift(typename Ops::I v, int n) {
-  return n >= 0 ? Ops::shl(v, n) : Ops::shr(v, -n);
-}
 
 // Q4_K and Q5_K: group g of a super-block is sub-block g (scale and min of its own).
 template <bool kFive>
@@ -188,7 +188,7 @@ struct BlockK45 {
     const typename Ops::V ndm = Ops::set1(-(Ops::f16(rd16(b + 2)) * static_cast<float>(m)));
     const uint8_t* qs = b + (kFive ? 48 : 16) + 32 * (g / 2);
     for (int j = 0; j < kVB; ++j) {
-      typename Ops::I q = Ops::and_(Ops::shr(Ops::u8(qs + j * Ops::W), 4 * (g % 2)), 15);
+      typename Ops::I q = Ops::and_(shift(Ops::u8(qs + j * Ops::W), -4 * (g % 2)), 15);
       if constexpr (kFive)
         q = Ops::or_(q, Ops::and_(shift(Ops::u8(b + 16 + j * Ops::W), 4 - g), 16));  // bit g
       w[j] = Ops::fma(ds, Ops::cvt(q), ndm);
@@ -213,7 +213,7 @@ struct Block<kTypeQ6_K> {
     const typename Ops::V m32 = Ops::set1(-32.0f);
     for (int j = 0; j < kVB; ++j) {
       const int l = j * Ops::W;
-      const typename Ops::I lo = Ops::and_(Ops::shr(Ops::u8(ql + l), 4 * (k / 2)), 15);
+      const typename Ops::I lo = Ops::and_(shift(Ops::u8(ql + l), -4 * (k / 2)), 15);
       const typename Ops::I hi =
           Ops::and_(shift(Ops::u8(qh + l), 4 - 2 * k), 0x30);  // bits 2k, 2k+1
       const typename Ops::V ds = Ops::set1(d * static_cast<float>(scales[l / 16]));
