@@ -129,7 +129,11 @@ Result<std::vector<TokenId>> make_prompt(const GenFlags& f, const Tokenizer& tok
     ss << in.rdbuf();
     text = ss.str();
   }
-  if (f.chat) text = format_chatml(text, f.system_given ? f.system : tok.default_system());
+  if (f.chat) {
+    const ChatTurn user{"user", text};
+    text = format_chat(tok.chat_format(), std::span<const ChatTurn>(&user, 1),
+                       f.system_given ? f.system : tok.default_system());
+  }
   auto ids = tok.encode(text, true, f.chat);
   if (!ids.is_ok()) return ids.status();
   if (ids->empty()) return invalid_argument("the prompt is empty after tokenization");
@@ -928,7 +932,8 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
                   "How ranks store the KV cache: auto (tiled, the layout the CPU kernel reads "
                   "fastest; rows for ring-kv and tree-det), rows or tiled")
       ->capture_default_str();
-  sub->add_flag("--chat", f->chat, "Wrap the prompt in the ChatML template (instruct models)");
+  sub->add_flag("--chat", f->chat,
+                "Wrap the prompt in the model's chat format (ChatML, or Gemma's turns)");
   sub->add_option("--system", f->system,
                   "System message with --chat (default: the one the model's chat template "
                   "inserts, e.g. SmolLM2's or Qwen2.5's; --system '' for none)")

@@ -10,6 +10,7 @@
 //   xn = rmsnorm(x) * attn_norm                 rmsnorm(x) = x / sqrt(mean(x^2) + eps)
 //   q = Wq xn, k = Wk xn, v = Wv xn              q: n_head heads, k and v: n_head_kv heads
 //   q, k, v += bq, bk, bv                       qwen2 only, where the file has them
+//   q, k <- rmsnorm per head * q_norm, k_norm   gemma3 only
 //   q, k <- RoPE(pos)                           see below
 //   a = attention(q, K, V)                      grouped-query attention over positions <= pos,
 //                                               scale 1/sqrt(head_dim): the caller's job
@@ -93,13 +94,29 @@ Isa matmul_isa(const MatvecOptions& options);
 //   qwen2  Qwen2 / Qwen2.5: optional q, k, v biases (added after the projection, before RoPE),
 //          RoPE on the two halves of each head (ggml's "neox" mode: pair i is (x[i],
 //          x[i + rope_dim / 2]); the converter does not permute), eps and rope base from the file.
+//   gemma3 Gemma 3: embeddings scaled by sqrt(n_embd); RMSNorm of each q and k head before RoPE
+//          (attn_q_norm, attn_k_norm); the attention and FFN outputs normed again before their
+//          residual adds (post_attention_norm, post_ffw_norm); GeGLU with tanh-GELU; RoPE on
+//          halves; sliding-window layers: layer l is local unless l % 6 == 5 (or
+//          {arch}.attention.sliding_window_pattern), local layers use rope base
+//          {arch}.rope.freq_base_swa (default 10000) and see the last `sliding_window` positions.
+//          The window itself is not applied yet: such a model is exact only while every position
+//          is inside the window, so LlamaConfig::max_positions is the window (512 for Gemma 3
+//          270M) and longer sequences are refused up front, never computed wrong.
 enum class RopeForm : uint8_t { kAdjacentPairs, kHalves };
+enum class FfnActivation : uint8_t { kSilu, kGeluTanh };
 struct Architecture {
   std::string_view name;
   RopeForm rope = RopeForm::kAdjacentPairs;
   bool qkv_bias = false;  // blk.N.attn_{q,k,v}.bias are read (each optional); other biases refused
+  bool qk_norm = false;     // blk.N.attn_{q,k}_norm.weight, required
+  bool post_norms = false;  // blk.N.post_attention_norm / post_ffw_norm.weight, required
+  bool embed_scale = false; // x = embedding * sqrt(n_embd)
+  FfnActivation ffn = FfnActivation::kSilu;
+  int swa_pattern = 0;          // 0: no sliding-window layers
+  double swa_rope_base = 0.0;   // rope base of local layers when the file does not give one
 };
-// The architecture named `name`, or nullptr. supported_architectures(): "llama, qwen2".
+// The architecture named `name`, or nullptr. supported_architectures(): "llama, qwen2, gemma3".
 const Architecture* find_architecture(std::string_view name);
 std::string supported_architectures();
 
@@ -123,6 +140,13 @@ struct LlamaConfig {
   bool tied_output = false;         // no output.weight: the head is token_embd.weight
   RopeForm rope_form = RopeForm::kAdjacentPairs;  // from the architecture
   bool qkv_bias = false;                          // the file has q/k/v bias tensors
+  const Architecture* arch = nullptr;             // what the forward pass composes
+  int64_t sliding_window = 0;                     // 0: every layer global
+  std::vector<uint8_t> local_layer;               // per layer: 1 = sliding-window layer
+  double rope_base_local = 0.0;                   // of the local layers
+  // Positions the forward pass computes exactly (0: no limit but memory); the reason names why.
+  int64_t max_positions = 0;
+  std::string max_positions_reason;
 
   // KV cache values per token over all layers (K and V): 2 * n_layers * n_head_kv * head_dim.
   int64_t kv_values_per_token() const { return 2 * n_layers * n_head_kv * head_dim; }
@@ -173,25 +197,29 @@ class LlamaModel {
   Status logits(const float* x, int64_t tokens, float* logits, ForwardScratch& scratch,
                 const MatvecOptions& options) const;
 
-  // RoPE of `heads` heads (head_dim floats each, contiguous) at position pos, in place.
-  void apply_rope(float* heads, int64_t n_heads, int64_t pos) const;
+  // RoPE of `heads` heads (head_dim floats each, contiguous) at position pos, in place, with
+  // the frequencies of a global layer (of `layer`'s kind when given).
+  void apply_rope(float* heads, int64_t n_heads, int64_t pos, int layer = -1) const;
 
  private:
   struct Layer {
     WeightMatrix wq, wk, wv, wo, gate, up, down;
     std::vector<float> attn_norm, ffn_norm;
     std::vector<float> bq, bk, bv;  // empty: no bias
+    std::vector<float> q_norm, k_norm, post_attn_norm, post_ffn_norm;  // empty: none
   };
   explicit LlamaModel(gguf::File file) : file_(std::move(file)) {}
   Status init();
-  void rmsnorm(const float* x, const std::vector<float>& w, int64_t tokens, float* out) const;
+  // out[r] = rmsnorm(x[r]) * w for `rows` vectors of w.size() floats (in place allowed).
+  void rmsnorm(const float* x, const std::vector<float>& w, int64_t rows, float* out) const;
 
   gguf::File file_;
   LlamaConfig cfg_;
   WeightMatrix tok_embd_, output_;
   std::vector<float> output_norm_;
   std::vector<Layer> layers_;
-  std::vector<double> inv_freq_;  // per rotated pair, factors applied
+  std::vector<double> inv_freq_;        // per rotated pair, factors applied
+  std::vector<double> inv_freq_local_;  // the same for sliding-window layers
 };
 
 }  // namespace treeattn::model

@@ -49,6 +49,9 @@ enum class TokenType : int32_t {
   kByte = 6,
 };
 
+// The turn markers of a chat model (format_chat below).
+enum class ChatFormat : uint8_t { kChatML, kGemma };
+
 class Tokenizer {
  public:
   // Reads tokenizer.ggml.{model, pre, tokens, token_type, merges, bos_token_id, eos_token_id,
@@ -86,6 +89,9 @@ class Tokenizer {
   // The default system message of the file's chat template (tokenizer.chat_template), as
   // chat_template_default_system() reads it; empty when it has none.
   std::string_view default_system() const;
+  // kGemma when the vocabulary has the control tokens <start_of_turn> and <end_of_turn> and no
+  // <|im_start|>; kChatML otherwise.
+  ChatFormat chat_format() const;
   // End of generation: EOS, or a control token named <|im_end|>, <|endoftext|>, <|eot_id|>,
   // <end_of_turn>, <|end|> (what llama.cpp also treats as end-of-generation).
   bool is_end_of_generation(TokenId id) const;
@@ -103,6 +109,21 @@ class Tokenizer {
 // default system message when none is given: Tokenizer::default_system(); pass it as `system`
 // to reproduce that exactly.) Encode the result with parse_special = true.
 std::string format_chatml(std::string_view user, std::string_view system = {});
+
+// The turn markers of a model's vocabulary (Tokenizer::chat_format): ChatML (<|im_start|>,
+// SmolLM2, Qwen) or Gemma's (<start_of_turn>, <end_of_turn>, Gemma 3's template):
+//   <start_of_turn>user\n{system}\n\n{user}<end_of_turn>\n ... <start_of_turn>model\n
+// Gemma has no system role: the system message (given, or the default) goes before the first
+// user message's text, a blank line between; the assistant's role is "model"; contents are
+// trimmed of surrounding whitespace, as its template does. BOS comes from encode(add_special).
+struct ChatTurn {
+  std::string_view role;  // system, user, assistant
+  std::string_view content;
+};
+// The turns followed by the assistant's opening; `default_system` is used when the first turn
+// is not a system one (empty: none).
+std::string format_chat(ChatFormat format, std::span<const ChatTurn> turns,
+                        std::string_view default_system = {});
 
 // The system message a ChatML Jinja template inserts when the conversation has none: the first
 // literal text between "<|im_start|>system\n" and "<|im_end|>" (a part that inserts a message's

@@ -136,6 +136,11 @@ struct Engine::Impl {
                               std::to_string(max_sequence_tokens()) +
                               " positions for one sequence");
     const int64_t need = static_cast<int64_t>(r.prompt.size()) + r.max_new_tokens - 1;
+    if (mc.max_positions > 0 && need > mc.max_positions)
+      return invalid_argument("the prompt has " + std::to_string(r.prompt.size()) +
+                              " tokens and max_new_tokens is " + std::to_string(r.max_new_tokens) +
+                              ": " + std::to_string(need) + " positions, but the model takes at most " +
+                              std::to_string(mc.max_positions) + " (" + mc.max_positions_reason + ")");
     if (need > max_sequence_tokens())
       return invalid_argument("the prompt has " + std::to_string(r.prompt.size()) +
                               " tokens and max_new_tokens is " + std::to_string(r.max_new_tokens) +

@@ -10,9 +10,12 @@ namespace {
 // llama.cpp's llm_arch_rope_type: LLM_ARCH_LLAMA uses LLAMA_ROPE_TYPE_NORM (its converter permutes
 // Wq and Wk so that adjacent pairs rotate), LLM_ARCH_QWEN2 LLAMA_ROPE_TYPE_NEOX (no permutation,
 // halves rotate). Qwen2's attention projections carry biases; its MLP and output do not.
-constexpr std::array<Architecture, 2> kArchitectures = {{
-    {"llama", RopeForm::kAdjacentPairs, false},
-    {"qwen2", RopeForm::kHalves, true},
+// Gemma 3 (llama.cpp's models/gemma3.cpp): LLAMA_ROPE_TYPE_NEOX, swa pattern 6, local rope base
+// 10000 unless rope.freq_base_swa says otherwise.
+constexpr std::array<Architecture, 3> kArchitectures = {{
+    {"llama", RopeForm::kAdjacentPairs, false, false, false, false, FfnActivation::kSilu, 0, 0.0},
+    {"qwen2", RopeForm::kHalves, true, false, false, false, FfnActivation::kSilu, 0, 0.0},
+    {"gemma3", RopeForm::kHalves, false, true, true, true, FfnActivation::kGeluTanh, 6, 10000.0},
 }};
 
 }  // namespace

@@ -30,6 +30,12 @@ std::string LlamaConfig::to_string() const {
   if (rope_linear_factor != 1.0) os << " (linear x" << rope_linear_factor << ")";
   if (rope_form == RopeForm::kHalves) os << " (halves)";
   if (qkv_bias) os << ", qkv bias";
+  if (sliding_window > 0) {
+    int local = 0;
+    for (const uint8_t v : local_layer) local += v;
+    os << ", " << local << " sliding-window layers (window " << sliding_window << ", rope base "
+       << rope_base_local << ")";
+  }
   if (tied_output) os << ", tied output";
   return os.str();
 }
@@ -54,6 +60,7 @@ Status LlamaModel::init() {
                        "' is not supported (general.architecture must be one of: " +
                        supported_architectures() + ")");
   cfg_.rope_form = spec->rope;
+  cfg_.arch = spec;
   auto name = f.get_string_or("general.name", "");
   if (!name.is_ok()) return name.status();
   cfg_.name = std::string(*name);
@@ -132,6 +139,42 @@ Status LlamaModel::init() {
     }
   }
 
+  for (const char* key : {"attn_logit_softcapping", "final_logit_softcapping"}) {
+    auto cap = f.get_float_or(a + key, 0.0);
+    if (!cap.is_ok()) return cap.status();
+    if (*cap != 0.0)
+      return unsupported(who + a + key + " = " + std::to_string(*cap) +
+                         ": logit soft-capping is not supported");
+  }
+  if (cfg_.architecture == "gemma3" && cfg_.n_layers == 62)
+    return unsupported(who + "Gemma 3 27B scales queries by 1/sqrt(n_embd / n_head), not "
+                             "1/sqrt(head_dim) as the attention kernels do");
+  if (spec->swa_pattern > 0) {
+    auto w = f.get_int_or(a + "attention.sliding_window", 0);
+    if (!w.is_ok()) return w.status();
+    if (*w < 0) return invalid_argument(who + a + "attention.sliding_window must be >= 0");
+    cfg_.sliding_window = *w;
+    cfg_.local_layer.assign(static_cast<std::size_t>(cfg_.n_layers), 0);
+    if (*w > 0) {
+      auto pat = f.get_int_or(a + "attention.sliding_window_pattern", spec->swa_pattern);
+      if (!pat.is_ok()) return pat.status();
+      if (*pat < 1)
+        return invalid_argument(who + a + "attention.sliding_window_pattern must be >= 1");
+      for (int l = 0; l < cfg_.n_layers; ++l)
+        cfg_.local_layer[static_cast<std::size_t>(l)] = (l % *pat) < (*pat - 1) ? 1 : 0;
+      auto lb = f.get_float_or(a + "rope.freq_base_swa", spec->swa_rope_base);
+      if (!lb.is_ok()) return lb.status();
+      if (!(*lb > 1.0)) return invalid_argument(who + a + "rope.freq_base_swa must be > 1");
+      cfg_.rope_base_local = *lb;
+      cfg_.max_positions = cfg_.sliding_window;
+      cfg_.max_positions_reason =
+          cfg_.architecture + "'s sliding-window layers (window " +
+          std::to_string(cfg_.sliding_window) +
+          ") are computed exactly only while every position is inside the window; longer "
+          "sequences are not supported yet";
+    }
+  }
+
   // Tensors.
   auto matrix = [&](const std::string& tname, int64_t cols, int64_t rows,
                     WeightMatrix& out) -> Status {
@@ -198,6 +241,15 @@ Status LlamaModel::init() {
     const std::string p = "blk." + std::to_string(l) + ".";
     TREEATTN_RETURN_IF_ERROR(vector(p + "attn_norm.weight", cfg_.n_embd, L.attn_norm));
     TREEATTN_RETURN_IF_ERROR(vector(p + "ffn_norm.weight", cfg_.n_embd, L.ffn_norm));
+    if (spec->qk_norm) {
+      TREEATTN_RETURN_IF_ERROR(vector(p + "attn_q_norm.weight", cfg_.head_dim, L.q_norm));
+      TREEATTN_RETURN_IF_ERROR(vector(p + "attn_k_norm.weight", cfg_.head_dim, L.k_norm));
+    }
+    if (spec->post_norms) {
+      TREEATTN_RETURN_IF_ERROR(
+          vector(p + "post_attention_norm.weight", cfg_.n_embd, L.post_attn_norm));
+      TREEATTN_RETURN_IF_ERROR(vector(p + "post_ffw_norm.weight", cfg_.n_embd, L.post_ffn_norm));
+    }
     TREEATTN_RETURN_IF_ERROR(matrix(p + "attn_q.weight", cfg_.n_embd, qd, L.wq));
     TREEATTN_RETURN_IF_ERROR(matrix(p + "attn_k.weight", cfg_.n_embd, kvd, L.wk));
     TREEATTN_RETURN_IF_ERROR(matrix(p + "attn_v.weight", cfg_.n_embd, kvd, L.wv));
@@ -234,6 +286,15 @@ Status LlamaModel::init() {
     if (!factors.empty()) w /= static_cast<double>(factors[static_cast<std::size_t>(i)]);
     inv_freq_[static_cast<std::size_t>(i)] = w / cfg_.rope_linear_factor;
   }
+  // Local layers: their own base, no frequency factors or linear scaling (llama.cpp's
+  // rope_freq_scale_train_swa = 1).
+  if (cfg_.rope_base_local > 0.0) {
+    inv_freq_local_.resize(static_cast<std::size_t>(pairs));
+    for (int64_t i = 0; i < pairs; ++i)
+      inv_freq_local_[static_cast<std::size_t>(i)] =
+          std::pow(cfg_.rope_base_local,
+                   -2.0 * static_cast<double>(i) / static_cast<double>(cfg_.rope_dim));
+  }
   return Status::ok();
 }
 
@@ -263,16 +324,22 @@ Status LlamaModel::embed(std::span<const TokenId> tokens, float* x) const {
       return invalid_argument("model " + path() + ": token id " + std::to_string(id) +
                               " at position " + std::to_string(t) + " is outside [0, " +
                               std::to_string(cfg_.n_vocab) + ")");
+    float* xt = x + static_cast<int64_t>(t) * cfg_.n_embd;
     TREEATTN_RETURN_IF_ERROR(gguf::dequantize_row(
-        tok_embd_.type, tok_embd_.data + static_cast<int64_t>(id) * tok_embd_.row_bytes,
-        x + static_cast<int64_t>(t) * cfg_.n_embd, static_cast<std::size_t>(cfg_.n_embd)));
+        tok_embd_.type, tok_embd_.data + static_cast<int64_t>(id) * tok_embd_.row_bytes, xt,
+        static_cast<std::size_t>(cfg_.n_embd)));
+    if (cfg_.arch->embed_scale) {
+      // In float, as llama.cpp scales (sqrt rounded once: float(sqrt(double)) == sqrtf).
+      const auto sc = static_cast<float>(std::sqrt(static_cast<double>(cfg_.n_embd)));
+      for (int64_t i = 0; i < cfg_.n_embd; ++i) xt[i] *= sc;
+    }
   }
   return Status::ok();
 }
 
 void LlamaModel::rmsnorm(const float* x, const std::vector<float>& w, int64_t tokens,
                          float* out) const {
-  const int64_t n = cfg_.n_embd;
+  const auto n = static_cast<int64_t>(w.size());
   for (int64_t t = 0; t < tokens; ++t) {
     const float* xt = x + t * n;
     double ss = 0.0;
@@ -284,11 +351,14 @@ void LlamaModel::rmsnorm(const float* x, const std::vector<float>& w, int64_t to
   }
 }
 
-void LlamaModel::apply_rope(float* heads, int64_t n_heads, int64_t pos) const {
-  const std::size_t pairs = inv_freq_.size();
+void LlamaModel::apply_rope(float* heads, int64_t n_heads, int64_t pos, int layer) const {
+  const bool local = layer >= 0 && !inv_freq_local_.empty() &&
+                     cfg_.local_layer[static_cast<std::size_t>(layer)] != 0;
+  const std::vector<double>& inv = local ? inv_freq_local_ : inv_freq_;
+  const std::size_t pairs = inv.size();
   float cs[256], sn[256];  // rope_dim / 2 <= head_dim / 2 <= 128
   for (std::size_t i = 0; i < pairs; ++i) {
-    const double th = static_cast<double>(pos) * inv_freq_[i];
+    const double th = static_cast<double>(pos) * inv[i];
     cs[i] = static_cast<float>(std::cos(th));
     sn[i] = static_cast<float>(std::sin(th));
   }
@@ -328,9 +398,17 @@ Status LlamaModel::attention_inputs(int layer, const float* x, int64_t tokens, c
   add_bias(q, L.bq);
   add_bias(k, L.bk);
   add_bias(v, L.bv);
+  if (!L.q_norm.empty()) {  // every head of every token (in place)
+    rmsnorm(q, L.q_norm, tokens * cfg_.n_head, q);
+    rmsnorm(k, L.k_norm, tokens * cfg_.n_head_kv, k);
+  }
   for (int64_t t = 0; t < tokens; ++t) {
-    apply_rope(q + t * qd, cfg_.n_head, pos[t]);
-    apply_rope(k + t * kvd, cfg_.n_head_kv, pos[t]);
+    if (cfg_.max_positions > 0 && (pos[t] < 0 || pos[t] >= cfg_.max_positions))
+      return invalid_argument("model " + path() + ": position " + std::to_string(pos[t]) +
+                              " is outside [0, " + std::to_string(cfg_.max_positions) + "): " +
+                              cfg_.max_positions_reason);
+    apply_rope(q + t * qd, cfg_.n_head, pos[t], layer);
+    apply_rope(k + t * kvd, cfg_.n_head_kv, pos[t], layer);
   }
   return Status::ok();
 }
@@ -348,6 +426,7 @@ Status LlamaModel::attention_output_and_ffn(int layer, const float* a, int64_t t
     float* ys[] = {s.tmp.data()};
     TREEATTN_RETURN_IF_ERROR(matmul(mats, a, tokens, cfg_.n_head * cfg_.head_dim, ys, options));
   }
+  if (!L.post_attn_norm.empty()) rmsnorm(s.tmp.data(), L.post_attn_norm, tokens, s.tmp.data());
   for (std::size_t i = 0; i < tn; ++i) x[i] += s.tmp[i];
   s.xn.resize(tn);
   rmsnorm(x, L.ffn_norm, tokens, s.xn.data());
@@ -358,15 +437,25 @@ Status LlamaModel::attention_output_and_ffn(int layer, const float* a, int64_t t
     float* ys[] = {s.gate.data(), s.up.data()};
     TREEATTN_RETURN_IF_ERROR(matmul(mats, s.xn.data(), tokens, n, ys, options));
   }
-  for (std::size_t i = 0; i < s.gate.size(); ++i) {
-    const float g = s.gate[i];
-    s.gate[i] = g / (1.0f + std::exp(-g)) * s.up[i];
+  if (cfg_.arch->ffn == FfnActivation::kGeluTanh) {
+    // ggml's tanh GELU: 0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2))), in float.
+    constexpr float kSqrt2OverPi = 0.79788456080286535587989211986876f, kA = 0.044715f;
+    for (std::size_t i = 0; i < s.gate.size(); ++i) {
+      const float g = s.gate[i];
+      s.gate[i] = 0.5f * g * (1.0f + std::tanh(kSqrt2OverPi * g * (1.0f + kA * g * g))) * s.up[i];
+    }
+  } else {
+    for (std::size_t i = 0; i < s.gate.size(); ++i) {
+      const float g = s.gate[i];
+      s.gate[i] = g / (1.0f + std::exp(-g)) * s.up[i];
+    }
   }
   {
     const WeightMatrix* mats[] = {&L.down};
     float* ys[] = {s.tmp.data()};
     TREEATTN_RETURN_IF_ERROR(matmul(mats, s.gate.data(), tokens, nff, ys, options));
   }
+  if (!L.post_ffn_norm.empty()) rmsnorm(s.tmp.data(), L.post_ffn_norm, tokens, s.tmp.data());
   for (std::size_t i = 0; i < tn; ++i) x[i] += s.tmp[i];
   return Status::ok();
 }

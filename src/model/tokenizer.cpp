@@ -176,9 +176,16 @@ struct Tokenizer::Impl {
   TokenId bos = -1, eos = -1, unk = -1, pad = -1;
   bool add_bos = false, add_eos = false;
   std::string default_system;  // of tokenizer.chat_template
+  // SentencePiece-style vocabulary (tokenizer.ggml.model = "llama"): no pre-tokenizer or merges;
+  // pieces merge by score, spaces are U+2581, unknown bytes fall back to <0xXX> tokens.
+  bool spm = false;
+  bool add_space_prefix = false;
+  std::vector<float> score;
+  std::array<TokenId, 256> byte_token{};
 
   Status split(std::string_view text, std::vector<std::string_view>& pieces) const;
   void bpe(std::string_view word, std::vector<TokenId>& out) const;
+  void spm_encode(std::string_view str, std::vector<TokenId>& out) const;
   TokenId lookup(std::string_view s) const {
     const auto it = id_of.find(s);
     return it == id_of.end() ? -1 : it->second;
@@ -201,17 +208,21 @@ Result<Tokenizer> Tokenizer::from_gguf(const gguf::File& f) {
 
   Result<std::string_view> model = f.get_string("tokenizer.ggml.model");
   if (!model.is_ok()) return model.status();
-  if (*model != "gpt2")
+  if (*model != "gpt2" && *model != "llama")
     return unsupported(file + "tokenizer.ggml.model is '" + std::string(*model) +
-                       "', only 'gpt2' (byte-level BPE) is supported");
-  Result<std::string_view> pre = f.get_string_or("tokenizer.ggml.pre", "default");
+                       "', only 'gpt2' (byte-level BPE) and 'llama' (SentencePiece-style) are "
+                       "supported");
+  t.spm = *model == "llama";
+  Result<std::string_view> pre =
+      t.spm ? Result<std::string_view>(std::string_view("default"))
+            : f.get_string_or("tokenizer.ggml.pre", "default");
   if (!pre.is_ok()) return pre.status();
   t.pre_name = std::string(*pre);
   Result<PreTokenizer> pt = pre_tokenizer(t.pre_name);
   if (!pt.is_ok()) return Status(pt.status().code(), file + pt.status().message());
   t.pre = std::move(pt.value());
   t.pre.name = t.pre_name;
-  for (const char* rx : t.pre.regexes) {
+  for (const char* rx : t.spm ? std::vector<const char*>{} : t.pre.regexes) {
     int err = 0;
     PCRE2_SIZE at = 0;
     pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(rx), PCRE2_ZERO_TERMINATED,
@@ -261,6 +272,21 @@ Result<Tokenizer> Tokenizer::from_gguf(const gguf::File& f) {
     // Decoded bytes: each codepoint of the stored text back through the byte map; a codepoint
     // outside it (possible only in a vocabulary that is not byte-level) passes through as is.
     std::string& out = t.bytes[i];
+    if (t.spm) {  // U+2581 is a space; <0xXX> byte tokens are that byte
+      if (t.type[i] == TokenType::kByte && s.size() == 6 && s.starts_with("<0x") && s[5] == '>') {
+        out += static_cast<char>(std::stoi(std::string(s.substr(3, 2)), nullptr, 16));
+        continue;
+      }
+      for (std::size_t k = 0; k < s.size();) {
+        if (s.substr(k, 3) == "\xe2\x96\x81") {
+          out += ' ';
+          k += 3;
+        } else {
+          out += s[k++];
+        }
+      }
+      continue;
+    }
     for (std::size_t k = 0; k < s.size();) {
       uint32_t cp = 0;
       const std::size_t len = utf8_seq(s, k, &cp);
@@ -276,8 +302,29 @@ Result<Tokenizer> Tokenizer::from_gguf(const gguf::File& f) {
     }
   }
 
-  // Merges.
-  Result<std::vector<std::string_view>> merges = f.get_string_array("tokenizer.ggml.merges");
+  if (t.spm) {
+    Result<std::vector<double>> sc = f.get_float_array("tokenizer.ggml.scores");
+    if (!sc.is_ok()) return sc.status();
+    if (sc->size() != tokens->size())
+      return invalid_argument(file + "tokenizer.ggml.scores has " + std::to_string(sc->size()) +
+                              " entries, tokenizer.ggml.tokens " + std::to_string(tokens->size()));
+    t.score.assign(sc->begin(), sc->end());
+    for (int b = 0; b < 256; ++b) {  // llama.cpp's byte_to_token: <0xXX>, else the byte itself
+      static const char* hex = "0123456789ABCDEF";
+      const std::string name = {'<', '0', 'x', hex[b >> 4], hex[b & 15], '>'};
+      TokenId id = t.lookup(name);
+      if (id < 0) id = t.lookup(std::string(1, static_cast<char>(b)));
+      t.byte_token[static_cast<std::size_t>(b)] = id;
+    }
+    Result<bool> asp = f.get_bool_or("tokenizer.ggml.add_space_prefix", true);
+    if (!asp.is_ok()) return asp.status();
+    t.add_space_prefix = *asp;
+  }
+
+  // Merges (byte-level BPE only).
+  Result<std::vector<std::string_view>> merges =
+      t.spm ? Result<std::vector<std::string_view>>(std::vector<std::string_view>{})
+            : f.get_string_array("tokenizer.ggml.merges");
   if (!merges.is_ok()) return merges.status();
   t.merge_rank.reserve(merges->size());
   for (std::size_t r = 0; r < merges->size(); ++r) {
@@ -304,7 +351,8 @@ Result<Tokenizer> Tokenizer::from_gguf(const gguf::File& f) {
   TREEATTN_RETURN_IF_ERROR(id_key("tokenizer.ggml.eos_token_id", t.eos));
   TREEATTN_RETURN_IF_ERROR(id_key("tokenizer.ggml.unknown_token_id", t.unk));
   TREEATTN_RETURN_IF_ERROR(id_key("tokenizer.ggml.padding_token_id", t.pad));
-  Result<bool> add_bos = f.get_bool_or("tokenizer.ggml.add_bos_token", t.pre.default_add_bos);
+  Result<bool> add_bos =
+      f.get_bool_or("tokenizer.ggml.add_bos_token", t.spm || t.pre.default_add_bos);
   if (!add_bos.is_ok()) return add_bos.status();
   Result<bool> add_eos = f.get_bool_or("tokenizer.ggml.add_eos_token", false);
   if (!add_eos.is_ok()) return add_eos.status();
@@ -458,6 +506,70 @@ void Tokenizer::Impl::bpe(std::string_view raw, std::vector<TokenId>& out) const
   }
 }
 
+// SentencePiece-style merging, as llama.cpp's llm_tokenizer_spm_session: start from UTF-8
+// characters, repeatedly merge the adjacent pair whose concatenation is the vocabulary token of
+// highest score (leftmost on ties), then emit each symbol's token, or its bytes' <0xXX> tokens
+// when the symbol (a single character) is not in the vocabulary. A merged symbol is always a
+// token (a pair is queued only when its text is one), so llama.cpp's re-segmentation of merged
+// symbols never applies to them.
+void Tokenizer::Impl::spm_encode(std::string_view str, std::vector<TokenId>& out) const {
+  struct Symbol {
+    int prev, next;
+    std::size_t start, len;
+  };
+  std::vector<Symbol> sym;
+  for (std::size_t k = 0; k < str.size();) {
+    const std::size_t len = std::min(str.size() - k, std::max<std::size_t>(1, utf8_seq(str, k)));
+    sym.push_back({static_cast<int>(sym.size()) - 1, static_cast<int>(sym.size()) + 1, k, len});
+    k += len;
+  }
+  if (sym.empty()) return;
+  sym.back().next = -1;
+  struct Bigram {
+    float score;
+    int left, right;
+    std::size_t len;
+  };
+  const auto worse = [](const Bigram& a, const Bigram& b) {
+    return a.score < b.score || (a.score == b.score && a.left > b.left);
+  };
+  std::priority_queue<Bigram, std::vector<Bigram>, decltype(worse)> queue(worse);
+  const auto add = [&](int l, int r) {
+    if (l < 0 || r < 0) return;
+    const TokenId id = lookup(str.substr(sym[l].start, sym[l].len + sym[r].len));
+    if (id >= 0) queue.push({score[static_cast<std::size_t>(id)], l, r, sym[l].len + sym[r].len});
+  };
+  for (int i = 1; i < static_cast<int>(sym.size()); ++i) add(i - 1, i);
+  while (!queue.empty()) {
+    const Bigram bg = queue.top();
+    queue.pop();
+    Symbol& l = sym[bg.left];
+    Symbol& r = sym[bg.right];
+    if (l.len == 0 || r.len == 0 || l.len + r.len != bg.len) continue;  // outdated
+    l.len += r.len;
+    r.len = 0;
+    l.next = r.next;
+    if (r.next >= 0) sym[r.next].prev = bg.left;
+    add(l.prev, bg.left);
+    add(bg.left, l.next);
+  }
+  for (int i = 0; i >= 0; i = sym[i].next) {
+    const std::string_view s = str.substr(sym[i].start, sym[i].len);
+    const TokenId id = lookup(s);
+    if (id >= 0) {
+      out.push_back(id);
+      continue;
+    }
+    for (const char ch : s) {
+      const TokenId b = byte_token[static_cast<unsigned char>(ch)];
+      if (b >= 0)
+        out.push_back(b);
+      else if (unk >= 0)
+        out.push_back(unk);  // llama.cpp throws where neither exists
+    }
+  }
+}
+
 Result<std::vector<TokenId>> Tokenizer::encode(std::string_view text, bool add_special,
                                                bool parse_special) const {
   const Impl& t = *impl_;
@@ -503,9 +615,23 @@ Result<std::vector<TokenId>> Tokenizer::encode(std::string_view text, bool add_s
   std::vector<TokenId> out;
   if (add_special && t.add_bos) out.push_back(t.bos);
   std::vector<std::string_view> pieces;
+  bool prev_special = true;  // SentencePiece: a space prefix at the start and after specials
   for (const Fragment& fr : frags) {
     if (fr.id >= 0) {
       out.push_back(fr.id);
+      prev_special = true;
+      continue;
+    }
+    if (t.spm) {
+      std::string escaped = t.add_space_prefix && prev_special ? "\xe2\x96\x81" : "";
+      for (const char ch : fr.text) {
+        if (ch == ' ')
+          escaped += "\xe2\x96\x81";
+        else
+          escaped += ch;
+      }
+      t.spm_encode(escaped, out);
+      prev_special = false;
       continue;
     }
     TREEATTN_RETURN_IF_ERROR(t.split(fr.text, pieces));
@@ -564,20 +690,59 @@ TokenId Tokenizer::padding_id() const { return impl_->pad; }
 bool Tokenizer::add_bos() const { return impl_->add_bos; }
 bool Tokenizer::add_eos() const { return impl_->add_eos; }
 std::string_view Tokenizer::default_system() const { return impl_->default_system; }
+ChatFormat Tokenizer::chat_format() const {
+  const auto control = [&](std::string_view t) {
+    const TokenId id = find_token(t);
+    return id >= 0 && token_type(id) == TokenType::kControl;
+  };
+  return control("<start_of_turn>") && control("<end_of_turn>") && find_token("<|im_start|>") < 0
+             ? ChatFormat::kGemma
+             : ChatFormat::kChatML;
+}
 bool Tokenizer::is_end_of_generation(TokenId id) const {
   return id >= 0 && id < n_vocab() && impl_->eog[id];
 }
 
 std::string format_chatml(std::string_view user, std::string_view system) {
+  const ChatTurn turn{"user", user};
+  return format_chat(ChatFormat::kChatML, std::span<const ChatTurn>(&turn, 1), system);
+}
+
+namespace {
+std::string_view trim(std::string_view v) {
+  constexpr std::string_view kWs = " \t\n\r\f\v";
+  const auto a = v.find_first_not_of(kWs);
+  if (a == std::string_view::npos) return {};
+  return v.substr(a, v.find_last_not_of(kWs) - a + 1);
+}
+}  // namespace
+
+std::string format_chat(ChatFormat format, std::span<const ChatTurn> turns,
+                        std::string_view default_system) {
   std::string s;
-  if (!system.empty()) {
-    s += "<|im_start|>system\n";
-    s += system;
-    s += "<|im_end|>\n";
+  const bool has_system = !turns.empty() && turns[0].role == "system";
+  if (format == ChatFormat::kChatML) {
+    if (!has_system && !default_system.empty())
+      s += "<|im_start|>system\n" + std::string(default_system) + "<|im_end|>\n";
+    for (const ChatTurn& t : turns)
+      s += "<|im_start|>" + std::string(t.role) + "\n" + std::string(t.content) + "<|im_end|>\n";
+    s += "<|im_start|>assistant\n";
+    return s;
   }
-  s += "<|im_start|>user\n";
-  s += user;
-  s += "<|im_end|>\n<|im_start|>assistant\n";
+  std::string prefix;  // Gemma: the system text goes into the first user turn
+  std::size_t first = 0;
+  if (has_system) {
+    prefix = std::string(trim(turns[0].content)) + "\n\n";
+    first = 1;
+  } else if (!default_system.empty()) {
+    prefix = std::string(default_system) + "\n\n";
+  }
+  for (std::size_t i = first; i < turns.size(); ++i) {
+    const std::string_view role = turns[i].role == "assistant" ? "model" : turns[i].role;
+    s += "<start_of_turn>" + std::string(role) + "\n" + (i == first ? prefix : std::string()) +
+         std::string(trim(turns[i].content)) + "<end_of_turn>\n";
+  }
+  s += "<start_of_turn>model\n";
   return s;
 }
 

@@ -438,13 +438,10 @@ ChatTemplate ChatTemplate::from_template(std::string_view jinja) {
 }
 
 std::string ChatTemplate::render(std::span<const ChatMessage> messages) const {
-  std::string s;
-  if (!default_system.empty() && (messages.empty() || messages[0].role != "system"))
-    s += "<|im_start|>system\n" + default_system + "<|im_end|>\n";
-  for (const ChatMessage& m : messages)
-    s += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
-  s += "<|im_start|>assistant\n";
-  return s;
+  std::vector<ChatTurn> turns;
+  turns.reserve(messages.size());
+  for (const ChatMessage& m : messages) turns.push_back({m.role, m.content});
+  return format_chat(format, turns, default_system);
 }
 
 Parsed<std::vector<TokenId>> build_prompt(const ParsedRequest& request, const Codec& codec,

@@ -89,6 +89,7 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body);
 // llama-server).
 struct ChatTemplate {
   std::string default_system;
+  ChatFormat format = ChatFormat::kChatML;  // the model's turn markers (Tokenizer::chat_format)
   static ChatTemplate from_template(std::string_view jinja);
   std::string render(std::span<const ChatMessage> messages) const;
 };

@@ -259,8 +259,8 @@ TEST(Tokenizer, Errors) {
   };
   {
     GgufBuilder b;
-    b.str("tokenizer.ggml.model", "llama");
-    expect_load_error(b, Code::kUnsupported, "'llama', only 'gpt2'");
+    b.str("tokenizer.ggml.model", "bert");
+    expect_load_error(b, Code::kUnsupported, "'bert', only 'gpt2'");
   }
   expect_load_error(v.builder("chatglm-bpe"), Code::kUnsupported, "'chatglm-bpe' is not supported");
   expect_load_error(v.builder("chatglm-bpe"), Code::kUnsupported, "smollm");
