@@ -8,6 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/deps.sh
 tools/build.sh
+# The model tests compare logits with an independent float64 reference that needs numpy and the
+# gguf package: give them a virtual environment with both (they skip, saying why, without one).
+if ref_py="$(tools/ref-venv.sh)"; then export TREEATTN_PYTHON="$ref_py"; fi
 if [ "${1:-}" = "--all" ]; then
   ctest --test-dir build/release --output-on-failure --timeout 900 -j1
   tools/fuzz.sh --ci

@@ -61,13 +61,16 @@ def main():
     r = gguf.GGUFReader(a.model)
     arch = field(r, "general.architecture")
     # llama: the converter permuted Wq/Wk rows (undone below); qwen2: not permuted, q/k/v biases.
-    assert arch in ("llama", "qwen2"), arch
+    # gemma3: embeddings * sqrt(n_embd), per-head q/k RMSNorm, post norms, tanh-GELU, rope base
+    # 10000 on sliding-window layers (every layer but each 6th); the window itself is never
+    # reached here (treeattn refuses positions past it).
+    assert arch in ("llama", "qwen2", "gemma3"), arch
     p = arch + "."
     n_layer = int(field(r, p + "block_count"))
     n_embd = int(field(r, p + "embedding_length"))
     n_head = int(field(r, p + "attention.head_count"))
     n_kv = int(field(r, p + "attention.head_count_kv", n_head))
-    hd = n_embd // n_head
+    hd = int(field(r, p + "attention.key_length", n_embd // n_head))
     eps = float(field(r, p + "attention.layer_norm_rms_epsilon", 1e-5))
     base = float(field(r, p + "rope.freq_base", 10000.0))
     rope_dim = int(field(r, p + "rope.dimension_count", hd))
@@ -100,17 +103,23 @@ def main():
     inv = base ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
     if "rope_freqs.weight" in tensors:
         inv = inv / vec("rope_freqs.weight")
-    ang = np.outer(pos, inv)                       # [T, hd/2]
-    cos = np.concatenate([np.cos(ang)] * 2, -1)    # [T, hd]
-    sin = np.concatenate([np.sin(ang)] * 2, -1)
+    swa = int(field(r, p + "attention.sliding_window", 0)) if arch == "gemma3" else 0
+    inv_local = float(field(r, p + "rope.freq_base_swa", 10000.0)) ** (
+        -np.arange(0, hd, 2, dtype=np.float64) / hd)
 
-    def rope(x):  # x [T, heads, hd], rotate-half form
+    def rope(x, layer=None):  # x [T, heads, hd], rotate-half form
+        local = swa > 0 and layer is not None and layer % 6 < 5
+        ang = np.outer(np.arange(T, dtype=np.float64) if local else pos, inv_local if local else inv)
+        cos = np.concatenate([np.cos(ang)] * 2, -1)    # [T, hd]
+        sin = np.concatenate([np.sin(ang)] * 2, -1)
         x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
         rot = np.concatenate([-x2, x1], -1)
         return x * cos[:, None, :] + rot * sin[:, None, :]
 
     emb = W("token_embd.weight")
     x = emb[toks]                                   # [T, n_embd]
+    if arch == "gemma3":
+        x = x * np.sqrt(n_embd)
     mask = np.triu(np.full((T, T), -np.inf), 1)
     g = n_head // n_kv
     for l in range(n_layer):
@@ -127,20 +136,36 @@ def main():
                     k = k + vec(b + name)
                 else:
                     v = v + vec(b + name)
-        q = rope(q.reshape(T, n_head, hd))
-        k = round_kv(rope(k.reshape(T, n_kv, hd)), a.kv_round)
+        q = q.reshape(T, n_head, hd)
+        k = k.reshape(T, n_kv, hd)
+        if arch == "gemma3":
+            q = rmsnorm(q, vec(b + "attn_q_norm.weight"))
+            k = rmsnorm(k, vec(b + "attn_k_norm.weight"))
+        q = rope(q, l)
+        k = round_kv(rope(k, l), a.kv_round)
         v = round_kv(v.reshape(T, n_kv, hd), a.kv_round)
         out = np.empty((T, n_head, hd))
+        qd = n_head * hd
         for hh in range(n_head):
             s = q[:, hh, :] @ k[:, hh // g, :].T / np.sqrt(hd) + mask
             s = np.exp(s - s.max(-1, keepdims=True))
             s /= s.sum(-1, keepdims=True)
             out[:, hh, :] = s @ v[:, hh // g, :]
-        x = x + out.reshape(T, n_embd) @ W(b + "attn_output.weight").T
+        o = out.reshape(T, qd) @ W(b + "attn_output.weight").T
+        if arch == "gemma3":
+            o = rmsnorm(o, vec(b + "post_attention_norm.weight"))
+        x = x + o
         h = rmsnorm(x, vec(b + "ffn_norm.weight"))
         gate = h @ W(b + "ffn_gate.weight").T
         up = h @ W(b + "ffn_up.weight").T
-        x = x + (gate / (1.0 + np.exp(-gate)) * up) @ W(b + "ffn_down.weight").T
+        if arch == "gemma3":
+            act = 0.5 * gate * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (gate + 0.044715 * gate ** 3)))
+        else:
+            act = gate / (1.0 + np.exp(-gate))
+        f = (act * up) @ W(b + "ffn_down.weight").T
+        if arch == "gemma3":
+            f = rmsnorm(f, vec(b + "post_ffw_norm.weight"))
+        x = x + f
     x = rmsnorm(x, vec("output_norm.weight"))
     head = W("output.weight") if "output.weight" in tensors else emb
     rows = x if a.positions == "all" else x[-1:]

@@ -341,6 +341,19 @@ TEST(TinyQwen2, GreedyTokensAgreeAcrossRanksAndTreeDetIsBitIdentical) {
   }
 }
 
+// gemma3: scaled embeddings, per-head q/k norms, post norms, tanh-GELU, rope base 10000 on the
+// sliding-window layers and the file's base on every 6th: 6 layers hold both kinds. The reference
+// implements each of these itself (llama_reference.py); any one missing moves logits by O(1).
+TEST(TinyGemma3, LogitsMatchTheFloat64Reference) {
+  TinyLlamaSpec s;
+  s.architecture = "gemma3";
+  s.layers = 6;
+  s.sliding_window = 512;
+  s.rope_base = 1000000.0;
+  s.seed = 29;
+  check_against_reference(s, DType::kF32, "none", 1e-5);
+}
+
 std::vector<std::string> every_strategy() {
   std::vector<std::string> v;
   for (const auto& i : StrategyRegistry::for_backend(CommCapabilities{}).list())

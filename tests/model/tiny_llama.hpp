@@ -59,6 +59,7 @@ struct TinyLlamaSpec {
   std::optional<uint32_t> override_type;  // every layer matrix of this type instead
   std::string drop_tensor;                // leave this tensor out
   bool qkv_bias = false;                  // blk.N.attn_{q,k,v}.bias (F32; qwen2 reads them)
+  int64_t sliding_window = 0;             // gemma3: {arch}.attention.sliding_window
   uint64_t seed = 1;
 };
 
@@ -146,6 +147,8 @@ inline std::vector<uint8_t> build_tiny_llama(const TinyLlamaSpec& s) {
   g.f32(a + "rope.freq_base", static_cast<float>(s.rope_base));
   g.u32(a + "rope.dimension_count", static_cast<uint32_t>(s.n_embd / s.n_head));
   g.u32(a + "context_length", 4096);
+  if (s.sliding_window > 0) g.u32(a + "attention.sliding_window", static_cast<uint32_t>(s.sliding_window));
+  const bool gemma = s.architecture == "gemma3";
   const int64_t hd = s.n_embd / s.n_head;
   auto add = [&](const std::string& name, std::vector<uint64_t> dims, uint32_t type,
                  std::vector<uint8_t> data) {
@@ -179,6 +182,12 @@ inline std::vector<uint8_t> build_tiny_llama(const TinyLlamaSpec& s) {
     const std::string p = "blk." + std::to_string(l) + ".";
     add(p + "attn_norm.weight", {static_cast<uint64_t>(s.n_embd)}, 0, norm(s.n_embd));
     add(p + "ffn_norm.weight", {static_cast<uint64_t>(s.n_embd)}, 0, norm(s.n_embd));
+    if (gemma) {  // per-head q/k norms and the post norms
+      add(p + "attn_q_norm.weight", {static_cast<uint64_t>(hd)}, 0, norm(hd));
+      add(p + "attn_k_norm.weight", {static_cast<uint64_t>(hd)}, 0, norm(hd));
+      add(p + "post_attention_norm.weight", {static_cast<uint64_t>(s.n_embd)}, 0, norm(s.n_embd));
+      add(p + "post_ffw_norm.weight", {static_cast<uint64_t>(s.n_embd)}, 0, norm(s.n_embd));
+    }
     mat(p + "attn_q.weight", s.n_embd, s.n_head * hd, cyc[k++ % cyc.size()]);
     mat(p + "attn_k.weight", s.n_embd, s.n_kv * hd, cyc[k++ % cyc.size()]);
     mat(p + "attn_v.weight", s.n_embd, s.n_kv * hd, cyc[k++ % cyc.size()]);
