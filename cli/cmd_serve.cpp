@@ -355,8 +355,6 @@ int serve_job(Communicator& comm, const ServeFlags& f, const std::string& model_
     info.id = std::filesystem::path(model_path).filename().string();
     info.created = static_cast<int64_t>(std::time(nullptr));
     info.context = f.context > 0 ? f.context : cfg.n_ctx_train;
-    if (cfg.max_positions > 0 && (info.context <= 0 || info.context > cfg.max_positions))
-      info.context = cfg.max_positions;  // e.g. Gemma 3 until its sliding window is applied
     info.chat = serve::ChatTemplate::from_template(tmpl.is_ok() ? *tmpl : std::string_view());
     info.chat.format = tok->chat_format();
     info.ranks = P;

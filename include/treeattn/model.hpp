@@ -99,10 +99,9 @@ Isa matmul_isa(const MatvecOptions& options);
 //          residual adds (post_attention_norm, post_ffw_norm); GeGLU with tanh-GELU; RoPE on
 //          halves; sliding-window layers: layer l is local unless l % 6 == 5 (or
 //          {arch}.attention.sliding_window_pattern), local layers use rope base
-//          {arch}.rope.freq_base_swa (default 10000) and see the last `sliding_window` positions.
-//          The window itself is not applied yet: such a model is exact only while every position
-//          is inside the window, so LlamaConfig::max_positions is the window (512 for Gemma 3
-//          270M) and longer sequences are refused up front, never computed wrong.
+//          {arch}.rope.freq_base_swa (default 10000) and see the last `sliding_window` positions
+//          (the engine's paged attention applies the window, PagedEntry::window; the
+//          DecodeSession path of Generator does not, and refuses sequences longer than it).
 enum class RopeForm : uint8_t { kAdjacentPairs, kHalves };
 enum class FfnActivation : uint8_t { kSilu, kGeluTanh };
 struct Architecture {
@@ -144,9 +143,6 @@ struct LlamaConfig {
   int64_t sliding_window = 0;                     // 0: every layer global
   std::vector<uint8_t> local_layer;               // per layer: 1 = sliding-window layer
   double rope_base_local = 0.0;                   // of the local layers
-  // Positions the forward pass computes exactly (0: no limit but memory); the reason names why.
-  int64_t max_positions = 0;
-  std::string max_positions_reason;
 
   // KV cache values per token over all layers (K and V): 2 * n_layers * n_head_kv * head_dim.
   int64_t kv_values_per_token() const { return 2 * n_layers * n_head_kv * head_dim; }

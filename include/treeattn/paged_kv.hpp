@@ -50,6 +50,8 @@ struct PagedEntry {
   const float* q = nullptr;  // [n_q][heads][head_dim] floats
   int64_t n_q = 1;           // >= 1
   int64_t first_pos = 0;     // >= 0; query i sees global positions <= first_pos + i
+  int64_t window = 0;        // > 0: query i sees only positions > first_pos + i - window (a
+                             // sliding window of `window` positions, its own included)
   std::span<const int32_t> pages;     // pool page indices, in the sequence's order (pages
                                       // are only read: entries may share pages, e.g. a prefix)
   std::span<const int64_t> page_pos;  // global position of slot 0 of each page (ascending)

@@ -136,11 +136,6 @@ struct Engine::Impl {
                               std::to_string(max_sequence_tokens()) +
                               " positions for one sequence");
     const int64_t need = static_cast<int64_t>(r.prompt.size()) + r.max_new_tokens - 1;
-    if (mc.max_positions > 0 && need > mc.max_positions)
-      return invalid_argument("the prompt has " + std::to_string(r.prompt.size()) +
-                              " tokens and max_new_tokens is " + std::to_string(r.max_new_tokens) +
-                              ": " + std::to_string(need) + " positions, but the model takes at most " +
-                              std::to_string(mc.max_positions) + " (" + mc.max_positions_reason + ")");
     if (need > max_sequence_tokens())
       return invalid_argument("the prompt has " + std::to_string(r.prompt.size()) +
                               " tokens and max_new_tokens is " + std::to_string(r.max_new_tokens) +
@@ -599,6 +594,14 @@ struct Engine::Impl {
                           v.data() + row * kvd);
         }
       }
+      // Sliding-window layers (gemma3): each rank attends to the window's part of its pages,
+      // and the merge below is the same as for a global layer (a rank with no page in the
+      // window contributes the identity); the window's pages stay where the placement put them.
+      const int64_t window =
+          mc.sliding_window > 0 && mc.local_layer[static_cast<std::size_t>(l)] != 0
+              ? mc.sliding_window
+              : 0;
+      for (PagedEntry& e : entries) e.window = window;
       const auto ta = Clock::now();
       const TiledKVShard view = pool.view(no_len, no_len, no_len, 1);
       TREEATTN_RETURN_IF_ERROR(decode_partial_paged(shape, view, pool_pages, entries, dopt));

@@ -203,11 +203,13 @@ Status Generator::prefill(std::span<const TokenId> prompt, std::vector<float>& l
   const auto n = static_cast<int64_t>(prompt.size());
   const int p = comm_->size(), me = comm_->rank();
   if (n == 0) return invalid_argument(rank_prefix(*comm_) + "prefill: the prompt is empty");
-  if (mc.max_positions > 0 && n > mc.max_positions)
-    return invalid_argument(rank_prefix(*comm_) + "prefill: the prompt has " + std::to_string(n) +
-                            " tokens, but the model takes at most " +
-                            std::to_string(mc.max_positions) + " positions (" +
-                            mc.max_positions_reason + ")");
+  if (mc.sliding_window > 0 && n + config_.reserve_tokens > mc.sliding_window)
+    return invalid_argument(
+        rank_prefix(*comm_) + "prefill: the prompt has " + std::to_string(n) + " tokens and " +
+        std::to_string(config_.reserve_tokens) + " more are reserved, but " + mc.architecture +
+        "'s sliding-window layers (window " + std::to_string(mc.sliding_window) +
+        ") are applied by the engine only: this DecodeSession path takes at most " +
+        std::to_string(mc.sliding_window) + " positions (use generate without --session, or serve)");
   for (auto& s : sessions_)
     if (s->length(0) != 0)
       return invalid_argument(rank_prefix(*comm_) + "prefill: the session already holds " +

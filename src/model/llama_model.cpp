@@ -166,12 +166,6 @@ Status LlamaModel::init() {
       if (!lb.is_ok()) return lb.status();
       if (!(*lb > 1.0)) return invalid_argument(who + a + "rope.freq_base_swa must be > 1");
       cfg_.rope_base_local = *lb;
-      cfg_.max_positions = cfg_.sliding_window;
-      cfg_.max_positions_reason =
-          cfg_.architecture + "'s sliding-window layers (window " +
-          std::to_string(cfg_.sliding_window) +
-          ") are computed exactly only while every position is inside the window; longer "
-          "sequences are not supported yet";
     }
   }
 
@@ -403,10 +397,6 @@ Status LlamaModel::attention_inputs(int layer, const float* x, int64_t tokens, c
     rmsnorm(k, L.k_norm, tokens * cfg_.n_head_kv, k);
   }
   for (int64_t t = 0; t < tokens; ++t) {
-    if (cfg_.max_positions > 0 && (pos[t] < 0 || pos[t] >= cfg_.max_positions))
-      return invalid_argument("model " + path() + ": position " + std::to_string(pos[t]) +
-                              " is outside [0, " + std::to_string(cfg_.max_positions) + "): " +
-                              cfg_.max_positions_reason);
     apply_rope(q + t * qd, cfg_.n_head, pos[t], layer);
     apply_rope(k + t * kvd, cfg_.n_head_kv, pos[t], layer);
   }

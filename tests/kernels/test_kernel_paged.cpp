@@ -71,6 +71,7 @@ struct PagedCase {
   std::vector<std::vector<float>> q;        // [n_q][heads][head_dim] per entry
   std::vector<KVCache> gathered;            // the entry's tokens in position order
   std::vector<std::vector<int64_t>> pos;    // position of each gathered token
+  int64_t window = 0;                       // PagedEntry::window of every entry
 
   PagedCase(const AttnShape& s, DType t, int64_t tile, KVTileLayout layout,
             std::vector<EntrySpec> entries, uint64_t seed, bool shuffle = true)
@@ -151,6 +152,7 @@ struct PagedCase {
     en.pages = pages[e];
     en.page_pos = specs[e].page_pos;
     en.page_len = specs[e].page_len;
+    en.window = window;
     en.states = states;
     return en;
   }
@@ -170,8 +172,14 @@ struct PagedCase {
       for (int64_t i = 0; i < specs[e].n_q; ++i) {
         const int64_t limit = specs[e].first_pos + i;
         const int64_t c = std::upper_bound(pos[e].begin(), pos[e].end(), limit) - pos[e].begin();
-        const std::vector<int64_t> len{c}, start{0}, total{c};
-        const KVShard kv = gathered[e].view(0, len, start, total, 1);
+        // A sliding window: the tokens at positions > limit - window only.
+        const int64_t lo =
+            window > 0
+                ? std::min<int64_t>(c, std::lower_bound(pos[e].begin(), pos[e].end(),
+                                                        limit - window + 1) - pos[e].begin())
+                : 0;
+        const std::vector<int64_t> len{c - lo}, start{lo}, total{c};
+        const KVShard kv = gathered[e].view(lo, len, start, total, 1);
         const float* qi = q[e].data() + static_cast<std::size_t>(i) * H * D;
         const Status s = oracle_attention(shape, qi, kv, out.data(), lse.data());
         EXPECT_TRUE(s.is_ok()) << s.to_string();
@@ -279,6 +287,39 @@ TEST_P(PagedSweep, EveryTargetMatchesOracle) {
 
 INSTANTIATE_TEST_SUITE_P(Paged, PagedSweep, ::testing::ValuesIn(sweep_cases()),
                          [](const ::testing::TestParamInfo<SweepCase>& i) { return i.param.name; });
+
+// Sliding windows (gemma3's local layers): each query sees the positions > its own - window only;
+// window edges before, inside and after pages, on every target, against the oracle over exactly
+// those tokens. The slots before a window's edge inside a page hold finite values that must
+// weigh 0; every slot outside the entries' tokens is NaN (a read of one would show).
+TEST(PagedKernel, SlidingWindowsMatchTheOracleOnEveryTarget) {
+  for (const DType t : {DType::kF32, DType::kBF16}) {
+    const int64_t T = kKVTileTokens;
+    PagedCase pc(AttnShape{1, 8, 2, 64, 1}, t, T, KVTileLayout::kInterleaved, mixed_entries(T), 7);
+    for (const int64_t w : {int64_t{1}, int64_t{5}, T - 3, T + 7, 3 * T, 100 * T}) {
+      pc.window = w;
+      std::vector<std::vector<float>> st;
+      for (Isa isa : testing::runnable_isas()) {
+        DecodeOptions opt;
+        opt.isa = isa;
+        opt.threads = 2;
+        const Status s = pc.run(st, opt);
+        ASSERT_TRUE(s.is_ok()) << s.to_string();
+        const Errors e = pc.vs_oracle(st);
+        EXPECT_FALSE(e.nan_mismatch) << isa_name(isa) << " window " << w;
+        EXPECT_LE(e.out_abs, kTol) << isa_name(isa) << " window " << w << " " << dtype_name(t);
+        EXPECT_LE(e.lse_abs, kTol) << isa_name(isa) << " window " << w << " " << dtype_name(t);
+      }
+    }
+  }
+  PagedCase bad(AttnShape{1, 8, 2, 64, 1}, DType::kF32, kKVTileTokens, KVTileLayout::kInterleaved,
+                mixed_entries(kKVTileTokens), 7);
+  bad.window = -1;
+  std::vector<std::vector<float>> st;
+  const Status s = bad.run(st, DecodeOptions{});
+  EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("window"), std::string::npos) << s.to_string();
+}
 
 bool same_bits(const float* a, const float* b, std::size_t n) {
   return std::memcmp(a, b, n * sizeof(float)) == 0;

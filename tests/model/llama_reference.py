@@ -62,8 +62,8 @@ def main():
     arch = field(r, "general.architecture")
     # llama: the converter permuted Wq/Wk rows (undone below); qwen2: not permuted, q/k/v biases.
     # gemma3: embeddings * sqrt(n_embd), per-head q/k RMSNorm, post norms, tanh-GELU, rope base
-    # 10000 on sliding-window layers (every layer but each 6th); the window itself is never
-    # reached here (treeattn refuses positions past it).
+    # 10000 on sliding-window layers (every layer but each 6th), which see the last
+    # attention.sliding_window positions only.
     assert arch in ("llama", "qwen2", "gemma3"), arch
     p = arch + "."
     n_layer = int(field(r, p + "block_count"))
@@ -146,8 +146,12 @@ def main():
         v = round_kv(v.reshape(T, n_kv, hd), a.kv_round)
         out = np.empty((T, n_head, hd))
         qd = n_head * hd
+        m = mask
+        if swa > 0 and l % 6 < 5:  # a sliding-window layer: keys q_pos - k_pos < swa only
+            idx = np.arange(T)
+            m = np.where(idx[:, None] - idx[None, :] >= swa, -np.inf, mask)
         for hh in range(n_head):
-            s = q[:, hh, :] @ k[:, hh // g, :].T / np.sqrt(hd) + mask
+            s = q[:, hh, :] @ k[:, hh // g, :].T / np.sqrt(hd) + m
             s = np.exp(s - s.max(-1, keepdims=True))
             s /= s.sum(-1, keepdims=True)
             out[:, hh, :] = s @ v[:, hh // g, :]

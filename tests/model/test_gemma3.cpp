@@ -14,6 +14,8 @@
 
 #include "model/generate_harness.hpp"
 #include "model/tiny_llama.hpp"
+#include "treeattn/comm_local.hpp"
+#include "treeattn/engine.hpp"
 #include "treeattn/model.hpp"
 #include "treeattn/tokenizer.hpp"
 
@@ -125,6 +127,132 @@ TEST(ChatFormat, GemmaTurns) {
             "<|im_start|>assistant\n");
 }
 
+// ---- the sliding window, in the engine ----
+
+// Greedy generation of one request through the engine over p in-process ranks: the logits of
+// the last prompt position and of each generated token but the last.
+struct EngineRun {
+  std::vector<TokenId> tokens;
+  std::vector<std::vector<float>> logits;
+  Status status;
+};
+EngineRun run_engine(const LlamaModel& m, int p, const std::vector<TokenId>& prompt, int n) {
+  EngineRun out;
+  out.status = run_local(p, [&](Communicator& comm) -> Status {
+    engine::EngineConfig c;
+    c.kv_dtype = DType::kF32;
+    c.page_tokens = 16;
+    c.kv_pages = 64;
+    c.threads = 1;
+    c.prefill_chunk = 40;  // chunks cross the window's edge
+    c.timeout = std::chrono::milliseconds(60000);
+    c.idle_tick = std::chrono::milliseconds(1);
+    c.poison_pages = true;
+    auto e = engine::Engine::create(comm, m, c);
+    TREEATTN_RETURN_IF_ERROR(e.status());
+    engine::Engine& eng = **e;
+    if (comm.rank() != 0) return eng.run();
+    engine::Request r;
+    r.prompt = prompt;
+    r.max_new_tokens = n;
+    r.return_logits = true;
+    auto id = eng.submit(r, [&](const engine::TokenEvent& ev) {
+      if (ev.token >= 0) out.tokens.push_back(ev.token);
+      if (!ev.logits.empty()) out.logits.push_back(ev.logits);
+    });
+    TREEATTN_RETURN_IF_ERROR(id.status());
+    for (bool more = true; more;) {
+      auto st = eng.step();
+      TREEATTN_RETURN_IF_ERROR(st.status());
+      more = *st;
+    }
+    eng.stop(false);
+    return eng.step().status();
+  });
+  return out;
+}
+
+// Sliding-window layers against the float64 reference, which masks keys q_pos - k_pos >= window
+// itself: a window of 24 positions (pages of 16, prefill chunks of 40: the window's edge falls
+// inside pages and chunks), 6 layers (5 local, 1 global), 90 prompt tokens, 1 to 3 ranks.
+TEST(Gemma3Window, EngineLogitsMatchTheFloat64ReferenceBeyondTheWindow) {
+  testing::TinyLlamaSpec s;
+  s.architecture = "gemma3";
+  s.layers = 6;
+  s.sliding_window = 24;
+  s.rope_base = 1000000.0;
+  s.seed = 41;
+  ScratchDir dir;
+  const std::string path = dir.path("g.gguf");
+  GgufBuilder::write(path, testing::build_tiny_llama(s));
+  auto m = LlamaModel::load(path);
+  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+  std::vector<TokenId> prompt(90);
+  for (std::size_t i = 0; i < prompt.size(); ++i)
+    prompt[i] = static_cast<TokenId>((i * 71 + 5) % static_cast<std::size_t>(s.n_vocab));
+  const int n = 6;
+  const auto one = run_engine(**m, 1, prompt, n);
+  ASSERT_TRUE(one.status.is_ok()) << one.status.to_string();
+  ASSERT_EQ(one.logits.size(), static_cast<std::size_t>(n));
+  std::vector<int32_t> all(prompt.begin(), prompt.end());
+  all.insert(all.end(), one.tokens.begin(), one.tokens.end() - 1);
+  std::string why;
+  auto ref = testing::run_reference(path, all, true, "none", dir.path("ref.f64"), &why);
+  if (!ref) GTEST_SKIP() << why;
+  const auto nv = static_cast<std::size_t>(s.n_vocab);
+  ASSERT_EQ(ref->size(), all.size() * nv) << why;
+  for (const int p : {1, 2, 3}) {
+    const auto run = p == 1 ? one : run_engine(**m, p, prompt, n);
+    ASSERT_TRUE(run.status.is_ok()) << run.status.to_string();
+    double worst = 0;
+    for (std::size_t k = 0; k < run.logits.size(); ++k) {
+      const double* r = ref->data() + (prompt.size() - 1 + k) * nv;
+      double mag = 0, err = 0;
+      for (std::size_t i = 0; i < nv; ++i) {
+        mag = std::max(mag, std::fabs(r[i]));
+        err = std::max(err, std::fabs(run.logits[k][i] - r[i]));
+      }
+      worst = std::max(worst, err / mag);
+    }
+    // As the other float64 comparisons (test_llama.cpp): float32 rounding over 6 layers.
+    EXPECT_LE(worst, 1e-5) << p << " ranks";
+    std::printf("[ window    ] gemma3 window 24, 90+%d positions, %d rank(s): max relative logit "
+                "error %.2e\n", n, p, worst);
+  }
+}
+
+// With local layers only, a position's output depends on the last layers * (window - 1) + 1
+// positions: tokens before them must not change a bit of it; a token inside must.
+TEST(Gemma3Window, TokensOutsideTheWindowsReachDoNotChangeABit) {
+  testing::TinyLlamaSpec s;
+  s.architecture = "gemma3";
+  s.layers = 3;  // all local (layer l is global when l % 6 == 5)
+  s.sliding_window = 16;
+  s.seed = 43;
+  ScratchDir dir;
+  GgufBuilder::write(dir.path("g.gguf"), testing::build_tiny_llama(s));
+  auto m = LlamaModel::load(dir.path("g.gguf"));
+  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+  std::vector<TokenId> a(100);
+  for (std::size_t i = 0; i < a.size(); ++i)
+    a[i] = static_cast<TokenId>((i * 13 + 1) % static_cast<std::size_t>(s.n_vocab));
+  const std::size_t reach = static_cast<std::size_t>(3 * (16 - 1) + 1);  // positions seen
+  std::vector<TokenId> far = a, near = a;
+  for (std::size_t i = 0; i + reach < a.size() - 1; ++i) far[i] = (far[i] + 7) % 320;
+  near[a.size() - reach] = (near[a.size() - reach] + 7) % 320;
+  for (const int p : {1, 2}) {
+    const auto ra = run_engine(**m, p, a, 1), rf = run_engine(**m, p, far, 1),
+               rn = run_engine(**m, p, near, 1);
+    ASSERT_TRUE(ra.status.is_ok() && rf.status.is_ok() && rn.status.is_ok())
+        << ra.status.to_string() << rf.status.to_string() << rn.status.to_string();
+    ASSERT_EQ(ra.logits.size(), 1u);
+    EXPECT_EQ(0, std::memcmp(ra.logits[0].data(), rf.logits[0].data(), ra.logits[0].size() * 4))
+        << p << " ranks: a token outside the windows' reach changed the logits";
+    EXPECT_NE(0, std::memcmp(ra.logits[0].data(), rn.logits[0].data(), ra.logits[0].size() * 4))
+        << p << " ranks: a token inside the reach changed nothing";
+  }
+}
+
 // ---- the real file ----
 
 std::string gemma_path() {
@@ -182,7 +310,7 @@ TEST_F(Gemma3Real, GreedyTokensEqualLlamaCppsAndAnswerParis) {
   auto m = LlamaModel::load(path_);
   ASSERT_TRUE(m.is_ok()) << m.status().to_string();
   EXPECT_EQ((*m)->config().sliding_window, 512);
-  EXPECT_EQ((*m)->config().max_positions, 512);
+
   auto f = gguf::File::open(path_);
   auto tok = Tokenizer::from_gguf(*f);
   ASSERT_TRUE(tok.is_ok());

@@ -82,6 +82,10 @@ struct TiledItemArgs {
   int rows = 0;                   // R = group * q_len; row r = query (r / group), head r % group
   const float* q = nullptr;       // R rows of head_dim floats, contiguous
   const int64_t* visible = nullptr;  // per row: tokens of this chunk the row sees, in [0, tokens]
+  // Per row, or null (0 for every row): the first token of the chunk the row sees; the tokens
+  // before it are scored -inf (a sliding window's lower edge). Their weights are exactly 0, so
+  // the result equals the one without them (their V values are finite: the sequence's own).
+  const int64_t* visible_from = nullptr;
   float scale = 1.0f;
   float* out = nullptr;           // R records [m, l, o_0..o_{D-1}]
   int block_tiles = 1;            // tiles per online-softmax block

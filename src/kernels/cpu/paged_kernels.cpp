@@ -92,6 +92,7 @@ void reference_tiled_item(const TiledItemArgs& a) {
     }
     for (int r = 0; r < a.rows; ++r) {
       if (t >= a.visible[r]) continue;
+      if (a.visible_from != nullptr && t < a.visible_from[r]) continue;
       const float* qv = a.q + r * D;
       float dot = 0.0f;
       for (int64_t d = 0; d < D; ++d) dot += qv[d] * kf[static_cast<std::size_t>(d)];
@@ -144,6 +145,9 @@ Status validate_entries(const TiledKVShard& pool, int64_t pool_pages,
     if (en.first_pos < 0 || __builtin_add_overflow(en.first_pos, en.n_q, &limit))
       return invalid_argument(name + ": first_pos " + std::to_string(en.first_pos) +
                               " must be >= 0 (with first_pos + n_q inside int64)");
+    if (en.window < 0)
+      return invalid_argument(name + ": window must be >= 0 (0: none), got " +
+                              std::to_string(en.window));
     if (en.page_pos.size() != en.pages.size() || en.page_len.size() != en.pages.size())
       return invalid_argument(
           name + ": pages, page_pos and page_len must have the same size, got " +
@@ -193,11 +197,12 @@ void run_item(TiledItemFn page_fn, const AttnShape& shape, const TiledKVShard& p
   // Per-thread scratch, grown only: query rows, visible counts, scores, one page's states.
   struct ThreadScratch {
     std::vector<float> q, scores, page;
-    std::vector<int64_t> visible;
+    std::vector<int64_t> visible, from;
   };
   thread_local ThreadScratch ts;
   cpu::grow(ts.q, ur * static_cast<std::size_t>(D));
   cpu::grow(ts.visible, ur);
+  cpu::grow(ts.from, ur);
   cpu::grow(ts.scores, (ur + 2) * static_cast<std::size_t>(ld));
   cpu::grow(ts.page, ur * rec);
   for (int64_t qi = 0; qi < cell.nq; ++qi)
@@ -215,6 +220,7 @@ void run_item(TiledItemFn page_fn, const AttnShape& shape, const TiledKVShard& p
   a.rows = static_cast<int>(R);
   a.q = ts.q.data();
   a.visible = ts.visible.data();
+  a.visible_from = en.window > 0 ? ts.from.data() : nullptr;
   a.scale = scale;
   a.block_tiles = 1;
   a.scores = ts.scores.data();
@@ -225,9 +231,16 @@ void run_item(TiledItemFn page_fn, const AttnShape& shape, const TiledKVShard& p
     const int64_t pos = en.page_pos[uj], len = en.page_len[uj];
     int64_t any = 0;
     for (int64_t qi = 0; qi < cell.nq; ++qi) {
-      const int64_t vis = std::clamp<int64_t>(en.first_pos + cell.q0 + qi + 1 - pos, 0, len);
+      const int64_t at = en.first_pos + cell.q0 + qi;  // the query's position
+      int64_t vis = std::clamp<int64_t>(at + 1 - pos, 0, len);
+      // A sliding window: the query sees positions > at - window only.
+      const int64_t from = en.window > 0 ? std::clamp<int64_t>(at - en.window + 1 - pos, 0, len) : 0;
+      if (from >= vis) vis = 0;  // the whole page is outside the window
       any = std::max(any, vis);
-      for (int64_t g = 0; g < G; ++g) ts.visible[static_cast<std::size_t>(qi * G + g)] = vis;
+      for (int64_t g = 0; g < G; ++g) {
+        ts.visible[static_cast<std::size_t>(qi * G + g)] = vis;
+        ts.from[static_cast<std::size_t>(qi * G + g)] = from;
+      }
     }
     if (any == 0) continue;  // empty states for every row: the merge identity
     const int64_t page = en.pages[uj];

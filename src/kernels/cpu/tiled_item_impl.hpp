@@ -296,6 +296,11 @@ void run_tiled_item(const TiledItemArgs& a) {
       const int64_t vis = a.visible[r] - tb;
       const int take = vis <= 0 ? 0 : (vis < n ? static_cast<int>(vis) : n);
       if (take == 0) continue;
+      if (a.visible_from != nullptr) {  // a sliding window: tokens before it weigh exactly 0
+        const int64_t lo = a.visible_from[r] - tb;
+        const int masked = lo <= 0 ? 0 : (lo < take ? static_cast<int>(lo) : take);
+        for (int t = 0; t < masked; ++t) sr[t] = kNegInf;
+      }
       softmax_block_row<kQuant>(sr, take, padded, ksc, vsc, a.scale, D, a.out + r * kRec);
     }
 
