@@ -1,5 +1,10 @@
 #!/usr/bin/env python3
-"""treeattn generate against llama.cpp (llama-cpp-python) on the same GGUF, prompt and threads.
+"""treeattn generate against llama.cpp on the same GGUF, prompt and threads.
+
+llama.cpp runs as llama-cpp-python when that package imports, else as its own llama-server
+(build/llama-server/bin/llama-server from tools/build-llama-server.sh, or --llama-server PATH):
+one server per run, a prompt of the same ids per context, its decode time per token from the
+server's own timings (predicted_per_token_ms), flash attention on, f16 KV cache.
 
 Decode tokens/s at contexts 512, 4k, 16k and 32k (batch 1, greedy), with the limits written first:
   weight-bound   time/token >= weight bytes read per token / read bandwidth
@@ -42,18 +47,75 @@ def bandwidth_gbs():
     return best
 
 
-def run_treeattn(b, model, ctx, threads, new_tokens):
+def run_treeattn(b, model, ctx, threads, new_tokens, engine=False):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    cmd = [b, "generate", "--session", "--model", model, "--prompt-tokens", str(ctx), "--new-tokens",
-           str(new_tokens), "--ignore-eos", "--quiet", "--threads", str(threads), "--json", out,
-           "--timeout-ms", "0"]
-    if ctx > 4096:
-        cmd.append("--synthetic-kv")
+    cmd = [b, "generate", "--model", model, "--prompt-tokens", str(ctx), "--new-tokens",
+           str(new_tokens), "--ignore-eos", "--quiet", "--threads", str(threads), "--json", out]
+    if not engine:
+        cmd += ["--session", "--timeout-ms", "0"]
+        if ctx > 4096:
+            cmd.append("--synthetic-kv")
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     j = json.load(open(out))
     os.unlink(out)
     return j
+
+
+class LlamaServer:
+    """llama.cpp's llama-server on 127.0.0.1 for one model."""
+
+    def __init__(self, path, model, threads, ctx):
+        import socket
+        with socket.socket() as so:
+            so.bind(("127.0.0.1", 0))
+            self.port = so.getsockname()[1]
+        self.proc = subprocess.Popen(
+            [path, "-m", model, "--port", str(self.port), "-t", str(threads), "-tb", str(threads),
+             "-c", str(ctx), "-np", "1", "-fa", "on", "-b", "512"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import urllib.request
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen("http://127.0.0.1:%d/health" % self.port, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError("llama-server did not start")
+
+    def decode(self, ids, steps):
+        import urllib.request
+        body = {"prompt": ids, "n_predict": steps, "temperature": 0, "top_k": 1,
+                "cache_prompt": False, "ignore_eos": True}
+        req = urllib.request.Request("http://127.0.0.1:%d/completion" % self.port,
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=3600) as r:
+            t = json.loads(r.read())["timings"]
+        return t["prompt_ms"] / 1e3, [t["predicted_per_token_ms"] / 1e3] * steps
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait()
+
+
+def model_bytes(model):
+    """Weight bytes one decoded token reads, and f16 KV bytes per cached token (gguf package)."""
+    import gguf
+    r = gguf.GGUFReader(model)
+    arch = r.fields["general.architecture"].contents()
+    f = lambda k, d=None: r.fields[arch + "." + k].contents() if arch + "." + k in r.fields else d
+    layers, heads = int(f("block_count")), int(f("attention.head_count"))
+    kv = int(f("attention.head_count_kv", heads))
+    hd = int(f("attention.key_length", int(f("embedding_length")) // heads))
+    names = {t.name: t for t in r.tensors}
+    w = sum(int(t.n_bytes) for n, t in names.items() if n != "token_embd.weight")
+    emb = names["token_embd.weight"]
+    w += int(emb.n_bytes) // int(emb.shape[1])  # one embedding row
+    if "output.weight" not in names:
+        w += int(emb.n_bytes)  # tied head
+    return float(w), layers * kv * hd * 2 * 2, arch
 
 
 def run_llamacpp(model, ids, threads, steps):
@@ -81,26 +143,40 @@ def main():
     ap.add_argument("--contexts", default="512,4096,16384,32768")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json")
+    ap.add_argument("--llama-server", default=os.path.join(ROOT, "build/llama-server/bin/llama-server"),
+                    help="used when llama_cpp (llama-cpp-python) does not import")
+    ap.add_argument("--engine", action="store_true",
+                    help="treeattn's engine path (real prefill at every context) instead of --session")
     a = ap.parse_args()
     steps = 16
     bw = bandwidth_gbs()
-    weight_bytes = 92.0e6  # LlamaModel::weight_bytes_per_token for SmolLM2 (test_llama_real)
-    kv_per_token = 30 * 3 * 64 * 2 * 2
-    print("# treeattn vs llama.cpp (llama-cpp-python), SmolLM2-135M-Instruct Q4_1, %d thread(s), "
-          "load %s" % (a.threads, open("/proc/loadavg").read().split()[:3]))
+    weight_bytes, kv_per_token, arch = model_bytes(a.model)
+    contexts = [int(c) for c in a.contexts.split(",")]
+    try:
+        import llama_cpp  # noqa: F401
+        server = None
+        which = "llama-cpp-python"
+    except ImportError:
+        server = LlamaServer(a.llama_server, a.model, a.threads, max(contexts) + steps + 64)
+        which = "llama-server"
+    print("# treeattn vs llama.cpp (%s), %s (%s), %d thread(s), load %s" % (
+        which, os.path.basename(a.model), arch, a.threads, open("/proc/loadavg").read().split()[:3]))
     print("# read bandwidth (numpy, 1 thread): %.1f GB/s; weights %.0f MB/token; KV %d B per "
           "cached token (f16)" % (bw, weight_bytes / 1e6, kv_per_token))
     print("| context | limit ms/token (weights + KV at %.1f GB/s) | limit tokens/s | treeattn tokens/s "
           "| llama.cpp tokens/s | treeattn / llama.cpp | treeattn ms/token | llama.cpp ms/token |" % bw)
     print("|---|---|---|---|---|---|---|---|")
     results = []
-    for ctx in [int(c) for c in a.contexts.split(",")]:
+    for ctx in contexts:
         limit_ms = (weight_bytes + ctx * kv_per_token) / (bw * 1e9) * 1e3
         ta, lc = [], []
         for _ in range(a.repeats):
-            j = run_treeattn(a.treeattn, a.model, ctx, a.threads, steps + 1)
-            ta.append(statistics.median(j["methods"][0]["decode_ms"]))
-            _, times = run_llamacpp(a.model, j["prompt_tokens"], a.threads, steps)
+            j = run_treeattn(a.treeattn, a.model, ctx, a.threads, steps + 1, a.engine)
+            ta.append(statistics.median(j["decode_ms"] if a.engine else j["methods"][0]["decode_ms"]))
+            if server is not None:
+                _, times = server.decode(j["prompt_tokens"], steps)
+            else:
+                _, times = run_llamacpp(a.model, j["prompt_tokens"], a.threads, steps)
             lc.append(statistics.median(times) * 1e3)
         t_ms, l_ms = statistics.median(ta), statistics.median(lc)
         results.append({"context": ctx, "limit_ms": limit_ms, "treeattn_ms": t_ms, "llamacpp_ms": l_ms,
@@ -108,6 +184,8 @@ def main():
         print("| %d | %.1f | %.0f | %.1f | %.1f | %.2fx | %.1f | %.1f |" % (
             ctx, limit_ms, 1e3 / limit_ms, 1e3 / t_ms, 1e3 / l_ms, l_ms / t_ms, t_ms, l_ms))
         sys.stdout.flush()
+    if server is not None:
+        server.close()
     if a.json:
         json.dump({"threads": a.threads, "bandwidth_gbs": bw, "results": results}, open(a.json, "w"), indent=2)
 
