@@ -62,6 +62,56 @@ inline GenRun run_generation(const model::LlamaModel& m, int ranks, const GenCas
   return out;
 }
 
+struct MethodRun {
+  std::vector<int32_t> tokens;
+  std::vector<std::vector<float>> logits;  // before each chosen token
+};
+
+// Every method's greedy continuation after one prefill, from rank 0 (the others checked equal).
+inline Result<std::vector<MethodRun>> run_all(const model::LlamaModel& m, int ranks,
+                                       const std::vector<std::string>& methods,
+                                       const std::vector<int32_t>& prompt, int steps) {
+  std::vector<std::vector<MethodRun>> per_rank(static_cast<std::size_t>(ranks));
+  Status st = run_local(ranks, [&](Communicator& comm) -> Status {
+    model::GeneratorConfig gc;
+    gc.methods = methods;
+    gc.kv_dtype = DType::kF16;
+    gc.threads = ranks == 1 ? 2 : 1;
+    gc.reserve_tokens = steps;
+    gc.timeout = std::chrono::milliseconds(600000);
+    auto g = model::Generator::create(comm, m, gc);
+    TREEATTN_RETURN_IF_ERROR(g.status());
+    std::vector<float> first;
+    TREEATTN_RETURN_IF_ERROR((*g)->prefill(prompt, first));
+    auto& mine = per_rank[static_cast<std::size_t>(comm.rank())];
+    for (int k = 0; k < (*g)->methods(); ++k) {
+      MethodRun r;
+      std::vector<float> l = first;
+      for (int s = 0; s < steps; ++s) {
+        r.logits.push_back(l);
+        r.tokens.push_back(model::top_two(l).first);
+        TREEATTN_RETURN_IF_ERROR((*g)->step(r.tokens.back(), l, k));
+      }
+      mine.push_back(std::move(r));
+    }
+    return Status::ok();
+  });
+  if (!st.is_ok()) return st;
+  for (int r = 1; r < ranks; ++r)
+    for (std::size_t k = 0; k < methods.size(); ++k) {
+      const auto& a = per_rank[static_cast<std::size_t>(r)][k];
+      const auto& b = per_rank[0][k];
+      if (a.tokens != b.tokens)
+        return internal_error(methods[k] + ": rank " + std::to_string(r) +
+                              "'s tokens differ from rank 0's");
+      for (std::size_t s = 0; s < a.logits.size(); ++s)
+        if (std::memcmp(a.logits[s].data(), b.logits[s].data(), a.logits[s].size() * 4) != 0)
+          return internal_error(methods[k] + ": rank " + std::to_string(r) +
+                                "'s logits differ from rank 0's at step " + std::to_string(s));
+    }
+  return per_rank[0];
+}
+
 // "" when every rank has the same tokens and logits bits as rank 0, else which differs.
 inline std::string ranks_agree(const GenRun& r) {
   for (std::size_t k = 1; k < r.logits.size(); ++k) {

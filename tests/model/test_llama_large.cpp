@@ -24,53 +24,6 @@
 namespace treeattn {
 namespace {
 
-struct MethodRun {
-  std::vector<int32_t> tokens;
-  std::vector<std::vector<float>> logits;  // before each chosen token
-};
-
-// Every method's greedy continuation after one prefill, from rank 0 (the others checked equal).
-Result<std::vector<MethodRun>> run_all(const model::LlamaModel& m, int ranks,
-                                       const std::vector<std::string>& methods,
-                                       const std::vector<int32_t>& prompt, int steps) {
-  std::vector<std::vector<MethodRun>> per_rank(static_cast<std::size_t>(ranks));
-  Status st = run_local(ranks, [&](Communicator& comm) -> Status {
-    model::GeneratorConfig gc;
-    gc.methods = methods;
-    gc.kv_dtype = DType::kF16;
-    gc.threads = ranks == 1 ? 2 : 1;
-    gc.reserve_tokens = steps;
-    gc.timeout = std::chrono::milliseconds(600000);
-    auto g = model::Generator::create(comm, m, gc);
-    TREEATTN_RETURN_IF_ERROR(g.status());
-    std::vector<float> first;
-    TREEATTN_RETURN_IF_ERROR((*g)->prefill(prompt, first));
-    auto& mine = per_rank[static_cast<std::size_t>(comm.rank())];
-    for (int k = 0; k < (*g)->methods(); ++k) {
-      MethodRun r;
-      std::vector<float> l = first;
-      for (int s = 0; s < steps; ++s) {
-        r.logits.push_back(l);
-        r.tokens.push_back(model::top_two(l).first);
-        TREEATTN_RETURN_IF_ERROR((*g)->step(r.tokens.back(), l, k));
-      }
-      mine.push_back(std::move(r));
-    }
-    return Status::ok();
-  });
-  if (!st.is_ok()) return st;
-  for (int r = 1; r < ranks; ++r)
-    for (std::size_t k = 0; k < methods.size(); ++k) {
-      const auto& a = per_rank[static_cast<std::size_t>(r)][k];
-      const auto& b = per_rank[0][k];
-      if (a.tokens != b.tokens) return internal_error(methods[k] + ": rank tokens differ");
-      for (std::size_t s = 0; s < a.logits.size(); ++s)
-        if (std::memcmp(a.logits[s].data(), b.logits[s].data(), a.logits[s].size() * 4) != 0)
-          return internal_error(methods[k] + ": rank logits differ at step " + std::to_string(s));
-    }
-  return per_rank[0];
-}
-
 std::vector<int32_t> long_prompt(const Tokenizer& tok, int64_t n) {
   std::vector<int32_t> out;
   for (int section = 1; static_cast<int64_t>(out.size()) < n; ++section) {
@@ -148,15 +101,15 @@ TEST(SmolLM2Large, GreedySixtyFourTokensAgreeForEveryStrategyAndRankCount) {
   constexpr int kSteps = 64;
   for (const int64_t n : {int64_t{100}, int64_t{1000}, int64_t{4000}}) {
     const auto prompt = long_prompt(*tok, n);
-    auto one = run_all(**m, 1, methods, prompt, kSteps);
+    auto one = testing::run_all(**m, 1, methods, prompt, kSteps);
     ASSERT_TRUE(one.is_ok()) << one.status().to_string();
     int near = 0;
     for (const int ranks : {2, 3, 4}) {
-      auto run = run_all(**m, ranks, methods, prompt, kSteps);
+      auto run = testing::run_all(**m, ranks, methods, prompt, kSteps);
       ASSERT_TRUE(run.is_ok()) << run.status().to_string();
       for (std::size_t k = 0; k < methods.size(); ++k) {
-        const MethodRun& a = (*run)[k];
-        const MethodRun& b = (*one)[k];
+        const testing::MethodRun& a = (*run)[k];
+        const testing::MethodRun& b = (*one)[k];
         if (methods[k] == "tree-det") {
           ASSERT_EQ(a.tokens, b.tokens) << "tree-det x" << ranks << " prompt " << n;
           for (std::size_t s = 0; s < a.logits.size(); ++s)
