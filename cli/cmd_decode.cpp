@@ -78,10 +78,9 @@ std::string layout_label(const std::string& flag, const std::vector<std::string>
                          Device d) {
   if (flag != "auto") return flag;
   if (d == Device::kCuda) return "rows (auto: the GPU's shards)";
-  const std::string_view reader =
-      StrategyRegistry::for_backend(CommCapabilities{}).first_rows_reader(methods);
-  if (!reader.empty()) return "rows (auto: " + std::string(reader) + " reads rows)";
-  return "tiled (auto)";
+  auto layout = choose_kv_layout(KVLayout::kAuto, MemorySpace::kHost, methods);
+  if (!layout.is_ok()) return "auto";
+  return std::string(kv_layout_name(*layout)) + " (auto)";
 }
 
 int fail(const char* cmd, const Status& s) {
@@ -340,11 +339,10 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
   // hosts find out for themselves).
   if (Status s = check_device_here(f.device_kind); !s.is_ok()) return fail(cmd, s);
   if (f.deterministic) {  // tree-det first; with the default `all`, compared with tree only
-    std::vector<std::string> m = {"tree-det"};
-    if (sub.count("--methods") == 0) m.push_back("tree");
-    else
-      for (const auto& x : *methods)
-        if (x != "tree-det") m.push_back(x);
+    std::vector<std::string> m = {std::string(deterministic_strategy())};
+    const std::vector<std::string> tree_only = {"tree"};
+    for (const auto& x : sub.count("--methods") == 0 ? tree_only : *methods)
+      if (std::find(m.begin(), m.end(), x) == m.end()) m.push_back(x);
     methods = m;
     if (f.shape.shard == "striped")
       return fail(cmd, invalid_argument("--deterministic needs a contiguous placement (even, "
@@ -420,14 +418,9 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
 
   // Under an existing mpirun/srun the job's world is used; --ranks, if given, must match it.
   f.ranks_given = sub.count("--ranks") > 0;
-  if (f.shape.kv_layout == "tiled") {
-    const std::string m(
-        StrategyRegistry::for_backend(CommCapabilities{}).first_rows_reader(*methods));
-    if (!m.empty())
-      return fail(cmd, invalid_argument("--kv-layout tiled: method " + m +
-                                        " reads the KV cache as rows (use --kv-layout auto or "
-                                        "rows, or leave " + m + " out of --methods)"));
-  }
+  if (f.shape.kv_layout == "tiled")
+    if (auto l = choose_kv_layout(KVLayout::kTiled, MemorySpace::kHost, *methods); !l.is_ok())
+      return fail(cmd, invalid_argument("--kv-layout tiled: " + l.status().message()));
   if (started_by_mpi_launcher()) return run_job(cmd, f, methods.value(), bench);
 
   // Plain shell: every output path is checked before the first job starts.

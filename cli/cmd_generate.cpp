@@ -32,6 +32,8 @@
 #include <thread>
 
 #include "cluster.hpp"
+#include "engine/exchange.hpp"
+#include "engine/merge.hpp"
 #include "commands.hpp"
 #include "job_status.hpp"
 #include "launcher.hpp"
@@ -151,7 +153,7 @@ int local_ranks(int world) {
 }
 
 std::vector<std::string> methods_of(const GenFlags& f) {
-  if (f.deterministic) return {"tree-det"};
+  if (f.deterministic) return {std::string(deterministic_strategy())};
   return split_list(f.method);
 }
 
@@ -178,9 +180,7 @@ model::GeneratorConfig generator_config(const GenFlags& f, const std::vector<std
 void choose_path(GenFlags& f, const CLI::App& sub) {
   if (f.engine || f.session) return;
   const auto methods = methods_of(f);
-  const bool engine_merge = methods.size() == 1 && (methods[0] == "tree" ||
-                                                    methods[0] == "allreduce" ||
-                                                    methods[0] == "allgather");
+  const bool engine_merge = methods.size() == 1 && engine::parse_merge(methods[0]).is_ok();
   f.engine = engine_merge && !f.deterministic && !f.synthetic_kv && !f.check &&
              sub.count("--placement") == 0 && sub.count("--kv-layout") == 0 &&
              sub.count("--fanout") == 0;
@@ -228,8 +228,7 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
     if (f.deterministic)
       return invalid_argument("--engine does not take --deterministic (tree-det runs with --session)");
     if (f.check) return invalid_argument("--engine does not take --check (use --session)");
-    if (methods.size() != 1 ||
-        (methods[0] != "tree" && methods[0] != "allreduce" && methods[0] != "allgather"))
+    if (methods.size() != 1 || !engine::parse_merge(methods[0]).is_ok())
       return invalid_argument("--engine: --method is the engine's merge, one of tree, allreduce, "
                               "allgather (not '" + f.method + "')");
     if (f.synthetic_kv) return invalid_argument("--engine does not take --synthetic-kv");
@@ -237,17 +236,23 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
       auto b = parse_bytes(f.kv_memory);
       if (!b.is_ok()) return Status(b.status().code(), "--kv-memory: " + b.status().message());
     }
+    if (auto x = engine::parse_exchange(f.prefill_exchange); !x.is_ok())
+      return Status(x.status().code(), "--prefill-exchange: " + x.status().message());
   } else if (!f.kv_memory.empty()) {
     return invalid_argument("--kv-memory is the engine's (not with --session or flags that imply it)");
+  } else if (f.prefill_exchange != "auto") {
+    return invalid_argument("--prefill-exchange is the engine's (not with --session or flags that "
+                            "imply it; the session's prefill always moves K/V)");
   }
   for (const auto& m : methods)
-    if (!f.engine && m != "auto" && m != "tree-det" && !reg.contains(m)) {
+    if (!f.engine && m != "auto" && !reg.contains(m)) {
       std::string known;
       for (const auto& i : reg.list()) known += std::string(i.name) + ", ";
       return invalid_argument("--method: unknown method '" + m + "' (known: " + known +
                               "tree-det, auto)");
     }
-  if (f.deterministic && f.placement == "striped")
+  if (f.deterministic && f.placement == "striped" &&
+      reg.info(deterministic_strategy())->placement == PlacementNeed::kContiguous)
     return invalid_argument(
         "--deterministic (tree-det) needs a contiguous placement, not "
         "--placement striped");

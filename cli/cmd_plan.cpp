@@ -34,6 +34,7 @@
 #include "options.hpp"
 #include "report.hpp"
 #include "treeattn/cost_model.hpp"
+#include "treeattn/strategy.hpp"
 #include "treeattn/topology.hpp"
 
 namespace treeattn::cli {
@@ -347,7 +348,9 @@ int plan_validate(PlanFlags& f) {
   std::vector<std::string> methods = *cands;
   if (methods.empty())
     for (const auto& m : modeled_strategies())
-      if (m != "single") methods.push_back(m);
+      if (StrategyRegistry::for_backend(CommCapabilities{}).info(m)->placement !=
+          PlacementNeed::kAllOnRoot)
+        methods.push_back(m);
   std::string mlist;
   for (const auto& m : methods) mlist += (mlist.empty() ? "" : ",") + m;
   if (!f.topology.empty())

@@ -49,6 +49,8 @@
 #include <thread>
 
 #include "commands.hpp"
+#include "engine/exchange.hpp"
+#include "engine/merge.hpp"
 #include "job_status.hpp"
 #include "launcher.hpp"
 #include "options.hpp"
@@ -123,10 +125,13 @@ Result<std::string> preflight(const ServeFlags& f) {
   if (f.max_batch < 1) return invalid_argument("--max-batch must be >= 1");
   if (f.prefill_chunk < 1) return invalid_argument("--prefill-chunk must be >= 1");
   if (f.max_queue < 0) return invalid_argument("--max-queue must be >= 0");
-  if (f.method != "tree" && f.method != "allreduce" && f.method != "allgather" &&
-      f.method != "auto")
+  if (f.method != "auto" && !engine::parse_merge(f.method).is_ok())
     return invalid_argument("--method '" + f.method + "': one of tree, allreduce, allgather, auto");
+  if (auto x = engine::parse_exchange(f.prefill_exchange); !x.is_ok())
+    return Status(x.status().code(), "--prefill-exchange: " + x.status().message());
   TREEATTN_RETURN_IF_ERROR(check_thread_count(f.threads, "--threads"));
+  if (auto mm = model::parse_matmul_mode(f.matmul); !mm.is_ok())
+    return invalid_argument("--matmul " + f.matmul + ": expected exact or int8");
   if (f.context < 0) return invalid_argument("--context must be >= 0");
   if (f.shutdown_timeout < 0) return invalid_argument("--shutdown-timeout must be >= 0");
   TREEATTN_RETURN_IF_ERROR(check_timeout_ms("--timeout-ms", f.timeout_ms));

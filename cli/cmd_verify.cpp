@@ -6,6 +6,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -53,10 +54,14 @@ struct VerifyFlags {
 KVLayout check_layout(const std::string& flag, uint64_t seed, const std::string& method,
                       Device device) {
   if (device == Device::kCuda) return KVLayout::kRows;  // device shards are rows
-  const StrategyInfo* info = StrategyRegistry::for_backend(CommCapabilities{}).info(method);
-  if (info != nullptr && info->reads_kv_rows) return KVLayout::kRows;
-  if (flag != "auto") return *parse_kv_layout(flag);
-  return seed % 2 == 1 ? KVLayout::kTiled : KVLayout::kRows;
+  // auto alternates: the library's choice on odd seeds (tiled unless the method reads rows),
+  // rows on even ones; an explicit layout the method cannot read gives rows.
+  const KVLayout requested = flag != "auto" ? *parse_kv_layout(flag)
+                             : seed % 2 == 1 ? KVLayout::kAuto
+                                             : KVLayout::kRows;
+  const std::string names[] = {method};
+  auto layout = choose_kv_layout(requested, MemorySpace::kHost, names);
+  return layout.is_ok() ? *layout : KVLayout::kRows;
 }
 
 // --save DIR (created now) and --json FILE, before any case runs.
@@ -390,10 +395,10 @@ Runner add_verify_command(CLI::App& app, const Invocation& inv) {
       return 2;
     }
     if (f->deterministic) {
-      std::vector<std::string> m = {"tree-det"};
+      std::vector<std::string> m = {std::string(deterministic_strategy())};
       if (sub->count("--methods") > 0)
         for (const auto& x : methods)
-          if (x != "tree-det") m.push_back(x);
+          if (std::find(m.begin(), m.end(), x) == m.end()) m.push_back(x);
       methods = m;
     }
     if (f->ranks < 1) {

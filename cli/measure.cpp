@@ -127,17 +127,19 @@ MemoryNeed memory_need(const MeasureConfig& c, int ranks) {
   double per_token = 2.0 * B * Hkv * D * static_cast<double>(dtype_size(c.dtype));
   if (dtype_is_quantized(c.dtype)) per_token += 2.0 * B * Hkv * 4.0;  // a float scale each
   const double total_kv = tokens * per_token;
-  bool single = false, ring_kv = false;
-  double buffers = 0;  // receive buffers of the strategies, in states, per rank
+  // Shards of the shared session, each strategy's extra KV storage (strategy_extra_kv_caches:
+  // single's whole cache on rank 0, ring-kv's shard-sized receive buffers), and the oracle's
+  // regenerated cache. A method the library does not know (auto, resolved later) counts p
+  // state buffers and no extra KV.
+  double session_caches = 1.0;
+  double buffers = 0;  // state buffers of the strategies, per rank
+  const StrategyRegistry& reg = StrategyRegistry::for_backend(CommCapabilities{});
   for (const auto& m : c.methods) {
-    single = single || m == "single";
-    ring_kv = ring_kv || m == "ring-kv";
-    buffers += (m == "allgather" || m == "gather-root" || m == "auto") ? P : 2.0;
+    const StrategyInfo* info = reg.info(m);
+    if (auto extra = strategy_extra_kv_caches(m, ranks); extra.is_ok()) session_caches += *extra;
+    buffers += info == nullptr || info->holds_every_state ? P : 2.0;
   }
   MemoryNeed need;
-  // Shards of the shared session, single's whole cache, ring-kv's two shard-sized buffers per
-  // rank, and the oracle's regenerated cache.
-  const double session_caches = 1.0 + (single ? 1.0 : 0.0) + (ring_kv ? 2.0 : 0.0);
   need.kv_bytes =
       total_kv * ((c.device == Device::kCuda ? 0.0 : session_caches) + (c.check ? 1.0 : 0.0));
   const double records = B * Q * H;
@@ -316,9 +318,11 @@ Result<std::vector<Point>> measure(Communicator& comm, const MeasureConfig& c) {
       kv_total += r.kv_bytes;
     }
     if (!wire_all) p.bytes_wire_per_rank.reset();
-    // KV bytes all ranks' kernels read in one step: the cache once, except ring-kv, where every
-    // rank runs the kernel over every shard (the whole cache p times).
-    p.kv_bytes_read = static_cast<uint64_t>(method == "ring-kv" ? kv_total * P : kv_total);
+    // KV bytes all ranks' kernels read in one step: the cache once, except where every rank
+    // runs the kernel over every shard (ring-kv: the whole cache p times).
+    const StrategyInfo* info = StrategyRegistry::for_backend(CommCapabilities{}).info(method);
+    const bool every_shard = info != nullptr && info->reads_every_shard;
+    p.kv_bytes_read = static_cast<uint64_t>(every_shard ? kv_total * P : kv_total);
     p.kv_gbps = p.latency_us.p50 > 0 ? static_cast<double>(p.kv_bytes_read) / (p.latency_us.p50 * 1e3) : 0;
     p.max_rel_err = errs[0];
     p.tolerance = c.tolerance;

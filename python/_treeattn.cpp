@@ -963,6 +963,33 @@ scale 0 means 1/sqrt(D); threads 0 means OpenMP's default, else 1..1024. Returns
             return out;
           },
           "(name, summary) of the strategies this backend offers.")
+      .def(
+          "strategy_info",
+          [](const PyComm& c, const std::string& name) {
+            const StrategyInfo* i =
+                StrategyRegistry::for_backend(c.get().capabilities()).info(name);
+            if (i == nullptr)
+              check(StrategyRegistry::for_backend(c.get().capabilities())
+                        .create(name, StrategyOptions{})
+                        .status());
+            const char* placement = i->placement == PlacementNeed::kAllOnRoot ? "all-on-root"
+                                    : i->placement == PlacementNeed::kContiguous ? "contiguous"
+                                                                                 : "any";
+            py::dict d;
+            d["name"] = std::string(i->name);
+            d["summary"] = std::string(i->summary);
+            d["placement"] = placement;
+            d["reads_kv_rows"] = i->reads_kv_rows;
+            d["reads_every_shard"] = i->reads_every_shard;
+            d["holds_every_state"] = i->holds_every_state;
+            d["rank_count_invariant"] = i->rank_count_invariant;
+            d["listed"] = i->listed;
+            return d;
+          },
+          py::arg("name"),
+          "What the strategy's descriptor says (strategy.hpp StrategyInfo): placement ('any', "
+          "'contiguous' or 'all-on-root'), reads_kv_rows, reads_every_shard, holds_every_state, "
+          "rank_count_invariant, listed. Unknown names raise InvalidArgumentError.")
       .def("__repr__", [](const PyComm& c) {
         if (!c.comm) return std::string("<treeattn.Comm (none)>");
         return "<treeattn.Comm " + std::string(c.comm->backend_name()) + " rank " +

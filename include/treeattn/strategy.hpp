@@ -93,13 +93,36 @@ class Strategy {
   Executor* exec_ = nullptr;
 };
 
+// Where a strategy needs the tokens of the KV cache (the plan's kind, sharding.hpp).
+enum class PlacementNeed : uint8_t {
+  kAny,         // every placement: even, uneven, striped, explicit
+  kContiguous,  // every rank holds one contiguous range of positions (not striped): tree-det
+  kAllOnRoot,   // the whole cache on rank 0 (ShardKind::kSingle, holder 0): single
+};
+
+// Everything a caller asks about a strategy without running it, from its descriptor
+// (src/strategies/descriptor.hpp). Code outside src/strategies asks these instead of comparing
+// names (tests/strategies/check_strategy_names.sh keeps it so).
 struct StrategyInfo {
   std::string_view name;
   std::string_view summary;
   // The strategy walks the KV shard's rows itself (sends them, or cuts views out of them), so
   // it needs KVLayout::kRows (sharding.hpp); the others only hand the whole shard to the
-  // executor's partial() and read either layout.
+  // executor's partial() and read either layout. choose_kv_layout() applies it.
   bool reads_kv_rows = false;
+  // The placement it needs; initial_plan() applies it.
+  PlacementNeed placement = PlacementNeed::kAny;
+  // Every rank runs the kernel over every rank's shard (ring-kv): one step reads the whole
+  // cache p times over the job instead of once.
+  bool reads_every_shard = false;
+  // A rank holds every rank's partial state at once (p state buffers: allgather, gather-root,
+  // ring-kv, tree-det's subtree roots); the others hold at most two besides the output.
+  bool holds_every_state = false;
+  // Output and LSE are the same bits for any rank count, placement and thread count.
+  bool rank_count_invariant = false;
+  // Listed by StrategyRegistry::list() (the CLI's `all`) and ranked by the planner; false for
+  // strategies offered by name only (tree-det).
+  bool listed = true;
 };
 
 // The strategies a backend offers, by name. Host backends with user-defined reductions (MPI)
@@ -114,9 +137,6 @@ class StrategyRegistry {
   bool contains(std::string_view name) const;
   // The strategy's StrategyInfo; null when name is not one of them.
   const StrategyInfo* info(std::string_view name) const;
-  // The first of `names` that reads the KV cache as rows (StrategyInfo::reads_kv_rows), or ""
-  // when none does: what keeps a run of these strategies off the tiled layout.
-  std::string_view first_rows_reader(std::span<const std::string> names) const;
   // InvalidArgument naming the known strategies when name is not one of them.
   Result<std::unique_ptr<Strategy>> create(std::string_view name,
                                            const StrategyOptions& options) const;
@@ -125,6 +145,30 @@ class StrategyRegistry {
   explicit StrategyRegistry(bool user_reductions) : user_reductions_(user_reductions) {}
   bool user_reductions_;
 };
+
+// ---- what the descriptors decide for a run -----------------------------------------------------
+
+// The strategy offered by name only whose bits do not depend on the rank count (tree-det):
+// what `--deterministic` runs.
+std::string_view deterministic_strategy();
+
+// The KV layout a run of `strategies` (one shared placement) uses: `requested`, or for kAuto
+// the tiled layout on host memory and rows on a device's. InvalidArgument for an unknown
+// strategy, for tiled on device memory, and for tiled with a strategy that reads rows (named).
+// The one place this rule is written (the session, the measurement driver and the CLI ask it).
+Result<KVLayout> choose_kv_layout(KVLayout requested, MemorySpace memory,
+                                  std::span<const std::string> strategies);
+
+// The shard plan a run of `strategy` starts from: `requested` placement of rows of `lens`
+// tokens on `ranks` ranks, except that a strategy needing the whole cache on rank 0 gets
+// ShardKind::kSingle whatever was requested. An explicit placement with every row empty gives
+// every rank nothing (explicit_len then describes the prefill, DecodeSession::extend).
+// InvalidArgument for an unknown strategy and the errors of ShardPlan::make (a placement the
+// strategy cannot run on, striped for tree-det, is refused by its setup). The one place the
+// initial plan is written.
+Result<ShardPlan> initial_plan(std::string_view strategy, ShardKind requested, int ranks,
+                               std::vector<int64_t> lens,
+                               std::span<const int64_t> explicit_len = {}, int holder = 0);
 
 // ---- analytic cost (paper.md section 4, per rank) -------------------------------------------
 

@@ -21,13 +21,15 @@ class SessionLocalTest(unittest.TestCase):
         return results
 
     def test_every_strategy_and_placement(self):
-        names = [n for n, _ in treeattn.local_world(1)[0].strategies()]
+        world = treeattn.local_world(1)[0]
+        names = [n for n, _ in world.strategies()]
         self.assertIn("tree", names)
         self.assertIn("ring-kv", names)
         for p in (1, 2, 3, 5):
             for strategy in names:
                 for placement in ("even", "uneven", "striped"):
-                    if strategy == "single" and placement != "even":
+                    own = world.strategy_info(strategy)["placement"] == "all-on-root"
+                    if own and placement != "even":
                         continue  # single forces its own placement
                     res = self.run_all(p, strategy=strategy, placement=placement, seed=p)
                     digests = {d for _, d, _ in res}

@@ -35,7 +35,7 @@ class SessionMpiTest(unittest.TestCase):
                          (WORLD.Get_rank(), WORLD.Get_size(), "mpi"))
         for strategy, _ in comm.strategies():
             for placement in ("even", "uneven", "striped"):
-                if strategy == "single" and placement != "even":
+                if comm.strategy_info(strategy)["placement"] == "all-on-root" and placement != "even":
                     continue
                 self.check_case(comm, WORLD, strategy=strategy, placement=placement)
         for dtype in ("bf16", "f16"):

@@ -7,10 +7,12 @@
 
 namespace treeattn::engine {
 
+// The engine's merge methods are not strategies (strategy.hpp): they merge the states of a
+// paged batch each layer and share two of the strategies' words (tree, allgather) for the
+// same merges. They are named here, once, and parsed from this table.
 Result<MergeKind> parse_merge(std::string_view name) {
-  if (name == "tree") return MergeKind::kTree;
-  if (name == "allreduce") return MergeKind::kAllreduce;
-  if (name == "allgather") return MergeKind::kAllgather;
+  for (MergeKind k : {MergeKind::kTree, MergeKind::kAllreduce, MergeKind::kAllgather})
+    if (std::string_view(merge_name(k)) == name) return k;
   return invalid_argument("unknown engine merge '" + std::string(name) +
                           "' (known: tree, allreduce, allgather)");
 }

@@ -341,10 +341,7 @@ Result<ShardPlan> initial_plan(const RunConfig& config, int ranks) {
     return invalid_argument("got " + std::to_string(config.total_len.size()) +
                             " context lengths for batch " + std::to_string(config.shape.batch) +
                             " (give one, or one per batch row)");
-  // `single` places every token on rank 0 whatever the requested placement.
-  if (config.strategy == "single")
-    return ShardPlan::make(ShardKind::kSingle, ranks, std::move(lens));
-  return ShardPlan::make(config.shard, ranks, std::move(lens), config.explicit_len, 0);
+  return initial_plan(config.strategy, config.shard, ranks, std::move(lens), config.explicit_len, 0);
 }
 
 Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConfig& config,
@@ -361,16 +358,15 @@ Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConf
   set_context("setup");
   if (strategies.empty()) return invalid_argument(rank_prefix(comm) + "no strategies to run");
   const int me = comm.rank();
-  // One KV layout for every strategy of the run, so that they read the same bytes the same way:
-  // tiled unless one of them walks rows itself (ring-kv, tree-det) or the shards are a device's
-  // (rows; an explicit tiled layout there is the session's clear error).
+  // One KV layout for every strategy of the run, so that they read the same bytes the same way
+  // (choose_kv_layout, strategy.hpp); an explicit layout the run cannot use is the session's
+  // clear error, with every rank taking part.
   RunConfig cfg = config;
-  if (cfg.kv_layout == KVLayout::kAuto)
-    cfg.kv_layout = device || !StrategyRegistry::for_backend(scomm.capabilities())
-                                   .first_rows_reader(strategies)
-                                   .empty()
-                        ? KVLayout::kRows
-                        : KVLayout::kTiled;
+  if (cfg.kv_layout == KVLayout::kAuto) {
+    const std::vector<std::string> names(strategies.begin(), strategies.end());
+    auto layout = choose_kv_layout(KVLayout::kAuto, exec.memory(), names);
+    cfg.kv_layout = layout.is_ok() ? *layout : KVLayout::kRows;
+  }
   if (&scomm != &comm) {
     // The driver pairs comm's rank r with the session communicator's rank r.
     std::string local_error;
@@ -395,7 +391,9 @@ Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConf
   std::unique_ptr<DecodeSession> shared, single;
   std::vector<Slot> slots;
   for (const std::string& name : strategies) {
-    std::unique_ptr<DecodeSession>& owner = name == "single" ? single : shared;
+    const StrategyInfo* info = StrategyRegistry::for_backend(scomm.capabilities()).info(name);
+    const bool own_placement = info != nullptr && info->placement == PlacementNeed::kAllOnRoot;
+    std::unique_ptr<DecodeSession>& owner = own_placement ? single : shared;
     Slot slot;
     if (!owner) {
       auto s = open_session(scomm, comm, exec, cfg, name);

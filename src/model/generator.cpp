@@ -71,14 +71,20 @@ MemoryEstimate estimate_memory(const LlamaConfig& cfg, const GeneratorConfig& ge
   const auto ds = static_cast<double>(dtype_size(gen.kv_dtype));
   const double per_token = static_cast<double>(cfg.kv_values_per_token()) * ds;
   const int64_t total = prompt + new_tokens;
+  const StrategyRegistry& reg = StrategyRegistry::for_backend(CommCapabilities{});
   for (const std::string& m : gen.methods) {
-    // `single`: everything on rank 0. Contiguous placements: the last rank also gets the new
-    // tokens; capacity is its part plus the reserve.
-    const int64_t tokens = m == "single" ? total : (prompt + ranks - 1) / ranks + new_tokens + 1;
+    // A strategy that needs the whole cache on rank 0 (single): everything there. Contiguous
+    // placements: the last rank also gets the new tokens; capacity is its part plus the reserve.
+    const StrategyInfo* info = reg.info(m);
+    const bool on_root = info != nullptr && info->placement == PlacementNeed::kAllOnRoot;
+    const int64_t tokens = on_root ? total : (prompt + ranks - 1) / ranks + new_tokens + 1;
     e.kv_bytes += static_cast<std::size_t>(per_token * static_cast<double>(tokens));
-    if (m == "ring-kv")  // two receive buffers of the largest shard of one layer
-      e.kv_bytes +=
-          static_cast<std::size_t>(2.0 * per_token / cfg.n_layers * static_cast<double>(tokens));
+    // Receive buffers the size of a shard of one layer (ring-kv: two, one at two ranks);
+    // single's extra cache is its own placement, counted above.
+    auto extra = strategy_extra_kv_caches(m, ranks);
+    if (!on_root && extra.is_ok())
+      e.kv_bytes += static_cast<std::size_t>(*extra * per_token / cfg.n_layers *
+                                             static_cast<double>(tokens));
   }
   // Prefill: hidden states and queries of this rank's positions (balanced by cost, so a rank
   // with early positions holds more of them: at most 1.5 n / p plus a block), the send and
@@ -116,7 +122,7 @@ Result<std::unique_ptr<Generator>> Generator::create(Communicator& comm, const L
     sc.shape = AttnShape{1, mc.n_head, mc.n_head_kv, mc.head_dim, 1};
     sc.dtype = config.kv_dtype;
     sc.layers = mc.n_layers;
-    sc.placement = m == "single" ? ShardKind::kSingle : config.placement;
+    sc.placement = config.placement;  // initial_plan() gives single its own
     sc.layout = config.kv_layout;
     sc.reserve_tokens = config.reserve_tokens + 1;
     sc.strategy = m;

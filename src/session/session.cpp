@@ -176,15 +176,7 @@ Result<ShardPlan> make_plan(const SessionConfig& c, int ranks, std::vector<int64
     return invalid_argument("got " + std::to_string(c.context.size()) +
                             " context lengths for batch " + std::to_string(c.shape.batch) +
                             " (give one, or one per batch row)");
-  // `single` places every token on rank 0 whatever the requested placement.
-  if (c.strategy == "single") return ShardPlan::make(ShardKind::kSingle, ranks, std::move(lens));
-  // An explicit placement describes the prefill (extend); before it every rank holds nothing.
-  const bool empty = std::all_of(lens.begin(), lens.end(), [](int64_t n) { return n == 0; });
-  if (c.placement == ShardKind::kExplicit && empty) {
-    const std::vector<int64_t> zeros(static_cast<std::size_t>(ranks), 0);
-    return ShardPlan::make(c.placement, ranks, std::move(lens), zeros, c.holder);
-  }
-  return ShardPlan::make(c.placement, ranks, std::move(lens), c.explicit_len, c.holder);
+  return initial_plan(c.strategy, c.placement, ranks, std::move(lens), c.explicit_len, c.holder);
 }
 
 Fields config_fields(const SessionConfig& c, const std::string& strategy,
@@ -234,20 +226,18 @@ Result<std::unique_ptr<DecodeSession>> DecodeSession::create(Communicator& comm,
     local_error = "rows_start_free: the rows are free sequence slots, so the context must be empty";
   else if (config.reserve_tokens < 0)
     local_error = "reserve_tokens must be >= 0, got " + std::to_string(config.reserve_tokens);
-  // The KV layout: tiled where the executor is the host's and the strategy reads either.
+  // The KV layout (choose_kv_layout, strategy.hpp).
   SessionConfig resolved = config;
-  const StrategyInfo* info = registry.info(config.strategy);
-  const bool host = executor.memory() == MemorySpace::kHost;
-  const bool rows_only = info != nullptr && info->reads_kv_rows;
-  if (resolved.layout == KVLayout::kAuto)
-    resolved.layout = host && !rows_only ? KVLayout::kTiled : KVLayout::kRows;
-  else if (resolved.layout == KVLayout::kTiled && local_error.empty() && !host)
-    local_error = "the tiled KV layout is for host memory; executor '" +
-                  std::string(executor.name()) + "' keeps its shards as rows";
-  else if (resolved.layout == KVLayout::kTiled && local_error.empty() && rows_only)
-    local_error = "strategy " + config.strategy +
-                  " reads the KV cache as rows and cannot run on the tiled layout (use the rows "
-                  "or auto layout)";
+  if (local_error.empty()) {
+    const std::string names[] = {config.strategy};
+    Result<KVLayout> layout = choose_kv_layout(config.layout, executor.memory(), names);
+    if (layout.is_ok())
+      resolved.layout = *layout;
+    else
+      local_error = layout.status().message() + " (executor '" + std::string(executor.name()) + "')";
+  } else if (resolved.layout == KVLayout::kAuto) {
+    resolved.layout = KVLayout::kRows;
+  }
   const uint64_t plan_fp = plan.is_ok() ? plan->fingerprint() : 0;
   if (config.check_agreement && p > 1)
     TREEATTN_RETURN_IF_ERROR(agree(comm, executor,
@@ -651,12 +641,13 @@ Status DecodeSession::check_agreement(
 Result<int> DecodeSession::add_strategy(const std::string& name, const StrategyOptions& options) {
   const StrategyRegistry& registry = StrategyRegistry::for_backend(comm_->capabilities());
   std::string local_error;
+  const std::string names[] = {name};
   if (!registry.contains(name))
     local_error = registry.create(name, options).status().to_string();
-  else if (config_.layout == KVLayout::kTiled && registry.info(name)->reads_kv_rows)
-    local_error = "strategy " + name +
-                  " reads the KV cache as rows and cannot join a session on the tiled layout "
-                  "(create the session with the rows layout to compare it on the same shards)";
+  else if (Result<KVLayout> l = choose_kv_layout(config_.layout, exec_->memory(), names);
+           !l.is_ok())
+    local_error = "strategy " + name + " cannot join a session on the tiled layout: " +
+                  l.status().message();
   if (config_.check_agreement && comm_->size() > 1)
     TREEATTN_RETURN_IF_ERROR(agree(*comm_, *exec_,
                                    config_fields(config_, name, options, plan_.fingerprint()),

@@ -87,7 +87,9 @@ Prediction model(const cost::Ctx& c) {
 }  // namespace
 
 constinit const StrategyDescriptor kAllgatherDescriptor{
-    .info = {"allgather", "all-gather the partial states, merge locally"},
+    .info = {.name = "allgather",
+             .summary = "all-gather the partial states, merge locally",
+             .holds_every_state = true},
     .create = make_allgather,
     .analytic = analytic,
     .model = model,
@@ -96,7 +98,9 @@ constinit const StrategyDescriptor kAllgatherDescriptor{
 
 // `tree` on a backend without user-defined reductions (tree.cpp's stand-in there).
 constinit const StrategyDescriptor kTreeAsAllgatherDescriptor{
-    .info = {"tree", "all-gather of partial states and a local merge (no user-defined reductions)"},
+    .info = {.name = "tree",
+             .summary = "all-gather of partial states and a local merge (no user-defined reductions)",
+             .holds_every_state = true},
     .create = make_tree_as_allgather,
     .analytic = analytic,
     .model = model,

@@ -89,9 +89,6 @@ struct StrategyDescriptor {
   // On a backend without user-defined reductions: the descriptor offered under this name
   // instead, or nullptr when the strategy is not offered there.
   const StrategyDescriptor* without_user_reductions = nullptr;
-  // The plan must put the whole KV cache on one rank (ShardKind::kSingle): the planner ranks
-  // it only when asked (PlanOptions::include_single).
-  bool whole_cache_on_one_rank = false;
   // analytic_cost() for this strategy; the input is validated (rank in range, shape valid).
   CostEstimate (*analytic)(const AnalyticInput&) = nullptr;
   // predict() for this strategy (Prediction::strategy is filled in by predict()).

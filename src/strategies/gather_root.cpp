@@ -87,7 +87,9 @@ Prediction model(const cost::Ctx& c) {
 }  // namespace
 
 constinit const StrategyDescriptor kGatherRootDescriptor{
-    .info = {"gather-root", "gather the states to one rank, merge, broadcast"},
+    .info = {.name = "gather-root",
+             .summary = "gather the states to one rank, merge, broadcast",
+             .holds_every_state = true},
     .create = make_gather_root,
     .analytic = analytic,
     .model = model,

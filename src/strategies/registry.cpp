@@ -1,5 +1,6 @@
 // The strategy registries (one per backend kind), built from the strategies' descriptors, and
 // the analytic cost model's common part (each strategy's formula is in its own file).
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -110,12 +111,6 @@ const StrategyInfo* StrategyRegistry::info(std::string_view name) const {
   return d ? &d->info : nullptr;
 }
 
-std::string_view StrategyRegistry::first_rows_reader(std::span<const std::string> names) const {
-  for (const std::string& n : names)
-    if (const StrategyInfo* i = info(n); i != nullptr && i->reads_kv_rows) return i->name;
-  return {};
-}
-
 Result<std::unique_ptr<Strategy>> StrategyRegistry::create(std::string_view name,
                                                            const StrategyOptions& options) const {
   if (const auto* d = strategies::find_strategy_descriptor(name, user_reductions_))
@@ -128,6 +123,72 @@ Result<std::unique_ptr<Strategy>> StrategyRegistry::create(std::string_view name
   for (const strategies::StrategyDescriptor* d : strategies::kByNameOnly)
     known += ", " + std::string(d->info.name);
   return invalid_argument("unknown strategy '" + std::string(name) + "' (known: " + known + ")");
+}
+
+// ---- what the descriptors decide for a run ----------------------------------------------------
+
+std::string_view deterministic_strategy() {
+  for (const strategies::StrategyDescriptor* d : strategies::kByNameOnly)
+    if (d->info.rank_count_invariant) return d->info.name;
+  return {};
+}
+
+namespace {
+
+Result<const StrategyInfo*> known_info(std::string_view name, const char* who) {
+  const strategies::StrategyDescriptor* d = strategies::find_strategy_descriptor(name);
+  if (d == nullptr)
+    return invalid_argument(std::string(who) + ": unknown strategy '" + std::string(name) + "'");
+  return &d->info;
+}
+
+}  // namespace
+
+Result<KVLayout> choose_kv_layout(KVLayout requested, MemorySpace memory,
+                                  std::span<const std::string> strategies) {
+  const StrategyInfo* rows_reader = nullptr;
+  for (const std::string& name : strategies) {
+    auto info = known_info(name, "KV layout");
+    TREEATTN_RETURN_IF_ERROR(info.status());
+    if ((*info)->reads_kv_rows && rows_reader == nullptr) rows_reader = *info;
+  }
+  const bool host = memory == MemorySpace::kHost;
+  switch (requested) {
+    case KVLayout::kAuto:
+      return host && rows_reader == nullptr ? KVLayout::kTiled : KVLayout::kRows;
+    case KVLayout::kRows:
+      return KVLayout::kRows;
+    case KVLayout::kTiled:
+      if (!host)
+        return invalid_argument("the tiled KV layout is for host memory; device shards are rows");
+      if (rows_reader != nullptr)
+        return invalid_argument("strategy " + std::string(rows_reader->name) +
+                                " reads the KV cache as rows and cannot run on the tiled layout "
+                                "(use the rows or auto layout)");
+      return KVLayout::kTiled;
+  }
+  return invalid_argument("unknown KV layout");
+}
+
+Result<ShardPlan> initial_plan(std::string_view strategy, ShardKind requested, int ranks,
+                               std::vector<int64_t> lens, std::span<const int64_t> explicit_len,
+                               int holder) {
+  auto info = known_info(strategy, "initial plan");
+  TREEATTN_RETURN_IF_ERROR(info.status());
+  switch ((*info)->placement) {
+    case PlacementNeed::kAllOnRoot:  // whatever the requested placement
+      return ShardPlan::make(ShardKind::kSingle, ranks, std::move(lens));
+    case PlacementNeed::kContiguous:  // the strategy's setup refuses striped (kUnsupported)
+    case PlacementNeed::kAny:
+      break;
+  }
+  // An explicit placement describes the prefill (extend); before it every rank holds nothing.
+  const bool empty = std::all_of(lens.begin(), lens.end(), [](int64_t n) { return n == 0; });
+  if (requested == ShardKind::kExplicit && empty) {
+    const std::vector<int64_t> zeros(static_cast<std::size_t>(std::max(ranks, 0)), 0);
+    return ShardPlan::make(requested, ranks, std::move(lens), zeros, holder);
+  }
+  return ShardPlan::make(requested, ranks, std::move(lens), explicit_len, holder);
 }
 
 // ---- analytic cost ----------------------------------------------------------------------------

@@ -366,8 +366,11 @@ double extra_kv_caches(int ranks) { return ranks >= 3 ? 2.0 : (ranks == 2 ? 1.0 
 }  // namespace
 
 constinit const StrategyDescriptor kRingKVDescriptor{
-    .info = {"ring-kv", "KV shards rotate around the ring, overlapped with local attention",
-             /*reads_kv_rows=*/true},
+    .info = {.name = "ring-kv",
+             .summary = "KV shards rotate around the ring, overlapped with local attention",
+             .reads_kv_rows = true,
+             .reads_every_shard = true,
+             .holds_every_state = true},
     .create = make_ring_kv,
     .analytic = analytic,
     .model = model,

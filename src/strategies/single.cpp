@@ -111,9 +111,10 @@ double extra_kv_caches(int) { return 1.0; }
 }  // namespace
 
 constinit const StrategyDescriptor kSingleDescriptor{
-    .info = {"single", "one rank holds the whole KV cache and broadcasts the result"},
+    .info = {.name = "single",
+             .summary = "one rank holds the whole KV cache and broadcasts the result",
+             .placement = PlacementNeed::kAllOnRoot},
     .create = make_single,
-    .whole_cache_on_one_rank = true,
     .analytic = analytic,
     .model = model,
     .extra_kv_caches = extra_kv_caches,

@@ -446,9 +446,14 @@ Prediction model(const cost::Ctx& c) {
 }  // namespace
 
 constinit const StrategyDescriptor kTreeDetDescriptor{
-    .info = {"tree-det", "deterministic: the same bits for any rank count, placement and thread "
-                         "count (canonical tree over 256-token chunks)",
-             /*reads_kv_rows=*/true},
+    .info = {.name = "tree-det",
+             .summary = "deterministic: the same bits for any rank count, placement and thread "
+                        "count (canonical tree over 256-token chunks)",
+             .reads_kv_rows = true,
+             .placement = PlacementNeed::kContiguous,
+             .holds_every_state = true,
+             .rank_count_invariant = true,
+             .listed = false},
     .create = make_tree_det,
     .analytic = analytic,
     .model = model,

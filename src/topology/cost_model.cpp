@@ -366,7 +366,7 @@ Result<std::vector<PlanEntry>> plan(const CostQuery& q, const Topology& topo,
     if (!d->model) continue;
     const bool listed = std::find(names.begin(), names.end(), d->info.name) != names.end();
     if (listed) continue;
-    if (d->whole_cache_on_one_rank ? opts.include_single : all_modeled)
+    if (d->info.placement == PlacementNeed::kAllOnRoot ? opts.include_single : all_modeled)
       names.emplace_back(d->info.name);
   }
   std::vector<PlanEntry> out;

@@ -222,7 +222,7 @@ TEST(Descriptors, AnalyticAndPredictedBytesAgreeWhereTheyModelTheSameThing) {
             auto pr = predict(name, q, topo);
             ASSERT_TRUE(pr.is_ok()) << label << ": " << pr.status().to_string();
             const double predicted = pr->bytes_sent_per_rank;
-            auto plan = plan_of(d->whole_cache_on_one_rank ? ShardKind::kSingle : ShardKind::kEven,
+            auto plan = plan_of(d->info.placement == PlacementNeed::kAllOnRoot ? ShardKind::kSingle : ShardKind::kEven,
                                 p, static_cast<int>(sh.batch), n);
             ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
             const auto est = per_rank(name, sh, cs.dtype, *plan, o);
@@ -314,7 +314,7 @@ TEST(Descriptors, ShardKindsChangeOnlyTheKvBytes) {
         const std::string label = std::string(shard_kind_name(kind)) + " p=" + std::to_string(p);
         for (const StrategyDescriptor* d : strategy_descriptors(true)) {
           const std::string name(d->info.name);
-          if (d->whole_cache_on_one_rank) continue;  // needs kSingle; compared above
+          if (d->info.placement == PlacementNeed::kAllOnRoot) continue;  // needs kSingle; compared above
           const auto got = per_rank(name, sh, cs.dtype, *plan, {});
           if (name == "ring-kv") {
             auto pr = predict(name, q, topo);
