@@ -33,6 +33,7 @@
 
 #include "cluster.hpp"
 #include "engine/exchange.hpp"
+#include "engine/exchange.hpp"
 #include "engine/merge.hpp"
 #include "commands.hpp"
 #include "job_status.hpp"
@@ -80,6 +81,7 @@ struct GenFlags {
   bool session = false;  // --session
   std::string device = "cpu";  // --device: the model runs on CPU ranks only
   std::string kv_memory;
+  std::string prefill_exchange = "auto";  // --engine: pass-q | kv | auto
   int timeout_ms = 600000;
   int fanout = 2;
 };
@@ -238,8 +240,13 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
     }
     if (auto x = engine::parse_exchange(f.prefill_exchange); !x.is_ok())
       return Status(x.status().code(), "--prefill-exchange: " + x.status().message());
+    if (auto x = engine::parse_exchange(f.prefill_exchange); !x.is_ok())
+      return Status(x.status().code(), "--prefill-exchange: " + x.status().message());
   } else if (!f.kv_memory.empty()) {
     return invalid_argument("--kv-memory is the engine's (not with --session or flags that imply it)");
+  } else if (f.prefill_exchange != "auto") {
+    return invalid_argument("--prefill-exchange is the engine's (not with --session or flags that "
+                            "imply it; the session's prefill always moves K/V)");
   } else if (f.prefill_exchange != "auto") {
     return invalid_argument("--prefill-exchange is the engine's (not with --session or flags that "
                             "imply it; the session's prefill always moves K/V)");
@@ -377,6 +384,7 @@ int run_engine_job(Communicator& comm, const GenFlags& f, const std::string& mod
   ec.kv_dtype = *dt;
   ec.threads = threads;
   ec.merge = f.method;
+  ec.prefill_exchange = f.prefill_exchange;
   ec.timeout = std::chrono::milliseconds(f.timeout_ms);
   if (!f.kv_memory.empty()) {
     auto bytes = parse_bytes(f.kv_memory);
@@ -508,6 +516,9 @@ int run_engine_job(Communicator& comm, const GenFlags& f, const std::string& mod
                         {"ranks", P},
                         {"threads_per_rank", threads},
                         {"method", ec.merge},
+                        {"prefill_exchange", ec.prefill_exchange},
+                        {"rows_kv_exchange", mt.rows_kv_exchange},
+                        {"rows_pass_q", mt.rows_pass_q},
                         {"kv_dtype", f.kv_dtype},
                         {"ttft_ms", ttft_ms},
                         {"prefill_ms", timings.prefill_seconds * 1e3},
@@ -967,6 +978,11 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
                 "Decode on the DecodeSession with a strategy instead of the engine; implied by a "
                 "strategy other than tree/allreduce/allgather, a comma list, --deterministic, "
                 "--synthetic-kv, --placement, --kv-layout, --fanout and --check");
+  sub->add_option("--prefill-exchange", f->prefill_exchange,
+                  "--engine: how a prompt chunk's attention crosses the ranks: pass-q (its queries "
+                  "travel, one merge per layer), kv (the cached K/V travels), auto (per chunk, "
+                  "fewer bytes; same bits either way)")
+      ->capture_default_str();
   sub->add_option("--kv-memory", f->kv_memory,
                   "--engine: KV page memory per rank, e.g. 2G (default: what the prompt needs)");
   sub->add_flag("--ignore-eos", f->ignore_eos, "Generate --new-tokens even past end of text");

@@ -50,6 +50,7 @@
 
 #include "commands.hpp"
 #include "engine/exchange.hpp"
+#include "engine/exchange.hpp"
 #include "engine/merge.hpp"
 #include "job_status.hpp"
 #include "launcher.hpp"
@@ -80,6 +81,7 @@ struct ServeFlags {
   int max_batch = 16;
   int64_t prefill_chunk = 256;
   std::string method = "tree";
+  std::string prefill_exchange = "auto";
   int threads = 0;
   std::string api_key;
   int max_queue = 256;
@@ -129,6 +131,8 @@ Result<std::string> preflight(const ServeFlags& f) {
     return invalid_argument("--method '" + f.method + "': one of tree, allreduce, allgather, auto");
   if (auto x = engine::parse_exchange(f.prefill_exchange); !x.is_ok())
     return Status(x.status().code(), "--prefill-exchange: " + x.status().message());
+  if (auto x = engine::parse_exchange(f.prefill_exchange); !x.is_ok())
+    return Status(x.status().code(), "--prefill-exchange: " + x.status().message());
   TREEATTN_RETURN_IF_ERROR(check_thread_count(f.threads, "--threads"));
   if (auto mm = model::parse_matmul_mode(f.matmul); !mm.is_ok())
     return invalid_argument("--matmul " + f.matmul + ": expected exact or int8");
@@ -154,6 +158,7 @@ engine::EngineConfig engine_config(const ServeFlags& f, int threads) {
   c.max_queue = f.max_queue;
   c.prefix_cache = !f.no_prefix_cache;
   c.merge = merge_of(f);
+  c.prefill_exchange = f.prefill_exchange;
   c.threads = threads;
   c.timeout = std::chrono::milliseconds(f.timeout_ms);
   return c;
@@ -601,6 +606,10 @@ Runner add_serve_command(CLI::App& app, const Invocation& inv) {
   sub->add_option("--method", f->method,
                   "Per-layer merge of the ranks' attention states: tree (batch invariant), "
                   "allreduce, allgather, auto (tree)")
+      ->capture_default_str();
+  sub->add_option("--prefill-exchange", f->prefill_exchange,
+                  "How a prompt chunk's attention crosses the ranks: pass-q (its queries travel), "
+                  "kv (the cached K/V travels), auto (per chunk, fewer bytes; same bits)")
       ->capture_default_str();
   sub->add_option("--threads", f->threads, "Threads per rank (0: cores / ranks on the host)")
       ->capture_default_str();

@@ -24,9 +24,13 @@
 // states of all rows (EngineConfig::merge); each rank then runs the output projection and the
 // feed-forward network for its own rows. Each rank computes the logits of its own rows that
 // end a sequence's known tokens, an all-gather gives every rank all of them (one row on its
-// own is computed by every rank), and every rank samples the same tokens. A prompt
-// (fresh, or a follow-up against cached pages) is thus prefilled by the tree merge: the new
-// queries travel, the cached K/V stays where it is, and no rank ever receives K/V.
+// own is computed by every rank), and every rank samples the same tokens. That is pass-Q: a
+// follow-up against cached pages is prefilled by the tree merge, the new queries travel and the
+// cached K/V stays where it is. A chunk for which moving K/V costs fewer bytes (a fresh prompt,
+// the first chunks of a long one; EngineConfig::prefill_exchange) goes the other way: the
+// all-gather carries its rows' k and v only, the ranks all-gather their pages of its sequence,
+// and each rank computes its own rows' attention alone, per owner's pages and merged locally
+// in the merge's association (src/engine/exchange.hpp), so its bits are pass-Q's.
 //
 // Exactness and batch invariance: attention is exact softmax attention (float accumulation,
 // states merged as state.hpp). A request's logits do not depend on what else is in the batch,
@@ -127,6 +131,13 @@ struct EngineConfig {
   // collective, but its bits may depend on the batch at more than two ranks), "allgather" (every
   // rank gathers all states and merges them in rank order: batch invariant, (p-1) S sent).
   std::string merge = "tree";
+  // How a prefill chunk's attention crosses the ranks: "pass-q" (its queries travel to the
+  // cached K/V, one merge per layer), "kv" (the cached K/V travels to the ranks computing the
+  // chunk's rows, no merge for them), or "auto": per chunk, whichever moves fewer bytes (a fresh
+  // prompt and the first chunks of a long one move K/V; a short question against a long cached
+  // document passes its queries; src/engine/exchange.hpp has the byte counts and the
+  // crossover). Both give the same bits; "kv" needs the tree or allgather merge above two ranks.
+  std::string prefill_exchange = "auto";
   // Fill every page with NaN when it is allocated (K and V of every layer, on its owner), so that
   // a read of a stale or unwritten slot turns the logits into NaN (tests; costs a write of the
   // page per allocation).
@@ -155,6 +166,9 @@ struct EngineMetrics {
   std::vector<double> attention_seconds;  // per rank: time in the paged kernel, total
   std::vector<double> dense_seconds;      // per rank: projections, output projection and FFN
   int64_t merges = 0;                 // per-layer merges run (each rank ran this many)
+  int64_t rows_pass_q = 0;            // rows (tokens) computed by pass-Q, over all steps
+  int64_t rows_kv_exchange = 0;       // rows computed by the K/V exchange (prefill_exchange)
+  int64_t kv_exchange_bytes = 0;      // rank 0's bytes of cached K/V sent for them
   uint64_t bytes_sent = 0;            // rank 0's bytes sent (communicator counters)
   bool failed = false;
   std::string error;

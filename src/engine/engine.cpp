@@ -14,6 +14,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "engine/exchange.hpp"
 #include "engine/merge.hpp"
 #include "engine/page_table.hpp"
 #include "treeattn/kv_tiles.hpp"
@@ -59,6 +60,8 @@ struct Engine::Impl {
   EngineConfig cfg;
   model::MatvecOptions mv;
   MergeKind merge = MergeKind::kTree;
+  ExchangePolicy exchange = ExchangePolicy::kAuto;
+  ExchangeShape xshape;
   int p = 1, me = 0;
   int64_t T = 64;
   std::vector<TiledKVCache> pools;  // one per layer: this rank's pages
@@ -104,6 +107,12 @@ struct Engine::Impl {
   model::ForwardScratch fs;
   std::vector<float> x, q, k, v, attn, states, merge_scratch, xs, xs_all, logits, logits_all;
   std::vector<float> qkv_send, qkv_recv, qkv_local;
+  std::vector<int64_t> row_off;       // a row's offset (floats) in its rank's all-gather slot
+  std::vector<uint8_t> page_send, page_recv;  // the K/V exchange's cached pages
+  std::vector<float> kv_states;       // [owner rank][this rank's K/V rows][heads] records
+  TiledKVCache xpool;                 // the K/V exchange's copies of the pages its rows read
+  int64_t xpool_pages = 0;
+  int64_t rows_pass_q = 0, rows_kv = 0, kv_bytes_sent = 0;
   std::vector<TokenId> row_tok;
   std::vector<int64_t> row_pos;
   std::vector<double> rank_times;  // gather of per-rank timings on rank 0
@@ -459,11 +468,23 @@ struct Engine::Impl {
   }
 
   // ---- the batched forward pass ----
-  Status forward(const std::vector<std::pair<RequestId, int64_t>>& work) {
+  Status forward(const std::vector<std::pair<RequestId, int64_t>>& planned) {
     const auto& mc = model->config();
     const int64_t E = mc.n_embd, H = mc.n_head, Hkv = mc.n_head_kv, D = mc.head_dim;
     const int64_t qd = H * D, kvd = Hkv * D;
     const std::size_t rec = static_cast<std::size_t>(D + 2);
+    // Pass-Q items first, then those computed by the K/V exchange (exchange.hpp), decided from
+    // the replicated state alone, so identically on every rank. The order of the items only
+    // changes which rank computes a row's dense part, never its bits.
+    std::vector<std::pair<RequestId, int64_t>> work;
+    std::vector<std::pair<RequestId, int64_t>> kv_work;
+    for (const auto& item : planned) {
+      const Seq* s = find(item.first);
+      if (use_kv_exchange(exchange, xshape, item.second, s->computed)) kv_work.push_back(item);
+      else work.push_back(item);
+    }
+    const std::size_t n_passq = work.size();
+    work.insert(work.end(), kv_work.begin(), kv_work.end());
     // Rows, and pages for the positions they store (allocated on every rank's table).
     std::vector<Seq*> seqs;
     std::vector<int64_t> first_row;
@@ -491,6 +512,9 @@ struct Engine::Impl {
       rows += n;
     }
     if (rows == 0) return Status::ok();
+    const int64_t rows_q = n_passq < work.size() ? first_row[n_passq] : rows;  // pass-Q rows
+    rows_pass_q += rows_q;
+    rows_kv += rows - rows_q;
     // The dense part is split: rank r computes rows [lo, lo + mine) (embedding, projections,
     // output projection, FFN); per layer the ranks all-gather q, k and v of every row, so that
     // the owners store K/V and every rank computes its pages' partial states for every row. A
@@ -502,15 +526,27 @@ struct Engine::Impl {
     const int64_t per = split ? (rows + p - 1) / p : rows;  // rows per rank (slots)
     const int64_t lo = split ? std::min(rows, me * per) : 0;
     const int64_t mine = std::min(rows, lo + per) - lo;
-    const int64_t packed = qd + 2 * kvd;     // floats of one row's q, k, v
+    const int64_t packed = qd + 2 * kvd;     // floats of one pass-Q row's q, k, v
+    // A rank's slot of the all-gather: its rows' q, k, v (pass-Q rows) or k, v (K/V rows),
+    // padded to the largest slot.
+    row_off.assign(static_cast<std::size_t>(rows), 0);
+    int64_t gslot = 0;  // floats
+    for (int r = 0; r < p && split; ++r) {
+      int64_t off = 0;
+      for (int64_t row = std::min(rows, r * per); row < std::min(rows, (r + 1) * per); ++row) {
+        row_off[static_cast<std::size_t>(row)] = off;
+        off += row < rows_q ? packed : 2 * kvd;
+      }
+      gslot = std::max(gslot, off);
+    }
     x.resize(static_cast<std::size_t>(std::max<int64_t>(mine, 1) * E));
     q.resize(static_cast<std::size_t>(rows * qd));
     k.resize(static_cast<std::size_t>(rows * kvd));
     v.resize(k.size());
     attn.resize(static_cast<std::size_t>(std::max<int64_t>(mine, 1) * qd));
     states.resize(static_cast<std::size_t>(rows * H) * rec);
-    qkv_send.resize(static_cast<std::size_t>(per * packed));
-    qkv_recv.resize(static_cast<std::size_t>(p * per * packed));
+    qkv_send.resize(static_cast<std::size_t>(std::max<int64_t>(gslot, 1)));
+    qkv_recv.resize(static_cast<std::size_t>(p * std::max<int64_t>(gslot, 1)));
     qkv_local.resize(static_cast<std::size_t>(std::max<int64_t>(mine, 1) * packed));
     if (mine > 0)
       TREEATTN_RETURN_IF_ERROR(model->embed(
@@ -522,9 +558,9 @@ struct Engine::Impl {
       std::vector<int64_t> pos;
       std::vector<int32_t> len;
     };
-    std::vector<EntryPages> ep(work.size());
-    std::vector<PagedEntry> entries(work.size());
-    for (std::size_t w = 0; w < work.size(); ++w) {
+    std::vector<EntryPages> ep(n_passq);
+    std::vector<PagedEntry> entries(n_passq);
+    for (std::size_t w = 0; w < n_passq; ++w) {
       const Seq& s = *seqs[w];
       const int64_t end = s.computed + work[w].second;  // length after this step
       for (int64_t j = 0; j * T < end; ++j) {
@@ -564,22 +600,30 @@ struct Engine::Impl {
         std::memcpy(k.data(), kl, static_cast<std::size_t>(rows * kvd) * sizeof(float));
         std::memcpy(v.data(), vl, static_cast<std::size_t>(rows * kvd) * sizeof(float));
       } else {
+        const auto fb = static_cast<std::size_t>(sizeof(float));
         for (int64_t i = 0; i < mine; ++i) {
-          float* dst = qkv_send.data() + i * packed;
-          std::memcpy(dst, ql + i * qd, static_cast<std::size_t>(qd) * sizeof(float));
-          std::memcpy(dst + qd, kl + i * kvd, static_cast<std::size_t>(kvd) * sizeof(float));
-          std::memcpy(dst + qd + kvd, vl + i * kvd, static_cast<std::size_t>(kvd) * sizeof(float));
+          float* dst = qkv_send.data() + row_off[static_cast<std::size_t>(lo + i)];
+          if (lo + i < rows_q) {
+            std::memcpy(dst, ql + i * qd, static_cast<std::size_t>(qd) * fb);
+            dst += qd;
+          }
+          std::memcpy(dst, kl + i * kvd, static_cast<std::size_t>(kvd) * fb);
+          std::memcpy(dst + kvd, vl + i * kvd, static_cast<std::size_t>(kvd) * fb);
         }
         const auto tg = Clock::now();
-        TREEATTN_RETURN_IF_ERROR(comm->allgather(qkv_send.data(),
-                                                 static_cast<std::size_t>(per * packed) * sizeof(float),
+        TREEATTN_RETURN_IF_ERROR(comm->allgather(qkv_send.data(), static_cast<std::size_t>(gslot) * fb,
                                                  qkv_recv.data()));
         merge_s += seconds(Clock::now() - tg);
         for (int64_t row = 0; row < rows; ++row) {
-          const float* src = qkv_recv.data() + ((row / per) * per + row % per) * packed;
-          std::memcpy(q.data() + row * qd, src, static_cast<std::size_t>(qd) * sizeof(float));
-          std::memcpy(k.data() + row * kvd, src + qd, static_cast<std::size_t>(kvd) * sizeof(float));
-          std::memcpy(v.data() + row * kvd, src + qd + kvd, static_cast<std::size_t>(kvd) * sizeof(float));
+          const float* src = qkv_recv.data() + (row / per) * gslot + row_off[static_cast<std::size_t>(row)];
+          if (row < rows_q) {
+            std::memcpy(q.data() + row * qd, src, static_cast<std::size_t>(qd) * fb);
+            src += qd;
+          } else if (row >= lo && row < lo + mine) {  // a K/V row's q stays on its rank
+            std::memcpy(q.data() + row * qd, ql + (row - lo) * qd, static_cast<std::size_t>(qd) * fb);
+          }
+          std::memcpy(k.data() + row * kvd, src, static_cast<std::size_t>(kvd) * fb);
+          std::memcpy(v.data() + row * kvd, src + kvd, static_cast<std::size_t>(kvd) * fb);
         }
       }
       // The owners store K and V.
@@ -604,14 +648,20 @@ struct Engine::Impl {
       for (PagedEntry& e : entries) e.window = window;
       const auto ta = Clock::now();
       const TiledKVShard view = pool.view(no_len, no_len, no_len, 1);
-      TREEATTN_RETURN_IF_ERROR(decode_partial_paged(shape, view, pool_pages, entries, dopt));
+      if (!entries.empty())
+        TREEATTN_RETURN_IF_ERROR(decode_partial_paged(shape, view, pool_pages, entries, dopt));
       const auto tm = Clock::now();
       attn_s += seconds(tm - ta);
-      TREEATTN_RETURN_IF_ERROR(merge_states(*comm, merge, states.data(),
-                                            static_cast<std::size_t>(rows * H),
-                                            static_cast<std::size_t>(D), merge_scratch));
+      if (rows_q > 0) {
+        TREEATTN_RETURN_IF_ERROR(merge_states(*comm, merge, states.data(),
+                                              static_cast<std::size_t>(rows_q * H),
+                                              static_cast<std::size_t>(D), merge_scratch));
+        ++merges;
+      }
       merge_s += seconds(Clock::now() - tm);
-      ++merges;
+      if (rows_q < rows)
+        TREEATTN_RETURN_IF_ERROR(kv_exchange_attention(pool, seqs, first_row, work, n_passq, lo,
+                                                       mine, window));
       for (int64_t r = 0; r < mine * H; ++r)
         state_normalize(states.data() + static_cast<std::size_t>(lo * H + r) * rec,
                         static_cast<std::size_t>(D), attn.data() + r * D,
@@ -715,6 +765,158 @@ struct Engine::Impl {
     return Status::ok();
   }
 
+  // The K/V exchange for work items [n_passq, work.size()) (exchange.hpp), in layer `pool`:
+  // every rank sends its pages' cached tokens of those sequences (positions before this step)
+  // to every rank; each rank copies the pages its own rows read into xpool (cached tokens from
+  // their owners, this step's from the all-gathered k and v, narrowed as the owners store
+  // them), computes per owner rank the partial states over that rank's pages (the entries the
+  // owner would have computed under pass-Q, so the same bits), and merges them locally in the
+  // merge collective's association into `states`.
+  Status kv_exchange_attention(const TiledKVCache& pool, const std::vector<Seq*>& seqs,
+                               const std::vector<int64_t>& first_row,
+                               const std::vector<std::pair<RequestId, int64_t>>& work,
+                               std::size_t n_passq, int64_t lo, int64_t mine, int64_t window) {
+    const auto& mc = model->config();
+    const int64_t H = mc.n_head, Hkv = mc.n_head_kv, D = mc.head_dim;
+    const int64_t qd = H * D, kvd = Hkv * D;
+    const std::size_t rec = static_cast<std::size_t>(D + 2);
+    const std::size_t head_bytes = static_cast<std::size_t>(D) * dtype_size(cfg.kv_dtype);
+    const std::size_t tok_bytes = 2 * static_cast<std::size_t>(Hkv) * head_bytes;
+    const auto up = static_cast<std::size_t>(p);
+    // 1. Every rank's cached tokens of these sequences, item by item, page by page.
+    std::vector<std::size_t> bytes_of(up, 0);
+    for (std::size_t w = n_passq; w < work.size(); ++w) {
+      const Seq& s = *seqs[w];
+      for (int64_t j = 0; j * T < s.computed; ++j)
+        bytes_of[static_cast<std::size_t>(s.pages[static_cast<std::size_t>(j)].rank)] +=
+            static_cast<std::size_t>(std::min(T, s.computed - j * T)) * tok_bytes;
+    }
+    const std::size_t slot = *std::max_element(bytes_of.begin(), bytes_of.end());
+    const auto ta = Clock::now();
+    if (slot > 0) {
+      page_send.resize(slot);
+      page_recv.resize(slot * up);
+      uint8_t* dst = page_send.data();
+      float ks = 0, vs = 0;
+      for (std::size_t w = n_passq; w < work.size(); ++w) {
+        const Seq& s = *seqs[w];
+        for (int64_t j = 0; j * T < s.computed; ++j) {
+          const PageRef& pg = s.pages[static_cast<std::size_t>(j)];
+          if (pg.rank != me) continue;
+          for (int64_t t = 0; t < std::min(T, s.computed - j * T); ++t)
+            for (int64_t h = 0; h < Hkv; ++h, dst += 2 * head_bytes)
+              pool.read_token_raw(0, h, static_cast<int64_t>(pg.id) * T + t, dst, dst + head_bytes,
+                                  &ks, &vs);
+        }
+      }
+      const auto tg = Clock::now();
+      attn_s += seconds(tg - ta);
+      TREEATTN_RETURN_IF_ERROR(comm->allgather(page_send.data(), slot, page_recv.data()));
+      merge_s += seconds(Clock::now() - tg);
+      kv_bytes_sent += static_cast<int64_t>(slot);
+    }
+    const auto tc = Clock::now();
+    // 2. The pages this rank's rows read, copied into xpool; per (item, owner) one entry.
+    struct Span {
+      std::size_t w;
+      int64_t a, b;  // this rank's rows of item w
+    };
+    std::vector<Span> spans;
+    int64_t need_pages = 0;
+    for (std::size_t w = n_passq; w < work.size(); ++w) {
+      const int64_t a = std::max(lo, first_row[w]);
+      const int64_t b = std::min(lo + mine, first_row[w] + work[w].second);
+      if (a >= b) continue;
+      spans.push_back({w, a, b});
+      const int64_t end = seqs[w]->computed + work[w].second;
+      need_pages += (end + T - 1) / T;
+    }
+    if (need_pages > xpool_pages) {
+      auto c = TiledKVCache::create(AttnShape{1, H, Hkv, D, 1}, cfg.kv_dtype, need_pages * T,
+                                    kKVTileLayout, T);
+      TREEATTN_RETURN_IF_ERROR(c.status());
+      xpool = std::move(c).value();
+      xpool_pages = need_pages;
+    }
+    struct EntryPages {
+      std::vector<int32_t> ids;
+      std::vector<int64_t> pos;
+      std::vector<int32_t> len;
+    };
+    std::vector<EntryPages> ep(spans.size() * up);
+    std::vector<int64_t> cursor(up, 0);  // read offset in each rank's part of page_recv
+    int32_t xid = 0;
+    std::size_t si = 0;
+    for (std::size_t w = n_passq; w < work.size(); ++w) {
+      const Seq& s = *seqs[w];
+      const int64_t C = s.computed, end = C + work[w].second;
+      const bool read = si < spans.size() && spans[si].w == w;
+      for (int64_t j = 0; j * T < end; ++j) {
+        const auto o = static_cast<std::size_t>(s.pages[static_cast<std::size_t>(j)].rank);
+        const int64_t cached = j * T < C ? std::min(T, C - j * T) : 0;
+        if (read) {
+          const int32_t id = xid++;
+          const uint8_t* src = page_recv.data() + o * slot + static_cast<std::size_t>(cursor[o]);
+          for (int64_t t = 0; t < cached; ++t)
+            for (int64_t h = 0; h < Hkv; ++h, src += 2 * head_bytes)
+              xpool.set_token_raw(0, h, static_cast<int64_t>(id) * T + t, src, src + head_bytes);
+          for (int64_t pos = std::max(j * T, C); pos < std::min(end, (j + 1) * T); ++pos) {
+            const int64_t row = first_row[w] + pos - C;
+            xpool.set_tokens(0, static_cast<int64_t>(id) * T + pos - j * T, k.data() + row * kvd,
+                             v.data() + row * kvd);
+          }
+          EntryPages& e = ep[si * up + o];
+          e.ids.push_back(id);
+          e.pos.push_back(j * T);
+          e.len.push_back(static_cast<int32_t>(std::min(T, end - j * T)));
+        }
+        cursor[o] += cached * static_cast<int64_t>(tok_bytes);
+      }
+      if (read) ++si;
+    }
+    kv_states.resize(up * static_cast<std::size_t>(std::max<int64_t>(mine, 1) * H) * rec);
+    std::vector<PagedEntry> entries(spans.size() * up);
+    for (std::size_t i = 0; i < spans.size(); ++i) {
+      const Span& sp = spans[i];
+      for (std::size_t o = 0; o < up; ++o) {
+        PagedEntry& e = entries[i * up + o];
+        const EntryPages& pages = ep[i * up + o];
+        e.q = q.data() + sp.a * qd;
+        e.n_q = sp.b - sp.a;
+        e.first_pos = seqs[sp.w]->computed + (sp.a - first_row[sp.w]);
+        e.pages = pages.ids;
+        e.page_pos = pages.pos;
+        e.page_len = pages.len;
+        e.window = window;
+        e.states = kv_states.data() +
+                   (o * static_cast<std::size_t>(mine) + static_cast<std::size_t>(sp.a - lo)) *
+                       static_cast<std::size_t>(H) * rec;
+      }
+    }
+    DecodeOptions dopt;
+    dopt.threads = cfg.threads;
+    dopt.isa = cfg.isa;
+    const std::vector<int64_t> no_len;
+    if (!entries.empty())
+      TREEATTN_RETURN_IF_ERROR(decode_partial_paged(AttnShape{1, H, Hkv, D, 1},
+                                                    xpool.view(no_len, no_len, no_len, 1),
+                                                    xpool_pages, entries, dopt));
+    // 3. The owners' states of each row, merged as the merge collective would.
+    std::vector<const float*> parts(up);
+    for (const Span& sp : spans)
+      for (int64_t row = sp.a; row < sp.b; ++row) {
+        for (std::size_t o = 0; o < up; ++o)
+          parts[o] = kv_states.data() + (o * static_cast<std::size_t>(mine) +
+                                         static_cast<std::size_t>(row - lo)) *
+                                            static_cast<std::size_t>(H) * rec;
+        TREEATTN_RETURN_IF_ERROR(merge_states_local(
+            merge, p, parts.data(), static_cast<std::size_t>(H), static_cast<std::size_t>(D),
+            states.data() + static_cast<std::size_t>(row * H) * rec, merge_scratch));
+      }
+    attn_s += seconds(Clock::now() - tc);
+    return Status::ok();
+  }
+
   void update_snapshot() {
     EngineMetrics m;
     m.running = static_cast<int64_t>(running.size());
@@ -733,6 +935,9 @@ struct Engine::Impl {
     m.attention_seconds = rank_attn_s;
     m.dense_seconds = rank_dense_s;
     m.merges = merges;
+    m.rows_pass_q = rows_pass_q;
+    m.rows_kv_exchange = rows_kv;
+    m.kv_exchange_bytes = kv_bytes_sent;
     m.bytes_sent = comm->counters().p2p_bytes + comm->counters().collective_payload_bytes;
     std::lock_guard lk(mu);
     m.waiting = static_cast<int64_t>(waiting.size());
@@ -919,6 +1124,12 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
   auto merge = parse_merge(config.merge);
   if (!merge.is_ok()) local = merge.status();
   else e.merge = *merge;
+  if (local.is_ok()) {
+    auto x = parse_exchange(config.prefill_exchange);
+    if (!x.is_ok()) local = x.status();
+    else e.exchange = *x;
+  }
+  if (local.is_ok()) local = check_exchange(e.exchange, e.merge, e.p);
   if (local.is_ok() && !valid_page_tokens(config.page_tokens))
     local = invalid_argument("page_tokens " + std::to_string(config.page_tokens) +
                              " must be 16 or a multiple of 32 up to 256");
@@ -960,7 +1171,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
   const std::string desc = mc.to_string() + "|" + std::to_string(model.file().file_size()) + "|" +
                            std::string(dtype_name(config.kv_dtype)) + "|" +
                            std::to_string(config.page_tokens) + "|" + std::to_string(config.max_batch) +
-                           "|" + std::to_string(config.prefill_chunk) + "|" + config.merge + "|" +
+                           "|" + std::to_string(config.prefill_chunk) + "|" + config.merge + "|" + config.prefill_exchange + "|" +
                            (config.prefix_cache ? "1" : "0") + "|" + std::to_string(config.max_queue) +
                            // Ranks compute replicated values (a lone row, the logits) and must
                            // get the same bits: the same kernels on every rank.
@@ -1007,6 +1218,10 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
       return Status(Code::kOutOfMemory, who + "rank " + std::to_string(r) +
                                             " could not allocate its KV pools");
   e.table = std::make_unique<PageTable>(e.p, pages, e.T);
+  e.xshape = ExchangeShape{e.p, mc.n_head, mc.n_head_kv, mc.head_dim,
+                           2 * static_cast<std::size_t>(mc.n_head_kv * mc.head_dim) *
+                               dtype_size(config.kv_dtype),
+                           e.merge};
   e.rank_merge_s.assign(static_cast<std::size_t>(e.p), 0.0);
   e.rank_attn_s.assign(static_cast<std::size_t>(e.p), 0.0);
   e.rank_dense_s.assign(static_cast<std::size_t>(e.p), 0.0);

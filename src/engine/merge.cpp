@@ -1,6 +1,7 @@
 // merge_states: see merge.hpp.
 #include "engine/merge.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "treeattn/state.hpp"
@@ -72,6 +73,31 @@ Status merge_states(Communicator& comm, MergeKind kind, float* records, std::siz
     }
   }
   return internal_error("merge_states: unknown kind");
+}
+
+Status merge_states_local(MergeKind kind, int p, const float* const* parts, std::size_t n,
+                          std::size_t head_dim, float* out, std::vector<float>& scratch) {
+  const std::size_t floats = n * (head_dim + 2);
+  if (p < 1) return invalid_argument("merge_states_local: no parts");
+  std::copy(parts[0], parts[0] + floats, out);
+  if (p == 1 || n == 0) return Status::ok();
+  if (p == 2 || kind == MergeKind::kAllgather) {
+    for (int q = 1; q < p; ++q) state_merge_n(out, parts[q], n, head_dim);
+    return Status::ok();
+  }
+  if (kind != MergeKind::kTree)
+    return unsupported("merge_states_local: the allreduce merge at " + std::to_string(p) +
+                       " ranks has no local twin (MPI chooses its association)");
+  // The tree's rounds: after round dist, the records of rank r (r mod 2 dist == 0) hold the
+  // merge of ranks [r, r + 2 dist); a receiver merges its own records (+) the sender's.
+  if (scratch.size() < floats * static_cast<std::size_t>(p))
+    scratch.resize(floats * static_cast<std::size_t>(p));
+  auto at = [&](int r) { return scratch.data() + static_cast<std::size_t>(r) * floats; };
+  for (int r = 0; r < p; ++r) std::copy(parts[r], parts[r] + floats, at(r));
+  for (int dist = 1; dist < p; dist *= 2)
+    for (int r = 0; r + dist < p; r += 2 * dist) state_merge_n(at(r), at(r + dist), n, head_dim);
+  std::copy(at(0), at(0) + floats, out);
+  return Status::ok();
 }
 
 }  // namespace treeattn::engine

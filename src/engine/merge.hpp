@@ -28,4 +28,14 @@ const char* merge_name(MergeKind kind);
 Status merge_states(Communicator& comm, MergeKind kind, float* records, std::size_t n,
                     std::size_t head_dim, std::vector<float>& scratch);
 
+// merge_states without communication: parts[r] holds the n records rank r would contribute,
+// out receives the records every rank would hold afterwards, the same bits (the same
+// association of every record: kAllgather folds in rank order, kTree runs the binomial tree's
+// rounds, and at two ranks every kind is the one exactly commutative merge). kAllreduce at more
+// than two ranks has no local twin (MPI chooses its association): kUnsupported. scratch grows
+// as needed. A rank that already holds every rank's states (the engine's K/V exchange) gets the
+// merged records the collective would have given it.
+Status merge_states_local(MergeKind kind, int p, const float* const* parts, std::size_t n,
+                          std::size_t head_dim, float* out, std::vector<float>& scratch);
+
 }  // namespace treeattn::engine

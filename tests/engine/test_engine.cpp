@@ -71,6 +71,7 @@ EngineConfig base_config() {
   c.timeout = std::chrono::milliseconds(60000);
   c.idle_tick = std::chrono::milliseconds(1);
   c.poison_pages = true;  // a stale or unwritten slot read anywhere would make NaN logits
+  c.matmul = model::MatmulMode::kExact;  // as testing::run_generation's, compared with it
   return c;
 }
 
@@ -248,6 +249,74 @@ TEST(Engine, BatchInvarianceTokensAndLogitsBitsAreTheSameAloneAndInABatch) {
                 batch_cfg.kv_pages);
     }
   }
+}
+
+// The K/V exchange (exchange.hpp) gives pass-Q's bits: the same requests, staggered, chunked and
+// with prefix reuse, under prefill_exchange pass-q, kv and auto, for every merge that allows kv,
+// at 1-4 ranks; on a Llama-style model and on a Gemma-3-style one (sliding-window layers:
+// the exchanged pages are cut at the window like the owners' own).
+TEST(Engine, KVExchangeGivesPassQsBitsForEveryMergeAndRankCount) {
+  for (const bool windows : {false, true}) {
+    testing::TinyLlamaSpec spec;
+    if (windows) {
+      spec.architecture = "gemma3";
+      spec.layers = 6;  // five local layers and one global
+      spec.sliding_window = 20;
+    }
+    TinyModel m(spec);
+    auto subs = mixed_requests(windows ? 17 : 13);
+    subs.resize(10);
+    for (int p : {1, 2, 3, 4})
+      for (const std::string merge : {"tree", "allgather", "allreduce"}) {
+        if (merge == "allreduce" && p != 2) continue;
+        EngineConfig cfg = base_config();
+        cfg.merge = merge;
+        cfg.prefill_chunk = 40;
+        cfg.prefill_exchange = "pass-q";
+        const auto ref = run_engine(*m, p, cfg, subs, false);
+        ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+        EXPECT_EQ(ref.metrics.rows_kv_exchange, 0);
+        for (const std::string x : {"kv", "auto"}) {
+          cfg.prefill_exchange = x;
+          const auto got = run_engine(*m, p, cfg, subs, false);
+          ASSERT_TRUE(got.status.is_ok()) << got.status.to_string();
+          for (std::size_t i = 0; i < subs.size(); ++i)
+            EXPECT_EQ(same_bits(ref.out[i], got.out[i]), "")
+                << (windows ? "gemma3 " : "llama ") << x << " p " << p << " merge " << merge
+                << " request " << i;
+          if (p == 1) {
+            EXPECT_EQ(got.metrics.rows_kv_exchange, 0) << "one rank has nothing to exchange";
+          } else {
+            EXPECT_GT(got.metrics.rows_kv_exchange, 0) << x << " p " << p;
+            EXPECT_GT(got.metrics.kv_exchange_bytes, 0) << x << " p " << p;
+            if (x == "auto") EXPECT_GT(got.metrics.rows_pass_q, 0) << "decode rows pass queries";
+            else EXPECT_EQ(got.metrics.rows_pass_q, 0) << "kv: every row moves K/V";
+          }
+        }
+      }
+  }
+}
+
+TEST(Engine, KVExchangeWithTheAllreduceMergeAboveTwoRanksIsRefusedOnEveryRank) {
+  TinyModel m;
+  EngineConfig cfg = base_config();
+  cfg.merge = "allreduce";
+  cfg.prefill_exchange = "kv";
+  std::vector<std::string> errors(3);
+  const Status st = run_local(3, [&](Communicator& comm) -> Status {
+    auto e = Engine::create(comm, *m, cfg);
+    errors[static_cast<std::size_t>(comm.rank())] = e.status().message();
+    return e.status();
+  });
+  EXPECT_FALSE(st.is_ok());
+  for (int r = 0; r < 3; ++r)
+    EXPECT_NE(errors[static_cast<std::size_t>(r)].find("rank"), std::string::npos) << errors[r];
+  EXPECT_NE(errors[0].find("allreduce"), std::string::npos) << errors[0];
+  cfg.prefill_exchange = "sideways";
+  const Status bad = run_local(2, [&](Communicator& comm) -> Status {
+    return Engine::create(comm, *m, cfg).status();
+  });
+  EXPECT_NE(bad.message().find("auto, pass-q, kv"), std::string::npos) << bad.to_string();
 }
 
 TEST(Engine, AllgatherMergeIsBatchInvariantAndAgreesWithTheTreeWithinRounding) {

@@ -4,6 +4,8 @@
 // with it (the batch invariance the engine relies on).
 #include "engine/merge.hpp"
 
+#include "engine/exchange.hpp"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -110,6 +112,62 @@ TEST(EngineMerge, TreeAndAllgatherBitsOfARecordDoNotDependOnTheOtherRecords) {
             << merge_name(kind) << " p " << p << " record " << i;
       }
     }
+}
+
+TEST(EngineMerge, LocalTwinGivesTheCollectivesBitsOnEveryRankCount) {
+  for (const MergeKind kind : {MergeKind::kTree, MergeKind::kAllgather, MergeKind::kAllreduce})
+    for (int p = 1; p <= 8; ++p) {
+      const std::size_t n = 37;
+      std::vector<std::vector<float>> parts;
+      std::vector<const float*> ptr;
+      for (int r = 0; r < p; ++r) parts.push_back(rank_states(r, n, 77));
+      for (const auto& v : parts) ptr.push_back(v.data());
+      std::vector<float> out(n * kRec), scratch;
+      const Status st = merge_states_local(kind, p, ptr.data(), n, kD, out.data(), scratch);
+      if (kind == MergeKind::kAllreduce && p > 2) {
+        EXPECT_EQ(st.code(), Code::kUnsupported) << p;
+        continue;
+      }
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      const auto got = run(p, kind, n, 77);
+      EXPECT_EQ(std::memcmp(out.data(), got[0].data(), n * kRec * 4), 0)
+          << merge_name(kind) << " p " << p;
+    }
+}
+
+TEST(EngineExchange, BytesAndTheCrossoverFollowTheWrittenFormula) {
+  // SmolLM2-135M: 9 heads, 3 KV heads, head dim 64, f16 cache (768 B per token and layer).
+  ExchangeShape s{2, 9, 3, 64, 768, MergeKind::kTree};
+  // A 30-token question on a 16k-token document: pass-Q 30 x 4,296 B, K/V 30 x 768 + 16,384 x 384.
+  auto b = exchange_bytes(s, 30, 16384);
+  EXPECT_DOUBLE_EQ(b.pass_q, 30.0 * (1920 + 2376));
+  EXPECT_DOUBLE_EQ(b.kv, 30.0 * 768 + 16384.0 * 384);
+  EXPECT_FALSE(use_kv_exchange(ExchangePolicy::kAuto, s, 30, 16384));
+  // The crossover at two ranks: K/V while C < 9.19 n.
+  EXPECT_TRUE(use_kv_exchange(ExchangePolicy::kAuto, s, 256, 0));
+  EXPECT_TRUE(use_kv_exchange(ExchangePolicy::kAuto, s, 256, 2351));
+  EXPECT_FALSE(use_kv_exchange(ExchangePolicy::kAuto, s, 256, 2352)) << "a tie goes to pass-Q";
+  EXPECT_FALSE(use_kv_exchange(ExchangePolicy::kAuto, s, 1, 10)) << "a decode row passes its query";
+  // Forced policies, one rank, and the allreduce above two ranks.
+  EXPECT_TRUE(use_kv_exchange(ExchangePolicy::kKV, s, 1, 100000));
+  EXPECT_FALSE(use_kv_exchange(ExchangePolicy::kPassQ, s, 256, 0));
+  ExchangeShape one = s;
+  one.ranks = 1;
+  EXPECT_FALSE(use_kv_exchange(ExchangePolicy::kKV, one, 256, 0));
+  ExchangeShape ar = s;
+  ar.ranks = 4;
+  ar.merge = MergeKind::kAllreduce;
+  EXPECT_FALSE(use_kv_exchange(ExchangePolicy::kAuto, ar, 256, 0));
+  EXPECT_FALSE(check_exchange(ExchangePolicy::kKV, MergeKind::kAllreduce, 4).is_ok());
+  EXPECT_TRUE(check_exchange(ExchangePolicy::kKV, MergeKind::kAllreduce, 2).is_ok());
+  // The all-gather merge receives p - 1 copies of the records: pass-Q costs more, K/V longer.
+  ExchangeShape ag = s;
+  ag.ranks = 4;
+  ag.merge = MergeKind::kAllgather;
+  const auto g = exchange_bytes(ag, 10, 0);
+  EXPECT_DOUBLE_EQ(g.pass_q, 10.0 * 3840 * 0.75 + 10.0 * 2376 * 3);
+  EXPECT_FALSE(parse_exchange("both").is_ok());
+  EXPECT_EQ(std::string(exchange_name(*parse_exchange("pass-q"))), "pass-q");
 }
 
 TEST(EngineMerge, UnknownKindIsRefusedByName) {
