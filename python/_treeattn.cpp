@@ -1061,6 +1061,24 @@ attend_states, add_strategy and delivers_result(strategy) are the benchmark and 
       .def_property_readonly(
           "dtype", [](PySession& s) { return std::string(dtype_name(s.get().config().dtype)); })
       .def_property_readonly("strategy", [](PySession& s) { return s.get().config().strategy; })
+      .def_property_readonly(
+          "auto_choice",
+          [](PySession& s) -> py::object {
+            const StrategyChoice* c = s.get().auto_choice();
+            if (c == nullptr) return py::none();
+            py::list ranking;
+            for (const PlanEntry& e : c->ranking)
+              ranking.append(py::make_tuple(e.prediction.strategy, e.prediction.latency_us,
+                                            e.prediction.local_us, e.prediction.comm_us,
+                                            e.feasible));
+            py::dict d;
+            d["strategy"] = c->strategy;
+            d["topology"] = c->topology;
+            d["ranking"] = ranking;
+            return d;
+          },
+          "With strategy='auto': {'strategy', 'topology', 'ranking': [(name, latency_us, "
+          "local_us, comm_us, feasible), best first]}, the same on every rank; None otherwise.")
       .def_property_readonly("plan", [](PySession& s) { return s.get().plan().to_string(); })
       .def_property_readonly("pos_stride", [](PySession& s) { return s.get().plan().pos_stride(); })
       .def_property_readonly("live_kv_bytes", [](PySession& s) { return s.get().live_kv_bytes(); })

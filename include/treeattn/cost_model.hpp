@@ -91,6 +91,19 @@ struct PlanOptions {
 Result<std::vector<PlanEntry>> plan(const CostQuery& q, const Topology& topo,
                                     const PlanOptions& opts = {});
 
+// `auto`: the planner's ranking over the strategies a backend offers (user_reductions: the
+// backend's CommCapabilities::user_reductions; without them `tree` is the all-gather form and
+// hier is not offered), by-name-only strategies (tree-det) left out. The first entry is the
+// choice. Pure: every rank that asks with the same inputs gets the same answer
+// (DecodeSession resolves SessionConfig::strategy = "auto" with it, session.hpp).
+struct StrategyChoice {
+  std::string strategy;           // the choice: ranking.front()
+  std::vector<PlanEntry> ranking;  // every candidate, best first, with its predicted times
+  std::string topology;           // the name of the topology it was planned on
+};
+Result<StrategyChoice> choose_strategy(const CostQuery& q, const Topology& topo,
+                                       bool user_reductions = true, const PlanOptions& opts = {});
+
 // The paper's microbenchmark (Fig. 3): one attention block of 16 heads x 128, batch 1, one
 // query, bf16, context 80k..5.12M (doubling), tree vs the KV-rotating ring.
 struct SweepRow {

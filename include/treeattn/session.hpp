@@ -46,18 +46,21 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "treeattn/comm.hpp"
+#include "treeattn/cost_model.hpp"
 #include "treeattn/executor.hpp"
 #include "treeattn/shape.hpp"
 #include "treeattn/sharding.hpp"
 #include "treeattn/state_buffer.hpp"
 #include "treeattn/status.hpp"
 #include "treeattn/strategy.hpp"
+#include "treeattn/topology.hpp"
 
 namespace treeattn {
 
@@ -79,7 +82,21 @@ struct SessionConfig {
   // tree-det); config() reports the layout chosen. A session on the tiled layout refuses
   // measure::add_strategy of a strategy that reads rows.
   KVLayout layout = KVLayout::kAuto;
-  std::string strategy = "tree";      // a name from StrategyRegistry::for_backend(comm)
+  // A name from StrategyRegistry::for_backend(comm), or "auto": the planner's choice
+  // (choose_strategy, cost_model.hpp) for this shape, dtype, plan_context and rank count on
+  // `topology`, among the strategies the backend offers. Every rank plans; rank 0's choice is
+  // broadcast, so every rank runs the same strategy. config().strategy then names the choice
+  // and auto_choice() holds the ranking with the predicted times.
+  std::string strategy = "tree";
+  // The machine `auto` plans on. Absent: this job as the communicator shows it: preset `local`
+  // (this machine's links and memory) with the ranks grouped into nodes by shared memory
+  // (split_shared, blocks of rank 0's node size), the network of preset `emu-veth` between
+  // nodes and max_concurrent_ranks the cores of this machine. Measured numbers: detect_topology
+  // (detect.hpp, `treeattn topo --detect`) or a topology file, passed here.
+  std::optional<Topology> topology;
+  // Tokens per sequence `auto` plans for; 0 = the longest row of `context`, or reserve_tokens
+  // when the context is empty (at least 1).
+  int64_t plan_context = 0;
   StrategyOptions options;            // root, fan-out, node grouping, kernel options
   std::chrono::milliseconds timeout{60000};  // per communicator operation; 0 = wait forever
   bool check_agreement = true;               // all-gather and compare the configuration at create
@@ -109,6 +126,9 @@ class DecodeSession {
   Communicator& comm() const { return *comm_; }
   Executor& executor() const { return *exec_; }
   const ShardPlan& plan() const { return plan_; }
+  // With SessionConfig::strategy = "auto": the planner's ranking (best first, the strategy
+  // run is its first entry, the same on every rank) and the topology's name; null otherwise.
+  const StrategyChoice* auto_choice() const { return auto_ ? &*auto_ : nullptr; }
   int64_t length(int64_t b) const { return plan_.total_len(b); }
 
   // ---- the KV cache -----------------------------------------------------------------------------
@@ -210,6 +230,7 @@ class DecodeSession {
   Status run_on_device(int layer, const float* q, int strategy, const ShardPlan& plan);
 
   SessionConfig config_;
+  std::optional<StrategyChoice> auto_;  // strategy "auto": how it was resolved
   Communicator* comm_ = nullptr;
   Executor* exec_ = nullptr;
   ShardPlan plan_;

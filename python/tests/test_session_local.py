@@ -36,6 +36,24 @@ class SessionLocalTest(unittest.TestCase):
                     self.assertEqual(len(digests), 1, f"{strategy} {placement} p={p}: ranks differ")
                     self.assertTrue(all(n == 2 * 3 for _, _, n in res))
 
+    def test_auto_is_one_choice_on_every_rank(self):
+        world = treeattn.local_world(1)[0]
+        names = {n for n, _ in world.strategies()}
+        for p in (1, 2, 3, 4, 8):
+            def body(comm):
+                s = treeattn.Session(comm, heads=8, kv_heads=2, head_dim=64, context=700,
+                                     strategy="auto", threads=1)
+                c = s.auto_choice
+                return s.strategy, c["strategy"], c["ranking"][0][0], c["ranking"][0][1]
+            res = treeattn.run_local(p, body)
+            self.assertEqual(len(set(res)), 1, f"p={p}: ranks differ: {res}")
+            strategy, chosen, first, latency = res[0]
+            self.assertEqual((strategy, first), (chosen, chosen))
+            self.assertIn(chosen, names)
+            self.assertGreater(latency, 0.0)
+            # The choice computes the exact attention like any named strategy.
+            self.run_all(p, strategy="auto", seed=p)
+
     def test_dtypes_shapes_and_q_len(self):
         for dtype in ("bf16", "f16", "f32"):
             self.run_all(3, dtype=dtype, seed=11)

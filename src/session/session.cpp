@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -199,6 +201,92 @@ Fields config_fields(const SessionConfig& c, const std::string& strategy,
   return f;
 }
 
+// Broadcasts `bytes` host bytes from rank 0 (staged through the executor for a communicator
+// that works in device memory, as agree() does).
+Status broadcast_host(Communicator& comm, Executor& exec, void* data, std::size_t bytes) {
+  if (comm.capabilities().memory == MemorySpace::kHost) return comm.broadcast(data, bytes, 0);
+  auto buf = exec.allocate(bytes);
+  TREEATTN_RETURN_IF_ERROR(buf.status());
+  TREEATTN_RETURN_IF_ERROR(exec.from_host(buf->data(), data, bytes));
+  TREEATTN_RETURN_IF_ERROR(comm.broadcast(buf->data(), bytes, 0));
+  return exec.to_host(data, buf->data(), bytes);
+}
+
+// The topology `auto` plans on when none is given (SessionConfig::topology). Collective
+// (split_shared); on a backend that cannot split, every rank is taken to share one node.
+Result<Topology> job_topology(Communicator& comm, Executor& exec) {
+  const int p = comm.size();
+  int per_node = p;
+  if (p > 1) {
+    auto node = comm.split_shared(comm.rank());
+    int32_t n = node.is_ok() ? (*node)->size() : p;
+    TREEATTN_RETURN_IF_ERROR(broadcast_host(comm, exec, &n, sizeof(n)));  // rank 0's node
+    per_node = std::clamp(static_cast<int>(n), 1, p);
+  }
+  auto t = preset_topology("local");
+  TREEATTN_RETURN_IF_ERROR(t.status());
+  Topology topo = std::move(*t);
+  topo.name = "job";
+  topo.ranks_per_node = per_node;
+  topo.nodes = (p + per_node - 1) / per_node;
+  topo.description = "this job: " + std::to_string(topo.nodes) + " node(s) x " +
+                     std::to_string(per_node) + " rank(s) by shared memory, links and memory of " +
+                     "preset local";
+  if (topo.nodes > 1) {
+    auto emu = preset_topology("emu-veth");
+    TREEATTN_RETURN_IF_ERROR(emu.status());
+    topo.network = emu->network;
+    topo.sources.push_back("network: preset emu-veth's (not measured; detect_topology measures it)");
+  }
+  const unsigned cores = std::thread::hardware_concurrency();
+  if (cores > 0) topo.max_concurrent_ranks = static_cast<int>(cores);
+  return topo;
+}
+
+// SessionConfig::strategy = "auto": the choice every rank makes (rank 0's, broadcast). Errors
+// are local (the caller passes them to the agreement step); the broadcast always runs.
+Status resolve_auto(Communicator& comm, Executor& exec, const SessionConfig& config,
+                    const std::vector<int64_t>& lens, std::optional<StrategyChoice>& out,
+                    std::string& name, std::string& local_error) {
+  Result<Topology> topo = config.topology ? Result<Topology>(*config.topology)
+                                          : job_topology(comm, exec);
+  Result<StrategyChoice> choice = topo.status();
+  if (topo.is_ok()) {
+    CostQuery q;
+    q.shape = config.shape;
+    q.kv_dtype = config.dtype;
+    int64_t context = config.plan_context;
+    if (context <= 0) context = lens.empty() ? 0 : *std::max_element(lens.begin(), lens.end());
+    if (context <= 0) context = config.reserve_tokens;
+    q.context = std::max<int64_t>(context, 1);
+    q.ranks = comm.size();
+    // Block placement: the first ranks fill a node (the topology's ranks_per_node).
+    q.ranks_per_node = std::min(comm.size(), topo->ranks_per_node);
+    q.hier_fanout = config.options.fanout;
+    choice = choose_strategy(q, *topo, comm.capabilities().user_reductions);
+  }
+  char chosen[64] = {};
+  if (choice.is_ok()) {
+    const std::string& s = choice->strategy;
+    std::memcpy(chosen, s.data(), std::min(s.size(), sizeof(chosen) - 1));
+  }
+  if (comm.size() > 1) TREEATTN_RETURN_IF_ERROR(broadcast_host(comm, exec, chosen, sizeof(chosen)));
+  name.assign(chosen, strnlen(chosen, sizeof(chosen)));
+  if (!choice.is_ok()) {
+    local_error = "strategy auto: " + choice.status().message();
+  } else if (name.empty()) {
+    local_error = "strategy auto: rank 0 could not choose (its error is in its message)";
+  } else {
+    out = std::move(*choice);
+    // Rank 0's choice first: a rank whose own ranking differs (another topology) runs it too.
+    auto at = std::find_if(out->ranking.begin(), out->ranking.end(),
+                           [&](const PlanEntry& e) { return e.prediction.strategy == name; });
+    if (at != out->ranking.end()) std::rotate(out->ranking.begin(), at, at + 1);
+    out->strategy = name;
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 DecodeSession::~DecodeSession() = default;
@@ -212,13 +300,21 @@ Result<std::unique_ptr<DecodeSession>> DecodeSession::create(Communicator& comm,
   // Local validation; its verdict travels with the fingerprint so that no rank waits alone.
   std::string local_error;
   const StrategyRegistry& registry = StrategyRegistry::for_backend(comm.capabilities());
-  Result<ShardPlan> plan = make_plan(config, p, expand_context(config));
+  // "auto" becomes the planner's choice first (collective), then everything is checked as if
+  // the choice had been asked for.
+  std::optional<StrategyChoice> auto_choice;
+  std::string auto_error;
+  SessionConfig resolved = config;
+  if (config.strategy == "auto")
+    TREEATTN_RETURN_IF_ERROR(resolve_auto(comm, executor, config, expand_context(config),
+                                          auto_choice, resolved.strategy, auto_error));
+  Result<ShardPlan> plan = make_plan(resolved, p, expand_context(config));
   if (Status s = config.shape.validate(); !s.is_ok())
     local_error = s.to_string();
   else if (config.layers < 1)
     local_error = "layers must be >= 1, got " + std::to_string(config.layers);
-  else if (!registry.contains(config.strategy))
-    local_error = registry.create(config.strategy, config.options).status().to_string();
+  else if (!registry.contains(resolved.strategy))
+    local_error = registry.create(resolved.strategy, config.options).status().to_string();
   else if (!plan.is_ok())
     local_error = plan.status().to_string();
   else if (config.rows_start_free &&
@@ -226,10 +322,10 @@ Result<std::unique_ptr<DecodeSession>> DecodeSession::create(Communicator& comm,
     local_error = "rows_start_free: the rows are free sequence slots, so the context must be empty";
   else if (config.reserve_tokens < 0)
     local_error = "reserve_tokens must be >= 0, got " + std::to_string(config.reserve_tokens);
+  if (!auto_error.empty()) local_error = auto_error;  // before the others: they follow from it
   // The KV layout (choose_kv_layout, strategy.hpp).
-  SessionConfig resolved = config;
   if (local_error.empty()) {
-    const std::string names[] = {config.strategy};
+    const std::string names[] = {resolved.strategy};
     Result<KVLayout> layout = choose_kv_layout(config.layout, executor.memory(), names);
     if (layout.is_ok())
       resolved.layout = *layout;
@@ -241,12 +337,13 @@ Result<std::unique_ptr<DecodeSession>> DecodeSession::create(Communicator& comm,
   const uint64_t plan_fp = plan.is_ok() ? plan->fingerprint() : 0;
   if (config.check_agreement && p > 1)
     TREEATTN_RETURN_IF_ERROR(agree(comm, executor,
-                                   config_fields(resolved, config.strategy, config.options, plan_fp),
+                                   config_fields(resolved, resolved.strategy, config.options, plan_fp),
                                    local_error, "at setup"));
   if (!local_error.empty()) return invalid_argument(rank_prefix(comm) + local_error);
 
   std::unique_ptr<DecodeSession> s(new DecodeSession());
   s->config_ = resolved;
+  s->auto_ = std::move(auto_choice);
   s->comm_ = &comm;
   s->exec_ = &executor;
   s->plan_ = std::move(*plan);
@@ -259,7 +356,7 @@ Result<std::unique_ptr<DecodeSession>> DecodeSession::create(Communicator& comm,
     TREEATTN_RETURN_IF_ERROR(shard.status());
     s->shards_.push_back(std::move(*shard));
   }
-  auto strategy = registry.create(config.strategy, config.options);
+  auto strategy = registry.create(resolved.strategy, config.options);
   TREEATTN_RETURN_IF_ERROR(strategy.status());
   TREEATTN_RETURN_IF_ERROR(
       (*strategy)->setup(comm, executor, config.shape, config.dtype, s->plan_));

@@ -26,35 +26,18 @@
 #include <span>
 #include <string_view>
 
+#include "topology/cost_sim.hpp"
 #include "treeattn/cost_model.hpp"
 #include "treeattn/strategy.hpp"
 
 namespace treeattn {
-namespace cost {
-struct Ctx;  // src/topology/cost_sim.hpp
-}  // namespace cost
 
 namespace strategies {
 
-// ---- the byte quantities both models use (one definition each) -----------------------------
-
-// S: one step's state records, batch * q_len * heads * (head_dim + 2) float32.
-inline double state_bytes(const AttnShape& s) {
-  return static_cast<double>(s.batch * s.q_len * s.heads) * static_cast<double>(s.head_dim + 2) *
-         4.0;
-}
-// The query, batch * q_len * heads * head_dim float32.
-inline double query_bytes(const AttnShape& s) {
-  return static_cast<double>(s.batch * s.q_len * s.heads * s.head_dim) * 4.0;
-}
-// One token of one batch row in the KV cache: its K and V over every KV head, each with its
-// float32 scale per KV head for quantized dtypes (what the cache holds, the kernel reads and
-// ring-kv sends).
-inline double kv_bytes_per_token(const AttnShape& s, DType dtype) {
-  const double scales = dtype_is_quantized(dtype) ? sizeof(float) : 0.0;
-  return 2.0 * static_cast<double>(s.kv_heads) *
-         (static_cast<double>(s.head_dim) * static_cast<double>(dtype_size(dtype)) + scales);
-}
+// ---- the byte quantities both models use (one definition each, src/topology/cost_sim.hpp) ---
+using cost::kv_bytes_per_token;
+using cost::query_bytes;
+using cost::state_bytes;
 
 // What analytic_cost knows about rank `rank` in one step, with the quantities every strategy's
 // formula uses (the vocabulary of strategy.hpp: S, q, KV).

@@ -10,7 +10,8 @@
 //             NCCL's in closed form (their bytes added to every rank).
 // Each strategy's entry (its StrategyDescriptor::model, src/strategies/descriptor.hpp) lives in
 // the strategy's own file next to the algorithm it models, and ends with finish(). The
-// definitions of the non-inline functions are in cost_model.cpp.
+// definitions of the non-inline functions are in cost_sim.cpp; the planner that calls the
+// strategies' entries (predict, plan) is src/strategies/planner.cpp.
 //
 // Pure functions: no MPI, no clocks.
 #pragma once
@@ -23,12 +24,33 @@
 #include <vector>
 
 #include "treeattn/cost_model.hpp"
+#include "treeattn/dtype.hpp"
 #include "treeattn/status.hpp"
 #include "treeattn/topology.hpp"
 
 namespace treeattn::cost {
 
 constexpr double kUsPerSecond = 1e6;
+
+// ---- the byte quantities the cost model and analytic_cost use (one definition each) --------
+
+// S: one step's state records, batch * q_len * heads * (head_dim + 2) float32.
+inline double state_bytes(const AttnShape& s) {
+  return static_cast<double>(s.batch * s.q_len * s.heads) * static_cast<double>(s.head_dim + 2) *
+         4.0;
+}
+// The query, batch * q_len * heads * head_dim float32.
+inline double query_bytes(const AttnShape& s) {
+  return static_cast<double>(s.batch * s.q_len * s.heads * s.head_dim) * 4.0;
+}
+// One token of one batch row in the KV cache: its K and V over every KV head, each with its
+// float32 scale per KV head for quantized dtypes (what the cache holds, the kernel reads and
+// ring-kv sends).
+inline double kv_bytes_per_token(const AttnShape& s, DType dtype) {
+  const double scales = dtype_is_quantized(dtype) ? sizeof(float) : 0.0;
+  return 2.0 * static_cast<double>(s.kv_heads) *
+         (static_cast<double>(s.head_dim) * static_cast<double>(dtype_size(dtype)) + scales);
+}
 
 // Bytes over GB/s, in microseconds.
 inline double transfer_us(double bytes, double gbps) { return bytes / (gbps * 1e3); }
@@ -106,7 +128,7 @@ struct ClosedForm {
 struct Ctx {
   const Topology& topo;
   AttnShape shape;
-  double kv_token_bytes = 0;  // one token of one batch row (strategies::kv_bytes_per_token)
+  double kv_token_bytes = 0;  // one token of one batch row (kv_bytes_per_token)
   int64_t context = 0;
   int p = 1;
   int r = 1;  // ranks per node actually used

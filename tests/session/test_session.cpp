@@ -452,5 +452,140 @@ TEST(Session, RootDeliveryWritesOnlyTheRoot) {
   EXPECT_TRUE(st.is_ok()) << st.to_string();
 }
 
+// strategy "auto": resolved inside the session, collectively: at every rank count the ranks run
+// the same strategy, the one the planner ranks first on the topology, and it computes the
+// exact attention (checked against the float64 oracle).
+TEST(SessionAuto, EveryRankGetsTheSameChoiceAt1To8Ranks) {
+  const AttnShape sh{1, 8, 2, 64, 1};
+  const int64_t n = 700;
+  for (int p = 1; p <= 8; ++p) {
+    std::vector<std::string> chosen(static_cast<std::size_t>(p));
+    std::vector<double> predicted(static_cast<std::size_t>(p), 0.0);
+    Status st = run_local(p, [&](Communicator& comm) -> Status {
+      SessionConfig cfg;
+      cfg.shape = sh;
+      cfg.dtype = DType::kF32;
+      cfg.context = {n};
+      cfg.strategy = "auto";
+      cfg.options.kernel.threads = 1;
+      auto s = DecodeSession::create(comm, cfg);
+      TREEATTN_RETURN_IF_ERROR(s.status());
+      DecodeSession& ses = **s;
+      const StrategyChoice* c = ses.auto_choice();
+      if (c == nullptr || c->ranking.empty()) return internal_error("no auto_choice()");
+      if (c->strategy != ses.config().strategy ||
+          c->ranking.front().prediction.strategy != c->strategy)
+        return internal_error("the choice " + c->strategy + " is not what runs (" +
+                              ses.config().strategy + ") or not ranked first");
+      if (!StrategyRegistry::for_backend(comm.capabilities()).contains(c->strategy))
+        return internal_error("auto chose " + c->strategy + ", which the backend does not offer");
+      for (const PlanEntry& e : c->ranking)
+        if (!(e.prediction.latency_us > 0))
+          return internal_error(e.prediction.strategy + ": no predicted time");
+      chosen[static_cast<std::size_t>(comm.rank())] = c->strategy;
+      predicted[static_cast<std::size_t>(comm.rank())] = c->ranking.front().prediction.latency_us;
+      for (int64_t pos = 0; pos < n; ++pos)
+        if (ses.owns(0, pos))
+          TREEATTN_RETURN_IF_ERROR(ses.store(0, 0, pos, token(sh, 0, 1, 0, pos).data(),
+                                             token(sh, 0, 2, 0, pos).data()));
+      const auto q = query(sh, 0, 0);
+      std::vector<float> out(q.size()), lse(static_cast<std::size_t>(sh.heads));
+      TREEATTN_RETURN_IF_ERROR(ses.attend(0, q.data(), out.data(), lse.data()));
+      std::vector<double> ref_out, ref_lse;
+      oracle(sh, cfg.dtype, 0, {n}, q.data(), ref_out, ref_lse);
+      const double e = rel_error(out, lse, ref_out, ref_lse);
+      if (!(e <= 1e-5))
+        return internal_error("auto (" + c->strategy + "): error " + std::to_string(e));
+      return Status::ok();
+    });
+    ASSERT_TRUE(st.is_ok()) << "p=" << p << ": " << st.to_string();
+    for (int r = 1; r < p; ++r) {
+      EXPECT_EQ(chosen[static_cast<std::size_t>(r)], chosen[0]) << "p=" << p << " rank " << r;
+      EXPECT_EQ(predicted[static_cast<std::size_t>(r)], predicted[0]) << "p=" << p;
+    }
+  }
+}
+
+// With a given topology the session's choice is choose_strategy's on it; the choice follows
+// the topology (a slow network between nodes against one node's shared memory).
+TEST(SessionAuto, AGivenTopologyIsTheOnePlannedOn) {
+  const AttnShape sh{1, 32, 8, 128, 1};
+  const int64_t n = 4096;
+  auto slow = preset_topology("emu-1gbit");  // 2 nodes x 2 ranks, 1 Gbit between them
+  ASSERT_TRUE(slow.is_ok());
+  CostQuery q;
+  q.shape = sh;
+  q.kv_dtype = DType::kBF16;
+  q.context = n;
+  q.ranks = 4;
+  auto want = choose_strategy(q, *slow, CommCapabilities{}.user_reductions);
+  ASSERT_TRUE(want.is_ok()) << want.status().to_string();
+  std::vector<std::string> chosen(4);
+  Status st = run_local(4, [&](Communicator& comm) -> Status {
+    SessionConfig cfg;
+    cfg.shape = sh;
+    cfg.context = {n};
+    cfg.strategy = "auto";
+    cfg.topology = *slow;
+    cfg.options.kernel.threads = 1;
+    auto s = DecodeSession::create(comm, cfg);
+    TREEATTN_RETURN_IF_ERROR(s.status());
+    chosen[static_cast<std::size_t>(comm.rank())] = (*s)->config().strategy;
+    if ((*s)->auto_choice()->topology != slow->name)
+      return internal_error("planned on " + (*s)->auto_choice()->topology);
+    if ((*s)->auto_choice()->ranking.size() != want->ranking.size())
+      return internal_error("ranking sizes differ");
+    return Status::ok();
+  });
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  for (const std::string& c : chosen) EXPECT_EQ(c, want->strategy);
+}
+
+// Ranks that were given different topologies still run one strategy: rank 0's choice. Rank 0
+// plans on the emulated 2 x 2 cluster (veth between nodes), the others on one node of 4; the
+// context is the first of a few where the two plans differ.
+TEST(SessionAuto, RankZerosChoiceWinsWhenRanksPlanDifferently) {
+  const AttnShape sh{1, 32, 8, 128, 1};
+  auto two_nodes = preset_topology("emu-veth");
+  auto one_node = preset_topology("local");
+  ASSERT_TRUE(two_nodes.is_ok() && one_node.is_ok());
+  one_node->ranks_per_node = 4;
+  CostQuery q;
+  q.shape = sh;
+  q.kv_dtype = DType::kBF16;
+  q.ranks = 4;
+  std::string on_rank0, on_others;
+  for (int64_t n : {64, 1024, 4096, 65536}) {
+    q.context = n;
+    auto a = choose_strategy(q, *two_nodes), b = choose_strategy(q, *one_node);
+    ASSERT_TRUE(a.is_ok() && b.is_ok());
+    on_rank0 = a->strategy;
+    on_others = b->strategy;
+    if (on_rank0 != on_others) break;
+  }
+  ASSERT_NE(on_rank0, on_others) << "the planner chose " << on_rank0
+                                 << " on both topologies at every context tried";
+  const int64_t n = q.context;
+  std::vector<std::string> chosen(4);
+  Status st = run_local(4, [&](Communicator& comm) -> Status {
+    SessionConfig cfg;
+    cfg.shape = sh;
+    cfg.context = {n};
+    cfg.strategy = "auto";
+    cfg.topology = comm.rank() == 0 ? *two_nodes : *one_node;
+    cfg.options.kernel.threads = 1;
+    auto s = DecodeSession::create(comm, cfg);
+    TREEATTN_RETURN_IF_ERROR(s.status());
+    chosen[static_cast<std::size_t>(comm.rank())] = (*s)->config().strategy;
+    if ((*s)->auto_choice()->ranking.front().prediction.strategy != (*s)->config().strategy)
+      return internal_error("the ranking does not start with the strategy run");
+    return Status::ok();
+  });
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  for (const std::string& c : chosen) EXPECT_EQ(c, on_rank0);
+  std::printf("auto at 4 ranks, %lld tokens: %s on 2 x 2 (veth), %s on 1 x 4\n",
+              static_cast<long long>(n), on_rank0.c_str(), on_others.c_str());
+}
+
 }  // namespace
 }  // namespace treeattn
