@@ -189,14 +189,18 @@ void BM_Matmul(benchmark::State& st) {
   for (auto& v : x) v = u(rng);
   const model::WeightMatrix* mats[] = {&m};
   float* ys[] = {y.data()};
-  const model::MatvecOptions opt{static_cast<int>(st.range(3)), isa};
+  model::MatvecOptions opt{static_cast<int>(st.range(3)), isa};
+  opt.mode = st.range(4) != 0 ? model::MatmulMode::kInt8 : model::MatmulMode::kExact;
   for (auto _ : st) {
     const Status r = model::matmul(mats, x.data(), tokens, cols, ys, opt);
     if (!r.is_ok()) st.SkipWithError(r.message().c_str());
     benchmark::DoNotOptimize(y.data());
   }
   st.SetBytesProcessed(st.iterations() * static_cast<int64_t>(w.size()));
-  st.SetLabel(std::string(isa_name(isa)) + "/" + gguf::tensor_type_name(type));
+  st.SetLabel(std::string(isa_name(isa)) + "/" + gguf::tensor_type_name(type) + "/" +
+              (opt.mode == model::MatmulMode::kInt8
+                   ? "int8:" + std::string(model::matmul_int8_target(opt))
+                   : std::string("exact")));
 }
 
 void matmul_args(benchmark::internal::Benchmark* b) {
@@ -207,7 +211,8 @@ void matmul_args(benchmark::internal::Benchmark* b) {
           gguf::TensorType::kQ5_K, gguf::TensorType::kQ6_K})
       for (int64_t tokens : {1, 16}) {
         if (isa == Isa::kGeneric && tokens > 1) continue;
-        b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), tokens, 1});
+        for (const int64_t mode : {0, 1})  // exact, int8 (MatmulMode)
+          b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), tokens, 1, mode});
       }
 }
 BENCHMARK(BM_Matmul)->Apply(matmul_args)->Unit(benchmark::kMillisecond)->UseRealTime();

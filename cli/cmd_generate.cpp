@@ -73,6 +73,7 @@ struct GenFlags {
   double top_p = 1.0;
   uint64_t seed = 1;
   int threads = 0;
+  std::string matmul = "int8";  // --matmul: exact | int8 (model::MatmulMode)
   bool check = false;
   bool ignore_eos = false;
   bool quiet = false;
@@ -167,6 +168,7 @@ model::GeneratorConfig generator_config(const GenFlags& f, const std::vector<std
   gc.placement = *parse_shard_kind(f.placement);
   gc.kv_layout = *parse_kv_layout(f.kv_layout);
   gc.threads = threads;
+  gc.matmul = *model::parse_matmul_mode(f.matmul);
   gc.reserve_tokens = f.new_tokens;
   gc.fanout = f.fanout;
   gc.timeout = std::chrono::milliseconds(f.timeout_ms);
@@ -267,6 +269,8 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
   TREEATTN_RETURN_IF_ERROR(sp.validate());
   TREEATTN_RETURN_IF_ERROR(check_timeout_ms("--timeout-ms", f.timeout_ms));
   TREEATTN_RETURN_IF_ERROR(check_thread_count(f.threads, "--threads"));
+  if (auto mm = model::parse_matmul_mode(f.matmul); !mm.is_ok())
+    return invalid_argument("--matmul " + f.matmul + ": expected exact or int8");
   if (!f.prompt_file.empty()) TREEATTN_RETURN_IF_ERROR(check_prompt_file(f.prompt_file));
   if (check_outputs && !f.json.empty())
     TREEATTN_RETURN_IF_ERROR(check_output_file("--json", f.json));
@@ -383,6 +387,7 @@ int run_engine_job(Communicator& comm, const GenFlags& f, const std::string& mod
   if (!dt) return say_error(invalid_argument("--kv-dtype " + f.kv_dtype));
   ec.kv_dtype = *dt;
   ec.threads = threads;
+  ec.matmul = *model::parse_matmul_mode(f.matmul);
   ec.merge = f.method;
   ec.prefill_exchange = f.prefill_exchange;
   ec.timeout = std::chrono::milliseconds(f.timeout_ms);
@@ -398,10 +403,11 @@ int run_engine_job(Communicator& comm, const GenFlags& f, const std::string& mod
   engine::Engine& eng = **e;
   if (lead)
     std::fprintf(stderr,
-                 "treeattn generate (engine): %s | %d rank(s) x %d thread(s), matmul %s | merge %s | KV %s "
+                 "treeattn generate (engine): %s | %d rank(s) x %d thread(s), matmul %s %s | merge %s | KV %s "
                  "pages of %lld tokens, %lld per rank | prompt %lld tokens, up to %lld new\n",
                  cfg.to_string().c_str(), P, threads,
                  std::string(isa_name(model::matmul_isa({threads, Isa::kAuto}))).c_str(),
+                 f.matmul.c_str(),
                  ec.merge.c_str(), f.kv_dtype.c_str(),
                  static_cast<long long>(ec.page_tokens),
                  static_cast<long long>(eng.metrics().pages_per_rank), static_cast<long long>(n),
@@ -515,6 +521,7 @@ int run_engine_job(Communicator& comm, const GenFlags& f, const std::string& mod
                         {"text", text.is_ok() ? *text : ""},
                         {"ranks", P},
                         {"threads_per_rank", threads},
+                        {"matmul", f.matmul},
                         {"method", ec.merge},
                         {"prefill_exchange", ec.prefill_exchange},
                         {"rows_kv_exchange", mt.rows_kv_exchange},
@@ -579,10 +586,11 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
   if (lead)
     std::fprintf(
         stderr,
-        "treeattn generate: %s | %d rank(s) x %d thread(s), matmul %s | method %s | KV "
+        "treeattn generate: %s | %d rank(s) x %d thread(s), matmul %s %s | method %s | KV "
         "%s (%s placement, %s layout) | prompt %lld tokens, up to %lld new\n",
         cfg.to_string().c_str(), P, threads,
         std::string(isa_name(model::matmul_isa({threads, Isa::kAuto}))).c_str(),
+        f.matmul.c_str(),
         [&] {
           std::string s;
           for (const auto& x : methods) s += (s.empty() ? "" : ",") + x;
@@ -836,6 +844,7 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
         {"text", text.is_ok() ? *text : ""},
         {"ranks", P},
         {"threads_per_rank", threads},
+        {"matmul", f.matmul},
         {"method", r0.method},
         {"kv_dtype", f.kv_dtype},
         {"placement", f.placement},
@@ -963,6 +972,10 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
   sub->add_option("--top-p", f->top_p, "Nucleus sampling mass")->capture_default_str();
   sub->add_option("--seed", f->seed, "Sampling and synthetic-prompt seed")->capture_default_str();
   sub->add_option("--threads", f->threads, "Threads per rank (0: cores / ranks on the host)")
+      ->capture_default_str();
+  sub->add_option("--matmul", f->matmul,
+                  "Quantized weights: int8 (activations quantized to 8 bits per 32, integer dot "
+                  "products) or exact (float activations; the tested reference)")
       ->capture_default_str();
   sub->add_flag("--check", f->check,
                 "Hash the token stream on every rank at every step and stop on a divergence");

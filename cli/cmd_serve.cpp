@@ -83,6 +83,7 @@ struct ServeFlags {
   std::string method = "tree";
   std::string prefill_exchange = "auto";
   int threads = 0;
+  std::string matmul = "int8";  // --matmul: exact | int8 (model::MatmulMode)
   std::string api_key;
   int max_queue = 256;
   int64_t context = 0;
@@ -160,6 +161,7 @@ engine::EngineConfig engine_config(const ServeFlags& f, int threads) {
   c.merge = merge_of(f);
   c.prefill_exchange = f.prefill_exchange;
   c.threads = threads;
+  c.matmul = *model::parse_matmul_mode(f.matmul);
   c.timeout = std::chrono::milliseconds(f.timeout_ms);
   return c;
 }
@@ -395,10 +397,11 @@ int serve_job(Communicator& comm, const ServeFlags& f, const std::string& model_
                    static_cast<long long>(f.context), static_cast<long long>(cfg.n_ctx_train));
     http->set_ready(*backend, *codec, info);
     std::fprintf(stderr,
-                 "treeattn serve: %s | %d rank(s) x %d thread(s) | merge %s | KV %s, %lld pages "
-                 "of %lld tokens per rank, at most %lld tokens per sequence, context %lld | max "
-                 "batch %d, prefill chunk %lld, queue %d\n",
-                 info.id.c_str(), P, threads, ec.merge.c_str(), f.kv_dtype.c_str(),
+                 "treeattn serve: %s | %d rank(s) x %d thread(s), matmul %s | merge %s | KV %s, "
+                 "%lld pages of %lld tokens per rank, at most %lld tokens per sequence, context "
+                 "%lld | max batch %d, prefill chunk %lld, queue %d\n",
+                 info.id.c_str(), P, threads, f.matmul.c_str(), ec.merge.c_str(),
+                 f.kv_dtype.c_str(),
                  static_cast<long long>(em.pages_per_rank), static_cast<long long>(f.page_tokens),
                  static_cast<long long>(engine.max_sequence_tokens()),
                  static_cast<long long>(info.context), f.max_batch,
@@ -612,6 +615,10 @@ Runner add_serve_command(CLI::App& app, const Invocation& inv) {
                   "kv (the cached K/V travels), auto (per chunk, fewer bytes; same bits)")
       ->capture_default_str();
   sub->add_option("--threads", f->threads, "Threads per rank (0: cores / ranks on the host)")
+      ->capture_default_str();
+  sub->add_option("--matmul", f->matmul,
+                  "Quantized weights: int8 (activations quantized to 8 bits per 32, integer dot "
+                  "products) or exact (float activations; the tested reference)")
       ->capture_default_str();
   sub->add_option("--api-key", f->api_key,
                   "Require Authorization: Bearer KEY on every route but /health (default: "

@@ -17,7 +17,9 @@ the table shows medians. llama.cpp: flash attention on, f16 KV cache, n_batch 51
 the prompt (its decode speed needs a real cache), then 16 one-token evals are timed. treeattn:
 `generate --prompt-tokens C` with the same ids (from its synthetic prompt), real prefill up to
 4k, --synthetic-kv above (decode reads the cache the same way whatever it holds), 17 new tokens
-(16 timed decode steps).
+(16 timed decode steps). --matmul exact|int8 (default int8, generate's default): treeattn's
+quantized-weight matmul, float activations or 8-bit activations with integer dot products as
+llama.cpp's.
 
   python3 bench/model/vs_llamacpp.py [--threads 1] [--contexts 512,4096,16384,32768] [--repeats 3]
 Not part of the test suite.
@@ -47,11 +49,12 @@ def bandwidth_gbs():
     return best
 
 
-def run_treeattn(b, model, ctx, threads, new_tokens, engine=False):
+def run_treeattn(b, model, ctx, threads, new_tokens, engine=False, matmul="int8"):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     cmd = [b, "generate", "--model", model, "--prompt-tokens", str(ctx), "--new-tokens",
-           str(new_tokens), "--ignore-eos", "--quiet", "--threads", str(threads), "--json", out]
+           str(new_tokens), "--ignore-eos", "--quiet", "--threads", str(threads), "--json", out,
+           "--matmul", matmul]
     if not engine:
         cmd += ["--session", "--timeout-ms", "0"]
         if ctx > 4096:
@@ -147,6 +150,8 @@ def main():
                     help="used when llama_cpp (llama-cpp-python) does not import")
     ap.add_argument("--engine", action="store_true",
                     help="treeattn's engine path (real prefill at every context) instead of --session")
+    ap.add_argument("--matmul", default="int8", choices=["int8", "exact"],
+                    help="treeattn's quantized-weight matmul (generate --matmul)")
     a = ap.parse_args()
     steps = 16
     bw = bandwidth_gbs()
@@ -159,8 +164,9 @@ def main():
     except ImportError:
         server = LlamaServer(a.llama_server, a.model, a.threads, max(contexts) + steps + 64)
         which = "llama-server"
-    print("# treeattn vs llama.cpp (%s), %s (%s), %d thread(s), load %s" % (
-        which, os.path.basename(a.model), arch, a.threads, open("/proc/loadavg").read().split()[:3]))
+    print("# treeattn (matmul %s) vs llama.cpp (%s), %s (%s), %d thread(s), load %s" % (
+        a.matmul, which, os.path.basename(a.model), arch, a.threads,
+        open("/proc/loadavg").read().split()[:3]))
     print("# read bandwidth (numpy, 1 thread): %.1f GB/s; weights %.0f MB/token; KV %d B per "
           "cached token (f16)" % (bw, weight_bytes / 1e6, kv_per_token))
     print("| context | limit ms/token (weights + KV at %.1f GB/s) | limit tokens/s | treeattn tokens/s "
@@ -171,7 +177,7 @@ def main():
         limit_ms = (weight_bytes + ctx * kv_per_token) / (bw * 1e9) * 1e3
         ta, lc = [], []
         for _ in range(a.repeats):
-            j = run_treeattn(a.treeattn, a.model, ctx, a.threads, steps + 1, a.engine)
+            j = run_treeattn(a.treeattn, a.model, ctx, a.threads, steps + 1, a.engine, a.matmul)
             ta.append(statistics.median(j["decode_ms"] if a.engine else j["methods"][0]["decode_ms"]))
             if server is not None:
                 _, times = server.decode(j["prompt_tokens"], steps)
@@ -187,7 +193,8 @@ def main():
     if server is not None:
         server.close()
     if a.json:
-        json.dump({"threads": a.threads, "bandwidth_gbs": bw, "results": results}, open(a.json, "w"), indent=2)
+        json.dump({"threads": a.threads, "matmul": a.matmul, "bandwidth_gbs": bw, "results": results},
+                  open(a.json, "w"), indent=2)
 
 
 if __name__ == "__main__":

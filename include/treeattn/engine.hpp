@@ -144,6 +144,9 @@ struct EngineConfig {
   bool poison_pages = false;
   int threads = 0;  // per rank, matmul and attention (0: OpenMP's default)
   Isa isa = Isa::kAuto;
+  // The quantized weights' matmul (model.hpp): int8 activations by default; exact is the
+  // reference path (and what a comparison with the Generator needs on both sides).
+  model::MatmulMode matmul = model::MatmulMode::kInt8;
   std::chrono::milliseconds timeout{600000};   // per communicator operation; 0 = forever
   // An idle rank 0 broadcasts an empty step at least this often (a heartbeat: a rank that died
   // is found within it plus the timeout). Requests, cancels and stops wake it at once.

@@ -102,6 +102,9 @@ struct GeneratorConfig {
   DType kv_dtype = DType::kF16;
   int threads = 0;  // matmul and attention threads per rank (0: OpenMP's default)
   Isa isa = Isa::kAuto;
+  // The quantized weights' matmul (model.hpp): int8 activations by default, exact for the
+  // float64 comparisons. Every rank of a job must use the same.
+  MatmulMode matmul = MatmulMode::kInt8;
   int64_t reserve_tokens = 0;  // decode steps expected after the prefill (slots kept free)
   int fanout = 2;              // hier
   std::chrono::milliseconds timeout{600000};  // per communicator operation; 0 = forever

@@ -72,9 +72,25 @@ struct WeightMatrix {
   std::size_t bytes() const { return static_cast<std::size_t>(rows * row_bytes); }
 };
 
+// How matmul multiplies the quantized weight types (Q4_0 .. Q6_K; F32, F16 and BF16 weights are
+// always multiplied as floats):
+//   kExact  float activations against the weights decoded to floats (exact up to float
+//           accumulation; the reference the float64 tests compare against);
+//   kInt8   each token's activations quantized once per call to 8-bit integers in blocks of 32
+//           with a float scale, integer dot products per block (src/model/matvec_int8_impl.hpp:
+//           |error| <= sum over blocks of (amax_block / 254) * sum |w| plus float rounding).
+// Either way a token's result does not depend on the batch, the threads or the rows' split.
+enum class MatmulMode : uint8_t { kExact, kInt8 };
+std::string_view matmul_mode_name(MatmulMode mode);          // "exact", "int8"
+Result<MatmulMode> parse_matmul_mode(std::string_view name);  // kInvalidArgument otherwise
+
 struct MatvecOptions {
   int threads = 0;       // 0: every thread OpenMP offers
   Isa isa = Isa::kAuto;  // kAuto: best_isa(); kReference runs the generic target
+  MatmulMode mode = MatmulMode::kExact;
+  // kInt8 on a CPU with AVX-512 VNNI (isa avx512) or AVX-VNNI (isa avx2): false runs the
+  // maddubs target instead (the same bits; for tests and benchmarks).
+  bool vnni = true;
 };
 
 // ys[i][t * mats[i]->rows + r] = <row r of mats[i], x + t * x_stride> for every matrix i, row r
@@ -85,6 +101,9 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
               int64_t x_stride, std::span<float* const> ys, const MatvecOptions& options = {});
 // The ISA matmul runs with these options ("avx512", "avx2", "generic").
 Isa matmul_isa(const MatvecOptions& options);
+// The integer target matmul runs with these options in kInt8 mode: "avx512vnni", "avxvnni",
+// "avx2" or "generic".
+std::string_view matmul_int8_target(const MatvecOptions& options);
 
 // What differs between the decoder architectures this forward pass runs (general.architecture),
 // declared once per architecture in src/model/architecture.cpp; the forward pass above is

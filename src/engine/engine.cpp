@@ -1108,6 +1108,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
   e.T = config.page_tokens;
   e.mv.threads = config.threads;
   e.mv.isa = config.isa;
+  e.mv.mode = config.matmul;
   const auto& mc = model.config();
   const std::string who = rank_prefix(comm) + "engine: ";
   // Local checks first; every rank then learns every rank's verdict, so a rank with a bad

@@ -109,6 +109,7 @@ Result<std::unique_ptr<Generator>> Generator::create(Communicator& comm, const L
   g->config_ = config;
   g->mv_.threads = config.threads;
   g->mv_.isa = config.isa;
+  g->mv_.mode = config.matmul;
   const LlamaConfig& mc = model.config();
   if (config.methods.empty())
     return invalid_argument(rank_prefix(comm) + "generate: no decode method given");

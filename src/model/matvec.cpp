@@ -7,6 +7,11 @@
 // of kTokenTile, outermost, so that a prefill streams its activations through memory once per
 // tile while each thread's weight rows stay in its cache.
 // Neither split changes a (row, token) result (see matvec_targets.hpp).
+//
+// MatmulMode::kInt8: first every token's activations are quantized (ActBlock, once per call,
+// split over the threads by token; a token's blocks depend on that token only), then the
+// quantized weight types run on the integer targets (matvec_int8_impl.hpp), the float types on
+// the float targets, chunk by chunk as above.
 #include <omp.h>
 
 #include <algorithm>
@@ -33,6 +38,23 @@ detail::RowsFn rows_fn(Isa isa) {
 #endif
     default:
       return detail::rows_generic;
+  }
+}
+
+// The integer target: VNNI where the CPU has it and the options allow it.
+detail::RowsFn rows_int8_fn(Isa isa, bool vnni) {
+  switch (isa) {
+#if defined(TREEATTN_MODEL_X86)
+    case Isa::kAvx512:
+      // No 512-bit integer kernel: the AVX-512 target runs the 256-bit ones (VNNI if present).
+      if (vnni && __builtin_cpu_supports("avx512vnni")) return detail::rows_int8_avx512vnni;
+      return detail::rows_int8_avx2;
+    case Isa::kAvx2:
+      if (vnni && __builtin_cpu_supports("avxvnni")) return detail::rows_int8_avxvnni;
+      return detail::rows_int8_avx2;
+#endif
+    default:
+      return detail::rows_int8_generic;
   }
 }
 
@@ -95,6 +117,26 @@ Result<WeightMatrix> WeightMatrix::from_tensor(const gguf::TensorInfo& t) {
   return m;
 }
 
+std::string_view matmul_mode_name(MatmulMode mode) {
+  return mode == MatmulMode::kInt8 ? "int8" : "exact";
+}
+
+Result<MatmulMode> parse_matmul_mode(std::string_view name) {
+  if (name == "exact") return MatmulMode::kExact;
+  if (name == "int8") return MatmulMode::kInt8;
+  return invalid_argument("matmul mode '" + std::string(name) + "': expected exact or int8");
+}
+
+std::string_view matmul_int8_target(const MatvecOptions& options) {
+  const detail::RowsFn fn = rows_int8_fn(matmul_isa(options), options.vnni);
+#if defined(TREEATTN_MODEL_X86)
+  if (fn == detail::rows_int8_avx512vnni) return "avx512vnni";
+  if (fn == detail::rows_int8_avxvnni) return "avxvnni";
+  if (fn == detail::rows_int8_avx2) return "avx2";
+#endif
+  return fn == detail::rows_int8_generic ? "generic" : "?";
+}
+
 Isa matmul_isa(const MatvecOptions& options) {
   Isa isa = options.isa == Isa::kAuto ? best_isa() : options.isa;
   if (isa == Isa::kReference) isa = Isa::kGeneric;
@@ -125,6 +167,16 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
     return unsupported("matmul: this CPU cannot run the " + std::string(isa_name(isa)) + " target");
   if (tokens == 0) return Status::ok();
   const detail::RowsFn fn = rows_fn(isa);
+  const detail::RowsFn fn8 = rows_int8_fn(isa, options.vnni);
+  bool int8 = false;
+  if (options.mode == MatmulMode::kInt8)
+    for (const WeightMatrix* m : mats) int8 = int8 || detail::int8_type(m->type);
+  // Quantized types have cols % 32 == 0 (check_matrix), so the blocks cover every column.
+  const int64_t xq_stride = cols / 32;
+  thread_local std::vector<detail::ActBlock> xq_buf;
+  if (int8 && xq_buf.size() < static_cast<std::size_t>(tokens * xq_stride))
+    xq_buf.resize(static_cast<std::size_t>(tokens * xq_stride));
+  detail::ActBlock* const xq = xq_buf.data();
 
   // Chunk c covers rows [c * kRowChunk, ...) of the concatenation, clipped to one matrix.
   std::vector<int64_t> first_chunk(mats.size() + 1, 0);
@@ -138,6 +190,11 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
     thread_local std::vector<float> scratch;
     if (scratch.size() < static_cast<std::size_t>(detail::kMaxRowBlock * cols))
       scratch.resize(static_cast<std::size_t>(detail::kMaxRowBlock * cols));
+    if (int8) {
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < tokens; ++t)
+        detail::quantize_activations(x + t * x_stride, cols, xq + t * xq_stride);
+    }
     for (int64_t t0 = 0; t0 < tokens; t0 += kTokenTile) {
       // The same static split every tile: each thread keeps its rows' weights in cache.
 #pragma omp for schedule(static) nowait
@@ -158,7 +215,13 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
         a.y = ys[i] + t0 * m.rows;
         a.y_stride = m.rows;
         a.scratch = scratch.data();
-        fn(a);
+        if (int8 && detail::int8_type(m.type)) {
+          a.xq = xq + t0 * xq_stride;
+          a.xq_stride = xq_stride;
+          fn8(a);
+        } else {
+          fn(a);
+        }
       }
     }
   }

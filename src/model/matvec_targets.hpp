@@ -26,6 +26,8 @@ inline constexpr uint32_t kTypeF32 = 0, kTypeF16 = 1, kTypeQ4_0 = 2, kTypeQ4_1 =
                           kTypeQ5_1 = 7, kTypeQ8_0 = 8, kTypeQ4_K = 12, kTypeQ5_K = 13,
                           kTypeQ6_K = 14, kTypeBF16 = 30;
 
+struct ActBlock;
+
 struct RowsArgs {
   uint32_t type = 0;
   const uint8_t* w = nullptr;  // row 0 of the matrix
@@ -38,6 +40,10 @@ struct RowsArgs {
   float* y = nullptr;  // (token 0 of the range, row 0 of the matrix), y_stride apart
   int64_t y_stride = 0;
   float* scratch = nullptr;  // kMaxRowBlock * cols floats (the batched path's decoded rows)
+  // The integer (int8 activation) targets read these instead of x: token 0 of the range,
+  // cols / 32 blocks per token, xq_stride blocks apart (quantize_activations).
+  const ActBlock* xq = nullptr;
+  int64_t xq_stride = 0;
 };
 
 // The most rows a target decodes together (its Ops::RB <= this).
@@ -49,6 +55,37 @@ void rows_generic(const RowsArgs& a);
 #if defined(TREEATTN_MODEL_X86)
 void rows_avx2(const RowsArgs& a);
 void rows_avx512(const RowsArgs& a);
+#endif
+
+// The integer path (MatmulMode::kInt8, matvec_int8_impl.hpp): 32 activations of one token as
+// 8-bit integers and a float scale, x[i] ~ d * q[i], and s = d * (q[0] + ... + q[31]) rounded
+// once (the weight types with a min, w = a * code + m, need m * sum(x)).
+struct ActBlock {
+  float d;
+  float s;
+  int8_t q[32];
+};
+static_assert(sizeof(ActBlock) == 40);
+
+// Quantizes `cols` floats (a multiple of 32) into cols / 32 blocks: per block amax = max |x|,
+// d = amax / 127 (rounded once), q = round-to-nearest-even(x / d) (one division, rounded once),
+// clamped to [-127, 127]; d = 0 gives q = 0. So |x - d q| <= (amax / 254) (1 + 2^-15) per
+// element (matvec_int8_impl.hpp has the derivation). Compiled once (matvec_int8.cpp): every
+// target reads the same blocks.
+void quantize_activations(const float* x, int64_t cols, ActBlock* out);
+
+// Whether the integer targets read this weight type (the float types stay on the float path).
+bool int8_type(uint32_t type);
+
+// Integer row kernels: rows_int8_generic (plain C++, every machine), rows_int8_avx2 (maddubs +
+// madd), rows_int8_avxvnni (AVX-VNNI vpdpbusd on ymm), rows_int8_avx512vnni (AVX-512 VNNI's
+// vpdpbusd on ymm). All give the same bits: the integer lane sums are exact on every target
+// and the float operations after them are the same sequence.
+void rows_int8_generic(const RowsArgs& a);
+#if defined(TREEATTN_MODEL_X86)
+void rows_int8_avx2(const RowsArgs& a);
+void rows_int8_avxvnni(const RowsArgs& a);
+void rows_int8_avx512vnni(const RowsArgs& a);
 #endif
 
 }  // namespace treeattn::model::detail

@@ -52,6 +52,7 @@ case "$CASE" in
     expect 2 "--kv-dtype 'fp8': one of f16, bf16, f32" -- "$B" generate --prompt a --kv-dtype fp8
     expect 2 "unknown method 'nope'" -- "$B" generate --prompt a --method nope
     expect 2 "--top-p" -- "$B" generate --prompt a --temperature 1 --top-p 0
+    expect 2 "--matmul fast: expected exact or int8" -- "$B" generate --prompt a --matmul fast
     expect 2 "--prompt-file $T is a directory" -- "$B" generate --prompt-file "$T"
     expect 2 "--prompt-file /dev/null is not a regular file" -- "$B" generate --prompt-file /dev/null
     expect 2 "--device cuda: generate runs the model's forward pass and its KV cache on CPU ranks" -- \

@@ -28,6 +28,8 @@ struct GenCase {
   const std::vector<int32_t>* forced = nullptr;  // tokens fed at each step (else greedy)
   int threads = 1;
   ShardKind placement = ShardKind::kEven;
+  // The tests compare with float64 references and between paths: exact unless a test says so.
+  model::MatmulMode matmul = model::MatmulMode::kExact;
 };
 
 inline GenRun run_generation(const model::LlamaModel& m, int ranks, const GenCase& c,
@@ -41,6 +43,7 @@ inline GenRun run_generation(const model::LlamaModel& m, int ranks, const GenCas
     gc.kv_dtype = c.kv;
     gc.threads = c.threads;
     gc.placement = c.placement;
+    gc.matmul = c.matmul;
     gc.reserve_tokens = c.steps;
     gc.timeout = std::chrono::milliseconds(120000);
     auto g = model::Generator::create(comm, m, gc);
@@ -70,12 +73,14 @@ struct MethodRun {
 // Every method's greedy continuation after one prefill, from rank 0 (the others checked equal).
 inline Result<std::vector<MethodRun>> run_all(const model::LlamaModel& m, int ranks,
                                        const std::vector<std::string>& methods,
-                                       const std::vector<int32_t>& prompt, int steps) {
+                                       const std::vector<int32_t>& prompt, int steps,
+                                       model::MatmulMode matmul = model::MatmulMode::kExact) {
   std::vector<std::vector<MethodRun>> per_rank(static_cast<std::size_t>(ranks));
   Status st = run_local(ranks, [&](Communicator& comm) -> Status {
     model::GeneratorConfig gc;
     gc.methods = methods;
     gc.kv_dtype = DType::kF16;
+    gc.matmul = matmul;
     gc.threads = ranks == 1 ? 2 : 1;
     gc.reserve_tokens = steps;
     gc.timeout = std::chrono::milliseconds(600000);

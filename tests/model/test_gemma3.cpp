@@ -140,6 +140,7 @@ EngineRun run_engine(const LlamaModel& m, int p, const std::vector<TokenId>& pro
   EngineRun out;
   out.status = run_local(p, [&](Communicator& comm) -> Status {
     engine::EngineConfig c;
+    c.matmul = model::MatmulMode::kExact;  // compared with the float64 reference and llama.cpp
     c.kv_dtype = DType::kF32;
     c.page_tokens = 16;
     c.kv_pages = 64;

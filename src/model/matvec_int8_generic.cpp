@@ -1,0 +1,186 @@
+// The integer row kernel for any CPU (matvec_int8_impl.hpp): plain C++ on arrays of 32 bytes and
+// 8 lanes; the lanes are summed as the SIMD targets sum them (lane i: products 4i .. 4i+3) and
+// the floats take the same operations (std::fma, the AVX2 reduction order), so this target's
+// bits are the SIMD targets' bits. Also: quantize_activations, which every target reads.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#include "model/matvec_targets.hpp"
+
+namespace treeattn::model::detail {
+
+void quantize_activations(const float* x, int64_t cols, ActBlock* out) {
+  for (int64_t b = 0; b < cols / 32; ++b) {
+    const float* xb = x + b * 32;
+    ActBlock& o = out[b];
+    float amax = 0.0f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax / 127.0f;
+    int sum = 0;
+    for (int i = 0; i < 32; ++i) {
+      int q = 0;
+      if (d > 0.0f) {
+        const float v = std::nearbyint(xb[i] / d);  // default rounding: to nearest, even
+        q = v >= 127.0f ? 127 : v <= -127.0f ? -127 : static_cast<int>(v);
+      }
+      o.q[i] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    // amax NaN or infinite: d is too, and so are the outputs (as on the float path).
+    o.d = d;
+    o.s = d * static_cast<float>(sum);
+  }
+}
+
+bool int8_type(uint32_t type) {
+  switch (type) {
+    case kTypeQ8_0:
+    case kTypeQ4_0:
+    case kTypeQ4_1:
+    case kTypeQ5_0:
+    case kTypeQ5_1:
+    case kTypeQ4_K:
+    case kTypeQ5_K:
+    case kTypeQ6_K:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace treeattn::model::detail
+
+namespace treeattn::model::detail::int8_generic {
+namespace {
+
+struct Ops {
+  static constexpr int RB = 2;
+  struct B {
+    uint8_t v[32];
+  };
+  struct I {
+    int32_t v[8];
+  };
+  struct V {
+    float v[8];
+  };
+  static B load(const void* p) {
+    B r;
+    std::memcpy(r.v, p, 32);
+    return r;
+  }
+  static void store(void* p, B b) { std::memcpy(p, b.v, 32); }
+  static B nib(const uint8_t* qs) {
+    B r;
+    for (int e = 0; e < 16; ++e) {
+      r.v[e] = qs[e] & 15;
+      r.v[e + 16] = qs[e] >> 4;
+    }
+    return r;
+  }
+  static B lo4(B b) { return and_(b, 15); }
+  static B hi4(B b) { return shr(b, 4); }
+  static B shr(B b, int n) {
+    for (auto& x : b.v) x = static_cast<uint8_t>(x >> n);
+    return b;
+  }
+  static B shl(B b, int n) {
+    for (auto& x : b.v) x = static_cast<uint8_t>(x << n);
+    return b;
+  }
+  static B and_(B b, uint8_t m) {
+    for (auto& x : b.v) x &= m;
+    return b;
+  }
+  static B or_(B a, B b) {
+    for (int i = 0; i < 32; ++i) a.v[i] |= b.v[i];
+    return a;
+  }
+  static B sub(B b, uint8_t c) {
+    for (auto& x : b.v) x = static_cast<uint8_t>(x - c);
+    return b;
+  }
+  static B bitmask(uint32_t m) {
+    B r;
+    for (int e = 0; e < 32; ++e) r.v[e] = (m >> e) & 1u ? 0xff : 0;
+    return r;
+  }
+  static I dot_u(B w, B x) {
+    I r;
+    for (int i = 0; i < 8; ++i) {
+      int32_t s = 0;
+      for (int k = 0; k < 4; ++k) s += int32_t{w.v[4 * i + k]} * static_cast<int8_t>(x.v[4 * i + k]);
+      r.v[i] = s;
+    }
+    return r;
+  }
+  static I dot_s(B w, B x) {
+    I r;
+    for (int i = 0; i < 8; ++i) {
+      int32_t s = 0;
+      for (int k = 0; k < 4; ++k)
+        s += int32_t{static_cast<int8_t>(w.v[4 * i + k])} * static_cast<int8_t>(x.v[4 * i + k]);
+      r.v[i] = s;
+    }
+    return r;
+  }
+  static I dot_s2(B w, B x, int s0, int s1) {
+    I r = dot_s(w, x);
+    for (int i = 0; i < 8; ++i) r.v[i] *= i < 4 ? s0 : s1;
+    return r;
+  }
+  static V cvt(I a) {
+    V r;
+    for (int i = 0; i < 8; ++i) r.v[i] = static_cast<float>(a.v[i]);
+    return r;
+  }
+  static V set1(float x) {
+    V r;
+    for (float& v : r.v) v = x;
+    return r;
+  }
+  static V zero() { return set1(0.0f); }
+  static V fma(V a, V b, V c) {
+    for (int i = 0; i < 8; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+    return c;
+  }
+  // The AVX2 target's order: halves, then pairs, then the last two.
+  static float reduce_add(V v) {
+    float b[4];
+    for (int i = 0; i < 4; ++i) b[i] = v.v[i] + v.v[i + 4];
+    const float c0 = b[0] + b[2], c1 = b[1] + b[3];
+    return c0 + c1;
+  }
+  // IEEE binary16 -> float, exact.
+  static float f16(uint16_t h) {
+    const uint32_t sign = (uint32_t{h} & 0x8000u) << 16;
+    const uint32_t ex = (h >> 10) & 0x1fu;
+    const uint32_t man = h & 0x3ffu;
+    uint32_t u;
+    if (ex == 0) {
+      const float f = static_cast<float>(man) * 0x1p-24f;
+      std::memcpy(&u, &f, 4);
+      u |= sign;
+    } else if (ex == 31) {
+      u = sign | 0x7f800000u | (man << 13);
+    } else {
+      u = sign | ((ex + 112u) << 23) | (man << 13);
+    }
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+
+#include "model/matvec_int8_impl.hpp"
+
+}  // namespace
+}  // namespace treeattn::model::detail::int8_generic
+
+namespace treeattn::model::detail {
+void rows_int8_generic(const RowsArgs& a) { int8_generic::rows_int8_impl(a); }
+}  // namespace treeattn::model::detail

@@ -1,0 +1,88 @@
+// The integer row kernel's Ops on x86 (matvec_int8_impl.hpp), 256-bit vectors. Included by
+// matvec_int8_avx2.cpp (AVX2: maddubs + madd), matvec_int8_avxvnni.cpp (AVX-VNNI) and
+// matvec_int8_avx512vnni.cpp (AVX-512 VNNI + VL: vpdpbusd on ymm), each compiled with its own -m
+// flags, after defining TREEATTN_INT8_DOT (0, 1, 2) and TREEATTN_INT8_NS (the namespace).
+// vpdpbusd sums the products 4i .. 4i+3 into lane i, as madd(maddubs) does, without the int16
+// stage (which cannot saturate here), so the three give the same lanes and the same bits.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#include "model/matvec_targets.hpp"
+
+namespace treeattn::model::detail::TREEATTN_INT8_NS {
+namespace {
+
+struct Ops {
+  static constexpr int RB = 4;  // rows per pass: 4 accumulators, 4 decoded groups in flight
+  using B = __m256i;
+  using I = __m256i;
+  using V = __m256;
+  static B load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static void store(void* p, B b) { _mm256_storeu_si256(static_cast<__m256i*>(p), b); }
+  static B nib(const uint8_t* qs) {
+    const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i m = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(t, 4), m), _mm_and_si128(t, m));
+  }
+  static B and_(B b, uint8_t m) {
+    return _mm256_and_si256(b, _mm256_set1_epi8(static_cast<char>(m)));
+  }
+  static B lo4(B b) { return and_(b, 0x0f); }
+  static B hi4(B b) { return and_(_mm256_srli_epi16(b, 4), 0x0f); }
+  static B shr(B b, int n) {
+    return and_(_mm256_srl_epi16(b, _mm_cvtsi32_si128(n)), static_cast<uint8_t>(0xff >> n));
+  }
+  static B shl(B b, int n) {
+    return and_(_mm256_sll_epi16(b, _mm_cvtsi32_si128(n)), static_cast<uint8_t>(0xff << n));
+  }
+  static B or_(B a, B b) { return _mm256_or_si256(a, b); }
+  static B sub(B b, uint8_t c) { return _mm256_sub_epi8(b, _mm256_set1_epi8(static_cast<char>(c))); }
+  // Byte e: 0xff where bit e of m is set (ggml's bytes_from_bits_32).
+  static B bitmask(uint32_t m) {
+    const __m256i shuf = _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101,
+                                            0x0202020202020202, 0x0303030303030303);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(m)), shuf);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+  }
+  static I dot_u(B w, B x) {
+#if TREEATTN_INT8_DOT == 1
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+#elif TREEATTN_INT8_DOT == 2
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+#endif
+  }
+  static I dot_s(B w, B x) { return dot_u(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)); }
+  static I dot_s2(B w, B x, int s0, int s1) {
+#if TREEATTN_INT8_DOT == 0
+    const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+    return _mm256_madd_epi16(p, _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(s1)),
+                                                 _mm_set1_epi16(static_cast<int16_t>(s0))));
+#else
+    return _mm256_mullo_epi32(dot_s(w, x),
+                              _mm256_set_m128i(_mm_set1_epi32(s1), _mm_set1_epi32(s0)));
+#endif
+  }
+  static V cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V zero() { return _mm256_setzero_ps(); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static float reduce_add(V v) {
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+  }
+  static float f16(uint16_t h) { return _cvtsh_ss(h); }
+};
+
+#include "model/matvec_int8_impl.hpp"
+
+}  // namespace
+}  // namespace treeattn::model::detail::TREEATTN_INT8_NS

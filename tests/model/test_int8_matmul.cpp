@@ -1,0 +1,473 @@
+// The integer (8-bit activation) matrix path, MatmulMode::kInt8 (src/model/matvec_int8_impl.hpp).
+// - Every quantized weight type x every integer target this CPU runs (generic everywhere; AVX2
+//   maddubs; AVX-VNNI and AVX-512 VNNI only where the CPU has them, else they are reported as
+//   not run): the same bits on every target; within float accumulation of a float64 dot with
+//   the quantized-activation semantics (activations quantized as matvec_targets.hpp states,
+//   recomputed here); within the stated bound of the float64 dot with the float activations.
+// - A token's bits do not depend on the batch, the threads, the row split or the other matrices
+//   of the call; float weight types in int8 mode are the exact path's bits; kExact is the default.
+// - A tiny random-weight model (int8) against the float64 reference within a stated bound.
+// - SmolLM2 (label real, skipped without the file): greedy tokens of int8 equal to exact on a
+//   prompt set, except at near ties of the exact logits, which are printed.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "model/generate_harness.hpp"
+#include "model/model_path.hpp"
+#include "model/tiny_llama.hpp"
+#include "treeattn/dtype.hpp"
+#include "treeattn/gguf.hpp"
+#include "treeattn/model.hpp"
+#include "treeattn/tokenizer.hpp"
+
+namespace treeattn {
+namespace {
+
+using gguf::TensorType;
+using model::MatmulMode;
+using model::MatvecOptions;
+using model::WeightMatrix;
+
+constexpr uint32_t id(TensorType t) { return static_cast<uint32_t>(t); }
+
+const std::vector<uint32_t>& int8_types() {
+  static const std::vector<uint32_t> v = {
+      id(TensorType::kQ8_0), id(TensorType::kQ4_0), id(TensorType::kQ4_1), id(TensorType::kQ5_0),
+      id(TensorType::kQ5_1), id(TensorType::kQ4_K), id(TensorType::kQ5_K), id(TensorType::kQ6_K)};
+  return v;
+}
+
+// The integer targets this CPU runs, as (isa, vnni) options, and which were not run.
+struct Target {
+  Isa isa;
+  bool vnni;
+};
+std::vector<Target> targets_here() {
+  std::vector<Target> v = {{Isa::kGeneric, false}};
+  for (const Isa isa : {Isa::kAvx2, Isa::kAvx512}) {
+    if (!isa_supported(isa)) continue;
+    v.push_back({isa, false});
+    MatvecOptions o;
+    o.isa = isa;
+    const std::string t(model::matmul_int8_target(o));
+    if (t == "avxvnni" || t == "avx512vnni") v.push_back({isa, true});
+  }
+  return v;
+}
+std::string target_name(const Target& t) {
+  MatvecOptions o;
+  o.isa = t.isa;
+  o.vnni = t.vnni;
+  return std::string(isa_name(t.isa)) + "/" + std::string(model::matmul_int8_target(o));
+}
+
+TEST(Int8Matmul, TargetsRunHere) {
+  std::string s;
+  for (const Target& t : targets_here()) s += " " + target_name(t);
+  std::printf("[ targets   ] integer targets run here:%s\n", s.c_str());
+  bool vnni = false;
+  for (const Target& t : targets_here()) vnni = vnni || t.vnni;
+  if (!vnni)
+    std::printf("[ targets   ] no VNNI on this CPU: the AVX-VNNI and AVX-512 VNNI targets are "
+                "compiled but not run\n");
+}
+
+// Random rows of a type: every code byte random, the f16 scales sized for values of about
+// `scale` (the K types' 6-bit scales and mins random too).
+std::vector<uint8_t> random_rows(uint32_t type, int64_t rows, int64_t cols, float scale,
+                                 std::mt19937_64& rng) {
+  if (type == id(TensorType::kQ8_0) || type == id(TensorType::kQ4_0) ||
+      type == id(TensorType::kQ4_1) || type == id(TensorType::kF16) ||
+      type == id(TensorType::kF32) || type == id(TensorType::kBF16))
+    return testing::random_matrix(type, rows, cols, scale, rng);
+  std::vector<uint8_t> out;
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> byte(0, 255);
+  auto put16 = [&](float v) {
+    const uint16_t h = float_to_f16(v);
+    out.push_back(static_cast<uint8_t>(h & 0xff));
+    out.push_back(static_cast<uint8_t>(h >> 8));
+  };
+  auto bytes = [&](int n) {
+    for (int i = 0; i < n; ++i) out.push_back(static_cast<uint8_t>(byte(rng)));
+  };
+  auto mag = [&](float s) { return s * (0.5f + 0.5f * std::fabs(u(rng))); };
+  const gguf::BlockLayout bl = gguf::block_layout(type);
+  for (int64_t b = 0; b < rows * (cols / bl.block_elems); ++b) {
+    switch (static_cast<TensorType>(type)) {
+      case TensorType::kQ5_0:
+        put16(mag(scale / 16.0f));
+        bytes(20);
+        break;
+      case TensorType::kQ5_1: {
+        const float d = mag(scale / 16.0f);
+        put16(d);
+        put16(-16.0f * d + 0.1f * scale * u(rng));
+        bytes(20);
+        break;
+      }
+      case TensorType::kQ4_K:
+      case TensorType::kQ5_K: {
+        const float qmid = type == id(TensorType::kQ4_K) ? 7.5f : 15.5f;
+        const float d = mag(scale / (32.0f * qmid));
+        put16(d);
+        put16(d * qmid * (0.8f + 0.4f * std::fabs(u(rng))));
+        bytes(static_cast<int>(bl.block_bytes) - 4);
+        break;
+      }
+      case TensorType::kQ6_K:
+        bytes(208);
+        put16(mag(scale / (64.0f * 16.0f)));
+        break;
+      default:
+        ADD_FAILURE() << "random_rows: type " << type;
+        return out;
+    }
+  }
+  return out;
+}
+
+WeightMatrix make_matrix(uint32_t type, int64_t rows, int64_t cols, std::vector<uint8_t>& store,
+                         std::mt19937_64& rng) {
+  store = random_rows(type, rows, cols, 0.5f, rng);
+  WeightMatrix m;
+  m.name = "w_" + gguf::tensor_type_name(type);
+  m.type = type;
+  m.data = store.data();
+  m.rows = rows;
+  m.cols = cols;
+  m.row_bytes = static_cast<int64_t>(store.size()) / rows;
+  return m;
+}
+
+// The activation quantization as matvec_targets.hpp states it, written again here: per block of
+// 32, d = amax / 127 (float), q = nearest-even(x / d) clamped to +-127; xq[i] = d * q[i] (double).
+struct Quantized {
+  std::vector<double> xq;    // d * q per element, exact in double
+  std::vector<double> amax;  // per block
+};
+Quantized quantize(const float* x, int64_t cols) {
+  Quantized r;
+  r.xq.resize(static_cast<std::size_t>(cols));
+  for (int64_t b = 0; b < cols / 32; ++b) {
+    float amax = 0;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b * 32 + i]));
+    const float d = amax / 127.0f;
+    r.amax.push_back(amax);
+    for (int i = 0; i < 32; ++i) {
+      const int64_t c = b * 32 + i;
+      float q = d > 0 ? std::nearbyint(x[c] / d) : 0.0f;
+      q = std::clamp(q, -127.0f, 127.0f);
+      r.xq[static_cast<std::size_t>(c)] = double{d} * q;
+    }
+  }
+  return r;
+}
+
+std::vector<float> dequantized(uint32_t type, const uint8_t* row, int64_t n) {
+  std::vector<float> w(static_cast<std::size_t>(n));
+  EXPECT_TRUE(gguf::dequantize_row(type, row, w.data(), w.size()).is_ok());
+  return w;
+}
+
+MatvecOptions int8_options(int threads, const Target& t) {
+  MatvecOptions o;
+  o.threads = threads;
+  o.isa = t.isa;
+  o.vnni = t.vnni;
+  o.mode = MatmulMode::kInt8;
+  return o;
+}
+
+// Bounds (matvec_int8_impl.hpp): with u = 2^-24 and k = groups + 7,
+//   (a) |y - <w, d q>|  <= k u sum |w_i d q_i| (1.01) + u sum |w_i d q_i| (the float path's w
+//       rounds once for Q4_1 / Q5_1 / Q4_K / Q5_K; the kernel never forms it)
+//   (b) |y - <w, x>|    <= sum_b (amax_b / 254) (1 + 2^-15) sum_{i in b} |w_i| + (a)'s bound
+//                          + u sum |w_i x_i|.
+TEST(Int8Matmul, EveryTypeAndTargetMatchesTheFloat64DotWithinTheBound) {
+  std::mt19937_64 rng(19);
+  std::normal_distribution<float> nd;
+  const std::vector<Target> targets = targets_here();
+  for (const uint32_t type : int8_types()) {
+    const bool k = gguf::block_layout(type).block_elems == 256;
+    double worst_ratio = 0;  // |y - <w, x>| over bound (b)
+    for (const int64_t cols : {k ? int64_t{256} : int64_t{32}, int64_t{768}, int64_t{1536}}) {
+      for (const int64_t tokens : {int64_t{1}, int64_t{3}, int64_t{6}}) {
+        const int64_t rows = 37;
+        std::vector<uint8_t> store;
+        const WeightMatrix m = make_matrix(type, rows, cols, store, rng);
+        std::vector<float> x(static_cast<std::size_t>(tokens * cols));
+        for (auto& v : x) v = nd(rng);
+        x[5] = 0;  // a zero, and a block of zeros (d = 0)
+        if (cols >= 64)
+          for (int i = 32; i < 64; ++i) x[static_cast<std::size_t>(i)] = 0;
+        std::vector<float> y0;
+        for (const Target& tg : targets) {
+          SCOPED_TRACE(gguf::tensor_type_name(type) + " cols " + std::to_string(cols) +
+                       " tokens " + std::to_string(tokens) + " " + target_name(tg));
+          std::vector<float> y(static_cast<std::size_t>(tokens * rows), NAN);
+          const WeightMatrix* mats[] = {&m};
+          float* ys[] = {y.data()};
+          ASSERT_TRUE(model::matmul(mats, x.data(), tokens, cols, ys, int8_options(2, tg)).is_ok());
+          if (y0.empty()) {
+            y0 = y;  // the generic target
+          } else {
+            ASSERT_EQ(0, std::memcmp(y.data(), y0.data(), y.size() * 4))
+                << "not the generic target's bits";
+          }
+          for (int64_t t = 0; t < tokens; ++t) {
+            const float* xt = x.data() + t * cols;
+            const Quantized q = quantize(xt, cols);
+            for (int64_t r = 0; r < rows; ++r) {
+              const std::vector<float> w = dequantized(type, m.data + r * m.row_bytes, cols);
+              double want_q = 0, mag_q = 0, want = 0, mag = 0, quant = 0;
+              for (int64_t c = 0; c < cols; ++c) {
+                const auto i = static_cast<std::size_t>(c);
+                want_q += w[i] * q.xq[i];
+                mag_q += std::fabs(w[i] * q.xq[i]);
+                want += double{w[i]} * xt[c];
+                mag += std::fabs(double{w[i]} * xt[c]);
+                quant += q.amax[i / 32] / 254.0 * (1 + 0x1p-15) * std::fabs(w[i]);
+              }
+              const double got = y[static_cast<std::size_t>(t * rows + r)];
+              const double kk = static_cast<double>(cols / 32 + 7);
+              const double bound_a = 1.01 * kk * 0x1p-24 * mag_q + 0x1p-24 * mag_q + 1e-30;
+              ASSERT_LE(std::fabs(got - want_q), bound_a) << "row " << r << " token " << t;
+              const double bound_b = quant + bound_a + 0x1p-24 * mag;
+              ASSERT_LE(std::fabs(got - want), bound_b) << "row " << r << " token " << t;
+              worst_ratio = std::max(worst_ratio, std::fabs(got - want) / bound_b);
+            }
+          }
+        }
+      }
+    }
+    std::printf("[ bound     ] %-5s largest |int8 - exact| / bound %.3f\n",
+                gguf::tensor_type_name(type).c_str(), worst_ratio);
+  }
+}
+
+// Extreme activations: huge and tiny blocks, a lone outlier, exact ties of x / d.
+TEST(Int8Matmul, ExtremeActivationsStayWithinTheBound) {
+  std::mt19937_64 rng(5);
+  for (const uint32_t type : {id(TensorType::kQ4_0), id(TensorType::kQ6_K)}) {
+    const int64_t rows = 9, cols = 256;
+    std::vector<uint8_t> store;
+    const WeightMatrix m = make_matrix(type, rows, cols, store, rng);
+    std::vector<float> x(static_cast<std::size_t>(cols));
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t b = c / 32;
+      x[static_cast<std::size_t>(c)] =
+          b == 0 ? 1e30f * static_cast<float>(c % 3 - 1)
+          : b == 1 ? 1e-30f * static_cast<float>(c % 7)
+          : b == 2 ? (c == 70 ? 1000.0f : 1e-3f)
+          : b == 3 ? static_cast<float>(c % 32) - 0.5f  // x / d lands on halves often
+                   : std::ldexp(1.0f, static_cast<int>(c % 32) - 16);
+    }
+    for (const Target& tg : targets_here()) {
+      std::vector<float> y(static_cast<std::size_t>(rows));
+      const WeightMatrix* mats[] = {&m};
+      float* ys[] = {y.data()};
+      ASSERT_TRUE(model::matmul(mats, x.data(), 1, cols, ys, int8_options(1, tg)).is_ok());
+      const Quantized q = quantize(x.data(), cols);
+      for (int64_t r = 0; r < rows; ++r) {
+        const std::vector<float> w = dequantized(type, m.data + r * m.row_bytes, cols);
+        double want = 0, mag_q = 0, quant = 0, mag = 0;
+        for (std::size_t i = 0; i < w.size(); ++i) {
+          want += double{w[i]} * x[i];
+          mag += std::fabs(double{w[i]} * x[i]);
+          mag_q += std::fabs(w[i] * q.xq[i]);
+          quant += q.amax[i / 32] / 254.0 * (1 + 0x1p-15) * std::fabs(w[i]);
+        }
+        const double bound = quant + (1.01 * 15 + 1) * 0x1p-24 * mag_q + 0x1p-24 * mag;
+        EXPECT_LE(std::fabs(y[static_cast<std::size_t>(r)] - want), bound)
+            << gguf::tensor_type_name(type) << " " << target_name(tg) << " row " << r;
+      }
+    }
+  }
+}
+
+TEST(Int8Matmul, BitsDoNotDependOnBatchingThreadsRowsOrTheOtherMatrices) {
+  std::mt19937_64 rng(23);
+  std::normal_distribution<float> nd;
+  for (const uint32_t type : int8_types()) {
+    const int64_t rows = 70, cols = 512, tokens = 41;
+    std::vector<uint8_t> s1, s2;
+    const WeightMatrix a = make_matrix(type, rows, cols, s1, rng);
+    const WeightMatrix b = make_matrix(id(TensorType::kF16), 19, cols, s2, rng);  // float type
+    std::vector<float> x(static_cast<std::size_t>(tokens * cols));
+    for (auto& v : x) v = nd(rng);
+    for (const Target& tg : targets_here()) {
+      SCOPED_TRACE(gguf::tensor_type_name(type) + " " + target_name(tg));
+      std::vector<float> all(static_cast<std::size_t>(tokens * rows)),
+          allb(static_cast<std::size_t>(tokens * 19));
+      {
+        const WeightMatrix* mats[] = {&a, &b};
+        float* ys[] = {all.data(), allb.data()};
+        ASSERT_TRUE(model::matmul(mats, x.data(), tokens, cols, ys, int8_options(3, tg)).is_ok());
+      }
+      {  // the float matrix: the exact path's bits
+        std::vector<float> e(allb.size());
+        const WeightMatrix* mats[] = {&b};
+        float* ys[] = {e.data()};
+        MatvecOptions o = int8_options(1, tg);
+        o.mode = MatmulMode::kExact;
+        ASSERT_TRUE(model::matmul(mats, x.data(), tokens, cols, ys, o).is_ok());
+        ASSERT_EQ(0, std::memcmp(e.data(), allb.data(), e.size() * 4));
+      }
+      for (const int threads : {1, 2}) {
+        for (int64_t t = 0; t < tokens; t += 5) {
+          std::vector<float> one(static_cast<std::size_t>(rows));
+          const WeightMatrix* mats[] = {&a};
+          float* ys[] = {one.data()};
+          ASSERT_TRUE(model::matmul(mats, x.data() + t * cols, 1, cols, ys,
+                                    int8_options(threads, tg))
+                          .is_ok());
+          ASSERT_EQ(0, std::memcmp(one.data(), all.data() + t * rows, one.size() * 4))
+              << "token " << t << " threads " << threads;
+        }
+        for (const int64_t n : {int64_t{2}, int64_t{7}}) {
+          std::vector<float> part(static_cast<std::size_t>(n * rows));
+          const WeightMatrix* mats[] = {&a};
+          float* ys[] = {part.data()};
+          ASSERT_TRUE(model::matmul(mats, x.data() + 3 * cols, n, cols, ys,
+                                    int8_options(threads, tg))
+                          .is_ok());
+          ASSERT_EQ(0, std::memcmp(part.data(), all.data() + 3 * rows, part.size() * 4))
+              << n << " tokens, threads " << threads;
+        }
+      }
+    }
+  }
+}
+
+TEST(Int8Matmul, ExactIsTheDefaultAndModesParse) {
+  EXPECT_EQ(MatvecOptions{}.mode, MatmulMode::kExact);
+  EXPECT_EQ(*model::parse_matmul_mode("int8"), MatmulMode::kInt8);
+  EXPECT_EQ(*model::parse_matmul_mode("exact"), MatmulMode::kExact);
+  const auto bad = model::parse_matmul_mode("fast");
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().to_string().find("exact or int8"), std::string::npos);
+  EXPECT_EQ(model::matmul_mode_name(MatmulMode::kInt8), "int8");
+  // And the two modes do differ on a quantized type (the int8 path is not the float one).
+  std::mt19937_64 rng(2);
+  std::vector<uint8_t> s;
+  const WeightMatrix m = make_matrix(id(TensorType::kQ4_0), 8, 256, s, rng);
+  std::vector<float> x(256), ye(8), yi(8);
+  std::normal_distribution<float> nd;
+  for (auto& v : x) v = nd(rng);
+  const WeightMatrix* mats[] = {&m};
+  float* ye_[] = {ye.data()};
+  float* yi_[] = {yi.data()};
+  ASSERT_TRUE(model::matmul(mats, x.data(), 1, 256, ye_).is_ok());
+  ASSERT_TRUE(model::matmul(mats, x.data(), 1, 256, yi_, int8_options(1, {Isa::kAuto, true}))
+                  .is_ok());
+  EXPECT_NE(0, std::memcmp(ye.data(), yi.data(), 8 * 4));
+}
+
+#ifdef TREEATTN_LLAMA_REFERENCE
+// A tiny random-weight model (Q4_1, Q4_0, Q8_0 and float layers, tiny_llama.hpp) in int8 mode
+// against llama_reference.py (float64): the activation quantization's relative error is at most
+// 1/254 of each block's largest value per matmul input; over 3 layers of 7 matmuls with
+// random (incoherent) weights this stays well under the stated bound of 2e-2 of the largest
+// logit (measured: printed). The exact path's bound is 1e-5 (test_llama).
+TEST(Int8Model, TinyModelLogitsMatchTheFloat64ReferenceWithinTheInt8Bound) {
+  testing::ScratchDir dir;
+  testing::TinyLlamaSpec spec;
+  spec.seed = 29;
+  const std::string path = dir.path("tiny.gguf");
+  testing::GgufBuilder::write(path, testing::build_tiny_llama(spec));
+  auto m = model::LlamaModel::load(path);
+  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+  std::mt19937_64 rng(4);
+  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(spec.n_vocab - 1));
+  std::vector<int32_t> prompt(7), forced(8);
+  for (auto& t : prompt) t = tok(rng);
+  for (auto& t : forced) t = tok(rng);
+  std::vector<int32_t> all = prompt;
+  all.insert(all.end(), forced.begin(), forced.end());
+  std::string why;
+  auto ref = testing::run_reference(path, all, true, "none", dir.path("ref.f64"), &why);
+  if (!ref) GTEST_SKIP() << why;
+  const auto nv = static_cast<std::size_t>(spec.n_vocab);
+  ASSERT_EQ(ref->size(), all.size() * nv) << why;
+  double worst[2] = {0, 0};
+  for (const MatmulMode mode : {MatmulMode::kExact, MatmulMode::kInt8}) {
+    testing::GenCase c;
+    c.steps = static_cast<int>(forced.size());
+    c.forced = &forced;
+    c.matmul = mode;
+    const auto run = testing::run_generation(**m, 2, c, prompt);
+    ASSERT_TRUE(run.status.is_ok()) << run.status.to_string();
+    EXPECT_EQ(testing::ranks_agree(run), "");
+    for (std::size_t s = 0; s < run.logits[0].size(); ++s) {
+      const double* r = ref->data() + (prompt.size() - 1 + s) * nv;
+      double err = 0, mag = 0;
+      for (std::size_t i = 0; i < nv; ++i) {
+        err = std::max(err, std::fabs(run.logits[0][s][i] - r[i]));
+        mag = std::max(mag, std::fabs(r[i]));
+      }
+      worst[mode == MatmulMode::kInt8] = std::max(worst[mode == MatmulMode::kInt8], err / mag);
+    }
+  }
+  EXPECT_LE(worst[0], 1e-5);
+  EXPECT_LE(worst[1], 2e-2);
+  std::printf("[ reference ] tiny model, max relative logit error: exact %.2e (bound 1e-5), "
+              "int8 %.2e (bound 2e-2)\n",
+              worst[0], worst[1]);
+}
+#endif  // TREEATTN_LLAMA_REFERENCE
+
+// SmolLM2 (label real): int8 greedy tokens equal the exact path's on a prompt set; where they
+// part, the exact path's top two logits must be a near tie (gap < 0.5, printed), and the
+// comparison of that prompt ends there.
+TEST(Int8Real, GreedyTokensEqualTheExactPathExceptAtNearTies) {
+  TREEATTN_REQUIRE_REAL_MODEL(path);
+  auto m = model::LlamaModel::load(path);
+  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+  auto tok = Tokenizer::from_gguf((*m)->file());
+  ASSERT_TRUE(tok.is_ok()) << tok.status().to_string();
+  const std::vector<std::string> prompts = {
+      "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+      "The three primary colors are", "1, 2, 3, 4, 5,", "Water boils at a temperature of"};
+  const int steps = 16;
+  int equal = 0, ties = 0;
+  for (const std::string& p : prompts) {
+    auto ids = tok->encode(p);
+    ASSERT_TRUE(ids.is_ok());
+    testing::GenCase c;
+    c.steps = steps;
+    c.threads = 2;
+    c.matmul = MatmulMode::kExact;
+    const auto ex = testing::run_generation(**m, 1, c, *ids);
+    c.matmul = MatmulMode::kInt8;
+    const auto in = testing::run_generation(**m, 1, c, *ids);
+    ASSERT_TRUE(ex.status.is_ok()) << ex.status.to_string();
+    ASSERT_TRUE(in.status.is_ok()) << in.status.to_string();
+    for (int s = 0; s < steps; ++s) {
+      const int32_t a = ex.tokens[0][static_cast<std::size_t>(s)];
+      const int32_t b = in.tokens[0][static_cast<std::size_t>(s)];
+      const auto& l = ex.logits[0][static_cast<std::size_t>(s)];
+      if (a == b) {
+        ++equal;
+        continue;
+      }
+      const float gap = l[static_cast<std::size_t>(a)] - l[static_cast<std::size_t>(b)];
+      std::printf("[ near tie  ] \"%s\" step %d: exact %d, int8 %d, exact logit gap %.4f\n",
+                  p.c_str(), s, a, b, gap);
+      ++ties;
+      EXPECT_LT(gap, 0.5f) << "\"" << p << "\" step " << s;
+      break;
+    }
+  }
+  std::printf("[ greedy    ] %d tokens equal, %d prompts parted at a near tie\n", equal, ties);
+}
+
+}  // namespace
+}  // namespace treeattn
