@@ -72,8 +72,8 @@ struct DecodeFlags {
   Device device_kind = Device::kCpu;
 };
 
-// The layout run_interleaved will choose (workload.hpp): rows on a GPU, else tiled unless a
-// method reads rows.
+// The layout run_interleaved will choose (choose_kv_layout, strategy.hpp): rows on a GPU, else
+// tiled.
 std::string layout_label(const std::string& flag, const std::vector<std::string>& methods,
                          Device d) {
   if (flag != "auto") return flag;
@@ -418,9 +418,6 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
 
   // Under an existing mpirun/srun the job's world is used; --ranks, if given, must match it.
   f.ranks_given = sub.count("--ranks") > 0;
-  if (f.shape.kv_layout == "tiled")
-    if (auto l = choose_kv_layout(KVLayout::kTiled, MemorySpace::kHost, *methods); !l.is_ok())
-      return fail(cmd, invalid_argument("--kv-layout tiled: " + l.status().message()));
   if (started_by_mpi_launcher()) return run_job(cmd, f, methods.value(), bench);
 
   // Plain shell: every output path is checked before the first job starts.

@@ -49,19 +49,11 @@ struct VerifyFlags {
 };
 
 // The KV layout of one check: the flag's, or with auto the tiled layout on odd seeds and rows
-// on even ones, so that both are checked; strategies that read rows (ring-kv, tree-det) always
-// get rows.
-KVLayout check_layout(const std::string& flag, uint64_t seed, const std::string& method,
-                      Device device) {
+// on even ones, so that both are checked (every strategy reads both).
+KVLayout check_layout(const std::string& flag, uint64_t seed, Device device) {
   if (device == Device::kCuda) return KVLayout::kRows;  // device shards are rows
-  // auto alternates: the library's choice on odd seeds (tiled unless the method reads rows),
-  // rows on even ones; an explicit layout the method cannot read gives rows.
-  const KVLayout requested = flag != "auto" ? *parse_kv_layout(flag)
-                             : seed % 2 == 1 ? KVLayout::kAuto
-                                             : KVLayout::kRows;
-  const std::string names[] = {method};
-  auto layout = choose_kv_layout(requested, MemorySpace::kHost, names);
-  return layout.is_ok() ? *layout : KVLayout::kRows;
+  if (flag != "auto") return *parse_kv_layout(flag);
+  return seed % 2 == 1 ? KVLayout::kTiled : KVLayout::kRows;
 }
 
 // --save DIR (created now) and --json FILE, before any case runs.
@@ -256,7 +248,7 @@ int verify_job(VerifyFlags& f, const std::vector<std::string>& methods,
       rank_status_phase(fmt::format("verify: case seed {} method {}", c.seed, m));
       RunConfig rc = c.config;
       rc.strategy = m;
-      rc.kv_layout = check_layout(f.kv_layout, c.seed, m, f.device_kind);
+      rc.kv_layout = check_layout(f.kv_layout, c.seed, f.device_kind);
       rc.executor = dev.executor.get();  // null on the CPU: the CPU executor
       rc.device_comm = dev.comm.get();
       const std::string label = m + (rc.kv_layout == KVLayout::kTiled ? "/tiled" : "");
@@ -354,8 +346,7 @@ Runner add_verify_command(CLI::App& app, const Invocation& inv) {
                 "cases use contiguous placements only");
   sub->add_option("--json", f->json, "Write one record per check (error, ok, output_sha256)");
   sub->add_option("--kv-layout", f->kv_layout,
-                  "KV layout of the checks: auto (odd seeds tiled, even seeds rows), rows or tiled "
-                  "(ring-kv and tree-det always read rows)")
+                  "KV layout of the checks: auto (odd seeds tiled, even seeds rows), rows or tiled")
       ->capture_default_str();
   sub->add_option("--device", f->device,
                   "Where each rank runs the checks: cpu, or cuda (one GPU per rank, NCCL between "

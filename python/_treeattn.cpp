@@ -979,7 +979,6 @@ scale 0 means 1/sqrt(D); threads 0 means OpenMP's default, else 1..1024. Returns
             d["name"] = std::string(i->name);
             d["summary"] = std::string(i->summary);
             d["placement"] = placement;
-            d["reads_kv_rows"] = i->reads_kv_rows;
             d["reads_every_shard"] = i->reads_every_shard;
             d["holds_every_state"] = i->holds_every_state;
             d["rank_count_invariant"] = i->rank_count_invariant;
@@ -988,7 +987,7 @@ scale 0 means 1/sqrt(D); threads 0 means OpenMP's default, else 1..1024. Returns
           },
           py::arg("name"),
           "What the strategy's descriptor says (strategy.hpp StrategyInfo): placement ('any', "
-          "'contiguous' or 'all-on-root'), reads_kv_rows, reads_every_shard, holds_every_state, "
+          "'contiguous' or 'all-on-root'), reads_every_shard, holds_every_state, "
           "rank_count_invariant, listed. Unknown names raise InvalidArgumentError.")
       .def("__repr__", [](const PyComm& c) {
         if (!c.comm) return std::string("<treeattn.Comm (none)>");

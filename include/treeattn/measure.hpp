@@ -57,7 +57,7 @@ namespace measure {
 // Collective. Sets up one more strategy on the session's placement and shards and returns its
 // index. Every rank must agree on name and options (checked, with the configuration, when the
 // session checks agreement). `single` cannot join a session whose placement is not
-// ShardKind::kSingle; a strategy that reads rows (ring-kv, tree-det) cannot join the tiled layout.
+// ShardKind::kSingle.
 Result<int> add_strategy(DecodeSession& session, const std::string& name,
                          const StrategyOptions& options);
 

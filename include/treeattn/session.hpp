@@ -78,9 +78,8 @@ struct SessionConfig {
   int holder = 0;                     // ShardKind::kSingle
   int64_t reserve_tokens = 0;         // spare slots per row before a shard has to grow
   // How the shards store tokens (sharding.hpp): kAuto = the tiled layout the CPU kernel reads
-  // fastest, unless the executor is a device or the strategy walks rows itself (ring-kv,
-  // tree-det); config() reports the layout chosen. A session on the tiled layout refuses
-  // measure::add_strategy of a strategy that reads rows.
+  // fastest, unless the executor is a device (choose_kv_layout, strategy.hpp); config() reports
+  // the layout chosen. Every strategy reads both.
   KVLayout layout = KVLayout::kAuto;
   // A name from StrategyRegistry::for_backend(comm), or "auto": the planner's choice
   // (choose_strategy, cost_model.hpp) for this shape, dtype, plan_context and rank count on

@@ -39,10 +39,9 @@ enum class ShardKind : uint8_t { kEven, kUneven, kStriped, kExplicit, kSingle };
 //           every strategy and executor reads it, and device shards are always rows.
 //   tiled   the tiled layout of kv_tiles.hpp (TiledKVCache, host memory), which the CPU kernel
 //           reads near the memory limit (README, kernel roofline: 0.82-0.89 of the probe against
-//           0.54-0.61 for rows on one thread at 256k tokens). Strategies that walk rows
-//           themselves (StrategyInfo::reads_kv_rows: ring-kv, tree-det) cannot use it.
-//   auto    (DecodeSession only) tiled on a host executor when the session's strategy reads
-//           either layout, rows otherwise.
+//           0.54-0.61 for rows on one thread at 256k tokens). Every strategy reads it (ring-kv
+//           rotates tiles, tree-det copies its chunks' tokens out of them).
+//   auto    tiled on a host executor, rows on a device (choose_kv_layout, strategy.hpp).
 enum class KVLayout : uint8_t { kAuto, kRows, kTiled };
 inline std::string_view kv_layout_name(KVLayout layout) {
   switch (layout) {

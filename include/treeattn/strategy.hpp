@@ -106,10 +106,6 @@ enum class PlacementNeed : uint8_t {
 struct StrategyInfo {
   std::string_view name;
   std::string_view summary;
-  // The strategy walks the KV shard's rows itself (sends them, or cuts views out of them), so
-  // it needs KVLayout::kRows (sharding.hpp); the others only hand the whole shard to the
-  // executor's partial() and read either layout. choose_kv_layout() applies it.
-  bool reads_kv_rows = false;
   // The placement it needs; initial_plan() applies it.
   PlacementNeed placement = PlacementNeed::kAny;
   // Every rank runs the kernel over every rank's shard (ring-kv): one step reads the whole
@@ -153,9 +149,10 @@ class StrategyRegistry {
 std::string_view deterministic_strategy();
 
 // The KV layout a run of `strategies` (one shared placement) uses: `requested`, or for kAuto
-// the tiled layout on host memory and rows on a device's. InvalidArgument for an unknown
-// strategy, for tiled on device memory, and for tiled with a strategy that reads rows (named).
-// The one place this rule is written (the session, the measurement driver and the CLI ask it).
+// the tiled layout on host memory and rows on a device's. Every strategy reads both (ring-kv
+// rotates tiles on the tiled layout, tree-det copies the tokens of its chunks out of them).
+// InvalidArgument for an unknown strategy and for tiled on device memory. The one place this
+// rule is written (the session, the measurement driver and the CLI ask it).
 Result<KVLayout> choose_kv_layout(KVLayout requested, MemorySpace memory,
                                   std::span<const std::string> strategies);
 

@@ -146,25 +146,17 @@ Result<const StrategyInfo*> known_info(std::string_view name, const char* who) {
 
 Result<KVLayout> choose_kv_layout(KVLayout requested, MemorySpace memory,
                                   std::span<const std::string> strategies) {
-  const StrategyInfo* rows_reader = nullptr;
-  for (const std::string& name : strategies) {
-    auto info = known_info(name, "KV layout");
-    TREEATTN_RETURN_IF_ERROR(info.status());
-    if ((*info)->reads_kv_rows && rows_reader == nullptr) rows_reader = *info;
-  }
+  for (const std::string& name : strategies)
+    TREEATTN_RETURN_IF_ERROR(known_info(name, "KV layout").status());
   const bool host = memory == MemorySpace::kHost;
   switch (requested) {
     case KVLayout::kAuto:
-      return host && rows_reader == nullptr ? KVLayout::kTiled : KVLayout::kRows;
+      return host ? KVLayout::kTiled : KVLayout::kRows;
     case KVLayout::kRows:
       return KVLayout::kRows;
     case KVLayout::kTiled:
       if (!host)
         return invalid_argument("the tiled KV layout is for host memory; device shards are rows");
-      if (rows_reader != nullptr)
-        return invalid_argument("strategy " + std::string(rows_reader->name) +
-                                " reads the KV cache as rows and cannot run on the tiled layout "
-                                "(use the rows or auto layout)");
       return KVLayout::kTiled;
   }
   return invalid_argument("unknown KV layout");

@@ -11,7 +11,13 @@
 //
 // A shard travels as one metadata message (per batch row: length, global position of the first
 // token, context length; and the position stride) followed by one message per (batch row, KV
-// head) for K and one for V (and, for quantized dtypes, one each for their per-token scales). The
+// head) for K and one for V (and, for quantized dtypes, one each for their per-token scales).
+// On the tiled layout (kv_tiles.hpp) the tiles travel, not rows: per (batch row, KV head) its
+// first ceil(len / T) tiles, one message when tiles are records (K, V and scales in each, the
+// default), else K tiles, V tiles and the scales; the receive buffers are tiled caches of the
+// same geometry, and the kernel reads them as it reads the local shard. The last tile's unused
+// slots travel too (at most T - 1 tokens per row and head, and the records' 64-byte padding),
+// which the analytic model, counting rows, leaves out. The
 // positions travel with the data, so the causal limit for q_len > 1 is right on whichever rank
 // computes the shard; the receiver checks the lengths against the replicated plan. Receive buffers
 // are dense [batch][kv_heads][max_len][head_dim]; two are needed when p >= 3 (one is forwarded
@@ -32,6 +38,7 @@
 #include "strategies/common.hpp"
 #include "strategies/descriptor.hpp"
 #include "topology/cost_sim.hpp"
+#include "treeattn/kv_tiles.hpp"
 
 namespace treeattn::strategies {
 namespace {
@@ -56,7 +63,35 @@ struct ShardBuffer {
   Buffer k, v, k_scale, v_scale, meta;
   std::vector<int64_t> meta_host;  // [len[B], pos_start[B], total_len[B], pos_stride]
   int64_t max_len = 0;             // token slots per (batch, head)
+  TiledKVCache tiles;              // the tiled layout's receive buffer (host)
+  TiledKVShard tiled_view;         // the received shard, as the kernel reads it
 };
+
+// The byte ranges that hold the first n_tiles tiles of (b, h) in a tiled shard: one when tiles
+// are records (V and the scales inside each tile's stride from K), else the K tiles, the V
+// tiles and, quantized, the two scale arrays.
+struct TileSpan {
+  const uint8_t* at;
+  std::size_t bytes;
+};
+std::vector<TileSpan> tile_spans(const TiledKVShard& t, int64_t b, int64_t h, int64_t n_tiles,
+                                 bool quant) {
+  const auto* k = static_cast<const uint8_t*>(t.k);
+  const auto* v = static_cast<const uint8_t*>(t.v);
+  const int64_t base = b * t.batch_stride + h * t.head_stride;
+  const auto bytes = static_cast<std::size_t>(n_tiles * t.tile_stride);
+  if (v >= k && v - k < t.tile_stride) return {{k + base, bytes}};
+  std::vector<TileSpan> s = {{k + base, bytes}, {v + base, bytes}};
+  if (quant) {
+    const int64_t sbase = b * t.scale_batch_stride + h * t.scale_head_stride;
+    const auto sbytes = static_cast<std::size_t>(n_tiles * t.scale_tile_stride) * sizeof(float);
+    s.push_back({reinterpret_cast<const uint8_t*>(t.k_scale + sbase), sbytes});
+    s.push_back({reinterpret_cast<const uint8_t*>(t.v_scale + sbase), sbytes});
+  }
+  return s;
+}
+
+int64_t tiles_for(int64_t len, int64_t tile_tokens) { return (len + tile_tokens - 1) / tile_tokens; }
 
 class RingKV final : public StrategyBase {
  public:
@@ -68,19 +103,17 @@ class RingKV final : public StrategyBase {
     const int64_t B = shape_.batch, H = shape_.kv_heads, D = shape_.head_dim;
     const std::size_t es = dtype_size(dtype_);
     const bool quant = dtype_is_quantized(dtype_);
-    if (local.tiled != nullptr)
-      return invalid_argument(who() + "ring-kv sends its shard's rows; the shard is in the tiled "
-                                      "layout (create the session with KVLayout::kRows)");
+    const bool tiled = local.tiled != nullptr;
     if (local.dtype != dtype_)
       return invalid_argument(who() + "ring-kv: local shard dtype " +
                               std::string(dtype_name(local.dtype)) + " differs from the run's " +
                               std::string(dtype_name(dtype_)));
-    if (plan.total_tokens(r) > 0 && local.stride_token != D)
+    if (!tiled && plan.total_tokens(r) > 0 && local.stride_token != D)
       return unsupported(who() +
                          "ring-kv sends tokens as contiguous rows and needs a token "
                          "stride equal to head_dim (" +
                          std::to_string(D) + "), got " + std::to_string(local.stride_token));
-    if (quant && plan.total_tokens(r) > 0 && local.scale_stride_token != 1)
+    if (!tiled && quant && plan.total_tokens(r) > 0 && local.scale_stride_token != 1)
       return unsupported(who() +
                          "ring-kv sends scales as contiguous rows and needs a scale "
                          "token stride of 1, got " +
@@ -91,9 +124,11 @@ class RingKV final : public StrategyBase {
     for (int o = 0; o < p; ++o)
       if (o != r) max_len = std::max(max_len, plan.max_len(o));
     const int nbuf = p >= 3 ? 2 : (p == 2 ? 1 : 0);
-    const auto buf_bytes = static_cast<std::size_t>(B * H * max_len * D) * es;
-    const auto scale_bytes = quant ? static_cast<std::size_t>(B * H * max_len) * sizeof(float) : 0;
+    const auto buf_bytes = tiled ? 0 : static_cast<std::size_t>(B * H * max_len * D) * es;
+    const auto scale_bytes =
+        quant && !tiled ? static_cast<std::size_t>(B * H * max_len) * sizeof(float) : 0;
     const std::size_t meta_bytes = shard_meta_bytes(B);
+    std::size_t tile_bytes = 0;
     for (int i = 0; i < nbuf; ++i) {
       ShardBuffer& sb = bufs_[i];
       sb.max_len = max_len;
@@ -103,11 +138,15 @@ class RingKV final : public StrategyBase {
       TREEATTN_RETURN_IF_ERROR(ensure(sb.v_scale, scale_bytes));
       TREEATTN_RETURN_IF_ERROR(ensure(sb.meta, meta_bytes));
       sb.meta_host.assign(static_cast<std::size_t>(3 * B + 1), 0);
+      if (tiled) {
+        TREEATTN_RETURN_IF_ERROR(ensure_tiles(sb, *local.tiled, max_len));
+        tile_bytes += sb.tiles.bytes();
+      }
     }
     TREEATTN_RETURN_IF_ERROR(ensure(partials_, static_cast<std::size_t>(p) * state_bytes()));
     TREEATTN_RETURN_IF_ERROR(ensure(piece_, state_bytes()));
     TREEATTN_RETURN_IF_ERROR(ensure(own_meta_, meta_bytes));
-    note_buffers(2 * (buf_bytes + scale_bytes) * static_cast<std::size_t>(nbuf) +
+    note_buffers(tile_bytes + 2 * (buf_bytes + scale_bytes) * static_cast<std::size_t>(nbuf) +
                  static_cast<std::size_t>(p + 1) * state_bytes() +
                  static_cast<std::size_t>(nbuf + 1) * meta_bytes);
 
@@ -133,7 +172,7 @@ class RingKV final : public StrategyBase {
         const int recv_origin = ((r - k - 1) % p + p) % p;
         // Receives first, then sends, in the same (meta, per (b, h): K, V, scales) order on
         // both sides, decided by the replicated plan.
-        TREEATTN_RETURN_IF_ERROR(post_recv(*nxt, plan, recv_origin, prev, reqs));
+        TREEATTN_RETURN_IF_ERROR(post_recv(*nxt, plan, recv_origin, prev, reqs, tiled));
         TREEATTN_RETURN_IF_ERROR(post_send(cur, *cur_meta, next, reqs));
       }
       TREEATTN_RETURN_IF_ERROR(compute(q, cur, partial(origin), reqs));
@@ -143,7 +182,7 @@ class RingKV final : public StrategyBase {
         TREEATTN_RETURN_IF_ERROR(
             exec_->to_host(nxt->meta_host.data(), nxt->meta.data(), meta_bytes));
         TREEATTN_RETURN_IF_ERROR(check_meta(*nxt, plan, recv_origin));
-        cur = buffer_view(*nxt);
+        cur = tiled ? tiled_buffer_view(*nxt) : buffer_view(*nxt);
         cur_meta = &nxt->meta;
       }
     }
@@ -161,12 +200,26 @@ class RingKV final : public StrategyBase {
   }
 
   Status post_recv(ShardBuffer& buf, const ShardPlan& plan, int origin, int from,
-                   std::vector<CommRequest>& reqs) {
+                   std::vector<CommRequest>& reqs, bool tiled) {
     auto m = comm_->irecv(buf.meta.data(), buf.meta_host.size() * sizeof(int64_t), from, kTagMeta);
     TREEATTN_RETURN_IF_ERROR(m.status());
     reqs.push_back(*m);
     const int64_t H = shape_.kv_heads;
     const bool quant = dtype_is_quantized(dtype_);
+    if (tiled) {
+      const TiledKVShard t = buf.tiles.view({}, {}, {});
+      for (int64_t b = 0; b < shape_.batch; ++b) {
+        const int64_t n = tiles_for(plan.len(origin, b), t.tile_tokens);
+        for (int64_t h = 0; n > 0 && h < H; ++h)
+          for (const TileSpan& s : tile_spans(t, b, h, n, quant)) {
+            // The receive buffer is ours (a view hands out const pointers).
+            auto rq = comm_->irecv(const_cast<uint8_t*>(s.at), s.bytes, from, kTagData);
+            TREEATTN_RETURN_IF_ERROR(rq.status());
+            reqs.push_back(*rq);
+          }
+      }
+      return Status::ok();
+    }
     for (int64_t b = 0; b < shape_.batch; ++b) {
       const int64_t len = plan.len(origin, b);
       if (len == 0) continue;
@@ -198,6 +251,19 @@ class RingKV final : public StrategyBase {
     const int64_t H = shape_.kv_heads;
     const std::size_t es = dtype_size(dtype_);
     const bool quant = dtype_is_quantized(dtype_);
+    if (kv.tiled != nullptr) {
+      const TiledKVShard& t = *kv.tiled;
+      for (int64_t b = 0; b < shape_.batch; ++b) {
+        const int64_t n = tiles_for(kv.len[static_cast<std::size_t>(b)], t.tile_tokens);
+        for (int64_t h = 0; n > 0 && h < H; ++h)
+          for (const TileSpan& s : tile_spans(t, b, h, n, quant)) {
+            auto sq = comm_->isend(s.at, s.bytes, to, kTagData);
+            TREEATTN_RETURN_IF_ERROR(sq.status());
+            reqs.push_back(*sq);
+          }
+      }
+      return Status::ok();
+    }
     for (int64_t b = 0; b < shape_.batch; ++b) {
       const int64_t len = kv.len[static_cast<std::size_t>(b)];
       if (len == 0) continue;
@@ -261,6 +327,42 @@ class RingKV final : public StrategyBase {
     return s;
   }
 
+  // A tiled receive buffer of the local shard's geometry with room for max_len tokens.
+  Status ensure_tiles(ShardBuffer& sb, const TiledKVShard& local, int64_t max_len) const {
+    const AttnShape& have = sb.tiles.shape();
+    if (sb.tiles.bytes() == 0 || sb.tiles.capacity() < max_len ||
+        sb.tiles.tile_tokens() != local.tile_tokens || sb.tiles.dtype() != dtype_ ||
+        have.batch != shape_.batch || have.kv_heads != shape_.kv_heads ||
+        have.head_dim != shape_.head_dim) {
+      auto c = TiledKVCache::create(shape_, dtype_, max_len, kKVTileLayout, local.tile_tokens);
+      TREEATTN_RETURN_IF_ERROR(c.status());
+      sb.tiles = std::move(*c);
+    }
+    const TiledKVShard t = sb.tiles.view({}, {}, {});
+    if (t.tile_stride != local.tile_stride)
+      return unsupported(who() + "ring-kv: the tiled shard's tile geometry (" +
+                         std::to_string(local.tile_stride) +
+                         " bytes per tile) is not the library's default; ring-kv sends tiles "
+                         "into caches of the default geometry");
+    return Status::ok();
+  }
+
+  KVShard tiled_buffer_view(ShardBuffer& buf) const {
+    const auto B = static_cast<std::size_t>(shape_.batch);
+    const std::span<const int64_t> m(buf.meta_host);
+    buf.tiled_view = buf.tiles.view(m.subspan(0, B), m.subspan(B, B), m.subspan(2 * B, B),
+                                    buf.meta_host[3 * B]);
+    KVShard s;
+    s.dtype = dtype_;
+    s.memory = MemorySpace::kHost;
+    s.len = buf.tiled_view.len;
+    s.pos_start = buf.tiled_view.pos_start;
+    s.total_len = buf.tiled_view.total_len;
+    s.pos_stride = buf.tiled_view.pos_stride;
+    s.tiled = &buf.tiled_view;
+    return s;
+  }
+
   // The partial of the query against kv, in pieces of token slots with transfers driven
   // between pieces. The cut depends only on the shard's lengths, so every rank computes the
   // same partial of the same shard bit for bit.
@@ -268,7 +370,9 @@ class RingKV final : public StrategyBase {
                  const std::vector<CommRequest>& reqs) {
     int64_t longest = 0;
     for (int64_t v : kv.len) longest = std::max(longest, v);
-    const int64_t piece = std::max(kMinPiece, (longest + kMaxPieces - 1) / kMaxPieces);
+    int64_t piece = std::max(kMinPiece, (longest + kMaxPieces - 1) / kMaxPieces);
+    if (kv.tiled != nullptr)  // whole tiles
+      piece = tiles_for(piece, kv.tiled->tile_tokens) * kv.tiled->tile_tokens;
     if (longest <= piece) return local_partial(q, kv, dst);
     TREEATTN_RETURN_IF_ERROR(exec_->set_empty(dst, records(), head_dim()));
     const auto B = static_cast<std::size_t>(shape_.batch);
@@ -281,6 +385,26 @@ class RingKV final : public StrategyBase {
         piece_pos_[b] = kv.pos_start[b] + j0 * kv.pos_stride;
       }
       KVShard part = kv;
+      if (kv.tiled != nullptr) {
+        const TiledKVShard& t = *kv.tiled;
+        const int64_t tile0 = j0 / t.tile_tokens;
+        piece_tiled_ = t;
+        piece_tiled_.k = static_cast<const uint8_t*>(t.k) + tile0 * t.tile_stride;
+        piece_tiled_.v = static_cast<const uint8_t*>(t.v) + tile0 * t.tile_stride;
+        if (t.k_scale) {
+          piece_tiled_.k_scale = t.k_scale + tile0 * t.scale_tile_stride;
+          piece_tiled_.v_scale = t.v_scale + tile0 * t.scale_tile_stride;
+        }
+        piece_tiled_.len = piece_len_;
+        piece_tiled_.pos_start = piece_pos_;
+        part.tiled = &piece_tiled_;
+        part.len = piece_len_;
+        part.pos_start = piece_pos_;
+        TREEATTN_RETURN_IF_ERROR(local_partial(q, part, piece_.as<float>()));
+        TREEATTN_RETURN_IF_ERROR(exec_->merge(dst, piece_.as<float>(), records(), head_dim()));
+        if (!reqs.empty()) TREEATTN_RETURN_IF_ERROR(comm_->test_all(reqs).status());
+        continue;
+      }
       const auto off = static_cast<std::size_t>(j0 * kv.stride_token) * es;
       part.k = static_cast<const uint8_t*>(kv.k) + off;
       part.v = static_cast<const uint8_t*>(kv.v) + off;
@@ -301,6 +425,7 @@ class RingKV final : public StrategyBase {
   ShardBuffer bufs_[2];
   Buffer own_meta_, partials_, piece_;
   std::vector<int64_t> piece_len_, piece_pos_;
+  TiledKVShard piece_tiled_;  // compute(): one piece of a tiled shard
 };
 
 std::unique_ptr<Strategy> make_ring_kv(const StrategyOptions& o) {
@@ -368,7 +493,6 @@ double extra_kv_caches(int ranks) { return ranks >= 3 ? 2.0 : (ranks == 2 ? 1.0 
 constinit const StrategyDescriptor kRingKVDescriptor{
     .info = {.name = "ring-kv",
              .summary = "KV shards rotate around the ring, overlapped with local attention",
-             .reads_kv_rows = true,
              .reads_every_shard = true,
              .holds_every_state = true},
     .create = make_ring_kv,

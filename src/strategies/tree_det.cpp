@@ -22,6 +22,11 @@
 // identically. The placement must be contiguous (even, uneven, explicit, single): with striped
 // placement no rank holds a whole chunk, and the strategy says so.
 //
+// The tiled layout (kv_tiles.hpp): the leaves are the rows kernel's partials of the same chunks,
+// so the bits do not depend on the layout either. The tokens a step reads are copied out of the
+// tiles into rows, kGroup chunks at a time (a buffer of kGroup chunks, not a copy of the shard),
+// and the boundary tokens are sent from such copies.
+//
 // Cost per step and rank: the kernel over its tokens (kChunk-token calls), the boundary tokens
 // (< kChunk per rank and row, K and V, plus scales for quantized dtypes), and one all-gather of
 // p x max-roots state blocks (a few state records per rank instead of tree's one allreduce).
@@ -35,11 +40,13 @@
 #include "strategies/common.hpp"
 #include "strategies/descriptor.hpp"
 #include "topology/cost_sim.hpp"
+#include "treeattn/kv_tiles.hpp"
 
 namespace treeattn::strategies {
 namespace {
 
 constexpr int64_t kChunk = 256;  // tokens per leaf, aligned on global positions
+constexpr int64_t kGroup = 16;   // tiled layout: chunks copied into rows per kernel call
 constexpr int kTagBoundary = 700;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -94,10 +101,6 @@ class TreeDet final : public StrategyBase {
 
   Status run(const float* q, const KVShard& local, const ShardPlan& plan, float* out) override {
     TREEATTN_RETURN_IF_ERROR(check_plan(plan));
-    if (local.tiled != nullptr)
-      return invalid_argument(who() + "tree-det cuts 256-token chunks out of its shard's rows; "
-                                      "the shard is in the tiled layout (create the session with "
-                                      "KVLayout::kRows)");
     const int p = comm_->size(), me = comm_->rank();
     const int64_t B = shape_.batch, Hkv = shape_.kv_heads, D = shape_.head_dim;
     const std::size_t D_ = head_dim(), row_recs = row_records(), row_floats = row_recs * rec_floats();
@@ -133,20 +136,28 @@ class TreeDet final : public StrategyBase {
           TREEATTN_RETURN_IF_ERROR(post(reqs, comm_->irecv(bvs_.as<uint8_t>() + soff, sn, src, kTagBoundary)));
         }
       }
-    // Sends: my head tokens (before my first chunk start) to the owner of their chunk.
+    // Sends: my head tokens (before my first chunk start) to the owner of their chunk (on the
+    // tiled layout from a rows copy per row, kept until the sends complete).
+    if (local.tiled != nullptr && head_rows_.size() < static_cast<std::size_t>(B))
+      head_rows_.resize(static_cast<std::size_t>(B));
     for (int64_t b = 0; b < B; ++b) {
       const Piece pc = piece(plan, me, b);
       if (pc.len == 0 || pc.owner == me) continue;
+      auto rows = rows_of(local, b, 0, pc.len, head_rows_.empty() ? nullptr : &head_rows_[static_cast<std::size_t>(b)]);
+      TREEATTN_RETURN_IF_ERROR(rows.status());
+      const KVShard& src = rows->kv;
       for (int64_t h = 0; h < Hkv; ++h) {
-        const auto off = static_cast<std::size_t>(b * local.stride_batch + h * local.stride_head) * es;
+        const auto off = static_cast<std::size_t>(rows->b * src.stride_batch + h * src.stride_head +
+                                                  rows->slot0 * src.stride_token) * es;
         const std::size_t n = static_cast<std::size_t>(pc.len * D) * es;
-        TREEATTN_RETURN_IF_ERROR(post(reqs, comm_->isend(static_cast<const uint8_t*>(local.k) + off, n, pc.owner, kTagBoundary)));
-        TREEATTN_RETURN_IF_ERROR(post(reqs, comm_->isend(static_cast<const uint8_t*>(local.v) + off, n, pc.owner, kTagBoundary)));
+        TREEATTN_RETURN_IF_ERROR(post(reqs, comm_->isend(static_cast<const uint8_t*>(src.k) + off, n, pc.owner, kTagBoundary)));
+        TREEATTN_RETURN_IF_ERROR(post(reqs, comm_->isend(static_cast<const uint8_t*>(src.v) + off, n, pc.owner, kTagBoundary)));
         if (!quant) continue;
-        const auto soff = static_cast<std::size_t>(b * local.scale_stride_batch + h * local.scale_stride_head);
+        const auto soff = static_cast<std::size_t>(rows->b * src.scale_stride_batch + h * src.scale_stride_head +
+                                                   rows->slot0 * src.scale_stride_token);
         const std::size_t sn = static_cast<std::size_t>(pc.len) * sizeof(float);
-        TREEATTN_RETURN_IF_ERROR(post(reqs, comm_->isend(local.k_scale + soff, sn, pc.owner, kTagBoundary)));
-        TREEATTN_RETURN_IF_ERROR(post(reqs, comm_->isend(local.v_scale + soff, sn, pc.owner, kTagBoundary)));
+        TREEATTN_RETURN_IF_ERROR(post(reqs, comm_->isend(src.k_scale + soff, sn, pc.owner, kTagBoundary)));
+        TREEATTN_RETURN_IF_ERROR(post(reqs, comm_->isend(src.v_scale + soff, sn, pc.owner, kTagBoundary)));
       }
     }
     // My own tokens of my boundary chunk go to the front of the buffer.
@@ -155,23 +166,26 @@ class TreeDet final : public StrategyBase {
       if (rg.k1 <= rg.k0 || !crosses(plan, me, b, rg.k1 - 1)) continue;
       const int64_t first = (rg.k1 - 1) * kChunk - plan.pos_start(me, b);  // local slot
       const int64_t n = plan.pos_start(me, b) + plan.len(me, b) - (rg.k1 - 1) * kChunk;
+      auto rows = rows_of(local, b, first, n, &tail_rows_);
+      TREEATTN_RETURN_IF_ERROR(rows.status());
+      const KVShard& src_kv = rows->kv;
+      if (src_kv.stride_token != D)
+        return unsupported(who() + "tree-det needs a token stride equal to head_dim");
       for (int64_t h = 0; h < Hkv; ++h) {
-        const auto src = static_cast<std::size_t>(b * local.stride_batch + h * local.stride_head +
-                                                  first * local.stride_token) * es;
+        const auto src = static_cast<std::size_t>(rows->b * src_kv.stride_batch + h * src_kv.stride_head +
+                                                  rows->slot0 * src_kv.stride_token) * es;
         const std::size_t dst = static_cast<std::size_t>(b) * chunk_bytes +
                                 static_cast<std::size_t>(h * kChunk * D) * es;
         const std::size_t bytes = static_cast<std::size_t>(n * D) * es;
-        if (local.stride_token != D)
-          return unsupported(who() + "tree-det needs a token stride equal to head_dim");
-        TREEATTN_RETURN_IF_ERROR(exec_->copy(bk_.as<uint8_t>() + dst, static_cast<const uint8_t*>(local.k) + src, bytes));
-        TREEATTN_RETURN_IF_ERROR(exec_->copy(bv_.as<uint8_t>() + dst, static_cast<const uint8_t*>(local.v) + src, bytes));
+        TREEATTN_RETURN_IF_ERROR(exec_->copy(bk_.as<uint8_t>() + dst, static_cast<const uint8_t*>(src_kv.k) + src, bytes));
+        TREEATTN_RETURN_IF_ERROR(exec_->copy(bv_.as<uint8_t>() + dst, static_cast<const uint8_t*>(src_kv.v) + src, bytes));
         if (!quant) continue;
-        const auto ssrc = static_cast<std::size_t>(b * local.scale_stride_batch + h * local.scale_stride_head +
-                                                   first * local.scale_stride_token);
+        const auto ssrc = static_cast<std::size_t>(rows->b * src_kv.scale_stride_batch + h * src_kv.scale_stride_head +
+                                                   rows->slot0 * src_kv.scale_stride_token);
         const std::size_t sdst = static_cast<std::size_t>(b) * chunk_scale_bytes +
                                  static_cast<std::size_t>(h * kChunk) * sizeof(float);
-        TREEATTN_RETURN_IF_ERROR(exec_->copy(bks_.as<uint8_t>() + sdst, local.k_scale + ssrc, static_cast<std::size_t>(n) * sizeof(float)));
-        TREEATTN_RETURN_IF_ERROR(exec_->copy(bvs_.as<uint8_t>() + sdst, local.v_scale + ssrc, static_cast<std::size_t>(n) * sizeof(float)));
+        TREEATTN_RETURN_IF_ERROR(exec_->copy(bks_.as<uint8_t>() + sdst, src_kv.k_scale + ssrc, static_cast<std::size_t>(n) * sizeof(float)));
+        TREEATTN_RETURN_IF_ERROR(exec_->copy(bvs_.as<uint8_t>() + sdst, src_kv.v_scale + ssrc, static_cast<std::size_t>(n) * sizeof(float)));
       }
     }
     TREEATTN_RETURN_IF_ERROR(comm_->wait_all(reqs));
@@ -202,8 +216,10 @@ class TreeDet final : public StrategyBase {
       const Range rg = owned_chunks(plan, me, b);
       const auto n_leaves = static_cast<std::size_t>(rg.k1 - rg.k0);
       TREEATTN_RETURN_IF_ERROR(ensure(leaves_, n_leaves * slot_floats * sizeof(float)));
+      std::size_t copies = copy_bytes(tail_rows_) + copy_bytes(group_rows_);
+      for (const RowsCopy& c : head_rows_) copies += copy_bytes(c);
       note_buffers(bk_.bytes() + bv_.bytes() + bks_.bytes() + bvs_.bytes() + roots_.bytes() +
-                   all_roots_.bytes() + leaves_.bytes());
+                   all_roots_.bytes() + leaves_.bytes() + copies);
       TREEATTN_RETURN_IF_ERROR(leaves(q, local, plan, b, rg, leaves_.as<float>()));
       // Each aligned block reduced in place along the canonical tree: at width w, leaf i absorbs
       // leaf i + w/2 for i a multiple of w (the perfect binary tree over the block).
@@ -311,7 +327,25 @@ class TreeDet final : public StrategyBase {
     const float* qb = q + static_cast<std::size_t>(b * shape_.q_len * shape_.heads * shape_.head_dim);
     const std::size_t slot_floats = row_records() * rec_floats();
     leaf_total_ = {N};
-    if (inner_end > rg.k0) {
+    if (inner_end > rg.k0 && local.tiled != nullptr) {
+      // Tiles: kGroup chunks at a time copied into rows, the same partials chunk by chunk.
+      for (int64_t k0 = rg.k0; k0 < inner_end; k0 += kGroup) {
+        const int64_t k1 = std::min(inner_end, k0 + kGroup);
+        const int64_t start = k0 * kChunk, end = std::min(k1 * kChunk, N);
+        auto rows = rows_of(local, b, start - plan.pos_start(me, b), end - start, &group_rows_);
+        TREEATTN_RETURN_IF_ERROR(rows.status());
+        KVShard v = rows->kv;
+        leaf_len_ = {end - start};
+        leaf_pos_ = {start};
+        v.len = leaf_len_;
+        v.pos_start = leaf_pos_;
+        v.total_len = leaf_total_;
+        v.pos_stride = 1;
+        TREEATTN_RETURN_IF_ERROR(exec_->partial_chunks(
+            one, qb, v, kChunk, dst + static_cast<std::size_t>(k0 - rg.k0) * slot_floats,
+            options_.kernel));
+      }
+    } else if (inner_end > rg.k0) {
       const int64_t start = rg.k0 * kChunk;
       const int64_t end = std::min(inner_end * kChunk, N);
       const int64_t slot = start - plan.pos_start(me, b);
@@ -360,6 +394,73 @@ class TreeDet final : public StrategyBase {
     return exec_->partial_chunks(one, qb, v, kChunk, last, options_.kernel);
   }
 
+  // Rows of one batch row copied out of a tiled shard: K and V [kv_heads][n][head_dim] (the
+  // dtype's codes), and for quantized dtypes their scales [kv_heads][n].
+  struct RowsCopy {
+    Buffer k, v, k_scale, v_scale;
+  };
+  static std::size_t copy_bytes(const RowsCopy& c) {
+    return c.k.bytes() + c.v.bytes() + c.k_scale.bytes() + c.v_scale.bytes();
+  }
+  // Slots [slot0, slot0 + n) of row b of `local` as rows: the shard itself on the rows layout
+  // (row b, starting at slot0), a copy into `copy` on the tiled layout (its row 0, slot 0).
+  struct RowsView {
+    KVShard kv;
+    int64_t b = 0, slot0 = 0;
+  };
+  Result<RowsView> rows_of(const KVShard& local, int64_t b, int64_t slot0, int64_t n,
+                           RowsCopy* copy) {
+    if (local.tiled == nullptr) return RowsView{local, b, slot0};
+    const TiledKVShard& t = *local.tiled;
+    const int64_t H = shape_.kv_heads, D = shape_.head_dim, T = t.tile_tokens;
+    const int64_t P = kv_tile_panel(T);
+    const std::size_t es = dtype_size(dtype_);
+    const bool quant = dtype_is_quantized(dtype_);
+    const auto n_elems = static_cast<std::size_t>(H * std::max<int64_t>(n, 1) * D);
+    TREEATTN_RETURN_IF_ERROR(ensure(copy->k, n_elems * es));
+    TREEATTN_RETURN_IF_ERROR(ensure(copy->v, n_elems * es));
+    const auto n_scales = quant ? static_cast<std::size_t>(H * std::max<int64_t>(n, 1)) : 0;
+    TREEATTN_RETURN_IF_ERROR(ensure(copy->k_scale, n_scales * sizeof(float)));
+    TREEATTN_RETURN_IF_ERROR(ensure(copy->v_scale, n_scales * sizeof(float)));
+    auto* kd = copy->k.as<uint8_t>();
+    auto* vd = copy->v.as<uint8_t>();
+    const auto* ks = static_cast<const uint8_t*>(t.k);
+    const auto* vs = static_cast<const uint8_t*>(t.v);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t slot = slot0 + j, tile = slot / T, l = slot % T;
+        const int64_t base = b * t.batch_stride + h * t.head_stride + tile * t.tile_stride;
+        uint8_t* krow = kd + static_cast<std::size_t>((h * n + j) * D) * es;
+        const uint8_t* kpanel = ks + base + static_cast<std::size_t>((l / P) * D * P + l % P) * es;
+        for (int64_t d = 0; d < D; ++d)  // K is transposed in panels: element d every P
+          std::memcpy(krow + static_cast<std::size_t>(d) * es,
+                      kpanel + static_cast<std::size_t>(d * P) * es, es);
+        std::memcpy(vd + static_cast<std::size_t>((h * n + j) * D) * es,
+                    vs + base + static_cast<std::size_t>(l * D) * es, static_cast<std::size_t>(D) * es);
+        if (!quant) continue;
+        const int64_t s = b * t.scale_batch_stride + h * t.scale_head_stride +
+                          tile * t.scale_tile_stride + l;
+        copy->k_scale.as<float>()[h * n + j] = t.k_scale[s];
+        copy->v_scale.as<float>()[h * n + j] = t.v_scale[s];
+      }
+    RowsView r;
+    r.kv.dtype = dtype_;
+    r.kv.memory = MemorySpace::kHost;
+    r.kv.k = kd;
+    r.kv.v = vd;
+    r.kv.stride_token = D;
+    r.kv.stride_head = n * D;
+    r.kv.stride_batch = H * n * D;
+    if (quant) {
+      r.kv.k_scale = copy->k_scale.as<float>();
+      r.kv.v_scale = copy->v_scale.as<float>();
+      r.kv.scale_stride_token = 1;
+      r.kv.scale_stride_head = n;
+      r.kv.scale_stride_batch = H * n;
+    }
+    return r;
+  }
+
   // Node [lo, lo + size) of the canonical tree from the ranks' subtree roots.
   Status top_of_tree(const std::vector<std::pair<Block, const float*>>& found, int64_t lo,
                      int64_t size, float* dst) {
@@ -380,6 +481,8 @@ class TreeDet final : public StrategyBase {
   }
 
   Buffer bk_, bv_, bks_, bvs_, roots_, all_roots_, leaves_;
+  std::vector<RowsCopy> head_rows_;  // tiled layout: the head tokens sent, per row
+  RowsCopy tail_rows_, group_rows_;  // tiled layout: a boundary chunk's own part, kGroup chunks
   std::vector<int64_t> leaf_len_, leaf_pos_, leaf_total_;
 };
 
@@ -449,7 +552,6 @@ constinit const StrategyDescriptor kTreeDetDescriptor{
     .info = {.name = "tree-det",
              .summary = "deterministic: the same bits for any rank count, placement and thread "
                         "count (canonical tree over 256-token chunks)",
-             .reads_kv_rows = true,
              .placement = PlacementNeed::kContiguous,
              .holds_every_state = true,
              .rank_count_invariant = true,

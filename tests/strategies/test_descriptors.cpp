@@ -359,6 +359,7 @@ TEST(Descriptors, PointToPointBytesAreCountedExactlyForEveryDtype) {
           cfg.total_len = {301, 77};
           cfg.shard = kind;
           cfg.options.kernel.threads = 1;
+          cfg.kv_layout = KVLayout::kRows;  // the model counts rows (ring-kv sends whole tiles)
           if (cfg.strategy == "single") cfg.options.root = p - 1;  // one message from rank 0
           const std::string label = std::string(strategy) + " " + std::string(dtype_name(dtype)) +
                                     " " + std::string(shard_kind_name(kind)) +

@@ -16,7 +16,8 @@
 // serves every dtype), and for all-rank delivery every rank's states are byte-identical to that
 // rank's: so every rank matches the oracle, with the same bits. Strategies that only send
 // point-to-point messages (ring-kv, ring-state) must also count exactly the bytes the analytic
-// model says each rank sends. The oracle is computed once per case and step (it does not depend
+// model says each rank sends (ring-kv runs twice: tiles rotate on the default layout, rows on
+// KVLayout::kRows, where the bytes are checked). The oracle is computed once per case and step (it does not depend
 // on the rank count or the strategy).
 //
 // The ranks' kernels run one thread each (options.kernel.threads = 1), so results do not depend
@@ -132,6 +133,12 @@ std::vector<Variant> variants_of(const RunConfig& base, const StrategyRegistry& 
     v.config.strategy = std::string(info.name);
     v.label = v.config.strategy;
     out.push_back(v);
+    if (info.reads_every_shard) {  // ring-kv: tiles rotate (auto layout above); rows too
+      Variant r = v;
+      r.config.kv_layout = KVLayout::kRows;
+      r.label = v.label + " rows";
+      out.push_back(r);
+    }
     if (info.name == "hier") {
       Variant h = v;  // explicit grouping: two ranks per node, fan-out 3
       for (int r = 0; r < p; ++r) h.config.options.node_of_rank.push_back(r / 2);
@@ -210,8 +217,11 @@ TEST_P(StrategiesLocal, EveryStrategyMatchesTheOracleWithTheSameBitsOnEveryRank)
                             << "'s states differ from rank " << holder << "'s";
         }
       }
-      // Point-to-point strategies: the counted bytes are the model's, on every rank.
-      if ((cfg.strategy == "ring-kv" || cfg.strategy == "ring-state") && p > 1)
+      // Point-to-point strategies: the counted bytes are the model's, on every rank (ring-kv
+      // on rows: on tiles it sends whole tiles, more than the model's rows).
+      if (((cfg.strategy == "ring-kv" && cfg.kv_layout == KVLayout::kRows) ||
+           cfg.strategy == "ring-state") &&
+          p > 1)
         for (int r = 0; r < p; ++r) {
           const RunReport& rep = *reports[static_cast<std::size_t>(r)];
           EXPECT_EQ(static_cast<double>(rep.steps[0].p2p_bytes), rep.model.bytes_sent)
@@ -221,7 +231,59 @@ TEST_P(StrategiesLocal, EveryStrategyMatchesTheOracleWithTheSameBitsOnEveryRank)
         }
     }
   }
-  EXPECT_EQ(runs, 9 * static_cast<int>(registry.list().size() + 2)) << "cases x variants";
+  EXPECT_EQ(runs, 9 * static_cast<int>(registry.list().size() + 3)) << "cases x variants";
+}
+
+// ring-kv on the tiled layout with what the cases above do not have: quantized KV (the scales
+// travel inside the tile records), shards long enough to be computed in several pieces of whole
+// tiles, and ranks without tokens; at 1-8 ranks, every rank the same bits, within the oracle's
+// tolerance.
+TEST(RingKVTiles, QuantizedLongAndEmptyShardsMatchTheOracle) {
+  struct Tiled {
+    std::string name;
+    DType dtype;
+    std::vector<int64_t> lens;
+    ShardKind kind;
+  };
+  const std::vector<Tiled> cases = {{"int8 uneven", DType::kInt8, {301, 77}, ShardKind::kUneven},
+                                    {"fp8 explicit-empty", DType::kFP8, {190}, ShardKind::kExplicit},
+                                    {"bf16 long even", DType::kBF16, {20000}, ShardKind::kEven},
+                                    {"f16 striped", DType::kF16, {257, 3}, ShardKind::kStriped}};
+  for (const Tiled& t : cases)
+    for (int p = 1; p <= 8; ++p) {
+      RunConfig cfg;
+      cfg.strategy = "ring-kv";
+      cfg.kv_layout = KVLayout::kTiled;
+      cfg.shape = AttnShape{static_cast<int64_t>(t.lens.size()), 4, 2, 64, 1};
+      cfg.dtype = t.dtype;
+      cfg.total_len = t.lens;
+      cfg.shard = t.kind;
+      cfg.q_scale = 2.0f;
+      cfg.options.kernel.threads = 1;
+      if (t.kind == ShardKind::kExplicit) cfg.explicit_len = alternating_empty(p, t.lens[0]);
+      const std::string label = t.name + " p=" + std::to_string(p);
+      std::vector<std::optional<RunReport>> reports(static_cast<std::size_t>(p));
+      Status s = run_local(p, [&](Communicator& comm) -> Status {
+        auto rep = run_decode(comm, cfg);
+        if (!rep.is_ok()) return rep.status();
+        reports[static_cast<std::size_t>(comm.rank())] = std::move(*rep);
+        return Status::ok();
+      });
+      ASSERT_TRUE(s.is_ok()) << label << ": " << s.to_string();
+      const RunReport& r0 = *reports[0];
+      ASSERT_EQ(r0.kv_layout, KVLayout::kTiled) << label;
+      auto ref = oracle_reference(cfg, r0.steps[0].step);
+      ASSERT_TRUE(ref.is_ok()) << label << ": " << ref.status().to_string();
+      auto chk = compare_with_reference(cfg.shape, r0.states[0], *ref, kRelTol);
+      ASSERT_TRUE(chk.is_ok()) << label;
+      EXPECT_TRUE(chk->passed) << label << ": " << chk->detail;
+      for (int r = 1; r < p; ++r) {
+        const StateBuffer& other = reports[static_cast<std::size_t>(r)]->states[0];
+        EXPECT_TRUE(other.bytes() == r0.states[0].bytes() &&
+                    std::memcmp(other.data(), r0.states[0].data(), other.bytes()) == 0)
+            << label << ": rank " << r << "'s states differ from rank 0's";
+      }
+    }
 }
 
 std::string rank_counts_name(const ::testing::TestParamInfo<int>& info) {

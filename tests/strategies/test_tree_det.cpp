@@ -2,7 +2,9 @@
 // identical whatever the rank count (1..16), the contiguous placement (even, uneven, explicit
 // lengths with empty ranks, single) and the kernel's thread count, for every KV dtype, batch
 // rows of different lengths and q_len > 1; every result also within the tolerance of the
-// float64 oracle. Striped placement is refused with a clear error.
+// float64 oracle; and the same bits on the tiled KV layout as on rows (tree-det copies the tiles'
+// tokens into rows, kGroup chunks at a time, for the same leaves). Striped placement is refused
+// with a clear error.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -49,7 +51,7 @@ struct Bits {
   std::string error;
 };
 
-Bits run(const Case& c, int p, Place place, int threads) {
+Bits run(const Case& c, int p, Place place, int threads, KVLayout layout) {
   Bits got;
   std::mutex mu;
   Status st = run_local(p, [&](Communicator& comm) -> Status {
@@ -60,6 +62,7 @@ Bits run(const Case& c, int p, Place place, int threads) {
     cfg.strategy = "tree-det";
     cfg.timeout = std::chrono::milliseconds(20000);
     cfg.options.kernel.threads = threads;
+    cfg.layout = layout;
     switch (place) {
       case Place::kEven: cfg.placement = ShardKind::kEven; break;
       case Place::kUneven: cfg.placement = ShardKind::kUneven; break;
@@ -146,31 +149,35 @@ double oracle_error(const Case& c, const Bits& bits) {
   return err;
 }
 
-std::string describe(int p, Place place, int threads) {
+std::string describe(int p, Place place, int threads, KVLayout layout) {
   static const char* names[] = {"even", "uneven", "explicit-empty", "single"};
   return std::to_string(p) + " ranks, " + names[static_cast<int>(place)] + ", " +
-         std::to_string(threads) + " threads";
+         std::to_string(threads) + " threads, " + std::string(kv_layout_name(layout));
 }
 
 class TreeDet : public ::testing::TestWithParam<Case> {};
 
 TEST_P(TreeDet, SameBitsForEveryRankCountPlacementAndThreadCount) {
   const Case& c = GetParam();
-  const Bits ref = run(c, 1, Place::kEven, 1);
+  const Bits ref = run(c, 1, Place::kEven, 1, KVLayout::kRows);
   ASSERT_EQ(ref.error, "");
   const double e = oracle_error(c, ref);
   EXPECT_LE(e, 1e-5) << "one rank vs the float64 oracle";
-  for (int p : {1, 2, 3, 4, 5, 7, 8, 11, 13, 16})
-    for (Place place : {Place::kEven, Place::kUneven, Place::kExplicitEmpty, Place::kSingle})
-      for (int threads : {1, 2}) {
-        if (p > 5 && threads == 2) continue;  // 16 ranks x 2 threads on 2 cores adds nothing
-        const Bits got = run(c, p, place, threads);
-        ASSERT_EQ(got.error, "") << describe(p, place, threads);
-        ASSERT_EQ(std::memcmp(got.out.data(), ref.out.data(), ref.out.size() * sizeof(float)), 0)
-            << "output bits differ at " << describe(p, place, threads);
-        ASSERT_EQ(std::memcmp(got.lse.data(), ref.lse.data(), ref.lse.size() * sizeof(float)), 0)
-            << "LSE bits differ at " << describe(p, place, threads);
-      }
+  for (KVLayout layout : {KVLayout::kRows, KVLayout::kTiled})
+    for (int p : {1, 2, 3, 4, 5, 7, 8, 11, 13, 16})
+      for (Place place : {Place::kEven, Place::kUneven, Place::kExplicitEmpty, Place::kSingle})
+        for (int threads : {1, 2}) {
+          if (p > 5 && threads == 2) continue;  // 16 ranks x 2 threads on 2 cores adds nothing
+          const Bits got = run(c, p, place, threads, layout);
+          const std::string at = describe(p, place, threads, layout);
+          ASSERT_EQ(got.error, "") << at;
+          ASSERT_EQ(std::memcmp(got.out.data(), ref.out.data(), ref.out.size() * sizeof(float)),
+                    0)
+              << "output bits differ at " << at;
+          ASSERT_EQ(std::memcmp(got.lse.data(), ref.lse.data(), ref.lse.size() * sizeof(float)),
+                    0)
+              << "LSE bits differ at " << at;
+        }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -180,7 +187,9 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"bf16_ragged_batch", {3, 4, 2, 64, 1}, DType::kBF16, {700, 0, 259}},
         Case{"f16_qlen3", {1, 4, 1, 128, 3}, DType::kF16, {513}},
         Case{"fp8", {1, 4, 2, 64, 1}, DType::kFP8, {777}},
-        Case{"int8_tiny", {2, 2, 1, 80, 1}, DType::kInt8, {5, 256}}),
+        Case{"int8_tiny", {2, 2, 1, 80, 1}, DType::kInt8, {5, 256}},
+        // More than one group of 16 chunks per rank on the tiled layout (at up to 2 ranks).
+        Case{"bf16_groups", {1, 4, 2, 64, 1}, DType::kBF16, {9001}}),
     [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
 
 TEST(TreeDetPlacement, StripedIsRefusedWithAClearError) {
