@@ -11,6 +11,12 @@
 //       tree merge: pass-Q), the bytes each rank sent for the warm prefill, and what moving the
 //       cached prefix's K/V instead would send, timed with the same communicator (an all-gather
 //       of the prefix's K/V bytes per layer).
+//   mpirun -np 2 build/release/bench/treeattn_engine_bench --model M exchange [--prompt 4096]
+//       pass-Q against the K/V exchange (EngineConfig::prefill_exchange): for each of pass-q, kv
+//       and auto, a fresh engine prefills a fresh prompt (cold) and then the same prompt plus a
+//       30-token question (warm: the prompt's pages reused); time to first token, rank 0's bytes
+//       sent, the rows each way went, and whether the first token's logits have the same bits
+//       under every policy.
 //   mpirun -np 2 build/release/bench/treeattn_engine_bench merge
 //       the per-layer merge alone (SmolLM2 shape: 9 heads, head dim 64) for B = 1, 4, 16 decode
 //       rows, each kind, median of many calls.
@@ -29,6 +35,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <cstdio>
 #include <mutex>
 #include <random>
@@ -139,6 +146,13 @@ int main(int argc, char** argv) {
   fu->add_option("--doc", doc, "document tokens")->capture_default_str();
   fu->add_option("--question", question, "question tokens")->capture_default_str();
   auto* mg = app.add_subcommand("merge", "the per-layer merge alone at B = 1, 4, 16");
+  int64_t xprompt = 4096;
+  std::string exchange = "auto";
+  app.add_option("--prefill-exchange", exchange, "auto | pass-q | kv (throughput, followup)")
+      ->capture_default_str();
+  auto* xc = app.add_subcommand("exchange", "pass-Q vs the K/V exchange: cold and warm prefill");
+  xc->add_option("--prompt", xprompt, "fresh prompt tokens")->capture_default_str();
+  xc->add_option("--question", question, "follow-up question tokens")->capture_default_str();
   app.require_subcommand(1);
   CLI11_PARSE(app, argc, argv);
 
@@ -198,10 +212,97 @@ int main(int argc, char** argv) {
   cfg.kv_dtype = DType::kF16;
   cfg.threads = threads;
   cfg.merge = merge;
+  cfg.prefill_exchange = exchange;
   cfg.max_batch = 16;
   cfg.prefill_chunk = 512;
   cfg.kv_memory = static_cast<std::size_t>(kv_gib * 1073741824.0);
   cfg.timeout = std::chrono::milliseconds(1800000);
+
+  if (xc->parsed()) {
+    // One engine per policy, on the same prompt and question, in one run.
+    std::mt19937_64 xrng(7);
+    const auto prompt = random_prompt(xrng, xprompt, mc.n_vocab);
+    const auto q = random_prompt(xrng, question, mc.n_vocab);
+    std::vector<float> ref_logits;
+    if (me == 0)
+      std::printf("prefill exchange: %s, %d ranks x %d threads, merge %s, %lld-token prompt, then "
+                  "+%lld-token question, prefill chunk %lld\n"
+                  "  %-7s %-5s %10s %14s %10s %10s %s\n",
+                  mc.name.c_str(), p, threads, merge.c_str(), static_cast<long long>(xprompt),
+                  static_cast<long long>(question), static_cast<long long>(cfg.prefill_chunk),
+                  "policy", "turn", "TTFT s", "r0 sent MB", "K/V rows", "pass-Q rows",
+                  "rank 0: attention / merge+exchange / dense s; first token's logits");
+    for (const char* policy : {"pass-q", "kv", "auto"}) {
+      EngineConfig xcfg = cfg;
+      xcfg.prefill_exchange = policy;
+      auto xe = Engine::create(comm, **model, xcfg);
+      if (!xe.is_ok()) fail(xe.status());
+      Engine& en = **xe;
+      if (me != 0) {
+        if (auto s = en.run(); !s.is_ok()) fail(s);
+        continue;
+      }
+      Status st;
+      std::thread run([&] { st = en.run(); });
+      for (int turn = 0; turn < 2; ++turn) {
+        Request r;
+        r.prompt = prompt;
+        if (turn == 1) r.prompt.insert(r.prompt.end(), q.begin(), q.end());
+        r.max_new_tokens = 1;
+        r.return_logits = true;
+        std::mutex mu;
+        std::condition_variable cv;
+        bool done = false;
+        std::vector<float> logits;
+        Clock::time_point first;
+        const auto m0 = en.metrics();
+        const auto t0 = Clock::now();
+        auto id = en.submit(std::move(r), [&](const TokenEvent& ev) {
+          std::lock_guard lk(mu);
+          if (ev.token >= 0 && ev.index == 0) {
+            first = Clock::now();
+            logits = ev.logits;
+          }
+          if (ev.finish != engine::FinishReason::kNone) {
+            done = true;
+            cv.notify_all();
+          }
+        });
+        if (!id.is_ok()) fail(id.status());
+        {
+          std::unique_lock lk(mu);
+          cv.wait(lk, [&] { return done; });
+        }
+        // The metrics snapshot is taken after a step; the token came out inside the step's
+        // forward pass. The idle engine steps every idle_tick (250 ms): wait for one.
+        std::this_thread::sleep_for(std::chrono::milliseconds(600));
+        const auto m1 = en.metrics();
+        const char* bits = "(reference)";
+        if (turn == 0 && ref_logits.empty()) ref_logits = logits;
+        else if (turn == 0)
+          bits = logits.size() == ref_logits.size() &&
+                         std::equal(logits.begin(), logits.end(), ref_logits.begin(),
+                                    [](float a, float b) { return std::memcmp(&a, &b, 4) == 0; })
+                     ? "same bits as pass-q"
+                     : "DIFFERENT bits from pass-q";
+        else bits = "";
+        std::printf("  %-7s %-5s %10.3f %14.3f %10lld %10lld   %.2f / %.2f / %.2f  %s\n", policy,
+                    turn == 0 ? "cold" : "warm", std::chrono::duration<double>(first - t0).count(),
+                    static_cast<double>(m1.bytes_sent - m0.bytes_sent) / 1e6,
+                    static_cast<long long>(m1.rows_kv_exchange - m0.rows_kv_exchange),
+                    static_cast<long long>(m1.rows_pass_q - m0.rows_pass_q),
+                    m1.attention_seconds[0] - m0.attention_seconds[0],
+                    m1.merge_seconds[0] - m0.merge_seconds[0],
+                    m1.dense_seconds[0] - m0.dense_seconds[0], bits);
+        std::fflush(stdout);
+      }
+      en.stop(true);
+      run.join();
+      if (!st.is_ok()) fail(st);
+    }
+    finalize();
+    return 0;
+  }
   auto eng = Engine::create(comm, **model, cfg);
   if (!eng.is_ok()) fail(eng.status());
   Engine& e = **eng;
