@@ -75,4 +75,19 @@ Status decode_partial_paged(const AttnShape& shape, const TiledKVShard& pool, in
                             std::span<const PagedEntry> entries,
                             const DecodeOptions& options = {});
 
+// The item kernel decode_partial_paged runs for a query block. Both give every row the same
+// bits (the block kernel only reorders loops; see paged_kernels.cpp), so the choice is a speed
+// matter, exposed for the tests and benchmarks that compare them:
+//   kPerPage: the tiled decode item kernel once per page (memory-streaming: each page's K and
+//             V tiles pass once per query block of kPagedQueryBlock queries);
+//   kBlock:   the prefill block kernel (compute-bound: a block of query rows against each K/V
+//             tile held in cache, causal tiles above the diagonal never read);
+//   kAuto:    kBlock for query blocks of at least kPagedBlockMinQueries queries, else kPerPage.
+// The environment variable TREEATTN_PAGED_KERNEL=auto|page|block sets the initial choice
+// (read once); set_paged_kernel_choice() overrides it (call it only while no paged kernel runs).
+enum class PagedKernelChoice : uint8_t { kAuto, kPerPage, kBlock };
+inline constexpr int64_t kPagedBlockMinQueries = 8;
+PagedKernelChoice paged_kernel_choice();
+void set_paged_kernel_choice(PagedKernelChoice choice);
+
 }  // namespace treeattn

@@ -393,6 +393,95 @@ TEST(PagedKernel, RowBitsIndependentOfBatchingAndThreads) {
   }
 }
 
+// The prefill block kernel (PagedKernelChoice::kBlock) against the per-page decode item kernel
+// (kPerPage): every state of every row bit-identical on every target, and within the oracle
+// tolerance (checked on the best target; the others have the same bits or are checked by the
+// sweep above). Entries: a whole odd-length prompt from position 0 (empty prefix; query blocks
+// and pages both cross the causal diagonal), a chunk behind a prefix, uneven pages with gaps
+// (other ranks' pages; limits inside a gap), a 9-query chunk, a decode step, an entry without
+// pages; GQA groups 1, 3, 4; head dims 64, 80, 96, 128; every dtype; tiles 16 to 128 in both
+// layouts; sliding windows of 1, 37 and 150 positions. Rows that see nothing are exactly the
+// empty state, and no row is NaN (the oracle has none).
+TEST(PagedKernel, BlockKernelGivesThePerPageKernelsBits) {
+  struct Config {
+    int64_t h, kv, d;
+    DType t;
+    int64_t T;
+    KVTileLayout layout;
+    std::vector<int64_t> windows;
+  };
+  const std::vector<Config> configs = {
+      {9, 3, 64, DType::kF16, 64, KVTileLayout::kInterleaved, {0, 1, 37, 150}},
+      {4, 4, 128, DType::kF32, 16, KVTileLayout::kSplit, {0, 37}},
+      {8, 2, 80, DType::kBF16, 32, KVTileLayout::kInterleaved, {0, 150}},
+      {9, 3, 64, DType::kBF16, 128, KVTileLayout::kSplit, {0}},
+      {8, 2, 64, DType::kFP8, 64, KVTileLayout::kInterleaved, {0}},
+      {4, 4, 64, DType::kInt8, 32, KVTileLayout::kSplit, {0}},
+      {9, 3, 96, DType::kF32, 64, KVTileLayout::kInterleaved, {0}}};
+  for (const Config& c : configs) {
+    const int64_t T = c.T;
+    std::vector<EntrySpec> specs;
+    specs.push_back(contiguous(T, 0, 201, 201, 0));   // a whole prompt
+    specs.push_back(contiguous(T, 0, 271, 190, 77));  // a chunk behind a prefix
+    EntrySpec uneven;  // pages of uneven lengths with gaps (pages on other ranks)
+    uneven.n_q = 70;
+    int64_t at = 0;
+    for (int64_t len : {T, T - 5, int64_t{3}, T, T / 2 + 1, T - 1, int64_t{7}, T}) {
+      uneven.page_pos.push_back(at);
+      uneven.page_len.push_back(static_cast<int32_t>(len));
+      at += len + (uneven.page_pos.size() % 3 == 0 ? T + 2 : 0);
+    }
+    uneven.first_pos = at - 60;
+    specs.push_back(uneven);
+    specs.push_back(contiguous(T, 0, 150, 9, 141));  // 9 queries (just past the threshold)
+    specs.push_back(contiguous(T, 0, 150, 1, 149));  // a decode step
+    EntrySpec none;
+    none.n_q = 20;
+    none.first_pos = 33;
+    specs.push_back(none);
+    PagedCase pc(AttnShape{1, c.h, c.kv, c.d, 1}, c.t, T, c.layout, specs,
+                 5 + static_cast<uint64_t>(c.d + T));
+    for (const int64_t w : c.windows) {
+      pc.window = w;
+      for (Isa isa : testing::runnable_isas()) {
+        if (isa == Isa::kReference) continue;  // one scalar page kernel for both choices
+        const std::string what = std::string(isa_name(isa)) + " " + std::string(dtype_name(c.t)) + " H" +
+                                 std::to_string(c.h) + "/" + std::to_string(c.kv) + " D" +
+                                 std::to_string(c.d) + " T" + std::to_string(T) + " window " +
+                                 std::to_string(w);
+        DecodeOptions opt;
+        opt.isa = isa;
+        opt.threads = 2;
+        std::vector<std::vector<float>> page, block;
+        set_paged_kernel_choice(PagedKernelChoice::kPerPage);
+        Status s = pc.run(page, opt);
+        ASSERT_TRUE(s.is_ok()) << s.to_string();
+        set_paged_kernel_choice(PagedKernelChoice::kBlock);
+        s = pc.run(block, opt);
+        set_paged_kernel_choice(PagedKernelChoice::kAuto);
+        ASSERT_TRUE(s.is_ok()) << s.to_string();
+        for (std::size_t e = 0; e < specs.size(); ++e)
+          for (int64_t i = 0; i < specs[e].n_q; ++i) {
+            const std::size_t row = static_cast<std::size_t>(i * c.h) * pc.rec();
+            EXPECT_TRUE(same_bits(page[e].data() + row, block[e].data() + row,
+                                  static_cast<std::size_t>(c.h) * pc.rec()))
+                << what << ": entry " << e << " query " << i;
+          }
+        if (isa == testing::runnable_isas().back()) {  // the float64 oracle is the slow part:
+          const Errors er = pc.vs_oracle(block);        // the best target (bits tie the rest)
+          EXPECT_FALSE(er.nan_mismatch) << what;
+          EXPECT_LE(er.out_abs, kTol) << what;
+          EXPECT_LE(er.lse_abs, kTol) << what;
+        }
+        for (std::size_t r = 0; r < block[5].size(); r += pc.rec())
+          EXPECT_TRUE(state_is_empty(block[5].data() + r)) << what;
+        for (const auto& st : block)
+          for (float x : st) ASSERT_FALSE(std::isnan(x)) << what;
+      }
+    }
+  }
+}
+
 // Pages placed contiguously in order: the same tokens as one tiled shard row, so
 // decode_partial_tiled() must agree within the oracle tolerance (other merge order, not the
 // same bits).

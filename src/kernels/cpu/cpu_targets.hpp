@@ -99,6 +99,18 @@ using TiledItemFn = void (*)(const TiledItemArgs&);
 // kReference have none). Used by the tiled driver and the paged one (paged_kernels.cpp).
 TiledItemFn tiled_item_for(Isa isa);
 
+// The prefill block kernel of a target (prefill_block_impl.hpp), or nullptr when the target is
+// not built: the tiled item kernel's contract and bits for a one-tile chunk (block_tiles 1,
+// tokens <= tile_tokens), looped for many rows per tile (the tile widened to floats once, rows
+// in fused tiles, the causal part above the diagonal skipped). Its scratch (the `scores`
+// field) holds prefill_block_scratch_floats() floats. Used by the paged driver.
+TiledItemFn prefill_block_for(Isa isa);
+// K and V of one tile in floats, 8 rows of scores (the most rows per fused tile of any target)
+// and the two quantization scale rows, each row tiled_score_ld(tile_tokens) floats.
+inline constexpr int64_t prefill_block_scratch_floats(int64_t tile_tokens, int64_t head_dim) {
+  return 2 * tile_tokens * head_dim + (8 + 2) * ((tile_tokens + 31) / 32 * 32);
+}
+
 // Tiles per online-softmax block of the tiled kernel (one fused pass per tile: scores, softmax,
 // values). Two passes over 4 tiles of 32 tokens cut the in-cache time (bf16 11.0 -> 10.0 ns per
 // token and KV head, f32 11.5 -> 10.5) but read interleaved tiles out of memory order (K0..K3,
@@ -150,6 +162,7 @@ FmaBurnFn fma_burn_for(Isa isa);
 namespace generic {
 void decode_item(const ItemArgs& a);
 void decode_tiled_item(const TiledItemArgs& a);
+void prefill_block_item(const TiledItemArgs& a);
 void exp_array(const float* in, float* out, int64_t n);
 float read_stream(const float* p, int64_t n);
 float fma_burn(int64_t iters, float seed, double* flops);
@@ -157,6 +170,7 @@ float fma_burn(int64_t iters, float seed, double* flops);
 namespace avx2 {
 void decode_item(const ItemArgs& a);
 void decode_tiled_item(const TiledItemArgs& a);
+void prefill_block_item(const TiledItemArgs& a);
 void exp_array(const float* in, float* out, int64_t n);
 float read_stream(const float* p, int64_t n);
 float fma_burn(int64_t iters, float seed, double* flops);
@@ -164,6 +178,7 @@ float fma_burn(int64_t iters, float seed, double* flops);
 namespace avx512 {
 void decode_item(const ItemArgs& a);
 void decode_tiled_item(const TiledItemArgs& a);
+void prefill_block_item(const TiledItemArgs& a);
 void exp_array(const float* in, float* out, int64_t n);
 float read_stream(const float* p, int64_t n);
 float fma_burn(int64_t iters, float seed, double* flops);

@@ -32,6 +32,8 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -56,6 +58,10 @@ using cpu::TiledItemFn;
 // with the group, it bounds the rows an item kernel runs (16 queries x group 4 = 64 rows) and
 // the score scratch; prefill chunks longer than this read each page once per block.
 constexpr int64_t kPagedQueryBlock = 16;
+// Queries per work item for the prefill block kernel: 64 queries x group 3 = 192 rows per
+// widened page in L1 (the widening and the page's trip from L2 amortised over them); also a
+// fixed number.
+constexpr int64_t kPagedBlockQueryBlock = 64;
 // Slot floats per wave of items (below): 32 MiB. A decode step's wave holds every item; a
 // prefill chunk of 512 queries over 32k tokens (group 4, 8 KV heads, D 128: ~1 GiB of group
 // states) runs in waves of about a thousand items.
@@ -119,6 +125,7 @@ void reference_tiled_item(const TiledItemArgs& a) {
 // [first, first + groups) of the plan.
 struct PagedCell {
   int64_t e, kvh, q0, nq, first, groups;
+  bool block;  // runs the prefill block kernel (else the tiled item kernel per page)
 };
 // One work item: pages [p0, p1) of its cell's entry; its R = group * nq state records start
 // `slot` floats after the first item's.
@@ -185,7 +192,7 @@ int64_t pages_needed(const PagedEntry& en, int64_t limit) {
 }
 
 // Runs one item: pages [p0, p1) of the cell's entry, page by page, into its slot.
-void run_item(TiledItemFn page_fn, const AttnShape& shape, const TiledKVShard& pool,
+void run_item(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& shape, const TiledKVShard& pool,
               const PagedEntry& en, const PagedCell& cell, int64_t p0, int64_t p1, float* slot,
               float scale, int64_t prefetch_bytes) {
   const int64_t H = shape.heads, D = shape.head_dim, G = shape.group();
@@ -203,7 +210,9 @@ void run_item(TiledItemFn page_fn, const AttnShape& shape, const TiledKVShard& p
   cpu::grow(ts.q, ur * static_cast<std::size_t>(D));
   cpu::grow(ts.visible, ur);
   cpu::grow(ts.from, ur);
-  cpu::grow(ts.scores, (ur + 2) * static_cast<std::size_t>(ld));
+  cpu::grow(ts.scores, cell.block ? static_cast<std::size_t>(cpu::prefill_block_scratch_floats(T, D))
+                                  : (ur + 2) * static_cast<std::size_t>(ld));
+  if (cell.block) page_fn = block_fn;
   cpu::grow(ts.page, ur * rec);
   for (int64_t qi = 0; qi < cell.nq; ++qi)
     for (int64_t g = 0; g < G; ++g)
@@ -265,7 +274,7 @@ void run_item(TiledItemFn page_fn, const AttnShape& shape, const TiledKVShard& p
       state_set_empty(slot + r * rec, static_cast<std::size_t>(D));
 }
 
-Status run_paged(TiledItemFn page_fn, const AttnShape& shape, const TiledKVShard& pool,
+Status run_paged(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& shape, const TiledKVShard& pool,
                  std::span<const PagedEntry> entries, const ResolvedOptions& opt) {
   const int64_t H = shape.heads, Hkv = shape.kv_heads, D = shape.head_dim, G = shape.group();
   const std::size_t rec = static_cast<std::size_t>(D) + 2;
@@ -281,16 +290,21 @@ Status run_paged(TiledItemFn page_fn, const AttnShape& shape, const TiledKVShard
   plan.cells.clear();
   plan.items.clear();
   std::size_t slot_floats = 0;
+  const PagedKernelChoice choice = paged_kernel_choice();
   for (std::size_t e = 0; e < entries.size(); ++e) {
     const PagedEntry& en = entries[e];
+    const bool block =
+        choice == PagedKernelChoice::kBlock ||
+        (choice == PagedKernelChoice::kAuto && en.n_q >= kPagedBlockMinQueries);
+    const int64_t qblock = block ? kPagedBlockQueryBlock : kPagedQueryBlock;
     for (int64_t kvh = 0; kvh < Hkv; ++kvh)
-      for (int64_t q0 = 0; q0 < en.n_q; q0 += kPagedQueryBlock) {
-        const int64_t nq = std::min(kPagedQueryBlock, en.n_q - q0);
+      for (int64_t q0 = 0; q0 < en.n_q; q0 += qblock) {
+        const int64_t nq = std::min(qblock, en.n_q - q0);
         const int64_t needed = pages_needed(en, en.first_pos + q0 + nq - 1);
         const int64_t groups = (needed + kPagedGroupPages - 1) / kPagedGroupPages;
         const auto cell = static_cast<int64_t>(plan.cells.size());
         plan.cells.push_back({static_cast<int64_t>(e), kvh, q0, nq,
-                              static_cast<int64_t>(plan.items.size()), groups});
+                              static_cast<int64_t>(plan.items.size()), groups, block});
         for (int64_t g = 0; g < groups; ++g) {
           const int64_t p0 = g * kPagedGroupPages;
           plan.items.push_back({cell, p0, std::min(needed, p0 + kPagedGroupPages), slot_floats});
@@ -333,7 +347,7 @@ Status run_paged(TiledItemFn page_fn, const AttnShape& shape, const TiledKVShard
     for (int64_t i = i0; i < i1; ++i) {
       const PagedItem& it = items[i];
       const PagedCell& cell = cells[it.cell];
-      run_item(page_fn, shape, pool, entries[static_cast<std::size_t>(cell.e)], cell, it.p0, it.p1,
+      run_item(page_fn, block_fn, shape, pool, entries[static_cast<std::size_t>(cell.e)], cell, it.p0, it.p1,
                slots + (it.slot - base), opt.scale, prefetch_bytes);
     }
 
@@ -357,8 +371,32 @@ Status run_paged(TiledItemFn page_fn, const AttnShape& shape, const TiledKVShard
   return Status::ok();
 }
 
+std::atomic<int> g_choice{-1};  // -1: not read from the environment yet
+
+PagedKernelChoice choice_from_env() {
+  const char* e = std::getenv("TREEATTN_PAGED_KERNEL");
+  if (e == nullptr) return PagedKernelChoice::kAuto;
+  const std::string v = e;
+  if (v == "page") return PagedKernelChoice::kPerPage;
+  if (v == "block") return PagedKernelChoice::kBlock;
+  return PagedKernelChoice::kAuto;
+}
+
 }  // namespace
 }  // namespace kernels
+
+PagedKernelChoice paged_kernel_choice() {
+  int c = kernels::g_choice.load(std::memory_order_relaxed);
+  if (c < 0) {
+    c = static_cast<int>(kernels::choice_from_env());
+    kernels::g_choice.store(c, std::memory_order_relaxed);
+  }
+  return static_cast<PagedKernelChoice>(c);
+}
+
+void set_paged_kernel_choice(PagedKernelChoice choice) {
+  kernels::g_choice.store(static_cast<int>(choice), std::memory_order_relaxed);
+}
 
 Status decode_partial_paged(const AttnShape& shape, const TiledKVShard& pool, int64_t pool_pages,
                             std::span<const PagedEntry> entries, const DecodeOptions& options) {
@@ -392,14 +430,16 @@ Status decode_partial_paged(const AttnShape& shape, const TiledKVShard& pool, in
   static const float kAny = 0.0f;  // resolve_options checks pointers; entries were checked above
   auto r = kernels::resolve_options(s, &kAny, &kAny, options);
   TREEATTN_RETURN_IF_ERROR(r.status());
-  kernels::cpu::TiledItemFn fn = &kernels::reference_tiled_item;
+  // kReference runs its scalar page kernel for every query block.
+  kernels::cpu::TiledItemFn fn = &kernels::reference_tiled_item, block_fn = fn;
   if (r->isa != Isa::kReference) {
     fn = kernels::cpu::tiled_item_for(r->isa);
-    if (fn == nullptr)
+    block_fn = kernels::cpu::prefill_block_for(r->isa);
+    if (fn == nullptr || block_fn == nullptr)
       return unsupported("ISA target " + std::string(isa_name(r->isa)) +
                          " is not built into this library");
   }
-  return kernels::run_paged(fn, s, pool, entries, *r);
+  return kernels::run_paged(fn, block_fn, s, pool, entries, *r);
 }
 
 }  // namespace treeattn

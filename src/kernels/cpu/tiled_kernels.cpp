@@ -197,6 +197,17 @@ TiledItemFn tiled_item_for(Isa isa) {
   }
 }
 
+TiledItemFn prefill_block_for(Isa isa) {
+  switch (isa) {
+    case Isa::kGeneric: return &generic::prefill_block_item;
+#if defined(TREEATTN_HAVE_X86_KERNELS)
+    case Isa::kAvx2: return &avx2::prefill_block_item;
+    case Isa::kAvx512: return &avx512::prefill_block_item;
+#endif
+    default: return nullptr;
+  }
+}
+
 TiledTuning tiled_tuning() {
   TiledTuning t;
   t.block_tiles = g_block_tiles.load(std::memory_order_relaxed);
