@@ -2,12 +2,23 @@
 # Configures and builds treeattn (Release, warnings as errors) into build/release: every target,
 # or only the given ones and what they need (tools/quickstart.sh: treeattn_cli).
 #   tools/build.sh                 everything: libraries, CLI, tests, benchmarks, Python module,
-#                                  CUDA objects (tools/test.sh)
+#                                  CUDA objects when nvcc is found (tools/test.sh)
 #   tools/build.sh TARGET...       e.g. tools/build.sh treeattn_cli
+#   tools/build.sh --cpu-only TARGET...
+#                                  without the CUDA objects when this machine has no NVIDIA GPU
+#                                  (no /dev/nvidia0): they are a third of the CLI's build on two
+#                                  cores and the main job cannot run them there; the CLI's
+#                                  --device cuda then says CUDA support was not built. The next
+#                                  plain call builds them again (TREEATTN_WITH_CUDA back to AUTO).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc 2>/dev/null || echo 2)
-cmake --preset release >/dev/null
+cuda=(-DTREEATTN_WITH_CUDA=AUTO -DTREEATTN_WITH_NCCL=AUTO)
+if [ "${1:-}" = "--cpu-only" ]; then
+  shift
+  if [ ! -e /dev/nvidia0 ]; then cuda=(-DTREEATTN_WITH_CUDA=OFF -DTREEATTN_WITH_NCCL=OFF); fi
+fi
+cmake --preset release "${cuda[@]}" >/dev/null
 if [ "$#" -gt 0 ]; then
   cmake --build --preset release -j"$jobs" --target "$@"
 else

@@ -3,9 +3,10 @@
 # multi-rank tree-attention decode with an exactness check and a side-by-side comparison.
 # Extra arguments go to `treeattn run` (see `treeattn run --help`).
 # Builds only the treeattn command and the libraries it links (about half of the targets: no
-# tests, fuzz inputs, benchmarks or Python module); tools/test.sh builds and checks everything.
+# tests, fuzz inputs, benchmarks or Python module, and no CUDA objects on a machine without an
+# NVIDIA GPU); tools/test.sh builds and checks everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/deps.sh
-tools/build.sh treeattn_cli
+tools/build.sh --cpu-only treeattn_cli
 exec build/release/cli/treeattn run "$@"
