@@ -319,14 +319,6 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
   return path;
 }
 
-// Percentile of sorted values (nearest rank).
-double percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const auto i = static_cast<std::size_t>(std::ceil(q * static_cast<double>(v.size())));
-  return v[std::min(v.size() - 1, i == 0 ? 0 : i - 1)];
-}
-
 uint64_t fnv1a(uint64_t h, TokenId t) {
   for (int i = 0; i < 4; ++i) {
     h ^= static_cast<uint64_t>(static_cast<uint32_t>(t) >> (8 * i)) & 0xff;

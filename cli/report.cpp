@@ -13,18 +13,10 @@
 #include <sstream>
 
 #include "options.hpp"
+#include "treeattn/measure.hpp"
 
 namespace treeattn::cli {
 namespace {
-
-double percentile(const std::vector<double>& sorted, double p) {
-  if (sorted.empty()) return 0;
-  const double idx = p * static_cast<double>(sorted.size() - 1);
-  const auto lo = static_cast<std::size_t>(std::floor(idx));
-  const auto hi = std::min(sorted.size() - 1, lo + 1);
-  const double f = idx - static_cast<double>(lo);
-  return sorted[lo] * (1 - f) + sorted[hi] * f;
-}
 
 // Text inside a gnuplot single-quoted string: a quote is written twice.
 std::string gnuplot_quoted(const std::string& text) {

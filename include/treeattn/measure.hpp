@@ -40,6 +40,13 @@ uint64_t current_peak_rss();
 // rank cap) all use this one reading.
 uint64_t mem_available_bytes();
 
+// The q-quantile (q in [0, 1], clamped) of `values`, in any order; 0 for none. Linear
+// interpolation between the two closest ranks: with the values sorted, v[i] + f (v[i + 1] - v[i])
+// where i + f = q (n - 1) (numpy's default "linear", Hyndman and Fan's type 7): p50 of an even
+// count is the mean of the middle two, p0 the minimum, p100 the maximum. The one definition
+// bench, run and generate report (their p10/p50/p90/p99).
+double percentile(std::span<const double> values, double q);
+
 // SHA-256 of bytes as 64 lowercase hex digits (OpenSSL); "" if libcrypto fails.
 std::string sha256_hex(std::span<const std::byte> bytes);
 // The hash every JSON record of run, verify and bench carries: SHA-256 of the normalized output

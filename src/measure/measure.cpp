@@ -4,10 +4,24 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <string>
+#include <vector>
 
 namespace treeattn {
+
+double percentile(std::span<const double> values, double q) {
+  if (values.empty()) return 0;
+  std::vector<double> v(values.begin(), values.end());
+  std::sort(v.begin(), v.end());
+  const double at = std::clamp(q, 0.0, 1.0) * static_cast<double>(v.size() - 1);
+  const auto lo = static_cast<std::size_t>(std::floor(at));
+  const std::size_t hi = std::min(v.size() - 1, lo + 1);
+  const double f = at - static_cast<double>(lo);
+  return v[lo] + f * (v[hi] - v[lo]);
+}
 
 uint64_t mem_available_bytes() {
   std::ifstream f("/proc/meminfo");
