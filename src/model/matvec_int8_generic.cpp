@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>
 
@@ -18,19 +19,36 @@ void quantize_activations(const float* x, int64_t cols, ActBlock* out) {
     const float* xb = x + b * 32;
     ActBlock& o = out[b];
     float amax = 0.0f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    bool finite = true;
+    for (int i = 0; i < 32; ++i) {
+      amax = std::max(amax, std::fabs(xb[i]));
+      finite = finite && std::isfinite(xb[i]);
+    }
     const float d = amax / 127.0f;
     int sum = 0;
-    for (int i = 0; i < 32; ++i) {
-      int q = 0;
-      if (d > 0.0f) {
-        const float v = std::nearbyint(xb[i] / d);  // default rounding: to nearest, even
-        q = v >= 127.0f ? 127 : v <= -127.0f ? -127 : static_cast<int>(v);
-      }
-      o.q[i] = static_cast<int8_t>(q);
-      sum += q;
+    if (!finite) {
+      // A NaN or infinite activation: d = NaN makes every output of this token NaN (the float
+      // path gives NaN or infinity there).
+      for (int i = 0; i < 32; ++i) o.q[i] = 0;
+      o.d = o.s = std::numeric_limits<float>::quiet_NaN();
+      continue;
     }
-    // amax NaN or infinite: d is too, and so are the outputs (as on the float path).
+    if (d > 0.0f) {
+      // |x / d| <= 127 (1 + 2^-24) rounded, so (v + 1.5 * 2^23) - 1.5 * 2^23 is v rounded to the
+      // nearest integer, ties to even, in the default rounding mode (as nearbyint; the compiler
+      // may not fold it: no -ffast-math), and the loop vectorizes.
+      float v[32];
+      for (int i = 0; i < 32; ++i) {
+        const float r = (xb[i] / d + 0x1.8p23f) - 0x1.8p23f;
+        v[i] = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+      }
+      for (int i = 0; i < 32; ++i) {
+        o.q[i] = static_cast<int8_t>(v[i]);
+        sum += o.q[i];
+      }
+    } else {
+      for (int i = 0; i < 32; ++i) o.q[i] = 0;
+    }
     o.d = d;
     o.s = d * static_cast<float>(sum);
   }

@@ -70,7 +70,9 @@ static_assert(sizeof(ActBlock) == 40);
 // Quantizes `cols` floats (a multiple of 32) into cols / 32 blocks: per block amax = max |x|,
 // d = amax / 127 (rounded once), q = round-to-nearest-even(x / d) (one division, rounded once),
 // clamped to [-127, 127]; d = 0 gives q = 0. So |x - d q| <= (amax / 254) (1 + 2^-15) per
-// element (matvec_int8_impl.hpp has the derivation). Compiled once (matvec_int8.cpp): every
+// element (matvec_int8_impl.hpp has the derivation) while d is a normal float (amax >= 127 *
+// 2^-126); below, |x - d q| <= amax < 1.5e-36. A NaN or infinite x: d = s = NaN, q = 0 (that
+// token's outputs are NaN). Compiled once (matvec_int8.cpp): every
 // target reads the same blocks.
 void quantize_activations(const float* x, int64_t cols, ActBlock* out);
 

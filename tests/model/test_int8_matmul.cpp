@@ -293,6 +293,27 @@ TEST(Int8Matmul, ExtremeActivationsStayWithinTheBound) {
   }
 }
 
+// A NaN or infinite activation makes its token's outputs NaN, and only its token's.
+TEST(Int8Matmul, ANonFiniteActivationMakesOnlyItsTokenNaN) {
+  std::mt19937_64 rng(8);
+  std::vector<uint8_t> store;
+  const WeightMatrix m = make_matrix(id(TensorType::kQ4_1), 5, 64, store, rng);
+  for (const float bad : {NAN, INFINITY}) {
+    std::vector<float> x(3 * 64, 0.25f), y(3 * 5);
+    x[64 + 40] = bad;  // token 1
+    for (const Target& tg : targets_here()) {
+      const WeightMatrix* mats[] = {&m};
+      float* ys[] = {y.data()};
+      ASSERT_TRUE(model::matmul(mats, x.data(), 3, 64, ys, int8_options(1, tg)).is_ok());
+      for (int r = 0; r < 5; ++r) {
+        EXPECT_TRUE(std::isfinite(y[static_cast<std::size_t>(r)])) << target_name(tg);
+        EXPECT_TRUE(std::isnan(y[static_cast<std::size_t>(5 + r)])) << target_name(tg);
+        EXPECT_TRUE(std::isfinite(y[static_cast<std::size_t>(10 + r)])) << target_name(tg);
+      }
+    }
+  }
+}
+
 TEST(Int8Matmul, BitsDoNotDependOnBatchingThreadsRowsOrTheOtherMatrices) {
   std::mt19937_64 rng(23);
   std::normal_distribution<float> nd;
