@@ -39,7 +39,8 @@ if command -v ninja >/dev/null 2>&1; then generator=(-G Ninja); fi
 echo "== configure ($build, core only, CUDA on)"
 # shellcheck disable=SC2086
 if ! cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DTREEATTN_CORE_ONLY=ON \
-    -DTREEATTN_WITH_CUDA=ON -DTREEATTN_WERROR=OFF ${TREEATTN_GPU_CHECK_CMAKE_ARGS:-} \
+    -DTREEATTN_WITH_CUDA=ON -DTREEATTN_WERROR=OFF -DTREEATTN_CUDA_PTXAS_VERBOSE=ON \
+    ${TREEATTN_GPU_CHECK_CMAKE_ARGS:-} \
     >"$out/configure.log" 2>&1; then
   tail -n 30 "$out/configure.log" >&2
   echo "gpu-check: configure failed (full log: $out/configure.log)" >&2
@@ -55,6 +56,13 @@ if ! cmake --build "$build" -j"$(nproc 2>/dev/null || echo 4)" --target gpu_chec
 fi
 built=$(date +%s)
 echo "   built in $((built - start)) s"
+# ptxas's figures for the decode kernel instances (TREEATTN_CUDA_PTXAS_VERBOSE): registers per
+# thread, stack and spills, to compare with the comment in src/kernels/cuda/decode_kernel.cuh.
+awk '/Compiling entry function .*decode_split_kernel/ { k = 1; next }
+     k && /bytes stack frame/ { stack = $1; spill = $5 + $9 }
+     k && /Used [0-9]+ registers/ { n++; if ($5 > most) most = $5; if (stack + spill > 0) bad++; k = 0 }
+     END { if (n) printf "   ptxas: %d decode kernel instances, at most %d registers, %d with stack or spills\n", n, most, bad;
+           else print "   ptxas: no figures in the build log (objects were up to date)" }' "$out/build.log"
 
 echo "== gpu_check"
 # shellcheck disable=SC2086

@@ -7,6 +7,7 @@
 // bf16, fp8 and int8 value; error messages; CUDA graph capture and replay.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -475,6 +476,69 @@ TEST_F(CudaExecutorTest, GraphReplayGivesTheEagerBits) {
   ASSERT_TRUE(exec->synchronize().is_ok());
   const auto replayed = download<float>(out, rows * 128);
   EXPECT_EQ(std::memcmp(eager.data(), replayed.data(), eager.size() * sizeof(float)), 0);
+}
+
+// The split merge fused into the decode kernel (decode_kernel.cuh): the last block of each
+// (row, KV head, row group) merges, by an atomic ticket that it resets. Many splits (chunk 64),
+// batches over one launch (the launches share the counters), GQA row groups and empty rows:
+// every eager call and every graph replay gives the same bits (a counter left non-zero would
+// make a later launch merge early, or never), matching the oracle and the unfused path
+// (partial_chunks over the same splits, then merge_ordered).
+TEST_F(CudaExecutorTest, FusedSplitMergeIsTheSameOnEveryLaunchAndReplay) {
+  const AttnShape shape{70, 16, 2, 64, 1};  // 2 launches, 8 rows per KV head
+  std::vector<int64_t> lens(70);
+  for (std::size_t b = 0; b < lens.size(); ++b)
+    lens[b] = b % 7 == 3 ? 0 : 100 + 61 * static_cast<int64_t>(b);
+  Problem p(shape, DType::kBF16, lens, 21);
+  const DeviceCache d = upload_cache(p.cache, shape.batch);
+  const KVShard dv = on_device(p.whole(), p.cache, d);
+  const std::size_t rows = static_cast<std::size_t>(shape.batch * shape.heads), recf = rows * 66;
+  Buffer qd = upload(p.q.data(), p.q.size() * sizeof(float));
+  Buffer st = upload(nullptr, recf * sizeof(float));
+  DecodeOptions opt;
+  opt.chunk_tokens = 64;  // up to 67 splits
+  ASSERT_TRUE(exec->partial(shape, qd.as<float>(), dv, st.as<float>(), opt).is_ok());
+  const auto first = download<float>(st, recf);
+  std::vector<double> out(rows * 64), lse(rows);
+  ASSERT_TRUE(oracle_attention(shape, p.q.data(), p.whole(), out.data(), lse.data()).is_ok());
+  const Errors e = compare_states(shape, first.data(), out.data(), lse.data());
+  EXPECT_FALSE(e.nan_mismatch);
+  EXPECT_LE(e.out_rel(), 1e-5);
+  EXPECT_LE(e.lse_abs, 1e-5);
+  for (int i = 0; i < 3; ++i) {
+    Buffer poison = upload(nullptr, recf * sizeof(float));
+    ASSERT_TRUE(exec->copy(st.data(), poison.data(), recf * sizeof(float)).is_ok());
+    ASSERT_TRUE(exec->partial(shape, qd.as<float>(), dv, st.as<float>(), opt).is_ok());
+    const auto again = download<float>(st, recf);
+    ASSERT_EQ(std::memcmp(first.data(), again.data(), recf * sizeof(float)), 0) << "call " << i;
+  }
+  ASSERT_TRUE(cuda_capture_begin(*exec).is_ok());
+  const Status captured = exec->partial(shape, qd.as<float>(), dv, st.as<float>(), opt);
+  auto graph = cuda_capture_end(*exec);
+  ASSERT_TRUE(captured.is_ok()) << captured.to_string();
+  ASSERT_TRUE(graph.is_ok()) << graph.status().to_string();
+  for (int i = 0; i < 4; ++i) {
+    Buffer poison = upload(nullptr, recf * sizeof(float));
+    ASSERT_TRUE(exec->copy(st.data(), poison.data(), recf * sizeof(float)).is_ok());
+    ASSERT_TRUE((*graph)->replay().is_ok());
+    const auto replayed = download<float>(st, recf);
+    ASSERT_EQ(std::memcmp(first.data(), replayed.data(), recf * sizeof(float)), 0)
+        << "replay " << i;
+  }
+  // The unfused path: every split's record, then the merge kernel in split order.
+  const int64_t splits = (*std::max_element(lens.begin(), lens.end()) + 63) / 64;
+  Buffer parts = upload(nullptr, static_cast<std::size_t>(splits) * recf * sizeof(float));
+  ASSERT_TRUE(exec->partial_chunks(shape, qd.as<float>(), dv, 64, parts.as<float>(), {}).is_ok());
+  Buffer merged = upload(nullptr, recf * sizeof(float));
+  ASSERT_TRUE(exec->merge_ordered(parts.as<float>(), static_cast<std::size_t>(splits), recf, rows,
+                                  64, merged.as<float>())
+                  .is_ok());
+  const auto unfused = download<float>(merged, recf);
+  const Errors u = compare_states(shape, unfused.data(), out.data(), lse.data());
+  EXPECT_FALSE(u.nan_mismatch);
+  EXPECT_LE(u.out_rel(), 1e-5);
+  for (std::size_t r = 0; r < rows; ++r)
+    ASSERT_EQ(state_is_empty(first.data() + r * 66), state_is_empty(unfused.data() + r * 66)) << r;
 }
 
 TEST(CudaBuild, FactoryReportsWhyThereIsNoExecutor) {

@@ -1,15 +1,21 @@
 // Host tests of the CUDA decode kernel's plain arithmetic (src/kernels/cuda/decode_geometry.hpp):
-// the causal limit against a brute-force count, the block index codec, lane roles and the
-// shuffle partners the kernel uses, the token walk (every slot read exactly once), the query-row
-// groups (every (query, head) served once), record indices, and the split planner. These run on
-// any machine; the kernel itself is checked on a GPU (test_cuda_executor, tools/gpu-check.sh).
+// the causal limit against a brute-force count, the block index codec and the merge tickets,
+// lane roles and the shuffle partners the kernel uses, the token walk (every slot read exactly
+// once), the logits' reduce-scatter (run on a simulated warp: one thread per lane, shuffles
+// through a barrier), the query-row groups (every (query, head) served once), record indices,
+// the split planner (whole waves) and the launch bounds' register cap. These run on any machine;
+// the kernel itself is checked on a GPU (test_cuda_executor, tools/gpu-check.sh).
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstring>
 #include <iterator>
 #include <map>
 #include <random>
 #include <set>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -47,23 +53,40 @@ TEST(CudaGeometry, VisibleCountMatchesTheCausalRuleSlotBySlot) {
 }
 
 TEST(CudaGeometry, BlockIndexCodecIsABijection) {
-  for (int64_t splits : {1, 3, 128})
-    for (int64_t groups : {1, 2, 5})
-      for (int64_t heads : {1, 8}) {
-        const int64_t rows = 7;
-        std::set<std::tuple<int64_t, int64_t, int64_t, int64_t>> seen;
-        const int64_t blocks = splits * groups * heads * rows;
-        for (int64_t blk = 0; blk < blocks; ++blk) {
+  for (uint32_t splits : {1u, 3u, 128u})
+    for (uint32_t groups : {1u, 2u, 5u})
+      for (uint32_t heads : {1u, 8u}) {
+        const uint32_t rows = 7;
+        std::set<std::tuple<uint32_t, uint32_t, uint32_t, uint32_t>> seen;
+        std::map<uint32_t, std::set<uint32_t>> splits_of_ticket;
+        const uint32_t blocks = splits * groups * heads * rows;
+        for (uint32_t blk = 0; blk < blocks; ++blk) {
           const ItemIndex it = decode_item(blk, splits, groups, heads);
           ASSERT_LT(it.split, splits);
           ASSERT_LT(it.row_group, groups);
           ASSERT_LT(it.kv_head, heads);
           ASSERT_LT(it.batch_in_launch, rows);
           ASSERT_EQ(encode_item(it, splits, groups, heads), blk);
+          // The row group is the fastest index: a split's row groups are neighbouring blocks.
+          ASSERT_EQ(it.row_group, blk % groups);
+          ASSERT_EQ(decode_item(blk - it.row_group, splits, groups, heads).split, it.split);
           seen.insert({it.split, it.row_group, it.kv_head, it.batch_in_launch});
+          // The merge ticket: one counter per (row, head, row group), within the launch's count.
+          const uint32_t tk = ticket_index(it, groups, heads);
+          ASSERT_LT(static_cast<int64_t>(tk), tickets_per_launch(rows, heads, groups));
+          ASSERT_TRUE(splits_of_ticket[tk].insert(it.split).second);
         }
-        EXPECT_EQ(static_cast<int64_t>(seen.size()), blocks);
+        EXPECT_EQ(static_cast<uint32_t>(seen.size()), blocks);
+        // Every counter is taken by exactly the item's splits, each once: the last of `splits`
+        // tickets comes to exactly one block.
+        EXPECT_EQ(static_cast<int64_t>(splits_of_ticket.size()),
+                  tickets_per_launch(rows, heads, groups));
+        for (const auto& [tk, ss] : splits_of_ticket) ASSERT_EQ(ss.size(), splits) << tk;
       }
+  // The largest grid a launch may have still decodes in 32 bits.
+  const uint32_t big = 0x7fffffffu;
+  const ItemIndex it = decode_item(big, 1024, 1, 8);
+  EXPECT_EQ(encode_item(it, 1024, 1, 8), big);
 }
 
 TEST(CudaGeometry, LaneGeometryOfTheCompiledHeadDims) {
@@ -130,6 +153,171 @@ TEST(CudaGeometry, TokenWalkReadsEverySlotOfTheSplitOnce) {
                   << n << " slot " << j;
           }
       }
+}
+
+// ---- the logits' reduce-scatter, on a simulated token group -----------------------------------
+
+// LPT threads in lockstep: xor_fn(x, off) publishes x, waits for every lane, reads lane t ^ off.
+template <int N, int LPT>
+struct SimulatedTokenLanes {
+  std::vector<float> board = std::vector<float>(LPT);
+  std::barrier<> sync{LPT};
+  std::vector<int> shuffles = std::vector<int>(LPT, 0);
+
+  // Runs rs_reduce in every lane on in[lane][v]; returns the lanes' arrays afterwards.
+  std::vector<std::vector<float>> run(const std::vector<std::vector<float>>& in) {
+    std::vector<std::vector<float>> out(LPT, std::vector<float>(N));
+    std::vector<std::thread> lanes;
+    for (int t = 0; t < LPT; ++t)
+      lanes.emplace_back([&, t] {
+        float a[N];
+        for (int v = 0; v < N; ++v)
+          a[v] = in[static_cast<std::size_t>(t)][static_cast<std::size_t>(v)];
+        rs_reduce<N, LPT>(a, t, [&](float x, int off) {
+          board[static_cast<std::size_t>(t)] = x;
+          ++shuffles[static_cast<std::size_t>(t)];
+          sync.arrive_and_wait();
+          const float r = board[static_cast<std::size_t>(t ^ off)];
+          sync.arrive_and_wait();
+          return r;
+        });
+        for (int v = 0; v < N; ++v)
+          out[static_cast<std::size_t>(t)][static_cast<std::size_t>(v)] = a[v];
+      });
+    for (auto& th : lanes) th.join();
+    return out;
+  }
+};
+
+template <int U, int ROWS, int LPT>
+void check_reduce_scatter() {
+  constexpr int N = U * ROWS;
+  constexpr int P = rs_per_lane(N, LPT), LV = rs_replicas(N, LPT), RL = rs_row_lanes(U, N, LPT);
+  SCOPED_TRACE("U " + std::to_string(U) + " rows " + std::to_string(ROWS) + " LPT " +
+               std::to_string(LPT));
+  ASSERT_TRUE(rs_valid(U, ROWS, LPT));
+  ASSERT_EQ(P * LPT, LV * N);  // every value's P-slot appears LV times over the lanes
+  std::mt19937_64 rng(U * 1000 + ROWS * 100 + LPT);
+  std::uniform_real_distribution<float> dist(-4.0f, 4.0f);
+  for (int trial = 0; trial < 3; ++trial) {
+    std::vector<std::vector<float>> in(LPT, std::vector<float>(N));
+    std::vector<double> want(N, 0.0);
+    for (int t = 0; t < LPT; ++t)
+      for (int v = 0; v < N; ++v) {
+        const float x = dist(rng);
+        in[static_cast<std::size_t>(t)][static_cast<std::size_t>(v)] = x;
+        want[static_cast<std::size_t>(v)] += x;
+      }
+    SimulatedTokenLanes<N, LPT> sim;
+    const auto out = sim.run(in);
+    // Shuffles: N/2 + N/4 + ... down to one value, then one per remaining stage.
+    int expect_shuffles = 0, k = N;
+    for (int off = LPT / 2; off > 0; off >>= 1) {
+      expect_shuffles += k > 1 ? k / 2 : 1;
+      if (k > 1) k /= 2;
+    }
+    for (int t = 0; t < LPT; ++t)
+      ASSERT_EQ(sim.shuffles[static_cast<std::size_t>(t)], expect_shuffles);
+    std::map<int, std::vector<int>> holders;  // value -> lanes that hold it
+    for (int t = 0; t < LPT; ++t)
+      for (int i = 0; i < P; ++i) {
+        const int v = rs_value(t, i, N, LPT);
+        ASSERT_GE(v, 0);
+        ASSERT_LT(v, N);
+        const float got = out[static_cast<std::size_t>(t)][static_cast<std::size_t>(i)];
+        // The whole sum of the LPT partials (float sums in another order: within LPT ulps of
+        // the largest partial sum's magnitude).
+        ASSERT_NEAR(got, want[static_cast<std::size_t>(v)], 4.0 * LPT * 4.0 * 1.2e-7)
+            << "lane " << t << " slot " << i << " value " << v;
+        holders[v].push_back(t);
+        // The lane's values are all of one row (the kernel keeps one running max per lane).
+        ASSERT_EQ(value_row(v, U), value_row(rs_value(t, 0, N, LPT), U));
+        // The value's first holder and its slot there.
+        const int h = rs_holder(v, N, LPT);
+        ASSERT_EQ(rs_value(h, rs_slot(v, N, LPT), N, LPT), v);
+        ASSERT_LE(h, t);
+      }
+    ASSERT_EQ(static_cast<int>(holders.size()), N);  // every value is held somewhere
+    for (const auto& [v, lanes] : holders) {
+      ASSERT_EQ(static_cast<int>(lanes.size()), LV) << "value " << v;
+      // Replicas agree to the bit (the kernel's lanes must agree on every max and weight).
+      const int i = rs_slot(v, N, LPT);
+      for (int t : lanes)
+        ASSERT_EQ(std::memcmp(&out[static_cast<std::size_t>(t)][static_cast<std::size_t>(i)],
+                              &out[static_cast<std::size_t>(lanes[0])][static_cast<std::size_t>(i)],
+                              sizeof(float)),
+                  0);
+    }
+  }
+  // A row's values lie in the RL lanes [r * RL, (r + 1) * RL): the kernel's row max (xor
+  // offsets LV .. RL/2) stays inside them and reaches every value of the row.
+  for (int r = 0; r < ROWS; ++r) {
+    std::set<int> seen;
+    for (int t = r * RL; t < (r + 1) * RL; ++t)
+      for (int i = 0; i < P; ++i) {
+        const int v = rs_value(t, i, N, LPT);
+        ASSERT_EQ(value_row(v, U), r);
+        seen.insert(value_load(v, U));
+      }
+    ASSERT_EQ(static_cast<int>(seen.size()), U);
+    ASSERT_EQ(rs_holder(r * U, N, LPT), r * RL);  // where the kernel reads row r's max
+    for (int t = r * RL; t < (r + 1) * RL; ++t) {
+      std::set<int> reach{t};
+      for (int off = LV; off < RL; off <<= 1) {
+        std::set<int> next = reach;
+        for (int x : reach) next.insert(x ^ off);
+        reach = next;
+      }
+      for (int x : reach) ASSERT_EQ(x / RL, r);
+      // With the replicas (offsets below LV, already equal) every lane of the row is reached.
+      std::set<int> blocks;
+      for (int x : reach) blocks.insert(x / LV);
+      ASSERT_EQ(static_cast<int>(blocks.size()), RL / LV);
+    }
+  }
+}
+
+TEST(CudaGeometry, ReduceScatterLeavesEachLaneWholeLogits) {
+  // Every (U, rows) of unroll_tokens and every lanes-per-token of the compiled instances.
+  for (DType t : kAllTypes)
+    for (int d : kCudaHeadDims) {
+      const int lpt = lanes_per_token(t, d);
+      EXPECT_TRUE(lpt == 8 || lpt == 16 || lpt == 32) << dtype_name(t) << " " << d;
+      for (int rows : {1, 2, 4, 8}) EXPECT_TRUE(rs_valid(unroll_tokens(rows), rows, lpt));
+    }
+  static_assert(unroll_tokens(1) == 4 && unroll_tokens(2) == 4 && unroll_tokens(4) == 4 &&
+                unroll_tokens(8) == 2);
+  check_reduce_scatter<4, 1, 8>();
+  check_reduce_scatter<4, 1, 16>();
+  check_reduce_scatter<4, 1, 32>();
+  check_reduce_scatter<4, 2, 8>();
+  check_reduce_scatter<4, 2, 16>();
+  check_reduce_scatter<4, 2, 32>();
+  check_reduce_scatter<4, 4, 8>();
+  check_reduce_scatter<4, 4, 16>();
+  check_reduce_scatter<4, 4, 32>();
+  check_reduce_scatter<2, 8, 8>();
+  check_reduce_scatter<2, 8, 16>();
+  check_reduce_scatter<2, 8, 32>();
+  // The llama3 instance (bf16, D 128, 4 rows): 15 shuffles where an all-reduce takes 64.
+  EXPECT_EQ(rs_per_lane(16, 16), 1);
+  EXPECT_EQ(rs_replicas(16, 16), 1);
+  EXPECT_FALSE(rs_valid(3, 4, 16));
+  EXPECT_FALSE(rs_valid(2, 16, 8));  // 4 values per lane do not divide U = 2
+}
+
+TEST(CudaGeometry, LaunchBoundsRegisterCap) {
+  for (int rows : {1, 2, 4, 8}) {
+    const int blocks = min_blocks_per_sm(rows), cap = register_cap(rows);
+    EXPECT_GE(blocks, 2);
+    EXPECT_LE(static_cast<int64_t>(blocks) * kDecodeThreads * cap, 65536);
+    EXPECT_LE(cap, 255);
+    // Room for q and the accumulators (2 * rows * 8 floats) and two sets of U 16-byte loads
+    // of K and V (2 * 2 * U * 4), the figures decode_kernel.cuh records from ptxas.
+    EXPECT_GE(cap, 2 * rows * 8 + 16 * unroll_tokens(rows) + 32) << rows;
+  }
+  EXPECT_EQ(register_cap(4), 170);
+  EXPECT_EQ(register_cap(8), 255);
 }
 
 TEST(CudaGeometry, RowGroupsServeEveryQueryHeadOnce) {
@@ -230,6 +418,52 @@ TEST(CudaGeometry, SplitPlanCoversTheVisibleSlots) {
   const SplitPlan m = plan_decode(16, 8, 4, 1, 65536, 0);
   EXPECT_EQ(m.splits, 16);
   EXPECT_EQ(m.chunk, 4096);
+}
+
+TEST(CudaGeometry, SplitPlanFillsWholeWaves) {
+  // Waves of 132 SMs x 2..4 resident blocks (H100 / H200), 108 SMs (A100), 142 (L40S).
+  for (int64_t wave :
+       {int64_t{132 * 3}, int64_t{132 * 4}, int64_t{132 * 2}, int64_t{108 * 3}, int64_t{142 * 3}})
+    for (int64_t batch : {1, 2, 4, 16, 64, 200})
+      for (int64_t kv_heads : {1, 8})
+        for (int64_t group : {1, 4})
+          for (int64_t vis : {0, 1, 300, 4096, 65536, 262144, 1 << 20, (1 << 20) + 3}) {
+            const SplitPlan p = plan_decode(batch, kv_heads, group, 1, vis, 0, wave);
+            ASSERT_GE(p.splits, 1);
+            ASSERT_LE(p.splits, kMaxSplits);
+            if (vis > 0) {
+              EXPECT_GE(p.splits * p.chunk, vis);
+              EXPECT_LT((p.splits - 1) * p.chunk, vis);
+              EXPECT_EQ(p.chunk % kSplitAlign, 0);
+              EXPECT_GE(p.chunk, kMinSplitTokens);
+            }
+            const int64_t nb = std::min(batch, int64_t{kMaxBatchPerLaunch});
+            const int64_t blocks = nb * p.blocks_per_batch_row;
+            const double fill = wave_fill(blocks, wave);
+            // Never a worse last wave than the device-independent plan's...
+            const SplitPlan old = plan_decode(batch, kv_heads, group, 1, vis, 0);
+            EXPECT_GE(fill + 1e-9, wave_fill(nb * old.blocks_per_batch_row, wave))
+                << "wave " << wave << " B " << batch << " Hkv " << kv_heads << " vis " << vis;
+            // ...and, where the tokens allow kMaxWaves waves of splits, at least 0.85 of whole
+            // waves (the 17%-full last wave cannot happen).
+            const int64_t per = nb * kv_heads * p.rows.row_groups;
+            if (vis / kMinSplitTokens >= kMaxWaves * wave / per && per <= wave) {
+              EXPECT_GE(fill, 0.85) << "wave " << wave << " B " << batch << " Hkv " << kv_heads
+                                    << " G " << group << " vis " << vis << " splits " << p.splits;
+            }
+            // The same inputs and wave give the same plan.
+            const SplitPlan again = plan_decode(batch, kv_heads, group, 1, vis, 0, wave);
+            EXPECT_EQ(again.chunk, p.chunk);
+            // A fixed chunk length ignores the device.
+            EXPECT_EQ(plan_decode(batch, kv_heads, group, 1, vis, 1000, wave).chunk,
+                      vis > 0 ? 1000 : 1);
+          }
+  // llama3-8b, batch 1, 1M tokens on 132 SMs x 3 blocks: 8 blocks per split index, so 49 splits
+  // (1 wave: 392 of 396 slots) or more; the plan's last wave is at least 0.98 full.
+  const SplitPlan l = plan_decode(1, 8, 4, 1, 1 << 20, 0, 132 * 3);
+  EXPECT_GE(wave_fill(l.blocks_per_batch_row, 132 * 3), 0.98);
+  EXPECT_EQ(wave_fill(396, 396), 1.0);
+  EXPECT_DOUBLE_EQ(wave_fill(397, 396), 397.0 / 792.0);
 }
 
 TEST(CudaGeometry, ChunkPlanCountsChunksByLength) {

@@ -10,8 +10,9 @@
 //   bandwidth    a device-to-device copy probe and a read probe, then the decode kernel on the
 //                llama3-8b shape (32 heads, 8 KV heads, head dim 128, bf16, q_len 1) at 64k, 256k
 //                and 1M tokens, batch 1 and 16: GB/s of KV read and the fraction of each probe,
-//                eager and as a CUDA graph; results checked against the oracle (64k) and against
-//                a different split plan (all)
+//                eager and as a CUDA graph, and the cost of the split merge fused into the kernel
+//                (partial less partial_chunks over the same splits, graph times); results
+//                checked against the oracle (64k) and against a different split plan (all)
 //   vranks       P = 1..8 virtual ranks on the one GPU: P shards, P partials and the merge kernel
 //                against one shard (time, merge time, agreement)
 //   nccl         the NCCL communicator with one rank (bootstrapped over the in-process
@@ -35,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/cuda_presence.hpp"
 #include "kernels/cuda/decode_geometry.hpp"
 #include "tools/gpu_check/gpu_check_device.hpp"
@@ -492,6 +494,18 @@ struct Llama {
   static constexpr int64_t kHeads = 32, kKvHeads = 8, kDim = 128;
 };
 
+// The CUDA executor's wave for the bf16, head dim 128 instance serving `group` rows per KV head
+// (q_len 1): SMs x resident blocks, as the executor plans (0 if the device cannot say).
+int64_t wave_slots(Executor& e, int64_t group) {
+  auto info = cuda_device_info(e);
+  int blocks = 0;
+  if (!info.is_ok() ||
+      gpu::decode_occupancy_bf16(static_cast<int>(Llama::kDim), gpu::split_rows(group, 1).rows_tpl,
+                                 &blocks) != cudaSuccess)
+    return 0;
+  return static_cast<int64_t>(info->sm_count) * blocks;
+}
+
 void check_bandwidth_and_vranks(Executor& e, Report& rep, int64_t max_tokens) {
   Dev dev{e};
   auto stream_r = cuda_stream(e);
@@ -597,7 +611,9 @@ void check_bandwidth_and_vranks(Executor& e, Report& rep, int64_t max_tokens) {
       row.batch = batch;
       row.tokens = n;
       row.kv_bytes = static_cast<double>(batch * Hkv * n * D) * 2 * 2;
-      const gpu::SplitPlan plan = gpu::plan_decode(batch, Hkv, H / Hkv, 1, n, 0);
+      // The executor's plan: splits sized to the device's wave (SMs x resident blocks).
+      const gpu::SplitPlan plan =
+          gpu::plan_decode(batch, Hkv, H / Hkv, 1, n, 0, wave_slots(e, H / Hkv));
       row.splits = plan.splits;
       row.chunk = plan.chunk;
       auto partial = [&] {
@@ -621,6 +637,23 @@ void check_bandwidth_and_vranks(Executor& e, Report& rep, int64_t max_tokens) {
       } else {
         rep.notes.push_back("graph capture at B=" + std::to_string(batch) +
                             " N=" + std::to_string(n) + ": " + graph.status().to_string());
+      }
+      // The fused split merge's cost: partial_chunks over the same splits launches the same
+      // blocks without the tickets and the merge (its records go to a buffer of splits x
+      // records), so the difference of the two graph times is the merge (not measured without
+      // a graph).
+      if (plan.splits > 1 && row.graph_ms > 0) {
+        const std::size_t recs = static_cast<std::size_t>(plan.splits * batch * H * (D + 2));
+        if (auto chunks = e.allocate(recs * sizeof(float)); chunks.is_ok()) {
+          auto unmerged = [&] {
+            return e.partial_chunks(shape, qd->as<float>(), view, plan.chunk, chunks->as<float>(),
+                                    {});
+          };
+          if (auto cg = capture_graph(e, unmerged); cg.is_ok()) {
+            auto t = time_ms(stream, std::min(reps, 50), [&] { return (*cg)->replay(); });
+            if (t.is_ok()) row.fused_merge_us = (row.graph_ms - *t) * 1000;
+          }
+        }
       }
       const double best_ms = row.graph_ms > 0 ? std::min(row.graph_ms, row.eager_ms) : row.eager_ms;
       row.gbps = row.kv_bytes / (best_ms * 1e6);
@@ -658,7 +691,8 @@ void check_bandwidth_and_vranks(Executor& e, Report& rep, int64_t max_tokens) {
       }
       c.ok = c.error <= kTolerance;
       c.detail = fmt("%.0f GB/s", row.gbps) + " (" + fmt("%.0f%%", 100 * row.frac_copy) +
-                 " of copy); " + how + " " + fmt("%.1e", c.error);
+                 " of copy, " + std::to_string(row.splits) + " splits, fused merge " +
+                 fmt("%.1f us", row.fused_merge_us) + "); " + how + " " + fmt("%.1e", c.error);
       rep.add(c);
       rep.bandwidth.push_back(row);
     }
@@ -871,14 +905,14 @@ void check_nccl(Report& rep) {
 }
 
 void print_tables(const Report& rep) {
-  std::printf("\n%-6s %-8s %10s %10s %10s %9s %9s\n", "batch", "tokens", "KV GiB", "ms", "GB/s",
-              "of copy", "of read");
+  std::printf("\n%-6s %-8s %10s %10s %10s %9s %9s %7s %12s\n", "batch", "tokens", "KV GiB", "ms",
+              "GB/s", "of copy", "of read", "splits", "merge us");
   for (const BandwidthRow& b : rep.bandwidth)
-    std::printf("%-6lld %-8lld %10.2f %10.3f %10.0f %8.0f%% %8.0f%%\n",
-                static_cast<long long>(b.batch), static_cast<long long>(b.tokens),
-                b.kv_bytes / (1 << 30),
-                std::min(b.eager_ms, b.graph_ms > 0 ? b.graph_ms : b.eager_ms), b.gbps,
-                100 * b.frac_copy, 100 * b.frac_read);
+    std::printf(
+        "%-6lld %-8lld %10.2f %10.3f %10.0f %8.0f%% %8.0f%% %7lld %12.1f\n",
+        static_cast<long long>(b.batch), static_cast<long long>(b.tokens), b.kv_bytes / (1 << 30),
+        std::min(b.eager_ms, b.graph_ms > 0 ? b.graph_ms : b.eager_ms), b.gbps, 100 * b.frac_copy,
+        100 * b.frac_read, static_cast<long long>(b.splits), b.fused_merge_us);
   std::printf("\n%-3s %11s %11s %10s %12s %10s\n", "P", "1 shard ms", "P shards ms", "merge us",
               "merge graph", "max err");
   for (const VrankRow& v : rep.vranks)

@@ -60,6 +60,10 @@ inline Check environment_check(std::string section, std::string name, const tree
 struct BandwidthRow {
   int64_t batch = 0, tokens = 0, splits = 0, chunk = 0;
   double kv_bytes = 0, eager_ms = 0, graph_ms = 0, gbps = 0, frac_copy = 0, frac_read = 0;
+  // The split merge fused into the decode kernel: partial's time less that of partial_chunks
+  // over the same splits (the same blocks without the tickets and the merge), in us; 0 with one
+  // split (nothing to merge) or when it was not measured.
+  double fused_merge_us = 0;
 };
 
 struct VrankRow {
@@ -128,7 +132,8 @@ struct Report {
         << ", \"splits\": " << b.splits << ", \"chunk\": " << b.chunk
         << ", \"eager_ms\": " << json_num(b.eager_ms) << ", \"graph_ms\": " << json_num(b.graph_ms)
         << ", \"gbps\": " << json_num(b.gbps) << ", \"fraction_of_copy\": " << json_num(b.frac_copy)
-        << ", \"fraction_of_read\": " << json_num(b.frac_read) << "}"
+        << ", \"fraction_of_read\": " << json_num(b.frac_read)
+        << ", \"fused_merge_us\": " << json_num(b.fused_merge_us) << "}"
         << (i + 1 < bandwidth.size() ? "," : "") << "\n";
     }
     o << "  ],\n  \"virtual_ranks\": [\n";

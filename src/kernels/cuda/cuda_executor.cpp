@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <iterator>
 #include <string>
 #include <utility>
 
@@ -47,6 +48,7 @@ int env_local_rank() {
 }
 
 using LaunchFn = cudaError_t (*)(int, int, const gpu::DecodeParams&, int64_t, cudaStream_t);
+using OccupancyFn = cudaError_t (*)(int, int, int*);
 
 LaunchFn launcher_for(DType t) {
   switch (t) {
@@ -64,6 +66,26 @@ LaunchFn launcher_for(DType t) {
   return nullptr;
 }
 
+OccupancyFn occupancy_for(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return gpu::decode_occupancy_f32;
+    case DType::kF16:
+      return gpu::decode_occupancy_f16;
+    case DType::kBF16:
+      return gpu::decode_occupancy_bf16;
+    case DType::kFP8:
+      return gpu::decode_occupancy_fp8;
+    case DType::kInt8:
+      return gpu::decode_occupancy_int8;
+  }
+  return nullptr;
+}
+
+constexpr DType kCudaDtypes[] = {DType::kF32, DType::kF16, DType::kBF16, DType::kFP8, DType::kInt8};
+constexpr int kRowTemplates[] = {1, 2, 4, 8};
+constexpr std::size_t kNumHeadDims = std::size(gpu::kCudaHeadDims);
+
 std::string supported_cuda_head_dims() {
   std::string s;
   for (int d : gpu::kCudaHeadDims) s += (s.empty() ? "" : ", ") + std::to_string(d);
@@ -75,6 +97,7 @@ class CudaExecutor final : public Executor {
   static Result<std::unique_ptr<Executor>> create(const CudaExecutorOptions& o);
   ~CudaExecutor() override {
     workspace_.reset();
+    tickets_.reset();
     (void)use_device(device_);
     if (owns_stream_ && stream_) (void)cudaStreamDestroy(stream_);
   }
@@ -146,32 +169,31 @@ class CudaExecutor final : public Executor {
       max_visible =
           std::max(max_visible, gpu::visible_count(kv.len[b], kv.pos_start[b], kv.total_len[b],
                                                    kv.pos_stride, shape.q_len, shape.q_len - 1));
-    const gpu::SplitPlan plan = gpu::plan_decode(shape.batch, shape.kv_heads, shape.group(),
-                                                 shape.q_len, max_visible, options.chunk_tokens);
+    const gpu::RowSplit rows = gpu::split_rows(shape.group(), shape.q_len);
+    const gpu::SplitPlan plan =
+        gpu::plan_decode(shape.batch, shape.kv_heads, shape.group(), shape.q_len, max_visible,
+                         options.chunk_tokens, wave_slots(kv.dtype, shape.head_dim, rows.rows_tpl));
     const int64_t rec_floats = shape.head_dim + 2;
     const int64_t records = shape.batch * shape.q_len * shape.heads;
-    float* out = states;
-    if (plan.splits > 1) {
-      const auto bytes =
-          static_cast<std::size_t>(plan.splits * records * rec_floats) * sizeof(float);
-      if (workspace_.bytes() < bytes) {
-        workspace_.reset();
-        auto w = allocate(bytes);
-        if (!w.is_ok())
-          return Status(w.status().code(), w.status().message() + " (split workspace of partial: " +
-                                               std::to_string(plan.splits) + " splits of " +
-                                               std::to_string(plan.chunk) + " tokens)");
-        workspace_ = std::move(*w);
-      }
-      out = workspace_.as<float>();
+    if (plan.splits == 1)  // the block's record is the final state
+      return launch(shape, q, kv, plan, states, records * rec_floats, nullptr, options);
+    // The splits' records in the workspace, merged into states by the last block of each item
+    // (decode_kernel.cuh); its ticket counters are 0 between launches.
+    const auto bytes = static_cast<std::size_t>(plan.splits * records * rec_floats) * sizeof(float);
+    if (workspace_.bytes() < bytes) {
+      workspace_.reset();
+      auto w = allocate(bytes);
+      if (!w.is_ok())
+        return Status(w.status().code(), w.status().message() + " (split workspace of partial: " +
+                                             std::to_string(plan.splits) + " splits of " +
+                                             std::to_string(plan.chunk) + " tokens)");
+      workspace_ = std::move(*w);
     }
-    TREEATTN_RETURN_IF_ERROR(launch(shape, q, kv, plan, out, records * rec_floats, options));
-    if (plan.splits > 1)
-      TREEATTN_RETURN_IF_ERROR(
-          check(gpu::launch_merge(nullptr, out, plan.splits, records * rec_floats, records,
-                                  shape.head_dim, states, stream_),
-                "merge kernel (splits of partial)"));
-    return Status::ok();
+    const int64_t nb = std::min<int64_t>(shape.batch, gpu::kMaxBatchPerLaunch);
+    TREEATTN_RETURN_IF_ERROR(
+        reserve_tickets(gpu::tickets_per_launch(nb, shape.kv_heads, plan.rows.row_groups)));
+    return launch(shape, q, kv, plan, workspace_.as<float>(), records * rec_floats, states,
+                  options);
   }
 
   Status partial_chunks(const AttnShape& shape, const float* q, const KVShard& kv,
@@ -187,7 +209,7 @@ class CudaExecutor final : public Executor {
     const gpu::SplitPlan plan = gpu::plan_chunks(shape.batch, shape.kv_heads, shape.group(),
                                                  shape.q_len, longest, chunk_tokens);
     const int64_t per_chunk = shape.batch * shape.q_len * shape.heads * (shape.head_dim + 2);
-    return launch(shape, q, kv, plan, states, per_chunk, options);
+    return launch(shape, q, kv, plan, states, per_chunk, nullptr, options);
   }
 
   // ---- state algebra ---------------------------------------------------------------------------
@@ -379,9 +401,10 @@ class CudaExecutor final : public Executor {
   }
 
   // Launches the decode kernel over every batch row, kMaxBatchPerLaunch rows at a time, writing
-  // split s's records to out + s * split_stride.
+  // split s's records to out + s * split_stride and, with final_out, the merged states there
+  // (the launches run one after another on the stream, so they share the ticket counters).
   Status launch(const AttnShape& shape, const float* q, const KVShard& kv,
-                const gpu::SplitPlan& plan, float* out, int64_t split_stride,
+                const gpu::SplitPlan& plan, float* out, int64_t split_stride, float* final_out,
                 const DecodeOptions& options) {
     const float scale =
         options.scale != 0.0f
@@ -394,6 +417,8 @@ class CudaExecutor final : public Executor {
     p.k_scale = kv.k_scale;
     p.v_scale = kv.v_scale;
     p.out = out;
+    p.final_out = final_out;
+    p.tickets = final_out ? static_cast<unsigned int*>(tickets_.data()) : nullptr;
     p.stride_batch = kv.stride_batch;
     p.stride_head = kv.stride_head;
     p.stride_token = kv.stride_token;
@@ -434,12 +459,54 @@ class CudaExecutor final : public Executor {
     return Status::ok();
   }
 
+  // The planner's wave for an instance: SMs x its resident blocks (0: unknown, the
+  // device-independent plan).
+  int64_t wave_slots(DType t, int64_t head_dim, int rows_tpl) const {
+    for (std::size_t d = 0; d < kNumHeadDims; ++d)
+      for (std::size_t r = 0; r < std::size(kRowTemplates); ++r)
+        if (gpu::kCudaHeadDims[d] == head_dim && kRowTemplates[r] == rows_tpl)
+          return static_cast<int64_t>(props_.multiProcessorCount) *
+                 occupancy_[static_cast<std::size_t>(t)][d][r];
+    return 0;
+  }
+  // Resident blocks per SM of every decode instance, asked once (not a stream operation, but
+  // kept out of partial() so that nothing but launches happens there during a graph capture).
+  void query_occupancy() {
+    for (DType t : kCudaDtypes)
+      for (std::size_t d = 0; d < kNumHeadDims; ++d)
+        for (std::size_t r = 0; r < std::size(kRowTemplates); ++r) {
+          int n = 0;
+          if (occupancy_for(t)(gpu::kCudaHeadDims[d], kRowTemplates[r], &n) != cudaSuccess) {
+            (void)cudaGetLastError();
+            n = 0;
+          }
+          occupancy_[static_cast<std::size_t>(t)][d][r] = n;
+        }
+  }
+  // At least n ticket counters, all 0: a new buffer is zeroed on the stream before any launch
+  // that uses it; afterwards every launch leaves its counters 0 (the merging block resets them).
+  // The first buffer holds 64k counters (256 KiB: 64 batch rows x 8 KV heads x 128 row groups),
+  // so that it is seldom replaced: a CUDA graph captured before a replacement would still point
+  // at the old buffer (as at the old split workspace).
+  Status reserve_tickets(int64_t n) {
+    const auto bytes = static_cast<std::size_t>(std::max<int64_t>(n, 65536)) * sizeof(unsigned int);
+    if (tickets_.bytes() >= bytes) return Status::ok();
+    tickets_.reset();
+    auto t = allocate(bytes);
+    if (!t.is_ok()) return t.status();
+    tickets_ = std::move(*t);
+    return check(cudaMemsetAsync(tickets_.data(), 0, tickets_.bytes(), stream_),
+                 "cudaMemsetAsync (split merge tickets)");
+  }
+
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
   bool owns_stream_ = false;
   cudaDeviceProp props_{};
   std::string who_;
   Buffer workspace_;  // the split records of partial()
+  Buffer tickets_;    // the fused split merge's counters (decode_kernel.cuh), 0 between launches
+  int occupancy_[std::size(kCudaDtypes)][kNumHeadDims][std::size(kRowTemplates)] = {};
 };
 
 Result<std::unique_ptr<Executor>> CudaExecutor::create(const CudaExecutorOptions& o) {
@@ -466,6 +533,7 @@ Result<std::unique_ptr<Executor>> CudaExecutor::create(const CudaExecutorOptions
                        TREEATTN_CUDA_ARCHS +
                        "; set CMAKE_CUDA_ARCHITECTURES): " + cuda_error_text(img));
   }
+  e->query_occupancy();
   if (o.stream) {
     e->stream_ = static_cast<cudaStream_t>(o.stream);
   } else {

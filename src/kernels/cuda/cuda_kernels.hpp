@@ -24,6 +24,11 @@ struct DecodeParams {
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;
   float* out = nullptr;  // split s's records at out + s * split_stride, [batch][q_len][heads]
+  // The fused split merge (splits > 1): the final records, [batch][q_len][heads], and one ticket
+  // counter per (batch row of the launch, KV head, row group) (tickets_per_launch), all 0 before
+  // the launch and left 0 after it. nullptr: no merge (partial_chunks keeps every split's records).
+  float* final_out = nullptr;
+  unsigned int* tickets = nullptr;
   int64_t stride_batch = 0, stride_head = 0, stride_token = 0;
   int64_t scale_stride_batch = 0, scale_stride_head = 0, scale_stride_token = 0;
   int64_t pos_stride = 1;
@@ -41,7 +46,7 @@ struct DecodeParams {
 };
 
 // One launch of blocks thread blocks of kDecodeThreads threads; head_dim in kCudaHeadDims and
-// rows_tpl in {1, 2, 4, 8}, else cudaErrorInvalidValue.
+// rows_tpl in {1, 2, 4, 8}, else cudaErrorInvalidValue (also for a merge without tickets).
 cudaError_t launch_decode_f32(int head_dim, int rows_tpl, const DecodeParams& p, int64_t blocks,
                               cudaStream_t stream);
 cudaError_t launch_decode_f16(int head_dim, int rows_tpl, const DecodeParams& p, int64_t blocks,
@@ -52,6 +57,14 @@ cudaError_t launch_decode_fp8(int head_dim, int rows_tpl, const DecodeParams& p,
                               cudaStream_t stream);
 cudaError_t launch_decode_int8(int head_dim, int rows_tpl, const DecodeParams& p, int64_t blocks,
                                cudaStream_t stream);
+
+// Resident blocks per SM of the instance (cudaOccupancyMaxActiveBlocksPerMultiprocessor on the
+// current device): the planner's wave is SMs x this.
+cudaError_t decode_occupancy_f32(int head_dim, int rows_tpl, int* blocks_per_sm);
+cudaError_t decode_occupancy_f16(int head_dim, int rows_tpl, int* blocks_per_sm);
+cudaError_t decode_occupancy_bf16(int head_dim, int rows_tpl, int* blocks_per_sm);
+cudaError_t decode_occupancy_fp8(int head_dim, int rows_tpl, int* blocks_per_sm);
+cudaError_t decode_occupancy_int8(int head_dim, int rows_tpl, int* blocks_per_sm);
 
 // ---- state records (state.hpp), one warp per record (state_kernels.cu) --------------------------
 // out[i] <- (init ? init[i] : empty) (+) parts[0][i] (+) ... (+) parts[count-1][i], part k at

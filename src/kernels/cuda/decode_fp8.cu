@@ -9,4 +9,8 @@ cudaError_t launch_decode_fp8(int head_dim, int rows_tpl, const DecodeParams& p,
   return launch_decode_dtype<DType::kFP8>(head_dim, rows_tpl, p, blocks, stream);
 }
 
+cudaError_t decode_occupancy_fp8(int head_dim, int rows_tpl, int* blocks_per_sm) {
+  return decode_occupancy_dtype<DType::kFP8>(head_dim, rows_tpl, blocks_per_sm);
+}
+
 }  // namespace treeattn::gpu

@@ -7,9 +7,15 @@
 //
 // Vocabulary (the kernel's variable names):
 //   item     one thread block (CTA): one batch row b, one KV head kvh, one row group rg and one
-//            split s. blockIdx.x = s + splits * (rg + row_groups * (kvh + kv_heads * bl)), where
+//            split s. blockIdx.x = rg + row_groups * (s + splits * (kvh + kv_heads * bl)), where
 //            bl is b's index inside the launch (a launch covers at most kMaxBatchPerLaunch rows,
-//            whose lengths travel in the kernel parameters).
+//            whose lengths travel in the kernel parameters). The row group is the fastest index:
+//            the row groups of one split read the same K/V tokens at about the same time, so the
+//            second one finds them in L2. The decode is 32-bit (a grid has < 2^31 blocks).
+//   ticket   one counter per (bl, kvh, rg) (ticket_index): every block of the item takes one
+//            after writing its split record; the one that takes the last (splits - 1) merges
+//            the splits' records into the final state and sets the counter back to 0, so that
+//            every counter is 0 between launches (also across CUDA graph replays).
 //   rows     the query rows of one KV head: G query heads x Q query positions, row r = i * G + g
 //            for query i and head kvh * G + g (grouped-query attention: the KV head's tokens are
 //            read once for all its rows). A CTA serves up to kMaxRowsPerCta rows (a row group);
@@ -21,18 +27,40 @@
 //            on token slot l / lanes_per_token and the head_dim elements
 //            [(l % lanes_per_token) * vec, + vec). A "token group" (one slot of one warp) keeps its
 //            own online-softmax state; groups are merged at the end of the item.
+//   values   per loop iteration a lane has partial dot products of N = U * ROWS (token, row)
+//            values, v = r * U + u (u the unrolled load, r the row). A reduce-scatter over the
+//            token's lanes (rs_reduce) leaves each lane with whole logits of P = rs_per_lane
+//            values (and each value in rs_replicas lanes), so that the softmax's exp2 runs once
+//            per value instead of once per lane; the weights are then broadcast back.
 //   visible  query i of a row with N context tokens sees global positions p <= N - Q + i;
 //            local slot j sits at pos_start + j * pos_stride, so it sees slots j < visible_count.
 //
-// The split plan depends only on the shape, the lengths and DecodeOptions::chunk_tokens, never on
-// the GPU (SM count): the same inputs give the same bits on every device, which ring-kv needs
-// (every rank computes the partial of every shard and the results must agree).
+// The split plan depends on the shape, the lengths, DecodeOptions::chunk_tokens and, when
+// chunk_tokens is 0, the device's wave (SMs x resident blocks of the kernel instance): splits are
+// sized so that the blocks fill whole waves. The same inputs give the same bits on every device
+// of the same kind; ring-kv (every rank computes the partial of every shard, and the results must
+// agree) across different GPU models needs chunk_tokens > 0, which fixes the plan on every device.
 #pragma once
 
 #include <cstdint>
 
 #include "treeattn/dtype.hpp"
 #include "treeattn/state.hpp"  // TREEATTN_HD
+
+// Loop unrolling in host-and-device functions (a pragma only in the device compilation, where the
+// host compiler never sees it), and nvcc's check that a __host__ __device__ template calls only
+// functions of both kinds switched off for templates that take a device-only functor (the
+// kernel's warp shuffles; the host tests pass a simulated warp).
+#if defined(__CUDA_ARCH__)
+#define TREEATTN_UNROLL _Pragma("unroll")
+#else
+#define TREEATTN_UNROLL
+#endif
+#if defined(__CUDACC__)
+#define TREEATTN_HD_FUNCTOR _Pragma("nv_exec_check_disable")
+#else
+#define TREEATTN_HD_FUNCTOR
+#endif
 
 namespace treeattn::gpu {
 
@@ -43,9 +71,11 @@ inline constexpr int kMaxRowsPerCta = 8;
 // Batch rows whose (len, pos_start, total_len) fit in one launch's kernel parameters
 // (3 * 8 * 64 = 1536 bytes, well inside the 4 KiB every CUDA version accepts).
 inline constexpr int kMaxBatchPerLaunch = 64;
-// The planner aims at this many thread blocks per call (a few waves on a 132-SM H100/H200 at
-// 3-4 resident blocks per SM), and never makes a split shorter than kMinSplitTokens.
+// Without a device wave (wave_slots 0) the planner aims at this many thread blocks per call (a
+// few waves on a 132-SM H100/H200 at 3-4 resident blocks per SM); with one it fills whole waves
+// (at most kMaxWaves of them). It never makes a split shorter than kMinSplitTokens.
 inline constexpr int64_t kTargetCtas = 2048;
+inline constexpr int64_t kMaxWaves = 4;
 inline constexpr int64_t kMinSplitTokens = 256;
 inline constexpr int64_t kSplitAlign = 64;  // split lengths are multiples of this
 static_assert(kMinSplitTokens % kSplitAlign == 0);
@@ -71,8 +101,21 @@ TREEATTN_HD constexpr int token_groups(DType t, int head_dim) {
   return kDecodeWarps * tokens_per_warp(t, head_dim);
 }
 // Tokens each group loads per loop iteration (more loads in flight; fewer for 8 rows, whose
-// registers are the limit).
+// registers are the limit). The loads of the next iteration are issued before this one's math
+// (two sets of U loads in registers).
 TREEATTN_HD constexpr int unroll_tokens(int rows_tpl) { return rows_tpl >= 8 ? 2 : 4; }
+
+// __launch_bounds__'s minimum of resident blocks per SM (kDecodeThreads threads each), which caps
+// the registers per thread at 65536 / (blocks * kDecodeThreads): 128 for 1-2 rows, 170 for 4,
+// 255 for 8 (q and the accumulators take 2 * rows * vec registers, the two load sets 4 * U * 4).
+// ptxas's figures for every instance: decode_kernel.cuh.
+TREEATTN_HD constexpr int min_blocks_per_sm(int rows_tpl) {
+  return rows_tpl >= 8 ? 2 : rows_tpl >= 4 ? 3 : 4;
+}
+TREEATTN_HD constexpr int register_cap(int rows_tpl) {
+  const int r = 65536 / (min_blocks_per_sm(rows_tpl) * kDecodeThreads);
+  return r > 255 ? 255 : r;
+}
 
 // Whether the lane geometry works for this dtype and head dim: a token's head_dim elements are a
 // whole number of vectors and a warp holds a whole number of tokens.
@@ -133,26 +176,36 @@ TREEATTN_HD constexpr int64_t visible_count(int64_t len, int64_t pos_start, int6
 // ---- thread blocks -----------------------------------------------------------------------------
 
 struct ItemIndex {
-  int64_t split = 0;
-  int64_t row_group = 0;
-  int64_t kv_head = 0;
-  int64_t batch_in_launch = 0;
+  uint32_t split = 0;
+  uint32_t row_group = 0;
+  uint32_t kv_head = 0;
+  uint32_t batch_in_launch = 0;
 };
-TREEATTN_HD constexpr ItemIndex decode_item(int64_t block, int64_t splits, int64_t row_groups,
-                                            int64_t kv_heads) {
+// blockIdx.x -> item, in 32-bit arithmetic (grids have < 2^31 blocks; the executor checks).
+TREEATTN_HD constexpr ItemIndex decode_item(uint32_t block, uint32_t splits, uint32_t row_groups,
+                                            uint32_t kv_heads) {
   ItemIndex it;
-  it.split = block % splits;
-  int64_t rest = block / splits;
-  it.row_group = rest % row_groups;
-  rest /= row_groups;
+  it.row_group = block % row_groups;
+  uint32_t rest = block / row_groups;
+  it.split = rest % splits;
+  rest /= splits;
   it.kv_head = rest % kv_heads;
   it.batch_in_launch = rest / kv_heads;
   return it;
 }
-TREEATTN_HD constexpr int64_t encode_item(const ItemIndex& it, int64_t splits, int64_t row_groups,
-                                          int64_t kv_heads) {
-  return it.split +
-         splits * (it.row_group + row_groups * (it.kv_head + kv_heads * it.batch_in_launch));
+TREEATTN_HD constexpr uint32_t encode_item(const ItemIndex& it, uint32_t splits,
+                                           uint32_t row_groups, uint32_t kv_heads) {
+  return it.row_group +
+         row_groups * (it.split + splits * (it.kv_head + kv_heads * it.batch_in_launch));
+}
+// The item's ticket counter (one per (bl, kvh, rg), shared by its splits), and how many counters
+// a launch of nb batch rows uses.
+TREEATTN_HD constexpr uint32_t ticket_index(const ItemIndex& it, uint32_t row_groups,
+                                            uint32_t kv_heads) {
+  return it.row_group + row_groups * (it.kv_head + kv_heads * it.batch_in_launch);
+}
+TREEATTN_HD constexpr int64_t tickets_per_launch(int64_t nb, int64_t kv_heads, int64_t row_groups) {
+  return nb * kv_heads * row_groups;
 }
 
 // Where lane `lane` of a warp works: its token slot in the warp and its first head_dim element.
@@ -186,6 +239,70 @@ TREEATTN_HD constexpr int64_t kv_offset(int64_t b, int64_t h, int64_t j, int64_t
   return b * stride_batch + h * stride_head + j * stride_token + d;
 }
 
+// ---- the logits' reduce-scatter over a token's lanes ------------------------------------------
+//
+// N = U * ROWS values (v = r * U + u) of partial dot products in each of a token's LPT lanes
+// (sub-lane t = lane % LPT; N and LPT powers of 2). rs_reduce runs the butterfly over the xor
+// offsets LPT / 2, ..., 1: while a lane holds k > 1 values, the lane whose offset bit is set
+// keeps the upper half and sends the lower (its partner the reverse), so each stage costs k / 2
+// shuffles and halves k; once k is 1 the remaining stages all-reduce that value. Afterwards
+// sub-lane t holds the whole sums of values rs_value(t, 0..P-1), P = rs_per_lane; each value is
+// held by rs_replicas consecutive sub-lanes with the same bits (a + b == b + a). Shuffles: 15 for
+// N = LPT = 16, where a plain all-reduce of every value takes N * log2(LPT) = 64.
+TREEATTN_HD constexpr int rs_per_lane(int n, int lpt) { return n > lpt ? n / lpt : 1; }
+TREEATTN_HD constexpr int rs_replicas(int n, int lpt) { return lpt > n ? lpt / n : 1; }
+TREEATTN_HD constexpr int rs_value(int t, int i, int n, int lpt) {
+  return (t / rs_replicas(n, lpt)) * rs_per_lane(n, lpt) + i;
+}
+// The first sub-lane that holds value v, and v's place among that lane's P values.
+TREEATTN_HD constexpr int rs_holder(int v, int n, int lpt) {
+  return (v / rs_per_lane(n, lpt)) * rs_replicas(n, lpt);
+}
+TREEATTN_HD constexpr int rs_slot(int v, int n, int lpt) { return v % rs_per_lane(n, lpt); }
+// Whether sub-lane t keeps the upper half of its values at the stage of offset off.
+TREEATTN_HD constexpr bool rs_keeps_upper(int t, int off) { return (t & off) != 0; }
+// The row and the unrolled load of value v.
+TREEATTN_HD constexpr int value_row(int v, int u_count) { return v / u_count; }
+TREEATTN_HD constexpr int value_load(int v, int u_count) { return v % u_count; }
+// The values of one row lie in rs_row_lanes consecutive sub-lanes starting at a multiple of it
+// (P divides U): a max over the row is a butterfly over the offsets rs_replicas .. < this.
+TREEATTN_HD constexpr int rs_row_lanes(int u_count, int n, int lpt) {
+  return u_count / rs_per_lane(n, lpt) * rs_replicas(n, lpt);
+}
+// Whether the reduce-scatter's assumptions hold: powers of 2, P dividing U.
+TREEATTN_HD constexpr bool rs_valid(int u_count, int rows, int lpt) {
+  const int n = u_count * rows;
+  const auto pow2 = [](int x) { return x > 0 && (x & (x - 1)) == 0; };
+  return pow2(u_count) && pow2(rows) && pow2(lpt) && u_count % rs_per_lane(n, lpt) == 0;
+}
+
+// The reduce-scatter itself. xor_fn(x, off) returns the value x of sub-lane t ^ off at the same
+// step (the kernel: __shfl_xor_sync over the token's lanes; the host test: a simulated warp).
+// Every index is a compile-time constant once the loops are unrolled (no local memory).
+TREEATTN_HD_FUNCTOR
+template <int N, int LPT, class Xor>
+TREEATTN_HD inline void rs_reduce(float (&a)[N], int t, Xor&& xor_fn) {
+  int k = N;
+  TREEATTN_UNROLL
+  for (int off = LPT / 2; off > 0; off >>= 1) {
+    if (k > 1) {
+      const bool upper = rs_keeps_upper(t, off);
+      const int h = k / 2;
+      TREEATTN_UNROLL
+      for (int i = 0; i < (N > 1 ? N / 2 : 1); ++i) {
+        if (i < h) {
+          const float send = upper ? a[i] : a[i + h];
+          const float keep = upper ? a[i + h] : a[i];
+          a[i] = keep + xor_fn(send, off);
+        }
+      }
+      k = h;
+    } else {
+      a[0] += xor_fn(a[0], off);
+    }
+  }
+}
+
 // ---- split planning (host) ---------------------------------------------------------------------
 
 struct SplitPlan {
@@ -198,30 +315,63 @@ struct SplitPlan {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Blocks of one launch over the slots resident at once (wave_slots): the last wave's share of
+// whole waves, 1 for whole waves.
+inline double wave_fill(int64_t blocks, int64_t wave_slots) {
+  if (blocks <= 0 || wave_slots <= 0) return 1.0;
+  const int64_t waves = ceil_div(blocks, wave_slots);
+  return static_cast<double>(blocks) / static_cast<double>(waves * wave_slots);
+}
+
 // The plan of decode_partial on the device: `max_visible` is the largest visible_count over the
 // batch rows for the last query. chunk_tokens > 0 (DecodeOptions::chunk_tokens) fixes the split
-// length; 0 lets the planner aim at kTargetCtas blocks with splits of at least kMinSplitTokens
-// slots, a multiple of kSplitAlign, at most kMaxSplits of them.
+// length. 0 with wave_slots > 0 (the device's SMs x resident blocks of the instance) picks, among
+// the split counts up to kMaxWaves waves' worth of blocks (and up to the count without a wave),
+// the one whose blocks fill their last wave best (the fewest splits on a tie); 0 without a wave
+// aims at kTargetCtas blocks. Either way splits are at least
+// kMinSplitTokens slots, a multiple of kSplitAlign, at most kMaxSplits of them.
 inline SplitPlan plan_decode(int64_t batch, int64_t kv_heads, int64_t group, int64_t q_len,
-                             int64_t max_visible, int64_t chunk_tokens) {
+                             int64_t max_visible, int64_t chunk_tokens, int64_t wave_slots = 0) {
   SplitPlan p;
   p.rows = split_rows(group, q_len);
   p.launches = ceil_div(batch, kMaxBatchPerLaunch);
   const int64_t per_split = batch * kv_heads * p.rows.row_groups;  // blocks of one split index
+  // Blocks of one split index in one (the largest) launch.
+  const int64_t per_launch =
+      (batch < kMaxBatchPerLaunch ? batch : kMaxBatchPerLaunch) * kv_heads * p.rows.row_groups;
+  const auto splits_of = [&](int64_t want) {
+    int64_t most = ceil_div(max_visible, kMinSplitTokens);
+    if (most > kMaxSplits) most = kMaxSplits;
+    if (want > most) want = most;
+    if (want < 1) want = 1;
+    int64_t chunk = ceil_div(ceil_div(max_visible, want), kSplitAlign) * kSplitAlign;
+    if (chunk < kMinSplitTokens) chunk = kMinSplitTokens;
+    return chunk;
+  };
   if (max_visible <= 0) {
     p.chunk = 1;
     p.splits = 1;
   } else if (chunk_tokens > 0) {
     p.chunk = chunk_tokens;
     p.splits = ceil_div(max_visible, chunk_tokens);
+  } else if (wave_slots > 0) {
+    double best = -1.0;
+    // Up to kMaxWaves waves, and at least as many splits as the device-independent plan.
+    int64_t last = ceil_div(kMaxWaves * wave_slots, per_launch);
+    if (last < ceil_div(kTargetCtas, per_split)) last = ceil_div(kTargetCtas, per_split);
+    if (last > kMaxSplits) last = kMaxSplits;
+    for (int64_t want = 1; want <= last; ++want) {
+      const int64_t chunk = splits_of(want);
+      const int64_t splits = ceil_div(max_visible, chunk);
+      const double fill = wave_fill(splits * per_launch, wave_slots);
+      if (fill > best + 1e-9) {
+        best = fill;
+        p.chunk = chunk;
+        p.splits = splits;
+      }
+    }
   } else {
-    int64_t want = ceil_div(kTargetCtas, per_split);
-    const int64_t most = ceil_div(max_visible, kMinSplitTokens);
-    if (want > most) want = most;
-    if (want > kMaxSplits) want = kMaxSplits;
-    if (want < 1) want = 1;
-    p.chunk = ceil_div(ceil_div(max_visible, want), kSplitAlign) * kSplitAlign;
-    if (p.chunk < kMinSplitTokens) p.chunk = kMinSplitTokens;
+    p.chunk = splits_of(ceil_div(kTargetCtas, per_split));
     p.splits = ceil_div(max_visible, p.chunk);
   }
   p.blocks_per_batch_row = p.splits * p.rows.row_groups * kv_heads;

@@ -1,14 +1,19 @@
 // The CUDA split-KV decode kernel (flash-decoding): partial attention states of the queries of
-// one KV head against one split of a KV shard in device memory.
+// one KV head against one split of a KV shard in device memory, and the merge of the splits.
 //
 // One thread block (CTA, kDecodeThreads threads) serves one item (decode_geometry.hpp): batch
 // row b, KV head kvh, a group of up to 8 query rows (G heads x Q positions: the KV head is read
 // once for all of them) and the token slots [split * chunk, (split + 1) * chunk). Each warp
 // reads tokens_per_warp tokens per load (lane l: token slot l / lanes_per_token, vec elements of
-// head_dim), each such token group keeps its own online-softmax state per row in registers, and
-// the groups are merged (warp shuffles, then shared memory across warps) into one record per
-// row, written to the split's record array. Splits are merged by the merge kernel
-// (state_kernels.cu) with state.hpp's state_merge.
+// head_dim), U loads per iteration, and issues the next iteration's loads before this one's math
+// (software pipelining in registers). Each such token group keeps its own online-softmax state
+// per row; the partial dot products of the U x ROWS (token, row) values are reduce-scattered over
+// the token's lanes (rs_reduce), so each lane computes whole logits of its own values and their
+// exp2 once, and the weights are broadcast back for the V accumulation. The groups are merged
+// (warp shuffles, then shared memory across warps) into one record per row, written to the
+// split's record array. With more than one split, the last block of each (batch row, KV head,
+// row group) to finish (an atomic ticket) merges the splits' records into the final state
+// (merge_item_splits); there is no second launch.
 //
 // Numerics: K and V are widened exactly to float (fp8 / int8: the code, times the token's scale
 // once per logit and once per weight); q is pre-multiplied by scale * log2(e) so that the
@@ -127,13 +132,6 @@ struct KvVec<DType::kInt8> {
   }
 };
 
-template <DType T>
-__device__ inline typename KvVec<T>::Raw load_vec(const void* base, int64_t elem) {
-  using V = KvVec<T>;
-  return __ldg(
-      reinterpret_cast<const typename V::Raw*>(static_cast<const typename V::Elem*>(base) + elem));
-}
-
 // max that keeps NaN (fmaxf would drop it), as the CPU kernels do.
 __device__ inline float nan_max(float a, float b) {
   return (isnan(a) || isnan(b)) ? __int_as_float(0x7fc00000) : fmaxf(a, b);
@@ -161,10 +159,80 @@ __device__ inline void combine2(float& m, float& l, float (&acc)[VEC], float mo,
   m = mn;
 }
 
+// The fused split merge of one item (run by the block that took the item's last ticket): for each
+// of its rows, the splits' records (natural-log m, l, o relative to m) in p.out are folded into
+// the final record in p.final_out. One warp per row, lane l holding the elements l + 32 k. Two
+// passes over the records, both with independent loads (no chain through the merge): the largest
+// m (NaN wins; -0 folded to +0 as in state.hpp), then l and o as sums over the splits in order
+// 0..splits-1 of exp(m_s - m) times the split's l and o. This is state_merge's fold written
+// in one pass: equal in exact arithmetic, the same bits on every run and device of one kind (a
+// fixed order, no atomics in the sums), within a few ulps of the fold in float. Records are read
+// through L2 (__ldcg): other blocks wrote them, and L1 is not coherent.
+template <int D, int ROWS>
+__device__ inline void merge_item_splits(const DecodeParams& p, const int64_t* rec_of, int warp,
+                                         int lane) {
+  constexpr int K = D / kWarpSize;
+  static_assert(D % kWarpSize == 0, "the merge gives each lane D / 32 elements");
+  for (int r = warp; r < ROWS; r += kDecodeWarps) {
+    const int64_t ri = rec_of[r];
+    if (ri < 0) continue;  // warp-uniform: past the item's rows
+    const float* const base = p.out + ri * (D + 2);
+    float* const out = p.final_out + ri * (D + 2);
+    float mt = kNegInfF;
+    for (int64_t s = lane; s < p.splits; s += kWarpSize)
+      mt = nan_max(mt, __ldcg(base + s * p.split_stride));
+#pragma unroll
+    for (int off = kWarpSize / 2; off > 0; off >>= 1)
+      mt = nan_max(mt, __shfl_xor_sync(0xffffffffu, mt, off));
+    if (mt == 0.0f) mt = 0.0f;  // -0 -> +0, the same in every lane
+    if (mt == kNegInfF) {       // every split empty: the empty state
+      if (lane == 0) {
+        out[0] = kNegInfF;
+        out[1] = 0.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < K; ++k) out[2 + lane + k * kWarpSize] = 0.0f;
+      continue;
+    }
+    float lt = 0.0f, ot[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) ot[k] = 0.0f;
+#pragma unroll 8  // 8 splits' loads in flight: ~splits / 8 L2 round trips
+    for (int64_t s = 0; s < p.splits; ++s) {
+      const float* const rec = base + s * p.split_stride;
+      const float ms = __ldcg(rec), ls = __ldcg(rec + 1);
+      float os[K];
+#pragma unroll
+      for (int k = 0; k < K; ++k) os[k] = __ldcg(rec + 2 + lane + k * kWarpSize);
+      if (ms == kNegInfF) continue;  // an empty split adds nothing (its o is never read as 0 * x)
+      const float w = expf(ms - mt);
+      lt = fmaf(w, ls, lt);
+#pragma unroll
+      for (int k = 0; k < K; ++k) ot[k] = fmaf(w, os[k], ot[k]);
+    }
+    if (lane == 0) {
+      out[0] = mt;
+      out[1] = lt;
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) out[2 + lane + k * kWarpSize] = ot[k];
+  }
+}
+
+// ptxas (CUDA 13.0.88, sm_90, -Xptxas -v; configure with -DTREEATTN_CUDA_PTXAS_VERBOSE=ON, or
+// read tools/gpu-check.sh's build.log): registers per thread of every instance, ROWS 1 2 4 8,
+// under the launch bounds' caps register_cap(ROWS) = 128 128 170 255 (4 4 3 2 blocks per SM).
+// Every instance: 0 bytes of stack frame, 0 bytes of spill stores and loads.
+//   f32   D64: 109 118 147 167   D128: 118 116 145 161
+//   f16   D64: 117 126 168 229   D128: 128 128 168 227
+//   bf16  D64: 128 128 168 235   D128: 128 128 168 228
+//   fp8   D64:  95 116 168 226   D128: 113 116 162 230
+//   int8  D64:  96 118 168 226   D128: 113 118 168 223
 template <DType T, int D, int ROWS>
-__global__ void __launch_bounds__(kDecodeThreads)
+__global__ void __launch_bounds__(kDecodeThreads, min_blocks_per_sm(ROWS))
     decode_split_kernel(const __grid_constant__ DecodeParams p) {
   using V = KvVec<T>;
+  using Raw = typename V::Raw;
   constexpr int VEC = V::kVec;
   static_assert(VEC == vec_elems(T), "vector width differs from decode_geometry.hpp");
   static_assert(geometry_valid(T, D), "no lane geometry for this head dim");
@@ -172,34 +240,63 @@ __global__ void __launch_bounds__(kDecodeThreads)
   constexpr int TPW = tokens_per_warp(T, D);
   constexpr int NG = token_groups(T, D);
   constexpr int U = unroll_tokens(ROWS);
+  constexpr int N = U * ROWS;                  // (token, row) values per lane and iteration
+  constexpr int P = rs_per_lane(N, LPT);       // whole logits a lane holds after rs_reduce
+  constexpr int RL = rs_row_lanes(U, N, LPT);  // lanes holding one row's values
+  constexpr int LV = rs_replicas(N, LPT);      // lanes holding each value
+  static_assert(rs_valid(U, ROWS, LPT), "the reduce-scatter needs powers of 2 and P | U");
   constexpr bool kQuant = T == DType::kFP8 || T == DType::kInt8;
   constexpr float kLn2f = 0.69314718055994531f;
+  constexpr unsigned kFull = 0xffffffffu;
 
-  const ItemIndex it = decode_item(blockIdx.x, p.splits, p.row_groups, p.kv_heads);
-  const int64_t bl = it.batch_in_launch;
+  const ItemIndex it =
+      decode_item(blockIdx.x, static_cast<uint32_t>(p.splits), static_cast<uint32_t>(p.row_groups),
+                  static_cast<uint32_t>(p.kv_heads));
+  const int bl = static_cast<int>(it.batch_in_launch);
   const int64_t b = p.b0 + bl;
   const int64_t kvh = it.kv_head;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const LaneRole role = lane_role(lane, T, D);
+  const int sub = lane % LPT;  // the lane's place among its token's lanes
   const int64_t len = p.len[bl], pos0 = p.pos_start[bl], total = p.total_len[bl];
 
-  // This lane's slice of every row's query, pre-scaled into base 2, and each row's limit.
+  // Each row's record index (-1 past the rows) and limit, computed once per block by ROWS
+  // threads (the only 64-bit divisions of the kernel), then read by all.
+  __shared__ int64_t sm_rec[ROWS];
+  __shared__ int64_t sm_cnt[ROWS];
+  if (threadIdx.x < ROWS) {
+    const int64_t gr = static_cast<int64_t>(it.row_group) * ROWS + threadIdx.x;
+    const bool valid = gr < p.rows_total;
+    const RowTarget tg = row_target(valid ? gr : 0, p.group, kvh);
+    sm_rec[threadIdx.x] = valid ? record_index(b, tg.query, tg.head, p.q_len, p.heads) : -1;
+    sm_cnt[threadIdx.x] =
+        valid ? visible_count(len, pos0, total, p.pos_stride, p.q_len, tg.query) : 0;
+  }
+  __syncthreads();
   float q[ROWS][VEC];
   int64_t cnt[ROWS];
   int64_t cnt_max = 0;
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
-    const int64_t gr = it.row_group * ROWS + r;
-    const bool valid = gr < p.rows_total;
-    const RowTarget tg = row_target(valid ? gr : 0, p.group, kvh);
-    cnt[r] = valid ? visible_count(len, pos0, total, p.pos_stride, p.q_len, tg.query) : 0;
+    const int64_t rec = sm_rec[r];
+    cnt[r] = sm_cnt[r];
     cnt_max = cnt[r] > cnt_max ? cnt[r] : cnt_max;
-    const float* qr = p.q + record_index(b, tg.query, tg.head, p.q_len, p.heads) * D + role.dim0;
+    const float* qr = p.q + (rec >= 0 ? rec : 0) * D + role.dim0;
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) q[r][e] = valid ? qr[e] * p.qscale : 0.0f;
+    for (int e = 0; e < VEC; ++e) q[r][e] = rec >= 0 ? qr[e] * p.qscale : 0.0f;
   }
-  const int64_t t0 = it.split * p.chunk;
+  // The values this lane holds after the reduce-scatter: their unrolled loads, and their row
+  // (the same for all P of them, since P divides U) with its limit and running max. Runtime
+  // indices, so they are read from shared memory or kept apart, never indexed into a register
+  // array (which would put the array in local memory).
+  int held_load[P];
+#pragma unroll
+  for (int i = 0; i < P; ++i) held_load[i] = value_load(rs_value(sub, i, N, LPT), U);
+  const int held_row = value_row(rs_value(sub, 0, N, LPT), U);
+  const int64_t held_cnt = sm_cnt[held_row];
+  float m_held = kNegInfF;  // m[held_row], kept alongside
+  const int64_t t0 = static_cast<int64_t>(it.split) * p.chunk;
   const int64_t t1 = t0 + p.chunk < cnt_max ? t0 + p.chunk : cnt_max;
 
   float m[ROWS], l[ROWS], acc[ROWS][VEC];
@@ -211,73 +308,133 @@ __global__ void __launch_bounds__(kDecodeThreads)
     for (int e = 0; e < VEC; ++e) acc[r][e] = 0.0f;
   }
 
+  using Elem = typename V::Elem;
   const int64_t kv0 =
       kv_offset(b, kvh, 0, role.dim0, p.stride_batch, p.stride_head, p.stride_token);
+  const Elem* const kbase = static_cast<const Elem*>(p.k) + kv0;
+  const Elem* const vbase = static_cast<const Elem*>(p.v) + kv0;
   const int64_t sc0 = b * p.scale_stride_batch + kvh * p.scale_stride_head;
 
-  // w0 is the same in every lane of the warp, so the shuffles below see the whole warp.
-  for (int64_t w0 = warp_first_token(t0, warp, TPW); w0 < t1; w0 += cta_token_step(NG, U)) {
-    typename V::Raw kr[U], vr[U];
-    float ks[U], vs[U];
+  // One group of loads: U tokens of this lane's slot from w0 on, K and V, the V scales of the U
+  // tokens and the K scales of the P held values' tokens (fp8 / int8); zeros past t1 (no memory
+  // traffic).
+  const auto load = [&](int64_t w0, Raw(&kr)[U], Raw(&vr)[U], float(&ks)[P], float(&vs)[U]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t j = lane_token(w0, role.token_slot, u, NG);
-      ks[u] = vs[u] = 0.0f;
+      vs[u] = 0.0f;
+      kr[u] = V::zero();
+      vr[u] = V::zero();
       if (j < t1) {
-        kr[u] = load_vec<T>(p.k, kv0 + j * p.stride_token);
-        vr[u] = load_vec<T>(p.v, kv0 + j * p.stride_token);
-        if constexpr (kQuant) {
-          ks[u] = __ldg(p.k_scale + sc0 + j * p.scale_stride_token);
-          vs[u] = __ldg(p.v_scale + sc0 + j * p.scale_stride_token);
-        }
-      } else {
-        kr[u] = V::zero();
-        vr[u] = V::zero();
+        kr[u] = __ldg(reinterpret_cast<const Raw*>(kbase + j * p.stride_token));
+        vr[u] = __ldg(reinterpret_cast<const Raw*>(vbase + j * p.stride_token));
+        if constexpr (kQuant) vs[u] = __ldg(p.v_scale + sc0 + j * p.scale_stride_token);
       }
     }
-    float s[U][ROWS];
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      const int64_t j = lane_token(w0, role.token_slot, held_load[i], NG);
+      ks[i] = 0.0f;
+      if constexpr (kQuant)
+        if (j < t1) ks[i] = __ldg(p.k_scale + sc0 + j * p.scale_stride_token);
+    }
+  };
+
+  // The math of one group of loads (w0 is the same in every lane of the warp, so every shuffle
+  // below sees the whole warp).
+  const auto step = [&](int64_t w0, const Raw(&kr)[U], const Raw(&vr)[U], const float(&ks)[P],
+                        const float(&vs)[U]) {
+    // Partial dot products of this lane's elements, value v = r * U + u.
+    float a[N];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float kf[VEC];
       V::widen(kr[u], kf);
-      const int64_t j = lane_token(w0, role.token_slot, u, NG);
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
         float d = 0.0f;
 #pragma unroll
         for (int e = 0; e < VEC; ++e) d = fmaf(q[r][e], kf[e], d);
-#pragma unroll
-        for (int off = LPT / 2; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
-        if constexpr (kQuant) d *= ks[u];
-        s[u][r] = (j < t1 && j < cnt[r]) ? d : kNegInfF;
+        a[r * U + u] = d;
       }
     }
-    float vf[U][VEC];
+    rs_reduce<N, LPT>(a, sub, [](float x, int off) { return __shfl_xor_sync(kFull, x, off, LPT); });
+    // The held logits (base 2), -inf where the causal rule or the split's end hides the token.
+    float x[P];
+    float mx = kNegInfF;
 #pragma unroll
-    for (int u = 0; u < U; ++u) V::widen(vr[u], vf[u]);
+    for (int i = 0; i < P; ++i) {
+      const int64_t j = lane_token(w0, role.token_slot, held_load[i], NG);
+      const float s = kQuant ? a[i] * ks[i] : a[i];
+      x[i] = (j < t1 && j < held_cnt) ? s : kNegInfF;
+      mx = i == 0 ? x[i] : nan_max(mx, x[i]);
+    }
+    // The row's max over its lanes, then every row's new max in every lane (from the row's
+    // first holder, so that all the token's lanes agree to the bit).
+#pragma unroll
+    for (int off = LV; off < RL; off <<= 1) mx = nan_max(mx, __shfl_xor_sync(kFull, mx, off, LPT));
+    float mn[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+      mn[r] = nan_max(m[r], __shfl_sync(kFull, mx, rs_holder(r * U, N, LPT), LPT));
+    // The weights of the held values: one exp2 per (token, row), not one per lane. The row's
+    // new max from this lane's own row max and m_held: the bits of mn[held_row].
+    const float mr = nan_max(m_held, mx);
+    m_held = mr;
+    float w[P];
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      w[i] = x[i] == kNegInfF ? 0.0f : exp2f(x[i] - mr);
+    }
+    // Rescale each row to its new max.
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      float mx = s[0][r];
-#pragma unroll
-      for (int u = 1; u < U; ++u) mx = nan_max(mx, s[u][r]);
-      const float mn = nan_max(m[r], mx);
-      if (mn == kNegInfF) continue;  // nothing visible to this row yet
-      const float sc = m[r] == kNegInfF ? 0.0f : exp2f(m[r] - mn);
+      if (mn[r] == kNegInfF) continue;  // nothing visible to this row yet
+      const float sc = m[r] == kNegInfF ? 0.0f : exp2f(m[r] - mn[r]);
       l[r] *= sc;
 #pragma unroll
       for (int e = 0; e < VEC; ++e) acc[r][e] *= sc;
+      m[r] = mn[r];
+    }
+    // Every weight to every lane of the token, and the weighted V.
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const float pu = exp2f(s[u][r] - mn);
-        if (pu != 0.0f) {
+    for (int u = 0; u < U; ++u) {
+      float vf[VEC];
+      V::widen(vr[u], vf);
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const int v = r * U + u;
+        const float pu = __shfl_sync(kFull, w[rs_slot(v, N, LPT)], rs_holder(v, N, LPT), LPT);
+        if (pu != 0.0f) {  // a hidden token's V (even NaN) never enters the sums
           l[r] += pu;
           const float pv = kQuant ? pu * vs[u] : pu;
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) acc[r][e] = fmaf(pv, vf[u][e], acc[r][e]);
+          for (int e = 0; e < VEC; ++e) acc[r][e] = fmaf(pv, vf[e], acc[r][e]);
         }
       }
-      m[r] = mn;
     }
+  };
+
+  // The token walk, software-pipelined: the next group's loads are in flight during this
+  // group's math (two register sets; the loop body ends by moving the next set into this one).
+  const int64_t cta_step = cta_token_step(NG, U);
+  int64_t w0 = warp_first_token(t0, warp, TPW);
+  Raw kr[U], vr[U];
+  float ks[P], vs[U];
+  load(w0, kr, vr, ks, vs);
+  for (; w0 < t1; w0 += cta_step) {
+    Raw kn[U], vn[U];
+    float ksn[P], vsn[U];
+    load(w0 + cta_step, kn, vn, ksn, vsn);
+    step(w0, kr, vr, ks, vs);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      kr[u] = kn[u];
+      vr[u] = vn[u];
+      vs[u] = vsn[u];
+    }
+#pragma unroll
+    for (int i = 0; i < P; ++i) ks[i] = ksn[i];
   }
 
   // Merge the token groups of the warp (lanes with the same elements, other token slots).
@@ -285,16 +442,17 @@ __global__ void __launch_bounds__(kDecodeThreads)
   for (int off = LPT; off < kWarpSize; off <<= 1) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      const float mo = __shfl_xor_sync(0xffffffffu, m[r], off);
-      const float lo = __shfl_xor_sync(0xffffffffu, l[r], off);
+      const float mo = __shfl_xor_sync(kFull, m[r], off);
+      const float lo = __shfl_xor_sync(kFull, l[r], off);
       float ao[VEC];
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) ao[e] = __shfl_xor_sync(0xffffffffu, acc[r][e], off);
+      for (int e = 0; e < VEC; ++e) ao[e] = __shfl_xor_sync(kFull, acc[r][e], off);
       combine2<VEC>(m[r], l[r], acc[r], mo, lo, ao);
     }
   }
 
-  // Merge the warps through shared memory and write one record per row.
+  // Merge the warps through shared memory and write one record per row: the split's record
+  // (p.out + split * split_stride), which is the final state when there is one split.
   __shared__ float sm_m[kDecodeWarps][ROWS];
   __shared__ float sm_l[kDecodeWarps][ROWS];
   __shared__ float sm_o[kDecodeWarps][ROWS][D];
@@ -310,13 +468,11 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
   }
   __syncthreads();
-  float* const split_out = p.out + it.split * p.split_stride;
+  float* const split_out = p.out + static_cast<int64_t>(it.split) * p.split_stride;
   for (int idx = static_cast<int>(threadIdx.x); idx < ROWS * D; idx += kDecodeThreads) {
-    const int r = idx / D, d = idx % D;
-    const int64_t gr = it.row_group * ROWS + r;
-    if (gr >= p.rows_total) continue;
-    const RowTarget tg = row_target(gr, p.group, kvh);
-    float* rec = split_out + record_index(b, tg.query, tg.head, p.q_len, p.heads) * (D + 2);
+    const int r = idx / D, d = idx % D;  // D is a power of 2: shifts
+    if (sm_rec[r] < 0) continue;
+    float* rec = split_out + sm_rec[r] * (D + 2);
     float mt = sm_m[0][r];
 #pragma unroll
     for (int w = 1; w < kDecodeWarps; ++w) mt = nan_max(mt, sm_m[w][r]);
@@ -343,44 +499,73 @@ __global__ void __launch_bounds__(kDecodeThreads)
       rec[1] = lt;
     }
   }
+  if (p.final_out == nullptr) return;
+
+  // The fused split merge: every block of the item takes a ticket after its record is visible
+  // device-wide; the block with the last one merges the item's splits and resets the counter.
+  // Every block of the item reaches this point (no early return above), so exactly one merges.
+  __threadfence();  // this thread's record stores before the ticket (release)
+  __syncthreads();  // every thread's stores and fences before thread 0 takes it
+  __shared__ int sm_last;
+  const uint32_t tk =
+      ticket_index(it, static_cast<uint32_t>(p.row_groups), static_cast<uint32_t>(p.kv_heads));
+  if (threadIdx.x == 0)
+    sm_last = atomicAdd(p.tickets + tk, 1u) == static_cast<unsigned>(p.splits - 1) ? 1 : 0;
+  __syncthreads();
+  if (!sm_last) return;
+  __threadfence();  // acquire: the other blocks' records, read through L2 below
+  merge_item_splits<D, ROWS>(p, sm_rec, warp, lane);
+  if (threadIdx.x == 0) p.tickets[tk] = 0u;  // 0 again for the next launch or graph replay
 }
 
-// The launcher of one dtype: head_dim and the row template select the instance.
+// The kernel instance of one dtype, head dim and row count (nullptr for others).
+using DecodeKernelFn = void (*)(DecodeParams);
+
 template <DType T, int D>
-cudaError_t launch_decode_rows(int rows_tpl, const DecodeParams& p, int64_t blocks,
-                               cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(blocks));
+DecodeKernelFn decode_kernel_rows(int rows_tpl) {
   switch (rows_tpl) {
     case 1:
-      decode_split_kernel<T, D, 1><<<grid, kDecodeThreads, 0, stream>>>(p);
-      break;
+      return decode_split_kernel<T, D, 1>;
     case 2:
-      decode_split_kernel<T, D, 2><<<grid, kDecodeThreads, 0, stream>>>(p);
-      break;
+      return decode_split_kernel<T, D, 2>;
     case 4:
-      decode_split_kernel<T, D, 4><<<grid, kDecodeThreads, 0, stream>>>(p);
-      break;
+      return decode_split_kernel<T, D, 4>;
     case 8:
-      decode_split_kernel<T, D, 8><<<grid, kDecodeThreads, 0, stream>>>(p);
-      break;
+      return decode_split_kernel<T, D, 8>;
     default:
-      return cudaErrorInvalidValue;
+      return nullptr;
   }
-  return cudaGetLastError();
+}
+
+template <DType T>
+DecodeKernelFn decode_kernel_for(int head_dim, int rows_tpl) {
+  switch (head_dim) {
+    case 64:
+      return decode_kernel_rows<T, 64>(rows_tpl);
+    case 128:
+      return decode_kernel_rows<T, 128>(rows_tpl);
+    default:
+      return nullptr;
+  }
 }
 
 template <DType T>
 cudaError_t launch_decode_dtype(int head_dim, int rows_tpl, const DecodeParams& p, int64_t blocks,
                                 cudaStream_t stream) {
   if (blocks <= 0 || blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  switch (head_dim) {
-    case 64:
-      return launch_decode_rows<T, 64>(rows_tpl, p, blocks, stream);
-    case 128:
-      return launch_decode_rows<T, 128>(rows_tpl, p, blocks, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  const DecodeKernelFn fn = decode_kernel_for<T>(head_dim, rows_tpl);
+  if (fn == nullptr) return cudaErrorInvalidValue;
+  if (p.splits > 1 && p.final_out != nullptr && p.tickets == nullptr) return cudaErrorInvalidValue;
+  fn<<<dim3(static_cast<unsigned>(blocks)), kDecodeThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// Resident blocks per SM of one instance (cudaOccupancyMaxActiveBlocksPerMultiprocessor).
+template <DType T>
+cudaError_t decode_occupancy_dtype(int head_dim, int rows_tpl, int* blocks_per_sm) {
+  const DecodeKernelFn fn = decode_kernel_for<T>(head_dim, rows_tpl);
+  if (fn == nullptr) return cudaErrorInvalidValue;
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, fn, kDecodeThreads, 0);
 }
 
 }  // namespace treeattn::gpu
