@@ -260,6 +260,7 @@ struct LocalShard::DeviceStore {
   DType dtype = DType::kF32;
   int64_t capacity = 0;
   Buffer k, v, k_scale, v_scale;  // [batch][kv_heads][capacity][head_dim] / [..][capacity]
+  Buffer staging;                 // a flush's packed tokens on the device (flush_locked)
   std::mutex mu;
   // Staged tokens: slot (b, j) of token i and its record at bytes[i * token_bytes]: K then V codes
   // [kv_heads][head_dim], then (quantized dtypes) K then V scales [kv_heads].
@@ -342,8 +343,11 @@ struct LocalShard::DeviceStore {
     }
   }
 
-  // Copies the staged tokens: sorted by slot (the last store of a slot wins), one from_host per
-  // run of consecutive slots of a row, per KV head and tensor.
+  // Copies the staged tokens: sorted by slot (the last store of a slot wins), packed into one
+  // host buffer as the device segments they fill (per run of consecutive slots of a row, per KV
+  // head and tensor: the codes, then the scales), sent with one from_host into the device staging
+  // buffer, then scattered by device-to-device copies that are only enqueued (no wait each):
+  // one synchronizing copy per flush (a decode step's appends) instead of one per segment.
   Status flush_locked() {
     if (slots.empty()) return error;
     std::vector<std::size_t> order(slots.size());
@@ -356,9 +360,15 @@ struct LocalShard::DeviceStore {
       if (i + 1 == order.size() || slots[order[i + 1]] != slots[order[i]]) keep.push_back(order[i]);
     const bool quant = dtype_is_quantized(dtype);
     const std::size_t hb = head_bytes(), cb = codes_bytes();
+    struct Segment {
+      uint8_t* dst;
+      std::size_t at, bytes;  // offset in the pack, length
+    };
+    std::vector<Segment> segments;
     std::vector<uint8_t> pack;
+    pack.reserve(keep.size() * token_bytes);
     Status st;
-    for (std::size_t r0 = 0; r0 < keep.size() && st.is_ok();) {
+    for (std::size_t r0 = 0; r0 < keep.size();) {
       const auto [b, j0] = slots[keep[r0]];
       std::size_t r1 = r0 + 1;
       while (r1 < keep.size() && slots[keep[r1]].first == b &&
@@ -369,40 +379,60 @@ struct LocalShard::DeviceStore {
         st = invalid_argument("KV shard: slots [" + std::to_string(j0) + ", " +
                               std::to_string(j0 + n) + ") of batch row " + std::to_string(b) +
                               " are outside the capacity " + std::to_string(capacity));
-        break;
+        break;  // the runs before it are still copied
       }
-      for (int64_t h = 0; h < shape.kv_heads && st.is_ok(); ++h) {
+      for (int64_t h = 0; h < shape.kv_heads; ++h) {
         const auto hh = static_cast<std::size_t>(h);
-        for (int t = 0; t < 2 && st.is_ok(); ++t) {  // K, V
-          pack.resize(static_cast<std::size_t>(n) * hb);
-          for (std::size_t i = r0; i < r1; ++i)
-            std::memcpy(
-                pack.data() + (i - r0) * hb,
-                bytes.data() + keep[i] * token_bytes + static_cast<std::size_t>(t) * cb + hh * hb,
-                hb);
+        for (std::size_t t = 0; t < 2; ++t) {  // K, V
           Buffer& dst = t == 0 ? k : v;
-          st = exec->from_host(static_cast<uint8_t*>(dst.data()) + at(b, h, j0, capacity),
-                               pack.data(), pack.size());
-          if (!quant || !st.is_ok()) continue;
-          pack.resize(static_cast<std::size_t>(n) * sizeof(float));
-          const std::size_t so =
-              2 * cb +
-              (static_cast<std::size_t>(t) * static_cast<std::size_t>(shape.kv_heads) + hh) *
-                  sizeof(float);
-          for (std::size_t i = r0; i < r1; ++i)
-            std::memcpy(pack.data() + (i - r0) * sizeof(float),
-                        bytes.data() + keep[i] * token_bytes + so, sizeof(float));
+          segments.push_back({static_cast<uint8_t*>(dst.data()) + at(b, h, j0, capacity),
+                              pack.size(), static_cast<std::size_t>(n) * hb});
+          for (std::size_t i = r0; i < r1; ++i) {
+            const uint8_t* src = bytes.data() + keep[i] * token_bytes + t * cb + hh * hb;
+            pack.insert(pack.end(), src, src + hb);
+          }
+          if (!quant) continue;
           Buffer& sdst = t == 0 ? k_scale : v_scale;
-          st = exec->from_host(static_cast<uint8_t*>(sdst.data()) + scale_at(b, h, j0, capacity),
-                               pack.data(), pack.size());
+          segments.push_back({static_cast<uint8_t*>(sdst.data()) + scale_at(b, h, j0, capacity),
+                              pack.size(), static_cast<std::size_t>(n) * sizeof(float)});
+          const std::size_t so =
+              2 * cb + (t * static_cast<std::size_t>(shape.kv_heads) + hh) * sizeof(float);
+          for (std::size_t i = r0; i < r1; ++i) {
+            const uint8_t* src = bytes.data() + keep[i] * token_bytes + so;
+            pack.insert(pack.end(), src, src + sizeof(float));
+          }
         }
       }
       r0 = r1;
     }
     slots.clear();
     bytes.clear();
+    Status cs = copy_segments(pack, segments);
+    if (!cs.is_ok()) fail(cs);
     if (!st.is_ok()) fail(st);
     return error;
+  }
+
+  // One from_host of the pack into the staging buffer (grown as needed), then one enqueued
+  // device-to-device copy per segment. The next flush's from_host into the same staging bytes
+  // is ordered after these copies on the executor's stream.
+  template <class Segment>
+  Status copy_segments(const std::vector<uint8_t>& pack, const std::vector<Segment>& segments) {
+    if (pack.empty()) return Status::ok();
+    if (staging.bytes() < pack.size()) {
+      staging.reset();
+      auto sb = exec->allocate(pack.size());
+      if (!sb.is_ok())
+        return Status(sb.status().code(), "KV shard staging buffer (" +
+                                              std::to_string(pack.size()) +
+                                              " bytes): " + sb.status().message());
+      staging = std::move(*sb);
+    }
+    TREEATTN_RETURN_IF_ERROR(exec->from_host(staging.data(), pack.data(), pack.size()));
+    const auto* base = static_cast<const uint8_t*>(staging.data());
+    for (const Segment& g : segments)
+      TREEATTN_RETURN_IF_ERROR(exec->copy(g.dst, base + g.at, g.bytes));
+    return Status::ok();
   }
 
   // Grows to at least `tokens` slots per row (doubling), keeping the contents.

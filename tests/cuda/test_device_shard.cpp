@@ -160,10 +160,10 @@ TEST(DeviceShard, StoresInAnyOrderLastWinsAndMatchesTheHostShard) {
   }
 }
 
-TEST(DeviceShard, PrefillInOrderIsOneCopyPerRunHeadAndTensor) {
+TEST(DeviceShard, PrefillIsOneHostCopyAndOneDeviceCopyPerRunHeadAndTensor) {
   for (DType t : {DType::kBF16, DType::kFP8}) {
     auto p = make_pair(t, {1000, 999, 1}, 0);
-    const int before = p->dev.from_host_calls;
+    const int before = p->dev.from_host_calls, copies_before = p->dev.copies;
     std::mt19937_64 rng(3);
     for (int64_t b = 0; b < p->shape.batch; ++b)
       for (int64_t j = 0; j < p->plan.len(1, b); ++j) {
@@ -176,12 +176,37 @@ TEST(DeviceShard, PrefillInOrderIsOneCopyPerRunHeadAndTensor) {
     int runs = 0;  // rows this rank holds tokens of (rank 1: 500, 499 and 0 tokens)
     for (int64_t b = 0; b < p->shape.batch; ++b) runs += p->plan.len(1, b) > 0 ? 1 : 0;
     EXPECT_EQ(runs, 2);
-    EXPECT_EQ(p->dev.from_host_calls - before, runs * per_run) << dtype_name(t);
+    // One packed host-to-device copy (the staging buffer), then the segments device to device.
+    EXPECT_EQ(p->dev.from_host_calls - before, 1) << dtype_name(t);
+    EXPECT_EQ(p->dev.copies - copies_before, runs * per_run) << dtype_name(t);
     expect_same_bytes(*p);
     // Nothing staged: a second flush copies nothing.
-    const int after = p->dev.from_host_calls;
+    const int after = p->dev.from_host_calls, copies_after = p->dev.copies;
     ASSERT_TRUE(p->device.flush().is_ok());
     EXPECT_EQ(p->dev.from_host_calls, after);
+    EXPECT_EQ(p->dev.copies, copies_after);
+  }
+}
+
+TEST(DeviceShard, DecodeStepAppendsAreOneHostCopy) {
+  // A decode step appends one token to every row: one host-to-device copy for all of them
+  // (before: one per row, KV head and tensor), and the same bytes as the host shard.
+  for (DType t : kTypes) {
+    auto p = make_pair(t, {40, 30, 20}, 0);
+    std::mt19937_64 rng(11);
+    for (int step = 0; step < 3; ++step) {
+      const int before = p->dev.from_host_calls;
+      for (int64_t b = 0; b < p->shape.batch; ++b) {
+        const int64_t j = p->plan.len(1, b) - 1 - step;
+        if (j < 0) continue;
+        const auto k = random_token(rng, p->shape), v = random_token(rng, p->shape);
+        p->host.set_slot(b, j, k.data(), v.data());
+        p->device.set_slot(b, j, k.data(), v.data());
+      }
+      ASSERT_TRUE(p->device.flush().is_ok()) << dtype_name(t);
+      EXPECT_EQ(p->dev.from_host_calls - before, 1) << dtype_name(t) << " step " << step;
+      expect_same_bytes(*p);
+    }
   }
 }
 
