@@ -15,6 +15,8 @@
 //
 // Run: treeattn_prefill_bench [--tokens 4096] [--chunk 256] [--threads 0] [--dtype f16]
 //        [--heads 9] [--kv-heads 3] [--dim 64] [--page 64] [--rounds 5] [--isa auto]
+//        [--only page|block]   (one kernel alone, e.g. under `perf stat -e cycles:u`, whose
+//                               cycle counts a loaded machine's time slicing does not inflate)
 #include <omp.h>
 
 #include <algorithm>
@@ -43,7 +45,7 @@ using namespace treeattn;
 struct Args {
   int64_t tokens = 4096, chunk = 256, heads = 9, kv_heads = 3, dim = 64, page = 64;
   int threads = 0, rounds = 5;
-  std::string dtype = "f16", isa = "auto";
+  std::string dtype = "f16", isa = "auto", only;
 };
 
 [[noreturn]] void usage(const char* why) {
@@ -70,6 +72,7 @@ Args parse(int argc, char** argv) {
     else if (f == "--page") a.page = std::atoll(v);
     else if (f == "--rounds") a.rounds = std::atoi(v);
     else if (f == "--isa") a.isa = v;
+    else if (f == "--only") a.only = v;
     else usage(("unknown flag " + f).c_str());
   }
   if (a.tokens < 1 || a.chunk < 0 || a.rounds < 1) usage("tokens >= 1, chunk >= 0, rounds >= 1");
@@ -85,7 +88,7 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const Args a = parse(argc, argv);
+  Args a = parse(argc, argv);
   const std::optional<DType> dt = parse_dtype(a.dtype);
   if (!dt) usage(("unknown dtype " + a.dtype).c_str());
   auto isa_r = parse_isa(a.isa);
@@ -163,18 +166,32 @@ int main(int argc, char** argv) {
   struct Kernel {
     const char* name;
     PagedKernelChoice choice;
-    std::vector<double> secs;
+    std::vector<double> secs, frac;  // per round: seconds, fraction of that round's peak
     std::vector<float> states;
   };
-  std::vector<Kernel> kernels = {{"per-page (decode item)", PagedKernelChoice::kPerPage, {}, {}},
-                                 {"block (prefill)", PagedKernelChoice::kBlock, {}, {}}};
+  std::vector<Kernel> kernels = {{"per-page (decode item)", PagedKernelChoice::kPerPage, {}, {}, {}},
+                                 {"block (prefill)", PagedKernelChoice::kBlock, {}, {}, {}}};
+  if (a.only == "page" || a.only == "block") {
+    kernels.erase(kernels.begin() + (a.only == "page" ? 1 : 0));
+    kernels.push_back(kernels[0]);  // the checks below compare two; the same kernel twice
+    a.rounds = (a.rounds + 1) / 2;
+  } else if (!a.only.empty()) {
+    usage(("--only takes page or block, not " + a.only).c_str());
+  }
+  // On a shared machine the peak moves with the load: each kernel's run is also compared with
+  // the FMA peak measured right before it.
+  std::vector<double> peaks;
   for (int round = 0; round < a.rounds; ++round)
     for (Kernel& k : kernels) {
+      auto p = a.only.empty() ? measure_peak_gflops(threads, isa, 3) : peak;
+      if (!p.is_ok()) usage(p.status().to_string().c_str());
+      peaks.push_back(*p);
       set_paged_kernel_choice(k.choice);
       const auto t0 = std::chrono::steady_clock::now();
       prefill(k.states);
       k.secs.push_back(
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      k.frac.push_back(flops / k.secs.back() / 1e9 / *p);
     }
   set_paged_kernel_choice(PagedKernelChoice::kAuto);
 
@@ -212,13 +229,18 @@ int main(int argc, char** argv) {
     ++bad;
   }
 
-  std::printf("%-24s %10s %10s %10s %9s\n", "kernel", "median ms", "best ms", "GFLOP/s",
-              "of peak");
+  std::printf("FMA peak before each run: median %.1f GFLOP/s, min %.1f, max %.1f\n", median(peaks),
+              *std::min_element(peaks.begin(), peaks.end()),
+              *std::max_element(peaks.begin(), peaks.end()));
+  std::printf("%-24s %10s %10s %10s %9s %12s\n", "kernel", "median ms", "best ms", "GFLOP/s",
+              "of peak", "of run peak");
   for (const Kernel& k : kernels) {
     const double m = median(k.secs), b = *std::min_element(k.secs.begin(), k.secs.end());
-    std::printf("%-24s %10.2f %10.2f %10.1f %9.3f\n", k.name, m * 1e3, b * 1e3, flops / m / 1e9,
-                flops / m / 1e9 / *peak);
+    std::printf("%-24s %10.2f %10.2f %10.1f %9.3f %12.3f\n", k.name, m * 1e3, b * 1e3,
+                flops / m / 1e9, flops / m / 1e9 / *peak, median(k.frac));
   }
+  std::printf("(of peak: median time against the first peak; of run peak: median over rounds of "
+              "the run against the peak measured just before it)\n");
   std::vector<double> ratio;
   for (int r = 0; r < a.rounds; ++r) ratio.push_back(kernels[0].secs[static_cast<std::size_t>(r)] /
                                                      kernels[1].secs[static_cast<std::size_t>(r)]);

@@ -30,6 +30,9 @@
 // order), so the rows an item shares never change a row's bits. kReference runs a scalar page
 // kernel in the same structure. Scratch is thread-local and grows only; group states are held
 // in waves of at most 32 MiB, so a long prefill chunk needs no per-(query, group) buffer.
+// Entries of at least kPagedBlockMinQueries queries (prefill chunks) run items of 64 queries
+// with the prefill block kernel instead of the per-page decode item kernel (PagedKernelChoice
+// below): same pages, same merges, the same bits per row, loops ordered for compute.
 #pragma once
 
 #include <cstdint>

@@ -25,6 +25,11 @@
 // the item a row shares do not enter any row's arithmetic. Only the last query of a block
 // decides how many groups the cell has; groups past a row's limit are empty for that row.
 //
+// Prefill (cells of entries with >= kPagedBlockMinQueries queries, PagedKernelChoice): cells
+// of kPagedBlockQueryBlock queries, and the page kernel is the prefill block kernel
+// (prefill_block_impl.hpp), which has the tiled item kernel's contract and bits for a one-tile
+// chunk; the plan, the page order and the merges are the same, so a row's bits are too.
+//
 // kReference runs the same driver with a scalar page kernel (decode_tiled_reference's
 // per-token online softmax), so it follows the same page and group merge structure.
 //

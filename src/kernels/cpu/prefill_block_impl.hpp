@@ -29,8 +29,11 @@
 // Scratch (TiledItemArgs::scores): prefill_block_scratch_floats(tile_tokens, head_dim) floats.
 
 constexpr int kBlockRows = kMaxScoreRows;  // rows per fused tile: 6 (AVX2, generic), 8
-constexpr int kBlockValueVecs = 2;         // value vectors per row in registers (AVX2: 6 x 2
-                                           // accumulators + 2 values + 1 weight of 16)
+// Value tiles: kBlockValueRows rows x kBlockValueVecs vectors of accumulators, plus the value
+// vectors and one broadcast weight (AVX2: 4 x 3 + 3 + 1 = 16 registers; one broadcast per 3
+// FMAs instead of one per 2 with 6 x 2).
+constexpr int kBlockValueRows = Ops::W >= 16 ? 6 : 4;
+constexpr int kBlockValueVecs = Ops::W >= 16 ? 4 : 3;
 
 // Raw scores of RS rows (q, row stride D) with the 2W tokens of one unit: vector j reads the
 // float K^T row d at kj + d * P. The FMA chain of tiled_score_unit: same lanes, same order.
@@ -90,6 +93,12 @@ __attribute__((always_inline)) inline void block_value_rows(float* const* o,
   int d0 = 0;
   for (; d0 + kBlockValueVecs * Ops::W <= D; d0 += kBlockValueVecs * Ops::W)
     block_value_slice<RV, kBlockValueVecs>(o, p, v, D, tb, te, d0);
+  if constexpr (kBlockValueVecs > 2) {
+    if (d0 + 2 * Ops::W <= D) {
+      block_value_slice<RV, 2>(o, p, v, D, tb, te, d0);
+      d0 += 2 * Ops::W;
+    }
+  }
   for (; d0 < D; d0 += Ops::W) block_value_slice<RV, 1>(o, p, v, D, tb, te, d0);
 }
 
@@ -105,6 +114,33 @@ struct BlockTile {
   int64_t P, ld;
   int n;             // tokens of the page
 };
+
+// The value sums of rows [r0 + V0, r0 + RS) of a tile, in value tiles of kBlockValueRows rows:
+// each over the tokens all its rows take, then each row's own extra tokens alone.
+template <int RS, int V0>
+__attribute__((always_inline)) inline void block_values(const BlockTile& b, int r0,
+                                                        const int* take) {
+  constexpr int RV = RS - V0 < kBlockValueRows ? RS - V0 : kBlockValueRows;
+  const TiledItemArgs& a = *b.a;
+  const int D = a.head_dim;
+  const int64_t kRec = D + 2;
+  float* o[RV];
+  const float* p[RV];
+  int tk[RV];
+  int common = b.n;
+  for (int i = 0; i < RV; ++i) {
+    const int r = r0 + V0 + i;
+    o[i] = a.out + r * kRec + kO;
+    p[i] = b.s + (V0 + i) * b.ld;
+    tk[i] = a.out[r * kRec + kM] == kNegInf ? 0 : take[V0 + i];
+    common = tk[i] < common ? tk[i] : common;
+  }
+  block_value_rows<RV>(o, p, b.vf, D, 0, common);
+  if constexpr (RV > 1) {
+    for (int i = 0; i < RV; ++i) block_value_rows<1>(o + i, p + i, b.vf, D, common, tk[i]);
+  }
+  if constexpr (V0 + RV < RS) block_values<RS, V0 + RV>(b, r0, take);
+}
 
 template <bool kQuant, int RS>
 void block_tile(const BlockTile& b, int r0, const int* take) {
@@ -134,21 +170,7 @@ void block_tile(const BlockTile& b, int r0, const int* take) {
     }
     softmax_block_row<kQuant>(sr, take[i], pad, b.ksc, b.vsc, a.scale, D, a.out + r * kRec);
   }
-  float* o[RS];
-  const float* p[RS];
-  int tk[RS];
-  int common = b.n;
-  for (int i = 0; i < RS; ++i) {
-    const int r = r0 + i;
-    o[i] = a.out + r * kRec + kO;
-    p[i] = b.s + i * b.ld;
-    tk[i] = a.out[r * kRec + kM] == kNegInf ? 0 : take[i];
-    common = tk[i] < common ? tk[i] : common;
-  }
-  block_value_rows<RS>(o, p, b.vf, D, 0, common);
-  if constexpr (RS > 1) {
-    for (int i = 0; i < RS; ++i) block_value_rows<1>(o + i, p + i, b.vf, D, common, tk[i]);
-  }
+  block_values<RS, 0>(b, r0, take);
 }
 
 template <bool kQuant, int RS>
