@@ -16,8 +16,9 @@
 //     (kLogprobBound).
 //   * The chat prompt is format_chatml(question, Tokenizer::default_system()), equal to what
 //     llama-server renders from the file's template, and the 2-rank answer names Paris.
-//   * tree-det: the same tokens and logits bits at 1, 2 and 3 ranks; tree and allgather: the
-//     same tokens as at 1 rank, or a first difference at a near tie of treeattn's own logits.
+//   * Every strategy (the registry's list and tree-det) at 1, 2, 3 and 4 ranks: tree-det the same
+//     tokens and logits bits at every rank count; the others the same tokens as at 1 rank, or a
+//     first difference at a near tie of treeattn's own logits (printed).
 //   * The last prompt position's logits against llama_reference.py (float64 numpy, the gguf
 //     package's dequantizer), relative to the logit range (kReferenceBound), same argmax.
 //     Skipped when the reference cannot run (no numpy/gguf) or would need more than 8 GB.
@@ -42,6 +43,7 @@
 #include "treeattn/comm_local.hpp"
 #include "treeattn/generate.hpp"
 #include "treeattn/model.hpp"
+#include "treeattn/strategy.hpp"
 #include "treeattn/tokenizer.hpp"
 
 namespace treeattn {
@@ -282,12 +284,15 @@ TEST_P(RealQwen, GreedyTokensAgreeAcrossRanksAndStrategies) {
   for (const auto& g : l.fixture["generate"])
     if (g["name"] == "text2") prompt = ids_of(g["prompt"]);
   ASSERT_FALSE(prompt.empty());
-  const std::vector<std::string> methods = {"tree-det", "tree", "allgather"};
+  std::vector<std::string> methods;
+  for (const auto& i : StrategyRegistry::for_backend(CommCapabilities{}).list())
+    methods.emplace_back(i.name);
+  methods.emplace_back("tree-det");
   constexpr int kSteps = 12;
   auto one = testing::run_all(*l.model, 1, methods, prompt, kSteps);
   ASSERT_TRUE(one.is_ok()) << one.status().to_string();
   int near = 0;
-  for (const int ranks : {2, 3}) {
+  for (const int ranks : {2, 3, 4}) {
     auto run = testing::run_all(*l.model, ranks, methods, prompt, kSteps);
     ASSERT_TRUE(run.is_ok()) << run.status().to_string();
     for (std::size_t k = 0; k < methods.size(); ++k) {
@@ -313,9 +318,9 @@ TEST_P(RealQwen, GreedyTokensAgreeAcrossRanksAndStrategies) {
     }
   }
   std::printf(
-      "[ ranks     ] %s: tree-det bit-identical at 1-3 ranks; tree and allgather at 2-3 "
-      "ranks vs 1 rank: %d near-tie divergences in %d tokens\n",
-      GetParam().name, near, kSteps);
+      "[ ranks     ] %s: tree-det bit-identical at 1-4 ranks; %zu strategies at 2-4 ranks vs "
+      "1 rank: %d near-tie divergences in %d tokens each\n",
+      GetParam().name, methods.size(), near, kSteps);
 }
 
 TEST_P(RealQwen, LastPromptLogitsMatchTheFloat64Reference) {
