@@ -33,7 +33,6 @@
 
 #include "cluster.hpp"
 #include "engine/exchange.hpp"
-#include "engine/exchange.hpp"
 #include "engine/merge.hpp"
 #include "commands.hpp"
 #include "job_status.hpp"
@@ -242,13 +241,8 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
     }
     if (auto x = engine::parse_exchange(f.prefill_exchange); !x.is_ok())
       return Status(x.status().code(), "--prefill-exchange: " + x.status().message());
-    if (auto x = engine::parse_exchange(f.prefill_exchange); !x.is_ok())
-      return Status(x.status().code(), "--prefill-exchange: " + x.status().message());
   } else if (!f.kv_memory.empty()) {
     return invalid_argument("--kv-memory is the engine's (not with --session or flags that imply it)");
-  } else if (f.prefill_exchange != "auto") {
-    return invalid_argument("--prefill-exchange is the engine's (not with --session or flags that "
-                            "imply it; the session's prefill always moves K/V)");
   } else if (f.prefill_exchange != "auto") {
     return invalid_argument("--prefill-exchange is the engine's (not with --session or flags that "
                             "imply it; the session's prefill always moves K/V)");

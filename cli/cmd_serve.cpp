@@ -50,7 +50,6 @@
 
 #include "commands.hpp"
 #include "engine/exchange.hpp"
-#include "engine/exchange.hpp"
 #include "engine/merge.hpp"
 #include "job_status.hpp"
 #include "launcher.hpp"
@@ -130,8 +129,6 @@ Result<std::string> preflight(const ServeFlags& f) {
   if (f.max_queue < 0) return invalid_argument("--max-queue must be >= 0");
   if (f.method != "auto" && !engine::parse_merge(f.method).is_ok())
     return invalid_argument("--method '" + f.method + "': one of tree, allreduce, allgather, auto");
-  if (auto x = engine::parse_exchange(f.prefill_exchange); !x.is_ok())
-    return Status(x.status().code(), "--prefill-exchange: " + x.status().message());
   if (auto x = engine::parse_exchange(f.prefill_exchange); !x.is_ok())
     return Status(x.status().code(), "--prefill-exchange: " + x.status().message());
   TREEATTN_RETURN_IF_ERROR(check_thread_count(f.threads, "--threads"));
