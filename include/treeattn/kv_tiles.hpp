@@ -34,8 +34,9 @@
 //   A view stays valid until the next reserve() (which moves the memory); writes and decodes
 //   must not overlap in time (no internal locking). Memory: the caller layout's bytes rounded up
 //   to whole tiles and 64-byte records (bytes()).
-//   Strategies that move KV between ranks (ring-kv) need the caller layout: read_token() or
-//   read_token_raw() give a token back, copy_from() takes a received KVShard.
+//   Strategies that move KV between ranks move whole tiles (ring-kv rotates tiles into tiled
+//   caches of the same geometry); read_token() / read_token_raw() give one token back (the
+//   engine's K/V exchange), copy_from() takes a caller-layout KVShard.
 #pragma once
 
 #include <cstdint>

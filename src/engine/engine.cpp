@@ -1177,6 +1177,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
                            // Ranks compute replicated values (a lone row, the logits) and must
                            // get the same bits: the same kernels on every rank.
                            "|" + std::string(isa_name(model::matmul_isa(e.mv))) + "|" +
+                           std::string(model::matmul_mode_name(e.mv.mode)) + "|" +
                            std::string(isa_name(config.isa == Isa::kAuto ? best_isa() : config.isa));
   struct Verdict {
     uint64_t hash;
