@@ -138,6 +138,9 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "threads per rank")->capture_default_str();
   app.add_option("--merge", merge, "tree | allreduce | allgather")->capture_default_str();
   app.add_option("--kv-gib", kv_gib, "KV pool GiB per rank")->capture_default_str();
+  std::string matmul = "int8";
+  app.add_option("--matmul", matmul, "int8 | exact (the quantized weights' matmul)")
+      ->capture_default_str();
   auto* tp = app.add_subcommand("throughput", "decode tokens/s at several concurrencies");
   tp->add_option("--context", context, "prompt tokens per sequence")->capture_default_str();
   tp->add_option("--new", new_tokens, "generated tokens per sequence")->capture_default_str();
@@ -213,6 +216,8 @@ int main(int argc, char** argv) {
   cfg.threads = threads;
   cfg.merge = merge;
   cfg.prefill_exchange = exchange;
+  if (auto mm = model::parse_matmul_mode(matmul); mm.is_ok()) cfg.matmul = *mm;
+  else fail(mm.status());
   cfg.max_batch = 16;
   cfg.prefill_chunk = 512;
   cfg.kv_memory = static_cast<std::size_t>(kv_gib * 1073741824.0);
@@ -331,9 +336,9 @@ int main(int argc, char** argv) {
   tr.eng = &e;
 
   if (tp->parsed()) {
-    std::printf("decode throughput: %s, %d ranks x %d threads, %lld-token prompts, %lld new tokens, merge %s\n",
+    std::printf("decode throughput: %s, %d ranks x %d threads, %lld-token prompts, %lld new tokens, merge %s, matmul %s\n",
                 mc.name.c_str(), p, threads, static_cast<long long>(context),
-                static_cast<long long>(new_tokens), merge.c_str());
+                static_cast<long long>(new_tokens), merge.c_str(), matmul.c_str());
     std::printf("  %-4s %12s %14s %16s %18s\n", "B", "decode tok/s", "ms per step", "prefill tok/s",
                 "merge us/layer (r0)");
     double base = 0;

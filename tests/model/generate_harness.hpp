@@ -4,6 +4,7 @@
 // and logits are kept, so a test can check that the ranks agree bit for bit.
 #pragma once
 
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -11,6 +12,7 @@
 
 #include "treeattn/comm_local.hpp"
 #include "treeattn/generate.hpp"
+#include "treeattn/strategy.hpp"
 
 namespace treeattn::testing {
 
@@ -115,6 +117,49 @@ inline Result<std::vector<MethodRun>> run_all(const model::LlamaModel& m, int ra
                                 "'s logits differ from rank 0's at step " + std::to_string(s));
     }
   return per_rank[0];
+}
+
+// The methods the rank sweeps compare: every strategy `all` runs, and tree-det.
+inline std::vector<std::string> sweep_methods() {
+  std::vector<std::string> v;
+  for (const auto& i : StrategyRegistry::for_backend(CommCapabilities{}).list())
+    v.emplace_back(i.name);
+  v.emplace_back("tree-det");
+  return v;
+}
+
+// One rank count's runs (run_all) against the same methods at 1 rank: tree-det must give the
+// same tokens and logits bits; every other method the same tokens up to a first divergence where
+// the 1-rank logits' top two are within near_tie (printed with `label`, counted in *near).
+// "" when so, else what differs.
+inline std::string compare_to_one_rank(const std::vector<std::string>& methods,
+                                       const std::vector<MethodRun>& run,
+                                       const std::vector<MethodRun>& one, double near_tie,
+                                       const std::string& label, int* near) {
+  for (std::size_t k = 0; k < methods.size(); ++k) {
+    const MethodRun& a = run[k];
+    const MethodRun& b = one[k];
+    const std::string what = label + " " + methods[k];
+    if (methods[k] == "tree-det") {  // no exemption: the same tokens and logits bits
+      if (a.tokens != b.tokens) return what + ": tokens differ from 1 rank's";
+      for (std::size_t s = 0; s < a.logits.size(); ++s)
+        if (std::memcmp(a.logits[s].data(), b.logits[s].data(), a.logits[s].size() * 4) != 0)
+          return what + ": logits differ from 1 rank's at step " + std::to_string(s);
+      continue;
+    }
+    for (std::size_t s = 0; s < a.tokens.size(); ++s) {
+      if (a.tokens[s] == b.tokens[s]) continue;
+      const auto top = model::top_two(b.logits[s]);
+      std::printf("[ near tie  ] %s step %zu: %d vs %d, top-2 gap %.3g\n", what.c_str(), s,
+                  a.tokens[s], b.tokens[s], static_cast<double>(top.gap()));
+      if (top.gap() >= near_tie)
+        return what + ": diverged from 1 rank at step " + std::to_string(s) + " with a top-2 gap of " +
+               std::to_string(top.gap());
+      ++*near;
+      break;
+    }
+  }
+  return "";
 }
 
 // "" when every rank has the same tokens and logits bits as rank 0, else which differs.

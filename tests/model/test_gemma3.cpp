@@ -366,37 +366,16 @@ TEST_F(Gemma3Real, GreedyTokensAgreeAcrossRanksAndStrategies) {
   const nlohmann::json fx = fixture();
   ASSERT_FALSE(fx["generate"].empty());
   const auto prompt = fx["generate"][0]["prompt"].get<std::vector<int32_t>>();
-  std::vector<std::string> methods;
-  for (const auto& i : StrategyRegistry::for_backend(CommCapabilities{}).list())
-    methods.emplace_back(i.name);
-  methods.emplace_back("tree-det");
+  const std::vector<std::string> methods = testing::sweep_methods();
   auto one = testing::run_all(**m, 1, methods, prompt, kSteps);
   ASSERT_TRUE(one.is_ok()) << one.status().to_string();
   int near = 0;
   for (const int ranks : {2, 3, 4}) {
     auto run = testing::run_all(**m, ranks, methods, prompt, kSteps);
     ASSERT_TRUE(run.is_ok()) << run.status().to_string();
-    for (std::size_t k = 0; k < methods.size(); ++k) {
-      const testing::MethodRun& a = (*run)[k];
-      const testing::MethodRun& b = (*one)[k];
-      if (methods[k] == "tree-det") {
-        ASSERT_EQ(a.tokens, b.tokens) << "tree-det x" << ranks;
-        for (std::size_t s = 0; s < a.logits.size(); ++s)
-          ASSERT_EQ(0, std::memcmp(a.logits[s].data(), b.logits[s].data(), a.logits[s].size() * 4))
-              << "tree-det x" << ranks << " step " << s;
-        continue;
-      }
-      for (std::size_t s = 0; s < a.tokens.size(); ++s) {
-        if (a.tokens[s] == b.tokens[s]) continue;
-        const auto top = model::top_two(b.logits[s]);
-        std::printf("[ near tie  ] gemma3 %s x%d step %zu: %d vs %d, top-2 gap %.3g\n",
-                    methods[k].c_str(), ranks, s, a.tokens[s], b.tokens[s],
-                    static_cast<double>(top.gap()));
-        EXPECT_LT(top.gap(), kRankNearTie) << methods[k] << " x" << ranks << " step " << s;
-        ++near;
-        break;
-      }
-    }
+    EXPECT_EQ(testing::compare_to_one_rank(methods, *run, *one, kRankNearTie,
+                                           "gemma3 x" + std::to_string(ranks), &near),
+              "");
   }
   std::printf("[ gemma3    ] %zu strategies at 1-4 ranks: tree-det bit-identical, %d near-tie "
               "divergences in %d tokens each\n",

@@ -94,10 +94,7 @@ TEST(SmolLM2Large, GreedySixtyFourTokensAgreeForEveryStrategyAndRankCount) {
   ASSERT_TRUE(m.is_ok()) << m.status().to_string();
   auto tok = Tokenizer::from_gguf((*m)->file());
   ASSERT_TRUE(tok.is_ok());
-  std::vector<std::string> methods;
-  for (const auto& i : StrategyRegistry::for_backend(CommCapabilities{}).list())
-    methods.emplace_back(i.name);
-  methods.emplace_back("tree-det");
+  const std::vector<std::string> methods = testing::sweep_methods();
   constexpr int kSteps = 64;
   for (const int64_t n : {int64_t{100}, int64_t{1000}, int64_t{4000}}) {
     const auto prompt = long_prompt(*tok, n);
@@ -107,28 +104,11 @@ TEST(SmolLM2Large, GreedySixtyFourTokensAgreeForEveryStrategyAndRankCount) {
     for (const int ranks : {2, 3, 4}) {
       auto run = testing::run_all(**m, ranks, methods, prompt, kSteps);
       ASSERT_TRUE(run.is_ok()) << run.status().to_string();
-      for (std::size_t k = 0; k < methods.size(); ++k) {
-        const testing::MethodRun& a = (*run)[k];
-        const testing::MethodRun& b = (*one)[k];
-        if (methods[k] == "tree-det") {
-          ASSERT_EQ(a.tokens, b.tokens) << "tree-det x" << ranks << " prompt " << n;
-          for (std::size_t s = 0; s < a.logits.size(); ++s)
-            ASSERT_EQ(0,
-                      std::memcmp(a.logits[s].data(), b.logits[s].data(), a.logits[s].size() * 4))
-                << "tree-det x" << ranks << " prompt " << n << " step " << s;
-          continue;
-        }
-        for (std::size_t s = 0; s < a.tokens.size(); ++s) {
-          if (a.tokens[s] == b.tokens[s]) continue;
-          const auto top = model::top_two(b.logits[s]);
-          std::printf("[ near tie  ] prompt %lld %s x%d step %zu: %d vs %d, top-2 gap %.3g\n",
-                      static_cast<long long>(n), methods[k].c_str(), ranks, s, a.tokens[s],
-                      b.tokens[s], static_cast<double>(top.gap()));
-          EXPECT_LT(top.gap(), 1e-3) << methods[k] << " x" << ranks << " prompt " << n;
-          ++near;
-          break;
-        }
-      }
+      EXPECT_EQ(testing::compare_to_one_rank(methods, *run, *one, 1e-3,
+                                             "prompt " + std::to_string(n) + " x" +
+                                                 std::to_string(ranks),
+                                             &near),
+                "");
     }
     std::printf(
         "[ greedy    ] prompt %lld: %zu strategies x 2-4 ranks vs 1 rank, %d tokens, "

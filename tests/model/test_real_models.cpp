@@ -284,10 +284,7 @@ TEST_P(RealQwen, GreedyTokensAgreeAcrossRanksAndStrategies) {
   for (const auto& g : l.fixture["generate"])
     if (g["name"] == "text2") prompt = ids_of(g["prompt"]);
   ASSERT_FALSE(prompt.empty());
-  std::vector<std::string> methods;
-  for (const auto& i : StrategyRegistry::for_backend(CommCapabilities{}).list())
-    methods.emplace_back(i.name);
-  methods.emplace_back("tree-det");
+  const std::vector<std::string> methods = testing::sweep_methods();
   constexpr int kSteps = 12;
   auto one = testing::run_all(*l.model, 1, methods, prompt, kSteps);
   ASSERT_TRUE(one.is_ok()) << one.status().to_string();
@@ -295,27 +292,11 @@ TEST_P(RealQwen, GreedyTokensAgreeAcrossRanksAndStrategies) {
   for (const int ranks : {2, 3, 4}) {
     auto run = testing::run_all(*l.model, ranks, methods, prompt, kSteps);
     ASSERT_TRUE(run.is_ok()) << run.status().to_string();
-    for (std::size_t k = 0; k < methods.size(); ++k) {
-      const testing::MethodRun& a = (*run)[k];
-      const testing::MethodRun& b = (*one)[k];
-      if (methods[k] == "tree-det") {  // no exemption: the same tokens and logits bits
-        ASSERT_EQ(a.tokens, b.tokens) << "tree-det x" << ranks;
-        for (std::size_t s = 0; s < a.logits.size(); ++s)
-          ASSERT_EQ(0, std::memcmp(a.logits[s].data(), b.logits[s].data(), a.logits[s].size() * 4))
-              << "tree-det x" << ranks << " step " << s;
-        continue;
-      }
-      for (std::size_t s = 0; s < a.tokens.size(); ++s) {
-        if (a.tokens[s] == b.tokens[s]) continue;
-        const auto top = model::top_two(b.logits[s]);
-        std::printf("[ near tie  ] %s %s x%d step %zu: %d vs %d, top-2 gap %.3g\n", GetParam().name,
-                    methods[k].c_str(), ranks, s, a.tokens[s], b.tokens[s],
-                    static_cast<double>(top.gap()));
-        EXPECT_LT(top.gap(), kRankNearTie) << methods[k] << " x" << ranks << " step " << s;
-        ++near;
-        break;
-      }
-    }
+    EXPECT_EQ(testing::compare_to_one_rank(methods, *run, *one, kRankNearTie,
+                                           std::string(GetParam().name) + " x" +
+                                               std::to_string(ranks),
+                                           &near),
+              "");
   }
   std::printf(
       "[ ranks     ] %s: tree-det bit-identical at 1-4 ranks; %zu strategies at 2-4 ranks vs "
