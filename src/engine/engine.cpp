@@ -103,6 +103,14 @@ struct Engine::Impl {
   Code failure_code = Code::kInternal;
   EngineMetrics snapshot;  // guarded by mu
 
+  // The pages of one kernel entry (PagedEntry points into these).
+  struct EntryPages {
+    std::vector<int32_t> ids;
+    std::vector<int64_t> pos;
+    std::vector<int32_t> len;
+  };
+  DecodeOptions dopt;  // the paged kernel's threads and ISA (create)
+
   // ---- step scratch ----
   model::ForwardScratch fs;
   std::vector<float> x, q, k, v, attn, states, merge_scratch, xs, xs_all, logits, logits_all;
@@ -553,11 +561,6 @@ struct Engine::Impl {
           std::span<const TokenId>(row_tok.data() + lo, static_cast<std::size_t>(mine)), x.data()));
 
     // This rank's pages of each work item's sequence, as the kernel reads them.
-    struct EntryPages {
-      std::vector<int32_t> ids;
-      std::vector<int64_t> pos;
-      std::vector<int32_t> len;
-    };
     std::vector<EntryPages> ep(n_passq);
     std::vector<PagedEntry> entries(n_passq);
     for (std::size_t w = 0; w < n_passq; ++w) {
@@ -579,9 +582,6 @@ struct Engine::Impl {
       e.page_len = ep[w].len;
       e.states = states.data() + static_cast<std::size_t>(first_row[w] * H) * rec;
     }
-    DecodeOptions dopt;
-    dopt.threads = cfg.threads;
-    dopt.isa = cfg.isa;
     const AttnShape shape{1, H, Hkv, D, 1};
     const int64_t pool_pages = table->pages_per_rank();
     const std::vector<int64_t> no_len;
@@ -838,11 +838,6 @@ struct Engine::Impl {
       xpool = std::move(c).value();
       xpool_pages = need_pages;
     }
-    struct EntryPages {
-      std::vector<int32_t> ids;
-      std::vector<int64_t> pos;
-      std::vector<int32_t> len;
-    };
     std::vector<EntryPages> ep(spans.size() * up);
     std::vector<int64_t> cursor(up, 0);  // read offset in each rank's part of page_recv
     int32_t xid = 0;
@@ -893,9 +888,6 @@ struct Engine::Impl {
                        static_cast<std::size_t>(H) * rec;
       }
     }
-    DecodeOptions dopt;
-    dopt.threads = cfg.threads;
-    dopt.isa = cfg.isa;
     const std::vector<int64_t> no_len;
     if (!entries.empty())
       TREEATTN_RETURN_IF_ERROR(decode_partial_paged(AttnShape{1, H, Hkv, D, 1},
@@ -1108,6 +1100,8 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
   e.T = config.page_tokens;
   e.mv.threads = config.threads;
   e.mv.isa = config.isa;
+  e.dopt.threads = config.threads;
+  e.dopt.isa = config.isa;
   e.mv.mode = config.matmul;
   const auto& mc = model.config();
   const std::string who = rank_prefix(comm) + "engine: ";
