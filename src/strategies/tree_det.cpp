@@ -335,12 +335,7 @@ class TreeDet final : public StrategyBase {
         auto rows = rows_of(local, b, start - plan.pos_start(me, b), end - start, &group_rows_);
         TREEATTN_RETURN_IF_ERROR(rows.status());
         KVShard v = rows->kv;
-        leaf_len_ = {end - start};
-        leaf_pos_ = {start};
-        v.len = leaf_len_;
-        v.pos_start = leaf_pos_;
-        v.total_len = leaf_total_;
-        v.pos_stride = 1;
+        as_leaf(v, start, end);
         TREEATTN_RETURN_IF_ERROR(exec_->partial_chunks(
             one, qb, v, kChunk, dst + static_cast<std::size_t>(k0 - rg.k0) * slot_floats,
             options_.kernel));
@@ -350,12 +345,7 @@ class TreeDet final : public StrategyBase {
       const int64_t end = std::min(inner_end * kChunk, N);
       const int64_t slot = start - plan.pos_start(me, b);
       KVShard v = local;
-      leaf_len_ = {end - start};
-      leaf_pos_ = {start};
-      v.len = leaf_len_;
-      v.pos_start = leaf_pos_;
-      v.total_len = leaf_total_;
-      v.pos_stride = 1;
+      as_leaf(v, start, end);
       const auto off = static_cast<std::size_t>(b * local.stride_batch + slot * local.stride_token) * es;
       v.k = static_cast<const uint8_t*>(local.k) + off;
       v.v = static_cast<const uint8_t*>(local.v) + off;
@@ -371,11 +361,7 @@ class TreeDet final : public StrategyBase {
     KVShard v;
     v.dtype = dtype_;
     v.memory = local.memory;
-    leaf_len_ = {std::min(start + kChunk, N) - start};
-    leaf_pos_ = {start};
-    v.len = leaf_len_;
-    v.pos_start = leaf_pos_;
-    v.total_len = leaf_total_;
+    as_leaf(v, start, std::min(start + kChunk, N));
     const auto chunk_bytes = static_cast<std::size_t>(shape_.kv_heads * kChunk * shape_.head_dim) * es;
     v.k = bk_.as<uint8_t>() + static_cast<std::size_t>(b) * chunk_bytes;
     v.v = bv_.as<uint8_t>() + static_cast<std::size_t>(b) * chunk_bytes;
@@ -484,6 +470,17 @@ class TreeDet final : public StrategyBase {
   std::vector<RowsCopy> head_rows_;  // tiled layout: the head tokens sent, per row
   RowsCopy tail_rows_, group_rows_;  // tiled layout: a boundary chunk's own part, kGroup chunks
   std::vector<int64_t> leaf_len_, leaf_pos_, leaf_total_;
+
+  // v reads tokens [start, end) of the sequence (leaf_total_ long) as one row of consecutive
+  // positions; its spans are leaf_len_ / leaf_pos_, valid until the next call.
+  void as_leaf(KVShard& v, int64_t start, int64_t end) {
+    leaf_len_ = {end - start};
+    leaf_pos_ = {start};
+    v.len = leaf_len_;
+    v.pos_start = leaf_pos_;
+    v.total_len = leaf_total_;
+    v.pos_stride = 1;
+  }
 };
 
 std::unique_ptr<Strategy> make_tree_det(const StrategyOptions& o) {
