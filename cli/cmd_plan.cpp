@@ -7,9 +7,10 @@
 //        next to the figures the paper quotes, with a plot of the predicted speed-up
 //   plan --validate                                        predicted vs measured: for each
 //        emulated cluster KxR and link, `topo --detect` calibrates a topology and `bench`
-//        measures every strategy (both run as subprocesses of this executable), then the
-//        model's prediction is compared per point; median |relative error| and whether the
-//        planner's choice is within 10% of the best measured strategy.
+//        measures every strategy interleaved in one job (both run as subprocesses of this
+//        executable, with cores / ranks kernel threads per rank); the experiment's loop and
+//        the comparison are the measurement library's run_validation (validate.hpp): median
+//        |relative error| and whether the planner's choice is within 10% of the best measured.
 #include <fmt/format.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -23,9 +24,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <sstream>
 #include <map>
 #include <memory>
+#include <sstream>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "cluster.hpp"
@@ -36,6 +38,7 @@
 #include "treeattn/cost_model.hpp"
 #include "treeattn/strategy.hpp"
 #include "treeattn/topology.hpp"
+#include "treeattn/validate.hpp"
 
 namespace treeattn::cli {
 namespace {
@@ -54,12 +57,12 @@ struct PlanFlags {
   std::string plot, devices;
   // --validate
   bool validate = false;
-  std::string clusters = "1x4,2x2,4x1";
+  std::string clusters = "1x2,1x4,2x2,4x1";
   std::string links = "none,1gbit";
-  std::string seq_list = "4k,32k,128k";
-  int warmup = 1;
-  int iters = 7;
-  double target = 0.25;
+  std::string seq_list = "32k,256k";
+  int warmup = 2;
+  int iters = 12;
+  double target = 0.20;
   bool keep = false;
 };
 
@@ -303,28 +306,198 @@ Result<int> run_self(const std::vector<std::string>& args) {
 
 std::string temp_path(const char* what) { return make_temp_file(what); }
 
-struct Config {
-  ClusterSpec spec;
-  std::string link;  // "" = unshaped
+// Kernel threads per rank on this machine for `ranks` ranks: cores / ranks, at least 1 (every
+// emulated host shares this machine's cores).
+int threads_per_rank(int ranks) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::max(1, cores / std::max(1, ranks));
+}
+
+// The steps of the experiment that run jobs: this executable's `topo --detect` and `bench` as
+// subprocesses, on the emulated cluster where the setup has more than one host.
+struct SelfSteps {
+  const PlanFlags& f;
+  std::string mlist;
+  AttnShape shape;
+
+  std::vector<std::string> where(const ValidationSetup& c) const {
+    std::vector<std::string> w = {"--ranks", std::to_string(c.ranks()), "--threads",
+                                  std::to_string(threads_per_rank(c.ranks()))};
+    if (c.hosts > 1) {
+      w.insert(w.end(), {"--cluster", fmt::format("{}x{}", c.hosts, c.ranks_per_host)});
+      if (c.link != "veth") w.insert(w.end(), {"--link", c.link});
+    }
+    return w;
+  }
+
+  Result<Topology> calibrate(const ValidationSetup& c) const {
+    if (!f.topology.empty()) return load_topology(f.topology);
+    const std::string tfile = temp_path("topo");
+    std::vector<std::string> args = {
+        "topo",        "--detect",
+        "--out",       tfile,
+        "--name",      "detected " + c.label,
+        "--probe-mib", "128",
+        "--heads",     std::to_string(shape.heads * shape.q_len * shape.batch),
+        "--kv-heads",  std::to_string(shape.kv_heads),
+        "--head-dim",  std::to_string(shape.head_dim),
+        "--dtype",     f.shape.dtype};
+    const auto w = where(c);
+    args.insert(args.end(), w.begin(), w.end());
+    auto rc = run_self(args);
+    if (!rc.is_ok() || *rc != 0) std::remove(tfile.c_str());
+    if (!rc.is_ok()) return rc.status();
+    if (*rc != 0) return internal_error(fmt::format("topo --detect failed (exit {})", *rc));
+    auto t = load_topology(tfile);
+    if (!f.keep) std::remove(tfile.c_str());
+    return t;
+  }
+
+  Result<std::vector<MeasuredLatency>> measure(const ValidationSetup& c) const {
+    const std::string bfile = temp_path("bench");
+    std::vector<std::string> args = {"bench",      "--methods",  mlist,
+                                     "--seq",      f.seq_list,   "--batch",
+                                     std::to_string(shape.batch), "--heads",
+                                     std::to_string(shape.heads), "--kv-heads",
+                                     std::to_string(shape.kv_heads), "--head-dim",
+                                     std::to_string(shape.head_dim), "--q-len",
+                                     std::to_string(shape.q_len), "--dtype",
+                                     f.shape.dtype,              "--warmup",
+                                     std::to_string(f.warmup),   "--iters",
+                                     std::to_string(f.iters),    "--fanout",
+                                     std::to_string(f.fanout),   "--json",
+                                     bfile};
+    const auto w = where(c);
+    args.insert(args.end(), w.begin(), w.end());
+    auto rc = run_self(args);
+    if (!rc.is_ok() || *rc != 0) std::remove(bfile.c_str());
+    if (!rc.is_ok()) return rc.status();
+    if (*rc != 0) return internal_error(fmt::format("bench failed (exit {})", *rc));
+    nlohmann::json j;
+    try {
+      std::ifstream in(bfile);
+      in >> j;
+    } catch (const std::exception& e) {
+      return internal_error("cannot read bench's JSON '" + bfile + "': " + e.what());
+    }
+    if (!f.keep) std::remove(bfile.c_str());
+    std::vector<MeasuredLatency> out;
+    for (const auto& pj : j.at("points")) {
+      const Point pt = Point::from_json(pj);
+      MeasuredLatency m;
+      m.method = pt.method;
+      m.ranks = pt.ranks;
+      m.seq = pt.seq;
+      m.shape = AttnShape{pt.batch, pt.heads, pt.kv_heads, pt.head_dim, pt.q_len};
+      m.dtype = *parse_dtype(pt.dtype);
+      m.p50_us = pt.latency_us.p50;
+      m.steps = pt.iterations;
+      out.push_back(m);
+    }
+    return out;
+  }
 };
 
-struct ValPoint {
-  std::string config, method;
-  int ranks = 0, hosts = 0, ranks_per_host = 0;
-  std::string link;
-  int64_t seq = 0;
-  double predicted_us = 0, measured_us = 0, rel_err = 0;
-};
+nlohmann::json validation_json(const PlanFlags& f, const ValidationOptions& o,
+                               const ValidationReport& r) {
+  const AttnShape& shape = o.shape;
+  nlohmann::json jpoints = nlohmann::json::array();
+  for (const auto& v : r.points)
+    jpoints.push_back({{"config", v.config},
+                       {"hosts", v.hosts},
+                       {"ranks_per_host", v.ranks_per_host},
+                       {"ranks", v.ranks},
+                       {"link", v.link},
+                       {"seq", v.seq},
+                       {"method", v.method},
+                       {"predicted_us", v.predicted_us},
+                       {"measured_us", v.measured_us},
+                       {"rel_err", v.rel_err}});
+  nlohmann::json choices = nlohmann::json::array();
+  for (const auto& c : r.choices)
+    choices.push_back({{"config", c.config},
+                       {"hosts", c.hosts},
+                       {"ranks_per_host", c.ranks_per_host},
+                       {"seq", c.seq},
+                       {"choice", c.choice},
+                       {"choice_measured_us", c.choice_measured_us},
+                       {"choice_predicted_margin", c.choice_predicted_margin},
+                       {"best_measured", c.best_measured},
+                       {"best_measured_us", c.best_measured_us},
+                       {"within_10_percent", c.within}});
+  nlohmann::json topologies = nlohmann::json::object();
+  nlohmann::json configs = nlohmann::json::array();
+  for (const auto& c : r.configs) {
+    topologies[c.setup.label] = nlohmann::json::parse(topology_to_json(c.topology));
+    configs.push_back({{"config", c.setup.label},
+                       {"hosts", c.setup.hosts},
+                       {"ranks_per_host", c.setup.ranks_per_host},
+                       {"link", c.setup.link},
+                       {"threads_per_rank", threads_per_rank(c.setup.ranks())},
+                       {"load_before", c.load_before},
+                       {"load_after", c.load_after}});
+  }
+  return {{"format", "treeattn-validate/1"},
+          {"shape",
+           {{"batch", shape.batch},
+            {"heads", shape.heads},
+            {"kv_heads", shape.kv_heads},
+            {"head_dim", shape.head_dim},
+            {"q_len", shape.q_len},
+            {"dtype", f.shape.dtype}}},
+          {"warmup", f.warmup},
+          {"iterations", f.iters},
+          {"protocol",
+           "per configuration: topo --detect, then one bench job measuring every strategy "
+           "interleaved (one step of each in turn, the first rotating every step), kernel "
+           "threads per rank = cores / ranks; p50 of the timed steps (slowest rank per step)"},
+          {"points", jpoints},
+          {"choices", choices},
+          {"configs", configs},
+          {"median_abs_rel_error", r.median_abs_rel_error},
+          {"choice_within_10pct", r.choice_within_10pct},
+          {"choice_points", r.choice_points},
+          {"choices_within_10_percent", r.choice_within_10pct},
+          {"choices_total", r.choice_points},
+          {"target_median_abs_rel_error", f.target},
+          {"topologies", topologies}};
+}
 
-double median_of(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+void print_validation(const PlanFlags& f, const ValidationOptions& o, const ValidationReport& r) {
+  std::printf(
+      "\npredicted vs measured p50 latency per decode step (%s, %s KV; %d warm-up + %d "
+      "timed steps per point, strategies interleaved)\n\n",
+      o.shape.to_string().c_str(), f.shape.dtype.c_str(), f.warmup, f.iters);
+  std::printf(
+      "| hosts x ranks | link | context | strategy | predicted | measured | rel. error |\n");
+  std::printf("|---|---|---:|---|---:|---:|---:|\n");
+  for (const auto& v : r.points)
+    std::printf("| %dx%d | %s | %s | %s | %s | %s | %+.0f%% |\n", v.hosts, v.ranks_per_host,
+                v.link.c_str(), format_size(v.seq).c_str(), v.method.c_str(),
+                us_str(v.predicted_us).c_str(), us_str(v.measured_us).c_str(), 100 * v.rel_err);
+  std::printf("\nplanner's choice vs the best measured strategy\n\n");
+  std::printf(
+      "| hosts x ranks | link | context | choice (predicted lead) | its measured | best measured "
+      "| within 10%% |\n");
+  std::printf("|---|---|---:|---|---:|---:|---|\n");
+  for (const auto& c : r.choices)
+    std::printf("| %dx%d | %s | %s | %s (%.1f%%) | %s | %s (%s) | %s |\n", c.hosts,
+                c.ranks_per_host, c.link.c_str(), format_size(c.seq).c_str(), c.choice.c_str(),
+                100 * c.choice_predicted_margin, us_str(c.choice_measured_us).c_str(),
+                us_str(c.best_measured_us).c_str(), c.best_measured.c_str(),
+                c.within ? "yes" : "NO");
+  std::printf("\nload average (1 min) before / after each configuration:");
+  for (const auto& c : r.configs)
+    std::printf(" %s %.2f / %.2f;", c.setup.label.c_str(), c.load_before, c.load_after);
+  std::printf(
+      "\n\nmedian |relative error| %.1f%% over %zu points (target %.0f%%); planner's choice "
+      "within 10%% of the best measured at %d of %d points\n",
+      100 * r.median_abs_rel_error, r.points.size(), 100 * f.target, r.choice_within_10pct,
+      r.choice_points);
 }
 
 int plan_validate(PlanFlags& f) {
-  std::vector<Config> configs;
+  ValidationOptions o;
   std::vector<std::string> links = split_list(f.links);
   if (links.empty()) links = {"none"};
   for (const auto& c : split_list(f.clusters)) {
@@ -337,245 +510,48 @@ int plan_validate(PlanFlags& f) {
         if (auto r = link_rate_GBps(link); !r.is_ok()) return fail(r.status());
       if (spec->emulated())
         if (auto s = cluster_script(); !s.is_ok()) return fail(s.status());
-      configs.push_back({*spec, link});
+      ValidationSetup v;
+      v.hosts = spec->hosts;
+      v.ranks_per_host = spec->ranks_per_host;
+      v.link = link.empty() ? (spec->emulated() ? "veth" : "shm") : link;
+      v.label = fmt::format("{}x{} {}", v.hosts, v.ranks_per_host, v.link);
+      o.setups.push_back(v);
     }
   }
-  if (configs.empty()) return fail(invalid_argument("--cluster: no configuration to validate"));
+  if (o.setups.empty()) return fail(invalid_argument("--cluster: no configuration to validate"));
   auto seqs = parse_size_list(f.seq_list);
   if (!seqs.is_ok()) return fail(invalid_argument("--seq-list: " + seqs.status().message()));
+  o.contexts = *seqs;
   auto cands = candidates(f.methods);
   if (!cands.is_ok()) return fail(cands.status());
-  std::vector<std::string> methods = *cands;
-  if (methods.empty())
+  o.methods = *cands;
+  if (o.methods.empty())
     for (const auto& m : modeled_strategies())
       if (StrategyRegistry::for_backend(CommCapabilities{}).info(m)->placement !=
           PlacementNeed::kAllOnRoot)
-        methods.push_back(m);
+        o.methods.push_back(m);
   std::string mlist;
-  for (const auto& m : methods) mlist += (mlist.empty() ? "" : ",") + m;
+  for (const auto& m : o.methods) mlist += (mlist.empty() ? "" : ",") + m;
   if (!f.topology.empty())
     if (auto t = load_topology(f.topology); !t.is_ok()) return fail(t.status());
-  const AttnShape shape = f.shape.shape();
-  const DType dt = *parse_dtype(f.shape.dtype);
+  o.shape = f.shape.shape();
+  o.dtype = *parse_dtype(f.shape.dtype);
+  o.fanout = f.fanout;
 
-  std::vector<ValPoint> points;
-  nlohmann::json choices = nlohmann::json::array();
-  nlohmann::json topologies = nlohmann::json::object();
-  for (const Config& c : configs) {
-    const std::string label =
-        fmt::format("{}x{} {}", c.spec.hosts, c.spec.ranks_per_host,
-                    c.link.empty() ? (c.spec.emulated() ? "veth" : "shm") : c.link);
-    std::vector<std::string> where = {"--ranks", std::to_string(c.spec.ranks())};
-    if (c.spec.emulated()) {
-      where.insert(where.end(),
-                   {"--cluster", fmt::format("{}x{}", c.spec.hosts, c.spec.ranks_per_host)});
-      if (!c.link.empty()) where.insert(where.end(), {"--link", c.link});
-    }
-    // 1. The topology: calibrated on this configuration unless --topology was given.
-    Topology topo;
-    if (f.topology.empty()) {
-      const std::string tfile = temp_path("topo");
-      std::vector<std::string> args = {
-          "topo",        "--detect",
-          "--out",       tfile,
-          "--name",      "detected " + label,
-          "--probe-mib", "128",
-          "--heads",     std::to_string(shape.heads * shape.q_len * shape.batch),
-          "--kv-heads",  std::to_string(shape.kv_heads),
-          "--head-dim",  std::to_string(shape.head_dim),
-          "--dtype",     f.shape.dtype};
-      args.insert(args.end(), where.begin(), where.end());
-      auto rc = run_self(args);
-      if (!rc.is_ok() || *rc != 0) std::remove(tfile.c_str());
-      if (!rc.is_ok()) return fail(rc.status());
-      if (*rc != 0) {
-        std::fprintf(stderr, "treeattn plan --validate: topo --detect on %s failed (exit %d)\n",
-                     label.c_str(), *rc);
-        return *rc;
-      }
-      auto t = load_topology(tfile);
-      if (!f.keep) std::remove(tfile.c_str());
-      if (!t.is_ok()) return fail(t.status());
-      topo = *t;
-    } else {
-      auto t = load_topology(f.topology);
-      topo = t.value();
-    }
-    topologies[label] = nlohmann::json::parse(topology_to_json(topo));
-    // 2. The measurement: bench as a subprocess.
-    const std::string bfile = temp_path("bench");
-    std::vector<std::string> args = {"bench",
-                                     "--methods",
-                                     mlist,
-                                     "--seq",
-                                     f.seq_list,
-                                     "--batch",
-                                     std::to_string(shape.batch),
-                                     "--heads",
-                                     std::to_string(shape.heads),
-                                     "--kv-heads",
-                                     std::to_string(shape.kv_heads),
-                                     "--head-dim",
-                                     std::to_string(shape.head_dim),
-                                     "--q-len",
-                                     std::to_string(shape.q_len),
-                                     "--dtype",
-                                     f.shape.dtype,
-                                     "--warmup",
-                                     std::to_string(f.warmup),
-                                     "--iters",
-                                     std::to_string(f.iters),
-                                     "--fanout",
-                                     std::to_string(f.fanout),
-                                     "--json",
-                                     bfile};
-    args.insert(args.end(), where.begin(), where.end());
-    auto rc = run_self(args);
-    if (!rc.is_ok() || *rc != 0) std::remove(bfile.c_str());
-    if (!rc.is_ok()) return fail(rc.status());
-    if (*rc != 0) {
-      std::fprintf(stderr, "treeattn plan --validate: bench on %s failed (exit %d)\n",
-                   label.c_str(), *rc);
-      return *rc;
-    }
-    nlohmann::json j;
-    try {
-      std::ifstream in(bfile);
-      in >> j;
-    } catch (const std::exception& e) {
-      return fail(internal_error("cannot read bench's JSON '" + bfile + "': " + e.what()));
-    }
-    if (!f.keep) std::remove(bfile.c_str());
-    // 3. Predicted vs measured, and the planner's choice per context.
-    std::map<int64_t, std::map<std::string, double>> measured;
-    for (const auto& pj : j.at("points")) {
-      const Point pt = Point::from_json(pj);
-      CostQuery q;
-      q.shape = AttnShape{pt.batch, pt.heads, pt.kv_heads, pt.head_dim, pt.q_len};
-      q.kv_dtype = *parse_dtype(pt.dtype);
-      q.context = pt.seq;
-      q.ranks = pt.ranks;
-      q.ranks_per_node = std::min(pt.ranks, topo.ranks_per_node);
-      q.hier_fanout = f.fanout;
-      auto pr = predict(pt.method, q, topo);
-      if (!pr.is_ok()) return fail(pr.status());
-      ValPoint v;
-      v.config = label;
-      v.method = pt.method;
-      v.ranks = pt.ranks;
-      v.hosts = c.spec.hosts;
-      v.ranks_per_host = c.spec.ranks_per_host;
-      v.link = c.link.empty() ? (c.spec.emulated() ? "veth" : "shm") : c.link;
-      v.seq = pt.seq;
-      v.predicted_us = pr->latency_us;
-      v.measured_us = pt.latency_us.p50;
-      v.rel_err = (v.predicted_us - v.measured_us) / v.measured_us;
-      points.push_back(v);
-      measured[pt.seq][pt.method] = pt.latency_us.p50;
-    }
-    for (const auto& [seq, by_method] : measured) {
-      CostQuery q;
-      q.shape = shape;
-      q.kv_dtype = dt;
-      q.context = seq;
-      q.ranks = c.spec.ranks();
-      q.ranks_per_node = std::min(c.spec.ranks(), topo.ranks_per_node);
-      q.hier_fanout = f.fanout;
-      PlanOptions po;
-      for (const auto& [m, _] : by_method) po.candidates.push_back(m);
-      auto entries = plan(q, topo, po);
-      if (!entries.is_ok()) return fail(entries.status());
-      const std::string choice = entries->front().prediction.strategy;
-      std::string best;
-      double best_us = 0;
-      for (const auto& [m, us] : by_method)
-        if (best.empty() || us < best_us) {
-          best = m;
-          best_us = us;
-        }
-      const double chosen_us = by_method.at(choice);
-      choices.push_back({{"config", label},
-                         {"hosts", c.spec.hosts},
-                         {"ranks_per_host", c.spec.ranks_per_host},
-                         {"seq", seq},
-                         {"choice", choice},
-                         {"choice_measured_us", chosen_us},
-                         {"best_measured", best},
-                         {"best_measured_us", best_us},
-                         {"within_10_percent", chosen_us <= 1.10 * best_us}});
-    }
+  const SelfSteps self{f, mlist, o.shape};
+  ValidationSteps steps;
+  steps.calibrate = [&self](const ValidationSetup& c) { return self.calibrate(c); };
+  steps.measure = [&self](const ValidationSetup& c) { return self.measure(c); };
+  auto report = run_validation(o, steps);
+  if (!report.is_ok()) {
+    if (interrupted_by() != 0) return 128 + interrupted_by();
+    std::fprintf(stderr, "treeattn plan --validate: %s\n", report.status().to_string().c_str());
+    return report.status().code() == Code::kInternal ? 1 : 2;
   }
-
-  // Report.
-  std::printf(
-      "\npredicted vs measured p50 latency per decode step (%s, %s KV; %d warm-up + %d "
-      "timed steps per point)\n\n",
-      shape.to_string().c_str(), f.shape.dtype.c_str(), f.warmup, f.iters);
-  std::printf(
-      "| hosts x ranks | link | context | strategy | predicted | measured | rel. error |\n");
-  std::printf("|---|---|---:|---|---:|---:|---:|\n");
-  std::vector<double> abs_err;
-  nlohmann::json jpoints = nlohmann::json::array();
-  for (const auto& v : points) {
-    std::printf("| %dx%d | %s | %s | %s | %s | %s | %+.0f%% |\n", v.hosts, v.ranks_per_host,
-                v.link.c_str(), format_size(v.seq).c_str(), v.method.c_str(),
-                us_str(v.predicted_us).c_str(), us_str(v.measured_us).c_str(), 100 * v.rel_err);
-    abs_err.push_back(std::abs(v.rel_err));
-    jpoints.push_back({{"config", v.config},
-                       {"hosts", v.hosts},
-                       {"ranks_per_host", v.ranks_per_host},
-                       {"ranks", v.ranks},
-                       {"link", v.link},
-                       {"seq", v.seq},
-                       {"method", v.method},
-                       {"predicted_us", v.predicted_us},
-                       {"measured_us", v.measured_us},
-                       {"rel_err", v.rel_err}});
-  }
-  const double med = median_of(abs_err);
-  int within = 0;
-  std::printf("\nplanner's choice vs the best measured strategy\n\n");
-  std::printf(
-      "| hosts x ranks | link | context | choice | its measured | best measured | within 10%% |\n");
-  std::printf("|---|---|---:|---|---:|---:|---|\n");
-  for (const auto& ch : choices) {
-    const bool ok = ch["within_10_percent"].get<bool>();
-    within += ok ? 1 : 0;
-    std::printf("| %dx%d | %s | %s | %s | %s | %s (%s) | %s |\n", ch["hosts"].get<int>(),
-                ch["ranks_per_host"].get<int>(),
-                ch["config"]
-                    .get<std::string>()
-                    .substr(ch["config"].get<std::string>().find(' ') + 1)
-                    .c_str(),
-                format_size(ch["seq"].get<int64_t>()).c_str(),
-                ch["choice"].get<std::string>().c_str(),
-                us_str(ch["choice_measured_us"].get<double>()).c_str(),
-                us_str(ch["best_measured_us"].get<double>()).c_str(),
-                ch["best_measured"].get<std::string>().c_str(), ok ? "yes" : "NO");
-  }
-  std::printf(
-      "\nmedian |relative error| %.1f%% over %zu points (target %.0f%%); planner's choice "
-      "within 10%% of the best measured at %d of %zu points\n",
-      100 * med, points.size(), 100 * f.target, within, choices.size());
-  if (!f.json.empty()) {
-    nlohmann::json j = {{"format", "treeattn-validate/1"},
-                        {"shape",
-                         {{"batch", shape.batch},
-                          {"heads", shape.heads},
-                          {"kv_heads", shape.kv_heads},
-                          {"head_dim", shape.head_dim},
-                          {"q_len", shape.q_len},
-                          {"dtype", f.shape.dtype}}},
-                        {"warmup", f.warmup},
-                        {"iterations", f.iters},
-                        {"points", jpoints},
-                        {"choices", choices},
-                        {"median_abs_rel_error", med},
-                        {"choices_within_10_percent", within},
-                        {"choices_total", choices.size()},
-                        {"topologies", topologies}};
-    if (Status s = write_text(f.json, j.dump(2) + "\n"); !s.is_ok()) return fail(s);
-  }
+  print_validation(f, o, *report);
+  if (!f.json.empty())
+    if (Status s = write_text(f.json, validation_json(f, o, *report).dump(2) + "\n"); !s.is_ok())
+      return fail(s);
   return 0;
 }
 

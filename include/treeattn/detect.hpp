@@ -29,10 +29,16 @@ namespace treeattn {
 //                    rank exchanging bandwidth_bytes with a partner on its node at once (the
 //                    per-rank rate when all ranks copy, as in a ring step); the network level
 //                    takes one pair's rate (the model shares a node's links among its ranks)
-//   overhead         a small allreduce_states (the `tree` merge) timed on each node and on the
-//                    whole job; what the cost model does not explain from the links becomes
+//   overhead         three collectives at one step's state size (allreduce_records records),
+//                    timed interleaved on each node and on the whole job: allreduce_states (the
+//                    `tree` merge, a user-defined reduction), a built-in float allreduce of the
+//                    same bytes, and the all-gather of the records. What the cost model does
+//                    not explain from the links in the built-in allreduce becomes
 //                    collective_overhead_us (node) and network.call_overhead_us (the extra of
-//                    a call that crosses nodes)
+//                    a call that crosses nodes); what the user-defined reduction costs beyond
+//                    the built-in allreduce becomes node.user_op_overhead_us and
+//                    network.user_op_overhead_us (the extra across nodes), priced on `tree`
+//                    only. The all-gather and the model's figure for it are recorded in notes.
 //   cores            all ranks on one machine (same boot id, as on the emulated cluster) share
 //                    its cores: max_concurrent_ranks = cores when the job has more ranks
 // Every rank returns the same Topology (rank 0's measurements are broadcast).

@@ -41,6 +41,12 @@ struct LinkLevel {
   // collective_overhead_us. Large where ranks that wait for the network are descheduled (more
   // ranks than cores, as on the emulated cluster); 0 on dedicated hardware.
   double call_overhead_us = 0;
+  // Extra fixed cost of one allreduce with a user-defined reduction (the state merge `tree`
+  // runs, comm.hpp allreduce_states) over a built-in allreduce of the same bytes: node, for a
+  // call inside a node; network, added when the call's messages cross nodes. Measured by
+  // `topo --detect` (detect.hpp); 0 (a file without the field) prices the merge allreduce like
+  // a built-in one.
+  double user_op_overhead_us = 0;
   bool operator==(const LinkLevel&) const = default;
 };
 
@@ -107,6 +113,9 @@ struct MeasuredTopology {
   std::optional<double> intra_latency_us, intra_bandwidth_GBps;
   std::optional<double> inter_latency_us, inter_bandwidth_GBps;
   double inter_call_overhead_us = 0;
+  // The user-defined-reduction allreduce's extra over the built-in one (LinkLevel::
+  // user_op_overhead_us), inside a node and added across nodes.
+  double intra_user_op_overhead_us = 0, inter_user_op_overhead_us = 0;
   int links_per_node = 1;
   double collective_overhead_us = 0;
   int max_concurrent_ranks = 0;  // e.g. the number of cores when ranks oversubscribe them

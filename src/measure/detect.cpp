@@ -103,25 +103,45 @@ Result<double> exchange(Communicator& comm, int partner, int64_t bytes, int iter
   return median(samples);
 }
 
-// Median over calls of the slowest rank's time in us of a small merge allreduce on comm.
-Result<double> time_allreduce(Communicator& comm, const DetectOptions& o) {
+// The three collectives a one-call merge can run, at the size of one step's state records
+// (allreduce_records records of head_dim + 2 floats): medians over calls of the slowest rank's
+// time in us.
+struct CollectiveTimes {
+  double user_op = 0;    // allreduce_states: the merge as a user-defined reduction (`tree`)
+  double built_in = 0;   // a built-in float sum allreduce of the same bytes (tree-paper's kind)
+  double allgather = 0;  // the all-gather of every rank's records (`allgather`, NCCL's `tree`)
+};
+
+// Interleaved: every iteration times one call of each, in an order that rotates, so that load
+// that comes and goes hits the three alike.
+Result<CollectiveTimes> time_collectives(Communicator& comm, const DetectOptions& o) {
   const auto D = static_cast<std::size_t>(o.head_dim);
   const auto n = static_cast<std::size_t>(o.allreduce_records);
-  std::vector<float> rec(n * (D + 2), 0.0f);
-  std::vector<double> samples;
-  for (int i = 0; i < o.allreduce_iters + 5; ++i) {
-    for (std::size_t k = 0; k < n; ++k) {
-      rec[k * (D + 2)] = 0.0f;      // m
-      rec[k * (D + 2) + 1] = 1.0f;  // l
+  std::vector<float> rec(n * (D + 2), 0.0f), sum(n * (D + 2), 0.0f);
+  std::vector<float> all(rec.size() * static_cast<std::size_t>(comm.size()));
+  std::array<std::vector<double>, 3> samples;
+  constexpr int kWarmup = 5;
+  for (int i = 0; i < o.allreduce_iters + kWarmup; ++i) {
+    for (int j = 0; j < 3; ++j) {
+      const int which = (i + j) % 3;
+      for (std::size_t k = 0; k < n; ++k) {
+        rec[k * (D + 2)] = 0.0f;      // m
+        rec[k * (D + 2) + 1] = 1.0f;  // l
+      }
+      TREEATTN_RETURN_IF_ERROR(comm.barrier());
+      const auto t0 = Clock::now();
+      if (which == 0)
+        TREEATTN_RETURN_IF_ERROR(comm.allreduce_states(rec.data(), n, D));
+      else if (which == 1)
+        TREEATTN_RETURN_IF_ERROR(comm.allreduce(sum.data(), sum.size(), ReduceOp::kSum));
+      else
+        TREEATTN_RETURN_IF_ERROR(comm.allgather(rec.data(), rec.size() * sizeof(float), all.data()));
+      float us = std::chrono::duration<float, std::micro>(Clock::now() - t0).count();
+      TREEATTN_RETURN_IF_ERROR(comm.allreduce(&us, 1, ReduceOp::kMax));
+      if (i >= kWarmup) samples[static_cast<std::size_t>(which)].push_back(static_cast<double>(us));
     }
-    TREEATTN_RETURN_IF_ERROR(comm.barrier());
-    const auto t0 = Clock::now();
-    TREEATTN_RETURN_IF_ERROR(comm.allreduce_states(rec.data(), n, D));
-    float us = std::chrono::duration<float, std::micro>(Clock::now() - t0).count();
-    TREEATTN_RETURN_IF_ERROR(comm.allreduce(&us, 1, ReduceOp::kMax));
-    if (i >= 5) samples.push_back(static_cast<double>(us));
   }
-  return median(samples);
+  return CollectiveTimes{median(samples[0]), median(samples[1]), median(samples[2])};
 }
 
 struct Level {
@@ -383,59 +403,87 @@ Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
     m.sources.push_back(s);
   }
 
-  // Call overheads: a small merge allreduce on each node, then over the whole job, minus what
-  // the model explains with the measured links.
-  if (node->size() > 1 || P > 1) {
-    double node_us = 0;
-    if (node->size() > 1) {
-      auto t = time_allreduce(*node, o);
-      if (!t.is_ok()) return t.status();
-      float w = static_cast<float>(*t);
-      TREEATTN_RETURN_IF_ERROR(world.allreduce(&w, 1, ReduceOp::kMax));
-      node_us = static_cast<double>(w);
-      MeasuredTopology one = m;
-      one.nodes = 1;
-      one.inter_latency_us.reset();
-      one.inter_bandwidth_GBps.reset();
-      auto base = topology_from_measurements(one);
-      if (!base.is_ok()) return base.status();
-      CostQuery q;
-      q.shape = AttnShape{1, o.allreduce_records, 1, o.head_dim, 1};
-      q.context = rpn;
-      q.ranks = node->size();
-      auto pred = predict("tree", q, *base);
-      if (!pred.is_ok()) return pred.status();
-      m.collective_overhead_us = std::max(0.0, node_us - pred->comm_us);
-      const std::string s = "call overhead inside a node: allreduce_states of " +
-                            std::to_string(o.allreduce_records) + " x " +
-                            std::to_string(o.head_dim) + " states on each node took " +
-                            fmt_double(node_us) + " us; the links explain " +
-                            fmt_double(pred->comm_us) + " us -> collective_overhead_us " +
-                            fmt_double(m.collective_overhead_us);
-      note(s);
-      m.sources.push_back(s);
-    }
-    if (nodes > 1) {
-      auto t = time_allreduce(world, o);
-      if (!t.is_ok()) return t.status();
-      auto base = topology_from_measurements(m);
-      if (!base.is_ok()) return base.status();
-      CostQuery q;
-      q.shape = AttnShape{1, o.allreduce_records, 1, o.head_dim, 1};
-      q.context = P;
-      q.ranks = P;
-      q.ranks_per_node = rpn;
-      auto pred = predict("tree", q, *base);
-      if (!pred.is_ok()) return pred.status();
-      m.inter_call_overhead_us = std::max(0.0, *t - pred->comm_us);
-      const std::string s = "call overhead across nodes: the same allreduce over all " +
-                            std::to_string(P) + " ranks took " + fmt_double(*t) +
-                            " us; the links and the node overhead explain " +
-                            fmt_double(pred->comm_us) + " us -> network.call_overhead_us " +
-                            fmt_double(m.inter_call_overhead_us);
-      note(s);
-      m.sources.push_back(s);
-    }
+  // Call overheads: the merge allreduce with its user-defined reduction (what `tree` runs), a
+  // built-in allreduce of the same bytes and the all-gather of the records, timed interleaved on
+  // each node and then over the whole job. What the model does not explain with the measured
+  // links in the built-in allreduce becomes the call overhead of every library call
+  // (collective_overhead_us inside a node, network.call_overhead_us for a call that crosses
+  // nodes); what the user-defined reduction costs beyond it becomes user_op_overhead_us of the
+  // level, which the model adds to `tree`'s allreduce only.
+  const std::string size_text = std::to_string(o.allreduce_records) + " x " +
+                                std::to_string(o.head_dim) + " states";
+  CostQuery q;
+  q.shape = AttnShape{1, o.allreduce_records, 1, o.head_dim, 1};
+  // The comm_us the model gives `strategy` for these records on topology t (p ranks, r a node).
+  auto model_comm = [&](const char* strategy, const MeasuredTopology& t, int p,
+                        int r) -> Result<double> {
+    auto base = topology_from_measurements(t);
+    if (!base.is_ok()) return base.status();
+    q.context = p;
+    q.ranks = p;
+    q.ranks_per_node = r;
+    auto pred = predict(strategy, q, *base);
+    if (!pred.is_ok()) return pred.status();
+    return pred->comm_us;
+  };
+  if (node->size() > 1) {
+    auto t = time_collectives(*node, o);
+    if (!t.is_ok()) return t.status();
+    // The slowest node's.
+    float w[3] = {static_cast<float>(t->user_op), static_cast<float>(t->built_in),
+                  static_cast<float>(t->allgather)};
+    TREEATTN_RETURN_IF_ERROR(world.allreduce(w, 3, ReduceOp::kMax));
+    MeasuredTopology one = m;
+    one.nodes = 1;
+    one.inter_latency_us.reset();
+    one.inter_bandwidth_GBps.reset();
+    one.collective_overhead_us = 0;
+    one.intra_user_op_overhead_us = 0;
+    auto links = model_comm("tree", one, node->size(), node->size());
+    if (!links.is_ok()) return links.status();
+    m.collective_overhead_us = std::max(0.0, static_cast<double>(w[1]) - *links);
+    m.intra_user_op_overhead_us = std::max(0.0, static_cast<double>(w[0] - w[1]));
+    one.collective_overhead_us = m.collective_overhead_us;
+    auto ag = model_comm("allgather", one, node->size(), node->size());
+    if (!ag.is_ok()) return ag.status();
+    const std::string s =
+        "collectives inside a node (" + size_text + ", interleaved, median of " +
+        std::to_string(o.allreduce_iters) + ", slowest node): built-in allreduce " +
+        fmt_double(w[1]) + " us, the links explain " + fmt_double(*links) +
+        " us -> collective_overhead_us " + fmt_double(m.collective_overhead_us) +
+        "; user-defined-op allreduce (tree) " + fmt_double(w[0]) +
+        " us -> node.user_op_overhead_us " + fmt_double(m.intra_user_op_overhead_us) +
+        "; all-gather " + fmt_double(w[2]) + " us (model " + fmt_double(*ag) + " us)";
+    note(s);
+    m.sources.push_back(s);
+  }
+  if (nodes > 1) {
+    auto t = time_collectives(world, o);
+    if (!t.is_ok()) return t.status();
+    MeasuredTopology base = m;
+    base.inter_call_overhead_us = 0;
+    base.inter_user_op_overhead_us = 0;
+    base.intra_user_op_overhead_us = 0;  // the built-in allreduce's model, without it
+    auto links = model_comm("tree", base, P, rpn);
+    if (!links.is_ok()) return links.status();
+    m.inter_call_overhead_us = std::max(0.0, t->built_in - *links);
+    m.inter_user_op_overhead_us =
+        std::max(0.0, t->user_op - t->built_in - m.intra_user_op_overhead_us);
+    base.inter_call_overhead_us = m.inter_call_overhead_us;
+    auto ag = model_comm("allgather", base, P, rpn);
+    if (!ag.is_ok()) return ag.status();
+    const std::string s =
+        "collectives over all " + std::to_string(P) + " ranks (" + size_text +
+        ", interleaved, median of " + std::to_string(o.allreduce_iters) +
+        "): built-in allreduce " + fmt_double(t->built_in) +
+        " us, the links and the node overhead explain " + fmt_double(*links) +
+        " us -> network.call_overhead_us " + fmt_double(m.inter_call_overhead_us) +
+        "; user-defined-op allreduce (tree) " + fmt_double(t->user_op) +
+        " us -> network.user_op_overhead_us " + fmt_double(m.inter_user_op_overhead_us) +
+        " (beyond the node's); all-gather " + fmt_double(t->allgather) + " us (model " +
+        fmt_double(*ag) + " us)";
+    note(s);
+    m.sources.push_back(s);
   }
   return topology_from_measurements(m);
 }

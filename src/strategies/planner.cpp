@@ -40,6 +40,11 @@ Result<Prediction> predict_with(const strategies::StrategyDescriptor* d, std::st
     return invalid_argument("cost model: unknown strategy '" + std::string(strategy) +
                             "' (known: " + known + ")");
   }
+  // NCCL has no user-defined reductions: a strategy that needs them runs its stand-in there
+  // (tree: the all-gather of states, allgather.cpp), and that is what is priced.
+  if (topo.collectives == CollectiveLibrary::kNccl && d->needs_user_reductions &&
+      d->without_user_reductions != nullptr)
+    d = d->without_user_reductions;
   Prediction pr = d->model(c);
   pr.strategy = std::string(d->info.name);
   return pr;

@@ -16,8 +16,10 @@
 //
 // Cost: the analytic model counts the ring allreduce's 2 (p-1)/p S per rank (paper eq. 14; a
 // reduce sends S from every rank but the root); the cost model simulates the allreduce the
-// topology's library picks at S bytes and keeps one more S for the reduction buffer. On a
-// backend without user-defined reductions `tree` is the all-gather form (allgather.cpp).
+// topology's library picks at S bytes, plus the extra the user-defined operation was measured to
+// cost over a built-in one (LinkLevel::user_op_overhead_us, from topo --detect), and keeps one
+// more S for the reduction buffer. On a backend without user-defined reductions (NCCL) `tree`
+// is the all-gather form (allgather.cpp), and the planner prices that form there.
 #include "strategies/common.hpp"
 #include "strategies/descriptor.hpp"
 #include "topology/cost_sim.hpp"
@@ -54,7 +56,7 @@ CostEstimate analytic(const AnalyticInput& in) {
 Prediction model(const cost::Ctx& c) {
   cost::RoundSim sim(c.topo, c.p, c.r);
   cost::CommCost comm;
-  cost::allreduce(c, sim, comm, c.state_bytes, "merge-op");
+  cost::allreduce_user_op(c, sim, comm, c.state_bytes, "merge-op");
   return cost::finish(c, c.local_us(c.shard_tokens, c.p), comm, sim, c.state_bytes);
 }
 

@@ -268,6 +268,18 @@ void allreduce(const Ctx& c, RoundSim& sim, CommCost& cost, double m, std::strin
   }
 }
 
+void allreduce_user_op(const Ctx& c, RoundSim& sim, CommCost& cost, double m,
+                       std::string_view label) {
+  const int before = sim.inter_rounds();
+  allreduce(c, sim, cost, m, label);
+  if (c.p == 1) return;
+  const bool crossed = c.nccl() ? c.n > 1 : sim.inter_rounds() > before;
+  const double extra = c.user_op(crossed);
+  if (extra <= 0) return;
+  cost.us += extra;
+  cost.algorithm += " + user-defined op " + std::to_string(static_cast<int64_t>(std::lround(extra))) + " us";
+}
+
 Status make_ctx(const CostQuery& q, const Topology& topo, Ctx& c) {
   TREEATTN_RETURN_IF_ERROR(topo.validate());
   TREEATTN_RETURN_IF_ERROR(q.shape.validate());

@@ -172,6 +172,13 @@ struct Ctx {
     return topo.collective_overhead_us +
            (crossed && topo.network ? topo.network->call_overhead_us : 0.0);
   }
+  // Extra of an allreduce with a user-defined reduction over a built-in one of the same bytes
+  // (LinkLevel::user_op_overhead_us): the node level's, plus the network's when the call's
+  // messages crossed nodes.
+  double user_op(bool crossed) const {
+    return topo.node.user_op_overhead_us +
+           (crossed && topo.network ? topo.network->user_op_overhead_us : 0.0);
+  }
   // Ranks oversubscribe the cores: a rank that copies or waits for a transfer takes a core
   // from one that computes, so ring-kv's transfers do not hide under its kernel.
   bool oversubscribed() const {
@@ -194,6 +201,13 @@ Prediction finish(const Ctx& c, double local, const CommCost& comm, const RoundS
 // One allreduce of m bytes with a reduction, in the topology's collective library (one call
 // added to cost, labelled `label`).
 void allreduce(const Ctx& c, RoundSim& sim, CommCost& cost, double m, std::string_view label);
+
+// One allreduce of m bytes with a user-defined reduction (the state merge, comm.hpp
+// allreduce_states): the built-in allreduce's algorithm and call cost, plus the extra a
+// user-defined operation was measured to cost (Ctx::user_op). NCCL has no user-defined
+// reductions: there the planner prices a strategy's stand-in instead (planner.cpp).
+void allreduce_user_op(const Ctx& c, RoundSim& sim, CommCost& cost, double m,
+                       std::string_view label);
 
 // Open MPI, simulated on sim; each returns the time in us.
 // Allgather of m bytes per rank: recursive doubling (p a power of two) or Bruck for small

@@ -229,7 +229,8 @@ Status parse_strict_json(std::string_view text, const std::string& source, json&
 Status parse_level(const ObjectReader& r, std::string_view expected_name, LinkLevel& out) {
   TREEATTN_RETURN_IF_ERROR(r.check_object());
   TREEATTN_RETURN_IF_ERROR(
-      r.check_keys({"name", "latency_us", "bandwidth_GBps", "links_per_node", "call_overhead_us"}));
+      r.check_keys({"name", "latency_us", "bandwidth_GBps", "links_per_node", "call_overhead_us",
+                    "user_op_overhead_us"}));
   TREEATTN_RETURN_IF_ERROR(r.string("name", true, out.name));
   if (out.name != expected_name) {
     return r.fail("name", "expected \"" + std::string(expected_name) +
@@ -242,6 +243,9 @@ Status parse_level(const ObjectReader& r, std::string_view expected_name, LinkLe
   TREEATTN_RETURN_IF_ERROR(r.integer("links_per_node", false, out.links_per_node, 1, kMaxCount));
   out.call_overhead_us = 0;
   TREEATTN_RETURN_IF_ERROR(r.number("call_overhead_us", false, out.call_overhead_us, 0, true));
+  out.user_op_overhead_us = 0;
+  TREEATTN_RETURN_IF_ERROR(
+      r.number("user_op_overhead_us", false, out.user_op_overhead_us, 0, true));
   if (expected_name == "node" && out.call_overhead_us != 0)
     return r.fail("call_overhead_us",
                   "only the network level has a call overhead (use "
@@ -263,6 +267,9 @@ Status check_level(const LinkLevel& l, std::string_view where) {
   if (!(l.call_overhead_us >= 0) || !std::isfinite(l.call_overhead_us))
     return invalid_argument(w + ".call_overhead_us must be >= 0, got " +
                             fmt_double(l.call_overhead_us));
+  if (!(l.user_op_overhead_us >= 0) || !std::isfinite(l.user_op_overhead_us))
+    return invalid_argument(w + ".user_op_overhead_us must be >= 0, got " +
+                            fmt_double(l.user_op_overhead_us));
   return Status::ok();
 }
 
@@ -458,6 +465,7 @@ std::string topology_to_json(const Topology& t) {
     json o = {{"name", l.name}, {"latency_us", l.latency_us}, {"bandwidth_GBps", l.bandwidth_GBps}};
     if (with_links) o["links_per_node"] = l.links_per_node;
     if (l.call_overhead_us != 0) o["call_overhead_us"] = l.call_overhead_us;
+    if (l.user_op_overhead_us != 0) o["user_op_overhead_us"] = l.user_op_overhead_us;
     return o;
   };
   levels.push_back(level(t.node, false));
@@ -489,12 +497,13 @@ Result<Topology> topology_from_measurements(const MeasuredTopology& m) {
   } else if (m.intra_latency_us && m.intra_bandwidth_GBps) {
     t.node = LinkLevel{"node", *m.intra_latency_us, *m.intra_bandwidth_GBps, 1};
   }
+  t.node.user_op_overhead_us = m.intra_user_op_overhead_us;
   if (m.nodes > 1 || (m.inter_latency_us && m.inter_bandwidth_GBps)) {
     if (!m.inter_latency_us || !m.inter_bandwidth_GBps)
       return invalid_argument("measured topology: nodes = " + std::to_string(m.nodes) +
                               " needs the inter-node latency and bandwidth");
     t.network = LinkLevel{"network", *m.inter_latency_us, *m.inter_bandwidth_GBps, m.links_per_node,
-                          m.inter_call_overhead_us};
+                          m.inter_call_overhead_us, m.inter_user_op_overhead_us};
   }
   TREEATTN_RETURN_IF_ERROR(t.validate());
   return t;

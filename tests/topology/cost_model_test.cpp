@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <string>
+#include <vector>
 
 namespace treeattn {
 namespace {
@@ -283,11 +284,87 @@ TEST(CostModel, NcclAllreducePicksTheCheaperOfRingAndTree) {
   Topology t = synthetic(16, 8, 0.5, 450.0, 5.0, 50.0, 3350.0, 8);
   t.collectives = CollectiveLibrary::kNccl;
   t.collective_overhead_us = 4.4;
-  const Prediction p = must(predict("tree", paper_query(5'120'000, 128), t));
-  // Tree: 2 * ((8 - 1) * 0.5 + log2(16) * 5) = 47 us of hops, plus 4.4 overhead and bytes.
+  // tree2's two built-in allreduces (NCCL has them; `tree`'s user-defined one it has not).
+  const Prediction p = must(predict("tree2", paper_query(5'120'000, 128), t));
+  // Tree: 2 * ((8 - 1) * 0.5 + log2(16) * 5) = 47 us of hops, plus 4.4 overhead and bytes,
+  // for MAX of m (16 floats) and SUM of (l, o) (16 x 129 floats).
   EXPECT_NE(p.algorithm.find("NCCL tree allreduce"), std::string::npos) << p.algorithm;
-  const double S = 16 * 130 * 4.0;
-  EXPECT_NEAR(p.comm_us, 4.4 + 47.0 + 2 * S / 50e3, 1e-6);
+  const double row = 16 * 4.0;
+  EXPECT_NEAR(p.comm_us, 2 * (4.4 + 47.0) + 2 * (row + 129 * row) / 50e3, 1e-6);
+}
+
+// NCCL has no user-defined reductions: `tree` runs as the all-gather of states there
+// (allgather.cpp), and predict("tree") prices that, not an allreduce.
+TEST(CostModel, TreeOnNcclIsPricedAsTheAllgatherFormNcclRuns) {
+  Topology t = synthetic(2, 4, 0.5, 450.0, 5.0, 50.0, 3350.0, 4);
+  t.collectives = CollectiveLibrary::kNccl;
+  t.collective_overhead_us = 4.4;
+  const CostQuery q = paper_query(1'000'000, 8);
+  const Prediction tree = must(predict("tree", q, t));
+  const Prediction ag = must(predict("allgather", q, t));
+  EXPECT_EQ(tree.strategy, "tree");
+  EXPECT_NE(tree.algorithm.find("NCCL ring allgather"), std::string::npos) << tree.algorithm;
+  EXPECT_EQ(tree.algorithm.find("allreduce"), std::string::npos) << tree.algorithm;
+  EXPECT_DOUBLE_EQ(tree.latency_us, ag.latency_us);
+  EXPECT_DOUBLE_EQ(tree.bytes_sent_per_rank, ag.bytes_sent_per_rank);
+  EXPECT_DOUBLE_EQ(tree.peak_bytes, ag.peak_bytes);  // it holds all p states, as NCCL's does
+  // The user-defined operation's extra is an MPI figure: NCCL's tree does not pay it.
+  t.node.user_op_overhead_us = 500.0;
+  EXPECT_DOUBLE_EQ(must(predict("tree", q, t)).latency_us, ag.latency_us);
+  // The planner's ranking prices it the same way (choose_strategy without user reductions).
+  auto entries = plan(q, t);
+  ASSERT_TRUE(entries.is_ok()) << entries.status().to_string();
+  auto choice = choose_strategy(q, t, /*user_reductions=*/false);
+  ASSERT_TRUE(choice.is_ok()) << choice.status().to_string();
+  for (const auto& list : {*entries, choice->ranking}) {
+    for (const PlanEntry& e : list) {
+      if (e.prediction.strategy == "tree") {
+        EXPECT_DOUBLE_EQ(e.prediction.latency_us, ag.latency_us);
+      }
+    }
+  }
+  // On MPI the same machine runs tree as one allreduce with the merge as a user-defined op.
+  t.collectives = CollectiveLibrary::kMpi;
+  EXPECT_NE(must(predict("tree", q, t)).algorithm.find("allreduce"), std::string::npos);
+}
+
+// node.user_op_overhead_us and network.user_op_overhead_us (what topo --detect measured the
+// user-defined-reduction allreduce to cost beyond a built-in one) are added to `tree`'s one
+// allreduce, the network's only when it crosses nodes, and to nothing else.
+TEST(CostModel, UserOpOverheadIsPaidByTreeOnly) {
+  Topology t = synthetic(2, 2, 0.5, 8.0, 12.0, 1.0, 30.0);
+  const CostQuery q = small_query(4000, 4);
+  const CostQuery q1 = small_query(4000, 2);  // 2 ranks on one node: nothing crosses
+  const CostQuery q0 = small_query(4000, 1);
+  const Prediction tree = must(predict("tree", q, t));
+  const Prediction tree1 = must(predict("tree", q1, t));
+  const Prediction tree0 = must(predict("tree", q0, t));
+  std::vector<Prediction> others;
+  for (const char* s : {"tree-paper", "tree2", "allgather", "gather-root", "ring-state"})
+    others.push_back(must(predict(s, q, t)));
+  t.node.user_op_overhead_us = 100.0;
+  t.network->user_op_overhead_us = 1000.0;
+  const Prediction with = must(predict("tree", q, t));
+  EXPECT_NEAR(with.latency_us - tree.latency_us, 1100.0, 1e-9);
+  EXPECT_NEAR(with.comm_us - tree.comm_us, 1100.0, 1e-9);
+  EXPECT_NE(with.algorithm.find("user-defined op"), std::string::npos) << with.algorithm;
+  EXPECT_NEAR(must(predict("tree", q1, t)).latency_us - tree1.latency_us, 100.0, 1e-9);
+  EXPECT_DOUBLE_EQ(must(predict("tree", q0, t)).latency_us, tree0.latency_us);  // no call
+  for (const Prediction& o : others) {
+    EXPECT_DOUBLE_EQ(must(predict(o.strategy, q, t)).latency_us, o.latency_us) << o.strategy;
+  }
+  // The planner sees it: with a large enough extra, tree is no longer the choice among tree
+  // and allgather, which the model rates close without it.
+  PlanOptions po;
+  po.candidates = {"tree", "allgather"};
+  t.network->user_op_overhead_us = 0.0;
+  t.node.user_op_overhead_us = 0.0;
+  const double gap = std::abs(must(predict("tree", q, t)).latency_us -
+                              must(predict("allgather", q, t)).latency_us);
+  t.network->user_op_overhead_us = gap + 50.0;
+  auto entries = plan(q, t, po);
+  ASSERT_TRUE(entries.is_ok()) << entries.status().to_string();
+  EXPECT_EQ(entries->front().prediction.strategy, "allgather");
 }
 
 TEST(CostModel, ErrorsNameTheValue) {

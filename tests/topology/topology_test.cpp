@@ -134,7 +134,7 @@ TEST(TopologyFile, MalformedFilesGiveClearErrors) {
        "t.json: $.levels: expected an array of 1 or 2 levels"},
       {"typo in a key", replace(v, R"("bandwidth_GBps": 9)", R"("bandwith_GBps": 9)"),
        "t.json: $.levels[0].bandwith_GBps: unknown key (known keys: name, latency_us, "
-       "bandwidth_GBps, links_per_node, call_overhead_us)"},
+       "bandwidth_GBps, links_per_node, call_overhead_us, user_op_overhead_us)"},
       {"unknown top-level key", replace(v, R"("nodes": 2,)", R"("nodes": 2, "gpus": 8,)"),
        "t.json: $.gpus: unknown key"},
       {"memory missing", replace(v, R"("memory": {"bandwidth_GBps": 30, "capacity_GB": 16},)", ""),
@@ -209,6 +209,57 @@ TEST(TopologyFile, NetworkCallOverheadParsesAndRoundTrips) {
   ASSERT_TRUE(plain.is_ok());
   EXPECT_DOUBLE_EQ(plain->network->call_overhead_us, 0.0);
   EXPECT_EQ(topology_to_json(*plain).find("call_overhead_us"), std::string::npos);
+}
+
+// The user-defined-reduction allreduce's extra (topo --detect's user_op_overhead_us) on either
+// level: parsed, written back, absent in older files (0: the merge priced like a built-in
+// allreduce), and refused when negative.
+TEST(TopologyFile, UserOpOverheadParsesAndRoundTripsOnBothLevels) {
+  std::string text = replace(kValid, R"("links_per_node": 1})",
+                             R"("links_per_node": 1, "user_op_overhead_us": 640.5})");
+  text = replace(text, R"("bandwidth_GBps": 9})", R"("bandwidth_GBps": 9, "user_op_overhead_us": 12})");
+  auto t = parse_topology_json(text, "t.json");
+  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+  EXPECT_DOUBLE_EQ(t->node.user_op_overhead_us, 12.0);
+  EXPECT_DOUBLE_EQ(t->network->user_op_overhead_us, 640.5);
+  const std::string dumped = topology_to_json(*t);
+  EXPECT_NE(dumped.find("\"user_op_overhead_us\": 640.5"), std::string::npos) << dumped;
+  auto back = parse_topology_json(dumped, "dump");
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(*back, *t);
+  // A file written before the field existed: both 0, and 0 is not written out.
+  auto old = parse_topology_json(kValid, "old.json");
+  ASSERT_TRUE(old.is_ok()) << old.status().to_string();
+  EXPECT_DOUBLE_EQ(old->node.user_op_overhead_us, 0.0);
+  EXPECT_DOUBLE_EQ(old->network->user_op_overhead_us, 0.0);
+  EXPECT_EQ(topology_to_json(*old).find("user_op_overhead_us"), std::string::npos);
+  auto old_back = parse_topology_json(topology_to_json(*old), "dump");
+  ASSERT_TRUE(old_back.is_ok());
+  EXPECT_EQ(*old_back, *old);
+  // Negative: the error names the file, the path and what is expected.
+  auto bad = parse_topology_json(replace(kValid, R"("links_per_node": 1})",
+                                         R"("links_per_node": 1, "user_op_overhead_us": -3})"),
+                                 "t.json");
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("t.json: $.levels[1].user_op_overhead_us: expected a "
+                                        "number >= 0, got -3"),
+            std::string::npos)
+      << bad.status().message();
+  // From measured numbers (topo --detect): each level gets its own.
+  MeasuredTopology m;
+  m.nodes = 2;
+  m.ranks_per_node = 2;
+  m.memory_bandwidth_GBps = 10;
+  m.intra_latency_us = 1;
+  m.intra_bandwidth_GBps = 5;
+  m.inter_latency_us = 30;
+  m.inter_bandwidth_GBps = 0.1;
+  m.intra_user_op_overhead_us = 7;
+  m.inter_user_op_overhead_us = 900;
+  auto mt = topology_from_measurements(m);
+  ASSERT_TRUE(mt.is_ok()) << mt.status().to_string();
+  EXPECT_DOUBLE_EQ(mt->node.user_op_overhead_us, 7.0);
+  EXPECT_DOUBLE_EQ(mt->network->user_op_overhead_us, 900.0);
 }
 
 TEST(TopologyPresets, AllLoadValidateAndRoundTrip) {
