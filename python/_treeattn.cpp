@@ -34,6 +34,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -56,6 +57,7 @@
 #include "treeattn/state.hpp"
 #include "treeattn/status.hpp"
 #include "treeattn/strategy.hpp"
+#include "treeattn/topology.hpp"
 #if defined(TREEATTN_PY_WITH_MPI)
 #include "treeattn/comm_mpi.hpp"
 #endif
@@ -631,13 +633,32 @@ std::shared_ptr<PyComm> comm_of(const py::object& o) {
 // millisecond count, and "wait forever" is spelled 0.
 constexpr double kMaxTimeoutSeconds = 1e9;
 
+// topology= of Session (what strategy='auto' plans on): None (this job as the communicator
+// shows it), a preset name ("emu-1gbit" or "preset:emu-1gbit"), a topology file's path, or a
+// dict in the file's format (treeattn.topology_json's text, parsed).
+std::optional<Topology> topology_of(const py::object& obj) {
+  if (obj.is_none()) return std::nullopt;
+  if (py::isinstance<py::dict>(obj)) {
+    const std::string text = py::str(py::module_::import("json").attr("dumps")(obj));
+    return unwrap(parse_topology_json(text, "topology"));
+  }
+  if (!py::isinstance<py::str>(obj))
+    throw py::type_error("topology must be None, a preset name, a topology file's path or a "
+                         "dict in the file's format, got " + type_name(obj));
+  const std::string name = obj.cast<std::string>();
+  const auto presets = preset_names();
+  if (std::find(presets.begin(), presets.end(), name) != presets.end())
+    return unwrap(preset_topology(name));
+  return unwrap(load_topology(name));
+}
+
 std::unique_ptr<PySession> make_session(
     const py::object& comm_obj, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
     int64_t q_len, const std::string& dtype, int layers, const std::string& placement,
     const py::object& context, const py::object& explicit_len, int holder, int64_t reserve_tokens,
     const std::string& strategy, int root, int fanout, const py::object& node_of_rank, float scale,
     const py::object& threads, const std::string& isa, double timeout_s, bool check_agreement,
-    const py::object& agree_also, bool rows_start_free) {
+    const py::object& agree_also, bool rows_start_free, const py::object& topology) {
   std::shared_ptr<PyComm> comm = comm_of(comm_obj);
   const int ranks = comm->comm->size();
   const auto rows_max = static_cast<std::size_t>(std::max<int64_t>(batch, 1));
@@ -666,6 +687,7 @@ std::unique_ptr<PySession> make_session(
   c.holder = holder;
   c.reserve_tokens = reserve_tokens;
   c.strategy = strategy;
+  c.topology = topology_of(topology);
   c.options.root = root;
   c.options.fanout = fanout;
   c.options.node_of_rank = int_list(node_of_rank, "node_of_rank", static_cast<std::size_t>(ranks));
@@ -1017,6 +1039,16 @@ scale 0 means 1/sqrt(D); threads 0 means OpenMP's default, else 1..1024. Returns
       py::arg("size"), py::arg("node_of_rank") = py::none(),
       "size in-process communicators sharing one world (comm_local.hpp): hand communicator r "
       "to the thread that plays rank r.");
+  m.def(
+      "topology_json",
+      [](const py::object& topology) {
+        const std::optional<Topology> t = topology_of(topology);
+        if (!t) throw py::type_error("topology_json: give a topology, not None");
+        return topology_to_json(*t);
+      },
+      py::arg("topology"),
+      "A topology (a preset name, 'preset:NAME' or a file's path) as the JSON text of the "
+      "topology file format; json.loads of it is a dict Session(topology=...) takes.");
 #if defined(TREEATTN_PY_WITH_MPI)
   m.def(
       "_mpi_comm_from_fortran",
@@ -1048,7 +1080,8 @@ attend_states, add_strategy and delivers_result(strategy) are the benchmark and 
            py::arg("root") = -1, py::arg("fanout") = 2, py::arg("node_of_rank") = py::none(),
            py::arg("scale") = 0.0f, py::arg("threads") = 0, py::arg("isa") = "auto",
            py::arg("timeout") = 60.0, py::arg("check_agreement") = true,
-           py::arg("agree_also") = py::none(), py::arg("rows_start_free") = false)
+           py::arg("agree_also") = py::none(), py::arg("rows_start_free") = false,
+           py::arg("topology") = py::none())
       .def_property_readonly("rank", [](PySession& s) { return s.get().comm().rank(); })
       .def_property_readonly("size", [](PySession& s) { return s.get().comm().size(); })
       .def_property_readonly("layers", [](PySession& s) { return s.get().layers(); })

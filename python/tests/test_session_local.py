@@ -54,6 +54,37 @@ class SessionLocalTest(unittest.TestCase):
             # The choice computes the exact attention like any named strategy.
             self.run_all(p, strategy="auto", seed=p)
 
+    def test_auto_plans_on_the_given_topology(self):
+        import json
+        import os
+        import tempfile
+        preset = json.loads(treeattn.topology_json("emu-1gbit"))
+        preset["name"] = "from-a-file"
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "topo.json")
+            with open(path, "w") as f:
+                json.dump(preset, f)
+            for topo, name in (("emu-1gbit", "emu-1gbit"), ("preset:emu-veth", "emu-veth"),
+                               (path, "from-a-file"), (dict(preset, name="a-dict"), "a-dict")):
+                def body(comm):
+                    s = treeattn.Session(comm, heads=8, kv_heads=2, head_dim=64, context=700,
+                                         strategy="auto", threads=1, topology=topo)
+                    c = s.auto_choice
+                    return s.strategy, c["topology"], tuple(r[0] for r in c["ranking"])
+                res = treeattn.run_local(2, body)
+                self.assertEqual(len(set(res)), 1, f"{topo!r}: ranks differ: {res}")
+                strategy, planned_on, ranking = res[0]
+                self.assertEqual(planned_on, name)
+                self.assertEqual(strategy, ranking[0])
+        # Without topology= the job itself is planned on (not a preset's name).
+        s = treeattn.Session(treeattn.local_world(1)[0], heads=8, kv_heads=2, head_dim=64,
+                             context=700, strategy="auto", threads=1)
+        self.assertNotIn(s.auto_choice["topology"], ("emu-1gbit", "emu-veth"))
+        for bad, err in (("no-such-preset-or-file", ValueError), (3, TypeError)):
+            with self.assertRaises(err):
+                treeattn.Session(treeattn.local_world(1)[0], heads=8, kv_heads=2, head_dim=64,
+                                 strategy="auto", topology=bad)
+
     def test_dtypes_shapes_and_q_len(self):
         for dtype in ("bf16", "f16", "f32"):
             self.run_all(3, dtype=dtype, seed=11)

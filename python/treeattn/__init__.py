@@ -11,7 +11,10 @@ which Debian 12 packages; nanobind is not packaged there). numpy arrays in and o
                            across ranks by a strategy ("tree", "ring-kv", ...); with
                            rows_start_free=True its rows are sequence slots that join
                            (add_sequence), grow (extend(n, seq=...), store_range) and leave
-                           (remove_sequence), attended together by attend(layer, q, seqs=...)
+                           (remove_sequence), attended together by attend(layer, q, seqs=...);
+                           strategy="auto": the planner's choice on topology= (a preset name,
+                           a topology file's path or its dict; default: this job)
+  topology_json(t)         a preset's or file's topology as the file's JSON text
 
 Communicators: ``mpi_comm(mpi4py_comm)`` wraps an mpi4py communicator (default COMM_WORLD);
 ``local_world(p)`` makes p in-process ranks for p threads, and ``run_local(p, fn)`` runs
@@ -49,13 +52,14 @@ from ._treeattn import (  # noqa: F401  (re-exported)
     normalize,
     oracle,
     supported_head_dims,
+    topology_json,
 )
 
 __all__ = [
     "Comm", "Error", "InternalError", "InvalidArgumentError", "MismatchError", "NumericsError",
     "OutOfMemoryError", "PeerTimeoutError", "Session", "UnsupportedError", "best_isa",
     "decode_partial", "has_mpi", "local_world", "merge_states", "mpi_comm", "normalize", "oracle",
-    "run_local", "supported_head_dims",
+    "run_local", "supported_head_dims", "topology_json",
 ]
 
 
