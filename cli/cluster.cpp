@@ -10,6 +10,7 @@
 #include <regex>
 
 #include "treeattn/cost_model.hpp"
+#include "treeattn/generation.hpp"
 
 namespace treeattn::cli {
 
@@ -146,21 +147,20 @@ Result<std::vector<std::string>> resolve_auto_methods(
   q.ranks = ranks;
   q.ranks_per_node = jt->ranks_per_node;
   q.hier_fanout = fanout;
-  auto entries = plan(q, jt->topology);
-  if (!entries.is_ok()) return invalid_argument("--methods auto: " + entries.status().message());
-  const Prediction& best = entries->front().prediction;
-  if (announce)
-    std::fprintf(stderr,
-                 "  auto -> %s (planner on topology '%s': %.1f us predicted; next %s %.1f us)\n",
-                 best.strategy.c_str(), jt->topology.name.c_str(), best.latency_us,
-                 entries->size() > 1 ? (*entries)[1].prediction.strategy.c_str() : "-",
-                 entries->size() > 1 ? (*entries)[1].prediction.latency_us : 0.0);
-  std::vector<std::string> out;
-  for (const auto& m : methods) {
-    const std::string name = m == "auto" ? best.strategy : m;
-    if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
-  }
-  return out;
+  // The library's decision (choose_strategy, as SessionConfig::strategy = "auto" makes it).
+  auto choice = choose_strategy(q, jt->topology);
+  if (!choice.is_ok()) return invalid_argument("--methods auto: " + choice.status().message());
+  if (announce) announce_auto(*choice);
+  return generation::replace_auto(methods, choice->strategy);
+}
+
+void announce_auto(const StrategyChoice& c) {
+  const std::vector<PlanEntry>& r = c.ranking;
+  std::fprintf(stderr,
+               "  auto -> %s (planner on topology '%s': %.1f us predicted; next %s %.1f us)\n",
+               c.strategy.c_str(), c.topology.c_str(), r.front().prediction.latency_us,
+               r.size() > 1 ? r[1].prediction.strategy.c_str() : "-",
+               r.size() > 1 ? r[1].prediction.latency_us : 0.0);
 }
 
 }  // namespace treeattn::cli

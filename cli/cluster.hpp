@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "treeattn/cost_model.hpp"
 #include "treeattn/dtype.hpp"
 #include "treeattn/shape.hpp"
 #include "treeattn/status.hpp"
@@ -52,12 +53,15 @@ struct JobTopology {
 Result<JobTopology> job_topology(const std::string& topology, const std::string& cluster,
                                  const std::string& link, int ranks);
 
-// Replaces "auto" in `methods` by the planner's choice for this shape, context and rank count
+// Replaces "auto" in `methods` by the library's choice (choose_strategy, cost_model.hpp) for this shape, context and rank count
 // on job_topology(...) (dropping a duplicate when the choice is also listed). With announce,
 // prints "auto -> CHOICE" with the prediction on stderr.
 Result<std::vector<std::string>> resolve_auto_methods(
     const std::vector<std::string>& methods, const AttnShape& shape, DType dtype, int64_t seq,
     int ranks, const std::string& topology, const std::string& cluster, const std::string& link,
     int fanout, bool announce);
+
+// "  auto -> CHOICE (planner on topology ...: predicted; next ...)" on stderr.
+void announce_auto(const StrategyChoice& choice);
 
 }  // namespace treeattn::cli

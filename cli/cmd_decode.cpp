@@ -20,7 +20,6 @@
 #include <fstream>
 #include <memory>
 #include <optional>
-#include <thread>
 
 #include "cluster.hpp"
 #include "cmd_kernel.hpp"
@@ -83,16 +82,6 @@ std::string layout_label(const std::string& flag, const std::vector<std::string>
   return std::string(kv_layout_name(*layout)) + " (auto)";
 }
 
-int fail(const char* cmd, const Status& s) {
-  std::fprintf(stderr, "treeattn %s: error: %s\n", cmd, s.to_string().c_str());
-  return 2;
-}
-
-int default_threads(int ranks_here) {
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  return std::max(1, cores / std::max(1, ranks_here));
-}
-
 // --threads: the kernels' one cap (kernel.hpp, kMaxThreads), with the same message everywhere.
 Status check_threads(int threads) { return check_thread_count(threads, "--threads"); }
 
@@ -134,11 +123,6 @@ Status check_outputs(const DecodeFlags& f) {
   if (!f.csv.empty()) TREEATTN_RETURN_IF_ERROR(check_output_file("--csv", f.csv));
   if (!f.plot.empty()) TREEATTN_RETURN_IF_ERROR(check_plot_output("--plot", f.plot));
   return Status::ok();
-}
-
-int local_ranks(int world) {
-  if (const char* v = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) return std::atoi(v);
-  return world;
 }
 
 // One point's configuration from the flags (threads and `auto` methods are resolved in the job).

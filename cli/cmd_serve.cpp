@@ -91,22 +91,6 @@ struct ServeFlags {
   bool no_prefix_cache = false;
 };
 
-int fail(const Status& s) {
-  std::fprintf(stderr, "treeattn serve: error: %s\n", s.to_string().c_str());
-  return 2;
-}
-
-
-int local_ranks(int world) {
-  if (const char* v = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) return std::max(1, std::atoi(v));
-  return world;
-}
-
-int default_threads(int ranks_here) {
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  return std::max(1, cores / std::max(1, ranks_here));
-}
-
 // The merge the engine runs for --method (auto: tree, the batch-invariant one).
 std::string merge_of(const ServeFlags& f) { return f.method == "auto" ? "tree" : f.method; }
 
@@ -535,7 +519,7 @@ int serve_command(ServeFlags& f, const CLI::App& sub, const Invocation& inv) {
     if (const char* k = std::getenv("TREEATTN_API_KEY"); k != nullptr) f.api_key = k;
   if (started_by_mpi_launcher()) {
     auto world = mpi_init_world(nullptr, nullptr);
-    if (!world.is_ok()) return fail(world.status());
+    if (!world.is_ok()) return fail("serve", world.status());
     int rc = 2;
     {
       std::unique_ptr<Communicator> comm = std::move(world).value();
@@ -548,7 +532,7 @@ int serve_command(ServeFlags& f, const CLI::App& sub, const Invocation& inv) {
         bad = 1.0f;
       }
       if (!comm->allreduce(&bad, 1, ReduceOp::kMax).is_ok() || bad != 0.0f) {
-        if (comm->rank() == 0 && !path.is_ok()) fail(path.status());
+        if (comm->rank() == 0 && !path.is_ok()) fail("serve", path.status());
       } else {
         rc = serve_job(*comm, f, *path);
       }
@@ -557,10 +541,10 @@ int serve_command(ServeFlags& f, const CLI::App& sub, const Invocation& inv) {
     return rc;
   }
   auto path = preflight(f);
-  if (!path.is_ok()) return fail(path.status());
+  if (!path.is_ok()) return fail("serve", path.status());
   if (f.ranks == 1) {
     auto world = make_local_world(1);
-    if (!world.is_ok()) return fail(world.status());
+    if (!world.is_ok()) return fail("serve", world.status());
     return serve_job(*world.value()[0], f, *path);
   }
   LaunchOptions lo;
@@ -569,7 +553,7 @@ int serve_command(ServeFlags& f, const CLI::App& sub, const Invocation& inv) {
   std::vector<std::string> args = inv.args;
   if (f.model.empty()) args.insert(args.end(), {"--model", *path});
   auto rc = run_job(lo, args, f.shutdown_timeout);
-  if (!rc.is_ok()) return fail(rc.status());
+  if (!rc.is_ok()) return fail("serve", rc.status());
   return rc.value();
 }
 

@@ -10,18 +10,6 @@
 #include "treeattn/strategy.hpp"
 
 namespace treeattn::cli {
-namespace {
-
-// "device cuda: NVIDIA H200 (sm_90, 141 GiB)"
-std::string describe_cuda(const Executor& e) {
-  auto info = cuda_device_info(e);
-  if (!info.is_ok()) return "device cuda";
-  return fmt::format("device cuda: {} (sm_{}{}, {:.0f} GiB)", info->name, info->cc_major,
-                     info->cc_minor, static_cast<double>(info->memory_bytes) / (1ull << 30));
-}
-
-}  // namespace
-
 // The communicator the sessions merge over on each device: MPI (host) or NCCL (comm_nccl.hpp).
 CommCapabilities session_caps(Device d) {
   if (d == Device::kCpu) return CommCapabilities{};
@@ -90,66 +78,16 @@ Status check_device_here(Device d) {
   return Status::ok();
 }
 
-// Collective over world: the message of the lowest rank whose `mine` failed ("rank R: ...",
-// and how many others failed), the same on every rank; empty when every rank succeeded. So a
-// rank that fails alone does not leave the others waiting for it.
-Result<std::string> first_failure(Communicator& world, const Status& mine) {
-  const int P = world.size(), me = world.rank();
-  float lowest = mine.is_ok() ? 0.0f : static_cast<float>(P - me);  // max = lowest failing rank
-  TREEATTN_RETURN_IF_ERROR(world.allreduce(&lowest, 1, ReduceOp::kMax));
-  if (lowest == 0.0f) return std::string();
-  float failed = mine.is_ok() ? 0.0f : 1.0f;
-  TREEATTN_RETURN_IF_ERROR(world.allreduce(&failed, 1, ReduceOp::kSum));
-  const int who = P - static_cast<int>(lowest);
-  char text[1024] = {};
-  if (me == who) {
-    // Library messages that already name the rank keep their own prefix.
-    const std::string m = mine.message().rfind("rank ", 0) == 0
-                              ? mine.to_string()
-                              : fmt::format("rank {}: {}", me, mine.to_string());
-    std::snprintf(text, sizeof(text), "%s", m.c_str());
-  }
-  TREEATTN_RETURN_IF_ERROR(world.broadcast(text, sizeof(text), who));
-  std::string out = text;
-  const int others = static_cast<int>(failed) - 1;
-  if (others > 0) out += fmt::format(" (and {} more rank{})", others, others == 1 ? "" : "s");
-  return out;
-}
-
-// Collective over world. --device cuda: the CUDA executor (device -1: local rank % GPUs; no more
-// ranks on a host than its GPUs), agreed by every rank, then the NCCL communicator over world on
-// its stream (collective; its set-up honours world's timeout), agreed again. On failure every rank
-// returns the first failing rank's message; rank 0 prints it.
+// Collective over world. --device cuda: this rank's GPU and NCCL communicator (open_cuda_rank,
+// comm_nccl.hpp); the CPU: an empty RankDevice.
 Result<RankDevice> open_device(Communicator& world, Device d) {
   RankDevice dev;
   if (d == Device::kCpu) return dev;
-  Status mine;
-  // NCCL takes one GPU per rank: the ranks of a host must not outnumber its GPUs.
-  auto host = world.split_shared(world.rank());
-  std::string why;
-  const int gpus = cuda_device_count(&why);
-  if (!host.is_ok())
-    mine = host.status();
-  else if (gpus > 0 && (*host)->size() > gpus)
-    mine = invalid_argument(fmt::format(
-        "{} ranks on this host share its {} GPU{}; --device cuda needs one GPU per rank (NCCL), "
-        "so at most {} rank{} per host",
-        (*host)->size(), gpus, gpus == 1 ? "" : "s", gpus, gpus == 1 ? "" : "s"));
-  else if (auto e = make_cuda_executor(); e.is_ok())
-    dev.executor = std::move(e).value();
-  else
-    mine = e.status();
-  auto agreed = first_failure(world, mine);
-  TREEATTN_RETURN_IF_ERROR(agreed.status());
-  if (!agreed->empty()) return unsupported(*agreed);
-  if (auto c = make_nccl_communicator(world, *dev.executor); c.is_ok())
-    dev.comm = std::move(c).value();
-  else
-    mine = c.status();
-  agreed = first_failure(world, mine);
-  TREEATTN_RETURN_IF_ERROR(agreed.status());
-  if (!agreed->empty()) return unsupported(*agreed);
-  dev.description = describe_cuda(*dev.executor);
+  auto rank = open_cuda_rank(world);
+  TREEATTN_RETURN_IF_ERROR(rank.status());
+  dev.executor = std::move(rank->executor);
+  dev.comm = std::move(rank->comm);
+  dev.description = std::move(rank->description);
   return dev;
 }
 

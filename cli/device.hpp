@@ -36,10 +36,6 @@ struct RankDevice {
   std::string description = "device cpu";  // the report's header line
 };
 
-// Collective over world: the message of the lowest rank whose `mine` failed ("rank R: ...",
-// and how many others failed), the same on every rank; empty when every rank succeeded.
-Result<std::string> first_failure(Communicator& world, const Status& mine);
-
 // Collective over world. --device cuda: the CUDA executor and the NCCL communicator, agreed by
 // every rank (see device.cpp); the CPU: an empty RankDevice.
 Result<RankDevice> open_device(Communicator& world, Device d);

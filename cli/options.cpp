@@ -13,12 +13,14 @@
 #include <cctype>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 
 namespace treeattn::cli {
@@ -291,6 +293,21 @@ std::string format_size(int64_t tokens) {
   if (tokens >= (1 << 20) && tokens % (1 << 20) == 0) return fmt::format("{}M", tokens >> 20);
   if (tokens >= 1024 && tokens % 1024 == 0) return fmt::format("{}k", tokens >> 10);
   return std::to_string(tokens);
+}
+
+int fail(const char* cmd, const Status& s) {
+  std::fprintf(stderr, "treeattn %s: error: %s\n", cmd, s.to_string().c_str());
+  return 2;
+}
+
+int local_ranks(int world) {
+  if (const char* v = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) return std::max(1, std::atoi(v));
+  return world;
+}
+
+int default_threads(int ranks_here) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::max(1, cores / std::max(1, ranks_here));
 }
 
 std::string format_bytes(double bytes) {

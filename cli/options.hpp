@@ -79,6 +79,13 @@ Status check_range(const std::string& flag, int64_t value, int64_t min, int64_t 
 Status check_timeout_ms(const std::string& flag, int64_t ms);
 std::string format_bytes(double bytes);    // "1.50 GiB"
 
+// "treeattn CMD: error: MESSAGE" on stderr; returns 2, the exit code of every refused command.
+int fail(const char* cmd, const Status& s);
+// Ranks of this job on this host: Open MPI's local size, else the whole world (a local launch).
+int local_ranks(int world);
+// --threads 0: the host's cores shared by the ranks on it, at least 1.
+int default_threads(int ranks_here);
+
 // --device of run and bench: where each rank decodes. cpu: the host kernels; cuda: one GPU per
 // rank (the CUDA executor, executor_cuda.hpp) with NCCL between the ranks (comm_nccl.hpp).
 enum class Device { kCpu, kCuda };

@@ -159,4 +159,10 @@ class Communicator {
 // process sent over TCP, whichever library sent it.
 std::optional<uint64_t> process_tcp_bytes_sent();
 
+// Collective over world: the message of the lowest rank whose `mine` failed ("rank R: ...", a
+// message that already starts with "rank " kept as it is, and "(and N more ranks)"), the same
+// on every rank; empty when every rank succeeded. So a rank that fails alone does not leave
+// the others waiting for it. Errors: world's own.
+Result<std::string> first_failure(Communicator& world, const Status& mine);
+
 }  // namespace treeattn

@@ -54,6 +54,7 @@
 
 #include <chrono>
 #include <memory>
+#include <string>
 
 #include "treeattn/comm.hpp"
 #include "treeattn/executor.hpp"
@@ -74,5 +75,20 @@ bool nccl_built();
 // bootstrap.timeout(), which the new communicator inherits (kNcclDefaultTimeout where it is 0).
 Result<std::unique_ptr<Communicator>> make_nccl_communicator(Communicator& bootstrap,
                                                              Executor& executor);
+
+// One rank's GPU: the CUDA executor and the NCCL communicator over it. Members in this order, so
+// that the communicator goes before the executor whose stream it uses (and both before the
+// bootstrap communicator, which the caller destroys after them).
+struct CudaRank {
+  std::unique_ptr<Executor> executor;
+  std::unique_ptr<Communicator> comm;
+  std::string description;  // "device cuda: NVIDIA H200 (sm_90, 141 GiB)"
+};
+
+// Collective over world (a host communicator): the CUDA executor (device -1: local rank % GPUs;
+// no more ranks on a host than its GPUs), agreed by every rank, then the NCCL communicator over
+// world on its stream (its set-up honours world's timeout), agreed again. On failure every rank
+// returns kUnsupported with the first failing rank's message (first_failure, comm.hpp).
+Result<CudaRank> open_cuda_rank(Communicator& world);
 
 }  // namespace treeattn

@@ -1,0 +1,437 @@
+// One generation run (generation.hpp): the engine path and the DecodeSession path of
+// `treeattn generate`.
+#include "treeattn/generation.hpp"
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "treeattn/engine.hpp"
+#include "treeattn/measure.hpp"
+
+namespace treeattn::generation {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+uint64_t fnv1a(uint64_t h, TokenId t) {
+  for (int i = 0; i < 4; ++i) {
+    h ^= static_cast<uint64_t>(static_cast<uint32_t>(t) >> (8 * i)) & 0xff;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+uint64_t sent(const Communicator& c) {
+  return c.counters().p2p_bytes + c.counters().collective_payload_bytes;
+}
+
+// Holds back an incomplete UTF-8 sequence at the end of the streamed bytes.
+std::size_t complete_utf8_prefix(const std::string& s) {
+  std::size_t n = s.size();
+  for (std::size_t back = 1; back <= 3 && back <= n; ++back) {
+    const auto c = static_cast<unsigned char>(s[n - back]);
+    if ((c & 0xc0) == 0x80) continue;  // continuation byte
+    const std::size_t len = c >= 0xf0 ? 4 : c >= 0xe0 ? 3 : c >= 0xc0 ? 2 : 1;
+    return len > back ? n - back : n;
+  }
+  return n;
+}
+
+// Method 0's text as it is produced: whole UTF-8 characters to hooks.text, the rest at flush().
+class TextStream {
+ public:
+  TextStream(const Tokenizer& tok, const Hooks& hooks, bool lead)
+      : tok_(tok), hooks_(hooks), on_(lead && hooks.text) {}
+  void add(TokenId t) {
+    if (!on_) return;
+    auto piece = tok_.token_to_piece(t);
+    if (!piece.is_ok()) return;
+    streamed_ += *piece;
+    const std::size_t upto = complete_utf8_prefix(streamed_);
+    if (upto > printed_) {
+      hooks_.text(std::string_view(streamed_).substr(printed_, upto - printed_));
+      printed_ = upto;
+    }
+  }
+  void flush() {
+    if (on_) hooks_.text(std::string_view(streamed_).substr(printed_));
+    printed_ = streamed_.size();
+  }
+
+ private:
+  const Tokenizer& tok_;
+  const Hooks& hooks_;
+  bool on_;
+  std::string streamed_;
+  std::size_t printed_ = 0;
+};
+
+void phase(const Hooks& h, const std::string& what) {
+  if (h.phase) h.phase(what);
+}
+
+Output failed(Output out, Status s, bool abort = false) {
+  out.status = std::move(s);
+  out.must_abort = abort;
+  return out;
+}
+
+std::string decode_text(const Tokenizer& tok, const std::vector<TokenId>& tokens) {
+  auto text = tok.decode(tokens);
+  return text.is_ok() ? *text : "";
+}
+
+Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
+                  const model::LlamaModel& model, const Tokenizer& tok, Output out) {
+  const bool lead = comm.rank() == 0;
+  const int P = comm.size();
+  const auto n = static_cast<int64_t>(out.prompt.size());
+  engine::EngineConfig ec;
+  ec.kv_dtype = req.kv_dtype;
+  ec.threads = req.threads;
+  ec.matmul = req.matmul;
+  ec.merge = req.methods.empty() ? "tree" : req.methods.front();
+  ec.prefill_exchange = req.prefill_exchange;
+  ec.timeout = req.timeout;
+  if (req.kv_memory > 0)
+    ec.kv_memory = req.kv_memory;
+  else  // the pages this prompt needs on each rank, and a few more
+    ec.kv_pages = (n + req.new_tokens + ec.page_tokens - 1) / ec.page_tokens / P + 2;
+  auto e = engine::Engine::create(comm, model, ec);
+  if (!e.is_ok()) return failed(std::move(out), e.status());
+  engine::Engine& eng = **e;
+  if (lead && hooks.started) {
+    Start s;
+    s.config = &model.config();
+    s.ranks = P;
+    s.threads = req.threads;
+    s.prompt_tokens = n;
+    s.methods = {ec.merge};
+    s.page_tokens = ec.page_tokens;
+    s.pages_per_rank = eng.metrics().pages_per_rank;
+    hooks.started(s);
+  }
+  TextStream stream(tok, hooks, lead);
+  Clock::time_point last_token;
+  uint64_t sent_at_first = 0;
+  engine::RequestTimings timings;
+  Status failure;
+  const auto t0 = Clock::now();
+  if (lead) {
+    engine::Request r;
+    r.prompt = out.prompt;
+    r.max_new_tokens = req.new_tokens;
+    r.sampling = req.sampling;
+    if (!req.ignore_eos)
+      for (TokenId id = 0; id < tok.n_vocab(); ++id)
+        if (tok.is_end_of_generation(id)) r.stop_tokens.push_back(id);
+    auto id = eng.submit(std::move(r), [&](const engine::TokenEvent& ev) {
+      if (ev.token >= 0) {
+        const auto now = Clock::now();
+        if (out.tokens.empty()) {
+          out.ttft_ms = std::chrono::duration<double, std::milli>(now - t0).count();
+          sent_at_first = sent(comm);
+        } else {
+          out.token_ms.push_back(
+              std::chrono::duration<double, std::milli>(now - last_token).count());
+        }
+        last_token = now;
+        out.tokens.push_back(ev.token);
+        if (ev.finish != engine::FinishReason::kStop) stream.add(ev.token);
+      }
+      timings = ev.timings;
+      if (ev.finish == engine::FinishReason::kError) failure = ev.error;
+      if (ev.finish != engine::FinishReason::kNone) eng.stop(true);
+    });
+    if (!id.is_ok()) {
+      failure = id.status();
+      eng.stop(false);
+    }
+  }
+  if (Status st = eng.run(); !st.is_ok()) return failed(std::move(out), st, true);
+  // Every rank's peak RSS and bytes sent, for the report.
+  const std::array<double, 2> mine = {static_cast<double>(peak_rss_bytes()),
+                                      static_cast<double>(sent(comm))};
+  std::vector<std::array<double, 2>> all(static_cast<std::size_t>(P));
+  if (Status g = comm.allgather(mine.data(), sizeof mine, all.data()); !g.is_ok())
+    return failed(std::move(out), g, true);
+  if (!lead) return out;
+  if (!failure.is_ok()) return failed(std::move(out), failure);
+  stream.flush();
+  for (const auto& a : all) {
+    out.peak_rss_by_rank.push_back(static_cast<uint64_t>(a[0]));
+    out.bytes_sent_by_rank.push_back(static_cast<uint64_t>(a[1]));
+  }
+  const engine::EngineMetrics mt = eng.metrics();
+  out.cached_tokens = timings.cached_tokens;
+  out.prefill_seconds = timings.prefill_seconds;
+  out.decode_seconds = timings.decode_seconds;
+  // Rank 0's bytes per decode step (the merges' fan-in and fan-out; the other ranks' totals are
+  // in bytes_sent_by_rank).
+  out.bytes_per_token = out.tokens.size() > 1
+                            ? static_cast<double>(sent(comm) - sent_at_first) /
+                                  static_cast<double>(out.tokens.size() - 1)
+                            : 0.0;
+  out.merges = mt.merges;
+  out.rows_pass_q = mt.rows_pass_q;
+  out.rows_kv_exchange = mt.rows_kv_exchange;
+  out.bytes_sent_rank0 = mt.bytes_sent;
+  out.text = decode_text(tok, out.tokens);
+  return out;
+}
+
+Output run_session(Communicator& comm, const Request& req, const Hooks& hooks,
+                   const model::LlamaModel& model, const Tokenizer& tok, Output out) {
+  const bool lead = comm.rank() == 0;
+  const int P = comm.size();
+  const auto n = static_cast<int64_t>(out.prompt.size());
+  const auto& cfg = model.config();
+  std::vector<std::string> methods = req.methods;
+  if (std::find(methods.begin(), methods.end(), "auto") != methods.end()) {
+    CostQuery q;
+    q.shape = AttnShape{1, cfg.n_head, cfg.n_head_kv, cfg.head_dim, 1};
+    q.kv_dtype = req.kv_dtype;
+    q.context = n + req.new_tokens;
+    q.ranks = P;
+    q.ranks_per_node = req.ranks_per_node;
+    q.hier_fanout = req.fanout;
+    auto c = choose_strategy(q, req.topology);
+    if (!c.is_ok())
+      return failed(std::move(out), invalid_argument("--methods auto: " + c.status().message()));
+    if (lead && hooks.planned) hooks.planned(*c);
+    methods = replace_auto(methods, c->strategy);
+  }
+  phase(hooks, "generate: set-up");
+  model::GeneratorConfig gc = generator_config(req);
+  gc.methods = methods;
+  auto g = model::Generator::create(comm, model, gc);
+  if (!g.is_ok())
+    return failed(std::move(out), g.status(), g.status().code() == Code::kTimeout);
+  if (lead && hooks.started) {
+    Start s;
+    s.config = &cfg;
+    s.ranks = P;
+    s.threads = req.threads;
+    s.prompt_tokens = n;
+    s.methods = methods;
+    hooks.started(s);
+  }
+
+  // ---- prefill ----
+  phase(hooks, "generate: prefill");
+  const auto t0 = Clock::now();
+  std::vector<float> logits;
+  Status st = req.synthetic_kv ? (*g)->prefill_synthetic(n - 1, req.prompt.seed) : Status::ok();
+  if (req.synthetic_kv && st.is_ok())  // the prompt's last token runs as a decode step
+    st = (*g)->step(out.prompt.back(), logits, 0);
+  if (!req.synthetic_kv)
+    st = (*g)->prefill(out.prompt, logits, [&](int l, int layers) {
+      if (lead && hooks.prefill_layer)
+        hooks.prefill_layer(l, layers, std::chrono::duration<double>(Clock::now() - t0).count());
+    });
+  if (!st.is_ok()) return failed(std::move(out), st, true);
+  model::Sampler sampler(req.sampling);
+  const std::vector<float> first_logits = logits;
+  const TokenId first = sampler.sample(logits);
+  out.ttft_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  out.prefill_s = (*g)->prefill_stats().seconds;
+
+  // ---- decode, method 0 streams ----
+  TextStream stream(tok, hooks, lead);
+  uint64_t hash = 0xcbf29ce484222325ull;
+  std::vector<uint64_t> bytes_sent;  // this rank's, per method, over its decode steps
+  for (int k = 0; k < (*g)->methods(); ++k) {
+    MethodResult r;
+    r.method = (*g)->method(k);
+    model::Sampler smp(req.sampling);
+    logits = first_logits;
+    if (req.synthetic_kv && k > 0) {  // this session's copy of the step that ended the "prefill"
+      st = (*g)->step(out.prompt.back(), logits, k);
+      if (!st.is_ok()) return failed(std::move(out), st, true);
+    }
+    TokenId t = k == 0 ? first : smp.sample(logits);  // the same draws as method 0
+    r.tokens.push_back(t);
+    if (k == 0) {
+      stream.add(t);
+      hash = fnv1a(hash, t);
+    }
+    const int64_t steps_wanted =
+        k == 0 ? req.new_tokens - 1 : static_cast<int64_t>(out.methods[0].tokens.size()) - 1;
+    phase(hooks, "generate: decode " + r.method);
+    const uint64_t sent0 = sent(comm);
+    const auto d0 = Clock::now();
+    for (int64_t i = 0; i < steps_wanted; ++i) {
+      if (k == 0 && !req.ignore_eos && tok.is_end_of_generation(t)) break;
+      if (hooks.step) hooks.step(i);
+      const auto s0 = Clock::now();
+      st = (*g)->step(t, logits, k);
+      if (!st.is_ok()) return failed(std::move(out), st, true);
+      t = (k == 0 ? sampler : smp).sample(logits);
+      r.step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - s0).count());
+      r.tokens.push_back(t);
+      if (k == 0) {
+        stream.add(t);
+        hash = fnv1a(hash, t);
+        if (req.check) {  // every rank's stream so far, compared at every step
+          std::vector<uint64_t> all(static_cast<std::size_t>(P));
+          st = comm.allgather(&hash, sizeof hash, all.data());
+          if (!st.is_ok()) return failed(std::move(out), st, true);
+          for (int q = 1; q < P; ++q)
+            if (all[static_cast<std::size_t>(q)] != all[0]) {
+              out.check_divergence =
+                  Divergence{r.tokens.size(), q, all[static_cast<std::size_t>(q)], all[0]};
+              out.ranks_agree = false;
+              return out;
+            }
+        }
+      }
+    }
+    r.decode_s = std::chrono::duration<double>(Clock::now() - d0).count();
+    bytes_sent.push_back(sent(comm) - sent0);
+    if (k > 0) {
+      const auto& a = out.methods[0].tokens;
+      for (std::size_t i = 0; i < std::min(a.size(), r.tokens.size()); ++i)
+        if (a[i] != r.tokens[i]) {
+          r.first_diff = static_cast<int>(i);
+          break;
+        }
+    }
+    out.methods.push_back(std::move(r));
+  }
+  stream.flush();
+
+  // ---- every rank's numbers, and whether the ranks agree ----
+  constexpr std::size_t kMaxMethods = 8;  // bytes per token reported for the first 8
+  struct RankStats {
+    uint64_t hash, rss;
+    double bytes_per_token[kMaxMethods];
+    double prefill_busy_s, prefill_attention_s;
+    int64_t prefill_positions;
+  } mine{};
+  mine.hash = hash;
+  const model::PrefillStats& p = (*g)->prefill_stats();
+  mine.prefill_busy_s = p.seconds - p.wait_seconds;  // computing, not waiting for the others
+  mine.prefill_attention_s = p.attention_seconds;
+  mine.prefill_positions = p.positions_computed;
+  mine.rss = static_cast<uint64_t>(peak_rss_bytes());
+  for (std::size_t k = 0; k < out.methods.size() && k < kMaxMethods; ++k)
+    mine.bytes_per_token[k] =
+        out.methods[k].step_ms.empty()
+            ? 0.0
+            : static_cast<double>(bytes_sent[k]) / static_cast<double>(out.methods[k].step_ms.size());
+  std::vector<RankStats> all(static_cast<std::size_t>(P));
+  st = comm.allgather(&mine, sizeof mine, all.data());
+  if (!st.is_ok()) return failed(std::move(out), st, true);
+  out.prefill = p;
+  out.token_hash = hash;
+  for (const RankStats& a : all) {
+    out.token_hash_by_rank.push_back(a.hash);
+    out.ranks_agree = out.ranks_agree && a.hash == all[0].hash;
+    out.peak_rss_by_rank.push_back(a.rss);
+    out.prefill_busy_s_by_rank.push_back(a.prefill_busy_s);
+    out.prefill_attention_s_by_rank.push_back(a.prefill_attention_s);
+    out.prefill_positions_by_rank.push_back(a.prefill_positions);
+  }
+  for (std::size_t k = 0; k < out.methods.size(); ++k)
+    for (const RankStats& a : all)
+      out.methods[k].bytes_sent_per_token_by_rank.push_back(k < kMaxMethods ? a.bytes_per_token[k]
+                                                                            : 0.0);
+  if (lead) out.text = decode_text(tok, out.methods[0].tokens);
+  return out;
+}
+
+}  // namespace
+
+Status check_prompt_file(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    return invalid_argument("--prompt-file " + path +
+                            " is a directory; give the text file to read the prompt from");
+  if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec))
+    return invalid_argument("--prompt-file " + path + " is not a regular file");
+  return Status::ok();
+}
+
+Result<std::vector<TokenId>> make_prompt(const PromptSpec& spec, const Tokenizer& tok) {
+  if (spec.synthetic_tokens > 0) {
+    // A synthetic prompt for timing: seeded draws among the normal tokens.
+    std::vector<TokenId> normal;
+    for (TokenId id = 0; id < tok.n_vocab(); ++id)
+      if (tok.token_type(id) == TokenType::kNormal) normal.push_back(id);
+    if (normal.empty())
+      return invalid_argument("--prompt-tokens: the vocabulary has no normal tokens");
+    std::vector<TokenId> ids;
+    if (tok.add_bos() && tok.bos_id() >= 0) ids.push_back(tok.bos_id());
+    uint64_t s = spec.seed * 0x9e3779b97f4a7c15ull + 12345;
+    while (static_cast<int64_t>(ids.size()) < spec.synthetic_tokens) {
+      uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+      z ^= z >> 31;
+      ids.push_back(normal[static_cast<std::size_t>(z % normal.size())]);
+    }
+    return ids;
+  }
+  std::string text = spec.text;
+  if (!spec.file.empty()) {
+    TREEATTN_RETURN_IF_ERROR(check_prompt_file(spec.file));
+    std::ifstream in(spec.file, std::ios::binary);
+    if (!in) return invalid_argument("--prompt-file " + spec.file + ": cannot read it");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    text = ss.str();
+  }
+  if (spec.chat) {
+    const ChatTurn user{"user", text};
+    text = format_chat(tok.chat_format(), std::span<const ChatTurn>(&user, 1),
+                       spec.system ? *spec.system : tok.default_system());
+  }
+  auto ids = tok.encode(text, true, spec.chat);
+  if (!ids.is_ok()) return ids.status();
+  if (ids->empty()) return invalid_argument("the prompt is empty after tokenization");
+  return ids;
+}
+
+std::vector<std::string> replace_auto(const std::vector<std::string>& methods,
+                                      const std::string& choice) {
+  std::vector<std::string> out;
+  for (const auto& m : methods) {
+    const std::string name = m == "auto" ? choice : m;
+    if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
+  }
+  return out;
+}
+
+model::GeneratorConfig generator_config(const Request& req) {
+  model::GeneratorConfig gc;
+  gc.methods = req.methods;
+  gc.kv_dtype = req.kv_dtype;
+  gc.placement = req.placement;
+  gc.kv_layout = req.kv_layout;
+  gc.threads = req.threads;
+  gc.matmul = req.matmul;
+  gc.reserve_tokens = req.new_tokens;
+  gc.fanout = req.fanout;
+  gc.timeout = req.timeout;
+  return gc;
+}
+
+Output run_generation(Communicator& comm, const Request& req, const Hooks& hooks) {
+  Output out;
+  auto m = model::LlamaModel::load(req.model_path);
+  if (!m.is_ok()) return failed(std::move(out), m.status());
+  auto tok = Tokenizer::from_gguf((*m)->file());
+  if (!tok.is_ok()) return failed(std::move(out), tok.status());
+  auto prompt = make_prompt(req.prompt, *tok);
+  if (!prompt.is_ok()) return failed(std::move(out), prompt.status());
+  out.prompt = std::move(prompt).value();
+  out.config_text = (*m)->config().to_string();
+  if (req.engine) return run_engine(comm, req, hooks, **m, *tok, std::move(out));
+  return run_session(comm, req, hooks, **m, *tok, std::move(out));
+}
+
+}  // namespace treeattn::generation
