@@ -18,17 +18,18 @@ namespace treeattn {
 // What `treeattn topo --detect` measures (src/measure/detect.cpp), collectively over a running
 // job through the Communicator interface only (no MPI here):
 //   nodes            the shared-memory split (split_shared); ranks_per_node is the largest node
-//   node level       ping-pong between rank 0 and the next rank on its node: half round trip
-//                    of latency_bytes (latency) and of bandwidth_bytes (bandwidth, with the
-//                    latency subtracted); medians over the iterations
-//   network level    the same between rank 0 and the first rank on another node
+//   node level       latency: every rank exchanges latency_bytes with a partner on its node
+//                    at once (node-local index i with i ^ 1), the slowest rank's time, median
+//                    over the iterations: the latency of a round in which every rank
+//                    communicates, as in a collective (a lone ping-pong between two ranks is
+//                    slowed where the waiting ranks poll on the same cores; it is recorded in
+//                    notes); bandwidth: the same with bandwidth_bytes, the latency subtracted
+//   network level    latency: the same with partners on another node (local index i of node k
+//                    and of node k ^ 1); bandwidth: one pair's ping-pong of bandwidth_bytes
+//                    (the model shares a node's links among its ranks itself)
 //   memory           the streaming-read probe (roofline.hpp) on rank 0 with probe_threads,
 //                    and the decode kernel's own read rate with every rank computing at once
 //                    (the model's memory.bandwidth_GBps; see DetectOptions::kernel_tokens)
-//   bandwidth        ping-pong gives latency; the node level's bandwidth is measured with every
-//                    rank exchanging bandwidth_bytes with a partner on its node at once (the
-//                    per-rank rate when all ranks copy, as in a ring step); the network level
-//                    takes one pair's rate (the model shares a node's links among its ranks)
 //   overhead         three collectives at one step's state size (allreduce_records records),
 //                    timed interleaved on each node and on the whole job: allreduce_states (the
 //                    `tree` merge, a user-defined reduction), a built-in float allreduce of the

@@ -297,23 +297,29 @@ Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
   if (intra > 0) {
     auto l = measure_level(world, 0, intra, o);
     if (!l.is_ok()) return l.status();
-    // All ranks at once: node-local index i exchanges with i ^ 1 on every node.
+    // All ranks at once: node-local index i exchanges with i ^ 1 on every node, first small
+    // messages (the latency of a round in which every rank communicates, as in a collective;
+    // a lone ping-pong is slowed where the waiting ranks poll on the same cores), then large.
     const int np = node->rank() ^ 1;
-    auto ex = exchange(*node, np < node->size() ? np : -1, o.bandwidth_bytes, o.bandwidth_iters);
+    const int node_partner = np < node->size() ? np : -1;
+    auto small = exchange(*node, node_partner, o.latency_bytes, o.latency_iters);
+    if (!small.is_ok()) return small.status();
+    auto ex = exchange(*node, node_partner, o.bandwidth_bytes, o.bandwidth_iters);
     if (!ex.is_ok()) return ex.status();
-    float t = static_cast<float>(*ex);
-    TREEATTN_RETURN_IF_ERROR(world.allreduce(&t, 1, ReduceOp::kMax));
+    float t[2] = {static_cast<float>(*small), static_cast<float>(*ex)};
+    TREEATTN_RETURN_IF_ERROR(world.allreduce(t, 2, ReduceOp::kMax));
+    const double lat = std::max(0.01, static_cast<double>(t[0]));
     const double conc = static_cast<double>(o.bandwidth_bytes) /
-                        (std::max(static_cast<double>(t) - l->latency_us, 0.1 * t) * 1e3);
-    m.intra_latency_us = l->latency_us;
+                        (std::max(static_cast<double>(t[1]) - lat, 0.1 * t[1]) * 1e3);
+    m.intra_latency_us = lat;
     m.intra_bandwidth_GBps = conc;
     const std::string s = "node level (rank 0 <-> " + std::to_string(intra) +
-                          "): " + fmt_double(l->latency_us) + " us at " +
-                          std::to_string(o.latency_bytes) + " B (ping-pong, half round trip); " +
-                          fmt_double(l->bandwidth_GBps) + " GB/s one pair, " + fmt_double(conc) +
-                          " GB/s per rank with all pairs "
-                          "exchanging " +
-                          std::to_string(o.bandwidth_bytes) + " B at once (used)";
+                          "): ping-pong " + fmt_double(l->latency_us) + " us at " +
+                          std::to_string(o.latency_bytes) + " B (half round trip), " +
+                          fmt_double(l->bandwidth_GBps) + " GB/s one pair; all pairs at once: " +
+                          fmt_double(lat) + " us at " + std::to_string(o.latency_bytes) +
+                          " B, " + fmt_double(conc) + " GB/s per rank exchanging " +
+                          std::to_string(o.bandwidth_bytes) + " B (both used)";
     note(s);
     m.sources.push_back(s);
   }
@@ -324,22 +330,26 @@ Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
     int partner = -1;
     const std::size_t pk = my_node ^ 1;
     if (pk < members.size() && my_local < members[pk].size()) partner = members[pk][my_local];
+    // Small messages first: the latency of a round in which every rank crosses the network.
+    auto small = exchange(world, partner, o.latency_bytes, o.latency_iters);
+    if (!small.is_ok()) return small.status();
     auto ex = exchange(world, partner, o.bandwidth_bytes, o.bandwidth_iters);
     if (!ex.is_ok()) return ex.status();
+    const double lat = std::max(0.01, *small);
     const double t = *ex;
-    const double conc =
-        static_cast<double>(o.bandwidth_bytes) / (std::max(t - l->latency_us, 0.1 * t) * 1e3);
+    const double conc = static_cast<double>(o.bandwidth_bytes) / (std::max(t - lat, 0.1 * t) * 1e3);
     // The cost model shares a node's links among its ranks itself (RoundSim's node term), so
     // the network level takes the one-pair rate; the all-pairs rate is recorded for reference.
-    m.inter_latency_us = l->latency_us;
+    m.inter_latency_us = lat;
     m.inter_bandwidth_GBps = l->bandwidth_GBps;
     const std::string s = "network level (rank 0 <-> " + std::to_string(inter) +
-                          "): " + fmt_double(l->latency_us) + " us at " +
-                          std::to_string(o.latency_bytes) + " B (ping-pong, half round trip); " +
+                          "): ping-pong " + fmt_double(l->latency_us) + " us at " +
+                          std::to_string(o.latency_bytes) + " B (half round trip), " +
                           fmt_double(l->bandwidth_GBps) +
-                          " GB/s one pair (used: the model shares a node's links itself), " +
-                          fmt_double(conc) + " GB/s per rank with all pairs exchanging " +
-                          std::to_string(o.bandwidth_bytes) + " B at once";
+                          " GB/s one pair (used: the model shares a node's links itself); all "
+                          "pairs at once: " + fmt_double(lat) + " us at " +
+                          std::to_string(o.latency_bytes) + " B (used), " + fmt_double(conc) +
+                          " GB/s per rank exchanging " + std::to_string(o.bandwidth_bytes) + " B";
     note(s);
     m.sources.push_back(s);
   }
