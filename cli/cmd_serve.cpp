@@ -56,6 +56,7 @@
 #include "options.hpp"
 #include "serve/codec.hpp"
 #include "serve/engine_backend.hpp"
+#include "serve/model_info.hpp"
 #include "serve/server.hpp"
 #include "treeattn/comm_local.hpp"
 #include "treeattn/comm_mpi.hpp"
@@ -273,13 +274,6 @@ class SignalThread {
 
 // ---- the job (every rank) --------------------------------------------------------------------
 
-// 2 x the multiply-adds of one token's projections, feed-forward network and output head.
-int64_t matmul_flops_per_token(const model::LlamaConfig& c) {
-  const int64_t e = c.n_embd, kv = c.n_head_kv * c.head_dim, q = c.n_head * c.head_dim;
-  const int64_t layer = e * q + 2 * e * kv + q * e + 3 * e * c.n_ff;
-  return 2 * (c.n_layers * layer + c.n_vocab * e);
-}
-
 int serve_job(Communicator& comm, const ServeFlags& f, const std::string& model_path) {
   const bool lead = comm.rank() == 0;
   const int P = comm.size();
@@ -343,34 +337,9 @@ int serve_job(Communicator& comm, const ServeFlags& f, const std::string& model_
   if (lead) {
     codec = std::make_unique<serve::TokenizerCodec>(*tok);
     backend = std::make_unique<serve::EngineBackend>(engine);
-    auto tmpl = (*m)->file().get_string_or("tokenizer.chat_template", "");
-    serve::ModelInfo info;
-    info.id = std::filesystem::path(model_path).filename().string();
-    info.created = static_cast<int64_t>(std::time(nullptr));
-    info.context = f.context > 0 ? f.context : cfg.n_ctx_train;
-    info.chat = serve::ChatTemplate::from_template(tmpl.is_ok() ? *tmpl : std::string_view());
-    info.chat.format = tok->chat_format();
-    info.ranks = P;
-    info.method = ec.merge;
+    const serve::ModelInfo info =
+        serve::engine_model_info(model_path, **m, *tok, engine, ec, P, f.context);
     const engine::EngineMetrics em = engine.metrics();
-    info.meta = {
-        {"n_ctx", info.context},
-        {"n_ctx_train", cfg.n_ctx_train},
-        {"ranks", P},
-        {"merge", ec.merge},
-        {"kv_dtype", f.kv_dtype},
-        {"page_tokens", f.page_tokens},
-        {"kv_pages_per_rank", em.pages_per_rank},
-        {"max_sequence_tokens", engine.max_sequence_tokens()},
-        {"max_batch", f.max_batch},
-        {"threads_per_rank", threads},
-        // For the limits of a load test (bench/serve/loadgen.py): what one decoded
-        // token reads of the weights, its KV bytes over all layers, its matmul flops.
-        {"weight_bytes_per_token", (*m)->weight_bytes_per_token()},
-        {"kv_bytes_per_token",
-         cfg.kv_values_per_token() * static_cast<int64_t>(dtype_size(ec.kv_dtype))},
-        {"matmul_flops_per_token", matmul_flops_per_token(cfg)},
-        {"attention_flops_per_token_per_position", 4 * cfg.n_layers * cfg.n_head * cfg.head_dim}};
     if (f.context > cfg.n_ctx_train && cfg.n_ctx_train > 0)
       std::fprintf(stderr,
                    "treeattn serve: note: --context %lld is beyond the model's training context "
