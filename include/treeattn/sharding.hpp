@@ -41,7 +41,8 @@ enum class ShardKind : uint8_t { kEven, kUneven, kStriped, kExplicit, kSingle };
 //           reads near the memory limit (README, kernel roofline: 0.82-0.89 of the probe against
 //           0.54-0.61 for rows on one thread at 256k tokens). Every strategy reads it (ring-kv
 //           rotates tiles, tree-det copies its chunks' tokens out of them).
-//   auto    tiled on a host executor, rows on a device (choose_kv_layout, strategy.hpp).
+//   auto    on a host executor the layout the CPU's kernel target reads fastest (tiled on
+//           AVX-512, rows on AVX2: host_kv_layout, strategy.hpp), rows on a device.
 enum class KVLayout : uint8_t { kAuto, kRows, kTiled };
 inline std::string_view kv_layout_name(KVLayout layout) {
   switch (layout) {

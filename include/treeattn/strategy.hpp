@@ -148,11 +148,18 @@ class StrategyRegistry {
 // what `--deterministic` runs.
 std::string_view deterministic_strategy();
 
+// The KV layout the host decode kernel of target `isa` reads fastest (what kAuto picks on host
+// memory, for best_isa()): kTiled for kAvx512, kGeneric and kReference, kRows for kAvx2; kAuto
+// means best_isa(). The measurements behind it are written at its definition
+// (src/strategies/registry.cpp).
+KVLayout host_kv_layout(Isa isa = Isa::kAuto);
+
 // The KV layout a run of `strategies` (one shared placement) uses: `requested`, or for kAuto
-// the tiled layout on host memory and rows on a device's. Every strategy reads both (ring-kv
-// rotates tiles on the tiled layout, tree-det copies the tokens of its chunks out of them).
-// InvalidArgument for an unknown strategy and for tiled on device memory. The one place this
-// rule is written (the session, the measurement driver and the CLI ask it).
+// host_kv_layout() on host memory (by the CPU's kernel target) and rows on a device's. Every
+// strategy reads both (ring-kv rotates tiles on the tiled layout, tree-det copies the tokens of
+// its chunks out of them). InvalidArgument for an unknown strategy and for tiled on device
+// memory. The one place this rule is written (the session, the measurement driver and the CLI
+// ask it).
 Result<KVLayout> choose_kv_layout(KVLayout requested, MemorySpace memory,
                                   std::span<const std::string> strategies);
 

@@ -144,6 +144,39 @@ Result<const StrategyInfo*> known_info(std::string_view name, const char* who) {
 
 }  // namespace
 
+// Which layout each host kernel target reads fastest, from `bench --kernel --kernel-cases
+// --dtype f32,bf16,f16 --repeats 7 --no-peer` or the same table from bench/treeattn_roofline
+// (llama3-8b shape, 256k tokens, fraction of the streaming probe of the same rounds, rows and
+// tiled interleaved in each round; README, "Kernel roofline"), f32 / bf16 / f16:
+//   AVX-512 (Zen 5 VM, quiet): 1 thread tiled 0.87 / 0.89 / 0.87, rows 0.58 / 0.59 / 0.62;
+//            2 threads tiled 1.03 / 1.12 / 1.10, rows 0.81 / 0.90 / 0.89.
+//   AVX2 (2-vCPU EPYC Zen 3 VM, no AVX-512): issue 19's run, 1 thread rows 0.66 / 0.60 / -,
+//            tiled 0.52 / 0.47 / -; 2 threads rows 0.75 / 0.72 / -, tiled 0.60 / 0.61 / -.
+//            Rerun at load 15 (treeattn_roofline --seq 262144): 1 thread rows 0.72 / 0.47 /
+//            0.44, tiled 0.50 / 0.41 / 0.41; 2 threads rows 0.65 / 0.44 / 0.54, tiled 0.57 /
+//            0.45 / 0.47. None of the tiled alternatives reached rows there (64k, 1 thread,
+//            load 12: f32 rows 0.81, best of tiles 32/64/128 x interleaved/split x prefetch
+//            0/8 KiB 0.71; prefetch leads 1-16 KiB and prefetcht1 instead of prefetcht0 no
+//            better). In cache the tiled item is faster (CPU time per token and KV head, bf16
+//            35 vs 38 ns, f32 42 vs 48; the core's FMA floor is 20), so it loses on the memory
+//            side (not isolated further; presumably its access order: the 8-wide score units
+//            read each 32-token K panel in two strided passes, the value pass walks a tile's
+//            V rows in 8 slices).
+//   generic: not measured; the tiled layout, as before.
+KVLayout host_kv_layout(Isa isa) {
+  if (isa == Isa::kAuto) isa = best_isa();
+  switch (isa) {
+    case Isa::kAvx2:
+      return KVLayout::kRows;
+    case Isa::kAuto:
+    case Isa::kReference:
+    case Isa::kGeneric:
+    case Isa::kAvx512:
+      break;
+  }
+  return KVLayout::kTiled;
+}
+
 Result<KVLayout> choose_kv_layout(KVLayout requested, MemorySpace memory,
                                   std::span<const std::string> strategies) {
   for (const std::string& name : strategies)
@@ -151,7 +184,7 @@ Result<KVLayout> choose_kv_layout(KVLayout requested, MemorySpace memory,
   const bool host = memory == MemorySpace::kHost;
   switch (requested) {
     case KVLayout::kAuto:
-      return host ? KVLayout::kTiled : KVLayout::kRows;
+      return host ? host_kv_layout() : KVLayout::kRows;
     case KVLayout::kRows:
       return KVLayout::kRows;
     case KVLayout::kTiled:

@@ -208,8 +208,9 @@ TEST_P(SessionLoop, EveryPlacementMatchesTheOracleAcrossLayersAndAppends) {
       {"int8-tree-paper", gqa, DType::kInt8, ShardKind::kStriped, "tree-paper", 70, 2, 2},
       {"empty-prompt", gqa, DType::kF32, ShardKind::kEven, "tree", 0, 3, 1},
   };
-  // auto: the tiled layout for every strategy but ring-kv; then every case on rows.
-  for (KVLayout layout : {KVLayout::kAuto, KVLayout::kRows})
+  // Every case on both layouts, named (auto picks one of them by the CPU's kernel target,
+  // host_kv_layout; KVLayoutAutoIsTheHostLayoutForEveryStrategy checks that).
+  for (KVLayout layout : {KVLayout::kTiled, KVLayout::kRows})
     for (LoopCase c : cases) {
       c.layout = layout;
       EXPECT_EQ(run_loop(c, p), "")
@@ -341,10 +342,11 @@ TEST(Session, ExtraStrategiesShareTheShardsAndSingleCannotJoin) {
   EXPECT_TRUE(st.is_ok()) << st.to_string();
 }
 
-// The layout a session chooses: tiled for every strategy on the host (ring-kv rotates tiles,
-// tree-det copies its chunks out of them), and strategies that join a tiled session read the
-// same tiled shards to the oracle's tolerance.
-TEST(Session, KVLayoutAutoIsTiledForEveryStrategy) {
+// The layout a session chooses: the same for every strategy on the host, the one the CPU's
+// kernel target reads fastest (host_kv_layout: rows on AVX2, tiled on AVX-512; ring-kv rotates
+// tiles, tree-det copies its chunks out of them), and strategies that join a tiled session
+// read the same tiled shards to the oracle's tolerance.
+TEST(Session, KVLayoutAutoIsTheHostLayoutForEveryStrategy) {
   Status st = run_local(3, [](Communicator& comm) -> Status {
     SessionConfig cfg;
     cfg.shape = AttnShape{1, 4, 2, 64, 1};
@@ -358,10 +360,12 @@ TEST(Session, KVLayoutAutoIsTiledForEveryStrategy) {
       cfg.strategy = name;
       auto s = DecodeSession::create(comm, cfg);
       TREEATTN_RETURN_IF_ERROR(s.status());
-      if ((*s)->config().layout != KVLayout::kTiled)
+      const KVLayout want = host_kv_layout();
+      if ((*s)->config().layout != want)
         return internal_error(name + ": layout " +
-                              std::string(kv_layout_name((*s)->config().layout)));
-      if ((*s)->view(0).tiled == nullptr)
+                              std::string(kv_layout_name((*s)->config().layout)) + ", expected " +
+                              std::string(kv_layout_name(want)));
+      if (((*s)->view(0).tiled != nullptr) != (want == KVLayout::kTiled))
         return internal_error(name + ": the view does not match the layout");
     }
     cfg.layout = KVLayout::kTiled;

@@ -400,5 +400,30 @@ TEST(Descriptors, PointToPointBytesAreCountedExactlyForEveryDtype) {
   EXPECT_EQ(runs, 3 * 3 * 3 * 3);
 }
 
+// The automatic KV layout follows the CPU's kernel target (host_kv_layout, measured per ISA in
+// registry.cpp): rows where the AVX2 kernels run, tiled for AVX-512 and the generic target, rows
+// on a device whatever the CPU; an explicit layout is kept (tiled on a device refused).
+TEST(Descriptors, AutoKvLayoutFollowsTheIsa) {
+  EXPECT_EQ(host_kv_layout(Isa::kAvx2), KVLayout::kRows);
+  EXPECT_EQ(host_kv_layout(Isa::kAvx512), KVLayout::kTiled);
+  EXPECT_EQ(host_kv_layout(Isa::kGeneric), KVLayout::kTiled);
+  EXPECT_EQ(host_kv_layout(Isa::kReference), KVLayout::kTiled);
+  EXPECT_EQ(host_kv_layout(Isa::kAuto), host_kv_layout(best_isa()));
+  EXPECT_EQ(host_kv_layout(), host_kv_layout(best_isa()));
+  const std::vector<std::string> names{"tree", std::string(deterministic_strategy())};
+  Result<KVLayout> host = choose_kv_layout(KVLayout::kAuto, MemorySpace::kHost, names);
+  ASSERT_TRUE(host.is_ok()) << host.status().message();
+  EXPECT_EQ(*host, host_kv_layout(best_isa())) << isa_name(best_isa());
+  Result<KVLayout> dev = choose_kv_layout(KVLayout::kAuto, MemorySpace::kDevice, names);
+  ASSERT_TRUE(dev.is_ok()) << dev.status().message();
+  EXPECT_EQ(*dev, KVLayout::kRows);
+  for (KVLayout explicit_layout : {KVLayout::kRows, KVLayout::kTiled}) {
+    Result<KVLayout> l = choose_kv_layout(explicit_layout, MemorySpace::kHost, names);
+    ASSERT_TRUE(l.is_ok()) << l.status().message();
+    EXPECT_EQ(*l, explicit_layout);
+  }
+  EXPECT_FALSE(choose_kv_layout(KVLayout::kTiled, MemorySpace::kDevice, names).is_ok());
+}
+
 }  // namespace
 }  // namespace treeattn
