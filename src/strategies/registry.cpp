@@ -159,9 +159,9 @@ Result<const StrategyInfo*> known_info(std::string_view name, const char* who) {
 //            0/8 KiB 0.71; prefetch leads 1-16 KiB and prefetcht1 instead of prefetcht0 no
 //            better). In cache the tiled item is faster (CPU time per token and KV head, bf16
 //            35 vs 38 ns, f32 42 vs 48; the core's FMA floor is 20), so it loses on the memory
-//            side (not isolated further; presumably its access order: the 8-wide score units
-//            read each 32-token K panel in two strided passes, the value pass walks a tile's
-//            V rows in 8 slices).
+//            side. Not its K order: a 32-token AVX2 score unit (2 rows x 4 vectors, each K
+//            panel read front to back) measured the same from DRAM (f32, 64k, CPU time tiled /
+//            rows 1.36-1.39 against 1.36-1.41 today); a 12-accumulator value pass neither.
 //   generic: not measured; the tiled layout, as before.
 KVLayout host_kv_layout(Isa isa) {
   if (isa == Isa::kAuto) isa = best_isa();
