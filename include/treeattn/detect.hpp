@@ -18,12 +18,15 @@ namespace treeattn {
 // What `treeattn topo --detect` measures (src/measure/detect.cpp), collectively over a running
 // job through the Communicator interface only (no MPI here):
 //   nodes            the shared-memory split (split_shared); ranks_per_node is the largest node
-//   node level       latency: every rank exchanges latency_bytes with a partner on its node
-//                    at once (node-local index i with i ^ 1), the slowest rank's time, median
-//                    over the iterations: the latency of a round in which every rank
-//                    communicates, as in a collective (a lone ping-pong between two ranks is
-//                    slowed where the waiting ranks poll on the same cores; it is recorded in
-//                    notes); bandwidth: the same with bandwidth_bytes, the latency subtracted
+//   node level       latency: the smaller of a ping-pong between rank 0 and the next rank on
+//                    its node (half round trip of latency_bytes) and every rank exchanging
+//                    latency_bytes with a partner on its node at once (node-local index i with
+//                    i ^ 1; the slowest rank, median). A lone ping-pong is slowed where the
+//                    waiting ranks poll on the same cores (0.3 ms on 4 ranks / 2 cores), all
+//                    pairs at once where ranks outnumber cores and a waiting rank sleeps (2.5
+//                    ms on the emulated 2x2); what the collectives cost beyond the links is
+//                    the call overhead (below). Bandwidth: all pairs exchanging
+//                    bandwidth_bytes at once, the latency subtracted
 //   network level    latency: the same with partners on another node (local index i of node k
 //                    and of node k ^ 1); bandwidth: one pair's ping-pong of bandwidth_bytes
 //                    (the model shares a node's links among its ranks itself)

@@ -308,7 +308,10 @@ Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
     if (!ex.is_ok()) return ex.status();
     float t[2] = {static_cast<float>(*small), static_cast<float>(*ex)};
     TREEATTN_RETURN_IF_ERROR(world.allreduce(t, 2, ReduceOp::kMax));
-    const double lat = std::max(0.01, static_cast<double>(t[0]));
+    // The smaller of the two: a lone ping-pong is slowed where the waiting ranks poll on the
+    // same cores, all pairs at once where ranks outnumber cores and a waiting rank sleeps;
+    // what the collectives cost beyond the links becomes the call overhead (below).
+    const double lat = std::max(0.01, std::min(l->latency_us, static_cast<double>(t[0])));
     const double conc = static_cast<double>(o.bandwidth_bytes) /
                         (std::max(static_cast<double>(t[1]) - lat, 0.1 * t[1]) * 1e3);
     m.intra_latency_us = lat;
@@ -317,9 +320,10 @@ Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
                           "): ping-pong " + fmt_double(l->latency_us) + " us at " +
                           std::to_string(o.latency_bytes) + " B (half round trip), " +
                           fmt_double(l->bandwidth_GBps) + " GB/s one pair; all pairs at once: " +
-                          fmt_double(lat) + " us at " + std::to_string(o.latency_bytes) +
+                          fmt_double(t[0]) + " us at " + std::to_string(o.latency_bytes) +
                           " B, " + fmt_double(conc) + " GB/s per rank exchanging " +
-                          std::to_string(o.bandwidth_bytes) + " B (both used)";
+                          std::to_string(o.bandwidth_bytes) + " B (used) -> latency " +
+                          fmt_double(lat) + " us (the smaller)";
     note(s);
     m.sources.push_back(s);
   }
@@ -335,7 +339,7 @@ Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
     if (!small.is_ok()) return small.status();
     auto ex = exchange(world, partner, o.bandwidth_bytes, o.bandwidth_iters);
     if (!ex.is_ok()) return ex.status();
-    const double lat = std::max(0.01, *small);
+    const double lat = std::max(0.01, std::min(l->latency_us, *small));  // as on the node
     const double t = *ex;
     const double conc = static_cast<double>(o.bandwidth_bytes) / (std::max(t - lat, 0.1 * t) * 1e3);
     // The cost model shares a node's links among its ranks itself (RoundSim's node term), so
@@ -347,9 +351,10 @@ Result<Topology> detect_topology(Communicator& world, const DetectOptions& o,
                           std::to_string(o.latency_bytes) + " B (half round trip), " +
                           fmt_double(l->bandwidth_GBps) +
                           " GB/s one pair (used: the model shares a node's links itself); all "
-                          "pairs at once: " + fmt_double(lat) + " us at " +
-                          std::to_string(o.latency_bytes) + " B (used), " + fmt_double(conc) +
-                          " GB/s per rank exchanging " + std::to_string(o.bandwidth_bytes) + " B";
+                          "pairs at once: " + fmt_double(*small) + " us at " +
+                          std::to_string(o.latency_bytes) + " B, " + fmt_double(conc) +
+                          " GB/s per rank exchanging " + std::to_string(o.bandwidth_bytes) +
+                          " B -> latency " + fmt_double(lat) + " us (the smaller)";
     note(s);
     m.sources.push_back(s);
   }
