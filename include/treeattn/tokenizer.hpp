@@ -49,8 +49,9 @@ enum class TokenType : int32_t {
   kByte = 6,
 };
 
-// The turn markers of a chat model (format_chat below).
-enum class ChatFormat : uint8_t { kChatML, kGemma };
+// How a conversation is written for the model (format_chat below): the turn markers of a chat
+// model, or a plain transcript for a base model (a file without a chat template).
+enum class ChatFormat : uint8_t { kChatML, kGemma, kTranscript };
 
 class Tokenizer {
  public:
@@ -89,9 +90,13 @@ class Tokenizer {
   // The default system message of the file's chat template (tokenizer.chat_template), as
   // chat_template_default_system() reads it; empty when it has none.
   std::string_view default_system() const;
-  // kGemma when the vocabulary has the control tokens <start_of_turn> and <end_of_turn> and no
-  // <|im_start|>; kChatML otherwise.
+  // A file with a chat template (tokenizer.chat_template): kGemma when the vocabulary has the
+  // control tokens <start_of_turn> and <end_of_turn> and no <|im_start|>, kChatML otherwise.
+  // A file without one holds a base (pretrained) model, which was never taught turn markers
+  // (Gemma-3-270M's pretrained file carries Gemma's markers in its vocabulary but answers in them
+  // with noise): kTranscript.
   ChatFormat chat_format() const;
+  bool has_chat_template() const;
   // End of generation: EOS, or a control token named <|im_end|>, <|endoftext|>, <|eot_id|>,
   // <end_of_turn>, <|end|> (what llama.cpp also treats as end-of-generation).
   bool is_end_of_generation(TokenId id) const;
@@ -110,8 +115,12 @@ class Tokenizer {
 // to reproduce that exactly.) Encode the result with parse_special = true.
 std::string format_chatml(std::string_view user, std::string_view system = {});
 
-// The turn markers of a model's vocabulary (Tokenizer::chat_format): ChatML (<|im_start|>,
-// SmolLM2, Qwen) or Gemma's (<start_of_turn>, <end_of_turn>, Gemma 3's template):
+// A conversation as the model reads it (Tokenizer::chat_format): ChatML (<|im_start|>,
+// SmolLM2, Qwen), Gemma's turns (<start_of_turn>, <end_of_turn>, Gemma 3's template), or a
+// plain transcript for a base model:
+//   [{system}\n\n]User: {user}\nAssistant: {assistant}\nUser: {user}\nAssistant:
+// (contents trimmed; the answer ends where the model starts the next "\nUser:", which
+// chat_stop_strings() gives). Gemma's turns:
 //   <start_of_turn>user\n{system}\n\n{user}<end_of_turn>\n ... <start_of_turn>model\n
 // Gemma has no system role: the system message (given, or the default) goes before the first
 // user message's text, a blank line between; the assistant's role is "model"; contents are
@@ -124,6 +133,32 @@ struct ChatTurn {
 // is not a system one (empty: none).
 std::string format_chat(ChatFormat format, std::span<const ChatTurn> turns,
                         std::string_view default_system = {});
+
+// Stop strings over a stream of text: push() hands out what is safe to show and holds back the
+// end of the text while it may be the start of a stop string ("Hel" while "Hello" is one), so a
+// reader never sees part of one. When one appears, `text` is what came before it and `stopped`
+// is set; the stop string and whatever follows are dropped (OpenAI's behaviour).
+class StopMatcher {
+ public:
+  explicit StopMatcher(std::vector<std::string> stops);
+  struct Out {
+    std::string text;      // safe to show
+    bool stopped = false;  // a stop string was found: `text` is everything before it
+  };
+  Out push(std::string_view text);
+  // At the end of generation: the text held back (it was not a stop string after all).
+  std::string flush();
+  std::size_t held() const { return held_.size(); }
+  bool empty() const { return stops_.empty(); }
+
+ private:
+  std::vector<std::string> stops_;
+  std::string held_;
+};
+
+// Text that ends the assistant's answer in this format beyond the end-of-generation tokens:
+// {"\nUser:"} for kTranscript (a base model goes on to write the next turn), none otherwise.
+std::vector<std::string> chat_stop_strings(ChatFormat format);
 
 // The system message a ChatML Jinja template inserts when the conversation has none: the first
 // literal text between "<|im_start|>system\n" and "<|im_end|>" (a part that inserts a message's

@@ -41,34 +41,66 @@ std::size_t complete_utf8_prefix(const std::string& s) {
   return n;
 }
 
-// Method 0's text as it is produced: whole UTF-8 characters to hooks.text, the rest at flush().
+// Method 0's text as it is produced: whole UTF-8 characters to hooks.text (rank 0), the rest at
+// flush(). With stop strings (a base model's chat transcript, chat_stop_strings) every rank
+// follows the text, the same on each, and add() says when the answer has ended; the stop string
+// is never shown.
 class TextStream {
  public:
-  TextStream(const Tokenizer& tok, const Hooks& hooks, bool lead)
-      : tok_(tok), hooks_(hooks), on_(lead && hooks.text) {}
-  void add(TokenId t) {
-    if (!on_) return;
+  TextStream(const Tokenizer& tok, const Hooks& hooks, bool lead, std::vector<std::string> stops)
+      : tok_(tok), hooks_(hooks), on_(lead && hooks.text), stop_(std::move(stops)) {}
+  // True when the text now holds a stop string.
+  bool add(TokenId t) {
+    if ((!on_ && stop_.empty()) || stopped_) return stopped_;
     auto piece = tok_.token_to_piece(t);
-    if (!piece.is_ok()) return;
+    if (!piece.is_ok()) return false;
     streamed_ += *piece;
     const std::size_t upto = complete_utf8_prefix(streamed_);
-    if (upto > printed_) {
-      hooks_.text(std::string_view(streamed_).substr(printed_, upto - printed_));
-      printed_ = upto;
+    if (upto > taken_) {
+      const StopMatcher::Out o =
+          stop_.push(std::string_view(streamed_).substr(taken_, upto - taken_));
+      taken_ = upto;
+      show(o.text);
+      stopped_ = o.stopped;
     }
+    return stopped_;
   }
   void flush() {
-    if (on_) hooks_.text(std::string_view(streamed_).substr(printed_));
-    printed_ = streamed_.size();
+    if (stopped_) return;
+    show(stop_.flush());
+    show(std::string_view(streamed_).substr(taken_));
+    taken_ = streamed_.size();
   }
+  bool stopped() const { return stopped_; }
 
  private:
+  void show(std::string_view text) {
+    if (on_ && !text.empty()) hooks_.text(text);
+  }
   const Tokenizer& tok_;
   const Hooks& hooks_;
   bool on_;
+  StopMatcher stop_;
+  bool stopped_ = false;
   std::string streamed_;
-  std::size_t printed_ = 0;
+  std::size_t taken_ = 0;
 };
+
+// The stop strings of a chat request (none when the end-of-generation tokens are ignored).
+std::vector<std::string> stops_of(const Request& req, const Tokenizer& tok) {
+  if (!req.prompt.chat || req.ignore_eos) return {};
+  return chat_stop_strings(tok.chat_format());
+}
+
+// The decoded text up to the first stop string.
+std::string answer_text(const Tokenizer& tok, const std::vector<TokenId>& tokens,
+                        const std::vector<std::string>& stops) {
+  auto text = tok.decode(tokens);
+  if (!text.is_ok()) return "";
+  std::size_t cut = std::string::npos;
+  for (const std::string& s : stops) cut = std::min(cut, text->find(s));
+  return cut == std::string::npos ? *text : text->substr(0, cut);
+}
 
 void phase(const Hooks& h, const std::string& what) {
   if (h.phase) h.phase(what);
@@ -78,11 +110,6 @@ Output failed(Output out, Status s, bool abort = false) {
   out.status = std::move(s);
   out.must_abort = abort;
   return out;
-}
-
-std::string decode_text(const Tokenizer& tok, const std::vector<TokenId>& tokens) {
-  auto text = tok.decode(tokens);
-  return text.is_ok() ? *text : "";
 }
 
 Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
@@ -115,7 +142,8 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
     s.pages_per_rank = eng.metrics().pages_per_rank;
     hooks.started(s);
   }
-  TextStream stream(tok, hooks, lead);
+  const std::vector<std::string> stops = stops_of(req, tok);
+  TextStream stream(tok, hooks, lead, stops);
   Clock::time_point last_token;
   uint64_t sent_at_first = 0;
   engine::RequestTimings timings;
@@ -130,7 +158,7 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
       for (TokenId id = 0; id < tok.n_vocab(); ++id)
         if (tok.is_end_of_generation(id)) r.stop_tokens.push_back(id);
     auto id = eng.submit(std::move(r), [&](const engine::TokenEvent& ev) {
-      if (ev.token >= 0) {
+      if (ev.token >= 0 && !stream.stopped()) {
         const auto now = Clock::now();
         if (out.tokens.empty()) {
           out.ttft_ms = std::chrono::duration<double, std::milli>(now - t0).count();
@@ -141,7 +169,8 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
         }
         last_token = now;
         out.tokens.push_back(ev.token);
-        if (ev.finish != engine::FinishReason::kStop) stream.add(ev.token);
+        // A stop string ends the answer: the request is cancelled at the next step.
+        if (ev.finish != engine::FinishReason::kStop && stream.add(ev.token)) eng.stop(false);
       }
       timings = ev.timings;
       if (ev.finish == engine::FinishReason::kError) failure = ev.error;
@@ -180,7 +209,7 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
   out.rows_pass_q = mt.rows_pass_q;
   out.rows_kv_exchange = mt.rows_kv_exchange;
   out.bytes_sent_rank0 = mt.bytes_sent;
-  out.text = decode_text(tok, out.tokens);
+  out.text = answer_text(tok, out.tokens, stops);
   return out;
 }
 
@@ -241,7 +270,8 @@ Output run_session(Communicator& comm, const Request& req, const Hooks& hooks,
   out.prefill_s = (*g)->prefill_stats().seconds;
 
   // ---- decode, method 0 streams ----
-  TextStream stream(tok, hooks, lead);
+  const std::vector<std::string> stops = stops_of(req, tok);
+  TextStream stream(tok, hooks, lead, stops);
   uint64_t hash = 0xcbf29ce484222325ull;
   std::vector<uint64_t> bytes_sent;  // this rank's, per method, over its decode steps
   for (int k = 0; k < (*g)->methods(); ++k) {
@@ -265,7 +295,7 @@ Output run_session(Communicator& comm, const Request& req, const Hooks& hooks,
     const uint64_t sent0 = sent(comm);
     const auto d0 = Clock::now();
     for (int64_t i = 0; i < steps_wanted; ++i) {
-      if (k == 0 && !req.ignore_eos && tok.is_end_of_generation(t)) break;
+      if (k == 0 && ((!req.ignore_eos && tok.is_end_of_generation(t)) || stream.stopped())) break;
       if (hooks.step) hooks.step(i);
       const auto s0 = Clock::now();
       st = (*g)->step(t, logits, k);
@@ -340,7 +370,7 @@ Output run_session(Communicator& comm, const Request& req, const Hooks& hooks,
     for (const RankStats& a : all)
       out.methods[k].bytes_sent_per_token_by_rank.push_back(k < kMaxMethods ? a.bytes_per_token[k]
                                                                             : 0.0);
-  if (lead) out.text = decode_text(tok, out.methods[0].tokens);
+  if (lead) out.text = answer_text(tok, out.methods[0].tokens, stops);
   return out;
 }
 

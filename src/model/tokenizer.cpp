@@ -176,6 +176,7 @@ struct Tokenizer::Impl {
   TokenId bos = -1, eos = -1, unk = -1, pad = -1;
   bool add_bos = false, add_eos = false;
   std::string default_system;  // of tokenizer.chat_template
+  bool has_chat_template = false;
   // SentencePiece-style vocabulary (tokenizer.ggml.model = "llama"): no pre-tokenizer or merges;
   // pieces merge by score, spaces are U+2581, unknown bytes fall back to <0xXX> tokens.
   bool spm = false;
@@ -366,6 +367,7 @@ Result<Tokenizer> Tokenizer::from_gguf(const gguf::File& f) {
   Result<std::string_view> tmpl = f.get_string_or("tokenizer.chat_template", "");
   if (!tmpl.is_ok()) return tmpl.status();
   t.default_system = chat_template_default_system(*tmpl);
+  t.has_chat_template = !tmpl->empty();
 
   // Special tokens, longest first; end-of-generation set.
   t.eog.assign(static_cast<std::size_t>(n), false);
@@ -690,7 +692,9 @@ TokenId Tokenizer::padding_id() const { return impl_->pad; }
 bool Tokenizer::add_bos() const { return impl_->add_bos; }
 bool Tokenizer::add_eos() const { return impl_->add_eos; }
 std::string_view Tokenizer::default_system() const { return impl_->default_system; }
+bool Tokenizer::has_chat_template() const { return impl_->has_chat_template; }
 ChatFormat Tokenizer::chat_format() const {
+  if (!impl_->has_chat_template) return ChatFormat::kTranscript;
   const auto control = [&](std::string_view t) {
     const TokenId id = find_token(t);
     return id >= 0 && token_type(id) == TokenType::kControl;
@@ -729,6 +733,20 @@ std::string format_chat(ChatFormat format, std::span<const ChatTurn> turns,
     s += "<|im_start|>assistant\n";
     return s;
   }
+  if (format == ChatFormat::kTranscript) {
+    std::size_t first = 0;
+    if (has_system) {
+      s += std::string(trim(turns[0].content)) + "\n\n";
+      first = 1;
+    } else if (!default_system.empty()) {
+      s += std::string(trim(default_system)) + "\n\n";
+    }
+    for (std::size_t i = first; i < turns.size(); ++i)
+      s += std::string(turns[i].role == "assistant" ? "Assistant: " : "User: ") +
+           std::string(trim(turns[i].content)) + "\n";
+    s += "Assistant:";
+    return s;
+  }
   std::string prefix;  // Gemma: the system text goes into the first user turn
   std::size_t first = 0;
   if (has_system) {
@@ -744,6 +762,46 @@ std::string format_chat(ChatFormat format, std::span<const ChatTurn> turns,
   }
   s += "<start_of_turn>model\n";
   return s;
+}
+
+StopMatcher::StopMatcher(std::vector<std::string> stops) {
+  for (std::string& s : stops)
+    if (!s.empty()) stops_.push_back(std::move(s));
+}
+
+StopMatcher::Out StopMatcher::push(std::string_view text) {
+  held_.append(text);
+  Out out;
+  std::size_t first = std::string::npos;
+  for (const std::string& s : stops_) first = std::min(first, held_.find(s));
+  if (first != std::string::npos) {
+    out.text = held_.substr(0, first);
+    out.stopped = true;
+    held_.clear();
+    return out;
+  }
+  // Hold back the longest end of the text that is a proper prefix of a stop string.
+  std::size_t hold = 0;
+  for (const std::string& s : stops_)
+    for (std::size_t k = std::min(s.size() - 1, held_.size()); k > hold; --k)
+      if (held_.compare(held_.size() - k, k, s, 0, k) == 0) {
+        hold = k;
+        break;
+      }
+  out.text = held_.substr(0, held_.size() - hold);
+  held_.erase(0, held_.size() - hold);
+  return out;
+}
+
+std::string StopMatcher::flush() {
+  std::string out = std::move(held_);
+  held_.clear();
+  return out;
+}
+
+std::vector<std::string> chat_stop_strings(ChatFormat format) {
+  if (format == ChatFormat::kTranscript) return {"\nUser:"};
+  return {};
 }
 
 std::string chat_template_default_system(std::string_view jinja) {

@@ -78,7 +78,9 @@ inline constexpr std::size_t kMaxStopStrings = 16;
 
 Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body);
 
-// The model's chat template. Only ChatML is implemented (SmolLM2, Qwen, ...):
+// The model's chat template: the turn markers the vocabulary names (format_chat, tokenizer.hpp:
+// ChatML for SmolLM2 and Qwen, Gemma's turns, or a base model's plain transcript, whose answer
+// the server ends at chat_stop_strings()). ChatML:
 //   [<|im_start|>system\n{default_system}<|im_end|>\n]   when the first message is not a system one
 //   <|im_start|>{role}\n{content}<|im_end|>\n            for each message
 //   <|im_start|>assistant\n

@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <csignal>
@@ -324,7 +325,13 @@ struct HttpServer::Impl {
     er.sampling.seed = r.seed ? *r.seed : seed_base + seed_counter.fetch_add(1);
     if (!r.ignore_eos) er.stop_tokens = eog;
 
-    auto job = std::make_shared<Job>(*codec, r.stop);
+    // A base model's transcript (chat_stop_strings): its answer ends where it starts the user's
+    // next turn, as a chat model's ends at its end-of-turn token.
+    std::vector<std::string> stops = r.stop;
+    if (endpoint == Endpoint::kChat && !r.ignore_eos)
+      for (std::string& s : chat_stop_strings(info.chat.format))
+        if (std::find(stops.begin(), stops.end(), s) == stops.end()) stops.push_back(std::move(s));
+    auto job = std::make_shared<Job>(*codec, std::move(stops));
     job->server = this;
     job->arrival = arrival;
     job->meta = ResponseMeta{endpoint, make_response_id(endpoint),

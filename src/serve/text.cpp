@@ -72,41 +72,6 @@ std::string Utf8Assembler::flush() {
   return out;
 }
 
-StopMatcher::StopMatcher(std::vector<std::string> stops) {
-  for (std::string& s : stops)
-    if (!s.empty()) stops_.push_back(std::move(s));
-}
-
-StopMatcher::Out StopMatcher::push(std::string_view text) {
-  held_.append(text);
-  Out out;
-  std::size_t first = std::string::npos;
-  for (const std::string& s : stops_) first = std::min(first, held_.find(s));
-  if (first != std::string::npos) {
-    out.text = held_.substr(0, first);
-    out.stopped = true;
-    held_.clear();
-    return out;
-  }
-  // Hold back the longest end of the text that is a proper prefix of a stop string.
-  std::size_t hold = 0;
-  for (const std::string& s : stops_)
-    for (std::size_t k = std::min(s.size() - 1, held_.size()); k > hold; --k)
-      if (held_.compare(held_.size() - k, k, s, 0, k) == 0) {
-        hold = k;
-        break;
-      }
-  out.text = held_.substr(0, held_.size() - hold);
-  held_.erase(0, held_.size() - hold);
-  return out;
-}
-
-std::string StopMatcher::flush() {
-  std::string out = std::move(held_);
-  held_.clear();
-  return out;
-}
-
 const char* finish_name(Finish f) {
   switch (f) {
     case Finish::kNone:

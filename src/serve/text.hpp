@@ -19,6 +19,7 @@
 
 #include "serve/api.hpp"
 #include "treeattn/engine.hpp"
+#include "treeattn/tokenizer.hpp"
 
 namespace treeattn::serve {
 
@@ -34,22 +35,8 @@ class Utf8Assembler {
   std::string pending_;
 };
 
-class StopMatcher {
- public:
-  explicit StopMatcher(std::vector<std::string> stops);
-  struct Out {
-    std::string text;      // safe to send
-    bool stopped = false;  // a stop string was found: `text` is everything before it
-  };
-  Out push(std::string_view text);
-  // At the end of generation: the text held back (it was not a stop string after all).
-  std::string flush();
-  std::size_t held() const { return held_.size(); }
-
- private:
-  std::vector<std::string> stops_;
-  std::string held_;
-};
+// Stop strings (tokenizer.hpp): the server's and `treeattn generate`'s.
+using treeattn::StopMatcher;
 
 enum class Finish { kNone, kStop, kLength, kCancelled, kError };
 const char* finish_name(Finish f);  // OpenAI's finish_reason: "stop", "length"; else the name

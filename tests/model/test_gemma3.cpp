@@ -17,6 +17,7 @@
 #include "model/tiny_llama.hpp"
 #include "treeattn/comm_local.hpp"
 #include "treeattn/engine.hpp"
+#include "treeattn/generation.hpp"
 #include "treeattn/model.hpp"
 #include "treeattn/strategy.hpp"
 #include "treeattn/tokenizer.hpp"
@@ -93,7 +94,16 @@ TEST(SpmTokenizer, MergesByScoreFallsBackToBytesAndDecodes) {
   EXPECT_EQ(*t->encode("<start_of_turn>a<end_of_turn>", false),
             (std::vector<TokenId>{start, a, end}));
   EXPECT_EQ(*t->decode(*t->encode("<start_of_turn>a", false)), "a");
-  EXPECT_EQ(t->chat_format(), ChatFormat::kGemma);
+  // No chat template: a base model, written to as a transcript even though its vocabulary has
+  // Gemma's turn markers; with a template, Gemma's turns.
+  EXPECT_FALSE(t->has_chat_template());
+  EXPECT_EQ(t->chat_format(), ChatFormat::kTranscript);
+  GgufBuilder with_template = v.builder(false);
+  with_template.str("tokenizer.chat_template", "{{ '<start_of_turn>' }}");
+  auto tt = load(d, with_template, "spm_chat.gguf");
+  ASSERT_TRUE(tt.is_ok()) << tt.status().to_string();
+  EXPECT_TRUE(tt->has_chat_template());
+  EXPECT_EQ(tt->chat_format(), ChatFormat::kGemma);
   // With add_space_prefix, a space starts the text and each text after a special token.
   auto tp = load(d, v.builder(true), "spm_prefix.gguf");
   ASSERT_TRUE(tp.is_ok()) << tp.status().to_string();
@@ -113,6 +123,18 @@ TEST(SpmTokenizer, ScoresMustMatchTheVocabulary) {
       << t.status().to_string();
 }
 
+TEST(ChatFormat, TranscriptForABaseModel) {
+  const std::vector<ChatTurn> one = {{"user", " What is it? \n"}};
+  EXPECT_EQ(format_chat(ChatFormat::kTranscript, one), "User: What is it?\nAssistant:");
+  EXPECT_EQ(format_chat(ChatFormat::kTranscript, one, " Be brief. "),
+            "Be brief.\n\nUser: What is it?\nAssistant:");
+  const std::vector<ChatTurn> many = {
+      {"system", "S"}, {"user", "U1"}, {"assistant", " A1 "}, {"user", "U2"}};
+  EXPECT_EQ(format_chat(ChatFormat::kTranscript, many, "ignored"),
+            "S\n\nUser: U1\nAssistant: A1\nUser: U2\nAssistant:");
+  EXPECT_EQ(chat_stop_strings(ChatFormat::kTranscript), (std::vector<std::string>{"\nUser:"}));
+}
+
 TEST(ChatFormat, GemmaTurns) {
   const std::vector<ChatTurn> one = {{"user", " What is it? \n"}};
   EXPECT_EQ(format_chat(ChatFormat::kGemma, one),
@@ -124,6 +146,8 @@ TEST(ChatFormat, GemmaTurns) {
   EXPECT_EQ(format_chat(ChatFormat::kGemma, many, "ignored"),
             "<start_of_turn>user\nS\n\nU1<end_of_turn>\n<start_of_turn>model\nA1<end_of_turn>\n"
             "<start_of_turn>user\nU2<end_of_turn>\n<start_of_turn>model\n");
+  EXPECT_TRUE(chat_stop_strings(ChatFormat::kGemma).empty());
+  EXPECT_TRUE(chat_stop_strings(ChatFormat::kChatML).empty());
   EXPECT_EQ(format_chat(ChatFormat::kChatML, one, "D"),
             "<|im_start|>system\nD<|im_end|>\n<|im_start|>user\n What is it? \n<|im_end|>\n"
             "<|im_start|>assistant\n");
@@ -353,6 +377,39 @@ TEST_F(Gemma3Real, GreedyTokensEqualLlamaCppsAndAnswerParis) {
   }
   std::printf("[ gemma3    ] %d greedy tokens equal to llama.cpp's, %d near-tie divergences\n",
               compared, excused);
+}
+
+// `treeattn generate --model gemma-3-270m --chat --prompt "What is the capital of France?"
+// --ranks 2`, as the library runs it: the file is the pretrained model (no chat template), so
+// the question goes in as a transcript; the answer names Paris and ends where the model starts
+// the next "User:" turn, which is neither streamed nor in the text. Engine and session paths.
+TEST_F(Gemma3Real, ChatQuestionIsAnsweredAsATranscriptEndingBeforeTheNextTurn) {
+  for (const bool engine : {true, false}) {
+    generation::Request r;
+    r.model_path = path_;
+    r.prompt.text = "What is the capital of France?";
+    r.prompt.chat = true;
+    r.new_tokens = 40;
+    r.engine = engine;
+    r.timeout = std::chrono::milliseconds(120000);
+    std::vector<generation::Output> out(2);
+    std::string streamed;
+    generation::Hooks hooks;
+    hooks.text = [&](std::string_view t) { streamed += t; };  // rank 0 only
+    const Status st = run_local(2, [&](Communicator& comm) -> Status {
+      out[static_cast<std::size_t>(comm.rank())] = generation::run_generation(comm, r, hooks);
+      return Status::ok();
+    });
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    for (const auto& o : out) ASSERT_TRUE(o.status.is_ok()) << o.status.to_string();
+    const std::string& text = out[0].text;
+    std::printf("[ gemma3    ] %s chat: %s\n", engine ? "engine" : "session", text.c_str());
+    EXPECT_NE(text.find("Paris"), std::string::npos) << text;
+    EXPECT_EQ(text.find("User:"), std::string::npos) << text;
+    EXPECT_EQ(streamed, text);
+    const std::size_t n = engine ? out[0].tokens.size() : out[0].methods.at(0).tokens.size();
+    EXPECT_LT(n, 40u) << "the answer did not end at the next turn";
+  }
 }
 
 // Every strategy (the registry's and tree-det) at 1-4 ranks on the real file, one prefill per

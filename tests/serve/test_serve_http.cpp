@@ -297,6 +297,38 @@ TEST_F(ServeHttp, HealthWhileLoadingThenReady) {
   EXPECT_NE(error_of(r).message.find("/nope"), std::string::npos);
 }
 
+TEST_F(ServeHttp, ABaseModelsChatAnswerEndsWhereItWritesTheNextUserTurn) {
+  // A file without a chat template: the transcript format; the model goes on past its answer
+  // with the user's next turn, which the server cuts (finish "stop") on chat requests only.
+  FakeBackend::Options bo;
+  bo.reply = " Paris.\nUser: And Spain?\nAssistant: Madrid.";
+  start(bo);
+  ready_info_.chat.format = ChatFormat::kTranscript;
+  ready();
+  auto r = post("/v1/chat/completions", kChat);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  json j = json::parse(r->body);
+  EXPECT_EQ(j["choices"][0]["message"]["content"], " Paris.");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(j["usage"]["prompt_tokens"], std::string("User: hi\nAssistant:").size());
+  // Streamed: the same text, none of the held-back "\nUser:" in a delta.
+  const std::string sse = post_stream(
+      "/v1/chat/completions",
+      R"({"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true})");
+  std::string deltas;
+  for (std::size_t a = sse.find("data: {"); a != std::string::npos; a = sse.find("data: {", a + 1)) {
+    const json chunk = json::parse(sse.substr(a + 6, sse.find('\n', a) - a - 6));
+    const json& d = chunk["choices"][0]["delta"];
+    if (d.contains("content")) deltas += d["content"].get<std::string>();
+  }
+  EXPECT_EQ(deltas, " Paris.") << sse;
+  // A completion is the caller's text: no implied stop.
+  r = post("/v1/completions", R"({"prompt":"x","max_tokens":13,"temperature":0})");
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(json::parse(r->body)["choices"][0]["text"], " Paris.\nUser:");
+}
+
 TEST_F(ServeHttp, ChatAndCompletion) {
   start();
   ready();
