@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# Installs the Debian 12 packages treeattn needs, only those that are missing.
+# Installs the Debian 12 packages treeattn needs, only those that are missing, then fetches the
+# shipped model (SmolLM2, tools/fetch-model.sh) for the tests and `generate`.
+#   tools/deps.sh              packages and the model (tools/test.sh)
+#   tools/deps.sh --no-model   packages only (tools/quickstart.sh: the main job is the synthetic
+#                              attention decode, which reads no model; ~100 MB less to download)
 # Runs as root, or through sudo when not root. Safe to run again.
 set -euo pipefail
+fetch_model=1
+if [ "${1:-}" = "--no-model" ]; then fetch_model=0; fi
+fetch() { if [ "$fetch_model" = 1 ]; then "$(dirname "$0")/fetch-model.sh"; fi; }
 
 packages=(
   build-essential cmake ninja-build pkg-config git
@@ -26,7 +33,7 @@ for p in "${packages[@]}"; do
 done
 if [ ${#missing[@]} -eq 0 ]; then
   echo "deps: all ${#packages[@]} packages present"
-  "$(dirname "$0")/fetch-model.sh"  # the real model for tests and generate (never fails)
+  fetch  # the real model for tests and generate (never fails)
   exit 0
 fi
 SUDO=""
@@ -34,4 +41,4 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 echo "deps: installing ${missing[*]}"
 $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
 $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
-"$(dirname "$0")/fetch-model.sh"
+fetch

@@ -4,9 +4,10 @@
 # Extra arguments go to `treeattn run` (see `treeattn run --help`).
 # Builds only the treeattn command and the libraries it links (about half of the targets: no
 # tests, fuzz inputs, benchmarks or Python module, and no CUDA objects on a machine without an
-# NVIDIA GPU); tools/test.sh builds and checks everything.
+# NVIDIA GPU), and no model download (the main job decodes synthetic attention, not a model);
+# tools/test.sh builds and checks everything and fetches the model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-tools/deps.sh
+tools/deps.sh --no-model
 tools/build.sh --cpu-only treeattn_cli
 exec build/release/cli/treeattn run "$@"
