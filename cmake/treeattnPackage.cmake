@@ -38,11 +38,12 @@ install(TARGETS ${_treeattn_exported} EXPORT treeattnTargets
 # tests/package compiles every installed header on its own against the install prefix):
 #   treeattn_measure: workload, roofline, peer, detect, measure
 #   treeattn_model:   gguf, tokenizer, model, generate
-#   treeattn_engine:  engine (with treeattn_serve, not exported yet)
+#   treeattn_engine:  engine, generation (with treeattn_serve, not exported yet)
+#   treeattn_verify:  verify (not exported yet)
 #   treeattn_cuda, treeattn_nccl (not exported yet): executor_cuda, comm_nccl
 # and, without MPI, the MPI backend's.
 set(_treeattn_not_installed workload roofline peer detect measure gguf tokenizer model generate engine
-    executor_cuda comm_nccl)
+    generation verify executor_cuda comm_nccl)
 if(NOT TARGET treeattn_mpi)
   list(APPEND _treeattn_not_installed comm_mpi)
 endif()
