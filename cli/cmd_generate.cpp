@@ -608,11 +608,12 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
                   "KV placement over ranks: even, uneven, striped (single: always rank 0)")
       ->capture_default_str();
   sub->add_option("--kv-layout", f->kv_layout,
-                  "How ranks store the KV cache: auto (tiled, the layout the CPU kernel reads "
-                  "fastest; rows for ring-kv and tree-det), rows or tiled")
+                  "How ranks store the KV cache: auto (the layout this CPU's kernel reads "
+                  "fastest: tiled on AVX-512, rows on AVX2), rows or tiled")
       ->capture_default_str();
   sub->add_flag("--chat", f->chat,
-                "Wrap the prompt in the model's chat format (ChatML, or Gemma's turns)");
+                "Wrap the prompt in the model's chat format (ChatML, Gemma's turns, or for a "
+                "base model without a chat template a 'User: ... Assistant:' transcript)");
   sub->add_option("--system", f->system,
                   "System message with --chat (default: the one the model's chat template "
                   "inserts, e.g. SmolLM2's or Qwen2.5's; --system '' for none)")
