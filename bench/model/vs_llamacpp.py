@@ -8,20 +8,21 @@ server's own timings (predicted_per_token_ms), flash attention on, f16 KV cache.
 
 Decode tokens/s at contexts 512, 4k, 16k and 32k (batch 1, greedy), with the limits written first:
   weight-bound   time/token >= weight bytes read per token / read bandwidth
-  KV-bound       time/token >= KV bytes per token (context x 30 layers x 3 KV heads x 64 x 2
-                 x 2 bytes in f16) / read bandwidth
+  KV-bound       time/token >= KV bytes per step (context x layers x KV heads x head dim x 2
+                 x 2 bytes in f16; a sliding-window layer reads at most its window) / read bandwidth
 measured bandwidth: numpy reading a 1 GiB array (one thread).
 
 Both run one process (treeattn: 1 rank) with the same thread count, alternately, REPEATS times;
 the table shows medians. llama.cpp: flash attention on, f16 KV cache, n_batch 512; it prefills
 the prompt (its decode speed needs a real cache), then 16 one-token evals are timed. treeattn:
 `generate --prompt-tokens C` with the same ids (from its synthetic prompt), real prefill up to
-4k, --synthetic-kv above (decode reads the cache the same way whatever it holds), 17 new tokens
+4k (--synthetic-above), --synthetic-kv above (decode reads the cache the same way whatever it holds), 17 new tokens
 (16 timed decode steps). --matmul exact|int8 (default int8, generate's default): treeattn's
 quantized-weight matmul, float activations or 8-bit activations with integer dot products as
 llama.cpp's.
 
   python3 bench/model/vs_llamacpp.py [--threads 1] [--contexts 512,4096,16384,32768] [--repeats 3]
+      [--synthetic-above 4096] [--threads-batch T]   (llama-server's prefill threads; its decode: --threads)
 Not part of the test suite.
 """
 import argparse
@@ -49,7 +50,7 @@ def bandwidth_gbs():
     return best
 
 
-def run_treeattn(b, model, ctx, threads, new_tokens, engine=False, matmul="int8"):
+def run_treeattn(b, model, ctx, threads, new_tokens, engine=False, matmul="int8", synthetic_above=4096):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     cmd = [b, "generate", "--model", model, "--prompt-tokens", str(ctx), "--new-tokens",
@@ -57,7 +58,7 @@ def run_treeattn(b, model, ctx, threads, new_tokens, engine=False, matmul="int8"
            "--matmul", matmul]
     if not engine:
         cmd += ["--session", "--timeout-ms", "0"]
-        if ctx > 4096:
+        if ctx > synthetic_above:
             cmd.append("--synthetic-kv")
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     j = json.load(open(out))
@@ -68,14 +69,14 @@ def run_treeattn(b, model, ctx, threads, new_tokens, engine=False, matmul="int8"
 class LlamaServer:
     """llama.cpp's llama-server on 127.0.0.1 for one model."""
 
-    def __init__(self, path, model, threads, ctx):
+    def __init__(self, path, model, threads, ctx, threads_batch, extra=()):
         import socket
         with socket.socket() as so:
             so.bind(("127.0.0.1", 0))
             self.port = so.getsockname()[1]
         self.proc = subprocess.Popen(
-            [path, "-m", model, "--port", str(self.port), "-t", str(threads), "-tb", str(threads),
-             "-c", str(ctx), "-np", "1", "-fa", "on", "-b", "512"],
+            [path, "-m", model, "--port", str(self.port), "-t", str(threads), "-tb", str(threads_batch),
+             "-c", str(ctx), "-np", "1", "-fa", "on", "-b", "512", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         import urllib.request
         for _ in range(600):
@@ -88,23 +89,32 @@ class LlamaServer:
         raise RuntimeError("llama-server did not start")
 
     def decode(self, ids, steps):
+        import urllib.error
         import urllib.request
         body = {"prompt": ids, "n_predict": steps, "temperature": 0, "top_k": 1,
                 "cache_prompt": False, "ignore_eos": True}
         req = urllib.request.Request("http://127.0.0.1:%d/completion" % self.port,
                                      data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=3600) as r:
-            t = json.loads(r.read())["timings"]
+        try:
+            with urllib.request.urlopen(req, timeout=3600) as r:
+                t = json.loads(r.read())["timings"]
+        except urllib.error.HTTPError as e:
+            raise RuntimeError("llama-server refused %d prompt tokens: %s" % (len(ids), e.read().decode()))
         return t["prompt_ms"] / 1e3, [t["predicted_per_token_ms"] / 1e3] * steps
 
     def close(self):
         self.proc.terminate()
-        self.proc.wait()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def model_bytes(model):
-    """Weight bytes one decoded token reads, and f16 KV bytes per cached token (gguf package)."""
+    """Weight bytes one decoded token reads, a function giving the f16 KV bytes one decode step
+    reads at a context (sliding-window layers read at most their window), and the architecture."""
     import gguf
     r = gguf.GGUFReader(model)
     arch = r.fields["general.architecture"].contents()
@@ -118,7 +128,20 @@ def model_bytes(model):
     w += int(emb.n_bytes) // int(emb.shape[1])  # one embedding row
     if "output.weight" not in names:
         w += int(emb.n_bytes)  # tied head
-    return float(w), layers * kv * hd * 2 * 2, arch
+    per_layer = kv * hd * 2 * 2  # K and V, f16
+    window = f("attention.sliding_window")
+    if arch == "gemma3" and window:  # one global layer in six (llama.cpp's and treeattn's rule)
+        glob = layers // 6
+        return float(w), lambda ctx: per_layer * (glob * ctx + (layers - glob) * min(ctx, int(window))), arch
+    return float(w), lambda ctx: per_layer * layers * ctx, arch
+
+
+def train_context(model):
+    import gguf
+    r = gguf.GGUFReader(model)
+    arch = r.fields["general.architecture"].contents()
+    key = arch + ".context_length"
+    return arch, int(r.fields[key].contents()) if key in r.fields else 0
 
 
 def run_llamacpp(model, ids, threads, steps):
@@ -150,51 +173,74 @@ def main():
                     help="used when llama_cpp (llama-cpp-python) does not import")
     ap.add_argument("--engine", action="store_true",
                     help="treeattn's engine path (real prefill at every context) instead of --session")
+    ap.add_argument("--synthetic-above", type=int, default=4096,
+                    help="without --engine: contexts above this fill treeattn's cache with --synthetic-kv")
+    ap.add_argument("--threads-batch", type=int, default=0,
+                    help="llama-server's prefill threads (-tb; default --threads); decode uses --threads")
     ap.add_argument("--matmul", default="int8", choices=["int8", "exact"],
                     help="treeattn's quantized-weight matmul (generate --matmul)")
     a = ap.parse_args()
     steps = 16
     bw = bandwidth_gbs()
-    weight_bytes, kv_per_token, arch = model_bytes(a.model)
+    weight_bytes, kv_bytes, arch = model_bytes(a.model)
     contexts = [int(c) for c in a.contexts.split(",")]
     try:
         import llama_cpp  # noqa: F401
-        server = None
+        use_server = False
         which = "llama-cpp-python"
     except ImportError:
-        server = LlamaServer(a.llama_server, a.model, a.threads, max(contexts) + steps + 64)
-        which = "llama-server"
+        use_server = True
+        which = "llama-server (one per context, -c context + %d)" % (steps + 64)
     print("# treeattn (matmul %s) vs llama.cpp (%s), %s (%s), %d thread(s), load %s" % (
         a.matmul, which, os.path.basename(a.model), arch, a.threads,
         open("/proc/loadavg").read().split()[:3]))
     print("# read bandwidth (numpy, 1 thread): %.1f GB/s; weights %.0f MB/token; KV %d B per "
-          "cached token (f16)" % (bw, weight_bytes / 1e6, kv_per_token))
+          "cached token at 16k (f16)" % (bw, weight_bytes / 1e6, kv_bytes(16384) // 16384))
     print("| context | limit ms/token (weights + KV at %.1f GB/s) | limit tokens/s | treeattn tokens/s "
           "| llama.cpp tokens/s | treeattn / llama.cpp | treeattn ms/token | llama.cpp ms/token |" % bw)
     print("|---|---|---|---|---|---|---|---|")
     results = []
-    for ctx in contexts:
-        limit_ms = (weight_bytes + ctx * kv_per_token) / (bw * 1e9) * 1e3
-        ta, lc = [], []
-        for _ in range(a.repeats):
-            j = run_treeattn(a.treeattn, a.model, ctx, a.threads, steps + 1, a.engine, a.matmul)
-            ta.append(statistics.median(j["decode_ms"] if a.engine else j["methods"][0]["decode_ms"]))
-            if server is not None:
-                _, times = server.decode(j["prompt_tokens"], steps)
-            else:
-                _, times = run_llamacpp(a.model, j["prompt_tokens"], a.threads, steps)
-            lc.append(statistics.median(times) * 1e3)
-        t_ms, l_ms = statistics.median(ta), statistics.median(lc)
-        results.append({"context": ctx, "limit_ms": limit_ms, "treeattn_ms": t_ms, "llamacpp_ms": l_ms,
-                        "treeattn_runs_ms": ta, "llamacpp_runs_ms": lc})
-        print("| %d | %.1f | %.0f | %.1f | %.1f | %.2fx | %.1f | %.1f |" % (
-            ctx, limit_ms, 1e3 / limit_ms, 1e3 / t_ms, 1e3 / l_ms, l_ms / t_ms, t_ms, l_ms))
-        sys.stdout.flush()
-    if server is not None:
-        server.close()
+    measure(a, contexts, steps, bw, weight_bytes, kv_bytes, use_server, results)
     if a.json:
         json.dump({"threads": a.threads, "matmul": a.matmul, "bandwidth_gbs": bw, "results": results},
                   open(a.json, "w"), indent=2)
+
+
+def measure(a, contexts, steps, bw, weight_bytes, kv_bytes, use_server, results):
+    for ctx in contexts:
+        # a cache sized for this context: llama.cpp's attention reads the cells it has, rounded up
+        # llama-server caps its cache at the trained context (SmolLM2: 8192); decode speed does not
+        # depend on that number, so a longer benchmark context raises it
+        arch, trained = train_context(a.model)
+        extra = (["--override-kv", "%s.context_length=int:%d" % (arch, ctx + steps + 64)]
+                 if trained and ctx + steps + 64 > trained else [])
+        server = (LlamaServer(a.llama_server, a.model, a.threads, ctx + steps + 64,
+                              a.threads_batch or a.threads, extra) if use_server else None)
+        try:
+            measure_context(a, ctx, steps, bw, weight_bytes, kv_bytes, server, results)
+        finally:
+            if server is not None:
+                server.close()
+
+
+def measure_context(a, ctx, steps, bw, weight_bytes, kv_bytes, server, results):
+    limit_ms = (weight_bytes + kv_bytes(ctx)) / (bw * 1e9) * 1e3
+    ta, lc = [], []
+    for _ in range(a.repeats):
+        j = run_treeattn(a.treeattn, a.model, ctx, a.threads, steps + 1, a.engine, a.matmul,
+                        a.synthetic_above)
+        ta.append(statistics.median(j["decode_ms"] if a.engine else j["methods"][0]["decode_ms"]))
+        if server is not None:
+            _, times = server.decode(j["prompt_tokens"], steps)
+        else:
+            _, times = run_llamacpp(a.model, j["prompt_tokens"], a.threads, steps)
+        lc.append(statistics.median(times) * 1e3)
+    t_ms, l_ms = statistics.median(ta), statistics.median(lc)
+    results.append({"context": ctx, "limit_ms": limit_ms, "treeattn_ms": t_ms, "llamacpp_ms": l_ms,
+                    "treeattn_runs_ms": ta, "llamacpp_runs_ms": lc})
+    print("| %d | %.1f | %.0f | %.1f | %.1f | %.2fx | %.1f | %.1f |" % (
+        ctx, limit_ms, 1e3 / limit_ms, 1e3 / t_ms, 1e3 / l_ms, l_ms / t_ms, t_ms, l_ms))
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
