@@ -13,11 +13,13 @@ Decode tokens/s at contexts 512, 4k, 16k and 32k (batch 1, greedy), with the lim
 measured bandwidth: numpy reading a 1 GiB array (one thread).
 
 Both run one process (treeattn: 1 rank) with the same thread count, alternately, REPEATS times;
-the table shows medians. llama.cpp: flash attention on, f16 KV cache, n_batch 512; it prefills
-the prompt (its decode speed needs a real cache), then 16 one-token evals are timed. treeattn:
-`generate --prompt-tokens C` with the same ids (from its synthetic prompt), real prefill up to
-4k (--synthetic-above), --synthetic-kv above (decode reads the cache the same way whatever it holds), 17 new tokens
-(16 timed decode steps). --matmul exact|int8 (default int8, generate's default): treeattn's
+the table shows medians. Prefill tokens/s (the whole prompt, each side's own clock) where treeattn
+prefilled for real; it compares like with like only when --threads-batch is --threads (the default).
+llama.cpp: flash attention on, f16 KV cache, n_batch 512; it prefills the prompt (its decode
+speed needs a real cache), then 16 one-token evals are timed. treeattn: `generate --prompt-tokens
+C` with the same ids (from its synthetic prompt), real prefill up to 4k (--synthetic-above),
+--synthetic-kv above (decode reads the cache the same way whatever it holds), 17 new tokens (16
+timed decode steps). --matmul exact|int8 (default int8, generate's default): treeattn's
 quantized-weight matmul, float activations or 8-bit activations with integer dot products as
 llama.cpp's.
 
@@ -197,8 +199,9 @@ def main():
     print("# read bandwidth (numpy, 1 thread): %.1f GB/s; weights %.0f MB/token; KV %d B per "
           "cached token at 16k (f16)" % (bw, weight_bytes / 1e6, kv_bytes(16384) // 16384))
     print("| context | limit ms/token (weights + KV at %.1f GB/s) | limit tokens/s | treeattn tokens/s "
-          "| llama.cpp tokens/s | treeattn / llama.cpp | treeattn ms/token | llama.cpp ms/token |" % bw)
-    print("|---|---|---|---|---|---|---|---|")
+          "| llama.cpp tokens/s | treeattn / llama.cpp | treeattn ms/token | llama.cpp ms/token "
+          "| prefill treeattn tokens/s | prefill llama.cpp tokens/s | prefill treeattn / llama.cpp |" % bw)
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     results = []
     measure(a, contexts, steps, bw, weight_bytes, kv_bytes, use_server, results)
     if a.json:
@@ -225,21 +228,34 @@ def measure(a, contexts, steps, bw, weight_bytes, kv_bytes, use_server, results)
 
 def measure_context(a, ctx, steps, bw, weight_bytes, kv_bytes, server, results):
     limit_ms = (weight_bytes + kv_bytes(ctx)) / (bw * 1e9) * 1e3
-    ta, lc = [], []
+    ta, lc, tp, lp = [], [], [], []
+    real_prefill = a.engine or ctx <= a.synthetic_above
     for _ in range(a.repeats):
         j = run_treeattn(a.treeattn, a.model, ctx, a.threads, steps + 1, a.engine, a.matmul,
                         a.synthetic_above)
         ta.append(statistics.median(j["decode_ms"] if a.engine else j["methods"][0]["decode_ms"]))
         if server is not None:
-            _, times = server.decode(j["prompt_tokens"], steps)
+            prompt_s, times = server.decode(j["prompt_tokens"], steps)
         else:
-            _, times = run_llamacpp(a.model, j["prompt_tokens"], a.threads, steps)
+            prompt_s, times = run_llamacpp(a.model, j["prompt_tokens"], a.threads, steps)
         lc.append(statistics.median(times) * 1e3)
+        if real_prefill:  # prefill speed: the whole prompt, each side's own clock
+            tp.append(j["prefill_tokens_per_s"])
+            lp.append(ctx / prompt_s)
     t_ms, l_ms = statistics.median(ta), statistics.median(lc)
-    results.append({"context": ctx, "limit_ms": limit_ms, "treeattn_ms": t_ms, "llamacpp_ms": l_ms,
-                    "treeattn_runs_ms": ta, "llamacpp_runs_ms": lc})
-    print("| %d | %.1f | %.0f | %.1f | %.1f | %.2fx | %.1f | %.1f |" % (
-        ctx, limit_ms, 1e3 / limit_ms, 1e3 / t_ms, 1e3 / l_ms, l_ms / t_ms, t_ms, l_ms))
+    r = {"context": ctx, "limit_ms": limit_ms, "treeattn_ms": t_ms, "llamacpp_ms": l_ms,
+         "treeattn_runs_ms": ta, "llamacpp_runs_ms": lc}
+    pf = "| - | - | - |"
+    if tp:
+        r.update({"prefill_treeattn_tokens_per_s": statistics.median(tp),
+                  "prefill_llamacpp_tokens_per_s": statistics.median(lp),
+                  "prefill_llamacpp_threads": a.threads_batch or a.threads})
+        pf = "| %.0f | %.0f | %.2fx |" % (r["prefill_treeattn_tokens_per_s"],
+                                         r["prefill_llamacpp_tokens_per_s"],
+                                         r["prefill_treeattn_tokens_per_s"] / r["prefill_llamacpp_tokens_per_s"])
+    results.append(r)
+    print("| %d | %.1f | %.0f | %.1f | %.1f | %.2fx | %.1f | %.1f %s" % (
+        ctx, limit_ms, 1e3 / limit_ms, 1e3 / t_ms, 1e3 / l_ms, l_ms / t_ms, t_ms, l_ms, pf))
     sys.stdout.flush()
 
 
