@@ -9,6 +9,7 @@
 #include <benchmark/benchmark.h>
 
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "treeattn/kernel.hpp"
@@ -140,14 +141,14 @@ void BM_Merge(benchmark::State& st) {
 }
 BENCHMARK(BM_Merge)->Args({128, 32})->Args({128, 1024})->Args({256, 1024});
 
-// One weight matrix of `rows` x 4096 (twice the 32 MB L3 of the test machines for the 4-bit
-// types at 8192 rows) against `tokens` activations. Random codes; every f16 scale set to 2^-7 so
-// that no value is a NaN or subnormal.
-// args: isa, ggml type, tokens, threads
+// One weight matrix of rows x cols (8192 x 4096: twice the 32 MB L3 of the test machines for the
+// 4-bit types; and Qwen2.5-0.5B's shapes) against `tokens` activations. Random codes; every f16
+// scale set to 2^-7 so that no value is a NaN or subnormal. bytes_per_second = weight bytes read.
+// args: isa, ggml type, tokens, threads, mode (0 exact, 1 int8), rows, cols
 void BM_Matmul(benchmark::State& st) {
   const auto isa = static_cast<Isa>(st.range(0));
   const auto type = static_cast<uint32_t>(st.range(1));
-  const int64_t tokens = st.range(2), rows = 8192, cols = 4096;
+  const int64_t tokens = st.range(2), rows = st.range(5), cols = st.range(6);
   if (!isa_supported(isa)) {
     st.SkipWithError("CPU lacks this ISA");
     return;
@@ -212,8 +213,23 @@ void matmul_args(benchmark::internal::Benchmark* b) {
       for (int64_t tokens : {1, 16}) {
         if (isa == Isa::kGeneric && tokens > 1) continue;
         for (const int64_t mode : {0, 1})  // exact, int8 (MatmulMode)
-          b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), tokens, 1, mode});
+          b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), tokens, 1, mode, 8192,
+                   4096});
       }
+  // Qwen2.5-Coder-0.5B's matrices (rows x cols: q/o 896 x 896, gate/up 4864 x 896, down 896 x
+  // 4864, the head 151936 x 896), one token, int8, on AVX2: the decode step's weight types (its
+  // Q4_K_M file has Q5_0, Q8_0, Q4_K and Q6_K; Q4_0 and Q4_1 for comparison). The K types need
+  // cols % 256 == 0, so they run the down shape only.
+  for (const gguf::TensorType t :
+       {gguf::TensorType::kQ4_0, gguf::TensorType::kQ4_1, gguf::TensorType::kQ5_0,
+        gguf::TensorType::kQ8_0, gguf::TensorType::kQ4_K, gguf::TensorType::kQ5_K,
+        gguf::TensorType::kQ6_K})
+    for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
+             {896, 896}, {4864, 896}, {896, 4864}, {151936, 896}}) {
+      if (gguf::block_layout(static_cast<uint32_t>(t)).block_elems == 256 && cols % 256 != 0)
+        continue;
+      b->Args({static_cast<int64_t>(Isa::kAvx2), static_cast<int64_t>(t), 1, 1, 1, rows, cols});
+    }
 }
 BENCHMARK(BM_Matmul)->Apply(matmul_args)->Unit(benchmark::kMillisecond)->UseRealTime();
 

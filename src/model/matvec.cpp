@@ -8,10 +8,10 @@
 // tile while each thread's weight rows stay in its cache.
 // Neither split changes a (row, token) result (see matvec_targets.hpp).
 //
-// MatmulMode::kInt8: first every token's activations are quantized (ActBlock, once per call,
-// split over the threads by token; a token's blocks depend on that token only), then the
-// quantized weight types run on the integer targets (matvec_int8_impl.hpp), the float types on
-// the float targets, chunk by chunk as above.
+// MatmulMode::kInt8: first every token's activations are quantized (ActBlock, and ActBlockK for
+// the K types; once per call, split over the threads by token; a token's blocks depend on that
+// token only), then the quantized weight types run on the integer targets (matvec_int8_impl.hpp),
+// the float types on the float targets, chunk by chunk as above.
 #include <omp.h>
 
 #include <algorithm>
@@ -168,15 +168,24 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   if (tokens == 0) return Status::ok();
   const detail::RowsFn fn = rows_fn(isa);
   const detail::RowsFn fn8 = rows_int8_fn(isa, options.vnni);
-  bool int8 = false;
+  // Which activation blocks the call needs: 32 values (ActBlock) for the 32-value types, 256
+  // (ActBlockK) for the K types.
+  bool int8 = false, int8_32 = false, int8_k = false;
   if (options.mode == MatmulMode::kInt8)
-    for (const WeightMatrix* m : mats) int8 = int8 || detail::int8_type(m->type);
-  // Quantized types have cols % 32 == 0 (check_matrix), so the blocks cover every column.
-  const int64_t xq_stride = cols / 32;
+    for (const WeightMatrix* m : mats)
+      if (detail::int8_type(m->type)) (detail::int8_k_type(m->type) ? int8_k : int8_32) = true;
+  int8 = int8_32 || int8_k;
+  // Quantized types have cols % 32 == 0, K types cols % 256 == 0 (check_matrix), so the blocks
+  // cover every column.
+  const int64_t xq_stride = cols / 32, xk_stride = cols / 256;
   thread_local std::vector<detail::ActBlock> xq_buf;
-  if (int8 && xq_buf.size() < static_cast<std::size_t>(tokens * xq_stride))
+  thread_local std::vector<detail::ActBlockK> xk_buf;
+  if (int8_32 && xq_buf.size() < static_cast<std::size_t>(tokens * xq_stride))
     xq_buf.resize(static_cast<std::size_t>(tokens * xq_stride));
+  if (int8_k && xk_buf.size() < static_cast<std::size_t>(tokens * xk_stride))
+    xk_buf.resize(static_cast<std::size_t>(tokens * xk_stride));
   detail::ActBlock* const xq = xq_buf.data();
+  detail::ActBlockK* const xk = xk_buf.data();
 
   // Chunk c covers rows [c * kRowChunk, ...) of the concatenation, clipped to one matrix.
   std::vector<int64_t> first_chunk(mats.size() + 1, 0);
@@ -192,8 +201,10 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
       scratch.resize(static_cast<std::size_t>(detail::kMaxRowBlock * cols));
     if (int8) {
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < tokens; ++t)
-        detail::quantize_activations(x + t * x_stride, cols, xq + t * xq_stride);
+      for (int64_t t = 0; t < tokens; ++t) {
+        if (int8_32) detail::quantize_activations(x + t * x_stride, cols, xq + t * xq_stride);
+        if (int8_k) detail::quantize_activations_k(x + t * x_stride, cols, xk + t * xk_stride);
+      }
     }
     for (int64_t t0 = 0; t0 < tokens; t0 += kTokenTile) {
       // The same static split every tile: each thread keeps its rows' weights in cache.
@@ -216,8 +227,13 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
         a.y_stride = m.rows;
         a.scratch = scratch.data();
         if (int8 && detail::int8_type(m.type)) {
-          a.xq = xq + t0 * xq_stride;
-          a.xq_stride = xq_stride;
+          if (detail::int8_k_type(m.type)) {
+            a.xk = xk + t0 * xk_stride;
+            a.xk_stride = xk_stride;
+          } else {
+            a.xq = xq + t0 * xq_stride;
+            a.xq_stride = xq_stride;
+          }
           fn8(a);
         } else {
           fn(a);

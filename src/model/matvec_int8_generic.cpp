@@ -14,43 +14,63 @@
 
 namespace treeattn::model::detail {
 
+namespace {
+
+// One block of n activations (n a multiple of 32): amax = max |x|, d = amax / 127 (rounded once),
+// q = round-to-nearest-even(x / d) (one division, rounded once) clamped to [-127, 127]; d = 0
+// gives q = 0. A NaN or infinite x: q = 0 and d = NaN (that token's outputs are NaN; the float
+// path gives NaN or infinity there).
+float quantize_block(const float* xb, int n, int8_t* q) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int i = 0; i < n; ++i) {
+    amax = std::max(amax, std::fabs(xb[i]));
+    finite = finite && std::isfinite(xb[i]);
+  }
+  if (!finite) {
+    std::memset(q, 0, static_cast<std::size_t>(n));
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  const float d = amax / 127.0f;
+  if (!(d > 0.0f)) {
+    std::memset(q, 0, static_cast<std::size_t>(n));
+    return d;
+  }
+  for (int i0 = 0; i0 < n; i0 += 32) {
+    // |x / d| <= 127 (1 + 2^-24) rounded, so (v + 1.5 * 2^23) - 1.5 * 2^23 is v rounded to the
+    // nearest integer, ties to even, in the default rounding mode (as nearbyint; the compiler
+    // may not fold it: no -ffast-math), and the loop vectorizes.
+    float v[32];
+    for (int i = 0; i < 32; ++i) {
+      const float r = (xb[i0 + i] / d + 0x1.8p23f) - 0x1.8p23f;
+      v[i] = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+    }
+    for (int i = 0; i < 32; ++i) q[i0 + i] = static_cast<int8_t>(v[i]);
+  }
+  return d;
+}
+
+int block_sum(const int8_t* q) {
+  int sum = 0;
+  for (int i = 0; i < 32; ++i) sum += q[i];
+  return sum;
+}
+
+}  // namespace
+
 void quantize_activations(const float* x, int64_t cols, ActBlock* out) {
   for (int64_t b = 0; b < cols / 32; ++b) {
-    const float* xb = x + b * 32;
     ActBlock& o = out[b];
-    float amax = 0.0f;
-    bool finite = true;
-    for (int i = 0; i < 32; ++i) {
-      amax = std::max(amax, std::fabs(xb[i]));
-      finite = finite && std::isfinite(xb[i]);
-    }
-    const float d = amax / 127.0f;
-    int sum = 0;
-    if (!finite) {
-      // A NaN or infinite activation: d = NaN makes every output of this token NaN (the float
-      // path gives NaN or infinity there).
-      for (int i = 0; i < 32; ++i) o.q[i] = 0;
-      o.d = o.s = std::numeric_limits<float>::quiet_NaN();
-      continue;
-    }
-    if (d > 0.0f) {
-      // |x / d| <= 127 (1 + 2^-24) rounded, so (v + 1.5 * 2^23) - 1.5 * 2^23 is v rounded to the
-      // nearest integer, ties to even, in the default rounding mode (as nearbyint; the compiler
-      // may not fold it: no -ffast-math), and the loop vectorizes.
-      float v[32];
-      for (int i = 0; i < 32; ++i) {
-        const float r = (xb[i] / d + 0x1.8p23f) - 0x1.8p23f;
-        v[i] = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
-      }
-      for (int i = 0; i < 32; ++i) {
-        o.q[i] = static_cast<int8_t>(v[i]);
-        sum += o.q[i];
-      }
-    } else {
-      for (int i = 0; i < 32; ++i) o.q[i] = 0;
-    }
-    o.d = d;
-    o.s = d * static_cast<float>(sum);
+    o.d = quantize_block(x + b * 32, 32, o.q);
+    o.s = std::isnan(o.d) ? o.d : o.d * static_cast<float>(block_sum(o.q));
+  }
+}
+
+void quantize_activations_k(const float* x, int64_t cols, ActBlockK* out) {
+  for (int64_t b = 0; b < cols / 256; ++b) {
+    ActBlockK& o = out[b];
+    o.d = quantize_block(x + b * 256, 256, o.q);
+    for (int j = 0; j < 8; ++j) o.bsum[j] = static_cast<int16_t>(block_sum(o.q + 32 * j));
   }
 }
 
@@ -68,6 +88,10 @@ bool int8_type(uint32_t type) {
     default:
       return false;
   }
+}
+
+bool int8_k_type(uint32_t type) {
+  return type == kTypeQ4_K || type == kTypeQ5_K || type == kTypeQ6_K;
 }
 
 }  // namespace treeattn::model::detail
@@ -118,10 +142,6 @@ struct Ops {
     for (int i = 0; i < 32; ++i) a.v[i] |= b.v[i];
     return a;
   }
-  static B sub(B b, uint8_t c) {
-    for (auto& x : b.v) x = static_cast<uint8_t>(x - c);
-    return b;
-  }
   static B bitmask(uint32_t m) {
     B r;
     for (int e = 0; e < 32; ++e) r.v[e] = (m >> e) & 1u ? 0xff : 0;
@@ -146,9 +166,70 @@ struct Ops {
     }
     return r;
   }
-  static I dot_s2(B w, B x, int s0, int s1) {
-    I r = dot_s(w, x);
-    for (int i = 0; i < 8; ++i) r.v[i] *= i < 4 ? s0 : s1;
+  struct S {
+    int16_t v[16];
+  };
+  static S scales_u8(const uint8_t* s) {
+    S r;
+    for (int e = 0; e < 8; ++e) r.v[e] = r.v[e + 8] = s[e];
+    return r;
+  }
+  static S scales_i8(const int8_t* s) {
+    S r;
+    for (int e = 0; e < 16; ++e) r.v[e] = s[e];
+    return r;
+  }
+  template <int h>
+  static S half(S s) {
+    S r;
+    for (int e = 0; e < 8; ++e) r.v[e] = r.v[e + 8] = s.v[8 * h + e];
+    return r;
+  }
+  // maddubs: int16 j = w[2j] x[2j] + w[2j+1] x[2j+1] (w unsigned, x signed), saturated.
+  static B pairs(B w, B x) {
+    B r;
+    for (int j = 0; j < 16; ++j) {
+      int32_t v = 0;
+      for (int k = 0; k < 2; ++k) v += int32_t{w.v[2 * j + k]} * static_cast<int8_t>(x.v[2 * j + k]);
+      const auto p = static_cast<int16_t>(std::clamp(v, -32768, 32767));
+      std::memcpy(r.v + 2 * j, &p, 2);
+    }
+    return r;
+  }
+  static B sub16(B a, B b) {
+    for (int j = 0; j < 16; ++j) {
+      int16_t x, y;
+      std::memcpy(&x, a.v + 2 * j, 2);
+      std::memcpy(&y, b.v + 2 * j, 2);
+      const auto d = static_cast<int16_t>(static_cast<uint16_t>(x) - static_cast<uint16_t>(y));
+      std::memcpy(a.v + 2 * j, &d, 2);
+    }
+    return a;
+  }
+  template <int e0, int e1>
+  static I madd_sc(B p, S s) {
+    I r;
+    for (int i = 0; i < 8; ++i) {
+      int16_t x, y;
+      std::memcpy(&x, p.v + 4 * i, 2);
+      std::memcpy(&y, p.v + 4 * i + 2, 2);
+      const int32_t sc = i < 4 ? s.v[e0] : s.v[8 + e1];
+      r.v[i] = (int32_t{x} + int32_t{y}) * sc;
+    }
+    return r;
+  }
+  static I izero() { return I{}; }
+  static I add(I a, I b) {
+    for (int i = 0; i < 8; ++i) a.v[i] += b.v[i];
+    return a;
+  }
+  static I isub(I a, I b) {
+    for (int i = 0; i < 8; ++i) a.v[i] -= b.v[i];
+    return a;
+  }
+  static B splat(uint8_t v) {
+    B r;
+    std::memset(r.v, v, 32);
     return r;
   }
   static V cvt(I a) {

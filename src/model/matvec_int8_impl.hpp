@@ -8,57 +8,65 @@
 //   B nib(const uint8_t* qs)            byte e: e < 16 ? qs[e] & 15 : qs[e - 16] >> 4
 //   B lo4(B), hi4(B)                    each byte & 15, each byte >> 4
 //   B shr(B, n), shl(B, n)              each byte shifted (logical, 8 bits)
-//   B and_(B, uint8_t), or_(B, B), sub(B, uint8_t)   bytewise (sub wraps mod 256)
+//   B and_(B, uint8_t), or_(B, B)       bytewise
 //   B bitmask(uint32_t m)               byte e: bit e of m ? 0xff : 0
 //   I dot_u(B w, B x)   lane i = sum_{k<4} w[4i+k] (unsigned) * x[4i+k] (signed)
 //   I dot_s(B w, B x)   the same with w signed
-//   I dot_s2(B w, B x, int s0, int s1)  dot_s with lanes 0-3 times s0, lanes 4-7 times s1
+//   S (16 int16 sub-scales: 0-7 low half, 8-15 high), scales_u8(8 bytes: both halves),
+//   scales_i8(16 int8), half<h>(S) (half h in both halves); B pairs(w, x): int16 j = w[2j] x[2j]
+//   + w[2j+1] x[2j+1] (maddubs), sub16(B, B); I madd_sc<e0, e1>(B p, S s): lane i = (p[2i] +
+//   p[2i+1]) times element e0 of the low half (lanes 0-3) or e1 of the high half (lanes 4-7)
+//   I izero(), add(I, I), isub(I, I)   int32 lanes; B splat(uint8_t) 32 equal bytes
 //   V cvt(I) (exact: |lanes| < 2^24), set1, zero, fma (one rounding), reduce_add (a fixed order)
 //
-// The arithmetic of one (row, token) product. Every 32-value group b of the row (a block of the
-// 32-value types, one sub-block of a 256-value K super-block) is decoded into 32 integer codes
-// c (bytes), a float a_b and, for the types with a min, a float m_b, so that the weights are
-// w = a_b * c + m_b (Q6_K: w = a_b * s * c with s the 16-value sub-scale, kept integer):
+// The 32-value types (one scale per 32 weights) read activation blocks of 32 (ActBlock); the K
+// types (super-blocks of 256 weights with integer sub-scales) read blocks of 256 (ActBlockK, as
+// llama.cpp's Q8_K), so that a super-block is one integer sum and one float multiply-add.
+//
+// 32-value types. Every block b of the row is decoded into 32 integer codes c (bytes), a float
+// a_b and, for the types with a min, a float m_b, so that the weights are w = a_b * c + m_b:
 //   Q8_0  c = q           signed   a = d
-//   Q4_0  c = q - 8       signed   a = d
-//   Q5_0  c = q - 16      signed   a = d
+//   Q4_0  c = q - 8       offset   a = d
+//   Q5_0  c = q - 16      offset   a = d
 //   Q4_1  c = q           unsigned a = d                m = m
 //   Q5_1  c = q           unsigned a = d                m = m
-//   Q4_K  c = q           unsigned a = d * sc (exact)   m = -(dmin * mn) (exact)
-//   Q5_K  as Q4_K
-//   Q6_K  c = q - 32      signed   a = d, the lanes times sc (integers)
 // The activation block b of the token (ActBlock: d_x, s_x = d_x * sum q_x, q_x) gives
 //   P = dot(c, q_x)                     8 int32 lanes, exact (|P| < 2^24: |c| <= 128, |q_x| <=
-//                                       127, 4 products a lane; Q6_K: 4 * 32 * 127 * 128)
+//                                       127, 4 products a lane); the offset types compute it as
+//                                       dot(q, q_x) - off * dot(1, q_x), the same integers
 //   acc = fma(set1(a_b * d_x), cvt(P), acc)      (a_b * d_x rounded once)
 //   macc = fma(m_b, s_x, macc)                   (scalar, types with a min)
-// group after group; the result is reduce_add(acc) + macc. The integer lanes are the same on
-// every target (maddubs + madd and vpdpbusd both sum products 4i .. 4i+3 into lane i; maddubs'
-// int16 pair sums cannot saturate: 2 * 128 * 127 < 2^15) and the float operations are the
-// same sequence, so every target gives the same bits, and a (row, token) product does not
-// depend on the token count, the rows sharing its pass or the thread (matvec_targets.hpp).
+// block after block; the result is reduce_add(acc) + macc.
+// K types: see superblock() below (one float multiply-add per 256 weights and lane, the
+// sub-scales and mins summed in integers).
+// The integer lanes are the same on every target (maddubs + madd and vpdpbusd both sum products
+// 4i .. 4i+3 into lane i; maddubs' int16 pair sums cannot saturate: 2 * 128 * 127 < 2^15) and
+// the float operations are the same sequence, so every target gives the same bits, and a (row,
+// token) product does not depend on the token count, the rows sharing its pass or the thread
+// (matvec_targets.hpp).
 //
-// Error bound (the test checks it). Quantizing a block of activations with d = amax / 127
-// (rounded) and q = rint(fl(x / d)) gives |x/d - fl(x/d)| <= 2^-24 * 127 and so
-// |x - d q| <= d (1/2 + 127 * 2^-24) <= (amax / 254) (1 + 2^-24) (1 + 254 * 2^-24)
-//          <= (amax / 254) (1 + 2^-15) per element.
-// Hence, with w the weights as decoded above (in exact arithmetic),
+// Error bound (the test checks it). Quantizing an activation block b (32 values, or 256 for the
+// K types) with d = amax_b / 127 (rounded) and q = rint(fl(x / d)) gives |x/d - fl(x/d)| <=
+// 2^-24 * 127 and so
+// |x - d q| <= d (1/2 + 127 * 2^-24) <= (amax_b / 254) (1 + 2^-24) (1 + 254 * 2^-24)
+//          <= (amax_b / 254) (1 + 2^-15) per element.
+// Hence, with w the weights as decoded (in exact arithmetic),
 //   |<w, d q> - <w, x>| <= sum_b (amax_b / 254) (1 + 2^-15) sum_{i in b} |w_i|,
 // and the float evaluation of <w, d q> adds at most gamma_k * sum_i |w_i d_b q_i| with
-// gamma_k = k u / (1 - k u), u = 2^-24, k = groups + 6 (a_b * d_x, the fma chain of each lane,
-// three reduction adds, the final add; m_b s_x's roundings are inside the same k).
+// gamma_k = k u / (1 - k u), u = 2^-24, k = blocks + 6 (a_b * d_x, the fma chain of each lane,
+// three reduction adds, the final add; the min terms' roundings are inside the same k), where
+// blocks = cols / 32 for the 32-value types and cols / 256 for the K types.
 // The float path decodes w with one rounding for Q4_1 / Q5_1 / Q4_K / Q5_K (fma(d, q, m)); the
 // integer path never forms w, so against the dequantized row add u * sum |w_i x_i|.
 
-constexpr int kGroupBytes = 48;  // one decoded group in the batched path's scratch
+constexpr int kGroupBytes = 40;  // one decoded block in the batched path's scratch
 
 template <uint32_t T>
-struct Code;  // per type: kBytes, kGroups, kSigned, kMin, kSub; decode(block, g, Dec&)
+struct Code;  // per 32-value type: kBytes, kOff, kSigned, kMin; decode(block, Dec&)
 
 struct Dec {
   typename Ops::B c;
   float a = 0.0f, m = 0.0f;
-  int s0 = 1, s1 = 1;
 };
 
 inline uint16_t rd16(const uint8_t* p) {
@@ -79,9 +87,9 @@ inline typename Ops::B shift(typename Ops::B v, int n) {
 
 template <>
 struct Code<kTypeQ8_0> {
-  static constexpr int kBytes = 34, kGroups = 1;
-  static constexpr bool kSigned = true, kMin = false, kSub = false;
-  static void decode(const uint8_t* b, int /*g*/, Dec& o) {
+  static constexpr int kBytes = 34, kOff = 0;
+  static constexpr bool kSigned = true, kMin = false;
+  static void decode(const uint8_t* b, Dec& o) {
     o.a = Ops::f16(rd16(b));
     o.c = Ops::load(b + 2);
   }
@@ -89,19 +97,19 @@ struct Code<kTypeQ8_0> {
 
 template <>
 struct Code<kTypeQ4_0> {
-  static constexpr int kBytes = 18, kGroups = 1;
-  static constexpr bool kSigned = true, kMin = false, kSub = false;
-  static void decode(const uint8_t* b, int /*g*/, Dec& o) {
+  static constexpr int kBytes = 18, kOff = 8;
+  static constexpr bool kSigned = false, kMin = false;
+  static void decode(const uint8_t* b, Dec& o) {
     o.a = Ops::f16(rd16(b));
-    o.c = Ops::sub(Ops::nib(b + 2), 8);
+    o.c = Ops::nib(b + 2);
   }
 };
 
 template <>
 struct Code<kTypeQ4_1> {
-  static constexpr int kBytes = 20, kGroups = 1;
-  static constexpr bool kSigned = false, kMin = true, kSub = false;
-  static void decode(const uint8_t* b, int /*g*/, Dec& o) {
+  static constexpr int kBytes = 20, kOff = 0;
+  static constexpr bool kSigned = false, kMin = true;
+  static void decode(const uint8_t* b, Dec& o) {
     o.a = Ops::f16(rd16(b));
     o.m = Ops::f16(rd16(b + 2));
     o.c = Ops::nib(b + 4);
@@ -110,69 +118,24 @@ struct Code<kTypeQ4_1> {
 
 template <>
 struct Code<kTypeQ5_0> {
-  static constexpr int kBytes = 22, kGroups = 1;
-  static constexpr bool kSigned = true, kMin = false, kSub = false;
-  static void decode(const uint8_t* b, int /*g*/, Dec& o) {
+  static constexpr int kBytes = 22, kOff = 16;
+  static constexpr bool kSigned = false, kMin = false;
+  static void decode(const uint8_t* b, Dec& o) {
     o.a = Ops::f16(rd16(b));
     const typename Ops::B hi = Ops::and_(Ops::bitmask(rd32(b + 2)), 0x10);
-    o.c = Ops::sub(Ops::or_(Ops::nib(b + 6), hi), 16);
+    o.c = Ops::or_(Ops::nib(b + 6), hi);
   }
 };
 
 template <>
 struct Code<kTypeQ5_1> {
-  static constexpr int kBytes = 24, kGroups = 1;
-  static constexpr bool kSigned = false, kMin = true, kSub = false;
-  static void decode(const uint8_t* b, int /*g*/, Dec& o) {
+  static constexpr int kBytes = 24, kOff = 0;
+  static constexpr bool kSigned = false, kMin = true;
+  static void decode(const uint8_t* b, Dec& o) {
     o.a = Ops::f16(rd16(b));
     o.m = Ops::f16(rd16(b + 2));
     const typename Ops::B hi = Ops::and_(Ops::bitmask(rd32(b + 4)), 0x10);
     o.c = Ops::or_(Ops::nib(b + 8), hi);
-  }
-};
-
-// Q4_K and Q5_K: group g of a super-block is sub-block g (6-bit scale and min of its own).
-template <bool kFive>
-struct CodeK45 {
-  static constexpr int kBytes = kFive ? 176 : 144, kGroups = 8;
-  static constexpr bool kSigned = false, kMin = true, kSub = false;
-  static void decode(const uint8_t* b, int g, Dec& o) {
-    const uint8_t* sc6 = b + 4;
-    int sc, mn;
-    if (g < 4) {
-      sc = sc6[g] & 63;
-      mn = sc6[g + 4] & 63;
-    } else {
-      sc = (sc6[g + 4] & 15) | (sc6[g - 4] >> 6) << 4;
-      mn = (sc6[g + 4] >> 4) | (sc6[g] >> 6) << 4;
-    }
-    o.a = Ops::f16(rd16(b)) * static_cast<float>(sc);
-    o.m = -(Ops::f16(rd16(b + 2)) * static_cast<float>(mn));
-    const typename Ops::B q = Ops::load(b + (kFive ? 48 : 16) + 32 * (g / 2));
-    o.c = g % 2 ? Ops::hi4(q) : Ops::lo4(q);
-    if constexpr (kFive) o.c = Ops::or_(o.c, Ops::and_(shift(Ops::load(b + 16), 4 - g), 0x10));
-  }
-};
-template <>
-struct Code<kTypeQ4_K> : CodeK45<false> {};
-template <>
-struct Code<kTypeQ5_K> : CodeK45<true> {};
-
-// Q6_K: group g = 4 h + k holds values 128 h + 32 k + l (l < 32), sub-scales 8 h + 2 k + l / 16.
-template <>
-struct Code<kTypeQ6_K> {
-  static constexpr int kBytes = 210, kGroups = 8;
-  static constexpr bool kSigned = true, kMin = false, kSub = true;
-  static void decode(const uint8_t* b, int g, Dec& o) {
-    const int h = g / 4, k = g % 4;
-    o.a = Ops::f16(rd16(b + 208));
-    const auto* scales = reinterpret_cast<const int8_t*>(b + 192) + 8 * h + 2 * k;
-    o.s0 = scales[0];
-    o.s1 = scales[1];
-    const typename Ops::B ql = Ops::load(b + 64 * h + 32 * (k % 2));
-    const typename Ops::B lo = k / 2 ? Ops::hi4(ql) : Ops::lo4(ql);
-    const typename Ops::B hi = Ops::and_(shift(Ops::load(b + 128 + 32 * h), 4 - 2 * k), 0x30);
-    o.c = Ops::sub(Ops::or_(lo, hi), 32);
   }
 };
 
@@ -182,17 +145,24 @@ inline void for_each_group(F&& f) {
   (std::make_integer_sequence<int, G>{});
 }
 
-// One group of one (row, token) product.
+// The offset term of a block of the token for the types stored with an offset (Q4_0, Q5_0):
+// kOff times the lane sums of q_x, once per block for all the rows of the pass.
 template <uint32_t T>
-inline void step(const Dec& w, const ActBlock& xb, typename Ops::B xq, typename Ops::V& acc,
-                 float& macc) {
+inline typename Ops::I offset(typename Ops::B xv) {
+  if constexpr (Code<T>::kOff != 0) return Ops::dot_u(Ops::splat(Code<T>::kOff), xv);
+  return Ops::izero();
+}
+
+// One block of one (row, token) product.
+template <uint32_t T>
+inline void step(const Dec& w, const ActBlock& xb, typename Ops::B xq, typename Ops::I xoff,
+                 typename Ops::V& acc, float& macc) {
   typename Ops::I p;
-  if constexpr (Code<T>::kSub)
-    p = Ops::dot_s2(w.c, xq, w.s0, w.s1);
-  else if constexpr (Code<T>::kSigned)
+  if constexpr (Code<T>::kSigned)
     p = Ops::dot_s(w.c, xq);
   else
     p = Ops::dot_u(w.c, xq);
+  if constexpr (Code<T>::kOff != 0) p = Ops::isub(p, xoff);
   acc = Ops::fma(Ops::set1(w.a * xb.d), Ops::cvt(p), acc);
   if constexpr (Code<T>::kMin) macc = std::fma(w.m, xb.s, macc);
 }
@@ -213,37 +183,30 @@ inline void dot_rows_1(const uint8_t* const* rows, int64_t cols, const ActBlock*
     acc[r] = Ops::zero();
     macc[r] = 0.0f;
   }
-  constexpr int G = Code<T>::kGroups;
-  const int64_t blocks = cols / 32 / G;
-  for (int64_t k = 0; k < blocks; ++k) {
-    for_each_group<G>([&](auto g) {
-      const ActBlock& xb = xq[k * G + g];
-      const typename Ops::B xv = Ops::load(xb.q);
-      for (int r = 0; r < RBn; ++r) {
-        Dec w;
-        Code<T>::decode(rows[r] + k * Code<T>::kBytes, g, w);
-        step<T>(w, xb, xv, acc[r], macc[r]);
-      }
-    });
+  for (int64_t b = 0; b < cols / 32; ++b) {
+    const ActBlock& xb = xq[b];
+    const typename Ops::B xv = Ops::load(xb.q);
+    const typename Ops::I xoff = offset<T>(xv);
+    for (int r = 0; r < RBn; ++r) {
+      Dec w;
+      Code<T>::decode(rows[r] + b * Code<T>::kBytes, w);
+      step<T>(w, xb, xv, xoff, acc[r], macc[r]);
+    }
   }
   for (int r = 0; r < RBn; ++r) y[r] = finish<T>(acc[r], macc[r]);
 }
 
-// The batched path's decoded group: 32 code bytes, a, m, s0, s1 (kGroupBytes).
+// The batched path's decoded block: 32 code bytes, a, m (kGroupBytes).
 inline void store_dec(uint8_t* p, const Dec& w) {
   Ops::store(p, w.c);
   std::memcpy(p + 32, &w.a, 4);
   std::memcpy(p + 36, &w.m, 4);
-  std::memcpy(p + 40, &w.s0, 4);
-  std::memcpy(p + 44, &w.s1, 4);
 }
 inline Dec load_dec(const uint8_t* p) {
   Dec w;
   w.c = Ops::load(p);
   std::memcpy(&w.a, p + 32, 4);
   std::memcpy(&w.m, p + 36, 4);
-  std::memcpy(&w.s0, p + 40, 4);
-  std::memcpy(&w.s1, p + 44, 4);
   return w;
 }
 
@@ -259,16 +222,14 @@ inline void rows_block(const RowsArgs& a, int64_t r0) {
     for (int r = 0; r < RBn; ++r) a.y[r0 + r] = y[r];
     return;
   }
-  constexpr int G = Code<T>::kGroups;
   const int64_t groups = a.cols / 32;
   auto* dec = reinterpret_cast<uint8_t*>(a.scratch);
   for (int r = 0; r < RBn; ++r)
-    for (int64_t k = 0; k < groups / G; ++k)
-      for_each_group<G>([&](auto g) {
-        Dec w;
-        Code<T>::decode(rows[r] + k * Code<T>::kBytes, g, w);
-        store_dec(dec + (r * groups + k * G + g) * kGroupBytes, w);
-      });
+    for (int64_t b = 0; b < groups; ++b) {
+      Dec w;
+      Code<T>::decode(rows[r] + b * Code<T>::kBytes, w);
+      store_dec(dec + (r * groups + b) * kGroupBytes, w);
+    }
   for (int64_t t = 0; t < a.tokens; ++t) {
     const ActBlock* xq = a.xq + t * a.xq_stride;
     typename Ops::V acc[RBn];
@@ -279,8 +240,10 @@ inline void rows_block(const RowsArgs& a, int64_t r0) {
     }
     for (int64_t b = 0; b < groups; ++b) {
       const typename Ops::B xv = Ops::load(xq[b].q);
+      const typename Ops::I xoff = offset<T>(xv);
       for (int r = 0; r < RBn; ++r)
-        step<T>(load_dec(dec + (r * groups + b) * kGroupBytes), xq[b], xv, acc[r], macc[r]);
+        step<T>(load_dec(dec + (r * groups + b) * kGroupBytes), xq[b], xv, xoff, acc[r],
+                macc[r]);
     }
     for (int r = 0; r < RBn; ++r) a.y[t * a.y_stride + r0 + r] = finish<T>(acc[r], macc[r]);
   }
@@ -291,6 +254,159 @@ void rows_typed(const RowsArgs& a) {
   int64_t r = a.row_begin;
   for (; r + Ops::RB <= a.row_end; r += Ops::RB) rows_block<T, Ops::RB>(a, r);
   for (; r < a.row_end; ++r) rows_block<T, 1>(a, r);
+}
+
+// The K types, 256-value activation blocks (ActBlockK). Chunk g (32 values, g < 8) of a
+// super-block is decoded into 32 integer codes c and its integer sub-scale(s):
+//   Q4_K  c = q            unsigned  scale sc_g (6 bits), min mn_g (6 bits)
+//   Q5_K  as Q4_K, c = q + 16 * (high bit)
+//   Q6_K  c = u - 32, u = q (6 bits)  scales s_{2g} (lanes 0-3), s_{2g+1} (lanes 4-7), int8;
+//         the int16 pairs as pairs(u, q_x) - pairs(32, q_x) (the same integers as pairs(c, q_x))
+// Per row and super-block, prepare() unpacks the scales (Row); per chunk, xterm() is what the
+// rows share (Q6_K: pairs(32, q_x)) and dot<g>() gives the chunk's 8 scaled int32 lanes.
+template <uint32_t T>
+struct CodeK;
+
+template <bool kFive>
+struct CodeK45 {
+  static constexpr int kBytes = kFive ? 176 : 144;
+  static constexpr bool kMin = true;
+  struct Row {
+    typename Ops::S sc;
+    uint8_t mn[8];
+  };
+  static float d(const uint8_t* b) { return Ops::f16(rd16(b)); }
+  static float dmin(const uint8_t* b) { return Ops::f16(rd16(b + 2)); }
+  // The 8 scales and the 8 mins (ggml's 12-byte 6-bit packing).
+  static void prepare(const uint8_t* b, Row& o) {
+    uint32_t u[4];
+    std::memcpy(u, b + 4, 12);
+    constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const uint32_t mins_lo = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = mins_lo;
+    u[0] &= k1;
+    uint8_t sm[16];
+    std::memcpy(sm, u, 16);
+    o.sc = Ops::scales_u8(sm);
+    std::memcpy(o.mn, sm + 8, 8);
+  }
+  static typename Ops::B xterm(typename Ops::B xv) { return xv; }
+  template <int g>
+  static typename Ops::I dot(const uint8_t* b, typename Ops::B xv, typename Ops::B /*xt*/,
+                             const Row& o) {
+    const typename Ops::B q = Ops::load(b + (kFive ? 48 : 16) + 32 * (g / 2));
+    typename Ops::B c = g % 2 ? Ops::hi4(q) : Ops::lo4(q);
+    if constexpr (kFive) c = Ops::or_(c, Ops::and_(shift(Ops::load(b + 16), 4 - g), 0x10));
+    return Ops::template madd_sc<g, g>(Ops::pairs(c, xv), o.sc);
+  }
+  // sum_g mn_g * bsum_g: exact, |.| <= 8 * 63 * 4064 < 2^21.
+  static int msum(const Row& o, const int16_t* bsum) {
+    int m = 0;
+    for (int g = 0; g < 8; ++g) m += int{o.mn[g]} * bsum[g];
+    return m;
+  }
+};
+template <>
+struct CodeK<kTypeQ4_K> : CodeK45<false> {};
+template <>
+struct CodeK<kTypeQ5_K> : CodeK45<true> {};
+
+// Q6_K: chunk g = 4 h + k holds values 128 h + 32 k + l (l < 32), sub-scales 8 h + 2 k + l / 16.
+template <>
+struct CodeK<kTypeQ6_K> {
+  static constexpr int kBytes = 210;
+  static constexpr bool kMin = false;
+  struct Row {
+    typename Ops::S sc[2];  // half h of the 16 scales in both halves
+  };
+  static float d(const uint8_t* b) { return Ops::f16(rd16(b + 208)); }
+  static float dmin(const uint8_t*) { return 0.0f; }
+  static void prepare(const uint8_t* b, Row& o) {
+    const typename Ops::S s = Ops::scales_i8(reinterpret_cast<const int8_t*>(b + 192));
+    o.sc[0] = Ops::template half<0>(s);
+    o.sc[1] = Ops::template half<1>(s);
+  }
+  static typename Ops::B xterm(typename Ops::B xv) { return Ops::pairs(Ops::splat(32), xv); }
+  template <int g>
+  static typename Ops::I dot(const uint8_t* b, typename Ops::B xv, typename Ops::B xt,
+                             const Row& o) {
+    constexpr int h = g / 4, k = g % 4;
+    const typename Ops::B ql = Ops::load(b + 64 * h + 32 * (k % 2));
+    const typename Ops::B lo = k / 2 ? Ops::hi4(ql) : Ops::lo4(ql);
+    const typename Ops::B hi = Ops::and_(shift(Ops::load(b + 128 + 32 * h), 4 - 2 * k), 0x30);
+    const typename Ops::B p = Ops::sub16(Ops::pairs(Ops::or_(lo, hi), xv), xt);
+    return Ops::template madd_sc<(2 * g) % 8, (2 * g + 1) % 8>(p, o.sc[h]);
+  }
+  static int msum(const Row&, const int16_t*) { return 0; }
+};
+
+// Super-block k of RBn rows against one token's activation block xb:
+//   sumi = sum_g dot(c_g, q_x[32 g ..]) times the chunk's sub-scale(s)   8 int32 lanes, exact
+//   acc  = fma(set1(d * d_x), cvt(sumi), acc)                           (d * d_x rounded once)
+//   Q4_K / Q5_K: msum = sum_g mn_g * bsum_g (an exact integer, |msum| < 2^21)
+//                macc = fma(-(dmin * d_x), msum, macc)                  (dmin * d_x rounded once)
+// Lane i of sumi sums bytes 4i .. 4i+3 of the 8 chunks (32 products), so |lane| <= 32 * |c|max *
+// 127 * |scale|max: Q4_K 32 * 15 * 127 * 63, Q5_K 32 * 31 * 127 * 63, Q6_K 32 * 32 * 127 * 128 =
+// 16646144 < 2^24, so cvt is exact; maddubs' int16 pairs <= 2 * 63 * 127 (Q6_K's u), 2 * 31 *
+// 127 (Q5_K), never saturate.
+template <uint32_t T, int RBn>
+inline void superblock(const uint8_t* const* rows, int64_t k, const ActBlockK& xb,
+                       typename Ops::V* acc, float* macc) {
+  using CK = CodeK<T>;
+  const uint8_t* b[RBn];
+  typename Ops::I sumi[RBn];
+  typename CK::Row st[RBn];
+  for (int r = 0; r < RBn; ++r) {
+    b[r] = rows[r] + k * CK::kBytes;
+    sumi[r] = Ops::izero();
+    CK::prepare(b[r], st[r]);
+  }
+  for_each_group<8>([&](auto g) {
+    constexpr int kG = decltype(g)::value;
+    const typename Ops::B xv = Ops::load(xb.q + 32 * kG);
+    const typename Ops::B xt = CK::xterm(xv);
+    for (int r = 0; r < RBn; ++r)
+      sumi[r] = Ops::add(sumi[r], CK::template dot<kG>(b[r], xv, xt, st[r]));
+  });
+  for (int r = 0; r < RBn; ++r) {
+    acc[r] = Ops::fma(Ops::set1(CK::d(b[r]) * xb.d), Ops::cvt(sumi[r]), acc[r]);
+    if constexpr (CK::kMin)
+      macc[r] = std::fma(-(CK::dmin(b[r]) * xb.d), static_cast<float>(CK::msum(st[r], xb.bsum)),
+                         macc[r]);
+  }
+}
+
+// RBn rows against every token of the job, token by token from the weights (they stay in L1/L2
+// for the tile): the same operations whatever the token count.
+template <uint32_t T, int RBn>
+inline void rows_block_k(const RowsArgs& a, int64_t r0) {
+  const uint8_t* rows[RBn];
+  for (int r = 0; r < RBn; ++r) rows[r] = a.w + (r0 + r) * a.row_bytes;
+  const int64_t blocks = a.cols / 256;
+  for (int64_t t = 0; t < a.tokens; ++t) {
+    const ActBlockK* xk = a.xk + t * a.xk_stride;
+    typename Ops::V acc[RBn];
+    float macc[RBn];
+    for (int r = 0; r < RBn; ++r) {
+      acc[r] = Ops::zero();
+      macc[r] = 0.0f;
+    }
+    for (int64_t k = 0; k < blocks; ++k) superblock<T, RBn>(rows, k, xk[k], acc, macc);
+    for (int r = 0; r < RBn; ++r) {
+      float y = Ops::reduce_add(acc[r]);
+      if constexpr (CodeK<T>::kMin) y += macc[r];
+      a.y[t * a.y_stride + r0 + r] = y;
+    }
+  }
+}
+
+template <uint32_t T>
+void rows_typed_k(const RowsArgs& a) {
+  int64_t r = a.row_begin;
+  for (; r + Ops::RB <= a.row_end; r += Ops::RB) rows_block_k<T, Ops::RB>(a, r);
+  for (; r < a.row_end; ++r) rows_block_k<T, 1>(a, r);
 }
 
 void rows_int8_impl(const RowsArgs& a) {
@@ -304,11 +420,11 @@ void rows_int8_impl(const RowsArgs& a) {
     case kTypeQ5_1:
       return rows_typed<kTypeQ5_1>(a);
     case kTypeQ4_K:
-      return rows_typed<kTypeQ4_K>(a);
+      return rows_typed_k<kTypeQ4_K>(a);
     case kTypeQ5_K:
-      return rows_typed<kTypeQ5_K>(a);
+      return rows_typed_k<kTypeQ5_K>(a);
     case kTypeQ6_K:
-      return rows_typed<kTypeQ6_K>(a);
+      return rows_typed_k<kTypeQ6_K>(a);
     default:  // kTypeQ8_0 (the driver sends only int8_type types)
       return rows_typed<kTypeQ8_0>(a);
   }

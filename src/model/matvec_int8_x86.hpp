@@ -41,7 +41,6 @@ struct Ops {
     return and_(_mm256_sll_epi16(b, _mm_cvtsi32_si128(n)), static_cast<uint8_t>(0xff << n));
   }
   static B or_(B a, B b) { return _mm256_or_si256(a, b); }
-  static B sub(B b, uint8_t c) { return _mm256_sub_epi8(b, _mm256_set1_epi8(static_cast<char>(c))); }
   // Byte e: 0xff where bit e of m is set (ggml's bytes_from_bits_32).
   static B bitmask(uint32_t m) {
     const __m256i shuf = _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101,
@@ -60,16 +59,35 @@ struct Ops {
 #endif
   }
   static I dot_s(B w, B x) { return dot_u(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)); }
-  static I dot_s2(B w, B x, int s0, int s1) {
-#if TREEATTN_INT8_DOT == 0
-    const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-    return _mm256_madd_epi16(p, _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(s1)),
-                                                 _mm_set1_epi16(static_cast<int16_t>(s0))));
-#else
-    return _mm256_mullo_epi32(dot_s(w, x),
-                              _mm256_set_m128i(_mm_set1_epi32(s1), _mm_set1_epi32(s0)));
-#endif
+  // The K types' integer sub-scales: S = 16 int16 (elements 0-7 in the low 128 bits, 8-15 in
+  // the high); pairs() = maddubs' 16 int16 pair sums; madd_sc<e0, e1> multiplies them by
+  // element e0 of the low half (lanes 0-3) and element e1 of the high half (lanes 4-7).
+  using S = __m256i;
+  static S scales_u8(const uint8_t* s) {
+    return _mm256_broadcastsi128_si256(
+        _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s))));
   }
+  static S scales_i8(const int8_t* s) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+  }
+  template <int h>
+  static S half(S s) {
+    return _mm256_permute4x64_epi64(s, h ? 0xee : 0x44);
+  }
+  static B pairs(B w, B x) { return _mm256_maddubs_epi16(w, x); }
+  static B sub16(B a, B b) { return _mm256_sub_epi16(a, b); }
+  template <int e0, int e1>
+  static I madd_sc(B p, S s) {
+    constexpr char a0 = 2 * e0, a1 = 2 * e0 + 1, b0 = 2 * e1, b1 = 2 * e1 + 1;
+    const __m256i m = _mm256_setr_epi8(a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, a0, a1,
+                                       a0, a1, b0, b1, b0, b1, b0, b1, b0, b1, b0, b1, b0, b1,
+                                       b0, b1, b0, b1);
+    return _mm256_madd_epi16(p, _mm256_shuffle_epi8(s, m));
+  }
+  static I izero() { return _mm256_setzero_si256(); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static B splat(uint8_t v) { return _mm256_set1_epi8(static_cast<char>(v)); }
   static V cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V zero() { return _mm256_setzero_ps(); }

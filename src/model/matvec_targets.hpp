@@ -27,6 +27,7 @@ inline constexpr uint32_t kTypeF32 = 0, kTypeF16 = 1, kTypeQ4_0 = 2, kTypeQ4_1 =
                           kTypeQ6_K = 14, kTypeBF16 = 30;
 
 struct ActBlock;
+struct ActBlockK;
 
 struct RowsArgs {
   uint32_t type = 0;
@@ -44,6 +45,10 @@ struct RowsArgs {
   // cols / 32 blocks per token, xq_stride blocks apart (quantize_activations).
   const ActBlock* xq = nullptr;
   int64_t xq_stride = 0;
+  // The K types (Q4_K, Q5_K, Q6_K) read these instead: cols / 256 blocks per token, xk_stride
+  // blocks apart (quantize_activations_k).
+  const ActBlockK* xk = nullptr;
+  int64_t xk_stride = 0;
 };
 
 // The most rows a target decodes together (its Ops::RB <= this).
@@ -76,8 +81,26 @@ static_assert(sizeof(ActBlock) == 40);
 // target reads the same blocks.
 void quantize_activations(const float* x, int64_t cols, ActBlock* out);
 
-// Whether the integer targets read this weight type (the float types stay on the float path).
+// The K types' activations (as llama.cpp's Q8_K): 256 activations of one token as 8-bit integers
+// and one float scale, x[i] ~ d * q[i], and the sums of q over each 32 (bsum[j] = q[32 j] + ...
+// + q[32 j + 31], |bsum| <= 4064; the mins of Q4_K / Q5_K need them). One scale per 256 lets a
+// K super-block be one integer sum and one float multiply-add (matvec_int8_impl.hpp).
+struct ActBlockK {
+  float d;
+  int16_t bsum[8];
+  int8_t q[256];
+};
+static_assert(sizeof(ActBlockK) == 276);
+
+// Quantizes `cols` floats (a multiple of 256) into cols / 256 blocks, each as quantize_activations
+// quantizes a block but with amax, d and the clamp taken over 256 values (so the per-element
+// bound is (amax_256 / 254) (1 + 2^-15)); a NaN or infinite x: d = NaN, q = 0, bsum = 0.
+void quantize_activations_k(const float* x, int64_t cols, ActBlockK* out);
+
+// Whether the integer targets read this weight type (the float types stay on the float path),
+// and whether they read it with 256-value activation blocks (ActBlockK: the K types).
 bool int8_type(uint32_t type);
+bool int8_k_type(uint32_t type);
 
 // Integer row kernels: rows_int8_generic (plain C++, every machine), rows_int8_avx2 (maddubs +
 // madd), rows_int8_avxvnni (AVX-VNNI vpdpbusd on ymm), rows_int8_avx512vnni (AVX-512 VNNI's

@@ -148,21 +148,26 @@ WeightMatrix make_matrix(uint32_t type, int64_t rows, int64_t cols, std::vector<
 }
 
 // The activation quantization as matvec_targets.hpp states it, written again here: per block of
-// 32, d = amax / 127 (float), q = nearest-even(x / d) clamped to +-127; xq[i] = d * q[i] (double).
+// n (32; 256 for the K types), d = amax / 127 (float), q = nearest-even(x / d) clamped to +-127;
+// xq[i] = d * q[i] (double).
 struct Quantized {
+  int64_t n = 32;            // the block
   std::vector<double> xq;    // d * q per element, exact in double
   std::vector<double> amax;  // per block
+  double amax_of(std::size_t i) const { return amax[i / static_cast<std::size_t>(n)]; }
 };
-Quantized quantize(const float* x, int64_t cols) {
+int64_t act_block(uint32_t type) { return gguf::block_layout(type).block_elems == 256 ? 256 : 32; }
+Quantized quantize(const float* x, int64_t cols, int64_t n) {
   Quantized r;
+  r.n = n;
   r.xq.resize(static_cast<std::size_t>(cols));
-  for (int64_t b = 0; b < cols / 32; ++b) {
+  for (int64_t b = 0; b < cols / n; ++b) {
     float amax = 0;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b * 32 + i]));
+    for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[b * n + i]));
     const float d = amax / 127.0f;
     r.amax.push_back(amax);
-    for (int i = 0; i < 32; ++i) {
-      const int64_t c = b * 32 + i;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t c = b * n + i;
       float q = d > 0 ? std::nearbyint(x[c] / d) : 0.0f;
       q = std::clamp(q, -127.0f, 127.0f);
       r.xq[static_cast<std::size_t>(c)] = double{d} * q;
@@ -186,7 +191,8 @@ MatvecOptions int8_options(int threads, const Target& t) {
   return o;
 }
 
-// Bounds (matvec_int8_impl.hpp): with u = 2^-24 and k = groups + 7,
+// Bounds (matvec_int8_impl.hpp): with u = 2^-24, b the activation blocks (32 values; 256 for the
+// K types, which read 256-value blocks as llama.cpp's Q8_K) and k = cols / |b| + 7,
 //   (a) |y - <w, d q>|  <= k u sum |w_i d q_i| (1.01) + u sum |w_i d q_i| (the float path's w
 //       rounds once for Q4_1 / Q5_1 / Q4_K / Q5_K; the kernel never forms it)
 //   (b) |y - <w, x>|    <= sum_b (amax_b / 254) (1 + 2^-15) sum_{i in b} |w_i| + (a)'s bound
@@ -198,7 +204,9 @@ TEST(Int8Matmul, EveryTypeAndTargetMatchesTheFloat64DotWithinTheBound) {
   for (const uint32_t type : int8_types()) {
     const bool k = gguf::block_layout(type).block_elems == 256;
     double worst_ratio = 0;  // |y - <w, x>| over bound (b)
-    for (const int64_t cols : {k ? int64_t{256} : int64_t{32}, int64_t{768}, int64_t{1536}}) {
+    // 768 = 3 K super-blocks; 896 and 4864 = 19 super-blocks are Qwen2.5-0.5B's widths.
+    for (const int64_t cols : {k ? int64_t{256} : int64_t{32}, int64_t{768}, int64_t{1536},
+                               k ? int64_t{4864} : int64_t{896}}) {
       for (const int64_t tokens : {int64_t{1}, int64_t{3}, int64_t{6}}) {
         const int64_t rows = 37;
         std::vector<uint8_t> store;
@@ -224,7 +232,7 @@ TEST(Int8Matmul, EveryTypeAndTargetMatchesTheFloat64DotWithinTheBound) {
           }
           for (int64_t t = 0; t < tokens; ++t) {
             const float* xt = x.data() + t * cols;
-            const Quantized q = quantize(xt, cols);
+            const Quantized q = quantize(xt, cols, act_block(type));
             for (int64_t r = 0; r < rows; ++r) {
               const std::vector<float> w = dequantized(type, m.data + r * m.row_bytes, cols);
               double want_q = 0, mag_q = 0, want = 0, mag = 0, quant = 0;
@@ -234,10 +242,10 @@ TEST(Int8Matmul, EveryTypeAndTargetMatchesTheFloat64DotWithinTheBound) {
                 mag_q += std::fabs(w[i] * q.xq[i]);
                 want += double{w[i]} * xt[c];
                 mag += std::fabs(double{w[i]} * xt[c]);
-                quant += q.amax[i / 32] / 254.0 * (1 + 0x1p-15) * std::fabs(w[i]);
+                quant += q.amax_of(i) / 254.0 * (1 + 0x1p-15) * std::fabs(w[i]);
               }
               const double got = y[static_cast<std::size_t>(t * rows + r)];
-              const double kk = static_cast<double>(cols / 32 + 7);
+              const double kk = static_cast<double>(cols / act_block(type) + 7);
               const double bound_a = 1.01 * kk * 0x1p-24 * mag_q + 0x1p-24 * mag_q + 1e-30;
               ASSERT_LE(std::fabs(got - want_q), bound_a) << "row " << r << " token " << t;
               const double bound_b = quant + bound_a + 0x1p-24 * mag;
@@ -253,20 +261,22 @@ TEST(Int8Matmul, EveryTypeAndTargetMatchesTheFloat64DotWithinTheBound) {
   }
 }
 
-// Extreme activations: huge and tiny blocks, a lone outlier, exact ties of x / d.
+// Extreme activations: huge and tiny blocks, a lone outlier, exact ties of x / d; one pattern per
+// activation block (32 values; 256 for the K types).
 TEST(Int8Matmul, ExtremeActivationsStayWithinTheBound) {
   std::mt19937_64 rng(5);
-  for (const uint32_t type : {id(TensorType::kQ4_0), id(TensorType::kQ6_K)}) {
-    const int64_t rows = 9, cols = 256;
+  for (const uint32_t type :
+       {id(TensorType::kQ4_0), id(TensorType::kQ4_K), id(TensorType::kQ6_K)}) {
+    const int64_t rows = 9, cols = 1280, n = act_block(type);
     std::vector<uint8_t> store;
     const WeightMatrix m = make_matrix(type, rows, cols, store, rng);
     std::vector<float> x(static_cast<std::size_t>(cols));
     for (int64_t c = 0; c < cols; ++c) {
-      const int64_t b = c / 32;
+      const int64_t b = c / n;
       x[static_cast<std::size_t>(c)] =
           b == 0 ? 1e30f * static_cast<float>(c % 3 - 1)
           : b == 1 ? 1e-30f * static_cast<float>(c % 7)
-          : b == 2 ? (c == 70 ? 1000.0f : 1e-3f)
+          : b == 2 ? (c % n == 6 ? 1000.0f : 1e-3f)
           : b == 3 ? static_cast<float>(c % 32) - 0.5f  // x / d lands on halves often
                    : std::ldexp(1.0f, static_cast<int>(c % 32) - 16);
     }
@@ -275,7 +285,7 @@ TEST(Int8Matmul, ExtremeActivationsStayWithinTheBound) {
       const WeightMatrix* mats[] = {&m};
       float* ys[] = {y.data()};
       ASSERT_TRUE(model::matmul(mats, x.data(), 1, cols, ys, int8_options(1, tg)).is_ok());
-      const Quantized q = quantize(x.data(), cols);
+      const Quantized q = quantize(x.data(), cols, act_block(type));
       for (int64_t r = 0; r < rows; ++r) {
         const std::vector<float> w = dequantized(type, m.data + r * m.row_bytes, cols);
         double want = 0, mag_q = 0, quant = 0, mag = 0;
@@ -283,9 +293,10 @@ TEST(Int8Matmul, ExtremeActivationsStayWithinTheBound) {
           want += double{w[i]} * x[i];
           mag += std::fabs(double{w[i]} * x[i]);
           mag_q += std::fabs(w[i] * q.xq[i]);
-          quant += q.amax[i / 32] / 254.0 * (1 + 0x1p-15) * std::fabs(w[i]);
+          quant += q.amax_of(i) / 254.0 * (1 + 0x1p-15) * std::fabs(w[i]);
         }
-        const double bound = quant + (1.01 * 15 + 1) * 0x1p-24 * mag_q + 0x1p-24 * mag;
+        const double kk = static_cast<double>(cols / act_block(type) + 7);
+        const double bound = quant + (1.01 * kk + 1) * 0x1p-24 * mag_q + 0x1p-24 * mag;
         EXPECT_LE(std::fabs(y[static_cast<std::size_t>(r)] - want), bound)
             << gguf::tensor_type_name(type) << " " << target_name(tg) << " row " << r;
       }
@@ -364,6 +375,41 @@ TEST(Int8Matmul, BitsDoNotDependOnBatchingThreadsRowsOrTheOtherMatrices) {
               << n << " tokens, threads " << threads;
         }
       }
+    }
+  }
+}
+
+// One call with 32-value and K types (both activation block sizes quantized) gives each matrix the
+// bits of its own call.
+TEST(Int8Matmul, KAnd32ValueTypesInOneCallGiveTheirOwnCallsBits) {
+  std::mt19937_64 rng(31);
+  std::normal_distribution<float> nd;
+  const int64_t cols = 768, tokens = 5;
+  const uint32_t types[] = {id(TensorType::kQ4_K), id(TensorType::kQ5_0), id(TensorType::kQ6_K),
+                            id(TensorType::kQ8_0)};
+  std::vector<uint8_t> store[4];
+  std::vector<WeightMatrix> ms;
+  for (int i = 0; i < 4; ++i) ms.push_back(make_matrix(types[i], 11 + 2 * i, cols, store[i], rng));
+  std::vector<float> x(static_cast<std::size_t>(tokens * cols));
+  for (auto& v : x) v = nd(rng);
+  for (const Target& tg : targets_here()) {
+    SCOPED_TRACE(target_name(tg));
+    std::vector<std::vector<float>> together(4);
+    const WeightMatrix* mats[4];
+    float* ys[4];
+    for (int i = 0; i < 4; ++i) {
+      together[i].resize(static_cast<std::size_t>(tokens * ms[i].rows));
+      mats[i] = &ms[i];
+      ys[i] = together[i].data();
+    }
+    ASSERT_TRUE(model::matmul(mats, x.data(), tokens, cols, ys, int8_options(2, tg)).is_ok());
+    for (int i = 0; i < 4; ++i) {
+      std::vector<float> alone(together[i].size());
+      const WeightMatrix* one[] = {&ms[i]};
+      float* y1[] = {alone.data()};
+      ASSERT_TRUE(model::matmul(one, x.data(), tokens, cols, y1, int8_options(1, tg)).is_ok());
+      EXPECT_EQ(0, std::memcmp(alone.data(), together[i].data(), alone.size() * 4))
+          << gguf::tensor_type_name(types[i]);
     }
   }
 }
