@@ -17,7 +17,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <memory>
 #include <optional>
 
@@ -28,8 +27,8 @@
 #include "job_status.hpp"
 #include "launcher.hpp"
 #include "measure.hpp"
+#include "measure/bench_results.hpp"
 #include "options.hpp"
-#include "report.hpp"
 #include "treeattn/comm_mpi.hpp"
 #include "treeattn/comm_nccl.hpp"
 #include "treeattn/executor_cuda.hpp"
@@ -220,38 +219,28 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
                 "bit-identical results on all ranks\n\n");
     std::fflush(stdout);
   }
-  std::vector<Point> points;
-  Status status;
-  const std::size_t total = f.shape.seqs.size() * f.shape.batches.size();
-  std::size_t done = 0;
-  for (int64_t batch : f.shape.batches) {
-    for (int64_t seq : f.shape.seqs) {
-      MeasureConfig mc = measure_config(f, methods, seq, batch);
-      mc.threads = threads;
-      mc.device = f.device_kind;
-      mc.executor = dev.executor.get();
-      mc.device_comm = dev.comm.get();
-      if (auto planned = resolve_auto_methods(mc.methods, mc.shape, mc.dtype, seq, P, f.topology,
-                                              f.cluster, f.link, f.fanout, lead);
-          !planned.is_ok()) {
-        status = planned.status();
-        break;
-      } else {
-        mc.methods = std::move(planned).value();
-      }
-      mc.progress = !f.child_json.empty() || bench;
-      if (lead)
-        std::fprintf(stderr, "[%zu/%zu] p=%d seq=%s batch=%lld\n", ++done, total, P,
-                     format_size(seq).c_str(), static_cast<long long>(batch));
-      auto r = measure(*world, mc);
-      if (!r.is_ok()) {
-        status = r.status();
-        break;
-      }
-      points.insert(points.end(), r.value().begin(), r.value().end());
-    }
-    if (!status.is_ok()) break;
-  }
+  MeasureConfig mc = measure_config(f, methods, f.shape.seqs[0], f.shape.batches[0]);
+  mc.threads = threads;
+  mc.device = f.device_kind;
+  mc.executor = dev.executor.get();
+  mc.device_comm = dev.comm.get();
+  mc.progress = !f.child_json.empty() || bench;
+  BenchSweep sweep;
+  sweep.base = bench_config(mc);
+  sweep.seqs = f.shape.seqs;
+  sweep.batches = f.shape.batches;
+  sweep.device = device_name(f.device_kind);
+  sweep.methods_for = [&](const BenchConfig& c) {
+    return resolve_auto_methods(c.methods, c.shape, c.dtype, c.seq, P, f.topology, f.cluster,
+                                f.link, f.fanout, lead);
+  };
+  sweep.progress = [&](std::size_t done, std::size_t total, const BenchConfig& c) {
+    if (lead)
+      std::fprintf(stderr, "[%zu/%zu] p=%d seq=%s batch=%lld\n", done, total, P,
+                   format_size(c.seq).c_str(), static_cast<long long>(c.shape.batch));
+  };
+  auto measured = bench_sweep(*world, sweep);
+  const Status status = measured.status();
   if (!status.is_ok()) {
     std::fprintf(stderr, "treeattn %s: rank %d: error: %s\n", cmd, world->rank(),
                  status.to_string().c_str());
@@ -263,17 +252,19 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
     (void)mpi_finalize();
     return 2;
   }
+  const std::vector<BenchResult>& points = *measured;
   bool all_ok = true;
   for (const auto& p : points) all_ok = all_ok && p.ok;
   int rc = all_ok ? 0 : 1;
   if (lead) {
     if (!f.child_json.empty()) {
       // The launching shell prints the header: it learns the device from here.
-      Status s = write_json(f.child_json, points, {{"device_description", dev.description}});
+      Status s = write_bench_json(f.child_json, points, {{"device_description", dev.description}});
       if (!s.is_ok()) rc = fail(cmd, s);
     } else {
       if (bench) std::printf("%s\n", dev.description.c_str());
-      print_table(points, f.baseline);
+      std::fputs(format_bench_table(points, f.baseline).c_str(), stdout);
+      std::fflush(stdout);
       nlohmann::json meta = {{"command", cmd},
                              {"kernel_isa", kernel_label},
                              {"threads_per_rank", threads},
@@ -282,9 +273,9 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
                              {"append", f.append},
                              {"device", device_name(f.device_kind)},
                              {"device_description", dev.description}};
-      if (!f.json.empty()) if (Status s = write_json(f.json, points, meta); !s.is_ok()) rc = fail(cmd, s);
-      if (!f.csv.empty()) if (Status s = write_csv(f.csv, points); !s.is_ok()) rc = fail(cmd, s);
-      if (!f.plot.empty()) if (Status s = write_plot(f.plot, points, "treeattn bench"); !s.is_ok()) rc = fail(cmd, s);
+      if (!f.json.empty()) if (Status s = write_bench_json(f.json, points, meta); !s.is_ok()) rc = fail(cmd, s);
+      if (!f.csv.empty()) if (Status s = write_bench_csv(f.csv, points); !s.is_ok()) rc = fail(cmd, s);
+      if (!f.plot.empty()) if (Status s = write_bench_plot(f.plot, points, "treeattn bench"); !s.is_ok()) rc = fail(cmd, s);
       if (!all_ok) std::printf("\nFAILED: at least one method is not exact (see the rel err column)\n");
     }
   }
@@ -374,18 +365,8 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
     for (int64_t b : f.shape.batches) {
       const MeasureConfig mc = measure_config(f, methods.value(), seq, b);
       for (int64_t p : ranks.value()) {
-        const MemoryNeed need = memory_need(mc, static_cast<int>(p));
-        if (need.available_bytes > 0 && need.per_job_bytes > 0.9 * need.available_bytes)
-          return fail(cmd, Status(Code::kOutOfMemory,
-                                  fmt::format("a context of {} tokens ({}, batch {}) on {} ranks "
-                                              "needs about {} of memory; this machine has {} "
-                                              "available ({} of KV cache, {} of queries, outputs "
-                                              "and states)",
-                                              seq, mc.shape.to_string(), b, p,
-                                              format_bytes(need.per_job_bytes),
-                                              format_bytes(need.available_bytes),
-                                              format_bytes(need.kv_bytes),
-                                              format_bytes(need.state_bytes))));
+        if (Status s = check_bench_memory(bench_config(mc), static_cast<int>(p)); !s.is_ok())
+          return fail(cmd, s);
       }
     }
 
@@ -407,7 +388,7 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
   // Plain shell: every output path is checked before the first job starts.
   if (Status s = check_outputs(f); !s.is_ok()) return fail(cmd, s);
   // One mpirun per rank count, results gathered here.
-  std::vector<Point> points;
+  std::vector<BenchResult> points;
   int worst = 0;
   std::string device_description;  // rank 0's of the first job (jobs write it with their points)
   for (int64_t p : ranks.value()) {
@@ -439,28 +420,18 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
                    "stopped\n", cmd, sig, strsignal(sig), static_cast<long long>(p));
       return 128 + sig;
     }
-    std::ifstream in(tmpl);
-    nlohmann::json j;
-    try {
-      if (in) in >> j;
-    } catch (...) {
-    }
+    BenchFile job = read_bench_file(tmpl);
     std::remove(tmpl);
     // Exit 1 means "not exact" only when the job's points say so; a rank that ended otherwise
     // (a library's exit(1)) is a failed job, named by the launcher's lines above.
-    bool inexact = false;
-    if (j.contains("points"))
-      for (const auto& pj : j["points"]) inexact = inexact || !pj.value("ok", true);
-    if (rc.value() != 0 && !(rc.value() == 1 && inexact)) {
+    if (rc.value() != 0 && !(rc.value() == 1 && job.inexact)) {
       std::fprintf(stderr, "treeattn %s: the %lld-rank job failed (exit %d)\n", cmd,
                    static_cast<long long>(p), rc.value());
       return rc.value() == 1 ? 2 : rc.value();
     }
     worst = std::max(worst, rc.value());
-    if (device_description.empty() && j.contains("meta") && j["meta"].is_object())
-      device_description = j["meta"].value("device_description", std::string());
-    if (j.contains("points"))
-      for (const auto& pj : j["points"]) points.push_back(Point::from_json(pj));
+    if (device_description.empty()) device_description = job.device_description;
+    points.insert(points.end(), job.results.begin(), job.results.end());
   }
   const bool cuda = f.device_kind == Device::kCuda;
   const std::string kernel_label = cuda ? "cuda" : std::string(isa_name(best_isa()));
@@ -480,7 +451,8 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
   } else {
     std::printf("%s\n", device_description.c_str());
   }
-  print_table(points, f.baseline);
+  std::fputs(format_bench_table(points, f.baseline).c_str(), stdout);
+  std::fflush(stdout);
   nlohmann::json meta = {{"command", cmd},
                          {"kernel_isa", kernel_label},
                          {"warmup", f.warmup},
@@ -488,10 +460,10 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
                          {"append", f.append},
                          {"device", device_name(f.device_kind)},
                          {"device_description", device_description}};
-  if (!f.json.empty()) if (Status s = write_json(f.json, points, meta); !s.is_ok()) return fail(cmd, s);
-  if (!f.csv.empty()) if (Status s = write_csv(f.csv, points); !s.is_ok()) return fail(cmd, s);
+  if (!f.json.empty()) if (Status s = write_bench_json(f.json, points, meta); !s.is_ok()) return fail(cmd, s);
+  if (!f.csv.empty()) if (Status s = write_bench_csv(f.csv, points); !s.is_ok()) return fail(cmd, s);
   if (!f.plot.empty()) {
-    if (Status s = write_plot(f.plot, points, fmt::format("treeattn bench: {} {}", f.shape.shape().to_string(), f.shape.dtype)); !s.is_ok())
+    if (Status s = write_bench_plot(f.plot, points, fmt::format("treeattn bench: {} {}", f.shape.shape().to_string(), f.shape.dtype)); !s.is_ok())
       return fail(cmd, s);
     std::printf("\nplot written to %s\n", f.plot.c_str());
   }

@@ -22,13 +22,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <memory>
-#include <nlohmann/json.hpp>
 
 #include "cluster.hpp"
 #include "engine/exchange.hpp"
+#include "engine/generation_report.hpp"
 #include "engine/merge.hpp"
 #include "commands.hpp"
 #include "job_status.hpp"
@@ -46,8 +44,6 @@
 
 namespace treeattn::cli {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 struct GenFlags {
   std::string model;
@@ -233,23 +229,10 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
   }
   const int64_t n = f.prompt_tokens > 0 ? f.prompt_tokens : static_cast<int64_t>(prompt.size());
   const auto& cfg = (*m)->config();
-  const int here = f.ranks;  // local launches put every rank here
-  const auto est =
-      model::estimate_memory(cfg, generation::generator_config(request_of(f, *path, 1)), f.ranks, n,
-                             f.new_tokens);
-  const double weights = static_cast<double>((*m)->file().file_size());  // shared page cache
-  const double need = static_cast<double>(est.total()) * here + weights;
-  const uint64_t avail = mem_available_bytes();
-  if (avail > 0 && need > 0.9 * static_cast<double>(avail))
-    return Status(Code::kOutOfMemory,
-                  fmt::format("a prompt of {} tokens + {} new on {} rank(s) needs about {} "
-                              "({} of KV cache and {} of prefill buffers per rank, {} of "
-                              "weights); this machine has {} available. Use fewer tokens, "
-                              "--kv-dtype bf16/f16, or more machines",
-                              n, f.new_tokens, f.ranks, format_bytes(need),
-                              format_bytes(static_cast<double>(est.kv_bytes)),
-                              format_bytes(static_cast<double>(est.prefill_bytes)),
-                              format_bytes(weights), format_bytes(static_cast<double>(avail))));
+  // Every rank of a local launch is here; the weights are shared (the page cache).
+  TREEATTN_RETURN_IF_ERROR(generation::check_memory(
+      cfg, request_of(f, *path, 1), f.ranks, f.ranks, n,
+      static_cast<double>((*m)->file().file_size()), mem_available_bytes()));
   if (f.ranks > n && !f.engine)  // the engine's ranks may hold no page
     return invalid_argument(fmt::format(
         "--ranks {} is larger than the prompt ({} tokens): every rank holds part of the "
@@ -273,167 +256,24 @@ std::string isa_label(int threads) {
   return std::string(isa_name(model::matmul_isa({threads, Isa::kAuto})));
 }
 
-// The report of the engine path (rank 0).
-int report_engine(const GenFlags& f, const std::string& model_path,
-                  const generation::Output& o, const std::string& merge, int threads, int P) {
-  const auto n = static_cast<int64_t>(o.prompt.size());
-  const std::size_t count = o.tokens.size();
-  const double decode_ms =
-      count > 1 ? o.decode_seconds * 1e3 / static_cast<double>(count - 1) : 0.0;
-  uint64_t max_rss = 0;
-  std::string rss_list;
-  for (uint64_t r : o.peak_rss_by_rank) {
-    max_rss = std::max(max_rss, r);
-    rss_list += (rss_list.empty() ? "" : " ") + format_bytes(static_cast<double>(r));
-  }
-  std::fprintf(stderr,
-               "prompt %lld tokens (%lld from the prefix cache): time to first token %.1f ms "
-               "(prefill %.0f tokens/s)\n"
-               "decode %s (engine) %zu tokens: %.2f ms/token p50, %.2f p99, %.1f tokens/s | "
-               "rank 0 sent %s/token in %lld merges in all\n"
-               "peak RSS per rank: %s (includes the mapped weights, shared between ranks)\n",
-               static_cast<long long>(n), static_cast<long long>(o.cached_tokens), o.ttft_ms,
-               static_cast<double>(n) / std::max(1e-9, o.prefill_seconds), merge.c_str(), count,
-               percentile(o.token_ms, 0.5), percentile(o.token_ms, 0.99),
-               decode_ms > 0 ? 1e3 / decode_ms : 0.0, format_bytes(o.bytes_per_token).c_str(),
-               static_cast<long long>(o.merges), rss_list.c_str());
-  if (f.json.empty()) return 0;
-  nlohmann::json j = {{"model", model_path},
-                      {"model_config", o.config_text},
-                      {"engine", true},
-                      {"prompt_tokens", o.prompt},
-                      {"tokens", o.tokens},
-                      {"text", o.text},
-                      {"ranks", P},
-                      {"threads_per_rank", threads},
-                      {"matmul", f.matmul},
-                      {"method", merge},
-                      {"prefill_exchange", f.prefill_exchange},
-                      {"rows_kv_exchange", o.rows_kv_exchange},
-                      {"rows_pass_q", o.rows_pass_q},
-                      {"kv_dtype", f.kv_dtype},
-                      {"ttft_ms", o.ttft_ms},
-                      {"prefill_ms", o.prefill_seconds * 1e3},
-                      {"prefill_tokens_per_s",
-                       static_cast<double>(n) / std::max(1e-9, o.prefill_seconds)},
-                      {"cached_tokens", o.cached_tokens},
-                      {"decode_ms_per_token", decode_ms},
-                      {"decode_ms", o.token_ms},
-                      {"decode_ms_p50", percentile(o.token_ms, 0.5)},
-                      {"decode_ms_p99", percentile(o.token_ms, 0.99)},
-                      {"tokens_per_s", decode_ms > 0 ? 1e3 / decode_ms : 0.0},
-                      {"bytes_sent_per_rank_per_token", o.bytes_per_token},
-                      {"bytes_sent_per_token_of", "rank 0, decode steps"},
-                      {"bytes_sent_rank0", o.bytes_sent_rank0},
-                      {"bytes_sent_by_rank", o.bytes_sent_by_rank},
-                      {"peak_rss_bytes", max_rss},
-                      {"peak_rss_bytes_by_rank", o.peak_rss_by_rank}};
-  std::ofstream out(f.json);
-  out << j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
-  if (!out) return fail("generate", invalid_argument("--json " + f.json + ": write failed"));
-  return 0;
+generation::ReportLabels labels_of(const GenFlags& f, const std::string& model_path, int threads,
+                                   int P) {
+  return {model_path, P,           threads,        f.matmul,          f.kv_dtype,
+          f.placement, f.kv_layout, f.synthetic_kv, f.prefill_exchange};
 }
 
-// The report of the session path (rank 0); rc: 3 when the ranks' streams diverged.
-int report_session(const GenFlags& f, const std::string& model_path,
-                   const generation::Output& o, int threads, int P, int rc) {
-  const auto n = static_cast<int64_t>(o.prompt.size());
-  const model::PrefillStats& ps = o.prefill;
-  std::string busy_list, rss_list;
-  uint64_t max_rss = 0;
-  for (double b : o.prefill_busy_s_by_rank)
-    busy_list += fmt::format("{}{:.2f}", busy_list.empty() ? "" : " ", b);
-  for (uint64_t r : o.peak_rss_by_rank) {
-    max_rss = std::max(max_rss, r);
-    rss_list += (rss_list.empty() ? "" : " ") + format_bytes(static_cast<double>(r));
-  }
-  if (f.synthetic_kv)
-    std::fprintf(stderr,
-                 "\nprompt %lld tokens: synthetic KV cache (not computed, %.2f s to fill)\n",
-                 static_cast<long long>(n), o.prefill_s);
-  else
-    std::fprintf(stderr,
-                 "\nprompt %lld tokens: prefill %.2f s (%.1f tokens/s, attention %.2f s, waiting "
-                 "%.2f s on rank 0), time to first token %.1f ms\n",
-                 static_cast<long long>(n), o.prefill_s, static_cast<double>(n) / o.prefill_s,
-                 ps.attention_seconds, ps.wait_seconds, o.ttft_ms);
-  if (!f.synthetic_kv && P > 1)
-    std::fprintf(stderr,
-                 "prefill busy s per rank (computing, not waiting): %s; sent %s by rank 0\n",
-                 busy_list.c_str(), format_bytes(static_cast<double>(ps.bytes_sent)).c_str());
-  nlohmann::json jm = nlohmann::json::array();
-  for (std::size_t k = 0; k < o.methods.size(); ++k) {
-    const generation::MethodResult& r = o.methods[k];
-    const double p50 = percentile(r.step_ms, 0.5), p99 = percentile(r.step_ms, 0.99);
-    const double tps = r.step_ms.empty() ? 0.0 : static_cast<double>(r.step_ms.size()) / r.decode_s;
-    const double bpt = r.bytes_sent_per_token_by_rank.empty()
-                           ? 0.0
-                           : *std::max_element(r.bytes_sent_per_token_by_rank.begin(),
-                                               r.bytes_sent_per_token_by_rank.end());
-    std::string agree;
-    if (k > 0)
-      agree = r.first_diff < 0
-                  ? ", same tokens as " + o.methods[0].method
-                  : fmt::format(", differs from {} at token {}", o.methods[0].method, r.first_diff);
-    std::fprintf(stderr,
-                 "decode %-11s %zu tokens: %.2f ms/token p50, %.2f p99, %.1f tokens/s | sent "
-                 "%s/rank/token (max) | end-to-end %.2f s%s\n",
-                 r.method.c_str(), r.step_ms.size(), p50, p99, tps, format_bytes(bpt).c_str(),
-                 o.prefill_s + r.decode_s, agree.c_str());
-    jm.push_back({{"method", r.method},
-                  {"tokens", r.tokens},
-                  {"decode_steps", r.step_ms.size()},
-                  {"decode_ms", r.step_ms},
-                  {"decode_ms_p50", p50},
-                  {"decode_ms_p99", p99},
-                  {"tokens_per_s", tps},
-                  {"decode_s", r.decode_s},
-                  {"end_to_end_s", o.prefill_s + r.decode_s},
-                  {"bytes_sent_per_rank_per_token", bpt},
-                  {"bytes_sent_per_token_by_rank", r.bytes_sent_per_token_by_rank},
-                  {"first_token_differing_from_method0", r.first_diff}});
-  }
-  std::fprintf(stderr,
-               "peak RSS per rank: %s (includes the mapped weights, shared between ranks)\n",
-               rss_list.c_str());
-  if (rc != 0) std::fprintf(stderr, "FAILED: the ranks' token streams diverged\n");
+// The report (rank 0): its lines on stderr, and --json.
+int report(const GenFlags& f, const std::string& model_path, const generation::Output& o,
+           const std::string& merge, int threads, int P, int rc) {
+  const std::string text = f.engine ? generation::engine_report_text(o, merge)
+                                    : generation::session_report_text(o, f.synthetic_kv, P, rc != 0);
+  std::fputs(text.c_str(), stderr);
   if (f.json.empty()) return rc;
-  const generation::MethodResult& r0 = o.methods[0];
-  nlohmann::json j = {
-      {"model", model_path},
-      {"model_config", o.config_text},
-      {"prompt_tokens", o.prompt},
-      {"tokens", r0.tokens},
-      {"text", o.text},
-      {"ranks", P},
-      {"threads_per_rank", threads},
-      {"matmul", f.matmul},
-      {"method", r0.method},
-      {"kv_dtype", f.kv_dtype},
-      {"placement", f.placement},
-      {"kv_layout", f.kv_layout},
-      {"ttft_ms", o.ttft_ms},
-      {"prefill_ms", o.prefill_s * 1e3},
-      {"synthetic_kv", f.synthetic_kv},
-      {"prefill_tokens_per_s", static_cast<double>(n) / o.prefill_s},
-      {"prefill_bytes_sent_rank0", ps.bytes_sent},
-      {"prefill_busy_s_by_rank", o.prefill_busy_s_by_rank},
-      {"prefill_attention_s_by_rank", o.prefill_attention_s_by_rank},
-      {"prefill_positions_by_rank", o.prefill_positions_by_rank},
-      {"decode_ms_p50", jm[0]["decode_ms_p50"]},
-      {"decode_ms_p99", jm[0]["decode_ms_p99"]},
-      {"tokens_per_s", jm[0]["tokens_per_s"]},
-      {"bytes_sent_per_rank_per_token", jm[0]["bytes_sent_per_rank_per_token"]},
-      {"peak_rss_bytes", max_rss},
-      {"peak_rss_bytes_by_rank", o.peak_rss_by_rank},
-      {"token_stream_hash", fmt::format("{:016x}", o.token_hash)},
-      {"ranks_agree", rc == 0},
-      {"methods", jm},
-  };
-  std::ofstream out(f.json);
-  // Generated text may end inside a multi-byte character: invalid UTF-8 becomes U+FFFD.
-  out << j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
-  if (!out) rc = fail("generate", invalid_argument("--json " + f.json + ": write failed"));
+  const generation::ReportLabels labels = labels_of(f, model_path, threads, P);
+  const auto j = f.engine ? generation::engine_report_json(o, merge, labels)
+                          : generation::session_report_json(o, labels, rc == 0);
+  if (Status s = generation::write_report_json(f.json, j, "--json"); !s.is_ok())
+    rc = fail("generate", s);
   return rc;
 }
 
@@ -512,7 +352,7 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
     std::printf("\n");
     std::fflush(stdout);  // the text before the report on stderr
   }
-  if (f.engine) return report_engine(f, model_path, o, req.methods.front(), threads, P);
+  if (f.engine) return report(f, model_path, o, req.methods.front(), threads, P, 0);
   int rc = 0;
   for (int q = 1; q < P; ++q)
     if (o.token_hash_by_rank[static_cast<std::size_t>(q)] != o.token_hash_by_rank[0]) {
@@ -525,58 +365,31 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
       rc = 3;
     }
   if (!lead) return rc;
-  return report_session(f, model_path, o, threads, P, rc);
+  return report(f, model_path, o, "", threads, P, rc);
 }
 
 
 int generate_command(GenFlags& f, const CLI::App& sub, const Invocation& inv) {
   choose_path(f, sub);
-  if (started_by_mpi_launcher()) {
-    auto world = mpi_init_world(nullptr, nullptr);
-    if (!world.is_ok()) return fail("generate", world.status());
-    int rc = 2;
-    {
-      std::unique_ptr<Communicator> comm = std::move(world).value();
-      // Checked on every rank (the job may come from an outside mpirun): all or none go on.
-      auto path = preflight(f, sub, comm->rank() == 0);
-      float bad = path.is_ok() ? 0.0f : 1.0f;
-      if (path.is_ok() && sub.count("--ranks") > 0 && f.ranks != comm->size()) {
-        if (comm->rank() == 0)
-          std::fprintf(stderr,
-                       "treeattn generate: error: --ranks %d but the MPI job has %d ranks\n",
-                       f.ranks, comm->size());
-        bad = 1.0f;
-      }
-      if (!comm->allreduce(&bad, 1, ReduceOp::kMax).is_ok() || bad != 0.0f) {
-        if (comm->rank() == 0 && !path.is_ok()) fail("generate", path.status());
-      } else {
-        rc = run_job(*comm, f, *path);
-      }
+  auto job = [&](Communicator& comm, const std::string& path) { return run_job(comm, f, path); };
+  auto launch = [&](const std::string& path) {
+    LaunchOptions lo;
+    lo.ranks = f.ranks;
+    lo.who = "treeattn generate";
+    if (Status s = check_local_rank_count(lo, "--ranks"); !s.is_ok()) return fail("generate", s);
+    std::vector<std::string> args = inv.args;
+    if (f.model.empty()) args.insert(args.end(), {"--model", path});
+    auto rc = run_under_mpirun(lo, args);
+    if (!rc.is_ok()) return fail("generate", rc.status());
+    if (const int sig = interrupted_by(); sig != 0) {
+      std::fprintf(stderr, "treeattn generate: interrupted by signal %d (%s); the %d-rank job was "
+                   "stopped\n", sig, strsignal(sig), f.ranks);
+      return 128 + sig;
     }
-    (void)mpi_finalize();
-    return rc;
-  }
-  auto path = preflight(f, sub, true);
-  if (!path.is_ok()) return fail("generate", path.status());
-  if (f.ranks == 1) {
-    auto world = make_local_world(1);
-    if (!world.is_ok()) return fail("generate", world.status());
-    return run_job(*world.value()[0], f, *path);
-  }
-  LaunchOptions lo;
-  lo.ranks = f.ranks;
-  lo.who = "treeattn generate";
-  if (Status s = check_local_rank_count(lo, "--ranks"); !s.is_ok()) return fail("generate", s);
-  std::vector<std::string> args = inv.args;
-  if (f.model.empty()) args.insert(args.end(), {"--model", *path});
-  auto rc = run_under_mpirun(lo, args);
-  if (!rc.is_ok()) return fail("generate", rc.status());
-  if (const int sig = interrupted_by(); sig != 0) {
-    std::fprintf(stderr, "treeattn generate: interrupted by signal %d (%s); the %d-rank job was "
-                 "stopped\n", sig, strsignal(sig), f.ranks);
-    return 128 + sig;
-  }
-  return rc.value();
+    return rc.value();
+  };
+  return run_model_command("generate", f.ranks, sub.count("--ranks") > 0,
+                           [&](bool lead) { return preflight(f, sub, lead); }, job, launch);
 }
 
 }  // namespace

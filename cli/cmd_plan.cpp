@@ -34,7 +34,9 @@
 #include "commands.hpp"
 #include "launcher.hpp"
 #include "options.hpp"
-#include "report.hpp"
+#include "measure/bench_results.hpp"
+#include "measure/plan_report.hpp"
+#include "measure/validate_report.hpp"
 #include "treeattn/cost_model.hpp"
 #include "treeattn/strategy.hpp"
 #include "treeattn/topology.hpp"
@@ -69,12 +71,6 @@ struct PlanFlags {
 int fail(const Status& s) {
   std::fprintf(stderr, "treeattn plan: error: %s\n", s.to_string().c_str());
   return 2;
-}
-
-std::string us_str(double us) {
-  if (us >= 1e6) return fmt::format("{:.2f} s", us / 1e6);
-  if (us >= 1e3) return fmt::format("{:.2f} ms", us / 1e3);
-  return fmt::format("{:.1f} us", us);
 }
 
 Result<std::vector<std::string>> candidates(const std::string& text) {
@@ -119,51 +115,10 @@ int plan_table(PlanFlags& f) {
     PlanOptions po;
     po.candidates = *cands;
     po.include_single = f.include_single;
-    auto entries = plan(q, *topo, po);
-    if (!entries.is_ok()) return fail(entries.status());
-    const int p = f.ranks == 0 ? topo->total_ranks() : f.ranks;
-    const int r = std::min(p, f.ranks_per_node == 0 ? topo->ranks_per_node : f.ranks_per_node);
-    std::printf("plan on topology '%s': %s, %s KV, %s tokens, %d ranks (%d per node, %d node(s))\n",
-                topo->name.c_str(), q.shape.to_string().c_str(), f.shape.dtype.c_str(),
-                format_size(seq).c_str(), p, r, (p + r - 1) / r);
-    std::printf("  %-12s %12s %12s %12s %14s %14s %6s  %s\n", "strategy", "latency", "local",
-                "comm", "sent/rank", "peak/rank", "rounds", "modeled as");
-    nlohmann::json rows = nlohmann::json::array();
-    for (std::size_t i = 0; i < entries->size(); ++i) {
-      const PlanEntry& e = (*entries)[i];
-      const Prediction& pr = e.prediction;
-      std::printf("%s %-12s %12s %12s %12s %14s %14s %6d  %s%s\n", i == 0 ? "*" : " ",
-                  pr.strategy.c_str(), us_str(pr.latency_us).c_str(), us_str(pr.local_us).c_str(),
-                  us_str(pr.comm_us).c_str(), format_bytes(pr.bytes_sent_per_rank).c_str(),
-                  format_bytes(pr.peak_bytes).c_str(), pr.comm_rounds, pr.algorithm.c_str(),
-                  e.feasible ? "" : ("  [infeasible: " + e.reason + "]").c_str());
-      rows.push_back({{"strategy", pr.strategy},
-                      {"latency_us", pr.latency_us},
-                      {"local_us", pr.local_us},
-                      {"comm_us", pr.comm_us},
-                      {"bytes_sent_per_rank", pr.bytes_sent_per_rank},
-                      {"peak_bytes_per_rank", pr.peak_bytes},
-                      {"collective_calls", pr.collective_calls},
-                      {"comm_rounds", pr.comm_rounds},
-                      {"algorithm", pr.algorithm},
-                      {"feasible", e.feasible},
-                      {"reason", e.reason}});
-    }
-    const auto& best = entries->front().prediction;
-    std::printf("choice: %s (%s per decode step)\n\n", best.strategy.c_str(),
-                us_str(best.latency_us).c_str());
-    out.push_back({{"topology", topo->name},
-                   {"seq", seq},
-                   {"ranks", p},
-                   {"ranks_per_node", r},
-                   {"batch", q.shape.batch},
-                   {"heads", q.shape.heads},
-                   {"kv_heads", q.shape.kv_heads},
-                   {"head_dim", q.shape.head_dim},
-                   {"q_len", q.shape.q_len},
-                   {"dtype", f.shape.dtype},
-                   {"choice", best.strategy},
-                   {"strategies", rows}});
+    auto report = plan_report(q, *topo, po, f.shape.dtype);
+    if (!report.is_ok()) return fail(report.status());
+    std::fputs(report->text.c_str(), stdout);
+    out.push_back(report->json);
   }
   if (!f.json.empty()) {
     nlohmann::json j = {{"format", "treeattn-plan/1"}, {"plans", out}};
@@ -173,44 +128,6 @@ int plan_table(PlanFlags& f) {
 }
 
 // ---- plan --sweep: the paper's experiment ----------------------------------------------------
-
-Status sweep_plot(const std::string& path, const std::vector<SweepRow>& rows,
-                  const std::string& topo) {
-  std::map<int, std::vector<const SweepRow*>> by_dev;
-  for (const auto& r : rows) by_dev[r.devices].push_back(&r);
-  std::ostringstream d;
-  for (const auto& [dev, rs] : by_dev) {
-    d << "# " << dev << " devices\n";
-    for (const SweepRow* r : rs) d << r->context << " " << r->speedup << " " << r->speedup_tree << "\n";
-    d << "\n\n";
-  }
-  const std::string data = "$DATA";
-  std::string script = fmt::format(
-      "set terminal pngcairo size 1000,650 font 'sans,10'\nset output '{}'\n"
-      "set title 'Predicted ring-kv / tree latency on {} (paper block: 16 heads x 128, batch 1, "
-      "bf16)'\n"
-      "set logscale xy\nset grid\nset key left top\nset yrange [1:*]\n"
-      "set xrange [50000:8000000]\nset format x '%.0s%c'\n"
-      "set xlabel 'context tokens'\nset ylabel 'predicted speed-up over the KV-rotating ring'\n",
-      path, topo);
-  script +=
-      "set label 1 'paper, Fig. 3: close to 8x at 128 GPUs, 5.12M' at 5120000,8 right offset "
-      "-1,0\n";
-  script += "set object 1 circle at 5120000,8 size screen 0.006 fillstyle solid fc rgb 'black'\n";
-  std::string plot = "plot ";
-  int idx = 0;
-  for (const auto& [dev, rs] : by_dev) {
-    if (idx) plot += ", ";
-    plot += fmt::format(
-        "'{}' index {} using 1:2 with linespoints lw 2 title '{} devices, tree-paper "
-        "(3 allreduces)', '{}' index {} using 1:3 with linespoints dt 2 title '{} "
-        "devices, tree (1 allreduce)'",
-        data, idx, dev, data, idx, dev);
-    ++idx;
-  }
-  script += plot + "\n";
-  return run_gnuplot(script, d.str(), path);
-}
 
 int plan_sweep(PlanFlags& f, const CLI::App& sub) {
   auto topo = load_topology(f.topology.empty() ? "preset:dgx-h100x16" : f.topology);
@@ -231,58 +148,14 @@ int plan_sweep(PlanFlags& f, const CLI::App& sub) {
   if (sub.count("--seq") > 0) so.contexts = f.shape.seqs;
   auto rows = paper_sweep(*topo, so);
   if (!rows.is_ok()) return fail(rows.status());
-  std::printf("paper-scale sweep on topology '%s' (%s)\n", topo->name.c_str(),
-              topo->description.c_str());
-  std::printf(
-      "shape: the paper's block, 16 heads x 128, batch 1, one query, bf16 KV; "
-      "latency of one decode step, predicted\n\n");
-  std::printf(
-      "| devices | context | tree | tree-paper | ring-kv | ring-kv / tree-paper | ring-kv / tree | "
-      "ring-kv sent/rank |\n");
-  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-  nlohmann::json jrows = nlohmann::json::array();
-  for (const auto& r : *rows) {
-    std::printf("| %d | %s | %s | %s | %s | %.0fx | %.0fx | %s |\n", r.devices,
-                fmt::format("{:.2f}M", static_cast<double>(r.context) / 1e6).c_str(),
-                us_str(r.tree_us).c_str(), us_str(r.tree_paper_us).c_str(),
-                us_str(r.ring_kv_us).c_str(), r.speedup, r.speedup_tree,
-                format_bytes(r.ring_kv_bytes_per_rank).c_str());
-    jrows.push_back({{"devices", r.devices},
-                     {"context", r.context},
-                     {"tree_us", r.tree_us},
-                     {"tree_paper_us", r.tree_paper_us},
-                     {"ring_kv_us", r.ring_kv_us},
-                     {"speedup_vs_tree_paper", r.speedup},
-                     {"speedup_vs_tree", r.speedup_tree},
-                     {"ring_kv_bytes_per_rank", r.ring_kv_bytes_per_rank},
-                     {"tree_bytes_per_rank", r.tree_bytes_per_rank}});
-  }
-  const SweepRow* at = nullptr;
-  for (const auto& r : *rows)
-    if (r.devices == 128 && r.context == 5'120'000) at = &r;
-  std::printf(
-      "\nthe paper (Fig. 3, arXiv 2408.04093): \"close to 8x\" speed-up of tree over the "
-      "KV-rotating ring at 128 GPUs and 5.12M tokens\n");
-  if (at != nullptr)
-    std::printf(
-        "the model at that point: %.0fx (tree-paper), %.0fx (tree); the gap is explained "
-        "in docs/topology.md section 4\n",
-        at->speedup, at->speedup_tree);
-  std::printf(
-      "the paper's Llama tables (prefill + 10 tokens, end to end): 2-4x on 8 x H100, "
-      "2-3x on 4 x MI300X, 4-5x on 2 x RTX 4090\n");
+  std::fputs(sweep_text(*topo, *rows).c_str(), stdout);
   if (!f.plot.empty()) {
-    if (Status s = sweep_plot(f.plot, *rows, topo->name); !s.is_ok()) return fail(s);
+    if (Status s = write_sweep_plot(f.plot, *rows, topo->name); !s.is_ok()) return fail(s);
     std::printf("\nplot written to %s\n", f.plot.c_str());
   }
-  if (!f.json.empty()) {
-    nlohmann::json j = {
-        {"format", "treeattn-sweep/1"},
-        {"topology", topo->name},
-        {"paper_quoted", {{"devices", 128}, {"context", 5'120'000}, {"speedup", 8}}},
-        {"rows", jrows}};
-    if (Status s = write_text(f.json, j.dump(2) + "\n"); !s.is_ok()) return fail(s);
-  }
+  if (!f.json.empty())
+    if (Status s = write_text(f.json, sweep_json(*topo, *rows).dump(2) + "\n"); !s.is_ok())
+      return fail(s);
   return 0;
 }
 
@@ -306,13 +179,6 @@ Result<int> run_self(const std::vector<std::string>& args) {
 
 std::string temp_path(const char* what) { return make_temp_file(what); }
 
-// Kernel threads per rank on this machine for `ranks` ranks: cores / ranks, at least 1 (every
-// emulated host shares this machine's cores).
-int threads_per_rank(int ranks) {
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  return std::max(1, cores / std::max(1, ranks));
-}
-
 // The steps of the experiment that run jobs: this executable's `topo --detect` and `bench` as
 // subprocesses, on the emulated cluster where the setup has more than one host.
 struct SelfSteps {
@@ -322,7 +188,7 @@ struct SelfSteps {
 
   std::vector<std::string> where(const ValidationSetup& c) const {
     std::vector<std::string> w = {"--ranks", std::to_string(c.ranks()), "--threads",
-                                  std::to_string(threads_per_rank(c.ranks()))};
+                                  std::to_string(default_threads(c.ranks()))};
     if (c.hosts > 1) {
       w.insert(w.end(), {"--cluster", fmt::format("{}x{}", c.hosts, c.ranks_per_host)});
       if (c.link != "veth") w.insert(w.end(), {"--link", c.link});
@@ -373,128 +239,11 @@ struct SelfSteps {
     if (!rc.is_ok() || *rc != 0) std::remove(bfile.c_str());
     if (!rc.is_ok()) return rc.status();
     if (*rc != 0) return internal_error(fmt::format("bench failed (exit {})", *rc));
-    nlohmann::json j;
-    try {
-      std::ifstream in(bfile);
-      in >> j;
-    } catch (const std::exception& e) {
-      return internal_error("cannot read bench's JSON '" + bfile + "': " + e.what());
-    }
-    if (!f.keep) std::remove(bfile.c_str());
-    std::vector<MeasuredLatency> out;
-    for (const auto& pj : j.at("points")) {
-      const Point pt = Point::from_json(pj);
-      MeasuredLatency m;
-      m.method = pt.method;
-      m.ranks = pt.ranks;
-      m.seq = pt.seq;
-      m.shape = AttnShape{pt.batch, pt.heads, pt.kv_heads, pt.head_dim, pt.q_len};
-      m.dtype = *parse_dtype(pt.dtype);
-      m.p50_us = pt.latency_us.p50;
-      m.steps = pt.iterations;
-      out.push_back(m);
-    }
+    auto out = read_measured_latencies(bfile);
+    if (out.is_ok() && !f.keep) std::remove(bfile.c_str());
     return out;
   }
 };
-
-nlohmann::json validation_json(const PlanFlags& f, const ValidationOptions& o,
-                               const ValidationReport& r) {
-  const AttnShape& shape = o.shape;
-  nlohmann::json jpoints = nlohmann::json::array();
-  for (const auto& v : r.points)
-    jpoints.push_back({{"config", v.config},
-                       {"hosts", v.hosts},
-                       {"ranks_per_host", v.ranks_per_host},
-                       {"ranks", v.ranks},
-                       {"link", v.link},
-                       {"seq", v.seq},
-                       {"method", v.method},
-                       {"predicted_us", v.predicted_us},
-                       {"measured_us", v.measured_us},
-                       {"rel_err", v.rel_err}});
-  nlohmann::json choices = nlohmann::json::array();
-  for (const auto& c : r.choices)
-    choices.push_back({{"config", c.config},
-                       {"hosts", c.hosts},
-                       {"ranks_per_host", c.ranks_per_host},
-                       {"seq", c.seq},
-                       {"choice", c.choice},
-                       {"choice_measured_us", c.choice_measured_us},
-                       {"choice_predicted_margin", c.choice_predicted_margin},
-                       {"best_measured", c.best_measured},
-                       {"best_measured_us", c.best_measured_us},
-                       {"within_10_percent", c.within}});
-  nlohmann::json topologies = nlohmann::json::object();
-  nlohmann::json configs = nlohmann::json::array();
-  for (const auto& c : r.configs) {
-    topologies[c.setup.label] = nlohmann::json::parse(topology_to_json(c.topology));
-    configs.push_back({{"config", c.setup.label},
-                       {"hosts", c.setup.hosts},
-                       {"ranks_per_host", c.setup.ranks_per_host},
-                       {"link", c.setup.link},
-                       {"threads_per_rank", threads_per_rank(c.setup.ranks())},
-                       {"load_before", c.load_before},
-                       {"load_after", c.load_after}});
-  }
-  return {{"format", "treeattn-validate/1"},
-          {"shape",
-           {{"batch", shape.batch},
-            {"heads", shape.heads},
-            {"kv_heads", shape.kv_heads},
-            {"head_dim", shape.head_dim},
-            {"q_len", shape.q_len},
-            {"dtype", f.shape.dtype}}},
-          {"warmup", f.warmup},
-          {"iterations", f.iters},
-          {"protocol",
-           "per configuration: topo --detect, then one bench job measuring every strategy "
-           "interleaved (one step of each in turn, the first rotating every step), kernel "
-           "threads per rank = cores / ranks; p50 of the timed steps (slowest rank per step)"},
-          {"points", jpoints},
-          {"choices", choices},
-          {"configs", configs},
-          {"median_abs_rel_error", r.median_abs_rel_error},
-          {"choice_within_10pct", r.choice_within_10pct},
-          {"choice_points", r.choice_points},
-          {"choices_within_10_percent", r.choice_within_10pct},
-          {"choices_total", r.choice_points},
-          {"target_median_abs_rel_error", f.target},
-          {"topologies", topologies}};
-}
-
-void print_validation(const PlanFlags& f, const ValidationOptions& o, const ValidationReport& r) {
-  std::printf(
-      "\npredicted vs measured p50 latency per decode step (%s, %s KV; %d warm-up + %d "
-      "timed steps per point, strategies interleaved)\n\n",
-      o.shape.to_string().c_str(), f.shape.dtype.c_str(), f.warmup, f.iters);
-  std::printf(
-      "| hosts x ranks | link | context | strategy | predicted | measured | rel. error |\n");
-  std::printf("|---|---|---:|---|---:|---:|---:|\n");
-  for (const auto& v : r.points)
-    std::printf("| %dx%d | %s | %s | %s | %s | %s | %+.0f%% |\n", v.hosts, v.ranks_per_host,
-                v.link.c_str(), format_size(v.seq).c_str(), v.method.c_str(),
-                us_str(v.predicted_us).c_str(), us_str(v.measured_us).c_str(), 100 * v.rel_err);
-  std::printf("\nplanner's choice vs the best measured strategy\n\n");
-  std::printf(
-      "| hosts x ranks | link | context | choice (predicted lead) | its measured | best measured "
-      "| within 10%% |\n");
-  std::printf("|---|---|---:|---|---:|---:|---|\n");
-  for (const auto& c : r.choices)
-    std::printf("| %dx%d | %s | %s | %s (%.1f%%) | %s | %s (%s) | %s |\n", c.hosts,
-                c.ranks_per_host, c.link.c_str(), format_size(c.seq).c_str(), c.choice.c_str(),
-                100 * c.choice_predicted_margin, us_str(c.choice_measured_us).c_str(),
-                us_str(c.best_measured_us).c_str(), c.best_measured.c_str(),
-                c.within ? "yes" : "NO");
-  std::printf("\nload average (1 min) before / after each configuration:");
-  for (const auto& c : r.configs)
-    std::printf(" %s %.2f / %.2f;", c.setup.label.c_str(), c.load_before, c.load_after);
-  std::printf(
-      "\n\nmedian |relative error| %.1f%% over %zu points (target %.0f%%); planner's choice "
-      "within 10%% of the best measured at %d of %d points\n",
-      100 * r.median_abs_rel_error, r.points.size(), 100 * f.target, r.choice_within_10pct,
-      r.choice_points);
-}
 
 int plan_validate(PlanFlags& f) {
   ValidationOptions o;
@@ -548,9 +297,11 @@ int plan_validate(PlanFlags& f) {
     std::fprintf(stderr, "treeattn plan --validate: %s\n", report.status().to_string().c_str());
     return report.status().code() == Code::kInternal ? 1 : 2;
   }
-  print_validation(f, o, *report);
+  const ValidationMeta meta{f.shape.dtype, f.warmup, f.iters, f.target, default_threads};
+  std::fputs(validation_text(o, *report, meta).c_str(), stdout);
   if (!f.json.empty())
-    if (Status s = write_text(f.json, validation_json(f, o, *report).dump(2) + "\n"); !s.is_ok())
+    if (Status s = write_text(f.json, validation_json(o, *report, meta).dump(2) + "\n");
+        !s.is_ok())
       return fail(s);
   return 0;
 }

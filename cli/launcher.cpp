@@ -18,11 +18,15 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <thread>
 
 #include "job_status.hpp"
+#include "options.hpp"
+#include "treeattn/comm_local.hpp"
+#include "treeattn/comm_mpi.hpp"
 #include "treeattn/measure.hpp"
 
 namespace treeattn::cli {
@@ -382,6 +386,41 @@ Result<int> run_under_mpirun(const LaunchOptions& options,
     remove_dir(dir);
   }
   return rc;
+}
+
+int run_model_command(const char* cmd, int ranks, bool ranks_given,
+                      const std::function<Result<std::string>(bool lead)>& preflight,
+                      const std::function<int(Communicator&, const std::string&)>& job,
+                      const std::function<int(const std::string&)>& launch) {
+  if (started_by_mpi_launcher()) {
+    auto world = mpi_init_world(nullptr, nullptr);
+    if (!world.is_ok()) return fail(cmd, world.status());
+    int rc = 2;
+    {
+      std::unique_ptr<Communicator> comm = std::move(world).value();
+      auto path = preflight(comm->rank() == 0);
+      float bad = path.is_ok() ? 0.0f : 1.0f;
+      if (path.is_ok() && ranks_given && ranks != comm->size()) {
+        if (comm->rank() == 0)
+          std::fprintf(stderr, "treeattn %s: error: --ranks %d but the MPI job has %d ranks\n",
+                       cmd, ranks, comm->size());
+        bad = 1.0f;
+      }
+      if (!comm->allreduce(&bad, 1, ReduceOp::kMax).is_ok() || bad != 0.0f) {
+        if (comm->rank() == 0 && !path.is_ok()) fail(cmd, path.status());
+      } else {
+        rc = job(*comm, *path);
+      }
+    }
+    (void)mpi_finalize();
+    return rc;
+  }
+  auto path = preflight(true);
+  if (!path.is_ok()) return fail(cmd, path.status());
+  if (ranks > 1) return launch(*path);
+  auto world = make_local_world(1);
+  if (!world.is_ok()) return fail(cmd, world.status());
+  return job(*world.value()[0], *path);
 }
 
 }  // namespace treeattn::cli

@@ -2,9 +2,11 @@
 // flags this kind of machine needs; under an existing mpirun/srun the job's world is used.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
+#include "treeattn/comm.hpp"
 #include "treeattn/status.hpp"
 
 namespace treeattn::cli {
@@ -72,5 +74,15 @@ int interrupted_by();
 // processes that no longer exist.
 std::string make_temp_file(const std::string& what);
 void remove_stale_temp_files();
+
+// A command over a model file with --ranks P (generate, serve). Under an MPI launcher: every rank
+// checks the flags (preflight, told whether it is rank 0), --ranks when given must be the job's
+// size, all ranks go on or none (rank 0 says why), then job(comm, model path) on each. From a
+// plain shell: preflight once, then job() here for one rank, else launch(model path), which
+// starts the ranks. The exit code; refusals are 2 ("treeattn CMD: error: ...").
+int run_model_command(const char* cmd, int ranks, bool ranks_given,
+                      const std::function<Result<std::string>(bool lead)>& preflight,
+                      const std::function<int(Communicator&, const std::string&)>& job,
+                      const std::function<int(const std::string&)>& launch);
 
 }  // namespace treeattn::cli

@@ -1,18 +1,12 @@
-// The CLI's configuration of one measured point (run, bench) and the call into the measurement
-// library: measure() hands it to bench_strategies (treeattn/bench.hpp: the memory pass, every
-// method interleaved step by step on the same shards, the oracle checks, the aggregation over
-// ranks) and returns the report's points. Collective over the communicator; the points are
-// complete on every rank.
+// The CLI's configuration of one job's measured points (run, bench) and the call into the
+// measurement library: bench_config() turns the flags' MeasureConfig into bench.hpp's
+// BenchConfig, which bench_sweep (src/measure/bench_results.hpp: bench_strategies over the
+// contexts and batches, each point summarized) measures. Collective over the communicator; the
+// points are complete on every rank.
 #pragma once
 
-#include <string>
-#include <vector>
-
 #include "options.hpp"
-#include "report.hpp"
 #include "treeattn/bench.hpp"
-#include "treeattn/comm.hpp"
-#include "treeattn/status.hpp"
 
 namespace treeattn::cli {
 
@@ -25,11 +19,8 @@ struct MeasureConfig : BenchConfig {
   Device device = Device::kCpu;
 };
 
-// One point per method (bench_strategies), as the report prints and writes them.
-Result<std::vector<Point>> measure(Communicator& comm, const MeasureConfig& config);
-
-// The job's memory need against what this machine has (bench_memory_need, bench.hpp), for a
-// clear "does not fit" error before anything is allocated.
-MemoryNeed memory_need(const MeasureConfig& config, int ranks);
+// The library's configuration of these flags, reporting the phase and step of every rank to
+// the job status file (job_status.hpp).
+BenchConfig bench_config(const MeasureConfig& config);
 
 }  // namespace treeattn::cli

