@@ -24,10 +24,13 @@ struct Ops {
   using V = __m256;
   static B load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
   static void store(void* p, B b) { _mm256_storeu_si256(static_cast<__m256i*>(p), b); }
+  // The 16 bytes in both halves (one broadcast load), the high half shifted right by 4 bits
+  // (64-bit lanes: each byte's high nibble lands low, the next byte's low nibble above it,
+  // which the mask drops).
   static B nib(const uint8_t* qs) {
-    const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i m = _mm_set1_epi8(0x0f);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(t, 4), m), _mm_and_si128(t, m));
+    const __m256i t =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    return and_(_mm256_srlv_epi64(t, _mm256_setr_epi64x(0, 0, 4, 4)), 0x0f);
   }
   static B and_(B b, uint8_t m) {
     return _mm256_and_si256(b, _mm256_set1_epi8(static_cast<char>(m)));
