@@ -174,9 +174,11 @@ inline float finish(typename Ops::V acc, float macc) {
   return r;
 }
 
-// One token, RBn rows decoded in registers.
+// One token, RBn rows decoded in registers. The rows `ahead` bytes further (the next pass's) are
+// prefetched as these are read (the decode step streams every matrix from memory).
 template <uint32_t T, int RBn>
-inline void dot_rows_1(const uint8_t* const* rows, int64_t cols, const ActBlock* xq, float* y) {
+inline void dot_rows_1(const uint8_t* const* rows, int64_t cols, const ActBlock* xq, float* y,
+                       int64_t ahead) {
   typename Ops::V acc[RBn];
   float macc[RBn];
   for (int r = 0; r < RBn; ++r) {
@@ -187,6 +189,8 @@ inline void dot_rows_1(const uint8_t* const* rows, int64_t cols, const ActBlock*
     const ActBlock& xb = xq[b];
     const typename Ops::B xv = Ops::load(xb.q);
     const typename Ops::I xoff = offset<T>(xv);
+    if (b % 2 == 0)
+      for (int r = 0; r < RBn; ++r) __builtin_prefetch(rows[r] + b * Code<T>::kBytes + ahead);
     for (int r = 0; r < RBn; ++r) {
       Dec w;
       Code<T>::decode(rows[r] + b * Code<T>::kBytes, w);
@@ -218,7 +222,7 @@ inline void rows_block(const RowsArgs& a, int64_t r0) {
   for (int r = 0; r < RBn; ++r) rows[r] = a.w + (r0 + r) * a.row_bytes;
   if (a.tokens == 1) {
     float y[RBn];
-    dot_rows_1<T, RBn>(rows, a.cols, a.xq, y);
+    dot_rows_1<T, RBn>(rows, a.cols, a.xq, y, RBn * a.row_bytes);
     for (int r = 0; r < RBn; ++r) a.y[r0 + r] = y[r];
     return;
   }
@@ -351,15 +355,17 @@ struct CodeK<kTypeQ6_K> {
 // 127 * |scale|max: Q4_K 32 * 15 * 127 * 63, Q5_K 32 * 31 * 127 * 63, Q6_K 32 * 32 * 127 * 128 =
 // 16646144 < 2^24, so cvt is exact; maddubs' int16 pairs <= 2 * 63 * 127 (Q6_K's u), 2 * 31 *
 // 127 (Q5_K), never saturate.
+// The super-block `ahead` bytes further in each row (the next pass's) is prefetched.
 template <uint32_t T, int RBn>
 inline void superblock(const uint8_t* const* rows, int64_t k, const ActBlockK& xb,
-                       typename Ops::V* acc, float* macc) {
+                       typename Ops::V* acc, float* macc, int64_t ahead) {
   using CK = CodeK<T>;
   const uint8_t* b[RBn];
   typename Ops::I sumi[RBn];
   typename CK::Row st[RBn];
   for (int r = 0; r < RBn; ++r) {
     b[r] = rows[r] + k * CK::kBytes;
+    for (int o = 0; o < CK::kBytes; o += 64) __builtin_prefetch(b[r] + ahead + o);
     sumi[r] = Ops::izero();
     CK::prepare(b[r], st[r]);
   }
@@ -393,7 +399,8 @@ inline void rows_block_k(const RowsArgs& a, int64_t r0) {
       acc[r] = Ops::zero();
       macc[r] = 0.0f;
     }
-    for (int64_t k = 0; k < blocks; ++k) superblock<T, RBn>(rows, k, xk[k], acc, macc);
+    for (int64_t k = 0; k < blocks; ++k)
+      superblock<T, RBn>(rows, k, xk[k], acc, macc, RBn * a.row_bytes);
     for (int r = 0; r < RBn; ++r) {
       float y = Ops::reduce_add(acc[r]);
       if constexpr (CodeK<T>::kMin) y += macc[r];
