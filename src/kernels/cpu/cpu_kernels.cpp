@@ -64,17 +64,19 @@ Status run_driver(ItemFn item_fn, const AttnShape& shape, const float* q, const 
   return Status::ok();
 }
 
+#if defined(TREEATTN_CPU_KERNEL_GENERIC)
 Status decode_generic(const AttnShape& shape, const float* q, const KVShard& kv, float* states,
                       const ResolvedOptions& opt) {
   return run_driver(&cpu::generic::decode_item, shape, q, kv, states, opt);
 }
-
-#if defined(TREEATTN_HAVE_X86_KERNELS)
+#endif
+#if defined(TREEATTN_CPU_KERNEL_AVX2)
 Status decode_avx2(const AttnShape& shape, const float* q, const KVShard& kv, float* states,
                    const ResolvedOptions& opt) {
   return run_driver(&cpu::avx2::decode_item, shape, q, kv, states, opt);
 }
-
+#endif
+#if defined(TREEATTN_CPU_KERNEL_AVX512)
 Status decode_avx512(const AttnShape& shape, const float* q, const KVShard& kv, float* states,
                      const ResolvedOptions& opt) {
   return run_driver(&cpu::avx512::decode_item, shape, q, kv, states, opt);
@@ -85,9 +87,13 @@ Status decode_avx512(const AttnShape& shape, const float* q, const KVShard& kv, 
 
 KernelFn cpu_kernel_for(Isa isa) {
   switch (isa) {
+#if defined(TREEATTN_CPU_KERNEL_GENERIC)
     case Isa::kGeneric: return &decode_generic;
-#if defined(TREEATTN_HAVE_X86_KERNELS)
+#endif
+#if defined(TREEATTN_CPU_KERNEL_AVX2)
     case Isa::kAvx2: return &decode_avx2;
+#endif
+#if defined(TREEATTN_CPU_KERNEL_AVX512)
     case Isa::kAvx512: return &decode_avx512;
 #endif
     default: return nullptr;
@@ -109,9 +115,13 @@ int default_prefetch_tokens(int64_t row_bytes) {
 
 ExpFn exp_for(Isa isa) {
   switch (isa) {
+#if defined(TREEATTN_CPU_KERNEL_GENERIC)
     case Isa::kGeneric: return &generic::exp_array;
-#if defined(TREEATTN_HAVE_X86_KERNELS)
+#endif
+#if defined(TREEATTN_CPU_KERNEL_AVX2)
     case Isa::kAvx2: return &avx2::exp_array;
+#endif
+#if defined(TREEATTN_CPU_KERNEL_AVX512)
     case Isa::kAvx512: return &avx512::exp_array;
 #endif
     default: return nullptr;
@@ -120,9 +130,13 @@ ExpFn exp_for(Isa isa) {
 
 ReadStreamFn read_stream_for(Isa isa) {
   switch (isa) {
+#if defined(TREEATTN_CPU_KERNEL_GENERIC)
     case Isa::kGeneric: return &generic::read_stream;
-#if defined(TREEATTN_HAVE_X86_KERNELS)
+#endif
+#if defined(TREEATTN_CPU_KERNEL_AVX2)
     case Isa::kAvx2: return &avx2::read_stream;
+#endif
+#if defined(TREEATTN_CPU_KERNEL_AVX512)
     case Isa::kAvx512: return &avx512::read_stream;
 #endif
     default: return nullptr;
@@ -131,9 +145,13 @@ ReadStreamFn read_stream_for(Isa isa) {
 
 FmaBurnFn fma_burn_for(Isa isa) {
   switch (isa) {
+#if defined(TREEATTN_CPU_KERNEL_GENERIC)
     case Isa::kGeneric: return &generic::fma_burn;
-#if defined(TREEATTN_HAVE_X86_KERNELS)
+#endif
+#if defined(TREEATTN_CPU_KERNEL_AVX2)
     case Isa::kAvx2: return &avx2::fma_burn;
+#endif
+#if defined(TREEATTN_CPU_KERNEL_AVX512)
     case Isa::kAvx512: return &avx512::fma_burn;
 #endif
     default: return nullptr;

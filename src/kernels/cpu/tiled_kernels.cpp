@@ -188,9 +188,13 @@ std::atomic<int64_t> g_prefetch_bytes{
 
 TiledItemFn tiled_item_for(Isa isa) {
   switch (isa) {
+#if defined(TREEATTN_CPU_KERNEL_GENERIC)
     case Isa::kGeneric: return &generic::decode_tiled_item;
-#if defined(TREEATTN_HAVE_X86_KERNELS)
+#endif
+#if defined(TREEATTN_CPU_KERNEL_AVX2)
     case Isa::kAvx2: return &avx2::decode_tiled_item;
+#endif
+#if defined(TREEATTN_CPU_KERNEL_AVX512)
     case Isa::kAvx512: return &avx512::decode_tiled_item;
 #endif
     default: return nullptr;
@@ -199,9 +203,13 @@ TiledItemFn tiled_item_for(Isa isa) {
 
 TiledItemFn prefill_block_for(Isa isa) {
   switch (isa) {
+#if defined(TREEATTN_CPU_KERNEL_GENERIC)
     case Isa::kGeneric: return &generic::prefill_block_item;
-#if defined(TREEATTN_HAVE_X86_KERNELS)
+#endif
+#if defined(TREEATTN_CPU_KERNEL_AVX2)
     case Isa::kAvx2: return &avx2::prefill_block_item;
+#endif
+#if defined(TREEATTN_CPU_KERNEL_AVX512)
     case Isa::kAvx512: return &avx512::prefill_block_item;
 #endif
     default: return nullptr;
