@@ -10,15 +10,21 @@
 #                                  cores and the main job cannot run them there; the CLI's
 #                                  --device cuda then says CUDA support was not built. The next
 #                                  plain call builds them again (TREEATTN_WITH_CUDA back to AUTO).
+#   tools/build.sh --host-only TARGET...
+#                                  --cpu-only, and only the CPU kernel target this CPU runs
+#                                  (TREEATTN_CPU_KERNELS=host: AVX2 here, not also generic and
+#                                  AVX-512; tools/quickstart.sh). A plain call builds them all again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc 2>/dev/null || echo 2)
 cuda=(-DTREEATTN_WITH_CUDA=AUTO -DTREEATTN_WITH_NCCL=AUTO)
-if [ "${1:-}" = "--cpu-only" ]; then
+kernels=all
+if [ "${1:-}" = "--cpu-only" ] || [ "${1:-}" = "--host-only" ]; then
+  if [ "$1" = "--host-only" ]; then kernels=host; fi
   shift
   if [ ! -e /dev/nvidia0 ]; then cuda=(-DTREEATTN_WITH_CUDA=OFF -DTREEATTN_WITH_NCCL=OFF); fi
 fi
-cmake --preset release "${cuda[@]}" >/dev/null
+cmake --preset release "${cuda[@]}" -DTREEATTN_CPU_KERNELS="$kernels" >/dev/null
 if [ "$#" -gt 0 ]; then
   cmake --build --preset release -j"$jobs" --target "$@"
 else

@@ -3,11 +3,12 @@
 # multi-rank tree-attention decode with an exactness check and a side-by-side comparison.
 # Extra arguments go to `treeattn run` (see `treeattn run --help`).
 # Builds only the treeattn command and the libraries it links (about half of the targets: no
-# tests, fuzz inputs, benchmarks or Python module, and no CUDA objects on a machine without an
-# NVIDIA GPU), and no model download (the main job decodes synthetic attention, not a model);
-# tools/test.sh builds and checks everything and fetches the model.
+# tests, fuzz inputs, benchmarks or Python module, no CUDA objects on a machine without an
+# NVIDIA GPU, and only the CPU kernel target this CPU runs: tools/build.sh --host-only), and no
+# model download (the main job decodes synthetic attention, not a model); tools/test.sh builds
+# and checks everything (every kernel target, CUDA when nvcc is found) and fetches the model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/deps.sh --no-model
-tools/build.sh --cpu-only treeattn_cli
+tools/build.sh --host-only treeattn_cli
 exec build/release/cli/treeattn run "$@"
