@@ -167,6 +167,14 @@ inline void step(const Dec& w, const ActBlock& xb, typename Ops::B xq, typename 
   if constexpr (Code<T>::kMin) macc = std::fma(w.m, xb.s, macc);
 }
 
+template <int RBn>
+inline void zero_acc(typename Ops::V* acc, float* macc) {
+  for (int r = 0; r < RBn; ++r) {
+    acc[r] = Ops::zero();
+    macc[r] = 0.0f;
+  }
+}
+
 template <uint32_t T>
 inline float finish(typename Ops::V acc, float macc) {
   const float r = Ops::reduce_add(acc);
@@ -181,10 +189,7 @@ inline void dot_rows_1(const uint8_t* const* rows, int64_t cols, const ActBlock*
                        int64_t ahead) {
   typename Ops::V acc[RBn];
   float macc[RBn];
-  for (int r = 0; r < RBn; ++r) {
-    acc[r] = Ops::zero();
-    macc[r] = 0.0f;
-  }
+  zero_acc<RBn>(acc, macc);
   for (int64_t b = 0; b < cols / 32; ++b) {
     const ActBlock& xb = xq[b];
     const typename Ops::B xv = Ops::load(xb.q);
@@ -238,10 +243,7 @@ inline void rows_block(const RowsArgs& a, int64_t r0) {
     const ActBlock* xq = a.xq + t * a.xq_stride;
     typename Ops::V acc[RBn];
     float macc[RBn];
-    for (int r = 0; r < RBn; ++r) {
-      acc[r] = Ops::zero();
-      macc[r] = 0.0f;
-    }
+    zero_acc<RBn>(acc, macc);
     for (int64_t b = 0; b < groups; ++b) {
       const typename Ops::B xv = Ops::load(xq[b].q);
       const typename Ops::I xoff = offset<T>(xv);
@@ -395,10 +397,7 @@ inline void rows_block_k(const RowsArgs& a, int64_t r0) {
     const ActBlockK* xk = a.xk + t * a.xk_stride;
     typename Ops::V acc[RBn];
     float macc[RBn];
-    for (int r = 0; r < RBn; ++r) {
-      acc[r] = Ops::zero();
-      macc[r] = 0.0f;
-    }
+    zero_acc<RBn>(acc, macc);
     for (int64_t k = 0; k < blocks; ++k)
       superblock<T, RBn>(rows, k, xk[k], acc, macc, RBn * a.row_bytes);
     for (int r = 0; r < RBn; ++r) {
