@@ -97,6 +97,7 @@ struct HttpServer::Impl {
   ServerOptions opt;
   BacklogServer http;
   std::thread listener;
+  std::atomic<bool> listener_done{false};  // listen_after_bind returned
   int bound_port = -1;
 
   std::atomic<State> state{State::kLoading};
@@ -572,7 +573,10 @@ void HttpServer::start() {
   // A client that went away must be a failed write (the request is cancelled), not SIGPIPE
   // (libcpp-httplib sends without MSG_NOSIGNAL).
   std::signal(SIGPIPE, SIG_IGN);
-  impl_->listener = std::thread([this] { impl_->http.listen_after_bind(); });
+  impl_->listener = std::thread([this] {
+    impl_->http.listen_after_bind();
+    impl_->listener_done.store(true);
+  });
 }
 
 void HttpServer::set_ready(Backend& backend, const Codec& codec, ModelInfo info) {
@@ -613,6 +617,14 @@ void HttpServer::stop() {
   Impl& s = *impl_;
   if (s.state.load() != State::kFailed) s.state.store(State::kStopped);
   s.wake_all();
+  if (s.listener.joinable()) {
+    // cpp-httplib's stop() acts only on a server already in its listen loop: a stop that comes
+    // right after start() (a start-up failing once the listener thread exists) can reach it
+    // before the thread does, and the loop would then run forever. Wait for the loop to be
+    // running, or for the thread to have returned (a listen that failed).
+    while (!s.http.is_running() && !s.listener_done.load())
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   s.http.stop();
   if (s.listener.joinable()) {
     if (s.bound_port > 0) shutdown_connections(s.bound_port);

@@ -277,6 +277,21 @@ ApiError error_of(const httplib::Result& r) {
 
 const char* kChat = R"({"model":"m","messages":[{"role":"user","content":"hi"}]})";
 
+// A start-up that fails once the listener thread exists stops the server at once: stop() must
+// not reach cpp-httplib before its listen loop runs (its stop() would then do nothing and the
+// join wait forever). Many rounds, each bounded by the test's timeout.
+TEST(ServeHttpLifecycle, StopRightAfterStartReturns) {
+  for (int round = 0; round < 200; ++round) {
+    ServerOptions so;
+    so.host = "127.0.0.1";
+    so.port = 0;
+    HttpServer server(so);
+    ASSERT_TRUE(server.bind().is_ok());
+    server.start();
+    server.stop();
+  }
+}
+
 TEST_F(ServeHttp, HealthWhileLoadingThenReady) {
   start();
   auto c = client();

@@ -1,9 +1,7 @@
 // run_serve_job (src/serve/serve_job.hpp), one rank of `treeattn serve` as a library call: a
-// port in use fails the start-up with 2 before the model is read (no model needed); with the real
-// model (skipped without it) the rank listens, answers /health and a completion over HTTP, and a
-// stop signal drains it: it returns 0, having reported every phase. (A failure after the
-// listener started, such as a model that does not load, is not tested here: HttpServer::stop
-// right after start can miss cpp-httplib's listen loop and wait for it forever; see the report.)
+// port in use and a model that does not load fail the start-up with 2 (no model needed); with
+// the real model (skipped without it) the rank listens, answers /health and a completion over
+// HTTP, and a stop signal drains it: it returns 0, having reported every phase.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
@@ -80,6 +78,14 @@ TEST(ServeJob, PortInUseFailsTheStartUp) {
   job.phase = [&](std::string_view what) { loaded = loaded || what != "serve: start-up"; };
   EXPECT_EQ(run_one_rank(job), 2);
   EXPECT_FALSE(loaded);  // refused before the model
+}
+
+TEST(ServeJob, ModelThatDoesNotLoadFailsTheStartUp) {
+  serve::ServeJob job = small_job("/nonexistent/model.gguf", 0);
+  int listening = 0;
+  job.listening = [&](int) { ++listening; };
+  EXPECT_EQ(run_one_rank(job), 2);
+  EXPECT_EQ(listening, 0);
 }
 
 TEST(ServeJob, ServesACompletionAndDrainsOnASignal) {
