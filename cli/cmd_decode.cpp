@@ -24,15 +24,15 @@
 #include "cmd_kernel.hpp"
 #include "device.hpp"
 #include "commands.hpp"
-#include "job_status.hpp"
-#include "launcher.hpp"
 #include "measure.hpp"
 #include "measure/bench_results.hpp"
 #include "options.hpp"
 #include "treeattn/comm_mpi.hpp"
 #include "treeattn/comm_nccl.hpp"
 #include "treeattn/executor_cuda.hpp"
+#include "treeattn/job_status.hpp"
 #include "treeattn/kernel.hpp"
+#include "treeattn/launch.hpp"
 #include "treeattn/strategy.hpp"
 
 namespace treeattn::cli {
@@ -246,7 +246,7 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
                  status.to_string().c_str());
     if (status.code() == Code::kTimeout || status.code() == Code::kInternal ||
         status.code() == Code::kMismatch)
-      abort_job(3, "");
+      launch::abort_job(3, "");
     dev = RankDevice();  // NCCL, then the executor, before the world they use
     world.reset();
     (void)mpi_finalize();
@@ -355,11 +355,11 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
   }
   if (!bench && (ranks.value().size() > 1 || f.shape.seqs.size() > 1 || f.shape.batches.size() > 1))
     return fail(cmd, invalid_argument("run takes one --ranks, --seq and --batch; use bench to sweep"));
-  if (!started_by_mpi_launcher())
+  if (!launch::started_by_mpi_launcher())
     for (int64_t p : ranks.value()) {
-      LaunchOptions lo;
+      launch::LaunchOptions lo;
       lo.ranks = static_cast<int>(p);
-      if (Status s = check_local_rank_count(lo, "--ranks"); !s.is_ok()) return fail(cmd, s);
+      if (Status s = launch::check_local_rank_count(lo, "--ranks"); !s.is_ok()) return fail(cmd, s);
     }
   for (int64_t seq : f.shape.seqs)
     for (int64_t b : f.shape.batches) {
@@ -383,7 +383,7 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
 
   // Under an existing mpirun/srun the job's world is used; --ranks, if given, must match it.
   f.ranks_given = sub.count("--ranks") > 0;
-  if (started_by_mpi_launcher()) return run_job(cmd, f, methods.value(), bench);
+  if (launch::started_by_mpi_launcher()) return run_job(cmd, f, methods.value(), bench);
 
   // Plain shell: every output path is checked before the first job starts.
   if (Status s = check_outputs(f); !s.is_ok()) return fail(cmd, s);
@@ -392,7 +392,7 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
   int worst = 0;
   std::string device_description;  // rank 0's of the first job (jobs write it with their points)
   for (int64_t p : ranks.value()) {
-    const std::string tmpl_path = make_temp_file("points");
+    const std::string tmpl_path = launch::make_temp_file("points");
     if (tmpl_path.empty()) return fail(cmd, internal_error("cannot create a temporary file in /tmp"));
     const char* tmpl = tmpl_path.c_str();
     std::vector<std::string> args = inv.args;
@@ -401,7 +401,7 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
     // does not show: size the kernel's threads by the whole job.
     if (cluster && f.threads == 0)
       args.insert(args.end(), {"--threads", std::to_string(default_threads(static_cast<int>(p)))});
-    LaunchOptions lo;
+    launch::LaunchOptions lo;
     lo.ranks = static_cast<int>(p);
     lo.who = std::string("treeattn ") + cmd;
     if (cluster) {
@@ -409,12 +409,12 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
       if (!prefix.is_ok()) return fail(cmd, prefix.status());
       lo.session_prefix = std::move(prefix).value();
     }
-    auto rc = run_under_mpirun(lo, args);
+    auto rc = launch::run_under_mpirun(lo, args);
     if (!rc.is_ok()) {
       std::remove(tmpl);
       return fail(cmd, rc.status());
     }
-    if (const int sig = interrupted_by(); sig != 0) {
+    if (const int sig = launch::interrupted_by(); sig != 0) {
       std::remove(tmpl);
       std::fprintf(stderr, "treeattn %s: interrupted by signal %d (%s); the %lld-rank job was "
                    "stopped\n", cmd, sig, strsignal(sig), static_cast<long long>(p));

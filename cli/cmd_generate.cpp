@@ -2,7 +2,7 @@
 // ranks (include/treeattn/generate.hpp): prefill across the ranks, then decode with the chosen
 // strategy merging the ranks' partial attention states at every layer.
 //
-// From a plain shell, --ranks P > 1 re-executes this program under mpirun (launcher.hpp), one
+// From a plain shell, --ranks P > 1 re-executes this program under mpirun (launch.hpp), one
 // rank is run in this process; under an existing mpirun/srun the job's world is used. Everything
 // that can be checked before a rank starts is checked here first: the model file (architecture,
 // tensor types), the prompt, --ranks against the prompt, the memory the KV cache and the prefill
@@ -29,14 +29,14 @@
 #include "engine/generation_report.hpp"
 #include "engine/merge.hpp"
 #include "commands.hpp"
-#include "job_status.hpp"
-#include "launcher.hpp"
 #include "options.hpp"
 #include "treeattn/comm_local.hpp"
 #include "treeattn/comm_mpi.hpp"
 #include "treeattn/engine.hpp"
 #include "treeattn/generate.hpp"
 #include "treeattn/generation.hpp"
+#include "treeattn/job_status.hpp"
+#include "treeattn/launch.hpp"
 #include "treeattn/measure.hpp"
 #include "treeattn/model.hpp"
 #include "treeattn/strategy.hpp"
@@ -238,7 +238,8 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
         "--ranks {} is larger than the prompt ({} tokens): every rank holds part of the "
         "prompt's KV cache; use at most {} ranks or a longer prompt",
         f.ranks, n, n));
-  if (cfg.n_ctx_train > 0 && n + f.new_tokens > cfg.n_ctx_train && !started_by_mpi_launcher())
+  if (cfg.n_ctx_train > 0 && n + f.new_tokens > cfg.n_ctx_train &&
+      !launch::started_by_mpi_launcher())
     std::fprintf(stderr,
                  "treeattn generate: note: %lld tokens is beyond the model's training context "
                  "(%lld); RoPE positions past it degrade the text (timing is unaffected)\n",
@@ -290,8 +291,8 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
     req.ranks_per_node = jt->ranks_per_node;
   }
   generation::Hooks hooks;
-  hooks.phase = [](const std::string& what) { rank_status_phase(what); };
-  hooks.step = [](int64_t i) { rank_status_step(i); };
+  hooks.phase = [](const std::string& what) { launch::rank_status_phase(what); };
+  hooks.step = [](int64_t i) { launch::rank_status_step(i); };
   hooks.planned = [](const StrategyChoice& c) { announce_auto(c); };
   int64_t n = 0;
   hooks.started = [&](const generation::Start& s) {
@@ -334,7 +335,7 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
   const generation::Output o = generation::run_generation(comm, req, hooks);
   if (!o.status.is_ok()) {
     say_error(comm, o.status);
-    if (o.must_abort) abort_job(3, "");
+    if (o.must_abort) launch::abort_job(3, "");
     return 2;
   }
   if (o.check_divergence) {
@@ -373,23 +374,25 @@ int generate_command(GenFlags& f, const CLI::App& sub, const Invocation& inv) {
   choose_path(f, sub);
   auto job = [&](Communicator& comm, const std::string& path) { return run_job(comm, f, path); };
   auto launch = [&](const std::string& path) {
-    LaunchOptions lo;
+    launch::LaunchOptions lo;
     lo.ranks = f.ranks;
     lo.who = "treeattn generate";
-    if (Status s = check_local_rank_count(lo, "--ranks"); !s.is_ok()) return fail("generate", s);
+    if (Status s = launch::check_local_rank_count(lo, "--ranks"); !s.is_ok())
+      return fail("generate", s);
     std::vector<std::string> args = inv.args;
     if (f.model.empty()) args.insert(args.end(), {"--model", path});
-    auto rc = run_under_mpirun(lo, args);
+    auto rc = launch::run_under_mpirun(lo, args);
     if (!rc.is_ok()) return fail("generate", rc.status());
-    if (const int sig = interrupted_by(); sig != 0) {
+    if (const int sig = launch::interrupted_by(); sig != 0) {
       std::fprintf(stderr, "treeattn generate: interrupted by signal %d (%s); the %d-rank job was "
                    "stopped\n", sig, strsignal(sig), f.ranks);
       return 128 + sig;
     }
     return rc.value();
   };
-  return run_model_command("generate", f.ranks, sub.count("--ranks") > 0,
-                           [&](bool lead) { return preflight(f, sub, lead); }, job, launch);
+  return launch::run_model_command("generate", f.ranks, sub.count("--ranks") > 0,
+                                   [&](bool lead) { return preflight(f, sub, lead); }, job,
+                                   launch);
 }
 
 }  // namespace

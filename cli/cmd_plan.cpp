@@ -32,12 +32,12 @@
 
 #include "cluster.hpp"
 #include "commands.hpp"
-#include "launcher.hpp"
 #include "options.hpp"
 #include "measure/bench_results.hpp"
 #include "measure/plan_report.hpp"
 #include "measure/validate_report.hpp"
 #include "treeattn/cost_model.hpp"
+#include "treeattn/launch.hpp"
 #include "treeattn/strategy.hpp"
 #include "treeattn/topology.hpp"
 #include "treeattn/validate.hpp"
@@ -163,21 +163,21 @@ int plan_sweep(PlanFlags& f, const CLI::App& sub) {
 
 // Runs this executable with args and waits; its output goes to ours (prefixed by nothing).
 Result<int> run_self(const std::vector<std::string>& args) {
-  std::vector<std::string> cmd = {self_exe()};
+  std::vector<std::string> cmd = {launch::self_exe()};
   cmd.insert(cmd.end(), args.begin(), args.end());
   std::string line;
   for (const auto& a : cmd) line += (line.empty() ? "" : " ") + a;
   std::fprintf(stderr, "$ %s\n", line.c_str());
   unsetenv("TREEATTN_LAUNCHED");  // the child is a fresh command, not a rank of a job
   // Stop signals are forwarded to the child (which forwards them to its mpirun).
-  auto rc = run_child(cmd);
-  if (rc.is_ok() && interrupted_by() != 0)
-    std::fprintf(stderr, "treeattn plan: interrupted by signal %d (%s)\n", interrupted_by(),
-                 strsignal(interrupted_by()));
+  auto rc = launch::run_child(cmd);
+  if (rc.is_ok() && launch::interrupted_by() != 0)
+    std::fprintf(stderr, "treeattn plan: interrupted by signal %d (%s)\n",
+                 launch::interrupted_by(), strsignal(launch::interrupted_by()));
   return rc;
 }
 
-std::string temp_path(const char* what) { return make_temp_file(what); }
+std::string temp_path(const char* what) { return launch::make_temp_file(what); }
 
 // The steps of the experiment that run jobs: this executable's `topo --detect` and `bench` as
 // subprocesses, on the emulated cluster where the setup has more than one host.
@@ -293,7 +293,7 @@ int plan_validate(PlanFlags& f) {
   steps.measure = [&self](const ValidationSetup& c) { return self.measure(c); };
   auto report = run_validation(o, steps);
   if (!report.is_ok()) {
-    if (interrupted_by() != 0) return 128 + interrupted_by();
+    if (launch::interrupted_by() != 0) return 128 + launch::interrupted_by();
     std::fprintf(stderr, "treeattn plan --validate: %s\n", report.status().to_string().c_str());
     return report.status().code() == Code::kInternal ? 1 : 2;
   }

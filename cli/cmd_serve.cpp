@@ -31,14 +31,14 @@
 #include "commands.hpp"
 #include "engine/exchange.hpp"
 #include "engine/merge.hpp"
-#include "job_status.hpp"
-#include "launcher.hpp"
 #include "options.hpp"
 #include "serve/serve_job.hpp"
 #include "treeattn/comm_local.hpp"
 #include "treeattn/comm_mpi.hpp"
 #include "treeattn/dtype.hpp"
 #include "treeattn/engine.hpp"
+#include "treeattn/job_status.hpp"
+#include "treeattn/launch.hpp"
 #include "treeattn/model.hpp"
 #include "treeattn/tokenizer.hpp"
 
@@ -143,9 +143,9 @@ int serve_job(Communicator& comm, const ServeFlags& f, const std::string& model_
   job.context = f.context;
   job.shutdown_timeout_s = f.shutdown_timeout;
   job.sigterm_ends_job = launched_by_serve();
-  job.phase = [](std::string_view what) { rank_status_phase(what); };
+  job.phase = [](std::string_view what) { launch::rank_status_phase(what); };
   job.abort_job = [](int code, std::string_view message) {
-    if (mpi_active()) abort_job(code, message);
+    if (mpi_active()) launch::abort_job(code, message);
   };
   return serve::run_serve_job(comm, job);
 }
@@ -158,10 +158,10 @@ void count_signal(int) { g_signals = g_signals + 1; }
 // mpirun with this command line; a stop signal becomes SIGUSR1 for mpirun (forwarded to every
 // rank: rank 0 drains), a second one or a job that has not ended shutdown_timeout + 30 s later
 // SIGTERM, and 10 s after that SIGKILL.
-Result<int> run_job(const LaunchOptions& lo, const std::vector<std::string>& args,
+Result<int> run_job(const launch::LaunchOptions& lo, const std::vector<std::string>& args,
                     int shutdown_timeout) {
-  TREEATTN_RETURN_IF_ERROR(check_local_rank_count(lo, "--ranks"));
-  const std::vector<std::string> cmd = mpirun_command(lo, args);
+  TREEATTN_RETURN_IF_ERROR(launch::check_local_rank_count(lo, "--ranks"));
+  const std::vector<std::string> cmd = launch::mpirun_command(lo, args);
   std::vector<char*> argv;
   for (const auto& a : cmd) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
@@ -242,7 +242,7 @@ int serve_command(ServeFlags& f, const CLI::App& sub, const Invocation& inv) {
     if (const char* k = std::getenv("TREEATTN_API_KEY"); k != nullptr) f.api_key = k;
   auto job = [&](Communicator& comm, const std::string& path) { return serve_job(comm, f, path); };
   auto launch = [&](const std::string& path) {
-    LaunchOptions lo;
+    launch::LaunchOptions lo;
     lo.ranks = f.ranks;
     lo.who = "treeattn serve";
     std::vector<std::string> args = inv.args;
@@ -250,8 +250,8 @@ int serve_command(ServeFlags& f, const CLI::App& sub, const Invocation& inv) {
     auto rc = run_job(lo, args, f.shutdown_timeout);
     return rc.is_ok() ? rc.value() : fail("serve", rc.status());
   };
-  return run_model_command("serve", f.ranks, sub.count("--ranks") > 0,
-                           [&](bool) { return preflight(f); }, job, launch);
+  return launch::run_model_command("serve", f.ranks, sub.count("--ranks") > 0,
+                                   [&](bool) { return preflight(f); }, job, launch);
 }
 
 }  // namespace

@@ -16,13 +16,13 @@
 
 #include "cluster.hpp"
 #include "commands.hpp"
-#include "job_status.hpp"
-#include "launcher.hpp"
 #include "options.hpp"
 #include "treeattn/comm_mpi.hpp"
 #include "treeattn/detect.hpp"
 #include "treeattn/dtype.hpp"
+#include "treeattn/job_status.hpp"
 #include "treeattn/kernel.hpp"
+#include "treeattn/launch.hpp"
 #include "treeattn/shape.hpp"
 #include "treeattn/topology.hpp"
 
@@ -80,7 +80,7 @@ int detect_job(const TopoFlags& f) {
   if (!world_r.is_ok()) return fail(world_r.status());
   std::unique_ptr<Communicator> world = std::move(world_r).value();
   world->set_timeout(std::chrono::milliseconds(f.timeout_ms));
-  rank_status_phase("topo --detect");
+  launch::rank_status_phase("topo --detect");
   DetectOptions o;
   o.name = f.name;
   o.kernel_threads = f.threads;
@@ -101,7 +101,7 @@ int detect_job(const TopoFlags& f) {
   if (!t.is_ok()) {
     std::fprintf(stderr, "treeattn topo --detect: rank %d: error: %s\n", world->rank(),
                  t.status().to_string().c_str());
-    if (t.status().code() == Code::kTimeout) abort_job(3, "");
+    if (t.status().code() == Code::kTimeout) launch::abort_job(3, "");
     rc = 2;
   } else if (world->rank() == 0) {
     for (const auto& n : notes) std::printf("  %s\n", n.c_str());
@@ -164,7 +164,7 @@ int run_topo(TopoFlags& f, const CLI::App& sub, const Invocation& inv) {
     return fail(invalid_argument(
         fmt::format("--probe-mib must be in [16, 1048576] (1 TiB), got {}", f.probe_mib)));
   if (Status s = check_timeout_ms("--timeout-ms", f.timeout_ms); !s.is_ok()) return fail(s);
-  if (!f.out.empty() && !started_by_mpi_launcher())  // once, before the job starts
+  if (!f.out.empty() && !launch::started_by_mpi_launcher())  // once, before the job starts
     if (Status s = check_output_file("--out", f.out); !s.is_ok()) return fail(s);
   std::optional<ClusterSpec> cluster;
   if (!f.cluster.empty()) {
@@ -175,8 +175,8 @@ int run_topo(TopoFlags& f, const CLI::App& sub, const Invocation& inv) {
   } else if (!f.link.empty()) {
     return fail(invalid_argument("--link " + f.link + " needs --cluster KxR"));
   }
-  if (started_by_mpi_launcher()) return detect_job(f);
-  LaunchOptions lo;
+  if (launch::started_by_mpi_launcher()) return detect_job(f);
+  launch::LaunchOptions lo;
   lo.ranks = f.ranks;
   lo.who = "treeattn topo";
   if (cluster) {
@@ -191,9 +191,9 @@ int run_topo(TopoFlags& f, const CLI::App& sub, const Invocation& inv) {
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     args.insert(args.end(), {"--threads", std::to_string(std::max(1, cores / f.ranks))});
   }
-  auto rc = run_under_mpirun(lo, args);
+  auto rc = launch::run_under_mpirun(lo, args);
   if (!rc.is_ok()) return fail(rc.status());
-  if (const int sig = interrupted_by(); sig != 0) {
+  if (const int sig = launch::interrupted_by(); sig != 0) {
     std::fprintf(stderr, "treeattn topo: interrupted by signal %d (%s); the job was stopped\n",
                  sig, strsignal(sig));
     return 128 + sig;

@@ -17,10 +17,10 @@
 
 #include "commands.hpp"
 #include "device.hpp"
-#include "job_status.hpp"
-#include "launcher.hpp"
 #include "options.hpp"
 #include "treeattn/comm_mpi.hpp"
+#include "treeattn/job_status.hpp"
+#include "treeattn/launch.hpp"
 #include "treeattn/measure.hpp"
 #include "treeattn/oracle.hpp"
 #include "treeattn/strategy.hpp"
@@ -107,12 +107,12 @@ int verify_job(VerifyFlags& f, const std::vector<std::string>& methods,
   for (int i = 0; i < f.cases; ++i) {
     const verify::Case c = verify::make_case(f.seed + static_cast<uint64_t>(i), P, types, f.deterministic);
     for (const auto& m : methods) {
-      rank_status_phase(fmt::format("verify: case seed {} method {}", c.seed, m));
+      launch::rank_status_phase(fmt::format("verify: case seed {} method {}", c.seed, m));
       o.save_dir = m == methods.front() ? f.save : std::string();
       const verify::Check chk = verify::check_case(*world, c, m, o);
       if (chk.must_abort)
-        abort_job(3, fmt::format("treeattn verify: rank {}: case seed {} method {}: {}",
-                                 world->rank(), c.seed, m, chk.why));
+        launch::abort_job(3, fmt::format("treeattn verify: rank {}: case seed {} method {}: {}",
+                                         world->rank(), c.seed, m, chk.why));
       if (!chk.saved.empty()) saved.push_back(chk.saved);
       if (lead) {
         records.push_back({{"seed", c.seed}, {"case", c.describe()}, {"method", m}, {"ranks", P},
@@ -258,21 +258,21 @@ Runner add_verify_command(CLI::App& app, const Invocation& inv) {
       std::fprintf(stderr, "treeattn verify: error: --kv-layout: %s\n", l.status().message().c_str());
       return 2;
     }
-    if (started_by_mpi_launcher()) return verify_job(*f, methods, types);
+    if (launch::started_by_mpi_launcher()) return verify_job(*f, methods, types);
     // Outputs before the run, not after it (the job's rank 0 checks again, harmlessly).
     if (Status s = check_outputs(*f); !s.is_ok()) {
       std::fprintf(stderr, "treeattn verify: error: %s\n", s.to_string().c_str());
       return 2;
     }
-    LaunchOptions lo;
+    launch::LaunchOptions lo;
     lo.ranks = f->ranks;
     lo.who = "treeattn verify";
-    auto rc = run_under_mpirun(lo, inv.args);
+    auto rc = launch::run_under_mpirun(lo, inv.args);
     if (!rc.is_ok()) {
       std::fprintf(stderr, "treeattn verify: error: %s\n", rc.status().to_string().c_str());
       return 2;
     }
-    if (const int sig = interrupted_by(); sig != 0) {
+    if (const int sig = launch::interrupted_by(); sig != 0) {
       std::fprintf(stderr, "treeattn verify: interrupted by signal %d (%s); the job was stopped\n",
                    sig, strsignal(sig));
       return 128 + sig;

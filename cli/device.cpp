@@ -4,9 +4,9 @@
 #include <fmt/format.h>
 
 #include "cluster.hpp"
-#include "launcher.hpp"
 #include "treeattn/comm_nccl.hpp"
 #include "treeattn/executor_cuda.hpp"
+#include "treeattn/launch.hpp"
 #include "treeattn/strategy.hpp"
 
 namespace treeattn::cli {
@@ -69,7 +69,7 @@ Status check_device_built(Device d) {
 }
 
 Status check_device_here(Device d) {
-  if (d != Device::kCuda || started_by_mpi_launcher() || launch_names_hosts())
+  if (d != Device::kCuda || launch::started_by_mpi_launcher() || launch::launch_names_hosts())
     return Status::ok();
   std::string why;
   if (cuda_device_count(&why) == 0)

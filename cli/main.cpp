@@ -23,9 +23,9 @@
 #include <string>
 
 #include "commands.hpp"
-#include "job_status.hpp"
 #include "options.hpp"
 #include "treeattn/comm_mpi.hpp"
+#include "treeattn/job_status.hpp"
 
 namespace {
 
@@ -38,7 +38,7 @@ std::string rank_label() {
 
 int report_exception(const std::string& cmd, const std::string& what) {
   const std::string line = "treeattn " + cmd + ": " + rank_label() + "error: " + what;
-  if (treeattn::mpi_active()) treeattn::cli::abort_job(2, line);  // the others must not wait
+  if (treeattn::mpi_active()) treeattn::launch::abort_job(2, line);  // the others must not wait
   std::fprintf(stderr, "%s\n", line.c_str());
   return 2;
 }
@@ -47,7 +47,7 @@ int report_exception(const std::string& cmd, const std::string& what) {
 
 int main(int argc, char** argv) {
   using namespace treeattn::cli;
-  rank_status_open();
+  treeattn::launch::rank_status_open();
   Invocation inv;
   for (int i = 1; i < argc; ++i) inv.args.emplace_back(argv[i]);
 
@@ -67,7 +67,7 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);
-    rank_status_returned(rc);
+    treeattn::launch::rank_status_returned(rc);
     return rc;
   }
   const std::string name = app.get_subcommands().front()->get_name();
@@ -87,6 +87,6 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     rc = report_exception(name, e.what());
   }
-  rank_status_returned(rc);
+  treeattn::launch::rank_status_returned(rc);
   return rc;
 }

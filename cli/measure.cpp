@@ -1,7 +1,7 @@
 // The flags' configuration handed to the measurement library (measure.hpp).
 #include "measure.hpp"
 
-#include "job_status.hpp"
+#include "treeattn/job_status.hpp"
 
 namespace treeattn::cli {
 
@@ -18,8 +18,8 @@ BenchConfig bench_config(const MeasureConfig& c) {
   }
   b.faults.step = inj.step;
   b.device_memory = c.device == Device::kCuda;
-  b.on_phase = [](std::string_view what) { rank_status_phase(what); };
-  b.on_step = [](int64_t step) { rank_status_step(step); };
+  b.on_phase = [](std::string_view what) { launch::rank_status_phase(what); };
+  b.on_step = [](int64_t step) { launch::rank_status_step(step); };
   return b;
 }
 

@@ -20,7 +20,7 @@ struct MeasureConfig : BenchConfig {
 };
 
 // The library's configuration of these flags, reporting the phase and step of every rank to
-// the job status file (job_status.hpp).
+// the job status file (treeattn/job_status.hpp).
 BenchConfig bench_config(const MeasureConfig& config);
 
 }  // namespace treeattn::cli

@@ -41,9 +41,10 @@ install(TARGETS ${_treeattn_exported} EXPORT treeattnTargets
 #   treeattn_engine:  engine, generation (with treeattn_serve, not exported yet)
 #   treeattn_verify:  verify (not exported yet)
 #   treeattn_cuda, treeattn_nccl (not exported yet): executor_cuda, comm_nccl
+#   treeattn_launch (not exported yet): launch, job_status
 # and, without MPI, the MPI backend's.
 set(_treeattn_not_installed workload roofline peer detect measure gguf tokenizer model generate engine
-    generation verify executor_cuda comm_nccl)
+    generation verify executor_cuda comm_nccl launch job_status)
 if(NOT TARGET treeattn_mpi)
   list(APPEND _treeattn_not_installed comm_mpi)
 endif()

@@ -1,5 +1,5 @@
-// Per-rank status files of a launched job (see job_status.hpp).
-#include "job_status.hpp"
+// Per-rank status files of a launched job (see include/treeattn/job_status.hpp).
+#include "treeattn/job_status.hpp"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -15,7 +15,7 @@
 
 #include "treeattn/comm_mpi.hpp"
 
-namespace treeattn::cli {
+namespace treeattn::launch {
 namespace {
 
 // The file: three fixed regions, each padded with spaces and ended by '\n', rewritten in place.
@@ -230,4 +230,4 @@ std::vector<std::string> unexplained_ends(const std::vector<RankFate>& fates,
   return lines;
 }
 
-}  // namespace treeattn::cli
+}  // namespace treeattn::launch

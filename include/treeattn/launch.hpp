@@ -1,5 +1,6 @@
-// Starting ranks: from a plain shell `--ranks P` re-executes this program under mpirun with the
-// flags this kind of machine needs; under an existing mpirun/srun the job's world is used.
+// Starting ranks (treeattn_launch, src/launch): from a plain shell `--ranks P` re-executes this
+// program under mpirun with the flags this kind of machine needs; under an existing mpirun/srun
+// the job's world is used. What each rank is doing, and which one died how: job_status.hpp.
 #pragma once
 
 #include <functional>
@@ -9,7 +10,7 @@
 #include "treeattn/comm.hpp"
 #include "treeattn/status.hpp"
 
-namespace treeattn::cli {
+namespace treeattn::launch {
 
 // Absolute path of this executable (for re-execution).
 std::string self_exe();
@@ -25,8 +26,8 @@ struct LaunchOptions {
   std::vector<std::string> mpirun_args;
   // Set when Open MPI's monitoring component should count what collectives really moved.
   bool monitoring = false;
-  // When set (cluster.hpp: `cluster.sh session K --slots R ... --`), the job runs through this
-  // prefix instead of plain mpirun; the prefix supplies the machine flags itself.
+  // When set (the CLI's cluster.hpp: `cluster.sh session K --slots R ... --`), the job runs
+  // through this prefix instead of plain mpirun; the prefix supplies the machine flags itself.
   std::vector<std::string> session_prefix;
   // Prefix of our own lines about the job ("treeattn bench").
   std::string who = "treeattn";
@@ -58,7 +59,7 @@ Status check_local_rank_count(const LaunchOptions& options, const std::string& f
 // once (mpirun then stops its ranks); if the job has not ended 10 s later, mpirun and every
 // rank are killed. Afterwards interrupted_by() is the signal (0 when none came) and the caller
 // removes its temporary files and exits with 128 + that signal. When the job fails, a line of
-// our own names each rank that ended without a message of treeattn's (job_status.hpp).
+// our own names each rank that ended without a message of treeattn's (treeattn/job_status.hpp).
 Result<int> run_under_mpirun(const LaunchOptions& options,
                              const std::vector<std::string>& program_args);
 
@@ -85,4 +86,4 @@ int run_model_command(const char* cmd, int ranks, bool ranks_given,
                       const std::function<int(Communicator&, const std::string&)>& job,
                       const std::function<int(const std::string&)>& launch);
 
-}  // namespace treeattn::cli
+}  // namespace treeattn::launch

@@ -1,5 +1,5 @@
-// Re-execution under mpirun (see launcher.hpp).
-#include "launcher.hpp"
+// Re-execution under mpirun (see include/treeattn/launch.hpp).
+#include "treeattn/launch.hpp"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -23,18 +23,23 @@
 #include <sstream>
 #include <thread>
 
-#include "job_status.hpp"
-#include "options.hpp"
+#include "treeattn/job_status.hpp"
 #include "treeattn/comm_local.hpp"
 #include "treeattn/comm_mpi.hpp"
 #include "treeattn/measure.hpp"
 
-namespace treeattn::cli {
+namespace treeattn::launch {
 namespace {
 
 const char* env(const char* name) {
   const char* v = std::getenv(name);
   return (v != nullptr && *v != '\0') ? v : nullptr;
+}
+
+// A refusal of run_model_command: "treeattn CMD: error: WHY", exit code 2.
+int fail(const char* cmd, const Status& s) {
+  std::fprintf(stderr, "treeattn %s: error: %s\n", cmd, s.to_string().c_str());
+  return 2;
 }
 
 }  // namespace
@@ -159,7 +164,7 @@ void kill_ranks(const std::string& status_dir) {
   }
 }
 
-// Forks cmd with the extra environment, forwards stop signals, waits (see launcher.hpp).
+// Forks cmd with the extra environment, forwards stop signals, waits (see treeattn/launch.hpp).
 // poll, when set, is called about every 50 ms while the child runs.
 Result<int> run_forwarding(const std::vector<std::string>& cmd,
                            const std::vector<std::pair<std::string, std::string>>& extra_env,
@@ -423,4 +428,4 @@ int run_model_command(const char* cmd, int ranks, bool ranks_given,
   return job(*world.value()[0], *path);
 }
 
-}  // namespace treeattn::cli
+}  // namespace treeattn::launch

@@ -3,7 +3,7 @@
 // killer, a crash, a library that calls exit()) is named by our own line, with the step it was
 // in, instead of only by mpirun's text.
 //
-// The launcher (launcher.cpp) makes a directory and passes it to the ranks in
+// The launcher (src/launch/launcher.cpp) makes a directory and passes it to the ranks in
 // $TREEATTN_STATUS_DIR; each rank keeps one small file there, rank-R, rewritten in place: its pid,
 // its state and its phase ("p=4 seq=64k batch=1: timed steps of tree, ring-kv, step 3"). States:
 //
@@ -24,7 +24,7 @@
 #include <string_view>
 #include <vector>
 
-namespace treeattn::cli {
+namespace treeattn::launch {
 
 // ---- rank side -------------------------------------------------------------------------------
 
@@ -64,4 +64,4 @@ std::vector<RankFate> read_rank_status(const std::string& dir);
 std::vector<std::string> unexplained_ends(const std::vector<RankFate>& fates, const std::string& who,
                                           const std::vector<int>& died_before_abort = {});
 
-}  // namespace treeattn::cli
+}  // namespace treeattn::launch
