@@ -414,11 +414,9 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
       std::remove(tmpl);
       return fail(cmd, rc.status());
     }
-    if (const int sig = launch::interrupted_by(); sig != 0) {
+    if (const int code = launch::report_interrupt(lo.who, lo.ranks); code != 0) {
       std::remove(tmpl);
-      std::fprintf(stderr, "treeattn %s: interrupted by signal %d (%s); the %lld-rank job was "
-                   "stopped\n", cmd, sig, strsignal(sig), static_cast<long long>(p));
-      return 128 + sig;
+      return code;
     }
     BenchFile job = read_bench_file(tmpl);
     std::remove(tmpl);

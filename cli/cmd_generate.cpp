@@ -383,11 +383,8 @@ int generate_command(GenFlags& f, const CLI::App& sub, const Invocation& inv) {
     if (f.model.empty()) args.insert(args.end(), {"--model", path});
     auto rc = launch::run_under_mpirun(lo, args);
     if (!rc.is_ok()) return fail("generate", rc.status());
-    if (const int sig = launch::interrupted_by(); sig != 0) {
-      std::fprintf(stderr, "treeattn generate: interrupted by signal %d (%s); the %d-rank job was "
-                   "stopped\n", sig, strsignal(sig), f.ranks);
-      return 128 + sig;
-    }
+    if (const int code = launch::report_interrupt("treeattn generate", f.ranks); code != 0)
+      return code;
     return rc.value();
   };
   return launch::run_model_command("generate", f.ranks, sub.count("--ranks") > 0,

@@ -193,11 +193,7 @@ int run_topo(TopoFlags& f, const CLI::App& sub, const Invocation& inv) {
   }
   auto rc = launch::run_under_mpirun(lo, args);
   if (!rc.is_ok()) return fail(rc.status());
-  if (const int sig = launch::interrupted_by(); sig != 0) {
-    std::fprintf(stderr, "treeattn topo: interrupted by signal %d (%s); the job was stopped\n",
-                 sig, strsignal(sig));
-    return 128 + sig;
-  }
+  if (const int code = launch::report_interrupt("treeattn topo"); code != 0) return code;
   return rc.value();
 }
 

@@ -272,11 +272,7 @@ Runner add_verify_command(CLI::App& app, const Invocation& inv) {
       std::fprintf(stderr, "treeattn verify: error: %s\n", rc.status().to_string().c_str());
       return 2;
     }
-    if (const int sig = launch::interrupted_by(); sig != 0) {
-      std::fprintf(stderr, "treeattn verify: interrupted by signal %d (%s); the job was stopped\n",
-                   sig, strsignal(sig));
-      return 128 + sig;
-    }
+    if (const int code = launch::report_interrupt("treeattn verify"); code != 0) return code;
     return rc.value();
   };
 }

@@ -68,6 +68,9 @@ Result<int> run_child(const std::vector<std::string>& cmd);
 
 // The signal that interrupted the last run_under_mpirun / run_child, or 0.
 int interrupted_by();
+// When one did: prints "WHO: interrupted by signal S (NAME); the P-rank job was stopped" ("the
+// job" when ranks is 0) on stderr and returns the exit code 128 + S; returns 0 otherwise.
+int report_interrupt(const std::string& who, int ranks = 0);
 
 // A new empty temporary file /tmp/treeattn-WHAT-PID-XXXXXX (its path, or "" on failure). The
 // pid in the name lets a later run remove what a SIGKILLed run could not:

@@ -304,6 +304,15 @@ void remove_job_segments(const std::string& status_dir) {
 
 int interrupted_by() { return g_last_interrupt; }
 
+int report_interrupt(const std::string& who, int ranks) {
+  const int sig = interrupted_by();
+  if (sig == 0) return 0;
+  const std::string job = ranks > 0 ? "the " + std::to_string(ranks) + "-rank job" : "the job";
+  std::fprintf(stderr, "%s: interrupted by signal %d (%s); %s was stopped\n", who.c_str(), sig,
+               strsignal(sig), job.c_str());
+  return 128 + sig;
+}
+
 std::string make_temp_file(const std::string& what) {
   std::string tmpl = "/tmp/treeattn-" + what + "-" + std::to_string(getpid()) + "-XXXXXX";
   const int fd = mkstemp(tmpl.data());

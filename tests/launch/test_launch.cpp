@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <cstring>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -174,6 +175,24 @@ TEST(Launch, ChildExitCodesAndSignals) {
   rc = run_child({"sh", "-c", "read x && exit 5; exit 4"});
   ASSERT_TRUE(rc.is_ok());
   EXPECT_EQ(*rc, 4);
+}
+
+TEST(Launch, StopSignalIsForwardedAndReported) {
+  EXPECT_EQ(run_child({"true"}).value(), 0);
+  EXPECT_EQ(report_interrupt("treeattn run", 4), 0);  // nothing interrupted the last run
+  // The child sends SIGTERM to this process, which forwards it once to the child: the child
+  // ends by it, and the run reports the interruption.
+  auto rc = run_child({"sh", "-c", "kill -TERM $PPID; exec sleep 5"});
+  ASSERT_TRUE(rc.is_ok());
+  EXPECT_EQ(*rc, 128 + SIGTERM);
+  EXPECT_EQ(interrupted_by(), SIGTERM);
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(report_interrupt("treeattn run", 4), 128 + SIGTERM);
+  EXPECT_EQ(report_interrupt("treeattn topo"), 128 + SIGTERM);
+  EXPECT_EQ(testing::internal::GetCapturedStderr(),
+            std::string("treeattn run: interrupted by signal 15 (") + strsignal(SIGTERM) +
+                "); the 4-rank job was stopped\ntreeattn topo: interrupted by signal 15 (" +
+                strsignal(SIGTERM) + "); the job was stopped\n");
 }
 
 // ---- status files --------------------------------------------------------------------------
