@@ -210,11 +210,11 @@ def main():
 
 
 def measure(a, contexts, steps, bw, weight_bytes, kv_bytes, use_server, results):
+    arch, trained = train_context(a.model) if use_server else ("", 0)
     for ctx in contexts:
         # a cache sized for this context: llama.cpp's attention reads the cells it has, rounded up
         # llama-server caps its cache at the trained context (SmolLM2: 8192); decode speed does not
         # depend on that number, so a longer benchmark context raises it
-        arch, trained = train_context(a.model)
         extra = (["--override-kv", "%s.context_length=int:%d" % (arch, ctx + steps + 64)]
                  if trained and ctx + steps + 64 > trained else [])
         server = (LlamaServer(a.llama_server, a.model, a.threads, ctx + steps + 64,
