@@ -10,7 +10,6 @@
 #include <regex>
 
 #include "treeattn/cost_model.hpp"
-#include "treeattn/generation.hpp"
 
 namespace treeattn::cli {
 
@@ -151,7 +150,7 @@ Result<std::vector<std::string>> resolve_auto_methods(
   auto choice = choose_strategy(q, jt->topology);
   if (!choice.is_ok()) return invalid_argument("--methods auto: " + choice.status().message());
   if (announce) announce_auto(*choice);
-  return generation::replace_auto(methods, choice->strategy);
+  return replace_auto(methods, choice->strategy);
 }
 
 void announce_auto(const StrategyChoice& c) {

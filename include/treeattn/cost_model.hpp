@@ -103,6 +103,10 @@ struct StrategyChoice {
 };
 Result<StrategyChoice> choose_strategy(const CostQuery& q, const Topology& topo,
                                        bool user_reductions = true, const PlanOptions& opts = {});
+// `methods` with each "auto" replaced by `choice` (a StrategyChoice's strategy), a duplicate of it
+// dropped, order kept: how a method list that names "auto" is run.
+std::vector<std::string> replace_auto(const std::vector<std::string>& methods,
+                                      const std::string& choice);
 
 // The paper's microbenchmark (Fig. 3): one attention block of 16 heads x 128, batch 1, one
 // query, bf16, context 80k..5.12M (doubling), tree vs the KV-rotating ring.

@@ -59,9 +59,6 @@ Status check_prompt_file(const std::string& path);
 // The prompt's token ids, the same on every rank.
 Result<std::vector<TokenId>> make_prompt(const PromptSpec& spec, const Tokenizer& tok);
 
-// `methods` with each "auto" replaced by `choice`, a duplicate of it dropped, order kept.
-std::vector<std::string> replace_auto(const std::vector<std::string>& methods,
-                                      const std::string& choice);
 
 struct Request {
   std::string model_path;

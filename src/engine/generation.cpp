@@ -426,16 +426,6 @@ Result<std::vector<TokenId>> make_prompt(const PromptSpec& spec, const Tokenizer
   return ids;
 }
 
-std::vector<std::string> replace_auto(const std::vector<std::string>& methods,
-                                      const std::string& choice) {
-  std::vector<std::string> out;
-  for (const auto& m : methods) {
-    const std::string name = m == "auto" ? choice : m;
-    if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
-  }
-  return out;
-}
-
 model::GeneratorConfig generator_config(const Request& req) {
   model::GeneratorConfig gc;
   gc.methods = req.methods;

@@ -173,4 +173,14 @@ Result<std::vector<SweepRow>> paper_sweep(const Topology& topo, const SweepOptio
   return rows;
 }
 
+std::vector<std::string> replace_auto(const std::vector<std::string>& methods,
+                                      const std::string& choice) {
+  std::vector<std::string> out;
+  for (const auto& m : methods) {
+    const std::string name = m == "auto" ? choice : m;
+    if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
+  }
+  return out;
+}
+
 }  // namespace treeattn

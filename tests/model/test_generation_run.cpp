@@ -42,13 +42,6 @@ std::vector<Output> run(int ranks, const Request& r, const generation::Hooks& ho
   return out;
 }
 
-TEST(GenerationRun, ReplaceAutoKeepsOrderAndDropsTheDuplicate) {
-  using V = std::vector<std::string>;
-  EXPECT_EQ(generation::replace_auto(V{"auto", "tree"}, "tree"), V{"tree"});
-  EXPECT_EQ(generation::replace_auto(V{"ring-kv", "auto"}, "tree"), (V{"ring-kv", "tree"}));
-  EXPECT_EQ(generation::replace_auto(V{"single"}, "tree"), V{"single"});
-}
-
 TEST(GenerationRun, MissingModelIsAnErrorValue) {
   Request r;
   r.model_path = "/nonexistent/model.gguf";
