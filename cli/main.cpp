@@ -43,6 +43,25 @@ int report_exception(const std::string& cmd, const std::string& what) {
   return 2;
 }
 
+#ifdef TREEATTN_CLI_NO_MODEL_COMMANDS
+// A subcommand this build left out (TREEATTN_CLI_MODEL_COMMANDS=OFF, tools/build.sh --main-job):
+// any arguments, and one line saying how to build it.
+treeattn::cli::Runner add_unbuilt_command(CLI::App& app, const char* name) {
+  CLI::App* sub = app.add_subcommand(name, std::string("(not in this build: tools/build.sh builds it)"));
+  sub->allow_extras();
+  sub->prefix_command();
+  const std::string cmd = name;
+  return [cmd] {
+    std::fprintf(stderr,
+                 "treeattn %s: this treeattn was built without the model commands (tools/quickstart.sh "
+                 "builds only what `treeattn run` needs: tools/build.sh --main-job); run "
+                 "tools/build.sh (or tools/test.sh) to build `%s`\n",
+                 cmd.c_str(), cmd.c_str());
+    return 2;
+  };
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -60,8 +79,13 @@ int main(int argc, char** argv) {
   Runner bench = add_bench_command(app, inv);
   Runner topo = add_topo_command(app, inv);
   Runner plan = add_plan_command(app, inv);
+#ifndef TREEATTN_CLI_NO_MODEL_COMMANDS
   Runner generate = add_generate_command(app, inv);
   Runner serve = add_serve_command(app, inv);
+#else
+  Runner generate = add_unbuilt_command(app, "generate");
+  Runner serve = add_unbuilt_command(app, "serve");
+#endif
   require_decimal_integers(app);
   try {
     app.parse(argc, argv);
