@@ -116,5 +116,35 @@ TEST(Workload, TokensAreExactlyRepresentableInTheirDtype) {
   }
 }
 
+// make_token's vectorized generation (the AVX2 clone where the CPU has it) gives the scalar
+// workload_uniform's values, rounded to the dtype, at every element; the first values are pinned
+// so that a change of the generator shows (fixtures and the Python checks rebuild the same data).
+TEST(Workload, TokensAreTheScalarValuesRoundedToTheirDtype) {
+  const AttnShape shape{1, 3, 3, 80, 1};
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16, DType::kFP8, DType::kInt8})
+    for (int64_t pos : {0, 1, 4095, 1 << 20}) {
+      std::vector<float> k(240), v(240);
+      make_token({shape, dt, 9, 1.0f}, 2, pos, k.data(), v.data());
+      for (int64_t h = 0; h < 3; ++h)
+        for (int64_t d = 0; d < 80; ++d) {
+          float ek = workload_uniform(9, WorkloadTensor::kKey, 2, h, pos, d);
+          float ev = workload_uniform(9, WorkloadTensor::kValue, 2, h, pos, d);
+          if (dt == DType::kF16 || dt == DType::kBF16) {
+            std::vector<uint32_t> w(2);
+            store_from_float(w.data(), dt, 0, ek);
+            store_from_float(w.data(), dt, 1, ev);
+            ek = load_as_float(w.data(), dt, 0);
+            ev = load_as_float(w.data(), dt, 1);
+          }
+          ASSERT_EQ(k[static_cast<std::size_t>(h * 80 + d)], ek) << dtype_name(dt) << " " << pos;
+          ASSERT_EQ(v[static_cast<std::size_t>(h * 80 + d)], ev) << dtype_name(dt) << " " << pos;
+        }
+    }
+  // Pinned: seed 5, key tensor, row 0, head 1, position 7, elements 0..2.
+  EXPECT_EQ(workload_uniform(5, WorkloadTensor::kKey, 0, 1, 7, 0), -0x1.dfd794p-1f);
+  EXPECT_EQ(workload_uniform(5, WorkloadTensor::kKey, 0, 1, 7, 1), 0x1.2bdeep-3f);
+  EXPECT_EQ(workload_uniform(5, WorkloadTensor::kKey, 0, 1, 7, 2), 0x1.937d18p-1f);
+}
+
 }  // namespace
 }  // namespace treeattn
