@@ -164,6 +164,31 @@ inline void store_from_float(void* base, DType t, std::size_t i, float v) {
   }
 }
 
+// store_from_float for x[0 .. n) into base[i0 .. i0 + n), the type chosen once per row (the
+// per-element switch kept the compiler from vectorizing large cache fills).
+inline void store_row_from_float(void* base, DType t, std::size_t i0, const float* x,
+                                 std::size_t n) {
+  auto each = [&](auto* out, auto convert) {
+    for (std::size_t d = 0; d < n; ++d) out[i0 + d] = convert(x[d]);
+  };
+  switch (t) {
+    case DType::kF32: each(static_cast<float*>(base), [](float v) { return v; }); break;
+    case DType::kF16: each(static_cast<uint16_t*>(base), float_to_f16); break;
+    case DType::kBF16: each(static_cast<uint16_t*>(base), float_to_bf16); break;
+    case DType::kFP8: each(static_cast<uint8_t*>(base), float_to_fp8_e4m3); break;
+    case DType::kInt8: each(static_cast<int8_t*>(base), float_to_int8); break;
+  }
+}
+
+// x[i] = the value x[i] has once stored as t (F16, BF16: rounded; F32 and the quantized types,
+// whose codes are per-token scaled by KVCache::set_token: unchanged).
+inline void round_to_dtype(DType t, float* x, std::size_t n) {
+  if (t == DType::kBF16)
+    for (std::size_t i = 0; i < n; ++i) x[i] = bf16_to_float(float_to_bf16(x[i]));
+  else if (t == DType::kF16)
+    for (std::size_t i = 0; i < n; ++i) x[i] = f16_to_float(float_to_f16(x[i]));
+}
+
 // Quantizes n floats (one token of one KV head) into codes at base[i0 .. i0 + n) and returns
 // the scale: max|x| / quant_max(t), codes = round(x / scale). An all-zero token gets scale 0
 // and zero codes; a non-finite max gives a non-finite scale (dequantized values NaN/inf).

@@ -174,17 +174,8 @@ void KVCache::set_token(int64_t b, int64_t h, int64_t t, const float* k, const f
     return;
   }
   const auto n = static_cast<std::size_t>(shape_.head_dim);
-  if (dtype_ == DType::kBF16) {  // the common case of large workloads, one loop per tensor
-    auto* kp = reinterpret_cast<uint16_t*>(k_.data()) + base;
-    auto* vp = reinterpret_cast<uint16_t*>(v_.data()) + base;
-    for (std::size_t d = 0; d < n; ++d) kp[d] = float_to_bf16(k[d]);
-    for (std::size_t d = 0; d < n; ++d) vp[d] = float_to_bf16(v[d]);
-    return;
-  }
-  for (std::size_t d = 0; d < n; ++d) {
-    store_from_float(k_.data(), dtype_, base + d, k[d]);
-    store_from_float(v_.data(), dtype_, base + d, v[d]);
-  }
+  store_row_from_float(k_.data(), dtype_, base, k, n);
+  store_row_from_float(v_.data(), dtype_, base, v, n);
 }
 
 KVShard KVCache::view(int64_t first, std::span<const int64_t> len,

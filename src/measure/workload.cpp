@@ -15,10 +15,6 @@ uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-}  // namespace
-
-namespace {
-
 // One key per (tensor, row, head, position): four mixes, then one mix per element.
 uint64_t row_key(uint64_t seed, WorkloadTensor t, int64_t b, int64_t h, int64_t pos) {
   uint64_t x = splitmix64(seed ^ (static_cast<uint64_t>(t) << 56));
@@ -27,10 +23,19 @@ uint64_t row_key(uint64_t seed, WorkloadTensor t, int64_t b, int64_t h, int64_t 
   return splitmix64(x ^ static_cast<uint64_t>(pos));
 }
 
-// 24 random bits -> [-1, 1), exactly representable.
+// 24 random bits -> [-1, 1), exactly representable (through a 32-bit integer: x >> 40 < 2^24,
+// which the vectorized elements() below needs; AVX2 has no 64-bit integer to float conversion).
 float element(uint64_t key, int64_t d) {
   const uint64_t x = splitmix64(key ^ static_cast<uint64_t>(d));
-  return static_cast<float>(static_cast<int64_t>(x >> 40) - (int64_t{1} << 23)) * 0x1p-23f;
+  return static_cast<float>(static_cast<int32_t>(x >> 40) - (int32_t{1} << 23)) * 0x1p-23f;
+}
+
+// out[d] = element(key, d) for d < n. Most of a large run's set-up is this loop (256k tokens x 8
+// heads x 128 x K and V, once per method); the compiler vectorizes it, and the AVX2 clone makes 4
+// elements per instruction.
+__attribute__((target_clones("avx2", "default"))) void elements(uint64_t key, int64_t n,
+                                                                float* out) {
+  for (int64_t d = 0; d < n; ++d) out[d] = element(key, d);
 }
 
 }  // namespace
@@ -51,25 +56,6 @@ void make_query(const WorkloadSpec& w, int64_t step, float* q) {
       }
 }
 
-namespace {
-
-// out[d] = element(key, d) for d < n, written so that the compiler vectorizes it (the value
-// through a 32-bit integer: x >> 40 < 2^24, so the float is the same). Most of a large run's
-// set-up is this loop (256k tokens x 8 heads x 128 x K and V per method); the AVX2 clone
-// generates 4 elements per instruction.
-__attribute__((target_clones("avx2", "default"))) void elements(uint64_t key, int64_t n,
-                                                                float* out) {
-  for (int64_t d = 0; d < n; ++d) {
-    uint64_t x = (key ^ static_cast<uint64_t>(d)) + 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    x ^= x >> 31;
-    out[d] = static_cast<float>(static_cast<int32_t>(x >> 40) - (int32_t{1} << 23)) * 0x1p-23f;
-  }
-}
-
-}  // namespace
-
 void make_token(const WorkloadSpec& w, int64_t b, int64_t pos, float* k, float* v) {
   const AttnShape& s = w.shape;
   const int64_t D = s.head_dim;
@@ -77,14 +63,9 @@ void make_token(const WorkloadSpec& w, int64_t b, int64_t pos, float* k, float* 
     elements(row_key(w.seed, WorkloadTensor::kKey, b, h, pos), D, k + h * D);
     elements(row_key(w.seed, WorkloadTensor::kValue, b, h, pos), D, v + h * D);
   }
-  const int64_t n = s.kv_heads * D;
-  if (w.dtype == DType::kBF16) {  // round_to, one loop per dtype
-    for (int64_t i = 0; i < n; ++i) k[i] = bf16_to_float(float_to_bf16(k[i]));
-    for (int64_t i = 0; i < n; ++i) v[i] = bf16_to_float(float_to_bf16(v[i]));
-  } else if (w.dtype == DType::kF16) {
-    for (int64_t i = 0; i < n; ++i) k[i] = f16_to_float(float_to_f16(k[i]));
-    for (int64_t i = 0; i < n; ++i) v[i] = f16_to_float(float_to_f16(v[i]));
-  }
+  const auto n = static_cast<std::size_t>(s.kv_heads * D);
+  round_to_dtype(w.dtype, k, n);
+  round_to_dtype(w.dtype, v, n);
 }
 
 Status fill_local_shard(const WorkloadSpec& w, const ShardPlan& plan, LocalShard& shard) {
