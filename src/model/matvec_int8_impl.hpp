@@ -357,7 +357,8 @@ struct CodeK<kTypeQ6_K> {
 // 127 * |scale|max: Q4_K 32 * 15 * 127 * 63, Q5_K 32 * 31 * 127 * 63, Q6_K 32 * 32 * 127 * 128 =
 // 16646144 < 2^24, so cvt is exact; maddubs' int16 pairs <= 2 * 63 * 127 (Q6_K's u), 2 * 31 *
 // 127 (Q5_K), never saturate.
-// The super-block `ahead` bytes further in each row (the next pass's) is prefetched.
+// The super-block `ahead` bytes further in each row (the next pass's) is prefetched when ahead > 0
+// (the first token's pass; later tokens read rows that the first brought into the cache).
 template <uint32_t T, int RBn>
 inline void superblock(const uint8_t* const* rows, int64_t k, const ActBlockK& xb,
                        typename Ops::V* acc, float* macc, int64_t ahead) {
@@ -367,7 +368,8 @@ inline void superblock(const uint8_t* const* rows, int64_t k, const ActBlockK& x
   typename CK::Row st[RBn];
   for (int r = 0; r < RBn; ++r) {
     b[r] = rows[r] + k * CK::kBytes;
-    for (int o = 0; o < CK::kBytes; o += 64) __builtin_prefetch(b[r] + ahead + o);
+    if (ahead > 0)
+      for (int o = 0; o < CK::kBytes; o += 64) __builtin_prefetch(b[r] + ahead + o);
     sumi[r] = Ops::izero();
     CK::prepare(b[r], st[r]);
   }
@@ -398,8 +400,8 @@ inline void rows_block_k(const RowsArgs& a, int64_t r0) {
     typename Ops::V acc[RBn];
     float macc[RBn];
     zero_acc<RBn>(acc, macc);
-    for (int64_t k = 0; k < blocks; ++k)
-      superblock<T, RBn>(rows, k, xk[k], acc, macc, RBn * a.row_bytes);
+    const int64_t ahead = t == 0 ? RBn * a.row_bytes : 0;
+    for (int64_t k = 0; k < blocks; ++k) superblock<T, RBn>(rows, k, xk[k], acc, macc, ahead);
     for (int r = 0; r < RBn; ++r) {
       float y = Ops::reduce_add(acc[r]);
       if constexpr (CodeK<T>::kMin) y += macc[r];
