@@ -48,8 +48,7 @@ int report_exception(const std::string& cmd, const std::string& what) {
 // any arguments, and one line saying how to build it.
 treeattn::cli::Runner add_unbuilt_command(CLI::App& app, const char* name) {
   CLI::App* sub = app.add_subcommand(name, std::string("(not in this build: tools/build.sh builds it)"));
-  sub->allow_extras();
-  sub->prefix_command();
+  sub->prefix_command();  // every argument after the name is taken, none checked
   const std::string cmd = name;
   return [cmd] {
     std::fprintf(stderr,

@@ -17,9 +17,9 @@
 #   tools/build.sh --main-job TARGET...
 #                                  --host-only, and the treeattn command without its generate and
 #                                  serve subcommands (TREEATTN_CLI_MODEL_COMMANDS=OFF: no model,
-#                                  engine or HTTP libraries, 40% of the CLI's build; that command
-#                                  says so when asked for them). tools/quickstart.sh uses it; a
-#                                  plain call builds them again.
+#                                  engine or HTTP libraries; that command says so when asked for
+#                                  them). tools/quickstart.sh uses it; a plain call builds them
+#                                  again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc 2>/dev/null || echo 2)

@@ -49,9 +49,6 @@ Prediction must(Result<Prediction> r) {
   return r.is_ok() ? r.value() : Prediction{};
 }
 
-// p = 2 on one node, alpha = 1 us, beta = 1 GB/s, memory 1 GB/s, N = 1000 f32 tokens:
-//   t = 500, KV(t) = 2 * 500 * 64 * 4 = 256000 B, local = (256000 + 256 + 264) / 1000 us.
-//   tree: one recursive-doubling round: 1 us + 264 B / 1000 + merge 3 * 264 B / 1000.
 TEST(CostModel, ReplaceAutoKeepsOrderAndDropsTheDuplicate) {
   using V = std::vector<std::string>;
   EXPECT_EQ(replace_auto(V{"auto", "tree"}, "tree"), V{"tree"});
@@ -59,6 +56,9 @@ TEST(CostModel, ReplaceAutoKeepsOrderAndDropsTheDuplicate) {
   EXPECT_EQ(replace_auto(V{"single"}, "tree"), V{"single"});
 }
 
+// p = 2 on one node, alpha = 1 us, beta = 1 GB/s, memory 1 GB/s, N = 1000 f32 tokens:
+//   t = 500, KV(t) = 2 * 500 * 64 * 4 = 256000 B, local = (256000 + 256 + 264) / 1000 us.
+//   tree: one recursive-doubling round: 1 us + 264 B / 1000 + merge 3 * 264 B / 1000.
 TEST(CostModel, TreeOnTwoRanksByHand) {
   const Topology t = synthetic(1, 2, 1.0, 1.0, 0, 0, 1.0);
   const Prediction p = must(predict("tree", small_query(1000, 2), t));
