@@ -65,7 +65,7 @@ struct GenFlags {
   double top_p = 1.0;
   uint64_t seed = 1;
   int threads = 0;
-  std::string matmul = "int8";  // --matmul: exact | int8 (model::MatmulMode)
+  std::string matmul;  // --matmul: exact | int8 | int8-ffn; "" until preflight: the model's
   bool check = false;
   bool ignore_eos = false;
   bool quiet = false;
@@ -135,8 +135,8 @@ void choose_path(GenFlags& f, const CLI::App& sub) {
 }
 
 // Everything checkable before ranks start (output files: by one process only). On success: the
-// model path.
-Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check_outputs) {
+// model path, and f.matmul set (the model's default when --matmul was not given).
+Result<std::string> preflight(GenFlags& f, const CLI::App& sub, bool check_outputs) {
   const int sources = (sub.count("--prompt") > 0) + (sub.count("--prompt-file") > 0) +
                       (sub.count("--prompt-tokens") > 0);
   if (sources != 1)
@@ -208,13 +208,16 @@ Result<std::string> preflight(const GenFlags& f, const CLI::App& sub, bool check
   TREEATTN_RETURN_IF_ERROR(sp.validate());
   TREEATTN_RETURN_IF_ERROR(check_timeout_ms("--timeout-ms", f.timeout_ms));
   TREEATTN_RETURN_IF_ERROR(check_thread_count(f.threads, "--threads"));
-  if (auto mm = model::parse_matmul_mode(f.matmul); !mm.is_ok())
-    return invalid_argument("--matmul " + f.matmul + ": expected exact or int8");
+  if (!f.matmul.empty() && !model::parse_matmul_mode(f.matmul).is_ok())
+    return invalid_argument("--matmul " + f.matmul + ": expected exact, int8 or int8-ffn");
   if (!f.prompt_file.empty()) TREEATTN_RETURN_IF_ERROR(generation::check_prompt_file(f.prompt_file));
   if (check_outputs && !f.json.empty())
     TREEATTN_RETURN_IF_ERROR(check_output_file("--json", f.json));
   auto path = resolve_model(f.model);
   if (!path.is_ok()) return path.status();
+  auto matmul = matmul_for_model(f.matmul, *path);
+  if (!matmul.is_ok()) return matmul.status();
+  f.matmul = *matmul;
   auto m = model::LlamaModel::load(*path);
   if (!m.is_ok()) return m.status();
   auto tok = Tokenizer::from_gguf((*m)->file());
@@ -441,10 +444,7 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
   sub->add_option("--seed", f->seed, "Sampling and synthetic-prompt seed")->capture_default_str();
   sub->add_option("--threads", f->threads, "Threads per rank (0: cores / ranks on the host)")
       ->capture_default_str();
-  sub->add_option("--matmul", f->matmul,
-                  "Quantized weights: int8 (activations quantized to 8 bits per 32, integer dot "
-                  "products) or exact (float activations; the tested reference)")
-      ->capture_default_str();
+  add_matmul_option(*sub, f->matmul);
   sub->add_flag("--check", f->check,
                 "Hash the token stream on every rank at every step and stop on a divergence");
   sub->add_flag("--engine", f->engine,

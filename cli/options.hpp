@@ -131,5 +131,11 @@ struct ShapeFlags {
 Result<std::string> resolve_model(const std::string& flag);
 // --model FILE|NAME on a subcommand, with the lookup order above and the known names as its help.
 void add_model_option(CLI::App& sub, std::string& model);
+// --matmul of generate and serve on a subcommand ("" until set: the model's default below).
+void add_matmul_option(CLI::App& sub, std::string& matmul);
+// The --matmul a command runs `model_path` with: `flag` when given, else the mode the model
+// table names for that file (tools/models.txt's matmul=MODE column), else "int8". The flag is
+// checked here: kInvalidArgument for a name that is not a mode.
+Result<std::string> matmul_for_model(const std::string& flag, const std::string& model_path);
 
 }  // namespace treeattn::cli

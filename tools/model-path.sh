@@ -29,7 +29,8 @@ read_table() {
     { sub(/#.*/, "") }
     NF == 0 { next }
     $1 == "model" {
-      if (NF != 5) bad("a model row is: model NAME FILE BYTES SHA256 (" NF " columns here)")
+      if (NF != 5 && NF != 6) bad("a model row is: model NAME FILE BYTES SHA256 [matmul=MODE] (" NF " columns here)")
+      if (NF == 6 && $6 !~ /^matmul=(exact|int8|int8-ffn)$/) bad("\"" $6 "\": the optional last column is matmul=exact, int8 or int8-ffn")
       if ($2 !~ /^[a-z0-9][a-z0-9._-]*$/) bad("model name \"" $2 "\": lower-case letters, digits, . _ -")
       if ($2 in file) bad("model " $2 " is listed twice")
       if ($3 !~ /^[A-Za-z0-9][A-Za-z0-9._-]*$/) bad("file \"" $3 "\": a plain file name is needed")

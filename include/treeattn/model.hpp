@@ -78,10 +78,15 @@ struct WeightMatrix {
 //           accumulation; the reference the float64 tests compare against);
 //   kInt8   each token's activations quantized once per call to 8-bit integers in blocks of 32
 //           with a float scale, integer dot products per block (src/model/matvec_int8_impl.hpp:
-//           |error| <= sum over blocks of (amax_block / 254) * sum |w| plus float rounding).
+//           |error| <= sum over blocks of (amax_block / 254) * sum |w| plus float rounding);
+//   kInt8Ffn a model's choice per matrix (for_role below): the attention's projections (Q, K, V
+//           and the output) as kExact, the FFN and the output head as kInt8. Where 8-bit
+//           activations everywhere flip a model's answer at a near tie (SmolLM2-135M's first
+//           chat token: the README's int8 section), this halves its first-token logit error
+//           for 10% of its decode time. matmul() itself, which sees no roles, runs it as kInt8.
 // Either way a token's result does not depend on the batch, the threads or the rows' split.
-enum class MatmulMode : uint8_t { kExact, kInt8 };
-std::string_view matmul_mode_name(MatmulMode mode);          // "exact", "int8"
+enum class MatmulMode : uint8_t { kExact, kInt8, kInt8Ffn };
+std::string_view matmul_mode_name(MatmulMode mode);          // "exact", "int8", "int8-ffn"
 Result<MatmulMode> parse_matmul_mode(std::string_view name);  // kInvalidArgument otherwise
 
 struct MatvecOptions {
@@ -92,6 +97,12 @@ struct MatvecOptions {
   // maddubs target instead (the same bits; for tests and benchmarks).
   bool vnni = true;
 };
+
+// What a weight matrix does in the forward pass, for the modes that choose per matrix.
+enum class MatrixRole : uint8_t { kAttention, kFfn, kHead };
+// The options matmul runs one role's matrices with: kInt8Ffn becomes kExact for kAttention and
+// kInt8 for the others; every other mode is kept.
+MatvecOptions for_role(MatvecOptions options, MatrixRole role);
 
 // ys[i][t * mats[i]->rows + r] = <row r of mats[i], x + t * x_stride> for every matrix i, row r
 // and token t < tokens. The matrices share the input (cols equal); their rows are split over

@@ -382,7 +382,8 @@ Status LlamaModel::attention_inputs(int layer, const float* x, int64_t tokens, c
   rmsnorm(x, L.attn_norm, tokens, s.xn.data());
   const WeightMatrix* mats[] = {&L.wq, &L.wk, &L.wv};
   float* ys[] = {q, k, v};
-  TREEATTN_RETURN_IF_ERROR(matmul(mats, s.xn.data(), tokens, cfg_.n_embd, ys, options));
+  TREEATTN_RETURN_IF_ERROR(matmul(mats, s.xn.data(), tokens, cfg_.n_embd, ys,
+                                  for_role(options, MatrixRole::kAttention)));
   const int64_t qd = cfg_.n_head * cfg_.head_dim, kvd = cfg_.n_head_kv * cfg_.head_dim;
   auto add_bias = [tokens](float* y, const std::vector<float>& b) {
     const auto n = static_cast<int64_t>(b.size());
@@ -414,7 +415,8 @@ Status LlamaModel::attention_output_and_ffn(int layer, const float* a, int64_t t
   {
     const WeightMatrix* mats[] = {&L.wo};
     float* ys[] = {s.tmp.data()};
-    TREEATTN_RETURN_IF_ERROR(matmul(mats, a, tokens, cfg_.n_head * cfg_.head_dim, ys, options));
+    TREEATTN_RETURN_IF_ERROR(matmul(mats, a, tokens, cfg_.n_head * cfg_.head_dim, ys,
+                                    for_role(options, MatrixRole::kAttention)));
   }
   if (!L.post_attn_norm.empty()) rmsnorm(s.tmp.data(), L.post_attn_norm, tokens, s.tmp.data());
   for (std::size_t i = 0; i < tn; ++i) x[i] += s.tmp[i];
@@ -425,7 +427,8 @@ Status LlamaModel::attention_output_and_ffn(int layer, const float* a, int64_t t
   {
     const WeightMatrix* mats[] = {&L.gate, &L.up};
     float* ys[] = {s.gate.data(), s.up.data()};
-    TREEATTN_RETURN_IF_ERROR(matmul(mats, s.xn.data(), tokens, n, ys, options));
+    TREEATTN_RETURN_IF_ERROR(
+        matmul(mats, s.xn.data(), tokens, n, ys, for_role(options, MatrixRole::kFfn)));
   }
   if (cfg_.arch->ffn == FfnActivation::kGeluTanh) {
     // ggml's tanh GELU: 0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2))), in float.
@@ -443,7 +446,8 @@ Status LlamaModel::attention_output_and_ffn(int layer, const float* a, int64_t t
   {
     const WeightMatrix* mats[] = {&L.down};
     float* ys[] = {s.tmp.data()};
-    TREEATTN_RETURN_IF_ERROR(matmul(mats, s.gate.data(), tokens, nff, ys, options));
+    TREEATTN_RETURN_IF_ERROR(
+        matmul(mats, s.gate.data(), tokens, nff, ys, for_role(options, MatrixRole::kFfn)));
   }
   if (!L.post_ffn_norm.empty()) rmsnorm(s.tmp.data(), L.post_ffn_norm, tokens, s.tmp.data());
   for (std::size_t i = 0; i < tn; ++i) x[i] += s.tmp[i];
@@ -456,7 +460,7 @@ Status LlamaModel::logits(const float* x, float* out, ForwardScratch& s,
   rmsnorm(x, output_norm_, 1, s.xn.data());
   const WeightMatrix* mats[] = {&output_};
   float* ys[] = {out};
-  return matmul(mats, s.xn.data(), 1, cfg_.n_embd, ys, options);
+  return matmul(mats, s.xn.data(), 1, cfg_.n_embd, ys, for_role(options, MatrixRole::kHead));
 }
 
 Status LlamaModel::logits(const float* x, int64_t tokens, float* out, ForwardScratch& s,
@@ -467,7 +471,8 @@ Status LlamaModel::logits(const float* x, int64_t tokens, float* out, ForwardScr
   rmsnorm(x, output_norm_, tokens, s.xn.data());
   const WeightMatrix* mats[] = {&output_};
   float* ys[] = {out};
-  return matmul(mats, s.xn.data(), tokens, cfg_.n_embd, ys, options);
+  return matmul(mats, s.xn.data(), tokens, cfg_.n_embd, ys,
+                for_role(options, MatrixRole::kHead));
 }
 
 }  // namespace treeattn::model

@@ -118,13 +118,25 @@ Result<WeightMatrix> WeightMatrix::from_tensor(const gguf::TensorInfo& t) {
 }
 
 std::string_view matmul_mode_name(MatmulMode mode) {
-  return mode == MatmulMode::kInt8 ? "int8" : "exact";
+  switch (mode) {
+    case MatmulMode::kExact: return "exact";
+    case MatmulMode::kInt8: return "int8";
+    case MatmulMode::kInt8Ffn: return "int8-ffn";
+  }
+  return "exact";
 }
 
 Result<MatmulMode> parse_matmul_mode(std::string_view name) {
-  if (name == "exact") return MatmulMode::kExact;
-  if (name == "int8") return MatmulMode::kInt8;
-  return invalid_argument("matmul mode '" + std::string(name) + "': expected exact or int8");
+  for (const MatmulMode m : {MatmulMode::kExact, MatmulMode::kInt8, MatmulMode::kInt8Ffn})
+    if (name == matmul_mode_name(m)) return m;
+  return invalid_argument("matmul mode '" + std::string(name) +
+                          "': expected exact, int8 or int8-ffn");
+}
+
+MatvecOptions for_role(MatvecOptions options, MatrixRole role) {
+  if (options.mode == MatmulMode::kInt8Ffn)
+    options.mode = role == MatrixRole::kAttention ? MatmulMode::kExact : MatmulMode::kInt8;
+  return options;
 }
 
 std::string_view matmul_int8_target(const MatvecOptions& options) {
@@ -171,7 +183,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   // Which activation blocks the call needs: 32 values (ActBlock) for the 32-value types, 256
   // (ActBlockK) for the K types.
   bool int8 = false, int8_32 = false, int8_k = false;
-  if (options.mode == MatmulMode::kInt8)
+  if (options.mode != MatmulMode::kExact)  // kInt8, or kInt8Ffn without a role
     for (const WeightMatrix* m : mats)
       if (detail::int8_type(m->type)) (detail::int8_k_type(m->type) ? int8_k : int8_32) = true;
   int8 = int8_32 || int8_k;

@@ -107,15 +107,33 @@ Result<std::vector<KnownModel>> known_models(const std::string& path) {
     for (std::string c; row >> c;) col.push_back(c);
     if (col.empty() || col[0] != "model") continue;
     const bool digits =
-        col.size() == 5 && !col[3].empty() &&
+        (col.size() == 5 || col.size() == 6) && !col[3].empty() &&
         std::all_of(col[3].begin(), col[3].end(), [](char c) { return c >= '0' && c <= '9'; });
     if (!digits || col[3].size() > 18)
       return invalid_argument(path + " line " + std::to_string(no) +
-                              ": a model row is: model NAME FILE BYTES SHA256");
-    models.push_back({col[1], col[2], std::stoull(col[3])});
+                              ": a model row is: model NAME FILE BYTES SHA256 [matmul=MODE]");
+    KnownModel m{col[1], col[2], std::stoull(col[3]), ""};
+    if (col.size() == 6) {
+      const std::string key = "matmul=";
+      if (!col[5].starts_with(key) || !parse_matmul_mode(col[5].substr(key.size())).is_ok())
+        return invalid_argument(path + " line " + std::to_string(no) + ": '" + col[5] +
+                                "': the optional last column is matmul=exact, int8 or int8-ffn");
+      m.matmul = col[5].substr(key.size());
+    }
+    models.push_back(std::move(m));
   }
   if (models.empty()) return invalid_argument("the model table " + path + " lists no model");
   return models;
+}
+
+std::string known_model_matmul(const std::string& path, const std::vector<KnownModel>& models) {
+  std::error_code ec;
+  const std::uintmax_t size = fs::file_size(path, ec);
+  if (ec) return "";
+  const std::string name = fs::path(path).filename().string();
+  for (const KnownModel& m : models)
+    if (m.file == name && m.bytes == size) return m.matmul;
+  return "";
 }
 
 std::string known_model_names(const std::vector<KnownModel>& models) {

@@ -1,5 +1,5 @@
 // Finding a model file: a path, or a name from the model table (tools/models.txt: rows
-// "model NAME FILE BYTES SHA256", the first the default) whose file is in a models/ folder,
+// "model NAME FILE BYTES SHA256 [matmul=MODE]", the first the default) whose file is in a models/ folder,
 // fetched there first by the fetch script when absent. What `treeattn generate` and `serve`
 // do with --model, and what a program embedding the library can do the same way.
 //
@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "treeattn/model.hpp"
 #include "treeattn/status.hpp"
 
 namespace treeattn::model {
@@ -36,10 +37,16 @@ ModelSearch source_tree_model_search(const std::string& source_dir);
 struct KnownModel {
   std::string name, file;
   std::uintmax_t bytes = 0;
+  std::string matmul;  // the row's matmul=MODE (model::MatmulMode's name), "" when it has none
 };
 // The model rows of the table in order; an error naming the line of a model row that does not
-// read, or a table that lists none.
+// read (an optional sixth column other than matmul=exact|int8|int8-ffn included), or a table
+// that lists none.
 Result<std::vector<KnownModel>> known_models(const std::string& table);
+// The matmul mode the table names for the model file at `path` (a row with its file name and
+// size), "" when it is no known model's file or its row names none: the default of generate
+// and serve's --matmul for that file.
+std::string known_model_matmul(const std::string& path, const std::vector<KnownModel>& models);
 std::string known_model_names(const std::vector<KnownModel>& models);  // "a, b, c"
 
 // The model file for --model `flag` ("" when not given), by the lookup above.

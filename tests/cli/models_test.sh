@@ -106,6 +106,8 @@ model n n.gguf ten $(printf '%064d' 0)|a positive decimal count
 model n n.gguf 10 ABC|64 lower-case hex digits
 model n sub/n.gguf 10 $(printf '%064d' 0)|a plain file name
 modle n n.gguf 10 x|unknown row kind "modle"
+model n n.gguf 10 $(printf '%064d' 0) matmul=fast|the optional last column is matmul=exact, int8 or int8-ffn
+model n n.gguf 10 $(printf '%064d' 0) matmul=int8 extra|model NAME FILE BYTES SHA256 \[matmul=MODE\] \(7 columns here\)
 EOF
     printf '%s\n' "$good" >"$T/noparts.txt"
     expect 2 "model m has no part rows" -- env TREEATTN_MODELS_TABLE="$T/noparts.txt" "$mpath" --list

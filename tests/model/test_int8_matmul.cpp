@@ -418,12 +418,27 @@ TEST(Int8Matmul, KAnd32ValueTypesInOneCallGiveTheirOwnCallsBits) {
 
 TEST(Int8Matmul, ExactIsTheDefaultAndModesParse) {
   EXPECT_EQ(MatvecOptions{}.mode, MatmulMode::kExact);
-  EXPECT_EQ(*model::parse_matmul_mode("int8"), MatmulMode::kInt8);
-  EXPECT_EQ(*model::parse_matmul_mode("exact"), MatmulMode::kExact);
+  for (const MatmulMode m : {MatmulMode::kExact, MatmulMode::kInt8, MatmulMode::kInt8Ffn})
+    EXPECT_EQ(*model::parse_matmul_mode(model::matmul_mode_name(m)), m);
+  EXPECT_EQ(model::matmul_mode_name(MatmulMode::kInt8Ffn), "int8-ffn");
   const auto bad = model::parse_matmul_mode("fast");
   ASSERT_FALSE(bad.is_ok());
-  EXPECT_NE(bad.status().to_string().find("exact or int8"), std::string::npos);
+  EXPECT_NE(bad.status().to_string().find("exact, int8 or int8-ffn"), std::string::npos);
   EXPECT_EQ(model::matmul_mode_name(MatmulMode::kInt8), "int8");
+  // Roles: int8-ffn is exact for the attention's projections only; the other modes keep.
+  using model::MatrixRole;
+  MatvecOptions o;
+  o.mode = MatmulMode::kInt8Ffn;
+  o.threads = 3;
+  EXPECT_EQ(model::for_role(o, MatrixRole::kAttention).mode, MatmulMode::kExact);
+  EXPECT_EQ(model::for_role(o, MatrixRole::kFfn).mode, MatmulMode::kInt8);
+  EXPECT_EQ(model::for_role(o, MatrixRole::kHead).mode, MatmulMode::kInt8);
+  EXPECT_EQ(model::for_role(o, MatrixRole::kHead).threads, 3);
+  for (const MatmulMode m : {MatmulMode::kExact, MatmulMode::kInt8})
+    for (const MatrixRole r : {MatrixRole::kAttention, MatrixRole::kFfn, MatrixRole::kHead}) {
+      o.mode = m;
+      EXPECT_EQ(model::for_role(o, r).mode, m);
+    }
   // And the two modes do differ on a quantized type (the int8 path is not the float one).
   std::mt19937_64 rng(2);
   std::vector<uint8_t> s;
@@ -438,6 +453,56 @@ TEST(Int8Matmul, ExactIsTheDefaultAndModesParse) {
   ASSERT_TRUE(model::matmul(mats, x.data(), 1, 256, yi_, int8_options(1, {Isa::kAuto, true}))
                   .is_ok());
   EXPECT_NE(0, std::memcmp(ye.data(), yi.data(), 8 * 4));
+}
+
+// int8-ffn in the forward pass: the attention's projections run exactly as in exact mode (the
+// same bits), the head exactly as in int8 mode, and the FFN in int8 (so the attention output and
+// FFN step equals neither mode).
+TEST(Int8Model, Int8FfnIsExactInTheAttentionProjectionsAndInt8Elsewhere) {
+  testing::ScratchDir dir;
+  testing::TinyLlamaSpec spec;
+  spec.override_type = 3;  // every layer matrix Q4_1; the tied head Q8_0
+  const std::string path = dir.path("tiny.gguf");
+  testing::GgufBuilder::write(path, testing::build_tiny_llama(spec));
+  auto m = model::LlamaModel::load(path);
+  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+  const auto& cfg = (*m)->config();
+  const int64_t tokens = 3, n = cfg.n_embd;
+  std::mt19937_64 rng(6);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(static_cast<std::size_t>(tokens * n));
+  for (auto& v : x) v = nd(rng);
+  const int64_t pos[] = {0, 1, 2};
+  const auto qn = static_cast<std::size_t>(tokens * cfg.n_head * cfg.head_dim);
+  const auto kvn = static_cast<std::size_t>(tokens * cfg.n_head_kv * cfg.head_dim);
+  struct Out {
+    std::vector<float> q, k, v, x, logits;
+  };
+  auto run = [&](MatmulMode mode) {
+    MatvecOptions o;
+    o.mode = mode;
+    o.threads = 1;
+    model::ForwardScratch s;
+    Out out{std::vector<float>(qn), std::vector<float>(kvn), std::vector<float>(kvn), x,
+            std::vector<float>(static_cast<std::size_t>(tokens * cfg.n_vocab))};
+    EXPECT_TRUE((*m)->attention_inputs(1, x.data(), tokens, pos, out.q.data(), out.k.data(),
+                                       out.v.data(), s, o).is_ok());
+    // The attention's output stands in for a (any) vector of n_head * head_dim per token.
+    EXPECT_TRUE((*m)->attention_output_and_ffn(1, out.q.data(), tokens, out.x.data(), s, o).is_ok());
+    EXPECT_TRUE((*m)->logits(x.data(), tokens, out.logits.data(), s, o).is_ok());
+    return out;
+  };
+  const Out ex = run(MatmulMode::kExact), i8 = run(MatmulMode::kInt8),
+            mix = run(MatmulMode::kInt8Ffn);
+  auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+  };
+  EXPECT_TRUE(same(mix.q, ex.q) && same(mix.k, ex.k) && same(mix.v, ex.v));
+  EXPECT_FALSE(same(mix.q, i8.q));
+  EXPECT_TRUE(same(mix.logits, i8.logits));
+  EXPECT_FALSE(same(mix.logits, ex.logits));
+  EXPECT_FALSE(same(mix.x, ex.x));
+  EXPECT_FALSE(same(mix.x, i8.x));
 }
 
 #ifdef TREEATTN_LLAMA_REFERENCE
@@ -466,8 +531,8 @@ TEST(Int8Model, TinyModelLogitsMatchTheFloat64ReferenceWithinTheInt8Bound) {
   if (!ref) GTEST_SKIP() << why;
   const auto nv = static_cast<std::size_t>(spec.n_vocab);
   ASSERT_EQ(ref->size(), all.size() * nv) << why;
-  double worst[2] = {0, 0};
-  for (const MatmulMode mode : {MatmulMode::kExact, MatmulMode::kInt8}) {
+  double worst[3] = {0, 0, 0};  // exact, int8, int8-ffn
+  for (const MatmulMode mode : {MatmulMode::kExact, MatmulMode::kInt8, MatmulMode::kInt8Ffn}) {
     testing::GenCase c;
     c.steps = static_cast<int>(forced.size());
     c.forced = &forced;
@@ -482,20 +547,23 @@ TEST(Int8Model, TinyModelLogitsMatchTheFloat64ReferenceWithinTheInt8Bound) {
         err = std::max(err, std::fabs(run.logits[0][s][i] - r[i]));
         mag = std::max(mag, std::fabs(r[i]));
       }
-      worst[mode == MatmulMode::kInt8] = std::max(worst[mode == MatmulMode::kInt8], err / mag);
+      double& w = worst[static_cast<int>(mode)];
+      w = std::max(w, err / mag);
     }
   }
   EXPECT_LE(worst[0], 1e-5);
   EXPECT_LE(worst[1], 2e-2);
+  EXPECT_LE(worst[2], 2e-2);
   std::printf("[ reference ] tiny model, max relative logit error: exact %.2e (bound 1e-5), "
-              "int8 %.2e (bound 2e-2)\n",
-              worst[0], worst[1]);
+              "int8 %.2e, int8-ffn %.2e (bound 2e-2)\n",
+              worst[0], worst[1], worst[2]);
 }
 #endif  // TREEATTN_LLAMA_REFERENCE
 
-// SmolLM2 (label real): int8 greedy tokens equal the exact path's on a prompt set; where they
-// part, the exact path's top two logits must be a near tie (gap < 0.5, printed), and the
-// comparison of that prompt ends there.
+// A real model (label real; TREEATTN_MODEL, SmolLM2 by default): int8 and int8-ffn greedy tokens
+// equal the exact path's on a prompt set; where they part, the exact path's top two logits must
+// be a near tie (gap < 0.5, printed), and the comparison of that prompt ends there. The first
+// token's logit error of each mode is printed per prompt.
 TEST(Int8Real, GreedyTokensEqualTheExactPathExceptAtNearTies) {
   TREEATTN_REQUIRE_REAL_MODEL(path);
   auto m = model::LlamaModel::load(path);
@@ -503,7 +571,7 @@ TEST(Int8Real, GreedyTokensEqualTheExactPathExceptAtNearTies) {
   auto tok = Tokenizer::from_gguf((*m)->file());
   ASSERT_TRUE(tok.is_ok()) << tok.status().to_string();
   // The last prompt is the chat question of `treeattn generate --chat` (the model's template and
-  // default system message), where SmolLM2-135M's two paths part at the first token.
+  // default system message), where SmolLM2-135M's exact and int8 paths part at the first token.
   const ChatTurn question{"user", "What is the capital of France?"};
   const std::vector<std::string> prompts = {
       "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -511,8 +579,9 @@ TEST(Int8Real, GreedyTokensEqualTheExactPathExceptAtNearTies) {
       format_chat(tok->chat_format(), std::span<const ChatTurn>(&question, 1),
                   tok->default_system())};
   const int steps = 16;
-  int equal = 0, ties = 0;
-  float worst_first = 0;
+  const MatmulMode modes[] = {MatmulMode::kInt8, MatmulMode::kInt8Ffn};
+  int equal[2] = {0, 0}, ties[2] = {0, 0};
+  float worst_first[2] = {0, 0};
   for (std::size_t i = 0; i < prompts.size(); ++i) {
     const std::string& p = prompts[i];
     const bool chat = i + 1 == prompts.size();
@@ -523,39 +592,48 @@ TEST(Int8Real, GreedyTokensEqualTheExactPathExceptAtNearTies) {
     c.threads = 2;
     c.matmul = MatmulMode::kExact;
     const auto ex = testing::run_generation(**m, 1, c, *ids);
-    c.matmul = MatmulMode::kInt8;
-    const auto in = testing::run_generation(**m, 1, c, *ids);
     ASSERT_TRUE(ex.status.is_ok()) << ex.status.to_string();
-    ASSERT_TRUE(in.status.is_ok()) << in.status.to_string();
-    {  // the first token's logits come from the same prompt on both paths: int8's error there
-      const auto& le = ex.logits[0][0];
-      const auto& li = in.logits[0][0];
-      float worst = 0;
-      for (std::size_t v = 0; v < le.size(); ++v) worst = std::max(worst, std::abs(le[v] - li[v]));
-      std::vector<float> top(le);
-      std::partial_sort(top.begin(), top.begin() + 2, top.end(), std::greater<float>());
-      std::printf("[ int8 err  ] \"%.40s\": first token max |logit int8 - exact| %.4f, exact top-2 "
-                  "gap %.4f\n", p.c_str(), worst, top[0] - top[1]);
-      worst_first = std::max(worst_first, worst);
-    }
-    for (int s = 0; s < steps; ++s) {
-      const int32_t a = ex.tokens[0][static_cast<std::size_t>(s)];
-      const int32_t b = in.tokens[0][static_cast<std::size_t>(s)];
-      const auto& l = ex.logits[0][static_cast<std::size_t>(s)];
-      if (a == b) {
-        ++equal;
-        continue;
+    const auto& le = ex.logits[0][0];
+    std::vector<float> top(le);
+    std::partial_sort(top.begin(), top.begin() + 2, top.end(), std::greater<float>());
+    std::string shown = p.substr(0, 40);
+    std::replace(shown.begin(), shown.end(), '\n', ' ');
+    std::printf("[ prompt    ] \"%s\": exact top-2 gap %.4f at the first token\n", shown.c_str(),
+                top[0] - top[1]);
+    for (int k = 0; k < 2; ++k) {
+      const std::string name(model::matmul_mode_name(modes[k]));
+      c.matmul = modes[k];
+      const auto in = testing::run_generation(**m, 1, c, *ids);
+      ASSERT_TRUE(in.status.is_ok()) << in.status.to_string();
+      {  // the first token's logits come from the same prompt on both paths: the mode's error
+        const auto& li = in.logits[0][0];
+        float worst = 0;
+        for (std::size_t v = 0; v < le.size(); ++v) worst = std::max(worst, std::abs(le[v] - li[v]));
+        std::printf("[ %-8s  ]   first token max |logit - exact| %.4f\n", name.c_str(), worst);
+        worst_first[k] = std::max(worst_first[k], worst);
       }
-      const float gap = l[static_cast<std::size_t>(a)] - l[static_cast<std::size_t>(b)];
-      std::printf("[ near tie  ] \"%s\" step %d: exact %d, int8 %d, exact logit gap %.4f\n",
-                  p.c_str(), s, a, b, gap);
-      ++ties;
-      EXPECT_LT(gap, 0.5f) << "\"" << p << "\" step " << s;
-      break;
+      for (int s = 0; s < steps; ++s) {
+        const int32_t a = ex.tokens[0][static_cast<std::size_t>(s)];
+        const int32_t b = in.tokens[0][static_cast<std::size_t>(s)];
+        const auto& l = ex.logits[0][static_cast<std::size_t>(s)];
+        if (a == b) {
+          ++equal[k];
+          continue;
+        }
+        const float gap = l[static_cast<std::size_t>(a)] - l[static_cast<std::size_t>(b)];
+        std::printf("[ near tie  ]   %s step %d: exact %d, %s %d, exact logit gap %.4f\n",
+                    name.c_str(), s, a, name.c_str(), b, gap);
+        ++ties[k];
+        EXPECT_LT(gap, 0.5f) << name << " \"" << p << "\" step " << s;
+        break;
+      }
     }
   }
-  std::printf("[ greedy    ] %d tokens equal, %d prompts parted at a near tie; first-token "
-              "logit error at most %.4f\n", equal, ties, worst_first);
+  for (int k = 0; k < 2; ++k)
+    std::printf("[ greedy    ] %s: %d tokens equal, %d prompts parted at a near tie; first-token "
+                "logit error at most %.4f\n",
+                std::string(model::matmul_mode_name(modes[k])).c_str(), equal[k], ties[k],
+                worst_first[k]);
 }
 
 }  // namespace

@@ -57,6 +57,28 @@ TEST_F(ModelFiles, TableRows) {
   EXPECT_EQ((*models)[1].file, "big.gguf");
   EXPECT_EQ((*models)[1].bytes, 7u);
   EXPECT_EQ(model::known_model_names(*models), "small, big");
+  EXPECT_EQ((*models)[0].matmul, "");
+  // The optional sixth column: matmul=MODE, a default for that file only (its name and size).
+  write("models.txt", "model small small.gguf 5 0000 matmul=int8-ffn\nmodel big big.gguf 7 0000\n");
+  models = model::known_models(search_.table);
+  ASSERT_TRUE(models.is_ok()) << models.status().to_string();
+  EXPECT_EQ((*models)[0].matmul, "int8-ffn");
+  write("a/small.gguf", "12345");
+  write("b/small.gguf", "123456");  // another file under the name: not the known model
+  write("a/big.gguf", "1234567");
+  EXPECT_EQ(model::known_model_matmul(path("a/small.gguf"), *models), "int8-ffn");
+  EXPECT_EQ(model::known_model_matmul(path("b/small.gguf"), *models), "");
+  EXPECT_EQ(model::known_model_matmul(path("a/big.gguf"), *models), "");
+  EXPECT_EQ(model::known_model_matmul(path("a/none.gguf"), *models), "");
+  for (const char* col : {"matmul=fast", "mode=int8", "int8"}) {
+    write("models.txt", std::string("model small small.gguf 5 0000 ") + col + "\n");
+    auto wrong = model::known_models(search_.table);
+    ASSERT_FALSE(wrong.is_ok()) << col;
+    EXPECT_NE(wrong.status().message().find("line 1: '" + std::string(col) +
+                                            "': the optional last column is matmul="),
+              std::string::npos)
+        << wrong.status().message();
+  }
   write("models.txt", "model small small.gguf 5 0000\nmodel broken f.gguf 12x 0000\n");
   auto bad = model::known_models(search_.table);
   EXPECT_EQ(bad.status().code(), Code::kInvalidArgument);
