@@ -139,7 +139,7 @@ int main(int argc, char** argv) {
   app.add_option("--merge", merge, "tree | allreduce | allgather")->capture_default_str();
   app.add_option("--kv-gib", kv_gib, "KV pool GiB per rank")->capture_default_str();
   std::string matmul = "int8";
-  app.add_option("--matmul", matmul, "int8 | exact (the quantized weights' matmul)")
+  app.add_option("--matmul", matmul, "int8 | int8-ffn | exact (the quantized weights' matmul)")
       ->capture_default_str();
   auto* tp = app.add_subcommand("throughput", "decode tokens/s at several concurrencies");
   tp->add_option("--context", context, "prompt tokens per sequence")->capture_default_str();

@@ -19,9 +19,10 @@ llama.cpp: flash attention on, f16 KV cache, n_batch 512; it prefills the prompt
 speed needs a real cache), then 16 one-token evals are timed. treeattn: `generate --prompt-tokens
 C` with the same ids (from its synthetic prompt), real prefill up to 4k (--synthetic-above),
 --synthetic-kv above (decode reads the cache the same way whatever it holds), 17 new tokens (16
-timed decode steps). --matmul exact|int8 (default int8, generate's default): treeattn's
-quantized-weight matmul, float activations or 8-bit activations with integer dot products as
-llama.cpp's.
+timed decode steps). --matmul MODE[,MODE...] (exact, int8, int8-ffn; default int8): treeattn's
+quantized-weight matmul, float activations, 8-bit activations with integer dot products as
+llama.cpp's, or 8-bit in the FFN and head only (generate's default for SmolLM2); with a list,
+each repeat runs every mode and then llama.cpp once, and the table has a row per mode.
 
   python3 bench/model/vs_llamacpp.py [--threads 1] [--contexts 512,4096,16384,32768] [--repeats 3]
       [--synthetic-above 4096] [--threads-batch T]   (llama-server's prefill threads; its decode: --threads)
@@ -179,9 +180,14 @@ def main():
                     help="without --engine: contexts above this fill treeattn's cache with --synthetic-kv")
     ap.add_argument("--threads-batch", type=int, default=0,
                     help="llama-server's prefill threads (-tb; default --threads); decode uses --threads")
-    ap.add_argument("--matmul", default="int8", choices=["int8", "exact"],
-                    help="treeattn's quantized-weight matmul (generate --matmul)")
+    ap.add_argument("--matmul", default="int8",
+                    help="treeattn's quantized-weight matmul (generate --matmul): exact, int8, "
+                         "int8-ffn, or a comma list of them")
     a = ap.parse_args()
+    a.modes = a.matmul.split(",")
+    for m in a.modes:
+        if m not in ("exact", "int8", "int8-ffn"):
+            ap.error("--matmul %s: each mode is exact, int8 or int8-ffn" % m)
     steps = 16
     bw = bandwidth_gbs()
     weight_bytes, kv_bytes, arch = model_bytes(a.model)
@@ -198,10 +204,11 @@ def main():
         open("/proc/loadavg").read().split()[:3]))
     print("# read bandwidth (numpy, 1 thread): %.1f GB/s; weights %.0f MB/token; KV %d B per "
           "cached token at 16k (f16)" % (bw, weight_bytes / 1e6, kv_bytes(16384) // 16384))
-    print("| context | limit ms/token (weights + KV at %.1f GB/s) | limit tokens/s | treeattn tokens/s "
-          "| llama.cpp tokens/s | treeattn / llama.cpp | treeattn ms/token | llama.cpp ms/token "
-          "| prefill treeattn tokens/s | prefill llama.cpp tokens/s | prefill treeattn / llama.cpp |" % bw)
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| context | matmul | limit ms/token (weights + KV at %.1f GB/s) | limit tokens/s "
+          "| treeattn tokens/s | llama.cpp tokens/s | treeattn / llama.cpp | treeattn ms/token "
+          "| llama.cpp ms/token | prefill treeattn tokens/s | prefill llama.cpp tokens/s "
+          "| prefill treeattn / llama.cpp |" % bw)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     results = []
     measure(a, contexts, steps, bw, weight_bytes, kv_bytes, use_server, results)
     if a.json:
@@ -228,34 +235,40 @@ def measure(a, contexts, steps, bw, weight_bytes, kv_bytes, use_server, results)
 
 def measure_context(a, ctx, steps, bw, weight_bytes, kv_bytes, server, results):
     limit_ms = (weight_bytes + kv_bytes(ctx)) / (bw * 1e9) * 1e3
-    ta, lc, tp, lp = [], [], [], []
+    ta = {m: [] for m in a.modes}
+    tp = {m: [] for m in a.modes}
+    lc, lp = [], []
     real_prefill = a.engine or ctx <= a.synthetic_above
     for _ in range(a.repeats):
-        j = run_treeattn(a.treeattn, a.model, ctx, a.threads, steps + 1, a.engine, a.matmul,
-                        a.synthetic_above)
-        ta.append(statistics.median(j["decode_ms"] if a.engine else j["methods"][0]["decode_ms"]))
+        for m in a.modes:
+            j = run_treeattn(a.treeattn, a.model, ctx, a.threads, steps + 1, a.engine, m,
+                             a.synthetic_above)
+            ta[m].append(statistics.median(j["decode_ms"] if a.engine else j["methods"][0]["decode_ms"]))
+            if real_prefill:  # prefill speed: the whole prompt, each side's own clock
+                tp[m].append(j["prefill_tokens_per_s"])
         if server is not None:
             prompt_s, times = server.decode(j["prompt_tokens"], steps)
         else:
             prompt_s, times = run_llamacpp(a.model, j["prompt_tokens"], a.threads, steps)
         lc.append(statistics.median(times) * 1e3)
-        if real_prefill:  # prefill speed: the whole prompt, each side's own clock
-            tp.append(j["prefill_tokens_per_s"])
+        if real_prefill:
             lp.append(ctx / prompt_s)
-    t_ms, l_ms = statistics.median(ta), statistics.median(lc)
-    r = {"context": ctx, "limit_ms": limit_ms, "treeattn_ms": t_ms, "llamacpp_ms": l_ms,
-         "treeattn_runs_ms": ta, "llamacpp_runs_ms": lc}
-    pf = "| - | - | - |"
-    if tp:
-        r.update({"prefill_treeattn_tokens_per_s": statistics.median(tp),
-                  "prefill_llamacpp_tokens_per_s": statistics.median(lp),
-                  "prefill_llamacpp_threads": a.threads_batch or a.threads})
-        pf = "| %.0f | %.0f | %.2fx |" % (r["prefill_treeattn_tokens_per_s"],
-                                         r["prefill_llamacpp_tokens_per_s"],
-                                         r["prefill_treeattn_tokens_per_s"] / r["prefill_llamacpp_tokens_per_s"])
-    results.append(r)
-    print("| %d | %.1f | %.0f | %.1f | %.1f | %.2fx | %.1f | %.1f %s" % (
-        ctx, limit_ms, 1e3 / limit_ms, 1e3 / t_ms, 1e3 / l_ms, l_ms / t_ms, t_ms, l_ms, pf))
+    l_ms = statistics.median(lc)
+    for m in a.modes:
+        t_ms = statistics.median(ta[m])
+        r = {"context": ctx, "matmul": m, "limit_ms": limit_ms, "treeattn_ms": t_ms,
+             "llamacpp_ms": l_ms, "treeattn_runs_ms": ta[m], "llamacpp_runs_ms": lc}
+        pf = "| - | - | - |"
+        if tp[m]:
+            r.update({"prefill_treeattn_tokens_per_s": statistics.median(tp[m]),
+                      "prefill_llamacpp_tokens_per_s": statistics.median(lp),
+                      "prefill_llamacpp_threads": a.threads_batch or a.threads})
+            pf = "| %.0f | %.0f | %.2fx |" % (
+                r["prefill_treeattn_tokens_per_s"], r["prefill_llamacpp_tokens_per_s"],
+                r["prefill_treeattn_tokens_per_s"] / r["prefill_llamacpp_tokens_per_s"])
+        results.append(r)
+        print("| %d | %s | %.1f | %.0f | %.1f | %.1f | %.2fx | %.1f | %.1f %s" % (
+            ctx, m, limit_ms, 1e3 / limit_ms, 1e3 / t_ms, 1e3 / l_ms, l_ms / t_ms, t_ms, l_ms, pf))
     sys.stdout.flush()
 
 
