@@ -26,7 +26,7 @@ void add_matmul_option(CLI::App& sub, std::string& matmul) {
                  "Quantized weights: int8 (activations quantized to 8 bits per 32, integer dot "
                  "products), int8-ffn (int8 in the FFN and the head, float activations in the "
                  "attention's projections) or exact (float activations; the tested reference). "
-                 "Default: the model's (tools/models.txt: int8-ffn for smollm2-135m), else int8");
+                 "Default: the model's (tools/models.txt: exact for smollm2-135m), else int8");
 }
 
 Result<std::string> matmul_for_model(const std::string& flag, const std::string& model_path) {

@@ -80,10 +80,9 @@ struct WeightMatrix {
 //           with a float scale, integer dot products per block (src/model/matvec_int8_impl.hpp:
 //           |error| <= sum over blocks of (amax_block / 254) * sum |w| plus float rounding);
 //   kInt8Ffn a model's choice per matrix (for_role below): the attention's projections (Q, K, V
-//           and the output) as kExact, the FFN and the output head as kInt8. Where 8-bit
-//           activations everywhere flip a model's answer at a near tie (SmolLM2-135M's first
-//           chat token: the README's int8 section), this halves its first-token logit error
-//           for 10% of its decode time. matmul() itself, which sees no roles, runs it as kInt8.
+//           and the output) as kExact, the FFN and the output head as kInt8; on SmolLM2-135M it
+//           halves kInt8's first-token logit error for 9-20% of its decode time (the README's
+//           int8 section). matmul() itself, which sees no roles, runs it as kInt8.
 // Either way a token's result does not depend on the batch, the threads or the rows' split.
 enum class MatmulMode : uint8_t { kExact, kInt8, kInt8Ffn };
 std::string_view matmul_mode_name(MatmulMode mode);          // "exact", "int8", "int8-ffn"

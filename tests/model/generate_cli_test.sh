@@ -75,8 +75,8 @@ case "$CASE" in
   answers_with_json)
     need_model
     # The issue's command as written, on 2 ranks, with the model's default --matmul: for SmolLM2
-    # tools/models.txt names int8-ffn (the first answer token is a near tie, "The" vs "L" 0.08
-    # apart; with 8-bit activations everywhere treeattn, like llama.cpp, answers "L'Étoile, ...").
+    # tools/models.txt names exact (the first answer token is a near tie, "The" vs "L" 0.08
+    # apart; with 8-bit activations treeattn, like llama.cpp, answers "L'Étoile, ...").
     # A file that is not in the table runs int8.
     expect 0 "Paris" -- "$B" generate --model "$MODEL" --prompt "What is the capital of France?" \
       --chat --new-tokens 24 --ranks 2 --json "$T/g.json"
@@ -90,11 +90,11 @@ for k in ["prompt_tokens", "tokens", "text", "ranks", "method", "ttft_ms", "pref
     assert k in j, k
 assert "Paris" in j["text"], j["text"]
 assert j["ranks"] == 2 and j["method"] == "tree", j
-assert j["matmul"] == ("int8-ffn" if j["model"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") else "int8"), j["matmul"]
+assert j["matmul"] == ("exact" if j["model"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") else "int8"), j["matmul"]
 PY
     cp "$MODEL" "$T/renamed.gguf"  # the table's default follows the file's name and size only
     expect 0 "matmul [a-z0-9]+ int8 \|" -- "$B" generate --model "$T/renamed.gguf" --prompt hi --new-tokens 2
-    expect 0 "matmul [a-z0-9]+ exact \|" -- "$B" generate --model "$MODEL" --prompt hi --new-tokens 2 --matmul exact
+    expect 0 "matmul [a-z0-9]+ int8-ffn \|" -- "$B" generate --model "$MODEL" --prompt hi --new-tokens 2 --matmul int8-ffn
     ;;
   deterministic_across_ranks)
     need_model
