@@ -208,8 +208,7 @@ Result<std::string> preflight(GenFlags& f, const CLI::App& sub, bool check_outpu
   TREEATTN_RETURN_IF_ERROR(sp.validate());
   TREEATTN_RETURN_IF_ERROR(check_timeout_ms("--timeout-ms", f.timeout_ms));
   TREEATTN_RETURN_IF_ERROR(check_thread_count(f.threads, "--threads"));
-  if (!f.matmul.empty() && !model::parse_matmul_mode(f.matmul).is_ok())
-    return invalid_argument("--matmul " + f.matmul + ": expected exact, int8 or int8-ffn");
+  TREEATTN_RETURN_IF_ERROR(check_matmul_flag(f.matmul));  // before a model is fetched
   if (!f.prompt_file.empty()) TREEATTN_RETURN_IF_ERROR(generation::check_prompt_file(f.prompt_file));
   if (check_outputs && !f.json.empty())
     TREEATTN_RETURN_IF_ERROR(check_output_file("--json", f.json));

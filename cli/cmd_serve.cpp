@@ -95,8 +95,7 @@ Result<std::string> preflight(ServeFlags& f) {
   if (auto x = engine::parse_exchange(f.prefill_exchange); !x.is_ok())
     return Status(x.status().code(), "--prefill-exchange: " + x.status().message());
   TREEATTN_RETURN_IF_ERROR(check_thread_count(f.threads, "--threads"));
-  if (!f.matmul.empty() && !model::parse_matmul_mode(f.matmul).is_ok())
-    return invalid_argument("--matmul " + f.matmul + ": expected exact, int8 or int8-ffn");
+  TREEATTN_RETURN_IF_ERROR(check_matmul_flag(f.matmul));  // before a model is fetched
   if (f.context < 0) return invalid_argument("--context must be >= 0");
   if (f.shutdown_timeout < 0) return invalid_argument("--shutdown-timeout must be >= 0");
   TREEATTN_RETURN_IF_ERROR(check_timeout_ms("--timeout-ms", f.timeout_ms));

@@ -29,12 +29,15 @@ void add_matmul_option(CLI::App& sub, std::string& matmul) {
                  "Default: the model's (tools/models.txt: exact for smollm2-135m), else int8");
 }
 
+Status check_matmul_flag(const std::string& flag) {
+  if (!flag.empty() && !model::parse_matmul_mode(flag).is_ok())
+    return invalid_argument("--matmul " + flag + ": expected exact, int8 or int8-ffn");
+  return Status::ok();
+}
+
 Result<std::string> matmul_for_model(const std::string& flag, const std::string& model_path) {
-  if (!flag.empty()) {
-    if (!model::parse_matmul_mode(flag).is_ok())
-      return invalid_argument("--matmul " + flag + ": expected exact, int8 or int8-ffn");
-    return flag;
-  }
+  TREEATTN_RETURN_IF_ERROR(check_matmul_flag(flag));
+  if (!flag.empty()) return flag;
   auto models = model::known_models(model::source_tree_model_search(TREEATTN_SOURCE_DIR).table);
   std::string mode = models.is_ok() ? model::known_model_matmul(model_path, *models) : "";
   return mode.empty() ? std::string("int8") : mode;

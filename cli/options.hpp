@@ -133,9 +133,10 @@ Result<std::string> resolve_model(const std::string& flag);
 void add_model_option(CLI::App& sub, std::string& model);
 // --matmul of generate and serve on a subcommand ("" until set: the model's default below).
 void add_matmul_option(CLI::App& sub, std::string& matmul);
-// The --matmul a command runs `model_path` with: `flag` when given, else the mode the model
-// table names for that file (tools/models.txt's matmul=MODE column), else "int8". The flag is
-// checked here: kInvalidArgument for a name that is not a mode.
+// kInvalidArgument when --matmul was given and is not a mode ("" is not given).
+Status check_matmul_flag(const std::string& flag);
+// The --matmul a command runs `model_path` with: `flag` when given (checked as above), else the
+// mode the model table names for that file (tools/models.txt's matmul=MODE column), else "int8".
 Result<std::string> matmul_for_model(const std::string& flag, const std::string& model_path);
 
 }  // namespace treeattn::cli
