@@ -4,6 +4,7 @@
 
 #include "model/model_files.hpp"
 #include "options.hpp"
+#include "treeattn/model.hpp"
 
 namespace treeattn::cli {
 

@@ -174,6 +174,9 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
     if (m.data == nullptr || ys[i] == nullptr)
       return invalid_argument("matmul: null data or output for '" + m.name + "'");
   }
+  if (options.mode == MatmulMode::kInt8Ffn)  // a choice per matrix, which only the caller knows
+    return invalid_argument("matmul: mode int8-ffn chooses per matrix role; pass "
+                            "for_role(options, role) for '" + mats[0]->name + "'");
   const Isa isa = matmul_isa(options);
   if (!isa_supported(isa))
     return unsupported("matmul: this CPU cannot run the " + std::string(isa_name(isa)) + " target");
@@ -183,7 +186,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   // Which activation blocks the call needs: 32 values (ActBlock) for the 32-value types, 256
   // (ActBlockK) for the K types.
   bool int8 = false, int8_32 = false, int8_k = false;
-  if (options.mode != MatmulMode::kExact)  // kInt8, or kInt8Ffn without a role
+  if (options.mode == MatmulMode::kInt8)
     for (const WeightMatrix* m : mats)
       if (detail::int8_type(m->type)) (detail::int8_k_type(m->type) ? int8_k : int8_32) = true;
   int8 = int8_32 || int8_k;

@@ -10,6 +10,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "treeattn/model.hpp"
+
 namespace treeattn::model {
 namespace {
 

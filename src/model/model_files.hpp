@@ -16,7 +16,6 @@
 #include <string>
 #include <vector>
 
-#include "treeattn/model.hpp"
 #include "treeattn/status.hpp"
 
 namespace treeattn::model {

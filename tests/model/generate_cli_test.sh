@@ -92,7 +92,7 @@ assert "Paris" in j["text"], j["text"]
 assert j["ranks"] == 2 and j["method"] == "tree", j
 assert j["matmul"] == ("exact" if j["model"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") else "int8"), j["matmul"]
 PY
-    cp "$MODEL" "$T/renamed.gguf"  # the table's default follows the file's name and size only
+    ln -s "$(readlink -f "$MODEL")" "$T/renamed.gguf"  # the table's default follows the file's name and size only
     expect 0 "matmul [a-z0-9]+ int8 \|" -- "$B" generate --model "$T/renamed.gguf" --prompt hi --new-tokens 2
     expect 0 "matmul [a-z0-9]+ int8-ffn \|" -- "$B" generate --model "$MODEL" --prompt hi --new-tokens 2 --matmul int8-ffn
     ;;

@@ -439,6 +439,19 @@ TEST(Int8Matmul, ExactIsTheDefaultAndModesParse) {
       o.mode = m;
       EXPECT_EQ(model::for_role(o, r).mode, m);
     }
+  {  // matmul sees no roles: int8-ffn given straight to it is an error, not a silent int8
+    std::mt19937_64 g(3);
+    std::vector<uint8_t> st;
+    const WeightMatrix w = make_matrix(id(TensorType::kQ4_1), 4, 64, st, g);
+    std::vector<float> xin(64, 0.5f), out(4);
+    const WeightMatrix* ws[] = {&w};
+    float* outs[] = {out.data()};
+    MatvecOptions ffn;
+    ffn.mode = MatmulMode::kInt8Ffn;
+    const Status r = model::matmul(ws, xin.data(), 1, 64, outs, ffn);
+    EXPECT_EQ(r.code(), Code::kInvalidArgument);
+    EXPECT_NE(r.message().find("for_role"), std::string::npos) << r.message();
+  }
   // And the two modes do differ on a quantized type (the int8 path is not the float one).
   std::mt19937_64 rng(2);
   std::vector<uint8_t> s;

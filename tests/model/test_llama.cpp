@@ -120,6 +120,15 @@ TEST(Matmul, BitsDoNotDependOnBatchingThreadsOrRowGrouping) {
           ASSERT_EQ(0, std::memcmp(one.data(), all.data() + t * rows, one.size() * 4))
               << gguf::tensor_type_name(type) << " " << isa_name(isa) << " token " << t;
         }
+        // Two tokens: the one-token passes, the first prefetching the next rows, the second not.
+        std::vector<float> two(static_cast<std::size_t>(2 * rows));
+        {
+          const WeightMatrix* mats[] = {&a};
+          float* ys[] = {two.data()};
+          ASSERT_TRUE(model::matmul(mats, x.data() + 5 * cols, 2, cols, ys, {threads, isa}).is_ok());
+          ASSERT_EQ(0, std::memcmp(two.data(), all.data() + 5 * rows, two.size() * 4))
+              << gguf::tensor_type_name(type) << " " << isa_name(isa) << " two tokens";
+        }
         // An odd batch starting at an odd token.
         std::vector<float> part(static_cast<std::size_t>(7 * rows));
         const WeightMatrix* mats[] = {&a};
