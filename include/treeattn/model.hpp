@@ -81,8 +81,9 @@ struct WeightMatrix {
 //           |error| <= sum over blocks of (amax_block / 254) * sum |w| plus float rounding);
 //   kInt8Ffn a model's choice per matrix (for_role below): the attention's projections (Q, K, V
 //           and the output) as kExact, the FFN and the output head as kInt8; on SmolLM2-135M it
-//           halves kInt8's first-token logit error for 9-20% of its decode time (the README's
-//           int8 section). matmul() itself, which sees no roles, refuses it (kInvalidArgument).
+//           halves kInt8's first-token logit error for about a quarter of its decode time (the
+//           README's int8 section). matmul() itself, which sees no roles, refuses it
+//           (kInvalidArgument).
 // Either way a token's result does not depend on the batch, the threads or the rows' split.
 enum class MatmulMode : uint8_t { kExact, kInt8, kInt8Ffn };
 std::string_view matmul_mode_name(MatmulMode mode);          // "exact", "int8", "int8-ffn"
