@@ -101,6 +101,7 @@ namespace {
 
 struct Ops {
   static constexpr int RB = 2;
+  static constexpr int KT = 2;  // tokens per pass of the K types' batched path
   struct B {
     uint8_t v[32];
   };
@@ -179,6 +180,19 @@ struct Ops {
     for (int e = 0; e < 16; ++e) r.v[e] = s[e];
     return r;
   }
+  struct M {
+    uint8_t v[8];
+  };
+  static M mins_u8(const uint8_t* s) {
+    M m;
+    std::memcpy(m.v, s, 8);
+    return m;
+  }
+  static int k4_msum(const M& mn, const int16_t* bsum) {
+    int m = 0;
+    for (int g = 0; g < 8; ++g) m += int{mn.v[g]} * bsum[g];
+    return m;
+  }
   template <int h>
   static S half(S s) {
     S r;
@@ -206,17 +220,21 @@ struct Ops {
     }
     return a;
   }
+  struct P {
+    int32_t lo, hi;  // the multiplier of lanes 0-3 and of lanes 4-7
+  };
   template <int e0, int e1>
-  static I madd_sc(B p, S s) {
-    I r;
+  static P pick(S s) {
+    return P{s.v[e0], s.v[8 + e1]};
+  }
+  static I madd_acc(I acc, B p, P sc) {
     for (int i = 0; i < 8; ++i) {
       int16_t x, y;
       std::memcpy(&x, p.v + 4 * i, 2);
       std::memcpy(&y, p.v + 4 * i + 2, 2);
-      const int32_t sc = i < 4 ? s.v[e0] : s.v[8 + e1];
-      r.v[i] = (int32_t{x} + int32_t{y}) * sc;
+      acc.v[i] += (int32_t{x} + int32_t{y}) * (i < 4 ? sc.lo : sc.hi);
     }
-    return r;
+    return acc;
   }
   static I izero() { return I{}; }
   static I add(I a, I b) {

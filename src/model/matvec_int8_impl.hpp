@@ -14,10 +14,13 @@
 //   I dot_s(B w, B x)   the same with w signed
 //   S (16 int16 sub-scales: 0-7 low half, 8-15 high), scales_u8(8 bytes: both halves),
 //   scales_i8(16 int8), half<h>(S) (half h in both halves); B pairs(w, x): int16 j = w[2j] x[2j]
-//   + w[2j+1] x[2j+1] (maddubs), sub16(B, B); I madd_sc<e0, e1>(B p, S s): lane i = (p[2i] +
-//   p[2i+1]) times element e0 of the low half (lanes 0-3) or e1 of the high half (lanes 4-7)
+//   + w[2j+1] x[2j+1] (maddubs), sub16(B, B); P pick<e0, e1>(S s): element e0 of the low half
+//   (for lanes 0-3) and e1 of the high half (lanes 4-7); I madd_acc(I acc, B p, P sc): lane i of
+//   acc plus (p[2i] + p[2i+1]) times its element of sc (exact int32)
 //   I izero(), add(I, I), isub(I, I)   int32 lanes; B splat(uint8_t) 32 equal bytes
 //   V cvt(I) (exact: |lanes| < 2^24), set1, zero, fma (one rounding), reduce_add (a fixed order)
+//   M (8 mins), mins_u8(8 bytes); int k4_msum(M mn, const int16_t bsum[8]) = sum_g mn_g *
+//   bsum_g (exact)
 //
 // The 32-value types (one scale per 32 weights) read activation blocks of 32 (ActBlock); the K
 // types (super-blocks of 256 weights with integer sub-scales) read blocks of 256 (ActBlockK, as
@@ -268,8 +271,10 @@ void rows_typed(const RowsArgs& a) {
 //   Q5_K  as Q4_K, c = q + 16 * (high bit)
 //   Q6_K  c = u - 32, u = q (6 bits)  scales s_{2g} (lanes 0-3), s_{2g+1} (lanes 4-7), int8;
 //         the int16 pairs as pairs(u, q_x) - pairs(32, q_x) (the same integers as pairs(c, q_x))
-// Per row and super-block, prepare() unpacks the scales (Row); per chunk, xterm() is what the
-// rows share (Q6_K: pairs(32, q_x)) and dot<g>() gives the chunk's 8 scaled int32 lanes.
+// Per row and super-block, prepare() unpacks the scales (Row); per chunk, codes<g>() decodes the
+// row's 32 bytes, scale<g>() picks its sub-scale operand, xterm() is what the rows share (Q6_K:
+// pairs(32, q_x)), pair() gives the int16 pairs with a token's q_x, and madd_acc adds the chunk's
+// 8 scaled int32 lanes. Several tokens reuse one row's codes and scale operand.
 template <uint32_t T>
 struct CodeK;
 
@@ -279,11 +284,13 @@ struct CodeK45 {
   static constexpr bool kMin = true;
   struct Row {
     typename Ops::S sc;
-    uint8_t mn[8];
+    typename Ops::M mn;
   };
   static float d(const uint8_t* b) { return Ops::f16(rd16(b)); }
   static float dmin(const uint8_t* b) { return Ops::f16(rd16(b + 2)); }
-  // The 8 scales and the 8 mins (ggml's 12-byte 6-bit packing).
+  // The 8 scales and the 8 mins (ggml's 12-byte 6-bit packing). In scalar registers: a 16-byte
+  // SIMD unpack measured slower in the decode step (Qwen2.5-1.5B, AVX-512 VNNI, 1 thread: 122-129
+  // against 103-112 ms a token; it won only in BM_Matmul's 8192 x 4096).
   static void prepare(const uint8_t* b, Row& o) {
     uint32_t u[4];
     std::memcpy(u, b + 4, 12);
@@ -296,23 +303,25 @@ struct CodeK45 {
     uint8_t sm[16];
     std::memcpy(sm, u, 16);
     o.sc = Ops::scales_u8(sm);
-    std::memcpy(o.mn, sm + 8, 8);
+    o.mn = Ops::mins_u8(sm + 8);
   }
   static typename Ops::B xterm(typename Ops::B xv) { return xv; }
   template <int g>
-  static typename Ops::I dot(const uint8_t* b, typename Ops::B xv, typename Ops::B /*xt*/,
-                             const Row& o) {
+  static typename Ops::B codes(const uint8_t* b) {
     const typename Ops::B q = Ops::load(b + (kFive ? 48 : 16) + 32 * (g / 2));
     typename Ops::B c = g % 2 ? Ops::hi4(q) : Ops::lo4(q);
     if constexpr (kFive) c = Ops::or_(c, Ops::and_(shift(Ops::load(b + 16), 4 - g), 0x10));
-    return Ops::template madd_sc<g, g>(Ops::pairs(c, xv), o.sc);
+    return c;
+  }
+  static typename Ops::B pair(typename Ops::B c, typename Ops::B xv, typename Ops::B /*xt*/) {
+    return Ops::pairs(c, xv);
+  }
+  template <int g>
+  static typename Ops::P scale(const Row& o) {
+    return Ops::template pick<g, g>(o.sc);
   }
   // sum_g mn_g * bsum_g: exact, |.| <= 8 * 63 * 4064 < 2^21.
-  static int msum(const Row& o, const int16_t* bsum) {
-    int m = 0;
-    for (int g = 0; g < 8; ++g) m += int{o.mn[g]} * bsum[g];
-    return m;
-  }
+  static int msum(const Row& o, const int16_t* bsum) { return Ops::k4_msum(o.mn, bsum); }
 };
 template <>
 struct CodeK<kTypeQ4_K> : CodeK45<false> {};
@@ -336,14 +345,19 @@ struct CodeK<kTypeQ6_K> {
   }
   static typename Ops::B xterm(typename Ops::B xv) { return Ops::pairs(Ops::splat(32), xv); }
   template <int g>
-  static typename Ops::I dot(const uint8_t* b, typename Ops::B xv, typename Ops::B xt,
-                             const Row& o) {
+  static typename Ops::B codes(const uint8_t* b) {
     constexpr int h = g / 4, k = g % 4;
     const typename Ops::B ql = Ops::load(b + 64 * h + 32 * (k % 2));
     const typename Ops::B lo = k / 2 ? Ops::hi4(ql) : Ops::lo4(ql);
     const typename Ops::B hi = Ops::and_(shift(Ops::load(b + 128 + 32 * h), 4 - 2 * k), 0x30);
-    const typename Ops::B p = Ops::sub16(Ops::pairs(Ops::or_(lo, hi), xv), xt);
-    return Ops::template madd_sc<(2 * g) % 8, (2 * g + 1) % 8>(p, o.sc[h]);
+    return Ops::or_(lo, hi);
+  }
+  static typename Ops::B pair(typename Ops::B u, typename Ops::B xv, typename Ops::B xt) {
+    return Ops::sub16(Ops::pairs(u, xv), xt);
+  }
+  template <int g>
+  static typename Ops::P scale(const Row& o) {
+    return Ops::template pick<(2 * g) % 8, (2 * g + 1) % 8>(o.sc[g / 4]);
   }
   static int msum(const Row&, const int16_t*) { return 0; }
 };
@@ -359,9 +373,12 @@ struct CodeK<kTypeQ6_K> {
 // 127 (Q5_K), never saturate.
 // The super-block `ahead` bytes further in each row (the next pass's) is prefetched when ahead > 0
 // (the first token's pass; later tokens read rows that the first brought into the cache).
-template <uint32_t T, int RBn>
+// kPre (several tokens): the rows' unpacked sub-scales (Row) of every super-block, prepared once
+// for all the tokens (pre[r * blocks + k]); else unpacked here.
+template <uint32_t T, int RBn, bool kPre>
 inline void superblock(const uint8_t* const* rows, int64_t k, const ActBlockK& xb,
-                       typename Ops::V* acc, float* macc, int64_t ahead) {
+                       typename Ops::V* acc, float* macc, int64_t ahead,
+                       const typename CodeK<T>::Row* pre, int64_t blocks) {
   using CK = CodeK<T>;
   const uint8_t* b[RBn];
   typename Ops::I sumi[RBn];
@@ -371,14 +388,18 @@ inline void superblock(const uint8_t* const* rows, int64_t k, const ActBlockK& x
     if (ahead > 0)
       for (int o = 0; o < CK::kBytes; o += 64) __builtin_prefetch(b[r] + ahead + o);
     sumi[r] = Ops::izero();
-    CK::prepare(b[r], st[r]);
+    if constexpr (kPre)
+      st[r] = pre[r * blocks + k];
+    else
+      CK::prepare(b[r], st[r]);
   }
   for_each_group<8>([&](auto g) {
     constexpr int kG = decltype(g)::value;
     const typename Ops::B xv = Ops::load(xb.q + 32 * kG);
     const typename Ops::B xt = CK::xterm(xv);
     for (int r = 0; r < RBn; ++r)
-      sumi[r] = Ops::add(sumi[r], CK::template dot<kG>(b[r], xv, xt, st[r]));
+      sumi[r] = Ops::madd_acc(
+          sumi[r], CK::pair(CK::template codes<kG>(b[r]), xv, xt), CK::template scale<kG>(st[r]));
   });
   for (int r = 0; r < RBn; ++r) {
     acc[r] = Ops::fma(Ops::set1(CK::d(b[r]) * xb.d), Ops::cvt(sumi[r]), acc[r]);
@@ -388,20 +409,104 @@ inline void superblock(const uint8_t* const* rows, int64_t k, const ActBlockK& x
   }
 }
 
+// Super-block k of RBn rows against NT tokens at once (xk[t]: token t's activation blocks): each
+// chunk's codes and sub-scale operand are decoded once per row and used by the NT tokens. Every
+// (row, token) runs superblock()'s integer sums and float operations, so its bits are those of a
+// token run alone. `pre`: the rows' Rows (rows_block_k).
+template <uint32_t T, int RBn, int NT>
+inline void superblock_tokens(const uint8_t* const* rows, int64_t k, const ActBlockK* const* xk,
+                              typename Ops::V (*acc)[NT], float (*macc)[NT], int64_t ahead,
+                              const typename CodeK<T>::Row* pre, int64_t blocks) {
+  using CK = CodeK<T>;
+  const uint8_t* b[RBn];
+  const typename CK::Row* st[RBn];
+  typename Ops::I sumi[RBn][NT];
+  for (int r = 0; r < RBn; ++r) {
+    b[r] = rows[r] + k * CK::kBytes;
+    if (ahead > 0)
+      for (int o = 0; o < CK::kBytes; o += 64) __builtin_prefetch(b[r] + ahead + o);
+    st[r] = pre + r * blocks + k;
+    for (int t = 0; t < NT; ++t) sumi[r][t] = Ops::izero();
+  }
+  for_each_group<8>([&](auto g) {
+    constexpr int kG = decltype(g)::value;
+    typename Ops::B xv[NT], xt[NT];
+    for (int t = 0; t < NT; ++t) {
+      xv[t] = Ops::load(xk[t][k].q + 32 * kG);
+      xt[t] = CK::xterm(xv[t]);
+    }
+    for (int r = 0; r < RBn; ++r) {
+      const typename Ops::B c = CK::template codes<kG>(b[r]);
+      const typename Ops::P sc = CK::template scale<kG>(*st[r]);
+      for (int t = 0; t < NT; ++t)
+        sumi[r][t] = Ops::madd_acc(sumi[r][t], CK::pair(c, xv[t], xt[t]), sc);
+    }
+  });
+  for (int r = 0; r < RBn; ++r)
+    for (int t = 0; t < NT; ++t) {
+      const ActBlockK& xb = xk[t][k];
+      acc[r][t] = Ops::fma(Ops::set1(CK::d(b[r]) * xb.d), Ops::cvt(sumi[r][t]), acc[r][t]);
+      if constexpr (CK::kMin)
+        macc[r][t] = std::fma(-(CK::dmin(b[r]) * xb.d),
+                              static_cast<float>(CK::msum(*st[r], xb.bsum)), macc[r][t]);
+    }
+}
+
 // RBn rows against every token of the job, token by token from the weights (they stay in L1/L2
-// for the tile): the same operations whatever the token count.
+// for the tile): the same operations whatever the token count. Several tokens: the sub-scales are
+// unpacked once into the scratch (RBn * blocks Rows of at most 64 bytes: within its kMaxRowBlock *
+// cols floats) and read from there by every token.
 template <uint32_t T, int RBn>
 inline void rows_block_k(const RowsArgs& a, int64_t r0) {
+  using Row = typename CodeK<T>::Row;
+  static_assert(sizeof(Row) <= 64 && alignof(Row) <= 32);
   const uint8_t* rows[RBn];
   for (int r = 0; r < RBn; ++r) rows[r] = a.w + (r0 + r) * a.row_bytes;
   const int64_t blocks = a.cols / 256;
-  for (int64_t t = 0; t < a.tokens; ++t) {
+  Row* pre = nullptr;
+  int64_t t = 0;
+  if (a.tokens > 1) {
+    // 32-byte aligned inside the scratch (a float vector: 16-byte aligned, 16 * cols bytes).
+    auto addr = reinterpret_cast<std::uintptr_t>(a.scratch);
+    pre = reinterpret_cast<Row*>((addr + 31) & ~std::uintptr_t{31});
+    for (int r = 0; r < RBn; ++r)
+      for (int64_t k = 0; k < blocks; ++k)
+        CodeK<T>::prepare(rows[r] + k * CodeK<T>::kBytes, pre[r * blocks + k]);
+    // Ops::KT tokens at a time, the rest one by one below (the same bits either way).
+    constexpr int NT = Ops::KT;
+    for (; t + NT <= a.tokens; t += NT) {
+      const ActBlockK* xk[NT];
+      for (int j = 0; j < NT; ++j) xk[j] = a.xk + (t + j) * a.xk_stride;
+      typename Ops::V acc[RBn][NT];
+      float macc[RBn][NT];
+      for (int r = 0; r < RBn; ++r)
+        for (int j = 0; j < NT; ++j) {
+          acc[r][j] = Ops::zero();
+          macc[r][j] = 0.0f;
+        }
+      const int64_t ahead = t == 0 ? RBn * a.row_bytes : 0;
+      for (int64_t k = 0; k < blocks; ++k)
+        superblock_tokens<T, RBn, NT>(rows, k, xk, acc, macc, ahead, pre, blocks);
+      for (int r = 0; r < RBn; ++r)
+        for (int j = 0; j < NT; ++j) {
+          float y = Ops::reduce_add(acc[r][j]);
+          if constexpr (CodeK<T>::kMin) y += macc[r][j];
+          a.y[(t + j) * a.y_stride + r0 + r] = y;
+        }
+    }
+  }
+  for (; t < a.tokens; ++t) {
     const ActBlockK* xk = a.xk + t * a.xk_stride;
     typename Ops::V acc[RBn];
     float macc[RBn];
     zero_acc<RBn>(acc, macc);
     const int64_t ahead = t == 0 ? RBn * a.row_bytes : 0;
-    for (int64_t k = 0; k < blocks; ++k) superblock<T, RBn>(rows, k, xk[k], acc, macc, ahead);
+    if (pre != nullptr)
+      for (int64_t k = 0; k < blocks; ++k)
+        superblock<T, RBn, true>(rows, k, xk[k], acc, macc, ahead, pre, blocks);
+    else
+      for (int64_t k = 0; k < blocks; ++k)
+        superblock<T, RBn, false>(rows, k, xk[k], acc, macc, ahead, nullptr, blocks);
     for (int r = 0; r < RBn; ++r) {
       float y = Ops::reduce_add(acc[r]);
       if constexpr (CodeK<T>::kMin) y += macc[r];

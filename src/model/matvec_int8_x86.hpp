@@ -19,6 +19,9 @@ namespace {
 
 struct Ops {
   static constexpr int RB = 4;  // rows per pass: 4 accumulators, 4 decoded groups in flight
+  // Tokens per pass of the K types' batched path (their accumulators stay in registers: 16 ymm
+  // on AVX2 / AVX-VNNI, 32 with AVX-512 VL).
+  static constexpr int KT = TREEATTN_INT8_DOT == 2 ? 4 : 2;
   using B = __m256i;
   using I = __m256i;
   using V = __m256;
@@ -73,19 +76,42 @@ struct Ops {
   static S scales_i8(const int8_t* s) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
   }
+  using M = __m128i;  // 8 int16 mins (Q4_K / Q5_K)
+  static M mins_u8(const uint8_t* s) {
+    return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)));
+  }
+  static int k4_msum(M mn, const int16_t* bsum) {
+    __m128i p = _mm_madd_epi16(mn, _mm_loadu_si128(reinterpret_cast<const __m128i*>(bsum)));
+    p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0x4e));
+    p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0xb1));
+    return _mm_cvtsi128_si32(p);
+  }
   template <int h>
   static S half(S s) {
     return _mm256_permute4x64_epi64(s, h ? 0xee : 0x44);
   }
   static B pairs(B w, B x) { return _mm256_maddubs_epi16(w, x); }
   static B sub16(B a, B b) { return _mm256_sub_epi16(a, b); }
+  // The sub-scale operand of madd_acc: element e0 of the low half in the int16 pairs of lanes
+  // 0-3, e1 of the high half in lanes 4-7 (picked once per row and chunk, shared by the tokens).
+  using P = __m256i;
   template <int e0, int e1>
-  static I madd_sc(B p, S s) {
+  static P pick(S s) {
     constexpr char a0 = 2 * e0, a1 = 2 * e0 + 1, b0 = 2 * e1, b1 = 2 * e1 + 1;
     const __m256i m = _mm256_setr_epi8(a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, a0, a1,
                                        a0, a1, b0, b1, b0, b1, b0, b1, b0, b1, b0, b1, b0, b1,
                                        b0, b1, b0, b1);
-    return _mm256_madd_epi16(p, _mm256_shuffle_epi8(s, m));
+    return _mm256_shuffle_epi8(s, m);
+  }
+  // acc + lane i = p[2i] * sc + p[2i+1] * sc (exact int32; VNNI's vpdpwssd fuses the add).
+  static I madd_acc(I acc, B p, P sc) {
+#if TREEATTN_INT8_DOT == 1
+    return _mm256_dpwssd_avx_epi32(acc, p, sc);
+#elif TREEATTN_INT8_DOT == 2
+    return _mm256_dpwssd_epi32(acc, p, sc);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc));
+#endif
   }
   static I izero() { return _mm256_setzero_si256(); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
