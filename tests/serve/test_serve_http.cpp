@@ -7,6 +7,7 @@
 #include <httplib.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -527,9 +528,20 @@ TEST_F(ServeHttp, ErrorsAreOpenAIShaped) {
   EXPECT_EQ(r->status, 429);
   EXPECT_EQ(r->get_header_value("Retry-After"), "1");
   EXPECT_EQ(error_of(r).type, "rate_limit_error");
+  // httplib's logger (which counts responses) runs after the response is written, so the client
+  // can read /metrics before the 429 is counted: poll for up to 5 s.
+  const std::string want = "treeattn_http_responses_total{code=\"429\"} 1";
   auto c = client();
-  auto m = c.Get("/metrics");
-  EXPECT_NE(m->body.find("treeattn_http_responses_total{code=\"429\"} 1"), std::string::npos);
+  std::string body;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  do {
+    auto m = c.Get("/metrics");
+    ASSERT_TRUE(m);
+    body = m->body;
+    if (body.find(want) != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  } while (std::chrono::steady_clock::now() < deadline);
+  EXPECT_NE(body.find(want), std::string::npos) << body;
 }
 
 TEST_F(ServeHttp, ApiKey) {
