@@ -288,9 +288,10 @@ struct CodeK45 {
   };
   static float d(const uint8_t* b) { return Ops::f16(rd16(b)); }
   static float dmin(const uint8_t* b) { return Ops::f16(rd16(b + 2)); }
-  // The 8 scales and the 8 mins (ggml's 12-byte 6-bit packing). In scalar registers: a 16-byte
-  // SIMD unpack measured slower in the decode step (Qwen2.5-1.5B, AVX-512 VNNI, 1 thread: 122-129
-  // against 103-112 ms a token; it won only in BM_Matmul's 8192 x 4096).
+  // The 8 scales and the 8 mins (ggml's 12-byte 6-bit packing), in scalar registers. A 16-byte
+  // SIMD unpack ran this kernel 1.37x faster with the matrix in L2 (BM_Matmul 512 x 1536) but
+  // made the decode step 15-25% slower (Qwen2.5-1.5B, AVX-512 VNNI Zen 4, 1 thread: 107-118
+  // against 91-106 ms a token over seven alternations; README, the AVX-512 VNNI table).
   static void prepare(const uint8_t* b, Row& o) {
     uint32_t u[4];
     std::memcpy(u, b + 4, 12);
