@@ -239,6 +239,14 @@ void matmul_args(benchmark::internal::Benchmark* b) {
                {512, 1536}, {1536, 1536}, {8960, 1536}, {1536, 8960}})
         for (const int64_t tokens : {1, 16})
           b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), tokens, 1, 1, rows, cols});
+  // 65536 x 1536 (54-107 MB: past a 32 MB L3), one token: the decode step's case, the weights
+  // streamed from DRAM (where the prefetch hint decides the speed: matvec_int8_impl.hpp).
+  for (const Isa isa : {Isa::kAvx2, Isa::kAvx512})
+    for (const gguf::TensorType t :
+         {gguf::TensorType::kQ4_1, gguf::TensorType::kQ8_0, gguf::TensorType::kQ4_K,
+          gguf::TensorType::kQ6_K})
+      for (const int64_t int8 : {0, 1})
+        b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), 1, 1, int8, 65536, 1536});
 }
 BENCHMARK(BM_Matmul)->Apply(matmul_args)->Unit(benchmark::kMillisecond)->UseRealTime();
 
