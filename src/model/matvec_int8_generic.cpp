@@ -170,11 +170,6 @@ struct Ops {
   struct S {
     int16_t v[16];
   };
-  static S scales_u8(const uint8_t* s) {
-    S r;
-    for (int e = 0; e < 8; ++e) r.v[e] = r.v[e + 8] = s[e];
-    return r;
-  }
   static S scales_i8(const int8_t* s) {
     S r;
     for (int e = 0; e < 16; ++e) r.v[e] = s[e];
@@ -183,10 +178,22 @@ struct Ops {
   struct M {
     uint8_t v[8];
   };
-  static M mins_u8(const uint8_t* s) {
-    M m;
-    std::memcpy(m.v, s, 8);
-    return m;
+  // Q4_K / Q5_K's 12 packed bytes q to the 8 scales (both halves of S) and the 8 mins, on 32-bit
+  // words: scales 0-3 / mins 0-3 are the low 6 bits of q[0-3] / q[4-7]; scales 4-7 / mins 4-7
+  // the low / high nibbles of q[8-11] with the top 2 bits of q[0-3] / q[4-7] above them.
+  static void unpack_k4(const uint8_t* q, S& sc, M& mn) {
+    uint32_t u[4];
+    std::memcpy(u, q, 12);
+    constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const uint32_t mins_lo = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = mins_lo;
+    u[0] &= k1;
+    uint8_t sm[16];
+    std::memcpy(sm, u, 16);
+    for (int e = 0; e < 8; ++e) sc.v[e] = sc.v[e + 8] = sm[e];
+    std::memcpy(mn.v, sm + 8, 8);
   }
   static int k4_msum(const M& mn, const int16_t* bsum) {
     int m = 0;

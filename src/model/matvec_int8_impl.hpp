@@ -12,14 +12,14 @@
 //   B bitmask(uint32_t m)               byte e: bit e of m ? 0xff : 0
 //   I dot_u(B w, B x)   lane i = sum_{k<4} w[4i+k] (unsigned) * x[4i+k] (signed)
 //   I dot_s(B w, B x)   the same with w signed
-//   S (16 int16 sub-scales: 0-7 low half, 8-15 high), scales_u8(8 bytes: both halves),
-//   scales_i8(16 int8), half<h>(S) (half h in both halves); B pairs(w, x): int16 j = w[2j] x[2j]
+//   S (16 int16 sub-scales: 0-7 low half, 8-15 high), scales_i8(16 int8), unpack_k4(12 packed
+//   bytes, S& sc, M& mn): Q4_K / Q5_K's 8 scales (both halves) and 8 mins, half<h>(S) (half h in both halves); B pairs(w, x): int16 j = w[2j] x[2j]
 //   + w[2j+1] x[2j+1] (maddubs), sub16(B, B); P pick<e0, e1>(S s): element e0 of the low half
 //   (for lanes 0-3) and e1 of the high half (lanes 4-7); I madd_acc(I acc, B p, P sc): lane i of
 //   acc plus (p[2i] + p[2i+1]) times its element of sc (exact int32)
 //   I izero(), add(I, I), isub(I, I)   int32 lanes; B splat(uint8_t) 32 equal bytes
 //   V cvt(I) (exact: |lanes| < 2^24), set1, zero, fma (one rounding), reduce_add (a fixed order)
-//   M (8 mins), mins_u8(8 bytes); int k4_msum(M mn, const int16_t bsum[8]) = sum_g mn_g *
+//   M (8 mins); int k4_msum(M mn, const int16_t bsum[8]) = sum_g mn_g *
 //   bsum_g (exact)
 //
 // The 32-value types (one scale per 32 weights) read activation blocks of 32 (ActBlock); the K
@@ -297,24 +297,13 @@ struct CodeK45 {
   };
   static float d(const uint8_t* b) { return Ops::f16(rd16(b)); }
   static float dmin(const uint8_t* b) { return Ops::f16(rd16(b + 2)); }
-  // The 8 scales and the 8 mins (ggml's 12-byte 6-bit packing), in scalar registers. A 16-byte
-  // SIMD unpack ran this kernel 1.37x faster with the matrix in L2 (BM_Matmul 512 x 1536) but
-  // made the decode step 15-25% slower (Qwen2.5-1.5B, AVX-512 VNNI Zen 4, 1 thread: 107-118
-  // against 91-106 ms a token over seven alternations; README, the AVX-512 VNNI table).
-  static void prepare(const uint8_t* b, Row& o) {
-    uint32_t u[4];
-    std::memcpy(u, b + 4, 12);
-    constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-    const uint32_t mins_lo = u[1] & k1;
-    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-    u[2] = mins_lo;
-    u[0] &= k1;
-    uint8_t sm[16];
-    std::memcpy(sm, u, 16);
-    o.sc = Ops::scales_u8(sm);
-    o.mn = Ops::mins_u8(sm + 8);
-  }
+  // The 8 scales and the 8 mins (ggml's 12-byte 6-bit packing): Ops::unpack_k4 (x86: two
+  // shuffles, masks and shifts in one xmm; generic: 32-bit words). The x86 SIMD unpack ran
+  // BM_Matmul's Q4_K rows 1.1-1.3x faster than the earlier unpack in scalar registers (512 x 1536
+  // in L2, 65536 x 1536 from DRAM) and Qwen2.5-1.5B's decode step 0-6% faster (AVX-512 VNNI Zen
+  // 4, 1 thread). Before the prefetch hint became prefetcht2 (prefetch_w) the same unpack made
+  // that step 15-25% slower, so it was left out then (README, the AVX-512 VNNI table).
+  static void prepare(const uint8_t* b, Row& o) { Ops::unpack_k4(b + 4, o.sc, o.mn); }
   static typename Ops::B xterm(typename Ops::B xv) { return xv; }
   template <int g>
   static typename Ops::B codes(const uint8_t* b) {
