@@ -239,7 +239,7 @@ void matmul_args(benchmark::internal::Benchmark* b) {
                {512, 1536}, {1536, 1536}, {8960, 1536}, {1536, 8960}})
         for (const int64_t tokens : {1, 16})
           b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), tokens, 1, 1, rows, cols});
-  // 65536 x 1536 (54-107 MB: past a 32 MB L3), one token: the decode step's case, the weights
+  // 65536 x 1536 (57-107 MB: past a 32 MB L3), one token: the decode step's case, the weights
   // streamed from DRAM (where the prefetch hint decides the speed: matvec_int8_impl.hpp).
   for (const Isa isa : {Isa::kAvx2, Isa::kAvx512})
     for (const gguf::TensorType t :

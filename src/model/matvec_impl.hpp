@@ -248,9 +248,7 @@ inline float finish(const typename Ops::V* acc, const uint8_t* row, const float*
 // One token, RBn rows decoded in registers: y[r] = <row r, x>. With ahead > 0 the bytes `ahead`
 // further on (the next pass's rows) are prefetched, each cache line once, as these are read: a
 // decode step streams every matrix from memory (as the int8 path's dot_rows_1). Prefetching
-// changes no arithmetic. The hint is prefetcht2 (locality 1), as the int8 path's (see
-// prefetch_w in matvec_int8_impl.hpp): Qwen2.5-0.5B's exact step 60-64 -> 52-54 ms on the Zen 4
-// VM, SmolLM2's unchanged.
+// changes no arithmetic; its hint: kWeightPrefetchLocality (matvec_targets.hpp).
 template <uint32_t T, int RBn>
 inline void dot_rows_1(const uint8_t* const* rows, int64_t cols, const float* x, float* y,
                        int64_t ahead) {
@@ -265,7 +263,7 @@ inline void dot_rows_1(const uint8_t* const* rows, int64_t cols, const float* x,
     if (ahead > 0) {  // the lines that start inside this block's bytes
       const int64_t lo = k * Block<T>::kBytes;
       for (int64_t o = (lo + kLine - 1) / kLine * kLine; o < lo + Block<T>::kBytes; o += kLine)
-        for (int r = 0; r < RBn; ++r) __builtin_prefetch(rows[r] + o + ahead, 0, 1);
+        for (int r = 0; r < RBn; ++r) __builtin_prefetch(rows[r] + o + ahead, 0, kWeightPrefetchLocality);
     }
     for_each_group<G>([&](auto g) {  // 32-value group b of the row
       const int64_t b = k * G + g;

@@ -12,15 +12,15 @@
 //   B bitmask(uint32_t m)               byte e: bit e of m ? 0xff : 0
 //   I dot_u(B w, B x)   lane i = sum_{k<4} w[4i+k] (unsigned) * x[4i+k] (signed)
 //   I dot_s(B w, B x)   the same with w signed
-//   S (16 int16 sub-scales: 0-7 low half, 8-15 high), scales_i8(16 int8), unpack_k4(12 packed
-//   bytes, S& sc, M& mn): Q4_K / Q5_K's 8 scales (both halves) and 8 mins, half<h>(S) (half h in both halves); B pairs(w, x): int16 j = w[2j] x[2j]
-//   + w[2j+1] x[2j+1] (maddubs), sub16(B, B); P pick<e0, e1>(S s): element e0 of the low half
-//   (for lanes 0-3) and e1 of the high half (lanes 4-7); I madd_acc(I acc, B p, P sc): lane i of
+//   S (16 int16 sub-scales: 0-7 low half, 8-15 high), scales_i8(16 int8), half<h>(S) (half h in
+//   both halves); M (8 mins); unpack_k4(12 packed bytes, S& sc, M& mn): Q4_K / Q5_K's 8 scales
+//   (both halves) and 8 mins; B pairs(w, x): int16 j = w[2j] x[2j] + w[2j+1] x[2j+1]
+//   (maddubs), sub16(B, B); P pick<e0, e1>(S s): element e0 of the low half (for lanes 0-3) and
+//   e1 of the high half (lanes 4-7); I madd_acc(I acc, B p, P sc): lane i of
 //   acc plus (p[2i] + p[2i+1]) times its element of sc (exact int32)
 //   I izero(), add(I, I), isub(I, I)   int32 lanes; B splat(uint8_t) 32 equal bytes
 //   V cvt(I) (exact: |lanes| < 2^24), set1, zero, fma (one rounding), reduce_add (a fixed order)
-//   M (8 mins); int k4_msum(M mn, const int16_t bsum[8]) = sum_g mn_g *
-//   bsum_g (exact)
+//   int k4_msum(M mn, const int16_t bsum[8]) = sum_g mn_g * bsum_g (exact)
 //
 // The 32-value types (one scale per 32 weights) read activation blocks of 32 (ActBlock); the K
 // types (super-blocks of 256 weights with integer sub-scales) read blocks of 256 (ActBlockK, as
@@ -62,14 +62,9 @@
 // The float path decodes w with one rounding for Q4_1 / Q5_1 / Q4_K / Q5_K (fma(d, q, m)); the
 // integer path never forms w, so against the dequantized row add u * sum |w_i x_i|.
 
-// The weight prefetch of the one-token passes (the next pass's rows, `ahead` bytes on) uses the
-// hint prefetcht2 (locality 1), not prefetcht0. On the Zen 4 VM (AVX-512 VNNI, 1 thread, decode
-// steps alternating with the prefetcht0 build) prefetcht0 held every file's step to ~10 GB/s of
-// weights, as if the L1's outstanding misses capped it: Qwen2.5-1.5B 90-101 -> 72-81 ms a token,
-// Qwen2.5-0.5B 40-41 -> 31-32, Gemma-3-270M 26 -> 21-23; SmolLM2 (85 MB, compute-bound) 9.5-10.3
-// -> 9.2-9.4. The distance (1 to 8 passes) changed nothing. matvec_impl.hpp (the float path)
-// does the same. Measured on Zen 4 only (README, the AVX-512 VNNI table).
-inline void prefetch_w(const void* p) { __builtin_prefetch(p, 0, 1); }
+// The weight prefetch of the one-token passes (the next pass's rows, `ahead` bytes on), with the
+// hint matvec_targets.hpp states.
+inline void prefetch_w(const void* p) { __builtin_prefetch(p, 0, kWeightPrefetchLocality); }
 
 constexpr int kGroupBytes = 40;  // one decoded block in the batched path's scratch
 
@@ -360,7 +355,6 @@ struct CodeK<kTypeQ6_K> {
   }
   static int msum(const Row&, const int16_t*) { return 0; }
 };
-
 
 // Super-block k of RBn rows against one token's activation block xb:
 //   sumi = sum_g dot(c_g, q_x[32 g ..]) times the chunk's sub-scale(s)   8 int32 lanes, exact

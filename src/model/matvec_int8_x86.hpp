@@ -66,30 +66,33 @@ struct Ops {
   }
   static I dot_s(B w, B x) { return dot_u(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)); }
   // The K types' integer sub-scales: S = 16 int16 (elements 0-7 in the low 128 bits, 8-15 in
-  // the high); pairs() = maddubs' 16 int16 pair sums; madd_sc<e0, e1> multiplies them by
+  // the high); pairs() = maddubs' 16 int16 pair sums; pick<e0, e1> and madd_acc multiply them by
   // element e0 of the low half (lanes 0-3) and element e1 of the high half (lanes 4-7).
   using S = __m256i;
   static S scales_i8(const int8_t* s) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
   }
+  using M = __m128i;  // 8 int16 mins (Q4_K / Q5_K)
   // Q4_K / Q5_K: the 8 scales (S, both halves) and 8 mins (M) from the super-block's 12 packed
-  // bytes q (p = q; 16 bytes are read, 4 past q's end: still inside the super-block). Bytes
-  // [sc0-3 | sc4-7 | mn0-3 | mn4-7]: low 6 bits of q[0-3] | low nibbles of q[8-11] | low 6 bits
-  // of q[4-7] | high nibbles of q[8-11], with the top 2 bits of q[0-3] (q[4-7]) as bits 4-5 of
-  // sc4-7 (mn4-7): ggml's get_scale_min_k4.
-  static void unpack_k4(const uint8_t* p, __m256i& sc, __m128i& mn) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
-    const __m128i b = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
-    const __m128i lo = _mm_or_si128(
-        _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)),
-        _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15)));
+  // bytes q (16 bytes are read, 4 past q's end: still inside the super-block). Bytes [sc0-3 |
+  // sc4-7 | mn0-3 | mn4-7]: low 6 bits of q[0-3] | low nibbles of q[8-11] | low 6 bits of q[4-7] |
+  // high nibbles of q[8-11], with the top 2 bits of q[0-3] (q[4-7]) as bits 4-5 of sc4-7 (mn4-7):
+  // ggml's get_scale_min_k4.
+  static void unpack_k4(const uint8_t* q, S& sc, M& mn) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i a =
+        _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i b =
+        _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i lo6 = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
+    const __m128i hi4 = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15);
+    const __m128i lo =
+        _mm_or_si128(_mm_and_si128(a, lo6), _mm_and_si128(_mm_srli_epi16(a, 4), hi4));
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 2), _mm_set1_epi8(0x30));
     const __m128i u = _mm_or_si128(lo, hi);
     sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(u));
     mn = _mm_cvtepu8_epi16(_mm_srli_si128(u, 8));
   }
-  using M = __m128i;  // 8 int16 mins (Q4_K / Q5_K)
   static int k4_msum(M mn, const int16_t* bsum) {
     __m128i p = _mm_madd_epi16(mn, _mm_loadu_si128(reinterpret_cast<const __m128i*>(bsum)));
     p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0x4e));
