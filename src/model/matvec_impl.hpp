@@ -246,7 +246,7 @@ inline float finish(const typename Ops::V* acc, const uint8_t* row, const float*
 }
 
 // One token, RBn rows decoded in registers: y[r] = <row r, x>. With ahead > 0 the bytes `ahead`
-// further on (the next pass's rows) are prefetched, each cache line once, as these are read: a
+// further on (a later pass's rows: weight_prefetch_ahead) are prefetched, each cache line once, as these are read: a
 // decode step streams every matrix from memory (as the int8 path's dot_rows_1). Prefetching
 // changes no arithmetic; its hint: kWeightPrefetchLocality (matvec_targets.hpp).
 template <uint32_t T, int RBn>
@@ -263,7 +263,8 @@ inline void dot_rows_1(const uint8_t* const* rows, int64_t cols, const float* x,
     if (ahead > 0) {  // the lines that start inside this block's bytes
       const int64_t lo = k * Block<T>::kBytes;
       for (int64_t o = (lo + kLine - 1) / kLine * kLine; o < lo + Block<T>::kBytes; o += kLine)
-        for (int r = 0; r < RBn; ++r) __builtin_prefetch(rows[r] + o + ahead, 0, kWeightPrefetchLocality);
+        for (int r = 0; r < RBn; ++r)
+          __builtin_prefetch(rows[r] + o + ahead, 0, kWeightPrefetchLocality);
     }
     for_each_group<G>([&](auto g) {  // 32-value group b of the row
       const int64_t b = k * G + g;
@@ -326,7 +327,8 @@ inline void rows_block(const RowsArgs& a, int64_t r0) {
     for (int64_t t = 0; t < a.tokens; ++t) {
       float y[RBn];
       // The first token's pass brings the rows into the cache for the others.
-      dot_rows_1<T, RBn>(rows, a.cols, a.x + t * a.x_stride, y, t == 0 ? RBn * a.row_bytes : 0);
+      dot_rows_1<T, RBn>(rows, a.cols, a.x + t * a.x_stride, y,
+                         t == 0 ? weight_prefetch_ahead(RBn * a.row_bytes) : 0);
       for (int r = 0; r < RBn; ++r) a.y[t * a.y_stride + r0 + r] = y[r];
     }
     return;

@@ -189,8 +189,9 @@ inline float finish(typename Ops::V acc, float macc) {
   return r;
 }
 
-// One token, RBn rows decoded in registers. The rows `ahead` bytes further (the next pass's) are
-// prefetched as these are read (the decode step streams every matrix from memory).
+// One token, RBn rows decoded in registers. The rows `ahead` bytes further (a later pass's:
+// weight_prefetch_ahead) are prefetched, each line once, as these are read (the decode step
+// streams every matrix from memory).
 template <uint32_t T, int RBn>
 inline void dot_rows_1(const uint8_t* const* rows, int64_t cols, const ActBlock* xq, float* y,
                        int64_t ahead) {
@@ -201,8 +202,9 @@ inline void dot_rows_1(const uint8_t* const* rows, int64_t cols, const ActBlock*
     const ActBlock& xb = xq[b];
     const typename Ops::B xv = Ops::load(xb.q);
     const typename Ops::I xoff = offset<T>(xv);
-    if (b % 2 == 0)
-      for (int r = 0; r < RBn; ++r) prefetch_w(rows[r] + b * Code<T>::kBytes + ahead);
+    // The lines that start inside this block's bytes (each line of the rows once).
+    for (int64_t o = (b * Code<T>::kBytes + 63) / 64 * 64; o < (b + 1) * Code<T>::kBytes; o += 64)
+      for (int r = 0; r < RBn; ++r) prefetch_w(rows[r] + o + ahead);
     for (int r = 0; r < RBn; ++r) {
       Dec w;
       Code<T>::decode(rows[r] + b * Code<T>::kBytes, w);
@@ -234,7 +236,7 @@ inline void rows_block(const RowsArgs& a, int64_t r0) {
   for (int r = 0; r < RBn; ++r) rows[r] = a.w + (r0 + r) * a.row_bytes;
   if (a.tokens == 1) {
     float y[RBn];
-    dot_rows_1<T, RBn>(rows, a.cols, a.xq, y, RBn * a.row_bytes);
+    dot_rows_1<T, RBn>(rows, a.cols, a.xq, y, weight_prefetch_ahead(RBn * a.row_bytes));
     for (int r = 0; r < RBn; ++r) a.y[r0 + r] = y[r];
     return;
   }
@@ -365,7 +367,7 @@ struct CodeK<kTypeQ6_K> {
 // 127 * |scale|max: Q4_K 32 * 15 * 127 * 63, Q5_K 32 * 31 * 127 * 63, Q6_K 32 * 32 * 127 * 128 =
 // 16646144 < 2^24, so cvt is exact; maddubs' int16 pairs <= 2 * 63 * 127 (Q6_K's u), 2 * 31 *
 // 127 (Q5_K), never saturate.
-// The super-block `ahead` bytes further in each row (the next pass's) is prefetched when ahead > 0
+// The super-block `ahead` bytes further in each row (a later pass's) is prefetched when ahead > 0
 // (the first token's pass; later tokens read rows that the first brought into the cache).
 // kPre (several tokens): the rows' unpacked sub-scales (Row) of every super-block, prepared once
 // for all the tokens (pre[r * blocks + k]); else unpacked here.
@@ -478,7 +480,7 @@ inline void rows_block_k(const RowsArgs& a, int64_t r0) {
           acc[r][j] = Ops::zero();
           macc[r][j] = 0.0f;
         }
-      const int64_t ahead = t == 0 ? RBn * a.row_bytes : 0;
+      const int64_t ahead = t == 0 ? weight_prefetch_ahead(RBn * a.row_bytes) : 0;
       for (int64_t k = 0; k < blocks; ++k)
         superblock_tokens<T, RBn, NT>(rows, k, xk, acc, macc, ahead, pre, blocks);
       for (int r = 0; r < RBn; ++r)
@@ -494,7 +496,7 @@ inline void rows_block_k(const RowsArgs& a, int64_t r0) {
     typename Ops::V acc[RBn];
     float macc[RBn];
     zero_acc<RBn>(acc, macc);
-    const int64_t ahead = t == 0 ? RBn * a.row_bytes : 0;
+    const int64_t ahead = t == 0 ? weight_prefetch_ahead(RBn * a.row_bytes) : 0;
     if (pre != nullptr)
       for (int64_t k = 0; k < blocks; ++k)
         superblock<T, RBn, true>(rows, k, xk[k], acc, macc, ahead, pre, blocks);
