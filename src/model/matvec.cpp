@@ -26,7 +26,9 @@ namespace treeattn::model {
 namespace {
 
 constexpr int64_t kRowChunk = 16;
-constexpr int64_t kTokenTile = 36;  // a multiple of every target's NT (3, 2, 1)
+// A multiple of the int8 targets' token groups (8: ActBlock8) and of the float targets' NT (3,
+// 2, 1) and K types' KT (4, 2).
+constexpr int64_t kTokenTile = 48;
 
 detail::RowsFn rows_fn(Isa isa) {
   switch (isa) {
@@ -199,6 +201,13 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
     xq_buf.resize(static_cast<std::size_t>(tokens * xq_stride));
   if (int8_k && xk_buf.size() < static_cast<std::size_t>(tokens * xk_stride))
     xk_buf.resize(static_cast<std::size_t>(tokens * xk_stride));
+  // Several tokens: the 32-value types' blocks also 8 tokens to a group (ActBlock8).
+  const int64_t groups = (tokens + 7) / 8;
+  const bool int8_xt = int8_32 && tokens > 1;
+  thread_local std::vector<detail::ActBlock8> xt_buf;
+  if (int8_xt && xt_buf.size() < static_cast<std::size_t>(groups * xq_stride))
+    xt_buf.resize(static_cast<std::size_t>(groups * xq_stride));
+  detail::ActBlock8* const xt = xt_buf.data();
   detail::ActBlock* const xq = xq_buf.data();
   detail::ActBlockK* const xk = xk_buf.data();
 
@@ -219,6 +228,13 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
       for (int64_t t = 0; t < tokens; ++t) {
         if (int8_32) detail::quantize_activations(x + t * x_stride, cols, xq + t * xq_stride);
         if (int8_k) detail::quantize_activations_k(x + t * x_stride, cols, xk + t * xk_stride);
+      }
+      if (int8_xt) {
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; ++g)
+          detail::transpose_activations(xq + 8 * g * xq_stride, xq_stride,
+                                        std::min<int64_t>(8, tokens - 8 * g), xq_stride,
+                                        xt + g * xq_stride);
       }
     }
     for (int64_t t0 = 0; t0 < tokens; t0 += kTokenTile) {
@@ -248,6 +264,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
           } else {
             a.xq = xq + t0 * xq_stride;
             a.xq_stride = xq_stride;
+            if (int8_xt) a.xt = xt + t0 / 8 * xq_stride;
           }
           fn8(a);
         } else {

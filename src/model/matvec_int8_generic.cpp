@@ -66,6 +66,22 @@ void quantize_activations(const float* x, int64_t cols, ActBlock* out) {
   }
 }
 
+void transpose_activations(const ActBlock* xq, int64_t xq_stride, int64_t tokens, int64_t blocks,
+                           ActBlock8* out) {
+  for (int64_t g = 0; g < (tokens + 7) / 8; ++g)
+    for (int64_t b = 0; b < blocks; ++b) {
+      ActBlock8& o = out[g * blocks + b];
+      std::memset(&o, 0, sizeof(o));
+      for (int64_t t = 0; t < 8 && 8 * g + t < tokens; ++t) {
+        const ActBlock& x = xq[(8 * g + t) * xq_stride + b];
+        for (int i = 0; i < 8; ++i) std::memcpy(&o.q[i][4 * t], x.q + 4 * i, 4);
+        o.d[t] = x.d;
+        o.s[t] = x.s;
+        o.sum[t] = block_sum(x.q);
+      }
+    }
+}
+
 void quantize_activations_k(const float* x, int64_t cols, ActBlockK* out) {
   for (int64_t b = 0; b < cols / 256; ++b) {
     ActBlockK& o = out[b];
@@ -242,6 +258,42 @@ struct Ops {
       acc.v[i] += (int32_t{x} + int32_t{y}) * (i < 4 ? sc.lo : sc.hi);
     }
     return acc;
+  }
+  static constexpr bool kRows4 = false;  // the one-token pass sums each row on its own
+  static B bcast4(const uint8_t* p) {
+    B r;
+    for (int i = 0; i < 8; ++i) std::memcpy(r.v + 4 * i, p, 4);
+    return r;
+  }
+  static I dpu(I acc, B w, B x) { return add(acc, dot_u(w, x)); }
+  static I dps(I acc, B w, B x) { return add(acc, dot_s(w, x)); }
+  static int hsum(I v) {
+    int s = 0;
+    for (const int32_t x : v.v) s += x;
+    return s;
+  }
+  static I ishl(I v, int n) {
+    for (auto& x : v.v) x = static_cast<int32_t>(static_cast<uint32_t>(x) << n);
+    return v;
+  }
+  static I iload(const int32_t* p) {
+    I r;
+    std::memcpy(r.v, p, 32);
+    return r;
+  }
+  static V vload(const float* p) {
+    V r;
+    std::memcpy(r.v, p, 32);
+    return r;
+  }
+  static void vstore(float* p, V v) { std::memcpy(p, v.v, 32); }
+  static V mul(V a, V b) {
+    for (int i = 0; i < 8; ++i) a.v[i] *= b.v[i];
+    return a;
+  }
+  static V vadd(V a, V b) {
+    for (int i = 0; i < 8; ++i) a.v[i] += b.v[i];
+    return a;
   }
   static I izero() { return I{}; }
   static I add(I a, I b) {

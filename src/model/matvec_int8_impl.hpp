@@ -21,6 +21,10 @@
 //   I izero(), add(I, I), isub(I, I)   int32 lanes; B splat(uint8_t) 32 equal bytes
 //   V cvt(I) (exact: |lanes| < 2^24), set1, zero, fma (one rounding), reduce_add (a fixed order)
 //   int k4_msum(M mn, const int16_t bsum[8]) = sum_g mn_g * bsum_g (exact)
+//   Tokens in lanes (the 32-value types' batched path): B bcast4(p) (the 4 bytes at p in every
+//   lane), I dpu / dps(I acc, B w, B x) = acc + dot_u / dot_s, int hsum(I), I ishl(I, n),
+//   iload, vload, vstore, mul, vadd. kRows4 (x86): F4 (4 floats, a row each) and sums4(4 I) =
+//   the 4 lane sums, exact, as floats; set4, zero4, mul4, fma4, add4, store4.
 //
 // The 32-value types (one scale per 32 weights) read activation blocks of 32 (ActBlock); the K
 // types (super-blocks of 256 weights with integer sub-scales) read blocks of 256 (ActBlockK, as
@@ -34,12 +38,17 @@
 //   Q4_1  c = q           unsigned a = d                m = m
 //   Q5_1  c = q           unsigned a = d                m = m
 // The activation block b of the token (ActBlock: d_x, s_x = d_x * sum q_x, q_x) gives
-//   P = dot(c, q_x)                     8 int32 lanes, exact (|P| < 2^24: |c| <= 128, |q_x| <=
-//                                       127, 4 products a lane); the offset types compute it as
-//                                       dot(q, q_x) - off * dot(1, q_x), the same integers
-//   acc = fma(set1(a_b * d_x), cvt(P), acc)      (a_b * d_x rounded once)
-//   macc = fma(m_b, s_x, macc)                   (scalar, types with a min)
-// block after block; the result is reduce_add(acc) + macc.
+//   S = sum of c * q_x over the block   an exact integer (|S| <= 32 * 128 * 127 < 2^24); the
+//                                       offset types compute it as dot(q, q_x) - off * sum(q_x)
+//   acc = fma(a_b * d_x, S, acc)        (a_b * d_x rounded once; S exact as a float)
+//   macc = fma(m_b, s_x, macc)          (types with a min)
+// block after block; the result is acc + macc. One token (dot_rows_1, dot_rows_1x4) sums S from
+// 8 int32 lanes of 4 products; several tokens (group8) put 8 tokens in the lanes and sum each
+// token's S in its lane (ActBlock8), so the float operations per (row, token) are the same
+// scalar sequence either way. (Until 2026-12-03 the one-token pass kept 8 float lanes per row,
+// reduced at the end, which tied the batched path to 8 multiply-adds per block and token; the
+// tokens-in-lanes path does one per 8 tokens and ran Qwen2.5-0.5B's 512-token prefill 1.4-1.7x
+// faster on the Zen 4 VM: README, "Prefill: tokens in lanes".)
 // K types: see superblock() below (one float multiply-add per 256 weights and lane, the
 // sub-scales and mins summed in integers).
 // The integer lanes are the same on every target (maddubs + madd and vpdpbusd both sum products
@@ -56,7 +65,7 @@
 // Hence, with w the weights as decoded (in exact arithmetic),
 //   |<w, d q> - <w, x>| <= sum_b (amax_b / 254) (1 + 2^-15) sum_{i in b} |w_i|,
 // and the float evaluation of <w, d q> adds at most gamma_k * sum_i |w_i d_b q_i| with
-// gamma_k = k u / (1 - k u), u = 2^-24, k = blocks + 6 (a_b * d_x, the fma chain of each lane,
+// gamma_k = k u / (1 - k u), u = 2^-24, k = blocks + 6 (a_b * d_x, the fma chain, the K types'
 // three reduction adds, the final add; the min terms' roundings are inside the same k), where
 // blocks = cols / 32 for the 32-value types and cols / 256 for the K types.
 // The float path decodes w with one rounding for Q4_1 / Q5_1 / Q4_K / Q5_K (fma(d, q, m)); the
@@ -160,17 +169,18 @@ inline typename Ops::I offset(typename Ops::B xv) {
   return Ops::izero();
 }
 
-// One block of one (row, token) product.
+// One block of one (row, token) product: the block's integer sum S (exact), then
+// acc = fma(a_b * d_x, S, acc) and, for the types with a min, macc = fma(m_b, s_x, macc).
 template <uint32_t T>
 inline void step(const Dec& w, const ActBlock& xb, typename Ops::B xq, typename Ops::I xoff,
-                 typename Ops::V& acc, float& macc) {
+                 float& acc, float& macc) {
   typename Ops::I p;
   if constexpr (Code<T>::kSigned)
     p = Ops::dot_s(w.c, xq);
   else
     p = Ops::dot_u(w.c, xq);
   if constexpr (Code<T>::kOff != 0) p = Ops::isub(p, xoff);
-  acc = Ops::fma(Ops::set1(w.a * xb.d), Ops::cvt(p), acc);
+  acc = std::fma(w.a * xb.d, static_cast<float>(Ops::hsum(p)), acc);
   if constexpr (Code<T>::kMin) macc = std::fma(w.m, xb.s, macc);
 }
 
@@ -182,22 +192,14 @@ inline void zero_acc(typename Ops::V* acc, float* macc) {
   }
 }
 
-template <uint32_t T>
-inline float finish(typename Ops::V acc, float macc) {
-  const float r = Ops::reduce_add(acc);
-  if constexpr (Code<T>::kMin) return r + macc;
-  return r;
-}
-
 // One token, RBn rows decoded in registers. The rows `ahead` bytes further (a later pass's:
 // weight_prefetch_ahead) are prefetched, each line once, as these are read (the decode step
 // streams every matrix from memory).
 template <uint32_t T, int RBn>
 inline void dot_rows_1(const uint8_t* const* rows, int64_t cols, const ActBlock* xq, float* y,
                        int64_t ahead) {
-  typename Ops::V acc[RBn];
-  float macc[RBn];
-  zero_acc<RBn>(acc, macc);
+  float acc[RBn], macc[RBn];
+  for (int r = 0; r < RBn; ++r) acc[r] = macc[r] = 0.0f;
   for (int64_t b = 0; b < cols / 32; ++b) {
     const ActBlock& xb = xq[b];
     const typename Ops::B xv = Ops::load(xb.q);
@@ -211,7 +213,36 @@ inline void dot_rows_1(const uint8_t* const* rows, int64_t cols, const ActBlock*
       step<T>(w, xb, xv, xoff, acc[r], macc[r]);
     }
   }
-  for (int r = 0; r < RBn; ++r) y[r] = finish<T>(acc[r], macc[r]);
+  for (int r = 0; r < RBn; ++r) y[r] = Code<T>::kMin ? acc[r] + macc[r] : acc[r];
+}
+
+// The same for 4 rows with the rows in the lanes of one 4-float vector (x86): the 4 integer sums
+// in one reduction, then step()'s float operations on the 4 rows at once (the same roundings,
+// lane by lane, so the same bits as dot_rows_1).
+template <uint32_t T, class O = Ops>  // O: dependent, for the targets without kRows4
+inline void dot_rows_1x4(const uint8_t* const* rows, int64_t cols, const ActBlock* xq, float* y,
+                         int64_t ahead) {
+  using F4 = typename O::F4;
+  F4 acc = O::zero4(), macc = O::zero4();
+  for (int64_t b = 0; b < cols / 32; ++b) {
+    const ActBlock& xb = xq[b];
+    const typename Ops::B xv = Ops::load(xb.q);
+    const typename Ops::I xoff = offset<T>(xv);
+    for (int64_t o = (b * Code<T>::kBytes + 63) / 64 * 64; o < (b + 1) * Code<T>::kBytes; o += 64)
+      for (int r = 0; r < 4; ++r) prefetch_w(rows[r] + o + ahead);
+    Dec w[4];
+    typename Ops::I p[4];
+    for (int r = 0; r < 4; ++r) {
+      Code<T>::decode(rows[r] + b * Code<T>::kBytes, w[r]);
+      p[r] = Code<T>::kSigned ? Ops::dot_s(w[r].c, xv) : Ops::dot_u(w[r].c, xv);
+      if constexpr (Code<T>::kOff != 0) p[r] = Ops::isub(p[r], xoff);
+    }
+    const F4 a = O::mul4(O::set4(w[0].a, w[1].a, w[2].a, w[3].a), O::set4(xb.d, xb.d, xb.d, xb.d));
+    acc = O::fma4(a, O::sums4(p[0], p[1], p[2], p[3]), acc);
+    if constexpr (Code<T>::kMin)
+      macc = O::fma4(O::set4(w[0].m, w[1].m, w[2].m, w[3].m), O::set4(xb.s, xb.s, xb.s, xb.s), macc);
+  }
+  O::store4(y, Code<T>::kMin ? O::add4(acc, macc) : acc);
 }
 
 // The batched path's decoded block: 32 code bytes, a, m (kGroupBytes).
@@ -220,48 +251,83 @@ inline void store_dec(uint8_t* p, const Dec& w) {
   std::memcpy(p + 32, &w.a, 4);
   std::memcpy(p + 36, &w.m, 4);
 }
-inline Dec load_dec(const uint8_t* p) {
-  Dec w;
-  w.c = Ops::load(p);
-  std::memcpy(&w.a, p + 32, 4);
-  std::memcpy(&w.m, p + 36, 4);
-  return w;
+
+// RBn decoded rows (dec: row r's block b at (r * blocks + b) * kGroupBytes) against one group of
+// 8 tokens (xt: its blocks), tokens in lanes: per block, the 8 four-code groups of each row are
+// broadcast against the tokens' q (ActBlock8), so lane t sums token t's 32 products (the block's
+// integer S of step()); then acc = fma(a_b * d, S, acc), macc = fma(m_b, s, macc) lane by lane:
+// each lane runs step()'s operations, so a token's bits are those of its one-token pass.
+// y[t * y_stride + r] for the first `lanes` tokens.
+template <uint32_t T, int RBn>
+inline void group8(const uint8_t* dec, int64_t blocks, const ActBlock8* xt, int lanes, float* y,
+                   int64_t y_stride) {
+  using V = typename Ops::V;
+  using I = typename Ops::I;
+  V acc[RBn], macc[RBn];
+  for (int r = 0; r < RBn; ++r) acc[r] = macc[r] = Ops::zero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const ActBlock8& xb = xt[b];
+    I p[RBn];
+    for (int r = 0; r < RBn; ++r) p[r] = Ops::izero();
+    for_each_group<8>([&](auto i) {
+      constexpr int kI = decltype(i)::value;
+      const typename Ops::B xv = Ops::load(xb.q[kI]);
+      for (int r = 0; r < RBn; ++r) {
+        const typename Ops::B w = Ops::bcast4(dec + (r * blocks + b) * kGroupBytes + 4 * kI);
+        p[r] = Code<T>::kSigned ? Ops::dps(p[r], w, xv) : Ops::dpu(p[r], w, xv);
+      }
+    });
+    if constexpr (Code<T>::kOff != 0) {
+      constexpr int kShift = Code<T>::kOff == 8 ? 3 : 4;
+      static_assert(Code<T>::kOff == 1 << kShift);
+      const I off = Ops::ishl(Ops::iload(xb.sum), kShift);
+      for (int r = 0; r < RBn; ++r) p[r] = Ops::isub(p[r], off);
+    }
+    const V d = Ops::vload(xb.d);
+    for (int r = 0; r < RBn; ++r) {
+      const uint8_t* db = dec + (r * blocks + b) * kGroupBytes;
+      float wa, wm;
+      std::memcpy(&wa, db + 32, 4);
+      acc[r] = Ops::fma(Ops::mul(Ops::set1(wa), d), Ops::cvt(p[r]), acc[r]);
+      if constexpr (Code<T>::kMin) {
+        std::memcpy(&wm, db + 36, 4);
+        macc[r] = Ops::fma(Ops::set1(wm), Ops::vload(xb.s), macc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < RBn; ++r) {
+    float out[8];
+    Ops::vstore(out, Code<T>::kMin ? Ops::vadd(acc[r], macc[r]) : acc[r]);
+    for (int t = 0; t < lanes; ++t) y[t * y_stride + r] = out[t];
+  }
 }
 
 // RBn rows against every token of the job. Several tokens: the rows are decoded once into the
-// scratch (L1), then each token runs from it with the same operations as dot_rows_1.
+// scratch (L1), then each group of 8 tokens runs from it (group8).
 template <uint32_t T, int RBn>
 inline void rows_block(const RowsArgs& a, int64_t r0) {
   const uint8_t* rows[RBn];
   for (int r = 0; r < RBn; ++r) rows[r] = a.w + (r0 + r) * a.row_bytes;
   if (a.tokens == 1) {
     float y[RBn];
-    dot_rows_1<T, RBn>(rows, a.cols, a.xq, y, weight_prefetch_ahead(RBn * a.row_bytes));
+    if constexpr (RBn == 4 && Ops::kRows4)
+      dot_rows_1x4<T>(rows, a.cols, a.xq, y, weight_prefetch_ahead(RBn * a.row_bytes));
+    else
+      dot_rows_1<T, RBn>(rows, a.cols, a.xq, y, weight_prefetch_ahead(RBn * a.row_bytes));
     for (int r = 0; r < RBn; ++r) a.y[r0 + r] = y[r];
     return;
   }
-  const int64_t groups = a.cols / 32;
+  const int64_t blocks = a.cols / 32;
   auto* dec = reinterpret_cast<uint8_t*>(a.scratch);
   for (int r = 0; r < RBn; ++r)
-    for (int64_t b = 0; b < groups; ++b) {
+    for (int64_t b = 0; b < blocks; ++b) {
       Dec w;
       Code<T>::decode(rows[r] + b * Code<T>::kBytes, w);
-      store_dec(dec + (r * groups + b) * kGroupBytes, w);
+      store_dec(dec + (r * blocks + b) * kGroupBytes, w);
     }
-  for (int64_t t = 0; t < a.tokens; ++t) {
-    const ActBlock* xq = a.xq + t * a.xq_stride;
-    typename Ops::V acc[RBn];
-    float macc[RBn];
-    zero_acc<RBn>(acc, macc);
-    for (int64_t b = 0; b < groups; ++b) {
-      const typename Ops::B xv = Ops::load(xq[b].q);
-      const typename Ops::I xoff = offset<T>(xv);
-      for (int r = 0; r < RBn; ++r)
-        step<T>(load_dec(dec + (r * groups + b) * kGroupBytes), xq[b], xv, xoff, acc[r],
-                macc[r]);
-    }
-    for (int r = 0; r < RBn; ++r) a.y[t * a.y_stride + r0 + r] = finish<T>(acc[r], macc[r]);
-  }
+  for (int64_t g = 0; g * 8 < a.tokens; ++g)
+    group8<T, RBn>(dec, blocks, a.xt + g * blocks, static_cast<int>(std::min<int64_t>(8, a.tokens - 8 * g)),
+                   a.y + g * 8 * a.y_stride + r0, a.y_stride);
 }
 
 template <uint32_t T>

@@ -6,6 +6,7 @@
 // stage (which cannot saturate here), so the three give the same lanes and the same bits.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -126,6 +127,53 @@ struct Ops {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc));
 #endif
   }
+  // Tokens in lanes (the 32-value types' batched path): the 4 bytes at p in every lane; acc plus
+  // dot_u / dot_s (VNNI fuses the add); lane sums; int32 lanes shifted left; loads and a product.
+  static B bcast4(const uint8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+  static I dpu(I acc, B w, B x) {
+#if TREEATTN_INT8_DOT == 1
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
+#elif TREEATTN_INT8_DOT == 2
+    return _mm256_dpbusd_epi32(acc, w, x);
+#else
+    return _mm256_add_epi32(acc, dot_u(w, x));
+#endif
+  }
+  static I dps(I acc, B w, B x) { return dpu(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w)); }
+  static int hsum(I v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+  }
+  // The one-token pass's 4 rows with rows in lanes: the lane sums of p0 .. p3 (exact) as 4
+  // floats (exact: |sum| < 2^24); 4 floats; a multiply, a fused multiply-add and a sum.
+  static constexpr bool kRows4 = true;
+  using F4 = __m128;
+  static F4 sums4(I p0, I p1, I p2, I p3) {
+    const __m256i s01 = _mm256_add_epi32(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
+    const __m256i s23 = _mm256_add_epi32(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
+    const __m256i t =
+        _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
+    return _mm_cvtepi32_ps(
+        _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)));
+  }
+  static F4 set4(float a, float b, float c, float d) { return _mm_setr_ps(a, b, c, d); }
+  static F4 zero4() { return _mm_setzero_ps(); }
+  static F4 mul4(F4 a, F4 b) { return _mm_mul_ps(a, b); }
+  static F4 fma4(F4 a, F4 b, F4 c) { return _mm_fmadd_ps(a, b, c); }
+  static F4 add4(F4 a, F4 b) { return _mm_add_ps(a, b); }
+  static void store4(float* p, F4 v) { _mm_storeu_ps(p, v); }
+  static I ishl(I v, int n) { return _mm256_sll_epi32(v, _mm_cvtsi32_si128(n)); }
+  static I iload(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static V vload(const float* p) { return _mm256_loadu_ps(p); }
+  static void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V vadd(V a, V b) { return _mm256_add_ps(a, b); }
   static I izero() { return _mm256_setzero_si256(); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
   static I isub(I a, I b) { return _mm256_sub_epi32(a, b); }

@@ -27,6 +27,7 @@ inline constexpr uint32_t kTypeF32 = 0, kTypeF16 = 1, kTypeQ4_0 = 2, kTypeQ4_1 =
                           kTypeQ6_K = 14, kTypeBF16 = 30;
 
 struct ActBlock;
+struct ActBlock8;
 struct ActBlockK;
 
 struct RowsArgs {
@@ -49,6 +50,10 @@ struct RowsArgs {
   // blocks apart (quantize_activations_k).
   const ActBlockK* xk = nullptr;
   int64_t xk_stride = 0;
+  // Several tokens of the 32-value types: xq's blocks 8 tokens to a group, tokens in lanes
+  // (transpose_activations): group 0 of the range (token 0 is a group's first), cols / 32 blocks
+  // per group. Null for one token.
+  const ActBlock8* xt = nullptr;
 };
 
 // The locality hint of the weight prefetch in the one-token passes (both matrix paths:
@@ -112,6 +117,23 @@ struct ActBlockK {
   int8_t q[256];
 };
 static_assert(sizeof(ActBlockK) == 276);
+
+// Block b of 8 tokens (a group), transposed for dot products with tokens in lanes: 4-byte group
+// i of token t's q at q[i][4 t ..]; its d, s and the integer sum of its 32 q. The batched path of
+// the 32-value types broadcasts 4 weight codes against q[i] (8 tokens at once) and scales a
+// block's 8 integer sums with one vector multiply-add. Tokens past the end: all zero.
+struct ActBlock8 {
+  int8_t q[8][32];
+  float d[8];
+  float s[8];
+  int32_t sum[8];
+};
+static_assert(sizeof(ActBlock8) == 352);
+
+// xq: `tokens` tokens' blocks (blocks per token, xq_stride apart) into ceil(tokens / 8) groups of
+// `blocks` ActBlock8 each (group g: tokens 8 g .. 8 g + 7).
+void transpose_activations(const ActBlock* xq, int64_t xq_stride, int64_t tokens, int64_t blocks,
+                           ActBlock8* out);
 
 // Quantizes `cols` floats (a multiple of 256) into cols / 256 blocks, each as quantize_activations
 // quantizes a block but with amax, d and the clamp taken over 256 values (so the per-element
