@@ -159,10 +159,10 @@ struct Ops {
     for (int i = 0; i < 32; ++i) a.v[i] |= b.v[i];
     return a;
   }
-  static B bitmask(uint32_t m) {
-    B r;
-    for (int e = 0; e < 32; ++e) r.v[e] = (m >> e) & 1u ? 0xff : 0;
-    return r;
+  static B or_bits(B c, uint32_t m, uint8_t v) {
+    for (int e = 0; e < 32; ++e)
+      if ((m >> e) & 1u) c.v[e] |= v;
+    return c;
   }
   static I dot_u(B w, B x) {
     I r;

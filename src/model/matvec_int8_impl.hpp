@@ -9,7 +9,7 @@
 //   B lo4(B), hi4(B)                    each byte & 15, each byte >> 4
 //   B shr(B, n), shl(B, n)              each byte shifted (logical, 8 bits)
 //   B and_(B, uint8_t), or_(B, B)       bytewise
-//   B bitmask(uint32_t m)               byte e: bit e of m ? 0xff : 0
+//   B or_bits(B c, uint32_t m, uint8_t v)  byte e: bit e of m ? c[e] | v : c[e]
 //   I dot_u(B w, B x)   lane i = sum_{k<4} w[4i+k] (unsigned) * x[4i+k] (signed)
 //   I dot_s(B w, B x)   the same with w signed
 //   S (16 int16 sub-scales: 0-7 low half, 8-15 high), scales_i8(16 int8), half<h>(S) (half h in
@@ -138,8 +138,7 @@ struct Code<kTypeQ5_0> {
   static constexpr bool kSigned = false, kMin = false;
   static void decode(const uint8_t* b, Dec& o) {
     o.a = Ops::f16(rd16(b));
-    const typename Ops::B hi = Ops::and_(Ops::bitmask(rd32(b + 2)), 0x10);
-    o.c = Ops::or_(Ops::nib(b + 6), hi);
+    o.c = Ops::or_bits(Ops::nib(b + 6), rd32(b + 2), 0x10);
   }
 };
 
@@ -150,8 +149,7 @@ struct Code<kTypeQ5_1> {
   static void decode(const uint8_t* b, Dec& o) {
     o.a = Ops::f16(rd16(b));
     o.m = Ops::f16(rd16(b + 2));
-    const typename Ops::B hi = Ops::and_(Ops::bitmask(rd32(b + 4)), 0x10);
-    o.c = Ops::or_(Ops::nib(b + 8), hi);
+    o.c = Ops::or_bits(Ops::nib(b + 8), rd32(b + 4), 0x10);
   }
 };
 

@@ -56,6 +56,15 @@ struct Ops {
     bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
     return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
   }
+  // Byte e: c[e] | v where bit e of m is set, else c[e] (Q5_0 / Q5_1's fifth bit). AVX-512 BW +
+  // VL: one masked blend from a mask register instead of bitmask's shuffle, or and compare.
+  static B or_bits(B c, uint32_t m, uint8_t v) {
+#if TREEATTN_INT8_DOT == 2
+    return _mm256_mask_blend_epi8(static_cast<__mmask32>(m), c, or_(c, splat(v)));
+#else
+    return or_(c, and_(bitmask(m), v));
+#endif
+  }
   static I dot_u(B w, B x) {
 #if TREEATTN_INT8_DOT == 1
     return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
