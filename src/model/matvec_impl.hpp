@@ -246,9 +246,10 @@ inline float finish(const typename Ops::V* acc, const uint8_t* row, const float*
 }
 
 // One token, RBn rows decoded in registers: y[r] = <row r, x>. With ahead > 0 the bytes `ahead`
-// further on (a later pass's rows: weight_prefetch_ahead) are prefetched, each cache line once, as these are read: a
-// decode step streams every matrix from memory (as the int8 path's dot_rows_1). Prefetching
-// changes no arithmetic; its hint: kWeightPrefetchLocality (matvec_targets.hpp).
+// further on (a later pass's rows: weight_prefetch_ahead) are prefetched, each cache line once,
+// as these are read: a decode step streams every matrix from memory (as the int8 path's
+// dot_rows_1). Prefetching changes no arithmetic; its hint: kWeightPrefetchLocality
+// (matvec_targets.hpp).
 template <uint32_t T, int RBn>
 inline void dot_rows_1(const uint8_t* const* rows, int64_t cols, const float* x, float* y,
                        int64_t ahead) {

@@ -48,7 +48,7 @@
 // scalar sequence either way. (Until 2026-12-03 the one-token pass kept 8 float lanes per row,
 // reduced at the end, which tied the batched path to 8 multiply-adds per block and token; the
 // tokens-in-lanes path does one per 8 tokens and ran Qwen2.5-0.5B's 512-token prefill 1.4-1.7x
-// faster on the Zen 4 VM: README, "Prefill: tokens in lanes".)
+// faster on the Zen 4 VM: README, "The prefetch distance, and tokens in lanes".)
 // K types: see superblock() below (one float multiply-add per 256 weights and lane, the
 // sub-scales and mins summed in integers).
 // The integer lanes are the same on every target (maddubs + madd and vpdpbusd both sum products
@@ -235,10 +235,12 @@ inline void dot_rows_1x4(const uint8_t* const* rows, int64_t cols, const ActBloc
       p[r] = Code<T>::kSigned ? Ops::dot_s(w[r].c, xv) : Ops::dot_u(w[r].c, xv);
       if constexpr (Code<T>::kOff != 0) p[r] = Ops::isub(p[r], xoff);
     }
-    const F4 a = O::mul4(O::set4(w[0].a, w[1].a, w[2].a, w[3].a), O::set4(xb.d, xb.d, xb.d, xb.d));
+    const F4 a =
+        O::mul4(O::set4(w[0].a, w[1].a, w[2].a, w[3].a), O::set4(xb.d, xb.d, xb.d, xb.d));
     acc = O::fma4(a, O::sums4(p[0], p[1], p[2], p[3]), acc);
     if constexpr (Code<T>::kMin)
-      macc = O::fma4(O::set4(w[0].m, w[1].m, w[2].m, w[3].m), O::set4(xb.s, xb.s, xb.s, xb.s), macc);
+      macc = O::fma4(O::set4(w[0].m, w[1].m, w[2].m, w[3].m), O::set4(xb.s, xb.s, xb.s, xb.s),
+                     macc);
   }
   O::store4(y, Code<T>::kMin ? O::add4(acc, macc) : acc);
 }
@@ -324,7 +326,8 @@ inline void rows_block(const RowsArgs& a, int64_t r0) {
       store_dec(dec + (r * blocks + b) * kGroupBytes, w);
     }
   for (int64_t g = 0; g * 8 < a.tokens; ++g)
-    group8<T, RBn>(dec, blocks, a.xt + g * blocks, static_cast<int>(std::min<int64_t>(8, a.tokens - 8 * g)),
+    group8<T, RBn>(dec, blocks, a.xt + g * blocks,
+                   static_cast<int>(std::min<int64_t>(8, a.tokens - 8 * g)),
                    a.y + g * 8 * a.y_stride + r0, a.y_stride);
 }
 

@@ -70,7 +70,7 @@ inline constexpr int kWeightPrefetchLocality = 1;
 // for the shipped files' matrices) the Q8_0 head of Gemma-3 and Qwen2.5-0.5B streamed at ~10 GB/s
 // from DRAM against the one-thread read probe's ~20 (Zen 4 VM, 1 thread); 32 KB ahead (and every
 // line of the 32-value types' rows prefetched, not every other block's) made their decode steps
-// 1.3-1.6x faster (README, "The decode step's weight stream on Zen 4"). It stays far inside L2.
+// 1.15-1.6x faster (README, "The prefetch distance, and tokens in lanes"). It stays far inside L2.
 inline constexpr int64_t kWeightPrefetchBytes = 32768;
 // pass_bytes = RBn * row_bytes > 0. Internal linkage: each target compiles its own copy.
 static constexpr int64_t weight_prefetch_ahead(int64_t pass_bytes) {
