@@ -118,6 +118,7 @@ namespace {
 struct Ops {
   static constexpr int RB = 2;
   static constexpr int KT = 2;  // tokens per pass of the K types' batched path
+  static constexpr int NG = 1;  // groups of 8 tokens per pass of the 32-value types' (group8)
   struct B {
     uint8_t v[32];
   };

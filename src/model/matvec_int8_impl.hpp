@@ -258,48 +258,59 @@ inline void store_dec(uint8_t* p, const Dec& w) {
 // integer S of step()); then acc = fma(a_b * d, S, acc), macc = fma(m_b, s, macc) lane by lane:
 // each lane runs step()'s operations, so a token's bits are those of its one-token pass.
 // y[t * y_stride + r] for the first `lanes` tokens.
-template <uint32_t T, int RBn>
+template <uint32_t T, int RBn, int NG>
 inline void group8(const uint8_t* dec, int64_t blocks, const ActBlock8* xt, int lanes, float* y,
                    int64_t y_stride) {
+  // NG groups at once (Ops::NG: 2 with AVX-512 VL's 32 registers): each broadcast of 4 codes
+  // serves 8 * NG tokens. xt, lanes and y: group g at xt + g * blocks, y + 8 g y_stride; every
+  // group has 8 tokens but the last, which has `lanes`.
   using V = typename Ops::V;
   using I = typename Ops::I;
-  V acc[RBn], macc[RBn];
-  for (int r = 0; r < RBn; ++r) acc[r] = macc[r] = Ops::zero();
+  V acc[RBn][NG], macc[RBn][NG];
+  for (int r = 0; r < RBn; ++r)
+    for (int g = 0; g < NG; ++g) acc[r][g] = macc[r][g] = Ops::zero();
   for (int64_t b = 0; b < blocks; ++b) {
-    const ActBlock8& xb = xt[b];
-    I p[RBn];
-    for (int r = 0; r < RBn; ++r) p[r] = Ops::izero();
+    I p[RBn][NG];
+    for (int r = 0; r < RBn; ++r)
+      for (int g = 0; g < NG; ++g) p[r][g] = Ops::izero();
     for_each_group<8>([&](auto i) {
       constexpr int kI = decltype(i)::value;
-      const typename Ops::B xv = Ops::load(xb.q[kI]);
+      typename Ops::B xv[NG];
+      for (int g = 0; g < NG; ++g) xv[g] = Ops::load(xt[g * blocks + b].q[kI]);
       for (int r = 0; r < RBn; ++r) {
         const typename Ops::B w = Ops::bcast4(dec + (r * blocks + b) * kGroupBytes + 4 * kI);
-        p[r] = Code<T>::kSigned ? Ops::dps(p[r], w, xv) : Ops::dpu(p[r], w, xv);
+        for (int g = 0; g < NG; ++g)
+          p[r][g] = Code<T>::kSigned ? Ops::dps(p[r][g], w, xv[g]) : Ops::dpu(p[r][g], w, xv[g]);
       }
     });
-    if constexpr (Code<T>::kOff != 0) {
-      constexpr int kShift = Code<T>::kOff == 8 ? 3 : 4;
-      static_assert(Code<T>::kOff == 1 << kShift);
-      const I off = Ops::ishl(Ops::iload(xb.sum), kShift);
-      for (int r = 0; r < RBn; ++r) p[r] = Ops::isub(p[r], off);
-    }
-    const V d = Ops::vload(xb.d);
-    for (int r = 0; r < RBn; ++r) {
-      const uint8_t* db = dec + (r * blocks + b) * kGroupBytes;
-      float wa, wm;
-      std::memcpy(&wa, db + 32, 4);
-      acc[r] = Ops::fma(Ops::mul(Ops::set1(wa), d), Ops::cvt(p[r]), acc[r]);
-      if constexpr (Code<T>::kMin) {
-        std::memcpy(&wm, db + 36, 4);
-        macc[r] = Ops::fma(Ops::set1(wm), Ops::vload(xb.s), macc[r]);
+    for (int g = 0; g < NG; ++g) {
+      const ActBlock8& xb = xt[g * blocks + b];
+      if constexpr (Code<T>::kOff != 0) {
+        constexpr int kShift = Code<T>::kOff == 8 ? 3 : 4;
+        static_assert(Code<T>::kOff == 1 << kShift);
+        const I off = Ops::ishl(Ops::iload(xb.sum), kShift);
+        for (int r = 0; r < RBn; ++r) p[r][g] = Ops::isub(p[r][g], off);
+      }
+      const V d = Ops::vload(xb.d);
+      for (int r = 0; r < RBn; ++r) {
+        const uint8_t* db = dec + (r * blocks + b) * kGroupBytes;
+        float wa, wm;
+        std::memcpy(&wa, db + 32, 4);
+        acc[r][g] = Ops::fma(Ops::mul(Ops::set1(wa), d), Ops::cvt(p[r][g]), acc[r][g]);
+        if constexpr (Code<T>::kMin) {
+          std::memcpy(&wm, db + 36, 4);
+          macc[r][g] = Ops::fma(Ops::set1(wm), Ops::vload(xb.s), macc[r][g]);
+        }
       }
     }
   }
-  for (int r = 0; r < RBn; ++r) {
-    float out[8];
-    Ops::vstore(out, Code<T>::kMin ? Ops::vadd(acc[r], macc[r]) : acc[r]);
-    for (int t = 0; t < lanes; ++t) y[t * y_stride + r] = out[t];
-  }
+  for (int g = 0; g < NG; ++g)
+    for (int r = 0; r < RBn; ++r) {
+      float out[8];
+      Ops::vstore(out, Code<T>::kMin ? Ops::vadd(acc[r][g], macc[r][g]) : acc[r][g]);
+      for (int t = 0; t < (g == NG - 1 ? lanes : 8); ++t)
+        y[(8 * g + t) * y_stride + r] = out[t];
+    }
 }
 
 // RBn rows against every token of the job. Several tokens: the rows are decoded once into the
@@ -325,10 +336,16 @@ inline void rows_block(const RowsArgs& a, int64_t r0) {
       Code<T>::decode(rows[r] + b * Code<T>::kBytes, w);
       store_dec(dec + (r * blocks + b) * kGroupBytes, w);
     }
-  for (int64_t g = 0; g * 8 < a.tokens; ++g)
-    group8<T, RBn>(dec, blocks, a.xt + g * blocks,
-                   static_cast<int>(std::min<int64_t>(8, a.tokens - 8 * g)),
-                   a.y + g * 8 * a.y_stride + r0, a.y_stride);
+  const int64_t groups = (a.tokens + 7) / 8;
+  int64_t g = 0;
+  for (; g + Ops::NG <= groups; g += Ops::NG)
+    group8<T, RBn, Ops::NG>(dec, blocks, a.xt + g * blocks,
+                            static_cast<int>(std::min<int64_t>(8, a.tokens - 8 * (g + Ops::NG - 1))),
+                            a.y + g * 8 * a.y_stride + r0, a.y_stride);
+  for (; g < groups; ++g)
+    group8<T, RBn, 1>(dec, blocks, a.xt + g * blocks,
+                      static_cast<int>(std::min<int64_t>(8, a.tokens - 8 * g)),
+                      a.y + g * 8 * a.y_stride + r0, a.y_stride);
 }
 
 template <uint32_t T>

@@ -23,6 +23,9 @@ struct Ops {
   // Tokens per pass of the K types' batched path (their accumulators stay in registers: 16 ymm
   // on AVX2 / AVX-VNNI, 32 with AVX-512 VL).
   static constexpr int KT = TREEATTN_INT8_DOT == 2 ? 4 : 2;
+  // Groups of 8 tokens per pass of the 32-value types' batched path (group8): 2 x 4 rows of
+  // integer sums and float accumulators need AVX-512 VL's 32 registers.
+  static constexpr int NG = TREEATTN_INT8_DOT == 2 ? 2 : 1;
   using B = __m256i;
   using I = __m256i;
   using V = __m256;
