@@ -235,12 +235,17 @@ inline void dot_rows_1x4(const uint8_t* const* rows, int64_t cols, const ActBloc
       p[r] = Code<T>::kSigned ? Ops::dot_s(w[r].c, xv) : Ops::dot_u(w[r].c, xv);
       if constexpr (Code<T>::kOff != 0) p[r] = Ops::isub(p[r], xoff);
     }
-    const F4 a =
-        O::mul4(O::set4(w[0].a, w[1].a, w[2].a, w[3].a), O::set4(xb.d, xb.d, xb.d, xb.d));
+    // The 4 rows' f16 scales (every 32-value type: d at byte 0, m at byte 2) in one conversion.
+    const uint8_t* q0 = rows[0] + b * Code<T>::kBytes;
+    const uint8_t* q1 = rows[1] + b * Code<T>::kBytes;
+    const uint8_t* q2 = rows[2] + b * Code<T>::kBytes;
+    const uint8_t* q3 = rows[3] + b * Code<T>::kBytes;
+    const F4 a = O::mul4(O::f16x4(rd16(q0), rd16(q1), rd16(q2), rd16(q3)),
+                         O::set4(xb.d, xb.d, xb.d, xb.d));
     acc = O::fma4(a, O::sums4(p[0], p[1], p[2], p[3]), acc);
     if constexpr (Code<T>::kMin)
-      macc = O::fma4(O::set4(w[0].m, w[1].m, w[2].m, w[3].m), O::set4(xb.s, xb.s, xb.s, xb.s),
-                     macc);
+      macc = O::fma4(O::f16x4(rd16(q0 + 2), rd16(q1 + 2), rd16(q2 + 2), rd16(q3 + 2)),
+                     O::set4(xb.s, xb.s, xb.s, xb.s), macc);
   }
   O::store4(y, Code<T>::kMin ? O::add4(acc, macc) : acc);
 }
@@ -340,7 +345,8 @@ inline void rows_block(const RowsArgs& a, int64_t r0) {
   int64_t g = 0;
   for (; g + Ops::NG <= groups; g += Ops::NG)
     group8<T, RBn, Ops::NG>(dec, blocks, a.xt + g * blocks,
-                            static_cast<int>(std::min<int64_t>(8, a.tokens - 8 * (g + Ops::NG - 1))),
+                            static_cast<int>(
+                                std::min<int64_t>(8, a.tokens - 8 * (g + Ops::NG - 1))),
                             a.y + g * 8 * a.y_stride + r0, a.y_stride);
   for (; g < groups; ++g)
     group8<T, RBn, 1>(dec, blocks, a.xt + g * blocks,

@@ -178,6 +178,11 @@ struct Ops {
         _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)));
   }
   static F4 set4(float a, float b, float c, float d) { return _mm_setr_ps(a, b, c, d); }
+  static F4 f16x4(uint16_t a, uint16_t b, uint16_t c, uint16_t d) {
+    return _mm_cvtph_ps(_mm_setr_epi16(static_cast<int16_t>(a), static_cast<int16_t>(b),
+                                       static_cast<int16_t>(c), static_cast<int16_t>(d), 0, 0,
+                                       0, 0));
+  }
   static F4 zero4() { return _mm_setzero_ps(); }
   static F4 mul4(F4 a, F4 b) { return _mm_mul_ps(a, b); }
   static F4 fma4(F4 a, F4 b, F4 c) { return _mm_fmadd_ps(a, b, c); }
