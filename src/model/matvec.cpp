@@ -29,6 +29,7 @@ constexpr int64_t kRowChunk = 16;
 // A multiple of the int8 targets' token groups (8: ActBlock8) and of the float targets' NT (3,
 // 2, 1) and K types' KT (4, 2).
 constexpr int64_t kTokenTile = 48;
+static_assert(kTokenTile % 8 == 0, "a tile starts at a group of 8 tokens (RowsArgs::xt)");
 
 detail::RowsFn rows_fn(Isa isa) {
   switch (isa) {

@@ -21,10 +21,11 @@
 //   I izero(), add(I, I), isub(I, I)   int32 lanes; B splat(uint8_t) 32 equal bytes
 //   V cvt(I) (exact: |lanes| < 2^24), set1, zero, fma (one rounding), reduce_add (a fixed order)
 //   int k4_msum(M mn, const int16_t bsum[8]) = sum_g mn_g * bsum_g (exact)
+//   I dpu / dps(I acc, B w, B x) = acc + dot_u / dot_s; int hsum(I) (the lane sum)
 //   Tokens in lanes (the 32-value types' batched path): B bcast4(p) (the 4 bytes at p in every
-//   lane), I dpu / dps(I acc, B w, B x) = acc + dot_u / dot_s, int hsum(I), I ishl(I, n),
-//   iload, vload, vstore, mul, vadd. kRows4 (x86): F4 (4 floats, a row each) and sums4(4 I) =
-//   the 4 lane sums, exact, as floats; set4, zero4, mul4, fma4, add4, store4.
+//   lane), I ishl(I, n), iload, vload, vstore, mul, vadd. kRows4 (x86): F4 (4 floats, a row
+//   each), sums4(4 I) = the 4 lane sums, exact, as floats; set4, f16x4, zero4, mul4, fma4, add4,
+//   store4.
 //
 // The 32-value types (one scale per 32 weights) read activation blocks of 32 (ActBlock); the K
 // types (super-blocks of 256 weights with integer sub-scales) read blocks of 256 (ActBlockK, as
@@ -167,19 +168,30 @@ inline typename Ops::I offset(typename Ops::B xv) {
   return Ops::izero();
 }
 
+// A block's products of codes c with the token's q_x in 8 int32 lanes (lane i: products 4i ..
+// 4i+3; the offset types less their offset term xoff): their sum is the block's S.
+template <uint32_t T>
+inline typename Ops::I block_lanes(typename Ops::B c, typename Ops::B xq, typename Ops::I xoff) {
+  typename Ops::I p = Code<T>::kSigned ? Ops::dot_s(c, xq) : Ops::dot_u(c, xq);
+  if constexpr (Code<T>::kOff != 0) p = Ops::isub(p, xoff);
+  return p;
+}
+
 // One block of one (row, token) product: the block's integer sum S (exact), then
 // acc = fma(a_b * d_x, S, acc) and, for the types with a min, macc = fma(m_b, s_x, macc).
 template <uint32_t T>
 inline void step(const Dec& w, const ActBlock& xb, typename Ops::B xq, typename Ops::I xoff,
                  float& acc, float& macc) {
-  typename Ops::I p;
-  if constexpr (Code<T>::kSigned)
-    p = Ops::dot_s(w.c, xq);
-  else
-    p = Ops::dot_u(w.c, xq);
-  if constexpr (Code<T>::kOff != 0) p = Ops::isub(p, xoff);
-  acc = std::fma(w.a * xb.d, static_cast<float>(Ops::hsum(p)), acc);
+  acc = std::fma(w.a * xb.d, static_cast<float>(Ops::hsum(block_lanes<T>(w.c, xq, xoff))), acc);
   if constexpr (Code<T>::kMin) macc = std::fma(w.m, xb.s, macc);
+}
+
+// The one-token passes' prefetch: the lines that start inside block b's bytes, `ahead` bytes on
+// in each of the RBn rows (so each line of the rows once).
+template <uint32_t T, int RBn>
+inline void prefetch_block(const uint8_t* const* rows, int64_t b, int64_t ahead) {
+  for (int64_t o = (b * Code<T>::kBytes + 63) / 64 * 64; o < (b + 1) * Code<T>::kBytes; o += 64)
+    for (int r = 0; r < RBn; ++r) prefetch_w(rows[r] + o + ahead);
 }
 
 template <int RBn>
@@ -202,9 +214,7 @@ inline void dot_rows_1(const uint8_t* const* rows, int64_t cols, const ActBlock*
     const ActBlock& xb = xq[b];
     const typename Ops::B xv = Ops::load(xb.q);
     const typename Ops::I xoff = offset<T>(xv);
-    // The lines that start inside this block's bytes (each line of the rows once).
-    for (int64_t o = (b * Code<T>::kBytes + 63) / 64 * 64; o < (b + 1) * Code<T>::kBytes; o += 64)
-      for (int r = 0; r < RBn; ++r) prefetch_w(rows[r] + o + ahead);
+    prefetch_block<T, RBn>(rows, b, ahead);
     for (int r = 0; r < RBn; ++r) {
       Dec w;
       Code<T>::decode(rows[r] + b * Code<T>::kBytes, w);
@@ -226,14 +236,12 @@ inline void dot_rows_1x4(const uint8_t* const* rows, int64_t cols, const ActBloc
     const ActBlock& xb = xq[b];
     const typename Ops::B xv = Ops::load(xb.q);
     const typename Ops::I xoff = offset<T>(xv);
-    for (int64_t o = (b * Code<T>::kBytes + 63) / 64 * 64; o < (b + 1) * Code<T>::kBytes; o += 64)
-      for (int r = 0; r < 4; ++r) prefetch_w(rows[r] + o + ahead);
-    Dec w[4];
+    prefetch_block<T, 4>(rows, b, ahead);
     typename Ops::I p[4];
     for (int r = 0; r < 4; ++r) {
-      Code<T>::decode(rows[r] + b * Code<T>::kBytes, w[r]);
-      p[r] = Code<T>::kSigned ? Ops::dot_s(w[r].c, xv) : Ops::dot_u(w[r].c, xv);
-      if constexpr (Code<T>::kOff != 0) p[r] = Ops::isub(p[r], xoff);
+      Dec w;  // its codes (a and m are read below, for the 4 rows at once)
+      Code<T>::decode(rows[r] + b * Code<T>::kBytes, w);
+      p[r] = block_lanes<T>(w.c, xv, xoff);
     }
     // The 4 rows' f16 scales (every 32-value type: d at byte 0, m at byte 2) in one conversion.
     const uint8_t* q0 = rows[0] + b * Code<T>::kBytes;

@@ -68,16 +68,21 @@ struct Ops {
     return or_(c, and_(bitmask(m), v));
 #endif
   }
-  static I dot_u(B w, B x) {
+  // acc plus dot_u / dot_s (VNNI fuses the add; AVX2 adds madd(maddubs) to it); the dots alone
+  // start from zero (an add of zero the compiler drops).
+  static I dpu(I acc, B w, B x) {
 #if TREEATTN_INT8_DOT == 1
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
 #elif TREEATTN_INT8_DOT == 2
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+    return _mm256_dpbusd_epi32(acc, w, x);
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc,
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 #endif
   }
-  static I dot_s(B w, B x) { return dot_u(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)); }
+  static I dps(I acc, B w, B x) { return dpu(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w)); }
+  static I dot_u(B w, B x) { return dpu(_mm256_setzero_si256(), w, x); }
+  static I dot_s(B w, B x) { return dps(_mm256_setzero_si256(), w, x); }
   // The K types' integer sub-scales: S = 16 int16 (elements 0-7 in the low 128 bits, 8-15 in
   // the high); pairs() = maddubs' 16 int16 pair sums; pick<e0, e1> and madd_acc multiply them by
   // element e0 of the low half (lanes 0-3) and element e1 of the high half (lanes 4-7).
@@ -139,23 +144,13 @@ struct Ops {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc));
 #endif
   }
-  // Tokens in lanes (the 32-value types' batched path): the 4 bytes at p in every lane; acc plus
-  // dot_u / dot_s (VNNI fuses the add); lane sums; int32 lanes shifted left; loads and a product.
+  // Tokens in lanes (the 32-value types' batched path): the 4 bytes at p in every lane; lane
+  // sums; int32 lanes shifted left; loads and a product.
   static B bcast4(const uint8_t* p) {
     int32_t v;
     std::memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
   }
-  static I dpu(I acc, B w, B x) {
-#if TREEATTN_INT8_DOT == 1
-    return _mm256_dpbusd_avx_epi32(acc, w, x);
-#elif TREEATTN_INT8_DOT == 2
-    return _mm256_dpbusd_epi32(acc, w, x);
-#else
-    return _mm256_add_epi32(acc, dot_u(w, x));
-#endif
-  }
-  static I dps(I acc, B w, B x) { return dpu(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w)); }
   static int hsum(I v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
