@@ -26,8 +26,8 @@ namespace treeattn::model {
 namespace {
 
 constexpr int64_t kRowChunk = 16;
-// A multiple of the int8 targets' token groups (8: ActBlock8) and of the float targets' NT (3,
-// 2, 1) and K types' KT (4, 2).
+// A multiple of the int8 targets' token groups (8: ActBlock8, ActBlockK8) and of the float
+// targets' NT (3, 2, 1).
 constexpr int64_t kTokenTile = 48;
 static_assert(kTokenTile % 8 == 0, "a tile starts at a group of 8 tokens (RowsArgs::xt)");
 
@@ -204,11 +204,15 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
     xk_buf.resize(static_cast<std::size_t>(tokens * xk_stride));
   // Several tokens: the 32-value types' blocks also 8 tokens to a group (ActBlock8).
   const int64_t groups = (tokens + 7) / 8;
-  const bool int8_xt = int8_32 && tokens > 1;
+  const bool int8_xt = int8_32 && tokens > 1, int8_xtk = int8_k && tokens > 1;
   thread_local std::vector<detail::ActBlock8> xt_buf;
+  thread_local std::vector<detail::ActBlockK8> xtk_buf;
   if (int8_xt && xt_buf.size() < static_cast<std::size_t>(groups * xq_stride))
     xt_buf.resize(static_cast<std::size_t>(groups * xq_stride));
+  if (int8_xtk && xtk_buf.size() < static_cast<std::size_t>(groups * xk_stride))
+    xtk_buf.resize(static_cast<std::size_t>(groups * xk_stride));
   detail::ActBlock8* const xt = xt_buf.data();
+  detail::ActBlockK8* const xtk = xtk_buf.data();
   detail::ActBlock* const xq = xq_buf.data();
   detail::ActBlockK* const xk = xk_buf.data();
 
@@ -230,12 +234,17 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
         if (int8_32) detail::quantize_activations(x + t * x_stride, cols, xq + t * xq_stride);
         if (int8_k) detail::quantize_activations_k(x + t * x_stride, cols, xk + t * xk_stride);
       }
-      if (int8_xt) {
+      if (int8_xt || int8_xtk) {
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; ++g)
-          detail::transpose_activations(xq + 8 * g * xq_stride, xq_stride,
-                                        std::min<int64_t>(8, tokens - 8 * g), xq_stride,
-                                        xt + g * xq_stride);
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t n = std::min<int64_t>(8, tokens - 8 * g);
+          if (int8_xt)
+            detail::transpose_activations(xq + 8 * g * xq_stride, xq_stride, n, xq_stride,
+                                          xt + g * xq_stride);
+          if (int8_xtk)
+            detail::transpose_activations_k(xk + 8 * g * xk_stride, xk_stride, n, xk_stride,
+                                            xtk + g * xk_stride);
+        }
       }
     }
     for (int64_t t0 = 0; t0 < tokens; t0 += kTokenTile) {
@@ -262,6 +271,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
           if (detail::int8_k_type(m.type)) {
             a.xk = xk + t0 * xk_stride;
             a.xk_stride = xk_stride;
+            if (int8_xtk) a.xtk = xtk + t0 / 8 * xk_stride;
           } else {
             a.xq = xq + t0 * xq_stride;
             a.xq_stride = xq_stride;

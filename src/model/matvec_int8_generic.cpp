@@ -90,6 +90,25 @@ void quantize_activations_k(const float* x, int64_t cols, ActBlockK* out) {
   }
 }
 
+void transpose_activations_k(const ActBlockK* xk, int64_t xk_stride, int64_t tokens,
+                             int64_t blocks, ActBlockK8* out) {
+  for (int64_t g = 0; g < (tokens + 7) / 8; ++g)
+    for (int64_t b = 0; b < blocks; ++b) {
+      ActBlockK8& o = out[g * blocks + b];
+      std::memset(&o, 0, sizeof(o));
+      for (int64_t t = 0; t < 8 && 8 * g + t < tokens; ++t) {
+        const ActBlockK& x = xk[(8 * g + t) * xk_stride + b];
+        for (int i = 0; i < 64; ++i) std::memcpy(&o.q[i][4 * t], x.q + 4 * i, 4);
+        o.d[t] = x.d;
+        for (int j = 0; j < 16; ++j) {
+          int sum = 0;
+          for (int e = 0; e < 16; ++e) sum += x.q[16 * j + e];
+          o.s16[j / 2][2 * t + j % 2] = static_cast<int16_t>(sum);
+        }
+      }
+    }
+}
+
 bool int8_type(uint32_t type) {
   switch (type) {
     case kTypeQ8_0:
@@ -117,8 +136,7 @@ namespace {
 
 struct Ops {
   static constexpr int RB = 2;
-  static constexpr int KT = 2;  // tokens per pass of the K types' batched path
-  static constexpr int NG = 1;  // groups of 8 tokens per pass of the 32-value types' (group8)
+  static constexpr int NG = 1;  // groups of 8 tokens per pass of the batched paths (group8, groupk8)
   struct B {
     uint8_t v[32];
   };
@@ -259,6 +277,22 @@ struct Ops {
       acc.v[i] += (int32_t{x} + int32_t{y}) * (i < 4 ? sc.lo : sc.hi);
     }
     return acc;
+  }
+  // lane i + p[2i] * lo + p[2i+1] * hi, p as 16 int16, (lo, hi) the int16 halves of pr (exact)
+  static I madd_pairs(I acc, B p, int32_t pr) {
+    const auto lo = static_cast<int16_t>(static_cast<uint32_t>(pr) & 0xffffu);
+    const auto hi = static_cast<int16_t>(static_cast<uint32_t>(pr) >> 16);
+    for (int i = 0; i < 8; ++i) {
+      int16_t x, y;
+      std::memcpy(&x, p.v + 4 * i, 2);
+      std::memcpy(&y, p.v + 4 * i + 2, 2);
+      acc.v[i] += int32_t{x} * lo + int32_t{y} * hi;
+    }
+    return acc;
+  }
+  static I mul_s(I v, int32_t s) {
+    for (auto& x : v.v) x *= s;
+    return v;
   }
   static constexpr bool kRows4 = false;  // the one-token pass sums each row on its own
   static B bcast4(const uint8_t* p) {

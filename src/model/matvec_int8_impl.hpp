@@ -22,10 +22,12 @@
 //   V cvt(I) (exact: |lanes| < 2^24), set1, zero, fma (one rounding), reduce_add (a fixed order)
 //   int k4_msum(M mn, const int16_t bsum[8]) = sum_g mn_g * bsum_g (exact)
 //   I dpu / dps(I acc, B w, B x) = acc + dot_u / dot_s; int hsum(I) (the lane sum)
-//   Tokens in lanes (the 32-value types' batched path): B bcast4(p) (the 4 bytes at p in every
-//   lane), I ishl(I, n), iload, vload, vstore, mul, vadd. kRows4 (x86): F4 (4 floats, a row
-//   each), sums4(4 I) = the 4 lane sums, exact, as floats; set4, f16x4, zero4, mul4, fma4, add4,
-//   store4.
+//   Tokens in lanes (the batched paths): B bcast4(p) (the 4 bytes at p in every lane), I
+//   ishl(I, n), iload, vload, vstore, mul, vadd; I mul_s(I, int32) (lanes times a scalar),
+//   I madd_pairs(I acc, B p, int32 pr) (lane i + p[2i] * lo + p[2i+1] * hi, p as 16 int16, (lo,
+//   hi) the int16 halves of pr). kRows4 (x86): F4 (4 floats, a row each), sums4(4 I) = the 4
+//   lane sums (exact int32) converted to floats (rounded to nearest); set4, load4, f16x4, zero4,
+//   mul4, fma4, add4, store4.
 //
 // The 32-value types (one scale per 32 weights) read activation blocks of 32 (ActBlock); the K
 // types (super-blocks of 256 weights with integer sub-scales) read blocks of 256 (ActBlockK, as
@@ -50,8 +52,8 @@
 // reduced at the end, which tied the batched path to 8 multiply-adds per block and token; the
 // tokens-in-lanes path does one per 8 tokens and ran Qwen2.5-0.5B's 512-token prefill 1.4-1.7x
 // faster on the Zen 4 VM: README, "The prefetch distance, and tokens in lanes".)
-// K types: see superblock() below (one float multiply-add per 256 weights and lane, the
-// sub-scales and mins summed in integers).
+// K types: see CodeK below (one float multiply-add per 256 weights, the sub-scales and mins
+// summed in integers; the same operations with 8 tokens in lanes in the batched path).
 // The integer lanes are the same on every target (maddubs + madd and vpdpbusd both sum products
 // 4i .. 4i+3 into lane i; maddubs' int16 pair sums cannot saturate: 2 * 128 * 127 < 2^15) and
 // the float operations are the same sequence, so every target gives the same bits, and a (row,
@@ -67,7 +69,7 @@
 //   |<w, d q> - <w, x>| <= sum_b (amax_b / 254) (1 + 2^-15) sum_{i in b} |w_i|,
 // and the float evaluation of <w, d q> adds at most gamma_k * sum_i |w_i d_b q_i| with
 // gamma_k = k u / (1 - k u), u = 2^-24, k = blocks + 6 (a_b * d_x, the fma chain, the K types'
-// three reduction adds, the final add; the min terms' roundings are inside the same k), where
+// float(S), the final add; the min terms' roundings are inside the same k), where
 // blocks = cols / 32 for the 32-value types and cols / 256 for the K types.
 // The float path decodes w with one rounding for Q4_1 / Q5_1 / Q4_K / Q5_K (fma(d, q, m)); the
 // integer path never forms w, so against the dequantized row add u * sum |w_i x_i|.
@@ -373,18 +375,48 @@ void rows_typed(const RowsArgs& a) {
 // super-block is decoded into 32 integer codes c and its integer sub-scale(s):
 //   Q4_K  c = q            unsigned  scale sc_g (6 bits), min mn_g (6 bits)
 //   Q5_K  as Q4_K, c = q + 16 * (high bit)
-//   Q6_K  c = u - 32, u = q (6 bits)  scales s_{2g} (lanes 0-3), s_{2g+1} (lanes 4-7), int8;
-//         the int16 pairs as pairs(u, q_x) - pairs(32, q_x) (the same integers as pairs(c, q_x))
-// Per row and super-block, prepare() unpacks the scales (Row); per chunk, codes<g>() decodes the
-// row's 32 bytes, scale<g>() picks its sub-scale operand, xterm() is what the rows share (Q6_K:
-// pairs(32, q_x)), pair() gives the int16 pairs with a token's q_x, and madd_acc adds the chunk's
-// 8 scaled int32 lanes. Several tokens reuse one row's codes and scale operand.
+//   Q6_K  c = u - 32, u = q (6 bits)  scales s_{2g} (values 0-15), s_{2g+1} (16-31), int8
+// A super-block of a row against a token's block gives the exact integer
+//   S = sum_g sum_{i in chunk g} (sub-scale of i) * c_i * q_i
+// (|S| <= 256 * 32 * 127 * 128 < 2^31: Q6_K's bound, the largest) and, for Q4_K / Q5_K,
+//   msum = sum_g mn_g * bsum_g (exact, |msum| <= 8 * 63 * 4064 < 2^21);
+// then, per (row, token) and super-block,
+//   acc  = fma(d * d_x, float(S), acc)              (d * d_x rounded once; float(S) rounded
+//                                                    once, to nearest even, when |S| >= 2^24)
+//   macc = fma(-(dmin * d_x), float(msum), macc)    (Q4_K / Q5_K; dmin * d_x rounded once)
+// and the result is acc + macc. One token (superblock) sums S from 8 int32 lanes; several tokens
+// (groupk8) put 8 tokens in the lanes. (Until 2026-12-03 the one-token pass kept 8 float lanes
+// per row, reduced at the end, so a batch ran 8 float multiply-adds per super-block and token;
+// tokens in lanes do one per 8 tokens and sum in integers: README, "Tokens in lanes for the K
+// types".)
+// One token, per row and super-block, prepare() unpacks the scales (Row); per chunk, codes<g>()
+// decodes the row's 32 bytes, scale<g>() picks its sub-scale operand, xterm() is what the rows
+// share (Q6_K: pairs(32, q_x)), pair() gives the int16 pairs with the token's q_x, and madd_acc
+// adds the chunk's 8 scaled int32 lanes. Several tokens: decode_k() writes a row's super-block
+// once (DecK) and groupk8 broadcasts it against 8 tokens.
 template <uint32_t T>
 struct CodeK;
+
+// A decoded super-block of a row in the batched path's scratch (kDecKBytes bytes):
+//   [0, 256)    the 256 codes, unsigned (Q4_K 0-15, Q5_K 0-31, Q6_K u = c + 32, 0-63)
+//   [256, 320)  int32 sub-scales, one per kSub codes (Q4_K / Q5_K: 8 of 32; Q6_K: 16 of 16)
+//   [320, 352)  int32 multiplier pairs of the token's 16-value sums (ActBlockK8::s16), chunk j:
+//               int16 (mn_j, mn_j) (Q4_K / Q5_K: msum); int16 (32 s_{2j}, 32 s_{2j+1}) (Q6_K:
+//               the offset term, S = sum_j s_j sum(u q) - sum_j 32 s_j sum(q))
+//   [352, 360)  float d, float -dmin
+constexpr int kDecKBytes = 384;
+constexpr int kDecKScales = 256, kDecKPairs = 320, kDecKD = 352;
+
+inline void put32(uint8_t* p, int32_t v) { std::memcpy(p, &v, 4); }
+inline int32_t pair16(int v0, int v1) {
+  return static_cast<int32_t>((static_cast<uint32_t>(v1) << 16) |
+                              (static_cast<uint32_t>(v0) & 0xffffu));
+}
 
 template <bool kFive>
 struct CodeK45 {
   static constexpr int kBytes = kFive ? 176 : 144;
+  static constexpr int kSub = 32;  // codes per sub-scale
   static constexpr bool kMin = true;
   struct Row {
     typename Ops::S sc;
@@ -414,8 +446,18 @@ struct CodeK45 {
   static typename Ops::P scale(const Row& o) {
     return Ops::template pick<g, g>(o.sc);
   }
-  // sum_g mn_g * bsum_g: exact, |.| <= 8 * 63 * 4064 < 2^21.
   static int msum(const Row& o, const int16_t* bsum) { return Ops::k4_msum(o.mn, bsum); }
+  // The batched path's scales (DecK): ggml's get_scale_min_k4, one chunk at a time (the same
+  // integers as unpack_k4; the tests compare the two paths bit for bit).
+  static void dec_scales(const uint8_t* b, uint8_t* o) {
+    const uint8_t* q = b + 4;
+    for (int j = 0; j < 8; ++j) {
+      const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+      const int mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+      put32(o + kDecKScales + 4 * j, sc);
+      put32(o + kDecKPairs + 4 * j, pair16(mn, mn));
+    }
+  }
 };
 template <>
 struct CodeK<kTypeQ4_K> : CodeK45<false> {};
@@ -426,6 +468,7 @@ struct CodeK<kTypeQ5_K> : CodeK45<true> {};
 template <>
 struct CodeK<kTypeQ6_K> {
   static constexpr int kBytes = 210;
+  static constexpr int kSub = 16;
   static constexpr bool kMin = false;
   struct Row {
     typename Ops::S sc[2];  // half h of the 16 scales in both halves
@@ -454,38 +497,48 @@ struct CodeK<kTypeQ6_K> {
     return Ops::template pick<(2 * g) % 8, (2 * g + 1) % 8>(o.sc[g / 4]);
   }
   static int msum(const Row&, const int16_t*) { return 0; }
+  static void dec_scales(const uint8_t* b, uint8_t* o) {
+    const auto* s = reinterpret_cast<const int8_t*>(b + 192);
+    for (int j = 0; j < 16; ++j) put32(o + kDecKScales + 4 * j, s[j]);
+    for (int j = 0; j < 8; ++j)
+      put32(o + kDecKPairs + 4 * j, pair16(32 * s[2 * j], 32 * s[2 * j + 1]));
+  }
 };
 
-// Super-block k of RBn rows against one token's activation block xb:
-//   sumi = sum_g dot(c_g, q_x[32 g ..]) times the chunk's sub-scale(s)   8 int32 lanes, exact
-//   acc  = fma(set1(d * d_x), cvt(sumi), acc)                           (d * d_x rounded once)
-//   Q4_K / Q5_K: msum = sum_g mn_g * bsum_g (an exact integer, |msum| < 2^21)
-//                macc = fma(-(dmin * d_x), msum, macc)                  (dmin * d_x rounded once)
-// Lane i of sumi sums bytes 4i .. 4i+3 of the 8 chunks (32 products), so |lane| <= 32 * |c|max *
-// 127 * |scale|max: Q4_K 32 * 15 * 127 * 63, Q5_K 32 * 31 * 127 * 63, Q6_K 32 * 32 * 127 * 128 =
-// 16646144 < 2^24, so cvt is exact; maddubs' int16 pairs <= 2 * 63 * 127 (Q6_K's u), 2 * 31 *
-// 127 (Q5_K), never saturate.
-// The super-block `ahead` bytes further in each row (a later pass's) is prefetched when ahead > 0
-// (the first token's pass; later tokens read rows that the first brought into the cache).
-// kPre (several tokens): the rows' unpacked sub-scales (Row) of every super-block, prepared once
-// for all the tokens (pre[r * blocks + k]); else unpacked here.
-template <uint32_t T, int RBn, bool kPre>
-inline void superblock(const uint8_t* const* rows, int64_t k, const ActBlockK& xb,
-                       typename Ops::V* acc, float* macc, int64_t ahead,
-                       const typename CodeK<T>::Row* pre, int64_t blocks) {
+// acc[r] = fma(d_r * d_x, float(S_r), acc[r]) with S_r the lane sum of sumi[r] (exact). Four
+// rows (x86): the 4 sums in one reduction and the float operations on the 4 rows at once (the
+// same roundings lane by lane).
+template <uint32_t T, int RBn, class O = Ops>  // O: dependent, for the targets without kRows4
+inline void superblock_float(const uint8_t* const* b, const typename Ops::I* sumi, float dx,
+                             float* acc) {
+  using CK = CodeK<T>;
+  if constexpr (RBn == 4 && O::kRows4) {
+    const auto a = O::mul4(O::set4(CK::d(b[0]), CK::d(b[1]), CK::d(b[2]), CK::d(b[3])),
+                           O::set4(dx, dx, dx, dx));
+    O::store4(acc, O::fma4(a, O::sums4(sumi[0], sumi[1], sumi[2], sumi[3]), O::load4(acc)));
+  } else {
+    for (int r = 0; r < RBn; ++r)
+      acc[r] = std::fma(CK::d(b[r]) * dx, static_cast<float>(Ops::hsum(sumi[r])), acc[r]);
+  }
+}
+
+// Super-block k of RBn rows against one token's activation block xb (the scheme above): the
+// lanes of S per row (lane i: bytes 4i .. 4i+3 of the 8 chunks, scaled), summed exactly, then the
+// float operations. (|lane| <= 32 * 32 * 127 * 128 < 2^31; maddubs' int16 pairs <= 2 * 63 * 127
+// (Q6_K's u), 2 * 31 * 127 (Q5_K), never saturate.) The super-block `ahead` bytes further in each
+// row (a later pass's) is prefetched.
+template <uint32_t T, int RBn>
+inline void superblock(const uint8_t* const* rows, int64_t k, const ActBlockK& xb, float* acc,
+                       float* macc, int64_t ahead) {
   using CK = CodeK<T>;
   const uint8_t* b[RBn];
   typename Ops::I sumi[RBn];
   typename CK::Row st[RBn];
   for (int r = 0; r < RBn; ++r) {
     b[r] = rows[r] + k * CK::kBytes;
-    if (ahead > 0)
-      for (int o = 0; o < CK::kBytes; o += 64) prefetch_w(b[r] + ahead + o);
+    for (int o = 0; o < CK::kBytes; o += 64) prefetch_w(b[r] + ahead + o);
     sumi[r] = Ops::izero();
-    if constexpr (kPre)
-      st[r] = pre[r * blocks + k];
-    else
-      CK::prepare(b[r], st[r]);
+    CK::prepare(b[r], st[r]);
   }
   for_each_group<8>([&](auto g) {
     constexpr int kG = decltype(g)::value;
@@ -495,118 +548,129 @@ inline void superblock(const uint8_t* const* rows, int64_t k, const ActBlockK& x
       sumi[r] = Ops::madd_acc(
           sumi[r], CK::pair(CK::template codes<kG>(b[r]), xv, xt), CK::template scale<kG>(st[r]));
   });
-  for (int r = 0; r < RBn; ++r) {
-    acc[r] = Ops::fma(Ops::set1(CK::d(b[r]) * xb.d), Ops::cvt(sumi[r]), acc[r]);
-    if constexpr (CK::kMin)
+  superblock_float<T, RBn>(b, sumi, xb.d, acc);
+  if constexpr (CK::kMin)
+    for (int r = 0; r < RBn; ++r)
       macc[r] = std::fma(-(CK::dmin(b[r]) * xb.d), static_cast<float>(CK::msum(st[r], xb.bsum)),
                          macc[r]);
-  }
 }
 
-// Super-block k of RBn rows against NT tokens at once (xk[t]: token t's activation blocks): each
-// chunk's codes and sub-scale operand are decoded once per row and used by the NT tokens. Every
-// (row, token) runs superblock()'s integer sums and float operations, so its bits are those of a
-// token run alone. `pre`: the rows' Rows (rows_block_k).
-template <uint32_t T, int RBn, int NT>
-inline void superblock_tokens(const uint8_t* const* rows, int64_t k, const ActBlockK* const* xk,
-                              typename Ops::V (*acc)[NT], float (*macc)[NT], int64_t ahead,
-                              const typename CodeK<T>::Row* pre, int64_t blocks) {
+// A super-block's RBn rows of decoded codes (DecK, at dec + (r * blocks + k) * kDecKBytes)
+// against NG groups of 8 tokens (xt: group g's super-block k at xt[g * blocks + k]), tokens in
+// lanes: per 4-code group the row's 4 codes are broadcast against the tokens' q (ActBlockK8), the
+// kSub codes of a sub-scale summed in lane t, multiplied by the sub-scale and added to token t's
+// S; the 16-value sums give msum (Q4_K / Q5_K) or the offset term (Q6_K); then superblock()'s
+// float operations lane by lane, so a token's bits are those of its one-token pass.
+// y[(8 g + t) * y_stride + r] for the first `lanes` tokens of the last group, 8 of the others.
+template <uint32_t T, int RBn, int NG>
+inline void groupk8(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int lanes,
+                    float* y, int64_t y_stride) {
   using CK = CodeK<T>;
-  const uint8_t* b[RBn];
-  const typename CK::Row* st[RBn];
-  typename Ops::I sumi[RBn][NT];
-  for (int r = 0; r < RBn; ++r) {
-    b[r] = rows[r] + k * CK::kBytes;
-    if (ahead > 0)
-      for (int o = 0; o < CK::kBytes; o += 64) prefetch_w(b[r] + ahead + o);
-    st[r] = pre + r * blocks + k;
-    for (int t = 0; t < NT; ++t) sumi[r][t] = Ops::izero();
+  using V = typename Ops::V;
+  using I = typename Ops::I;
+  constexpr int kGroups = CK::kSub / 4;  // 4-code groups per sub-scale
+  V acc[RBn][NG], macc[RBn][NG];
+  for (int r = 0; r < RBn; ++r)
+    for (int g = 0; g < NG; ++g) acc[r][g] = macc[r][g] = Ops::zero();
+  for (int64_t k = 0; k < blocks; ++k) {
+    I s[RBn][NG];
+    for (int r = 0; r < RBn; ++r)
+      for (int g = 0; g < NG; ++g) s[r][g] = Ops::izero();
+    for (int j = 0; j < 256 / CK::kSub; ++j) {
+      I u[RBn][NG];
+      for (int r = 0; r < RBn; ++r)
+        for (int g = 0; g < NG; ++g) u[r][g] = Ops::izero();
+      for_each_group<kGroups>([&](auto i) {
+        const int gi = j * kGroups + decltype(i)::value;
+        typename Ops::B xv[NG];
+        for (int g = 0; g < NG; ++g) xv[g] = Ops::load(xt[g * blocks + k].q[gi]);
+        for (int r = 0; r < RBn; ++r) {
+          const typename Ops::B w = Ops::bcast4(dec + (r * blocks + k) * kDecKBytes + 4 * gi);
+          for (int g = 0; g < NG; ++g) u[r][g] = Ops::dpu(u[r][g], w, xv[g]);
+        }
+      });
+      for (int r = 0; r < RBn; ++r) {
+        int32_t sc;
+        std::memcpy(&sc, dec + (r * blocks + k) * kDecKBytes + kDecKScales + 4 * j, 4);
+        for (int g = 0; g < NG; ++g) s[r][g] = Ops::add(s[r][g], Ops::mul_s(u[r][g], sc));
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      const ActBlockK8& xb = xt[g * blocks + k];
+      const V d = Ops::vload(xb.d);
+      for (int r = 0; r < RBn; ++r) {
+        const uint8_t* db = dec + (r * blocks + k) * kDecKBytes;
+        I m = Ops::izero();
+        for (int j = 0; j < 8; ++j) {
+          int32_t pr;
+          std::memcpy(&pr, db + kDecKPairs + 4 * j, 4);
+          m = Ops::madd_pairs(m, Ops::load(xb.s16[j]), pr);
+        }
+        float wd, wn;
+        std::memcpy(&wd, db + kDecKD, 4);
+        std::memcpy(&wn, db + kDecKD + 4, 4);
+        if constexpr (!CK::kMin) s[r][g] = Ops::isub(s[r][g], m);
+        acc[r][g] = Ops::fma(Ops::mul(Ops::set1(wd), d), Ops::cvt(s[r][g]), acc[r][g]);
+        if constexpr (CK::kMin)
+          macc[r][g] = Ops::fma(Ops::mul(Ops::set1(wn), d), Ops::cvt(m), macc[r][g]);
+      }
+    }
   }
+  for (int g = 0; g < NG; ++g)
+    for (int r = 0; r < RBn; ++r) {
+      float out[8];
+      Ops::vstore(out, CK::kMin ? Ops::vadd(acc[r][g], macc[r][g]) : acc[r][g]);
+      for (int t = 0; t < (g == NG - 1 ? lanes : 8); ++t) y[(8 * g + t) * y_stride + r] = out[t];
+    }
+}
+
+// Row b's super-block decoded for groupk8 (DecK).
+template <uint32_t T>
+inline void decode_k(const uint8_t* b, uint8_t* o) {
+  using CK = CodeK<T>;
   for_each_group<8>([&](auto g) {
     constexpr int kG = decltype(g)::value;
-    typename Ops::B xv[NT], xt[NT];
-    for (int t = 0; t < NT; ++t) {
-      xv[t] = Ops::load(xk[t][k].q + 32 * kG);
-      xt[t] = CK::xterm(xv[t]);
-    }
-    for (int r = 0; r < RBn; ++r) {
-      const typename Ops::B c = CK::template codes<kG>(b[r]);
-      const typename Ops::P sc = CK::template scale<kG>(*st[r]);
-      for (int t = 0; t < NT; ++t)
-        sumi[r][t] = Ops::madd_acc(sumi[r][t], CK::pair(c, xv[t], xt[t]), sc);
-    }
+    Ops::store(o + 32 * kG, CK::template codes<kG>(b));
   });
-  for (int r = 0; r < RBn; ++r)
-    for (int t = 0; t < NT; ++t) {
-      const ActBlockK& xb = xk[t][k];
-      acc[r][t] = Ops::fma(Ops::set1(CK::d(b[r]) * xb.d), Ops::cvt(sumi[r][t]), acc[r][t]);
-      if constexpr (CK::kMin)
-        macc[r][t] = std::fma(-(CK::dmin(b[r]) * xb.d),
-                              static_cast<float>(CK::msum(*st[r], xb.bsum)), macc[r][t]);
-    }
+  CK::dec_scales(b, o);
+  const float d = CK::d(b), nd = -CK::dmin(b);
+  std::memcpy(o + kDecKD, &d, 4);
+  std::memcpy(o + kDecKD + 4, &nd, 4);
 }
 
-// RBn rows against every token of the job, token by token from the weights (they stay in L1/L2
-// for the tile): the same operations whatever the token count. Several tokens: the sub-scales are
-// unpacked once into the scratch (RBn * blocks Rows of at most 64 bytes: within its kMaxRowBlock *
-// cols floats) and read from there by every token.
+// RBn rows against every token of the job. One token: superblock() straight from the weights
+// (the decode step streams them). Several tokens: the rows are decoded once into the scratch
+// (RBn * blocks * kDecKBytes bytes, within its kMaxRowBlock * cols floats), then each group of 8
+// tokens runs from it (groupk8).
 template <uint32_t T, int RBn>
 inline void rows_block_k(const RowsArgs& a, int64_t r0) {
-  using Row = typename CodeK<T>::Row;
-  static_assert(sizeof(Row) <= 64 && alignof(Row) <= 32);
+  static_assert(kDecKBytes <= 4 * 256 * 4);  // a super-block's share of the scratch
   const uint8_t* rows[RBn];
   for (int r = 0; r < RBn; ++r) rows[r] = a.w + (r0 + r) * a.row_bytes;
   const int64_t blocks = a.cols / 256;
-  Row* pre = nullptr;
-  int64_t t = 0;
-  if (a.tokens > 1) {
-    // 32-byte aligned inside the scratch (a float vector: 16-byte aligned, 16 * cols bytes).
-    auto addr = reinterpret_cast<std::uintptr_t>(a.scratch);
-    pre = reinterpret_cast<Row*>((addr + 31) & ~std::uintptr_t{31});
-    for (int r = 0; r < RBn; ++r)
-      for (int64_t k = 0; k < blocks; ++k)
-        CodeK<T>::prepare(rows[r] + k * CodeK<T>::kBytes, pre[r * blocks + k]);
-    // Ops::KT tokens at a time, the rest one by one below (the same bits either way).
-    constexpr int NT = Ops::KT;
-    for (; t + NT <= a.tokens; t += NT) {
-      const ActBlockK* xk[NT];
-      for (int j = 0; j < NT; ++j) xk[j] = a.xk + (t + j) * a.xk_stride;
-      typename Ops::V acc[RBn][NT];
-      float macc[RBn][NT];
-      for (int r = 0; r < RBn; ++r)
-        for (int j = 0; j < NT; ++j) {
-          acc[r][j] = Ops::zero();
-          macc[r][j] = 0.0f;
-        }
-      const int64_t ahead = t == 0 ? weight_prefetch_ahead(RBn * a.row_bytes) : 0;
-      for (int64_t k = 0; k < blocks; ++k)
-        superblock_tokens<T, RBn, NT>(rows, k, xk, acc, macc, ahead, pre, blocks);
-      for (int r = 0; r < RBn; ++r)
-        for (int j = 0; j < NT; ++j) {
-          float y = Ops::reduce_add(acc[r][j]);
-          if constexpr (CodeK<T>::kMin) y += macc[r][j];
-          a.y[(t + j) * a.y_stride + r0 + r] = y;
-        }
-    }
+  if (a.tokens == 1) {
+    float acc[RBn], macc[RBn];
+    for (int r = 0; r < RBn; ++r) acc[r] = macc[r] = 0.0f;
+    const int64_t ahead = weight_prefetch_ahead(RBn * a.row_bytes);
+    for (int64_t k = 0; k < blocks; ++k) superblock<T, RBn>(rows, k, a.xk[k], acc, macc, ahead);
+    for (int r = 0; r < RBn; ++r) a.y[r0 + r] = CodeK<T>::kMin ? acc[r] + macc[r] : acc[r];
+    return;
   }
-  for (; t < a.tokens; ++t) {
-    const ActBlockK* xk = a.xk + t * a.xk_stride;
-    typename Ops::V acc[RBn];
-    float macc[RBn];
-    zero_acc<RBn>(acc, macc);
-    const int64_t ahead = t == 0 ? weight_prefetch_ahead(RBn * a.row_bytes) : 0;
-    if (pre != nullptr)
-      for (int64_t k = 0; k < blocks; ++k)
-        superblock<T, RBn, true>(rows, k, xk[k], acc, macc, ahead, pre, blocks);
-    else
-      for (int64_t k = 0; k < blocks; ++k)
-        superblock<T, RBn, false>(rows, k, xk[k], acc, macc, ahead, nullptr, blocks);
-    for (int r = 0; r < RBn; ++r) {
-      float y = Ops::reduce_add(acc[r]);
-      if constexpr (CodeK<T>::kMin) y += macc[r];
-      a.y[t * a.y_stride + r0 + r] = y;
-    }
-  }
+  auto* dec = reinterpret_cast<uint8_t*>(a.scratch);
+  for (int r = 0; r < RBn; ++r)
+    for (int64_t k = 0; k < blocks; ++k)
+      decode_k<T>(rows[r] + k * CodeK<T>::kBytes, dec + (r * blocks + k) * kDecKBytes);
+  const int64_t groups = (a.tokens + 7) / 8;
+  int64_t g = 0;
+  for (; g + Ops::NG <= groups; g += Ops::NG)
+    groupk8<T, RBn, Ops::NG>(dec, blocks, a.xtk + g * blocks,
+                             static_cast<int>(
+                                 std::min<int64_t>(8, a.tokens - 8 * (g + Ops::NG - 1))),
+                             a.y + g * 8 * a.y_stride + r0, a.y_stride);
+  for (; g < groups; ++g)
+    groupk8<T, RBn, 1>(dec, blocks, a.xtk + g * blocks,
+                       static_cast<int>(std::min<int64_t>(8, a.tokens - 8 * g)),
+                       a.y + g * 8 * a.y_stride + r0, a.y_stride);
 }
 
 template <uint32_t T>

@@ -20,11 +20,8 @@ namespace {
 
 struct Ops {
   static constexpr int RB = 4;  // rows per pass: 4 accumulators, 4 decoded groups in flight
-  // Tokens per pass of the K types' batched path (their accumulators stay in registers: 16 ymm
-  // on AVX2 / AVX-VNNI, 32 with AVX-512 VL).
-  static constexpr int KT = TREEATTN_INT8_DOT == 2 ? 4 : 2;
-  // Groups of 8 tokens per pass of the 32-value types' batched path (group8): 2 x 4 rows of
-  // integer sums and float accumulators need AVX-512 VL's 32 registers.
+  // Groups of 8 tokens per pass of the batched paths (group8, groupk8): 2 x 4 rows of integer
+  // sums need AVX-512 VL's 32 registers.
   static constexpr int NG = TREEATTN_INT8_DOT == 2 ? 2 : 1;
   using B = __m256i;
   using I = __m256i;
@@ -144,7 +141,11 @@ struct Ops {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc));
 #endif
   }
-  // Tokens in lanes (the 32-value types' batched path): the 4 bytes at p in every lane; lane
+  // acc + lane i of p[2i] * lo + p[2i+1] * hi: p as 16 int16, (lo, hi) the int16 halves of pr
+  // (exact int32; VNNI's vpdpwssd fuses the add).
+  static I madd_pairs(I acc, B p, int32_t pr) { return madd_acc(acc, p, _mm256_set1_epi32(pr)); }
+  static I mul_s(I v, int32_t s) { return _mm256_mullo_epi32(v, _mm256_set1_epi32(s)); }
+  // Tokens in lanes (the batched paths): the 4 bytes at p in every lane; lane
   // sums; int32 lanes shifted left; loads and a product.
   static B bcast4(const uint8_t* p) {
     int32_t v;
@@ -157,8 +158,9 @@ struct Ops {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
     return _mm_cvtsi128_si32(s);
   }
-  // The one-token pass's 4 rows with rows in lanes: the lane sums of p0 .. p3 (exact) as 4
-  // floats (exact: |sum| < 2^24); 4 floats; a multiply, a fused multiply-add and a sum.
+  // The one-token pass's 4 rows with rows in lanes: the lane sums of p0 .. p3 (exact int32) as 4
+  // floats (rounded to nearest even, as static_cast<float>; exact below 2^24, which the 32-value
+  // types' sums are); 4 floats; a multiply, a fused multiply-add and a sum.
   static constexpr bool kRows4 = true;
   using F4 = __m128;
   static F4 sums4(I p0, I p1, I p2, I p3) {
@@ -173,6 +175,7 @@ struct Ops {
         _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)));
   }
   static F4 set4(float a, float b, float c, float d) { return _mm_setr_ps(a, b, c, d); }
+  static F4 load4(const float* p) { return _mm_loadu_ps(p); }
   static F4 f16x4(uint16_t a, uint16_t b, uint16_t c, uint16_t d) {
     return _mm_cvtph_ps(_mm_setr_epi16(static_cast<int16_t>(a), static_cast<int16_t>(b),
                                        static_cast<int16_t>(c), static_cast<int16_t>(d), 0, 0,

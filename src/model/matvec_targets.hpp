@@ -29,6 +29,7 @@ inline constexpr uint32_t kTypeF32 = 0, kTypeF16 = 1, kTypeQ4_0 = 2, kTypeQ4_1 =
 struct ActBlock;
 struct ActBlock8;
 struct ActBlockK;
+struct ActBlockK8;
 
 struct RowsArgs {
   uint32_t type = 0;
@@ -54,6 +55,9 @@ struct RowsArgs {
   // (transpose_activations): group 0 of the range (token 0 is a group's first), cols / 32 blocks
   // per group. Null for one token.
   const ActBlock8* xt = nullptr;
+  // Several tokens of the K types: xk's blocks 8 tokens to a group (transpose_activations_k),
+  // group 0 of the range, cols / 256 blocks per group. Null for one token.
+  const ActBlockK8* xtk = nullptr;
 };
 
 // The locality hint of the weight prefetch in the one-token passes (both matrix paths:
@@ -139,6 +143,24 @@ void transpose_activations(const ActBlock* xq, int64_t xq_stride, int64_t tokens
 // quantizes a block but with amax, d and the clamp taken over 256 values (so the per-element
 // bound is (amax_256 / 254) (1 + 2^-15)); a NaN or infinite x: d = NaN, q = 0, bsum = 0.
 void quantize_activations_k(const float* x, int64_t cols, ActBlockK* out);
+
+// Super-block b of 8 tokens, transposed as ActBlock8 for the K types' batched path: 4-byte
+// group i (< 64) of token t's q at q[i][4 t ..]; its d; and the sums of its q over each 16
+// values, two to a token: s16[j][2 t], s16[j][2 t + 1] are the sums over values 32 j .. 32 j + 15
+// and 32 j + 16 .. 32 j + 31 (|.| <= 2032), laid out as int16 pairs for a multiply-add with a
+// row's pair of multipliers (Q4_K / Q5_K: the min of chunk j twice; Q6_K: 32 times its two
+// sub-scales). Tokens past the end: all zero.
+struct ActBlockK8 {
+  int8_t q[64][32];
+  float d[8];
+  int16_t s16[8][16];
+};
+static_assert(sizeof(ActBlockK8) == 2336);
+
+// xk: `tokens` tokens' K blocks (blocks per token, xk_stride apart) into ceil(tokens / 8)
+// groups of `blocks` ActBlockK8 each (group g: tokens 8 g .. 8 g + 7).
+void transpose_activations_k(const ActBlockK* xk, int64_t xk_stride, int64_t tokens,
+                             int64_t blocks, ActBlockK8* out);
 
 // Whether the integer targets read this weight type (the float types stay on the float path),
 // and whether they read it with 256-value activation blocks (ActBlockK: the K types).

@@ -331,7 +331,7 @@ TEST(Int8Matmul, BitsDoNotDependOnBatchingThreadsRowsOrTheOtherMatrices) {
   std::mt19937_64 rng(23);
   std::normal_distribution<float> nd;
   for (const uint32_t type : int8_types()) {
-    const int64_t rows = 70, cols = 512, tokens = 41;
+    const int64_t rows = 70, cols = 512, tokens = 101;  // 3 token tiles (48, 48, 5)
     std::vector<uint8_t> s1, s2;
     const WeightMatrix a = make_matrix(type, rows, cols, s1, rng);
     const WeightMatrix b = make_matrix(id(TensorType::kF16), 19, cols, s2, rng);  // float type
