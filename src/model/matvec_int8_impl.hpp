@@ -564,7 +564,7 @@ inline void superblock(const uint8_t* const* rows, int64_t k, const ActBlockK& x
 // y[(8 g + t) * y_stride + r] for the first `lanes` tokens of the last group, 8 of the others.
 template <uint32_t T, int RBn, int NG>
 inline void groupk8(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int lanes,
-                    float* y, int64_t y_stride) {
+                    float* y, int64_t y_stride, const uint8_t* next, int64_t row_bytes) {
   using CK = CodeK<T>;
   using V = typename Ops::V;
   using I = typename Ops::I;
@@ -573,6 +573,10 @@ inline void groupk8(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, in
   for (int r = 0; r < RBn; ++r)
     for (int g = 0; g < NG; ++g) acc[r][g] = macc[r][g] = Ops::zero();
   for (int64_t k = 0; k < blocks; ++k) {
+    if (next != nullptr)
+      for (int r = 0; r < RBn; ++r)
+        for (int o = 0; o < CK::kBytes; o += 64)
+          prefetch_w(next + r * row_bytes + k * CK::kBytes + o);
     I s[RBn][NG];
     for (int r = 0; r < RBn; ++r)
       for (int g = 0; g < NG; ++g) s[r][g] = Ops::izero();
@@ -661,16 +665,22 @@ inline void rows_block_k(const RowsArgs& a, int64_t r0) {
     for (int64_t k = 0; k < blocks; ++k)
       decode_k<T>(rows[r] + k * CodeK<T>::kBytes, dec + (r * blocks + k) * kDecKBytes);
   const int64_t groups = (a.tokens + 7) / 8;
+  // The first group pass prefetches the next pass's rows (RBn rows on; prefetching is harmless
+  // past the job's rows, inside or outside the matrix) while it computes, so that their decode
+  // reads L2, not DRAM.
+  const uint8_t* next = rows[0] + RBn * a.row_bytes;
   int64_t g = 0;
   for (; g + Ops::NG <= groups; g += Ops::NG)
     groupk8<T, RBn, Ops::NG>(dec, blocks, a.xtk + g * blocks,
                              static_cast<int>(
                                  std::min<int64_t>(8, a.tokens - 8 * (g + Ops::NG - 1))),
-                             a.y + g * 8 * a.y_stride + r0, a.y_stride);
+                             a.y + g * 8 * a.y_stride + r0, a.y_stride, g == 0 ? next : nullptr,
+                             a.row_bytes);
   for (; g < groups; ++g)
     groupk8<T, RBn, 1>(dec, blocks, a.xtk + g * blocks,
                        static_cast<int>(std::min<int64_t>(8, a.tokens - 8 * g)),
-                       a.y + g * 8 * a.y_stride + r0, a.y_stride);
+                       a.y + g * 8 * a.y_stride + r0, a.y_stride, g == 0 ? next : nullptr,
+                       a.row_bytes);
 }
 
 template <uint32_t T>
