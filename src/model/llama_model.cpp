@@ -334,8 +334,10 @@ Status LlamaModel::embed(std::span<const TokenId> tokens, float* x) const {
 }
 
 void LlamaModel::rmsnorm(const float* x, const std::vector<float>& w, int64_t tokens,
-                         float* out) const {
+                         float* out, int threads) const {
   const auto n = static_cast<int64_t>(w.size());
+  // Row by row (each row's bits are its own), over `threads` when there are rows enough.
+#pragma omp parallel for num_threads(threads) if (threads > 1 && tokens >= 8) schedule(static)
   for (int64_t t = 0; t < tokens; ++t) {
     const float* xt = x + t * n;
     double ss = 0.0;
@@ -373,6 +375,15 @@ void LlamaModel::apply_rope(float* heads, int64_t n_heads, int64_t pos, int laye
   }
 }
 
+namespace {
+// The threads of the forward pass's element-wise steps: the matmul's (MatvecOptions::threads, 0
+// = OpenMP's default). Each step splits rows or elements whose results are their own, so the
+// bits do not depend on the count.
+int step_threads(const MatvecOptions& options) {
+  return options.threads > 0 ? options.threads : omp_get_max_threads();
+}
+}  // namespace
+
 Status LlamaModel::attention_inputs(int layer, const float* x, int64_t tokens, const int64_t* pos,
                                     float* q, float* k, float* v, ForwardScratch& s,
                                     const MatvecOptions& options) const {
@@ -380,8 +391,9 @@ Status LlamaModel::attention_inputs(int layer, const float* x, int64_t tokens, c
     return invalid_argument("attention_inputs: layer " + std::to_string(layer) + " of " +
                             std::to_string(cfg_.n_layers));
   const Layer& L = layers_[static_cast<std::size_t>(layer)];
+  const int threads = step_threads(options);
   s.xn.resize(static_cast<std::size_t>(tokens * cfg_.n_embd));
-  rmsnorm(x, L.attn_norm, tokens, s.xn.data());
+  rmsnorm(x, L.attn_norm, tokens, s.xn.data(), threads);
   const WeightMatrix* mats[] = {&L.wq, &L.wk, &L.wv};
   float* ys[] = {q, k, v};
   TREEATTN_RETURN_IF_ERROR(matmul(mats, s.xn.data(), tokens, cfg_.n_embd, ys,
@@ -396,9 +408,10 @@ Status LlamaModel::attention_inputs(int layer, const float* x, int64_t tokens, c
   add_bias(k, L.bk);
   add_bias(v, L.bv);
   if (!L.q_norm.empty()) {  // every head of every token (in place)
-    rmsnorm(q, L.q_norm, tokens * cfg_.n_head, q);
-    rmsnorm(k, L.k_norm, tokens * cfg_.n_head_kv, k);
+    rmsnorm(q, L.q_norm, tokens * cfg_.n_head, q, threads);
+    rmsnorm(k, L.k_norm, tokens * cfg_.n_head_kv, k, threads);
   }
+#pragma omp parallel for num_threads(threads) if (threads > 1 && tokens >= 8) schedule(static)
   for (int64_t t = 0; t < tokens; ++t) {
     apply_rope(q + t * qd, cfg_.n_head, pos[t], layer);
     apply_rope(k + t * kvd, cfg_.n_head_kv, pos[t], layer);
@@ -413,6 +426,8 @@ Status LlamaModel::attention_output_and_ffn(int layer, const float* a, int64_t t
   const Layer& L = layers_[static_cast<std::size_t>(layer)];
   const int64_t n = cfg_.n_embd, nff = cfg_.n_ff;
   const auto tn = static_cast<std::size_t>(tokens * n);
+  const int threads = step_threads(options);
+  const bool split = threads > 1 && tokens >= 8;
   s.tmp.resize(tn);
   {
     const WeightMatrix* mats[] = {&L.wo};
@@ -420,10 +435,12 @@ Status LlamaModel::attention_output_and_ffn(int layer, const float* a, int64_t t
     TREEATTN_RETURN_IF_ERROR(matmul(mats, a, tokens, cfg_.n_head * cfg_.head_dim, ys,
                                     for_role(options, MatrixRole::kAttention)));
   }
-  if (!L.post_attn_norm.empty()) rmsnorm(s.tmp.data(), L.post_attn_norm, tokens, s.tmp.data());
+  if (!L.post_attn_norm.empty())
+    rmsnorm(s.tmp.data(), L.post_attn_norm, tokens, s.tmp.data(), threads);
+#pragma omp parallel for num_threads(threads) if (split) schedule(static)
   for (std::size_t i = 0; i < tn; ++i) x[i] += s.tmp[i];
   s.xn.resize(tn);
-  rmsnorm(x, L.ffn_norm, tokens, s.xn.data());
+  rmsnorm(x, L.ffn_norm, tokens, s.xn.data(), threads);
   s.gate.resize(static_cast<std::size_t>(tokens * nff));
   s.up.resize(static_cast<std::size_t>(tokens * nff));
   {
@@ -437,7 +454,6 @@ Status LlamaModel::attention_output_and_ffn(int layer, const float* a, int64_t t
   const auto n_act = static_cast<int64_t>(s.gate.size());
   float* gate = s.gate.data();
   const float* up = s.up.data();
-  const int threads = options.threads > 0 ? options.threads : omp_get_max_threads();
   if (cfg_.arch->ffn == FfnActivation::kGeluTanh) {
     // ggml's tanh GELU, 0.5 g (1 + tanh(y)) with y = sqrt(2/pi) g (1 + 0.044715 g^2), written as
     // g / (1 + exp(-2 y)): the same function, one expf instead of a tanhf (glibc's tanhf took
@@ -463,7 +479,9 @@ Status LlamaModel::attention_output_and_ffn(int layer, const float* a, int64_t t
     TREEATTN_RETURN_IF_ERROR(
         matmul(mats, s.gate.data(), tokens, nff, ys, for_role(options, MatrixRole::kFfn)));
   }
-  if (!L.post_ffn_norm.empty()) rmsnorm(s.tmp.data(), L.post_ffn_norm, tokens, s.tmp.data());
+  if (!L.post_ffn_norm.empty())
+    rmsnorm(s.tmp.data(), L.post_ffn_norm, tokens, s.tmp.data(), threads);
+#pragma omp parallel for num_threads(threads) if (split) schedule(static)
   for (std::size_t i = 0; i < tn; ++i) x[i] += s.tmp[i];
   return Status::ok();
 }
