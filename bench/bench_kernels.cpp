@@ -1,12 +1,17 @@
 // Google Benchmark microbenchmarks of the decode kernel (per ISA target and dtype, llama3-8b
 // head layout; the caller's row layout and the tiled layout of kv_tiles.hpp), of the state
-// merge and of the weight matrix kernels (model::matmul per ISA and GGUF type). Not part of the
+// merge, of the weight matrix kernels (model::matmul per ISA and GGUF type) and of the int8
+// multiply-add peak those kernels are held to (BM_Int8DotPeak). Not part of the
 // test suite; run
 //   build/<dir>/bench/treeattn_microbench --benchmark_filter=Decode
 //   build/<dir>/bench/treeattn_microbench --benchmark_filter=Matmul
 // Reported bytes/s count the KV bytes the kernel must read (Decode) or the weight bytes
 // (Matmul: the matrix is read once per call, whatever the token count).
 #include <benchmark/benchmark.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <random>
 #include <utility>
@@ -250,6 +255,55 @@ void matmul_args(benchmark::internal::Benchmark* b) {
         b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), 1, 1, int8, 65536, 1536});
 }
 BENCHMARK(BM_Matmul)->Apply(matmul_args)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+#if defined(__x86_64__)
+// The limit of the integer matrix kernels: one thread's 8-bit multiply-add peak, 12 independent
+// chains of the kernels' dot instruction on ymm (VNNI: vpdpbusd, 32 products each; AVX2:
+// vpmaddubsw + vpmaddwd + vpaddd), as G multiply-adds/s ("GMAC/s"). args: 1 VNNI, 0 AVX2.
+__attribute__((target("avx512f,avx512vl,avx512vnni"))) int64_t dot_burn_vnni(int64_t n) {
+  __m256i acc[12];
+  for (auto& a : acc) a = _mm256_setzero_si256();
+  __m256i w = _mm256_set1_epi8(3);
+  const __m256i x = _mm256_set1_epi8(5);
+  for (int64_t i = 0; i < n; ++i) {
+    for (auto& a : acc) a = _mm256_dpbusd_epi32(a, w, x);
+    __asm__ volatile("" : "+v"(w));  // not hoisted or folded
+  }
+  __m256i t = acc[0];
+  for (int k = 1; k < 12; ++k) t = _mm256_add_epi32(t, acc[k]);
+  return _mm256_extract_epi32(t, 0);
+}
+__attribute__((target("avx2"))) int64_t dot_burn_avx2(int64_t n) {
+  __m256i acc[12];
+  for (auto& a : acc) a = _mm256_setzero_si256();
+  __m256i w = _mm256_set1_epi8(3);
+  const __m256i x = _mm256_set1_epi8(5), one = _mm256_set1_epi16(1);
+  for (int64_t i = 0; i < n; ++i) {
+    for (auto& a : acc)
+      a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), one));
+    __asm__ volatile("" : "+x"(w));
+  }
+  __m256i t = acc[0];
+  for (int k = 1; k < 12; ++k) t = _mm256_add_epi32(t, acc[k]);
+  return _mm256_extract_epi32(t, 0);
+}
+
+void BM_Int8DotPeak(benchmark::State& st) {
+  const bool vnni = st.range(0) != 0;
+  if (vnni ? !(__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl"))
+           : !__builtin_cpu_supports("avx2")) {
+    st.SkipWithError("CPU lacks this instruction set");
+    return;
+  }
+  constexpr int64_t kIters = 1'000'000;
+  for (auto _ : st) benchmark::DoNotOptimize(vnni ? dot_burn_vnni(kIters) : dot_burn_avx2(kIters));
+  st.counters["GMAC/s"] = benchmark::Counter(static_cast<double>(st.iterations()) * kIters * 12 *
+                                                 32 / 1e9,
+                                             benchmark::Counter::kIsRate);
+  st.SetLabel(vnni ? "vpdpbusd ymm" : "maddubs+madd ymm");
+}
+BENCHMARK(BM_Int8DotPeak)->Arg(1)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime();
+#endif
 
 }  // namespace
 
