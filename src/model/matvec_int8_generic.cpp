@@ -66,20 +66,31 @@ void quantize_activations(const float* x, int64_t cols, ActBlock* out) {
   }
 }
 
-void transpose_activations(const ActBlock* xq, int64_t xq_stride, int64_t tokens, int64_t blocks,
-                           ActBlock8* out) {
+namespace {
+// Groups of 8 tokens, block by block: out[g * blocks + b] zeroed, then put(o, x, t) for each of
+// its tokens t (x: the token's block b); tokens past the end stay zero.
+template <class Out, class In, class Put>
+void transpose_groups(const In* x, int64_t x_stride, int64_t tokens, int64_t blocks, Out* out,
+                      Put put) {
   for (int64_t g = 0; g < (tokens + 7) / 8; ++g)
     for (int64_t b = 0; b < blocks; ++b) {
-      ActBlock8& o = out[g * blocks + b];
+      Out& o = out[g * blocks + b];
       std::memset(&o, 0, sizeof(o));
-      for (int64_t t = 0; t < 8 && 8 * g + t < tokens; ++t) {
-        const ActBlock& x = xq[(8 * g + t) * xq_stride + b];
-        for (int i = 0; i < 8; ++i) std::memcpy(&o.q[i][4 * t], x.q + 4 * i, 4);
-        o.d[t] = x.d;
-        o.s[t] = x.s;
-        o.sum[t] = block_sum(x.q);
-      }
+      for (int64_t t = 0; t < 8 && 8 * g + t < tokens; ++t)
+        put(o, x[(8 * g + t) * x_stride + b], static_cast<int>(t));
     }
+}
+}  // namespace
+
+void transpose_activations(const ActBlock* xq, int64_t xq_stride, int64_t tokens, int64_t blocks,
+                           ActBlock8* out) {
+  transpose_groups(xq, xq_stride, tokens, blocks, out,
+                   [](ActBlock8& o, const ActBlock& x, int t) {
+                     for (int i = 0; i < 8; ++i) std::memcpy(&o.q[i][4 * t], x.q + 4 * i, 4);
+                     o.d[t] = x.d;
+                     o.s[t] = x.s;
+                     o.sum[t] = block_sum(x.q);
+                   });
 }
 
 void quantize_activations_k(const float* x, int64_t cols, ActBlockK* out) {
@@ -92,21 +103,16 @@ void quantize_activations_k(const float* x, int64_t cols, ActBlockK* out) {
 
 void transpose_activations_k(const ActBlockK* xk, int64_t xk_stride, int64_t tokens,
                              int64_t blocks, ActBlockK8* out) {
-  for (int64_t g = 0; g < (tokens + 7) / 8; ++g)
-    for (int64_t b = 0; b < blocks; ++b) {
-      ActBlockK8& o = out[g * blocks + b];
-      std::memset(&o, 0, sizeof(o));
-      for (int64_t t = 0; t < 8 && 8 * g + t < tokens; ++t) {
-        const ActBlockK& x = xk[(8 * g + t) * xk_stride + b];
-        for (int i = 0; i < 64; ++i) std::memcpy(&o.q[i][4 * t], x.q + 4 * i, 4);
-        o.d[t] = x.d;
-        for (int j = 0; j < 16; ++j) {
-          int sum = 0;
-          for (int e = 0; e < 16; ++e) sum += x.q[16 * j + e];
-          o.s16[j / 2][2 * t + j % 2] = static_cast<int16_t>(sum);
-        }
-      }
-    }
+  transpose_groups(xk, xk_stride, tokens, blocks, out,
+                   [](ActBlockK8& o, const ActBlockK& x, int t) {
+                     for (int i = 0; i < 64; ++i) std::memcpy(&o.q[i][4 * t], x.q + 4 * i, 4);
+                     o.d[t] = x.d;
+                     for (int j = 0; j < 16; ++j) {
+                       int sum = 0;
+                       for (int e = 0; e < 16; ++e) sum += x.q[16 * j + e];
+                       o.s16[j / 2][2 * t + j % 2] = static_cast<int16_t>(sum);
+                     }
+                   });
 }
 
 bool int8_type(uint32_t type) {
