@@ -562,6 +562,8 @@ inline void superblock(const uint8_t* const* rows, int64_t k, const ActBlockK& x
 // S; the 16-value sums give msum (Q4_K / Q5_K) or the offset term (Q6_K); then superblock()'s
 // float operations lane by lane, so a token's bits are those of its one-token pass.
 // y[(8 g + t) * y_stride + r] for the first `lanes` tokens of the last group, 8 of the others.
+// Every integer stays in int32: Q6_K's sum of s_j * sum(u q) is at most 16 * 128 * 16 * 63 * 127
+// < 2^28 and its offset term 16 * 4096 * 2032 < 2^28 (Q4_K / Q5_K less).
 template <uint32_t T, int RBn, int NG>
 inline void groupk8(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int lanes,
                     float* y, int64_t y_stride, const uint8_t* next, int64_t row_bytes) {
