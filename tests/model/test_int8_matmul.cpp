@@ -308,22 +308,35 @@ TEST(Int8Matmul, ExtremeActivationsStayWithinTheBound) {
 
 // A NaN or infinite activation makes its token's outputs NaN, and only its token's.
 TEST(Int8Matmul, ANonFiniteActivationMakesOnlyItsTokenNaN) {
+  // A 32-value type and the K types, one token and a batch of 10 (the batched paths: token 1
+  // shares its group of 8 with tokens 0 and 2-7).
   std::mt19937_64 rng(8);
-  std::vector<uint8_t> store;
-  const WeightMatrix m = make_matrix(id(TensorType::kQ4_1), 5, 64, store, rng);
-  for (const float bad : {NAN, INFINITY}) {
-    std::vector<float> x(3 * 64, 0.25f), y(3 * 5);
-    x[64 + 40] = bad;  // token 1
-    for (const Target& tg : targets_here()) {
-      const WeightMatrix* mats[] = {&m};
-      float* ys[] = {y.data()};
-      ASSERT_TRUE(model::matmul(mats, x.data(), 3, 64, ys, int8_options(1, tg)).is_ok());
-      for (int r = 0; r < 5; ++r) {
-        EXPECT_TRUE(std::isfinite(y[static_cast<std::size_t>(r)])) << target_name(tg);
-        EXPECT_TRUE(std::isnan(y[static_cast<std::size_t>(5 + r)])) << target_name(tg);
-        EXPECT_TRUE(std::isfinite(y[static_cast<std::size_t>(10 + r)])) << target_name(tg);
+  for (const TensorType type :
+       {TensorType::kQ4_1, TensorType::kQ4_K, TensorType::kQ5_K, TensorType::kQ6_K}) {
+    const int64_t cols = gguf::block_layout(id(type)).block_elems == 256 ? 256 : 64;
+    std::vector<uint8_t> store;
+    const WeightMatrix m = make_matrix(id(type), 5, cols, store, rng);
+    for (const int64_t tokens : {int64_t{3}, int64_t{10}})
+      for (const float bad : {NAN, INFINITY}) {
+        std::vector<float> x(static_cast<std::size_t>(tokens * cols), 0.25f);
+        std::vector<float> y(static_cast<std::size_t>(tokens * 5));
+        x[static_cast<std::size_t>(cols + 40)] = bad;  // token 1
+        for (const Target& tg : targets_here()) {
+          SCOPED_TRACE(gguf::tensor_type_name(id(type)) + " " + std::to_string(tokens) +
+                       " tokens " + target_name(tg));
+          const WeightMatrix* mats[] = {&m};
+          float* ys[] = {y.data()};
+          ASSERT_TRUE(model::matmul(mats, x.data(), tokens, cols, ys, int8_options(1, tg)).is_ok());
+          for (int64_t t = 0; t < tokens; ++t)
+            for (int r = 0; r < 5; ++r) {
+              const float v = y[static_cast<std::size_t>(t * 5 + r)];
+              if (t == 1)
+                EXPECT_TRUE(std::isnan(v)) << "token 1 row " << r;
+              else
+                EXPECT_TRUE(std::isfinite(v)) << "token " << t << " row " << r;
+            }
+        }
       }
-    }
   }
 }
 
