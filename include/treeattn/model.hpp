@@ -237,7 +237,7 @@ class LlamaModel {
   explicit LlamaModel(gguf::File file) : file_(std::move(file)) {}
   Status init();
   // out[r] = rmsnorm(x[r]) * w for `rows` vectors of w.size() floats (in place allowed); the
-  // rows split over `threads` OpenMP threads when there are 8 or more (the same bits).
+  // rows split over `threads` OpenMP threads (the same bits at any count).
   void rmsnorm(const float* x, const std::vector<float>& w, int64_t rows, float* out,
                int threads = 1) const;
 

@@ -336,8 +336,8 @@ Status LlamaModel::embed(std::span<const TokenId> tokens, float* x) const {
 void LlamaModel::rmsnorm(const float* x, const std::vector<float>& w, int64_t tokens,
                          float* out, int threads) const {
   const auto n = static_cast<int64_t>(w.size());
-  // Row by row (each row's bits are its own), over `threads` when there are rows enough.
-#pragma omp parallel for num_threads(threads) if (threads > 1 && tokens >= 8) schedule(static)
+  // Row by row (each row's bits are its own).
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
   for (int64_t t = 0; t < tokens; ++t) {
     const float* xt = x + t * n;
     double ss = 0.0;
@@ -376,10 +376,12 @@ void LlamaModel::apply_rope(float* heads, int64_t n_heads, int64_t pos, int laye
 }
 
 namespace {
-// The threads of the forward pass's element-wise steps: the matmul's (MatvecOptions::threads, 0
-// = OpenMP's default). Each step splits rows or elements whose results are their own, so the
-// bits do not depend on the count.
-int step_threads(const MatvecOptions& options) {
+// The threads of the forward pass's element-wise steps for `tokens` tokens: the matmul's
+// (MatvecOptions::threads, 0 = OpenMP's default) in a prefill of 8 or more tokens, else 1 (a
+// decode step is too small to split). Each step splits rows or elements whose results are their
+// own, so the bits do not depend on the count.
+int step_threads(const MatvecOptions& options, int64_t tokens) {
+  if (tokens < 8) return 1;
   return options.threads > 0 ? options.threads : omp_get_max_threads();
 }
 }  // namespace
@@ -391,7 +393,7 @@ Status LlamaModel::attention_inputs(int layer, const float* x, int64_t tokens, c
     return invalid_argument("attention_inputs: layer " + std::to_string(layer) + " of " +
                             std::to_string(cfg_.n_layers));
   const Layer& L = layers_[static_cast<std::size_t>(layer)];
-  const int threads = step_threads(options);
+  const int threads = step_threads(options, tokens);
   s.xn.resize(static_cast<std::size_t>(tokens * cfg_.n_embd));
   rmsnorm(x, L.attn_norm, tokens, s.xn.data(), threads);
   const WeightMatrix* mats[] = {&L.wq, &L.wk, &L.wv};
@@ -411,7 +413,7 @@ Status LlamaModel::attention_inputs(int layer, const float* x, int64_t tokens, c
     rmsnorm(q, L.q_norm, tokens * cfg_.n_head, q, threads);
     rmsnorm(k, L.k_norm, tokens * cfg_.n_head_kv, k, threads);
   }
-#pragma omp parallel for num_threads(threads) if (threads > 1 && tokens >= 8) schedule(static)
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
   for (int64_t t = 0; t < tokens; ++t) {
     apply_rope(q + t * qd, cfg_.n_head, pos[t], layer);
     apply_rope(k + t * kvd, cfg_.n_head_kv, pos[t], layer);
@@ -426,8 +428,7 @@ Status LlamaModel::attention_output_and_ffn(int layer, const float* a, int64_t t
   const Layer& L = layers_[static_cast<std::size_t>(layer)];
   const int64_t n = cfg_.n_embd, nff = cfg_.n_ff;
   const auto tn = static_cast<std::size_t>(tokens * n);
-  const int threads = step_threads(options);
-  const bool split = threads > 1 && tokens >= 8;
+  const int threads = step_threads(options, tokens);
   s.tmp.resize(tn);
   {
     const WeightMatrix* mats[] = {&L.wo};
@@ -437,7 +438,7 @@ Status LlamaModel::attention_output_and_ffn(int layer, const float* a, int64_t t
   }
   if (!L.post_attn_norm.empty())
     rmsnorm(s.tmp.data(), L.post_attn_norm, tokens, s.tmp.data(), threads);
-#pragma omp parallel for num_threads(threads) if (split) schedule(static)
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
   for (std::size_t i = 0; i < tn; ++i) x[i] += s.tmp[i];
   s.xn.resize(tn);
   rmsnorm(x, L.ffn_norm, tokens, s.xn.data(), threads);
@@ -450,7 +451,7 @@ Status LlamaModel::attention_output_and_ffn(int layer, const float* a, int64_t t
         matmul(mats, s.xn.data(), tokens, n, ys, for_role(options, MatrixRole::kFfn)));
   }
   // The gated activation, element by element (so its bits do not depend on the threads that
-  // share it): split over the matmul's threads when there is enough of it (a prefill).
+  // share it).
   const auto n_act = static_cast<int64_t>(s.gate.size());
   float* gate = s.gate.data();
   const float* up = s.up.data();
@@ -460,14 +461,14 @@ Status LlamaModel::attention_output_and_ffn(int layer, const float* a, int64_t t
     // 12% of Gemma-3's 512-token prefill, expm1f inside it), and no cancellation in 1 + tanh(y)
     // where y is negative. g = +-inf and NaN give what the tanh form gives (inf, NaN, NaN).
     constexpr float kSqrt2OverPi = 0.79788456080286535587989211986876f, kA = 0.044715f;
-#pragma omp parallel for num_threads(threads) if (threads > 1 && n_act >= 16384) schedule(static)
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t i = 0; i < n_act; ++i) {
       const float g = gate[i];
       const float y = kSqrt2OverPi * g * (1.0f + kA * g * g);
       gate[i] = g / (1.0f + std::exp(-2.0f * y)) * up[i];
     }
   } else {
-#pragma omp parallel for num_threads(threads) if (threads > 1 && n_act >= 16384) schedule(static)
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t i = 0; i < n_act; ++i) {
       const float g = gate[i];
       gate[i] = g / (1.0f + std::exp(-g)) * up[i];
@@ -481,7 +482,7 @@ Status LlamaModel::attention_output_and_ffn(int layer, const float* a, int64_t t
   }
   if (!L.post_ffn_norm.empty())
     rmsnorm(s.tmp.data(), L.post_ffn_norm, tokens, s.tmp.data(), threads);
-#pragma omp parallel for num_threads(threads) if (split) schedule(static)
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
   for (std::size_t i = 0; i < tn; ++i) x[i] += s.tmp[i];
   return Status::ok();
 }

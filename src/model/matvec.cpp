@@ -202,7 +202,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
     xq_buf.resize(static_cast<std::size_t>(tokens * xq_stride));
   if (int8_k && xk_buf.size() < static_cast<std::size_t>(tokens * xk_stride))
     xk_buf.resize(static_cast<std::size_t>(tokens * xk_stride));
-  // Several tokens: the 32-value types' blocks also 8 tokens to a group (ActBlock8).
+  // Several tokens: the blocks also 8 tokens to a group (ActBlock8, ActBlockK8).
   const int64_t groups = (tokens + 7) / 8;
   const bool int8_xt = int8_32 && tokens > 1, int8_xtk = int8_k && tokens > 1;
   thread_local std::vector<detail::ActBlock8> xt_buf;

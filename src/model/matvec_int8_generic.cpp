@@ -365,13 +365,6 @@ struct Ops {
     for (int i = 0; i < 8; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
     return c;
   }
-  // The AVX2 target's order: halves, then pairs, then the last two.
-  static float reduce_add(V v) {
-    float b[4];
-    for (int i = 0; i < 4; ++i) b[i] = v.v[i] + v.v[i + 4];
-    const float c0 = b[0] + b[2], c1 = b[1] + b[3];
-    return c0 + c1;
-  }
   // IEEE binary16 -> float, exact.
   static float f16(uint16_t h) {
     const uint32_t sign = (uint32_t{h} & 0x8000u) << 16;

@@ -19,7 +19,7 @@
 //   e1 of the high half (lanes 4-7); I madd_acc(I acc, B p, P sc): lane i of
 //   acc plus (p[2i] + p[2i+1]) times its element of sc (exact int32)
 //   I izero(), add(I, I), isub(I, I)   int32 lanes; B splat(uint8_t) 32 equal bytes
-//   V cvt(I) (exact: |lanes| < 2^24), set1, zero, fma (one rounding), reduce_add (a fixed order)
+//   V cvt(I) (rounded to nearest even; exact below 2^24), set1, zero, fma (one rounding)
 //   int k4_msum(M mn, const int16_t bsum[8]) = sum_g mn_g * bsum_g (exact)
 //   I dpu / dps(I acc, B w, B x) = acc + dot_u / dot_s; int hsum(I) (the lane sum)
 //   Tokens in lanes (the batched paths): B bcast4(p) (the 4 bytes at p in every lane), I
@@ -194,14 +194,6 @@ template <uint32_t T, int RBn>
 inline void prefetch_block(const uint8_t* const* rows, int64_t b, int64_t ahead) {
   for (int64_t o = (b * Code<T>::kBytes + 63) / 64 * 64; o < (b + 1) * Code<T>::kBytes; o += 64)
     for (int r = 0; r < RBn; ++r) prefetch_w(rows[r] + o + ahead);
-}
-
-template <int RBn>
-inline void zero_acc(typename Ops::V* acc, float* macc) {
-  for (int r = 0; r < RBn; ++r) {
-    acc[r] = Ops::zero();
-    macc[r] = 0.0f;
-  }
 }
 
 // One token, RBn rows decoded in registers. The rows `ahead` bytes further (a later pass's:
