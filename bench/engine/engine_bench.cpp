@@ -17,6 +17,17 @@
 //       30-token question (warm: the prompt's pages reused); time to first token, rank 0's bytes
 //       sent, the rows each way went, and whether the first token's logits have the same bits
 //       under every policy.
+//   mpirun -np 1 build/release/bench/treeattn_engine_bench --model M --threads 2 prefill
+//       [--prompt 8192,32768]
+//       the whole prefill of one fresh prompt per length (max_new_tokens = 1) against the FMA
+//       peak measured in the same run: every rank runs the FMA probe with its threads at the same
+//       moment, before and after each prefill, and the peaks are summed over ranks. The work
+//       counted is the model's arithmetic, 2 flops a multiply-add: the layer matrices for every
+//       prompt token, the output head once (the first token's logits) and causal attention (q.k
+//       and p.v, 4 * head_dim flops per query head and visible position; sliding-window layers
+//       see their window). The int8 matrices' integer multiply-adds count as flops too: the
+//       ratio says how fast the whole prefill runs against the float FMA peak, not which unit did
+//       the work.
 //   mpirun -np 2 build/release/bench/treeattn_engine_bench merge
 //       the per-layer merge alone (SmolLM2 shape: 9 heads, head dim 64) for B = 1, 4, 16 decode
 //       rows, each kind, median of many calls.
@@ -45,7 +56,9 @@
 #include "engine/merge.hpp"
 #include "treeattn/comm_mpi.hpp"
 #include "treeattn/engine.hpp"
+#include "treeattn/kernel.hpp"
 #include "treeattn/model.hpp"
+#include "treeattn/roofline.hpp"
 
 using namespace treeattn;
 using engine::Engine;
@@ -124,6 +137,31 @@ std::vector<TokenId> random_prompt(std::mt19937_64& rng, int64_t n, int64_t voca
   return t;
 }
 
+// The arithmetic of prefilling n prompt tokens (flops, an FMA = 2): the layer matrices per token,
+// the output head once, causal attention per layer (position i sees i + 1 positions, a
+// sliding-window layer at most its window).
+struct PrefillWork {
+  double dense = 0, attention = 0;
+};
+PrefillWork prefill_work(const model::LlamaConfig& c, int64_t n) {
+  const double e = static_cast<double>(c.n_embd), f = static_cast<double>(c.n_ff);
+  const double hq = static_cast<double>(c.n_head * c.head_dim);
+  const double hkv = static_cast<double>(c.n_head_kv * c.head_dim);
+  const double layer_macs = e * hq + 2 * e * hkv + hq * e + 3 * e * f;
+  PrefillWork w;
+  w.dense = 2 * (static_cast<double>(n) * c.n_layers * layer_macs +
+                 static_cast<double>(c.n_vocab) * e);
+  for (int l = 0; l < c.n_layers; ++l) {
+    const bool local = c.sliding_window > 0 && l < static_cast<int>(c.local_layer.size()) &&
+                       c.local_layer[static_cast<std::size_t>(l)] != 0;
+    double visible = 0;
+    for (int64_t i = 0; i < n; ++i)
+      visible += static_cast<double>(local ? std::min(i + 1, c.sliding_window) : i + 1);
+    w.attention += 4.0 * static_cast<double>(c.head_dim * c.n_head) * visible;
+  }
+  return w;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -156,6 +194,9 @@ int main(int argc, char** argv) {
   auto* xc = app.add_subcommand("exchange", "pass-Q vs the K/V exchange: cold and warm prefill");
   xc->add_option("--prompt", xprompt, "fresh prompt tokens")->capture_default_str();
   xc->add_option("--question", question, "follow-up question tokens")->capture_default_str();
+  auto* pf = app.add_subcommand("prefill", "the whole prefill against the FMA peak of the same run");
+  std::vector<int64_t> pf_lens = {8192, 32768};
+  pf->add_option("--prompt", pf_lens, "prompt lengths")->delimiter(',');
   app.require_subcommand(1);
   CLI11_PARSE(app, argc, argv);
 
@@ -222,6 +263,89 @@ int main(int argc, char** argv) {
   cfg.prefill_chunk = 512;
   cfg.kv_memory = static_cast<std::size_t>(kv_gib * 1073741824.0);
   cfg.timeout = std::chrono::milliseconds(1800000);
+
+  if (pf->parsed()) {
+    // Every rank's FMA probe at the same moment, summed: the peak of this run's ranks x threads.
+    auto peak = [&]() -> double {
+      if (auto s = comm.barrier(); !s.is_ok()) fail(s);
+      auto g = measure_peak_gflops(threads, best_isa(), 3);
+      if (!g.is_ok()) fail(g.status());
+      float v = static_cast<float>(*g);
+      if (auto s = comm.allreduce(&v, 1, ReduceOp::kSum); !s.is_ok()) fail(s);
+      return v;
+    };
+    std::mt19937_64 prng(11);
+    if (me == 0)
+      std::printf("whole prefill: %s, %d ranks x %d threads, matmul %s, ISA %s, prefill chunk %lld, "
+                  "merge %s\n  %7s %9s %9s %12s %12s %9s %11s %11s %8s  %s\n",
+                  mc.name.c_str(), p, threads, matmul.c_str(),
+                  std::string(isa_name(best_isa())).c_str(),
+                  static_cast<long long>(cfg.prefill_chunk), merge.c_str(), "tokens", "TTFT s",
+                  "tokens/s", "dense GFLOP", "attn GFLOP", "GFLOP/s", "peak before", "peak after",
+                  "of peak", "rank 0: dense / attention / merge+exchange s");
+    for (const int64_t n : pf_lens) {
+      const auto prompt = random_prompt(prng, n, mc.n_vocab);
+      const double peak0 = peak();
+      auto pe = Engine::create(comm, **model, cfg);
+      if (!pe.is_ok()) fail(pe.status());
+      Engine& en = **pe;
+      double ttft = 0;
+      engine::EngineMetrics m0, m1;
+      if (me != 0) {
+        if (auto s = en.run(); !s.is_ok()) fail(s);
+      } else {
+        Status st;
+        std::thread run([&] { st = en.run(); });
+        Request r;
+        r.prompt = prompt;
+        r.max_new_tokens = 1;
+        std::mutex mu;
+        std::condition_variable cv;
+        bool done = false;
+        Clock::time_point first;
+        m0 = en.metrics();
+        const auto t0 = Clock::now();
+        auto id = en.submit(std::move(r), [&](const TokenEvent& ev) {
+          std::lock_guard lk(mu);
+          if (ev.token >= 0 && ev.index == 0) first = Clock::now();
+          if (ev.finish == engine::FinishReason::kError)
+            std::fprintf(stderr, "prefill failed: %s\n", ev.error.message().c_str());
+          if (ev.finish != engine::FinishReason::kNone) {
+            done = true;
+            cv.notify_all();
+          }
+        });
+        if (!id.is_ok()) fail(id.status());
+        {
+          std::unique_lock lk(mu);
+          cv.wait(lk, [&] { return done; });
+        }
+        ttft = std::chrono::duration<double>(first - t0).count();
+        std::this_thread::sleep_for(std::chrono::milliseconds(600));  // a step's metrics
+        m1 = en.metrics();
+        en.stop(true);
+        run.join();
+        if (!st.is_ok()) fail(st);
+      }
+      const double peak1 = peak();
+      if (me == 0) {
+        const PrefillWork w = prefill_work(mc, n);
+        const double rate = (w.dense + w.attention) / ttft / 1e9;
+        std::printf("  %7lld %9.2f %9.1f %12.1f %12.1f %9.1f %11.1f %11.1f %8.3f  %.2f / %.2f / %.2f\n",
+                    static_cast<long long>(n), ttft, static_cast<double>(n) / ttft, w.dense / 1e9,
+                    w.attention / 1e9, rate, peak0, peak1, rate / std::max(peak0, peak1),
+                    m1.dense_seconds[0] - m0.dense_seconds[0],
+                    m1.attention_seconds[0] - m0.attention_seconds[0],
+                    m1.merge_seconds[0] - m0.merge_seconds[0]);
+        std::fflush(stdout);
+      }
+    }
+    if (me == 0)
+      std::printf("  (of peak: GFLOP/s against the higher of the two peaks; the int8 matrices' integer "
+                  "multiply-adds are counted as flops)\n");
+    finalize();
+    return 0;
+  }
 
   if (xc->parsed()) {
     // One engine per policy, on the same prompt and question, in one run.
