@@ -97,7 +97,12 @@ void quantize_activations_k(const float* x, int64_t cols, ActBlockK* out) {
   for (int64_t b = 0; b < cols / 256; ++b) {
     ActBlockK& o = out[b];
     o.d = quantize_block(x + b * 256, 256, o.q);
-    for (int j = 0; j < 8; ++j) o.bsum[j] = static_cast<int16_t>(block_sum(o.q + 32 * j));
+    for (int j = 0; j < 16; ++j) {
+      int sum = 0;
+      for (int e = 0; e < 16; ++e) sum += o.q[16 * j + e];
+      o.bsum16[j] = static_cast<int16_t>(sum);
+    }
+    for (int j = 0; j < 8; ++j) o.bsum[j] = static_cast<int16_t>(o.bsum16[2 * j] + o.bsum16[2 * j + 1]);
   }
 }
 
@@ -107,11 +112,7 @@ void transpose_activations_k(const ActBlockK* xk, int64_t xk_stride, int64_t tok
                    [](ActBlockK8& o, const ActBlockK& x, int t) {
                      for (int i = 0; i < 64; ++i) std::memcpy(&o.q[i][4 * t], x.q + 4 * i, 4);
                      o.d[t] = x.d;
-                     for (int j = 0; j < 16; ++j) {
-                       int sum = 0;
-                       for (int e = 0; e < 16; ++e) sum += x.q[16 * j + e];
-                       o.s16[j / 2][2 * t + j % 2] = static_cast<int16_t>(sum);
-                     }
+                     for (int j = 0; j < 16; ++j) o.s16[j / 2][2 * t + j % 2] = x.bsum16[j];
                    });
 }
 
@@ -216,6 +217,13 @@ struct Ops {
     for (int e = 0; e < 16; ++e) r.v[e] = s[e];
     return r;
   }
+  // lane i: a[2i] b[2i] + a[2i+1] b[2i+1] (exact int32), b 16 int16
+  static I madd16(S a, const int16_t* b) {
+    I r;
+    for (int i = 0; i < 8; ++i)
+      r.v[i] = int32_t{a.v[2 * i]} * b[2 * i] + int32_t{a.v[2 * i + 1]} * b[2 * i + 1];
+    return r;
+  }
   struct M {
     uint8_t v[8];
   };
@@ -257,16 +265,6 @@ struct Ops {
       std::memcpy(r.v + 2 * j, &p, 2);
     }
     return r;
-  }
-  static B sub16(B a, B b) {
-    for (int j = 0; j < 16; ++j) {
-      int16_t x, y;
-      std::memcpy(&x, a.v + 2 * j, 2);
-      std::memcpy(&y, b.v + 2 * j, 2);
-      const auto d = static_cast<int16_t>(static_cast<uint16_t>(x) - static_cast<uint16_t>(y));
-      std::memcpy(a.v + 2 * j, &d, 2);
-    }
-    return a;
   }
   struct P {
     int32_t lo, hi;  // the multiplier of lanes 0-3 and of lanes 4-7

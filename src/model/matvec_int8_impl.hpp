@@ -15,7 +15,7 @@
 //   S (16 int16 sub-scales: 0-7 low half, 8-15 high), scales_i8(16 int8), half<h>(S) (half h in
 //   both halves); M (8 mins); unpack_k4(12 packed bytes, S& sc, M& mn): Q4_K / Q5_K's 8 scales
 //   (both halves) and 8 mins; B pairs(w, x): int16 j = w[2j] x[2j] + w[2j+1] x[2j+1]
-//   (maddubs), sub16(B, B); P pick<e0, e1>(S s): element e0 of the low half (for lanes 0-3) and
+//   (maddubs), I madd16(S, const int16_t b[16]) (lane i: a[2i] b[2i] + a[2i+1] b[2i+1]); P pick<e0, e1>(S s): element e0 of the low half (for lanes 0-3) and
 //   e1 of the high half (lanes 4-7); I madd_acc(I acc, B p, P sc): lane i of
 //   acc plus (p[2i] + p[2i+1]) times its element of sc (exact int32)
 //   I izero(), add(I, I), isub(I, I)   int32 lanes; B splat(uint8_t) 32 equal bytes
@@ -381,10 +381,10 @@ void rows_typed(const RowsArgs& a) {
 // per row, reduced at the end, so a batch ran 8 float multiply-adds per super-block and token;
 // tokens in lanes do one per 8 tokens and sum in integers: README, "Tokens in lanes for the K
 // types".)
-// One token, per row and super-block, prepare() unpacks the scales (Row); per chunk, codes<g>()
-// decodes the row's 32 bytes, scale<g>() picks its sub-scale operand, xterm() is what the rows
-// share (Q6_K: pairs(32, q_x)), pair() gives the int16 pairs with the token's q_x, and madd_acc
-// adds the chunk's 8 scaled int32 lanes. Several tokens: decode_k() writes a row's super-block
+// One token, per row and super-block, init_sum() starts the lanes (Q6_K: its offset term from
+// the token's 16-value sums) and prepare() unpacks the scales (Row); per chunk, codes<g>()
+// decodes the row's 32 bytes (unsigned), scale<g>() picks its sub-scale operand, maddubs gives
+// the int16 pairs with the token's q_x, and madd_acc adds the chunk's 8 scaled int32 lanes. Several tokens: decode_k() writes a row's super-block
 // once (DecK) and groupk8 broadcasts it against 8 tokens.
 template <uint32_t T>
 struct CodeK;
@@ -423,7 +423,6 @@ struct CodeK45 {
   // 4, 1 thread). Before the prefetch hint became prefetcht2 (prefetch_w) the same unpack made
   // that step 15-25% slower, so it was left out then (README, the AVX-512 VNNI table).
   static void prepare(const uint8_t* b, Row& o) { Ops::unpack_k4(b + 4, o.sc, o.mn); }
-  static typename Ops::B xterm(typename Ops::B xv) { return xv; }
   template <int g>
   static typename Ops::B codes(const uint8_t* b) {
     const typename Ops::B q = Ops::load(b + (kFive ? 48 : 16) + 32 * (g / 2));
@@ -431,14 +430,12 @@ struct CodeK45 {
     if constexpr (kFive) c = Ops::or_(c, Ops::and_(shift(Ops::load(b + 16), 4 - g), 0x10));
     return c;
   }
-  static typename Ops::B pair(typename Ops::B c, typename Ops::B xv, typename Ops::B /*xt*/) {
-    return Ops::pairs(c, xv);
-  }
   template <int g>
   static typename Ops::P scale(const Row& o) {
     return Ops::template pick<g, g>(o.sc);
   }
   static int msum(const Row& o, const int16_t* bsum) { return Ops::k4_msum(o.mn, bsum); }
+  static typename Ops::I init_sum(const uint8_t*, const ActBlockK&) { return Ops::izero(); }
   // The batched path's scales (DecK): ggml's get_scale_min_k4, one chunk at a time (the same
   // integers as unpack_k4; the tests compare the two paths bit for bit).
   static void dec_scales(const uint8_t* b, uint8_t* o) {
@@ -472,7 +469,15 @@ struct CodeK<kTypeQ6_K> {
     o.sc[0] = Ops::template half<0>(s);
     o.sc[1] = Ops::template half<1>(s);
   }
-  static typename Ops::B xterm(typename Ops::B xv) { return Ops::pairs(Ops::splat(32), xv); }
+  // The one-token pass starts from the offset term, -32 sum_j s_j bsum16_j (|.| <= 32 * 16 *
+  // 128 * 2032 < 2^28), and adds s_j sum(u q) per chunk (until 2026-12-03 each chunk's pairs
+  // subtracted pairs(32, q) instead: 8 more subtractions per row and super-block).
+  static typename Ops::I init_sum(const uint8_t* b, const ActBlockK& xb) {
+    return Ops::isub(Ops::izero(),
+                     Ops::ishl(Ops::madd16(Ops::scales_i8(reinterpret_cast<const int8_t*>(b + 192)),
+                                           xb.bsum16),
+                               5));
+  }
   template <int g>
   static typename Ops::B codes(const uint8_t* b) {
     constexpr int h = g / 4, k = g % 4;
@@ -480,9 +485,6 @@ struct CodeK<kTypeQ6_K> {
     const typename Ops::B lo = k / 2 ? Ops::hi4(ql) : Ops::lo4(ql);
     const typename Ops::B hi = Ops::and_(shift(Ops::load(b + 128 + 32 * h), 4 - 2 * k), 0x30);
     return Ops::or_(lo, hi);
-  }
-  static typename Ops::B pair(typename Ops::B u, typename Ops::B xv, typename Ops::B xt) {
-    return Ops::sub16(Ops::pairs(u, xv), xt);
   }
   template <int g>
   static typename Ops::P scale(const Row& o) {
@@ -514,6 +516,24 @@ inline void superblock_float(const uint8_t* const* b, const typename Ops::I* sum
   }
 }
 
+// Q4_K / Q5_K, four rows (x86): superblock_float and the min term's
+// macc[r] = fma(-(dmin_r * d_x), float(msum_r), macc[r]) lane by lane, d and dmin of the 4 rows
+// widened in one conversion and the 4 msums reduced together (the same roundings as the
+// scalar forms: a product, a negation, one fused multiply-add).
+template <uint32_t T, class O = Ops>
+inline void superblock_float_min4(const uint8_t* const* b, const typename Ops::I* sumi,
+                                  const typename CodeK<T>::Row* st, const ActBlockK& xb,
+                                  float* acc, float* macc) {
+  typename O::F4 d4, m4;
+  O::f16pairs4(b[0], b[1], b[2], b[3], d4, m4);
+  const auto dx = O::set4(xb.d, xb.d, xb.d, xb.d);
+  O::store4(acc, O::fma4(O::mul4(d4, dx), O::sums4(sumi[0], sumi[1], sumi[2], sumi[3]),
+                         O::load4(acc)));
+  O::store4(macc, O::fma4(O::neg4(O::mul4(m4, dx)),
+                          O::msums4(st[0].mn, st[1].mn, st[2].mn, st[3].mn, xb.bsum),
+                          O::load4(macc)));
+}
+
 // Super-block k of RBn rows against one token's activation block xb (the scheme above): the
 // lanes of S per row (lane i: bytes 4i .. 4i+3 of the 8 chunks, scaled), summed exactly, then the
 // float operations. (|lane| <= 32 * 32 * 127 * 128 < 2^31; maddubs' int16 pairs <= 2 * 63 * 127
@@ -529,17 +549,20 @@ inline void superblock(const uint8_t* const* rows, int64_t k, const ActBlockK& x
   for (int r = 0; r < RBn; ++r) {
     b[r] = rows[r] + k * CK::kBytes;
     for (int o = 0; o < CK::kBytes; o += 64) prefetch_w(b[r] + ahead + o);
-    sumi[r] = Ops::izero();
+    sumi[r] = CK::init_sum(b[r], xb);
     CK::prepare(b[r], st[r]);
   }
   for_each_group<8>([&](auto g) {
     constexpr int kG = decltype(g)::value;
     const typename Ops::B xv = Ops::load(xb.q + 32 * kG);
-    const typename Ops::B xt = CK::xterm(xv);
     for (int r = 0; r < RBn; ++r)
       sumi[r] = Ops::madd_acc(
-          sumi[r], CK::pair(CK::template codes<kG>(b[r]), xv, xt), CK::template scale<kG>(st[r]));
+          sumi[r], Ops::pairs(CK::template codes<kG>(b[r]), xv), CK::template scale<kG>(st[r]));
   });
+  if constexpr (CK::kMin && RBn == 4 && Ops::kRows4) {
+    superblock_float_min4<T>(b, sumi, st, xb, acc, macc);
+    return;
+  }
   superblock_float<T, RBn>(b, sumi, xb.d, acc);
   if constexpr (CK::kMin)
     for (int r = 0; r < RBn; ++r)

@@ -87,6 +87,10 @@ struct Ops {
   static S scales_i8(const int8_t* s) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
   }
+  // lane i: a[2i] b[2i] + a[2i+1] b[2i+1] (exact int32), b 16 int16
+  static I madd16(S a, const int16_t* b) {
+    return _mm256_madd_epi16(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+  }
   using M = __m128i;  // 8 int16 mins (Q4_K / Q5_K)
   // Q4_K / Q5_K: the 8 scales (S, both halves) and 8 mins (M) from the super-block's 12 packed
   // bytes q (16 bytes are read, 4 past q's end: still inside the super-block). Bytes [sc0-3 |
@@ -119,7 +123,6 @@ struct Ops {
     return _mm256_permute4x64_epi64(s, h ? 0xee : 0x44);
   }
   static B pairs(B w, B x) { return _mm256_maddubs_epi16(w, x); }
-  static B sub16(B a, B b) { return _mm256_sub_epi16(a, b); }
   // The sub-scale operand of madd_acc: element e0 of the low half in the int16 pairs of lanes
   // 0-3, e1 of the high half in lanes 4-7 (picked once per row and chunk, shared by the tokens).
   using P = __m256i;
@@ -181,6 +184,31 @@ struct Ops {
                                        static_cast<int16_t>(c), static_cast<int16_t>(d), 0, 0,
                                        0, 0));
   }
+  // The K types' (d, dmin) f16 pairs of 4 rows (the 4 bytes at p0 .. p3) as floats: d in d4,
+  // dmin in m4, row r in element r.
+  static void f16pairs4(const uint8_t* p0, const uint8_t* p1, const uint8_t* p2,
+                        const uint8_t* p3, F4& d4, F4& m4) {
+    int32_t w[4];
+    std::memcpy(w, p0, 4);
+    std::memcpy(w + 1, p1, 4);
+    std::memcpy(w + 2, p2, 4);
+    std::memcpy(w + 3, p3, 4);
+    const __m256 v = _mm256_cvtph_ps(_mm_setr_epi32(w[0], w[1], w[2], w[3]));
+    const __m256 t = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+    d4 = _mm256_castps256_ps128(t);
+    m4 = _mm256_extractf128_ps(t, 1);
+  }
+  // k4_msum of 4 rows at once, as floats (exact: |msum| < 2^24).
+  static F4 msums4(M m0, M m1, M m2, M m3, const int16_t* bsum) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bsum));
+    const __m128i p0 = _mm_madd_epi16(m0, b), p1 = _mm_madd_epi16(m1, b);
+    const __m128i p2 = _mm_madd_epi16(m2, b), p3 = _mm_madd_epi16(m3, b);
+    const __m128i s01 = _mm_add_epi32(_mm_unpacklo_epi32(p0, p1), _mm_unpackhi_epi32(p0, p1));
+    const __m128i s23 = _mm_add_epi32(_mm_unpacklo_epi32(p2, p3), _mm_unpackhi_epi32(p2, p3));
+    return _mm_cvtepi32_ps(
+        _mm_add_epi32(_mm_unpacklo_epi64(s01, s23), _mm_unpackhi_epi64(s01, s23)));
+  }
+  static F4 neg4(F4 a) { return _mm_xor_ps(a, _mm_set1_ps(-0.0f)); }
   static F4 zero4() { return _mm_setzero_ps(); }
   static F4 mul4(F4 a, F4 b) { return _mm_mul_ps(a, b); }
   static F4 fma4(F4 a, F4 b, F4 c) { return _mm_fmadd_ps(a, b, c); }

@@ -113,14 +113,16 @@ void quantize_activations(const float* x, int64_t cols, ActBlock* out);
 
 // The K types' activations (as llama.cpp's Q8_K): 256 activations of one token as 8-bit integers
 // and one float scale, x[i] ~ d * q[i], and the sums of q over each 32 (bsum[j] = q[32 j] + ...
-// + q[32 j + 31], |bsum| <= 4064; the mins of Q4_K / Q5_K need them). One scale per 256 lets a
-// K super-block be one integer sum and one float multiply-add (matvec_int8_impl.hpp).
+// + q[32 j + 31], |bsum| <= 4064; the mins of Q4_K / Q5_K need them) and over each 16 (bsum16,
+// |bsum16| <= 2032: Q6_K's offset term). One scale per 256 lets a K super-block be one integer
+// sum and one float multiply-add (matvec_int8_impl.hpp).
 struct ActBlockK {
   float d;
   int16_t bsum[8];
+  int16_t bsum16[16];
   int8_t q[256];
 };
-static_assert(sizeof(ActBlockK) == 276);
+static_assert(sizeof(ActBlockK) == 308);
 
 // Block b of 8 tokens (a group), transposed for dot products with tokens in lanes: 4-byte group
 // i of token t's q at q[i][4 t ..]; its d, s and the integer sum of its 32 q. The batched path of
