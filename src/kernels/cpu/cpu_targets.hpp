@@ -88,6 +88,10 @@ struct TiledItemArgs {
   const int64_t* visible_from = nullptr;
   float scale = 1.0f;
   float* out = nullptr;           // R records [m, l, o_0..o_{D-1}]
+  // false: the records start empty; true: out holds each row's state over the tokens before
+  // this chunk (the paged driver's earlier pages of the item) and the chunk's tokens continue
+  // its online softmax, as if they followed in the same chunk.
+  bool keep = false;
   int block_tiles = 1;            // tiles per online-softmax block
   float* scores = nullptr;        // scratch: (R + 2) * ld floats, ld = block tokens rounded
                                   // up to 32 (tiled_score_ld())

@@ -173,13 +173,18 @@ struct RowTile {
 // ksc[t] = k_scale * scale), the rest set to -inf, the block max found (a NaN wins), the record
 // rescaled to the new max, and sr left holding exp(s - m) (times vsc[t] when quantized) for the
 // value pass. Both item kernels (rows here, tiles in tiled_item_impl.hpp) run exactly this.
-template <bool kQuant>
+// kScaled: the caller already multiplied sr[0, take) by scale (the same product, so the same
+// bits; the prefill block kernel does it as it stores the scores).
+template <bool kQuant, bool kScaled = false>
 __attribute__((always_inline)) inline void softmax_block_row(float* sr, int take, int padded,
                                                              const float* ksc, const float* vsc,
                                                              float scale, int D, float* rec) {
   using V = typename Ops::V;
   int t = 0;
-  if constexpr (kQuant) {
+  if constexpr (kScaled) {
+    static_assert(!kQuant);
+    t = take;
+  } else if constexpr (kQuant) {
     for (; t + Ops::W <= take; t += Ops::W)
       Ops::storeu(sr + t, Ops::mul(Ops::loadu(sr + t), Ops::loadu(ksc + t)));
     for (; t < take; ++t) sr[t] *= ksc[t];

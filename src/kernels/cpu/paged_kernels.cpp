@@ -11,9 +11,11 @@
 // An item runs the tiled item kernel (cpu_targets.hpp; unchanged) once per page with the
 // page's tile as a one-tile chunk: tokens = page_len, and per row the tokens of the page its
 // query sees, clamp(first_pos + i + 1 - page_pos, 0, page_len). The first page's states are
-// written into the item's slot, each later page's are merged into it (state_merge), in page
-// order. Pages no row of the item sees are skipped (their states would be empty, the merge
-// identity, so skipping changes no bit). Afterwards each query row's states are the merge of
+// written into the item's slot; each later page continues them (TiledItemArgs::keep: the
+// kernel's online softmax goes on from the slot's records, in page order). Until 2026-12-03 a
+// later page's states were computed apart and merged in (state_merge), two exps and three
+// passes over each record per page and row. Pages no row of the item sees are skipped (they
+// would add nothing). Afterwards each query row's states are the merge of
 // its cell's group slots in group order, starting from the empty state.
 //
 // Why a row's bits depend only on its query, its causal limit and its pages' contents: the
@@ -81,7 +83,7 @@ void reference_tiled_item(const TiledItemArgs& a) {
   const std::size_t rec = d_size + 2;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-  for (int r = 0; r < a.rows; ++r)
+  for (int r = 0; r < a.rows && !a.keep; ++r)
     state_set_empty(a.out + static_cast<std::size_t>(r) * rec, d_size);
   int64_t seen = 0;  // tokens some row sees
   for (int r = 0; r < a.rows; ++r) seen = std::max(seen, a.visible[r]);
@@ -208,7 +210,7 @@ void run_item(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& shape,
   const auto ur = static_cast<std::size_t>(R);
   // Per-thread scratch, grown only: query rows, visible counts, scores, one page's states.
   struct ThreadScratch {
-    std::vector<float> q, scores, page;
+    std::vector<float> q, scores;
     std::vector<int64_t> visible, from;
   };
   thread_local ThreadScratch ts;
@@ -218,7 +220,6 @@ void run_item(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& shape,
   cpu::grow(ts.scores, cell.block ? static_cast<std::size_t>(cpu::prefill_block_scratch_floats(T, D))
                                   : (ur + 2) * static_cast<std::size_t>(ld));
   if (cell.block) page_fn = block_fn;
-  cpu::grow(ts.page, ur * rec);
   for (int64_t qi = 0; qi < cell.nq; ++qi)
     for (int64_t g = 0; g < G; ++g)
       std::memcpy(ts.q.data() + (qi * G + g) * D,
@@ -267,11 +268,9 @@ void run_item(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& shape,
       a.v_scale = pool.v_scale + soff;
     }
     a.tokens = len;
-    a.out = first ? slot : ts.page.data();
+    a.out = slot;
+    a.keep = !first;
     page_fn(a);
-    if (!first)
-      for (std::size_t r = 0; r < ur; ++r)
-        state_merge(slot + r * rec, ts.page.data() + r * rec, static_cast<std::size_t>(D));
     first = false;
   }
   if (first)

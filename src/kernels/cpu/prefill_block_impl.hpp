@@ -31,16 +31,22 @@
 constexpr int kBlockRows = kMaxScoreRows;  // rows per fused tile: 6 (AVX2, generic), 8
 // Value tiles: kBlockValueRows rows x kBlockValueVecs vectors of accumulators, plus the value
 // vectors and one broadcast weight (AVX2: 4 x 3 + 3 + 1 = 16 registers; one broadcast per 3
-// FMAs instead of one per 2 with 6 x 2).
-constexpr int kBlockValueRows = Ops::W >= 16 ? 6 : 4;
+// FMAs instead of one per 2 with 6 x 2). AVX-512: 4 x 4, so the 8-row tile is two equal value
+// tiles; with 6 x 4 its last 2 rows ran alone at 8 FMAs per 4 value loads (Zen 4, SmolLM2's
+// shape, treeattn_prefill_bench --tokens 4096 --threads 1 --only block: best 315-324 ms with
+// 6 x 4, 282-299 with 4 x 4, alternating builds).
+constexpr int kBlockValueRows = 4;
 constexpr int kBlockValueVecs = Ops::W >= 16 ? 4 : 3;
 
-// Raw scores of RS rows (q, row stride D) with the 2W tokens of one unit: vector j reads the
-// float K^T row d at kj + d * P. The FMA chain of tiled_score_unit: same lanes, same order.
-template <int RS>
+// Scores of RS rows (q, row stride D) with the 2W tokens of one unit: vector j reads the
+// float K^T row d at kj + d * P. The FMA chain of tiled_score_unit: same lanes, same order;
+// kScale: stored times scale (softmax_block_row's product, done here while they are in
+// registers), else raw.
+template <int RS, bool kScale>
 __attribute__((always_inline)) inline void block_score_unit(const float* q, int D,
                                                             const float* k0, const float* k1,
-                                                            int64_t P, float* s, int64_t ld) {
+                                                            int64_t P, float* s, int64_t ld,
+                                                            float scale) {
   using V = typename Ops::V;
   V acc0[RS], acc1[RS];
   for (int r = 0; r < RS; ++r) acc0[r] = acc1[r] = Ops::zero();
@@ -52,6 +58,13 @@ __attribute__((always_inline)) inline void block_score_unit(const float* q, int 
       const V qb = Ops::set1(q[r * D + d]);
       acc0[r] = Ops::fma(qb, kv0, acc0[r]);
       acc1[r] = Ops::fma(qb, kv1, acc1[r]);
+    }
+  }
+  if constexpr (kScale) {
+    const V vs = Ops::set1(scale);
+    for (int r = 0; r < RS; ++r) {
+      acc0[r] = Ops::mul(acc0[r], vs);
+      acc1[r] = Ops::mul(acc1[r], vs);
     }
   }
   for (int r = 0; r < RS; ++r) {
@@ -157,7 +170,7 @@ void block_tile(const BlockTile& b, int r0, const int* take) {
     const float* k0 = b.kf + p0 * D * b.P + (u - p0 * b.P);
     const int64_t p1 = (u + Ops::W) / b.P;
     const float* k1 = u + Ops::W < b.n ? b.kf + p1 * D * b.P + (u + Ops::W - p1 * b.P) : k0;
-    block_score_unit<RS>(q, D, k0, k1, b.P, b.s + u, b.ld);
+    block_score_unit<RS, !kQuant>(q, D, k0, k1, b.P, b.s + u, b.ld, a.scale);
   }
   for (int i = 0; i < RS; ++i) {
     if (take[i] == 0) continue;
@@ -168,7 +181,8 @@ void block_tile(const BlockTile& b, int r0, const int* take) {
       const int masked = lo <= 0 ? 0 : (lo < take[i] ? static_cast<int>(lo) : take[i]);
       for (int t = 0; t < masked; ++t) sr[t] = kNegInf;
     }
-    softmax_block_row<kQuant>(sr, take[i], pad, b.ksc, b.vsc, a.scale, D, a.out + r * kRec);
+    softmax_block_row<kQuant, !kQuant>(sr, take[i], pad, b.ksc, b.vsc, a.scale, D,
+                                       a.out + r * kRec);
   }
   block_values<RS, 0>(b, r0, take);
 }
@@ -197,7 +211,7 @@ void run_prefill_block(const TiledItemArgs& a) {
   float* ksc = s + kBlockRows * ld;
   float* vsc = ksc + ld;
 
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < R && !a.keep; ++r) {
     float* rec = a.out + r * kRec;
     rec[kM] = kNegInf;
     for (int64_t i = kL; i < kRec; ++i) rec[i] = 0.0f;

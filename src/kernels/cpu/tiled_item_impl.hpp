@@ -242,7 +242,7 @@ void run_tiled_item(const TiledItemArgs& a) {
   const int64_t ld = tiled_score_ld(block_tokens);
   float* s = a.scores;
 
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < R && !a.keep; ++r) {
     float* rec = a.out + r * kRec;
     rec[kM] = kNegInf;
     for (int64_t i = kL; i < kRec; ++i) rec[i] = 0.0f;
