@@ -221,7 +221,7 @@ __attribute__((always_inline)) inline void softmax_block_row(float* sr, int take
   const V vm = Ops::set1(m_new);
   V lsum = Ops::zero();
   for (int j = 0; j < padded; j += Ops::W) {
-    const V p = Ops::exp(Ops::sub(Ops::loadu(sr + j), vm));
+    const V p = Ops::exp_nonpos(Ops::sub(Ops::loadu(sr + j), vm));  // s - m <= 0, -inf or NaN
     lsum = Ops::add(lsum, p);
     if constexpr (kQuant) {
       Ops::storeu(sr + j, Ops::mul(p, Ops::loadu(vsc + j)));

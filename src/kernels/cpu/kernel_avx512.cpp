@@ -99,6 +99,27 @@ struct Ops {
                                _mm512_set1_ps(__builtin_inff()));
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), res, x);
   }
+  // exp(x) for x <= 0, -inf or NaN (the softmax's s - m): exp's bits for every such x, in 16
+  // operations instead of 22. max(c, x) returns x when x is NaN (vmaxps returns its second
+  // operand), so a NaN flows through the polynomial; nothing overflows, so no clamp above.
+  static V exp_nonpos(V x) {
+    const V xc = _mm512_max_ps(_mm512_set1_ps(-87.33654f), x);
+    const V n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    V y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r);
+    y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+    const V res = _mm512_scalef_ps(y, n);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_LT_OQ), res,
+                                _mm512_setzero_ps());
+  }
 };
 
 #include "kernels/cpu/decode_item_impl.hpp"

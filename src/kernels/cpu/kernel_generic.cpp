@@ -116,6 +116,7 @@ struct Ops {
     for (int i = 0; i < W; ++i) x.v[i] = __builtin_expf(x.v[i]);
     return x;
   }
+  static V exp_nonpos(V x) { return exp(x); }  // the softmax's exp (x <= 0, -inf or NaN)
 };
 
 #include "kernels/cpu/decode_item_impl.hpp"
