@@ -17,22 +17,23 @@
 // Determinism, the property a batch-invariant server is built on: the state of one query row is
 // a function of that row's query vector, its causal limit and its pages' contents only. Pages
 // are grouped in fixed groups of kPagedGroupPages pages by their index in the entry's page list;
-// inside a group the per-page states are merged in page order (starting from the first page's
-// state), then the groups are merged in order. Nothing depends on the other entries of the call,
+// inside a group one online softmax runs over the pages in page order (each page continues the
+// states the earlier ones left), then the groups are merged in order. Nothing depends on the other entries of the call,
 // on n_q, on which other queries share a work item, or on the thread count. In particular a
 // query computed as row i of a prefill chunk and the same query computed alone (n_q = 1) give
 // the same bits.
 //
 // Work (paged_kernels.cpp): items of (entry, KV head, block of at most 16 queries, group), run
 // on OpenMP threads; an item runs the tiled decode item kernel once per page (a one-tile chunk
-// of page_len tokens) and merges the page states; each query row then merges its groups. The
+// of page_len tokens), each page continuing the item's states; each query row then merges its
+// groups. The
 // item kernel computes every row on its own (per-row scores, softmax and value sums in token
 // order), so the rows an item shares never change a row's bits. kReference runs a scalar page
 // kernel in the same structure. Scratch is thread-local and grows only; group states are held
 // in waves of at most 32 MiB, so a long prefill chunk needs no per-(query, group) buffer.
 // Entries of at least kPagedBlockMinQueries queries (prefill chunks) run items of 64 queries
 // with the prefill block kernel instead of the per-page decode item kernel (PagedKernelChoice
-// below): same pages, same merges, the same bits per row, loops ordered for compute.
+// below): same pages, same order, the same bits per row, loops ordered for compute.
 #pragma once
 
 #include <cstdint>
