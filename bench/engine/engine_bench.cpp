@@ -137,6 +137,42 @@ std::vector<TokenId> random_prompt(std::mt19937_64& rng, int64_t n, int64_t voca
   return t;
 }
 
+// Submits one request and waits until it finishes: its time to first token (s) and that token's
+// logits (when it asked for them); a failed request is reported on stderr.
+struct OneRequest {
+  double ttft = 0;
+  std::vector<float> logits;
+};
+OneRequest run_one(Engine& en, Request r) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  OneRequest out;
+  Clock::time_point first;
+  const auto t0 = Clock::now();
+  auto id = en.submit(std::move(r), [&](const TokenEvent& ev) {
+    std::lock_guard lk(mu);
+    if (ev.token >= 0 && ev.index == 0) {
+      first = Clock::now();
+      out.logits = ev.logits;
+    }
+    if (ev.finish == engine::FinishReason::kError)
+      std::fprintf(stderr, "request failed: %s\n", ev.error.message().c_str());
+    if (ev.finish != engine::FinishReason::kNone) {
+      done = true;
+      cv.notify_all();
+    }
+  });
+  if (!id.is_ok()) {
+    std::fprintf(stderr, "submit: %s\n", id.status().to_string().c_str());
+    std::exit(1);
+  }
+  std::unique_lock lk(mu);
+  cv.wait(lk, [&] { return done; });
+  out.ttft = std::chrono::duration<double>(first - t0).count();
+  return out;
+}
+
 // The arithmetic of prefilling n prompt tokens (flops, an FMA = 2): the layer matrices per token,
 // the output head once, causal attention per layer (position i sees i + 1 positions, a
 // sliding-window layer at most its window).
@@ -299,28 +335,8 @@ int main(int argc, char** argv) {
         Request r;
         r.prompt = prompt;
         r.max_new_tokens = 1;
-        std::mutex mu;
-        std::condition_variable cv;
-        bool done = false;
-        Clock::time_point first;
         m0 = en.metrics();
-        const auto t0 = Clock::now();
-        auto id = en.submit(std::move(r), [&](const TokenEvent& ev) {
-          std::lock_guard lk(mu);
-          if (ev.token >= 0 && ev.index == 0) first = Clock::now();
-          if (ev.finish == engine::FinishReason::kError)
-            std::fprintf(stderr, "prefill failed: %s\n", ev.error.message().c_str());
-          if (ev.finish != engine::FinishReason::kNone) {
-            done = true;
-            cv.notify_all();
-          }
-        });
-        if (!id.is_ok()) fail(id.status());
-        {
-          std::unique_lock lk(mu);
-          cv.wait(lk, [&] { return done; });
-        }
-        ttft = std::chrono::duration<double>(first - t0).count();
+        ttft = run_one(en, std::move(r)).ttft;
         std::this_thread::sleep_for(std::chrono::milliseconds(600));  // a step's metrics
         m1 = en.metrics();
         en.stop(true);
@@ -379,29 +395,9 @@ int main(int argc, char** argv) {
         if (turn == 1) r.prompt.insert(r.prompt.end(), q.begin(), q.end());
         r.max_new_tokens = 1;
         r.return_logits = true;
-        std::mutex mu;
-        std::condition_variable cv;
-        bool done = false;
-        std::vector<float> logits;
-        Clock::time_point first;
         const auto m0 = en.metrics();
-        const auto t0 = Clock::now();
-        auto id = en.submit(std::move(r), [&](const TokenEvent& ev) {
-          std::lock_guard lk(mu);
-          if (ev.token >= 0 && ev.index == 0) {
-            first = Clock::now();
-            logits = ev.logits;
-          }
-          if (ev.finish != engine::FinishReason::kNone) {
-            done = true;
-            cv.notify_all();
-          }
-        });
-        if (!id.is_ok()) fail(id.status());
-        {
-          std::unique_lock lk(mu);
-          cv.wait(lk, [&] { return done; });
-        }
+        const OneRequest one = run_one(en, std::move(r));
+        const std::vector<float>& logits = one.logits;
         // The metrics snapshot is taken after a step; the token came out inside the step's
         // forward pass. The idle engine steps every idle_tick (250 ms): wait for one.
         std::this_thread::sleep_for(std::chrono::milliseconds(600));
@@ -416,7 +412,7 @@ int main(int argc, char** argv) {
                      : "DIFFERENT bits from pass-q";
         else bits = "";
         std::printf("  %-7s %-5s %10.3f %14.3f %10lld %10lld   %.2f / %.2f / %.2f  %s\n", policy,
-                    turn == 0 ? "cold" : "warm", std::chrono::duration<double>(first - t0).count(),
+                    turn == 0 ? "cold" : "warm", one.ttft,
                     static_cast<double>(m1.bytes_sent - m0.bytes_sent) / 1e6,
                     static_cast<long long>(m1.rows_kv_exchange - m0.rows_kv_exchange),
                     static_cast<long long>(m1.rows_pass_q - m0.rows_pass_q),

@@ -73,8 +73,8 @@ struct Ops {
   }
 
   // Same algorithm as the AVX-512 exp; 2^n is built in the exponent field (n in [-126, 127]).
-  static V exp(V x) {
-    const V xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.0f));
+  // exp_clamped: that for xc already in [-87.34, 88]; exp and exp_nonpos add the edges.
+  static V exp_clamped(V xc) {
     const V n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     V r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
@@ -88,7 +88,11 @@ struct Ops {
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r);
     y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    V res = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  }
+  static V exp(V x) {
+    const V xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.0f));
+    V res = exp_clamped(xc);
     res = _mm256_blendv_ps(res, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-87.33654f), _CMP_LT_OQ));
     res = _mm256_blendv_ps(res, _mm256_set1_ps(__builtin_inff()),
                            _mm256_cmp_ps(x, _mm256_set1_ps(88.72283f), _CMP_GT_OQ));
@@ -99,20 +103,7 @@ struct Ops {
   // polynomial and the final product keep).
   static V exp_nonpos(V x) {
     const V xc = _mm256_max_ps(_mm256_set1_ps(-87.33654f), x);
-    const V n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    V r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    V y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r);
-    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    const V res = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    const V res = exp_clamped(xc);
     return _mm256_blendv_ps(res, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-87.33654f), _CMP_LT_OQ));
   }
 };

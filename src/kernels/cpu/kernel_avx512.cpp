@@ -78,8 +78,8 @@ struct Ops {
   // exp(x) = 2^n * e^r, n = round(x log2 e), r = x - n ln 2 (two-part ln 2), e^r by the Cephes
   // expf polynomial evaluated so that r = 0 gives exactly 1. Below ln(FLT_MIN) the result is
   // 0, above ln(FLT_MAX) +inf, NaN stays NaN.
-  static V exp(V x) {
-    const V xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.0f));
+  // exp_clamped: that for xc already in [-87.34, 88]; exp and exp_nonpos add the edges.
+  static V exp_clamped(V xc) {
     const V n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     V r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
@@ -92,7 +92,11 @@ struct Ops {
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
     y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r);
     y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
-    V res = _mm512_scalef_ps(y, n);
+    return _mm512_scalef_ps(y, n);
+  }
+  static V exp(V x) {
+    const V xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.0f));
+    V res = exp_clamped(xc);
     res = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_LT_OQ), res,
                                _mm512_setzero_ps());
     res = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283f), _CMP_GT_OQ), res,
@@ -104,19 +108,7 @@ struct Ops {
   // operand), so a NaN flows through the polynomial; nothing overflows, so no clamp above.
   static V exp_nonpos(V x) {
     const V xc = _mm512_max_ps(_mm512_set1_ps(-87.33654f), x);
-    const V n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    V r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    V y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r);
-    y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
-    const V res = _mm512_scalef_ps(y, n);
+    const V res = exp_clamped(xc);
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_LT_OQ), res,
                                 _mm512_setzero_ps());
   }
