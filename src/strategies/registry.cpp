@@ -162,6 +162,14 @@ Result<const StrategyInfo*> known_info(std::string_view name, const char* who) {
 //            side. Not its K order: a 32-token AVX2 score unit (2 rows x 4 vectors, each K
 //            panel read front to back) measured the same from DRAM (f32, 64k, CPU time tiled /
 //            rows 1.36-1.39 against 1.36-1.41 today); a 12-accumulator value pass neither.
+//   AVX-512 on Zen 4 (256-bit units; 2026-12-03, treeattn_roofline --dtype f32,bf16,f16
+//            --threads 1,2 --seq 262144 --repeats 7 --no-peer, load 0.1-0.9): llama3-8b's shape
+//            1 thread rows 0.73 / 0.60 / 0.62, tiled 0.70 / 0.49 / 0.56; 2 threads rows 0.84 /
+//            0.68 / 0.87, tiled 0.78 / 0.61 / 0.92. SmolLM2's (--heads 9 --kv-heads 3
+//            --head-dim 64): 1 thread tiled 0.85 / 0.74 / 0.77, rows 0.57 / 0.48 / 0.47; 2
+//            threads tiled 0.98 / 0.87 / 1.04, rows 0.72 / 0.59 / 0.63. The better layout there
+//            depends on the shape, which this per-ISA rule cannot see; it keeps tiled (the
+//            model's shapes) until a per-shape measured choice exists.
 //   generic: not measured; the tiled layout, as before.
 KVLayout host_kv_layout(Isa isa) {
   if (isa == Isa::kAuto) isa = best_isa();
