@@ -138,16 +138,17 @@ std::vector<TokenId> random_prompt(std::mt19937_64& rng, int64_t n, int64_t voca
 }
 
 // Submits one request and waits until it finishes: its time to first token (s) and that token's
-// logits (when it asked for them); a failed request is reported on stderr.
+// logits (when it asked for them); a refused submit or a failed request is an error.
 struct OneRequest {
   double ttft = 0;
   std::vector<float> logits;
 };
-OneRequest run_one(Engine& en, Request r) {
+Result<OneRequest> run_one(Engine& en, Request r) {
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
   OneRequest out;
+  Status failed;
   Clock::time_point first;
   const auto t0 = Clock::now();
   auto id = en.submit(std::move(r), [&](const TokenEvent& ev) {
@@ -156,19 +157,16 @@ OneRequest run_one(Engine& en, Request r) {
       first = Clock::now();
       out.logits = ev.logits;
     }
-    if (ev.finish == engine::FinishReason::kError)
-      std::fprintf(stderr, "request failed: %s\n", ev.error.message().c_str());
+    if (ev.finish == engine::FinishReason::kError) failed = ev.error;
     if (ev.finish != engine::FinishReason::kNone) {
       done = true;
       cv.notify_all();
     }
   });
-  if (!id.is_ok()) {
-    std::fprintf(stderr, "submit: %s\n", id.status().to_string().c_str());
-    std::exit(1);
-  }
+  if (!id.is_ok()) return id.status();
   std::unique_lock lk(mu);
   cv.wait(lk, [&] { return done; });
+  if (!failed.is_ok()) return failed;
   out.ttft = std::chrono::duration<double>(first - t0).count();
   return out;
 }
@@ -336,7 +334,9 @@ int main(int argc, char** argv) {
         r.prompt = prompt;
         r.max_new_tokens = 1;
         m0 = en.metrics();
-        ttft = run_one(en, std::move(r)).ttft;
+        auto one = run_one(en, std::move(r));
+        if (!one.is_ok()) fail(one.status());
+        ttft = one->ttft;
         std::this_thread::sleep_for(std::chrono::milliseconds(600));  // a step's metrics
         m1 = en.metrics();
         en.stop(true);
@@ -396,7 +396,9 @@ int main(int argc, char** argv) {
         r.max_new_tokens = 1;
         r.return_logits = true;
         const auto m0 = en.metrics();
-        const OneRequest one = run_one(en, std::move(r));
+        auto res = run_one(en, std::move(r));
+        if (!res.is_ok()) fail(res.status());
+        const OneRequest& one = *res;
         const std::vector<float>& logits = one.logits;
         // The metrics snapshot is taken after a step; the token came out inside the step's
         // forward pass. The idle engine steps every idle_tick (250 ms): wait for one.

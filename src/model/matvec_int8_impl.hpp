@@ -15,8 +15,9 @@
 //   S (16 int16 sub-scales: 0-7 low half, 8-15 high), scales_i8(16 int8), half<h>(S) (half h in
 //   both halves); M (8 mins); unpack_k4(12 packed bytes, S& sc, M& mn): Q4_K / Q5_K's 8 scales
 //   (both halves) and 8 mins; B pairs(w, x): int16 j = w[2j] x[2j] + w[2j+1] x[2j+1]
-//   (maddubs), I madd16(S, const int16_t b[16]) (lane i: a[2i] b[2i] + a[2i+1] b[2i+1]); P pick<e0, e1>(S s): element e0 of the low half (for lanes 0-3) and
-//   e1 of the high half (lanes 4-7); I madd_acc(I acc, B p, P sc): lane i of
+//   (maddubs), I madd16(S a, const int16_t b[16]) (lane i: a[2i] b[2i] + a[2i+1] b[2i+1]);
+//   P pick<e0, e1>(S s): element e0 of the low half (for lanes 0-3) and e1 of the high half
+//   (lanes 4-7); I madd_acc(I acc, B p, P sc): lane i of
 //   acc plus (p[2i] + p[2i+1]) times its element of sc (exact int32)
 //   I izero(), add(I, I), isub(I, I)   int32 lanes; B splat(uint8_t) 32 equal bytes
 //   V cvt(I) (rounded to nearest even; exact below 2^24), set1, zero, fma (one rounding)
@@ -27,7 +28,8 @@
 //   I madd_pairs(I acc, B p, int32 pr) (lane i + p[2i] * lo + p[2i+1] * hi, p as 16 int16, (lo,
 //   hi) the int16 halves of pr). kRows4 (x86): F4 (4 floats, a row each), sums4(4 I) = the 4
 //   lane sums (exact int32) converted to floats (rounded to nearest); set4, load4, f16x4, zero4,
-//   mul4, fma4, add4, store4.
+//   mul4, fma4, add4, store4, neg4; f16pairs4(4 row pointers, F4& d, F4& dmin) (the K types'
+//   f16 pairs); msums4(4 M, bsum) (k4_msum of 4 rows, as floats).
 //
 // The 32-value types (one scale per 32 weights) read activation blocks of 32 (ActBlock); the K
 // types (super-blocks of 256 weights with integer sub-scales) read blocks of 256 (ActBlockK, as
@@ -381,11 +383,12 @@ void rows_typed(const RowsArgs& a) {
 // per row, reduced at the end, so a batch ran 8 float multiply-adds per super-block and token;
 // tokens in lanes do one per 8 tokens and sum in integers: README, "Tokens in lanes for the K
 // types".)
-// One token, per row and super-block, init_sum() starts the lanes (Q6_K: its offset term from
-// the token's 16-value sums) and prepare() unpacks the scales (Row); per chunk, codes<g>()
-// decodes the row's 32 bytes (unsigned), scale<g>() picks its sub-scale operand, maddubs gives
-// the int16 pairs with the token's q_x, and madd_acc adds the chunk's 8 scaled int32 lanes. Several tokens: decode_k() writes a row's super-block
-// once (DecK) and groupk8 broadcasts it against 8 tokens.
+// One token, per row and super-block, prepare() unpacks the scales (Row) and returns the lanes'
+// start (Q6_K: its offset term from the token's 16-value sums); per chunk, codes<g>() decodes
+// the row's 32 bytes (unsigned), scale<g>() picks its sub-scale operand, maddubs gives the int16
+// pairs with the token's q_x, and madd_acc adds the chunk's 8 scaled int32 lanes. Several
+// tokens: decode_k() writes a row's super-block once (DecK) and groupk8 broadcasts it against 8
+// tokens.
 template <uint32_t T>
 struct CodeK;
 
@@ -422,7 +425,10 @@ struct CodeK45 {
   // in L2, 65536 x 1536 from DRAM) and Qwen2.5-1.5B's decode step 0-6% faster (AVX-512 VNNI Zen
   // 4, 1 thread). Before the prefetch hint became prefetcht2 (prefetch_w) the same unpack made
   // that step 15-25% slower, so it was left out then (README, the AVX-512 VNNI table).
-  static void prepare(const uint8_t* b, Row& o) { Ops::unpack_k4(b + 4, o.sc, o.mn); }
+  static typename Ops::I prepare(const uint8_t* b, const ActBlockK&, Row& o) {
+    Ops::unpack_k4(b + 4, o.sc, o.mn);
+    return Ops::izero();
+  }
   template <int g>
   static typename Ops::B codes(const uint8_t* b) {
     const typename Ops::B q = Ops::load(b + (kFive ? 48 : 16) + 32 * (g / 2));
@@ -435,7 +441,6 @@ struct CodeK45 {
     return Ops::template pick<g, g>(o.sc);
   }
   static int msum(const Row& o, const int16_t* bsum) { return Ops::k4_msum(o.mn, bsum); }
-  static typename Ops::I init_sum(const uint8_t*, const ActBlockK&) { return Ops::izero(); }
   // The batched path's scales (DecK): ggml's get_scale_min_k4, one chunk at a time (the same
   // integers as unpack_k4; the tests compare the two paths bit for bit).
   static void dec_scales(const uint8_t* b, uint8_t* o) {
@@ -464,19 +469,15 @@ struct CodeK<kTypeQ6_K> {
   };
   static float d(const uint8_t* b) { return Ops::f16(rd16(b + 208)); }
   static float dmin(const uint8_t*) { return 0.0f; }
-  static void prepare(const uint8_t* b, Row& o) {
+  // The one-token pass starts each row's lanes from the offset term, -32 sum_j s_j bsum16_j
+  // (|.| <= 32 * 16 * 128 * 2032 < 2^28), and adds s_j sum(u q) per chunk (until 2026-12-03
+  // each chunk's pairs subtracted pairs(32, q) instead: 8 more subtractions per row and
+  // super-block).
+  static typename Ops::I prepare(const uint8_t* b, const ActBlockK& xb, Row& o) {
     const typename Ops::S s = Ops::scales_i8(reinterpret_cast<const int8_t*>(b + 192));
     o.sc[0] = Ops::template half<0>(s);
     o.sc[1] = Ops::template half<1>(s);
-  }
-  // The one-token pass starts from the offset term, -32 sum_j s_j bsum16_j (|.| <= 32 * 16 *
-  // 128 * 2032 < 2^28), and adds s_j sum(u q) per chunk (until 2026-12-03 each chunk's pairs
-  // subtracted pairs(32, q) instead: 8 more subtractions per row and super-block).
-  static typename Ops::I init_sum(const uint8_t* b, const ActBlockK& xb) {
-    return Ops::isub(Ops::izero(),
-                     Ops::ishl(Ops::madd16(Ops::scales_i8(reinterpret_cast<const int8_t*>(b + 192)),
-                                           xb.bsum16),
-                               5));
+    return Ops::isub(Ops::izero(), Ops::ishl(Ops::madd16(s, xb.bsum16), 5));
   }
   template <int g>
   static typename Ops::B codes(const uint8_t* b) {
@@ -499,39 +500,35 @@ struct CodeK<kTypeQ6_K> {
   }
 };
 
-// acc[r] = fma(d_r * d_x, float(S_r), acc[r]) with S_r the lane sum of sumi[r] (exact). Four
-// rows (x86): the 4 sums in one reduction and the float operations on the 4 rows at once (the
-// same roundings lane by lane).
+// acc[r] = fma(d_r * d_x, float(S_r), acc[r]) with S_r the lane sum of sumi[r] (exact), and for
+// Q4_K / Q5_K macc[r] = fma(-(dmin_r * d_x), float(msum_r), macc[r]). Four rows (x86): the 4
+// sums in one reduction, Q4_K / Q5_K's d and dmin widened in one conversion and their 4 msums
+// reduced together, and the float operations on the 4 rows at once (the same roundings as the
+// scalar forms, lane by lane: a product, a negation, one fused multiply-add).
 template <uint32_t T, int RBn, class O = Ops>  // O: dependent, for the targets without kRows4
-inline void superblock_float(const uint8_t* const* b, const typename Ops::I* sumi, float dx,
-                             float* acc) {
+inline void superblock_float(const uint8_t* const* b, const typename Ops::I* sumi,
+                             const typename CodeK<T>::Row* st, const ActBlockK& xb, float* acc,
+                             float* macc) {
   using CK = CodeK<T>;
   if constexpr (RBn == 4 && O::kRows4) {
-    const auto a = O::mul4(O::set4(CK::d(b[0]), CK::d(b[1]), CK::d(b[2]), CK::d(b[3])),
-                           O::set4(dx, dx, dx, dx));
-    O::store4(acc, O::fma4(a, O::sums4(sumi[0], sumi[1], sumi[2], sumi[3]), O::load4(acc)));
+    typename O::F4 d4, m4;
+    if constexpr (CK::kMin) O::f16pairs4(b[0], b[1], b[2], b[3], d4, m4);
+    else d4 = O::set4(CK::d(b[0]), CK::d(b[1]), CK::d(b[2]), CK::d(b[3]));
+    const auto dx = O::set4(xb.d, xb.d, xb.d, xb.d);
+    O::store4(acc, O::fma4(O::mul4(d4, dx), O::sums4(sumi[0], sumi[1], sumi[2], sumi[3]),
+                           O::load4(acc)));
+    if constexpr (CK::kMin)
+      O::store4(macc, O::fma4(O::neg4(O::mul4(m4, dx)),
+                              O::msums4(st[0].mn, st[1].mn, st[2].mn, st[3].mn, xb.bsum),
+                              O::load4(macc)));
   } else {
-    for (int r = 0; r < RBn; ++r)
-      acc[r] = std::fma(CK::d(b[r]) * dx, static_cast<float>(Ops::hsum(sumi[r])), acc[r]);
+    for (int r = 0; r < RBn; ++r) {
+      acc[r] = std::fma(CK::d(b[r]) * xb.d, static_cast<float>(Ops::hsum(sumi[r])), acc[r]);
+      if constexpr (CK::kMin)
+        macc[r] = std::fma(-(CK::dmin(b[r]) * xb.d),
+                           static_cast<float>(CK::msum(st[r], xb.bsum)), macc[r]);
+    }
   }
-}
-
-// Q4_K / Q5_K, four rows (x86): superblock_float and the min term's
-// macc[r] = fma(-(dmin_r * d_x), float(msum_r), macc[r]) lane by lane, d and dmin of the 4 rows
-// widened in one conversion and the 4 msums reduced together (the same roundings as the
-// scalar forms: a product, a negation, one fused multiply-add).
-template <uint32_t T, class O = Ops>
-inline void superblock_float_min4(const uint8_t* const* b, const typename Ops::I* sumi,
-                                  const typename CodeK<T>::Row* st, const ActBlockK& xb,
-                                  float* acc, float* macc) {
-  typename O::F4 d4, m4;
-  O::f16pairs4(b[0], b[1], b[2], b[3], d4, m4);
-  const auto dx = O::set4(xb.d, xb.d, xb.d, xb.d);
-  O::store4(acc, O::fma4(O::mul4(d4, dx), O::sums4(sumi[0], sumi[1], sumi[2], sumi[3]),
-                         O::load4(acc)));
-  O::store4(macc, O::fma4(O::neg4(O::mul4(m4, dx)),
-                          O::msums4(st[0].mn, st[1].mn, st[2].mn, st[3].mn, xb.bsum),
-                          O::load4(macc)));
 }
 
 // Super-block k of RBn rows against one token's activation block xb (the scheme above): the
@@ -549,8 +546,7 @@ inline void superblock(const uint8_t* const* rows, int64_t k, const ActBlockK& x
   for (int r = 0; r < RBn; ++r) {
     b[r] = rows[r] + k * CK::kBytes;
     for (int o = 0; o < CK::kBytes; o += 64) prefetch_w(b[r] + ahead + o);
-    sumi[r] = CK::init_sum(b[r], xb);
-    CK::prepare(b[r], st[r]);
+    sumi[r] = CK::prepare(b[r], xb, st[r]);
   }
   for_each_group<8>([&](auto g) {
     constexpr int kG = decltype(g)::value;
@@ -559,15 +555,7 @@ inline void superblock(const uint8_t* const* rows, int64_t k, const ActBlockK& x
       sumi[r] = Ops::madd_acc(
           sumi[r], Ops::pairs(CK::template codes<kG>(b[r]), xv), CK::template scale<kG>(st[r]));
   });
-  if constexpr (CK::kMin && RBn == 4 && Ops::kRows4) {
-    superblock_float_min4<T>(b, sumi, st, xb, acc, macc);
-    return;
-  }
-  superblock_float<T, RBn>(b, sumi, xb.d, acc);
-  if constexpr (CK::kMin)
-    for (int r = 0; r < RBn; ++r)
-      macc[r] = std::fma(-(CK::dmin(b[r]) * xb.d), static_cast<float>(CK::msum(st[r], xb.bsum)),
-                         macc[r]);
+  superblock_float<T, RBn>(b, sumi, st, xb, acc, macc);
 }
 
 // A super-block's RBn rows of decoded codes (DecK, at dec + (r * blocks + k) * kDecKBytes)

@@ -128,6 +128,21 @@ ExpFn exp_for(Isa isa) {
   }
 }
 
+ExpFn exp_nonpos_for(Isa isa) {
+  switch (isa) {
+#if defined(TREEATTN_CPU_KERNEL_GENERIC)
+    case Isa::kGeneric: return &generic::exp_nonpos_array;
+#endif
+#if defined(TREEATTN_CPU_KERNEL_AVX2)
+    case Isa::kAvx2: return &avx2::exp_nonpos_array;
+#endif
+#if defined(TREEATTN_CPU_KERNEL_AVX512)
+    case Isa::kAvx512: return &avx512::exp_nonpos_array;
+#endif
+    default: return nullptr;
+  }
+}
+
 ReadStreamFn read_stream_for(Isa isa) {
   switch (isa) {
 #if defined(TREEATTN_CPU_KERNEL_GENERIC)

@@ -160,6 +160,8 @@ using FmaBurnFn = float (*)(int64_t iters, float seed, double* flops);
 
 // The functions of a target, or nullptr when the target is not built.
 ExpFn exp_for(Isa isa);
+// The softmax's exp of s - m (<= 0, -inf or NaN): exp's bits for every such input, cheaper.
+ExpFn exp_nonpos_for(Isa isa);
 ReadStreamFn read_stream_for(Isa isa);
 FmaBurnFn fma_burn_for(Isa isa);
 
@@ -168,6 +170,7 @@ void decode_item(const ItemArgs& a);
 void decode_tiled_item(const TiledItemArgs& a);
 void prefill_block_item(const TiledItemArgs& a);
 void exp_array(const float* in, float* out, int64_t n);
+void exp_nonpos_array(const float* in, float* out, int64_t n);
 float read_stream(const float* p, int64_t n);
 float fma_burn(int64_t iters, float seed, double* flops);
 }  // namespace generic
@@ -176,6 +179,7 @@ void decode_item(const ItemArgs& a);
 void decode_tiled_item(const TiledItemArgs& a);
 void prefill_block_item(const TiledItemArgs& a);
 void exp_array(const float* in, float* out, int64_t n);
+void exp_nonpos_array(const float* in, float* out, int64_t n);
 float read_stream(const float* p, int64_t n);
 float fma_burn(int64_t iters, float seed, double* flops);
 }  // namespace avx2
@@ -184,6 +188,7 @@ void decode_item(const ItemArgs& a);
 void decode_tiled_item(const TiledItemArgs& a);
 void prefill_block_item(const TiledItemArgs& a);
 void exp_array(const float* in, float* out, int64_t n);
+void exp_nonpos_array(const float* in, float* out, int64_t n);
 float read_stream(const float* p, int64_t n);
 float fma_burn(int64_t iters, float seed, double* flops);
 }  // namespace avx512

@@ -128,7 +128,10 @@ struct Ops {
 void decode_item(const ItemArgs& a) { dispatch_item(a); }
 void decode_tiled_item(const TiledItemArgs& a) { dispatch_tiled_item(a); }
 void prefill_block_item(const TiledItemArgs& a) { dispatch_prefill_block(a); }
-void exp_array(const float* in, float* out, int64_t n) { exp_array_impl(in, out, n); }
+void exp_array(const float* in, float* out, int64_t n) { exp_array_impl<false>(in, out, n); }
+void exp_nonpos_array(const float* in, float* out, int64_t n) {
+  exp_array_impl<true>(in, out, n);
+}
 float read_stream(const float* p, int64_t n) { return read_stream_impl(p, n); }
 float fma_burn(int64_t iters, float seed, double* flops) { return fma_burn_impl(iters, seed, flops); }
 

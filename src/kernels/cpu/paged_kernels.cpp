@@ -83,8 +83,9 @@ void reference_tiled_item(const TiledItemArgs& a) {
   const std::size_t rec = d_size + 2;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-  for (int r = 0; r < a.rows && !a.keep; ++r)
-    state_set_empty(a.out + static_cast<std::size_t>(r) * rec, d_size);
+  if (!a.keep)  // else continue the records' states
+    for (int r = 0; r < a.rows; ++r)
+      state_set_empty(a.out + static_cast<std::size_t>(r) * rec, d_size);
   int64_t seen = 0;  // tokens some row sees
   for (int r = 0; r < a.rows; ++r) seen = std::max(seen, a.visible[r]);
   std::vector<float> kf(d_size), vf(d_size);

@@ -211,11 +211,12 @@ void run_prefill_block(const TiledItemArgs& a) {
   float* ksc = s + kBlockRows * ld;
   float* vsc = ksc + ld;
 
-  for (int r = 0; r < R && !a.keep; ++r) {
-    float* rec = a.out + r * kRec;
-    rec[kM] = kNegInf;
-    for (int64_t i = kL; i < kRec; ++i) rec[i] = 0.0f;
-  }
+  if (!a.keep)  // else continue the records' states
+    for (int r = 0; r < R; ++r) {
+      float* rec = a.out + r * kRec;
+      rec[kM] = kNegInf;
+      for (int64_t i = kL; i < kRec; ++i) rec[i] = 0.0f;
+    }
   auto take_of = [&](int r) -> int {
     const int64_t vis = a.visible[r];
     return vis <= 0 ? 0 : (vis < n ? static_cast<int>(vis) : n);

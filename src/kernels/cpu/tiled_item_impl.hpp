@@ -242,11 +242,12 @@ void run_tiled_item(const TiledItemArgs& a) {
   const int64_t ld = tiled_score_ld(block_tokens);
   float* s = a.scores;
 
-  for (int r = 0; r < R && !a.keep; ++r) {
-    float* rec = a.out + r * kRec;
-    rec[kM] = kNegInf;
-    for (int64_t i = kL; i < kRec; ++i) rec[i] = 0.0f;
-  }
+  if (!a.keep)  // else continue the records' states
+    for (int r = 0; r < R; ++r) {
+      float* rec = a.out + r * kRec;
+      rec[kM] = kNegInf;
+      for (int64_t i = kL; i < kRec; ++i) rec[i] = 0.0f;
+    }
 
   const int64_t tiles = (a.tokens + T - 1) / T;
   TiledPrefetch pf_state;

@@ -419,6 +419,29 @@ TEST_P(CpuTarget, ExpContract) {
   EXPECT_LE(worst, 2.0) << "worst error in ulp";
 }
 
+// The softmax's exp (exp_nonpos, for s - m): the same bits as exp for every input it gets
+// (x <= 0, -0, -inf, NaN), across the underflow edge and the subnormal results.
+TEST_P(CpuTarget, ExpNonposGivesExpsBits) {
+  const kernels::cpu::ExpFn full = kernels::cpu::exp_for(GetParam());
+  const kernels::cpu::ExpFn nonpos = kernels::cpu::exp_nonpos_for(GetParam());
+  ASSERT_NE(full, nullptr);
+  ASSERT_NE(nonpos, nullptr);
+  std::vector<float> xs = {0.0f, -0.0f, -kInf, kNaN, -kNaN, -87.33654f, -87.3365f, -87.34f,
+                           -88.0f, -103.9f, -1e30f, -std::numeric_limits<float>::denorm_min(),
+                           -std::numeric_limits<float>::min()};
+  for (float x = -90.0f; x <= 0.0f; x += 0.00731f) xs.push_back(x);
+  for (float x = -1e-3f; x <= 0.0f; x += 7.3e-7f) xs.push_back(x);
+  std::vector<float> a(xs.size()), b(xs.size());
+  full(xs.data(), a.data(), static_cast<int64_t>(xs.size()));
+  nonpos(xs.data(), b.data(), static_cast<int64_t>(xs.size()));
+  int bad = 0;
+  for (std::size_t i = 0; i < xs.size(); ++i) {
+    const bool same = std::isnan(a[i]) ? std::isnan(b[i]) : std::memcmp(&a[i], &b[i], 4) == 0;
+    if (!same && ++bad <= 5) ADD_FAILURE() << "x " << xs[i] << ": exp " << a[i] << ", exp_nonpos " << b[i];
+  }
+  EXPECT_EQ(bad, 0);
+}
+
 // Bigger shapes through the sweep helper: GQA groups, Q 1/4, long enough for many chunks.
 TEST_P(CpuTarget, GroupedQueryLongShard) {
   for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
