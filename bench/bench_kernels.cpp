@@ -237,13 +237,13 @@ void matmul_args(benchmark::internal::Benchmark* b) {
     }
   // Qwen2.5-Coder-1.5B's K-type shapes (q/o 1536 x 1536, gate/up 8960 x 1536, down 1536 x 8960)
   // and 512 x 1536 (442 KB of Q4_K: held in a 1 MB L2, so the kernel's arithmetic, not the
-  // memory, is the limit), one token, 16 and 48 (the prefill's token tile), int8, on AVX2 and
-  // AVX-512 (skipped where absent).
+  // memory, is the limit), one token, 16, 48 (the prefill's token tile) and 512, int8, on AVX2 and
+  // AVX-512 (skipped where absent). 512 tokens: a 512-token prefill's call, every token tile.
   for (const Isa isa : {Isa::kAvx2, Isa::kAvx512})
     for (const gguf::TensorType t : {gguf::TensorType::kQ4_K, gguf::TensorType::kQ6_K})
       for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
                {512, 1536}, {1536, 1536}, {8960, 1536}, {1536, 8960}})
-        for (const int64_t tokens : {1, 16, 48})
+        for (const int64_t tokens : {1, 16, 48, 512})
           b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), tokens, 1, 1, rows, cols});
   // 65536 x 1536 (57-107 MB: past a 32 MB L3), one token: the decode step's case, the weights
   // streamed from DRAM (where the prefetch hint decides the speed: matvec_int8_impl.hpp).

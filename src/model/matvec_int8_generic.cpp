@@ -113,6 +113,7 @@ void transpose_activations_k(const ActBlockK* xk, int64_t xk_stride, int64_t tok
                      for (int i = 0; i < 64; ++i) std::memcpy(&o.q[i][4 * t], x.q + 4 * i, 4);
                      o.d[t] = x.d;
                      for (int j = 0; j < 16; ++j) o.s16[j / 2][2 * t + j % 2] = x.bsum16[j];
+                     for (int j = 0; j < 8; ++j) o.s32[j / 2][2 * t + j % 2] = x.bsum[j];
                    });
 }
 

@@ -395,9 +395,10 @@ struct CodeK;
 // A decoded super-block of a row in the batched path's scratch (kDecKBytes bytes):
 //   [0, 256)    the 256 codes, unsigned (Q4_K 0-15, Q5_K 0-31, Q6_K u = c + 32, 0-63)
 //   [256, 320)  int32 sub-scales, one per kSub codes (Q4_K / Q5_K: 8 of 32; Q6_K: 16 of 16)
-//   [320, 352)  int32 multiplier pairs of the token's 16-value sums (ActBlockK8::s16), chunk j:
-//               int16 (mn_j, mn_j) (Q4_K / Q5_K: msum); int16 (32 s_{2j}, 32 s_{2j+1}) (Q6_K:
-//               the offset term, S = sum_j s_j sum(u q) - sum_j 32 s_j sum(q))
+//   [320, 352)  int32 multiplier pairs of the token's sums: Q4_K / Q5_K, pair j < 4: int16
+//               (mn_{2j}, mn_{2j+1}) against ActBlockK8::s32[j] (msum); Q6_K, pair j < 8: int16
+//               (-32 s_{2j}, -32 s_{2j+1}) against s16[j] (the offset term, S = sum_j s_j sum(u q)
+//               - sum_j 32 s_j sum(q))
 //   [352, 360)  float d, float -dmin
 constexpr int kDecKBytes = 384;
 constexpr int kDecKScales = 256, kDecKPairs = 320, kDecKD = 352;
@@ -445,12 +446,13 @@ struct CodeK45 {
   // integers as unpack_k4; the tests compare the two paths bit for bit).
   static void dec_scales(const uint8_t* b, uint8_t* o) {
     const uint8_t* q = b + 4;
+    int mn[8];
     for (int j = 0; j < 8; ++j) {
       const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
-      const int mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+      mn[j] = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
       put32(o + kDecKScales + 4 * j, sc);
-      put32(o + kDecKPairs + 4 * j, pair16(mn, mn));
     }
+    for (int j = 0; j < 4; ++j) put32(o + kDecKPairs + 4 * j, pair16(mn[2 * j], mn[2 * j + 1]));
   }
 };
 template <>
@@ -496,7 +498,7 @@ struct CodeK<kTypeQ6_K> {
     const auto* s = reinterpret_cast<const int8_t*>(b + 192);
     for (int j = 0; j < 16; ++j) put32(o + kDecKScales + 4 * j, s[j]);
     for (int j = 0; j < 8; ++j)
-      put32(o + kDecKPairs + 4 * j, pair16(32 * s[2 * j], 32 * s[2 * j + 1]));
+      put32(o + kDecKPairs + 4 * j, pair16(-32 * s[2 * j], -32 * s[2 * j + 1]));
   }
 };
 
@@ -582,9 +584,9 @@ inline void groupk8(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, in
       for (int r = 0; r < RBn; ++r)
         for (int o = 0; o < CK::kBytes; o += 64)
           prefetch_w(next + r * row_bytes + k * CK::kBytes + o);
-    I s[RBn][NG];
+    I s[RBn][NG], m[RBn][NG];
     for (int r = 0; r < RBn; ++r)
-      for (int g = 0; g < NG; ++g) s[r][g] = Ops::izero();
+      for (int g = 0; g < NG; ++g) s[r][g] = m[r][g] = Ops::izero();
     for (int j = 0; j < 256 / CK::kSub; ++j) {
       I u[RBn][NG];
       for (int r = 0; r < RBn; ++r)
@@ -603,25 +605,32 @@ inline void groupk8(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, in
         std::memcpy(&sc, dec + (r * blocks + k) * kDecKBytes + kDecKScales + 4 * j, 4);
         for (int g = 0; g < NG; ++g) s[r][g] = Ops::add(s[r][g], Ops::mul_s(u[r][g], sc));
       }
+      // Every second chunk, one pair of the min term (Q4_K / Q5_K, into m) or of the offset term
+      // (Q6_K, straight into s): spread over the loop, not a chain of dependent multiply-adds
+      // after it.
+      if (j % 2 == 1)
+        for (int r = 0; r < RBn; ++r) {
+          int32_t pr;
+          std::memcpy(&pr, dec + (r * blocks + k) * kDecKBytes + kDecKPairs + 4 * (j / 2), 4);
+          for (int g = 0; g < NG; ++g) {
+            const ActBlockK8& xb = xt[g * blocks + k];
+            if constexpr (CK::kMin)
+              m[r][g] = Ops::madd_pairs(m[r][g], Ops::load(xb.s32[j / 2]), pr);
+            else
+              s[r][g] = Ops::madd_pairs(s[r][g], Ops::load(xb.s16[j / 2]), pr);
+          }
+        }
     }
     for (int g = 0; g < NG; ++g) {
-      const ActBlockK8& xb = xt[g * blocks + k];
-      const V d = Ops::vload(xb.d);
+      const V d = Ops::vload(xt[g * blocks + k].d);
       for (int r = 0; r < RBn; ++r) {
         const uint8_t* db = dec + (r * blocks + k) * kDecKBytes;
-        I m = Ops::izero();
-        for (int j = 0; j < 8; ++j) {
-          int32_t pr;
-          std::memcpy(&pr, db + kDecKPairs + 4 * j, 4);
-          m = Ops::madd_pairs(m, Ops::load(xb.s16[j]), pr);
-        }
         float wd, wn;
         std::memcpy(&wd, db + kDecKD, 4);
         std::memcpy(&wn, db + kDecKD + 4, 4);
-        if constexpr (!CK::kMin) s[r][g] = Ops::isub(s[r][g], m);
         acc[r][g] = Ops::fma(Ops::mul(Ops::set1(wd), d), Ops::cvt(s[r][g]), acc[r][g]);
         if constexpr (CK::kMin)
-          macc[r][g] = Ops::fma(Ops::mul(Ops::set1(wn), d), Ops::cvt(m), macc[r][g]);
+          macc[r][g] = Ops::fma(Ops::mul(Ops::set1(wn), d), Ops::cvt(m[r][g]), macc[r][g]);
       }
     }
   }

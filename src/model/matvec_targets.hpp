@@ -147,17 +147,19 @@ void transpose_activations(const ActBlock* xq, int64_t xq_stride, int64_t tokens
 void quantize_activations_k(const float* x, int64_t cols, ActBlockK* out);
 
 // Super-block b of 8 tokens, transposed as ActBlock8 for the K types' batched path: 4-byte
-// group i (< 64) of token t's q at q[i][4 t ..]; its d; and the sums of its q over each 16
-// values, two to a token: s16[j][2 t], s16[j][2 t + 1] are the sums over values 32 j .. 32 j + 15
-// and 32 j + 16 .. 32 j + 31 (|.| <= 2032), laid out as int16 pairs for a multiply-add with a
-// row's pair of multipliers (Q4_K / Q5_K: the min of chunk j twice; Q6_K: 32 times its two
-// sub-scales). Tokens past the end: all zero.
+// group i (< 64) of token t's q at q[i][4 t ..]; its d; and its sums of q laid out as int16
+// pairs for a multiply-add with a row's pair of multipliers: s16[j][2 t], s16[j][2 t + 1] are
+// the sums over values 32 j .. 32 j + 15 and 32 j + 16 .. 32 j + 31 (|.| <= 2032; Q6_K's pair:
+// minus 32 times its two sub-scales), s32[j][2 t], s32[j][2 t + 1] the sums over 64 j .. 64 j +
+// 31 and 64 j + 32 .. 64 j + 63 (|.| <= 4064; Q4_K / Q5_K's pair: the mins of the two 32-value
+// chunks). Tokens past the end: all zero.
 struct ActBlockK8 {
   int8_t q[64][32];
   float d[8];
   int16_t s16[8][16];
+  int16_t s32[4][16];
 };
-static_assert(sizeof(ActBlockK8) == 2336);
+static_assert(sizeof(ActBlockK8) == 2464);
 
 // xk: `tokens` tokens' K blocks (blocks per token, xk_stride apart) into ceil(tokens / 8)
 // groups of `blocks` ActBlockK8 each (group g: tokens 8 g .. 8 g + 7).
