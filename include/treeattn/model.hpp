@@ -183,6 +183,13 @@ struct LlamaConfig {
 // is shared read-only by every rank thread of a process).
 struct ForwardScratch {
   std::vector<float> xn, gate, up, tmp;
+  // RoPE's cos and sin for the positions of the last call (rope_pairs floats per token; [0] the
+  // global layers' frequencies, [1] the sliding-window layers'): the layers of one forward pass
+  // compute them once, not once per layer and per q and k. Reused only for the same positions
+  // and frequencies.
+  std::vector<int64_t> rope_pos[2];
+  std::vector<double> rope_freqs[2];
+  std::vector<float> rope_cos[2], rope_sin[2];
 };
 
 class LlamaModel {
@@ -240,6 +247,12 @@ class LlamaModel {
   // rows split over `threads` OpenMP threads (the same bits at any count).
   void rmsnorm(const float* x, const std::vector<float>& w, int64_t rows, float* out,
                int threads = 1) const;
+  // The frequencies of `layer`'s kind (the global ones for layer < 0).
+  const std::vector<double>& rope_freqs(int layer) const;
+  // cos / sin of pos * freq for each freq, rounded to float from double.
+  static void rope_angles(const std::vector<double>& freqs, int64_t pos, float* cs, float* sn);
+  // Rotates the pairs of each of n_heads heads by the angles' cos / sin.
+  void rope_rotate(float* heads, int64_t n_heads, const float* cs, const float* sn) const;
 
   gguf::File file_;
   LlamaConfig cfg_;

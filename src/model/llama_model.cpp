@@ -340,27 +340,41 @@ void LlamaModel::rmsnorm(const float* x, const std::vector<float>& w, int64_t to
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
   for (int64_t t = 0; t < tokens; ++t) {
     const float* xt = x + t * n;
-    double ss = 0.0;
-    for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(xt[i]) * xt[i];
+    // The squares (exact in double) in 8 running sums, added pairwise at the end: one chain of n
+    // dependent double adds held Gemma-3's norms (6 a layer) to an element per add's latency.
+    double part[8] = {};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      for (int j = 0; j < 8; ++j) part[j] += static_cast<double>(xt[i + j]) * xt[i + j];
+    double ss =
+        ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+    for (; i < n; ++i) ss += static_cast<double>(xt[i]) * xt[i];
     const double r = 1.0 / std::sqrt(ss / static_cast<double>(n) + cfg_.rms_eps);
     float* o = out + t * n;
-    for (int64_t i = 0; i < n; ++i)
+    for (i = 0; i < n; ++i)
       o[i] = static_cast<float>(static_cast<double>(xt[i]) * r) * w[static_cast<std::size_t>(i)];
   }
 }
 
-void LlamaModel::apply_rope(float* heads, int64_t n_heads, int64_t pos, int layer) const {
+const std::vector<double>& LlamaModel::rope_freqs(int layer) const {
   const bool local = layer >= 0 && !inv_freq_local_.empty() &&
                      cfg_.local_layer[static_cast<std::size_t>(layer)] != 0;
-  const std::vector<double>& inv = local ? inv_freq_local_ : inv_freq_;
-  const std::size_t pairs = inv.size();
-  float cs[256], sn[256];  // rope_dim / 2 <= head_dim / 2 <= 128
-  for (std::size_t i = 0; i < pairs; ++i) {
-    const double th = static_cast<double>(pos) * inv[i];
+  return local ? inv_freq_local_ : inv_freq_;
+}
+
+void LlamaModel::rope_angles(const std::vector<double>& freqs, int64_t pos, float* cs,
+                             float* sn) {
+  for (std::size_t i = 0; i < freqs.size(); ++i) {
+    const double th = static_cast<double>(pos) * freqs[i];
     cs[i] = static_cast<float>(std::cos(th));
     sn[i] = static_cast<float>(std::sin(th));
   }
+}
+
+void LlamaModel::rope_rotate(float* heads, int64_t n_heads, const float* cs,
+                             const float* sn) const {
   // Pair i is (x[2i], x[2i+1]) on adjacent pairs, (x[i], x[i + pairs]) on halves.
+  const std::size_t pairs = inv_freq_.size();
   const std::size_t second = cfg_.rope_form == RopeForm::kHalves ? pairs : 1;
   const std::size_t stride = cfg_.rope_form == RopeForm::kHalves ? 1 : 2;
   for (int64_t h = 0; h < n_heads; ++h) {
@@ -373,6 +387,12 @@ void LlamaModel::apply_rope(float* heads, int64_t n_heads, int64_t pos, int laye
       *hi = a * sn[i] + b * cs[i];
     }
   }
+}
+
+void LlamaModel::apply_rope(float* heads, int64_t n_heads, int64_t pos, int layer) const {
+  float cs[256], sn[256];  // rope_dim / 2 <= head_dim / 2 <= 128
+  rope_angles(rope_freqs(layer), pos, cs, sn);
+  rope_rotate(heads, n_heads, cs, sn);
 }
 
 namespace {
@@ -413,10 +433,28 @@ Status LlamaModel::attention_inputs(int layer, const float* x, int64_t tokens, c
     rmsnorm(q, L.q_norm, tokens * cfg_.n_head, q, threads);
     rmsnorm(k, L.k_norm, tokens * cfg_.n_head_kv, k, threads);
   }
+  // The angles of these positions, computed by the first layer of their kind and reused by the
+  // others (the same doubles rounded the same way: apply_rope's bits).
+  const std::vector<double>& freqs = rope_freqs(layer);
+  const std::size_t kind = &freqs == &inv_freq_ ? 0 : 1;
+  const auto pairs = static_cast<int64_t>(freqs.size());
+  std::vector<int64_t>& have = s.rope_pos[kind];
+  std::vector<float>& cs = s.rope_cos[kind];
+  std::vector<float>& sn = s.rope_sin[kind];
+  if (static_cast<int64_t>(have.size()) != tokens || !std::equal(have.begin(), have.end(), pos) ||
+      s.rope_freqs[kind] != freqs) {
+    have.assign(pos, pos + tokens);
+    s.rope_freqs[kind] = freqs;
+    cs.resize(static_cast<std::size_t>(tokens * pairs));
+    sn.resize(static_cast<std::size_t>(tokens * pairs));
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t t = 0; t < tokens; ++t)
+      rope_angles(freqs, pos[t], cs.data() + t * pairs, sn.data() + t * pairs);
+  }
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
   for (int64_t t = 0; t < tokens; ++t) {
-    apply_rope(q + t * qd, cfg_.n_head, pos[t], layer);
-    apply_rope(k + t * kvd, cfg_.n_head_kv, pos[t], layer);
+    rope_rotate(q + t * qd, cfg_.n_head, cs.data() + t * pairs, sn.data() + t * pairs);
+    rope_rotate(k + t * kvd, cfg_.n_head_kv, cs.data() + t * pairs, sn.data() + t * pairs);
   }
   return Status::ok();
 }
