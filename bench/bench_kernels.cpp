@@ -245,6 +245,11 @@ void matmul_args(benchmark::internal::Benchmark* b) {
                {512, 1536}, {1536, 1536}, {8960, 1536}, {1536, 8960}})
         for (const int64_t tokens : {1, 16, 48, 512})
           b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), tokens, 1, 1, rows, cols});
+  // Gemma-3-270M's gate / up shape (2048 x 640; its Q4_K_M file stores them as Q5_0, half its v
+  // matrices as Q8_0), a 512-token prefill's call, int8, on AVX2 and AVX-512.
+  for (const Isa isa : {Isa::kAvx2, Isa::kAvx512})
+    for (const gguf::TensorType t : {gguf::TensorType::kQ5_0, gguf::TensorType::kQ8_0})
+      b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), 512, 1, 1, 2048, 640});
   // 65536 x 1536 (57-107 MB: past a 32 MB L3), one token: the decode step's case, the weights
   // streamed from DRAM (where the prefetch hint decides the speed: matvec_int8_impl.hpp).
   for (const Isa isa : {Isa::kAvx2, Isa::kAvx512})
