@@ -145,6 +145,7 @@ namespace {
 struct Ops {
   static constexpr int RB = 2;
   static constexpr int NG = 1;  // groups of 8 tokens per pass of the batched paths (group8, groupk8)
+  static constexpr bool kWide = false;  // no wide lanes (groupk16)
   struct B {
     uint8_t v[32];
   };

@@ -642,6 +642,88 @@ inline void groupk8(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, in
     }
 }
 
+// groupk8 with wide lanes (Ops::kWide): NW pairs of groups, pair p = groups 2p and 2p + 1 (at xt
+// + 2p * blocks and xt + (2p + 1) * blocks) in one W of 16 tokens; the same integer sums and
+// the same float operations as groupk8's, lane by lane, so the same bits. y: token 16 p + t of
+// the pass at y[(16 p + t) * y_stride + r], for the first `lanes` tokens of the last pair, 16 of
+// the others.
+template <uint32_t T, int RBn, int NW, class O = Ops>  // O: dependent (only kWide targets)
+inline void groupk16(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int lanes,
+                     float* y, int64_t y_stride, const uint8_t* next, int64_t row_bytes) {
+  using CK = CodeK<T>;
+  using W = typename O::W;
+  using WV = typename O::WV;
+  constexpr int kGroups = CK::kSub / 4;
+  auto pair_of = [&](int p, int64_t k) -> std::pair<const ActBlockK8&, const ActBlockK8&> {
+    return {xt[2 * p * blocks + k], xt[(2 * p + 1) * blocks + k]};
+  };
+  WV acc[RBn][NW], macc[RBn][NW];
+  for (int r = 0; r < RBn; ++r)
+    for (int p = 0; p < NW; ++p) acc[r][p] = macc[r][p] = O::wvzero();
+  for (int64_t k = 0; k < blocks; ++k) {
+    if (next != nullptr)
+      for (int r = 0; r < RBn; ++r)
+        for (int o = 0; o < CK::kBytes; o += 64)
+          prefetch_w(next + r * row_bytes + k * CK::kBytes + o);
+    W s[RBn][NW], m[RBn][NW];
+    for (int r = 0; r < RBn; ++r)
+      for (int p = 0; p < NW; ++p) s[r][p] = m[r][p] = O::wzero();
+    for (int j = 0; j < 256 / CK::kSub; ++j) {
+      W u[RBn][NW];
+      for (int r = 0; r < RBn; ++r)
+        for (int p = 0; p < NW; ++p) u[r][p] = O::wzero();
+      for_each_group<kGroups>([&](auto i) {
+        const int gi = j * kGroups + decltype(i)::value;
+        W xv[NW];
+        for (int p = 0; p < NW; ++p) {
+          const auto [lo, hi] = pair_of(p, k);
+          xv[p] = O::wload2(lo.q[gi], hi.q[gi]);
+        }
+        for (int r = 0; r < RBn; ++r) {
+          const W w = O::wbcast4(dec + (r * blocks + k) * kDecKBytes + 4 * gi);
+          for (int p = 0; p < NW; ++p) u[r][p] = O::wdpu(u[r][p], w, xv[p]);
+        }
+      });
+      for (int r = 0; r < RBn; ++r) {
+        int32_t sc;
+        std::memcpy(&sc, dec + (r * blocks + k) * kDecKBytes + kDecKScales + 4 * j, 4);
+        for (int p = 0; p < NW; ++p) s[r][p] = O::wadd(s[r][p], O::wmul_s(u[r][p], sc));
+      }
+      if (j % 2 == 1)
+        for (int r = 0; r < RBn; ++r) {
+          int32_t pr;
+          std::memcpy(&pr, dec + (r * blocks + k) * kDecKBytes + kDecKPairs + 4 * (j / 2), 4);
+          for (int p = 0; p < NW; ++p) {
+            const auto [lo, hi] = pair_of(p, k);
+            if constexpr (CK::kMin)
+              m[r][p] = O::wmadd_pairs(m[r][p], O::wload2(lo.s32[j / 2], hi.s32[j / 2]), pr);
+            else
+              s[r][p] = O::wmadd_pairs(s[r][p], O::wload2(lo.s16[j / 2], hi.s16[j / 2]), pr);
+          }
+        }
+    }
+    for (int p = 0; p < NW; ++p) {
+      const auto [lo, hi] = pair_of(p, k);
+      const WV d = O::wvload2(lo.d, hi.d);
+      for (int r = 0; r < RBn; ++r) {
+        const uint8_t* db = dec + (r * blocks + k) * kDecKBytes;
+        float wd, wn;
+        std::memcpy(&wd, db + kDecKD, 4);
+        std::memcpy(&wn, db + kDecKD + 4, 4);
+        acc[r][p] = O::wvfma(O::wvmul(O::wvset1(wd), d), O::wcvt(s[r][p]), acc[r][p]);
+        if constexpr (CK::kMin)
+          macc[r][p] = O::wvfma(O::wvmul(O::wvset1(wn), d), O::wcvt(m[r][p]), macc[r][p]);
+      }
+    }
+  }
+  for (int p = 0; p < NW; ++p)
+    for (int r = 0; r < RBn; ++r) {
+      float out[16];
+      O::wvstore(out, CK::kMin ? O::wvadd(acc[r][p], macc[r][p]) : acc[r][p]);
+      for (int t = 0; t < (p == NW - 1 ? lanes : 16); ++t) y[(16 * p + t) * y_stride + r] = out[t];
+    }
+}
+
 // Row b's super-block decoded for groupk8 (DecK).
 template <uint32_t T>
 inline void decode_k(const uint8_t* b, uint8_t* o) {
@@ -684,6 +766,15 @@ inline void rows_block_k(const RowsArgs& a, int64_t r0) {
   // reads L2, not DRAM.
   const uint8_t* next = rows[0] + RBn * a.row_bytes;
   int64_t g = 0;
+  if constexpr (Ops::kWide) {
+    constexpr int kNW = 2;  // 2 pairs: 8 zmm chains of vpdpbusd, u / s / m in 24 registers
+    for (; g + 2 * kNW <= groups; g += 2 * kNW)
+      groupk16<T, RBn, kNW>(dec, blocks, a.xtk + g * blocks,
+                            static_cast<int>(
+                                std::min<int64_t>(16, a.tokens - 8 * (g + 2 * kNW - 2))),
+                            a.y + g * 8 * a.y_stride + r0, a.y_stride, g == 0 ? next : nullptr,
+                            a.row_bytes);
+  }
   for (; g + Ops::NG <= groups; g += Ops::NG)
     groupk8<T, RBn, Ops::NG>(dec, blocks, a.xtk + g * blocks,
                              static_cast<int>(

@@ -231,6 +231,49 @@ struct Ops {
   static V zero() { return _mm256_setzero_ps(); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static float f16(uint16_t h) { return _cvtsh_ss(h); }
+
+  // Wide lanes (the K types' batched path, groupk16): two groups of 8 tokens in one zmm, so each
+  // vpdpbusd does 64 products where the ymm one does 32. Zen 4 runs a zmm operation as two ymm
+  // halves, so the peak is the same; what halves is the instructions per product (broadcasts,
+  // loads, multiplies and adds of the sub-scales, the float tail), which bounded groupk8.
+  // Lane by lane the same integer and float operations, so the same bits.
+#if TREEATTN_INT8_DOT == 2
+  // (GCC 12's 512-bit intrinsics pass an undefined vector to their builtins: a false
+  // maybe-uninitialized.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+  static constexpr bool kWide = true;
+  using W = __m512i;
+  using WV = __m512;
+  static W wzero() { return _mm512_setzero_si512(); }
+  static W wload2(const void* lo, const void* hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(load(lo)), load(hi), 1);
+  }
+  static W wbcast4(const uint8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+  static W wdpu(W acc, W w, W x) { return _mm512_dpbusd_epi32(acc, w, x); }
+  static W wmul_s(W v, int32_t s) { return _mm512_mullo_epi32(v, _mm512_set1_epi32(s)); }
+  static W wadd(W a, W b) { return _mm512_add_epi32(a, b); }
+  static W wmadd_pairs(W acc, W p, int32_t pr) {
+    return _mm512_dpwssd_epi32(acc, p, _mm512_set1_epi32(pr));
+  }
+  static WV wvload2(const float* lo, const float* hi) {
+    return _mm512_castsi512_ps(wload2(lo, hi));
+  }
+  static WV wvzero() { return _mm512_setzero_ps(); }
+  static WV wvset1(float x) { return _mm512_set1_ps(x); }
+  static WV wvmul(WV a, WV b) { return _mm512_mul_ps(a, b); }
+  static WV wvadd(WV a, WV b) { return _mm512_add_ps(a, b); }
+  static WV wvfma(WV a, WV b, WV c) { return _mm512_fmadd_ps(a, b, c); }
+  static WV wcvt(W v) { return _mm512_cvtepi32_ps(v); }
+  static void wvstore(float* p, WV v) { _mm512_storeu_ps(p, v); }
+#pragma GCC diagnostic pop
+#else
+  static constexpr bool kWide = false;
+#endif
 };
 
 #include "model/matvec_int8_impl.hpp"

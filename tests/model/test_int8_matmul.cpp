@@ -19,6 +19,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model/generate_harness.hpp"
@@ -343,55 +344,61 @@ TEST(Int8Matmul, ANonFiniteActivationMakesOnlyItsTokenNaN) {
 TEST(Int8Matmul, BitsDoNotDependOnBatchingThreadsRowsOrTheOtherMatrices) {
   std::mt19937_64 rng(23);
   std::normal_distribution<float> nd;
-  for (const uint32_t type : int8_types()) {
-    const int64_t rows = 70, cols = 512, tokens = 101;  // 3 token tiles (48, 48, 5)
-    std::vector<uint8_t> s1, s2;
-    const WeightMatrix a = make_matrix(type, rows, cols, s1, rng);
-    const WeightMatrix b = make_matrix(id(TensorType::kF16), 19, cols, s2, rng);  // float type
-    std::vector<float> x(static_cast<std::size_t>(tokens * cols));
-    for (auto& v : x) v = nd(rng);
-    for (const Target& tg : targets_here()) {
-      SCOPED_TRACE(gguf::tensor_type_name(type) + " " + target_name(tg));
-      std::vector<float> all(static_cast<std::size_t>(tokens * rows)),
-          allb(static_cast<std::size_t>(tokens * 19));
-      {
-        const WeightMatrix* mats[] = {&a, &b};
-        float* ys[] = {all.data(), allb.data()};
-        ASSERT_TRUE(model::matmul(mats, x.data(), tokens, cols, ys, int8_options(3, tg)).is_ok());
-      }
-      {  // the float matrix: the exact path's bits
-        std::vector<float> e(allb.size());
-        const WeightMatrix* mats[] = {&b};
-        float* ys[] = {e.data()};
-        MatvecOptions o = int8_options(1, tg);
-        o.mode = MatmulMode::kExact;
-        ASSERT_TRUE(model::matmul(mats, x.data(), tokens, cols, ys, o).is_ok());
-        ASSERT_EQ(0, std::memcmp(e.data(), allb.data(), e.size() * 4));
-      }
-      for (const int threads : {1, 2}) {
-        for (int64_t t = 0; t < tokens; t += 5) {
-          std::vector<float> one(static_cast<std::size_t>(rows));
-          const WeightMatrix* mats[] = {&a};
-          float* ys[] = {one.data()};
-          ASSERT_TRUE(model::matmul(mats, x.data() + t * cols, 1, cols, ys,
-                                    int8_options(threads, tg))
-                          .is_ok());
-          ASSERT_EQ(0, std::memcmp(one.data(), all.data() + t * rows, one.size() * 4))
-              << "token " << t << " threads " << threads;
+  // (cols, tokens): one token tile; the AVX-512 K path's last pair of groups part full (60
+  // tokens: 16 + 16, 16 + 12); 3 token tiles (48, 48, 5: the call has a float matrix, so its tile
+  // holds 512 KiB of float activations, 48 tokens of 5632).
+  for (const auto& [cols, tokens] :
+       std::vector<std::pair<int64_t, int64_t>>{{512, 101}, {512, 60}, {5632, 101}})
+    for (const uint32_t type : int8_types()) {
+      SCOPED_TRACE(std::to_string(cols) + " cols, " + std::to_string(tokens) + " tokens");
+      const int64_t rows = 70;
+      std::vector<uint8_t> s1, s2;
+      const WeightMatrix a = make_matrix(type, rows, cols, s1, rng);
+      const WeightMatrix b = make_matrix(id(TensorType::kF16), 19, cols, s2, rng);  // float type
+      std::vector<float> x(static_cast<std::size_t>(tokens * cols));
+      for (auto& v : x) v = nd(rng);
+      for (const Target& tg : targets_here()) {
+        SCOPED_TRACE(gguf::tensor_type_name(type) + " " + target_name(tg));
+        std::vector<float> all(static_cast<std::size_t>(tokens * rows)),
+            allb(static_cast<std::size_t>(tokens * 19));
+        {
+          const WeightMatrix* mats[] = {&a, &b};
+          float* ys[] = {all.data(), allb.data()};
+          ASSERT_TRUE(model::matmul(mats, x.data(), tokens, cols, ys, int8_options(3, tg)).is_ok());
         }
-        for (const int64_t n : {int64_t{2}, int64_t{7}}) {
-          std::vector<float> part(static_cast<std::size_t>(n * rows));
-          const WeightMatrix* mats[] = {&a};
-          float* ys[] = {part.data()};
-          ASSERT_TRUE(model::matmul(mats, x.data() + 3 * cols, n, cols, ys,
-                                    int8_options(threads, tg))
-                          .is_ok());
-          ASSERT_EQ(0, std::memcmp(part.data(), all.data() + 3 * rows, part.size() * 4))
-              << n << " tokens, threads " << threads;
+        {  // the float matrix: the exact path's bits
+          std::vector<float> e(allb.size());
+          const WeightMatrix* mats[] = {&b};
+          float* ys[] = {e.data()};
+          MatvecOptions o = int8_options(1, tg);
+          o.mode = MatmulMode::kExact;
+          ASSERT_TRUE(model::matmul(mats, x.data(), tokens, cols, ys, o).is_ok());
+          ASSERT_EQ(0, std::memcmp(e.data(), allb.data(), e.size() * 4));
+        }
+        for (const int threads : {1, 2}) {
+          for (int64_t t = 0; t < tokens; t += 5) {
+            std::vector<float> one(static_cast<std::size_t>(rows));
+            const WeightMatrix* mats[] = {&a};
+            float* ys[] = {one.data()};
+            ASSERT_TRUE(
+                model::matmul(mats, x.data() + t * cols, 1, cols, ys, int8_options(threads, tg))
+                    .is_ok());
+            ASSERT_EQ(0, std::memcmp(one.data(), all.data() + t * rows, one.size() * 4))
+                << "token " << t << " threads " << threads;
+          }
+          for (const int64_t n : {int64_t{2}, int64_t{7}, int64_t{37}}) {
+            std::vector<float> part(static_cast<std::size_t>(n * rows));
+            const WeightMatrix* mats[] = {&a};
+            float* ys[] = {part.data()};
+            ASSERT_TRUE(
+                model::matmul(mats, x.data() + 3 * cols, n, cols, ys, int8_options(threads, tg))
+                    .is_ok());
+            ASSERT_EQ(0, std::memcmp(part.data(), all.data() + 3 * rows, part.size() * 4))
+                << n << " tokens, threads " << threads;
+          }
         }
       }
     }
-  }
 }
 
 // One call with 32-value and K types (both activation block sizes quantized) gives each matrix the
