@@ -344,9 +344,10 @@ TEST(Int8Matmul, ANonFiniteActivationMakesOnlyItsTokenNaN) {
 TEST(Int8Matmul, BitsDoNotDependOnBatchingThreadsRowsOrTheOtherMatrices) {
   std::mt19937_64 rng(23);
   std::normal_distribution<float> nd;
-  // (cols, tokens): one token tile; the AVX-512 K path's last pair of groups part full (60
-  // tokens: 16 + 16, 16 + 12); 3 token tiles (48, 48, 5: the call has a float matrix, so its tile
-  // holds 512 KiB of float activations, 48 tokens of 5632).
+  // (cols, tokens): 512 cols: a call of a K type alone puts its 101 tokens in one tile (up to 512
+  // KiB of 8-bit activations), the call with the float matrix in 48-token tiles; 60 tokens: the
+  // AVX-512 K path's last pair of groups part full (16 + 16, 16 + 12); 5632 cols: 3 tiles (48,
+  // 48, 5) in both calls.
   for (const auto& [cols, tokens] :
        std::vector<std::pair<int64_t, int64_t>>{{512, 101}, {512, 60}, {5632, 101}})
     for (const uint32_t type : int8_types()) {
@@ -365,6 +366,14 @@ TEST(Int8Matmul, BitsDoNotDependOnBatchingThreadsRowsOrTheOtherMatrices) {
           const WeightMatrix* mats[] = {&a, &b};
           float* ys[] = {all.data(), allb.data()};
           ASSERT_TRUE(model::matmul(mats, x.data(), tokens, cols, ys, int8_options(3, tg)).is_ok());
+        }
+        {  // the matrix alone (K types: one longer tile instead of 48-token tiles)
+          std::vector<float> alone(all.size());
+          const WeightMatrix* mats[] = {&a};
+          float* ys[] = {alone.data()};
+          ASSERT_TRUE(
+              model::matmul(mats, x.data(), tokens, cols, ys, int8_options(1, tg)).is_ok());
+          ASSERT_EQ(0, std::memcmp(alone.data(), all.data(), all.size() * 4));
         }
         {  // the float matrix: the exact path's bits
           std::vector<float> e(allb.size());
