@@ -774,6 +774,14 @@ inline void rows_block_k(const RowsArgs& a, int64_t r0) {
                                 std::min<int64_t>(16, a.tokens - 8 * (g + 2 * kNW - 2))),
                             a.y + g * 8 * a.y_stride + r0, a.y_stride, g == 0 ? next : nullptr,
                             a.row_bytes);
+    // A last pair (a 48-token tile is 4 + 2 groups): one W per row, still half the instructions.
+    if (g + 2 <= groups) {
+      groupk16<T, RBn, 1>(dec, blocks, a.xtk + g * blocks,
+                          static_cast<int>(std::min<int64_t>(16, a.tokens - 8 * g)),
+                          a.y + g * 8 * a.y_stride + r0, a.y_stride, g == 0 ? next : nullptr,
+                          a.row_bytes);
+      g += 2;
+    }
   }
   for (; g + Ops::NG <= groups; g += Ops::NG)
     groupk8<T, RBn, Ops::NG>(dec, blocks, a.xtk + g * blocks,

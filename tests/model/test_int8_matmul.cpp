@@ -395,7 +395,7 @@ TEST(Int8Matmul, BitsDoNotDependOnBatchingThreadsRowsOrTheOtherMatrices) {
             ASSERT_EQ(0, std::memcmp(one.data(), all.data() + t * rows, one.size() * 4))
                 << "token " << t << " threads " << threads;
           }
-          for (const int64_t n : {int64_t{2}, int64_t{7}, int64_t{37}}) {
+          for (const int64_t n : {int64_t{2}, int64_t{7}, int64_t{37}, int64_t{44}}) {
             std::vector<float> part(static_cast<std::size_t>(n * rows));
             const WeightMatrix* mats[] = {&a};
             float* ys[] = {part.data()};
