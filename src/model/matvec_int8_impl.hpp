@@ -29,7 +29,10 @@
 //   hi) the int16 halves of pr). kRows4 (x86): F4 (4 floats, a row each), sums4(4 I) = the 4
 //   lane sums (exact int32) converted to floats (rounded to nearest); set4, load4, f16x4, zero4,
 //   mul4, fma4, add4, store4, neg4; f16pairs4(4 row pointers, F4& d, F4& dmin) (the K types'
-//   f16 pairs); msums4(4 M, bsum) (k4_msum of 4 rows, as floats).
+//   f16 pairs); msums4(4 M, bsum) (k4_msum of 4 rows, as floats). kWide (AVX-512 VNNI): W (16
+//   int32 lanes: two groups of 8 tokens), WV (16 floats) and w-prefixed forms of the batched
+//   ops (wload2 of two 32-byte halves, wbcast4, wdpu, wmul_s, wadd, wmadd_pairs, wvload2, wvset1,
+//   wvmul, wvadd, wvfma, wcvt, wvstore), for groupk16.
 //
 // The 32-value types (one scale per 32 weights) read activation blocks of 32 (ActBlock); the K
 // types (super-blocks of 256 weights with integer sub-scales) read blocks of 256 (ActBlockK, as
@@ -388,7 +391,8 @@ void rows_typed(const RowsArgs& a) {
 // the row's 32 bytes (unsigned), scale<g>() picks its sub-scale operand, maddubs gives the int16
 // pairs with the token's q_x, and madd_acc adds the chunk's 8 scaled int32 lanes. Several
 // tokens: decode_k() writes a row's super-block once (DecK) and groupk8 broadcasts it against 8
-// tokens.
+// tokens (groupk16 against 16 in a zmm on AVX-512 VNNI: README, "The batched K kernel at the
+// integer peak").
 template <uint32_t T>
 struct CodeK;
 
