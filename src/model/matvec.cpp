@@ -31,19 +31,20 @@ constexpr int64_t kRowChunk = 16;
 constexpr int64_t kTokenTile = 48;
 static_assert(kTokenTile % 8 == 0, "a tile starts at a group of 8 tokens (RowsArgs::xt)");
 
-// The tokens of a tile. A call whose matrices are all on the integer path with at least one K
-// type: as many multiples of kTokenTile as keep the tile's 8-bit activations (which every row
-// block of a chunk reads again) within kTileBytes, so that each row's per-tile work (decoding a
-// K type's super-blocks into the scratch, the weights' trip from memory) is spread over more
-// tokens. 512 KiB is half of Zen 4's L2 per core. On the Zen 4 VM (AVX-512 VNNI, 1 thread) it ran
-// BM_Matmul's 512-token Q4_K / Q6_K 8960 x 1536 calls ~5% / ~10% faster than 48 tokens, and
-// Qwen2.5-1.5B's 512-token prefill's matrices in 5.78-5.92 s against 6.07-7.51 s (three pairs,
-// alternated). Other calls: kTokenTile. The 32-value types decode cheaply; with 768-token tiles
-// Gemma-3's gate / up (2048 x 640 Q5_0, 512 tokens) was no faster in BM_Matmul (7.6-8.7 ms
-// against 6.9-8.5 ms, noisy), its activations read from L2 instead of L1.
+// The tokens of a tile. A call whose matrices are all K types on the integer path: as many
+// multiples of kTokenTile as keep the tile's 8-bit activation codes (which every row block of a
+// chunk reads again) within kTileBytes (ActBlockK8's scales and sums add ~20%: ~600 KiB at 336
+// tokens x 1536 columns), so that each row's per-tile work (decoding its super-blocks into the
+// scratch, the weights' trip from memory) is spread over more tokens. 512 KiB is half of Zen 4's
+// L2 per core. On the Zen 4 VM (AVX-512 VNNI, 1 thread) it ran BM_Matmul's 512-token Q4_K / Q6_K
+// 8960 x 1536 calls ~5% / ~10% faster than 48 tokens, and Qwen2.5-1.5B's 512-token prefill's
+// matrices in 5.78-5.92 s against 6.07-7.51 s (three pairs, alternated). Every other call:
+// kTokenTile. The 32-value types decode cheaply; with 768-token tiles Gemma-3's gate / up (2048 x
+// 640 Q5_0, 512 tokens) was no faster in BM_Matmul (7.6-8.7 ms against 6.9-8.5 ms, noisy), its
+// activations read from L2 instead of L1. (The shipped files never mix the two kinds in one call.)
 constexpr int64_t kTileBytes = 512 * 1024;
-int64_t token_tile(int64_t cols, bool k_int8_only) {
-  if (!k_int8_only) return kTokenTile;
+int64_t token_tile(int64_t cols, bool k_types_only) {
+  if (!k_types_only) return kTokenTile;
   return std::max<int64_t>(1, kTileBytes / cols / kTokenTile) * kTokenTile;
 }
 
@@ -209,9 +210,9 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
     for (const WeightMatrix* m : mats)
       if (detail::int8_type(m->type)) (detail::int8_k_type(m->type) ? int8_k : int8_32) = true;
   int8 = int8_32 || int8_k;
-  bool int8_only = options.mode == MatmulMode::kInt8;
-  for (const WeightMatrix* m : mats) int8_only = int8_only && detail::int8_type(m->type);
-  const int64_t tile = token_tile(cols, int8_k && int8_only);
+  bool k_types_only = options.mode == MatmulMode::kInt8;
+  for (const WeightMatrix* m : mats) k_types_only = k_types_only && detail::int8_k_type(m->type);
+  const int64_t tile = token_tile(cols, k_types_only);
   // Quantized types have cols % 32 == 0, K types cols % 256 == 0 (check_matrix), so the blocks
   // cover every column.
   const int64_t xq_stride = cols / 32, xk_stride = cols / 256;

@@ -744,8 +744,9 @@ inline void decode_k(const uint8_t* b, uint8_t* o) {
 
 // RBn rows against every token of the job. One token: superblock() straight from the weights
 // (the decode step streams them). Several tokens: the rows are decoded once into the scratch
-// (RBn * blocks * kDecKBytes bytes, within its kMaxRowBlock * cols floats), then each group of 8
-// tokens runs from it (groupk8).
+// (RBn * blocks * kDecKBytes bytes, within its kMaxRowBlock * cols floats), then the groups of 8
+// tokens run from it: on kWide targets 4 at a time, then a last pair, in groupk16; the rest in
+// groupk8.
 template <uint32_t T, int RBn>
 inline void rows_block_k(const RowsArgs& a, int64_t r0) {
   static_assert(kDecKBytes <= 4 * 256 * 4);  // a super-block's share of the scratch

@@ -1,6 +1,7 @@
-// The integer row kernel's Ops on x86 (matvec_int8_impl.hpp), 256-bit vectors. Included by
-// matvec_int8_avx2.cpp (AVX2: maddubs + madd), matvec_int8_avxvnni.cpp (AVX-VNNI) and
-// matvec_int8_avx512vnni.cpp (AVX-512 VNNI + VL: vpdpbusd on ymm), each compiled with its own -m
+// The integer row kernel's Ops on x86 (matvec_int8_impl.hpp), 256-bit vectors (and, on AVX-512
+// VNNI, the K types' batched path's 512-bit wide lanes, kWide). Included by matvec_int8_avx2.cpp
+// (AVX2: maddubs + madd), matvec_int8_avxvnni.cpp (AVX-VNNI) and matvec_int8_avx512vnni.cpp
+// (AVX-512 VNNI + VL: vpdpbusd on ymm, and on zmm in groupk16), each compiled with its own -m
 // flags, after defining TREEATTN_INT8_DOT (0, 1, 2) and TREEATTN_INT8_NS (the namespace).
 // vpdpbusd sums the products 4i .. 4i+3 into lane i, as madd(maddubs) does, without the int16
 // stage (which cannot saturate here), so the three give the same lanes and the same bits.
