@@ -21,9 +21,9 @@ namespace {
 // gives q = 0. A NaN or infinite x: q = 0 and d = NaN (that token's outputs are NaN; the float
 // path gives NaN or infinity there).
 float quantize_block(const float* xb, int n, int8_t* q) {
-  // 8 running maxima and a flag for any NaN or infinity, in a form that vectorizes (the max of
-  // finite values does not depend on the order; one chain of scalar maxima held the quantization
-  // to one element per max's latency).
+  // 8 running maxima and a flag for any NaN or infinity: 8 independent chains (GCC keeps them
+  // scalar on the baseline ISA, but they overlap) where one chain of maxima held the quantization
+  // to one element per max's latency. The max of finite values does not depend on the order.
   float m[8] = {};
   int bad = 0;
   for (int i = 0; i < n; i += 8)  // n: 32 or 256
@@ -151,8 +151,8 @@ namespace {
 
 struct Ops {
   static constexpr int RB = 2;
-  static constexpr int NG = 1;  // groups of 8 tokens per pass of the batched paths (group8, groupk8)
-  static constexpr bool kWide = false;  // no wide lanes (groupk16)
+  static constexpr int NG = 1;  // groups of 8 tokens per pass of the batched paths (group8, groupk)
+  static constexpr bool kWide = false;  // no wide lanes (groupk's WideLanes)
   struct B {
     uint8_t v[32];
   };

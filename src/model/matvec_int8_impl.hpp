@@ -32,7 +32,7 @@
 //   f16 pairs); msums4(4 M, bsum) (k4_msum of 4 rows, as floats). kWide (AVX-512 VNNI): W (16
 //   int32 lanes: two groups of 8 tokens), WV (16 floats) and w-prefixed forms of the batched
 //   ops (wload2 of two 32-byte halves, wbcast4, wdpu, wmul_s, wadd, wmadd_pairs, wvload2, wvset1,
-//   wvmul, wvadd, wvfma, wcvt, wvstore), for groupk16.
+//   wvmul, wvadd, wvfma, wcvt, wvstore), for groupk's WideLanes.
 //
 // The 32-value types (one scale per 32 weights) read activation blocks of 32 (ActBlock); the K
 // types (super-blocks of 256 weights with integer sub-scales) read blocks of 256 (ActBlockK, as
@@ -382,7 +382,7 @@ void rows_typed(const RowsArgs& a) {
 //                                                    once, to nearest even, when |S| >= 2^24)
 //   macc = fma(-(dmin * d_x), float(msum), macc)    (Q4_K / Q5_K; dmin * d_x rounded once)
 // and the result is acc + macc. One token (superblock) sums S from 8 int32 lanes; several tokens
-// (groupk8) put 8 tokens in the lanes. (Until 2026-12-03 the one-token pass kept 8 float lanes
+// (groupk) put 8 tokens in the lanes. (Until 2026-12-03 the one-token pass kept 8 float lanes
 // per row, reduced at the end, so a batch ran 8 float multiply-adds per super-block and token;
 // tokens in lanes do one per 8 tokens and sum in integers: README, "Tokens in lanes for the K
 // types".)
@@ -390,8 +390,8 @@ void rows_typed(const RowsArgs& a) {
 // start (Q6_K: its offset term from the token's 16-value sums); per chunk, codes<g>() decodes
 // the row's 32 bytes (unsigned), scale<g>() picks its sub-scale operand, maddubs gives the int16
 // pairs with the token's q_x, and madd_acc adds the chunk's 8 scaled int32 lanes. Several
-// tokens: decode_k() writes a row's super-block once (DecK) and groupk8 broadcasts it against 8
-// tokens (groupk16 against 16 in a zmm on AVX-512 VNNI: README, "The batched K kernel at the
+// tokens: decode_k() writes a row's super-block once (DecK) and groupk broadcasts it against 8
+// tokens (16 in a zmm on AVX-512 VNNI, WideLanes: README, "The batched K kernel at the
 // integer peak").
 template <uint32_t T>
 struct CodeK;
@@ -564,171 +564,159 @@ inline void superblock(const uint8_t* const* rows, int64_t k, const ActBlockK& x
   superblock_float<T, RBn>(b, sumi, st, xb, acc, macc);
 }
 
+// The lanes of the batched K path, one vector of tokens: Narrow, one group of 8 tokens (I, V);
+// Wide (Ops::kWide targets), groups 2v and 2v + 1 in one W / WV of 16 tokens, so one vpdpbusd
+// does 64 products and the broadcasts, loads, sub-scale products and float tail per product
+// halve (Zen 4 runs a zmm operation as two ymm halves: the same peak, half the instructions,
+// which bounded the narrow form). Vector v of a pass reads field f of its groups' super-block k
+// (xt: group g's at xt[g * blocks + k]). Lane by lane both run the same integer and float
+// operations, so the same bits.
+struct NarrowLanes {
+  using B = typename Ops::B;  // bytes (4 per lane)
+  using I = typename Ops::I;
+  using V = typename Ops::V;
+  static constexpr int kTokens = 8;
+  template <class F>
+  static B load(const ActBlockK8* xt, int64_t blocks, int v, int64_t k, F f) {
+    return Ops::load(f(xt[v * blocks + k]));
+  }
+  template <class F>
+  static V vload(const ActBlockK8* xt, int64_t blocks, int v, int64_t k, F f) {
+    return Ops::vload(f(xt[v * blocks + k]));
+  }
+  static I izero() { return Ops::izero(); }
+  static B bcast4(const uint8_t* p) { return Ops::bcast4(p); }
+  static I dpu(I acc, B w, B x) { return Ops::dpu(acc, w, x); }
+  static I add(I a, I b) { return Ops::add(a, b); }
+  static I mul_s(I v, int32_t s) { return Ops::mul_s(v, s); }
+  static I madd_pairs(I acc, B p, int32_t pr) { return Ops::madd_pairs(acc, p, pr); }
+  static V zero() { return Ops::zero(); }
+  static V set1(float x) { return Ops::set1(x); }
+  static V mul(V a, V b) { return Ops::mul(a, b); }
+  static V fma(V a, V b, V c) { return Ops::fma(a, b, c); }
+  static V cvt(I v) { return Ops::cvt(v); }
+  static V vadd(V a, V b) { return Ops::vadd(a, b); }
+  static void vstore(float* p, V v) { Ops::vstore(p, v); }
+};
+template <class O = Ops>  // O: dependent, instantiated on kWide targets only
+struct WideLanes {
+  using B = typename O::W;
+  using I = typename O::W;
+  using V = typename O::WV;
+  static constexpr int kTokens = 16;
+  template <class F>
+  static I load(const ActBlockK8* xt, int64_t blocks, int v, int64_t k, F f) {
+    return O::wload2(f(xt[2 * v * blocks + k]), f(xt[(2 * v + 1) * blocks + k]));
+  }
+  template <class F>
+  static V vload(const ActBlockK8* xt, int64_t blocks, int v, int64_t k, F f) {
+    return O::wvload2(f(xt[2 * v * blocks + k]), f(xt[(2 * v + 1) * blocks + k]));
+  }
+  static I izero() { return O::wzero(); }
+  static I bcast4(const uint8_t* p) { return O::wbcast4(p); }
+  static I dpu(I acc, I w, I x) { return O::wdpu(acc, w, x); }
+  static I add(I a, I b) { return O::wadd(a, b); }
+  static I mul_s(I v, int32_t s) { return O::wmul_s(v, s); }
+  static I madd_pairs(I acc, I p, int32_t pr) { return O::wmadd_pairs(acc, p, pr); }
+  static V zero() { return O::wvzero(); }
+  static V set1(float x) { return O::wvset1(x); }
+  static V mul(V a, V b) { return O::wvmul(a, b); }
+  static V fma(V a, V b, V c) { return O::wvfma(a, b, c); }
+  static V cvt(I v) { return O::wcvt(v); }
+  static V vadd(V a, V b) { return O::wvadd(a, b); }
+  static void vstore(float* p, V v) { O::wvstore(p, v); }
+};
+
 // A super-block's RBn rows of decoded codes (DecK, at dec + (r * blocks + k) * kDecKBytes)
-// against NG groups of 8 tokens (xt: group g's super-block k at xt[g * blocks + k]), tokens in
-// lanes: per 4-code group the row's 4 codes are broadcast against the tokens' q (ActBlockK8), the
-// kSub codes of a sub-scale summed in lane t, multiplied by the sub-scale and added to token t's
-// S; the 16-value sums give msum (Q4_K / Q5_K) or the offset term (Q6_K); then superblock()'s
-// float operations lane by lane, so a token's bits are those of its one-token pass.
-// y[(8 g + t) * y_stride + r] for the first `lanes` tokens of the last group, 8 of the others.
+// against NV vectors of tokens (L: NarrowLanes or WideLanes), tokens in lanes: per 4-code group
+// the row's 4 codes are broadcast against the tokens' q (ActBlockK8), the kSub codes of a
+// sub-scale summed in lane t, multiplied by the sub-scale and added to token t's S; every second
+// sub-scale one pair of the min term (Q4_K / Q5_K, 32-value sums, into m) or of the offset term
+// (Q6_K, 16-value sums, straight into S), spread over the loop rather than a chain of dependent
+// multiply-adds after it; then superblock()'s float operations lane by lane, so a token's bits
+// are those of its one-token pass. y[(L::kTokens v + t) * y_stride + r] for the first `lanes`
+// tokens of the last vector, all of the others'.
 // Every integer stays in int32: Q6_K's sum of s_j * sum(u q) is at most 16 * 128 * 16 * 63 * 127
 // < 2^28 and its offset term 16 * 4096 * 2032 < 2^28 (Q4_K / Q5_K less).
-template <uint32_t T, int RBn, int NG>
-inline void groupk8(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int lanes,
-                    float* y, int64_t y_stride, const uint8_t* next, int64_t row_bytes) {
+template <uint32_t T, int RBn, int NV, class L>
+inline void groupk(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int lanes,
+                   float* y, int64_t y_stride, const uint8_t* next, int64_t row_bytes) {
   using CK = CodeK<T>;
-  using V = typename Ops::V;
-  using I = typename Ops::I;
+  using V = typename L::V;
+  using I = typename L::I;
   constexpr int kGroups = CK::kSub / 4;  // 4-code groups per sub-scale
-  V acc[RBn][NG], macc[RBn][NG];
+  V acc[RBn][NV], macc[RBn][NV];
   for (int r = 0; r < RBn; ++r)
-    for (int g = 0; g < NG; ++g) acc[r][g] = macc[r][g] = Ops::zero();
+    for (int v = 0; v < NV; ++v) acc[r][v] = macc[r][v] = L::zero();
   for (int64_t k = 0; k < blocks; ++k) {
     if (next != nullptr)
       for (int r = 0; r < RBn; ++r)
         for (int o = 0; o < CK::kBytes; o += 64)
           prefetch_w(next + r * row_bytes + k * CK::kBytes + o);
-    I s[RBn][NG], m[RBn][NG];
+    const uint8_t* db[RBn];
+    for (int r = 0; r < RBn; ++r) db[r] = dec + (r * blocks + k) * kDecKBytes;
+    I s[RBn][NV], m[RBn][NV];
     for (int r = 0; r < RBn; ++r)
-      for (int g = 0; g < NG; ++g) s[r][g] = m[r][g] = Ops::izero();
+      for (int v = 0; v < NV; ++v) s[r][v] = m[r][v] = L::izero();
     for (int j = 0; j < 256 / CK::kSub; ++j) {
-      I u[RBn][NG];
+      I u[RBn][NV];
       for (int r = 0; r < RBn; ++r)
-        for (int g = 0; g < NG; ++g) u[r][g] = Ops::izero();
+        for (int v = 0; v < NV; ++v) u[r][v] = L::izero();
       for_each_group<kGroups>([&](auto i) {
         const int gi = j * kGroups + decltype(i)::value;
-        typename Ops::B xv[NG];
-        for (int g = 0; g < NG; ++g) xv[g] = Ops::load(xt[g * blocks + k].q[gi]);
+        typename L::B xv[NV];
+        for (int v = 0; v < NV; ++v)
+          xv[v] = L::load(xt, blocks, v, k, [gi](const ActBlockK8& b) { return b.q[gi]; });
         for (int r = 0; r < RBn; ++r) {
-          const typename Ops::B w = Ops::bcast4(dec + (r * blocks + k) * kDecKBytes + 4 * gi);
-          for (int g = 0; g < NG; ++g) u[r][g] = Ops::dpu(u[r][g], w, xv[g]);
+          const typename L::B w = L::bcast4(db[r] + 4 * gi);
+          for (int v = 0; v < NV; ++v) u[r][v] = L::dpu(u[r][v], w, xv[v]);
         }
       });
       for (int r = 0; r < RBn; ++r) {
         int32_t sc;
-        std::memcpy(&sc, dec + (r * blocks + k) * kDecKBytes + kDecKScales + 4 * j, 4);
-        for (int g = 0; g < NG; ++g) s[r][g] = Ops::add(s[r][g], Ops::mul_s(u[r][g], sc));
-      }
-      // Every second chunk, one pair of the min term (Q4_K / Q5_K, into m) or of the offset term
-      // (Q6_K, straight into s): spread over the loop, not a chain of dependent multiply-adds
-      // after it.
-      if (j % 2 == 1)
-        for (int r = 0; r < RBn; ++r) {
-          int32_t pr;
-          std::memcpy(&pr, dec + (r * blocks + k) * kDecKBytes + kDecKPairs + 4 * (j / 2), 4);
-          for (int g = 0; g < NG; ++g) {
-            const ActBlockK8& xb = xt[g * blocks + k];
-            if constexpr (CK::kMin)
-              m[r][g] = Ops::madd_pairs(m[r][g], Ops::load(xb.s32[j / 2]), pr);
-            else
-              s[r][g] = Ops::madd_pairs(s[r][g], Ops::load(xb.s16[j / 2]), pr);
-          }
-        }
-    }
-    for (int g = 0; g < NG; ++g) {
-      const V d = Ops::vload(xt[g * blocks + k].d);
-      for (int r = 0; r < RBn; ++r) {
-        const uint8_t* db = dec + (r * blocks + k) * kDecKBytes;
-        float wd, wn;
-        std::memcpy(&wd, db + kDecKD, 4);
-        std::memcpy(&wn, db + kDecKD + 4, 4);
-        acc[r][g] = Ops::fma(Ops::mul(Ops::set1(wd), d), Ops::cvt(s[r][g]), acc[r][g]);
-        if constexpr (CK::kMin)
-          macc[r][g] = Ops::fma(Ops::mul(Ops::set1(wn), d), Ops::cvt(m[r][g]), macc[r][g]);
-      }
-    }
-  }
-  for (int g = 0; g < NG; ++g)
-    for (int r = 0; r < RBn; ++r) {
-      float out[8];
-      Ops::vstore(out, CK::kMin ? Ops::vadd(acc[r][g], macc[r][g]) : acc[r][g]);
-      for (int t = 0; t < (g == NG - 1 ? lanes : 8); ++t) y[(8 * g + t) * y_stride + r] = out[t];
-    }
-}
-
-// groupk8 with wide lanes (Ops::kWide): NW pairs of groups, pair p = groups 2p and 2p + 1 (at xt
-// + 2p * blocks and xt + (2p + 1) * blocks) in one W of 16 tokens; the same integer sums and
-// the same float operations as groupk8's, lane by lane, so the same bits. y: token 16 p + t of
-// the pass at y[(16 p + t) * y_stride + r], for the first `lanes` tokens of the last pair, 16 of
-// the others.
-template <uint32_t T, int RBn, int NW, class O = Ops>  // O: dependent (only kWide targets)
-inline void groupk16(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int lanes,
-                     float* y, int64_t y_stride, const uint8_t* next, int64_t row_bytes) {
-  using CK = CodeK<T>;
-  using W = typename O::W;
-  using WV = typename O::WV;
-  constexpr int kGroups = CK::kSub / 4;
-  auto pair_of = [&](int p, int64_t k) -> std::pair<const ActBlockK8&, const ActBlockK8&> {
-    return {xt[2 * p * blocks + k], xt[(2 * p + 1) * blocks + k]};
-  };
-  WV acc[RBn][NW], macc[RBn][NW];
-  for (int r = 0; r < RBn; ++r)
-    for (int p = 0; p < NW; ++p) acc[r][p] = macc[r][p] = O::wvzero();
-  for (int64_t k = 0; k < blocks; ++k) {
-    if (next != nullptr)
-      for (int r = 0; r < RBn; ++r)
-        for (int o = 0; o < CK::kBytes; o += 64)
-          prefetch_w(next + r * row_bytes + k * CK::kBytes + o);
-    W s[RBn][NW], m[RBn][NW];
-    for (int r = 0; r < RBn; ++r)
-      for (int p = 0; p < NW; ++p) s[r][p] = m[r][p] = O::wzero();
-    for (int j = 0; j < 256 / CK::kSub; ++j) {
-      W u[RBn][NW];
-      for (int r = 0; r < RBn; ++r)
-        for (int p = 0; p < NW; ++p) u[r][p] = O::wzero();
-      for_each_group<kGroups>([&](auto i) {
-        const int gi = j * kGroups + decltype(i)::value;
-        W xv[NW];
-        for (int p = 0; p < NW; ++p) {
-          const auto [lo, hi] = pair_of(p, k);
-          xv[p] = O::wload2(lo.q[gi], hi.q[gi]);
-        }
-        for (int r = 0; r < RBn; ++r) {
-          const W w = O::wbcast4(dec + (r * blocks + k) * kDecKBytes + 4 * gi);
-          for (int p = 0; p < NW; ++p) u[r][p] = O::wdpu(u[r][p], w, xv[p]);
-        }
-      });
-      for (int r = 0; r < RBn; ++r) {
-        int32_t sc;
-        std::memcpy(&sc, dec + (r * blocks + k) * kDecKBytes + kDecKScales + 4 * j, 4);
-        for (int p = 0; p < NW; ++p) s[r][p] = O::wadd(s[r][p], O::wmul_s(u[r][p], sc));
+        std::memcpy(&sc, db[r] + kDecKScales + 4 * j, 4);
+        for (int v = 0; v < NV; ++v) s[r][v] = L::add(s[r][v], L::mul_s(u[r][v], sc));
       }
       if (j % 2 == 1)
         for (int r = 0; r < RBn; ++r) {
           int32_t pr;
-          std::memcpy(&pr, dec + (r * blocks + k) * kDecKBytes + kDecKPairs + 4 * (j / 2), 4);
-          for (int p = 0; p < NW; ++p) {
-            const auto [lo, hi] = pair_of(p, k);
+          std::memcpy(&pr, db[r] + kDecKPairs + 4 * (j / 2), 4);
+          for (int v = 0; v < NV; ++v) {
             if constexpr (CK::kMin)
-              m[r][p] = O::wmadd_pairs(m[r][p], O::wload2(lo.s32[j / 2], hi.s32[j / 2]), pr);
+              m[r][v] = L::madd_pairs(
+                  m[r][v],
+                  L::load(xt, blocks, v, k, [j](const ActBlockK8& b) { return b.s32[j / 2]; }),
+                  pr);
             else
-              s[r][p] = O::wmadd_pairs(s[r][p], O::wload2(lo.s16[j / 2], hi.s16[j / 2]), pr);
+              s[r][v] = L::madd_pairs(
+                  s[r][v],
+                  L::load(xt, blocks, v, k, [j](const ActBlockK8& b) { return b.s16[j / 2]; }),
+                  pr);
           }
         }
     }
-    for (int p = 0; p < NW; ++p) {
-      const auto [lo, hi] = pair_of(p, k);
-      const WV d = O::wvload2(lo.d, hi.d);
+    for (int v = 0; v < NV; ++v) {
+      const V d = L::vload(xt, blocks, v, k, [](const ActBlockK8& b) { return b.d; });
       for (int r = 0; r < RBn; ++r) {
-        const uint8_t* db = dec + (r * blocks + k) * kDecKBytes;
         float wd, wn;
-        std::memcpy(&wd, db + kDecKD, 4);
-        std::memcpy(&wn, db + kDecKD + 4, 4);
-        acc[r][p] = O::wvfma(O::wvmul(O::wvset1(wd), d), O::wcvt(s[r][p]), acc[r][p]);
+        std::memcpy(&wd, db[r] + kDecKD, 4);
+        std::memcpy(&wn, db[r] + kDecKD + 4, 4);
+        acc[r][v] = L::fma(L::mul(L::set1(wd), d), L::cvt(s[r][v]), acc[r][v]);
         if constexpr (CK::kMin)
-          macc[r][p] = O::wvfma(O::wvmul(O::wvset1(wn), d), O::wcvt(m[r][p]), macc[r][p]);
+          macc[r][v] = L::fma(L::mul(L::set1(wn), d), L::cvt(m[r][v]), macc[r][v]);
       }
     }
   }
-  for (int p = 0; p < NW; ++p)
+  for (int v = 0; v < NV; ++v)
     for (int r = 0; r < RBn; ++r) {
-      float out[16];
-      O::wvstore(out, CK::kMin ? O::wvadd(acc[r][p], macc[r][p]) : acc[r][p]);
-      for (int t = 0; t < (p == NW - 1 ? lanes : 16); ++t) y[(16 * p + t) * y_stride + r] = out[t];
+      float out[L::kTokens];
+      L::vstore(out, CK::kMin ? L::vadd(acc[r][v], macc[r][v]) : acc[r][v]);
+      for (int t = 0; t < (v == NV - 1 ? lanes : L::kTokens); ++t)
+        y[(L::kTokens * v + t) * y_stride + r] = out[t];
     }
 }
 
-// Row b's super-block decoded for groupk8 (DecK).
+// Row b's super-block decoded for groupk (DecK).
 template <uint32_t T>
 inline void decode_k(const uint8_t* b, uint8_t* o) {
   using CK = CodeK<T>;
@@ -745,8 +733,8 @@ inline void decode_k(const uint8_t* b, uint8_t* o) {
 // RBn rows against every token of the job. One token: superblock() straight from the weights
 // (the decode step streams them). Several tokens: the rows are decoded once into the scratch
 // (RBn * blocks * kDecKBytes bytes, within its kMaxRowBlock * cols floats), then the groups of 8
-// tokens run from it: on kWide targets 4 at a time, then a last pair, in groupk16; the rest in
-// groupk8.
+// tokens run from it (groupk): on kWide targets 4 groups at a time on wide lanes, then a last
+// pair; the rest on narrow lanes.
 template <uint32_t T, int RBn>
 inline void rows_block_k(const RowsArgs& a, int64_t r0) {
   static_assert(kDecKBytes <= 4 * 256 * 4);  // a super-block's share of the scratch
@@ -772,33 +760,33 @@ inline void rows_block_k(const RowsArgs& a, int64_t r0) {
   const uint8_t* next = rows[0] + RBn * a.row_bytes;
   int64_t g = 0;
   if constexpr (Ops::kWide) {
-    constexpr int kNW = 2;  // 2 pairs: 8 zmm chains of vpdpbusd, u / s / m in 24 registers
+    using W = WideLanes<>;
+    constexpr int kNW = 2;  // 2 vectors: 8 zmm chains of vpdpbusd, u / s / m in 24 registers
     for (; g + 2 * kNW <= groups; g += 2 * kNW)
-      groupk16<T, RBn, kNW>(dec, blocks, a.xtk + g * blocks,
-                            static_cast<int>(
-                                std::min<int64_t>(16, a.tokens - 8 * (g + 2 * kNW - 2))),
-                            a.y + g * 8 * a.y_stride + r0, a.y_stride, g == 0 ? next : nullptr,
-                            a.row_bytes);
+      groupk<T, RBn, kNW, W>(dec, blocks, a.xtk + g * blocks,
+                             static_cast<int>(
+                                 std::min<int64_t>(16, a.tokens - 8 * (g + 2 * kNW - 2))),
+                             a.y + g * 8 * a.y_stride + r0, a.y_stride, g == 0 ? next : nullptr,
+                             a.row_bytes);
     // A last pair (a 48-token tile is 4 + 2 groups): one W per row, still half the instructions.
     if (g + 2 <= groups) {
-      groupk16<T, RBn, 1>(dec, blocks, a.xtk + g * blocks,
-                          static_cast<int>(std::min<int64_t>(16, a.tokens - 8 * g)),
-                          a.y + g * 8 * a.y_stride + r0, a.y_stride, g == 0 ? next : nullptr,
-                          a.row_bytes);
+      groupk<T, RBn, 1, W>(dec, blocks, a.xtk + g * blocks,
+                           static_cast<int>(std::min<int64_t>(16, a.tokens - 8 * g)),
+                           a.y + g * 8 * a.y_stride + r0, a.y_stride, g == 0 ? next : nullptr,
+                           a.row_bytes);
       g += 2;
     }
   }
   for (; g + Ops::NG <= groups; g += Ops::NG)
-    groupk8<T, RBn, Ops::NG>(dec, blocks, a.xtk + g * blocks,
-                             static_cast<int>(
-                                 std::min<int64_t>(8, a.tokens - 8 * (g + Ops::NG - 1))),
-                             a.y + g * 8 * a.y_stride + r0, a.y_stride, g == 0 ? next : nullptr,
-                             a.row_bytes);
+    groupk<T, RBn, Ops::NG, NarrowLanes>(
+        dec, blocks, a.xtk + g * blocks,
+        static_cast<int>(std::min<int64_t>(8, a.tokens - 8 * (g + Ops::NG - 1))),
+        a.y + g * 8 * a.y_stride + r0, a.y_stride, g == 0 ? next : nullptr, a.row_bytes);
   for (; g < groups; ++g)
-    groupk8<T, RBn, 1>(dec, blocks, a.xtk + g * blocks,
-                       static_cast<int>(std::min<int64_t>(8, a.tokens - 8 * g)),
-                       a.y + g * 8 * a.y_stride + r0, a.y_stride, g == 0 ? next : nullptr,
-                       a.row_bytes);
+    groupk<T, RBn, 1, NarrowLanes>(dec, blocks, a.xtk + g * blocks,
+                                   static_cast<int>(std::min<int64_t>(8, a.tokens - 8 * g)),
+                                   a.y + g * 8 * a.y_stride + r0, a.y_stride,
+                                   g == 0 ? next : nullptr, a.row_bytes);
 }
 
 template <uint32_t T>

@@ -1,8 +1,8 @@
 // The integer row kernel's Ops on x86 (matvec_int8_impl.hpp), 256-bit vectors (and, on AVX-512
 // VNNI, the K types' batched path's 512-bit wide lanes, kWide). Included by matvec_int8_avx2.cpp
 // (AVX2: maddubs + madd), matvec_int8_avxvnni.cpp (AVX-VNNI) and matvec_int8_avx512vnni.cpp
-// (AVX-512 VNNI + VL: vpdpbusd on ymm, and on zmm in groupk16), each compiled with its own -m
-// flags, after defining TREEATTN_INT8_DOT (0, 1, 2) and TREEATTN_INT8_NS (the namespace).
+// (AVX-512 VNNI + VL: vpdpbusd on ymm, and on zmm in groupk's WideLanes), each compiled with its
+// own -m flags, after defining TREEATTN_INT8_DOT (0, 1, 2) and TREEATTN_INT8_NS (the namespace).
 // vpdpbusd sums the products 4i .. 4i+3 into lane i, as madd(maddubs) does, without the int16
 // stage (which cannot saturate here), so the three give the same lanes and the same bits.
 #include <immintrin.h>
@@ -21,7 +21,7 @@ namespace {
 
 struct Ops {
   static constexpr int RB = 4;  // rows per pass: 4 accumulators, 4 decoded groups in flight
-  // Groups of 8 tokens per pass of the batched paths (group8, groupk8): 2 x 4 rows of integer
+  // Groups of 8 tokens per pass of the batched paths (group8, groupk): 2 x 4 rows of integer
   // sums need AVX-512 VL's 32 registers.
   static constexpr int NG = TREEATTN_INT8_DOT == 2 ? 2 : 1;
   using B = __m256i;
@@ -233,11 +233,11 @@ struct Ops {
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static float f16(uint16_t h) { return _cvtsh_ss(h); }
 
-  // Wide lanes (the K types' batched path, groupk16): two groups of 8 tokens in one zmm, so each
-  // vpdpbusd does 64 products where the ymm one does 32. Zen 4 runs a zmm operation as two ymm
-  // halves, so the peak is the same; what halves is the instructions per product (broadcasts,
-  // loads, multiplies and adds of the sub-scales, the float tail), which bounded groupk8.
-  // Lane by lane the same integer and float operations, so the same bits.
+  // Wide lanes (the K types' batched path, groupk's WideLanes): two groups of 8 tokens in one
+  // zmm, so each vpdpbusd does 64 products where the ymm one does 32. Zen 4 runs a zmm operation
+  // as two ymm halves, so the peak is the same; what halves is the instructions per product
+  // (broadcasts, loads, multiplies and adds of the sub-scales, the float tail), which bounded
+  // the ymm form. Lane by lane the same integer and float operations, so the same bits.
 #if TREEATTN_INT8_DOT == 2
   // (GCC 12's 512-bit intrinsics pass an undefined vector to their builtins: a false
   // maybe-uninitialized.)
