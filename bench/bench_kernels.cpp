@@ -150,7 +150,7 @@ BENCHMARK(BM_Merge)->Args({128, 32})->Args({128, 1024})->Args({256, 1024});
 // 4-bit types; and Qwen2.5-0.5B's shapes) against `tokens` activations. Random codes; every f16
 // scale set to 2^-7 so that no value is a NaN or subnormal. bytes_per_second = weight bytes read.
 // args: isa, ggml type, tokens, threads, mode (0 exact, 1 int8), rows, cols
-void BM_Matmul(benchmark::State& st) {
+void matmul_bench(benchmark::State& st, bool rows8) {
   const auto isa = static_cast<Isa>(st.range(0));
   const auto type = static_cast<uint32_t>(st.range(1));
   const int64_t tokens = st.range(2), rows = st.range(5), cols = st.range(6);
@@ -193,6 +193,12 @@ void BM_Matmul(benchmark::State& st) {
   std::vector<float> x(static_cast<std::size_t>(tokens * cols)),
       y(static_cast<std::size_t>(tokens * rows));
   for (auto& v : x) v = u(rng);
+  std::vector<uint8_t> packed;
+  if (rows8) {
+    packed.resize(model::rows8_bytes(m));
+    model::pack_rows8(m, packed.data());
+    m.rows8 = packed.data();
+  }
   const model::WeightMatrix* mats[] = {&m};
   float* ys[] = {y.data()};
   model::MatvecOptions opt{static_cast<int>(st.range(3)), isa};
@@ -206,8 +212,12 @@ void BM_Matmul(benchmark::State& st) {
   st.SetLabel(std::string(isa_name(isa)) + "/" + gguf::tensor_type_name(type) + "/" +
               (opt.mode == model::MatmulMode::kInt8
                    ? "int8:" + std::string(model::matmul_int8_target(opt))
-                   : std::string("exact")));
+                   : std::string("exact")) +
+              (rows8 ? "/rows8" : ""));
 }
+void BM_Matmul(benchmark::State& st) { matmul_bench(st, false); }
+// The same with the rows8 copy (Q4_K, Q6_K: 8 rows interleaved; read by one-token int8 calls).
+void BM_MatmulRows8(benchmark::State& st) { matmul_bench(st, true); }
 
 void matmul_args(benchmark::internal::Benchmark* b) {
   for (Isa isa : {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512})
@@ -260,6 +270,17 @@ void matmul_args(benchmark::internal::Benchmark* b) {
         b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), 1, 1, int8, 65536, 1536});
 }
 BENCHMARK(BM_Matmul)->Apply(matmul_args)->Unit(benchmark::kMillisecond)->UseRealTime();
+// Against BM_Matmul's same arguments: one token of Qwen2.5-1.5B's shapes, 512 x 1536 (L2), and
+// 65536 x 1536 (DRAM), Q4_K and Q6_K, int8, on AVX2 and AVX-512.
+void rows8_args(benchmark::internal::Benchmark* b) {
+  for (const Isa isa : {Isa::kAvx2, Isa::kAvx512})
+    for (const gguf::TensorType t : {gguf::TensorType::kQ4_K, gguf::TensorType::kQ6_K})
+      for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
+               {512, 1536}, {1536, 1536}, {8960, 1536}, {1536, 8960}, {65536, 1536}})
+        for (const int64_t threads : {1, 2})
+          b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), 1, threads, 1, rows, cols});
+}
+BENCHMARK(BM_MatmulRows8)->Apply(rows8_args)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 #if defined(__x86_64__)
 // The limit of the integer matrix kernels: one thread's 8-bit multiply-add peak, 12 independent

@@ -293,6 +293,7 @@ int main(int argc, char** argv) {
   cfg.prefill_exchange = exchange;
   if (auto mm = model::parse_matmul_mode(matmul); mm.is_ok()) cfg.matmul = *mm;
   else fail(mm.status());
+  (*model)->pack_rows8(cfg.matmul, threads);  // the decode steps' layout, as serve and generate
   cfg.max_batch = 16;
   cfg.prefill_chunk = 512;
   cfg.kv_memory = static_cast<std::size_t>(kv_gib * 1073741824.0);

@@ -67,10 +67,21 @@ struct WeightMatrix {
   int64_t rows = 0;
   int64_t cols = 0;
   int64_t row_bytes = 0;
+  // Optional (Q4_K and Q6_K): the rows 8 at a time in the one-token int8 layout, filled by
+  // pack_rows8 below and owned by the caller. MatmulMode::kInt8's one-token calls read it instead
+  // of `data` (same bits, fewer instructions per weight: src/model/matvec_targets.hpp); every
+  // other path reads `data`.
+  const uint8_t* rows8 = nullptr;
 
   static Result<WeightMatrix> from_tensor(const gguf::TensorInfo& t);
   std::size_t bytes() const { return static_cast<std::size_t>(rows * row_bytes); }
 };
+
+// The bytes of m's rows8 copy: rows / 8 groups of cols / 256 records (the remaining rows % 8 rows
+// are read from `data`); 0 for the types without one (all but Q4_K and Q6_K).
+std::size_t rows8_bytes(const WeightMatrix& m);
+// Writes m's rows8 copy (rows8_bytes(m) bytes) to out; m.data must be valid. Point m.rows8 at it.
+void pack_rows8(const WeightMatrix& m, uint8_t* out);
 
 // How matmul multiplies the quantized weight types (Q4_0 .. Q6_K; F32, F16 and BF16 weights are
 // always multiplied as floats):
@@ -209,6 +220,14 @@ class LlamaModel {
   std::size_t weight_bytes_per_token() const;
   // The types of the layer matrices, e.g. "q4_1 (210), q8_0 (1)", for reports.
   std::string weight_types() const;
+  // Copies the Q4_K / Q6_K matrices that `mode` multiplies with 8-bit activations (kInt8: all;
+  // kInt8Ffn: the FFN and the output head; kExact: none) into the rows8 layout, which the
+  // one-token (decode) calls then read: the same bits, fewer instructions per weight
+  // (WeightMatrix::rows8). Costs rows8_bytes() of memory, about those matrices' own size (the
+  // file's mapping stays: the batched calls and the exact path read it). Once per model, before
+  // it is shared; `threads` OpenMP threads (0: the default).
+  void pack_rows8(MatmulMode mode, int threads = 0);
+  std::size_t rows8_bytes() const { return rows8_.size(); }
 
   // x[t] = the embedding of tokens[t] (n_embd floats each). kInvalidArgument for an id outside
   // [0, n_vocab).
@@ -261,6 +280,7 @@ class LlamaModel {
   std::vector<Layer> layers_;
   std::vector<double> inv_freq_;        // per rotated pair, factors applied
   std::vector<double> inv_freq_local_;  // the same for sliding-window layers
+  std::vector<uint8_t> rows8_;          // the rows8 copies (pack_rows8), matrix after matrix
 };
 
 }  // namespace treeattn::model

@@ -302,6 +302,27 @@ std::size_t LlamaModel::weight_bytes_per_token() const {
   return b;
 }
 
+void LlamaModel::pack_rows8(MatmulMode mode, int threads) {
+  if (mode == MatmulMode::kExact || !rows8_.empty()) return;
+  std::vector<WeightMatrix*> ms;
+  for (Layer& L : layers_) {
+    if (mode == MatmulMode::kInt8)
+      for (WeightMatrix* m : {&L.wq, &L.wk, &L.wv, &L.wo}) ms.push_back(m);
+    for (WeightMatrix* m : {&L.gate, &L.up, &L.down}) ms.push_back(m);
+  }
+  ms.push_back(&output_);
+  std::vector<std::size_t> at(ms.size() + 1, 0);
+  for (std::size_t i = 0; i < ms.size(); ++i) at[i + 1] = at[i] + model::rows8_bytes(*ms[i]);
+  if (at.back() == 0) return;
+  rows8_.resize(at.back());
+  const int n = static_cast<int>(ms.size());
+#pragma omp parallel for schedule(dynamic) num_threads(threads > 0 ? threads : omp_get_max_threads())
+  for (int i = 0; i < n; ++i)
+    if (at[i + 1] > at[i]) model::pack_rows8(*ms[i], rows8_.data() + at[i]);
+  for (std::size_t i = 0; i < ms.size(); ++i)
+    if (at[i + 1] > at[i]) ms[i]->rows8 = rows8_.data() + at[i];
+}
+
 std::string LlamaModel::weight_types() const {
   std::map<std::string, int> n;
   for (const Layer& L : layers_)

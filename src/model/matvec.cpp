@@ -137,6 +137,15 @@ Result<WeightMatrix> WeightMatrix::from_tensor(const gguf::TensorInfo& t) {
   return m;
 }
 
+std::size_t rows8_bytes(const WeightMatrix& m) {
+  return static_cast<std::size_t>(m.rows / 8 * (m.cols / 256) *
+                                  detail::rows8_record_bytes(m.type));
+}
+
+void pack_rows8(const WeightMatrix& m, uint8_t* out) {
+  if (rows8_bytes(m) > 0) detail::pack_rows8(m.type, m.data, m.rows, m.row_bytes, m.cols, out);
+}
+
 std::string_view matmul_mode_name(MatmulMode mode) {
   switch (mode) {
     case MatmulMode::kExact: return "exact";
@@ -287,6 +296,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
         a.y = ys[i] + t0 * m.rows;
         a.y_stride = m.rows;
         a.scratch = scratch.data();
+        a.w8 = m.rows8;
         if (int8 && detail::int8_type(m.type)) {
           if (detail::int8_k_type(m.type)) {
             a.xk = xk + t0 * xk_stride;

@@ -140,6 +140,94 @@ bool int8_type(uint32_t type) {
   }
 }
 
+namespace {
+
+// One row's super-block in integers (ggml's dequantize_row_q4_K / q6_K without the floats): the
+// 256 codes (Q4_K 0 .. 15, Q6_K u = q + 32, 0 .. 63), the sub-scales (Q4_K 8 of 32 values, Q6_K
+// 16 of 16, int8), Q4_K's 8 mins, and the f16 fields as stored.
+struct SuperBlockInts {
+  uint8_t code[256];
+  int sc[16];
+  int mn[8];
+  uint16_t d, dmin;
+};
+
+SuperBlockInts unpack_superblock(uint32_t type, const uint8_t* b) {
+  SuperBlockInts o{};
+  if (type == kTypeQ4_K) {
+    std::memcpy(&o.d, b, 2);
+    std::memcpy(&o.dmin, b + 2, 2);
+    const uint8_t* q = b + 4;  // ggml's get_scale_min_k4
+    for (int j = 0; j < 8; ++j) {
+      o.sc[j] = j < 4 ? q[j] & 63 : (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+      o.mn[j] = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+    const uint8_t* qs = b + 16;
+    for (int j = 0; j < 4; ++j)
+      for (int l = 0; l < 32; ++l) {
+        o.code[64 * j + l] = qs[32 * j + l] & 15;
+        o.code[64 * j + 32 + l] = qs[32 * j + l] >> 4;
+      }
+  } else {  // Q6_K
+    const uint8_t *ql = b, *qh = b + 128;
+    for (int n = 0; n < 2; ++n)
+      for (int l = 0; l < 32; ++l) {
+        const int h = qh[32 * n + l];
+        uint8_t* u = o.code + 128 * n + l;
+        u[0] = static_cast<uint8_t>((ql[64 * n + l] & 15) | ((h & 3) << 4));
+        u[32] = static_cast<uint8_t>((ql[64 * n + 32 + l] & 15) | (((h >> 2) & 3) << 4));
+        u[64] = static_cast<uint8_t>((ql[64 * n + l] >> 4) | (((h >> 4) & 3) << 4));
+        u[96] = static_cast<uint8_t>((ql[64 * n + 32 + l] >> 4) | (((h >> 6) & 3) << 4));
+      }
+    for (int j = 0; j < 16; ++j) o.sc[j] = static_cast<int8_t>(b[192 + j]);
+    std::memcpy(&o.d, b + 208, 2);
+  }
+  return o;
+}
+
+}  // namespace
+
+void pack_rows8(uint32_t type, const uint8_t* w, int64_t rows, int64_t row_bytes, int64_t cols,
+                uint8_t* out) {
+  const int64_t rec = rows8_record_bytes(type), blocks = cols / 256;
+  const int64_t in_bytes = type == kTypeQ4_K ? 144 : 210;
+  for (int64_t g = 0; g < rows / 8; ++g)
+    for (int64_t k = 0; k < blocks; ++k) {
+      uint8_t* o = out + (g * blocks + k) * rec;
+      for (int r = 0; r < 8; ++r) {
+        const SuperBlockInts s =
+            unpack_superblock(type, w + (8 * g + r) * row_bytes + k * in_bytes);
+        const uint8_t* c = s.code;
+        if (type == kTypeQ4_K) {
+          for (int j = 0; j < 8; ++j) {
+            for (int st = 0; st < 4; ++st)
+              for (int t = 0; t < 4; ++t)
+                o[128 * j + 32 * st + 4 * r + t] = static_cast<uint8_t>(
+                    c[32 * j + 8 * st + t] | (c[32 * j + 8 * st + 4 + t] << 4));
+            o[1024 + 8 * j + r] = static_cast<uint8_t>(s.sc[j]);
+            o[1088 + 16 * (j / 2) + 2 * r + j % 2] = static_cast<uint8_t>(s.mn[j]);
+          }
+          std::memcpy(o + 1152 + 2 * r, &s.d, 2);
+          std::memcpy(o + 1168 + 2 * r, &s.dmin, 2);
+        } else {
+          for (int ch = 0; ch < 16; ++ch) {
+            const uint8_t* u = c + 16 * ch;
+            for (int st = 0; st < 2; ++st)
+              for (int t = 0; t < 4; ++t)
+                o[64 * ch + 32 * st + 4 * r + t] =
+                    static_cast<uint8_t>((u[8 * st + t] & 15) | ((u[8 * st + 4 + t] & 15) << 4));
+            for (int t = 0; t < 4; ++t)
+              o[1024 + 32 * ch + 4 * r + t] =
+                  static_cast<uint8_t>((u[t] >> 4) | ((u[4 + t] >> 4) << 2) |
+                                       ((u[8 + t] >> 4) << 4) | ((u[12 + t] >> 4) << 6));
+            o[1536 + 8 * ch + r] = static_cast<uint8_t>(s.sc[ch]);
+          }
+          std::memcpy(o + 1664 + 2 * r, &s.d, 2);
+        }
+      }
+    }
+}
+
 bool int8_k_type(uint32_t type) {
   return type == kTypeQ4_K || type == kTypeQ5_K || type == kTypeQ6_K;
 }
@@ -306,6 +394,44 @@ struct Ops {
   static I mul_s(I v, int32_t s) {
     for (auto& x : v.v) x *= s;
     return v;
+  }
+  static I u8to32(const uint8_t* p) {
+    I r;
+    for (int i = 0; i < 8; ++i) r.v[i] = p[i];
+    return r;
+  }
+  static I s8to32(const uint8_t* p) {
+    I r;
+    for (int i = 0; i < 8; ++i) r.v[i] = static_cast<int8_t>(p[i]);
+    return r;
+  }
+  static B u8to16(const uint8_t* p) {
+    B r;
+    for (int e = 0; e < 16; ++e) {
+      const int16_t v = p[e];
+      std::memcpy(r.v + 2 * e, &v, 2);
+    }
+    return r;
+  }
+  static V f16x8(const uint8_t* p) {
+    V r;
+    for (int i = 0; i < 8; ++i) r.v[i] = f16(rd16le(p + 2 * i));
+    return r;
+  }
+  static uint16_t rd16le(const uint8_t* p) {
+    uint16_t v;
+    std::memcpy(&v, p, 2);
+    return v;
+  }
+  static I mul_i(I a, I b) {
+    for (int i = 0; i < 8; ++i)
+      a.v[i] = static_cast<int32_t>(static_cast<uint32_t>(a.v[i]) * static_cast<uint32_t>(b.v[i]));
+    return a;
+  }
+  static I iset1(int32_t v) {
+    I r;
+    for (auto& x : r.v) x = v;
+    return r;
   }
   static constexpr bool kRows4 = false;  // the one-token pass sums each row on its own
   static B bcast4(const uint8_t* p) {

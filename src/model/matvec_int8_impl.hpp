@@ -789,9 +789,87 @@ inline void rows_block_k(const RowsArgs& a, int64_t r0) {
                                    g == 0 ? next : nullptr, a.row_bytes);
 }
 
+// One token against a group of 8 rows in the rows8 layout (matvec_targets.hpp): lane r is row r
+// from the first integer to the last float. Per record (super-block k), the scheme of superblock()
+// and superblock_float() with the same integers (exact in any order) and, lane by lane, the same
+// float operations: acc = fma(d * d_x, float(S), acc); Q4_K's macc = fma(dmin * -d_x, float(msum),
+// macc) (-(a b) and a (-b) round alike); y = acc + macc (Q6_K: acc). Q4_K: chunk j's 32 columns
+// are 4 loads of codes, each a low nibble (columns 32 j + 8 s ..) and a high nibble (+ 4) against
+// 4 broadcast activation bytes, summed in two chains, then times the chunk's scales (one
+// widening load and a lane product); the mins, 4 int16 multiply-adds of pairs against the
+// token's sums of 32. Q6_K: chunk c's 16 columns are the two code loads and the shared top-bit
+// load (each code = low nibble | its 2 bits at bits 4-5), minus 32 times the token's sum of the
+// chunk's 16 activations (Q6_K's offset, -32 s_c sum(q), taken per chunk), times the sub-scales.
+// (|S| < 2^25 for Q4_K: 256 * 63 * 15 * 128; Q6_K: 16 chunks of 128 * (16 * 63 * 128 + 32 * 2032)
+// < 2^30.)
+template <uint32_t T>
+inline void rows8_record(const uint8_t* p, const ActBlockK& xb, typename Ops::V& acc,
+                         typename Ops::V& macc) {
+  using I = typename Ops::I;
+  using B = typename Ops::B;
+  I s = Ops::izero();
+  if constexpr (T == kTypeQ4_K) {
+    for_each_group<8>([&](auto jj) {
+      constexpr int j = decltype(jj)::value;
+      I lo = Ops::izero(), hi = Ops::izero();
+      for (int st = 0; st < 4; ++st) {
+        const B v = Ops::load(p + 128 * j + 32 * st);
+        lo = Ops::dpu(lo, Ops::lo4(v), Ops::bcast4(reinterpret_cast<const uint8_t*>(xb.q) +
+                                                   32 * j + 8 * st));
+        hi = Ops::dpu(hi, Ops::hi4(v), Ops::bcast4(reinterpret_cast<const uint8_t*>(xb.q) +
+                                                   32 * j + 8 * st + 4));
+      }
+      s = Ops::add(s, Ops::mul_i(Ops::add(lo, hi), Ops::u8to32(p + 1024 + 8 * j)));
+    });
+    I m = Ops::izero();
+    for (int q = 0; q < 4; ++q)
+      m = Ops::madd_pairs(m, Ops::u8to16(p + 1088 + 16 * q),
+                          pair16(xb.bsum[2 * q], xb.bsum[2 * q + 1]));
+    acc = Ops::fma(Ops::mul(Ops::f16x8(p + 1152), Ops::set1(xb.d)), Ops::cvt(s), acc);
+    macc = Ops::fma(Ops::mul(Ops::f16x8(p + 1168), Ops::set1(-xb.d)), Ops::cvt(m), macc);
+  } else {
+    static_assert(T == kTypeQ6_K);
+    const auto* xq = reinterpret_cast<const uint8_t*>(xb.q);
+    for_each_group<16>([&](auto cc) {
+      constexpr int c = decltype(cc)::value;
+      const B h = Ops::load(p + 1024 + 32 * c);
+      const B v0 = Ops::load(p + 64 * c), v1 = Ops::load(p + 64 * c + 32);
+      I a = Ops::dpu(Ops::izero(), Ops::or_(Ops::lo4(v0), Ops::and_(Ops::shl(h, 4), 0x30)),
+                     Ops::bcast4(xq + 16 * c));
+      I b = Ops::dpu(Ops::izero(), Ops::or_(Ops::hi4(v0), Ops::and_(Ops::shl(h, 2), 0x30)),
+                     Ops::bcast4(xq + 16 * c + 4));
+      a = Ops::dpu(a, Ops::or_(Ops::lo4(v1), Ops::and_(h, 0x30)), Ops::bcast4(xq + 16 * c + 8));
+      b = Ops::dpu(b, Ops::or_(Ops::hi4(v1), Ops::and_(Ops::shr(h, 2), 0x30)),
+                   Ops::bcast4(xq + 16 * c + 12));
+      const I u = Ops::isub(Ops::add(a, b), Ops::iset1(32 * xb.bsum16[c]));
+      s = Ops::add(s, Ops::mul_i(u, Ops::s8to32(p + 1536 + 8 * c)));
+    });
+    acc = Ops::fma(Ops::mul(Ops::f16x8(p + 1664), Ops::set1(xb.d)), Ops::cvt(s), acc);
+  }
+}
+
+// Rows r0 .. r0 + 7 (r0 % 8 == 0, inside a.w8's groups) against the job's one token.
+template <uint32_t T>
+inline void rows8_one_token(const RowsArgs& a, int64_t r0) {
+  constexpr int64_t kRec = rows8_record_bytes(T);
+  const int64_t blocks = a.cols / 256;
+  const uint8_t* p = a.w8 + r0 / 8 * blocks * kRec;
+  typename Ops::V acc = Ops::zero(), macc = Ops::zero();
+  for (int64_t k = 0; k < blocks; ++k, p += kRec) {
+    for (int64_t o = 0; o < kRec; o += 64) prefetch_w(p + kWeightPrefetchBytes + o);
+    rows8_record<T>(p, a.xk[k], acc, macc);
+  }
+  Ops::vstore(a.y + r0, T == kTypeQ4_K ? Ops::vadd(acc, macc) : acc);
+}
+
 template <uint32_t T>
 void rows_typed_k(const RowsArgs& a) {
   int64_t r = a.row_begin;
+  if constexpr (rows8_record_bytes(T) > 0)
+    if (a.tokens == 1 && a.w8 != nullptr) {
+      for (; r % 8 != 0 && r < a.row_end; ++r) rows_block_k<T, 1>(a, r);
+      for (; r + 8 <= a.row_end; r += 8) rows8_one_token<T>(a, r);
+    }
   for (; r + Ops::RB <= a.row_end; r += Ops::RB) rows_block_k<T, Ops::RB>(a, r);
   for (; r < a.row_end; ++r) rows_block_k<T, 1>(a, r);
 }

@@ -149,6 +149,23 @@ struct Ops {
   // (exact int32; VNNI's vpdpwssd fuses the add).
   static I madd_pairs(I acc, B p, int32_t pr) { return madd_acc(acc, p, _mm256_set1_epi32(pr)); }
   static I mul_s(I v, int32_t s) { return _mm256_mullo_epi32(v, _mm256_set1_epi32(s)); }
+  // Rows in lanes (the K types' rows8 records): 8 bytes to 8 int32 lanes (zero / sign
+  // extension), 16 bytes to 16 int16 (zero extension), 8 f16 to floats, lane products (exact
+  // here), an int32 in every lane.
+  static I u8to32(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static I s8to32(const uint8_t* p) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static B u8to16(const uint8_t* p) {
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static V f16x8(const uint8_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static I mul_i(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I iset1(int32_t v) { return _mm256_set1_epi32(v); }
   // Tokens in lanes (the batched paths): the 4 bytes at p in every lane; lane
   // sums; int32 lanes shifted left; loads and a product.
   static B bcast4(const uint8_t* p) {

@@ -58,6 +58,9 @@ struct RowsArgs {
   // Several tokens of the K types: xk's blocks 8 tokens to a group (transpose_activations_k),
   // group 0 of the range, cols / 256 blocks per group. Null for one token.
   const ActBlockK8* xtk = nullptr;
+  // The matrix's rows 8 at a time in the one-token layout of Q4_K / Q6_K (WeightMatrix::rows8,
+  // pack_rows8 below): group g holds rows 8 g .. 8 g + 7, rows / 8 groups; null where absent.
+  const uint8_t* w8 = nullptr;
 };
 
 // The locality hint of the weight prefetch in the one-token passes (both matrix paths:
@@ -165,6 +168,38 @@ static_assert(sizeof(ActBlockK8) == 2464);
 // groups of `blocks` ActBlockK8 each (group g: tokens 8 g .. 8 g + 7).
 void transpose_activations_k(const ActBlockK* xk, int64_t xk_stride, int64_t tokens,
                              int64_t blocks, ActBlockK8* out);
+
+// Rows in lanes: the one-token layout of Q4_K and Q6_K (MatmulMode::kInt8). The rows of a matrix
+// go 8 to a group; a group's super-block k (256 columns of its 8 rows) is one record of
+// kRows8BytesQ4K / kRows8BytesQ6K bytes, the records of a group in column order. In a record,
+// every 32-byte vector holds 4 bytes per row (lane r: row r), so one load, a mask or a shift and
+// one vpdpbusd against 4 activation bytes broadcast to every lane do 32 products for 8 rows,
+// with no per-row horizontal sums, sub-scale shuffles or int16 stage (the row layout's
+// superblock() needs those: BM_Matmul's one-token Q4_K call ran at ~40 GMAC/s there, ~0.18 of
+// the int8 peak, on the Zen 4 VM). The integers are the same (exact in any order) and the float
+// operations per row are the same sequence, so the bits are those of the row layout.
+//   Q4_K (1184 bytes; 8 x 144 in the rows):
+//     [0, 1024)     chunk j < 8 (columns 32 j ..), step s < 4: 32 bytes at 128 j + 32 s; byte
+//                   4 r + t: code of column 32 j + 8 s + t (low nibble), 32 j + 8 s + 4 + t (high)
+//     [1024, 1088)  scale of chunk j, row r at 1024 + 8 j + r (6 bits)
+//     [1088, 1152)  mins of chunks 2 p, 2 p + 1, row r at 1088 + 16 p + 2 r (+1) (6 bits)
+//     [1152, 1168)  d of row r (f16) at 1152 + 2 r;  [1168, 1184) dmin likewise
+//   Q6_K (1680 bytes; 8 x 210): codes u = q + 32 (0 .. 63)
+//     [0, 1024)     chunk c < 16 (columns 16 c ..), step s < 2: 32 bytes at 64 c + 32 s; byte
+//                   4 r + t: low 4 bits of column 16 c + 8 s + t (low nibble), + 4 + t (high)
+//     [1024, 1536)  chunk c: 32 bytes at 1024 + 32 c; byte 4 r + t: the top 2 bits of columns
+//                   16 c + t, + 4 + t, + 8 + t, + 12 + t at bits 0, 2, 4, 6
+//     [1536, 1664)  sub-scale of chunk c, row r (int8) at 1536 + 8 c + r
+//     [1664, 1680)  d of row r (f16) at 1664 + 2 r
+inline constexpr int64_t kRows8BytesQ4K = 1184, kRows8BytesQ6K = 1680;
+// Bytes per group's super-block record, 0 for the other types.
+static constexpr int64_t rows8_record_bytes(uint32_t type) {  // internal linkage, as above
+  return type == kTypeQ4_K ? kRows8BytesQ4K : type == kTypeQ6_K ? kRows8BytesQ6K : 0;
+}
+// rows / 8 groups (the rest of the rows stay in the row layout only) of a matrix in the row
+// layout (row_bytes apart, cols a multiple of 256) into out (rows / 8 * cols / 256 records).
+void pack_rows8(uint32_t type, const uint8_t* w, int64_t rows, int64_t row_bytes, int64_t cols,
+                uint8_t* out);
 
 // Whether the integer targets read this weight type (the float types stay on the float path),
 // and whether they read it with 256-value activation blocks (ActBlockK: the K types).

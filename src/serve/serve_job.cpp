@@ -198,6 +198,7 @@ int run_serve_job(Communicator& comm, const ServeJob& job) {
   }
   if (!st.is_ok()) say(st);
   if (!agree(st)) return 2;
+  (*m)->pack_rows8(ec.matmul, ec.threads);  // the decode steps' layout (model.hpp)
   const model::LlamaConfig& cfg = (*m)->config();
 
   phase("serve: engine set-up");

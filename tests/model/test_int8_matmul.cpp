@@ -410,6 +410,59 @@ TEST(Int8Matmul, BitsDoNotDependOnBatchingThreadsRowsOrTheOtherMatrices) {
     }
 }
 
+// The rows8 copy (Q4_K, Q6_K: 8 rows interleaved for the one-token pass) gives the row layout's
+// bits on every target, thread count and row count (whole groups, a tail of rows % 8 read from
+// the rows); pack_rows8 writes rows8_bytes and no more; several tokens ignore it.
+TEST(Int8Matmul, Rows8LayoutGivesTheRowLayoutsBits) {
+  std::mt19937_64 rng(41);
+  std::normal_distribution<float> nd;
+  for (const uint32_t type : {id(TensorType::kQ4_K), id(TensorType::kQ6_K)})
+    for (const int64_t cols : {int64_t{256}, int64_t{768}, int64_t{4864}})
+      for (const int64_t rows : {int64_t{8}, int64_t{37}, int64_t{70}}) {
+        SCOPED_TRACE(gguf::tensor_type_name(type) + " " + std::to_string(rows) + " x " +
+                     std::to_string(cols));
+        std::vector<uint8_t> store;
+        WeightMatrix m = make_matrix(type, rows, cols, store, rng);
+        const std::size_t n8 = model::rows8_bytes(m);
+        ASSERT_EQ(n8, static_cast<std::size_t>(rows / 8 * cols / 256 *
+                                               (type == id(TensorType::kQ4_K) ? 1184 : 1680)));
+        std::vector<uint8_t> packed(n8 + 64, 0xa5);
+        model::pack_rows8(m, packed.data());
+        for (std::size_t i = n8; i < packed.size(); ++i) ASSERT_EQ(packed[i], 0xa5) << "past the end";
+        const int64_t tokens = 3;
+        std::vector<float> x(static_cast<std::size_t>(tokens * cols));
+        for (auto& v : x) v = nd(rng);
+        for (int i = 0; i < 32; ++i) x[static_cast<std::size_t>(cols + i)] = 0;  // token 1: zeros
+        x[static_cast<std::size_t>(2 * cols + 3)] = 1e30f;  // token 2: a huge outlier
+        for (const Target& tg : targets_here()) {
+          SCOPED_TRACE(target_name(tg));
+          for (const int threads : {1, 2}) {
+            std::vector<float> want(static_cast<std::size_t>(tokens * rows)), got(want.size());
+            for (int64_t t = 0; t < tokens; ++t) {
+              m.rows8 = nullptr;
+              const WeightMatrix* mats[] = {&m};
+              float* ys[] = {want.data() + t * rows};
+              ASSERT_TRUE(model::matmul(mats, x.data() + t * cols, 1, cols, ys,
+                                        int8_options(threads, tg)).is_ok());
+              m.rows8 = packed.data();
+              float* ys8[] = {got.data() + t * rows};
+              ASSERT_TRUE(model::matmul(mats, x.data() + t * cols, 1, cols, ys8,
+                                        int8_options(threads, tg)).is_ok());
+            }
+            ASSERT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * 4))
+                << "threads " << threads;
+            std::vector<float> batch(want.size());
+            const WeightMatrix* mats[] = {&m};
+            float* ys[] = {batch.data()};
+            ASSERT_TRUE(model::matmul(mats, x.data(), tokens, cols, ys, int8_options(threads, tg))
+                            .is_ok());
+            ASSERT_EQ(0, std::memcmp(want.data(), batch.data(), want.size() * 4))
+                << "the batched path, threads " << threads;
+          }
+        }
+      }
+}
+
 // One call with 32-value and K types (both activation block sizes quantized) gives each matrix the
 // bits of its own call.
 TEST(Int8Matmul, KAnd32ValueTypesInOneCallGiveTheirOwnCallsBits) {

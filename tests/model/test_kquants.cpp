@@ -534,6 +534,49 @@ TEST(KQuantModel, LoadsAndItsLogitsEqualItsDequantizedF32TwinBitForBit) {
   }
 }
 
+// pack_rows8 (the decode steps' layout of the Q4_K / Q6_K matrices) changes no logit bit of the
+// int8 path, on 1 and 3 ranks; kExact packs nothing, kInt8Ffn only the FFN and the head.
+TEST(KQuantModel, Rows8CopyKeepsEveryInt8LogitBit) {
+  ScratchDir dir;
+  testing::TinyLlamaSpec spec;
+  spec.seed = 29;
+  const std::string path = dir.path("kq.gguf");
+  testing::GgufBuilder::write(path, build_kquant_llama(spec, false));
+  auto plain = LlamaModel::load(path);
+  ASSERT_TRUE(plain.is_ok()) << plain.status().to_string();
+  auto packed = LlamaModel::load(path);
+  ASSERT_TRUE(packed.is_ok()) << packed.status().to_string();
+  (*packed)->pack_rows8(model::MatmulMode::kExact);
+  EXPECT_EQ((*packed)->rows8_bytes(), 0u);
+  auto ffn = LlamaModel::load(path);
+  ASSERT_TRUE(ffn.is_ok()) << ffn.status().to_string();
+  (*ffn)->pack_rows8(model::MatmulMode::kInt8Ffn, 2);
+  (*packed)->pack_rows8(model::MatmulMode::kInt8, 2);
+  EXPECT_GT((*ffn)->rows8_bytes(), 0u);
+  EXPECT_GT((*packed)->rows8_bytes(), (*ffn)->rows8_bytes());
+  std::mt19937_64 rng(5);
+  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(spec.n_vocab - 1));
+  std::vector<int32_t> prompt(6), forced(5);
+  for (auto& t : prompt) t = tok(rng);
+  for (auto& t : forced) t = tok(rng);
+  testing::GenCase c;
+  c.steps = static_cast<int>(forced.size());
+  c.forced = &forced;
+  c.matmul = model::MatmulMode::kInt8;
+  for (const int ranks : {1, 3}) {
+    SCOPED_TRACE(std::to_string(ranks) + " ranks");
+    const auto a = testing::run_generation(**plain, ranks, c, prompt);
+    const auto b = testing::run_generation(**packed, ranks, c, prompt);
+    ASSERT_TRUE(a.status.is_ok()) << a.status.to_string();
+    ASSERT_TRUE(b.status.is_ok()) << b.status.to_string();
+    ASSERT_EQ(a.logits[0].size(), forced.size() + 1);
+    for (std::size_t st = 0; st < a.logits[0].size(); ++st)
+      EXPECT_EQ(0, std::memcmp(a.logits[0][st].data(), b.logits[0][st].data(),
+                               a.logits[0][st].size() * 4))
+          << "step " << st;
+  }
+}
+
 #ifdef TREEATTN_LLAMA_REFERENCE
 // Against llama_reference.py (float64 numpy, dequantizing with the gguf package): the same 1e-5
 // bound as test_llama's tiny models (float32 activations and accumulation over 3 layers of width
