@@ -253,7 +253,7 @@ void matmul_args(benchmark::internal::Benchmark* b) {
     for (const gguf::TensorType t : {gguf::TensorType::kQ4_K, gguf::TensorType::kQ6_K})
       for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
                {512, 1536}, {1536, 1536}, {8960, 1536}, {1536, 8960}})
-        for (const int64_t tokens : {1, 16, 48, 512})
+        for (const int64_t tokens : {1, 4, 8, 16, 48, 512})
           b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), tokens, 1, 1, rows, cols});
   // Gemma-3-270M's gate / up shape (2048 x 640; its Q4_K_M file stores them as Q5_0, half its v
   // matrices as Q8_0), a 512-token prefill's call, int8, on AVX2 and AVX-512.
@@ -270,15 +270,18 @@ void matmul_args(benchmark::internal::Benchmark* b) {
         b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), 1, 1, int8, 65536, 1536});
 }
 BENCHMARK(BM_Matmul)->Apply(matmul_args)->Unit(benchmark::kMillisecond)->UseRealTime();
-// Against BM_Matmul's same arguments: one token of Qwen2.5-1.5B's shapes, 512 x 1536 (L2), and
-// 65536 x 1536 (DRAM), Q4_K and Q6_K, int8, on AVX2 and AVX-512.
+// Against BM_Matmul's same arguments: Qwen2.5-1.5B's shapes, 512 x 1536 (L2) and 65536 x 1536
+// (DRAM), Q4_K and Q6_K, int8, on AVX2 and AVX-512; 1, 4 and 16 tokens (a decode step's batch:
+// calls of up to 16 tokens read the rows8 copy), 1 and 2 threads.
 void rows8_args(benchmark::internal::Benchmark* b) {
   for (const Isa isa : {Isa::kAvx2, Isa::kAvx512})
     for (const gguf::TensorType t : {gguf::TensorType::kQ4_K, gguf::TensorType::kQ6_K})
       for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
                {512, 1536}, {1536, 1536}, {8960, 1536}, {1536, 8960}, {65536, 1536}})
-        for (const int64_t threads : {1, 2})
-          b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), 1, threads, 1, rows, cols});
+        for (const int64_t tokens : {1, 4, 8, 16})
+          for (const int64_t threads : {1, 2})
+            b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), tokens, threads, 1, rows,
+                     cols});
 }
 BENCHMARK(BM_MatmulRows8)->Apply(rows8_args)->Unit(benchmark::kMillisecond)->UseRealTime();
 

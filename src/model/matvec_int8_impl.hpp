@@ -802,73 +802,111 @@ inline void rows_block_k(const RowsArgs& a, int64_t r0) {
 // chunk's 16 activations (Q6_K's offset, -32 s_c sum(q), taken per chunk), times the sub-scales.
 // (|S| < 2^25 for Q4_K: 256 * 63 * 15 * 128; Q6_K: 16 chunks of 128 * (16 * 63 * 128 + 32 * 2032)
 // < 2^30.)
-template <uint32_t T>
-inline void rows8_record(const uint8_t* p, const ActBlockK& xb, typename Ops::V& acc,
-                         typename Ops::V& macc) {
+template <uint32_t T, int NT>
+inline void rows8_record(const uint8_t* p, const ActBlockK* const* xb, typename Ops::V* acc,
+                         typename Ops::V* macc) {
   using I = typename Ops::I;
   using B = typename Ops::B;
-  I s = Ops::izero();
+  I s[NT];
+  for (int t = 0; t < NT; ++t) s[t] = Ops::izero();
   if constexpr (T == kTypeQ4_K) {
     for_each_group<8>([&](auto jj) {
       constexpr int j = decltype(jj)::value;
-      I lo = Ops::izero(), hi = Ops::izero();
+      I lo[NT], hi[NT];
+      for (int t = 0; t < NT; ++t) lo[t] = hi[t] = Ops::izero();
       for (int st = 0; st < 4; ++st) {
         const B v = Ops::load(p + 128 * j + 32 * st);
-        lo = Ops::dpu(lo, Ops::lo4(v), Ops::bcast4(reinterpret_cast<const uint8_t*>(xb.q) +
-                                                   32 * j + 8 * st));
-        hi = Ops::dpu(hi, Ops::hi4(v), Ops::bcast4(reinterpret_cast<const uint8_t*>(xb.q) +
-                                                   32 * j + 8 * st + 4));
+        const B cl = Ops::lo4(v), ch = Ops::hi4(v);
+        for (int t = 0; t < NT; ++t) {
+          const auto* xq = reinterpret_cast<const uint8_t*>(xb[t]->q) + 32 * j + 8 * st;
+          lo[t] = Ops::dpu(lo[t], cl, Ops::bcast4(xq));
+          hi[t] = Ops::dpu(hi[t], ch, Ops::bcast4(xq + 4));
+        }
       }
-      s = Ops::add(s, Ops::mul_i(Ops::add(lo, hi), Ops::u8to32(p + 1024 + 8 * j)));
+      const I sc = Ops::u8to32(p + 1024 + 8 * j);
+      for (int t = 0; t < NT; ++t) s[t] = Ops::add(s[t], Ops::mul_i(Ops::add(lo[t], hi[t]), sc));
     });
-    I m = Ops::izero();
-    for (int q = 0; q < 4; ++q)
-      m = Ops::madd_pairs(m, Ops::u8to16(p + 1088 + 16 * q),
-                          pair16(xb.bsum[2 * q], xb.bsum[2 * q + 1]));
-    acc = Ops::fma(Ops::mul(Ops::f16x8(p + 1152), Ops::set1(xb.d)), Ops::cvt(s), acc);
-    macc = Ops::fma(Ops::mul(Ops::f16x8(p + 1168), Ops::set1(-xb.d)), Ops::cvt(m), macc);
+    B mn[4];
+    for (int q = 0; q < 4; ++q) mn[q] = Ops::u8to16(p + 1088 + 16 * q);
+    const typename Ops::V d = Ops::f16x8(p + 1152), dmin = Ops::f16x8(p + 1168);
+    for (int t = 0; t < NT; ++t) {
+      I m = Ops::izero();
+      for (int q = 0; q < 4; ++q)
+        m = Ops::madd_pairs(m, mn[q], pair16(xb[t]->bsum[2 * q], xb[t]->bsum[2 * q + 1]));
+      acc[t] = Ops::fma(Ops::mul(d, Ops::set1(xb[t]->d)), Ops::cvt(s[t]), acc[t]);
+      macc[t] = Ops::fma(Ops::mul(dmin, Ops::set1(-xb[t]->d)), Ops::cvt(m), macc[t]);
+    }
   } else {
     static_assert(T == kTypeQ6_K);
-    const auto* xq = reinterpret_cast<const uint8_t*>(xb.q);
     for_each_group<16>([&](auto cc) {
       constexpr int c = decltype(cc)::value;
       const B h = Ops::load(p + 1024 + 32 * c);
       const B v0 = Ops::load(p + 64 * c), v1 = Ops::load(p + 64 * c + 32);
-      I a = Ops::dpu(Ops::izero(), Ops::or_(Ops::lo4(v0), Ops::and_(Ops::shl(h, 4), 0x30)),
-                     Ops::bcast4(xq + 16 * c));
-      I b = Ops::dpu(Ops::izero(), Ops::or_(Ops::hi4(v0), Ops::and_(Ops::shl(h, 2), 0x30)),
-                     Ops::bcast4(xq + 16 * c + 4));
-      a = Ops::dpu(a, Ops::or_(Ops::lo4(v1), Ops::and_(h, 0x30)), Ops::bcast4(xq + 16 * c + 8));
-      b = Ops::dpu(b, Ops::or_(Ops::hi4(v1), Ops::and_(Ops::shr(h, 2), 0x30)),
-                   Ops::bcast4(xq + 16 * c + 12));
-      const I u = Ops::isub(Ops::add(a, b), Ops::iset1(32 * xb.bsum16[c]));
-      s = Ops::add(s, Ops::mul_i(u, Ops::s8to32(p + 1536 + 8 * c)));
+      const B u0 = Ops::or_(Ops::lo4(v0), Ops::and_(Ops::shl(h, 4), 0x30));
+      const B u1 = Ops::or_(Ops::hi4(v0), Ops::and_(Ops::shl(h, 2), 0x30));
+      const B u2 = Ops::or_(Ops::lo4(v1), Ops::and_(h, 0x30));
+      const B u3 = Ops::or_(Ops::hi4(v1), Ops::and_(Ops::shr(h, 2), 0x30));
+      const I sc = Ops::s8to32(p + 1536 + 8 * c);
+      for (int t = 0; t < NT; ++t) {
+        const auto* xq = reinterpret_cast<const uint8_t*>(xb[t]->q) + 16 * c;
+        I a = Ops::dpu(Ops::izero(), u0, Ops::bcast4(xq));
+        I b = Ops::dpu(Ops::izero(), u1, Ops::bcast4(xq + 4));
+        a = Ops::dpu(a, u2, Ops::bcast4(xq + 8));
+        b = Ops::dpu(b, u3, Ops::bcast4(xq + 12));
+        const I u = Ops::isub(Ops::add(a, b), Ops::iset1(32 * xb[t]->bsum16[c]));
+        s[t] = Ops::add(s[t], Ops::mul_i(u, sc));
+      }
     });
-    acc = Ops::fma(Ops::mul(Ops::f16x8(p + 1664), Ops::set1(xb.d)), Ops::cvt(s), acc);
+    const typename Ops::V d = Ops::f16x8(p + 1664);
+    for (int t = 0; t < NT; ++t)
+      acc[t] = Ops::fma(Ops::mul(d, Ops::set1(xb[t]->d)), Ops::cvt(s[t]), acc[t]);
   }
 }
 
-// Rows r0 .. r0 + 7 (r0 % 8 == 0, inside a.w8's groups) against the job's one token.
-template <uint32_t T>
-inline void rows8_one_token(const RowsArgs& a, int64_t r0) {
+// Rows r0 .. r0 + 7 (r0 % 8 == 0, inside a.w8's groups) against tokens t0 .. t0 + NT - 1 of the
+// job: the group's records in column order, each decoded once for the NT tokens. A later pass
+// (the next NT tokens) reads the same records again from cache.
+template <uint32_t T, int NT>
+inline void rows8_pass(const RowsArgs& a, int64_t r0, int64_t t0) {
   constexpr int64_t kRec = rows8_record_bytes(T);
   const int64_t blocks = a.cols / 256;
   const uint8_t* p = a.w8 + r0 / 8 * blocks * kRec;
-  typename Ops::V acc = Ops::zero(), macc = Ops::zero();
+  typename Ops::V acc[NT], macc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = macc[t] = Ops::zero();
+  const ActBlockK* xb[NT];
   for (int64_t k = 0; k < blocks; ++k, p += kRec) {
     for (int64_t o = 0; o < kRec; o += 64) prefetch_w(p + kWeightPrefetchBytes + o);
-    rows8_record<T>(p, a.xk[k], acc, macc);
+    for (int t = 0; t < NT; ++t) xb[t] = a.xk + (t0 + t) * a.xk_stride + k;
+    rows8_record<T, NT>(p, xb, acc, macc);
   }
-  Ops::vstore(a.y + r0, T == kTypeQ4_K ? Ops::vadd(acc, macc) : acc);
+  for (int t = 0; t < NT; ++t)
+    Ops::vstore(a.y + (t0 + t) * a.y_stride + r0,
+                T == kTypeQ4_K ? Ops::vadd(acc[t], macc[t]) : acc[t]);
+}
+
+template <uint32_t T>
+inline void rows8_tokens(const RowsArgs& a, int64_t r0) {
+  int64_t t0 = 0;
+  for (; t0 + 4 <= a.tokens; t0 += 4) rows8_pass<T, 4>(a, r0, t0);
+  switch (a.tokens - t0) {
+    case 3:
+      return rows8_pass<T, 3>(a, r0, t0);
+    case 2:
+      return rows8_pass<T, 2>(a, r0, t0);
+    case 1:
+      return rows8_pass<T, 1>(a, r0, t0);
+    default:
+      return;
+  }
 }
 
 template <uint32_t T>
 void rows_typed_k(const RowsArgs& a) {
   int64_t r = a.row_begin;
   if constexpr (rows8_record_bytes(T) > 0)
-    if (a.tokens == 1 && a.w8 != nullptr) {
+    if (a.tokens <= kRows8MaxTokens && a.w8 != nullptr) {
       for (; r % 8 != 0 && r < a.row_end; ++r) rows_block_k<T, 1>(a, r);
-      for (; r + 8 <= a.row_end; r += 8) rows8_one_token<T>(a, r);
+      for (; r + 8 <= a.row_end; r += 8) rows8_tokens<T>(a, r);
     }
   for (; r + Ops::RB <= a.row_end; r += Ops::RB) rows_block_k<T, Ops::RB>(a, r);
   for (; r < a.row_end; ++r) rows_block_k<T, 1>(a, r);

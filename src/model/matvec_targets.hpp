@@ -192,6 +192,15 @@ void transpose_activations_k(const ActBlockK* xk, int64_t xk_stride, int64_t tok
 //     [1536, 1664)  sub-scale of chunk c, row r (int8) at 1536 + 8 c + r
 //     [1664, 1680)  d of row r (f16) at 1664 + 2 r
 inline constexpr int64_t kRows8BytesQ4K = 1184, kRows8BytesQ6K = 1680;
+// Calls of up to this many tokens (a decode step's batch) read the rows8 copy where the matrix has
+// one, each record's codes decoded once per 4 tokens; longer ones (prefill, larger batches)
+// decode rows into the batched path's scratch and put 8 tokens in the lanes. BM_Matmul and
+// BM_MatmulRows8 on the Zen 4 VM (AVX-512 VNNI, 1 thread, L3-resident Qwen2.5-1.5B shapes,
+// 8960 x 1536 / 1536 x 8960), ms, rows8 against the batched path:
+//   Q4_K  4 tokens 0.53-0.61 / 1.28-1.36; 8: 1.02-1.47 / 1.31-1.44; 16: 2.14-2.49 / 1.85-1.99
+//   Q6_K  4 tokens 0.88-0.93 / 1.72-1.82; 8: 1.68-1.77 / 1.82-2.27; 16: 3.17-3.82 / 2.31-2.60
+// (the batched path costs about the same for 1-8 tokens: its lanes hold 8).
+inline constexpr int64_t kRows8MaxTokens = 8;
 // Bytes per group's super-block record, 0 for the other types.
 static constexpr int64_t rows8_record_bytes(uint32_t type) {  // internal linkage, as above
   return type == kTypeQ4_K ? kRows8BytesQ4K : type == kTypeQ6_K ? kRows8BytesQ6K : 0;

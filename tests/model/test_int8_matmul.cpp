@@ -410,9 +410,10 @@ TEST(Int8Matmul, BitsDoNotDependOnBatchingThreadsRowsOrTheOtherMatrices) {
     }
 }
 
-// The rows8 copy (Q4_K, Q6_K: 8 rows interleaved for the one-token pass) gives the row layout's
-// bits on every target, thread count and row count (whole groups, a tail of rows % 8 read from
-// the rows); pack_rows8 writes rows8_bytes and no more; several tokens ignore it.
+// The rows8 copy (Q4_K, Q6_K: 8 rows interleaved, read by calls of up to kRows8MaxTokens = 8
+// tokens) gives the row layout's bits on every target, thread count, row count (whole groups, a
+// tail of rows % 8 read from the rows) and token count (passes of 4 tokens and a rest of 1-3;
+// from 9 tokens on the batched path); pack_rows8 writes rows8_bytes and no more.
 TEST(Int8Matmul, Rows8LayoutGivesTheRowLayoutsBits) {
   std::mt19937_64 rng(41);
   std::normal_distribution<float> nd;
@@ -429,36 +430,33 @@ TEST(Int8Matmul, Rows8LayoutGivesTheRowLayoutsBits) {
         std::vector<uint8_t> packed(n8 + 64, 0xa5);
         model::pack_rows8(m, packed.data());
         for (std::size_t i = n8; i < packed.size(); ++i) ASSERT_EQ(packed[i], 0xa5) << "past the end";
-        const int64_t tokens = 3;
+        const int64_t tokens = 19;
         std::vector<float> x(static_cast<std::size_t>(tokens * cols));
         for (auto& v : x) v = nd(rng);
         for (int i = 0; i < 32; ++i) x[static_cast<std::size_t>(cols + i)] = 0;  // token 1: zeros
         x[static_cast<std::size_t>(2 * cols + 3)] = 1e30f;  // token 2: a huge outlier
         for (const Target& tg : targets_here()) {
           SCOPED_TRACE(target_name(tg));
-          for (const int threads : {1, 2}) {
-            std::vector<float> want(static_cast<std::size_t>(tokens * rows)), got(want.size());
-            for (int64_t t = 0; t < tokens; ++t) {
-              m.rows8 = nullptr;
-              const WeightMatrix* mats[] = {&m};
-              float* ys[] = {want.data() + t * rows};
-              ASSERT_TRUE(model::matmul(mats, x.data() + t * cols, 1, cols, ys,
-                                        int8_options(threads, tg)).is_ok());
-              m.rows8 = packed.data();
-              float* ys8[] = {got.data() + t * rows};
-              ASSERT_TRUE(model::matmul(mats, x.data() + t * cols, 1, cols, ys8,
-                                        int8_options(threads, tg)).is_ok());
-            }
-            ASSERT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * 4))
-                << "threads " << threads;
-            std::vector<float> batch(want.size());
+          std::vector<float> want(static_cast<std::size_t>(tokens * rows));
+          m.rows8 = nullptr;
+          for (int64_t t = 0; t < tokens; ++t) {  // one token at a time, the row layout
             const WeightMatrix* mats[] = {&m};
-            float* ys[] = {batch.data()};
-            ASSERT_TRUE(model::matmul(mats, x.data(), tokens, cols, ys, int8_options(threads, tg))
-                            .is_ok());
-            ASSERT_EQ(0, std::memcmp(want.data(), batch.data(), want.size() * 4))
-                << "the batched path, threads " << threads;
+            float* ys[] = {want.data() + t * rows};
+            ASSERT_TRUE(model::matmul(mats, x.data() + t * cols, 1, cols, ys,
+                                      int8_options(1, tg)).is_ok());
           }
+          m.rows8 = packed.data();
+          for (const int threads : {1, 2})
+            for (const int64_t n : {1, 2, 3, 4, 5, 7, 8, 9, 16, 19}) {
+              const int64_t t0 = std::min<int64_t>(1, tokens - n);  // tokens 1 and 2 included
+              std::vector<float> got(static_cast<std::size_t>(n * rows));
+              const WeightMatrix* mats[] = {&m};
+              float* ys[] = {got.data()};
+              ASSERT_TRUE(model::matmul(mats, x.data() + t0 * cols, n, cols, ys,
+                                        int8_options(threads, tg)).is_ok());
+              ASSERT_EQ(0, std::memcmp(want.data() + t0 * rows, got.data(), got.size() * 4))
+                  << n << " tokens, threads " << threads;
+            }
         }
       }
 }
