@@ -67,6 +67,7 @@ struct GenFlags {
   int threads = 0;
   std::string matmul;  // --matmul: exact | int8 | int8-ffn; "" until preflight: the model's
   bool check = false;
+  bool no_rows8 = false;
   bool ignore_eos = false;
   bool quiet = false;
   bool synthetic_kv = false;
@@ -104,6 +105,7 @@ generation::Request request_of(const GenFlags& f, const std::string& model_path,
   r.ignore_eos = f.ignore_eos;
   r.sampling = {f.temperature, f.top_k, f.top_p, f.seed};
   r.matmul = *model::parse_matmul_mode(f.matmul);
+  r.rows8 = !f.no_rows8;
   r.kv_dtype = *parse_dtype(f.kv_dtype);
   r.threads = threads;
   r.timeout = std::chrono::milliseconds(f.timeout_ms);
@@ -444,6 +446,7 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
   sub->add_option("--threads", f->threads, "Threads per rank (0: cores / ranks on the host)")
       ->capture_default_str();
   add_matmul_option(*sub, f->matmul);
+  add_rows8_flag(*sub, f->no_rows8);
   sub->add_flag("--check", f->check,
                 "Hash the token stream on every rank at every step and stop on a divergence");
   sub->add_flag("--engine", f->engine,

@@ -67,6 +67,7 @@ struct ServeFlags {
   int shutdown_timeout = 30;
   int timeout_ms = 600000;
   bool no_prefix_cache = false;
+  bool no_rows8 = false;
 };
 
 // The merge the engine runs for --method (auto: tree, the batch-invariant one).
@@ -120,6 +121,7 @@ engine::EngineConfig engine_config(const ServeFlags& f, int threads) {
   c.prefill_chunk = f.prefill_chunk;
   c.max_queue = f.max_queue;
   c.prefix_cache = !f.no_prefix_cache;
+  c.rows8 = !f.no_rows8;
   c.merge = merge_of(f);
   c.prefill_exchange = f.prefill_exchange;
   c.threads = threads;
@@ -309,6 +311,7 @@ Runner add_serve_command(CLI::App& app, const Invocation& inv) {
       ->capture_default_str();
   sub->add_flag("--no-prefix-cache", f->no_prefix_cache,
                 "Do not reuse the KV pages of earlier prompts");
+  add_rows8_flag(*sub, f->no_rows8);
   sub->add_option("--shutdown-timeout", f->shutdown_timeout,
                   "Seconds after a stop signal before running requests are cancelled")
       ->capture_default_str();

@@ -30,6 +30,13 @@ void add_matmul_option(CLI::App& sub, std::string& matmul) {
                  "Default: the model's (tools/models.txt: exact for smollm2-135m), else int8");
 }
 
+void add_rows8_flag(CLI::App& sub, bool& no_rows8) {
+  sub.add_flag("--no-rows8", no_rows8,
+               "Keep no second copy of the Q4_K / Q6_K matrices in the decode steps' layout "
+               "(rows8: the same bits, faster decode with int8; about their size again in "
+               "memory, per rank)");
+}
+
 Status check_matmul_flag(const std::string& flag) {
   if (!flag.empty() && !model::parse_matmul_mode(flag).is_ok())
     return invalid_argument("--matmul " + flag + ": expected exact, int8 or int8-ffn");

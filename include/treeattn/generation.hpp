@@ -67,6 +67,7 @@ struct Request {
   bool ignore_eos = false;
   model::SamplingParams sampling;
   model::MatmulMode matmul = model::MatmulMode::kInt8;
+  bool rows8 = true;  // LlamaModel::pack_rows8 after loading (--no-rows8: false)
   DType kv_dtype = DType::kF16;
   int threads = 1;  // per rank
   std::chrono::milliseconds timeout{600000};

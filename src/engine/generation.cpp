@@ -444,7 +444,7 @@ Output run_generation(Communicator& comm, const Request& req, const Hooks& hooks
   Output out;
   auto m = model::LlamaModel::load(req.model_path);
   if (!m.is_ok()) return failed(std::move(out), m.status());
-  (*m)->pack_rows8(req.matmul, req.threads);  // the decode steps' layout (model.hpp)
+  if (req.rows8) (*m)->pack_rows8(req.matmul, req.threads);  // the decode steps' layout
   auto tok = Tokenizer::from_gguf((*m)->file());
   if (!tok.is_ok()) return failed(std::move(out), tok.status());
   auto prompt = make_prompt(req.prompt, *tok);

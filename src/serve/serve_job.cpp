@@ -198,7 +198,7 @@ int run_serve_job(Communicator& comm, const ServeJob& job) {
   }
   if (!st.is_ok()) say(st);
   if (!agree(st)) return 2;
-  (*m)->pack_rows8(ec.matmul, ec.threads);  // the decode steps' layout (model.hpp)
+  if (ec.rows8) (*m)->pack_rows8(ec.matmul, ec.threads);  // the decode steps' layout
   const model::LlamaConfig& cfg = (*m)->config();
 
   phase("serve: engine set-up");
