@@ -282,8 +282,25 @@ void rows8_args(benchmark::internal::Benchmark* b) {
           for (const int64_t threads : {1, 2})
             b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), tokens, threads, 1, rows,
                      cols});
+  // Q8_0 and Q5_0 at Qwen2.5-0.5B's gate / up and down (4864 x 896, 896 x 4864) and 65536 x 640
+  // (Gemma-3's head width, from DRAM), against BM_Matmul's same arguments (registered here too).
+  for (const Isa isa : {Isa::kAvx2, Isa::kAvx512})
+    for (const gguf::TensorType t : {gguf::TensorType::kQ8_0, gguf::TensorType::kQ5_0})
+      for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
+               {4864, 896}, {896, 4864}, {65536, 640}})
+        for (const int64_t tokens : {1, 4, 8})
+          b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), tokens, 1, 1, rows, cols});
+}
+void rows8_args32(benchmark::internal::Benchmark* b) {
+  for (const Isa isa : {Isa::kAvx2, Isa::kAvx512})
+    for (const gguf::TensorType t : {gguf::TensorType::kQ8_0, gguf::TensorType::kQ5_0})
+      for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
+               {4864, 896}, {896, 4864}, {65536, 640}})
+        for (const int64_t tokens : {1, 4, 8})
+          b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), tokens, 1, 1, rows, cols});
 }
 BENCHMARK(BM_MatmulRows8)->Apply(rows8_args)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Matmul)->Apply(rows8_args32)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 #if defined(__x86_64__)
 // The limit of the integer matrix kernels: one thread's 8-bit multiply-add peak, 12 independent

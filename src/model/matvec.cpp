@@ -138,7 +138,7 @@ Result<WeightMatrix> WeightMatrix::from_tensor(const gguf::TensorInfo& t) {
 }
 
 std::size_t rows8_bytes(const WeightMatrix& m) {
-  return static_cast<std::size_t>(m.rows / 8 * (m.cols / 256) *
+  return static_cast<std::size_t>(m.rows / 8 * (m.cols / detail::rows8_record_cols(m.type)) *
                                   detail::rows8_record_bytes(m.type));
 }
 
@@ -240,6 +240,16 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
     xt_buf.resize(static_cast<std::size_t>(groups * xq_stride));
   if (int8_xtk && xtk_buf.size() < static_cast<std::size_t>(groups * xk_stride))
     xtk_buf.resize(static_cast<std::size_t>(groups * xk_stride));
+  // A decode call of a 32-value type's rows8 copy: each block's integer sum of q (Q5_0's offset).
+  bool xsum_needed = int8_32 && tokens <= detail::kRows8MaxTokens;
+  if (xsum_needed) {
+    xsum_needed = false;
+    for (const WeightMatrix* m : mats) xsum_needed = xsum_needed || m->rows8 != nullptr;
+  }
+  thread_local std::vector<int32_t> xsum_buf;
+  if (xsum_needed && xsum_buf.size() < static_cast<std::size_t>(tokens * xq_stride))
+    xsum_buf.resize(static_cast<std::size_t>(tokens * xq_stride));
+  int32_t* const xsum = xsum_buf.data();
   detail::ActBlock8* const xt = xt_buf.data();
   detail::ActBlockK8* const xtk = xtk_buf.data();
   detail::ActBlock* const xq = xq_buf.data();
@@ -261,6 +271,12 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < tokens; ++t) {
         if (int8_32) detail::quantize_activations(x + t * x_stride, cols, xq + t * xq_stride);
+        if (xsum_needed)
+          for (int64_t b = 0; b < xq_stride; ++b) {
+            int32_t s = 0;
+            for (const int8_t q : xq[t * xq_stride + b].q) s += q;
+            xsum[t * xq_stride + b] = s;
+          }
         if (int8_k) detail::quantize_activations_k(x + t * x_stride, cols, xk + t * xk_stride);
       }
       if (int8_xt || int8_xtk) {
@@ -305,6 +321,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
           } else {
             a.xq = xq + t0 * xq_stride;
             a.xq_stride = xq_stride;
+            if (xsum_needed) a.xsum = xsum + t0 * xq_stride;
             if (int8_xt) a.xt = xt + t0 / 8 * xq_stride;
           }
           fn8(a);

@@ -189,7 +189,44 @@ SuperBlockInts unpack_superblock(uint32_t type, const uint8_t* b) {
 
 void pack_rows8(uint32_t type, const uint8_t* w, int64_t rows, int64_t row_bytes, int64_t cols,
                 uint8_t* out) {
-  const int64_t rec = rows8_record_bytes(type), blocks = cols / 256;
+  const int64_t rec = rows8_record_bytes(type);
+  if (type == kTypeQ8_0 || type == kTypeQ5_0) {  // ggml's block_q8_0 / block_q5_0
+    const int64_t blocks = cols / 32, in_bytes = type == kTypeQ8_0 ? 34 : 22;
+    for (int64_t g = 0; g < rows / 8; ++g)
+      for (int64_t k = 0; k < blocks; ++k) {
+        uint8_t* o = out + (g * blocks + k) * rec;
+        for (int r = 0; r < 8; ++r) {
+          const uint8_t* b = w + (8 * g + r) * row_bytes + k * in_bytes;
+          uint8_t c[32];  // the codes, column order
+          if (type == kTypeQ8_0) {
+            std::memcpy(c, b + 2, 32);  // signed codes, as stored
+            for (int s = 0; s < 8; ++s)
+              for (int t = 0; t < 4; ++t) o[32 * s + 4 * r + t] = c[4 * s + t];
+            std::memcpy(o + 256 + 2 * r, b, 2);
+          } else {
+            uint32_t qh;
+            std::memcpy(&qh, b + 2, 4);
+            for (int i = 0; i < 16; ++i) {
+              c[i] = static_cast<uint8_t>((b[6 + i] & 15) | (((qh >> i) & 1) << 4));
+              c[i + 16] = static_cast<uint8_t>((b[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
+            }
+            for (int s = 0; s < 4; ++s)
+              for (int t = 0; t < 4; ++t)
+                o[32 * s + 4 * r + t] =
+                    static_cast<uint8_t>((c[8 * s + t] & 15) | ((c[8 * s + 4 + t] & 15) << 4));
+            for (int t = 0; t < 4; ++t) {
+              int h = 0;
+              for (int s = 0; s < 4; ++s)
+                h |= ((c[8 * s + t] >> 4) << s) | ((c[8 * s + 4 + t] >> 4) << (4 + s));
+              o[128 + 4 * r + t] = static_cast<uint8_t>(h);
+            }
+            std::memcpy(o + 160 + 2 * r, b, 2);
+          }
+        }
+      }
+    return;
+  }
+  const int64_t blocks = cols / 256;
   const int64_t in_bytes = type == kTypeQ4_K ? 144 : 210;
   for (int64_t g = 0; g < rows / 8; ++g)
     for (int64_t k = 0; k < blocks; ++k) {

@@ -361,9 +361,84 @@ inline void rows_block(const RowsArgs& a, int64_t r0) {
                       a.y + g * 8 * a.y_stride + r0, a.y_stride);
 }
 
+// Rows in lanes for Q8_0 and Q5_0 (the rows8 records of matvec_targets.hpp, one per block of 32
+// columns): rows r0 .. r0 + 7 against tokens t0 .. t0 + NT - 1, each record's codes decoded once
+// for the NT tokens. Per block and token S = dot(c, q) - off sum(q) (exact: the row layout's
+// integer) and acc = fma(d * d_x, float(S), acc) lane by lane (step()'s roundings), so the row
+// layout's bits. Q8_0: 8 loads of signed codes, each one dps (|w| against sign(x, w): maddubs'
+// int16 pairs stay below 2 * 128 * 127 on AVX2) against 4 broadcast activation bytes; Q5_0: 4
+// loads of nibbles and one of fifth bits, a code vector per nibble half.
+template <uint32_t T, int NT>
+inline void rows8_pass32(const RowsArgs& a, int64_t r0, int64_t t0) {
+  using I = typename Ops::I;
+  using B = typename Ops::B;
+  constexpr int64_t kRec = rows8_record_bytes(T);
+  constexpr int kOff = T == kTypeQ8_0 ? 0 : 16;
+  const int64_t blocks = a.cols / 32;
+  const uint8_t* p = a.w8 + r0 / 8 * blocks * kRec;
+  typename Ops::V acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = Ops::zero();
+  for (int64_t b = 0; b < blocks; ++b, p += kRec) {
+    for (int64_t o = (b * kRec + 63) / 64 * 64 - b * kRec; o < kRec; o += 64)
+      prefetch_w(p + kWeightPrefetchBytes + o);
+    const ActBlock* xb[NT];
+    I s[NT];
+    for (int t = 0; t < NT; ++t) {
+      xb[t] = a.xq + (t0 + t) * a.xq_stride + b;
+      s[t] = kOff != 0 ? Ops::iset1(-kOff * a.xsum[(t0 + t) * a.xq_stride + b]) : Ops::izero();
+    }
+    if constexpr (T == kTypeQ8_0) {
+      for (int st = 0; st < 8; ++st) {
+        const B w = Ops::load(p + 32 * st);  // signed: dps (|w| and sign(x, w), as the rows)
+        for (int t = 0; t < NT; ++t)
+          s[t] = Ops::dps(s[t], w, Ops::bcast4(reinterpret_cast<const uint8_t*>(xb[t]->q) + 4 * st));
+      }
+    } else {
+      static_assert(T == kTypeQ5_0);
+      const B h = Ops::load(p + 128);
+      for_each_group<4>([&](auto ss) {
+        constexpr int st = decltype(ss)::value;
+        const B v = Ops::load(p + 32 * st);
+        const B lo = Ops::or_(Ops::lo4(v), Ops::and_(shift(h, 4 - st), 0x10));
+        const B hi = Ops::or_(Ops::hi4(v), Ops::and_(shift(h, -st), 0x10));
+        for (int t = 0; t < NT; ++t) {
+          const auto* xq = reinterpret_cast<const uint8_t*>(xb[t]->q) + 8 * st;
+          s[t] = Ops::dpu(s[t], lo, Ops::bcast4(xq));
+          s[t] = Ops::dpu(s[t], hi, Ops::bcast4(xq + 4));
+        }
+      });
+    }
+    const typename Ops::V d = Ops::f16x8(p + kRec - 16);
+    for (int t = 0; t < NT; ++t)
+      acc[t] = Ops::fma(Ops::mul(d, Ops::set1(xb[t]->d)), Ops::cvt(s[t]), acc[t]);
+  }
+  for (int t = 0; t < NT; ++t) Ops::vstore(a.y + (t0 + t) * a.y_stride + r0, acc[t]);
+}
+
+template <uint32_t T>
+inline void rows8_tokens32(const RowsArgs& a, int64_t r0) {
+  int64_t t0 = 0;
+  for (; t0 + 4 <= a.tokens; t0 += 4) rows8_pass32<T, 4>(a, r0, t0);
+  switch (a.tokens - t0) {
+    case 3:
+      return rows8_pass32<T, 3>(a, r0, t0);
+    case 2:
+      return rows8_pass32<T, 2>(a, r0, t0);
+    case 1:
+      return rows8_pass32<T, 1>(a, r0, t0);
+    default:
+      return;
+  }
+}
+
 template <uint32_t T>
 void rows_typed(const RowsArgs& a) {
   int64_t r = a.row_begin;
+  if constexpr (rows8_record_bytes(T) > 0)
+    if (a.tokens <= kRows8MaxTokens && a.w8 != nullptr && a.xsum != nullptr) {
+      for (; r % 8 != 0 && r < a.row_end; ++r) rows_block<T, 1>(a, r);
+      for (; r + 8 <= a.row_end; r += 8) rows8_tokens32<T>(a, r);
+    }
   for (; r + Ops::RB <= a.row_end; r += Ops::RB) rows_block<T, Ops::RB>(a, r);
   for (; r < a.row_end; ++r) rows_block<T, 1>(a, r);
 }

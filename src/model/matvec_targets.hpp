@@ -58,9 +58,12 @@ struct RowsArgs {
   // Several tokens of the K types: xk's blocks 8 tokens to a group (transpose_activations_k),
   // group 0 of the range, cols / 256 blocks per group. Null for one token.
   const ActBlockK8* xtk = nullptr;
-  // The matrix's rows 8 at a time in the one-token layout of Q4_K / Q6_K (WeightMatrix::rows8,
-  // pack_rows8 below): group g holds rows 8 g .. 8 g + 7, rows / 8 groups; null where absent.
+  // The matrix's rows 8 at a time in the decode layout of Q4_K / Q6_K / Q8_0 / Q5_0
+  // (WeightMatrix::rows8, pack_rows8 below): group g holds rows 8 g .. 8 g + 7, rows / 8 groups;
+  // null where absent. The 32-value types also read xsum: token t's block b's integer sum of q
+  // at xsum[t * xq_stride + b] (for their offset), set with w8 for calls of up to kRows8MaxTokens.
   const uint8_t* w8 = nullptr;
+  const int32_t* xsum = nullptr;
 };
 
 // The locality hint of the weight prefetch in the one-token passes (both matrix paths:
@@ -191,7 +194,19 @@ void transpose_activations_k(const ActBlockK* xk, int64_t xk_stride, int64_t tok
 //                   16 c + t, + 4 + t, + 8 + t, + 12 + t at bits 0, 2, 4, 6
 //     [1536, 1664)  sub-scale of chunk c, row r (int8) at 1536 + 8 c + r
 //     [1664, 1680)  d of row r (f16) at 1664 + 2 r
-inline constexpr int64_t kRows8BytesQ4K = 1184, kRows8BytesQ6K = 1680;
+// Two 32-value types, a record per block of 32 columns (Q5_0's offset, -16 sum(q) of the token's
+// block, from RowsArgs::xsum, as the row layout's S = dot(c, q) - 16 sum(q)):
+//   Q8_0 (272 bytes; 8 x 34): the signed codes w as stored (no offset)
+//     [0, 256)      step s < 8: 32 bytes at 32 s; byte 4 r + t: column 4 s + t
+//     [256, 272)    d of row r (f16) at 256 + 2 r
+//   Q5_0 (176 bytes; 8 x 22): codes 0 .. 31 (off 16)
+//     [0, 128)      step s < 4: 32 bytes at 32 s; byte 4 r + t: low 4 bits of column 8 s + t
+//                   (low nibble), of 8 s + 4 + t (high nibble)
+//     [128, 160)    byte 4 r + t: the fifth bit of column 8 s + t at bit s, of 8 s + 4 + t at
+//                   bit 4 + s (s < 4)
+//     [160, 176)    d of row r (f16) at 160 + 2 r
+inline constexpr int64_t kRows8BytesQ4K = 1184, kRows8BytesQ6K = 1680, kRows8BytesQ8_0 = 272,
+                         kRows8BytesQ5_0 = 176;
 // Calls of up to this many tokens (a decode step's batch) read the rows8 copy where the matrix has
 // one, each record's codes decoded once per 4 tokens; longer ones (prefill, larger batches)
 // decode rows into the batched path's scratch and put 8 tokens in the lanes. BM_Matmul and
@@ -203,10 +218,19 @@ inline constexpr int64_t kRows8BytesQ4K = 1184, kRows8BytesQ6K = 1680;
 inline constexpr int64_t kRows8MaxTokens = 8;
 // Bytes per group's super-block record, 0 for the other types.
 static constexpr int64_t rows8_record_bytes(uint32_t type) {  // internal linkage, as above
-  return type == kTypeQ4_K ? kRows8BytesQ4K : type == kTypeQ6_K ? kRows8BytesQ6K : 0;
+  return type == kTypeQ4_K   ? kRows8BytesQ4K
+         : type == kTypeQ6_K ? kRows8BytesQ6K
+         : type == kTypeQ8_0 ? kRows8BytesQ8_0
+         : type == kTypeQ5_0 ? kRows8BytesQ5_0
+                             : 0;
+}
+// Columns per record: 256 for the K types, 32 for the others.
+static constexpr int64_t rows8_record_cols(uint32_t type) {
+  return type == kTypeQ4_K || type == kTypeQ6_K ? 256 : 32;
 }
 // rows / 8 groups (the rest of the rows stay in the row layout only) of a matrix in the row
-// layout (row_bytes apart, cols a multiple of 256) into out (rows / 8 * cols / 256 records).
+// layout (row_bytes apart, cols a multiple of rows8_record_cols) into out (rows / 8 * cols /
+// rows8_record_cols records).
 void pack_rows8(uint32_t type, const uint8_t* w, int64_t rows, int64_t row_bytes, int64_t cols,
                 uint8_t* out);
 

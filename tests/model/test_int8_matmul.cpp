@@ -410,23 +410,29 @@ TEST(Int8Matmul, BitsDoNotDependOnBatchingThreadsRowsOrTheOtherMatrices) {
     }
 }
 
-// The rows8 copy (Q4_K, Q6_K: 8 rows interleaved, read by calls of up to kRows8MaxTokens = 8
-// tokens) gives the row layout's bits on every target, thread count, row count (whole groups, a
+// The rows8 copy (Q4_K, Q6_K, Q8_0, Q5_0: 8 rows interleaved, read by calls of up to
+// kRows8MaxTokens = 8 tokens) gives the row layout's bits on every target, thread count, row count (whole groups, a
 // tail of rows % 8 read from the rows) and token count (passes of 4 tokens and a rest of 1-3;
 // from 9 tokens on the batched path); pack_rows8 writes rows8_bytes and no more.
 TEST(Int8Matmul, Rows8LayoutGivesTheRowLayoutsBits) {
   std::mt19937_64 rng(41);
   std::normal_distribution<float> nd;
-  for (const uint32_t type : {id(TensorType::kQ4_K), id(TensorType::kQ6_K)})
-    for (const int64_t cols : {int64_t{256}, int64_t{768}, int64_t{4864}})
+  for (const uint32_t type : {id(TensorType::kQ4_K), id(TensorType::kQ6_K), id(TensorType::kQ8_0),
+                              id(TensorType::kQ5_0)})
+    for (const int64_t cols : {int64_t{256}, int64_t{768}, int64_t{4864}, int64_t{32}, int64_t{640}}) {
+      const bool k = gguf::block_layout(type).block_elems == 256;
+      if (k && cols % 256 != 0) continue;
       for (const int64_t rows : {int64_t{8}, int64_t{37}, int64_t{70}}) {
         SCOPED_TRACE(gguf::tensor_type_name(type) + " " + std::to_string(rows) + " x " +
                      std::to_string(cols));
         std::vector<uint8_t> store;
         WeightMatrix m = make_matrix(type, rows, cols, store, rng);
         const std::size_t n8 = model::rows8_bytes(m);
-        ASSERT_EQ(n8, static_cast<std::size_t>(rows / 8 * cols / 256 *
-                                               (type == id(TensorType::kQ4_K) ? 1184 : 1680)));
+        const int64_t rec = type == id(TensorType::kQ4_K)   ? 1184
+                            : type == id(TensorType::kQ6_K) ? 1680
+                            : type == id(TensorType::kQ8_0) ? 272
+                                                            : 176;
+        ASSERT_EQ(n8, static_cast<std::size_t>(rows / 8 * cols / (k ? 256 : 32) * rec));
         std::vector<uint8_t> packed(n8 + 64, 0xa5);
         model::pack_rows8(m, packed.data());
         for (std::size_t i = n8; i < packed.size(); ++i) ASSERT_EQ(packed[i], 0xa5) << "past the end";
@@ -435,6 +441,8 @@ TEST(Int8Matmul, Rows8LayoutGivesTheRowLayoutsBits) {
         for (auto& v : x) v = nd(rng);
         for (int i = 0; i < 32; ++i) x[static_cast<std::size_t>(cols + i)] = 0;  // token 1: zeros
         x[static_cast<std::size_t>(2 * cols + 3)] = 1e30f;  // token 2: a huge outlier
+        if (cols >= 64)  // token 3: a block of 32 equal values (every q = 127)
+          for (int i = 32; i < 64; ++i) x[static_cast<std::size_t>(3 * cols + i)] = -2.5f;
         for (const Target& tg : targets_here()) {
           SCOPED_TRACE(target_name(tg));
           std::vector<float> want(static_cast<std::size_t>(tokens * rows));
@@ -459,6 +467,7 @@ TEST(Int8Matmul, Rows8LayoutGivesTheRowLayoutsBits) {
             }
         }
       }
+    }
 }
 
 // One call with 32-value and K types (both activation block sizes quantized) gives each matrix the
