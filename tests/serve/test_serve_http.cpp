@@ -584,6 +584,12 @@ TEST_F(ServeHttp, EngineFailureAnswers503) {
   std::thread streaming([&] {
     streamed = post_stream("/v1/completions", R"({"prompt":"x","stream":true})", 0, &status);
   });
+  // Both requests in the engine (not a fixed sleep: on a loaded machine 100 ms was not always
+  // enough, and the test failed once under ctest -j2), then a margin for the stream's headers.
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (backend_->live() < 2 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(backend_->live(), 2);  // (no ASSERT: the two threads must be joined)
   std::this_thread::sleep_for(100ms);
   backend_->fail();
   waiting.join();
