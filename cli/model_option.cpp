@@ -32,7 +32,7 @@ void add_matmul_option(CLI::App& sub, std::string& matmul) {
 
 void add_rows8_flag(CLI::App& sub, bool& no_rows8) {
   sub.add_flag("--no-rows8", no_rows8,
-               "Keep no second copy of the Q4_K / Q6_K matrices in the decode steps' layout "
+               "Keep no second copy of the Q4_K / Q6_K / Q8_0 / Q5_0 matrices in the decode layout "
                "(rows8: the same bits, faster decode with int8; about their size again in "
                "memory, per rank)");
 }

@@ -133,7 +133,7 @@ Result<std::string> resolve_model(const std::string& flag);
 void add_model_option(CLI::App& sub, std::string& model);
 // --matmul of generate and serve on a subcommand ("" until set: the model's default below).
 void add_matmul_option(CLI::App& sub, std::string& matmul);
-// --no-rows8 of generate and serve: no rows8 copy of the Q4_K / Q6_K matrices (model.hpp).
+// --no-rows8 of generate and serve: no rows8 copy of the quantized matrices (model.hpp).
 void add_rows8_flag(CLI::App& sub, bool& no_rows8);
 // kInvalidArgument when --matmul was given and is not a mode ("" is not given).
 Status check_matmul_flag(const std::string& flag);

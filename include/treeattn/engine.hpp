@@ -148,7 +148,8 @@ struct EngineConfig {
   // reference path (and what a comparison with the Generator needs on both sides).
   model::MatmulMode matmul = model::MatmulMode::kInt8;
   // The caller's LlamaModel::pack_rows8 before Engine::create (serve, generate): the decode
-  // steps' Q4_K / Q6_K layout, about the matrices' size again in memory; false: --no-rows8.
+  // steps' Q4_K / Q6_K / Q8_0 / Q5_0 layout, about those matrices' size again in memory; false:
+  // --no-rows8.
   bool rows8 = true;
   std::chrono::milliseconds timeout{600000};   // per communicator operation; 0 = forever
   // An idle rank 0 broadcasts an empty step at least this often (a heartbeat: a rank that died

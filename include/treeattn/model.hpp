@@ -67,18 +67,19 @@ struct WeightMatrix {
   int64_t rows = 0;
   int64_t cols = 0;
   int64_t row_bytes = 0;
-  // Optional (Q4_K and Q6_K): the rows 8 at a time in the one-token int8 layout, filled by
-  // pack_rows8 below and owned by the caller. MatmulMode::kInt8's one-token calls read it instead
-  // of `data` (same bits, fewer instructions per weight: src/model/matvec_targets.hpp); every
-  // other path reads `data`.
+  // Optional (Q4_K, Q6_K, Q8_0, Q5_0): the rows 8 at a time in the decode layout, filled by
+  // pack_rows8 below and owned by the caller. MatmulMode::kInt8's calls of up to 8 tokens read it
+  // instead of `data` (same bits, fewer instructions per weight: src/model/matvec_targets.hpp);
+  // every other call reads `data`.
   const uint8_t* rows8 = nullptr;
 
   static Result<WeightMatrix> from_tensor(const gguf::TensorInfo& t);
   std::size_t bytes() const { return static_cast<std::size_t>(rows * row_bytes); }
 };
 
-// The bytes of m's rows8 copy: rows / 8 groups of cols / 256 records (the remaining rows % 8 rows
-// are read from `data`); 0 for the types without one (all but Q4_K and Q6_K).
+// The bytes of m's rows8 copy: rows / 8 groups of cols / 256 (K types) or cols / 32 records (the
+// remaining rows % 8 rows are read from `data`); 0 for the types without one (all but Q4_K,
+// Q6_K, Q8_0 and Q5_0).
 std::size_t rows8_bytes(const WeightMatrix& m);
 // Writes m's rows8 copy (rows8_bytes(m) bytes) to out; m.data must be valid. Point m.rows8 at it.
 void pack_rows8(const WeightMatrix& m, uint8_t* out);
@@ -220,12 +221,12 @@ class LlamaModel {
   std::size_t weight_bytes_per_token() const;
   // The types of the layer matrices, e.g. "q4_1 (210), q8_0 (1)", for reports.
   std::string weight_types() const;
-  // Copies the Q4_K / Q6_K matrices that `mode` multiplies with 8-bit activations (kInt8: all;
-  // kInt8Ffn: the FFN and the output head; kExact: none) into the rows8 layout, which the
-  // one-token (decode) calls then read: the same bits, fewer instructions per weight
-  // (WeightMatrix::rows8). Costs rows8_bytes() of memory, about those matrices' own size (the
-  // file's mapping stays: the batched calls and the exact path read it). Once per model, before
-  // it is shared; `threads` OpenMP threads (0: the default).
+  // Copies the Q4_K / Q6_K / Q8_0 / Q5_0 matrices that `mode` multiplies with 8-bit activations
+  // (kInt8: all; kInt8Ffn: the FFN and the output head; kExact: none) into the rows8 layout,
+  // which the calls of up to 8 tokens (decode steps) then read: the same bits, fewer instructions
+  // per weight (WeightMatrix::rows8). Costs rows8_bytes() of memory, about those matrices' own
+  // size (the file's mapping stays: the longer calls and the exact path read it). Once per model,
+  // before it is shared; `threads` OpenMP threads (0: the default).
   void pack_rows8(MatmulMode mode, int threads = 0);
   std::size_t rows8_bytes() const { return rows8_.size(); }
 

@@ -391,7 +391,8 @@ inline void rows8_pass32(const RowsArgs& a, int64_t r0, int64_t t0) {
       for (int st = 0; st < 8; ++st) {
         const B w = Ops::load(p + 32 * st);  // signed: dps (|w| and sign(x, w), as the rows)
         for (int t = 0; t < NT; ++t)
-          s[t] = Ops::dps(s[t], w, Ops::bcast4(reinterpret_cast<const uint8_t*>(xb[t]->q) + 4 * st));
+          s[t] =
+              Ops::dps(s[t], w, Ops::bcast4(reinterpret_cast<const uint8_t*>(xb[t]->q) + 4 * st));
       }
     } else {
       static_assert(T == kTypeQ5_0);

@@ -172,7 +172,8 @@ static_assert(sizeof(ActBlockK8) == 2464);
 void transpose_activations_k(const ActBlockK* xk, int64_t xk_stride, int64_t tokens,
                              int64_t blocks, ActBlockK8* out);
 
-// Rows in lanes: the one-token layout of Q4_K and Q6_K (MatmulMode::kInt8). The rows of a matrix
+// Rows in lanes: the decode layout (MatmulMode::kInt8, calls of up to kRows8MaxTokens tokens) of
+// Q4_K and Q6_K, and below of Q8_0 and Q5_0. The rows of a matrix
 // go 8 to a group; a group's super-block k (256 columns of its 8 rows) is one record of
 // kRows8BytesQ4K / kRows8BytesQ6K bytes, the records of a group in column order. In a record,
 // every 32-byte vector holds 4 bytes per row (lane r: row r), so one load, a mask or a shift and

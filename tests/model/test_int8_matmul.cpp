@@ -411,15 +411,17 @@ TEST(Int8Matmul, BitsDoNotDependOnBatchingThreadsRowsOrTheOtherMatrices) {
 }
 
 // The rows8 copy (Q4_K, Q6_K, Q8_0, Q5_0: 8 rows interleaved, read by calls of up to
-// kRows8MaxTokens = 8 tokens) gives the row layout's bits on every target, thread count, row count (whole groups, a
-// tail of rows % 8 read from the rows) and token count (passes of 4 tokens and a rest of 1-3;
-// from 9 tokens on the batched path); pack_rows8 writes rows8_bytes and no more.
+// kRows8MaxTokens = 8 tokens) gives the row layout's bits on every target, thread count, row
+// count (whole groups, a tail of rows % 8 read from the rows) and token count (passes of 4 tokens
+// and a rest of 1-3; from 9 tokens on the batched path); pack_rows8 writes rows8_bytes and no
+// more.
 TEST(Int8Matmul, Rows8LayoutGivesTheRowLayoutsBits) {
   std::mt19937_64 rng(41);
   std::normal_distribution<float> nd;
   for (const uint32_t type : {id(TensorType::kQ4_K), id(TensorType::kQ6_K), id(TensorType::kQ8_0),
                               id(TensorType::kQ5_0)})
-    for (const int64_t cols : {int64_t{256}, int64_t{768}, int64_t{4864}, int64_t{32}, int64_t{640}}) {
+    for (const int64_t cols :
+         {int64_t{256}, int64_t{768}, int64_t{4864}, int64_t{32}, int64_t{640}}) {
       const bool k = gguf::block_layout(type).block_elems == 256;
       if (k && cols % 256 != 0) continue;
       for (const int64_t rows : {int64_t{8}, int64_t{37}, int64_t{70}}) {
@@ -435,7 +437,8 @@ TEST(Int8Matmul, Rows8LayoutGivesTheRowLayoutsBits) {
         ASSERT_EQ(n8, static_cast<std::size_t>(rows / 8 * cols / (k ? 256 : 32) * rec));
         std::vector<uint8_t> packed(n8 + 64, 0xa5);
         model::pack_rows8(m, packed.data());
-        for (std::size_t i = n8; i < packed.size(); ++i) ASSERT_EQ(packed[i], 0xa5) << "past the end";
+        for (std::size_t i = n8; i < packed.size(); ++i)
+          ASSERT_EQ(packed[i], 0xa5) << "past the end";
         const int64_t tokens = 19;
         std::vector<float> x(static_cast<std::size_t>(tokens * cols));
         for (auto& v : x) v = nd(rng);
