@@ -270,9 +270,19 @@ void matmul_args(benchmark::internal::Benchmark* b) {
         b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), 1, 1, int8, 65536, 1536});
 }
 BENCHMARK(BM_Matmul)->Apply(matmul_args)->Unit(benchmark::kMillisecond)->UseRealTime();
+// Q8_0 and Q5_0 at Qwen2.5-0.5B's gate / up and down (4864 x 896, 896 x 4864) and 65536 x 640
+// (Gemma-3's head width, from DRAM), 1, 4 and 8 tokens (BM_Matmul runs them too).
+void rows8_args32(benchmark::internal::Benchmark* b) {
+  for (const Isa isa : {Isa::kAvx2, Isa::kAvx512})
+    for (const gguf::TensorType t : {gguf::TensorType::kQ8_0, gguf::TensorType::kQ5_0})
+      for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
+               {4864, 896}, {896, 4864}, {65536, 640}})
+        for (const int64_t tokens : {1, 4, 8})
+          b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), tokens, 1, 1, rows, cols});
+}
 // Against BM_Matmul's same arguments: Qwen2.5-1.5B's shapes, 512 x 1536 (L2) and 65536 x 1536
-// (DRAM), Q4_K and Q6_K, int8, on AVX2 and AVX-512; 1, 4 and 16 tokens (a decode step's batch:
-// calls of up to 16 tokens read the rows8 copy), 1 and 2 threads.
+// (DRAM), Q4_K and Q6_K, int8, on AVX2 and AVX-512; 1, 4, 8 and 16 tokens (a decode step's
+// batch: calls of up to 8 tokens read the rows8 copy), 1 and 2 threads; and rows8_args32.
 void rows8_args(benchmark::internal::Benchmark* b) {
   for (const Isa isa : {Isa::kAvx2, Isa::kAvx512})
     for (const gguf::TensorType t : {gguf::TensorType::kQ4_K, gguf::TensorType::kQ6_K})
@@ -282,22 +292,7 @@ void rows8_args(benchmark::internal::Benchmark* b) {
           for (const int64_t threads : {1, 2})
             b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), tokens, threads, 1, rows,
                      cols});
-  // Q8_0 and Q5_0 at Qwen2.5-0.5B's gate / up and down (4864 x 896, 896 x 4864) and 65536 x 640
-  // (Gemma-3's head width, from DRAM), against BM_Matmul's same arguments (registered here too).
-  for (const Isa isa : {Isa::kAvx2, Isa::kAvx512})
-    for (const gguf::TensorType t : {gguf::TensorType::kQ8_0, gguf::TensorType::kQ5_0})
-      for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
-               {4864, 896}, {896, 4864}, {65536, 640}})
-        for (const int64_t tokens : {1, 4, 8})
-          b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), tokens, 1, 1, rows, cols});
-}
-void rows8_args32(benchmark::internal::Benchmark* b) {
-  for (const Isa isa : {Isa::kAvx2, Isa::kAvx512})
-    for (const gguf::TensorType t : {gguf::TensorType::kQ8_0, gguf::TensorType::kQ5_0})
-      for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
-               {4864, 896}, {896, 4864}, {65536, 640}})
-        for (const int64_t tokens : {1, 4, 8})
-          b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), tokens, 1, 1, rows, cols});
+  rows8_args32(b);
 }
 BENCHMARK(BM_MatmulRows8)->Apply(rows8_args)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Matmul)->Apply(rows8_args32)->Unit(benchmark::kMillisecond)->UseRealTime();

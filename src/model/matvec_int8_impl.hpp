@@ -416,17 +416,26 @@ inline void rows8_pass32(const RowsArgs& a, int64_t r0, int64_t t0) {
   for (int t = 0; t < NT; ++t) Ops::vstore(a.y + (t0 + t) * a.y_stride + r0, acc[t]);
 }
 
+template <uint32_t T, int NT>
+inline void rows8_pass(const RowsArgs& a, int64_t r0, int64_t t0);  // the K types, below
+
+// Rows r0 .. r0 + 7 in the rows8 layout against every token of the job: passes of 4 tokens, then
+// the rest.
 template <uint32_t T>
-inline void rows8_tokens32(const RowsArgs& a, int64_t r0) {
+inline void rows8_tokens(const RowsArgs& a, int64_t r0) {
+  const auto pass = [&]<int NT>(int64_t t0) {
+    if constexpr (rows8_record_cols(T) == 256) rows8_pass<T, NT>(a, r0, t0);
+    else rows8_pass32<T, NT>(a, r0, t0);
+  };
   int64_t t0 = 0;
-  for (; t0 + 4 <= a.tokens; t0 += 4) rows8_pass32<T, 4>(a, r0, t0);
+  for (; t0 + 4 <= a.tokens; t0 += 4) pass.template operator()<4>(t0);
   switch (a.tokens - t0) {
     case 3:
-      return rows8_pass32<T, 3>(a, r0, t0);
+      return pass.template operator()<3>(t0);
     case 2:
-      return rows8_pass32<T, 2>(a, r0, t0);
+      return pass.template operator()<2>(t0);
     case 1:
-      return rows8_pass32<T, 1>(a, r0, t0);
+      return pass.template operator()<1>(t0);
     default:
       return;
   }
@@ -438,7 +447,7 @@ void rows_typed(const RowsArgs& a) {
   if constexpr (rows8_record_bytes(T) > 0)
     if (a.tokens <= kRows8MaxTokens && a.w8 != nullptr && a.xsum != nullptr) {
       for (; r % 8 != 0 && r < a.row_end; ++r) rows_block<T, 1>(a, r);
-      for (; r + 8 <= a.row_end; r += 8) rows8_tokens32<T>(a, r);
+      for (; r + 8 <= a.row_end; r += 8) rows8_tokens<T>(a, r);
     }
   for (; r + Ops::RB <= a.row_end; r += Ops::RB) rows_block<T, Ops::RB>(a, r);
   for (; r < a.row_end; ++r) rows_block<T, 1>(a, r);
@@ -960,21 +969,6 @@ inline void rows8_pass(const RowsArgs& a, int64_t r0, int64_t t0) {
                 T == kTypeQ4_K ? Ops::vadd(acc[t], macc[t]) : acc[t]);
 }
 
-template <uint32_t T>
-inline void rows8_tokens(const RowsArgs& a, int64_t r0) {
-  int64_t t0 = 0;
-  for (; t0 + 4 <= a.tokens; t0 += 4) rows8_pass<T, 4>(a, r0, t0);
-  switch (a.tokens - t0) {
-    case 3:
-      return rows8_pass<T, 3>(a, r0, t0);
-    case 2:
-      return rows8_pass<T, 2>(a, r0, t0);
-    case 1:
-      return rows8_pass<T, 1>(a, r0, t0);
-    default:
-      return;
-  }
-}
 
 template <uint32_t T>
 void rows_typed_k(const RowsArgs& a) {
