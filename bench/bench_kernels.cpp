@@ -216,7 +216,8 @@ void matmul_bench(benchmark::State& st, bool rows8) {
               (rows8 ? "/rows8" : ""));
 }
 void BM_Matmul(benchmark::State& st) { matmul_bench(st, false); }
-// The same with the rows8 copy (Q4_K, Q6_K: 8 rows interleaved; read by one-token int8 calls).
+// The same with the rows8 copy (Q4_K, Q6_K, Q8_0, Q5_0: 8 rows interleaved; read by int8 calls
+// of up to 8 tokens).
 void BM_MatmulRows8(benchmark::State& st) { matmul_bench(st, true); }
 
 void matmul_args(benchmark::internal::Benchmark* b) {

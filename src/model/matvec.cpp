@@ -240,12 +240,13 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
     xt_buf.resize(static_cast<std::size_t>(groups * xq_stride));
   if (int8_xtk && xtk_buf.size() < static_cast<std::size_t>(groups * xk_stride))
     xtk_buf.resize(static_cast<std::size_t>(groups * xk_stride));
-  // A decode call of a 32-value type's rows8 copy: each block's integer sum of q (Q5_0's offset).
-  bool xsum_needed = int8_32 && tokens <= detail::kRows8MaxTokens;
-  if (xsum_needed) {
-    xsum_needed = false;
-    for (const WeightMatrix* m : mats) xsum_needed = xsum_needed || m->rows8 != nullptr;
-  }
+  // The rows8 copies are read by calls of up to kRows8MaxTokens tokens (the call's count, not a
+  // tile's). Q5_0's offset there needs each block's integer sum of q.
+  const bool rows8_call = options.mode == MatmulMode::kInt8 && tokens <= detail::kRows8MaxTokens;
+  bool xsum_needed = false;
+  if (rows8_call)
+    for (const WeightMatrix* m : mats)
+      xsum_needed = xsum_needed || (m->rows8 != nullptr && m->type == detail::kTypeQ5_0);
   thread_local std::vector<int32_t> xsum_buf;
   if (xsum_needed && xsum_buf.size() < static_cast<std::size_t>(tokens * xq_stride))
     xsum_buf.resize(static_cast<std::size_t>(tokens * xq_stride));
@@ -312,7 +313,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
         a.y = ys[i] + t0 * m.rows;
         a.y_stride = m.rows;
         a.scratch = scratch.data();
-        a.w8 = m.rows8;
+        a.w8 = rows8_call ? m.rows8 : nullptr;
         if (int8 && detail::int8_type(m.type)) {
           if (detail::int8_k_type(m.type)) {
             a.xk = xk + t0 * xk_stride;

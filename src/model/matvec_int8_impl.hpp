@@ -445,7 +445,7 @@ template <uint32_t T>
 void rows_typed(const RowsArgs& a) {
   int64_t r = a.row_begin;
   if constexpr (rows8_record_bytes(T) > 0)
-    if (a.tokens <= kRows8MaxTokens && a.w8 != nullptr && a.xsum != nullptr) {
+    if (a.tokens <= kRows8MaxTokens && a.w8 != nullptr && (T == kTypeQ8_0 || a.xsum != nullptr)) {
       for (; r % 8 != 0 && r < a.row_end; ++r) rows_block<T, 1>(a, r);
       for (; r + 8 <= a.row_end; r += 8) rows8_tokens<T>(a, r);
     }
@@ -874,7 +874,7 @@ inline void rows_block_k(const RowsArgs& a, int64_t r0) {
                                    g == 0 ? next : nullptr, a.row_bytes);
 }
 
-// One token against a group of 8 rows in the rows8 layout (matvec_targets.hpp): lane r is row r
+// NT tokens against a group of 8 rows in the rows8 layout (matvec_targets.hpp): lane r is row r
 // from the first integer to the last float. Per record (super-block k), the scheme of superblock()
 // and superblock_float() with the same integers (exact in any order) and, lane by lane, the same
 // float operations: acc = fma(d * d_x, float(S), acc); Q4_K's macc = fma(dmin * -d_x, float(msum),

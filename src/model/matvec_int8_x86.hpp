@@ -149,7 +149,7 @@ struct Ops {
   // (exact int32; VNNI's vpdpwssd fuses the add).
   static I madd_pairs(I acc, B p, int32_t pr) { return madd_acc(acc, p, _mm256_set1_epi32(pr)); }
   static I mul_s(I v, int32_t s) { return _mm256_mullo_epi32(v, _mm256_set1_epi32(s)); }
-  // Rows in lanes (the K types' rows8 records): 8 bytes to 8 int32 lanes (zero / sign
+  // Rows in lanes (the rows8 records): 8 bytes to 8 int32 lanes (zero / sign
   // extension), 16 bytes to 16 int16 (zero extension), 8 f16 to floats, lane products (exact
   // here), an int32 in every lane.
   static I u8to32(const uint8_t* p) {

@@ -60,8 +60,9 @@ struct RowsArgs {
   const ActBlockK8* xtk = nullptr;
   // The matrix's rows 8 at a time in the decode layout of Q4_K / Q6_K / Q8_0 / Q5_0
   // (WeightMatrix::rows8, pack_rows8 below): group g holds rows 8 g .. 8 g + 7, rows / 8 groups;
-  // null where absent. The 32-value types also read xsum: token t's block b's integer sum of q
-  // at xsum[t * xq_stride + b] (for their offset), set with w8 for calls of up to kRows8MaxTokens.
+  // null where absent and in calls of more than kRows8MaxTokens tokens (the driver decides by the
+  // call's count, so a prefill's short last tile keeps the row layout). Q5_0 also reads xsum:
+  // token t's block b's integer sum of q at xsum[t * xq_stride + b] (its offset).
   const uint8_t* w8 = nullptr;
   const int32_t* xsum = nullptr;
 };

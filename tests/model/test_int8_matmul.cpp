@@ -458,7 +458,7 @@ TEST(Int8Matmul, Rows8LayoutGivesTheRowLayoutsBits) {
           }
           m.rows8 = packed.data();
           for (const int threads : {1, 2})
-            for (const int64_t n : {1, 2, 3, 4, 5, 7, 8, 9, 16, 19}) {
+            for (const int64_t n : {1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 19}) {
               const int64_t t0 = std::min<int64_t>(1, tokens - n);  // tokens 1 and 2 included
               std::vector<float> got(static_cast<std::size_t>(n * rows));
               const WeightMatrix* mats[] = {&m};
