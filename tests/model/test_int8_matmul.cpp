@@ -468,6 +468,33 @@ TEST(Int8Matmul, Rows8LayoutGivesTheRowLayoutsBits) {
               ASSERT_EQ(0, std::memcmp(want.data() + t0 * rows, got.data(), got.size() * 4))
                   << n << " tokens, threads " << threads;
             }
+          // The copy is what those calls read (equal bits alone would not show it): another
+          // matrix's copy in its place changes the whole groups' rows at up to 8 tokens, and
+          // nothing at 9 (the batched path reads the rows).
+          std::vector<uint8_t> s2, other(n8);
+          const WeightMatrix m2 = make_matrix(type, rows, cols, s2, rng);
+          model::pack_rows8(m2, other.data());
+          m.rows8 = other.data();
+          for (const int64_t n : {1, 8, 9}) {
+            std::vector<float> got(static_cast<std::size_t>(n * rows));
+            const WeightMatrix* mats[] = {&m};
+            float* ys[] = {got.data()};
+            ASSERT_TRUE(model::matmul(mats, x.data(), n, cols, ys, int8_options(1, tg)).is_ok());
+            bool groups_differ = false, tail_same = true;  // (token 1 may be all zeros)
+            for (int64_t t = 0; t < n; ++t) {
+              const float* g = got.data() + t * rows;
+              const float* w = want.data() + t * rows;
+              groups_differ = groups_differ || std::memcmp(g, w, rows / 8 * 8 * 4) != 0;
+              tail_same = tail_same && std::memcmp(g + rows / 8 * 8, w + rows / 8 * 8,
+                                                   (rows % 8) * 4) == 0;
+            }
+            EXPECT_TRUE(tail_same) << n << " tokens";
+            if (n <= 8)
+              EXPECT_TRUE(groups_differ) << n << " tokens: the rows8 copy was not read";
+            else
+              EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * 4)) << n << " tokens";
+          }
+          m.rows8 = packed.data();
         }
       }
     }
