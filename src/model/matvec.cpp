@@ -273,11 +273,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
       for (int64_t t = 0; t < tokens; ++t) {
         if (int8_32) detail::quantize_activations(x + t * x_stride, cols, xq + t * xq_stride);
         if (xsum_needed)
-          for (int64_t b = 0; b < xq_stride; ++b) {
-            int32_t s = 0;
-            for (const int8_t q : xq[t * xq_stride + b].q) s += q;
-            xsum[t * xq_stride + b] = s;
-          }
+          detail::activation_sums(xq + t * xq_stride, xq_stride, xsum + t * xq_stride);
         if (int8_k) detail::quantize_activations_k(x + t * x_stride, cols, xk + t * xk_stride);
       }
       if (int8_xt || int8_xtk) {

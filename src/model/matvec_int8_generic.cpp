@@ -65,6 +65,10 @@ int block_sum(const int8_t* q) {
 
 }  // namespace
 
+void activation_sums(const ActBlock* xq, int64_t blocks, int32_t* out) {
+  for (int64_t b = 0; b < blocks; ++b) out[b] = block_sum(xq[b].q);
+}
+
 void quantize_activations(const float* x, int64_t cols, ActBlock* out) {
   for (int64_t b = 0; b < cols / 32; ++b) {
     ActBlock& o = out[b];

@@ -143,6 +143,9 @@ struct ActBlock8 {
 };
 static_assert(sizeof(ActBlock8) == 352);
 
+// Each block's integer sum of q (RowsArgs::xsum).
+void activation_sums(const ActBlock* xq, int64_t blocks, int32_t* out);
+
 // xq: `tokens` tokens' blocks (blocks per token, xq_stride apart) into ceil(tokens / 8) groups of
 // `blocks` ActBlock8 each (group g: tokens 8 g .. 8 g + 7).
 void transpose_activations(const ActBlock* xq, int64_t xq_stride, int64_t tokens, int64_t blocks,
