@@ -656,10 +656,7 @@ inline void superblock(const uint8_t* const* rows, int64_t k, const ActBlockK& x
 // which bounded the narrow form). Vector v of a pass reads field f of its groups' super-block k
 // (xt: group g's at xt[g * blocks + k]). Lane by lane both run the same integer and float
 // operations, so the same bits.
-struct NarrowLanes {
-  using B = typename Ops::B;  // bytes (4 per lane)
-  using I = typename Ops::I;
-  using V = typename Ops::V;
+struct NarrowLanes : Ops {  // Ops' own B, I, V and vector operations, 8 tokens
   static constexpr int kTokens = 8;
   template <class F>
   static B load(const ActBlockK8* xt, int64_t blocks, int v, int64_t k, F f) {
@@ -669,19 +666,6 @@ struct NarrowLanes {
   static V vload(const ActBlockK8* xt, int64_t blocks, int v, int64_t k, F f) {
     return Ops::vload(f(xt[v * blocks + k]));
   }
-  static I izero() { return Ops::izero(); }
-  static B bcast4(const uint8_t* p) { return Ops::bcast4(p); }
-  static I dpu(I acc, B w, B x) { return Ops::dpu(acc, w, x); }
-  static I add(I a, I b) { return Ops::add(a, b); }
-  static I mul_s(I v, int32_t s) { return Ops::mul_s(v, s); }
-  static I madd_pairs(I acc, B p, int32_t pr) { return Ops::madd_pairs(acc, p, pr); }
-  static V zero() { return Ops::zero(); }
-  static V set1(float x) { return Ops::set1(x); }
-  static V mul(V a, V b) { return Ops::mul(a, b); }
-  static V fma(V a, V b, V c) { return Ops::fma(a, b, c); }
-  static V cvt(I v) { return Ops::cvt(v); }
-  static V vadd(V a, V b) { return Ops::vadd(a, b); }
-  static void vstore(float* p, V v) { Ops::vstore(p, v); }
 };
 template <class O = Ops>  // O: dependent, instantiated on kWide targets only
 struct WideLanes {
