@@ -217,8 +217,8 @@ inline constexpr int64_t kRows8BytesQ4K = 1184, kRows8BytesQ6K = 1680, kRows8Byt
 // decode rows into the batched path's scratch and put 8 tokens in the lanes. BM_Matmul and
 // BM_MatmulRows8 on the Zen 4 VM (AVX-512 VNNI, 1 thread, L3-resident Qwen2.5-1.5B shapes,
 // 8960 x 1536 / 1536 x 8960), ms, rows8 against the batched path:
-//   Q4_K  4 tokens 0.53-0.61 / 1.28-1.36; 8: 1.02-1.47 / 1.31-1.44; 16: 2.14-2.49 / 1.85-1.99
-//   Q6_K  4 tokens 0.88-0.93 / 1.72-1.82; 8: 1.68-1.77 / 1.82-2.27; 16: 3.17-3.82 / 2.31-2.60
+//   Q4_K  4 tokens 0.53-0.62 / 1.28-1.36; 8: 1.02-1.47 / 1.31-1.44; 16: 2.14-2.49 / 1.85-2.17
+//   Q6_K  4 tokens 0.88-1.01 / 1.72-1.82; 8: 1.68-1.77 / 1.82-2.27; 16: 3.17-3.82 / 2.31-2.71
 // (the batched path costs about the same for 1-8 tokens: its lanes hold 8).
 inline constexpr int64_t kRows8MaxTokens = 8;
 // Bytes per group's super-block record, 0 for the other types.
