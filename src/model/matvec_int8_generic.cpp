@@ -144,131 +144,6 @@ bool int8_type(uint32_t type) {
   }
 }
 
-namespace {
-
-// One row's super-block in integers (ggml's dequantize_row_q4_K / q6_K without the floats): the
-// 256 codes (Q4_K 0 .. 15, Q6_K u = q + 32, 0 .. 63), the sub-scales (Q4_K 8 of 32 values, Q6_K
-// 16 of 16, int8), Q4_K's 8 mins, and the f16 fields as stored.
-struct SuperBlockInts {
-  uint8_t code[256];
-  int sc[16];
-  int mn[8];
-  uint16_t d, dmin;
-};
-
-SuperBlockInts unpack_superblock(uint32_t type, const uint8_t* b) {
-  SuperBlockInts o{};
-  if (type == kTypeQ4_K) {
-    std::memcpy(&o.d, b, 2);
-    std::memcpy(&o.dmin, b + 2, 2);
-    const uint8_t* q = b + 4;  // ggml's get_scale_min_k4
-    for (int j = 0; j < 8; ++j) {
-      o.sc[j] = j < 4 ? q[j] & 63 : (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
-      o.mn[j] = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-    const uint8_t* qs = b + 16;
-    for (int j = 0; j < 4; ++j)
-      for (int l = 0; l < 32; ++l) {
-        o.code[64 * j + l] = qs[32 * j + l] & 15;
-        o.code[64 * j + 32 + l] = qs[32 * j + l] >> 4;
-      }
-  } else {  // Q6_K
-    const uint8_t *ql = b, *qh = b + 128;
-    for (int n = 0; n < 2; ++n)
-      for (int l = 0; l < 32; ++l) {
-        const int h = qh[32 * n + l];
-        uint8_t* u = o.code + 128 * n + l;
-        u[0] = static_cast<uint8_t>((ql[64 * n + l] & 15) | ((h & 3) << 4));
-        u[32] = static_cast<uint8_t>((ql[64 * n + 32 + l] & 15) | (((h >> 2) & 3) << 4));
-        u[64] = static_cast<uint8_t>((ql[64 * n + l] >> 4) | (((h >> 4) & 3) << 4));
-        u[96] = static_cast<uint8_t>((ql[64 * n + 32 + l] >> 4) | (((h >> 6) & 3) << 4));
-      }
-    for (int j = 0; j < 16; ++j) o.sc[j] = static_cast<int8_t>(b[192 + j]);
-    std::memcpy(&o.d, b + 208, 2);
-  }
-  return o;
-}
-
-}  // namespace
-
-void pack_rows8(uint32_t type, const uint8_t* w, int64_t rows, int64_t row_bytes, int64_t cols,
-                uint8_t* out) {
-  const int64_t rec = rows8_record_bytes(type);
-  if (type == kTypeQ8_0 || type == kTypeQ5_0) {  // ggml's block_q8_0 / block_q5_0
-    const int64_t blocks = cols / 32, in_bytes = type == kTypeQ8_0 ? 34 : 22;
-    for (int64_t g = 0; g < rows / 8; ++g)
-      for (int64_t k = 0; k < blocks; ++k) {
-        uint8_t* o = out + (g * blocks + k) * rec;
-        for (int r = 0; r < 8; ++r) {
-          const uint8_t* b = w + (8 * g + r) * row_bytes + k * in_bytes;
-          uint8_t c[32];  // the codes, column order
-          if (type == kTypeQ8_0) {
-            std::memcpy(c, b + 2, 32);  // signed codes, as stored
-            for (int s = 0; s < 8; ++s)
-              for (int t = 0; t < 4; ++t) o[32 * s + 4 * r + t] = c[4 * s + t];
-            std::memcpy(o + 256 + 2 * r, b, 2);
-          } else {
-            uint32_t qh;
-            std::memcpy(&qh, b + 2, 4);
-            for (int i = 0; i < 16; ++i) {
-              c[i] = static_cast<uint8_t>((b[6 + i] & 15) | (((qh >> i) & 1) << 4));
-              c[i + 16] = static_cast<uint8_t>((b[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
-            }
-            for (int s = 0; s < 4; ++s)
-              for (int t = 0; t < 4; ++t)
-                o[32 * s + 4 * r + t] =
-                    static_cast<uint8_t>((c[8 * s + t] & 15) | ((c[8 * s + 4 + t] & 15) << 4));
-            for (int t = 0; t < 4; ++t) {
-              int h = 0;
-              for (int s = 0; s < 4; ++s)
-                h |= ((c[8 * s + t] >> 4) << s) | ((c[8 * s + 4 + t] >> 4) << (4 + s));
-              o[128 + 4 * r + t] = static_cast<uint8_t>(h);
-            }
-            std::memcpy(o + 160 + 2 * r, b, 2);
-          }
-        }
-      }
-    return;
-  }
-  const int64_t blocks = cols / 256;
-  const int64_t in_bytes = type == kTypeQ4_K ? 144 : 210;
-  for (int64_t g = 0; g < rows / 8; ++g)
-    for (int64_t k = 0; k < blocks; ++k) {
-      uint8_t* o = out + (g * blocks + k) * rec;
-      for (int r = 0; r < 8; ++r) {
-        const SuperBlockInts s =
-            unpack_superblock(type, w + (8 * g + r) * row_bytes + k * in_bytes);
-        const uint8_t* c = s.code;
-        if (type == kTypeQ4_K) {
-          for (int j = 0; j < 8; ++j) {
-            for (int st = 0; st < 4; ++st)
-              for (int t = 0; t < 4; ++t)
-                o[128 * j + 32 * st + 4 * r + t] = static_cast<uint8_t>(
-                    c[32 * j + 8 * st + t] | (c[32 * j + 8 * st + 4 + t] << 4));
-            o[1024 + 8 * j + r] = static_cast<uint8_t>(s.sc[j]);
-            o[1088 + 16 * (j / 2) + 2 * r + j % 2] = static_cast<uint8_t>(s.mn[j]);
-          }
-          std::memcpy(o + 1152 + 2 * r, &s.d, 2);
-          std::memcpy(o + 1168 + 2 * r, &s.dmin, 2);
-        } else {
-          for (int ch = 0; ch < 16; ++ch) {
-            const uint8_t* u = c + 16 * ch;
-            for (int st = 0; st < 2; ++st)
-              for (int t = 0; t < 4; ++t)
-                o[64 * ch + 32 * st + 4 * r + t] =
-                    static_cast<uint8_t>((u[8 * st + t] & 15) | ((u[8 * st + 4 + t] & 15) << 4));
-            for (int t = 0; t < 4; ++t)
-              o[1024 + 32 * ch + 4 * r + t] =
-                  static_cast<uint8_t>((u[t] >> 4) | ((u[4 + t] >> 4) << 2) |
-                                       ((u[8 + t] >> 4) << 4) | ((u[12 + t] >> 4) << 6));
-            o[1536 + 8 * ch + r] = static_cast<uint8_t>(s.sc[ch]);
-          }
-          std::memcpy(o + 1664 + 2 * r, &s.d, 2);
-        }
-      }
-    }
-}
-
 bool int8_k_type(uint32_t type) {
   return type == kTypeQ4_K || type == kTypeQ5_K || type == kTypeQ6_K;
 }
@@ -567,4 +442,107 @@ struct Ops {
 
 namespace treeattn::model::detail {
 void rows_int8_generic(const RowsArgs& a) { int8_generic::rows_int8_impl(a); }
+
+namespace {
+
+// Codes c[8 s + t] (low nibble) and c[8 s + 4 + t] (high nibble) of one row into byte 4 r + t of
+// step s's 32 bytes (the rows8 layout's nibble vectors), for `steps` steps.
+void put_nibbles(const uint8_t* c, int steps, int r, uint8_t* o) {
+  for (int s = 0; s < steps; ++s)
+    for (int t = 0; t < 4; ++t)
+      o[32 * s + 4 * r + t] =
+          static_cast<uint8_t>((c[8 * s + t] & 15) | ((c[8 * s + 4 + t] & 15) << 4));
+}
+
+// Row r of a group, block k (b: its bytes in the row layout) into the group's record o. The codes,
+// sub-scales and mins come from the generic target's own decoders (decode_k, Code::decode: the
+// batched path's and the rows' integers); d and dmin are copied as stored (f16).
+template <uint32_t T>
+void pack_block(const uint8_t* b, int r, uint8_t* o) {
+  using namespace int8_generic;
+  if constexpr (T == kTypeQ4_K || T == kTypeQ6_K) {
+    uint8_t dec[kDecKBytes];
+    decode_k<T>(b, dec);
+    const auto i32 = [&](int at) {
+      int32_t v;
+      std::memcpy(&v, dec + at, 4);
+      return v;
+    };
+    if constexpr (T == kTypeQ4_K) {
+      for (int j = 0; j < 8; ++j) {
+        put_nibbles(dec + 32 * j, 4, r, o + 128 * j);
+        o[1024 + 8 * j + r] = static_cast<uint8_t>(i32(kDecKScales + 4 * j));
+      }
+      for (int q = 0; q < 4; ++q) {  // DecK's pair q: int16 (mn_2q, mn_2q+1)
+        const int32_t pr = i32(kDecKPairs + 4 * q);
+        o[1088 + 16 * q + 2 * r] = static_cast<uint8_t>(pr & 0xff);
+        o[1088 + 16 * q + 2 * r + 1] = static_cast<uint8_t>((pr >> 16) & 0xff);
+      }
+      std::memcpy(o + 1152 + 2 * r, b, 2);
+      std::memcpy(o + 1168 + 2 * r, b + 2, 2);
+    } else {
+      for (int c = 0; c < 16; ++c) {
+        const uint8_t* u = dec + 16 * c;  // u = q + 32
+        put_nibbles(u, 2, r, o + 64 * c);
+        for (int t = 0; t < 4; ++t)
+          o[1024 + 32 * c + 4 * r + t] =
+              static_cast<uint8_t>((u[t] >> 4) | ((u[4 + t] >> 4) << 2) | ((u[8 + t] >> 4) << 4) |
+                                   ((u[12 + t] >> 4) << 6));
+        o[1536 + 8 * c + r] = static_cast<uint8_t>(i32(kDecKScales + 4 * c));
+      }
+      std::memcpy(o + 1664 + 2 * r, b + 208, 2);
+    }
+  } else {
+    Dec w;
+    Code<T>::decode(b, w);
+    const uint8_t* c = w.c.v;  // Q8_0: the signed codes as stored; Q5_0: 0 .. 31
+    if constexpr (T == kTypeQ8_0) {
+      for (int s = 0; s < 8; ++s)
+        for (int t = 0; t < 4; ++t) o[32 * s + 4 * r + t] = c[4 * s + t];
+      std::memcpy(o + 256 + 2 * r, b, 2);
+    } else {
+      put_nibbles(c, 4, r, o);
+      for (int t = 0; t < 4; ++t) {
+        int h = 0;
+        for (int s = 0; s < 4; ++s)
+          h |= ((c[8 * s + t] >> 4) << s) | ((c[8 * s + 4 + t] >> 4) << (4 + s));
+        o[128 + 4 * r + t] = static_cast<uint8_t>(h);
+      }
+      std::memcpy(o + 160 + 2 * r, b, 2);
+    }
+  }
+}
+
+template <uint32_t T>
+void pack_typed(const uint8_t* w, int64_t rows, int64_t row_bytes, int64_t cols, uint8_t* out) {
+  constexpr int64_t kRec = rows8_record_bytes(T), kCols = rows8_record_cols(T);
+  constexpr int64_t kIn = [] {  // the block's bytes in the row layout
+    if constexpr (kCols == 256) return int64_t{int8_generic::CodeK<T>::kBytes};
+    else return int64_t{int8_generic::Code<T>::kBytes};
+  }();
+  const int64_t records = cols / kCols;
+  for (int64_t g = 0; g < rows / 8; ++g)
+    for (int64_t k = 0; k < records; ++k)
+      for (int r = 0; r < 8; ++r)
+        pack_block<T>(w + (8 * g + r) * row_bytes + k * kIn, r,
+                      out + (g * records + k) * kRec);
+}
+
+}  // namespace
+
+void pack_rows8(uint32_t type, const uint8_t* w, int64_t rows, int64_t row_bytes, int64_t cols,
+                uint8_t* out) {
+  switch (type) {
+    case kTypeQ4_K:
+      return pack_typed<kTypeQ4_K>(w, rows, row_bytes, cols, out);
+    case kTypeQ6_K:
+      return pack_typed<kTypeQ6_K>(w, rows, row_bytes, cols, out);
+    case kTypeQ8_0:
+      return pack_typed<kTypeQ8_0>(w, rows, row_bytes, cols, out);
+    case kTypeQ5_0:
+      return pack_typed<kTypeQ5_0>(w, rows, row_bytes, cols, out);
+    default:
+      return;
+  }
+}
 }  // namespace treeattn::model::detail
