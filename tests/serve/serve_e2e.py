@@ -463,12 +463,12 @@ def case_faults():
         raise
 
 
-def generate_tokens(ranks, prompt, n, chat):
+def generate_tokens(ranks, prompt, n, chat, extra=()):
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "g.json")
         cmd = [TREEATTN, "generate", "--engine", "--model", MODEL, "--ranks", str(ranks),
                "--prompt", prompt, "--new-tokens", str(n), "--temperature", "0", "--quiet",
-               "--json", out, "--kv-memory", "64M"]
+               "--json", out, "--kv-memory", "64M"] + list(extra)
         if chat:
             cmd.append("--chat")
         if ranks > 1:
@@ -480,9 +480,9 @@ def generate_tokens(ranks, prompt, n, chat):
         return j["prompt_tokens"], j["tokens"]
 
 
-def case_exact(ranks, copies=2):
+def case_exact(ranks, copies=2, serve_extra=(), generate_extra=()):
     n = 24
-    s = Server(ranks=ranks)
+    s = Server(ranks=ranks, extra=list(serve_extra))
     try:
         c = s.client()
         # 4 prompts, each sent by `copies` clients at once: 4 x copies concurrent requests,
@@ -517,7 +517,7 @@ def case_exact(ranks, copies=2):
         rc = s.stop()
         check(rc == 0, "server exit %d" % rc, s)
         for kind, text in distinct:
-            want_prompt, want = generate_tokens(ranks, text, n, kind == "chat")
+            want_prompt, want = generate_tokens(ranks, text, n, kind == "chat", generate_extra)
             for copy in range(copies):
                 got = results.get((kind, text, copy))
                 check(isinstance(got, tuple), "%s %r answered (%s)" % (kind, text, "ok" if isinstance(got, tuple) else got), s)
@@ -654,6 +654,10 @@ def case_flags():
 
 CASES = {"api": case_api, "flags": case_flags, "faults": case_faults, "exact1": lambda: case_exact(1),
          "exact2": lambda: case_exact(2), "exact4": lambda: case_exact(4, copies=4),
+         # int8 with the rows8 copy (the file's Q8_0 head; decode batches of up to 8 read it)
+         # in the server against `generate` without it: the same tokens.
+         "exact2int8": lambda: case_exact(2, serve_extra=["--matmul", "int8"],
+                                          generate_extra=["--matmul", "int8", "--no-rows8"]),
          "sigterm2": case_sigterm2,
          "rank_killed": case_rank_killed}
 
