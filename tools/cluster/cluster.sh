@@ -19,6 +19,11 @@
 #   cluster.sh status                                            what exists now
 #   cluster.sh down                                              remove everything
 #
+# Sessions wait for each other (up to TREEATTN_CLUSTER_LOCK_WAIT seconds, default 600): two test
+# runs on one machine take turns instead of failing. A session's cluster records its owner; one
+# left behind by a session that died (SIGKILL, a machine that stopped mid-test) is removed by the
+# next session, with a message. A cluster made by `up` is never removed by a session.
+#
 # Example:
 #   tools/cluster/cluster.sh session 2 --slots 2 --link 1gbit -- -np 4 hostname
 set -euo pipefail
@@ -26,6 +31,8 @@ set -euo pipefail
 readonly PREFIX="treeattn"
 readonly BRIDGE_NS="${PREFIX}-br"
 readonly STATE_DIR="${TREEATTN_CLUSTER_DIR:-/run/${PREFIX}-cluster}"
+# Sessions on one machine take turns through this lock (the namespaces are machine-wide).
+readonly LOCK_FILE="${STATE_DIR}.lock"
 readonly MAX_HOSTS=16
 readonly SELF_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
@@ -107,6 +114,7 @@ cmd_up() {
   # Roll back whatever was created if any step fails.
   trap 'log "up failed; cleaning up"; cmd_down' ERR
   mkdir -p "$STATE_DIR"
+  echo "${CLUSTER_OWNER:-manual}" >"$STATE_DIR/owner"
   local i h
   for ((i = 0; i < k; i++)); do
     h=$(host_name "$i")
@@ -206,9 +214,42 @@ cmd_run() {
     --mca mpi_yield_when_idle 1
     --bind-to none --oversubscribe --allow-run-as-root
   )
-  timeout --kill-after=10 "$timeout_s" \
+  # The job does not inherit a session's lock: when the session dies, the next one must get the
+  # lock at once (and remove what is left), not wait for orphaned ranks.
+  without_lock timeout --kill-after=10 "$timeout_s" \
     ip netns exec "$h0" unshare --uts -- \
     bash -c 'hostname "$0" && exec "$@"' "$h0" mpirun "${mca[@]}" "$@"
+}
+
+without_lock() {
+  if [[ -n ${LOCK_FD:-} ]]; then "$@" {LOCK_FD}>&-; else "$@"; fi
+}
+
+# "session PID START": START is the process's start time in clock ticks after boot (field 22 of
+# /proc/PID/stat), so a recycled PID does not pass for the session that made the cluster.
+session_owner() {
+  local pid=$1 stat
+  stat=$(cat "/proc/$pid/stat" 2>/dev/null) || return 1
+  stat=${stat##*) }  # the fields after the command name, which may contain spaces
+  echo "session $pid $(awk '{print $20}' <<<"$stat")"
+}
+
+# Under the lock: a cluster whose owner is a session that no longer runs is left over; remove it.
+remove_dead_session_cluster() {
+  [[ -n $(our_namespaces) || -e $STATE_DIR ]] || return 0
+  local owner="" kind pid start
+  [[ -f $STATE_DIR/owner ]] && owner=$(<"$STATE_DIR/owner")
+  read -r kind pid start <<<"$owner" || true
+  case $kind in
+    manual) return 0 ;;  # made by `up`: it belongs to someone; cmd_up says so and stops
+    session)
+      if [[ $(session_owner "$pid" 2>/dev/null) == "$owner" ]]; then
+        die "session: the cluster of running session $pid holds the namespaces despite the lock"
+      fi
+      log "session: removing a cluster left by session $pid, which no longer runs" ;;
+    *) log "session: removing a cluster that records no owner (left by a session killed before it recorded one, or by an older cluster.sh)" ;;
+  esac
+  cmd_down
 }
 
 cmd_session() {
@@ -216,7 +257,19 @@ cmd_session() {
   while [[ $# -gt 0 && $1 != "--" ]]; do up_args+=("$1"); shift; done
   [[ ${1:-} == "--" ]] || die "session: expected -- before the mpirun arguments"
   shift
+  require_root
   local timeout_s=${TREEATTN_CLUSTER_TIMEOUT:-600}
+  local wait_s=${TREEATTN_CLUSTER_LOCK_WAIT:-600}
+  [[ $wait_s =~ ^[0-9]+$ ]] || die "session: TREEATTN_CLUSTER_LOCK_WAIT must be seconds, got '$wait_s'"
+  command -v flock >/dev/null || die "session: 'flock' (util-linux) not found"
+  exec {LOCK_FD}>"$LOCK_FILE" || die "session: cannot open the lock file $LOCK_FILE"
+  if ! flock -n "$LOCK_FD"; then
+    log "session: another session is running on this machine; waiting up to ${wait_s} s for it"
+    flock -w "$wait_s" "$LOCK_FD" ||
+      die "session: another session still held $LOCK_FILE after ${wait_s} s"
+  fi
+  remove_dead_session_cluster
+  CLUSTER_OWNER=$(session_owner $$) || die "session: cannot read /proc/$$/stat"
   cmd_up "${up_args[@]}"
   # Whatever happens from here on (failure, Ctrl-C, timeout), the cluster goes away.
   trap 'cmd_down' EXIT
