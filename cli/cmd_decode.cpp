@@ -71,14 +71,16 @@ struct DecodeFlags {
 };
 
 // The layout run_interleaved will choose (choose_kv_layout, strategy.hpp): rows on a GPU, else
-// tiled.
+// what host_kv_layout measures (or has measured) for this shape, dtype and kernel threads; in a
+// job, rank 0's, which the driver gives every rank.
 std::string layout_label(const std::string& flag, const std::vector<std::string>& methods,
-                         Device d) {
+                         Device d, const KVLayoutWorkload& workload) {
   if (flag != "auto") return flag;
   if (d == Device::kCuda) return "rows (auto: the GPU's shards)";
   auto layout = choose_kv_layout(KVLayout::kAuto, MemorySpace::kHost, methods);
   if (!layout.is_ok()) return "auto";
-  return std::string(kv_layout_name(*layout)) + " (auto)";
+  const HostKVLayout h = host_kv_layout(workload);
+  return std::string(kv_layout_name(h.layout)) + " (auto, " + h.how + ")";
 }
 
 // --threads: the kernels' one cap (kernel.hpp, kMaxThreads), with the same message everywhere.
@@ -204,6 +206,15 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
   if (f.inject_spec.kind == InjectSpec::Kind::kMismatch && world->rank() == f.inject_spec.rank)
     f.shape.head_dim = f.shape.head_dim == 64 ? 128 : 64;  // the set-up agreement must name it
   const int threads = f.threads > 0 ? f.threads : default_threads(local_ranks(P));
+  // Rank 0's layout is the job's (the driver broadcasts it); measured here first, the driver
+  // finds it in this process.
+  DecodeOptions kernel_options;
+  kernel_options.threads = threads;
+  const std::string layout_text =
+      lead ? layout_label(f.shape.kv_layout, methods, f.device_kind,
+                          KVLayoutWorkload{f.shape.shape(), *parse_dtype(f.shape.dtype),
+                                           kernel_options})
+           : std::string();
   if (lead && !bench && f.child_json.empty()) {
     const AttnShape s = f.shape.shape();
     const std::string threads_text = cuda ? "" : fmt::format(", {} thread(s) per rank", threads);
@@ -212,8 +223,7 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
         "steps%s; kernel %s, KV layout %s%s\n",
         P, s.to_string().c_str(), f.shape.dtype.c_str(), format_size(f.shape.seqs[0]).c_str(),
         f.shape.shard.c_str(), f.warmup, f.iters, f.append ? " with appends" : "",
-        kernel_label.c_str(), layout_label(f.shape.kv_layout, methods, f.device_kind).c_str(),
-        threads_text.c_str());
+        kernel_label.c_str(), layout_text.c_str(), threads_text.c_str());
     std::printf("%s\n", dev.description.c_str());
     std::printf("checking every method against the float64 oracle (max rel err <= 1e-5) and "
                 "bit-identical results on all ranks\n\n");
@@ -259,7 +269,8 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
   if (lead) {
     if (!f.child_json.empty()) {
       // The launching shell prints the header: it learns the device from here.
-      Status s = write_bench_json(f.child_json, points, {{"device_description", dev.description}});
+      Status s = write_bench_json(f.child_json, points,
+                                  {{"device_description", dev.description}, {"kv_layout", layout_text}});
       if (!s.is_ok()) rc = fail(cmd, s);
     } else {
       if (bench) std::printf("%s\n", dev.description.c_str());
@@ -272,7 +283,8 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
                              {"iterations", f.iters},
                              {"append", f.append},
                              {"device", device_name(f.device_kind)},
-                             {"device_description", dev.description}};
+                             {"device_description", dev.description},
+                             {"kv_layout", layout_text}};
       if (!f.json.empty()) if (Status s = write_bench_json(f.json, points, meta); !s.is_ok()) rc = fail(cmd, s);
       if (!f.csv.empty()) if (Status s = write_bench_csv(f.csv, points); !s.is_ok()) rc = fail(cmd, s);
       if (!f.plot.empty()) if (Status s = write_bench_plot(f.plot, points, "treeattn bench"); !s.is_ok()) rc = fail(cmd, s);
@@ -391,6 +403,7 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
   std::vector<BenchResult> points;
   int worst = 0;
   std::string device_description;  // rank 0's of the first job (jobs write it with their points)
+  std::string layout_text;         // the first job's KV layout, as its rank 0 chose it
   for (int64_t p : ranks.value()) {
     const std::string tmpl_path = launch::make_temp_file("points");
     if (tmpl_path.empty()) return fail(cmd, internal_error("cannot create a temporary file in /tmp"));
@@ -429,6 +442,7 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
     }
     worst = std::max(worst, rc.value());
     if (device_description.empty()) device_description = job.device_description;
+    if (layout_text.empty()) layout_text = job.kv_layout;
     points.insert(points.end(), job.results.begin(), job.results.end());
   }
   const bool cuda = f.device_kind == Device::kCuda;
@@ -442,7 +456,7 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
         f.ranks.c_str(), s.to_string().c_str(), f.shape.dtype.c_str(),
         format_size(f.shape.seqs[0]).c_str(), f.shape.shard.c_str(), f.warmup, f.iters,
         f.append ? " with appends" : "", kernel_label.c_str(),
-        layout_label(f.shape.kv_layout, *methods, f.device_kind).c_str());
+        layout_text.empty() ? f.shape.kv_layout.c_str() : layout_text.c_str());
     std::printf("%s\n", device_description.c_str());
     std::printf("every method checked against the float64 oracle (max rel err <= 1e-5) and for "
                 "bit-identical results on all ranks\n\n");
@@ -457,7 +471,8 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
                          {"iterations", f.iters},
                          {"append", f.append},
                          {"device", device_name(f.device_kind)},
-                         {"device_description", device_description}};
+                         {"device_description", device_description},
+                         {"kv_layout", layout_text}};
   if (!f.json.empty()) if (Status s = write_bench_json(f.json, points, meta); !s.is_ok()) return fail(cmd, s);
   if (!f.csv.empty()) if (Status s = write_bench_csv(f.csv, points); !s.is_ok()) return fail(cmd, s);
   if (!f.plot.empty()) {

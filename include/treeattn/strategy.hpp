@@ -163,6 +163,36 @@ KVLayout host_kv_layout(Isa isa = Isa::kAuto);
 Result<KVLayout> choose_kv_layout(KVLayout requested, MemorySpace memory,
                                   std::span<const std::string> strategies);
 
+// What a layout is chosen for: the attention shape (its batch is ignored), the KV dtype and the
+// kernel options (ISA, threads) of the calls that will read it.
+struct KVLayoutWorkload {
+  AttnShape shape;
+  DType dtype = DType::kBF16;
+  DecodeOptions kernel;
+};
+struct HostKVLayout {
+  KVLayout layout = KVLayout::kRows;
+  std::string how;  // "measured: ...", "measured before (FILE): ...", "by the CPU's kernel target ..."
+};
+// The layout the host kernel reads faster for this workload, measured (time_kv_layouts,
+// kv_tiles.hpp: rows against tiles from memory, the faster wins) once per CPU model, ISA,
+// heads, KV heads, head_dim, q_len, dtype and thread count, and kept: in this process, and
+// appended to the file kv-layout.tsv in $TREEATTN_CACHE_DIR, else $XDG_CACHE_HOME/treeattn, else
+// $HOME/.cache/treeattn (the last line for a key wins; an unwritable directory only means the
+// next process measures again). The faster layout depends on the shape, not only on the CPU:
+// src/strategies/registry.cpp has the measurements. TREEATTN_KV_LAYOUT_MEASURE=0 turns the
+// measurement off (host_kv_layout(isa), the rule by kernel target; the test presets do, so that
+// the suite does not time kernels); a measurement that fails falls back to that rule, saying so.
+HostKVLayout host_kv_layout(const KVLayoutWorkload& workload);
+// The key of a workload's line in kv-layout.tsv: "CPU model|ISA|Hh|Hkvk|Dd|Qq|dtype|Tt" (the ISA
+// and threads resolved: kAuto is best_isa(), 0 threads what OpenMP offers). A line is
+// KEY \t rows|tiled \t rows ms \t tiled ms \t tokens timed.
+std::string kv_layout_cache_key(const KVLayoutWorkload& workload);
+// choose_kv_layout for one workload: kAuto on host memory is host_kv_layout(workload).
+Result<KVLayout> choose_kv_layout(KVLayout requested, MemorySpace memory,
+                                  std::span<const std::string> strategies,
+                                  const KVLayoutWorkload& workload);
+
 // The shard plan a run of `strategy` starts from: `requested` placement of rows of `lens`
 // tokens on `ranks` ranks, except that a strategy needing the whole cache on rank 0 gets
 // ShardKind::kSingle whatever was requested. An explicit placement with every row empty gives

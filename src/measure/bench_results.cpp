@@ -234,8 +234,10 @@ BenchFile read_bench_file(const std::string& path) {
     if (in) in >> j;
   } catch (...) {
   }
-  if (j.contains("meta") && j["meta"].is_object())
+  if (j.contains("meta") && j["meta"].is_object()) {
     out.device_description = j["meta"].value("device_description", std::string());
+    out.kv_layout = j["meta"].value("kv_layout", std::string());
+  }
   if (j.contains("points"))
     for (const auto& pj : j["points"]) {
       out.inexact = out.inexact || !pj.value("ok", true);

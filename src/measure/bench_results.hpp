@@ -64,6 +64,7 @@ struct BenchFile {
   std::vector<BenchResult> results;
   bool inexact = false;
   std::string device_description;
+  std::string kv_layout;  // the job's KV layout as its lead rank chose it ("" when not written)
 };
 BenchFile read_bench_file(const std::string& path);
 

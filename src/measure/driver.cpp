@@ -361,11 +361,22 @@ Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConf
   // One KV layout for every strategy of the run, so that they read the same bytes the same way
   // (choose_kv_layout, strategy.hpp); an explicit layout the run cannot use is the session's
   // clear error, with every rank taking part.
+  // `auto` on the host is measured per workload (host_kv_layout), so every rank takes rank 0's
+  // (the broadcast always runs).
   RunConfig cfg = config;
   if (cfg.kv_layout == KVLayout::kAuto) {
     const std::vector<std::string> names(strategies.begin(), strategies.end());
-    auto layout = choose_kv_layout(KVLayout::kAuto, exec.memory(), names);
+    const KVLayoutWorkload workload{cfg.shape, cfg.dtype, cfg.options.kernel};
+    auto layout = choose_kv_layout(KVLayout::kAuto, exec.memory(), names, workload);
     cfg.kv_layout = layout.is_ok() ? *layout : KVLayout::kRows;
+  }
+  if (comm.size() > 1) {
+    uint8_t root_layout = static_cast<uint8_t>(cfg.kv_layout);
+    TREEATTN_RETURN_IF_ERROR(comm.broadcast(&root_layout, 1, 0));
+    if (config.kv_layout == KVLayout::kAuto &&
+        (root_layout == static_cast<uint8_t>(KVLayout::kRows) ||
+         root_layout == static_cast<uint8_t>(KVLayout::kTiled)))
+      cfg.kv_layout = static_cast<KVLayout>(root_layout);
   }
   if (&scomm != &comm) {
     // The driver pairs comm's rank r with the session communicator's rank r.

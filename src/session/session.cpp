@@ -323,16 +323,27 @@ Result<std::unique_ptr<DecodeSession>> DecodeSession::create(Communicator& comm,
   else if (config.reserve_tokens < 0)
     local_error = "reserve_tokens must be >= 0, got " + std::to_string(config.reserve_tokens);
   if (!auto_error.empty()) local_error = auto_error;  // before the others: they follow from it
-  // The KV layout (choose_kv_layout, strategy.hpp).
+  // The KV layout (choose_kv_layout, strategy.hpp). `auto` on the host is measured per workload
+  // (host_kv_layout), so ranks may time it differently: every rank takes rank 0's choice (the
+  // broadcast always runs, whatever this rank's errors).
   if (local_error.empty()) {
     const std::string names[] = {resolved.strategy};
-    Result<KVLayout> layout = choose_kv_layout(config.layout, executor.memory(), names);
+    const KVLayoutWorkload workload{config.shape, config.dtype, config.options.kernel};
+    Result<KVLayout> layout = choose_kv_layout(config.layout, executor.memory(), names, workload);
     if (layout.is_ok())
       resolved.layout = *layout;
     else
       local_error = layout.status().message() + " (executor '" + std::string(executor.name()) + "')";
   } else if (resolved.layout == KVLayout::kAuto) {
     resolved.layout = KVLayout::kRows;
+  }
+  if (p > 1) {
+    uint8_t root_layout = static_cast<uint8_t>(resolved.layout);
+    TREEATTN_RETURN_IF_ERROR(broadcast_host(comm, executor, &root_layout, 1));
+    if (config.layout == KVLayout::kAuto && executor.memory() == MemorySpace::kHost &&
+        local_error.empty() && (root_layout == static_cast<uint8_t>(KVLayout::kRows) ||
+                                root_layout == static_cast<uint8_t>(KVLayout::kTiled)))
+      resolved.layout = static_cast<KVLayout>(root_layout);
   }
   const uint64_t plan_fp = plan.is_ok() ? plan->fingerprint() : 0;
   if (config.check_agreement && p > 1)
