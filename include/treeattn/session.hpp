@@ -77,10 +77,10 @@ struct SessionConfig {
   std::vector<int64_t> explicit_len;  // ShardKind::kExplicit (see ShardPlan::make)
   int holder = 0;                     // ShardKind::kSingle
   int64_t reserve_tokens = 0;         // spare slots per row before a shard has to grow
-  // How the shards store tokens (sharding.hpp): kAuto = the layout the CPU's kernel target
-  // reads fastest (host_kv_layout: tiled on AVX-512, rows on AVX2), rows when the executor is a
-  // device (choose_kv_layout, strategy.hpp); config() reports the layout chosen. Every strategy
-  // reads both.
+  // How the shards store tokens (sharding.hpp): kAuto = the layout this CPU reads faster for
+  // this shape, dtype and options.kernel, measured once and kept (host_kv_layout(workload),
+  // strategy.hpp; rank 0's choice, broadcast), rows when the executor is a device
+  // (choose_kv_layout); config() reports the layout chosen. Every strategy reads both.
   KVLayout layout = KVLayout::kAuto;
   // A name from StrategyRegistry::for_backend(comm), or "auto": the planner's choice
   // (choose_strategy, cost_model.hpp) for this shape, dtype, plan_context and rank count on

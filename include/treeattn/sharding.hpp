@@ -41,8 +41,9 @@ enum class ShardKind : uint8_t { kEven, kUneven, kStriped, kExplicit, kSingle };
 //           reads near the memory limit (README, kernel roofline: 0.82-0.89 of the probe against
 //           0.54-0.61 for rows on one thread at 256k tokens). Every strategy reads it (ring-kv
 //           rotates tiles, tree-det copies its chunks' tokens out of them).
-//   auto    on a host executor the layout the CPU's kernel target reads fastest (tiled on
-//           AVX-512, rows on AVX2: host_kv_layout, strategy.hpp), rows on a device.
+//   auto    on a host executor the layout this CPU reads faster for the workload (shape, dtype,
+//           kernel threads), measured once and kept (host_kv_layout(workload), strategy.hpp;
+//           rank 0's choice in a job), rows on a device.
 enum class KVLayout : uint8_t { kAuto, kRows, kTiled };
 inline std::string_view kv_layout_name(KVLayout layout) {
   switch (layout) {

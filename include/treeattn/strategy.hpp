@@ -148,10 +148,11 @@ class StrategyRegistry {
 // what `--deterministic` runs.
 std::string_view deterministic_strategy();
 
-// The KV layout the host decode kernel of target `isa` reads fastest (what kAuto picks on host
-// memory, for best_isa()): kTiled for kAvx512, kGeneric and kReference, kRows for kAvx2; kAuto
-// means best_isa(). The measurements behind it are written at its definition
-// (src/strategies/registry.cpp).
+// The KV layout the host decode kernel of target `isa` reads fastest for llama3-8b's shape (what
+// kAuto picks on host memory without a workload, and with TREEATTN_KV_LAYOUT_MEASURE=0): kTiled
+// for kAvx512, kGeneric and kReference, kRows for kAvx2; kAuto means best_isa(). The
+// measurements behind it are written at its definition (src/strategies/registry.cpp); they say
+// the faster layout also depends on the shape, hence host_kv_layout(workload) below.
 KVLayout host_kv_layout(Isa isa = Isa::kAuto);
 
 // The KV layout a run of `strategies` (one shared placement) uses: `requested`, or for kAuto

@@ -86,8 +86,9 @@ struct RunConfig {
   bool append = false;       // append one generated token per row after every step
   int64_t spare_tokens = 0;  // extra shard capacity (appends beyond it grow the shard)
   // The shards' storage (sharding.hpp). run_interleaved resolves kAuto once for all its
-  // strategies (choose_kv_layout, strategy.hpp: by the CPU's kernel target on the host, rows on
-  // a device); run_decode lets the session choose for its one strategy.
+  // strategies (choose_kv_layout, strategy.hpp: measured for this workload on the host, rank
+  // 0's choice on every rank; rows on a device); run_decode lets the session choose for its one
+  // strategy.
   KVLayout kv_layout = KVLayout::kAuto;
   StrategyOptions options;
   std::chrono::milliseconds timeout{60000};  // per communicator operation; 0 = forever

@@ -168,8 +168,16 @@ Result<const StrategyInfo*> known_info(std::string_view name, const char* who) {
 //            0.68 / 0.87, tiled 0.78 / 0.61 / 0.92. SmolLM2's (--heads 9 --kv-heads 3
 //            --head-dim 64): 1 thread tiled 0.85 / 0.74 / 0.77, rows 0.57 / 0.48 / 0.47; 2
 //            threads tiled 0.98 / 0.87 / 1.04, rows 0.72 / 0.59 / 0.63. The better layout there
-//            depends on the shape, which this per-ISA rule cannot see; it keeps tiled (the
-//            model's shapes) until a per-shape measured choice exists.
+//            depends on the shape, which this per-ISA rule cannot see.
+//   AVX2 again (2-vCPU EPYC Zen 3 VM, 2026-12-03, quiet but for one nice-19 compile;
+//            treeattn_roofline --dtype f32,bf16 --threads 1 --seq 262144 --repeats 5 --no-peer
+//            --no-check, two runs): llama3-8b's shape rows 0.74 / 0.53, tiled 0.57 / 0.52
+//            (f32 / bf16); SmolLM2's shape rows 0.48-0.56 / 0.46-0.52, tiled 0.61-0.63 /
+//            0.54-0.61. So on both CPUs the shipped model's shape reads faster tiled and
+//            llama3-8b's rows: kAuto with a workload (the session, the driver, the CLI) measures
+//            the two layouts for that workload instead (host_kv_layout(workload),
+//            layout_choice.cpp); this rule is what remains without one, and with
+//            TREEATTN_KV_LAYOUT_MEASURE=0.
 //   generic: not measured; the tiled layout, as before.
 KVLayout host_kv_layout(Isa isa) {
   if (isa == Isa::kAuto) isa = best_isa();
