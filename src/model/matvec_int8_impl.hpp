@@ -502,6 +502,7 @@ template <bool kFive>
 struct CodeK45 {
   static constexpr int kBytes = kFive ? 176 : 144;
   static constexpr int kSub = 32;  // codes per sub-scale
+  static constexpr int kMaxCode = kFive ? 31 : 15;
   static constexpr bool kMin = true;
   struct Row {
     typename Ops::S sc;
@@ -554,6 +555,7 @@ template <>
 struct CodeK<kTypeQ6_K> {
   static constexpr int kBytes = 210;
   static constexpr int kSub = 16;
+  static constexpr int kMaxCode = 63;  // u, the code before its offset of -32
   static constexpr bool kMin = false;
   struct Row {
     typename Ops::S sc[2];  // half h of the 16 scales in both halves
@@ -658,6 +660,7 @@ inline void superblock(const uint8_t* const* rows, int64_t k, const ActBlockK& x
 // operations, so the same bits.
 struct NarrowLanes : Ops {  // Ops' own B, I, V and vector operations, 8 tokens
   static constexpr int kTokens = 8;
+  static constexpr bool kPairAcc = Ops::kPairAcc;
   template <class F>
   static B load(const ActBlockK8* xt, int64_t blocks, int v, int64_t k, F f) {
     return Ops::load(f(xt[v * blocks + k]));
@@ -673,6 +676,7 @@ struct WideLanes {
   using I = typename O::W;
   using V = typename O::WV;
   static constexpr int kTokens = 16;
+  static constexpr bool kPairAcc = false;
   template <class F>
   static I load(const ActBlockK8* xt, int64_t blocks, int v, int64_t k, F f) {
     return O::wload2(f(xt[2 * v * blocks + k]), f(xt[(2 * v + 1) * blocks + k]));
@@ -729,22 +733,58 @@ inline void groupk(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int
       for (int v = 0; v < NV; ++v) s[r][v] = m[r][v] = L::izero();
     for (int j = 0; j < 256 / CK::kSub; ++j) {
       I u[RBn][NV];
-      for (int r = 0; r < RBn; ++r)
-        for (int v = 0; v < NV; ++v) u[r][v] = L::izero();
-      for_each_group<kGroups>([&](auto i) {
-        const int gi = j * kGroups + decltype(i)::value;
-        typename L::B xv[NV];
-        for (int v = 0; v < NV; ++v)
-          xv[v] = L::load(xt, blocks, v, k, [gi](const ActBlockK8& b) { return b.q[gi]; });
+      if constexpr (L::kPairAcc) {
+        // Without VNNI (AVX2): maddubs' int16 pair sums added in int16 over kFlush groups, then
+        // one madd by the sub-scale in both halves of each pair (pair16(sc, sc)) into S: per
+        // group one multiply instead of maddubs, madd by ones and, per sub-scale, vpmulld. The
+        // same integers: a pair sum is at most 2 * kMaxCode * 127, and kFlush of them fit in
+        // int16 (Q4_K 8, Q5_K 4, Q6_K 2).
+        constexpr int kFlush = std::min(kGroups, 32767 / (2 * CK::kMaxCode * 127));
+        static_assert(kFlush >= 1 && kGroups % kFlush == 0);
+        int32_t sc2[RBn];
         for (int r = 0; r < RBn; ++r) {
-          const typename L::B w = L::bcast4(db[r] + 4 * gi);
-          for (int v = 0; v < NV; ++v) u[r][v] = L::dpu(u[r][v], w, xv[v]);
+          int32_t sc;
+          std::memcpy(&sc, db[r] + kDecKScales + 4 * j, 4);
+          sc2[r] = pair16(sc, sc);
         }
-      });
-      for (int r = 0; r < RBn; ++r) {
-        int32_t sc;
-        std::memcpy(&sc, db[r] + kDecKScales + 4 * j, 4);
-        for (int v = 0; v < NV; ++v) s[r][v] = L::add(s[r][v], L::mul_s(u[r][v], sc));
+        typename L::B a16[RBn][NV];
+        for (int r = 0; r < RBn; ++r)
+          for (int v = 0; v < NV; ++v) a16[r][v] = L::bzero();
+        for_each_group<kGroups>([&](auto i) {
+          constexpr int kI = decltype(i)::value;
+          const int gi = j * kGroups + kI;
+          typename L::B xv[NV];
+          for (int v = 0; v < NV; ++v)
+            xv[v] = L::load(xt, blocks, v, k, [gi](const ActBlockK8& b) { return b.q[gi]; });
+          for (int r = 0; r < RBn; ++r) {
+            const typename L::B w = L::bcast4(db[r] + 4 * gi);
+            for (int v = 0; v < NV; ++v) a16[r][v] = L::add16(a16[r][v], L::pairs(w, xv[v]));
+          }
+          if constexpr ((kI + 1) % kFlush == 0)
+            for (int r = 0; r < RBn; ++r)
+              for (int v = 0; v < NV; ++v) {
+                s[r][v] = L::madd_pairs(s[r][v], a16[r][v], sc2[r]);
+                a16[r][v] = L::bzero();
+              }
+        });
+      } else {
+        for (int r = 0; r < RBn; ++r)
+          for (int v = 0; v < NV; ++v) u[r][v] = L::izero();
+        for_each_group<kGroups>([&](auto i) {
+          const int gi = j * kGroups + decltype(i)::value;
+          typename L::B xv[NV];
+          for (int v = 0; v < NV; ++v)
+            xv[v] = L::load(xt, blocks, v, k, [gi](const ActBlockK8& b) { return b.q[gi]; });
+          for (int r = 0; r < RBn; ++r) {
+            const typename L::B w = L::bcast4(db[r] + 4 * gi);
+            for (int v = 0; v < NV; ++v) u[r][v] = L::dpu(u[r][v], w, xv[v]);
+          }
+        });
+        for (int r = 0; r < RBn; ++r) {
+          int32_t sc;
+          std::memcpy(&sc, db[r] + kDecKScales + 4 * j, 4);
+          for (int v = 0; v < NV; ++v) s[r][v] = L::add(s[r][v], L::mul_s(u[r][v], sc));
+        }
       }
       if (j % 2 == 1)
         for (int r = 0; r < RBn; ++r) {

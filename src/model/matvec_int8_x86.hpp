@@ -24,6 +24,9 @@ struct Ops {
   // Groups of 8 tokens per pass of the batched paths (group8, groupk): 2 x 4 rows of integer
   // sums need AVX-512 VL's 32 registers.
   static constexpr int NG = TREEATTN_INT8_DOT == 2 ? 2 : 1;
+  // Without VNNI the batched K path adds maddubs' int16 pairs in int16 before one madd by the
+  // sub-scale (groupk); with VNNI vpdpbusd already sums into int32 in one instruction.
+  static constexpr bool kPairAcc = TREEATTN_INT8_DOT == 0;
   using B = __m256i;
   using I = __m256i;
   using V = __m256;
@@ -124,6 +127,8 @@ struct Ops {
     return _mm256_permute4x64_epi64(s, h ? 0xee : 0x44);
   }
   static B pairs(B w, B x) { return _mm256_maddubs_epi16(w, x); }
+  static B bzero() { return _mm256_setzero_si256(); }
+  static B add16(B a, B b) { return _mm256_add_epi16(a, b); }
   // The sub-scale operand of madd_acc: element e0 of the low half in the int16 pairs of lanes
   // 0-3, e1 of the high half in lanes 4-7 (picked once per row and chunk, shared by the tokens).
   using P = __m256i;
