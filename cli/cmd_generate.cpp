@@ -425,8 +425,9 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
                   "KV placement over ranks: even, uneven, striped (single: always rank 0)")
       ->capture_default_str();
   sub->add_option("--kv-layout", f->kv_layout,
-                  "How ranks store the KV cache: auto (the layout this CPU's kernel reads "
-                  "fastest: tiled on AVX-512, rows on AVX2), rows or tiled")
+                  "How ranks store the KV cache: auto (the layout this CPU reads faster for the "
+                  "model's attention shape, timed once and kept in ~/.cache/treeattn), rows or "
+                  "tiled")
       ->capture_default_str();
   sub->add_flag("--chat", f->chat,
                 "Wrap the prompt in the model's chat format (ChatML, Gemma's turns, or for a "
