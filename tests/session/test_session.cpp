@@ -342,10 +342,10 @@ TEST(Session, ExtraStrategiesShareTheShardsAndSingleCannotJoin) {
   EXPECT_TRUE(st.is_ok()) << st.to_string();
 }
 
-// The layout a session chooses: the same for every strategy on the host, the one the CPU's
-// kernel target reads fastest (host_kv_layout: rows on AVX2, tiled on AVX-512; ring-kv rotates
-// tiles, tree-det copies its chunks out of them), and strategies that join a tiled session
-// read the same tiled shards to the oracle's tolerance.
+// The layout a session chooses: the same for every strategy on the host, host_kv_layout's for
+// the workload (measured, or by the CPU's kernel target with TREEATTN_KV_LAYOUT_MEASURE=0 as in
+// the test presets; ring-kv rotates tiles, tree-det copies its chunks out of them), and
+// strategies that join a tiled session read the same tiled shards to the oracle's tolerance.
 TEST(Session, KVLayoutAutoIsTheHostLayoutForEveryStrategy) {
   Status st = run_local(3, [](Communicator& comm) -> Status {
     SessionConfig cfg;
@@ -360,7 +360,8 @@ TEST(Session, KVLayoutAutoIsTheHostLayoutForEveryStrategy) {
       cfg.strategy = name;
       auto s = DecodeSession::create(comm, cfg);
       TREEATTN_RETURN_IF_ERROR(s.status());
-      const KVLayout want = host_kv_layout();
+      const KVLayout want =
+          host_kv_layout(KVLayoutWorkload{cfg.shape, cfg.dtype, cfg.options.kernel}).layout;
       if ((*s)->config().layout != want)
         return internal_error(name + ": layout " +
                               std::string(kv_layout_name((*s)->config().layout)) + ", expected " +
