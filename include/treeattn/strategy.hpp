@@ -185,7 +185,7 @@ struct HostKVLayout {
 // measurement off (host_kv_layout(isa), the rule by kernel target; the test presets do, so that
 // the suite does not time kernels); a measurement that fails falls back to that rule, saying so.
 HostKVLayout host_kv_layout(const KVLayoutWorkload& workload);
-// The key of a workload's line in kv-layout.tsv: "CPU model|ISA|Hh|Hkvk|Dd|Qq|dtype|Tt" (the ISA
+// The key of a workload's line in kv-layout.tsv: "v1|CPU model|ISA|Hh|Hkvk|Dd|Qq|dtype|Tt" (the ISA
 // and threads resolved: kAuto is best_isa(), 0 threads what OpenMP offers). A line is
 // KEY \t rows|tiled \t rows ms \t tiled ms \t tokens timed.
 std::string kv_layout_cache_key(const KVLayoutWorkload& workload);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -30,9 +31,10 @@ std::size_t last_level_cache_bytes() {
 
 }  // namespace
 
-Result<KVLayoutTiming> time_kv_layouts(const AttnShape& shape, DType dtype,
-                                       const DecodeOptions& options, std::size_t bytes,
-                                       int rounds) {
+namespace {
+
+Result<KVLayoutTiming> time_both(const AttnShape& shape, DType dtype, const DecodeOptions& options,
+                                 std::size_t bytes, int rounds) {
   AttnShape one = shape;
   one.batch = 1;
   TREEATTN_RETURN_IF_ERROR(one.validate());
@@ -92,6 +94,19 @@ Result<KVLayoutTiming> time_kv_layouts(const AttnShape& shape, DType dtype,
   t.tokens = tokens;
   t.bytes = static_cast<std::size_t>(tokens) * per_token;
   return t;
+}
+
+}  // namespace
+
+Result<KVLayoutTiming> time_kv_layouts(const AttnShape& shape, DType dtype,
+                                       const DecodeOptions& options, std::size_t bytes,
+                                       int rounds) {
+  try {
+    return time_both(shape, dtype, options, bytes, rounds);
+  } catch (const std::bad_alloc&) {
+    return Status(Code::kOutOfMemory, "time_kv_layouts: cannot allocate the two layouts' " +
+                                          std::to_string(2 * bytes >> 20) + " MiB");
+  }
 }
 
 }  // namespace treeattn

@@ -367,7 +367,8 @@ Result<std::vector<RunReport>> run_interleaved(Communicator& comm, const RunConf
   if (cfg.kv_layout == KVLayout::kAuto) {
     const std::vector<std::string> names(strategies.begin(), strategies.end());
     const KVLayoutWorkload workload{cfg.shape, cfg.dtype, cfg.options.kernel};
-    auto layout = choose_kv_layout(KVLayout::kAuto, exec.memory(), names, workload);
+    auto layout = me == 0 ? choose_kv_layout(KVLayout::kAuto, exec.memory(), names, workload)
+                          : choose_kv_layout(KVLayout::kAuto, exec.memory(), names);
     cfg.kv_layout = layout.is_ok() ? *layout : KVLayout::kRows;
   }
   if (comm.size() > 1) {

@@ -732,7 +732,6 @@ inline void groupk(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int
     for (int r = 0; r < RBn; ++r)
       for (int v = 0; v < NV; ++v) s[r][v] = m[r][v] = L::izero();
     for (int j = 0; j < 256 / CK::kSub; ++j) {
-      I u[RBn][NV];
       if constexpr (L::kPairAcc) {
         // Without VNNI (AVX2): maddubs' int16 pair sums added in int16 over kFlush groups, then
         // one madd by the sub-scale in both halves of each pair (pair16(sc, sc)) into S: per
@@ -768,6 +767,7 @@ inline void groupk(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int
               }
         });
       } else {
+        I u[RBn][NV];
         for (int r = 0; r < RBn; ++r)
           for (int v = 0; v < NV; ++v) u[r][v] = L::izero();
         for_each_group<kGroups>([&](auto i) {

@@ -328,8 +328,12 @@ Result<std::unique_ptr<DecodeSession>> DecodeSession::create(Communicator& comm,
   // broadcast always runs, whatever this rank's errors).
   if (local_error.empty()) {
     const std::string names[] = {resolved.strategy};
+    // Only rank 0 measures (the others would time the same kernels at once, skewing rank 0's
+    // figure, for an answer they then drop); the others check the request and take rank 0's.
     const KVLayoutWorkload workload{config.shape, config.dtype, config.options.kernel};
-    Result<KVLayout> layout = choose_kv_layout(config.layout, executor.memory(), names, workload);
+    Result<KVLayout> layout =
+        me == 0 ? choose_kv_layout(config.layout, executor.memory(), names, workload)
+                : choose_kv_layout(config.layout, executor.memory(), names);
     if (layout.is_ok())
       resolved.layout = *layout;
     else

@@ -104,7 +104,9 @@ std::string kv_layout_cache_key(const KVLayoutWorkload& w) {
   static const std::string model = cpu_model();
   const Isa isa = w.kernel.isa == Isa::kAuto ? best_isa() : w.kernel.isa;
   const int threads = w.kernel.threads > 0 ? w.kernel.threads : omp_get_max_threads();
-  return model + "|" + std::string(isa_name(isa)) + "|H" + std::to_string(w.shape.heads) +
+  // v1: the kernels as of this key's introduction; a kernel change that moves the balance
+  // between the layouts bumps it, so that older lines are no longer read.
+  return "v1|" + model + "|" + std::string(isa_name(isa)) + "|H" + std::to_string(w.shape.heads) +
          "|Hkv" + std::to_string(w.shape.kv_heads) + "|D" + std::to_string(w.shape.head_dim) +
          "|Q" + std::to_string(w.shape.q_len) + "|" + std::string(dtype_name(w.dtype)) + "|T" +
          std::to_string(threads);
@@ -130,9 +132,13 @@ HostKVLayout host_kv_layout(const KVLayoutWorkload& w) {
     o.isa = isa;
     o.threads = threads;
     auto t = time_kv_layouts(w.shape, w.dtype, o);
-    if (!t.is_ok())
-      return {host_kv_layout(isa), "by the CPU's kernel target (the measurement failed: " +
-                                       t.status().message() + ")"};
+    if (!t.is_ok()) {
+      // Kept in the process (not in the file), so that later sessions do not try again.
+      out = {host_kv_layout(isa), "by the CPU's kernel target (the measurement failed: " +
+                                      t.status().message() + ")"};
+      known.emplace(key, out);
+      return out;
+    }
     const KVLayout l = t->tiled_seconds < t->rows_seconds ? KVLayout::kTiled : KVLayout::kRows;
     const double rows_ms = t->rows_seconds * 1e3, tiled_ms = t->tiled_seconds * 1e3;
     out = {l, "measured: " + numbers_text(rows_ms, tiled_ms, static_cast<long long>(t->tokens))};

@@ -3,8 +3,9 @@
 #   concurrent   two sessions at once both succeed, the second waiting for the first's lock;
 #   dead         a session killed with SIGKILL leaves its cluster (and a rank) behind: the next
 #                session removes it, says so, and runs;
-#   ownerless    a cluster without an owner record (an older cluster.sh, or a session killed
-#                before it wrote one) is removed by the next session too;
+#   ownerless    an idle cluster without an owner record (an older cluster.sh, or a session
+#                killed before it wrote one) is removed by the next session too; one with a
+#                process in it is not;
 #   manual       a cluster made by `up` is someone's: a session refuses it and leaves it up.
 # Usage: cluster_sessions_test.sh CASE
 set -uo pipefail
@@ -56,9 +57,18 @@ case ${1:-} in
   ownerless)
     "$C" up 2 --slots 1 || fail "up"
     rm -f "$STATE/owner"
+    ip netns exec treeattn-h1 sleep 30 &
+    busy=$!
+    for _ in $(seq 1 50); do [[ -n $(ip netns pids treeattn-h1) ]] && break; sleep 0.1; done
+    if "$C" session 2 --slots 1 -- -np 2 hostname >"$tmp/b" 2>&1; then
+      fail "the session removed an ownerless cluster with a process in it: $(cat "$tmp/b")"
+    fi
+    grep -q "records no owner has processes in treeattn-h1" "$tmp/b" || fail "the refusal does not say why: $(cat "$tmp/b")"
+    kill "$busy"; wait "$busy" 2>/dev/null
+    for _ in $(seq 1 50); do [[ -z $(ip netns pids treeattn-h1) ]] && break; sleep 0.1; done
     "$C" session 2 --slots 1 -- -np 2 hostname >"$tmp/b" 2>&1 || fail "session: $(cat "$tmp/b")"
     cat "$tmp/b"
-    grep -q "removing a cluster that records no owner" "$tmp/b" || fail "the leftover was not named"
+    grep -q "removing an idle cluster that records no owner" "$tmp/b" || fail "the leftover was not named"
     ;;
   manual)
     "$C" up 2 --slots 1 || fail "up"

@@ -31,8 +31,12 @@ set -euo pipefail
 readonly PREFIX="treeattn"
 readonly BRIDGE_NS="${PREFIX}-br"
 readonly STATE_DIR="${TREEATTN_CLUSTER_DIR:-/run/${PREFIX}-cluster}"
-# Sessions on one machine take turns through this lock (the namespaces are machine-wide).
-readonly LOCK_FILE="${STATE_DIR}.lock"
+# Sessions on one machine take turns through this lock. The namespaces are machine-wide, so the
+# lock is too, whatever TREEATTN_CLUSTER_DIR says.
+readonly LOCK_FILE="/run/${PREFIX}-cluster.lock"
+# Set by cmd_session only (never taken from the environment).
+CLUSTER_OWNER=""
+LOCK_FD=""
 readonly MAX_HOSTS=16
 readonly SELF_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
@@ -247,7 +251,15 @@ remove_dead_session_cluster() {
         die "session: the cluster of running session $pid holds the namespaces despite the lock"
       fi
       log "session: removing a cluster left by session $pid, which no longer runs" ;;
-    *) log "session: removing a cluster that records no owner (left by a session killed before it recorded one, or by an older cluster.sh)" ;;
+    *)
+      # No owner: a session killed before it recorded one (it started no job yet) or an older
+      # cluster.sh. Only an idle one is removed; one with processes may be someone's live job.
+      local ns
+      for ns in $(our_namespaces); do
+        [[ -z $(ip netns pids "$ns" 2>/dev/null) ]] ||
+          die "session: a cluster that records no owner has processes in $ns (someone's job?); see 'cluster.sh status', then 'cluster.sh down'"
+      done
+      log "session: removing an idle cluster that records no owner (left by a session killed before it recorded one, or by an older cluster.sh)" ;;
   esac
   cmd_down
 }
