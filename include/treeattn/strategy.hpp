@@ -183,7 +183,9 @@ struct HostKVLayout {
 // next process measures again). The faster layout depends on the shape, not only on the CPU:
 // src/strategies/registry.cpp has the measurements. TREEATTN_KV_LAYOUT_MEASURE=0 turns the
 // measurement off (host_kv_layout(isa), the rule by kernel target; the test presets do, so that
-// the suite does not time kernels); a measurement that fails falls back to that rule, saying so.
+// the suite does not time kernels); a measurement that fails (memory, an unsupported head_dim)
+// falls back to that rule, saying so, and is not tried again in the process. The session and the
+// driver ask it on rank 0 only and broadcast the answer.
 HostKVLayout host_kv_layout(const KVLayoutWorkload& workload);
 // The key of a workload's line in kv-layout.tsv: "v1|CPU model|ISA|Hh|Hkvk|Dd|Qq|dtype|Tt" (the ISA
 // and threads resolved: kAuto is best_isa(), 0 threads what OpenMP offers). A line is
