@@ -98,12 +98,22 @@ void append_cached(const std::filesystem::path& file, const std::string& line) {
   ::close(fd);
 }
 
+// The kernel options a workload's calls run with: kAuto is best_isa(), 0 threads what OpenMP
+// offers (what the key names and what the timing runs).
+DecodeOptions resolved_kernel(const KVLayoutWorkload& w) {
+  DecodeOptions o = w.kernel;
+  if (o.isa == Isa::kAuto) o.isa = best_isa();
+  if (o.threads <= 0) o.threads = omp_get_max_threads();
+  return o;
+}
+
 }  // namespace
 
 std::string kv_layout_cache_key(const KVLayoutWorkload& w) {
   static const std::string model = cpu_model();
-  const Isa isa = w.kernel.isa == Isa::kAuto ? best_isa() : w.kernel.isa;
-  const int threads = w.kernel.threads > 0 ? w.kernel.threads : omp_get_max_threads();
+  const DecodeOptions o = resolved_kernel(w);
+  const Isa isa = o.isa;
+  const int threads = o.threads;
   // v1: the kernels as of this key's introduction; a kernel change that moves the balance
   // between the layouts bumps it, so that older lines are no longer read.
   return "v1|" + model + "|" + std::string(isa_name(isa)) + "|H" + std::to_string(w.shape.heads) +
@@ -113,10 +123,10 @@ std::string kv_layout_cache_key(const KVLayoutWorkload& w) {
 }
 
 HostKVLayout host_kv_layout(const KVLayoutWorkload& w) {
-  const Isa isa = w.kernel.isa == Isa::kAuto ? best_isa() : w.kernel.isa;
+  const DecodeOptions o = resolved_kernel(w);
+  const Isa isa = o.isa;
   if (!measuring_enabled())
     return {host_kv_layout(isa), "by the CPU's kernel target (TREEATTN_KV_LAYOUT_MEASURE=0)"};
-  const int threads = w.kernel.threads > 0 ? w.kernel.threads : omp_get_max_threads();
   const std::string key = kv_layout_cache_key(w);
   static std::mutex mu;
   static std::map<std::string, HostKVLayout> known;
@@ -128,9 +138,6 @@ HostKVLayout host_kv_layout(const KVLayoutWorkload& w) {
   if (!file.empty() && read_cached(file, key, e)) {
     out = {e.layout, "measured before (" + file.string() + "): " + e.numbers};
   } else {
-    DecodeOptions o = w.kernel;
-    o.isa = isa;
-    o.threads = threads;
     auto t = time_kv_layouts(w.shape, w.dtype, o);
     if (!t.is_ok()) {
       // Kept in the process (not in the file), so that later sessions do not try again.
