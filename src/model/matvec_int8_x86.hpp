@@ -129,6 +129,60 @@ struct Ops {
   static B pairs(B w, B x) { return _mm256_maddubs_epi16(w, x); }
   static B bzero() { return _mm256_setzero_si256(); }
   static B add16(B a, B b) { return _mm256_add_epi16(a, b); }
+  // An empty asm that claims to change b: the value is materialised here, so the compiler
+  // cannot reassociate a chain of add16 into a tree that hoists every maddubs (groupk_pairs'
+  // other shapes).
+  static void keep(B& b) { __asm__("" : "+x"(b)); }
+#if TREEATTN_INT8_DOT == 0
+  // One sub-scale of groupk_pairs on 4 rows against 8 tokens (AVX2, no VNNI), kGroups 4-code
+  // groups: group i's codes of row r at c_r + 4 i (broadcast), the tokens' bytes at x + 32 i;
+  // maddubs' int16 pairs summed per row over F groups, then one vpmaddwd by the row's
+  // pair16(sc, sc) (at c_r + t + kDecKScales) added into s_r. Written out in asm because what
+  // the compiler made of the same intrinsics ran at 0.5-0.9 maddubs a cycle on Zen 3 against
+  // 1.3 for this block in a loop (bench: BM_Matmul; README, "The batched K kernel without
+  // VNNI"): left to itself it reassociated the int16 chains into trees and spilled them, or,
+  // unrolled over the super-block, its ~1000 instructions no longer ran from the op cache.
+#define TA_X(i) "vmovdqu 32*" #i "(%[x]), %[xv]\n\t"
+#define TA_G0(i, r) "vpbroadcastd 4*" #i "(%[c" #r "]), %[w]\n\t" \
+                    "vpmaddubsw %[xv], %[w], %[a" #r "]\n\t"
+#define TA_GN(i, r) "vpbroadcastd 4*" #i "(%[c" #r "]), %[w]\n\t" \
+                    "vpmaddubsw %[xv], %[w], %[w]\n\t" \
+                    "vpaddw %[w], %[a" #r "], %[a" #r "]\n\t"
+#define TA_FIRST(i) TA_X(i) TA_G0(i, 0) TA_G0(i, 1) TA_G0(i, 2) TA_G0(i, 3)
+#define TA_NEXT(i) TA_X(i) TA_GN(i, 0) TA_GN(i, 1) TA_GN(i, 2) TA_GN(i, 3)
+#define TA_FL(r) "vpbroadcastd %c[so](%[c" #r "],%[t],1), %[w]\n\t" \
+                 "vpmaddwd %[w], %[a" #r "], %[w]\n\t" \
+                 "vpaddd %[w], %[s" #r "], %[s" #r "]\n\t"
+#define TA_FLUSH TA_FL(0) TA_FL(1) TA_FL(2) TA_FL(3)
+#define TA_OPERANDS                                                                          \
+  : [a0] "=&x"(a0), [a1] "=&x"(a1), [a2] "=&x"(a2), [a3] "=&x"(a3), [xv] "=&x"(xv),         \
+    [w] "=&x"(w), [s0] "+x"(s[0]), [s1] "+x"(s[1]), [s2] "+x"(s[2]), [s3] "+x"(s[3])       \
+  : [x] "r"(x), [c0] "r"(c[0]), [c1] "r"(c[1]), [c2] "r"(c[2]), [c3] "r"(c[3]), [t] "r"(t), \
+    [so] "i"(so)                                                                             \
+  : "memory"
+  template <int kGroups, int F, int so>
+  static void pair_subscale4(const int8_t* x, const uint8_t* const* c, int64_t t, I* s) {
+    B a0, a1, a2, a3, xv, w;
+    if constexpr (kGroups == 8 && F == 8)  // Q4_K
+      __asm__(TA_FIRST(0) TA_NEXT(1) TA_NEXT(2) TA_NEXT(3) TA_NEXT(4) TA_NEXT(5) TA_NEXT(6)
+                  TA_NEXT(7) TA_FLUSH TA_OPERANDS);
+    else if constexpr (kGroups == 8 && F == 4)  // Q5_K
+      __asm__(TA_FIRST(0) TA_NEXT(1) TA_NEXT(2) TA_NEXT(3) TA_FLUSH TA_FIRST(4) TA_NEXT(5)
+                  TA_NEXT(6) TA_NEXT(7) TA_FLUSH TA_OPERANDS);
+    else if constexpr (kGroups == 4 && F == 2)  // Q6_K
+      __asm__(TA_FIRST(0) TA_NEXT(1) TA_FLUSH TA_FIRST(2) TA_NEXT(3) TA_FLUSH TA_OPERANDS);
+    else
+      static_assert(kGroups < 0, "no pair_subscale4 for this sub-scale and flush");
+  }
+#undef TA_X
+#undef TA_G0
+#undef TA_GN
+#undef TA_FIRST
+#undef TA_NEXT
+#undef TA_FL
+#undef TA_FLUSH
+#undef TA_OPERANDS
+#endif
   // The sub-scale operand of madd_acc: element e0 of the low half in the int16 pairs of lanes
   // 0-3, e1 of the high half in lanes 4-7 (picked once per row and chunk, shared by the tokens).
   using P = __m256i;
