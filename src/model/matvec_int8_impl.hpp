@@ -86,7 +86,7 @@ inline void prefetch_w(const void* p) { __builtin_prefetch(p, 0, kWeightPrefetch
 constexpr int kGroupBytes = 40;  // one decoded block in the batched path's scratch
 
 template <uint32_t T>
-struct Code;  // per 32-value type: kBytes, kOff, kSigned, kMin; decode(block, Dec&)
+struct Code;  // per 32-value type: kBytes, kOff, kMaxCode, kSigned, kMin; decode(block, Dec&)
 
 struct Dec {
   typename Ops::B c;
@@ -111,7 +111,7 @@ inline typename Ops::B shift(typename Ops::B v, int n) {
 
 template <>
 struct Code<kTypeQ8_0> {
-  static constexpr int kBytes = 34, kOff = 0;
+  static constexpr int kBytes = 34, kOff = 0, kMaxCode = 127;  // |code|
   static constexpr bool kSigned = true, kMin = false;
   static void decode(const uint8_t* b, Dec& o) {
     o.a = Ops::f16(rd16(b));
@@ -121,7 +121,7 @@ struct Code<kTypeQ8_0> {
 
 template <>
 struct Code<kTypeQ4_0> {
-  static constexpr int kBytes = 18, kOff = 8;
+  static constexpr int kBytes = 18, kOff = 8, kMaxCode = 15;
   static constexpr bool kSigned = false, kMin = false;
   static void decode(const uint8_t* b, Dec& o) {
     o.a = Ops::f16(rd16(b));
@@ -131,7 +131,7 @@ struct Code<kTypeQ4_0> {
 
 template <>
 struct Code<kTypeQ4_1> {
-  static constexpr int kBytes = 20, kOff = 0;
+  static constexpr int kBytes = 20, kOff = 0, kMaxCode = 15;
   static constexpr bool kSigned = false, kMin = true;
   static void decode(const uint8_t* b, Dec& o) {
     o.a = Ops::f16(rd16(b));
@@ -142,7 +142,7 @@ struct Code<kTypeQ4_1> {
 
 template <>
 struct Code<kTypeQ5_0> {
-  static constexpr int kBytes = 22, kOff = 16;
+  static constexpr int kBytes = 22, kOff = 16, kMaxCode = 31;
   static constexpr bool kSigned = false, kMin = false;
   static void decode(const uint8_t* b, Dec& o) {
     o.a = Ops::f16(rd16(b));
@@ -152,7 +152,7 @@ struct Code<kTypeQ5_0> {
 
 template <>
 struct Code<kTypeQ5_1> {
-  static constexpr int kBytes = 24, kOff = 0;
+  static constexpr int kBytes = 24, kOff = 0, kMaxCode = 31;
   static constexpr bool kSigned = false, kMin = true;
   static void decode(const uint8_t* b, Dec& o) {
     o.a = Ops::f16(rd16(b));
@@ -264,6 +264,53 @@ inline void store_dec(uint8_t* p, const Dec& w) {
   std::memcpy(p + 36, &w.m, 4);
 }
 
+// group8 on 4 rows x 8 tokens for the unsigned 32-value types without VNNI (AVX2:
+// Ops::kPairAcc): per block one Ops::pair_block4 (asm: per row, maddubs' int16 pairs summed over
+// kFlush groups, then one vpmaddwd by ones into S, instead of maddubs, vpmaddwd and an add per
+// group), then group8's offset and float operations. The same integers (a pair sum is at most
+// 2 * 31 * 127, and kFlush of them fit in int16: Q4_0 / Q4_1 8, Q5_0 / Q5_1 4), so the same bits.
+template <uint32_t T, class O = Ops>  // O: dependent, pair_block4 is on the kPairAcc target only
+inline void group8_pairs4(const uint8_t* dec, int64_t blocks, const ActBlock8* xt, int lanes,
+                          float* y, int64_t y_stride) {
+  using V = typename Ops::V;
+  using I = typename Ops::I;
+  constexpr int kFlush = std::min(8, 32767 / (2 * Code<T>::kMaxCode * 127));
+  static_assert(kFlush == 8 || kFlush == 4);
+  const I ones = Ops::iset1(0x00010001);  // int16 pairs (1, 1)
+  V acc[4], macc[4];
+  for (int r = 0; r < 4; ++r) acc[r] = macc[r] = Ops::zero();
+  const uint8_t* c[4];
+  for (int r = 0; r < 4; ++r) c[r] = dec + r * blocks * kGroupBytes;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const ActBlock8& xb = xt[b];
+    I p[4];
+    for (int r = 0; r < 4; ++r) p[r] = Ops::izero();
+    O::template pair_block4<kFlush>(xb.q[0], c, ones, p);
+    if constexpr (Code<T>::kOff != 0) {
+      constexpr int kShift = Code<T>::kOff == 8 ? 3 : 4;
+      static_assert(Code<T>::kOff == 1 << kShift);
+      const I off = Ops::ishl(Ops::iload(xb.sum), kShift);
+      for (int r = 0; r < 4; ++r) p[r] = Ops::isub(p[r], off);
+    }
+    const V d = Ops::vload(xb.d);
+    for (int r = 0; r < 4; ++r) {
+      float wa, wm;
+      std::memcpy(&wa, c[r] + 32, 4);
+      acc[r] = Ops::fma(Ops::mul(Ops::set1(wa), d), Ops::cvt(p[r]), acc[r]);
+      if constexpr (Code<T>::kMin) {
+        std::memcpy(&wm, c[r] + 36, 4);
+        macc[r] = Ops::fma(Ops::set1(wm), Ops::vload(xb.s), macc[r]);
+      }
+      c[r] += kGroupBytes;
+    }
+  }
+  for (int r = 0; r < 4; ++r) {
+    float out[8];
+    Ops::vstore(out, Code<T>::kMin ? Ops::vadd(acc[r], macc[r]) : acc[r]);
+    for (int t = 0; t < lanes; ++t) y[t * y_stride + r] = out[t];
+  }
+}
+
 // RBn decoded rows (dec: row r's block b at (r * blocks + b) * kGroupBytes) against one group of
 // 8 tokens (xt: its blocks), tokens in lanes: per block, the 8 four-code groups of each row are
 // broadcast against the tokens' q (ActBlock8), so lane t sums token t's 32 products (the block's
@@ -276,6 +323,10 @@ inline void group8(const uint8_t* dec, int64_t blocks, const ActBlock8* xt, int 
   // NG groups at once (Ops::NG: 2 with AVX-512 VL's 32 registers): each broadcast of 4 codes
   // serves 8 * NG tokens. xt, lanes and y: group g at xt + g * blocks, y + 8 g y_stride; every
   // group has 8 tokens but the last, which has `lanes`.
+  if constexpr (Ops::kPairAcc && !Code<T>::kSigned && RBn == 4 && NG == 1) {
+    group8_pairs4<T>(dec, blocks, xt, lanes, y, y_stride);
+    return;
+  }
   using V = typename Ops::V;
   using I = typename Ops::I;
   V acc[RBn][NG], macc[RBn][NG];

@@ -154,12 +154,15 @@ struct Ops {
                  "vpmaddwd %[w], %[a" #r "], %[w]\n\t" \
                  "vpaddd %[w], %[s" #r "], %[s" #r "]\n\t"
 #define TA_FLUSH TA_FL(0) TA_FL(1) TA_FL(2) TA_FL(3)
-#define TA_OPERANDS                                                                          \
-  : [a0] "=&x"(a0), [a1] "=&x"(a1), [a2] "=&x"(a2), [a3] "=&x"(a3), [xv] "=&x"(xv),         \
-    [w] "=&x"(w), [s0] "+x"(s[0]), [s1] "+x"(s[1]), [s2] "+x"(s[2]), [s3] "+x"(s[3])       \
-  : [x] "r"(x), [c0] "r"(c[0]), [c1] "r"(c[1]), [c2] "r"(c[2]), [c3] "r"(c[3]), [t] "r"(t), \
-    [so] "i"(so)                                                                             \
-  : "memory"
+#define TA_F1(r) "vpmaddwd %[ones], %[a" #r "], %[w]\n\t" \
+                 "vpaddd %[w], %[s" #r "], %[s" #r "]\n\t"
+#define TA_FLUSH1 TA_F1(0) TA_F1(1) TA_F1(2) TA_F1(3)
+#define TA_OUT                                                                              \
+  : [a0] "=&x"(a0), [a1] "=&x"(a1), [a2] "=&x"(a2), [a3] "=&x"(a3), [xv] "=&x"(xv),        \
+    [w] "=&x"(w), [s0] "+x"(s[0]), [s1] "+x"(s[1]), [s2] "+x"(s[2]), [s3] "+x"(s[3])
+#define TA_IN : [x] "r"(x), [c0] "r"(c[0]), [c1] "r"(c[1]), [c2] "r"(c[2]), [c3] "r"(c[3])
+#define TA_OPERANDS TA_OUT TA_IN, [t] "r"(t), [so] "i"(so) : "memory"
+#define TA_OPERANDS1 TA_OUT TA_IN, [ones] "x"(ones) : "memory"
   template <int kGroups, int F, int so>
   static void pair_subscale4(const int8_t* x, const uint8_t* const* c, int64_t t, I* s) {
     B a0, a1, a2, a3, xv, w;
@@ -174,6 +177,21 @@ struct Ops {
     else
       static_assert(kGroups < 0, "no pair_subscale4 for this sub-scale and flush");
   }
+  // The same for one 32-value block of the unsigned 32-value types (group8_pairs4: Q4_0, Q4_1
+  // F = 8; Q5_0, Q5_1 F = 4), its 8 groups at c_r + 4 i and x + 32 i, the int16 pairs summed
+  // over F groups and widened by one vpmaddwd by pair16(1, 1) (ones) into s_r.
+  template <int F>
+  static void pair_block4(const int8_t* x, const uint8_t* const* c, I ones, I* s) {
+    B a0, a1, a2, a3, xv, w;
+    if constexpr (F == 8)
+      __asm__(TA_FIRST(0) TA_NEXT(1) TA_NEXT(2) TA_NEXT(3) TA_NEXT(4) TA_NEXT(5) TA_NEXT(6)
+                  TA_NEXT(7) TA_FLUSH1 TA_OPERANDS1);
+    else if constexpr (F == 4)
+      __asm__(TA_FIRST(0) TA_NEXT(1) TA_NEXT(2) TA_NEXT(3) TA_FLUSH1 TA_FIRST(4) TA_NEXT(5)
+                  TA_NEXT(6) TA_NEXT(7) TA_FLUSH1 TA_OPERANDS1);
+    else
+      static_assert(F < 0, "no pair_block4 for this flush");
+  }
 #undef TA_X
 #undef TA_G0
 #undef TA_GN
@@ -181,7 +199,12 @@ struct Ops {
 #undef TA_NEXT
 #undef TA_FL
 #undef TA_FLUSH
+#undef TA_F1
+#undef TA_FLUSH1
+#undef TA_OUT
+#undef TA_IN
 #undef TA_OPERANDS
+#undef TA_OPERANDS1
 #endif
   // The sub-scale operand of madd_acc: element e0 of the low half in the int16 pairs of lanes
   // 0-3, e1 of the high half in lanes 4-7 (picked once per row and chunk, shared by the tokens).
