@@ -756,9 +756,10 @@ struct WideLanes {
 // Ops::pair_subscale4 (asm: per row, maddubs' int16 pairs summed over kFlush groups, then one
 // vpmaddwd by pair16(sc, sc) into S), then the min (Q4_K / Q5_K) or offset (Q6_K) terms and the
 // float operations of groupk. The same integers in another order (exact), the same float
-// operations, so the same bits. Measured on Zen 3 (one thread, 4 rows x 6 super-blocks x 8
-// tokens in L1, tools: the bench/ kernel harness of the README): Q4_K 0.71 -> 1.05 maddubs a
-// cycle, Q5_K 0.74 -> 1.00, Q6_K 0.73 -> 0.78 (its flush every 2 groups is half its work).
+// operations, so the same bits. On Zen 3 (BM_Int8InnerAvx2, the call alone in L1, best of
+// five): Q4_K 0.84 -> 0.99 maddubs a cycle, Q6_K 0.68 -> 0.88 (its flush every 2 groups is half
+// its work); BM_Matmul's 512-token Q4_K 8960 x 1536 113 -> 77 ms (README, "The batched kernels
+// without VNNI in asm").
 template <uint32_t T, class L>
 inline void groupk_pairs4(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int lanes,
                           float* y, int64_t y_stride, const uint8_t* next, int64_t row_bytes) {

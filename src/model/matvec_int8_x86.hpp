@@ -139,8 +139,8 @@ struct Ops {
   // maddubs' int16 pairs summed per row over F groups, then one vpmaddwd by the row's
   // pair16(sc, sc) (at c_r + t + kDecKScales) added into s_r. Written out in asm because what
   // the compiler made of the same intrinsics ran at 0.5-0.9 maddubs a cycle on Zen 3 against
-  // 1.3 for this block in a loop (bench: BM_Matmul; README, "The batched K kernel without
-  // VNNI"): left to itself it reassociated the int16 chains into trees and spilled them, or,
+  // 1.3 for this block in a loop (BM_Int8InnerAvx2; README, "The batched kernels without VNNI
+  // in asm"): left to itself it reassociated the int16 chains into trees and spilled them, or,
   // unrolled over the super-block, its ~1000 instructions no longer ran from the op cache.
 #define TA_X(i) "vmovdqu 32*" #i "(%[x]), %[xv]\n\t"
 #define TA_G0(i, r) "vpbroadcastd 4*" #i "(%[c" #r "]), %[w]\n\t" \
