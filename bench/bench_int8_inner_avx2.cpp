@@ -19,16 +19,14 @@
 #pragma GCC diagnostic ignored "-Wunused-function"
 #include "model/matvec_int8_x86.hpp"
 #pragma GCC diagnostic pop
+#include "treeattn/kernel.hpp"
 
 namespace {
 
 using namespace treeattn::model::detail;
 using namespace treeattn::model::detail::int8_avx2_bench;
 
-bool have_avx2() {
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-}
+bool have_avx2() { return treeattn::isa_supported(treeattn::Isa::kAvx2); }
 
 // f16 2^-7 at byte offsets `at` of every block: finite, normal scales.
 void set_scales(std::vector<uint8_t>& w, int block_bytes, std::initializer_list<int> at) {
