@@ -752,6 +752,19 @@ struct WideLanes {
   static void vstore(float* p, V v) { O::wvstore(p, v); }
 };
 
+// The start of super-block k in groupk and groupk_pairs4: the RBn rows' decoded super-block
+// (db[r]), and while the first group pass runs (next != nullptr), the next pass's rows'
+// super-block k prefetched.
+template <uint32_t T, int RBn>
+inline void decoded_superblock(const uint8_t* dec, int64_t blocks, int64_t k, const uint8_t* next,
+                               int64_t row_bytes, const uint8_t** db) {
+  if (next != nullptr)
+    for (int r = 0; r < RBn; ++r)
+      for (int o = 0; o < CodeK<T>::kBytes; o += 64)
+        prefetch_w(next + r * row_bytes + k * CodeK<T>::kBytes + o);
+  for (int r = 0; r < RBn; ++r) db[r] = dec + (r * blocks + k) * kDecKBytes;
+}
+
 // groupk on 4 rows x 8 tokens without VNNI (AVX2: Ops::kPairAcc): the sub-scales in a loop of
 // Ops::pair_subscale4 (asm: per row, maddubs' int16 pairs summed over kFlush groups, then one
 // vpmaddwd by pair16(sc, sc) into S), then the min (Q4_K / Q5_K) or offset (Q6_K) terms and the
@@ -773,12 +786,8 @@ inline void groupk_pairs4(const uint8_t* dec, int64_t blocks, const ActBlockK8* 
   V acc[RBn], macc[RBn];
   for (int r = 0; r < RBn; ++r) acc[r] = macc[r] = L::zero();
   for (int64_t k = 0; k < blocks; ++k) {
-    if (next != nullptr)
-      for (int r = 0; r < RBn; ++r)
-        for (int o = 0; o < CK::kBytes; o += 64)
-          prefetch_w(next + r * row_bytes + k * CK::kBytes + o);
     const uint8_t* db[RBn];
-    for (int r = 0; r < RBn; ++r) db[r] = dec + (r * blocks + k) * kDecKBytes;
+    decoded_superblock<T, RBn>(dec, blocks, k, next, row_bytes, db);
     const ActBlockK8& xb = xt[k];
     I s[RBn], m[RBn];
     for (int r = 0; r < RBn; ++r) s[r] = m[r] = L::izero();
@@ -843,12 +852,8 @@ inline void groupk(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int
   for (int r = 0; r < RBn; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = macc[r][v] = L::zero();
   for (int64_t k = 0; k < blocks; ++k) {
-    if (next != nullptr)
-      for (int r = 0; r < RBn; ++r)
-        for (int o = 0; o < CK::kBytes; o += 64)
-          prefetch_w(next + r * row_bytes + k * CK::kBytes + o);
     const uint8_t* db[RBn];
-    for (int r = 0; r < RBn; ++r) db[r] = dec + (r * blocks + k) * kDecKBytes;
+    decoded_superblock<T, RBn>(dec, blocks, k, next, row_bytes, db);
     I s[RBn][NV], m[RBn][NV];
     for (int r = 0; r < RBn; ++r)
       for (int v = 0; v < NV; ++v) s[r][v] = m[r][v] = L::izero();
