@@ -268,7 +268,9 @@ inline void store_dec(uint8_t* p, const Dec& w) {
 // Ops::kPairAcc): per block one Ops::pair_block4 (asm: per row, maddubs' int16 pairs summed over
 // kFlush groups, then one vpmaddwd by ones into S, instead of maddubs, vpmaddwd and an add per
 // group), then group8's offset and float operations. The same integers (a pair sum is at most
-// 2 * 31 * 127, and kFlush of them fit in int16: Q4_0 / Q4_1 8, Q5_0 / Q5_1 4), so the same bits.
+// 2 * kMaxCode * 127, the activations being clamped to +-127 (quantize_block), and kFlush of them
+// fit in int16: Q4_0 / Q4_1 8, Q5_0 / Q5_1 4; even at -128 they would, 31744 at most), so the
+// same bits (Int8Matmul.CodesAtTheirLargestGiveTheOneTokenBits: every code at its largest).
 template <uint32_t T, class O = Ops>  // O: dependent, pair_block4 is on the kPairAcc target only
 inline void group8_pairs4(const uint8_t* dec, int64_t blocks, const ActBlock8* xt, int lanes,
                           float* y, int64_t y_stride) {
@@ -791,7 +793,7 @@ inline void groupk_pairs4(const uint8_t* dec, int64_t blocks, const ActBlockK8* 
     const ActBlockK8& xb = xt[k];
     I s[RBn], m[RBn];
     for (int r = 0; r < RBn; ++r) s[r] = m[r] = L::izero();
-    const int8_t* x = xb.q[0];
+    const auto* x = reinterpret_cast<const int8_t*>(xb.q);  // group g's 8 x 4 bytes at 32 g
     const uint8_t* c[RBn];
     for (int r = 0; r < RBn; ++r) c[r] = db[r];
     int64_t t = 0;  // c_r + t + kDecKScales: sub-scale j's pair16(sc, sc)
@@ -862,8 +864,9 @@ inline void groupk(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int
         // Without VNNI (AVX2): maddubs' int16 pair sums added in int16 over kFlush groups, then
         // one madd by the sub-scale in both halves of each pair (pair16(sc, sc)) into S: per
         // group one multiply instead of maddubs, madd by ones and, per sub-scale, vpmulld. The
-        // same integers: a pair sum is at most 2 * kMaxCode * 127, and kFlush of them fit in
-        // int16 (Q4_K 8, Q5_K 4, Q6_K 2). (4 rows x 8 tokens: groupk_pairs4.)
+        // same integers: a pair sum is at most 2 * kMaxCode * 127 (activations clamped to +-127
+        // by quantize_block), and kFlush of them fit in int16 (Q4_K 8, Q5_K 4, Q6_K 2; 32256 at
+        // most even at -128). (4 rows x 8 tokens: groupk_pairs4.)
         constexpr int kFlush = std::min(kGroups, 32767 / (2 * CK::kMaxCode * 127));
         static_assert(kFlush >= 1 && kGroups % kFlush == 0);
         int32_t sc2[RBn];  // pair16(sc, sc) on these targets (decode_k)
@@ -889,6 +892,8 @@ inline void groupk(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int
               }
         });
       } else {
+        // decode_k stores the sub-scales in the form of its target's branch (int32 here)
+        static_assert(L::kPairAcc == Ops::kPairAcc);
         I u[RBn][NV];
         for (int r = 0; r < RBn; ++r)
           for (int v = 0; v < NV; ++v) u[r][v] = L::izero();

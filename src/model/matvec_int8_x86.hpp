@@ -129,12 +129,8 @@ struct Ops {
   static B pairs(B w, B x) { return _mm256_maddubs_epi16(w, x); }
   static B bzero() { return _mm256_setzero_si256(); }
   static B add16(B a, B b) { return _mm256_add_epi16(a, b); }
-  // An empty asm that claims to change b: the value is materialised here, so the compiler
-  // cannot reassociate a chain of add16 into a tree that hoists every maddubs (groupk_pairs'
-  // other shapes).
-  static void keep(B& b) { __asm__("" : "+x"(b)); }
 #if TREEATTN_INT8_DOT == 0
-  // One sub-scale of groupk_pairs on 4 rows against 8 tokens (AVX2, no VNNI), kGroups 4-code
+  // One sub-scale of groupk_pairs4 on 4 rows against 8 tokens (AVX2, no VNNI), kGroups 4-code
   // groups: group i's codes of row r at c_r + 4 i (broadcast), the tokens' bytes at x + 32 i;
   // maddubs' int16 pairs summed per row over F groups, then one vpmaddwd by the row's
   // pair16(sc, sc) (at c_r + t + kDecKScales) added into s_r. Written out in asm because what

@@ -410,6 +410,61 @@ TEST(Int8Matmul, BitsDoNotDependOnBatchingThreadsRowsOrTheOtherMatrices) {
     }
 }
 
+// Every code at its largest (Q8_0: -128, the largest |code|) against activations all +-127
+// (each token's x is +-1 everywhere, so every block quantizes to q = +-127): the batched paths
+// sum maddubs' int16 pairs over kFlush groups (AVX2: matvec_int8_impl.hpp's groupk_pairs4 and
+// group8_pairs4), and here those sums reach their bound (Q4_K 8 x 2 x 15 x 127 = 30480, Q6_K 2 x
+// 2 x 63 x 127 = 32004), so a flush one group late would overflow. Random scales and mins; the
+// batched call's bits must be each token's one-token call's, on every target.
+TEST(Int8Matmul, CodesAtTheirLargestGiveTheOneTokenBits) {
+  std::mt19937_64 rng(31);
+  for (const uint32_t type : int8_types()) {
+    SCOPED_TRACE(gguf::tensor_type_name(type));
+    const int64_t rows = 13, cols = 512, tokens = 19;  // 4-row blocks and a 1-row rest
+    std::vector<uint8_t> store;
+    const WeightMatrix m = make_matrix(type, rows, cols, store, rng);
+    // The code bytes of a block: [begin, end) ranges and the byte that sets every code there
+    // to its largest (ggml's layouts; the scale fields keep make_matrix's values).
+    std::vector<std::pair<int, int>> codes;
+    uint8_t v = 0xff;
+    switch (static_cast<TensorType>(type)) {
+      case TensorType::kQ8_0: codes = {{2, 34}}; v = 0x80; break;
+      case TensorType::kQ4_0: codes = {{2, 18}}; break;
+      case TensorType::kQ4_1: codes = {{4, 20}}; break;
+      case TensorType::kQ5_0: codes = {{2, 22}}; break;
+      case TensorType::kQ5_1: codes = {{4, 24}}; break;
+      case TensorType::kQ4_K: codes = {{16, 144}}; break;
+      case TensorType::kQ5_K: codes = {{16, 176}}; break;
+      case TensorType::kQ6_K: codes = {{0, 192}}; break;
+      default: FAIL() << "no code layout";
+    }
+    const int64_t block_bytes = static_cast<int64_t>(gguf::block_layout(type).block_bytes);
+    for (int64_t b = 0; b < static_cast<int64_t>(store.size()); b += block_bytes)
+      for (const auto& [lo, hi] : codes)
+        std::memset(store.data() + b + lo, v, static_cast<std::size_t>(hi - lo));
+    std::vector<float> x(static_cast<std::size_t>(tokens * cols));
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t c = 0; c < cols; ++c)
+        x[static_cast<std::size_t>(t * cols + c)] = t % 3 == 1 ? -1.0f : 1.0f;
+    for (const Target& tg : targets_here()) {
+      SCOPED_TRACE(target_name(tg));
+      std::vector<float> all(static_cast<std::size_t>(tokens * rows));
+      const WeightMatrix* mats[] = {&m};
+      float* ys[] = {all.data()};
+      ASSERT_TRUE(model::matmul(mats, x.data(), tokens, cols, ys, int8_options(1, tg)).is_ok());
+      for (int64_t t = 0; t < tokens; ++t) {
+        std::vector<float> one(static_cast<std::size_t>(rows));
+        float* ys1[] = {one.data()};
+        ASSERT_TRUE(
+            model::matmul(mats, x.data() + t * cols, 1, cols, ys1, int8_options(1, tg)).is_ok());
+        ASSERT_EQ(0, std::memcmp(one.data(), all.data() + t * rows, one.size() * 4))
+            << "token " << t;
+        for (const float y : one) ASSERT_TRUE(std::isfinite(y)) << "token " << t;
+      }
+    }
+  }
+}
+
 // The rows8 copy (Q4_K, Q6_K, Q8_0, Q5_0: 8 rows interleaved, read by calls of up to
 // kRows8MaxTokens = 8 tokens) gives the row layout's bits on every target, thread count, row
 // count (whole groups, a tail of rows % 8 read from the rows) and token count (passes of 4 tokens
