@@ -551,6 +551,11 @@ inline int32_t pair16(int v0, int v1) {
   return static_cast<int32_t>((static_cast<uint32_t>(v1) << 16) |
                               (static_cast<uint32_t>(v0) & 0xffffu));
 }
+// Sub-scale j of a DecK in the form its target's groupk multiplies by: int32, or on the targets
+// without VNNI (Ops::kPairAcc: int16 pair sums times one vpmaddwd) pair16(sc, sc).
+inline void put_sub_scale(uint8_t* o, int j, int sc) {
+  put32(o + kDecKScales + 4 * j, Ops::kPairAcc ? pair16(sc, sc) : sc);
+}
 
 template <bool kFive>
 struct CodeK45 {
@@ -594,7 +599,7 @@ struct CodeK45 {
     for (int j = 0; j < 8; ++j) {
       const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
       mn[j] = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-      put32(o + kDecKScales + 4 * j, sc);
+      put_sub_scale(o, j, sc);
     }
     for (int j = 0; j < 4; ++j) put32(o + kDecKPairs + 4 * j, pair16(mn[2 * j], mn[2 * j + 1]));
   }
@@ -641,7 +646,7 @@ struct CodeK<kTypeQ6_K> {
   static int msum(const Row&, const int16_t*) { return 0; }
   static void dec_scales(const uint8_t* b, uint8_t* o) {
     const auto* s = reinterpret_cast<const int8_t*>(b + 192);
-    for (int j = 0; j < 16; ++j) put32(o + kDecKScales + 4 * j, s[j]);
+    for (int j = 0; j < 16; ++j) put_sub_scale(o, j, s[j]);
     for (int j = 0; j < 8; ++j)
       put32(o + kDecKPairs + 4 * j, pair16(-32 * s[2 * j], -32 * s[2 * j + 1]));
   }
@@ -961,12 +966,6 @@ inline void decode_k(const uint8_t* b, uint8_t* o) {
     Ops::store(o + 32 * kG, CK::template codes<kG>(b));
   });
   CK::dec_scales(b, o);
-  if constexpr (Ops::kPairAcc)  // groupk multiplies int16 pairs by pair16(sc, sc)
-    for (int j = 0; j < 256 / CK::kSub; ++j) {
-      int32_t sc;
-      std::memcpy(&sc, o + kDecKScales + 4 * j, 4);
-      put32(o + kDecKScales + 4 * j, pair16(sc, sc));
-    }
   const float d = CK::d(b), nd = -CK::dmin(b);
   std::memcpy(o + kDecKD, &d, 4);
   std::memcpy(o + kDecKD + 4, &nd, 4);
