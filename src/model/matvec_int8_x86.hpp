@@ -134,10 +134,11 @@ struct Ops {
   // groups: group i's codes of row r at c_r + 4 i (broadcast), the tokens' bytes at x + 32 i;
   // maddubs' int16 pairs summed per row over F groups, then one vpmaddwd by the row's
   // pair16(sc, sc) (at c_r + t + kDecKScales) added into s_r. Written out in asm because what
-  // the compiler made of the same intrinsics ran at 0.5-0.9 maddubs a cycle on Zen 3 against
-  // 1.3 for this block in a loop (BM_Int8InnerAvx2; README, "The batched kernels without VNNI
-  // in asm"): left to itself it reassociated the int16 chains into trees and spilled them, or,
-  // unrolled over the super-block, its ~1000 instructions no longer ran from the op cache.
+  // the compiler made of the same intrinsics was far slower on Zen 3: with the sub-scale loop at
+  // run time it reassociated the int16 chains into trees and spilled them; unrolled over the
+  // super-block, its ~1000 instructions ran slower than the same code in a short loop. With this
+  // block BM_Int8InnerAvx2's Q4_K call went from 0.84 to 0.99 maddubs a cycle (best of five;
+  // BM_Int8DotPeak: 1.32; README, "The batched kernels without VNNI in asm").
 #define TA_X(i) "vmovdqu 32*" #i "(%[x]), %[xv]\n\t"
 #define TA_G0(i, r) "vpbroadcastd 4*" #i "(%[c" #r "]), %[w]\n\t" \
                     "vpmaddubsw %[xv], %[w], %[a" #r "]\n\t"
