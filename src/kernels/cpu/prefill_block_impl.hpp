@@ -33,13 +33,13 @@ constexpr int kBlockRows = kMaxScoreRows;  // rows per fused tile: 6 (AVX2, gene
 // vectors and one broadcast weight. AVX-512: 4 x 4, so the 8-row tile is two equal value
 // tiles; with 6 x 4 its last 2 rows ran alone at 8 FMAs per 4 value loads (Zen 4, SmolLM2's
 // shape, treeattn_prefill_bench --tokens 4096 --threads 1 --only block: best 315-324 ms with
-// 6 x 4, 282-299 with 4 x 4, alternating builds). 8-float targets: 6 x 2 (12 + 2 + 1 = 15
-// registers), the whole 6-row tile in one value tile. 4 x 3 loads fewer broadcasts (one per 3
-// FMAs, not 2) but left rows 5-6 as a 2 x 3 tile whose 6 FMA chains cannot cover the FMA
-// latency (4 cycles x 2 pipes = 8 chains), and whose compiled loop reloaded V per row (AVX2
-// Zen 3 at 2.45 GHz, the same command, builds alternating, 3 x 3 rounds: best 336-358 ms with
-// 4 x 3, 316-329 ms with 6 x 2).
-constexpr int kBlockValueRows = Ops::W >= 16 ? 4 : 6;
+// 6 x 4, 282-299 with 4 x 4, alternating builds). 8-float targets: the whole 6-row tile as one
+// value tile of 6 x 2 (12 + 2 + 1 = 15 registers). 4 x 3 loads fewer broadcasts (one per 3 FMAs,
+// not 2) but left rows 5-6 as a 2 x 3 tile whose 6 FMA chains cannot cover the FMA latency (4
+// cycles x 2 pipes = 8 chains), and whose compiled loop reloaded V in every FMA (AVX2 Zen 3 at
+// 2.45 GHz, treeattn_prefill_bench --tokens 4096 --chunk 256 --threads 1 --rounds 3 --only
+// block, builds alternating 3 times: best 336-358 ms with 4 x 3, 316-329 ms with 6 x 2).
+constexpr int kBlockValueRows = Ops::W >= 16 ? 4 : kBlockRows;
 constexpr int kBlockValueVecs = Ops::W >= 16 ? 4 : 2;
 
 // Scores of RS rows (q, row stride D) with the 2W tokens of one unit: vector j reads the
