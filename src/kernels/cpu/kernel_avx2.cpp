@@ -19,6 +19,12 @@ struct Ops {
   static V zero() { return _mm256_setzero_ps(); }
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V loadu(const float* p) { return _mm256_loadu_ps(p); }
+  // An empty asm that takes v in a ymm register and may change it: the compiler must keep the
+  // value there and can no longer fold its load into each FMA that uses it (score_tile).
+  static V in_register(V v) {
+    asm("" : "+x"(v));
+    return v;
+  }
   static void storeu(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V load_f32(const float* p) { return _mm256_loadu_ps(p); }
   static V load_f16(const uint16_t* p) {

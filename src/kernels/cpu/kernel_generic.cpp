@@ -14,6 +14,7 @@ struct Ops {
   struct V {
     float v[W];
   };
+  static V in_register(V v) { return v; }  // no intrinsics: left to the compiler
   static V zero() { return set1(0.0f); }
   static V set1(float x) {
     V r;
