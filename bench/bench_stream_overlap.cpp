@@ -1,0 +1,45 @@
+// BM_StreamOverlap (part of treeattn_microbench): how much arithmetic one thread of this CPU hides
+// under a sequential read from DRAM. A loop reads a buffer once with 0, 8, 16 or 32 FMAs per
+// 64-byte line (8 independent chains, AVX2), with no software prefetch (the hardware prefetchers
+// only) or a prefetcht0 2 KiB ahead (the decode kernel's default distance), from a 512 MiB buffer
+// (DRAM) and from a 256 KiB one (L2: the arithmetic's own time). Where the
+// DRAM rate equals the lower of the FMA-free DRAM rate and the L2 rate, compute and memory
+// overlap fully; where it is their harmonic sum, they do not overlap at all. The decode kernel's
+// question (README, AVX2 decode): it does about 8 FMAs per line of f32 K/V and 16 per line of
+// bf16, with more instructions between them than this loop.
+//   build/<dir>/bench/treeattn_microbench --benchmark_filter=StreamOverlap
+#include <benchmark/benchmark.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+
+#include "stream_overlap_avx2.hpp"
+#include "treeattn/kernel.hpp"
+
+namespace {
+
+using namespace treeattn;
+
+// args: FMAs per line, prefetch distance in bytes, buffer bytes
+void BM_StreamOverlap(benchmark::State& st) {
+  if (!isa_supported(Isa::kAvx2)) {
+    st.SkipWithError("CPU lacks AVX2");
+    return;
+  }
+  const int fmas = static_cast<int>(st.range(0));
+  const int64_t pf = st.range(1);
+  const int64_t n = st.range(2) / 4;
+  const auto len = static_cast<std::size_t>(n + pf / 4);  // the prefetches' reach past the end
+  std::unique_ptr<float[]> buf(new float[len]);
+  for (std::size_t i = 0; i < len; ++i) buf[i] = 1e-9f * static_cast<float>(i & 1023);
+  for (auto _ : st) benchmark::DoNotOptimize(bench::stream_with_fmas(buf.get(), n, fmas, pf));
+  st.SetBytesProcessed(st.iterations() * n * 4);
+}
+
+BENCHMARK(BM_StreamOverlap)
+    ->ArgsProduct({{0, 8, 16, 32}, {0, 2048}, {int64_t{256} << 10, int64_t{512} << 20}})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+
+}  // namespace
