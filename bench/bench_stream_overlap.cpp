@@ -2,16 +2,15 @@
 // under a sequential read from DRAM. A loop reads a buffer once with 0, 8, 16 or 32 FMAs per
 // 64-byte line (8 independent chains, AVX2), with no software prefetch (the hardware prefetchers
 // only) or a prefetcht0 2 KiB ahead (the decode kernel's default distance), from a 512 MiB buffer
-// (DRAM) and from a 256 KiB one (L2: the arithmetic's own time). Where the
-// DRAM rate equals the lower of the FMA-free DRAM rate and the L2 rate, compute and memory
-// overlap fully; where it is their harmonic sum, they do not overlap at all. The decode kernel's
-// question (README, AVX2 decode): it does about 8 FMAs per line of f32 K/V and 16 per line of
-// bf16, with more instructions between them than this loop.
+// (DRAM) and from a 256 KiB one (L2: the arithmetic's own time). Where the DRAM rate equals the
+// lower of the FMA-free DRAM rate and the L2 rate, compute and memory overlap fully; where it is
+// their harmonic sum, they do not overlap at all. The decode kernel's question (README, AVX2
+// decode): it does about 8 FMAs per line of f32 K/V and 16 per line of bf16, with more
+// instructions between them than this loop.
 //   build/<dir>/bench/treeattn_microbench --benchmark_filter=StreamOverlap
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <memory>
 
 #include "stream_overlap_avx2.hpp"
