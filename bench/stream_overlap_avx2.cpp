@@ -3,6 +3,9 @@
 
 #include <immintrin.h>
 
+#include <cstdio>
+#include <cstdlib>
+
 namespace treeattn::bench {
 namespace {
 
@@ -38,8 +41,10 @@ float stream_with_fmas(const float* p, int64_t n, int fmas, int64_t prefetch_byt
     case 0: return stream_impl<0>(p, n, prefetch_bytes);
     case 8: return stream_impl<1>(p, n, prefetch_bytes);
     case 16: return stream_impl<2>(p, n, prefetch_bytes);
-    default: return stream_impl<4>(p, n, prefetch_bytes);
+    case 32: return stream_impl<4>(p, n, prefetch_bytes);
   }
+  std::fprintf(stderr, "stream_with_fmas: %d FMAs a line; 0, 8, 16 or 32\n", fmas);
+  std::abort();
 }
 
 }  // namespace treeattn::bench

@@ -71,12 +71,15 @@ inline void score_tile(const float* q, const void* const* kp, float* s) {
   for (int d = 0; d < D; d += Ops::W) {
     V qv[RR];
     // 16-bit K: q held in registers (4 q loads per 8 FMAs, not 8 folded into them); other dtypes:
-    // the compiler's folded loads. AVX2 Zen 3, treeattn_roofline --seq 262144 --threads 1 --layouts
-    // rows, builds alternating 3 times: pinned, bf16 98-103 -> 88-93 ms and f16 94-96 -> 83-88 ms,
-    // but f32 141-145 -> 150-169 ms (faster in L3, slower from DRAM), fp8 and int8 unchanged.
+    // the compiler's folded loads. AVX2 Zen 3, builds alternating 3 times, treeattn_roofline
+    // --dtype f32,bf16,f16 --threads 1,2 --seq 262144 --repeats 5 --no-peer --no-check --layouts
+    // rows, 1 thread, pinned: bf16 98-103 -> 88-93 ms, f16 94-96 -> 83-88 ms, but f32 141-145 ->
+    // 150-169 ms (faster in L3, slower from DRAM); --dtype fp8,int8 --threads 1: unchanged.
     constexpr bool kPinQ = DT == DType::kF16 || DT == DType::kBF16;
-    for (int r = 0; r < RR; ++r)
-      qv[r] = kPinQ ? Ops::in_register(Ops::loadu(q + r * D + d)) : Ops::loadu(q + r * D + d);
+    for (int r = 0; r < RR; ++r) {
+      const V v = Ops::loadu(q + r * D + d);
+      qv[r] = kPinQ ? Ops::in_register(v) : v;
+    }
     for (int t = 0; t < TT; ++t) {
       const V kv = load_elems<DT>(kp[t], d);
       for (int r = 0; r < RR; ++r) acc[t * RR + r] = Ops::fma(qv[r], kv, acc[t * RR + r]);
