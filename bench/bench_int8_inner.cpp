@@ -1,6 +1,7 @@
 // BM_Int8InnerAvx2 (part of treeattn_microbench): the AVX2 target's batched integer kernels
-// alone, one call of 4 rows against 8 tokens with every operand in L1, so the figure is the
-// core's, not the memory's. groupk (the K types: Q4_K, Q5_K, Q6_K, 6 super-blocks = 1536
+// alone, one call of 4 rows against 8 tokens (the K types also against 16, "/16tokens": the
+// matmul's pass of two groups) with every operand in L1, so the figure is the core's, not the
+// memory's. groupk (the K types: Q4_K, Q5_K, Q6_K, 6 super-blocks = 1536
 // columns) and group8 (the 32-value types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, 20 blocks = 640 columns)
 // on rows decoded as the matmul decodes them (int8_inner_avx2.cpp, built with the target's
 // flags). Counter maddubs: vpmaddubsw-equivalents (32 products each) a second; over the core's
@@ -27,7 +28,7 @@ int8_t code(std::mt19937_64& rng) {
   return static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
 }
 
-void BM_Int8InnerAvx2(benchmark::State& st, uint32_t type) {
+void BM_Int8InnerAvx2(benchmark::State& st, uint32_t type, int groups) {
   if (!isa_supported(Isa::kAvx2)) {
     st.SkipWithError("CPU lacks AVX2");
     return;
@@ -56,7 +57,7 @@ void BM_Int8InnerAvx2(benchmark::State& st, uint32_t type) {
     st.SkipWithError("not a batched integer type");
     return;
   }
-  std::vector<ActBlockK8> xk(k ? static_cast<std::size_t>(blocks) : 0);
+  std::vector<ActBlockK8> xk(k ? static_cast<std::size_t>(groups * blocks) : 0);
   std::vector<ActBlock8> x8(k ? 0 : static_cast<std::size_t>(blocks));
   for (auto& x : xk) {
     for (auto& q : x.q)
@@ -80,15 +81,16 @@ void BM_Int8InnerAvx2(benchmark::State& st, uint32_t type) {
     }
   }
   const void* xt = k ? static_cast<const void*>(xk.data()) : static_cast<const void*>(x8.data());
-  float y[32];
+  float y[64];
   for (auto _ : st) {
-    bench::int8_inner_run(type, dec.data(), blocks, xt, y);
+    bench::int8_inner_run(type, dec.data(), blocks, xt, y, groups);
     benchmark::DoNotOptimize(y);
     benchmark::ClobberMemory();
   }
   // vpmaddubsw-equivalents a call: 64 groups x 4 rows a super-block, 8 x 4 a 32-value block
   st.counters["maddubs"] = benchmark::Counter(
-      static_cast<double>(blocks * (k ? 64 : 8) * 4) * static_cast<double>(st.iterations()),
+      static_cast<double>(blocks * (k ? 64 : 8) * 4 * groups) *
+          static_cast<double>(st.iterations()),
       benchmark::Counter::kIsRate);
   st.SetLabel(gguf::tensor_type_name(type));
 }
@@ -100,7 +102,11 @@ void register_all() {
         gguf::TensorType::kQ5_1, gguf::TensorType::kQ8_0}) {
     const auto type = static_cast<uint32_t>(t);
     benchmark::RegisterBenchmark(("BM_Int8InnerAvx2/" + gguf::tensor_type_name(type)).c_str(),
-                                 BM_Int8InnerAvx2, type);
+                                 BM_Int8InnerAvx2, type, 1);
+    if (gguf::block_layout(type).block_elems == 256)  // the K types' pass of two groups
+      benchmark::RegisterBenchmark(
+          ("BM_Int8InnerAvx2/" + gguf::tensor_type_name(type) + "/16tokens").c_str(),
+          BM_Int8InnerAvx2, type, 2);
   }
 }
 const bool registered = (register_all(), true);

@@ -10,6 +10,8 @@
 
 #include "int8_inner_avx2.hpp"
 
+#include <cstdlib>
+
 namespace treeattn::bench {
 
 using namespace treeattn::model::detail;
@@ -56,9 +58,18 @@ bool int8_inner_decode(uint32_t type, const uint8_t* rows, int64_t blocks, uint8
   }
 }
 
-void int8_inner_run(uint32_t type, const uint8_t* dec, int64_t blocks, const void* xt, float* y) {
+void int8_inner_run(uint32_t type, const uint8_t* dec, int64_t blocks, const void* xt, float* y,
+                    int groups) {
   const auto* xk = static_cast<const ActBlockK8*>(xt);
   const auto* x8 = static_cast<const ActBlock8*>(xt);
+  if (groups == 2) {
+    switch (type) {
+      case kTypeQ4_K: groupk<kTypeQ4_K, 4, 2, NarrowLanes>(dec, blocks, xk, 8, y, 4, nullptr, 0); return;
+      case kTypeQ5_K: groupk<kTypeQ5_K, 4, 2, NarrowLanes>(dec, blocks, xk, 8, y, 4, nullptr, 0); return;
+      case kTypeQ6_K: groupk<kTypeQ6_K, 4, 2, NarrowLanes>(dec, blocks, xk, 8, y, 4, nullptr, 0); return;
+      default: std::abort();  // the 32-value types run one group a pass
+    }
+  }
   switch (type) {
     case kTypeQ4_K: groupk<kTypeQ4_K, 4, 1, NarrowLanes>(dec, blocks, xk, 8, y, 4, nullptr, 0); break;
     case kTypeQ5_K: groupk<kTypeQ5_K, 4, 1, NarrowLanes>(dec, blocks, xk, 8, y, 4, nullptr, 0); break;

@@ -780,9 +780,10 @@ inline void decoded_superblock(const uint8_t* dec, int64_t blocks, int64_t k, co
 // five): Q4_K 0.84 -> 0.99 maddubs a cycle, Q6_K 0.68 -> 0.88 (its flush every 2 groups is half
 // its work); BM_Matmul's 512-token Q4_K 8960 x 1536 113 -> 77 ms (README, "The batched kernels
 // without VNNI in asm").
-template <uint32_t T, class L>
+template <uint32_t T, class L, int NV>
 inline void groupk_pairs4(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int lanes,
                           float* y, int64_t y_stride, const uint8_t* next, int64_t row_bytes) {
+  static_assert(NV == 1 || NV == 2);
   using CK = CodeK<T>;
   using V = typename L::V;
   using I = typename L::I;
@@ -790,47 +791,69 @@ inline void groupk_pairs4(const uint8_t* dec, int64_t blocks, const ActBlockK8* 
   constexpr int kGroups = CK::kSub / 4;  // 4-code groups per sub-scale
   constexpr int kFlush = std::min(kGroups, 32767 / (2 * CK::kMaxCode * 127));
   static_assert(kFlush >= 1 && kGroups % kFlush == 0);
-  V acc[RBn], macc[RBn];
-  for (int r = 0; r < RBn; ++r) acc[r] = macc[r] = L::zero();
+  V acc[RBn][NV], macc[RBn][NV];
+  for (int r = 0; r < RBn; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = macc[r][v] = L::zero();
+  const int64_t xs = blocks * static_cast<int64_t>(sizeof(ActBlockK8));  // vector 1's offset
   for (int64_t k = 0; k < blocks; ++k) {
     const uint8_t* db[RBn];
     decoded_superblock<T, RBn>(dec, blocks, k, next, row_bytes, db);
-    const ActBlockK8& xb = xt[k];
-    I s[RBn], m[RBn];
-    for (int r = 0; r < RBn; ++r) s[r] = m[r] = L::izero();
-    const auto* x = reinterpret_cast<const int8_t*>(xb.q);  // group g's 8 x 4 bytes at 32 g
+    I s[RBn][NV], m[RBn][NV];
+    const auto* x = reinterpret_cast<const int8_t*>(xt[k].q);  // group g's 8 x 4 bytes at 32 g
     const uint8_t* c[RBn];
     for (int r = 0; r < RBn; ++r) c[r] = db[r];
     int64_t t = 0;  // c_r + t + kDecKScales: sub-scale j's pair16(sc, sc)
+    for (int r = 0; r < RBn; ++r) s[r][0] = L::izero();  // NV == 1: S in registers
+    alignas(32) int32_t sm[RBn][NV][8];  // NV == 2: S in memory, set by sub-scale 0
     for (int j = 0; j < 256 / CK::kSub; ++j) {
-      L::Ops::template pair_subscale4<kGroups, kFlush, kDecKScales>(x, c, t, s);
+      if constexpr (NV == 1)
+        L::Ops::template pair_subscale4<kGroups, kFlush, kDecKScales>(x, c, t, &s[0][0]);
+      else if (j == 0)
+        L::Ops::template pair_subscale4x2<kGroups, kFlush, kDecKScales, true>(x, xs, c, t,
+                                                                             &sm[0][0][0]);
+      else
+        L::Ops::template pair_subscale4x2<kGroups, kFlush, kDecKScales, false>(x, xs, c, t,
+                                                                              &sm[0][0][0]);
       x += 32 * kGroups;
       for (int r = 0; r < RBn; ++r) c[r] += 4 * kGroups;
       t += 4 - 4 * kGroups;
     }
+    for (int r = 0; r < RBn; ++r)
+      for (int v = 0; v < NV; ++v) {
+        if constexpr (NV == 2) s[r][v] = L::Ops::load(sm[r][v]);
+        m[r][v] = L::izero();
+      }
     for (int jp = 0; jp < 128 / CK::kSub; ++jp)
       for (int r = 0; r < RBn; ++r) {
         int32_t pr;
         std::memcpy(&pr, db[r] + kDecKPairs + 4 * jp, 4);
-        if constexpr (CK::kMin)
-          m[r] = L::madd_pairs(m[r], L::Ops::load(xb.s32[jp]), pr);
-        else
-          s[r] = L::madd_pairs(s[r], L::Ops::load(xb.s16[jp]), pr);
+        for (int v = 0; v < NV; ++v) {
+          const ActBlockK8& xb = xt[v * blocks + k];
+          if constexpr (CK::kMin)
+            m[r][v] = L::madd_pairs(m[r][v], L::Ops::load(xb.s32[jp]), pr);
+          else
+            s[r][v] = L::madd_pairs(s[r][v], L::Ops::load(xb.s16[jp]), pr);
+        }
       }
-    const V d = L::Ops::vload(xb.d);
-    for (int r = 0; r < RBn; ++r) {
-      float wd, wn;
-      std::memcpy(&wd, db[r] + kDecKD, 4);
-      std::memcpy(&wn, db[r] + kDecKD + 4, 4);
-      acc[r] = L::fma(L::mul(L::set1(wd), d), L::cvt(s[r]), acc[r]);
-      if constexpr (CK::kMin) macc[r] = L::fma(L::mul(L::set1(wn), d), L::cvt(m[r]), macc[r]);
+    for (int v = 0; v < NV; ++v) {
+      const V d = L::Ops::vload(xt[v * blocks + k].d);
+      for (int r = 0; r < RBn; ++r) {
+        float wd, wn;
+        std::memcpy(&wd, db[r] + kDecKD, 4);
+        std::memcpy(&wn, db[r] + kDecKD + 4, 4);
+        acc[r][v] = L::fma(L::mul(L::set1(wd), d), L::cvt(s[r][v]), acc[r][v]);
+        if constexpr (CK::kMin)
+          macc[r][v] = L::fma(L::mul(L::set1(wn), d), L::cvt(m[r][v]), macc[r][v]);
+      }
     }
   }
-  for (int r = 0; r < RBn; ++r) {
-    float out[L::kTokens];
-    L::vstore(out, CK::kMin ? L::vadd(acc[r], macc[r]) : acc[r]);
-    for (int t = 0; t < lanes; ++t) y[t * y_stride + r] = out[t];
-  }
+  for (int v = 0; v < NV; ++v)
+    for (int r = 0; r < RBn; ++r) {
+      float out[L::kTokens];
+      L::vstore(out, CK::kMin ? L::vadd(acc[r][v], macc[r][v]) : acc[r][v]);
+      for (int t = 0; t < (v == NV - 1 ? lanes : L::kTokens); ++t)
+        y[(L::kTokens * v + t) * y_stride + r] = out[t];
+    }
 }
 
 // A super-block's RBn rows of decoded codes (DecK, at dec + (r * blocks + k) * kDecKBytes)
@@ -847,8 +870,8 @@ inline void groupk_pairs4(const uint8_t* dec, int64_t blocks, const ActBlockK8* 
 template <uint32_t T, int RBn, int NV, class L>
 inline void groupk(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int lanes,
                    float* y, int64_t y_stride, const uint8_t* next, int64_t row_bytes) {
-  if constexpr (L::kPairAcc && RBn == 4 && NV == 1) {
-    groupk_pairs4<T, L>(dec, blocks, xt, lanes, y, y_stride, next, row_bytes);
+  if constexpr (L::kPairAcc && RBn == 4 && NV <= 2) {
+    groupk_pairs4<T, L, NV>(dec, blocks, xt, lanes, y, y_stride, next, row_bytes);
     return;
   }
   using CK = CodeK<T>;
@@ -1018,6 +1041,12 @@ inline void rows_block_k(const RowsArgs& a, int64_t r0) {
       g += 2;
     }
   }
+  if constexpr (Ops::kPairAcc && RBn == 4)  // two groups a pass (groupk_pairs4)
+    for (; g + 2 <= groups; g += 2)
+      groupk<T, RBn, 2, NarrowLanes>(
+          dec, blocks, a.xtk + g * blocks,
+          static_cast<int>(std::min<int64_t>(8, a.tokens - 8 * (g + 1))),
+          a.y + g * 8 * a.y_stride + r0, a.y_stride, g == 0 ? next : nullptr, a.row_bytes);
   for (; g + Ops::NG <= groups; g += Ops::NG)
     groupk<T, RBn, Ops::NG, NarrowLanes>(
         dec, blocks, a.xtk + g * blocks,
