@@ -1,8 +1,8 @@
 // BM_Int8InnerAvx2 (part of treeattn_microbench): the AVX2 target's batched integer kernels
 // alone, one call of 4 rows against 8 tokens (the K types also against 16, "/16tokens": the
 // matmul's pass of two groups) with every operand in L1, so the figure is the core's, not the
-// memory's. groupk (the K types: Q4_K, Q5_K, Q6_K, 6 super-blocks = 1536
-// columns) and group8 (the 32-value types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, 20 blocks = 640 columns)
+// memory's. groupk (the K types: Q4_K, Q5_K, Q6_K, 6 super-blocks = 1536 columns, 3 against
+// 16 tokens) and group8 (the 32-value types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, 20 blocks = 640 columns)
 // on rows decoded as the matmul decodes them (int8_inner_avx2.cpp, built with the target's
 // flags). Counter maddubs: vpmaddubsw-equivalents (32 products each) a second; over the core's
 // clock, a cycle (the README's figures: 3.2 GHz).
@@ -35,7 +35,9 @@ void BM_Int8InnerAvx2(benchmark::State& st, uint32_t type, int groups) {
   }
   const gguf::BlockLayout bl = gguf::block_layout(type);
   const bool k = bl.block_elems == 256;
-  const int64_t blocks = k ? 6 : 20;
+  // K types: 6 super-blocks against 8 tokens, 3 against 16, so the tokens' 15 KiB and the rows
+  // stay in L1 either way
+  const int64_t blocks = k ? 6 / groups : 20;
   std::mt19937_64 rng(1);
   std::vector<uint8_t> w(static_cast<std::size_t>(4 * blocks) * bl.block_bytes);
   for (auto& b : w) b = static_cast<uint8_t>(rng());
