@@ -772,14 +772,15 @@ inline void decoded_superblock(const uint8_t* dec, int64_t blocks, int64_t k, co
   for (int r = 0; r < RBn; ++r) db[r] = dec + (r * blocks + k) * kDecKBytes;
 }
 
-// groupk on 4 rows x 8 tokens without VNNI (AVX2: Ops::kPairAcc): the sub-scales in a loop of
-// Ops::pair_subscale4 (asm: per row, maddubs' int16 pairs summed over kFlush groups, then one
-// vpmaddwd by pair16(sc, sc) into S), then the min (Q4_K / Q5_K) or offset (Q6_K) terms and the
-// float operations of groupk. The same integers in another order (exact), the same float
-// operations, so the same bits. On Zen 3 (BM_Int8InnerAvx2, the call alone in L1, best of
-// five): Q4_K 0.84 -> 0.99 maddubs a cycle, Q6_K 0.68 -> 0.88 (its flush every 2 groups is half
-// its work); BM_Matmul's 512-token Q4_K 8960 x 1536 113 -> 77 ms (README, "The batched kernels
-// without VNNI in asm").
+// groupk on 4 rows x 8 tokens (NV = 1) or 16 tokens (NV = 2, two groups a pass) without VNNI
+// (AVX2: Ops::kPairAcc): the sub-scales in a loop of Ops::pair_subscale4 / pair_subscale4x2
+// (asm: per row, maddubs' int16 pairs summed over kFlush groups, then one vpmaddwd by
+// pair16(sc, sc) into S), then the min (Q4_K / Q5_K) or offset (Q6_K) terms and the float
+// operations of groupk. The same integers in another order (exact), the same float operations,
+// so the same bits. On Zen 3 (BM_Int8InnerAvx2, the call alone in L1, best of five): Q4_K 0.84
+// -> 0.99 maddubs a cycle, Q6_K 0.68 -> 0.88 (its flush every 2 groups is half its work);
+// BM_Matmul's 512-token Q4_K 8960 x 1536 113 -> 77 ms (README, "The batched kernels without
+// VNNI in asm"); two groups a pass, ~10% less again (README, "Two groups a pass").
 template <uint32_t T, class L, int NV>
 inline void groupk_pairs4(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int lanes,
                           float* y, int64_t y_stride, const uint8_t* next, int64_t row_bytes) {
@@ -803,24 +804,25 @@ inline void groupk_pairs4(const uint8_t* dec, int64_t blocks, const ActBlockK8* 
     const uint8_t* c[RBn];
     for (int r = 0; r < RBn; ++r) c[r] = db[r];
     int64_t t = 0;  // c_r + t + kDecKScales: sub-scale j's pair16(sc, sc)
-    for (int r = 0; r < RBn; ++r) s[r][0] = L::izero();  // NV == 1: S in registers
-    alignas(32) int32_t sm[RBn][NV][8];  // NV == 2: S in memory, set by sub-scale 0
+    I s0[RBn];  // the first vector's S in registers
+    for (int r = 0; r < RBn; ++r) s0[r] = L::izero();
+    alignas(32) int32_t sm[RBn][8];  // NV == 2: the second's in memory, set by sub-scale 0
     for (int j = 0; j < 256 / CK::kSub; ++j) {
       if constexpr (NV == 1)
-        L::Ops::template pair_subscale4<kGroups, kFlush, kDecKScales>(x, c, t, &s[0][0]);
+        L::Ops::template pair_subscale4<kGroups, kFlush, kDecKScales>(x, c, t, s0);
       else if (j == 0)
-        L::Ops::template pair_subscale4x2<kGroups, kFlush, kDecKScales, true>(x, xs, c, t,
-                                                                             &sm[0][0][0]);
+        L::Ops::template pair_subscale4x2<kGroups, kFlush, kDecKScales, true>(x, xs, c, t, s0,
+                                                                             &sm[0][0]);
       else
-        L::Ops::template pair_subscale4x2<kGroups, kFlush, kDecKScales, false>(x, xs, c, t,
-                                                                              &sm[0][0][0]);
+        L::Ops::template pair_subscale4x2<kGroups, kFlush, kDecKScales, false>(x, xs, c, t, s0,
+                                                                              &sm[0][0]);
       x += 32 * kGroups;
       for (int r = 0; r < RBn; ++r) c[r] += 4 * kGroups;
       t += 4 - 4 * kGroups;
     }
     for (int r = 0; r < RBn; ++r)
       for (int v = 0; v < NV; ++v) {
-        if constexpr (NV == 2) s[r][v] = L::Ops::load(sm[r][v]);
+        s[r][v] = v == 0 ? s0[r] : L::Ops::load(sm[r]);
         m[r][v] = L::izero();
       }
     for (int jp = 0; jp < 128 / CK::kSub; ++jp)
