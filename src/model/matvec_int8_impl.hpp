@@ -772,6 +772,42 @@ inline void decoded_superblock(const uint8_t* dec, int64_t blocks, int64_t k, co
   for (int r = 0; r < RBn; ++r) db[r] = dec + (r * blocks + k) * kDecKBytes;
 }
 
+// The end of super-block k in groupk and groupk_pairs4, superblock()'s float operations lane by
+// lane: acc = fma(d * d_x, float(S), acc), and for Q4_K / Q5_K macc = fma(-dmin * d_x,
+// float(msum), macc) (decode_k stores -dmin).
+template <uint32_t T, class L, int RBn, int NV>
+inline void groupk_floats(const uint8_t* const* db, const ActBlockK8* xt, int64_t blocks,
+                          int64_t k, const typename L::I (&s)[RBn][NV],
+                          const typename L::I (&m)[RBn][NV], typename L::V (&acc)[RBn][NV],
+                          typename L::V (&macc)[RBn][NV]) {
+  for (int v = 0; v < NV; ++v) {
+    const typename L::V d =
+        L::vload(xt, blocks, v, k, [](const ActBlockK8& b) { return b.d; });
+    for (int r = 0; r < RBn; ++r) {
+      float wd, wn;
+      std::memcpy(&wd, db[r] + kDecKD, 4);
+      std::memcpy(&wn, db[r] + kDecKD + 4, 4);
+      acc[r][v] = L::fma(L::mul(L::set1(wd), d), L::cvt(s[r][v]), acc[r][v]);
+      if constexpr (CodeK<T>::kMin)
+        macc[r][v] = L::fma(L::mul(L::set1(wn), d), L::cvt(m[r][v]), macc[r][v]);
+    }
+  }
+}
+
+// y[(L::kTokens v + t) * y_stride + r] = acc + macc (Q6_K: acc) for the first `lanes` tokens of
+// the last vector, all of the others'.
+template <uint32_t T, class L, int RBn, int NV>
+inline void groupk_store(const typename L::V (&acc)[RBn][NV], const typename L::V (&macc)[RBn][NV],
+                         int lanes, float* y, int64_t y_stride) {
+  for (int v = 0; v < NV; ++v)
+    for (int r = 0; r < RBn; ++r) {
+      float out[L::kTokens];
+      L::vstore(out, CodeK<T>::kMin ? L::vadd(acc[r][v], macc[r][v]) : acc[r][v]);
+      for (int t = 0; t < (v == NV - 1 ? lanes : L::kTokens); ++t)
+        y[(L::kTokens * v + t) * y_stride + r] = out[t];
+    }
+}
+
 // groupk on 4 rows x 8 tokens (NV = 1) or 16 tokens (NV = 2, two groups a pass) without VNNI
 // (AVX2: Ops::kPairAcc): the sub-scales in a loop of Ops::pair_subscale4 / pair_subscale4x2
 // (asm: per row, maddubs' int16 pairs summed over kFlush groups, then one vpmaddwd by
@@ -837,25 +873,9 @@ inline void groupk_pairs4(const uint8_t* dec, int64_t blocks, const ActBlockK8* 
             s[r][v] = L::madd_pairs(s[r][v], L::Ops::load(xb.s16[jp]), pr);
         }
       }
-    for (int v = 0; v < NV; ++v) {
-      const V d = L::Ops::vload(xt[v * blocks + k].d);
-      for (int r = 0; r < RBn; ++r) {
-        float wd, wn;
-        std::memcpy(&wd, db[r] + kDecKD, 4);
-        std::memcpy(&wn, db[r] + kDecKD + 4, 4);
-        acc[r][v] = L::fma(L::mul(L::set1(wd), d), L::cvt(s[r][v]), acc[r][v]);
-        if constexpr (CK::kMin)
-          macc[r][v] = L::fma(L::mul(L::set1(wn), d), L::cvt(m[r][v]), macc[r][v]);
-      }
-    }
+    groupk_floats<T, L, RBn, NV>(db, xt, blocks, k, s, m, acc, macc);
   }
-  for (int v = 0; v < NV; ++v)
-    for (int r = 0; r < RBn; ++r) {
-      float out[L::kTokens];
-      L::vstore(out, CK::kMin ? L::vadd(acc[r][v], macc[r][v]) : acc[r][v]);
-      for (int t = 0; t < (v == NV - 1 ? lanes : L::kTokens); ++t)
-        y[(L::kTokens * v + t) * y_stride + r] = out[t];
-    }
+  groupk_store<T, L, RBn, NV>(acc, macc, lanes, y, y_stride);
 }
 
 // A super-block's RBn rows of decoded codes (DecK, at dec + (r * blocks + k) * kDecKBytes)
@@ -961,25 +981,9 @@ inline void groupk(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int
           }
         }
     }
-    for (int v = 0; v < NV; ++v) {
-      const V d = L::vload(xt, blocks, v, k, [](const ActBlockK8& b) { return b.d; });
-      for (int r = 0; r < RBn; ++r) {
-        float wd, wn;
-        std::memcpy(&wd, db[r] + kDecKD, 4);
-        std::memcpy(&wn, db[r] + kDecKD + 4, 4);
-        acc[r][v] = L::fma(L::mul(L::set1(wd), d), L::cvt(s[r][v]), acc[r][v]);
-        if constexpr (CK::kMin)
-          macc[r][v] = L::fma(L::mul(L::set1(wn), d), L::cvt(m[r][v]), macc[r][v]);
-      }
-    }
+    groupk_floats<T, L, RBn, NV>(db, xt, blocks, k, s, m, acc, macc);
   }
-  for (int v = 0; v < NV; ++v)
-    for (int r = 0; r < RBn; ++r) {
-      float out[L::kTokens];
-      L::vstore(out, CK::kMin ? L::vadd(acc[r][v], macc[r][v]) : acc[r][v]);
-      for (int t = 0; t < (v == NV - 1 ? lanes : L::kTokens); ++t)
-        y[(L::kTokens * v + t) * y_stride + r] = out[t];
-    }
+  groupk_store<T, L, RBn, NV>(acc, macc, lanes, y, y_stride);
 }
 
 // Row b's super-block decoded for groupk (DecK).
