@@ -38,6 +38,23 @@ void decode_rows_32(const uint8_t* rows, int64_t blocks, uint8_t* dec) {
   }
 }
 
+// A K type's call on NV groups; false for the other types.
+template <int NV>
+bool run_k(uint32_t type, const uint8_t* dec, int64_t blocks, const ActBlockK8* xk, float* y) {
+  switch (type) {
+    case kTypeQ4_K:
+      groupk<kTypeQ4_K, 4, NV, NarrowLanes>(dec, blocks, xk, 8, y, 4, nullptr, 0);
+      return true;
+    case kTypeQ5_K:
+      groupk<kTypeQ5_K, 4, NV, NarrowLanes>(dec, blocks, xk, 8, y, 4, nullptr, 0);
+      return true;
+    case kTypeQ6_K:
+      groupk<kTypeQ6_K, 4, NV, NarrowLanes>(dec, blocks, xk, 8, y, 4, nullptr, 0);
+      return true;
+    default: return false;
+  }
+}
+
 }  // namespace
 
 int64_t int8_inner_dec_bytes(uint32_t type, int64_t blocks) {
@@ -62,18 +79,10 @@ void int8_inner_run(uint32_t type, const uint8_t* dec, int64_t blocks, const voi
                     int groups) {
   const auto* xk = static_cast<const ActBlockK8*>(xt);
   const auto* x8 = static_cast<const ActBlock8*>(xt);
-  if (groups == 2) {
-    switch (type) {
-      case kTypeQ4_K: groupk<kTypeQ4_K, 4, 2, NarrowLanes>(dec, blocks, xk, 8, y, 4, nullptr, 0); return;
-      case kTypeQ5_K: groupk<kTypeQ5_K, 4, 2, NarrowLanes>(dec, blocks, xk, 8, y, 4, nullptr, 0); return;
-      case kTypeQ6_K: groupk<kTypeQ6_K, 4, 2, NarrowLanes>(dec, blocks, xk, 8, y, 4, nullptr, 0); return;
-      default: std::abort();  // the 32-value types run one group a pass
-    }
-  }
+  if (groups == 2 ? run_k<2>(type, dec, blocks, xk, y) : run_k<1>(type, dec, blocks, xk, y))
+    return;
+  if (groups != 1) std::abort();  // the 32-value types run one group a pass
   switch (type) {
-    case kTypeQ4_K: groupk<kTypeQ4_K, 4, 1, NarrowLanes>(dec, blocks, xk, 8, y, 4, nullptr, 0); break;
-    case kTypeQ5_K: groupk<kTypeQ5_K, 4, 1, NarrowLanes>(dec, blocks, xk, 8, y, 4, nullptr, 0); break;
-    case kTypeQ6_K: groupk<kTypeQ6_K, 4, 1, NarrowLanes>(dec, blocks, xk, 8, y, 4, nullptr, 0); break;
     case kTypeQ4_0: group8<kTypeQ4_0, 4, 1>(dec, blocks, x8, 8, y, 4); break;
     case kTypeQ4_1: group8<kTypeQ4_1, 4, 1>(dec, blocks, x8, 8, y, 4); break;
     case kTypeQ5_0: group8<kTypeQ5_0, 4, 1>(dec, blocks, x8, 8, y, 4); break;

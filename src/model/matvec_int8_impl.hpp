@@ -842,16 +842,15 @@ inline void groupk_pairs4(const uint8_t* dec, int64_t blocks, const ActBlockK8* 
     int64_t t = 0;  // c_r + t + kDecKScales: sub-scale j's pair16(sc, sc)
     I s0[RBn];  // the first vector's S in registers
     for (int r = 0; r < RBn; ++r) s0[r] = L::izero();
-    alignas(32) int32_t sm[RBn][8];  // NV == 2: the second's in memory, set by sub-scale 0
+    alignas(32) int32_t sm[RBn][8];  // NV == 2: the second's in memory
+    if constexpr (NV == 2)
+      for (int r = 0; r < RBn; ++r) L::Ops::store(sm[r], L::izero());  // 4 stores, no rep stos
     for (int j = 0; j < 256 / CK::kSub; ++j) {
       if constexpr (NV == 1)
         L::Ops::template pair_subscale4<kGroups, kFlush, kDecKScales>(x, c, t, s0);
-      else if (j == 0)
-        L::Ops::template pair_subscale4x2<kGroups, kFlush, kDecKScales, true>(x, xs, c, t, s0,
-                                                                             &sm[0][0]);
       else
-        L::Ops::template pair_subscale4x2<kGroups, kFlush, kDecKScales, false>(x, xs, c, t, s0,
-                                                                              &sm[0][0]);
+        L::Ops::template pair_subscale4x2<kGroups, kFlush, kDecKScales>(x, xs, c, t, s0,
+                                                                        &sm[0][0]);
       x += 32 * kGroups;
       for (int r = 0; r < RBn; ++r) c[r] += 4 * kGroups;
       t += 4 - 4 * kGroups;

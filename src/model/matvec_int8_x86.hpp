@@ -193,10 +193,9 @@ struct Ops {
   // of a row's 4 codes serves two maddubs: per group 2 loads, 4 broadcasts, 8 maddubs and 8 adds
   // instead of twice 1, 4, 4, 4. The 8 int16 sums and the 4 operands take 12 of the 16
   // registers, so the first group's S stays in registers (s_r, as in pair_subscale4) and the
-  // second's lives in memory, sm[r] (int32 x 8, 32-byte aligned); kInit: the first flush stores
-  // sm rather than adding to it (no zeroing). volatile: sm is written through memory. (With
-  // both in memory, BM_Matmul's 512-token Q4_K / Q6_K calls ran 4-10% slower.) The same
-  // integers per token as pair_subscale4.
+  // second's lives in memory, sm[r] (int32 x 8, 32-byte aligned, added to like s_r). volatile:
+  // sm is written through memory. (Both in memory measured slower: README, "Two groups a
+  // pass".) The same integers per token as pair_subscale4.
 #define TB_X(i) "vmovdqu 32*" #i "(%[x]), %[xv]\n\t" \
                 "vmovdqu 32*" #i "(%[x],%[xs],1), %[xw]\n\t"
 #define TB_G0(i, r) "vpbroadcastd 4*" #i "(%[c" #r "]), %[w]\n\t" \
@@ -216,12 +215,6 @@ struct Ops {
                  "vpaddd 32*" #r "(%[sm]), %[p], %[p]\n\t" \
                  "vmovdqa %[p], 32*" #r "(%[sm])\n\t"
 #define TB_FLUSH TB_FL(0) TB_FL(1) TB_FL(2) TB_FL(3)
-#define TB_FL0(r) "vpbroadcastd %c[so](%[c" #r "],%[t],1), %[w]\n\t" \
-                  "vpmaddwd %[w], %[a" #r "], %[p]\n\t" \
-                  "vpaddd %[p], %[s" #r "], %[s" #r "]\n\t" \
-                  "vpmaddwd %[w], %[b" #r "], %[p]\n\t" \
-                  "vmovdqa %[p], 32*" #r "(%[sm])\n\t"
-#define TB_FLUSH0 TB_FL0(0) TB_FL0(1) TB_FL0(2) TB_FL0(3)
 #define TB_OPERANDS                                                                           \
   : [a0] "=&x"(a0), [a1] "=&x"(a1), [a2] "=&x"(a2), [a3] "=&x"(a3), [b0] "=&x"(b0),         \
     [b1] "=&x"(b1), [b2] "=&x"(b2), [b3] "=&x"(b3), [xv] "=&x"(xv), [xw] "=&x"(xw),        \
@@ -230,26 +223,17 @@ struct Ops {
   : [x] "r"(x), [xs] "r"(xs), [c0] "r"(c[0]), [c1] "r"(c[1]), [c2] "r"(c[2]),              \
     [c3] "r"(c[3]), [t] "r"(t), [so] "i"(so), [sm] "r"(sm)                                  \
   : "memory"
-  template <int kGroups, int F, int so, bool kInit>
+  template <int kGroups, int F, int so>
   static void pair_subscale4x2(const int8_t* x, int64_t xs, const uint8_t* const* c, int64_t t,
                                I* s, int32_t* sm) {
     B a0, a1, a2, a3, b0, b1, b2, b3, xv, xw, w, p;
-    if constexpr (kGroups == 8 && F == 8 && kInit)  // Q4_K
-      __asm__ volatile(TB_FIRST(0) TB_NEXT(1) TB_NEXT(2) TB_NEXT(3) TB_NEXT(4) TB_NEXT(5)
-                           TB_NEXT(6) TB_NEXT(7) TB_FLUSH0 TB_OPERANDS);
-    else if constexpr (kGroups == 8 && F == 8)
+    if constexpr (kGroups == 8 && F == 8)  // Q4_K
       __asm__ volatile(TB_FIRST(0) TB_NEXT(1) TB_NEXT(2) TB_NEXT(3) TB_NEXT(4) TB_NEXT(5)
                            TB_NEXT(6) TB_NEXT(7) TB_FLUSH TB_OPERANDS);
-    else if constexpr (kGroups == 8 && F == 4 && kInit)  // Q5_K
-      __asm__ volatile(TB_FIRST(0) TB_NEXT(1) TB_NEXT(2) TB_NEXT(3) TB_FLUSH0 TB_FIRST(4)
-                           TB_NEXT(5) TB_NEXT(6) TB_NEXT(7) TB_FLUSH TB_OPERANDS);
-    else if constexpr (kGroups == 8 && F == 4)
+    else if constexpr (kGroups == 8 && F == 4)  // Q5_K
       __asm__ volatile(TB_FIRST(0) TB_NEXT(1) TB_NEXT(2) TB_NEXT(3) TB_FLUSH TB_FIRST(4)
                            TB_NEXT(5) TB_NEXT(6) TB_NEXT(7) TB_FLUSH TB_OPERANDS);
-    else if constexpr (kGroups == 4 && F == 2 && kInit)  // Q6_K
-      __asm__ volatile(TB_FIRST(0) TB_NEXT(1) TB_FLUSH0 TB_FIRST(2) TB_NEXT(3) TB_FLUSH
-                           TB_OPERANDS);
-    else if constexpr (kGroups == 4 && F == 2)
+    else if constexpr (kGroups == 4 && F == 2)  // Q6_K
       __asm__ volatile(TB_FIRST(0) TB_NEXT(1) TB_FLUSH TB_FIRST(2) TB_NEXT(3) TB_FLUSH
                            TB_OPERANDS);
     else
@@ -262,8 +246,6 @@ struct Ops {
 #undef TB_NEXT
 #undef TB_FL
 #undef TB_FLUSH
-#undef TB_FL0
-#undef TB_FLUSH0
 #undef TB_OPERANDS
 #undef TA_X
 #undef TA_G0
