@@ -25,10 +25,10 @@
 #include <memory>
 
 #include "cluster.hpp"
+#include "commands.hpp"
 #include "engine/exchange.hpp"
 #include "engine/generation_report.hpp"
 #include "engine/merge.hpp"
-#include "commands.hpp"
 #include "options.hpp"
 #include "treeattn/comm_local.hpp"
 #include "treeattn/comm_mpi.hpp"
@@ -65,14 +65,15 @@ struct GenFlags {
   double top_p = 1.0;
   uint64_t seed = 1;
   int threads = 0;
+  std::string isa = "auto";
   std::string matmul;  // --matmul: exact | int8 | int8-ffn; "" until preflight: the model's
   bool check = false;
   bool no_rows8 = false;
   bool ignore_eos = false;
   bool quiet = false;
   bool synthetic_kv = false;
-  bool engine = false;   // --engine, or chosen by choose_path()
-  bool session = false;  // --session
+  bool engine = false;         // --engine, or chosen by choose_path()
+  bool session = false;        // --session
   std::string device = "cpu";  // --device: the model runs on CPU ranks only
   std::string kv_memory;
   std::string prefill_exchange = "auto";  // --engine: pass-q | kv | auto
@@ -105,6 +106,7 @@ generation::Request request_of(const GenFlags& f, const std::string& model_path,
   r.ignore_eos = f.ignore_eos;
   r.sampling = {f.temperature, f.top_k, f.top_p, f.seed};
   r.matmul = *model::parse_matmul_mode(f.matmul);
+  r.isa = *isa_for_flag(f.isa);
   r.rows8 = !f.no_rows8;
   r.kv_dtype = *parse_dtype(f.kv_dtype);
   r.threads = threads;
@@ -173,14 +175,18 @@ Result<std::string> preflight(GenFlags& f, const CLI::App& sub, bool check_outpu
   if (f.engine) {
     for (const char* flag : {"--placement", "--kv-layout", "--fanout"})
       if (sub.count(flag) > 0)
-        return invalid_argument(std::string("--engine does not take ") + flag +
-                                " (the engine places pages itself; --session decodes with a placement)");
+        return invalid_argument(
+            std::string("--engine does not take ") + flag +
+            " (the engine places pages itself; --session decodes with a placement)");
     if (f.deterministic)
-      return invalid_argument("--engine does not take --deterministic (tree-det runs with --session)");
+      return invalid_argument(
+          "--engine does not take --deterministic (tree-det runs with --session)");
     if (f.check) return invalid_argument("--engine does not take --check (use --session)");
     if (methods.size() != 1 || !engine::parse_merge(methods[0]).is_ok())
-      return invalid_argument("--engine: --method is the engine's merge, one of tree, allreduce, "
-                              "allgather (not '" + f.method + "')");
+      return invalid_argument(
+          "--engine: --method is the engine's merge, one of tree, allreduce, "
+          "allgather (not '" +
+          f.method + "')");
     if (f.synthetic_kv) return invalid_argument("--engine does not take --synthetic-kv");
     if (!f.kv_memory.empty()) {
       auto b = parse_bytes(f.kv_memory);
@@ -189,10 +195,12 @@ Result<std::string> preflight(GenFlags& f, const CLI::App& sub, bool check_outpu
     if (auto x = engine::parse_exchange(f.prefill_exchange); !x.is_ok())
       return Status(x.status().code(), "--prefill-exchange: " + x.status().message());
   } else if (!f.kv_memory.empty()) {
-    return invalid_argument("--kv-memory is the engine's (not with --session or flags that imply it)");
+    return invalid_argument(
+        "--kv-memory is the engine's (not with --session or flags that imply it)");
   } else if (f.prefill_exchange != "auto") {
-    return invalid_argument("--prefill-exchange is the engine's (not with --session or flags that "
-                            "imply it; the session's prefill always moves K/V)");
+    return invalid_argument(
+        "--prefill-exchange is the engine's (not with --session or flags that "
+        "imply it; the session's prefill always moves K/V)");
   }
   for (const auto& m : methods)
     if (!f.engine && m != "auto" && !reg.contains(m)) {
@@ -211,7 +219,9 @@ Result<std::string> preflight(GenFlags& f, const CLI::App& sub, bool check_outpu
   TREEATTN_RETURN_IF_ERROR(check_timeout_ms("--timeout-ms", f.timeout_ms));
   TREEATTN_RETURN_IF_ERROR(check_thread_count(f.threads, "--threads"));
   TREEATTN_RETURN_IF_ERROR(check_matmul_flag(f.matmul));  // before a model is fetched
-  if (!f.prompt_file.empty()) TREEATTN_RETURN_IF_ERROR(generation::check_prompt_file(f.prompt_file));
+  TREEATTN_RETURN_IF_ERROR(isa_for_flag(f.isa).status());
+  if (!f.prompt_file.empty())
+    TREEATTN_RETURN_IF_ERROR(generation::check_prompt_file(f.prompt_file));
   if (check_outputs && !f.json.empty())
     TREEATTN_RETURN_IF_ERROR(check_output_file("--json", f.json));
   auto path = resolve_model(f.model);
@@ -257,21 +267,18 @@ int say_error(const Communicator& comm, const Status& s) {
   return 2;
 }
 
-std::string isa_label(int threads) {
-  return std::string(isa_name(model::matmul_isa({threads, Isa::kAuto})));
-}
-
 generation::ReportLabels labels_of(const GenFlags& f, const std::string& model_path, int threads,
                                    int P) {
-  return {model_path, P,           threads,        f.matmul,          f.kv_dtype,
+  return {model_path,  P,           threads,        f.matmul,          f.kv_dtype,
           f.placement, f.kv_layout, f.synthetic_kv, f.prefill_exchange};
 }
 
 // The report (rank 0): its lines on stderr, and --json.
 int report(const GenFlags& f, const std::string& model_path, const generation::Output& o,
            const std::string& merge, int threads, int P, int rc) {
-  const std::string text = f.engine ? generation::engine_report_text(o, merge)
-                                    : generation::session_report_text(o, f.synthetic_kv, P, rc != 0);
+  const std::string text = f.engine
+                               ? generation::engine_report_text(o, merge)
+                               : generation::session_report_text(o, f.synthetic_kv, P, rc != 0);
   std::fputs(text.c_str(), stderr);
   if (f.json.empty()) return rc;
   const generation::ReportLabels labels = labels_of(f, model_path, threads, P);
@@ -300,26 +307,26 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
   hooks.planned = [](const StrategyChoice& c) { announce_auto(c); };
   int64_t n = 0;
   hooks.started = [&](const generation::Start& s) {
+    const std::string label = matmul_label(*isa_for_flag(f.isa), f.matmul, threads);
     n = s.prompt_tokens;
     std::string methods;
     for (const auto& x : s.methods) methods += (methods.empty() ? "" : ",") + x;
     if (f.engine)
       std::fprintf(stderr,
-                   "treeattn generate (engine): %s | %d rank(s) x %d thread(s), matmul %s %s | "
+                   "treeattn generate (engine): %s | %d rank(s) x %d thread(s), matmul %s | "
                    "merge %s | KV %s pages of %lld tokens, %lld per rank | prompt %lld tokens, "
                    "up to %lld new\n",
-                   s.config->to_string().c_str(), P, threads, isa_label(threads).c_str(),
-                   f.matmul.c_str(), methods.c_str(), f.kv_dtype.c_str(),
-                   static_cast<long long>(s.page_tokens), static_cast<long long>(s.pages_per_rank),
-                   static_cast<long long>(n), static_cast<long long>(f.new_tokens));
+                   s.config->to_string().c_str(), P, threads, label.c_str(), methods.c_str(),
+                   f.kv_dtype.c_str(), static_cast<long long>(s.page_tokens),
+                   static_cast<long long>(s.pages_per_rank), static_cast<long long>(n),
+                   static_cast<long long>(f.new_tokens));
     else
       std::fprintf(stderr,
-                   "treeattn generate: %s | %d rank(s) x %d thread(s), matmul %s %s | method %s "
+                   "treeattn generate: %s | %d rank(s) x %d thread(s), matmul %s | method %s "
                    "| KV %s (%s placement, %s layout) | prompt %lld tokens, up to %lld new\n",
-                   s.config->to_string().c_str(), P, threads, isa_label(threads).c_str(),
-                   f.matmul.c_str(), methods.c_str(), f.kv_dtype.c_str(), f.placement.c_str(),
-                   f.kv_layout.c_str(), static_cast<long long>(n),
-                   static_cast<long long>(f.new_tokens));
+                   s.config->to_string().c_str(), P, threads, label.c_str(), methods.c_str(),
+                   f.kv_dtype.c_str(), f.placement.c_str(), f.kv_layout.c_str(),
+                   static_cast<long long>(n), static_cast<long long>(f.new_tokens));
   };
   const bool tty = isatty(2) != 0;
   double last_print = -1e9;
@@ -327,8 +334,8 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
     if (n < 2048) return;
     if (l < layers && s - last_print < 2.0) return;
     last_print = s;
-    std::fprintf(stderr, "%sprefill: layer %d/%d, %.1f s, about %.0f s left%s", tty ? "\r" : "",
-                 l, layers, s, s / l * (layers - l), tty ? (l == layers ? "\n" : "") : "\n");
+    std::fprintf(stderr, "%sprefill: layer %d/%d, %.1f s, about %.0f s left%s", tty ? "\r" : "", l,
+                 layers, s, s / l * (layers - l), tty ? (l == layers ? "\n" : "") : "\n");
     std::fflush(stderr);
   };
   if (!f.quiet)
@@ -362,17 +369,17 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
   for (int q = 1; q < P; ++q)
     if (o.token_hash_by_rank[static_cast<std::size_t>(q)] != o.token_hash_by_rank[0]) {
       if (lead)
-        std::fprintf(stderr,
-                     "treeattn generate: DIVERGENCE: rank %d's token stream differs from "
-                     "rank 0's (hashes %016llx vs %016llx)\n",
-                     q, static_cast<unsigned long long>(o.token_hash_by_rank[static_cast<std::size_t>(q)]),
-                     static_cast<unsigned long long>(o.token_hash_by_rank[0]));
+        std::fprintf(
+            stderr,
+            "treeattn generate: DIVERGENCE: rank %d's token stream differs from "
+            "rank 0's (hashes %016llx vs %016llx)\n",
+            q, static_cast<unsigned long long>(o.token_hash_by_rank[static_cast<std::size_t>(q)]),
+            static_cast<unsigned long long>(o.token_hash_by_rank[0]));
       rc = 3;
     }
   if (!lead) return rc;
   return report(f, model_path, o, "", threads, P, rc);
 }
-
 
 int generate_command(GenFlags& f, const CLI::App& sub, const Invocation& inv) {
   choose_path(f, sub);
@@ -391,9 +398,9 @@ int generate_command(GenFlags& f, const CLI::App& sub, const Invocation& inv) {
       return code;
     return rc.value();
   };
-  return launch::run_model_command("generate", f.ranks, sub.count("--ranks") > 0,
-                                   [&](bool lead) { return preflight(f, sub, lead); }, job,
-                                   launch);
+  return launch::run_model_command(
+      "generate", f.ranks, sub.count("--ranks") > 0,
+      [&](bool lead) { return preflight(f, sub, lead); }, job, launch);
 }
 
 }  // namespace
@@ -447,6 +454,7 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
   sub->add_option("--threads", f->threads, "Threads per rank (0: cores / ranks on the host)")
       ->capture_default_str();
   add_matmul_option(*sub, f->matmul);
+  add_isa_option(*sub, f->isa);
   add_rows8_flag(*sub, f->no_rows8);
   sub->add_flag("--check", f->check,
                 "Hash the token stream on every rank at every step and stop on a divergence");

@@ -60,6 +60,7 @@ struct ServeFlags {
   std::string method = "tree";
   std::string prefill_exchange = "auto";
   int threads = 0;
+  std::string isa = "auto";
   std::string matmul;  // --matmul: exact | int8 | int8-ffn; "" until preflight: the model's
   std::string api_key;
   int max_queue = 256;
@@ -97,6 +98,7 @@ Result<std::string> preflight(ServeFlags& f) {
     return Status(x.status().code(), "--prefill-exchange: " + x.status().message());
   TREEATTN_RETURN_IF_ERROR(check_thread_count(f.threads, "--threads"));
   TREEATTN_RETURN_IF_ERROR(check_matmul_flag(f.matmul));  // before a model is fetched
+  TREEATTN_RETURN_IF_ERROR(isa_for_flag(f.isa).status());
   if (f.context < 0) return invalid_argument("--context must be >= 0");
   if (f.shutdown_timeout < 0) return invalid_argument("--shutdown-timeout must be >= 0");
   TREEATTN_RETURN_IF_ERROR(check_timeout_ms("--timeout-ms", f.timeout_ms));
@@ -125,6 +127,7 @@ engine::EngineConfig engine_config(const ServeFlags& f, int threads) {
   c.merge = merge_of(f);
   c.prefill_exchange = f.prefill_exchange;
   c.threads = threads;
+  c.isa = *isa_for_flag(f.isa);
   c.matmul = *model::parse_matmul_mode(f.matmul);
   c.timeout = std::chrono::milliseconds(f.timeout_ms);
   return c;
@@ -255,8 +258,8 @@ int serve_command(ServeFlags& f, const CLI::App& sub, const Invocation& inv) {
     auto rc = run_job(lo, args, f.shutdown_timeout);
     return rc.is_ok() ? rc.value() : fail("serve", rc.status());
   };
-  return launch::run_model_command("serve", f.ranks, sub.count("--ranks") > 0,
-                                   [&](bool) { return preflight(f); }, job, launch);
+  return launch::run_model_command(
+      "serve", f.ranks, sub.count("--ranks") > 0, [&](bool) { return preflight(f); }, job, launch);
 }
 
 }  // namespace
@@ -300,6 +303,7 @@ Runner add_serve_command(CLI::App& app, const Invocation& inv) {
   sub->add_option("--threads", f->threads, "Threads per rank (0: cores / ranks on the host)")
       ->capture_default_str();
   add_matmul_option(*sub, f->matmul);
+  add_isa_option(*sub, f->isa);
   sub->add_option("--api-key", f->api_key,
                   "Require Authorization: Bearer KEY on every route but /health (default: "
                   "$TREEATTN_API_KEY; none when empty)");

@@ -2,8 +2,10 @@
 // on this source tree's table, models/ folders and scripts.
 #include <CLI/CLI.hpp>
 
+#include "kernels/kernel_impl.hpp"
 #include "model/model_files.hpp"
 #include "options.hpp"
+#include "treeattn/kernel.hpp"
 #include "treeattn/model.hpp"
 
 namespace treeattn::cli {
@@ -35,6 +37,39 @@ void add_rows8_flag(CLI::App& sub, bool& no_rows8) {
                "Keep no second copy of the Q4_K / Q6_K / Q8_0 / Q5_0 matrices in the decode layout "
                "(rows8: the same bits, faster decode with int8; about their size again in "
                "memory, per rank)");
+}
+
+void add_isa_option(CLI::App& sub, std::string& isa) {
+  sub.add_option("--isa", isa,
+                 "CPU kernel target of the matrix and attention kernels: auto (the best this CPU "
+                 "runs), avx512 (AVX-512 VNNI's integer dot products where the CPU has them), "
+                 "avx2 (AVX-VNNI's where it has them), generic. Every rank runs the same; "
+                 "targets round differently in the last bits")
+      ->capture_default_str();
+}
+
+Result<Isa> isa_for_flag(const std::string& flag) {
+  auto isa = parse_isa(flag);
+  if (!isa.is_ok() || *isa == Isa::kReference)
+    return invalid_argument("--isa " + flag + ": expected auto, generic, avx2 or avx512");
+  if (*isa == Isa::kAuto || *isa == Isa::kGeneric) return *isa;
+  if (!isa_supported(*isa))
+    return unsupported("--isa " + flag + ": this CPU cannot run the " + flag + " target (" +
+                       (*isa == Isa::kAvx512 ? "it needs AVX-512 F, BW, VL and DQ"
+                                             : "it needs AVX2, FMA and F16C") +
+                       "); the best it runs is " + std::string(isa_name(best_isa())));
+  if (kernels::cpu_kernel_for(*isa) == nullptr)
+    return unsupported("--isa " + flag + ": this build has no " + flag +
+                       " kernels (configure with -DTREEATTN_CPU_KERNELS=all)");
+  return *isa;
+}
+
+std::string matmul_label(Isa isa, const std::string& matmul, int threads) {
+  model::MatvecOptions o;
+  o.threads = threads;
+  o.isa = isa;
+  o.mode = *model::parse_matmul_mode(matmul);
+  return model::matmul_description(o);
 }
 
 Status check_matmul_flag(const std::string& flag) {

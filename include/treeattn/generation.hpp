@@ -68,6 +68,7 @@ struct Request {
   model::SamplingParams sampling;
   model::MatmulMode matmul = model::MatmulMode::kInt8;
   bool rows8 = true;  // LlamaModel::pack_rows8 after loading (--no-rows8: false)
+  Isa isa = Isa::kAuto;  // the CPU kernel target of the matmul and attention kernels
   DType kv_dtype = DType::kF16;
   int threads = 1;  // per rank
   std::chrono::milliseconds timeout{600000};

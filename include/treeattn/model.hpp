@@ -127,6 +127,9 @@ Isa matmul_isa(const MatvecOptions& options);
 // The integer target matmul runs with these options in kInt8 mode: "avx512vnni", "avxvnni",
 // "avx2" or "generic".
 std::string_view matmul_int8_target(const MatvecOptions& options);
+// "ISA MODE" with the integer target where the mode uses one, for start lines and reports:
+// "avx512 int8 (avx512vnni)", "avx2 int8-ffn (avxvnni)", "avx512 exact".
+std::string matmul_description(const MatvecOptions& options);
 
 // What differs between the decoder architectures this forward pass runs (general.architecture),
 // declared once per architecture in src/model/architecture.cpp; the forward pass above is

@@ -120,6 +120,7 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
   engine::EngineConfig ec;
   ec.kv_dtype = req.kv_dtype;
   ec.threads = req.threads;
+  ec.isa = req.isa;
   ec.matmul = req.matmul;
   ec.merge = req.methods.empty() ? "tree" : req.methods.front();
   ec.prefill_exchange = req.prefill_exchange;
@@ -433,6 +434,7 @@ model::GeneratorConfig generator_config(const Request& req) {
   gc.placement = req.placement;
   gc.kv_layout = req.kv_layout;
   gc.threads = req.threads;
+  gc.isa = req.isa;
   gc.matmul = req.matmul;
   gc.reserve_tokens = req.new_tokens;
   gc.fanout = req.fanout;

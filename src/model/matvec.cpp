@@ -148,9 +148,12 @@ void pack_rows8(const WeightMatrix& m, uint8_t* out) {
 
 std::string_view matmul_mode_name(MatmulMode mode) {
   switch (mode) {
-    case MatmulMode::kExact: return "exact";
-    case MatmulMode::kInt8: return "int8";
-    case MatmulMode::kInt8Ffn: return "int8-ffn";
+    case MatmulMode::kExact:
+      return "exact";
+    case MatmulMode::kInt8:
+      return "int8";
+    case MatmulMode::kInt8Ffn:
+      return "int8-ffn";
   }
   return "exact";
 }
@@ -176,6 +179,14 @@ std::string_view matmul_int8_target(const MatvecOptions& options) {
   if (fn == detail::rows_int8_avx2) return "avx2";
 #endif
   return fn == detail::rows_int8_generic ? "generic" : "?";
+}
+
+std::string matmul_description(const MatvecOptions& options) {
+  std::string s = std::string(isa_name(matmul_isa(options))) + " " +
+                  std::string(matmul_mode_name(options.mode));
+  if (options.mode != MatmulMode::kExact)
+    s += " (" + std::string(matmul_int8_target(options)) + ")";
+  return s;
 }
 
 Isa matmul_isa(const MatvecOptions& options) {
@@ -204,8 +215,10 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
       return invalid_argument("matmul: null data or output for '" + m.name + "'");
   }
   if (options.mode == MatmulMode::kInt8Ffn)  // a choice per matrix, which only the caller knows
-    return invalid_argument("matmul: mode int8-ffn chooses per matrix role; pass "
-                            "for_role(options, role) for '" + mats[0]->name + "'");
+    return invalid_argument(
+        "matmul: mode int8-ffn chooses per matrix role; pass "
+        "for_role(options, role) for '" +
+        mats[0]->name + "'");
   const Isa isa = matmul_isa(options);
   if (!isa_supported(isa))
     return unsupported("matmul: this CPU cannot run the " + std::string(isa_name(isa)) + " target");

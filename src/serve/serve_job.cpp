@@ -222,16 +222,17 @@ int run_serve_job(Communicator& comm, const ServeJob& job) {
                    "(%lld); RoPE positions past it degrade the text\n",
                    static_cast<long long>(job.context), static_cast<long long>(cfg.n_ctx_train));
     http->set_ready(*backend, *codec, info);
-    std::fprintf(
-        stderr,
-        "treeattn serve: %s | %d rank(s) x %d thread(s), matmul %s | merge %s | KV %s, "
-        "%lld pages of %lld tokens per rank, at most %lld tokens per sequence, context "
-        "%lld | max batch %d, prefill chunk %lld, queue %d\n",
-        info.id.c_str(), P, ec.threads, std::string(model::matmul_mode_name(ec.matmul)).c_str(),
-        ec.merge.c_str(), std::string(dtype_name(ec.kv_dtype)).c_str(),
-        static_cast<long long>(em.pages_per_rank), static_cast<long long>(ec.page_tokens),
-        static_cast<long long>(engine.max_sequence_tokens()), static_cast<long long>(info.context),
-        ec.max_batch, static_cast<long long>(ec.prefill_chunk), ec.max_queue);
+    std::fprintf(stderr,
+                 "treeattn serve: %s | %d rank(s) x %d thread(s), matmul %s | merge %s | KV %s, "
+                 "%lld pages of %lld tokens per rank, at most %lld tokens per sequence, context "
+                 "%lld | max batch %d, prefill chunk %lld, queue %d\n",
+                 info.id.c_str(), P, ec.threads,
+                 model::matmul_description({ec.threads, ec.isa, ec.matmul}).c_str(),
+                 ec.merge.c_str(), std::string(dtype_name(ec.kv_dtype)).c_str(),
+                 static_cast<long long>(em.pages_per_rank), static_cast<long long>(ec.page_tokens),
+                 static_cast<long long>(engine.max_sequence_tokens()),
+                 static_cast<long long>(info.context), ec.max_batch,
+                 static_cast<long long>(ec.prefill_chunk), ec.max_queue);
     std::fprintf(stderr, "treeattn serve: listening on http://%s:%d\n", job.http.host.c_str(),
                  http->port());
     std::fflush(stderr);

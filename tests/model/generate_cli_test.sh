@@ -57,7 +57,40 @@ case "$CASE" in
     expect 2 "--prompt-file /dev/null is not a regular file" -- "$B" generate --prompt-file /dev/null
     expect 2 "--device cuda: generate runs the model's forward pass and its KV cache on CPU ranks" -- \
       "$B" generate --prompt a --device cuda
-    expect 2 "--device 'tpu': unknown device" -- "$B" generate --prompt a --device tpu ;;
+    expect 2 "--device 'tpu': unknown device" -- "$B" generate --prompt a --device tpu
+    expect 2 "--isa sse: expected auto, generic, avx2 or avx512" -- "$B" generate --prompt a --isa sse
+    expect 2 "--isa reference: expected auto, generic, avx2 or avx512" -- "$B" generate --prompt a --isa reference
+    if ! grep -qw avx512f /proc/cpuinfo; then
+      expect 2 "--isa avx512: this CPU cannot run the avx512 target \(it needs AVX-512" -- \
+        "$B" generate --prompt a --isa avx512
+    fi ;;
+  isa_targets)
+    # --isa picks the kernel target; the start line names it and the integer kernel it runs, and
+    # every target counts on (their last bits differ; this continuation has no near tie).
+    need_model
+    isas="generic"
+    grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo && isas="$isas avx2"
+    grep -qw avx512f /proc/cpuinfo && grep -qw avx512bw /proc/cpuinfo && isas="$isas avx512"
+    for i in $isas; do
+      case $i in
+        generic) k=generic ;;
+        avx2) k="avx2|avxvnni" ;;
+        avx512) k="avx2|avx512vnni" ;;
+      esac
+      expect 0 "matmul $i int8 \(($k)\) \|" -- "$B" generate --model "$MODEL" \
+        --prompt "One, two, three, four," --new-tokens 8 --ignore-eos --quiet --matmul int8 --isa $i \
+        --json "$T/$i.json"
+      expect 0 "matmul $i exact \|" -- "$B" generate --model "$MODEL" --prompt hi --new-tokens 1 \
+        --matmul exact --isa $i --session
+    done
+    python3 - "$T" $isas <<'PY' || fail "the targets' greedy tokens differ"
+import json, sys
+runs = {i: json.load(open(f"{sys.argv[1]}/{i}.json")) for i in sys.argv[2:]}
+first = next(iter(runs.values()))["tokens"]
+assert len(first) == 8 and all(r["tokens"] == first for r in runs.values()), runs
+assert all(r["text"].startswith(" five, six, seven") for r in runs.values()), runs
+PY
+    ;;
   interrupt)
     need_model
     "$B" generate --model "$MODEL" --ranks 2 --prompt-tokens 3000 --new-tokens 4000 --ignore-eos \
@@ -93,8 +126,8 @@ assert j["ranks"] == 2 and j["method"] == "tree", j
 assert j["matmul"] == ("exact" if j["model"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") else "int8"), j["matmul"]
 PY
     ln -s "$(readlink -f "$MODEL")" "$T/renamed.gguf"  # the table's default follows the file's name and size only
-    expect 0 "matmul [a-z0-9]+ int8 \|" -- "$B" generate --model "$T/renamed.gguf" --prompt hi --new-tokens 2
-    expect 0 "matmul [a-z0-9]+ int8-ffn \|" -- "$B" generate --model "$MODEL" --prompt hi --new-tokens 2 --matmul int8-ffn
+    expect 0 "matmul [a-z0-9]+ int8 \([a-z0-9]+\) \|" -- "$B" generate --model "$T/renamed.gguf" --prompt hi --new-tokens 2
+    expect 0 "matmul [a-z0-9]+ int8-ffn \([a-z0-9]+\) \|" -- "$B" generate --model "$MODEL" --prompt hi --new-tokens 2 --matmul int8-ffn
     ;;
   deterministic_across_ranks)
     need_model

@@ -581,21 +581,29 @@ def case_rank_killed():
     try:
         c = s.client(timeout=90)
         result = {}
+        # Rank 1 dies once tokens flow, not after a fixed wait: a fast CPU finished a 160-token
+        # answer within 1.5 s. 4000 tokens cannot end before the kill on any machine here.
+        flowing = threading.Event()
 
         def streamed():
             try:
-                chunks = list(c.completions.create(model="any", prompt=PROMPTS[0], max_tokens=160,
-                                                   temperature=0, stream=True,
-                                                   extra_body={"ignore_eos": True}))
-                result["streamed"] = "ended normally after %d chunks" % len(chunks)
+                n = 0
+                for _ in c.completions.create(model="any", prompt=PROMPTS[0], max_tokens=4000,
+                                              temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True}):
+                    n += 1
+                    if n == 4:
+                        flowing.set()
+                result["streamed"] = "ended normally after %d chunks" % n
             except openai.APIError as e:
                 result["streamed"] = "APIError: " + e.message
             except Exception as e:  # noqa: BLE001
                 result["streamed"] = repr(e)
+            flowing.set()
 
         def whole():
             try:
-                c.completions.create(model="any", prompt=PROMPTS[1], max_tokens=160,
+                c.completions.create(model="any", prompt=PROMPTS[1], max_tokens=4000,
                                      temperature=0, extra_body={"ignore_eos": True})
                 result["whole"] = "answered"
             except openai.APIStatusError as e:
@@ -606,7 +614,8 @@ def case_rank_killed():
         threads = [threading.Thread(target=f) for f in (streamed, whole)]
         for th in threads:
             th.start()
-        time.sleep(1.5)
+        check(flowing.wait(60), "the stream's first tokens arrived", s)
+        time.sleep(0.2)
         victim = rank_pid(s, 1)
         check(victim is not None, "found rank 1's process")
         os.kill(victim, signal.SIGKILL)
