@@ -5,10 +5,14 @@
 # was built from in build/llama-server/VERSION). Takes a long time on few cores (the whole of
 # ggml and llama.cpp: about half an hour on 2 cores).
 #
-# Usage: tools/build-llama-server.sh [--version X.Y.Z] [--jobs N]
+# Usage: tools/build-llama-server.sh [--version X.Y.Z] [--jobs N] [--isa native|avx2|avxvnni]
 #   --version   the llama-cpp-python release (default: the newest on PyPI)
 #   --jobs      parallel compile jobs (default: nproc)
-# Needs cmake, a C++ compiler and pip; CPU only (GGML_NATIVE: this machine's ISA), no curl.
+#   --isa       native (default: GGML_NATIVE, this machine's ISA, into build/llama-server), or a
+#               fixed x86 target into build/llama-server-ISA, to compare with treeattn's target of
+#               the same name on a CPU that has more (`generate --isa avx2`): avx2 (AVX2 + FMA +
+#               F16C + BMI2, maddubs integer dots), avxvnni (the same with AVX-VNNI's vpdpbusd)
+# Needs cmake, a C++ compiler and pip; CPU only, no curl.
 # Then, for example (same GGUF, same total threads as the treeattn server, slots and the prompt
 # cache on, one KV pool shared by the slots):
 #   build/llama-server/bin/llama-server -m models/SmolLM2-135M-Instruct.Q4_1.gguf \
@@ -16,16 +20,27 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="$root/build/llama-server"
+isa=native
 version=""
 jobs="$(nproc)"
 while [ $# -gt 0 ]; do
   case "$1" in
     --version) version=$2; shift 2 ;;
     --jobs) jobs=$2; shift 2 ;;
+    --isa) isa=$2; shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "build-llama-server: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+case "$isa" in
+  native) isa_flags=(-DGGML_NATIVE=ON) ;;
+  avx2|avxvnni)
+    out="$root/build/llama-server-$isa"
+    isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+               -DGGML_BMI2=ON -DGGML_AVX512=OFF "-DGGML_AVX_VNNI=$([ "$isa" = avxvnni ] && echo ON || echo OFF)")
+    ;;
+  *) echo "build-llama-server: --isa $isa: one of native, avx2, avxvnni" >&2; exit 2 ;;
+esac
 command -v cmake > /dev/null || { echo "build-llama-server: cmake is missing" >&2; exit 2; }
 mkdir -p "$out/download"
 spec="llama-cpp-python${version:+==$version}"
@@ -44,7 +59,7 @@ src="$out/src/vendor/llama.cpp"
 [ -f "$src/CMakeLists.txt" ] || { echo "build-llama-server: $sdist has no vendor/llama.cpp" >&2; exit 1; }
 echo "== configuring llama.cpp from $(basename "$sdist")"
 cmake -S "$src" -B "$out/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-  -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_EXAMPLES=ON \
+  "${isa_flags[@]}" -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_EXAMPLES=ON \
   -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF > "$out/configure.log"
 echo "== building llama-server with $jobs jobs (log: $out/build.log)"
 cmake --build "$out/build" --target llama-server -j "$jobs" > "$out/build.log" 2>&1 \

@@ -53,12 +53,13 @@ def bandwidth_gbs():
     return best
 
 
-def run_treeattn(b, model, ctx, threads, new_tokens, engine=False, matmul="int8", synthetic_above=4096):
+def run_treeattn(b, model, ctx, threads, new_tokens, engine=False, matmul="int8", synthetic_above=4096,
+                 isa="auto"):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     cmd = [b, "generate", "--model", model, "--prompt-tokens", str(ctx), "--new-tokens",
            str(new_tokens), "--ignore-eos", "--quiet", "--threads", str(threads), "--json", out,
-           "--matmul", matmul]
+           "--matmul", matmul, "--isa", isa]
     if not engine:
         cmd += ["--session", "--timeout-ms", "0"]
         if ctx > synthetic_above:
@@ -183,6 +184,10 @@ def main():
     ap.add_argument("--matmul", default="int8",
                     help="treeattn's quantized-weight matmul (generate --matmul): exact, int8, "
                          "int8-ffn, or a comma list of them")
+    ap.add_argument("--isa", default="auto",
+                    help="treeattn's kernel target (generate --isa: auto, avx512, avx2, generic); "
+                         "pair avx2 with --llama-server build/llama-server-avxvnni/bin/llama-server "
+                         "(tools/build-llama-server.sh --isa avxvnni) on a CPU with AVX-VNNI")
     a = ap.parse_args()
     a.modes = a.matmul.split(",")
     for m in a.modes:
@@ -198,9 +203,10 @@ def main():
         which = "llama-cpp-python"
     except ImportError:
         use_server = True
-        which = "llama-server (one per context, -c context + %d)" % (steps + 64)
-    print("# treeattn (matmul %s) vs llama.cpp (%s), %s (%s), %d thread(s), load %s" % (
-        a.matmul, which, os.path.basename(a.model), arch, a.threads,
+        which = "%s (one per context, -c context + %d)" % (os.path.relpath(a.llama_server, ROOT),
+                                                          steps + 64)
+    print("# treeattn (matmul %s, isa %s) vs llama.cpp (%s), %s (%s), %d thread(s), load %s" % (
+        a.matmul, a.isa, which, os.path.basename(a.model), arch, a.threads,
         open("/proc/loadavg").read().split()[:3]))
     print("# read bandwidth (numpy, 1 thread): %.1f GB/s; weights %.0f MB/token; KV %d B per "
           "cached token at 16k (f16)" % (bw, weight_bytes / 1e6, kv_bytes(16384) // 16384))
@@ -212,7 +218,7 @@ def main():
     results = []
     measure(a, contexts, steps, bw, weight_bytes, kv_bytes, use_server, results)
     if a.json:
-        json.dump({"threads": a.threads, "matmul": a.matmul, "bandwidth_gbs": bw, "results": results},
+        json.dump({"threads": a.threads, "matmul": a.matmul, "isa": a.isa, "bandwidth_gbs": bw, "results": results},
                   open(a.json, "w"), indent=2)
 
 
@@ -242,7 +248,7 @@ def measure_context(a, ctx, steps, bw, weight_bytes, kv_bytes, server, results):
     for _ in range(a.repeats):
         for m in a.modes:
             j = run_treeattn(a.treeattn, a.model, ctx, a.threads, steps + 1, a.engine, m,
-                             a.synthetic_above)
+                             a.synthetic_above, a.isa)
             ta[m].append(statistics.median(j["decode_ms"] if a.engine else j["methods"][0]["decode_ms"]))
             if real_prefill:  # prefill speed: the whole prompt, each side's own clock
                 tp[m].append(j["prefill_tokens_per_s"])
