@@ -43,8 +43,15 @@ static_assert(kTokenTile % 8 == 0, "a tile starts at a group of 8 tokens (RowsAr
 // 640 Q5_0, 512 tokens) was no faster in BM_Matmul (7.6-8.7 ms against 6.9-8.5 ms, noisy), its
 // activations read from L2 instead of L1. (The shipped files never mix the two kinds in one call.)
 constexpr int64_t kTileBytes = 512 * 1024;
-int64_t token_tile(int64_t cols, bool k_types_only) {
+// On the AVX-512 VNNI target a K-type pass takes 32 tokens (4 groups on wide lanes, groupk), and
+// a tile of 48 leaves a pass of 16 at half the rate (its 4 chains of vpdpbusd wait on latency):
+// at 8960 columns (a down projection) that was a third of the work, and the 16-token passes
+// 9% of Qwen2.5-1.5B's 512-token prefill (perf, Zen 5). There the tile is a multiple of 32
+// tokens, at least 64 (64 x 8960 is 560 KiB of codes, inside Zen 4's and Zen 5's 1 MiB L2).
+constexpr int64_t kWidePass = 32;
+int64_t token_tile(int64_t cols, bool k_types_only, bool wide) {
   if (!k_types_only) return kTokenTile;
+  if (wide) return std::max<int64_t>(2, kTileBytes / cols / kWidePass) * kWidePass;
   return std::max<int64_t>(1, kTileBytes / cols / kTokenTile) * kTokenTile;
 }
 
@@ -234,7 +241,12 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   int8 = int8_32 || int8_k;
   bool k_types_only = options.mode == MatmulMode::kInt8;
   for (const WeightMatrix* m : mats) k_types_only = k_types_only && detail::int8_k_type(m->type);
-  const int64_t tile = token_tile(cols, k_types_only);
+#if defined(TREEATTN_MODEL_X86)
+  const bool wide = fn8 == detail::rows_int8_avx512vnni;
+#else
+  const bool wide = false;
+#endif
+  const int64_t tile = token_tile(cols, k_types_only, wide);
   // Quantized types have cols % 32 == 0, K types cols % 256 == 0 (check_matrix), so the blocks
   // cover every column.
   const int64_t xq_stride = cols / 32, xk_stride = cols / 256;

@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <random>
 #include <span>
 #include <string>
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "model/generate_harness.hpp"
+#include "model/matvec_targets.hpp"
 #include "model/model_path.hpp"
 #include "model/tiny_llama.hpp"
 #include "treeattn/dtype.hpp"
@@ -71,6 +73,83 @@ std::string target_name(const Target& t) {
   return std::string(isa_name(t.isa)) + "/" + std::string(model::matmul_int8_target(o));
 }
 
+// The quantization of the activations (matvec_targets.hpp) as stated, bit for bit, on the code
+// path this CPU runs (matvec_int8_generic.cpp compiles it for AVX-512, AVX2 and the baseline and
+// picks one at load time): d = amax / 127, q = round-to-nearest-even(x / d) clamped, the sums;
+// exact ties, values near the clamp, zero, subnormal and non-finite blocks.
+TEST(Int8Matmul, QuantizationIsTheRoundedQuotient) {
+  std::mt19937 rng(29);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  constexpr int kCols = 256 * 12;
+  std::vector<float> x(kCols);
+  for (int b = 0; b < kCols / 256; ++b) {
+    float* xb = x.data() + 256 * b;
+    const float scale = std::ldexp(1.0f, 3 * b - 12);
+    for (int i = 0; i < 256; ++i) xb[i] = scale * nd(rng);
+    if (b == 1)  // d = 1 exactly: ties at k + 0.5 go to the even neighbour
+      for (int i = 0; i < 256; ++i)
+        xb[i] = i == 0 ? 127.0f : static_cast<float>(i % 120 - 60) + 0.5f;
+    if (b == 2) std::fill(xb, xb + 256, 0.0f);
+    if (b == 3) xb[77] = std::numeric_limits<float>::infinity();
+    if (b == 4) xb[200] = std::numeric_limits<float>::quiet_NaN();
+    if (b == 5)
+      for (int i = 0; i < 256; ++i) xb[i] = std::ldexp(static_cast<float>(i - 128), -140);
+    if (b == 6) xb[5] = -0.0f;
+  }
+  std::vector<model::detail::ActBlockK> k(kCols / 256);
+  std::vector<model::detail::ActBlock> q(kCols / 32);
+  model::detail::quantize_activations_k(x.data(), kCols, k.data());
+  model::detail::quantize_activations(x.data(), kCols, q.data());
+  // The statement, one block of n values: d and q.
+  auto expect_block = [](const float* xb, int n, float d, const int8_t* qb, const char* what,
+                         int b) {
+    float amax = 0.0f;
+    bool bad = false;
+    for (int i = 0; i < n; ++i) {
+      bad = bad || !std::isfinite(xb[i]);
+      amax = std::max(amax, std::fabs(xb[i]));
+    }
+    const float want_d = bad ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
+    if (bad)
+      EXPECT_TRUE(std::isnan(d)) << what << " block " << b;
+    else
+      EXPECT_EQ(std::memcmp(&d, &want_d, 4), 0) << what << " block " << b << ": d " << d;
+    for (int i = 0; i < n; ++i) {
+      int want = 0;
+      if (!bad && want_d > 0.0f)
+        want = static_cast<int>(std::clamp(std::nearbyint(xb[i] / want_d), -127.0f, 127.0f));
+      ASSERT_EQ(qb[i], want) << what << " block " << b << " value " << i << " (x " << xb[i] << ")";
+    }
+  };
+  for (int b = 0; b < kCols / 256; ++b) {
+    const float* xb = x.data() + 256 * b;
+    expect_block(xb, 256, k[b].d, k[b].q, "ActBlockK", b);
+    for (int j = 0; j < 16; ++j) {
+      int sum = 0;
+      for (int e = 0; e < 16; ++e) sum += k[b].q[16 * j + e];
+      EXPECT_EQ(k[b].bsum16[j], sum) << "block " << b;
+    }
+    for (int j = 0; j < 8; ++j)
+      EXPECT_EQ(k[b].bsum[j], k[b].bsum16[2 * j] + k[b].bsum16[2 * j + 1]);
+  }
+  for (int b = 0; b < kCols / 32; ++b) {
+    expect_block(x.data() + 32 * b, 32, q[b].d, q[b].q, "ActBlock", b);
+    int sum = 0;
+    for (int i = 0; i < 32; ++i) sum += q[b].q[i];
+    const float want_s = q[b].d * static_cast<float>(sum);
+    if (std::isnan(q[b].d))
+      EXPECT_TRUE(std::isnan(q[b].s));
+    else
+      EXPECT_EQ(std::memcmp(&q[b].s, &want_s, 4), 0) << "block " << b;
+  }
+  // The tie block really has ties, rounded to even: 0.5 -> 0, 1.5 -> 2, -0.5 -> 0, -1.5 -> -2.
+  EXPECT_EQ(k[1].d, 1.0f);
+  EXPECT_EQ(k[1].q[60], 0);   // 0.5
+  EXPECT_EQ(k[1].q[61], 2);   // 1.5
+  EXPECT_EQ(k[1].q[59], 0);   // -0.5
+  EXPECT_EQ(k[1].q[58], -2);  // -1.5
+}
+
 TEST(Int8Matmul, TargetsRunHere) {
   std::string s;
   for (const Target& t : targets_here()) s += " " + target_name(t);
@@ -78,8 +157,9 @@ TEST(Int8Matmul, TargetsRunHere) {
   bool vnni = false;
   for (const Target& t : targets_here()) vnni = vnni || t.vnni;
   if (!vnni)
-    std::printf("[ targets   ] no VNNI on this CPU: the AVX-VNNI and AVX-512 VNNI targets are "
-                "compiled but not run\n");
+    std::printf(
+        "[ targets   ] no VNNI on this CPU: the AVX-VNNI and AVX-512 VNNI targets are "
+        "compiled but not run\n");
 }
 
 // Random rows of a type: every code byte random, the f16 scales sized for values of about
@@ -221,8 +301,8 @@ TEST(Int8Matmul, EveryTypeAndTargetMatchesTheFloat64DotWithinTheBound) {
           for (int i = 32; i < 64; ++i) x[static_cast<std::size_t>(i)] = 0;
         std::vector<float> y0;
         for (const Target& tg : targets) {
-          SCOPED_TRACE(gguf::tensor_type_name(type) + " cols " + std::to_string(cols) +
-                       " tokens " + std::to_string(tokens) + " " + target_name(tg));
+          SCOPED_TRACE(gguf::tensor_type_name(type) + " cols " + std::to_string(cols) + " tokens " +
+                       std::to_string(tokens) + " " + target_name(tg));
           std::vector<float> y(static_cast<std::size_t>(tokens * rows), NAN);
           const WeightMatrix* mats[] = {&m};
           float* ys[] = {y.data()};
@@ -277,7 +357,7 @@ TEST(Int8Matmul, ExtremeActivationsStayWithinTheBound) {
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t b = c / n;
       x[static_cast<std::size_t>(c)] =
-          b == 0 ? 1e30f * static_cast<float>(c % 3 - 1)
+          b == 0   ? 1e30f * static_cast<float>(c % 3 - 1)
           : b == 1 ? 1e-30f * static_cast<float>(c % 7)
           : b == 2 ? (c % n == 6 ? 1000.0f : 1e-3f)
           : b == 3 ? static_cast<float>(c % 32) - 0.5f  // x / d lands on halves often
@@ -371,8 +451,7 @@ TEST(Int8Matmul, BitsDoNotDependOnBatchingThreadsRowsOrTheOtherMatrices) {
           std::vector<float> alone(all.size());
           const WeightMatrix* mats[] = {&a};
           float* ys[] = {alone.data()};
-          ASSERT_TRUE(
-              model::matmul(mats, x.data(), tokens, cols, ys, int8_options(1, tg)).is_ok());
+          ASSERT_TRUE(model::matmul(mats, x.data(), tokens, cols, ys, int8_options(1, tg)).is_ok());
           ASSERT_EQ(0, std::memcmp(alone.data(), all.data(), all.size() * 4));
         }
         {  // the float matrix: the exact path's bits
@@ -428,15 +507,33 @@ TEST(Int8Matmul, CodesAtTheirLargestGiveTheOneTokenBits) {
     std::vector<std::pair<int, int>> codes;
     uint8_t v = 0xff;
     switch (static_cast<TensorType>(type)) {
-      case TensorType::kQ8_0: codes = {{2, 34}}; v = 0x80; break;
-      case TensorType::kQ4_0: codes = {{2, 18}}; break;
-      case TensorType::kQ4_1: codes = {{4, 20}}; break;
-      case TensorType::kQ5_0: codes = {{2, 22}}; break;
-      case TensorType::kQ5_1: codes = {{4, 24}}; break;
-      case TensorType::kQ4_K: codes = {{16, 144}}; break;
-      case TensorType::kQ5_K: codes = {{16, 176}}; break;
-      case TensorType::kQ6_K: codes = {{0, 192}}; break;
-      default: FAIL() << "no code layout";
+      case TensorType::kQ8_0:
+        codes = {{2, 34}};
+        v = 0x80;
+        break;
+      case TensorType::kQ4_0:
+        codes = {{2, 18}};
+        break;
+      case TensorType::kQ4_1:
+        codes = {{4, 20}};
+        break;
+      case TensorType::kQ5_0:
+        codes = {{2, 22}};
+        break;
+      case TensorType::kQ5_1:
+        codes = {{4, 24}};
+        break;
+      case TensorType::kQ4_K:
+        codes = {{16, 144}};
+        break;
+      case TensorType::kQ5_K:
+        codes = {{16, 176}};
+        break;
+      case TensorType::kQ6_K:
+        codes = {{0, 192}};
+        break;
+      default:
+        FAIL() << "no code layout";
     }
     const int64_t block_bytes = static_cast<int64_t>(gguf::block_layout(type).block_bytes);
     for (int64_t b = 0; b < static_cast<int64_t>(store.size()); b += block_bytes)
@@ -473,8 +570,8 @@ TEST(Int8Matmul, CodesAtTheirLargestGiveTheOneTokenBits) {
 TEST(Int8Matmul, Rows8LayoutGivesTheRowLayoutsBits) {
   std::mt19937_64 rng(41);
   std::normal_distribution<float> nd;
-  for (const uint32_t type : {id(TensorType::kQ4_K), id(TensorType::kQ6_K), id(TensorType::kQ8_0),
-                              id(TensorType::kQ5_0)})
+  for (const uint32_t type :
+       {id(TensorType::kQ4_K), id(TensorType::kQ6_K), id(TensorType::kQ8_0), id(TensorType::kQ5_0)})
     for (const int64_t cols :
          {int64_t{256}, int64_t{768}, int64_t{4864}, int64_t{32}, int64_t{640}}) {
       const bool k = gguf::block_layout(type).block_elems == 256;
@@ -508,8 +605,8 @@ TEST(Int8Matmul, Rows8LayoutGivesTheRowLayoutsBits) {
           for (int64_t t = 0; t < tokens; ++t) {  // one token at a time, the row layout
             const WeightMatrix* mats[] = {&m};
             float* ys[] = {want.data() + t * rows};
-            ASSERT_TRUE(model::matmul(mats, x.data() + t * cols, 1, cols, ys,
-                                      int8_options(1, tg)).is_ok());
+            ASSERT_TRUE(
+                model::matmul(mats, x.data() + t * cols, 1, cols, ys, int8_options(1, tg)).is_ok());
           }
           m.rows8 = packed.data();
           for (const int threads : {1, 2})
@@ -518,8 +615,9 @@ TEST(Int8Matmul, Rows8LayoutGivesTheRowLayoutsBits) {
               std::vector<float> got(static_cast<std::size_t>(n * rows));
               const WeightMatrix* mats[] = {&m};
               float* ys[] = {got.data()};
-              ASSERT_TRUE(model::matmul(mats, x.data() + t0 * cols, n, cols, ys,
-                                        int8_options(threads, tg)).is_ok());
+              ASSERT_TRUE(
+                  model::matmul(mats, x.data() + t0 * cols, n, cols, ys, int8_options(threads, tg))
+                      .is_ok());
               ASSERT_EQ(0, std::memcmp(want.data() + t0 * rows, got.data(), got.size() * 4))
                   << n << " tokens, threads " << threads;
             }
@@ -540,8 +638,8 @@ TEST(Int8Matmul, Rows8LayoutGivesTheRowLayoutsBits) {
               const float* g = got.data() + t * rows;
               const float* w = want.data() + t * rows;
               groups_differ = groups_differ || std::memcmp(g, w, rows / 8 * 8 * 4) != 0;
-              tail_same = tail_same && std::memcmp(g + rows / 8 * 8, w + rows / 8 * 8,
-                                                   (rows % 8) * 4) == 0;
+              tail_same =
+                  tail_same && std::memcmp(g + rows / 8 * 8, w + rows / 8 * 8, (rows % 8) * 4) == 0;
             }
             EXPECT_TRUE(tail_same) << n << " tokens";
             if (n <= 8)
@@ -637,8 +735,8 @@ TEST(Int8Matmul, ExactIsTheDefaultAndModesParse) {
   float* ye_[] = {ye.data()};
   float* yi_[] = {yi.data()};
   ASSERT_TRUE(model::matmul(mats, x.data(), 1, 256, ye_).is_ok());
-  ASSERT_TRUE(model::matmul(mats, x.data(), 1, 256, yi_, int8_options(1, {Isa::kAuto, true}))
-                  .is_ok());
+  ASSERT_TRUE(
+      model::matmul(mats, x.data(), 1, 256, yi_, int8_options(1, {Isa::kAuto, true})).is_ok());
   EXPECT_NE(0, std::memcmp(ye.data(), yi.data(), 8 * 4));
 }
 
@@ -673,9 +771,11 @@ TEST(Int8Model, Int8FfnIsExactInTheAttentionProjectionsAndInt8Elsewhere) {
     Out out{std::vector<float>(qn), std::vector<float>(kvn), std::vector<float>(kvn), x,
             std::vector<float>(static_cast<std::size_t>(tokens * cfg.n_vocab))};
     EXPECT_TRUE((*m)->attention_inputs(1, x.data(), tokens, pos, out.q.data(), out.k.data(),
-                                       out.v.data(), s, o).is_ok());
+                                       out.v.data(), s, o)
+                    .is_ok());
     // The attention's output stands in for a (any) vector of n_head * head_dim per token.
-    EXPECT_TRUE((*m)->attention_output_and_ffn(1, out.q.data(), tokens, out.x.data(), s, o).is_ok());
+    EXPECT_TRUE(
+        (*m)->attention_output_and_ffn(1, out.q.data(), tokens, out.x.data(), s, o).is_ok());
     EXPECT_TRUE((*m)->logits(x.data(), tokens, out.logits.data(), s, o).is_ok());
     return out;
   };
@@ -741,9 +841,10 @@ TEST(Int8Model, TinyModelLogitsMatchTheFloat64ReferenceWithinTheInt8Bound) {
   EXPECT_LE(worst[0], 1e-5);
   EXPECT_LE(worst[1], 2e-2);
   EXPECT_LE(worst[2], 2e-2);
-  std::printf("[ reference ] tiny model, max relative logit error: exact %.2e (bound 1e-5), "
-              "int8 %.2e, int8-ffn %.2e (bound 2e-2)\n",
-              worst[0], worst[1], worst[2]);
+  std::printf(
+      "[ reference ] tiny model, max relative logit error: exact %.2e (bound 1e-5), "
+      "int8 %.2e, int8-ffn %.2e (bound 2e-2)\n",
+      worst[0], worst[1], worst[2]);
 }
 #endif  // TREEATTN_LLAMA_REFERENCE
 
@@ -761,8 +862,12 @@ TEST(Int8Real, GreedyTokensEqualTheExactPathExceptAtNearTies) {
   // default system message), where SmolLM2-135M's exact and int8 paths part at the first token.
   const ChatTurn question{"user", "What is the capital of France?"};
   const std::vector<std::string> prompts = {
-      "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-      "The three primary colors are", "1, 2, 3, 4, 5,", "Water boils at a temperature of",
+      "The capital of France is",
+      "def fibonacci(n):",
+      "Once upon a time, in a small village,",
+      "The three primary colors are",
+      "1, 2, 3, 4, 5,",
+      "Water boils at a temperature of",
       format_chat(tok->chat_format(), std::span<const ChatTurn>(&question, 1),
                   tok->default_system())};
   const int steps = 16;
@@ -795,7 +900,8 @@ TEST(Int8Real, GreedyTokensEqualTheExactPathExceptAtNearTies) {
       {  // the first token's logits come from the same prompt on both paths: the mode's error
         const auto& li = in.logits[0][0];
         float worst = 0;
-        for (std::size_t v = 0; v < le.size(); ++v) worst = std::max(worst, std::abs(le[v] - li[v]));
+        for (std::size_t v = 0; v < le.size(); ++v)
+          worst = std::max(worst, std::abs(le[v] - li[v]));
         std::printf("[ %-8s  ]   first token max |logit - exact| %.4f\n", name.c_str(), worst);
         worst_first[k] = std::max(worst_first[k], worst);
       }
@@ -817,10 +923,10 @@ TEST(Int8Real, GreedyTokensEqualTheExactPathExceptAtNearTies) {
     }
   }
   for (int k = 0; k < 2; ++k)
-    std::printf("[ greedy    ] %s: %d tokens equal, %d prompts parted at a near tie; first-token "
-                "logit error at most %.4f\n",
-                std::string(model::matmul_mode_name(modes[k])).c_str(), equal[k], ties[k],
-                worst_first[k]);
+    std::printf(
+        "[ greedy    ] %s: %d tokens equal, %d prompts parted at a near tie; first-token "
+        "logit error at most %.4f\n",
+        std::string(model::matmul_mode_name(modes[k])).c_str(), equal[k], ties[k], worst_first[k]);
 }
 
 }  // namespace
