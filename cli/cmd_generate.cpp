@@ -269,8 +269,20 @@ int say_error(const Communicator& comm, const Status& s) {
 
 generation::ReportLabels labels_of(const GenFlags& f, const std::string& model_path, int threads,
                                    int P) {
-  return {model_path,  P,           threads,        f.matmul,          f.kv_dtype,
-          f.placement, f.kv_layout, f.synthetic_kv, f.prefill_exchange};
+  model::MatvecOptions o;
+  o.threads = threads;
+  o.isa = *isa_for_flag(f.isa);
+  return {model_path,
+          P,
+          threads,
+          f.matmul,
+          f.kv_dtype,
+          f.placement,
+          f.kv_layout,
+          f.synthetic_kv,
+          f.prefill_exchange,
+          std::string(isa_name(model::matmul_isa(o))),
+          std::string(model::matmul_int8_target(o))};
 }
 
 // The report (rank 0): its lines on stderr, and --json.

@@ -25,6 +25,9 @@ struct ReportLabels {
   std::string placement, kv_layout;  // session path
   bool synthetic_kv = false;         // session path
   std::string prefill_exchange;      // engine path
+  // The kernel target (isa_name: avx512, avx2, generic) and the integer kernel it runs for
+  // --matmul int8 (matmul_int8_target: avx512vnni, avxvnni, avx2, generic).
+  std::string isa, int8_kernel;
 };
 
 // One method of the session path.

@@ -82,7 +82,8 @@ TEST(GenerationReport, EngineFigures) {
 
 TEST(GenerationReport, SessionDocument) {
   const Output o = session_output();
-  generation::ReportLabels l{"/m.gguf", 3, 2, "int8", "f16", "even", "auto", false, "auto"};
+  generation::ReportLabels l{"/m.gguf", 3,     2,      "int8", "f16",    "even",
+                             "auto",    false, "auto", "avx2", "avxvnni"};
   const nlohmann::json j = generation::session_report_json(o, l, true);
   EXPECT_EQ(keys(j), (std::set<std::string>{"model",
                                             "model_config",
@@ -92,6 +93,8 @@ TEST(GenerationReport, SessionDocument) {
                                             "ranks",
                                             "threads_per_rank",
                                             "matmul",
+                                            "isa",
+                                            "int8_kernel",
                                             "method",
                                             "kv_dtype",
                                             "placement",
@@ -114,6 +117,8 @@ TEST(GenerationReport, SessionDocument) {
                                             "ranks_agree",
                                             "methods"}));
   EXPECT_EQ(j["method"], "tree");
+  EXPECT_EQ(j["isa"], "avx2");
+  EXPECT_EQ(j["int8_kernel"], "avxvnni");
   EXPECT_EQ(j["tokens"], nlohmann::json({7, 8, 9, 10}));
   EXPECT_EQ(j["token_stream_hash"], "0000000000000abc");
   EXPECT_EQ(j["decode_ms_p50"], 2.5);
@@ -141,11 +146,14 @@ TEST(GenerationReport, EngineDocumentAndInvalidUtf8) {
   o.text = std::string("caf\xc3", 4);  // ends inside a two-byte character
   o.peak_rss_by_rank = {9, 4};
   o.bytes_per_token = 128;
-  generation::ReportLabels l{"/m.gguf", 2, 1, "exact", "bf16", "", "", false, "kv"};
+  generation::ReportLabels l{"/m.gguf", 2,     1,    "exact",  "bf16",      "",
+                             "",        false, "kv", "avx512", "avx512vnni"};
   const nlohmann::json j = generation::engine_report_json(o, "allgather", l);
   EXPECT_TRUE(j["engine"].get<bool>());
   EXPECT_EQ(j["method"], "allgather");
   EXPECT_EQ(j["prefill_exchange"], "kv");
+  EXPECT_EQ(j["isa"], "avx512");
+  EXPECT_EQ(j["int8_kernel"], "avx512vnni");
   EXPECT_EQ(j["decode_ms_per_token"], 20.0);
   EXPECT_EQ(j["decode_ms_p50"], 20.0);
   EXPECT_EQ(j["tokens_per_s"], 50.0);

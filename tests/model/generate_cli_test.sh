@@ -89,6 +89,7 @@ runs = {i: json.load(open(f"{sys.argv[1]}/{i}.json")) for i in sys.argv[2:]}
 first = next(iter(runs.values()))["tokens"]
 assert len(first) == 8 and all(r["tokens"] == first for r in runs.values()), runs
 assert all(r["text"].startswith(" five, six, seven") for r in runs.values()), runs
+assert all(r["isa"] == i for i, r in runs.items()), {i: r["isa"] for i, r in runs.items()}
 PY
     ;;
   interrupt)
@@ -124,6 +125,7 @@ for k in ["prompt_tokens", "tokens", "text", "ranks", "method", "ttft_ms", "pref
 assert "Paris" in j["text"], j["text"]
 assert j["ranks"] == 2 and j["method"] == "tree", j
 assert j["matmul"] == ("exact" if j["model"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") else "int8"), j["matmul"]
+assert j["isa"] in ("avx512", "avx2", "generic") and j["int8_kernel"], (j["isa"], j["int8_kernel"])
 PY
     ln -s "$(readlink -f "$MODEL")" "$T/renamed.gguf"  # the table's default follows the file's name and size only
     expect 0 "matmul [a-z0-9]+ int8 \([a-z0-9]+\) \|" -- "$B" generate --model "$T/renamed.gguf" --prompt hi --new-tokens 2
