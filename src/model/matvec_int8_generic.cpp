@@ -11,19 +11,7 @@
 #include <utility>
 
 #include "model/matvec_targets.hpp"
-
-// The quantization runs once per matrix call on every target (ActBlock, ActBlockK); on the
-// baseline ISA its 256-value blocks took 4.7% of Qwen2.5-1.5B's 512-token prefill on Zen 5 (perf;
-// 4-wide divisions and scalar maxima). GCC's target clones compile the same code for AVX-512 and
-// AVX2 as well and pick one at load time (ifunc): the same operations, each exactly rounded
-// (|x|, max, x / d, the rounding add), so the same bits on every clone
-// (Int8Matmul.QuantizationIsTheRoundedQuotient checks the one this CPU runs).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
-    !defined(__SANITIZE_ADDRESS__)
-#define TREEATTN_QUANTIZE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define TREEATTN_QUANTIZE_CLONES
-#endif
+#include "treeattn/kernel.hpp"
 
 namespace treeattn::model::detail {
 
@@ -70,7 +58,7 @@ inline __attribute__((always_inline)) float quantize_block(const float* xb, int 
   return d;
 }
 
-int block_sum(const int8_t* q) {
+inline __attribute__((always_inline)) int block_sum(const int8_t* q) {
   int sum = 0;
   for (int i = 0; i < 32; ++i) sum += q[i];
   return sum;
@@ -82,12 +70,72 @@ void activation_sums(const ActBlock* xq, int64_t blocks, int32_t* out) {
   for (int64_t b = 0; b < blocks; ++b) out[b] = block_sum(xq[b].q);
 }
 
-TREEATTN_QUANTIZE_CLONES void quantize_activations(const float* x, int64_t cols, ActBlock* out) {
+namespace {
+// The two quantizations, compiled below once per x86 vector width (quantize_variants).
+inline __attribute__((always_inline)) void quantize32_body(const float* x, int64_t cols,
+                                                           ActBlock* out) {
   for (int64_t b = 0; b < cols / 32; ++b) {
     ActBlock& o = out[b];
     o.d = quantize_block(x + b * 32, 32, o.q);
     o.s = std::isnan(o.d) ? o.d : o.d * static_cast<float>(block_sum(o.q));
   }
+}
+
+inline __attribute__((always_inline)) void quantizek_body(const float* x, int64_t cols,
+                                                          ActBlockK* out) {
+  for (int64_t b = 0; b < cols / 256; ++b) {
+    ActBlockK& o = out[b];
+    o.d = quantize_block(x + b * 256, 256, o.q);
+    for (int j = 0; j < 16; ++j) {
+      int sum = 0;
+      for (int e = 0; e < 16; ++e) sum += o.q[16 * j + e];
+      o.bsum16[j] = static_cast<int16_t>(sum);
+    }
+    for (int j = 0; j < 8; ++j)
+      o.bsum[j] = static_cast<int16_t>(o.bsum16[2 * j] + o.bsum16[2 * j + 1]);
+  }
+}
+
+void quantize32_default(const float* x, int64_t cols, ActBlock* out) {
+  quantize32_body(x, cols, out);
+}
+void quantizek_default(const float* x, int64_t cols, ActBlockK* out) {
+  quantizek_body(x, cols, out);
+}
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) void quantize32_avx2(const float* x, int64_t cols, ActBlock* out) {
+  quantize32_body(x, cols, out);
+}
+__attribute__((target("avx2"))) void quantizek_avx2(const float* x, int64_t cols, ActBlockK* out) {
+  quantizek_body(x, cols, out);
+}
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void quantize32_avx512(
+    const float* x, int64_t cols, ActBlock* out) {
+  quantize32_body(x, cols, out);
+}
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void quantizek_avx512(
+    const float* x, int64_t cols, ActBlockK* out) {
+  quantizek_body(x, cols, out);
+}
+#endif
+
+const QuantizeVariant& best_quantize() {
+  static const QuantizeVariant v = quantize_variants().back();
+  return v;
+}
+}  // namespace
+
+std::vector<QuantizeVariant> quantize_variants() {
+  std::vector<QuantizeVariant> v = {{"default", quantize32_default, quantizek_default}};
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx2")) v.push_back({"avx2", quantize32_avx2, quantizek_avx2});
+  if (isa_supported(Isa::kAvx512)) v.push_back({"avx512", quantize32_avx512, quantizek_avx512});
+#endif
+  return v;
+}
+
+void quantize_activations(const float* x, int64_t cols, ActBlock* out) {
+  best_quantize().q32(x, cols, out);
 }
 
 namespace {
@@ -116,18 +164,8 @@ void transpose_activations(const ActBlock* xq, int64_t xq_stride, int64_t tokens
   });
 }
 
-TREEATTN_QUANTIZE_CLONES void quantize_activations_k(const float* x, int64_t cols, ActBlockK* out) {
-  for (int64_t b = 0; b < cols / 256; ++b) {
-    ActBlockK& o = out[b];
-    o.d = quantize_block(x + b * 256, 256, o.q);
-    for (int j = 0; j < 16; ++j) {
-      int sum = 0;
-      for (int e = 0; e < 16; ++e) sum += o.q[16 * j + e];
-      o.bsum16[j] = static_cast<int16_t>(sum);
-    }
-    for (int j = 0; j < 8; ++j)
-      o.bsum[j] = static_cast<int16_t>(o.bsum16[2 * j] + o.bsum16[2 * j + 1]);
-  }
+void quantize_activations_k(const float* x, int64_t cols, ActBlockK* out) {
+  best_quantize().qk(x, cols, out);
 }
 
 void transpose_activations_k(const ActBlockK* xk, int64_t xk_stride, int64_t tokens, int64_t blocks,

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace treeattn::model::detail {
 
@@ -157,6 +158,20 @@ void transpose_activations(const ActBlock* xq, int64_t xq_stride, int64_t tokens
 // bound is (amax_256 / 254) (1 + 2^-15)); a NaN or infinite x: d = NaN, q = 0, bsum = 0.
 void quantize_activations_k(const float* x, int64_t cols, ActBlockK* out);
 
+// The quantizations above compiled for each vector width this CPU runs (matvec_int8_generic.cpp),
+// widest last: "default" (the baseline ISA) everywhere, "avx2" and "avx512" on x86 CPUs that have
+// them; quantize_activations and quantize_activations_k call the widest. One source, every
+// operation exactly rounded (|x|, max, x / d, the rounding add, the clamp), so the same bits on
+// each; the tests run every variant here. The width matters: on the baseline ISA (4-wide
+// divisions, scalar maxima) quantize_activations_k took 4.4% of Qwen2.5-1.5B's 512-token prefill
+// on Zen 5 (perf).
+struct QuantizeVariant {
+  const char* name;
+  void (*q32)(const float* x, int64_t cols, ActBlock* out);
+  void (*qk)(const float* x, int64_t cols, ActBlockK* out);
+};
+std::vector<QuantizeVariant> quantize_variants();
+
 // Super-block b of 8 tokens, transposed as ActBlock8 for the K types' batched path: 4-byte
 // group i (< 64) of token t's q at q[i][4 t ..]; its d; and its sums of q laid out as int16
 // pairs for a multiply-add with a row's pair of multipliers: s16[j][2 t], s16[j][2 t + 1] are
@@ -177,8 +192,8 @@ static_assert(sizeof(ActBlockK8) == 2464);
 
 // xk: `tokens` tokens' K blocks (blocks per token, xk_stride apart) into ceil(tokens / 8)
 // groups of `blocks` ActBlockK8 each (group g: tokens 8 g .. 8 g + 7).
-void transpose_activations_k(const ActBlockK* xk, int64_t xk_stride, int64_t tokens,
-                             int64_t blocks, ActBlockK8* out);
+void transpose_activations_k(const ActBlockK* xk, int64_t xk_stride, int64_t tokens, int64_t blocks,
+                             ActBlockK8* out);
 
 // Rows in lanes: the decode layout (MatmulMode::kInt8, calls of up to kRows8MaxTokens tokens) of
 // Q4_K and Q6_K, and below of Q8_0 and Q5_0. The rows of a matrix

@@ -73,10 +73,11 @@ std::string target_name(const Target& t) {
   return std::string(isa_name(t.isa)) + "/" + std::string(model::matmul_int8_target(o));
 }
 
-// The quantization of the activations (matvec_targets.hpp) as stated, bit for bit, on the code
-// path this CPU runs (matvec_int8_generic.cpp compiles it for AVX-512, AVX2 and the baseline and
-// picks one at load time): d = amax / 127, q = round-to-nearest-even(x / d) clamped, the sums;
-// exact ties, values near the clamp, zero, subnormal and non-finite blocks.
+// The quantization of the activations (matvec_targets.hpp) as stated, bit for bit, in every
+// compiled variant this CPU runs (quantize_variants: the baseline everywhere, AVX2 and AVX-512
+// where the CPU has them), and quantize_activations(_k) as the widest: d = amax / 127, q =
+// round-to-nearest-even(x / d) clamped, the sums; exact ties, values near the clamp, zero,
+// subnormal and non-finite blocks.
 TEST(Int8Matmul, QuantizationIsTheRoundedQuotient) {
   std::mt19937 rng(29);
   std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -96,12 +97,8 @@ TEST(Int8Matmul, QuantizationIsTheRoundedQuotient) {
       for (int i = 0; i < 256; ++i) xb[i] = std::ldexp(static_cast<float>(i - 128), -140);
     if (b == 6) xb[5] = -0.0f;
   }
-  std::vector<model::detail::ActBlockK> k(kCols / 256);
-  std::vector<model::detail::ActBlock> q(kCols / 32);
-  model::detail::quantize_activations_k(x.data(), kCols, k.data());
-  model::detail::quantize_activations(x.data(), kCols, q.data());
   // The statement, one block of n values: d and q.
-  auto expect_block = [](const float* xb, int n, float d, const int8_t* qb, const char* what,
+  auto expect_block = [](const float* xb, int n, float d, const int8_t* qb, const std::string& what,
                          int b) {
     float amax = 0.0f;
     bool bad = false;
@@ -121,33 +118,49 @@ TEST(Int8Matmul, QuantizationIsTheRoundedQuotient) {
       ASSERT_EQ(qb[i], want) << what << " block " << b << " value " << i << " (x " << xb[i] << ")";
     }
   };
-  for (int b = 0; b < kCols / 256; ++b) {
-    const float* xb = x.data() + 256 * b;
-    expect_block(xb, 256, k[b].d, k[b].q, "ActBlockK", b);
-    for (int j = 0; j < 16; ++j) {
-      int sum = 0;
-      for (int e = 0; e < 16; ++e) sum += k[b].q[16 * j + e];
-      EXPECT_EQ(k[b].bsum16[j], sum) << "block " << b;
+  std::vector<model::detail::ActBlockK> k(kCols / 256), k_public(kCols / 256);
+  std::vector<model::detail::ActBlock> q(kCols / 32), q_public(kCols / 32);
+  std::string ran;
+  for (const model::detail::QuantizeVariant& variant : model::detail::quantize_variants()) {
+    ran += std::string(" ") + variant.name;
+    variant.qk(x.data(), kCols, k.data());
+    variant.q32(x.data(), kCols, q.data());
+    const std::string vk = std::string(variant.name) + " ActBlockK";
+    const std::string vq = std::string(variant.name) + " ActBlock";
+    for (int b = 0; b < kCols / 256; ++b) {
+      const float* xb = x.data() + 256 * b;
+      expect_block(xb, 256, k[b].d, k[b].q, vk, b);
+      for (int j = 0; j < 16; ++j) {
+        int sum = 0;
+        for (int e = 0; e < 16; ++e) sum += k[b].q[16 * j + e];
+        EXPECT_EQ(k[b].bsum16[j], sum) << "block " << b;
+      }
+      for (int j = 0; j < 8; ++j)
+        EXPECT_EQ(k[b].bsum[j], k[b].bsum16[2 * j] + k[b].bsum16[2 * j + 1]);
     }
-    for (int j = 0; j < 8; ++j)
-      EXPECT_EQ(k[b].bsum[j], k[b].bsum16[2 * j] + k[b].bsum16[2 * j + 1]);
+    for (int b = 0; b < kCols / 32; ++b) {
+      expect_block(x.data() + 32 * b, 32, q[b].d, q[b].q, vq, b);
+      int sum = 0;
+      for (int i = 0; i < 32; ++i) sum += q[b].q[i];
+      const float want_s = q[b].d * static_cast<float>(sum);
+      if (std::isnan(q[b].d))
+        EXPECT_TRUE(std::isnan(q[b].s));
+      else
+        EXPECT_EQ(std::memcmp(&q[b].s, &want_s, 4), 0) << "block " << b;
+    }
+    // The tie block really has ties, rounded to even: 0.5 -> 0, 1.5 -> 2, -0.5 -> 0, -1.5 -> -2.
+    EXPECT_EQ(k[1].d, 1.0f);
+    EXPECT_EQ(k[1].q[60], 0);   // 0.5
+    EXPECT_EQ(k[1].q[61], 2);   // 1.5
+    EXPECT_EQ(k[1].q[59], 0);   // -0.5
+    EXPECT_EQ(k[1].q[58], -2);  // -1.5
   }
-  for (int b = 0; b < kCols / 32; ++b) {
-    expect_block(x.data() + 32 * b, 32, q[b].d, q[b].q, "ActBlock", b);
-    int sum = 0;
-    for (int i = 0; i < 32; ++i) sum += q[b].q[i];
-    const float want_s = q[b].d * static_cast<float>(sum);
-    if (std::isnan(q[b].d))
-      EXPECT_TRUE(std::isnan(q[b].s));
-    else
-      EXPECT_EQ(std::memcmp(&q[b].s, &want_s, 4), 0) << "block " << b;
-  }
-  // The tie block really has ties, rounded to even: 0.5 -> 0, 1.5 -> 2, -0.5 -> 0, -1.5 -> -2.
-  EXPECT_EQ(k[1].d, 1.0f);
-  EXPECT_EQ(k[1].q[60], 0);   // 0.5
-  EXPECT_EQ(k[1].q[61], 2);   // 1.5
-  EXPECT_EQ(k[1].q[59], 0);   // -0.5
-  EXPECT_EQ(k[1].q[58], -2);  // -1.5
+  std::printf("[ quantize  ] variants run here:%s\n", ran.c_str());
+  // The public functions run the widest variant (the last one checked above): the same bytes.
+  model::detail::quantize_activations_k(x.data(), kCols, k_public.data());
+  model::detail::quantize_activations(x.data(), kCols, q_public.data());
+  EXPECT_EQ(std::memcmp(k.data(), k_public.data(), k.size() * sizeof(k[0])), 0);
+  EXPECT_EQ(std::memcmp(q.data(), q_public.data(), q.size() * sizeof(q[0])), 0);
 }
 
 TEST(Int8Matmul, TargetsRunHere) {
