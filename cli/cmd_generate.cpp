@@ -267,11 +267,19 @@ int say_error(const Communicator& comm, const Status& s) {
   return 2;
 }
 
-generation::ReportLabels labels_of(const GenFlags& f, const std::string& model_path, int threads,
-                                   int P) {
+// The matrix kernels' options the flags give (checked by preflight): for the start line and the
+// report's isa / int8_kernel.
+model::MatvecOptions matvec_options_of(const GenFlags& f, int threads) {
   model::MatvecOptions o;
   o.threads = threads;
   o.isa = *isa_for_flag(f.isa);
+  o.mode = *model::parse_matmul_mode(f.matmul);
+  return o;
+}
+
+generation::ReportLabels labels_of(const GenFlags& f, const std::string& model_path, int threads,
+                                   int P) {
+  const model::MatvecOptions o = matvec_options_of(f, threads);
   return {model_path,
           P,
           threads,
@@ -319,7 +327,7 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
   hooks.planned = [](const StrategyChoice& c) { announce_auto(c); };
   int64_t n = 0;
   hooks.started = [&](const generation::Start& s) {
-    const std::string label = matmul_label(*isa_for_flag(f.isa), f.matmul, threads);
+    const std::string label = model::matmul_description(matvec_options_of(f, threads));
     n = s.prompt_tokens;
     std::string methods;
     for (const auto& x : s.methods) methods += (methods.empty() ? "" : ",") + x;

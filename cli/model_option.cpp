@@ -64,14 +64,6 @@ Result<Isa> isa_for_flag(const std::string& flag) {
   return *isa;
 }
 
-std::string matmul_label(Isa isa, const std::string& matmul, int threads) {
-  model::MatvecOptions o;
-  o.threads = threads;
-  o.isa = isa;
-  o.mode = *model::parse_matmul_mode(matmul);
-  return model::matmul_description(o);
-}
-
 Status check_matmul_flag(const std::string& flag) {
   if (!flag.empty() && !model::parse_matmul_mode(flag).is_ok())
     return invalid_argument("--matmul " + flag + ": expected exact, int8 or int8-ffn");

@@ -141,9 +141,6 @@ void add_isa_option(CLI::App& sub, std::string& isa);
 // The target --isa names: kInvalidArgument for an unknown name (and reference, the kernel
 // benchmarks' scalar kernel), kUnsupported for a target this CPU or this build cannot run.
 Result<Isa> isa_for_flag(const std::string& flag);
-// "ISA MODE" for the start line, with the integer kernel when MODE is not exact, e.g.
-// "avx2 int8 (avxvnni)".
-std::string matmul_label(Isa isa, const std::string& matmul, int threads);
 // kInvalidArgument when --matmul was given and is not a mode ("" is not given).
 Status check_matmul_flag(const std::string& flag);
 // The --matmul a command runs `model_path` with: `flag` when given (checked as above), else the
