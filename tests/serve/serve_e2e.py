@@ -11,8 +11,9 @@ Cases (each starts its own server on a free port, --port 0, and reads the addres
               reuse), stop strings, seeds reproducible, timings, errors the client raises as API
               errors (400 BadRequestError naming the field, 401 AuthenticationError), curl with
               malformed bodies and an oversized one (413), a prompt over the context (400 naming
-              both numbers), /metrics
-  flags       bad flags, a port in use, a KV pool too small: exit 2 with a message naming it
+              both numbers), /metrics; the start line names the matmul target
+  flags       bad flags (--isa among them), a port in use, a KV pool too small: exit 2 with a
+              message naming it
   faults      1 rank: a full queue (429 + Retry-After, RateLimitError), a client that disconnects
               mid-stream and a slow reader (no pages leaked: /metrics after), SIGTERM during a
               stream (the stream finishes, exit 0)
@@ -208,6 +209,10 @@ def case_api():
     try:
         code, body, _ = s.get("/health", key="wrong")  # /health needs no key
         check(code == 200 and json.loads(body)["status"] == "ok", "/health 200 without a key")
+        # The start line names the kernel target and, for int8, the integer kernel (--isa auto).
+        check(any(re.search(r"matmul (avx512|avx2|generic) (exact|int8-ffn|int8)"
+                            r"( \((avx512vnni|avxvnni|avx2|generic)\))? \|", line)
+                  for line in s.lines), "the start line names the matmul target", s)
         c = s.client()
         models = c.models.list()
         check(models.data[0].id == os.path.basename(MODEL), "/v1/models: %s" % models.data[0].id)
@@ -644,7 +649,7 @@ def case_flags():
 
     for args, want in [(["--port", "70000"], "--port"), (["--method", "ring"], "--method"),
                        (["--kv-memory", "2X"], "--kv-memory"), (["--max-batch", "0"], "--max-batch"),
-                       (["--page-tokens", "40"], "--page-tokens"),
+                       (["--page-tokens", "40"], "--page-tokens"), (["--isa", "sse"], "--isa sse"),
                        (["--model", "/nonexistent.gguf"], "no such file"),
                        (["--kv-memory", "1K", "--port", "0"], "KV memory")]:
         rc, err = run(*args)
