@@ -11,6 +11,7 @@
 #include <deque>
 #include <limits>
 #include <mutex>
+#include <new>
 #include <string>
 #include <unordered_map>
 
@@ -45,11 +46,16 @@ bool valid_page_tokens(int64_t t) { return t == 16 || (t >= 32 && t <= 256 && t 
 
 const char* finish_reason_name(FinishReason r) {
   switch (r) {
-    case FinishReason::kNone: return "none";
-    case FinishReason::kStop: return "stop";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kCancelled: return "cancelled";
-    case FinishReason::kError: return "error";
+    case FinishReason::kNone:
+      return "none";
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kCancelled:
+      return "cancelled";
+    case FinishReason::kError:
+      return "error";
   }
   return "?";
 }
@@ -72,9 +78,9 @@ struct Engine::Impl {
     Request req;
     std::vector<TokenId> tokens;  // prompt, then generated
     int64_t prompt_len = 0;
-    int64_t computed = 0;  // positions whose K/V are stored
-    std::vector<PageRef> pages;     // logical page j
-    std::vector<uint64_t> hashes;   // chain hash of full pages 0 .. hashes.size() - 1
+    int64_t computed = 0;               // positions whose K/V are stored
+    std::vector<PageRef> pages;         // logical page j
+    std::vector<uint64_t> hashes;       // chain hash of full pages 0 .. hashes.size() - 1
     std::vector<int64_t> reserve_left;  // per rank
     int64_t generated = 0;
     int64_t cached_tokens = 0;
@@ -115,10 +121,10 @@ struct Engine::Impl {
   model::ForwardScratch fs;
   std::vector<float> x, q, k, v, attn, states, merge_scratch, xs, xs_all, logits, logits_all;
   std::vector<float> qkv_send, qkv_recv, qkv_local;
-  std::vector<int64_t> row_off;       // a row's offset (floats) in its rank's all-gather slot
+  std::vector<int64_t> row_off;  // a row's offset (floats) in its rank's all-gather slot
   std::vector<uint8_t> page_send, page_recv;  // the K/V exchange's cached pages
-  std::vector<float> kv_states;       // [owner rank][this rank's K/V rows][heads] records
-  TiledKVCache xpool;                 // the K/V exchange's copies of the pages its rows read
+  std::vector<float> kv_states;               // [owner rank][this rank's K/V rows][heads] records
+  TiledKVCache xpool;  // the K/V exchange's copies of the pages its rows read
   int64_t xpool_pages = 0;
   int64_t rows_pass_q = 0, rows_kv = 0, kv_bytes_sent = 0;
   std::vector<TokenId> row_tok;
@@ -154,10 +160,11 @@ struct Engine::Impl {
                               " positions for one sequence");
     const int64_t need = static_cast<int64_t>(r.prompt.size()) + r.max_new_tokens - 1;
     if (need > max_sequence_tokens())
-      return invalid_argument("the prompt has " + std::to_string(r.prompt.size()) +
-                              " tokens and max_new_tokens is " + std::to_string(r.max_new_tokens) +
-                              ": " + std::to_string(need) + " positions to store, but the KV pools hold at most " +
-                              std::to_string(max_sequence_tokens()) + " positions for one sequence");
+      return invalid_argument(
+          "the prompt has " + std::to_string(r.prompt.size()) + " tokens and max_new_tokens is " +
+          std::to_string(r.max_new_tokens) + ": " + std::to_string(need) +
+          " positions to store, but the KV pools hold at most " +
+          std::to_string(max_sequence_tokens()) + " positions for one sequence");
     return Status::ok();
   }
 
@@ -230,13 +237,13 @@ struct Engine::Impl {
     }
     const int64_t positions = n + req.max_new_tokens - 1;
     const int64_t end_page = (positions + T - 1) / T;
-    std::vector<int64_t> need =
-        table->pages_needed(static_cast<int64_t>(hits.size()), end_page);
+    std::vector<int64_t> need = table->pages_needed(static_cast<int64_t>(hits.size()), end_page);
     std::vector<int64_t> extra(static_cast<std::size_t>(p), 0);  // cached hits leave the LRU
     for (const PageRef& h : hits)
       if (table->refcount(h) == 0) ++extra[static_cast<std::size_t>(h.rank)];
     for (int r = 0; r < p; ++r)
-      if (need[static_cast<std::size_t>(r)] + extra[static_cast<std::size_t>(r)] > table->available(r)) {
+      if (need[static_cast<std::size_t>(r)] + extra[static_cast<std::size_t>(r)] >
+          table->available(r)) {
         if (decide) return false;
         return internal_error(rank_prefix(*comm) + "request " + std::to_string(id) +
                               " admitted by rank 0 does not fit rank " + std::to_string(r) +
@@ -313,7 +320,8 @@ struct Engine::Impl {
     };
     Plan pl;
     int64_t nc = 0, na = 0, nw = 0;
-    if (!next(pl.kind) || !next(pl.waiting_after) || !next(nc) || !next(na) || !next(nw)) return bad();
+    if (!next(pl.kind) || !next(pl.waiting_after) || !next(nc) || !next(na) || !next(nw))
+      return bad();
     for (int64_t c = 0; c < nc; ++c) {
       int64_t id;
       if (!next(id)) return bad();
@@ -432,8 +440,8 @@ struct Engine::Impl {
       if (s->computed >= reusable * T) continue;  // what it shares is indexed already
       const int64_t limit = std::min<int64_t>(reusable * T, static_cast<int64_t>(s->tokens.size()));
       int64_t same = 0;
-      while (same < limit && s->tokens[static_cast<std::size_t>(same)] ==
-                                 prompt[static_cast<std::size_t>(same)])
+      while (same < limit &&
+             s->tokens[static_cast<std::size_t>(same)] == prompt[static_cast<std::size_t>(same)])
         ++same;
       if (same / T * T > s->computed) return true;
     }
@@ -472,7 +480,48 @@ struct Engine::Impl {
     const std::vector<float> nan(static_cast<std::size_t>(mc.n_head_kv * mc.head_dim),
                                  std::numeric_limits<float>::quiet_NaN());
     for (TiledKVCache& pool : pools)
-      for (int64_t t = 0; t < T; ++t) pool.set_tokens(0, static_cast<int64_t>(pg.id) * T + t, nan.data(), nan.data());
+      for (int64_t t = 0; t < T; ++t)
+        pool.set_tokens(0, static_cast<int64_t>(pg.id) * T + t, nan.data(), nan.data());
+  }
+
+  // The step scratch of the largest step, allocated and written once at creation so that the
+  // first request does not pay for it (llama.cpp's servers run a warm-up batch for the same
+  // reason): prefill_chunk prompt rows (at most what the KV pool holds) and a decode row for
+  // each other sequence of the batch, split over the ranks as forward() splits them. A fresh
+  // allocation's pages are mapped on first write, ~2-5 us a page on the VMs here: ~40 MB, 1-2%
+  // of Qwen2.5-1.5B's first 512-token prefill (README). Without the memory for it, the steps
+  // grow their buffers as before.
+  void reserve_step_scratch() {
+    const auto& mc = model->config();
+    const int64_t E = mc.n_embd, H = mc.n_head, D = mc.head_dim, F = mc.n_ff;
+    const int64_t qd = H * D, kvd = mc.n_head_kv * D, packed = qd + 2 * kvd;
+    const int64_t rows = std::min(cfg.prefill_chunk, max_sequence_tokens()) + cfg.max_batch - 1;
+    const int64_t mine = p > 1 ? (rows + p - 1) / p : rows;
+    const auto z = [](auto& buf, int64_t n) { buf.assign(static_cast<std::size_t>(n), {}); };
+    z(x, mine * E);
+    z(q, rows * qd);
+    z(k, rows * kvd);
+    z(v, rows * kvd);
+    z(attn, mine * qd);
+    z(states, rows * H * (D + 2));
+    if (p > 1) {
+      z(qkv_send, mine * packed);
+      z(qkv_recv, p * mine * packed);
+    }
+    z(qkv_local, mine * packed);
+    z(fs.xn, mine * E);
+    z(fs.tmp, mine * E);
+    z(fs.gate, mine * F);
+    z(fs.up, mine * F);
+  }
+  void try_reserve_step_scratch() {
+    try {
+      reserve_step_scratch();
+    } catch (const std::bad_alloc&) {
+      for (auto* buf : {&x, &q, &k, &v, &attn, &states, &qkv_send, &qkv_recv, &qkv_local, &fs.xn,
+                        &fs.tmp, &fs.gate, &fs.up})
+        std::vector<float>().swap(*buf);
+    }
   }
 
   // ---- the batched forward pass ----
@@ -488,8 +537,10 @@ struct Engine::Impl {
     std::vector<std::pair<RequestId, int64_t>> kv_work;
     for (const auto& item : planned) {
       const Seq* s = find(item.first);
-      if (use_kv_exchange(exchange, xshape, item.second, s->computed)) kv_work.push_back(item);
-      else work.push_back(item);
+      if (use_kv_exchange(exchange, xshape, item.second, s->computed))
+        kv_work.push_back(item);
+      else
+        work.push_back(item);
     }
     const std::size_t n_passq = work.size();
     work.insert(work.end(), kv_work.begin(), kv_work.end());
@@ -534,7 +585,7 @@ struct Engine::Impl {
     const int64_t per = split ? (rows + p - 1) / p : rows;  // rows per rank (slots)
     const int64_t lo = split ? std::min(rows, me * per) : 0;
     const int64_t mine = std::min(rows, lo + per) - lo;
-    const int64_t packed = qd + 2 * kvd;     // floats of one pass-Q row's q, k, v
+    const int64_t packed = qd + 2 * kvd;  // floats of one pass-Q row's q, k, v
     // A rank's slot of the all-gather: its rows' q, k, v (pass-Q rows) or k, v (K/V rows),
     // padded to the largest slot.
     row_off.assign(static_cast<std::size_t>(rows), 0);
@@ -592,8 +643,8 @@ struct Engine::Impl {
     for (int l = 0; l < mc.n_layers; ++l) {
       const auto td = Clock::now();
       if (mine > 0)
-        TREEATTN_RETURN_IF_ERROR(model->attention_inputs(l, x.data(), mine, row_pos.data() + lo, ql,
-                                                         kl, vl, fs, mv));
+        TREEATTN_RETURN_IF_ERROR(
+            model->attention_inputs(l, x.data(), mine, row_pos.data() + lo, ql, kl, vl, fs, mv));
       dense_s += seconds(Clock::now() - td);
       if (!split) {
         std::memcpy(q.data(), ql, static_cast<std::size_t>(rows * qd) * sizeof(float));
@@ -611,16 +662,18 @@ struct Engine::Impl {
           std::memcpy(dst + kvd, vl + i * kvd, static_cast<std::size_t>(kvd) * fb);
         }
         const auto tg = Clock::now();
-        TREEATTN_RETURN_IF_ERROR(comm->allgather(qkv_send.data(), static_cast<std::size_t>(gslot) * fb,
-                                                 qkv_recv.data()));
+        TREEATTN_RETURN_IF_ERROR(comm->allgather(
+            qkv_send.data(), static_cast<std::size_t>(gslot) * fb, qkv_recv.data()));
         merge_s += seconds(Clock::now() - tg);
         for (int64_t row = 0; row < rows; ++row) {
-          const float* src = qkv_recv.data() + (row / per) * gslot + row_off[static_cast<std::size_t>(row)];
+          const float* src =
+              qkv_recv.data() + (row / per) * gslot + row_off[static_cast<std::size_t>(row)];
           if (row < rows_q) {
             std::memcpy(q.data() + row * qd, src, static_cast<std::size_t>(qd) * fb);
             src += qd;
           } else if (row >= lo && row < lo + mine) {  // a K/V row's q stays on its rank
-            std::memcpy(q.data() + row * qd, ql + (row - lo) * qd, static_cast<std::size_t>(qd) * fb);
+            std::memcpy(q.data() + row * qd, ql + (row - lo) * qd,
+                        static_cast<std::size_t>(qd) * fb);
           }
           std::memcpy(k.data() + row * kvd, src, static_cast<std::size_t>(kvd) * fb);
           std::memcpy(v.data() + row * kvd, src + kvd, static_cast<std::size_t>(kvd) * fb);
@@ -660,8 +713,8 @@ struct Engine::Impl {
       }
       merge_s += seconds(Clock::now() - tm);
       if (rows_q < rows)
-        TREEATTN_RETURN_IF_ERROR(kv_exchange_attention(pool, seqs, first_row, work, n_passq, lo,
-                                                       mine, window));
+        TREEATTN_RETURN_IF_ERROR(
+            kv_exchange_attention(pool, seqs, first_row, work, n_passq, lo, mine, window));
       for (int64_t r = 0; r < mine * H; ++r)
         state_normalize(states.data() + static_cast<std::size_t>(lo * H + r) * rec,
                         static_cast<std::size_t>(D), attn.data() + r * D,
@@ -700,7 +753,8 @@ struct Engine::Impl {
       for (int64_t i = 0; i < S; ++i) {
         const std::size_t w = sample_w[static_cast<std::size_t>(i)];
         const int64_t row = first_row[w] + work[w].second - 1;
-        std::memcpy(xs.data() + i * E, x.data() + row * E, static_cast<std::size_t>(E) * sizeof(float));
+        std::memcpy(xs.data() + i * E, x.data() + row * E,
+                    static_cast<std::size_t>(E) * sizeof(float));
       }
       TREEATTN_RETURN_IF_ERROR(model->logits(xs.data(), S, logits.data(), fs, mv));
     } else {
@@ -729,16 +783,16 @@ struct Engine::Impl {
       }
       // This rank's rows, then padding up to `most` rows that no rank reads (not cleared).
       xs_all.resize(static_cast<std::size_t>(most * V));
-      if (have > 0)
-        TREEATTN_RETURN_IF_ERROR(model->logits(xs.data(), have, xs_all.data(), fs, mv));
+      if (have > 0) TREEATTN_RETURN_IF_ERROR(model->logits(xs.data(), have, xs_all.data(), fs, mv));
       logits_all.resize(static_cast<std::size_t>(p * most * V));
       TREEATTN_RETURN_IF_ERROR(comm->allgather(
           xs_all.data(), static_cast<std::size_t>(most * V) * sizeof(float), logits_all.data()));
       for (int64_t i = 0; i < S; ++i)
-        std::memcpy(logits.data() + i * V,
-                    logits_all.data() + (owner[static_cast<std::size_t>(i)] * most +
-                                         slot[static_cast<std::size_t>(i)]) * V,
-                    static_cast<std::size_t>(V) * sizeof(float));
+        std::memcpy(
+            logits.data() + i * V,
+            logits_all.data() +
+                (owner[static_cast<std::size_t>(i)] * most + slot[static_cast<std::size_t>(i)]) * V,
+            static_cast<std::size_t>(V) * sizeof(float));
     }
     std::vector<RequestId> done;
     for (int64_t i = 0; i < S; ++i) {
@@ -753,7 +807,8 @@ struct Engine::Impl {
       TokenEvent ev;
       ev.token = tok;
       ev.index = s.generated - 1;
-      if (std::find(s.req.stop_tokens.begin(), s.req.stop_tokens.end(), tok) != s.req.stop_tokens.end())
+      if (std::find(s.req.stop_tokens.begin(), s.req.stop_tokens.end(), tok) !=
+          s.req.stop_tokens.end())
         ev.finish = FinishReason::kStop;
       else if (s.generated >= s.req.max_new_tokens)
         ev.finish = FinishReason::kLength;
@@ -898,9 +953,9 @@ struct Engine::Impl {
     for (const Span& sp : spans)
       for (int64_t row = sp.a; row < sp.b; ++row) {
         for (std::size_t o = 0; o < up; ++o)
-          parts[o] = kv_states.data() + (o * static_cast<std::size_t>(mine) +
-                                         static_cast<std::size_t>(row - lo)) *
-                                            static_cast<std::size_t>(H) * rec;
+          parts[o] = kv_states.data() +
+                     (o * static_cast<std::size_t>(mine) + static_cast<std::size_t>(row - lo)) *
+                         static_cast<std::size_t>(H) * rec;
         TREEATTN_RETURN_IF_ERROR(merge_states_local(
             merge, p, parts.data(), static_cast<std::size_t>(H), static_cast<std::size_t>(D),
             states.data() + static_cast<std::size_t>(row * H) * rec, merge_scratch));
@@ -1117,12 +1172,16 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
   }
   Status local;
   auto merge = parse_merge(config.merge);
-  if (!merge.is_ok()) local = merge.status();
-  else e.merge = *merge;
+  if (!merge.is_ok())
+    local = merge.status();
+  else
+    e.merge = *merge;
   if (local.is_ok()) {
     auto x = parse_exchange(config.prefill_exchange);
-    if (!x.is_ok()) local = x.status();
-    else e.exchange = *x;
+    if (!x.is_ok())
+      local = x.status();
+    else
+      e.exchange = *x;
   }
   if (local.is_ok()) local = check_exchange(e.exchange, e.merge, e.p);
   if (local.is_ok() && !valid_page_tokens(config.page_tokens))
@@ -1132,8 +1191,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
       config.kv_dtype != DType::kBF16)
     local = unsupported("the KV dtype must be f32, f16 or bf16, not " +
                         std::string(dtype_name(config.kv_dtype)));
-  if (local.is_ok() && config.max_batch < 1)
-    local = invalid_argument("max_batch must be >= 1");
+  if (local.is_ok() && config.max_batch < 1) local = invalid_argument("max_batch must be >= 1");
   if (local.is_ok() && config.prefill_chunk < 1)
     local = invalid_argument("prefill_chunk must be >= 1");
   if (local.is_ok() && config.max_queue < 0) local = invalid_argument("max_queue must be >= 0");
@@ -1151,7 +1209,8 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
       const std::size_t per_page = probe->bytes() * static_cast<std::size_t>(mc.n_layers);
       std::size_t budget = config.kv_memory;
       if (budget == 0) {
-        budget = static_cast<std::size_t>(mem_available_bytes() / 2 / static_cast<uint64_t>(local_ranks));
+        budget = static_cast<std::size_t>(mem_available_bytes() / 2 /
+                                          static_cast<uint64_t>(local_ranks));
       }
       pages = static_cast<int64_t>(std::min<std::size_t>(
           budget / per_page, static_cast<std::size_t>(std::numeric_limits<int32_t>::max())));
@@ -1163,16 +1222,17 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
     }
   }
   // Agreement: configuration, model and local verdicts, from every rank.
-  const std::string desc = mc.to_string() + "|" + std::to_string(model.file().file_size()) + "|" +
-                           std::string(dtype_name(config.kv_dtype)) + "|" +
-                           std::to_string(config.page_tokens) + "|" + std::to_string(config.max_batch) +
-                           "|" + std::to_string(config.prefill_chunk) + "|" + config.merge + "|" + config.prefill_exchange + "|" +
-                           (config.prefix_cache ? "1" : "0") + "|" + std::to_string(config.max_queue) +
-                           // Ranks compute replicated values (a lone row, the logits) and must
-                           // get the same bits: the same kernels on every rank.
-                           "|" + std::string(isa_name(model::matmul_isa(e.mv))) + "|" +
-                           std::string(model::matmul_mode_name(e.mv.mode)) + "|" +
-                           std::string(isa_name(config.isa == Isa::kAuto ? best_isa() : config.isa));
+  const std::string desc =
+      mc.to_string() + "|" + std::to_string(model.file().file_size()) + "|" +
+      std::string(dtype_name(config.kv_dtype)) + "|" + std::to_string(config.page_tokens) + "|" +
+      std::to_string(config.max_batch) + "|" + std::to_string(config.prefill_chunk) + "|" +
+      config.merge + "|" + config.prefill_exchange + "|" + (config.prefix_cache ? "1" : "0") + "|" +
+      std::to_string(config.max_queue) +
+      // Ranks compute replicated values (a lone row, the logits) and must
+      // get the same bits: the same kernels on every rank.
+      "|" + std::string(isa_name(model::matmul_isa(e.mv))) + "|" +
+      std::string(model::matmul_mode_name(e.mv.mode)) + "|" +
+      std::string(isa_name(config.isa == Isa::kAuto ? best_isa() : config.isa));
   struct Verdict {
     uint64_t hash;
     int64_t pages;
@@ -1202,8 +1262,10 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
   Status alloc;
   for (int l = 0; l < mc.n_layers && alloc.is_ok(); ++l) {
     auto c = TiledKVCache::create(pool_shape, config.kv_dtype, pages * e.T, kKVTileLayout, e.T);
-    if (!c.is_ok()) alloc = c.status();
-    else e.pools.push_back(std::move(c).value());
+    if (!c.is_ok())
+      alloc = c.status();
+    else
+      e.pools.push_back(std::move(c).value());
   }
   int32_t ok = alloc.is_ok() ? 1 : 0;
   std::vector<int32_t> oks(static_cast<std::size_t>(e.p));
@@ -1211,30 +1273,35 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
   if (!alloc.is_ok()) return Status(alloc.code(), who + "KV pools: " + alloc.message());
   for (int r = 0; r < e.p; ++r)
     if (oks[static_cast<std::size_t>(r)] == 0)
-      return Status(Code::kOutOfMemory, who + "rank " + std::to_string(r) +
-                                            " could not allocate its KV pools");
+      return Status(Code::kOutOfMemory,
+                    who + "rank " + std::to_string(r) + " could not allocate its KV pools");
   e.table = std::make_unique<PageTable>(e.p, pages, e.T);
-  e.xshape = ExchangeShape{e.p, mc.n_head, mc.n_head_kv, mc.head_dim,
-                           2 * static_cast<std::size_t>(mc.n_head_kv * mc.head_dim) *
-                               dtype_size(config.kv_dtype),
-                           e.merge};
+  e.xshape = ExchangeShape{
+      e.p,
+      mc.n_head,
+      mc.n_head_kv,
+      mc.head_dim,
+      2 * static_cast<std::size_t>(mc.n_head_kv * mc.head_dim) * dtype_size(config.kv_dtype),
+      e.merge};
   e.rank_merge_s.assign(static_cast<std::size_t>(e.p), 0.0);
   e.rank_attn_s.assign(static_cast<std::size_t>(e.p), 0.0);
   e.rank_dense_s.assign(static_cast<std::size_t>(e.p), 0.0);
+  e.try_reserve_step_scratch();
   e.update_snapshot();
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
 
 Result<RequestId> Engine::submit(Request request, TokenCallback callback) {
   Impl& e = *impl_;
-  if (e.me != 0) return invalid_argument(rank_prefix(*e.comm) + "submit: only rank 0 takes requests");
+  if (e.me != 0)
+    return invalid_argument(rank_prefix(*e.comm) + "submit: only rank 0 takes requests");
   TREEATTN_RETURN_IF_ERROR(e.check_request(request));
   std::lock_guard lk(e.mu);
   if (e.failed) return internal_error("the engine failed: " + e.failure);
   if (e.stop_now || e.stop_drain) return internal_error("the engine is stopping");
   if (static_cast<int>(e.waiting.size()) >= e.cfg.max_queue)
-    return Status(Code::kOutOfMemory, "the request queue is full (" +
-                                          std::to_string(e.waiting.size()) + " waiting)");
+    return Status(Code::kOutOfMemory,
+                  "the request queue is full (" + std::to_string(e.waiting.size()) + " waiting)");
   const RequestId id = e.next_id++;
   e.waiting.push_back({id, std::move(request), std::move(callback), Clock::now()});
   e.cv.notify_all();
@@ -1251,8 +1318,10 @@ void Engine::cancel(RequestId id) {
 void Engine::stop(bool drain) {
   Impl& e = *impl_;
   std::lock_guard lk(e.mu);
-  if (drain) e.stop_drain = true;
-  else e.stop_now = true;
+  if (drain)
+    e.stop_drain = true;
+  else
+    e.stop_now = true;
   e.cv.notify_all();
 }
 

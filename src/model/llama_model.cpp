@@ -8,6 +8,7 @@
 #include <map>
 #include <sstream>
 
+#include "model/activation.hpp"
 #include "treeattn/model.hpp"
 #include "treeattn/shape.hpp"
 
@@ -149,8 +150,9 @@ Status LlamaModel::init() {
                          ": logit soft-capping is not supported");
   }
   if (cfg_.architecture == "gemma3" && cfg_.n_layers == 62)
-    return unsupported(who + "Gemma 3 27B scales queries by 1/sqrt(n_embd / n_head), not "
-                             "1/sqrt(head_dim) as the attention kernels do");
+    return unsupported(who +
+                       "Gemma 3 27B scales queries by 1/sqrt(n_embd / n_head), not "
+                       "1/sqrt(head_dim) as the attention kernels do");
   if (spec->swa_pattern > 0) {
     auto w = f.get_int_or(a + "attention.sliding_window", 0);
     if (!w.is_ok()) return w.status();
@@ -199,8 +201,8 @@ Status LlamaModel::init() {
     return Status::ok();
   };
   auto qkv_bias_name = [](std::string_view n) {
-    return n.starts_with("blk.") &&
-           (n.ends_with(".attn_q.bias") || n.ends_with(".attn_k.bias") || n.ends_with(".attn_v.bias"));
+    return n.starts_with("blk.") && (n.ends_with(".attn_q.bias") || n.ends_with(".attn_k.bias") ||
+                                     n.ends_with(".attn_v.bias"));
   };
   for (const auto& t : f.tensors())
     if (t.name.ends_with(".bias") && !(spec->qkv_bias && qkv_bias_name(t.name)))
@@ -255,7 +257,9 @@ Status LlamaModel::init() {
     TREEATTN_RETURN_IF_ERROR(matrix(p + "ffn_down.weight", cfg_.n_ff, cfg_.n_embd, L.down));
     if (spec->qkv_bias) {
       const std::pair<const char*, std::pair<int64_t, std::vector<float>*>> biases[] = {
-          {"attn_q.bias", {qd, &L.bq}}, {"attn_k.bias", {kvd, &L.bk}}, {"attn_v.bias", {kvd, &L.bv}}};
+          {"attn_q.bias", {qd, &L.bq}},
+          {"attn_k.bias", {kvd, &L.bk}},
+          {"attn_v.bias", {kvd, &L.bv}}};
       for (const auto& [bname, want] : biases)
         if (f.find_tensor(p + bname) != nullptr) {
           TREEATTN_RETURN_IF_ERROR(vector(p + bname, want.first, *want.second));
@@ -287,9 +291,8 @@ Status LlamaModel::init() {
   if (cfg_.rope_base_local > 0.0) {
     inv_freq_local_.resize(static_cast<std::size_t>(pairs));
     for (int64_t i = 0; i < pairs; ++i)
-      inv_freq_local_[static_cast<std::size_t>(i)] =
-          std::pow(cfg_.rope_base_local,
-                   -2.0 * static_cast<double>(i) / static_cast<double>(cfg_.rope_dim));
+      inv_freq_local_[static_cast<std::size_t>(i)] = std::pow(
+          cfg_.rope_base_local, -2.0 * static_cast<double>(i) / static_cast<double>(cfg_.rope_dim));
   }
   return Status::ok();
 }
@@ -316,7 +319,8 @@ void LlamaModel::pack_rows8(MatmulMode mode, int threads) {
   if (at.back() == 0) return;
   rows8_.resize(at.back());
   const int n = static_cast<int>(ms.size());
-#pragma omp parallel for schedule(dynamic) num_threads(threads > 0 ? threads : omp_get_max_threads())
+#pragma omp parallel for schedule(dynamic) \
+    num_threads(threads > 0 ? threads : omp_get_max_threads())
   for (int i = 0; i < n; ++i)
     if (at[i + 1] > at[i]) model::pack_rows8(*ms[i], rows8_.data() + at[i]);
   for (std::size_t i = 0; i < ms.size(); ++i)
@@ -354,8 +358,8 @@ Status LlamaModel::embed(std::span<const TokenId> tokens, float* x) const {
   return Status::ok();
 }
 
-void LlamaModel::rmsnorm(const float* x, const std::vector<float>& w, int64_t tokens,
-                         float* out, int threads) const {
+void LlamaModel::rmsnorm(const float* x, const std::vector<float>& w, int64_t tokens, float* out,
+                         int threads) const {
   const auto n = static_cast<int64_t>(w.size());
   // Row by row (each row's bits are its own).
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
@@ -383,8 +387,7 @@ const std::vector<double>& LlamaModel::rope_freqs(int layer) const {
   return local ? inv_freq_local_ : inv_freq_;
 }
 
-void LlamaModel::rope_angles(const std::vector<double>& freqs, int64_t pos, float* cs,
-                             float* sn) {
+void LlamaModel::rope_angles(const std::vector<double>& freqs, int64_t pos, float* cs, float* sn) {
   for (std::size_t i = 0; i < freqs.size(); ++i) {
     const double th = static_cast<double>(pos) * freqs[i];
     cs[i] = static_cast<float>(std::cos(th));
@@ -510,29 +513,13 @@ Status LlamaModel::attention_output_and_ffn(int layer, const float* a, int64_t t
         matmul(mats, s.xn.data(), tokens, n, ys, for_role(options, MatrixRole::kFfn)));
   }
   // The gated activation, element by element (so its bits do not depend on the threads that
-  // share it).
-  const auto n_act = static_cast<int64_t>(s.gate.size());
-  float* gate = s.gate.data();
-  const float* up = s.up.data();
-  if (cfg_.arch->ffn == FfnActivation::kGeluTanh) {
-    // ggml's tanh GELU, 0.5 g (1 + tanh(y)) with y = sqrt(2/pi) g (1 + 0.044715 g^2), written as
-    // g / (1 + exp(-2 y)): the same function, one expf instead of a tanhf (glibc's tanhf took
-    // 12% of Gemma-3's 512-token prefill, expm1f inside it), and no cancellation in 1 + tanh(y)
-    // where y is negative. g = +-inf and NaN give what the tanh form gives (inf, NaN, NaN).
-    constexpr float kSqrt2OverPi = 0.79788456080286535587989211986876f, kA = 0.044715f;
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-    for (int64_t i = 0; i < n_act; ++i) {
-      const float g = gate[i];
-      const float y = kSqrt2OverPi * g * (1.0f + kA * g * g);
-      gate[i] = g / (1.0f + std::exp(-2.0f * y)) * up[i];
-    }
-  } else {
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-    for (int64_t i = 0; i < n_act; ++i) {
-      const float g = gate[i];
-      gate[i] = g / (1.0f + std::exp(-g)) * up[i];
-    }
-  }
+  // share it or on the target: activation.hpp). GELU (Gemma) is ggml's tanh form, 0.5 g (1 +
+  // tanh(y)) with y = sqrt(2/pi) g (1 + 0.044715 g^2), written as g / (1 + exp(-2 y)): the same
+  // function, one expf instead of a tanhf (glibc's tanhf took 12% of Gemma-3's 512-token prefill,
+  // expm1f inside it), and no cancellation in 1 + tanh(y) where y is negative. g = +-inf and NaN
+  // give what the tanh form gives (inf, NaN, NaN).
+  gated_activation(cfg_.arch->ffn, s.gate.data(), s.up.data(), static_cast<int64_t>(s.gate.size()),
+                   options.isa, threads);
   {
     const WeightMatrix* mats[] = {&L.down};
     float* ys[] = {s.tmp.data()};
@@ -563,8 +550,7 @@ Status LlamaModel::logits(const float* x, int64_t tokens, float* out, ForwardScr
   rmsnorm(x, output_norm_, tokens, s.xn.data());
   const WeightMatrix* mats[] = {&output_};
   float* ys[] = {out};
-  return matmul(mats, s.xn.data(), tokens, cfg_.n_embd, ys,
-                for_role(options, MatrixRole::kHead));
+  return matmul(mats, s.xn.data(), tokens, cfg_.n_embd, ys, for_role(options, MatrixRole::kHead));
 }
 
 }  // namespace treeattn::model
