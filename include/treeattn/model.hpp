@@ -98,7 +98,7 @@ void pack_rows8(const WeightMatrix& m, uint8_t* out);
 //           (kInvalidArgument).
 // Either way a token's result does not depend on the batch, the threads or the rows' split.
 enum class MatmulMode : uint8_t { kExact, kInt8, kInt8Ffn };
-std::string_view matmul_mode_name(MatmulMode mode);          // "exact", "int8", "int8-ffn"
+std::string_view matmul_mode_name(MatmulMode mode);           // "exact", "int8", "int8-ffn"
 Result<MatmulMode> parse_matmul_mode(std::string_view name);  // kInvalidArgument otherwise
 
 struct MatvecOptions {
@@ -122,6 +122,12 @@ MatvecOptions for_role(MatvecOptions options, MatrixRole role);
 // a kernel or an ISA this CPU lacks.
 Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t tokens,
               int64_t x_stride, std::span<float* const> ys, const MatvecOptions& options = {});
+// Sizes the calling thread's matmul buffers (the 8-bit activations and every OpenMP thread's
+// decoded rows) for calls of up to `tokens` tokens on these matrices with these options, so
+// that the first call does not map their pages (the serving engine, at creation, on the thread
+// that later runs its steps). Calls grow them anyway; this only moves the cost earlier.
+void reserve_matmul(std::span<const WeightMatrix* const> mats, int64_t tokens,
+                    const MatvecOptions& options = {});
 // The ISA matmul runs with these options ("avx512", "avx2", "generic").
 Isa matmul_isa(const MatvecOptions& options);
 // The integer target matmul runs with these options in kInt8 mode: "avx512vnni", "avxvnni",
@@ -153,12 +159,12 @@ struct Architecture {
   std::string_view name;
   RopeForm rope = RopeForm::kAdjacentPairs;
   bool qkv_bias = false;  // blk.N.attn_{q,k,v}.bias are read (each optional); other biases refused
-  bool qk_norm = false;     // blk.N.attn_{q,k}_norm.weight, required
-  bool post_norms = false;  // blk.N.post_attention_norm / post_ffw_norm.weight, required
-  bool embed_scale = false; // x = embedding * sqrt(n_embd)
+  bool qk_norm = false;   // blk.N.attn_{q,k}_norm.weight, required
+  bool post_norms = false;   // blk.N.post_attention_norm / post_ffw_norm.weight, required
+  bool embed_scale = false;  // x = embedding * sqrt(n_embd)
   FfnActivation ffn = FfnActivation::kSilu;
-  int swa_pattern = 0;          // 0: no sliding-window layers
-  double swa_rope_base = 0.0;   // rope base of local layers when the file does not give one
+  int swa_pattern = 0;         // 0: no sliding-window layers
+  double swa_rope_base = 0.0;  // rope base of local layers when the file does not give one
 };
 // The architecture named `name`, or nullptr. supported_architectures(): "llama, qwen2, gemma3".
 const Architecture* find_architecture(std::string_view name);
@@ -232,6 +238,9 @@ class LlamaModel {
   // before it is shared; `threads` OpenMP threads (0: the default).
   void pack_rows8(MatmulMode mode, int threads = 0);
   std::size_t rows8_bytes() const { return rows8_.size(); }
+  // reserve_matmul for a forward pass of `tokens` rows (each role's matrices with its options)
+  // on the calling thread.
+  void reserve_forward(int64_t tokens, const MatvecOptions& options) const;
 
   // x[t] = the embedding of tokens[t] (n_embd floats each). kInvalidArgument for an id outside
   // [0, n_vocab).
@@ -261,7 +270,7 @@ class LlamaModel {
   struct Layer {
     WeightMatrix wq, wk, wv, wo, gate, up, down;
     std::vector<float> attn_norm, ffn_norm;
-    std::vector<float> bq, bk, bv;  // empty: no bias
+    std::vector<float> bq, bk, bv;                                     // empty: no bias
     std::vector<float> q_norm, k_norm, post_attn_norm, post_ffn_norm;  // empty: none
   };
   explicit LlamaModel(gguf::File file) : file_(std::move(file)) {}

@@ -513,6 +513,8 @@ struct Engine::Impl {
     z(fs.tmp, mine * E);
     z(fs.gate, mine * F);
     z(fs.up, mine * F);
+    model->reserve_forward(mine,
+                           mv);  // this thread's: create and run share one (generation, serve)
   }
   void try_reserve_step_scratch() {
     try {

@@ -327,6 +327,15 @@ void LlamaModel::pack_rows8(MatmulMode mode, int threads) {
     if (at[i + 1] > at[i]) ms[i]->rows8 = rows8_.data() + at[i];
 }
 
+void LlamaModel::reserve_forward(int64_t tokens, const MatvecOptions& options) const {
+  for (const Layer& L : layers_) {
+    const WeightMatrix* attn[] = {&L.wq, &L.wk, &L.wv, &L.wo};
+    reserve_matmul(attn, tokens, for_role(options, MatrixRole::kAttention));
+    const WeightMatrix* ffn[] = {&L.gate, &L.up, &L.down};
+    reserve_matmul(ffn, tokens, for_role(options, MatrixRole::kFfn));
+  }
+}
+
 std::string LlamaModel::weight_types() const {
   std::map<std::string, int> n;
   for (const Layer& L : layers_)

@@ -55,6 +55,24 @@ int64_t token_tile(int64_t cols, bool k_types_only, bool wide) {
   return std::max<int64_t>(1, kTileBytes / cols / kTokenTile) * kTokenTile;
 }
 
+// The calling thread's buffers of matmul's 8-bit activations (grown, never shrunk), and each
+// OpenMP thread's decoded rows: per thread, so that concurrent callers (in-process ranks) never
+// share them.
+struct ActBuffers {
+  std::vector<detail::ActBlock> xq;
+  std::vector<detail::ActBlockK> xk;
+  std::vector<detail::ActBlock8> xt;
+  std::vector<detail::ActBlockK8> xtk;
+  std::vector<int32_t> xsum;
+};
+thread_local ActBuffers tl_act;
+thread_local std::vector<float> tl_scratch;
+
+template <class T>
+void grow(std::vector<T>& v, int64_t n) {
+  if (v.size() < static_cast<std::size_t>(n)) v.resize(static_cast<std::size_t>(n));
+}
+
 detail::RowsFn rows_fn(Isa isa) {
   switch (isa) {
 #if defined(TREEATTN_MODEL_X86)
@@ -202,6 +220,27 @@ Isa matmul_isa(const MatvecOptions& options) {
   return isa;
 }
 
+void reserve_matmul(std::span<const WeightMatrix* const> mats, int64_t tokens,
+                    const MatvecOptions& options) {
+  int64_t cols32 = 0, colsk = 0, cols = 0;
+  for (const WeightMatrix* m : mats) {
+    cols = std::max(cols, m->cols);
+    if (options.mode != MatmulMode::kInt8 || !detail::int8_type(m->type)) continue;
+    (detail::int8_k_type(m->type) ? colsk : cols32) =
+        std::max(detail::int8_k_type(m->type) ? colsk : cols32, m->cols);
+  }
+  const int64_t groups = (tokens + 7) / 8;
+  grow(tl_act.xq, tokens * (cols32 / 32));
+  grow(tl_act.xk, tokens * (colsk / 256));
+  if (tokens > 1) {
+    grow(tl_act.xt, groups * (cols32 / 32));
+    grow(tl_act.xtk, groups * (colsk / 256));
+  }
+  const int threads = options.threads > 0 ? options.threads : omp_get_max_threads();
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  grow(tl_scratch, detail::kMaxRowBlock * cols);
+}
+
 Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t tokens,
               int64_t x_stride, std::span<float* const> ys, const MatvecOptions& options) {
   if (mats.empty() || mats.size() != ys.size())
@@ -250,8 +289,8 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   // Quantized types have cols % 32 == 0, K types cols % 256 == 0 (check_matrix), so the blocks
   // cover every column.
   const int64_t xq_stride = cols / 32, xk_stride = cols / 256;
-  thread_local std::vector<detail::ActBlock> xq_buf;
-  thread_local std::vector<detail::ActBlockK> xk_buf;
+  std::vector<detail::ActBlock>& xq_buf = tl_act.xq;
+  std::vector<detail::ActBlockK>& xk_buf = tl_act.xk;
   if (int8_32 && xq_buf.size() < static_cast<std::size_t>(tokens * xq_stride))
     xq_buf.resize(static_cast<std::size_t>(tokens * xq_stride));
   if (int8_k && xk_buf.size() < static_cast<std::size_t>(tokens * xk_stride))
@@ -259,8 +298,8 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   // Several tokens: the blocks also 8 tokens to a group (ActBlock8, ActBlockK8).
   const int64_t groups = (tokens + 7) / 8;
   const bool int8_xt = int8_32 && tokens > 1, int8_xtk = int8_k && tokens > 1;
-  thread_local std::vector<detail::ActBlock8> xt_buf;
-  thread_local std::vector<detail::ActBlockK8> xtk_buf;
+  std::vector<detail::ActBlock8>& xt_buf = tl_act.xt;
+  std::vector<detail::ActBlockK8>& xtk_buf = tl_act.xtk;
   if (int8_xt && xt_buf.size() < static_cast<std::size_t>(groups * xq_stride))
     xt_buf.resize(static_cast<std::size_t>(groups * xq_stride));
   if (int8_xtk && xtk_buf.size() < static_cast<std::size_t>(groups * xk_stride))
@@ -272,7 +311,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   if (rows8_call)
     for (const WeightMatrix* m : mats)
       xsum_needed = xsum_needed || (m->rows8 != nullptr && m->type == detail::kTypeQ5_0);
-  thread_local std::vector<int32_t> xsum_buf;
+  std::vector<int32_t>& xsum_buf = tl_act.xsum;
   if (xsum_needed && xsum_buf.size() < static_cast<std::size_t>(tokens * xq_stride))
     xsum_buf.resize(static_cast<std::size_t>(tokens * xq_stride));
   int32_t* const xsum = xsum_buf.data();
@@ -290,7 +329,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   threads = static_cast<int>(std::min<int64_t>(threads, chunks));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    thread_local std::vector<float> scratch;
+    std::vector<float>& scratch = tl_scratch;
     if (scratch.size() < static_cast<std::size_t>(detail::kMaxRowBlock * cols))
       scratch.resize(static_cast<std::size_t>(detail::kMaxRowBlock * cols));
     if (int8) {
