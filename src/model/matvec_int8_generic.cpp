@@ -431,6 +431,12 @@ struct Ops {
     return r;
   }
   static void vstore(float* p, V v) { std::memcpy(p, v.v, 32); }
+  static void store_t4(float* y, int64_t stride, V a, V b, V c, V d) {
+    for (int t = 0; t < 8; ++t) {
+      const float row[4] = {a.v[t], b.v[t], c.v[t], d.v[t]};
+      std::memcpy(y + t * stride, row, sizeof(row));
+    }
+  }
   static V mul(V a, V b) {
     for (int i = 0; i < 8; ++i) a.v[i] *= b.v[i];
     return a;

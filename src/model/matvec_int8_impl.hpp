@@ -247,8 +247,8 @@ inline void dot_rows_1x4(const uint8_t* const* rows, int64_t cols, const ActBloc
     const uint8_t* q1 = rows[1] + b * Code<T>::kBytes;
     const uint8_t* q2 = rows[2] + b * Code<T>::kBytes;
     const uint8_t* q3 = rows[3] + b * Code<T>::kBytes;
-    const F4 a = O::mul4(O::f16x4(rd16(q0), rd16(q1), rd16(q2), rd16(q3)),
-                         O::set4(xb.d, xb.d, xb.d, xb.d));
+    const F4 a =
+        O::mul4(O::f16x4(rd16(q0), rd16(q1), rd16(q2), rd16(q3)), O::set4(xb.d, xb.d, xb.d, xb.d));
     acc = O::fma4(a, O::sums4(p[0], p[1], p[2], p[3]), acc);
     if constexpr (Code<T>::kMin)
       macc = O::fma4(O::f16x4(rd16(q0 + 2), rd16(q1 + 2), rd16(q2 + 2), rd16(q3 + 2)),
@@ -306,9 +306,12 @@ inline void group8_pairs4(const uint8_t* dec, int64_t blocks, const ActBlock8* x
       c[r] += kGroupBytes;
     }
   }
+  V o[4];
+  for (int r = 0; r < 4; ++r) o[r] = Code<T>::kMin ? Ops::vadd(acc[r], macc[r]) : acc[r];
+  if (lanes == 8) return Ops::store_t4(y, y_stride, o[0], o[1], o[2], o[3]);
   for (int r = 0; r < 4; ++r) {
     float out[8];
-    Ops::vstore(out, Code<T>::kMin ? Ops::vadd(acc[r], macc[r]) : acc[r]);
+    Ops::vstore(out, o[r]);
     for (int t = 0; t < lanes; ++t) y[t * y_stride + r] = out[t];
   }
 }
@@ -369,13 +372,21 @@ inline void group8(const uint8_t* dec, int64_t blocks, const ActBlock8* xt, int 
       }
     }
   }
-  for (int g = 0; g < NG; ++g)
+  for (int g = 0; g < NG; ++g) {
+    if constexpr (RBn == 4)  // a full group: 4 rows of a token in one store (Ops::store_t4)
+      if (g < NG - 1 || lanes == 8) {
+        V o[4];
+        for (int r = 0; r < 4; ++r)
+          o[r] = Code<T>::kMin ? Ops::vadd(acc[r][g], macc[r][g]) : acc[r][g];
+        Ops::store_t4(y + 8 * g * y_stride, y_stride, o[0], o[1], o[2], o[3]);
+        continue;
+      }
     for (int r = 0; r < RBn; ++r) {
       float out[8];
       Ops::vstore(out, Code<T>::kMin ? Ops::vadd(acc[r][g], macc[r][g]) : acc[r][g]);
-      for (int t = 0; t < (g == NG - 1 ? lanes : 8); ++t)
-        y[(8 * g + t) * y_stride + r] = out[t];
+      for (int t = 0; t < (g == NG - 1 ? lanes : 8); ++t) y[(8 * g + t) * y_stride + r] = out[t];
     }
+  }
 }
 
 // RBn rows against every token of the job. Several tokens: the rows are decoded once into the
@@ -404,10 +415,10 @@ inline void rows_block(const RowsArgs& a, int64_t r0) {
   const int64_t groups = (a.tokens + 7) / 8;
   int64_t g = 0;
   for (; g + Ops::NG <= groups; g += Ops::NG)
-    group8<T, RBn, Ops::NG>(dec, blocks, a.xt + g * blocks,
-                            static_cast<int>(
-                                std::min<int64_t>(8, a.tokens - 8 * (g + Ops::NG - 1))),
-                            a.y + g * 8 * a.y_stride + r0, a.y_stride);
+    group8<T, RBn, Ops::NG>(
+        dec, blocks, a.xt + g * blocks,
+        static_cast<int>(std::min<int64_t>(8, a.tokens - 8 * (g + Ops::NG - 1))),
+        a.y + g * 8 * a.y_stride + r0, a.y_stride);
   for (; g < groups; ++g)
     group8<T, RBn, 1>(dec, blocks, a.xt + g * blocks,
                       static_cast<int>(std::min<int64_t>(8, a.tokens - 8 * g)),
@@ -477,8 +488,10 @@ inline void rows8_pass(const RowsArgs& a, int64_t r0, int64_t t0);  // the K typ
 template <uint32_t T>
 inline void rows8_tokens(const RowsArgs& a, int64_t r0) {
   const auto pass = [&]<int NT>(int64_t t0) {
-    if constexpr (rows8_record_cols(T) == 256) rows8_pass<T, NT>(a, r0, t0);
-    else rows8_pass32<T, NT>(a, r0, t0);
+    if constexpr (rows8_record_cols(T) == 256)
+      rows8_pass<T, NT>(a, r0, t0);
+    else
+      rows8_pass32<T, NT>(a, r0, t0);
   };
   int64_t t0 = 0;
   for (; t0 + 4 <= a.tokens; t0 += 4) pass.template operator()<4>(t0);
@@ -664,11 +677,13 @@ inline void superblock_float(const uint8_t* const* b, const typename Ops::I* sum
   using CK = CodeK<T>;
   if constexpr (RBn == 4 && O::kRows4) {
     typename O::F4 d4, m4;
-    if constexpr (CK::kMin) O::f16pairs4(b[0], b[1], b[2], b[3], d4, m4);
-    else d4 = O::set4(CK::d(b[0]), CK::d(b[1]), CK::d(b[2]), CK::d(b[3]));
+    if constexpr (CK::kMin)
+      O::f16pairs4(b[0], b[1], b[2], b[3], d4, m4);
+    else
+      d4 = O::set4(CK::d(b[0]), CK::d(b[1]), CK::d(b[2]), CK::d(b[3]));
     const auto dx = O::set4(xb.d, xb.d, xb.d, xb.d);
-    O::store4(acc, O::fma4(O::mul4(d4, dx), O::sums4(sumi[0], sumi[1], sumi[2], sumi[3]),
-                           O::load4(acc)));
+    O::store4(
+        acc, O::fma4(O::mul4(d4, dx), O::sums4(sumi[0], sumi[1], sumi[2], sumi[3]), O::load4(acc)));
     if constexpr (CK::kMin)
       O::store4(macc, O::fma4(O::neg4(O::mul4(m4, dx)),
                               O::msums4(st[0].mn, st[1].mn, st[2].mn, st[3].mn, xb.bsum),
@@ -677,8 +692,8 @@ inline void superblock_float(const uint8_t* const* b, const typename Ops::I* sum
     for (int r = 0; r < RBn; ++r) {
       acc[r] = std::fma(CK::d(b[r]) * xb.d, static_cast<float>(Ops::hsum(sumi[r])), acc[r]);
       if constexpr (CK::kMin)
-        macc[r] = std::fma(-(CK::dmin(b[r]) * xb.d),
-                           static_cast<float>(CK::msum(st[r], xb.bsum)), macc[r]);
+        macc[r] = std::fma(-(CK::dmin(b[r]) * xb.d), static_cast<float>(CK::msum(st[r], xb.bsum)),
+                           macc[r]);
     }
   }
 }
@@ -704,8 +719,8 @@ inline void superblock(const uint8_t* const* rows, int64_t k, const ActBlockK& x
     constexpr int kG = decltype(g)::value;
     const typename Ops::B xv = Ops::load(xb.q + 32 * kG);
     for (int r = 0; r < RBn; ++r)
-      sumi[r] = Ops::madd_acc(
-          sumi[r], Ops::pairs(CK::template codes<kG>(b[r]), xv), CK::template scale<kG>(st[r]));
+      sumi[r] = Ops::madd_acc(sumi[r], Ops::pairs(CK::template codes<kG>(b[r]), xv),
+                              CK::template scale<kG>(st[r]));
   });
   superblock_float<T, RBn>(b, sumi, st, xb, acc, macc);
 }
@@ -757,6 +772,9 @@ struct WideLanes {
   static V cvt(I v) { return O::wcvt(v); }
   static V vadd(V a, V b) { return O::wvadd(a, b); }
   static void vstore(float* p, V v) { O::wvstore(p, v); }
+  static void store_t4(float* y, int64_t stride, V a, V b, V c, V d) {
+    O::wstore_t4(y, stride, a, b, c, d);
+  }
 };
 
 // The start of super-block k in groupk and groupk_pairs4: the RBn rows' decoded super-block
@@ -776,13 +794,11 @@ inline void decoded_superblock(const uint8_t* dec, int64_t blocks, int64_t k, co
 // lane: acc = fma(d * d_x, float(S), acc), and for Q4_K / Q5_K macc = fma(-dmin * d_x,
 // float(msum), macc) (decode_k stores -dmin).
 template <uint32_t T, class L, int RBn, int NV>
-inline void groupk_floats(const uint8_t* const* db, const ActBlockK8* xt, int64_t blocks,
-                          int64_t k, const typename L::I (&s)[RBn][NV],
-                          const typename L::I (&m)[RBn][NV], typename L::V (&acc)[RBn][NV],
-                          typename L::V (&macc)[RBn][NV]) {
+inline void groupk_floats(const uint8_t* const* db, const ActBlockK8* xt, int64_t blocks, int64_t k,
+                          const typename L::I (&s)[RBn][NV], const typename L::I (&m)[RBn][NV],
+                          typename L::V (&acc)[RBn][NV], typename L::V (&macc)[RBn][NV]) {
   for (int v = 0; v < NV; ++v) {
-    const typename L::V d =
-        L::vload(xt, blocks, v, k, [](const ActBlockK8& b) { return b.d; });
+    const typename L::V d = L::vload(xt, blocks, v, k, [](const ActBlockK8& b) { return b.d; });
     for (int r = 0; r < RBn; ++r) {
       float wd, wn;
       std::memcpy(&wd, db[r] + kDecKD, 4);
@@ -799,13 +815,22 @@ inline void groupk_floats(const uint8_t* const* db, const ActBlockK8* xt, int64_
 template <uint32_t T, class L, int RBn, int NV>
 inline void groupk_store(const typename L::V (&acc)[RBn][NV], const typename L::V (&macc)[RBn][NV],
                          int lanes, float* y, int64_t y_stride) {
-  for (int v = 0; v < NV; ++v)
+  for (int v = 0; v < NV; ++v) {
+    if constexpr (RBn == 4)  // a full vector: 4 rows of a token in one store (L::store_t4)
+      if (v < NV - 1 || lanes == L::kTokens) {
+        typename L::V o[4];
+        for (int r = 0; r < 4; ++r)
+          o[r] = CodeK<T>::kMin ? L::vadd(acc[r][v], macc[r][v]) : acc[r][v];
+        L::store_t4(y + L::kTokens * v * y_stride, y_stride, o[0], o[1], o[2], o[3]);
+        continue;
+      }
     for (int r = 0; r < RBn; ++r) {
       float out[L::kTokens];
       L::vstore(out, CodeK<T>::kMin ? L::vadd(acc[r][v], macc[r][v]) : acc[r][v]);
       for (int t = 0; t < (v == NV - 1 ? lanes : L::kTokens); ++t)
         y[(L::kTokens * v + t) * y_stride + r] = out[t];
     }
+  }
 }
 
 // groupk on 4 rows x 8 tokens (NV = 1) or 16 tokens (NV = 2, two groups a pass) without VNNI
@@ -840,7 +865,7 @@ inline void groupk_pairs4(const uint8_t* dec, int64_t blocks, const ActBlockK8* 
     const uint8_t* c[RBn];
     for (int r = 0; r < RBn; ++r) c[r] = db[r];
     int64_t t = 0;  // c_r + t + kDecKScales: sub-scale j's pair16(sc, sc)
-    I s0[RBn];  // the first vector's S in registers
+    I s0[RBn];      // the first vector's S in registers
     for (int r = 0; r < RBn; ++r) s0[r] = L::izero();
     alignas(32) int32_t sm[RBn][8];  // NV == 2: the second's in memory
     if constexpr (NV == 2)
@@ -849,8 +874,7 @@ inline void groupk_pairs4(const uint8_t* dec, int64_t blocks, const ActBlockK8* 
       if constexpr (NV == 1)
         L::Ops::template pair_subscale4<kGroups, kFlush, kDecKScales>(x, c, t, s0);
       else
-        L::Ops::template pair_subscale4x2<kGroups, kFlush, kDecKScales>(x, xs, c, t, s0,
-                                                                        &sm[0][0]);
+        L::Ops::template pair_subscale4x2<kGroups, kFlush, kDecKScales>(x, xs, c, t, s0, &sm[0][0]);
       x += 32 * kGroups;
       for (int r = 0; r < RBn; ++r) c[r] += 4 * kGroups;
       t += 4 - 4 * kGroups;
@@ -889,8 +913,8 @@ inline void groupk_pairs4(const uint8_t* dec, int64_t blocks, const ActBlockK8* 
 // Every integer stays in int32: Q6_K's sum of s_j * sum(u q) is at most 16 * 128 * 16 * 63 * 127
 // < 2^28 and its offset term 16 * 4096 * 2032 < 2^28 (Q4_K / Q5_K less).
 template <uint32_t T, int RBn, int NV, class L>
-inline void groupk(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int lanes,
-                   float* y, int64_t y_stride, const uint8_t* next, int64_t row_bytes) {
+inline void groupk(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int lanes, float* y,
+                   int64_t y_stride, const uint8_t* next, int64_t row_bytes) {
   if constexpr (L::kPairAcc && RBn == 4 && NV <= 2) {
     groupk_pairs4<T, L, NV>(dec, blocks, xt, lanes, y, y_stride, next, row_bytes);
     return;
@@ -970,13 +994,11 @@ inline void groupk(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int
             if constexpr (CK::kMin)
               m[r][v] = L::madd_pairs(
                   m[r][v],
-                  L::load(xt, blocks, v, k, [j](const ActBlockK8& b) { return b.s32[j / 2]; }),
-                  pr);
+                  L::load(xt, blocks, v, k, [j](const ActBlockK8& b) { return b.s32[j / 2]; }), pr);
             else
               s[r][v] = L::madd_pairs(
                   s[r][v],
-                  L::load(xt, blocks, v, k, [j](const ActBlockK8& b) { return b.s16[j / 2]; }),
-                  pr);
+                  L::load(xt, blocks, v, k, [j](const ActBlockK8& b) { return b.s16[j / 2]; }), pr);
           }
         }
     }
@@ -1032,11 +1054,10 @@ inline void rows_block_k(const RowsArgs& a, int64_t r0) {
     using W = WideLanes<>;
     constexpr int kNW = 2;  // 2 vectors: 8 zmm chains of vpdpbusd, u / s / m in 24 registers
     for (; g + 2 * kNW <= groups; g += 2 * kNW)
-      groupk<T, RBn, kNW, W>(dec, blocks, a.xtk + g * blocks,
-                             static_cast<int>(
-                                 std::min<int64_t>(16, a.tokens - 8 * (g + 2 * kNW - 2))),
-                             a.y + g * 8 * a.y_stride + r0, a.y_stride, g == 0 ? next : nullptr,
-                             a.row_bytes);
+      groupk<T, RBn, kNW, W>(
+          dec, blocks, a.xtk + g * blocks,
+          static_cast<int>(std::min<int64_t>(16, a.tokens - 8 * (g + 2 * kNW - 2))),
+          a.y + g * 8 * a.y_stride + r0, a.y_stride, g == 0 ? next : nullptr, a.row_bytes);
     // A last pair (a 48-token tile is 4 + 2 groups): one W per row, still half the instructions.
     if (g + 2 <= groups) {
       groupk<T, RBn, 1, W>(dec, blocks, a.xtk + g * blocks,
@@ -1048,20 +1069,19 @@ inline void rows_block_k(const RowsArgs& a, int64_t r0) {
   }
   if constexpr (Ops::kPairAcc && RBn == 4)  // two groups a pass (groupk_pairs4)
     for (; g + 2 <= groups; g += 2)
-      groupk<T, RBn, 2, NarrowLanes>(
-          dec, blocks, a.xtk + g * blocks,
-          static_cast<int>(std::min<int64_t>(8, a.tokens - 8 * (g + 1))),
-          a.y + g * 8 * a.y_stride + r0, a.y_stride, g == 0 ? next : nullptr, a.row_bytes);
+      groupk<T, RBn, 2, NarrowLanes>(dec, blocks, a.xtk + g * blocks,
+                                     static_cast<int>(std::min<int64_t>(8, a.tokens - 8 * (g + 1))),
+                                     a.y + g * 8 * a.y_stride + r0, a.y_stride,
+                                     g == 0 ? next : nullptr, a.row_bytes);
   for (; g + Ops::NG <= groups; g += Ops::NG)
     groupk<T, RBn, Ops::NG, NarrowLanes>(
         dec, blocks, a.xtk + g * blocks,
         static_cast<int>(std::min<int64_t>(8, a.tokens - 8 * (g + Ops::NG - 1))),
         a.y + g * 8 * a.y_stride + r0, a.y_stride, g == 0 ? next : nullptr, a.row_bytes);
   for (; g < groups; ++g)
-    groupk<T, RBn, 1, NarrowLanes>(dec, blocks, a.xtk + g * blocks,
-                                   static_cast<int>(std::min<int64_t>(8, a.tokens - 8 * g)),
-                                   a.y + g * 8 * a.y_stride + r0, a.y_stride,
-                                   g == 0 ? next : nullptr, a.row_bytes);
+    groupk<T, RBn, 1, NarrowLanes>(
+        dec, blocks, a.xtk + g * blocks, static_cast<int>(std::min<int64_t>(8, a.tokens - 8 * g)),
+        a.y + g * 8 * a.y_stride + r0, a.y_stride, g == 0 ? next : nullptr, a.row_bytes);
 }
 
 // NT tokens against a group of 8 rows in the rows8 layout (matvec_targets.hpp): lane r is row r
@@ -1158,7 +1178,6 @@ inline void rows8_pass(const RowsArgs& a, int64_t r0, int64_t t0) {
     Ops::vstore(a.y + (t0 + t) * a.y_stride + r0,
                 T == kTypeQ4_K ? Ops::vadd(acc[t], macc[t]) : acc[t]);
 }
-
 
 template <uint32_t T>
 void rows_typed_k(const RowsArgs& a) {

@@ -140,21 +140,30 @@ struct Ops {
   // block BM_Int8InnerAvx2's Q4_K call went from 0.84 to 0.99 maddubs a cycle (best of five;
   // BM_Int8DotPeak: 1.32; README, "The batched kernels without VNNI in asm").
 #define TA_X(i) "vmovdqu 32*" #i "(%[x]), %[xv]\n\t"
-#define TA_G0(i, r) "vpbroadcastd 4*" #i "(%[c" #r "]), %[w]\n\t" \
-                    "vpmaddubsw %[xv], %[w], %[a" #r "]\n\t"
-#define TA_GN(i, r) "vpbroadcastd 4*" #i "(%[c" #r "]), %[w]\n\t" \
-                    "vpmaddubsw %[xv], %[w], %[w]\n\t" \
-                    "vpaddw %[w], %[a" #r "], %[a" #r "]\n\t"
+#define TA_G0(i, r)              \
+  "vpbroadcastd 4*" #i "(%[c" #r \
+  "]), %[w]\n\t"                 \
+  "vpmaddubsw %[xv], %[w], %[a" #r "]\n\t"
+#define TA_GN(i, r)                  \
+  "vpbroadcastd 4*" #i "(%[c" #r     \
+  "]), %[w]\n\t"                     \
+  "vpmaddubsw %[xv], %[w], %[w]\n\t" \
+  "vpaddw %[w], %[a" #r "], %[a" #r "]\n\t"
 #define TA_FIRST(i) TA_X(i) TA_G0(i, 0) TA_G0(i, 1) TA_G0(i, 2) TA_G0(i, 3)
 #define TA_NEXT(i) TA_X(i) TA_GN(i, 0) TA_GN(i, 1) TA_GN(i, 2) TA_GN(i, 3)
-#define TA_FL(r) "vpbroadcastd %c[so](%[c" #r "],%[t],1), %[w]\n\t" \
-                 "vpmaddwd %[w], %[a" #r "], %[w]\n\t" \
-                 "vpaddd %[w], %[s" #r "], %[s" #r "]\n\t"
+#define TA_FL(r)               \
+  "vpbroadcastd %c[so](%[c" #r \
+  "],%[t],1), %[w]\n\t"        \
+  "vpmaddwd %[w], %[a" #r      \
+  "], %[w]\n\t"                \
+  "vpaddd %[w], %[s" #r "], %[s" #r "]\n\t"
 #define TA_FLUSH TA_FL(0) TA_FL(1) TA_FL(2) TA_FL(3)
-#define TA_F1(r) "vpmaddwd %[ones], %[a" #r "], %[w]\n\t" \
-                 "vpaddd %[w], %[s" #r "], %[s" #r "]\n\t"
+#define TA_F1(r)             \
+  "vpmaddwd %[ones], %[a" #r \
+  "], %[w]\n\t"              \
+  "vpaddd %[w], %[s" #r "], %[s" #r "]\n\t"
 #define TA_FLUSH1 TA_F1(0) TA_F1(1) TA_F1(2) TA_F1(3)
-#define TA_OUT                                                                              \
+#define TA_OUT                                                                      \
   : [a0] "=&x"(a0), [a1] "=&x"(a1), [a2] "=&x"(a2), [a3] "=&x"(a3), [xv] "=&x"(xv),        \
     [w] "=&x"(w), [s0] "+x"(s[0]), [s1] "+x"(s[1]), [s2] "+x"(s[2]), [s3] "+x"(s[3])
 #define TA_IN : [x] "r"(x), [c0] "r"(c[0]), [c1] "r"(c[1]), [c2] "r"(c[2]), [c3] "r"(c[3])
@@ -196,26 +205,40 @@ struct Ops {
   // second's lives in memory, sm[r] (int32 x 8, 32-byte aligned, added to like s_r). volatile:
   // sm is written through memory. (Both in memory measured slower: README, "Two groups a
   // pass".) The same integers per token as pair_subscale4.
-#define TB_X(i) "vmovdqu 32*" #i "(%[x]), %[xv]\n\t" \
-                "vmovdqu 32*" #i "(%[x],%[xs],1), %[xw]\n\t"
-#define TB_G0(i, r) "vpbroadcastd 4*" #i "(%[c" #r "]), %[w]\n\t" \
-                    "vpmaddubsw %[xv], %[w], %[a" #r "]\n\t" \
-                    "vpmaddubsw %[xw], %[w], %[b" #r "]\n\t"
-#define TB_GN(i, r) "vpbroadcastd 4*" #i "(%[c" #r "]), %[w]\n\t" \
-                    "vpmaddubsw %[xv], %[w], %[p]\n\t" \
-                    "vpaddw %[p], %[a" #r "], %[a" #r "]\n\t" \
-                    "vpmaddubsw %[xw], %[w], %[p]\n\t" \
-                    "vpaddw %[p], %[b" #r "], %[b" #r "]\n\t"
+#define TB_X(i)       \
+  "vmovdqu 32*" #i    \
+  "(%[x]), %[xv]\n\t" \
+  "vmovdqu 32*" #i "(%[x],%[xs],1), %[xw]\n\t"
+#define TB_G0(i, r)                \
+  "vpbroadcastd 4*" #i "(%[c" #r   \
+  "]), %[w]\n\t"                   \
+  "vpmaddubsw %[xv], %[w], %[a" #r \
+  "]\n\t"                          \
+  "vpmaddubsw %[xw], %[w], %[b" #r "]\n\t"
+#define TB_GN(i, r)                  \
+  "vpbroadcastd 4*" #i "(%[c" #r     \
+  "]), %[w]\n\t"                     \
+  "vpmaddubsw %[xv], %[w], %[p]\n\t" \
+  "vpaddw %[p], %[a" #r "], %[a" #r  \
+  "]\n\t"                            \
+  "vpmaddubsw %[xw], %[w], %[p]\n\t" \
+  "vpaddw %[p], %[b" #r "], %[b" #r "]\n\t"
 #define TB_FIRST(i) TB_X(i) TB_G0(i, 0) TB_G0(i, 1) TB_G0(i, 2) TB_G0(i, 3)
 #define TB_NEXT(i) TB_X(i) TB_GN(i, 0) TB_GN(i, 1) TB_GN(i, 2) TB_GN(i, 3)
-#define TB_FL(r) "vpbroadcastd %c[so](%[c" #r "],%[t],1), %[w]\n\t" \
-                 "vpmaddwd %[w], %[a" #r "], %[p]\n\t" \
-                 "vpaddd %[p], %[s" #r "], %[s" #r "]\n\t" \
-                 "vpmaddwd %[w], %[b" #r "], %[p]\n\t" \
-                 "vpaddd 32*" #r "(%[sm]), %[p], %[p]\n\t" \
-                 "vmovdqa %[p], 32*" #r "(%[sm])\n\t"
+#define TB_FL(r)                    \
+  "vpbroadcastd %c[so](%[c" #r      \
+  "],%[t],1), %[w]\n\t"             \
+  "vpmaddwd %[w], %[a" #r           \
+  "], %[p]\n\t"                     \
+  "vpaddd %[p], %[s" #r "], %[s" #r \
+  "]\n\t"                           \
+  "vpmaddwd %[w], %[b" #r           \
+  "], %[p]\n\t"                     \
+  "vpaddd 32*" #r                   \
+  "(%[sm]), %[p], %[p]\n\t"         \
+  "vmovdqa %[p], 32*" #r "(%[sm])\n\t"
 #define TB_FLUSH TB_FL(0) TB_FL(1) TB_FL(2) TB_FL(3)
-#define TB_OPERANDS                                                                           \
+#define TB_OPERANDS                                                                 \
   : [a0] "=&x"(a0), [a1] "=&x"(a1), [a2] "=&x"(a2), [a3] "=&x"(a3), [b0] "=&x"(b0),         \
     [b1] "=&x"(b1), [b2] "=&x"(b2), [b3] "=&x"(b3), [xv] "=&x"(xv), [xw] "=&x"(xw),        \
     [w] "=&x"(w), [p] "=&x"(p), [s0] "+x"(s[0]), [s1] "+x"(s[1]), [s2] "+x"(s[2]),         \
@@ -228,14 +251,13 @@ struct Ops {
                                I* s, int32_t* sm) {
     B a0, a1, a2, a3, b0, b1, b2, b3, xv, xw, w, p;
     if constexpr (kGroups == 8 && F == 8)  // Q4_K
-      __asm__ volatile(TB_FIRST(0) TB_NEXT(1) TB_NEXT(2) TB_NEXT(3) TB_NEXT(4) TB_NEXT(5)
-                           TB_NEXT(6) TB_NEXT(7) TB_FLUSH TB_OPERANDS);
+      __asm__ volatile(TB_FIRST(0) TB_NEXT(1) TB_NEXT(2) TB_NEXT(3) TB_NEXT(4) TB_NEXT(5) TB_NEXT(6)
+                           TB_NEXT(7) TB_FLUSH TB_OPERANDS);
     else if constexpr (kGroups == 8 && F == 4)  // Q5_K
-      __asm__ volatile(TB_FIRST(0) TB_NEXT(1) TB_NEXT(2) TB_NEXT(3) TB_FLUSH TB_FIRST(4)
-                           TB_NEXT(5) TB_NEXT(6) TB_NEXT(7) TB_FLUSH TB_OPERANDS);
+      __asm__ volatile(TB_FIRST(0) TB_NEXT(1) TB_NEXT(2) TB_NEXT(3) TB_FLUSH TB_FIRST(4) TB_NEXT(5)
+                           TB_NEXT(6) TB_NEXT(7) TB_FLUSH TB_OPERANDS);
     else if constexpr (kGroups == 4 && F == 2)  // Q6_K
-      __asm__ volatile(TB_FIRST(0) TB_NEXT(1) TB_FLUSH TB_FIRST(2) TB_NEXT(3) TB_FLUSH
-                           TB_OPERANDS);
+      __asm__ volatile(TB_FIRST(0) TB_NEXT(1) TB_FLUSH TB_FIRST(2) TB_NEXT(3) TB_FLUSH TB_OPERANDS);
     else
       static_assert(kGroups < 0, "no pair_subscale4x2 for this sub-scale and flush");
   }
@@ -267,9 +289,9 @@ struct Ops {
   template <int e0, int e1>
   static P pick(S s) {
     constexpr char a0 = 2 * e0, a1 = 2 * e0 + 1, b0 = 2 * e1, b1 = 2 * e1 + 1;
-    const __m256i m = _mm256_setr_epi8(a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, a0, a1,
-                                       a0, a1, b0, b1, b0, b1, b0, b1, b0, b1, b0, b1, b0, b1,
-                                       b0, b1, b0, b1);
+    const __m256i m =
+        _mm256_setr_epi8(a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, b0, b1, b0,
+                         b1, b0, b1, b0, b1, b0, b1, b0, b1, b0, b1, b0, b1);
     return _mm256_shuffle_epi8(s, m);
   }
   // acc + lane i = p[2i] * sc + p[2i+1] * sc (exact int32; VNNI's vpdpwssd fuses the add).
@@ -336,13 +358,13 @@ struct Ops {
   static F4 load4(const float* p) { return _mm_loadu_ps(p); }
   static F4 f16x4(uint16_t a, uint16_t b, uint16_t c, uint16_t d) {
     return _mm_cvtph_ps(_mm_setr_epi16(static_cast<int16_t>(a), static_cast<int16_t>(b),
-                                       static_cast<int16_t>(c), static_cast<int16_t>(d), 0, 0,
-                                       0, 0));
+                                       static_cast<int16_t>(c), static_cast<int16_t>(d), 0, 0, 0,
+                                       0));
   }
   // The K types' (d, dmin) f16 pairs of 4 rows (the 4 bytes at p0 .. p3) as floats: d in d4,
   // dmin in m4, row r in element r.
-  static void f16pairs4(const uint8_t* p0, const uint8_t* p1, const uint8_t* p2,
-                        const uint8_t* p3, F4& d4, F4& m4) {
+  static void f16pairs4(const uint8_t* p0, const uint8_t* p1, const uint8_t* p2, const uint8_t* p3,
+                        F4& d4, F4& m4) {
     int32_t w[4];
     std::memcpy(w, p0, 4);
     std::memcpy(w + 1, p1, 4);
@@ -375,6 +397,19 @@ struct Ops {
   }
   static V vload(const float* p) { return _mm256_loadu_ps(p); }
   static void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
+  // Rows r .. r + 3 of 8 tokens (a, b, c, d: one row each, tokens in lanes) into y[t * stride +
+  // r ..]: a 4 x 4 transpose per 128-bit half, then 4 floats a token (where the scalar loop
+  // stored them one by one).
+  static void store_t4(float* y, int64_t stride, V a, V b, V c, V d) {
+    const V t0 = _mm256_unpacklo_ps(a, b), t1 = _mm256_unpackhi_ps(a, b);
+    const V t2 = _mm256_unpacklo_ps(c, d), t3 = _mm256_unpackhi_ps(c, d);
+    const V u[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),
+                    _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)};
+    for (int j = 0; j < 4; ++j) {
+      _mm_storeu_ps(y + j * stride, _mm256_castps256_ps128(u[j]));
+      _mm_storeu_ps(y + (4 + j) * stride, _mm256_extractf128_ps(u[j], 1));
+    }
+  }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V vadd(V a, V b) { return _mm256_add_ps(a, b); }
   static I izero() { return _mm256_setzero_si256(); }
@@ -425,6 +460,19 @@ struct Ops {
   static WV wvfma(WV a, WV b, WV c) { return _mm512_fmadd_ps(a, b, c); }
   static WV wcvt(W v) { return _mm512_cvtepi32_ps(v); }
   static void wvstore(float* p, WV v) { _mm512_storeu_ps(p, v); }
+  // store_t4 on 16 tokens: token 4k + j is 128-bit lane k of u_j.
+  static void wstore_t4(float* y, int64_t stride, WV a, WV b, WV c, WV d) {
+    const WV t0 = _mm512_unpacklo_ps(a, b), t1 = _mm512_unpackhi_ps(a, b);
+    const WV t2 = _mm512_unpacklo_ps(c, d), t3 = _mm512_unpackhi_ps(c, d);
+    const WV u[4] = {_mm512_shuffle_ps(t0, t2, 0x44), _mm512_shuffle_ps(t0, t2, 0xEE),
+                     _mm512_shuffle_ps(t1, t3, 0x44), _mm512_shuffle_ps(t1, t3, 0xEE)};
+    for (int j = 0; j < 4; ++j) {
+      _mm_storeu_ps(y + j * stride, _mm512_castps512_ps128(u[j]));
+      _mm_storeu_ps(y + (4 + j) * stride, _mm512_extractf32x4_ps(u[j], 1));
+      _mm_storeu_ps(y + (8 + j) * stride, _mm512_extractf32x4_ps(u[j], 2));
+      _mm_storeu_ps(y + (12 + j) * stride, _mm512_extractf32x4_ps(u[j], 3));
+    }
+  }
 #pragma GCC diagnostic pop
 #else
   static constexpr bool kWide = false;
