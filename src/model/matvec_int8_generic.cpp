@@ -25,17 +25,28 @@ inline __attribute__((always_inline)) float quantize_block(const float* xb, int 
   // 8 running maxima and a flag for any NaN or infinity: 8 independent chains (GCC keeps them
   // scalar on the baseline ISA, but they overlap) where one chain of maxima held the quantization
   // to one element per max's latency. The max of finite values does not depend on the order.
-  float m[8] = {};
-  int bad = 0;
-  for (int i = 0; i < n; i += 8)  // n: 32 or 256
-    for (int j = 0; j < 8; ++j) {
-      const float a = std::fabs(xb[i + j]);
-      m[j] = a > m[j] ? a : m[j];
-      bad |= !(a <= std::numeric_limits<float>::max());
-    }
+  // 8 lanes of running maxima and a per-lane sum of x - x (0 for a finite x, NaN for an infinite
+  // or NaN one, and NaN stays NaN) for the non-finite check, in GCC's vector extensions so that
+  // every variant's loop is vector code: written as scalar lanes with an integer flag from a
+  // comparison, GCC 12 kept it scalar (~5 instructions an element, 5-8% of a 1536-column prefill
+  // call). The max of finite values does not depend on the order.
+  using F8 = float __attribute__((vector_size(32)));
+  using I8 = int32_t __attribute__((vector_size(32)));
+  F8 m = {}, z = {};
+  for (int i = 0; i < n; i += 8) {  // n: 32 or 256
+    F8 v;
+    std::memcpy(&v, xb + i, sizeof(v));
+    const F8 a = reinterpret_cast<F8>(reinterpret_cast<I8>(v) & 0x7fffffff);
+    m = a > m ? a : m;
+    z += v - v;
+  }
   float amax = 0.0f;
-  for (const float v : m) amax = std::max(amax, v);
-  if (bad != 0) {
+  bool bad = false;
+  for (int j = 0; j < 8; ++j) {
+    amax = std::max(amax, m[j]);
+    bad = bad || z[j] != 0.0f;
+  }
+  if (bad) {
     std::memset(q, 0, static_cast<std::size_t>(n));
     return std::numeric_limits<float>::quiet_NaN();
   }
