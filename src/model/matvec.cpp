@@ -73,6 +73,18 @@ void grow(std::vector<T>& v, int64_t n) {
   if (v.size() < static_cast<std::size_t>(n)) v.resize(static_cast<std::size_t>(n));
 }
 
+// The calling thread's activation buffers for `tokens` tokens of the 32-value types over cols32
+// columns and of the K types over colsk columns (0: none of that kind): matmul's and
+// reserve_matmul's one sizing.
+void grow_act(int64_t tokens, int64_t cols32, int64_t colsk) {
+  grow(tl_act.xq, tokens * (cols32 / 32));
+  grow(tl_act.xk, tokens * (colsk / 256));
+  if (tokens > 1) {  // several tokens: the blocks also 8 tokens to a group (ActBlock8, ActBlockK8)
+    grow(tl_act.xt, (tokens + 7) / 8 * (cols32 / 32));
+    grow(tl_act.xtk, (tokens + 7) / 8 * (colsk / 256));
+  }
+}
+
 detail::RowsFn rows_fn(Isa isa) {
   switch (isa) {
 #if defined(TREEATTN_MODEL_X86)
@@ -229,13 +241,7 @@ void reserve_matmul(std::span<const WeightMatrix* const> mats, int64_t tokens,
     (detail::int8_k_type(m->type) ? colsk : cols32) =
         std::max(detail::int8_k_type(m->type) ? colsk : cols32, m->cols);
   }
-  const int64_t groups = (tokens + 7) / 8;
-  grow(tl_act.xq, tokens * (cols32 / 32));
-  grow(tl_act.xk, tokens * (colsk / 256));
-  if (tokens > 1) {
-    grow(tl_act.xt, groups * (cols32 / 32));
-    grow(tl_act.xtk, groups * (colsk / 256));
-  }
+  grow_act(tokens, cols32, colsk);
   const int threads = options.threads > 0 ? options.threads : omp_get_max_threads();
 #pragma omp parallel num_threads(threads) if (threads > 1)
   grow(tl_scratch, detail::kMaxRowBlock * cols);
@@ -289,21 +295,9 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   // Quantized types have cols % 32 == 0, K types cols % 256 == 0 (check_matrix), so the blocks
   // cover every column.
   const int64_t xq_stride = cols / 32, xk_stride = cols / 256;
-  std::vector<detail::ActBlock>& xq_buf = tl_act.xq;
-  std::vector<detail::ActBlockK>& xk_buf = tl_act.xk;
-  if (int8_32 && xq_buf.size() < static_cast<std::size_t>(tokens * xq_stride))
-    xq_buf.resize(static_cast<std::size_t>(tokens * xq_stride));
-  if (int8_k && xk_buf.size() < static_cast<std::size_t>(tokens * xk_stride))
-    xk_buf.resize(static_cast<std::size_t>(tokens * xk_stride));
-  // Several tokens: the blocks also 8 tokens to a group (ActBlock8, ActBlockK8).
+  grow_act(tokens, int8_32 ? cols : 0, int8_k ? cols : 0);
   const int64_t groups = (tokens + 7) / 8;
   const bool int8_xt = int8_32 && tokens > 1, int8_xtk = int8_k && tokens > 1;
-  std::vector<detail::ActBlock8>& xt_buf = tl_act.xt;
-  std::vector<detail::ActBlockK8>& xtk_buf = tl_act.xtk;
-  if (int8_xt && xt_buf.size() < static_cast<std::size_t>(groups * xq_stride))
-    xt_buf.resize(static_cast<std::size_t>(groups * xq_stride));
-  if (int8_xtk && xtk_buf.size() < static_cast<std::size_t>(groups * xk_stride))
-    xtk_buf.resize(static_cast<std::size_t>(groups * xk_stride));
   // The rows8 copies are read by calls of up to kRows8MaxTokens tokens (the call's count, not a
   // tile's). Q5_0's offset there needs each block's integer sum of q.
   const bool rows8_call = options.mode == MatmulMode::kInt8 && tokens <= detail::kRows8MaxTokens;
@@ -311,14 +305,12 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   if (rows8_call)
     for (const WeightMatrix* m : mats)
       xsum_needed = xsum_needed || (m->rows8 != nullptr && m->type == detail::kTypeQ5_0);
-  std::vector<int32_t>& xsum_buf = tl_act.xsum;
-  if (xsum_needed && xsum_buf.size() < static_cast<std::size_t>(tokens * xq_stride))
-    xsum_buf.resize(static_cast<std::size_t>(tokens * xq_stride));
-  int32_t* const xsum = xsum_buf.data();
-  detail::ActBlock8* const xt = xt_buf.data();
-  detail::ActBlockK8* const xtk = xtk_buf.data();
-  detail::ActBlock* const xq = xq_buf.data();
-  detail::ActBlockK* const xk = xk_buf.data();
+  if (xsum_needed) grow(tl_act.xsum, tokens * xq_stride);
+  int32_t* const xsum = tl_act.xsum.data();
+  detail::ActBlock8* const xt = tl_act.xt.data();
+  detail::ActBlockK8* const xtk = tl_act.xtk.data();
+  detail::ActBlock* const xq = tl_act.xq.data();
+  detail::ActBlockK* const xk = tl_act.xk.data();
 
   // Chunk c covers rows [c * kRowChunk, ...) of the concatenation, clipped to one matrix.
   std::vector<int64_t> first_chunk(mats.size() + 1, 0);
@@ -329,9 +321,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   threads = static_cast<int>(std::min<int64_t>(threads, chunks));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    std::vector<float>& scratch = tl_scratch;
-    if (scratch.size() < static_cast<std::size_t>(detail::kMaxRowBlock * cols))
-      scratch.resize(static_cast<std::size_t>(detail::kMaxRowBlock * cols));
+    grow(tl_scratch, detail::kMaxRowBlock * cols);
     if (int8) {
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < tokens; ++t) {
@@ -372,7 +362,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
         a.tokens = std::min(tile, tokens - t0);
         a.y = ys[i] + t0 * m.rows;
         a.y_stride = m.rows;
-        a.scratch = scratch.data();
+        a.scratch = tl_scratch.data();
         a.w8 = rows8_call ? m.rows8 : nullptr;
         if (int8 && detail::int8_type(m.type)) {
           if (detail::int8_k_type(m.type)) {

@@ -22,9 +22,6 @@ namespace {
 // gives q = 0. A NaN or infinite x: q = 0 and d = NaN (that token's outputs are NaN; the float
 // path gives NaN or infinity there).
 inline __attribute__((always_inline)) float quantize_block(const float* xb, int n, int8_t* q) {
-  // 8 running maxima and a flag for any NaN or infinity: 8 independent chains (GCC keeps them
-  // scalar on the baseline ISA, but they overlap) where one chain of maxima held the quantization
-  // to one element per max's latency. The max of finite values does not depend on the order.
   // 8 lanes of running maxima and a per-lane sum of x - x (0 for a finite x, NaN for an infinite
   // or NaN one, and NaN stays NaN) for the non-finite check, in GCC's vector extensions so that
   // every variant's loop is vector code: written as scalar lanes with an integer flag from a

@@ -264,6 +264,22 @@ inline void store_dec(uint8_t* p, const Dec& w) {
   std::memcpy(p + 36, &w.m, 4);
 }
 
+// The end of a batched pass: row r's results for kLanes tokens in the lanes of o[r] into
+// y[t * y_stride + r] for the first `lanes` tokens. Four rows of a full vector go out as one
+// 16-byte store per token (L::store_t4: the 4 rows of a token are adjacent in y), instead of a
+// float at a time behind a runtime lane count (~5% of the K kernel at 1536 columns, perf
+// annotate, Zen 5); anything else a float at a time. L: Ops, or groupk's lanes.
+template <class L, int RBn, int kLanes>
+inline void store_rows(const typename L::V (&o)[RBn], int lanes, float* y, int64_t y_stride) {
+  if constexpr (RBn == 4)
+    if (lanes == kLanes) return L::store_t4(y, y_stride, o[0], o[1], o[2], o[3]);
+  for (int r = 0; r < RBn; ++r) {
+    float out[kLanes];
+    L::vstore(out, o[r]);
+    for (int t = 0; t < lanes; ++t) y[t * y_stride + r] = out[t];
+  }
+}
+
 // group8 on 4 rows x 8 tokens for the unsigned 32-value types without VNNI (AVX2:
 // Ops::kPairAcc): per block one Ops::pair_block4 (asm: per row, maddubs' int16 pairs summed over
 // kFlush groups, then one vpmaddwd by ones into S, instead of maddubs, vpmaddwd and an add per
@@ -308,12 +324,7 @@ inline void group8_pairs4(const uint8_t* dec, int64_t blocks, const ActBlock8* x
   }
   V o[4];
   for (int r = 0; r < 4; ++r) o[r] = Code<T>::kMin ? Ops::vadd(acc[r], macc[r]) : acc[r];
-  if (lanes == 8) return Ops::store_t4(y, y_stride, o[0], o[1], o[2], o[3]);
-  for (int r = 0; r < 4; ++r) {
-    float out[8];
-    Ops::vstore(out, o[r]);
-    for (int t = 0; t < lanes; ++t) y[t * y_stride + r] = out[t];
-  }
+  store_rows<Ops, 4, 8>(o, lanes, y, y_stride);
 }
 
 // RBn decoded rows (dec: row r's block b at (r * blocks + b) * kGroupBytes) against one group of
@@ -373,19 +384,10 @@ inline void group8(const uint8_t* dec, int64_t blocks, const ActBlock8* xt, int 
     }
   }
   for (int g = 0; g < NG; ++g) {
-    if constexpr (RBn == 4)  // a full group: 4 rows of a token in one store (Ops::store_t4)
-      if (g < NG - 1 || lanes == 8) {
-        V o[4];
-        for (int r = 0; r < 4; ++r)
-          o[r] = Code<T>::kMin ? Ops::vadd(acc[r][g], macc[r][g]) : acc[r][g];
-        Ops::store_t4(y + 8 * g * y_stride, y_stride, o[0], o[1], o[2], o[3]);
-        continue;
-      }
-    for (int r = 0; r < RBn; ++r) {
-      float out[8];
-      Ops::vstore(out, Code<T>::kMin ? Ops::vadd(acc[r][g], macc[r][g]) : acc[r][g]);
-      for (int t = 0; t < (g == NG - 1 ? lanes : 8); ++t) y[(8 * g + t) * y_stride + r] = out[t];
-    }
+    V o[RBn];
+    for (int r = 0; r < RBn; ++r)
+      o[r] = Code<T>::kMin ? Ops::vadd(acc[r][g], macc[r][g]) : acc[r][g];
+    store_rows<Ops, RBn, 8>(o, g == NG - 1 ? lanes : 8, y + 8 * g * y_stride, y_stride);
   }
 }
 
@@ -816,20 +818,11 @@ template <uint32_t T, class L, int RBn, int NV>
 inline void groupk_store(const typename L::V (&acc)[RBn][NV], const typename L::V (&macc)[RBn][NV],
                          int lanes, float* y, int64_t y_stride) {
   for (int v = 0; v < NV; ++v) {
-    if constexpr (RBn == 4)  // a full vector: 4 rows of a token in one store (L::store_t4)
-      if (v < NV - 1 || lanes == L::kTokens) {
-        typename L::V o[4];
-        for (int r = 0; r < 4; ++r)
-          o[r] = CodeK<T>::kMin ? L::vadd(acc[r][v], macc[r][v]) : acc[r][v];
-        L::store_t4(y + L::kTokens * v * y_stride, y_stride, o[0], o[1], o[2], o[3]);
-        continue;
-      }
-    for (int r = 0; r < RBn; ++r) {
-      float out[L::kTokens];
-      L::vstore(out, CodeK<T>::kMin ? L::vadd(acc[r][v], macc[r][v]) : acc[r][v]);
-      for (int t = 0; t < (v == NV - 1 ? lanes : L::kTokens); ++t)
-        y[(L::kTokens * v + t) * y_stride + r] = out[t];
-    }
+    typename L::V o[RBn];
+    for (int r = 0; r < RBn; ++r)
+      o[r] = CodeK<T>::kMin ? L::vadd(acc[r][v], macc[r][v]) : acc[r][v];
+    store_rows<L, RBn, L::kTokens>(o, v == NV - 1 ? lanes : L::kTokens,
+                                   y + L::kTokens * v * y_stride, y_stride);
   }
 }
 

@@ -429,9 +429,10 @@ struct Ops {
   // the ymm form. Lane by lane the same integer and float operations, so the same bits.
 #if TREEATTN_INT8_DOT == 2
   // (GCC 12's 512-bit intrinsics pass an undefined vector to their builtins: a false
-  // maybe-uninitialized.)
+  // (maybe-)uninitialized.)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
   static constexpr bool kWide = true;
   using W = __m512i;
   using WV = __m512;
@@ -460,19 +461,16 @@ struct Ops {
   static WV wvfma(WV a, WV b, WV c) { return _mm512_fmadd_ps(a, b, c); }
   static WV wcvt(W v) { return _mm512_cvtepi32_ps(v); }
   static void wvstore(float* p, WV v) { _mm512_storeu_ps(p, v); }
-  // store_t4 on 16 tokens: token 4k + j is 128-bit lane k of u_j.
+  // store_t4 on 16 tokens: the two 8-token halves.
   static void wstore_t4(float* y, int64_t stride, WV a, WV b, WV c, WV d) {
-    const WV t0 = _mm512_unpacklo_ps(a, b), t1 = _mm512_unpackhi_ps(a, b);
-    const WV t2 = _mm512_unpacklo_ps(c, d), t3 = _mm512_unpackhi_ps(c, d);
-    const WV u[4] = {_mm512_shuffle_ps(t0, t2, 0x44), _mm512_shuffle_ps(t0, t2, 0xEE),
-                     _mm512_shuffle_ps(t1, t3, 0x44), _mm512_shuffle_ps(t1, t3, 0xEE)};
-    for (int j = 0; j < 4; ++j) {
-      _mm_storeu_ps(y + j * stride, _mm512_castps512_ps128(u[j]));
-      _mm_storeu_ps(y + (4 + j) * stride, _mm512_extractf32x4_ps(u[j], 1));
-      _mm_storeu_ps(y + (8 + j) * stride, _mm512_extractf32x4_ps(u[j], 2));
-      _mm_storeu_ps(y + (12 + j) * stride, _mm512_extractf32x4_ps(u[j], 3));
-    }
+    const auto hi = [](WV v) {
+      return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    };
+    store_t4(y, stride, _mm512_castps512_ps256(a), _mm512_castps512_ps256(b),
+             _mm512_castps512_ps256(c), _mm512_castps512_ps256(d));
+    store_t4(y + 8 * stride, stride, hi(a), hi(b), hi(c), hi(d));
   }
+
 #pragma GCC diagnostic pop
 #else
   static constexpr bool kWide = false;
