@@ -1,7 +1,7 @@
-// The gated activation on AVX2 + FMA (activation.hpp): 8 floats a vector, the exponential in two
-// halves of 4 doubles (the table by a gather). Compiled with its own -m flags (and
-// -ffp-contract=off: the scalar tail's products and sums stay separate operations, as the
-// baseline loop's).
+// The gated activation on AVX2 + FMA (activation.hpp): 8 floats a vector (the loops of
+// activation_impl.hpp), the exponential in two halves of 4 doubles (the table by a gather).
+// Compiled with its own -m flags (and -ffp-contract=off: the scalar tail's products and sums stay
+// separate operations, as the baseline loop's).
 #include <immintrin.h>
 
 #include "model/activation.hpp"
@@ -45,37 +45,27 @@ __m256 exp8(__m256 x) {
   return _mm256_blendv_ps(y, _mm256_add_ps(x, x), _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
 }
 
+struct Ops {
+  using V = __m256;
+  static constexpr int kW = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V neg(V v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)); }  // -v
+  static V exp(V v) { return exp8(v); }
+};
+
+#include "model/activation_impl.hpp"
+
 }  // namespace
 
 void gated_avx2(FfnActivation act, float* gate, const float* up, int64_t n) {
-  const __m256 one = _mm256_set1_ps(1.0f);
-  int64_t i = 0;
-  if (act == FfnActivation::kGeluTanh) {
-    const __m256 s = _mm256_set1_ps(kGeluS), a = _mm256_set1_ps(kGeluA), m2 = _mm256_set1_ps(-2.0f);
-    for (; i + 8 <= n; i += 8) {
-      const __m256 g = _mm256_loadu_ps(gate + i);
-      const __m256 y = _mm256_mul_ps(_mm256_mul_ps(s, g),
-                                     _mm256_add_ps(one, _mm256_mul_ps(_mm256_mul_ps(a, g), g)));
-      const __m256 e = exp8(_mm256_mul_ps(m2, y));
-      _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)),
-                                               _mm256_loadu_ps(up + i)));
-    }
-  } else {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (; i + 8 <= n; i += 8) {
-      const __m256 g = _mm256_loadu_ps(gate + i);
-      const __m256 e = exp8(_mm256_xor_ps(g, sign));
-      _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)),
-                                               _mm256_loadu_ps(up + i)));
-    }
-  }
-  for (; i < n; ++i) gate[i] = gated_one(act, gate[i], up[i]);
+  gated_body(act, gate, up, n);
 }
 
-void exp_avx2(const float* x, float* y, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, exp8(_mm256_loadu_ps(x + i)));
-  for (; i < n; ++i) y[i] = expf_glibc(x[i]);
-}
+void exp_avx2(const float* x, float* y, int64_t n) { exp_body(x, y, n); }
 
 }  // namespace treeattn::model::detail

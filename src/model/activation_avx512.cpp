@@ -1,5 +1,6 @@
-// The gated activation on AVX-512 (F, DQ, VL) (activation.hpp): 16 floats a vector, the
-// exponential in two halves of 8 doubles (the 32-entry table by two two-register permutes).
+// The gated activation on AVX-512 (F, DQ, VL) (activation.hpp): 16 floats a vector (the loops of
+// activation_impl.hpp), the exponential in two halves of 8 doubles (the 32-entry table by two
+// two-register permutes).
 // Compiled with its own -m flags (and -ffp-contract=off, as activation_avx2.cpp).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -51,37 +52,30 @@ __m512 exp16(__m512 x) {
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, _mm512_add_ps(x, x));
 }
 
+struct Ops {
+  using V = __m512;
+  static constexpr int kW = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static V neg(V v) {
+    return _mm512_castsi512_ps(
+        _mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)));
+  }  // -v
+  static V exp(V v) { return exp16(v); }
+};
+
+#include "model/activation_impl.hpp"
+
 }  // namespace
 
 void gated_avx512(FfnActivation act, float* gate, const float* up, int64_t n) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  int64_t i = 0;
-  if (act == FfnActivation::kGeluTanh) {
-    const __m512 s = _mm512_set1_ps(kGeluS), a = _mm512_set1_ps(kGeluA), m2 = _mm512_set1_ps(-2.0f);
-    for (; i + 16 <= n; i += 16) {
-      const __m512 g = _mm512_loadu_ps(gate + i);
-      const __m512 y = _mm512_mul_ps(_mm512_mul_ps(s, g),
-                                     _mm512_add_ps(one, _mm512_mul_ps(_mm512_mul_ps(a, g), g)));
-      const __m512 e = exp16(_mm512_mul_ps(m2, y));
-      _mm512_storeu_ps(gate + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)),
-                                               _mm512_loadu_ps(up + i)));
-    }
-  } else {
-    for (; i + 16 <= n; i += 16) {
-      const __m512 g = _mm512_loadu_ps(gate + i);
-      const __m512 e = exp16(_mm512_castsi512_ps(
-          _mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN))));
-      _mm512_storeu_ps(gate + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)),
-                                               _mm512_loadu_ps(up + i)));
-    }
-  }
-  for (; i < n; ++i) gate[i] = gated_one(act, gate[i], up[i]);
+  gated_body(act, gate, up, n);
 }
 
-void exp_avx512(const float* x, float* y, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, exp16(_mm512_loadu_ps(x + i)));
-  for (; i < n; ++i) y[i] = expf_glibc(x[i]);
-}
+void exp_avx512(const float* x, float* y, int64_t n) { exp_body(x, y, n); }
 
 }  // namespace treeattn::model::detail
