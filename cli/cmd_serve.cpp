@@ -54,7 +54,7 @@ struct ServeFlags {
   int port = 8080;
   std::string kv_memory;  // empty: the engine's default
   std::string kv_dtype = "f16";
-  int64_t page_tokens = 64;
+  int64_t page_tokens = engine::EngineConfig{}.page_tokens;
   int max_batch = 16;
   int64_t prefill_chunk = 256;
   std::string method = "tree";

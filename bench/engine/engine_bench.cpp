@@ -46,8 +46,8 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -69,7 +69,9 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+double since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 struct Tracker {
   std::mutex mu;
@@ -183,8 +185,8 @@ PrefillWork prefill_work(const model::LlamaConfig& c, int64_t n) {
   const double hkv = static_cast<double>(c.n_head_kv * c.head_dim);
   const double layer_macs = e * hq + 2 * e * hkv + hq * e + 3 * e * f;
   PrefillWork w;
-  w.dense = 2 * (static_cast<double>(n) * c.n_layers * layer_macs +
-                 static_cast<double>(c.n_vocab) * e);
+  w.dense =
+      2 * (static_cast<double>(n) * c.n_layers * layer_macs + static_cast<double>(c.n_vocab) * e);
   for (int l = 0; l < c.n_layers; ++l) {
     const bool local = c.sliding_window > 0 && l < static_cast<int>(c.local_layer.size()) &&
                        c.local_layer[static_cast<std::size_t>(l)] != 0;
@@ -210,6 +212,9 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "threads per rank")->capture_default_str();
   app.add_option("--merge", merge, "tree | allreduce | allgather")->capture_default_str();
   app.add_option("--kv-gib", kv_gib, "KV pool GiB per rank")->capture_default_str();
+  int64_t page_tokens = EngineConfig{}.page_tokens;
+  app.add_option("--page-tokens", page_tokens, "tokens per KV page (16, or 32..256 by 32)")
+      ->capture_default_str();
   std::string matmul = "int8";
   app.add_option("--matmul", matmul, "int8 | int8-ffn | exact (the quantized weights' matmul)")
       ->capture_default_str();
@@ -228,7 +233,8 @@ int main(int argc, char** argv) {
   auto* xc = app.add_subcommand("exchange", "pass-Q vs the K/V exchange: cold and warm prefill");
   xc->add_option("--prompt", xprompt, "fresh prompt tokens")->capture_default_str();
   xc->add_option("--question", question, "follow-up question tokens")->capture_default_str();
-  auto* pf = app.add_subcommand("prefill", "the whole prefill against the FMA peak of the same run");
+  auto* pf =
+      app.add_subcommand("prefill", "the whole prefill against the FMA peak of the same run");
   std::vector<int64_t> pf_lens = {8192, 32768};
   pf->add_option("--prompt", pf_lens, "prompt lengths")->delimiter(',');
   app.require_subcommand(1);
@@ -255,7 +261,8 @@ int main(int argc, char** argv) {
     comm.set_timeout(std::chrono::milliseconds(60000));
     const std::size_t D = 64, H = 9;
     if (me == 0)
-      std::printf("merge alone, %d ranks, %zu heads, head dim %zu (median of 2000 calls, us)\n", p, H, D);
+      std::printf("merge alone, %d ranks, %zu heads, head dim %zu (median of 2000 calls, us)\n", p,
+                  H, D);
     // Interleaved: every round times B = 1, 4, 16 back to back, so noise hits all three alike.
     for (const char* kind_name : {"tree", "allreduce", "allgather"}) {
       const auto kind = *engine::parse_merge(kind_name);
@@ -267,7 +274,8 @@ int main(int argc, char** argv) {
           const std::size_t n = static_cast<std::size_t>(Bs[b]) * H;
           work.assign(n * (D + 2), 0.5f);
           const auto t0 = Clock::now();
-          if (auto s = engine::merge_states(comm, kind, work.data(), n, D, scratch); !s.is_ok()) fail(s);
+          if (auto s = engine::merge_states(comm, kind, work.data(), n, D, scratch); !s.is_ok())
+            fail(s);
           if (it >= 200) t[b].push_back(since(t0) * 1e6);
         }
       double med[3];
@@ -291,11 +299,14 @@ int main(int argc, char** argv) {
   cfg.threads = threads;
   cfg.merge = merge;
   cfg.prefill_exchange = exchange;
-  if (auto mm = model::parse_matmul_mode(matmul); mm.is_ok()) cfg.matmul = *mm;
-  else fail(mm.status());
+  if (auto mm = model::parse_matmul_mode(matmul); mm.is_ok())
+    cfg.matmul = *mm;
+  else
+    fail(mm.status());
   (*model)->pack_rows8(cfg.matmul, threads);  // the decode steps' layout, as serve and generate
   cfg.max_batch = 16;
   cfg.prefill_chunk = 512;
+  cfg.page_tokens = page_tokens;
   cfg.kv_memory = static_cast<std::size_t>(kv_gib * 1073741824.0);
   cfg.timeout = std::chrono::milliseconds(1800000);
 
@@ -311,13 +322,13 @@ int main(int argc, char** argv) {
     };
     std::mt19937_64 prng(11);
     if (me == 0)
-      std::printf("whole prefill: %s, %d ranks x %d threads, matmul %s, ISA %s, prefill chunk %lld, "
-                  "merge %s\n  %7s %9s %9s %12s %12s %9s %11s %11s %8s  %s\n",
-                  mc.name.c_str(), p, threads, matmul.c_str(),
-                  std::string(isa_name(best_isa())).c_str(),
-                  static_cast<long long>(cfg.prefill_chunk), merge.c_str(), "tokens", "TTFT s",
-                  "tokens/s", "dense GFLOP", "attn GFLOP", "GFLOP/s", "peak before", "peak after",
-                  "of peak", "rank 0: dense / attention / merge+exchange s");
+      std::printf(
+          "whole prefill: %s, %d ranks x %d threads, matmul %s, ISA %s, prefill chunk %lld, "
+          "pages of %lld tokens, merge %s\n  %7s %9s %9s %12s %12s %9s %11s %11s %8s  %s\n",
+          mc.name.c_str(), p, threads, matmul.c_str(), std::string(isa_name(best_isa())).c_str(),
+          static_cast<long long>(cfg.prefill_chunk), static_cast<long long>(cfg.page_tokens),
+          merge.c_str(), "tokens", "TTFT s", "tokens/s", "dense GFLOP", "attn GFLOP", "GFLOP/s",
+          "peak before", "peak after", "of peak", "rank 0: dense / attention / merge+exchange s");
     for (const int64_t n : pf_lens) {
       const auto prompt = random_prompt(prng, n, mc.n_vocab);
       const double peak0 = peak();
@@ -348,18 +359,20 @@ int main(int argc, char** argv) {
       if (me == 0) {
         const PrefillWork w = prefill_work(mc, n);
         const double rate = (w.dense + w.attention) / ttft / 1e9;
-        std::printf("  %7lld %9.2f %9.1f %12.1f %12.1f %9.1f %11.1f %11.1f %8.3f  %.2f / %.2f / %.2f\n",
-                    static_cast<long long>(n), ttft, static_cast<double>(n) / ttft, w.dense / 1e9,
-                    w.attention / 1e9, rate, peak0, peak1, rate / std::max(peak0, peak1),
-                    m1.dense_seconds[0] - m0.dense_seconds[0],
-                    m1.attention_seconds[0] - m0.attention_seconds[0],
-                    m1.merge_seconds[0] - m0.merge_seconds[0]);
+        std::printf(
+            "  %7lld %9.2f %9.1f %12.1f %12.1f %9.1f %11.1f %11.1f %8.3f  %.2f / %.2f / %.2f\n",
+            static_cast<long long>(n), ttft, static_cast<double>(n) / ttft, w.dense / 1e9,
+            w.attention / 1e9, rate, peak0, peak1, rate / std::max(peak0, peak1),
+            m1.dense_seconds[0] - m0.dense_seconds[0],
+            m1.attention_seconds[0] - m0.attention_seconds[0],
+            m1.merge_seconds[0] - m0.merge_seconds[0]);
         std::fflush(stdout);
       }
     }
     if (me == 0)
-      std::printf("  (of peak: GFLOP/s against the higher of the two peaks; the int8 matrices' integer "
-                  "multiply-adds are counted as flops)\n");
+      std::printf(
+          "  (of peak: GFLOP/s against the higher of the two peaks; the int8 matrices' integer "
+          "multiply-adds are counted as flops)\n");
     finalize();
     return 0;
   }
@@ -371,13 +384,14 @@ int main(int argc, char** argv) {
     const auto q = random_prompt(xrng, question, mc.n_vocab);
     std::vector<float> ref_logits;
     if (me == 0)
-      std::printf("prefill exchange: %s, %d ranks x %d threads, merge %s, %lld-token prompt, then "
-                  "+%lld-token question, prefill chunk %lld\n"
-                  "  %-7s %-5s %10s %14s %10s %10s %s\n",
-                  mc.name.c_str(), p, threads, merge.c_str(), static_cast<long long>(xprompt),
-                  static_cast<long long>(question), static_cast<long long>(cfg.prefill_chunk),
-                  "policy", "turn", "TTFT s", "r0 sent MB", "K/V rows", "pass-Q rows",
-                  "rank 0: attention / merge+exchange / dense s; first token's logits");
+      std::printf(
+          "prefill exchange: %s, %d ranks x %d threads, merge %s, %lld-token prompt, then "
+          "+%lld-token question, prefill chunk %lld\n"
+          "  %-7s %-5s %10s %14s %10s %10s %s\n",
+          mc.name.c_str(), p, threads, merge.c_str(), static_cast<long long>(xprompt),
+          static_cast<long long>(question), static_cast<long long>(cfg.prefill_chunk), "policy",
+          "turn", "TTFT s", "r0 sent MB", "K/V rows", "pass-Q rows",
+          "rank 0: attention / merge+exchange / dense s; first token's logits");
     for (const char* policy : {"pass-q", "kv", "auto"}) {
       EngineConfig xcfg = cfg;
       xcfg.prefill_exchange = policy;
@@ -406,14 +420,16 @@ int main(int argc, char** argv) {
         std::this_thread::sleep_for(std::chrono::milliseconds(600));
         const auto m1 = en.metrics();
         const char* bits = "(reference)";
-        if (turn == 0 && ref_logits.empty()) ref_logits = logits;
+        if (turn == 0 && ref_logits.empty())
+          ref_logits = logits;
         else if (turn == 0)
           bits = logits.size() == ref_logits.size() &&
                          std::equal(logits.begin(), logits.end(), ref_logits.begin(),
                                     [](float a, float b) { return std::memcmp(&a, &b, 4) == 0; })
                      ? "same bits as pass-q"
                      : "DIFFERENT bits from pass-q";
-        else bits = "";
+        else
+          bits = "";
         std::printf("  %-7s %-5s %10.3f %14.3f %10lld %10lld   %.2f / %.2f / %.2f  %s\n", policy,
                     turn == 0 ? "cold" : "warm", one.ttft,
                     static_cast<double>(m1.bytes_sent - m0.bytes_sent) / 1e6,
@@ -436,7 +452,8 @@ int main(int argc, char** argv) {
   Engine& e = **eng;
   // The follow-up's alternative, timed after the engine stops: an all-gather per layer of each
   // rank's share of the cached prefix's K/V (f16), what a K/V exchange would move.
-  const double kv_bytes = static_cast<double>(doc) * static_cast<double>(mc.kv_values_per_token()) * 2.0;
+  const double kv_bytes =
+      static_cast<double>(doc) * static_cast<double>(mc.kv_values_per_token()) * 2.0;
   auto time_kv_exchange = [&]() -> double {
     const auto per_rank = static_cast<std::size_t>(kv_bytes / mc.n_layers / p);
     std::vector<uint8_t> send(per_rank, 1), recv(per_rank * static_cast<std::size_t>(p));
@@ -459,9 +476,11 @@ int main(int argc, char** argv) {
   tr.eng = &e;
 
   if (tp->parsed()) {
-    std::printf("decode throughput: %s, %d ranks x %d threads, %lld-token prompts, %lld new tokens, merge %s, matmul %s\n",
-                mc.name.c_str(), p, threads, static_cast<long long>(context),
-                static_cast<long long>(new_tokens), merge.c_str(), matmul.c_str());
+    std::printf(
+        "decode throughput: %s, %d ranks x %d threads, %lld-token prompts, %lld new tokens, merge "
+        "%s, matmul %s\n",
+        mc.name.c_str(), p, threads, static_cast<long long>(context),
+        static_cast<long long>(new_tokens), merge.c_str(), matmul.c_str());
     std::printf("  %-4s %12s %14s %16s %18s\n", "B", "decode tok/s", "ms per step", "prefill tok/s",
                 "merge us/layer (r0)");
     double base = 0;
@@ -506,27 +525,31 @@ int main(int argc, char** argv) {
       const double window = std::chrono::duration<double>(w1 - w0).count();
       const double tok_s = window > 0 ? static_cast<double>(in_window) / window : 0.0;
       const double merge_us = (m1.merge_seconds[0] - m0.merge_seconds[0]) /
-                              static_cast<double>(std::max<int64_t>(1, m1.merges - m0.merges)) * 1e6;
+                              static_cast<double>(std::max<int64_t>(1, m1.merges - m0.merges)) *
+                              1e6;
       if (base == 0) base = tok_s;
       const double wsteps = static_cast<double>(std::max<int64_t>(1, tr.w1.steps - tr.w0.steps));
       for (std::size_t r = 0; r < tr.w1.dense_seconds.size(); ++r)
-        std::printf("    rank %zu per decode step (%d steps): dense %.2f ms, attention %.2f ms, merge+exchange %.2f ms\n",
-                    r, static_cast<int>(wsteps),
-                    1e3 * (tr.w1.dense_seconds[r] - tr.w0.dense_seconds[r]) / wsteps,
-                    1e3 * (tr.w1.attention_seconds[r] - tr.w0.attention_seconds[r]) / wsteps,
-                    1e3 * (tr.w1.merge_seconds[r] - tr.w0.merge_seconds[r]) / wsteps);
-      std::printf("  %-4d %12.1f %14.2f %16.1f %18.1f   (x%.2f of B=%d; %lld tokens in the window, "
-                  "%lld cached prompt tokens)\n",
-                  B, tok_s, tok_s > 0 ? 1e3 * B / tok_s : 0.0,
-                  static_cast<double>(B * context) / prefill, merge_us, tok_s / base,
-                  concurrency[0], static_cast<long long>(in_window), static_cast<long long>(cached));
+        std::printf(
+            "    rank %zu per decode step (%d steps): dense %.2f ms, attention %.2f ms, "
+            "merge+exchange %.2f ms\n",
+            r, static_cast<int>(wsteps),
+            1e3 * (tr.w1.dense_seconds[r] - tr.w0.dense_seconds[r]) / wsteps,
+            1e3 * (tr.w1.attention_seconds[r] - tr.w0.attention_seconds[r]) / wsteps,
+            1e3 * (tr.w1.merge_seconds[r] - tr.w0.merge_seconds[r]) / wsteps);
+      std::printf(
+          "  %-4d %12.1f %14.2f %16.1f %18.1f   (x%.2f of B=%d; %lld tokens in the window, "
+          "%lld cached prompt tokens)\n",
+          B, tok_s, tok_s > 0 ? 1e3 * B / tok_s : 0.0, static_cast<double>(B * context) / prefill,
+          merge_us, tok_s / base, concurrency[0], static_cast<long long>(in_window),
+          static_cast<long long>(cached));
       std::fflush(stdout);
     }
   } else if (fu->parsed()) {
     const auto docs = random_prompt(rng, doc, mc.n_vocab);
-    std::printf("follow-up: %s, %d ranks x %d threads, %lld-token document + %lld-token questions\n",
-                mc.name.c_str(), p, threads, static_cast<long long>(doc),
-                static_cast<long long>(question));
+    std::printf(
+        "follow-up: %s, %d ranks x %d threads, %lld-token document + %lld-token questions\n",
+        mc.name.c_str(), p, threads, static_cast<long long>(doc), static_cast<long long>(question));
     double ttft[2] = {0, 0};
     uint64_t bytes[2] = {0, 0};
     for (int turn = 0; turn < 2; ++turn) {
@@ -550,14 +573,17 @@ int main(int argc, char** argv) {
     std::printf("  warm / cold TTFT = %.4f (target <= 0.05)\n", ttft[1] / ttft[0]);
     // The alternative for the warm turn: bring the cached prefix's K/V to the new queries'
     // rank(s): every rank would receive the other ranks' pages of every layer.
-    std::printf("  pass-Q moved %.3f MB from rank 0; a K/V exchange of the cached prefix moves %.1f MB "
-                "per rank ((p-1)/p of %.1f MB, f16)\n",
-                static_cast<double>(bytes[1]) / 1e6, kv_bytes * (p - 1) / p / 1e6, kv_bytes / 1e6);
+    std::printf(
+        "  pass-Q moved %.3f MB from rank 0; a K/V exchange of the cached prefix moves %.1f MB "
+        "per rank ((p-1)/p of %.1f MB, f16)\n",
+        static_cast<double>(bytes[1]) / 1e6, kv_bytes * (p - 1) / p / 1e6, kv_bytes / 1e6);
     e.stop(true);
     runner.join();
     const double kv_s = time_kv_exchange();
-    std::printf("  the K/V exchange's all-gathers alone take %.3f s here (pass-Q's whole warm TTFT: %.3f s)\n",
-                kv_s, ttft[1]);
+    std::printf(
+        "  the K/V exchange's all-gathers alone take %.3f s here (pass-Q's whole warm TTFT: %.3f "
+        "s)\n",
+        kv_s, ttft[1]);
     finalize();
     return 0;
   }
