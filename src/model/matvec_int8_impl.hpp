@@ -391,8 +391,74 @@ inline void group8(const uint8_t* dec, int64_t blocks, const ActBlock8* xt, int 
   }
 }
 
+// group8 on wide lanes (Ops::kWide targets): NW vectors of 16 tokens, vector v holding groups
+// 2v and 2v + 1 (xt + (2v) * blocks, + (2v + 1) * blocks) in one W / WV, so each broadcast of 4
+// codes and each vpdpbusd serve 16 tokens, and the offset and float tail run once per 16
+// tokens (a CPU with 512-bit units, Zen 5, does twice the products per instruction; Zen 4 the
+// same products in half the instructions). Lane by lane the integer sums and float operations
+// of group8, so the same bits. y as group8's for the first `lanes` (<= 16) tokens of the last
+// vector, all 16 of the others'.
+template <class O>
+struct WideLanes;                                      // below, with the batched K path
+template <uint32_t T, int RBn, int NW, class O = Ops>  // O: dependent, kWide targets only
+inline void group8w(const uint8_t* dec, int64_t blocks, const ActBlock8* xt, int lanes, float* y,
+                    int64_t y_stride) {
+  using V = typename O::WV;
+  using I = typename O::W;
+  V acc[RBn][NW], macc[RBn][NW];
+  for (int r = 0; r < RBn; ++r)
+    for (int v = 0; v < NW; ++v) acc[r][v] = macc[r][v] = O::wvzero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const ActBlock8* x0[NW];
+    const ActBlock8* x1[NW];
+    for (int v = 0; v < NW; ++v) {
+      x0[v] = &xt[2 * v * blocks + b];
+      x1[v] = &xt[(2 * v + 1) * blocks + b];
+    }
+    I p[RBn][NW];
+    for (int r = 0; r < RBn; ++r)
+      for (int v = 0; v < NW; ++v) p[r][v] = O::wzero();
+    for_each_group<8>([&](auto i) {
+      constexpr int kI = decltype(i)::value;
+      I xv[NW];
+      for (int v = 0; v < NW; ++v) xv[v] = O::wload2(x0[v]->q[kI], x1[v]->q[kI]);
+      for (int r = 0; r < RBn; ++r) {
+        const I w = O::wbcast4(dec + (r * blocks + b) * kGroupBytes + 4 * kI);
+        for (int v = 0; v < NW; ++v)
+          p[r][v] = Code<T>::kSigned ? O::wdps(p[r][v], w, xv[v]) : O::wdpu(p[r][v], w, xv[v]);
+      }
+    });
+    for (int v = 0; v < NW; ++v) {
+      if constexpr (Code<T>::kOff != 0) {
+        constexpr int kShift = Code<T>::kOff == 8 ? 3 : 4;
+        static_assert(Code<T>::kOff == 1 << kShift);
+        const I off = O::wshl(O::wload2(x0[v]->sum, x1[v]->sum), kShift);
+        for (int r = 0; r < RBn; ++r) p[r][v] = O::wsub(p[r][v], off);
+      }
+      const V d = O::wvload2(x0[v]->d, x1[v]->d);
+      for (int r = 0; r < RBn; ++r) {
+        const uint8_t* db = dec + (r * blocks + b) * kGroupBytes;
+        float wa, wm;
+        std::memcpy(&wa, db + 32, 4);
+        acc[r][v] = O::wvfma(O::wvmul(O::wvset1(wa), d), O::wcvt(p[r][v]), acc[r][v]);
+        if constexpr (Code<T>::kMin) {
+          std::memcpy(&wm, db + 36, 4);
+          macc[r][v] = O::wvfma(O::wvset1(wm), O::wvload2(x0[v]->s, x1[v]->s), macc[r][v]);
+        }
+      }
+    }
+  }
+  for (int v = 0; v < NW; ++v) {
+    V o[RBn];
+    for (int r = 0; r < RBn; ++r)
+      o[r] = Code<T>::kMin ? O::wvadd(acc[r][v], macc[r][v]) : acc[r][v];
+    store_rows<WideLanes<O>, RBn, 16>(o, v == NW - 1 ? lanes : 16, y + 16 * v * y_stride, y_stride);
+  }
+}
+
 // RBn rows against every token of the job. Several tokens: the rows are decoded once into the
-// scratch (L1), then each group of 8 tokens runs from it (group8).
+// scratch (L1), then each group of 8 tokens runs from it (group8; on kWide targets pairs of
+// groups on wide lanes first, group8w).
 template <uint32_t T, int RBn>
 inline void rows_block(const RowsArgs& a, int64_t r0) {
   const uint8_t* rows[RBn];
@@ -416,6 +482,20 @@ inline void rows_block(const RowsArgs& a, int64_t r0) {
     }
   const int64_t groups = (a.tokens + 7) / 8;
   int64_t g = 0;
+  if constexpr (Ops::kWide) {
+    // 2 vectors (32 tokens) a pass: 8 chains of vpdpbusd, p / acc (/ macc) in 16-24 registers;
+    // then a last pair of groups as one vector.
+    for (; g + 4 <= groups; g += 4)
+      group8w<T, RBn, 2>(dec, blocks, a.xt + g * blocks,
+                         static_cast<int>(std::min<int64_t>(16, a.tokens - 8 * (g + 2))),
+                         a.y + g * 8 * a.y_stride + r0, a.y_stride);
+    if (g + 2 <= groups) {
+      group8w<T, RBn, 1>(dec, blocks, a.xt + g * blocks,
+                         static_cast<int>(std::min<int64_t>(16, a.tokens - 8 * g)),
+                         a.y + g * 8 * a.y_stride + r0, a.y_stride);
+      g += 2;
+    }
+  }
   for (; g + Ops::NG <= groups; g += Ops::NG)
     group8<T, RBn, Ops::NG>(
         dec, blocks, a.xt + g * blocks,
