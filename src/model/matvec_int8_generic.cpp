@@ -467,6 +467,10 @@ struct Ops {
     std::memset(r.v, v, 32);
     return r;
   }
+  static B flip(B b) {  // each byte's top bit
+    for (auto& x : b.v) x ^= 0x80;
+    return b;
+  }
   static V cvt(I a) {
     V r;
     for (int i = 0; i < 8; ++i) r.v[i] = static_cast<float>(a.v[i]);

@@ -257,6 +257,21 @@ inline void dot_rows_1x4(const uint8_t* const* rows, int64_t cols, const ActBloc
   O::store4(y, Code<T>::kMin ? O::add4(acc, macc) : acc);
 }
 
+// The codes of the batched paths (group8, group8w): Code<T>'s, except that on the targets whose
+// dot product sums in int32 (VNNI, generic: !Ops::kPairAcc) Q8_0's signed codes are stored
+// biased, w + 128 as an unsigned byte, with an offset of 128: vpdpbusd multiplies them as they
+// are (no |w| and sign(q, w) per product, 2 of dps's 3 or 4 instructions), and S = sum (w + 128)
+// q - 128 sum q is the same integer, so the same bits. (Without VNNI maddubs' int16 pair sums
+// could saturate at 2 x 255 x 127.)
+template <uint32_t T>
+struct BatchCode {
+  static constexpr bool kBias = Code<T>::kSigned && !Ops::kPairAcc;
+  static constexpr bool kSigned = Code<T>::kSigned && !kBias;
+  static constexpr int kOff = kBias ? 128 : Code<T>::kOff;
+  static constexpr int kShift = kOff == 8 ? 3 : kOff == 16 ? 4 : 7;
+  static_assert(kOff == 0 || kOff == 1 << kShift);
+};
+
 // The batched path's decoded block: 32 code bytes, a, m (kGroupBytes).
 inline void store_dec(uint8_t* p, const Dec& w) {
   Ops::store(p, w.c);
@@ -359,14 +374,14 @@ inline void group8(const uint8_t* dec, int64_t blocks, const ActBlock8* xt, int 
       for (int r = 0; r < RBn; ++r) {
         const typename Ops::B w = Ops::bcast4(dec + (r * blocks + b) * kGroupBytes + 4 * kI);
         for (int g = 0; g < NG; ++g)
-          p[r][g] = Code<T>::kSigned ? Ops::dps(p[r][g], w, xv[g]) : Ops::dpu(p[r][g], w, xv[g]);
+          p[r][g] =
+              BatchCode<T>::kSigned ? Ops::dps(p[r][g], w, xv[g]) : Ops::dpu(p[r][g], w, xv[g]);
       }
     });
     for (int g = 0; g < NG; ++g) {
       const ActBlock8& xb = xt[g * blocks + b];
-      if constexpr (Code<T>::kOff != 0) {
-        constexpr int kShift = Code<T>::kOff == 8 ? 3 : 4;
-        static_assert(Code<T>::kOff == 1 << kShift);
+      if constexpr (BatchCode<T>::kOff != 0) {
+        constexpr int kShift = BatchCode<T>::kShift;
         const I off = Ops::ishl(Ops::iload(xb.sum), kShift);
         for (int r = 0; r < RBn; ++r) p[r][g] = Ops::isub(p[r][g], off);
       }
@@ -403,6 +418,7 @@ struct WideLanes;                                      // below, with the batche
 template <uint32_t T, int RBn, int NW, class O = Ops>  // O: dependent, kWide targets only
 inline void group8w(const uint8_t* dec, int64_t blocks, const ActBlock8* xt, int lanes, float* y,
                     int64_t y_stride) {
+  static_assert(!BatchCode<T>::kSigned, "VNNI targets: Q8_0's codes are biased (BatchCode)");
   using V = typename O::WV;
   using I = typename O::W;
   V acc[RBn][NW], macc[RBn][NW];
@@ -424,14 +440,12 @@ inline void group8w(const uint8_t* dec, int64_t blocks, const ActBlock8* xt, int
       for (int v = 0; v < NW; ++v) xv[v] = O::wload2(x0[v]->q[kI], x1[v]->q[kI]);
       for (int r = 0; r < RBn; ++r) {
         const I w = O::wbcast4(dec + (r * blocks + b) * kGroupBytes + 4 * kI);
-        for (int v = 0; v < NW; ++v)
-          p[r][v] = Code<T>::kSigned ? O::wdps(p[r][v], w, xv[v]) : O::wdpu(p[r][v], w, xv[v]);
+        for (int v = 0; v < NW; ++v) p[r][v] = O::wdpu(p[r][v], w, xv[v]);
       }
     });
     for (int v = 0; v < NW; ++v) {
-      if constexpr (Code<T>::kOff != 0) {
-        constexpr int kShift = Code<T>::kOff == 8 ? 3 : 4;
-        static_assert(Code<T>::kOff == 1 << kShift);
+      if constexpr (BatchCode<T>::kOff != 0) {
+        constexpr int kShift = BatchCode<T>::kShift;
         const I off = O::wshl(O::wload2(x0[v]->sum, x1[v]->sum), kShift);
         for (int r = 0; r < RBn; ++r) p[r][v] = O::wsub(p[r][v], off);
       }
@@ -478,6 +492,7 @@ inline void rows_block(const RowsArgs& a, int64_t r0) {
     for (int64_t b = 0; b < blocks; ++b) {
       Dec w;
       Code<T>::decode(rows[r] + b * Code<T>::kBytes, w);
+      if constexpr (BatchCode<T>::kBias) w.c = Ops::flip(w.c);  // w + 128 (mod 256)
       store_dec(dec + (r * blocks + b) * kGroupBytes, w);
     }
   const int64_t groups = (a.tokens + 7) / 8;

@@ -416,6 +416,7 @@ struct Ops {
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
   static I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
   static B splat(uint8_t v) { return _mm256_set1_epi8(static_cast<char>(v)); }
+  static B flip(B b) { return _mm256_xor_si256(b, splat(0x80)); }  // each byte's top bit
   static V cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V zero() { return _mm256_setzero_ps(); }
@@ -446,12 +447,6 @@ struct Ops {
     return _mm512_set1_epi32(v);
   }
   static W wdpu(W acc, W w, W x) { return _mm512_dpbusd_epi32(acc, w, x); }
-  // dps on 64 bytes: |w| against x negated where w < 0 (AVX-512 has no vpsignb; where w == 0
-  // the product is 0 either way, so the int32 sums are dps's).
-  static W wdps(W acc, W w, W x) {
-    const __m512i nx = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
-    return wdpu(acc, _mm512_abs_epi8(w), nx);
-  }
   static W wsub(W a, W b) { return _mm512_sub_epi32(a, b); }
   static W wshl(W a, int n) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)); }
   static W wmul_s(W v, int32_t s) { return _mm512_mullo_epi32(v, _mm512_set1_epi32(s)); }
