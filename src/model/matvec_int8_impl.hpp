@@ -257,7 +257,7 @@ inline void dot_rows_1x4(const uint8_t* const* rows, int64_t cols, const ActBloc
   O::store4(y, Code<T>::kMin ? O::add4(acc, macc) : acc);
 }
 
-// The codes of the batched paths (group8, group8w): Code<T>'s, except that on the targets whose
+// The codes of the batched path (group8): Code<T>'s, except that on the targets whose
 // dot product sums in int32 (VNNI, generic: !Ops::kPairAcc) Q8_0's signed codes are stored
 // biased, w + 128 as an unsigned byte, with an offset of 128: vpdpbusd multiplies them as they
 // are (no |w| and sign(q, w) per product, 2 of dps's 3 or 4 instructions), and S = sum (w + 128)
@@ -342,137 +342,139 @@ inline void group8_pairs4(const uint8_t* dec, int64_t blocks, const ActBlock8* x
   store_rows<Ops, 4, 8>(o, lanes, y, y_stride);
 }
 
-// RBn decoded rows (dec: row r's block b at (r * blocks + b) * kGroupBytes) against one group of
-// 8 tokens (xt: its blocks), tokens in lanes: per block, the 8 four-code groups of each row are
-// broadcast against the tokens' q (ActBlock8), so lane t sums token t's 32 products (the block's
-// integer S of step()); then acc = fma(a_b * d, S, acc), macc = fma(m_b, s, macc) lane by lane:
-// each lane runs step()'s operations, so a token's bits are those of its one-token pass.
-// y[t * y_stride + r] for the first `lanes` tokens.
-template <uint32_t T, int RBn, int NG>
+// The lanes of the batched paths (group8 and groupk), one vector of tokens: Narrow, one group of 8
+// tokens (I, V); Wide (Ops::kWide targets), groups 2v and 2v + 1 in one W / WV of 16 tokens, so
+// one vpdpbusd does 64 products and the broadcasts, loads, scale products and float tail per
+// product halve (Zen 4 runs a zmm operation as two ymm halves: the same peak, half the
+// instructions, which bounded the narrow form; Zen 5's 512-bit units do twice the products per
+// instruction). Vector v of a pass reads field f of its groups' block k (xt: group g's at
+// xt[g * blocks + k]; ActBlock8 or ActBlockK8). Lane by lane both run the same integer and float
+// operations, so the same bits.
+struct NarrowLanes : Ops {  // Ops' own B, I, V and vector operations, 8 tokens
+  static constexpr int kTokens = 8;
+  static constexpr bool kPairAcc = Ops::kPairAcc;
+  template <class X, class F>
+  static B load(const X* xt, int64_t blocks, int v, int64_t k, F f) {
+    return Ops::load(f(xt[v * blocks + k]));
+  }
+  template <class X, class F>
+  static I iload(const X* xt, int64_t blocks, int v, int64_t k, F f) {
+    return Ops::iload(f(xt[v * blocks + k]));
+  }
+  template <class X, class F>
+  static V vload(const X* xt, int64_t blocks, int v, int64_t k, F f) {
+    return Ops::vload(f(xt[v * blocks + k]));
+  }
+};
+template <class O = Ops>  // O: dependent, instantiated on kWide targets only
+struct WideLanes {
+  using B = typename O::W;
+  using I = typename O::W;
+  using V = typename O::WV;
+  static constexpr int kTokens = 16;
+  static constexpr bool kPairAcc = false;
+  template <class X, class F>
+  static I load(const X* xt, int64_t blocks, int v, int64_t k, F f) {
+    return O::wload2(f(xt[2 * v * blocks + k]), f(xt[(2 * v + 1) * blocks + k]));
+  }
+  template <class X, class F>
+  static I iload(const X* xt, int64_t blocks, int v, int64_t k, F f) {
+    return load(xt, blocks, v, k, f);
+  }
+  template <class X, class F>
+  static V vload(const X* xt, int64_t blocks, int v, int64_t k, F f) {
+    return O::wvload2(f(xt[2 * v * blocks + k]), f(xt[(2 * v + 1) * blocks + k]));
+  }
+  static I izero() { return O::wzero(); }
+  static I bcast4(const uint8_t* p) { return O::wbcast4(p); }
+  static I dpu(I acc, I w, I x) { return O::wdpu(acc, w, x); }
+  static I add(I a, I b) { return O::wadd(a, b); }
+  static I isub(I a, I b) { return O::wsub(a, b); }
+  static I ishl(I a, int n) { return O::wshl(a, n); }
+  static I mul_s(I v, int32_t s) { return O::wmul_s(v, s); }
+  static I madd_pairs(I acc, I p, int32_t pr) { return O::wmadd_pairs(acc, p, pr); }
+  static V zero() { return O::wvzero(); }
+  static V set1(float x) { return O::wvset1(x); }
+  static V mul(V a, V b) { return O::wvmul(a, b); }
+  static V fma(V a, V b, V c) { return O::wvfma(a, b, c); }
+  static V cvt(I v) { return O::wcvt(v); }
+  static V vadd(V a, V b) { return O::wvadd(a, b); }
+  static void vstore(float* p, V v) { O::wvstore(p, v); }
+  static void store_t4(float* y, int64_t stride, V a, V b, V c, V d) {
+    O::wstore_t4(y, stride, a, b, c, d);
+  }
+};
+
+// RBn decoded rows (dec: row r's block b at (r * blocks + b) * kGroupBytes) against NV vectors
+// of tokens (L: NarrowLanes, 8 tokens a vector, or WideLanes, 16), tokens in lanes: per block,
+// the 8 four-code groups of each row are broadcast against the tokens' q (ActBlock8), so lane t
+// sums token t's 32 products (the block's integer S of step(); Q8_0's biased codes, BatchCode,
+// less their offset); then acc = fma(a_b * d, S, acc), macc = fma(m_b, s, macc) lane by lane:
+// each lane runs step()'s operations, so a token's bits are those of its one-token pass. Each
+// broadcast serves NV * L::kTokens tokens. y[(L::kTokens v + t) * y_stride + r] for the first
+// `lanes` tokens of the last vector, all of the others'.
+template <uint32_t T, int RBn, int NV, class L = NarrowLanes>
 inline void group8(const uint8_t* dec, int64_t blocks, const ActBlock8* xt, int lanes, float* y,
                    int64_t y_stride) {
-  // NG groups at once (Ops::NG: 2 with AVX-512 VL's 32 registers): each broadcast of 4 codes
-  // serves 8 * NG tokens. xt, lanes and y: group g at xt + g * blocks, y + 8 g y_stride; every
-  // group has 8 tokens but the last, which has `lanes`.
-  if constexpr (Ops::kPairAcc && !Code<T>::kSigned && RBn == 4 && NG == 1) {
+  if constexpr (L::kPairAcc && !Code<T>::kSigned && RBn == 4 && NV == 1) {
     group8_pairs4<T>(dec, blocks, xt, lanes, y, y_stride);
     return;
   }
-  using V = typename Ops::V;
-  using I = typename Ops::I;
-  V acc[RBn][NG], macc[RBn][NG];
+  using V = typename L::V;
+  using I = typename L::I;
+  V acc[RBn][NV], macc[RBn][NV];
   for (int r = 0; r < RBn; ++r)
-    for (int g = 0; g < NG; ++g) acc[r][g] = macc[r][g] = Ops::zero();
+    for (int v = 0; v < NV; ++v) acc[r][v] = macc[r][v] = L::zero();
   for (int64_t b = 0; b < blocks; ++b) {
-    I p[RBn][NG];
+    I p[RBn][NV];
     for (int r = 0; r < RBn; ++r)
-      for (int g = 0; g < NG; ++g) p[r][g] = Ops::izero();
+      for (int v = 0; v < NV; ++v) p[r][v] = L::izero();
     for_each_group<8>([&](auto i) {
       constexpr int kI = decltype(i)::value;
-      typename Ops::B xv[NG];
-      for (int g = 0; g < NG; ++g) xv[g] = Ops::load(xt[g * blocks + b].q[kI]);
+      typename L::B xv[NV];
+      for (int v = 0; v < NV; ++v)
+        xv[v] = L::load(xt, blocks, v, b, [](const ActBlock8& x) { return x.q[kI]; });
       for (int r = 0; r < RBn; ++r) {
-        const typename Ops::B w = Ops::bcast4(dec + (r * blocks + b) * kGroupBytes + 4 * kI);
-        for (int g = 0; g < NG; ++g)
-          p[r][g] =
-              BatchCode<T>::kSigned ? Ops::dps(p[r][g], w, xv[g]) : Ops::dpu(p[r][g], w, xv[g]);
+        const typename L::B w = L::bcast4(dec + (r * blocks + b) * kGroupBytes + 4 * kI);
+        for (int v = 0; v < NV; ++v) {
+          if constexpr (BatchCode<T>::kSigned)
+            p[r][v] = L::dps(p[r][v], w, xv[v]);
+          else
+            p[r][v] = L::dpu(p[r][v], w, xv[v]);
+        }
       }
     });
-    for (int g = 0; g < NG; ++g) {
-      const ActBlock8& xb = xt[g * blocks + b];
+    for (int v = 0; v < NV; ++v) {
       if constexpr (BatchCode<T>::kOff != 0) {
-        constexpr int kShift = BatchCode<T>::kShift;
-        const I off = Ops::ishl(Ops::iload(xb.sum), kShift);
-        for (int r = 0; r < RBn; ++r) p[r][g] = Ops::isub(p[r][g], off);
+        const I sum = L::iload(xt, blocks, v, b, [](const ActBlock8& x) { return x.sum; });
+        const I off = L::ishl(sum, BatchCode<T>::kShift);
+        for (int r = 0; r < RBn; ++r) p[r][v] = L::isub(p[r][v], off);
       }
-      const V d = Ops::vload(xb.d);
+      const V d = L::vload(xt, blocks, v, b, [](const ActBlock8& x) { return x.d; });
       for (int r = 0; r < RBn; ++r) {
         const uint8_t* db = dec + (r * blocks + b) * kGroupBytes;
         float wa, wm;
         std::memcpy(&wa, db + 32, 4);
-        acc[r][g] = Ops::fma(Ops::mul(Ops::set1(wa), d), Ops::cvt(p[r][g]), acc[r][g]);
+        acc[r][v] = L::fma(L::mul(L::set1(wa), d), L::cvt(p[r][v]), acc[r][v]);
         if constexpr (Code<T>::kMin) {
           std::memcpy(&wm, db + 36, 4);
-          macc[r][g] = Ops::fma(Ops::set1(wm), Ops::vload(xb.s), macc[r][g]);
+          const V s = L::vload(xt, blocks, v, b, [](const ActBlock8& x) { return x.s; });
+          macc[r][v] = L::fma(L::set1(wm), s, macc[r][v]);
         }
       }
     }
   }
-  for (int g = 0; g < NG; ++g) {
+  for (int v = 0; v < NV; ++v) {
     V o[RBn];
-    for (int r = 0; r < RBn; ++r)
-      o[r] = Code<T>::kMin ? Ops::vadd(acc[r][g], macc[r][g]) : acc[r][g];
-    store_rows<Ops, RBn, 8>(o, g == NG - 1 ? lanes : 8, y + 8 * g * y_stride, y_stride);
-  }
-}
-
-// group8 on wide lanes (Ops::kWide targets): NW vectors of 16 tokens, vector v holding groups
-// 2v and 2v + 1 (xt + (2v) * blocks, + (2v + 1) * blocks) in one W / WV, so each broadcast of 4
-// codes and each vpdpbusd serve 16 tokens, and the offset and float tail run once per 16
-// tokens (a CPU with 512-bit units, Zen 5, does twice the products per instruction; Zen 4 the
-// same products in half the instructions). Lane by lane the integer sums and float operations
-// of group8, so the same bits. y as group8's for the first `lanes` (<= 16) tokens of the last
-// vector, all 16 of the others'.
-template <class O>
-struct WideLanes;                                      // below, with the batched K path
-template <uint32_t T, int RBn, int NW, class O = Ops>  // O: dependent, kWide targets only
-inline void group8w(const uint8_t* dec, int64_t blocks, const ActBlock8* xt, int lanes, float* y,
-                    int64_t y_stride) {
-  static_assert(!BatchCode<T>::kSigned, "VNNI targets: Q8_0's codes are biased (BatchCode)");
-  using V = typename O::WV;
-  using I = typename O::W;
-  V acc[RBn][NW], macc[RBn][NW];
-  for (int r = 0; r < RBn; ++r)
-    for (int v = 0; v < NW; ++v) acc[r][v] = macc[r][v] = O::wvzero();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const ActBlock8* x0[NW];
-    const ActBlock8* x1[NW];
-    for (int v = 0; v < NW; ++v) {
-      x0[v] = &xt[2 * v * blocks + b];
-      x1[v] = &xt[(2 * v + 1) * blocks + b];
-    }
-    I p[RBn][NW];
-    for (int r = 0; r < RBn; ++r)
-      for (int v = 0; v < NW; ++v) p[r][v] = O::wzero();
-    for_each_group<8>([&](auto i) {
-      constexpr int kI = decltype(i)::value;
-      I xv[NW];
-      for (int v = 0; v < NW; ++v) xv[v] = O::wload2(x0[v]->q[kI], x1[v]->q[kI]);
-      for (int r = 0; r < RBn; ++r) {
-        const I w = O::wbcast4(dec + (r * blocks + b) * kGroupBytes + 4 * kI);
-        for (int v = 0; v < NW; ++v) p[r][v] = O::wdpu(p[r][v], w, xv[v]);
-      }
-    });
-    for (int v = 0; v < NW; ++v) {
-      if constexpr (BatchCode<T>::kOff != 0) {
-        constexpr int kShift = BatchCode<T>::kShift;
-        const I off = O::wshl(O::wload2(x0[v]->sum, x1[v]->sum), kShift);
-        for (int r = 0; r < RBn; ++r) p[r][v] = O::wsub(p[r][v], off);
-      }
-      const V d = O::wvload2(x0[v]->d, x1[v]->d);
-      for (int r = 0; r < RBn; ++r) {
-        const uint8_t* db = dec + (r * blocks + b) * kGroupBytes;
-        float wa, wm;
-        std::memcpy(&wa, db + 32, 4);
-        acc[r][v] = O::wvfma(O::wvmul(O::wvset1(wa), d), O::wcvt(p[r][v]), acc[r][v]);
-        if constexpr (Code<T>::kMin) {
-          std::memcpy(&wm, db + 36, 4);
-          macc[r][v] = O::wvfma(O::wvset1(wm), O::wvload2(x0[v]->s, x1[v]->s), macc[r][v]);
-        }
-      }
-    }
-  }
-  for (int v = 0; v < NW; ++v) {
-    V o[RBn];
-    for (int r = 0; r < RBn; ++r)
-      o[r] = Code<T>::kMin ? O::wvadd(acc[r][v], macc[r][v]) : acc[r][v];
-    store_rows<WideLanes<O>, RBn, 16>(o, v == NW - 1 ? lanes : 16, y + 16 * v * y_stride, y_stride);
+    for (int r = 0; r < RBn; ++r) o[r] = Code<T>::kMin ? L::vadd(acc[r][v], macc[r][v]) : acc[r][v];
+    store_rows<L, RBn, L::kTokens>(o, v == NV - 1 ? lanes : L::kTokens,
+                                   y + L::kTokens * v * y_stride, y_stride);
   }
 }
 
 // RBn rows against every token of the job. Several tokens: the rows are decoded once into the
 // scratch (L1), then each group of 8 tokens runs from it (group8; on kWide targets pairs of
-// groups on wide lanes first, group8w).
+// groups on wide lanes first).
 template <uint32_t T, int RBn>
 inline void rows_block(const RowsArgs& a, int64_t r0) {
   const uint8_t* rows[RBn];
@@ -506,13 +508,14 @@ inline void rows_block(const RowsArgs& a, int64_t r0) {
     // 2 vectors (32 tokens) a pass: 8 chains of vpdpbusd, p / acc (/ macc) in 16-24 registers;
     // then a last pair of groups as one vector.
     for (; g + 4 <= groups; g += 4)
-      group8w<T, RBn, 2>(dec, blocks, a.xt + g * blocks,
-                         static_cast<int>(std::min<int64_t>(16, a.tokens - 8 * (g + 2))),
-                         a.y + g * 8 * a.y_stride + r0, a.y_stride);
+      group8<T, RBn, 2, WideLanes<>>(
+          dec, blocks, a.xt + g * blocks,
+          static_cast<int>(std::min<int64_t>(16, a.tokens - 8 * (g + 2))),
+          a.y + g * 8 * a.y_stride + r0, a.y_stride);
     if (g + 2 <= groups) {
-      group8w<T, RBn, 1>(dec, blocks, a.xt + g * blocks,
-                         static_cast<int>(std::min<int64_t>(16, a.tokens - 8 * g)),
-                         a.y + g * 8 * a.y_stride + r0, a.y_stride);
+      group8<T, RBn, 1, WideLanes<>>(dec, blocks, a.xt + g * blocks,
+                                     static_cast<int>(std::min<int64_t>(16, a.tokens - 8 * g)),
+                                     a.y + g * 8 * a.y_stride + r0, a.y_stride);
       g += 2;
     }
   }
@@ -826,58 +829,6 @@ inline void superblock(const uint8_t* const* rows, int64_t k, const ActBlockK& x
   });
   superblock_float<T, RBn>(b, sumi, st, xb, acc, macc);
 }
-
-// The lanes of the batched K path, one vector of tokens: Narrow, one group of 8 tokens (I, V);
-// Wide (Ops::kWide targets), groups 2v and 2v + 1 in one W / WV of 16 tokens, so one vpdpbusd
-// does 64 products and the broadcasts, loads, sub-scale products and float tail per product
-// halve (Zen 4 runs a zmm operation as two ymm halves: the same peak, half the instructions,
-// which bounded the narrow form). Vector v of a pass reads field f of its groups' super-block k
-// (xt: group g's at xt[g * blocks + k]). Lane by lane both run the same integer and float
-// operations, so the same bits.
-struct NarrowLanes : Ops {  // Ops' own B, I, V and vector operations, 8 tokens
-  static constexpr int kTokens = 8;
-  static constexpr bool kPairAcc = Ops::kPairAcc;
-  template <class F>
-  static B load(const ActBlockK8* xt, int64_t blocks, int v, int64_t k, F f) {
-    return Ops::load(f(xt[v * blocks + k]));
-  }
-  template <class F>
-  static V vload(const ActBlockK8* xt, int64_t blocks, int v, int64_t k, F f) {
-    return Ops::vload(f(xt[v * blocks + k]));
-  }
-};
-template <class O = Ops>  // O: dependent, instantiated on kWide targets only
-struct WideLanes {
-  using B = typename O::W;
-  using I = typename O::W;
-  using V = typename O::WV;
-  static constexpr int kTokens = 16;
-  static constexpr bool kPairAcc = false;
-  template <class F>
-  static I load(const ActBlockK8* xt, int64_t blocks, int v, int64_t k, F f) {
-    return O::wload2(f(xt[2 * v * blocks + k]), f(xt[(2 * v + 1) * blocks + k]));
-  }
-  template <class F>
-  static V vload(const ActBlockK8* xt, int64_t blocks, int v, int64_t k, F f) {
-    return O::wvload2(f(xt[2 * v * blocks + k]), f(xt[(2 * v + 1) * blocks + k]));
-  }
-  static I izero() { return O::wzero(); }
-  static I bcast4(const uint8_t* p) { return O::wbcast4(p); }
-  static I dpu(I acc, I w, I x) { return O::wdpu(acc, w, x); }
-  static I add(I a, I b) { return O::wadd(a, b); }
-  static I mul_s(I v, int32_t s) { return O::wmul_s(v, s); }
-  static I madd_pairs(I acc, I p, int32_t pr) { return O::wmadd_pairs(acc, p, pr); }
-  static V zero() { return O::wvzero(); }
-  static V set1(float x) { return O::wvset1(x); }
-  static V mul(V a, V b) { return O::wvmul(a, b); }
-  static V fma(V a, V b, V c) { return O::wvfma(a, b, c); }
-  static V cvt(I v) { return O::wcvt(v); }
-  static V vadd(V a, V b) { return O::wvadd(a, b); }
-  static void vstore(float* p, V v) { O::wvstore(p, v); }
-  static void store_t4(float* y, int64_t stride, V a, V b, V c, V d) {
-    O::wstore_t4(y, stride, a, b, c, d);
-  }
-};
 
 // The start of super-block k in groupk and groupk_pairs4: the RBn rows' decoded super-block
 // (db[r]), and while the first group pass runs (next != nullptr), the next pass's rows'
