@@ -423,7 +423,7 @@ struct Ops {
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static float f16(uint16_t h) { return _cvtsh_ss(h); }
 
-  // Wide lanes (the batched paths: groupk's WideLanes, group8w): two groups of 8 tokens in one
+  // Wide lanes (the batched paths' WideLanes: group8, groupk): two groups of 8 tokens in one
   // zmm, so each vpdpbusd does 64 products where the ymm one does 32. Zen 4 runs a zmm operation
   // as two ymm halves, so the peak is the same; what halves is the instructions per product
   // (broadcasts, loads, multiplies and adds of the sub-scales, the float tail), which bounded
