@@ -13,6 +13,14 @@ C="$(cd "$(dirname "$0")/../.." && pwd)/tools/cluster/cluster.sh"
 STATE=/run/treeattn-cluster
 fail() { echo "FAIL: $*" >&2; exit 1; }
 hosts_up() { ip netns list | awk '{print $1}' | grep -cE '^treeattn-h[0-9]+$'; }
+# The first session's rank (`sleep`) runs in treeattn-h1. Other processes are seen there for a
+# moment while cluster.sh sets the hosts up (its own `ip -n treeattn-h1 ...`), so a non-empty
+# `ip netns pids` alone is not the job: a check that caught one of those failed once in CI.
+job_in_h1() {
+  local p
+  p=$(ip netns pids treeattn-h1 2>/dev/null | paste -sd, -)
+  [[ -n $p ]] && ps -o comm= -p "$p" 2>/dev/null | grep -qx sleep
+}
 tmp=$(mktemp -d)
 trap '"$C" down >/dev/null 2>&1; rm -rf "$tmp"' EXIT
 
@@ -38,11 +46,11 @@ case ${1:-} in
   dead)
     setsid "$C" session 2 --slots 1 -- -np 2 sleep 100 >"$tmp/a" 2>&1 &
     a=$!
-    for _ in $(seq 1 100); do
-      [[ -f $STATE/config ]] && [[ -n $(ip netns pids treeattn-h1 2>/dev/null) ]] && break
+    for _ in $(seq 1 300); do
+      [[ -f $STATE/config ]] && job_in_h1 && break
       sleep 0.1
     done
-    [[ -n $(ip netns pids treeattn-h1 2>/dev/null) ]] || fail "the first session's job did not start"
+    job_in_h1 || fail "the first session's job did not start: $(cat "$tmp/a")"
     kill -KILL "$a"
     wait "$a" 2>/dev/null
     [[ $(hosts_up) -eq 2 ]] || fail "the killed session's cluster is not there to be left over"
