@@ -84,6 +84,10 @@ Result<int64_t> parse_size(const std::string& text) {
     else return invalid_argument(bad);
   }
   if (i != text.size()) return invalid_argument(bad);
+  // The whole part alone past the limit: too large, before num * mult could overflow i128 (whole
+  // and den each reach ~1e19).
+  if (whole > static_cast<i128>(9'000'000'000'000'000) / mult)
+    return invalid_argument("size '" + text + "' is too large");
   const i128 num = whole * den + frac;  // the value is num / den, times mult
   const i128 scaled = num * mult;
   if (scaled / den > static_cast<i128>(9'000'000'000'000'000))
