@@ -451,6 +451,9 @@ inline void group8(const uint8_t* dec, int64_t blocks, const ActBlock8* xt, int 
         for (int r = 0; r < RBn; ++r) p[r][v] = L::isub(p[r][v], off);
       }
       const V d = L::vload(xt, blocks, v, b, [](const ActBlock8& x) { return x.d; });
+      V s{};
+      if constexpr (Code<T>::kMin)
+        s = L::vload(xt, blocks, v, b, [](const ActBlock8& x) { return x.s; });
       for (int r = 0; r < RBn; ++r) {
         const uint8_t* db = dec + (r * blocks + b) * kGroupBytes;
         float wa, wm;
@@ -458,7 +461,6 @@ inline void group8(const uint8_t* dec, int64_t blocks, const ActBlock8* xt, int 
         acc[r][v] = L::fma(L::mul(L::set1(wa), d), L::cvt(p[r][v]), acc[r][v]);
         if constexpr (Code<T>::kMin) {
           std::memcpy(&wm, db + 36, 4);
-          const V s = L::vload(xt, blocks, v, b, [](const ActBlock8& x) { return x.s; });
           macc[r][v] = L::fma(L::set1(wm), s, macc[r][v]);
         }
       }
