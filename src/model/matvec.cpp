@@ -15,8 +15,10 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <iterator>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "model/matvec_targets.hpp"
@@ -98,8 +100,20 @@ detail::RowsFn rows_fn(Isa isa) {
   }
 }
 
+// TREEATTN_INT8_VNNI=0 in the environment (read once): the maddubs target even where the CPU
+// has VNNI, as an AVX2-only CPU runs it (same bits; to compare the AVX2 kernels with llama.cpp's
+// AVX2 build on one machine).
+bool int8_vnni_allowed() {
+  static const bool allowed = [] {
+    const char* e = std::getenv("TREEATTN_INT8_VNNI");
+    return e == nullptr || std::string_view(e) != "0";
+  }();
+  return allowed;
+}
+
 // The integer target: VNNI where the CPU has it and the options allow it.
 detail::RowsFn rows_int8_fn(Isa isa, bool vnni) {
+  vnni = vnni && int8_vnni_allowed();
   switch (isa) {
 #if defined(TREEATTN_MODEL_X86)
     case Isa::kAvx512:
