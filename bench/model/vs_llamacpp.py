@@ -243,6 +243,7 @@ def measure_context(a, ctx, steps, bw, weight_bytes, kv_bytes, server, results):
     limit_ms = (weight_bytes + kv_bytes(ctx)) / (bw * 1e9) * 1e3
     ta = {m: [] for m in a.modes}
     tp = {m: [] for m in a.modes}
+    kernel = {}  # the integer kernel generate ran per mode (its --json int8_kernel)
     lc, lp = [], []
     real_prefill = a.engine or ctx <= a.synthetic_above
     for _ in range(a.repeats):
@@ -250,6 +251,7 @@ def measure_context(a, ctx, steps, bw, weight_bytes, kv_bytes, server, results):
             j = run_treeattn(a.treeattn, a.model, ctx, a.threads, steps + 1, a.engine, m,
                              a.synthetic_above, a.isa)
             ta[m].append(statistics.median(j["decode_ms"] if a.engine else j["methods"][0]["decode_ms"]))
+            kernel[m] = j.get("int8_kernel", "")
             if real_prefill:  # prefill speed: the whole prompt, each side's own clock
                 tp[m].append(j["prefill_tokens_per_s"])
         if server is not None:
@@ -263,7 +265,8 @@ def measure_context(a, ctx, steps, bw, weight_bytes, kv_bytes, server, results):
     for m in a.modes:
         t_ms = statistics.median(ta[m])
         r = {"context": ctx, "matmul": m, "limit_ms": limit_ms, "treeattn_ms": t_ms,
-             "llamacpp_ms": l_ms, "treeattn_runs_ms": ta[m], "llamacpp_runs_ms": lc}
+             "llamacpp_ms": l_ms, "treeattn_runs_ms": ta[m], "llamacpp_runs_ms": lc,
+             "int8_kernel": kernel[m]}
         pf = "| - | - | - |"
         if tp[m]:
             r.update({"prefill_treeattn_tokens_per_s": statistics.median(tp[m]),
@@ -274,7 +277,7 @@ def measure_context(a, ctx, steps, bw, weight_bytes, kv_bytes, server, results):
                 r["prefill_treeattn_tokens_per_s"] / r["prefill_llamacpp_tokens_per_s"])
         results.append(r)
         print("| %d | %s | %.1f | %.0f | %.1f | %.1f | %.2fx | %.1f | %.1f %s" % (
-            ctx, m, limit_ms, 1e3 / limit_ms, 1e3 / t_ms, 1e3 / l_ms, l_ms / t_ms, t_ms, l_ms, pf))
+            ctx, m + (" (%s)" % kernel[m] if kernel[m] else ""), limit_ms, 1e3 / limit_ms, 1e3 / t_ms, 1e3 / l_ms, l_ms / t_ms, t_ms, l_ms, pf))
     sys.stdout.flush()
 
 
