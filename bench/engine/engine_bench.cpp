@@ -216,6 +216,11 @@ int main(int argc, char** argv) {
   app.add_option("--page-tokens", page_tokens, "tokens per KV page (16, or 32..256 by 32)")
       ->capture_default_str();
   std::string matmul = "int8";
+  std::string isa_flag = "auto";
+  app.add_option("--isa", isa_flag,
+                 "auto | avx512 | avx2 | generic: the kernel target of the matrix and attention "
+                 "kernels, and of the FMA peak the prefill is set against")
+      ->capture_default_str();
   app.add_option("--matmul", matmul, "int8 | int8-ffn | exact (the quantized weights' matmul)")
       ->capture_default_str();
   auto* tp = app.add_subcommand("throughput", "decode tokens/s at several concurrencies");
@@ -295,6 +300,14 @@ int main(int argc, char** argv) {
   if (!model.is_ok()) fail(model.status());
   const auto& mc = (*model)->config();
   EngineConfig cfg;
+  if (auto i = parse_isa(isa_flag); !i.is_ok() || *i == Isa::kReference) {
+    fail(invalid_argument("--isa " + isa_flag + ": expected auto, avx512, avx2 or generic"));
+  } else {
+    cfg.isa = *i;
+  }
+  const Isa run_isa = cfg.isa == Isa::kAuto ? best_isa() : cfg.isa;
+  if (!isa_supported(run_isa))
+    fail(unsupported("--isa " + isa_flag + ": this CPU cannot run the " + isa_flag + " target"));
   cfg.kv_dtype = DType::kF16;
   cfg.threads = threads;
   cfg.merge = merge;
@@ -314,7 +327,7 @@ int main(int argc, char** argv) {
     // Every rank's FMA probe at the same moment, summed: the peak of this run's ranks x threads.
     auto peak = [&]() -> double {
       if (auto s = comm.barrier(); !s.is_ok()) fail(s);
-      auto g = measure_peak_gflops(threads, best_isa(), 3);
+      auto g = measure_peak_gflops(threads, run_isa, 3);
       if (!g.is_ok()) fail(g.status());
       float v = static_cast<float>(*g);
       if (auto s = comm.allreduce(&v, 1, ReduceOp::kSum); !s.is_ok()) fail(s);
@@ -325,10 +338,12 @@ int main(int argc, char** argv) {
       std::printf(
           "whole prefill: %s, %d ranks x %d threads, matmul %s, ISA %s, prefill chunk %lld, "
           "pages of %lld tokens, merge %s\n  %7s %9s %9s %12s %12s %9s %11s %11s %8s  %s\n",
-          mc.name.c_str(), p, threads, matmul.c_str(), std::string(isa_name(best_isa())).c_str(),
-          static_cast<long long>(cfg.prefill_chunk), static_cast<long long>(cfg.page_tokens),
-          merge.c_str(), "tokens", "TTFT s", "tokens/s", "dense GFLOP", "attn GFLOP", "GFLOP/s",
-          "peak before", "peak after", "of peak", "rank 0: dense / attention / merge+exchange s");
+          mc.name.c_str(), p, threads,
+          model::matmul_description({threads, run_isa, cfg.matmul}).c_str(),
+          std::string(isa_name(run_isa)).c_str(), static_cast<long long>(cfg.prefill_chunk),
+          static_cast<long long>(cfg.page_tokens), merge.c_str(), "tokens", "TTFT s", "tokens/s",
+          "dense GFLOP", "attn GFLOP", "GFLOP/s", "peak before", "peak after", "of peak",
+          "rank 0: dense / attention / merge+exchange s");
     for (const int64_t n : pf_lens) {
       const auto prompt = random_prompt(prng, n, mc.n_vocab);
       const double peak0 = peak();
