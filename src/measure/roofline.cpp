@@ -369,6 +369,9 @@ Result<double> measure_peak_gflops(int threads, Isa isa, int repeats) {
   if (repeats < 1) return invalid_argument("repeats must be >= 1, got " + std::to_string(repeats));
   TREEATTN_RETURN_IF_ERROR(check_thread_count(threads));
   const int T = resolve_threads(threads);
+  if (!isa_supported(probe_isa(isa)))
+    return unsupported("FMA probe: this CPU cannot run the " +
+                       std::string(isa_name(probe_isa(isa))) + " target");
   const kernels::cpu::FmaBurnFn burn = kernels::cpu::fma_burn_for(probe_isa(isa));
   if (burn == nullptr) return internal_error("no FMA probe built for ISA " + std::string(isa_name(isa)));
   constexpr int64_t kIters = 4'000'000;

@@ -20,6 +20,7 @@
 #include "model/tiny_llama.hpp"
 #include "treeattn/comm_local.hpp"
 #include "treeattn/engine.hpp"
+#include "treeattn/kernel.hpp"
 
 namespace treeattn::engine {
 namespace {
@@ -488,6 +489,32 @@ TEST(Engine, MismatchedConfigurationsAndUnknownMergeAreNamedOnEveryRank) {
     return Engine::create(comm, *m, cfg).status();
   });
   EXPECT_NE(st.message().find("unknown engine merge 'ring'"), std::string::npos) << st.to_string();
+}
+
+// An explicit kernel target the CPU lacks is refused at creation on every rank, by name (not by
+// the first matmul of a request, or a SIGILL); one it has is taken. Each x86 target is checked
+// on the branch this CPU takes (an AVX-512 machine takes the second for both).
+TEST(Engine, AnIsaThisCpuCannotRunIsRefusedOnEveryRankAtCreation) {
+  TinyModel m;
+  for (const Isa isa : {Isa::kAvx512, Isa::kAvx2}) {
+    std::vector<std::string> msgs(2);
+    const Status st = run_local(2, [&](Communicator& comm) -> Status {
+      EngineConfig cfg = base_config();
+      cfg.isa = isa;
+      auto e = Engine::create(comm, *m, cfg);
+      msgs[static_cast<std::size_t>(comm.rank())] = e.status().message();
+      return e.status();
+    });
+    if (isa_supported(isa)) {
+      EXPECT_TRUE(st.is_ok()) << isa_name(isa) << ": " << st.to_string();
+      continue;
+    }
+    EXPECT_FALSE(st.is_ok()) << isa_name(isa);
+    for (const auto& s : msgs)
+      EXPECT_NE(s.find("cannot run the " + std::string(isa_name(isa)) + " target"),
+                std::string::npos)
+          << s;
+  }
 }
 
 TEST(Engine, ARankThatNeverArrivesEndsEveryRequestWithAnErrorNotAHang) {
