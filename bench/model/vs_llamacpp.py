@@ -276,8 +276,9 @@ def measure_context(a, ctx, steps, bw, weight_bytes, kv_bytes, server, results):
                 r["prefill_treeattn_tokens_per_s"], r["prefill_llamacpp_tokens_per_s"],
                 r["prefill_treeattn_tokens_per_s"] / r["prefill_llamacpp_tokens_per_s"])
         results.append(r)
+        label = m + (" (%s)" % kernel[m] if kernel[m] else "")
         print("| %d | %s | %.1f | %.0f | %.1f | %.1f | %.2fx | %.1f | %.1f %s" % (
-            ctx, m + (" (%s)" % kernel[m] if kernel[m] else ""), limit_ms, 1e3 / limit_ms, 1e3 / t_ms, 1e3 / l_ms, l_ms / t_ms, t_ms, l_ms, pf))
+            ctx, label, limit_ms, 1e3 / limit_ms, 1e3 / t_ms, 1e3 / l_ms, l_ms / t_ms, t_ms, l_ms, pf))
     sys.stdout.flush()
 
 

@@ -106,7 +106,8 @@ struct MatvecOptions {
   Isa isa = Isa::kAuto;  // kAuto: best_isa(); kReference runs the generic target
   MatmulMode mode = MatmulMode::kExact;
   // kInt8 on a CPU with AVX-512 VNNI (isa avx512) or AVX-VNNI (isa avx2): false runs the
-  // maddubs target instead (the same bits; for tests and benchmarks).
+  // maddubs target instead (the same bits; for tests and benchmarks). TREEATTN_INT8_VNNI=0 in
+  // the environment does the same for every call of the process (README, --isa).
   bool vnni = true;
 };
 
