@@ -34,7 +34,9 @@ Status run_driver(ItemFn item_fn, const AttnShape& shape, const float* q, const 
   const int prefetch = cpu::default_prefetch_tokens(shape.head_dim * static_cast<int64_t>(esize));
   cpu::drive_items(
       shape, q, kv.len, kv.pos_start, kv.total_len, kv.pos_stride, opt.chunk_tokens,
-      static_cast<std::size_t>(R + 2) * cpu::kBlockTokens, opt.threads, states,
+      static_cast<std::size_t>(R + 2) * cpu::kBlockTokens, opt.threads,
+      kv.stride_head > kv.stride_token ? cpu::ItemOrder::kHeadsOuter : cpu::ItemOrder::kChunksOuter,
+      states,
       [&](const cpu::DriverItem& it) {
         const std::size_t elem0 = static_cast<std::size_t>(
             it.b * kv.stride_batch + it.kv_head * kv.stride_head + it.t0 * kv.stride_token);

@@ -2,13 +2,15 @@
 // (cpu_kernels.cpp) and the tiled layout (tiled_kernels.cpp); only how an item finds its K and V
 // differs, and the caller supplies that.
 //
-// Work items are (batch row b, chunk c, KV head) in that order, chunk c of row b covering
-// tokens [c * chunk, (c + 1) * chunk) of the tokens some query of the row can see (tokens past
-// every query's causal limit are never read). Items run on OpenMP threads (dynamic schedule);
-// each writes the states of its R = group * q_len rows into its own slot, and the slots are
-// merged in chunk order with state_merge. The chunk size is an input, never derived from the
-// thread count, so results are bitwise identical for any thread count. Scratch memory is
-// thread-local and grows only, so steady-state calls do not allocate.
+// Work items are (batch row b, chunk c, KV head), chunk c of row b covering tokens
+// [c * chunk, (c + 1) * chunk) of the tokens some query of the row can see (tokens past every
+// query's causal limit are never read). Items run on OpenMP threads (dynamic schedule) in the
+// order the caller's layout stores them (ItemOrder); each writes the states of its
+// R = group * q_len rows into its own slot, and the slots are merged in chunk order with
+// state_merge. The chunk size is an input, never derived from the thread count, and the slot of
+// an item does not depend on the order, so results are bitwise identical for any thread count
+// and either order. Scratch memory is thread-local and grows only, so steady-state calls do not
+// allocate.
 //
 // Internal to the kernels; compiled for the baseline ISA.
 #pragma once
@@ -21,6 +23,7 @@
 #include <span>
 #include <vector>
 
+#include "kernels/cpu/item_order.hpp"
 #include "treeattn/shape.hpp"
 #include "treeattn/state.hpp"
 
@@ -51,13 +54,13 @@ struct DriverItem {
 };
 
 // Runs run_item(const DriverItem&) for every item of the shard described by the placement
-// spans and merges the slots into states ([batch][q_len][heads] records). score_floats: the
-// scratch an item needs.
+// spans, in `order`, and merges the slots into states ([batch][q_len][heads] records).
+// score_floats: the scratch an item needs.
 template <class RunItem>
 void drive_items(const AttnShape& shape, const float* q, std::span<const int64_t> len,
                  std::span<const int64_t> pos_start, std::span<const int64_t> total_len,
                  int64_t pos_stride, int64_t chunk, std::size_t score_floats, int threads,
-                 float* states, RunItem run_item) {
+                 ItemOrder order, float* states, RunItem run_item) {
   const int64_t B = shape.batch, H = shape.heads, Hkv = shape.kv_heads, D = shape.head_dim;
   const int64_t Q = shape.q_len, G = shape.group();
   const int64_t R = G * Q;
@@ -87,10 +90,10 @@ void drive_items(const AttnShape& shape, const float* q, std::span<const int64_t
   const int64_t* needed = cs.needed.data();
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t item = 0; item < items; ++item) {
-    const int64_t kvh = item % Hkv;
-    const int64_t gchunk = item / Hkv;
-    const int64_t b = std::upper_bound(first_chunk, first_chunk + B + 1, gchunk) - first_chunk - 1;
+  for (int64_t n = 0; n < items; ++n) {
+    const ItemCoords at = item_coords(n, first_chunk, B, Hkv, order);
+    const int64_t b = at.b, kvh = at.kv_head, gchunk = at.gchunk;
+    const int64_t item = gchunk * Hkv + kvh;  // its slot
     const auto ub = static_cast<std::size_t>(b);
     const int64_t t0 = (gchunk - first_chunk[ub]) * chunk;
     const int64_t t1 = std::min(needed[ub], t0 + chunk);

@@ -139,7 +139,9 @@ Status run_tiled_driver(TiledItemFn item_fn, const AttnShape& shape, const float
   const bool quant = dtype_is_quantized(kv.dtype);
   cpu::drive_items(
       shape, q, kv.len, kv.pos_start, kv.total_len, kv.pos_stride, chunk,
-      static_cast<std::size_t>((R + 2) * ld), opt.threads, states,
+      static_cast<std::size_t>((R + 2) * ld), opt.threads,
+      kv.head_stride > kv.tile_stride ? cpu::ItemOrder::kHeadsOuter : cpu::ItemOrder::kChunksOuter,
+      states,
       [&](const cpu::DriverItem& it) {
         const int64_t tile0 = it.t0 / T;
         TiledItemArgs a;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_targets.hpp"
+#include "kernels/cpu/item_order.hpp"
 #include "kernels/kernel_impl.hpp"
 #include "support/test_data.hpp"
 #include "treeattn/kernel.hpp"
@@ -664,3 +665,46 @@ INSTANTIATE_TEST_SUITE_P(Targets, CpuTarget,
 
 }  // namespace
 }  // namespace treeattn
+
+// The driver's item orders: each visits every (row, chunk, KV head) once, rows in order; heads
+// outer walks one head's chunks in a row, chunks outer the heads of one chunk. Rows with no
+// chunk (an empty shard row) are skipped in both.
+TEST(ItemOrder, EveryItemOnceInTheLayoutsOrder) {
+  namespace kc = treeattn::kernels::cpu;
+  const int64_t Hkv = 3;
+  const std::vector<int64_t> first_chunk{0, 4, 4, 5, 7};  // rows of 4, 0, 1 and 2 chunks
+  const int64_t B = 4, items = first_chunk[4] * Hkv;
+  for (auto order : {kc::ItemOrder::kChunksOuter, kc::ItemOrder::kHeadsOuter}) {
+    std::vector<int> seen(static_cast<std::size_t>(items), 0);
+    kc::ItemCoords prev{};
+    for (int64_t i = 0; i < items; ++i) {
+      const kc::ItemCoords at = kc::item_coords(i, first_chunk.data(), B, Hkv, order);
+      ASSERT_GE(at.gchunk, first_chunk[static_cast<std::size_t>(at.b)]) << i;
+      ASSERT_LT(at.gchunk, first_chunk[static_cast<std::size_t>(at.b) + 1]) << i;
+      ASSERT_LT(at.kv_head, Hkv) << i;
+      ++seen[static_cast<std::size_t>(at.gchunk * Hkv + at.kv_head)];
+      if (i > 0 && at.b == prev.b) {
+        const bool heads = order == kc::ItemOrder::kHeadsOuter;
+        // The inner index steps by one; where it wraps, the outer one does.
+        const int64_t inner = heads ? at.gchunk : at.kv_head;
+        const int64_t prev_inner = heads ? prev.gchunk : prev.kv_head;
+        const int64_t outer = heads ? at.kv_head : at.gchunk;
+        const int64_t prev_outer = heads ? prev.kv_head : prev.gchunk;
+        if (outer == prev_outer) {
+          EXPECT_EQ(inner, prev_inner + 1) << i;
+        } else {
+          EXPECT_EQ(outer, prev_outer + 1) << i;
+        }
+      } else if (i > 0) {
+        EXPECT_GT(at.b, prev.b) << i;
+      }
+      prev = at;
+    }
+    for (int64_t i = 0; i < items; ++i) EXPECT_EQ(seen[static_cast<std::size_t>(i)], 1) << i;
+  }
+  // Row 0, head 1: heads outer reaches it after head 0's four chunks.
+  const kc::ItemCoords h = kc::item_coords(4, first_chunk.data(), B, Hkv, kc::ItemOrder::kHeadsOuter);
+  EXPECT_EQ(h.b, 0);
+  EXPECT_EQ(h.kv_head, 1);
+  EXPECT_EQ(h.gchunk, 0);
+}
