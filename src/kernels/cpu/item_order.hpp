@@ -13,10 +13,10 @@ namespace treeattn::kernels::cpu {
 // the KV heads of a chunk one after another (a layout with heads inside a token, [T][Hkv][D]).
 // kHeadsOuter: head by head, a head's chunks one after another, so consecutive items continue
 // one stream of memory (a layout with a head's tokens together, as the tiled one, [Hkv][tiles]).
-// Measured on the tiled layout (Zen 5, llama3-8b B1 256k, bf16/f16, treeattn_roofline, same
-// run): 1 thread 31.1 -> 32.3 GB/s, 2 threads with the probe at ~80 GB/s 53 -> 59 GB/s (two
-// threads then read neighbouring chunks of one head, not two heads 128 MiB apart); at ~44 GB/s
-// both orders read the same.
+// Measured on the tiled layout (Zen 5, llama3-8b B1 256k, treeattn_roofline, both orders
+// alternating in one session): 2 threads with the probe at 72-79 GB/s bf16 50-54 -> 57 GB/s,
+// f16 42-53 -> 53-55 (the two threads then read neighbouring chunks of one head, not two heads
+// 128 MiB apart); with the probe at 40-48 GB/s and on 1 thread both orders read the same.
 enum class ItemOrder { kChunksOuter, kHeadsOuter };
 
 // Row b, KV head and global chunk index (the row's chunks numbered after those of rows < b) of
