@@ -41,4 +41,35 @@ BENCHMARK(BM_StreamOverlap)
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 
+// The decode kernel's question on AVX-512, per thread (args: zmm FMAs per line, prefetch
+// distance, buffer bytes; each thread its own buffer). For llama3-8b's shape (group 4, head dim
+// 128) a 16-bit KV line costs the kernel 8 zmm FMAs at the floor (64 per token and KV head, 8
+// lines), and its measured in-cache rate (treeattn_roofline --seq 256, README) is that of about
+// 14-16 FMAs a line of this loop: the 16-FMA row from DRAM with the 8 KiB prefetch is what a loop
+// with no structure but the arithmetic reaches, against which the kernel's fraction of the probe
+// is read (README, decode kernel).
+//   build/<dir>/bench/treeattn_microbench --benchmark_filter=StreamOverlapAvx512
+void BM_StreamOverlapAvx512(benchmark::State& st) {
+  if (!isa_supported(Isa::kAvx512)) {
+    st.SkipWithError("CPU lacks AVX-512");
+    return;
+  }
+  const int fmas = static_cast<int>(st.range(0));
+  const int64_t pf = st.range(1);
+  const int64_t n = st.range(2) / 4;
+  const auto len = static_cast<std::size_t>(n + pf / 4);
+  std::unique_ptr<float[]> buf(new float[len]);
+  for (std::size_t i = 0; i < len; ++i) buf[i] = 1e-9f * static_cast<float>(i & 1023);
+  for (auto _ : st)
+    benchmark::DoNotOptimize(bench::stream_with_fmas_avx512(buf.get(), n, fmas, pf));
+  st.SetBytesProcessed(st.iterations() * n * 4);
+}
+
+BENCHMARK(BM_StreamOverlapAvx512)
+    ->ArgsProduct({{0, 8, 12, 16}, {0, 8192}, {int64_t{256} << 10, int64_t{512} << 20}})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime()
+    ->Threads(1)
+    ->Threads(2);
+
 }  // namespace

@@ -1,5 +1,6 @@
-// The streaming loop of BM_StreamOverlap (bench/stream_overlap_avx2.cpp, compiled with AVX2 and
-// FMA flags; bench_stream_overlap.cpp calls it after checking the CPU).
+// The streaming loops of BM_StreamOverlap (bench/stream_overlap_avx2.cpp, compiled with AVX2 and
+// FMA flags) and BM_StreamOverlapAvx512 (bench/stream_overlap_avx512.cpp, AVX-512F);
+// bench_stream_overlap.cpp calls them after checking the CPU.
 #pragma once
 
 #include <cstdint>
@@ -12,5 +13,9 @@ namespace treeattn::bench {
 // up to that many bytes past the end, so the buffer must be that much longer). Returns their sum
 // so that nothing is dropped.
 float stream_with_fmas(const float* p, int64_t n, int fmas, int64_t prefetch_bytes);
+
+// The same with 512-bit vectors: one zmm load per line and `fmas` (0, 8, 12 or 16) zmm FMAs,
+// each into its own accumulator (at 2 FMAs a cycle none waits on its chain's latency).
+float stream_with_fmas_avx512(const float* p, int64_t n, int fmas, int64_t prefetch_bytes);
 
 }  // namespace treeattn::bench

@@ -1,0 +1,49 @@
+// See stream_overlap_avx2.hpp. Compiled with -mavx512f (bench/CMakeLists.txt).
+#include <immintrin.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "stream_overlap_avx2.hpp"
+
+namespace treeattn::bench {
+namespace {
+
+template <int kFmas>  // per 64-byte line, one zmm load, each FMA into its own accumulator
+float stream512_impl(const float* p, int64_t n, int64_t pf) {
+  __m512 a[kFmas > 0 ? kFmas : 1];
+  for (auto& v : a) v = _mm512_setzero_ps();
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 c = _mm512_set1_ps(1.0000001f);
+  for (int64_t i = 0; i < n; i += 16) {
+    if (pf > 0) _mm_prefetch(reinterpret_cast<const char*>(p + i) + pf, _MM_HINT_T0);
+    const __m512 x = _mm512_loadu_ps(p + i);
+    if constexpr (kFmas == 0) {
+      sum = _mm512_add_ps(sum, x);
+    } else {
+#pragma GCC unroll 16
+      for (int j = 0; j < kFmas; ++j) a[j] = _mm512_fmadd_ps(x, c, a[j]);
+    }
+  }
+  for (const auto& v : a) sum = _mm512_add_ps(sum, v);
+  alignas(64) float t[16];  // not _mm512_reduce_add_ps: GCC 12 warns inside it (bug 105593)
+  _mm512_store_ps(t, sum);
+  float r = 0.0f;
+  for (float x : t) r += x;
+  return r;
+}
+
+}  // namespace
+
+float stream_with_fmas_avx512(const float* p, int64_t n, int fmas, int64_t prefetch_bytes) {
+  switch (fmas) {
+    case 0: return stream512_impl<0>(p, n, prefetch_bytes);
+    case 8: return stream512_impl<8>(p, n, prefetch_bytes);
+    case 12: return stream512_impl<12>(p, n, prefetch_bytes);
+    case 16: return stream512_impl<16>(p, n, prefetch_bytes);
+  }
+  std::fprintf(stderr, "stream_with_fmas_avx512: %d FMAs a line; 0, 8, 12 or 16\n", fmas);
+  std::abort();
+}
+
+}  // namespace treeattn::bench
