@@ -20,10 +20,13 @@ namespace {
 
 using namespace treeattn;
 
-// args: FMAs per line, prefetch distance in bytes, buffer bytes
-void BM_StreamOverlap(benchmark::State& st) {
-  if (!isa_supported(Isa::kAvx2)) {
-    st.SkipWithError("CPU lacks AVX2");
+using StreamFn = float (*)(const float*, int64_t, int, int64_t);
+
+// One loop's benchmark. args: FMAs per line, prefetch distance in bytes, buffer bytes; each
+// thread reads its own buffer.
+void run_stream(benchmark::State& st, Isa isa, const char* lacks, StreamFn fn) {
+  if (!isa_supported(isa)) {
+    st.SkipWithError(lacks);
     return;
   }
   const int fmas = static_cast<int>(st.range(0));
@@ -32,8 +35,12 @@ void BM_StreamOverlap(benchmark::State& st) {
   const auto len = static_cast<std::size_t>(n + pf / 4);  // the prefetches' reach past the end
   std::unique_ptr<float[]> buf(new float[len]);
   for (std::size_t i = 0; i < len; ++i) buf[i] = 1e-9f * static_cast<float>(i & 1023);
-  for (auto _ : st) benchmark::DoNotOptimize(bench::stream_with_fmas(buf.get(), n, fmas, pf));
+  for (auto _ : st) benchmark::DoNotOptimize(fn(buf.get(), n, fmas, pf));
   st.SetBytesProcessed(st.iterations() * n * 4);
+}
+
+void BM_StreamOverlap(benchmark::State& st) {
+  run_stream(st, Isa::kAvx2, "CPU lacks AVX2", bench::stream_with_fmas);
 }
 
 BENCHMARK(BM_StreamOverlap)
@@ -41,28 +48,15 @@ BENCHMARK(BM_StreamOverlap)
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 
-// The decode kernel's question on AVX-512, per thread (args: zmm FMAs per line, prefetch
-// distance, buffer bytes; each thread its own buffer). For llama3-8b's shape (group 4, head dim
-// 128) a 16-bit KV line costs the kernel 8 zmm FMAs at the floor (64 per token and KV head, 8
-// lines), and its measured in-cache rate (treeattn_roofline --seq 256, README) is that of about
-// 14-16 FMAs a line of this loop: the 16-FMA row from DRAM with the 8 KiB prefetch is what a loop
-// with no structure but the arithmetic reaches, against which the kernel's fraction of the probe
-// is read (README, decode kernel).
+// The decode kernel's question on AVX-512 (args as above, zmm FMAs). For llama3-8b's shape
+// (group 4, head dim 128) a 16-bit KV line costs the kernel 8 zmm FMAs at the floor (64 per token
+// and KV head, 8 lines), and its measured in-cache rate (treeattn_roofline --seq 256, README) is
+// about that of 12 FMAs a line of this loop in L2: the 12-FMA row from DRAM with the kernel's 8 KiB
+// prefetch is what a loop with the kernel's arithmetic and no other structure reads (README,
+// decode kernel: the kernel reads within a few percent of it).
 //   build/<dir>/bench/treeattn_microbench --benchmark_filter=StreamOverlapAvx512
 void BM_StreamOverlapAvx512(benchmark::State& st) {
-  if (!isa_supported(Isa::kAvx512)) {
-    st.SkipWithError("CPU lacks AVX-512");
-    return;
-  }
-  const int fmas = static_cast<int>(st.range(0));
-  const int64_t pf = st.range(1);
-  const int64_t n = st.range(2) / 4;
-  const auto len = static_cast<std::size_t>(n + pf / 4);
-  std::unique_ptr<float[]> buf(new float[len]);
-  for (std::size_t i = 0; i < len; ++i) buf[i] = 1e-9f * static_cast<float>(i & 1023);
-  for (auto _ : st)
-    benchmark::DoNotOptimize(bench::stream_with_fmas_avx512(buf.get(), n, fmas, pf));
-  st.SetBytesProcessed(st.iterations() * n * 4);
+  run_stream(st, Isa::kAvx512, "CPU lacks AVX-512", bench::stream_with_fmas_avx512);
 }
 
 BENCHMARK(BM_StreamOverlapAvx512)
