@@ -15,7 +15,7 @@ namespace treeattn::kernels::cpu {
 // one stream of memory (a layout with a head's tokens together, as the tiled one, [Hkv][tiles]).
 // Measured on the tiled layout (Zen 5, llama3-8b B1 256k, treeattn_roofline, both orders
 // alternating in one session): 2 threads with the probe at 72-79 GB/s bf16 48-54 -> 56-59
-// GB/s, f16 42-53 -> 53-59 (the two threads then read neighbouring chunks of one head, not two heads
+// GB/s, f16 50-53 -> 53-59 (the two threads then read neighbouring chunks of one head, not two heads
 // 128 MiB apart); with the probe at 40-48 GB/s the same, on 1 thread within 2% either way, and
 // the same on the caller's [B][Hkv][N][D] rows (1 thread, and 2 at ~40 GB/s).
 enum class ItemOrder { kChunksOuter, kHeadsOuter };
