@@ -53,11 +53,7 @@ Result<Isa> isa_for_flag(const std::string& flag) {
   if (!isa.is_ok() || *isa == Isa::kReference)
     return invalid_argument("--isa " + flag + ": expected auto, generic, avx2 or avx512");
   if (*isa == Isa::kAuto || *isa == Isa::kGeneric) return *isa;
-  if (!isa_supported(*isa))
-    return unsupported("--isa " + flag + ": this CPU cannot run the " + flag + " target (" +
-                       (*isa == Isa::kAvx512 ? "it needs AVX-512 F, BW, VL and DQ"
-                                             : "it needs AVX2, FMA and F16C") +
-                       "); the best it runs is " + std::string(isa_name(best_isa())));
+  TREEATTN_RETURN_IF_ERROR(check_isa_supported(*isa, "--isa " + flag));
   if (kernels::cpu_kernel_for(*isa) == nullptr)
     return unsupported("--isa " + flag + ": this build has no " + flag +
                        " kernels (configure with -DTREEATTN_CPU_KERNELS=all)");

@@ -26,6 +26,10 @@ Result<Isa> parse_isa(std::string_view name);
 Isa best_isa();
 // Whether this CPU can run the target (kAuto, kReference and kGeneric always can).
 bool isa_supported(Isa isa);
+// OK where isa_supported(isa); else kUnsupported, "<who>: this CPU cannot run the <isa> target
+// (it needs ...); the best it runs is <best_isa()>". The one check of every entry point that
+// takes a target (kernels, matmul, engine, probes, the CLI's --isa).
+Status check_isa_supported(Isa isa, std::string_view who);
 
 // The most threads a kernel call may ask for; the one cap of every thread count that reaches
 // OpenMP here (DecodeOptions::threads, the roofline and topology probes, the CLI's --threads,

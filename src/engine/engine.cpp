@@ -1187,10 +1187,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
       e.exchange = *x;
   }
   if (local.is_ok()) local = check_exchange(e.exchange, e.merge, e.p);
-  if (local.is_ok() && config.isa != Isa::kAuto && config.isa != Isa::kReference &&
-      !isa_supported(config.isa))
-    local = unsupported("this CPU cannot run the " + std::string(isa_name(config.isa)) +
-                        " target (isa); the best it runs is " + std::string(isa_name(best_isa())));
+  if (local.is_ok()) local = check_isa_supported(config.isa, "engine isa");
   if (local.is_ok() && !valid_page_tokens(config.page_tokens))
     local = invalid_argument("page_tokens " + std::to_string(config.page_tokens) +
                              " must be 16 or a multiple of 32 up to 256");

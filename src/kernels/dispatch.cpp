@@ -43,6 +43,15 @@ bool isa_supported(Isa isa) {
   return false;
 }
 
+Status check_isa_supported(Isa isa, std::string_view who) {
+  if (isa_supported(isa)) return Status::ok();
+  return unsupported(std::string(who) + ": this CPU cannot run the " + std::string(isa_name(isa)) +
+                     " target (" +
+                     (isa == Isa::kAvx512 ? "it needs AVX-512 F, BW, VL and DQ"
+                                          : "it needs AVX2, FMA and F16C") +
+                     "); the best it runs is " + std::string(isa_name(best_isa())));
+}
+
 Isa best_isa() {
   for (Isa i : {Isa::kAvx512, Isa::kAvx2, Isa::kGeneric})
     if (isa_supported(i) && kernels::cpu_kernel_for(i) != nullptr) return i;
@@ -75,9 +84,7 @@ Result<ResolvedOptions> resolve_options(const AttnShape& shape, const float* q,
   r.threads = options.threads > 0 ? options.threads : omp_get_max_threads();
   r.chunk_tokens = options.chunk_tokens > 0 ? options.chunk_tokens : 1024;
   r.isa = options.isa == Isa::kAuto ? best_isa() : options.isa;
-  if (r.isa != Isa::kReference && !isa_supported(r.isa))
-    return unsupported("ISA target " + std::string(isa_name(r.isa)) +
-                       " is not supported by this CPU");
+  TREEATTN_RETURN_IF_ERROR(check_isa_supported(r.isa, "decode kernel"));
   return r;
 }
 }  // namespace kernels

@@ -369,10 +369,9 @@ Result<double> measure_peak_gflops(int threads, Isa isa, int repeats) {
   if (repeats < 1) return invalid_argument("repeats must be >= 1, got " + std::to_string(repeats));
   TREEATTN_RETURN_IF_ERROR(check_thread_count(threads));
   const int T = resolve_threads(threads);
-  if (!isa_supported(probe_isa(isa)))
-    return unsupported("FMA probe: this CPU cannot run the " +
-                       std::string(isa_name(probe_isa(isa))) + " target");
-  const kernels::cpu::FmaBurnFn burn = kernels::cpu::fma_burn_for(probe_isa(isa));
+  const Isa target = probe_isa(isa);
+  TREEATTN_RETURN_IF_ERROR(check_isa_supported(target, "FMA probe"));
+  const kernels::cpu::FmaBurnFn burn = kernels::cpu::fma_burn_for(target);
   if (burn == nullptr) return internal_error("no FMA probe built for ISA " + std::string(isa_name(isa)));
   constexpr int64_t kIters = 4'000'000;
   std::vector<double> rates;
@@ -406,8 +405,7 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
                                            " needs seq >= 1, got " + std::to_string(c.seq));
   }
   const Isa isa = options.isa == Isa::kAuto ? best_isa() : options.isa;
-  if (!isa_supported(isa))
-    return unsupported("ISA target " + std::string(isa_name(isa)) + " is not supported by this CPU");
+  TREEATTN_RETURN_IF_ERROR(check_isa_supported(isa, "roofline"));
 
   if (!options.rows && options.tiles.empty())
     return invalid_argument("roofline: no KV layout to time (rows off and no tile configuration)");

@@ -286,8 +286,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
         "for_role(options, role) for '" +
         mats[0]->name + "'");
   const Isa isa = matmul_isa(options);
-  if (!isa_supported(isa))
-    return unsupported("matmul: this CPU cannot run the " + std::string(isa_name(isa)) + " target");
+  TREEATTN_RETURN_IF_ERROR(check_isa_supported(isa, "matmul"));
   if (tokens == 0) return Status::ok();
   const detail::RowsFn fn = rows_fn(isa);
   const detail::RowsFn fn8 = rows_int8_fn(isa, options.vnni);
