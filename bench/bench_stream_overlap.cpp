@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "stream_overlap_avx2.hpp"
+#include "stream_overlap.hpp"
 #include "treeattn/kernel.hpp"
 
 namespace {

@@ -1,5 +1,5 @@
-// See stream_overlap_avx2.hpp. Compiled with -mavx2 -mfma (bench/CMakeLists.txt).
-#include "stream_overlap_avx2.hpp"
+// See stream_overlap.hpp. Compiled with -mavx2 -mfma (bench/CMakeLists.txt).
+#include "stream_overlap.hpp"
 
 #include <immintrin.h>
 

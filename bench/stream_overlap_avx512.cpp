@@ -1,10 +1,10 @@
-// See stream_overlap_avx2.hpp. Compiled with -mavx512f (bench/CMakeLists.txt).
+// See stream_overlap.hpp. Compiled with -mavx512f (bench/CMakeLists.txt).
 #include <immintrin.h>
 
 #include <cstdio>
 #include <cstdlib>
 
-#include "stream_overlap_avx2.hpp"
+#include "stream_overlap.hpp"
 
 namespace treeattn::bench {
 namespace {

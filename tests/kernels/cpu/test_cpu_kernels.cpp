@@ -663,14 +663,11 @@ INSTANTIATE_TEST_SUITE_P(Targets, CpuTarget,
                            return std::string(isa_name(param_info.param));
                          });
 
-}  // namespace
-}  // namespace treeattn
-
 // The driver's item orders: each visits every (row, chunk, KV head) once, rows in order; heads
 // outer walks one head's chunks in a row, chunks outer the heads of one chunk. Rows with no
 // chunk (an empty shard row) are skipped in both.
 TEST(ItemOrder, EveryItemOnceInTheLayoutsOrder) {
-  namespace kc = treeattn::kernels::cpu;
+  namespace kc = kernels::cpu;
   const int64_t Hkv = 3;
   const std::vector<int64_t> first_chunk{0, 4, 4, 5, 7};  // rows of 4, 0, 1 and 2 chunks
   const int64_t B = 4, items = first_chunk[4] * Hkv;
@@ -708,3 +705,6 @@ TEST(ItemOrder, EveryItemOnceInTheLayoutsOrder) {
   EXPECT_EQ(h.kv_head, 1);
   EXPECT_EQ(h.gchunk, 0);
 }
+
+}  // namespace
+}  // namespace treeattn
