@@ -13,11 +13,11 @@ namespace treeattn::kernels::cpu {
 // the KV heads of a chunk one after another (a layout with heads inside a token, [T][Hkv][D]).
 // kHeadsOuter: head by head, a head's chunks one after another, so consecutive items continue
 // one stream of memory (a layout with a head's tokens together, as the tiled one, [Hkv][tiles]).
-// Measured on the tiled layout (Zen 5, llama3-8b B1 256k, treeattn_roofline, both orders
-// alternating in one session): 2 threads with the probe at 72-79 GB/s bf16 48-54 -> 56-59
-// GB/s, f16 50-53 -> 53-59 (the two threads then read neighbouring chunks of one head, not two heads
-// 128 MiB apart); with the probe at 40-48 GB/s the same, on 1 thread within 2% either way, and
-// the same on the caller's [B][Hkv][N][D] rows (1 thread, and 2 at ~40 GB/s).
+// Measured on the tiled layout (Zen 5, llama3-8b B1 256k, treeattn_roofline, 8057b53's binary
+// and this order's alternating; README, kernel roofline): 2 threads in rounds whose probe read
+// 65-80 GB/s bf16 46-50 -> 53-58 GB/s, f16 48-51 -> 54-57, f32 60-63 -> 61-67 (the two threads
+// then read neighbouring chunks of one head, not two heads 128 MiB apart); at 37-50 GB/s the
+// same, on 1 thread within 3%, and the same on the caller's [B][Hkv][N][D] rows.
 enum class ItemOrder { kChunksOuter, kHeadsOuter };
 
 // Row b, KV head and global chunk index (the row's chunks numbered after those of rows < b) of
