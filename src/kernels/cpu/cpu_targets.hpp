@@ -126,7 +126,9 @@ inline constexpr int kTiledBlockTiles = 1;
 // 0.79 / 0.89 / 0.85 and 0.63 / 0.69 / 0.60; f32 0.85 / 0.80 / 0.78 and 0.84 / 0.84 / 0.77;
 // 32 KiB worse again. No software prefetch: 0.25-0.45 (the hardware prefetchers alone do
 // not follow the tiles). prefetcht0 over prefetcht1, 1 thread: bf16 0.90 / 0.86 vs 0.76 / 0.73,
-// f32 0.87 / 0.84 vs 0.81 / 0.81 (two runs each).
+// f32 0.87 / 0.84 vs 0.81 / 0.81 (two runs each). On two threads too (Zen 5, 2026-12-05, the
+// rounds whose probe read 59-73 GB/s): bf16 58 GB/s with prefetcht0, 52 with prefetcht1, 50 with
+// prefetcht2; f32 64-65 / 55-58 / 56-57.
 inline constexpr int64_t kTiledPrefetchBytes = 8192;
 struct TiledTuning {
   int block_tiles = kTiledBlockTiles;

@@ -47,6 +47,13 @@
 // 0.51 of the probe, i.e. time ~ memory + 0.6 x compute. Leads longer than 8 KiB measured
 // worse, not better (presumably the core's outstanding misses are full and the prefetches
 // stall it), so the prefetch cannot run far enough ahead to hide all of the compute.
+// The prefetch loops below take their count per step at run time on purpose. A build with the
+// count a template value (1, 2, 4 or 8 lines, unrolled with the d loop) and q transposed so that
+// one pointer serves every row's broadcast cut the AVX-512 bf16 score loop from ~52 to ~20
+// instructions per d step and ran 0-10% faster in cache, but from DRAM (1 thread, 256k) bf16
+// read 27-30 against 31-33 GB/s and f32 27-32 against 34-35, and with --isa avx2 bf16 17 against
+// 20; the transposed q alone changed nothing from DRAM (Zen 5, 2026-12-05). The score loop's
+// instruction count is not what holds the kernel below the probe.
 
 constexpr int kUnitTokens = 2 * Ops::W;
 constexpr int kMaxScoreRows = Ops::W >= 16 ? 8 : 6;
