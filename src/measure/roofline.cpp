@@ -548,8 +548,9 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
             rec.tile_layout = std::string(kv_tile_layout_name(v.tiles.layout));
             const kernels::cpu::TiledTuning tuning = kernels::cpu::tiled_tuning();
             rec.block_tiles = v.tiles.block_tiles > 0 ? v.tiles.block_tiles : tuning.block_tiles;
-            rec.prefetch_bytes =
-                v.tiles.prefetch_bytes >= 0 ? v.tiles.prefetch_bytes : tuning.prefetch_bytes;
+            rec.prefetch_bytes = v.tiles.prefetch_bytes >= 0
+                                     ? v.tiles.prefetch_bytes
+                                     : kernels::cpu::tiled_prefetch_bytes(tuning, t, s.head_dim);
           }
           rec.threads = T;
           rec.peak_gflops = peak.value();

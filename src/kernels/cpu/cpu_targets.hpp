@@ -130,9 +130,29 @@ inline constexpr int kTiledBlockTiles = 1;
 // rounds whose probe read 59-73 GB/s): bf16 58 GB/s with prefetcht0, 52 with prefetcht1, 50 with
 // prefetcht2; f32 64-65 / 55-58 / 56-57.
 inline constexpr int64_t kTiledPrefetchBytes = 8192;
+// The lead for 16-bit K/V with head_dim <= 128 (kTiledPrefetchBytes for every other case).
+// Those steps had never been tried between 8 and 16 KiB; with items in memory order (583a8f0),
+// Zen 5, 2026-12-05, the roofline's --prefetch alternating the leads inside each run, kernel GB/s,
+// 1 thread, 256k tokens:
+//   llama3-8b (group 4, D 128)  lead 8 / 10 / 12 / 14 / 16 KiB: bf16 31.3-31.8 / 32.8-33.5 /
+//     32.9-33.5 / 33.0-33.5 / 30.6-31.4, f16 31.3-31.6 / 32.4-32.7 / 32.8-33.2 / 32.9-33.2 /
+//     31.7-32.1 (three runs); f32 flat at 5-9 KiB (34.0-35.1) and slower at 10-12 (31.3-33.9).
+//   8 / 12 KiB, two runs each: SmolLM2 (group 3, D 64) bf16 31.5-33.7 / 33.5-34.8, f16 32.9-34.9 /
+//     35.2-36.5, f32 35.0-36.3 / 34.6-35.6; Qwen2.5-1.5B (group 6, D 128) bf16 24.4-24.7 /
+//     24.9-25.4, f16 24.7-25.0 / 25.2-25.8; Qwen2.5-0.5B (group 7, D 64) bf16 20.4-20.8 /
+//     21.0-21.3; Gemma-3 (group 4, D 256) bf16 27.5-28.1 / 26.8-27.6, f16 27.8-27.9 / 25.8-26.1;
+//     fp8 and int8 (llama3-8b) alike at 8 and 12 (13.9-14.3, 21.3-21.9).
+//   2 threads (llama3-8b, 8 / 12 KiB): in the rounds whose probe read 61-75 GB/s bf16 52-60 /
+//     58-61, f16 55-58 / 56-59; in those at 37-45 GB/s bf16 43.6-43.8 / 41.4-43.0, f16 38.9-44.9 /
+//     38.1-44.2. Again with this default built in (three runs, 08:50 UTC): 1 thread bf16
+//     31.0-32.1 / 33.3-33.6, f16 32.1-32.5 / 33.4-34.0; 2 threads, probe 71-77 GB/s, bf16
+//     59.4-59.8 / 60.1-61.3, f16 57.0-58.0 / 59.1-59.3.
+inline constexpr int64_t kTiledPrefetchBytes16 = 12288;
 struct TiledTuning {
   int block_tiles = kTiledBlockTiles;
-  int64_t prefetch_bytes = kTiledPrefetchBytes;  // 0: no software prefetch
+  // -1: the default lead of the dtype and head_dim (tiled_prefetch_bytes()); 0: no software
+  // prefetch; else this lead for every dtype.
+  int64_t prefetch_bytes = -1;
 };
 // What the tiled driver uses: the defaults above, overridden by the environment variables
 // TREEATTN_TILED_BLOCK_TILES and TREEATTN_TILED_PREFETCH_BYTES (read once), or by
@@ -140,6 +160,10 @@ struct TiledTuning {
 // tiled kernel runs).
 TiledTuning tiled_tuning();
 void set_tiled_tuning(const TiledTuning& t);
+// The software prefetch lead an item of this dtype and head_dim runs with under t:
+// t.prefetch_bytes when it is set (>= 0), else kTiledPrefetchBytes16 for f16 and bf16 with
+// head_dim <= 128 and kTiledPrefetchBytes otherwise.
+int64_t tiled_prefetch_bytes(const TiledTuning& t, DType dtype, int64_t head_dim);
 
 // The default software prefetch distance in tokens for rows of row_bytes bytes;
 // TREEATTN_PREFETCH_TOKENS in the environment overrides it (read once; 0 disables; for

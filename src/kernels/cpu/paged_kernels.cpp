@@ -283,7 +283,7 @@ Status run_paged(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& sha
                  std::span<const PagedEntry> entries, const ResolvedOptions& opt) {
   const int64_t H = shape.heads, Hkv = shape.kv_heads, D = shape.head_dim, G = shape.group();
   const std::size_t rec = static_cast<std::size_t>(D) + 2;
-  const int64_t prefetch_bytes = cpu::tiled_tuning().prefetch_bytes;
+  const int64_t prefetch_bytes = cpu::tiled_prefetch_bytes(cpu::tiled_tuning(), pool.dtype, D);
 
   // The plan: cells, items and slots (grown only, owned by the calling thread).
   struct Plan {

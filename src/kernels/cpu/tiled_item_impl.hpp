@@ -44,9 +44,10 @@
 // 10-11 ns per token and KV head for every 16/32-bit dtype (~200 GFLOP/s, about 0.75 of the
 // best FMA peak measured), but from DRAM compute and memory overlap only partly: with group
 // 1, 2, 4, 8 (same run, bf16, 1 thread, 128k tokens) the kernel reaches 0.91, 0.91, 0.77,
-// 0.51 of the probe, i.e. time ~ memory + 0.6 x compute. Leads longer than 8 KiB measured
-// worse, not better (presumably the core's outstanding misses are full and the prefetches
-// stall it), so the prefetch cannot run far enough ahead to hide all of the compute.
+// 0.51 of the probe, i.e. time ~ memory + 0.6 x compute. Leads longer than 8 KiB (12 KiB for
+// 16-bit K/V at head_dim <= 128, cpu_targets.hpp) measured worse, not better (presumably the
+// core's outstanding misses are full and the prefetches stall it), so the prefetch cannot run
+// far enough ahead to hide all of the compute.
 // The prefetch loops below take their count per step at run time on purpose. A build with the
 // count a template value (1, 2, 4 or 8 lines, unrolled with the d loop) and q transposed so that
 // one pointer serves every row's broadcast cut the AVX-512 bf16 score loop from ~52 to ~20

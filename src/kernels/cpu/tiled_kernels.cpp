@@ -164,7 +164,7 @@ Status run_tiled_driver(TiledItemFn item_fn, const AttnShape& shape, const float
         a.out = it.out;
         a.block_tiles = block_tiles;
         a.scores = it.scores;
-        a.prefetch_bytes = tuning.prefetch_bytes;
+        a.prefetch_bytes = cpu::tiled_prefetch_bytes(tuning, kv.dtype, shape.head_dim);
         item_fn(a);
       });
   return Status::ok();
@@ -185,7 +185,7 @@ namespace {
 std::atomic<int> g_block_tiles{
     static_cast<int>(env_int("TREEATTN_TILED_BLOCK_TILES", kTiledBlockTiles, 1, 64))};
 std::atomic<int64_t> g_prefetch_bytes{
-    env_int("TREEATTN_TILED_PREFETCH_BYTES", kTiledPrefetchBytes, 0, int64_t{1} << 20)};
+    env_int("TREEATTN_TILED_PREFETCH_BYTES", -1, 0, int64_t{1} << 20)};
 }  // namespace
 
 TiledItemFn tiled_item_for(Isa isa) {
@@ -227,8 +227,14 @@ TiledTuning tiled_tuning() {
 
 void set_tiled_tuning(const TiledTuning& t) {
   g_block_tiles.store(std::clamp(t.block_tiles, 1, 64), std::memory_order_relaxed);
-  g_prefetch_bytes.store(std::clamp<int64_t>(t.prefetch_bytes, 0, int64_t{1} << 20),
+  g_prefetch_bytes.store(std::clamp<int64_t>(t.prefetch_bytes, -1, int64_t{1} << 20),
                          std::memory_order_relaxed);
+}
+
+int64_t tiled_prefetch_bytes(const TiledTuning& t, DType dtype, int64_t head_dim) {
+  if (t.prefetch_bytes >= 0) return t.prefetch_bytes;
+  const bool sixteen = dtype == DType::kF16 || dtype == DType::kBF16;
+  return sixteen && head_dim <= 128 ? kTiledPrefetchBytes16 : kTiledPrefetchBytes;
 }
 }  // namespace cpu
 }  // namespace kernels

@@ -706,5 +706,38 @@ TEST(ItemOrder, EveryItemOnceInTheLayoutsOrder) {
   EXPECT_EQ(h.gchunk, 0);
 }
 
+// The tiled kernel's prefetch lead: per dtype and head_dim unless a lead is set, and a set lead
+// (0 included: no prefetch) for every dtype; set_tiled_tuning(-1) goes back to the defaults.
+TEST(TiledTuning, PrefetchLeadPerDtypeAndHeadDimUnlessSet) {
+  namespace kc = kernels::cpu;
+  kc::TiledTuning t;
+  ASSERT_EQ(t.prefetch_bytes, -1);
+  for (DType d : {DType::kF16, DType::kBF16}) {
+    EXPECT_EQ(kc::tiled_prefetch_bytes(t, d, 64), kc::kTiledPrefetchBytes16);
+    EXPECT_EQ(kc::tiled_prefetch_bytes(t, d, 128), kc::kTiledPrefetchBytes16);
+    EXPECT_EQ(kc::tiled_prefetch_bytes(t, d, 256), kc::kTiledPrefetchBytes);
+  }
+  for (DType d : {DType::kF32, DType::kFP8, DType::kInt8})
+    for (int64_t hd : {64, 128, 256})
+      EXPECT_EQ(kc::tiled_prefetch_bytes(t, d, hd), kc::kTiledPrefetchBytes);
+  EXPECT_NE(kc::kTiledPrefetchBytes16, kc::kTiledPrefetchBytes);
+  for (int64_t lead : {int64_t{0}, int64_t{4096}})
+    for (DType d : {DType::kF32, DType::kBF16, DType::kInt8}) {
+      t.prefetch_bytes = lead;
+      EXPECT_EQ(kc::tiled_prefetch_bytes(t, d, 128), lead);
+    }
+
+  const kc::TiledTuning saved = kc::tiled_tuning();
+  kc::TiledTuning set = saved;
+  set.prefetch_bytes = 4096;
+  kc::set_tiled_tuning(set);
+  EXPECT_EQ(kc::tiled_prefetch_bytes(kc::tiled_tuning(), DType::kBF16, 128), 4096);
+  set.prefetch_bytes = -1;
+  kc::set_tiled_tuning(set);
+  EXPECT_EQ(kc::tiled_prefetch_bytes(kc::tiled_tuning(), DType::kBF16, 128),
+            kc::kTiledPrefetchBytes16);
+  kc::set_tiled_tuning(saved);
+}
+
 }  // namespace
 }  // namespace treeattn
