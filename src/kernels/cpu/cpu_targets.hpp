@@ -130,7 +130,8 @@ inline constexpr int kTiledBlockTiles = 1;
 // rounds whose probe read 59-73 GB/s): bf16 58 GB/s with prefetcht0, 52 with prefetcht1, 50 with
 // prefetcht2; f32 64-65 / 55-58 / 56-57.
 inline constexpr int64_t kTiledPrefetchBytes = 8192;
-// The lead for 16-bit K/V with head_dim <= 128 (kTiledPrefetchBytes for every other case).
+// The tiled driver's lead for 16-bit K/V with head_dim <= 128 (kTiledPrefetchBytes for every
+// other case, and for the paged driver).
 // Those steps had never been tried between 8 and 16 KiB; with items in memory order (583a8f0),
 // Zen 5, 2026-12-05, the roofline's --prefetch alternating the leads inside each run, kernel GB/s,
 // 1 thread, 256k tokens:
@@ -160,9 +161,10 @@ struct TiledTuning {
 // tiled kernel runs).
 TiledTuning tiled_tuning();
 void set_tiled_tuning(const TiledTuning& t);
-// The software prefetch lead an item of this dtype and head_dim runs with under t:
+// The software prefetch lead a tiled-driver item of this dtype and head_dim runs with under t:
 // t.prefetch_bytes when it is set (>= 0), else kTiledPrefetchBytes16 for f16 and bf16 with
-// head_dim <= 128 and kTiledPrefetchBytes otherwise.
+// head_dim <= 128 and kTiledPrefetchBytes otherwise. (The paged driver keeps
+// kTiledPrefetchBytes for every dtype unless one is set: paged_kernels.cpp says why.)
 int64_t tiled_prefetch_bytes(const TiledTuning& t, DType dtype, int64_t head_dim);
 
 // The default software prefetch distance in tokens for rows of row_bytes bytes;

@@ -283,7 +283,18 @@ Status run_paged(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& sha
                  std::span<const PagedEntry> entries, const ResolvedOptions& opt) {
   const int64_t H = shape.heads, Hkv = shape.kv_heads, D = shape.head_dim, G = shape.group();
   const std::size_t rec = static_cast<std::size_t>(D) + 2;
-  const int64_t prefetch_bytes = cpu::tiled_prefetch_bytes(cpu::tiled_tuning(), pool.dtype, D);
+  // The page kernel's software prefetch lead: a lead set by the environment or a benchmark,
+  // else kTiledPrefetchBytes for every dtype. A page's prefetch stops at its end, and the tiled
+  // driver's longer lead for 16-bit K/V read slower here (`treeattn generate --model
+  // models/SmolLM2-135M-Instruct.Q4_1.gguf --prompt-tokens 16384 --new-tokens 33 --ignore-eos
+  // --threads 1`, f16 KV, Zen 5, alternating 8 / 12 KiB by TREEATTN_TILED_PREFETCH_BYTES: 19.43 /
+  // 19.64 and 18.82 / 19.11 ms a token). Also slower (2026-12-05): requesting the next page's
+  // first 12 KiB before each page's call, 20.7-21.8 -> 23.3-26.6 ms a token in the same command
+  // (the pages of one sequence lie in pool order there), though 5-15% faster on the shuffled
+  // pages of PagedKernel.DISABLED_ThroughputVsTiled.
+  const cpu::TiledTuning tuning = cpu::tiled_tuning();
+  const int64_t prefetch_bytes =
+      tuning.prefetch_bytes >= 0 ? tuning.prefetch_bytes : cpu::kTiledPrefetchBytes;
 
   // The plan: cells, items and slots (grown only, owned by the calling thread).
   struct Plan {
