@@ -132,9 +132,9 @@ inline constexpr int kTiledBlockTiles = 1;
 inline constexpr int64_t kTiledPrefetchBytes = 8192;
 // The tiled driver's lead for 16-bit K/V with head_dim <= 128 (kTiledPrefetchBytes for every
 // other case, and for the paged driver).
-// Those steps had never been tried between 8 and 16 KiB; with items in memory order (583a8f0),
-// Zen 5, 2026-12-05, the roofline's --prefetch alternating the leads inside each run, kernel GB/s,
-// 1 thread, 256k tokens:
+// Earlier sweeps stepped 4 / 8 / 16 KiB; the leads between, with items in memory order
+// (583a8f0), Zen 5, 2026-12-05, the roofline's --prefetch alternating the leads inside each run,
+// kernel GB/s, 1 thread, 256k tokens:
 //   llama3-8b (group 4, D 128)  lead 8 / 10 / 12 / 14 / 16 KiB: bf16 31.3-31.8 / 32.8-33.5 /
 //     32.9-33.5 / 33.0-33.5 / 30.6-31.4, f16 31.3-31.6 / 32.4-32.7 / 32.8-33.2 / 32.9-33.2 /
 //     31.7-32.1 (three runs); f32 flat at 5-9 KiB (34.0-35.1) and slower at 10-12 (31.3-33.9).
