@@ -271,6 +271,25 @@ void run_item(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& shape,
     a.tokens = len;
     a.out = slot;
     a.keep = !first;
+    // The item kernel's prefetch stops at its page's end. Where the next page is not the pool
+    // record that follows (a sequence's pages once the free list has been churned), request its
+    // first lines now, while this page is computed: the hardware prefetchers cannot guess it.
+    // PagedKernel.DISABLED_ThroughputVsTiled (shuffled 64-token pages, f16, 1 thread, Zen 5,
+    // 2026-12-05, three runs alternating): paged 18.4-19.1 -> 21.2-23.7 GB/s, paged/tiled
+    // 0.48-0.50 -> 0.56-0.60. Where the next page does follow (a fresh engine's pages) nothing
+    // is requested: requesting it there too read 20.7-21.8 -> 23.3-26.6 ms a token in the
+    // generate command above (two pairs; more than that command's spread).
+    if (prefetch_bytes > 0 && j + 1 < p1 && en.pages[uj + 1] != page + 1) {
+      const int64_t next = cell.kvh * pool.head_stride + en.pages[uj + 1] * pool.tile_stride;
+      const char* nk = static_cast<const char*>(pool.k) + next;
+      const char* nv = static_cast<const char*>(pool.v) + next;
+      const bool one_stream = nv > nk && nv < nk + pool.tile_stride;  // as the item kernel
+      const int64_t n = std::min(prefetch_bytes, pool.tile_stride);
+      for (int64_t b = 0; b < n; b += 64) {
+        __builtin_prefetch(nk + b, 0, 3);
+        if (!one_stream) __builtin_prefetch(nv + b, 0, 3);
+      }
+    }
     page_fn(a);
     first = false;
   }
@@ -284,14 +303,11 @@ Status run_paged(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& sha
   const int64_t H = shape.heads, Hkv = shape.kv_heads, D = shape.head_dim, G = shape.group();
   const std::size_t rec = static_cast<std::size_t>(D) + 2;
   // The page kernel's software prefetch lead: a lead set by the environment or a benchmark,
-  // else kTiledPrefetchBytes for every dtype. A page's prefetch stops at its end, and the tiled
-  // driver's longer lead for 16-bit K/V read slower here (`treeattn generate --model
-  // models/SmolLM2-135M-Instruct.Q4_1.gguf --prompt-tokens 16384 --new-tokens 33 --ignore-eos
-  // --threads 1`, f16 KV, Zen 5, alternating 8 / 12 KiB by TREEATTN_TILED_PREFETCH_BYTES: 19.43 /
-  // 19.64 and 18.82 / 19.11 ms a token). Also slower (2026-12-05): requesting the next page's
-  // first 12 KiB before each page's call, 20.7-21.8 -> 23.3-26.6 ms a token in the same command
-  // (the pages of one sequence lie in pool order there), though 5-15% faster on the shuffled
-  // pages of PagedKernel.DISABLED_ThroughputVsTiled.
+  // else kTiledPrefetchBytes for every dtype. The tiled driver's longer lead for 16-bit K/V
+  // showed no gain here: `treeattn generate --model models/SmolLM2-135M-Instruct.Q4_1.gguf
+  // --prompt-tokens 16384 --new-tokens 33 --ignore-eos --threads 1` (f16 KV, Zen 5, 2026-12-05,
+  // alternating 8 / 12 KiB by TREEATTN_TILED_PREFETCH_BYTES) took 19.43 / 19.64 and 18.82 /
+  // 19.11 ms a token, inside that command's run-to-run spread (5-10% between runs of one binary).
   const cpu::TiledTuning tuning = cpu::tiled_tuning();
   const int64_t prefetch_bytes =
       tuning.prefetch_bytes >= 0 ? tuning.prefetch_bytes : cpu::kTiledPrefetchBytes;
