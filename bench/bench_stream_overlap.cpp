@@ -51,9 +51,10 @@ BENCHMARK(BM_StreamOverlap)
 // The decode kernel's question on AVX-512 (args as above, zmm FMAs). For llama3-8b's shape
 // (group 4, head dim 128) a 16-bit KV line costs the kernel 8 zmm FMAs at the floor (64 per token
 // and KV head, 8 lines), and its measured in-cache rate (treeattn_roofline --seq 256, README) is
-// about that of 12 FMAs a line of this loop in L2: the 12-FMA row from DRAM with the kernel's 8 KiB
-// prefetch is what a loop with the kernel's arithmetic and no other structure reads (README,
-// decode kernel: the kernel reads within a few percent of it).
+// about that of 12 FMAs a line of this loop in L2: the 12-FMA row from DRAM with an 8 KiB prefetch
+// (the kernel's lead when this was measured; 12 KiB for 16-bit K/V since) is what a loop with the
+// kernel's arithmetic and no other structure reads (README, decode kernel: the kernel read within
+// a few percent of it).
 //   build/<dir>/bench/treeattn_microbench --benchmark_filter=StreamOverlapAvx512
 void BM_StreamOverlapAvx512(benchmark::State& st) {
   run_stream(st, Isa::kAvx512, "CPU lacks AVX-512", bench::stream_with_fmas_avx512);

@@ -133,8 +133,11 @@ inline constexpr int64_t kTiledPrefetchBytes = 8192;
 // The tiled driver's lead for 16-bit K/V with head_dim <= 128 (kTiledPrefetchBytes for every
 // other case, and for the paged driver).
 // Earlier sweeps stepped 4 / 8 / 16 KiB; the leads between, with items in memory order
-// (583a8f0), Zen 5, 2026-12-05, the roofline's --prefetch alternating the leads inside each run,
-// kernel GB/s, 1 thread, 256k tokens:
+// (583a8f0), Zen 5 (AVX-512 target), 2026-12-05, kernel GB/s, 256k tokens, the leads alternating
+// inside each run: `build/release/bench/treeattn_roofline --dtype bf16,f16 --threads 1 --seq
+// 262144 --repeats 5 --no-peer --no-check --layouts tiled --prefetch 8192,10240,12288,14336,16384`
+// (f32: `--dtype f32 --prefetch 5120,6144,7168,8192,9216`; the other shapes `--heads H --kv-heads
+// K --head-dim D --dtype f32,bf16,f16 --prefetch 8192,12288`; 2 threads `--threads 2`), 1 thread:
 //   llama3-8b (group 4, D 128)  lead 8 / 10 / 12 / 14 / 16 KiB: bf16 31.3-31.8 / 32.8-33.5 /
 //     32.9-33.5 / 33.0-33.5 / 30.6-31.4, f16 31.3-31.6 / 32.4-32.7 / 32.8-33.2 / 32.9-33.2 /
 //     31.7-32.1 (three runs); f32 flat at 5-9 KiB (34.0-35.1) and slower at 10-12 (31.3-33.9).
@@ -163,9 +166,15 @@ TiledTuning tiled_tuning();
 void set_tiled_tuning(const TiledTuning& t);
 // The software prefetch lead a tiled-driver item of this dtype and head_dim runs with under t:
 // t.prefetch_bytes when it is set (>= 0), else kTiledPrefetchBytes16 for f16 and bf16 with
-// head_dim <= 128 and kTiledPrefetchBytes otherwise. (The paged driver keeps
-// kTiledPrefetchBytes for every dtype unless one is set: paged_kernels.cpp says why.)
+// head_dim <= 128 and kTiledPrefetchBytes otherwise.
 int64_t tiled_prefetch_bytes(const TiledTuning& t, DType dtype, int64_t head_dim);
+// The paged driver's lead under t: t.prefetch_bytes when it is set, else kTiledPrefetchBytes for
+// every dtype. The tiled driver's longer lead for 16-bit K/V showed no gain there: `treeattn
+// generate --model models/SmolLM2-135M-Instruct.Q4_1.gguf --prompt-tokens 16384 --new-tokens 33
+// --ignore-eos --threads 1` (f16 KV, Zen 5, 2026-12-05, alternating 8 / 12 KiB by
+// TREEATTN_TILED_PREFETCH_BYTES) took 19.43 / 19.64 and 18.82 / 19.11 ms a token, inside that
+// command's run-to-run spread (5-10% between runs of one binary).
+int64_t paged_prefetch_bytes(const TiledTuning& t);
 
 // The default software prefetch distance in tokens for rows of row_bytes bytes;
 // TREEATTN_PREFETCH_TOKENS in the environment overrides it (read once; 0 disables; for

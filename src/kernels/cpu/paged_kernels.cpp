@@ -241,6 +241,12 @@ void run_item(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& shape,
   a.block_tiles = 1;
   a.scores = ts.scores.data();
   a.prefetch_bytes = prefetch_bytes;
+  // The next page's prefetch (below): one stream when a page's V lies inside its K record (the
+  // interleaved layout, as the item kernel decides), and at most one record of it.
+  const char* const k0 = static_cast<const char*>(pool.k);
+  const char* const v0 = static_cast<const char*>(pool.v);
+  const bool one_stream = v0 > k0 && v0 < k0 + pool.tile_stride;
+  const int64_t next_bytes = std::min(prefetch_bytes, pool.tile_stride);
   bool first = true;
   for (int64_t j = p0; j < p1; ++j) {
     const auto uj = static_cast<std::size_t>(j);
@@ -261,8 +267,8 @@ void run_item(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& shape,
     if (any == 0) continue;  // empty states for every row: the merge identity
     const int64_t page = en.pages[uj];
     const int64_t off = cell.kvh * pool.head_stride + page * pool.tile_stride;
-    a.k = static_cast<const char*>(pool.k) + off;
-    a.v = static_cast<const char*>(pool.v) + off;
+    a.k = k0 + off;
+    a.v = v0 + off;
     if (dtype_is_quantized(pool.dtype)) {
       const int64_t soff = cell.kvh * pool.scale_head_stride + page * pool.scale_tile_stride;
       a.k_scale = pool.k_scale + soff;
@@ -275,17 +281,16 @@ void run_item(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& shape,
     // record that follows (a sequence's pages once the free list has been churned), request its
     // first lines now, while this page is computed: the hardware prefetchers cannot guess it.
     // PagedKernel.DISABLED_ThroughputVsTiled (shuffled 64-token pages, f16, 1 thread, Zen 5,
-    // 2026-12-05, three runs alternating): paged 18.4-19.1 -> 21.2-23.7 GB/s, paged/tiled
-    // 0.48-0.50 -> 0.56-0.60. Where the next page does follow (a fresh engine's pages) nothing
-    // is requested: requesting it there too read 20.7-21.8 -> 23.3-26.6 ms a token in the
-    // generate command above (two pairs; more than that command's spread).
-    if (prefetch_bytes > 0 && j + 1 < p1 && en.pages[uj + 1] != page + 1) {
+    // AVX-512 target, 2026-12-05, three runs alternating): paged 18.4-19.1 -> 21.2-23.7 GB/s,
+    // paged/tiled 0.48-0.50 -> 0.56-0.60. Where the next page does follow (a fresh engine's
+    // pages) nothing is requested: requesting it there too read 20.7-21.8 -> 23.3-26.6 ms a token
+    // in the generate command of paged_prefetch_bytes() (cpu_targets.hpp; two pairs, more than
+    // that command's spread).
+    if (next_bytes > 0 && j + 1 < p1 && en.pages[uj + 1] != page + 1) {
       const int64_t next = cell.kvh * pool.head_stride + en.pages[uj + 1] * pool.tile_stride;
-      const char* nk = static_cast<const char*>(pool.k) + next;
-      const char* nv = static_cast<const char*>(pool.v) + next;
-      const bool one_stream = nv > nk && nv < nk + pool.tile_stride;  // as the item kernel
-      const int64_t n = std::min(prefetch_bytes, pool.tile_stride);
-      for (int64_t b = 0; b < n; b += 64) {
+      const char* nk = k0 + next;
+      const char* nv = v0 + next;
+      for (int64_t b = 0; b < next_bytes; b += 64) {
         __builtin_prefetch(nk + b, 0, 3);
         if (!one_stream) __builtin_prefetch(nv + b, 0, 3);
       }
@@ -302,15 +307,7 @@ Status run_paged(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& sha
                  std::span<const PagedEntry> entries, const ResolvedOptions& opt) {
   const int64_t H = shape.heads, Hkv = shape.kv_heads, D = shape.head_dim, G = shape.group();
   const std::size_t rec = static_cast<std::size_t>(D) + 2;
-  // The page kernel's software prefetch lead: a lead set by the environment or a benchmark,
-  // else kTiledPrefetchBytes for every dtype. The tiled driver's longer lead for 16-bit K/V
-  // showed no gain here: `treeattn generate --model models/SmolLM2-135M-Instruct.Q4_1.gguf
-  // --prompt-tokens 16384 --new-tokens 33 --ignore-eos --threads 1` (f16 KV, Zen 5, 2026-12-05,
-  // alternating 8 / 12 KiB by TREEATTN_TILED_PREFETCH_BYTES) took 19.43 / 19.64 and 18.82 /
-  // 19.11 ms a token, inside that command's run-to-run spread (5-10% between runs of one binary).
-  const cpu::TiledTuning tuning = cpu::tiled_tuning();
-  const int64_t prefetch_bytes =
-      tuning.prefetch_bytes >= 0 ? tuning.prefetch_bytes : cpu::kTiledPrefetchBytes;
+  const int64_t prefetch_bytes = cpu::paged_prefetch_bytes(cpu::tiled_tuning());
 
   // The plan: cells, items and slots (grown only, owned by the calling thread).
   struct Plan {

@@ -136,6 +136,7 @@ Status run_tiled_driver(TiledItemFn item_fn, const AttnShape& shape, const float
   const cpu::TiledTuning tuning = cpu::tiled_tuning();
   const int block_tiles = std::max<int>(tuning.block_tiles, static_cast<int>((32 + T - 1) / T));
   const int64_t ld = (block_tiles * T + 31) / 32 * 32;  // tiled_score_ld() in the item kernel
+  const int64_t prefetch_bytes = cpu::tiled_prefetch_bytes(tuning, kv.dtype, shape.head_dim);
   const bool quant = dtype_is_quantized(kv.dtype);
   cpu::drive_items(
       shape, q, kv.len, kv.pos_start, kv.total_len, kv.pos_stride, chunk,
@@ -164,7 +165,7 @@ Status run_tiled_driver(TiledItemFn item_fn, const AttnShape& shape, const float
         a.out = it.out;
         a.block_tiles = block_tiles;
         a.scores = it.scores;
-        a.prefetch_bytes = cpu::tiled_prefetch_bytes(tuning, kv.dtype, shape.head_dim);
+        a.prefetch_bytes = prefetch_bytes;
         item_fn(a);
       });
   return Status::ok();
@@ -235,6 +236,10 @@ int64_t tiled_prefetch_bytes(const TiledTuning& t, DType dtype, int64_t head_dim
   if (t.prefetch_bytes >= 0) return t.prefetch_bytes;
   const bool sixteen = dtype == DType::kF16 || dtype == DType::kBF16;
   return sixteen && head_dim <= 128 ? kTiledPrefetchBytes16 : kTiledPrefetchBytes;
+}
+
+int64_t paged_prefetch_bytes(const TiledTuning& t) {
+  return t.prefetch_bytes >= 0 ? t.prefetch_bytes : kTiledPrefetchBytes;
 }
 }  // namespace cpu
 }  // namespace kernels

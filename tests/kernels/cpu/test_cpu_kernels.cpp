@@ -706,8 +706,9 @@ TEST(ItemOrder, EveryItemOnceInTheLayoutsOrder) {
   EXPECT_EQ(h.gchunk, 0);
 }
 
-// The tiled kernel's prefetch lead: per dtype and head_dim unless a lead is set, and a set lead
-// (0 included: no prefetch) for every dtype; set_tiled_tuning(-1) goes back to the defaults.
+// The prefetch leads: the tiled driver's per dtype and head_dim and the paged driver's one
+// default unless a lead is set, and a set lead (0 included: no prefetch) for every dtype and both
+// drivers; set_tiled_tuning(-1) goes back to the defaults.
 TEST(TiledTuning, PrefetchLeadPerDtypeAndHeadDimUnlessSet) {
   namespace kc = kernels::cpu;
   kc::TiledTuning t;
@@ -721,11 +722,13 @@ TEST(TiledTuning, PrefetchLeadPerDtypeAndHeadDimUnlessSet) {
     for (int64_t hd : {64, 128, 256})
       EXPECT_EQ(kc::tiled_prefetch_bytes(t, d, hd), kc::kTiledPrefetchBytes);
   EXPECT_NE(kc::kTiledPrefetchBytes16, kc::kTiledPrefetchBytes);
-  for (int64_t lead : {int64_t{0}, int64_t{4096}})
-    for (DType d : {DType::kF32, DType::kBF16, DType::kInt8}) {
-      t.prefetch_bytes = lead;
+  EXPECT_EQ(kc::paged_prefetch_bytes(t), kc::kTiledPrefetchBytes);  // every dtype, paged
+  for (int64_t lead : {int64_t{0}, int64_t{4096}}) {
+    t.prefetch_bytes = lead;
+    for (DType d : {DType::kF32, DType::kBF16, DType::kInt8})
       EXPECT_EQ(kc::tiled_prefetch_bytes(t, d, 128), lead);
-    }
+    EXPECT_EQ(kc::paged_prefetch_bytes(t), lead);
+  }
 
   const kc::TiledTuning saved = kc::tiled_tuning();
   kc::TiledTuning set = saved;
