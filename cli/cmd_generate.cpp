@@ -28,7 +28,7 @@
 #include "commands.hpp"
 #include "engine/exchange.hpp"
 #include "engine/generation_report.hpp"
-#include "engine/merge.hpp"
+#include "engine/layer_merge.hpp"
 #include "options.hpp"
 #include "treeattn/comm_local.hpp"
 #include "treeattn/comm_mpi.hpp"
@@ -51,7 +51,8 @@ struct GenFlags {
   int64_t prompt_tokens = 0;
   int64_t new_tokens = 64;
   int ranks = 1;
-  std::string method = "tree";
+  std::string method = "auto";
+  std::string topology;  // --topology: what auto plans on (file or preset; default the job's)
   std::string kv_dtype = "f16";
   std::string placement = "even";
   std::string kv_layout = "auto";
@@ -115,6 +116,7 @@ generation::Request request_of(const GenFlags& f, const std::string& model_path,
   r.methods = f.engine ? std::vector<std::string>{f.method} : methods_of(f);
   if (!f.kv_memory.empty()) r.kv_memory = static_cast<std::size_t>(*parse_bytes(f.kv_memory));
   r.prefill_exchange = f.prefill_exchange;
+  r.topology_file = f.topology;
   r.placement = *parse_shard_kind(f.placement);
   r.kv_layout = *parse_kv_layout(f.kv_layout);
   r.fanout = f.fanout;
@@ -123,19 +125,30 @@ generation::Request request_of(const GenFlags& f, const std::string& model_path,
   return r;
 }
 
-// Which path decodes: the serving engine (paged KV, chunked prefill by the tree merge; what
-// `treeattn serve` runs) unless the flags ask for what only the DecodeSession path has: a
-// strategy other than the engine's merges (tree, allreduce, allgather) or a comma list to
-// compare, tree-det (--deterministic), a synthetic KV cache, a placement, a KV layout, hier's
-// fan-out or the per-step token hash (--check). --session forces the DecodeSession path,
-// --engine the engine (and then refuses those flags). Every rank decides from the same flags.
+// One strategy the serving engine can merge with (engine::merge_methods), or auto.
+bool is_engine_merge(const std::string& m) {
+  const auto known = engine::merge_methods(CommCapabilities{});
+  return m == "auto" || std::find(known.begin(), known.end(), m) != known.end();
+}
+
+std::string engine_merges() {
+  std::string s;
+  for (const auto& m : engine::merge_methods(CommCapabilities{})) s += m + ", ";
+  return s + "auto";
+}
+
+// Which path decodes: the serving engine (paged KV, chunked prefill; what `treeattn serve`
+// runs) unless the flags ask for what only the DecodeSession path has: a strategy that does not
+// merge a batch of states (ring-kv, single) or a comma list to compare, tree-det's
+// rank-count-invariant decode (--deterministic), a synthetic KV cache, a placement, a KV layout
+// or the per-step token hash (--check). --session forces the DecodeSession path, --engine the
+// engine (and then refuses those flags). Every rank decides from the same flags.
 void choose_path(GenFlags& f, const CLI::App& sub) {
   if (f.engine || f.session) return;
   const auto methods = methods_of(f);
-  const bool engine_merge = methods.size() == 1 && engine::parse_merge(methods[0]).is_ok();
+  const bool engine_merge = methods.size() == 1 && is_engine_merge(methods[0]);
   f.engine = engine_merge && !f.deterministic && !f.synthetic_kv && !f.check &&
-             sub.count("--placement") == 0 && sub.count("--kv-layout") == 0 &&
-             sub.count("--fanout") == 0;
+             sub.count("--placement") == 0 && sub.count("--kv-layout") == 0;
 }
 
 // Everything checkable before ranks start (output files: by one process only). On success: the
@@ -173,7 +186,7 @@ Result<std::string> preflight(GenFlags& f, const CLI::App& sub, bool check_outpu
                        ": generate runs the model's forward pass and its KV cache on CPU ranks; "
                        "GPU ranks decode attention in run, bench and verify (--device cuda)");
   if (f.engine) {
-    for (const char* flag : {"--placement", "--kv-layout", "--fanout"})
+    for (const char* flag : {"--placement", "--kv-layout"})
       if (sub.count(flag) > 0)
         return invalid_argument(
             std::string("--engine does not take ") + flag +
@@ -182,11 +195,9 @@ Result<std::string> preflight(GenFlags& f, const CLI::App& sub, bool check_outpu
       return invalid_argument(
           "--engine does not take --deterministic (tree-det runs with --session)");
     if (f.check) return invalid_argument("--engine does not take --check (use --session)");
-    if (methods.size() != 1 || !engine::parse_merge(methods[0]).is_ok())
-      return invalid_argument(
-          "--engine: --method is the engine's merge, one of tree, allreduce, "
-          "allgather (not '" +
-          f.method + "')");
+    if (methods.size() != 1 || !is_engine_merge(methods[0]))
+      return invalid_argument("--engine: --method is one strategy that merges a batch of states: " +
+                              engine_merges() + " (not '" + f.method + "')");
     if (f.synthetic_kv) return invalid_argument("--engine does not take --synthetic-kv");
     if (!f.kv_memory.empty()) {
       auto b = parse_bytes(f.kv_memory);
@@ -197,6 +208,9 @@ Result<std::string> preflight(GenFlags& f, const CLI::App& sub, bool check_outpu
   } else if (!f.kv_memory.empty()) {
     return invalid_argument(
         "--kv-memory is the engine's (not with --session or flags that imply it)");
+  } else if (!f.topology.empty()) {
+    return invalid_argument(
+        "--topology is the engine's (not with --session or flags that imply it)");
   } else if (f.prefill_exchange != "auto") {
     return invalid_argument(
         "--prefill-exchange is the engine's (not with --session or flags that "
@@ -290,7 +304,8 @@ generation::ReportLabels labels_of(const GenFlags& f, const std::string& model_p
           f.synthetic_kv,
           f.prefill_exchange,
           std::string(isa_name(model::matmul_isa(o))),
-          std::string(model::matmul_int8_target(o))};
+          std::string(model::matmul_int8_target(o)),
+          f.method};
 }
 
 // The report (rank 0): its lines on stderr, and --json.
@@ -336,7 +351,8 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
                    "treeattn generate (engine): %s | %d rank(s) x %d thread(s), matmul %s | "
                    "merge %s | KV %s pages of %lld tokens, %lld per rank | prompt %lld tokens, "
                    "up to %lld new\n",
-                   s.config->to_string().c_str(), P, threads, label.c_str(), methods.c_str(),
+                   s.config->to_string().c_str(), P, threads, label.c_str(),
+                   s.merge_description.c_str(),
                    f.kv_dtype.c_str(), static_cast<long long>(s.page_tokens),
                    static_cast<long long>(s.pages_per_rank), static_cast<long long>(n),
                    static_cast<long long>(f.new_tokens));
@@ -384,7 +400,7 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
     std::printf("\n");
     std::fflush(stdout);  // the text before the report on stderr
   }
-  if (f.engine) return report(f, model_path, o, req.methods.front(), threads, P, 0);
+  if (f.engine) return report(f, model_path, o, o.merge_choice.strategy, threads, P, 0);
   int rc = 0;
   for (int q = 1; q < P; ++q)
     if (o.token_hash_by_rank[static_cast<std::size_t>(q)] != o.token_hash_by_rank[0]) {
@@ -443,8 +459,10 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
       ->capture_default_str();
   sub->add_option("--method,--methods", f->method,
                   "Decode strategy: tree, tree-paper, tree2, hier, ring-kv, ring-state, "
-                  "allgather, gather-root, single, tree-det, auto; a comma list decodes each from "
-                  "the same prefill (the first streams) and compares them")
+                  "allgather, gather-root, single, tree-det, auto (the planner's choice on "
+                  "--topology). One that merges a batch of states (all but ring-kv and single) "
+                  "runs on the serving engine; a comma list decodes each from the same prefill "
+                  "on the DecodeSession (the first streams) and compares them")
       ->capture_default_str();
   sub->add_option("--kv-dtype", f->kv_dtype, "KV cache element type: f16, bf16, f32")
       ->capture_default_str();
@@ -479,17 +497,20 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
   sub->add_flag("--check", f->check,
                 "Hash the token stream on every rank at every step and stop on a divergence");
   sub->add_flag("--engine", f->engine,
-                "Run the prompt as one request of the serving engine (paged KV, chunked prefill "
-                "by the tree merge; what `treeattn serve` runs); --method is then the engine's "
-                "merge: tree, allreduce or allgather. The default, unless a flag below needs "
-                "the DecodeSession path");
+                "Run the prompt as one request of the serving engine (paged KV, chunked prefill; "
+                "what `treeattn serve` runs); --method is then the strategy whose merge stage "
+                "merges each layer's states (auto: the planner's batch-invariant choice). The "
+                "default, unless a flag below needs the DecodeSession path");
   sub->add_option("--device", f->device,
                   "Where the ranks run the model: cpu (the only one for models so far)")
       ->capture_default_str();
   sub->add_flag("--session", f->session,
-                "Decode on the DecodeSession with a strategy instead of the engine; implied by a "
-                "strategy other than tree/allreduce/allgather, a comma list, --deterministic, "
-                "--synthetic-kv, --placement, --kv-layout, --fanout and --check");
+                "Decode on the DecodeSession with a strategy instead of the engine; implied by "
+                "ring-kv or single, a comma list, --deterministic, --synthetic-kv, --placement, "
+                "--kv-layout and --check");
+  sub->add_option("--topology", f->topology,
+                  "--engine: the topology file or preset --method auto plans on (default: this "
+                  "job as MPI shows it: ranks grouped by host)");
   sub->add_option("--prefill-exchange", f->prefill_exchange,
                   "--engine: how a prompt chunk's attention crosses the ranks: pass-q (its queries "
                   "travel, one merge per layer), kv (the cached K/V travels), auto (per chunk, "

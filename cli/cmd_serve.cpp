@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -30,7 +31,7 @@
 
 #include "commands.hpp"
 #include "engine/exchange.hpp"
-#include "engine/merge.hpp"
+#include "engine/layer_merge.hpp"
 #include "options.hpp"
 #include "serve/serve_job.hpp"
 #include "treeattn/comm_local.hpp"
@@ -41,6 +42,7 @@
 #include "treeattn/launch.hpp"
 #include "treeattn/model.hpp"
 #include "treeattn/tokenizer.hpp"
+#include "treeattn/topology.hpp"
 
 namespace treeattn::cli {
 namespace {
@@ -57,7 +59,9 @@ struct ServeFlags {
   int64_t page_tokens = engine::EngineConfig{}.page_tokens;
   int max_batch = 16;
   int64_t prefill_chunk = 256;
-  std::string method = "tree";
+  std::string method = "auto";
+  std::string topology;  // what auto plans on: a file or preset; empty: this job's
+  int fanout = 2;
   std::string prefill_exchange = "auto";
   int threads = 0;
   std::string isa = "auto";
@@ -70,9 +74,6 @@ struct ServeFlags {
   bool no_prefix_cache = false;
   bool no_rows8 = false;
 };
-
-// The merge the engine runs for --method (auto: tree, the batch-invariant one).
-std::string merge_of(const ServeFlags& f) { return f.method == "auto" ? "tree" : f.method; }
 
 // Everything checkable before ranks start. On success: the model path, and f.matmul set (the
 // model's default when --matmul was not given).
@@ -92,8 +93,20 @@ Result<std::string> preflight(ServeFlags& f) {
   if (f.max_batch < 1) return invalid_argument("--max-batch must be >= 1");
   if (f.prefill_chunk < 1) return invalid_argument("--prefill-chunk must be >= 1");
   if (f.max_queue < 0) return invalid_argument("--max-queue must be >= 0");
-  if (f.method != "auto" && !engine::parse_merge(f.method).is_ok())
-    return invalid_argument("--method '" + f.method + "': one of tree, allreduce, allgather, auto");
+  {
+    const auto known = engine::merge_methods(CommCapabilities{});
+    if (f.method != "auto" && std::find(known.begin(), known.end(), f.method) == known.end()) {
+      std::string list;
+      for (const auto& m : known) list += m + ", ";
+      return invalid_argument("--method '" + f.method +
+                              "': not a strategy that merges a batch of states (one of " + list +
+                              "auto)");
+    }
+  }
+  if (f.fanout < 1) return invalid_argument("--fanout must be >= 1");
+  if (!f.topology.empty())
+    if (auto t = load_topology(f.topology); !t.is_ok())
+      return Status(t.status().code(), "--topology: " + t.status().message());
   if (auto x = engine::parse_exchange(f.prefill_exchange); !x.is_ok())
     return Status(x.status().code(), "--prefill-exchange: " + x.status().message());
   TREEATTN_RETURN_IF_ERROR(check_thread_count(f.threads, "--threads"));
@@ -124,7 +137,9 @@ engine::EngineConfig engine_config(const ServeFlags& f, int threads) {
   c.max_queue = f.max_queue;
   c.prefix_cache = !f.no_prefix_cache;
   c.rows8 = !f.no_rows8;
-  c.merge = merge_of(f);
+  c.merge = f.method;
+  c.topology = f.topology;
+  c.fanout = f.fanout;
   c.prefill_exchange = f.prefill_exchange;
   c.threads = threads;
   c.isa = *isa_for_flag(f.isa);
@@ -293,8 +308,15 @@ Runner add_serve_command(CLI::App& app, const Invocation& inv) {
                   "Prompt tokens per engine step over all prefilling sequences")
       ->capture_default_str();
   sub->add_option("--method", f->method,
-                  "Per-layer merge of the ranks' attention states: tree (batch invariant), "
-                  "allreduce, allgather, auto (tree)")
+                  "Per-layer merge of the ranks' attention states: a strategy that merges a batch "
+                  "of states (tree, tree-paper, tree2, hier, ring-state, allgather, gather-root, "
+                  "tree-det) or auto (the planner's fastest batch-invariant merge on --topology; "
+                  "the banner and /v1/models name it)")
+      ->capture_default_str();
+  sub->add_option("--topology", f->topology,
+                  "Topology file or preset that --method auto plans on (default: this job as MPI "
+                  "shows it: ranks grouped by host)");
+  sub->add_option("--fanout", f->fanout, "hier: children per leader in the inter-node tree")
       ->capture_default_str();
   sub->add_option("--prefill-exchange", f->prefill_exchange,
                   "How a prompt chunk's attention crosses the ranks: pass-q (its queries travel), "

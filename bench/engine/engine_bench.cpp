@@ -53,7 +53,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/merge.hpp"
+#include "engine/layer_merge.hpp"
 #include "treeattn/comm_mpi.hpp"
 #include "treeattn/engine.hpp"
 #include "treeattn/kernel.hpp"
@@ -210,7 +210,10 @@ int main(int argc, char** argv) {
   double kv_gib = 4.0;
   app.add_option("--model", model_path, "GGUF model file");
   app.add_option("--threads", threads, "threads per rank")->capture_default_str();
-  app.add_option("--merge", merge, "tree | allreduce | allgather")->capture_default_str();
+  app.add_option("--merge", merge,
+                 "a strategy that merges a batch of states (tree, hier, allgather, tree-det, ...) "
+                 "or auto")
+      ->capture_default_str();
   app.add_option("--kv-gib", kv_gib, "KV pool GiB per rank")->capture_default_str();
   int64_t page_tokens = EngineConfig{}.page_tokens;
   app.add_option("--page-tokens", page_tokens, "tokens per KV page (16, or 32..256 by 32)")
@@ -269,18 +272,21 @@ int main(int argc, char** argv) {
       std::printf("merge alone, %d ranks, %zu heads, head dim %zu (median of 2000 calls, us)\n", p,
                   H, D);
     // Interleaved: every round times B = 1, 4, 16 back to back, so noise hits all three alike.
-    for (const char* kind_name : {"tree", "allreduce", "allgather"}) {
-      const auto kind = *engine::parse_merge(kind_name);
+    for (const char* kind_name : {"tree", "hier", "allgather", "tree-det", "auto"}) {
+      engine::MergeRequest mr;
+      mr.method = kind_name;
+      mr.shape = AttnShape{16, static_cast<int>(H), 3, static_cast<int>(D), 1};
+      auto lm = engine::LayerMerge::create(comm, mr);
+      if (!lm.is_ok()) fail(lm.status());
       const int Bs[3] = {1, 4, 16};
       std::vector<double> t[3];
-      std::vector<float> scratch, work;
+      std::vector<float> work;
       for (int it = 0; it < 2200; ++it)
         for (int b = 0; b < 3; ++b) {
           const std::size_t n = static_cast<std::size_t>(Bs[b]) * H;
           work.assign(n * (D + 2), 0.5f);
           const auto t0 = Clock::now();
-          if (auto s = engine::merge_states(comm, kind, work.data(), n, D, scratch); !s.is_ok())
-            fail(s);
+          if (auto s = (*lm)->merge(work.data(), n); !s.is_ok()) fail(s);
           if (it >= 200) t[b].push_back(since(t0) * 1e6);
         }
       double med[3];
@@ -288,9 +294,15 @@ int main(int argc, char** argv) {
         std::sort(t[b].begin(), t[b].end());
         med[b] = t[b][t[b].size() / 2];
       }
-      if (me == 0)
-        std::printf("  %-9s  B=1 %7.1f   B=4 %7.1f   B=16 %7.1f   B16/B1 %.2f\n", kind_name, med[0],
-                    med[1], med[2], med[2] / med[0]);
+      if (me == 0) {
+        std::printf("  %-9s  B=1 %7.1f   B=4 %7.1f   B=16 %7.1f   B16/B1 %.2f   (%s)\n", kind_name,
+                    med[0], med[1], med[2], med[2] / med[0],
+                    engine::describe_merge((*lm)->choice()).c_str());
+        std::printf(
+            "MERGE {\"ranks\": %d, \"method\": \"%s\", \"merge\": \"%s\", \"us_b1\": %.3f, "
+            "\"us_b4\": %.3f, \"us_b16\": %.3f}\n",
+            p, kind_name, (*lm)->choice().strategy.c_str(), med[0], med[1], med[2]);
+      }
     }
     finalize();
     return 0;
@@ -492,7 +504,8 @@ int main(int argc, char** argv) {
         "decode throughput: %s, %d ranks x %d threads, %lld-token prompts, %lld new tokens, merge "
         "%s, matmul %s\n",
         mc.name.c_str(), p, threads, static_cast<long long>(context),
-        static_cast<long long>(new_tokens), merge.c_str(), matmul.c_str());
+        static_cast<long long>(new_tokens), engine::describe_merge(e.merge_choice()).c_str(),
+        matmul.c_str());
     std::printf("  %-4s %12s %14s %16s %18s\n", "B", "decode tok/s", "ms per step", "prefill tok/s",
                 "merge us/layer (r0)");
     double base = 0;
@@ -555,6 +568,14 @@ int main(int argc, char** argv) {
           B, tok_s, tok_s > 0 ? 1e3 * B / tok_s : 0.0, static_cast<double>(B * context) / prefill,
           merge_us, tok_s / base, concurrency[0], static_cast<long long>(in_window),
           static_cast<long long>(cached));
+      // One machine-readable line per point (bench/engine/merge_methods.sh reads it).
+      std::printf(
+          "RESULT {\"ranks\": %d, \"method\": \"%s\", \"merge\": \"%s\", \"batch\": %d, "
+          "\"context\": %lld, \"decode_tokens_per_s\": %.3f, \"itl_ms\": %.4f, "
+          "\"merge_us_per_layer\": %.3f, \"prefill_tokens_per_s\": %.2f}\n",
+          p, merge.c_str(), e.merge_choice().strategy.c_str(), B, static_cast<long long>(context),
+          tok_s, tok_s > 0 ? 1e3 * B / tok_s : 0.0, merge_us,
+          static_cast<double>(B * context) / prefill);
       std::fflush(stdout);
     }
   } else if (fu->parsed()) {

@@ -58,6 +58,10 @@ struct CommCapabilities {
   MemorySpace memory = MemorySpace::kHost;
   bool user_reductions = true;  // allreduce_states / reduce_states are one collective
   bool stream_ordered = false;  // calls enqueue; synchronize() completes them
+  // allreduce_states / reduce_states / allreduce merge each record's contributions in an order
+  // fixed by the rank count alone (rank order), whatever the count: an in-process backend. MPI
+  // picks its algorithm, and with it the association, by message size.
+  bool fixed_reduction_order = false;
 };
 
 // Cumulative since the root communicator was created; shared with sub-communicators.

@@ -36,11 +36,13 @@
 // states merged as state.hpp). A request's logits do not depend on what else is in the batch,
 // how its prompt was chunked, or whether its prefix came from the cache: the matrix kernels'
 // bits per token do not depend on how many tokens are computed together (model.hpp), a query's
-// paged partial state depends only on its own pages (paged_kv.hpp), and the merge `tree`
-// combines the ranks' states along a fixed binomial tree whose shape depends only on the rank
-// count (never on the number of records, unlike an MPI allreduce, whose algorithm and
-// segmentation change with the message size). So greedy tokens through the engine are the same
-// bits as the request run alone, at any batch and chunk size, for a given rank count.
+// paged partial state depends only on its own pages (paged_kv.hpp), and a batch-invariant merge
+// (MergeChoice::batch_invariant: allgather, tree-det, ring-state, gather-root everywhere; tree
+// at two ranks; hier with up to two ranks a node) combines each record's states in an
+// association fixed by the rank count (never by the number of records, unlike an MPI allreduce
+// at more than two ranks, whose algorithm and segmentation change with the message size). So
+// greedy tokens through the engine are the same bits as the request run alone, at any batch and
+// chunk size, for a given rank count.
 //
 // Admission: a request is admitted when every rank has the pages its whole prompt plus
 // max_new_tokens need (counted per rank under the placement rule, minus the prefix pages it
@@ -67,6 +69,7 @@
 #include <vector>
 
 #include "treeattn/comm.hpp"
+#include "treeattn/cost_model.hpp"
 #include "treeattn/dtype.hpp"
 #include "treeattn/generate.hpp"  // SamplingParams
 #include "treeattn/kernel.hpp"
@@ -129,12 +132,20 @@ struct EngineConfig {
   int64_t prefill_chunk = 256;   // prompt tokens per step over all prefilling sequences
   int max_queue = 256;           // waiting requests; submit() refuses beyond (kOutOfMemory)
   bool prefix_cache = true;
-  // How the ranks' states are merged each layer: "tree" (a fixed binomial tree over
-  // point-to-point messages to rank 0, then a broadcast: bit-identical on every rank and batch
-  // invariant), "allreduce" (one MPI_Allreduce with the merge as a user-defined operation: one
-  // collective, but its bits may depend on the batch at more than two ranks), "allgather" (every
-  // rank gathers all states and merges them in rank order: batch invariant, (p-1) S sent).
-  std::string merge = "tree";
+  // How the ranks' states are merged each layer: a strategy (strategy.hpp) whose merge stage
+  // merges a batch of states (tree, tree-paper, tree2, hier, ring-state, allgather, gather-root,
+  // tree-det), run through Strategy::merge, one collective pattern per layer for the whole
+  // batch; or "auto": the planner's choice (choose_strategy, cost_model.hpp) on `topology` for
+  // one layer's states of max_batch sequences, among the merges that are batch invariant at this
+  // rank count (Engine::merge_choice() names it with every candidate's predicted time). A merge
+  // whose association the collective library picks by message size (tree, tree-paper and tree2
+  // over MPI at more than two ranks, hier with more than two ranks a node) runs when named, and
+  // merge_choice().batch_invariant says its bits may then depend on the batch.
+  std::string merge = "auto";
+  // The topology `auto` plans on: a file or preset (topology.hpp load_topology); empty: this
+  // job as the communicator shows it (job_topology_of, session.hpp).
+  std::string topology;
+  int fanout = 2;  // hier: children per leader in the inter-node tree
   // How a prefill chunk's attention crosses the ranks: "pass-q" (its queries travel to the
   // cached K/V, one merge per layer), "kv" (the cached K/V travels to the ranks computing the
   // chunk's rows, no merge for them), or "auto": per chunk, whichever moves fewer bytes (a fresh
@@ -185,6 +196,21 @@ struct EngineMetrics {
   std::string error;
 };
 
+// The merge the engine runs, the same on every rank (rank 0's choice).
+struct MergeChoice {
+  std::string strategy;          // the strategy that merges (never "auto")
+  std::string how;               // "by name" or "auto: planned on topology NAME"
+  bool batch_invariant = false;  // its merge's bits do not depend on the batch at this rank count
+  bool local_twin = false;       // it has a local twin: the K/V exchange may run
+  // auto, rank 0: every candidate the planner priced, best first (predicted per-layer times).
+  std::vector<PlanEntry> ranking;
+  std::string topology;  // the topology auto planned on
+};
+
+// One line for banners: "hier (auto on topology job, batch invariant; predicted per layer:
+// hier 31.0 us, tree 33.5 us, ...)".
+std::string describe_merge(const MergeChoice& choice);
+
 class Engine {
  public:
   // Collective over comm: checks that the ranks agree on the model and the configuration and
@@ -221,6 +247,7 @@ class Engine {
   int64_t max_sequence_tokens() const;
   EngineMetrics metrics() const;  // rank 0 (thread-safe)
   const EngineConfig& config() const;
+  const MergeChoice& merge_choice() const;
   const model::LlamaModel& model() const;
   Communicator& comm() const;
 

@@ -39,6 +39,7 @@
 #include "treeattn/sharding.hpp"
 #include "treeattn/status.hpp"
 #include "treeattn/tokenizer.hpp"
+#include "treeattn/engine.hpp"
 #include "treeattn/topology.hpp"
 
 namespace treeattn::generation {
@@ -74,16 +75,18 @@ struct Request {
   std::chrono::milliseconds timeout{600000};
 
   bool engine = false;
-  // engine: one merge (tree, allreduce, allgather). Session path: strategies, "auto" allowed
-  // (the planner's choice on `topology`, choose_strategy).
-  std::vector<std::string> methods = {"tree"};
+  // engine: one strategy that merges a batch of states, or "auto" (EngineConfig::merge).
+  // Session path: strategies, "auto" allowed (the planner's choice on `topology`,
+  // choose_strategy).
+  std::vector<std::string> methods = {"auto"};
   // engine only
   std::size_t kv_memory = 0;  // 0: the pages this prompt needs on each rank, and a few more
   std::string prefill_exchange = "auto";
+  std::string topology_file;  // EngineConfig::topology: what "auto" plans on (empty: the job)
   // session path only
   ShardKind placement = ShardKind::kEven;
   KVLayout kv_layout = KVLayout::kAuto;
-  int fanout = 2;
+  int fanout = 2;  // hier's fan-out (both paths)
   bool synthetic_kv = false;  // fill the prompt's KV with seeded values (needs a synthetic prompt)
   bool check = false;         // compare the ranks' token-stream hashes after every step
   Topology topology;          // what "auto" plans on
@@ -101,6 +104,7 @@ struct Start {
   int64_t prompt_tokens = 0;
   std::vector<std::string> methods;             // resolved (session path) or {merge} (engine)
   int64_t page_tokens = 0, pages_per_rank = 0;  // engine
+  std::string merge_description;                // engine: describe_merge(merge_choice())
 };
 
 struct Hooks {
@@ -157,6 +161,7 @@ struct Output {
   std::vector<uint64_t> bytes_sent_by_rank;
   int64_t merges = 0, rows_pass_q = 0, rows_kv_exchange = 0;
   uint64_t bytes_sent_rank0 = 0;
+  engine::MergeChoice merge_choice;  // the merge the engine ran and why
 };
 
 Output run_generation(Communicator& comm, const Request& request, const Hooks& hooks = {});

@@ -109,6 +109,10 @@ struct SessionConfig {
   bool rows_start_free = false;
 };
 
+// The topology `auto` plans on when none is given (SessionConfig::topology, the serving
+// engine's --method auto): this job as the communicator shows it (described above). Collective.
+Result<Topology> job_topology_of(Communicator& comm, Executor& executor);
+
 class DecodeSession {
  public:
   // Collective over comm. comm and executor must outlive the session. The strategy `single`

@@ -77,6 +77,33 @@ class Strategy {
   // The same with a host StateBuffer, resized to the step's records (host executors only).
   Status step(const float* q, const KVShard& local, const ShardPlan& plan, StateBuffer& out);
 
+  // ---- the merge stage alone (the serving engine's per-layer merge) ----
+  // A strategy whose StrategyInfo::merges_states is true merges states the ranks computed
+  // themselves: n records per rank, the partials of the same n (row, head) pairs, one
+  // collective pattern for the whole batch, exactly the communication and merges run() does
+  // after its local partial (run() is local partial + merge()).
+  //
+  // Once, collective over comm, instead of setup() when only merge() is used: no shape, plan or
+  // KV; sub-communicators (hier) are made here. comm and executor must outlive the strategy.
+  Status setup_merge(Communicator& comm, Executor& executor, std::size_t head_dim) {
+    return do_setup_merge(comm, executor, head_dim);
+  }
+  // records: n * (head_dim + 2) floats in the executor's memory; afterwards they hold the merged
+  // states where delivers_result(comm.rank()). The same n on every rank. kUnsupported for a
+  // strategy that does not merge states (ring-kv moves KV, single computes on one rank).
+  virtual Status merge(float* records, std::size_t n);
+  // The local twin of merge(): parts[r] holds the n records rank r would contribute (host
+  // memory), out receives the records merge() delivers, the same bits (the same association of
+  // every record). For a rank that already holds every rank's states (the engine's K/V
+  // exchange). kUnsupported where the association is the library's choice (an MPI reduction at
+  // more than two ranks: merge_local_supported() says so beforehand).
+  virtual Status merge_local(const float* const* parts, int p, std::size_t n, float* out);
+  virtual bool merge_local_supported(int p) const;
+  // merge() gives each record bits that depend on the rank count alone, never on n or on the
+  // other records of the batch (what the engine's batch invariance needs). False for reductions
+  // whose association the collective library chooses by message size (MPI at p > 2).
+  virtual bool merge_batch_invariant() const;
+
   // Peak bytes of the buffers the strategy itself allocated (receive buffers, partial-state
   // buffers), over the steps run so far. The KV shard, query and `out` are not included.
   virtual std::size_t buffer_bytes() const = 0;
@@ -88,6 +115,7 @@ class Strategy {
   explicit Strategy(StrategyOptions options) : options_(std::move(options)) {}
   virtual Status do_setup(Communicator& comm, Executor& executor, const AttnShape& shape,
                           DType dtype, const ShardPlan& plan) = 0;
+  virtual Status do_setup_merge(Communicator& comm, Executor& executor, std::size_t head_dim);
   StrategyOptions options_;
   AttnShape shape_;
   Executor* exec_ = nullptr;
@@ -116,6 +144,9 @@ struct StrategyInfo {
   bool holds_every_state = false;
   // Output and LSE are the same bits for any rank count, placement and thread count.
   bool rank_count_invariant = false;
+  // Strategy::merge() merges a batch of states the ranks already hold: the strategies that move
+  // states (what the serving engine can run), not ring-kv or single.
+  bool merges_states = false;
   // Listed by StrategyRegistry::list() (the CLI's `all`) and ranked by the planner; false for
   // strategies offered by name only (tree-det).
   bool listed = true;

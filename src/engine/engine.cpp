@@ -16,7 +16,7 @@
 #include <unordered_map>
 
 #include "engine/exchange.hpp"
-#include "engine/merge.hpp"
+#include "engine/layer_merge.hpp"
 #include "engine/page_table.hpp"
 #include "treeattn/kernel.hpp"
 #include "treeattn/kv_tiles.hpp"
@@ -66,7 +66,7 @@ struct Engine::Impl {
   const model::LlamaModel* model = nullptr;
   EngineConfig cfg;
   model::MatvecOptions mv;
-  MergeKind merge = MergeKind::kTree;
+  std::unique_ptr<LayerMerge> merge;  // the per-layer merge (a strategy's merge stage)
   ExchangePolicy exchange = ExchangePolicy::kAuto;
   ExchangeShape xshape;
   int p = 1, me = 0;
@@ -709,9 +709,8 @@ struct Engine::Impl {
       const auto tm = Clock::now();
       attn_s += seconds(tm - ta);
       if (rows_q > 0) {
-        TREEATTN_RETURN_IF_ERROR(merge_states(*comm, merge, states.data(),
-                                              static_cast<std::size_t>(rows_q * H),
-                                              static_cast<std::size_t>(D), merge_scratch));
+        TREEATTN_RETURN_IF_ERROR(
+            merge->merge(states.data(), static_cast<std::size_t>(rows_q * H)));
         ++merges;
       }
       merge_s += seconds(Clock::now() - tm);
@@ -959,9 +958,9 @@ struct Engine::Impl {
           parts[o] = kv_states.data() +
                      (o * static_cast<std::size_t>(mine) + static_cast<std::size_t>(row - lo)) *
                          static_cast<std::size_t>(H) * rec;
-        TREEATTN_RETURN_IF_ERROR(merge_states_local(
-            merge, p, parts.data(), static_cast<std::size_t>(H), static_cast<std::size_t>(D),
-            states.data() + static_cast<std::size_t>(row * H) * rec, merge_scratch));
+        TREEATTN_RETURN_IF_ERROR(merge->merge_local(
+            parts.data(), p, static_cast<std::size_t>(H),
+            states.data() + static_cast<std::size_t>(row * H) * rec));
       }
     attn_s += seconds(Clock::now() - tc);
     return Status::ok();
@@ -1174,19 +1173,15 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
     if (shared.is_ok() && *shared) local_ranks = (*shared)->size();
   }
   Status local;
-  auto merge = parse_merge(config.merge);
-  if (!merge.is_ok())
-    local = merge.status();
-  else
-    e.merge = *merge;
-  if (local.is_ok()) {
+  {
     auto x = parse_exchange(config.prefill_exchange);
     if (!x.is_ok())
       local = x.status();
     else
       e.exchange = *x;
   }
-  if (local.is_ok()) local = check_exchange(e.exchange, e.merge, e.p);
+  if (local.is_ok() && config.fanout < 1)
+    local = invalid_argument("fanout must be >= 1, got " + std::to_string(config.fanout));
   if (local.is_ok()) local = check_isa_supported(config.isa, "engine isa");
   if (local.is_ok() && !valid_page_tokens(config.page_tokens))
     local = invalid_argument("page_tokens " + std::to_string(config.page_tokens) +
@@ -1262,6 +1257,31 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
   }
   // Every rank uses the smallest pool (the replicated table assumes one size).
   pages = min_pages;
+  // The merge: by name or the planner's (rank 0's choice on every rank), priced for one layer's
+  // states of a full batch at the context a batch slot's share of the pools holds.
+  {
+    MergeRequest mr;
+    mr.method = config.merge;
+    mr.shape = AttnShape{config.max_batch, mc.n_head, mc.n_head_kv, mc.head_dim, 1};
+    mr.kv_dtype = config.kv_dtype;
+    mr.context = std::max<int64_t>(1, pages * e.T * e.p / config.max_batch);
+    mr.topology = config.topology;
+    mr.fanout = config.fanout;
+    auto lm = LayerMerge::create(comm, mr);
+    TREEATTN_RETURN_IF_ERROR(lm.status());
+    e.merge = std::move(*lm);
+  }
+  const StrategyInfo* merge_info =
+      StrategyRegistry::for_backend(comm.capabilities()).info(e.merge->choice().strategy);
+  e.xshape = ExchangeShape{
+      e.p,
+      mc.n_head,
+      mc.n_head_kv,
+      mc.head_dim,
+      2 * static_cast<std::size_t>(mc.n_head_kv * mc.head_dim) * dtype_size(config.kv_dtype),
+      merge_info != nullptr && merge_info->holds_every_state,
+      e.merge->choice().local_twin};
+  TREEATTN_RETURN_IF_ERROR(check_exchange(e.exchange, e.xshape, e.merge->choice().strategy));
   e.pools.reserve(static_cast<std::size_t>(mc.n_layers));
   Status alloc;
   for (int l = 0; l < mc.n_layers && alloc.is_ok(); ++l) {
@@ -1280,13 +1300,6 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
       return Status(Code::kOutOfMemory,
                     who + "rank " + std::to_string(r) + " could not allocate its KV pools");
   e.table = std::make_unique<PageTable>(e.p, pages, e.T);
-  e.xshape = ExchangeShape{
-      e.p,
-      mc.n_head,
-      mc.n_head_kv,
-      mc.head_dim,
-      2 * static_cast<std::size_t>(mc.n_head_kv * mc.head_dim) * dtype_size(config.kv_dtype),
-      e.merge};
   e.rank_merge_s.assign(static_cast<std::size_t>(e.p), 0.0);
   e.rank_attn_s.assign(static_cast<std::size_t>(e.p), 0.0);
   e.rank_dense_s.assign(static_cast<std::size_t>(e.p), 0.0);
@@ -1355,6 +1368,7 @@ EngineMetrics Engine::metrics() const {
   return impl_->snapshot;
 }
 const EngineConfig& Engine::config() const { return impl_->cfg; }
+const MergeChoice& Engine::merge_choice() const { return impl_->merge->choice(); }
 const model::LlamaModel& Engine::model() const { return *impl_->model; }
 Communicator& Engine::comm() const { return *impl_->comm; }
 

@@ -22,12 +22,6 @@ const char* exchange_name(ExchangePolicy policy) {
   return "?";
 }
 
-namespace {
-bool has_local_twin(MergeKind merge, int ranks) {
-  return ranks <= 2 || merge != MergeKind::kAllreduce;
-}
-}  // namespace
-
 ExchangeBytes exchange_bytes(const ExchangeShape& s, int64_t new_rows, int64_t cached) {
   ExchangeBytes b;
   if (s.ranks <= 1) return b;
@@ -35,7 +29,7 @@ ExchangeBytes exchange_bytes(const ExchangeShape& s, int64_t new_rows, int64_t c
   const double row_q = static_cast<double>(s.heads * s.head_dim) * 4;
   const double row_kv = static_cast<double>(2 * s.kv_heads * s.head_dim) * 4;
   const double records = static_cast<double>(s.heads * (s.head_dim + 2)) * 4;
-  const double m = s.merge == MergeKind::kAllgather ? p - 1 : (s.ranks == 2 ? 1.0 : 2 * share);
+  const double m = s.merge_gathers ? p - 1 : (s.ranks == 2 ? 1.0 : 2 * share);
   b.pass_q = n * (row_q + row_kv) * share + n * records * m;
   b.kv = n * row_kv * share + static_cast<double>(cached) * static_cast<double>(s.kv_token_bytes) * share;
   return b;
@@ -43,19 +37,20 @@ ExchangeBytes exchange_bytes(const ExchangeShape& s, int64_t new_rows, int64_t c
 
 bool use_kv_exchange(ExchangePolicy policy, const ExchangeShape& s, int64_t new_rows,
                      int64_t cached) {
-  if (s.ranks <= 1 || !has_local_twin(s.merge, s.ranks) || policy == ExchangePolicy::kPassQ)
+  if (s.ranks <= 1 || !s.local_twin || policy == ExchangePolicy::kPassQ)
     return false;
   if (policy == ExchangePolicy::kKV) return true;
   const ExchangeBytes b = exchange_bytes(s, new_rows, cached);
   return b.kv < b.pass_q;
 }
 
-Status check_exchange(ExchangePolicy policy, MergeKind merge, int ranks) {
-  if (policy == ExchangePolicy::kKV && !has_local_twin(merge, ranks))
-    return invalid_argument("prefill exchange 'kv' needs the tree or allgather merge at " +
-                            std::to_string(ranks) +
-                            " ranks: the allreduce merge's association is MPI's, so the K/V "
-                            "exchange could not reproduce its bits");
+Status check_exchange(ExchangePolicy policy, const ExchangeShape& s, std::string_view merge) {
+  if (policy == ExchangePolicy::kKV && s.ranks > 1 && !s.local_twin)
+    return invalid_argument("prefill exchange 'kv' needs a merge with a local twin at " +
+                            std::to_string(s.ranks) + " ranks: the association of '" +
+                            std::string(merge) +
+                            "' is the collective library's, so the K/V exchange could not "
+                            "reproduce its bits");
   return Status::ok();
 }
 

@@ -122,7 +122,9 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
   ec.threads = req.threads;
   ec.isa = req.isa;
   ec.matmul = req.matmul;
-  ec.merge = req.methods.empty() ? "tree" : req.methods.front();
+  ec.merge = req.methods.empty() ? "auto" : req.methods.front();
+  ec.topology = req.topology_file;
+  ec.fanout = req.fanout;
   ec.prefill_exchange = req.prefill_exchange;
   ec.timeout = req.timeout;
   if (req.kv_memory > 0)
@@ -132,13 +134,15 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
   auto e = engine::Engine::create(comm, model, ec);
   if (!e.is_ok()) return failed(std::move(out), e.status());
   engine::Engine& eng = **e;
+  out.merge_choice = eng.merge_choice();
   if (lead && hooks.started) {
     Start s;
     s.config = &model.config();
     s.ranks = P;
     s.threads = req.threads;
     s.prompt_tokens = n;
-    s.methods = {ec.merge};
+    s.methods = {eng.merge_choice().strategy};
+    s.merge_description = engine::describe_merge(eng.merge_choice());
     s.page_tokens = ec.page_tokens;
     s.pages_per_rank = eng.metrics().pages_per_rank;
     hooks.started(s);

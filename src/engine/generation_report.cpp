@@ -121,6 +121,17 @@ std::string session_report_text(const Output& o, bool synthetic_kv, int ranks, b
   return out;
 }
 
+// auto's ranking: every candidate with its predicted per-layer time (rank 0's).
+nlohmann::json merge_candidates(const engine::MergeChoice& c) {
+  nlohmann::json a = nlohmann::json::array();
+  for (const PlanEntry& e : c.ranking)
+    a.push_back({{"method", e.prediction.strategy},
+                 {"predicted_layer_us", e.prediction.latency_us},
+                 {"predicted_comm_us", e.prediction.comm_us},
+                 {"feasible", e.feasible}});
+  return a;
+}
+
 nlohmann::json engine_report_json(const Output& o, const std::string& merge,
                                   const ReportLabels& l) {
   const EngineFigures e = engine_figures(o);
@@ -136,6 +147,10 @@ nlohmann::json engine_report_json(const Output& o, const std::string& merge,
           {"isa", l.isa},
           {"int8_kernel", l.int8_kernel},
           {"method", merge},
+          {"method_requested", l.method_requested},
+          {"merge_how", o.merge_choice.how},
+          {"merge_batch_invariant", o.merge_choice.batch_invariant},
+          {"merge_candidates", merge_candidates(o.merge_choice)},
           {"prefill_exchange", l.prefill_exchange},
           {"rows_kv_exchange", o.rows_kv_exchange},
           {"rows_pass_q", o.rows_pass_q},

@@ -28,6 +28,7 @@ struct ReportLabels {
   // The kernel target (isa_name: avx512, avx2, generic) and the integer kernel it runs for
   // --matmul int8 (matmul_int8_target: avx512vnni, avxvnni, avx2, generic).
   std::string isa, int8_kernel;
+  std::string method_requested;  // engine path: --method as given (a name or auto)
 };
 
 // One method of the session path.

@@ -24,13 +24,25 @@ ModelInfo engine_model_info(const std::string& model_path, const model::LlamaMod
   info.chat = ChatTemplate::from_template(tmpl.is_ok() ? *tmpl : std::string_view());
   info.chat.format = tokenizer.chat_format();
   info.ranks = ranks;
-  info.method = ec.merge;
+  const engine::MergeChoice& mc = engine.merge_choice();
+  info.method = mc.strategy;
   const engine::EngineMetrics em = engine.metrics();
+  // The merge and, for auto, every candidate's predicted per-layer time (rank 0's ranking).
+  nlohmann::json candidates = nlohmann::json::array();
+  for (const PlanEntry& e : mc.ranking)
+    candidates.push_back({{"method", e.prediction.strategy},
+                          {"predicted_layer_us", e.prediction.latency_us},
+                          {"predicted_comm_us", e.prediction.comm_us},
+                          {"feasible", e.feasible}});
   info.meta = {
       {"n_ctx", info.context},
       {"n_ctx_train", cfg.n_ctx_train},
       {"ranks", ranks},
-      {"merge", ec.merge},
+      {"merge", mc.strategy},
+      {"merge_requested", ec.merge},
+      {"merge_how", mc.how},
+      {"merge_batch_invariant", mc.batch_invariant},
+      {"merge_candidates", candidates},
       {"kv_dtype", std::string(dtype_name(ec.kv_dtype))},
       {"page_tokens", ec.page_tokens},
       {"kv_pages_per_rank", em.pages_per_rank},

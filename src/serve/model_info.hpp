@@ -19,7 +19,8 @@ int64_t matmul_flops_per_token(const model::LlamaConfig& c);
 // The ModelInfo of model_path served by `engine` (configured with `config`, over `ranks`
 // ranks): id = the file's name, context = `context` (0: the model's training context), the
 // chat template of the file with the tokenizer's chat format, and meta: n_ctx, n_ctx_train,
-// ranks, merge, kv_dtype, page_tokens, kv_pages_per_rank, max_sequence_tokens, max_batch,
+// ranks, merge (the strategy that merges; merge_requested, merge_how, merge_batch_invariant,
+// merge_candidates: auto's ranking with predicted per-layer times), kv_dtype, page_tokens, kv_pages_per_rank, max_sequence_tokens, max_batch,
 // threads_per_rank, weight_bytes_per_token, kv_bytes_per_token, matmul_flops_per_token,
 // attention_flops_per_token_per_position.
 ModelInfo engine_model_info(const std::string& model_path, const model::LlamaModel& model,

@@ -289,6 +289,10 @@ Status resolve_auto(Communicator& comm, Executor& exec, const SessionConfig& con
 
 }  // namespace
 
+Result<Topology> job_topology_of(Communicator& comm, Executor& executor) {
+  return job_topology(comm, executor);
+}
+
 DecodeSession::~DecodeSession() = default;
 
 Result<std::unique_ptr<DecodeSession>> DecodeSession::create(Communicator& comm,

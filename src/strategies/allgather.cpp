@@ -27,18 +27,29 @@ class Allgather final : public StrategyBase {
   std::string_view name() const override { return name_; }
 
   Status run(const float* q, const KVShard& local, const ShardPlan&, float* out) override {
+    TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out));
+    return merge_n(out, records());
+  }
+
+  bool merge_batch_invariant() const override { return true; }
+  bool merge_local_supported(int) const override { return true; }
+  Status merge_local(const float* const* parts, int p, std::size_t n, float* out) override {
+    return fold_in_rank_order(parts, p, n, out);
+  }
+
+ protected:
+  Status merge_n(float* out, std::size_t n) override {
     const int p = comm_->size();
-    const std::size_t bytes = static_cast<std::size_t>(p) * state_bytes();
+    const std::size_t bytes = static_cast<std::size_t>(p) * bytes_of(n);
     TREEATTN_RETURN_IF_ERROR(ensure(all_, bytes));
     note_buffers(bytes);
-    TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out));
     if (options_.root >= 0) {
-      TREEATTN_RETURN_IF_ERROR(comm_->gather(out, state_bytes(), all_.as<float>(), options_.root));
+      TREEATTN_RETURN_IF_ERROR(comm_->gather(out, bytes_of(n), all_.as<float>(), options_.root));
       if (comm_->rank() != options_.root) return Status::ok();
     } else {
-      TREEATTN_RETURN_IF_ERROR(comm_->allgather(out, state_bytes(), all_.as<float>()));
+      TREEATTN_RETURN_IF_ERROR(comm_->allgather(out, bytes_of(n), all_.as<float>()));
     }
-    return merge_in_rank_order(all_.as<float>(), p, out);
+    return merge_in_rank_order(all_.as<float>(), p, n, out);
   }
 
  private:
@@ -89,7 +100,8 @@ Prediction model(const cost::Ctx& c) {
 constinit const StrategyDescriptor kAllgatherDescriptor{
     .info = {.name = "allgather",
              .summary = "all-gather the partial states, merge locally",
-             .holds_every_state = true},
+             .holds_every_state = true,
+             .merges_states = true},
     .create = make_allgather,
     .analytic = analytic,
     .model = model,
@@ -100,7 +112,8 @@ constinit const StrategyDescriptor kAllgatherDescriptor{
 constinit const StrategyDescriptor kTreeAsAllgatherDescriptor{
     .info = {.name = "tree",
              .summary = "all-gather of partial states and a local merge (no user-defined reductions)",
-             .holds_every_state = true},
+             .holds_every_state = true,
+             .merges_states = true},
     .create = make_tree_as_allgather,
     .analytic = analytic,
     .model = model,

@@ -41,11 +41,53 @@ class StrategyBase : public Strategy {
     exec_ = &executor;
     shape_ = shape;
     dtype_ = dtype;
+    TREEATTN_RETURN_IF_ERROR(setup_groups());
     return setup_more(plan);
   }
 
+  // setup_merge (strategy.hpp): the checks of do_setup that do not need a shape or a plan.
+  Status do_setup_merge(Communicator& comm, Executor& executor, std::size_t head_dim) override {
+    if (!merges_states())
+      return unsupported(who(comm) + std::string(name()) +
+                         " does not merge a batch of states (it needs the KV shards)");
+    if (head_dim == 0)
+      return invalid_argument(who(comm) + std::string(name()) + ": head_dim must be > 0");
+    if (options_.root >= comm.size())
+      return invalid_argument(who(comm) + std::string(name()) + ": root rank " +
+                              std::to_string(options_.root) + " is outside [0, " +
+                              std::to_string(comm.size()) + ")");
+    if (executor.memory() != comm.capabilities().memory)
+      return invalid_argument(who(comm) + std::string(name()) + ": the executor '" +
+                              std::string(executor.name()) + "' and the communicator '" +
+                              std::string(comm.backend_name()) +
+                              "' work in different memory spaces");
+    comm_ = &comm;
+    exec_ = &executor;
+    shape_ = AttnShape{};
+    shape_.head_dim = static_cast<int>(head_dim);
+    return setup_groups();
+  }
+
+  // Defaults for the merge stage (strategy.hpp): merge_n with the batch's record count.
+  Status merge(float* records, std::size_t n) override {
+    if (!comm_) return internal_error(std::string(name()) + ": merge() before setup_merge()");
+    if (!merges_states())
+      return unsupported(who() + std::string(name()) + " does not merge a batch of states");
+    if (n == 0 || records == nullptr) return Status::ok();
+    return merge_n(records, n);
+  }
+
  protected:
+  // StrategyInfo::merges_states of this strategy's descriptor (registry.cpp).
+  bool merges_states() const;
+  // Sub-communicators and other set-up that needs only the communicator (both setups).
+  virtual Status setup_groups() { return Status::ok(); }
   virtual Status setup_more(const ShardPlan&) { return Status::ok(); }
+  // The merge stage over n records already in `out` (run() after its local partial).
+  virtual Status merge_n(float*, std::size_t) {
+    return unsupported(who() + std::string(name()) + " does not merge a batch of states");
+  }
+  bool fixed_order() const { return comm_->capabilities().fixed_reduction_order; }
 
   static std::string who(const Communicator& c) {
     return "rank " + std::to_string(c.world_rank()) + ": ";
@@ -60,6 +102,8 @@ class StrategyBase : public Strategy {
   }
   std::size_t state_floats() const { return records() * rec_floats(); }
   std::size_t state_bytes() const { return state_floats() * sizeof(float); }
+  std::size_t floats_of(std::size_t n) const { return n * rec_floats(); }
+  std::size_t bytes_of(std::size_t n) const { return floats_of(n) * sizeof(float); }
   std::size_t head_dim() const { return static_cast<std::size_t>(shape_.head_dim); }
 
   // Makes buf hold at least `bytes` in the executor's memory (contents are not kept when it
@@ -84,8 +128,30 @@ class StrategyBase : public Strategy {
   // out <- s_0 (+) s_1 (+) ... (+) s_{p-1}, left to right from the empty state: the canonical
   // order, so every rank that merges the same partials gets the same bits.
   Status merge_in_rank_order(const float* all, int p, float* out) const {
-    return exec_->merge_ordered(all, static_cast<std::size_t>(p), state_floats(), records(),
-                                head_dim(), out);
+    return merge_in_rank_order(all, p, records(), out);
+  }
+  Status merge_in_rank_order(const float* all, int p, std::size_t n, float* out) const {
+    return exec_->merge_ordered(all, static_cast<std::size_t>(p), floats_of(n), n, head_dim(),
+                                out);
+  }
+  // slots[r] (n records each, p slots back to back in the executor's memory) merged along a
+  // perfect binary tree over the ranks, padded with empty leaves (the identity bit for bit): in
+  // round d = 1, 2, 4, ... slot r (r mod 2d == 0) takes slot r (+) slot r + d. Slot 0 holds
+  // the result; its association depends on p alone.
+  Status fold_binary_in_place(float* slots, int p, std::size_t n) const {
+    for (int d = 1; d < p; d *= 2)
+      for (int r = 0; r + d < p; r += 2 * d)
+        TREEATTN_RETURN_IF_ERROR(exec_->merge(slots + static_cast<std::size_t>(r) * floats_of(n),
+                                              slots + static_cast<std::size_t>(r + d) * floats_of(n),
+                                              n, head_dim()));
+    return Status::ok();
+  }
+  // The local twin of a rank-order merge (host parts): parts[0] (+) parts[1] ... in rank order.
+  Status fold_in_rank_order(const float* const* parts, int p, std::size_t n, float* out) const {
+    std::copy(parts[0], parts[0] + floats_of(n), out);
+    for (int q = 1; q < p; ++q)
+      TREEATTN_RETURN_IF_ERROR(exec_->merge(out, parts[q], n, head_dim()));
+    return Status::ok();
   }
 
   void note_buffers(std::size_t bytes) { peak_buffers_ = std::max(peak_buffers_, bytes); }

@@ -25,20 +25,31 @@ class GatherRoot final : public StrategyBase {
   std::string_view name() const override { return "gather-root"; }
 
   Status run(const float* q, const KVShard& local, const ShardPlan&, float* out) override {
+    TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out));
+    return merge_n(out, records());
+  }
+
+  bool merge_batch_invariant() const override { return true; }
+  bool merge_local_supported(int) const override { return true; }
+  Status merge_local(const float* const* parts, int p, std::size_t n, float* out) override {
+    return fold_in_rank_order(parts, p, n, out);
+  }
+
+ protected:
+  Status merge_n(float* out, std::size_t n) override {
     const int p = comm_->size();
     const int root = options_.root >= 0 ? options_.root : 0;
-    TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out));
     if (comm_->rank() == root) {
-      const std::size_t bytes = static_cast<std::size_t>(p) * state_bytes();
+      const std::size_t bytes = static_cast<std::size_t>(p) * bytes_of(n);
       TREEATTN_RETURN_IF_ERROR(ensure(all_, bytes));
       note_buffers(bytes);
     }
     TREEATTN_RETURN_IF_ERROR(comm_->gather(
-        out, state_bytes(), comm_->rank() == root ? all_.as<float>() : nullptr, root));
+        out, bytes_of(n), comm_->rank() == root ? all_.as<float>() : nullptr, root));
     if (comm_->rank() == root)
-      TREEATTN_RETURN_IF_ERROR(merge_in_rank_order(all_.as<float>(), p, out));
+      TREEATTN_RETURN_IF_ERROR(merge_in_rank_order(all_.as<float>(), p, n, out));
     if (options_.root >= 0) return Status::ok();
-    return comm_->broadcast(out, state_bytes(), root);
+    return comm_->broadcast(out, bytes_of(n), root);
   }
 
  private:
@@ -89,7 +100,8 @@ Prediction model(const cost::Ctx& c) {
 constinit const StrategyDescriptor kGatherRootDescriptor{
     .info = {.name = "gather-root",
              .summary = "gather the states to one rank, merge, broadcast",
-             .holds_every_state = true},
+             .holds_every_state = true,
+             .merges_states = true},
     .create = make_gather_root,
     .analytic = analytic,
     .model = model,

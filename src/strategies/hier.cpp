@@ -40,7 +40,24 @@ class Hier final : public StrategyBase {
   using StrategyBase::StrategyBase;
   std::string_view name() const override { return "hier"; }
 
-  Status setup_more(const ShardPlan&) override {
+  // merge(): the association of every record is the node reduce's (rank order, or one
+  // commutative merge at two ranks a node) and then the leaders' fixed tree.
+  bool merge_batch_invariant() const override {
+    return comm_ && (max_node_ <= 2 || fixed_order());
+  }
+  bool merge_local_supported(int p) const override {
+    return comm_ && p == comm_->size() && (max_node_ <= 2 || fixed_order());
+  }
+  // Leader i's value going up: its node's states in node order, then (+) each child's value.
+  Status merge_local(const float* const* parts, int p, std::size_t n, float* out) override {
+    if (!merge_local_supported(p))
+      return unsupported("hier: no local twin at " + std::to_string(p) +
+                         " ranks (a node of more than two ranks reduces in the collective "
+                         "library's association)");
+    return up_value(0, parts, n, out);
+  }
+
+  Status setup_groups() override {
     const int p = comm_->size(), r = comm_->rank();
     if (options_.fanout < 1)
       return invalid_argument(who() + "hier fan-out must be >= 1, got " +
@@ -73,57 +90,110 @@ class Hier final : public StrategyBase {
     auto l = comm_->split(leader ? 0 : -1, root_here ? -1 : r);
     TREEATTN_RETURN_IF_ERROR(l.status());
     leaders_ = std::move(*l);
-    return Status::ok();
+    return learn_groups(root_here != 0);
   }
 
   Status run(const float* q, const KVShard& local, const ShardPlan&, float* out) override {
     TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out));
-    const std::size_t n = records(), D = head_dim();
+    return merge_n(out, records());
+  }
+
+ protected:
+  Status merge_n(float* out, std::size_t n) override {
+    const std::size_t D = head_dim();
+    const std::size_t S = floats_of(n), Sb = bytes_of(n);
     if (node_->size() > 1) TREEATTN_RETURN_IF_ERROR(node_->reduce_states(out, n, D, 0));
     const bool all = options_.root < 0;
     if (leaders_) {
       const int L = leaders_->size(), i = leaders_->rank(), k = options_.fanout;
       std::vector<int> children;
       for (int c = i * k + 1; c <= i * k + k && c < L; ++c) children.push_back(c);
-      TREEATTN_RETURN_IF_ERROR(ensure(child_, children.size() * state_bytes()));
-      note_buffers(children.size() * state_bytes());
+      TREEATTN_RETURN_IF_ERROR(ensure(child_, children.size() * Sb));
+      note_buffers(children.size() * Sb);
       float* child = child_.as<float>();
       std::vector<CommRequest> reqs;
       for (std::size_t c = 0; c < children.size(); ++c) {
-        auto rq = leaders_->irecv(child + c * state_floats(), state_bytes(), children[c], kTagUp);
+        auto rq = leaders_->irecv(child + c * S, Sb, children[c], kTagUp);
         TREEATTN_RETURN_IF_ERROR(rq.status());
         reqs.push_back(*rq);
       }
       TREEATTN_RETURN_IF_ERROR(leaders_->wait_all(reqs));
       for (std::size_t c = 0; c < children.size(); ++c)
-        TREEATTN_RETURN_IF_ERROR(exec_->merge(out, child + c * state_floats(), n, D));
+        TREEATTN_RETURN_IF_ERROR(exec_->merge(out, child + c * S, n, D));
       if (i > 0) {
-        TREEATTN_RETURN_IF_ERROR(send(out, (i - 1) / k, kTagUp));
-        if (all) TREEATTN_RETURN_IF_ERROR(recv(out, (i - 1) / k, kTagDown));
+        TREEATTN_RETURN_IF_ERROR(send(out, Sb, (i - 1) / k, kTagUp));
+        if (all) TREEATTN_RETURN_IF_ERROR(recv(out, Sb, (i - 1) / k, kTagDown));
       }
       if (all) {
         reqs.clear();
         for (int c : children) {
-          auto sq = leaders_->isend(out, state_bytes(), c, kTagDown);
+          auto sq = leaders_->isend(out, Sb, c, kTagDown);
           TREEATTN_RETURN_IF_ERROR(sq.status());
           reqs.push_back(*sq);
         }
         TREEATTN_RETURN_IF_ERROR(leaders_->wait_all(reqs));
       }
     }
-    if (all && node_->size() > 1) TREEATTN_RETURN_IF_ERROR(node_->broadcast(out, state_bytes(), 0));
+    if (all && node_->size() > 1) TREEATTN_RETURN_IF_ERROR(node_->broadcast(out, Sb, 0));
     return Status::ok();
   }
 
  private:
-  Status send(const float* data, int to, int tag) {
-    auto s = leaders_->isend(data, state_bytes(), to, tag);
+  // Every rank learns the grouping (the node leader of each rank, the leaders in tree order)
+  // for merge_local and merge_batch_invariant.
+  Status learn_groups(bool root_here) {
+    const int p = comm_->size();
+    int32_t mine[2] = {comm_->rank(), root_here ? 1 : 0};  // my node leader's rank, root flag
+    if (node_->size() > 1) TREEATTN_RETURN_IF_ERROR(node_->broadcast(mine, sizeof(mine), 0));
+    std::vector<int32_t> all(2 * static_cast<std::size_t>(p));
+    TREEATTN_RETURN_IF_ERROR(comm_->allgather(mine, sizeof(mine), all.data()));
+    const int root = options_.root >= 0 ? options_.root : 0;
+    // Leaders in the leaders' communicator's order (the root's node first, then by rank),
+    // members of a node in its order (the root first, then by rank).
+    std::vector<int> leaders;
+    for (int q = 0; q < p; ++q)
+      if (std::find(leaders.begin(), leaders.end(), all[2 * q]) == leaders.end())
+        leaders.push_back(all[2 * q]);
+    std::stable_sort(leaders.begin(), leaders.end(), [&](int a, int b) {
+      const bool ra = all[2 * static_cast<std::size_t>(a) + 1] != 0,
+                 rb = all[2 * static_cast<std::size_t>(b) + 1] != 0;
+      return ra != rb ? ra : a < b;
+    });
+    node_members_.assign(leaders.size(), {});
+    max_node_ = 0;
+    for (std::size_t i = 0; i < leaders.size(); ++i) {
+      for (int q = 0; q < p; ++q)
+        if (all[2 * static_cast<std::size_t>(q)] == leaders[i]) node_members_[i].push_back(q);
+      std::stable_sort(node_members_[i].begin(), node_members_[i].end(),
+                       [&](int a, int b) { return (a == root) != (b == root) ? a == root : a < b; });
+      max_node_ = std::max(max_node_, static_cast<int>(node_members_[i].size()));
+    }
+    return Status::ok();
+  }
+
+  // merge_local: the value leader i sends up (the final merge for i = 0).
+  Status up_value(std::size_t i, const float* const* parts, std::size_t n, float* out) {
+    const std::vector<int>& m = node_members_[i];
+    std::copy(parts[m[0]], parts[m[0]] + floats_of(n), out);
+    for (std::size_t j = 1; j < m.size(); ++j)
+      TREEATTN_RETURN_IF_ERROR(exec_->merge(out, parts[m[j]], n, head_dim()));
+    const std::size_t L = node_members_.size(), k = static_cast<std::size_t>(options_.fanout);
+    std::vector<float> child(floats_of(n));
+    for (std::size_t c = i * k + 1; c <= i * k + k && c < L; ++c) {
+      TREEATTN_RETURN_IF_ERROR(up_value(c, parts, n, child.data()));
+      TREEATTN_RETURN_IF_ERROR(exec_->merge(out, child.data(), n, head_dim()));
+    }
+    return Status::ok();
+  }
+
+  Status send(const float* data, std::size_t bytes, int to, int tag) {
+    auto s = leaders_->isend(data, bytes, to, tag);
     TREEATTN_RETURN_IF_ERROR(s.status());
     const CommRequest reqs[1] = {*s};
     return leaders_->wait_all(reqs);
   }
-  Status recv(float* data, int from, int tag) {
-    auto s = leaders_->irecv(data, state_bytes(), from, tag);
+  Status recv(float* data, std::size_t bytes, int from, int tag) {
+    auto s = leaders_->irecv(data, bytes, from, tag);
     TREEATTN_RETURN_IF_ERROR(s.status());
     const CommRequest reqs[1] = {*s};
     return leaders_->wait_all(reqs);
@@ -138,6 +208,8 @@ class Hier final : public StrategyBase {
 
   std::unique_ptr<Communicator> node_, leaders_;
   Buffer child_;
+  std::vector<std::vector<int>> node_members_;  // per leader (tree order): its node's ranks
+  int max_node_ = 1;
 };
 
 std::unique_ptr<Strategy> make_hier(const StrategyOptions& o) { return std::make_unique<Hier>(o); }
@@ -247,7 +319,9 @@ Prediction model(const cost::Ctx& c) {
 
 // Not offered without user-defined reductions: step 1 is a reduce_states inside each node.
 constinit const StrategyDescriptor kHierDescriptor{
-    .info = {"hier", "merge to node leaders, k-ary tree over leaders, broadcast inside nodes"},
+    .info = {.name = "hier",
+             .summary = "merge to node leaders, k-ary tree over leaders, broadcast inside nodes",
+             .merges_states = true},
     .create = make_hier,
     .needs_user_reductions = true,
     .without_user_reductions = nullptr,

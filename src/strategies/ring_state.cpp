@@ -28,12 +28,24 @@ class RingState final : public StrategyBase {
   std::string_view name() const override { return "ring-state"; }
 
   Status run(const float* q, const KVShard& local, const ShardPlan&, float* out) override {
+    TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out));
+    return merge_n(out, records());
+  }
+
+  bool merge_batch_invariant() const override { return true; }
+  bool merge_local_supported(int) const override { return true; }
+  Status merge_local(const float* const* parts, int p, std::size_t n, float* out) override {
+    return fold_in_rank_order(parts, p, n, out);
+  }
+
+ protected:
+  Status merge_n(float* out, std::size_t n) override {
     const int p = comm_->size(), r = comm_->rank();
-    const std::size_t S = state_floats();
-    TREEATTN_RETURN_IF_ERROR(ensure(all_, static_cast<std::size_t>(p) * state_bytes()));
-    note_buffers(static_cast<std::size_t>(p) * state_bytes());
+    const std::size_t S = floats_of(n);
+    TREEATTN_RETURN_IF_ERROR(ensure(all_, static_cast<std::size_t>(p) * bytes_of(n)));
+    note_buffers(static_cast<std::size_t>(p) * bytes_of(n));
     auto slot = [&](int origin) { return all_.as<float>() + static_cast<std::size_t>(origin) * S; };
-    TREEATTN_RETURN_IF_ERROR(local_partial(q, local, slot(r)));
+    TREEATTN_RETURN_IF_ERROR(exec_->copy(slot(r), out, bytes_of(n)));
     const int next = (r + 1) % p, prev = (r + p - 1) % p;
     for (int k = 0; k + 1 < p; ++k) {
       const int send_origin = ((r - k) % p + p) % p;
@@ -46,7 +58,7 @@ class RingState final : public StrategyBase {
       TREEATTN_RETURN_IF_ERROR(comm_->wait_all(reqs));
     }
     if (!delivers_result(r)) return Status::ok();
-    return merge_in_rank_order(all_.as<float>(), p, out);
+    return merge_in_rank_order(all_.as<float>(), p, n, out);
   }
 
  private:
@@ -88,7 +100,9 @@ Prediction model(const cost::Ctx& c) {
 }  // namespace
 
 constinit const StrategyDescriptor kRingStateDescriptor{
-    .info = {"ring-state", "partial states rotate around the ring (p - 1 small messages)"},
+    .info = {.name = "ring-state",
+             .summary = "partial states rotate around the ring (p - 1 small messages)",
+             .merges_states = true},
     .create = make_ring_state,
     .analytic = analytic,
     .model = model,

@@ -34,8 +34,27 @@ class Tree final : public StrategyBase {
 
   Status run(const float* q, const KVShard& local, const ShardPlan&, float* out) override {
     TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out));
-    if (options_.root >= 0) return comm_->reduce_states(out, records(), head_dim(), options_.root);
-    return comm_->allreduce_states(out, records(), head_dim());
+    return merge_n(out, records());
+  }
+
+  // Two ranks: one exactly commutative merge per record, whatever the library does; more: the
+  // association is the collective library's (rank order on an in-process backend).
+  bool merge_batch_invariant() const override {
+    return comm_ && (comm_->size() <= 2 || fixed_order());
+  }
+  bool merge_local_supported(int p) const override { return p <= 2 || (comm_ && fixed_order()); }
+  Status merge_local(const float* const* parts, int p, std::size_t n, float* out) override {
+    if (!merge_local_supported(p))
+      return unsupported("tree: the allreduce at " + std::to_string(p) +
+                         " ranks has no local twin (the collective library chooses its "
+                         "association by message size)");
+    return fold_in_rank_order(parts, p, n, out);
+  }
+
+ protected:
+  Status merge_n(float* out, std::size_t n) override {
+    if (options_.root >= 0) return comm_->reduce_states(out, n, head_dim(), options_.root);
+    return comm_->allreduce_states(out, n, head_dim());
   }
 };
 
@@ -63,7 +82,9 @@ Prediction model(const cost::Ctx& c) {
 }  // namespace
 
 constinit const StrategyDescriptor kTreeDescriptor{
-    .info = {"tree", "one allreduce with the state merge as a user-defined reduction"},
+    .info = {.name = "tree",
+             .summary = "one allreduce with the state merge as a user-defined reduction",
+             .merges_states = true},
     .create = make_tree,
     .needs_user_reductions = true,
     .without_user_reductions = &kTreeAsAllgatherDescriptor,

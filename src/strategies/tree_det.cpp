@@ -99,6 +99,32 @@ class TreeDet final : public StrategyBase {
 
   Status setup_more(const ShardPlan& plan) override { return check_plan(plan); }
 
+  // The merge stage alone (the serving engine): the ranks' partials are the leaves, merged along
+  // a perfect binary tree over the ranks, the shape of the top of run()'s tree. Batch invariant;
+  // the bits do depend on the rank count here, since the leaves are whatever each rank computed
+  // (run() builds rank-independent chunk leaves, which a merge of given partials cannot).
+  bool merge_batch_invariant() const override { return true; }
+  bool merge_local_supported(int) const override { return true; }
+  Status merge_local(const float* const* parts, int p, std::size_t n, float* out) override {
+    twin_.resize(static_cast<std::size_t>(p) * floats_of(n));
+    for (int r = 0; r < p; ++r)
+      std::copy(parts[r], parts[r] + floats_of(n), twin_.data() + r * floats_of(n));
+    TREEATTN_RETURN_IF_ERROR(fold_binary_in_place(twin_.data(), p, n));
+    std::copy(twin_.data(), twin_.data() + floats_of(n), out);
+    return Status::ok();
+  }
+
+  Status merge_n(float* out, std::size_t n) override {
+    const int p = comm_->size();
+    if (p == 1) return Status::ok();
+    const std::size_t bytes = static_cast<std::size_t>(p) * bytes_of(n);
+    TREEATTN_RETURN_IF_ERROR(ensure(leaves_, bytes));
+    note_buffers(bytes);
+    TREEATTN_RETURN_IF_ERROR(comm_->allgather(out, bytes_of(n), leaves_.as<float>()));
+    TREEATTN_RETURN_IF_ERROR(fold_binary_in_place(leaves_.as<float>(), p, n));
+    return exec_->copy(out, leaves_.as<float>(), bytes_of(n));
+  }
+
   Status run(const float* q, const KVShard& local, const ShardPlan& plan, float* out) override {
     TREEATTN_RETURN_IF_ERROR(check_plan(plan));
     const int p = comm_->size(), me = comm_->rank();
@@ -467,6 +493,7 @@ class TreeDet final : public StrategyBase {
   }
 
   Buffer bk_, bv_, bks_, bvs_, roots_, all_roots_, leaves_;
+  std::vector<float> twin_;  // merge_local's leaves
   std::vector<RowsCopy> head_rows_;  // tiled layout: the head tokens sent, per row
   RowsCopy tail_rows_, group_rows_;  // tiled layout: a boundary chunk's own part, kGroup chunks
   std::vector<int64_t> leaf_len_, leaf_pos_, leaf_total_;
@@ -552,6 +579,7 @@ constinit const StrategyDescriptor kTreeDetDescriptor{
              .placement = PlacementNeed::kContiguous,
              .holds_every_state = true,
              .rank_count_invariant = true,
+             .merges_states = true,
              .listed = false},
     .create = make_tree_det,
     .analytic = analytic,

@@ -42,7 +42,17 @@ class TreePaper final : public StrategyBase {
 
   Status run(const float* q, const KVShard& local, const ShardPlan&, float* out) override {
     TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out));
-    const std::size_t n = records(), D = head_dim();
+    return merge_n(out, records());
+  }
+
+  // The MAX is exact; the SUMs are one exactly commutative addition at two ranks.
+  bool merge_batch_invariant() const override {
+    return comm_ && (comm_->size() <= 2 || fixed_order());
+  }
+
+ protected:
+  Status merge_n(float* out, std::size_t n) override {
+    const std::size_t D = head_dim();
     const std::size_t stride = fused_ ? D + 1 : D;
     TREEATTN_RETURN_IF_ERROR(ensure(lse_, n * sizeof(float)));
     TREEATTN_RETURN_IF_ERROR(ensure(num_, n * stride * sizeof(float)));
@@ -126,8 +136,10 @@ Prediction model_fused(const cost::Ctx& c) {
 }  // namespace
 
 constinit const StrategyDescriptor kTreePaperDescriptor{
-    .info = {"tree-paper",
-             "the paper's three allreduces: MAX of LSE, SUM of outputs, SUM of denominators"},
+    .info = {.name = "tree-paper",
+             .summary =
+             "the paper's three allreduces: MAX of LSE, SUM of outputs, SUM of denominators",
+             .merges_states = true},
     .create = make_tree_paper,
     .analytic = analytic_paper,
     .model = model_paper,
@@ -135,7 +147,9 @@ constinit const StrategyDescriptor kTreePaperDescriptor{
 };
 
 constinit const StrategyDescriptor kTree2Descriptor{
-    .info = {"tree2", "MAX of LSE, then one fused SUM of outputs and denominators"},
+    .info = {.name = "tree2",
+             .summary = "MAX of LSE, then one fused SUM of outputs and denominators",
+             .merges_states = true},
     .create = make_tree2,
     .analytic = analytic_fused,
     .model = model_fused,

@@ -268,8 +268,7 @@ TEST(Engine, KVExchangeGivesPassQsBitsForEveryMergeAndRankCount) {
     auto subs = mixed_requests(windows ? 17 : 13);
     subs.resize(10);
     for (int p : {1, 2, 3, 4})
-      for (const std::string merge : {"tree", "allgather", "allreduce"}) {
-        if (merge == "allreduce" && p != 2) continue;
+      for (const std::string merge : {"tree", "allgather", "hier", "tree-det", "ring-state"}) {
         EngineConfig cfg = base_config();
         cfg.merge = merge;
         cfg.prefill_chunk = 40;
@@ -298,10 +297,10 @@ TEST(Engine, KVExchangeGivesPassQsBitsForEveryMergeAndRankCount) {
   }
 }
 
-TEST(Engine, KVExchangeWithTheAllreduceMergeAboveTwoRanksIsRefusedOnEveryRank) {
+TEST(Engine, KVExchangeWithAMergeWithoutALocalTwinIsRefusedOnEveryRank) {
   TinyModel m;
   EngineConfig cfg = base_config();
-  cfg.merge = "allreduce";
+  cfg.merge = "tree-paper";  // rescales into the sum form: no local twin
   cfg.prefill_exchange = "kv";
   std::vector<std::string> errors(3);
   const Status st = run_local(3, [&](Communicator& comm) -> Status {
@@ -312,7 +311,7 @@ TEST(Engine, KVExchangeWithTheAllreduceMergeAboveTwoRanksIsRefusedOnEveryRank) {
   EXPECT_FALSE(st.is_ok());
   for (int r = 0; r < 3; ++r)
     EXPECT_NE(errors[static_cast<std::size_t>(r)].find("rank"), std::string::npos) << errors[r];
-  EXPECT_NE(errors[0].find("allreduce"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("tree-paper"), std::string::npos) << errors[0];
   cfg.prefill_exchange = "sideways";
   const Status bad = run_local(2, [&](Communicator& comm) -> Status {
     return Engine::create(comm, *m, cfg).status();
@@ -488,7 +487,15 @@ TEST(Engine, MismatchedConfigurationsAndUnknownMergeAreNamedOnEveryRank) {
     cfg.merge = "ring";
     return Engine::create(comm, *m, cfg).status();
   });
-  EXPECT_NE(st.message().find("unknown engine merge 'ring'"), std::string::npos) << st.to_string();
+  EXPECT_NE(st.message().find("--method 'ring' is not a strategy"), std::string::npos)
+      << st.to_string();
+  st = run_local(2, [&](Communicator& comm) -> Status {
+    EngineConfig cfg = base_config();
+    cfg.merge = "ring-kv";
+    return Engine::create(comm, *m, cfg).status();
+  });
+  EXPECT_NE(st.message().find("cannot merge a batch of states"), std::string::npos)
+      << st.to_string();
 }
 
 // An explicit kernel target the CPU lacks is refused at creation on every rank, by name (not by

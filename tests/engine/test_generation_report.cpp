@@ -83,7 +83,7 @@ TEST(GenerationReport, EngineFigures) {
 TEST(GenerationReport, SessionDocument) {
   const Output o = session_output();
   generation::ReportLabels l{"/m.gguf", 3,     2,      "int8", "f16",    "even",
-                             "auto",    false, "auto", "avx2", "avxvnni"};
+                             "auto",    false, "auto", "avx2", "avxvnni", ""};
   const nlohmann::json j = generation::session_report_json(o, l, true);
   EXPECT_EQ(keys(j), (std::set<std::string>{"model",
                                             "model_config",
@@ -147,10 +147,23 @@ TEST(GenerationReport, EngineDocumentAndInvalidUtf8) {
   o.peak_rss_by_rank = {9, 4};
   o.bytes_per_token = 128;
   generation::ReportLabels l{"/m.gguf", 2,     1,    "exact",  "bf16",      "",
-                             "",        false, "kv", "avx512", "avx512vnni"};
+                             "",        false, "kv", "avx512", "avx512vnni", "auto"};
+  o.merge_choice.strategy = "allgather";
+  o.merge_choice.how = "auto: planned on topology job";
+  o.merge_choice.batch_invariant = true;
+  PlanEntry cand;
+  cand.prediction.strategy = "allgather";
+  cand.prediction.latency_us = 12.5;
+  o.merge_choice.ranking = {cand};
   const nlohmann::json j = generation::engine_report_json(o, "allgather", l);
   EXPECT_TRUE(j["engine"].get<bool>());
   EXPECT_EQ(j["method"], "allgather");
+  EXPECT_EQ(j["method_requested"], "auto");
+  EXPECT_EQ(j["merge_how"], "auto: planned on topology job");
+  EXPECT_TRUE(j["merge_batch_invariant"].get<bool>());
+  ASSERT_EQ(j["merge_candidates"].size(), 1u);
+  EXPECT_EQ(j["merge_candidates"][0]["method"], "allgather");
+  EXPECT_EQ(j["merge_candidates"][0]["predicted_layer_us"], 12.5);
   EXPECT_EQ(j["prefill_exchange"], "kv");
   EXPECT_EQ(j["isa"], "avx512");
   EXPECT_EQ(j["int8_kernel"], "avx512vnni");

@@ -1,14 +1,18 @@
-// The engine's per-layer merge (src/engine/merge.hpp) over the in-process communicator: every
-// kind equals the float64 merge of all ranks' states, every rank gets the same bits, and the
-// tree and all-gather kinds give a record the same bits whatever the number of records merged
-// with it (the batch invariance the engine relies on).
-#include "engine/merge.hpp"
+// The engine's per-layer merge (src/engine/layer_merge.hpp: a strategy's merge stage) over the
+// in-process communicator: every strategy that merges a batch of states equals the float64
+// merge of all ranks' states with the same bits on every rank, gives the bits of the strategy
+// itself (one code path: the engine has no merge of its own), gives a record the same bits
+// whatever the number of records merged with it where it says it is batch invariant, and its
+// local twin gives the collective's bits. auto picks a batch-invariant merge; a name that cannot
+// merge a batch, or a topology that does not fit the job, is refused on every rank.
+#include "engine/layer_merge.hpp"
 
 #include "engine/exchange.hpp"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <random>
@@ -16,6 +20,7 @@
 
 #include "treeattn/comm_local.hpp"
 #include "treeattn/state.hpp"
+#include "treeattn/strategy.hpp"
 
 namespace treeattn::engine {
 namespace {
@@ -56,88 +61,204 @@ std::vector<double> oracle(int p, std::size_t n, uint64_t seed, std::size_t i) {
   return out;
 }
 
-std::vector<std::vector<float>> run(int p, MergeKind kind, std::size_t n, uint64_t seed) {
+// Every rank merges its states through LayerMerge::create(method); returns each rank's records.
+std::vector<std::vector<float>> run(int p, const std::string& method, std::size_t n,
+                                    uint64_t seed, MergeChoice* choice = nullptr) {
   std::vector<std::vector<float>> out(static_cast<std::size_t>(p));
   const Status st = run_local(p, [&](Communicator& c) -> Status {
     c.set_timeout(std::chrono::milliseconds(20000));
+    MergeRequest req;
+    req.method = method;
+    req.shape = AttnShape{4, 2, 1, static_cast<int>(kD), 1};
+    auto lm = LayerMerge::create(c, req);
+    TREEATTN_RETURN_IF_ERROR(lm.status());
+    if (choice && c.rank() == 0) *choice = (*lm)->choice();
     auto s = rank_states(c.rank(), n, seed);
-    std::vector<float> scratch;
-    TREEATTN_RETURN_IF_ERROR(merge_states(c, kind, s.data(), n, kD, scratch));
+    TREEATTN_RETURN_IF_ERROR((*lm)->merge(s.data(), n));
     out[static_cast<std::size_t>(c.rank())] = s;
     return Status::ok();
   });
-  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_TRUE(st.is_ok()) << method << " p " << p << ": " << st.to_string();
   return out;
 }
 
-TEST(EngineMerge, EveryKindMatchesTheFloat64MergeOnEveryRankAndRankCount) {
-  for (const MergeKind kind : {MergeKind::kTree, MergeKind::kAllreduce, MergeKind::kAllgather})
+std::vector<std::string> methods() { return merge_methods(CommCapabilities{}); }
+
+TEST(EngineMerge, TheMethodsAreTheStrategiesThatMergeStates) {
+  const auto m = methods();
+  for (const char* name : {"tree", "tree-paper", "tree2", "hier", "ring-state", "allgather",
+                           "gather-root", "tree-det"})
+    EXPECT_NE(std::find(m.begin(), m.end(), name), m.end()) << name;
+  for (const char* name : {"ring-kv", "single", "allreduce"})
+    EXPECT_EQ(std::find(m.begin(), m.end(), name), m.end()) << name;
+}
+
+TEST(EngineMerge, EveryMethodMatchesTheFloat64MergeOnEveryRankAndRankCount) {
+  for (const std::string& method : methods())
     for (int p = 1; p <= 8; ++p) {
       const std::size_t n = 23;
-      const auto got = run(p, kind, n, 5);
+      const auto got = run(p, method, n, 5);
       for (int r = 1; r < p; ++r)
         EXPECT_EQ(std::memcmp(got[static_cast<std::size_t>(r)].data(), got[0].data(), n * kRec * 4), 0)
-            << merge_name(kind) << " p " << p << " rank " << r << " differs from rank 0";
+            << method << " p " << p << " rank " << r << " differs from rank 0";
       for (std::size_t i = 0; i < n; ++i) {
         const auto ref = oracle(p, n, 5, i);
         std::vector<float> o(kD);
         state_normalize(got[0].data() + i * kRec, kD, o.data(), static_cast<float*>(nullptr));
         for (std::size_t d = 0; d < kD; ++d)
           EXPECT_NEAR(o[d], ref[d], 1e-5 * (1.0 + std::fabs(ref[d])))
-              << merge_name(kind) << " p " << p << " record " << i;
+              << method << " p " << p << " record " << i;
       }
     }
 }
 
-TEST(EngineMerge, TreeAndAllgatherBitsOfARecordDoNotDependOnTheOtherRecords) {
-  // Record i of a 1-record merge vs the same record inside a merge of many: same bits.
-  for (const MergeKind kind : {MergeKind::kTree, MergeKind::kAllgather})
+TEST(EngineMerge, TheEnginesMergeIsTheStrategysMergeBitForBit) {
+  // The strategy set up alone (Strategy::setup_merge + merge) and through the engine's
+  // LayerMerge: the same bits at 1-4 ranks, for every method.
+  for (const std::string& method : methods())
+    for (int p = 1; p <= 4; ++p) {
+      const std::size_t n = 57;
+      const auto engine_bits = run(p, method, n, 11);
+      std::vector<std::vector<float>> strategy_bits(static_cast<std::size_t>(p));
+      const Status st = run_local(p, [&](Communicator& c) -> Status {
+        c.set_timeout(std::chrono::milliseconds(20000));
+        auto s = StrategyRegistry::for_backend(c.capabilities()).create(method, {});
+        TREEATTN_RETURN_IF_ERROR(s.status());
+        TREEATTN_RETURN_IF_ERROR((*s)->setup_merge(c, cpu_executor(), kD));
+        auto x = rank_states(c.rank(), n, 11);
+        TREEATTN_RETURN_IF_ERROR((*s)->merge(x.data(), n));
+        strategy_bits[static_cast<std::size_t>(c.rank())] = x;
+        return Status::ok();
+      });
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      for (int r = 0; r < p; ++r)
+        EXPECT_EQ(std::memcmp(engine_bits[static_cast<std::size_t>(r)].data(),
+                              strategy_bits[static_cast<std::size_t>(r)].data(), n * kRec * 4),
+                  0)
+            << method << " p " << p << " rank " << r;
+    }
+}
+
+TEST(EngineMerge, ABatchInvariantMergeGivesARecordTheSameBitsAloneAndInABatch) {
+  for (const std::string& method : methods())
     for (int p : {2, 3, 4, 5, 7}) {
       const std::size_t n = 4000;  // large enough that an MPI allreduce would segment it
-      const auto many = run(p, kind, n, 9);
+      MergeChoice choice;
+      const auto many = run(p, method, n, 9, &choice);
+      // The in-process backend reduces in rank order: every merge is batch invariant there.
+      EXPECT_TRUE(choice.batch_invariant) << method << " p " << p;
       for (std::size_t i : {std::size_t{1}, std::size_t{1777}, std::size_t{3999}}) {
         std::vector<std::vector<float>> one(static_cast<std::size_t>(p));
         const Status st = run_local(p, [&](Communicator& c) -> Status {
           c.set_timeout(std::chrono::milliseconds(20000));
+          MergeRequest req;
+          req.method = method;
+          req.shape = AttnShape{4, 2, 1, static_cast<int>(kD), 1};
+          auto lm = LayerMerge::create(c, req);
+          TREEATTN_RETURN_IF_ERROR(lm.status());
           const auto all = rank_states(c.rank(), n, 9);
           std::vector<float> s(all.begin() + static_cast<std::ptrdiff_t>(i * kRec),
                                all.begin() + static_cast<std::ptrdiff_t>((i + 1) * kRec));
-          std::vector<float> scratch;
-          TREEATTN_RETURN_IF_ERROR(merge_states(c, kind, s.data(), 1, kD, scratch));
+          TREEATTN_RETURN_IF_ERROR((*lm)->merge(s.data(), 1));
           one[static_cast<std::size_t>(c.rank())] = s;
           return Status::ok();
         });
         ASSERT_TRUE(st.is_ok()) << st.to_string();
         EXPECT_EQ(std::memcmp(one[0].data(), many[0].data() + i * kRec, kRec * 4), 0)
-            << merge_name(kind) << " p " << p << " record " << i;
+            << method << " p " << p << " record " << i;
       }
     }
 }
 
-TEST(EngineMerge, LocalTwinGivesTheCollectivesBitsOnEveryRankCount) {
-  for (const MergeKind kind : {MergeKind::kTree, MergeKind::kAllgather, MergeKind::kAllreduce})
+TEST(EngineMerge, TheLocalTwinGivesTheCollectivesBitsOnEveryRankCount) {
+  for (const std::string& method : methods())
     for (int p = 1; p <= 8; ++p) {
       const std::size_t n = 37;
       std::vector<std::vector<float>> parts;
       std::vector<const float*> ptr;
       for (int r = 0; r < p; ++r) parts.push_back(rank_states(r, n, 77));
       for (const auto& v : parts) ptr.push_back(v.data());
-      std::vector<float> out(n * kRec), scratch;
-      const Status st = merge_states_local(kind, p, ptr.data(), n, kD, out.data(), scratch);
-      if (kind == MergeKind::kAllreduce && p > 2) {
-        EXPECT_EQ(st.code(), Code::kUnsupported) << p;
+      std::vector<float> twin(n * kRec);
+      MergeChoice choice;
+      std::vector<std::vector<float>> got(static_cast<std::size_t>(p));
+      const Status st = run_local(p, [&](Communicator& c) -> Status {
+        c.set_timeout(std::chrono::milliseconds(20000));
+        MergeRequest req;
+        req.method = method;
+        req.shape = AttnShape{4, 2, 1, static_cast<int>(kD), 1};
+        auto lm = LayerMerge::create(c, req);
+        TREEATTN_RETURN_IF_ERROR(lm.status());
+        if (c.rank() == 0) {
+          choice = (*lm)->choice();
+          if (choice.local_twin) TREEATTN_RETURN_IF_ERROR((*lm)->merge_local(ptr.data(), p, n, twin.data()));
+        }
+        auto s = parts[static_cast<std::size_t>(c.rank())];
+        TREEATTN_RETURN_IF_ERROR((*lm)->merge(s.data(), n));
+        got[static_cast<std::size_t>(c.rank())] = s;
+        return Status::ok();
+      });
+      ASSERT_TRUE(st.is_ok()) << method << ": " << st.to_string();
+      // tree-paper and tree2 rescale into the sum form: no local twin.
+      if (method == "tree-paper" || method == "tree2") {
+        EXPECT_FALSE(choice.local_twin) << method;
         continue;
       }
-      ASSERT_TRUE(st.is_ok()) << st.to_string();
-      const auto got = run(p, kind, n, 77);
-      EXPECT_EQ(std::memcmp(out.data(), got[0].data(), n * kRec * 4), 0)
-          << merge_name(kind) << " p " << p;
+      ASSERT_TRUE(choice.local_twin) << method << " p " << p;
+      EXPECT_EQ(std::memcmp(twin.data(), got[0].data(), n * kRec * 4), 0) << method << " p " << p;
     }
+}
+
+TEST(EngineMerge, AutoChoosesABatchInvariantMergeAndRanksTheCandidates) {
+  for (int p : {1, 2, 4}) {
+    MergeChoice choice;
+    run(p, "auto", 5, 3, &choice);
+    EXPECT_TRUE(choice.batch_invariant) << p;
+    EXPECT_NE(choice.strategy, "auto");
+    EXPECT_EQ(choice.how.rfind("auto", 0), 0u) << choice.how;
+    ASSERT_FALSE(choice.ranking.empty());
+    for (const PlanEntry& e : choice.ranking) {
+      EXPECT_NE(e.prediction.strategy, "ring-kv");
+      EXPECT_NE(e.prediction.strategy, "single");
+      EXPECT_GT(e.prediction.latency_us, 0.0);
+    }
+    EXPECT_NE(describe_merge(choice).find("predicted per layer"), std::string::npos);
+  }
+}
+
+// Every rank gets the refusal, with rank 0's message.
+void expect_refused(int p, const MergeRequest& req, const std::string& needle) {
+  std::vector<std::string> messages(static_cast<std::size_t>(p));
+  const Status st = run_local(p, [&](Communicator& c) -> Status {
+    c.set_timeout(std::chrono::milliseconds(20000));
+    auto lm = LayerMerge::create(c, req);
+    messages[static_cast<std::size_t>(c.rank())] = lm.is_ok() ? "ok" : lm.status().message();
+    return Status::ok();
+  });
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  for (int r = 0; r < p; ++r) {
+    const std::string& m = messages[static_cast<std::size_t>(r)];
+    EXPECT_NE(m.find(needle), std::string::npos) << "rank " << r << ": " << m;
+    EXPECT_NE(m.find("rank " + std::to_string(r)), std::string::npos) << m;
+  }
+}
+
+TEST(EngineMerge, AMethodThatCannotMergeABatchOrAMisfitTopologyIsRefusedOnEveryRank) {
+  MergeRequest req;
+  req.shape = AttnShape{4, 2, 1, static_cast<int>(kD), 1};
+  req.method = "ring-kv";
+  expect_refused(3, req, "'ring-kv' cannot merge a batch of states");
+  req.method = "single";
+  expect_refused(2, req, "'single' cannot merge a batch");
+  req.method = "allreduce";
+  expect_refused(2, req, "'allreduce' is not a strategy");
+  req.method = "auto";
+  req.topology = "no-such-file.json";
+  expect_refused(2, req, "no-such-file.json");
 }
 
 TEST(EngineExchange, BytesAndTheCrossoverFollowTheWrittenFormula) {
   // SmolLM2-135M: 9 heads, 3 KV heads, head dim 64, f16 cache (768 B per token and layer).
-  ExchangeShape s{2, 9, 3, 64, 768, MergeKind::kTree};
+  ExchangeShape s{2, 9, 3, 64, 768, false, true};
   // A 30-token question on a 16k-token document: pass-Q 30 x 4,296 B, K/V 30 x 768 + 16,384 x 384.
   auto b = exchange_bytes(s, 30, 16384);
   EXPECT_DOUBLE_EQ(b.pass_q, 30.0 * (1920 + 2376));
@@ -156,24 +277,18 @@ TEST(EngineExchange, BytesAndTheCrossoverFollowTheWrittenFormula) {
   EXPECT_FALSE(use_kv_exchange(ExchangePolicy::kKV, one, 256, 0));
   ExchangeShape ar = s;
   ar.ranks = 4;
-  ar.merge = MergeKind::kAllreduce;
+  ar.local_twin = false;  // e.g. tree over MPI at four ranks
   EXPECT_FALSE(use_kv_exchange(ExchangePolicy::kAuto, ar, 256, 0));
-  EXPECT_FALSE(check_exchange(ExchangePolicy::kKV, MergeKind::kAllreduce, 4).is_ok());
-  EXPECT_TRUE(check_exchange(ExchangePolicy::kKV, MergeKind::kAllreduce, 2).is_ok());
+  EXPECT_FALSE(check_exchange(ExchangePolicy::kKV, ar, "tree").is_ok());
+  EXPECT_TRUE(check_exchange(ExchangePolicy::kKV, s, "tree").is_ok());
   // The all-gather merge receives p - 1 copies of the records: pass-Q costs more, K/V longer.
   ExchangeShape ag = s;
   ag.ranks = 4;
-  ag.merge = MergeKind::kAllgather;
+  ag.merge_gathers = true;
   const auto g = exchange_bytes(ag, 10, 0);
   EXPECT_DOUBLE_EQ(g.pass_q, 10.0 * 3840 * 0.75 + 10.0 * 2376 * 3);
   EXPECT_FALSE(parse_exchange("both").is_ok());
   EXPECT_EQ(std::string(exchange_name(*parse_exchange("pass-q"))), "pass-q");
-}
-
-TEST(EngineMerge, UnknownKindIsRefusedByName) {
-  auto k = parse_merge("ring");
-  ASSERT_FALSE(k.is_ok());
-  EXPECT_NE(k.status().message().find("tree, allreduce, allgather"), std::string::npos);
 }
 
 }  // namespace

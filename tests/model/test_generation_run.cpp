@@ -109,13 +109,21 @@ TEST(GenerationRun, EnginePathAnswersWithEveryRanksNumbers) {
     hooks.started = [&](const generation::Start& s) {
       ++started;
       EXPECT_EQ(s.ranks, P);
-      EXPECT_EQ(s.methods, std::vector<std::string>{"tree"});
+      // auto (the default): the planner's batch-invariant choice, named in the banner.
+      ASSERT_EQ(s.methods.size(), 1u);
+      EXPECT_NE(s.methods[0], "auto");
+      EXPECT_NE(s.merge_description.find(s.methods[0] + " (auto on topology"), std::string::npos)
+          << s.merge_description;
+      EXPECT_NE(s.merge_description.find(", batch invariant"), std::string::npos)
+          << s.merge_description;
       EXPECT_GT(s.pages_per_rank, 0);
     };
     const auto out = run(P, r, hooks);
     EXPECT_EQ(started, 1);
     for (const Output& o : out) ASSERT_TRUE(o.status.is_ok()) << o.status.to_string();
     const Output& o = out[0];
+    EXPECT_TRUE(o.merge_choice.batch_invariant);
+    EXPECT_FALSE(o.merge_choice.ranking.empty());
     ASSERT_EQ(o.tokens.size(), static_cast<std::size_t>(r.new_tokens));
     EXPECT_EQ(o.token_ms.size(), o.tokens.size() - 1);
     EXPECT_EQ(o.bytes_sent_by_rank.size(), static_cast<std::size_t>(P));

@@ -434,7 +434,7 @@ class LocalCommunicator final : public Communicator {
   std::string_view backend_name() const override { return "local"; }
   CommCapabilities capabilities() const override {
     return CommCapabilities{MemorySpace::kHost, /*user_reductions=*/true,
-                            /*stream_ordered=*/false};
+                            /*stream_ordered=*/false, /*fixed_reduction_order=*/true};
   }
   int max_tag() const override { return INT_MAX; }
 

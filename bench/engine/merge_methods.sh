@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The served path's merge, method by method, on emulated hosts (tools/cluster): for each setting
+# (hosts x ranks per host, link), the per-layer merge alone at B = 1, 4, 16 decode rows, and the
+# decode inter-token latency of the serving engine for one long request and for 16 concurrent
+# ones, for each of --methods (tree, hier, allgather, auto by default). Every method of a setting
+# runs in the same cluster session, back to back, so the ratios between them are of one run.
+#
+#   bench/engine/merge_methods.sh [--quick] [--out DIR] [--methods tree,hier,allgather,auto]
+#
+# Writes DIR/merge_methods.json (every point) and prints a table with, per setting and case,
+# auto's latency against the best measured method, and the 2-host 1 Gbit ITL against 4 ranks on
+# one host. Needs root (network namespaces), the built tree (tools/build.sh) and the model
+# (tools/fetch-model.sh). --quick: shorter contexts and fewer tokens.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+root=$PWD
+out=out/merge_methods
+methods=tree,hier,allgather,auto
+long=32768 short=512 new=32
+while [ $# -gt 0 ]; do
+  case $1 in
+    --quick) long=4096 short=256 new=16; shift ;;
+    --out) out=$2; shift 2 ;;
+    --methods) methods=$2; shift 2 ;;
+    *) echo "merge_methods.sh: unknown option '$1'" >&2; exit 2 ;;
+  esac
+done
+bench=$root/build/release/bench/treeattn_engine_bench
+[ -x "$bench" ] || { echo "merge_methods.sh: $bench is not built (tools/build.sh)" >&2; exit 2; }
+model=$("$root/tools/model-path.sh") || { echo "merge_methods.sh: no model (tools/fetch-model.sh)" >&2; exit 2; }
+mkdir -p "$out"
+log=$out/merge_methods.log
+: > "$log"
+cluster=$root/tools/cluster/cluster.sh
+common=(--model "$model" --threads 1 --kv-gib 1)
+
+# run SETTING HOSTS SLOTS LINK: every method's merge-alone and throughput points, one session.
+run_setting() {
+  local name=$1 hosts=$2 slots=$3 link=$4
+  local np=$((hosts * slots))
+  local -a launch
+  if [ "$hosts" -eq 1 ]; then
+    launch=(mpirun --allow-run-as-root --oversubscribe --bind-to none --mca mpi_yield_when_idle 1
+            -x OMP_NUM_THREADS=1 -np "$np")
+  else
+    local -a up=(up "$hosts" --slots "$slots")
+    [ "$link" != veth ] && up+=(--link "$link")
+    "$cluster" down > /dev/null 2>&1 || true
+    "$cluster" "${up[@]}" > /dev/null
+    launch=("$cluster" run --timeout 1800 -- -x OMP_NUM_THREADS=1 -np "$np")
+  fi
+  echo "== $name: $hosts host(s) x $slots rank(s), link $link ==" | tee -a "$log"
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+    "${launch[@]}" "$bench" merge 2>&1 | sed "s/^MERGE {/MERGE {\"setting\": \"$name\", /" | tee -a "$log"
+  local m
+  for m in ${methods//,/ }; do
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+      "${launch[@]}" "$bench" "${common[@]}" --merge "$m" throughput --context "$long" \
+      --concurrency 1 --new "$new" 2>&1 | sed "s/^RESULT {/RESULT {\"setting\": \"$name\", /" |
+      tee -a "$log"
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+      "${launch[@]}" "$bench" "${common[@]}" --merge "$m" throughput --context "$short" \
+      --concurrency 16 --new "$new" 2>&1 | sed "s/^RESULT {/RESULT {\"setting\": \"$name\", /" |
+      tee -a "$log"
+  done
+  [ "$hosts" -gt 1 ] && "$cluster" down > /dev/null
+  return 0
+}
+
+run_setting "1x4 local" 1 4 none
+run_setting "2x2 1gbit" 2 2 1gbit
+run_setting "4x1 1gbit" 4 1 1gbit
+run_setting "2x2 veth" 2 2 veth
+run_setting "4x1 veth" 4 1 veth
+
+python3 - "$log" "$out/merge_methods.json" <<'EOF'
+import json, sys
+rows, merges = [], []
+for line in open(sys.argv[1]):
+    if line.startswith("RESULT "): rows.append(json.loads(line[7:]))
+    if line.startswith("MERGE "): merges.append(json.loads(line[6:]))
+json.dump({"decode": rows, "merge_alone": merges}, open(sys.argv[2], "w"), indent=1)
+print("\nper-layer merge alone (us, median), B = 1 / 16 rows:")
+for m in merges:
+    print(f"  {m['setting']:10s} {m['method']:10s} ({m['merge']:9s}) {m['us_b1']:8.1f} {m['us_b16']:8.1f}")
+print("\ndecode: ITL ms and the engine's per-layer merge+all-gather us (rank 0):")
+cases = {}
+for r in rows:
+    cases.setdefault((r["setting"], r["batch"], r["context"]), []).append(r)
+for (s, b, c), rs in cases.items():
+    best = min(x["itl_ms"] for x in rs if x["method"] != "auto")
+    for x in rs:
+        print(f"  {s:10s} B={b:<3d} ctx {c:<6d} {x['method']:10s} ({x['merge']:9s}) "
+              f"ITL {x['itl_ms']:8.2f} ms  merge {x['merge_us_per_layer']:8.1f} us  "
+              f"x{x['itl_ms'] / best:.3f} of the best named method")
+def itl(s, b, m):
+    for x in rows:
+        if x["setting"] == s and x["batch"] == b and x["method"] == m: return x["itl_ms"]
+for b in sorted({r["batch"] for r in rows}):
+    a, l = itl("2x2 1gbit", b, "auto"), itl("1x4 local", b, "auto")
+    if a and l: print(f"  2 hosts at 1 Gbit vs 4 ranks on one host, B={b}, auto: x{a / l:.3f}")
+EOF
