@@ -275,7 +275,7 @@ def inside_fault(url, p):
 def serve_timeout_s():
     """The default of `serve --timeout-ms`, from the help."""
     h = subprocess.run([TREEATTN, "serve", "--help"], capture_output=True, text=True).stdout
-    m = re.search(r"--timeout-ms\s+INT\s+\[(\d+)\]", h)
+    m = re.search(r"--timeout-ms\s+INT\s*(?:=|\[)(\d+)", h)
     check(m is not None, "serve --help names the --timeout-ms default")
     return int(m.group(1)) / 1000
 
