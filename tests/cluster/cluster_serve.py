@@ -413,7 +413,6 @@ def driver():
         ok = True
     finally:
         if not ok and job.proc.poll() is None:
-            job.dump()
             subprocess.run([CLUSTER, "down"])  # ours: the session holds the lock
             job.proc.wait(60)
     deadline = time.monotonic() + 10
