@@ -45,10 +45,11 @@ H0, H1 = "treeattn-h0", "treeattn-h1"
 ADDR = "10.213.0.1"  # host 0 in cluster.sh's default subnet
 OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never a proxy
 T0 = time.monotonic()
+WHERE = ""  # " h0" in the client run inside host treeattn-h0 (its own clock)
 
 
 def log(*a):
-    print("[%5.1f s]" % (time.monotonic() - T0), *a, flush=True)
+    print("[%5.1f s%s]" % (time.monotonic() - T0, WHERE), *a, flush=True)
 
 
 def check(cond, what, dump=None):
@@ -424,6 +425,7 @@ def driver():
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--inside":
+        WHERE = " " + H0
         case, url, p = sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
         MODEL = p["model"]
         {"exact": inside_exact, "long_prefill": inside_long_prefill,
