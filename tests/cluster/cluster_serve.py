@@ -82,8 +82,7 @@ QUESTIONS = ["What is 2 + 2?", "Say hello in French."]
 N_TOKENS = 24
 # About 2600 tokens: 208 numbered items.
 LONG_PROMPT = " ".join("Item %d of the list is the %s %s." % (i, c, a) for i, (c, a) in enumerate(
-    [(c, a) for _ in range(2)
-     for a in ("apple", "river", "stone", "cloud", "lamp", "horse", "glass", "tree")
+    [(c, a) for a in ("apple", "river", "stone", "cloud", "lamp", "horse", "glass", "tree")
      for c in ("red", "blue", "green", "yellow", "black", "white", "small", "large", "old",
                "new", "bright", "dark", "warm", "cold", "quiet", "loud", "soft", "hard", "round",
                "flat", "tall", "short", "heavy", "light", "fast", "slow")]))
