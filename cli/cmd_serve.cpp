@@ -70,7 +70,7 @@ struct ServeFlags {
   int max_queue = 256;
   int64_t context = 0;
   int shutdown_timeout = 30;
-  int timeout_ms = 600000;
+  int timeout_ms = static_cast<int>(engine::EngineConfig{}.timeout.count());
   bool no_prefix_cache = false;
   bool no_rows8 = false;
 };
@@ -342,7 +342,10 @@ Runner add_serve_command(CLI::App& app, const Invocation& inv) {
                   "Seconds after a stop signal before running requests are cancelled")
       ->capture_default_str();
   sub->add_option("--timeout-ms", f->timeout_ms,
-                  "Per communicator operation: a rank silent this long fails the engine (503)")
+                  "A rank silent this long (a host down or stopped) fails the engine: /health "
+                  "and the requests in flight answer 503, the job exits 3 (0: wait forever). "
+                  "Collectives wait only for the imbalance between ranks, never a whole step, "
+                  "and an idle server sends a heartbeat step every 250 ms")
       ->capture_default_str();
   return [f, sub, &inv] { return serve_command(*f, *sub, inv); };
 }

@@ -166,7 +166,7 @@ struct EngineConfig {
   // steps' Q4_K / Q6_K / Q8_0 / Q5_0 layout, about those matrices' size again in memory; false:
   // --no-rows8.
   bool rows8 = true;
-  std::chrono::milliseconds timeout{600000};   // per communicator operation; 0 = forever
+  std::chrono::milliseconds timeout{10000};    // per communicator operation; 0 = forever
   // An idle rank 0 broadcasts an empty step at least this often (a heartbeat: a rank that died
   // is found within it plus the timeout). Requests, cancels and stops wake it at once.
   std::chrono::milliseconds idle_tick{250};

@@ -128,6 +128,14 @@ class SignalThread {
 
 }  // namespace
 
+std::chrono::milliseconds collective_timeout(std::chrono::milliseconds serve_timeout) {
+  if (serve_timeout.count() <= 0) return serve_timeout;
+  // The communicator names the silent ranks after a timeout, waiting up to half its timeout
+  // (at most 2 s) for the others' reports (src/comm/mpi): that time comes off.
+  return serve_timeout - std::min<std::chrono::milliseconds>(serve_timeout / 3,
+                                                             std::chrono::seconds(2));
+}
+
 sigset_t stop_signals() {
   sigset_t s;
   sigemptyset(&s);
@@ -197,12 +205,17 @@ int run_serve_job(Communicator& comm, const ServeJob& job) {
       st = t.status();
   }
   if (!st.is_ok()) say(st);
+  // The decode steps' layout, before the agreement: the ranks then enter Engine::create, whose
+  // collectives are timed (ec.timeout), together, whatever a slow disk or a busy host made of
+  // their loading (the agreement itself waits without a limit, as the start-up always did).
+  if (st.is_ok() && ec.rows8) (*m)->pack_rows8(ec.matmul, ec.threads);
   if (!agree(st)) return 2;
-  if (ec.rows8) (*m)->pack_rows8(ec.matmul, ec.threads);  // the decode steps' layout
   const model::LlamaConfig& cfg = (*m)->config();
 
   phase("serve: engine set-up");
-  auto eng = engine::Engine::create(comm, **m, ec);
+  engine::EngineConfig timed = ec;
+  timed.timeout = collective_timeout(ec.timeout);
+  auto eng = engine::Engine::create(comm, **m, timed);
   if (!eng.is_ok()) {
     say(eng.status());
     return 2;
@@ -225,7 +238,7 @@ int run_serve_job(Communicator& comm, const ServeJob& job) {
     std::fprintf(stderr,
                  "treeattn serve: %s | %d rank(s) x %d thread(s), matmul %s | merge %s | KV %s, "
                  "%lld pages of %lld tokens per rank, at most %lld tokens per sequence, context "
-                 "%lld | max batch %d, prefill chunk %lld, queue %d\n",
+                 "%lld | max batch %d, prefill chunk %lld, queue %d | timeout %lld ms\n",
                  info.id.c_str(), P, ec.threads,
                  model::matmul_description({ec.threads, ec.isa, ec.matmul}).c_str(),
                  engine::describe_merge(engine.merge_choice()).c_str(),
@@ -233,7 +246,8 @@ int run_serve_job(Communicator& comm, const ServeJob& job) {
                  static_cast<long long>(em.pages_per_rank), static_cast<long long>(ec.page_tokens),
                  static_cast<long long>(engine.max_sequence_tokens()),
                  static_cast<long long>(info.context), ec.max_batch,
-                 static_cast<long long>(ec.prefill_chunk), ec.max_queue);
+                 static_cast<long long>(ec.prefill_chunk), ec.max_queue,
+                 static_cast<long long>(ec.timeout.count()));
     std::fprintf(stderr, "treeattn serve: listening on http://%s:%d\n", job.http.host.c_str(),
                  http->port());
     std::fflush(stderr);
@@ -255,9 +269,13 @@ int run_serve_job(Communicator& comm, const ServeJob& job) {
   }
   if (!st.is_ok()) {
     say(st);
+    const auto failed_at = Clock::now();
     http->set_failed(st.to_string());
-    http->wait_idle(Clock::now() + std::chrono::seconds(3));  // the 503s go out
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    http->wait_idle(failed_at + std::chrono::seconds(3));  // the 503s go out
+    // A handler is done before httplib has written its response; and /health answers 503 for
+    // a second at least, so that a health checker sees the failure, not only a closed port.
+    std::this_thread::sleep_until(std::max(Clock::now() + std::chrono::milliseconds(200),
+                                           failed_at + std::chrono::seconds(1)));
     http->stop();
     end_job("treeattn serve: the engine failed; ending the job");
     return 3;

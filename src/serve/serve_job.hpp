@@ -21,12 +21,27 @@
 // a stop signal, the process exits 3 anyway (through abort_job first where one is given).
 //
 // Failure. When the engine fails (a rank died, a communicator timeout) every request in flight
-// ends with 503 (a streamed one with an error event), /health answers 503, and run_serve_job
-// returns 3 after abort_job (the CLI's MPI_Abort, so that no rank waits for a dead one).
+// ends with 503 (a streamed one with an error event), /health answers 503 (for a second at
+// least), and run_serve_job returns 3 after abort_job (the CLI's MPI_Abort, so that no rank
+// waits for a dead one).
+//
+// The serve timeout (engine.timeout, `serve --timeout-ms`, default EngineConfig's 10 s): a rank
+// silent this long fails the engine, so /health answers 503 and the requests in flight end
+// within it of a host going away (a link down, its ranks stopped). The communicator's
+// per-operation limit is collective_timeout() of it: the rest is the time the communicator
+// takes to name the silent ranks. It cannot fire during a long prefill or an idle spell: every
+// rank runs every step in lockstep (the same rows of each layer, split evenly), so a collective
+// waits only for the imbalance between the ranks, not for a step's length; an idle rank 0
+// broadcasts an empty step every EngineConfig::idle_tick (250 ms: the heartbeat), so the other
+// ranks' wait for the next step stays short too; and /health reads the server's state only,
+// never waiting on the engine. Start-up (the model's load, which may differ by seconds between
+// hosts) ends in an untimed agreement, so that Engine::create's timed collectives start
+// together.
 #pragma once
 
 #include <signal.h>
 
+#include <chrono>
 #include <functional>
 #include <string>
 #include <string_view>
@@ -51,6 +66,11 @@ struct ServeJob {
   std::function<void(int port)> listening;
   std::function<void(int code, std::string_view message)> abort_job;
 };
+
+// The communicator's per-operation timeout for a serve timeout (0: 0, wait forever): the serve
+// timeout less the grace the MPI communicator spends naming the silent ranks after a timeout
+// (half its timeout, at most 2 s), so that the engine fails within the serve timeout.
+std::chrono::milliseconds collective_timeout(std::chrono::milliseconds serve_timeout);
 
 // The stop signals: SIGTERM, SIGINT, SIGHUP, SIGUSR1.
 sigset_t stop_signals();

@@ -6,13 +6,18 @@
 # host gets an address in a private /24 (default 10.213.0.0/24) that exists only inside these
 # namespaces: nothing is configured in the root namespace and no traffic leaves the machine.
 # `--link RATE` shapes each host's eth0 with `tc tbf` (no delay emulation: sch_netem is not in
-# this kernel). mpirun runs inside treeattn-h0 with a hostname of its own; remote daemons are
-# started through rsh-agent.sh (`ip netns exec HOST unshare --uts ...`), so each namespace looks
-# like a separate node to Open MPI: ranks on one host use shared memory, ranks on different
-# hosts use TCP over the (shaped) link, and MPI_COMM_TYPE_SHARED groups ranks per host.
+# this kernel). `--tcp-retries N` (default 4: about 6 s) is each host's net.ipv4.tcp_retries2:
+# how long TCP retransmits to a host that stopped answering before the connection fails, so that
+# mpirun, ending a job, gives up on the daemon of a host whose link went down within seconds
+# instead of the kernel default's 15 minutes. mpirun runs inside treeattn-h0 with a hostname of
+# its own; remote daemons are started through rsh-agent.sh (`ip netns exec HOST unshare
+# --uts ...`), so each namespace looks like a separate node to Open MPI: ranks on one host use
+# shared memory, ranks on different hosts use TCP over the (shaped) link, and
+# MPI_COMM_TYPE_SHARED groups ranks per host.
 #
 # Usage (as root):
-#   cluster.sh up K [--link RATE] [--slots S] [--subnet A.B.C]   create K hosts (2 <= K <= 16)
+#   cluster.sh up K [--link RATE] [--slots S] [--subnet A.B.C] [--tcp-retries N]
+#                                                                create K hosts (2 <= K <= 16)
 #   cluster.sh run [--timeout SEC] -- MPIRUN_ARGS...             mpirun inside treeattn-h0
 #   cluster.sh session K [up options] -- MPIRUN_ARGS...          up, run, always down
 #   cluster.sh exec HOST -- CMD...                               a command inside one host
@@ -93,12 +98,13 @@ AGENT
 
 cmd_up() {
   require_root
-  local k="" rate="" slots=2 subnet="10.213.0"
+  local k="" rate="" slots=2 subnet="10.213.0" tcp_retries=4
   while [[ $# -gt 0 ]]; do
     case $1 in
       --link) rate=${2:?--link needs a rate, e.g. 1gbit}; shift 2 ;;
       --slots) slots=${2:?--slots needs a number}; shift 2 ;;
       --subnet) subnet=${2:?--subnet needs A.B.C}; shift 2 ;;
+      --tcp-retries) tcp_retries=${2:?--tcp-retries needs a number}; shift 2 ;;
       -*) die "up: unknown option '$1'" ;;
       *) [[ -z $k ]] || die "up: unexpected argument '$1'"; k=$1; shift ;;
     esac
@@ -107,6 +113,8 @@ cmd_up() {
     die "up: host count must be an integer in [2, $MAX_HOSTS], got '${k}'"
   [[ $slots =~ ^[0-9]+$ ]] && ((slots >= 1 && slots <= 64)) ||
     die "up: --slots must be an integer in [1, 64], got '$slots'"
+  [[ $tcp_retries =~ ^[0-9]+$ ]] && ((tcp_retries >= 1 && tcp_retries <= 15)) ||
+    die "up: --tcp-retries must be an integer in [1, 15], got '$tcp_retries'"
   [[ $subnet =~ ^(10|192\.168|172\.(1[6-9]|2[0-9]|3[01]))(\.[0-9]+){0,2}$ ]] &&
     [[ $(tr -cd . <<<"$subnet" | wc -c) -eq 2 ]] ||
     die "up: --subnet must be the first three octets of a private /24, e.g. 10.213.0, got '$subnet'"
@@ -151,6 +159,10 @@ cmd_up() {
     h=$(host_name "$i")
     ip -n "$h" addr add "${subnet}.$((i + 1))/24" dev eth0
     ip -n "$h" link set eth0 up
+    # How long TCP keeps retransmitting to a silent peer (per namespace): 4 retries give up
+    # after about 6 s (the kernel's 15: about 15 minutes). mpirun ending a job must reach every
+    # host's daemon; one whose link went down holds it until this gives up.
+    ip netns exec "$h" sh -c "echo $tcp_retries > /proc/sys/net/ipv4/tcp_retries2"
     if [[ -n $rate ]]; then
       # burst 64kb: a larger burst lets 32-256 KiB messages through at twice the rate.
       ip netns exec "$h" tc qdisc replace dev eth0 root tbf rate "$rate" burst 64kb latency 50ms
@@ -163,6 +175,7 @@ hosts=$k
 slots=$slots
 subnet=${subnet}.0/24
 link=${rate:-unshaped}
+tcp_retries=$tcp_retries
 EOF
   # Every host's link must be up before we call it up (bounded: 30 x 0.1 s per host); with
   # ping available, host 0 must also reach every other host.
