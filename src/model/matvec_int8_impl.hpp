@@ -645,8 +645,7 @@ void rows_typed(const RowsArgs& a) {
 // the row's 32 bytes (unsigned), scale<g>() picks its sub-scale operand, maddubs gives the int16
 // pairs with the token's q_x, and madd_acc adds the chunk's 8 scaled int32 lanes. Several
 // tokens: decode_k() writes a row's super-block once (DecK) and groupk broadcasts it against 8
-// tokens (16 in a zmm on AVX-512 VNNI, WideLanes: README, "The batched K kernel at the
-// integer peak").
+// tokens (16 in a zmm on AVX-512 VNNI, WideLanes).
 template <uint32_t T>
 struct CodeK;
 
@@ -690,7 +689,7 @@ struct CodeK45 {
   // BM_Matmul's Q4_K rows 1.1-1.3x faster than the earlier unpack in scalar registers (512 x 1536
   // in L2, 65536 x 1536 from DRAM) and Qwen2.5-1.5B's decode step 0-6% faster (AVX-512 VNNI Zen
   // 4, 1 thread). Before the prefetch hint became prefetcht2 (prefetch_w) the same unpack made
-  // that step 15-25% slower, so it was left out then (README, the AVX-512 VNNI table).
+  // that step 15-25% slower.
   static typename Ops::I prepare(const uint8_t* b, const ActBlockK&, Row& o) {
     Ops::unpack_k4(b + 4, o.sc, o.mn);
     return Ops::izero();
@@ -881,8 +880,8 @@ inline void groupk_store(const typename L::V (&acc)[RBn][NV], const typename L::
 // operations of groupk. The same integers in another order (exact), the same float operations,
 // so the same bits. On Zen 3 (BM_Int8InnerAvx2, the call alone in L1, best of five): Q4_K 0.84
 // -> 0.99 maddubs a cycle, Q6_K 0.68 -> 0.88 (its flush every 2 groups is half its work);
-// BM_Matmul's 512-token Q4_K 8960 x 1536 113 -> 77 ms (README, "The batched kernels without
-// VNNI in asm"); two groups a pass, ~10% less again (README, "Two groups a pass").
+// BM_Matmul's 512-token Q4_K 8960 x 1536 113 -> 77 ms; two groups a pass, less again
+// (`treeattn_microbench --benchmark_filter=BM_Matmul`).
 template <uint32_t T, class L, int NV>
 inline void groupk_pairs4(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int lanes,
                           float* y, int64_t y_stride, const uint8_t* next, int64_t row_bytes) {
