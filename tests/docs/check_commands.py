@@ -52,6 +52,32 @@ def blocks(path):
     return out
 
 
+def anchors(path):
+    out = set()
+    for line in open(path, encoding="utf-8"):
+        m = re.match(r"^#+\s+(.*)", line)
+        if m:
+            out.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
+    return out
+
+
+def broken_links(src, files):
+    """Relative links between the docs whose file or heading is missing."""
+    bad = []
+    for f in files:
+        for m in re.finditer(r"\]\(([^)\s]+)\)", open(f, encoding="utf-8").read()):
+            link = m.group(1)
+            if re.match(r"^[a-z]+:", link):
+                continue
+            path, _, frag = link.partition("#")
+            target = os.path.normpath(os.path.join(os.path.dirname(f), path)) if path else f
+            if not os.path.exists(target):
+                bad.append("%s: link to a missing file: %s" % (os.path.relpath(f, src), link))
+            elif frag and target.endswith(".md") and frag not in anchors(target):
+                bad.append("%s: link to a missing heading: %s" % (os.path.relpath(f, src), link))
+    return bad
+
+
 def helps(binary):
     h = {}
     for sub in SUBS:
@@ -109,7 +135,7 @@ def main():
         print("check_commands: %s not built" % binary)
         return 1
     h = helps(binary)
-    failures, ran, skipped, illustrative = [], 0, 0, 0
+    failures, ran, skipped, illustrative = broken_links(src, doc_files(src)), 0, 0, 0
 
     def check_flags(where, sub, flags):
         if h.get(sub) is None:
