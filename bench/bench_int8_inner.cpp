@@ -5,7 +5,7 @@
 // 16 tokens) and group8 (the 32-value types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, 20 blocks = 640 columns)
 // on rows decoded as the matmul decodes them (int8_inner_avx2.cpp, built with the target's
 // flags). Counter maddubs: vpmaddubsw-equivalents (32 products each) a second; over the core's
-// clock, a cycle (the README's figures: 3.2 GHz).
+// clock, a cycle (pass the CPU's clock).
 #include <benchmark/benchmark.h>
 
 #include <cstdint>

@@ -4,8 +4,8 @@
 // only) or a prefetcht0 2 KiB ahead (the decode kernel's default distance), from a 512 MiB buffer
 // (DRAM) and from a 256 KiB one (L2: the arithmetic's own time). Where the DRAM rate equals the
 // lower of the FMA-free DRAM rate and the L2 rate, compute and memory overlap fully; where it is
-// their harmonic sum, they do not overlap at all. The decode kernel's question (README, AVX2
-// decode): it does about 8 FMAs per line of f32 K/V and 16 per line of bf16, with more
+// their harmonic sum, they do not overlap at all. The decode kernel's question (docs/kernels.md,
+// what limits each case): it does about 8 FMAs per line of f32 K/V and 16 per line of bf16, with more
 // instructions between them than this loop.
 //   build/<dir>/bench/treeattn_microbench --benchmark_filter=StreamOverlap
 #include <benchmark/benchmark.h>
@@ -50,11 +50,10 @@ BENCHMARK(BM_StreamOverlap)
 
 // The decode kernel's question on AVX-512 (args as above, zmm FMAs). For llama3-8b's shape
 // (group 4, head dim 128) a 16-bit KV line costs the kernel 8 zmm FMAs at the floor (64 per token
-// and KV head, 8 lines), and its measured in-cache rate (treeattn_roofline --seq 256, README) is
+// and KV head, 8 lines), and its measured in-cache rate (treeattn_roofline --seq 256) is
 // about that of 12 FMAs a line of this loop in L2: the 12-FMA row from DRAM with an 8 KiB prefetch
-// (the kernel's lead when this was measured; 12 KiB for 16-bit K/V since) is what a loop with the
-// kernel's arithmetic and no other structure reads (README, decode kernel: the kernel read within
-// a few percent of it).
+// (12 KiB for 16-bit K/V in the kernel now) is what a loop with the kernel's arithmetic and no
+// other structure reads; compare it with `treeattn bench --kernel`.
 //   build/<dir>/bench/treeattn_microbench --benchmark_filter=StreamOverlapAvx512
 void BM_StreamOverlapAvx512(benchmark::State& st) {
   run_stream(st, Isa::kAvx512, "CPU lacks AVX-512", bench::stream_with_fmas_avx512);

@@ -32,7 +32,7 @@
 //       the per-layer merge alone (SmolLM2 shape: 9 heads, head dim 64) for B = 1, 4, 16 decode
 //       rows, each kind, median of many calls.
 //
-// The README's figures were measured exactly so, as root (one command per two lines):
+// The figures in docs/results.md come from these commands, as root (one command per two lines):
 //   mpirun --allow-run-as-root --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 -np 2
 //       build/release/bench/treeattn_engine_bench --model $(tools/model-path.sh) throughput
 //   (the same with `followup`, and `merge` without --model), and across two emulated hosts:

@@ -52,18 +52,10 @@
 
 namespace treeattn {
 
-// Tokens per tile: 16 or a multiple of 32 up to 256 (whole vectors and whole K panels).
-// Measured with bench/treeattn_roofline --layouts tiled --tile-tokens 16,32,64,128 (1 thread,
-// llama3-8b shape, Zen 5 VM shared with other work at load ~4; each number the median over
-// 11-15 rounds of kernel GB/s / probe GB/s of the same round, two runs where two are given):
-//   256k tokens  bf16  T32 0.86 0.84   T64 0.89 0.85   T128 0.82 0.83
-//                f32   T32 0.82 0.81   T64 0.84 0.86   T128 0.82 0.84
-//                f16   T32 0.88 0.83   T64 0.83 0.85   T128 0.82 0.80
-//   64k tokens   bf16  T16 0.72  T32 0.82  T64 0.81  T128 0.67  (caller's rows 0.49)
-//                f32   T16 0.48  T32 0.77  T64 0.80  T128 0.79  (caller's rows 0.58)
-// In cache (one item of 1024 tokens, group 4, D 128, ns per token and KV head, bf16 / f32):
-// T32 11.0 / 11.5, T64 10.4 / 11.1, T128 9.9 / 11.0; the caller's rows 10.9 / 12.8. T16 pairs
-// two tiles per 32-token score unit and pads every 16-token block, hence its low numbers.
+// Tokens per tile: 16 or a multiple of 32 up to 256 (whole vectors and whole K panels). 64 reads
+// at or near the best fraction of the probe for every dtype from DRAM; 16 pairs two tiles per
+// 32-token score unit and pads every block. Measure: `build/release/bench/treeattn_roofline
+// --layouts tiled --tile-tokens 16,32,64,128 --seq 65536,262144`.
 inline constexpr int64_t kKVTileTokens = 64;
 
 enum class KVTileLayout : uint8_t {

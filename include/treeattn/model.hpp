@@ -94,7 +94,7 @@ void pack_rows8(const WeightMatrix& m, uint8_t* out);
 //   kInt8Ffn a model's choice per matrix (for_role below): the attention's projections (Q, K, V
 //           and the output) as kExact, the FFN and the output head as kInt8; on SmolLM2-135M it
 //           halves kInt8's first-token logit error for about a quarter of its decode time (the
-//           README's int8 section). matmul() itself, which sees no roles, refuses it
+//           docs/models.md, matrix modes). matmul() itself, which sees no roles, refuses it
 //           (kInvalidArgument).
 // Either way a token's result does not depend on the batch, the threads or the rows' split.
 enum class MatmulMode : uint8_t { kExact, kInt8, kInt8Ffn };
@@ -107,7 +107,7 @@ struct MatvecOptions {
   MatmulMode mode = MatmulMode::kExact;
   // kInt8 on a CPU with AVX-512 VNNI (isa avx512) or AVX-VNNI (isa avx2): false runs the
   // maddubs target instead (the same bits; for tests and benchmarks). TREEATTN_INT8_VNNI=0 in
-  // the environment does the same for every call of the process (README, --isa).
+  // the environment does the same for every call of the process (docs/models.md, --isa).
   bool vnni = true;
 };
 

@@ -38,8 +38,8 @@ enum class ShardKind : uint8_t { kEven, kUneven, kStriped, kExplicit, kSingle };
 //   rows    [batch][kv_heads][capacity][head_dim] (KVCache, the caller layout of shape.hpp);
 //           every strategy and executor reads it, and device shards are always rows.
 //   tiled   the tiled layout of kv_tiles.hpp (TiledKVCache, host memory), which the CPU kernel
-//           reads near the memory limit (README, kernel roofline: 0.82-0.89 of the probe against
-//           0.54-0.61 for rows on one thread at 256k tokens). Every strategy reads it (ring-kv
+//           reads near the memory limit (docs/kernels.md; `treeattn bench
+//           --kernel` compares it with rows). Every strategy reads it (ring-kv
 //           rotates tiles, tree-det copies its chunks' tokens out of them).
 //   auto    on a host executor the layout this CPU reads faster for the workload (shape, dtype,
 //           kernel threads), measured once and kept (host_kv_layout(workload), strategy.hpp;

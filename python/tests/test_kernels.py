@@ -8,7 +8,7 @@ import numpy as np
 import treeattn
 from reference import attention, from_bf16_bits, rel_err, to_bf16_bits
 
-TOL = 1e-5  # treeattn's oracle tolerance (README)
+TOL = 1e-5  # treeattn's oracle tolerance (docs/architecture.md)
 
 
 def rand(rng, *shape):

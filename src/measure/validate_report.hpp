@@ -1,6 +1,6 @@
 // The files of `plan --validate` (validate.hpp's experiment) as data: the measure step's reading
 // of bench's JSON into the measured latencies the comparison takes, and the treeattn-validate/1
-// document of a report (its keys are what the README's numbers, tests/ and the plots read).
+// document of a report (its keys are what tools/results.sh, tests/ and the plots read).
 //
 // Part of the measurement library treeattn_measure (a private header: it speaks nlohmann::json,
 // which the installed headers do not).

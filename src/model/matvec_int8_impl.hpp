@@ -53,10 +53,8 @@
 // block after block; the result is acc + macc. One token (dot_rows_1, dot_rows_1x4) sums S from
 // 8 int32 lanes of 4 products; several tokens (group8) put 8 tokens in the lanes and sum each
 // token's S in its lane (ActBlock8), so the float operations per (row, token) are the same
-// scalar sequence either way. (Until 2026-12-03 the one-token pass kept 8 float lanes per row,
-// reduced at the end, which tied the batched path to 8 multiply-adds per block and token; the
-// tokens-in-lanes path does one per 8 tokens and ran Qwen2.5-0.5B's 512-token prefill 1.4-1.7x
-// faster on the Zen 4 VM: README, "The prefetch distance, and tokens in lanes".)
+// scalar sequence either way. Tokens in lanes do one float multiply-add per 8 tokens and block
+// instead of 8 (`treeattn_microbench --benchmark_filter=BM_Matmul` measures the batched path).
 // K types: see CodeK below (one float multiply-add per 256 weights, the sub-scales and mins
 // summed in integers; the same operations with 8 tokens in lanes in the batched path).
 // The integer lanes are the same on every target (maddubs + madd and vpdpbusd both sum products
@@ -640,17 +638,14 @@ void rows_typed(const RowsArgs& a) {
 //                                                    once, to nearest even, when |S| >= 2^24)
 //   macc = fma(-(dmin * d_x), float(msum), macc)    (Q4_K / Q5_K; dmin * d_x rounded once)
 // and the result is acc + macc. One token (superblock) sums S from 8 int32 lanes; several tokens
-// (groupk) put 8 tokens in the lanes. (Until 2026-12-03 the one-token pass kept 8 float lanes
-// per row, reduced at the end, so a batch ran 8 float multiply-adds per super-block and token;
-// tokens in lanes do one per 8 tokens and sum in integers: README, "Tokens in lanes for the K
-// types".)
+// (groupk) put 8 tokens in the lanes: one float multiply-add per 8 tokens and super-block, the
+// sums in integers.
 // One token, per row and super-block, prepare() unpacks the scales (Row) and returns the lanes'
 // start (Q6_K: its offset term from the token's 16-value sums); per chunk, codes<g>() decodes
 // the row's 32 bytes (unsigned), scale<g>() picks its sub-scale operand, maddubs gives the int16
 // pairs with the token's q_x, and madd_acc adds the chunk's 8 scaled int32 lanes. Several
 // tokens: decode_k() writes a row's super-block once (DecK) and groupk broadcasts it against 8
-// tokens (16 in a zmm on AVX-512 VNNI, WideLanes: README, "The batched K kernel at the
-// integer peak").
+// tokens (16 in a zmm on AVX-512 VNNI, WideLanes).
 template <uint32_t T>
 struct CodeK;
 
@@ -694,7 +689,7 @@ struct CodeK45 {
   // BM_Matmul's Q4_K rows 1.1-1.3x faster than the earlier unpack in scalar registers (512 x 1536
   // in L2, 65536 x 1536 from DRAM) and Qwen2.5-1.5B's decode step 0-6% faster (AVX-512 VNNI Zen
   // 4, 1 thread). Before the prefetch hint became prefetcht2 (prefetch_w) the same unpack made
-  // that step 15-25% slower, so it was left out then (README, the AVX-512 VNNI table).
+  // that step 15-25% slower.
   static typename Ops::I prepare(const uint8_t* b, const ActBlockK&, Row& o) {
     Ops::unpack_k4(b + 4, o.sc, o.mn);
     return Ops::izero();
@@ -742,9 +737,8 @@ struct CodeK<kTypeQ6_K> {
   static float d(const uint8_t* b) { return Ops::f16(rd16(b + 208)); }
   static float dmin(const uint8_t*) { return 0.0f; }
   // The one-token pass starts each row's lanes from the offset term, -32 sum_j s_j bsum16_j
-  // (|.| <= 32 * 16 * 128 * 2032 < 2^28), and adds s_j sum(u q) per chunk (until 2026-12-03
-  // each chunk's pairs subtracted pairs(32, q) instead: 8 more subtractions per row and
-  // super-block).
+  // (|.| <= 32 * 16 * 128 * 2032 < 2^28), and adds s_j sum(u q) per chunk, which saves 8
+  // subtractions per row and super-block over subtracting pairs(32, q) in each chunk.
   static typename Ops::I prepare(const uint8_t* b, const ActBlockK& xb, Row& o) {
     const typename Ops::S s = Ops::scales_i8(reinterpret_cast<const int8_t*>(b + 192));
     o.sc[0] = Ops::template half<0>(s);
@@ -886,8 +880,8 @@ inline void groupk_store(const typename L::V (&acc)[RBn][NV], const typename L::
 // operations of groupk. The same integers in another order (exact), the same float operations,
 // so the same bits. On Zen 3 (BM_Int8InnerAvx2, the call alone in L1, best of five): Q4_K 0.84
 // -> 0.99 maddubs a cycle, Q6_K 0.68 -> 0.88 (its flush every 2 groups is half its work);
-// BM_Matmul's 512-token Q4_K 8960 x 1536 113 -> 77 ms (README, "The batched kernels without
-// VNNI in asm"); two groups a pass, ~10% less again (README, "Two groups a pass").
+// BM_Matmul's 512-token Q4_K 8960 x 1536 113 -> 77 ms; two groups a pass, less again
+// (`treeattn_microbench --benchmark_filter=BM_Matmul`).
 template <uint32_t T, class L, int NV>
 inline void groupk_pairs4(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt, int lanes,
                           float* y, int64_t y_stride, const uint8_t* next, int64_t row_bytes) {

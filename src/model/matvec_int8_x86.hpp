@@ -138,7 +138,7 @@ struct Ops {
   // run time it reassociated the int16 chains into trees and spilled them; unrolled over the
   // super-block, its ~1000 instructions ran slower than the same code in a short loop. With this
   // block BM_Int8InnerAvx2's Q4_K call went from 0.84 to 0.99 maddubs a cycle (best of five;
-  // BM_Int8DotPeak: 1.32; README, "The batched kernels without VNNI in asm").
+  // BM_Int8DotPeak: 1.32).
 #define TA_X(i) "vmovdqu 32*" #i "(%[x]), %[xv]\n\t"
 #define TA_G0(i, r)              \
   "vpbroadcastd 4*" #i "(%[c" #r \
@@ -203,8 +203,8 @@ struct Ops {
   // instead of twice 1, 4, 4, 4. The 8 int16 sums and the 4 operands take 12 of the 16
   // registers, so the first group's S stays in registers (s_r, as in pair_subscale4) and the
   // second's lives in memory, sm[r] (int32 x 8, 32-byte aligned, added to like s_r). volatile:
-  // sm is written through memory. (Both in memory measured slower: README, "Two groups a
-  // pass".) The same integers per token as pair_subscale4.
+  // sm is written through memory. (Both in memory measured slower in
+  // BM_Int8InnerAvx2.) The same integers per token as pair_subscale4.
 #define TB_X(i)       \
   "vmovdqu 32*" #i    \
   "(%[x]), %[xv]\n\t" \

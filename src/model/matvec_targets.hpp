@@ -73,8 +73,8 @@ struct RowsArgs {
 // (AVX-512 VNNI, 1 thread) prefetcht0 held the decode step to ~10 GB/s of weights, as if the L1's
 // outstanding misses capped it; with prefetcht2 the K-quant and Q5_0 / Q8_0 files' steps got
 // 1.15-1.3x faster, SmolLM2's (85 MB, compute-bound) did not move, and the prefetch distance (1
-// to 8 passes) changed nothing (README, "The decode step's weight stream on Zen 4"). Measured on
-// Zen 4 only. The hint changes no arithmetic.
+// to 8 passes) changed nothing. Measure:
+// `bench/model/vs_llamacpp.py --contexts 512` with each hint built in turn. The hint changes no arithmetic.
 inline constexpr int kWeightPrefetchLocality = 1;
 
 // How far ahead that prefetch reads: whole passes (a pass's rows are contiguous, so the same
@@ -82,7 +82,7 @@ inline constexpr int kWeightPrefetchLocality = 1;
 // for the shipped files' matrices) the Q8_0 head of Gemma-3 and Qwen2.5-0.5B streamed at ~10 GB/s
 // from DRAM against the one-thread read probe's ~20 (Zen 4 VM, 1 thread); 32 KB ahead (and every
 // line of the 32-value types' rows prefetched, not every other block's) made their decode steps
-// 1.15-1.6x faster (README, "The prefetch distance, and tokens in lanes"). It stays far inside L2.
+// 1.15-1.6x faster. It stays far inside L2.
 inline constexpr int64_t kWeightPrefetchBytes = 32768;
 // pass_bytes = RBn * row_bytes > 0. Internal linkage: each target compiles its own copy.
 static constexpr int64_t weight_prefetch_ahead(int64_t pass_bytes) {

@@ -29,17 +29,15 @@ inline constexpr int kM = 0, kL = 1, kO = 2;
 
 // Tokens per softmax block inside an item. Every target uses the same value, a multiple of
 // every vector width (16 floats for AVX-512, 8 for AVX2 and generic). 64 rather than 32 halves
-// the per-block work (o reloads, block max, rescale): measured 1 thread, 256k tokens, medians
-// of 3 runs of 5: f32 146 -> 129 ms, bf16 80.5 -> 75.5 ms; 2 threads f32 93.5 -> 80 ms.
+// the per-block work (o reloads, block max, rescale); measured by `treeattn bench --kernel
+// --kv-layout rows --threads 1,2` at 256k tokens, both values built in turn.
 inline constexpr int kBlockTokens = 64;
 
-// Software prefetch distance: kDefaultPrefetchBytes of each of the K and V streams ahead of the
-// score tiles, rounded up to whole tokens (see default_prefetch_tokens()), fetched into L2
-// (prefetcht1). Measured on the quiet Zen 5 VM (1 and 2 threads, 256k tokens, llama3-8b
-// shape, medians of 5, two rounds): none -> 2 KiB ahead: f32 1 thread 166 -> 138..152 ms,
-// bf16 1 thread 116 -> 73..83 ms, f16 1 thread 119 -> 71 ms, bf16 2 threads 62..70 ->
-// 43..46 ms. 1 KiB ahead was slower for bf16 (89 ms), 4 KiB and more slower for f32;
-// prefetcht0 (into L1) at any distance gained nothing.
+// Software prefetch distance of the rows kernel: kDefaultPrefetchBytes of each of the K and V
+// streams ahead of the score tiles, rounded up to whole tokens (default_prefetch_tokens()),
+// fetched into L2 (prefetcht1). Shorter leads arrive late for 16-bit K/V, longer ones evict f32
+// data before use; prefetcht0 gained nothing. Measure: `treeattn bench --kernel --kv-layout rows
+// --dtype f32,bf16,f16 --threads 1,2` with TREEATTN_PREFETCH_TOKENS set to each candidate.
 inline constexpr int kDefaultPrefetchBytes = 2048;
 
 struct ItemArgs {
@@ -116,41 +114,21 @@ inline constexpr int64_t prefill_block_scratch_floats(int64_t tile_tokens, int64
 }
 
 // Tiles per online-softmax block of the tiled kernel (one fused pass per tile: scores, softmax,
-// values). Two passes over 4 tiles of 32 tokens cut the in-cache time (bf16 11.0 -> 10.0 ns per
-// token and KV head, f32 11.5 -> 10.5) but read interleaved tiles out of memory order (K0..K3,
-// then V0..V3): from DRAM, 1 thread, 64k tokens, bf16 0.73 -> 0.48 of the probe, f32 0.67 ->
-// 0.51. A 64-token tile gets most of the larger block's in-cache gain in memory order.
+// values). Larger blocks are faster in cache but read tiles out of memory order (K0..K3, then
+// V0..V3), which is slower from DRAM; a 64-token tile gets most of the gain in memory order.
+// Measure: `build/release/bench/treeattn_roofline --block-tiles 1,2,4 --seq 65536`.
 inline constexpr int kTiledBlockTiles = 1;
 // Software prefetch lead in bytes per stream (prefetcht0, requests spread over both passes).
-// 1 thread / 2 threads, llama3-8b 256k, same run: lead 4096 / 8192 / 16384 bytes: bf16
-// 0.79 / 0.89 / 0.85 and 0.63 / 0.69 / 0.60; f32 0.85 / 0.80 / 0.78 and 0.84 / 0.84 / 0.77;
-// 32 KiB worse again. No software prefetch: 0.25-0.45 (the hardware prefetchers alone do
-// not follow the tiles). prefetcht0 over prefetcht1, 1 thread: bf16 0.90 / 0.86 vs 0.76 / 0.73,
-// f32 0.87 / 0.84 vs 0.81 / 0.81 (two runs each). On two threads too (Zen 5, 2026-12-05, the
-// rounds whose probe read 59-73 GB/s): bf16 58 GB/s with prefetcht0, 52 with prefetcht1, 50 with
-// prefetcht2; f32 64-65 / 55-58 / 56-57.
+// The hardware prefetchers alone do not follow the tiles; shorter and longer leads and the
+// farther hints (prefetcht1/t2) read slower. Measure: `build/release/bench/treeattn_roofline
+// --dtype f32,bf16,f16 --threads 1,2 --seq 262144 --layouts tiled --prefetch 4096,8192,16384`.
 inline constexpr int64_t kTiledPrefetchBytes = 8192;
 // The tiled driver's lead for 16-bit K/V with head_dim <= 128 (kTiledPrefetchBytes for every
-// other case, and for the paged driver).
-// Earlier sweeps stepped 4 / 8 / 16 KiB; the leads between, with items in memory order
-// (583a8f0), Zen 5 (AVX-512 target), 2026-12-05, kernel GB/s, 256k tokens, the leads alternating
-// inside each run: `build/release/bench/treeattn_roofline --dtype bf16,f16 --threads 1 --seq
-// 262144 --repeats 5 --no-peer --no-check --layouts tiled --prefetch 8192,10240,12288,14336,16384`
-// (f32: `--dtype f32 --prefetch 5120,6144,7168,8192,9216`; the other shapes `--heads H --kv-heads
-// K --head-dim D --dtype f32,bf16,f16 --prefetch 8192,12288`; 2 threads `--threads 2`), 1 thread:
-//   llama3-8b (group 4, D 128)  lead 8 / 10 / 12 / 14 / 16 KiB: bf16 31.3-31.8 / 32.8-33.5 /
-//     32.9-33.5 / 33.0-33.5 / 30.6-31.4, f16 31.3-31.6 / 32.4-32.7 / 32.8-33.2 / 32.9-33.2 /
-//     31.7-32.1 (three runs); f32 flat at 5-9 KiB (34.0-35.1) and slower at 10-12 (31.3-33.9).
-//   8 / 12 KiB, two runs each: SmolLM2 (group 3, D 64) bf16 31.5-33.7 / 33.5-34.8, f16 32.9-34.9 /
-//     35.2-36.5, f32 35.0-36.3 / 34.6-35.6; Qwen2.5-1.5B (group 6, D 128) bf16 24.4-24.7 /
-//     24.9-25.4, f16 24.7-25.0 / 25.2-25.8; Qwen2.5-0.5B (group 7, D 64) bf16 20.4-20.8 /
-//     21.0-21.3; Gemma-3 (group 4, D 256) bf16 27.5-28.1 / 26.8-27.6, f16 27.8-27.9 / 25.8-26.1;
-//     fp8 and int8 (llama3-8b) alike at 8 and 12 (13.9-14.3, 21.3-21.9).
-//   2 threads (llama3-8b, 8 / 12 KiB): in the rounds whose probe read 61-75 GB/s bf16 52-60 /
-//     58-61, f16 55-58 / 56-59; in those at 37-45 GB/s bf16 43.6-43.8 / 41.4-43.0, f16 38.9-44.9 /
-//     38.1-44.2. Again with this default built in (three runs, 08:50 UTC): 1 thread bf16
-//     31.0-32.1 / 33.3-33.6, f16 32.1-32.5 / 33.4-34.0; 2 threads, probe 71-77 GB/s, bf16
-//     59.4-59.8 / 60.1-61.3, f16 57.0-58.0 / 59.1-59.3.
+// other case, and for the paged driver): a longer lead reads faster there, not for f32, fp8,
+// int8 or head_dim 256. Measure, the leads alternating inside one run:
+// `build/release/bench/treeattn_roofline --dtype bf16,f16 --threads 1,2 --seq 262144 --repeats 5
+// --no-peer --no-check --layouts tiled --prefetch 8192,10240,12288,14336,16384`, and per model
+// shape with `--heads H --kv-heads K --head-dim D --prefetch 8192,12288`.
 inline constexpr int64_t kTiledPrefetchBytes16 = 12288;
 struct TiledTuning {
   int block_tiles = kTiledBlockTiles;
@@ -169,11 +147,9 @@ void set_tiled_tuning(const TiledTuning& t);
 // head_dim <= 128 and kTiledPrefetchBytes otherwise.
 int64_t tiled_prefetch_bytes(const TiledTuning& t, DType dtype, int64_t head_dim);
 // The paged driver's lead under t: t.prefetch_bytes when it is set, else kTiledPrefetchBytes for
-// every dtype. The tiled driver's longer lead for 16-bit K/V showed no gain there: `treeattn
-// generate --model models/SmolLM2-135M-Instruct.Q4_1.gguf --prompt-tokens 16384 --new-tokens 33
-// --ignore-eos --threads 1` (f16 KV, Zen 5, 2026-12-05, alternating 8 / 12 KiB by
-// TREEATTN_TILED_PREFETCH_BYTES) took 19.43 / 19.64 and 18.82 / 19.11 ms a token, inside that
-// command's run-to-run spread (5-10% between runs of one binary).
+// every dtype. The tiled driver's longer lead for 16-bit K/V showed no gain outside the
+// run-to-run spread of `treeattn generate --model smollm2-135m --prompt-tokens 16384
+// --new-tokens 33 --ignore-eos --threads 1` with TREEATTN_TILED_PREFETCH_BYTES=8192 and 12288.
 int64_t paged_prefetch_bytes(const TiledTuning& t);
 
 // The default software prefetch distance in tokens for rows of row_bytes bytes;

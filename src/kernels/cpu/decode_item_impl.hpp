@@ -71,10 +71,9 @@ inline void score_tile(const float* q, const void* const* kp, float* s) {
   for (int d = 0; d < D; d += Ops::W) {
     V qv[RR];
     // 16-bit K: q held in registers (4 q loads per 8 FMAs, not 8 folded into them); other dtypes:
-    // the compiler's folded loads. AVX2 Zen 3, builds alternating 3 times, treeattn_roofline
-    // --dtype f32,bf16,f16 --threads 1,2 --seq 262144 --repeats 5 --no-peer --no-check --layouts
-    // rows, 1 thread, pinned: bf16 98-103 -> 88-93 ms, f16 94-96 -> 83-88 ms, but f32 141-145 ->
-    // 150-169 ms (faster in L3, slower from DRAM); --dtype fp8,int8 --threads 1: unchanged.
+    // the compiler's folded loads (pinning f32 was faster in L3, slower from DRAM). Measure:
+    // `build/release/bench/treeattn_roofline --dtype f32,bf16,f16 --threads 1,2 --seq 262144
+    // --layouts rows`, both builds alternating.
     constexpr bool kPinQ = DT == DType::kF16 || DT == DType::kBF16;
     for (int r = 0; r < RR; ++r) {
       const V v = Ops::loadu(q + r * D + d);
@@ -327,9 +326,8 @@ void run_item(const ItemArgs& a) {
       for (int i = 0; i < RR; ++i)
         value_tile<D, DT, 1>(o + i, p + i, vbase + tb * stride_bytes, stride_bytes, common, tk[i]);
     };
-    // Rows tiled 4/2/1 for every dtype. (f32 used 2-row tiles, which walk a whole value row
-    // per tile; with the L2 software prefetch 4-row tiles are faster: 1 thread 130 -> 124 ms,
-    // 2 threads 81 -> 68 ms, 256k tokens, medians of 3 runs.)
+    // Rows tiled 4/2/1 for every dtype: with the L2 software prefetch, 4-row tiles read faster
+    // than 2-row tiles even for f32 (`treeattn bench --kernel --kv-layout rows --dtype f32`).
     r0 = 0;
     for (; r0 + 4 <= R; r0 += 4) run_group(RowTile<4>{}, r0);
     for (; r0 + 2 <= R; r0 += 2) run_group(RowTile<2>{}, r0);

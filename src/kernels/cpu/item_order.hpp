@@ -13,11 +13,9 @@ namespace treeattn::kernels::cpu {
 // the KV heads of a chunk one after another (a layout with heads inside a token, [T][Hkv][D]).
 // kHeadsOuter: head by head, a head's chunks one after another, so consecutive items continue
 // one stream of memory (a layout with a head's tokens together, as the tiled one, [Hkv][tiles]).
-// Measured on the tiled layout (Zen 5, llama3-8b B1 256k, treeattn_roofline, 8057b53's binary
-// and this order's alternating; README, kernel roofline): 2 threads in rounds whose probe read
-// 65-80 GB/s bf16 46-50 -> 53-58 GB/s, f16 48-51 -> 54-57, f32 60-63 -> 61-67 (the two threads
-// then read neighbouring chunks of one head, not two heads 128 MiB apart); at 37-50 GB/s the
-// same, on 1 thread within 3%, and the same on the caller's [B][Hkv][N][D] rows.
+// kHeadsOuter lets two threads read neighbouring chunks of one head rather than two heads far
+// apart, which reads faster on two threads and the same on one (`build/release/bench/
+// treeattn_roofline --threads 1,2 --seq 262144`, both orders built in turn).
 enum class ItemOrder { kChunksOuter, kHeadsOuter };
 
 // Row b, KV head and global chunk index (the row's chunks numbered after those of rows < b) of

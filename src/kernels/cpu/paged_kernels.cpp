@@ -12,9 +12,8 @@
 // page's tile as a one-tile chunk: tokens = page_len, and per row the tokens of the page its
 // query sees, clamp(first_pos + i + 1 - page_pos, 0, page_len). The first page's states are
 // written into the item's slot; each later page continues them (TiledItemArgs::keep: the
-// kernel's online softmax goes on from the slot's records, in page order). Until 2026-12-03 a
-// later page's states were computed apart and merged in (state_merge), two exps and three
-// passes over each record per page and row. Pages no row of the item sees are skipped (they
+// kernel's online softmax goes on from the slot's records, in page order), which saves the two
+// exps and three passes over each record per page and row of a separate state_merge. Pages no row of the item sees are skipped (they
 // would add nothing). Afterwards each query row's states are the merge of
 // its cell's group slots in group order, starting from the empty state.
 //
@@ -280,12 +279,10 @@ void run_item(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& shape,
     // The item kernel's prefetch stops at its page's end. Where the next page is not the pool
     // record that follows (a sequence's pages once the free list has been churned), request its
     // first lines now, while this page is computed: the hardware prefetchers cannot guess it.
-    // PagedKernel.DISABLED_ThroughputVsTiled (shuffled 64-token pages, f16, 1 thread, Zen 5,
-    // AVX-512 target, 2026-12-05, three runs alternating): paged 18.4-19.1 -> 21.2-23.7 GB/s,
-    // paged/tiled 0.48-0.50 -> 0.56-0.60. Where the next page does follow (a fresh engine's
-    // pages) nothing is requested: requesting it there too read 20.7-21.8 -> 23.3-26.6 ms a token
-    // in the generate command of paged_prefetch_bytes() (cpu_targets.hpp; two pairs, more than
-    // that command's spread).
+    // Measure: PagedKernel.DISABLED_ThroughputVsTiled (shuffled pages;
+    // --gtest_also_run_disabled_tests). Where the next page does follow (a fresh engine's pages)
+    // nothing is requested: requesting it there too was slower in the generate command of
+    // paged_prefetch_bytes() (cpu_targets.hpp).
     if (next_bytes > 0 && j + 1 < p1 && en.pages[uj + 1] != page + 1) {
       const int64_t next = cell.kvh * pool.head_stride + en.pages[uj + 1] * pool.tile_stride;
       const char* nk = k0 + next;

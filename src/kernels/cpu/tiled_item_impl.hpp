@@ -27,34 +27,18 @@
 // Quantized K/V (fp8, int8): logits are (q . k_codes) * k_scale * scale and the value weight
 // of a token is p * v_scale (l sums p), scales read from the tiles, as in the row kernel.
 //
-// Limits, written before optimising (per token and KV head, llama3-8b: group 4, D 128):
-//   bytes    f32 1024, bf16/f16 512, fp8/int8 256 + 8 of scales; at the probe's 21-25 GB/s
-//            per core (issue 5's numbers) 41-49 / 20-24 / 11-13 ns.
-//   flops    2048 (4 rows x 128 x (q.k + p.v) x 2) = 64 512-bit FMAs; at the measured FMA
-//            peak of one core (117-260 GFLOP/s, the VM's clock moves) 8-17.5 ns.
-//   inner-loop instructions (AVX-512, this kernel): scores per d-step for 4 rows and 32 tokens:
-//            2 K loads (+2 vpmovzxwd+2 vpslld for bf16, 2 vcvtph2ps for f16), 4 vbroadcastss,
-//            8 FMA -> per token 8 loads, 16 broadcasts, 32 FMA (+16 / +8 widening ops); values
-//            per token: 8 V loads (+16 / +8), 8 broadcasts, 32 FMA; softmax ~8 per token;
-//            in all ~114 (f32), ~146 (bf16), ~130 (f16) instructions, 64 of them FMAs.
-//   prediction: memory-bound with a 2-4x margin for f32 and 1.5-2x for bf16/f16, so >= 0.85 of
-//            the probe with prefetch hiding the compute; fp8/int8 compute-bound (fp8 widening
-//            is 7 instructions per 16 values).
-// Result (README's kernel roofline section has the table): in cache the item runs at
-// 10-11 ns per token and KV head for every 16/32-bit dtype (~200 GFLOP/s, about 0.75 of the
-// best FMA peak measured), but from DRAM compute and memory overlap only partly: with group
-// 1, 2, 4, 8 (same run, bf16, 1 thread, 128k tokens) the kernel reaches 0.91, 0.91, 0.77,
-// 0.51 of the probe, i.e. time ~ memory + 0.6 x compute. Leads longer than 8 KiB (12 KiB for
-// 16-bit K/V at head_dim <= 128, cpu_targets.hpp) measured worse, not better (presumably the
-// core's outstanding misses are full and the prefetches stall it), so the prefetch cannot run
-// far enough ahead to hide all of the compute.
-// The prefetch loops below take their count per step at run time on purpose. A build with the
-// count a template value (1, 2, 4 or 8 lines, unrolled with the d loop) and q transposed so that
-// one pointer serves every row's broadcast cut the AVX-512 bf16 score loop from ~52 to ~20
-// instructions per d step and ran 0-10% faster in cache, but from DRAM (1 thread, 256k) bf16
-// read 27-30 against 31-33 GB/s and f32 27-32 against 34-35, and with --isa avx2 bf16 17 against
-// 20; the transposed q alone changed nothing from DRAM (Zen 5, 2026-12-05). The score loop's
-// instruction count is not what holds the kernel below the probe.
+// Limits (per token and KV head, llama3-8b: group 4, D 128): bytes f32 1024, bf16/f16 512,
+// fp8/int8 256 + 8 of scales, over the read bandwidth; flops 2048 (4 rows x 128 x (q.k + p.v) x
+// 2) = 64 512-bit FMAs, over the FMA peak. Memory-bound with a margin for f32 and bf16/f16;
+// fp8/int8 closer to the compute bound (fp8 widening is 7 instructions per 16 values).
+// From DRAM, compute and memory overlap only partly (time ~ memory + a fraction of compute, the
+// fraction growing with the GQA group), and leads longer than kTiledPrefetchBytes read slower,
+// so the prefetch cannot hide all of the compute. Measure: `treeattn bench --kernel
+// --kernel-cases` (fraction of the probe and of the bound per case, docs/kernels.md).
+// The prefetch loops below take their count per step at run time on purpose: a build with the
+// count a template value and q transposed ran fewer score-loop instructions and was faster in
+// cache but slower from DRAM; the score loop's instruction count is not what holds the kernel
+// below the probe.
 
 constexpr int kUnitTokens = 2 * Ops::W;
 constexpr int kMaxScoreRows = Ops::W >= 16 ? 8 : 6;

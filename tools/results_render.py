@@ -1,0 +1,318 @@
+#!/usr/bin/env python3
+"""Writes docs/results.md from the JSON that tools/results.sh collected (python3 stdlib only).
+
+    python3 tools/results_render.py --work DIR --build BUILD_DIR --mode quick|full --out FILE
+
+Each section reads one benchmark's JSON; a missing file becomes a line saying the section was
+not run and why (from DIR/status.txt).
+"""
+import argparse
+import glob
+import json
+import os
+import platform
+import re
+import subprocess
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load(work, name):
+    path = os.path.join(work, name)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def status_of(work, name):
+    try:
+        lines = open(os.path.join(work, "status.txt")).read().splitlines()
+    except OSError:
+        return "not run"
+    for i, line in enumerate(lines):
+        if line.split(" ", 1)[0] == name:
+            rest = [l.strip() for l in lines[i + 1:] if l.startswith("    ")][:5]
+            text = line.split(" ", 1)[1] if " " in line else line
+            return text + ("".join("\n    " + r for r in rest) if "failed" in text else "")
+    return "not run"
+
+
+def fmt_us(us):
+    if us is None:
+        return "-"
+    if us >= 1e6:
+        return "%.2f s" % (us / 1e6)
+    if us >= 1e3:
+        return "%.1f ms" % (us / 1e3)
+    return "%.0f us" % us
+
+
+def fmt_bytes(b):
+    if b is None:
+        return "-"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if b >= size:
+            return "%.2f %s" % (b / size, unit)
+    return "%d B" % b
+
+
+def fmt_tokens(n):
+    if n >= 1 << 20 and n % (1 << 20) == 0:
+        return "%dM" % (n >> 20)
+    if n >= 1024 and n % 1024 == 0:
+        return "%dk" % (n >> 10)
+    return str(n)
+
+
+def sh(cmd):
+    try:
+        return subprocess.run(cmd, shell=True, capture_output=True, text=True, cwd=ROOT,
+                              timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def machine(build):
+    cpu, flags = "", set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name") and not cpu:
+                cpu = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = ["AVX-512" if {"avx512f", "avx512bw", "avx512vl"} <= flags else
+           "AVX2" if "avx2" in flags else "generic"]
+    isa += [name for flag, name in (("avx512_vnni", "AVX-512 VNNI"), ("avx_vnni", "AVX-VNNI"))
+            if flag in flags]
+    mem = ""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal"):
+                mem = "%.1f GiB" % (int(line.split()[1]) / 1048576)
+    except OSError:
+        pass
+    compiler = ""
+    try:
+        for line in open(os.path.join(build, "CMakeCache.txt")):
+            if line.startswith("CMAKE_CXX_COMPILER:"):
+                cxx = line.split("=", 1)[1].strip()
+                compiler = sh("%s --version | head -1" % cxx) or cxx
+    except OSError:
+        pass
+    commit = sh("git rev-parse --short HEAD")
+    if commit and sh("git status --porcelain --untracked-files=no"):
+        commit += " (with uncommitted changes)"
+    return {
+        "CPU": cpu or platform.processor() or "unknown",
+        "ISA": ", ".join(isa),
+        "cores": str(os.cpu_count()),
+        "memory": mem or "unknown",
+        "compiler": compiler or "unknown",
+        "MPI": sh("mpirun --version 2>&1 | head -1") or "unknown",
+        "commit": commit or "unknown",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def not_run(work, name, fallback=None):
+    text = status_of(work, name)
+    if text == "not run" and fallback:
+        text = status_of(work, fallback)
+    if text.startswith("not run: "):
+        text = text[len("not run: "):]
+    return "Not in this run: %s.\n" % text
+
+
+def section_main(work):
+    j = load(work, "main.json")
+    s = "## Main job\n\n`treeattn run`: every strategy on the same shards, one step of each in turn.\n\n"
+    if not j or not j.get("points"):
+        return s + not_run(work, "main")
+    pts = j["points"]
+    p0 = pts[0]
+    s += ("%d ranks, B=%d H=%d Hkv=%d D=%d, %s KV, %s tokens, %s layout.\n\n" % (
+        p0["ranks"], p0["batch"], p0["heads"], p0["kv_heads"], p0["head_dim"], p0["dtype"],
+        fmt_tokens(p0["seq"]), p0.get("kv_layout", "")))
+    ring = next((p for p in pts if p["method"] == "ring-kv"), None)
+    s += ("| method | p50 | p90 | vs ring-kv | sent/rank | peak/rank | peak RSS | KV GB/s | "
+          "rel err |\n|---|---:|---:|---:|---:|---:|---:|---:|---|\n")
+    for p in pts:
+        l = p["latency_us"]
+        vs = "%.2fx" % (ring["latency_us"]["p50"] / l["p50"]) if ring and l["p50"] else "-"
+        s += "| %s | %s | %s | %s | %s | %s | %s | %.1f | %.1e %s |\n" % (
+            p["method"], fmt_us(l["p50"]), fmt_us(l["p90"]), vs,
+            fmt_bytes(p["bytes_sent_per_rank"]), fmt_bytes(p["peak_bytes_per_rank"]),
+            fmt_bytes(p["peak_rss_bytes"]), p["kv_gbps"], p["max_rel_err"],
+            "ok" if p["ok"] else "FAIL")
+    return s
+
+
+def section_kernel(work):
+    j = load(work, "kernel.json")
+    s = ("## Kernel roofline\n\n`treeattn bench --kernel`: kernel GB/s over the read-bandwidth "
+         "probe of the same round (`frac`, median over rounds), and over the tighter of the "
+         "bandwidth and FMA bounds (`of bound`).\n\n")
+    if not j:
+        return s + not_run(work, "kernel")
+    s += ("| case | dtype | ISA | layout | threads | GB/s | probe GB/s | frac | bound | of bound | "
+          "rel err |\n|---|---|---|---|---:|---:|---:|---:|---|---:|---|\n")
+    for r in j:
+        s += "| %s | %s | %s | %s | %d | %.1f | %.1f | %.2f | %s | %.2f | %s |\n" % (
+            r["shape"], r["dtype"], r["isa"], r["layout"], r["threads"], r["gbps"],
+            r["bandwidth_gbps"], r["fraction_of_bandwidth"], r["bound"], r["fraction_of_bound"],
+            "%.1e" % r["max_rel_error"] if r.get("max_rel_error") is not None else "-")
+    return s
+
+
+def section_treering(work):
+    j = load(work, "treering.json")
+    s = "## Tree vs ring\n\n`treeattn bench` over contexts: p50 per step and bytes sent per rank.\n\n"
+    if not j or not j.get("points"):
+        return s + not_run(work, "treering")
+    pts = j["points"]
+    seqs = sorted({p["seq"] for p in pts})
+    ranks = sorted({p["ranks"] for p in pts})
+    for r in ranks:
+        s += "%d ranks:\n\n| method | %s | sent/rank (%s) |\n|---|%s---|\n" % (
+            r, " | ".join(fmt_tokens(q) + " p50" for q in seqs), fmt_tokens(seqs[-1]),
+            "---:|" * len(seqs))
+        methods = []
+        for p in pts:
+            if p["ranks"] == r and p["method"] not in methods:
+                methods.append(p["method"])
+        for m in methods:
+            row = {p["seq"]: p for p in pts if p["ranks"] == r and p["method"] == m}
+            last = row.get(seqs[-1])
+            s += "| %s | %s | %s |\n" % (m, " | ".join(
+                fmt_us(row[q]["latency_us"]["p50"]) if q in row else "-" for q in seqs),
+                fmt_bytes(last["bytes_sent_per_rank"]) if last else "-")
+        s += "\n"
+    bad = [p for p in pts if not p["ok"]]
+    errs = [p["max_rel_err"] for p in pts]
+    s += "%d points, %s passed the float64 check (max relative error %.1e).\n" % (
+        len(pts), "all" if not bad else "%d not" % len(bad), max(errs) if errs else 0)
+    return s
+
+
+def section_model(work):
+    s = ("## Model decode and prefill\n\n`treeattn generate --prompt-tokens N` with the default "
+         "model, 1 rank, 1 thread.\n\n")
+    files = sorted(glob.glob(os.path.join(work, "model_*.json")),
+                   key=lambda p: int(re.sub(r"\D", "", os.path.basename(p)) or 0))
+    rows = []
+    for path in files:
+        j = load(work, os.path.basename(path))
+        if j:
+            rows.append(j)
+    if not rows:
+        s += not_run(work, "model")
+    else:
+        s += ("| prompt tokens | matmul | ISA | prefill tokens/s | decode ms/token p50 | tokens/s |"
+              "\n|---:|---|---|---:|---:|---:|\n")
+        for j in rows:
+            s += "| %d | %s | %s | %.1f | %.2f | %.1f |\n" % (
+                j.get("prompt_tokens", 0) if isinstance(j.get("prompt_tokens"), int)
+                else len(j.get("prompt_tokens", [])), j.get("matmul", ""), j.get("isa", ""),
+                j.get("prefill_tokens_per_s", 0), j.get("decode_ms_p50", 0),
+                j.get("tokens_per_s", 0))
+    v = load(work, "vsllamacpp.json")
+    s += "\nAgainst llama.cpp (`bench/model/vs_llamacpp.py`, same file, same threads, alternating):\n\n"
+    if not v:
+        return s + not_run(work, "vsllamacpp", "model")
+    res = v.get("results", [])
+    if res:
+        keys = [k for k in res[0].keys() if not isinstance(res[0][k], (list, dict))]
+        s += "| " + " | ".join(keys) + " |\n|" + "---|" * len(keys) + "\n"
+        for r in res:
+            s += "| " + " | ".join(
+                ("%.3g" % r[k]) if isinstance(r.get(k), float) else str(r.get(k, ""))
+                for k in keys) + " |\n"
+    s += "\nRead bandwidth (numpy, one thread): %.1f GB/s.\n" % v.get("bandwidth_gbs", 0)
+    return s
+
+
+def section_load(work):
+    j = load(work, "load.json")
+    s = ("## Serving load\n\n`bench/serve/loadgen.py` against `treeattn serve --ranks 2`: (a) "
+         "independent prompts, (b) one document shared by many questions.\n\n")
+    if not j:
+        return s + not_run(work, "load", "model")
+    s += ("| workload | concurrency | requests ok | generated tok/s | TTFT p50 / p99 ms | "
+          "ITL p50 / p99 ms | cached tokens |\n|---|---:|---:|---:|---|---|---:|\n")
+    f = lambda x: "-" if x is None else "%.0f" % x
+    for r in j.get("rows", []):
+        s += "| %s | %s | %s / %s | %.1f | %s / %s | %s / %s | %s |\n" % (
+            r.get("workload"), r.get("concurrency"), r.get("ok"), r.get("requests"),
+            r.get("tokens_per_s", 0), f(r.get("ttft_p50_ms")), f(r.get("ttft_p99_ms")),
+            f(r.get("itl_p50_ms")), f(r.get("itl_p99_ms")), f(r.get("cached_tokens_mean")))
+    return s
+
+
+def section_sweep(work):
+    j = load(work, "sweep.json")
+    s = ("## Paper sweep (predicted)\n\n`treeattn plan --sweep`: the cost model on the paper's "
+         "cluster (tree, the paper's tree recipe and ring-kv per step).\n\n")
+    if not j:
+        return s + not_run(work, "sweep")
+    s += ("Topology `%s`.\n\n| devices | context | tree | tree-paper | ring-kv | ring-kv / tree |\n"
+          "|---:|---:|---:|---:|---:|---:|\n" % j.get("topology", ""))
+    for r in j.get("rows", []):
+        s += "| %d | %s | %s | %s | %s | %.0fx |\n" % (
+            r["devices"], fmt_tokens(r["context"]) if r["context"] % 1024 == 0 else
+            "%.2fM" % (r["context"] / 1e6) if r["context"] >= 1e6 else "%dk" % (r["context"] // 1000),
+            fmt_us(r["tree_us"]), fmt_us(r["tree_paper_us"]), fmt_us(r["ring_kv_us"]),
+            r["speedup_vs_tree"])
+    return s
+
+
+def section_validate(work):
+    j = load(work, "validate.json")
+    s = ("## Planner validation\n\n`treeattn plan --validate`: predicted against measured p50 "
+         "per strategy, and the planner's choice against the best measured.\n\n")
+    if not j:
+        return s + not_run(work, "validate")
+    ch = j.get("choices", [])
+    within = sum(1 for c in ch if c.get("within_10_percent"))
+    s += "Median absolute prediction error: %.1f%%. Choice within 10%% of the best measured: %d of %d.\n\n" % (
+        100 * j.get("median_abs_rel_error", 0), within, len(ch))
+    if ch:
+        s += ("| configuration | context | choice | its measured | best measured | best's | within 10% |"
+              "\n|---|---:|---|---:|---|---:|---|\n")
+        for c in ch:
+            s += "| %s | %s | %s | %s | %s | %s | %s |\n" % (
+                c.get("config"), fmt_tokens(c.get("seq", 0)), c.get("choice"),
+                fmt_us(c.get("choice_measured_us")), c.get("best_measured"),
+                fmt_us(c.get("best_measured_us")), "yes" if c.get("within_10_percent") else "no")
+    return s
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--build", required=True)
+    ap.add_argument("--mode", default="full")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    m = machine(a.build)
+    text = "# Results\n\n<!-- generated header: tools/results.sh writes this file; do not edit -->\n"
+    text += "Generated by `tools/results.sh%s`.\n\n" % (" --quick" if a.mode == "quick" else "")
+    text += "| | |\n|---|---|\n" + "".join("| %s | %s |\n" % kv for kv in m.items())
+    text += "<!-- end of generated header -->\n\n"
+    text += ("Each table comes from one run of its benchmark on the machine above; ratios compare "
+             "sides measured in the same run. `--quick` uses small sizes: its absolute figures are "
+             "not the headline sizes. How each is measured: [performance.md](performance.md).\n\n")
+    for sec in (section_main, section_kernel, section_treering, section_model, section_load,
+                section_sweep, section_validate):
+        text += sec(a.work) + "\n"
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()
