@@ -63,9 +63,8 @@ struct PlanFlags {
   std::string links = "none,1gbit";
   std::string seq_list = "32k,256k";
   int warmup = 2;
-  // 30: with 12 the p50 of one strategy moved by 10-20% between runs on 2 shared cores, more than
-  // the one-collective strategies differ (12 steps at load 2.6-7.6: 9 of 12 choices within 10%;
-  // 30 steps at load 1-5.8: 11 of 12; the load differed too), 27 min for the experiment, not 22.
+  // Enough steps that one strategy's p50 moves less between runs on shared cores than the
+  // one-collective strategies differ from each other.
   int iters = 30;
   double target = 0.20;
   bool keep = false;

@@ -123,8 +123,8 @@ struct EngineConfig {
   DType kv_dtype = DType::kF16;  // f32, f16 or bf16
   // Tokens per page: 16 or a multiple of 32 up to 256 (kv_tiles). A page is also the online
   // softmax's block, so each page costs every query row a fixed step (max, rescale, sums);
-  // 128 halves that against 64 (a 32k-token prefill 0.60 -> 0.645 of the FMA peak on a Zen 5,
-  // README) at the price of a coarser prefix reuse (whole pages only).
+  // 128 halves that against 64 (`treeattn_engine_bench prefill` measures the whole prefill
+  // against the FMA peak) at the price of a coarser prefix reuse (whole pages only).
   int64_t page_tokens = 128;
   int64_t kv_pages = 0;          // pages per rank; 0: from kv_memory
   std::size_t kv_memory = 0;     // bytes of KV pages per rank; 0: half of MemAvailable

@@ -144,40 +144,14 @@ Result<const StrategyInfo*> known_info(std::string_view name, const char* who) {
 
 }  // namespace
 
-// Which layout each host kernel target reads fastest, from `bench --kernel --kernel-cases
-// --dtype f32,bf16,f16 --repeats 7 --no-peer` or the same table from bench/treeattn_roofline
-// (llama3-8b shape, 256k tokens, fraction of the streaming probe of the same rounds, rows and
-// tiled interleaved in each round; README, "Kernel roofline"), f32 / bf16 / f16:
-//   AVX-512 (Zen 5 VM, quiet): 1 thread tiled 0.87 / 0.89 / 0.87, rows 0.58 / 0.59 / 0.62;
-//            2 threads tiled 1.03 / 1.12 / 1.10, rows 0.81 / 0.90 / 0.89.
-//   AVX2 (2-vCPU EPYC Zen 3 VM, no AVX-512): issue 19's run, 1 thread rows 0.66 / 0.60 / -,
-//            tiled 0.52 / 0.47 / -; 2 threads rows 0.75 / 0.72 / -, tiled 0.60 / 0.61 / -.
-//            Rerun at load 15 (treeattn_roofline --seq 262144): 1 thread rows 0.72 / 0.47 /
-//            0.44, tiled 0.50 / 0.41 / 0.41; 2 threads rows 0.65 / 0.44 / 0.54, tiled 0.57 /
-//            0.45 / 0.47. None of the tiled alternatives reached rows there (64k, 1 thread,
-//            load 12: f32 rows 0.81, best of tiles 32/64/128 x interleaved/split x prefetch
-//            0/8 KiB 0.71; prefetch leads 1-16 KiB and prefetcht1 instead of prefetcht0 no
-//            better). In cache the tiled item is faster (CPU time per token and KV head, bf16
-//            35 vs 38 ns, f32 42 vs 48; the core's FMA floor is 20), so it loses on the memory
-//            side. Not its K order: a 32-token AVX2 score unit (2 rows x 4 vectors, each K
-//            panel read front to back) measured the same from DRAM (f32, 64k, CPU time tiled /
-//            rows 1.36-1.39 against 1.36-1.41 today); a 12-accumulator value pass neither.
-//   AVX-512 on Zen 4 (256-bit units; 2026-12-03, treeattn_roofline --dtype f32,bf16,f16
-//            --threads 1,2 --seq 262144 --repeats 7 --no-peer, load 0.1-0.9): llama3-8b's shape
-//            1 thread rows 0.73 / 0.60 / 0.62, tiled 0.70 / 0.49 / 0.56; 2 threads rows 0.84 /
-//            0.68 / 0.87, tiled 0.78 / 0.61 / 0.92. SmolLM2's (--heads 9 --kv-heads 3
-//            --head-dim 64): 1 thread tiled 0.85 / 0.74 / 0.77, rows 0.57 / 0.48 / 0.47; 2
-//            threads tiled 0.98 / 0.87 / 1.04, rows 0.72 / 0.59 / 0.63. The better layout there
-//            depends on the shape, which this per-ISA rule cannot see.
-//   AVX2 again (2-vCPU EPYC Zen 3 VM, 2026-12-03, quiet but for one nice-19 compile;
-//            treeattn_roofline --dtype f32,bf16 --threads 1 --seq 262144 --repeats 5 --no-peer
-//            --no-check, two runs): llama3-8b's shape rows 0.74 / 0.53, tiled 0.57 / 0.52
-//            (f32 / bf16); SmolLM2's shape rows 0.48-0.56 / 0.46-0.52, tiled 0.61-0.63 /
-//            0.54-0.61. So on both CPUs the shipped model's shape reads faster tiled and
-//            llama3-8b's rows: kAuto with a workload (the session, the driver, the CLI) measures
-//            the two layouts for that workload instead (host_kv_layout(workload),
-//            layout_choice.cpp); this rule is what remains without one, and with
-//            TREEATTN_KV_LAYOUT_MEASURE=0.
+// The layout each host kernel target reads faster for llama3-8b's shape, by ISA: tiled on
+// AVX-512 and the generic target, rows on AVX2. Measured by `treeattn bench --kernel
+// --kernel-cases --dtype f32,bf16,f16 --repeats 7 --no-peer` (or bench/treeattn_roofline with
+// the same flags: rows and tiled interleaved in each round, fractions of the streaming probe).
+// The faster layout also depends on the shape (SmolLM2's reads faster tiled on AVX2 too), so
+// kAuto with a workload measures both for that workload (host_kv_layout(workload),
+// layout_choice.cpp); this rule is what remains without one, and with
+// TREEATTN_KV_LAYOUT_MEASURE=0.
 //   generic: not measured; the tiled layout, as before.
 KVLayout host_kv_layout(Isa isa) {
   if (isa == Isa::kAuto) isa = best_isa();

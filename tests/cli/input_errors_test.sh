@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Regression tests for the CLI defects of issue 12 (found by trying the tool as a new user and as
-# an operator would): each case used to crash, hang, leave processes or files behind, or accept
-# nonsense; now it must end with exit 2 (or the job's own code) and one clear line, quickly.
-# Usage: hardening_test.sh /path/to/treeattn CASE
+# Bad input to the CLI, as a new user and an operator would give it: each case must end with exit
+# 2 (or the job's own code) and one clear line, quickly; never a crash, a hang, processes or files
+# left behind, or nonsense accepted.
+# Usage: input_errors_test.sh /path/to/treeattn CASE
 #
 #   sizes            k / M alone, fractions of a token, hexadecimal, exponents, signs
 #   topology_files   numbers beyond a double, 60,000-deep nesting, duplicate keys (topo --show,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Regression tests for the CLI and launcher defects of issue 23 (the second hardening round):
-# each case used to crash, run until killed, blame the wrong rank or leave shared memory behind.
-# Usage: hardening2_test.sh /path/to/treeattn CASE
+# Limits and faults of the CLI and its launcher: caps on threads and counts, the messages without
+# ranks, the oracle's wait, the blame for a crashed or aborted rank, /dev/shm after SIGKILLs. Each
+# case must not crash, run until killed, blame the wrong rank or leave shared memory behind.
+# Usage: limits_and_faults_test.sh /path/to/treeattn CASE
 #
 #   threads      --threads beyond the kernels' one cap (kMaxThreads, 1024) or below 0, in every
 #                subcommand that takes it: bench --kernel and topo --detect used to segfault
