@@ -15,7 +15,6 @@
 
 #include "engine/exchange.hpp"
 #include "engine/kv_manager.hpp"
-#include "engine/merge.hpp"
 #include "engine/model_runner.hpp"
 #include "engine/scheduler.hpp"
 #include "engine/step_plan.hpp"
@@ -268,13 +267,7 @@ namespace {
 
 // This rank's verdict on the configuration, before any agreement.
 Status check_config(const EngineConfig& config, int p, MergeKind* merge, ExchangePolicy* exchange) {
-  auto m = parse_merge(config.merge);
-  TREEATTN_RETURN_IF_ERROR(m.status());
-  *merge = *m;
-  auto x = parse_exchange(config.prefill_exchange);
-  TREEATTN_RETURN_IF_ERROR(x.status());
-  *exchange = *x;
-  TREEATTN_RETURN_IF_ERROR(check_exchange(*exchange, *merge, p));
+  TREEATTN_RETURN_IF_ERROR(ModelRunner::parse_merge_config(config, p, merge, exchange));
   TREEATTN_RETURN_IF_ERROR(check_isa_supported(config.isa, "engine isa"));
   if (!valid_page_tokens(config.page_tokens))
     return invalid_argument("page_tokens " + std::to_string(config.page_tokens) +

@@ -1,4 +1,5 @@
-// ModelRunner: see model_runner.hpp. The K/V exchange's part is in model_runner_kv.cpp.
+// ModelRunner: see model_runner.hpp. The K/V exchange's part is in model_runner_kv.cpp, except
+// its local merge (merge_exchange_states), which is here with the other calls into merge.hpp.
 #include "engine/model_runner.hpp"
 
 #include <algorithm>
@@ -252,6 +253,19 @@ void ModelRunner::store_kv(int l, const Step& st) {
   }
 }
 
+// ---- the calls into merge.hpp ----
+
+Status ModelRunner::parse_merge_config(const EngineConfig& cfg, int p, MergeKind* merge,
+                                       ExchangePolicy* exchange) {
+  auto m = parse_merge(cfg.merge);
+  TREEATTN_RETURN_IF_ERROR(m.status());
+  *merge = *m;
+  auto x = parse_exchange(cfg.prefill_exchange);
+  TREEATTN_RETURN_IF_ERROR(x.status());
+  *exchange = *x;
+  return check_exchange(*exchange, *merge, p);
+}
+
 // The one merge of the ranks' partial states of the pass-Q rows per layer (merge.hpp).
 Status ModelRunner::merge_layer_states(int64_t rows_q) {
   const auto& mc = model_->config();
@@ -259,6 +273,27 @@ Status ModelRunner::merge_layer_states(int64_t rows_q) {
                                         static_cast<std::size_t>(rows_q * mc.n_head),
                                         static_cast<std::size_t>(mc.head_dim), merge_scratch_));
   ++times_.merges;
+  return Status::ok();
+}
+
+// The K/V exchange, 3. The owners' states of each of this rank's K/V rows, merged as the merge collective would
+// (merge.hpp's local twin).
+Status ModelRunner::merge_exchange_states(const Step& st) {
+  const auto& mc = model_->config();
+  const auto H = static_cast<std::size_t>(mc.n_head);
+  const auto rec = static_cast<std::size_t>(mc.head_dim + 2);
+  const auto up = static_cast<std::size_t>(p_);
+  std::vector<const float*> parts(up);
+  for (const Span& sp : spans_)
+    for (int64_t row = sp.a; row < sp.b; ++row) {
+      for (std::size_t o = 0; o < up; ++o)
+        parts[o] = kv_states_.data() +
+                   (o * static_cast<std::size_t>(st.mine) + static_cast<std::size_t>(row - st.lo)) *
+                       H * rec;
+      TREEATTN_RETURN_IF_ERROR(merge_states_local(
+          merge_, p_, parts.data(), H, static_cast<std::size_t>(mc.head_dim),
+          states_.data() + static_cast<std::size_t>(row) * H * rec, merge_scratch_));
+    }
   return Status::ok();
 }
 

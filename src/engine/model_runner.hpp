@@ -2,7 +2,8 @@
 // dense layers split by rows over the ranks, per layer the all-gather of q/k/v, the owners'
 // page stores, the paged kernel over this rank's pages, the merge of the ranks' states (pass-Q)
 // or the K/V exchange (exchange.hpp), and the logits of the rows that end a sequence's known
-// tokens. Every call into merge.hpp is in merge_layer_states and merge_exchange_states.
+// tokens. Every call into merge.hpp is in parse_merge_config, merge_layer_states and
+// merge_exchange_states (model_runner.cpp).
 #pragma once
 
 #include <cstdint>
@@ -43,6 +44,9 @@ class ModelRunner {
               MergeKind merge, ExchangePolicy exchange, std::vector<TiledKVCache> pools,
               KVManager& kv);
 
+  // EngineConfig::merge and prefill_exchange, and whether they go together at p ranks.
+  static Status parse_merge_config(const EngineConfig& cfg, int p, MergeKind* merge,
+                                   ExchangePolicy* exchange);
   // Allocates and writes the scratch of the largest step once, so that the first request does
   // not pay for it; without the memory, steps grow their buffers as they go.
   void try_reserve_step_scratch();

@@ -118,27 +118,6 @@ Status ModelRunner::copy_exchange_pages(const Step& st, std::size_t slot,
   return Status::ok();
 }
 
-// 3. The owners' states of each of this rank's K/V rows, merged as the merge collective would
-// (merge.hpp's local twin).
-Status ModelRunner::merge_exchange_states(const Step& st) {
-  const auto& mc = model_->config();
-  const auto H = static_cast<std::size_t>(mc.n_head);
-  const auto rec = static_cast<std::size_t>(mc.head_dim + 2);
-  const auto up = static_cast<std::size_t>(p_);
-  std::vector<const float*> parts(up);
-  for (const Span& sp : spans_)
-    for (int64_t row = sp.a; row < sp.b; ++row) {
-      for (std::size_t o = 0; o < up; ++o)
-        parts[o] = kv_states_.data() +
-                   (o * static_cast<std::size_t>(st.mine) + static_cast<std::size_t>(row - st.lo)) *
-                       H * rec;
-      TREEATTN_RETURN_IF_ERROR(merge_states_local(
-          merge_, p_, parts.data(), H, static_cast<std::size_t>(mc.head_dim),
-          states_.data() + static_cast<std::size_t>(row) * H * rec, merge_scratch_));
-    }
-  return Status::ok();
-}
-
 Status ModelRunner::kv_exchange_attention(const TiledKVCache& pool, const Step& st,
                                           int64_t window) {
   const auto& mc = model_->config();
