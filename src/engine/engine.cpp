@@ -223,7 +223,8 @@ struct Engine::Impl {
         return internal_error(rank_prefix(*comm) + "rank " + std::to_string(r) +
                               " could not apply engine step " + std::to_string(steps) +
                               " (its message says why)");
-    for (auto* v : {&rank_merge_s, &rank_attn_s, &rank_dense_s}) v->assign(static_cast<std::size_t>(p), 0.0);
+    for (auto* v : {&rank_merge_s, &rank_attn_s, &rank_dense_s})
+      v->assign(static_cast<std::size_t>(p), 0.0);
     for (int r = 0; r < p; ++r) {
       rank_merge_s[static_cast<std::size_t>(r)] = rank_times[static_cast<std::size_t>(4 * r + 1)];
       rank_attn_s[static_cast<std::size_t>(r)] = rank_times[static_cast<std::size_t>(4 * r + 2)];
@@ -304,8 +305,8 @@ Result<int64_t> local_pages(const EngineConfig& config, const model::LlamaModel&
       budget / per_page, static_cast<std::size_t>(std::numeric_limits<int32_t>::max())));
   if (pages < 1)
     return invalid_argument("the KV memory (" + std::to_string(budget) +
-                            " bytes per rank) holds no page of " + std::to_string(T) +
-                            " tokens (" + std::to_string(per_page) + " bytes over " +
+                            " bytes per rank) holds no page of " + std::to_string(T) + " tokens (" +
+                            std::to_string(per_page) + " bytes over " +
                             std::to_string(mc.n_layers) + " layers)");
   return pages;
 }
@@ -318,10 +319,10 @@ std::string config_description(const EngineConfig& config, const model::LlamaMod
   mv.isa = config.isa;
   mv.mode = config.matmul;
   return model.config().to_string() + "|" + std::to_string(model.file().file_size()) + "|" +
-         std::string(dtype_name(config.kv_dtype)) + "|" + std::to_string(config.page_tokens) +
-         "|" + std::to_string(config.max_batch) + "|" + std::to_string(config.prefill_chunk) +
-         "|" + config.merge + "|" + config.prefill_exchange + "|" +
-         (config.prefix_cache ? "1" : "0") + "|" + std::to_string(config.max_queue) + "|" +
+         std::string(dtype_name(config.kv_dtype)) + "|" + std::to_string(config.page_tokens) + "|" +
+         std::to_string(config.max_batch) + "|" + std::to_string(config.prefill_chunk) + "|" +
+         config.merge + "|" + config.prefill_exchange + "|" + (config.prefix_cache ? "1" : "0") +
+         "|" + std::to_string(config.max_queue) + "|" +
          std::string(isa_name(model::matmul_isa(mv))) + "|" +
          std::string(model::matmul_mode_name(mv.mode)) + "|" +
          std::string(isa_name(config.isa == Isa::kAuto ? best_isa() : config.isa));

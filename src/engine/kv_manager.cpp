@@ -21,7 +21,8 @@ AdmissionFit KVManager::fit(std::span<const TokenId> prompt, int64_t max_new_tok
   if (prefix_cache_) {
     const int64_t max_hits = reusable_pages(n);
     for (int64_t j = 0; j < max_hits; ++j) {
-      const auto toks = prompt.subspan(static_cast<std::size_t>(j * T_), static_cast<std::size_t>(T_));
+      const auto toks =
+          prompt.subspan(static_cast<std::size_t>(j * T_), static_cast<std::size_t>(T_));
       const uint64_t h = PageTable::chain_hash(parent, toks);
       const PageRef ref = table_.lookup(h, parent, toks);
       if (ref.rank < 0) break;

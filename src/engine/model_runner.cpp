@@ -19,8 +19,16 @@ double seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 ModelRunner::ModelRunner(Communicator& comm, const model::LlamaModel& model,
                          const EngineConfig& cfg, MergeKind merge, ExchangePolicy exchange,
                          std::vector<TiledKVCache> pools, KVManager& kv)
-    : comm_(&comm), model_(&model), cfg_(cfg), kv_(kv), merge_(merge), exchange_(exchange),
-      p_(comm.size()), me_(comm.rank()), T_(kv.page_tokens()), pools_(std::move(pools)) {
+    : comm_(&comm),
+      model_(&model),
+      cfg_(cfg),
+      kv_(kv),
+      merge_(merge),
+      exchange_(exchange),
+      p_(comm.size()),
+      me_(comm.rank()),
+      T_(kv.page_tokens()),
+      pools_(std::move(pools)) {
   mv_.threads = cfg.threads;
   mv_.isa = cfg.isa;
   mv_.mode = cfg.matmul;
@@ -82,7 +90,9 @@ Status ModelRunner::order_work(Scheduler& sched, std::span<const WorkItem> plann
   std::vector<WorkItem> kv_work;
   for (const auto& item : planned) {
     const Sequence* s = sched.find(item.first);
-    if (s == nullptr) return internal_error("engine step: request " + std::to_string(item.first) + " is not running");
+    if (s == nullptr)
+      return internal_error("engine step: request " + std::to_string(item.first) +
+                            " is not running");
     if (use_kv_exchange(exchange_, xshape_, item.second, s->computed))
       kv_work.push_back(item);
     else
@@ -276,8 +286,8 @@ Status ModelRunner::merge_layer_states(int64_t rows_q) {
   return Status::ok();
 }
 
-// The K/V exchange, 3. The owners' states of each of this rank's K/V rows, merged as the merge collective would
-// (merge.hpp's local twin).
+// The K/V exchange, 3. The owners' states of each of this rank's K/V rows, merged as the merge
+// collective would (merge.hpp's local twin).
 Status ModelRunner::merge_exchange_states(const Step& st) {
   const auto& mc = model_->config();
   const auto H = static_cast<std::size_t>(mc.n_head);
@@ -315,9 +325,9 @@ Status ModelRunner::run_layer(int l, Step& st) {
   // Sliding-window layers (gemma3): each rank attends to the window's part of its pages, and the
   // merge is the same as for a global layer (a rank with no page in the window contributes the
   // identity); the window's pages stay where the placement put them.
-  const int64_t window =
-      mc.sliding_window > 0 && mc.local_layer[static_cast<std::size_t>(l)] != 0 ? mc.sliding_window
-                                                                                : 0;
+  const int64_t window = mc.sliding_window > 0 && mc.local_layer[static_cast<std::size_t>(l)] != 0
+                             ? mc.sliding_window
+                             : 0;
   for (PagedEntry& e : st.entries) e.window = window;
   const TiledKVCache& pool = pools_[static_cast<std::size_t>(l)];
   const std::vector<int64_t> no_len;
@@ -333,7 +343,8 @@ Status ModelRunner::run_layer(int l, Step& st) {
   if (st.rows_q < st.rows) TREEATTN_RETURN_IF_ERROR(kv_exchange_attention(pool, st, window));
   for (int64_t r = 0; r < mine * H; ++r)
     state_normalize(states_.data() + static_cast<std::size_t>(lo * H + r) * rec,
-                    static_cast<std::size_t>(D), attn_.data() + r * D, static_cast<float*>(nullptr));
+                    static_cast<std::size_t>(D), attn_.data() + r * D,
+                    static_cast<float*>(nullptr));
   const auto tf = Clock::now();
   if (mine > 0)
     TREEATTN_RETURN_IF_ERROR(
@@ -405,15 +416,17 @@ Status ModelRunner::gather_logits(const Step& st, std::span<const std::size_t> s
   }
   // This rank's rows, then padding up to `most` rows that no rank reads (not cleared).
   xs_all_.resize(static_cast<std::size_t>(most * V));
-  if (have > 0) TREEATTN_RETURN_IF_ERROR(model_->logits(xs_.data(), have, xs_all_.data(), fs_, mv_));
+  if (have > 0)
+    TREEATTN_RETURN_IF_ERROR(model_->logits(xs_.data(), have, xs_all_.data(), fs_, mv_));
   logits_all_.resize(static_cast<std::size_t>(p_ * most * V));
   TREEATTN_RETURN_IF_ERROR(comm_->allgather(
       xs_all_.data(), static_cast<std::size_t>(most * V) * sizeof(float), logits_all_.data()));
   for (int64_t i = 0; i < S; ++i)
-    std::memcpy(logits_.data() + i * V,
-                logits_all_.data() +
-                    (owner[static_cast<std::size_t>(i)] * most + slot[static_cast<std::size_t>(i)]) * V,
-                static_cast<std::size_t>(V) * sizeof(float));
+    std::memcpy(
+        logits_.data() + i * V,
+        logits_all_.data() +
+            (owner[static_cast<std::size_t>(i)] * most + slot[static_cast<std::size_t>(i)]) * V,
+        static_cast<std::size_t>(V) * sizeof(float));
   return Status::ok();
 }
 

@@ -103,8 +103,8 @@ Status ModelRunner::copy_exchange_pages(const Step& st, std::size_t slot,
             xpool_.set_token_raw(0, h, static_cast<int64_t>(id) * T_ + t, src, src + head_bytes);
         for (int64_t pos = std::max(j * T_, C); pos < std::min(end, (j + 1) * T_); ++pos) {
           const int64_t row = st.first_row[w] + pos - C;
-          xpool_.set_tokens(0, static_cast<int64_t>(id) * T_ + pos - j * T_,
-                            k_.data() + row * kvd, v_.data() + row * kvd);
+          xpool_.set_tokens(0, static_cast<int64_t>(id) * T_ + pos - j * T_, k_.data() + row * kvd,
+                            v_.data() + row * kvd);
         }
         EntryPages& e = ep[si * up + o];
         e.ids.push_back(id);
@@ -144,9 +144,9 @@ Status ModelRunner::kv_exchange_attention(const TiledKVCache& pool, const Step& 
       e.page_pos = pages.pos;
       e.page_len = pages.len;
       e.window = window;
-      e.states = kv_states_.data() + (o * static_cast<std::size_t>(st.mine) +
-                                      static_cast<std::size_t>(sp.a - st.lo)) *
-                                         static_cast<std::size_t>(H) * rec;
+      e.states = kv_states_.data() +
+                 (o * static_cast<std::size_t>(st.mine) + static_cast<std::size_t>(sp.a - st.lo)) *
+                     static_cast<std::size_t>(H) * rec;
     }
   }
   const std::vector<int64_t> no_len;

@@ -137,10 +137,9 @@ Result<bool> Scheduler::admit(RequestId id, Request req, bool decide, TokenCallb
   const AdmissionFit fit = kv_.fit(req.prompt, req.max_new_tokens);
   if (!fit.fits()) {
     if (decide) return false;
-    return internal_error(cfg_.who + "request " + std::to_string(id) +
-                          " admitted by rank 0 does not fit rank " +
-                          std::to_string(fit.short_rank) +
-                          "'s pages here: the replicated page tables diverged");
+    return internal_error(
+        cfg_.who + "request " + std::to_string(id) + " admitted by rank 0 does not fit rank " +
+        std::to_string(fit.short_rank) + "'s pages here: the replicated page tables diverged");
   }
   auto s = std::make_unique<Sequence>();
   s->id = id;
@@ -274,7 +273,8 @@ void Scheduler::fail_all(const Status& st) {
   ev.error = st;
   for (auto& s : running_) emit(*s, ev);
   while (!running_.empty()) retire(running_.front()->id);
-  std::vector<Pending> dropped(std::make_move_iterator(dq.begin()), std::make_move_iterator(dq.end()));
+  std::vector<Pending> dropped(std::make_move_iterator(dq.begin()),
+                               std::make_move_iterator(dq.end()));
   drop(dropped, ev);
 }
 
@@ -289,7 +289,8 @@ void Scheduler::end_everything() {
   ev.finish = FinishReason::kCancelled;
   for (auto& s : running_) emit(*s, ev);
   running_.clear();
-  std::vector<Pending> dropped(std::make_move_iterator(dq.begin()), std::make_move_iterator(dq.end()));
+  std::vector<Pending> dropped(std::make_move_iterator(dq.begin()),
+                               std::make_move_iterator(dq.end()));
   drop(dropped, ev);
 }
 

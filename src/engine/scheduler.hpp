@@ -25,11 +25,11 @@
 namespace treeattn::engine {
 
 struct SchedulerConfig {
-  int max_batch = 16;           // running sequences at most
-  int64_t prefill_chunk = 256;  // prompt tokens per step over all prefilling sequences
-  int max_queue = 256;          // waiting requests at most
+  int max_batch = 16;                        // running sequences at most
+  int64_t prefill_chunk = 256;               // prompt tokens per step over all prefilling sequences
+  int max_queue = 256;                       // waiting requests at most
   std::chrono::milliseconds idle_tick{250};  // make_plan's wait on an idle engine
-  std::string who;  // this rank's prefix of messages ("rank 1: ")
+  std::string who;                           // this rank's prefix of messages ("rank 1: ")
 };
 
 using Running = std::vector<std::unique_ptr<Sequence>>;
@@ -40,8 +40,7 @@ std::vector<WorkItem> choose_work(const Running& running, int64_t prefill_chunk)
 
 // Whether a running sequence has not yet computed full pages that `prompt` could take from the
 // prefix cache once they are (the pages a prompt can reuse: those before its last token).
-bool prefix_in_flight(const Running& running, std::span<const TokenId> prompt,
-                      const KVManager& kv);
+bool prefix_in_flight(const Running& running, std::span<const TokenId> prompt, const KVManager& kv);
 
 class Scheduler {
  public:

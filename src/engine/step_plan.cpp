@@ -68,7 +68,8 @@ Result<Plan::Admit> get_request(Reader& in) {
   ad.req.sampling.seed = static_cast<uint64_t>(seed);
   ad.req.return_logits = rl != 0;
   int64_t t = 0;
-  for (int64_t j = 0; j < ns && in.next(t); ++j) ad.req.stop_tokens.push_back(static_cast<TokenId>(t));
+  for (int64_t j = 0; j < ns && in.next(t); ++j)
+    ad.req.stop_tokens.push_back(static_cast<TokenId>(t));
   for (int64_t j = 0; j < np && in.next(t); ++j) ad.req.prompt.push_back(static_cast<TokenId>(t));
   return ad;
 }
@@ -76,10 +77,9 @@ Result<Plan::Admit> get_request(Reader& in) {
 }  // namespace
 
 std::vector<int64_t> encode_plan(const Plan& pl) {
-  std::vector<int64_t> w = {static_cast<int64_t>(pl.kind), pl.waiting_after,
-                            static_cast<int64_t>(pl.cancels.size()),
-                            static_cast<int64_t>(pl.admits.size()),
-                            static_cast<int64_t>(pl.work.size())};
+  std::vector<int64_t> w = {
+      static_cast<int64_t>(pl.kind), pl.waiting_after, static_cast<int64_t>(pl.cancels.size()),
+      static_cast<int64_t>(pl.admits.size()), static_cast<int64_t>(pl.work.size())};
   for (RequestId id : pl.cancels) w.push_back(static_cast<int64_t>(id));
   for (const auto& a : pl.admits) put_request(w, a.id, a.req);
   for (const auto& [id, n] : pl.work) {
@@ -93,8 +93,7 @@ Result<Plan> decode_plan(std::span<const int64_t> words) {
   Reader in(words);
   Plan pl;
   int64_t kind = 0, nc = 0, na = 0, nw = 0;
-  if (!in.next(kind) || !in.next(pl.waiting_after))
-    return in.bad("the header is cut short");
+  if (!in.next(kind) || !in.next(pl.waiting_after)) return in.bad("the header is cut short");
   if (kind != static_cast<int64_t>(StepKind::kRun) &&
       kind != static_cast<int64_t>(StepKind::kStop) &&
       kind != static_cast<int64_t>(StepKind::kFail))

@@ -46,7 +46,8 @@ TEST(EngineKVManager, PlacesLogicalPageJOnRankJModP) {
   std::vector<PageRef> mine;
   compute(kv, s, 100, 1, &mine);
   ASSERT_EQ(s.pages.size(), 7u);
-  for (std::size_t j = 0; j < s.pages.size(); ++j) EXPECT_EQ(s.pages[j].rank, static_cast<int>(j % 3));
+  for (std::size_t j = 0; j < s.pages.size(); ++j)
+    EXPECT_EQ(s.pages[j].rank, static_cast<int>(j % 3));
   EXPECT_EQ(s.reserve_left, (std::vector<int64_t>{0, 0, 0}));
   ASSERT_EQ(mine.size(), 2u);  // rank 1's pages: logical 1 and 4
   EXPECT_EQ(mine[0], s.pages[1]);
@@ -148,7 +149,8 @@ TEST(EngineKVManager, EntryPagesAreThisRanksPagesUpToTheEnd) {
 }
 
 TEST(EngineKVManager, PoisonFillsAPageWithNaN) {
-  auto pool = TiledKVCache::create(AttnShape{1, 2, 2, 64, 1}, DType::kF32, 2 * 16, kKVTileLayout, 16);
+  auto pool =
+      TiledKVCache::create(AttnShape{1, 2, 2, 64, 1}, DType::kF32, 2 * 16, kKVTileLayout, 16);
   ASSERT_TRUE(pool.is_ok()) << pool.status().message();
   std::vector<TiledKVCache> pools;
   pools.push_back(std::move(pool).value());

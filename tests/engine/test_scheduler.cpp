@@ -119,7 +119,7 @@ TEST(Scheduler, FirstComeFirstServedWaitsForPagesWithoutOvertaking) {
   // 1 rank of 4 pages of 16 tokens.
   Ranks r(config(4, 256), 1, 4);
   Events ev;
-  ASSERT_TRUE(r.s0.submit(request(tokens(40), 9), ev.callback()).is_ok());   // 3 pages
+  ASSERT_TRUE(r.s0.submit(request(tokens(40), 9), ev.callback()).is_ok());      // 3 pages
   ASSERT_TRUE(r.s0.submit(request(tokens(20, 50), 1), ev.callback()).is_ok());  // 2 pages
   ASSERT_TRUE(r.s0.submit(request(tokens(5, 90), 1), ev.callback()).is_ok());   // 1 page
   Plan a = r.step();
@@ -156,7 +156,7 @@ TEST(Scheduler, ASharedPrefixInFlightWaitsAndThenHitsTheCache) {
   ASSERT_TRUE(r.s0.submit(request(doc), ev.callback()).is_ok());
   Plan a = r.step();
   EXPECT_EQ(admitted_ids(a), (std::vector<RequestId>{1}));
-  ASSERT_TRUE(r.s0.submit(request(doc), ev.callback()).is_ok());           // shares 3 pages
+  ASSERT_TRUE(r.s0.submit(request(doc), ev.callback()).is_ok());             // shares 3 pages
   ASSERT_TRUE(r.s0.submit(request(tokens(8, 500)), ev.callback()).is_ok());  // goes first
   Plan b = r.step();
   EXPECT_EQ(admitted_ids(b), (std::vector<RequestId>{3}));
@@ -177,8 +177,8 @@ TEST(Scheduler, CancelsWaitingAndRunningRequests) {
   ASSERT_TRUE(r.s0.submit(request(tokens(20)), ev.callback()).is_ok());
   ASSERT_TRUE(r.s0.submit(request(tokens(20, 30)), ev.callback()).is_ok());
   r.step();
-  r.s0.cancel(2);  // waiting
-  r.s0.cancel(1);  // running
+  r.s0.cancel(2);   // waiting
+  r.s0.cancel(1);   // running
   r.s0.cancel(77);  // unknown: ignored
   Plan b = r.step();
   EXPECT_EQ(b.cancels, (std::vector<RequestId>{1}));
@@ -210,8 +210,8 @@ TEST(Scheduler, StopNowCancelsEverythingAndStopDrainFinishesFirst) {
     auto refused = r.s0.submit(request(tokens(3)), {});
     ASSERT_FALSE(refused.is_ok());
     EXPECT_NE(refused.status().message().find("stopping"), std::string::npos);
-    EXPECT_EQ(r.step().kind, StepKind::kRun);  // prefill, first token
-    EXPECT_EQ(r.step().kind, StepKind::kRun);  // second token: it retires
+    EXPECT_EQ(r.step().kind, StepKind::kRun);   // prefill, first token
+    EXPECT_EQ(r.step().kind, StepKind::kRun);   // second token: it retires
     EXPECT_EQ(r.step().kind, StepKind::kStop);  // drained
   }
 }
@@ -283,8 +283,7 @@ TEST(Scheduler, ChooseWorkOnHandMadeSequences) {
   add(2, 5, 5, 1);     // decoding
   add(3, 50, 0, 0);    // prefilling
   add(4, 70, 0, 0);    // prefilling, past the budget
-  EXPECT_EQ(choose_work(running, 30),
-            (std::vector<WorkItem>{{1, 10}, {2, 1}, {3, 20}}));
+  EXPECT_EQ(choose_work(running, 30), (std::vector<WorkItem>{{1, 10}, {2, 1}, {3, 20}}));
   EXPECT_EQ(choose_work(running, 1), (std::vector<WorkItem>{{1, 1}, {2, 1}}));
 
   KVManager kv(1, 16, 16, true);

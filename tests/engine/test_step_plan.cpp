@@ -166,10 +166,18 @@ TEST(StepPlan, SurvivesRandomCorruption) {
     for (int e = 0; e < edits; ++e) {
       const std::size_t at = rng() % w.size();
       switch (rng() % 4) {
-        case 0: w[at] = static_cast<int64_t>(rng()); break;
-        case 1: w[at] += static_cast<int64_t>(rng() % 5) - 2; break;
-        case 2: w.resize(at); break;
-        default: w.insert(w.begin() + static_cast<std::ptrdiff_t>(at), static_cast<int64_t>(rng() % 7)); break;
+        case 0:
+          w[at] = static_cast<int64_t>(rng());
+          break;
+        case 1:
+          w[at] += static_cast<int64_t>(rng() % 5) - 2;
+          break;
+        case 2:
+          w.resize(at);
+          break;
+        default:
+          w.insert(w.begin() + static_cast<std::ptrdiff_t>(at), static_cast<int64_t>(rng() % 7));
+          break;
       }
       if (w.empty()) break;
     }
