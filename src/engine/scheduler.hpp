@@ -14,6 +14,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/kv_manager.hpp"
