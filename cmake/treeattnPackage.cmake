@@ -38,7 +38,8 @@ install(TARGETS ${_treeattn_exported} EXPORT treeattnTargets
 # tests/package compiles every installed header on its own against the install prefix):
 #   treeattn_measure: workload, roofline, peer, detect, measure
 #   treeattn_model:   gguf, tokenizer, model, generate
-#   treeattn_engine:  engine, generation (with treeattn_serve, not exported yet)
+#   treeattn_engine:  engine (its scheduler part: treeattn_engine_scheduler), and
+#   treeattn_generation: generation (with treeattn_serve, not exported yet)
 #   treeattn_verify:  verify (not exported yet)
 #   treeattn_cuda, treeattn_nccl (not exported yet): executor_cuda, comm_nccl
 #   treeattn_launch (not exported yet): launch, job_status

@@ -218,27 +218,73 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
   return out;
 }
 
+// --methods with "auto" replaced by the cost model's choice for this prompt and rank count.
+Result<std::vector<std::string>> resolve_methods(const Request& req, const Hooks& hooks,
+                                                 const model::LlamaConfig& cfg, int64_t n, int P,
+                                                 bool lead) {
+  std::vector<std::string> methods = req.methods;
+  if (std::find(methods.begin(), methods.end(), "auto") == methods.end()) return methods;
+  CostQuery q;
+  q.shape = AttnShape{1, cfg.n_head, cfg.n_head_kv, cfg.head_dim, 1};
+  q.kv_dtype = req.kv_dtype;
+  q.context = n + req.new_tokens;
+  q.ranks = P;
+  q.ranks_per_node = req.ranks_per_node;
+  q.hier_fanout = req.fanout;
+  auto c = choose_strategy(q, req.topology);
+  if (!c.is_ok()) return invalid_argument("--methods auto: " + c.status().message());
+  if (lead && hooks.planned) hooks.planned(*c);
+  return replace_auto(methods, c->strategy);
+}
+
+// Every rank's token hash, peak RSS, prefill figures and bytes per token, into out.
+Status gather_rank_stats(Communicator& comm, uint64_t hash, const model::PrefillStats& p,
+                         const std::vector<uint64_t>& bytes_sent, Output& out) {
+  constexpr std::size_t kMaxMethods = 8;  // bytes per token reported for the first 8
+  struct RankStats {
+    uint64_t hash, rss;
+    double bytes_per_token[kMaxMethods];
+    double prefill_busy_s, prefill_attention_s;
+    int64_t prefill_positions;
+  } mine{};
+  mine.hash = hash;
+  mine.prefill_busy_s = p.seconds - p.wait_seconds;  // computing, not waiting for the others
+  mine.prefill_attention_s = p.attention_seconds;
+  mine.prefill_positions = p.positions_computed;
+  mine.rss = static_cast<uint64_t>(peak_rss_bytes());
+  for (std::size_t k = 0; k < out.methods.size() && k < kMaxMethods; ++k)
+    mine.bytes_per_token[k] =
+        out.methods[k].step_ms.empty()
+            ? 0.0
+            : static_cast<double>(bytes_sent[k]) / static_cast<double>(out.methods[k].step_ms.size());
+  std::vector<RankStats> all(static_cast<std::size_t>(comm.size()));
+  TREEATTN_RETURN_IF_ERROR(comm.allgather(&mine, sizeof mine, all.data()));
+  out.prefill = p;
+  out.token_hash = hash;
+  for (const RankStats& a : all) {
+    out.token_hash_by_rank.push_back(a.hash);
+    out.ranks_agree = out.ranks_agree && a.hash == all[0].hash;
+    out.peak_rss_by_rank.push_back(a.rss);
+    out.prefill_busy_s_by_rank.push_back(a.prefill_busy_s);
+    out.prefill_attention_s_by_rank.push_back(a.prefill_attention_s);
+    out.prefill_positions_by_rank.push_back(a.prefill_positions);
+  }
+  for (std::size_t k = 0; k < out.methods.size(); ++k)
+    for (const RankStats& a : all)
+      out.methods[k].bytes_sent_per_token_by_rank.push_back(k < kMaxMethods ? a.bytes_per_token[k]
+                                                                            : 0.0);
+  return Status::ok();
+}
+
 Output run_session(Communicator& comm, const Request& req, const Hooks& hooks,
                    const model::LlamaModel& model, const Tokenizer& tok, Output out) {
   const bool lead = comm.rank() == 0;
   const int P = comm.size();
   const auto n = static_cast<int64_t>(out.prompt.size());
   const auto& cfg = model.config();
-  std::vector<std::string> methods = req.methods;
-  if (std::find(methods.begin(), methods.end(), "auto") != methods.end()) {
-    CostQuery q;
-    q.shape = AttnShape{1, cfg.n_head, cfg.n_head_kv, cfg.head_dim, 1};
-    q.kv_dtype = req.kv_dtype;
-    q.context = n + req.new_tokens;
-    q.ranks = P;
-    q.ranks_per_node = req.ranks_per_node;
-    q.hier_fanout = req.fanout;
-    auto c = choose_strategy(q, req.topology);
-    if (!c.is_ok())
-      return failed(std::move(out), invalid_argument("--methods auto: " + c.status().message()));
-    if (lead && hooks.planned) hooks.planned(*c);
-    methods = replace_auto(methods, c->strategy);
-  }
+  auto resolved = resolve_methods(req, hooks, cfg, n, P, lead);
+  if (!resolved.is_ok()) return failed(std::move(out), resolved.status());
+  const std::vector<std::string> methods = std::move(resolved).value();
   phase(hooks, "generate: set-up");
   model::GeneratorConfig gc = generator_config(req);
   gc.methods = methods;
@@ -340,41 +386,8 @@ Output run_session(Communicator& comm, const Request& req, const Hooks& hooks,
   stream.flush();
 
   // ---- every rank's numbers, and whether the ranks agree ----
-  constexpr std::size_t kMaxMethods = 8;  // bytes per token reported for the first 8
-  struct RankStats {
-    uint64_t hash, rss;
-    double bytes_per_token[kMaxMethods];
-    double prefill_busy_s, prefill_attention_s;
-    int64_t prefill_positions;
-  } mine{};
-  mine.hash = hash;
-  const model::PrefillStats& p = (*g)->prefill_stats();
-  mine.prefill_busy_s = p.seconds - p.wait_seconds;  // computing, not waiting for the others
-  mine.prefill_attention_s = p.attention_seconds;
-  mine.prefill_positions = p.positions_computed;
-  mine.rss = static_cast<uint64_t>(peak_rss_bytes());
-  for (std::size_t k = 0; k < out.methods.size() && k < kMaxMethods; ++k)
-    mine.bytes_per_token[k] =
-        out.methods[k].step_ms.empty()
-            ? 0.0
-            : static_cast<double>(bytes_sent[k]) / static_cast<double>(out.methods[k].step_ms.size());
-  std::vector<RankStats> all(static_cast<std::size_t>(P));
-  st = comm.allgather(&mine, sizeof mine, all.data());
+  st = gather_rank_stats(comm, hash, (*g)->prefill_stats(), bytes_sent, out);
   if (!st.is_ok()) return failed(std::move(out), st, true);
-  out.prefill = p;
-  out.token_hash = hash;
-  for (const RankStats& a : all) {
-    out.token_hash_by_rank.push_back(a.hash);
-    out.ranks_agree = out.ranks_agree && a.hash == all[0].hash;
-    out.peak_rss_by_rank.push_back(a.rss);
-    out.prefill_busy_s_by_rank.push_back(a.prefill_busy_s);
-    out.prefill_attention_s_by_rank.push_back(a.prefill_attention_s);
-    out.prefill_positions_by_rank.push_back(a.prefill_positions);
-  }
-  for (std::size_t k = 0; k < out.methods.size(); ++k)
-    for (const RankStats& a : all)
-      out.methods[k].bytes_sent_per_token_by_rank.push_back(k < kMaxMethods ? a.bytes_per_token[k]
-                                                                            : 0.0);
   if (lead) out.text = answer_text(tok, out.methods[0].tokens, stops);
   return out;
 }

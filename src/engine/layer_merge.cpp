@@ -39,6 +39,10 @@ Result<std::vector<std::string>> candidates_on_rank0(const Communicator& comm,
     choice.how = "by name";
     return std::vector<std::string>{req.method};
   }
+  if (comm.size() == 1) {  // nothing to merge: every strategy's merge is the identity
+    choice.how = "auto: one rank, nothing to merge";
+    return std::vector<std::string>{"tree"};
+  }
   TREEATTN_RETURN_IF_ERROR(topo.status());
   CostQuery q;
   q.shape = req.shape;
@@ -82,7 +86,8 @@ Result<std::vector<std::string>> candidates_on_rank0(const Communicator& comm,
 }  // namespace
 
 std::string describe_merge(const MergeChoice& c) {
-  std::string s = c.strategy + " (" + (c.how.rfind("auto", 0) == 0 ? "auto on topology " + c.topology : c.how) +
+  const bool planned = c.how.rfind("auto", 0) == 0 && !c.topology.empty();
+  std::string s = c.strategy + " (" + (planned ? "auto on topology " + c.topology : c.how) +
                   (c.batch_invariant ? ", batch invariant" : ", NOT batch invariant at this rank count");
   if (!c.ranking.empty()) {
     s += "; predicted per layer:";

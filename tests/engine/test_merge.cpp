@@ -209,7 +209,14 @@ TEST(EngineMerge, TheLocalTwinGivesTheCollectivesBitsOnEveryRankCount) {
 }
 
 TEST(EngineMerge, AutoChoosesABatchInvariantMergeAndRanksTheCandidates) {
-  for (int p : {1, 2, 4}) {
+  {
+    MergeChoice one;
+    run(1, "auto", 5, 3, &one);
+    EXPECT_EQ(one.strategy, "tree");
+    EXPECT_EQ(one.how, "auto: one rank, nothing to merge");
+    EXPECT_TRUE(one.batch_invariant);
+  }
+  for (int p : {2, 3, 4}) {
     MergeChoice choice;
     run(p, "auto", 5, 3, &choice);
     EXPECT_TRUE(choice.batch_invariant) << p;

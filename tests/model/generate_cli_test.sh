@@ -44,9 +44,14 @@ case "$CASE" in
     need_model
     expect 2 "error: .*--ranks 4 is larger than the prompt \(2 tokens\)" -- \
       "$B" generate --model "$MODEL" --prompt "Hi there" --ranks 4 --session
-    # The engine (the default) holds a short prompt at any rank count: ranks may hold no page.
-    expect 0 "decode tree \(engine\)" -- "$B" generate --model "$MODEL" --prompt "Hi there" --ranks 4 \
-      --new-tokens 3 --quiet ;;
+    # The engine (the default) holds a short prompt at any rank count: ranks may hold no page;
+    # --method auto (the default) names its batch-invariant choice and the candidates' times.
+    expect 0 "merge [a-z0-9-]+ \(auto on topology job, batch invariant; predicted per layer: " -- \
+      "$B" generate --model "$MODEL" --prompt "Hi there" --ranks 4 --new-tokens 3 --quiet
+    expect 0 "decode hier \(engine\)" -- "$B" generate --model "$MODEL" --prompt "Hi there" \
+      --ranks 4 --new-tokens 3 --quiet --method hier
+    expect 2 "--method is one strategy that merges a batch of states" -- "$B" generate \
+      --model "$MODEL" --prompt "Hi there" --engine --method ring-kv ;;
   bad_flags)
     expect 2 "exactly one of --prompt" -- "$B" generate --prompt a --prompt-tokens 5
     expect 2 "--kv-dtype 'fp8': one of f16, bf16, f32" -- "$B" generate --prompt a --kv-dtype fp8

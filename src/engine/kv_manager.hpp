@@ -1,0 +1,80 @@
+// The engine's KV page bookkeeping over the replicated PageTable (page_table.hpp): which pages a
+// prompt takes from the prefix cache and how many more each rank must reserve for it, page
+// allocation under the placement rule (logical page j on rank j mod p), indexing of full pages,
+// releasing a sequence, and one rank's pages of a sequence as the paged kernel reads them.
+//
+// Every call is deterministic in the replicated state and its arguments, so every rank that
+// applies the same calls in the same order holds the same tables.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "engine/page_table.hpp"
+#include "engine/sequence.hpp"
+#include "treeattn/kv_tiles.hpp"
+#include "treeattn/status.hpp"
+
+namespace treeattn::engine {
+
+// What admission learns about one prompt before it commits to it.
+struct AdmissionFit {
+  std::vector<PageRef> hits;     // full prompt pages found in the prefix index, in order
+  std::vector<uint64_t> hashes;  // their chain hashes
+  std::vector<int64_t> need;     // per rank: pages to reserve for the rest of the sequence
+  int short_rank = -1;           // the first rank without those pages; -1: it fits now
+  bool fits() const { return short_rank < 0; }
+};
+
+// One rank's pages of one sequence, as a PagedEntry points into them.
+struct EntryPages {
+  std::vector<int32_t> ids;
+  std::vector<int64_t> pos;
+  std::vector<int32_t> len;
+};
+
+class KVManager {
+ public:
+  KVManager(int ranks, int64_t pages_per_rank, int64_t page_tokens, bool prefix_cache);
+
+  PageTable& table() { return table_; }
+  const PageTable& table() const { return table_; }
+  int ranks() const { return table_.ranks(); }
+  int64_t page_tokens() const { return T_; }
+  bool prefix_cache() const { return prefix_cache_; }
+  // Tokens one sequence can ever hold: p ranks of pages_per_rank pages of T tokens.
+  int64_t max_sequence_tokens() const;
+  // Full pages of an n-token prompt that can come from the prefix cache: all before its last
+  // token, whose logits start the generation.
+  int64_t reusable_pages(int64_t n) const { return (n - 1) / T_; }
+
+  // The prefix hits of `prompt` and the pages per rank for its prompt_len + max_new_tokens - 1
+  // positions; a cached hit counts against its rank's available pages (it leaves the LRU).
+  AdmissionFit fit(std::span<const TokenId> prompt, int64_t max_new_tokens) const;
+  // Commits a fitting admission to s: references the hits, reserves `need`, and sets the
+  // sequence's pages, hashes, computed and cached_tokens.
+  void take(const AdmissionFit& fit, Sequence& s);
+  // Allocates, on their owners, the pages of positions [s.computed, s.computed + n) that s does
+  // not hold yet (from its reservation); appends to *mine those of rank `me`.
+  Status allocate(Sequence& s, int64_t n, int me, std::vector<PageRef>* mine);
+  // Hashes the pages that s.computed has filled since the last call and, with the prefix cache
+  // on, indexes them.
+  void index_full_pages(Sequence& s);
+  // Releases s's pages and its unused reservation.
+  void release(Sequence& s);
+  // Rank me's pages of s for positions [0, end), as the paged kernel reads them.
+  void entry_pages(const Sequence& s, int64_t end, int me, EntryPages& out) const;
+
+ private:
+  PageTable table_;
+  int64_t T_;
+  bool prefix_cache_;
+};
+
+// Fills a page with NaN in every layer's pool (K and V), so a read of a stale or unwritten slot
+// shows in the logits. kv_width: KV heads x head dim.
+void poison_page(std::span<TiledKVCache> pools, PageRef page, int64_t page_tokens,
+                 int64_t kv_width);
+
+}  // namespace treeattn::engine

@@ -1,0 +1,128 @@
+// The engine's forward pass of one step over the ranks (engine.hpp's "One step"): embedding and
+// dense layers split by rows over the ranks, per layer the all-gather of q/k/v, the owners'
+// page stores, the paged kernel over this rank's pages, the merge of the ranks' states (pass-Q)
+// or the K/V exchange (exchange.hpp), and the logits of the rows that end a sequence's known
+// tokens. The merge is a strategy's merge stage (layer_merge.hpp), called in merge_layer_states
+// and merge_exchange_states (model_runner.cpp).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "engine/exchange.hpp"
+#include "engine/kv_manager.hpp"
+#include "engine/layer_merge.hpp"
+#include "engine/scheduler.hpp"
+#include "engine/sequence.hpp"
+#include "treeattn/comm.hpp"
+#include "treeattn/engine.hpp"
+#include "treeattn/kernel.hpp"
+#include "treeattn/kv_tiles.hpp"
+#include "treeattn/model.hpp"
+#include "treeattn/paged_kv.hpp"
+
+namespace treeattn::engine {
+
+// Counters of this rank's forward passes.
+struct RunnerTimes {
+  double merge_s = 0, attn_s = 0, dense_s = 0;
+  int64_t merges = 0, rows_pass_q = 0, rows_kv = 0, kv_bytes_sent = 0;
+};
+
+// The rows of a step that end a sequence's known tokens, and their logits [S][n_vocab]
+// (identical on every rank).
+struct StepLogits {
+  std::vector<Sequence*> seqs;
+  std::span<const float> logits;
+};
+
+class ModelRunner {
+ public:
+  // pools: this rank's pages of each layer; kv and the model outlive the runner.
+  ModelRunner(Communicator& comm, const model::LlamaModel& model, const EngineConfig& cfg,
+              std::unique_ptr<LayerMerge> merge, ExchangePolicy exchange,
+              std::vector<TiledKVCache> pools, KVManager& kv);
+
+  // Whether the prefill exchange policy can run with this merge at this rank count (kv needs a
+  // merge with a local twin).
+  Status check_exchange_policy() const;
+  const MergeChoice& merge_choice() const { return merge_->choice(); }
+  // Allocates and writes the scratch of the largest step once, so that the first request does
+  // not pay for it; without the memory, steps grow their buffers as they go.
+  void try_reserve_step_scratch();
+  // Runs the work items (checked by Scheduler::check_work): stores their K/V, advances and
+  // indexes their sequences, and returns the logits to sample from.
+  Result<StepLogits> forward(Scheduler& sched, std::span<const WorkItem> planned);
+  const RunnerTimes& times() const { return times_; }
+
+ private:
+  // One step's rows: items, their sequences, and this rank's share of the dense part.
+  struct Step {
+    std::vector<WorkItem> work;  // pass-Q items, then the K/V exchange's
+    std::size_t n_passq = 0;
+    std::vector<Sequence*> seqs;
+    std::vector<int64_t> first_row;
+    int64_t rows = 0, rows_q = 0;  // all rows; pass-Q rows [0, rows_q)
+    bool split = false;            // rows split over the ranks
+    int64_t per = 0, lo = 0, mine = 0, gslot = 0;
+    std::vector<EntryPages> ep;  // this rank's pages of each pass-Q item
+    std::vector<PagedEntry> entries;
+  };
+
+  void reserve_step_scratch();
+  Status order_work(Scheduler& sched, std::span<const WorkItem> planned, Step& st);
+  Status lay_out_rows(Step& st);
+  void split_rows(Step& st);
+  void build_entries(Step& st);
+  Status run_layer(int l, Step& st);
+  Status gather_qkv(const Step& st, const float* ql, const float* kl, const float* vl);
+  void store_kv(int l, const Step& st);
+  Status merge_layer_states(int64_t rows_q);
+  void advance(Step& st);
+  Result<StepLogits> compute_logits(const Step& st);
+  Status gather_logits(const Step& st, std::span<const std::size_t> sample_w);
+
+  // The K/V exchange (model_runner_kv.cpp) for items [n_passq, work.size()) in layer `pool`.
+  Status kv_exchange_attention(const TiledKVCache& pool, const Step& st, int64_t window);
+  Result<std::size_t> exchange_cached_pages(const TiledKVCache& pool, const Step& st);
+  Status copy_exchange_pages(const Step& st, std::size_t slot, std::vector<EntryPages>& ep,
+                             std::size_t& n_spans);
+  Status merge_exchange_states(const Step& st);
+
+  Communicator* comm_;
+  const model::LlamaModel* model_;
+  const EngineConfig& cfg_;
+  KVManager& kv_;
+  model::MatvecOptions mv_;
+  DecodeOptions dopt_;  // the paged kernel's threads and ISA
+  std::unique_ptr<LayerMerge> merge_;  // the per-layer merge (a strategy's merge stage)
+  ExchangePolicy exchange_;
+  ExchangeShape xshape_;
+  int p_ = 1, me_ = 0;
+  int64_t T_ = 64;
+  std::vector<TiledKVCache> pools_;  // one per layer: this rank's pages
+  RunnerTimes times_;
+
+  // ---- step scratch ----
+  model::ForwardScratch fs_;
+  std::vector<float> x_, q_, k_, v_, attn_, states_, xs_, xs_all_, logits_, logits_all_;
+  std::vector<float> qkv_send_, qkv_recv_, qkv_local_;
+  std::vector<int64_t> row_off_;  // a row's offset (floats) in its rank's all-gather slot
+  std::vector<TokenId> row_tok_;
+  std::vector<int64_t> row_pos_;
+  // The K/V exchange: its rows' spans on this rank, cached pages sent and received, the
+  // per-owner states [owner rank][this rank's rows][heads] records, and the copies of the pages
+  // its rows read.
+  struct Span {
+    std::size_t w;
+    int64_t a, b;  // this rank's rows of item w
+  };
+  std::vector<Span> spans_;
+  std::vector<uint8_t> page_send_, page_recv_;
+  std::vector<float> kv_states_;
+  TiledKVCache xpool_;
+  int64_t xpool_pages_ = 0;
+};
+
+}  // namespace treeattn::engine

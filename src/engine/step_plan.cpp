@@ -1,0 +1,124 @@
+// Plan's wire format: see step_plan.hpp.
+#include "engine/step_plan.hpp"
+
+#include <bit>
+#include <string>
+
+namespace treeattn::engine {
+namespace {
+
+int64_t bits_of(double d) { return std::bit_cast<int64_t>(d); }
+double double_of(int64_t v) { return std::bit_cast<double>(v); }
+
+constexpr std::size_t kRequestWords = 9;  // an admission's fixed words, before its tokens
+
+void put_request(std::vector<int64_t>& w, RequestId id, const Request& r) {
+  w.push_back(static_cast<int64_t>(id));
+  w.push_back(static_cast<int64_t>(r.prompt.size()));
+  w.push_back(r.max_new_tokens);
+  w.push_back(bits_of(r.sampling.temperature));
+  w.push_back(r.sampling.top_k);
+  w.push_back(bits_of(r.sampling.top_p));
+  w.push_back(static_cast<int64_t>(r.sampling.seed));
+  w.push_back(r.return_logits ? 1 : 0);
+  w.push_back(static_cast<int64_t>(r.stop_tokens.size()));
+  for (TokenId t : r.stop_tokens) w.push_back(t);
+  for (TokenId t : r.prompt) w.push_back(t);
+}
+
+// A cursor over the words that refuses, with the word's index, anything it cannot hold.
+class Reader {
+ public:
+  explicit Reader(std::span<const int64_t> w) : w_(w) {}
+  std::size_t left() const { return w_.size() - i_; }
+  bool next(int64_t& out) {
+    if (i_ >= w_.size()) return false;
+    out = w_[i_++];
+    return true;
+  }
+  // A count of items of `each` words that the remaining words can hold.
+  bool count(int64_t& out, std::size_t each) {
+    if (!next(out)) return false;
+    return out >= 0 && static_cast<uint64_t>(out) <= left() / each;
+  }
+  Status bad(const std::string& why) const {
+    return internal_error("malformed step description from rank 0 (word " + std::to_string(i_) +
+                          " of " + std::to_string(w_.size()) + "): " + why);
+  }
+
+ private:
+  std::span<const int64_t> w_;
+  std::size_t i_ = 0;
+};
+
+Result<Plan::Admit> get_request(Reader& in) {
+  Plan::Admit ad;
+  int64_t id, np, temp, topk, topp, seed, rl, ns;
+  if (!in.next(id) || !in.next(np) || !in.next(ad.req.max_new_tokens) || !in.next(temp) ||
+      !in.next(topk) || !in.next(topp) || !in.next(seed) || !in.next(rl) || !in.next(ns))
+    return in.bad("an admission is cut short");
+  if (np < 0 || ns < 0 || static_cast<uint64_t>(np) > in.left() ||
+      static_cast<uint64_t>(ns) > in.left() - static_cast<uint64_t>(np))
+    return in.bad("an admission's prompt (" + std::to_string(np) + ") or stop tokens (" +
+                  std::to_string(ns) + ") exceed the words left");
+  ad.id = static_cast<RequestId>(id);
+  ad.req.sampling.temperature = double_of(temp);
+  ad.req.sampling.top_k = static_cast<int>(topk);
+  ad.req.sampling.top_p = double_of(topp);
+  ad.req.sampling.seed = static_cast<uint64_t>(seed);
+  ad.req.return_logits = rl != 0;
+  int64_t t = 0;
+  for (int64_t j = 0; j < ns && in.next(t); ++j)
+    ad.req.stop_tokens.push_back(static_cast<TokenId>(t));
+  for (int64_t j = 0; j < np && in.next(t); ++j) ad.req.prompt.push_back(static_cast<TokenId>(t));
+  return ad;
+}
+
+}  // namespace
+
+std::vector<int64_t> encode_plan(const Plan& pl) {
+  std::vector<int64_t> w = {
+      static_cast<int64_t>(pl.kind), pl.waiting_after, static_cast<int64_t>(pl.cancels.size()),
+      static_cast<int64_t>(pl.admits.size()), static_cast<int64_t>(pl.work.size())};
+  for (RequestId id : pl.cancels) w.push_back(static_cast<int64_t>(id));
+  for (const auto& a : pl.admits) put_request(w, a.id, a.req);
+  for (const auto& [id, n] : pl.work) {
+    w.push_back(static_cast<int64_t>(id));
+    w.push_back(n);
+  }
+  return w;
+}
+
+Result<Plan> decode_plan(std::span<const int64_t> words) {
+  Reader in(words);
+  Plan pl;
+  int64_t kind = 0, nc = 0, na = 0, nw = 0;
+  if (!in.next(kind) || !in.next(pl.waiting_after)) return in.bad("the header is cut short");
+  if (kind != static_cast<int64_t>(StepKind::kRun) &&
+      kind != static_cast<int64_t>(StepKind::kStop) &&
+      kind != static_cast<int64_t>(StepKind::kFail))
+    return in.bad("unknown step kind " + std::to_string(kind));
+  pl.kind = static_cast<StepKind>(kind);
+  if (!in.count(nc, 1)) return in.bad("the cancel count is missing or out of range");
+  if (!in.count(na, kRequestWords)) return in.bad("the admission count is missing or out of range");
+  if (!in.count(nw, 2)) return in.bad("the work count is missing or out of range");
+  for (int64_t c = 0; c < nc; ++c) {
+    int64_t id = 0;
+    if (!in.next(id)) return in.bad("a cancel is cut short");
+    pl.cancels.push_back(static_cast<RequestId>(id));
+  }
+  for (int64_t a = 0; a < na; ++a) {
+    auto ad = get_request(in);
+    TREEATTN_RETURN_IF_ERROR(ad.status());
+    pl.admits.push_back(std::move(ad).value());
+  }
+  for (int64_t j = 0; j < nw; ++j) {
+    int64_t id = 0, n = 0;
+    if (!in.next(id) || !in.next(n)) return in.bad("a work item is cut short");
+    pl.work.emplace_back(static_cast<RequestId>(id), n);
+  }
+  if (in.left() != 0) return in.bad(std::to_string(in.left()) + " words past the description");
+  return pl;
+}
+
+}  // namespace treeattn::engine

@@ -1,0 +1,50 @@
+// One engine step's description (what rank 0 decided: cancels, admissions, the work of each
+// sequence) and its wire format: int64 words that rank 0 broadcasts and every other rank decodes
+// and applies, so that every rank's replicated state changes the same way.
+//
+// Words: kind, waiting_after, #cancels, #admits, #work; the cancels' ids; each admission
+// (id, #prompt, max_new_tokens, temperature bits, top_k, top_p bits, seed, return_logits,
+// #stop tokens, the stop tokens, the prompt); each work item (id, tokens).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "treeattn/engine.hpp"
+#include "treeattn/status.hpp"
+
+namespace treeattn::engine {
+
+enum class StepKind : int64_t {
+  kRun = 1,
+  kStop = 2,
+  kFail = 3,  // rank 0 could not plan: every rank ends with an error
+};
+
+// The fewest words of a description: its header.
+inline constexpr std::size_t kPlanHeaderWords = 5;
+
+using WorkItem = std::pair<RequestId, int64_t>;  // a sequence and its tokens this step
+
+struct Plan {
+  StepKind kind = StepKind::kRun;
+  int64_t waiting_after = 0;  // requests still queued after this step's admissions
+  std::vector<RequestId> cancels;
+  struct Admit {
+    RequestId id = 0;
+    Request req;
+  };
+  std::vector<Admit> admits;
+  std::vector<WorkItem> work;
+};
+
+std::vector<int64_t> encode_plan(const Plan& plan);
+
+// kInternal "malformed step description from rank 0 (word i of n): why" for a truncated
+// description, trailing words, an unknown kind, or a count or length outside what the words
+// can hold; never reads past the words.
+Result<Plan> decode_plan(std::span<const int64_t> words);
+
+}  // namespace treeattn::engine

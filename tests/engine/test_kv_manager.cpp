@@ -1,0 +1,170 @@
+// The engine's KV manager (src/engine/kv_manager.hpp) on hand-made sequences: placement (logical
+// page j on rank j mod p), reservations that allocation draws down, prefix hits and the pages
+// they save, cached hits counted against availability, release, this rank's entry pages, and
+// poisoned pages.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+
+#include "engine/kv_manager.hpp"
+
+namespace treeattn::engine {
+namespace {
+
+std::vector<TokenId> iota_tokens(int64_t n, TokenId first = 0) {
+  std::vector<TokenId> t(static_cast<std::size_t>(n));
+  std::iota(t.begin(), t.end(), first);
+  return t;
+}
+
+// Admits a sequence as the scheduler does: fit, then take.
+Sequence admitted(KVManager& kv, std::vector<TokenId> prompt, int64_t max_new) {
+  Sequence s;
+  s.tokens = prompt;
+  s.prompt_len = static_cast<int64_t>(prompt.size());
+  const AdmissionFit fit = kv.fit(prompt, max_new);
+  EXPECT_TRUE(fit.fits());
+  kv.take(fit, s);
+  s.req.prompt = std::move(prompt);
+  s.req.max_new_tokens = max_new;
+  return s;
+}
+
+// Stores n more positions of s (as a step's forward pass would) and indexes its full pages.
+void compute(KVManager& kv, Sequence& s, int64_t n, int me = 0,
+             std::vector<PageRef>* mine = nullptr) {
+  ASSERT_TRUE(kv.allocate(s, n, me, mine).is_ok());
+  s.computed += n;
+  kv.index_full_pages(s);
+}
+
+TEST(EngineKVManager, PlacesLogicalPageJOnRankJModP) {
+  KVManager kv(3, 8, 16, true);
+  Sequence s = admitted(kv, iota_tokens(100), 1);  // 100 positions: pages 0..6
+  EXPECT_EQ(s.reserve_left, (std::vector<int64_t>{3, 2, 2}));
+  std::vector<PageRef> mine;
+  compute(kv, s, 100, 1, &mine);
+  ASSERT_EQ(s.pages.size(), 7u);
+  for (std::size_t j = 0; j < s.pages.size(); ++j)
+    EXPECT_EQ(s.pages[j].rank, static_cast<int>(j % 3));
+  EXPECT_EQ(s.reserve_left, (std::vector<int64_t>{0, 0, 0}));
+  ASSERT_EQ(mine.size(), 2u);  // rank 1's pages: logical 1 and 4
+  EXPECT_EQ(mine[0], s.pages[1]);
+  EXPECT_EQ(mine[1], s.pages[4]);
+  EXPECT_EQ(s.hashes.size(), 6u);  // full pages only
+  EXPECT_TRUE(kv.table().check().is_ok());
+  EXPECT_EQ(kv.max_sequence_tokens(), 3 * 8 * 16);
+}
+
+TEST(EngineKVManager, ReservesPromptAndGenerationAndReleasesEverything) {
+  KVManager kv(2, 4, 16, true);
+  Sequence s = admitted(kv, iota_tokens(20), 30);  // 49 positions: 4 pages, 2 per rank
+  EXPECT_EQ(s.reserve_left, (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(kv.table().available(0), 2);
+  compute(kv, s, 20);
+  EXPECT_EQ(s.reserve_left, (std::vector<int64_t>{1, 1}));
+  kv.release(s);
+  EXPECT_EQ(kv.table().reserved(0), 0);
+  EXPECT_EQ(kv.table().reserved(1), 0);
+  EXPECT_EQ(kv.table().used_pages(0), 0);
+  EXPECT_EQ(kv.table().cached_pages(0), 1);  // the one full page stays for reuse
+  EXPECT_EQ(kv.table().available(0) + kv.table().available(1), 8);
+  EXPECT_TRUE(kv.table().check().is_ok());
+}
+
+TEST(EngineKVManager, ReportsTheFirstShortRank) {
+  KVManager kv(2, 2, 16, true);
+  const AdmissionFit ok = kv.fit(iota_tokens(40), 25);  // 64 positions: 2 pages per rank
+  EXPECT_TRUE(ok.fits());
+  const AdmissionFit no = kv.fit(iota_tokens(40), 26);  // 65: 3 pages on rank 0
+  EXPECT_FALSE(no.fits());
+  EXPECT_EQ(no.short_rank, 0);
+}
+
+TEST(EngineKVManager, PrefixHitsLeaveTheLastTokenAndSavePages) {
+  KVManager kv(2, 8, 16, true);
+  const auto doc = iota_tokens(48);
+  Sequence a = admitted(kv, doc, 1);
+  compute(kv, a, 48);
+  // The same 48 tokens: 2 hits (the third page holds the last token, computed again).
+  const AdmissionFit same = kv.fit(doc, 1);
+  EXPECT_EQ(same.hits.size(), 2u);
+  EXPECT_EQ(same.need, (std::vector<int64_t>{1, 0}));
+  Sequence b;
+  b.tokens = doc;
+  b.prompt_len = 48;
+  kv.take(same, b);
+  EXPECT_EQ(b.computed, 32);
+  EXPECT_EQ(b.cached_tokens, 32);
+  EXPECT_EQ(b.pages, (std::vector<PageRef>{a.pages[0], a.pages[1]}));
+  EXPECT_EQ(kv.table().refcount(a.pages[0]), 2);
+  // A prompt that differs in its second page hits only the first.
+  auto other = doc;
+  other[20] = 999;
+  EXPECT_EQ(kv.fit(other, 1).hits.size(), 1u);
+  EXPECT_TRUE(kv.table().check().is_ok());
+}
+
+TEST(EngineKVManager, CachedHitsCountAgainstAvailablePages) {
+  KVManager kv(1, 3, 16, true);
+  const auto doc = iota_tokens(33);
+  Sequence a = admitted(kv, doc, 1);
+  compute(kv, a, 33);
+  kv.release(a);  // pages 0, 1 cached, page 2 free
+  EXPECT_EQ(kv.table().cached_pages(0), 2);
+  // Two hits leave the LRU: with one page needed, 3 of 3 available pages are spoken for.
+  const AdmissionFit f = kv.fit(doc, 1);
+  EXPECT_EQ(f.hits.size(), 2u);
+  EXPECT_TRUE(f.fits());
+  const AdmissionFit g = kv.fit(doc, 17);  // one page more: no longer fits
+  EXPECT_FALSE(g.fits());
+}
+
+TEST(EngineKVManager, NoPrefixCacheNoHitsNoIndex) {
+  KVManager kv(1, 8, 16, false);
+  const auto doc = iota_tokens(40);
+  Sequence a = admitted(kv, doc, 1);
+  compute(kv, a, 40);
+  EXPECT_EQ(a.hashes.size(), 2u);  // hashed, not indexed
+  EXPECT_EQ(kv.table().index_size(), 0);
+  EXPECT_TRUE(kv.fit(doc, 1).hits.empty());
+}
+
+TEST(EngineKVManager, EntryPagesAreThisRanksPagesUpToTheEnd) {
+  KVManager kv(2, 8, 16, true);
+  Sequence s = admitted(kv, iota_tokens(70), 1);
+  compute(kv, s, 70);
+  EntryPages r0, r1;
+  kv.entry_pages(s, 70, 0, r0);
+  kv.entry_pages(s, 70, 1, r1);
+  EXPECT_EQ(r0.pos, (std::vector<int64_t>{0, 32, 64}));
+  EXPECT_EQ(r0.len, (std::vector<int32_t>{16, 16, 6}));
+  EXPECT_EQ(r1.pos, (std::vector<int64_t>{16, 48}));
+  EXPECT_EQ(r1.len, (std::vector<int32_t>{16, 16}));
+  EXPECT_EQ(r0.ids[2], s.pages[4].id);
+  EntryPages part;
+  kv.entry_pages(s, 20, 1, part);  // [0, 20): rank 1 holds positions 16..19
+  EXPECT_EQ(part.len, (std::vector<int32_t>{4}));
+}
+
+TEST(EngineKVManager, PoisonFillsAPageWithNaN) {
+  auto pool =
+      TiledKVCache::create(AttnShape{1, 2, 2, 64, 1}, DType::kF32, 2 * 16, kKVTileLayout, 16);
+  ASSERT_TRUE(pool.is_ok()) << pool.status().message();
+  std::vector<TiledKVCache> pools;
+  pools.push_back(std::move(pool).value());
+  const std::vector<float> one(128, 1.0f);
+  for (int64_t t = 0; t < 32; ++t) pools[0].set_tokens(0, t, one.data(), one.data());
+  poison_page(pools, PageRef{0, 1}, 16, 128);
+  float k[64], v[64];
+  pools[0].read_token(0, 1, 15, k, v);
+  EXPECT_EQ(k[0], 1.0f);  // page 0 untouched
+  for (int64_t t = 16; t < 32; ++t) {
+    pools[0].read_token(0, 0, t, k, v);
+    EXPECT_TRUE(std::isnan(k[0]) && std::isnan(v[63])) << t;
+  }
+}
+
+}  // namespace
+}  // namespace treeattn::engine
