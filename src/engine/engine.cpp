@@ -266,21 +266,6 @@ struct Engine::Impl {
 
 namespace {
 
-// The merge, by name or the planner's (rank 0's choice on every rank), priced for one layer's
-// states of a full batch at the context a batch slot's share of the pools holds. Collective.
-Result<std::unique_ptr<LayerMerge>> create_merge(Communicator& comm, const EngineConfig& config,
-                                                 const model::LlamaModel& model, int64_t pages) {
-  const auto& mc = model.config();
-  MergeRequest mr;
-  mr.method = config.merge;
-  mr.shape = AttnShape{config.max_batch, mc.n_head, mc.n_head_kv, mc.head_dim, 1};
-  mr.kv_dtype = config.kv_dtype;
-  mr.context = std::max<int64_t>(1, pages * config.page_tokens * comm.size() / config.max_batch);
-  mr.topology = config.topology;
-  mr.fanout = config.fanout;
-  return LayerMerge::create(comm, mr);
-}
-
 // This rank's verdict on the configuration, before any agreement.
 Status check_config(const EngineConfig& config, ExchangePolicy* exchange) {
   auto x = parse_exchange(config.prefill_exchange);
@@ -437,7 +422,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
   }
   auto agreed = agree_on_config(comm, who, local, config_description(config, model), pages);
   TREEATTN_RETURN_IF_ERROR(agreed.status());
-  auto merge = create_merge(comm, config, model, *agreed);
+  auto merge = engine_merge(comm, config, model.config(), *agreed);
   TREEATTN_RETURN_IF_ERROR(merge.status());
   auto pools = allocate_pools(comm, who, config, model, *agreed);
   TREEATTN_RETURN_IF_ERROR(pools.status());

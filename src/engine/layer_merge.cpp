@@ -85,6 +85,18 @@ Result<std::vector<std::string>> candidates_on_rank0(const Communicator& comm,
 
 }  // namespace
 
+Result<std::unique_ptr<LayerMerge>> engine_merge(Communicator& comm, const EngineConfig& config,
+                                                 const model::LlamaConfig& mc, int64_t pages) {
+  MergeRequest mr;
+  mr.method = config.merge;
+  mr.shape = AttnShape{config.max_batch, mc.n_head, mc.n_head_kv, mc.head_dim, 1};
+  mr.kv_dtype = config.kv_dtype;
+  mr.context = std::max<int64_t>(1, pages * config.page_tokens * comm.size() / config.max_batch);
+  mr.topology = config.topology;
+  mr.fanout = config.fanout;
+  return LayerMerge::create(comm, mr);
+}
+
 std::string describe_merge(const MergeChoice& c) {
   const bool planned = c.how.rfind("auto", 0) == 0 && !c.topology.empty();
   std::string s = c.strategy + " (" + (planned ? "auto on topology " + c.topology : c.how) +

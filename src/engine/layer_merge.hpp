@@ -53,6 +53,12 @@ class LayerMerge {
   MergeChoice choice_;
 };
 
+// The engine's merge: EngineConfig::merge (and topology, fanout) for one layer's states of a full
+// batch (max_batch rows of the model's heads), priced at the context a batch slot's share of
+// `pages` pages per rank holds. Collective.
+Result<std::unique_ptr<LayerMerge>> engine_merge(Communicator& comm, const EngineConfig& config,
+                                                 const model::LlamaConfig& mc, int64_t pages);
+
 // The strategies whose merge stage the engine can run (StrategyInfo::merges_states) on this
 // backend, in the registry's order, tree-det included.
 std::vector<std::string> merge_methods(const CommCapabilities& caps);
