@@ -14,7 +14,9 @@ for _ in $(seq 1 240); do
   if ! kill -0 "$pid" 2>/dev/null; then cat "$log"; exit 1; fi
   sleep 0.5
 done
-curl -sf "http://127.0.0.1:$port/v1/chat/completions" -H 'Content-Type: application/json' \
-  -d '{"model":"smollm2","messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":8}' \
-  | grep -q '"choices"'
-curl -sf "http://127.0.0.1:$port/metrics" | grep -q treeattn_kv_pages
+# Whole responses first: grep -q closing the pipe early would fail curl (exit 23).
+answer=$(curl -sf "http://127.0.0.1:$port/v1/chat/completions" -H 'Content-Type: application/json' \
+  -d '{"model":"smollm2","messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":8}')
+grep -q '"choices"' <<< "$answer"
+metrics=$(curl -sf "http://127.0.0.1:$port/metrics")
+grep -q treeattn_kv_pages <<< "$metrics"
