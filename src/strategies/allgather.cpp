@@ -21,21 +21,10 @@
 namespace treeattn::strategies {
 namespace {
 
-class Allgather final : public StrategyBase {
+class Allgather final : public RankOrderMerge {
  public:
-  Allgather(const StrategyOptions& o, std::string_view name) : StrategyBase(o), name_(name) {}
+  Allgather(const StrategyOptions& o, std::string_view name) : RankOrderMerge(o), name_(name) {}
   std::string_view name() const override { return name_; }
-
-  Status run(const float* q, const KVShard& local, const ShardPlan&, float* out) override {
-    TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out));
-    return merge_n(out, records());
-  }
-
-  bool merge_batch_invariant() const override { return true; }
-  bool merge_local_supported(int) const override { return true; }
-  Status merge_local(const float* const* parts, int p, std::size_t n, float* out) override {
-    return fold_in_rank_order(parts, p, n, out);
-  }
 
  protected:
   Status merge_n(float* out, std::size_t n) override {

@@ -28,15 +28,7 @@ class StrategyBase : public Strategy {
       return invalid_argument(who(comm) + std::string(name()) + ": the shard plan has " +
                               std::to_string(plan.batch()) + " batch rows, the shape has batch " +
                               std::to_string(shape.batch));
-    if (options_.root >= comm.size())
-      return invalid_argument(who(comm) + std::string(name()) + ": root rank " +
-                              std::to_string(options_.root) + " is outside [0, " +
-                              std::to_string(comm.size()) + ")");
-    if (executor.memory() != comm.capabilities().memory)
-      return invalid_argument(who(comm) + std::string(name()) + ": the executor '" +
-                              std::string(executor.name()) + "' and the communicator '" +
-                              std::string(comm.backend_name()) +
-                              "' work in different memory spaces");
+    TREEATTN_RETURN_IF_ERROR(check_root_and_memory(comm, executor));
     comm_ = &comm;
     exec_ = &executor;
     shape_ = shape;
@@ -52,20 +44,18 @@ class StrategyBase : public Strategy {
                          " does not merge a batch of states (it needs the KV shards)");
     if (head_dim == 0)
       return invalid_argument(who(comm) + std::string(name()) + ": head_dim must be > 0");
-    if (options_.root >= comm.size())
-      return invalid_argument(who(comm) + std::string(name()) + ": root rank " +
-                              std::to_string(options_.root) + " is outside [0, " +
-                              std::to_string(comm.size()) + ")");
-    if (executor.memory() != comm.capabilities().memory)
-      return invalid_argument(who(comm) + std::string(name()) + ": the executor '" +
-                              std::string(executor.name()) + "' and the communicator '" +
-                              std::string(comm.backend_name()) +
-                              "' work in different memory spaces");
+    TREEATTN_RETURN_IF_ERROR(check_root_and_memory(comm, executor));
     comm_ = &comm;
     exec_ = &executor;
     shape_ = AttnShape{};
     shape_.head_dim = static_cast<int>(head_dim);
     return setup_groups();
+  }
+
+  // A strategy that merges states: its local partial, then its merge stage.
+  Status run(const float* q, const KVShard& local, const ShardPlan&, float* out) override {
+    TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out));
+    return merge_n(out, records());
   }
 
   // Defaults for the merge stage (strategy.hpp): merge_n with the batch's record count.
@@ -88,6 +78,19 @@ class StrategyBase : public Strategy {
     return unsupported(who() + std::string(name()) + " does not merge a batch of states");
   }
   bool fixed_order() const { return comm_->capabilities().fixed_reduction_order; }
+
+  Status check_root_and_memory(const Communicator& comm, const Executor& executor) const {
+    if (options_.root >= comm.size())
+      return invalid_argument(who(comm) + std::string(name()) + ": root rank " +
+                              std::to_string(options_.root) + " is outside [0, " +
+                              std::to_string(comm.size()) + ")");
+    if (executor.memory() != comm.capabilities().memory)
+      return invalid_argument(who(comm) + std::string(name()) + ": the executor '" +
+                              std::string(executor.name()) + "' and the communicator '" +
+                              std::string(comm.backend_name()) +
+                              "' work in different memory spaces");
+    return Status::ok();
+  }
 
   static std::string who(const Communicator& c) {
     return "rank " + std::to_string(c.world_rank()) + ": ";
@@ -160,6 +163,18 @@ class StrategyBase : public Strategy {
   Communicator* comm_ = nullptr;
   DType dtype_ = DType::kF32;
   std::size_t peak_buffers_ = 0;
+};
+
+// A strategy whose merge gathers every rank's states and folds them in rank order 0..p-1
+// (allgather, gather-root, ring-state): batch invariant everywhere, its local twin the same fold.
+class RankOrderMerge : public StrategyBase {
+ public:
+  using StrategyBase::StrategyBase;
+  bool merge_batch_invariant() const override { return true; }
+  bool merge_local_supported(int) const override { return true; }
+  Status merge_local(const float* const* parts, int p, std::size_t n, float* out) override {
+    return fold_in_rank_order(parts, p, n, out);
+  }
 };
 
 // Binomial tree over n ranks rooted at 0 (relative ranks): the children of i.

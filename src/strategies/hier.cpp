@@ -93,11 +93,6 @@ class Hier final : public StrategyBase {
     return learn_groups(root_here != 0);
   }
 
-  Status run(const float* q, const KVShard& local, const ShardPlan&, float* out) override {
-    TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out));
-    return merge_n(out, records());
-  }
-
  protected:
   Status merge_n(float* out, std::size_t n) override {
     const std::size_t D = head_dim();

@@ -32,11 +32,6 @@ class Tree final : public StrategyBase {
   using StrategyBase::StrategyBase;
   std::string_view name() const override { return "tree"; }
 
-  Status run(const float* q, const KVShard& local, const ShardPlan&, float* out) override {
-    TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out));
-    return merge_n(out, records());
-  }
-
   // Two ranks: one exactly commutative merge per record, whatever the library does; more: the
   // association is the collective library's (rank order on an in-process backend).
   bool merge_batch_invariant() const override {

@@ -40,11 +40,6 @@ class TreePaper final : public StrategyBase {
   TreePaper(const StrategyOptions& o, bool fused) : StrategyBase(o), fused_(fused) {}
   std::string_view name() const override { return fused_ ? "tree2" : "tree-paper"; }
 
-  Status run(const float* q, const KVShard& local, const ShardPlan&, float* out) override {
-    TREEATTN_RETURN_IF_ERROR(local_partial(q, local, out));
-    return merge_n(out, records());
-  }
-
   // The MAX is exact; the SUMs are one exactly commutative addition at two ranks.
   bool merge_batch_invariant() const override {
     return comm_ && (comm_->size() <= 2 || fixed_order());
