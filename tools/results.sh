@@ -111,6 +111,19 @@ else
   fi
 fi
 
+# The served merge, method by method, on emulated hosts (root: network namespaces). Full mode
+# runs it; --quick takes the last run of bench/engine/merge_methods.sh (out/merge_methods) when
+# there is one, and says so.
+if [ "$quick" = 0 ] && [ "$(id -u)" = 0 ]; then
+  step merge_methods bench/engine/merge_methods.sh --out "$work/merge_methods_run"
+  cp "$work/merge_methods_run/merge_methods.json" "$work/merge_methods.json" 2>/dev/null
+elif [ -f out/merge_methods/merge_methods.json ]; then
+  cp out/merge_methods/merge_methods.json "$work/merge_methods.json"
+  echo "merge_methods from out/merge_methods/merge_methods.json (bench/engine/merge_methods.sh)" >> "$status"
+else
+  skip merge_methods "--quick without an earlier bench/engine/merge_methods.sh run (needs root)"
+fi
+
 mode=$([ "$quick" = 1 ] && echo quick || echo full)
 python3 tools/results_render.py --work "$work" --build "$build" --mode "$mode" --out "$out"
 echo "results.sh: wrote $out" >&2

@@ -253,6 +253,52 @@ def section_load(work):
     return s
 
 
+def section_merge_methods(work):
+    j = load(work, "merge_methods.json")
+    s = ("## Served merge by method
+
+`bench/engine/merge_methods.sh`: the serving engine's "
+         "per-layer merge (`serve --method`) on emulated hosts (`tools/cluster`; `AxB` = A hosts "
+         "x B ranks, `local` = one host), every method of a setting in one session. Decode "
+         "inter-token latency (ITL) of one long request and of 16 concurrent ones; `x best` is "
+         "against the best named method of the same setting and case.\n\n")
+    if not j:
+        return s + not_run(work, "merge_methods", "root")
+    rows = j.get("decode", [])
+    s += ("| setting | batch x context | method | merge | ITL ms | x best | engine merge+gather us/layer |"
+          "\n|---|---|---|---|---:|---:|---:|\n")
+    cases = {}
+    for r in rows:
+        cases.setdefault((r["setting"], r["batch"], r["context"]), []).append(r)
+    for (st, b, c), rs in cases.items():
+        named = [x["itl_ms"] for x in rs if x["method"] != "auto" and x["itl_ms"] > 0]
+        best = min(named) if named else 0
+        for x in rs:
+            s += "| %s | %d x %s | %s | %s | %.2f | %s | %.0f |\n" % (
+                st, b, fmt_tokens(c), x["method"], x["merge"], x["itl_ms"],
+                "%.3f" % (x["itl_ms"] / best) if best else "-", x["merge_us_per_layer"])
+    m = j.get("merge_alone", [])
+    if m:
+        s += ("\nThe merge alone (`treeattn_engine_bench merge`, SmolLM2's 9 heads x 64, median "
+              "us):\n\n| setting | method | merge | B=1 | B=4 | B=16 |\n|---|---|---|---:|---:|---:|\n")
+        for x in m:
+            s += "| %s | %s | %s | %.1f | %.1f | %.1f |\n" % (
+                x["setting"], x["method"], x["merge"], x["us_b1"], x["us_b4"], x["us_b16"])
+    def itl(st, b):
+        for x in rows:
+            if x["setting"] == st and x["batch"] == b and x["method"] == "auto":
+                return x["itl_ms"]
+    lines = []
+    for b in sorted({r["batch"] for r in rows}):
+        a, l = itl("2x2 1gbit", b), itl("1x4 local", b)
+        if a and l:
+            lines.append("batch %d: x%.3f" % (b, a / l))
+    if lines:
+        s += ("\nServing ITL with `auto` on 2 hosts x 2 ranks at 1 Gbit against 4 ranks on one "
+              "host: " + ", ".join(lines) + ".\n")
+    return s
+
+
 def section_sweep(work):
     j = load(work, "sweep.json")
     s = ("## Paper sweep (predicted)\n\n`treeattn plan --sweep`: the cost model on the paper's "
@@ -307,7 +353,7 @@ def main():
              "sides measured in the same run. `--quick` uses small sizes: its absolute figures are "
              "not the headline sizes. How each is measured: [performance.md](performance.md).\n\n")
     for sec in (section_main, section_kernel, section_treering, section_model, section_load,
-                section_sweep, section_validate):
+                section_merge_methods, section_sweep, section_validate):
         text += sec(a.work) + "\n"
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:

@@ -491,6 +491,7 @@ int main(int argc, char** argv) {
   if (me != 0) {
     if (auto s = e.run(); !s.is_ok()) fail(s);
     if (fu->parsed()) (void)time_kv_exchange();
+    eng.value().reset();  // its communicators (a strategy's sub-communicators) first
     finalize();
     return 0;
   }
@@ -617,12 +618,14 @@ int main(int argc, char** argv) {
         "  the K/V exchange's all-gathers alone take %.3f s here (pass-Q's whole warm TTFT: %.3f "
         "s)\n",
         kv_s, ttft[1]);
+    eng.value().reset();  // its communicators (a strategy's sub-communicators) first
     finalize();
     return 0;
   }
   e.stop(true);
   runner.join();
   if (!run_status.is_ok()) fail(run_status);
+  eng.value().reset();  // its communicators (a strategy's sub-communicators) first
   finalize();
   return 0;
 }

@@ -5,12 +5,13 @@
 # ones, for each of --methods (tree, hier, allgather, auto by default). Every method of a setting
 # runs in the same cluster session, back to back, so the ratios between them are of one run.
 #
-#   bench/engine/merge_methods.sh [--quick] [--out DIR] [--methods tree,hier,allgather,auto]
+#   bench/engine/merge_methods.sh [--quick] [--long N] [--out DIR] [--methods tree,hier,allgather,auto]
 #
 # Writes DIR/merge_methods.json (every point) and prints a table with, per setting and case,
 # auto's latency against the best measured method, and the 2-host 1 Gbit ITL against 4 ranks on
 # one host. Needs root (network namespaces), the built tree (tools/build.sh) and the model
-# (tools/fetch-model.sh). --quick: shorter contexts and fewer tokens.
+# (tools/fetch-model.sh). --long N: the single request's context (default 32768); --quick: 4096
+# and 256-token prompts, fewer tokens.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
@@ -21,6 +22,7 @@ while [ $# -gt 0 ]; do
   case $1 in
     --quick) long=4096 short=256 new=16; shift ;;
     --out) out=$2; shift 2 ;;
+    --long) long=$2; shift 2 ;;
     --methods) methods=$2; shift 2 ;;
     *) echo "merge_methods.sh: unknown option '$1'" >&2; exit 2 ;;
   esac
@@ -50,18 +52,23 @@ run_setting() {
     launch=("$cluster" run --timeout 1800 -- -x OMP_NUM_THREADS=1 -np "$np")
   fi
   echo "== $name: $hosts host(s) x $slots rank(s), link $link ==" | tee -a "$log"
-  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
-    "${launch[@]}" "$bench" merge 2>&1 | sed "s/^MERGE {/MERGE {\"setting\": \"$name\", /" | tee -a "$log"
+  # One point: its lines tagged with the setting; a failed point is logged and the rest go on.
+  point() {
+    if ! OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "${launch[@]}" "$@" \
+         > "$out/point.log" 2>&1; then
+      echo "FAILED ($name): $*" | tee -a "$log"
+      tail -5 "$out/point.log" | tee -a "$log"
+    fi
+    sed -e "s/^MERGE {/MERGE {\"setting\": \"$name\", /" \
+        -e "s/^RESULT {/RESULT {\"setting\": \"$name\", /" "$out/point.log" | tee -a "$log"
+  }
+  point "$bench" merge
   local m
   for m in ${methods//,/ }; do
-    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
-      "${launch[@]}" "$bench" "${common[@]}" --merge "$m" throughput --context "$long" \
-      --concurrency 1 --new "$new" 2>&1 | sed "s/^RESULT {/RESULT {\"setting\": \"$name\", /" |
-      tee -a "$log"
-    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
-      "${launch[@]}" "$bench" "${common[@]}" --merge "$m" throughput --context "$short" \
-      --concurrency 16 --new "$new" 2>&1 | sed "s/^RESULT {/RESULT {\"setting\": \"$name\", /" |
-      tee -a "$log"
+    point "$bench" "${common[@]}" --merge "$m" throughput --context "$long" --concurrency 1 \
+      --new "$new"
+    point "$bench" "${common[@]}" --merge "$m" throughput --context "$short" --concurrency 16 \
+      --new "$new"
   done
   [ "$hosts" -gt 1 ] && "$cluster" down > /dev/null
   return 0
