@@ -125,5 +125,8 @@ else
 fi
 
 mode=$([ "$quick" = 1 ] && echo quick || echo full)
-python3 tools/results_render.py --work "$work" --build "$build" --mode "$mode" --out "$out"
+if ! python3 tools/results_render.py --work "$work" --build "$build" --mode "$mode" --out "$out"; then
+  echo "results.sh: rendering $out failed (tools/results_render.py above)" >&2
+  exit 1
+fi
 echo "results.sh: wrote $out" >&2
