@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include "model/generate_harness.hpp"
+#include "engine/layer_merge.hpp"
 #include "model/model_path.hpp"
 #include "treeattn/comm_local.hpp"
 #include "treeattn/generation.hpp"
@@ -95,6 +96,27 @@ TEST(GenerationRun, SessionPathGivesTheGeneratorsTokensOnEveryRank) {
     EXPECT_EQ(out[0].text, *text);
     EXPECT_EQ(streamed, *text);  // whole, in order, nothing held back at the end
   }
+}
+
+// Every strategy that merges a batch of states, as the engine's --method at 2, 3 and 4 ranks on
+// the shipped model: the greedy tokens of one rank (a clear argmax at every step of this prompt).
+TEST(GenerationRun, EveryEngineMethodGivesTheGreedyTokensOfOneRank) {
+  TREEATTN_REQUIRE_REAL_MODEL(path);
+  Request r = base_request(path);
+  r.engine = true;
+  r.kv_dtype = DType::kF16;
+  r.methods = {"auto"};
+  const auto one = run(1, r);
+  ASSERT_TRUE(one[0].status.is_ok()) << one[0].status.to_string();
+  ASSERT_EQ(one[0].tokens.size(), static_cast<std::size_t>(r.new_tokens));
+  for (const std::string& method : engine::merge_methods(CommCapabilities{}))
+    for (int P : {2, 3, 4}) {
+      r.methods = {method};
+      const auto out = run(P, r);
+      for (const Output& o : out) ASSERT_TRUE(o.status.is_ok()) << method << ": " << o.status.to_string();
+      EXPECT_EQ(out[0].merge_choice.strategy, method);
+      EXPECT_EQ(out[0].tokens, one[0].tokens) << method << " at " << P << " ranks";
+    }
 }
 
 TEST(GenerationRun, EnginePathAnswersWithEveryRanksNumbers) {
