@@ -18,6 +18,7 @@
 #include <span>
 #include <string>
 
+#include "treeattn/host_memory.hpp"  // mem_available_bytes, for the callers of the pre-checks
 #include "treeattn/session.hpp"
 #include "treeattn/state_buffer.hpp"
 #include "treeattn/status.hpp"
@@ -34,11 +35,6 @@ bool reset_peak_rss();
 
 // Peak resident set size since the last reset_peak_rss() (or the start), in bytes.
 uint64_t current_peak_rss();
-
-// MemAvailable of /proc/meminfo in bytes (what can be allocated without swapping); 0 where it
-// cannot be read. The memory pre-checks (run/bench, generate, bench --kernel, the launcher's
-// rank cap) all use this one reading.
-uint64_t mem_available_bytes();
 
 // The q-quantile (q in [0, 1], clamped) of `values`, in any order; 0 for none. Linear
 // interpolation between the two closest ranks: with the values sorted, v[i] + f (v[i + 1] - v[i])

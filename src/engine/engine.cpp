@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <fstream>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -18,6 +17,7 @@
 #include "engine/model_runner.hpp"
 #include "engine/scheduler.hpp"
 #include "engine/step_plan.hpp"
+#include "treeattn/host_memory.hpp"
 #include "treeattn/kv_tiles.hpp"
 
 namespace treeattn::engine {
@@ -26,16 +26,6 @@ namespace {
 std::string rank_prefix(const Communicator& c) { return "rank " + std::to_string(c.rank()) + ": "; }
 
 bool valid_page_tokens(int64_t t) { return t == 16 || (t >= 32 && t <= 256 && t % 32 == 0); }
-
-// MemAvailable of /proc/meminfo in bytes (what can be allocated without swapping); 0 where it
-// cannot be read. The engine's own reading, so that it links no measurement library.
-uint64_t host_mem_available_bytes() {
-  std::ifstream f("/proc/meminfo");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("MemAvailable:", 0) == 0) return std::stoull(line.substr(13)) * 1024;
-  return 0;
-}
 
 }  // namespace
 
@@ -303,7 +293,7 @@ Result<int64_t> local_pages(const EngineConfig& config, const model::LlamaModel&
   const std::size_t per_page = probe->bytes() * static_cast<std::size_t>(mc.n_layers);
   std::size_t budget = config.kv_memory;
   if (budget == 0)
-    budget = static_cast<std::size_t>(host_mem_available_bytes() / 2 /
+    budget = static_cast<std::size_t>(mem_available_bytes() / 2 /
                                       static_cast<uint64_t>(local_ranks));
   const auto pages = static_cast<int64_t>(std::min<std::size_t>(
       budget / per_page, static_cast<std::size_t>(std::numeric_limits<int32_t>::max())));

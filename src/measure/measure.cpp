@@ -23,14 +23,6 @@ double percentile(std::span<const double> values, double q) {
   return v[lo] + f * (v[hi] - v[lo]);
 }
 
-uint64_t mem_available_bytes() {
-  std::ifstream f("/proc/meminfo");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("MemAvailable:", 0) == 0) return std::stoull(line.substr(13)) * 1024;
-  return 0;
-}
-
 int64_t peak_rss_bytes() {
   rusage u{};
   if (getrusage(RUSAGE_SELF, &u) != 0) return -1;
