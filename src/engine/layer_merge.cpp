@@ -127,9 +127,10 @@ Result<std::unique_ptr<LayerMerge>> LayerMerge::create(Communicator& comm,
   const int p = comm.size();
   const std::string who = "rank " + std::to_string(comm.world_rank()) + ": ";
   std::unique_ptr<LayerMerge> lm(new LayerMerge());
-  // The topology: a file or preset is read by rank 0 alone; the job's own is collective.
+  // The topology: a file or preset is read by rank 0 alone; the job's own is collective. One
+  // rank has nothing to merge and plans nothing.
   Result<Topology> topo = invalid_argument("no topology");
-  if (req.method == "auto") {
+  if (req.method == "auto" && p > 1) {
     if (!req.topology.empty()) {
       if (comm.rank() == 0) topo = load_topology(req.topology);
     } else {

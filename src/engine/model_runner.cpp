@@ -286,23 +286,25 @@ Status ModelRunner::merge_layer_states(int64_t rows_q) {
   return Status::ok();
 }
 
-// The K/V exchange, 3. The owners' states of each of this rank's K/V rows, merged as the merge
-// collective would (the strategy's local twin).
+// The K/V exchange, 3. The owners' states of this rank's K/V rows, merged as the merge
+// collective would (the strategy's local twin): one call per span, whose rows are consecutive
+// both in each owner's block of kv_states_ and in states_ (records merge independently).
 Status ModelRunner::merge_exchange_states(const Step& st) {
   const auto& mc = model_->config();
   const auto H = static_cast<std::size_t>(mc.n_head);
   const auto rec = static_cast<std::size_t>(mc.head_dim + 2);
   const auto up = static_cast<std::size_t>(p_);
   std::vector<const float*> parts(up);
-  for (const Span& sp : spans_)
-    for (int64_t row = sp.a; row < sp.b; ++row) {
-      for (std::size_t o = 0; o < up; ++o)
-        parts[o] = kv_states_.data() +
-                   (o * static_cast<std::size_t>(st.mine) + static_cast<std::size_t>(row - st.lo)) *
-                       H * rec;
-      TREEATTN_RETURN_IF_ERROR(merge_->merge_local(
-          parts.data(), p_, H, states_.data() + static_cast<std::size_t>(row) * H * rec));
-    }
+  for (const Span& sp : spans_) {
+    if (sp.b <= sp.a) continue;
+    for (std::size_t o = 0; o < up; ++o)
+      parts[o] = kv_states_.data() +
+                 (o * static_cast<std::size_t>(st.mine) + static_cast<std::size_t>(sp.a - st.lo)) *
+                     H * rec;
+    TREEATTN_RETURN_IF_ERROR(merge_->merge_local(
+        parts.data(), p_, static_cast<std::size_t>(sp.b - sp.a) * H,
+        states_.data() + static_cast<std::size_t>(sp.a) * H * rec));
+  }
   return Status::ok();
 }
 

@@ -58,11 +58,10 @@ class StrategyBase : public Strategy {
     return merge_n(out, records());
   }
 
-  // Defaults for the merge stage (strategy.hpp): merge_n with the batch's record count.
+  // The merge stage (strategy.hpp): merge_n with the batch's record count. A strategy without
+  // one keeps merge_n's default, which says so (setup_merge refused it already).
   Status merge(float* records, std::size_t n) override {
     if (!comm_) return internal_error(std::string(name()) + ": merge() before setup_merge()");
-    if (!merges_states())
-      return unsupported(who() + std::string(name()) + " does not merge a batch of states");
     if (n == 0 || records == nullptr) return Status::ok();
     return merge_n(records, n);
   }
