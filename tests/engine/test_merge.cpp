@@ -1,9 +1,9 @@
 // The engine's per-layer merge (src/engine/layer_merge.hpp: a strategy's merge stage) over the
 // in-process communicator: every strategy that merges a batch of states equals the float64
-// merge of all ranks' states with the same bits on every rank, gives the bits of the strategy
-// itself (one code path: the engine has no merge of its own), gives a record the same bits
-// whatever the number of records merged with it where it says it is batch invariant, and its
-// local twin gives the collective's bits. auto picks a batch-invariant merge; a name that cannot
+// merge of all ranks' states with the same bits on every rank, gives the bits of the strategy's
+// run() over real shards (one code path: the engine has no merge of its own), gives a record the
+// same bits whatever the number of records merged with it where it says it is batch invariant,
+// and its local twin gives the collective's bits. auto picks a batch-invariant merge; a name that cannot
 // merge a batch, or a topology that does not fit the job, is refused on every rank.
 #include "engine/layer_merge.hpp"
 
@@ -20,7 +20,9 @@
 
 #include "treeattn/comm_local.hpp"
 #include "treeattn/state.hpp"
+#include "treeattn/sharding.hpp"
 #include "treeattn/strategy.hpp"
+#include "treeattn/workload.hpp"
 
 namespace treeattn::engine {
 namespace {
@@ -112,31 +114,58 @@ TEST(EngineMerge, EveryMethodMatchesTheFloat64MergeOnEveryRankAndRankCount) {
     }
 }
 
-TEST(EngineMerge, TheEnginesMergeIsTheStrategysMergeBitForBit) {
-  // The strategy set up alone (Strategy::setup_merge + merge) and through the engine's
-  // LayerMerge: the same bits at 1-4 ranks, for every method.
-  for (const std::string& method : methods())
+TEST(EngineMerge, RunIsTheLocalPartialThenTheEnginesMergeBitForBit) {
+  // What `run`/`bench` time and what the server runs are one code path: a strategy's run() over
+  // real shards gives the bits of the kernel's partial states merged by the engine's LayerMerge,
+  // on every rank, at 1-4 ranks, uneven rows. tree-det is the exception by design: its run()
+  // merges 256-token chunk leaves (rank-count invariant), its merge stage the ranks' partials.
+  const AttnShape shape{2, 4, 2, 64, 1};
+  const std::vector<int64_t> lens{300, 177};
+  DecodeOptions kernel;
+  kernel.threads = 1;
+  for (const std::string& method : methods()) {
+    if (method == deterministic_strategy()) continue;
     for (int p = 1; p <= 4; ++p) {
-      const std::size_t n = 57;
-      const auto engine_bits = run(p, method, n, 11);
-      std::vector<std::vector<float>> strategy_bits(static_cast<std::size_t>(p));
+      auto plan = ShardPlan::make(ShardKind::kEven, p, lens);
+      ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+      const std::size_t records = static_cast<std::size_t>(shape.batch * shape.q_len * shape.heads);
+      const std::size_t floats = records * (static_cast<std::size_t>(shape.head_dim) + 2);
+      std::vector<std::vector<float>> ran(static_cast<std::size_t>(p)), served(ran.size());
       const Status st = run_local(p, [&](Communicator& c) -> Status {
         c.set_timeout(std::chrono::milliseconds(20000));
-        auto s = StrategyRegistry::for_backend(c.capabilities()).create(method, {});
+        const WorkloadSpec spec{shape, DType::kF32, 17, 1.0f};
+        auto shard = LocalShard::create(shape, DType::kF32, *plan, c.rank(), 0);
+        TREEATTN_RETURN_IF_ERROR(shard.status());
+        TREEATTN_RETURN_IF_ERROR(fill_local_shard(spec, *plan, *shard));
+        std::vector<float> q(records * static_cast<std::size_t>(shape.head_dim));
+        make_query(spec, 0, q.data());
+        const KVShard view = shard->view(*plan);
+        StrategyOptions so;
+        so.kernel = kernel;
+        auto s = StrategyRegistry::for_backend(c.capabilities()).create(method, so);
         TREEATTN_RETURN_IF_ERROR(s.status());
-        TREEATTN_RETURN_IF_ERROR((*s)->setup_merge(c, cpu_executor(), kD));
-        auto x = rank_states(c.rank(), n, 11);
-        TREEATTN_RETURN_IF_ERROR((*s)->merge(x.data(), n));
-        strategy_bits[static_cast<std::size_t>(c.rank())] = x;
-        return Status::ok();
+        TREEATTN_RETURN_IF_ERROR((*s)->setup(c, shape, DType::kF32, *plan));
+        auto& a = ran[static_cast<std::size_t>(c.rank())];
+        a.resize(floats);
+        TREEATTN_RETURN_IF_ERROR((*s)->run(q.data(), view, *plan, a.data()));
+        auto& b = served[static_cast<std::size_t>(c.rank())];
+        b.resize(floats);
+        TREEATTN_RETURN_IF_ERROR(cpu_executor().partial(shape, q.data(), view, b.data(), kernel));
+        MergeRequest req;
+        req.method = method;
+        req.shape = AttnShape{4, shape.heads, shape.kv_heads, shape.head_dim, 1};
+        auto lm = LayerMerge::create(c, req);
+        TREEATTN_RETURN_IF_ERROR(lm.status());
+        return (*lm)->merge(b.data(), records);
       });
-      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      ASSERT_TRUE(st.is_ok()) << method << " p " << p << ": " << st.to_string();
       for (int r = 0; r < p; ++r)
-        EXPECT_EQ(std::memcmp(engine_bits[static_cast<std::size_t>(r)].data(),
-                              strategy_bits[static_cast<std::size_t>(r)].data(), n * kRec * 4),
+        EXPECT_EQ(std::memcmp(ran[static_cast<std::size_t>(r)].data(),
+                              served[static_cast<std::size_t>(r)].data(), floats * 4),
                   0)
             << method << " p " << p << " rank " << r;
     }
+  }
 }
 
 TEST(EngineMerge, ABatchInvariantMergeGivesARecordTheSameBitsAloneAndInABatch) {
