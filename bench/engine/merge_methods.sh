@@ -91,29 +91,6 @@ for line in open(sys.argv[1]):
     if line.startswith("RESULT "): rows.append(json.loads(line[7:]))
     if line.startswith("MERGE "): merges.append(json.loads(line[6:]))
 json.dump({"decode": rows, "merge_alone": merges}, open(sys.argv[2], "w"), indent=1)
-print("\nper-layer merge alone (us, median), B = 1 / 16 rows:")
-for m in merges:
-    print(f"  {m['setting']:10s} {m['method']:10s} ({m['merge']:9s}) {m['us_b1']:8.1f} {m['us_b16']:8.1f}")
-print("\ndecode: ITL ms and the engine's per-layer merge+all-gather us (rank 0), best round:")
-best_round = {}
-for r in rows:
-    k = (r["setting"], r["batch"], r["context"], r["method"])
-    if k not in best_round or r["itl_ms"] < best_round[k]["itl_ms"]:
-        best_round[k] = r
-rows = list(best_round.values())
-cases = {}
-for r in rows:
-    cases.setdefault((r["setting"], r["batch"], r["context"]), []).append(r)
-for (s, b, c), rs in cases.items():
-    best = min(x["itl_ms"] for x in rs if x["method"] != "auto")
-    for x in rs:
-        print(f"  {s:10s} B={b:<3d} ctx {c:<6d} {x['method']:10s} ({x['merge']:9s}) "
-              f"ITL {x['itl_ms']:8.2f} ms  merge {x['merge_us_per_layer']:8.1f} us  "
-              f"x{x['itl_ms'] / best:.3f} of the best named method")
-def itl(s, b, m):
-    for x in rows:
-        if x["setting"] == s and x["batch"] == b and x["method"] == m: return x["itl_ms"]
-for b in sorted({r["batch"] for r in rows}):
-    a, l = itl("2x2 1gbit", b, "auto"), itl("1x4 local", b, "auto")
-    if a and l: print(f"  2 hosts at 1 Gbit vs 4 ranks on one host, B={b}, auto: x{a / l:.3f}")
 EOF
+# The table tools/results.sh puts in docs/results.md (each method's best round).
+python3 "$root/tools/results_render.py" --work "$out" --only merge_methods
