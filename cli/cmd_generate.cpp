@@ -166,9 +166,8 @@ Result<std::string> preflight(GenFlags& f, const CLI::App& sub, bool check_outpu
   if (f.synthetic_kv && sub.count("--prompt-tokens") == 0)
     return invalid_argument("--synthetic-kv needs --prompt-tokens N (a context to time decode at)");
   if (f.ranks < 1 || f.ranks > 4096) return invalid_argument("--ranks must be in 1..4096");
-  const auto dt = parse_dtype(f.kv_dtype);
-  if (!dt || dtype_is_quantized(*dt))
-    return invalid_argument("--kv-dtype '" + f.kv_dtype + "': one of f16, bf16, f32");
+  if (!parse_dtype(f.kv_dtype))
+    return invalid_argument("--kv-dtype '" + f.kv_dtype + "': one of f16, bf16, f32, int8, fp8");
   if (auto l = parse_kv_layout(f.kv_layout); !l.is_ok())
     return invalid_argument("--kv-layout: " + l.status().message());
   const auto pk = parse_shard_kind(f.placement);
@@ -464,7 +463,7 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
                   "runs on the serving engine; a comma list decodes each from the same prefill "
                   "on the DecodeSession (the first streams) and compares them")
       ->capture_default_str();
-  sub->add_option("--kv-dtype", f->kv_dtype, "KV cache element type: f16, bf16, f32")
+  sub->add_option("--kv-dtype", f->kv_dtype, "KV cache element type: f16, bf16, f32, or int8 / fp8 with a scale per token and KV head")
       ->capture_default_str();
   sub->add_option("--placement", f->placement,
                   "KV placement over ranks: even, uneven, striped (single: always rank 0)")

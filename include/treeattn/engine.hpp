@@ -174,7 +174,9 @@ struct EngineConfig {
 
 struct EngineMetrics {
   int64_t running = 0;  // admitted, not finished
-  int64_t waiting = 0;  // submitted, not admitted
+  int64_t waiting = 0;  // submitted, not admitted (preempted ones included)
+  int64_t preempted = 0;          // preempted, waiting to be admitted again
+  int64_t preemptions_total = 0;  // times a running request was preempted for pages
   int64_t requests_total = 0;
   int64_t prompt_tokens_total = 0;
   int64_t cached_tokens_total = 0;

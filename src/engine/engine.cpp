@@ -145,7 +145,9 @@ struct Engine::Impl {
     m.rows_kv_exchange = t.rows_kv;
     m.kv_exchange_bytes = t.kv_bytes_sent;
     m.bytes_sent = comm->counters().p2p_bytes + comm->counters().collective_payload_bytes;
-    m.waiting = sched->waiting();
+    m.preempted = static_cast<int64_t>(sched->preempted().size());
+    m.waiting = sched->waiting() + m.preempted;
+    m.preemptions_total = sched->preemptions_total();
     const Status failure = sched->failure();
     m.failed = !failure.is_ok();
     m.error = failure.message();
@@ -267,10 +269,6 @@ Status check_config(const EngineConfig& config, ExchangePolicy* exchange) {
   if (!valid_page_tokens(config.page_tokens))
     return invalid_argument("page_tokens " + std::to_string(config.page_tokens) +
                             " must be 16 or a multiple of 32 up to 256");
-  if (config.kv_dtype != DType::kF32 && config.kv_dtype != DType::kF16 &&
-      config.kv_dtype != DType::kBF16)
-    return unsupported("the KV dtype must be f32, f16 or bf16, not " +
-                       std::string(dtype_name(config.kv_dtype)));
   if (config.max_batch < 1) return invalid_argument("max_batch must be >= 1");
   if (config.prefill_chunk < 1) return invalid_argument("prefill_chunk must be >= 1");
   if (config.max_queue < 0) return invalid_argument("max_queue must be >= 0");

@@ -13,7 +13,7 @@ int64_t KVManager::max_sequence_tokens() const {
   return static_cast<int64_t>(table_.ranks()) * table_.pages_per_rank() * T_;
 }
 
-AdmissionFit KVManager::fit(std::span<const TokenId> prompt, int64_t max_new_tokens) const {
+AdmissionFit KVManager::fit(std::span<const TokenId> prompt) const {
   AdmissionFit f;
   const auto n = static_cast<int64_t>(prompt.size());
   // Prefix hits: full pages of the prompt, leaving at least the last prompt token to compute.
@@ -31,8 +31,7 @@ AdmissionFit KVManager::fit(std::span<const TokenId> prompt, int64_t max_new_tok
       parent = h;
     }
   }
-  const int64_t positions = n + max_new_tokens - 1;
-  const int64_t end_page = (positions + T_ - 1) / T_;
+  const int64_t end_page = (n + T_ - 1) / T_;
   f.need = table_.pages_needed(static_cast<int64_t>(f.hits.size()), end_page);
   std::vector<int64_t> extra(static_cast<std::size_t>(ranks()), 0);  // cached hits leave the LRU
   for (const PageRef& h : f.hits)
@@ -68,6 +67,29 @@ Status KVManager::allocate(Sequence& s, int64_t n, int me, std::vector<PageRef>*
   return Status::ok();
 }
 
+std::vector<int64_t> KVManager::growth(const Sequence& s, int64_t n) const {
+  const auto held = static_cast<int64_t>(s.pages.size());
+  const int64_t end_page = (s.computed + n + T_ - 1) / T_;
+  std::vector<int64_t> need = table_.pages_needed(std::min(held, end_page), end_page);
+  for (int r = 0; r < ranks(); ++r) {
+    auto& x = need[static_cast<std::size_t>(r)];
+    x = std::max<int64_t>(0, x - s.reserve_left[static_cast<std::size_t>(r)]);
+  }
+  return need;
+}
+
+int KVManager::short_rank(std::span<const int64_t> need) const {
+  for (int r = 0; r < ranks(); ++r)
+    if (need[static_cast<std::size_t>(r)] > table_.available(r)) return r;
+  return -1;
+}
+
+void KVManager::grow(Sequence& s, std::span<const int64_t> need) {
+  table_.reserve(need);
+  for (int r = 0; r < ranks(); ++r)
+    s.reserve_left[static_cast<std::size_t>(r)] += need[static_cast<std::size_t>(r)];
+}
+
 void KVManager::index_full_pages(Sequence& s) {
   while (static_cast<int64_t>(s.hashes.size() + 1) * T_ <= s.computed) {
     const int64_t j = static_cast<int64_t>(s.hashes.size());
@@ -80,8 +102,16 @@ void KVManager::index_full_pages(Sequence& s) {
 }
 
 void KVManager::release(Sequence& s) {
-  for (const PageRef& pg : s.pages) table_.release(pg);
+  for (auto it = s.pages.rbegin(); it != s.pages.rend(); ++it) table_.release(*it);
   table_.unreserve(s.reserve_left);
+}
+
+void KVManager::preempt(Sequence& s) {
+  release(s);
+  s.pages.clear();
+  s.hashes.clear();
+  s.reserve_left.assign(static_cast<std::size_t>(ranks()), 0);
+  s.computed = 0;
 }
 
 void KVManager::entry_pages(const Sequence& s, int64_t end, int me, EntryPages& out) const {

@@ -22,10 +22,16 @@ namespace treeattn::engine {
 struct AdmissionFit {
   std::vector<PageRef> hits;     // full prompt pages found in the prefix index, in order
   std::vector<uint64_t> hashes;  // their chain hashes
-  std::vector<int64_t> need;     // per rank: pages to reserve for the rest of the sequence
+  std::vector<int64_t> need;     // per rank: pages to reserve for the rest of the prompt
   int short_rank = -1;           // the first rank without those pages; -1: it fits now
   bool fits() const { return short_rank < 0; }
 };
+
+// Pages on demand: admission reserves the pages of a prompt's positions only (a resumed
+// sequence's: of every token it holds); a sequence grows by the pages its next step's positions
+// need beyond what it holds and has reserved (growth, grow). When a rank has none left, the
+// scheduler preempts (preempt: every page released, tokens kept) and the sequence is admitted
+// again later, recomputing what the prefix cache no longer holds.
 
 // One rank's pages of one sequence, as a PagedEntry points into them.
 struct EntryPages {
@@ -49,20 +55,33 @@ class KVManager {
   // token, whose logits start the generation.
   int64_t reusable_pages(int64_t n) const { return (n - 1) / T_; }
 
-  // The prefix hits of `prompt` and the pages per rank for its prompt_len + max_new_tokens - 1
-  // positions; a cached hit counts against its rank's available pages (it leaves the LRU).
-  AdmissionFit fit(std::span<const TokenId> prompt, int64_t max_new_tokens) const;
+  // The prefix hits of `tokens` and the pages per rank for its positions (every token's K/V
+  // is stored as the prompt is prefilled); a cached hit counts against its rank's available
+  // pages (it leaves the LRU).
+  AdmissionFit fit(std::span<const TokenId> tokens) const;
   // Commits a fitting admission to s: references the hits, reserves `need`, and sets the
   // sequence's pages, hashes, computed and cached_tokens.
   void take(const AdmissionFit& fit, Sequence& s);
   // Allocates, on their owners, the pages of positions [s.computed, s.computed + n) that s does
   // not hold yet (from its reservation); appends to *mine those of rank `me`.
   Status allocate(Sequence& s, int64_t n, int me, std::vector<PageRef>* mine);
+  // Per rank: the pages positions [s.computed, s.computed + n) need beyond those s holds and
+  // has reserved.
+  std::vector<int64_t> growth(const Sequence& s, int64_t n) const;
+  // The first rank that cannot reserve `need` more pages, or -1.
+  int short_rank(std::span<const int64_t> need) const;
+  // Reserves `need` more pages for s (the caller checked short_rank).
+  void grow(Sequence& s, std::span<const int64_t> need);
   // Hashes the pages that s.computed has filled since the last call and, with the prefix cache
   // on, indexes them.
   void index_full_pages(Sequence& s);
-  // Releases s's pages and its unused reservation.
+  // Releases s's pages and its unused reservation, deepest page first: released pages that are
+  // indexed join the LRU list in that order, so eviction takes a chain from its tail and its
+  // head stays a prefix hit while any of it is cached.
   void release(Sequence& s);
+  // release(s), and s holds nothing: no pages, hashes or reservation, computed 0 (its tokens
+  // stay, for a later fit and take).
+  void preempt(Sequence& s);
   // Rank me's pages of s for positions [0, end), as the paged kernel reads them.
   void entry_pages(const Sequence& s, int64_t end, int me, EntryPages& out) const;
 

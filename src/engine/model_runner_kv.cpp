@@ -1,12 +1,13 @@
 // The K/V exchange of ModelRunner (exchange.hpp) for work items [n_passq, work.size()) in one
 // layer: every rank sends its pages' cached tokens of those sequences (positions before this
-// step) to every rank; each rank copies the pages its own rows read into xpool (cached tokens
+// step; encoded as stored, with their per-token scales for fp8 and int8) to every rank; each rank copies the pages its own rows read into xpool (cached tokens
 // from their owners, this step's from the all-gathered k and v, narrowed as the owners store
 // them), computes per owner rank the partial states over that rank's pages (the entries the
 // owner would have computed under pass-Q, so the same bits), and merges them locally in the
 // merge collective's association into `states`.
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 
 #include "engine/model_runner.hpp"
 
@@ -14,6 +15,12 @@ namespace treeattn::engine {
 namespace {
 
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// One KV head of one token on the wire: K and V as stored, then for fp8 and int8 their scales.
+std::size_t head_record_bytes(int64_t head_dim, DType t) {
+  return 2 * static_cast<std::size_t>(head_dim) * dtype_size(t) +
+         (dtype_is_quantized(t) ? 2 * sizeof(float) : 0);
+}
 
 }  // namespace
 
@@ -23,7 +30,8 @@ Result<std::size_t> ModelRunner::exchange_cached_pages(const TiledKVCache& pool,
   const auto& mc = model_->config();
   const int64_t Hkv = mc.n_head_kv;
   const std::size_t head_bytes = static_cast<std::size_t>(mc.head_dim) * dtype_size(cfg_.kv_dtype);
-  const std::size_t tok_bytes = 2 * static_cast<std::size_t>(Hkv) * head_bytes;
+  const std::size_t rec_bytes = head_record_bytes(mc.head_dim, cfg_.kv_dtype);
+  const std::size_t tok_bytes = static_cast<std::size_t>(Hkv) * rec_bytes;
   const auto up = static_cast<std::size_t>(p_);
   std::vector<std::size_t> bytes_of(up, 0);
   for (std::size_t w = st.n_passq; w < st.work.size(); ++w) {
@@ -38,16 +46,19 @@ Result<std::size_t> ModelRunner::exchange_cached_pages(const TiledKVCache& pool,
   page_send_.resize(slot);
   page_recv_.resize(slot * up);
   uint8_t* dst = page_send_.data();
-  float ks = 0, vs = 0;
+  const bool scaled = dtype_is_quantized(cfg_.kv_dtype);
+  float sc[2] = {0, 0};
   for (std::size_t w = st.n_passq; w < st.work.size(); ++w) {
     const Sequence& s = *st.seqs[w];
     for (int64_t j = 0; j * T_ < s.computed; ++j) {
       const PageRef& pg = s.pages[static_cast<std::size_t>(j)];
       if (pg.rank != me_) continue;
       for (int64_t t = 0; t < std::min(T_, s.computed - j * T_); ++t)
-        for (int64_t h = 0; h < Hkv; ++h, dst += 2 * head_bytes)
+        for (int64_t h = 0; h < Hkv; ++h, dst += rec_bytes) {
           pool.read_token_raw(0, h, static_cast<int64_t>(pg.id) * T_ + t, dst, dst + head_bytes,
-                              &ks, &vs);
+                              &sc[0], &sc[1]);
+          if (scaled) std::memcpy(dst + 2 * head_bytes, sc, sizeof(sc));
+        }
     }
   }
   const auto tg = Clock::now();
@@ -65,7 +76,9 @@ Status ModelRunner::copy_exchange_pages(const Step& st, std::size_t slot,
   const auto& mc = model_->config();
   const int64_t Hkv = mc.n_head_kv, kvd = Hkv * mc.head_dim;
   const std::size_t head_bytes = static_cast<std::size_t>(mc.head_dim) * dtype_size(cfg_.kv_dtype);
-  const std::size_t tok_bytes = 2 * static_cast<std::size_t>(Hkv) * head_bytes;
+  const std::size_t rec_bytes = head_record_bytes(mc.head_dim, cfg_.kv_dtype);
+  const std::size_t tok_bytes = static_cast<std::size_t>(Hkv) * rec_bytes;
+  const bool scaled = dtype_is_quantized(cfg_.kv_dtype);
   const auto up = static_cast<std::size_t>(p_);
   spans_.clear();
   int64_t need_pages = 0;
@@ -99,8 +112,12 @@ Status ModelRunner::copy_exchange_pages(const Step& st, std::size_t slot,
         const int32_t id = xid++;
         const uint8_t* src = page_recv_.data() + o * slot + static_cast<std::size_t>(cursor[o]);
         for (int64_t t = 0; t < cached; ++t)
-          for (int64_t h = 0; h < Hkv; ++h, src += 2 * head_bytes)
-            xpool_.set_token_raw(0, h, static_cast<int64_t>(id) * T_ + t, src, src + head_bytes);
+          for (int64_t h = 0; h < Hkv; ++h, src += rec_bytes) {
+            float sc[2] = {0, 0};
+            if (scaled) std::memcpy(sc, src + 2 * head_bytes, sizeof(sc));
+            xpool_.set_token_raw(0, h, static_cast<int64_t>(id) * T_ + t, src, src + head_bytes,
+                                 sc[0], sc[1]);
+          }
         for (int64_t pos = std::max(j * T_, C); pos < std::min(end, (j + 1) * T_); ++pos) {
           const int64_t row = st.first_row[w] + pos - C;
           xpool_.set_tokens(0, static_cast<int64_t>(id) * T_ + pos - j * T_, k_.data() + row * kvd,

@@ -10,9 +10,11 @@
 //
 // Page states (per rank, per page id): free (on the free list), referenced (refcount >= 1, by
 // live sequences), cached (refcount 0 but indexed by its prefix hash, kept for reuse, evictable:
-// least recently released first). Reservations: admission reserves, per rank, the pages a
-// request will still allocate; allocation then never fails, because available() =
-// free + cached - reserved never goes below zero.
+// least recently released first; the KV manager releases a sequence's pages deepest first, so a
+// chain is evicted from its tail). Reservations: the scheduler reserves, per rank, the pages a
+// sequence will allocate next (a prompt's at admission, a step's growth before the step);
+// allocation then never fails, because available() = free + cached - reserved never goes below
+// zero.
 //
 // Determinism: free lists hand out the lowest free page id first; the LRU order and the index
 // depend only on the order of the calls.

@@ -19,8 +19,8 @@ std::vector<WorkItem> choose_work(const Running& running, int64_t prefill_chunk)
   int64_t budget = prefill_chunk;
   for (const auto& s : running) {
     const int64_t pending = static_cast<int64_t>(s->tokens.size()) - s->computed;
-    if (s->computed >= s->prompt_len) {
-      work.emplace_back(s->id, pending);  // 1
+    if (s->computed >= s->prompt_len && pending == 1) {
+      work.emplace_back(s->id, pending);
     } else if (budget > 0) {
       const int64_t n = std::min(pending, budget);
       budget -= n;
@@ -123,18 +123,100 @@ void Scheduler::retire(RequestId id) {
   }
 }
 
+bool Scheduler::known(RequestId id) {
+  if (find(id) != nullptr) return true;
+  return std::any_of(preempted_.begin(), preempted_.end(),
+                     [&](const auto& s) { return s->id == id; });
+}
+
 void Scheduler::cancel_running(RequestId id) {
-  Sequence* s = find(id);
-  if (s == nullptr) return;
   TokenEvent ev;
   ev.finish = FinishReason::kCancelled;
-  emit(*s, ev);
-  retire(id);
+  if (Sequence* s = find(id)) {
+    emit(*s, ev);
+    retire(id);
+    return;
+  }
+  for (auto it = preempted_.begin(); it != preempted_.end(); ++it)
+    if ((*it)->id == id) {
+      emit(**it, ev);
+      preempted_.erase(it);  // holds no pages
+      return;
+    }
+}
+
+void Scheduler::preempt(RequestId id) {
+  for (auto it = running_.begin(); it != running_.end(); ++it) {
+    if ((*it)->id != id) continue;
+    kv_.preempt(**it);
+    preempted_.insert(preempted_.begin(), std::move(*it));
+    running_.erase(it);
+    ++preemptions_total_;
+    return;
+  }
+}
+
+// Work items of the running sequences, in admission order; the most recently admitted one is
+// preempted while the current item's pages do not fit (possibly the current one itself: then
+// no later item is left). A lone sequence always fits: a request is refused when its positions
+// exceed the pools (Engine::submit), and every other page is free or cached.
+Status Scheduler::grow_running(Plan& pl) {
+  const std::vector<WorkItem> items = choose_work(running_, cfg_.prefill_chunk);
+  for (const auto& [id, n] : items) {
+    Sequence* s = find(id);
+    if (s == nullptr) break;  // preempted below
+    const std::vector<int64_t> need = kv_.growth(*s, n);
+    while (kv_.short_rank(need) >= 0) {
+      if (running_.size() == 1)
+        return internal_error(cfg_.who + "request " + std::to_string(id) + " needs " +
+                              "pages beyond the KV pools with nothing left to preempt");
+      const RequestId victim = running_.back()->id;
+      pl.preempts.push_back(victim);
+      preempt(victim);
+      if (victim == id) break;
+    }
+    if (find(id) == nullptr) break;
+    kv_.grow(*s, need);
+  }
+  return Status::ok();
+}
+
+Status Scheduler::apply_growth(const Plan& pl) {
+  for (const auto& [id, n] : pl.work) {
+    Sequence* s = find(id);
+    if (s == nullptr) continue;  // admitted by this plan: its admission reserved its pages
+    const std::vector<int64_t> need = kv_.growth(*s, n);
+    const int r = kv_.short_rank(need);
+    if (r >= 0)
+      return internal_error(cfg_.who + "request " + std::to_string(id) +
+                            "'s pages for this step do not fit rank " + std::to_string(r) +
+                            " here: the replicated page tables diverged");
+    kv_.grow(*s, need);
+  }
+  return Status::ok();
+}
+
+Result<bool> Scheduler::resume(bool decide) {
+  Sequence& s = *preempted_.front();
+  const AdmissionFit fit = kv_.fit(s.tokens);
+  if (!fit.fits()) {
+    if (decide) return false;
+    return internal_error(cfg_.who + "request " + std::to_string(s.id) +
+                          " resumed by rank 0 does not fit rank " +
+                          std::to_string(fit.short_rank) +
+                          "'s pages here: the replicated page tables diverged");
+  }
+  const int64_t cached = s.cached_tokens;  // of its prompt, as first admitted
+  kv_.take(fit, s);
+  s.cached_tokens = cached;
+  running_.push_back(std::move(preempted_.front()));
+  preempted_.erase(preempted_.begin());
+  return true;
 }
 
 Result<bool> Scheduler::admit(RequestId id, Request req, bool decide, TokenCallback cb,
                               Clock::time_point submitted) {
-  const AdmissionFit fit = kv_.fit(req.prompt, req.max_new_tokens);
+  const AdmissionFit fit = kv_.fit(req.prompt);
   if (!fit.fits()) {
     if (decide) return false;
     return internal_error(
@@ -161,7 +243,8 @@ Result<bool> Scheduler::admit(RequestId id, Request req, bool decide, TokenCallb
 std::vector<Scheduler::Pending> Scheduler::take_cancels(Plan& pl) {
   std::vector<Pending> dropped;
   std::unique_lock lk(mu_);
-  if (running_.empty() && waiting_.empty() && cancel_ids_.empty() && !stop_now_ && !stop_drain_)
+  if (running_.empty() && preempted_.empty() && waiting_.empty() && cancel_ids_.empty() &&
+      !stop_now_ && !stop_drain_)
     cv_.wait_for(lk, cfg_.idle_tick);
   std::vector<RequestId> ids;
   ids.swap(cancel_ids_);
@@ -171,13 +254,14 @@ std::vector<Scheduler::Pending> Scheduler::take_cancels(Plan& pl) {
     if (it != waiting_.end()) {
       dropped.push_back(std::move(*it));
       waiting_.erase(it);
-    } else if (find(id) != nullptr && !contains(pl.cancels, id)) {
+    } else if (known(id) && !contains(pl.cancels, id)) {
       pl.cancels.push_back(id);
     }
   }
   if (stop_now_) {
-    for (auto& s : running_)
-      if (!contains(pl.cancels, s->id)) pl.cancels.push_back(s->id);
+    for (const Running* list : {&running_, &preempted_})
+      for (const auto& s : *list)
+        if (!contains(pl.cancels, s->id)) pl.cancels.push_back(s->id);
     for (Pending& pd : waiting_) dropped.push_back(std::move(pd));
     waiting_.clear();
     pl.kind = StepKind::kStop;
@@ -199,6 +283,14 @@ void Scheduler::drop(std::vector<Pending>& dropped, TokenEvent ev) {
 // cache (requests behind it may go first meanwhile): otherwise N clients sending the same long
 // document at once would prefill it N times, each at 1/N of the chunk budget.
 Status Scheduler::admit_waiting(Plan& pl) {
+  while (!preempted_.empty() && static_cast<int>(running_.size()) < cfg_.max_batch) {
+    const RequestId id = preempted_.front()->id;
+    auto ok = resume(true);
+    TREEATTN_RETURN_IF_ERROR(ok.status());
+    if (!*ok) return Status::ok();  // nothing overtakes a preempted sequence
+    pl.resumes.push_back(id);
+  }
+  if (!preempted_.empty()) return Status::ok();
   for (std::size_t at = 0;;) {
     Pending pd;
     {
@@ -231,16 +323,32 @@ Result<Plan> Scheduler::make_plan() {
   drop(dropped, cancelled);
   for (RequestId id : pl.cancels) cancel_running(id);
   if (pl.kind == StepKind::kStop) return pl;
+  TREEATTN_RETURN_IF_ERROR(grow_running(pl));
   TREEATTN_RETURN_IF_ERROR(admit_waiting(pl));
   pl.work = choose_work(running_, cfg_.prefill_chunk);
   std::lock_guard lk(mu_);
-  pl.waiting_after = static_cast<int64_t>(waiting_.size());
-  if (stop_drain_ && running_.empty() && waiting_.empty()) pl.kind = StepKind::kStop;
+  pl.waiting_after = static_cast<int64_t>(waiting_.size() + preempted_.size());
+  if (stop_drain_ && running_.empty() && waiting_.empty() && preempted_.empty())
+    pl.kind = StepKind::kStop;
   return pl;
 }
 
 Status Scheduler::apply_plan(Plan& pl) {
   for (RequestId id : pl.cancels) cancel_running(id);
+  for (RequestId id : pl.preempts) {
+    if (find(id) == nullptr)
+      return internal_error(cfg_.who + "step description preempts request " +
+                            std::to_string(id) + ", which is not running here");
+    preempt(id);
+  }
+  TREEATTN_RETURN_IF_ERROR(apply_growth(pl));
+  for (RequestId id : pl.resumes) {
+    if (preempted_.empty() || preempted_.front()->id != id)
+      return internal_error(cfg_.who + "step description resumes request " +
+                            std::to_string(id) + ", which is not the next preempted one here");
+    auto ok = resume(false);
+    TREEATTN_RETURN_IF_ERROR(ok.status());
+  }
   for (auto& a : pl.admits) {
     auto ok = admit(a.id, std::move(a.req), false, {}, Clock::now());
     TREEATTN_RETURN_IF_ERROR(ok.status());
@@ -272,6 +380,8 @@ void Scheduler::fail_all(const Status& st) {
   ev.finish = FinishReason::kError;
   ev.error = st;
   for (auto& s : running_) emit(*s, ev);
+  for (auto& s : preempted_) emit(*s, ev);
+  preempted_.clear();
   while (!running_.empty()) retire(running_.front()->id);
   std::vector<Pending> dropped(std::make_move_iterator(dq.begin()),
                                std::make_move_iterator(dq.end()));
@@ -287,8 +397,10 @@ void Scheduler::end_everything() {
   }
   TokenEvent ev;
   ev.finish = FinishReason::kCancelled;
-  for (auto& s : running_) emit(*s, ev);
+  for (const Running* list : {&running_, &preempted_})
+    for (auto& s : *list) emit(*s, ev);
   running_.clear();
+  preempted_.clear();
   std::vector<Pending> dropped(std::make_move_iterator(dq.begin()),
                                std::make_move_iterator(dq.end()));
   drop(dropped, ev);

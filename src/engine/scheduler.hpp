@@ -1,9 +1,18 @@
 // The engine's scheduler: rank 0's inbox (submit, cancel, stop: thread-safe), admission first
-// come first served under the KV pages every rank has (kv_manager.hpp), the replicated list of
-// running sequences, and each step's work (decoding sequences one token each, prefilling ones
-// sharing prefill_chunk tokens in admission order). Rank 0 decides a Plan (step_plan.hpp); the
-// other ranks apply the same Plan with apply_plan, so every rank's sequences and page tables
-// stay identical. No model and no communicator: tests drive it with hand-made states.
+// come first served under the KV pages every rank has (kv_manager.hpp), the replicated lists of
+// running and preempted sequences, and each step's work (decoding sequences one token each,
+// prefilling ones sharing prefill_chunk tokens in admission order). Rank 0 decides a Plan
+// (step_plan.hpp); the other ranks apply the same Plan with apply_plan, so every rank's
+// sequences and page tables stay identical. No model and no communicator: tests drive it with
+// hand-made states.
+//
+// Pages on demand: admission takes the pages of a prompt; each step, before admitting anyone,
+// the running sequences reserve the pages their work needs, in admission order, and when a rank
+// has none left the most recently admitted running sequence is preempted (its pages released,
+// its tokens and sampler kept) and queued ahead of every waiting request. A preempted sequence
+// is admitted again with every token it holds as its prompt: the prefix cache gives back what
+// it still holds, the rest is recomputed, and since a row's bits do not depend on the batch or
+// the chunking, it continues with exactly the tokens and logits it would have had.
 #pragma once
 
 #include <chrono>
@@ -35,8 +44,8 @@ struct SchedulerConfig {
 
 using Running = std::vector<std::unique_ptr<Sequence>>;
 
-// Decoding sequences always take their one token; prefilling ones share prefill_chunk tokens
-// in admission order.
+// Decoding sequences (their prompt computed, one token pending) always take their one token;
+// prefilling ones, and resumed ones recomputing, share prefill_chunk tokens in admission order.
 std::vector<WorkItem> choose_work(const Running& running, int64_t prefill_chunk);
 
 // Whether a running sequence has not yet computed full pages that `prompt` could take from the
@@ -58,6 +67,7 @@ class Scheduler {
 
   // ---- the replicated state ----
   const Running& running() const { return running_; }
+  const Running& preempted() const { return preempted_; }  // next to resume first
   Sequence* find(RequestId id);
   // Rank 0: this step's cancels, admissions and work, applied to the replicated state as they
   // are decided. With nothing to do, it first waits up to idle_tick for a request.
@@ -76,6 +86,7 @@ class Scheduler {
   // Whatever is queued or running ends with kCancelled (the engine goes away).
   void end_everything();
 
+  int64_t preemptions_total() const { return preemptions_total_; }
   int64_t requests_total() const { return requests_total_; }
   int64_t prompt_tokens_total() const { return prompt_total_; }
   int64_t cached_tokens_total() const { return cached_total_; }
@@ -91,7 +102,18 @@ class Scheduler {
   // must fit (rank 0 decided on the same state).
   Result<bool> admit(RequestId id, Request req, bool decide, TokenCallback cb,
                      Clock::time_point submitted);
+  // Admits preempted_.front() again on every rank; decide as for admit.
+  Result<bool> resume(bool decide);
   void cancel_running(RequestId id);
+  // Moves a running sequence to the front of preempted_, its pages released.
+  void preempt(RequestId id);
+  // Rank 0: reserves the pages the running sequences' work needs, preempting the most recently
+  // admitted ones while a rank has too few; records the preemptions in the plan.
+  Status grow_running(Plan& plan);
+  // Every rank: reserves the growth of the work of sequences running now (after the plan's
+  // preemptions, before its admissions: as rank 0 did).
+  Status apply_growth(const Plan& plan);
+  bool known(RequestId id);  // running or preempted
   // Under the lock: takes the cancels and the stop flag into the plan; returns the queued
   // requests dropped (their callbacks run after the lock).
   std::vector<Pending> take_cancels(Plan& plan);
@@ -100,8 +122,9 @@ class Scheduler {
 
   SchedulerConfig cfg_;
   KVManager& kv_;
-  Running running_;  // admission order, replicated
-  int64_t requests_total_ = 0, prompt_total_ = 0, cached_total_ = 0;
+  Running running_;    // admission order, replicated
+  Running preempted_;  // the most recently preempted first, replicated
+  int64_t requests_total_ = 0, prompt_total_ = 0, cached_total_ = 0, preemptions_total_ = 0;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -78,9 +78,12 @@ Result<Plan::Admit> get_request(Reader& in) {
 
 std::vector<int64_t> encode_plan(const Plan& pl) {
   std::vector<int64_t> w = {
-      static_cast<int64_t>(pl.kind), pl.waiting_after, static_cast<int64_t>(pl.cancels.size()),
-      static_cast<int64_t>(pl.admits.size()), static_cast<int64_t>(pl.work.size())};
-  for (RequestId id : pl.cancels) w.push_back(static_cast<int64_t>(id));
+      static_cast<int64_t>(pl.kind),          pl.waiting_after,
+      static_cast<int64_t>(pl.cancels.size()), static_cast<int64_t>(pl.preempts.size()),
+      static_cast<int64_t>(pl.resumes.size()), static_cast<int64_t>(pl.admits.size()),
+      static_cast<int64_t>(pl.work.size())};
+  for (const auto* ids : {&pl.cancels, &pl.preempts, &pl.resumes})
+    for (RequestId id : *ids) w.push_back(static_cast<int64_t>(id));
   for (const auto& a : pl.admits) put_request(w, a.id, a.req);
   for (const auto& [id, n] : pl.work) {
     w.push_back(static_cast<int64_t>(id));
@@ -92,7 +95,7 @@ std::vector<int64_t> encode_plan(const Plan& pl) {
 Result<Plan> decode_plan(std::span<const int64_t> words) {
   Reader in(words);
   Plan pl;
-  int64_t kind = 0, nc = 0, na = 0, nw = 0;
+  int64_t kind = 0, nc = 0, np = 0, nr = 0, na = 0, nw = 0;
   if (!in.next(kind) || !in.next(pl.waiting_after)) return in.bad("the header is cut short");
   if (kind != static_cast<int64_t>(StepKind::kRun) &&
       kind != static_cast<int64_t>(StepKind::kStop) &&
@@ -100,13 +103,18 @@ Result<Plan> decode_plan(std::span<const int64_t> words) {
     return in.bad("unknown step kind " + std::to_string(kind));
   pl.kind = static_cast<StepKind>(kind);
   if (!in.count(nc, 1)) return in.bad("the cancel count is missing or out of range");
+  if (!in.count(np, 1)) return in.bad("the preemption count is missing or out of range");
+  if (!in.count(nr, 1)) return in.bad("the resumption count is missing or out of range");
   if (!in.count(na, kRequestWords)) return in.bad("the admission count is missing or out of range");
   if (!in.count(nw, 2)) return in.bad("the work count is missing or out of range");
-  for (int64_t c = 0; c < nc; ++c) {
-    int64_t id = 0;
-    if (!in.next(id)) return in.bad("a cancel is cut short");
-    pl.cancels.push_back(static_cast<RequestId>(id));
-  }
+  const std::pair<int64_t, std::vector<RequestId>*> lists[] = {
+      {nc, &pl.cancels}, {np, &pl.preempts}, {nr, &pl.resumes}};
+  for (const auto& [n, ids] : lists)
+    for (int64_t c = 0; c < n; ++c) {
+      int64_t id = 0;
+      if (!in.next(id)) return in.bad("a cancel, preemption or resumption is cut short");
+      ids->push_back(static_cast<RequestId>(id));
+    }
   for (int64_t a = 0; a < na; ++a) {
     auto ad = get_request(in);
     TREEATTN_RETURN_IF_ERROR(ad.status());

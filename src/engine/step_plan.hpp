@@ -2,9 +2,11 @@
 // sequence) and its wire format: int64 words that rank 0 broadcasts and every other rank decodes
 // and applies, so that every rank's replicated state changes the same way.
 //
-// Words: kind, waiting_after, #cancels, #admits, #work; the cancels' ids; each admission
-// (id, #prompt, max_new_tokens, temperature bits, top_k, top_p bits, seed, return_logits,
-// #stop tokens, the stop tokens, the prompt); each work item (id, tokens).
+// Words: kind, waiting_after, #cancels, #preempts, #resumes, #admits, #work; the cancels',
+// preemptions' and resumptions' ids; each admission (id, #prompt, max_new_tokens, temperature
+// bits, top_k, top_p bits, seed, return_logits, #stop tokens, the stop tokens, the prompt); each
+// work item (id, tokens). Every rank applies them in that order: cancels, preemptions, the
+// running sequences' page growth for their work, resumptions, admissions.
 #pragma once
 
 #include <cstdint>
@@ -24,7 +26,7 @@ enum class StepKind : int64_t {
 };
 
 // The fewest words of a description: its header.
-inline constexpr std::size_t kPlanHeaderWords = 5;
+inline constexpr std::size_t kPlanHeaderWords = 7;
 
 using WorkItem = std::pair<RequestId, int64_t>;  // a sequence and its tokens this step
 
@@ -32,6 +34,8 @@ struct Plan {
   StepKind kind = StepKind::kRun;
   int64_t waiting_after = 0;  // requests still queued after this step's admissions
   std::vector<RequestId> cancels;
+  std::vector<RequestId> preempts;  // running sequences preempted, in order
+  std::vector<RequestId> resumes;   // preempted sequences admitted again, in order
   struct Admit {
     RequestId id = 0;
     Request req;

@@ -44,7 +44,12 @@ std::vector<double> itl_buckets() {
 }
 
 ServerMetrics::ServerMetrics()
-    : ttft(ttft_buckets()), itl(itl_buckets()), duration(ttft_buckets()) {}
+    : ttft(ttft_buckets()),
+      itl(itl_buckets()),
+      duration(ttft_buckets()),
+      queue(ttft_buckets()),
+      prefill(ttft_buckets()),
+      decode(ttft_buckets()) {}
 
 void ServerMetrics::count_response(int status) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -57,7 +62,8 @@ void ServerMetrics::count_finish(const std::string& reason) {
 }
 
 ServerMetrics::Snapshot ServerMetrics::snapshot() const {
-  Snapshot s{ttft.snapshot(), itl.snapshot(), duration.snapshot(), {}, {}};
+  Snapshot s{ttft.snapshot(),  itl.snapshot(),     duration.snapshot(), queue.snapshot(),
+             prefill.snapshot(), decode.snapshot(), {},                  {}};
   std::lock_guard<std::mutex> lock(mu_);
   s.responses = responses_;
   s.finished = finished_;
@@ -143,9 +149,18 @@ std::string prometheus_text(const engine::EngineMetrics& e, const ServerMetrics:
            static_cast<double>(e.prompt_tokens_total));
   w.metric("treeattn_generation_tokens_total", "counter", "Tokens generated.",
            static_cast<double>(e.generated_tokens_total));
+  w.metric("treeattn_prefix_cache_query_tokens_total", "counter",
+           "Prompt tokens looked up in the prefix cache (every admitted prompt token).",
+           static_cast<double>(e.prompt_tokens_total));
   w.metric("treeattn_prefix_cache_hit_tokens_total", "counter",
            "Prompt tokens taken from the prefix cache instead of computed.",
            static_cast<double>(e.cached_tokens_total));
+  w.metric("treeattn_requests_preempted", "gauge",
+           "Requests preempted for KV pages, waiting to be admitted again.",
+           static_cast<double>(e.preempted));
+  w.metric("treeattn_preemptions_total", "counter",
+           "Times a running request was preempted for KV pages (it resumes by recomputing).",
+           static_cast<double>(e.preemptions_total));
   w.metric("treeattn_engine_steps_total", "counter", "Engine steps (batched forward passes).",
            static_cast<double>(e.steps));
   w.metric("treeattn_merges_total", "counter", "Per-layer merges each rank ran.",
@@ -160,6 +175,13 @@ std::string prometheus_text(const engine::EngineMetrics& e, const ServerMetrics:
              "KV pages kept for prefix reuse, unreferenced (evictable), per rank.", e.pages_cached);
   w.per_rank("treeattn_kv_pages_free", "gauge", "KV pages on the free list, per rank.",
              e.pages_free);
+  std::vector<double> usage;
+  for (const int64_t used : e.pages_used)
+    usage.push_back(e.pages_per_rank > 0
+                        ? static_cast<double>(used) / static_cast<double>(e.pages_per_rank)
+                        : 0.0);
+  w.per_rank("treeattn_kv_usage_ratio", "gauge",
+             "Fraction of the KV pages referenced by live sequences, per rank.", usage);
   w.per_rank("treeattn_merge_seconds_total", "counter",
              "Time in the per-layer merge of the ranks' attention states, per rank.",
              e.merge_seconds);
@@ -178,6 +200,12 @@ std::string prometheus_text(const engine::EngineMetrics& e, const ServerMetrics:
               s.itl);
   w.histogram("treeattn_request_duration_seconds", "From the request's arrival to its last token.",
               s.duration);
+  w.histogram("treeattn_request_queue_seconds",
+              "From submission to the engine to admission, of finished requests.", s.queue);
+  w.histogram("treeattn_request_prefill_seconds",
+              "From admission to the first token, of finished requests.", s.prefill);
+  w.histogram("treeattn_request_decode_seconds",
+              "From the first token to the last, of finished requests.", s.decode);
   w.head("treeattn_requests_finished_total", "counter",
          "Requests that ended, by reason (stop, length, cancelled, error, disconnected).");
   for (const auto& [reason, n] : s.finished)

@@ -59,11 +59,12 @@ class ServerMetrics {
  public:
   ServerMetrics();
   Histogram ttft, itl, duration;
+  Histogram queue, prefill, decode;  // of finished requests, from the engine's timings
   void count_response(int status);
   void count_finish(const std::string& reason);
 
   struct Snapshot {
-    Histogram::Snapshot ttft, itl, duration;
+    Histogram::Snapshot ttft, itl, duration, queue, prefill, decode;
     std::map<int, uint64_t> responses;
     std::map<std::string, uint64_t> finished;
   };

@@ -295,6 +295,11 @@ struct HttpServer::Impl {
     }
     if (u.done) {
       metrics.duration.observe(seconds(te.at - job.arrival));
+      metrics.queue.observe(te.event.timings.queue_seconds);
+      if (te.event.timings.generated_tokens > 0) {
+        metrics.prefill.observe(te.event.timings.prefill_seconds);
+        metrics.decode.observe(te.event.timings.decode_seconds);
+      }
       metrics.count_finish(finish_name(u.finish));
       job.ended = true;
       if (u.stopped_by_string) backend->cancel(job.id);

@@ -1,13 +1,14 @@
 // The serving engine (include/treeattn/engine.hpp) on tiny random-weight Llama models, with
 // threads as ranks: agreement with the Generator's decode (itself checked against the float64
 // reference in tests/model), batch invariance (a request's tokens and logits bits are the same
-// alone and in a staggered batch with chunked prefill and prefix reuse, at 1-4 ranks), prefix
-// reuse for follow-up turns, admission under memory pressure with eviction, cancellation, bad
-// requests and a rank that never arrives.
+// alone and in a staggered batch with chunked prefill and prefix reuse, and after preemption
+// and resumption, at 1-4 ranks), prefix reuse for follow-up turns, admission under memory
+// pressure with eviction, cancellation, bad requests and a rank that never arrives.
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -248,6 +249,118 @@ TEST(Engine, BatchInvarianceTokensAndLogitsBitsAreTheSameAloneAndInABatch) {
       EXPECT_EQ(batch.metrics.pages_free[static_cast<std::size_t>(r)] +
                     batch.metrics.pages_cached[static_cast<std::size_t>(r)],
                 batch_cfg.kv_pages);
+    }
+  }
+}
+
+// Pages on demand: six requests whose prompts fit a pool of 8 pages of 16 tokens (over all
+// ranks) but whose generations do not, so running requests are preempted and resumed, some of
+// them several times, four of them sampling at temperature 8 (the tiny model's logits are
+// peaked: hotter, and the sampler's state, which must go on across a preemption, would not
+// matter). Every request gives exactly the tokens
+// and logits bits it gives alone in a large pool, at 1-4 ranks, and every page comes back.
+TEST(Engine, PreemptedAndResumedRequestsGiveTheirAloneBits) {
+  TinyModel m;
+  std::mt19937_64 rng(21);
+  std::vector<Submitted> subs;
+  for (int i = 0; i < 6; ++i) {
+    Request r = greedy(random_tokens(rng, 20 + 5 * i, 320), 30 + 3 * i);
+    if (i != 0 && i != 3) {
+      r.sampling.temperature = 8.0;
+      r.sampling.seed = 1000 + static_cast<uint64_t>(i);
+    }
+    subs.push_back({i / 3, std::move(r)});
+  }
+  for (int p : {1, 2, 3, 4}) {
+    EngineConfig alone_cfg = base_config();
+    alone_cfg.prefix_cache = false;
+    const auto alone = run_engine(*m, p, alone_cfg, subs, true);
+    ASSERT_TRUE(alone.status.is_ok()) << alone.status.to_string();
+    int64_t not_argmax = 0;  // the sampled requests did draw from their distributions
+    for (const auto& o : alone.out)
+      for (std::size_t t = 0; t < o.tokens.size() && t < o.logits.size(); ++t)
+        not_argmax += o.tokens[t] != model::top_two(o.logits[t]).first;
+    EXPECT_GT(not_argmax, 10) << "p " << p;
+    EngineConfig tight = base_config();
+    tight.kv_pages = (8 + p - 1) / p;
+    tight.prefill_chunk = 24;
+    const auto batch = run_engine(*m, p, tight, subs, false);
+    ASSERT_TRUE(batch.status.is_ok()) << batch.status.to_string();
+    for (std::size_t i = 0; i < subs.size(); ++i) {
+      EXPECT_EQ(same_bits(alone.out[i], batch.out[i]), "") << "p " << p << " request " << i;
+      EXPECT_EQ(batch.out[i].finish, FinishReason::kLength) << "p " << p << " request " << i;
+    }
+    EXPECT_GE(batch.metrics.preemptions_total, 2) << "p " << p;
+    EXPECT_EQ(batch.metrics.preempted, 0);
+    for (int r = 0; r < p; ++r) {
+      EXPECT_EQ(batch.metrics.pages_used[static_cast<std::size_t>(r)], 0) << "rank " << r;
+      EXPECT_EQ(batch.metrics.pages_free[static_cast<std::size_t>(r)] +
+                    batch.metrics.pages_cached[static_cast<std::size_t>(r)],
+                tight.kv_pages);
+    }
+  }
+}
+
+// fp8 and int8 KV pages (a scale per token and KV head): attention is exact over the stored
+// values, so batch invariance holds as for f16 (alone vs a staggered batch with prefix reuse,
+// the K/V exchange, whose pages travel with their scales, against pass-Q), at 1-3 ranks. Against
+// f16 pages the logits differ by the quantization: the largest error relative to the logits'
+// magnitude is printed, and greedy tokens agree until the first step where f16's top two logits
+// are a near tie (closer than twice that error), where the comparison of the request ends.
+TEST(Engine, QuantizedKVPagesAreBatchInvariantAndCloseToF16) {
+  TinyModel m;
+  const auto subs = mixed_requests(13);
+  for (const DType dt : {DType::kInt8, DType::kFP8}) {
+    for (int p : {1, 2, 3}) {
+      EngineConfig ref_cfg = base_config();
+      ref_cfg.kv_dtype = DType::kF16;
+      ref_cfg.prefix_cache = false;
+      ref_cfg.prefill_chunk = 4096;
+      const auto ref = run_engine(*m, p, ref_cfg, subs, true);
+      ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+      EngineConfig alone_cfg = ref_cfg;
+      alone_cfg.kv_dtype = dt;
+      const auto alone = run_engine(*m, p, alone_cfg, subs, true);
+      ASSERT_TRUE(alone.status.is_ok()) << alone.status.to_string();
+      for (const char* exchange : {"pass-q", "kv"}) {
+        EngineConfig batch_cfg = base_config();
+        batch_cfg.kv_dtype = dt;
+        batch_cfg.prefill_chunk = 24;
+        batch_cfg.prefill_exchange = exchange;
+        const auto batch = run_engine(*m, p, batch_cfg, subs, false);
+        ASSERT_TRUE(batch.status.is_ok()) << batch.status.to_string();
+        for (std::size_t i = 0; i < subs.size(); ++i)
+          EXPECT_EQ(same_bits(alone.out[i], batch.out[i]), "")
+              << dtype_name(dt) << " " << exchange << " p " << p << " request " << i;
+      }
+      float worst = 0;  // max |quantized - f16| / max |f16| over the steps both saw
+      int equal = 0, parted = 0;
+      for (std::size_t i = 0; i < subs.size(); ++i) {
+        const Outcome &q = alone.out[i], &f = ref.out[i];
+        for (std::size_t t = 0; t < q.tokens.size() && t < f.tokens.size(); ++t) {
+          float mag = 0, err = 0;
+          for (std::size_t v = 0; v < f.logits[t].size(); ++v) {
+            mag = std::max(mag, std::fabs(f.logits[t][v]));
+            err = std::max(err, std::fabs(q.logits[t][v] - f.logits[t][v]));
+          }
+          worst = std::max(worst, err / mag);
+          if (q.tokens[t] == f.tokens[t]) {
+            ++equal;
+            continue;
+          }
+          const auto top = model::top_two(f.logits[t]);
+          EXPECT_LT(top.gap(), 2 * err) << dtype_name(dt) << " p " << p << " request " << i
+                                        << " step " << t << ": not a near tie";
+          ++parted;
+          break;
+        }
+      }
+      std::printf("[ kv %-4s   ] p %d: logits vs f16 pages: max error %.3g of the largest logit; "
+                  "%d greedy tokens equal, %d requests parted at a near tie\n",
+                  std::string(dtype_name(dt)).c_str(), p, static_cast<double>(worst), equal,
+                  parted);
+      EXPECT_LT(worst, dt == DType::kInt8 ? 0.05f : 0.1f) << dtype_name(dt) << " p " << p;
+      EXPECT_GT(equal, 40);
     }
   }
 }

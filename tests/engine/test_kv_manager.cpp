@@ -1,7 +1,7 @@
 // The engine's KV manager (src/engine/kv_manager.hpp) on hand-made sequences: placement (logical
-// page j on rank j mod p), reservations that allocation draws down, prefix hits and the pages
-// they save, cached hits counted against availability, release, this rank's entry pages, and
-// poisoned pages.
+// page j on rank j mod p), reservations of a prompt's pages that allocation draws down, growth
+// on demand, prefix hits and the pages they save, cached hits counted against availability,
+// release (tail first into the LRU), preemption, this rank's entry pages, and poisoned pages.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -23,7 +23,7 @@ Sequence admitted(KVManager& kv, std::vector<TokenId> prompt, int64_t max_new) {
   Sequence s;
   s.tokens = prompt;
   s.prompt_len = static_cast<int64_t>(prompt.size());
-  const AdmissionFit fit = kv.fit(prompt, max_new);
+  const AdmissionFit fit = kv.fit(prompt);
   EXPECT_TRUE(fit.fits());
   kv.take(fit, s);
   s.req.prompt = std::move(prompt);
@@ -31,9 +31,15 @@ Sequence admitted(KVManager& kv, std::vector<TokenId> prompt, int64_t max_new) {
   return s;
 }
 
-// Stores n more positions of s (as a step's forward pass would) and indexes its full pages.
+// Stores n more positions of s (as a step's forward pass would: its pages grown first, as the
+// scheduler does) and indexes its full pages; tokens past the prompt are made up.
 void compute(KVManager& kv, Sequence& s, int64_t n, int me = 0,
              std::vector<PageRef>* mine = nullptr) {
+  while (static_cast<int64_t>(s.tokens.size()) < s.computed + n)
+    s.tokens.push_back(static_cast<TokenId>(1000 + s.tokens.size()));
+  const std::vector<int64_t> need = kv.growth(s, n);
+  ASSERT_LT(kv.short_rank(need), 0);
+  kv.grow(s, need);
   ASSERT_TRUE(kv.allocate(s, n, me, mine).is_ok());
   s.computed += n;
   kv.index_full_pages(s);
@@ -57,13 +63,21 @@ TEST(EngineKVManager, PlacesLogicalPageJOnRankJModP) {
   EXPECT_EQ(kv.max_sequence_tokens(), 3 * 8 * 16);
 }
 
-TEST(EngineKVManager, ReservesPromptAndGenerationAndReleasesEverything) {
+TEST(EngineKVManager, ReservesThePromptsPagesGrowsOnDemandAndReleasesEverything) {
   KVManager kv(2, 4, 16, true);
-  Sequence s = admitted(kv, iota_tokens(20), 30);  // 49 positions: 4 pages, 2 per rank
-  EXPECT_EQ(s.reserve_left, (std::vector<int64_t>{2, 2}));
-  EXPECT_EQ(kv.table().available(0), 2);
-  compute(kv, s, 20);
+  Sequence s = admitted(kv, iota_tokens(20), 30);  // the prompt's 20 positions: 2 pages
   EXPECT_EQ(s.reserve_left, (std::vector<int64_t>{1, 1}));
+  EXPECT_EQ(kv.table().available(0), 3);
+  compute(kv, s, 20);
+  EXPECT_EQ(s.reserve_left, (std::vector<int64_t>{0, 0}));
+  // Decoding: position 20 is on page 1 (held), 32 on page 2 (rank 0, grown then).
+  EXPECT_EQ(kv.growth(s, 1), (std::vector<int64_t>{0, 0}));
+  compute(kv, s, 12);
+  EXPECT_EQ(kv.growth(s, 1), (std::vector<int64_t>{1, 0}));
+  EXPECT_EQ(kv.growth(s, 17), (std::vector<int64_t>{1, 1}));
+  compute(kv, s, 1);
+  EXPECT_EQ(s.pages.size(), 3u);
+  EXPECT_EQ(kv.table().available(0), 2);
   kv.release(s);
   EXPECT_EQ(kv.table().reserved(0), 0);
   EXPECT_EQ(kv.table().reserved(1), 0);
@@ -75,9 +89,9 @@ TEST(EngineKVManager, ReservesPromptAndGenerationAndReleasesEverything) {
 
 TEST(EngineKVManager, ReportsTheFirstShortRank) {
   KVManager kv(2, 2, 16, true);
-  const AdmissionFit ok = kv.fit(iota_tokens(40), 25);  // 64 positions: 2 pages per rank
+  const AdmissionFit ok = kv.fit(iota_tokens(64));  // 64 positions: 2 pages per rank
   EXPECT_TRUE(ok.fits());
-  const AdmissionFit no = kv.fit(iota_tokens(40), 26);  // 65: 3 pages on rank 0
+  const AdmissionFit no = kv.fit(iota_tokens(65));  // 65: 3 pages on rank 0
   EXPECT_FALSE(no.fits());
   EXPECT_EQ(no.short_rank, 0);
 }
@@ -88,7 +102,7 @@ TEST(EngineKVManager, PrefixHitsLeaveTheLastTokenAndSavePages) {
   Sequence a = admitted(kv, doc, 1);
   compute(kv, a, 48);
   // The same 48 tokens: 2 hits (the third page holds the last token, computed again).
-  const AdmissionFit same = kv.fit(doc, 1);
+  const AdmissionFit same = kv.fit(doc);
   EXPECT_EQ(same.hits.size(), 2u);
   EXPECT_EQ(same.need, (std::vector<int64_t>{1, 0}));
   Sequence b;
@@ -102,7 +116,7 @@ TEST(EngineKVManager, PrefixHitsLeaveTheLastTokenAndSavePages) {
   // A prompt that differs in its second page hits only the first.
   auto other = doc;
   other[20] = 999;
-  EXPECT_EQ(kv.fit(other, 1).hits.size(), 1u);
+  EXPECT_EQ(kv.fit(other).hits.size(), 1u);
   EXPECT_TRUE(kv.table().check().is_ok());
 }
 
@@ -114,10 +128,11 @@ TEST(EngineKVManager, CachedHitsCountAgainstAvailablePages) {
   kv.release(a);  // pages 0, 1 cached, page 2 free
   EXPECT_EQ(kv.table().cached_pages(0), 2);
   // Two hits leave the LRU: with one page needed, 3 of 3 available pages are spoken for.
-  const AdmissionFit f = kv.fit(doc, 1);
+  const AdmissionFit f = kv.fit(doc);
   EXPECT_EQ(f.hits.size(), 2u);
   EXPECT_TRUE(f.fits());
-  const AdmissionFit g = kv.fit(doc, 17);  // one page more: no longer fits
+  const AdmissionFit g = kv.fit(iota_tokens(49));  // the same 2 hits, one page more: no fit
+  EXPECT_EQ(g.hits.size(), 2u);
   EXPECT_FALSE(g.fits());
 }
 
@@ -128,7 +143,50 @@ TEST(EngineKVManager, NoPrefixCacheNoHitsNoIndex) {
   compute(kv, a, 40);
   EXPECT_EQ(a.hashes.size(), 2u);  // hashed, not indexed
   EXPECT_EQ(kv.table().index_size(), 0);
-  EXPECT_TRUE(kv.fit(doc, 1).hits.empty());
+  EXPECT_TRUE(kv.fit(doc).hits.empty());
+}
+
+// Tail-first eviction: a released chain joins the LRU deepest page first, so evicting one page
+// takes its last page and every earlier one is still a prefix hit.
+TEST(EngineKVManager, EvictionTakesAReleasedChainFromItsTailSoItsHeadStillHits) {
+  KVManager kv(1, 12, 16, true);
+  const auto doc = iota_tokens(161);  // 10 full pages and one token
+  Sequence a = admitted(kv, doc, 1);
+  compute(kv, a, 161);
+  kv.release(a);  // 10 cached pages, 2 free
+  ASSERT_EQ(kv.table().cached_pages(0), 10);
+  // A stranger takes the 2 free pages and one more: one cached page is evicted.
+  Sequence b = admitted(kv, iota_tokens(48, 5000), 1);
+  compute(kv, b, 48);
+  EXPECT_EQ(kv.table().cached_pages(0), 9);
+  // Pages 0-8 of the chain still hit; page 9 (its tail) was the one evicted.
+  const AdmissionFit f = kv.fit(doc);
+  EXPECT_EQ(f.hits.size(), 9u);
+  for (std::size_t j = 0; j < f.hits.size(); ++j) EXPECT_EQ(f.hits[j], a.pages[j]);
+  EXPECT_TRUE(kv.table().check().is_ok());
+}
+
+TEST(EngineKVManager, PreemptReleasesEverythingAndKeepsTheTokensForAResumption) {
+  KVManager kv(2, 8, 16, true);
+  Sequence s = admitted(kv, iota_tokens(40), 1);
+  compute(kv, s, 40);
+  compute(kv, s, 5);  // "generated" positions
+  const auto held = s.tokens;
+  kv.preempt(s);
+  EXPECT_TRUE(s.pages.empty());
+  EXPECT_TRUE(s.hashes.empty());
+  EXPECT_EQ(s.computed, 0);
+  EXPECT_EQ(s.reserve_left, (std::vector<int64_t>{0, 0}));
+  EXPECT_EQ(s.tokens, held);
+  EXPECT_EQ(kv.table().used_pages(0) + kv.table().used_pages(1), 0);
+  EXPECT_EQ(kv.table().reserved(0) + kv.table().reserved(1), 0);
+  // Admitted again with every token it holds: its 2 full pages are hits, the rest recomputed.
+  const AdmissionFit f = kv.fit(s.tokens);
+  EXPECT_EQ(f.hits.size(), 2u);
+  kv.take(f, s);
+  EXPECT_EQ(s.computed, 32);
+  EXPECT_EQ(s.reserve_left, (std::vector<int64_t>{1, 0}));  // page 2 of 45 positions
+  EXPECT_TRUE(kv.table().check().is_ok());
 }
 
 TEST(EngineKVManager, EntryPagesAreThisRanksPagesUpToTheEnd) {

@@ -1,11 +1,14 @@
 // The engine's scheduler (src/engine/scheduler.hpp) with neither a model nor a communicator:
 // hand-made KV pools (kv_manager.hpp) and a stand-in for the forward pass that stores positions
 // and appends a token. First come first served admission that waits for pages rather than being
-// overtaken, max_batch, prefill chunking in admission order, waiting for a shared prefix still
-// in flight, cancels, stops, the queue limit, failure, and a second rank's replica applying the
-// broadcast plans into the same state.
+// overtaken, pages on demand with preemption of the most recently admitted sequence and its
+// resumption ahead of every waiting request, max_batch, prefill chunking in admission order,
+// waiting for a shared prefix still in flight, cancels (of preempted sequences too), stops, the
+// queue limit, failure, and a second rank's replica applying the broadcast plans into the same
+// state.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <numeric>
 
@@ -77,6 +80,11 @@ struct Ranks {
     return *pl;
   }
   void expect_same() {
+    ASSERT_EQ(s0.preempted().size(), s1.preempted().size());
+    for (std::size_t i = 0; i < s0.preempted().size(); ++i) {
+      EXPECT_EQ(s0.preempted()[i]->id, s1.preempted()[i]->id);
+      EXPECT_EQ(s0.preempted()[i]->tokens, s1.preempted()[i]->tokens);
+    }
     ASSERT_EQ(s0.running().size(), s1.running().size());
     for (std::size_t i = 0; i < s0.running().size(); ++i) {
       EXPECT_EQ(s0.running()[i]->id, s1.running()[i]->id);
@@ -137,6 +145,100 @@ TEST(Scheduler, FirstComeFirstServedWaitsForPagesWithoutOvertaking) {
   }
   EXPECT_EQ(order, (std::vector<RequestId>{1, 2, 3}));
   r.expect_same();
+}
+
+// 1 rank of 4 pages of 16 tokens. A (30-token prompt) and B (20) take 2 pages each; when A's
+// position 32 needs a third page, B (admitted last) is preempted: its full page stays cached,
+// its tokens kept. C, arriving meanwhile, does not overtake B, which resumes when A finishes,
+// recomputing its tokens, and ends with every token it was due.
+TEST(Scheduler, PagesOnDemandPreemptTheLastAdmittedWhichResumesFirst) {
+  Ranks r(config(4, 256), 1, 4);
+  Events ev;
+  ASSERT_TRUE(r.s0.submit(request(tokens(30), 30), ev.callback()).is_ok());      // A = 1
+  ASSERT_TRUE(r.s0.submit(request(tokens(20, 100), 40), ev.callback()).is_ok());  // B = 2
+  Plan a = r.step();
+  EXPECT_EQ(admitted_ids(a), (std::vector<RequestId>{1, 2}));
+  EXPECT_EQ(r.kv0.table().available(0), 0);  // admission took the prompts' pages only
+  Plan b = r.step();  // A at position 30, B at 20: both on pages they hold
+  EXPECT_TRUE(b.preempts.empty());
+  Plan c = r.step();  // A at 31
+  EXPECT_TRUE(c.preempts.empty());
+  const std::vector<TokenId> b_tokens = r.s0.find(2)->tokens;
+  const int64_t b_generated = r.s0.find(2)->generated;
+  Plan d = r.step();  // A at 32: a third page, only by preempting B
+  EXPECT_EQ(d.preempts, (std::vector<RequestId>{2}));
+  EXPECT_TRUE(d.resumes.empty());
+  EXPECT_EQ(d.work, (std::vector<WorkItem>{{1, 1}}));
+  ASSERT_EQ(r.s0.preempted().size(), 1u);
+  EXPECT_EQ(r.s0.preempted()[0]->tokens, b_tokens);
+  EXPECT_EQ(r.s0.preempted()[0]->computed, 0);
+  EXPECT_TRUE(r.s0.preempted()[0]->pages.empty());
+  EXPECT_EQ(r.s0.preemptions_total(), 1);
+  EXPECT_EQ(d.waiting_after, 1);
+  r.expect_same();
+  ASSERT_TRUE(r.s0.submit(request(tokens(3, 900), 1), ev.callback()).is_ok());  // C = 3
+  std::vector<RequestId> order;
+  for (int i = 0; i < 200 && (r.s0.find(2) != nullptr || !r.s0.preempted().empty() ||
+                              r.s0.find(1) != nullptr || r.s0.waiting() > 0);
+       ++i) {
+    const Plan pl = r.step();
+    if (!pl.resumes.empty()) {  // B recomputed every token it held and sampled the next one
+      const Sequence* b2 = r.s0.find(2);
+      ASSERT_NE(b2, nullptr);
+      const WorkItem b_all{2, static_cast<int64_t>(b_tokens.size())};  // its page was evicted
+      EXPECT_NE(std::find(pl.work.begin(), pl.work.end(), b_all), pl.work.end());
+      EXPECT_EQ(b2->generated, b_generated + 1);
+      ASSERT_EQ(b2->tokens.size(), b_tokens.size() + 1);
+      EXPECT_TRUE(std::equal(b_tokens.begin(), b_tokens.end(), b2->tokens.begin()));
+      EXPECT_EQ(b2->cached_tokens, 0);  // of its prompt, as first admitted
+    }
+    for (RequestId id : pl.resumes) order.push_back(id);
+    for (RequestId id : admitted_ids(pl)) order.push_back(id);
+    if (!r.s0.preempted().empty()) {
+      EXPECT_TRUE(pl.admits.empty());  // C waits behind B
+    }
+    r.expect_same();
+  }
+  EXPECT_EQ(order, (std::vector<RequestId>{2, 3}));
+  EXPECT_TRUE(ev.by_id.empty());  // every request ran to max_new_tokens: none was cancelled
+  EXPECT_EQ(r.kv0.table().used_pages(0), 0);
+  EXPECT_EQ(r.kv0.table().reserved(0), 0);
+}
+
+TEST(Scheduler, APreemptedRequestCanBeCancelledAndStopNowCancelsIt) {
+  for (const bool stop_now : {false, true}) {
+    Ranks r(config(4, 256), 1, 4);
+    Events ev;
+    ASSERT_TRUE(r.s0.submit(request(tokens(30), 30), ev.callback()).is_ok());
+    ASSERT_TRUE(r.s0.submit(request(tokens(20, 100), 40), ev.callback()).is_ok());
+    for (int i = 0; i < 4; ++i) r.step();
+    ASSERT_EQ(r.s0.preempted().size(), 1u);
+    if (stop_now)
+      r.s0.stop(false);
+    else
+      r.s0.cancel(2);
+    const Plan pl = r.step();
+    EXPECT_NE(std::find(pl.cancels.begin(), pl.cancels.end(), 2), pl.cancels.end());
+    EXPECT_TRUE(r.s0.preempted().empty());
+    EXPECT_EQ(ev.by_id[2].back(), FinishReason::kCancelled);
+    r.expect_same();
+  }
+}
+
+TEST(Scheduler, AReplicaRefusesAPreemptionOrResumptionItCannotApply) {
+  KVManager kv(1, 8, 16, true);
+  Scheduler s(config(), kv);
+  Plan bad_preempt;
+  bad_preempt.preempts.push_back(9);
+  auto st = s.apply_plan(bad_preempt);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("preempts request 9, which is not running here"), std::string::npos);
+  Plan bad_resume;
+  bad_resume.resumes.push_back(4);
+  st = s.apply_plan(bad_resume);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("resumes request 4, which is not the next preempted one"),
+            std::string::npos);
 }
 
 TEST(Scheduler, MaxBatchBoundsTheRunningSequences) {

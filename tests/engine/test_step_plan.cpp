@@ -18,6 +18,8 @@ Plan sample_plan() {
   pl.kind = StepKind::kRun;
   pl.waiting_after = 3;
   pl.cancels = {7, 9};
+  pl.preempts = {5};
+  pl.resumes = {3, 2, 6};
   Plan::Admit a;
   a.id = 11;
   a.req.prompt = {1, 2, 3, 4, 5};
@@ -41,6 +43,8 @@ void expect_same(const Plan& a, const Plan& b) {
   EXPECT_EQ(a.kind, b.kind);
   EXPECT_EQ(a.waiting_after, b.waiting_after);
   EXPECT_EQ(a.cancels, b.cancels);
+  EXPECT_EQ(a.preempts, b.preempts);
+  EXPECT_EQ(a.resumes, b.resumes);
   ASSERT_EQ(a.admits.size(), b.admits.size());
   for (std::size_t i = 0; i < a.admits.size(); ++i) {
     const Request &x = a.admits[i].req, &y = b.admits[i].req;
@@ -126,7 +130,7 @@ TEST(StepPlan, RefusesUnknownKinds) {
 
 TEST(StepPlan, RefusesCountsOutOfRange) {
   const int64_t huge = std::numeric_limits<int64_t>::max();
-  for (std::size_t at : {std::size_t{2}, std::size_t{3}, std::size_t{4}})
+  for (std::size_t at = 2; at < kPlanHeaderWords; ++at)
     for (int64_t bad : {int64_t{-1}, huge, int64_t{1} << 40, std::numeric_limits<int64_t>::min()}) {
       auto w = encode_plan(sample_plan());
       w[at] = bad;
@@ -136,13 +140,15 @@ TEST(StepPlan, RefusesCountsOutOfRange) {
   Plan pl;
   pl.work = {{1, 1}};
   auto w = encode_plan(pl);
-  w[4] = 2;
+  w[6] = 2;
   expect_refused(w, "work count");
 }
 
 TEST(StepPlan, RefusesAdmissionLengthsOutOfRange) {
-  // The first admission's words start after the header and the two cancels.
-  const std::size_t np_at = kPlanHeaderWords + 2 + 1, ns_at = kPlanHeaderWords + 2 + 8;
+  // The first admission's words start after the header, the two cancels, the preemption and
+  // the three resumptions.
+  const std::size_t first = kPlanHeaderWords + 2 + 1 + 3;
+  const std::size_t np_at = first + 1, ns_at = first + 8;
   const int64_t huge = std::numeric_limits<int64_t>::max();
   for (std::size_t at : {np_at, ns_at})
     for (int64_t bad : {int64_t{-1}, huge, int64_t{1000}, std::numeric_limits<int64_t>::min()}) {

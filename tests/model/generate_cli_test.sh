@@ -54,7 +54,7 @@ case "$CASE" in
       --model "$MODEL" --prompt "Hi there" --engine --method ring-kv ;;
   bad_flags)
     expect 2 "exactly one of --prompt" -- "$B" generate --prompt a --prompt-tokens 5
-    expect 2 "--kv-dtype 'fp8': one of f16, bf16, f32" -- "$B" generate --prompt a --kv-dtype fp8
+    expect 2 "--kv-dtype 'f64': one of f16, bf16, f32, int8, fp8" -- "$B" generate --prompt a --kv-dtype f64
     expect 2 "unknown method 'nope'" -- "$B" generate --prompt a --method nope
     expect 2 "--top-p" -- "$B" generate --prompt a --temperature 1 --top-p 0
     expect 2 "--matmul fast: expected exact, int8 or int8-ffn" -- "$B" generate --prompt a --matmul fast

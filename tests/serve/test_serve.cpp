@@ -471,7 +471,13 @@ TEST(ServeMetrics, PrometheusText) {
   e.attention_seconds = {1, 2};
   e.merges = 10;
   e.cached_tokens_total = 64;
+  e.prompt_tokens_total = 300;
+  e.preempted = 1;
+  e.preemptions_total = 5;
   ServerMetrics s;
+  s.queue.observe(0.03);
+  s.prefill.observe(0.3);
+  s.decode.observe(3);
   s.ttft.observe(0.2);
   s.ttft.observe(20);
   s.itl.observe(0.01);
@@ -485,6 +491,12 @@ TEST(ServeMetrics, PrometheusText) {
         "treeattn_kv_pages_cached{rank=\"0\"} 1\n",
         "treeattn_merge_seconds_per_layer{rank=\"0\"} 0.05\n",
         "treeattn_prefix_cache_hit_tokens_total 64\n",
+        "treeattn_prefix_cache_query_tokens_total 300\n", "treeattn_requests_preempted 1\n",
+        "treeattn_preemptions_total 5\n", "treeattn_kv_usage_ratio{rank=\"1\"} 0.04\n",
+        "treeattn_request_queue_seconds_bucket{le=\"0.05\"} 1\n",
+        "treeattn_request_prefill_seconds_bucket{le=\"0.25\"} 0\n",
+        "treeattn_request_prefill_seconds_bucket{le=\"0.5\"} 1\n",
+        "treeattn_request_decode_seconds_count 1\n",
         "treeattn_time_to_first_token_seconds_bucket{le=\"0.25\"} 1\n",
         "treeattn_time_to_first_token_seconds_bucket{le=\"30\"} 2\n",
         "treeattn_time_to_first_token_seconds_bucket{le=\"+Inf\"} 2\n",
