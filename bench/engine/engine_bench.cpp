@@ -28,6 +28,13 @@
 //       see their window). The int8 matrices' integer multiply-adds count as flops too: the
 //       ratio says how fast the whole prefill runs against the float FMA peak, not which unit did
 //       the work.
+//   mpirun -np 2 build/release/bench/treeattn_engine_bench --model M kv-dtype [--context 16384]
+//       [--dtypes f16,int8,fp8] [--rounds 2]
+//       KV page types at equal --kv-gib: for each round and type a fresh engine, one request of
+//       a --context-token prompt greedily decoding --new tokens: the longest sequence the pools
+//       hold, the decode inter-token latency (best round) and its ratio to the first type's, and
+//       the tokens and first-token logits against the first type's (tokens equal until the
+//       first difference; logits' largest error relative to their largest magnitude).
 //   mpirun -np 2 build/release/bench/treeattn_engine_bench merge
 //       the per-layer merge alone (SmolLM2 shape: 9 heads, head dim 64) for B = 1, 4, 16 decode
 //       rows, each kind, median of many calls.
@@ -45,6 +52,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
@@ -173,6 +181,129 @@ Result<OneRequest> run_one(Engine& en, Request r) {
   return out;
 }
 
+// kv-dtype's errors: named with the rank, then the job ends (as main's fail).
+[[noreturn]] void fail_rank(const Communicator& comm, const Status& s) {
+  std::fprintf(stderr, "rank %d: %s\n", comm.rank(), s.to_string().c_str());
+  mpi_abort(1, "");
+  std::abort();
+}
+
+// kv-dtype: one greedy request per engine, its tokens, every token's time and first logits.
+struct Decoded {
+  std::vector<TokenId> tokens;
+  std::vector<Clock::time_point> at;
+  std::vector<float> first_logits;
+  int64_t max_sequence_tokens = 0;
+};
+
+Decoded decode_once(Communicator& comm, const model::LlamaModel& m, const EngineConfig& cfg,
+                    const std::vector<TokenId>& prompt, int64_t new_tokens) {
+  Decoded d;
+  auto made = Engine::create(comm, m, cfg);
+  if (!made.is_ok()) fail_rank(comm, made.status());
+  Engine& en = **made;
+  d.max_sequence_tokens = en.max_sequence_tokens();
+  if (comm.rank() != 0) {
+    if (auto s = en.run(); !s.is_ok()) fail_rank(comm, s);
+    return d;
+  }
+  Status st;
+  std::thread run([&] { st = en.run(); });
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  Status failed;
+  Request r;
+  r.prompt = prompt;
+  r.max_new_tokens = new_tokens;
+  r.return_logits = true;
+  auto id = en.submit(std::move(r), [&](const TokenEvent& ev) {
+    std::lock_guard lk(mu);
+    if (ev.token >= 0) {
+      d.tokens.push_back(ev.token);
+      d.at.push_back(Clock::now());
+      if (ev.index == 0) d.first_logits = ev.logits;
+    }
+    if (ev.finish == engine::FinishReason::kError) failed = ev.error;
+    if (ev.finish != engine::FinishReason::kNone) {
+      done = true;
+      cv.notify_all();
+    }
+  });
+  if (!id.is_ok()) fail_rank(comm, id.status());
+  {
+    std::unique_lock lk(mu);
+    cv.wait(lk, [&] { return done; });
+  }
+  en.stop(true);
+  run.join();
+  if (!failed.is_ok()) fail_rank(comm, failed);
+  if (!st.is_ok()) fail_rank(comm, st);
+  return d;
+}
+
+void run_kv_dtypes(Communicator& comm, const model::LlamaModel& m, const EngineConfig& base,
+                   const std::vector<std::string>& names, int rounds, int64_t context,
+                   int64_t new_tokens) {
+  std::vector<DType> types;
+  for (const auto& n : names) {
+    const auto t = parse_dtype(n);
+    if (!t) fail_rank(comm, invalid_argument("--dtypes: unknown KV type '" + n + "'"));
+    types.push_back(*t);
+  }
+  std::mt19937_64 rng(5);
+  const auto prompt = random_prompt(rng, context, m.config().n_vocab);
+  std::vector<double> best(types.size(), 1e30);
+  std::vector<Decoded> first(types.size());
+  for (int round = 0; round < rounds; ++round)
+    for (std::size_t i = 0; i < types.size(); ++i) {
+      EngineConfig cfg = base;
+      cfg.kv_dtype = types[i];
+      Decoded d = decode_once(comm, m, cfg, prompt, new_tokens);
+      if (comm.rank() != 0) continue;
+      if (d.at.size() < 2) fail_rank(comm, internal_error("kv-dtype: fewer than 2 tokens decoded"));
+      const double itl = std::chrono::duration<double>(d.at.back() - d.at.front()).count() /
+                         static_cast<double>(d.at.size() - 1);
+      best[i] = std::min(best[i], itl);
+      if (round == 0) first[i] = std::move(d);
+    }
+  if (comm.rank() != 0) return;
+  std::printf(
+      "KV page types: %s, %d ranks x %d threads, %lld-token prompt, %lld new tokens, %.2f GiB "
+      "of KV per rank, best of %d rounds\n  %-5s %14s %8s %9s %9s %14s %18s\n",
+      m.config().name.c_str(), comm.size(), base.threads, static_cast<long long>(context),
+      static_cast<long long>(new_tokens),
+      static_cast<double>(base.kv_memory) / 1073741824.0, rounds, "type", "max seq tokens",
+      "x ref", "ITL ms", "x ref", "tokens = ref", "logit err / max");
+  const Decoded& ref = first[0];
+  for (std::size_t i = 0; i < types.size(); ++i) {
+    const Decoded& d = first[i];
+    std::size_t same = 0;
+    while (same < d.tokens.size() && same < ref.tokens.size() && d.tokens[same] == ref.tokens[same])
+      ++same;
+    float mag = 0, err = 0;
+    for (std::size_t v = 0; v < ref.first_logits.size() && v < d.first_logits.size(); ++v) {
+      mag = std::max(mag, std::fabs(ref.first_logits[v]));
+      err = std::max(err, std::fabs(d.first_logits[v] - ref.first_logits[v]));
+    }
+    std::printf("  %-5s %14lld %8.3f %9.3f %9.3f %8zu of %-3zu %18.3g\n",
+                std::string(dtype_name(types[i])).c_str(),
+                static_cast<long long>(d.max_sequence_tokens),
+                static_cast<double>(d.max_sequence_tokens) /
+                    static_cast<double>(ref.max_sequence_tokens),
+                1e3 * best[i], best[i] / best[0], same, d.tokens.size(),
+                mag > 0 ? static_cast<double>(err / mag) : 0.0);
+    std::printf(
+        "KVDTYPE {\"type\": \"%s\", \"ranks\": %d, \"context\": %lld, "
+        "\"max_sequence_tokens\": %lld, \"itl_ms\": %.4f, \"tokens_equal\": %zu, "
+        "\"tokens\": %zu, \"logit_rel_err\": %.4g}\n",
+        std::string(dtype_name(types[i])).c_str(), comm.size(), static_cast<long long>(context),
+        static_cast<long long>(d.max_sequence_tokens), 1e3 * best[i], same, d.tokens.size(),
+        mag > 0 ? static_cast<double>(err / mag) : 0.0);
+  }
+  std::fflush(stdout);
+}
+
 // The arithmetic of prefilling n prompt tokens (flops, an FMA = 2): the layer matrices per token,
 // the output head once, causal attention per layer (position i sees i + 1 positions, a
 // sliding-window layer at most its window).
@@ -237,6 +368,14 @@ int main(int argc, char** argv) {
   int64_t xprompt = 4096;
   std::string exchange = "auto";
   app.add_option("--prefill-exchange", exchange, "auto | pass-q | kv (throughput, followup)")
+      ->capture_default_str();
+  auto* kd = app.add_subcommand("kv-dtype", "KV page types: capacity, decode ITL, tokens, logits");
+  std::vector<std::string> kv_dtypes = {"f16", "int8", "fp8"};
+  int kv_rounds = 2;
+  kd->add_option("--context", context, "prompt tokens")->capture_default_str();
+  kd->add_option("--new", new_tokens, "generated tokens")->capture_default_str();
+  kd->add_option("--dtypes", kv_dtypes, "KV types; the first is the reference")->delimiter(',');
+  kd->add_option("--rounds", kv_rounds, "rounds over the types (the best ITL is reported)")
       ->capture_default_str();
   auto* xc = app.add_subcommand("exchange", "pass-Q vs the K/V exchange: cold and warm prefill");
   xc->add_option("--prompt", xprompt, "fresh prompt tokens")->capture_default_str();
@@ -397,6 +536,12 @@ int main(int argc, char** argv) {
       std::printf(
           "  (of peak: GFLOP/s against the higher of the two peaks; the int8 matrices' integer "
           "multiply-adds are counted as flops)\n");
+    finalize();
+    return 0;
+  }
+
+  if (kd->parsed()) {
+    run_kv_dtypes(comm, **model, cfg, kv_dtypes, kv_rounds, context, new_tokens);
     finalize();
     return 0;
   }

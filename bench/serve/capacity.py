@@ -12,10 +12,11 @@ one JSON object on stdout (and --json FILE):
   preemptions        treeattn_preemptions_total at the end
   kv_usage_max       per rank, the largest treeattn_kv_usage_ratio seen
   seconds            wall time of the whole burst
-Every request carries "stop": ["\\n"] so that a small model's answer ends on one line; the
-stop string is not a length limit, and the server cannot know it in advance.
+Every request carries "stop": ["\\n", " ", "."] so that a small model's answer ends at its first
+word (a 135M model asked to answer in one word may otherwise go on for thousands of tokens); stop
+strings are not a length limit, and the server cannot know in advance where they match.
 
-Usage: bench/serve/capacity.py --url http://127.0.0.1:18510 [--clients 8] [--prompt-words 750]
+Usage: bench/serve/capacity.py --url http://127.0.0.1:18510 [--clients 8] [--prompt-words 870]
 Only the Python standard library is needed.
 """
 import argparse
@@ -56,7 +57,7 @@ def chat(url, model, words, seed, results, i):
                       "content": "Here is a list of words:\n" + doc +
                                  "\nWhich word comes first in the list? Answer with one word."}],
         "temperature": 0,
-        "stop": ["\n"],
+        "stop": ["\n", " ", "."],
     }
     req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -73,7 +74,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--url", required=True)
     ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--prompt-words", type=int, default=750)
+    ap.add_argument("--prompt-words", type=int, default=870)
     ap.add_argument("--poll", type=float, default=0.05)
     ap.add_argument("--json")
     a = ap.parse_args()

@@ -1,16 +1,21 @@
 // generation::run_generation (generation.hpp), the library call behind `treeattn generate`, at
 // 1 and 2 in-process ranks on the real model (skipped without it): the session path gives the
 // Generator's greedy tokens on every rank, the engine path a full answer with every rank's
-// numbers, "auto" one choice on every rank, errors as values.
+// numbers, "auto" one choice on every rank, errors as values; and the engine's int8 and fp8 KV
+// pages against f16 pages on the real model (the quantization error, printed).
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdio>
 #include <mutex>
 
 #include "model/generate_harness.hpp"
 #include "engine/layer_merge.hpp"
 #include "model/model_path.hpp"
 #include "treeattn/comm_local.hpp"
+#include "treeattn/engine.hpp"
 #include "treeattn/generation.hpp"
+#include "treeattn/tokenizer.hpp"
 
 namespace treeattn {
 namespace {
@@ -180,6 +185,104 @@ TEST(GenerationRun, AutoIsOneChoiceOnEveryRank) {
     ASSERT_TRUE(o.status.is_ok()) << o.status.to_string();
     ASSERT_EQ(o.methods.size(), 1u);
     EXPECT_EQ(o.methods[0].method, planned);
+  }
+}
+
+// One greedy request through the engine at `ranks` in-process ranks: its tokens and the logits
+// each was chosen from.
+struct Greedy {
+  std::vector<TokenId> tokens;
+  std::vector<std::vector<float>> logits;
+};
+Greedy engine_greedy(const model::LlamaModel& m, int ranks, DType kv, std::vector<TokenId> prompt,
+                     int64_t n) {
+  Greedy g;
+  engine::EngineConfig cfg;
+  cfg.kv_dtype = kv;
+  cfg.kv_pages = 64;
+  cfg.threads = 1;
+  cfg.matmul = model::MatmulMode::kExact;
+  cfg.idle_tick = std::chrono::milliseconds(1);
+  cfg.timeout = std::chrono::milliseconds(120000);
+  const Status st = run_local(ranks, [&](Communicator& comm) -> Status {
+    auto e = engine::Engine::create(comm, m, cfg);
+    TREEATTN_RETURN_IF_ERROR(e.status());
+    if (comm.rank() != 0) return (*e)->run();
+    engine::Request r;
+    r.prompt = prompt;
+    r.max_new_tokens = n;
+    r.return_logits = true;
+    bool done = false;
+    auto id = (*e)->submit(r, [&](const engine::TokenEvent& ev) {
+      if (ev.token >= 0) {
+        g.tokens.push_back(ev.token);
+        g.logits.push_back(ev.logits);
+      }
+      done = ev.finish != engine::FinishReason::kNone;
+    });
+    TREEATTN_RETURN_IF_ERROR(id.status());
+    while (!done) TREEATTN_RETURN_IF_ERROR((*e)->step().status());
+    (*e)->stop(false);
+    return (*e)->step().status();
+  });
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  return g;
+}
+
+// int8 and fp8 KV pages (a scale per token and KV head) against f16 pages, 2 ranks, greedy, on
+// natural prompts: attention is exact over the stored values, so what differs is the values'
+// rounding. Printed: the largest logit error relative to the largest logit magnitude, over the
+// steps where both saw the same tokens; greedy tokens equal f16's until a step whose f16 top two
+// logits are a near tie (gap < 0.5, the rule of the int8 matmul tests), where a prompt's
+// comparison ends.
+TEST(EngineKVPages, Int8AndFp8PagesAgreeWithF16UpToNearTiesOnTheRealModel) {
+  TREEATTN_REQUIRE_REAL_MODEL(path);
+  auto m = model::LlamaModel::load(path);
+  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+  auto tok = Tokenizer::from_gguf((*m)->file());
+  ASSERT_TRUE(tok.is_ok()) << tok.status().to_string();
+  const char* prompts[] = {"The capital of France is", "def fibonacci(n):\n    ",
+                           "Once upon a time, in a small village by the sea,",
+                           "Water boils at a temperature of"};
+  constexpr float kNearTie = 0.5f;
+  for (const DType kv : {DType::kInt8, DType::kFP8}) {
+    float worst = 0;
+    int equal = 0, total = 0, parted = 0;
+    for (const char* text : prompts) {
+      auto ids = tok->encode(text);
+      ASSERT_TRUE(ids.is_ok());
+      const Greedy ref = engine_greedy(**m, 2, DType::kF16, *ids, 16);
+      const Greedy q = engine_greedy(**m, 2, kv, *ids, 16);
+      ASSERT_EQ(ref.tokens.size(), 16u);
+      ASSERT_EQ(q.tokens.size(), 16u);
+      total += 16;
+      for (std::size_t t = 0; t < 16; ++t) {
+        float mag = 0, err = 0;
+        for (std::size_t v = 0; v < ref.logits[t].size(); ++v) {
+          mag = std::max(mag, std::fabs(ref.logits[t][v]));
+          err = std::max(err, std::fabs(q.logits[t][v] - ref.logits[t][v]));
+        }
+        worst = std::max(worst, err / mag);
+        if (q.tokens[t] == ref.tokens[t]) {
+          ++equal;
+          continue;
+        }
+        const auto top = model::top_two(ref.logits[t]);
+        std::printf("[ near tie  ] kv %s, \"%s\" step %zu: f16 %d, %s %d, f16's top-2 gap %.4f\n",
+                    std::string(dtype_name(kv)).c_str(), text, t, ref.tokens[t],
+                    std::string(dtype_name(kv)).c_str(), q.tokens[t],
+                    static_cast<double>(top.gap()));
+        EXPECT_LT(top.gap(), kNearTie) << dtype_name(kv) << " \"" << text << "\" step " << t;
+        ++parted;
+        break;
+      }
+    }
+    std::printf("[ kv %-4s   ] SmolLM2, 2 ranks: logits vs f16 pages: max error %.3g of the "
+                "largest logit; %d of %d greedy tokens equal before any parting, %d prompts "
+                "parted at a near tie\n",
+                std::string(dtype_name(kv)).c_str(), static_cast<double>(worst), equal, total,
+                parted);
+    EXPECT_LT(worst, kv == DType::kInt8 ? 0.05f : 0.1f) << dtype_name(kv);
   }
 }
 
