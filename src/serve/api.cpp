@@ -409,6 +409,12 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body) {
       take(get_bool(v, key), r.ignore_eos);
     } else if (key == "return_token_ids") {
       take(get_bool(v, key), r.return_token_ids);
+    } else if (key == "timeout") {
+      double t = 0;
+      take(get_number(v, key, 0.0, 86400.0), t);
+      if (!err && t <= 0)
+        err = bad("'timeout' must be a number of seconds > 0.", key, "invalid_value");
+      if (!err) r.timeout = t;
     } else if (key == "cache_prompt") {
       bool ignored = true;
       take(get_bool(v, key), ignored);

@@ -14,7 +14,8 @@
 // Extensions other servers also take: top_k (integer >= 0), ignore_eos (bool: the end-of-
 // generation tokens do not stop the request), return_token_ids (bool: choice.token_ids and
 // prompt_token_ids in the response, as vLLM), cache_prompt (bool, llama-server's; ignored: the
-// prefix cache is always on).
+// prefix cache is always on), timeout (seconds > 0, at most a day: the request ends there with
+// the text so far and finish_reason "timeout").
 // Fields of the OpenAI API this server does not implement are accepted at their neutral value
 // (frequency_penalty 0, logprobs false, tools [], response_format text, echo false, ...) and
 // refused with 400 otherwise; fields that are not in the API at all are refused with 400
@@ -69,6 +70,7 @@ struct ParsedRequest {
   bool include_usage = false;
   bool ignore_eos = false;
   bool return_token_ids = false;
+  std::optional<double> timeout;  // seconds: the request's deadline (finish_reason "timeout")
 };
 
 // Limits of the parser: nesting deeper than this is refused before the JSON is parsed (the
