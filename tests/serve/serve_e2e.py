@@ -650,6 +650,11 @@ def case_flags():
     for args, want in [(["--port", "70000"], "--port"), (["--method", "ring"], "--method"),
                        (["--kv-memory", "2X"], "--kv-memory"), (["--max-batch", "0"], "--max-batch"),
                        (["--page-tokens", "40"], "--page-tokens"), (["--isa", "sse"], "--isa sse"),
+                       # 0 would refuse every request (issue 56)
+                       (["--max-queue", "0"], "--max-queue"),
+                       (["--read-timeout", "0"], "--read-timeout"),
+                       (["--max-conns-per-peer", "-1"], "--max-conns-per-peer"),
+                       (["--request-timeout", "-1"], "--request-timeout"),
                        (["--model", "/nonexistent.gguf"], "no such file"),
                        (["--kv-memory", "1K", "--port", "0"], "KV memory")]:
         rc, err = run(*args)
