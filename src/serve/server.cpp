@@ -804,6 +804,10 @@ struct HttpServer::Impl {
     auto parsed = parse_request(endpoint, req.body);
     if (auto* e = std::get_if<ApiError>(&parsed)) return send_error(res, *e);
     ParsedRequest& r = std::get<ParsedRequest>(parsed);
+    // A prompt whose byte count alone rules it out is refused before it is tokenized.
+    if (auto e = check_prompt_bytes(r, codec->max_token_bytes(), info.context,
+                                    backend->max_sequence_tokens()))
+      return send_error(res, *e);
     auto prompt = build_prompt(r, *codec, info.chat);
     if (auto* e = std::get_if<ApiError>(&prompt)) return send_error(res, *e);
     auto& ids = std::get<std::vector<TokenId>>(prompt);
