@@ -7,6 +7,7 @@
 // respects the limits, and its normalized form (what cpp-httplib reads) reads back to the same
 // request.
 #include <cstddef>
+#include <cstdio>
 #include <cstdint>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
@@ -21,9 +22,14 @@ namespace {
 
 using namespace treeattn::serve;
 
-void check(bool ok) {
-  if (!ok) std::abort();
-}
+// A failed check names itself before aborting (libFuzzer keeps the input).
+#define check(cond)                                                         \
+  do {                                                                      \
+    if (!(cond)) {                                                          \
+      std::fprintf(stderr, "check failed, line %d: %s\n", __LINE__, #cond); \
+      std::abort();                                                         \
+    }                                                                       \
+  } while (0)
 
 struct Reading {
   RequestReader::State state;
@@ -76,7 +82,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
       const int s = whole.status;
       check(s == 400 || s == 411 || s == 413 || s == 414 || s == 415 || s == 431 || s == 501 ||
             s == 505);
-      check(whole.consumed == pieces.consumed && !whole.message.empty());
+      check(!whole.message.empty());  // (the bytes consumed by then do not matter: it closes)
       const ApiError e{s, whole.message, "invalid_request_error", "", ""};
       check(nlohmann::json::parse(error_body(e))["error"]["message"] == whole.message);
       return 0;

@@ -274,7 +274,9 @@ std::size_t RequestReader::feed(std::string_view data) {
                                  got_request_line_ ? "A header line" : "The request line");
       head_bytes_ += pos - before;
       if (state_ == State::kError) break;
-      if (head_bytes_ > limits_.max_head) {
+      // Checked per complete line (a line is bounded by max_line meanwhile), so that the
+      // refusal does not depend on how the bytes arrived.
+      if (got && head_bytes_ > limits_.max_head) {
         fail(431, "The request head is larger than " + std::to_string(limits_.max_head) +
                       " bytes.");
         break;
