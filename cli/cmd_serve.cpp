@@ -211,6 +211,9 @@ Result<int> run_job(const launch::LaunchOptions& lo, const std::vector<std::stri
   for (int i = 0; i < 3; ++i) sigaction(sigs[i], &sa, &old[i]);
   const sigset_t blocked = serve::stop_signals();  // blocked since serve_command began
   pthread_sigmask(SIG_UNBLOCK, &blocked, nullptr);
+  // The ranks record their pids here: a mpirun that is SIGKILLed leaves them running and its
+  // shared memory behind, which only this process can then clean up.
+  const std::string status_dir = launch::make_job_status_dir();
   std::fflush(stdout);
   std::fflush(stderr);
   const pid_t parent = getpid();
@@ -229,6 +232,7 @@ Result<int> run_job(const launch::LaunchOptions& lo, const std::vector<std::stri
     }
     setenv("TREEATTN_LAUNCHED", "1", 1);
     setenv("TREEATTN_SERVE_LAUNCHED", "1", 1);
+    if (!status_dir.empty()) setenv("TREEATTN_STATUS_DIR", status_dir.c_str(), 1);
     execvp(argv[0], argv.data());
     std::fprintf(stderr, "treeattn serve: cannot run %s: %s\n", argv[0], std::strerror(errno));
     _exit(127);
@@ -268,6 +272,14 @@ Result<int> run_job(const launch::LaunchOptions& lo, const std::vector<std::stri
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   for (int i = 0; i < 3; ++i) sigaction(sigs[i], &old[i], nullptr);
+  const bool mpirun_killed = WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL;
+  if (mpirun_killed && !killed)
+    std::fprintf(stderr,
+                 "treeattn serve: mpirun was killed (SIGKILL): ending its ranks (rank 0 answers "
+                 "its open requests with an error first) and removing their shared memory\n");
+  // SIGTERM first: rank 0 then ends every open request with an error (a stream with an error
+  // event and [DONE]) before it exits.
+  launch::clean_up_job(status_dir, mpirun_killed, std::chrono::seconds(killed ? 0 : 5));
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
   return 1;

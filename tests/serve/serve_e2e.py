@@ -640,6 +640,124 @@ def case_rank_killed():
         raise
 
 
+def health_status(s):
+    try:
+        with urllib.request.urlopen(s.url + "/health", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except Exception as e:  # noqa: BLE001
+        return 0, repr(e)
+
+
+def case_rank_stopped():
+    """A stalled rank (SIGSTOP) with requests open: /health turns 503 within a few seconds (the
+    progress watchdog, --stall-timeout-ms), long before --timeout-ms; once the rank runs again,
+    the request finishes and /health is 200 again (issue 56)."""
+    s = Server(ranks=2, extra=["--timeout-ms", "60000", "--stall-timeout-ms", "2000"])
+    victim = None
+    try:
+        c = s.client(timeout=120)
+        check(health_status(s)[0] == 200, "/health 200 before", s)
+        result, flowing = {}, threading.Event()
+
+        def streamed():
+            try:
+                n = 0
+                for _ in c.completions.create(model="any", prompt=PROMPTS[0], max_tokens=200,
+                                              temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True}):
+                    n += 1
+                    if n == 4:
+                        flowing.set()
+                result["streamed"] = n
+            except Exception as e:  # noqa: BLE001
+                result["streamed"] = repr(e)
+            flowing.set()
+
+        th = threading.Thread(target=streamed)
+        th.start()
+        check(flowing.wait(60), "the stream's first tokens arrived", s)
+        victim = rank_pid(s, 1)
+        check(victim is not None, "found rank 1's process")
+        os.kill(victim, signal.SIGSTOP)
+        t0 = time.time()
+        status, body = 200, ""
+        while status == 200 and time.time() - t0 < 15:
+            time.sleep(0.25)
+            status, body = health_status(s)
+        waited = time.time() - t0
+        check(status == 503 and "no step" in body,
+              "/health 503 %.1f s after rank 1 stopped (%s)" % (waited, body[:120]), s)
+        check(waited < 8, "within a few seconds of the stall (%.1f s)" % waited, s)
+        os.kill(victim, signal.SIGCONT)
+        victim = None
+        th.join(120)
+        check(isinstance(result.get("streamed"), int),
+              "the stream finished once rank 1 ran again: %s" % result, s)
+        check(health_status(s)[0] == 200, "/health 200 again", s)
+        check(s.stop() == 0, "exit 0 after SIGTERM", s)
+    except BaseException:
+        if victim:
+            os.kill(victim, signal.SIGCONT)
+        s.dump()
+        s.stop(signal.SIGKILL)
+        raise
+
+
+def job_segments():
+    return set(f for f in os.listdir("/dev/shm") if f.startswith("vader_segment."))
+
+
+def case_mpirun_killed():
+    """serve's own mpirun SIGKILLed mid-stream: the stream ends with an error event and [DONE],
+    the ranks end, no Open MPI segment of the job is left in /dev/shm, and serve exits non-zero
+    (issue 56)."""
+    before = job_segments()
+    s = Server(ranks=2)
+    try:
+        url = s.url
+        sock = raw_stream(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4000,
+                                                    "temperature": 0, "stream": True,
+                                                    "ignore_eos": True})
+        got = b""
+        while got.count(b"data: ") < 4:
+            chunk = sock.recv(65536)
+            check(chunk != b"", "the stream started", s)
+            got += chunk
+        ranks = [rank_pid(s, 0), rank_pid(s, 1)]
+        mpirun = [p for p in descendants(s.proc.pid) if p not in ranks and
+                  open("/proc/%d/comm" % p).read().strip() in ("mpirun", "prterun", "orterun")]
+        check(len(mpirun) == 1 and None not in ranks, "found mpirun %s and ranks %s" %
+              (mpirun, ranks), s)
+        os.kill(mpirun[0], signal.SIGKILL)
+        sock.settimeout(30)
+        try:
+            while True:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+                if b"data: [DONE]" in got:
+                    break
+        except OSError:
+            pass
+        tail = got[-600:].decode(errors="replace")
+        check(b'"error"' in got and b"data: [DONE]" in got,
+              "the stream ended with an error event and [DONE]: ...%s" % tail[-300:], s)
+        rc = s.proc.wait(60)
+        check(rc != 0, "serve exited %d" % rc, s)
+        alive = [p for p in ranks if os.path.exists("/proc/%d" % p) and
+                 open("/proc/%d/stat" % p).read().rsplit(")", 1)[1].split()[0] != "Z"]
+        check(not alive, "no rank left running (%s)" % alive, s)
+        left = job_segments() - before
+        check(not left, "no shared-memory segment left: %s" % sorted(left), s)
+    except BaseException:
+        s.dump()
+        s.stop(signal.SIGKILL)
+        raise
+
+
 def case_flags():
     def run(*args):
         model = [] if "--model" in args else ["--model", MODEL]
@@ -678,7 +796,8 @@ CASES = {"api": case_api, "flags": case_flags, "faults": case_faults, "exact1": 
          "exact2int8": lambda: case_exact(2, serve_extra=["--matmul", "int8"],
                                           generate_extra=["--matmul", "int8", "--no-rows8"]),
          "sigterm2": case_sigterm2,
-         "rank_killed": case_rank_killed}
+         "rank_killed": case_rank_killed, "rank_stopped": case_rank_stopped,
+         "mpirun_killed": case_mpirun_killed}
 
 if __name__ == "__main__":
     t0 = time.time()
