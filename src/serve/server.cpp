@@ -506,7 +506,8 @@ struct HttpServer::Impl {
         auto it = conns.find(fd);
         if (it == conns.end() || it->second->dispatched) continue;
         Conn& c = *it->second;
-        if ((ev & EPOLLOUT) != 0 && !c.out.empty() && flush(c) && c.out.empty() && !c.lingering)
+        if ((ev & (EPOLLOUT | EPOLLERR | EPOLLHUP)) != 0 && !c.out.empty() && flush(c) &&
+            c.out.empty() && !c.lingering)
           advance(c);  // the rest of a pipeline
         if (!c.dead && (ev & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) != 0 && c.out.empty())
           on_readable(c);
