@@ -31,7 +31,7 @@ namespace treeattn::serve {
 struct RequestLimits {
   std::size_t max_line = 8192;        // request line, header line, chunk-size line
   std::size_t max_headers = 100;      // header fields (and chunk trailers)
-  std::size_t max_head = 64u << 10;   // request line + headers, bytes
+  std::size_t max_head = 16u << 10;   // request line + headers, bytes
   std::size_t max_body = 32u << 20;   // body bytes (de-chunked)
 };
 

@@ -458,6 +458,39 @@ def case_faults():
         check(m.get(gone, 0) >= 4, "the prefilling request ended as disconnected: %s" %
               m.get(gone), s)
 
+        # A non-streamed request whose client goes away: cancelled and its pages freed within
+        # 2 s (the server polls the socket while it waits; issue 50).
+        so = socket.create_connection((s.url[7:].rsplit(":", 1)[0],
+                                       int(s.url.rsplit(":", 1)[1])), timeout=60)
+        data = json.dumps({"prompt": PROMPTS[1], "max_tokens": 2000, "ignore_eos": True}).encode()
+        so.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                   b"\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+        deadline = time.time() + 30
+        while s.metrics()["treeattn_requests_running"] != 1 and time.time() < deadline:
+            time.sleep(0.05)
+        so.close()
+        t0 = time.time()
+        while time.time() - t0 < 2:
+            m = s.metrics()
+            used = [v for k, v in m.items() if k.startswith("treeattn_kv_pages_used{")]
+            if m["treeattn_requests_running"] == 0 and used and all(v == 0 for v in used):
+                break
+            time.sleep(0.05)
+        check(m["treeattn_requests_running"] == 0 and all(v == 0 for v in used),
+              "a non-streamed request's client gone: cancelled, pages freed in %.2f s" %
+              (time.time() - t0), s)
+        check(m.get(gone, 0) >= 5, "it ended as disconnected: %s" % m.get(gone), s)
+
+        # A deadline (the body's "timeout"): the text so far, finish_reason "timeout".
+        t0 = time.time()
+        r = c.completions.create(model="any", prompt=PROMPTS[2], max_tokens=2000,
+                                 extra_body={"ignore_eos": True, "timeout": 1.0})
+        took = time.time() - t0
+        check(r.choices[0].finish_reason == "timeout" and r.choices[0].text and took < 3,
+              "a 1 s deadline: finish_reason %s after %.2f s with %d tokens" %
+              (r.choices[0].finish_reason, took, r.usage.completion_tokens), s)
+        no_leaks(s, "after the deadline")
+
         # SIGTERM during a stream: the stream finishes (drain), then exit 0.
         stream_across_sigterm(s, lambda: c.completions.create(
             model="any", prompt=PROMPTS[3], max_tokens=120, temperature=0, stream=True,

@@ -1127,5 +1127,19 @@ TEST_F(ServeHttp, DeadlineEndsWithFinishReasonTimeout) {
   EXPECT_EQ(post("/v1/completions", R"({"prompt":"x","timeout":0})")->status, 400);
 }
 
+// A prompt whose byte count alone rules it out is refused before it is tokenized (the message
+// says "at least": no token count was made).
+TEST_F(ServeHttp, AHugePromptIsRefusedBeforeTokenizing) {
+  start({}, {}, 4096);
+  ready();
+  const std::string body = json{{"prompt", std::string(10u << 20, 'a')}}.dump();
+  auto r = post("/v1/completions", body);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 400);
+  EXPECT_EQ(error_of(r).code, "context_length_exceeded");
+  EXPECT_NE(error_of(r).message.find("at least 10485760 tokens"), std::string::npos)
+      << error_of(r).message;
+}
+
 }  // namespace
 }  // namespace treeattn::serve
