@@ -569,7 +569,7 @@ struct HttpServer::Impl {
     if (state.load() != State::kReady) return;
     const int64_t steps = backend->metrics().steps;
     std::lock_guard<std::mutex> lock(watch_mu);
-    if (active.load() == 0 || steps != seen_steps) {
+    if (in_engine.load() == 0 || steps != seen_steps) {
       seen_steps = steps;
       progress_at = now;
     }
@@ -582,10 +582,10 @@ struct HttpServer::Impl {
     sample_progress(now);
     std::lock_guard<std::mutex> lock(watch_mu);
     const auto stalled = now - progress_at;
-    if (active.load() > 0 && stalled >= opt.stall_timeout)
+    if (in_engine.load() > 0 && stalled >= opt.stall_timeout)
       return unavailable("The engine has completed no step for " +
                          std::to_string(std::chrono::duration_cast<std::chrono::seconds>(stalled).count()) +
-                         " s while " + std::to_string(active.load()) +
+                         " s while " + std::to_string(in_engine.load()) +
                          " requests wait (a rank stalled or cut off?)");
     return std::nullopt;
   }
@@ -616,6 +616,9 @@ struct HttpServer::Impl {
 
   ServerMetrics metrics;
   std::atomic<int64_t> active{0};
+  // Of those, the ones still waiting for the engine's events (a stream still being written to
+  // a slow reader is not): what the progress watchdog looks at.
+  std::atomic<int64_t> in_engine{0};
   mutable std::mutex idle_mu;
   mutable std::condition_variable idle_cv;
   uint64_t seed_base = 0;
@@ -645,7 +648,16 @@ struct HttpServer::Impl {
     seed_base = (static_cast<uint64_t>(rd()) << 32) ^ rd();
   }
 
-  void finish_active(const Job& job) {
+  // The request no longer waits for the engine (done, disconnected, past its deadline): it
+  // leaves the watchdog's count, once.
+  void end_in_engine(Job& job) {
+    if (job.ended) return;
+    job.ended = true;
+    in_engine.fetch_sub(1);
+  }
+
+  void finish_active(Job& job) {
+    end_in_engine(job);
     {
       std::lock_guard<std::mutex> lock(mu);
       inboxes.erase(job.inbox.get());
@@ -791,7 +803,7 @@ struct HttpServer::Impl {
     if (u.done) {
       metrics.duration.observe(seconds(te.at - job.arrival));
       metrics.count_finish(finish_name(u.finish));
-      job.ended = true;
+      end_in_engine(job);
       if (u.stopped_by_string) backend->cancel(job.id);
     }
     return u;
@@ -867,6 +879,7 @@ struct HttpServer::Impl {
     }
     job->id = *id;
     active.fetch_add(1);
+    in_engine.fetch_add(1);
     {
       std::lock_guard<std::mutex> lock(mu);
       inboxes.insert(job->inbox.get());
@@ -890,7 +903,7 @@ struct HttpServer::Impl {
       if (tl_conn_fd >= 0 && peer_gone(tl_conn_fd)) {
         backend->cancel(job.id);
         metrics.count_finish("disconnected");
-        job.ended = true;
+        end_in_engine(job);
         // Nobody reads it: nginx's "client closed request".
         return send_error(res, ApiError{499, "The client closed the connection.",
                                         "invalid_request_error", "", ""});
@@ -924,7 +937,7 @@ struct HttpServer::Impl {
     const Clock::time_point now = Clock::now();
     metrics.duration.observe(seconds(now - job.arrival));
     metrics.count_finish(finish_name(u.finish));
-    job.ended = true;
+    end_in_engine(job);
     return u;
   }
 
@@ -952,7 +965,7 @@ struct HttpServer::Impl {
           if (!job->gen.done() && !job->ended) {  // the connection ended first
             s->backend->cancel(job->id);
             s->metrics.count_finish("disconnected");
-            job->ended = true;
+            s->end_in_engine(*job);
           }
           s->finish_active(*job);
         });
@@ -964,7 +977,7 @@ struct HttpServer::Impl {
       if (!job.gen.done() && !job.ended) {
         backend->cancel(job.id);
         metrics.count_finish("disconnected");
-        job.ended = true;
+        end_in_engine(job);
       }
       return false;
     };
