@@ -71,6 +71,10 @@ struct ServeFlags {
   int64_t context = 0;
   int shutdown_timeout = 30;
   int timeout_ms = static_cast<int>(engine::EngineConfig{}.timeout.count());
+  int read_timeout = 30;
+  int max_conns_per_peer = 256;
+  int stall_timeout_ms = 5000;
+  double request_timeout = 0;
   bool no_prefix_cache = false;
   bool no_rows8 = false;
 };
@@ -91,7 +95,8 @@ Result<std::string> preflight(ServeFlags& f) {
                             ": 16 or a multiple of 32 up to 256");
   if (f.max_batch < 1) return invalid_argument("--max-batch must be >= 1");
   if (f.prefill_chunk < 1) return invalid_argument("--prefill-chunk must be >= 1");
-  if (f.max_queue < 0) return invalid_argument("--max-queue must be >= 0");
+  if (f.max_queue < 1)
+    return invalid_argument("--max-queue must be >= 1 (0 would refuse every request)");
   {
     const auto known = engine::merge_methods(CommCapabilities{});
     if (f.method != "auto" && std::find(known.begin(), known.end(), f.method) == known.end()) {
@@ -114,6 +119,12 @@ Result<std::string> preflight(ServeFlags& f) {
   if (f.context < 0) return invalid_argument("--context must be >= 0");
   if (f.shutdown_timeout < 0) return invalid_argument("--shutdown-timeout must be >= 0");
   TREEATTN_RETURN_IF_ERROR(check_timeout_ms("--timeout-ms", f.timeout_ms));
+  if (f.read_timeout < 1 || f.read_timeout > 3600)
+    return invalid_argument("--read-timeout must be in 1..3600 seconds");
+  if (f.max_conns_per_peer < 0) return invalid_argument("--max-conns-per-peer must be >= 0");
+  TREEATTN_RETURN_IF_ERROR(check_timeout_ms("--stall-timeout-ms", f.stall_timeout_ms));
+  if (!(f.request_timeout >= 0 && f.request_timeout <= 86400))
+    return invalid_argument("--request-timeout must be in 0..86400 seconds");
   auto path = resolve_model(f.model);
   if (!path.is_ok()) return path.status();
   auto matmul = matmul_for_model(f.matmul, *path);
@@ -162,6 +173,10 @@ int serve_job(Communicator& comm, const ServeFlags& f, const std::string& model_
   job.http.host = f.host;
   job.http.port = f.port;
   job.http.api_key = f.api_key;
+  job.http.read_timeout = std::chrono::seconds(f.read_timeout);
+  job.http.max_connections_per_peer = f.max_conns_per_peer;
+  job.http.stall_timeout = std::chrono::milliseconds(f.stall_timeout_ms);
+  job.http.request_timeout = std::chrono::milliseconds(static_cast<int64_t>(f.request_timeout * 1000));
   job.context = f.context;
   job.shutdown_timeout_s = f.shutdown_timeout;
   job.sigterm_ends_job = launched_by_serve();
@@ -195,6 +210,9 @@ Result<int> run_job(const launch::LaunchOptions& lo, const std::vector<std::stri
   for (int i = 0; i < 3; ++i) sigaction(sigs[i], &sa, &old[i]);
   const sigset_t blocked = serve::stop_signals();  // blocked since serve_command began
   pthread_sigmask(SIG_UNBLOCK, &blocked, nullptr);
+  // The ranks record their pids here: a mpirun that is SIGKILLed leaves them running and its
+  // shared memory behind, which only this process can then clean up.
+  const std::string status_dir = launch::make_job_status_dir();
   std::fflush(stdout);
   std::fflush(stderr);
   const pid_t parent = getpid();
@@ -213,6 +231,7 @@ Result<int> run_job(const launch::LaunchOptions& lo, const std::vector<std::stri
     }
     setenv("TREEATTN_LAUNCHED", "1", 1);
     setenv("TREEATTN_SERVE_LAUNCHED", "1", 1);
+    if (!status_dir.empty()) setenv("TREEATTN_STATUS_DIR", status_dir.c_str(), 1);
     execvp(argv[0], argv.data());
     std::fprintf(stderr, "treeattn serve: cannot run %s: %s\n", argv[0], std::strerror(errno));
     _exit(127);
@@ -252,6 +271,14 @@ Result<int> run_job(const launch::LaunchOptions& lo, const std::vector<std::stri
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   for (int i = 0; i < 3; ++i) sigaction(sigs[i], &old[i], nullptr);
+  const bool mpirun_killed = WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL;
+  if (mpirun_killed && !killed)
+    std::fprintf(stderr,
+                 "treeattn serve: mpirun was killed (SIGKILL): ending its ranks (rank 0 answers "
+                 "its open requests with an error first) and removing their shared memory\n");
+  // SIGTERM first: rank 0 then ends every open request with an error (a stream with an error
+  // event and [DONE]) before it exits.
+  launch::clean_up_job(status_dir, mpirun_killed, std::chrono::seconds(killed ? 0 : 5));
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
   return 1;
@@ -329,7 +356,24 @@ Runner add_serve_command(CLI::App& app, const Invocation& inv) {
                   "Require Authorization: Bearer KEY on every route but /health (default: "
                   "$TREEATTN_API_KEY; none when empty)");
   sub->add_option("--max-queue", f->max_queue,
-                  "Requests waiting for KV pages; beyond it new ones get 429 + Retry-After")
+                  "Requests waiting for KV pages (>= 1); beyond it new ones get 429 + Retry-After")
+      ->capture_default_str();
+  sub->add_option("--read-timeout", f->read_timeout,
+                  "Seconds for a request's whole head and body to arrive, from its first byte "
+                  "(else 408 and the connection closes; slow clients hold no worker meanwhile)")
+      ->capture_default_str();
+  sub->add_option("--max-conns-per-peer", f->max_conns_per_peer,
+                  "Open connections from one client address; beyond it 503 and closed (0: no cap)")
+      ->capture_default_str();
+  sub->add_option("--stall-timeout-ms", f->stall_timeout_ms,
+                  "/health answers 503 while requests are open and the engine has completed no "
+                  "step for this long: a stalled rank, long before --timeout-ms fails the "
+                  "engine (0: never)")
+      ->capture_default_str();
+  sub->add_option("--request-timeout", f->request_timeout,
+                  "Default deadline of a completion in seconds (a body's \"timeout\" field "
+                  "overrides it): it then ends with its text so far and finish_reason "
+                  "\"timeout\" (0: none)")
       ->capture_default_str();
   sub->add_option("--context", f->context,
                   "Tokens per sequence, prompt + generated (0: the model's training context)")

@@ -4,7 +4,8 @@
 // JSON with the four OpenAI fields; an accepted one is taken through what the server does
 // next: the chat template, the prompt over a byte-level codec, the length check, and its
 // prompt's bytes as generated tokens through the UTF-8 assembler and the stop strings, whose
-// output must be valid UTF-8 and never contain a stop string.
+// output must be valid UTF-8 and never contain a stop string. The byte-count pre-check
+// (check_prompt_bytes) must never refuse a prompt the token count accepts.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -45,6 +46,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
   check(!r.max_tokens || *r.max_tokens >= 1);
   check(r.temperature >= 0 && r.temperature <= 2 && r.top_p >= 0 && r.top_p <= 1);
   check(r.stop.size() <= kMaxStopStrings);
+  check(!r.timeout || (*r.timeout > 0 && *r.timeout <= 86400));
   testing::ByteCodec codec;
   ChatTemplate chat;
   chat.default_system = "S";
@@ -56,6 +58,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
   const auto& ids = std::get<std::vector<TokenId>>(prompt);
   check(!ids.empty());
   auto max_new = check_lengths(r, static_cast<int64_t>(ids.size()), context, pool);
+  // The byte-count pre-check (before tokenizing) refuses only what the token count refuses;
+  // the chat template's pieces join to its text.
+  if (check_prompt_bytes(r, codec.max_token_bytes(), context, pool))
+    check(std::holds_alternative<ApiError>(max_new));
+  if (ep == Endpoint::kChat) {
+    auto pieces = chat.render_pieces(r.messages);
+    check(pieces.is_ok());
+    std::string joined;
+    for (const PromptPiece& p : *pieces) joined += p.text;
+    check(joined == chat.render(r.messages));
+  }
   if (auto* n = std::get_if<int64_t>(&max_new)) {
     check(*n >= 1);
     if (context > 0) check(static_cast<int64_t>(ids.size()) + *n <= context);

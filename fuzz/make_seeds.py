@@ -12,6 +12,8 @@ campaign starts from valid inputs of every shape the parsers know instead of fro
                     (first byte: which tokenizer and flags)
   fuzz_serve_request  OpenAI chat and completions bodies, valid and malformed (first byte:
                     the endpoint and the limits)
+  fuzz_http_request pipelines of HTTP/1.x requests: plain, Content-Length and chunked bodies,
+                    100-continue, and each refusal (first byte: the limits and the piece size)
 
 Usage: fuzz/make_seeds.py [path/to/treeattn]. Deterministic; rerun after changing it."""
 import json
@@ -173,9 +175,28 @@ def serve_request():
         write("fuzz_serve_request", "seed-%02d" % i, b)
 
 
+def http_request():
+    post = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    wires = [
+        b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",
+        post + b"Content-Length: 5\r\n\r\nhelloGET /v1/models HTTP/1.0\r\n\r\n",
+        post + b"Transfer-Encoding: chunked\r\n\r\n5;a=b\r\nhello\r\n0\r\nT: 1\r\n\r\n",
+        post + b"Expect: 100-continue\r\nContent-Length: 2\r\n\r\n{}",
+        post + b"Content-Encoding: gzip\r\nContent-Length: 3\r\n\r\nabc",
+        post + b"Content-Length: -1\r\n\r\n",
+        post + b"Content-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
+        post + b"\r\n",
+        b"GET / HTTP/1.1\r\n" + b"".join(b"X%d: v\r\n" % i for i in range(8)) + b"\r\n",
+        b"\r\nGET / HTTP/1.1\nA:b\n\nGET / HTTP/2\r\n\r\n",
+    ]
+    for i, w in enumerate(wires):
+        write("fuzz_http_request", "seed-%02d" % i, bytes([(i * 37) % 256]) + w)
+
+
 if __name__ == "__main__":
     topology(sys.argv[1] if len(sys.argv) > 1 else None)
     cli()
     gguf_seeds()
     tokenizer()
     serve_request()
+    http_request()

@@ -3,6 +3,8 @@
 // the job's world is used. What each rank is doing, and which one died how: job_status.hpp.
 #pragma once
 
+#include <chrono>
+
 #include <functional>
 #include <string>
 #include <vector>
@@ -78,6 +80,15 @@ int report_interrupt(const std::string& who, int ranks = 0);
 // processes that no longer exist.
 std::string make_temp_file(const std::string& what);
 void remove_stale_temp_files();
+
+// A job's status directory, /tmp/treeattn-job-PID-XXXXXX (after remove_stale_temp_files): its
+// ranks record their pid and state there when $TREEATTN_STATUS_DIR names it. "" on failure.
+std::string make_job_status_dir();
+// After the job's mpirun has ended: when it was SIGKILLed (its ranks orphaned), ends the ranks
+// (SIGTERM and up to `grace` for them to go, when grace > 0; then SIGKILL); then removes the
+// job's Open MPI shared-memory segments and the directory.
+void clean_up_job(const std::string& status_dir, bool mpirun_killed,
+                  std::chrono::milliseconds grace);
 
 // A command over a model file with --ranks P (generate, serve). Under an MPI launcher: every rank
 // checks the flags (preflight, told whether it is rank 0), --ranks when given must be the job's

@@ -351,9 +351,7 @@ Result<int> run_under_mpirun(const LaunchOptions& options,
                              const std::vector<std::string>& program_args) {
   TREEATTN_RETURN_IF_ERROR(check_local_rank_count(options, "--ranks"));
   const std::vector<std::string> cmd = mpirun_command(options, program_args);
-  remove_stale_temp_files();
-  std::string tmpl = "/tmp/treeattn-job-" + std::to_string(getpid()) + "-XXXXXX";
-  const std::string dir = mkdtemp(tmpl.data()) != nullptr ? tmpl : std::string();
+  const std::string dir = make_job_status_dir();
   std::vector<std::pair<std::string, std::string>> extra = {{"TREEATTN_LAUNCHED", "1"}};
   if (!dir.empty()) extra.emplace_back("TREEATTN_STATUS_DIR", dir);
   // Which ranks were gone before any rank ended the job through MPI_Abort: those died on their
@@ -384,22 +382,42 @@ Result<int> run_under_mpirun(const LaunchOptions& options,
     for (const std::string& line :
          unexplained_ends(read_rank_status(dir), options.who, died_before_abort))
       std::fprintf(stderr, "%s\n", line.c_str());
-  if (!dir.empty()) {
-    // A SIGKILLed mpirun stops neither its ranks nor cleans up after them: end the ranks, then
-    // remove the job's shared-memory segments (nothing else will).
-    if (g_child_signal == SIGKILL) {
-      kill_ranks(dir);
-      for (int i = 0; i < 50; ++i) {  // up to 1 s for them to be gone
-        bool any = false;
-        for (const RankFate& f : read_rank_status(dir)) any = any || process_alive(f.pid);
-        if (!any) break;
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-    }
-    remove_job_segments(dir);
-    remove_dir(dir);
-  }
+  clean_up_job(dir, g_child_signal == SIGKILL, std::chrono::milliseconds(0));
   return rc;
+}
+
+std::string make_job_status_dir() {
+  remove_stale_temp_files();
+  std::string tmpl = "/tmp/treeattn-job-" + std::to_string(getpid()) + "-XXXXXX";
+  return mkdtemp(tmpl.data()) != nullptr ? tmpl : std::string();
+}
+
+void clean_up_job(const std::string& status_dir, bool mpirun_killed,
+                  std::chrono::milliseconds grace) {
+  if (status_dir.empty()) return;
+  auto wait_gone = [&](std::chrono::milliseconds most) {
+    const auto until = std::chrono::steady_clock::now() + most;
+    while (std::chrono::steady_clock::now() < until) {
+      bool any = false;
+      for (const RankFate& f : read_rank_status(status_dir)) any = any || process_alive(f.pid);
+      if (!any) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  };
+  // A SIGKILLed mpirun stops neither its ranks nor cleans up after them: end the ranks (SIGTERM
+  // first when a grace is given, so that they can answer their clients), then remove the job's
+  // shared-memory segments (nothing else will).
+  if (mpirun_killed) {
+    if (grace.count() > 0) {
+      for (const RankFate& f : read_rank_status(status_dir))
+        if (f.pid > 0 && process_alive(f.pid)) kill(static_cast<pid_t>(f.pid), SIGTERM);
+      wait_gone(grace);
+    }
+    kill_ranks(status_dir);
+    wait_gone(std::chrono::seconds(1));
+  }
+  remove_job_segments(status_dir);
+  remove_dir(status_dir);
 }
 
 int run_model_command(const char* cmd, int ranks, bool ranks_given,

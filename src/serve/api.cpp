@@ -409,6 +409,12 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body) {
       take(get_bool(v, key), r.ignore_eos);
     } else if (key == "return_token_ids") {
       take(get_bool(v, key), r.return_token_ids);
+    } else if (key == "timeout") {
+      double t = 0;
+      take(get_number(v, key, 0.0, 86400.0), t);
+      if (!err && t <= 0)
+        err = bad("'timeout' must be a number of seconds > 0.", key, "invalid_value");
+      if (!err) r.timeout = t;
     } else if (key == "cache_prompt") {
       bool ignored = true;
       take(get_bool(v, key), ignored);
@@ -444,14 +450,99 @@ std::string ChatTemplate::render(std::span<const ChatMessage> messages) const {
   return format_chat(format, turns, default_system);
 }
 
+Result<std::vector<PromptPiece>> ChatTemplate::render_pieces(
+    std::span<const ChatMessage> messages) const {
+  // The skeleton: each content replaced by a marker "\x02<index>\x03" (no whitespace, so a
+  // format's trimming leaves it whole), which splits the markup from the contents.
+  std::vector<ChatMessage> marked(messages.begin(), messages.end());
+  for (std::size_t i = 0; i < marked.size(); ++i)
+    marked[i].content = "\x02" + std::to_string(i) + "\x03";
+  const std::string skeleton = render(marked);
+  struct Part {
+    std::string markup;
+    int content = -1;  // the message whose content goes here
+  };
+  std::vector<Part> parts;
+  std::size_t pos = 0;
+  while (pos < skeleton.size()) {
+    const std::size_t open = skeleton.find('\x02', pos);
+    const std::size_t close = open == std::string::npos ? open : skeleton.find('\x03', open);
+    if (open == std::string::npos || close == std::string::npos) {
+      parts.push_back({skeleton.substr(pos), -1});
+      break;
+    }
+    if (open > pos) parts.push_back({skeleton.substr(pos, open - pos), -1});
+    parts.push_back({"", std::atoi(skeleton.c_str() + open + 1)});
+    pos = close + 1;
+  }
+  const std::string whole = render(messages);
+  constexpr std::string_view kWs = " \t\n\r\f\v";
+  for (const bool trimmed : {false, true}) {  // ChatML writes contents as given; others trim
+    std::vector<PromptPiece> pieces;
+    std::string joined;
+    for (const Part& p : parts) {
+      if (p.content < 0 || static_cast<std::size_t>(p.content) >= messages.size()) {
+        pieces.push_back({p.markup, true});
+      } else {
+        std::string_view c = messages[static_cast<std::size_t>(p.content)].content;
+        if (trimmed) {
+          const auto a = c.find_first_not_of(kWs);
+          c = a == std::string_view::npos ? std::string_view()
+                                          : c.substr(a, c.find_last_not_of(kWs) - a + 1);
+        }
+        pieces.push_back({std::string(c), false});
+      }
+      joined += pieces.back().text;
+    }
+    if (joined == whole) return pieces;
+  }
+  return internal_error("the chat format writes a message's content in a way the server cannot "
+                        "separate from its markup");
+}
+
+std::optional<ApiError> check_prompt_bytes(const ParsedRequest& request,
+                                           std::size_t max_token_bytes, int64_t context,
+                                           int64_t pool) {
+  if (max_token_bytes == 0) return std::nullopt;
+  auto printable = [](std::string_view s) {
+    return static_cast<int64_t>(
+        std::count_if(s.begin(), s.end(), [](char c) { return c >= 0x20 && c < 0x7f; }));
+  };
+  int64_t bytes = 0;
+  if (request.endpoint == Endpoint::kChat)
+    for (const ChatMessage& m : request.messages) bytes += printable(m.content);
+  else if (request.prompt_text)
+    bytes = printable(*request.prompt_text);
+  // Every printable ASCII byte has a token of its own in a byte-level vocabulary, and no token
+  // stands for more than max_token_bytes of text.
+  const int64_t at_least = bytes / static_cast<int64_t>(max_token_bytes);
+  int64_t limit = 0;
+  if (context > 0) limit = context;
+  if (pool > 0 && (limit == 0 || pool < limit)) limit = pool;
+  if (limit == 0 || at_least + 1 <= limit) return std::nullopt;
+  const char* where = request.endpoint == Endpoint::kChat ? "messages" : "prompt";
+  return ApiError{400,
+                  fmt::format("A sequence holds at most {} tokens (the model's context and the "
+                              "KV cache pool). However, your {} has at least {} tokens ({} "
+                              "bytes). Please reduce the length of the {}.",
+                              limit, where, at_least, bytes, where),
+                  "invalid_request_error", where, "context_length_exceeded"};
+}
+
 Parsed<std::vector<TokenId>> build_prompt(const ParsedRequest& request, const Codec& codec,
                                           const ChatTemplate& chat) {
   const char* param = request.endpoint == Endpoint::kChat ? "messages" : "prompt";
   std::vector<TokenId> ids;
   if (request.endpoint == Endpoint::kChat || request.prompt_text) {
-    const bool is_chat = request.endpoint == Endpoint::kChat;
-    auto enc =
-        codec.encode(is_chat ? chat.render(request.messages) : *request.prompt_text, is_chat);
+    Result<std::vector<TokenId>> enc = std::vector<TokenId>{};
+    if (request.endpoint == Endpoint::kChat) {
+      auto pieces = chat.render_pieces(request.messages);
+      if (!pieces.is_ok())
+        return ApiError{500, pieces.status().message(), "server_error", "", ""};
+      enc = codec.encode_prompt(*pieces);
+    } else {
+      enc = codec.encode(*request.prompt_text, false);
+    }
     if (!enc.is_ok())
       return bad(fmt::format("The {} cannot be tokenized: {}", param, enc.status().message()),
                  param, "invalid_value");

@@ -14,7 +14,8 @@
 // Extensions other servers also take: top_k (integer >= 0), ignore_eos (bool: the end-of-
 // generation tokens do not stop the request), return_token_ids (bool: choice.token_ids and
 // prompt_token_ids in the response, as vLLM), cache_prompt (bool, llama-server's; ignored: the
-// prefix cache is always on).
+// prefix cache is always on), timeout (seconds > 0, at most a day: the request ends there with
+// the text so far and finish_reason "timeout").
 // Fields of the OpenAI API this server does not implement are accepted at their neutral value
 // (frequency_penalty 0, logprobs false, tools [], response_format text, echo false, ...) and
 // refused with 400 otherwise; fields that are not in the API at all are refused with 400
@@ -69,6 +70,7 @@ struct ParsedRequest {
   bool include_usage = false;
   bool ignore_eos = false;
   bool return_token_ids = false;
+  std::optional<double> timeout;  // seconds: the request's deadline (finish_reason "timeout")
 };
 
 // Limits of the parser: nesting deeper than this is refused before the JSON is parsed (the
@@ -86,14 +88,22 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body);
 //   <|im_start|>assistant\n
 // `from_template` reads the default system message from a Jinja template such as SmolLM2's
 // ("{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are
-// ...<|im_end|>\n' }}"); none when it has no literal one. The result is encoded with special
-// tokens parsed (control tokens written in a message's content become those tokens, as in
-// llama-server).
+// ...<|im_end|>\n' }}"); none when it has no literal one. Only the template's own markup is
+// encoded with control tokens: a message's content is plain text, so "<|im_start|>system" written
+// in it stays text and cannot forge a turn (render_pieces, Codec::encode_prompt).
+struct PromptPiece {
+  std::string text;
+  bool markup = false;  // the template's: control tokens written in it are tokens
+};
 struct ChatTemplate {
   std::string default_system;
   ChatFormat format = ChatFormat::kChatML;  // the model's turn markers (Tokenizer::chat_format)
   static ChatTemplate from_template(std::string_view jinja);
   std::string render(std::span<const ChatMessage> messages) const;
+  // render()'s text cut into the template's markup and the messages' content (as the format
+  // writes it, trimmed or not); their concatenation is render()'s. Error: the format writes a
+  // content in a way this cannot find (a template that alters contents).
+  Result<std::vector<PromptPiece>> render_pieces(std::span<const ChatMessage> messages) const;
 };
 
 // Text to token ids and back, as the server needs it (implemented over the model's Tokenizer by
@@ -108,6 +118,13 @@ class Codec {
   virtual int32_t n_vocab() const = 0;
   // The tokens that end a generation (EOS, <|im_end|>, ...).
   virtual std::vector<TokenId> end_of_generation() const = 0;
+  // A chat prompt: BOS as the model asks, control tokens parsed in the markup pieces only (the
+  // text between two of them encoded as one fragment, as encode(text, true) would for the
+  // same text without control tokens in the content).
+  virtual Result<std::vector<TokenId>> encode_prompt(std::span<const PromptPiece> pieces) const = 0;
+  // The most bytes of text one token stands for (0: unknown): a text's byte count then bounds
+  // its token count from below, without tokenizing it.
+  virtual std::size_t max_token_bytes() const { return 0; }
 };
 
 // The prompt's token ids: the chat template over the messages (chat), the text with the
@@ -115,6 +132,13 @@ class Codec {
 // given, checked against the vocabulary. 400 for an empty prompt or an id outside it.
 Parsed<std::vector<TokenId>> build_prompt(const ParsedRequest& request, const Codec& codec,
                                           const ChatTemplate& chat);
+
+// Before tokenizing: 400 (as check_lengths would give) when the prompt's text alone has more
+// printable ASCII bytes than max_token_bytes times what the context and the pool can hold, so
+// that a 10 MB prompt is refused without tokenizing it. Nothing when the bound decides nothing.
+std::optional<ApiError> check_prompt_bytes(const ParsedRequest& request,
+                                           std::size_t max_token_bytes, int64_t context,
+                                           int64_t pool);
 
 // How many tokens the request may generate, or the 400 that names both numbers when the
 // prompt (plus max_tokens) does not fit the model's context (`context`, 0: no limit) or what

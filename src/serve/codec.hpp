@@ -15,10 +15,14 @@ class TokenizerCodec final : public Codec {
   std::string piece(TokenId id) const override;
   int32_t n_vocab() const override;
   std::vector<TokenId> end_of_generation() const override { return eog_; }
+  Result<std::vector<TokenId>> encode_prompt(std::span<const PromptPiece> pieces) const override;
+  std::size_t max_token_bytes() const override { return max_token_bytes_; }
 
  private:
   const Tokenizer* tok_;
   std::vector<TokenId> eog_;
+  std::vector<std::pair<std::string, TokenId>> control_;  // control and unknown tokens, longest first
+  std::size_t max_token_bytes_ = 0;
 };
 
 }  // namespace treeattn::serve

@@ -15,7 +15,7 @@
 //   treeattn_time_to_first_token_seconds     request received -> first token    histogram
 //   treeattn_inter_token_latency_seconds     between a request's tokens         histogram
 //   treeattn_request_duration_seconds        request received -> last token     histogram
-//   treeattn_requests_finished_total{reason} stop, length, cancelled, error, disconnected
+//   treeattn_requests_finished_total{reason} stop, length, cancelled, error, disconnected, timeout
 //   treeattn_http_responses_total{code}      every response by status code
 //   treeattn_info{model,method,ranks}        1
 #pragma once

@@ -1,15 +1,23 @@
 // The HTTP side of `treeattn serve`: cpp-httplib routes over a Backend (the engine), on rank 0.
 //
-// Threads. cpp-httplib accepts connections on one thread and runs each connection on a worker
-// of its pool. A worker only parses, tokenizes, submits to the backend and then waits on its
-// request's own queue, which the backend's callback feeds (on the engine's step thread: the
-// callback only appends the event and wakes the worker). No worker ever calls the
-// communicator: the engine's step loop (Engine::run, on the main thread of every rank) is the
-// only caller.
+// Threads. One connection loop (epoll) accepts every connection and reads each request whole:
+// its head and body must arrive within read_timeout of its first byte and within the limits of
+// http_request.hpp (a chunked body counts against max_body_bytes as it arrives; a compressed one
+// is refused with 415; a wrong API key is refused once the head is read, before the body). The
+// loop answers /health and those refusals itself, so that slow or idle connections hold no
+// worker and /health never waits for one; a complete request goes to a worker, which runs
+// cpp-httplib's router and response writer over it, then hands the connection back (keep-alive;
+// pipelined requests are answered in order). Connections per peer address are capped.
+// A worker only parses, tokenizes, submits to the backend and then waits on its request's own
+// queue, which the backend's callback feeds (on the engine's step thread: the callback only
+// appends the event and wakes the worker). No worker ever calls the communicator: the engine's
+// step loop (Engine::run, on the main thread of every rank) is the only caller.
 //
 // Routes (every one but /health needs `Authorization: Bearer KEY` when an API key is set):
 //   GET  /health               200 {"status":"ok"}; 503 with an error body while the model
-//                              loads, while shutting down, and after the engine failed
+//                              loads, while shutting down, after the engine failed, and while
+//                              requests are open and the engine has completed no step for
+//                              stall_timeout (a stalled rank: the progress watchdog)
 //   GET  /v1/models            the served model
 //   GET  /metrics              Prometheus text (metrics.hpp)
 //   POST /v1/chat/completions  OpenAI chat completions (api.hpp), streamed or not (format.hpp)
@@ -17,9 +25,14 @@
 // The same routes without the /v1 prefix are accepted too.
 //
 // Statuses: 400 for a body the parser refuses (a message naming the field) or a prompt that
-// does not fit (naming both numbers); 401 for a wrong or missing key; 404 for an unknown path;
-// 413 for a body over max_body_bytes; 429 with Retry-After when the engine's queue is full;
-// 503 while loading, shutting down, or after the engine failed (a rank died).
+// does not fit (naming both numbers), or a malformed request (http_request.hpp); 401 for a
+// wrong or missing key; 404 for an unknown path; 408 for a request not read within
+// read_timeout; 411, 413, 414, 415, 431, 501, 505 as http_request.hpp says; 429 with
+// Retry-After when the engine's queue is full; 503 while loading, shutting down, after the
+// engine failed (a rank died), or for a connection over the per-peer cap.
+//
+// Non-streamed requests: the worker polls the socket while it waits; a client that closed the
+// connection has its request cancelled (pages freed at the engine's next step) within 250 ms.
 //
 // Streams: the headers go out at once, then the role chunk (chat); while no token comes (a
 // queued request, a long prefill) a comment line every ping_interval keeps clients and
@@ -58,11 +71,24 @@ struct ServerOptions {
   std::string host = "127.0.0.1";
   int port = 8080;  // 0: any free port (port() tells which)
   std::string api_key;
-  int threads = 64;                        // HTTP workers: streams in flight + a few
-  std::size_t max_body_bytes = 32u << 20;  // larger bodies: 413
+  int threads = 64;  // HTTP workers: requests being answered (streams included) + a few
+  std::size_t max_body_bytes = 32u << 20;  // larger bodies (de-chunked): 413
+  std::size_t max_headers = 100;           // more header fields: 431
+  std::size_t max_header_line = 8192;      // a longer request or header line: 414 / 431
   std::chrono::milliseconds ping_interval{2000};
+  // A request's head and body must arrive within read_timeout of its first byte (else 408);
+  // a connection with no request in progress closes after idle_timeout.
   std::chrono::seconds read_timeout{30};
+  std::chrono::seconds idle_timeout{5};
   std::chrono::seconds write_timeout{30};
+  int max_connections = 10000;          // open at once (and at most the descriptor limit allows)
+  int max_connections_per_peer = 256;   // from one address; beyond: 503 and closed (0: no cap)
+  // /health answers 503 while requests are open and the engine has completed no step for this
+  // long (0: never).
+  std::chrono::milliseconds stall_timeout{5000};
+  // A completion's deadline when its body gives no "timeout" (0: none); past it the request
+  // ends with finish_reason "timeout" and the text so far.
+  std::chrono::milliseconds request_timeout{0};
 };
 
 struct ModelInfo {

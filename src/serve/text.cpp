@@ -84,6 +84,8 @@ const char* finish_name(Finish f) {
       return "cancelled";
     case Finish::kError:
       return "error";
+    case Finish::kTimeout:
+      return "timeout";
   }
   return "?";
 }
@@ -133,6 +135,20 @@ Generation::Update Generation::on_event(const engine::TokenEvent& event) {
     finish_ = u.finish;
     error_ = u.error;
   }
+  text_ += u.text;
+  return u;
+}
+
+Generation::Update Generation::end(Finish finish) {
+  Update u;
+  if (done()) return u;
+  const StopMatcher::Out o = stop_.push(utf8_.flush());
+  u.text = o.text;
+  if (!o.stopped) u.text += stop_.flush();
+  u.done = true;
+  u.finish = o.stopped ? Finish::kStop : finish;
+  u.stopped_by_string = o.stopped;
+  finish_ = u.finish;
   text_ += u.text;
   return u;
 }

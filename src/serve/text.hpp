@@ -38,7 +38,9 @@ class Utf8Assembler {
 // Stop strings (tokenizer.hpp): the server's and `treeattn generate`'s.
 using treeattn::StopMatcher;
 
-enum class Finish { kNone, kStop, kLength, kCancelled, kError };
+// kTimeout: the request's deadline (its "timeout" field or the server's --request-timeout)
+// passed; its answer is the text so far with finish_reason "timeout".
+enum class Finish { kNone, kStop, kLength, kCancelled, kError, kTimeout };
 const char* finish_name(Finish f);  // OpenAI's finish_reason: "stop", "length"; else the name
 
 // One request's output, fed with the engine's events in order.
@@ -56,6 +58,9 @@ class Generation {
   };
   // Events after the request is done (the engine's cancel after a stop string) are ignored.
   Update on_event(const engine::TokenEvent& event);
+  // Ends the output here (the server ended the request: its deadline): the text held back
+  // (a partial UTF-8 character, a possible stop string's start) goes out.
+  Update end(Finish finish);
 
   bool done() const { return finish_ != Finish::kNone; }
   Finish finish() const { return finish_; }

@@ -458,6 +458,43 @@ def case_faults():
         check(m.get(gone, 0) >= 4, "the prefilling request ended as disconnected: %s" %
               m.get(gone), s)
 
+        # A non-streamed request whose client goes away: cancelled and its pages freed (the
+        # server polls the socket every 250 ms while it waits, the engine frees the pages at its
+        # next step: well within issue 50's 2 s; the bound here leaves room for a loaded
+        # machine's steps, and the time is printed).
+        so = socket.create_connection((s.url[7:].rsplit(":", 1)[0],
+                                       int(s.url.rsplit(":", 1)[1])), timeout=60)
+        data = json.dumps({"prompt": PROMPTS[1], "max_tokens": 2000, "ignore_eos": True}).encode()
+        so.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                   b"\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+        deadline = time.time() + 30
+        while s.metrics()["treeattn_requests_running"] != 1 and time.time() < deadline:
+            time.sleep(0.05)
+        so.close()
+        t0 = time.time()
+        while time.time() - t0 < 5:
+            m = s.metrics()
+            used = [v for k, v in m.items() if k.startswith("treeattn_kv_pages_used{")]
+            if m["treeattn_requests_running"] == 0 and used and all(v == 0 for v in used):
+                break
+            time.sleep(0.05)
+        check(m["treeattn_requests_running"] == 0 and all(v == 0 for v in used),
+              "a non-streamed request's client gone: cancelled, pages freed in %.2f s" %
+              (time.time() - t0), s)
+        check(m.get(gone, 0) >= 5, "it ended as disconnected: %s" % m.get(gone), s)
+
+        # A deadline (the body's "timeout"): the text so far, finish_reason "timeout".
+        t0 = time.time()
+        r = c.completions.create(model="any", prompt=PROMPTS[2], max_tokens=2000,
+                                 extra_body={"ignore_eos": True, "timeout": 1.0})
+        took = time.time() - t0
+        # (The text so far may be empty on a loaded machine: the prompt's prefill alone can
+        # outlast the deadline.)
+        check(r.choices[0].finish_reason == "timeout" and took < 5,
+              "a 1 s deadline: finish_reason %s after %.2f s with %d tokens" %
+              (r.choices[0].finish_reason, took, r.usage.completion_tokens), s)
+        no_leaks(s, "after the deadline")
+
         # SIGTERM during a stream: the stream finishes (drain), then exit 0.
         stream_across_sigterm(s, lambda: c.completions.create(
             model="any", prompt=PROMPTS[3], max_tokens=120, temperature=0, stream=True,
@@ -640,6 +677,124 @@ def case_rank_killed():
         raise
 
 
+def health_status(s):
+    try:
+        with urllib.request.urlopen(s.url + "/health", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except Exception as e:  # noqa: BLE001
+        return 0, repr(e)
+
+
+def case_rank_stopped():
+    """A stalled rank (SIGSTOP) with requests open: /health turns 503 within a few seconds (the
+    progress watchdog, --stall-timeout-ms), long before --timeout-ms; once the rank runs again,
+    the request finishes and /health is 200 again (issue 56)."""
+    s = Server(ranks=2, extra=["--timeout-ms", "60000", "--stall-timeout-ms", "2000"])
+    victim = None
+    try:
+        c = s.client(timeout=120)
+        check(health_status(s)[0] == 200, "/health 200 before", s)
+        result, flowing = {}, threading.Event()
+
+        def streamed():
+            try:
+                n = 0
+                for _ in c.completions.create(model="any", prompt=PROMPTS[0], max_tokens=200,
+                                              temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True}):
+                    n += 1
+                    if n == 4:
+                        flowing.set()
+                result["streamed"] = n
+            except Exception as e:  # noqa: BLE001
+                result["streamed"] = repr(e)
+            flowing.set()
+
+        th = threading.Thread(target=streamed)
+        th.start()
+        check(flowing.wait(60), "the stream's first tokens arrived", s)
+        victim = rank_pid(s, 1)
+        check(victim is not None, "found rank 1's process")
+        os.kill(victim, signal.SIGSTOP)
+        t0 = time.time()
+        status, body = 200, ""
+        while status == 200 and time.time() - t0 < 15:
+            time.sleep(0.25)
+            status, body = health_status(s)
+        waited = time.time() - t0
+        check(status == 503 and "no step" in body,
+              "/health 503 %.1f s after rank 1 stopped (%s)" % (waited, body[:120]), s)
+        check(waited < 8, "within a few seconds of the stall (%.1f s)" % waited, s)
+        os.kill(victim, signal.SIGCONT)
+        victim = None
+        th.join(120)
+        check(isinstance(result.get("streamed"), int),
+              "the stream finished once rank 1 ran again: %s" % result, s)
+        check(health_status(s)[0] == 200, "/health 200 again", s)
+        check(s.stop() == 0, "exit 0 after SIGTERM", s)
+    except BaseException:
+        if victim:
+            os.kill(victim, signal.SIGCONT)
+        s.dump()
+        s.stop(signal.SIGKILL)
+        raise
+
+
+def job_segments():
+    return set(f for f in os.listdir("/dev/shm") if f.startswith("vader_segment."))
+
+
+def case_mpirun_killed():
+    """serve's own mpirun SIGKILLed mid-stream: the stream ends with an error event and [DONE],
+    the ranks end, no Open MPI segment of the job is left in /dev/shm, and serve exits non-zero
+    (issue 56)."""
+    before = job_segments()
+    s = Server(ranks=2)
+    try:
+        url = s.url
+        sock = raw_stream(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4000,
+                                                    "temperature": 0, "stream": True,
+                                                    "ignore_eos": True})
+        got = b""
+        while got.count(b"data: ") < 4:
+            chunk = sock.recv(65536)
+            check(chunk != b"", "the stream started", s)
+            got += chunk
+        ranks = [rank_pid(s, 0), rank_pid(s, 1)]
+        mpirun = [p for p in descendants(s.proc.pid) if p not in ranks and
+                  open("/proc/%d/comm" % p).read().strip() in ("mpirun", "prterun", "orterun")]
+        check(len(mpirun) == 1 and None not in ranks, "found mpirun %s and ranks %s" %
+              (mpirun, ranks), s)
+        os.kill(mpirun[0], signal.SIGKILL)
+        sock.settimeout(30)
+        try:
+            while True:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+                if b"data: [DONE]" in got:
+                    break
+        except OSError:
+            pass
+        tail = got[-600:].decode(errors="replace")
+        check(b'"error"' in got and b"data: [DONE]" in got,
+              "the stream ended with an error event and [DONE]: ...%s" % tail[-300:], s)
+        rc = s.proc.wait(60)
+        check(rc != 0, "serve exited %d" % rc, s)
+        alive = [p for p in ranks if os.path.exists("/proc/%d" % p) and
+                 open("/proc/%d/stat" % p).read().rsplit(")", 1)[1].split()[0] != "Z"]
+        check(not alive, "no rank left running (%s)" % alive, s)
+        left = job_segments() - before
+        check(not left, "no shared-memory segment left: %s" % sorted(left), s)
+    except BaseException:
+        s.dump()
+        s.stop(signal.SIGKILL)
+        raise
+
+
 def case_flags():
     def run(*args):
         model = [] if "--model" in args else ["--model", MODEL]
@@ -650,6 +805,11 @@ def case_flags():
     for args, want in [(["--port", "70000"], "--port"), (["--method", "ring"], "--method"),
                        (["--kv-memory", "2X"], "--kv-memory"), (["--max-batch", "0"], "--max-batch"),
                        (["--page-tokens", "40"], "--page-tokens"), (["--isa", "sse"], "--isa sse"),
+                       # 0 would refuse every request (issue 56)
+                       (["--max-queue", "0"], "--max-queue"),
+                       (["--read-timeout", "0"], "--read-timeout"),
+                       (["--max-conns-per-peer", "-1"], "--max-conns-per-peer"),
+                       (["--request-timeout", "-1"], "--request-timeout"),
                        (["--model", "/nonexistent.gguf"], "no such file"),
                        (["--kv-memory", "1K", "--port", "0"], "KV memory")]:
         rc, err = run(*args)
@@ -673,7 +833,8 @@ CASES = {"api": case_api, "flags": case_flags, "faults": case_faults, "exact1": 
          "exact2int8": lambda: case_exact(2, serve_extra=["--matmul", "int8"],
                                           generate_extra=["--matmul", "int8", "--no-rows8"]),
          "sigterm2": case_sigterm2,
-         "rank_killed": case_rank_killed}
+         "rank_killed": case_rank_killed, "rank_stopped": case_rank_stopped,
+         "mpirun_killed": case_mpirun_killed}
 
 if __name__ == "__main__":
     t0 = time.time()

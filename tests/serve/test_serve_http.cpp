@@ -12,8 +12,14 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <thread>
+
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "serve/byte_codec.hpp"
 #include "serve/server.hpp"
@@ -76,6 +82,7 @@ class FakeBackend final : public Backend {
     m.merge_seconds = {0, 0};
     m.attention_seconds = {0, 0};
     m.requests_total = static_cast<int64_t>(submitted_);
+    m.steps = steps_;
     m.failed = failed_;
     return m;
   }
@@ -103,6 +110,12 @@ class FakeBackend final : public Backend {
     std::lock_guard<std::mutex> lock(mu_);
     return last_request_;
   }
+  // A stalled rank: no step completes, no event comes, until unstalled.
+  void stall(bool on) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stalled_ = on;
+    cv_.notify_all();
+  }
   void set_max_queue(int n) {
     std::lock_guard<std::mutex> lock(mu_);
     o_.max_queue = n;
@@ -120,6 +133,8 @@ class FakeBackend final : public Backend {
     std::unique_lock<std::mutex> lock(mu_);
     while (!quit_) {
       cv_.wait_for(lock, 1ms);
+      if (stalled_) continue;
+      if (!live_.empty()) ++steps_;
       std::vector<std::pair<engine::TokenCallback, engine::TokenEvent>> out;
       const auto now = std::chrono::steady_clock::now();
       for (auto it = live_.begin(); it != live_.end();) {
@@ -172,6 +187,8 @@ class FakeBackend final : public Backend {
   engine::RequestId next_ = 0;
   uint64_t submitted_ = 0;
   bool failed_ = false;
+  bool stalled_ = false;
+  int64_t steps_ = 0;
   bool quit_ = false;
   std::thread worker_;
 };
@@ -621,6 +638,507 @@ TEST_F(ServeHttp, ConcurrentStreams) {
   for (auto& t : clients) t.join();
   EXPECT_EQ(good.load(), 12);
   EXPECT_TRUE(server_->wait_idle(std::chrono::steady_clock::now() + 2s));
+}
+
+// ---- hostile clients (issue 56), over raw sockets: what httplib's client would never send ----
+
+// A raw client connection to the server.
+class Raw {
+ public:
+  explicit Raw(int port) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ok_ = fd_ >= 0 && ::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+  }
+  ~Raw() { close(); }
+  Raw(const Raw&) = delete;
+  Raw& operator=(const Raw&) = delete;
+  bool ok() const { return ok_; }
+  void close() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+  bool send(std::string_view s) {
+    while (!s.empty()) {
+      const ssize_t n = ::send(fd_, s.data(), s.size(), MSG_NOSIGNAL);
+      if (n <= 0) return false;
+      s.remove_prefix(static_cast<std::size_t>(n));
+    }
+    return true;
+  }
+  // Receives into the buffer for up to `timeout`; false when the server closed (or reset) the
+  // connection or nothing came.
+  bool receive(std::chrono::milliseconds timeout) {
+    pollfd p{fd_, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(timeout.count())) <= 0) return false;
+    char buf[65536];
+    const ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
+    if (n <= 0) {
+      eof_ = true;
+      return false;
+    }
+    buf_.append(buf, static_cast<std::size_t>(n));
+    return true;
+  }
+  struct Response {
+    int status = 0;
+    std::string head, body;
+  };
+  // The next response (a Content-Length body), or nullopt when none came within `timeout`.
+  std::optional<Response> response(std::chrono::milliseconds timeout = 5000ms) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (true) {
+      const auto end = buf_.find("\r\n\r\n");
+      if (end != std::string::npos) {
+        Response r;
+        r.head = buf_.substr(0, end);
+        r.status = std::atoi(r.head.c_str() + 9);
+        std::string lower = r.head;
+        for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+        const auto cl = lower.find("content-length:");
+        const std::size_t len =
+            cl == std::string::npos ? 0 : std::stoul(lower.substr(cl + 15));
+        if (buf_.size() >= end + 4 + len) {
+          r.body = buf_.substr(end + 4, len);
+          buf_.erase(0, end + 4 + len);
+          return r;
+        }
+      }
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0 || !receive(left)) return std::nullopt;
+    }
+  }
+  // The server closed the connection within `timeout` (after what it sent).
+  bool closed_by_server(std::chrono::milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (!eof_) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return false;
+      receive(left);
+    }
+    return true;
+  }
+
+ private:
+  int fd_ = -1;
+  bool ok_ = false;
+  bool eof_ = false;
+  std::string buf_;
+};
+
+std::string chat_request(const std::string& body, const std::string& extra = {}) {
+  return "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" +
+         extra + "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+}
+
+double ms_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+}
+
+// /health on a fresh connection: its status, and the time it took (ms) in `took`.
+int health(int port, double* took = nullptr) {
+  const auto t0 = std::chrono::steady_clock::now();
+  Raw h(port);
+  if (!h.ok() || !h.send("GET /health HTTP/1.1\r\nHost: x\r\n\r\n")) return 0;
+  auto r = h.response(20000ms);
+  if (took != nullptr) *took = ms_since(t0);
+  return r ? r->status : 0;
+}
+
+// Slowloris: 300 connections that send part of a head (more than the workers) hold no worker;
+// /health and a chat answer at once. (cpp-httplib alone: each held a worker for its 30 s
+// per-recv timeout, and /health waited.)
+TEST_F(ServeHttp, SlowClientsHoldNoWorker) {
+  ServerOptions so;
+  so.threads = 8;
+  so.max_connections_per_peer = 0;  // all from 127.0.0.1
+  start({}, so);
+  ready();
+  std::vector<std::unique_ptr<Raw>> slow;
+  for (int i = 0; i < 300; ++i) {
+    slow.push_back(std::make_unique<Raw>(server_->port()));
+    ASSERT_TRUE(slow.back()->ok());
+    ASSERT_TRUE(slow.back()->send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-A: "));
+  }
+  double took = 0;
+  EXPECT_EQ(health(server_->port(), &took), 200);
+  std::printf("/health with 300 partial heads open: %.1f ms\n", took);
+  EXPECT_LT(took, 2000);
+  auto r = post("/v1/chat/completions", kChat);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+}
+
+// The whole head and body must arrive within read_timeout of the first byte: a client that
+// sends a byte every 100 ms (each resetting a per-recv timeout) gets 408 and is closed.
+TEST_F(ServeHttp, ReadDeadlineIsForTheWholeRequest) {
+  ServerOptions so;
+  so.read_timeout = 1s;
+  start({}, so);
+  ready();
+  Raw c(server_->port());
+  ASSERT_TRUE(c.ok());
+  const std::string head = chat_request(kChat);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::optional<Raw::Response> r;
+  for (std::size_t i = 0; i < head.size() && !r; ++i) {
+    if (!c.send(head.substr(i, 1))) break;
+    r = c.response(100ms);
+  }
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 408) << r->body;
+  EXPECT_LT(ms_since(t0), 3000);
+  EXPECT_TRUE(c.closed_by_server(3000ms));
+}
+
+// 1,000 idle connections (loopback, bounded): /health answers within 100 ms (the bound here is
+// generous for a loaded test machine: the measured time is printed) and a chat as usual.
+TEST_F(ServeHttp, ThousandIdleConnections) {
+  ServerOptions so;
+  so.max_connections_per_peer = 0;
+  so.idle_timeout = 60s;
+  start({}, so);
+  ready();
+  std::vector<std::unique_ptr<Raw>> idle;
+  for (int i = 0; i < 1000; ++i) {
+    idle.push_back(std::make_unique<Raw>(server_->port()));
+    ASSERT_TRUE(idle.back()->ok()) << i;
+  }
+  double worst = 0;
+  for (int i = 0; i < 10; ++i) {
+    double took = 0;
+    EXPECT_EQ(health(server_->port(), &took), 200);
+    worst = std::max(worst, took);
+  }
+  std::printf("/health with 1000 idle connections open: worst of 10 %.1f ms\n", worst);
+  EXPECT_LT(worst, 1000);
+  auto r = post("/v1/chat/completions", kChat);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+}
+
+TEST_F(ServeHttp, ConnectionsPerPeerAreCapped) {
+  ServerOptions so;
+  so.max_connections_per_peer = 8;
+  start({}, so);
+  ready();
+  std::vector<std::unique_ptr<Raw>> held;
+  for (int i = 0; i < 8; ++i) {
+    held.push_back(std::make_unique<Raw>(server_->port()));
+    ASSERT_TRUE(held.back()->ok());
+  }
+  std::this_thread::sleep_for(100ms);  // accepted
+  Raw over(server_->port());
+  auto r = over.response(3000ms);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 503);
+  EXPECT_NE(r->body.find("Too many connections"), std::string::npos) << r->body;
+  EXPECT_TRUE(over.closed_by_server(3000ms));
+  held.clear();  // closed: room again
+  std::this_thread::sleep_for(200ms);
+  EXPECT_EQ(health(server_->port()), 200);
+}
+
+// A compressed body is refused (415) before a byte of it is read, with or without the key; it
+// is never inflated. (cpp-httplib inflated it, unbounded, before the handler.)
+TEST_F(ServeHttp, CompressedBodiesAreRefused) {
+  ServerOptions so;
+  so.api_key = "k";
+  start({}, so);
+  ready();
+  for (const std::string enc : {"deflate", "gzip", "br"}) {
+    Raw c(server_->port());
+    ASSERT_TRUE(c.send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                       "k\r\nContent-Encoding: " +
+                       enc + "\r\nContent-Length: 1000000\r\n\r\n"));
+    auto r = c.response(3000ms);
+    ASSERT_TRUE(r) << enc;
+    EXPECT_EQ(r->status, 415) << r->body;
+    EXPECT_TRUE(c.closed_by_server(5000ms));
+  }
+}
+
+// Chunked bodies count against the cap as they arrive (413 before the rest is read); a chunked
+// body under the cap is answered as usual.
+TEST_F(ServeHttp, ChunkedBodiesCountAgainstTheCap) {
+  ServerOptions so;
+  so.max_body_bytes = 4096;
+  start({}, so);
+  ready();
+  {
+    Raw c(server_->port());
+    ASSERT_TRUE(c.send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: "
+                       "chunked\r\n\r\n"));
+    std::optional<Raw::Response> r;
+    for (int i = 0; i < 100 && !r; ++i) {
+      if (!c.send("400\r\n" + std::string(1024, ' ') + "\r\n")) break;
+      r = c.response(20ms);
+    }
+    if (!r) r = c.response(3000ms);
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 413) << r->body;
+    EXPECT_NE(r->body.find("4096"), std::string::npos) << r->body;
+  }
+  Raw c(server_->port());
+  const std::string body = kChat;
+  const std::string a = body.substr(0, 10), b = body.substr(10);
+  char sa[16], sb[16];
+  std::snprintf(sa, sizeof sa, "%zx", a.size());
+  std::snprintf(sb, sizeof sb, "%zx;ext=1", b.size());
+  ASSERT_TRUE(c.send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: "
+                     "chunked\r\n\r\n" +
+                     std::string(sa) + "\r\n" + a + "\r\n" + sb + "\r\n" + b +
+                     "\r\n0\r\nX-Trailer: 1\r\n\r\n"));
+  auto r = c.response();
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(json::parse(r->body)["choices"][0]["message"]["content"], "Hello, w\xC3\xB6rld!");
+}
+
+// A body with neither Content-Length nor chunking: 411 (cpp-httplib reset the connection).
+TEST_F(ServeHttp, BodyWithoutALengthIs411) {
+  start();
+  ready();
+  Raw c(server_->port());
+  ASSERT_TRUE(c.send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n" + std::string(kChat)));
+  auto r = c.response(3000ms);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 411) << r->body;
+  EXPECT_EQ(json::parse(r->body)["error"]["type"], "invalid_request_error");
+}
+
+// A bogus Content-Length is a 400 at once (cpp-httplib held a worker 30 s, then 413).
+TEST_F(ServeHttp, BogusContentLengthIs400AtOnce) {
+  start();
+  ready();
+  for (const std::string cl : {"-1", "18446744073709551616", "12abc", "0x10", "", "1, 2"}) {
+    Raw c(server_->port());
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSERT_TRUE(c.send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + cl +
+                       "\r\n\r\n"));
+    auto r = c.response(3000ms);
+    ASSERT_TRUE(r) << cl;
+    EXPECT_EQ(r->status, 400) << cl << " " << r->body;
+    EXPECT_LT(ms_since(t0), 3000);
+  }
+  Raw c(server_->port());  // two that differ
+  ASSERT_TRUE(c.send("POST /v1/completions HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: "
+                     "4\r\n\r\nabcd"));
+  auto r = c.response(3000ms);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 400);
+}
+
+// Header count and line length are capped (431), the line long before it is buffered whole.
+TEST_F(ServeHttp, HeaderCountAndLineLengthAreCapped) {
+  start();
+  ready();
+  {
+    Raw c(server_->port());
+    std::string head = "GET /v1/models HTTP/1.1\r\n";
+    for (int i = 0; i < 200; ++i) head += "X-H" + std::to_string(i) + ": v\r\n";
+    ASSERT_TRUE(c.send(head + "\r\n"));
+    auto r = c.response(3000ms);
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 431) << r->body;
+  }
+  {
+    Raw c(server_->port());
+    ASSERT_TRUE(c.send("GET /v1/models HTTP/1.1\r\nX-Long: "));
+    std::optional<Raw::Response> r;
+    const std::string piece(16384, 'a');
+    for (int i = 0; i < 4096 && !r; ++i) {  // up to 64 MB, stopped by the answer
+      if (!c.send(piece)) break;
+      if (i % 16 == 0) r = c.response(1ms);
+    }
+    if (!r) r = c.response(3000ms);
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 431) << r->body;
+  }
+}
+
+// Without the key, a request is refused once its head is read: its body is never awaited.
+TEST_F(ServeHttp, AWrongKeyIsRefusedBeforeTheBody) {
+  ServerOptions so;
+  so.api_key = "k";
+  start({}, so);
+  ready();
+  Raw c(server_->port());
+  ASSERT_TRUE(c.send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                     "nope\r\nContent-Length: 30000000\r\n\r\n"));
+  auto r = c.response(3000ms);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 401);
+  EXPECT_EQ(json::parse(r->body)["error"]["code"], "invalid_api_key");
+  EXPECT_TRUE(c.closed_by_server(5000ms));
+}
+
+// Pipelined requests: every one answered, in order.
+TEST_F(ServeHttp, PipelinedRequestsAreAnsweredInOrder) {
+  start();
+  ready();
+  Raw c(server_->port());
+  std::string all;
+  for (int k = 1; k <= 3; ++k)
+    all += "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " +
+           std::to_string(std::string(R"({"prompt":"x","max_tokens":)").size() + 2) + "\r\n\r\n" +
+           R"({"prompt":"x","max_tokens":)" + std::to_string(k) + "}";
+  ASSERT_TRUE(c.send(all));
+  for (const std::string want : {"H", "He", "Hel"}) {
+    auto r = c.response();
+    ASSERT_TRUE(r) << want;
+    ASSERT_EQ(r->status, 200) << r->body;
+    EXPECT_EQ(json::parse(r->body)["choices"][0]["text"], want);
+  }
+  std::string fifty;
+  for (int i = 0; i < 50; ++i) fifty += "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
+  fifty += "GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n";
+  ASSERT_TRUE(c.send(fifty));
+  for (int i = 0; i < 50; ++i) {
+    auto r = c.response();
+    ASSERT_TRUE(r) << i;
+    EXPECT_EQ(r->status, 200);
+    EXPECT_EQ(r->body, R"({"status":"ok"})");
+  }
+  auto r = c.response();
+  ASSERT_TRUE(r);
+  EXPECT_NE(r->body.find("fake-model"), std::string::npos);
+}
+
+// "Expect: 100-continue" gets its interim response before the body is sent.
+TEST_F(ServeHttp, ExpectContinue) {
+  start();
+  ready();
+  Raw c(server_->port());
+  const std::string body = kChat;
+  ASSERT_TRUE(c.send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: "
+                     "100-continue\r\nContent-Length: " +
+                     std::to_string(body.size()) + "\r\n\r\n"));
+  auto r = c.response(3000ms);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 100);
+  ASSERT_TRUE(c.send(body));
+  r = c.response();
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+}
+
+// A stalled rank: requests open and no engine step completes: /health turns 503 within
+// stall_timeout (not the collective timeout), and 200 again once steps resume.
+TEST_F(ServeHttp, HealthIs503WhileTheEngineMakesNoProgress) {
+  ServerOptions so;
+  so.stall_timeout = 500ms;
+  start({}, so);
+  ready();
+  EXPECT_EQ(health(server_->port()), 200);
+  backend_->stall(true);
+  std::thread waiting([&] {
+    auto r = post("/v1/chat/completions", kChat);
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200);
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  int status = 200;
+  while (status == 200 && ms_since(t0) < 5000) {
+    std::this_thread::sleep_for(50ms);
+    status = health(server_->port());
+  }
+  EXPECT_EQ(status, 503);
+  std::printf("/health turned 503 after %.0f ms without a step\n", ms_since(t0));
+  {
+    Raw h(server_->port());
+    ASSERT_TRUE(h.send("GET /health HTTP/1.1\r\n\r\n"));
+    auto r = h.response();
+    ASSERT_TRUE(r);
+    EXPECT_NE(r->body.find("no step"), std::string::npos) << r->body;
+  }
+  backend_->stall(false);
+  waiting.join();
+  EXPECT_EQ(health(server_->port()), 200);
+}
+
+// A non-streamed request whose client goes away is cancelled within 2 s, its pages freed.
+TEST_F(ServeHttp, NonStreamedClientDisconnectCancels) {
+  FakeBackend::Options bo;
+  bo.reply = std::string(5000, 'a');
+  bo.token_delay = 2ms;
+  start(bo);
+  ready();
+  {
+    Raw c(server_->port());
+    ASSERT_TRUE(c.send(chat_request(
+        R"({"messages":[{"role":"user","content":"hi"}],"max_tokens":4000})")));
+    const auto deadline = std::chrono::steady_clock::now() + 5s;
+    while (backend_->live() == 0 && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(5ms);
+    ASSERT_EQ(backend_->live(), 1);
+  }  // closed
+  const auto t0 = std::chrono::steady_clock::now();
+  while ((backend_->live() > 0 || server_->active() > 0) && ms_since(t0) < 2000)
+    std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(backend_->cancels(), 1u);
+  EXPECT_EQ(backend_->live(), 0);
+  EXPECT_EQ(server_->active(), 0);
+  std::printf("cancelled %.0f ms after the client closed\n", ms_since(t0));
+  auto m = client().Get("/metrics");
+  ASSERT_TRUE(m);
+  EXPECT_NE(m->body.find("treeattn_requests_finished_total{reason=\"disconnected\"} 1"),
+            std::string::npos)
+      << m->body;
+}
+
+// A deadline (the body's "timeout", or the server's request_timeout) ends a request with the
+// text so far and finish_reason "timeout", streamed or not, and cancels it in the engine.
+TEST_F(ServeHttp, DeadlineEndsWithFinishReasonTimeout) {
+  FakeBackend::Options bo;
+  bo.reply = std::string(5000, 'a');
+  bo.token_delay = 2ms;
+  ServerOptions so;
+  so.request_timeout = 400ms;
+  start(bo, so);
+  ready();
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = post("/v1/chat/completions",
+                R"({"messages":[{"role":"user","content":"hi"}],"max_tokens":4000,"timeout":0.2})");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "timeout");
+  EXPECT_FALSE(j["choices"][0]["message"]["content"].get<std::string>().empty());
+  EXPECT_LT(ms_since(t0), 1500);
+  // The server's default deadline, streamed.
+  t0 = std::chrono::steady_clock::now();
+  const Sse s = parse_sse(post_stream(
+      "/v1/completions", R"({"prompt":"x","max_tokens":4000,"stream":true})"));
+  EXPECT_LT(ms_since(t0), 2000);
+  ASSERT_FALSE(s.data.empty());
+  EXPECT_EQ(s.data.back()["choices"][0]["finish_reason"], "timeout") << s.raw.substr(0, 300);
+  EXPECT_TRUE(s.done);
+  const auto deadline = std::chrono::steady_clock::now() + 2s;
+  while (backend_->live() > 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(backend_->live(), 0);
+  EXPECT_EQ(backend_->cancels(), 2u);
+  EXPECT_EQ(post("/v1/completions", R"({"prompt":"x","timeout":0})")->status, 400);
+}
+
+// A prompt whose byte count alone rules it out is refused before it is tokenized (the message
+// says "at least": no token count was made).
+TEST_F(ServeHttp, AHugePromptIsRefusedBeforeTokenizing) {
+  start({}, {}, 4096);
+  ready();
+  const std::string body = json{{"prompt", std::string(10u << 20, 'a')}}.dump();
+  auto r = post("/v1/completions", body);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 400);
+  EXPECT_EQ(error_of(r).code, "context_length_exceeded");
+  EXPECT_NE(error_of(r).message.find("at least 10485760 tokens"), std::string::npos)
+      << error_of(r).message;
 }
 
 }  // namespace
