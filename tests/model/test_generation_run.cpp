@@ -241,7 +241,7 @@ TEST(EngineKVPages, Int8AndFp8PagesAgreeWithF16UpToNearTiesOnTheRealModel) {
   ASSERT_TRUE(m.is_ok()) << m.status().to_string();
   auto tok = Tokenizer::from_gguf((*m)->file());
   ASSERT_TRUE(tok.is_ok()) << tok.status().to_string();
-  const char* prompts[] = {"The capital of France is", "def fibonacci(n):\n    ",
+  const char* prompts[] = {"The capital of France is", "def fibonacci(n): return",
                            "Once upon a time, in a small village by the sea,",
                            "Water boils at a temperature of"};
   constexpr float kNearTie = 0.5f;
