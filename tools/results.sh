@@ -124,6 +124,18 @@ else
   skip merge_methods "--quick without an earlier bench/engine/merge_methods.sh run (needs root)"
 fi
 
+# KV capacity (bench/engine/kv_capacity.sh: a server under 8 long chats, then the KV page types).
+# Full mode runs it; --quick takes the last run (out/kv_capacity) when there is one.
+if [ "$quick" = 0 ]; then
+  step kv_capacity bench/engine/kv_capacity.sh --out "$work/kv_capacity_run"
+  cp "$work/kv_capacity_run/capacity.json" "$work/kv_capacity_run/kv_dtype.log" "$work/" 2>/dev/null
+elif [ -f out/kv_capacity/capacity.json ]; then
+  cp out/kv_capacity/capacity.json out/kv_capacity/kv_dtype.log "$work/" 2>/dev/null
+  echo "kv_capacity from out/kv_capacity (bench/engine/kv_capacity.sh)" >> "$status"
+else
+  skip kv_capacity "--quick without an earlier bench/engine/kv_capacity.sh run"
+fi
+
 mode=$([ "$quick" = 1 ] && echo quick || echo full)
 if ! python3 tools/results_render.py --work "$work" --build "$build" --mode "$mode" --out "$out"; then
   echo "results.sh: rendering $out failed (tools/results_render.py above)" >&2

@@ -313,6 +313,45 @@ def section_merge_methods(work):
     return s
 
 
+def section_kv_capacity(work):
+    s = ("## KV capacity\n\n`bench/engine/kv_capacity.sh`: pages on demand and quantized KV "
+         "pages in the serving engine, 2 ranks.\n\n")
+    c = load(work, "capacity.json")
+    if not c:
+        return s + not_run(work, "kv_capacity", "model")
+    s += ("`treeattn serve --ranks 2 --context 32768 --kv-memory 1440M` (65,536 tokens of f16 KV "
+          "per rank) and `bench/serve/capacity.py`: %d concurrent chat requests without "
+          "`max_tokens`, prompts of %d-%d tokens.\n\n| requests | running at once (max) | "
+          "finished | preemptions | KV used per rank (max) | seconds |\n"
+          "|---:|---:|---:|---:|---|---:|\n") % (
+              c["clients"], min(c["prompt_tokens"] or [0]), max(c["prompt_tokens"] or [0]))
+    usage = ", ".join("%s: %.1f%%" % (r, 100 * v) for r, v in sorted(c["kv_usage_max"].items()))
+    s += "| %d | %d | %d | %d | %s | %.1f |\n" % (
+        c["clients"], c["running_max"], c["finished"], c["preemptions"], usage, c["seconds"])
+    rows = []
+    try:
+        with open(os.path.join(work, "kv_dtype.log")) as f:
+            for line in f:
+                if line.startswith("KVDTYPE "):
+                    rows.append(json.loads(line[len("KVDTYPE "):]))
+    except OSError:
+        pass
+    if not rows:
+        return s + "\n" + not_run(work, "kv_dtype", "model")
+    ref = rows[0]
+    s += ("\n`treeattn_engine_bench kv-dtype`: one greedy request of a %s-token prompt, 2 GiB of "
+          "KV per rank, each type in a fresh engine, best of 2 rounds.\n\n| KV type | longest "
+          "sequence | x %s | decode ITL ms | x %s | greedy tokens = %s | first logits: max err "
+          "/ max |\n|---|---:|---:|---:|---:|---:|---:|\n") % (
+              fmt_tokens(ref["context"]), ref["type"], ref["type"], ref["type"])
+    for r in rows:
+        s += "| %s | %s | %.3f | %.2f | %.3f | %d of %d | %.3g |\n" % (
+            r["type"], "{:,}".format(r["max_sequence_tokens"]),
+            r["max_sequence_tokens"] / ref["max_sequence_tokens"], r["itl_ms"],
+            r["itl_ms"] / ref["itl_ms"], r["tokens_equal"], r["tokens"], r["logit_rel_err"])
+    return s
+
+
 def section_sweep(work):
     j = load(work, "sweep.json")
     s = ("## Paper sweep (predicted)\n\n`treeattn plan --sweep`: the cost model on the paper's "
@@ -351,7 +390,7 @@ def section_validate(work):
     return s
 
 
-SECTIONS = {"merge_methods": section_merge_methods}
+SECTIONS = {"merge_methods": section_merge_methods, "kv_capacity": section_kv_capacity}
 
 
 def main():
@@ -377,7 +416,7 @@ def main():
              "sides measured in the same run. `--quick` uses small sizes: its absolute figures are "
              "not the headline sizes. How each is measured: [performance.md](performance.md).\n\n")
     for sec in (section_main, section_kernel, section_treering, section_model, section_load,
-                section_merge_methods, section_sweep, section_validate):
+                section_merge_methods, section_kv_capacity, section_sweep, section_validate):
         text += sec(a.work) + "\n"
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
