@@ -29,6 +29,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "treeattn/gguf.hpp"
@@ -72,6 +73,12 @@ class Tokenizer {
   // (e.g. "<|im_start|>") become their ids; otherwise they are tokenized as plain text.
   Result<std::vector<TokenId>> encode(std::string_view text, bool add_special = true,
                                       bool parse_special = true) const;
+  // As encode(text, add_special, true), except that no special token is matched where it would
+  // overlap one of the byte ranges `plain` (sorted, not overlapping): a chat prompt's
+  // conversation text, so that a user's "<|im_start|>" stays text while the chat template's own
+  // markers become their tokens. Text is split and merged exactly as encode() splits it.
+  Result<std::vector<TokenId>> encode(std::string_view text, bool add_special,
+                                      std::span<const std::pair<uint32_t, uint32_t>> plain) const;
   // kInvalidArgument naming the position and id of a token outside [0, n_vocab).
   Result<std::string> decode(std::span<const TokenId> ids, bool render_special = false) const;
   Result<std::string> token_to_piece(TokenId id, bool render_special = false) const;
@@ -104,6 +111,9 @@ class Tokenizer {
  private:
   struct Impl;
   explicit Tokenizer(std::unique_ptr<Impl> impl);
+  Result<std::vector<TokenId>> encode_impl(std::string_view text, bool add_special,
+                                           bool parse_special,
+                                           std::span<const std::pair<uint32_t, uint32_t>> plain) const;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -574,7 +574,25 @@ void Tokenizer::Impl::spm_encode(std::string_view str, std::vector<TokenId>& out
 
 Result<std::vector<TokenId>> Tokenizer::encode(std::string_view text, bool add_special,
                                                bool parse_special) const {
+  return encode_impl(text, add_special, parse_special, {});
+}
+
+Result<std::vector<TokenId>> Tokenizer::encode(
+    std::string_view text, bool add_special,
+    std::span<const std::pair<uint32_t, uint32_t>> plain) const {
+  return encode_impl(text, add_special, true, plain);
+}
+
+Result<std::vector<TokenId>> Tokenizer::encode_impl(
+    std::string_view text, bool add_special, bool parse_special,
+    std::span<const std::pair<uint32_t, uint32_t>> plain) const {
   const Impl& t = *impl_;
+  // Whether [a, b) overlaps a plain range (binary search over the sorted ranges).
+  const auto in_plain = [&](std::size_t a, std::size_t b) {
+    auto it = std::upper_bound(plain.begin(), plain.end(), a,
+                               [](std::size_t x, const auto& r) { return x < r.second; });
+    return it != plain.end() && it->first < b;
+  };
   for (std::size_t k = 0; k < text.size();) {
     const std::size_t len = utf8_seq(text, k);
     if (len == 0) {
@@ -604,10 +622,15 @@ Result<std::vector<TokenId>> Tokenizer::encode(std::string_view text, bool add_s
         continue;
       }
       std::size_t from = 0;
-      for (std::size_t at; (at = fr.text.find(st, from)) != std::string_view::npos;) {
+      for (std::size_t at, look = 0; (at = fr.text.find(st, look)) != std::string_view::npos;) {
+        const auto abs = static_cast<std::size_t>(fr.text.data() - text.data()) + at;
+        if (!plain.empty() && in_plain(abs, abs + st.size())) {
+          look = at + 1;  // conversation text: not a token here
+          continue;
+        }
         if (at > from) next.push_back({-1, fr.text.substr(from, at - from)});
         next.push_back({sid, {}});
-        from = at + st.size();
+        from = look = at + st.size();
       }
       if (from < fr.text.size()) next.push_back({-1, fr.text.substr(from)});
     }

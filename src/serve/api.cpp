@@ -437,6 +437,33 @@ ChatTemplate ChatTemplate::from_template(std::string_view jinja) {
   return t;
 }
 
+ChatTemplate ChatTemplate::from_model(std::string_view jinja, const Tokenizer& tokenizer) {
+  ChatTemplate t = from_template(jinja);
+  t.format = tokenizer.chat_format();
+  if (jinja.empty()) return t;
+  const auto text_of = [&](TokenId id) {
+    if (id < 0) return std::string();
+    auto p = tokenizer.token_to_piece(id, /*render_special=*/true);
+    return p.is_ok() ? std::move(p).value() : std::string();
+  };
+  auto m = ModelTemplate::parse(jinja, text_of(tokenizer.bos_id()), text_of(tokenizer.eos_id()));
+  if (!m.is_ok()) {
+    t.error = m.status().message();
+    return t;
+  }
+  t.model = std::make_shared<const ModelTemplate>(std::move(m).value());
+  t.strip_bos = tokenizer.add_bos();
+  return t;
+}
+
+std::string ChatTemplate::describe() const {
+  if (!error.empty())
+    return "the model's chat template cannot be rendered (" + error +
+           "): chat requests are refused with 400";
+  if (model) return "the model's own chat template (tokenizer.chat_template)";
+  return "no chat template in the file: chat requests get a plain User/Assistant transcript";
+}
+
 std::string ChatTemplate::render(std::span<const ChatMessage> messages) const {
   std::vector<ChatTurn> turns;
   turns.reserve(messages.size());
@@ -448,7 +475,24 @@ Parsed<std::vector<TokenId>> build_prompt(const ParsedRequest& request, const Co
                                           const ChatTemplate& chat) {
   const char* param = request.endpoint == Endpoint::kChat ? "messages" : "prompt";
   std::vector<TokenId> ids;
-  if (request.endpoint == Endpoint::kChat || request.prompt_text) {
+  if (request.endpoint == Endpoint::kChat && !chat.error.empty())
+    return bad("The model's chat template cannot be used: " + chat.error, "messages",
+               "unsupported_chat_template");
+  if (request.endpoint == Endpoint::kChat && chat.model) {
+    nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+    for (const ChatMessage& m : request.messages)
+      messages.push_back({{"role", m.role}, {"content", m.content}});
+    auto p = chat.model->render(messages, nullptr, /*add_generation_prompt=*/true, chat.strip_bos);
+    if (!p.is_ok())
+      return bad(fmt::format("The messages cannot be rendered with the model's chat template: {}",
+                             p.status().message()),
+                 "messages", "invalid_value");
+    auto enc = codec.encode_chat(p->text, p->data_ranges);
+    if (!enc.is_ok())
+      return bad(fmt::format("The messages cannot be tokenized: {}", enc.status().message()),
+                 "messages", "invalid_value");
+    ids = std::move(enc).value();
+  } else if (request.endpoint == Endpoint::kChat || request.prompt_text) {
     const bool is_chat = request.endpoint == Endpoint::kChat;
     auto enc =
         codec.encode(is_chat ? chat.render(request.messages) : *request.prompt_text, is_chat);

@@ -21,8 +21,7 @@ ModelInfo engine_model_info(const std::string& model_path, const model::LlamaMod
   info.id = std::filesystem::path(model_path).filename().string();
   info.created = static_cast<int64_t>(std::time(nullptr));
   info.context = context > 0 ? context : cfg.n_ctx_train;
-  info.chat = ChatTemplate::from_template(tmpl.is_ok() ? *tmpl : std::string_view());
-  info.chat.format = tokenizer.chat_format();
+  info.chat = ChatTemplate::from_model(tmpl.is_ok() ? *tmpl : std::string_view(), tokenizer);
   info.ranks = ranks;
   const engine::MergeChoice& mc = engine.merge_choice();
   info.method = mc.strategy;

@@ -17,6 +17,9 @@ struct Pos {
 struct Expr;
 using ExprPtr = std::unique_ptr<Expr>;
 
+// The variable that holds a filter block's rendered body (not a name a template can write).
+inline constexpr const char* kBlockInput = "\x01filter-block";
+
 struct Arg {
   std::string name;  // empty: positional
   ExprPtr value;
@@ -68,6 +71,7 @@ struct Node {
     kCallBlock, // expr is the call; params: caller's parameters; bodies[0] caller body
     kBreak,
     kContinue,
+    kFilterBlock,  // {% filter f(args) | g %} bodies[0] {% endfilter %}: expr filters kBlockInput
   };
   Kind kind;
   Pos pos;

@@ -56,7 +56,7 @@ Result<ModelTemplate> ModelTemplate::parse(std::string_view source, std::string 
 }
 
 Result<ChatPrompt> ModelTemplate::render(const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
-                                         bool add_generation_prompt) const {
+                                         bool add_generation_prompt, bool strip_bos) const {
   nlohmann::ordered_json ctx = nlohmann::ordered_json::object();
   ctx["messages"] = messages;
   ctx["tools"] = tools;
@@ -64,7 +64,16 @@ Result<ChatPrompt> ModelTemplate::render(const nlohmann::ordered_json& messages,
   ctx["add_generation_prompt"] = add_generation_prompt;
   ctx["bos_token"] = bos_;
   ctx["eos_token"] = eos_;
-  return render_context(ctx);
+  auto r = render_context(ctx);
+  if (!r.is_ok() || !strip_bos || bos_.empty() || !r->text.starts_with(bos_)) return r;
+  const auto n = static_cast<uint32_t>(bos_.size());
+  if (!r->data_ranges.empty() && r->data_ranges.front().first < n) return r;
+  r->text.erase(0, n);
+  for (auto& [a, b] : r->data_ranges) {
+    a -= n;
+    b -= n;
+  }
+  return r;
 }
 
 Result<ChatPrompt> ModelTemplate::render_context(const nlohmann::ordered_json& context) const {

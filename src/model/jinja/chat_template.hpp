@@ -36,8 +36,10 @@ class ModelTemplate {
   // messages: an array of {"role", "content", ...} objects as the OpenAI API has them; tools:
   // null or an array. kInvalidArgument naming the construct (or the template's own
   // raise_exception message) when the render fails.
+  // strip_bos: the tokenizer adds BOS itself, so a BOS text the template writes first (not from
+  // the conversation) is removed, as llama.cpp does, rather than doubled.
   Result<ChatPrompt> render(const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
-                            bool add_generation_prompt) const;
+                            bool add_generation_prompt, bool strip_bos = false) const;
 
   // Every key of `context` (an object) as a variable; bos_token, eos_token and
   // add_generation_prompt are the template's own text, the rest is data. For tests and tools.

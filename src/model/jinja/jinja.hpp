@@ -7,7 +7,7 @@
 //   text, {{ expr }}, {# comments #}, whitespace control ({%- -%} {{- -}} {#- -#}, {%+ +%});
 //   statements if/elif/else, for (with `if` filter, else, tuple unpacking, recursive is not),
 //   break/continue, set (names, tuples, namespace attributes, block set), macro (defaults,
-//   caller()), call, filter blocks are not, generation (HF's assistant-mask block, rendered as is);
+//   caller()), call, filter blocks, generation (HF's assistant-mask block, rendered as is);
 //   expressions: literals (strings with Python escapes, ints, floats, true/false/none, lists,
 //   tuples, dicts), names, attributes, subscripts and slices, calls with keyword arguments,
 //   filters, tests (`is`, `is not`), `in`, `not in`, arithmetic + - * / // % **, `~`,

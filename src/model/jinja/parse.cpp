@@ -541,6 +541,24 @@ class Parser {
       expect_block_end();
       return n;
     }
+    if (name == "filter") {
+      n->kind = Node::Kind::kFilterBlock;
+      auto input = make(Expr::Kind::kName, cur().pos);
+      input->name = kBlockInput;
+      // The first filter's name (no leading '|'), then the rest of the chain.
+      const Pos p = cur().pos;
+      std::string fname = expect_name();
+      if (!known_filters().contains(fname)) fail("unknown filter '" + fname + "'", p);
+      auto f = make(Expr::Kind::kFilter, p);
+      f->name = fname;
+      f->children.push_back(std::move(input));
+      if (is_op("(")) f->args = parse_args();
+      n->expr = parse_filter_expr(std::move(f));
+      expect_block_end();
+      n->bodies.push_back(parse_body({"endfilter"}, nullptr));
+      expect_block_end();
+      return n;
+    }
     if (name == "generation") {
       // HF's AssistantTracker block: marks the assistant's text for training masks; renders
       // its body unchanged.
@@ -550,7 +568,7 @@ class Parser {
       return body;
     }
     static const std::set<std::string, std::less<>> kUnsupported = {
-        "raw", "include", "extends", "import", "from", "block", "filter", "with", "autoescape",
+        "raw", "include", "extends", "import", "from", "block", "with", "autoescape",
         "do", "trans", "pluralize"};
     if (kUnsupported.contains(name))
       fail("the '" + name + "' statement is not supported", name_tok.pos);
@@ -927,7 +945,7 @@ class Parser {
   }
 
   ExprPtr parse_call(ExprPtr callee) {
-    auto e = make(Expr::Kind::kCall, cur().pos);
+    auto e = make(Expr::Kind::kCall, callee->pos);  // errors point at what is called
     e->children.push_back(std::move(callee));
     e->args = parse_args();
     return e;

@@ -408,6 +408,15 @@ class Renderer {
         emit_value(out, call_value(callee, args, call.pos), n.pos);
         return Flow::kNormal;
       }
+      case Node::Kind::kFilterBlock: {
+        Out captured;
+        const Flow f = exec(*n.bodies[0], scope, captured);
+        Scope s;
+        s.parent = &scope;
+        s.vars[kBlockInput] = Value::string(std::move(captured.text), std::move(captured.ranges));
+        emit_value(out, eval(*n.expr, s), n.pos);
+        return f;
+      }
       case Node::Kind::kBreak:
         return Flow::kBreak;
       case Node::Kind::kContinue:
@@ -470,27 +479,38 @@ class Renderer {
       return a.pos[static_cast<std::size_t>(*index) % a.pos.size()];
     };
     const Value cycle_value = Value::callable(cycle);
+    // One loop object whose fields change as the loop goes on (jinja2's LoopContext is one
+    // object too).
+    Value loop = Value::dict();
+    Dict& d = loop.dict_mut();
+    for (const char* k : {"index", "index0", "revindex", "revindex0", "first", "last", "length",
+                          "depth", "depth0", "previtem", "nextitem", "cycle"})
+      d.set(k, Value());
+    d.items[6].second = Value::integer(len);
+    d.items[7].second = Value::integer(1);
+    d.items[8].second = Value::integer(0);
+    d.items[11].second = cycle_value;
     for (int64_t i = 0; i < len; ++i) {
       count_iteration(n.pos);
       *index = i;
       Scope s;
       s.parent = &scope;
       bind_targets(n.targets, items[static_cast<std::size_t>(i)], s, n.pos);
-      Value loop = Value::dict();
-      Dict& d = loop.dict_mut();
-      d.set("index", Value::integer(i + 1));
-      d.set("index0", Value::integer(i));
-      d.set("revindex", Value::integer(len - i));
-      d.set("revindex0", Value::integer(len - i - 1));
-      d.set("first", Value::boolean(i == 0));
-      d.set("last", Value::boolean(i == len - 1));
-      d.set("length", Value::integer(len));
-      d.set("depth", Value::integer(1));
-      d.set("depth0", Value::integer(0));
-      d.set("previtem", i > 0 ? items[static_cast<std::size_t>(i - 1)] : Value::undefined("loop.previtem"));
-      d.set("nextitem",
-            i + 1 < len ? items[static_cast<std::size_t>(i + 1)] : Value::undefined("loop.nextitem"));
-      d.set("cycle", cycle_value);
+      d.items[0].second = Value::integer(i + 1);
+      d.items[1].second = Value::integer(i);
+      d.items[2].second = Value::integer(len - i);
+      d.items[3].second = Value::integer(len - i - 1);
+      d.items[4].second = Value::boolean(i == 0);
+      d.items[5].second = Value::boolean(i == len - 1);
+      d.items[9].second =
+          i > 0 ? items[static_cast<std::size_t>(i - 1)] : Value::undefined("loop.previtem");
+      d.items[10].second =
+          i + 1 < len ? items[static_cast<std::size_t>(i + 1)] : Value::undefined("loop.nextitem");
+      d.depth = 1 + std::max(value_depth(d.items[9].second), value_depth(d.items[10].second));
+      if (d.depth > kMaxValueDepth)
+        fail("loop.previtem or loop.nextitem nests deeper than " +
+                 std::to_string(kMaxValueDepth) + " levels",
+             n.pos);
       s.vars["loop"] = loop;
       const Flow f = exec(*n.bodies[0], s, out);
       if (f == Flow::kBreak) break;

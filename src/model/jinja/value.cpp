@@ -332,6 +332,8 @@ void json_value(const Value& v, int indent, bool sort_keys, int level, std::stri
     }
     case Value::Kind::kDict: {
       const Dict& d = v.dict_ref();
+      // As in Python; and a namespace is the one value that can hold itself.
+      if (d.is_namespace) throw Error("tojson: Object of type Namespace is not JSON serializable");
       if (d.items.empty()) {
         out += "{}";
         return;

@@ -82,44 +82,58 @@ def main():
                 print(f"FAIL {name}: jinja2 cannot parse it ({e}); remove it from the data")
                 mismatches += 1
                 continue
+            cases_here = []
             for conv in conversations:
                 for agp in (True, False):
                     ctx = {"messages": conv["messages"], "tools": conv.get("tools"),
                            "documents": None, "add_generation_prompt": agp,
                            "bos_token": tok["bos_token"], "eos_token": tok["eos_token"]}
-                    case = f"{name} / {conv['name']} / add_generation_prompt={agp}"
-                    cases += 1
-                    try:
-                        expected, error = template.render(**ctx), None
-                    except Exception as e:  # the template raised, or jinja2 did
-                        expected, error = None, e
-                    ctx_path = os.path.join(tmp, "ctx.json")
-                    with open(ctx_path, "w", encoding="utf-8") as f:
-                        json.dump(ctx, f, ensure_ascii=False)
-                    p = subprocess.run([render_bin, path, ctx_path], capture_output=True)
-                    got = p.stdout.decode("utf-8", "replace")
-                    err = p.stderr.decode("utf-8", "replace").strip()
-                    if error is not None:
-                        if p.returncode == 0:
-                            print(f"FAIL {case}: jinja2 raised {type(error).__name__}: {error}; "
-                                  f"jinja_render rendered {got!r}")
-                            mismatches += 1
-                        elif isinstance(error, TemplateRaised) and str(error) not in err:
-                            print(f"FAIL {case}: jinja2 raised {error!r}; jinja_render said {err}")
-                            mismatches += 1
-                        else:
-                            both_failed += 1
-                        continue
-                    if p.returncode != 0:
-                        print(f"FAIL {case}: jinja_render failed: {err}")
+                    cases_here.append((f"{name} / {conv['name']} / add_generation_prompt={agp}",
+                                       ctx))
+            ctx_path = os.path.join(tmp, "contexts.jsonl")
+            with open(ctx_path, "w", encoding="utf-8") as f:
+                for _, ctx in cases_here:
+                    f.write(json.dumps(ctx, ensure_ascii=False) + "\n")
+            p = subprocess.run([render_bin, path, "--batch", ctx_path], capture_output=True)
+            if p.returncode != 0:
+                print(f"FAIL {name}: jinja_render cannot use it: "
+                      f"{p.stderr.decode('utf-8', 'replace').strip()}")
+                mismatches += len(cases_here)
+                cases += len(cases_here)
+                continue
+            results = [json.loads(line) for line in p.stdout.decode("utf-8").splitlines()]
+            if len(results) != len(cases_here):
+                print(f"FAIL {name}: jinja_render answered {len(results)} of {len(cases_here)}")
+                mismatches += 1
+                continue
+            for (case, ctx), res in zip(cases_here, results):
+                cases += 1
+                try:
+                    expected, error = template.render(**ctx), None
+                except Exception as e:  # the template raised, or jinja2 did
+                    expected, error = None, e
+                got, err = res.get("text"), res.get("error", "")
+                if error is not None:
+                    if got is not None:
+                        print(f"FAIL {case}: jinja2 raised {type(error).__name__}: {error}; "
+                              f"jinja_render rendered {got!r}")
                         mismatches += 1
-                    elif got != expected:
-                        k = next((i for i in range(min(len(got), len(expected)))
-                                  if got[i] != expected[i]), min(len(got), len(expected)))
-                        print(f"FAIL {case}: differs at character {k}:\n"
-                              f"  jinja2:       {expected[max(0, k - 40):k + 40]!r}\n"
-                              f"  jinja_render: {got[max(0, k - 40):k + 40]!r}")
+                    elif isinstance(error, TemplateRaised) and str(error) not in err:
+                        print(f"FAIL {case}: jinja2 raised {error!r}; jinja_render said {err}")
                         mismatches += 1
+                    else:
+                        both_failed += 1
+                    continue
+                if got is None:
+                    print(f"FAIL {case}: jinja_render failed: {err}")
+                    mismatches += 1
+                elif got != expected:
+                    k = next((i for i in range(min(len(got), len(expected)))
+                              if got[i] != expected[i]), min(len(got), len(expected)))
+                    print(f"FAIL {case}: differs at character {k}:\n"
+                          f"  jinja2:       {expected[max(0, k - 40):k + 40]!r}\n"
+                          f"  jinja_render: {got[max(0, k - 40):k + 40]!r}")
+                    mismatches += 1
     print(f"conformance: {len(names)} templates, {cases} renders, {mismatches} mismatches, "
           f"{both_failed} raised in both (jinja2 {jinja2.__version__})")
     return 1 if mismatches or not names else 0

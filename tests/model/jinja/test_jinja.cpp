@@ -4,9 +4,13 @@
 // itself is checked byte for byte against jinja2 by model.jinja.conformance.)
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "model/jinja/chat_template.hpp"
+#include "treeattn/tokenizer.hpp"
 
 namespace treeattn {
 namespace {
@@ -42,6 +46,7 @@ TEST(Jinja, LoopsNamespacesMacros) {
             "[1B][23]");
   EXPECT_EQ(render("{% for i in range(10) %}{% if i == 3 %}{% break %}{% endif %}{{ i }}{% endfor %}"),
             "012");
+  EXPECT_EQ(render("{% filter trim | upper %}  ab{{ 'c' }}  {% endfilter %}"), "ABC");
   EXPECT_EQ(render("{{ 'abc'[::-1] }} {{ [1, 2, 3][1:] }} {{ {'a': 1}.items() | list }}"),
             "cba [2, 3] [('a', 1)]");
   EXPECT_EQ(render("{{ {'b': 'é', 'a': [1, 2.5, none, true]} | tojson }}"),
@@ -61,13 +66,13 @@ TEST(Jinja, ErrorsNameTheConstructAndPlace) {
   EXPECT_EQ(render("{{ 'unterminated }}"),
             "PARSE ERROR: chat template: line 1, column 4: unterminated string");
   EXPECT_EQ(render("{{ raise_exception('Roles must alternate') }}"),
-            "RENDER ERROR: chat template: line 1, column 19: the template raised an exception: "
+            "RENDER ERROR: chat template: line 1, column 4: the template raised an exception: "
             "Roles must alternate");
   EXPECT_EQ(render("\n  {{ messages[0].content }}"),
             "RENDER ERROR: chat template: line 2, column 14: 'messages' is undefined (reading an "
             "item of it)");
   EXPECT_EQ(render("{{ 'a'.nosuchmethod() }}"),
-            "RENDER ERROR: chat template: line 1, column 20: 'nosuchmethod' is undefined (not a "
+            "RENDER ERROR: chat template: line 1, column 7: 'nosuchmethod' is undefined (not a "
             "function)");
   EXPECT_EQ(render("{{ 1 / 0 }}"), "RENDER ERROR: chat template: line 1, column 6: division by zero");
 }
@@ -127,6 +132,55 @@ TEST(Jinja, DataRangesCoverOnlyTheConversation) {
   std::string data;
   for (const auto& [a, b] : r->data_ranges) data += "[" + r->text.substr(a, b - a) + "]";
   EXPECT_EQ(data, "[user][hi <|im_start|>][assistant][ok]");
+}
+
+// The shipped models' own templates (data/templates/shipped-*, from their GGUF files) give the
+// text the hard-coded ChatML turns gave them (format_chat with the template's default system
+// message), so switching to the model's template changes no prompt of these models.
+TEST(Jinja, ShippedTemplatesRenderWhatTheHardCodedTurnsDid) {
+  const std::vector<std::vector<ChatTurn>> conversations = {
+      {{"user", "What is the capital of France?"}},
+      {{"system", "Be brief."}, {"user", "Hi"}},
+      {{"user", "a"}, {"assistant", "b"}, {"user", " c\n"}},
+      {{"system", ""}, {"user", ""}, {"assistant", ""}, {"user", "?"}},
+  };
+  for (const char* name : {"shipped-smollm2-135m.jinja", "shipped-qwen2.5-coder-0.5b.jinja",
+                           "shipped-qwen2.5-coder-1.5b.jinja"}) {
+    SCOPED_TRACE(name);
+    std::ifstream in(std::string(TREEATTN_JINJA_TEST_DATA) + "/templates/" + name);
+    ASSERT_TRUE(in) << name;
+    std::stringstream ss;
+    ss << in.rdbuf();
+    const std::string source = ss.str();
+    auto t = ModelTemplate::parse(source, "", "<|im_end|>");
+    ASSERT_TRUE(t.is_ok()) << t.status().message();
+    for (const auto& turns : conversations) {
+      ordered_json messages = ordered_json::array();
+      for (const ChatTurn& c : turns) messages.push_back({{"role", c.role}, {"content", c.content}});
+      auto r = t->render(messages, nullptr, true);
+      ASSERT_TRUE(r.is_ok()) << r.status().message();
+      EXPECT_EQ(r->text, format_chat(ChatFormat::kChatML, turns,
+                                     chat_template_default_system(source)));
+    }
+  }
+}
+
+TEST(Jinja, LeadingBosIsNotDoubled) {
+  auto t = ModelTemplate::parse("{{ bos_token }}{% for m in messages %}[{{ m.content }}]{% endfor %}",
+                                "<s>", "</s>");
+  ASSERT_TRUE(t.is_ok());
+  const ordered_json messages = ordered_json::parse(R"([{"role": "user", "content": "x"}])");
+  EXPECT_EQ(t->render(messages, nullptr, true, /*strip_bos=*/false)->text, "<s>[x]");
+  auto r = t->render(messages, nullptr, true, /*strip_bos=*/true);
+  EXPECT_EQ(r->text, "[x]");
+  ASSERT_EQ(r->data_ranges.size(), 1u);
+  EXPECT_EQ(r->data_ranges[0], (jinja::Range{1u, 2u}));
+  // A conversation that starts with the BOS text keeps it: it is not the template's.
+  auto u = ModelTemplate::parse("{% for m in messages %}{{ m.content }}{% endfor %}", "<s>", "");
+  EXPECT_EQ(u->render(ordered_json::parse(R"([{"role": "user", "content": "<s>y"}])"), nullptr,
+                      true, true)
+                ->text,
+            "<s>y");
 }
 
 }  // namespace
