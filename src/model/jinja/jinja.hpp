@@ -20,6 +20,10 @@
 //   (get, items, keys, values).
 // What it does not know is an error naming the construct and its line and column: at parse time
 // for statements, filters and tests (as jinja2 does), at render time for names of methods.
+// Known differences from Python: upper/lower/title/capitalize map the case of ASCII, Latin-1,
+// Latin Extended-A, unaccented Greek and Cyrillic only (and no final sigma); repr() escapes the
+// controls, separators and common format characters but not unassigned code points; `%` on
+// strings, str.format and the wordcount filter are not supported.
 //
 // Bounded: the parser refuses nesting deeper than Limits::max_depth; a render stops with an error
 // past max_depth macro calls, max_output bytes of output (or of any one string value), or

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <ctime>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <optional>
@@ -81,25 +82,111 @@ std::string py_strip(const std::string& s, const std::string* chars, bool left, 
   return s.substr(off[a], off[b] - off[a]);
 }
 
-char ascii_upper(char c) { return c >= 'a' && c <= 'z' ? static_cast<char>(c - 32) : c; }
+// Python's str.splitlines(): \n, \r, \r\n, \v, \f, \x1c-\x1e, \x85, U+2028, U+2029 end lines.
+std::vector<std::string> py_splitlines(const std::string& s) {
+  std::vector<std::string> lines;
+  std::size_t start = 0, i = 0;
+  while (i < s.size()) {
+    const std::size_t n = cp_len(s, i);
+    const uint32_t c = cp_at(s, i, n);
+    const bool brk = c == '\n' || c == '\r' || c == 0x0b || c == 0x0c || (c >= 0x1c && c <= 0x1e) ||
+                     c == 0x85 || c == 0x2028 || c == 0x2029;
+    if (!brk) {
+      i += n;
+      continue;
+    }
+    lines.push_back(s.substr(start, i - start));
+    i += (c == '\r' && i + 1 < s.size() && s[i + 1] == '\n') ? 2 : n;
+    start = i;
+  }
+  if (start < s.size()) lines.push_back(s.substr(start));
+  return lines;
+}
+
 char ascii_lower(char c) { return c >= 'A' && c <= 'Z' ? static_cast<char>(c + 32) : c; }
 bool ascii_alpha(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
 
-std::string py_title(const std::string& s) {
-  std::string r = s;
-  bool prev = false;
-  for (char& c : r) {
-    c = prev ? ascii_lower(c) : ascii_upper(c);
-    prev = ascii_alpha(c);
+void put_utf8(std::string& out, uint32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xc0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3f));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xe0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
+    out += static_cast<char>(0x80 | (cp & 0x3f));
+  } else {
+    out += static_cast<char>(0xf0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3f));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
+    out += static_cast<char>(0x80 | (cp & 0x3f));
+  }
+}
+
+// Unicode case mapping for ASCII, Latin-1, Latin Extended-A, Greek and Cyrillic (Python maps
+// every script; characters outside these keep their case here).
+uint32_t cp_lower(uint32_t c) {
+  if (c >= 'A' && c <= 'Z') return c + 32;
+  if ((c >= 0xc0 && c <= 0xde && c != 0xd7)) return c + 32;
+  if (c >= 0x100 && c <= 0x137 && c % 2 == 0) return c + 1;
+  if (c >= 0x139 && c <= 0x148 && c % 2 == 1) return c + 1;
+  if (c >= 0x14a && c <= 0x177 && c % 2 == 0) return c + 1;
+  if (c == 0x178) return 0xff;
+  if (c == 0x179 || c == 0x17b || c == 0x17d) return c + 1;
+  if (c >= 0x391 && c <= 0x3a9 && c != 0x3a2) return c + 32;
+  if (c >= 0x410 && c <= 0x42f) return c + 32;
+  if (c >= 0x400 && c <= 0x40f) return c + 80;
+  return c;
+}
+uint32_t cp_upper(uint32_t c) {
+  if (c >= 'a' && c <= 'z') return c - 32;
+  if ((c >= 0xe0 && c <= 0xfe && c != 0xf7)) return c - 32;
+  if (c == 0xff) return 0x178;
+  if (c == 0xb5) return 0x39c;
+  if (c >= 0x101 && c <= 0x137 && c % 2 == 1) return c - 1;
+  if (c >= 0x13a && c <= 0x148 && c % 2 == 0) return c - 1;
+  if (c >= 0x14b && c <= 0x177 && c % 2 == 1) return c - 1;
+  if (c == 0x17a || c == 0x17c || c == 0x17e) return c - 1;
+  if (c >= 0x3b1 && c <= 0x3c9 && c != 0x3c2) return c - 32;
+  if (c == 0x3c2) return 0x3a3;
+  if (c >= 0x430 && c <= 0x44f) return c - 32;
+  if (c >= 0x450 && c <= 0x45f) return c - 80;
+  return c;
+}
+bool cp_cased(uint32_t c) { return cp_lower(c) != c || cp_upper(c) != c || c == 0xdf; }
+
+enum class Case { kUpper, kLower, kTitle, kCapitalize };
+
+std::string py_case(const std::string& s, Case mode) {
+  std::string r;
+  r.reserve(s.size());
+  bool prev_cased = false;
+  bool first = true;
+  for (std::size_t i = 0; i < s.size();) {
+    const std::size_t n = cp_len(s, i);
+    const uint32_t c = cp_at(s, i, n);
+    bool up = false;
+    switch (mode) {
+      case Case::kUpper: up = true; break;
+      case Case::kLower: up = false; break;
+      case Case::kTitle: up = !prev_cased; break;
+      case Case::kCapitalize: up = first; break;
+    }
+    if (c == 0xdf && up) {
+      r += mode == Case::kUpper ? "SS" : "Ss";  // ß
+    } else if (n == 1 && c >= 0x80) {
+      r += s[i];  // a stray byte: kept
+    } else {
+      put_utf8(r, up ? cp_upper(c) : cp_lower(c));
+    }
+    prev_cased = cp_cased(c);
+    first = false;
+    i += n;
   }
   return r;
 }
 
-std::string py_capitalize(const std::string& s) {
-  std::string r = s;
-  for (std::size_t k = 0; k < r.size(); ++k) r[k] = k == 0 ? ascii_upper(r[k]) : ascii_lower(r[k]);
-  return r;
-}
 
 std::string replace_all(const std::string& s, const std::string& from, const std::string& to,
                         int64_t count, std::size_t limit) {
@@ -997,10 +1084,10 @@ class Renderer {
       if (name == "upper" || name == "lower" || name == "title" || name == "capitalize") {
         return bound(fn, [self, data, name](Renderer&, CallArgs&, const Pos&) {
           std::string s = self.str();
-          if (name == "upper") std::transform(s.begin(), s.end(), s.begin(), ascii_upper);
-          else if (name == "lower") std::transform(s.begin(), s.end(), s.begin(), ascii_lower);
-          else if (name == "title") s = py_title(s);
-          else s = py_capitalize(s);
+          s = py_case(s, name == "upper"  ? Case::kUpper
+                         : name == "lower" ? Case::kLower
+                         : name == "title" ? Case::kTitle
+                                           : Case::kCapitalize);
           return derived(std::move(s), data);
         });
       }
@@ -1169,16 +1256,7 @@ class Renderer {
       if (name == "splitlines") {
         return bound(fn, [self, data](Renderer&, CallArgs&, const Pos&) {
           std::vector<Value> items;
-          const std::string& s = self.str();
-          std::size_t start = 0;
-          for (std::size_t k = 0; k < s.size(); ++k) {
-            if (s[k] == '\n' || s[k] == '\r') {
-              items.push_back(derived(s.substr(start, k - start), data));
-              if (s[k] == '\r' && k + 1 < s.size() && s[k + 1] == '\n') ++k;
-              start = k + 1;
-            }
-          }
-          if (start < s.size()) items.push_back(derived(s.substr(start), data));
+          for (std::string& l : py_splitlines(self.str())) items.push_back(derived(std::move(l), data));
           return Value::list(std::move(items));
         });
       }
@@ -1281,10 +1359,10 @@ class Renderer {
     if (name == "upper" || name == "lower" || name == "title" || name == "capitalize") {
       const Value s = to_string_value(v);
       std::string r = s.str();
-      if (name == "upper") std::transform(r.begin(), r.end(), r.begin(), ascii_upper);
-      else if (name == "lower") std::transform(r.begin(), r.end(), r.begin(), ascii_lower);
-      else if (name == "title") r = py_title(r);
-      else r = py_capitalize(r);
+      r = py_case(r, name == "upper"  ? Case::kUpper
+                     : name == "lower" ? Case::kLower
+                     : name == "title" ? Case::kTitle
+                                       : Case::kCapitalize);
       return derived(std::move(r), has_data(s));
     }
     if (name == "replace") {
@@ -1419,14 +1497,21 @@ class Renderer {
       const int64_t prec = pr && is_integral(*pr) ? int_of(*pr) : 0;
       if (!is_numeric(v)) fail("round: the value must be a number", p);
       const std::string method_name = me && me->is_string() ? me->str() : "common";
+      const double x = float_of(v);
+      if (method_name == "common") {
+        // Python's round(): the exact binary value rounded half to even, as printf rounds it.
+        if (prec >= 0 && std::isfinite(x)) {
+          char buf[512];
+          std::snprintf(buf, sizeof buf, "%.*f", static_cast<int>(std::min<int64_t>(prec, 300)), x);
+          return Value::number(std::strtod(buf, nullptr));
+        }
+        const double scale = std::pow(10.0, static_cast<double>(std::clamp<int64_t>(-prec, 0, 300)));
+        return Value::number(std::nearbyint(x / scale) * scale);
+      }
       const double scale = std::pow(10.0, static_cast<double>(std::clamp<int64_t>(prec, -300, 300)));
-      const double x = float_of(v) * scale;
-      double r;
-      if (method_name == "common") r = std::round(x);
-      else if (method_name == "ceil") r = std::ceil(x);
-      else if (method_name == "floor") r = std::floor(x);
-      else fail("round: method must be common, ceil or floor", p);
-      return Value::number(r / scale);
+      if (method_name == "ceil") return Value::number(std::ceil(x * scale) / scale);
+      if (method_name == "floor") return Value::number(std::floor(x * scale) / scale);
+      fail("round: method must be common, ceil or floor", p);
     }
     if (name == "attr") {
       const Value* n = arg(a, 0, "name");
@@ -1544,43 +1629,30 @@ class Renderer {
       return best;
     }
     if (name == "indent") {
+      // jinja2's do_indent, quirk included: the text gets a newline before it is split.
       const Value s = to_string_value(v);
       const Value* w = arg(a, 0, "width");
       const Value* first = arg(a, 1, "first");
       const Value* blank = arg(a, 2, "blank");
-      std::string pad = w && w->is_string() ? w->str()
-                                            : std::string(static_cast<std::size_t>(std::clamp<int64_t>(
-                                                              w && is_integral(*w) ? int_of(*w) : 4, 0, 256)),
-                                                          ' ');
+      const std::string pad =
+          w && w->is_string()
+              ? w->str()
+              : std::string(static_cast<std::size_t>(std::clamp<int64_t>(
+                                w && is_integral(*w) ? int_of(*w) : 4, 0, 256)),
+                            ' ');
+      const std::vector<std::string> lines = py_splitlines(s.str() + "\n");
       std::string r;
-      const std::string& t = s.str();
-      std::size_t start = 0;
-      bool line0 = true;
-      while (start <= t.size()) {
-        std::size_t nl = t.find('\n', start);
-        const std::string line = t.substr(start, nl == std::string::npos ? std::string::npos : nl - start);
-        const bool add = (line0 ? first && first->truthy() : true) &&
-                         (!line.empty() || (blank && blank->truthy()));
-        if (add) r += pad;
-        r += line;
+      for (std::size_t k = 0; k < lines.size(); ++k) {
+        if (k > 0) {
+          r += '\n';
+          if (blank && blank->truthy()) r += pad;
+          else if (!lines[k].empty()) r += pad;
+        }
+        r += lines[k];
         if (r.size() > limits_.max_output) fail("indent: the result is longer than the output limit", p);
-        if (nl == std::string::npos) break;
-        r += '\n';
-        start = nl + 1;
-        line0 = false;
       }
+      if (first && first->truthy()) r = pad + r;
       return derived(std::move(r), has_data(s));
-    }
-    if (name == "wordcount") {
-      const Value s = to_string_value(v);
-      int64_t n = 0;
-      bool in = false;
-      for (const char c : s.str()) {
-        const bool w = ascii_alpha(c) || (c >= '0' && c <= '9') || c == '_' || (c & 0x80);
-        if (w && !in) ++n;
-        in = w;
-      }
-      return Value::integer(n);
     }
     if (name == "escape" || name == "e") {
       if (v.is_markup()) return v;
@@ -1652,10 +1724,11 @@ class Renderer {
     }
     if (name == "lower" || name == "upper") {
       if (!v.is_string()) return false;
-      std::string s = v.str();
-      std::string t = s;
-      std::transform(t.begin(), t.end(), t.begin(), name == "lower" ? ascii_lower : ascii_upper);
-      return s == t;
+      const std::string& s = v.str();
+      bool cased = false;
+      for (std::size_t i = 0; i < s.size(); i += cp_len(s, i))
+        cased = cased || cp_cased(cp_at(s, i, cp_len(s, i)));
+      return cased && s == py_case(s, name == "lower" ? Case::kLower : Case::kUpper);
     }
     if (name == "eq" || name == "equalto" || name == "==") return equals(v, arg0());
     if (name == "ne" || name == "!=") return !equals(v, arg0());
@@ -1753,7 +1826,7 @@ std::vector<std::string_view> filter_names() {
           "join",    "last",     "length",     "list",  "lower",   "map",     "max",
           "min",     "reject",   "rejectattr", "replace", "reverse", "round", "safe",
           "select",  "selectattr", "sort",     "string", "sum",    "title",   "tojson",
-          "trim",    "unique",   "upper",      "wordcount"};
+          "trim",    "unique",   "upper"};
 }
 
 std::vector<std::string_view> test_names() {

@@ -199,14 +199,31 @@ std::string float_repr(double f) {
   return neg ? "-" + out : out;
 }
 
+// Characters Python's repr() writes as escapes (not str.isprintable()): controls, separators
+// other than the space, and the common format characters (unassigned code points are not known
+// here and print as they are).
+bool py_unprintable(uint32_t c) {
+  return c < 0x20 || (c >= 0x7f && c <= 0xa0) || c == 0xad || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200f) || (c >= 0x2028 && c <= 0x202f) ||
+         (c >= 0x205f && c <= 0x2064) || (c >= 0x2066 && c <= 0x206f) || c == 0x3000 ||
+         c == 0xfeff || (c >= 0xd800 && c <= 0xdfff) || (c >= 0xe000 && c <= 0xf8ff) ||
+         (c >= 0xfff9 && c <= 0xfffb) || c == 0x110bd || c == 0xe0001 ||
+         (c >= 0xe0020 && c <= 0xe007f) || c >= 0xf0000;
+}
+
 // Python's repr(str): single quotes unless the text has a single quote and no double quote.
 std::string string_repr(const std::string& s) {
   const bool dq = s.find('\'') != std::string::npos && s.find('"') == std::string::npos;
   const char q = dq ? '"' : '\'';
   std::string out(1, q);
-  for (const char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    if (ch == q || ch == '\\') {
+  for (std::size_t i = 0; i < s.size();) {
+    const auto c0 = static_cast<unsigned char>(s[i]);
+    std::size_t n = c0 < 0x80 ? 1 : (c0 >> 5) == 6 ? 2 : (c0 >> 4) == 14 ? 3 : (c0 >> 3) == 30 ? 4 : 1;
+    n = std::min(n, s.size() - i);
+    uint32_t c = n == 1 ? c0 : (c0 & (0xff >> (n + 1)));
+    for (std::size_t k = 1; k < n; ++k) c = (c << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3f);
+    const char ch = s[i];
+    if (n == 1 && (ch == q || ch == '\\')) {
       out += '\\';
       out += ch;
     } else if (ch == '\n') {
@@ -215,13 +232,16 @@ std::string string_repr(const std::string& s) {
       out += "\\r";
     } else if (ch == '\t') {
       out += "\\t";
-    } else if (c < 0x20 || c == 0x7f) {
-      char b[8];
-      std::snprintf(b, sizeof b, "\\x%02x", c);
+    } else if (py_unprintable(c)) {
+      char b[16];
+      if (c < 0x100) std::snprintf(b, sizeof b, "\\x%02x", c);
+      else if (c < 0x10000) std::snprintf(b, sizeof b, "\\u%04x", c);
+      else std::snprintf(b, sizeof b, "\\U%08x", c);
       out += b;
     } else {
-      out += ch;
+      out.append(s, i, n);
     }
+    i += n;
   }
   out += q;
   return out;

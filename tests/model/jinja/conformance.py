@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Renders every template of data/templates with Python's jinja2 configured as Hugging Face
+"""Renders every template of data/templates (and data/features) with Python's jinja2 configured as Hugging Face
 transformers renders chat templates (ImmutableSandboxedEnvironment, trim_blocks, lstrip_blocks,
 loopcontrols, the {% generation %} block, HF's tojson, raise_exception, strftime_now) over the
 conversations of data/conversations.json, with add_generation_prompt true and false, and checks
@@ -65,17 +65,20 @@ def main():
         conversations = json.load(f)
     with open(os.path.join(data, "templates.json"), encoding="utf-8") as f:
         tokens = json.load(f)
-    tdir = os.path.join(data, "templates")
-    names = sorted(n for n in os.listdir(tdir) if n.endswith(".jinja"))
+    # The real templates, and small ones of data/features that exercise the language.
+    names = sorted(os.path.join("templates", n) for n in os.listdir(os.path.join(data, "templates"))
+                   if n.endswith(".jinja"))
+    names += sorted(os.path.join("features", n) for n in os.listdir(os.path.join(data, "features"))
+                    if n.endswith(".jinja"))
     if only:
         names = [n for n in names if only in n]
     cases = mismatches = both_failed = 0
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            path = os.path.join(tdir, name)
+            path = os.path.join(data, name)
             with open(path, encoding="utf-8") as f:
                 source = f.read()
-            tok = tokens.get(name, tokens["default"])
+            tok = tokens.get(os.path.basename(name), tokens["default"])
             try:
                 template = env.from_string(source)
             except jinja2.TemplateError as e:
@@ -101,7 +104,7 @@ def main():
                 mismatches += len(cases_here)
                 cases += len(cases_here)
                 continue
-            results = [json.loads(line) for line in p.stdout.decode("utf-8").splitlines()]
+            results = [json.loads(line) for line in p.stdout.decode("utf-8").split("\n") if line]
             if len(results) != len(cases_here):
                 print(f"FAIL {name}: jinja_render answered {len(results)} of {len(cases_here)}")
                 mismatches += 1
