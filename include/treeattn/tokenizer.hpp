@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -53,6 +54,7 @@ enum class TokenType : int32_t {
 // How a conversation is written for the model (format_chat below): the turn markers of a chat
 // model, or a plain transcript for a base model (a file without a chat template).
 enum class ChatFormat : uint8_t { kChatML, kGemma, kTranscript };
+struct ChatTurn;
 
 class Tokenizer {
  public:
@@ -104,6 +106,19 @@ class Tokenizer {
   // with noise): kTranscript.
   ChatFormat chat_format() const;
   bool has_chat_template() const;
+  // The file's tokenizer.chat_template (empty: none), and why the Jinja interpreter cannot
+  // render it (empty: it can, or there is none).
+  std::string_view chat_template() const;
+  std::string_view chat_template_error() const;
+  // The conversation as the model reads it, tokenized: the file's own chat template (messages
+  // {"role", "content"}, add_generation_prompt, the vocabulary's BOS/EOS text; `system`, when
+  // given and not empty, as a first system message unless the turns start with one), with
+  // special tokens parsed only in the template's own text and a leading BOS not doubled. A file
+  // without a template: format_chat's transcript (with `system`, or default_system()). A
+  // template the interpreter cannot render: kInvalidArgument naming the construct (never
+  // another format).
+  Result<std::vector<TokenId>> encode_chat(std::span<const ChatTurn> turns,
+                                           std::optional<std::string_view> system = {}) const;
   // End of generation: EOS, or a control token named <|im_end|>, <|endoftext|>, <|eot_id|>,
   // <end_of_turn>, <|end|> (what llama.cpp also treats as end-of-generation).
   bool is_end_of_generation(TokenId id) const;
