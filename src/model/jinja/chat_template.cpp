@@ -48,6 +48,8 @@ Result<ModelTemplate> ModelTemplate::parse(std::string_view source, std::string 
     t.tmpl_ = std::make_shared<const jinja::Template>(jinja::Template::parse(source, limits));
   } catch (const jinja::Error& e) {
     return invalid_argument(std::string("chat template: ") + e.what());
+  } catch (const std::exception& e) {  // std::bad_alloc and the like: still an answer
+    return internal_error(std::string("chat template: the interpreter failed: ") + e.what());
   }
   t.source_ = std::string(source);
   t.bos_ = std::move(bos_token);
@@ -88,6 +90,8 @@ Result<ChatPrompt> ModelTemplate::render_context(const nlohmann::ordered_json& c
     return ChatPrompt{std::move(out.text), std::move(out.data_ranges)};
   } catch (const jinja::Error& e) {
     return invalid_argument(std::string("chat template: ") + e.what());
+  } catch (const std::exception& e) {  // std::bad_alloc and the like: still an answer
+    return internal_error(std::string("chat template: the interpreter failed: ") + e.what());
   }
 }
 

@@ -45,6 +45,46 @@ std::string describe(const Token& t) {
 
 bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
 
+// Python's whitespace (str.strip(), the regex \s jinja2's lexer uses for '-' whitespace
+// control): the length of the whitespace character at s[i], 0 when there is none.
+std::size_t space_at(const std::string& s, std::size_t i) {
+  const auto c = static_cast<unsigned char>(s[i]);
+  if (c < 0x80) return (c >= 9 && c <= 13) || (c >= 0x1c && c <= 0x20) ? 1 : 0;
+  const auto b = [&](std::size_t k) {
+    return i + k < s.size() ? static_cast<unsigned char>(s[i + k]) : 0;
+  };
+  if (c == 0xc2 && (b(1) == 0x85 || b(1) == 0xa0)) return 2;
+  if (c == 0xe1 && b(1) == 0x9a && b(2) == 0x80) return 3;                 // U+1680
+  if (c == 0xe2 && b(1) == 0x80 && (b(2) <= 0x8a || b(2) == 0xa8 || b(2) == 0xa9 || b(2) == 0xaf))
+    return 3;                                                               // U+2000-200A, 2028, 2029, 202F
+  if (c == 0xe2 && b(1) == 0x81 && b(2) == 0x9f) return 3;                 // U+205F
+  if (c == 0xe3 && b(1) == 0x80 && b(2) == 0x80) return 3;                 // U+3000
+  return 0;
+}
+
+void strip_left(std::string& s) {
+  std::size_t a = 0;
+  for (std::size_t n; a < s.size() && (n = space_at(s, a)) > 0;) a += n;
+  s.erase(0, a);
+}
+
+void strip_right(std::string& s) {
+  // Walk forward so that multi-byte characters are recognised; keep the end of the last
+  // non-space character.
+  std::size_t keep = 0;
+  for (std::size_t i = 0; i < s.size();) {
+    const std::size_t n = space_at(s, i);
+    if (n > 0) {
+      i += n;
+    } else {
+      const auto c = static_cast<unsigned char>(s[i]);
+      i += c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 1;
+      keep = std::min(i, s.size());
+    }
+  }
+  s.erase(keep);
+}
+
 void append_utf8(std::string& out, uint32_t cp) {
   if (cp < 0x80) {
     out += static_cast<char>(cp);
@@ -101,9 +141,7 @@ class Lexer {
       }
       std::string text = src_.substr(pos, m == std::string::npos ? std::string::npos : m - pos);
       if (strip_next) {
-        std::size_t a = 0;
-        while (a < text.size() && is_space(text[a])) ++a;
-        text.erase(0, a);
+        strip_left(text);
         strip_next = false;
       }
       if (m == std::string::npos) {
@@ -113,7 +151,7 @@ class Lexer {
       const char kind = src_[m + 1];
       const char mod = m + 2 < n ? src_[m + 2] : '\0';
       if (mod == '-') {
-        while (!text.empty() && is_space(text.back())) text.pop_back();
+        strip_right(text);
       } else if (mod != '+' && kind != '{') {
         const std::size_t nl = text.rfind('\n');
         const std::size_t l_pos = nl == std::string::npos ? 0 : nl + 1;

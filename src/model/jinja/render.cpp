@@ -907,10 +907,11 @@ class Renderer {
       }
       if (op == "**") {
         if (y < 0) return Value::number(std::pow(static_cast<double>(x), static_cast<double>(y)));
+        if (x == 0 || x == 1) return Value::integer(y == 0 ? 1 : x);
+        if (x == -1) return Value::integer(y % 2 == 0 ? 1 : -1);
         int64_t acc = 1;
         for (int64_t k = 0; k < y; ++k) {
           if (__builtin_mul_overflow(acc, x, &acc)) fail("integer overflow", p);
-          if (acc == 0 || acc == 1) break;
         }
         return Value::integer(acc);
       }
@@ -1334,7 +1335,10 @@ class Renderer {
       fake.pos = p;
       bool digits = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; });
       if (cur.is_undefined()) return cur;
-      cur = get_item(cur, digits ? Value::integer(std::stoll(part)) : Value::string(part), fake);
+      if (digits && part.size() > 18) fail("an attribute path index is too large: " + part, p);
+      cur = get_item(cur, digits ? Value::integer(std::strtoll(part.c_str(), nullptr, 10))
+                                 : Value::string(part),
+                     fake);
       if (dot == std::string::npos) return cur;
       start = dot + 1;
     }
