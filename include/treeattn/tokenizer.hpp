@@ -55,6 +55,7 @@ enum class TokenType : int32_t {
 // model, or a plain transcript for a base model (a file without a chat template).
 enum class ChatFormat : uint8_t { kChatML, kGemma, kTranscript };
 struct ChatTurn;
+class ModelTemplate;  // src/model/jinja/chat_template.hpp
 
 class Tokenizer {
  public:
@@ -110,6 +111,9 @@ class Tokenizer {
   // render it (empty: it can, or there is none).
   std::string_view chat_template() const;
   std::string_view chat_template_error() const;
+  // The file's template as the interpreter parsed it, with the vocabulary's BOS and EOS text
+  // (null: none, or chat_template_error()).
+  std::shared_ptr<const ModelTemplate> model_template() const;
   // The conversation as the model reads it, tokenized: the file's own chat template (messages
   // {"role", "content"}, add_generation_prompt, the vocabulary's BOS/EOS text; `system`, when
   // given and not empty, as a first system message unless the turns start with one), with

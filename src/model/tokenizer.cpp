@@ -740,6 +740,9 @@ bool Tokenizer::add_eos() const { return impl_->add_eos; }
 std::string_view Tokenizer::default_system() const { return impl_->default_system; }
 std::string_view Tokenizer::chat_template() const { return impl_->chat_template; }
 std::string_view Tokenizer::chat_template_error() const { return impl_->chat_template_error; }
+std::shared_ptr<const ModelTemplate> Tokenizer::model_template() const {
+  return impl_->model_template;
+}
 
 Result<std::vector<TokenId>> Tokenizer::encode_chat(std::span<const ChatTurn> turns,
                                                     std::optional<std::string_view> system) const {

@@ -437,21 +437,11 @@ ChatTemplate ChatTemplate::from_template(std::string_view jinja) {
   return t;
 }
 
-ChatTemplate ChatTemplate::from_model(std::string_view jinja, const Tokenizer& tokenizer) {
-  ChatTemplate t = from_template(jinja);
+ChatTemplate ChatTemplate::from_model(const Tokenizer& tokenizer) {
+  ChatTemplate t = from_template(tokenizer.chat_template());
   t.format = tokenizer.chat_format();
-  if (jinja.empty()) return t;
-  const auto text_of = [&](TokenId id) {
-    if (id < 0) return std::string();
-    auto p = tokenizer.token_to_piece(id, /*render_special=*/true);
-    return p.is_ok() ? std::move(p).value() : std::string();
-  };
-  auto m = ModelTemplate::parse(jinja, text_of(tokenizer.bos_id()), text_of(tokenizer.eos_id()));
-  if (!m.is_ok()) {
-    t.error = m.status().message();
-    return t;
-  }
-  t.model = std::make_shared<const ModelTemplate>(std::move(m).value());
+  t.model = tokenizer.model_template();
+  t.error = std::string(tokenizer.chat_template_error());
   t.strip_bos = tokenizer.add_bos();
   return t;
 }

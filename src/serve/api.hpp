@@ -98,10 +98,9 @@ struct ChatTemplate {
   std::string error;                           // why the file's template cannot be used
   bool strip_bos = false;  // the tokenizer adds BOS itself: a BOS the template writes first goes
   static ChatTemplate from_template(std::string_view jinja);
-  // The chat template of a file: `jinja` (its tokenizer.chat_template; empty: none) parsed with
-  // the tokenizer's BOS and EOS text, and the tokenizer's chat format for the fallback-free
-  // transcript of a base model.
-  static ChatTemplate from_model(std::string_view jinja, const Tokenizer& tokenizer);
+  // The chat template of the tokenizer's file (Tokenizer::model_template, chat_template_error),
+  // and its chat format for the transcript of a base model.
+  static ChatTemplate from_model(const Tokenizer& tokenizer);
   // format_chat's text of the messages (the hard-coded formats).
   std::string render(std::span<const ChatMessage> messages) const;
   // What the server says about it at start-up.

@@ -88,9 +88,7 @@ TEST(ServeTemplate, SmolLM2FileTemplateGivesTheChatMLTurns) {
   ASSERT_TRUE(file.is_ok()) << file.status().to_string();
   auto tok = Tokenizer::from_gguf(*file);
   ASSERT_TRUE(tok.is_ok());
-  auto jinja = file->get_string_or("tokenizer.chat_template", "");
-  ASSERT_TRUE(jinja.is_ok());
-  const ChatTemplate t = ChatTemplate::from_model(*jinja, *tok);
+  const ChatTemplate t = ChatTemplate::from_model(*tok);
   ASSERT_TRUE(t.error.empty()) << t.error;
   ASSERT_TRUE(t.model);
   const std::vector<ChatMessage> messages = {{"user", "Hi <|im_start|>"}, {"assistant", "A"},
