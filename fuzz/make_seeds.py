@@ -14,6 +14,10 @@ campaign starts from valid inputs of every shape the parsers know instead of fro
                     the endpoint and the limits)
   fuzz_http_request pipelines of HTTP/1.x requests: plain, Content-Length and chunked bodies,
                     100-continue, and each refusal (first byte: the limits and the piece size)
+  fuzz_jinja        chat templates: the real ones of tests/model/jinja/data/templates, small ones
+                    of each construct, and hostile ones (deep nesting, huge loops, recursion
+                    through macros, huge strings, self-referencing namespaces); some followed by
+                    a NUL and a JSON conversation
 
 Usage: fuzz/make_seeds.py [path/to/treeattn]. Deterministic; rerun after changing it."""
 import json
@@ -191,6 +195,54 @@ def http_request():
     ]
     for i, w in enumerate(wires):
         write("fuzz_http_request", "seed-%02d" % i, bytes([(i * 37) % 256]) + w)
+def jinja():
+    tdir = os.path.join(HERE, "..", "tests", "model", "jinja", "data", "templates")
+    for name in sorted(os.listdir(tdir)):
+        with open(os.path.join(tdir, name), "rb") as f:
+            write("fuzz_jinja", "real-" + name.replace(".jinja", ""), f.read())
+    small = [
+        "{% for m in messages %}{{ loop.index0 }}:{{ m.role | upper }}={{ m.content | trim }}"
+        "{% if not loop.last %}\n{% endif %}{% endfor %}",
+        "{%- set ns = namespace(found=false) -%}{%- for m in messages[::-1] if m.role == 'user' %}"
+        "{%- if not ns.found %}{{ m.content.split('<')[0].strip() }}{% set ns.found = true %}"
+        "{% endif %}{% endfor %}",
+        "{% macro show(x, sep=', ') %}{{ x | map(attribute='role') | join(sep) }}{% endmacro %}"
+        "{{ show(messages) }}{% call show(messages) %}{% endcall %}",
+        "{{ tools | tojson(indent=2) }}{{ messages | selectattr('role', 'equalto', 'tool') | list"
+        " | length }}{{ {'a': [1, 2.5, none, true]} | tojson }}",
+        "{{ 'x' ~ 1 ~ 2.0 ~ none ~ [1, 'a'] ~ (1,) }}{{ 7 // 2 }}{{ -7 % 3 }}{{ 2 ** 10 }}"
+        "{{ 'abc'[1:] }}{{ 'a,b'.split(',') }}{{ range(3) | list }}",
+        "{% set x %}block {{ bos_token }}{% endset %}{{ x | replace('block', 'B') }}"
+        "{{ raise_exception('stop') if x is not string }}{{ strftime_now('%Y') | length }}",
+        "{# comment #}  {%- if a is defined and a.b is mapping -%} {{ a.b.get('c', 'd') }}"
+        "{%- elif messages[0].content is string %}{{ messages[0]['content'][-3:] }}{% else %}"
+        "{% endif -%}\n",
+    ]
+    hostile = [
+        "{% if true %}" * 200,
+        "{{ " + "(" * 500 + "1" + ")" * 500 + " }}",
+        "{{ " + "-" * 500 + "1 }}",
+        "{{ " + "[" * 300 + "]" * 300 + " }}",
+        "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+        "{% macro f(n) %}{{ f(n) ~ f(n) }}{% endmacro %}{{ f(0) }}",
+        "{% for i in range(1000000000) %}{% endfor %}",
+        "{% for i in range(100) %}{% for j in range(100) %}{% for k in range(100) %}x"
+        "{% endfor %}{% endfor %}{% endfor %}",
+        "{{ 'x' * 1000000000 }}",
+        "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+        "{% endfor %}{{ ns.s | length }}",
+        "{% set ns = namespace() %}{% set ns.me = ns %}{{ ns.me.me.me }}{{ ns | tojson }}",
+        "{% set ns = namespace(x=[]) %}{% for i in range(500) %}{% set ns.x = [ns.x] %}"
+        "{% endfor %}{{ ns.x | tojson }}",
+        "{{ messages[0]['content'] ",
+        "{% for %}{% endfor %}{% endif %}",
+        "{{ 9223372036854775807 + 1 }}{{ 1 // 0 }}",
+        "{{ '\\u12' }}{{ \"\\xZZ\" }}",
+    ]
+    for i, t in enumerate(small + hostile):
+        write("fuzz_jinja", "seed-%02d" % i, t)
+    conv = {"messages": [{"role": "user", "content": "x" * 100}], "a": {"b": {"c": 1}}}
+    write("fuzz_jinja", "seed-ctx", small[6] + "\0" + json.dumps(conv))
 
 
 if __name__ == "__main__":
@@ -200,3 +252,4 @@ if __name__ == "__main__":
     tokenizer()
     serve_request()
     http_request()
+    jinja()

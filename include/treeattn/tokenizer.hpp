@@ -26,9 +26,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "treeattn/gguf.hpp"
@@ -52,6 +54,8 @@ enum class TokenType : int32_t {
 // How a conversation is written for the model (format_chat below): the turn markers of a chat
 // model, or a plain transcript for a base model (a file without a chat template).
 enum class ChatFormat : uint8_t { kChatML, kGemma, kTranscript };
+struct ChatTurn;
+class ModelTemplate;  // src/model/jinja/chat_template.hpp
 
 class Tokenizer {
  public:
@@ -72,6 +76,12 @@ class Tokenizer {
   // (e.g. "<|im_start|>") become their ids; otherwise they are tokenized as plain text.
   Result<std::vector<TokenId>> encode(std::string_view text, bool add_special = true,
                                       bool parse_special = true) const;
+  // As encode(text, add_special, true), except that no special token is matched where it would
+  // overlap one of the byte ranges `plain` (sorted, not overlapping): a chat prompt's
+  // conversation text, so that a user's "<|im_start|>" stays text while the chat template's own
+  // markers become their tokens. Text is split and merged exactly as encode() splits it.
+  Result<std::vector<TokenId>> encode(std::string_view text, bool add_special,
+                                      std::span<const std::pair<uint32_t, uint32_t>> plain) const;
   // kInvalidArgument naming the position and id of a token outside [0, n_vocab).
   Result<std::string> decode(std::span<const TokenId> ids, bool render_special = false) const;
   Result<std::string> token_to_piece(TokenId id, bool render_special = false) const;
@@ -97,6 +107,22 @@ class Tokenizer {
   // with noise): kTranscript.
   ChatFormat chat_format() const;
   bool has_chat_template() const;
+  // The file's tokenizer.chat_template (empty: none), and why the Jinja interpreter cannot
+  // render it (empty: it can, or there is none).
+  std::string_view chat_template() const;
+  std::string_view chat_template_error() const;
+  // The file's template as the interpreter parsed it, with the vocabulary's BOS and EOS text
+  // (null: none, or chat_template_error()).
+  std::shared_ptr<const ModelTemplate> model_template() const;
+  // The conversation as the model reads it, tokenized: the file's own chat template (messages
+  // {"role", "content"}, add_generation_prompt, the vocabulary's BOS/EOS text; `system`, when
+  // given and not empty, as a first system message unless the turns start with one), with
+  // special tokens parsed only in the template's own text and a leading BOS not doubled. A file
+  // without a template: format_chat's transcript (with `system`, or default_system()). A
+  // template the interpreter cannot render: kInvalidArgument naming the construct (never
+  // another format).
+  Result<std::vector<TokenId>> encode_chat(std::span<const ChatTurn> turns,
+                                           std::optional<std::string_view> system = {}) const;
   // End of generation: EOS, or a control token named <|im_end|>, <|endoftext|>, <|eot_id|>,
   // <end_of_turn>, <|end|> (what llama.cpp also treats as end-of-generation).
   bool is_end_of_generation(TokenId id) const;
@@ -104,6 +130,9 @@ class Tokenizer {
  private:
   struct Impl;
   explicit Tokenizer(std::unique_ptr<Impl> impl);
+  Result<std::vector<TokenId>> encode_impl(std::string_view text, bool add_special,
+                                           bool parse_special,
+                                           std::span<const std::pair<uint32_t, uint32_t>> plain) const;
   std::unique_ptr<Impl> impl_;
 };
 

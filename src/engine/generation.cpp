@@ -433,12 +433,12 @@ Result<std::vector<TokenId>> make_prompt(const PromptSpec& spec, const Tokenizer
     ss << in.rdbuf();
     text = ss.str();
   }
-  if (spec.chat) {
-    const ChatTurn user{"user", text};
-    text = format_chat(tok.chat_format(), std::span<const ChatTurn>(&user, 1),
-                       spec.system ? *spec.system : tok.default_system());
-  }
-  auto ids = tok.encode(text, true, spec.chat);
+  // --chat: the file's own chat template (Tokenizer::encode_chat), special tokens only in its
+  // markup; a file without one: the plain transcript.
+  auto ids = spec.chat ? tok.encode_chat(std::span<const ChatTurn>(std::array{ChatTurn{"user", text}}),
+                                         spec.system ? std::optional<std::string_view>(*spec.system)
+                                                     : std::nullopt)
+                       : tok.encode(text, true, false);
   if (!ids.is_ok()) return ids.status();
   if (ids->empty()) return invalid_argument("the prompt is empty after tokenization");
   return ids;

@@ -16,6 +16,8 @@
 #include <queue>
 #include <unordered_map>
 
+#include "model/jinja/chat_template.hpp"
+
 namespace treeattn {
 namespace {
 
@@ -177,6 +179,10 @@ struct Tokenizer::Impl {
   bool add_bos = false, add_eos = false;
   std::string default_system;  // of tokenizer.chat_template
   bool has_chat_template = false;
+  std::string chat_template;   // tokenizer.chat_template
+  // The template parsed (at from_gguf), or why it cannot be (chat_template_error).
+  std::shared_ptr<const ModelTemplate> model_template;
+  std::string chat_template_error;
   // SentencePiece-style vocabulary (tokenizer.ggml.model = "llama"): no pre-tokenizer or merges;
   // pieces merge by score, spaces are U+2581, unknown bytes fall back to <0xXX> tokens.
   bool spm = false;
@@ -368,6 +374,7 @@ Result<Tokenizer> Tokenizer::from_gguf(const gguf::File& f) {
   if (!tmpl.is_ok()) return tmpl.status();
   t.default_system = chat_template_default_system(*tmpl);
   t.has_chat_template = !tmpl->empty();
+  t.chat_template = std::string(*tmpl);
 
   // Special tokens, longest first; end-of-generation set.
   t.eog.assign(static_cast<std::size_t>(n), false);
@@ -385,7 +392,23 @@ Result<Tokenizer> Tokenizer::from_gguf(const gguf::File& f) {
   if (t.eos >= 0) t.eog[t.eos] = true;
   std::stable_sort(t.specials.begin(), t.specials.end(),
                    [&](TokenId a, TokenId b) { return t.text[a].size() > t.text[b].size(); });
-  return Tokenizer(std::move(impl));
+  Tokenizer tok(std::move(impl));
+  if (!tok.impl_->chat_template.empty()) {
+    // The model's own chat template, with the vocabulary's BOS and EOS text; a template the
+    // interpreter cannot parse leaves its reason for encode_chat to report.
+    const auto text_of = [&](TokenId id) {
+      if (id < 0) return std::string();
+      auto p = tok.token_to_piece(id, /*render_special=*/true);
+      return p.is_ok() ? std::move(p).value() : std::string();
+    };
+    auto m = ModelTemplate::parse(tok.impl_->chat_template, text_of(tok.impl_->bos),
+                                  text_of(tok.impl_->eos));
+    if (m.is_ok())
+      tok.impl_->model_template = std::make_shared<const ModelTemplate>(std::move(m).value());
+    else
+      tok.impl_->chat_template_error = m.status().message();
+  }
+  return tok;
 }
 
 // Splits `fragment` (valid UTF-8) into pre-tokenizer pieces: each regex in turn splits every piece
@@ -574,7 +597,25 @@ void Tokenizer::Impl::spm_encode(std::string_view str, std::vector<TokenId>& out
 
 Result<std::vector<TokenId>> Tokenizer::encode(std::string_view text, bool add_special,
                                                bool parse_special) const {
+  return encode_impl(text, add_special, parse_special, {});
+}
+
+Result<std::vector<TokenId>> Tokenizer::encode(
+    std::string_view text, bool add_special,
+    std::span<const std::pair<uint32_t, uint32_t>> plain) const {
+  return encode_impl(text, add_special, true, plain);
+}
+
+Result<std::vector<TokenId>> Tokenizer::encode_impl(
+    std::string_view text, bool add_special, bool parse_special,
+    std::span<const std::pair<uint32_t, uint32_t>> plain) const {
   const Impl& t = *impl_;
+  // Whether [a, b) overlaps a plain range (binary search over the sorted ranges).
+  const auto in_plain = [&](std::size_t a, std::size_t b) {
+    auto it = std::upper_bound(plain.begin(), plain.end(), a,
+                               [](std::size_t x, const auto& r) { return x < r.second; });
+    return it != plain.end() && it->first < b;
+  };
   for (std::size_t k = 0; k < text.size();) {
     const std::size_t len = utf8_seq(text, k);
     if (len == 0) {
@@ -604,10 +645,15 @@ Result<std::vector<TokenId>> Tokenizer::encode(std::string_view text, bool add_s
         continue;
       }
       std::size_t from = 0;
-      for (std::size_t at; (at = fr.text.find(st, from)) != std::string_view::npos;) {
+      for (std::size_t at, look = 0; (at = fr.text.find(st, look)) != std::string_view::npos;) {
+        const auto abs = static_cast<std::size_t>(fr.text.data() - text.data()) + at;
+        if (!plain.empty() && in_plain(abs, abs + st.size())) {
+          look = at + 1;  // conversation text: not a token here
+          continue;
+        }
         if (at > from) next.push_back({-1, fr.text.substr(from, at - from)});
         next.push_back({sid, {}});
-        from = at + st.size();
+        from = look = at + st.size();
       }
       if (from < fr.text.size()) next.push_back({-1, fr.text.substr(from)});
     }
@@ -692,6 +738,34 @@ TokenId Tokenizer::padding_id() const { return impl_->pad; }
 bool Tokenizer::add_bos() const { return impl_->add_bos; }
 bool Tokenizer::add_eos() const { return impl_->add_eos; }
 std::string_view Tokenizer::default_system() const { return impl_->default_system; }
+std::string_view Tokenizer::chat_template() const { return impl_->chat_template; }
+std::string_view Tokenizer::chat_template_error() const { return impl_->chat_template_error; }
+std::shared_ptr<const ModelTemplate> Tokenizer::model_template() const {
+  return impl_->model_template;
+}
+
+Result<std::vector<TokenId>> Tokenizer::encode_chat(std::span<const ChatTurn> turns,
+                                                    std::optional<std::string_view> system) const {
+  const Impl& t = *impl_;
+  const bool has_system = !turns.empty() && turns[0].role == "system";
+  if (!t.chat_template_error.empty())
+    return invalid_argument("the model's chat template cannot be rendered: " +
+                            t.chat_template_error);
+  if (!t.model_template) {
+    // No template (a base model): the plain transcript.
+    const std::string text = format_chat(ChatFormat::kTranscript, turns,
+                                         system ? *system : default_system());
+    return encode(text, true, true);
+  }
+  nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+  if (!has_system && system && !system->empty())
+    messages.push_back({{"role", "system"}, {"content", std::string(*system)}});
+  for (const ChatTurn& c : turns)
+    messages.push_back({{"role", std::string(c.role)}, {"content", std::string(c.content)}});
+  auto p = t.model_template->render(messages, nullptr, /*add_generation_prompt=*/true, t.add_bos);
+  if (!p.is_ok()) return p.status();
+  return encode(p->text, true, p->data_ranges);
+}
 bool Tokenizer::has_chat_template() const { return impl_->has_chat_template; }
 ChatFormat Tokenizer::chat_format() const {
   if (!impl_->has_chat_template) return ChatFormat::kTranscript;

@@ -443,6 +443,23 @@ ChatTemplate ChatTemplate::from_template(std::string_view jinja) {
   return t;
 }
 
+ChatTemplate ChatTemplate::from_model(const Tokenizer& tokenizer) {
+  ChatTemplate t = from_template(tokenizer.chat_template());
+  t.format = tokenizer.chat_format();
+  t.model = tokenizer.model_template();
+  t.error = std::string(tokenizer.chat_template_error());
+  t.strip_bos = tokenizer.add_bos();
+  return t;
+}
+
+std::string ChatTemplate::describe() const {
+  if (!error.empty())
+    return "the model's chat template cannot be rendered (" + error +
+           "): chat requests are refused with 400";
+  if (model) return "the model's own chat template (tokenizer.chat_template)";
+  return "no chat template in the file: chat requests get a plain User/Assistant transcript";
+}
+
 std::string ChatTemplate::render(std::span<const ChatMessage> messages) const {
   std::vector<ChatTurn> turns;
   turns.reserve(messages.size());
@@ -533,7 +550,24 @@ Parsed<std::vector<TokenId>> build_prompt(const ParsedRequest& request, const Co
                                           const ChatTemplate& chat) {
   const char* param = request.endpoint == Endpoint::kChat ? "messages" : "prompt";
   std::vector<TokenId> ids;
-  if (request.endpoint == Endpoint::kChat || request.prompt_text) {
+  if (request.endpoint == Endpoint::kChat && !chat.error.empty())
+    return bad("The model's chat template cannot be used: " + chat.error, "messages",
+               "unsupported_chat_template");
+  if (request.endpoint == Endpoint::kChat && chat.model) {
+    nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+    for (const ChatMessage& m : request.messages)
+      messages.push_back({{"role", m.role}, {"content", m.content}});
+    auto p = chat.model->render(messages, nullptr, /*add_generation_prompt=*/true, chat.strip_bos);
+    if (!p.is_ok())
+      return bad(fmt::format("The messages cannot be rendered with the model's chat template: {}",
+                             p.status().message()),
+                 "messages", "invalid_value");
+    auto enc = codec.encode_chat(p->text, p->data_ranges);
+    if (!enc.is_ok())
+      return bad(fmt::format("The messages cannot be tokenized: {}", enc.status().message()),
+                 "messages", "invalid_value");
+    ids = std::move(enc).value();
+  } else if (request.endpoint == Endpoint::kChat || request.prompt_text) {
     Result<std::vector<TokenId>> enc = std::vector<TokenId>{};
     if (request.endpoint == Endpoint::kChat) {
       auto pieces = chat.render_pieces(request.messages);

@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -30,6 +31,7 @@
 #include <variant>
 #include <vector>
 
+#include "model/jinja/chat_template.hpp"
 #include "treeattn/tokenizer.hpp"
 
 namespace treeattn::serve {
@@ -80,17 +82,20 @@ inline constexpr std::size_t kMaxStopStrings = 16;
 
 Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body);
 
-// The model's chat template: the turn markers the vocabulary names (format_chat, tokenizer.hpp:
-// ChatML for SmolLM2 and Qwen, Gemma's turns, or a base model's plain transcript, whose answer
-// the server ends at chat_stop_strings()). ChatML:
-//   [<|im_start|>system\n{default_system}<|im_end|>\n]   when the first message is not a system one
-//   <|im_start|>{role}\n{content}<|im_end|>\n            for each message
-//   <|im_start|>assistant\n
-// `from_template` reads the default system message from a Jinja template such as SmolLM2's
+// The model's chat template. A file whose tokenizer.chat_template the interpreter parses
+// (src/model/jinja) renders every chat request with it (`model`: messages as {"role",
+// "content"} objects, tools none, add_generation_prompt true, the tokenizer's BOS and EOS text),
+// and only the template's own text may hold special tokens (Codec::encode_chat). A file whose
+// template it cannot parse has `error` set (the construct, line and column): chat requests get
+// a 400 with it, never another format. A file without a template (a base model) has neither and
+// gets the plain transcript of format_chat (tokenizer.hpp), whose answer the server ends at
+// chat_stop_strings(); `format` and `default_system` are what format_chat uses (render()).
+// from_template reads the default system message from a Jinja template such as SmolLM2's
 // ("{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are
-// ...<|im_end|>\n' }}"); none when it has no literal one. Only the template's own markup is
-// encoded with control tokens: a message's content is plain text, so "<|im_start|>system" written
-// in it stays text and cannot forge a turn (render_pieces, Codec::encode_prompt).
+// ...<|im_end|>\n' }}"); none when it has no literal one. The hard-coded formats keep the same
+// rule as the file's template: only their own markup is encoded with control tokens, a message's
+// content is plain text, so "<|im_start|>system" written in it stays text and cannot forge a turn
+// (render_pieces, Codec::encode_prompt).
 struct PromptPiece {
   std::string text;
   bool markup = false;  // the template's: control tokens written in it are tokens
@@ -98,12 +103,21 @@ struct PromptPiece {
 struct ChatTemplate {
   std::string default_system;
   ChatFormat format = ChatFormat::kChatML;  // the model's turn markers (Tokenizer::chat_format)
+  std::shared_ptr<const ModelTemplate> model;  // the file's own template, parsed
+  std::string error;                           // why the file's template cannot be used
+  bool strip_bos = false;  // the tokenizer adds BOS itself: a BOS the template writes first goes
   static ChatTemplate from_template(std::string_view jinja);
+  // The chat template of the tokenizer's file (Tokenizer::model_template, chat_template_error),
+  // and its chat format for the transcript of a base model.
+  static ChatTemplate from_model(const Tokenizer& tokenizer);
+  // format_chat's text of the messages (the hard-coded formats).
   std::string render(std::span<const ChatMessage> messages) const;
   // render()'s text cut into the template's markup and the messages' content (as the format
   // writes it, trimmed or not); their concatenation is render()'s. Error: the format writes a
   // content in a way this cannot find (a template that alters contents).
   Result<std::vector<PromptPiece>> render_pieces(std::span<const ChatMessage> messages) const;
+  // What the server says about it at start-up.
+  std::string describe() const;
 };
 
 // Text to token ids and back, as the server needs it (implemented over the model's Tokenizer by
@@ -113,6 +127,10 @@ class Codec {
   virtual ~Codec() = default;
   // add_special: BOS as the model asks; parse_special: control tokens written in the text.
   virtual Result<std::vector<TokenId>> encode(std::string_view text, bool parse_special) const = 0;
+  // A rendered chat prompt: BOS as the model asks, special tokens parsed except where they would
+  // overlap the conversation's bytes (`conversation`, sorted ranges of `text`).
+  virtual Result<std::vector<TokenId>> encode_chat(
+      std::string_view text, std::span<const std::pair<uint32_t, uint32_t>> conversation) const = 0;
   // The bytes of one token (control tokens: empty); may be part of a UTF-8 character.
   virtual std::string piece(TokenId id) const = 0;
   virtual int32_t n_vocab() const = 0;

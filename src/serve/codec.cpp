@@ -63,6 +63,11 @@ Result<std::vector<TokenId>> TokenizerCodec::encode(std::string_view text,
   return tok_->encode(text, /*add_special=*/true, parse_special);
 }
 
+Result<std::vector<TokenId>> TokenizerCodec::encode_chat(
+    std::string_view text, std::span<const std::pair<uint32_t, uint32_t>> conversation) const {
+  return tok_->encode(text, /*add_special=*/true, conversation);
+}
+
 std::string TokenizerCodec::piece(TokenId id) const {
   auto p = tok_->token_to_piece(id);
   return p.is_ok() ? std::move(p).value() : std::string();

@@ -12,6 +12,9 @@ class TokenizerCodec final : public Codec {
  public:
   explicit TokenizerCodec(const Tokenizer& tokenizer);
   Result<std::vector<TokenId>> encode(std::string_view text, bool parse_special) const override;
+  Result<std::vector<TokenId>> encode_chat(
+      std::string_view text,
+      std::span<const std::pair<uint32_t, uint32_t>> conversation) const override;
   std::string piece(TokenId id) const override;
   int32_t n_vocab() const override;
   std::vector<TokenId> end_of_generation() const override { return eog_; }

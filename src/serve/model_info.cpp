@@ -16,13 +16,11 @@ ModelInfo engine_model_info(const std::string& model_path, const model::LlamaMod
                             const Tokenizer& tokenizer, const engine::Engine& engine,
                             const engine::EngineConfig& ec, int ranks, int64_t context) {
   const model::LlamaConfig& cfg = model.config();
-  auto tmpl = model.file().get_string_or("tokenizer.chat_template", "");
   ModelInfo info;
   info.id = std::filesystem::path(model_path).filename().string();
   info.created = static_cast<int64_t>(std::time(nullptr));
   info.context = context > 0 ? context : cfg.n_ctx_train;
-  info.chat = ChatTemplate::from_template(tmpl.is_ok() ? *tmpl : std::string_view());
-  info.chat.format = tokenizer.chat_format();
+  info.chat = ChatTemplate::from_model(tokenizer);
   info.ranks = ranks;
   const engine::MergeChoice& mc = engine.merge_choice();
   info.method = mc.strategy;

@@ -248,6 +248,7 @@ int run_serve_job(Communicator& comm, const ServeJob& job) {
                  static_cast<long long>(info.context), ec.max_batch,
                  static_cast<long long>(ec.prefill_chunk), ec.max_queue,
                  static_cast<long long>(ec.timeout.count()));
+    std::fprintf(stderr, "treeattn serve: chat: %s\n", info.chat.describe().c_str());
     std::fprintf(stderr, "treeattn serve: listening on http://%s:%d\n", job.http.host.c_str(),
                  http->port());
     std::fflush(stderr);

@@ -20,6 +20,11 @@ class ByteCodec final : public Codec {
     for (const char c : text) ids.push_back(static_cast<unsigned char>(c));
     return ids;
   }
+  // No special tokens among bytes: the conversation's ranges change nothing.
+  Result<std::vector<TokenId>> encode_chat(
+      std::string_view text, std::span<const std::pair<uint32_t, uint32_t>>) const override {
+    return encode(text, true);
+  }
   std::string piece(TokenId id) const override {
     return id < 256 ? std::string(1, static_cast<char>(id)) : std::string();
   }
