@@ -1,7 +1,7 @@
 // The server's reader of HTTP/1.x requests: bytes in, one bounded request (or the status that
-// refuses it) out. Pure, no sockets: the server's connection loop (server.cpp) feeds it what a
-// connection receives, checks the head before any of the body is read (the API key, a route
-// answered at once), and hands the complete request, its body de-chunked, to cpp-httplib's
+// refuses it) out. Pure, no sockets: the server's connection loop (connection_loop.cpp) feeds it
+// what a connection receives, checks the head before any of the body is read (the API key, a
+// route answered at once), and hands the complete request, its body de-chunked, to cpp-httplib's
 // request processing; the bytes after it stay with the connection (pipelined requests). Unit-
 // tested (tests/serve/test_serve.cpp) and fuzzed (fuzz/fuzz_serve_request.cpp).
 //
