@@ -366,9 +366,9 @@ Runner add_serve_command(CLI::App& app, const Invocation& inv) {
                   "Open connections from one client address; beyond it 503 and closed (0: no cap)")
       ->capture_default_str();
   sub->add_option("--stall-timeout-ms", f->stall_timeout_ms,
-                  "/health answers 503 while requests are open and the engine has completed no "
-                  "step for this long: a stalled rank, long before --timeout-ms fails the "
-                  "engine (0: never)")
+                  "/health answers 503 while requests are open and the engine has made no "
+                  "progress (no layer of a step completed) for this long: a stalled rank, long "
+                  "before --timeout-ms fails the engine (0: never)")
       ->capture_default_str();
   sub->add_option("--request-timeout", f->request_timeout,
                   "Default deadline of a completion in seconds (a body's \"timeout\" field "

@@ -247,6 +247,9 @@ class Engine {
   // Tokens one sequence can ever hold (prompt + generated): every rank's pool, under the
   // placement rule.
   int64_t max_sequence_tokens() const;
+  // Steps plus layers this rank has completed: a count that moves while the engine works, even
+  // within one long step (thread-safe; what a progress watchdog samples).
+  int64_t progress() const;
   EngineMetrics metrics() const;  // rank 0 (thread-safe)
   const EngineConfig& config() const;
   const MergeChoice& merge_choice() const;

@@ -7,6 +7,7 @@
 #include "treeattn/engine.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <limits>
 #include <mutex>
@@ -54,6 +55,7 @@ struct Engine::Impl {
   std::unique_ptr<Scheduler> sched;
   std::unique_ptr<ModelRunner> runner;
   int64_t steps = 0, generated_total = 0;
+  std::atomic<int64_t> progress{0};  // steps completed (Engine::progress)
   std::vector<double> rank_times;  // all-gather of per-rank timings
   std::vector<double> rank_merge_s, rank_attn_s, rank_dense_s;
   mutable std::mutex snapshot_mu;
@@ -244,6 +246,7 @@ struct Engine::Impl {
     auto out = runner->forward(*sched, pl.work);
     TREEATTN_RETURN_IF_ERROR(out.status());
     sample(*out);
+    progress.fetch_add(1);
     if (me == 0) update_snapshot();
     return !sched->running().empty() || pl.waiting_after > 0;
   }
@@ -469,6 +472,8 @@ Result<bool> Engine::step() {
 }
 
 int64_t Engine::max_sequence_tokens() const { return impl_->max_sequence_tokens(); }
+
+int64_t Engine::progress() const { return impl_->progress.load() + impl_->runner->layers_done(); }
 
 EngineMetrics Engine::metrics() const {
   std::lock_guard lk(impl_->snapshot_mu);

@@ -210,7 +210,10 @@ Result<StepLogits> ModelRunner::forward(Scheduler& sched, std::span<const WorkIt
         std::span<const TokenId>(row_tok_.data() + st.lo, static_cast<std::size_t>(st.mine)),
         x_.data()));
   build_entries(st);
-  for (int l = 0; l < model_->config().n_layers; ++l) TREEATTN_RETURN_IF_ERROR(run_layer(l, st));
+  for (int l = 0; l < model_->config().n_layers; ++l) {
+    TREEATTN_RETURN_IF_ERROR(run_layer(l, st));
+    layers_done_.fetch_add(1, std::memory_order_relaxed);
+  }
   advance(st);
   return compute_logits(st);
 }

@@ -6,6 +6,8 @@
 // and merge_exchange_states (model_runner.cpp).
 #pragma once
 
+#include <atomic>
+
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -55,6 +57,10 @@ class ModelRunner {
   // indexes their sequences, and returns the logits to sample from.
   Result<StepLogits> forward(Scheduler& sched, std::span<const WorkItem> planned);
   const RunnerTimes& times() const { return times_; }
+  // Layers this rank has completed, over all steps; any thread may read it (the server's progress
+  // watchdog: a long prefill step advances it layer by layer, a stalled rank stops it at the
+  // layer whose collectives wait).
+  int64_t layers_done() const { return layers_done_.load(std::memory_order_relaxed); }
 
  private:
   // One step's rows: items, their sequences, and this rank's share of the dense part.
@@ -103,6 +109,7 @@ class ModelRunner {
   int64_t T_ = 64;
   std::vector<TiledKVCache> pools_;  // one per layer: this rank's pages
   RunnerTimes times_;
+  std::atomic<int64_t> layers_done_{0};
 
   // ---- step scratch ----
   model::ForwardScratch fs_;

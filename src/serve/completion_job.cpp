@@ -26,7 +26,7 @@ bool peer_gone(int fd) {
 
 void HttpServer::Impl::sample_progress(Clock::time_point now) {
   if (state.load() != State::kReady) return;
-  const int64_t steps = backend->metrics().steps;
+  const int64_t steps = backend->progress();  // steps and layers: a long step still moves it
   std::lock_guard<std::mutex> lock(watch_mu);
   if (in_engine.load() == 0 || steps != seen_steps) {
     seen_steps = steps;
@@ -43,7 +43,7 @@ std::optional<ApiError> HttpServer::Impl::health_error() {
   const auto stalled = now - progress_at;
   if (in_engine.load() > 0 && stalled >= opt.stall_timeout)
     return unavailable(
-        "The engine has completed no step for " +
+        "The engine has made no progress (no layer of a step completed) for " +
         std::to_string(std::chrono::duration_cast<std::chrono::seconds>(stalled).count()) +
         " s while " + std::to_string(in_engine.load()) +
         " requests wait (a rank stalled or cut off?)");

@@ -17,6 +17,7 @@ class EngineBackend final : public Backend {
   void cancel(engine::RequestId id) override { engine_.cancel(id); }
   engine::EngineMetrics metrics() const override { return engine_.metrics(); }
   int64_t max_sequence_tokens() const override { return engine_.max_sequence_tokens(); }
+  int64_t progress() const override { return engine_.progress(); }
 
  private:
   engine::Engine& engine_;

@@ -16,7 +16,7 @@
 // Routes (every one but /health needs `Authorization: Bearer KEY` when an API key is set):
 //   GET  /health               200 {"status":"ok"}; 503 with an error body while the model
 //                              loads, while shutting down, after the engine failed, and while
-//                              requests are open and the engine has completed no step for
+//                              requests are open and the engine has made no progress (no layer of a step completed) for
 //                              stall_timeout (a stalled rank: the progress watchdog)
 //   GET  /v1/models            the served model
 //   GET  /metrics              Prometheus text (metrics.hpp)
@@ -65,6 +65,9 @@ class Backend {
   virtual void cancel(engine::RequestId id) = 0;
   virtual engine::EngineMetrics metrics() const = 0;
   virtual int64_t max_sequence_tokens() const = 0;
+  // A count that moves while the engine works (Engine::progress: steps and layers); the progress
+  // watchdog's signal. Default: the completed steps.
+  virtual int64_t progress() const { return metrics().steps; }
 };
 
 struct ServerOptions {
@@ -83,7 +86,7 @@ struct ServerOptions {
   std::chrono::seconds write_timeout{30};
   int max_connections = 10000;          // open at once (and at most the descriptor limit allows)
   int max_connections_per_peer = 256;   // from one address; beyond: 503 and closed (0: no cap)
-  // /health answers 503 while requests are open and the engine has completed no step for this
+  // /health answers 503 while requests are open and the engine has made no progress (no layer of a step completed) for this
   // long (0: never).
   std::chrono::milliseconds stall_timeout{5000};
   // A completion's deadline when its body gives no "timeout" (0: none); past it the request

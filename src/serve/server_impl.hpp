@@ -146,7 +146,7 @@ struct HttpServer::Impl {
   void run_worker();
 
   // ---- the progress watchdog (completion_job.cpp): /health answers 503 while requests wait
-  // and the engine has completed no step for stall_timeout (a stalled rank, a host cut off),
+  // and the engine has made no progress (no layer of a step completed) for stall_timeout (a stalled rank, a host cut off),
   // long before the collective timeout fails the engine.
   std::mutex watch_mu;
   int64_t seen_steps = -1;
