@@ -40,7 +40,8 @@
 // first name when none is); without, any "model" is accepted and responses name ModelInfo::id.
 // CORS: with cors_origins, every response to an allowed Origin carries
 // Access-Control-Allow-Origin (errors and streams included), except the refusals the connection
-// loop sends before it has read a request's head (400, 408, 413, 414, 431, ...).
+// loop sends while it reads a request under the limits (400, 408, 411, 413, 414, 415, 431, and
+// 503 for too many connections).
 //
 // Statuses: 400 for a body the parser refuses (a message naming the field) or a prompt that
 // does not fit (naming both numbers), or a malformed request (http_request.hpp); 401 for a
