@@ -229,6 +229,12 @@ void HttpServer::Impl::answer_inline(Conn& c, int status, const std::string& bod
   if (!c.dead && !c.close_after) next_request(c);
 }
 
+// The CORS headers of a response to the request being read, as far as its head has been read
+// (a refusal: its Origin, when that line came before the one refused).
+std::vector<std::string> HttpServer::Impl::cors_of(const Conn& c) const {
+  return cors_headers(opt.cors_origins, c.reader.request().header("Origin"), /*preflight=*/false);
+}
+
 // Ready for the connection's next request.
 void HttpServer::Impl::next_request(Conn& c) {
   c.reader = RequestReader(limits);
@@ -253,7 +259,7 @@ bool HttpServer::Impl::on_head(Conn& c) {
     answer_inline(c, 204, "", headers);
     return true;
   }
-  const auto cors = cors_headers(opt.cors_origins, origin, /*preflight=*/false);
+  const auto cors = cors_of(c);
   if (path == "/health" && r.method == "GET" && no_body) {
     const auto e = health_error();
     answer_inline(c, e ? e->status : 200, e ? error_body(*e) : R"({"status":"ok"})", cors);
@@ -314,7 +320,7 @@ void HttpServer::Impl::advance(Conn& c) {
                       ApiError{rd.status(), rd.message(),
                                rd.status() >= 500 ? "server_error" : "invalid_request_error",
                                "", ""},
-                      true);
+                      true, cors_of(c));
         return;
       case RequestReader::State::kHeadDone:
         if (!on_head(c)) rd.read_body();
@@ -363,7 +369,7 @@ void HttpServer::Impl::expire(Clock::time_point now) {
                              "The request did not arrive within " +
                                  std::to_string(opt.read_timeout.count()) + " s.",
                              "invalid_request_error", "", ""},
-                    true);
+                    true, cors_of(c));
       if (!c.dead) continue;
     }
     close_conn(fd);

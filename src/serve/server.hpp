@@ -39,9 +39,9 @@
 // one of them is a 404 (OpenAI's model_not_found), and responses name the model asked for (the
 // first name when none is); without, any "model" is accepted and responses name ModelInfo::id.
 // CORS: with cors_origins, every response to an allowed Origin carries
-// Access-Control-Allow-Origin (errors and streams included), except the refusals the connection
-// loop sends while it reads a request under the limits (400, 408, 411, 413, 414, 415, 431, and
-// 503 for too many connections).
+// Access-Control-Allow-Origin (errors and streams included; the connection loop's refusals of a
+// request under the limits when its Origin line came before what was refused), except the 503
+// for too many connections (sent before a byte is read).
 //
 // Statuses: 400 for a body the parser refuses (a message naming the field) or a prompt that
 // does not fit (naming both numbers), or a malformed request (http_request.hpp); 401 for a

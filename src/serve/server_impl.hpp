@@ -138,6 +138,7 @@ struct HttpServer::Impl {
                      const std::vector<std::string>& extra = {});
   void answer_inline(Conn& c, int status, const std::string& body,
                      const std::vector<std::string>& extra);
+  std::vector<std::string> cors_of(const Conn& c) const;
   void next_request(Conn& c);
   bool on_head(Conn& c);
   void dispatch(Conn& c);

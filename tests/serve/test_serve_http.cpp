@@ -1313,6 +1313,16 @@ TEST_F(ServeHttp, CorsPreflightAndHeaders) {
   EXPECT_EQ(r->get_header_value("Access-Control-Allow-Origin"), "https://app.example");
   r = c.Get("/health", from_app);
   EXPECT_EQ(r->get_header_value("Access-Control-Allow-Origin"), "https://app.example");
+  {  // a refusal of the connection loop under the limits (413 at the head)
+    Raw big(server_->port());
+    ASSERT_TRUE(big.send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nOrigin: "
+                         "https://app.example\r\nContent-Length: 999999999\r\n\r\n"));
+    auto b = big.response(3000ms);
+    ASSERT_TRUE(b);
+    EXPECT_EQ(b->status, 413);
+    EXPECT_NE(b->head.find("Access-Control-Allow-Origin: https://app.example"), std::string::npos)
+        << b->head;
+  }
   r = c.Post("/v1/chat/completions", {{"Origin", "https://evil.example"}}, kChat,
              "application/json");
   EXPECT_EQ(r->status, 200);
