@@ -326,7 +326,8 @@ Runner add_serve_command(CLI::App& app, const Invocation& inv) {
   auto* sub = app.add_subcommand(
       "serve",
       "OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, "
-      "/health, /metrics; llama-server's /tokenize, /detokenize, /apply-template) over the serving engine: every rank holds the model and a share of "
+      "/health, /metrics; llama-server's /tokenize, /detokenize, /apply-template) over the "
+      "serving engine: every rank holds the model and a share of "
       "the paged KV cache, rank 0 speaks HTTP");
   auto f = std::make_shared<ServeFlags>();
   add_model_option(*sub, f->model);

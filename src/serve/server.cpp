@@ -175,8 +175,9 @@ void HttpServer::Impl::tokenize(const httplib::Request& req, httplib::Response& 
   const TokenizeRequest& r = std::get<TokenizeRequest>(parsed);
   auto ids = codec->tokenize(r.content, r.add_special, r.parse_special);
   if (!ids.is_ok())
-    return send_error(res, ApiError{400, "The content cannot be tokenized: " + ids.status().message(),
-                                    "invalid_request_error", "content", "invalid_value"});
+    return send_error(res,
+                      ApiError{400, "The content cannot be tokenized: " + ids.status().message(),
+                               "invalid_request_error", "content", "invalid_value"});
   res.set_content(tokenize_body(*ids, *codec, r.with_pieces), kJson);
 }
 

@@ -609,7 +609,8 @@ TEST(ServeCors, AllowedOriginsOnly) {
             std::vector<std::string>{"Access-Control-Allow-Origin: *"});
   EXPECT_EQ(cors_headers(any, "https://b.example", true, "authorization, X-Stainless-Lang"),
             (std::vector<std::string>{
-                "Access-Control-Allow-Origin: *", "Access-Control-Allow-Methods: GET, POST, OPTIONS",
+                "Access-Control-Allow-Origin: *",
+                "Access-Control-Allow-Methods: GET, POST, OPTIONS",
                 "Access-Control-Allow-Headers: Authorization, Content-Type, X-Stainless-Lang",
                 "Access-Control-Max-Age: 86400"}));
   // Asked-for headers that are not names are not echoed.
