@@ -28,6 +28,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "commands.hpp"
 #include "engine/exchange.hpp"
@@ -77,6 +78,8 @@ struct ServeFlags {
   double request_timeout = 0;
   bool no_prefix_cache = false;
   bool no_rows8 = false;
+  std::vector<std::string> served_model_names;
+  std::vector<std::string> cors_origins;
 };
 
 // Everything checkable before ranks start. On success: the model path, and f.matmul set (the
@@ -125,6 +128,18 @@ Result<std::string> preflight(ServeFlags& f) {
   TREEATTN_RETURN_IF_ERROR(check_timeout_ms("--stall-timeout-ms", f.stall_timeout_ms));
   if (!(f.request_timeout >= 0 && f.request_timeout <= 86400))
     return invalid_argument("--request-timeout must be in 0..86400 seconds");
+  for (std::size_t i = 0; i < f.served_model_names.size(); ++i) {
+    const std::string& n = f.served_model_names[i];
+    if (n.empty()) return invalid_argument("--served-model-name: an empty name");
+    if (std::find(f.served_model_names.begin(), f.served_model_names.begin() + i, n) !=
+        f.served_model_names.begin() + i)
+      return invalid_argument("--served-model-name: '" + n + "' is given twice");
+  }
+  for (const std::string& o : f.cors_origins)
+    if (o != "*" && (o.empty() || o.find_first_of(" \t\r\n") != std::string::npos ||
+                     o.find("://") == std::string::npos))
+      return invalid_argument("--cors-origins: '" + o +
+                              "' is neither * nor an origin such as https://app.example.com");
   auto path = resolve_model(f.model);
   if (!path.is_ok()) return path.status();
   auto matmul = matmul_for_model(f.matmul, *path);
@@ -177,6 +192,8 @@ int serve_job(Communicator& comm, const ServeFlags& f, const std::string& model_
   job.http.max_connections_per_peer = f.max_conns_per_peer;
   job.http.stall_timeout = std::chrono::milliseconds(f.stall_timeout_ms);
   job.http.request_timeout = std::chrono::milliseconds(static_cast<int64_t>(f.request_timeout * 1000));
+  job.http.served_model_names = f.served_model_names;
+  job.http.cors_origins = f.cors_origins;
   job.context = f.context;
   job.shutdown_timeout_s = f.shutdown_timeout;
   job.sigterm_ends_job = launched_by_serve();
@@ -309,7 +326,8 @@ Runner add_serve_command(CLI::App& app, const Invocation& inv) {
   auto* sub = app.add_subcommand(
       "serve",
       "OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, "
-      "/health, /metrics) over the serving engine: every rank holds the model and a share of "
+      "/health, /metrics; llama-server's /tokenize, /detokenize, /apply-template) over the "
+      "serving engine: every rank holds the model and a share of "
       "the paged KV cache, rank 0 speaks HTTP");
   auto f = std::make_shared<ServeFlags>();
   add_model_option(*sub, f->model);
@@ -355,6 +373,16 @@ Runner add_serve_command(CLI::App& app, const Invocation& inv) {
   sub->add_option("--api-key", f->api_key,
                   "Require Authorization: Bearer KEY on every route but /health (default: "
                   "$TREEATTN_API_KEY; none when empty)");
+  sub->add_option("--served-model-name", f->served_model_names,
+                  "Name(s) clients use for the model (repeat or a comma list): /v1/models lists "
+                  "them, the first is the id; a request whose \"model\" is another gets 404 "
+                  "model_not_found (default: the file's name, and any \"model\" is accepted)")
+      ->delimiter(',');
+  sub->add_option("--cors-origins", f->cors_origins,
+                  "Origins allowed to call the server from a browser (a comma list, or *): "
+                  "preflights are answered and responses carry Access-Control-Allow-Origin "
+                  "(default: none, no CORS headers)")
+      ->delimiter(',');
   sub->add_option("--max-queue", f->max_queue,
                   "Requests waiting for KV pages (>= 1); beyond it new ones get 429 + Retry-After")
       ->capture_default_str();

@@ -1,6 +1,8 @@
 // libFuzzer target: `treeattn serve`'s request parser (src/serve/api.hpp) on arbitrary bodies.
-// The first input byte picks the endpoint (bit 0: chat or completions) and the limits given to
-// the length check; the rest is the body. A refused body must give a 400 whose error body is
+// The first input byte picks the endpoint (bit 0: chat or completions; bits 3-4: 1 the body of
+// /tokenize, 2 of /detokenize instead) and the limits given to the length check; the rest is the
+// body. /tokenize and /detokenize bodies are parsed, tokenized or checked against the vocabulary,
+// and answered as JSON. A refused body must give a 400 whose error body is
 // JSON with the four OpenAI fields; an accepted one is taken through what the server does
 // next: the chat template, the prompt over a byte-level codec, the length check, and its
 // prompt's bytes as generated tokens through the UTF-8 assembler and the stop strings, whose
@@ -35,19 +37,36 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
   const int64_t context = (data[0] & 2) != 0 ? 64 : 0;
   const int64_t pool = (data[0] & 4) != 0 ? 100 : 1 << 20;
   const std::string_view body(reinterpret_cast<const char*>(data + 1), size - 1);
-  auto parsed = parse_request(ep, body);
-  if (auto* e = std::get_if<ApiError>(&parsed)) {
-    check(e->status == 400 && !e->message.empty());
-    const auto j = nlohmann::json::parse(error_body(*e));
+  auto refused = [](const ApiError& e) {
+    check(e.status == 400 && !e.message.empty());
+    const auto j = nlohmann::json::parse(error_body(e));
     for (const char* k : {"message", "type", "param", "code"}) check(j["error"].contains(k));
+  };
+  testing::ByteCodec codec;
+  if ((data[0] & 0x18) == 0x08) {  // /tokenize
+    auto t = parse_tokenize(body);
+    if (auto* e = std::get_if<ApiError>(&t)) return refused(*e), 0;
+    const TokenizeRequest& tr = std::get<TokenizeRequest>(t);
+    auto ids = codec.tokenize(tr.content, tr.add_special, tr.parse_special);
+    check(ids.is_ok());
+    const auto j = nlohmann::json::parse(tokenize_body(*ids, codec, tr.with_pieces));
+    check(j["tokens"].size() == ids->size());
     return 0;
   }
+  if ((data[0] & 0x18) == 0x10) {  // /detokenize
+    auto d = parse_detokenize(body, codec.n_vocab());
+    if (auto* e = std::get_if<ApiError>(&d)) return refused(*e), 0;
+    for (const TokenId id : std::get<std::vector<TokenId>>(d))
+      check(id >= 0 && id < codec.n_vocab());
+    return 0;
+  }
+  auto parsed = parse_request(ep, body);
+  if (auto* e = std::get_if<ApiError>(&parsed)) return refused(*e), 0;
   const ParsedRequest& r = std::get<ParsedRequest>(parsed);
   check(!r.max_tokens || *r.max_tokens >= 1);
   check(r.temperature >= 0 && r.temperature <= 2 && r.top_p >= 0 && r.top_p <= 1);
   check(r.stop.size() <= kMaxStopStrings);
   check(!r.timeout || (*r.timeout > 0 && *r.timeout <= 86400));
-  testing::ByteCodec codec;
   ChatTemplate chat;
   chat.default_system = "S";
   auto prompt = build_prompt(r, codec, chat);
@@ -57,6 +76,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
   }
   const auto& ids = std::get<std::vector<TokenId>>(prompt);
   check(!ids.empty());
+  // /apply-template's text is the chat prompt's bytes.
+  if (ep == Endpoint::kChat) {
+    auto text = render_chat_prompt(r, chat);
+    check(std::holds_alternative<std::string>(text) &&
+          testing::bytes_of(std::get<std::string>(text)) == ids);
+  }
   auto max_new = check_lengths(r, static_cast<int64_t>(ids.size()), context, pool);
   // The byte-count pre-check (before tokenizing) refuses only what the token count refuses;
   // the chat template's pieces join to its text.

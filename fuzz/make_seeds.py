@@ -10,8 +10,8 @@ campaign starts from valid inputs of every shape the parsers know instead of fro
                     unreadable (q6_K), built here byte by byte from the format description
   fuzz_tokenizer    texts: ASCII, digits, code, whitespace runs, accents, CJK, emoji, ChatML
                     (first byte: which tokenizer and flags)
-  fuzz_serve_request  OpenAI chat and completions bodies, valid and malformed (first byte:
-                    the endpoint and the limits)
+  fuzz_serve_request  OpenAI chat and completions bodies, /tokenize and /detokenize bodies,
+                    valid and malformed (first byte: the endpoint and the limits)
   fuzz_http_request pipelines of HTTP/1.x requests: plain, Content-Length and chunked bodies,
                     100-continue, and each refusal (first byte: the limits and the piece size)
   fuzz_jinja        chat templates: the real ones of tests/model/jinja/data/templates, small ones
@@ -174,6 +174,13 @@ def serve_request():
         completion + b'{"prompt":"x","echo":true}',
         chat + b'{"messages":[' * 10,
         completion + b'{"prompt":"\\ud83d\\ude00 caf\\u00e9","stop":["\\u00e9"]}',
+        # /tokenize (bits 3-4 of the first byte: 1) and /detokenize (2)
+        b"\x08" + b'{"content":"Hi \\u00e9","add_special":true,"with_pieces":true}',
+        b"\x08" + b'{"content":"<|im_end|>","parse_special":false,"model":"m"}',
+        b"\x08" + b'{"content":5}',
+        b"\x10" + b'{"tokens":[72,105,195,169,257]}',
+        b"\x10" + b'{"tokens":[1,999999999999,-1,1.5,"a"]}',
+        b"\x10" + b'{"tokens":[]}',
     ]
     for i, b in enumerate(bodies):
         write("fuzz_serve_request", "seed-%02d" % i, b)

@@ -317,9 +317,8 @@ std::optional<ApiError> parse_stop(const json& v, std::vector<std::string>& out)
   return std::nullopt;
 }
 
-}  // namespace
-
-Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body) {
+// A request body: a JSON object, nested at most kMaxJsonDepth deep.
+Parsed<json> parse_body(std::string_view body) {
   if (json_depth(body) > kMaxJsonDepth)
     return bad(fmt::format("The request body nests deeper than {} levels.", kMaxJsonDepth), "");
   json j;
@@ -332,6 +331,24 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body) {
   if (!j.is_object())
     return bad(fmt::format("The request body must be a JSON object, not {}.", type_name(j)), "",
                "invalid_json");
+  return j;
+}
+
+ApiError unknown_field(const std::string& key) {
+  return bad(fmt::format("Unrecognized request argument supplied: {}", key), key,
+             "unknown_parameter");
+}
+
+ApiError missing(const char* what) {
+  return bad(fmt::format("Missing required parameter: '{}'.", what), what, "missing_required");
+}
+
+}  // namespace
+
+Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body) {
+  auto parsed_body = parse_body(body);
+  if (auto* e = std::get_if<ApiError>(&parsed_body)) return *e;
+  const json& j = std::get<json>(parsed_body);
   ParsedRequest r;
   r.endpoint = endpoint;
   const bool chat = endpoint == Endpoint::kChat;
@@ -421,20 +438,94 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body) {
     } else if (neutral.contains(key)) {
       err = neutral_only(key, v);
     } else {
-      err = bad(fmt::format("Unrecognized request argument supplied: {}", key), key,
-                "unknown_parameter");
+      err = unknown_field(key);
     }
     if (err) return *err;
   }
-  if (!have_input) {
-    const char* what = chat ? "messages" : "prompt";
-    return bad(fmt::format("Missing required parameter: '{}'.", what), what, "missing_required");
-  }
+  if (!have_input) return missing(chat ? "messages" : "prompt");
   if (have_stream_options && !r.stream)
     return bad("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                "stream_options", "invalid_value");
   r.max_tokens = max_completion_tokens ? max_completion_tokens : max_tokens;
   return r;
+}
+
+Parsed<TokenizeRequest> parse_tokenize(std::string_view body) {
+  auto parsed_body = parse_body(body);
+  if (auto* e = std::get_if<ApiError>(&parsed_body)) return *e;
+  TokenizeRequest r;
+  bool have_content = false;
+  for (const auto& [key, v] : std::get<json>(parsed_body).items()) {
+    if (v.is_null()) continue;  // null: absent
+    std::optional<ApiError> err;
+    auto flag = [&err, &v = v, &key = key](bool& into) {
+      auto b = get_bool(v, key);
+      if (auto* e = std::get_if<ApiError>(&b))
+        err = *e;
+      else
+        into = std::get<bool>(b);
+    };
+    if (key == "content") {
+      if (!v.is_string())
+        err = wrong_type(key, "a string", v);
+      else
+        r.content = v.get<std::string>();
+      have_content = true;
+    } else if (key == "add_special") {
+      flag(r.add_special);
+    } else if (key == "parse_special") {
+      flag(r.parse_special);
+    } else if (key == "with_pieces") {
+      flag(r.with_pieces);
+    } else if (key == "model") {
+      if (!v.is_string())
+        err = wrong_type(key, "a string", v);
+      else
+        r.model = v.get<std::string>();
+    } else {
+      err = unknown_field(key);
+    }
+    if (err) return *err;
+  }
+  if (!have_content) return missing("content");
+  return r;
+}
+
+Parsed<std::vector<TokenId>> parse_detokenize(std::string_view body, int32_t n_vocab) {
+  auto parsed_body = parse_body(body);
+  if (auto* e = std::get_if<ApiError>(&parsed_body)) return *e;
+  std::optional<std::vector<TokenId>> ids;
+  for (const auto& [key, v] : std::get<json>(parsed_body).items()) {
+    if (v.is_null()) continue;  // null: absent
+    if (key == "model") {
+      if (!v.is_string()) return wrong_type(key, "a string", v);
+    } else if (key == "tokens") {
+      if (!v.is_array()) return wrong_type(key, "an array of token ids", v);
+      ids.emplace();
+      ids->reserve(v.size());
+      for (std::size_t i = 0; i < v.size(); ++i) {
+        const auto id = as_int(v[i]);
+        if (!id) return wrong_type(fmt::format("tokens[{}]", i), "a token id (an integer)", v[i]);
+        if (*id < 0 || *id >= n_vocab)
+          return bad(fmt::format("'tokens[{}]' is token id {}, outside the vocabulary [0, {}).",
+                                 i, *id, n_vocab),
+                     "tokens", "invalid_value");
+        ids->push_back(static_cast<TokenId>(*id));
+      }
+    } else {
+      return unknown_field(key);
+    }
+  }
+  if (!ids) return missing("tokens");
+  return std::move(*ids);
+}
+
+std::optional<ApiError> check_model(std::string_view requested,
+                                    std::span<const std::string> served) {
+  if (served.empty() || requested.empty()) return std::nullopt;
+  if (std::find(served.begin(), served.end(), requested) != served.end()) return std::nullopt;
+  return ApiError{404, fmt::format("The model `{}` does not exist", requested),
+                  "invalid_request_error", "model", "model_not_found"};
 }
 
 ChatTemplate ChatTemplate::from_template(std::string_view jinja) {
@@ -546,14 +637,21 @@ std::optional<ApiError> check_prompt_bytes(const ParsedRequest& request,
                   "invalid_request_error", where, "context_length_exceeded"};
 }
 
-Parsed<std::vector<TokenId>> build_prompt(const ParsedRequest& request, const Codec& codec,
-                                          const ChatTemplate& chat) {
-  const char* param = request.endpoint == Endpoint::kChat ? "messages" : "prompt";
-  std::vector<TokenId> ids;
-  if (request.endpoint == Endpoint::kChat && !chat.error.empty())
+namespace {
+
+// A chat request's messages through the file's template (chat.model) or the hard-coded
+// format's pieces (otherwise): what build_prompt tokenizes and render_chat_prompt returns.
+struct RenderedChat {
+  ChatPrompt model;                 // chat.model
+  std::vector<PromptPiece> pieces;  // otherwise
+};
+
+Parsed<RenderedChat> render_chat(const ParsedRequest& request, const ChatTemplate& chat) {
+  if (!chat.error.empty())
     return bad("The model's chat template cannot be used: " + chat.error, "messages",
                "unsupported_chat_template");
-  if (request.endpoint == Endpoint::kChat && chat.model) {
+  RenderedChat out;
+  if (chat.model) {
     nlohmann::ordered_json messages = nlohmann::ordered_json::array();
     for (const ChatMessage& m : request.messages)
       messages.push_back({{"role", m.role}, {"content", m.content}});
@@ -562,18 +660,47 @@ Parsed<std::vector<TokenId>> build_prompt(const ParsedRequest& request, const Co
       return bad(fmt::format("The messages cannot be rendered with the model's chat template: {}",
                              p.status().message()),
                  "messages", "invalid_value");
-    auto enc = codec.encode_chat(p->text, p->data_ranges);
+    out.model = std::move(p).value();
+  } else {
+    auto pieces = chat.render_pieces(request.messages);
+    if (!pieces.is_ok()) return ApiError{500, pieces.status().message(), "server_error", "", ""};
+    out.pieces = std::move(pieces).value();
+  }
+  return out;
+}
+
+}  // namespace
+
+Parsed<std::string> render_chat_prompt(const ParsedRequest& request, const ChatTemplate& chat) {
+  auto rendered = render_chat(request, chat);
+  if (auto* e = std::get_if<ApiError>(&rendered)) return *e;
+  RenderedChat& r = std::get<RenderedChat>(rendered);
+  if (chat.model) return std::move(r.model.text);
+  std::string text;
+  for (const PromptPiece& p : r.pieces) text += p.text;
+  return text;
+}
+
+Parsed<std::vector<TokenId>> build_prompt(const ParsedRequest& request, const Codec& codec,
+                                          const ChatTemplate& chat) {
+  const char* param = request.endpoint == Endpoint::kChat ? "messages" : "prompt";
+  std::vector<TokenId> ids;
+  std::optional<RenderedChat> rendered;
+  if (request.endpoint == Endpoint::kChat) {
+    auto r = render_chat(request, chat);
+    if (auto* e = std::get_if<ApiError>(&r)) return *e;
+    rendered = std::move(std::get<RenderedChat>(r));
+  }
+  if (rendered && chat.model) {
+    auto enc = codec.encode_chat(rendered->model.text, rendered->model.data_ranges);
     if (!enc.is_ok())
       return bad(fmt::format("The messages cannot be tokenized: {}", enc.status().message()),
                  "messages", "invalid_value");
     ids = std::move(enc).value();
   } else if (request.endpoint == Endpoint::kChat || request.prompt_text) {
     Result<std::vector<TokenId>> enc = std::vector<TokenId>{};
-    if (request.endpoint == Endpoint::kChat) {
-      auto pieces = chat.render_pieces(request.messages);
-      if (!pieces.is_ok())
-        return ApiError{500, pieces.status().message(), "server_error", "", ""};
-      enc = codec.encode_prompt(*pieces);
+    if (rendered) {
+      enc = codec.encode_prompt(rendered->pieces);
     } else {
       enc = codec.encode(*request.prompt_text, false);
     }

@@ -1,11 +1,13 @@
 // The OpenAI API as `treeattn serve` reads it: a request body of POST /v1/chat/completions or
-// POST /v1/completions becomes a ParsedRequest, or an ApiError that names the field.
+// POST /v1/completions becomes a ParsedRequest, or an ApiError that names the field; and the
+// bodies of llama-server's POST /tokenize, /detokenize and /apply-template.
 //
 // Pure functions, no sockets and no model: the parser, the chat template, the prompt builder
 // and the length check are unit-tested (tests/serve) and fuzzed (fuzz/fuzz_serve_request.cpp).
 //
 // What is accepted (OpenAI's names and shapes; null is the same as absent everywhere):
-//   model (string, not checked), messages (chat) / prompt (completions: a string, an array of
+//   model (a string; check_model: one of --served-model-name's names when given, anything
+//   otherwise), messages (chat) / prompt (completions: a string, an array of
 //   token ids, or a one-element array of either), max_tokens and max_completion_tokens
 //   (integer >= 1; max_completion_tokens wins), temperature (0..2; 0 is greedy; default 1),
 //   top_p (0..1; 0 is greedy), seed (integer; default: a fresh one per request), stop (a
@@ -143,6 +145,13 @@ class Codec {
   // The most bytes of text one token stands for (0: unknown): a text's byte count then bounds
   // its token count from below, without tokenizing it.
   virtual std::size_t max_token_bytes() const { return 0; }
+  // /tokenize: BOS (and EOS) as the model asks only with add_special; control tokens written in
+  // the text are tokens only with parse_special.
+  virtual Result<std::vector<TokenId>> tokenize(std::string_view text, bool add_special,
+                                                bool parse_special) const = 0;
+  // /tokenize's pieces and /detokenize's text: piece(), except that a control token is its
+  // text ("<|im_end|>"), as llama-server shows it.
+  virtual std::string token_text(TokenId id) const { return piece(id); }
 };
 
 // The prompt's token ids: the chat template over the messages (chat), the text with the
@@ -150,6 +159,32 @@ class Codec {
 // given, checked against the vocabulary. 400 for an empty prompt or an id outside it.
 Parsed<std::vector<TokenId>> build_prompt(const ParsedRequest& request, const Codec& codec,
                                           const ChatTemplate& chat);
+
+// The text a chat request's prompt is tokenized from (POST /apply-template): the file's template
+// over the messages (tokenized by Codec::encode_chat), or the hard-coded format's text (pieces
+// joined; Codec::encode_prompt). The same 400 (or 500) as build_prompt for a template that cannot
+// render them.
+Parsed<std::string> render_chat_prompt(const ParsedRequest& request, const ChatTemplate& chat);
+
+// POST /tokenize {"content": "...", "add_special": false, "parse_special": true,
+// "with_pieces": false, "model": ignored}: llama-server's fields and defaults.
+struct TokenizeRequest {
+  std::string content;
+  bool add_special = false;
+  bool parse_special = true;
+  bool with_pieces = false;
+  std::string model;
+};
+Parsed<TokenizeRequest> parse_tokenize(std::string_view body);
+
+// POST /detokenize {"tokens": [ids], "model": ignored}: the ids, each in [0, n_vocab).
+Parsed<std::vector<TokenId>> parse_detokenize(std::string_view body, int32_t n_vocab);
+
+// A request's "model" against the served names (--served-model-name): none given, or no model
+// in the request, passes; otherwise a name not among them is OpenAI's 404 (type
+// invalid_request_error, param model, code model_not_found).
+std::optional<ApiError> check_model(std::string_view requested,
+                                    std::span<const std::string> served);
 
 // Before tokenizing: 400 (as check_lengths would give) when the prompt's text alone has more
 // printable ASCII bytes than max_token_bytes times what the context and the pool can hold, so

@@ -68,6 +68,16 @@ Result<std::vector<TokenId>> TokenizerCodec::encode_chat(
   return tok_->encode(text, /*add_special=*/true, conversation);
 }
 
+Result<std::vector<TokenId>> TokenizerCodec::tokenize(std::string_view text, bool add_special,
+                                                      bool parse_special) const {
+  return tok_->encode(text, add_special, parse_special);
+}
+
+std::string TokenizerCodec::token_text(TokenId id) const {
+  auto p = tok_->token_to_piece(id, /*render_special=*/true);
+  return p.is_ok() ? std::move(p).value() : std::string();
+}
+
 std::string TokenizerCodec::piece(TokenId id) const {
   auto p = tok_->token_to_piece(id);
   return p.is_ok() ? std::move(p).value() : std::string();

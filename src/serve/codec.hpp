@@ -20,6 +20,9 @@ class TokenizerCodec final : public Codec {
   std::vector<TokenId> end_of_generation() const override { return eog_; }
   Result<std::vector<TokenId>> encode_prompt(std::span<const PromptPiece> pieces) const override;
   std::size_t max_token_bytes() const override { return max_token_bytes_; }
+  Result<std::vector<TokenId>> tokenize(std::string_view text, bool add_special,
+                                        bool parse_special) const override;
+  std::string token_text(TokenId id) const override;
 
  private:
   const Tokenizer* tok_;

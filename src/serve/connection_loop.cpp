@@ -92,8 +92,9 @@ class ConnStream final : public httplib::Stream {
 std::string raw_response(int status, const std::string& body, bool close,
                          const std::vector<std::string>& extra = {}) {
   std::string out = "HTTP/1.1 " + std::to_string(status) + " " + reason_phrase(status) + "\r\n";
-  out += "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
-         "\r\n";
+  if (status != 204)  // no content, and no Content-Length (RFC 9110)
+    out += "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+           "\r\n";
   for (const std::string& h : extra) out += h + "\r\n";
   out += close ? "Connection: close\r\n\r\n" : "Keep-Alive: timeout=5\r\n\r\n";
   return out + body;
@@ -214,8 +215,24 @@ void HttpServer::Impl::respond(Conn& c, int status, const std::string& body, boo
   flush(c);
 }
 
-void HttpServer::Impl::respond_error(Conn& c, const ApiError& e, bool close) {
-  respond(c, e.status, error_body(e), close);
+void HttpServer::Impl::respond_error(Conn& c, const ApiError& e, bool close,
+                                     const std::vector<std::string>& extra) {
+  respond(c, e.status, error_body(e), close, extra);
+}
+
+// A request without a body answered by the loop at its head; the connection goes on.
+void HttpServer::Impl::answer_inline(Conn& c, int status, const std::string& body,
+                                     const std::vector<std::string>& extra) {
+  const bool keep_alive = c.reader.request().keep_alive;
+  c.reader.read_body();
+  respond(c, status, body, !keep_alive, extra);
+  if (!c.dead && !c.close_after) next_request(c);
+}
+
+// The CORS headers of a response to the request being read, as far as its head has been read
+// (a refusal: its Origin, when that line came before the one refused).
+std::vector<std::string> HttpServer::Impl::cors_of(const Conn& c) const {
+  return cors_headers(opt.cors_origins, c.reader.request().header("Origin"), /*preflight=*/false);
 }
 
 // Ready for the connection's next request.
@@ -232,19 +249,25 @@ bool HttpServer::Impl::on_head(Conn& c) {
   const std::string path = path_of(r.target);
   const bool no_body = !r.chunked && r.header("Content-Length").find_first_not_of('0') ==
                                          std::string_view::npos;
+  const std::string_view origin = r.header("Origin");
+  // A CORS preflight needs no key (browsers send none): the allow headers for an allowed
+  // origin, none otherwise.
+  if (r.method == "OPTIONS" && no_body) {
+    auto headers = cors_headers(opt.cors_origins, origin, /*preflight=*/true,
+                                r.header("Access-Control-Request-Headers"));
+    headers.push_back("Allow: GET, POST, OPTIONS");
+    answer_inline(c, 204, "", headers);
+    return true;
+  }
+  const auto cors = cors_of(c);
   if (path == "/health" && r.method == "GET" && no_body) {
-    c.reader.read_body();
     const auto e = health_error();
-    if (e)
-      respond_error(c, *e, !r.keep_alive);
-    else
-      respond(c, 200, R"({"status":"ok"})", !r.keep_alive);
-    if (!c.dead && !c.close_after) next_request(c);
+    answer_inline(c, e ? e->status : 200, e ? error_body(*e) : R"({"status":"ok"})", cors);
     return true;
   }
   if (path != "/health" && !authorized(r.header("Authorization"))) {
     // The body is never read: the connection closes after the answer.
-    respond_error(c, unauthorized(), true);
+    respond_error(c, unauthorized(), true, cors);
     return true;
   }
   if (r.expect_continue && !no_body) {
@@ -297,7 +320,7 @@ void HttpServer::Impl::advance(Conn& c) {
                       ApiError{rd.status(), rd.message(),
                                rd.status() >= 500 ? "server_error" : "invalid_request_error",
                                "", ""},
-                      true);
+                      true, cors_of(c));
         return;
       case RequestReader::State::kHeadDone:
         if (!on_head(c)) rd.read_body();
@@ -346,7 +369,7 @@ void HttpServer::Impl::expire(Clock::time_point now) {
                              "The request did not arrive within " +
                                  std::to_string(opt.read_timeout.count()) + " s.",
                              "invalid_request_error", "", ""},
-                    true);
+                    true, cors_of(c));
       if (!c.dead) continue;
     }
     close_conn(fd);

@@ -139,10 +139,36 @@ json chunk_usage(const ResponseMeta& meta, const Usage& usage) {
   return j;
 }
 
-std::string models_body(const std::string& model_id, int64_t created, const json& meta) {
-  json m = {{"id", model_id}, {"object", "model"}, {"created", created}, {"owned_by", "treeattn"}};
-  if (!meta.is_null()) m["meta"] = meta;
-  return dump(json{{"object", "list"}, {"data", json::array({std::move(m)})}});
+std::string models_body(std::span<const std::string> model_ids, int64_t created,
+                        const json& meta) {
+  json data = json::array();
+  for (const std::string& id : model_ids) {
+    json m = {{"id", id}, {"object", "model"}, {"created", created}, {"owned_by", "treeattn"}};
+    if (!meta.is_null()) m["meta"] = meta;
+    data.push_back(std::move(m));
+  }
+  return dump(json{{"object", "list"}, {"data", std::move(data)}});
+}
+
+std::string tokenize_body(std::span<const TokenId> ids, const Codec& codec, bool with_pieces) {
+  json tokens = json::array();
+  for (const TokenId id : ids) {
+    if (!with_pieces) {
+      tokens.push_back(id);
+      continue;
+    }
+    const std::string text = codec.token_text(id);
+    Utf8Assembler utf8;  // valid UTF-8 passes through whole
+    json piece;
+    if (utf8.push(text) == text && utf8.held() == 0) {
+      piece = text;
+    } else {
+      piece = json::array();
+      for (const char c : text) piece.push_back(static_cast<unsigned char>(c));
+    }
+    tokens.push_back({{"id", id}, {"piece", std::move(piece)}});
+  }
+  return dump(json{{"tokens", std::move(tokens)}});
 }
 
 }  // namespace treeattn::serve

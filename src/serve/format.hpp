@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -86,6 +87,13 @@ nlohmann::json chunk_finish(const ResponseMeta& meta, Finish finish, const nlohm
                             const std::vector<TokenId>* token_ids = nullptr);
 nlohmann::json chunk_usage(const ResponseMeta& meta, const Usage& usage);
 
-std::string models_body(const std::string& model_id, int64_t created, const nlohmann::json& meta);
+// /v1/models: one entry per id (the served names, the first the model's id), each with `meta`.
+std::string models_body(std::span<const std::string> model_ids, int64_t created,
+                        const nlohmann::json& meta);
+
+// POST /tokenize: {"tokens": [ids]}, or with_pieces {"tokens": [{"id": n, "piece": p}]}, p the
+// token's text (Codec::token_text) as a string when it is valid UTF-8, else the array of its byte
+// values (llama-server's shapes).
+std::string tokenize_body(std::span<const TokenId> ids, const Codec& codec, bool with_pieces);
 
 }  // namespace treeattn::serve

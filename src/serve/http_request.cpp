@@ -349,6 +349,7 @@ const char* reason_phrase(int status) {
   switch (status) {
     case 100: return "Continue";
     case 200: return "OK";
+    case 204: return "No Content";
     case 400: return "Bad Request";
     case 401: return "Unauthorized";
     case 404: return "Not Found";
@@ -365,6 +366,53 @@ const char* reason_phrase(int status) {
     case 505: return "HTTP Version Not Supported";
     default: return "Unknown";
   }
+}
+
+std::vector<std::string> cors_headers(const std::vector<std::string>& allowed,
+                                      std::string_view origin, bool preflight,
+                                      std::string_view request_headers) {
+  if (allowed.empty() || origin.empty()) return {};
+  std::vector<std::string> out;
+  if (std::find(allowed.begin(), allowed.end(), origin) != allowed.end()) {
+    out.push_back("Access-Control-Allow-Origin: " + std::string(origin));
+    out.push_back("Vary: Origin");
+  } else if (std::find(allowed.begin(), allowed.end(), "*") != allowed.end()) {
+    out.push_back("Access-Control-Allow-Origin: *");
+  } else {
+    return {};
+  }
+  if (!preflight) return out;
+  out.push_back("Access-Control-Allow-Methods: GET, POST, OPTIONS");
+  std::string headers = "Authorization, Content-Type";
+  // The headers asked for, when they are names (letters, digits, '-', '_') in a short list.
+  const bool names = request_headers.size() <= 1024 &&
+                     std::all_of(request_headers.begin(), request_headers.end(), [](char c) {
+                       return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '-' ||
+                              c == '_' || c == ',' || c == ' ' || c == '\t';
+                     });
+  if (names) {
+    std::size_t pos = 0;
+    while (pos < request_headers.size()) {
+      std::size_t end = request_headers.find(',', pos);
+      if (end == std::string_view::npos) end = request_headers.size();
+      std::string_view h = request_headers.substr(pos, end - pos);
+      pos = end + 1;
+      while (!h.empty() && (h.front() == ' ' || h.front() == '\t')) h.remove_prefix(1);
+      while (!h.empty() && (h.back() == ' ' || h.back() == '\t')) h.remove_suffix(1);
+      if (h.empty() || h.find_first_of(" \t") != std::string_view::npos) continue;
+      auto same = [&](std::string_view known) {
+        return known.size() == h.size() &&
+               std::equal(h.begin(), h.end(), known.begin(), [](char a, char b) {
+                 return std::tolower(static_cast<unsigned char>(a)) ==
+                        std::tolower(static_cast<unsigned char>(b));
+               });
+      };
+      if (!same("Authorization") && !same("Content-Type")) headers += ", " + std::string(h);
+    }
+  }
+  out.push_back("Access-Control-Allow-Headers: " + headers);
+  out.push_back("Access-Control-Max-Age: 86400");
+  return out;
 }
 
 }  // namespace treeattn::serve

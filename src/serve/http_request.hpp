@@ -103,4 +103,15 @@ class RequestReader {
 // The reason phrase of a status this server sends ("Bad Request", ...).
 const char* reason_phrase(int status);
 
+// CORS (`serve --cors-origins`): the headers ("Name: value") of a response to a request whose
+// Origin header is `origin`. `allowed`: the origins allowed, "*" for any; none (the default), an
+// empty origin (no Origin header) or one not listed: no headers. Access-Control-Allow-Origin is
+// the origin itself when listed (with Vary: Origin) and "*" otherwise. A preflight (OPTIONS) also
+// gets -Allow-Methods (GET, POST, OPTIONS), -Allow-Headers (Authorization, Content-Type and the
+// ones its Access-Control-Request-Headers asks for, when that is a list of header names) and
+// -Max-Age (a day).
+std::vector<std::string> cors_headers(const std::vector<std::string>& allowed,
+                                      std::string_view origin, bool preflight,
+                                      std::string_view request_headers = {});
+
 }  // namespace treeattn::serve

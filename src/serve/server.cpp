@@ -68,7 +68,10 @@ void HttpServer::Impl::health(httplib::Response& res) {
 
 void HttpServer::Impl::models(httplib::Response& res) {
   if (state.load() == State::kLoading) return send_error(res, unavailable("Loading model"));
-  res.set_content(models_body(info.id, info.created, info.meta), kJson);
+  const std::vector<std::string>& names = opt.served_model_names;
+  res.set_content(models_body(names.empty() ? std::vector<std::string>{info.id} : names,
+                              info.created, info.meta),
+                  kJson);
 }
 
 void HttpServer::Impl::prometheus(httplib::Response& res) {
@@ -88,6 +91,7 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
   auto parsed = parse_request(endpoint, req.body);
   if (auto* e = std::get_if<ApiError>(&parsed)) return send_error(res, *e);
   ParsedRequest& r = std::get<ParsedRequest>(parsed);
+  if (auto e = check_model(r.model, opt.served_model_names)) return send_error(res, *e);
   // A prompt whose byte count alone rules it out is refused before it is tokenized.
   if (auto e = check_prompt_bytes(r, codec->max_token_bytes(), info.context,
                                   backend->max_sequence_tokens()))
@@ -117,8 +121,10 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
   auto job = std::make_shared<Job>(*codec, std::move(stops));
   job->server = this;
   job->arrival = arrival;
+  // The name asked for (one of the served names: check_model), else the model's id.
   job->meta = ResponseMeta{endpoint, make_response_id(endpoint),
-                           static_cast<int64_t>(std::time(nullptr)), info.id};
+                           static_cast<int64_t>(std::time(nullptr)),
+                           opt.served_model_names.empty() || r.model.empty() ? info.id : r.model};
   job->prompt = std::move(ids);
   job->inbox = std::make_shared<Inbox>();
   if (r.timeout)
@@ -160,6 +166,41 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
   finish_active(*job);
 }
 
+// ---- llama-server's /tokenize, /detokenize and /apply-template
+
+void HttpServer::Impl::tokenize(const httplib::Request& req, httplib::Response& res) {
+  if (auto e = not_ready()) return send_error(res, *e);
+  auto parsed = parse_tokenize(req.body);
+  if (auto* e = std::get_if<ApiError>(&parsed)) return send_error(res, *e);
+  const TokenizeRequest& r = std::get<TokenizeRequest>(parsed);
+  auto ids = codec->tokenize(r.content, r.add_special, r.parse_special);
+  if (!ids.is_ok())
+    return send_error(res,
+                      ApiError{400, "The content cannot be tokenized: " + ids.status().message(),
+                               "invalid_request_error", "content", "invalid_value"});
+  res.set_content(tokenize_body(*ids, *codec, r.with_pieces), kJson);
+}
+
+void HttpServer::Impl::detokenize(const httplib::Request& req, httplib::Response& res) {
+  if (auto e = not_ready()) return send_error(res, *e);
+  auto parsed = parse_detokenize(req.body, codec->n_vocab());
+  if (auto* e = std::get_if<ApiError>(&parsed)) return send_error(res, *e);
+  std::string text;
+  for (const TokenId id : std::get<std::vector<TokenId>>(parsed)) text += codec->token_text(id);
+  res.set_content(dump(nlohmann::json{{"content", std::move(text)}}), kJson);
+}
+
+void HttpServer::Impl::apply_template(const httplib::Request& req, httplib::Response& res) {
+  if (auto e = not_ready()) return send_error(res, *e);
+  auto parsed = parse_request(Endpoint::kChat, req.body);
+  if (auto* e = std::get_if<ApiError>(&parsed)) return send_error(res, *e);
+  const ParsedRequest& r = std::get<ParsedRequest>(parsed);
+  if (auto e = check_model(r.model, opt.served_model_names)) return send_error(res, *e);
+  auto prompt = render_chat_prompt(r, info.chat);
+  if (auto* e = std::get_if<ApiError>(&prompt)) return send_error(res, *e);
+  res.set_content(dump(nlohmann::json{{"prompt", std::get<std::string>(prompt)}}), kJson);
+}
+
 void HttpServer::Impl::routes() {
   // The connection loop refuses a wrong key once the head is read, before any of the body
   // (on_head); the handlers check it again (a request httplib routes is always complete).
@@ -185,6 +226,24 @@ void HttpServer::Impl::routes() {
   }
   http.Get("/metrics",
            guarded([this](const httplib::Request&, httplib::Response& res) { prometheus(res); }));
+  http.Post("/tokenize", guarded([this](const httplib::Request& req, httplib::Response& res) {
+              tokenize(req, res);
+            }));
+  http.Post("/detokenize", guarded([this](const httplib::Request& req, httplib::Response& res) {
+              detokenize(req, res);
+            }));
+  http.Post("/apply-template",
+            guarded([this](const httplib::Request& req, httplib::Response& res) {
+              apply_template(req, res);
+            }));
+  // CORS: every response httplib writes (errors and streams too) to an allowed origin.
+  http.set_post_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    for (const std::string& h : cors_headers(opt.cors_origins, req.get_header_value("Origin"),
+                                             /*preflight=*/false)) {
+      const auto colon = h.find(':');
+      res.set_header(h.substr(0, colon), h.substr(colon + 2));
+    }
+  });
   // Statuses httplib sets itself (404, 413, 400 for a malformed request) get an OpenAI body.
   http.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
     if (!res.body.empty()) return;
@@ -307,6 +366,7 @@ void HttpServer::set_ready(Backend& backend, const Codec& codec, ModelInfo info)
   s.backend = &backend;
   s.codec = &codec;
   s.info = std::move(info);
+  if (!s.opt.served_model_names.empty()) s.info.id = s.opt.served_model_names.front();
   s.eog = codec.end_of_generation();
   State expected = State::kLoading;
   s.state.compare_exchange_strong(expected, State::kReady);

@@ -13,16 +13,35 @@
 // appends the event and wakes the worker). No worker ever calls the communicator: the engine's
 // step loop (Engine::run, on the main thread of every rank) is the only caller.
 //
-// Routes (every one but /health needs `Authorization: Bearer KEY` when an API key is set):
+// Routes (every one but /health and a preflight needs `Authorization: Bearer KEY` when an API
+// key is set):
 //   GET  /health               200 {"status":"ok"}; 503 with an error body while the model
 //                              loads, while shutting down, after the engine failed, and while
 //                              requests are open and the engine has made no progress (no layer of a step completed) for
 //                              stall_timeout (a stalled rank: the progress watchdog)
-//   GET  /v1/models            the served model
+//   GET  /v1/models            the served model: one entry per served name (the first is the
+//                              id), or the file's name when none is given
 //   GET  /metrics              Prometheus text (metrics.hpp)
 //   POST /v1/chat/completions  OpenAI chat completions (api.hpp), streamed or not (format.hpp)
 //   POST /v1/completions       OpenAI (legacy) completions
+//   POST /tokenize             llama-server's: {"content", "add_special", "parse_special",
+//                              "with_pieces"} -> {"tokens": [...]} (api.hpp, format.hpp)
+//   POST /detokenize           {"tokens": [ids]} -> {"content": "..."} (control tokens as their
+//                              text, invalid UTF-8 as U+FFFD)
+//   POST /apply-template       a chat completion's body -> {"prompt": "..."}: the text its
+//                              prompt is tokenized from (render_chat_prompt)
+//   OPTIONS (any path, no body) a CORS preflight, answered 204 by the connection loop without
+//                              the key: with cors_origins' headers for an allowed Origin, none
+//                              otherwise
 // The same routes without the /v1 prefix are accepted too.
+//
+// Models: with served_model_names, a completion, chat or /apply-template whose "model" is not
+// one of them is a 404 (OpenAI's model_not_found), and responses name the model asked for (the
+// first name when none is); without, any "model" is accepted and responses name ModelInfo::id.
+// CORS: with cors_origins, every response to an allowed Origin carries
+// Access-Control-Allow-Origin (errors and streams included; the connection loop's refusals of a
+// request under the limits when its Origin line came before what was refused), except the 503
+// for too many connections (sent before a byte is read).
 //
 // Statuses: 400 for a body the parser refuses (a message naming the field) or a prompt that
 // does not fit (naming both numbers), or a malformed request (http_request.hpp); 401 for a
@@ -92,6 +111,11 @@ struct ServerOptions {
   // A completion's deadline when its body gives no "timeout" (0: none); past it the request
   // ends with finish_reason "timeout" and the text so far.
   std::chrono::milliseconds request_timeout{0};
+  // The names clients may ask for (the first is the model's id); none: ModelInfo::id, and any
+  // "model" is accepted.
+  std::vector<std::string> served_model_names;
+  // Origins allowed by CORS ("*": any); none: no CORS headers at all.
+  std::vector<std::string> cors_origins;
 };
 
 struct ModelInfo {

@@ -134,7 +134,11 @@ struct HttpServer::Impl {
   bool flush(Conn& c);
   void respond(Conn& c, int status, const std::string& body, bool close,
                const std::vector<std::string>& extra = {});
-  void respond_error(Conn& c, const ApiError& e, bool close);
+  void respond_error(Conn& c, const ApiError& e, bool close,
+                     const std::vector<std::string>& extra = {});
+  void answer_inline(Conn& c, int status, const std::string& body,
+                     const std::vector<std::string>& extra);
+  std::vector<std::string> cors_of(const Conn& c) const;
   void next_request(Conn& c);
   bool on_head(Conn& c);
   void dispatch(Conn& c);
@@ -226,6 +230,9 @@ struct HttpServer::Impl {
   void models(httplib::Response& res);
   void prometheus(httplib::Response& res);
   void completion(const httplib::Request& req, httplib::Response& res, Endpoint endpoint);
+  void tokenize(const httplib::Request& req, httplib::Response& res);
+  void detokenize(const httplib::Request& req, httplib::Response& res);
+  void apply_template(const httplib::Request& req, httplib::Response& res);
   void routes();
 };
 

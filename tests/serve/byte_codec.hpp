@@ -37,6 +37,10 @@ class ByteCodec final : public Codec {
     return ids;
   }
   std::size_t max_token_bytes() const override { return 1; }
+  // No BOS, and no control token has a text: add_special and parse_special change nothing.
+  Result<std::vector<TokenId>> tokenize(std::string_view text, bool, bool) const override {
+    return encode(text, false);
+  }
 };
 
 inline std::vector<TokenId> bytes_of(std::string_view s) {

@@ -21,6 +21,9 @@ Cases (each starts its own server on a free port, --port 0, and reads the addres
               1, 2 or 4 ranks: greedy completions and chats from 8 (exact4: 16) concurrent
               clients equal `treeattn generate --engine` token for token
   sigterm2    2 ranks (mpirun started by serve): SIGTERM during a stream, exit 0
+  endpoints2  2 ranks: /tokenize -> /detokenize round trip (pieces too), /apply-template's prompt
+              tokenized == a chat's usage.prompt_tokens, --served-model-name aliases and the 404
+              for another model (openai client), --cors-origins preflight and stream header
   rank_killed 2 ranks: rank 1 is killed (SIGKILL) during a stream: the stream ends (error event
               or closed), the server exits non-zero, nothing hangs
 """
@@ -604,6 +607,106 @@ def rank_pid(server, rank):
     return None
 
 
+def request(s, method, path, body=None, headers=None, key=None):
+    """An HTTP request with urllib: (status, body, headers); key "" sends none."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(s.url + path, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    k = s.key if key is None else key
+    if k:
+        req.add_header("Authorization", "Bearer " + k)
+    for name, value in (headers or {}).items():
+        req.add_header(name, value)
+    try:
+        with OPENER.open(req, timeout=60) as r:
+            return r.status, r.read().decode(), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(), dict(e.headers)
+
+
+def case_endpoints2():
+    """2 ranks: llama-server's /tokenize, /detokenize and /apply-template, --served-model-name
+    (aliases, 404 for another model through the openai client) and --cors-origins."""
+    origin = "http://localhost:3000"
+    s = Server(ranks=2, key=KEY, extra=["--served-model-name", "smol", "--served-model-name",
+                                        "alias-2", "--cors-origins", origin])
+    try:
+        c = s.client()
+        ids = [m.id for m in c.models.list().data]
+        check(ids == ["smol", "alias-2"], "/v1/models lists the served names %s" % ids, s)
+        r = c.chat.completions.create(model="alias-2", max_tokens=2, temperature=0,
+                                      messages=[{"role": "user", "content": "Hi"}])
+        check(r.model == "alias-2", "the response names the alias asked for (%s)" % r.model, s)
+        try:
+            c.completions.create(model="gpt-5", prompt="x", max_tokens=1)
+            check(False, "an unknown model is refused", s)
+        except openai.NotFoundError as e:
+            check(e.status_code == 404 and e.code == "model_not_found" and e.param == "model",
+                  "an unknown model: 404 model_not_found (%s)" % e, s)
+
+        # /tokenize -> /detokenize: the text back, byte for byte; the pieces join to it.
+        text = "Hello, world! caf\u00e9 \U0001F600 \U0002070E <|im_end|>"
+        code, body, _ = request(s, "POST", "/tokenize", {"content": text})
+        check(code == 200, "/tokenize: 200 (%d %s)" % (code, body[:200]), s)
+        tokens = json.loads(body)["tokens"]
+        check(all(isinstance(t, int) for t in tokens) and len(tokens) > 5, "ids %s" % tokens, s)
+        code, body, _ = request(s, "POST", "/detokenize", {"tokens": tokens})
+        check(code == 200 and json.loads(body)["content"] == text,
+              "/detokenize gives the text back (%s)" % body[:200], s)
+        code, body, _ = request(s, "POST", "/tokenize", {"content": text, "with_pieces": True})
+        pieces = json.loads(body)["tokens"]
+        joined = b"".join(p["piece"].encode() if isinstance(p["piece"], str) else
+                          bytes(p["piece"]) for p in pieces)
+        check([p["id"] for p in pieces] == tokens and joined == text.encode(),
+              "with_pieces: the same ids, the pieces join to the text (%r)" % joined, s)
+        check(any(isinstance(p["piece"], list) for p in pieces),
+              "a piece that is not UTF-8 by itself is its byte values (%s)" % pieces, s)
+        code, body, _ = request(s, "POST", "/detokenize", {"tokens": [tokens[0], 10 ** 9]})
+        check(code == 400 and json.loads(body)["error"]["param"] == "tokens",
+              "an id outside the vocabulary: 400 naming tokens (%s)" % body, s)
+
+        # /apply-template's prompt, tokenized as the chat path does (BOS as the model asks), is
+        # the chat request's prompt.
+        messages = [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "What is the capital of France?"}]
+        code, body, _ = request(s, "POST", "/apply-template", {"messages": messages})
+        check(code == 200, "/apply-template: 200 (%s)" % body[:200], s)
+        prompt = json.loads(body)["prompt"]
+        check("What is the capital of France?" in prompt and "<|im_start|>assistant" in prompt,
+              "the template's text %r" % prompt, s)
+        code, body, _ = request(s, "POST", "/tokenize", {"content": prompt, "add_special": True})
+        n = len(json.loads(body)["tokens"])
+        r = c.chat.completions.create(model="smol", messages=messages, max_tokens=1,
+                                      temperature=0)
+        check(r.usage.prompt_tokens == n, "the chat's prompt_tokens %d == /tokenize of "
+              "/apply-template's prompt %d" % (r.usage.prompt_tokens, n), s)
+        code, _, _ = request(s, "POST", "/apply-template", {"model": "nope", "messages": messages})
+        check(code == 404, "/apply-template with another model: 404", s)
+
+        # CORS: the preflight needs no key; responses to the origin carry the header, streams too.
+        code, _, h = request(s, "OPTIONS", "/v1/chat/completions", key="", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        check(code == 204 and h.get("Access-Control-Allow-Origin") == origin and
+              "Authorization" in h.get("Access-Control-Allow-Headers", ""),
+              "preflight: 204 with the allow headers (%d %s)" % (code, h), s)
+        code, _, h = request(s, "OPTIONS", "/v1/chat/completions",
+                             headers={"Origin": "http://evil.example"})
+        check(code == 204 and not any(k.startswith("Access-Control") for k in h),
+              "preflight from another origin: no allow headers (%s)" % h, s)
+        code, body, h = request(s, "POST", "/v1/chat/completions",
+                                {"messages": messages, "max_tokens": 3, "stream": True},
+                                headers={"Origin": origin})
+        check(code == 200 and h.get("Access-Control-Allow-Origin") == origin and
+              "data: [DONE]" in body, "a stream carries the header (%s)" % h, s)
+        check(s.stop() == 0, "exit 0", s)
+    except BaseException:
+        s.dump()
+        s.stop(signal.SIGKILL)
+        raise
+
+
 def case_sigterm2():
     s = Server(ranks=2)
     try:
@@ -810,6 +913,8 @@ def case_flags():
                        (["--read-timeout", "0"], "--read-timeout"),
                        (["--max-conns-per-peer", "-1"], "--max-conns-per-peer"),
                        (["--request-timeout", "-1"], "--request-timeout"),
+                       (["--served-model-name", "a,a"], "--served-model-name"),
+                       (["--cors-origins", "example.com"], "--cors-origins"),
                        (["--model", "/nonexistent.gguf"], "no such file"),
                        (["--kv-memory", "1K", "--port", "0"], "KV memory")]:
         rc, err = run(*args)
@@ -832,7 +937,7 @@ CASES = {"api": case_api, "flags": case_flags, "faults": case_faults, "exact1": 
          # in the server against `generate` without it: the same tokens.
          "exact2int8": lambda: case_exact(2, serve_extra=["--matmul", "int8"],
                                           generate_extra=["--matmul", "int8", "--no-rows8"]),
-         "sigterm2": case_sigterm2,
+         "sigterm2": case_sigterm2, "endpoints2": case_endpoints2,
          "rank_killed": case_rank_killed, "rank_stopped": case_rank_stopped,
          "mpirun_killed": case_mpirun_killed}
 

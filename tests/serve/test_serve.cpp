@@ -454,10 +454,168 @@ TEST(ServeFormat, TimingsAndModels) {
   EXPECT_EQ(t["cached_tokens"], 64);
   EXPECT_EQ(t["ranks"], 4);
   EXPECT_EQ(t["method"], "tree");
-  const json m = json::parse(models_body("smol", 5, nullptr));
+  const json m = json::parse(models_body(std::vector<std::string>{"smol"}, 5, nullptr));
   EXPECT_EQ(m["object"], "list");
   EXPECT_EQ(m["data"][0]["id"], "smol");
   EXPECT_EQ(m["data"][0]["object"], "model");
+  EXPECT_FALSE(m["data"][0].contains("meta"));
+  // Aliases: one entry each, the meta on every one.
+  const json a = json::parse(
+      models_body(std::vector<std::string>{"a", "b"}, 5, json{{"ranks", 2}}));
+  ASSERT_EQ(a["data"].size(), 2u);
+  EXPECT_EQ(a["data"][0]["id"], "a");
+  EXPECT_EQ(a["data"][1]["id"], "b");
+  EXPECT_EQ(a["data"][1]["meta"]["ranks"], 2);
+}
+
+// ---- llama-server's /tokenize, /detokenize, /apply-template; model names; CORS
+
+TEST(ServeTokenize, FieldsDefaultsAndErrors) {
+  auto t = parse_tokenize(R"({"content":"ab"})");
+  ASSERT_TRUE(std::holds_alternative<TokenizeRequest>(t));
+  const TokenizeRequest& r = std::get<TokenizeRequest>(t);
+  EXPECT_EQ(r.content, "ab");
+  EXPECT_FALSE(r.add_special);  // llama-server's defaults
+  EXPECT_TRUE(r.parse_special);
+  EXPECT_FALSE(r.with_pieces);
+  t = parse_tokenize(
+      R"({"content":"","add_special":true,"parse_special":false,"with_pieces":true,"model":"m"})");
+  ASSERT_TRUE(std::holds_alternative<TokenizeRequest>(t));
+  EXPECT_TRUE(std::get<TokenizeRequest>(t).add_special);
+  EXPECT_FALSE(std::get<TokenizeRequest>(t).parse_special);
+  EXPECT_TRUE(std::get<TokenizeRequest>(t).with_pieces);
+  struct Bad {
+    const char* body;
+    const char* param;
+  };
+  for (const Bad& b : std::vector<Bad>{{R"({})", "content"},
+                                       {R"({"content":null})", "content"},
+                                       {R"({"content":5})", "content"},
+                                       {R"({"content":["a"]})", "content"},
+                                       {R"({"content":"a","add_special":1})", "add_special"},
+                                       {R"({"content":"a","with_pieces":"yes"})", "with_pieces"},
+                                       {R"({"content":"a","parse_special":[]})", "parse_special"},
+                                       {R"({"content":"a","model":3})", "model"},
+                                       {R"({"content":"a","tokens":[1]})", "tokens"},
+                                       {R"([1])", ""},
+                                       {R"({"content":)", ""}}) {
+    auto e = parse_tokenize(b.body);
+    ASSERT_TRUE(std::holds_alternative<ApiError>(e)) << b.body;
+    EXPECT_EQ(std::get<ApiError>(e).status, 400) << b.body;
+    EXPECT_EQ(std::get<ApiError>(e).param, b.param) << b.body;
+  }
+}
+
+TEST(ServeTokenize, PiecesAreStringsOrBytes) {
+  ByteCodec codec;
+  const std::vector<TokenId> ids = {'a', 0xC3, 0xB6, testing::kByteControl};
+  EXPECT_EQ(json::parse(tokenize_body(ids, codec, false)),
+            json::parse(R"({"tokens":[97,195,182,257]})"));
+  // A byte of a two-byte character alone is not UTF-8: its byte values.
+  EXPECT_EQ(json::parse(tokenize_body(ids, codec, true)),
+            json::parse(R"({"tokens":[{"id":97,"piece":"a"},{"id":195,"piece":[195]},
+                         {"id":182,"piece":[182]},{"id":257,"piece":""}]})"));
+}
+
+TEST(ServeDetokenize, IdsAreCheckedAgainstTheVocabulary) {
+  auto d = parse_detokenize(R"({"tokens":[104,105.0],"model":"x"})", 258);
+  ASSERT_TRUE(std::holds_alternative<std::vector<TokenId>>(d));
+  EXPECT_EQ(std::get<std::vector<TokenId>>(d), (std::vector<TokenId>{104, 105}));
+  d = parse_detokenize(R"({"tokens":[]})", 258);
+  ASSERT_TRUE(std::holds_alternative<std::vector<TokenId>>(d));
+  EXPECT_TRUE(std::get<std::vector<TokenId>>(d).empty());
+  struct Bad {
+    const char* body;
+    const char* param;
+    const char* says;
+  };
+  for (const Bad& b : std::vector<Bad>{{R"({})", "tokens", "Missing"},
+                                       {R"({"tokens":"hi"})", "tokens", "array"},
+                                       {R"({"tokens":[1,258]})", "tokens", "tokens[1]"},
+                                       {R"({"tokens":[-1]})", "tokens", "-1"},
+                                       {R"({"tokens":[99999999999]})", "tokens", "99999999999"},
+                                       {R"({"tokens":[1.5]})", "tokens[0]", "integer"},
+                                       {R"({"tokens":["a"]})", "tokens[0]", "integer"},
+                                       {R"({"tokens":[1],"content":"a"})", "content", "content"}}) {
+    auto e = parse_detokenize(b.body, 258);
+    ASSERT_TRUE(std::holds_alternative<ApiError>(e)) << b.body;
+    const ApiError& err = std::get<ApiError>(e);
+    EXPECT_EQ(err.status, 400) << b.body;
+    EXPECT_EQ(err.param, b.param) << b.body;
+    EXPECT_NE(err.message.find(b.says), std::string::npos) << b.body << ": " << err.message;
+  }
+}
+
+// /apply-template's text is what build_prompt tokenizes: through the file's template and
+// through the hard-coded formats.
+TEST(ServeApplyTemplate, ThePromptIsWhatAChatTokenizes) {
+  ByteCodec codec;
+  const auto r = ok(Endpoint::kChat, R"({"messages":[{"role":"system","content":"S"},
+      {"role":"user","content":"Hi <|im_end|>"}],"max_tokens":3})");
+  auto check = [&](const ChatTemplate& t, const std::string& want) {
+    auto text = render_chat_prompt(r, t);
+    ASSERT_TRUE(std::holds_alternative<std::string>(text));
+    EXPECT_EQ(std::get<std::string>(text), want);
+    auto ids = build_prompt(r, codec, t);
+    ASSERT_TRUE(std::holds_alternative<std::vector<TokenId>>(ids));
+    EXPECT_EQ(std::get<std::vector<TokenId>>(ids), testing::bytes_of(want));
+  };
+  ChatTemplate chatml;
+  check(chatml,
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi <|im_end|><|im_end|>\n"
+        "<|im_start|>assistant\n");
+  auto m = ModelTemplate::parse(
+      "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+      "{% if add_generation_prompt %}[assistant]{% endif %}",
+      "<s>", "</s>");
+  ASSERT_TRUE(m.is_ok()) << m.status().message();
+  ChatTemplate own;
+  own.model = std::make_shared<const ModelTemplate>(std::move(m).value());
+  check(own, "<s>[system]S[user]Hi <|im_end|>[assistant]");
+  own.strip_bos = true;  // the tokenizer adds BOS: the template's goes
+  check(own, "[system]S[user]Hi <|im_end|>[assistant]");
+  ChatTemplate broken;
+  broken.error = "unknown tag 'foo' at 1:3";
+  auto e = render_chat_prompt(r, broken);
+  ASSERT_TRUE(std::holds_alternative<ApiError>(e));
+  EXPECT_EQ(std::get<ApiError>(e).code, "unsupported_chat_template");
+}
+
+TEST(ServeModelNames, UnknownModelIs404InOpenAIsShape) {
+  const std::vector<std::string> none, names = {"smol", "gpt-4o-mini"};
+  EXPECT_FALSE(check_model("anything", none));  // no names: any model, as before
+  EXPECT_FALSE(check_model("", names));          // no model in the request
+  EXPECT_FALSE(check_model("smol", names));
+  EXPECT_FALSE(check_model("gpt-4o-mini", names));
+  const auto e = check_model("gpt-5", names);
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->status, 404);
+  EXPECT_EQ(json::parse(error_body(*e)),
+            json::parse(R"({"error":{"message":"The model `gpt-5` does not exist",
+                         "type":"invalid_request_error","param":"model",
+                         "code":"model_not_found"}})"));
+}
+
+TEST(ServeCors, AllowedOriginsOnly) {
+  const std::vector<std::string> none, listed = {"https://a.example", "http://localhost:3000"},
+                                       any = {"*"};
+  EXPECT_TRUE(cors_headers(none, "https://a.example", true).empty());
+  EXPECT_TRUE(cors_headers(listed, "https://b.example", true).empty());
+  EXPECT_TRUE(cors_headers(listed, "", false).empty());  // not a cross-origin request
+  EXPECT_EQ(cors_headers(listed, "https://a.example", false),
+            (std::vector<std::string>{"Access-Control-Allow-Origin: https://a.example",
+                                      "Vary: Origin"}));
+  EXPECT_EQ(cors_headers(any, "https://b.example", false),
+            std::vector<std::string>{"Access-Control-Allow-Origin: *"});
+  EXPECT_EQ(cors_headers(any, "https://b.example", true, "authorization, X-Stainless-Lang"),
+            (std::vector<std::string>{
+                "Access-Control-Allow-Origin: *",
+                "Access-Control-Allow-Methods: GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers: Authorization, Content-Type, X-Stainless-Lang",
+                "Access-Control-Max-Age: 86400"}));
+  // Asked-for headers that are not names are not echoed.
+  const auto h = cors_headers(any, "https://b.example", true, "X-A\r\nSet-Cookie: x");
+  EXPECT_EQ(h[2], "Access-Control-Allow-Headers: Authorization, Content-Type");
 }
 
 TEST(ServeMetrics, PrometheusText) {

@@ -1141,5 +1141,225 @@ TEST_F(ServeHttp, AHugePromptIsRefusedBeforeTokenizing) {
       << error_of(r).message;
 }
 
+// ---- llama-server's /tokenize, /detokenize, /apply-template; --served-model-name; CORS
+
+TEST_F(ServeHttp, TokenizeDetokenizeAndApplyTemplate) {
+  ServerOptions so;
+  so.api_key = "k";
+  start({}, so);
+  auto c = client("k");
+  // Before the model is ready: 503, as the completions.
+  EXPECT_EQ(c.Post("/tokenize", R"({"content":"a"})", "application/json")->status, 503);
+  ready();
+  auto r = c.Post("/tokenize", R"({"content":"h\u00f6"})", "application/json");
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(json::parse(r->body), json::parse(R"({"tokens":[104,195,182]})"));
+  r = c.Post("/tokenize", R"({"content":"h\u00f6","with_pieces":true,"add_special":true})",
+             "application/json");
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(json::parse(r->body),
+            json::parse(R"({"tokens":[{"id":104,"piece":"h"},{"id":195,"piece":[195]},
+                         {"id":182,"piece":[182]}]})"));
+  r = c.Post("/detokenize", R"({"tokens":[104,195,182,257]})", "application/json");
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(json::parse(r->body), json({{"content", "h\xC3\xB6"}}));
+  // Half a character: U+FFFD, the body stays JSON.
+  r = c.Post("/detokenize", R"({"tokens":[104,195]})", "application/json");
+  EXPECT_EQ(json::parse(r->body)["content"], "h\xEF\xBF\xBD");
+  // The chat template's text, which is the prompt a chat request is given.
+  const std::string chat = R"({"model":"any","messages":[{"role":"user","content":"hi"}]})";
+  r = c.Post("/apply-template", chat, "application/json");
+  ASSERT_EQ(r->status, 200) << r->body;
+  const std::string prompt = json::parse(r->body)["prompt"];
+  EXPECT_EQ(prompt, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+  r = c.Post("/v1/chat/completions", chat, "application/json");
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(json::parse(r->body)["usage"]["prompt_tokens"], prompt.size());
+  EXPECT_EQ(backend_->last_request().prompt, testing::bytes_of(prompt));
+  // Bad bodies: OpenAI-shaped 400s naming the field.
+  struct Bad {
+    const char* path;
+    const char* body;
+    const char* param;
+  };
+  for (const Bad& b : std::vector<Bad>{
+           {"/tokenize", R"({"content":1})", "content"},
+           {"/tokenize", R"({"text":"a"})", "text"},
+           {"/tokenize", "{", ""},
+           {"/detokenize", R"({"tokens":[1,9999]})", "tokens"},
+           {"/detokenize", R"({"tokens":[[1]]})", "tokens[0]"},
+           {"/detokenize", R"({})", "tokens"},
+           {"/apply-template", R"({"messages":[]})", "messages"},
+           {"/apply-template", R"({"messages":[{"role":"user"}]})", "messages[0].content"},
+           {"/apply-template", R"({"prompt":"x"})", "prompt"}}) {
+    r = c.Post(b.path, b.body, "application/json");
+    ASSERT_TRUE(r) << b.path;
+    EXPECT_EQ(r->status, 400) << b.path << " " << b.body;
+    EXPECT_EQ(error_of(r).type, "invalid_request_error") << r->body;
+    EXPECT_EQ(error_of(r).param, b.param) << b.path << " " << r->body;
+  }
+  // The API key, as for the other POST routes.
+  for (const char* path : {"/tokenize", "/detokenize", "/apply-template"})
+    EXPECT_EQ(client().Post(path, R"({"content":"a"})", "application/json")->status, 401) << path;
+}
+
+TEST_F(ServeHttp, TheBodyCapAppliesToTheNewRoutes) {
+  ServerOptions so;
+  so.max_body_bytes = 4096;
+  start({}, so);
+  ready();
+  for (const char* path : {"/tokenize", "/detokenize", "/apply-template"}) {
+    auto r = post(path, "{\"content\":\"" + std::string(8000, 'a') + "\"}");
+    ASSERT_TRUE(r) << path;
+    EXPECT_EQ(r->status, 413) << path;
+  }
+}
+
+TEST_F(ServeHttp, ServedModelNamesAreAliasesAndOthersAre404) {
+  ServerOptions so;
+  so.served_model_names = {"smol", "gpt-4o-mini"};
+  start({}, so);
+  ready();
+  auto r = client().Get("/v1/models");
+  ASSERT_EQ(r->status, 200);
+  const json models = json::parse(r->body);
+  ASSERT_EQ(models["data"].size(), 2u);
+  EXPECT_EQ(models["data"][0]["id"], "smol");
+  EXPECT_EQ(models["data"][1]["id"], "gpt-4o-mini");
+  // The name asked for is the response's model; none asked: the first name.
+  r = post("/v1/chat/completions",
+           R"({"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}]})");
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(json::parse(r->body)["model"], "gpt-4o-mini");
+  r = post("/v1/completions", R"({"prompt":"x","max_tokens":2})");
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(json::parse(r->body)["model"], "smol");
+  const std::string stream = post_stream(
+      "/v1/completions", R"({"model":"gpt-4o-mini","prompt":"x","max_tokens":2,"stream":true})");
+  EXPECT_EQ(parse_sse(stream).data.at(0)["model"], "gpt-4o-mini");
+  // Another name (the file's included): OpenAI's 404, for the completions and the template.
+  for (const auto& [path, body] : std::vector<std::pair<std::string, std::string>>{
+           {"/v1/chat/completions", kChat},
+           {"/v1/completions", R"({"model":"fake-model","prompt":"x"})"},
+           {"/apply-template", kChat}}) {
+    r = post(path, body);
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 404) << path;
+    const ApiError e = error_of(r);
+    EXPECT_EQ(e.type, "invalid_request_error");
+    EXPECT_EQ(e.param, "model");
+    EXPECT_EQ(e.code, "model_not_found");
+    EXPECT_NE(e.message.find("does not exist"), std::string::npos) << e.message;
+  }
+}
+
+TEST_F(ServeHttp, WithoutServedNamesAnyModelIsAccepted) {
+  start();
+  ready();
+  auto r = post("/v1/chat/completions",
+                R"({"model":"whatever","messages":[{"role":"user","content":"hi"}]})");
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(json::parse(r->body)["model"], "fake-model");
+  EXPECT_EQ(json::parse(client().Get("/v1/models")->body)["data"].size(), 1u);
+}
+
+// A preflight: answered by the loop, without the key, with the allow headers for a listed
+// origin and none for another (or when no origin is allowed).
+std::optional<Raw::Response> preflight(int port, const std::string& origin) {
+  Raw c(port);
+  if (!c.send("OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: x\r\nOrigin: " + origin +
+              "\r\nAccess-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: "
+              "authorization, content-type, x-stainless-os\r\n\r\n"))
+    return std::nullopt;
+  return c.response(3000ms);
+}
+
+TEST_F(ServeHttp, CorsPreflightAndHeaders) {
+  ServerOptions so;
+  so.api_key = "k";
+  so.cors_origins = {"https://app.example"};
+  start({}, so);
+  ready();
+  auto p = preflight(server_->port(), "https://app.example");
+  ASSERT_TRUE(p);
+  EXPECT_EQ(p->status, 204) << p->head;
+  EXPECT_NE(p->head.find("Access-Control-Allow-Origin: https://app.example\r\n"),
+            std::string::npos)
+      << p->head;
+  EXPECT_NE(p->head.find("Access-Control-Allow-Methods: GET, POST, OPTIONS"), std::string::npos);
+  EXPECT_NE(p->head.find("Access-Control-Allow-Headers: Authorization, Content-Type, "
+                         "x-stainless-os"),
+            std::string::npos)
+      << p->head;
+  EXPECT_NE(p->head.find("Access-Control-Max-Age: "), std::string::npos);
+  EXPECT_EQ(p->head.find("Content-Length"), std::string::npos) << p->head;  // 204
+  p = preflight(server_->port(), "https://evil.example");
+  ASSERT_TRUE(p);
+  EXPECT_EQ(p->status, 204);
+  EXPECT_EQ(p->head.find("Access-Control-"), std::string::npos) << p->head;
+
+  // Actual responses to the allowed origin: a completion, an error (401 from the loop, 400
+  // from a handler) and a stream; none to another origin.
+  httplib::Headers from_app = {{"Origin", "https://app.example"}};
+  auto c = client("k");
+  auto r = c.Post("/v1/chat/completions", from_app, kChat, "application/json");
+  ASSERT_EQ(r->status, 200);
+  EXPECT_EQ(r->get_header_value("Access-Control-Allow-Origin"), "https://app.example");
+  r = c.Post("/tokenize", from_app, R"({"content":1})", "application/json");
+  EXPECT_EQ(r->status, 400);
+  EXPECT_EQ(r->get_header_value("Access-Control-Allow-Origin"), "https://app.example");
+  r = client().Post("/v1/chat/completions", from_app, kChat, "application/json");
+  EXPECT_EQ(r->status, 401);
+  EXPECT_EQ(r->get_header_value("Access-Control-Allow-Origin"), "https://app.example");
+  r = c.Get("/health", from_app);
+  EXPECT_EQ(r->get_header_value("Access-Control-Allow-Origin"), "https://app.example");
+  {  // a refusal of the connection loop under the limits (413 at the head)
+    Raw big(server_->port());
+    ASSERT_TRUE(big.send("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nOrigin: "
+                         "https://app.example\r\nContent-Length: 999999999\r\n\r\n"));
+    auto b = big.response(3000ms);
+    ASSERT_TRUE(b);
+    EXPECT_EQ(b->status, 413);
+    EXPECT_NE(b->head.find("Access-Control-Allow-Origin: https://app.example"), std::string::npos)
+        << b->head;
+  }
+  r = c.Post("/v1/chat/completions", {{"Origin", "https://evil.example"}}, kChat,
+             "application/json");
+  EXPECT_EQ(r->status, 200);
+  EXPECT_FALSE(r->has_header("Access-Control-Allow-Origin"));
+
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/chat/completions";
+  req.body = R"({"messages":[{"role":"user","content":"hi"}],"stream":true})";
+  req.set_header("Content-Type", "application/json");
+  req.set_header("Origin", "https://app.example");
+  std::string allow, got;
+  req.response_handler = [&](const httplib::Response& res) {
+    allow = res.get_header_value("Access-Control-Allow-Origin");
+    return true;
+  };
+  req.content_receiver = [&](const char* d, std::size_t n, uint64_t, uint64_t) {
+    got.append(d, n);
+    return true;
+  };
+  ASSERT_TRUE(c.send(req));
+  EXPECT_EQ(allow, "https://app.example");
+  EXPECT_TRUE(parse_sse(got).done);
+}
+
+TEST_F(ServeHttp, NoCorsByDefault) {
+  start();
+  ready();
+  auto p = preflight(server_->port(), "https://app.example");
+  ASSERT_TRUE(p);
+  EXPECT_EQ(p->status, 204);
+  EXPECT_EQ(p->head.find("Access-Control-"), std::string::npos) << p->head;
+  auto r = client().Post("/v1/chat/completions", {{"Origin", "https://app.example"}}, kChat,
+                         "application/json");
+  EXPECT_EQ(r->status, 200);
+  EXPECT_FALSE(r->has_header("Access-Control-Allow-Origin"));
+}
+
 }  // namespace
 }  // namespace treeattn::serve
