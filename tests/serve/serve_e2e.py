@@ -827,7 +827,7 @@ def case_rank_stopped():
             time.sleep(0.25)
             status, body = health_status(s)
         waited = time.time() - t0
-        check(status == 503 and "no step" in body,
+        check(status == 503 and "no progress" in body,
               "/health 503 %.1f s after rank 1 stopped (%s)" % (waited, body[:120]), s)
         check(waited < 8, "within a few seconds of the stall (%.1f s)" % waited, s)
         os.kill(victim, signal.SIGCONT)

@@ -1055,7 +1055,7 @@ TEST_F(ServeHttp, HealthIs503WhileTheEngineMakesNoProgress) {
     ASSERT_TRUE(h.send("GET /health HTTP/1.1\r\n\r\n"));
     auto r = h.response();
     ASSERT_TRUE(r);
-    EXPECT_NE(r->body.find("no step"), std::string::npos) << r->body;
+    EXPECT_NE(r->body.find("no progress"), std::string::npos) << r->body;
   }
   backend_->stall(false);
   waiting.join();
