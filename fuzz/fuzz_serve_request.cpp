@@ -88,11 +88,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
   if (check_prompt_bytes(r, codec.max_token_bytes(), context, pool))
     check(std::holds_alternative<ApiError>(max_new));
   if (ep == Endpoint::kChat) {
-    auto pieces = chat.render_pieces(r.messages);
-    check(pieces.is_ok());
-    std::string joined;
-    for (const PromptPiece& p : *pieces) joined += p.text;
-    check(joined == chat.render(r.messages));
+    auto prompt = chat.render_prompt(r.messages);
+    check(prompt.is_ok());
+    check(prompt->text == chat.render(r.messages));
+    uint32_t last = 0;  // the contents' ranges: sorted, disjoint, inside the text
+    for (const auto& [a, b] : prompt->data_ranges) {
+      check(a >= last && a < b && b <= prompt->text.size());
+      last = b;
+    }
   }
   if (auto* n = std::get_if<int64_t>(&max_new)) {
     check(*n >= 1);

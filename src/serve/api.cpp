@@ -558,8 +558,7 @@ std::string ChatTemplate::render(std::span<const ChatMessage> messages) const {
   return format_chat(format, turns, default_system);
 }
 
-Result<std::vector<PromptPiece>> ChatTemplate::render_pieces(
-    std::span<const ChatMessage> messages) const {
+Result<ChatPrompt> ChatTemplate::render_prompt(std::span<const ChatMessage> messages) const {
   // The skeleton: each content replaced by a marker "\x02<index>\x03" (no whitespace, so a
   // format's trimming leaves it whole), which splits the markup from the contents.
   std::vector<ChatMessage> marked(messages.begin(), messages.end());
@@ -586,23 +585,23 @@ Result<std::vector<PromptPiece>> ChatTemplate::render_pieces(
   const std::string whole = render(messages);
   constexpr std::string_view kWs = " \t\n\r\f\v";
   for (const bool trimmed : {false, true}) {  // ChatML writes contents as given; others trim
-    std::vector<PromptPiece> pieces;
-    std::string joined;
+    ChatPrompt out;
     for (const Part& p : parts) {
       if (p.content < 0 || static_cast<std::size_t>(p.content) >= messages.size()) {
-        pieces.push_back({p.markup, true});
-      } else {
-        std::string_view c = messages[static_cast<std::size_t>(p.content)].content;
-        if (trimmed) {
-          const auto a = c.find_first_not_of(kWs);
-          c = a == std::string_view::npos ? std::string_view()
-                                          : c.substr(a, c.find_last_not_of(kWs) - a + 1);
-        }
-        pieces.push_back({std::string(c), false});
+        out.text += p.markup;
+        continue;
       }
-      joined += pieces.back().text;
+      std::string_view c = messages[static_cast<std::size_t>(p.content)].content;
+      if (trimmed) {
+        const auto a = c.find_first_not_of(kWs);
+        c = a == std::string_view::npos ? std::string_view()
+                                        : c.substr(a, c.find_last_not_of(kWs) - a + 1);
+      }
+      const auto at = static_cast<uint32_t>(out.text.size());
+      out.text += c;
+      if (!c.empty()) out.data_ranges.emplace_back(at, static_cast<uint32_t>(out.text.size()));
     }
-    if (joined == whole) return pieces;
+    if (out.text == whole) return out;
   }
   return internal_error("the chat format writes a message's content in a way the server cannot "
                         "separate from its markup");
@@ -639,18 +638,13 @@ std::optional<ApiError> check_prompt_bytes(const ParsedRequest& request,
 
 namespace {
 
-// A chat request's messages through the file's template (chat.model) or the hard-coded
-// format's pieces (otherwise): what build_prompt tokenizes and render_chat_prompt returns.
-struct RenderedChat {
-  ChatPrompt model;                 // chat.model
-  std::vector<PromptPiece> pieces;  // otherwise
-};
-
-Parsed<RenderedChat> render_chat(const ParsedRequest& request, const ChatTemplate& chat) {
+// A chat request's messages through the file's template (chat.model) or the hard-coded format
+// (otherwise), with the contents' byte ranges: what build_prompt tokenizes (special tokens only
+// outside those ranges) and render_chat_prompt returns.
+Parsed<ChatPrompt> render_chat(const ParsedRequest& request, const ChatTemplate& chat) {
   if (!chat.error.empty())
     return bad("The model's chat template cannot be used: " + chat.error, "messages",
                "unsupported_chat_template");
-  RenderedChat out;
   if (chat.model) {
     nlohmann::ordered_json messages = nlohmann::ordered_json::array();
     for (const ChatMessage& m : request.messages)
@@ -660,13 +654,11 @@ Parsed<RenderedChat> render_chat(const ParsedRequest& request, const ChatTemplat
       return bad(fmt::format("The messages cannot be rendered with the model's chat template: {}",
                              p.status().message()),
                  "messages", "invalid_value");
-    out.model = std::move(p).value();
-  } else {
-    auto pieces = chat.render_pieces(request.messages);
-    if (!pieces.is_ok()) return ApiError{500, pieces.status().message(), "server_error", "", ""};
-    out.pieces = std::move(pieces).value();
+    return std::move(p).value();
   }
-  return out;
+  auto p = chat.render_prompt(request.messages);
+  if (!p.is_ok()) return ApiError{500, p.status().message(), "server_error", "", ""};
+  return std::move(p).value();
 }
 
 }  // namespace
@@ -674,33 +666,20 @@ Parsed<RenderedChat> render_chat(const ParsedRequest& request, const ChatTemplat
 Parsed<std::string> render_chat_prompt(const ParsedRequest& request, const ChatTemplate& chat) {
   auto rendered = render_chat(request, chat);
   if (auto* e = std::get_if<ApiError>(&rendered)) return *e;
-  RenderedChat& r = std::get<RenderedChat>(rendered);
-  if (chat.model) return std::move(r.model.text);
-  std::string text;
-  for (const PromptPiece& p : r.pieces) text += p.text;
-  return text;
+  return std::move(std::get<ChatPrompt>(rendered).text);
 }
 
 Parsed<std::vector<TokenId>> build_prompt(const ParsedRequest& request, const Codec& codec,
                                           const ChatTemplate& chat) {
   const char* param = request.endpoint == Endpoint::kChat ? "messages" : "prompt";
   std::vector<TokenId> ids;
-  std::optional<RenderedChat> rendered;
-  if (request.endpoint == Endpoint::kChat) {
-    auto r = render_chat(request, chat);
-    if (auto* e = std::get_if<ApiError>(&r)) return *e;
-    rendered = std::move(std::get<RenderedChat>(r));
-  }
-  if (rendered && chat.model) {
-    auto enc = codec.encode_chat(rendered->model.text, rendered->model.data_ranges);
-    if (!enc.is_ok())
-      return bad(fmt::format("The messages cannot be tokenized: {}", enc.status().message()),
-                 "messages", "invalid_value");
-    ids = std::move(enc).value();
-  } else if (request.endpoint == Endpoint::kChat || request.prompt_text) {
+  if (request.endpoint == Endpoint::kChat || request.prompt_text) {
     Result<std::vector<TokenId>> enc = std::vector<TokenId>{};
-    if (rendered) {
-      enc = codec.encode_prompt(rendered->pieces);
+    if (request.endpoint == Endpoint::kChat) {
+      auto r = render_chat(request, chat);
+      if (auto* e = std::get_if<ApiError>(&r)) return *e;
+      const ChatPrompt& p = std::get<ChatPrompt>(r);
+      enc = codec.encode_chat(p.text, p.data_ranges);
     } else {
       enc = codec.encode(*request.prompt_text, false);
     }

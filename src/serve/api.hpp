@@ -97,11 +97,7 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body);
 // ...<|im_end|>\n' }}"); none when it has no literal one. The hard-coded formats keep the same
 // rule as the file's template: only their own markup is encoded with control tokens, a message's
 // content is plain text, so "<|im_start|>system" written in it stays text and cannot forge a turn
-// (render_pieces, Codec::encode_prompt).
-struct PromptPiece {
-  std::string text;
-  bool markup = false;  // the template's: control tokens written in it are tokens
-};
+// (render_prompt's data ranges, Codec::encode_chat, as for the file's template).
 struct ChatTemplate {
   std::string default_system;
   ChatFormat format = ChatFormat::kChatML;  // the model's turn markers (Tokenizer::chat_format)
@@ -114,10 +110,9 @@ struct ChatTemplate {
   static ChatTemplate from_model(const Tokenizer& tokenizer);
   // format_chat's text of the messages (the hard-coded formats).
   std::string render(std::span<const ChatMessage> messages) const;
-  // render()'s text cut into the template's markup and the messages' content (as the format
-  // writes it, trimmed or not); their concatenation is render()'s. Error: the format writes a
-  // content in a way this cannot find (a template that alters contents).
-  Result<std::vector<PromptPiece>> render_pieces(std::span<const ChatMessage> messages) const;
+  // render()'s text and the byte ranges of it that are the messages' contents (as the format
+  // writes them, trimmed or not). Error: the format writes a content in a way this cannot find.
+  Result<ChatPrompt> render_prompt(std::span<const ChatMessage> messages) const;
   // What the server says about it at start-up.
   std::string describe() const;
 };
@@ -138,10 +133,6 @@ class Codec {
   virtual int32_t n_vocab() const = 0;
   // The tokens that end a generation (EOS, <|im_end|>, ...).
   virtual std::vector<TokenId> end_of_generation() const = 0;
-  // A chat prompt: BOS as the model asks, control tokens parsed in the markup pieces only (the
-  // text between two of them encoded as one fragment, as encode(text, true) would for the
-  // same text without control tokens in the content).
-  virtual Result<std::vector<TokenId>> encode_prompt(std::span<const PromptPiece> pieces) const = 0;
   // The most bytes of text one token stands for (0: unknown): a text's byte count then bounds
   // its token count from below, without tokenizing it.
   virtual std::size_t max_token_bytes() const { return 0; }
@@ -161,8 +152,8 @@ Parsed<std::vector<TokenId>> build_prompt(const ParsedRequest& request, const Co
                                           const ChatTemplate& chat);
 
 // The text a chat request's prompt is tokenized from (POST /apply-template): the file's template
-// over the messages (tokenized by Codec::encode_chat), or the hard-coded format's text (pieces
-// joined; Codec::encode_prompt). The same 400 (or 500) as build_prompt for a template that cannot
+// over the messages or the hard-coded format's text (both tokenized by Codec::encode_chat with
+// the contents' ranges). The same 400 (or 500) as build_prompt for a template that cannot
 // render them.
 Parsed<std::string> render_chat_prompt(const ParsedRequest& request, const ChatTemplate& chat);
 

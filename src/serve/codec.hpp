@@ -18,7 +18,6 @@ class TokenizerCodec final : public Codec {
   std::string piece(TokenId id) const override;
   int32_t n_vocab() const override;
   std::vector<TokenId> end_of_generation() const override { return eog_; }
-  Result<std::vector<TokenId>> encode_prompt(std::span<const PromptPiece> pieces) const override;
   std::size_t max_token_bytes() const override { return max_token_bytes_; }
   Result<std::vector<TokenId>> tokenize(std::string_view text, bool add_special,
                                         bool parse_special) const override;
@@ -27,7 +26,6 @@ class TokenizerCodec final : public Codec {
  private:
   const Tokenizer* tok_;
   std::vector<TokenId> eog_;
-  std::vector<std::pair<std::string, TokenId>> control_;  // control and unknown tokens, longest first
   std::size_t max_token_bytes_ = 0;
 };
 

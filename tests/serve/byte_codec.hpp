@@ -30,12 +30,6 @@ class ByteCodec final : public Codec {
   }
   int32_t n_vocab() const override { return 258; }
   std::vector<TokenId> end_of_generation() const override { return {kByteEos}; }
-  Result<std::vector<TokenId>> encode_prompt(std::span<const PromptPiece> pieces) const override {
-    std::vector<TokenId> ids;
-    for (const PromptPiece& p : pieces)
-      for (const char c : p.text) ids.push_back(static_cast<unsigned char>(c));
-    return ids;
-  }
   std::size_t max_token_bytes() const override { return 1; }
   // No BOS, and no control token has a text: add_special and parse_special change nothing.
   Result<std::vector<TokenId>> tokenize(std::string_view text, bool, bool) const override {
