@@ -166,8 +166,7 @@ Result<std::string> preflight(GenFlags& f, const CLI::App& sub, bool check_outpu
   if (f.synthetic_kv && sub.count("--prompt-tokens") == 0)
     return invalid_argument("--synthetic-kv needs --prompt-tokens N (a context to time decode at)");
   if (f.ranks < 1 || f.ranks > 4096) return invalid_argument("--ranks must be in 1..4096");
-  if (!parse_dtype(f.kv_dtype))
-    return invalid_argument("--kv-dtype '" + f.kv_dtype + "': one of f16, bf16, f32, int8, fp8");
+  TREEATTN_RETURN_IF_ERROR(kv_dtype_for_flag(f.kv_dtype).status());
   if (auto l = parse_kv_layout(f.kv_layout); !l.is_ok())
     return invalid_argument("--kv-layout: " + l.status().message());
   const auto pk = parse_shard_kind(f.placement);
@@ -463,8 +462,7 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
                   "runs on the serving engine; a comma list decodes each from the same prefill "
                   "on the DecodeSession (the first streams) and compares them")
       ->capture_default_str();
-  sub->add_option("--kv-dtype", f->kv_dtype, "KV cache element type: f16, bf16, f32, or int8 / fp8 with a scale per token and KV head")
-      ->capture_default_str();
+  add_kv_dtype_option(*sub, f->kv_dtype);
   sub->add_option("--placement", f->placement,
                   "KV placement over ranks: even, uneven, striped (single: always rank 0)")
       ->capture_default_str();
@@ -474,8 +472,8 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
                   "tiled")
       ->capture_default_str();
   sub->add_flag("--chat", f->chat,
-                "Wrap the prompt in the model's chat format (ChatML, Gemma's turns, or for a "
-                "base model without a chat template a 'User: ... Assistant:' transcript)");
+                "Render the prompt as a user message through the model's own chat template "
+                "(for a file without one, a 'User: ... Assistant:' transcript)");
   sub->add_option("--system", f->system,
                   "System message with --chat (default: the one the model's chat template "
                   "inserts, e.g. SmolLM2's or Qwen2.5's; --system '' for none)")

@@ -91,8 +91,7 @@ Result<std::string> preflight(ServeFlags& f) {
   if (!f.kv_memory.empty())
     if (auto b = parse_bytes(f.kv_memory); !b.is_ok())
       return invalid_argument("--kv-memory: " + b.status().message());
-  if (!parse_dtype(f.kv_dtype))
-    return invalid_argument("--kv-dtype '" + f.kv_dtype + "': one of f16, bf16, f32, int8, fp8");
+  TREEATTN_RETURN_IF_ERROR(kv_dtype_for_flag(f.kv_dtype).status());
   if (f.page_tokens != 16 && (f.page_tokens < 32 || f.page_tokens > 256 || f.page_tokens % 32 != 0))
     return invalid_argument("--page-tokens " + std::to_string(f.page_tokens) +
                             ": 16 or a multiple of 32 up to 256");
@@ -342,8 +341,7 @@ Runner add_serve_command(CLI::App& app, const Invocation& inv) {
   sub->add_option("--kv-memory", f->kv_memory,
                   "KV page memory per rank, e.g. 2G (default: half of MemAvailable over the "
                   "ranks of the host)");
-  sub->add_option("--kv-dtype", f->kv_dtype, "KV cache element type: f16, bf16, f32, or int8 / fp8 with a scale per token and KV head")
-      ->capture_default_str();
+  add_kv_dtype_option(*sub, f->kv_dtype);
   sub->add_option("--page-tokens", f->page_tokens, "Tokens per KV page (16, or 32..256 by 32)")
       ->capture_default_str();
   sub->add_option("--max-batch", f->max_batch, "Sequences in one engine step")

@@ -39,6 +39,19 @@ void add_rows8_flag(CLI::App& sub, bool& no_rows8) {
                "memory, per rank)");
 }
 
+void add_kv_dtype_option(CLI::App& sub, std::string& kv_dtype) {
+  sub.add_option("--kv-dtype", kv_dtype,
+                 "KV cache element type: f16, bf16, f32, or int8 / fp8 with a scale per token "
+                 "and KV head")
+      ->capture_default_str();
+}
+
+Result<DType> kv_dtype_for_flag(const std::string& flag) {
+  const auto dt = parse_dtype(flag);
+  if (!dt) return invalid_argument("--kv-dtype '" + flag + "': one of f16, bf16, f32, int8, fp8");
+  return *dt;
+}
+
 void add_isa_option(CLI::App& sub, std::string& isa) {
   sub.add_option("--isa", isa,
                  "CPU kernel target of the matrix and attention kernels: auto (the best this CPU "

@@ -136,6 +136,10 @@ void add_model_option(CLI::App& sub, std::string& model);
 void add_matmul_option(CLI::App& sub, std::string& matmul);
 // --no-rows8 of generate and serve: no rows8 copy of the quantized matrices (model.hpp).
 void add_rows8_flag(CLI::App& sub, bool& no_rows8);
+// --kv-dtype of generate and serve (f16 by default), and the type it names: kInvalidArgument
+// naming the flag's value and the known types.
+void add_kv_dtype_option(CLI::App& sub, std::string& kv_dtype);
+Result<DType> kv_dtype_for_flag(const std::string& flag);
 // --isa of generate and serve: the CPU kernel target (auto by default).
 void add_isa_option(CLI::App& sub, std::string& isa);
 // The target --isa names: kInvalidArgument for an unknown name (and reference, the kernel

@@ -399,10 +399,7 @@ int main(int argc, char** argv) {
   };
   Communicator& comm = **world;
   const int me = comm.rank(), p = comm.size();
-  auto fail = [&](const Status& s) {
-    std::fprintf(stderr, "rank %d: %s\n", me, s.to_string().c_str());
-    mpi_abort(1, "");
-  };
+  auto fail = [&](const Status& s) { fail_rank(comm, s); };
 
   if (mg->parsed()) {
     comm.set_timeout(std::chrono::milliseconds(60000));

@@ -28,6 +28,11 @@ constexpr bool dtype_is_quantized(DType t) { return t == DType::kFP8 || t == DTy
 constexpr std::size_t dtype_size(DType t) {
   return t == DType::kF32 ? 4 : (dtype_is_quantized(t) ? 1 : 2);
 }
+// Bytes of one token's K and V in one KV head of head_dim elements: the encoded elements and,
+// for fp8 and int8, K's and V's float32 scales (a KV cache's, a page's or the K/V exchange's).
+constexpr std::size_t kv_head_token_bytes(std::size_t head_dim, DType t) {
+  return 2 * head_dim * dtype_size(t) + (dtype_is_quantized(t) ? 2 * sizeof(float) : 0);
+}
 constexpr std::string_view dtype_name(DType t) {
   switch (t) {
     case DType::kF32: return "f32";

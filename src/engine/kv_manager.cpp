@@ -33,13 +33,10 @@ AdmissionFit KVManager::fit(std::span<const TokenId> prompt) const {
   }
   const int64_t end_page = (n + T_ - 1) / T_;
   f.need = table_.pages_needed(static_cast<int64_t>(f.hits.size()), end_page);
-  std::vector<int64_t> extra(static_cast<std::size_t>(ranks()), 0);  // cached hits leave the LRU
+  std::vector<int64_t> taken = f.need;  // and the cached hits, which leave the LRU
   for (const PageRef& h : f.hits)
-    if (table_.refcount(h) == 0) ++extra[static_cast<std::size_t>(h.rank)];
-  for (int r = 0; r < ranks() && f.fits(); ++r)
-    if (f.need[static_cast<std::size_t>(r)] + extra[static_cast<std::size_t>(r)] >
-        table_.available(r))
-      f.short_rank = r;
+    if (table_.refcount(h) == 0) ++taken[static_cast<std::size_t>(h.rank)];
+  f.short_rank = short_rank(taken);
   return f;
 }
 

@@ -47,8 +47,7 @@ ModelRunner::ModelRunner(Communicator& comm, const model::LlamaModel& model,
       mc.n_head_kv,
       mc.head_dim,
       static_cast<std::size_t>(mc.n_head_kv) *
-          (2 * static_cast<std::size_t>(mc.head_dim) * dtype_size(cfg.kv_dtype) +
-           (dtype_is_quantized(cfg.kv_dtype) ? 2 * sizeof(float) : 0)),  // with the scales
+          kv_head_token_bytes(static_cast<std::size_t>(mc.head_dim), cfg.kv_dtype),
       merge_gathers(comm, merge_->choice().strategy),
       merge_->choice().local_twin};
 }

@@ -16,12 +16,6 @@ namespace {
 
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-// One KV head of one token on the wire: K and V as stored, then for fp8 and int8 their scales.
-std::size_t head_record_bytes(int64_t head_dim, DType t) {
-  return 2 * static_cast<std::size_t>(head_dim) * dtype_size(t) +
-         (dtype_is_quantized(t) ? 2 * sizeof(float) : 0);
-}
-
 }  // namespace
 
 // 1. Every rank's cached tokens of these sequences, item by item, page by page, all-gathered
@@ -30,7 +24,7 @@ Result<std::size_t> ModelRunner::exchange_cached_pages(const TiledKVCache& pool,
   const auto& mc = model_->config();
   const int64_t Hkv = mc.n_head_kv;
   const std::size_t head_bytes = static_cast<std::size_t>(mc.head_dim) * dtype_size(cfg_.kv_dtype);
-  const std::size_t rec_bytes = head_record_bytes(mc.head_dim, cfg_.kv_dtype);
+  const std::size_t rec_bytes = kv_head_token_bytes(static_cast<std::size_t>(mc.head_dim), cfg_.kv_dtype);
   const std::size_t tok_bytes = static_cast<std::size_t>(Hkv) * rec_bytes;
   const auto up = static_cast<std::size_t>(p_);
   std::vector<std::size_t> bytes_of(up, 0);
@@ -76,7 +70,7 @@ Status ModelRunner::copy_exchange_pages(const Step& st, std::size_t slot,
   const auto& mc = model_->config();
   const int64_t Hkv = mc.n_head_kv, kvd = Hkv * mc.head_dim;
   const std::size_t head_bytes = static_cast<std::size_t>(mc.head_dim) * dtype_size(cfg_.kv_dtype);
-  const std::size_t rec_bytes = head_record_bytes(mc.head_dim, cfg_.kv_dtype);
+  const std::size_t rec_bytes = kv_head_token_bytes(static_cast<std::size_t>(mc.head_dim), cfg_.kv_dtype);
   const std::size_t tok_bytes = static_cast<std::size_t>(Hkv) * rec_bytes;
   const bool scaled = dtype_is_quantized(cfg_.kv_dtype);
   const auto up = static_cast<std::size_t>(p_);

@@ -51,10 +51,9 @@ ModelInfo engine_model_info(const std::string& model_path, const model::LlamaMod
       // the weights, its KV bytes over all layers, its matmul flops.
       {"weight_bytes_per_token", model.weight_bytes_per_token()},
       {"kv_bytes_per_token",
-       cfg.kv_values_per_token() * static_cast<int64_t>(dtype_size(ec.kv_dtype)) +
-           (dtype_is_quantized(ec.kv_dtype)
-                ? 2 * cfg.n_layers * cfg.n_head_kv * static_cast<int64_t>(sizeof(float))
-                : 0)},
+       cfg.n_layers * cfg.n_head_kv *
+           static_cast<int64_t>(kv_head_token_bytes(static_cast<std::size_t>(cfg.head_dim),
+                                                    ec.kv_dtype))},
       {"matmul_flops_per_token", matmul_flops_per_token(cfg)},
       {"attention_flops_per_token_per_position", 4 * cfg.n_layers * cfg.n_head * cfg.head_dim}};
   return info;

@@ -168,6 +168,16 @@ std::string same_bits(const Outcome& a, const Outcome& b) {
   return "";
 }
 
+// Every page back after a run: none referenced, all free or cached.
+void expect_every_page_back(const RunResult& res, int p, int64_t pages_per_rank) {
+  for (int r = 0; r < p; ++r) {
+    const auto ur = static_cast<std::size_t>(r);
+    EXPECT_EQ(res.metrics.pages_used[ur], 0) << "rank " << r;
+    EXPECT_EQ(res.metrics.pages_free[ur] + res.metrics.pages_cached[ur], pages_per_rank)
+        << "rank " << r;
+  }
+}
+
 TEST(Engine, GreedyDecodeMatchesTheGeneratorWithinFloatRounding) {
   TinyModel m;
   std::mt19937_64 rng(3);
@@ -243,13 +253,7 @@ TEST(Engine, BatchInvarianceTokensAndLogitsBitsAreTheSameAloneAndInABatch) {
       cached += batch.out[i].cached;
     }
     EXPECT_GE(cached, 64) << "p " << p << ": the shared prefix was never reused";
-    // Every page back: none referenced, all free or cached.
-    for (int r = 0; r < p; ++r) {
-      EXPECT_EQ(batch.metrics.pages_used[static_cast<std::size_t>(r)], 0) << "rank " << r;
-      EXPECT_EQ(batch.metrics.pages_free[static_cast<std::size_t>(r)] +
-                    batch.metrics.pages_cached[static_cast<std::size_t>(r)],
-                batch_cfg.kv_pages);
-    }
+    expect_every_page_back(batch, p, batch_cfg.kv_pages);
   }
 }
 
@@ -257,8 +261,8 @@ TEST(Engine, BatchInvarianceTokensAndLogitsBitsAreTheSameAloneAndInABatch) {
 // ranks) but whose generations do not, so running requests are preempted and resumed, some of
 // them several times, four of them sampling at temperature 8 (the tiny model's logits are
 // peaked: hotter, and the sampler's state, which must go on across a preemption, would not
-// matter). Every request gives exactly the tokens
-// and logits bits it gives alone in a large pool, at 1-4 ranks, and every page comes back.
+// matter). Every request gives exactly the tokens and logits bits it gives alone in a large
+// pool, at 1-4 ranks, and every page comes back.
 TEST(Engine, PreemptedAndResumedRequestsGiveTheirAloneBits) {
   TinyModel m;
   std::mt19937_64 rng(21);
@@ -292,12 +296,7 @@ TEST(Engine, PreemptedAndResumedRequestsGiveTheirAloneBits) {
     }
     EXPECT_GE(batch.metrics.preemptions_total, 2) << "p " << p;
     EXPECT_EQ(batch.metrics.preempted, 0);
-    for (int r = 0; r < p; ++r) {
-      EXPECT_EQ(batch.metrics.pages_used[static_cast<std::size_t>(r)], 0) << "rank " << r;
-      EXPECT_EQ(batch.metrics.pages_free[static_cast<std::size_t>(r)] +
-                    batch.metrics.pages_cached[static_cast<std::size_t>(r)],
-                tight.kv_pages);
-    }
+    expect_every_page_back(batch, p, tight.kv_pages);
   }
 }
 
@@ -514,12 +513,7 @@ TEST(Engine, AdmissionWaitsForPagesEvictsCachedOnesAndLeaksNothing) {
   const auto res = run_engine(*m, 2, cfg, subs, false);
   ASSERT_TRUE(res.status.is_ok()) << res.status.to_string();
   for (const auto& o : res.out) EXPECT_EQ(o.finish, FinishReason::kLength);
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(res.metrics.pages_used[static_cast<std::size_t>(r)], 0);
-    EXPECT_EQ(res.metrics.pages_free[static_cast<std::size_t>(r)] +
-                  res.metrics.pages_cached[static_cast<std::size_t>(r)],
-              6);
-  }
+  expect_every_page_back(res, 2, 6);
   EXPECT_EQ(res.metrics.running, 0);
   EXPECT_EQ(res.metrics.generated_tokens_total, 40);
 }

@@ -1,6 +1,7 @@
 // The parsed template (parse.cpp builds it, render.cpp walks it).
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -8,6 +9,10 @@
 #include "model/jinja/jinja.hpp"
 
 namespace treeattn::jinja {
+
+// Appends code point cp (< 0x110000) to out as UTF-8 (parse.cpp: string escapes; render.cpp:
+// case mapping).
+void append_utf8(std::string& out, uint32_t cp);
 
 struct Pos {
   int line = 0;

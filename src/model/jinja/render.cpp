@@ -106,23 +106,6 @@ std::vector<std::string> py_splitlines(const std::string& s) {
 char ascii_lower(char c) { return c >= 'A' && c <= 'Z' ? static_cast<char>(c + 32) : c; }
 bool ascii_alpha(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
 
-void put_utf8(std::string& out, uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xc0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3f));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xe0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
-    out += static_cast<char>(0x80 | (cp & 0x3f));
-  } else {
-    out += static_cast<char>(0xf0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3f));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
-    out += static_cast<char>(0x80 | (cp & 0x3f));
-  }
-}
 
 // Unicode case mapping for ASCII, Latin-1, Latin Extended-A, Greek and Cyrillic (Python maps
 // every script; characters outside these keep their case here).
@@ -178,7 +161,7 @@ std::string py_case(const std::string& s, Case mode) {
     } else if (n == 1 && c >= 0x80) {
       r += s[i];  // a stray byte: kept
     } else {
-      put_utf8(r, up ? cp_upper(c) : cp_lower(c));
+      append_utf8(r, up ? cp_upper(c) : cp_lower(c));
     }
     prev_cased = cp_cased(c);
     first = false;
