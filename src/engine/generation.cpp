@@ -10,7 +10,9 @@
 #include <sstream>
 
 #include "treeattn/engine.hpp"
+#include "treeattn/executor.hpp"
 #include "treeattn/measure.hpp"
+#include "treeattn/session.hpp"
 
 namespace treeattn::generation {
 namespace {
@@ -219,9 +221,11 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
 }
 
 // --methods with "auto" replaced by the cost model's choice for this prompt and rank count.
-Result<std::vector<std::string>> resolve_methods(const Request& req, const Hooks& hooks,
-                                                 const model::LlamaConfig& cfg, int64_t n, int P,
-                                                 bool lead) {
+Result<std::vector<std::string>> resolve_methods(Communicator& comm, const Request& req,
+                                                 const Hooks& hooks, const model::LlamaConfig& cfg,
+                                                 int64_t n) {
+  const int P = comm.size();
+  const bool lead = comm.rank() == 0;
   std::vector<std::string> methods = req.methods;
   if (std::find(methods.begin(), methods.end(), "auto") == methods.end()) return methods;
   CostQuery q;
@@ -231,7 +235,11 @@ Result<std::vector<std::string>> resolve_methods(const Request& req, const Hooks
   q.ranks = P;
   q.ranks_per_node = req.ranks_per_node;
   q.hier_fanout = req.fanout;
-  auto c = choose_strategy(q, req.topology);
+  Result<Topology> topo = req.topology ? Result<Topology>(*req.topology)
+                                       : job_topology_of(comm, cpu_executor());
+  if (!topo.is_ok()) return invalid_argument("--methods auto: " + topo.status().message());
+  if (!req.topology) q.ranks_per_node = topo->ranks_per_node;
+  auto c = choose_strategy(q, *topo);
   if (!c.is_ok()) return invalid_argument("--methods auto: " + c.status().message());
   if (lead && hooks.planned) hooks.planned(*c);
   return replace_auto(methods, c->strategy);
@@ -282,7 +290,7 @@ Output run_session(Communicator& comm, const Request& req, const Hooks& hooks,
   const int P = comm.size();
   const auto n = static_cast<int64_t>(out.prompt.size());
   const auto& cfg = model.config();
-  auto resolved = resolve_methods(req, hooks, cfg, n, P, lead);
+  auto resolved = resolve_methods(comm, req, hooks, cfg, n);
   if (!resolved.is_ok()) return failed(std::move(out), resolved.status());
   const std::vector<std::string> methods = std::move(resolved).value();
   phase(hooks, "generate: set-up");

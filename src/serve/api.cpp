@@ -5,12 +5,42 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
 
 namespace treeattn::serve {
+
+JsonScan scan_json(std::string_view s) {
+  JsonScan out;
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    const char c = s[i];
+    if (in_string) {
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      out.max_depth = std::max(out.max_depth, ++depth);
+    } else if (c == ']' || c == '}') {
+      if (--depth == 0 && out.first_end == 0) out.first_end = i + 1;
+    }
+  }
+  return out;
+}
+
 namespace {
+
+int json_depth(std::string_view s) { return scan_json(s).max_depth; }
 
 using nlohmann::json;
 
@@ -45,30 +75,6 @@ ApiError wrong_type(const std::string& param, const char* expected, const json& 
   return bad(fmt::format("Invalid type for '{}': expected {}, but got {} instead.", param, expected,
                          type_name(v)),
              param, "invalid_type");
-}
-
-// Nesting depth of a JSON text (strings skipped), without parsing it.
-int json_depth(std::string_view s) {
-  int depth = 0, max_depth = 0;
-  bool in_string = false, escaped = false;
-  for (const char c : s) {
-    if (in_string) {
-      if (escaped)
-        escaped = false;
-      else if (c == '\\')
-        escaped = true;
-      else if (c == '"')
-        in_string = false;
-      continue;
-    }
-    if (c == '"')
-      in_string = true;
-    else if (c == '[' || c == '{')
-      max_depth = std::max(max_depth, ++depth);
-    else if (c == ']' || c == '}')
-      --depth;
-  }
-  return max_depth;
 }
 
 // An integer: a JSON integer, or a float with an integral value (some clients send 5.0).
@@ -137,7 +143,7 @@ std::optional<ApiError> neutral_only(const std::string& key, const json& v) {
     if (as_int(v) == 0) return std::nullopt;
     return unsupported(key);
   }
-  if (key == "echo" || key == "parallel_tool_calls" || key == "store") {
+  if (key == "echo" || key == "store") {
     auto b = get_bool(v, key);
     if (auto* e = std::get_if<ApiError>(&b)) return *e;
     if (std::get<bool>(b) && key == "echo") return unsupported(key, "true");
@@ -152,7 +158,7 @@ std::optional<ApiError> neutral_only(const std::string& key, const json& v) {
       return std::nullopt;
     return unsupported(key, "other than {\"type\": \"text\"}");
   }
-  if (key == "tool_choice" || key == "function_call") {
+  if (key == "function_call") {
     if (v.is_string() && (v == "none" || v == "auto")) return std::nullopt;
     return unsupported(key);
   }
@@ -168,7 +174,7 @@ std::optional<ApiError> neutral_only(const std::string& key, const json& v) {
     if (!v.is_object()) return wrong_type(key, "an object", v);
     return std::nullopt;
   }
-  // logit_bias, tools, functions, suffix, reasoning_effort, prediction, audio, ...
+  // logit_bias, functions, suffix, reasoning_effort, prediction, audio, ...
   if (empty_or_null()) return std::nullopt;
   return unsupported(key);
 }
@@ -180,9 +186,6 @@ const std::set<std::string, std::less<>> kNeutralChat = {"frequency_penalty",
                                                          "top_logprobs",
                                                          "user",
                                                          "response_format",
-                                                         "tools",
-                                                         "tool_choice",
-                                                         "parallel_tool_calls",
                                                          "functions",
                                                          "function_call",
                                                          "store",
@@ -228,6 +231,149 @@ Parsed<std::string> message_content(const json& v, const std::string& param) {
   return text;
 }
 
+// A function's name as OpenAI allows it: 1-64 of a-z, A-Z, 0-9, '_' and '-'.
+bool valid_function_name(std::string_view n) {
+  if (n.empty() || n.size() > 64) return false;
+  return std::all_of(n.begin(), n.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+           c == '_' || c == '-';
+  });
+}
+
+// Each key of object `v` (at `param`) must be one of `allowed`.
+std::optional<ApiError> only_keys(const json& v, const std::string& param,
+                                  std::initializer_list<std::string_view> allowed) {
+  for (const auto& [k, x] : v.items())
+    if (std::find(allowed.begin(), allowed.end(), k) == allowed.end())
+      return bad(fmt::format("Unrecognized argument '{}.{}'.", param, k), param + "." + k,
+                 "unknown_parameter");
+  return std::nullopt;
+}
+
+// A required string member `key` of object `v` (at `param`).
+Parsed<std::string> member_string(const json& v, const std::string& param, const char* key) {
+  const auto it = v.find(key);
+  const std::string at = param + "." + key;
+  if (it == v.end() || it->is_null())
+    return bad(fmt::format("'{}' is required.", at), at, "missing_required");
+  if (!it->is_string()) return wrong_type(at, "a string", *it);
+  return it->get<std::string>();
+}
+
+// An assistant message's tool_calls: [{"id", "type": "function", "function": {"name",
+// "arguments"}}], arguments the text of a JSON object.
+std::optional<ApiError> parse_tool_calls(const json& v, const std::string& param,
+                                         std::vector<ToolCall>& out) {
+  if (v.is_null()) return std::nullopt;
+  if (!v.is_array()) return wrong_type(param, "an array", v);
+  if (v.size() > kMaxTools)
+    return bad(fmt::format("'{}' has {} calls; at most {}.", param, v.size(), kMaxTools), param,
+               "invalid_value");
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const json& c = v[i];
+    const std::string p = fmt::format("{}[{}]", param, i);
+    if (!c.is_object()) return wrong_type(p, "an object", c);
+    if (auto e = only_keys(c, p, {"id", "type", "function", "index"})) return e;
+    ToolCall call;
+    auto id = member_string(c, p, "id");
+    if (auto* e = std::get_if<ApiError>(&id)) return *e;
+    call.id = std::get<std::string>(id);
+    if (const auto t = c.find("type"); t != c.end() && !t->is_null() && *t != "function")
+      return bad(fmt::format("'{}.type' must be 'function'.", p), p + ".type", "invalid_value");
+    const auto f = c.find("function");
+    if (f == c.end() || !f->is_object())
+      return bad(fmt::format("'{}.function' is required and must be an object.", p),
+                 p + ".function", "missing_required");
+    const std::string fp = p + ".function";
+    if (auto e = only_keys(*f, fp, {"name", "arguments"})) return e;
+    auto name = member_string(*f, fp, "name");
+    if (auto* e = std::get_if<ApiError>(&name)) return *e;
+    call.name = std::get<std::string>(name);
+    auto args = member_string(*f, fp, "arguments");
+    if (auto* e = std::get_if<ApiError>(&args)) return *e;
+    call.arguments = std::get<std::string>(args);
+    bool object = false;
+    if (json_depth(call.arguments) <= kMaxJsonDepth) {
+      try {
+        object = json::parse(call.arguments).is_object();
+      } catch (const json::exception&) {
+      }
+    }
+    if (!object)
+      return bad(fmt::format("'{}.arguments' must be the text of a JSON object.", fp),
+                 fp + ".arguments", "invalid_value");
+    out.push_back(std::move(call));
+  }
+  return std::nullopt;
+}
+
+// tools: [{"type": "function", "function": {"name", "description", "parameters", "strict"}}].
+std::optional<ApiError> parse_tools(const json& v, bool& any) {
+  if (!v.is_array()) return wrong_type("tools", "an array", v);
+  if (v.size() > kMaxTools)
+    return bad(fmt::format("'tools' has {} tools; at most {}.", v.size(), kMaxTools), "tools",
+               "invalid_value");
+  std::set<std::string, std::less<>> names;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const json& t = v[i];
+    const std::string p = fmt::format("tools[{}]", i);
+    if (!t.is_object()) return wrong_type(p, "an object", t);
+    if (auto e = only_keys(t, p, {"type", "function"})) return e;
+    auto type = member_string(t, p, "type");
+    if (auto* e = std::get_if<ApiError>(&type)) return *e;
+    if (std::get<std::string>(type) != "function")
+      return unsupported(p + ".type", "'" + std::get<std::string>(type) +
+                                          "' (only function tools)");
+    const auto f = t.find("function");
+    const std::string fp = p + ".function";
+    if (f == t.end() || !f->is_object())
+      return bad(fmt::format("'{}' is required and must be an object.", fp), fp,
+                 "missing_required");
+    if (auto e = only_keys(*f, fp, {"name", "description", "parameters", "strict"})) return e;
+    auto name = member_string(*f, fp, "name");
+    if (auto* e = std::get_if<ApiError>(&name)) return *e;
+    const std::string& n = std::get<std::string>(name);
+    if (!valid_function_name(n))
+      return bad(fmt::format("'{}.name' is '{}'; a function's name is 1 to 64 of a-z, A-Z, 0-9, "
+                             "underscores and dashes.",
+                             fp, n),
+                 fp + ".name", "invalid_value");
+    if (!names.insert(n).second)
+      return bad(fmt::format("'{}.name': the function '{}' is defined twice.", fp, n),
+                 fp + ".name", "invalid_value");
+    if (const auto d = f->find("description");
+        d != f->end() && !d->is_null() && !d->is_string())
+      return wrong_type(fp + ".description", "a string", *d);
+    if (const auto s = f->find("parameters"); s != f->end() && !s->is_null() && !s->is_object())
+      return wrong_type(fp + ".parameters", "an object", *s);
+    if (const auto s = f->find("strict"); s != f->end() && !s->is_null() && !s->is_boolean())
+      return wrong_type(fp + ".strict", "a boolean", *s);
+  }
+  any = !v.empty();
+  return std::nullopt;
+}
+
+// tool_choice: "auto" or "none"; a forced call ("required", a named function) is refused.
+std::optional<ApiError> parse_tool_choice(const json& v, ToolChoice& out) {
+  if (v.is_string() && v == "auto") {
+    out = ToolChoice::kAuto;
+    return std::nullopt;
+  }
+  if (v.is_string() && v == "none") {
+    out = ToolChoice::kNone;
+    return std::nullopt;
+  }
+  if (v.is_string() && v == "required")
+    return unsupported("tool_choice", "'required' (this server lets the model choose: 'auto')");
+  if (v.is_object())
+    return unsupported("tool_choice", "naming a function (this server lets the model choose: "
+                                      "'auto')");
+  if (!v.is_string()) return wrong_type("tool_choice", "a string or an object", v);
+  return bad(fmt::format("'tool_choice' is '{}'; it must be 'auto' or 'none'.",
+                         v.get<std::string>()),
+             "tool_choice", "invalid_value");
+}
+
 std::optional<ApiError> parse_messages(const json& v, std::vector<ChatMessage>& out) {
   if (!v.is_array()) return wrong_type("messages", "an array", v);
   if (v.empty()) return bad("'messages' must contain at least one message.", "messages");
@@ -248,8 +394,13 @@ std::optional<ApiError> parse_messages(const json& v, std::vector<ChatMessage>& 
         have_content = !x.is_null();
       } else if (k == "name") {
         if (!x.is_string()) return wrong_type(p + ".name", "a string", x);
-      } else if (k == "refusal" || k == "tool_calls" || k == "function_call" ||
-                 k == "annotations" || k == "audio") {
+        msg.name = x.get<std::string>();
+      } else if (k == "tool_calls") {
+        if (auto e = parse_tool_calls(x, p + ".tool_calls", msg.tool_calls)) return e;
+      } else if (k == "tool_call_id") {
+        if (!x.is_string()) return wrong_type(p + ".tool_call_id", "a string", x);
+        msg.tool_call_id = x.get<std::string>();
+      } else if (k == "refusal" || k == "function_call" || k == "annotations" || k == "audio") {
         if (!(x.is_null() || (x.is_array() && x.empty()))) return unsupported(p + "." + k);
       } else {
         return bad(fmt::format("Unrecognized argument '{}.{}'.", p, k), p + "." + k,
@@ -259,13 +410,23 @@ std::optional<ApiError> parse_messages(const json& v, std::vector<ChatMessage>& 
     if (msg.role.empty())
       return bad(fmt::format("'{}.role' is required.", p), p + ".role", "missing_required");
     if (msg.role == "developer") msg.role = "system";
-    if (msg.role != "system" && msg.role != "user" && msg.role != "assistant")
-      return bad(fmt::format("'{}.role' is '{}'; this server takes system, developer, user and "
-                             "assistant messages.",
+    if (msg.role != "system" && msg.role != "user" && msg.role != "assistant" &&
+        msg.role != "tool")
+      return bad(fmt::format("'{}.role' is '{}'; this server takes system, developer, user, "
+                             "assistant and tool messages.",
                              p, msg.role),
                  p + ".role", "invalid_value");
     if (!have_content && msg.role != "assistant")
       return bad(fmt::format("'{}.content' is required.", p), p + ".content", "missing_required");
+    if (!msg.tool_calls.empty() && msg.role != "assistant")
+      return bad(fmt::format("'{}.tool_calls' is only for assistant messages.", p),
+                 p + ".tool_calls", "invalid_value");
+    if (msg.role == "tool" && msg.tool_call_id.empty())
+      return bad(fmt::format("'{}.tool_call_id' is required for a tool message.", p),
+                 p + ".tool_call_id", "missing_required");
+    if (msg.role != "tool" && !msg.tool_call_id.empty())
+      return bad(fmt::format("'{}.tool_call_id' is only for tool messages.", p),
+                 p + ".tool_call_id", "invalid_value");
     out.push_back(std::move(msg));
   }
   return std::nullopt;
@@ -353,7 +514,7 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body) {
   r.endpoint = endpoint;
   const bool chat = endpoint == Endpoint::kChat;
   const auto& neutral = chat ? kNeutralChat : kNeutralCompletion;
-  bool have_input = false, have_stream_options = false;
+  bool have_input = false, have_stream_options = false, have_tools = false;
   std::optional<int64_t> max_tokens, max_completion_tokens;
   for (const auto& [key, v] : j.items()) {
     if (v.is_null() && key != "messages" && key != "prompt") continue;  // null: absent
@@ -432,6 +593,13 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body) {
       if (!err && t <= 0)
         err = bad("'timeout' must be a number of seconds > 0.", key, "invalid_value");
       if (!err) r.timeout = t;
+    } else if (chat && key == "tools") {
+      err = parse_tools(v, have_tools);
+    } else if (chat && key == "tool_choice") {
+      err = parse_tool_choice(v, r.tool_choice);
+    } else if (chat && key == "parallel_tool_calls") {
+      bool ignored = true;
+      take(get_bool(v, key), ignored);
     } else if (key == "cache_prompt") {
       bool ignored = true;
       take(get_bool(v, key), ignored);
@@ -447,6 +615,8 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body) {
     return bad("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                "stream_options", "invalid_value");
   r.max_tokens = max_completion_tokens ? max_completion_tokens : max_tokens;
+  // The tools in the client's key order (templates write them with tojson, as Python keeps it).
+  if (have_tools) r.tools = nlohmann::ordered_json::parse(body).at("tools");
   return r;
 }
 
@@ -638,6 +808,30 @@ std::optional<ApiError> check_prompt_bytes(const ParsedRequest& request,
 
 namespace {
 
+// The messages as a template reads them (Hugging Face's conventions, as vLLM passes them):
+// {"role", "content"}, an assistant's "tool_calls" with each call's arguments as an object
+// (templates write them with tojson), a tool message's "tool_call_id", and "name" when given.
+nlohmann::ordered_json template_messages(std::span<const ChatMessage> in) {
+  nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+  for (const ChatMessage& m : in) {
+    nlohmann::ordered_json j = {{"role", m.role}, {"content", m.content}};
+    if (!m.tool_calls.empty()) {
+      nlohmann::ordered_json calls = nlohmann::ordered_json::array();
+      for (const ToolCall& c : m.tool_calls)
+        calls.push_back({{"id", c.id},
+                         {"type", "function"},
+                         {"function",
+                          {{"name", c.name},
+                           {"arguments", nlohmann::ordered_json::parse(c.arguments)}}}});
+      j["tool_calls"] = std::move(calls);
+    }
+    if (!m.tool_call_id.empty()) j["tool_call_id"] = m.tool_call_id;
+    if (!m.name.empty()) j["name"] = m.name;
+    messages.push_back(std::move(j));
+  }
+  return messages;
+}
+
 // A chat request's messages through the file's template (chat.model) or the hard-coded format
 // (otherwise), with the contents' byte ranges: what build_prompt tokenizes (special tokens only
 // outside those ranges) and render_chat_prompt returns.
@@ -645,17 +839,27 @@ Parsed<ChatPrompt> render_chat(const ParsedRequest& request, const ChatTemplate&
   if (!chat.error.empty())
     return bad("The model's chat template cannot be used: " + chat.error, "messages",
                "unsupported_chat_template");
+  const bool tool_turns = std::any_of(
+      request.messages.begin(), request.messages.end(),
+      [](const ChatMessage& m) { return m.role == "tool" || !m.tool_calls.empty(); });
   if (chat.model) {
-    nlohmann::ordered_json messages = nlohmann::ordered_json::array();
-    for (const ChatMessage& m : request.messages)
-      messages.push_back({{"role", m.role}, {"content", m.content}});
-    auto p = chat.model->render(messages, nullptr, /*add_generation_prompt=*/true, chat.strip_bos);
+    if ((request.uses_tools() || tool_turns) && !chat.model->takes_tools())
+      return bad("The model's chat template does not take tools (it never reads 'tools' or a "
+                 "message's 'tool_calls'), so tools and tool messages cannot be shown to it.",
+                 request.uses_tools() ? "tools" : "messages", "unsupported_value");
+    auto p = chat.model->render(template_messages(request.messages),
+                                request.uses_tools() ? request.tools : nlohmann::ordered_json(),
+                                /*add_generation_prompt=*/true, chat.strip_bos);
     if (!p.is_ok())
       return bad(fmt::format("The messages cannot be rendered with the model's chat template: {}",
                              p.status().message()),
                  "messages", "invalid_value");
     return std::move(p).value();
   }
+  if (request.uses_tools() || tool_turns)
+    return bad("This model has no chat template of its own, and its plain transcript has no "
+               "place for tools or tool messages.",
+               request.uses_tools() ? "tools" : "messages", "unsupported_value");
   auto p = chat.render_prompt(request.messages);
   if (!p.is_ok()) return ApiError{500, p.status().message(), "server_error", "", ""};
   return std::move(p).value();

@@ -12,7 +12,12 @@
 //   (integer >= 1; max_completion_tokens wins), temperature (0..2; 0 is greedy; default 1),
 //   top_p (0..1; 0 is greedy), seed (integer; default: a fresh one per request), stop (a
 //   string or an array of up to 16 non-empty strings), stream, stream_options.include_usage
-//   (only with stream true), n (1 only).
+//   (only with stream true), n (1 only), tools (function tools, at most kMaxTools; names as
+//   OpenAI allows: 1-64 of a-z, A-Z, 0-9, _ and -), tool_choice ("auto" or "none"; "required"
+//   and a named function are refused with 400), parallel_tool_calls (a boolean; the model may
+//   make several calls either way), and messages of role tool (tool_call_id, content) and
+//   assistant messages with tool_calls (arguments: a JSON object's text). Tools need a model
+//   whose own chat template takes them (tool_calls.hpp: how calls are read from the answer).
 // Extensions other servers also take: top_k (integer >= 0), ignore_eos (bool: the end-of-
 // generation tokens do not stop the request), return_token_ids (bool: choice.token_ids and
 // prompt_token_ids in the response, as vLLM), cache_prompt (bool, llama-server's; ignored: the
@@ -53,10 +58,25 @@ using Parsed = std::variant<T, ApiError>;
 
 enum class Endpoint { kChat, kCompletion };
 
-struct ChatMessage {
-  std::string role;  // system, user or assistant ("developer" is read as system)
-  std::string content;
+// An assistant's call of a tool: OpenAI's {"id", "type": "function", "function": {"name",
+// "arguments"}}, `arguments` a JSON object's text.
+struct ToolCall {
+  std::string id;
+  std::string name;
+  std::string arguments;
 };
+
+struct ChatMessage {
+  std::string role;  // system, user, assistant or tool ("developer" is read as system)
+  std::string content;
+  std::vector<ToolCall> tool_calls{};  // assistant: the calls it made
+  std::string tool_call_id{};          // tool: the call this message answers
+  std::string name{};                  // as given (a participant's or a tool's name)
+};
+
+// tool_choice: "auto" (the model may call the tools), "none" (the tools are not shown to the
+// model and nothing is parsed as a call).
+enum class ToolChoice { kAuto, kNone };
 
 struct ParsedRequest {
   Endpoint endpoint = Endpoint::kChat;
@@ -75,7 +95,15 @@ struct ParsedRequest {
   bool ignore_eos = false;
   bool return_token_ids = false;
   std::optional<double> timeout;  // seconds: the request's deadline (finish_reason "timeout")
+  // tools: [{"type": "function", "function": {"name", "description", "parameters", "strict"}}]
+  // as given (checked); null when absent or empty.
+  nlohmann::ordered_json tools;
+  ToolChoice tool_choice = ToolChoice::kAuto;
+  // The tools reach the template and the answer is read for calls (chat with tools, choice auto).
+  bool uses_tools() const { return endpoint == Endpoint::kChat && tool_choice == ToolChoice::kAuto &&
+                                   tools.is_array() && !tools.empty(); }
 };
+inline constexpr std::size_t kMaxTools = 128;
 
 // Limits of the parser: nesting deeper than this is refused before the JSON is parsed (the
 // parser and the value's destructor are recursive).
@@ -83,6 +111,14 @@ inline constexpr int kMaxJsonDepth = 64;
 inline constexpr std::size_t kMaxStopStrings = 16;
 
 Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body);
+
+// JSON text scanned without parsing it (strings skipped, nothing checked): its deepest nesting,
+// and the byte after the bracket that closes the first object or array (0: none closes).
+struct JsonScan {
+  int max_depth = 0;
+  std::size_t first_end = 0;
+};
+JsonScan scan_json(std::string_view s);
 
 // The model's chat template. A file whose tokenizer.chat_template the interpreter parses
 // (src/model/jinja) renders every chat request with it (`model`: messages as {"role",

@@ -206,6 +206,14 @@ void HttpServer::Impl::answer(Job& job, httplib::Response& res) {
   Completion c;
   c.text = job.gen.text();
   c.finish = f;
+  if (job.tools) {
+    ToolCallReading t = read_tool_calls(c.text, job.req.tools, tool_call_id_base(job.meta));
+    if (!t.calls.empty()) {
+      c.text = std::move(t.content);
+      c.tool_calls = std::move(t.calls);
+      c.finish = Finish::kToolCalls;
+    }
+  }
   c.usage = usage_of(job);
   c.timings = timings_of(job);
   if (job.req.return_token_ids) {
@@ -281,7 +289,8 @@ bool HttpServer::Impl::pump(Job& job, httplib::DataSink& sink) {
   std::string out;
   for (const TimedEvent& te : events) {
     const Generation::Update u = process(job, te);
-    if (!u.text.empty()) out += sse_data(chunk_text(job.meta, u.text));
+    if (const std::string t = job.tools ? job.tools->push(u.text) : u.text; !t.empty())
+      out += sse_data(chunk_text(job.meta, t));
     if (u.done) {
       out += last_events(job, u);
       break;
@@ -289,7 +298,8 @@ bool HttpServer::Impl::pump(Job& job, httplib::DataSink& sink) {
   }
   if (!job.gen.done())
     if (auto u = past_deadline(job)) {
-      if (!u->text.empty()) out += sse_data(chunk_text(job.meta, u->text));
+      if (const std::string t = job.tools ? job.tools->push(u->text) : u->text; !t.empty())
+        out += sse_data(chunk_text(job.meta, t));
       out += last_events(job, *u);
       got = true;
     }
@@ -302,7 +312,16 @@ bool HttpServer::Impl::pump(Job& job, httplib::DataSink& sink) {
 std::string HttpServer::Impl::last_events(const Job& job, const Generation::Update& u) {
   std::string out;
   if (u.finish == Finish::kStop || u.finish == Finish::kLength || u.finish == Finish::kTimeout) {
-    out += sse_data(chunk_finish(job.meta, u.finish, timings_of(job),
+    Finish finish = u.finish;
+    if (job.tools) {  // the content held back, then the calls whole
+      const ToolCallReading t = job.tools->finish();
+      if (!t.content.empty()) out += sse_data(chunk_text(job.meta, t.content));
+      if (!t.calls.empty()) {
+        out += sse_data(chunk_tool_calls(job.meta, t.calls));
+        finish = Finish::kToolCalls;
+      }
+    }
+    out += sse_data(chunk_finish(job.meta, finish, timings_of(job),
                                  job.req.return_token_ids ? &job.gen.tokens() : nullptr));
     if (job.req.include_usage) out += sse_data(chunk_usage(job.meta, usage_of(job)));
   } else {

@@ -24,6 +24,11 @@ std::string make_response_id(Endpoint endpoint) {
                      static_cast<uint32_t>(n));
 }
 
+std::string tool_call_id_base(const ResponseMeta& meta) {
+  const std::size_t dash = meta.id.find('-');
+  return "call_" + (dash == std::string::npos ? meta.id : meta.id.substr(dash + 1));
+}
+
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
 std::string error_body(const ApiError& e) {
@@ -89,11 +94,29 @@ json choice(const ResponseMeta& meta, const std::string* text, bool delta, Finis
   return c;
 }
 
+json tool_calls_json(std::span<const ToolCall> calls, bool with_index) {
+  json a = json::array();
+  for (std::size_t i = 0; i < calls.size(); ++i) {
+    json c = json::object();
+    if (with_index) c["index"] = i;
+    c["id"] = calls[i].id;
+    c["type"] = "function";
+    c["function"] = {{"name", calls[i].name}, {"arguments", calls[i].arguments}};
+    a.push_back(std::move(c));
+  }
+  return a;
+}
+
 }  // namespace
 
 std::string completion_body(const ResponseMeta& meta, const Completion& c) {
   json j = envelope(meta, false);
   json ch = choice(meta, &c.text, false, c.finish);
+  if (!c.tool_calls.empty() && meta.endpoint == Endpoint::kChat) {
+    json& m = ch["message"];
+    if (c.text.empty()) m["content"] = nullptr;
+    m["tool_calls"] = tool_calls_json(c.tool_calls, false);
+  }
   if (c.token_ids != nullptr) ch["token_ids"] = *c.token_ids;
   j["choices"] = json::array({std::move(ch)});
   j["usage"] = usage_json(c.usage);
@@ -119,6 +142,16 @@ json chunk_role(const ResponseMeta& meta) {
 json chunk_text(const ResponseMeta& meta, const std::string& text) {
   json j = envelope(meta, true);
   j["choices"] = json::array({choice(meta, &text, true, Finish::kNone)});
+  return j;
+}
+
+json chunk_tool_calls(const ResponseMeta& meta, std::span<const ToolCall> calls) {
+  json j = envelope(meta, true);
+  json c = {{"index", 0},
+            {"delta", {{"tool_calls", tool_calls_json(calls, true)}}},
+            {"logprobs", nullptr},
+            {"finish_reason", nullptr}};
+  j["choices"] = json::array({std::move(c)});
   return j;
 }
 

@@ -61,6 +61,9 @@ struct TimingsInfo {
 // A new response id: prefix + 24 hex digits (random, unique per process).
 std::string make_response_id(Endpoint endpoint);
 
+// The ids of a response's tool calls: "call_" + the response id's digits (+ "_" + the index).
+std::string tool_call_id_base(const ResponseMeta& meta);
+
 std::string dump(const nlohmann::json& j);  // compact; invalid UTF-8 replaced
 std::string error_body(const ApiError& e);
 nlohmann::json usage_json(const Usage& u);
@@ -74,6 +77,7 @@ struct Completion {
   nlohmann::json timings;
   const std::vector<TokenId>* token_ids = nullptr;   // return_token_ids
   const std::vector<TokenId>* prompt_ids = nullptr;  // return_token_ids
+  std::vector<ToolCall> tool_calls{};  // chat: message.tool_calls (content null when empty)
 };
 std::string completion_body(const ResponseMeta& meta, const Completion& c);
 
@@ -83,6 +87,9 @@ std::string sse_done();                               // "data: [DONE]\n\n"
 std::string sse_comment(std::string_view text);       // ": text\n\n"
 nlohmann::json chunk_role(const ResponseMeta& meta);  // chat: delta {role, content ""}
 nlohmann::json chunk_text(const ResponseMeta& meta, const std::string& text);
+// chat: delta {tool_calls: [{index, id, type "function", function {name, arguments}}]}, every
+// call whole in one chunk.
+nlohmann::json chunk_tool_calls(const ResponseMeta& meta, std::span<const ToolCall> calls);
 nlohmann::json chunk_finish(const ResponseMeta& meta, Finish finish, const nlohmann::json& timings,
                             const std::vector<TokenId>* token_ids = nullptr);
 nlohmann::json chunk_usage(const ResponseMeta& meta, const Usage& usage);

@@ -133,6 +133,8 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
   else if (opt.request_timeout.count() > 0)
     job->deadline = arrival + opt.request_timeout;
   job->req = std::move(r);
+  if (job->req.uses_tools())
+    job->tools = std::make_unique<ToolCallStream>(job->req.tools, tool_call_id_base(job->meta));
   std::tie(job->start_bytes, job->start_rows) = sent_and_rows(backend->metrics());
   auto id = backend->submit(std::move(er), [inbox = job->inbox](const engine::TokenEvent& e) {
     {

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "serve/format.hpp"
+#include "serve/tool_calls.hpp"
 #include "serve/http_request.hpp"
 #include "serve/server.hpp"
 #include "serve/text.hpp"
@@ -192,6 +193,7 @@ struct HttpServer::Impl {
     std::shared_ptr<Inbox> inbox;
     engine::RequestId id = 0;
     Generation gen;
+    std::unique_ptr<ToolCallStream> tools;  // the request's tools are shown to the model
     Clock::time_point arrival, last_token;
     Clock::time_point deadline{};  // none when at its epoch
     bool first_token = false;

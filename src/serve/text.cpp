@@ -86,6 +86,8 @@ const char* finish_name(Finish f) {
       return "error";
     case Finish::kTimeout:
       return "timeout";
+    case Finish::kToolCalls:
+      return "tool_calls";
   }
   return "?";
 }

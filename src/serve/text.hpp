@@ -39,8 +39,9 @@ class Utf8Assembler {
 using treeattn::StopMatcher;
 
 // kTimeout: the request's deadline (its "timeout" field or the server's --request-timeout)
-// passed; its answer is the text so far with finish_reason "timeout".
-enum class Finish { kNone, kStop, kLength, kCancelled, kError, kTimeout };
+// passed; its answer is the text so far with finish_reason "timeout". kToolCalls: the answer
+// ended and holds tool calls (tool_calls.hpp); the server sets it, Generation never does.
+enum class Finish { kNone, kStop, kLength, kCancelled, kError, kTimeout, kToolCalls };
 const char* finish_name(Finish f);  // OpenAI's finish_reason: "stop", "length"; else the name
 
 // One request's output, fed with the engine's events in order.

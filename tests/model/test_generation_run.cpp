@@ -166,16 +166,8 @@ TEST(GenerationRun, EnginePathAnswersWithEveryRanksNumbers) {
   }
 }
 
-TEST(GenerationRun, AutoIsOneChoiceOnEveryRank) {
-  TREEATTN_REQUIRE_REAL_MODEL(path);
-  Request r = base_request(path);
-  r.methods = {"auto"};
-  r.new_tokens = 2;
-  auto t = preset_topology("local");
-  ASSERT_TRUE(t.is_ok());
-  r.topology = *t;
-  r.topology.ranks_per_node = 2;
-  r.ranks_per_node = 2;
+// `auto` at 2 ranks: the planner is asked once (rank 0's hook) and every rank runs its choice.
+void expect_one_planned_method(const Request& r) {
   std::string planned;
   generation::Hooks hooks;
   hooks.planned = [&](const StrategyChoice& c) { planned = c.strategy; };
@@ -186,6 +178,30 @@ TEST(GenerationRun, AutoIsOneChoiceOnEveryRank) {
     ASSERT_EQ(o.methods.size(), 1u);
     EXPECT_EQ(o.methods[0].method, planned);
   }
+}
+
+TEST(GenerationRun, AutoIsOneChoiceOnEveryRank) {
+  TREEATTN_REQUIRE_REAL_MODEL(path);
+  Request r = base_request(path);
+  r.methods = {"auto"};
+  r.new_tokens = 2;
+  auto t = preset_topology("local");
+  ASSERT_TRUE(t.is_ok());
+  r.topology = *t;
+  r.topology->ranks_per_node = 2;
+  r.ranks_per_node = 2;
+  expect_one_planned_method(r);
+}
+
+// A library caller that names no topology: "auto" plans on the job's own (job_topology_of),
+// as the engine path does, on the session path too.
+TEST(GenerationRun, AutoWithoutATopologyPlansOnTheJob) {
+  TREEATTN_REQUIRE_REAL_MODEL(path);
+  Request r = base_request(path);
+  r.methods = {"auto"};
+  r.new_tokens = 2;
+  ASSERT_FALSE(r.topology.has_value());
+  expect_one_planned_method(r);
 }
 
 // One greedy request through the engine at `ranks` in-process ranks: its tokens and the logits

@@ -24,6 +24,11 @@ Cases (each starts its own server on a free port, --port 0, and reads the addres
   endpoints2  2 ranks: /tokenize -> /detokenize round trip (pieces too), /apply-template's prompt
               tokenized == a chat's usage.prompt_tokens, --served-model-name aliases and the 404
               for another model (openai client), --cors-origins preflight and stream header
+  tools2      2 ranks, Qwen2.5-Coder-0.5B (its template takes tools): a weather question with a
+              get_weather tool is answered with a tool call (finish_reason tool_calls, arguments
+              naming Paris), streamed and not, the same call both ways; the call and the tool's
+              answer sent back give an answer; tool_choice none shows no tools; bad tools and
+              tool turns are 400s naming the field (openai client)
   rank_killed 2 ranks: rank 1 is killed (SIGKILL) during a stream: the stream ends (error event
               or closed), the server exits non-zero, nothing hangs
 """
@@ -706,6 +711,96 @@ def case_endpoints2():
         s.stop(signal.SIGKILL)
         raise
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "The city name"}}, "required": ["city"]}}}
+
+
+def case_tools2():
+    """2 ranks with a model whose template takes tools: tool calls through the openai client."""
+    s = Server(ranks=2)
+    try:
+        c = s.client()
+        question = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+        r = c.chat.completions.create(model="m", messages=question, tools=[WEATHER_TOOL],
+                                      temperature=0, max_tokens=60)
+        ch = r.choices[0]
+        check(ch.finish_reason == "tool_calls" and ch.message.tool_calls,
+              "a tool call: finish_reason %s, message %s" % (ch.finish_reason, ch.message), s)
+        call = ch.message.tool_calls[0]
+        args = json.loads(call.function.arguments)
+        check(call.type == "function" and call.function.name == "get_weather" and
+              args.get("city") == "Paris" and call.id.startswith("call_"),
+              "the call names get_weather for Paris (%s)" % call, s)
+        check(ch.message.content is None, "no content beside the call (%r)" % ch.message.content, s)
+
+        # Streamed: the same call, no content deltas, finish_reason tool_calls.
+        deltas, calls, finish = [], {}, None
+        for chunk in c.chat.completions.create(model="m", messages=question, tools=[WEATHER_TOOL],
+                                               temperature=0, max_tokens=60, stream=True):
+            if not chunk.choices:
+                continue
+            d = chunk.choices[0].delta
+            if d.content:
+                deltas.append(d.content)
+            for tc in d.tool_calls or []:
+                e = calls.setdefault(tc.index, {"name": "", "arguments": "", "id": None})
+                e["id"] = tc.id or e["id"]
+                if tc.function and tc.function.name:
+                    e["name"] += tc.function.name
+                if tc.function and tc.function.arguments:
+                    e["arguments"] += tc.function.arguments
+            finish = chunk.choices[0].finish_reason or finish
+        check(finish == "tool_calls" and not deltas and len(calls) == 1 and
+              calls[0]["name"] == "get_weather" and
+              json.loads(calls[0]["arguments"]) == args,
+              "streamed: the same call (%s, content %r, finish %s)" % (calls, deltas, finish), s)
+
+        # The call and the tool's answer go back: the template shows both; an answer comes.
+        history = question + [ch.message.model_dump(exclude_none=True),
+                              {"role": "tool", "tool_call_id": call.id,
+                               "content": json.dumps({"temperature_c": 21, "sky": "sunny"})}]
+        code, body, _ = request(s, "POST", "/apply-template",
+                                {"messages": history, "tools": [WEATHER_TOOL]})
+        prompt = json.loads(body).get("prompt", "")
+        check(code == 200 and "<tool_response>" in prompt and
+              '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+              in prompt,
+              "/apply-template shows the call and the tool's answer (%d %r)" % (code, prompt), s)
+        r2 = c.chat.completions.create(model="m", messages=history, tools=[WEATHER_TOOL],
+                                       temperature=0, max_tokens=40)
+        check(r2.choices[0].finish_reason in ("stop", "length", "tool_calls") and
+              r2.usage.prompt_tokens > r.usage.prompt_tokens,
+              "the second turn is answered (%s)" % r2.choices[0], s)
+
+        # tool_choice none: the tools are not shown (a shorter prompt) and nothing is a call.
+        r3 = c.chat.completions.create(model="m", messages=question, tools=[WEATHER_TOOL],
+                                       tool_choice="none", temperature=0, max_tokens=8)
+        check(r3.choices[0].finish_reason != "tool_calls" and not r3.choices[0].message.tool_calls
+              and r3.usage.prompt_tokens < r.usage.prompt_tokens,
+              "tool_choice none: no tools in the prompt, no call (%s)" % r3, s)
+
+        # Bad tools and tool turns: 400 naming the field, through the client.
+        bad = [({"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+                "tools[0].function.name"),
+               ({"tool_choice": "required", "tools": [WEATHER_TOOL]}, "tool_choice"),
+               ({"messages": question + [{"role": "tool", "content": "x"}]},
+                "messages[1].tool_call_id")]
+        for extra, param in bad:
+            kw = {"model": "m", "messages": question, "max_tokens": 1}
+            kw.update(extra)
+            try:
+                c.chat.completions.create(**kw)
+                check(False, "%s is refused" % param, s)
+            except openai.BadRequestError as e:
+                check(e.status_code == 400 and e.param == param, "400 naming %s (%s)" % (param, e), s)
+        check(s.stop() == 0, "exit 0", s)
+    except BaseException:
+        s.dump()
+        s.stop(signal.SIGKILL)
+        raise
+
 
 def case_sigterm2():
     s = Server(ranks=2)
@@ -937,7 +1032,7 @@ CASES = {"api": case_api, "flags": case_flags, "faults": case_faults, "exact1": 
          # in the server against `generate` without it: the same tokens.
          "exact2int8": lambda: case_exact(2, serve_extra=["--matmul", "int8"],
                                           generate_extra=["--matmul", "int8", "--no-rows8"]),
-         "sigterm2": case_sigterm2, "endpoints2": case_endpoints2,
+         "sigterm2": case_sigterm2, "endpoints2": case_endpoints2, "tools2": case_tools2,
          "rank_killed": case_rank_killed, "rank_stopped": case_rank_stopped,
          "mpirun_killed": case_mpirun_killed}
 

@@ -90,6 +90,37 @@ TEST(ServeParse, CompletionPrompts) {
 }
 
 // Every malformed body is a 400 with an OpenAI error whose param names the field.
+// tools, tool_choice and tool turns as the openai client sends them.
+TEST(ServeParse, ToolsAndToolTurns) {
+  const auto r = std::get<ParsedRequest>(parse_request(Endpoint::kChat, R"({
+      "messages":[{"role":"user","content":"Weather?"},
+                  {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function",
+                   "function":{"name":"get_weather","arguments":"{\"city\": \"Paris\"}"}}]},
+                  {"role":"tool","tool_call_id":"c1","content":"sunny"}],
+      "tools":[{"type":"function","function":{"name":"get_weather","description":"d",
+                "parameters":{"type":"object","properties":{"city":{"type":"string"}}},
+                "strict":false}}],
+      "tool_choice":"auto","parallel_tool_calls":true})"));
+  ASSERT_EQ(r.messages.size(), 3u);
+  ASSERT_EQ(r.messages[1].tool_calls.size(), 1u);
+  EXPECT_EQ(r.messages[1].tool_calls[0].id, "c1");
+  EXPECT_EQ(r.messages[1].tool_calls[0].name, "get_weather");
+  EXPECT_EQ(r.messages[1].tool_calls[0].arguments, R"({"city": "Paris"})");
+  EXPECT_EQ(r.messages[2].role, "tool");
+  EXPECT_EQ(r.messages[2].tool_call_id, "c1");
+  EXPECT_TRUE(r.uses_tools());
+  // The tools as the client ordered their keys (templates print them with tojson).
+  EXPECT_EQ(r.tools[0]["function"].begin().key(), "name");
+  const auto none = std::get<ParsedRequest>(parse_request(
+      Endpoint::kChat,
+      R"({"messages":[{"role":"user","content":"x"}],"tool_choice":"none",)"
+      R"("tools":[{"type":"function","function":{"name":"f"}}]})"));
+  EXPECT_FALSE(none.uses_tools());
+  const auto empty = std::get<ParsedRequest>(
+      parse_request(Endpoint::kChat, R"({"messages":[{"role":"user","content":"x"}],"tools":[]})"));
+  EXPECT_FALSE(empty.uses_tools());
+}
+
 TEST(ServeParse, MalformedCorpus) {
   struct Case {
     Endpoint ep;
@@ -112,7 +143,30 @@ TEST(ServeParse, MalformedCorpus) {
       {C, R"({"messages":[{"content":"x"}]})", "messages[0].role"},
       {C, R"({"messages":[{"role":"user"}]})", "messages[0].content"},
       {C, R"({"messages":[{"role":"user","content":5}]})", "messages[0].content"},
-      {C, R"({"messages":[{"role":"tool","content":"x"}]})", "messages[0].role"},
+      {C, R"({"messages":[{"role":"tool","content":"x"}]})", "messages[0].tool_call_id"},
+      {C, R"({"messages":[{"role":"robot","content":"x"}]})", "messages[0].role"},
+      {C, R"({"messages":[{"role":"user","content":"x","tool_call_id":"c"}]})",
+       "messages[0].tool_call_id"},
+      {C, R"({"messages":[{"role":"assistant","tool_calls":{}}]})", "messages[0].tool_calls"},
+      {C, R"({"messages":[{"role":"assistant","tool_calls":[1]}]})", "messages[0].tool_calls[0]"},
+      {C, R"({"messages":[{"role":"assistant","tool_calls":[{"type":"function"}]}]})",
+       "messages[0].tool_calls[0].id"},
+      {C, R"({"messages":[{"role":"assistant","tool_calls":[{"id":"c","type":"code"}]}]})",
+       "messages[0].tool_calls[0].type"},
+      {C, R"({"messages":[{"role":"assistant","tool_calls":[{"id":"c"}]}]})",
+       "messages[0].tool_calls[0].function"},
+      {C, R"({"messages":[{"role":"assistant","tool_calls":[{"id":"c","function":{"arguments":"{}"}}]}]})",
+       "messages[0].tool_calls[0].function.name"},
+      {C, R"({"messages":[{"role":"assistant","tool_calls":[{"id":"c","function":{"name":"f"}}]}]})",
+       "messages[0].tool_calls[0].function.arguments"},
+      {C, R"({"messages":[{"role":"assistant","tool_calls":[{"id":"c","function":{"name":"f","arguments":"[1]"}}]}]})",
+       "messages[0].tool_calls[0].function.arguments"},
+      {C, R"({"messages":[{"role":"assistant","tool_calls":[{"id":"c","function":{"name":"f","arguments":"{"}}]}]})",
+       "messages[0].tool_calls[0].function.arguments"},
+      {C, R"({"messages":[{"role":"assistant","tool_calls":[{"id":"c","function":{"name":"f","arguments":{}}}]}]})",
+       "messages[0].tool_calls[0].function.arguments"},
+      {C, R"({"messages":[{"role":"assistant","tool_calls":[{"id":"c","function":{"name":"f","arguments":"{}","x":1}}]}]})",
+       "messages[0].tool_calls[0].function.x"},
       {C, R"({"messages":[{"role":"user","content":"x","extra":1}]})", "messages[0].extra"},
       {C, R"({"messages":[{"role":"user","content":[{"type":"image_url"}]}]})",
        "messages[0].content[0].type"},
@@ -147,7 +201,35 @@ TEST(ServeParse, MalformedCorpus) {
       {C, R"({"messages":[{"role":"user","content":"x"}],"frequency_penalty":1})",
        "frequency_penalty"},
       {C, R"({"messages":[{"role":"user","content":"x"}],"logprobs":true})", "logprobs"},
-      {C, R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]})", "tools"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]})",
+       "tools[0].function"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"tools":{}})", "tools"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"tools":[5]})", "tools[0]"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"tools":[{"function":{"name":"f"}}]})",
+       "tools[0].type"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"code_interpreter"}]})",
+       "tools[0].type"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{}}]})",
+       "tools[0].function.name"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"a b"}}]})",
+       "tools[0].function.name"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}},{"type":"function","function":{"name":"f"}}]})",
+       "tools[1].function.name"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f","parameters":[]}}]})",
+       "tools[0].function.parameters"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f","description":1}}]})",
+       "tools[0].function.description"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f","strict":"yes"}}]})",
+       "tools[0].function.strict"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f","extra":1}}]})",
+       "tools[0].function.extra"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"tool_choice":"required"})", "tool_choice"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"tool_choice":"sometimes"})", "tool_choice"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"tool_choice":{"type":"function","function":{"name":"f"}}})",
+       "tool_choice"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"tool_choice":3})", "tool_choice"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"parallel_tool_calls":"yes"})",
+       "parallel_tool_calls"},
       {C,
        R"({"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}})",
        "response_format"},

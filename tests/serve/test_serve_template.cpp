@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <variant>
 
 #include "model/model_path.hpp"
@@ -80,6 +82,88 @@ TEST(ServeTemplate, ATemplateThatRaisesIsA400WithItsMessage) {
   EXPECT_EQ(std::get<ApiError>(p).message,
             "The messages cannot be rendered with the model's chat template: chat template: line "
             "1, column 54: the template raised an exception: System role not supported");
+}
+
+nlohmann::ordered_json read_json(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  return nlohmann::ordered_json::parse(in);
+}
+
+// A request in OpenAI's shape (tools, an assistant's tool_calls with arguments as JSON text, a
+// tool message) renders with every collected template that takes tools exactly as that template
+// renders the same conversation in Hugging Face's shape (arguments as objects, a null content as
+// ""), which model.jinja.conformance checks against jinja2; a template that raises on it is a 400
+// both ways.
+TEST(ServeTemplate, ToolCallRequestsRenderAsTheHuggingFaceConversation) {
+  const std::filesystem::path data = TREEATTN_JINJA_TEST_DATA;
+  const auto conversations = read_json(data / "conversations.json");
+  const auto meta = read_json(data / "templates.json");
+  nlohmann::ordered_json hf;
+  for (const auto& c : conversations)
+    if (c["name"] == "tool_call_round_trip") hf = c;
+  ASSERT_FALSE(hf.is_null());
+  nlohmann::ordered_json body = {{"messages", nlohmann::ordered_json::array()},
+                                 {"tools", hf["tools"]}};
+  for (auto m : hf["messages"]) {
+    if (m.contains("tool_calls"))
+      for (auto& call : m["tool_calls"])
+        call["function"]["arguments"] = call["function"]["arguments"].dump();
+    body["messages"].push_back(m);
+  }
+  for (auto& m : hf["messages"])
+    if (m["content"].is_null()) m["content"] = "";
+  const ParsedRequest request = chat(body.dump());
+  ASSERT_TRUE(request.uses_tools());
+  int compared = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(data / "templates")) {
+    std::ifstream in(entry.path());
+    const std::string source((std::istreambuf_iterator<char>(in)), {});
+    const std::string name = entry.path().filename().string();
+    const auto& tokens = meta.contains(name) ? meta[name] : meta["default"];
+    auto parsed = ModelTemplate::parse(source, tokens["bos_token"], tokens["eos_token"]);
+    if (!parsed.is_ok() || !parsed->takes_tools()) continue;
+    ChatTemplate t;
+    t.model = std::make_shared<const ModelTemplate>(std::move(parsed).value());
+    auto want = t.model->render(hf["messages"], hf["tools"], true);
+    auto got = render_chat_prompt(request, t);
+    if (!want.is_ok()) {
+      EXPECT_TRUE(std::holds_alternative<ApiError>(got)) << name;
+      continue;
+    }
+    ASSERT_TRUE(std::holds_alternative<std::string>(got))
+        << name << ": " << std::get<ApiError>(got).message;
+    EXPECT_EQ(std::get<std::string>(got), want->text) << name;
+    ++compared;
+  }
+  EXPECT_GE(compared, 10);
+}
+
+// Tools and tool turns need a template that shows them: one that never names tools, or a file
+// without a template (the plain transcript), is a 400 rather than a prompt without the tools.
+TEST(ServeTemplate, ToolsWithATemplateThatDropsThemAreA400) {
+  const std::string tools =
+      R"("tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}])";
+  const ChatTemplate plain = with_model("{% for m in messages %}{{ m.content }}{% endfor %}");
+  ByteCodec codec;
+  for (const ChatTemplate* t : {&plain, static_cast<const ChatTemplate*>(nullptr)}) {
+    const ChatTemplate none;
+    const ChatTemplate& tmpl = t != nullptr ? *t : none;
+    auto p = build_prompt(chat(R"({"messages":[{"role":"user","content":"x"}],)" + tools + "}"),
+                          codec, tmpl);
+    ASSERT_TRUE(std::holds_alternative<ApiError>(p));
+    EXPECT_EQ(std::get<ApiError>(p).param, "tools");
+    auto q = build_prompt(
+        chat(R"({"messages":[{"role":"user","content":"x"},{"role":"tool","tool_call_id":"c",)"
+             R"("content":"y"}]})"),
+        codec, tmpl);
+    ASSERT_TRUE(std::holds_alternative<ApiError>(q));
+    EXPECT_EQ(std::get<ApiError>(q).param, "messages");
+    // tool_choice "none": the tools are not shown, so any template renders the request.
+    auto r = build_prompt(chat(R"({"messages":[{"role":"user","content":"x"}],"tool_choice":"none",)" +
+                               tools + "}"),
+                          codec, tmpl);
+    EXPECT_TRUE(std::holds_alternative<std::vector<TokenId>>(r));
+  }
 }
 
 TEST(ServeTemplate, SmolLM2FileTemplateGivesTheChatMLTurns) {

@@ -46,10 +46,14 @@ class ModelTemplate {
   Result<ChatPrompt> render_context(const nlohmann::ordered_json& context) const;
 
   const std::string& source() const { return source_; }
+  // The template names `tools` or `tool_calls` (as a whole word of its source): it can show a
+  // request's tools and tool turns to the model. A template without either would drop them.
+  bool takes_tools() const { return takes_tools_; }
 
  private:
   std::shared_ptr<const jinja::Template> tmpl_;
   std::string source_, bos_, eos_;
+  bool takes_tools_ = false;
 };
 
 namespace jinja {
