@@ -98,7 +98,6 @@ generation::PromptSpec prompt_of(const GenFlags& f) {
   return p;
 }
 
-// The library's request from the flags (checked by preflight).
 model::SamplingParams sampling_of(const GenFlags& f) {
   model::SamplingParams sp;
   sp.temperature = f.temperature;
@@ -108,6 +107,7 @@ model::SamplingParams sampling_of(const GenFlags& f) {
   return sp;
 }
 
+// The library's request from the flags (checked by preflight).
 generation::Request request_of(const GenFlags& f, const std::string& model_path, int threads) {
   generation::Request r;
   r.model_path = model_path;

@@ -12,7 +12,8 @@
 // A request that fails after the headers went out ends with `data: {"error": {...}}` and
 // `data: [DONE]` (the openai client raises it as an APIError).
 //
-// `timings` (non-standard, in every non-streamed response and in the finish chunk):
+// `timings` (non-standard, in every non-streamed response, of its first choice, and in each
+// choice's finish chunk):
 //   queue_ms             submit -> admitted by the engine
 //   prefill_ms           admitted -> first token (the prompt's uncached tokens)
 //   decode_ms            first -> last token

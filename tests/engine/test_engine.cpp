@@ -367,9 +367,8 @@ TEST(Engine, LogprobsAreTheLogSoftmaxOfTheProcessedLogitsAndEveryFieldIsBatchInv
   const auto shared = random_tokens(rng, 40, 320);
   std::vector<Submitted> subs;
   for (int i = 0; i < 12; ++i) {
-    std::vector<TokenId> prompt = shared;
-    const auto tail = random_tokens(rng, 3 + 7 * i, 320);
-    prompt.insert(prompt.end(), tail.begin(), tail.end());
+    std::vector<TokenId> prompt = random_tokens(rng, 3 + 7 * i, 320);
+    prompt.insert(prompt.begin(), shared.begin(), shared.end());
     Request r = greedy(prompt, 12);
     with_processors(r, i);
     if (i % 2 == 1) {
