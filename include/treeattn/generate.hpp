@@ -77,7 +77,7 @@ inline constexpr int64_t kPrefillBlock = 64;
 //   3. frequency_penalty and presence_penalty over the output only (OpenAI's definition):
 //      logit[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty, c[j] the times j
 //      was generated so far.
-// Each processed logit is computed in double from the float logit and rounded to float once.
+// Each stage computes a logit in double from the float it is given and rounds it to float.
 // Sampler::sample, one token from processed logits: temperature 0 is greedy (the largest
 // logit, the lowest id on a tie); otherwise the candidates in a total order (descending logit,
 // ascending id), the top_k first ones (0: all), of those the ones whose probability (softmax

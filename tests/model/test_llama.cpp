@@ -522,7 +522,7 @@ TEST(Sampler, GreedyTakesTheLowestIdOnTiesAndSamplingIsSeededAndRestricted) {
 }
 
 // logit_bias, then repetition_penalty over prompt and output, then frequency and presence
-// penalties over the output (generate.hpp), each logit computed in double and rounded once;
+// penalties over the output (generate.hpp), each stage in double rounded to float;
 // the counts follow a growing history and are rebuilt for any other.
 TEST(Sampler, ProcessAddsTheBiasThenThePenaltiesOverTheHistory) {
   const std::vector<float> l = {2.0f, -1.0f, 0.5f, 3.0f, -2.0f, 1.0f};
