@@ -517,6 +517,30 @@ TEST_F(ServeHttp, StreamedChoicesInterleaveByIndex) {
   EXPECT_EQ(backend_->requests().size(), 2u);
 }
 
+// One choice's stop string ends that choice only (each is cancelled in the engine on its own);
+// n choices that do not all fit the queue: 429, and the ones already queued are cancelled.
+TEST_F(ServeHttp, ChoicesEndOnTheirOwnAndAFullQueueTakesNone) {
+  FakeBackend::Options bo;
+  bo.reply = "one two three";
+  start(bo);
+  ready();
+  auto r = post("/v1/completions", R"({"prompt":"x","n":2,"stop":"two","max_tokens":50})");
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(j["choices"][static_cast<std::size_t>(i)]["text"], "one ");
+    EXPECT_EQ(j["choices"][static_cast<std::size_t>(i)]["finish_reason"], "stop");
+  }
+  for (int k = 0; k < 200 && backend_->live() > 0; ++k) std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(backend_->cancels(), 2u);
+  backend_->set_max_queue(2);
+  r = post("/v1/completions", R"({"prompt":"x","n":3})");
+  EXPECT_EQ(r->status, 429);
+  for (int k = 0; k < 200 && backend_->live() > 0; ++k) std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(backend_->live(), 0);
+  EXPECT_EQ(backend_->requests().size(), 4u);  // 2 + the 2 that fit, then cancelled
+}
+
 TEST_F(ServeHttp, StreamedChat) {
   start();
   ready();
