@@ -742,6 +742,16 @@ def case_sampling2():
                   t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == t.logprob
                   and bytes(t.bytes) == t.token.encode(),
                   "token %r: greedy takes the top logprob %s" % (t.token, tops), s)
+        streamed = []
+        for chunk in c.chat.completions.create(model="any", messages=msgs, max_tokens=12,
+                                               temperature=0, logprobs=True, top_logprobs=5,
+                                               stream=True):
+            for x in chunk.choices:
+                if x.logprobs and x.logprobs.content:
+                    streamed += [(t.token, t.logprob, len(t.top_logprobs))
+                                 for t in x.logprobs.content]
+        check(streamed == [(t.token, t.logprob, 5) for t in content],
+              "streamed: the same logprobs, with the text's chunks", s)
         # Completions' legacy shape.
         r = c.completions.create(model="any", prompt=PROMPTS[0], max_tokens=8, temperature=0,
                                  logprobs=3)
