@@ -117,7 +117,9 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
   er.sampling.repetition_penalty = r.repetition_penalty;
   er.sampling.logit_bias = r.logit_bias;
   er.logprobs = r.logprobs;
-  const uint64_t seed = r.seed ? *r.seed : seed_base + seed_counter.fetch_add(1);
+  // A fresh seed per choice: the counter moves by n.
+  const uint64_t seed =
+      r.seed ? *r.seed : seed_base + seed_counter.fetch_add(static_cast<uint64_t>(r.n));
   if (!r.ignore_eos) er.stop_tokens = eog;
 
   // A base model's transcript (chat_stop_strings): its answer ends where it starts the user's
