@@ -98,6 +98,15 @@ generation::PromptSpec prompt_of(const GenFlags& f) {
   return p;
 }
 
+model::SamplingParams sampling_of(const GenFlags& f) {
+  model::SamplingParams sp;
+  sp.temperature = f.temperature;
+  sp.top_k = f.top_k;
+  sp.top_p = f.top_p;
+  sp.seed = f.seed;
+  return sp;
+}
+
 // The library's request from the flags (checked by preflight).
 generation::Request request_of(const GenFlags& f, const std::string& model_path, int threads) {
   generation::Request r;
@@ -105,7 +114,7 @@ generation::Request request_of(const GenFlags& f, const std::string& model_path,
   r.prompt = prompt_of(f);
   r.new_tokens = f.new_tokens;
   r.ignore_eos = f.ignore_eos;
-  r.sampling = {f.temperature, f.top_k, f.top_p, f.seed};
+  r.sampling = sampling_of(f);
   r.matmul = *model::parse_matmul_mode(f.matmul);
   r.isa = *isa_for_flag(f.isa);
   r.rows8 = !f.no_rows8;
@@ -226,8 +235,7 @@ Result<std::string> preflight(GenFlags& f, const CLI::App& sub, bool check_outpu
     return invalid_argument(
         "--deterministic (tree-det) needs a contiguous placement, not "
         "--placement striped");
-  model::SamplingParams sp{f.temperature, f.top_k, f.top_p, f.seed};
-  TREEATTN_RETURN_IF_ERROR(sp.validate());
+  TREEATTN_RETURN_IF_ERROR(sampling_of(f).validate());
   TREEATTN_RETURN_IF_ERROR(check_timeout_ms("--timeout-ms", f.timeout_ms));
   TREEATTN_RETURN_IF_ERROR(check_thread_count(f.threads, "--threads"));
   TREEATTN_RETURN_IF_ERROR(check_matmul_flag(f.matmul));  // before a model is fetched

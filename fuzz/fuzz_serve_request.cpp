@@ -6,8 +6,12 @@
 // JSON with the four OpenAI fields; an accepted one is taken through what the server does
 // next: the chat template, the prompt over a byte-level codec, the length check, and its
 // prompt's bytes as generated tokens through the UTF-8 assembler and the stop strings, whose
-// output must be valid UTF-8 and never contain a stop string. The byte-count pre-check
+// output must be valid UTF-8 and never contain a stop string, with each text token's logprobs
+// handed out once, in order (logprobs asked for). The sampling fields (n, min_p, the penalties,
+// logit_bias, logprobs) must be within their ranges, logit_bias's ids checked against the
+// vocabulary, and the response body with n choices JSON. The byte-count pre-check
 // (check_prompt_bytes) must never refuse a prompt the token count accepts.
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -97,6 +101,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
     const ToolCallReading end = stream.finish();
     check(sent + end.content == read.content && end.calls.size() == read.calls.size());
   }
+  // The sampling fields within their ranges; logit_bias ascending, distinct, in [-100, 100],
+  // and its ids checked against the vocabulary with a 400 naming it.
+  check(r.n >= 1 && r.n <= kMaxChoices && r.logprobs >= -1 && r.logprobs <= 20);
+  check(r.min_p >= 0 && r.min_p <= 1 && r.repetition_penalty >= 0.01 &&
+        r.repetition_penalty <= 100);
+  check(std::fabs(r.presence_penalty) <= 2 && std::fabs(r.frequency_penalty) <= 2);
+  check(r.logit_bias.size() <= kMaxLogitBias);
+  for (std::size_t i = 0; i < r.logit_bias.size(); ++i) {
+    const auto [id, bias] = r.logit_bias[i];
+    check(id >= 0 && std::fabs(bias) <= 100 && (i == 0 || id > r.logit_bias[i - 1].first));
+  }
+  if (auto e = check_logit_bias(r, codec.n_vocab())) {
+    check(e->param == "logit_bias");
+    return refused(*e), 0;
+  }
   ChatTemplate chat;
   chat.default_system = "S";
   auto prompt = build_prompt(r, codec, chat);
@@ -132,26 +151,39 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
     if (context > 0) check(static_cast<int64_t>(ids.size()) + *n <= context);
     check(static_cast<int64_t>(ids.size()) + *n <= pool);
   }
-  // The prompt's bytes as a generation, ended by the end token.
-  Generation g(codec, r.stop);
+  // The prompt's bytes as a generation, ended by the end token; with logprobs, one per token
+  // that is text, in order, offsets ascending.
+  Generation g(codec, r.stop, r.logprobs >= 0);
+  std::size_t handed = 0;
   for (std::size_t i = 0; i < ids.size() && !g.done(); ++i) {
     engine::TokenEvent ev;
     ev.token = ids[i] < 256 ? ids[i] : 'x';
-    g.on_event(ev);
+    ev.logprobs.logprob = -static_cast<double>(i);
+    handed += g.on_event(ev).logprobs.size();
   }
   engine::TokenEvent end;
   end.token = testing::kByteEos;
   end.finish = engine::FinishReason::kStop;
-  g.on_event(end);
+  handed += g.on_event(end).logprobs.size();
   check(g.done());
   const std::string& text = g.text();
   Utf8Assembler u;  // valid UTF-8 passes through unchanged
   check(u.push(text) == text && u.held() == 0);
   for (const std::string& s : r.stop) check(text.find(s) == std::string::npos);
-  // And the response body it would make is JSON.
+  const auto& lps = g.logprobs();
+  check(r.logprobs >= 0 || lps.empty());
+  for (std::size_t i = 1; i < lps.size(); ++i)
+    check(lps[i].text_offset >= lps[i - 1].text_offset &&
+          lps[i].lp.logprob < lps[i - 1].lp.logprob);
+  check(handed == lps.size());
+  for (const TokenLogprob& l : lps) check(l.text_offset <= static_cast<int64_t>(text.size()));
+  // And the response body it would make is JSON, with its n choices.
   ResponseMeta meta{ep, "id", 0, "m"};
   Completion c;
-  c.text = text;
-  (void)nlohmann::json::parse(completion_body(meta, c));
+  for (int i = 0; i < r.n; ++i)
+    c.choices.push_back({text, Finish::kStop, nullptr,
+                         r.logprobs >= 0 ? logprobs_json(ep, lps, codec) : nlohmann::json()});
+  const auto body_json = nlohmann::json::parse(completion_body(meta, c));
+  check(body_json["choices"].size() == static_cast<std::size_t>(r.n));
   return 0;
 }

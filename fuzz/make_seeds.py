@@ -181,6 +181,14 @@ def serve_request():
         b"\x10" + b'{"tokens":[72,105,195,169,257]}',
         b"\x10" + b'{"tokens":[1,999999999999,-1,1.5,"a"]}',
         b"\x10" + b'{"tokens":[]}',
+        # the sampling and output fields: every one, out of range, logit_bias keys
+        chat + b'{"messages":[{"role":"user","content":"x"}],"n":3,"logprobs":true,'
+               b'"top_logprobs":20,"presence_penalty":-2,"frequency_penalty":1.5,'
+               b'"min_p":0.05,"repetition_penalty":1.3,"logit_bias":{"72":-100,"7":100},'
+               b'"stop":"l","seed":1}',
+        completion + b'{"prompt":"hello","logprobs":5,"n":16,"logit_bias":{"300":1}}',
+        completion + b'{"prompt":"x","logit_bias":{"01":1,"1":2,"-3":0,"x":"y"},"n":17,'
+                     b'"repetition_penalty":0,"top_logprobs":1}',
         # tools, tool turns, and a content that reads as calls
         chat + b'{"messages":[{"role":"user","content":"Weather?"},{"role":"assistant","content":'
                b'null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"get_weather",'

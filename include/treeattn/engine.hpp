@@ -96,6 +96,11 @@ struct Request {
   int64_t max_new_tokens = 16;          // >= 1
   std::vector<TokenId> stop_tokens;     // generation ends when one is sampled
   bool return_logits = false;           // copy the logits of every sampled position (tests)
+  // >= 0: every token's event carries its log-probability and those of the `logprobs` most
+  // likely tokens (at most model::kMaxTopLogprobs), under the processed logits it was sampled
+  // from (model::Sampler::process: after logit_bias and the penalties; before temperature and
+  // truncation); -1: none.
+  int logprobs = -1;
 };
 
 struct RequestTimings {
@@ -115,7 +120,8 @@ struct TokenEvent {
   FinishReason finish = FinishReason::kNone;  // != kNone: the request's last event
   Status error;                   // finish == kError
   RequestTimings timings;         // up to this event
-  std::vector<float> logits;      // Request::return_logits only
+  std::vector<float> logits;      // Request::return_logits only (the model's, unprocessed)
+  model::TokenLogprobs logprobs;  // Request::logprobs >= 0 only
 };
 using TokenCallback = std::function<void(const TokenEvent&)>;
 

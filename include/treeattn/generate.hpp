@@ -48,6 +48,9 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "treeattn/comm.hpp"
@@ -62,28 +65,82 @@ namespace treeattn::model {
 
 inline constexpr int64_t kPrefillBlock = 64;
 
-// Token selection from logits. temperature 0 is greedy: the largest logit, the lowest id on a
-// tie. Otherwise: the top_k largest (0: all), then the smallest set of those whose probability
-// (softmax of logits / temperature, in double) reaches top_p, then one draw from a
-// splitmix64 stream seeded with `seed`. Equal logits bits give equal tokens on every rank.
+// Token selection from logits, in two stages, each a pure function of its inputs (the logits
+// bits, the parameters, the token history and the number of draws so far), so every rank of a
+// job picks the same token without communicating.
+//
+// Sampler::process, the logits a token is drawn from (vLLM's order):
+//   1. logit_bias: bias[id] added to the logit of id;
+//   2. repetition_penalty r over every token id seen in the history (prompt and output, the
+//      whole of both: vLLM's window; llama.cpp's default looks at the last 64): a positive
+//      logit is divided by r, a negative one multiplied by r (vLLM's and llama.cpp's rule);
+//   3. frequency_penalty and presence_penalty over the output only (OpenAI's definition):
+//      logit[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty, c[j] the times j
+//      was generated so far.
+// Each stage computes a logit in double from the float it is given and rounds it to float.
+// Sampler::sample, one token from processed logits: temperature 0 is greedy (the largest
+// logit, the lowest id on a tie); otherwise the candidates in a total order (descending logit,
+// ascending id), the top_k first ones (0: all), of those the ones whose probability (softmax
+// of logits / temperature, in double) is at least min_p times the largest one's, then the
+// smallest prefix of those whose renormalized probability reaches top_p, then one draw from a
+// splitmix64 stream seeded with `seed`.
 struct SamplingParams {
   double temperature = 0.0;
   int top_k = 0;
   double top_p = 1.0;
   uint64_t seed = 0;
-  Status validate() const;
+  double min_p = 0.0;               // [0, 1]
+  double presence_penalty = 0.0;    // [-2, 2]
+  double frequency_penalty = 0.0;   // [-2, 2]
+  double repetition_penalty = 1.0;  // [0.01, 100]; 1: none
+  // (token id, bias in [-100, 100]), ids ascending and distinct.
+  std::vector<std::pair<TokenId, double>> logit_bias;
+  // n_vocab > 0: the bias ids must be inside [0, n_vocab).
+  Status validate(int64_t n_vocab = 0) const;
+  bool penalized() const {
+    return presence_penalty != 0.0 || frequency_penalty != 0.0 || repetition_penalty != 1.0;
+  }
 };
 
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& params) : p_(params), state_(params.seed) {}
+  // The processed logits (stage 1 above) for the next token of `history`: the prompt (its
+  // first prompt_len ids) then the tokens generated so far. `logits` itself when no bias or
+  // penalty applies, else the sampler's buffer (valid until the next call). The counts are
+  // kept across calls and extended by the ids past the previous call's history, for a caller
+  // that passes one sequence's growing history (a shorter history or another prompt length
+  // starts them over), so they are those of `history` alone.
+  std::span<const float> process(std::span<const float> logits, std::span<const TokenId> history,
+                                 int64_t prompt_len);
+  // One token from processed logits (stage 2 above); one draw unless greedy.
   TokenId sample(std::span<const float> logits);
 
  private:
+  void absorb(std::span<const TokenId> history, int64_t prompt_len);
   double uniform();
   SamplingParams p_;
   uint64_t state_;
+  // The history absorbed so far: its length and prompt length, each id's count in the output,
+  // and the ids seen anywhere (prompt or output) once each.
+  std::size_t absorbed_ = 0;
+  int64_t prompt_len_ = -1;
+  std::unordered_map<TokenId, int64_t> output_counts_;
+  std::unordered_set<TokenId> seen_;
+  std::vector<float> processed_;
 };
+
+// The most top logprobs a request may ask for (OpenAI's limit).
+inline constexpr int kMaxTopLogprobs = 20;
+
+// Log-probabilities under softmax(logits) over the whole vocabulary, in double: the chosen
+// token's, and the `top` most likely tokens' in the sampler's total order (descending logit,
+// ascending id).
+struct TokenLogprobs {
+  double logprob = 0;
+  std::vector<std::pair<TokenId, double>> top;
+};
+TokenLogprobs token_logprobs(std::span<const float> logits, TokenId chosen, int top);
 
 // The largest and second largest logit (ids and values): the "near tie" measure.
 struct TopTwo {

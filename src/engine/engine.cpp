@@ -78,7 +78,11 @@ struct Engine::Impl {
     if (r.max_new_tokens < 1)
       return invalid_argument("max_new_tokens is " + std::to_string(r.max_new_tokens) +
                               "; it must be >= 1");
-    TREEATTN_RETURN_IF_ERROR(r.sampling.validate());
+    TREEATTN_RETURN_IF_ERROR(r.sampling.validate(mc.n_vocab));
+    if (r.logprobs < -1 || r.logprobs > model::kMaxTopLogprobs)
+      return invalid_argument("logprobs is " + std::to_string(r.logprobs) +
+                              "; it must be -1 (none) or in [0, " +
+                              std::to_string(model::kMaxTopLogprobs) + "]");
     if (r.max_new_tokens > max_sequence_tokens())  // also keeps the sum below from overflowing
       return invalid_argument("max_new_tokens is " + std::to_string(r.max_new_tokens) +
                               ", but the KV pools hold at most " +
@@ -103,7 +107,8 @@ struct Engine::Impl {
     for (std::size_t i = 0; i < out.seqs.size(); ++i) {
       Sequence& s = *out.seqs[i];
       const std::span<const float> lg = out.logits.subspan(i * V, V);
-      const TokenId tok = s.sampler.sample(lg);
+      const std::span<const float> processed = s.sampler.process(lg, s.tokens, s.prompt_len);
+      const TokenId tok = s.sampler.sample(processed);
       s.tokens.push_back(tok);
       ++s.generated;
       ++generated_total;
@@ -117,6 +122,8 @@ struct Engine::Impl {
       else if (s.generated >= s.req.max_new_tokens)
         ev.finish = FinishReason::kLength;
       if (s.req.return_logits && me == 0) ev.logits.assign(lg.begin(), lg.end());
+      if (s.req.logprobs >= 0 && me == 0)
+        ev.logprobs = model::token_logprobs(processed, tok, s.req.logprobs);
       Scheduler::emit(s, ev);
       if (ev.finish != FinishReason::kNone) done.push_back(s.id);
     }

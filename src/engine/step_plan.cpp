@@ -10,19 +10,29 @@ namespace {
 int64_t bits_of(double d) { return std::bit_cast<int64_t>(d); }
 double double_of(int64_t v) { return std::bit_cast<double>(v); }
 
-constexpr std::size_t kRequestWords = 9;  // an admission's fixed words, before its tokens
+constexpr std::size_t kRequestWords = 15;  // an admission's fixed words, before its lists
 
 void put_request(std::vector<int64_t>& w, RequestId id, const Request& r) {
+  const model::SamplingParams& sp = r.sampling;
   w.push_back(static_cast<int64_t>(id));
   w.push_back(static_cast<int64_t>(r.prompt.size()));
   w.push_back(r.max_new_tokens);
-  w.push_back(bits_of(r.sampling.temperature));
-  w.push_back(r.sampling.top_k);
-  w.push_back(bits_of(r.sampling.top_p));
-  w.push_back(static_cast<int64_t>(r.sampling.seed));
+  w.push_back(bits_of(sp.temperature));
+  w.push_back(sp.top_k);
+  w.push_back(bits_of(sp.top_p));
+  w.push_back(static_cast<int64_t>(sp.seed));
+  for (const double d :
+       {sp.min_p, sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty})
+    w.push_back(bits_of(d));
   w.push_back(r.return_logits ? 1 : 0);
+  w.push_back(r.logprobs);
   w.push_back(static_cast<int64_t>(r.stop_tokens.size()));
+  w.push_back(static_cast<int64_t>(sp.logit_bias.size()));
   for (TokenId t : r.stop_tokens) w.push_back(t);
+  for (const auto& [t, bias] : sp.logit_bias) {
+    w.push_back(t);
+    w.push_back(bits_of(bias));
+  }
   for (TokenId t : r.prompt) w.push_back(t);
 }
 
@@ -53,23 +63,36 @@ class Reader {
 
 Result<Plan::Admit> get_request(Reader& in) {
   Plan::Admit ad;
-  int64_t id, np, temp, topk, topp, seed, rl, ns;
-  if (!in.next(id) || !in.next(np) || !in.next(ad.req.max_new_tokens) || !in.next(temp) ||
-      !in.next(topk) || !in.next(topp) || !in.next(seed) || !in.next(rl) || !in.next(ns))
-    return in.bad("an admission is cut short");
-  if (np < 0 || ns < 0 || static_cast<uint64_t>(np) > in.left() ||
-      static_cast<uint64_t>(ns) > in.left() - static_cast<uint64_t>(np))
-    return in.bad("an admission's prompt (" + std::to_string(np) + ") or stop tokens (" +
-                  std::to_string(ns) + ") exceed the words left");
-  ad.id = static_cast<RequestId>(id);
-  ad.req.sampling.temperature = double_of(temp);
-  ad.req.sampling.top_k = static_cast<int>(topk);
-  ad.req.sampling.top_p = double_of(topp);
-  ad.req.sampling.seed = static_cast<uint64_t>(seed);
-  ad.req.return_logits = rl != 0;
-  int64_t t = 0;
+  model::SamplingParams& sp = ad.req.sampling;
+  int64_t fixed[kRequestWords];
+  for (int64_t& x : fixed)
+    if (!in.next(x)) return in.bad("an admission is cut short");
+  const int64_t np = fixed[1], ns = fixed[13], nb = fixed[14];
+  // Prompt, stop tokens and two words per bias entry, within the words left (no overflow: each
+  // is checked against what is left after the others).
+  if (np < 0 || ns < 0 || nb < 0 || static_cast<uint64_t>(np) > in.left() ||
+      static_cast<uint64_t>(ns) > in.left() - static_cast<uint64_t>(np) ||
+      static_cast<uint64_t>(nb) > (in.left() - static_cast<uint64_t>(np + ns)) / 2)
+    return in.bad("an admission's prompt (" + std::to_string(np) + "), stop tokens (" +
+                  std::to_string(ns) + ") or logit_bias entries (" + std::to_string(nb) +
+                  ") exceed the words left");
+  ad.id = static_cast<RequestId>(fixed[0]);
+  ad.req.max_new_tokens = fixed[2];
+  sp.temperature = double_of(fixed[3]);
+  sp.top_k = static_cast<int>(fixed[4]);
+  sp.top_p = double_of(fixed[5]);
+  sp.seed = static_cast<uint64_t>(fixed[6]);
+  sp.min_p = double_of(fixed[7]);
+  sp.presence_penalty = double_of(fixed[8]);
+  sp.frequency_penalty = double_of(fixed[9]);
+  sp.repetition_penalty = double_of(fixed[10]);
+  ad.req.return_logits = fixed[11] != 0;
+  ad.req.logprobs = static_cast<int>(fixed[12]);
+  int64_t t = 0, b = 0;
   for (int64_t j = 0; j < ns && in.next(t); ++j)
     ad.req.stop_tokens.push_back(static_cast<TokenId>(t));
+  for (int64_t j = 0; j < nb && in.next(t) && in.next(b); ++j)
+    sp.logit_bias.emplace_back(static_cast<TokenId>(t), double_of(b));
   for (int64_t j = 0; j < np && in.next(t); ++j) ad.req.prompt.push_back(static_cast<TokenId>(t));
   return ad;
 }

@@ -4,9 +4,11 @@
 //
 // Words: kind, waiting_after, #cancels, #preempts, #resumes, #admits, #work; the cancels',
 // preemptions' and resumptions' ids; each admission (id, #prompt, max_new_tokens, temperature
-// bits, top_k, top_p bits, seed, return_logits, #stop tokens, the stop tokens, the prompt); each
-// work item (id, tokens). Every rank applies them in that order: cancels, preemptions, the
-// running sequences' page growth for their work, resumptions, admissions.
+// bits, top_k, top_p bits, seed, min_p bits, presence_penalty bits, frequency_penalty bits,
+// repetition_penalty bits, return_logits, logprobs, #stop tokens, #logit_bias entries, the stop
+// tokens, the logit_bias entries (id, bias bits), the prompt); each work item (id, tokens). Every
+// rank applies them in that order: cancels, preemptions, the running sequences' page growth for
+// their work, resumptions, admissions.
 #pragma once
 
 #include <cstdint>

@@ -4,11 +4,14 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <initializer_list>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
+
+#include "treeattn/generate.hpp"
 
 namespace treeattn::serve {
 
@@ -128,21 +131,6 @@ std::optional<ApiError> neutral_only(const std::string& key, const json& v) {
     return v.is_null() || (v.is_array() && v.empty()) || (v.is_object() && v.empty()) ||
            (v.is_string() && v.get<std::string>().empty());
   };
-  if (key == "frequency_penalty" || key == "presence_penalty") {
-    auto d = get_number(v, key, -2.0, 2.0);
-    if (auto* e = std::get_if<ApiError>(&d)) return *e;
-    if (std::get<double>(d) != 0.0) return unsupported(key, "other than 0");
-    return std::nullopt;
-  }
-  if (key == "logprobs") {  // chat: a boolean; completions: an integer
-    if (v.is_boolean() && !v.get<bool>()) return std::nullopt;
-    if (as_int(v) == 0) return std::nullopt;
-    return unsupported(key);
-  }
-  if (key == "top_logprobs") {
-    if (as_int(v) == 0) return std::nullopt;
-    return unsupported(key);
-  }
   if (key == "echo" || key == "store") {
     auto b = get_bool(v, key);
     if (auto* e = std::get_if<ApiError>(&b)) return *e;
@@ -174,17 +162,12 @@ std::optional<ApiError> neutral_only(const std::string& key, const json& v) {
     if (!v.is_object()) return wrong_type(key, "an object", v);
     return std::nullopt;
   }
-  // logit_bias, functions, suffix, reasoning_effort, prediction, audio, ...
+  // functions, suffix, reasoning_effort, prediction, audio, ...
   if (empty_or_null()) return std::nullopt;
   return unsupported(key);
 }
 
-const std::set<std::string, std::less<>> kNeutralChat = {"frequency_penalty",
-                                                         "presence_penalty",
-                                                         "logit_bias",
-                                                         "logprobs",
-                                                         "top_logprobs",
-                                                         "user",
+const std::set<std::string, std::less<>> kNeutralChat = {"user",
                                                          "response_format",
                                                          "functions",
                                                          "function_call",
@@ -195,11 +178,7 @@ const std::set<std::string, std::less<>> kNeutralChat = {"frequency_penalty",
                                                          "reasoning_effort",
                                                          "prediction",
                                                          "audio"};
-const std::set<std::string, std::less<>> kNeutralCompletion = {"frequency_penalty",
-                                                               "presence_penalty",
-                                                               "logit_bias",
-                                                               "logprobs",
-                                                               "user",
+const std::set<std::string, std::less<>> kNeutralCompletion = {"user",
                                                                "echo",
                                                                "best_of",
                                                                "suffix"};
@@ -478,6 +457,39 @@ std::optional<ApiError> parse_stop(const json& v, std::vector<std::string>& out)
   return std::nullopt;
 }
 
+// logit_bias: {"token id": bias in [-100, 100]}, at most kMaxLogitBias entries; the ids
+// ascending in `out` (check_logit_bias checks them against the vocabulary).
+std::optional<ApiError> parse_logit_bias(const json& v,
+                                         std::vector<std::pair<TokenId, double>>& out) {
+  const std::string key = "logit_bias";
+  if (!v.is_object()) return wrong_type(key, "an object mapping token ids to numbers", v);
+  if (v.size() > kMaxLogitBias)
+    return bad(fmt::format("'logit_bias' has {} entries; at most {}.", v.size(), kMaxLogitBias),
+               key, "invalid_value");
+  for (const auto& [k, x] : v.items()) {
+    const std::string p = fmt::format("logit_bias.{}", k);
+    TokenId id = -1;
+    const auto [end, ec] = std::from_chars(k.data(), k.data() + k.size(), id);
+    if (k.empty() || ec != std::errc() || end != k.data() + k.size() || id < 0)
+      return bad(fmt::format("'logit_bias' key '{}' must be a token id (a non-negative integer "
+                             "written as a string).",
+                             k),
+                 key, "invalid_value");
+    auto b = get_number(x, p, -100.0, 100.0);
+    if (auto* e = std::get_if<ApiError>(&b)) {
+      e->param = key;
+      return *e;
+    }
+    out.emplace_back(id, std::get<double>(b));
+  }
+  std::sort(out.begin(), out.end());
+  for (std::size_t i = 1; i < out.size(); ++i)
+    if (out[i].first == out[i - 1].first)
+      return bad(fmt::format("'logit_bias' names token id {} twice.", out[i].first), key,
+                 "invalid_value");
+  return std::nullopt;
+}
+
 // A request body: a JSON object, nested at most kMaxJsonDepth deep.
 Parsed<json> parse_body(std::string_view body) {
   if (json_depth(body) > kMaxJsonDepth)
@@ -515,7 +527,8 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body) {
   const bool chat = endpoint == Endpoint::kChat;
   const auto& neutral = chat ? kNeutralChat : kNeutralCompletion;
   bool have_input = false, have_stream_options = false, have_tools = false;
-  std::optional<int64_t> max_tokens, max_completion_tokens;
+  std::optional<int64_t> max_tokens, max_completion_tokens, top_logprobs;
+  bool chat_logprobs = false;
   for (const auto& [key, v] : j.items()) {
     if (v.is_null() && key != "messages" && key != "prompt") continue;  // null: absent
     std::optional<ApiError> err;
@@ -558,10 +571,28 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body) {
         r.seed = v.is_number_unsigned() ? v.get<uint64_t>() : static_cast<uint64_t>(*s);
     } else if (key == "n") {
       int64_t n = 1;
-      take(get_int(v, key, 1, std::numeric_limits<int32_t>::max()), n);
-      if (!err && n != 1)
-        err = bad(fmt::format("'n' is {}; this server returns one choice per request (n = 1).", n),
-                  "n", "unsupported_value");
+      take(get_int(v, key, 1, kMaxChoices), n);
+      r.n = static_cast<int>(n);
+    } else if (key == "min_p") {
+      take(get_number(v, key, 0.0, 1.0), r.min_p);
+    } else if (key == "presence_penalty") {
+      take(get_number(v, key, -2.0, 2.0), r.presence_penalty);
+    } else if (key == "frequency_penalty") {
+      take(get_number(v, key, -2.0, 2.0), r.frequency_penalty);
+    } else if (key == "repetition_penalty") {
+      take(get_number(v, key, 0.01, 100.0), r.repetition_penalty);
+    } else if (key == "logit_bias") {
+      err = parse_logit_bias(v, r.logit_bias);
+    } else if (chat && key == "logprobs") {
+      take(get_bool(v, key), chat_logprobs);
+    } else if (chat && key == "top_logprobs") {
+      int64_t k = 0;
+      take(get_int(v, key, 0, model::kMaxTopLogprobs), k);
+      top_logprobs = k;
+    } else if (!chat && key == "logprobs") {
+      int64_t k = 0;
+      take(get_int(v, key, 0, model::kMaxTopLogprobs), k);
+      r.logprobs = static_cast<int>(k);
     } else if (key == "stream") {
       take(get_bool(v, key), r.stream);
     } else if (key == "stream_options") {
@@ -614,6 +645,9 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body) {
   if (have_stream_options && !r.stream)
     return bad("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                "stream_options", "invalid_value");
+  if (top_logprobs && !chat_logprobs)
+    return bad("'top_logprobs' needs 'logprobs' to be true.", "top_logprobs", "invalid_value");
+  if (chat_logprobs) r.logprobs = static_cast<int>(top_logprobs.value_or(0));
   r.max_tokens = max_completion_tokens ? max_completion_tokens : max_tokens;
   // The tools in the client's key order (templates write them with tojson, as Python keeps it).
   if (have_tools) r.tools = nlohmann::ordered_json::parse(body).at("tools");
@@ -696,6 +730,15 @@ std::optional<ApiError> check_model(std::string_view requested,
   if (std::find(served.begin(), served.end(), requested) != served.end()) return std::nullopt;
   return ApiError{404, fmt::format("The model `{}` does not exist", requested),
                   "invalid_request_error", "model", "model_not_found"};
+}
+
+std::optional<ApiError> check_logit_bias(const ParsedRequest& request, int32_t n_vocab) {
+  for (const auto& [id, bias] : request.logit_bias)
+    if (id >= n_vocab)
+      return bad(fmt::format("'logit_bias' names token id {}, outside the vocabulary [0, {}).", id,
+                             n_vocab),
+                 "logit_bias", "invalid_value");
+  return std::nullopt;
 }
 
 ChatTemplate ChatTemplate::from_template(std::string_view jinja) {

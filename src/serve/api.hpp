@@ -12,19 +12,25 @@
 //   (integer >= 1; max_completion_tokens wins), temperature (0..2; 0 is greedy; default 1),
 //   top_p (0..1; 0 is greedy), seed (integer; default: a fresh one per request), stop (a
 //   string or an array of up to 16 non-empty strings), stream, stream_options.include_usage
-//   (only with stream true), n (1 only), tools (function tools, at most kMaxTools; names as
-//   OpenAI allows: 1-64 of a-z, A-Z, 0-9, _ and -), tool_choice ("auto" or "none"; "required"
-//   and a named function are refused with 400), parallel_tool_calls (a boolean; the model may
-//   make several calls either way), and messages of role tool (tool_call_id, content) and
-//   assistant messages with tool_calls (arguments: a JSON object's text). Tools need a model
-//   whose own chat template takes them (tool_calls.hpp: how calls are read from the answer).
-// Extensions other servers also take: top_k (integer >= 0), ignore_eos (bool: the end-of-
+//   (only with stream true), n (1..kMaxChoices choices; choice i samples with seed + i),
+//   presence_penalty and frequency_penalty (-2..2), logit_bias ({"token id": -100..100}, at
+//   most kMaxLogitBias entries; check_logit_bias checks the ids against the vocabulary),
+//   logprobs (chat: a bool, with top_logprobs 0..20; completions: an integer 0..20),
+//   tools (function tools, at most kMaxTools; names as OpenAI allows: 1-64 of a-z, A-Z, 0-9, _
+//   and -), tool_choice ("auto" or "none"; "required" and a named function are refused with
+//   400), parallel_tool_calls (a boolean; the model may make several calls either way), and
+//   messages of role tool (tool_call_id, content) and assistant messages with tool_calls
+//   (arguments: a JSON object's text). Tools need a model whose own chat template takes them
+//   (tool_calls.hpp: how calls are read from the answer).
+//   The sampling fields' meaning: model::Sampler (generate.hpp).
+// Extensions other servers also take: top_k (integer >= 0), min_p (0..1), repetition_penalty
+// (0.01..100; 1: none; vLLM's and llama.cpp's), ignore_eos (bool: the end-of-
 // generation tokens do not stop the request), return_token_ids (bool: choice.token_ids and
 // prompt_token_ids in the response, as vLLM), cache_prompt (bool, llama-server's; ignored: the
 // prefix cache is always on), timeout (seconds > 0, at most a day: the request ends there with
 // the text so far and finish_reason "timeout").
 // Fields of the OpenAI API this server does not implement are accepted at their neutral value
-// (frequency_penalty 0, logprobs false, tools [], response_format text, echo false, ...) and
+// (tools [], response_format text, echo false, best_of 1, ...) and
 // refused with 400 otherwise; fields that are not in the API at all are refused with 400
 // ("Unrecognized request argument supplied: X"), as OpenAI does.
 #pragma once
@@ -35,6 +41,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -89,6 +96,15 @@ struct ParsedRequest {
   double top_p = 1.0;
   int top_k = 0;
   std::optional<uint64_t> seed;
+  int n = 1;  // choices
+  double min_p = 0.0;
+  double presence_penalty = 0.0;
+  double frequency_penalty = 0.0;
+  double repetition_penalty = 1.0;
+  std::vector<std::pair<TokenId, double>> logit_bias;  // ids ascending, distinct
+  // -1: no logprobs; k >= 0: each token's logprob and the k most likely tokens' (chat: logprobs
+  // true with top_logprobs k; completions: logprobs k).
+  int logprobs = -1;
   std::vector<std::string> stop;
   bool stream = false;
   bool include_usage = false;
@@ -109,6 +125,8 @@ inline constexpr std::size_t kMaxTools = 128;
 // parser and the value's destructor are recursive).
 inline constexpr int kMaxJsonDepth = 64;
 inline constexpr std::size_t kMaxStopStrings = 16;
+inline constexpr int kMaxChoices = 16;
+inline constexpr std::size_t kMaxLogitBias = 1024;
 
 Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body);
 
@@ -212,6 +230,9 @@ Parsed<std::vector<TokenId>> parse_detokenize(std::string_view body, int32_t n_v
 // invalid_request_error, param model, code model_not_found).
 std::optional<ApiError> check_model(std::string_view requested,
                                     std::span<const std::string> served);
+
+// 400 naming logit_bias when one of its ids is outside the vocabulary [0, n_vocab).
+std::optional<ApiError> check_logit_bias(const ParsedRequest& request, int32_t n_vocab);
 
 // Before tokenizing: 400 (as check_lengths would give) when the prompt's text alone has more
 // printable ASCII bytes than max_token_bytes times what the context and the pool can hold, so

@@ -96,24 +96,28 @@ double HttpServer::Impl::bytes_per_token(const Job& job) const {
                     : 0.0;
 }
 
-json HttpServer::Impl::timings_of(const Job& job) const {
+json HttpServer::Impl::timings_of(const Job& job, const Choice& c) const {
   TimingsInfo t;
-  t.timings = job.gen.timings();
-  t.generated_tokens = job.gen.completion_tokens();
+  t.timings = c.gen.timings();
+  t.generated_tokens = c.gen.completion_tokens();
   t.ranks = info.ranks;
   t.method = info.method;
   t.bytes_sent_per_token = bytes_per_token(job);
   return timings_json(t);
 }
 
+// The prompt once, the choices' tokens summed; the cached tokens of the first choice's prompt
+// (the others take its pages from the prefix cache).
 Usage HttpServer::Impl::usage_of(const Job& job) const {
-  return Usage{static_cast<int64_t>(job.prompt.size()), job.gen.completion_tokens(),
-               job.gen.timings().cached_tokens};
+  int64_t generated = 0;
+  for (const Choice& c : job.choices) generated += c.gen.completion_tokens();
+  return Usage{static_cast<int64_t>(job.prompt.size()), generated,
+               job.choices.front().gen.timings().cached_tokens};
 }
 
 // Waits up to `timeout` for events; moves them into `out`. Returns false on timeout. When the
 // engine failed (or the server stops) and the engine has not ended the request a few seconds
-// later, an error event is made up so that no worker waits forever.
+// later, an error event is made up for each choice still open, so that no worker waits forever.
 bool HttpServer::Impl::wait_events(Job& job, std::deque<TimedEvent>& out, Clock::duration timeout) {
   {
     std::unique_lock<std::mutex> lock(job.inbox->mu);
@@ -137,104 +141,130 @@ bool HttpServer::Impl::wait_events(Job& job, std::deque<TimedEvent>& out, Clock:
       why = s == State::kFailed ? failure : "the server stopped";
     }
     if (s == State::kStopped || Clock::now() - since >= wait) {
-      TimedEvent te{engine::TokenEvent{}, Clock::now()};
-      te.event.id = job.id;
-      te.event.finish = engine::FinishReason::kError;
-      te.event.error = internal_error(why);
-      te.event.timings = job.gen.timings();
-      out.push_back(std::move(te));
+      for (std::size_t i = 0; i < job.choices.size(); ++i) {
+        const Choice& c = job.choices[i];
+        if (c.gen.done()) continue;
+        TimedEvent te{engine::TokenEvent{}, Clock::now(), i};
+        te.event.id = c.id;
+        te.event.finish = engine::FinishReason::kError;
+        te.event.error = internal_error(why);
+        te.event.timings = c.gen.timings();
+        out.push_back(std::move(te));
+      }
       return true;
     }
   }
   return false;
 }
 
-// Feeds one event to the request's output; measures latencies; ends the request in the
-// engine when a stop string ended it.
+// Feeds one event to its choice's output; measures latencies; ends the choice in the engine
+// when a stop string ended it.
 Generation::Update HttpServer::Impl::process(Job& job, const TimedEvent& te) {
-  const bool was_done = job.gen.done();
-  Generation::Update u = job.gen.on_event(te.event);
+  Choice& c = job.choices[te.choice];
+  const bool was_done = c.gen.done();
+  Generation::Update u = c.gen.on_event(te.event);
   if (was_done) return u;
   if (te.event.token >= 0) {
-    if (!job.first_token)
-      metrics.ttft.observe(seconds(te.at - job.arrival));
-    else
-      metrics.itl.observe(seconds(te.at - job.last_token));
-    job.first_token = true;
-    job.last_token = te.at;
+    if (!job.first_token) metrics.ttft.observe(seconds(te.at - job.arrival));
+    if (c.first_token) metrics.itl.observe(seconds(te.at - c.last_token));
+    job.first_token = c.first_token = true;
+    c.last_token = te.at;
   }
   if (u.done) {
-    metrics.duration.observe(seconds(te.at - job.arrival));
     metrics.queue.observe(te.event.timings.queue_seconds);
     if (te.event.timings.generated_tokens > 0) {
       metrics.prefill.observe(te.event.timings.prefill_seconds);
       metrics.decode.observe(te.event.timings.decode_seconds);
     }
     metrics.count_finish(finish_name(u.finish));
-    end_in_engine(job);
-    if (u.stopped_by_string) backend->cancel(job.id);
+    if (u.stopped_by_string) backend->cancel(c.id);
+    if (job.done()) {
+      metrics.duration.observe(seconds(te.at - job.arrival));
+      end_in_engine(job);
+    }
   }
   return u;
+}
+
+// Every choice still open ends in the engine (its pages are freed at the engine's next step).
+void HttpServer::Impl::cancel_all(Job& job) {
+  for (const Choice& c : job.choices)
+    if (!c.gen.done()) backend->cancel(c.id);
+}
+
+// The request ends before its choices do (the client went away, a choice failed): the open
+// ones are cancelled in the engine and counted as `why`.
+void HttpServer::Impl::abandon(Job& job, const char* why) {
+  if (job.ended || job.done()) return;
+  cancel_all(job);
+  metrics.count_finish(why);
+  end_in_engine(job);
 }
 
 // Not streamed: waits for the whole output. The client going away cancels the request (its
 // pages are freed at the engine's next step); its deadline ends it with finish "timeout".
 void HttpServer::Impl::answer(Job& job, httplib::Response& res) {
   std::deque<TimedEvent> events;
-  while (!job.gen.done()) {
+  while (!job.done() && job.failed() == nullptr) {
     events.clear();
     wait_events(job, events, std::chrono::milliseconds(250));
-    for (const TimedEvent& te : events)
-      if (process(job, te).done) break;
-    if (job.gen.done()) break;
-    if (past_deadline(job)) break;
+    for (const TimedEvent& te : events) process(job, te);
+    if (job.done() || job.failed() != nullptr) break;
+    if (!past_deadline(job).empty()) break;
     if (tl_conn_fd >= 0 && peer_gone(tl_conn_fd)) {
-      backend->cancel(job.id);
-      metrics.count_finish("disconnected");
-      end_in_engine(job);
+      abandon(job, "disconnected");
       // Nobody reads it: nginx's "client closed request".
       return send_error(res, ApiError{499, "The client closed the connection.",
                                       "invalid_request_error", "", ""});
     }
   }
-  const Finish f = job.gen.finish();
-  if (f == Finish::kCancelled)
-    return send_error(res, unavailable("The request was cancelled: the server is shutting "
-                                       "down"));
-  if (f == Finish::kError)
+  if (const Choice* f = job.failed()) {
+    const bool cancelled = f->gen.finish() == Finish::kCancelled;
+    abandon(job, cancelled ? "cancelled" : "error");
+    if (cancelled)
+      return send_error(res, unavailable("The request was cancelled: the server is shutting "
+                                         "down"));
     return send_error(res, unavailable("The engine failed: " + failure_of(job)));
+  }
   Completion c;
-  c.text = job.gen.text();
-  c.finish = f;
-  if (job.tools) {
-    ToolCallReading t = read_tool_calls(c.text, job.req.tools, tool_call_id_base(job.meta));
-    if (!t.calls.empty()) {
-      c.text = std::move(t.content);
-      c.tool_calls = std::move(t.calls);
-      c.finish = Finish::kToolCalls;
+  for (const Choice& ch : job.choices) {
+    ChoiceOut o;
+    o.text = ch.gen.text();
+    o.finish = ch.gen.finish();
+    if (ch.tools) {
+      ToolCallReading t = ch.tools->read(o.text);
+      if (!t.calls.empty()) {
+        o.text = std::move(t.content);
+        o.tool_calls = std::move(t.calls);
+        o.finish = Finish::kToolCalls;
+      }
     }
+    if (job.req.return_token_ids) o.token_ids = &ch.gen.tokens();
+    if (job.req.logprobs >= 0)
+      o.logprobs = logprobs_json(job.meta.endpoint, ch.gen.logprobs(), *codec);
+    c.choices.push_back(std::move(o));
   }
   c.usage = usage_of(job);
-  c.timings = timings_of(job);
-  if (job.req.return_token_ids) {
-    c.token_ids = &job.gen.tokens();
-    c.prompt_ids = &job.prompt;
-  }
+  c.timings = timings_of(job, job.choices.front());
+  if (job.req.return_token_ids) c.prompt_ids = &job.prompt;
   res.set_content(completion_body(job.meta, c), kJson);
 }
 
-// Ends the request in the engine and in its output when its deadline has passed; the
-// update (the text held back) for a stream.
-std::optional<Generation::Update> HttpServer::Impl::past_deadline(Job& job) {
-  if (job.gen.done() || job.deadline == Clock::time_point{} || Clock::now() < job.deadline)
-    return std::nullopt;
-  backend->cancel(job.id);
-  Generation::Update u = job.gen.end(Finish::kTimeout);
-  const Clock::time_point now = Clock::now();
-  metrics.duration.observe(seconds(now - job.arrival));
-  metrics.count_finish(finish_name(u.finish));
+// Ends the request's open choices in the engine and in their outputs when its deadline has
+// passed; their updates (the text held back) for a stream, none before the deadline.
+std::vector<std::pair<std::size_t, Generation::Update>> HttpServer::Impl::past_deadline(Job& job) {
+  std::vector<std::pair<std::size_t, Generation::Update>> out;
+  if (job.done() || job.deadline == Clock::time_point{} || Clock::now() < job.deadline) return out;
+  cancel_all(job);
+  for (std::size_t i = 0; i < job.choices.size(); ++i) {
+    Generation& g = job.choices[i].gen;
+    if (g.done()) continue;
+    out.emplace_back(i, g.end(Finish::kTimeout));
+    metrics.count_finish(finish_name(out.back().second.finish));
+  }
+  metrics.duration.observe(seconds(Clock::now() - job.arrival));
   end_in_engine(job);
-  return u;
+  return out;
 }
 
 // How long a stream may wait for events before its deadline (a day when it has none).
@@ -244,7 +274,8 @@ Clock::duration HttpServer::Impl::until_deadline(const Job& job) {
 }
 
 std::string HttpServer::Impl::failure_of(const Job& job) const {
-  if (!job.gen.error().empty()) return job.gen.error();
+  for (const Choice& c : job.choices)
+    if (!c.gen.error().empty()) return c.gen.error();
   std::lock_guard<std::mutex> lock(mu);
   return failure.empty() ? std::string("see the server's log") : failure;
 }
@@ -258,11 +289,7 @@ void HttpServer::Impl::stream(const std::shared_ptr<Job>& job, httplib::Response
       [job](std::size_t, httplib::DataSink& sink) { return job->server->pump(*job, sink); },
       [job](bool) {
         Impl* s = job->server;
-        if (!job->gen.done() && !job->ended) {  // the connection ended first
-          s->backend->cancel(job->id);
-          s->metrics.count_finish("disconnected");
-          s->end_in_engine(*job);
-        }
+        s->abandon(*job, "disconnected");  // when the connection ended first
         s->finish_active(*job);
       });
 }
@@ -270,17 +297,16 @@ void HttpServer::Impl::stream(const std::shared_ptr<Job>& job, httplib::Response
 bool HttpServer::Impl::pump(Job& job, httplib::DataSink& sink) {
   auto write = [&](const std::string& s) { return sink.write(s.data(), s.size()); };
   auto gone = [&] {  // the client went away: free the request's pages
-    if (!job.gen.done() && !job.ended) {
-      backend->cancel(job.id);
-      metrics.count_finish("disconnected");
-      end_in_engine(job);
-    }
+    abandon(job, "disconnected");
     return false;
   };
   if (!job.role_sent) {
     job.role_sent = true;
-    if (job.meta.endpoint == Endpoint::kChat && !write(sse_data(chunk_role(job.meta))))
-      return gone();
+    std::string roles;
+    if (job.meta.endpoint == Endpoint::kChat)
+      for (std::size_t i = 0; i < job.choices.size(); ++i)
+        roles += sse_data(chunk_role(job.meta, static_cast<int>(i)));
+    if (!roles.empty() && !write(roles)) return gone();
     return true;
   }
   std::deque<TimedEvent> events;
@@ -288,49 +314,66 @@ bool HttpServer::Impl::pump(Job& job, httplib::DataSink& sink) {
                          std::min<Clock::duration>(opt.ping_interval, until_deadline(job)));
   std::string out;
   for (const TimedEvent& te : events) {
-    const Generation::Update u = process(job, te);
-    if (const std::string t = job.tools ? job.tools->push(u.text) : u.text; !t.empty())
-      out += sse_data(chunk_text(job.meta, t));
-    if (u.done) {
-      out += last_events(job, u);
-      break;
-    }
+    out += choice_events(job, te.choice, process(job, te));
+    if (job.done()) break;
   }
-  if (!job.gen.done())
-    if (auto u = past_deadline(job)) {
-      if (const std::string t = job.tools ? job.tools->push(u->text) : u->text; !t.empty())
-        out += sse_data(chunk_text(job.meta, t));
-      out += last_events(job, *u);
+  if (!job.done())
+    for (const auto& [i, u] : past_deadline(job)) {
+      out += choice_events(job, i, u);
       got = true;
     }
+  if (job.done()) out += last_events(job);
   if (!got) out = sse_comment("keep-alive");
   if (!out.empty() && !write(out)) return gone();
-  if (job.gen.done()) sink.done();
+  if (job.done()) sink.done();
   return true;
 }
 
-std::string HttpServer::Impl::last_events(const Job& job, const Generation::Update& u) {
+// A choice's update as events: its text and logprobs, and its finish chunk when it ended
+// normally. A choice that failed or was cancelled ends the whole request (last_events says
+// why): the other choices are cancelled.
+std::string HttpServer::Impl::choice_events(Job& job, std::size_t i, const Generation::Update& u) {
   std::string out;
+  const int index = static_cast<int>(i);
+  const nlohmann::json lp = job.req.logprobs >= 0 && !u.logprobs.empty()
+                                ? logprobs_json(job.meta.endpoint, u.logprobs, *codec)
+                                : nlohmann::json(nullptr);
+  Choice& c = job.choices[i];
+  const std::string text = c.tools ? c.tools->push(u.text) : u.text;
+  if (!text.empty() || !lp.is_null()) out += sse_data(chunk_text(job.meta, text, index, lp));
+  if (!u.done) return out;
   if (u.finish == Finish::kStop || u.finish == Finish::kLength || u.finish == Finish::kTimeout) {
     Finish finish = u.finish;
-    if (job.tools) {  // the content held back, then the calls whole
-      const ToolCallReading t = job.tools->finish();
-      if (!t.content.empty()) out += sse_data(chunk_text(job.meta, t.content));
+    if (c.tools) {  // the content held back, then the calls whole
+      const ToolCallReading t = c.tools->finish();
+      if (!t.content.empty()) out += sse_data(chunk_text(job.meta, t.content, index));
       if (!t.calls.empty()) {
-        out += sse_data(chunk_tool_calls(job.meta, t.calls));
+        out += sse_data(chunk_tool_calls(job.meta, t.calls, index));
         finish = Finish::kToolCalls;
       }
     }
-    out += sse_data(chunk_finish(job.meta, finish, timings_of(job),
-                                 job.req.return_token_ids ? &job.gen.tokens() : nullptr));
-    if (job.req.include_usage) out += sse_data(chunk_usage(job.meta, usage_of(job)));
-  } else {
-    const ApiError e = u.finish == Finish::kCancelled
+    out += sse_data(chunk_finish(job.meta, finish, timings_of(job, c),
+                                 job.req.return_token_ids ? &c.gen.tokens() : nullptr, index));
+    return out;
+  }
+  abandon(job, u.finish == Finish::kCancelled ? "cancelled" : "error");
+  for (Choice& other : job.choices)
+    if (!other.gen.done()) other.gen.end(u.finish);
+  return out;
+}
+
+// After every choice ended: the usage chunk, or the error event of a choice that failed; [DONE].
+std::string HttpServer::Impl::last_events(const Job& job) {
+  std::string out;
+  if (const Choice* f = job.failed()) {
+    const ApiError e = f->gen.finish() == Finish::kCancelled
                            ? unavailable(
                                  "The request was cancelled: the server is shutting "
                                  "down")
                            : unavailable("The engine failed: " + failure_of(job));
     out += "data: " + error_body(e) + "\n\n";
+  } else if (job.req.include_usage) {
+    out += sse_data(chunk_usage(job.meta, usage_of(job)));
   }
   return out + sse_done();
 }

@@ -79,8 +79,9 @@ json envelope(const ResponseMeta& meta, bool chunk) {
       {"system_fingerprint", "treeattn"}};
 }
 
-json choice(const ResponseMeta& meta, const std::string* text, bool delta, Finish finish) {
-  json c = {{"index", 0}};
+json choice(const ResponseMeta& meta, int index, const std::string* text, bool delta, Finish finish,
+            const json& logprobs = nullptr) {
+  json c = {{"index", index}};
   if (meta.endpoint == Endpoint::kChat) {
     json m = json::object();
     if (!delta) m["role"] = "assistant";
@@ -89,7 +90,7 @@ json choice(const ResponseMeta& meta, const std::string* text, bool delta, Finis
   } else {
     c["text"] = text != nullptr ? *text : std::string();
   }
-  c["logprobs"] = nullptr;
+  c["logprobs"] = logprobs;
   c["finish_reason"] = finish_json(finish);
   return c;
 }
@@ -107,18 +108,63 @@ json tool_calls_json(std::span<const ToolCall> calls, bool with_index) {
   return a;
 }
 
+json bytes_of(const std::string& s) {
+  json b = json::array();
+  for (const char ch : s) b.push_back(static_cast<unsigned char>(ch));
+  return b;
+}
+
 }  // namespace
+
+json logprobs_json(Endpoint endpoint, std::span<const TokenLogprob> tokens, const Codec& codec) {
+  if (endpoint == Endpoint::kChat) {
+    json content = json::array();
+    for (const TokenLogprob& t : tokens) {
+      const std::string text = codec.token_text(t.token);
+      json top = json::array();
+      for (const auto& [id, lp] : t.lp.top) {
+        const std::string tt = codec.token_text(id);
+        top.push_back({{"token", tt}, {"logprob", lp}, {"bytes", bytes_of(tt)}});
+      }
+      content.push_back({{"token", text},
+                         {"logprob", t.lp.logprob},
+                         {"bytes", bytes_of(text)},
+                         {"top_logprobs", std::move(top)}});
+    }
+    return {{"content", std::move(content)}, {"refusal", nullptr}};
+  }
+  json toks = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
+  for (const TokenLogprob& t : tokens) {
+    const std::string text = codec.token_text(t.token);
+    toks.push_back(text);
+    lps.push_back(t.lp.logprob);
+    json top = json::object();
+    for (const auto& [id, lp] : t.lp.top) top[codec.token_text(id)] = lp;
+    top[text] = t.lp.logprob;
+    tops.push_back(std::move(top));
+    offsets.push_back(t.text_offset);
+  }
+  return {{"tokens", std::move(toks)},
+          {"token_logprobs", std::move(lps)},
+          {"top_logprobs", std::move(tops)},
+          {"text_offset", std::move(offsets)}};
+}
 
 std::string completion_body(const ResponseMeta& meta, const Completion& c) {
   json j = envelope(meta, false);
-  json ch = choice(meta, &c.text, false, c.finish);
-  if (!c.tool_calls.empty() && meta.endpoint == Endpoint::kChat) {
-    json& m = ch["message"];
-    if (c.text.empty()) m["content"] = nullptr;
-    m["tool_calls"] = tool_calls_json(c.tool_calls, false);
+  json choices = json::array();
+  for (std::size_t i = 0; i < c.choices.size(); ++i) {
+    const ChoiceOut& o = c.choices[i];
+    json ch = choice(meta, static_cast<int>(i), &o.text, false, o.finish, o.logprobs);
+    if (!o.tool_calls.empty() && meta.endpoint == Endpoint::kChat) {
+      json& m = ch["message"];
+      if (o.text.empty()) m["content"] = nullptr;
+      m["tool_calls"] = tool_calls_json(o.tool_calls, false);
+    }
+    if (o.token_ids != nullptr) ch["token_ids"] = *o.token_ids;
+    choices.push_back(std::move(ch));
   }
-  if (c.token_ids != nullptr) ch["token_ids"] = *c.token_ids;
-  j["choices"] = json::array({std::move(ch)});
+  j["choices"] = std::move(choices);
   j["usage"] = usage_json(c.usage);
   if (c.prompt_ids != nullptr) j["prompt_token_ids"] = *c.prompt_ids;
   if (!c.timings.is_null()) j["timings"] = c.timings;
@@ -129,9 +175,9 @@ std::string sse_data(const json& j) { return "data: " + dump(j) + "\n\n"; }
 std::string sse_done() { return "data: [DONE]\n\n"; }
 std::string sse_comment(std::string_view text) { return ": " + std::string(text) + "\n\n"; }
 
-json chunk_role(const ResponseMeta& meta) {
+json chunk_role(const ResponseMeta& meta, int index) {
   json j = envelope(meta, true);
-  json c = {{"index", 0},
+  json c = {{"index", index},
             {"delta", {{"role", "assistant"}, {"content", ""}}},
             {"logprobs", nullptr},
             {"finish_reason", nullptr}};
@@ -139,15 +185,16 @@ json chunk_role(const ResponseMeta& meta) {
   return j;
 }
 
-json chunk_text(const ResponseMeta& meta, const std::string& text) {
+json chunk_text(const ResponseMeta& meta, const std::string& text, int index,
+                const json& logprobs) {
   json j = envelope(meta, true);
-  j["choices"] = json::array({choice(meta, &text, true, Finish::kNone)});
+  j["choices"] = json::array({choice(meta, index, &text, true, Finish::kNone, logprobs)});
   return j;
 }
 
-json chunk_tool_calls(const ResponseMeta& meta, std::span<const ToolCall> calls) {
+json chunk_tool_calls(const ResponseMeta& meta, std::span<const ToolCall> calls, int index) {
   json j = envelope(meta, true);
-  json c = {{"index", 0},
+  json c = {{"index", index},
             {"delta", {{"tool_calls", tool_calls_json(calls, true)}}},
             {"logprobs", nullptr},
             {"finish_reason", nullptr}};
@@ -156,9 +203,9 @@ json chunk_tool_calls(const ResponseMeta& meta, std::span<const ToolCall> calls)
 }
 
 json chunk_finish(const ResponseMeta& meta, Finish finish, const json& timings,
-                  const std::vector<TokenId>* token_ids) {
+                  const std::vector<TokenId>* token_ids, int index) {
   json j = envelope(meta, true);
-  json c = choice(meta, nullptr, true, finish);
+  json c = choice(meta, index, nullptr, true, finish);
   if (token_ids != nullptr) c["token_ids"] = *token_ids;
   j["choices"] = json::array({std::move(c)});
   if (!timings.is_null()) j["timings"] = timings;
@@ -192,13 +239,7 @@ std::string tokenize_body(std::span<const TokenId> ids, const Codec& codec, bool
     }
     const std::string text = codec.token_text(id);
     Utf8Assembler utf8;  // valid UTF-8 passes through whole
-    json piece;
-    if (utf8.push(text) == text && utf8.held() == 0) {
-      piece = text;
-    } else {
-      piece = json::array();
-      for (const char c : text) piece.push_back(static_cast<unsigned char>(c));
-    }
+    json piece = utf8.push(text) == text && utf8.held() == 0 ? json(text) : bytes_of(text);
     tokens.push_back({{"id", id}, {"piece", std::move(piece)}});
   }
   return dump(json{{"tokens", std::move(tokens)}});

@@ -2,16 +2,18 @@
 // of a streamed response, error bodies, /v1/models and /health. Pure; unit-tested.
 //
 // Streamed (text/event-stream), in this order:
-//   data: {chunk with the role}               chat only, written at once
+//   data: {chunk with the role}               chat only, one per choice, written at once
 //   : keep-alive                               a comment, every few seconds without output
-//   data: {chunk with a content delta}         as the text grows
-//   data: {chunk with finish_reason}           with `timings`
-//   data: {chunk with choices [] and usage}    with stream_options.include_usage
+//   data: {chunk with a content delta}         as a choice's text grows (its logprobs with it)
+//   data: {chunk with finish_reason}           as a choice ends, with `timings`
+//   data: {chunk with choices [] and usage}    with stream_options.include_usage, at the end
 //   data: [DONE]
+// Each chunk names its choice's `index` (n > 1: the choices' chunks interleave).
 // A request that fails after the headers went out ends with `data: {"error": {...}}` and
 // `data: [DONE]` (the openai client raises it as an APIError).
 //
-// `timings` (non-standard, in every non-streamed response and in the finish chunk):
+// `timings` (non-standard, in every non-streamed response, of its first choice, and in each
+// choice's finish chunk):
 //   queue_ms             submit -> admitted by the engine
 //   prefill_ms           admitted -> first token (the prompt's uncached tokens)
 //   decode_ms            first -> last token
@@ -69,15 +71,29 @@ std::string error_body(const ApiError& e);
 nlohmann::json usage_json(const Usage& u);
 nlohmann::json timings_json(const TimingsInfo& t);
 
-// The whole response of a request that was not streamed.
-struct Completion {
+// A choice's `logprobs` for its tokens (none: null). Chat: {"content": [{"token", "logprob",
+// "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}], "refusal": null}; completions
+// (the legacy shape): {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}: the top
+// ones and the chosen one], "text_offset"}. A token's text is Codec::token_text (a control
+// token's name); text invalid as UTF-8 is replaced when written, its `bytes` are exact.
+nlohmann::json logprobs_json(Endpoint endpoint, std::span<const TokenLogprob> tokens,
+                             const Codec& codec);
+
+// One choice of a response that was not streamed.
+struct ChoiceOut {
   std::string text;
   Finish finish = Finish::kStop;
+  const std::vector<TokenId>* token_ids = nullptr;  // return_token_ids
+  nlohmann::json logprobs;                          // logprobs_json, or null
+  std::vector<ToolCall> tool_calls{};  // chat: message.tool_calls (content null when empty)
+};
+
+// The whole response of a request that was not streamed: its choices, index 0 first.
+struct Completion {
+  std::vector<ChoiceOut> choices;
   Usage usage;
   nlohmann::json timings;
-  const std::vector<TokenId>* token_ids = nullptr;   // return_token_ids
   const std::vector<TokenId>* prompt_ids = nullptr;  // return_token_ids
-  std::vector<ToolCall> tool_calls{};  // chat: message.tool_calls (content null when empty)
 };
 std::string completion_body(const ResponseMeta& meta, const Completion& c);
 
@@ -85,13 +101,16 @@ std::string completion_body(const ResponseMeta& meta, const Completion& c);
 std::string sse_data(const nlohmann::json& j);        // "data: {...}\n\n"
 std::string sse_done();                               // "data: [DONE]\n\n"
 std::string sse_comment(std::string_view text);       // ": text\n\n"
-nlohmann::json chunk_role(const ResponseMeta& meta);  // chat: delta {role, content ""}
-nlohmann::json chunk_text(const ResponseMeta& meta, const std::string& text);
+// chat: delta {role, content ""}
+nlohmann::json chunk_role(const ResponseMeta& meta, int index = 0);
+nlohmann::json chunk_text(const ResponseMeta& meta, const std::string& text, int index = 0,
+                          const nlohmann::json& logprobs = nullptr);
 // chat: delta {tool_calls: [{index, id, type "function", function {name, arguments}}]}, every
 // call whole in one chunk.
-nlohmann::json chunk_tool_calls(const ResponseMeta& meta, std::span<const ToolCall> calls);
+nlohmann::json chunk_tool_calls(const ResponseMeta& meta, std::span<const ToolCall> calls,
+                                int index = 0);
 nlohmann::json chunk_finish(const ResponseMeta& meta, Finish finish, const nlohmann::json& timings,
-                            const std::vector<TokenId>* token_ids = nullptr);
+                            const std::vector<TokenId>* token_ids = nullptr, int index = 0);
 nlohmann::json chunk_usage(const ResponseMeta& meta, const Usage& usage);
 
 // /v1/models: one entry per id (the served names, the first the model's id), each with `meta`.

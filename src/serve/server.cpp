@@ -103,13 +103,23 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
                                backend->max_sequence_tokens());
   if (auto* e = std::get_if<ApiError>(&max_new)) return send_error(res, *e);
 
+  if (auto e = check_logit_bias(r, codec->n_vocab())) return send_error(res, *e);
+
   engine::Request er;
   er.prompt = ids;
   er.max_new_tokens = std::get<int64_t>(max_new);
   er.sampling.temperature = r.top_p == 0.0 ? 0.0 : r.temperature;
   er.sampling.top_p = r.top_p == 0.0 ? 1.0 : r.top_p;
   er.sampling.top_k = r.top_k;
-  er.sampling.seed = r.seed ? *r.seed : seed_base + seed_counter.fetch_add(1);
+  er.sampling.min_p = r.min_p;
+  er.sampling.presence_penalty = r.presence_penalty;
+  er.sampling.frequency_penalty = r.frequency_penalty;
+  er.sampling.repetition_penalty = r.repetition_penalty;
+  er.sampling.logit_bias = r.logit_bias;
+  er.logprobs = r.logprobs;
+  // A fresh seed per choice: the counter moves by n.
+  const uint64_t seed =
+      r.seed ? *r.seed : seed_base + seed_counter.fetch_add(static_cast<uint64_t>(r.n));
   if (!r.ignore_eos) er.stop_tokens = eog;
 
   // A base model's transcript (chat_stop_strings): its answer ends where it starts the user's
@@ -118,7 +128,7 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
   if (endpoint == Endpoint::kChat && !r.ignore_eos)
     for (std::string& s : chat_stop_strings(info.chat.format))
       if (std::find(stops.begin(), stops.end(), s) == stops.end()) stops.push_back(std::move(s));
-  auto job = std::make_shared<Job>(*codec, std::move(stops));
+  auto job = std::make_shared<Job>();
   job->server = this;
   job->arrival = arrival;
   // The name asked for (one of the served names: check_model), else the model's id.
@@ -132,18 +142,32 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
                                   std::chrono::duration<double>(*r.timeout));
   else if (opt.request_timeout.count() > 0)
     job->deadline = arrival + opt.request_timeout;
+  const int n = r.n;
+  const bool logprobs = r.logprobs >= 0;
   job->req = std::move(r);
-  if (job->req.uses_tools())
-    job->tools = std::make_unique<ToolCallStream>(job->req.tools, tool_call_id_base(job->meta));
   std::tie(job->start_bytes, job->start_rows) = sent_and_rows(backend->metrics());
-  auto id = backend->submit(std::move(er), [inbox = job->inbox](const engine::TokenEvent& e) {
-    {
-      std::lock_guard<std::mutex> lock(inbox->mu);
-      inbox->events.push_back(TimedEvent{e, Clock::now()});
+  // The choices: one engine request each, seeds seed + i (vLLM's rule). Submitted in order,
+  // so the first prefills the prompt and the others wait for its full pages and take them from
+  // the prefix cache (the scheduler's prefix_in_flight).
+  for (int i = 0; i < n; ++i) {
+    job->choices.emplace_back(*codec, stops, logprobs);
+    if (job->req.uses_tools())  // call ids: the response's, and the choice's index past 0
+      job->choices.back().tools = std::make_unique<ToolCallStream>(
+          job->req.tools,
+          tool_call_id_base(job->meta) + (i > 0 ? "_" + std::to_string(i) : std::string()));
+    er.sampling.seed = seed + static_cast<uint64_t>(i);
+    auto id = backend->submit(er, [inbox = job->inbox, i](const engine::TokenEvent& e) {
+      {
+        std::lock_guard<std::mutex> lock(inbox->mu);
+        inbox->events.push_back(TimedEvent{e, Clock::now(), static_cast<std::size_t>(i)});
+      }
+      inbox->cv.notify_one();
+    });
+    if (id.is_ok()) {
+      job->choices.back().id = *id;
+      continue;
     }
-    inbox->cv.notify_one();
-  });
-  if (!id.is_ok()) {
+    for (int j = 0; j < i; ++j) backend->cancel(job->choices[static_cast<std::size_t>(j)].id);
     const Status& s = id.status();
     if (s.code() == Code::kOutOfMemory) {
       res.set_header("Retry-After", "1");
@@ -156,7 +180,6 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
                                       endpoint == Endpoint::kChat ? "messages" : "prompt", ""});
     return send_error(res, unavailable(s.message()));
   }
-  job->id = *id;
   active.fetch_add(1);
   in_engine.fetch_add(1);
   {

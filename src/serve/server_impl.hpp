@@ -13,6 +13,7 @@
 #include <httplib.h>
 #include <sys/epoll.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -60,10 +61,11 @@ inline thread_local int tl_conn_fd = -1;
 // Requests answered on one connection before it is closed (as cpp-httplib's keep-alive count).
 inline constexpr std::size_t kMaxRequestsPerConnection = 1000;
 
-// An engine event and when it reached the server.
+// An engine event, the choice it is for and when it reached the server.
 struct TimedEvent {
   engine::TokenEvent event;
   Clock::time_point at;
+  std::size_t choice = 0;
 };
 
 // One request's queue: the engine's callback appends, the HTTP worker takes.
@@ -184,24 +186,43 @@ struct HttpServer::Impl {
   uint64_t seed_base = 0;
   std::atomic<uint64_t> seed_counter{0};
 
-  // A completion request from submit to its last byte.
+  // One choice of a completion: its request in the engine and its output.
+  struct Choice {
+    engine::RequestId id = 0;
+    Generation gen;
+    std::unique_ptr<ToolCallStream> tools;  // the request's tools are shown to the model
+    Clock::time_point last_token;
+    bool first_token = false;
+    Choice(const Codec& c, std::vector<std::string> stop, bool logprobs)
+        : gen(c, std::move(stop), logprobs) {}
+  };
+
+  // A completion request from submit to its last byte: n choices (ParsedRequest::n), each its
+  // own request in the engine, whose events share the inbox.
   struct Job {
     Impl* server = nullptr;
     ParsedRequest req;
     ResponseMeta meta;
     std::vector<TokenId> prompt;
     std::shared_ptr<Inbox> inbox;
-    engine::RequestId id = 0;
-    Generation gen;
-    std::unique_ptr<ToolCallStream> tools;  // the request's tools are shown to the model
-    Clock::time_point arrival, last_token;
+    std::vector<Choice> choices;
+    Clock::time_point arrival;
     Clock::time_point deadline{};  // none when at its epoch
-    bool first_token = false;
+    bool first_token = false;      // of any choice
     bool role_sent = false;
     bool ended = false;        // counted as finished (done or disconnected)
     uint64_t start_bytes = 0;  // sent_and_rows before submit
     int64_t start_rows = 0;
-    Job(const Codec& c, std::vector<std::string> stop) : gen(c, std::move(stop)) {}
+    bool done() const {
+      return std::all_of(choices.begin(), choices.end(),
+                         [](const Choice& c) { return c.gen.done(); });
+    }
+    // The choice that ended the job abnormally (cancelled or failed), if any.
+    const Choice* failed() const {
+      for (const Choice& c : choices)
+        if (c.gen.finish() == Finish::kCancelled || c.gen.finish() == Finish::kError) return &c;
+      return nullptr;
+    }
   };
 
   explicit Impl(ServerOptions o);
@@ -212,17 +233,20 @@ struct HttpServer::Impl {
   void finish_active(Job& job);
   static std::pair<uint64_t, int64_t> sent_and_rows(const engine::EngineMetrics& m);
   double bytes_per_token(const Job& job) const;
-  nlohmann::json timings_of(const Job& job) const;
+  nlohmann::json timings_of(const Job& job, const Choice& c) const;
   Usage usage_of(const Job& job) const;
   bool wait_events(Job& job, std::deque<TimedEvent>& out, Clock::duration timeout);
   Generation::Update process(Job& job, const TimedEvent& te);
+  void cancel_all(Job& job);
+  void abandon(Job& job, const char* why);
   void answer(Job& job, httplib::Response& res);
-  std::optional<Generation::Update> past_deadline(Job& job);
+  std::vector<std::pair<std::size_t, Generation::Update>> past_deadline(Job& job);
   static Clock::duration until_deadline(const Job& job);
   std::string failure_of(const Job& job) const;
   void stream(const std::shared_ptr<Job>& job, httplib::Response& res);
   bool pump(Job& job, httplib::DataSink& sink);
-  std::string last_events(const Job& job, const Generation::Update& u);
+  std::string choice_events(Job& job, std::size_t i, const Generation::Update& u);
+  std::string last_events(const Job& job);
 
   // ---- the API key, readiness and the routes (server.cpp)
   bool authorized(std::string_view got) const;

@@ -107,8 +107,13 @@ Generation::Update Generation::on_event(const engine::TokenEvent& event) {
   if (event.token >= 0) {
     tokens_.push_back(event.token);
     // The stop token is not part of the text (engine.hpp).
-    if (event.finish != engine::FinishReason::kStop)
+    if (event.finish != engine::FinishReason::kStop) {
+      if (logprobs_)
+        held_logprobs_.push_back(
+            {event.token, event.logprobs,
+             static_cast<int64_t>(text_.size() + u.text.size() + stop_.held() + utf8_.held())});
       emit(stop_.push(utf8_.push(codec_->piece(event.token))));
+    }
   }
   if (!u.done && event.finish != engine::FinishReason::kNone) {
     emit(stop_.push(utf8_.flush()));
@@ -138,7 +143,22 @@ Generation::Update Generation::on_event(const engine::TokenEvent& event) {
     error_ = u.error;
   }
   text_ += u.text;
+  release_logprobs(u);
   return u;
+}
+
+void Generation::release_logprobs(Update& u) {
+  const bool all = u.done && !u.stopped_by_string;
+  std::size_t n = 0;
+  while (n < held_logprobs_.size() &&
+         (all || held_logprobs_[n].text_offset < static_cast<int64_t>(text_.size())))
+    ++n;
+  u.logprobs.assign(held_logprobs_.begin(),
+                    held_logprobs_.begin() + static_cast<std::ptrdiff_t>(n));
+  sent_logprobs_.insert(sent_logprobs_.end(), u.logprobs.begin(), u.logprobs.end());
+  held_logprobs_.erase(held_logprobs_.begin(),
+                       held_logprobs_.begin() + static_cast<std::ptrdiff_t>(n));
+  if (u.done) held_logprobs_.clear();
 }
 
 Generation::Update Generation::end(Finish finish) {
@@ -152,6 +172,7 @@ Generation::Update Generation::end(Finish finish) {
   u.stopped_by_string = o.stopped;
   finish_ = u.finish;
   text_ += u.text;
+  release_logprobs(u);
   return u;
 }
 

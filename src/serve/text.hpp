@@ -44,14 +44,26 @@ using treeattn::StopMatcher;
 enum class Finish { kNone, kStop, kLength, kCancelled, kError, kTimeout, kToolCalls };
 const char* finish_name(Finish f);  // OpenAI's finish_reason: "stop", "length"; else the name
 
-// One request's output, fed with the engine's events in order.
+// A generated token's log-probabilities (engine::Request::logprobs) and the byte offset of its
+// text in the output.
+struct TokenLogprob {
+  TokenId token = -1;
+  model::TokenLogprobs lp;
+  int64_t text_offset = 0;
+};
+
+// One request's output, fed with the engine's events in order. With `logprobs`, it keeps each
+// token's TokenLogprob, except the stop token that ends the generation, and hands them out
+// with the text: a token's goes out once the text sent has passed its offset, the rest at the
+// end, except those of a stop string's tokens (at or past where the text was cut).
 class Generation {
  public:
-  Generation(const Codec& codec, std::vector<std::string> stop)
-      : codec_(&codec), stop_(std::move(stop)) {}
+  Generation(const Codec& codec, std::vector<std::string> stop, bool logprobs = false)
+      : codec_(&codec), stop_(std::move(stop)), logprobs_(logprobs) {}
 
   struct Update {
     std::string text;  // new text to send (may be empty)
+    std::vector<TokenLogprob> logprobs;  // the tokens' whose text this update passes
     bool done = false;
     Finish finish = Finish::kNone;
     bool stopped_by_string = false;  // the caller cancels the request in the engine
@@ -68,6 +80,7 @@ class Generation {
   const std::string& error() const { return error_; }             // kError / kCancelled: why
   const std::string& text() const { return text_; }               // everything sent so far
   const std::vector<TokenId>& tokens() const { return tokens_; }  // generated, stop token too
+  const std::vector<TokenLogprob>& logprobs() const { return sent_logprobs_; }  // handed out
   int64_t completion_tokens() const { return static_cast<int64_t>(tokens_.size()); }
   const engine::RequestTimings& timings() const { return timings_; }
 
@@ -80,6 +93,9 @@ class Generation {
   engine::RequestTimings timings_;
   Finish finish_ = Finish::kNone;
   std::string error_;
+  bool logprobs_ = false;
+  std::vector<TokenLogprob> held_logprobs_, sent_logprobs_;
+  void release_logprobs(Update& u);
 };
 
 }  // namespace treeattn::serve

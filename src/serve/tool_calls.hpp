@@ -53,6 +53,10 @@ class ToolCallStream {
   std::string push(std::string_view more);
   // At the end of the answer: the content not sent yet and the calls.
   ToolCallReading finish() const;
+  // A whole answer that was not streamed, with this stream's tools and ids.
+  ToolCallReading read(std::string_view text) const {
+    return read_tool_calls(text, *tools_, id_base_);
+  }
 
  private:
   const nlohmann::ordered_json* tools_;

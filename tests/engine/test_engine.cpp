@@ -14,6 +14,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -36,6 +37,7 @@ struct Submitted {
 struct Outcome {
   std::vector<TokenId> tokens;
   std::vector<std::vector<float>> logits;
+  std::vector<model::TokenLogprobs> logprobs;
   FinishReason finish = FinishReason::kNone;
   int64_t cached = -1;
   Status error;
@@ -97,6 +99,8 @@ RunResult run_engine(const model::LlamaModel& m, int p, const EngineConfig& cfg,
       Outcome& o = res.out[index.at(ev.id)];
       if (ev.token >= 0) o.tokens.push_back(ev.token);
       if (!ev.logits.empty()) o.logits.push_back(ev.logits);
+      if (ev.token >= 0 && subs[index.at(ev.id)].req.logprobs >= 0)
+        o.logprobs.push_back(ev.logprobs);
       o.cached = ev.timings.cached_tokens;
       if (ev.finish != FinishReason::kNone) {
         o.finish = ev.finish;
@@ -165,6 +169,10 @@ std::string same_bits(const Outcome& a, const Outcome& b) {
     if (a.logits[s].size() != b.logits[s].size() ||
         std::memcmp(a.logits[s].data(), b.logits[s].data(), a.logits[s].size() * 4) != 0)
       return "logits of generated token " + std::to_string(s) + " differ";
+  if (a.logprobs.size() != b.logprobs.size()) return "logprob counts differ";
+  for (std::size_t s = 0; s < a.logprobs.size(); ++s)
+    if (a.logprobs[s].logprob != b.logprobs[s].logprob || a.logprobs[s].top != b.logprobs[s].top)
+      return "logprobs of generated token " + std::to_string(s) + " differ";
   return "";
 }
 
@@ -257,12 +265,34 @@ TEST(Engine, BatchInvarianceTokensAndLogitsBitsAreTheSameAloneAndInABatch) {
   }
 }
 
+// Request i's logits processors (generate.hpp): every third one none; the others penalties,
+// logit_bias and min_p in turn, and logprobs.
+void with_processors(Request& r, int i) {
+  model::SamplingParams& sp = r.sampling;
+  switch (i % 3) {
+    case 0:
+      return;
+    case 1:
+      sp.repetition_penalty = 1.0 + 0.15 * (i % 4);
+      sp.presence_penalty = 0.5;
+      sp.logit_bias = {{5, 4.0}, {static_cast<TokenId>(40 + i), -100.0}, {300, 2.5}};
+      break;
+    default:
+      sp.frequency_penalty = 0.75;
+      sp.repetition_penalty = 0.9;
+      sp.min_p = 0.05;
+      break;
+  }
+  r.logprobs = i % 5;
+}
+
 // Pages on demand: six requests whose prompts fit a pool of 8 pages of 16 tokens (over all
 // ranks) but whose generations do not, so running requests are preempted and resumed, some of
 // them several times, four of them sampling at temperature 8 (the tiny model's logits are
 // peaked: hotter, and the sampler's state, which must go on across a preemption, would not
-// matter). Every request gives exactly the tokens and logits bits it gives alone in a large
-// pool, at 1-4 ranks, and every page comes back.
+// matter), four with penalties (their counts, over the prompt and the tokens generated, must
+// be the same after a resumption). Every request gives exactly the tokens and logits bits it gives
+// alone in a large pool, at 1-4 ranks, and every page comes back.
 TEST(Engine, PreemptedAndResumedRequestsGiveTheirAloneBits) {
   TinyModel m;
   std::mt19937_64 rng(21);
@@ -273,6 +303,7 @@ TEST(Engine, PreemptedAndResumedRequestsGiveTheirAloneBits) {
       r.sampling.temperature = 8.0;
       r.sampling.seed = 1000 + static_cast<uint64_t>(i);
     }
+    with_processors(r, i);
     subs.push_back({i / 3, std::move(r)});
   }
   for (int p : {1, 2, 3, 4}) {
@@ -297,6 +328,121 @@ TEST(Engine, PreemptedAndResumedRequestsGiveTheirAloneBits) {
     EXPECT_GE(batch.metrics.preemptions_total, 2) << "p " << p;
     EXPECT_EQ(batch.metrics.preempted, 0);
     expect_every_page_back(batch, p, tight.kv_pages);
+  }
+}
+
+// The processed logits of generated token `t` of a request, computed independently in double
+// from the model's logits (return_logits): logit_bias, then repetition_penalty over the prompt
+// and the tokens before t, then frequency and presence penalties over the tokens before t.
+std::vector<double> processed_reference(const Request& r, const Outcome& o, std::size_t t) {
+  const std::vector<float>& raw = o.logits[t];
+  std::vector<double> x(raw.begin(), raw.end());
+  const model::SamplingParams& sp = r.sampling;
+  for (const auto& [id, b] : sp.logit_bias) x[static_cast<std::size_t>(id)] += b;
+  std::map<TokenId, int> count;
+  std::set<TokenId> seen(r.prompt.begin(), r.prompt.end());
+  for (std::size_t j = 0; j < t; ++j) {
+    ++count[o.tokens[j]];
+    seen.insert(o.tokens[j]);
+  }
+  if (sp.repetition_penalty != 1.0)
+    for (const TokenId id : seen) {
+      double& v = x[static_cast<std::size_t>(id)];
+      v = v > 0 ? v / sp.repetition_penalty : v * sp.repetition_penalty;
+    }
+  for (const auto& [id, c] : count)
+    x[static_cast<std::size_t>(id)] -= c * sp.frequency_penalty + sp.presence_penalty;
+  return x;
+}
+
+// Every sampling field at once on 12 requests (greedy and temperature 1, penalties, logit_bias,
+// min_p, top-k, logprobs up to 20): each token's logprob and top logprobs are the log-softmax
+// of the processed logits, checked against a float64 reference from the model's logits; greedy
+// picks the reference's most likely token, a -100 bias is never picked, a +100 one always; and
+// the tokens, logits and logprobs are the same bits alone and in a staggered batch with prefix
+// reuse, at 1 and 2 ranks.
+TEST(Engine, LogprobsAreTheLogSoftmaxOfTheProcessedLogitsAndEveryFieldIsBatchInvariant) {
+  TinyModel m;
+  std::mt19937_64 rng(5);
+  const auto shared = random_tokens(rng, 40, 320);
+  std::vector<Submitted> subs;
+  for (int i = 0; i < 12; ++i) {
+    std::vector<TokenId> prompt = random_tokens(rng, 3 + 7 * i, 320);
+    prompt.insert(prompt.begin(), shared.begin(), shared.end());
+    Request r = greedy(prompt, 12);
+    with_processors(r, i);
+    if (i % 2 == 1) {
+      r.sampling.temperature = 1.0;
+      r.sampling.top_k = i % 4 == 1 ? 0 : 50;
+      r.sampling.seed = 77 + static_cast<uint64_t>(i);
+    }
+    if (i == 6) r.sampling.logit_bias = {{9, 100.0}};  // always 9
+    if (i == 8 || i == 9) r.logprobs = model::kMaxTopLogprobs;
+    subs.push_back({i / 3, std::move(r)});
+  }
+  for (int p : {1, 2}) {
+    EngineConfig alone_cfg = base_config();
+    alone_cfg.prefix_cache = false;
+    const auto alone = run_engine(*m, p, alone_cfg, subs, true);
+    ASSERT_TRUE(alone.status.is_ok()) << alone.status.to_string();
+    EngineConfig batch_cfg = base_config();
+    batch_cfg.prefill_chunk = 24;
+    const auto batch = run_engine(*m, p, batch_cfg, subs, false);
+    ASSERT_TRUE(batch.status.is_ok()) << batch.status.to_string();
+    for (std::size_t i = 0; i < subs.size(); ++i) {
+      const Request& r = subs[i].req;
+      const Outcome& o = batch.out[i];
+      EXPECT_EQ(same_bits(alone.out[i], o), "") << "p " << p << " request " << i;
+      ASSERT_EQ(o.tokens.size(), 12u);
+      ASSERT_EQ(o.logprobs.size(), r.logprobs >= 0 ? o.tokens.size() : 0u) << i;
+      for (std::size_t t = 0; t < o.tokens.size(); ++t) {
+        const std::vector<double> x = processed_reference(r, o, t);
+        double mx = -std::numeric_limits<double>::infinity(), mag = 1;
+        for (const double v : x) {
+          mx = std::max(mx, v);
+          mag = std::max(mag, std::fabs(v));
+        }
+        double sum = 0;
+        for (const double v : x) sum += std::exp(v - mx);
+        const double lse = mx + std::log(sum);
+        const auto argmax = static_cast<TokenId>(std::max_element(x.begin(), x.end()) - x.begin());
+        const TokenId tok = o.tokens[t];
+        if (r.sampling.temperature == 0) {
+          EXPECT_EQ(tok, argmax) << "greedy takes the processed logits' top: request " << i;
+        }
+        for (const auto& [id, b] : r.sampling.logit_bias) {
+          if (b == -100.0) {
+            EXPECT_NE(tok, id) << "request " << i;
+          }
+          if (b == 100.0) {
+            EXPECT_EQ(tok, id) << "request " << i;
+          }
+        }
+        if (r.logprobs < 0) continue;
+        const model::TokenLogprobs& lp = o.logprobs[t];
+        const double tol = 1e-5 * mag;
+        EXPECT_NEAR(lp.logprob, x[static_cast<std::size_t>(tok)] - lse, tol)
+            << "p " << p << " request " << i << " token " << t;
+        ASSERT_EQ(lp.top.size(), static_cast<std::size_t>(r.logprobs));
+        for (std::size_t k = 0; k < lp.top.size(); ++k) {
+          const auto [id, v] = lp.top[k];
+          EXPECT_NEAR(v, x[static_cast<std::size_t>(id)] - lse, tol) << "request " << i;
+          if (k > 0) {
+            EXPECT_LE(v, lp.top[k - 1].second) << "request " << i;
+          }
+          if (id == tok) {
+            EXPECT_EQ(v, lp.logprob);
+          }
+        }
+        if (!lp.top.empty()) {
+          EXPECT_NEAR(lp.top[0].second, mx - lse, tol) << "the top one is the most likely";
+          if (r.sampling.temperature == 0) {
+            EXPECT_EQ(lp.top[0].first, tok);
+          }
+        }
+      }
+    }
+    expect_every_page_back(batch, p, batch_cfg.kv_pages);
   }
 }
 
@@ -570,6 +716,12 @@ TEST(Engine, BadRequestsAreRefusedWithTheirReason) {
     Request hot = greedy({1, 2}, 3);
     hot.sampling.top_p = 0;
     expect_refused(hot, "top-p");
+    Request bias = greedy({1, 2}, 3);
+    bias.sampling.logit_bias = {{320, 1.0}};
+    expect_refused(bias, "logit_bias token id 320");
+    Request lp = greedy({1, 2}, 3);
+    lp.logprobs = model::kMaxTopLogprobs + 1;
+    expect_refused(lp, "logprobs");
     eng.stop(false);
     auto last = eng.step();
     return last.status();

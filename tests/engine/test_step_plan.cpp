@@ -28,8 +28,14 @@ Plan sample_plan() {
   a.req.sampling.top_k = 40;
   a.req.sampling.top_p = 0.95;
   a.req.sampling.seed = 0xfedcba9876543210ull;
+  a.req.sampling.min_p = 0.05;
+  a.req.sampling.presence_penalty = -1.5;
+  a.req.sampling.frequency_penalty = 0.25;
+  a.req.sampling.repetition_penalty = 1.3;
+  a.req.sampling.logit_bias = {{3, -100.0}, {17, 0.125}, {300, 7.5}};
   a.req.stop_tokens = {2, 42};
   a.req.return_logits = true;
+  a.req.logprobs = 20;
   pl.admits.push_back(a);
   Plan::Admit b;
   b.id = 12;
@@ -56,8 +62,20 @@ void expect_same(const Plan& a, const Plan& b) {
     EXPECT_EQ(x.sampling.top_k, y.sampling.top_k);
     EXPECT_EQ(std::bit_cast<uint64_t>(x.sampling.top_p), std::bit_cast<uint64_t>(y.sampling.top_p));
     EXPECT_EQ(x.sampling.seed, y.sampling.seed);
+    for (const auto field :
+         {&model::SamplingParams::min_p, &model::SamplingParams::presence_penalty,
+          &model::SamplingParams::frequency_penalty, &model::SamplingParams::repetition_penalty})
+      EXPECT_EQ(std::bit_cast<uint64_t>(x.sampling.*field),
+                std::bit_cast<uint64_t>(y.sampling.*field));
+    ASSERT_EQ(x.sampling.logit_bias.size(), y.sampling.logit_bias.size());
+    for (std::size_t j = 0; j < x.sampling.logit_bias.size(); ++j) {
+      EXPECT_EQ(x.sampling.logit_bias[j].first, y.sampling.logit_bias[j].first);
+      EXPECT_EQ(std::bit_cast<uint64_t>(x.sampling.logit_bias[j].second),
+                std::bit_cast<uint64_t>(y.sampling.logit_bias[j].second));
+    }
     EXPECT_EQ(x.stop_tokens, y.stop_tokens);
     EXPECT_EQ(x.return_logits, y.return_logits);
+    EXPECT_EQ(x.logprobs, y.logprobs);
   }
   EXPECT_EQ(a.work, b.work);
 }
@@ -87,6 +105,8 @@ TEST(StepPlan, RoundTripsOddDoubles) {
   Plan pl = sample_plan();
   pl.admits[0].req.sampling.temperature = -0.0;
   pl.admits[0].req.sampling.top_p = std::numeric_limits<double>::quiet_NaN();
+  pl.admits[0].req.sampling.repetition_penalty = -std::numeric_limits<double>::infinity();
+  pl.admits[0].req.sampling.logit_bias[1].second = std::numeric_limits<double>::denorm_min();
   auto back = decode_plan(encode_plan(pl));
   ASSERT_TRUE(back.is_ok());
   expect_same(pl, *back);
@@ -146,19 +166,27 @@ TEST(StepPlan, RefusesCountsOutOfRange) {
 
 TEST(StepPlan, RefusesAdmissionLengthsOutOfRange) {
   // The first admission's words start after the header, the two cancels, the preemption and
-  // the three resumptions.
+  // the three resumptions; its prompt, stop token and logit_bias counts are its words 1, 13
+  // and 14.
   const std::size_t first = kPlanHeaderWords + 2 + 1 + 3;
-  const std::size_t np_at = first + 1, ns_at = first + 8;
+  const std::size_t np_at = first + 1, ns_at = first + 13, nb_at = first + 14;
   const int64_t huge = std::numeric_limits<int64_t>::max();
-  for (std::size_t at : {np_at, ns_at})
+  for (std::size_t at : {np_at, ns_at, nb_at})
     for (int64_t bad : {int64_t{-1}, huge, int64_t{1000}, std::numeric_limits<int64_t>::min()}) {
       auto w = encode_plan(sample_plan());
       w[at] = bad;
       expect_refused(w, "exceed the words left");
     }
+  for (const auto& [a, b] : {std::pair{np_at, ns_at}, std::pair{ns_at, nb_at}}) {
+    auto w = encode_plan(sample_plan());
+    w[a] = huge;
+    w[b] = huge;  // their sum overflows int64
+    expect_refused(w, "exceed the words left");
+  }
+  // One bias entry more than the words after the admission's prompt and stop tokens hold.
   auto w = encode_plan(sample_plan());
-  w[np_at] = huge;
-  w[ns_at] = huge;  // their sum overflows int64
+  const auto left = static_cast<int64_t>(w.size() - (first + 15)) - w[np_at] - w[ns_at];
+  w[nb_at] = left / 2 + 1;
   expect_refused(w, "exceed the words left");
 }
 

@@ -521,6 +521,101 @@ TEST(Sampler, GreedyTakesTheLowestIdOnTiesAndSamplingIsSeededAndRestricted) {
   EXPECT_EQ(sp.validate().code(), Code::kInvalidArgument);
 }
 
+// logit_bias, then repetition_penalty over prompt and output, then frequency and presence
+// penalties over the output (generate.hpp), each stage in double rounded to float;
+// the counts follow a growing history and are rebuilt for any other.
+TEST(Sampler, ProcessAddsTheBiasThenThePenaltiesOverTheHistory) {
+  const std::vector<float> l = {2.0f, -1.0f, 0.5f, 3.0f, -2.0f, 1.0f};
+  model::SamplingParams sp;
+  model::Sampler none(sp);
+  const std::vector<TokenId> history = {1, 3, 3, 0, 3, 1};  // prompt {1, 3, 3}, output {0, 3, 1}
+  EXPECT_EQ(none.process(l, history, 3).data(), l.data());  // nothing applies: the logits
+  sp.logit_bias = {{2, 10.0}, {4, -100.0}};
+  sp.repetition_penalty = 2.0;
+  sp.frequency_penalty = 0.5;
+  sp.presence_penalty = 0.25;
+  model::Sampler s(sp);
+  std::vector<float> got;
+  auto process = [&](std::span<const TokenId> h) {
+    const auto out = s.process(l, h, 3);
+    got.assign(out.begin(), out.end());
+  };
+  process(history);
+  // 0: seen (output once) 2 / 2 - 0.5 - 0.25; 1: seen (prompt, output once) -1 * 2 - 0.75;
+  // 2: bias only; 3: seen (prompt twice, output once) 3 / 2 - 0.75; 4: bias; 5: untouched.
+  const std::vector<float> want = {0.25f, -2.75f, 10.5f, 0.75f, -102.0f, 1.0f};
+  EXPECT_EQ(got, want);
+  // A growing history: token 5 generated twice more.
+  std::vector<TokenId> longer = history;
+  longer.insert(longer.end(), {5, 5});
+  process(longer);
+  EXPECT_EQ(got[5], 0.5f - 1.0f - 0.25f);
+  EXPECT_EQ(got[0], want[0]);
+  // Another history (a shorter one) is counted from scratch: the same as a fresh sampler's.
+  process(std::span<const TokenId>(history.data(), 4));
+  model::Sampler fresh(sp);
+  const auto f = fresh.process(l, std::span<const TokenId>(history.data(), 4), 3);
+  EXPECT_EQ(got, std::vector<float>(f.begin(), f.end()));
+  EXPECT_EQ(got[3], 1.5f);  // seen in the prompt, not generated: no presence penalty
+  // Bad values are refused naming the field; bias ids against the vocabulary.
+  EXPECT_TRUE(sp.validate(6).is_ok());
+  auto refused = [](model::SamplingParams p, int64_t vocab, const std::string& field) {
+    const Status st = p.validate(vocab);
+    EXPECT_EQ(st.code(), Code::kInvalidArgument) << field;
+    EXPECT_NE(st.message().find(field), std::string::npos) << st.message();
+  };
+  refused(sp, 4, "logit_bias token id 4");
+  model::SamplingParams b = sp;
+  b.logit_bias = {{1, 100.5}};
+  refused(b, 6, "logit_bias of token 1");
+  b.logit_bias = {{2, 1.0}, {1, 1.0}};
+  refused(b, 6, "ascending");
+  b = sp;
+  b.repetition_penalty = 0;
+  refused(b, 6, "repetition_penalty");
+  b = sp;
+  b.presence_penalty = 2.5;
+  refused(b, 6, "presence_penalty");
+  b = sp;
+  b.frequency_penalty = std::nan("");
+  refused(b, 6, "frequency_penalty");
+  b = sp;
+  b.min_p = 1.5;
+  refused(b, 6, "min_p");
+}
+
+// min_p keeps the tokens at least min_p times as likely as the most likely one (after the
+// temperature); logprobs are log-softmax in double, the top ones in the total order.
+TEST(Sampler, MinPCutsTheUnlikelyAndLogprobsAreTheLogSoftmax) {
+  const std::vector<float> l = {0.0f, 2.0f, 2.0f, -3.0f, 1.0f};
+  model::SamplingParams sp;
+  sp.temperature = 1.0;
+  sp.seed = 7;
+  sp.min_p = 0.3;  // exp(1 - 2) = 0.37 stays, exp(0 - 2) = 0.14 goes
+  model::Sampler s(sp);
+  std::set<int> seen;
+  for (int i = 0; i < 300; ++i) seen.insert(s.sample(l));
+  EXPECT_EQ(seen, (std::set<int>{1, 2, 4}));
+  sp.min_p = 1.0;  // only the ties at the top
+  model::Sampler top(sp);
+  seen.clear();
+  for (int i = 0; i < 100; ++i) seen.insert(top.sample(l));
+  EXPECT_EQ(seen, (std::set<int>{1, 2}));
+
+  double sum = 0;
+  for (const float x : l) sum += std::exp(static_cast<double>(x));
+  const auto lp = model::token_logprobs(l, 4, 3);
+  EXPECT_NEAR(lp.logprob, 1.0 - std::log(sum), 1e-12);
+  ASSERT_EQ(lp.top.size(), 3u);
+  EXPECT_EQ(lp.top[0].first, 1);  // the tie at 2.0: the lower id first
+  EXPECT_EQ(lp.top[1].first, 2);
+  EXPECT_EQ(lp.top[2].first, 4);
+  EXPECT_EQ(lp.top[0].second, lp.top[1].second);
+  EXPECT_NEAR(lp.top[2].second, lp.logprob, 0.0);
+  EXPECT_TRUE(model::token_logprobs(l, 0, 0).top.empty());
+  EXPECT_EQ(model::token_logprobs(l, 0, 99).top.size(), l.size());
+}
+
 void expect_load_error(const TinyLlamaSpec& spec, Code code, const std::string& fragment) {
   ScratchDir dir;
   const std::string path = dir.path("bad.gguf");

@@ -24,6 +24,13 @@ Cases (each starts its own server on a free port, --port 0, and reads the addres
   endpoints2  2 ranks: /tokenize -> /detokenize round trip (pieces too), /apply-template's prompt
               tokenized == a chat's usage.prompt_tokens, --served-model-name aliases and the 404
               for another model (openai client), --cors-origins preflight and stream header
+  sampling2   2 ranks: every sampling and output field through the openai client (extra_body
+              for min_p and repetition_penalty): logprobs and top_logprobs (chat and the legacy
+              completions shape: sorted, the chosen token among them, greedy's the top one), n
+              choices (seeded and reproducible, streamed by index, usage summed, the prompt's
+              pages shared through the prefix cache), penalties, min_p and logit_bias (a banned
+              token never comes), each bad value a 400 naming its field; greedy answers with
+              penalties the same alone, among concurrent requests, and at 1 rank
   tools2      2 ranks, Qwen2.5-Coder-0.5B (its template takes tools): a weather question with a
               get_weather tool is answered with a tool call (finish_reason tool_calls, arguments
               naming Paris), streamed and not, the same call both ways; the call and the tool's
@@ -295,10 +302,10 @@ def case_api():
 
         # Errors the client raises as API errors.
         try:
-            c.chat.completions.create(model="any", messages=msgs, n=2)
-            check(False, "n=2 refused")
+            c.chat.completions.create(model="any", messages=msgs, n=17)
+            check(False, "n=17 refused")
         except openai.BadRequestError as e:
-            check(e.status_code == 400 and e.body["param"] == "n", "n=2: 400 %s" % e.body)
+            check(e.status_code == 400 and e.body["param"] == "n", "n=17: 400 %s" % e.body)
         try:
             c.chat.completions.create(model="any", messages=msgs, temperature=5)
             check(False, "temperature 5 refused")
@@ -802,6 +809,164 @@ def case_tools2():
         raise
 
 
+def case_sampling2():
+    msgs = [{"role": "user", "content": "Write a short poem about the sea."}]
+    penalized = dict(max_tokens=24, temperature=0, presence_penalty=1.0, frequency_penalty=0.8,
+                     extra_body={"repetition_penalty": 1.3, "min_p": 0.05,
+                                 "return_token_ids": True})
+    results = {}
+    s = Server(ranks=2)
+    try:
+        c = s.client()
+        # Chat logprobs: one entry per token of the text, top_logprobs sorted, greedy's token the
+        # most likely one, its logprob among the top ones.
+        r = c.chat.completions.create(model="any", messages=msgs, max_tokens=12, temperature=0,
+                                      logprobs=True, top_logprobs=5,
+                                      extra_body={"return_token_ids": True})
+        ch = r.choices[0]
+        content = ch.logprobs.content
+        ids = ch.model_extra["token_ids"]
+        want = len(ids) - (1 if ch.finish_reason == "stop" else 0)  # the end token has none
+        check(len(content) == want and want > 0, "chat logprobs: %d entries for %d tokens" %
+              (len(content), len(ids)), s)
+        check("".join(t.token for t in content) == ch.message.content,
+              "the tokens join to the text %r" % ch.message.content, s)
+        for t in content:
+            tops = [x.logprob for x in t.top_logprobs]
+            check(len(tops) == 5 and tops == sorted(tops, reverse=True) and t.logprob <= 0 and
+                  t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == t.logprob
+                  and bytes(t.bytes) == t.token.encode(),
+                  "token %r: greedy takes the top logprob %s" % (t.token, tops), s)
+        streamed = []
+        for chunk in c.chat.completions.create(model="any", messages=msgs, max_tokens=12,
+                                               temperature=0, logprobs=True, top_logprobs=5,
+                                               stream=True):
+            for x in chunk.choices:
+                if x.logprobs and x.logprobs.content:
+                    streamed += [(t.token, t.logprob, len(t.top_logprobs))
+                                 for t in x.logprobs.content]
+        check(streamed == [(t.token, t.logprob, 5) for t in content],
+              "streamed: the same logprobs, with the text's chunks", s)
+        # Completions' legacy shape.
+        r = c.completions.create(model="any", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                 logprobs=3)
+        lp = r.choices[0].logprobs
+        text = r.choices[0].text
+        check(len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) ==
+              len(lp.text_offset) == 8 and "".join(lp.tokens) == text,
+              "completion logprobs: tokens %s join to %r" % (lp.tokens, text), s)
+        check(lp.text_offset == [sum(len(t.encode()) for t in lp.tokens[:i])
+                                 for i in range(len(lp.tokens))], "text_offset %s" %
+              lp.text_offset, s)
+        for tok, l, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            check(top.get(tok) == l and l == max(top.values()) and len(top) <= 4,
+                  "%r: %s among its top logprobs %s, the largest" % (tok, l, top), s)
+
+        # n choices: seeded (seed + i each), reproducible streamed or not, usage summed, the
+        # prompt's full pages computed once (the other choices take them from the prefix cache).
+        long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 30) + \
+            " Then, all of a sudden, the fox"
+        before = s.metrics()["treeattn_prefix_cache_hit_tokens_total"]
+        kw = dict(model="any", prompt=long_prompt, max_tokens=10, temperature=1.5, n=3, seed=7,
+                  extra_body={"return_token_ids": True})
+        a = c.completions.create(**kw)
+        hits = s.metrics()["treeattn_prefix_cache_hit_tokens_total"] - before
+        check(sorted(x.index for x in a.choices) == [0, 1, 2], "3 choices by index", s)
+        check(hits >= 2 * 128, "the 2 later choices took the prompt's pages from the prefix "
+              "cache (%d hit tokens of a %d-token prompt)" % (hits, a.usage.prompt_tokens), s)
+        check(a.usage.completion_tokens == sum(len(x.model_extra["token_ids"])
+                                               for x in a.choices),
+              "usage sums the choices' tokens (%d)" % a.usage.completion_tokens, s)
+        texts = [x.text for x in sorted(a.choices, key=lambda x: x.index)]
+        check(len(set(texts)) > 1, "the choices differ (seed + i): %s" % texts, s)
+        b = c.completions.create(**kw)
+        check([x.text for x in sorted(b.choices, key=lambda x: x.index)] == texts,
+              "n=3 with seed 7 reproducible", s)
+        streamed = {}
+        for chunk in c.completions.create(stream=True, **kw):
+            for x in chunk.choices:
+                streamed[x.index] = streamed.get(x.index, "") + x.text
+        check([streamed.get(i) for i in range(3)] == texts,
+              "streamed n=3: the chunks by index give the same texts", s)
+        one = c.completions.create(**dict(kw, n=1, seed=8))
+        check(one.choices[0].text == texts[1], "choice 1 of seed 7 == n=1 with seed 8", s)
+        chunks = list(c.chat.completions.create(model="any", messages=msgs, max_tokens=6, n=2,
+                                                seed=3, temperature=1.0, stream=True,
+                                                stream_options={"include_usage": True}))
+        roles = sorted(x.index for ch in chunks for x in ch.choices if x.delta.role)
+        ends = sorted(x.index for ch in chunks for x in ch.choices if x.finish_reason)
+        check(roles == [0, 1] and ends == [0, 1] and chunks[-1].usage.completion_tokens >= 2,
+              "streamed chat n=2: a role and a finish per choice, usage last", s)
+
+        # Penalties, min_p and logit_bias (greedy): a banned token never comes; the same tokens
+        # alone and among concurrent requests.
+        plain = c.chat.completions.create(model="any", messages=msgs, max_tokens=24,
+                                          temperature=0, extra_body={"return_token_ids": True})
+        plain_ids = plain.choices[0].model_extra["token_ids"]
+        alone = c.chat.completions.create(model="any", messages=msgs, **penalized)
+        alone_ids = alone.choices[0].model_extra["token_ids"]
+        check(alone_ids != plain_ids, "penalties change the greedy answer: %r" %
+              alone.choices[0].message.content, s)
+        banned = plain_ids[0]
+        biased = c.chat.completions.create(model="any", messages=msgs, max_tokens=12,
+                                           temperature=0, logit_bias={str(banned): -100},
+                                           extra_body={"return_token_ids": True})
+        check(banned not in biased.choices[0].model_extra["token_ids"],
+              "logit_bias -100 bans token %d" % banned, s)
+        out = {}
+
+        def run(i):
+            if i % 2 == 0:
+                r = c.chat.completions.create(model="any", messages=msgs, **penalized)
+                out[i] = r.choices[0].model_extra["token_ids"]
+            else:
+                c.completions.create(model="any", prompt=PROMPTS[i % 4], max_tokens=16,
+                                     temperature=0.8, seed=i, frequency_penalty=0.5)
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(240)
+        check(len(out) == 4 and all(v == alone_ids for v in out.values()),
+              "with penalties: the same tokens alone and among 8 concurrent requests", s)
+
+        # Every bad value: a 400 naming its field.
+        for field, kwargs in [
+                ("presence_penalty", dict(presence_penalty=3)),
+                ("frequency_penalty", dict(frequency_penalty=-2.5)),
+                ("logit_bias", dict(logit_bias={"999999999": 1})),
+                ("logit_bias", dict(logit_bias={str(banned): 101})),
+                ("top_logprobs", dict(logprobs=True, top_logprobs=21)),
+                ("top_logprobs", dict(top_logprobs=2)),
+                ("n", dict(n=17)),
+                ("min_p", dict(extra_body={"min_p": 2})),
+                ("repetition_penalty", dict(extra_body={"repetition_penalty": 0}))]:
+            try:
+                c.chat.completions.create(model="any", messages=msgs, max_tokens=2, **kwargs)
+                check(False, "%s refused" % kwargs, s)
+            except openai.BadRequestError as e:
+                check(e.status_code == 400 and e.body["param"] == field,
+                      "%s: 400 naming %s" % (kwargs, e.body["param"]), s)
+        no_leaks(s, "sampling2")
+        results["alone_ids"] = alone_ids
+        check(s.stop() == 0, "exit 0", s)
+    except BaseException:
+        s.dump()
+        s.stop(signal.SIGKILL)
+        raise
+    # Greedy with penalties at 1 rank: the same tokens as at 2.
+    s = Server(ranks=1)
+    try:
+        r = s.client().chat.completions.create(model="any", messages=msgs, **penalized)
+        check(r.choices[0].model_extra["token_ids"] == results["alone_ids"],
+              "with penalties: the same tokens at 1 rank as at 2", s)
+        check(s.stop() == 0, "exit 0", s)
+    except BaseException:
+        s.dump()
+        s.stop(signal.SIGKILL)
+        raise
+
+
 def case_sigterm2():
     s = Server(ranks=2)
     try:
@@ -1032,7 +1197,8 @@ CASES = {"api": case_api, "flags": case_flags, "faults": case_faults, "exact1": 
          # in the server against `generate` without it: the same tokens.
          "exact2int8": lambda: case_exact(2, serve_extra=["--matmul", "int8"],
                                           generate_extra=["--matmul", "int8", "--no-rows8"]),
-         "sigterm2": case_sigterm2, "endpoints2": case_endpoints2, "tools2": case_tools2,
+         "sigterm2": case_sigterm2, "endpoints2": case_endpoints2, "sampling2": case_sampling2,
+         "tools2": case_tools2,
          "rank_killed": case_rank_killed, "rank_stopped": case_rank_stopped,
          "mpirun_killed": case_mpirun_killed}
 

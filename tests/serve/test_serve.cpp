@@ -60,6 +60,41 @@ TEST(ServeParse, ChatFields) {
   EXPECT_TRUE(r.stream && r.include_usage && r.ignore_eos && r.return_token_ids);
 }
 
+TEST(ServeParse, SamplingAndOutputFields) {
+  auto r = ok(Endpoint::kChat, R"({"messages":[{"role":"user","content":"x"}],"n":3,
+      "min_p":0.1,"presence_penalty":-0.5,"frequency_penalty":1.5,"repetition_penalty":1.2,
+      "logit_bias":{"300":-100,"7":2.5,"42":0},"logprobs":true,"top_logprobs":20})");
+  EXPECT_EQ(r.n, 3);
+  EXPECT_EQ(r.min_p, 0.1);
+  EXPECT_EQ(r.presence_penalty, -0.5);
+  EXPECT_EQ(r.frequency_penalty, 1.5);
+  EXPECT_EQ(r.repetition_penalty, 1.2);
+  const std::vector<std::pair<TokenId, double>> bias = {{7, 2.5}, {42, 0.0}, {300, -100.0}};
+  EXPECT_EQ(r.logit_bias, bias);  // ascending ids
+  EXPECT_EQ(r.logprobs, 20);
+  EXPECT_FALSE(check_logit_bias(r, 301));
+  const auto e = check_logit_bias(r, 300);
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->status, 400);
+  EXPECT_EQ(e->param, "logit_bias");
+  EXPECT_NE(e->message.find("300"), std::string::npos);
+  // Chat: logprobs true alone is the chosen token's only; false or absent, none.
+  EXPECT_EQ(ok(Endpoint::kChat, R"({"messages":[{"role":"user","content":"x"}],"logprobs":true})")
+                .logprobs,
+            0);
+  EXPECT_EQ(ok(Endpoint::kChat, R"({"messages":[{"role":"user","content":"x"}],"logprobs":false,
+      "top_logprobs":null})")
+                .logprobs,
+            -1);
+  // Completions: an integer.
+  r = ok(Endpoint::kCompletion, R"({"prompt":"x","logprobs":5,"n":16,"logit_bias":{}})");
+  EXPECT_EQ(r.logprobs, 5);
+  EXPECT_EQ(r.n, 16);
+  EXPECT_TRUE(r.logit_bias.empty());
+  EXPECT_EQ(ok(Endpoint::kCompletion, R"({"prompt":"x","logprobs":0})").logprobs, 0);
+  EXPECT_EQ(ok(Endpoint::kCompletion, R"({"prompt":"x"})").logprobs, -1);
+}
+
 TEST(ServeParse, Defaults) {
   const auto r = ok(Endpoint::kChat, R"({"messages":[{"role":"user","content":"hi"}]})");
   EXPECT_FALSE(r.max_tokens);
@@ -183,8 +218,9 @@ TEST(ServeParse, MalformedCorpus) {
       {C, R"({"messages":[{"role":"user","content":"x"}],"top_k":-1})", "top_k"},
       {C, R"({"messages":[{"role":"user","content":"x"}],"seed":"1"})", "seed"},
       {C, R"({"messages":[{"role":"user","content":"x"}],"seed":1.5})", "seed"},
-      {C, R"({"messages":[{"role":"user","content":"x"}],"n":2})", "n"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"n":17})", "n"},
       {C, R"({"messages":[{"role":"user","content":"x"}],"n":0})", "n"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"n":"2"})", "n"},
       {C, R"({"messages":[{"role":"user","content":"x"}],"stream":"yes"})", "stream"},
       {C, R"({"messages":[{"role":"user","content":"x"}],"stream_options":{"include_usage":true}})",
        "stream_options"},
@@ -198,9 +234,35 @@ TEST(ServeParse, MalformedCorpus) {
       {C,
        R"({"messages":[{"role":"user","content":"x"}],"stop":["1","2","3","4","5","6","7","8","9","10","11","12","13","14","15","16","17"]})",
        "stop"},
-      {C, R"({"messages":[{"role":"user","content":"x"}],"frequency_penalty":1})",
+      {C, R"({"messages":[{"role":"user","content":"x"}],"frequency_penalty":2.5})",
        "frequency_penalty"},
-      {C, R"({"messages":[{"role":"user","content":"x"}],"logprobs":true})", "logprobs"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"frequency_penalty":"1"})",
+       "frequency_penalty"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"presence_penalty":-3})",
+       "presence_penalty"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"repetition_penalty":0})",
+       "repetition_penalty"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"repetition_penalty":101})",
+       "repetition_penalty"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"min_p":1.5})", "min_p"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"min_p":-0.1})", "min_p"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"logprobs":1})", "logprobs"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"top_logprobs":3})", "top_logprobs"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":21})",
+       "top_logprobs"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":-1})",
+       "top_logprobs"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"logit_bias":[1]})", "logit_bias"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"logit_bias":{"a":1}})", "logit_bias"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"logit_bias":{"-1":1}})", "logit_bias"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"logit_bias":{"1.5":1}})", "logit_bias"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"logit_bias":{"":1}})", "logit_bias"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"logit_bias":{"99999999999":1}})",
+       "logit_bias"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"logit_bias":{"5":101}})", "logit_bias"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"logit_bias":{"5":"1"}})", "logit_bias"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"logit_bias":{"5":1,"05":2}})",
+       "logit_bias"},
       {C, R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]})",
        "tools[0].function"},
       {C, R"({"messages":[{"role":"user","content":"x"}],"tools":{}})", "tools"},
@@ -251,6 +313,10 @@ TEST(ServeParse, MalformedCorpus) {
       {P, R"({"prompt":"x","messages":[]})", "messages"},
       {P, R"({"prompt":"x","max_completion_tokens":5})", "max_completion_tokens"},
       {P, R"({"prompt":"x","max_tokens":99999999999})", "max_tokens"},
+      {P, R"({"prompt":"x","logprobs":true})", "logprobs"},
+      {P, R"({"prompt":"x","logprobs":21})", "logprobs"},
+      {P, R"({"prompt":"x","top_logprobs":2})", "top_logprobs"},
+      {P, R"({"prompt":"x","n":100})", "n"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.body);
@@ -459,6 +525,49 @@ TEST(ServeGeneration, EosIsCountedButNotText) {
   EXPECT_EQ(g.tokens(), (std::vector<TokenId>{'a', 'z', kByteEos}));
 }
 
+// Each token's logprobs go out once the text has passed its start (a token held back as the
+// possible start of a stop string waits), with its byte offset; the stop string's tokens and the
+// end token have none.
+TEST(ServeGeneration, LogprobsFollowTheTextAndStopBeforeAStopString) {
+  ByteCodec codec;
+  Generation g(codec, {"zz"}, /*logprobs=*/true);
+  auto lp_ev = [](TokenId t, engine::FinishReason f = engine::FinishReason::kNone) {
+    engine::TokenEvent e = ev(t, f);
+    e.logprobs.logprob = -static_cast<double>(t) / 100;
+    return e;
+  };
+  std::vector<TokenId> out;
+  auto feed = [&](TokenId t) {
+    const auto u = g.on_event(lp_ev(t));
+    for (const TokenLogprob& l : u.logprobs) {
+      EXPECT_EQ(l.lp.logprob, -static_cast<double>(l.token) / 100);
+      out.push_back(l.token);
+    }
+    return u;
+  };
+  feed('a');
+  EXPECT_EQ(out, std::vector<TokenId>{'a'});
+  feed('z');  // held back: may start "zz"
+  EXPECT_EQ(out, std::vector<TokenId>{'a'});
+  feed('b');  // "zb": the z is text after all
+  EXPECT_EQ(out, (std::vector<TokenId>{'a', 'z', 'b'}));
+  feed('z');
+  const auto u = feed('z');  // the stop string: its tokens have no logprobs
+  EXPECT_TRUE(u.done && u.stopped_by_string);
+  EXPECT_EQ(g.text(), "azb");
+  EXPECT_EQ(out, (std::vector<TokenId>{'a', 'z', 'b'}));
+  ASSERT_EQ(g.logprobs().size(), 3u);
+  EXPECT_EQ(g.logprobs()[2].text_offset, 2);
+  // Ended by the end token: every token but it, at the end.
+  Generation h(codec, {}, true);
+  h.on_event(lp_ev(0xC3));  // half a character: held back
+  EXPECT_TRUE(h.on_event(lp_ev(0xA9)).logprobs.size() == 2);
+  const auto end = h.on_event(lp_ev(kByteEos, engine::FinishReason::kStop));
+  EXPECT_TRUE(end.done && end.logprobs.empty());
+  EXPECT_EQ(h.logprobs().size(), 2u);
+  EXPECT_EQ(h.logprobs()[1].text_offset, 1);
+}
+
 TEST(ServeGeneration, LengthAndErrors) {
   ByteCodec codec;
   Generation g(codec, {});
@@ -479,7 +588,8 @@ TEST(ServeFormat, CompletionBodies) {
   EXPECT_EQ(meta.id.rfind("chatcmpl-", 0), 0u);
   EXPECT_NE(meta.id, make_response_id(Endpoint::kChat));
   std::vector<TokenId> toks = {1, 2};
-  Completion c{"hi", Finish::kLength, {10, 2, 4}, json{{"prefill_ms", 1.0}}, &toks, nullptr};
+  Completion c{
+      {{"hi", Finish::kLength, &toks, nullptr}}, {10, 2, 4}, json{{"prefill_ms", 1.0}}, nullptr};
   json j = json::parse(completion_body(meta, c));
   EXPECT_EQ(j["object"], "chat.completion");
   EXPECT_EQ(j["model"], "smol");
@@ -491,10 +601,45 @@ TEST(ServeFormat, CompletionBodies) {
   EXPECT_EQ(j["usage"]["total_tokens"], 12);
   EXPECT_EQ(j["usage"]["prompt_tokens_details"]["cached_tokens"], 4);
   EXPECT_EQ(j["timings"]["prefill_ms"], 1.0);
+  EXPECT_TRUE(j["choices"][0]["logprobs"].is_null());
   meta.endpoint = Endpoint::kCompletion;
   j = json::parse(completion_body(meta, c));
   EXPECT_EQ(j["object"], "text_completion");
   EXPECT_EQ(j["choices"][0]["text"], "hi");
+  // n choices, each with its index.
+  c.choices.push_back({"ho", Finish::kStop, nullptr, json{{"tokens", json::array()}}});
+  j = json::parse(completion_body(meta, c));
+  ASSERT_EQ(j["choices"].size(), 2u);
+  EXPECT_EQ(j["choices"][1]["index"], 1);
+  EXPECT_EQ(j["choices"][1]["text"], "ho");
+  EXPECT_EQ(j["choices"][1]["finish_reason"], "stop");
+  EXPECT_TRUE(j["choices"][1]["logprobs"]["tokens"].empty());
+}
+
+// Chat's logprobs.content and the legacy completions shape, from the tokens' logprobs.
+TEST(ServeFormat, LogprobsShapes) {
+  testing::ByteCodec codec;
+  std::vector<TokenLogprob> toks(2);
+  toks[0] = {'H', {-0.25, {{'H', -0.25}, {'J', -2.0}}}, 0};
+  toks[1] = {0xC3, {-1.5, {{'a', -0.5}, {'b', -1.0}}}, 1};  // not UTF-8 by itself
+  const json chat = logprobs_json(Endpoint::kChat, toks, codec);
+  ASSERT_EQ(chat["content"].size(), 2u);
+  EXPECT_TRUE(chat["refusal"].is_null());
+  const json& t0 = chat["content"][0];
+  EXPECT_EQ(t0["token"], "H");
+  EXPECT_EQ(t0["logprob"], -0.25);
+  EXPECT_EQ(t0["bytes"], json({72}));
+  ASSERT_EQ(t0["top_logprobs"].size(), 2u);
+  EXPECT_EQ(t0["top_logprobs"][1]["token"], "J");
+  EXPECT_EQ(t0["top_logprobs"][1]["logprob"], -2.0);
+  EXPECT_EQ(chat["content"][1]["bytes"], json({0xC3}));
+  EXPECT_EQ(json::parse(dump(chat))["content"].size(), 2u);  // invalid UTF-8 replaced
+  const json legacy = logprobs_json(Endpoint::kCompletion, toks, codec);
+  EXPECT_EQ(legacy["tokens"][0], "H");
+  EXPECT_EQ(legacy["token_logprobs"], json({-0.25, -1.5}));
+  EXPECT_EQ(legacy["text_offset"], json({0, 1}));
+  EXPECT_EQ(legacy["top_logprobs"][0], json({{"H", -0.25}, {"J", -2.0}}));
+  EXPECT_EQ(legacy["top_logprobs"][1].size(), 3u);  // the top two and the chosen one
 }
 
 TEST(ServeFormat, StreamChunks) {
@@ -519,6 +664,14 @@ TEST(ServeFormat, StreamChunks) {
   EXPECT_EQ(sse_comment("keep-alive"), ": keep-alive\n\n");
   meta.endpoint = Endpoint::kCompletion;
   EXPECT_EQ(chunk_text(meta, "a")["choices"][0]["text"], "a");
+  // A choice's chunks name its index; a text chunk carries its tokens' logprobs.
+  const json lp = {{"tokens", {"a"}}};
+  t = chunk_text(meta, "a", 3, lp);
+  EXPECT_EQ(t["choices"][0]["index"], 3);
+  EXPECT_EQ(t["choices"][0]["logprobs"], lp);
+  EXPECT_EQ(chunk_finish(meta, Finish::kLength, nullptr, nullptr, 2)["choices"][0]["index"], 2);
+  meta.endpoint = Endpoint::kChat;
+  EXPECT_EQ(chunk_role(meta, 1)["choices"][0]["index"], 1);
 }
 
 TEST(ServeFormat, TimingsAndModels) {

@@ -63,6 +63,7 @@ class FakeBackend final : public Backend {
         Live{std::move(r), std::move(cb), 0, std::chrono::steady_clock::now() + o_.first_delay};
     ++submitted_;
     last_request_ = live_[id].req;
+    requests_.push_back(live_[id].req);
     cv_.notify_all();
     return id;
   }
@@ -109,6 +110,10 @@ class FakeBackend final : public Backend {
   engine::Request last_request() const {
     std::lock_guard<std::mutex> lock(mu_);
     return last_request_;
+  }
+  std::vector<engine::Request> requests() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return requests_;
   }
   // A stalled rank: no step completes, no event comes, until unstalled.
   void stall(bool on) {
@@ -157,6 +162,12 @@ class FakeBackend final : public Backend {
             e.token = eos ? kByteEos : 'x';
           ++l.produced;
           e.timings.generated_tokens = l.produced;
+          // Made-up logprobs: the token's is -index/10, then the next byte values'.
+          if (l.req.logprobs >= 0) {
+            e.logprobs.logprob = -static_cast<double>(e.index) / 10;
+            for (int t = 0; t < l.req.logprobs; ++t)
+              e.logprobs.top.emplace_back('a' + t, -static_cast<double>(t) / 4);
+          }
           if (e.token == kByteEos)
             e.finish = engine::FinishReason::kStop;
           else if (l.produced >= l.req.max_new_tokens)
@@ -184,6 +195,7 @@ class FakeBackend final : public Backend {
   std::map<engine::RequestId, Live> live_;
   std::set<engine::RequestId> cancelled_;
   engine::Request last_request_;
+  std::vector<engine::Request> requests_;
   engine::RequestId next_ = 0;
   uint64_t submitted_ = 0;
   bool failed_ = false;
@@ -421,6 +433,114 @@ TEST_F(ServeHttp, SeedsAreForwardedOrFresh) {
   EXPECT_EQ(backend_->last_request().sampling.temperature, 0.0);  // top_p 0: greedy
 }
 
+// The sampling fields reach the engine; n choices are n engine requests with seeds seed + i
+// whose outputs come back under their index, usage summed; logprobs in each endpoint's shape.
+TEST_F(ServeHttp, SamplingFieldsNChoicesAndLogprobs) {
+  start();
+  ready();
+  auto r = post("/v1/chat/completions", R"({"messages":[{"role":"user","content":"hi"}],
+      "n":3,"seed":10,"max_tokens":4,"temperature":0.5,"min_p":0.2,"presence_penalty":0.5,
+      "frequency_penalty":-0.5,"repetition_penalty":1.1,"logit_bias":{"72":-100,"5":3},
+      "logprobs":true,"top_logprobs":2})");
+  ASSERT_EQ(r->status, 200) << r->body;
+  json j = json::parse(r->body);
+  const auto reqs = backend_->requests();
+  ASSERT_EQ(reqs.size(), 3u);
+  for (std::size_t i = 0; i < 3; ++i) {
+    const model::SamplingParams& sp = reqs[i].sampling;
+    EXPECT_EQ(sp.seed, 10 + i);
+    EXPECT_EQ(sp.min_p, 0.2);
+    EXPECT_EQ(sp.presence_penalty, 0.5);
+    EXPECT_EQ(sp.frequency_penalty, -0.5);
+    EXPECT_EQ(sp.repetition_penalty, 1.1);
+    EXPECT_EQ(sp.logit_bias, (std::vector<std::pair<TokenId, double>>{{5, 3.0}, {72, -100.0}}));
+    EXPECT_EQ(reqs[i].logprobs, 2);
+    EXPECT_EQ(reqs[i].prompt, reqs[0].prompt);
+  }
+  ASSERT_EQ(j["choices"].size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    const json& c = j["choices"][static_cast<std::size_t>(i)];
+    EXPECT_EQ(c["index"], i);
+    EXPECT_EQ(c["message"]["content"], "Hell");
+    const json& content = c["logprobs"]["content"];
+    ASSERT_EQ(content.size(), 4u);
+    EXPECT_EQ(content[1]["token"], "e");
+    EXPECT_EQ(content[1]["logprob"], -0.1);
+    EXPECT_EQ(content[1]["bytes"], json({'e'}));
+    ASSERT_EQ(content[1]["top_logprobs"].size(), 2u);
+    EXPECT_EQ(content[1]["top_logprobs"][1]["token"], "b");
+  }
+  EXPECT_EQ(j["usage"]["completion_tokens"], 12);  // summed over the choices
+  EXPECT_EQ(j["usage"]["prompt_tokens"], static_cast<int64_t>(reqs[0].prompt.size()));
+  // Completions: the legacy shape, the chosen token among top_logprobs.
+  r = post("/v1/completions", R"({"prompt":"x","max_tokens":3,"logprobs":1})");
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json lp = json::parse(r->body)["choices"][0]["logprobs"];
+  EXPECT_EQ(lp["tokens"], json({"H", "e", "l"}));
+  EXPECT_EQ(lp["token_logprobs"], json({0.0, -0.1, -0.2}));
+  EXPECT_EQ(lp["text_offset"], json({0, 1, 2}));
+  EXPECT_EQ(lp["top_logprobs"][1], json({{"a", 0.0}, {"e", -0.1}}));
+  // Without logprobs: null.
+  r = post("/v1/completions", R"({"prompt":"x","max_tokens":2})");
+  EXPECT_TRUE(json::parse(r->body)["choices"][0]["logprobs"].is_null());
+}
+
+// Streamed n > 1: a role chunk per choice, each chunk names its choice, each choice finishes,
+// one usage chunk (summed) and [DONE]; logprobs ride with the text.
+TEST_F(ServeHttp, StreamedChoicesInterleaveByIndex) {
+  start();
+  ready();
+  const Sse s = parse_sse(post_stream("/v1/chat/completions", R"({"messages":[{"role":"user",
+      "content":"hi"}],"n":2,"max_tokens":5,"stream":true,"logprobs":true,
+      "stream_options":{"include_usage":true}})"));
+  ASSERT_TRUE(s.done) << s.raw;
+  std::map<int, std::string> text;
+  std::map<int, int> roles, finishes, logprobs;
+  json usage;
+  for (const json& d : s.data) {
+    if (d["choices"].empty()) {
+      usage = d["usage"];
+      continue;
+    }
+    const json& c = d["choices"][0];
+    const int i = c["index"].get<int>();
+    if (c["delta"].contains("role")) ++roles[i];
+    if (c["delta"].contains("content")) text[i] += c["delta"]["content"].get<std::string>();
+    if (!c["finish_reason"].is_null()) ++finishes[i];
+    if (!c["logprobs"].is_null()) logprobs[i] += static_cast<int>(c["logprobs"]["content"].size());
+  }
+  EXPECT_EQ(roles, (std::map<int, int>{{0, 1}, {1, 1}}));
+  EXPECT_EQ(finishes, (std::map<int, int>{{0, 1}, {1, 1}}));
+  EXPECT_EQ(text, (std::map<int, std::string>{{0, "Hello"}, {1, "Hello"}}));
+  EXPECT_EQ(logprobs, (std::map<int, int>{{0, 5}, {1, 5}}));
+  EXPECT_EQ(usage["completion_tokens"], 10);
+  EXPECT_EQ(backend_->requests().size(), 2u);
+}
+
+// One choice's stop string ends that choice only (each is cancelled in the engine on its own);
+// n choices that do not all fit the queue: 429, and the ones already queued are cancelled.
+TEST_F(ServeHttp, ChoicesEndOnTheirOwnAndAFullQueueTakesNone) {
+  FakeBackend::Options bo;
+  bo.reply = "one two three";
+  start(bo);
+  ready();
+  auto r = post("/v1/completions", R"({"prompt":"x","n":2,"stop":"two","max_tokens":50})");
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(j["choices"][static_cast<std::size_t>(i)]["text"], "one ");
+    EXPECT_EQ(j["choices"][static_cast<std::size_t>(i)]["finish_reason"], "stop");
+  }
+  for (int k = 0; k < 200 && backend_->live() > 0; ++k) std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(backend_->cancels(), 2u);
+  backend_->set_max_queue(2);
+  r = post("/v1/completions", R"({"prompt":"x","n":3})");
+  EXPECT_EQ(r->status, 429);
+  for (int k = 0; k < 200 && backend_->live() > 0; ++k) std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(backend_->live(), 0);
+  EXPECT_EQ(backend_->requests().size(), 4u);  // 2 + the 2 that fit, then cancelled
+}
+
 TEST_F(ServeHttp, StreamedChat) {
   start();
   ready();
@@ -522,9 +642,14 @@ TEST_F(ServeHttp, ErrorsAreOpenAIShaped) {
   auto r = post("/v1/chat/completions", "{not json");
   EXPECT_EQ(r->status, 400);
   EXPECT_EQ(error_of(r).type, "invalid_request_error");
-  r = post("/v1/chat/completions", R"({"messages":[{"role":"user","content":"hi"}],"n":3})");
+  r = post("/v1/chat/completions", R"({"messages":[{"role":"user","content":"hi"}],"n":30})");
   EXPECT_EQ(r->status, 400);
   EXPECT_EQ(error_of(r).param, "n");
+  // logit_bias ids are checked against the vocabulary (258 tokens).
+  r = post("/v1/completions", R"({"prompt":"x","logit_bias":{"258":1}})");
+  EXPECT_EQ(r->status, 400);
+  EXPECT_EQ(error_of(r).param, "logit_bias");
+  EXPECT_NE(error_of(r).message.find("258"), std::string::npos);
   r = post("/v1/completions", R"({"prompt":"x","wat":1})");
   EXPECT_EQ(error_of(r).param, "wat");
   // The model's context (80) and the prompt's length, both named.

@@ -161,8 +161,10 @@ TEST(ToolCalls, ResponseShapes) {
   const ResponseMeta meta{Endpoint::kChat, "chatcmpl-00ff", 1, "m"};
   EXPECT_EQ(tool_call_id_base(meta), "call_00ff");
   Completion c;
-  c.finish = Finish::kToolCalls;
-  c.tool_calls = {{"call_00ff_0", "get_time", "{}"}, {"call_00ff_1", "get_weather", R"({"a":1})"}};
+  ChoiceOut o;
+  o.finish = Finish::kToolCalls;
+  o.tool_calls = {{"call_00ff_0", "get_time", "{}"}, {"call_00ff_1", "get_weather", R"({"a":1})"}};
+  c.choices = {o};
   const auto j = nlohmann::json::parse(completion_body(meta, c));
   const auto& choice = j["choices"][0];
   EXPECT_EQ(choice["finish_reason"], "tool_calls");
@@ -171,10 +173,11 @@ TEST(ToolCalls, ResponseShapes) {
   EXPECT_EQ(choice["message"]["tool_calls"][1],
             nlohmann::json::parse(R"({"id":"call_00ff_1","type":"function",
                                        "function":{"name":"get_weather","arguments":"{\"a\":1}"}})"));
-  c.text = "Sure.";
+  c.choices[0].text = "Sure.";
   EXPECT_EQ(nlohmann::json::parse(completion_body(meta, c))["choices"][0]["message"]["content"],
             "Sure.");
-  const auto chunk = chunk_tool_calls(meta, c.tool_calls);
+  const auto chunk = chunk_tool_calls(meta, o.tool_calls, 2);
+  EXPECT_EQ(chunk["choices"][0]["index"], 2);
   const auto& calls = chunk["choices"][0]["delta"]["tool_calls"];
   ASSERT_EQ(calls.size(), 2u);
   EXPECT_EQ(calls[0]["index"], 0);
