@@ -22,9 +22,7 @@
 #include "treeattn/comm_nccl.hpp"
 #include "treeattn/executor_cuda.hpp"
 #include "treeattn/oracle.hpp"
-#if !TREEATTN_GPU_TESTS_NO_SESSION  // a core-only build without the session (gpu-check.sh)
 #include "treeattn/session.hpp"
-#endif
 
 namespace treeattn {
 namespace {
@@ -235,7 +233,6 @@ TEST(NcclComm, ARankThatSkipsACollectiveIsATimeoutNotAHang) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(25));
 }
 
-#if !TREEATTN_GPU_TESTS_NO_SESSION
 TEST(NcclComm, DestroyingACommunicatorWhoseCollectiveWaitsForADeadPeerReturns) {
   // Rank 0 enqueues an all-reduce that rank 1 never joins and destroys its communicator at once,
   // before the watchdog's deadline: the destructor stops the watchdog, so only its own bounded
@@ -369,7 +366,6 @@ TEST(NcclComm, SessionOverNcclMatchesTheOracleForEveryStrategy) {
     EXPECT_TRUE(s.is_ok()) << p << " ranks: " << s.to_string();
   }
 }
-#endif  // !TREEATTN_GPU_TESTS_NO_SESSION
 
 // ---- host-side rules (nccl_policy.hpp): run on every machine -----------------------------------
 

@@ -47,9 +47,7 @@
 #include "treeattn/executor_cuda.hpp"
 #include "treeattn/oracle.hpp"
 #include "treeattn/state.hpp"
-#if TREEATTN_GPU_CHECK_SESSION
 #include "treeattn/session.hpp"
-#endif
 
 namespace {
 
@@ -806,7 +804,6 @@ Status nccl_one_rank(Communicator& c, Executor& e, Report& rep) {
   if (*got != x) return internal_error("one-rank NCCL operations changed the data");
   rep.add({"nccl", "one rank: allreduce, allgather, broadcast, gather, send/recv, barrier, split",
            true, 0, "ok"});
-#if TREEATTN_GPU_CHECK_SESSION
   // The decode session over NCCL + the CUDA executor, every strategy NCCL serves.
   SessionConfig cfg;
   cfg.shape = AttnShape{2, 32, 8, 128, 2};
@@ -872,11 +869,6 @@ Status nccl_one_rank(Communicator& c, Executor& e, Report& rep) {
     }
     rep.add(ch);
   }
-#else
-  rep.notes.push_back(
-      "nccl: the decode session is not in this build (TREEATTN_CORE_ONLY without "
-      "nlohmann_json); checked the communicator's operations only");
-#endif
   return Status::ok();
 }
 
