@@ -19,7 +19,6 @@ namespace {
 using nlohmann::json;
 using topology_detail::fmt_double;
 using topology_detail::kMaxCount;
-using topology_detail::positive_finite;
 
 // Short rendering of a JSON value for error messages.
 std::string show(const json& v) {
@@ -27,8 +26,6 @@ std::string show(const json& v) {
   if (s.size() > 40) s = s.substr(0, 37) + "...";
   return s;
 }
-
-bool positive_finite(double v) { return std::isfinite(v) && v > 0; }
 
 // Reads fields of one JSON object, remembering the path for error messages.
 class ObjectReader {
