@@ -207,7 +207,8 @@ for t in "${tests[@]}"; do
   trc=$?
   record tests "$t" "$trc"
   echo "   $t: $(grep -E '^\[==========\]' "$out/gpu-tests-$t.log" | tail -n 1) (exit $trc; log: $out/gpu-tests-$t.log)"
-  grep -A3 -E '^\S+:[0-9]+: Failure|^\[  FAILED  \] .*\(' "$out/gpu-tests-$t.log" | head -n 40 || true
+  grep -A3 -E '^\S+:[0-9]+: Failure' "$out/gpu-tests-$t.log" | head -n 40 || true
+  grep -E '^\[  FAILED  \] .* \(its process' "$out/gpu-tests-$t.log" || true
   if [ "$trc" -ne 0 ]; then rc=1; fi
 done
 
