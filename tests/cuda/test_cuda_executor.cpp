@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -94,6 +95,25 @@ class CudaExecutorTest : public ::testing::Test {
       s.v_scale = d.vs.as<float>() + (h.v_scale - c.v_scale_data());
     }
     return s;
+  }
+
+  // The graph tests' step: 2 bf16 rows of 20000 and 3000 tokens (32 heads, 8 KV heads) on the
+  // device, the query uploaded and a poisoned state buffer.
+  struct GraphStep {
+    const AttnShape shape{2, 32, 8, 128, 1};
+    Problem p{shape, DType::kBF16, {20000, 3000}, 4};
+    DeviceCache d;
+    KVShard dv;
+    const std::size_t rows = 2 * 32, recf = rows * 130;
+    Buffer qd, st;
+  };
+  std::unique_ptr<GraphStep> graph_step() {
+    auto g = std::make_unique<GraphStep>();
+    g->d = upload_cache(g->p.cache, g->shape.batch);
+    g->dv = on_device(g->p.whole(), g->p.cache, g->d);
+    g->qd = upload(g->p.q.data(), g->p.q.size() * sizeof(float));
+    g->st = upload(nullptr, g->recf * sizeof(float));
+    return g;
   }
 
   // partial() of q against a host view on the device, checked against the float64 oracle on the
@@ -446,13 +466,11 @@ TEST_F(CudaExecutorTest, ErrorsNameTheProblem) {
 }
 
 TEST_F(CudaExecutorTest, GraphReplayGivesTheEagerBits) {
-  const AttnShape shape{2, 32, 8, 128, 1};
-  Problem p(shape, DType::kBF16, {20000, 3000}, 4);
-  const DeviceCache d = upload_cache(p.cache, shape.batch);
-  const KVShard dv = on_device(p.whole(), p.cache, d);
-  const std::size_t rows = 2 * 32, recf = rows * 130;
-  Buffer qd = upload(p.q.data(), p.q.size() * sizeof(float));
-  Buffer st = upload(nullptr, recf * sizeof(float));
+  const auto g = graph_step();
+  const AttnShape& shape = g->shape;
+  const KVShard& dv = g->dv;
+  const std::size_t rows = g->rows;
+  Buffer &qd = g->qd, &st = g->st;
   Buffer out = upload(nullptr, rows * 128 * sizeof(float));
   auto step = [&] {
     EXPECT_TRUE(exec->partial(shape, qd.as<float>(), dv, st.as<float>(), {}).is_ok());
@@ -486,13 +504,11 @@ TEST_F(CudaExecutorTest, GraphReplayGivesTheEagerBits) {
 // be handed out again, stays NaN). A capture that would need the workspace to grow is refused
 // and leaves it as it was.
 TEST_F(CudaExecutorTest, AGraphKeepsTheBuffersItWasCapturedWith) {
-  const AttnShape shape{2, 32, 8, 128, 1};
-  Problem p(shape, DType::kBF16, {20000, 3000}, 4);
-  const DeviceCache d = upload_cache(p.cache, shape.batch);
-  const KVShard dv = on_device(p.whole(), p.cache, d);
-  const std::size_t rows = 2 * 32, recf = rows * 130;
-  Buffer qd = upload(p.q.data(), p.q.size() * sizeof(float));
-  Buffer st = upload(nullptr, recf * sizeof(float));
+  const auto g = graph_step();
+  const AttnShape& shape = g->shape;
+  const KVShard& dv = g->dv;
+  const std::size_t recf = g->recf;
+  Buffer &qd = g->qd, &st = g->st;
   DecodeOptions coarse, fine, finer;
   coarse.chunk_tokens = 2000;  // 10 splits: a workspace of 10 x 64 records
   fine.chunk_tokens = 64;      // 313 splits

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cmath>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -237,26 +238,39 @@ TEST(NcclComm, ARankThatSkipsACollectiveIsATimeoutNotAHang) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(25));
 }
 
-TEST(NcclComm, OneRankWatchdogEndsAHeldCollectiveInATimeout) {
-  // The stream is held ahead of a one-rank all-reduce, as a collective waiting for a dead rank
-  // would be: the watchdog finds it incomplete after the timeout, and synchronize() says so.
-  REQUIRE_DEVICES(1);
-  const auto start = std::chrono::steady_clock::now();
-  std::string got;
-  const Status s = run_nccl(1, [&](Communicator& c, Executor& e) -> Status {
+// One rank with a 500 ms timeout: `before` runs, then the stream is held (stream_hold.hpp), as
+// by a collective waiting for a dead rank, while `held` runs; its status is in *got. A kTimeout
+// there is the expected outcome.
+using HeldFn = std::function<Status(Communicator& c, Executor& e, Buffer& b)>;
+Status run_held(const HeldFn& before, const HeldFn& held, std::string* got) {
+  return run_nccl(1, [&](Communicator& c, Executor& e) -> Status {
     c.set_timeout(std::chrono::milliseconds(500));
     auto b = device_floats(e, std::vector<float>(64, 1.0f));
     TREEATTN_RETURN_IF_ERROR(b.status());
+    TREEATTN_RETURN_IF_ERROR(before(c, e, *b));
     auto stream = cuda_stream(e);
     TREEATTN_RETURN_IF_ERROR(stream.status());
     auto hold = test::StreamHold::start(*stream);
     TREEATTN_RETURN_IF_ERROR(hold.status());
-    Status st = c.allreduce(b->as<float>(), 64, ReduceOp::kSum);
-    if (st.is_ok()) st = c.synchronize();
-    got = st.to_string();
+    const Status st = held(c, e, *b);
+    *got = st.to_string();
     (*hold)->release();
     return st.code() == Code::kTimeout ? Status::ok() : st;
   });
+}
+
+TEST(NcclComm, OneRankWatchdogEndsAHeldCollectiveInATimeout) {
+  // The watchdog finds the held all-reduce incomplete after the timeout; synchronize() says so.
+  REQUIRE_DEVICES(1);
+  const auto start = std::chrono::steady_clock::now();
+  std::string got;
+  const Status s = run_held(
+      [](Communicator&, Executor&, Buffer&) { return Status::ok(); },
+      [](Communicator& c, Executor&, Buffer& b) {
+        Status st = c.allreduce(b.as<float>(), 64, ReduceOp::kSum);
+        return st.is_ok() ? c.synchronize() : st;
+      },
+      &got);
   EXPECT_TRUE(s.is_ok()) << s.to_string();
   EXPECT_NE(got.find("did not complete within 500 ms"), std::string::npos) << got;
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20))
@@ -269,27 +283,26 @@ TEST(NcclComm, SynchronizeOverAReplayedGraphsHeldCollectiveIsBounded) {
   REQUIRE_DEVICES(1);
   const auto start = std::chrono::steady_clock::now();
   std::string got;
-  const Status s = run_nccl(1, [&](Communicator& c, Executor& e) -> Status {
-    c.set_timeout(std::chrono::milliseconds(500));
-    auto b = device_floats(e, std::vector<float>(64, 1.0f));
-    TREEATTN_RETURN_IF_ERROR(b.status());
-    TREEATTN_RETURN_IF_ERROR(c.allreduce(b->as<float>(), 64, ReduceOp::kSum));
-    TREEATTN_RETURN_IF_ERROR(c.synchronize());
-    TREEATTN_RETURN_IF_ERROR(cuda_capture_begin(e));
-    const Status captured = c.allreduce(b->as<float>(), 64, ReduceOp::kSum);
-    auto graph = cuda_capture_end(e);
-    TREEATTN_RETURN_IF_ERROR(captured);
-    TREEATTN_RETURN_IF_ERROR(graph.status());
-    auto stream = cuda_stream(e);
-    TREEATTN_RETURN_IF_ERROR(stream.status());
-    auto hold = test::StreamHold::start(*stream);
-    TREEATTN_RETURN_IF_ERROR(hold.status());
-    Status st = (*graph)->replay();
-    if (st.is_ok()) st = c.synchronize();
-    got = st.to_string();
-    (*hold)->release();
-    return st.code() == Code::kTimeout ? Status::ok() : st;
-  });
+  std::unique_ptr<CudaGraph> graph;
+  const Status s = run_held(
+      [&](Communicator& c, Executor& e, Buffer& b) -> Status {
+        TREEATTN_RETURN_IF_ERROR(c.allreduce(b.as<float>(), 64, ReduceOp::kSum));
+        TREEATTN_RETURN_IF_ERROR(c.synchronize());
+        TREEATTN_RETURN_IF_ERROR(cuda_capture_begin(e));
+        const Status captured = c.allreduce(b.as<float>(), 64, ReduceOp::kSum);
+        auto g = cuda_capture_end(e);
+        TREEATTN_RETURN_IF_ERROR(captured);
+        TREEATTN_RETURN_IF_ERROR(g.status());
+        graph = std::move(*g);
+        return Status::ok();
+      },
+      [&](Communicator& c, Executor&, Buffer&) {
+        Status st = graph->replay();
+        st = st.is_ok() ? c.synchronize() : st;
+        graph.reset();  // before its executor
+        return st;
+      },
+      &got);
   EXPECT_TRUE(s.is_ok()) << s.to_string();
   EXPECT_NE(got.find("did not complete within 500 ms"), std::string::npos) << got;
   EXPECT_NE(got.find("the watchdog does not track"), std::string::npos) << got;
