@@ -308,6 +308,9 @@ class CudaExecutor final : public Executor {
     }
     return st != cudaStreamCaptureStatusNone;
   }
+  // The graphs of this executor (CudaGraphImpl): while one lives, a buffer that grows is kept.
+  void graph_created() { owned_.graph_created(); }
+  void graph_destroyed() { owned_.graph_destroyed(); }
 
  private:
   CudaExecutor() = default;
@@ -505,13 +508,6 @@ class CudaExecutor final : public Executor {
                        " bytes while its stream is being captured into a CUDA graph; run the "
                        "step once before capturing so that every buffer exists");
   }
-
- public:
-  // The graphs of this executor (CudaGraphImpl): while one lives, a buffer that grows is kept.
-  void graph_created() { owned_.graph_created(); }
-  void graph_destroyed() { owned_.graph_destroyed(); }
-
- private:
 
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
