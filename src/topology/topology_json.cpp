@@ -100,7 +100,6 @@ class ObjectReader {
   std::string path_;
 };
 
-
 // Topology files are three levels deep; anything far deeper is not one, and a value nested tens
 // of thousands of levels deep would overflow the stack when it is printed or compared.
 constexpr std::size_t kMaxDepth = 64;
@@ -221,9 +220,8 @@ Status parse_strict_json(std::string_view text, const std::string& source, json&
 
 Status parse_level(const ObjectReader& r, std::string_view expected_name, LinkLevel& out) {
   TREEATTN_RETURN_IF_ERROR(r.check_object());
-  TREEATTN_RETURN_IF_ERROR(
-      r.check_keys({"name", "latency_us", "bandwidth_GBps", "links_per_node", "call_overhead_us",
-                    "user_op_overhead_us"}));
+  TREEATTN_RETURN_IF_ERROR(r.check_keys({"name", "latency_us", "bandwidth_GBps", "links_per_node",
+                                         "call_overhead_us", "user_op_overhead_us"}));
   TREEATTN_RETURN_IF_ERROR(r.string("name", true, out.name));
   if (out.name != expected_name) {
     return r.fail("name", "expected \"" + std::string(expected_name) +

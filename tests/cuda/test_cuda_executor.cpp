@@ -531,8 +531,9 @@ TEST_F(CudaExecutorTest, AGraphKeepsTheBuffersItWasCapturedWith) {
   const auto replayed = download<float>(st, recf);
   EXPECT_EQ(std::memcmp(eager.data(), replayed.data(), eager.size() * sizeof(float)), 0);
   const auto untouched = download<float>(filler, 10 * recf);
-  EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](float x) { return std::isnan(x); }))
-      << "the replay wrote into memory allocated after the workspace grew";
+  EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](float x) {
+    return std::isnan(x);
+  })) << "the replay wrote into memory allocated after the workspace grew";
   // A capture that needs a larger workspace is refused, and the workspace is as it was.
   ASSERT_TRUE(cuda_capture_begin(*exec).is_ok());
   EXPECT_EQ(exec->partial(shape, qd.as<float>(), dv, st2.as<float>(), finer).code(),

@@ -521,10 +521,12 @@ TEST(CudaGeometry, GrownBuffersLiveWhileAGraphMayPointAtThem) {
   // No graph: the old buffer is freed before the new one is made (its memory may be needed).
   ASSERT_TRUE(keep.replace(workspace, make).is_ok());
   ASSERT_TRUE(keep.replace(tickets, make).is_ok());
-  ASSERT_TRUE(keep.replace(workspace, [&] {
-                    EXPECT_EQ(CountedBuffer::alive.count(1), 0u) << "freed first";
-                    return make();
-                  }).is_ok());
+  ASSERT_TRUE(keep.replace(workspace,
+                           [&] {
+                             EXPECT_EQ(CountedBuffer::alive.count(1), 0u) << "freed first";
+                             return make();
+                           })
+                  .is_ok());
   EXPECT_EQ(workspace.id, 3);
   EXPECT_EQ(CountedBuffer::alive, (std::set<int>{2, 3}));
   // Two graphs captured with workspace 3 and tickets 2: growing keeps both old buffers.
@@ -538,9 +540,8 @@ TEST(CudaGeometry, GrownBuffersLiveWhileAGraphMayPointAtThem) {
   EXPECT_EQ(keep.retired(), 3u);
   EXPECT_EQ(CountedBuffer::alive, (std::set<int>{2, 3, 4, 5, 6}));
   // A failed make() leaves the slot as it was and retires nothing.
-  const Status oom = keep.replace(workspace, [] {
-    return Result<CountedBuffer>(Status(Code::kOutOfMemory, "no memory"));
-  });
+  const Status oom = keep.replace(
+      workspace, [] { return Result<CountedBuffer>(Status(Code::kOutOfMemory, "no memory")); });
   EXPECT_EQ(oom.code(), Code::kOutOfMemory);
   EXPECT_EQ(workspace.id, 6);
   EXPECT_EQ(keep.retired(), 3u);

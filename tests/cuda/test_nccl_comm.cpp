@@ -264,13 +264,12 @@ TEST(NcclComm, OneRankWatchdogEndsAHeldCollectiveInATimeout) {
   REQUIRE_DEVICES(1);
   const auto start = std::chrono::steady_clock::now();
   std::string got;
-  const Status s = run_held(
-      [](Communicator&, Executor&, Buffer&) { return Status::ok(); },
-      [](Communicator& c, Executor&, Buffer& b) {
-        Status st = c.allreduce(b.as<float>(), 64, ReduceOp::kSum);
-        return st.is_ok() ? c.synchronize() : st;
-      },
-      &got);
+  const Status s = run_held([](Communicator&, Executor&, Buffer&) { return Status::ok(); },
+                            [](Communicator& c, Executor&, Buffer& b) {
+                              Status st = c.allreduce(b.as<float>(), 64, ReduceOp::kSum);
+                              return st.is_ok() ? c.synchronize() : st;
+                            },
+                            &got);
   EXPECT_TRUE(s.is_ok()) << s.to_string();
   EXPECT_NE(got.find("did not complete within 500 ms"), std::string::npos) << got;
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20))

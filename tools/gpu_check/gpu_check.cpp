@@ -12,7 +12,8 @@
 //                softmaxes (q x30) with NaN in the slots the kernel must not use (before the
 //                view, past len, past the causal limit); partial_chunks and the state kernels
 //                against the CPU executor
-//   bandwidth    (and virtual ranks) a device-to-device copy probe and a read probe, then the decode kernel on the
+//   bandwidth    (and virtual ranks) a device-to-device copy probe and a read probe, then the
+//   decode kernel on the
 //                llama3-8b shape (32 heads, 8 KV heads, head dim 128, bf16, q_len 1) at 64k, 256k
 //                and 1M tokens, batch 1 and 16: GB/s of KV read and the fraction of each probe,
 //                eager and as a CUDA graph, and the cost of the split merge fused into the kernel
@@ -54,8 +55,8 @@
 #include "treeattn/comm_nccl.hpp"
 #include "treeattn/executor_cuda.hpp"
 #include "treeattn/oracle.hpp"
-#include "treeattn/state.hpp"
 #include "treeattn/session.hpp"
+#include "treeattn/state.hpp"
 
 namespace {
 
@@ -412,8 +413,8 @@ void check_peaked_and_hidden_nan(Executor& e, Report& rep) {
       std::vector<float> q(rows * D);
       for (auto& x : q) x = u(rng) * qscale;
       std::vector<double> out(rows * D), lse(rows);
-      const Status os =
-          oracle_attention(s, q.data(), clean.view(first, len, pos, total, 1), out.data(), lse.data());
+      const Status os = oracle_attention(s, q.data(), clean.view(first, len, pos, total, 1),
+                                         out.data(), lse.data());
       const KVShard view = dirty.view(first, len, pos, total, 1);
       auto dc = upload_cache(dev, dirty, s.batch);
       auto qd = dev.upload(q.data(), q.size() * sizeof(float));
@@ -435,8 +436,7 @@ void check_peaked_and_hidden_nan(Executor& e, Report& rep) {
           c.ok = false;
           c.detail = got.status().to_string();
         } else {
-          const double err =
-              state_error(s, got->data(), out.data(), lse.data(), not_last_query);
+          const double err = state_error(s, got->data(), out.data(), lse.data(), not_last_query);
           c.error = std::isnan(err) ? std::numeric_limits<double>::infinity() : err;
           c.ok = c.error <= kTolerance * static_cast<double>(qscale);
           c.detail = "vs oracle of the clean cache " + fmt("%.1e", c.error) +
@@ -1031,8 +1031,8 @@ int main(int argc, char** argv) {
       only = argv[i + 1];
   }
   constexpr const char* kSections[] = {"widening", "correctness", "bandwidth", "nccl"};
-  if (!only.empty() && std::find(std::begin(kSections), std::end(kSections), only) ==
-                           std::end(kSections)) {
+  if (!only.empty() &&
+      std::find(std::begin(kSections), std::end(kSections), only) == std::end(kSections)) {
     std::fprintf(stderr, "gpu_check: no section '%s' (widening, correctness, bandwidth, nccl)\n",
                  only.c_str());
     return 2;

@@ -71,11 +71,11 @@ void write_json(const std::vector<Verdict>& all, bool complete) {
      : v.result == "failed"  ? failed
      : v.result == "skipped" ? skipped
                              : not_run) += 1;
-    json += std::string(i ? "," : "") + "\n  {\"name\": " + json_str(v.name) +
-            ", \"result\": \"" + v.result + "\", \"message\": " + json_str(v.message) + "}";
+    json += std::string(i ? "," : "") + "\n  {\"name\": " + json_str(v.name) + ", \"result\": \"" +
+            v.result + "\", \"message\": " + json_str(v.message) + "}";
   }
-  json += "\n], \"passed\": " + std::to_string(passed) + ", \"failed\": " +
-          std::to_string(failed) + ", \"skipped\": " + std::to_string(skipped) +
+  json += "\n], \"passed\": " + std::to_string(passed) + ", \"failed\": " + std::to_string(failed) +
+          ", \"skipped\": " + std::to_string(skipped) +
           ", \"not_run\": " + std::to_string(not_run) +
           ", \"complete\": " + (complete ? "true" : "false") + "}\n";
   const std::string tmp = std::string(path) + ".tmp";
@@ -87,7 +87,8 @@ void write_json(const std::vector<Verdict>& all, bool complete) {
       return;
     }
   }
-  if (std::rename(tmp.c_str(), path) != 0) std::fprintf(stderr, "minitest: cannot write %s\n", path);
+  if (std::rename(tmp.c_str(), path) != 0)
+    std::fprintf(stderr, "minitest: cannot write %s\n", path);
 }
 
 // Runs one registered test in this process and returns its verdict.
@@ -273,7 +274,8 @@ int minitest::main_with_args(int argc, char** argv) {
   if (a1 == "--isolate" && argc == 2) {
     int timeout_s = 300;
     if (const char* t = std::getenv("MINITEST_TIMEOUT")) timeout_s = std::max(1, std::atoi(t));
-    std::vector<Verdict> all = not_yet_run("the run ended before this test (the runner was killed)");
+    std::vector<Verdict> all =
+        not_yet_run("the run ended before this test (the runner was killed)");
     write_json(all, false);
     for (std::size_t i = 0; i < registry().size(); ++i) {
       all[i] = run_isolated(argv[0], registry()[i].name, timeout_s);
