@@ -16,7 +16,7 @@ namespace treeattn::strategies {
 // kDefaultChunkTokens where it is 0 (the CPU's default, so CPU results keep their bits; the
 // CUDA executor would otherwise size splits to its device's SM count).
 inline DecodeOptions fixed_split_options(DecodeOptions o) {
-  if (o.chunk_tokens <= 0) o.chunk_tokens = kDefaultChunkTokens;
+  if (o.chunk_tokens == 0) o.chunk_tokens = kDefaultChunkTokens;
   return o;
 }
 

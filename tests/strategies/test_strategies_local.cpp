@@ -248,6 +248,8 @@ TEST(RingKV, PassesTheKernelAFixedSplitLength) {
   EXPECT_EQ(strategies::fixed_split_options(o).threads, 3);
   o.chunk_tokens = 777;
   EXPECT_EQ(strategies::fixed_split_options(o).chunk_tokens, 777);
+  o.chunk_tokens = -1;  // still the kernel's to refuse
+  EXPECT_EQ(strategies::fixed_split_options(o).chunk_tokens, -1);
 }
 
 // ring-kv on the tiled layout with what the cases above do not have: quantized KV (the scales
