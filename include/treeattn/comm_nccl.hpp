@@ -39,7 +39,10 @@
 //   still in progress (newer NCCL connects at the first collective). Results of the step that
 //   timed out are garbage: a caller that copies results back checks synchronize() (the session
 //   does). The blocking calls (wait_all, barrier, synchronize, split) return the error as soon
-//   as the watchdog raised it.
+//   as the watchdog raised it, and give up by themselves when the stream has not drained
+//   timeout() after they began or after the watchdog last saw an operation complete: the work
+//   of a replayed CUDA graph (its collectives are not tracked) waiting for a dead rank ends in
+//   the same kTimeout message and an aborted communicator, not a hang.
 // - The timeout starts finite: the bootstrap's, or kNcclDefaultTimeout where the bootstrap's is
 //   0 (a queued NCCL kernel that waits for a dead rank never returns by itself). The destructor
 //   waits for the enqueued work at most timeout() (kNcclDefaultTimeout where it is 0), then
@@ -85,8 +88,9 @@ struct CudaRank {
   std::string description;  // "device cuda: NVIDIA H200 (sm_90, 141 GiB)"
 };
 
-// Collective over world (a host communicator): the CUDA executor (device -1: local rank % GPUs;
-// no more ranks on a host than its GPUs), agreed by every rank, then the NCCL communicator over
+// Collective over world (a host communicator): the CUDA executor (on device r % GPUs, r the
+// rank's place among the ranks of its host, from world.split_shared; no more ranks on a host
+// than its GPUs), agreed by every rank, then the NCCL communicator over
 // world on its stream (its set-up honours world's timeout), agreed again. On failure every rank
 // returns kUnsupported with the first failing rank's message (first_failure, comm.hpp).
 Result<CudaRank> open_cuda_rank(Communicator& world);

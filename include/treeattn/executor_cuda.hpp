@@ -14,15 +14,22 @@
 // rows, q_len >= 1 with the causal rule of shape.hpp, ragged batches. K and V must be 16-byte
 // aligned (8 for fp8 / int8) with token, head and batch strides that keep every token's row
 // aligned; KVShard::memory must be kDevice. DecodeOptions: scale as on the CPU; chunk_tokens > 0
-// fixes the split length (0: a plan that depends only on the shape and lengths, so every GPU
-// computes the same bits); threads and isa are ignored.
+// fixes the split length, so that every device computes the same bits (0: a plan sized to this
+// device's SM count, the same bits only on devices of the same kind; ring-kv, whose ranks must
+// agree on each shard's partial, fixes it); threads and isa are ignored.
 //
 // CUDA graphs: every call except allocate, to_host, from_host and synchronize is a stream
 // operation, so a decode step (partial, merges, normalize; NCCL collectives too) can be captured
 // with cuda_capture_begin / cuda_capture_end and replayed. The graph replays the step with the
 // lengths it was captured with (they travel in kernel parameters), so capture again after the
-// cache grows. Run the step once before capturing: partial() grows its split workspace with
-// cudaMalloc, which it refuses (kUnsupported) while the stream is capturing.
+// cache grows. Run the step once before capturing: partial() grows its split workspace and its
+// ticket counters with cudaMalloc, which it refuses (kUnsupported, leaving both as they were)
+// while the stream is capturing. When they grow later, the old ones are kept while a graph of
+// the executor lives (a graph keeps the addresses it was captured with), and freed when the last
+// one is destroyed; destroy the graphs before their executor. A graph with NCCL collectives is
+// not watched by the communicator's watchdog while it replays: wait for it with the
+// communicator's synchronize(), which gives up after the communicator's timeout and aborts it
+// (comm_nccl.hpp), rather than the executor's, which waits as long as the stream runs.
 //
 // Builds without CUDA (TREEATTN_WITH_CUDA=OFF, or AUTO without nvcc) keep these functions; they
 // return kUnsupported saying that the build has no CUDA.

@@ -42,10 +42,15 @@ inline constexpr int kMaxThreads = 1024;
 // "WHAT N: must be between 0 (the default) and 1024", with WHAT naming the flag or argument.
 Status check_thread_count(int64_t threads, std::string_view what = "threads");
 
+// The CPU kernels' chunk length where DecodeOptions::chunk_tokens is 0.
+inline constexpr int64_t kDefaultChunkTokens = 1024;
+
 struct DecodeOptions {
   float scale = 0.0f;          // 0 means 1 / sqrt(head_dim)
   int threads = 0;             // 0 means all the threads OpenMP offers; at most kMaxThreads
-  int64_t chunk_tokens = 0;    // 0 means the kernel's default (a fixed size, not per-thread)
+  // 0 means the kernel's default: kDefaultChunkTokens on the CPU (not per-thread); on a GPU a
+  // split plan sized to the device's SM count (executor_cuda.hpp)
+  int64_t chunk_tokens = 0;
   Isa isa = Isa::kAuto;
 };
 

@@ -82,7 +82,7 @@ Result<ResolvedOptions> resolve_options(const AttnShape& shape, const float* q,
                 ? options.scale
                 : static_cast<float>(1.0 / std::sqrt(static_cast<double>(shape.head_dim)));
   r.threads = options.threads > 0 ? options.threads : omp_get_max_threads();
-  r.chunk_tokens = options.chunk_tokens > 0 ? options.chunk_tokens : 1024;
+  r.chunk_tokens = options.chunk_tokens > 0 ? options.chunk_tokens : kDefaultChunkTokens;
   r.isa = options.isa == Isa::kAuto ? best_isa() : options.isa;
   TREEATTN_RETURN_IF_ERROR(check_isa_supported(r.isa, "decode kernel"));
   return r;

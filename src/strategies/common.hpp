@@ -12,6 +12,14 @@
 
 namespace treeattn::strategies {
 
+// DecodeOptions whose split plan is the same on every device: chunk_tokens as given, or
+// kDefaultChunkTokens where it is 0 (the CPU's default, so CPU results keep their bits; the
+// CUDA executor would otherwise size splits to its device's SM count).
+inline DecodeOptions fixed_split_options(DecodeOptions o) {
+  if (o.chunk_tokens == 0) o.chunk_tokens = kDefaultChunkTokens;
+  return o;
+}
+
 // Common state: the communicator, the executor, the shape, and the peak of the buffers.
 class StrategyBase : public Strategy {
  public:
@@ -125,6 +133,12 @@ class StrategyBase : public Strategy {
 
   Status local_partial(const float* q, const KVShard& kv, float* states) const {
     return exec_->partial(shape_, q, kv, states, options_.kernel);
+  }
+  // The partial of q against a shard that other ranks compute too, whose bits must agree
+  // (ring-kv): with the split length fixed (fixed_split_options), since the CUDA executor's own
+  // plan follows the device's SM count, which differs between GPU models in one job.
+  Status shared_partial(const float* q, const KVShard& kv, float* states) const {
+    return exec_->partial(shape_, q, kv, states, fixed_split_options(options_.kernel));
   }
 
   // out <- s_0 (+) s_1 (+) ... (+) s_{p-1}, left to right from the empty state: the canonical

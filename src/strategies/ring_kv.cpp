@@ -6,8 +6,10 @@
 // rank r - 1 with non-blocking messages (no transfer after the last hop: p - 1 transfers, not
 // the p of the paper's JAX loop). The computation is cut into pieces of at least 4096 tokens
 // and the transfers are driven between pieces (Communicator::test_all), so a rendezvous
-// transfer progresses while the kernel runs. After p hops every rank has all p partials and
-// merges them in origin order 0..p-1, so every rank gets the same bits.
+// transfer progresses while the kernel runs; each piece's split length is fixed
+// (fixed_split_options), not the device's own plan, so that GPUs of different models compute the
+// same partial of a shard. After p hops every rank has all p partials and merges them in origin
+// order 0..p-1, so every rank gets the same bits.
 //
 // A shard travels as one metadata message (per batch row: length, global position of the first
 // token, context length; and the position stride) followed by one message per (batch row, KV
@@ -364,8 +366,9 @@ class RingKV final : public StrategyBase {
   }
 
   // The partial of the query against kv, in pieces of token slots with transfers driven
-  // between pieces. The cut depends only on the shard's lengths, so every rank computes the
-  // same partial of the same shard bit for bit.
+  // between pieces. The cut depends only on the shard's lengths and each piece's split length is
+  // fixed (shared_partial), so every rank computes the same partial of the same shard bit for
+  // bit, whatever its device.
   Status compute(const float* q, const KVShard& kv, float* dst,
                  const std::vector<CommRequest>& reqs) {
     int64_t longest = 0;
@@ -373,7 +376,7 @@ class RingKV final : public StrategyBase {
     int64_t piece = std::max(kMinPiece, (longest + kMaxPieces - 1) / kMaxPieces);
     if (kv.tiled != nullptr)  // whole tiles
       piece = tiles_for(piece, kv.tiled->tile_tokens) * kv.tiled->tile_tokens;
-    if (longest <= piece) return local_partial(q, kv, dst);
+    if (longest <= piece) return shared_partial(q, kv, dst);
     TREEATTN_RETURN_IF_ERROR(exec_->set_empty(dst, records(), head_dim()));
     const auto B = static_cast<std::size_t>(shape_.batch);
     piece_len_.resize(B);
@@ -400,7 +403,7 @@ class RingKV final : public StrategyBase {
         part.tiled = &piece_tiled_;
         part.len = piece_len_;
         part.pos_start = piece_pos_;
-        TREEATTN_RETURN_IF_ERROR(local_partial(q, part, piece_.as<float>()));
+        TREEATTN_RETURN_IF_ERROR(shared_partial(q, part, piece_.as<float>()));
         TREEATTN_RETURN_IF_ERROR(exec_->merge(dst, piece_.as<float>(), records(), head_dim()));
         if (!reqs.empty()) TREEATTN_RETURN_IF_ERROR(comm_->test_all(reqs).status());
         continue;
@@ -415,7 +418,7 @@ class RingKV final : public StrategyBase {
       }
       part.len = piece_len_;
       part.pos_start = piece_pos_;
-      TREEATTN_RETURN_IF_ERROR(local_partial(q, part, piece_.as<float>()));
+      TREEATTN_RETURN_IF_ERROR(shared_partial(q, part, piece_.as<float>()));
       TREEATTN_RETURN_IF_ERROR(exec_->merge(dst, piece_.as<float>(), records(), head_dim()));
       if (!reqs.empty()) TREEATTN_RETURN_IF_ERROR(comm_->test_all(reqs).status());
     }

@@ -4,13 +4,15 @@
 // float64 oracle over dtypes, head dims, GQA groups, q_len > 1, ragged and large batches, shard
 // views (offset and striped positions), fixed split lengths and poisoned outputs;
 // partial_chunks and the state kernels against the CPU executor; exact widening of every f16,
-// bf16, fp8 and int8 value; error messages; CUDA graph capture and replay.
+// bf16, fp8 and int8 value; error messages; CUDA graph capture and replay, and the buffers a
+// graph keeps when the executor's own grow.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -93,6 +95,25 @@ class CudaExecutorTest : public ::testing::Test {
       s.v_scale = d.vs.as<float>() + (h.v_scale - c.v_scale_data());
     }
     return s;
+  }
+
+  // The graph tests' step: 2 bf16 rows of 20000 and 3000 tokens (32 heads, 8 KV heads) on the
+  // device, the query uploaded and a poisoned state buffer.
+  struct GraphStep {
+    const AttnShape shape{2, 32, 8, 128, 1};
+    Problem p{shape, DType::kBF16, {20000, 3000}, 4};
+    DeviceCache d;
+    KVShard dv;
+    const std::size_t rows = 2 * 32, recf = rows * 130;
+    Buffer qd, st;
+  };
+  std::unique_ptr<GraphStep> graph_step() {
+    auto g = std::make_unique<GraphStep>();
+    g->d = upload_cache(g->p.cache, g->shape.batch);
+    g->dv = on_device(g->p.whole(), g->p.cache, g->d);
+    g->qd = upload(g->p.q.data(), g->p.q.size() * sizeof(float));
+    g->st = upload(nullptr, g->recf * sizeof(float));
+    return g;
   }
 
   // partial() of q against a host view on the device, checked against the float64 oracle on the
@@ -445,13 +466,11 @@ TEST_F(CudaExecutorTest, ErrorsNameTheProblem) {
 }
 
 TEST_F(CudaExecutorTest, GraphReplayGivesTheEagerBits) {
-  const AttnShape shape{2, 32, 8, 128, 1};
-  Problem p(shape, DType::kBF16, {20000, 3000}, 4);
-  const DeviceCache d = upload_cache(p.cache, shape.batch);
-  const KVShard dv = on_device(p.whole(), p.cache, d);
-  const std::size_t rows = 2 * 32, recf = rows * 130;
-  Buffer qd = upload(p.q.data(), p.q.size() * sizeof(float));
-  Buffer st = upload(nullptr, recf * sizeof(float));
+  const auto g = graph_step();
+  const AttnShape& shape = g->shape;
+  const KVShard& dv = g->dv;
+  const std::size_t rows = g->rows;
+  Buffer &qd = g->qd, &st = g->st;
   Buffer out = upload(nullptr, rows * 128 * sizeof(float));
   auto step = [&] {
     EXPECT_TRUE(exec->partial(shape, qd.as<float>(), dv, st.as<float>(), {}).is_ok());
@@ -476,6 +495,53 @@ TEST_F(CudaExecutorTest, GraphReplayGivesTheEagerBits) {
   ASSERT_TRUE(exec->synchronize().is_ok());
   const auto replayed = download<float>(out, rows * 128);
   EXPECT_EQ(std::memcmp(eager.data(), replayed.data(), eager.size() * sizeof(float)), 0);
+}
+
+// A graph keeps the split workspace it was captured with (graph_buffers.hpp): when a longer step
+// makes it grow, the old one stays allocated while the graph lives, so a replay gives the
+// captured step's bits and writes nothing into memory allocated since (a buffer of the old
+// workspace's size, allocated right after the growth, where a freed workspace would most likely
+// be handed out again, stays NaN). A capture that would need the workspace to grow is refused
+// and leaves it as it was.
+TEST_F(CudaExecutorTest, AGraphKeepsTheBuffersItWasCapturedWith) {
+  const auto g = graph_step();
+  const AttnShape& shape = g->shape;
+  const KVShard& dv = g->dv;
+  const std::size_t recf = g->recf;
+  Buffer &qd = g->qd, &st = g->st;
+  DecodeOptions coarse, fine, finer;
+  coarse.chunk_tokens = 2000;  // 10 splits: a workspace of 10 x 64 records
+  fine.chunk_tokens = 64;      // 313 splits
+  finer.chunk_tokens = 16;     // 1250 splits
+  ASSERT_TRUE(exec->partial(shape, qd.as<float>(), dv, st.as<float>(), coarse).is_ok());
+  const auto eager = download<float>(st, recf);
+  ASSERT_TRUE(cuda_capture_begin(*exec).is_ok());
+  EXPECT_TRUE(exec->partial(shape, qd.as<float>(), dv, st.as<float>(), coarse).is_ok());
+  auto graph = cuda_capture_end(*exec);
+  ASSERT_TRUE(graph.is_ok()) << graph.status().to_string();
+  // The workspace grows (the old one is kept), then memory of the old size is handed out.
+  Buffer st2 = upload(nullptr, recf * sizeof(float));
+  ASSERT_TRUE(exec->partial(shape, qd.as<float>(), dv, st2.as<float>(), fine).is_ok());
+  const auto fine_bits = download<float>(st2, recf);
+  Buffer filler = upload(nullptr, 10 * recf * sizeof(float));
+  Buffer poison = upload(nullptr, recf * sizeof(float));
+  ASSERT_TRUE(exec->copy(st.data(), poison.data(), recf * sizeof(float)).is_ok());
+  ASSERT_TRUE((*graph)->replay().is_ok());
+  ASSERT_TRUE(exec->synchronize().is_ok());
+  const auto replayed = download<float>(st, recf);
+  EXPECT_EQ(std::memcmp(eager.data(), replayed.data(), eager.size() * sizeof(float)), 0);
+  const auto untouched = download<float>(filler, 10 * recf);
+  EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](float x) {
+    return std::isnan(x);
+  })) << "the replay wrote into memory allocated after the workspace grew";
+  // A capture that needs a larger workspace is refused, and the workspace is as it was.
+  ASSERT_TRUE(cuda_capture_begin(*exec).is_ok());
+  EXPECT_EQ(exec->partial(shape, qd.as<float>(), dv, st2.as<float>(), finer).code(),
+            Code::kUnsupported);
+  (void)cuda_capture_end(*exec);
+  ASSERT_TRUE(exec->partial(shape, qd.as<float>(), dv, st2.as<float>(), fine).is_ok());
+  const auto again = download<float>(st2, recf);
+  EXPECT_EQ(std::memcmp(fine_bits.data(), again.data(), again.size() * sizeof(float)), 0);
 }
 
 // The split merge fused into the decode kernel (decode_kernel.cuh): the last block of each

@@ -3,7 +3,8 @@
 // lane roles and the shuffle partners the kernel uses, the token walk (every slot read exactly
 // once), the logits' reduce-scatter (run on a simulated warp: one thread per lane, shuffles
 // through a barrier), the query-row groups (every (query, head) served once), record indices,
-// the split planner (whole waves) and the launch bounds' register cap. These run on any machine;
+// the split planner (whole waves), the launch bounds' register cap and the lifetime rule of the
+// buffers CUDA graphs point at (graph_buffers.hpp). These run on any machine;
 // the kernel itself is checked on a GPU (test_cuda_executor, tools/gpu-check.sh).
 #include <gtest/gtest.h>
 
@@ -17,9 +18,11 @@
 #include <set>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kernels/cuda/decode_geometry.hpp"
+#include "kernels/cuda/graph_buffers.hpp"
 #include "treeattn/state_buffer.hpp"
 
 namespace treeattn::gpu {
@@ -487,6 +490,70 @@ TEST(CudaGeometry, StateKernelLaneElements) {
   EXPECT_EQ(state_lane_elems(257), 0);
   EXPECT_EQ(state_lane_elems(64), 2);
   EXPECT_EQ(state_lane_elems(128), 4);
+}
+
+// A stand-in for the executor's Buffer that records which allocations are still alive.
+struct CountedBuffer {
+  static inline std::set<int> alive;
+  int id = 0;  // 0: empty
+  CountedBuffer() = default;
+  explicit CountedBuffer(int i) : id(i) { alive.insert(i); }
+  CountedBuffer(CountedBuffer&& o) noexcept : id(std::exchange(o.id, 0)) {}
+  CountedBuffer& operator=(CountedBuffer&& o) noexcept {
+    if (this != &o) {
+      if (id) alive.erase(id);
+      id = std::exchange(o.id, 0);
+    }
+    return *this;
+  }
+  ~CountedBuffer() {
+    if (id) alive.erase(id);
+  }
+  bool empty() const { return id == 0; }
+};
+
+TEST(CudaGeometry, GrownBuffersLiveWhileAGraphMayPointAtThem) {
+  CountedBuffer::alive.clear();
+  GraphBuffers<CountedBuffer> keep;
+  CountedBuffer workspace, tickets;
+  int next = 1;
+  auto make = [&] { return Result<CountedBuffer>(CountedBuffer(next++)); };
+  // No graph: the old buffer is freed before the new one is made (its memory may be needed).
+  ASSERT_TRUE(keep.replace(workspace, make).is_ok());
+  ASSERT_TRUE(keep.replace(tickets, make).is_ok());
+  ASSERT_TRUE(keep.replace(workspace,
+                           [&] {
+                             EXPECT_EQ(CountedBuffer::alive.count(1), 0u) << "freed first";
+                             return make();
+                           })
+                  .is_ok());
+  EXPECT_EQ(workspace.id, 3);
+  EXPECT_EQ(CountedBuffer::alive, (std::set<int>{2, 3}));
+  // Two graphs captured with workspace 3 and tickets 2: growing keeps both old buffers.
+  keep.graph_created();
+  keep.graph_created();
+  ASSERT_TRUE(keep.replace(workspace, make).is_ok());
+  ASSERT_TRUE(keep.replace(tickets, make).is_ok());
+  ASSERT_TRUE(keep.replace(workspace, make).is_ok());
+  EXPECT_EQ(workspace.id, 6);
+  EXPECT_EQ(tickets.id, 5);
+  EXPECT_EQ(keep.retired(), 3u);
+  EXPECT_EQ(CountedBuffer::alive, (std::set<int>{2, 3, 4, 5, 6}));
+  // A failed make() leaves the slot as it was and retires nothing.
+  const Status oom = keep.replace(
+      workspace, [] { return Result<CountedBuffer>(Status(Code::kOutOfMemory, "no memory")); });
+  EXPECT_EQ(oom.code(), Code::kOutOfMemory);
+  EXPECT_EQ(workspace.id, 6);
+  EXPECT_EQ(keep.retired(), 3u);
+  // One graph gone, one left: still kept. The last gone: the retired ones are freed, the
+  // current ones stay.
+  keep.graph_destroyed();
+  EXPECT_EQ(keep.retired(), 3u);
+  keep.graph_destroyed();
+  EXPECT_EQ(keep.retired(), 0u);
+  EXPECT_EQ(CountedBuffer::alive, (std::set<int>{5, 6}));
+  keep.graph_destroyed();  // more destructions than creations change nothing
+  EXPECT_EQ(keep.graphs(), 0);
 }
 
 }  // namespace

@@ -6,25 +6,28 @@
 // Several GPUs: the same at P ranks, rank-order results, grouped two-way exchanges, a rank
 // that skips a collective ending in kTimeout on the others instead of a hang, and a
 // communicator destroyed while its collective waits for a dead rank returning (bounded wait,
-// then abort). Host-side (any machine): the timeouts, the teardown poll and the messages.
+// then abort). One GPU stands in for a dead rank by holding the stream (stream_hold.hpp): the
+// watchdog ends a held collective in kTimeout, and synchronize() over a replayed CUDA graph's
+// held collective (which the watchdog does not track) gives up after the timeout. Host-side
+// (any machine): the timeouts, the teardown poll, the wait's bound and the messages.
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cmath>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "comm/nccl/nccl_policy.hpp"
 #include "kernels/cuda/cuda_presence.hpp"
+#include "stream_hold.hpp"
 #include "treeattn/comm_local.hpp"
 #include "treeattn/comm_nccl.hpp"
 #include "treeattn/executor_cuda.hpp"
 #include "treeattn/oracle.hpp"
-#if !TREEATTN_GPU_TESTS_NO_SESSION  // a core-only build without the session (gpu-check.sh)
 #include "treeattn/session.hpp"
-#endif
 
 namespace treeattn {
 namespace {
@@ -235,7 +238,77 @@ TEST(NcclComm, ARankThatSkipsACollectiveIsATimeoutNotAHang) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(25));
 }
 
-#if !TREEATTN_GPU_TESTS_NO_SESSION
+// One rank with a 500 ms timeout: `before` runs, then the stream is held (stream_hold.hpp), as
+// by a collective waiting for a dead rank, while `held` runs; its status is in *got. A kTimeout
+// there is the expected outcome.
+using HeldFn = std::function<Status(Communicator& c, Executor& e, Buffer& b)>;
+Status run_held(const HeldFn& before, const HeldFn& held, std::string* got) {
+  return run_nccl(1, [&](Communicator& c, Executor& e) -> Status {
+    c.set_timeout(std::chrono::milliseconds(500));
+    auto b = device_floats(e, std::vector<float>(64, 1.0f));
+    TREEATTN_RETURN_IF_ERROR(b.status());
+    TREEATTN_RETURN_IF_ERROR(before(c, e, *b));
+    auto stream = cuda_stream(e);
+    TREEATTN_RETURN_IF_ERROR(stream.status());
+    auto hold = test::StreamHold::start(*stream);
+    TREEATTN_RETURN_IF_ERROR(hold.status());
+    const Status st = held(c, e, *b);
+    *got = st.to_string();
+    (*hold)->release();
+    return st.code() == Code::kTimeout ? Status::ok() : st;
+  });
+}
+
+TEST(NcclComm, OneRankWatchdogEndsAHeldCollectiveInATimeout) {
+  // The watchdog finds the held all-reduce incomplete after the timeout; synchronize() says so.
+  REQUIRE_DEVICES(1);
+  const auto start = std::chrono::steady_clock::now();
+  std::string got;
+  const Status s = run_held([](Communicator&, Executor&, Buffer&) { return Status::ok(); },
+                            [](Communicator& c, Executor&, Buffer& b) {
+                              Status st = c.allreduce(b.as<float>(), 64, ReduceOp::kSum);
+                              return st.is_ok() ? c.synchronize() : st;
+                            },
+                            &got);
+  EXPECT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_NE(got.find("did not complete within 500 ms"), std::string::npos) << got;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20))
+      << "the abort waited for the held stream";
+}
+
+TEST(NcclComm, SynchronizeOverAReplayedGraphsHeldCollectiveIsBounded) {
+  // A graph's collectives are not tracked by the watchdog while it replays; the wait itself
+  // gives up one timeout after it began and aborts the communicator.
+  REQUIRE_DEVICES(1);
+  const auto start = std::chrono::steady_clock::now();
+  std::string got;
+  std::unique_ptr<CudaGraph> graph;
+  const Status s = run_held(
+      [&](Communicator& c, Executor& e, Buffer& b) -> Status {
+        TREEATTN_RETURN_IF_ERROR(c.allreduce(b.as<float>(), 64, ReduceOp::kSum));
+        TREEATTN_RETURN_IF_ERROR(c.synchronize());
+        TREEATTN_RETURN_IF_ERROR(cuda_capture_begin(e));
+        const Status captured = c.allreduce(b.as<float>(), 64, ReduceOp::kSum);
+        auto g = cuda_capture_end(e);
+        TREEATTN_RETURN_IF_ERROR(captured);
+        TREEATTN_RETURN_IF_ERROR(g.status());
+        graph = std::move(*g);
+        return Status::ok();
+      },
+      [&](Communicator& c, Executor&, Buffer&) {
+        Status st = graph->replay();
+        st = st.is_ok() ? c.synchronize() : st;
+        graph.reset();  // before its executor
+        return st;
+      },
+      &got);
+  EXPECT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_NE(got.find("did not complete within 500 ms"), std::string::npos) << got;
+  EXPECT_NE(got.find("the watchdog does not track"), std::string::npos) << got;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20))
+      << "the abort waited for the held stream";
+}
+
 TEST(NcclComm, DestroyingACommunicatorWhoseCollectiveWaitsForADeadPeerReturns) {
   // Rank 0 enqueues an all-reduce that rank 1 never joins and destroys its communicator at once,
   // before the watchdog's deadline: the destructor stops the watchdog, so only its own bounded
@@ -369,7 +442,6 @@ TEST(NcclComm, SessionOverNcclMatchesTheOracleForEveryStrategy) {
     EXPECT_TRUE(s.is_ok()) << p << " ranks: " << s.to_string();
   }
 }
-#endif  // !TREEATTN_GPU_TESTS_NO_SESSION
 
 // ---- host-side rules (nccl_policy.hpp): run on every machine -----------------------------------
 
@@ -424,6 +496,25 @@ TEST(NcclPolicy, AMissingRankHasOneMessage) {
       << p2p;
   EXPECT_NE(p2p.find("aborted the NCCL communicator"), std::string::npos) << p2p;
   EXPECT_EQ(p2p.find("did not finish"), std::string::npos);
+}
+
+TEST(NcclPolicy, AWaitForTheStreamEndsATimeoutAfterTheLastProgress) {
+  // synchronize() over a replayed graph whose collective waits for a dead rank: nothing the
+  // watchdog tracks completes, so the wait expires one timeout after it began.
+  using std::chrono::milliseconds;
+  const auto t0 = std::chrono::steady_clock::time_point{} + std::chrono::hours(1);
+  nccl_detail::WaitBound stuck(milliseconds(500), 7, t0);
+  EXPECT_FALSE(stuck.expired(7, t0 + milliseconds(500)));
+  EXPECT_TRUE(stuck.expired(7, t0 + milliseconds(501)));
+  // Operations completing meanwhile (a deep queue draining) move the bound along.
+  nccl_detail::WaitBound draining(milliseconds(500), 0, t0);
+  EXPECT_FALSE(draining.expired(1, t0 + milliseconds(400)));
+  EXPECT_FALSE(draining.expired(2, t0 + milliseconds(800)));
+  EXPECT_FALSE(draining.expired(2, t0 + milliseconds(1300)));
+  EXPECT_TRUE(draining.expired(2, t0 + milliseconds(1301)));
+  // set_timeout(0): wait forever.
+  nccl_detail::WaitBound forever(milliseconds(0), 0, t0);
+  EXPECT_FALSE(forever.expired(0, t0 + std::chrono::hours(100)));
 }
 
 TEST(NcclComm, NoNcclBuildSaysSo) {

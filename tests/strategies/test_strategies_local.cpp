@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "strategies/common.hpp"
 #include "treeattn/comm_local.hpp"
 #include "treeattn/strategy.hpp"
 #include "treeattn/workload.hpp"
@@ -232,6 +233,23 @@ TEST_P(StrategiesLocal, EveryStrategyMatchesTheOracleWithTheSameBitsOnEveryRank)
     }
   }
   EXPECT_EQ(runs, 9 * static_cast<int>(registry.list().size() + 3)) << "cases x variants";
+}
+
+// ring-kv's ranks compute the partial of every shard and must agree bit for bit, so it never
+// leaves the split plan to the device (the CUDA executor's follows the SM count): the kernel
+// options it passes have a fixed chunk length, the CPU's default where none was asked for (so
+// CPU results keep their bits).
+TEST(RingKV, PassesTheKernelAFixedSplitLength) {
+  DecodeOptions o;
+  o.scale = 0.5f;
+  o.threads = 3;
+  EXPECT_EQ(strategies::fixed_split_options(o).chunk_tokens, kDefaultChunkTokens);
+  EXPECT_EQ(strategies::fixed_split_options(o).scale, 0.5f);
+  EXPECT_EQ(strategies::fixed_split_options(o).threads, 3);
+  o.chunk_tokens = 777;
+  EXPECT_EQ(strategies::fixed_split_options(o).chunk_tokens, 777);
+  o.chunk_tokens = -1;  // still the kernel's to refuse
+  EXPECT_EQ(strategies::fixed_split_options(o).chunk_tokens, -1);
 }
 
 // ring-kv on the tiled layout with what the cases above do not have: quantized KV (the scales

@@ -1,28 +1,36 @@
-// gpu_check OUTDIR [--seed N] [--max-tokens N]: the one-run GPU check behind tools/gpu-check.sh.
+// gpu_check OUTDIR [--seed N] [--max-tokens N] [--cases N] [--section NAME]: the GPU check behind
+// tools/gpu-check.sh, which runs each section in a process of its own (--section NAME writes
+// OUTDIR/gpu-check-NAME.json), so that a kernel fault, which spoils the CUDA context for the
+// rest of its process, fails that section only.
 //
 // On one GPU, in this order (each part writes its findings; a wrong result fails the run):
 //   device       name, SMs, memory, driver and runtime versions
 //   widening     every f16 / bf16 / fp8 / int8 value through the kernel, bit for bit
 //   correctness  random shapes (dtypes, head dims 64/128, GQA groups, q_len 1-4, ragged batches
 //                with empty and odd rows, offset / striped shard views, fixed and planned splits)
-//                against the CPU float64 oracle, into NaN-poisoned outputs; partial_chunks and
-//                the state kernels against the CPU executor
-//   bandwidth    a device-to-device copy probe and a read probe, then the decode kernel on the
+//                against the CPU float64 oracle, into NaN-poisoned outputs; sharply peaked
+//                softmaxes (q x30) with NaN in the slots the kernel must not use (before the
+//                view, past len, past the causal limit); partial_chunks and the state kernels
+//                against the CPU executor
+//   bandwidth    (and virtual ranks) a device-to-device copy probe and a read probe, then the
+//   decode kernel on the
 //                llama3-8b shape (32 heads, 8 KV heads, head dim 128, bf16, q_len 1) at 64k, 256k
 //                and 1M tokens, batch 1 and 16: GB/s of KV read and the fraction of each probe,
 //                eager and as a CUDA graph, and the cost of the split merge fused into the kernel
 //                (partial less partial_chunks over the same splits, graph times); results
-//                checked against the oracle (64k) and against a different split plan (all)
+//                checked against a different split plan (all) and the oracle (64k, and the
+//                last row of batch 16 at 256k and 1M)
 //   vranks       P = 1..8 virtual ranks on the one GPU: P shards, P partials and the merge kernel
 //                against one shard (time, merge time, agreement)
 //   nccl         the NCCL communicator with one rank (bootstrapped over the in-process
 //                communicator): every operation, and the decode session over NCCL + the CUDA
-//                executor for every strategy NCCL serves (when the build has the session)
-// Writes OUTDIR/gpu-check-core.json after each section ("complete": false until the end, so a
-// crash leaves what was found) and a short table on stdout. Exit status: 0 all correct; 1 a
-// wrong result; 2 no wrong result but the environment failed: no usable GPU (no device or
-// driver, or one that cannot run this build: cuda_presence.hpp tells them apart in the message)
-// or a set-up that failed (the NCCL communicator).
+//                executor for every strategy NCCL serves
+// Writes OUTDIR/gpu-check-core.json (gpu-check-NAME.json with --section) after each section
+// ("complete": false until the end, so a crash leaves what was found) and a short table on
+// stdout. Exit status: 0 all correct; 1 a wrong result; 2 no wrong result but the environment
+// failed: no usable GPU (no device or driver, or one that cannot run this build:
+// cuda_presence.hpp tells them apart in the message) or a set-up that failed (the NCCL
+// communicator).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -30,6 +38,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <sstream>
@@ -46,10 +55,8 @@
 #include "treeattn/comm_nccl.hpp"
 #include "treeattn/executor_cuda.hpp"
 #include "treeattn/oracle.hpp"
-#include "treeattn/state.hpp"
-#if TREEATTN_GPU_CHECK_SESSION
 #include "treeattn/session.hpp"
-#endif
+#include "treeattn/state.hpp"
 
 namespace {
 
@@ -124,13 +131,15 @@ KVShard on_device(const KVShard& h, const KVCache& c, const DeviceCache& d) {
 
 // Worst error of float states against the oracle's output and LSE (the project's rule:
 // |out - ref| / max(1, max|ref|) and |lse - ref| / max(1, |ref|)); NaN where the NaN pattern
-// differs.
-double state_error(const AttnShape& s, const float* states, const double* out, const double* lse) {
+// differs. With `compared`, only the rows r ([batch][q_len][heads] order) it accepts.
+double state_error(const AttnShape& s, const float* states, const double* out, const double* lse,
+                   const std::function<bool(std::size_t)>& compared = {}) {
   const auto D = static_cast<std::size_t>(s.head_dim);
   const auto rows = static_cast<std::size_t>(s.batch * s.q_len * s.heads);
   double worst_out = 0, ref_max = 0, worst_lse = 0;
   std::vector<float> o(D);
   for (std::size_t r = 0; r < rows; ++r) {
+    if (compared && !compared(r)) continue;
     float l = 0;
     state_normalize(states + r * (D + 2), D, o.data(), &l);
     if (std::isnan(l) != std::isnan(lse[r])) return std::numeric_limits<double>::quiet_NaN();
@@ -356,6 +365,86 @@ void check_random_shapes(Executor& e, Report& rep, uint64_t seed, int cases) {
     rep.add(ch);
   }
   if (failed) rep.notes.push_back("first failing random case: " + first_failure);
+}
+
+// Sharply peaked softmaxes (q scaled x30: a few keys carry nearly all the weight, so a wrong
+// running maximum or rescale shows) and NaN planted in slots the kernel may load but must not
+// use: the slots before the view's first, those past each row's len, and each row's last slot,
+// which the causal limit hides from every query but the last. The kernel reads the poisoned
+// cache; the rows that must not see a NaN are held to the oracle of the clean cache (the last
+// query's rows see the planted last slot and are not compared), with the executor's split plan
+// and with fixed splits of 700 tokens. The tolerance of the peaked cases is kTolerance x 30: the
+// logits, and with them their float rounding, are 30 times larger.
+void check_peaked_and_hidden_nan(Executor& e, Report& rep) {
+  Dev dev{e};
+  std::mt19937_64 rng(43);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  const AttnShape s{3, 8, 2, 128, 4};
+  const int64_t first = 16;
+  const std::vector<int64_t> len{37, 1000, 5000}, pos{0, 0, 0};
+  const std::vector<int64_t>& total = len;  // the last query sits at each row's last slot
+  const int64_t cap = first + 5000 + 64;
+  const auto D = static_cast<std::size_t>(s.head_dim);
+  const std::vector<float> nan(D, std::numeric_limits<float>::quiet_NaN());
+  const std::size_t rows = static_cast<std::size_t>(s.batch * s.q_len * s.heads);
+  const std::size_t recf = rows * (D + 2);
+  const auto not_last_query = [&](std::size_t r) {
+    return static_cast<int64_t>(r / static_cast<std::size_t>(s.heads)) % s.q_len != s.q_len - 1;
+  };
+  for (DType t : kTypes)
+    for (float qscale : {1.0f, 30.0f}) {
+      KVCache clean(s, t, cap), dirty(s, t, cap);
+      std::vector<float> k(D), v(D);
+      for (int64_t b = 0; b < s.batch; ++b)
+        for (int64_t h = 0; h < s.kv_heads; ++h)
+          for (int64_t tok = 0; tok < cap; ++tok) {
+            for (auto& x : k) x = u(rng) * 2.0f;
+            for (auto& x : v) x = u(rng);
+            clean.set_token(b, h, tok, k.data(), v.data());
+            const bool hidden = tok < first || tok >= first + len[static_cast<std::size_t>(b)] - 1;
+            if (!hidden || dtype_is_quantized(t)) dirty.set_token(b, h, tok, k.data(), v.data());
+            if (hidden && dtype_is_quantized(t)) {  // codes times a NaN scale
+              dirty.k_scale_data()[dirty.scale_index(b, h, tok)] = nan[0];
+              dirty.v_scale_data()[dirty.scale_index(b, h, tok)] = nan[0];
+            } else if (hidden) {
+              dirty.set_token(b, h, tok, nan.data(), nan.data());
+            }
+          }
+      std::vector<float> q(rows * D);
+      for (auto& x : q) x = u(rng) * qscale;
+      std::vector<double> out(rows * D), lse(rows);
+      const Status os = oracle_attention(s, q.data(), clean.view(first, len, pos, total, 1),
+                                         out.data(), lse.data());
+      const KVShard view = dirty.view(first, len, pos, total, 1);
+      auto dc = upload_cache(dev, dirty, s.batch);
+      auto qd = dev.upload(q.data(), q.size() * sizeof(float));
+      for (int64_t chunk : {int64_t{0}, int64_t{700}}) {
+        Check c{"correctness", std::string(dtype_name(t)) + (qscale > 1 ? ": peaked (q x30)" : "") +
+                                   ": NaN in hidden slots, " +
+                                   (chunk ? "700-token splits" : "planned splits")};
+        auto st = dev.poisoned(recf);
+        Status status = os;
+        if (status.is_ok()) status = dc.status();
+        if (status.is_ok()) status = qd.status();
+        if (status.is_ok()) status = st.status();
+        DecodeOptions opt;
+        opt.chunk_tokens = chunk;
+        if (status.is_ok())
+          status = e.partial(s, qd->as<float>(), on_device(view, dirty, *dc), st->as<float>(), opt);
+        auto got = status.is_ok() ? dev.download(*st, recf) : Result<std::vector<float>>(status);
+        if (!got.is_ok()) {
+          c.ok = false;
+          c.detail = got.status().to_string();
+        } else {
+          const double err = state_error(s, got->data(), out.data(), lse.data(), not_last_query);
+          c.error = std::isnan(err) ? std::numeric_limits<double>::infinity() : err;
+          c.ok = c.error <= kTolerance * static_cast<double>(qscale);
+          c.detail = "vs oracle of the clean cache " + fmt("%.1e", c.error) +
+                     (std::isnan(err) ? " (a NaN reached a row that must not see it)" : "");
+        }
+        rep.add(c);
+      }
+    }
 }
 
 void check_chunks_and_states(Executor& e, Report& rep) {
@@ -674,8 +763,10 @@ void check_bandwidth_and_vranks(Executor& e, Report& rep, int64_t max_tokens) {
       }
       c.error = states_diff(*a, *b, static_cast<std::size_t>(D));
       std::string how = "vs other split plan";
-      if (n == 65536) {
-        const int64_t rb = batch > 1 ? 5 : 0;  // a row other than 0 when there are several
+      // The oracle (a host copy of one row): at 64k a row other than 0, and at 256k and 1M the
+      // last row of the batch of 16, whose element offsets pass 2^32.
+      if (n == 65536 || batch > 1) {
+        const int64_t rb = batch == 1 ? 0 : n == 65536 ? 5 : batch - 1;
         KVCache hc = host_row(rb, n);
         const std::vector<int64_t> l1{n}, p1{0};
         const AttnShape s1{1, H, Hkv, D, 1};
@@ -806,7 +897,6 @@ Status nccl_one_rank(Communicator& c, Executor& e, Report& rep) {
   if (*got != x) return internal_error("one-rank NCCL operations changed the data");
   rep.add({"nccl", "one rank: allreduce, allgather, broadcast, gather, send/recv, barrier, split",
            true, 0, "ok"});
-#if TREEATTN_GPU_CHECK_SESSION
   // The decode session over NCCL + the CUDA executor, every strategy NCCL serves.
   SessionConfig cfg;
   cfg.shape = AttnShape{2, 32, 8, 128, 2};
@@ -872,11 +962,6 @@ Status nccl_one_rank(Communicator& c, Executor& e, Report& rep) {
     }
     rep.add(ch);
   }
-#else
-  rep.notes.push_back(
-      "nccl: the decode session is not in this build (TREEATTN_CORE_ONLY without "
-      "nlohmann_json); checked the communicator's operations only");
-#endif
   return Status::ok();
 }
 
@@ -924,13 +1009,16 @@ void print_tables(const Report& rep) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: %s OUTDIR [--seed N] [--max-tokens N] [--cases N]\n", argv[0]);
+    std::fprintf(stderr,
+                 "usage: %s OUTDIR [--seed N] [--max-tokens N] [--cases N] [--section NAME]\n",
+                 argv[0]);
     return 2;
   }
   const std::string outdir = argv[1];
   uint64_t seed = 20240806;
   int64_t max_tokens = 1 << 20;
   int cases = 60;
+  std::string only;  // --section: that section alone
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--seed")
@@ -939,9 +1027,19 @@ int main(int argc, char** argv) {
       max_tokens = std::stoll(argv[i + 1]);
     else if (a == "--cases")
       cases = std::stoi(argv[i + 1]);
+    else if (a == "--section")
+      only = argv[i + 1];
+  }
+  constexpr const char* kSections[] = {"widening", "correctness", "bandwidth", "nccl"};
+  if (!only.empty() &&
+      std::find(std::begin(kSections), std::end(kSections), only) == std::end(kSections)) {
+    std::fprintf(stderr, "gpu_check: no section '%s' (widening, correctness, bandwidth, nccl)\n",
+                 only.c_str());
+    return 2;
   }
   Report rep;
-  const std::string json_path = outdir + "/gpu-check-core.json";
+  const std::string json_path =
+      outdir + (only.empty() ? "/gpu-check-core.json" : "/gpu-check-" + only + ".json");
   auto write_json = [&](bool complete) {
     std::ofstream f(json_path);
     f << rep.json(complete);
@@ -981,6 +1079,7 @@ int main(int argc, char** argv) {
   // a hang in a later one leaves what the earlier ones found.
   bool json_ok = write_json(false);
   auto section = [&](const char* name, const std::function<void()>& fn) {
+    if (!only.empty() && only != name) return;
     std::printf("== %s\n", name);
     std::fflush(stdout);
     const auto s = std::chrono::steady_clock::now();
@@ -992,9 +1091,10 @@ int main(int argc, char** argv) {
   section("widening", [&] { check_widening(e, rep); });
   section("correctness", [&] {
     check_random_shapes(e, rep, seed, cases);
+    check_peaked_and_hidden_nan(e, rep);
     check_chunks_and_states(e, rep);
   });
-  section("bandwidth and virtual ranks", [&] { check_bandwidth_and_vranks(e, rep, max_tokens); });
+  section("bandwidth", [&] { check_bandwidth_and_vranks(e, rep, max_tokens); });
   exec->reset();  // frees the KV cache before NCCL's own executor starts
   section("nccl", [&] { check_nccl(rep); });
   print_tables(rep);

@@ -1,18 +1,90 @@
 #!/usr/bin/env python3
 """Joins the GPU check's parts into OUTDIR/gpu-check.json and prints the short table.
 
-Inputs: OUTDIR/gpu-check-core.json (gpu_check), OUTDIR/sdpa.json (sdpa_peer.py, optional) and the
-build time in seconds (argument). The targets of the GPU issue are evaluated and shown, but only
-wrong results (gpu_check's verdict) fail the run.
+Inputs: OUTDIR/gpu-check-runs.tsv (gpu-check.sh: what it built and ran, how each ended),
+OUTDIR/gpu-check-SECTION.json (gpu_check --section, one process each; or gpu-check-core.json of
+a plain gpu_check run), OUTDIR/gpu-tests-NAME.json (minitest), OUTDIR/sdpa.json (sdpa_peer.py,
+optional) and the build time in seconds (argument). A section that crashed, timed out or never
+ran and a target that did not build become failed checks of their own, so every verdict shows.
+The targets of the GPU issue are evaluated and shown, but only wrong results fail the run.
 """
 import json
 import os
 import sys
 
+SECTIONS = ("widening", "correctness", "bandwidth", "nccl")
+TESTS = ("test_cuda_executor", "test_nccl_comm")
+
+
+def read_runs(outdir):
+    """gpu-check-runs.tsv as a list of (kind, name, status, detail)."""
+    path = os.path.join(outdir, "gpu-check-runs.tsv")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return [tuple((line.rstrip("\n").split("\t") + ["", "", "", ""])[:4]) for line in f
+                if line.strip()]
+
+
+def check(section, name, detail, environment=False):
+    return {"section": section, "name": name, "ok": False, "environment": environment,
+            "error": 0, "detail": detail}
+
+
+def merge_sections(outdir, runs):
+    """One core report from the sections' files, with a failed check for every section that
+    did not end with a verdict and for every target that did not build."""
+    core = {"tool": "gpu_check", "complete": True, "device": {}, "checks": [],
+            "probes": {"copy_gbps": 0, "read_gbps": 0}, "bandwidth": [], "virtual_ranks": [],
+            "notes": []}
+    for kind, name, status, detail in runs:
+        if kind == "build" and status != "ok":
+            core["checks"].append(check("build", name, f"did not compile (log: {detail})"))
+    built = any(k == "build" and n == "gpu_check" and st == "ok" for k, n, st, _ in runs)
+    ended = {n: st for k, n, st, _ in runs if k == "section"}
+    no_gpu = False
+    for s in SECTIONS:
+        path = os.path.join(outdir, f"gpu-check-{s}.json")
+        part = None
+        if os.path.exists(path):
+            with open(path) as f:
+                part = json.load(f)
+            core["device"] = core["device"] or part.get("device", {})
+            core["checks"] += part.get("checks", [])
+            core["notes"] += part.get("notes", [])
+            if s == "bandwidth":
+                for key in ("probes", "bandwidth", "virtual_ranks"):
+                    core[key] = part.get(key, core[key])
+            no_gpu = no_gpu or any(c["section"] == "device" and not c["ok"]
+                                   for c in part.get("checks", []))
+        status = ended.get(s)
+        if status is None:
+            why = ("not run: gpu_check did not build" if not built
+                   else "not run: no usable GPU" if no_gpu else "not run")
+            core["checks"].append(check(s, f"gpu_check --section {s}", why, environment=no_gpu))
+            core["complete"] = False
+        elif status not in ("0", "1", "2"):
+            how = (f"timed out (exit {status})" if status in ("124", "137")
+                   else f"crashed (exit {status})")
+            done = "" if part is None else "; the checks above are those it finished"
+            core["checks"].append(check(s, f"gpu_check --section {s}", how + done))
+            core["complete"] = False
+        elif part is None or not part.get("complete", False):
+            core["checks"].append(check(s, f"gpu_check --section {s}",
+                                        f"exit {status} without its results file"))
+            core["complete"] = False
+    return core
+
 
 def main(outdir, build_seconds):
-    with open(os.path.join(outdir, "gpu-check-core.json")) as f:
-        core = json.load(f)
+    runs = read_runs(outdir)
+    if runs is None:
+        with open(os.path.join(outdir, "gpu-check-core.json")) as f:
+            core = json.load(f)
+    else:
+        core = merge_sections(outdir, runs)
+        with open(os.path.join(outdir, "gpu-check-core.json"), "w") as f:
+            json.dump(core, f, indent=2)
     sdpa = {"available": False, "reason": "sdpa_peer.py did not run"}
     path = os.path.join(outdir, "sdpa.json")
     if os.path.exists(path):
@@ -20,8 +92,9 @@ def main(outdir, build_seconds):
             sdpa = json.load(f)
     peer = {(r["batch"], r["tokens"]): r for r in sdpa.get("shapes", [])}
     copy = core.get("probes", {}).get("copy_gbps") or 0
-    print(f"\n{'batch':>5} {'tokens':>8} {'KV GiB':>7} {'ms':>8} {'GB/s':>7} {'of copy':>8} "
-          f"{'merge us':>9} {'sdpa ms':>8} {'sdpa GB/s':>10} {'vs sdpa':>8}")
+    if core.get("bandwidth"):
+        print(f"\n{'batch':>5} {'tokens':>8} {'KV GiB':>7} {'ms':>8} {'GB/s':>7} {'of copy':>8} "
+              f"{'merge us':>9} {'sdpa ms':>8} {'sdpa GB/s':>10} {'vs sdpa':>8}")
     for row in core.get("bandwidth", []):
         p = peer.get((row["batch"], row["tokens"]), {})
         row["sdpa_gbps"] = p.get("gbps")
@@ -59,21 +132,29 @@ def main(outdir, build_seconds):
         print(f"target {'met' if t['met'] else 'NOT met'}: {t['target']} ({t['value']:.3g})")
     # The gpu-labelled tests, run by gpu-check.sh through minitest (gpu-tests-NAME.json).
     tests = {}
-    for name in ("test_cuda_executor", "test_nccl_comm"):
+    failed_tests = 0
+    for name in TESTS:
         tpath = os.path.join(outdir, f"gpu-tests-{name}.json")
         if not os.path.exists(tpath):
             tests[name] = {"ran": False}
+            failed_tests += 1
             print(f"gpu tests: {name} wrote no results (crashed, timed out or not built)")
             continue
         with open(tpath) as f:
             t = json.load(f)
         tests[name] = t
+        failed_tests += t["failed"] + t.get("not_run", 0)
+        done = "" if t.get("complete", True) else " (the run ended early)"
         print(f"gpu tests: {name}: {t['passed']} passed, {t['failed']} failed, "
-              f"{t['skipped']} skipped")
+              f"{t['skipped']} skipped, {t.get('not_run', 0)} not run{done}")
         for r in t["tests"]:
             if r["result"] != "passed":
                 first = (r["message"].strip().splitlines() or [""])[-1]
                 print(f"  {r['result']:7} {r['name']}: {first[:150]}")
+    nccl = next((st for k, _, st, _ in (runs or []) if k == "nccl"), None)
+    if nccl is not None:
+        core["nccl"] = nccl
+        print(f"NCCL: {nccl}")
     core["gpu_tests"] = tests
     core["sdpa_peer"] = sdpa
     core["targets"] = targets
@@ -83,12 +164,16 @@ def main(outdir, build_seconds):
     checks = core.get("checks", [])
     bad = [c for c in checks if not c["ok"] and not c.get("environment")]
     env = [c for c in checks if not c["ok"] and c.get("environment")]
-    done = "" if core.get("complete", True) else " (gpu_check did not finish: later sections missing)"
+    for c in bad + env:
+        print(f"{'FAIL' if c in bad else 'ENV ':4} {c['section']}: {c['name']}: {c['detail'][:200]}")
+    done = "" if core.get("complete", True) else " (gpu_check did not finish every section)"
     print(f"\n{len(checks)} checks, {len(bad)} wrong, {len(env)} set-up failures{done}; "
+          f"{failed_tests} GPU tests failed or not run; "
           f"written {os.path.join(outdir, 'gpu-check.json')}")
+    return 1 if bad or failed_tests else 0
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
         sys.exit("usage: report.py OUTDIR BUILD_SECONDS")
-    main(sys.argv[1], float(sys.argv[2]))
+    sys.exit(main(sys.argv[1], float(sys.argv[2])))

@@ -25,6 +25,14 @@ std::string describe_cuda(const Executor& e) {
   return text;
 }
 
+// The GPU of this rank: its place among the ranks of its host (the host split of the world),
+// which every launcher gives, rather than a launcher's local-rank variable, which some do not set.
+CudaExecutorOptions local_device(const Communicator& host, int gpus) {
+  CudaExecutorOptions o;
+  if (gpus > 0) o.device = host.rank() % gpus;
+  return o;
+}
+
 }  // namespace
 
 Result<CudaRank> open_cuda_rank(Communicator& world) {
@@ -41,7 +49,7 @@ Result<CudaRank> open_cuda_rank(Communicator& world) {
                             plural(gpus, "GPU") +
                             "; --device cuda needs one GPU per rank (NCCL), so at most " +
                             plural(gpus, "rank") + " per host");
-  else if (auto e = make_cuda_executor(); e.is_ok())
+  else if (auto e = make_cuda_executor(local_device(**host, gpus)); e.is_ok())
     dev.executor = std::move(e).value();
   else
     mine = e.status();

@@ -583,10 +583,12 @@ class NcclComm final : public Communicator {
   }
 
   // Blocks until everything enqueued on the stream has completed, or the watchdog failed the
-  // communicator.
+  // communicator, or timeout() passed without progress (nccl_policy.hpp WaitBound: work the
+  // watchdog does not track, such as a replayed CUDA graph's collectives), which aborts it.
   Status wait_stream(const char* op) {
     TREEATTN_RETURN_IF_ERROR(check_cuda("cudaEventRecord", cudaEventRecord(sync_event_, stream_)));
     const auto since = Clock::now();
+    nccl_detail::WaitBound bound(timeout(), completed_.load(), since);
     for (;;) {
       const cudaError_t q = cudaEventQuery(sync_event_);
       if (failed_.load()) {
@@ -595,6 +597,20 @@ class NcclComm final : public Communicator {
       }
       if (q == cudaSuccess) return Status::ok();
       if (q != cudaErrorNotReady) return check_cuda(op, q);
+      if (bound.expired(completed_.load(), Clock::now())) {
+        const Status f = fail_now(
+            Code::kTimeout,
+            nccl_detail::missing_rank_message(
+                "",
+                std::string(op) + where() +
+                    " (the stream's work, which the watchdog does not track: a replayed CUDA "
+                    "graph's collectives?)",
+                timeout().count(), {}));
+        std::lock_guard<std::mutex> nk(nccl_mu_);
+        if (comm_) (void)ncclCommAbort(comm_);
+        comm_ = nullptr;
+        return f;
+      }
       backoff(since);
     }
   }
@@ -617,6 +633,7 @@ class NcclComm final : public Communicator {
         }
         spare_events_.push_back(tracked_.front().done);
         tracked_.pop_front();
+        completed_.fetch_add(1);
         // The next operation's time starts now at the latest (a deep queue of enqueued steps
         // must not count against the operations at its end).
         if (!tracked_.empty() && tracked_.front().timeout_ms > 0)
@@ -678,6 +695,7 @@ class NcclComm final : public Communicator {
   std::vector<cudaEvent_t> spare_events_;
   Status failure_;
   std::atomic<bool> failed_{false};
+  std::atomic<int64_t> completed_{0};  // tracked operations retired: progress for wait_stream
   bool stop_ = false;
   std::thread watchdog_;
 };

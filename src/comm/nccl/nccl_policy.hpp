@@ -1,8 +1,8 @@
 // The host-side rules of the NCCL communicator (comm_nccl.hpp, nccl_comm.cpp), kept free of NCCL
 // and CUDA headers so that tests/cuda/test_nccl_comm.cpp checks them on machines without a GPU:
 // the timeout a new communicator starts with, how long its destructor waits before aborting,
-// the one message for an operation that waited for a rank that never came, and the bounded poll
-// the destructor uses.
+// the one message for an operation that waited for a rank that never came, the bounded poll the
+// destructor uses and the bound of a blocking wait for the stream.
 #pragma once
 
 #include <chrono>
@@ -64,5 +64,29 @@ bool poll_until(Done&& done, std::chrono::milliseconds limit, Nap&& nap) {
     nap(since);
   }
 }
+
+// The bound of a blocking wait for the stream (synchronize, barrier, wait_all, split_shared):
+// it expires `timeout` after the wait began or after the watchdog last saw an operation complete
+// (`progress`, a count of completed operations, changed), whichever is later; a timeout of 0
+// never expires. The watchdog's deadlines cover the operations it tracks; this bound covers the
+// work it does not see, such as the collectives of a replayed CUDA graph waiting for a dead rank.
+class WaitBound {
+ public:
+  using Clock = std::chrono::steady_clock;
+  WaitBound(std::chrono::milliseconds timeout, int64_t progress, Clock::time_point now)
+      : timeout_(timeout), progress_(progress), since_(now) {}
+  bool expired(int64_t progress, Clock::time_point now) {
+    if (progress != progress_) {
+      progress_ = progress;
+      since_ = now;
+    }
+    return timeout_.count() > 0 && now - since_ > timeout_;
+  }
+
+ private:
+  std::chrono::milliseconds timeout_;
+  int64_t progress_;
+  Clock::time_point since_;
+};
 
 }  // namespace treeattn::nccl_detail

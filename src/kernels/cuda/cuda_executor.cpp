@@ -12,6 +12,7 @@
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/cuda_presence.hpp"
 #include "kernels/cuda/decode_geometry.hpp"
+#include "kernels/cuda/graph_buffers.hpp"
 #include "treeattn/executor_cuda.hpp"
 #include "treeattn/state.hpp"
 
@@ -98,6 +99,7 @@ class CudaExecutor final : public Executor {
   ~CudaExecutor() override {
     workspace_.reset();
     tickets_.reset();
+    owned_ = gpu::GraphBuffers<Buffer>();
     (void)use_device(device_);
     if (owns_stream_ && stream_) (void)cudaStreamDestroy(stream_);
   }
@@ -181,13 +183,14 @@ class CudaExecutor final : public Executor {
     // (decode_kernel.cuh); its ticket counters are 0 between launches.
     const auto bytes = static_cast<std::size_t>(plan.splits * records * rec_floats) * sizeof(float);
     if (workspace_.bytes() < bytes) {
-      workspace_.reset();
-      auto w = allocate(bytes);
-      if (!w.is_ok())
-        return Status(w.status().code(), w.status().message() + " (split workspace of partial: " +
-                                             std::to_string(plan.splits) + " splits of " +
-                                             std::to_string(plan.chunk) + " tokens)");
-      workspace_ = std::move(*w);
+      // Before anything is freed: a capture cannot allocate, and the graphs captured before
+      // keep the old workspace (graph_buffers.hpp).
+      TREEATTN_RETURN_IF_ERROR(no_capture_growth("the split workspace of partial", bytes));
+      const Status st = owned_.replace(workspace_, [&] { return allocate(bytes); });
+      if (!st.is_ok())
+        return Status(st.code(), st.message() + " (split workspace of partial: " +
+                                     std::to_string(plan.splits) + " splits of " +
+                                     std::to_string(plan.chunk) + " tokens)");
     }
     const int64_t nb = std::min<int64_t>(shape.batch, gpu::kMaxBatchPerLaunch);
     TREEATTN_RETURN_IF_ERROR(
@@ -305,6 +308,9 @@ class CudaExecutor final : public Executor {
     }
     return st != cudaStreamCaptureStatusNone;
   }
+  // The graphs of this executor (CudaGraphImpl): while one lives, a buffer that grows is kept.
+  void graph_created() { owned_.graph_created(); }
+  void graph_destroyed() { owned_.graph_destroyed(); }
 
  private:
   CudaExecutor() = default;
@@ -486,17 +492,21 @@ class CudaExecutor final : public Executor {
   // At least n ticket counters, all 0: a new buffer is zeroed on the stream before any launch
   // that uses it; afterwards every launch leaves its counters 0 (the merging block resets them).
   // The first buffer holds 64k counters (256 KiB: 64 batch rows x 8 KV heads x 128 row groups),
-  // so that it is seldom replaced: a CUDA graph captured before a replacement would still point
-  // at the old buffer (as at the old split workspace).
+  // so that it is seldom replaced; a graph captured before a replacement keeps the old buffer
+  // (graph_buffers.hpp).
   Status reserve_tickets(int64_t n) {
     const auto bytes = static_cast<std::size_t>(std::max<int64_t>(n, 65536)) * sizeof(unsigned int);
     if (tickets_.bytes() >= bytes) return Status::ok();
-    tickets_.reset();
-    auto t = allocate(bytes);
-    if (!t.is_ok()) return t.status();
-    tickets_ = std::move(*t);
+    TREEATTN_RETURN_IF_ERROR(no_capture_growth("the split merge's ticket counters", bytes));
+    TREEATTN_RETURN_IF_ERROR(owned_.replace(tickets_, [&] { return allocate(bytes); }));
     return check(cudaMemsetAsync(tickets_.data(), 0, tickets_.bytes(), stream_),
                  "cudaMemsetAsync (split merge tickets)");
+  }
+  Status no_capture_growth(const char* what, std::size_t bytes) const {
+    if (!capturing()) return Status::ok();
+    return unsupported(who_ + ": " + what + " must grow to " + std::to_string(bytes) +
+                       " bytes while its stream is being captured into a CUDA graph; run the "
+                       "step once before capturing so that every buffer exists");
   }
 
   int device_ = 0;
@@ -506,6 +516,8 @@ class CudaExecutor final : public Executor {
   std::string who_;
   Buffer workspace_;  // the split records of partial()
   Buffer tickets_;    // the fused split merge's counters (decode_kernel.cuh), 0 between launches
+  // The two buffers above as graphs see them: replaced ones kept while a graph lives.
+  gpu::GraphBuffers<Buffer> owned_;
   int occupancy_[std::size(kCudaDtypes)][kNumHeadDims][std::size(kRowTemplates)] = {};
 };
 
@@ -546,13 +558,18 @@ Result<std::unique_ptr<Executor>> CudaExecutor::create(const CudaExecutorOptions
 
 class CudaGraphImpl final : public CudaGraph {
  public:
-  CudaGraphImpl(const CudaExecutor& e, cudaGraph_t g, cudaGraphExec_t x)
-      : exec_(&e), graph_(g), instance_(x) {}
+  CudaGraphImpl(CudaExecutor& e, cudaGraph_t g, cudaGraphExec_t x)
+      : exec_(&e), graph_(g), instance_(x) {
+    exec_->graph_created();
+  }
   ~CudaGraphImpl() override {
     (void)use_device(exec_->device());
     (void)cudaGraphExecDestroy(instance_);
     (void)cudaGraphDestroy(graph_);
+    exec_->graph_destroyed();
   }
+  CudaGraphImpl(const CudaGraphImpl&) = delete;
+  CudaGraphImpl& operator=(const CudaGraphImpl&) = delete;
   Status replay() override {
     (void)use_device(exec_->device());
     const cudaError_t e = cudaGraphLaunch(instance_, exec_->stream());
@@ -562,15 +579,22 @@ class CudaGraphImpl final : public CudaGraph {
   }
 
  private:
-  const CudaExecutor* exec_;
+  CudaExecutor* exec_;
   cudaGraph_t graph_;
   cudaGraphExec_t instance_;
 };
 
-Result<const CudaExecutor*> as_cuda(const Executor& e, const char* op) {
-  if (const auto* c = dynamic_cast<const CudaExecutor*>(&e)) return c;
+Status not_cuda(const Executor& e, const char* op) {
   return invalid_argument(std::string(op) + ": executor '" + std::string(e.name()) +
                           "' is not a CUDA executor (make_cuda_executor)");
+}
+Result<const CudaExecutor*> as_cuda(const Executor& e, const char* op) {
+  if (const auto* c = dynamic_cast<const CudaExecutor*>(&e)) return c;
+  return not_cuda(e, op);
+}
+Result<CudaExecutor*> as_cuda(Executor& e, const char* op) {
+  if (auto* c = dynamic_cast<CudaExecutor*>(&e)) return c;
+  return not_cuda(e, op);
 }
 
 }  // namespace

@@ -39,7 +39,8 @@
 // chunk_tokens is 0, the device's wave (SMs x resident blocks of the kernel instance): splits are
 // sized so that the blocks fill whole waves. The same inputs give the same bits on every device
 // of the same kind; ring-kv (every rank computes the partial of every shard, and the results must
-// agree) across different GPU models needs chunk_tokens > 0, which fixes the plan on every device.
+// agree) passes chunk_tokens > 0 (strategies/common.hpp fixed_split_options), which fixes the
+// plan on every device, so GPUs of different models agree.
 #pragma once
 
 #include <cstdint>

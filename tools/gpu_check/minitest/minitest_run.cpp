@@ -1,4 +1,4 @@
-// main() of a minitest program (gtest/gtest.h here): every test; exit status 1 when one failed.
+// main() of a minitest program (gtest/gtest.h here): minitest::main_with_args.
 #include "gtest/gtest.h"
 
-int main() { return minitest::run_all().failed > 0 ? 1 : 0; }
+int main(int argc, char** argv) { return minitest::main_with_args(argc, argv); }

@@ -8,8 +8,9 @@
 // EXPECT_ / ASSERT_ {TRUE, FALSE, EQ, NE, LT, LE, GT, GE}, EXPECT_NEAR, ADD_FAILURE(), FAIL(),
 // GTEST_SKIP(), each streaming a message (<<). ASSERT_, FAIL and GTEST_SKIP return from the
 // function they are in, as in GoogleTest. The output lines are GoogleTest's ("[ RUN      ]",
-// "[       OK ]", "[  SKIPPED ]", "[  FAILED  ]"); minitest.cpp runs every test, and with
-// MINITEST_JSON=PATH writes the results as JSON. minitest_selftest.cpp checks these rules.
+// "[       OK ]", "[  SKIPPED ]", "[  FAILED  ]"); minitest.cpp runs the tests, in one process or
+// each in its own, and with MINITEST_JSON=PATH rewrites the results as JSON after every test.
+// minitest_selftest.cpp and minitest_isolate_selftest.cpp check these rules.
 #pragma once
 
 #include <cmath>
@@ -51,11 +52,17 @@ Current& current();
 using Factory = std::function<std::unique_ptr<::testing::Test>()>;
 int add_test(const char* suite, const char* name, Factory make);
 
-// Runs every test (minitest.cpp); main() is minitest_run.cpp.
+// Runs every test in this process (minitest.cpp).
 struct Counts {
   int passed = 0, failed = 0, skipped = 0;
 };
 Counts run_all();
+// main() of a minitest program (minitest_run.cpp): no argument runs every test in this process;
+// --list prints the names; --only NAME runs that test; --isolate runs each test in a process of
+// its own (this program with --only NAME), so that a crash, a hang (MINITEST_TIMEOUT seconds a
+// test, 300 by default) or a lost CUDA context fails that test only. Exit status 1 when a test
+// failed, 2 for a bad argument.
+int main_with_args(int argc, char** argv);
 
 class Message {
  public:
