@@ -18,6 +18,7 @@
 #include "engine/model_runner.hpp"
 #include "engine/scheduler.hpp"
 #include "engine/step_plan.hpp"
+#include "model/structured/constraint.hpp"
 #include "treeattn/host_memory.hpp"
 #include "treeattn/kv_tiles.hpp"
 
@@ -60,6 +61,10 @@ struct Engine::Impl {
   std::vector<double> rank_merge_s, rank_attn_s, rank_dense_s;
   mutable std::mutex snapshot_mu;
   EngineMetrics snapshot;  // guarded by snapshot_mu
+  // Structured output: every token's bytes and the end-of-generation tokens, built at the
+  // first constrained draw (the same on every rank); the logits a constrained draw samples from.
+  std::shared_ptr<const structured::Vocabulary> vocabulary;
+  std::vector<float> masked;
 
   // ------------------------------------------------------------------------------------------
   Status check_request(const Request& r) const {
@@ -79,6 +84,8 @@ struct Engine::Impl {
       return invalid_argument("max_new_tokens is " + std::to_string(r.max_new_tokens) +
                               "; it must be >= 1");
     TREEATTN_RETURN_IF_ERROR(r.sampling.validate());
+    if (!r.response_format.empty())
+      TREEATTN_RETURN_IF_ERROR(structured::compile_response_format(r.response_format).status());
     if (r.max_new_tokens > max_sequence_tokens())  // also keeps the sum below from overflowing
       return invalid_argument("max_new_tokens is " + std::to_string(r.max_new_tokens) +
                               ", but the KV pools hold at most " +
@@ -96,14 +103,45 @@ struct Engine::Impl {
 
   int64_t max_sequence_tokens() const { return kv->max_sequence_tokens(); }
 
+  // The sequence's structured-output constraint, made at its first draw (null: free text).
+  Result<structured::TokenConstraint*> constraint_of(Sequence& s) {
+    if (s.req.response_format.empty()) return nullptr;
+    if (s.constraint) return s.constraint.get();
+    auto grammar = structured::compile_response_format(s.req.response_format);
+    TREEATTN_RETURN_IF_ERROR(grammar.status());
+    if (!vocabulary) {
+      auto tok = Tokenizer::from_gguf(model->file());
+      TREEATTN_RETURN_IF_ERROR(tok.status());
+      std::vector<std::string> pieces(static_cast<std::size_t>(model->config().n_vocab));
+      std::vector<TokenId> end;
+      for (TokenId id = 0; id < tok->n_vocab() && id < model->config().n_vocab; ++id) {
+        if (tok->is_end_of_generation(id)) end.push_back(id);
+        auto piece = tok->token_to_piece(id);
+        if (piece.is_ok()) pieces[static_cast<std::size_t>(id)] = std::move(piece).value();
+      }
+      vocabulary = std::make_shared<structured::Vocabulary>(pieces, std::move(end));
+    }
+    s.constraint = std::make_shared<structured::TokenConstraint>(*grammar, vocabulary);
+    return s.constraint.get();
+  }
+
   // Samples the step's tokens (identical on every rank) and sends rank 0's events.
-  void sample(const StepLogits& out) {
+  Status sample(const StepLogits& out) {
     const auto V = static_cast<std::size_t>(model->config().n_vocab);
     std::vector<RequestId> done;
     for (std::size_t i = 0; i < out.seqs.size(); ++i) {
       Sequence& s = *out.seqs[i];
-      const std::span<const float> lg = out.logits.subspan(i * V, V);
+      std::span<const float> lg = out.logits.subspan(i * V, V);
+      auto constraint = constraint_of(s);
+      TREEATTN_RETURN_IF_ERROR(constraint.status());
+      if (*constraint != nullptr) {
+        masked.assign(lg.begin(), lg.end());
+        (*constraint)->mask(masked);
+        lg = masked;
+      }
       const TokenId tok = s.sampler.sample(lg);
+      const bool ended = *constraint != nullptr && (*constraint)->accept(tok) !=
+                                                       structured::TokenConstraint::Step::kContinue;
       s.tokens.push_back(tok);
       ++s.generated;
       ++generated_total;
@@ -111,8 +149,8 @@ struct Engine::Impl {
       TokenEvent ev;
       ev.token = tok;
       ev.index = s.generated - 1;
-      if (std::find(s.req.stop_tokens.begin(), s.req.stop_tokens.end(), tok) !=
-          s.req.stop_tokens.end())
+      if (ended || std::find(s.req.stop_tokens.begin(), s.req.stop_tokens.end(), tok) !=
+                       s.req.stop_tokens.end())
         ev.finish = FinishReason::kStop;
       else if (s.generated >= s.req.max_new_tokens)
         ev.finish = FinishReason::kLength;
@@ -121,6 +159,7 @@ struct Engine::Impl {
       if (ev.finish != FinishReason::kNone) done.push_back(s.id);
     }
     for (RequestId id : done) sched->retire(id);
+    return Status::ok();
   }
 
   void update_snapshot() {
@@ -245,7 +284,7 @@ struct Engine::Impl {
     }
     auto out = runner->forward(*sched, pl.work);
     TREEATTN_RETURN_IF_ERROR(out.status());
-    sample(*out);
+    TREEATTN_RETURN_IF_ERROR(sample(*out));
     progress.fetch_add(1);
     if (me == 0) update_snapshot();
     return !sched->running().empty() || pl.waiting_after > 0;

@@ -4,7 +4,8 @@
 //
 // Words: kind, waiting_after, #cancels, #preempts, #resumes, #admits, #work; the cancels',
 // preemptions' and resumptions' ids; each admission (id, #prompt, max_new_tokens, temperature
-// bits, top_k, top_p bits, seed, return_logits, #stop tokens, the stop tokens, the prompt); each
+// bits, top_k, top_p bits, seed, return_logits, #stop tokens, the stop tokens, the prompt, the
+// response format's byte count and its bytes, eight a word, little-endian); each
 // work item (id, tokens). Every rank applies them in that order: cancels, preemptions, the
 // running sequences' page growth for their work, resumptions, admissions.
 #pragma once
