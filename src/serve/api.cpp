@@ -9,6 +9,8 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "model/structured/schema.hpp"
+
 namespace treeattn::serve {
 namespace {
 
@@ -147,11 +149,6 @@ std::optional<ApiError> neutral_only(const std::string& key, const json& v) {
     if (as_int(v) == 1) return std::nullopt;
     return unsupported(key, "other than 1");
   }
-  if (key == "response_format") {
-    if (v.is_object() && v.size() == 1 && v.contains("type") && v["type"] == "text")
-      return std::nullopt;
-    return unsupported(key, "other than {\"type\": \"text\"}");
-  }
   if (key == "tool_choice" || key == "function_call") {
     if (v.is_string() && (v == "none" || v == "auto")) return std::nullopt;
     return unsupported(key);
@@ -179,7 +176,6 @@ const std::set<std::string, std::less<>> kNeutralChat = {"frequency_penalty",
                                                          "logprobs",
                                                          "top_logprobs",
                                                          "user",
-                                                         "response_format",
                                                          "tools",
                                                          "tool_choice",
                                                          "parallel_tool_calls",
@@ -317,6 +313,27 @@ std::optional<ApiError> parse_stop(const json& v, std::vector<std::string>& out)
   return std::nullopt;
 }
 
+// response_format: text (no constraint), json_object or json_schema, compiled here so that a
+// schema the matcher cannot follow is a 400 naming its path. `out` gets the format's JSON text
+// with the body's own order of properties (a schema's properties are generated in that order).
+std::optional<ApiError> parse_response_format(const json& v, std::string_view body,
+                                              std::string& out) {
+  if (!v.is_object()) return wrong_type("response_format", "an object", v);
+  std::string text;
+  try {
+    text = nlohmann::ordered_json::parse(body)["response_format"].dump();
+  } catch (const nlohmann::ordered_json::exception& e) {
+    return bad(fmt::format("Invalid 'response_format': {}.", e.what()), "response_format",
+               "invalid_value");
+  }
+  auto grammar = structured::compile_response_format(text);
+  if (!grammar.is_ok())
+    return bad(fmt::format("Invalid 'response_format': {}.", grammar.status().message()),
+               "response_format", "invalid_value");
+  if (*grammar != nullptr) out = std::move(text);
+  return std::nullopt;
+}
+
 // A request body: a JSON object, nested at most kMaxJsonDepth deep.
 Parsed<json> parse_body(std::string_view body) {
   if (json_depth(body) > kMaxJsonDepth)
@@ -432,6 +449,8 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body) {
       if (!err && t <= 0)
         err = bad("'timeout' must be a number of seconds > 0.", key, "invalid_value");
       if (!err) r.timeout = t;
+    } else if (key == "response_format") {
+      err = parse_response_format(v, body, r.response_format);
     } else if (key == "cache_prompt") {
       bool ignored = true;
       take(get_bool(v, key), ignored);

@@ -12,14 +12,16 @@
 //   (integer >= 1; max_completion_tokens wins), temperature (0..2; 0 is greedy; default 1),
 //   top_p (0..1; 0 is greedy), seed (integer; default: a fresh one per request), stop (a
 //   string or an array of up to 16 non-empty strings), stream, stream_options.include_usage
-//   (only with stream true), n (1 only).
+//   (only with stream true), n (1 only), response_format (text, json_object or json_schema, on
+//   both endpoints: src/model/structured/schema.hpp; a schema it cannot follow is a 400 naming
+//   the schema's path).
 // Extensions other servers also take: top_k (integer >= 0), ignore_eos (bool: the end-of-
 // generation tokens do not stop the request), return_token_ids (bool: choice.token_ids and
 // prompt_token_ids in the response, as vLLM), cache_prompt (bool, llama-server's; ignored: the
 // prefix cache is always on), timeout (seconds > 0, at most a day: the request ends there with
 // the text so far and finish_reason "timeout").
 // Fields of the OpenAI API this server does not implement are accepted at their neutral value
-// (frequency_penalty 0, logprobs false, tools [], response_format text, echo false, ...) and
+// (frequency_penalty 0, logprobs false, tools [], echo false, ...) and
 // refused with 400 otherwise; fields that are not in the API at all are refused with 400
 // ("Unrecognized request argument supplied: X"), as OpenAI does.
 #pragma once
@@ -75,6 +77,9 @@ struct ParsedRequest {
   bool ignore_eos = false;
   bool return_token_ids = false;
   std::optional<double> timeout;  // seconds: the request's deadline (finish_reason "timeout")
+  // response_format json_object or json_schema: its JSON text (engine::Request::response_format);
+  // empty for text.
+  std::string response_format;
 };
 
 // Limits of the parser: nesting deeper than this is refused before the JSON is parsed (the

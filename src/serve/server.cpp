@@ -111,6 +111,7 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
   er.sampling.top_k = r.top_k;
   er.sampling.seed = r.seed ? *r.seed : seed_base + seed_counter.fetch_add(1);
   if (!r.ignore_eos) er.stop_tokens = eog;
+  er.response_format = r.response_format;
 
   // A base model's transcript (chat_stop_strings): its answer ends where it starts the user's
   // next turn, as a chat model's ends at its end-of-turn token.
