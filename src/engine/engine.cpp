@@ -112,14 +112,8 @@ struct Engine::Impl {
     if (!vocabulary) {
       auto tok = Tokenizer::from_gguf(model->file());
       TREEATTN_RETURN_IF_ERROR(tok.status());
-      std::vector<std::string> pieces(static_cast<std::size_t>(model->config().n_vocab));
-      std::vector<TokenId> end;
-      for (TokenId id = 0; id < tok->n_vocab() && id < model->config().n_vocab; ++id) {
-        if (tok->is_end_of_generation(id)) end.push_back(id);
-        auto piece = tok->token_to_piece(id);
-        if (piece.is_ok()) pieces[static_cast<std::size_t>(id)] = std::move(piece).value();
-      }
-      vocabulary = std::make_shared<structured::Vocabulary>(pieces, std::move(end));
+      vocabulary =
+          structured::vocabulary_of(*tok, static_cast<int32_t>(model->config().n_vocab));
     }
     s.constraint = std::make_shared<structured::TokenConstraint>(*grammar, vocabulary);
     return s.constraint.get();

@@ -60,6 +60,17 @@ int32_t Vocabulary::build(int32_t lo, int32_t hi, std::size_t depth, uint8_t byt
   return at;
 }
 
+std::shared_ptr<const Vocabulary> vocabulary_of(const Tokenizer& tokenizer, int32_t n_vocab) {
+  std::vector<std::string> pieces(static_cast<std::size_t>(std::max(n_vocab, 0)));
+  std::vector<TokenId> end;
+  for (TokenId id = 0; id < tokenizer.n_vocab() && id < n_vocab; ++id) {
+    if (tokenizer.is_end_of_generation(id)) end.push_back(id);
+    auto piece = tokenizer.token_to_piece(id);
+    if (piece.is_ok()) pieces[static_cast<std::size_t>(id)] = std::move(piece).value();
+  }
+  return std::make_shared<Vocabulary>(pieces, std::move(end));
+}
+
 TokenConstraint::TokenConstraint(std::shared_ptr<const Grammar> grammar,
                                  std::shared_ptr<const Vocabulary> vocab)
     : matcher_(std::move(grammar)), vocab_(std::move(vocab)) {

@@ -57,6 +57,10 @@ class Vocabulary {
   std::size_t longest_ = 0;
 };
 
+// The vocabulary of a model's tokenizer: each token's piece (control tokens: none), the
+// end-of-generation tokens (Tokenizer::is_end_of_generation); n_vocab ids (the model's).
+std::shared_ptr<const Vocabulary> vocabulary_of(const Tokenizer& tokenizer, int32_t n_vocab);
+
 class TokenConstraint {
  public:
   TokenConstraint(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const Vocabulary> vocab);
