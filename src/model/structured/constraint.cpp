@@ -49,14 +49,8 @@ int32_t Vocabulary::build(int32_t lo, int32_t hi, std::size_t depth, uint8_t byt
     below = std::max(below, ch.below + 1);
     i = j;
   }
-  TrieNode& n = nodes_[static_cast<std::size_t>(at)];
-  n.end = static_cast<int32_t>(nodes_.size());
-  n.lo = lo;
-  n.exact = exact;
-  n.hi = hi;
-  n.below = below;
-  n.byte = byte;
-  n.plain = plain;
+  nodes_[static_cast<std::size_t>(at)] =
+      TrieNode{static_cast<int32_t>(nodes_.size()), lo, exact, hi, below, byte, plain};
   return at;
 }
 

@@ -276,6 +276,9 @@ class Step {
       n.a = digits;
       emit(n);
     };
+    auto digit = [&](int limit) {  // one more digit of the current part, up to `limit`
+      if (f.a < limit) to(f.phase, f.a + 1);
+    };
     switch (f.phase) {
       case kNumStart:
       case kNumMinus:
@@ -284,10 +287,7 @@ class Step {
         if (c >= '1' && c <= '9') return to(kNumInt, 1);
         return;
       case kNumInt:
-        if (is_digit(c)) {
-          if (f.a < kMaxIntegerDigits) to(kNumInt, f.a + 1);
-          return;
-        }
+        if (is_digit(c)) return digit(kMaxIntegerDigits);
         [[fallthrough]];
       case kNumZero:
         if (c == '.' && !integer) return to(kNumDot, 0);
@@ -298,10 +298,7 @@ class Step {
         if (is_digit(c)) to(kNumFrac, 1);
         return;
       case kNumFrac:
-        if (is_digit(c)) {
-          if (f.a < kMaxFractionDigits) to(kNumFrac, f.a + 1);
-          return;
-        }
+        if (is_digit(c)) return digit(kMaxFractionDigits);
         if (c == 'e' || c == 'E') return to(kNumExp, 0);
         return feed(f.parent, c);
       case kNumExp:
@@ -310,10 +307,7 @@ class Step {
         if (is_digit(c)) to(kNumExpDigits, 1);
         return;
       case kNumExpDigits:
-        if (is_digit(c)) {
-          if (f.a < kMaxExponentDigits) to(kNumExpDigits, f.a + 1);
-          return;
-        }
+        if (is_digit(c)) return digit(kMaxExponentDigits);
         return feed(f.parent, c);
       default:
         return;

@@ -5,11 +5,12 @@
 // Skipped without the model file.
 #include <gtest/gtest.h>
 
+#include <condition_variable>
 #include <cstdio>
-#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "model/model_path.hpp"
@@ -61,50 +62,42 @@ struct RunResult {
   Status status;
 };
 
-// The requests through one engine over p in-process ranks: one at a time (alone) or all
-// submitted before the first step.
+// The requests through one engine over p in-process ranks, every rank in Engine::run(), rank
+// 0's requests submitted from another thread as a server's HTTP threads do: one at a time
+// (alone: each when the previous one has finished) or all at once.
 RunResult run(const model::LlamaModel& m, int p, const EngineConfig& cfg,
               const std::vector<Request>& reqs, bool alone) {
   RunResult res;
   res.out.resize(reqs.size());
   std::mutex mu;
-  std::map<RequestId, std::size_t> index;
+  std::condition_variable changed;
   std::size_t finished = 0;
   res.status = run_local(p, [&](Communicator& comm) -> Status {
     auto e = Engine::create(comm, m, cfg);
     TREEATTN_RETURN_IF_ERROR(e.status());
-    Engine& eng = **e;
-    if (comm.rank() != 0) return eng.run();
-    auto cb = [&](const TokenEvent& ev) {
-      std::lock_guard lk(mu);
-      Outcome& o = res.out[index.at(ev.id)];
-      if (ev.token >= 0) o.tokens.push_back(ev.token);
-      if (ev.finish != FinishReason::kNone) o.finish = ev.finish, ++finished;
-    };
-    Status st;
-    auto submit = [&](std::size_t i) {
-      std::lock_guard lk(mu);
-      auto id = eng.submit(reqs[i], cb);
-      if (!id.is_ok()) return id.status();
-      index[*id] = i;
-      return Status::ok();
-    };
-    auto steps_until = [&](std::size_t count) {
-      while (st.is_ok() && finished < count) {
-        auto r = eng.step();
-        if (!r.is_ok()) st = r.status();
+    if (comm.rank() != 0) return (*e)->run();
+    Status submitted;
+    std::thread client([&] {
+      for (std::size_t i = 0; i < reqs.size() && submitted.is_ok(); ++i) {
+        auto id = (*e)->submit(reqs[i], [&, i](const TokenEvent& ev) {
+          std::lock_guard lk(mu);
+          if (ev.token >= 0) res.out[i].tokens.push_back(ev.token);
+          if (ev.finish == FinishReason::kNone) return;
+          res.out[i].finish = ev.finish;
+          ++finished;
+          changed.notify_all();
+        });
+        submitted = id.status();
+        std::unique_lock lk(mu);
+        if (alone) changed.wait(lk, [&] { return finished == i + 1 || !submitted.is_ok(); });
       }
-    };
-    for (std::size_t i = 0; i < reqs.size() && st.is_ok(); ++i) {
-      st = submit(i);
-      if (alone) steps_until(i + 1);
-    }
-    steps_until(reqs.size());
-    eng.stop(false);
-    auto last = eng.step();
-    res.preemptions = eng.metrics().preemptions_total;
-    TREEATTN_RETURN_IF_ERROR(st);
-    return last.status();
+      (*e)->stop(true);  // drains what was submitted
+    });
+    const Status ran = (*e)->run();
+    client.join();
+    res.preemptions = (*e)->metrics().preemptions_total;
+    TREEATTN_RETURN_IF_ERROR(submitted);
+    return ran;
   });
   return res;
 }
