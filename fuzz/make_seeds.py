@@ -185,6 +185,17 @@ def serve_request():
         b"\x10" + b'{"tokens":[72,105,195,169,257]}',
         b"\x10" + b'{"tokens":[1,999999999999,-1,1.5,"a"]}',
         b"\x10" + b'{"tokens":[]}',
+        # structured output: a schema, json_object, and refused schemas
+        chat + b'{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema",'
+               b'"json_schema":{"name":"p","strict":true,"schema":{"type":"object","properties":'
+               b'{"n":{"type":"string","maxLength":9},"k":{"enum":[1,"a",null]}},"required":["n"],'
+               b'"additionalProperties":false}}}}',
+        completion + b'{"prompt":"x","response_format":{"type":"json_object"}}',
+        chat + b'{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema",'
+               b'"json_schema":{"name":"q","schema":{"type":"integer","minimum":0}}}}',
+        chat + b'{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema",'
+               b'"json_schema":{"name":"r","schema":{"$ref":"#/$defs/a","$defs":{"a":{"type":"array",'
+               b'"items":{"$ref":"#/$defs/a"},"minItems":1}}}}}}',
     ]
     for i, b in enumerate(bodies):
         write("fuzz_serve_request", "seed-%02d" % i, b)
