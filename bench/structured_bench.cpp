@@ -38,7 +38,8 @@ struct Answer {
 };
 
 // The requests one at a time through an engine on one in-process rank.
-Result<std::vector<Answer>> answer(const model::LlamaModel& m, const std::vector<engine::Request>& reqs) {
+Result<std::vector<Answer>> answer(const model::LlamaModel& m,
+                                   const std::vector<engine::Request>& reqs) {
   std::vector<Answer> out(reqs.size());
   std::mutex mu;
   Status st = run_local(1, [&](Communicator& comm) -> Status {
@@ -151,8 +152,9 @@ int main(int argc, char** argv) {
               path.c_str(), vocab->size(), vocab_ms);
   std::printf("decode step (1 rank, batch 1, exact matmul, %lld tokens of %zu answers): %.3f ms\n",
               static_cast<long long>(decode_tokens), free_text.size(), step_ms);
-  std::printf("mask per token (%zu tokens of %zu schemas): mean %.3f ms, p99 %.3f ms, max %.3f ms\n",
-              sorted.size(), constrained.size(), mean, p99, max);
+  std::printf(
+      "mask per token (%zu tokens of %zu schemas): mean %.3f ms, p99 %.3f ms, max %.3f ms\n",
+      sorted.size(), constrained.size(), mean, p99, max);
   std::printf("ratio mask / decode step: mean %.1f%%, p99 %.1f%% (target: at most 10%%)\n",
               100.0 * mean / step_ms, 100.0 * p99 / step_ms);
   return 0;

@@ -23,9 +23,10 @@ const std::shared_ptr<const treeattn::structured::Vocabulary>& vocabulary() {
   static const auto v = [] {
     std::vector<std::string> pieces;
     for (int c = 0; c < 256; ++c) pieces.emplace_back(1, static_cast<char>(c));
-    for (const char* p : {"{\"", "\":", "\",", "\"}", "true", "false", "null", "\": \"", "  ",
-                          "\n  ", "12", "3.", "e+", "\\u00", "\xc3\xa9", "[\"", "\"]", "}}",
-                          "]}", ", \"", "\":[", "\xe2\x82", "abc\"", "x\\\"", "-0", "[]", "{}"})
+    for (const char* p :
+         {"{\"",  "\":",  "\",",  "\"}",      "true",  "false",    "null", "\": \"", "  ",
+          "\n  ", "12",   "3.",   "e+",       "\\u00", "\xc3\xa9", "[\"",  "\"]",    "}}",
+          "]}",   ", \"", "\":[", "\xe2\x82", "abc\"", "x\\\"",    "-0",   "[]",     "{}"})
       pieces.emplace_back(p);
     pieces.emplace_back();  // a control token: no bytes
     pieces.emplace_back();  // the end token

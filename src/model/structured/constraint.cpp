@@ -20,9 +20,8 @@ Vocabulary::Vocabulary(std::span<const std::string> pieces, std::vector<TokenId>
   std::erase_if(end_, [&](TokenId t) { return t < 0 || t >= size(); });
   for (TokenId id = 0; id < size(); ++id)
     if (!pieces_[static_cast<std::size_t>(id)].empty()) sorted_.push_back(id);
-  std::stable_sort(sorted_.begin(), sorted_.end(), [&](TokenId a, TokenId b) {
-    return piece(a) < piece(b);
-  });
+  std::stable_sort(sorted_.begin(), sorted_.end(),
+                   [&](TokenId a, TokenId b) { return piece(a) < piece(b); });
   build(0, static_cast<int32_t>(sorted_.size()), 0, 0);
 }
 
@@ -73,7 +72,8 @@ TokenConstraint::TokenConstraint(std::shared_ptr<const Grammar> grammar,
 }
 
 void TokenConstraint::keep_sorted(int32_t lo, int32_t hi) {
-  for (int32_t i = lo; i < hi; ++i) keep_[static_cast<std::size_t>(vocab_->sorted_[static_cast<std::size_t>(i)])] = 1;
+  for (int32_t i = lo; i < hi; ++i)
+    keep_[static_cast<std::size_t>(vocab_->sorted_[static_cast<std::size_t>(i)])] = 1;
 }
 
 void TokenConstraint::walk(int32_t node, const Tops& state, std::size_t depth) {

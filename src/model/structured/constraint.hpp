@@ -42,18 +42,18 @@ class Vocabulary {
  private:
   friend class TokenConstraint;
   struct TrieNode {
-    int32_t end = 0;          // one past this node's subtree, in nodes_
+    int32_t end = 0;                    // one past this node's subtree, in nodes_
     int32_t lo = 0, exact = 0, hi = 0;  // sorted_: [lo, hi) its subtree, [lo, exact) equal to it
-    int32_t below = 0;        // the most bytes below it
-    uint8_t byte = 0;         // the edge into it
-    bool plain = true;        // every byte below it is plain string content
+    int32_t below = 0;                  // the most bytes below it
+    uint8_t byte = 0;                   // the edge into it
+    bool plain = true;                  // every byte below it is plain string content
   };
   int32_t build(int32_t lo, int32_t hi, std::size_t depth, uint8_t byte);
 
   std::vector<std::string> pieces_;
-  std::vector<TokenId> end_;         // sorted
-  std::vector<TokenId> sorted_;      // the tokens with bytes, by their bytes
-  std::vector<TrieNode> nodes_;      // pre-order; 0 is the empty prefix
+  std::vector<TokenId> end_;     // sorted
+  std::vector<TokenId> sorted_;  // the tokens with bytes, by their bytes
+  std::vector<TrieNode> nodes_;  // pre-order; 0 is the empty prefix
   std::size_t longest_ = 0;
 };
 

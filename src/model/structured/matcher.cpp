@@ -26,9 +26,7 @@ enum NumberPhase : uint8_t {
 
 bool is_ws(uint8_t c) { return c == ' ' || c == '\n' || c == '\t'; }
 bool is_digit(uint8_t c) { return c >= '0' && c <= '9'; }
-bool is_hex(uint8_t c) {
-  return is_digit(c) || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
-}
+bool is_hex(uint8_t c) { return is_digit(c) || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); }
 
 bool number_may_end(const Frame& f) {
   return f.phase == kNumZero || f.phase == kNumInt || f.phase == kNumFrac ||
@@ -233,7 +231,10 @@ class Step {
     } else if (f.esc >= 2) {
       if (!is_hex(c)) return;
       if (f.esc == 6 && !(c >= '0' && c <= '7')) return;  // \uD800-\uDFFF: a surrogate
-      n.esc = f.esc == 2 ? ((c == 'd' || c == 'D') ? 6 : 3) : f.esc == 6 ? 4 : f.esc == 5 ? 0 : f.esc + 1;
+      n.esc = f.esc == 2   ? ((c == 'd' || c == 'D') ? 6 : 3)
+              : f.esc == 6 ? 4
+              : f.esc == 5 ? 0
+                           : f.esc + 1;
     } else if (f.u8 > 0) {
       if (c < f.lo || c > f.hi) return;
       --n.u8;
@@ -368,8 +369,8 @@ bool Matcher::can_end(const Tops& s) const {
 }
 
 bool Matcher::done(const Tops& s) {
-  return !s.empty() &&
-         std::all_of(s.begin(), s.end(), [](const Frame* f) { return f->kind == FrameKind::kDone; });
+  return !s.empty() && std::all_of(s.begin(), s.end(),
+                                   [](const Frame* f) { return f->kind == FrameKind::kDone; });
 }
 
 int64_t Matcher::plain_room(const Tops& s) const {

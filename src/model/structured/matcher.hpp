@@ -44,9 +44,9 @@ struct Frame {
                    // trie node (-1: no declared key)
   FrameKind kind = FrameKind::kDone;
   uint8_t phase = 0;
-  uint8_t ws = 0;   // whitespace bytes in the current run
-  uint8_t esc = 0;  // kString, kKey: 1 after '\', 2..6 inside \uXXXX
-  uint8_t u8 = 0;   // kString, kKey: UTF-8 continuation bytes still expected ...
+  uint8_t ws = 0;                // whitespace bytes in the current run
+  uint8_t esc = 0;               // kString, kKey: 1 after '\', 2..6 inside \uXXXX
+  uint8_t u8 = 0;                // kString, kKey: UTF-8 continuation bytes still expected ...
   uint8_t lo = 0x80, hi = 0xBF;  // ... and the range of the next one
   uint8_t depth = 0;             // objects and arrays open at or below this frame
 };

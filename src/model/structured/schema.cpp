@@ -37,8 +37,8 @@ const std::set<std::string, std::less<>> kObjectWords = {"properties", "required
                                                          "additionalProperties"};
 const std::set<std::string, std::less<>> kArrayWords = {"items", "minItems", "maxItems"};
 const std::set<std::string, std::less<>> kStringWords = {"minLength", "maxLength"};
-const std::set<std::string, std::less<>> kOtherWords = {"type", "enum", "const", "anyOf",
-                                                        "allOf", "$ref"};
+const std::set<std::string, std::less<>> kOtherWords = {"type",  "enum",  "const",
+                                                        "anyOf", "allOf", "$ref"};
 
 std::string escaped(const std::string& key) {
   const std::string q = json(key).dump();
@@ -181,8 +181,8 @@ class Compiler {
     }
     if (s.contains("enum") || s.contains("const")) return out;
     for (const auto& [k, v] : s.items()) {
-      const char* t = kObjectWords.contains(k)  ? "object"
-                      : kArrayWords.contains(k) ? "array"
+      const char* t = kObjectWords.contains(k)   ? "object"
+                      : kArrayWords.contains(k)  ? "array"
                       : kStringWords.contains(k) ? "string"
                                                  : nullptr;
       if (t != nullptr && std::find(out.begin(), out.end(), t) == out.end()) out.push_back(t);
@@ -240,8 +240,7 @@ class Compiler {
       const json& ps = s["properties"];
       if (!ps.is_object()) refuse(path + ".properties", "must be an object");
       if (ps.size() > kMaxProperties)
-        refuse(path + ".properties",
-               "more than " + std::to_string(kMaxProperties) + " properties");
+        refuse(path + ".properties", "more than " + std::to_string(kMaxProperties) + " properties");
       for (const auto& [k, v] : ps.items())
         n.props.push_back(
             Property{escaped(k), schema(v, path + ".properties." + k, depth + 1), false});
@@ -255,8 +254,8 @@ class Compiler {
         auto it = std::find_if(n.props.begin(), n.props.end(),
                                [&](const Property& p) { return p.key == key; });
         if (it == n.props.end())
-          refuse(path + ".required", "names '" + name.get<std::string>() +
-                                         "', which is not one of the properties");
+          refuse(path + ".required",
+                 "names '" + name.get<std::string>() + "', which is not one of the properties");
         it->required = true;
       }
     }
@@ -285,9 +284,8 @@ class Compiler {
     }
     std::vector<std::string> texts;
     for (const json& v : values) {
-      const bool typed_ok = types.empty() || std::any_of(types.begin(), types.end(), [&](auto& t) {
-                              return of_type(v, t);
-                            });
+      const bool typed_ok = types.empty() || std::any_of(types.begin(), types.end(),
+                                                         [&](auto& t) { return of_type(v, t); });
       if (typed_ok) texts.push_back(v.dump());
     }
     if (texts.empty())
@@ -468,11 +466,11 @@ Result<std::shared_ptr<const Grammar>> compile_schema_format(const json& rf) {
     const std::string path = "response_format.json_schema." + k;
     if (k == "name") {
       const std::string name = v.is_string() ? v.get<std::string>() : std::string();
-      const bool good = !name.empty() && name.size() <= 64 &&
-                        std::all_of(name.begin(), name.end(), [](char c) {
-                          return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
-                                 (c >= '0' && c <= '9') || c == '_' || c == '-';
-                        });
+      const bool good =
+          !name.empty() && name.size() <= 64 && std::all_of(name.begin(), name.end(), [](char c) {
+            return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                   c == '_' || c == '-';
+          });
       if (!good) return invalid_argument(path + ": must be 1 to 64 of a-z, A-Z, 0-9, _ and -");
     } else if (k == "description") {
       if (!v.is_string()) return invalid_argument(path + ": must be a string");

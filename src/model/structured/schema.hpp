@@ -15,7 +15,8 @@
 //   readOnly, writeOnly.
 // What the grammar generates is a subset of what validates, chosen so that every prefix it
 // accepts can be completed:
-//   - an object's properties come in the order the schema's text lists them, each required one present, optional
+//   - an object's properties come in the order the schema's text lists them, each required one
+//   present, optional
 //     ones possibly left out; keys not in `properties` only when additionalProperties is true or
 //     a schema (an absent additionalProperties allows none, as under strict), after the
 //     declared ones;
@@ -49,8 +50,8 @@ inline constexpr int kMaxSchemaDepth = 64;
 inline constexpr std::size_t kMaxNodes = 8192;
 inline constexpr std::size_t kMaxLiteralBytes = std::size_t{1} << 16;
 inline constexpr std::size_t kMaxProperties = 1024;
-inline constexpr int kMaxNesting = 64;      // open objects and arrays at once
-inline constexpr int kAnyMaxNesting = 16;   // ... inside a value the schema leaves free
+inline constexpr int kMaxNesting = 64;     // open objects and arrays at once
+inline constexpr int kAnyMaxNesting = 16;  // ... inside a value the schema leaves free
 inline constexpr int kMaxIntegerDigits = 16;
 inline constexpr int kMaxFractionDigits = 16;
 inline constexpr int kMaxExponentDigits = 2;  // 16 digits times 1e99 is a finite double

@@ -87,10 +87,9 @@ TEST(StructuredCompiler, RefusalsNameTheKeywordAndThePath) {
             "schema)");
   EXPECT_EQ(schema_refusal({{"enum", json::array()}}),
             "response_format.json_schema.schema: enum is empty");
-  EXPECT_EQ(schema_refusal({{"type", "object"},
-                            {"properties", {{"a", false}}},
-                            {"required", {"a"}}}),
-            "response_format.json_schema.schema: the schema admits no value");
+  EXPECT_EQ(
+      schema_refusal({{"type", "object"}, {"properties", {{"a", false}}}, {"required", {"a"}}}),
+      "response_format.json_schema.schema: the schema admits no value");
   EXPECT_EQ(schema_refusal({{"anyOf", {{{"type", "string"}}}}, {"type", "string"}}),
             "response_format.json_schema.schema: 'anyOf' together with 'type' is not supported");
   EXPECT_EQ(schema_refusal({{"type", "integer"}, {"enum", {"a", "b"}}}),
@@ -140,8 +139,8 @@ TEST(StructuredMatcher, ObjectsFollowTheSchemasOrderWithRequiredAndOptionalPrope
   expect_invalid(g, R"({"name":"x","tags":[],"other":1})", 21);
   expect_invalid(g, R"({"name":"x)", 10);
   expect_invalid(g, "{\"name\":\"\x01\"", 9);
-  expect_invalid(g, "{\"name\":\"\xc0\xaf\"", 9);     // an overlong encoding
-  expect_invalid(g, "{\"name\":\"\\ud800\"", 12);    // an escaped surrogate
+  expect_invalid(g, "{\"name\":\"\xc0\xaf\"", 9);       // an overlong encoding
+  expect_invalid(g, "{\"name\":\"\\ud800\"", 12);       // an escaped surrogate
   expect_invalid(g, R"({"name":"x","tags":[]} )", 22);  // nothing after the value
 }
 
@@ -164,14 +163,11 @@ TEST(StructuredMatcher, ScalarsEnumsConstUnionsAndBounds) {
   auto c = grammar_of({{"const", "fixed"}});
   expect_valid(c, "\"fixed\"");
   expect_invalid(c, "\"fixes\"", 5);
-  auto u = grammar_of({{"anyOf",
-                        {{{"type", "object"},
-                          {"properties", {{"a", {{"type", "integer"}}}}},
-                          {"required", {"a"}}},
-                         {{"type", "object"},
-                          {"properties", {{"b", {{"type", "string"}}}}},
-                          {"required", {"b"}}},
-                         {{"type", "null"}}}}});
+  auto u = grammar_of(
+      {{"anyOf",
+        {{{"type", "object"}, {"properties", {{"a", {{"type", "integer"}}}}}, {"required", {"a"}}},
+         {{"type", "object"}, {"properties", {{"b", {{"type", "string"}}}}}, {"required", {"b"}}},
+         {{"type", "null"}}}}});
   for (const char* t : {R"({"a":1})", R"({"b":"x"})", "null"}) expect_valid(u, t);
   expect_invalid(u, R"({"c":1})", 2);
   expect_invalid(u, R"({"a":"x"})", 5);
@@ -179,8 +175,8 @@ TEST(StructuredMatcher, ScalarsEnumsConstUnionsAndBounds) {
   for (const char* t : {"\"ab\"", "\"a\\nb\"", "\"\xc3\xa9\xc3\xa9\xc3\xa9\""}) expect_valid(s, t);
   expect_invalid(s, "\"a\"", 2);
   expect_invalid(s, "\"abcd\"", 4);
-  auto a = grammar_of({{"type", "array"}, {"items", {{"type", "boolean"}}}, {"minItems", 1},
-                       {"maxItems", 2}});
+  auto a = grammar_of(
+      {{"type", "array"}, {"items", {{"type", "boolean"}}}, {"minItems", 1}, {"maxItems", 2}});
   expect_valid(a, "[true]");
   expect_valid(a, "[true, false]");
   expect_invalid(a, "[]", 1);
@@ -205,7 +201,7 @@ TEST(StructuredMatcher, RefsDefsRecursionAndAdditionalProperties) {
                          {"additionalProperties", {{"type", "integer"}}}});
   expect_valid(map, R"({"id":1,"x":2,"y":3})");
   expect_valid(map, R"({"id":1,"idx":2})");
-  expect_invalid(map, R"({"id":1,"id":2})", 11);   // a name already written
+  expect_invalid(map, R"({"id":1,"id":2})", 11);  // a name already written
   expect_invalid(map, R"({"id":1,"x":"s"})", 12);
   auto any = compile_response_format(R"({"type":"json_object"})");
   ASSERT_TRUE(any.is_ok());
@@ -221,10 +217,11 @@ TEST(StructuredMatcher, RefsDefsRecursionAndAdditionalProperties) {
 std::shared_ptr<const Vocabulary> test_vocabulary() {
   std::vector<std::string> pieces;
   for (int c = 0; c < 256; ++c) pieces.push_back(std::string(1, static_cast<char>(c)));
-  for (const char* p : {"{\"", "\":", "\",", "\"}", "true", "false", "null", "\": \"", "name",
-                        "age", "  ", "\n  ", "\n", "12", "3.", "e+", "\\u00", "\xc3\xa9",
-                        "hello world", " the", "[\"", "\"]", "}}", "]}", ", \"", "\":[",
-                        "\xe2\x82", "\xac", "abc\"", "\"abc", "x\\\""})
+  for (const char* p :
+       {"{\"",   "\":",      "\",",         "\"}",  "true",  "false", "null", "\": \"",
+        "name",  "age",      "  ",          "\n  ", "\n",    "12",    "3.",   "e+",
+        "\\u00", "\xc3\xa9", "hello world", " the", "[\"",   "\"]",   "}}",   "]}",
+        ", \"",  "\":[",     "\xe2\x82",    "\xac", "abc\"", "\"abc", "x\\\""})
     pieces.emplace_back(p);
   pieces.emplace_back();  // control tokens: no bytes
   pieces.emplace_back();
@@ -262,15 +259,15 @@ std::vector<json> walk_schemas() {
   std::vector<json> out;
   for (const json& c : json::parse(in)) out.push_back(c["schema"]);
   for (json s : std::vector<json>{
-      json::parse(R"({"type":"object","properties":{"name":{"type":"string","maxLength":12},
+           json::parse(R"({"type":"object","properties":{"name":{"type":"string","maxLength":12},
         "age":{"type":"integer"},"ok":{"type":"boolean"}},"required":["name","age","ok"]})"),
-      json::parse(R"({"type":"array","items":{"enum":["red","green",3,null]},"maxItems":4})"),
-      json::parse(R"({"anyOf":[{"type":"number"},{"type":"string","maxLength":5},
+           json::parse(R"({"type":"array","items":{"enum":["red","green",3,null]},"maxItems":4})"),
+           json::parse(R"({"anyOf":[{"type":"number"},{"type":"string","maxLength":5},
         {"type":"array","items":{"type":"null"},"maxItems":2}]})"),
-      json::parse(R"({"type":"object","properties":{"k":{"type":"integer"}},
+           json::parse(R"({"type":"object","properties":{"k":{"type":"integer"}},
         "additionalProperties":{"type":"string","maxLength":4}})"),
-      json::parse(R"({"type":"number"})"),
-  })
+           json::parse(R"({"type":"number"})"),
+       })
     out.push_back(std::move(s));
   return out;
 }
