@@ -428,6 +428,34 @@ class Compiler {
         x.next_required[i] = x.props[i].required ? static_cast<int32_t>(i) : x.next_required[i + 1];
       x.keys = trie(keys, true);
     }
+    flatten_unions();
+  }
+
+  // Every union's alternatives as the shapes that are not unions, reached through unions
+  // (first come first, once each): a union that names itself through references ({"anyOf":
+  // [{"$ref": "#"}, ...]}) is no loop for the matcher, which starts each alternative directly.
+  void flatten_unions() {
+    std::vector<std::vector<int32_t>> flat(g_.nodes.size());
+    std::vector<std::size_t> seen(g_.nodes.size(), 0);  // i + 1: reached from union i
+    for (std::size_t i = 0; i < g_.nodes.size(); ++i) {
+      if (g_.nodes[i].kind != Kind::kUnion) continue;
+      std::vector<int32_t> todo(g_.nodes[i].alts.rbegin(), g_.nodes[i].alts.rend());
+      seen[i] = i + 1;
+      while (!todo.empty()) {
+        const int32_t a = todo.back();
+        todo.pop_back();
+        if (seen[static_cast<std::size_t>(a)] == i + 1) continue;
+        seen[static_cast<std::size_t>(a)] = i + 1;
+        const Node& x = node(a);
+        if (x.kind != Kind::kUnion) {
+          flat[i].push_back(a);
+          continue;
+        }
+        todo.insert(todo.end(), x.alts.rbegin(), x.alts.rend());
+      }
+    }
+    for (std::size_t i = 0; i < g_.nodes.size(); ++i)
+      if (g_.nodes[i].kind == Kind::kUnion) g_.nodes[i].alts = std::move(flat[i]);
   }
 
   const json& root_;

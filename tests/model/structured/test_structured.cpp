@@ -195,6 +195,15 @@ TEST(StructuredMatcher, RefsDefsRecursionAndAdditionalProperties) {
     "$ref": "#/$defs/node"})"));
   expect_valid(tree, R"({"v":1,"kids":[{"v":2,"kids":[]},{"v":3,"kids":[{"v":4,"kids":[]}]}]})");
   expect_invalid(tree, R"({"v":1,"kids":[{"v":2}]})", 21);
+  // A union that names itself through references is no loop.
+  auto self = grammar_of(json::parse(R"({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"},
+    {"type": "null"}, {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}]}},
+    "$ref": "#/$defs/a"})"));
+  expect_valid(self, "null");
+  expect_valid(self, "[null,[[],null]]");
+  expect_invalid(self, "1", 0);
+  EXPECT_EQ(schema_refusal({{"$ref", "#"}}),
+            "response_format.json_schema.schema: the schema admits no value");
   auto map = grammar_of({{"type", "object"},
                          {"properties", {{"id", {{"type", "integer"}}}}},
                          {"required", {"id"}},
