@@ -7,11 +7,6 @@
 #include <numeric>
 
 namespace treeattn::structured {
-namespace {
-
-bool plain_byte(uint8_t c) { return c >= 0x20 && c < 0x7F && c != '"' && c != '\\'; }
-
-}  // namespace
 
 Vocabulary::Vocabulary(std::span<const std::string> pieces, std::vector<TokenId> end)
     : pieces_(pieces.begin(), pieces.end()), end_(std::move(end)) {
@@ -35,7 +30,10 @@ int32_t Vocabulary::build(int32_t lo, int32_t hi, std::size_t depth, uint8_t byt
   int32_t exact = lo;
   while (exact < hi && piece(sorted_[static_cast<std::size_t>(exact)]).size() == depth) ++exact;
   longest_ = std::max(longest_, depth);
-  bool plain = true;
+  bool plain = true;  // every token's bytes below this node are string text
+  for (int32_t i = exact; i < hi && plain; ++i)
+    plain =
+        string_text(std::string_view(piece(sorted_[static_cast<std::size_t>(i)])).substr(depth));
   int32_t below = 0;
   for (int32_t i = exact; i < hi;) {
     const auto c = static_cast<uint8_t>(piece(sorted_[static_cast<std::size_t>(i)])[depth]);
@@ -44,7 +42,6 @@ int32_t Vocabulary::build(int32_t lo, int32_t hi, std::size_t depth, uint8_t byt
       ++j;
     const int32_t child = build(i, j, depth + 1, c);
     const TrieNode& ch = nodes_[static_cast<std::size_t>(child)];
-    plain = plain && plain_byte(c) && ch.plain;
     below = std::max(below, ch.below + 1);
     i = j;
   }

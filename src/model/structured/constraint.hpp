@@ -2,18 +2,19 @@
 //
 // Vocabulary (built once per model): every token's bytes (what it adds to the text), sorted, as
 // a trie in pre-order: a node is a prefix, its subtree the contiguous run of sorted tokens that
-// start with it, the tokens equal to it first. Per node: whether every byte below it is plain
-// string content (printable ASCII other than '"' and '\') and how many bytes lie below it at
-// most. Tokens without bytes (control tokens) are never sampled inside an output; the
-// end-of-generation tokens may come once the output is a complete value.
+// start with it, the tokens equal to it first. Per node: whether the bytes below it are, for
+// every token, string text (string_text: complete UTF-8 characters other than '"', '\' and
+// controls) and how many bytes lie below it at most. Tokens without bytes (control tokens) are
+// never sampled inside an output; the end-of-generation tokens may come once the output is a
+// complete value.
 //
 // TokenConstraint (one per request): mask() walks the trie depth first from the matcher's
 // state, feeding each edge's byte (Matcher::feed); a subtree whose first byte cannot follow is
-// skipped whole, and a subtree of plain string bytes inside a string with room for them is
-// allowed whole without a walk (most of a string's tokens). The tokens whose every byte
-// follows keep their logits; the others become -inf; where the output is a complete value the
-// end tokens are kept too, and where nothing may follow it they are all that is kept. accept()
-// advances the matcher by the sampled token. All of it is a function of the grammar, the
+// skipped whole, and a subtree of string text inside a string with room for it (its bytes bound
+// its code points) is allowed whole without a walk (most of a string's tokens). The tokens whose
+// every byte follows keep their logits; the others become -inf; where the output is a complete
+// value the end tokens are kept too, and where nothing may follow it they are all that is kept.
+// accept() advances the matcher by the sampled token. All of it is a function of the grammar, the
 // vocabulary and the tokens so far: every rank computes the same mask.
 #pragma once
 
@@ -46,7 +47,7 @@ class Vocabulary {
     int32_t lo = 0, exact = 0, hi = 0;  // sorted_: [lo, hi) its subtree, [lo, exact) equal to it
     int32_t below = 0;                  // the most bytes below it
     uint8_t byte = 0;                   // the edge into it
-    bool plain = true;                  // every byte below it is plain string content
+    bool plain = true;                  // the bytes below it are string text, for every token
   };
   int32_t build(int32_t lo, int32_t hi, std::size_t depth, uint8_t byte);
 

@@ -28,6 +28,26 @@ bool is_ws(uint8_t c) { return c == ' ' || c == '\n' || c == '\t'; }
 bool is_digit(uint8_t c) { return c >= '0' && c <= '9'; }
 bool is_hex(uint8_t c) { return is_digit(c) || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); }
 
+// A UTF-8 lead byte: the continuation bytes it needs and the range of the first one.
+bool utf8_lead(uint8_t c, uint8_t& count, uint8_t& lo, uint8_t& hi) {
+  lo = 0x80;
+  hi = 0xBF;
+  if (c >= 0xC2 && c <= 0xDF) {
+    count = 1;
+  } else if (c >= 0xE0 && c <= 0xEF) {
+    count = 2;
+    lo = c == 0xE0 ? 0xA0 : 0x80;
+    hi = c == 0xED ? 0x9F : 0xBF;
+  } else if (c >= 0xF0 && c <= 0xF4) {
+    count = 3;
+    lo = c == 0xF0 ? 0x90 : 0x80;
+    hi = c == 0xF4 ? 0x8F : 0xBF;
+  } else {
+    return false;
+  }
+  return true;
+}
+
 bool number_may_end(const Frame& f) {
   return f.phase == kNumZero || f.phase == kNumInt || f.phase == kNumFrac ||
          f.phase == kNumExpDigits;
@@ -248,20 +268,8 @@ class Step {
       if (c < 0x20 || (max >= 0 && f.a >= max)) return;
       if (c == '\\') {
         n.esc = 1;
-      } else if (c >= 0x80) {
-        if (c >= 0xC2 && c <= 0xDF) {
-          n.u8 = 1;
-        } else if (c >= 0xE0 && c <= 0xEF) {
-          n.u8 = 2;
-          n.lo = c == 0xE0 ? 0xA0 : 0x80;
-          n.hi = c == 0xED ? 0x9F : 0xBF;
-        } else if (c >= 0xF0 && c <= 0xF4) {
-          n.u8 = 3;
-          n.lo = c == 0xF0 ? 0x90 : 0x80;
-          n.hi = c == 0xF4 ? 0x8F : 0xBF;
-        } else {
-          return;
-        }
+      } else if (c >= 0x80 && !utf8_lead(c, n.u8, n.lo, n.hi)) {
+        return;
       }
       ++n.a;
     }
@@ -334,6 +342,21 @@ class Step {
 };
 
 }  // namespace
+
+bool string_text(std::string_view s) {
+  for (std::size_t i = 0; i < s.size();) {
+    const auto c = static_cast<uint8_t>(s[i++]);
+    if (c < 0x20 || c == '"' || c == '\\') return false;
+    if (c < 0x80) continue;
+    uint8_t count = 0, lo = 0, hi = 0;
+    if (!utf8_lead(c, count, lo, hi) || s.size() - i < count) return false;
+    for (uint8_t k = 0; k < count; ++k, lo = 0x80, hi = 0xBF) {
+      const auto x = static_cast<uint8_t>(s[i++]);
+      if (x < lo || x > hi) return false;
+    }
+  }
+  return true;
+}
 
 const Frame* FrameArena::make(const Frame& f) {
   if (used_ == kBlock) ++block_, used_ = 0;

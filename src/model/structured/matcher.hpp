@@ -66,6 +66,10 @@ class FrameArena {
 inline constexpr std::size_t kMaxStacks = 32;
 using Tops = std::vector<const Frame*>;  // the top frame of each stack
 
+// Whether `s` may stand inside a string as it is, from one character's start: complete UTF-8
+// characters, none of them '"', '\' or a control character.
+bool string_text(std::string_view s);
+
 class Matcher {
  public:
   explicit Matcher(std::shared_ptr<const Grammar> grammar);
@@ -77,7 +81,7 @@ class Matcher {
   bool can_end(const Tops& s) const;
   // A complete value after which no byte may follow.
   static bool done(const Tops& s);
-  // Code points a plain ASCII string byte may still add: the state is one stack inside a string
+  // Code points string text (string_text) may still add: the state is one stack inside a string
   // (not a key) between characters; -1 otherwise.
   int64_t plain_room(const Tops& s) const;
   // Feeds `bytes` and keeps the result; false (and no change) when one cannot follow.
