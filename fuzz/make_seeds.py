@@ -18,6 +18,10 @@ campaign starts from valid inputs of every shape the parsers know instead of fro
                     of each construct, and hostile ones (deep nesting, huge loops, recursion
                     through macros, huge strings, self-referencing namespaces); some followed by
                     a NUL and a JSON conversation
+  fuzz_structured   response formats: the 20 schemas of tests/model/structured/data/schemas.json,
+                    json_object, text, and hostile ones (deep nesting, huge enums, recursive and
+                    unresolvable references, unsatisfiable and unsupported schemas); some
+                    followed by a NUL and steering bytes
 
 Usage: fuzz/make_seeds.py [path/to/treeattn]. Deterministic; rerun after changing it."""
 import json
@@ -198,6 +202,17 @@ def serve_request():
                b'"parameters":{"type":"object"}}}],"tool_choice":"auto"}',
         chat + b'{"messages":[{"role":"user","content":"{\\"name\\": \\"f\\", \\"arguments\\"'
                b': {\\"a\\": [1]}}"}],"tools":[{"type":"function","function":{"name":"f"}}]}',
+        # structured output: a schema, json_object, and refused schemas
+        chat + b'{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema",'
+               b'"json_schema":{"name":"p","strict":true,"schema":{"type":"object","properties":'
+               b'{"n":{"type":"string","maxLength":9},"k":{"enum":[1,"a",null]}},"required":["n"],'
+               b'"additionalProperties":false}}}}',
+        completion + b'{"prompt":"x","response_format":{"type":"json_object"}}',
+        chat + b'{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema",'
+               b'"json_schema":{"name":"q","schema":{"type":"integer","minimum":0}}}}',
+        chat + b'{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema",'
+               b'"json_schema":{"name":"r","schema":{"$ref":"#/$defs/a","$defs":{"a":{"type":"array",'
+               b'"items":{"$ref":"#/$defs/a"},"minItems":1}}}}}}',
     ]
     for i, b in enumerate(bodies):
         write("fuzz_serve_request", "seed-%02d" % i, b)
@@ -219,6 +234,41 @@ def http_request():
     ]
     for i, w in enumerate(wires):
         write("fuzz_http_request", "seed-%02d" % i, bytes([(i * 37) % 256]) + w)
+def structured():
+    with open(os.path.join(HERE, "..", "tests", "model", "structured", "data", "schemas.json")) as f:
+        cases = json.load(f)
+    for i, c in enumerate(cases):
+        rf = {"type": "json_schema", "json_schema": {"name": c["name"], "schema": c["schema"],
+                                                     "strict": c.get("strict", False)}}
+        write("fuzz_structured", "schema-%02d" % i,
+              json.dumps(rf) + ("\0" + "\x01\x07\x03\x10\x05" * 8 if i % 3 == 0 else ""))
+    def schema(s):
+        return json.dumps({"type": "json_schema", "json_schema": {"name": "h", "schema": s}})
+    deep = {"type": "integer"}
+    for _ in range(40):
+        deep = {"type": "array", "items": deep}
+    hostile = [
+        json.dumps({"type": "json_object"}) + "\0" + "\x02" * 64,
+        json.dumps({"type": "text"}),
+        schema(deep),
+        schema({"enum": ["v%d" % i for i in range(3000)]}),
+        schema({"$ref": "#"}),
+        schema({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}),
+        schema({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}),
+        schema({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"},
+                                          {"type": "array", "items": {"$ref": "#"}}]}},
+                "$ref": "#/$defs/a"}) + "\0" + "\x01" * 64,
+        schema({"type": "array", "minItems": 2, "maxItems": 1}),
+        schema({"type": "string", "pattern": "^a$"}),
+        schema({"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                          {"type": "object", "properties": {"a": {"type": "string"}}},
+                          {"type": "object", "additionalProperties": True}]}),
+        schema({"type": ["integer", "number", "null", "boolean"], "enum": [1, 1.5, None, "x"]}),
+    ]
+    for i, t in enumerate(hostile):
+        write("fuzz_structured", "hostile-%02d" % i, t)
+
+
 def jinja():
     tdir = os.path.join(HERE, "..", "tests", "model", "jinja", "data", "templates")
     for name in sorted(os.listdir(tdir)):
@@ -277,3 +327,4 @@ if __name__ == "__main__":
     serve_request()
     http_request()
     jinja()
+    structured()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fuzzing with libFuzzer (fuzz/): builds the targets with clang into build/fuzz, then runs each
 # one (the topology loader, the CLI's value parsers, the GGUF reader, the tokenizer, serve's
-# request parser and HTTP request reader, the chat template interpreter) for a time
+# request parser and HTTP request reader, the chat template interpreter, structured output's
+# schema compiler and token mask) for a time
 # or a number of executions, and prints the executions per target. Crashing inputs are left in
 # build/fuzz/work/<target>/artifacts/; a fixed one belongs in fuzz/regressions/<target>/ (every
 # run replays those first).
@@ -38,7 +39,7 @@ if [ $ci = 1 ]; then
   ctest --test-dir build/fuzz -L fuzz --output-on-failure -j1
   exit 0
 fi
-[ ${#targets[@]} -eq 0 ] && targets=(fuzz_topology fuzz_cli_parsers fuzz_gguf fuzz_tokenizer fuzz_serve_request fuzz_http_request fuzz_jinja)
+[ ${#targets[@]} -eq 0 ] && targets=(fuzz_topology fuzz_cli_parsers fuzz_gguf fuzz_tokenizer fuzz_serve_request fuzz_http_request fuzz_jinja fuzz_structured)
 declare -A result
 status=0
 for t in "${targets[@]}"; do

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates (once) a Python virtual environment with the official `openai` client, for the
-# end-to-end tests of `treeattn serve` (tests/serve) and bench/serve/loadgen.py, and prints the
+# Creates (once) a Python virtual environment with the official `openai` client and `jsonschema`
+# (the oracle of structured output), for the end-to-end tests of `treeattn serve` (tests/serve)
+# and bench/serve/loadgen.py, and prints the
 # path of its python. Location: $TREEATTN_SERVE_VENV, else build/serve-venv in the source tree.
 # Exit 3 (with a message) when the environment cannot be made, e.g. PyPI cannot be reached:
 # the tests then skip.
@@ -11,7 +12,7 @@ py="$venv/bin/python"
 mkdir -p "$(dirname "$venv")"
 exec 9> "$venv.lock"
 flock 9  # tests running at once make it once
-if [ -x "$py" ] && "$py" -c "import openai" 2>/dev/null; then
+if [ -x "$py" ] && "$py" -c "import openai, jsonschema" 2>/dev/null; then
   echo "$py"
   exit 0
 fi
@@ -27,8 +28,9 @@ if ! python3 -m venv "$venv" >&2; then
   exit 3
 fi
 if ! "$py" -m pip install --quiet --disable-pip-version-check --timeout 30 --retries 1 \
-     "openai>=1.0,<4" >&2; then
-  echo "cannot install the openai package from PyPI (no network?)" | tee "$failed" >&2
+     "openai>=1.0,<4" "jsonschema>=4,<5" >&2; then
+  echo "cannot install the openai and jsonschema packages from PyPI (no network?)" |
+    tee "$failed" >&2
   exit 3
 fi
 rm -f "$failed"

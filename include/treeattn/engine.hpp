@@ -101,6 +101,13 @@ struct Request {
   // from (model::Sampler::process: after logit_bias and the penalties; before temperature and
   // truncation); -1: none.
   int logprobs = -1;
+  // Structured output: empty for free text, else a response format as JSON text
+  // ({"type": "json_object"} or {"type": "json_schema", ...}: src/model/structured/schema.hpp).
+  // Every rank compiles it and masks, before each draw, the tokens that cannot continue a valid
+  // output (the model's end-of-generation tokens once the value is complete, and only those
+  // where nothing may follow it); an end-of-generation token after a complete value ends the
+  // request with kStop, whatever stop_tokens holds.
+  std::string response_format;
 };
 
 struct RequestTimings {

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -24,6 +25,8 @@ std::string_view isa_name(Isa isa);
 Result<Isa> parse_isa(std::string_view name);
 // The best target this CPU supports (never kAuto).
 Isa best_isa();
+// The CPU's model name as /proc/cpuinfo gives it ("unknown CPU" without one).
+std::string cpu_model_name();
 // Whether this CPU can run the target (kAuto, kReference and kGeneric always can).
 bool isa_supported(Isa isa);
 // OK where isa_supported(isa); else kUnsupported, "<who>: this CPU cannot run the <isa> target

@@ -18,6 +18,7 @@
 #include "engine/model_runner.hpp"
 #include "engine/scheduler.hpp"
 #include "engine/step_plan.hpp"
+#include "model/structured/constraint.hpp"
 #include "treeattn/host_memory.hpp"
 #include "treeattn/kv_tiles.hpp"
 
@@ -60,6 +61,10 @@ struct Engine::Impl {
   std::vector<double> rank_merge_s, rank_attn_s, rank_dense_s;
   mutable std::mutex snapshot_mu;
   EngineMetrics snapshot;  // guarded by snapshot_mu
+  // Structured output: every token's bytes and the end-of-generation tokens, built at the
+  // first constrained draw (the same on every rank); the logits a constrained draw samples from.
+  std::shared_ptr<const structured::Vocabulary> vocabulary;
+  std::vector<float> masked;
 
   // ------------------------------------------------------------------------------------------
   Status check_request(const Request& r) const {
@@ -83,6 +88,8 @@ struct Engine::Impl {
       return invalid_argument("logprobs is " + std::to_string(r.logprobs) +
                               "; it must be -1 (none) or in [0, " +
                               std::to_string(model::kMaxTopLogprobs) + "]");
+    if (!r.response_format.empty())
+      TREEATTN_RETURN_IF_ERROR(structured::compile_response_format(r.response_format).status());
     if (r.max_new_tokens > max_sequence_tokens())  // also keeps the sum below from overflowing
       return invalid_argument("max_new_tokens is " + std::to_string(r.max_new_tokens) +
                               ", but the KV pools hold at most " +
@@ -100,15 +107,42 @@ struct Engine::Impl {
 
   int64_t max_sequence_tokens() const { return kv->max_sequence_tokens(); }
 
+  // The sequence's structured-output constraint, made at its first draw (null: free text).
+  Result<structured::TokenConstraint*> constraint_of(Sequence& s) {
+    if (s.req.response_format.empty()) return nullptr;
+    if (s.constraint) return s.constraint.get();
+    auto grammar = structured::compile_response_format(s.req.response_format);
+    TREEATTN_RETURN_IF_ERROR(grammar.status());
+    if (!vocabulary) {
+      auto tok = Tokenizer::from_gguf(model->file());
+      TREEATTN_RETURN_IF_ERROR(tok.status());
+      vocabulary =
+          structured::vocabulary_of(*tok, static_cast<int32_t>(model->config().n_vocab));
+    }
+    s.constraint = std::make_shared<structured::TokenConstraint>(*grammar, vocabulary);
+    return s.constraint.get();
+  }
+
   // Samples the step's tokens (identical on every rank) and sends rank 0's events.
-  void sample(const StepLogits& out) {
+  Status sample(const StepLogits& out) {
     const auto V = static_cast<std::size_t>(model->config().n_vocab);
     std::vector<RequestId> done;
     for (std::size_t i = 0; i < out.seqs.size(); ++i) {
       Sequence& s = *out.seqs[i];
+      // The processed logits (logit_bias, penalties), then a constrained request's mask: what
+      // the token is drawn from and its logprobs are of. return_logits gives the model's own.
       const std::span<const float> lg = out.logits.subspan(i * V, V);
-      const std::span<const float> processed = s.sampler.process(lg, s.tokens, s.prompt_len);
+      std::span<const float> processed = s.sampler.process(lg, s.tokens, s.prompt_len);
+      auto constraint = constraint_of(s);
+      TREEATTN_RETURN_IF_ERROR(constraint.status());
+      if (*constraint != nullptr) {
+        masked.assign(processed.begin(), processed.end());
+        (*constraint)->mask(masked);
+        processed = masked;
+      }
       const TokenId tok = s.sampler.sample(processed);
+      const bool ended = *constraint != nullptr && (*constraint)->accept(tok) !=
+                                                       structured::TokenConstraint::Step::kContinue;
       s.tokens.push_back(tok);
       ++s.generated;
       ++generated_total;
@@ -116,8 +150,8 @@ struct Engine::Impl {
       TokenEvent ev;
       ev.token = tok;
       ev.index = s.generated - 1;
-      if (std::find(s.req.stop_tokens.begin(), s.req.stop_tokens.end(), tok) !=
-          s.req.stop_tokens.end())
+      if (ended || std::find(s.req.stop_tokens.begin(), s.req.stop_tokens.end(), tok) !=
+                       s.req.stop_tokens.end())
         ev.finish = FinishReason::kStop;
       else if (s.generated >= s.req.max_new_tokens)
         ev.finish = FinishReason::kLength;
@@ -128,6 +162,7 @@ struct Engine::Impl {
       if (ev.finish != FinishReason::kNone) done.push_back(s.id);
     }
     for (RequestId id : done) sched->retire(id);
+    return Status::ok();
   }
 
   void update_snapshot() {
@@ -252,7 +287,7 @@ struct Engine::Impl {
     }
     auto out = runner->forward(*sched, pl.work);
     TREEATTN_RETURN_IF_ERROR(out.status());
-    sample(*out);
+    TREEATTN_RETURN_IF_ERROR(sample(*out));
     progress.fetch_add(1);
     if (me == 0) update_snapshot();
     return !sched->running().empty() || pl.waiting_after > 0;

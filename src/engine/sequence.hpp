@@ -4,10 +4,15 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "engine/page_table.hpp"
 #include "treeattn/engine.hpp"
+
+namespace treeattn::structured {
+class TokenConstraint;  // src/model/structured/constraint.hpp
+}
 
 namespace treeattn::engine {
 
@@ -25,6 +30,9 @@ struct Sequence {
   int64_t generated = 0;
   int64_t cached_tokens = 0;  // prompt tokens taken from the prefix cache
   model::Sampler sampler{model::SamplingParams{}};
+  // Request::response_format's token mask and matcher state (made by the engine at the first
+  // draw; kept through preemption with the tokens it has seen).
+  std::shared_ptr<structured::TokenConstraint> constraint;
   // rank 0 only
   TokenCallback cb;
   Clock::time_point submitted, admitted, first_token;

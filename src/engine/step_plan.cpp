@@ -1,7 +1,9 @@
 // Plan's wire format: see step_plan.hpp.
 #include "engine/step_plan.hpp"
 
+#include <algorithm>
 #include <bit>
+#include <cstring>
 #include <string>
 
 namespace treeattn::engine {
@@ -11,6 +13,16 @@ int64_t bits_of(double d) { return std::bit_cast<int64_t>(d); }
 double double_of(int64_t v) { return std::bit_cast<double>(v); }
 
 constexpr std::size_t kRequestWords = 15;  // an admission's fixed words, before its lists
+
+// A byte string: its length, then its bytes, eight a word.
+void put_bytes(std::vector<int64_t>& w, const std::string& s) {
+  w.push_back(static_cast<int64_t>(s.size()));
+  for (std::size_t i = 0; i < s.size(); i += 8) {
+    int64_t word = 0;
+    std::memcpy(&word, s.data() + i, std::min<std::size_t>(8, s.size() - i));
+    w.push_back(word);
+  }
+}
 
 void put_request(std::vector<int64_t>& w, RequestId id, const Request& r) {
   const model::SamplingParams& sp = r.sampling;
@@ -34,6 +46,7 @@ void put_request(std::vector<int64_t>& w, RequestId id, const Request& r) {
     w.push_back(bits_of(bias));
   }
   for (TokenId t : r.prompt) w.push_back(t);
+  put_bytes(w, r.response_format);
 }
 
 // A cursor over the words that refuses, with the word's index, anything it cannot hold.
@@ -94,6 +107,17 @@ Result<Plan::Admit> get_request(Reader& in) {
   for (int64_t j = 0; j < nb && in.next(t) && in.next(b); ++j)
     sp.logit_bias.emplace_back(static_cast<TokenId>(t), double_of(b));
   for (int64_t j = 0; j < np && in.next(t); ++j) ad.req.prompt.push_back(static_cast<TokenId>(t));
+  int64_t nf = 0;
+  if (!in.next(nf) || nf < 0 || static_cast<uint64_t>(nf) / 8 > in.left() ||
+      (static_cast<uint64_t>(nf) + 7) / 8 > in.left())
+    return in.bad("an admission's response format (" + std::to_string(nf) +
+                  " bytes) exceeds the words left");
+  ad.req.response_format.resize(static_cast<std::size_t>(nf));
+  for (std::size_t i = 0; i < ad.req.response_format.size(); i += 8) {
+    in.next(t);
+    std::memcpy(ad.req.response_format.data() + i, &t,
+                std::min<std::size_t>(8, ad.req.response_format.size() - i));
+  }
   return ad;
 }
 

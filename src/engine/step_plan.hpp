@@ -6,9 +6,10 @@
 // preemptions' and resumptions' ids; each admission (id, #prompt, max_new_tokens, temperature
 // bits, top_k, top_p bits, seed, min_p bits, presence_penalty bits, frequency_penalty bits,
 // repetition_penalty bits, return_logits, logprobs, #stop tokens, #logit_bias entries, the stop
-// tokens, the logit_bias entries (id, bias bits), the prompt); each work item (id, tokens). Every
-// rank applies them in that order: cancels, preemptions, the running sequences' page growth for
-// their work, resumptions, admissions.
+// tokens, the logit_bias entries (id, bias bits), the prompt, the response format's byte count
+// and its bytes, eight a word, little-endian); each work item (id, tokens). Every rank applies
+// them in that order: cancels, preemptions, the running sequences' page growth for their work,
+// resumptions, admissions.
 #pragma once
 
 #include <cstdint>

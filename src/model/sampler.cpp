@@ -187,7 +187,9 @@ TokenLogprobs token_logprobs(std::span<const float> logits, TokenId chosen, int 
   std::iota(ids.begin(), ids.end(), 0);
   std::partial_sort(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(k), ids.end(),
                     logit_order(logits));
-  for (std::size_t i = 0; i < k; ++i) out.top.emplace_back(ids[i], logprob(ids[i]));
+  // Tokens a constraint masked (-inf) cannot come: they are not among the likely ones.
+  for (std::size_t i = 0; i < k && std::isfinite(logprob(ids[i])); ++i)
+    out.top.emplace_back(ids[i], logprob(ids[i]));
   return out;
 }
 

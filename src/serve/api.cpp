@@ -12,6 +12,7 @@
 #include <set>
 
 #include "treeattn/generate.hpp"
+#include "model/structured/schema.hpp"
 
 namespace treeattn::serve {
 
@@ -141,11 +142,6 @@ std::optional<ApiError> neutral_only(const std::string& key, const json& v) {
     if (as_int(v) == 1) return std::nullopt;
     return unsupported(key, "other than 1");
   }
-  if (key == "response_format") {
-    if (v.is_object() && v.size() == 1 && v.contains("type") && v["type"] == "text")
-      return std::nullopt;
-    return unsupported(key, "other than {\"type\": \"text\"}");
-  }
   if (key == "function_call") {
     if (v.is_string() && (v == "none" || v == "auto")) return std::nullopt;
     return unsupported(key);
@@ -168,7 +164,6 @@ std::optional<ApiError> neutral_only(const std::string& key, const json& v) {
 }
 
 const std::set<std::string, std::less<>> kNeutralChat = {"user",
-                                                         "response_format",
                                                          "functions",
                                                          "function_call",
                                                          "store",
@@ -490,6 +485,27 @@ std::optional<ApiError> parse_logit_bias(const json& v,
   return std::nullopt;
 }
 
+// response_format: text (no constraint), json_object or json_schema, compiled here so that a
+// schema the matcher cannot follow is a 400 naming its path. `out` gets the format's JSON text
+// with the body's own order of properties (a schema's properties are generated in that order).
+std::optional<ApiError> parse_response_format(const json& v, std::string_view body,
+                                              std::string& out) {
+  if (!v.is_object()) return wrong_type("response_format", "an object", v);
+  std::string text;
+  try {
+    text = nlohmann::ordered_json::parse(body)["response_format"].dump();
+  } catch (const nlohmann::ordered_json::exception& e) {
+    return bad(fmt::format("Invalid 'response_format': {}.", e.what()), "response_format",
+               "invalid_value");
+  }
+  auto grammar = structured::compile_response_format(text);
+  if (!grammar.is_ok())
+    return bad(fmt::format("Invalid 'response_format': {}.", grammar.status().message()),
+               "response_format", "invalid_value");
+  if (*grammar != nullptr) out = std::move(text);
+  return std::nullopt;
+}
+
 // A request body: a JSON object, nested at most kMaxJsonDepth deep.
 Parsed<json> parse_body(std::string_view body) {
   if (json_depth(body) > kMaxJsonDepth)
@@ -631,6 +647,8 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body) {
     } else if (chat && key == "parallel_tool_calls") {
       bool ignored = true;
       take(get_bool(v, key), ignored);
+    } else if (key == "response_format") {
+      err = parse_response_format(v, body, r.response_format);
     } else if (key == "cache_prompt") {
       bool ignored = true;
       take(get_bool(v, key), ignored);

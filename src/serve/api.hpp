@@ -22,7 +22,9 @@
 //   messages of role tool (tool_call_id, content) and assistant messages with tool_calls
 //   (arguments: a JSON object's text). Tools need a model whose own chat template takes them
 //   (tool_calls.hpp: how calls are read from the answer).
-//   The sampling fields' meaning: model::Sampler (generate.hpp).
+//   response_format (text, json_object or json_schema, on both endpoints:
+//   src/model/structured/schema.hpp; a schema it cannot follow is a 400 naming the schema's
+//   path). The sampling fields' meaning: model::Sampler (generate.hpp).
 // Extensions other servers also take: top_k (integer >= 0), min_p (0..1), repetition_penalty
 // (0.01..100; 1: none; vLLM's and llama.cpp's), ignore_eos (bool: the end-of-
 // generation tokens do not stop the request), return_token_ids (bool: choice.token_ids and
@@ -30,7 +32,7 @@
 // prefix cache is always on), timeout (seconds > 0, at most a day: the request ends there with
 // the text so far and finish_reason "timeout").
 // Fields of the OpenAI API this server does not implement are accepted at their neutral value
-// (tools [], response_format text, echo false, best_of 1, ...) and
+// (echo false, best_of 1, ...) and
 // refused with 400 otherwise; fields that are not in the API at all are refused with 400
 // ("Unrecognized request argument supplied: X"), as OpenAI does.
 #pragma once
@@ -118,6 +120,9 @@ struct ParsedRequest {
   // The tools reach the template and the answer is read for calls (chat with tools, choice auto).
   bool uses_tools() const { return endpoint == Endpoint::kChat && tool_choice == ToolChoice::kAuto &&
                                    tools.is_array() && !tools.empty(); }
+  // response_format json_object or json_schema: its JSON text (engine::Request::response_format);
+  // empty for text.
+  std::string response_format;
 };
 inline constexpr std::size_t kMaxTools = 128;
 

@@ -121,6 +121,7 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
   const uint64_t seed =
       r.seed ? *r.seed : seed_base + seed_counter.fetch_add(static_cast<uint64_t>(r.n));
   if (!r.ignore_eos) er.stop_tokens = eog;
+  er.response_format = r.response_format;
 
   // A base model's transcript (chat_stop_strings): its answer ends where it starts the user's
   // next turn, as a chat model's ends at its end-of-turn token.

@@ -20,21 +20,6 @@ namespace treeattn {
 
 namespace {
 
-std::string cpu_model() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind("model name", 0) == 0) {
-      const auto colon = line.find(':');
-      std::string m = colon == std::string::npos ? line : line.substr(colon + 1);
-      while (!m.empty() && (m.front() == ' ' || m.front() == '\t')) m.erase(m.begin());
-      for (char& c : m)
-        if (c == '\t' || c == '|') c = ' ';
-      return m;
-    }
-  return "unknown CPU";
-}
-
 std::filesystem::path cache_file() {
   const char* dir = std::getenv("TREEATTN_CACHE_DIR");
   if (dir != nullptr && *dir != '\0') return std::filesystem::path(dir) / "kv-layout.tsv";
@@ -109,8 +94,23 @@ DecodeOptions resolved_kernel(const KVLayoutWorkload& w) {
 
 }  // namespace
 
+std::string cpu_model_name() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("model name", 0) == 0) {
+      const auto colon = line.find(':');
+      std::string m = colon == std::string::npos ? line : line.substr(colon + 1);
+      while (!m.empty() && (m.front() == ' ' || m.front() == '\t')) m.erase(m.begin());
+      for (char& c : m)
+        if (c == '\t' || c == '|') c = ' ';
+      return m;
+    }
+  return "unknown CPU";
+}
+
 std::string kv_layout_cache_key(const KVLayoutWorkload& w) {
-  static const std::string model = cpu_model();
+  static const std::string model = cpu_model_name();
   const DecodeOptions o = resolved_kernel(w);
   const Isa isa = o.isa;
   const int threads = o.threads;

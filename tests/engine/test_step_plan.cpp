@@ -36,6 +36,7 @@ Plan sample_plan() {
   a.req.stop_tokens = {2, 42};
   a.req.return_logits = true;
   a.req.logprobs = 20;
+  a.req.response_format = R"({"type":"json_schema","json_schema":{"name":"x"}})";
   pl.admits.push_back(a);
   Plan::Admit b;
   b.id = 12;
@@ -76,6 +77,7 @@ void expect_same(const Plan& a, const Plan& b) {
     EXPECT_EQ(x.stop_tokens, y.stop_tokens);
     EXPECT_EQ(x.return_logits, y.return_logits);
     EXPECT_EQ(x.logprobs, y.logprobs);
+    EXPECT_EQ(x.response_format, y.response_format);
   }
   EXPECT_EQ(a.work, b.work);
 }

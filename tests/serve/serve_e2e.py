@@ -36,6 +36,11 @@ Cases (each starts its own server on a free port, --port 0, and reads the addres
               naming Paris), streamed and not, the same call both ways; the call and the tool's
               answer sent back give an answer; tool_choice none shows no tools; bad tools and
               tool turns are 400s naming the field (openai client)
+  structured2 2 ranks: response_format json_schema over the 20 schemas of
+              tests/model/structured/data/schemas.json, greedy and temperature 1, and json_object
+              (chat, and completions through extra_body): every answer ends with finish_reason
+              "stop" and validates against its schema (the jsonschema package); a streamed answer
+              equals the non-streamed one; unsupported or invalid schemas: 400 naming the path
   rank_killed 2 ranks: rank 1 is killed (SIGKILL) during a stream: the stream ends (error event
               or closed), the server exits non-zero, nothing hangs
 """
@@ -967,6 +972,98 @@ def case_sampling2():
         raise
 
 
+SCHEMAS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "model", "structured",
+                       "data", "schemas.json")
+
+
+def case_structured2():
+    """2 ranks: structured output through the openai client, validated by jsonschema. Every
+    string of the corpus's free text has a maxLength and every array a maxItems, and numbers have
+    at most 16 + 16 digits, so each answer is bounded well within max_tokens: an answer that
+    does not end is a failure, not a truncation to forgive."""
+    import concurrent.futures
+    import jsonschema
+    cases = json.load(open(SCHEMAS))
+    s = Server(ranks=2, key=KEY, extra=["--max-batch", "8"])
+    try:
+        c = s.client()
+        jobs = [(case, temp) for case in cases for temp in (0.0, 1.0)]
+
+        def ask(i):
+            case, temp = jobs[i]
+            rf = {"type": "json_schema",
+                  "json_schema": {"name": case["name"], "schema": case["schema"],
+                                  "strict": case.get("strict", False)}}
+            return c.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": case["prompt"]}],
+                response_format=rf, temperature=temp, seed=1000 + i, max_tokens=512)
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, range(len(jobs))))
+        tokens = 0
+        for (case, temp), r in zip(jobs, answers):
+            what = "%s at temperature %g: %r" % (case["name"], temp, r.choices[0].message.content)
+            check(r.choices[0].finish_reason == "stop", what + " ends with stop", s)
+            value = json.loads(r.choices[0].message.content)
+            try:
+                jsonschema.validate(value, case["schema"])
+            except jsonschema.ValidationError as e:
+                check(False, "%s validates (%s)" % (what, e.message), s)
+            tokens += r.usage.completion_tokens
+        log("%d answers valid, %d tokens; e.g. %s" % (len(answers), tokens,
+                                                      answers[0].choices[0].message.content))
+
+        # A streamed answer is the non-streamed one (greedy).
+        case = cases[0]
+        rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": case["schema"]}}
+        msgs = [{"role": "user", "content": case["prompt"]}]
+        text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model="m", messages=msgs, response_format=rf, temperature=0, max_tokens=512,
+            stream=True) if ch.choices)
+        check(text == answers[0].choices[0].message.content, "streamed == non-streamed", s)
+
+        # json_object: any JSON object; on completions through extra_body.
+        for temp in (0.0, 1.0):
+            r = c.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "Describe the moon in JSON."}],
+                response_format={"type": "json_object"}, temperature=temp, seed=5,
+                max_tokens=512)
+            if r.choices[0].finish_reason == "stop":
+                check(isinstance(json.loads(r.choices[0].message.content), dict),
+                      "json_object: an object (%r)" % r.choices[0].message.content, s)
+            else:  # free strings may run on: every prefix still is one of an object
+                check(r.choices[0].message.content.lstrip().startswith("{"),
+                      "json_object cut by max_tokens starts an object", s)
+        r = c.completions.create(model="m", prompt="The answer as JSON:", max_tokens=256,
+                                 temperature=0, extra_body={"response_format": {
+                                     "type": "json_schema", "json_schema": {
+                                         "name": "n", "schema": cases[7]["schema"]}}})
+        check(r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].text),
+                                                                  int),
+              "completions with a schema: %r" % r.choices[0].text, s)
+
+        # Schemas it cannot follow: 400 naming the keyword and the path.
+        for schema, want in [
+                ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}},
+                 "response_format.json_schema.schema.properties.n: unsupported keyword "
+                 "'minimum'"),
+                ({"type": "array", "minItems": 3, "maxItems": 1},
+                 "response_format.json_schema.schema: minItems 3 is above maxItems 1")]:
+            try:
+                c.chat.completions.create(
+                    model="m", messages=msgs, max_tokens=4, response_format={
+                        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+                check(False, "refused: %s" % want, s)
+            except openai.BadRequestError as e:
+                check(e.status_code == 400 and e.param == "response_format" and want in str(e),
+                      "400 naming the path (%s)" % e, s)
+        check(s.stop() == 0, "exit 0", s)
+    except BaseException:
+        s.dump()
+        s.stop(signal.SIGKILL)
+        raise
+
+
 def case_sigterm2():
     s = Server(ranks=2)
     try:
@@ -1198,7 +1295,7 @@ CASES = {"api": case_api, "flags": case_flags, "faults": case_faults, "exact1": 
          "exact2int8": lambda: case_exact(2, serve_extra=["--matmul", "int8"],
                                           generate_extra=["--matmul", "int8", "--no-rows8"]),
          "sigterm2": case_sigterm2, "endpoints2": case_endpoints2, "sampling2": case_sampling2,
-         "tools2": case_tools2,
+         "structured2": case_structured2, "tools2": case_tools2,
          "rank_killed": case_rank_killed, "rank_stopped": case_rank_stopped,
          "mpirun_killed": case_mpirun_killed}
 

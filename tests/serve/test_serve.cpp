@@ -293,7 +293,9 @@ TEST(ServeParse, MalformedCorpus) {
       {C, R"({"messages":[{"role":"user","content":"x"}],"parallel_tool_calls":"yes"})",
        "parallel_tool_calls"},
       {C,
-       R"({"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}})",
+       R"({"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_objet"}})",
+       "response_format"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"response_format":"json"})",
        "response_format"},
       {C, R"({"messages":[{"role":"user","content":"x"}],"model":3})", "model"},
       {C, R"({"messages":[{"role":"user","content":"x"}],"bogus":1})", "bogus"},
@@ -330,6 +332,36 @@ TEST(ServeParse, MalformedCorpus) {
     ASSERT_TRUE(j.contains("error"));
     for (const char* k : {"message", "type", "param", "code"}) EXPECT_TRUE(j["error"].contains(k));
   }
+}
+
+TEST(ServeParse, ResponseFormatKeepsTheSchemasOrderAndRefusalsNameTheSchemaPath) {
+  auto parse = [](const std::string& rf) {
+    return parse_request(Endpoint::kChat,
+                         R"({"messages":[{"role":"user","content":"x"}],"response_format":)" + rf +
+                             "}");
+  };
+  auto text = parse(R"({"type":"text"})");
+  ASSERT_TRUE(std::holds_alternative<ParsedRequest>(text));
+  EXPECT_EQ(std::get<ParsedRequest>(text).response_format, "");
+  auto object = parse(R"({"type": "json_object"})");
+  ASSERT_TRUE(std::holds_alternative<ParsedRequest>(object));
+  EXPECT_EQ(std::get<ParsedRequest>(object).response_format, R"({"type":"json_object"})");
+  const std::string ordered =
+      R"({"type":"json_schema","json_schema":{"name":"o","schema":{"type":"object",)"
+      R"("properties":{"zeta":{"type":"string"},"alpha":{"type":"integer"}}}}})";
+  auto schema = parse(ordered);
+  ASSERT_TRUE(std::holds_alternative<ParsedRequest>(schema));
+  EXPECT_EQ(std::get<ParsedRequest>(schema).response_format, ordered);  // zeta stays first
+  auto refused = parse(
+      R"({"type":"json_schema","json_schema":{"name":"o","schema":{"type":"object",)"
+      R"("properties":{"a":{"type":"integer","minimum":1}}}}})");
+  ASSERT_TRUE(std::holds_alternative<ApiError>(refused));
+  const ApiError& e = std::get<ApiError>(refused);
+  EXPECT_EQ(e.status, 400);
+  EXPECT_EQ(e.param, "response_format");
+  EXPECT_EQ(e.message,
+            "Invalid 'response_format': response_format.json_schema.schema.properties.a: "
+            "unsupported keyword 'minimum'.");
 }
 
 TEST(ServeParse, DeepNestingIsRefusedWithoutRecursion) {
