@@ -327,25 +327,84 @@ std::optional<ApiError> parse_tools(const json& v, bool& any) {
   return std::nullopt;
 }
 
-// tool_choice: "auto" or "none"; a forced call ("required", a named function) is refused.
-std::optional<ApiError> parse_tool_choice(const json& v, ToolChoice& out) {
-  if (v.is_string() && v == "auto") {
-    out = ToolChoice::kAuto;
+// tool_choice: "auto", "none", "required" or {"type": "function", "function": {"name"}}.
+std::optional<ApiError> parse_tool_choice(const json& v, ToolChoice& out, std::string& name) {
+  if (v.is_string()) {
+    if (v == "auto") {
+      out = ToolChoice::kAuto;
+    } else if (v == "none") {
+      out = ToolChoice::kNone;
+    } else if (v == "required") {
+      out = ToolChoice::kRequired;
+    } else {
+      return bad(fmt::format("'tool_choice' is '{}'; it must be 'auto', 'none', 'required' or "
+                             "an object naming a function.",
+                             v.get<std::string>()),
+                 "tool_choice", "invalid_value");
+    }
     return std::nullopt;
   }
-  if (v.is_string() && v == "none") {
-    out = ToolChoice::kNone;
+  if (!v.is_object()) return wrong_type("tool_choice", "a string or an object", v);
+  if (auto e = only_keys(v, "tool_choice", {"type", "function"})) return e;
+  if (const auto t = v.find("type"); t == v.end() || *t != "function")
+    return bad("'tool_choice.type' must be 'function'.", "tool_choice.type", "invalid_value");
+  const auto f = v.find("function");
+  if (f == v.end() || !f->is_object())
+    return bad("'tool_choice.function' is required and must be an object.",
+               "tool_choice.function", "missing_required");
+  if (auto e = only_keys(*f, "tool_choice.function", {"name"})) return e;
+  auto n = member_string(*f, "tool_choice.function", "name");
+  if (auto* e = std::get_if<ApiError>(&n)) return *e;
+  out = ToolChoice::kNamed;
+  name = std::get<std::string>(n);
+  return std::nullopt;
+}
+
+// A forced call ("required", a named function): the answer is constrained to one call object,
+// {"name": one of the functions, "arguments": what its parameters describe}, as a response
+// format (structured output); the tool-call reader takes the bare object as the call.
+std::optional<ApiError> forced_call_format(ParsedRequest& r) {
+  if (r.tool_choice != ToolChoice::kRequired && r.tool_choice != ToolChoice::kNamed)
     return std::nullopt;
+  if (!r.tools.is_array() || r.tools.empty())
+    return bad("'tool_choice' forces a call, but the request has no 'tools'.", "tool_choice",
+               "invalid_value");
+  if (!r.response_format.empty())
+    return bad("'tool_choice' forces a call, and a call's shape is the answer's: "
+               "'response_format' cannot constrain it too.",
+               "response_format", "invalid_value");
+  nlohmann::ordered_json alts = nlohmann::ordered_json::array();
+  for (const auto& t : r.tools) {
+    const auto& f = t.at("function");
+    const std::string name = f.at("name").get<std::string>();
+    if (r.tool_choice == ToolChoice::kNamed && name != r.tool_choice_name) continue;
+    const auto p = f.find("parameters");
+    nlohmann::ordered_json params = p != f.end() && p->is_object()
+                                        ? *p
+                                        : nlohmann::ordered_json{{"type", "object"}};
+    alts.push_back({{"type", "object"},
+                    {"properties", {{"name", {{"const", name}}}, {"arguments", params}}},
+                    {"required", {"name", "arguments"}},
+                    {"additionalProperties", false}});
   }
-  if (v.is_string() && v == "required")
-    return unsupported("tool_choice", "'required' (this server lets the model choose: 'auto')");
-  if (v.is_object())
-    return unsupported("tool_choice", "naming a function (this server lets the model choose: "
-                                      "'auto')");
-  if (!v.is_string()) return wrong_type("tool_choice", "a string or an object", v);
-  return bad(fmt::format("'tool_choice' is '{}'; it must be 'auto' or 'none'.",
-                         v.get<std::string>()),
-             "tool_choice", "invalid_value");
+  if (alts.empty())
+    return bad(fmt::format("'tool_choice' names the function '{}', which is not among 'tools'.",
+                           r.tool_choice_name),
+               "tool_choice", "invalid_value");
+  const nlohmann::ordered_json schema =
+      alts.size() == 1 ? alts[0] : nlohmann::ordered_json{{"anyOf", alts}};
+  const std::string text =
+      nlohmann::ordered_json{{"type", "json_schema"},
+                             {"json_schema", {{"name", "tool_call"}, {"schema", schema}}}}
+          .dump();
+  auto grammar = structured::compile_response_format(text);
+  if (!grammar.is_ok())
+    return bad(fmt::format("'tool_choice' forces a call, which needs each function's "
+                           "'parameters' in the JSON schema subset of structured output: {}.",
+                           grammar.status().message()),
+               "tools", "invalid_value");
+  r.response_format = text;
+  return std::nullopt;
 }
 
 std::optional<ApiError> parse_messages(const json& v, std::vector<ChatMessage>& out) {
@@ -643,7 +702,7 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body) {
     } else if (chat && key == "tools") {
       err = parse_tools(v, have_tools);
     } else if (chat && key == "tool_choice") {
-      err = parse_tool_choice(v, r.tool_choice);
+      err = parse_tool_choice(v, r.tool_choice, r.tool_choice_name);
     } else if (chat && key == "parallel_tool_calls") {
       bool ignored = true;
       take(get_bool(v, key), ignored);
@@ -669,6 +728,7 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body) {
   r.max_tokens = max_completion_tokens ? max_completion_tokens : max_tokens;
   // The tools in the client's key order (templates write them with tojson, as Python keeps it).
   if (have_tools) r.tools = nlohmann::ordered_json::parse(body).at("tools");
+  if (auto e = forced_call_format(r)) return *e;
   return r;
 }
 

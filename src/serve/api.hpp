@@ -17,8 +17,8 @@
 //   most kMaxLogitBias entries; check_logit_bias checks the ids against the vocabulary),
 //   logprobs (chat: a bool, with top_logprobs 0..20; completions: an integer 0..20),
 //   tools (function tools, at most kMaxTools; names as OpenAI allows: 1-64 of a-z, A-Z, 0-9, _
-//   and -), tool_choice ("auto" or "none"; "required" and a named function are refused with
-//   400), parallel_tool_calls (a boolean; the model may make several calls either way), and
+//   and -), tool_choice ("auto", "none", "required" or a named function: ToolChoice),
+//   parallel_tool_calls (a boolean; the model may make several calls either way), and
 //   messages of role tool (tool_call_id, content) and assistant messages with tool_calls
 //   (arguments: a JSON object's text). Tools need a model whose own chat template takes them
 //   (tool_calls.hpp: how calls are read from the answer).
@@ -84,8 +84,10 @@ struct ChatMessage {
 };
 
 // tool_choice: "auto" (the model may call the tools), "none" (the tools are not shown to the
-// model and nothing is parsed as a call).
-enum class ToolChoice { kAuto, kNone };
+// model and nothing is parsed as a call), "required" (the answer is one call of any of them) or
+// a named function (one call of it): a forced call is constrained sampling of the call object
+// (ParsedRequest::response_format, made by the parser).
+enum class ToolChoice { kAuto, kNone, kRequired, kNamed };
 
 struct ParsedRequest {
   Endpoint endpoint = Endpoint::kChat;
@@ -117,9 +119,13 @@ struct ParsedRequest {
   // as given (checked); null when absent or empty.
   nlohmann::ordered_json tools;
   ToolChoice tool_choice = ToolChoice::kAuto;
-  // The tools reach the template and the answer is read for calls (chat with tools, choice auto).
-  bool uses_tools() const { return endpoint == Endpoint::kChat && tool_choice == ToolChoice::kAuto &&
-                                   tools.is_array() && !tools.empty(); }
+  std::string tool_choice_name;  // kNamed
+  // The tools reach the template and the answer is read for calls (chat with tools, a choice
+  // other than none).
+  bool uses_tools() const {
+    return endpoint == Endpoint::kChat && tool_choice != ToolChoice::kNone && tools.is_array() &&
+           !tools.empty();
+  }
   // response_format json_object or json_schema: its JSON text (engine::Request::response_format);
   // empty for text.
   std::string response_format;

@@ -34,8 +34,9 @@ Cases (each starts its own server on a free port, --port 0, and reads the addres
   tools2      2 ranks, Qwen2.5-Coder-0.5B (its template takes tools): a weather question with a
               get_weather tool is answered with a tool call (finish_reason tool_calls, arguments
               naming Paris), streamed and not, the same call both ways; the call and the tool's
-              answer sent back give an answer; tool_choice none shows no tools; bad tools and
-              tool turns are 400s naming the field (openai client)
+              answer sent back give an answer; tool_choice none shows no tools; "required" and
+              a named function force a call (streamed and not); bad tools and tool turns are
+              400s naming the field (openai client)
   structured2 2 ranks: response_format json_schema over the 20 schemas of
               tests/model/structured/data/schemas.json, greedy and temperature 1, and json_object
               (chat, and completions through extra_body): every answer ends with finish_reason
@@ -793,10 +794,44 @@ def case_tools2():
               and r3.usage.prompt_tokens < r.usage.prompt_tokens,
               "tool_choice none: no tools in the prompt, no call (%s)" % r3, s)
 
+        # A forced call: "required" with a question no tool answers still gives a call, and a
+        # named function is the one called (constrained sampling of the call object).
+        time_tool = {"type": "function", "function": {
+            "name": "get_time", "description": "The current time in a time zone",
+            "parameters": {"type": "object", "properties": {"tz": {"type": "string",
+                                                                   "maxLength": 32}},
+                           "required": ["tz"]}}}
+        hello = [{"role": "user", "content": "Say hello."}]
+        for choice, names in (("required", {"get_weather", "get_time"}),
+                              ({"type": "function", "function": {"name": "get_time"}},
+                               {"get_time"})):
+            for stream in (False, True):
+                kw = dict(model="m", messages=hello, tools=[WEATHER_TOOL, time_tool],
+                          tool_choice=choice, temperature=0, max_tokens=60)
+                if stream:
+                    got, finish = {}, None
+                    for chunk in c.chat.completions.create(stream=True, **kw):
+                        if chunk.choices:
+                            for tc in chunk.choices[0].delta.tool_calls or []:
+                                got = {"name": tc.function.name,
+                                       "arguments": tc.function.arguments}
+                            finish = chunk.choices[0].finish_reason or finish
+                else:
+                    rr = c.chat.completions.create(**kw)
+                    finish = rr.choices[0].finish_reason
+                    tcs = rr.choices[0].message.tool_calls or []
+                    got = {"name": tcs[0].function.name,
+                           "arguments": tcs[0].function.arguments} if tcs else {}
+                check(finish == "tool_calls" and got.get("name") in names and
+                      isinstance(json.loads(got["arguments"]), dict),
+                      "tool_choice %s (stream %s): a call of %s (%s, %s)" %
+                      (choice, stream, names, got, finish), s)
+
         # Bad tools and tool turns: 400 naming the field, through the client.
         bad = [({"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
                 "tools[0].function.name"),
-               ({"tool_choice": "required", "tools": [WEATHER_TOOL]}, "tool_choice"),
+               ({"tool_choice": {"type": "function", "function": {"name": "nope"}},
+                 "tools": [WEATHER_TOOL]}, "tool_choice"),
                ({"messages": question + [{"role": "tool", "content": "x"}]},
                 "messages[1].tool_call_id")]
         for extra, param in bad:

@@ -156,6 +156,55 @@ TEST(ServeParse, ToolsAndToolTurns) {
   EXPECT_FALSE(empty.uses_tools());
 }
 
+// A forced call is a response format: one call object of the named function (or of any, for
+// "required"), its arguments as the function's parameters describe them.
+TEST(ServeParse, AForcedToolCallIsAResponseFormat) {
+  const std::string tools =
+      R"("tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object",)"
+      R"("properties":{"city":{"type":"string"}},"required":["city"]}}},)"
+      R"({"type":"function","function":{"name":"g"}}])";
+  auto parse = [&](const std::string& choice) {
+    return parse_request(Endpoint::kChat,
+                         R"({"messages":[{"role":"user","content":"x"}],)" + tools +
+                             R"(,"tool_choice":)" + choice + "}");
+  };
+  const auto named = std::get<ParsedRequest>(parse(R"({"type":"function","function":{"name":"g"}})"));
+  EXPECT_TRUE(named.uses_tools());
+  EXPECT_EQ(named.tool_choice, ToolChoice::kNamed);
+  EXPECT_EQ(json::parse(named.response_format),
+            json::parse(R"({"type":"json_schema","json_schema":{"name":"tool_call","schema":{
+                "type":"object","properties":{"name":{"const":"g"},"arguments":{"type":"object"}},
+                "required":["name","arguments"],"additionalProperties":false}}})"));
+  const auto required = std::get<ParsedRequest>(parse(R"("required")"));
+  const auto any = json::parse(required.response_format)["json_schema"]["schema"]["anyOf"];
+  ASSERT_EQ(any.size(), 2u);
+  EXPECT_EQ(any[0]["properties"]["name"]["const"], "f");
+  EXPECT_EQ(any[0]["properties"]["arguments"]["required"], json::array({"city"}));
+  // Refused: an unknown function, no tools, a format besides, parameters outside the subset.
+  EXPECT_EQ(std::get<ApiError>(parse(R"({"type":"function","function":{"name":"h"}})")).param,
+            "tool_choice");
+  EXPECT_EQ(std::get<ApiError>(parse_request(Endpoint::kChat,
+                                             R"({"messages":[{"role":"user","content":"x"}],)"
+                                             R"("tool_choice":"required"})"))
+                .param,
+            "tool_choice");
+  EXPECT_EQ(std::get<ApiError>(parse_request(Endpoint::kChat,
+                                             R"({"messages":[{"role":"user","content":"x"}],)" +
+                                                 tools +
+                                                 R"(,"tool_choice":"required",)"
+                                                 R"("response_format":{"type":"json_object"}})"))
+                .param,
+            "response_format");
+  const auto bad_params = parse_request(
+      Endpoint::kChat,
+      R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":)"
+      R"({"name":"f","parameters":{"type":"object","properties":{"n":{"type":"integer",)"
+      R"("minimum":0}}}}}],"tool_choice":"required"})");
+  const ApiError& e = std::get<ApiError>(bad_params);
+  EXPECT_EQ(e.param, "tools");
+  EXPECT_NE(e.message.find("minimum"), std::string::npos) << e.message;
+}
+
 TEST(ServeParse, MalformedCorpus) {
   struct Case {
     Endpoint ep;
@@ -289,6 +338,14 @@ TEST(ServeParse, MalformedCorpus) {
       {C, R"({"messages":[{"role":"user","content":"x"}],"tool_choice":"sometimes"})", "tool_choice"},
       {C, R"({"messages":[{"role":"user","content":"x"}],"tool_choice":{"type":"function","function":{"name":"f"}}})",
        "tool_choice"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"tool_choice":{"type":"code"}})",
+       "tool_choice.type"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"tool_choice":{"type":"function"}})",
+       "tool_choice.function"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"tool_choice":{"type":"function","function":{}}})",
+       "tool_choice.function.name"},
+      {C, R"({"messages":[{"role":"user","content":"x"}],"tool_choice":{"type":"function","function":{"name":"f","x":1}}})",
+       "tool_choice.function.x"},
       {C, R"({"messages":[{"role":"user","content":"x"}],"tool_choice":3})", "tool_choice"},
       {C, R"({"messages":[{"role":"user","content":"x"}],"parallel_tool_calls":"yes"})",
        "parallel_tool_calls"},
