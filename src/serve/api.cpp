@@ -46,7 +46,9 @@ namespace {
 
 int json_depth(std::string_view s) { return scan_json(s).max_depth; }
 
-using nlohmann::json;
+// Ordered: keys keep the body's order, which tools (printed by templates with tojson) and a
+// schema's properties (generated in that order) need; one parse serves every field.
+using json = nlohmann::ordered_json;
 
 ApiError bad(std::string message, std::string param, std::string code = {}) {
   return ApiError{400, std::move(message), "invalid_request_error", std::move(param),
@@ -282,7 +284,7 @@ std::optional<ApiError> parse_tool_calls(const json& v, const std::string& param
 }
 
 // tools: [{"type": "function", "function": {"name", "description", "parameters", "strict"}}].
-std::optional<ApiError> parse_tools(const json& v, bool& any) {
+std::optional<ApiError> parse_tools(const json& v, json& out) {
   if (!v.is_array()) return wrong_type("tools", "an array", v);
   if (v.size() > kMaxTools)
     return bad(fmt::format("'tools' has {} tools; at most {}.", v.size(), kMaxTools), "tools",
@@ -323,7 +325,7 @@ std::optional<ApiError> parse_tools(const json& v, bool& any) {
     if (const auto s = f->find("strict"); s != f->end() && !s->is_null() && !s->is_boolean())
       return wrong_type(fp + ".strict", "a boolean", *s);
   }
-  any = !v.empty();
+  if (!v.empty()) out = v;
   return std::nullopt;
 }
 
@@ -547,16 +549,9 @@ std::optional<ApiError> parse_logit_bias(const json& v,
 // response_format: text (no constraint), json_object or json_schema, compiled here so that a
 // schema the matcher cannot follow is a 400 naming its path. `out` gets the format's JSON text
 // with the body's own order of properties (a schema's properties are generated in that order).
-std::optional<ApiError> parse_response_format(const json& v, std::string_view body,
-                                              std::string& out) {
+std::optional<ApiError> parse_response_format(const json& v, std::string& out) {
   if (!v.is_object()) return wrong_type("response_format", "an object", v);
-  std::string text;
-  try {
-    text = nlohmann::ordered_json::parse(body)["response_format"].dump();
-  } catch (const nlohmann::ordered_json::exception& e) {
-    return bad(fmt::format("Invalid 'response_format': {}.", e.what()), "response_format",
-               "invalid_value");
-  }
+  std::string text = v.dump();
   auto grammar = structured::compile_response_format(text);
   if (!grammar.is_ok())
     return bad(fmt::format("Invalid 'response_format': {}.", grammar.status().message()),
@@ -601,7 +596,7 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body) {
   r.endpoint = endpoint;
   const bool chat = endpoint == Endpoint::kChat;
   const auto& neutral = chat ? kNeutralChat : kNeutralCompletion;
-  bool have_input = false, have_stream_options = false, have_tools = false;
+  bool have_input = false, have_stream_options = false;
   std::optional<int64_t> max_tokens, max_completion_tokens, top_logprobs;
   bool chat_logprobs = false;
   for (const auto& [key, v] : j.items()) {
@@ -700,14 +695,14 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body) {
         err = bad("'timeout' must be a number of seconds > 0.", key, "invalid_value");
       if (!err) r.timeout = t;
     } else if (chat && key == "tools") {
-      err = parse_tools(v, have_tools);
+      err = parse_tools(v, r.tools);
     } else if (chat && key == "tool_choice") {
       err = parse_tool_choice(v, r.tool_choice, r.tool_choice_name);
     } else if (chat && key == "parallel_tool_calls") {
       bool ignored = true;
       take(get_bool(v, key), ignored);
     } else if (key == "response_format") {
-      err = parse_response_format(v, body, r.response_format);
+      err = parse_response_format(v, r.response_format);
     } else if (key == "cache_prompt") {
       bool ignored = true;
       take(get_bool(v, key), ignored);
@@ -726,8 +721,6 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body) {
     return bad("'top_logprobs' needs 'logprobs' to be true.", "top_logprobs", "invalid_value");
   if (chat_logprobs) r.logprobs = static_cast<int>(top_logprobs.value_or(0));
   r.max_tokens = max_completion_tokens ? max_completion_tokens : max_tokens;
-  // The tools in the client's key order (templates write them with tojson, as Python keeps it).
-  if (have_tools) r.tools = nlohmann::ordered_json::parse(body).at("tools");
   if (auto e = forced_call_format(r)) return *e;
   return r;
 }

@@ -118,11 +118,11 @@ ToolCallReading read_tool_calls(std::string_view text, const nlohmann::ordered_j
   return out;
 }
 
-std::size_t tool_call_free_prefix(std::string_view text) {
+std::size_t tool_call_free_prefix(std::string_view text, std::size_t from) {
   const std::size_t lead = text.find_first_not_of(" \t\r\n");
   if (lead == std::string_view::npos) return 0;  // blank so far: what comes decides
   if (text[lead] == '{' || text[lead] == '`') return 0;  // may be bare calls
-  std::size_t cut = text.find(kToolCallOpen);
+  std::size_t cut = text.find(kToolCallOpen, std::min(from, text.size()));
   if (cut == std::string_view::npos) {
     // The longest tail that is a proper prefix of "<tool_call>" is held back.
     cut = text.size();
@@ -133,12 +133,12 @@ std::size_t tool_call_free_prefix(std::string_view text) {
       }
   }
   // Blank text before a call is no content (read_tool_calls): it is not sent either.
-  return blank(text.substr(0, cut)) ? 0 : cut;
+  return lead >= cut ? 0 : cut;
 }
 
 std::string ToolCallStream::push(std::string_view more) {
   text_ += more;
-  const std::size_t free = tool_call_free_prefix(text_);
+  const std::size_t free = tool_call_free_prefix(text_, sent_);
   if (free <= sent_) return {};
   std::string out = text_.substr(sent_, free - sent_);
   sent_ = free;

@@ -43,7 +43,8 @@ ToolCallReading read_tool_calls(std::string_view text, const nlohmann::ordered_j
 
 // How many bytes at the start of `text` are content whatever follows: up to the first
 // "<tool_call>", short of a tail that may be its start; none while it may be bare calls.
-std::size_t tool_call_free_prefix(std::string_view text);
+// `from`: no call starts before it (what a stream has sent), so the search begins there.
+std::size_t tool_call_free_prefix(std::string_view text, std::size_t from = 0);
 
 class ToolCallStream {
  public:
