@@ -41,24 +41,6 @@ Value from_json(const nlohmann::ordered_json& j, bool data) {
 }
 }  // namespace jinja
 
-namespace {
-
-// `word` occurs in `text` with no identifier character on either side.
-bool names_word(std::string_view text, std::string_view word) {
-  auto ident = [](char c) {
-    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
-  };
-  for (std::size_t at = text.find(word); at != std::string_view::npos;
-       at = text.find(word, at + 1)) {
-    const std::size_t end = at + word.size();
-    if ((at == 0 || !ident(text[at - 1])) && (end == text.size() || !ident(text[end])))
-      return true;
-  }
-  return false;
-}
-
-}  // namespace
-
 Result<ModelTemplate> ModelTemplate::parse(std::string_view source, std::string bos_token,
                                            std::string eos_token, const jinja::Limits& limits) {
   ModelTemplate t;
@@ -70,7 +52,7 @@ Result<ModelTemplate> ModelTemplate::parse(std::string_view source, std::string 
     return internal_error(std::string("chat template: the interpreter failed: ") + e.what());
   }
   t.source_ = std::string(source);
-  t.takes_tools_ = names_word(source, "tools") || names_word(source, "tool_calls");
+  t.takes_tools_ = t.tmpl_->reads("tools") || t.tmpl_->reads("tool_calls");
   t.bos_ = std::move(bos_token);
   t.eos_ = std::move(eos_token);
   return t;

@@ -46,8 +46,8 @@ class ModelTemplate {
   Result<ChatPrompt> render_context(const nlohmann::ordered_json& context) const;
 
   const std::string& source() const { return source_; }
-  // The template names `tools` or `tool_calls` (as a whole word of its source): it can show a
-  // request's tools and tool turns to the model. A template without either would drop them.
+  // The template reads `tools` or a `tool_calls` (jinja::Template::reads): it can show a
+  // request's tools and tool turns to the model. A template that reads neither would drop them.
   bool takes_tools() const { return takes_tools_; }
 
  private:

@@ -174,6 +174,9 @@ class Template {
   static Template parse(std::string_view source, const Limits& limits = {});
   // Renders with `vars` as the template's variables (plus the globals); throws Error.
   RenderOutput render(const std::map<std::string, Value, std::less<>>& vars) const;
+  // The template reads `name`: as a variable, an attribute (x.name) or a literal key
+  // (x['name']) anywhere in its expressions (text and string literals do not count).
+  bool reads(std::string_view name) const;
 
   Template(Template&&) noexcept;
   Template& operator=(Template&&) noexcept;

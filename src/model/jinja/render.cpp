@@ -1835,6 +1835,40 @@ Template Template::parse(std::string_view source, const Limits& limits) {
   return t;
 }
 
+namespace {
+
+bool expr_reads(const Expr* e, std::string_view name) {
+  if (e == nullptr) return false;
+  if ((e->kind == Expr::Kind::kName || e->kind == Expr::Kind::kAttr) && e->name == name)
+    return true;
+  if (e->kind == Expr::Kind::kItem && e->children.size() > 1 && e->children[1] != nullptr &&
+      e->children[1]->kind == Expr::Kind::kLiteral && e->children[1]->value.is_string() &&
+      e->children[1]->value.str() == name)
+    return true;
+  for (const ExprPtr& c : e->children)
+    if (expr_reads(c.get(), name)) return true;
+  for (const Arg& a : e->args)
+    if (expr_reads(a.value.get(), name)) return true;
+  return false;
+}
+
+bool node_reads(const Node* n, std::string_view name) {
+  if (n == nullptr) return false;
+  if (expr_reads(n->expr.get(), name) || expr_reads(n->cond.get(), name)) return true;
+  for (const ExprPtr& c : n->conds)
+    if (expr_reads(c.get(), name)) return true;
+  for (const MacroParam& p : n->params)
+    if (expr_reads(p.default_value.get(), name)) return true;
+  for (const auto* list : {&n->bodies, &n->children})
+    for (const NodePtr& c : *list)
+      if (node_reads(c.get(), name)) return true;
+  return false;
+}
+
+}  // namespace
+
+bool Template::reads(std::string_view name) const { return node_reads(root_.get(), name); }
+
 RenderOutput Template::render(const std::map<std::string, Value, std::less<>>& vars) const {
   Renderer r(limits_, vars);
   return r.run(*root_);

@@ -165,6 +165,24 @@ TEST(Jinja, ShippedTemplatesRenderWhatTheHardCodedTurnsDid) {
   }
 }
 
+// Whether a template can show tools: it reads `tools` or a `tool_calls` in an expression; the
+// words in its text, a string literal or a comment do not count.
+TEST(Jinja, TakesToolsWhenAnExpressionReadsThem) {
+  auto takes = [](const std::string& source) {
+    auto t = ModelTemplate::parse(source, "", "");
+    EXPECT_TRUE(t.is_ok()) << source;
+    return t.is_ok() && t->takes_tools();
+  };
+  EXPECT_TRUE(takes("{{ tools | tojson }}"));
+  EXPECT_TRUE(takes("{% if tools %}x{% endif %}"));
+  EXPECT_TRUE(takes("{% for m in messages %}{% for c in m.tool_calls %}{% endfor %}{% endfor %}"));
+  EXPECT_TRUE(takes("{% for m in messages %}{{ m['tool_calls'] | length }}{% endfor %}"));
+  EXPECT_TRUE(takes("{% macro f(x=tools) %}{% endmacro %}"));
+  EXPECT_FALSE(takes("tools and tool_calls {{ 'tools' }}{# tools #}"));
+  EXPECT_FALSE(takes("{% for m in messages %}{{ m.content }}{% endfor %}"));
+  EXPECT_FALSE(takes("{{ toolsmith }}{{ m.tool_calls_count }}"));
+}
+
 TEST(Jinja, LeadingBosIsNotDoubled) {
   auto t = ModelTemplate::parse("{{ bos_token }}{% for m in messages %}[{{ m.content }}]{% endfor %}",
                                 "<s>", "</s>");
