@@ -16,7 +16,7 @@
 
 namespace treeattn::serve {
 
-JsonScan scan_json(std::string_view s) {
+JsonScan scan_json(std::string_view s, bool first_only) {
   JsonScan out;
   int depth = 0;
   bool in_string = false, escaped = false;
@@ -36,7 +36,10 @@ JsonScan scan_json(std::string_view s) {
     } else if (c == '[' || c == '{') {
       out.max_depth = std::max(out.max_depth, ++depth);
     } else if (c == ']' || c == '}') {
-      if (--depth == 0 && out.first_end == 0) out.first_end = i + 1;
+      if (--depth == 0 && out.first_end == 0) {
+        out.first_end = i + 1;
+        if (first_only) break;
+      }
     }
   }
   return out;

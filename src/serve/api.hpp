@@ -143,11 +143,12 @@ Parsed<ParsedRequest> parse_request(Endpoint endpoint, std::string_view body);
 
 // JSON text scanned without parsing it (strings skipped, nothing checked): its deepest nesting,
 // and the byte after the bracket that closes the first object or array (0: none closes).
+// first_only: the scan ends there (max_depth then covers that value alone).
 struct JsonScan {
   int max_depth = 0;
   std::size_t first_end = 0;
 };
-JsonScan scan_json(std::string_view s);
+JsonScan scan_json(std::string_view s, bool first_only = false);
 
 // The model's chat template. A file whose tokenizer.chat_template the interpreter parses
 // (src/model/jinja) renders every chat request with it (`model`: messages as {"role",

@@ -53,7 +53,7 @@ std::vector<ToolCall> bare_calls(std::string_view text, const nlohmann::ordered_
   std::vector<ToolCall> calls;
   while (!t.empty()) {
     if (t.front() != '{') return {};
-    const std::size_t end = scan_json(t).first_end;
+    const std::size_t end = scan_json(t, /*first_only=*/true).first_end;
     if (end == 0) return {};
     try {
       auto call = call_of(nlohmann::ordered_json::parse(t.substr(0, end)), tools);
