@@ -174,8 +174,9 @@ TEST(TiledCache, EncodingMatchesKVCacheAndSurvivesGrowth) {
       for (int64_t b = 0; b < 2; ++b)
         for (int64_t h = 0; h < 3; ++h)
           for (int64_t tok = 0; tok < n; ++tok) {
-            float ks = -1, vs = -1;
-            c->read_token_raw(b, h, tok, kr.data(), vr.data(), &ks, &vs);
+            bf16_t ksb{0xffff}, vsb{0xffff};
+            c->read_token_raw(b, h, tok, kr.data(), vr.data(), &ksb, &vsb);
+            const float ks = bf16_value(ksb), vs = bf16_value(vsb);
             const std::size_t i = ref.index(b, h, tok) * es;
             ASSERT_EQ(std::memcmp(kr.data(), static_cast<const uint8_t*>(ref.k_data()) + i, kr.size()), 0)
                 << dtype_name(t) << " " << tile_name(tc) << " b" << b << " h" << h << " t" << tok;
@@ -481,7 +482,8 @@ TEST(TiledErrors, BadArgumentsAreNamed) {
   v.v = nullptr;
   EXPECT_FALSE(decode_partial_tiled(s, q.data(), v, st.data()).is_ok());
   v = c->view(len, start, total);
-  v.k_scale = st.data();
+  const std::vector<bf16_t> some_scales(64);
+  v.k_scale = some_scales.data();
   e = decode_partial_tiled(s, q.data(), v, st.data());
   EXPECT_NE(e.message().find("scales are only for quantized"), std::string::npos) << e.message();
   v = c->view(len, start, total);
