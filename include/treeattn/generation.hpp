@@ -81,6 +81,7 @@ struct Request {
   std::vector<std::string> methods = {"auto"};
   // engine only
   std::size_t kv_memory = 0;  // 0: the pages this prompt needs on each rank, and a few more
+  int64_t kv_window_pages = -1;  // EngineConfig::kv_window_pages
   std::string prefill_exchange = "auto";
   std::string topology_file;  // EngineConfig::topology: what "auto" plans on (empty: the job)
   // session path only
@@ -164,6 +165,12 @@ struct Output {
   int64_t merges = 0, rows_pass_q = 0, rows_kv_exchange = 0;
   uint64_t bytes_sent_rank0 = 0;
   engine::MergeChoice merge_choice;  // the merge the engine ran and why
+  // KV pages: per rank, and the most in use over all ranks at a token (full pages: every
+  // position of the global layers; window pages: sliding-window layers, 0 when none) with their
+  // bytes (pages x page_tokens x the layers' K/V bytes per token).
+  int64_t page_tokens = 0, pages_per_rank = 0, window_pages_per_rank = 0;
+  int64_t pages_used_peak = 0, window_pages_used_peak = 0;
+  uint64_t kv_bytes_used_peak = 0, window_kv_bytes_used_peak = 0;
 };
 
 Output run_generation(Communicator& comm, const Request& request, const Hooks& hooks = {});

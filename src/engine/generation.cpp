@@ -114,6 +114,33 @@ Output failed(Output out, Status s, bool abort = false) {
   return out;
 }
 
+// The pages in use over the ranks after the engine's last step (its snapshot), if more than
+// seen so far.
+void note_pages_in_use(const engine::EngineMetrics& m, Output& out) {
+  int64_t used = 0, wused = 0;
+  for (const int64_t u : m.pages_used) used += u;
+  for (const int64_t u : m.window_pages_used) wused += u;
+  out.pages_used_peak = std::max(out.pages_used_peak, used);
+  out.window_pages_used_peak = std::max(out.window_pages_used_peak, wused);
+}
+
+// The pools' sizes and the bytes of the most pages in use: a page holds page_tokens positions
+// of K and V in each layer of its group.
+void page_figures(const engine::EngineMetrics& m, const engine::EngineConfig& ec,
+                  const model::LlamaConfig& mc, Output& out) {
+  out.page_tokens = ec.page_tokens;
+  out.pages_per_rank = m.pages_per_rank;
+  out.window_pages_per_rank = m.window_pages_per_rank;
+  int64_t window_layers = 0;
+  for (const uint8_t w : m.layer_in_window) window_layers += w;
+  const auto layer_page = static_cast<uint64_t>(ec.page_tokens * mc.n_head_kv) *
+                          kv_head_token_bytes(static_cast<std::size_t>(mc.head_dim), ec.kv_dtype);
+  out.kv_bytes_used_peak = static_cast<uint64_t>(out.pages_used_peak) *
+                           static_cast<uint64_t>(mc.n_layers - window_layers) * layer_page;
+  out.window_kv_bytes_used_peak = static_cast<uint64_t>(out.window_pages_used_peak) *
+                                  static_cast<uint64_t>(window_layers) * layer_page;
+}
+
 Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
                   const model::LlamaModel& model, const Tokenizer& tok, Output out) {
   const bool lead = comm.rank() == 0;
@@ -129,6 +156,10 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
   ec.fanout = req.fanout;
   ec.prefill_exchange = req.prefill_exchange;
   ec.timeout = req.timeout;
+  ec.kv_window_pages = req.kv_window_pages;
+  if (ec.kv_window_pages == -1)  // auto: one request, one sequence's window
+    if (const int64_t w = engine::lone_sequence_window_pages(ec, model, P); w > 0)
+      ec.kv_window_pages = w;
   if (req.kv_memory > 0)
     ec.kv_memory = req.kv_memory;
   else  // the pages this prompt needs on each rank, and a few more
@@ -180,6 +211,7 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
         if (ev.finish != engine::FinishReason::kStop && stream.add(ev.token)) eng.stop(false);
       }
       timings = ev.timings;
+      note_pages_in_use(eng.metrics(), out);
       if (ev.finish == engine::FinishReason::kError) failure = ev.error;
       if (ev.finish != engine::FinishReason::kNone) eng.stop(true);
     });
@@ -212,6 +244,7 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
                             ? static_cast<double>(sent(comm) - sent_at_first) /
                                   static_cast<double>(out.tokens.size() - 1)
                             : 0.0;
+  page_figures(mt, ec, model.config(), out);
   out.merges = mt.merges;
   out.rows_pass_q = mt.rows_pass_q;
   out.rows_kv_exchange = mt.rows_kv_exchange;

@@ -333,6 +333,65 @@ bool same_bits(const float* a, const float* b, std::size_t n) {
   return std::memcmp(a, b, n * sizeof(float)) == 0;
 }
 
+// A sliding-window layer's engine drops the pages no later query can see and names the index of
+// the first page it keeps (page_index0): the merge groups stay those of the full list, so every
+// row keeps the bits of the full list, decode steps and prefill chunks (per-page and block
+// kernels), any dropped count, on every target. With page_index0 left at 0 the groups shift and
+// the bits differ (the check is sensitive to the grouping).
+TEST(PagedKernel, DroppedPagesOutsideTheWindowChangeNoBit) {
+  const int64_t T = 16, W = 40;
+  for (const DType t : {DType::kF32, DType::kBF16, DType::kInt8}) {
+    for (const int64_t n_q : {int64_t{1}, int64_t{5}, int64_t{70}}) {
+      // 23 pages (a partial last one), queries at the end: the first query at first_pos sees
+      // positions > first_pos - W, so the pages ending at or before first_pos - W are unseen.
+      const int64_t tokens = 22 * T + 9;
+      const int64_t first_pos = tokens - n_q;
+      PagedCase pc(AttnShape{1, 6, 2, 64, 1}, t, T, KVTileLayout::kInterleaved,
+                   {contiguous(T, 0, tokens, n_q, first_pos)}, 11);
+      pc.window = W;
+      const auto& spec = pc.specs[0];
+      int64_t dead = 0;
+      while ((dead + 1) * T - 1 <= first_pos - W) ++dead;
+      ASSERT_GE(dead, 5) << "the case must drop more than one group";
+      for (Isa isa : testing::runnable_isas()) {
+        DecodeOptions opt;
+        opt.isa = isa;
+        opt.threads = 2;
+        std::vector<std::vector<float>> full;
+        ASSERT_TRUE(pc.run(full, opt).is_ok());
+        for (int64_t drop = 1; drop <= dead; ++drop) {
+          std::vector<float> st(pc.state_floats(0), 12345.0f);
+          PagedEntry en = pc.entry(0, st.data());
+          const auto d = static_cast<std::size_t>(drop);
+          en.pages = std::span<const int32_t>(pc.pages[0]).subspan(d);
+          en.page_pos = std::span<const int64_t>(spec.page_pos).subspan(d);
+          en.page_len = std::span<const int32_t>(spec.page_len).subspan(d);
+          en.page_index0 = drop;
+          ASSERT_TRUE(decode_partial_paged(pc.shape, pc.view(), pc.pool_pages, {&en, 1}, opt)
+                          .is_ok());
+          EXPECT_TRUE(same_bits(st.data(), full[0].data(), st.size()))
+              << isa_name(isa) << " " << dtype_name(t) << " n_q " << n_q << " drop " << drop;
+          if (drop % kPagedGroupPages != 0 && n_q == 70) {
+            en.page_index0 = 0;  // the groups shift: rows whose window spans a group edge change
+            ASSERT_TRUE(decode_partial_paged(pc.shape, pc.view(), pc.pool_pages, {&en, 1}, opt)
+                            .is_ok());
+            EXPECT_FALSE(same_bits(st.data(), full[0].data(), st.size()))
+                << isa_name(isa) << " " << dtype_name(t) << " drop " << drop;
+          }
+        }
+      }
+    }
+  }
+  PagedCase bad(AttnShape{1, 8, 2, 64, 1}, DType::kF32, kKVTileTokens, KVTileLayout::kInterleaved,
+                mixed_entries(kKVTileTokens), 7);
+  std::vector<float> st(bad.state_floats(0));
+  PagedEntry en = bad.entry(0, st.data());
+  en.page_index0 = -1;
+  const Status s = decode_partial_paged(bad.shape, bad.view(), bad.pool_pages, {&en, 1}, {});
+  EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("page_index0"), std::string::npos) << s.to_string();
+}
+
 // The property a batch-invariant server needs: one query row's bits depend on its query, its
 // causal limit and its pages only.
 TEST(PagedKernel, RowBitsIndependentOfBatchingAndThreads) {
