@@ -209,9 +209,7 @@ inline void round_to_dtype(DType t, float* x, std::size_t n) {
 
 // Whether f is a bfloat16 value (its low 16 bits are zero), so that a bf16 scale holds it
 // exactly. A NaN counts as one (it stays a NaN, its payload is not kept).
-inline bool is_bf16_value(float f) {
-  return f != f || (std::bit_cast<uint32_t>(f) & 0xffffu) == 0;
-}
+inline bool is_bf16_value(float f) { return f != f || (std::bit_cast<uint32_t>(f) & 0xffffu) == 0; }
 
 // The smallest bfloat16 value >= s, for s >= 0 (+inf stays +inf; a NaN gives a quiet NaN).
 inline float bf16_ceil(float s) {

@@ -194,7 +194,7 @@ class TiledKVCache {
   int64_t head_stride_ = 0;  // bytes
   int64_t scale_tile_stride_ = 0, scale_head_stride_ = 0;  // bf16_t elements
   std::size_t v_base_ = 0;      // byte offset of V tile 0 of (0, 0)
-  std::size_t kscale_base_ = 0; // bf16_t offsets of the scales of tile 0 of (0, 0)
+  std::size_t kscale_base_ = 0;  // bf16_t offsets of the scales of tile 0 of (0, 0)
   std::size_t vscale_base_ = 0;
   std::size_t bytes_ = 0;
   std::unique_ptr<uint8_t, Free> mem_;

@@ -208,8 +208,8 @@ struct HostCase {
   // What one decode step reads: K and V and, quantized, their scales (float32 in rows,
   // bfloat16 in tiles).
   int64_t kv_bytes(bool tiled = false) const {
-    const std::size_t scales = tiled ? scale_bytes() / sizeof(float) * kTiledScaleBytes
-                                     : scale_bytes();
+    const std::size_t scales =
+        tiled ? scale_bytes() / sizeof(float) * kTiledScaleBytes : scale_bytes();
     return static_cast<int64_t>(2 * (code_bytes() + scales));
   }
   // A rows view of the whole cache over these K/V (and scale) pointers in `memory`.
@@ -272,8 +272,7 @@ Result<HostCase> make_host_case(const RooflineCase& c, DType t, int threads) {
 }
 
 // The fields every record has: the case, the timings (median and best round) against the probe.
-RooflineRecord timed_record(const HostCase& h, int64_t kv_bytes,
-                            const std::vector<double>& seconds,
+RooflineRecord timed_record(const HostCase& h, int64_t kv_bytes, const std::vector<double>& seconds,
                             const std::vector<double>& fractions,
                             const std::vector<double>& probes) {
   const AttnShape& s = h.shape;
@@ -525,8 +524,8 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
             const double sec = seconds_since(t0);
             if (r == 0) continue;  // warm-up round
             v.seconds.push_back(sec);
-            v.fractions.push_back(static_cast<double>(h.kv_bytes(v.layout == "tiled")) / sec /
-                                  1e9 / bw_r);
+            v.fractions.push_back(static_cast<double>(h.kv_bytes(v.layout == "tiled")) / sec / 1e9 /
+                                  bw_r);
           }
         }
 

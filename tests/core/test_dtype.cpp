@@ -57,19 +57,19 @@ TEST(DType, BF16RoundTripsEveryPattern) {
 TEST(DType, BF16CeilRoundsUpAndBF16ValuesAreThoseWithoutLowBits) {
   EXPECT_EQ(bf16_ceil(0.0f), 0.0f);
   EXPECT_EQ(bf16_ceil(1.0f), 1.0f);
-  EXPECT_EQ(bf16_ceil(1.0f + 0x1p-23f), 1.0f + 0x1p-7f);         // up, never to nearest
-  EXPECT_EQ(bf16_ceil(2.0f - 0x1p-23f), 2.0f);                   // carries into the exponent
-  EXPECT_EQ(bf16_ceil(0x1p-149f), 0x1p-133f);                    // subnormal: bf16's smallest
+  EXPECT_EQ(bf16_ceil(1.0f + 0x1p-23f), 1.0f + 0x1p-7f);  // up, never to nearest
+  EXPECT_EQ(bf16_ceil(2.0f - 0x1p-23f), 2.0f);            // carries into the exponent
+  EXPECT_EQ(bf16_ceil(0x1p-149f), 0x1p-133f);             // subnormal: bf16's smallest
   EXPECT_EQ(bf16_ceil(std::numeric_limits<float>::infinity()),
             std::numeric_limits<float>::infinity());
   const float payload = std::bit_cast<float>(0x7fffffffu);  // a NaN whose low bits are all set
-  EXPECT_TRUE(std::isnan(bf16_ceil(payload)));                   // not -0 (a carry out)
+  EXPECT_TRUE(std::isnan(bf16_ceil(payload)));              // not -0 (a carry out)
   EXPECT_TRUE(std::isnan(bf16_ceil(std::numeric_limits<float>::quiet_NaN())));
   EXPECT_TRUE(is_bf16_value(1.0f));
   EXPECT_TRUE(is_bf16_value(0x1p-133f));
   EXPECT_FALSE(is_bf16_value(1.0f + 0x1p-23f));
   EXPECT_FALSE(is_bf16_value(0.01f));
-  EXPECT_TRUE(is_bf16_value(payload));  // a NaN stays a NaN
+  EXPECT_TRUE(is_bf16_value(payload));    // a NaN stays a NaN
   for (uint32_t h = 0; h < 65536; ++h) {  // every bf16 value is one, and keeps its bits
     const float f = bf16_to_float(static_cast<uint16_t>(h));
     ASSERT_TRUE(is_bf16_value(f)) << h;

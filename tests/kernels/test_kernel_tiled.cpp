@@ -231,8 +231,8 @@ TEST(TiledCache, ScalesAreBF16AndATokenTakes2DPlus4BytesPerKVHead) {
             EXPECT_EQ(ks - base, 2 * D * T);  // [K^T][V][k_scale][v_scale], whole record
             EXPECT_EQ(vs - ks, 2 * T);
             EXPECT_EQ(v.scale_tile_stride * 2, v.tile_stride);
-            EXPECT_EQ(v.tile_stride, T * static_cast<int64_t>(kv_head_token_bytes(
-                                             static_cast<std::size_t>(D), t)));
+            EXPECT_EQ(v.tile_stride, T * static_cast<int64_t>(
+                                             kv_head_token_bytes(static_cast<std::size_t>(D), t)));
           } else {
             EXPECT_EQ(v.scale_tile_stride, T);
             EXPECT_EQ(vs - ks, (Hkv * pages * T * 2 + 63) / 64 * 64);
@@ -536,11 +536,13 @@ TEST(TiledKernel, QuantizedZeroQueryGivesTheExactValueSumsBitForBit) {
           const float sv = std::ldexp(1.0f, static_cast<int>((tok * 5 + h * 3 + b) % 4) - 2);
           for (std::size_t d = 0; d < 64; ++d) {
             k[d] = static_cast<float>((tok * 7 + static_cast<int64_t>(d)) % 11) - 5.0f;
-            v[d] = (static_cast<float>((tok * 3 + static_cast<int64_t>(d) * 5 + b + h) % 17) -
-                    8.0f) * sv;
+            v[d] =
+                (static_cast<float>((tok * 3 + static_cast<int64_t>(d) * 5 + b + h) % 17) - 8.0f) *
+                sv;
           }
           v[static_cast<std::size_t>((tok + h) % D)] = quant_max(t) * sv;  // scale = sv
-          for (std::size_t d = 0; d < 64; ++d) sum[static_cast<std::size_t>((b * 3 + h) * D) + d] += v[d];
+          for (std::size_t d = 0; d < 64; ++d)
+            sum[static_cast<std::size_t>((b * 3 + h) * D) + d] += v[d];
           cache.set_token(b, h, tok, k.data(), v.data());
           ASSERT_EQ(cache.v_scale_data()[cache.scale_index(b, h, tok)], sv);
         }
@@ -554,7 +556,9 @@ TEST(TiledKernel, QuantizedZeroQueryGivesTheExactValueSumsBitForBit) {
           opt.isa = isa;
           opt.chunk_tokens = chunk;
           opt.threads = 2;
-          ASSERT_TRUE(decode_partial_tiled(shape, q.data(), c.view(len, start, total), st.data(), opt).is_ok());
+          ASSERT_TRUE(
+              decode_partial_tiled(shape, q.data(), c.view(len, start, total), st.data(), opt)
+                  .is_ok());
           for (int64_t b = 0; b < 2; ++b)
             for (int64_t hq = 0; hq < 6; ++hq) {
               const float* rec = st.data() + static_cast<std::size_t>((b * 6 + hq) * (D + 2));
@@ -562,7 +566,8 @@ TEST(TiledKernel, QuantizedZeroQueryGivesTheExactValueSumsBitForBit) {
               ASSERT_EQ(rec[0], 0.0f);
               ASSERT_EQ(rec[1], static_cast<float>(n));  // l = the token count, o = the sum
               for (std::size_t d = 0; d < 64; ++d)
-                ASSERT_EQ(rec[2 + d], static_cast<float>(sum[static_cast<std::size_t>((b * 3 + hq / 2) * D) + d]))
+                ASSERT_EQ(rec[2 + d], static_cast<float>(
+                                          sum[static_cast<std::size_t>((b * 3 + hq / 2) * D) + d]))
                     << isa_name(isa) << " chunk " << chunk << " " << dtype_name(t) << " "
                     << tile_name(tc) << " row " << b << " head " << hq << " d " << d;
             }

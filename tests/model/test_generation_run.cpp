@@ -288,12 +288,12 @@ TEST(EngineKVPages, Int8AndFp8PagesAgreeWithF16UpToNearTiesOnTheRealModel) {
           continue;
         }
         const auto top = model::top_two(ref.logits[t]);
-        std::printf("[ near tie  ] kv %s, \"%s\" step %zu: f16 %d, %s %d, f16's top-2 gap %.4f, "
-                    "this step's largest logit error %.4f of %.4f\n",
-                    std::string(dtype_name(kv)).c_str(), text, t, ref.tokens[t],
-                    std::string(dtype_name(kv)).c_str(), q.tokens[t],
-                    static_cast<double>(top.gap()), static_cast<double>(err),
-                    static_cast<double>(mag));
+        std::printf(
+            "[ near tie  ] kv %s, \"%s\" step %zu: f16 %d, %s %d, f16's top-2 gap %.4f, "
+            "this step's largest logit error %.4f of %.4f\n",
+            std::string(dtype_name(kv)).c_str(), text, t, ref.tokens[t],
+            std::string(dtype_name(kv)).c_str(), q.tokens[t], static_cast<double>(top.gap()),
+            static_cast<double>(err), static_cast<double>(mag));
         EXPECT_LT(top.gap(), std::max(kNearTie, 2 * err))
             << dtype_name(kv) << " \"" << text << "\" step " << t;
         ++parted;

@@ -640,8 +640,8 @@ TEST(Quantize, TokenRoundTripThroughKVCache) {
       for (float x : k) amax = std::max(amax, std::abs(x));
       EXPECT_EQ(ks, quant_scale(amax, t));
       EXPECT_TRUE(is_bf16_value(ks));
-      EXPECT_GE(ks, amax / quant_max(t));                 // rounded up ...
-      EXPECT_LT(ks, amax / quant_max(t) * (1 + 0x1p-7f));  // ... by less than a bf16 step
+      EXPECT_GE(ks, amax / quant_max(t));                           // rounded up ...
+      EXPECT_LT(ks, amax / quant_max(t) * (1 + 0x1p-7f));           // ... by less than a bf16 step
       for (float x : k) EXPECT_LE(std::abs(x / ks), quant_max(t));  // no code saturates
       if (tok == 2) {
         EXPECT_EQ(vs, 0.0f);
