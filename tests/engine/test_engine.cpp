@@ -639,7 +639,8 @@ TEST(Engine, WindowPagesDropWhatTheWindowPassedAndChangeNoBit) {
 
     // The smallest window pool the engine accepts: one sequence's window and chunk.
     EngineConfig tight = cfg;
-    tight.kv_window_pages = (24 + 20 - 1 + 2 * 16 + 16 * p - 1) / (16 * p) + 1;
+    tight.kv_window_pages = lone_sequence_window_pages(tight, *m, p);
+    ASSERT_GT(tight.kv_window_pages, 0);
     const auto small = run_engine(*m, p, tight, subs, false);
     ASSERT_TRUE(small.status.is_ok()) << small.status.to_string();
     for (std::size_t i = 0; i < subs.size(); ++i)
