@@ -175,8 +175,25 @@ struct EngineConfig {
   // The quantized weights' matmul (model.hpp): int8 activations by default; exact is the
   // reference path (and what a comparison with the Generator needs on both sides).
   model::MatmulMode matmul = model::MatmulMode::kInt8;
-  // The caller's LlamaModel::pack_rows8 before Engine::create (serve, generate): the decode
-  // steps' Q4_K / Q6_K / Q8_0 / Q5_0 layout, about those matrices' size again in memory; false:
+  // How the dense layers (the projections, the FFN and the output head) are spread over the
+  // ranks:
+  //   "replicated"  every rank computes with the whole model: a step's rows split over the ranks
+  //                 (a lone row is computed by every rank), as the header comment describes;
+  //   "split"       rank r holds slice r of every projection's output rows (model.hpp
+  //                 DenseWeights, LlamaModel::slice: about 1/p of the weights, read in place from
+  //                 the file's mapping) and computes them for every row of the step; per layer
+  //                 one all-gather each of q/k/v, the attention output, the FFN's activations and
+  //                 its down projection, and one of the logits; every output element is still
+  //                 one whole dot product on one rank, so the bits are the replicated ones;
+  //   "auto"        the cost model's choice for one decoding sequence (predict_dense,
+  //                 cost_model.hpp) on `topology`: the weight bytes each rank reads per token
+  //                 against the split's all-gathers on the job's links; split at one rank is
+  //                 replicated.
+  // Engine::dense_choice() says which ran and why.
+  std::string dense = "auto";
+  // The decode steps' Q4_K / Q6_K / Q8_0 / Q5_0 layout (rows8: model.hpp), about those matrices'
+  // size again in memory: the engine copies the rows it computes with (the whole model's,
+  // or only its slice's with dense split) unless the model already has a copy; false:
   // --no-rows8.
   bool rows8 = true;
   std::chrono::milliseconds timeout{10000};    // per communicator operation; 0 = forever
@@ -199,7 +216,9 @@ struct EngineMetrics {
   std::vector<int64_t> pages_used;    // per rank: referenced by a live sequence
   std::vector<int64_t> pages_cached;  // per rank: unreferenced, kept for prefix reuse (evictable)
   std::vector<int64_t> pages_free;    // per rank: on the free list
-  std::vector<double> merge_seconds;  // per rank: time in the per-layer merge and q/k/v all-gather
+  // per rank: time in the per-layer merge and the all-gathers (q/k/v; with dense split, every
+  // matrix group's outputs and the logits)
+  std::vector<double> merge_seconds;
   std::vector<double> attention_seconds;  // per rank: time in the paged kernel, total
   std::vector<double> dense_seconds;      // per rank: projections, output projection and FFN
   int64_t merges = 0;                 // per-layer merges run (each rank ran this many)
@@ -225,6 +244,25 @@ struct MergeChoice {
 // One line for banners: "hier (auto on topology job, batch invariant; predicted per layer:
 // hier 31.0 us, tree 33.5 us, ...)".
 std::string describe_merge(const MergeChoice& choice);
+
+// How the dense layers run (EngineConfig::dense), the same on every rank (rank 0's choice).
+struct DenseChoice {
+  bool split = false;    // dense split; false: replicated
+  std::string how;       // "by name", "auto: one rank", "auto: planned on topology NAME"
+  std::string topology;  // the topology auto planned on
+  // auto at more than one rank: the cost model's times of one decoding token's dense part
+  // (predict_dense), and the split's all-gathers per token.
+  double predicted_split_us = 0, predicted_replicated_us = 0;
+  int collectives_per_token = 0;
+  // This rank's projection and head weights (its slice's, or the whole model's) and its own
+  // rows8 copy of them (0 where the model's copy is viewed).
+  std::size_t weight_bytes = 0;
+  std::size_t rows8_bytes = 0;
+  const char* mode() const { return split ? "split" : "replicated"; }
+};
+// One line for banners: "split (auto on topology job; predicted per token: split 1.20 ms,
+// replicated 3.40 ms, 121 all-gathers; 46 MB of weights on this rank)".
+std::string describe_dense(const DenseChoice& choice);
 
 class Engine {
  public:
@@ -266,6 +304,7 @@ class Engine {
   EngineMetrics metrics() const;  // rank 0 (thread-safe)
   const EngineConfig& config() const;
   const MergeChoice& merge_choice() const;
+  const DenseChoice& dense_choice() const;
   const model::LlamaModel& model() const;
   Communicator& comm() const;
 
