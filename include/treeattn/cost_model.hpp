@@ -118,8 +118,10 @@ std::vector<std::string> replace_auto(const std::vector<std::string>& methods,
 //   split       rank r holds slice r of each matrix's output rows and reads W_r ~ W / p; every
 //               matrix group's outputs are all-gathered: per layer q, k, v ((H + 2 Hkv) D floats a
 //               row), the attention output (E), the FFN's activations (F) and its down projection
-//               (E), and once the head's logits (V a sampled row): 4 L + 1 all-gathers of rows x
-//               width / p x 4 bytes from each rank, each priced as the topology's library runs it
+//               (E), and once per step the embeddings (each row's by the rank whose vocabulary
+//               slice holds its token: E a row, ceil(rows / p) rows a slot) and the head's logits
+//               (V a sampled row): 4 L + 2 all-gathers of about rows x width / p x 4 bytes from
+//               each rank, each priced as the topology's library runs it
 //               (cost_sim: Open MPI's recursive doubling / Bruck / ring, or NCCL's ring) plus one
 //               call's fixed cost (collective_overhead_us, and the network's call_overhead_us
 //               across nodes).
@@ -138,6 +140,7 @@ struct DenseQuery {
   int64_t ffn_width = 0;     // F
   int64_t down_width = 0;    // E
   int64_t head_width = 0;    // V
+  int64_t embd_width = 0;    // E (the embeddings' all-gather)
   int64_t rows = 1;          // rows of the step (1: one sequence decoding)
   int64_t sampled_rows = 1;  // rows whose logits are computed
   int ranks = 1;             // p (>= 1); 0 = all ranks of the topology
@@ -149,7 +152,7 @@ struct DensePrediction {
   double split_us = 0;       // the split's: its compute plus its all-gathers
   double split_compute_us = 0;
   double split_comm_us = 0;
-  int collectives = 0;             // all-gathers per step of the split
+  int collectives = 0;             // all-gathers per step of the split: 4 L + 2
   double bytes_sent_per_rank = 0;  // the split's, per step, as the library moves them
   std::string algorithm;           // how each all-gather was modelled
   bool split_wins() const { return split_us < replicated_us; }

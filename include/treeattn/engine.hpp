@@ -183,8 +183,10 @@ struct EngineConfig {
   //                 DenseWeights, LlamaModel::slice: about 1/p of the weights, read in place from
   //                 the file's mapping) and computes them for every row of the step; per layer
   //                 one all-gather each of q/k/v, the attention output, the FFN's activations and
-  //                 its down projection, and one of the logits; every output element is still
-  //                 one whole dot product on one rank, so the bits are the replicated ones;
+  //                 its down projection, and per step one of the embeddings (each row's token
+  //                 embedded by the rank whose vocabulary slice holds it) and one of the logits;
+  //                 every output element is still one whole dot product on one rank, so the bits
+  //                 are the replicated ones;
   //   "auto"        the cost model's choice for one decoding sequence (predict_dense,
   //                 cost_model.hpp) on `topology`: the weight bytes each rank reads per token
   //                 against the split's all-gathers on the job's links; split at one rank is

@@ -253,9 +253,11 @@ std::string_view projection_name(Projection p);
 // The matrices a forward pass multiplies with: every layer's projections and the output head,
 // either whole (a LlamaModel's own, LlamaModel::weights(): slice 0 of 1) or slice `index` of
 // `count` of each one's output rows (LlamaModel::slice: rows slice_rows(full rows, index, count)
-// of every matrix, read in place from the file's mapping, so a process that computes with a
-// slice only ever touches its rows' pages), with the rows8 copy of those rows. Move-only: the
-// matrices point into the copy it owns.
+// of every matrix), with the rows8 copy of those rows; and the embedding table's rows of the
+// same vocabulary slice as the head (the head's own where the two are tied). A slice of more
+// than one maps each of its matrices' rows from the file on their own (gguf::File::map_again),
+// so that a process computing with it only ever has its rows' pages (and at most a page beyond
+// each end) resident. Move-only: the matrices point into the mappings and the copy it owns.
 class DenseWeights {
  public:
   DenseWeights() = default;
@@ -274,6 +276,8 @@ class DenseWeights {
   RowRange rows(Projection p) const { return rows(p, index_); }
   // Layer `layer`'s matrix p (kHead: the head, whatever the layer), of rows(p).size() rows.
   const WeightMatrix& matrix(int layer, Projection p) const;
+  // The embedding table's rows rows(kHead) (token ids in that range; LlamaModel::embed).
+  const WeightMatrix& embedding() const { return embedding_; }
   // Bytes of these rows of every matrix: what one token's forward pass reads of them.
   std::size_t bytes() const;
   // Bytes of the rows8 copies these weights own (a slice of a packed model views the model's).
@@ -286,8 +290,9 @@ class DenseWeights {
  private:
   friend class LlamaModel;
   std::vector<std::array<WeightMatrix, kProjections - 1>> layers_;
-  WeightMatrix head_;
+  WeightMatrix head_, embedding_;
   int index_ = 0, count_ = 1;
+  std::vector<gguf::Mapping> maps_;  // a slice's own mappings of its rows
   std::array<int64_t, kProjections> full_rows_{};
   std::vector<std::vector<uint8_t>> rows8_;  // one buffer per pack_rows8 call that copied
 };
@@ -335,6 +340,9 @@ class LlamaModel {
   // x[t] = the embedding of tokens[t] (n_embd floats each). kInvalidArgument for an id outside
   // [0, n_vocab).
   Status embed(std::span<const TokenId> tokens, float* x) const;
+  // The same from w's embedding rows: every id must be in w.rows(Projection::kHead)
+  // (kInvalidArgument otherwise); the same bits as embed().
+  Status embed(const DenseWeights& w, std::span<const TokenId> tokens, float* x) const;
   // For T tokens at positions pos[t]: q [T][n_head * head_dim], k and v [T][n_head_kv *
   // head_dim], RoPE applied to q and k.
   Status attention_inputs(int layer, const float* x, int64_t tokens, const int64_t* pos, float* q,
@@ -426,6 +434,7 @@ class LlamaModel {
   void rope_rotate(float* heads, int64_t n_heads, const float* cs, const float* sn) const;
 
   const Layer& layer_of(int layer) const { return layers_[static_cast<std::size_t>(layer)]; }
+  Status embed_row(const WeightMatrix& table, int64_t row, float* x) const;
   Status check_whole(const DenseWeights& w, const char* fn) const;
 
   gguf::File file_;

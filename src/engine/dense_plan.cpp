@@ -115,6 +115,7 @@ DenseQuery dense_query(const model::LlamaModel& model, int ranks) {
   q.ffn_width = mc.n_ff;
   q.down_width = mc.n_embd;
   q.head_width = mc.n_vocab;
+  q.embd_width = mc.n_embd;
   q.ranks = ranks;
   return q;
 }
@@ -143,6 +144,9 @@ Result<DensePlan> plan_dense(Communicator& comm, const EngineConfig& config,
       return unsupported(who + "rank " + std::to_string(r) +
                          " could not slice the model's matrices (its message names the tensor)");
   plan.weights = std::move(w).value();
+  // A split rank reads the weights through its slice's own mappings: the model's mapping keeps
+  // only what it reads again (the tokenizer's metadata on rank 0), not what loading touched.
+  if (plan.choice.split) model.file().release_resident_pages();
   plan.choice.weight_bytes = plan.weights.bytes();
   plan.choice.rows8_bytes = plan.weights.rows8_bytes();
   return plan;

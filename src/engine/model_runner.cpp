@@ -223,11 +223,15 @@ Result<StepLogits> ModelRunner::forward(Scheduler& sched, std::span<const WorkIt
   TREEATTN_RETURN_IF_ERROR(lay_out_rows(st));
   if (st.rows == 0) return StepLogits{};
   split_rows(st);
-  // Replicated: this rank's rows; split: every row.
-  const int64_t first = dense_split_ ? 0 : st.lo, n = dense_split_ ? st.rows : st.mine;
-  if (n > 0)
+  // Replicated: this rank's rows; split: every row, each embedded by the rank that holds its
+  // token's row of the table.
+  if (dense_split_) {
+    TREEATTN_RETURN_IF_ERROR(split_embed(st));
+  } else if (st.mine > 0) {
     TREEATTN_RETURN_IF_ERROR(model_->embed(
-        std::span<const TokenId>(row_tok_.data() + first, static_cast<std::size_t>(n)), x_.data()));
+        std::span<const TokenId>(row_tok_.data() + st.lo, static_cast<std::size_t>(st.mine)),
+        x_.data()));
+  }
   build_entries(st);
   for (int l = 0; l < model_->config().n_layers; ++l) {
     TREEATTN_RETURN_IF_ERROR(dense_split_ ? run_layer_split(l, st) : run_layer(l, st));

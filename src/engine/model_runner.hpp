@@ -123,6 +123,7 @@ class ModelRunner {
   Status gather_group(std::span<const model::Projection> ps, const GroupSlot& g, int64_t tokens,
                       std::span<float* const> out);
   void size_split_scratch(int64_t rows);
+  Status split_embed(const Step& st);
   Status run_layer_split(int l, Step& st);
   Status split_attention_inputs(int l, const Step& st);
   Status gather_kv_rows_attention(const Step& st);

@@ -1,6 +1,7 @@
 // The dense split of ModelRunner (EngineConfig::dense = split): every rank holds slice r of each
 // projection's output rows (model.hpp DenseWeights) and computes it for every row of the step;
 // one all-gather per matrix group puts the whole outputs on every rank:
+//   embedding      each row's token embedded by the rank whose vocabulary slice holds it;
 //   q, k, v        each rank's rows of Q, K and V for every row; then every rank adds the biases,
 //                  norms q and k and rotates them (finish_qkv) for every row;
 //   attention out  each rank's rows of O over every row's attention output; x += it;
@@ -89,6 +90,45 @@ void ModelRunner::size_split_scratch(int64_t rows) {
     slot = std::max(slot, group_slot(ps, rows).floats);
   gsend_.resize(n(slot));
   grecv_.resize(n(slot) * static_cast<std::size_t>(p_));
+}
+
+// Every row's embedding: the rank whose vocabulary slice holds the row's token reads its row of
+// the table (so no rank touches another's rows), and one all-gather of each rank's rows, in row
+// order, padded to the busiest rank's count.
+Status ModelRunner::split_embed(const Step& st) {
+  const int64_t R = st.rows, E = model_->config().n_embd;
+  std::vector<int> owner(static_cast<std::size_t>(R), -1);
+  std::vector<int64_t> count(static_cast<std::size_t>(p_), 0);
+  std::vector<TokenId> mine;
+  for (int64_t row = 0; row < R; ++row) {
+    const TokenId t = row_tok_[static_cast<std::size_t>(row)];
+    int& o = owner[static_cast<std::size_t>(row)];
+    for (int r = 0; r < p_ && o < 0; ++r) {
+      const model::RowRange v = w_.rows(Projection::kHead, r);
+      if (t >= v.begin && t < v.end) o = r;
+    }
+    if (o < 0)
+      return invalid_argument("engine: token id " + std::to_string(t) +
+                              " is outside the vocabulary");
+    ++count[static_cast<std::size_t>(o)];
+    if (o == me_) mine.push_back(t);
+  }
+  const int64_t most = *std::max_element(count.begin(), count.end());
+  const auto slot = static_cast<std::size_t>(std::max<int64_t>(most * E, 1));
+  gsend_.resize(std::max(gsend_.size(), slot));
+  grecv_.resize(std::max(grecv_.size(), slot * static_cast<std::size_t>(p_)));
+  if (!mine.empty()) TREEATTN_RETURN_IF_ERROR(model_->embed(w_, mine, gsend_.data()));
+  const auto tg = Clock::now();
+  TREEATTN_RETURN_IF_ERROR(comm_->allgather(gsend_.data(), slot * sizeof(float), grecv_.data()));
+  times_.merge_s += seconds(Clock::now() - tg);
+  std::vector<std::size_t> at(static_cast<std::size_t>(p_), 0);
+  for (int64_t row = 0; row < R; ++row) {
+    const auto o = static_cast<std::size_t>(owner[static_cast<std::size_t>(row)]);
+    std::memcpy(x_.data() + row * E, grecv_.data() + o * slot + at[o],
+                static_cast<std::size_t>(E) * sizeof(float));
+    at[o] += static_cast<std::size_t>(E);
+  }
+  return Status::ok();
 }
 
 // Q, K and V of every row: this rank's rows of each, all-gathered, then the biases, q / k norms

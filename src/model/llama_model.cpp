@@ -226,6 +226,7 @@ Status LlamaModel::init() {
   }
   TREEATTN_RETURN_IF_ERROR(matrix("token_embd.weight", cfg_.n_embd, cfg_.n_vocab, tok_embd_));
   DenseWeights& dw = weights_;
+  dw.embedding_ = tok_embd_;
   if (f.find_tensor("output.weight") != nullptr) {
     TREEATTN_RETURN_IF_ERROR(matrix("output.weight", cfg_.n_embd, cfg_.n_vocab, dw.head_));
   } else {
@@ -370,23 +371,33 @@ Result<DenseWeights> LlamaModel::slice(int index, int count) const {
   s.full_rows_ = weights_.full_rows_;
   // Every slice of every matrix is checked, not only this one's, so that every rank reports
   // the same refusal.
-  auto cut = [&](const WeightMatrix& m, Projection p, WeightMatrix& out) -> Status {
+  auto cut = [&](const WeightMatrix& m, std::string_view what, WeightMatrix& out) -> Status {
     for (int i = 0; i < count; ++i) {
       Status st = check_row_slice(m, slice_rows(m.rows, i, count));
       if (!st.is_ok())
-        return Status(st.code(), "model " + path() + ": " + std::string(projection_name(p)) +
-                                     " slice " + std::to_string(i) + " of " +
-                                     std::to_string(count) + ": " + st.message());
+        return Status(st.code(), "model " + path() + ": " + std::string(what) + " slice " +
+                                     std::to_string(i) + " of " + std::to_string(count) + ": " +
+                                     st.message());
     }
     out = row_slice(m, slice_rows(m.rows, index, count));
+    if (count == 1) return Status::ok();  // the whole matrix: the model's mapping
+    auto map = file_.map_again(out.data, out.bytes());
+    if (!map.is_ok()) return map.status();
+    out.data = map->data();
+    s.maps_.push_back(std::move(map).value());
     return Status::ok();
   };
   s.layers_.resize(weights_.layers_.size());
   for (std::size_t l = 0; l < weights_.layers_.size(); ++l)
     for (std::size_t i = 0; i < s.layers_[l].size(); ++i)
-      TREEATTN_RETURN_IF_ERROR(
-          cut(weights_.layers_[l][i], static_cast<Projection>(i), s.layers_[l][i]));
-  TREEATTN_RETURN_IF_ERROR(cut(weights_.head_, Projection::kHead, s.head_));
+      TREEATTN_RETURN_IF_ERROR(cut(weights_.layers_[l][i],
+                                   projection_name(static_cast<Projection>(i)), s.layers_[l][i]));
+  TREEATTN_RETURN_IF_ERROR(cut(weights_.head_, projection_name(Projection::kHead), s.head_));
+  if (cfg_.tied_output) {
+    s.embedding_ = s.head_;  // the same rows of the same tensor, mapped once
+  } else {
+    TREEATTN_RETURN_IF_ERROR(cut(tok_embd_, "token_embd", s.embedding_));
+  }
   return s;
 }
 
@@ -413,6 +424,18 @@ std::string LlamaModel::weight_types() const {
   return s;
 }
 
+// x = row `row` of `table` (n_embd values), scaled where the architecture scales embeddings.
+Status LlamaModel::embed_row(const WeightMatrix& table, int64_t row, float* x) const {
+  TREEATTN_RETURN_IF_ERROR(gguf::dequantize_row(table.type, table.data + row * table.row_bytes, x,
+                                                static_cast<std::size_t>(cfg_.n_embd)));
+  if (cfg_.arch->embed_scale) {
+    // In float, as llama.cpp scales (sqrt rounded once: float(sqrt(double)) == sqrtf).
+    const auto sc = static_cast<float>(std::sqrt(static_cast<double>(cfg_.n_embd)));
+    for (int64_t i = 0; i < cfg_.n_embd; ++i) x[i] *= sc;
+  }
+  return Status::ok();
+}
+
 Status LlamaModel::embed(std::span<const TokenId> tokens, float* x) const {
   for (std::size_t t = 0; t < tokens.size(); ++t) {
     const TokenId id = tokens[t];
@@ -420,15 +443,22 @@ Status LlamaModel::embed(std::span<const TokenId> tokens, float* x) const {
       return invalid_argument("model " + path() + ": token id " + std::to_string(id) +
                               " at position " + std::to_string(t) + " is outside [0, " +
                               std::to_string(cfg_.n_vocab) + ")");
-    float* xt = x + static_cast<int64_t>(t) * cfg_.n_embd;
-    TREEATTN_RETURN_IF_ERROR(gguf::dequantize_row(
-        tok_embd_.type, tok_embd_.data + static_cast<int64_t>(id) * tok_embd_.row_bytes, xt,
-        static_cast<std::size_t>(cfg_.n_embd)));
-    if (cfg_.arch->embed_scale) {
-      // In float, as llama.cpp scales (sqrt rounded once: float(sqrt(double)) == sqrtf).
-      const auto sc = static_cast<float>(std::sqrt(static_cast<double>(cfg_.n_embd)));
-      for (int64_t i = 0; i < cfg_.n_embd; ++i) xt[i] *= sc;
-    }
+    TREEATTN_RETURN_IF_ERROR(embed_row(tok_embd_, id, x + static_cast<int64_t>(t) * cfg_.n_embd));
+  }
+  return Status::ok();
+}
+
+Status LlamaModel::embed(const DenseWeights& w, std::span<const TokenId> tokens, float* x) const {
+  const RowRange r = w.rows(Projection::kHead);
+  for (std::size_t t = 0; t < tokens.size(); ++t) {
+    const TokenId id = tokens[t];
+    if (id < r.begin || id >= r.end)
+      return invalid_argument("model " + path() + ": token id " + std::to_string(id) +
+                              " at position " + std::to_string(t) + " is outside slice " +
+                              std::to_string(w.index()) + "'s vocabulary rows [" +
+                              std::to_string(r.begin) + ", " + std::to_string(r.end) + ")");
+    TREEATTN_RETURN_IF_ERROR(
+        embed_row(w.embedding(), id - r.begin, x + static_cast<int64_t>(t) * cfg_.n_embd));
   }
   return Status::ok();
 }

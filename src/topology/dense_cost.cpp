@@ -79,7 +79,8 @@ Result<DensePrediction> predict_dense(const DenseQuery& q, const Topology& topo)
   for (const int64_t w : {q.qkv_width, q.o_width, q.ffn_width, q.down_width})
     gather(rows * static_cast<double>(w) * per, q.layers);
   gather(static_cast<double>(q.sampled_rows * q.head_width) * per, 1);
-  d.collectives = 4 * q.layers + 1;
+  gather(std::ceil(rows / p) * static_cast<double>(q.embd_width) * 4.0, 1);
+  d.collectives = 4 * q.layers + 2;
   d.split_us = d.split_compute_us + d.split_comm_us;
   d.algorithm = algo + " x " + std::to_string(d.collectives);
   return d;

@@ -696,7 +696,7 @@ TEST(Engine, DenseChoiceIsNamedAndSplitHoldsASliceOfTheWeightsOnEachRank) {
         EXPECT_EQ(got[0].how.rfind("auto: planned on topology", 0), 0u) << got[0].how;
         EXPECT_GT(got[0].predicted_split_us, 0);
         EXPECT_GT(got[0].predicted_replicated_us, 0);
-        EXPECT_EQ(got[0].collectives_per_token, 4 * spec.layers + 1);
+        EXPECT_EQ(got[0].collectives_per_token, 4 * spec.layers + 2);
         EXPECT_EQ(got[0].split, got[0].predicted_split_us < got[0].predicted_replicated_us);
       }
     }

@@ -4,8 +4,10 @@
 //   as even as that allows, empty slices where there are fewer rows than ranks' groups.
 // - check_row_slice: a matrix whose rows are not whole blocks of their own is refused, naming the
 //   tensor and why; LlamaModel::slice names the projection and the slice as well.
-// - A slice views the file's mapping in place (no copy), its bytes are its rows', its rows8 copy
-//   is of its rows only, and a slice of a packed model views the model's copy.
+// - A slice of more than one maps its rows of each matrix from the file on their own (the same
+//   bytes, not the model's mapping), a slice of one views the model's; its bytes are its rows',
+//   its rows8 copy is of its rows only, and a slice of a packed model views the model's copy;
+//   its embedding rows are the head's vocabulary slice and give embed()'s bits.
 // - The pieces of the forward pass, computed slice by slice and gathered, give the bits of the
 //   whole-row calls (attention_inputs, attention_output_and_ffn, logits) at 1 to 4 slices, on
 //   llama, qwen2 (biases) and gemma3 (q/k norms, post norms, GELU) files, exact, int8 and
@@ -99,7 +101,7 @@ class TinyFile {
   std::string path_;
 };
 
-TEST(DenseSlice, ASliceViewsItsRowsInPlaceAndCopiesOnlyThoseRows) {
+TEST(DenseSlice, ASliceMapsOnlyItsRowsAndCopiesOnlyThoseRows) {
   testing::TinyLlamaSpec spec;
   spec.output_weight = true;
   spec.override_type = 8;  // q8_0 everywhere: every matrix has a rows8 layout
@@ -126,7 +128,12 @@ TEST(DenseSlice, ASliceViewsItsRowsInPlaceAndCopiesOnlyThoseRows) {
           const WeightMatrix& b = s->matrix(l, proj);
           const RowRange r = s->rows(proj);
           EXPECT_EQ(b.rows, r.size());
-          EXPECT_EQ(b.data, a.data + r.begin * a.row_bytes) << b.name;
+          if (p == 1) {
+            EXPECT_EQ(b.data, a.data) << b.name;
+          } else if (r.size() > 0) {
+            EXPECT_NE(b.data, a.data + r.begin * a.row_bytes) << b.name << ": not its own mapping";
+            EXPECT_EQ(0, std::memcmp(b.data, a.data + r.begin * a.row_bytes, b.bytes())) << b.name;
+          }
           EXPECT_EQ(b.rows8, nullptr);
         }
       bytes += s->bytes();
@@ -312,6 +319,22 @@ TEST(DenseSlice, PiecesOfTheSlicesGiveTheWholeForwardPassBitForBit) {
               ws.push_back(std::move(s).value());
             }
             const Pieces got = sliced_rows(own ? *raw : *packed, ws, x, a, pos, o);
+            if (mode == MatmulMode::kExact && own) {  // each slice embeds its vocabulary rows
+              for (const DenseWeights& w : ws) {
+                const RowRange r = w.rows(Projection::kHead);
+                std::vector<TokenId> ids;
+                for (int64_t id = r.begin; id < r.end; id += 7) ids.push_back(static_cast<TokenId>(id));
+                std::vector<float> e1(ids.size() * static_cast<std::size_t>(c.n_embd)), e2(e1);
+                ASSERT_TRUE(raw->embed(ids, e1.data()).is_ok());
+                ASSERT_TRUE(raw->embed(w, ids, e2.data()).is_ok());
+                EXPECT_TRUE(same(e1, e2)) << "embedding rows of slice " << w.index();
+                const TokenId out = static_cast<TokenId>(r.end < c.n_vocab ? r.end : r.begin - 1);
+                if (p > 1) {
+                  EXPECT_EQ(raw->embed(w, std::span<const TokenId>(&out, 1), e2.data()).code(),
+                            Code::kInvalidArgument);
+                }
+              }
+            }
             EXPECT_TRUE(same(got.q, want.q)) << "q";
             EXPECT_TRUE(same(got.k, want.k)) << "k";
             EXPECT_TRUE(same(got.v, want.v)) << "v";

@@ -513,6 +513,7 @@ DenseQuery dense_query(double weight_bytes, int layers, int ranks) {
   q.ffn_width = 2000;
   q.down_width = 1000;
   q.head_width = 4000;
+  q.embd_width = 1000;
   q.ranks = ranks;
   return q;
 }
@@ -524,11 +525,12 @@ TEST(DenseCost, TwoRanksByHand) {
   ASSERT_TRUE(d.is_ok()) << d.status().to_string();
   EXPECT_DOUBLE_EQ(d->replicated_us, 1000.0);      // 1 MB at 1000 B/us
   EXPECT_DOUBLE_EQ(d->split_compute_us, 500.0);    // half of it
-  EXPECT_EQ(d->collectives, 4 * 2 + 1);
+  EXPECT_EQ(d->collectives, 4 * 2 + 2);
   // One row: each all-gather moves width * 4 / 2 bytes from each rank, one round of 1 us + m /
-  // 1000: per layer (2000 + 2000 + 4000 + 2000) B -> 4 us + 10 us; the head 8000 B -> 1 + 8.
-  EXPECT_NEAR(d->split_comm_us, 2 * (4.0 + 10.0) + 9.0, 1e-9);
-  EXPECT_NEAR(d->bytes_sent_per_rank, 2 * 10000.0 + 8000.0, 1e-9);
+  // 1000: per layer (2000 + 2000 + 4000 + 2000) B -> 4 us + 10 us; the head 8000 B -> 1 + 8;
+  // the embedding, one whole row from its owner, 4000 B -> 1 + 4.
+  EXPECT_NEAR(d->split_comm_us, 2 * (4.0 + 10.0) + 9.0 + 5.0, 1e-9);
+  EXPECT_NEAR(d->bytes_sent_per_rank, 2 * 10000.0 + 8000.0 + 4000.0, 1e-9);
   EXPECT_TRUE(d->split_wins());
   // One rank: nothing to gather, the two are the same.
   auto one = predict_dense(dense_query(1e6, 2, 1), t);
@@ -551,7 +553,7 @@ TEST(DenseCost, SmallModelsOnSlowLinksStayReplicated) {
     EXPECT_TRUE(d->split_wins()) << q->weight_bytes;
   }
   // Two emulated hosts over a 1 Gbit link (12 us a message, 121 MB/s): the small model's saved
-  // reads (~1.5 ms) are less than 121 network all-gathers; the large one's (~15 ms) are more.
+  // reads (~1.5 ms) are less than 122 network all-gathers; the large one's (~15 ms) are more.
   q_small.ranks_per_node = q_big.ranks_per_node = 1;
   auto small = predict_dense(q_small, *slow), big = predict_dense(q_big, *slow);
   ASSERT_TRUE(small.is_ok() && big.is_ok());
