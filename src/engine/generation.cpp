@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -29,6 +31,27 @@ uint64_t fnv1a(uint64_t h, TokenId t) {
 
 uint64_t sent(const Communicator& c) {
   return c.counters().p2p_bytes + c.counters().collective_payload_bytes;
+}
+
+// h extended by the bits of v, 8 bytes at a time (a multiply-xorshift mix: fast enough for a
+// vocabulary of logits per token).
+uint64_t hash_floats(uint64_t h, const std::vector<float>& v) {
+  const auto* b = reinterpret_cast<const unsigned char*>(v.data());
+  const std::size_t n = v.size() * sizeof(float);
+  std::size_t i = 0;
+  auto mix = [&h](uint64_t w) {
+    h = (h ^ w) * 0x9e3779b97f4a7c15ull;
+    h ^= h >> 29;
+  };
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, b + i, 8);
+    mix(w);
+  }
+  uint64_t rest = 0;
+  if (i < n) std::memcpy(&rest, b + i, n - i);
+  mix(rest ^ (static_cast<uint64_t>(n) << 3));
+  return h;
 }
 
 // Holds back an incomplete UTF-8 sequence at the end of the streamed bytes.
@@ -128,6 +151,8 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
   ec.topology = req.topology_file;
   ec.fanout = req.fanout;
   ec.prefill_exchange = req.prefill_exchange;
+  ec.dense = req.dense;
+  ec.rows8 = req.rows8;  // the engine copies the rows it computes with
   ec.timeout = req.timeout;
   if (req.kv_memory > 0)
     ec.kv_memory = req.kv_memory;
@@ -137,6 +162,7 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
   if (!e.is_ok()) return failed(std::move(out), e.status());
   engine::Engine& eng = **e;
   out.merge_choice = eng.merge_choice();
+  out.dense_choice = eng.dense_choice();
   if (lead && hooks.started) {
     Start s;
     s.config = &model.config();
@@ -145,6 +171,7 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
     s.prompt_tokens = n;
     s.methods = {eng.merge_choice().strategy};
     s.merge_description = engine::describe_merge(eng.merge_choice());
+    s.dense_description = engine::describe_dense(eng.dense_choice());
     s.page_tokens = ec.page_tokens;
     s.pages_per_rank = eng.metrics().pages_per_rank;
     hooks.started(s);
@@ -153,6 +180,7 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
   TextStream stream(tok, hooks, lead, stops);
   Clock::time_point last_token;
   uint64_t sent_at_first = 0;
+  uint64_t logits_hash = 0xcbf29ce484222325ull;
   engine::RequestTimings timings;
   Status failure;
   const auto t0 = Clock::now();
@@ -161,6 +189,7 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
     r.prompt = out.prompt;
     r.max_new_tokens = req.new_tokens;
     r.sampling = req.sampling;
+    r.return_logits = req.hash_logits;
     if (!req.ignore_eos)
       for (TokenId id = 0; id < tok.n_vocab(); ++id)
         if (tok.is_end_of_generation(id)) r.stop_tokens.push_back(id);
@@ -176,6 +205,7 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
         }
         last_token = now;
         out.tokens.push_back(ev.token);
+        logits_hash = hash_floats(logits_hash, ev.logits);
         // A stop string ends the answer: the request is cancelled at the next step.
         if (ev.finish != engine::FinishReason::kStop && stream.add(ev.token)) eng.stop(false);
       }
@@ -189,10 +219,11 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
     }
   }
   if (Status st = eng.run(); !st.is_ok()) return failed(std::move(out), st, true);
-  // Every rank's peak RSS and bytes sent, for the report.
-  const std::array<double, 2> mine = {static_cast<double>(peak_rss_bytes()),
-                                      static_cast<double>(sent(comm))};
-  std::vector<std::array<double, 2>> all(static_cast<std::size_t>(P));
+  // Every rank's peak RSS, bytes sent and resident weights, for the report.
+  const std::array<double, 3> mine = {
+      static_cast<double>(peak_rss_bytes()), static_cast<double>(sent(comm)),
+      static_cast<double>(mapped_file_rss(model.path()) + eng.dense_choice().rows8_bytes)};
+  std::vector<std::array<double, 3>> all(static_cast<std::size_t>(P));
   if (Status g = comm.allgather(mine.data(), sizeof mine, all.data()); !g.is_ok())
     return failed(std::move(out), g, true);
   if (!lead) return out;
@@ -201,6 +232,7 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
   for (const auto& a : all) {
     out.peak_rss_by_rank.push_back(static_cast<uint64_t>(a[0]));
     out.bytes_sent_by_rank.push_back(static_cast<uint64_t>(a[1]));
+    out.weights_resident_by_rank.push_back(static_cast<uint64_t>(a[2]));
   }
   const engine::EngineMetrics mt = eng.metrics();
   out.cached_tokens = timings.cached_tokens;
@@ -217,6 +249,11 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
   out.rows_kv_exchange = mt.rows_kv_exchange;
   out.bytes_sent_rank0 = mt.bytes_sent;
   out.text = answer_text(tok, out.tokens, stops);
+  if (req.hash_logits) {
+    char hex[17];
+    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(logits_hash));
+    out.logits_hash = hex;
+  }
   return out;
 }
 
@@ -471,7 +508,6 @@ Output run_generation(Communicator& comm, const Request& req, const Hooks& hooks
   Output out;
   auto m = model::LlamaModel::load(req.model_path);
   if (!m.is_ok()) return failed(std::move(out), m.status());
-  if (req.rows8) (*m)->pack_rows8(req.matmul, req.threads);  // the decode steps' layout
   auto tok = Tokenizer::from_gguf((*m)->file());
   if (!tok.is_ok()) return failed(std::move(out), tok.status());
   auto prompt = make_prompt(req.prompt, *tok);
@@ -479,6 +515,7 @@ Output run_generation(Communicator& comm, const Request& req, const Hooks& hooks
   out.prompt = std::move(prompt).value();
   out.config_text = (*m)->config().to_string();
   if (req.engine) return run_engine(comm, req, hooks, **m, *tok, std::move(out));
+  if (req.rows8) (*m)->pack_rows8(req.matmul, req.threads);  // the decode steps' layout
   return run_session(comm, req, hooks, **m, *tok, std::move(out));
 }
 

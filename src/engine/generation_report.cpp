@@ -74,13 +74,21 @@ std::string engine_report_text(const Output& o, const std::string& merge) {
   appendf(out,
           "prompt %lld tokens (%lld from the prefix cache): time to first token %.1f ms "
           "(prefill %.0f tokens/s)\n"
-          "decode %s (engine) %zu tokens: %.2f ms/token p50, %.2f p99, %.1f tokens/s | "
-          "rank 0 sent %s/token in %lld merges in all\n"
+          "decode %s (engine, dense %s) %zu tokens: %.2f ms/token p50, %.2f p99, %.1f "
+          "tokens/s | rank 0 sent %s/token in %lld merges in all\n"
           "peak RSS per rank: %s (includes the mapped weights, shared between ranks)\n",
           static_cast<long long>(o.prompt.size()), static_cast<long long>(o.cached_tokens),
-          o.ttft_ms, e.prefill_tokens_per_s, merge.c_str(), o.tokens.size(), e.p50_ms, e.p99_ms,
-          e.tokens_per_s, format_bytes(o.bytes_per_token).c_str(), static_cast<long long>(o.merges),
-          rss_list(o).c_str());
+          o.ttft_ms, e.prefill_tokens_per_s, merge.c_str(), o.dense_choice.mode(), o.tokens.size(),
+          e.p50_ms, e.p99_ms, e.tokens_per_s, format_bytes(o.bytes_per_token).c_str(),
+          static_cast<long long>(o.merges), rss_list(o).c_str());
+  if (!o.weights_resident_by_rank.empty()) {
+    std::string list;
+    for (uint64_t r : o.weights_resident_by_rank)
+      list += (list.empty() ? "" : " ") + format_bytes(static_cast<double>(r));
+    appendf(out, "weights resident per rank (the file's pages touched + own rows8 copy): %s\n",
+            list.c_str());
+  }
+  if (!o.logits_hash.empty()) appendf(out, "logits hash: %s\n", o.logits_hash.c_str());
   return out;
 }
 
@@ -169,7 +177,17 @@ nlohmann::json engine_report_json(const Output& o, const std::string& merge,
           {"bytes_sent_rank0", o.bytes_sent_rank0},
           {"bytes_sent_by_rank", o.bytes_sent_by_rank},
           {"peak_rss_bytes", max_peak_rss(o)},
-          {"peak_rss_bytes_by_rank", o.peak_rss_by_rank}};
+          {"peak_rss_bytes_by_rank", o.peak_rss_by_rank},
+          {"dense", o.dense_choice.mode()},
+          {"dense_requested", l.dense_requested},
+          {"dense_how", o.dense_choice.how},
+          {"dense_predicted_split_us", o.dense_choice.predicted_split_us},
+          {"dense_predicted_replicated_us", o.dense_choice.predicted_replicated_us},
+          {"dense_collectives_per_token", o.dense_choice.collectives_per_token},
+          {"weight_bytes_rank0", o.dense_choice.weight_bytes},
+          {"rows8_bytes_rank0", o.dense_choice.rows8_bytes},
+          {"weights_resident_bytes_by_rank", o.weights_resident_by_rank},
+          {"logits_hash", o.logits_hash}};
 }
 
 nlohmann::json session_report_json(const Output& o, const ReportLabels& l, bool ranks_agree) {
