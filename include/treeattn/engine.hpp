@@ -16,13 +16,14 @@
 //
 // One step = one forward pass over a batch of rows: a chunk of prompt tokens for each sequence
 // still prefilling (at most prefill_chunk tokens over all of them) and one token for each
-// sequence decoding. The dense part is split over the ranks: rank r embeds and projects rows
-// [r R/p, (r+1) R/p) (rounded up). Per layer: each rank projects q, k, v of its rows and the ranks
-// all-gather them ((n_head + 2 n_head_kv) head_dim floats per row); the owners store k and v
-// into their pages; every rank computes the partial states of every row's queries over its own
-// pages in one kernel pass (decode_partial_paged); one merge per layer combines the ranks'
-// states of all rows (EngineConfig::merge); each rank then runs the output projection and the
-// feed-forward network for its own rows. Each rank computes the logits of its own rows that
+// sequence decoding. With replicated dense layers (EngineConfig::dense) the rows are split over
+// the ranks: rank r embeds and projects rows [r R/p, (r+1) R/p) (rounded up). Per layer: each
+// rank projects q, k, v of its rows and the ranks all-gather them ((n_head + 2 n_head_kv)
+// head_dim floats per row); the owners store k and v into their pages; every rank computes the
+// partial states of every row's queries over its own pages in one kernel pass
+// (decode_partial_paged); one merge per layer combines the ranks' states of all rows
+// (EngineConfig::merge); each rank then runs the output projection and the feed-forward network
+// for its own rows. Each rank computes the logits of its own rows that
 // end a sequence's known tokens, an all-gather gives every rank all of them (one row on its
 // own is computed by every rank), and every rank samples the same tokens. That is pass-Q: a
 // follow-up against cached pages is prefilled by the tree merge, the new queries travel and the
@@ -30,7 +31,10 @@
 // the first chunks of a long one; EngineConfig::prefill_exchange) goes the other way: the
 // all-gather carries its rows' k and v only, the ranks all-gather their pages of its sequence,
 // and each rank computes its own rows' attention alone, per owner's pages and merged locally
-// in the merge's association (src/engine/exchange.hpp), so its bits are pass-Q's.
+// in the merge's association (src/engine/exchange.hpp), so its bits are pass-Q's. With split
+// dense layers each rank computes its slice of every projection's outputs for every row instead
+// and the ranks all-gather each matrix group's (src/engine/model_runner_split.cpp); the
+// attention is the same, and so are the bits.
 //
 // Exactness and batch invariance: attention is exact softmax attention (float accumulation,
 // states merged as state.hpp). A request's logits do not depend on what else is in the batch,

@@ -176,6 +176,9 @@ struct Output {
   // Per rank: the resident bytes of the model file's mapping (what that rank's computation
   // touched of the weights) plus its own rows8 copy, at the end of the run.
   std::vector<uint64_t> weights_resident_by_rank;
+  // Per rank, ms per decode step: the dense part, the paged attention, and the merge with the
+  // all-gathers (q/k/v; with dense split every matrix group's), from EngineMetrics.
+  std::vector<double> decode_dense_ms_by_rank, decode_attention_ms_by_rank, decode_comm_ms_by_rank;
   // Request::hash_logits: a 64-bit hash of every generated token's logits bits, in order, as 16
   // hex digits (empty otherwise).
   std::string logits_hash;

@@ -181,6 +181,7 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
   Clock::time_point last_token;
   uint64_t sent_at_first = 0;
   uint64_t logits_hash = 0xcbf29ce484222325ull;
+  engine::EngineMetrics at_first;
   engine::RequestTimings timings;
   Status failure;
   const auto t0 = Clock::now();
@@ -196,6 +197,10 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
     auto id = eng.submit(std::move(r), [&](const engine::TokenEvent& ev) {
       if (ev.token >= 0 && !stream.stopped()) {
         const auto now = Clock::now();
+        // The per-rank times up to the step that ended the prefill: the snapshot a callback sees
+        // is of the step before its own, whose times (all-gathered as a step starts) end one
+        // step earlier still, so the third token's is the prefill's end.
+        if (out.tokens.size() == 2) at_first = eng.metrics();
         if (out.tokens.empty()) {
           out.ttft_ms = std::chrono::duration<double, std::milli>(now - t0).count();
           sent_at_first = sent(comm);
@@ -235,6 +240,18 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
     out.weights_resident_by_rank.push_back(static_cast<uint64_t>(a[2]));
   }
   const engine::EngineMetrics mt = eng.metrics();
+  // Per rank, per decode step: the dense part, the paged attention, and the merge with the
+  // all-gathers (EngineMetrics' seconds, over the steps after the prefill's last).
+  const auto steps = static_cast<double>(at_first.steps > 0 ? mt.steps - at_first.steps : 0);
+  auto per_step = [&](const std::vector<double>& end, const std::vector<double>& begin) {
+    std::vector<double> v;
+    for (std::size_t r = 0; r < end.size() && steps > 0; ++r)
+      v.push_back(1e3 * (end[r] - (r < begin.size() ? begin[r] : 0.0)) / steps);
+    return v;
+  };
+  out.decode_dense_ms_by_rank = per_step(mt.dense_seconds, at_first.dense_seconds);
+  out.decode_attention_ms_by_rank = per_step(mt.attention_seconds, at_first.attention_seconds);
+  out.decode_comm_ms_by_rank = per_step(mt.merge_seconds, at_first.merge_seconds);
   out.cached_tokens = timings.cached_tokens;
   out.prefill_seconds = timings.prefill_seconds;
   out.decode_seconds = timings.decode_seconds;

@@ -187,6 +187,9 @@ nlohmann::json engine_report_json(const Output& o, const std::string& merge,
           {"weight_bytes_rank0", o.dense_choice.weight_bytes},
           {"rows8_bytes_rank0", o.dense_choice.rows8_bytes},
           {"weights_resident_bytes_by_rank", o.weights_resident_by_rank},
+          {"decode_dense_ms_by_rank", o.decode_dense_ms_by_rank},
+          {"decode_attention_ms_by_rank", o.decode_attention_ms_by_rank},
+          {"decode_comm_ms_by_rank", o.decode_comm_ms_by_rank},
           {"logits_hash", o.logits_hash}};
 }
 
