@@ -78,6 +78,7 @@ struct GenFlags {
   bool session = false;        // --session
   std::string device = "cpu";  // --device: the model runs on CPU ranks only
   std::string kv_memory;
+  int64_t kv_window_pages = -1;           // --engine: EngineConfig::kv_window_pages
   std::string prefill_exchange = "auto";  // --engine: pass-q | kv | auto
   std::string dense = "auto";             // --engine: split | replicated | auto
   bool hash_logits = false;               // --engine: --hash-logits
@@ -127,6 +128,7 @@ generation::Request request_of(const GenFlags& f, const std::string& model_path,
   r.engine = f.engine;
   r.methods = f.engine ? std::vector<std::string>{f.method} : methods_of(f);
   if (!f.kv_memory.empty()) r.kv_memory = static_cast<std::size_t>(*parse_bytes(f.kv_memory));
+  r.kv_window_pages = f.kv_window_pages;
   r.prefill_exchange = f.prefill_exchange;
   r.dense = f.dense;
   r.hash_logits = f.hash_logits;
@@ -222,6 +224,9 @@ Result<std::string> preflight(GenFlags& f, const CLI::App& sub, bool check_outpu
   } else if (!f.kv_memory.empty()) {
     return invalid_argument(
         "--kv-memory is the engine's (not with --session or flags that imply it)");
+  } else if (f.kv_window_pages != -1) {
+    return invalid_argument(
+        "--kv-window-pages is the engine's (not with --session or flags that imply it)");
   } else if (!f.topology.empty()) {
     return invalid_argument(
         "--topology is the engine's (not with --session or flags that imply it)");
@@ -547,6 +552,10 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
                 "logits_hash), to compare runs bit for bit");
   sub->add_option("--kv-memory", f->kv_memory,
                   "--engine: KV page memory per rank, e.g. 2G (default: what the prompt needs)");
+  sub->add_option("--kv-window-pages", f->kv_window_pages,
+                  "--engine: pages per rank of the sliding-window layers, which drop what their "
+                  "window has passed (-1: auto, 0: those layers keep every position)")
+      ->capture_default_str();
   sub->add_flag("--ignore-eos", f->ignore_eos, "Generate --new-tokens even past end of text");
   sub->add_flag("--quiet", f->quiet, "Do not print the text (report only)");
   sub->add_flag("--synthetic-kv", f->synthetic_kv,

@@ -57,6 +57,7 @@ struct ServeFlags {
   std::string host = "127.0.0.1";
   int port = 8080;
   std::string kv_memory;  // empty: the engine's default
+  int64_t kv_window_pages = -1;  // EngineConfig::kv_window_pages
   std::string kv_dtype = "f16";
   int64_t page_tokens = engine::EngineConfig{}.page_tokens;
   int max_batch = 16;
@@ -160,6 +161,7 @@ engine::EngineConfig engine_config(const ServeFlags& f, int threads) {
   c.kv_dtype = *parse_dtype(f.kv_dtype);
   c.page_tokens = f.page_tokens;
   if (!f.kv_memory.empty()) c.kv_memory = static_cast<std::size_t>(*parse_bytes(f.kv_memory));
+  c.kv_window_pages = f.kv_window_pages;
   c.max_batch = f.max_batch;
   c.prefill_chunk = f.prefill_chunk;
   c.max_queue = f.max_queue;
@@ -346,6 +348,11 @@ Runner add_serve_command(CLI::App& app, const Invocation& inv) {
   sub->add_option("--kv-memory", f->kv_memory,
                   "KV page memory per rank, e.g. 2G (default: half of MemAvailable over the "
                   "ranks of the host)");
+  sub->add_option("--kv-window-pages", f->kv_window_pages,
+                  "Pages per rank of the sliding-window layers (gemma3's local layers), which "
+                  "drop what their window has passed (-1: auto, max-batch windows and a prefill "
+                  "chunk; 0: those layers keep every position, as global layers)")
+      ->capture_default_str();
   add_kv_dtype_option(*sub, f->kv_dtype);
   sub->add_option("--page-tokens", f->page_tokens, "Tokens per KV page (16, or 32..256 by 32)")
       ->capture_default_str();

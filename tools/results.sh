@@ -149,6 +149,18 @@ else
   skip dense_split "--quick without an earlier bench/engine/dense_split.sh run"
 fi
 
+# Window pages (bench/engine/window_pages.sh: Gemma-3-270M at a 32k context, with and without).
+# Full mode runs it; --quick takes the last run (out/window_pages) when there is one.
+if [ "$quick" = 0 ]; then
+  step window_pages bench/engine/window_pages.sh --out "$work/window_pages_run"
+  cp "$work/window_pages_run/window.json" "$work/window_pages_run/all.json" "$work/" 2>/dev/null
+elif [ -f out/window_pages/window.json ]; then
+  cp out/window_pages/window.json out/window_pages/all.json "$work/" 2>/dev/null
+  echo "window_pages from out/window_pages (bench/engine/window_pages.sh)" >> "$status"
+else
+  skip window_pages "--quick without an earlier bench/engine/window_pages.sh run"
+fi
+
 mode=$([ "$quick" = 1 ] && echo quick || echo full)
 if ! python3 tools/results_render.py --work "$work" --build "$build" --mode "$mode" --out "$out"; then
   echo "results.sh: rendering $out failed (tools/results_render.py above)" >&2

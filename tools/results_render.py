@@ -359,7 +359,6 @@ def section_dense_split(work):
     d = load(work, "dense_split.json")
     if not d:
         return s + not_run(work, "dense_split", "model")
-    s += "Load while it ran: `%s`.\n\n" % d.get("load", "?")
     s += ("| model | matmul | prompt | ranks | dense | ITL p50 | x 1 rank | dense ms/step per rank "
           "| merge + all-gathers ms/step | tokens = 1 rank | logits = replicated |\n"
           "|---|---|---:|---:|---|---:|---:|---|---|---|---|\n")
@@ -395,6 +394,30 @@ def section_dense_split(work):
         s += ", ".join("%s chose %s (predicted per token: split %s, replicated %s)" % (
             a["model"], a["dense"], fmt_us(a["predicted_split_us"]),
             fmt_us(a["predicted_replicated_us"])) for a in d["auto"]) + ".\n"
+    return s
+
+
+def section_window_pages(work):
+    s = ("## Window pages\n\n`bench/engine/window_pages.sh`: Gemma-3-270M (15 of 18 layers with a "
+         "512-position window), one greedy request through `treeattn generate --engine` at 2 "
+         "ranks, with window pages (`--kv-window-pages -1`) and with every position kept (`0`), "
+         "in one run.\n\n")
+    w, a = load(work, "window.json"), load(work, "all.json")
+    if not w or not a:
+        return s + not_run(work, "window_pages", "model")
+    mib = lambda b: "%.1f MiB" % (b / 2**20)
+    s += ("| KV of the sliding-window layers | prompt | peak RSS per rank | pages per rank (full, "
+          "window) | in use at most, all ranks: full pages | window pages | ITL p50 ms |\n"
+          "|---|---:|---|---|---|---|---:|\n")
+    for name, r in (("window pages", w), ("every position", a)):
+        s += "| %s | %s | %s | %d, %d | %d (%s) | %s | %.2f |\n" % (
+            name, "{:,}".format(len(r["prompt_tokens"])),
+            ", ".join(mib(x) for x in r["peak_rss_bytes_by_rank"]),
+            r["kv_pages_per_rank"], r["kv_window_pages_per_rank"], r["kv_pages_used_peak"],
+            mib(r["kv_bytes_used_peak"]),
+            "%d (%s)" % (r["kv_window_pages_used_peak"], mib(r["kv_window_bytes_used_peak"]))
+            if r["kv_window_pages_per_rank"] else "-", r["decode_ms_p50"])
+    s += "\nSame tokens in both runs: %s.\n" % ("yes" if w.get("tokens") == a.get("tokens") else "NO")
     return s
 
 
@@ -437,7 +460,7 @@ def section_validate(work):
 
 
 SECTIONS = {"merge_methods": section_merge_methods, "kv_capacity": section_kv_capacity,
-            "dense_split": section_dense_split}
+            "dense_split": section_dense_split, "window_pages": section_window_pages}
 
 
 def previous_sections(path):
@@ -504,8 +527,8 @@ def main():
     kept = []
     body = ""
     for sec in (section_main, section_kernel, section_treering, section_model, section_load,
-                section_merge_methods, section_kv_capacity, section_dense_split, section_sweep,
-                section_validate):
+                section_merge_methods, section_kv_capacity, section_window_pages,
+                section_dense_split, section_sweep, section_validate):
         body += keep_previous(sec(a.work), previous, kept) + "\n"
     for name, where in kept:
         m["kept: " + name] = where

@@ -145,6 +145,13 @@ struct EngineConfig {
   int64_t page_tokens = 128;
   int64_t kv_pages = 0;          // pages per rank; 0: from kv_memory
   std::size_t kv_memory = 0;     // bytes of KV pages per rank; 0: half of MemAvailable
+  // Sliding-window layers (gemma3's local layers) keep their K/V in pages of their own, which
+  // a sequence drops once its window has passed them (src/engine/kv_manager.hpp): this many
+  // pages per rank, at most kv_pages; -1 (auto): enough for max_batch sequences' windows and a
+  // step's prefill chunk; 0: those layers keep every position in the full pages, as global
+  // layers do. kv_memory is then shared: the window pages first, the rest to the full pages.
+  // A model whose layers are all global, or all windowed, has no window pages.
+  int64_t kv_window_pages = -1;
   int max_batch = 16;            // sequences in one step (prefilling and decoding)
   int64_t prefill_chunk = 256;   // prompt tokens per step over all prefilling sequences
   int max_queue = 256;           // waiting requests; submit() refuses beyond (kOutOfMemory)
@@ -219,6 +226,11 @@ struct EngineMetrics {
   int64_t generated_tokens_total = 0;
   int64_t steps = 0;
   int64_t pages_per_rank = 0;
+  // The window pages (EngineConfig::kv_window_pages; 0 pages: none), per rank as below, and
+  // per layer whether it keeps its K/V there (1) or in the full pages (0).
+  int64_t window_pages_per_rank = 0;
+  std::vector<int64_t> window_pages_used, window_pages_cached, window_pages_free;
+  std::vector<uint8_t> layer_in_window;
   std::vector<int64_t> pages_used;    // per rank: referenced by a live sequence
   std::vector<int64_t> pages_cached;  // per rank: unreferenced, kept for prefix reuse (evictable)
   std::vector<int64_t> pages_free;    // per rank: on the free list
@@ -269,6 +281,12 @@ struct DenseChoice {
 // One line for banners: "split (auto on topology job; predicted per token: split 1.20 ms,
 // replicated 3.40 ms, 121 all-gathers; 46 MB of weights on this rank)".
 std::string describe_dense(const DenseChoice& choice);
+
+// Window pages per rank that one sequence alone needs (its window and a prefill chunk, over
+// `ranks` ranks): the least kv_window_pages the engine accepts, and what a one-request run
+// (generate) asks for. 0 when the model has no window pages (EngineConfig::kv_window_pages).
+int64_t lone_sequence_window_pages(const EngineConfig& config, const model::LlamaModel& model,
+                                   int ranks);
 
 class Engine {
  public:

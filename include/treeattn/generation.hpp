@@ -83,6 +83,7 @@ struct Request {
   std::vector<std::string> methods = {"auto"};
   // engine only
   std::size_t kv_memory = 0;  // 0: the pages this prompt needs on each rank, and a few more
+  int64_t kv_window_pages = -1;  // EngineConfig::kv_window_pages
   std::string prefill_exchange = "auto";
   // The engine's dense layers (EngineConfig::dense): split, replicated or auto.
   std::string dense = "auto";
@@ -182,6 +183,12 @@ struct Output {
   // Request::hash_logits: a 64-bit hash of every generated token's logits bits, in order, as 16
   // hex digits (empty otherwise).
   std::string logits_hash;
+  // KV pages: per rank, and the most in use over all ranks at a token (full pages: every
+  // position of the global layers; window pages: sliding-window layers, 0 when none) with their
+  // bytes (pages x page_tokens x the layers' K/V bytes per token).
+  int64_t page_tokens = 0, pages_per_rank = 0, window_pages_per_rank = 0;
+  int64_t pages_used_peak = 0, window_pages_used_peak = 0;
+  uint64_t kv_bytes_used_peak = 0, window_kv_bytes_used_peak = 0;
 };
 
 Output run_generation(Communicator& comm, const Request& request, const Hooks& hooks = {});

@@ -16,7 +16,8 @@
 //
 // Determinism, the property a batch-invariant server is built on: the state of one query row is
 // a function of that row's query vector, its causal limit and its pages' contents only. Pages
-// are grouped in fixed groups of kPagedGroupPages pages by their index in the entry's page list;
+// are grouped in fixed groups of kPagedGroupPages pages by their index in the sequence's page
+// list on this rank (page_index0 + their index in the entry's list);
 // inside a group one online softmax runs over the pages in page order (each page continues the
 // states the earlier ones left), then the groups are merged in order. Nothing depends on the other entries of the call,
 // on n_q, on which other queries share a work item, or on the thread count. In particular a
@@ -60,6 +61,10 @@ struct PagedEntry {
                                       // are only read: entries may share pages, e.g. a prefix)
   std::span<const int64_t> page_pos;  // global position of slot 0 of each page (ascending)
   std::span<const int32_t> page_len;  // tokens held by each page, 1 .. tile_tokens
+  int64_t page_index0 = 0;  // >= 0: the index of pages[0] in the sequence's pages on this rank
+                            // (the pages before it were dropped: a sliding window no longer
+                            // sees them); it fixes the merge groups, so dropping pages that no
+                            // query sees changes no bit
   float* states = nullptr;            // out: [n_q][heads] records of head_dim + 2 floats,
                                       // every one overwritten
 };

@@ -182,6 +182,18 @@ struct Engine::Impl {
       m.pages_cached.push_back(table.cached_pages(r));
       m.pages_free.push_back(table.free_pages(r));
     }
+    if (kv->has_window()) {
+      const PageTable& wt = kv->window_table();
+      m.window_pages_per_rank = wt.pages_per_rank();
+      for (int r = 0; r < p; ++r) {
+        m.window_pages_used.push_back(wt.used_pages(r));
+        m.window_pages_cached.push_back(wt.cached_pages(r));
+        m.window_pages_free.push_back(wt.free_pages(r));
+      }
+    }
+    const auto& mc = model->config();
+    for (int l = 0; l < mc.n_layers; ++l)
+      m.layer_in_window.push_back(kv->has_window() && mc.local_layer[static_cast<std::size_t>(l)]);
     m.merge_seconds = rank_merge_s;
     m.attention_seconds = rank_attn_s;
     m.dense_seconds = rank_dense_s;
@@ -320,33 +332,103 @@ Status check_config(const EngineConfig& config, ExchangePolicy* exchange) {
   if (config.max_batch < 1) return invalid_argument("max_batch must be >= 1");
   if (config.prefill_chunk < 1) return invalid_argument("prefill_chunk must be >= 1");
   if (config.max_queue < 0) return invalid_argument("max_queue must be >= 0");
+  if (config.kv_window_pages < -1)
+    return invalid_argument("kv_window_pages must be -1 (auto), 0 (none) or a page count, got " +
+                            std::to_string(config.kv_window_pages));
+  if (config.kv_window_pages > std::numeric_limits<int32_t>::max())
+    return invalid_argument("kv_window_pages " + std::to_string(config.kv_window_pages) +
+                            " is more than " +
+                            std::to_string(std::numeric_limits<int32_t>::max()) + " pages");
   if (config.kv_pages > std::numeric_limits<int32_t>::max())
     return invalid_argument("kv_pages " + std::to_string(config.kv_pages) + " is more than " +
                             std::to_string(std::numeric_limits<int32_t>::max()) + " pages");
   return Status::ok();
 }
 
-// Pages per rank this rank can hold: kv_pages, else kv_memory (else half of MemAvailable over
-// the ranks sharing this host) over the bytes of one page in every layer.
+// The window pages' layers: local layers of a model with a sliding window and at least one
+// global layer (one whose layers are all windowed keeps every position: its one group is the
+// full one).
+int window_layer_count(const EngineConfig& config, const model::LlamaModel& model) {
+  const auto& mc = model.config();
+  if (config.kv_window_pages == 0 || mc.sliding_window <= 0) return 0;
+  int n = 0;
+  for (int l = 0; l < mc.n_layers; ++l) n += mc.local_layer[static_cast<std::size_t>(l)] != 0;
+  return n == mc.n_layers ? 0 : n;
+}
+
+// Window pages per rank that one sequence alone may need: the pages of a step's positions
+// [c, c + n) (n <= prefill_chunk) and of the window before them (W - 1 positions), over p ranks,
+// plus the partial pages at both ends.
+int64_t lone_window_pages(const EngineConfig& config, int64_t window, int p) {
+  const int64_t T = config.page_tokens;
+  return (config.prefill_chunk + window - 1 + 2 * T + T * p - 1) / (T * p) + 1;
+}
+
+}  // namespace
+
+int64_t lone_sequence_window_pages(const EngineConfig& config, const model::LlamaModel& model,
+                                   int ranks) {
+  if (window_layer_count(config, model) == 0) return 0;
+  return lone_window_pages(config, model.config().sliding_window, ranks);
+}
+
+namespace {
+
+// Window pages per rank before the full pages' count caps them: kv_window_pages, or (auto) the
+// windows of max_batch sequences and one step's prefill chunk.
+int64_t wanted_window_pages(const EngineConfig& config, const model::LlamaModel& model, int p) {
+  if (window_layer_count(config, model) == 0) return 0;
+  if (config.kv_window_pages > 0) return config.kv_window_pages;
+  const int64_t T = config.page_tokens, W = model.config().sliding_window;
+  const int64_t B = config.max_batch;
+  return (config.prefill_chunk + B * (W - 1 + 2 * T) + T * p - 1) / (T * p) + B;
+}
+
+// The window pages per rank once the ranks agreed on `pages` full pages: never more (a
+// sequence's window pages are a subset of its full ones, so `pages` of them always hold one
+// sequence alone).
+int64_t window_pages(const EngineConfig& config, const model::LlamaModel& model, int p,
+                     int64_t pages) {
+  return std::min(pages, wanted_window_pages(config, model, p));
+}
+
+// Full pages per rank this rank can hold: kv_pages, else kv_memory (else half of MemAvailable
+// over the ranks sharing this host) less the window pages, over the bytes of one page in every
+// layer that keeps every position.
 Result<int64_t> local_pages(const EngineConfig& config, const model::LlamaModel& model,
-                            int local_ranks) {
+                            int local_ranks, int p) {
   const auto& mc = model.config();
   const int64_t T = config.page_tokens;
   const AttnShape pool_shape{1, mc.n_head, mc.n_head_kv, mc.head_dim, 1};
   auto probe = TiledKVCache::create(pool_shape, config.kv_dtype, T, kKVTileLayout, T);
   TREEATTN_RETURN_IF_ERROR(probe.status());
+  const int64_t wanted = wanted_window_pages(config, model, p);
+  if (config.kv_window_pages > 0 && wanted < lone_window_pages(config, mc.sliding_window, p))
+    return invalid_argument(
+        "kv_window_pages " + std::to_string(wanted) + " cannot hold one sequence's window (" +
+        std::to_string(mc.sliding_window) + " positions) and a prefill chunk of " +
+        std::to_string(config.prefill_chunk) + " over " + std::to_string(p) + " ranks: " +
+        std::to_string(lone_window_pages(config, mc.sliding_window, p)) + " pages at least");
   if (config.kv_pages > 0) return config.kv_pages;
-  const std::size_t per_page = probe->bytes() * static_cast<std::size_t>(mc.n_layers);
+  const int n_window = window_layer_count(config, model);
+  const std::size_t full_page = probe->bytes() * static_cast<std::size_t>(mc.n_layers - n_window);
+  const std::size_t window_bytes =
+      probe->bytes() * static_cast<std::size_t>(n_window) * static_cast<std::size_t>(wanted);
   std::size_t budget = config.kv_memory;
   if (budget == 0)
     budget = static_cast<std::size_t>(mem_available_bytes() / 2 /
                                       static_cast<uint64_t>(local_ranks));
-  const auto pages = static_cast<int64_t>(std::min<std::size_t>(
-      budget / per_page, static_cast<std::size_t>(std::numeric_limits<int32_t>::max())));
+  // Where the window pages would leave fewer full pages than themselves, both get the same
+  // count (window_pages caps them at it).
+  const std::size_t all_layers = probe->bytes() * static_cast<std::size_t>(mc.n_layers);
+  std::size_t count = budget > window_bytes ? (budget - window_bytes) / full_page : 0;
+  if (count < static_cast<std::size_t>(wanted)) count = budget / all_layers;
+  const auto pages = static_cast<int64_t>(
+      std::min<std::size_t>(count, static_cast<std::size_t>(std::numeric_limits<int32_t>::max())));
   if (pages < 1)
     return invalid_argument("the KV memory (" + std::to_string(budget) +
                             " bytes per rank) holds no page of " + std::to_string(T) + " tokens (" +
-                            std::to_string(per_page) + " bytes over " +
+                            std::to_string(all_layers) + " bytes over " +
                             std::to_string(mc.n_layers) + " layers)");
   return pages;
 }
@@ -363,8 +445,9 @@ std::string config_description(const EngineConfig& config, const model::LlamaMod
          std::to_string(config.max_batch) + "|" + std::to_string(config.prefill_chunk) + "|" +
          config.merge + "|" + config.prefill_exchange + "|" + config.dense + "|" +
          (config.rows8 ? "1" : "0") + "|" + (config.prefix_cache ? "1" : "0") + "|" +
-         std::to_string(config.max_queue) + "|" + std::string(isa_name(model::matmul_isa(mv))) +
-         "|" + std::string(model::matmul_mode_name(mv.mode)) + "|" +
+         std::to_string(config.kv_window_pages) + "|" + std::to_string(config.max_queue) + "|" +
+         std::string(isa_name(model::matmul_isa(mv))) + "|" +
+         std::string(model::matmul_mode_name(mv.mode)) + "|" +
          std::string(isa_name(config.isa == Isa::kAuto ? best_isa() : config.isa));
 }
 
@@ -398,10 +481,12 @@ Result<int64_t> agree_on_config(Communicator& comm, const std::string& who, cons
   return min_pages;
 }
 
-// Every layer's pool of `pages` pages on this rank; every rank learns whether every rank could.
+// Every layer's pool on this rank: `pages` pages, or `wpages` for a window layer; every rank
+// learns whether every rank could.
 Result<std::vector<TiledKVCache>> allocate_pools(Communicator& comm, const std::string& who,
                                                  const EngineConfig& config,
-                                                 const model::LlamaModel& model, int64_t pages) {
+                                                 const model::LlamaModel& model, int64_t pages,
+                                                 int64_t wpages) {
   const auto& mc = model.config();
   const int64_t T = config.page_tokens;
   const AttnShape pool_shape{1, mc.n_head, mc.n_head_kv, mc.head_dim, 1};
@@ -409,7 +494,9 @@ Result<std::vector<TiledKVCache>> allocate_pools(Communicator& comm, const std::
   pools.reserve(static_cast<std::size_t>(mc.n_layers));
   Status alloc;
   for (int l = 0; l < mc.n_layers && alloc.is_ok(); ++l) {
-    auto c = TiledKVCache::create(pool_shape, config.kv_dtype, pages * T, kKVTileLayout, T);
+    const bool window = wpages > 0 && mc.local_layer[static_cast<std::size_t>(l)] != 0;
+    auto c = TiledKVCache::create(pool_shape, config.kv_dtype, (window ? wpages : pages) * T,
+                                  kKVTileLayout, T);
     if (!c.is_ok())
       alloc = c.status();
     else
@@ -450,7 +537,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
   Status local = check_config(config, &exchange);
   int64_t pages = config.kv_pages;
   if (local.is_ok()) {
-    auto lp = local_pages(config, model, local_ranks);
+    auto lp = local_pages(config, model, local_ranks, comm.size());
     if (lp.is_ok())
       pages = *lp;
     else
@@ -462,7 +549,8 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
   TREEATTN_RETURN_IF_ERROR(merge.status());
   auto dense = plan_dense(comm, config, model);
   TREEATTN_RETURN_IF_ERROR(dense.status());
-  auto pools = allocate_pools(comm, who, config, model, *agreed);
+  const int64_t wpages = window_pages(config, model, comm.size(), *agreed);
+  auto pools = allocate_pools(comm, who, config, model, *agreed, wpages);
   TREEATTN_RETURN_IF_ERROR(pools.status());
 
   auto impl = std::make_unique<Impl>();
@@ -472,7 +560,9 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
   e.cfg = config;
   e.p = comm.size();
   e.me = comm.rank();
-  e.kv = std::make_unique<KVManager>(e.p, *agreed, config.page_tokens, config.prefix_cache);
+  WindowGroup wg;
+  if (wpages > 0) wg = {model.config().sliding_window, wpages, config.prefill_chunk};
+  e.kv = std::make_unique<KVManager>(e.p, *agreed, config.page_tokens, config.prefix_cache, wg);
   e.sched = std::make_unique<Scheduler>(
       SchedulerConfig{config.max_batch, config.prefill_chunk, config.max_queue, config.idle_tick,
                       rank_prefix(comm)},

@@ -137,11 +137,36 @@ Output failed(Output out, Status s, bool abort = false) {
   return out;
 }
 
-Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
-                  const model::LlamaModel& model, const Tokenizer& tok, Output out) {
-  const bool lead = comm.rank() == 0;
-  const int P = comm.size();
-  const auto n = static_cast<int64_t>(out.prompt.size());
+// The pages in use over the ranks after the engine's last step (its snapshot), if more than
+// seen so far.
+void note_pages_in_use(const engine::EngineMetrics& m, Output& out) {
+  int64_t used = 0, wused = 0;
+  for (const int64_t u : m.pages_used) used += u;
+  for (const int64_t u : m.window_pages_used) wused += u;
+  out.pages_used_peak = std::max(out.pages_used_peak, used);
+  out.window_pages_used_peak = std::max(out.window_pages_used_peak, wused);
+}
+
+// The pools' sizes and the bytes of the most pages in use: a page holds page_tokens positions
+// of K and V in each layer of its group.
+void page_figures(const engine::EngineMetrics& m, const engine::EngineConfig& ec,
+                  const model::LlamaConfig& mc, Output& out) {
+  out.page_tokens = ec.page_tokens;
+  out.pages_per_rank = m.pages_per_rank;
+  out.window_pages_per_rank = m.window_pages_per_rank;
+  int64_t window_layers = 0;
+  for (const uint8_t w : m.layer_in_window) window_layers += w;
+  const auto layer_page = static_cast<uint64_t>(ec.page_tokens * mc.n_head_kv) *
+                          kv_head_token_bytes(static_cast<std::size_t>(mc.head_dim), ec.kv_dtype);
+  out.kv_bytes_used_peak = static_cast<uint64_t>(out.pages_used_peak) *
+                           static_cast<uint64_t>(mc.n_layers - window_layers) * layer_page;
+  out.window_kv_bytes_used_peak = static_cast<uint64_t>(out.window_pages_used_peak) *
+                                  static_cast<uint64_t>(window_layers) * layer_page;
+}
+
+// The engine's configuration for one request of n prompt tokens on P ranks.
+engine::EngineConfig engine_config_of(const Request& req, const model::LlamaModel& model, int P,
+                                      int64_t n) {
   engine::EngineConfig ec;
   ec.kv_dtype = req.kv_dtype;
   ec.threads = req.threads;
@@ -154,10 +179,39 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
   ec.dense = req.dense;
   ec.rows8 = req.rows8;  // the engine copies the rows it computes with
   ec.timeout = req.timeout;
+  ec.kv_window_pages = req.kv_window_pages;
+  if (ec.kv_window_pages == -1)  // auto: one request, one sequence's window
+    if (const int64_t w = engine::lone_sequence_window_pages(ec, model, P); w > 0)
+      ec.kv_window_pages = w;
   if (req.kv_memory > 0)
     ec.kv_memory = req.kv_memory;
   else  // the pages this prompt needs on each rank, and a few more
     ec.kv_pages = (n + req.new_tokens + ec.page_tokens - 1) / ec.page_tokens / P + 2;
+  return ec;
+}
+
+// Per rank, per decode step: the dense part, the paged attention, and the merge with the
+// all-gathers (EngineMetrics' seconds between the prefill's last step, `begin`, and the end).
+void decode_breakdown(const engine::EngineMetrics& begin, const engine::EngineMetrics& end,
+                      Output& out) {
+  const auto steps = static_cast<double>(begin.steps > 0 ? end.steps - begin.steps : 0);
+  auto per_step = [&](const std::vector<double>& e, const std::vector<double>& b) {
+    std::vector<double> v;
+    for (std::size_t r = 0; r < e.size() && steps > 0; ++r)
+      v.push_back(1e3 * (e[r] - (r < b.size() ? b[r] : 0.0)) / steps);
+    return v;
+  };
+  out.decode_dense_ms_by_rank = per_step(end.dense_seconds, begin.dense_seconds);
+  out.decode_attention_ms_by_rank = per_step(end.attention_seconds, begin.attention_seconds);
+  out.decode_comm_ms_by_rank = per_step(end.merge_seconds, begin.merge_seconds);
+}
+
+Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
+                  const model::LlamaModel& model, const Tokenizer& tok, Output out) {
+  const bool lead = comm.rank() == 0;
+  const int P = comm.size();
+  const auto n = static_cast<int64_t>(out.prompt.size());
+  const engine::EngineConfig ec = engine_config_of(req, model, P, n);
   auto e = engine::Engine::create(comm, model, ec);
   if (!e.is_ok()) return failed(std::move(out), e.status());
   engine::Engine& eng = **e;
@@ -215,6 +269,7 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
         if (ev.finish != engine::FinishReason::kStop && stream.add(ev.token)) eng.stop(false);
       }
       timings = ev.timings;
+      note_pages_in_use(eng.metrics(), out);
       if (ev.finish == engine::FinishReason::kError) failure = ev.error;
       if (ev.finish != engine::FinishReason::kNone) eng.stop(true);
     });
@@ -240,18 +295,7 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
     out.weights_resident_by_rank.push_back(static_cast<uint64_t>(a[2]));
   }
   const engine::EngineMetrics mt = eng.metrics();
-  // Per rank, per decode step: the dense part, the paged attention, and the merge with the
-  // all-gathers (EngineMetrics' seconds, over the steps after the prefill's last).
-  const auto steps = static_cast<double>(at_first.steps > 0 ? mt.steps - at_first.steps : 0);
-  auto per_step = [&](const std::vector<double>& end, const std::vector<double>& begin) {
-    std::vector<double> v;
-    for (std::size_t r = 0; r < end.size() && steps > 0; ++r)
-      v.push_back(1e3 * (end[r] - (r < begin.size() ? begin[r] : 0.0)) / steps);
-    return v;
-  };
-  out.decode_dense_ms_by_rank = per_step(mt.dense_seconds, at_first.dense_seconds);
-  out.decode_attention_ms_by_rank = per_step(mt.attention_seconds, at_first.attention_seconds);
-  out.decode_comm_ms_by_rank = per_step(mt.merge_seconds, at_first.merge_seconds);
+  decode_breakdown(at_first, mt, out);
   out.cached_tokens = timings.cached_tokens;
   out.prefill_seconds = timings.prefill_seconds;
   out.decode_seconds = timings.decode_seconds;
@@ -261,6 +305,7 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
                             ? static_cast<double>(sent(comm) - sent_at_first) /
                                   static_cast<double>(out.tokens.size() - 1)
                             : 0.0;
+  page_figures(mt, ec, model.config(), out);
   out.merges = mt.merges;
   out.rows_pass_q = mt.rows_pass_q;
   out.rows_kv_exchange = mt.rows_kv_exchange;

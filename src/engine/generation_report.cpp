@@ -81,6 +81,23 @@ std::string engine_report_text(const Output& o, const std::string& merge) {
           o.ttft_ms, e.prefill_tokens_per_s, merge.c_str(), o.dense_choice.mode(), o.tokens.size(),
           e.p50_ms, e.p99_ms, e.tokens_per_s, format_bytes(o.bytes_per_token).c_str(),
           static_cast<long long>(o.merges), rss_list(o).c_str());
+  if (o.window_pages_per_rank > 0)
+    appendf(out,
+            "KV pages in use at most (all ranks): %lld full pages (%s, global layers), %lld "
+            "window pages (%s, sliding-window layers); per rank %lld full, %lld window pages of "
+            "%lld tokens\n",
+            static_cast<long long>(o.pages_used_peak),
+            format_bytes(static_cast<double>(o.kv_bytes_used_peak)).c_str(),
+            static_cast<long long>(o.window_pages_used_peak),
+            format_bytes(static_cast<double>(o.window_kv_bytes_used_peak)).c_str(),
+            static_cast<long long>(o.pages_per_rank),
+            static_cast<long long>(o.window_pages_per_rank),
+            static_cast<long long>(o.page_tokens));
+  else
+    appendf(out, "KV pages in use at most (all ranks): %lld (%s); %lld pages of %lld tokens per rank\n",
+            static_cast<long long>(o.pages_used_peak),
+            format_bytes(static_cast<double>(o.kv_bytes_used_peak)).c_str(),
+            static_cast<long long>(o.pages_per_rank), static_cast<long long>(o.page_tokens));
   if (!o.weights_resident_by_rank.empty()) {
     std::string list;
     for (uint64_t r : o.weights_resident_by_rank)
@@ -178,6 +195,13 @@ nlohmann::json engine_report_json(const Output& o, const std::string& merge,
           {"bytes_sent_by_rank", o.bytes_sent_by_rank},
           {"peak_rss_bytes", max_peak_rss(o)},
           {"peak_rss_bytes_by_rank", o.peak_rss_by_rank},
+          {"page_tokens", o.page_tokens},
+          {"kv_pages_per_rank", o.pages_per_rank},
+          {"kv_window_pages_per_rank", o.window_pages_per_rank},
+          {"kv_pages_used_peak", o.pages_used_peak},
+          {"kv_window_pages_used_peak", o.window_pages_used_peak},
+          {"kv_bytes_used_peak", o.kv_bytes_used_peak},
+          {"kv_window_bytes_used_peak", o.window_kv_bytes_used_peak},
           {"dense", o.dense_choice.mode()},
           {"dense_requested", l.dense_requested},
           {"dense_how", o.dense_choice.how},

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -22,9 +23,28 @@ namespace treeattn::engine {
 struct AdmissionFit {
   std::vector<PageRef> hits;     // full prompt pages found in the prefix index, in order
   std::vector<uint64_t> hashes;  // their chain hashes
-  std::vector<int64_t> need;     // per rank: pages to reserve for the rest of the prompt
-  int short_rank = -1;           // the first rank without those pages; -1: it fits now
+  // With a window group: the window pages of hits [window_first, hits.size()), the ones the
+  // first computed position's window still sees.
+  std::vector<PageRef> window_hits;
+  int64_t window_first = 0;
+  std::vector<int64_t> need;  // per group and rank ([group * ranks + rank]): pages to reserve
+  int short_rank = -1;        // the first rank without those pages; -1: it fits now
   bool fits() const { return short_rank < 0; }
+};
+
+// The window group (sliding-window layers, gemma3's local layers): a second page table whose
+// pages hold those layers' K/V. Logical page j of a sequence has a page in each group, on the
+// same rank (j mod p); a window page is dropped (released: cached when indexed, else free) once
+// no later query of its sequence can see it: a query at position q sees positions > q - window,
+// so page j goes when (j + 1) * T - 1 <= computed - window. Its sequence keeps every page of the
+// full group. A prefix hit must find the window pages its first computed position sees, so a
+// hit is cut back to the longest prefix whose window pages are all cached. Admission reserves
+// window pages for the prompt's first `first_chunk` positions only (a step computes at most the
+// prefill chunk of one sequence); later steps grow it like the full group.
+struct WindowGroup {
+  int64_t window = 0;          // positions a query sees (its own included); 0: no window group
+  int64_t pages_per_rank = 0;  // the window group's pages per rank
+  int64_t first_chunk = 0;     // positions a sequence computes in one step at most
 };
 
 // Pages on demand: admission reserves the pages of a prompt's positions only (a resumed
@@ -38,14 +58,27 @@ struct EntryPages {
   std::vector<int32_t> ids;
   std::vector<int64_t> pos;
   std::vector<int32_t> len;
+  int64_t index0 = 0;  // this rank's pages of the sequence before ids[0] (dropped window pages)
 };
 
 class KVManager {
  public:
-  KVManager(int ranks, int64_t pages_per_rank, int64_t page_tokens, bool prefix_cache);
+  KVManager(int ranks, int64_t pages_per_rank, int64_t page_tokens, bool prefix_cache,
+            WindowGroup window = {});
 
   PageTable& table() { return table_; }
   const PageTable& table() const { return table_; }
+  // The window group's table (has_window() only).
+  bool has_window() const { return window_.window > 0; }
+  int64_t window() const { return window_.window; }
+  PageTable& window_table() { return *wtable_; }
+  const PageTable& window_table() const { return *wtable_; }
+  // Entries of a need vector: one per rank of each group.
+  std::size_t need_size() const {
+    return static_cast<std::size_t>(ranks()) * (has_window() ? 2u : 1u);
+  }
+  // The first logical page that a query at position `pos` or later can still see.
+  int64_t window_first_live(int64_t pos) const;
   int ranks() const { return table_.ranks(); }
   int64_t page_tokens() const { return T_; }
   bool prefix_cache() const { return prefix_cache_; }
@@ -63,8 +96,10 @@ class KVManager {
   // sequence's pages, hashes, computed and cached_tokens.
   void take(const AdmissionFit& fit, Sequence& s);
   // Allocates, on their owners, the pages of positions [s.computed, s.computed + n) that s does
-  // not hold yet (from its reservation); appends to *mine those of rank `me`.
-  Status allocate(Sequence& s, int64_t n, int me, std::vector<PageRef>* mine);
+  // not hold yet (from its reservation), in each group; appends to *mine (*window_mine) those
+  // of rank `me`.
+  Status allocate(Sequence& s, int64_t n, int me, std::vector<PageRef>* mine,
+                  std::vector<PageRef>* window_mine = nullptr);
   // Per rank: the pages positions [s.computed, s.computed + n) need beyond those s holds and
   // has reserved.
   std::vector<int64_t> growth(const Sequence& s, int64_t n) const;
@@ -73,7 +108,7 @@ class KVManager {
   // Reserves `need` more pages for s (the caller checked short_rank).
   void grow(Sequence& s, std::span<const int64_t> need);
   // Hashes the pages that s.computed has filled since the last call and, with the prefix cache
-  // on, indexes them.
+  // on, indexes them (in both groups); then drops the window pages no later query sees.
   void index_full_pages(Sequence& s);
   // Releases s's pages and its unused reservation, deepest page first: released pages that are
   // indexed join the LRU list in that order, so eviction takes a chain from its tail and its
@@ -82,13 +117,25 @@ class KVManager {
   // release(s), and s holds nothing: no pages, hashes or reservation, computed 0 (its tokens
   // stay, for a later fit and take).
   void preempt(Sequence& s);
-  // Rank me's pages of s for positions [0, end), as the paged kernel reads them.
+  // Rank me's pages of s for positions [0, end), as the paged kernel reads them: of the full
+  // group, or of the window group (the dropped ones counted in out.index0).
   void entry_pages(const Sequence& s, int64_t end, int me, EntryPages& out) const;
+  void window_entry_pages(const Sequence& s, int64_t end, int me, EntryPages& out) const;
+  // Consistency of both tables and of every live sequence's view (tests).
+  Status check() const;
 
  private:
+  PageTable& group(std::size_t i) { return i < static_cast<std::size_t>(ranks()) ? table_ : *wtable_; }
+  const PageTable& group(std::size_t i) const {
+    return i < static_cast<std::size_t>(ranks()) ? table_ : *wtable_;
+  }
+  void drop_window_pages(Sequence& s);
+
   PageTable table_;
   int64_t T_;
   bool prefix_cache_;
+  WindowGroup window_;
+  std::unique_ptr<PageTable> wtable_;
 };
 
 // Fills a page with NaN in every layer's pool (K and V), so a read of a stale or unwritten slot

@@ -130,7 +130,7 @@ Status ModelRunner::order_work(Scheduler& sched, std::span<const WorkItem> plann
 Status ModelRunner::lay_out_rows(Step& st) {
   row_tok_.clear();
   row_pos_.clear();
-  std::vector<PageRef> mine;  // pages of this rank allocated now
+  std::vector<PageRef> mine, wmine;  // pages of this rank allocated now (full, window group)
   for (std::size_t w = 0; w < st.work.size(); ++w) {
     Sequence& s = *st.seqs[w];
     const int64_t n = st.work[w].second;
@@ -139,14 +139,21 @@ Status ModelRunner::lay_out_rows(Step& st) {
       row_tok_.push_back(s.tokens[static_cast<std::size_t>(pos)]);
       row_pos_.push_back(pos);
     }
-    TREEATTN_RETURN_IF_ERROR(kv_.allocate(s, n, me_, &mine));
+    TREEATTN_RETURN_IF_ERROR(kv_.allocate(s, n, me_, &mine, &wmine));
     st.rows += n;
   }
   if (cfg_.poison_pages) {
     const auto& mc = model_->config();
-    for (const PageRef& pg : mine) poison_page(pools_, pg, T_, mc.n_head_kv * mc.head_dim);
+    for (int l = 0; l < mc.n_layers; ++l)
+      for (const PageRef& pg : window_layer(l) ? wmine : mine)
+        poison_page({&pools_[static_cast<std::size_t>(l)], 1}, pg, T_,
+                    mc.n_head_kv * mc.head_dim);
   }
   return Status::ok();
+}
+
+bool ModelRunner::window_layer(int l) const {
+  return kv_.has_window() && model_->config().local_layer[static_cast<std::size_t>(l)] != 0;
 }
 
 // The dense part is split: rank r computes rows [lo, lo + mine) (embedding, projections, output
@@ -201,19 +208,28 @@ void ModelRunner::build_entries(Step& st) {
   const auto& mc = model_->config();
   const int64_t H = mc.n_head, qd = H * mc.head_dim;
   const auto rec = static_cast<std::size_t>(mc.head_dim + 2);
+  const bool wg = kv_.has_window();
   st.ep.assign(st.n_passq, {});
   st.entries.assign(st.n_passq, {});
+  st.wep.assign(wg ? st.n_passq : 0, {});
+  st.wentries.assign(wg ? st.n_passq : 0, {});
   for (std::size_t w = 0; w < st.n_passq; ++w) {
     const Sequence& s = *st.seqs[w];
-    kv_.entry_pages(s, s.computed + st.work[w].second, me_, st.ep[w]);
-    PagedEntry& e = st.entries[w];
-    e.q = q_.data() + st.first_row[w] * qd;
-    e.n_q = st.work[w].second;
-    e.first_pos = s.computed;
-    e.pages = st.ep[w].ids;
-    e.page_pos = st.ep[w].pos;
-    e.page_len = st.ep[w].len;
-    e.states = states_.data() + static_cast<std::size_t>(st.first_row[w] * H) * rec;
+    const int64_t end = s.computed + st.work[w].second;
+    kv_.entry_pages(s, end, me_, st.ep[w]);
+    if (wg) kv_.window_entry_pages(s, end, me_, st.wep[w]);
+    for (int g = 0; g < (wg ? 2 : 1); ++g) {
+      const EntryPages& pages = g == 0 ? st.ep[w] : st.wep[w];
+      PagedEntry& e = g == 0 ? st.entries[w] : st.wentries[w];
+      e.q = q_.data() + st.first_row[w] * qd;
+      e.n_q = st.work[w].second;
+      e.first_pos = s.computed;
+      e.pages = pages.ids;
+      e.page_pos = pages.pos;
+      e.page_len = pages.len;
+      e.page_index0 = pages.index0;
+      e.states = states_.data() + static_cast<std::size_t>(st.first_row[w] * H) * rec;
+    }
   }
 }
 
@@ -286,11 +302,12 @@ Status ModelRunner::gather_qkv(const Step& st, const float* ql, const float* kl,
 void ModelRunner::store_kv(int l, const Step& st) {
   const int64_t kvd = model_->config().n_head_kv * model_->config().head_dim;
   TiledKVCache& pool = pools_[static_cast<std::size_t>(l)];
+  const bool wg = window_layer(l);
   for (std::size_t w = 0; w < st.work.size(); ++w) {
     const Sequence& s = *st.seqs[w];
     for (int64_t i = 0; i < st.work[w].second; ++i) {
       const int64_t row = st.first_row[w] + i, pos = s.computed + i;
-      const PageRef& pg = s.pages[static_cast<std::size_t>(pos / T_)];
+      const PageRef& pg = page_of(s, pos / T_, wg);
       if (pg.rank != me_) continue;
       pool.set_tokens(0, static_cast<int64_t>(pg.id) * T_ + pos % T_, k_.data() + row * kvd,
                       v_.data() + row * kvd);
@@ -343,23 +360,26 @@ Status ModelRunner::attend(int l, Step& st) {
   store_kv(l, st);
   // Sliding-window layers (gemma3): each rank attends to the window's part of its pages, and the
   // merge is the same as for a global layer (a rank with no page in the window contributes the
-  // identity); the window's pages stay where the placement put them.
+  // identity); the window's pages stay where the placement put them. With a window group their
+  // pages are the group's, which drops what the window no longer sees (kv_manager.hpp).
   const int64_t window = mc.sliding_window > 0 && mc.local_layer[static_cast<std::size_t>(l)] != 0
                              ? mc.sliding_window
                              : 0;
-  for (PagedEntry& e : st.entries) e.window = window;
+  const bool wg = window_layer(l);
+  std::vector<PagedEntry>& entries = wg ? st.wentries : st.entries;
+  for (PagedEntry& e : entries) e.window = window;
   const TiledKVCache& pool = pools_[static_cast<std::size_t>(l)];
   const std::vector<int64_t> no_len;
   const auto ta = Clock::now();
-  if (!st.entries.empty())
+  if (!entries.empty())
     TREEATTN_RETURN_IF_ERROR(decode_partial_paged(
         AttnShape{1, mc.n_head, mc.n_head_kv, mc.head_dim, 1}, pool.view(no_len, no_len, no_len, 1),
-        kv_.table().pages_per_rank(), st.entries, dopt_));
+        (wg ? kv_.window_table() : kv_.table()).pages_per_rank(), entries, dopt_));
   const auto tm = Clock::now();
   times_.attn_s += seconds(tm - ta);
   if (st.rows_q > 0) TREEATTN_RETURN_IF_ERROR(merge_layer_states(st.rows_q));
   times_.merge_s += seconds(Clock::now() - tm);
-  if (st.rows_q < st.rows) TREEATTN_RETURN_IF_ERROR(kv_exchange_attention(pool, st, window));
+  if (st.rows_q < st.rows) TREEATTN_RETURN_IF_ERROR(kv_exchange_attention(pool, st, window, wg));
   return Status::ok();
 }
 

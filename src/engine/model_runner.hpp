@@ -82,7 +82,16 @@ class ModelRunner {
     int64_t per = 0, lo = 0, mine = 0, gslot = 0;
     std::vector<EntryPages> ep;  // this rank's pages of each pass-Q item
     std::vector<PagedEntry> entries;
+    std::vector<EntryPages> wep;  // the same in the window group (kv_manager.hpp), if any
+    std::vector<PagedEntry> wentries;
   };
+
+  // Whether layer l keeps its K/V in the window group's pages.
+  bool window_layer(int l) const;
+  // Sequence s's page of logical page j in layer l's group (invalid: a dropped window page).
+  const PageRef& page_of(const Sequence& s, int64_t j, bool window) const {
+    return (window ? s.window_pages : s.pages)[static_cast<std::size_t>(j)];
+  }
 
   void reserve_step_scratch();
   Status order_work(Scheduler& sched, std::span<const WorkItem> planned, Step& st);
@@ -98,10 +107,13 @@ class ModelRunner {
   Status gather_logits(const Step& st, std::span<const std::size_t> sample_w);
 
   // The K/V exchange (model_runner_kv.cpp) for items [n_passq, work.size()) in layer `pool`.
-  Status kv_exchange_attention(const TiledKVCache& pool, const Step& st, int64_t window);
-  Result<std::size_t> exchange_cached_pages(const TiledKVCache& pool, const Step& st);
-  Status copy_exchange_pages(const Step& st, std::size_t slot, std::vector<EntryPages>& ep,
-                             std::size_t& n_spans);
+  // window: the layer's sliding window (0: none); in_window_group: its pages are the window
+  // group's.
+  Status kv_exchange_attention(const TiledKVCache& pool, const Step& st, int64_t window,
+                               bool in_window_group);
+  Result<std::size_t> exchange_cached_pages(const TiledKVCache& pool, const Step& st, bool wg);
+  Status copy_exchange_pages(const Step& st, std::size_t slot, bool wg,
+                             std::vector<EntryPages>& ep, std::size_t& n_spans);
   Status merge_exchange_states(const Step& st);
 
   // The attention of layer l for every row: K/V stored, this rank's pages' partial states,

@@ -1,10 +1,11 @@
 // The K/V exchange of ModelRunner (exchange.hpp) for work items [n_passq, work.size()) in one
 // layer: every rank sends its pages' cached tokens of those sequences (positions before this
-// step; encoded as stored, with their per-token scales for fp8 and int8) to every rank; each rank copies the pages its own rows read into xpool (cached tokens
-// from their owners, this step's from the all-gathered k and v, narrowed as the owners store
-// them), computes per owner rank the partial states over that rank's pages (the entries the
-// owner would have computed under pass-Q, so the same bits), and merges them locally in the
-// merge collective's association into `states`.
+// step; encoded as stored, with their per-token bfloat16 scales for fp8 and int8: records of
+// kv_head_token_bytes() per KV head) to every rank; each rank copies the pages its own rows
+// read into xpool (cached tokens from their owners, this step's from the all-gathered k and v,
+// narrowed as the owners store them), computes per owner rank the partial states over that
+// rank's pages (the entries the owner would have computed under pass-Q, so the same bits), and
+// merges them locally in the merge collective's association into `states`.
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -20,7 +21,8 @@ double seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 
 // 1. Every rank's cached tokens of these sequences, item by item, page by page, all-gathered
 // into page_recv_; returns each rank's slot in bytes.
-Result<std::size_t> ModelRunner::exchange_cached_pages(const TiledKVCache& pool, const Step& st) {
+Result<std::size_t> ModelRunner::exchange_cached_pages(const TiledKVCache& pool, const Step& st,
+                                                       bool wg) {
   const auto& mc = model_->config();
   const int64_t Hkv = mc.n_head_kv;
   const std::size_t head_bytes = static_cast<std::size_t>(mc.head_dim) * dtype_size(cfg_.kv_dtype);
@@ -30,9 +32,12 @@ Result<std::size_t> ModelRunner::exchange_cached_pages(const TiledKVCache& pool,
   std::vector<std::size_t> bytes_of(up, 0);
   for (std::size_t w = st.n_passq; w < st.work.size(); ++w) {
     const Sequence& s = *st.seqs[w];
-    for (int64_t j = 0; j * T_ < s.computed; ++j)
-      bytes_of[static_cast<std::size_t>(s.pages[static_cast<std::size_t>(j)].rank)] +=
+    for (int64_t j = 0; j * T_ < s.computed; ++j) {
+      const PageRef& pg = page_of(s, j, wg);
+      if (pg.rank < 0) continue;  // a dropped window page: no row of this step sees it
+      bytes_of[static_cast<std::size_t>(pg.rank)] +=
           static_cast<std::size_t>(std::min(T_, s.computed - j * T_)) * tok_bytes;
+    }
   }
   const std::size_t slot = *std::max_element(bytes_of.begin(), bytes_of.end());
   if (slot == 0) return slot;
@@ -41,11 +46,11 @@ Result<std::size_t> ModelRunner::exchange_cached_pages(const TiledKVCache& pool,
   page_recv_.resize(slot * up);
   uint8_t* dst = page_send_.data();
   const bool scaled = dtype_is_quantized(cfg_.kv_dtype);
-  float sc[2] = {0, 0};
+  bf16_t sc[2] = {};
   for (std::size_t w = st.n_passq; w < st.work.size(); ++w) {
     const Sequence& s = *st.seqs[w];
     for (int64_t j = 0; j * T_ < s.computed; ++j) {
-      const PageRef& pg = s.pages[static_cast<std::size_t>(j)];
+      const PageRef& pg = page_of(s, j, wg);
       if (pg.rank != me_) continue;
       for (int64_t t = 0; t < std::min(T_, s.computed - j * T_); ++t)
         for (int64_t h = 0; h < Hkv; ++h, dst += rec_bytes) {
@@ -65,7 +70,7 @@ Result<std::size_t> ModelRunner::exchange_cached_pages(const TiledKVCache& pool,
 
 // 2. The pages this rank's rows read, copied into xpool_; per (span, owner rank) one entry's
 // pages in ep[span * p + owner].
-Status ModelRunner::copy_exchange_pages(const Step& st, std::size_t slot,
+Status ModelRunner::copy_exchange_pages(const Step& st, std::size_t slot, bool wg,
                                         std::vector<EntryPages>& ep, std::size_t& n_spans) {
   const auto& mc = model_->config();
   const int64_t Hkv = mc.n_head_kv, kvd = Hkv * mc.head_dim;
@@ -100,14 +105,19 @@ Status ModelRunner::copy_exchange_pages(const Step& st, std::size_t slot,
     const int64_t C = s.computed, end = C + st.work[w].second;
     const bool read = si < spans_.size() && spans_[si].w == w;
     for (int64_t j = 0; j * T_ < end; ++j) {
-      const auto o = static_cast<std::size_t>(s.pages[static_cast<std::size_t>(j)].rank);
+      const PageRef& pg = page_of(s, j, wg);
+      if (pg.rank < 0) {  // dropped by its owner, as that rank's pass-Q entry counts it
+        if (read) ++ep[si * up + static_cast<std::size_t>(kv_.table().owner(j))].index0;
+        continue;
+      }
+      const auto o = static_cast<std::size_t>(pg.rank);
       const int64_t cached = j * T_ < C ? std::min(T_, C - j * T_) : 0;
       if (read) {
         const int32_t id = xid++;
         const uint8_t* src = page_recv_.data() + o * slot + static_cast<std::size_t>(cursor[o]);
         for (int64_t t = 0; t < cached; ++t)
           for (int64_t h = 0; h < Hkv; ++h, src += rec_bytes) {
-            float sc[2] = {0, 0};
+            bf16_t sc[2] = {};
             if (scaled) std::memcpy(sc, src + 2 * head_bytes, sizeof(sc));
             xpool_.set_token_raw(0, h, static_cast<int64_t>(id) * T_ + t, src, src + head_bytes,
                                  sc[0], sc[1]);
@@ -130,17 +140,17 @@ Status ModelRunner::copy_exchange_pages(const Step& st, std::size_t slot,
 }
 
 Status ModelRunner::kv_exchange_attention(const TiledKVCache& pool, const Step& st,
-                                          int64_t window) {
+                                          int64_t window, bool in_window_group) {
   const auto& mc = model_->config();
   const int64_t H = mc.n_head, D = mc.head_dim, qd = H * D;
   const auto rec = static_cast<std::size_t>(D + 2);
   const auto up = static_cast<std::size_t>(p_);
-  auto slot = exchange_cached_pages(pool, st);
+  auto slot = exchange_cached_pages(pool, st, in_window_group);
   TREEATTN_RETURN_IF_ERROR(slot.status());
   const auto tc = Clock::now();
   std::vector<EntryPages> ep;
   std::size_t n_spans = 0;
-  TREEATTN_RETURN_IF_ERROR(copy_exchange_pages(st, *slot, ep, n_spans));
+  TREEATTN_RETURN_IF_ERROR(copy_exchange_pages(st, *slot, in_window_group, ep, n_spans));
   kv_states_.resize(up * static_cast<std::size_t>(std::max<int64_t>(st.mine, 1) * H) * rec);
   std::vector<PagedEntry> entries(n_spans * up);
   for (std::size_t i = 0; i < n_spans; ++i) {
@@ -154,6 +164,7 @@ Status ModelRunner::kv_exchange_attention(const TiledKVCache& pool, const Step& 
       e.pages = pages.ids;
       e.page_pos = pages.pos;
       e.page_len = pages.len;
+      e.page_index0 = pages.index0;
       e.window = window;
       e.states = kv_states_.data() +
                  (o * static_cast<std::size_t>(st.mine) + static_cast<std::size_t>(sp.a - st.lo)) *

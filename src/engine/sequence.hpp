@@ -26,7 +26,11 @@ struct Sequence {
   int64_t computed = 0;               // positions whose K/V are stored
   std::vector<PageRef> pages;         // logical page j
   std::vector<uint64_t> hashes;       // chain hash of full pages 0 .. hashes.size() - 1
-  std::vector<int64_t> reserve_left;  // per rank: pages reserved, not yet allocated
+  // With a window group (kv_manager.hpp): logical page j's window page; pages
+  // [0, window_dropped) were dropped (invalid refs).
+  std::vector<PageRef> window_pages;
+  int64_t window_dropped = 0;
+  std::vector<int64_t> reserve_left;  // per group and rank: pages reserved, not yet allocated
   int64_t generated = 0;
   int64_t cached_tokens = 0;  // prompt tokens taken from the prefix cache
   model::Sampler sampler{model::SamplingParams{}};

@@ -41,7 +41,8 @@ Result<KVLayoutTiming> time_both(const AttnShape& shape, DType dtype, const Deco
   if (rounds < 1) return invalid_argument("time_kv_layouts: rounds must be >= 1");
   if (bytes == 0)
     bytes = std::clamp(2 * last_level_cache_bytes(), std::size_t{64} << 20, std::size_t{512} << 20);
-  // K and V per token and KV head, and the scales of the quantized types.
+  // K and V per token and KV head, and the scales of the quantized types (the rows layout's
+  // float32 ones: the larger of the two layouts).
   const std::size_t per_token = static_cast<std::size_t>(one.kv_heads) *
                                 (2 * static_cast<std::size_t>(one.head_dim) * dtype_size(dtype) +
                                  (dtype_is_quantized(dtype) ? 2 * sizeof(float) : 0));
@@ -58,8 +59,9 @@ Result<KVLayoutTiming> time_both(const AttnShape& shape, DType dtype, const Deco
   std::memset(rows.v_data(), 0x3C, elems);
   if (dtype_is_quantized(dtype)) {
     const std::size_t n = static_cast<std::size_t>(one.kv_heads * tokens);
-    std::fill(rows.k_scale_data(), rows.k_scale_data() + n, 0.01f);
-    std::fill(rows.v_scale_data(), rows.v_scale_data() + n, 0.01f);
+    // A bfloat16 value, as the tiles' scales must be (copy_from refuses others).
+    std::fill(rows.k_scale_data(), rows.k_scale_data() + n, 0x1p-7f);
+    std::fill(rows.v_scale_data(), rows.v_scale_data() + n, 0x1p-7f);
   }
   const std::vector<int64_t> len{tokens}, pos{0}, total{tokens};
   const KVShard rv = rows.view(0, len, pos, total, 1);

@@ -175,6 +175,35 @@ std::string prometheus_text(const engine::EngineMetrics& e, const ServerMetrics:
              "KV pages kept for prefix reuse, unreferenced (evictable), per rank.", e.pages_cached);
   w.per_rank("treeattn_kv_pages_free", "gauge", "KV pages on the free list, per rank.",
              e.pages_free);
+  if (e.window_pages_per_rank > 0) {
+    w.metric("treeattn_kv_window_pages_total", "gauge",
+             "KV pages per rank of the sliding-window layers (each sequence keeps those its "
+             "window still sees).",
+             static_cast<double>(e.window_pages_per_rank));
+    w.per_rank("treeattn_kv_window_pages_used", "gauge",
+               "Window pages referenced by live sequences, per rank.", e.window_pages_used);
+    w.per_rank("treeattn_kv_window_pages_cached", "gauge",
+               "Window pages kept for prefix reuse, unreferenced (evictable), per rank.",
+               e.window_pages_cached);
+    w.per_rank("treeattn_kv_window_pages_free", "gauge",
+               "Window pages on the free list, per rank.", e.window_pages_free);
+  }
+  // Per layer and rank: the pages of the layer's group (full or window) that live sequences
+  // reference, and that group's size.
+  w.head("treeattn_kv_layer_pages_used", "gauge",
+         "KV pages referenced by live sequences in one layer, per layer and rank.");
+  for (std::size_t l = 0; l < e.layer_in_window.size(); ++l) {
+    const auto& used = e.layer_in_window[l] ? e.window_pages_used : e.pages_used;
+    for (std::size_t r = 0; r < used.size(); ++r)
+      w.sample("treeattn_kv_layer_pages_used", static_cast<double>(used[r]),
+               fmt::format("layer=\"{}\",window=\"{}\",rank=\"{}\"", l,
+                           e.layer_in_window[l] ? 1 : 0, r));
+  }
+  w.head("treeattn_kv_layer_pages_total", "gauge", "KV pages of one layer, per layer.");
+  for (std::size_t l = 0; l < e.layer_in_window.size(); ++l)
+    w.sample("treeattn_kv_layer_pages_total",
+             static_cast<double>(e.layer_in_window[l] ? e.window_pages_per_rank : e.pages_per_rank),
+             fmt::format("layer=\"{}\"", l));
   std::vector<double> usage;
   for (const int64_t used : e.pages_used)
     usage.push_back(e.pages_per_rank > 0

@@ -8,6 +8,9 @@
 //   treeattn_engine_steps_total, treeattn_merges_total, treeattn_bytes_sent_total counters
 //   treeattn_kv_pages_total (pages per rank)                                   gauge
 //   treeattn_kv_pages_used{rank}, _cached{rank}, _free{rank}                   gauges
+//   treeattn_kv_window_pages_total, _used{rank}, _cached{rank}, _free{rank}    gauges (window
+//     pages of sliding-window layers, when the engine has them)
+//   treeattn_kv_layer_pages_used{layer,window,rank}, _total{layer}            gauges
 //   treeattn_merge_seconds_total{rank}, treeattn_attention_seconds_total{rank} counters
 //   treeattn_merge_seconds_per_layer{rank}   mean time of one per-layer merge   gauge
 //   treeattn_engine_failed                   1 after the engine failed          gauge

@@ -50,6 +50,7 @@ ModelInfo engine_model_info(const std::string& model_path, const model::LlamaMod
       {"kv_dtype", std::string(dtype_name(ec.kv_dtype))},
       {"page_tokens", ec.page_tokens},
       {"kv_pages_per_rank", em.pages_per_rank},
+      {"kv_window_pages_per_rank", em.window_pages_per_rank},
       {"max_sequence_tokens", engine.max_sequence_tokens()},
       {"max_batch", ec.max_batch},
       {"threads_per_rank", ec.threads},

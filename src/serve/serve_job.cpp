@@ -250,6 +250,16 @@ int run_serve_job(Communicator& comm, const ServeJob& job) {
                  static_cast<long long>(info.context), ec.max_batch,
                  static_cast<long long>(ec.prefill_chunk), ec.max_queue,
                  static_cast<long long>(ec.timeout.count()));
+    if (em.window_pages_per_rank > 0) {
+      int64_t local = 0;
+      for (const uint8_t w : em.layer_in_window) local += w;
+      std::fprintf(stderr,
+                   "treeattn serve: sliding-window layers (%lld of %zu): %lld window pages per "
+                   "rank, each sequence keeps the pages of its window (%lld positions)\n",
+                   static_cast<long long>(local), em.layer_in_window.size(),
+                   static_cast<long long>(em.window_pages_per_rank),
+                   static_cast<long long>(engine.model().config().sliding_window));
+    }
     std::fprintf(stderr, "treeattn serve: chat: %s\n", info.chat.describe().c_str());
     std::fprintf(stderr, "treeattn serve: listening on http://%s:%d\n", job.http.host.c_str(),
                  http->port());

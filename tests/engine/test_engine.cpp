@@ -510,6 +510,47 @@ TEST(Engine, QuantizedKVPagesAreBatchInvariantAndCloseToF16) {
   }
 }
 
+// Capacity at equal KV memory: a page of int8 or fp8 holds 2 * head_dim + 4 bytes per token and
+// KV head (bfloat16 scales), f16 4 * head_dim, so at the tiny model's head dim 64 the quantized
+// pools hold 256 / 132 = 1.94x f16's tokens (>= 1.9x, issue 50's target): max_sequence_tokens
+// (what /v1/models reports) is p x the pages kv_memory buys per rank x the page tokens, on 1 and
+// 2 ranks.
+TEST(Engine, QuantizedPagesHoldAtLeast1Point9TimesF16sTokensInTheSameKVMemory) {
+  TinyModel m;  // 3 layers, 2 KV heads of head dim 64
+  for (int p : {1, 2}) {
+    int64_t f16_tokens = 0;
+    for (const DType dt : {DType::kF16, DType::kInt8, DType::kFP8}) {
+      EngineConfig cfg = base_config();
+      cfg.kv_dtype = dt;
+      cfg.kv_pages = 0;
+      cfg.kv_memory = std::size_t{3} << 20;
+      int64_t tokens = 0;
+      const Status st = run_local(p, [&](Communicator& comm) -> Status {
+        auto e = Engine::create(comm, *m, cfg);
+        TREEATTN_RETURN_IF_ERROR(e.status());
+        if (comm.rank() == 0) {
+          tokens = (*e)->max_sequence_tokens();
+          (*e)->stop(true);
+        }
+        return (*e)->run();
+      });
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      const std::size_t page = 3 * 2 * 16 * kv_head_token_bytes(64, dt);  // every layer's
+      EXPECT_EQ(page, dt == DType::kF16 ? 3u * 2 * 16 * 256 : 3u * 2 * 16 * 132);
+      EXPECT_EQ(tokens, p * static_cast<int64_t>(cfg.kv_memory / page) * 16) << dtype_name(dt);
+      if (dt == DType::kF16) {
+        f16_tokens = tokens;
+        continue;
+      }
+      const double ratio = static_cast<double>(tokens) / static_cast<double>(f16_tokens);
+      std::printf("[ kv %-4s   ] p %d: %lld tokens in %zu bytes per rank, %.3fx f16's\n",
+                  std::string(dtype_name(dt)).c_str(), p, static_cast<long long>(tokens),
+                  cfg.kv_memory, ratio);
+      EXPECT_GE(ratio, 1.9) << dtype_name(dt) << " p " << p;
+    }
+  }
+}
+
 // The K/V exchange (exchange.hpp) gives pass-Q's bits: the same requests, staggered, chunked and
 // with prefix reuse, under prefill_exchange pass-q, kv and auto, for every merge that allows kv,
 // at 1-4 ranks; on a Llama-style model and on a Gemma-3-style one (sliding-window layers:
@@ -712,6 +753,83 @@ TEST(Engine, DenseChoiceIsNamedAndSplitHoldsASliceOfTheWeightsOnEachRank) {
   for (const auto& s : msgs)
     EXPECT_NE(s.find("dense 'sharded': expected split, replicated or auto"), std::string::npos)
         << s;
+}
+
+// Sliding-window layers keep their K/V in window pages that a sequence drops once its window
+// has passed them (kv_manager.hpp). On a gemma3 model (five local layers of window 20, one
+// global), every request gives the bits it gives with every position kept (kv_window_pages 0,
+// alone): in a staggered batch with prefix reuse, in a window pool so small that requests are
+// preempted, at 1-4 ranks; and a long request alone holds at most the pages its window and a
+// prefill chunk span while its full pages grow with it.
+TEST(Engine, WindowPagesDropWhatTheWindowPassedAndChangeNoBit) {
+  testing::TinyLlamaSpec spec;
+  spec.architecture = "gemma3";
+  spec.layers = 6;
+  spec.sliding_window = 20;
+  TinyModel m(spec);
+  auto subs = mixed_requests(23);
+  std::mt19937_64 rng(5);
+  subs.push_back({2, greedy(random_tokens(rng, 200, 320), 60)});
+  for (int p : {1, 2, 3, 4}) {
+    EngineConfig all_cfg = base_config();
+    all_cfg.prefix_cache = false;
+    all_cfg.prefill_chunk = 4096;
+    all_cfg.kv_window_pages = 0;
+    const auto ref = run_engine(*m, p, all_cfg, subs, true);
+    ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+    EXPECT_EQ(ref.metrics.window_pages_per_rank, 0);
+
+    EngineConfig cfg = base_config();
+    cfg.prefill_chunk = 24;
+    const auto batch = run_engine(*m, p, cfg, subs, false);
+    ASSERT_TRUE(batch.status.is_ok()) << batch.status.to_string();
+    ASSERT_GT(batch.metrics.window_pages_per_rank, 0) << "p " << p;
+    ASSERT_EQ(batch.metrics.layer_in_window,
+              (std::vector<uint8_t>{1, 1, 1, 1, 1, 0}));
+    int64_t cached = 0;
+    for (std::size_t i = 0; i < subs.size(); ++i) {
+      EXPECT_EQ(same_bits(ref.out[i], batch.out[i]), "") << "p " << p << " request " << i;
+      cached += batch.out[i].cached;
+    }
+    EXPECT_GE(cached, 64) << "p " << p << ": the shared prefix was never reused";
+    expect_every_page_back(batch, p, cfg.kv_pages);
+    for (int r = 0; r < p; ++r)
+      EXPECT_EQ(batch.metrics.window_pages_used[static_cast<std::size_t>(r)], 0);
+
+    // The smallest window pool the engine accepts: one sequence's window and chunk.
+    EngineConfig tight = cfg;
+    tight.kv_window_pages = (24 + 20 - 1 + 2 * 16 + 16 * p - 1) / (16 * p) + 1;
+    const auto small = run_engine(*m, p, tight, subs, false);
+    ASSERT_TRUE(small.status.is_ok()) << small.status.to_string();
+    for (std::size_t i = 0; i < subs.size(); ++i)
+      EXPECT_EQ(same_bits(ref.out[i], small.out[i]), "") << "p " << p << " request " << i;
+    EXPECT_GE(small.metrics.preemptions_total, 1) << "p " << p;
+    tight.kv_window_pages -= 1;
+    const auto refused = run_engine(*m, p, tight, subs, false);
+    EXPECT_EQ(refused.status.code(), Code::kInvalidArgument) << refused.status.to_string();
+    EXPECT_NE(refused.status.message().find("kv_window_pages"), std::string::npos)
+        << refused.status.to_string();
+
+    // The long request alone: window pages in use (over the ranks) at every token.
+    int64_t most_window = 0, most_full = 0;
+    const std::vector<Submitted> one{subs.back()};
+    const auto alone = run_engine(*m, p, cfg, one, true,
+                                  [&](Engine& eng, RequestId, const TokenEvent&) {
+                                    const EngineMetrics em = eng.metrics();
+                                    int64_t w = 0, f = 0;
+                                    for (int r = 0; r < p; ++r) {
+                                      w += em.window_pages_used[static_cast<std::size_t>(r)];
+                                      f += em.pages_used[static_cast<std::size_t>(r)];
+                                    }
+                                    most_window = std::max(most_window, w);
+                                    most_full = std::max(most_full, f);
+                                  });
+    ASSERT_TRUE(alone.status.is_ok()) << alone.status.to_string();
+    EXPECT_EQ(same_bits(ref.out.back(), alone.out[0]), "") << "p " << p;
+    // A decode step's query sees 20 positions: at most 3 pages of 16 (2 and a partial one).
+    EXPECT_LE(most_window, 3) << "p " << p;
+    EXPECT_GE(most_full, (200 + 58) / 16) << "p " << p;
+  }
 }
 
 TEST(Engine, KVExchangeWithAMergeWithoutALocalTwinIsRefusedOnEveryRank) {

@@ -243,13 +243,27 @@ TEST(GenerationReport, Lines) {
   e.bytes_per_token = 3 * 1024;
   e.merges = 90;
   e.peak_rss_by_rank = {1u << 20, 3u << 19};
+  e.page_tokens = 128;
+  e.pages_per_rank = 40;
+  e.pages_used_peak = 70;
+  e.kv_bytes_used_peak = 35u << 20;
+  const std::string head =
+      "prompt 100 tokens (64 from the prefix cache): time to first token 12.3 ms (prefill "
+      "200 tokens/s)\n"
+      "decode tree (engine, dense replicated) 5 tokens: 100.00 ms/token p50, 148.50 p99, "
+      "10.0 tokens/s | rank 0 sent 3.00 KiB/token in 90 merges in all\n"
+      "peak RSS per rank: 1.00 MiB 1.50 MiB (includes the mapped weights, shared between "
+      "ranks)\n";
   EXPECT_EQ(generation::engine_report_text(e, "tree"),
-            "prompt 100 tokens (64 from the prefix cache): time to first token 12.3 ms (prefill "
-            "200 tokens/s)\n"
-            "decode tree (engine, dense replicated) 5 tokens: 100.00 ms/token p50, 148.50 p99, "
-            "10.0 tokens/s | rank 0 sent 3.00 KiB/token in 90 merges in all\n"
-            "peak RSS per rank: 1.00 MiB 1.50 MiB (includes the mapped weights, shared between "
-            "ranks)\n");
+            head + "KV pages in use at most (all ranks): 70 (35.00 MiB); 40 pages of 128 tokens "
+                   "per rank\n");
+  e.window_pages_per_rank = 5;
+  e.window_pages_used_peak = 6;
+  e.window_kv_bytes_used_peak = 15u << 20;
+  EXPECT_EQ(generation::engine_report_text(e, "tree"),
+            head + "KV pages in use at most (all ranks): 70 full pages (35.00 MiB, global "
+                   "layers), 6 window pages (15.00 MiB, sliding-window layers); per rank 40 "
+                   "full, 5 window pages of 128 tokens\n");
   e.weights_resident_by_rank = {2u << 20, 1u << 20};
   e.logits_hash = "0123456789abcdef";
   const std::string with = generation::engine_report_text(e, "tree");

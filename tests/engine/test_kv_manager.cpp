@@ -1,7 +1,8 @@
 // The engine's KV manager (src/engine/kv_manager.hpp) on hand-made sequences: placement (logical
 // page j on rank j mod p), reservations of a prompt's pages that allocation draws down, growth
 // on demand, prefix hits and the pages they save, cached hits counted against availability,
-// release (tail first into the LRU), preemption, this rank's entry pages, and poisoned pages.
+// release (tail first into the LRU), preemption, this rank's entry pages, poisoned pages, and the
+// window group: pages dropped once a sliding window has passed them, window prefix hits.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -204,6 +205,96 @@ TEST(EngineKVManager, EntryPagesAreThisRanksPagesUpToTheEnd) {
   EntryPages part;
   kv.entry_pages(s, 20, 1, part);  // [0, 20): rank 1 holds positions 16..19
   EXPECT_EQ(part.len, (std::vector<int32_t>{4}));
+}
+
+// The window group (sliding-window layers): window 40, pages of 16, 2 ranks. A sequence keeps
+// every full page and, of the window pages, those a query at `computed` or later still sees:
+// page j goes once (j + 1) * 16 - 1 <= computed - 40. Dropped pages leave the window table's
+// use count, and each rank's entry counts its own dropped pages (the kernel's page_index0).
+TEST(EngineKVManager, WindowPagesAreDroppedOnceTheWindowHasPassedThem) {
+  KVManager kv(2, 16, 16, true, WindowGroup{40, 8, 32});
+  ASSERT_TRUE(kv.has_window());
+  Sequence s = admitted(kv, iota_tokens(300), 1);
+  // Admission reserves the window pages of the first chunk only (positions 0..31: pages 0, 1).
+  EXPECT_EQ(s.reserve_left, (std::vector<int64_t>{10, 9, 1, 1}));
+  for (int64_t step = 0; step < 10; ++step) {
+    compute(kv, s, step < 9 ? 32 : 12);
+    const int64_t c = s.computed;
+    const int64_t first_live = c - 40 + 1 <= 0 ? 0 : (c - 40 + 1) / 16;
+    EXPECT_EQ(kv.window_first_live(c), first_live);
+    EXPECT_EQ(s.window_dropped, first_live) << "computed " << c;
+    ASSERT_EQ(s.window_pages.size(), s.pages.size());
+    int64_t held = 0;
+    for (int64_t j = 0; j < static_cast<int64_t>(s.window_pages.size()); ++j) {
+      const PageRef& pg = s.window_pages[static_cast<std::size_t>(j)];
+      EXPECT_EQ(pg.rank >= 0, j >= first_live) << "page " << j << " computed " << c;
+      if (pg.rank >= 0) {
+        EXPECT_EQ(pg.rank, static_cast<int>(j % 2));
+        ++held;
+      }
+      // no later query sees a dropped page's last position; every held page's is seen
+      if (pg.rank < 0) {
+        EXPECT_LE((j + 1) * 16 - 1, c - 40);
+      }
+    }
+    EXPECT_EQ(kv.window_table().used_pages(0) + kv.window_table().used_pages(1), held);
+    EXPECT_LE(held, (40 - 1 + 16 - 1) / 16 + 1);  // the window and the page being filled
+    EXPECT_EQ(kv.table().used_pages(0) + kv.table().used_pages(1), (c + 15) / 16);
+    for (int r = 0; r < 2; ++r) {
+      EntryPages e;
+      kv.window_entry_pages(s, c, r, e);
+      int64_t dropped_here = 0;
+      for (int64_t j = r; j < first_live; j += 2) ++dropped_here;
+      EXPECT_EQ(e.index0, dropped_here) << "rank " << r << " computed " << c;
+      for (const int64_t pos : e.pos) EXPECT_GE(pos / 16, first_live);
+    }
+    EXPECT_TRUE(kv.check().is_ok());
+  }
+  kv.release(s);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(kv.window_table().used_pages(r), 0);
+    EXPECT_EQ(kv.window_table().reserved(r), 0);
+    EXPECT_EQ(kv.table().reserved(r), 0);
+  }
+  EXPECT_TRUE(kv.check().is_ok());
+}
+
+// A prefix hit needs the window pages its first computed position sees: a released 10-page
+// chain hits whole while its last window pages are cached (its dropped earlier ones are evicted
+// first), and not at all once one of them is gone.
+TEST(EngineKVManager, AWindowHitNeedsTheWindowPagesBeforeItsEnd) {
+  for (const int64_t stranger_pages : {9, 10}) {
+    KVManager kv(1, 40, 16, true, WindowGroup{40, 12, 16});
+    const auto doc = iota_tokens(161);  // 10 full pages and one token
+    Sequence a = admitted(kv, doc, 1);
+    for (int64_t done = 0; done < 161; done += 16) compute(kv, a, std::min<int64_t>(16, 161 - done));
+    kv.release(a);  // window table: 10 cached (0..6 dropped earlier, then 9, 8, 7), 2 free
+    ASSERT_EQ(kv.window_table().cached_pages(0), 10);
+    const AdmissionFit before = kv.fit(doc);
+    EXPECT_EQ(before.hits.size(), 10u);
+    EXPECT_EQ(before.window_first, 7);  // (160 - 40 + 1) / 16
+    ASSERT_EQ(before.window_hits.size(), 3u);
+    for (std::size_t j = 0; j < 3; ++j) EXPECT_EQ(before.window_hits[j], a.window_pages[7 + j]);
+    // A stranger computing its pages at once takes the 2 free window pages and evicts the rest
+    // it needs, least recently released first: 0..6, then the chain's tail.
+    Sequence b = admitted(kv, iota_tokens(stranger_pages * 16, 5000), 1);
+    compute(kv, b, stranger_pages * 16);
+    const AdmissionFit after = kv.fit(doc);
+    if (stranger_pages == 9) {
+      EXPECT_EQ(after.hits.size(), 10u) << "only pages no hit needs were evicted";
+      EXPECT_EQ(after.window_hits.size(), 3u);
+    } else {
+      EXPECT_EQ(after.hits.size(), 0u) << "window page 9 is gone: no prefix has its window";
+      EXPECT_TRUE(after.window_hits.empty());
+    }
+    // What it takes is consistent: admitting it and computing the rest gives every page.
+    kv.release(b);
+    Sequence c = admitted(kv, doc, 1);
+    EXPECT_EQ(c.computed, static_cast<int64_t>(after.hits.size()) * 16);
+    compute(kv, c, 161 - c.computed);
+    EXPECT_EQ(c.window_dropped, kv.window_first_live(161));
+    EXPECT_TRUE(kv.check().is_ok());
+  }
 }
 
 TEST(EngineKVManager, PoisonFillsAPageWithNaN) {

@@ -94,8 +94,8 @@ void reference_tiled_item(const TiledItemArgs& a) {
     const auto* vt = reinterpret_cast<const uint8_t*>(a.v + tile * a.tile_stride);
     float ks = 1.0f, vs = 1.0f;
     if (a.k_scale != nullptr) {
-      ks = a.k_scale[tile * a.scale_tile_stride + lane];
-      vs = a.v_scale[tile * a.scale_tile_stride + lane];
+      ks = bf16_value(a.k_scale[tile * a.scale_tile_stride + lane]);
+      vs = bf16_value(a.v_scale[tile * a.scale_tile_stride + lane]);
     }
     for (int64_t d = 0; d < D; ++d) {
       kf[static_cast<std::size_t>(d)] = dequantize(
@@ -162,6 +162,9 @@ Status validate_entries(const TiledKVShard& pool, int64_t pool_pages,
     if (en.window < 0)
       return invalid_argument(name + ": window must be >= 0 (0: none), got " +
                               std::to_string(en.window));
+    if (en.page_index0 < 0)
+      return invalid_argument(name + ": page_index0 must be >= 0, got " +
+                              std::to_string(en.page_index0));
     if (en.page_pos.size() != en.pages.size() || en.page_len.size() != en.pages.size())
       return invalid_argument(
           name + ": pages, page_pos and page_len must have the same size, got " +
@@ -327,13 +330,18 @@ Status run_paged(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& sha
       for (int64_t q0 = 0; q0 < en.n_q; q0 += qblock) {
         const int64_t nq = std::min(qblock, en.n_q - q0);
         const int64_t needed = pages_needed(en, en.first_pos + q0 + nq - 1);
-        const int64_t groups = (needed + kPagedGroupPages - 1) / kPagedGroupPages;
+        // Groups are fixed by a page's index in the sequence's list (page_index0 + j), so an
+        // entry whose leading pages were dropped groups the rest as the full list would.
+        const int64_t g0 = en.page_index0 / kPagedGroupPages;
+        const int64_t groups =
+            needed == 0 ? 0 : (en.page_index0 + needed - 1) / kPagedGroupPages + 1 - g0;
         const auto cell = static_cast<int64_t>(plan.cells.size());
         plan.cells.push_back({static_cast<int64_t>(e), kvh, q0, nq,
                               static_cast<int64_t>(plan.items.size()), groups, block});
         for (int64_t g = 0; g < groups; ++g) {
-          const int64_t p0 = g * kPagedGroupPages;
-          plan.items.push_back({cell, p0, std::min(needed, p0 + kPagedGroupPages), slot_floats});
+          const int64_t p0 = std::max<int64_t>(0, (g0 + g) * kPagedGroupPages - en.page_index0);
+          const int64_t p1 = std::min(needed, (g0 + g + 1) * kPagedGroupPages - en.page_index0);
+          plan.items.push_back({cell, p0, p1, slot_floats});
           slot_floats += static_cast<std::size_t>(G * nq) * rec;
         }
       }
