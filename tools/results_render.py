@@ -389,6 +389,25 @@ def section_dense_split(work):
             s += "| %s | %s | %d | %s | %s | %.3f |\n" % (
                 r["model"], r["matmul"], r["ranks"], fmt_bytes(share),
                 " ".join(fmt_bytes(b) for b in res), max(res) / share)
+    if d.get("hosts"):
+        s += ("\n2 emulated hosts x 1 rank (`tools/cluster`, `--cluster LINKS`): the same request, "
+              "each link in one cluster session; auto planned on the link's preset with one rank "
+              "per host.\n\n| link | model | dense | ITL p50 | x replicated | dense ms/step per "
+              "rank | merge + all-gathers ms/step | predicted split / replicated | tokens = "
+              "replicated |\n|---|---|---|---:|---:|---|---|---|---|\n")
+        hosts = d["hosts"]
+        for h in hosts:
+            rep = next((x for x in hosts if x["link"] == h["link"] and x["model"] == h["model"] and
+                        x["dense_requested"] == "replicated"), None)
+            pred = ("%s / %s" % (fmt_us(h["predicted_split_us"]), fmt_us(h["predicted_replicated_us"]))
+                    if h["dense_requested"] == "auto" else "-")
+            s += "| %s | %s | %s%s | %.2f ms | %s | %s | %s | %s | %s |\n" % (
+                h["link"], h["model"], h["dense_requested"],
+                " (%s)" % h["dense"] if h["dense_requested"] == "auto" else "", h["itl_p50_ms"],
+                "%.2f" % (h["itl_p50_ms"] / rep["itl_p50_ms"]) if rep else "-",
+                " ".join("%.1f" % x for x in h.get("dense_ms", [])),
+                " ".join("%.1f" % x for x in h.get("comm_ms", [])), pred,
+                ("yes" if h["tokens"] == rep["tokens"] else "no") if rep else "-")
     if d.get("auto"):
         s += "\n`--dense auto` at 2 ranks: "
         s += ", ".join("%s chose %s (predicted per token: split %s, replicated %s)" % (
