@@ -125,15 +125,18 @@ std::vector<std::string> replace_auto(const std::vector<std::string>& methods,
 //               (cost_sim: Open MPI's recursive doubling / Bruck / ring, or NCCL's ring) plus one
 //               call's fixed cost (collective_overhead_us, and the network's call_overhead_us
 //               across nodes).
-// Both local terms take max(bytes / B_mem, flops / peak) where the topology gives a peak, and
-// the concurrency factor where ranks share cores. The split wins while the weight reads it saves,
-// (W - max_r W_r) / B_mem, exceed its all-gathers' time: on one node (about 1-3 us an
-// all-gather) for any model of more than a few MB; across a slow network (1 Gbit emulated: ~25
-// us a call) a small model stays replicated (docs/performance.md has the crossover).
+// Both local terms take max(bytes / B, flops / peak) where the topology gives a peak, and the
+// concurrency factor where ranks share cores; B is the topology's memory bandwidth per rank, or
+// the rate the matrix kernels were measured to read a decode step's weights at where that is
+// lower (weight_gbps: quantized kernels on a CPU thread decode slower than memory streams). The
+// split wins while the weight reads it saves, (W - max_r W_r) / B, exceed its all-gathers' time:
+// on one node (about 1-3 us an all-gather) for any model of more than a few MB; across a slow
+// network a small model may stay replicated (docs/architecture.md has the crossover).
 struct DenseQuery {
   double weight_bytes = 0;   // W, every projection and the head
   double slice_bytes = 0;    // max_r W_r (0: W / p)
   double flops_per_row = 0;  // 2 x the matrices' weights (0: bandwidth only)
+  double weight_gbps = 0;    // the kernels' measured weight read rate (0: memory bandwidth)
   int layers = 0;            // L
   int64_t qkv_width = 0;     // floats a row each group gathers: (H + 2 Hkv) D
   int64_t o_width = 0;       // E

@@ -272,6 +272,7 @@ struct DenseChoice {
   // (predict_dense), and the split's all-gathers per token.
   double predicted_split_us = 0, predicted_replicated_us = 0;
   int collectives_per_token = 0;
+  double weight_gbps = 0;  // rank 0's kernels' measured weight read rate the prediction used
   // This rank's projection and head weights (its slice's, or the whole model's) and its own
   // rows8 copy of them (0 where the model's copy is viewed).
   std::size_t weight_bytes = 0;

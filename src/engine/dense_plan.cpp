@@ -2,6 +2,7 @@
 #include "engine/dense_plan.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 
@@ -18,12 +19,52 @@ struct Wire {
   int32_t split = 0;
   int32_t collectives = 0;
   int32_t pad = 0;
-  double split_us = 0, replicated_us = 0;
+  double split_us = 0, replicated_us = 0, gbps = 0;
   char text[2048] = {};  // the topology's name, or the error
 };
 
+// The rate (GB/s) at which this rank's matrix kernels read a decode step's weights with the
+// engine's options: layer 0's projections for one token, the best of 3 timings. Quantized
+// kernels on a CPU thread decode weights slower than memory streams them; the cost model prices
+// the reads at the lower of the two.
+double measured_weight_gbps(const model::LlamaModel& model, const EngineConfig& config) {
+  using model::Projection;
+  const model::DenseWeights& w = model.weights();
+  model::MatvecOptions o;
+  o.threads = config.threads;
+  o.isa = config.isa;
+  o.mode = config.matmul;
+  const auto& mc = model.config();
+  const int64_t qd = mc.n_head * mc.head_dim;
+  const int64_t widest = std::max({mc.n_embd, mc.n_ff, qd});
+  std::vector<float> x(static_cast<std::size_t>(widest), 0.5f);
+  std::vector<std::vector<float>> y(3, std::vector<float>(static_cast<std::size_t>(widest)));
+  float* ys[] = {y[0].data(), y[1].data(), y[2].data()};
+  const Projection qkv[] = {Projection::kQ, Projection::kK, Projection::kV};
+  const Projection out[] = {Projection::kO};
+  const Projection gate_up[] = {Projection::kGate, Projection::kUp};
+  const Projection down[] = {Projection::kDown};
+  double bytes = 0;
+  for (int pr = 0; pr + 1 < model::kProjections; ++pr)
+    bytes += static_cast<double>(w.matrix(0, static_cast<Projection>(pr)).bytes());
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    Status s = model.project(w, 0, qkv, x.data(), 1, mc.n_embd, ys, o);
+    if (s.is_ok()) s = model.project(w, 0, out, x.data(), 1, qd, std::span(ys, 1), o);
+    if (s.is_ok()) s = model.project(w, 0, gate_up, x.data(), 1, mc.n_embd, std::span(ys, 2), o);
+    if (s.is_ok()) s = model.project(w, 0, down, x.data(), 1, mc.n_ff, std::span(ys, 1), o);
+    if (!s.is_ok()) return 0;
+    const double us =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+    if (rep == 0 || us < best) best = us;
+  }
+  return best > 0 ? bytes / best / 1e3 : 0;
+}
+
 // Rank 0: auto's choice on the topology (which it has, or the error that it has none).
-Wire decide_on_rank0(const model::LlamaModel& model, int p, const Result<Topology>& topo) {
+Wire decide_on_rank0(const model::LlamaModel& model, const EngineConfig& config, int p,
+                     const Result<Topology>& topo) {
   Wire w;
   auto put = [&w](const std::string& s) {
     std::memcpy(w.text, s.data(), std::min(s.size(), sizeof(w.text) - 1));
@@ -34,6 +75,7 @@ Wire decide_on_rank0(const model::LlamaModel& model, int p, const Result<Topolog
   }
   DenseQuery q = dense_query(model, p);
   q.ranks_per_node = std::min(p, topo->ranks_per_node);
+  q.weight_gbps = measured_weight_gbps(model, config);
   auto d = predict_dense(q, *topo);
   if (!d.is_ok()) {
     put("--dense auto on topology '" + topo->name + "': " + d.status().message());
@@ -44,6 +86,7 @@ Wire decide_on_rank0(const model::LlamaModel& model, int p, const Result<Topolog
   w.collectives = d->collectives;
   w.split_us = d->split_us;
   w.replicated_us = d->replicated_us;
+  w.gbps = q.weight_gbps;
   put(topo->name);
   return w;
 }
@@ -69,7 +112,7 @@ Result<DenseChoice> choose(Communicator& comm, const EngineConfig& config,
     topo = job_topology_of(comm, cpu_executor());
   }
   Wire w;
-  if (comm.rank() == 0) w = decide_on_rank0(model, p, topo);
+  if (comm.rank() == 0) w = decide_on_rank0(model, config, p, topo);
   TREEATTN_RETURN_IF_ERROR(comm.broadcast(&w, sizeof(w), 0));
   const std::string text(w.text, strnlen(w.text, sizeof(w.text)));
   if (w.ok == 0)
@@ -81,6 +124,7 @@ Result<DenseChoice> choose(Communicator& comm, const EngineConfig& config,
   c.predicted_split_us = w.split_us;
   c.predicted_replicated_us = w.replicated_us;
   c.collectives_per_token = w.collectives;
+  c.weight_gbps = w.gbps;
   return c;
 }
 
@@ -156,12 +200,13 @@ std::string describe_dense(const DenseChoice& c) {
   const bool planned = c.how.rfind("auto", 0) == 0 && !c.topology.empty();
   std::string s =
       std::string(c.mode()) + " (" + (planned ? "auto on topology " + c.topology : c.how);
-  char buf[192];
+  char buf[256];
   if (planned) {
     std::snprintf(buf, sizeof(buf),
-                  "; predicted per token: split %.3f ms, replicated %.3f ms, %d all-gathers",
+                  "; predicted per token: split %.3f ms, replicated %.3f ms, %d all-gathers, "
+                  "weights read at %.1f GB/s",
                   c.predicted_split_us / 1e3, c.predicted_replicated_us / 1e3,
-                  c.collectives_per_token);
+                  c.collectives_per_token, c.weight_gbps);
     s += buf;
   }
   std::snprintf(buf, sizeof(buf), "; %.1f MB of weights on this rank",

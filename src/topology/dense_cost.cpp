@@ -52,8 +52,11 @@ Result<DensePrediction> predict_dense(const DenseQuery& q, const Topology& topo)
                         ? std::ceil(static_cast<double>(p) / topo.max_concurrent_ranks)
                         : 1.0;
   const auto rows = static_cast<double>(q.rows);
+  const double read_gbps = q.weight_gbps > 0
+                              ? std::min(topo.memory_bandwidth_GBps, q.weight_gbps)
+                              : topo.memory_bandwidth_GBps;
   auto local = [&](double bytes, double flops) {
-    double t = cost::transfer_us(bytes, topo.memory_bandwidth_GBps);
+    double t = cost::transfer_us(bytes, read_gbps);
     if (topo.peak_tflops && flops > 0)
       t = std::max(t, flops / (*topo.peak_tflops * 1e12) * cost::kUsPerSecond);
     return t * cf;

@@ -559,6 +559,18 @@ TEST(DenseCost, SmallModelsOnSlowLinksStayReplicated) {
   ASSERT_TRUE(small.is_ok() && big.is_ok());
   EXPECT_FALSE(small->split_wins()) << small->split_us << " vs " << small->replicated_us;
   EXPECT_TRUE(big->split_wins()) << big->split_us << " vs " << big->replicated_us;
+  // The kernels measured to read the weights at 10 GB/s (a quantized decode on one CPU thread),
+  // not the topology's 32: the reads the split saves grow threefold, and the small model splits
+  // too.
+  q_small.weight_gbps = 10;
+  auto measured = predict_dense(q_small, *slow);
+  ASSERT_TRUE(measured.is_ok());
+  EXPECT_NEAR(measured->replicated_us, 1e8 / 10e3, 1e-6);
+  EXPECT_TRUE(measured->split_wins()) << measured->split_us << " vs " << measured->replicated_us;
+  q_small.weight_gbps = 100;  // faster than memory: memory bounds it
+  auto capped = predict_dense(q_small, *slow);
+  ASSERT_TRUE(capped.is_ok());
+  EXPECT_DOUBLE_EQ(capped->replicated_us, small->replicated_us);
   // More weights: the replicated time grows by all of them, the split by its slice.
   auto bigger = dense_query(2e9, 28, 2);
   auto b2 = predict_dense(bigger, *slow);
