@@ -26,6 +26,7 @@
 
 #include "cluster.hpp"
 #include "commands.hpp"
+#include "engine/dense_plan.hpp"
 #include "engine/exchange.hpp"
 #include "engine/generation_report.hpp"
 #include "engine/layer_merge.hpp"
@@ -79,6 +80,8 @@ struct GenFlags {
   std::string kv_memory;
   int64_t kv_window_pages = -1;           // --engine: EngineConfig::kv_window_pages
   std::string prefill_exchange = "auto";  // --engine: pass-q | kv | auto
+  std::string dense = "auto";             // --engine: split | replicated | auto
+  bool hash_logits = false;               // --engine: --hash-logits
   int timeout_ms = 600000;
   int fanout = 2;
 };
@@ -127,6 +130,8 @@ generation::Request request_of(const GenFlags& f, const std::string& model_path,
   if (!f.kv_memory.empty()) r.kv_memory = static_cast<std::size_t>(*parse_bytes(f.kv_memory));
   r.kv_window_pages = f.kv_window_pages;
   r.prefill_exchange = f.prefill_exchange;
+  r.dense = f.dense;
+  r.hash_logits = f.hash_logits;
   r.topology_file = f.topology;
   r.placement = *parse_shard_kind(f.placement);
   r.kv_layout = *parse_kv_layout(f.kv_layout);
@@ -214,6 +219,8 @@ Result<std::string> preflight(GenFlags& f, const CLI::App& sub, bool check_outpu
     }
     if (auto x = engine::parse_exchange(f.prefill_exchange); !x.is_ok())
       return Status(x.status().code(), "--prefill-exchange: " + x.status().message());
+    if (Status d = engine::check_dense_name(f.dense); !d.is_ok())
+      return Status(d.code(), "--dense: " + d.message());
   } else if (!f.kv_memory.empty()) {
     return invalid_argument(
         "--kv-memory is the engine's (not with --session or flags that imply it)");
@@ -227,6 +234,13 @@ Result<std::string> preflight(GenFlags& f, const CLI::App& sub, bool check_outpu
     return invalid_argument(
         "--prefill-exchange is the engine's (not with --session or flags that "
         "imply it; the session's prefill always moves K/V)");
+  } else if (f.hash_logits) {
+    return invalid_argument(
+        "--hash-logits is the engine's (not with --session or flags that imply it)");
+  } else if (f.dense != "auto") {
+    return invalid_argument(
+        "--dense is the engine's (not with --session or flags that imply it; the session "
+        "path computes the dense layers on every rank)");
   }
   for (const auto& m : methods)
     if (!f.engine && m != "auto" && !reg.contains(m)) {
@@ -316,7 +330,8 @@ generation::ReportLabels labels_of(const GenFlags& f, const std::string& model_p
           f.prefill_exchange,
           std::string(isa_name(model::matmul_isa(o))),
           std::string(model::matmul_int8_target(o)),
-          f.method};
+          f.method,
+          f.dense};
 }
 
 // The report (rank 0): its lines on stderr, and --json.
@@ -360,13 +375,12 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
     if (f.engine)
       std::fprintf(stderr,
                    "treeattn generate (engine): %s | %d rank(s) x %d thread(s), matmul %s | "
-                   "merge %s | KV %s pages of %lld tokens, %lld per rank | prompt %lld tokens, "
-                   "up to %lld new\n",
+                   "dense %s | merge %s | KV %s pages of %lld tokens, %lld per rank | prompt "
+                   "%lld tokens, up to %lld new\n",
                    s.config->to_string().c_str(), P, threads, label.c_str(),
-                   s.merge_description.c_str(),
-                   f.kv_dtype.c_str(), static_cast<long long>(s.page_tokens),
-                   static_cast<long long>(s.pages_per_rank), static_cast<long long>(n),
-                   static_cast<long long>(f.new_tokens));
+                   s.dense_description.c_str(), s.merge_description.c_str(), f.kv_dtype.c_str(),
+                   static_cast<long long>(s.page_tokens), static_cast<long long>(s.pages_per_rank),
+                   static_cast<long long>(n), static_cast<long long>(f.new_tokens));
     else
       std::fprintf(stderr,
                    "treeattn generate: %s | %d rank(s) x %d thread(s), matmul %s | method %s "
@@ -526,6 +540,16 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
                   "travel, one merge per layer), kv (the cached K/V travels), auto (per chunk, "
                   "fewer bytes; same bits either way)")
       ->capture_default_str();
+  sub->add_option("--dense", f->dense,
+                  "--engine: the dense layers over the ranks: split (each rank holds and computes "
+                  "1/p of every projection's outputs, all-gathered per matrix group), replicated "
+                  "(every rank holds the whole model and computes its share of the rows), auto "
+                  "(the cost model's choice for one decoding sequence on the job's topology; "
+                  "same bits either way)")
+      ->capture_default_str();
+  sub->add_flag("--hash-logits", f->hash_logits,
+                "--engine: hash every generated token's logits bits (the report's and --json's "
+                "logits_hash), to compare runs bit for bit");
   sub->add_option("--kv-memory", f->kv_memory,
                   "--engine: KV page memory per rank, e.g. 2G (default: what the prompt needs)");
   sub->add_option("--kv-window-pages", f->kv_window_pages,

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "commands.hpp"
+#include "engine/dense_plan.hpp"
 #include "engine/exchange.hpp"
 #include "engine/layer_merge.hpp"
 #include "options.hpp"
@@ -65,6 +66,7 @@ struct ServeFlags {
   std::string topology;  // what auto plans on: a file or preset; empty: this job's
   int fanout = 2;
   std::string prefill_exchange = "auto";
+  std::string dense = "auto";
   int threads = 0;
   std::string isa = "auto";
   std::string matmul;  // --matmul: exact | int8 | int8-ffn; "" until preflight: the model's
@@ -116,6 +118,8 @@ Result<std::string> preflight(ServeFlags& f) {
       return Status(t.status().code(), "--topology: " + t.status().message());
   if (auto x = engine::parse_exchange(f.prefill_exchange); !x.is_ok())
     return Status(x.status().code(), "--prefill-exchange: " + x.status().message());
+  if (Status d = engine::check_dense_name(f.dense); !d.is_ok())
+    return Status(d.code(), "--dense: " + d.message());
   TREEATTN_RETURN_IF_ERROR(check_thread_count(f.threads, "--threads"));
   TREEATTN_RETURN_IF_ERROR(check_matmul_flag(f.matmul));  // before a model is fetched
   TREEATTN_RETURN_IF_ERROR(isa_for_flag(f.isa).status());
@@ -167,6 +171,7 @@ engine::EngineConfig engine_config(const ServeFlags& f, int threads) {
   c.topology = f.topology;
   c.fanout = f.fanout;
   c.prefill_exchange = f.prefill_exchange;
+  c.dense = f.dense;
   c.threads = threads;
   c.isa = *isa_for_flag(f.isa);
   c.matmul = *model::parse_matmul_mode(f.matmul);
@@ -370,6 +375,12 @@ Runner add_serve_command(CLI::App& app, const Invocation& inv) {
   sub->add_option("--prefill-exchange", f->prefill_exchange,
                   "How a prompt chunk's attention crosses the ranks: pass-q (its queries travel), "
                   "kv (the cached K/V travels), auto (per chunk, fewer bytes; same bits)")
+      ->capture_default_str();
+  sub->add_option("--dense", f->dense,
+                  "The dense layers over the ranks: split (each rank holds and computes 1/p of "
+                  "every projection's outputs, all-gathered per matrix group), replicated (every "
+                  "rank holds the whole model and computes its share of a step's rows), auto (the "
+                  "cost model's choice for one decoding sequence on --topology; same bits)")
       ->capture_default_str();
   sub->add_option("--threads", f->threads, "Threads per rank (0: cores / ranks on the host)")
       ->capture_default_str();

@@ -136,6 +136,19 @@ else
   skip kv_capacity "--quick without an earlier bench/engine/kv_capacity.sh run"
 fi
 
+# The dense layers split over the ranks (bench/engine/dense_split.sh: generate at 1 rank and 2
+# ranks replicated and split, resident weights at 2 and 4 ranks). Full mode runs it; --quick
+# takes the last run (out/dense_split) when there is one.
+if [ "$quick" = 0 ]; then
+  step dense_split bench/engine/dense_split.sh --out "$work/dense_split_run"
+  cp "$work/dense_split_run/dense_split.json" "$work/" 2>/dev/null
+elif [ -f out/dense_split/dense_split.json ]; then
+  cp out/dense_split/dense_split.json "$work/"
+  echo "dense_split from out/dense_split (bench/engine/dense_split.sh)" >> "$status"
+else
+  skip dense_split "--quick without an earlier bench/engine/dense_split.sh run"
+fi
+
 # Window pages (bench/engine/window_pages.sh: Gemma-3-270M at a 32k context, with and without).
 # Full mode runs it; --quick takes the last run (out/window_pages) when there is one.
 if [ "$quick" = 0 ]; then

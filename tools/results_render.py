@@ -352,6 +352,70 @@ def section_kv_capacity(work):
     return s
 
 
+def section_dense_split(work):
+    s = ("## Dense split\n\n`bench/engine/dense_split.sh`: the dense layers split over the ranks "
+         "(`--dense split`) against replicated and one rank, `treeattn generate --engine`, one "
+         "greedy request, 1 thread per rank.\n\n")
+    d = load(work, "dense_split.json")
+    if not d:
+        return s + not_run(work, "dense_split", "model")
+    s += ("| model | matmul | prompt | ranks | dense | ITL p50 | x 1 rank | dense ms/step per rank "
+          "| merge + all-gathers ms/step | tokens = 1 rank | logits = replicated |\n"
+          "|---|---|---:|---:|---|---:|---:|---|---|---|---|\n")
+    best = {}
+    for r in d.get("itl", []):
+        key = (r["model"], r["context"], r["ranks"], r["dense"])
+        if key not in best or r["itl_p50_ms"] < best[key]["itl_p50_ms"]:
+            best[key] = r
+    for key in sorted(best, key=lambda k: (k[0], k[1], k[2], k[3] != "replicated")):
+        r = best[key]
+        one = best.get((key[0], key[1], 1, "replicated"))
+        rep = best.get((key[0], key[1], key[2], "replicated"))
+        s += "| %s | %s | %d | %d | %s | %.2f ms | %s | %s | %s | %s | %s |\n" % (
+            r["model"], r["matmul"], r["context"], r["ranks"], r["dense"], r["itl_p50_ms"],
+            "%.2f" % (r["itl_p50_ms"] / one["itl_p50_ms"]) if one else "-",
+            " ".join("%.1f" % x for x in r.get("dense_ms", [])),
+            " ".join("%.1f" % x for x in r.get("comm_ms", [])),
+            ("yes" if one and r["tokens"] == one["tokens"] else "no") if one else "-",
+            ("yes" if rep and r["logits_hash"] == rep["logits_hash"] else "no") if rep else "-")
+    if d.get("rss"):
+        s += ("\nResident weights per rank with `--dense split` (the file's pages each rank "
+              "touched plus its own rows8 copy), against 1/p of the file.\n\n| model | matmul | "
+              "ranks | file / p | resident per rank | max / (file / p) |\n"
+              "|---|---|---:|---:|---|---:|\n")
+        for r in d["rss"]:
+            share = r["file_bytes"] / r["ranks"]
+            res = r["weights_resident_bytes_by_rank"]
+            s += "| %s | %s | %d | %s | %s | %.3f |\n" % (
+                r["model"], r["matmul"], r["ranks"], fmt_bytes(share),
+                " ".join(fmt_bytes(b) for b in res), max(res) / share)
+    if d.get("hosts"):
+        s += ("\n2 emulated hosts x 1 rank (`tools/cluster`, `--cluster LINKS`): the same request, "
+              "each link in one cluster session; auto planned on the link's preset with one rank "
+              "per host.\n\n| link | model | dense | ITL p50 | x replicated | dense ms/step per "
+              "rank | merge + all-gathers ms/step | predicted split / replicated | tokens = "
+              "replicated |\n|---|---|---|---:|---:|---|---|---|---|\n")
+        hosts = d["hosts"]
+        for h in hosts:
+            rep = next((x for x in hosts if x["link"] == h["link"] and x["model"] == h["model"] and
+                        x["dense_requested"] == "replicated"), None)
+            pred = ("%s / %s" % (fmt_us(h["predicted_split_us"]), fmt_us(h["predicted_replicated_us"]))
+                    if h["dense_requested"] == "auto" else "-")
+            s += "| %s | %s | %s%s | %.2f ms | %s | %s | %s | %s | %s |\n" % (
+                h["link"], h["model"], h["dense_requested"],
+                " (%s)" % h["dense"] if h["dense_requested"] == "auto" else "", h["itl_p50_ms"],
+                "%.2f" % (h["itl_p50_ms"] / rep["itl_p50_ms"]) if rep else "-",
+                " ".join("%.1f" % x for x in h.get("dense_ms", [])),
+                " ".join("%.1f" % x for x in h.get("comm_ms", [])), pred,
+                ("yes" if h["tokens"] == rep["tokens"] else "no") if rep else "-")
+    if d.get("auto"):
+        s += "\n`--dense auto` at 2 ranks: "
+        s += ", ".join("%s chose %s (predicted per token: split %s, replicated %s)" % (
+            a["model"], a["dense"], fmt_us(a["predicted_split_us"]),
+            fmt_us(a["predicted_replicated_us"])) for a in d["auto"]) + ".\n"
+    return s
+
+
 def section_window_pages(work):
     s = ("## Window pages\n\n`bench/engine/window_pages.sh`: Gemma-3-270M (15 of 18 layers with a "
          "512-position window), one greedy request through `treeattn generate --engine` at 2 "
@@ -415,7 +479,7 @@ def section_validate(work):
 
 
 SECTIONS = {"merge_methods": section_merge_methods, "kv_capacity": section_kv_capacity,
-            "window_pages": section_window_pages}
+            "dense_split": section_dense_split, "window_pages": section_window_pages}
 
 
 def previous_sections(path):
@@ -482,8 +546,8 @@ def main():
     kept = []
     body = ""
     for sec in (section_main, section_kernel, section_treering, section_model, section_load,
-                section_merge_methods, section_kv_capacity, section_window_pages, section_sweep,
-                section_validate):
+                section_merge_methods, section_kv_capacity, section_window_pages,
+                section_dense_split, section_sweep, section_validate):
         body += keep_previous(sec(a.work), previous, kept) + "\n"
     for name, where in kept:
         m["kept: " + name] = where

@@ -369,6 +369,10 @@ int main(int argc, char** argv) {
   std::string exchange = "auto";
   app.add_option("--prefill-exchange", exchange, "auto | pass-q | kv (throughput, followup)")
       ->capture_default_str();
+  std::string dense = "auto";
+  app.add_option("--dense", dense,
+                 "split | replicated | auto: the dense layers over the ranks (EngineConfig::dense)")
+      ->capture_default_str();
   auto* kd = app.add_subcommand("kv-dtype", "KV page types: capacity, decode ITL, tokens, logits");
   std::vector<std::string> kv_dtypes = {"f16", "int8", "fp8"};
   int kv_rounds = 2;
@@ -458,11 +462,11 @@ int main(int argc, char** argv) {
   cfg.threads = threads;
   cfg.merge = merge;
   cfg.prefill_exchange = exchange;
+  cfg.dense = dense;  // the engine copies its rows into the decode layout (rows8) itself
   if (auto mm = model::parse_matmul_mode(matmul); mm.is_ok())
     cfg.matmul = *mm;
   else
     fail(mm.status());
-  (*model)->pack_rows8(cfg.matmul, threads);  // the decode steps' layout, as serve and generate
   cfg.max_batch = 16;
   cfg.prefill_chunk = 512;
   cfg.page_tokens = page_tokens;

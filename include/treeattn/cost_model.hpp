@@ -108,6 +108,61 @@ Result<StrategyChoice> choose_strategy(const CostQuery& q, const Topology& topo,
 std::vector<std::string> replace_auto(const std::vector<std::string>& methods,
                                       const std::string& choice);
 
+// ---- the dense layers: replicated or split over the ranks (the serving engine's --dense) ----
+//
+// One step of `rows` rows through the dense layers (projections, FFN, output head) of a model
+// with L layers whose projection matrices and head hold W bytes (the file's format):
+//   replicated  every rank holds and reads every weight: W / B_mem per step (B_mem the
+//               topology's memory bandwidth per rank), no communication (a step of several rows
+//               splits them over the ranks, and each rank still reads every weight once);
+//   split       rank r holds slice r of each matrix's output rows and reads W_r ~ W / p; every
+//               matrix group's outputs are all-gathered: per layer q, k, v ((H + 2 Hkv) D floats a
+//               row), the attention output (E), the FFN's activations (F) and its down projection
+//               (E), and once per step the embeddings (each row's by the rank whose vocabulary
+//               slice holds its token: E a row, ceil(rows / p) rows a slot) and the head's logits
+//               (V a sampled row): 4 L + 2 all-gathers of about rows x width / p x 4 bytes from
+//               each rank, each priced as the topology's library runs it
+//               (cost_sim: Open MPI's recursive doubling / Bruck / ring, or NCCL's ring) plus one
+//               call's fixed cost (collective_overhead_us, and the network's call_overhead_us
+//               across nodes).
+// Both local terms take max(bytes / B, flops / peak) where the topology gives a peak, and the
+// concurrency factor where ranks share cores; B is the topology's memory bandwidth per rank, or
+// the rate the matrix kernels were measured to read a decode step's weights at where that is
+// lower (weight_gbps: quantized kernels on a CPU thread decode slower than memory streams). The
+// split wins while the weight reads it saves, (W - max_r W_r) / B, exceed its all-gathers' time:
+// on one node (about 1-3 us an all-gather) for any model of more than a few MB; across a slow
+// network a small model may stay replicated (docs/architecture.md has the crossover).
+struct DenseQuery {
+  double weight_bytes = 0;   // W, every projection and the head
+  double slice_bytes = 0;    // max_r W_r (0: W / p)
+  double flops_per_row = 0;  // 2 x the matrices' weights (0: bandwidth only)
+  double weight_gbps = 0;    // the kernels' measured weight read rate (0: memory bandwidth)
+  int layers = 0;            // L
+  int64_t qkv_width = 0;     // floats a row each group gathers: (H + 2 Hkv) D
+  int64_t o_width = 0;       // E
+  int64_t ffn_width = 0;     // F
+  int64_t down_width = 0;    // E
+  int64_t head_width = 0;    // V
+  int64_t embd_width = 0;    // E (the embeddings' all-gather)
+  int64_t rows = 1;          // rows of the step (1: one sequence decoding)
+  int64_t sampled_rows = 1;  // rows whose logits are computed
+  int ranks = 1;             // p (>= 1); 0 = all ranks of the topology
+  int ranks_per_node = 0;    // placement; 0 = the topology's
+};
+
+struct DensePrediction {
+  double replicated_us = 0;  // one step's dense part, replicated
+  double split_us = 0;       // the split's: its compute plus its all-gathers
+  double split_compute_us = 0;
+  double split_comm_us = 0;
+  int collectives = 0;             // all-gathers per step of the split: 4 L + 2
+  double bytes_sent_per_rank = 0;  // the split's, per step, as the library moves them
+  std::string algorithm;           // how each all-gather was modelled
+  bool split_wins() const { return split_us < replicated_us; }
+};
+// Errors: a query without weights or layers, ranks or placement the topology cannot hold.
+Result<DensePrediction> predict_dense(const DenseQuery& q, const Topology& topo);
+
 // The paper's microbenchmark (Fig. 3): one attention block of 16 heads x 128, batch 1, one
 // query, bf16, context 80k..5.12M (doubling), tree vs the KV-rotating ring.
 struct SweepRow {

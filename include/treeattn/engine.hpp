@@ -16,13 +16,14 @@
 //
 // One step = one forward pass over a batch of rows: a chunk of prompt tokens for each sequence
 // still prefilling (at most prefill_chunk tokens over all of them) and one token for each
-// sequence decoding. The dense part is split over the ranks: rank r embeds and projects rows
-// [r R/p, (r+1) R/p) (rounded up). Per layer: each rank projects q, k, v of its rows and the ranks
-// all-gather them ((n_head + 2 n_head_kv) head_dim floats per row); the owners store k and v
-// into their pages; every rank computes the partial states of every row's queries over its own
-// pages in one kernel pass (decode_partial_paged); one merge per layer combines the ranks'
-// states of all rows (EngineConfig::merge); each rank then runs the output projection and the
-// feed-forward network for its own rows. Each rank computes the logits of its own rows that
+// sequence decoding. With replicated dense layers (EngineConfig::dense) the rows are split over
+// the ranks: rank r embeds and projects rows [r R/p, (r+1) R/p) (rounded up). Per layer: each
+// rank projects q, k, v of its rows and the ranks all-gather them ((n_head + 2 n_head_kv)
+// head_dim floats per row); the owners store k and v into their pages; every rank computes the
+// partial states of every row's queries over its own pages in one kernel pass
+// (decode_partial_paged); one merge per layer combines the ranks' states of all rows
+// (EngineConfig::merge); each rank then runs the output projection and the feed-forward network
+// for its own rows. Each rank computes the logits of its own rows that
 // end a sequence's known tokens, an all-gather gives every rank all of them (one row on its
 // own is computed by every rank), and every rank samples the same tokens. That is pass-Q: a
 // follow-up against cached pages is prefilled by the tree merge, the new queries travel and the
@@ -30,7 +31,10 @@
 // the first chunks of a long one; EngineConfig::prefill_exchange) goes the other way: the
 // all-gather carries its rows' k and v only, the ranks all-gather their pages of its sequence,
 // and each rank computes its own rows' attention alone, per owner's pages and merged locally
-// in the merge's association (src/engine/exchange.hpp), so its bits are pass-Q's.
+// in the merge's association (src/engine/exchange.hpp), so its bits are pass-Q's. With split
+// dense layers each rank computes its slice of every projection's outputs for every row instead
+// and the ranks all-gather each matrix group's (src/engine/model_runner_split.cpp); the
+// attention is the same, and so are the bits.
 //
 // Exactness and batch invariance: attention is exact softmax attention (float accumulation,
 // states merged as state.hpp). A request's logits do not depend on what else is in the batch,
@@ -182,8 +186,27 @@ struct EngineConfig {
   // The quantized weights' matmul (model.hpp): int8 activations by default; exact is the
   // reference path (and what a comparison with the Generator needs on both sides).
   model::MatmulMode matmul = model::MatmulMode::kInt8;
-  // The caller's LlamaModel::pack_rows8 before Engine::create (serve, generate): the decode
-  // steps' Q4_K / Q6_K / Q8_0 / Q5_0 layout, about those matrices' size again in memory; false:
+  // How the dense layers (the projections, the FFN and the output head) are spread over the
+  // ranks:
+  //   "replicated"  every rank computes with the whole model: a step's rows split over the ranks
+  //                 (a lone row is computed by every rank), as the header comment describes;
+  //   "split"       rank r holds slice r of every projection's output rows (model.hpp
+  //                 DenseWeights, LlamaModel::slice: about 1/p of the weights, read in place from
+  //                 the file's mapping) and computes them for every row of the step; per layer
+  //                 one all-gather each of q/k/v, the attention output, the FFN's activations and
+  //                 its down projection, and per step one of the embeddings (each row's token
+  //                 embedded by the rank whose vocabulary slice holds it) and one of the logits;
+  //                 every output element is still one whole dot product on one rank, so the bits
+  //                 are the replicated ones;
+  //   "auto"        the cost model's choice for one decoding sequence (predict_dense,
+  //                 cost_model.hpp) on `topology`: the weight bytes each rank reads per token
+  //                 against the split's all-gathers on the job's links; split at one rank is
+  //                 replicated.
+  // Engine::dense_choice() says which ran and why.
+  std::string dense = "auto";
+  // The decode steps' Q4_K / Q6_K / Q8_0 / Q5_0 layout (rows8: model.hpp), about those matrices'
+  // size again in memory: the engine copies the rows it computes with (the whole model's,
+  // or only its slice's with dense split) unless the model already has a copy; false:
   // --no-rows8.
   bool rows8 = true;
   std::chrono::milliseconds timeout{10000};    // per communicator operation; 0 = forever
@@ -211,7 +234,9 @@ struct EngineMetrics {
   std::vector<int64_t> pages_used;    // per rank: referenced by a live sequence
   std::vector<int64_t> pages_cached;  // per rank: unreferenced, kept for prefix reuse (evictable)
   std::vector<int64_t> pages_free;    // per rank: on the free list
-  std::vector<double> merge_seconds;  // per rank: time in the per-layer merge and q/k/v all-gather
+  // per rank: time in the per-layer merge and the all-gathers (q/k/v; with dense split, every
+  // matrix group's outputs and the logits)
+  std::vector<double> merge_seconds;
   std::vector<double> attention_seconds;  // per rank: time in the paged kernel, total
   std::vector<double> dense_seconds;      // per rank: projections, output projection and FFN
   int64_t merges = 0;                 // per-layer merges run (each rank ran this many)
@@ -237,6 +262,26 @@ struct MergeChoice {
 // One line for banners: "hier (auto on topology job, batch invariant; predicted per layer:
 // hier 31.0 us, tree 33.5 us, ...)".
 std::string describe_merge(const MergeChoice& choice);
+
+// How the dense layers run (EngineConfig::dense), the same on every rank (rank 0's choice).
+struct DenseChoice {
+  bool split = false;    // dense split; false: replicated
+  std::string how;       // "by name", "auto: one rank", "auto: planned on topology NAME"
+  std::string topology;  // the topology auto planned on
+  // auto at more than one rank: the cost model's times of one decoding token's dense part
+  // (predict_dense), and the split's all-gathers per token.
+  double predicted_split_us = 0, predicted_replicated_us = 0;
+  int collectives_per_token = 0;
+  double weight_gbps = 0;  // rank 0's kernels' measured weight read rate the prediction used
+  // This rank's projection and head weights (its slice's, or the whole model's) and its own
+  // rows8 copy of them (0 where the model's copy is viewed).
+  std::size_t weight_bytes = 0;
+  std::size_t rows8_bytes = 0;
+  const char* mode() const { return split ? "split" : "replicated"; }
+};
+// One line for banners: "split (auto on topology job; predicted per token: split 1.20 ms,
+// replicated 3.40 ms, 121 all-gathers; 46 MB of weights on this rank)".
+std::string describe_dense(const DenseChoice& choice);
 
 // Window pages per rank that one sequence alone needs (its window and a prefill chunk, over
 // `ranks` ranks): the least kv_window_pages the engine accepts, and what a one-request run
@@ -284,6 +329,7 @@ class Engine {
   EngineMetrics metrics() const;  // rank 0 (thread-safe)
   const EngineConfig& config() const;
   const MergeChoice& merge_choice() const;
+  const DenseChoice& dense_choice() const;
   const model::LlamaModel& model() const;
   Communicator& comm() const;
 

@@ -68,7 +68,9 @@ struct Request {
   bool ignore_eos = false;
   model::SamplingParams sampling;
   model::MatmulMode matmul = model::MatmulMode::kInt8;
-  bool rows8 = true;  // LlamaModel::pack_rows8 after loading (--no-rows8: false)
+  // The rows8 copy of the quantized matrices (model.hpp; --no-rows8: false): the session path's
+  // LlamaModel::pack_rows8 after loading, the engine's of the rows it computes with.
+  bool rows8 = true;
   Isa isa = Isa::kAuto;  // the CPU kernel target of the matmul and attention kernels
   DType kv_dtype = DType::kF16;
   int threads = 1;  // per rank
@@ -83,7 +85,12 @@ struct Request {
   std::size_t kv_memory = 0;  // 0: the pages this prompt needs on each rank, and a few more
   int64_t kv_window_pages = -1;  // EngineConfig::kv_window_pages
   std::string prefill_exchange = "auto";
+  // The engine's dense layers (EngineConfig::dense): split, replicated or auto.
+  std::string dense = "auto";
   std::string topology_file;  // EngineConfig::topology: what "auto" plans on (empty: the job)
+  // Hash every generated token's logits (Output::logits_hash), to compare the bits of runs; the
+  // engine then copies each token's logits to rank 0's callback.
+  bool hash_logits = false;
   // session path only
   ShardKind placement = ShardKind::kEven;
   KVLayout kv_layout = KVLayout::kAuto;
@@ -108,6 +115,7 @@ struct Start {
   std::vector<std::string> methods;             // resolved (session path) or {merge} (engine)
   int64_t page_tokens = 0, pages_per_rank = 0;  // engine
   std::string merge_description;                // engine: describe_merge(merge_choice())
+  std::string dense_description;                // engine: describe_dense(dense_choice())
 };
 
 struct Hooks {
@@ -165,6 +173,16 @@ struct Output {
   int64_t merges = 0, rows_pass_q = 0, rows_kv_exchange = 0;
   uint64_t bytes_sent_rank0 = 0;
   engine::MergeChoice merge_choice;  // the merge the engine ran and why
+  engine::DenseChoice dense_choice;  // how the dense layers ran (rank 0's figures) and why
+  // Per rank: the resident bytes of the model file's mapping (what that rank's computation
+  // touched of the weights) plus its own rows8 copy, at the end of the run.
+  std::vector<uint64_t> weights_resident_by_rank;
+  // Per rank, ms per decode step: the dense part, the paged attention, and the merge with the
+  // all-gathers (q/k/v; with dense split every matrix group's), from EngineMetrics.
+  std::vector<double> decode_dense_ms_by_rank, decode_attention_ms_by_rank, decode_comm_ms_by_rank;
+  // Request::hash_logits: a 64-bit hash of every generated token's logits bits, in order, as 16
+  // hex digits (empty otherwise).
+  std::string logits_hash;
   // KV pages: per rank, and the most in use over all ranks at a token (full pages: every
   // position of the global layers; window pages: sliding-window layers, 0 when none) with their
   // bytes (pages x page_tokens x the layers' K/V bytes per token).

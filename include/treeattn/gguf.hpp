@@ -164,6 +164,24 @@ struct TensorInfo {
   const uint8_t* row(uint64_t r) const { return data + r * row_bytes(); }
 };
 
+// A read-only mapping of some bytes of a file (File::map_again), unmapped on destruction.
+class Mapping {
+ public:
+  Mapping() = default;
+  Mapping(Mapping&& other) noexcept;
+  Mapping& operator=(Mapping&& other) noexcept;
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  ~Mapping();
+  const uint8_t* data() const { return data_; }  // the first byte asked for
+
+ private:
+  friend class File;
+  void* addr_ = nullptr;  // page-aligned
+  std::size_t len_ = 0;
+  const uint8_t* data_ = nullptr;
+};
+
 class File {
  public:
   // Maps and validates `path`. kInvalidArgument for a missing, unreadable, malformed or
@@ -215,6 +233,19 @@ class File {
   // found", kUnsupported naming the tensor and its type.
   Result<const TensorInfo*> tensor(std::string_view name) const;
 
+  // The `bytes` bytes at `at` (inside this file's mapping) mapped again on their own: a mapping
+  // of just the pages that hold them, so that touching them never maps a neighbouring page of
+  // the file into this process (the kernel's fault-around stops at a mapping's ends). The file
+  // is opened again by its path and must still be the one mapped (same device, inode and size:
+  // kInvalidArgument otherwise, as for an `at` outside the mapping).
+  Result<Mapping> map_again(const uint8_t* at, std::size_t bytes) const;
+  // Unmaps this process's resident pages of the file's mapping (madvise MADV_DONTNEED: the
+  // page cache keeps them, and the next read of a byte maps its page again, so everything read
+  // from the mapping stays valid). After loading, which reads the metadata and the small
+  // tensors (and, by the kernel's fault-around, up to 64 KiB of weights around each), a process
+  // that computes with slices mapped on their own (map_again) calls it to hold only those.
+  void release_resident_pages() const;
+
  private:
   File() = default;
   void release();
@@ -223,6 +254,7 @@ class File {
   std::string path_;
   const uint8_t* base_ = nullptr;  // the mapping
   uint64_t size_ = 0;
+  uint64_t dev_ = 0, ino_ = 0;  // the file mapped (map_again checks it is still at path_)
   uint32_t version_ = 0;
   uint64_t alignment_ = 32;
   uint64_t data_offset_ = 0;

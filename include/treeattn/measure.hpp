@@ -36,6 +36,11 @@ bool reset_peak_rss();
 // Peak resident set size since the last reset_peak_rss() (or the start), in bytes.
 uint64_t current_peak_rss();
 
+// The bytes of this process's mappings of the file `path` that are resident now (the Rss of
+// each of its mappings in /proc/self/smaps, summed): of a model's weights, the pages this
+// process has touched. 0 where /proc is not readable or the file is not mapped.
+uint64_t mapped_file_rss(const std::string& path);
+
 // The q-quantile (q in [0, 1], clamped) of `values`, in any order; 0 for none. Linear
 // interpolation between the two closest ranks: with the values sorted, v[i] + f (v[i + 1] - v[i])
 // where i + f = q (n - 1) (numpy's default "linear", Hyndman and Fan's type 7): p50 of an even

@@ -43,6 +43,7 @@
 // the forward pass within float rounding of a float64 reference).
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -83,6 +84,33 @@ struct WeightMatrix {
 std::size_t rows8_bytes(const WeightMatrix& m);
 // Writes m's rows8 copy (rows8_bytes(m) bytes) to out; m.data must be valid. Point m.rows8 at it.
 void pack_rows8(const WeightMatrix& m, uint8_t* out);
+
+// Output rows [begin, end) of a matrix.
+struct RowRange {
+  int64_t begin = 0, end = 0;
+  int64_t size() const { return end - begin; }
+  bool operator==(const RowRange&) const = default;
+};
+// Slice boundaries fall on multiples of this many rows: the rows8 groups, so that a slice of a
+// packed matrix is a run of its groups and each slice's own rows8 copy holds all but its last
+// rows % 8.
+inline constexpr int64_t kSliceRowAlign = 8;
+// Slice `index` of `count` of `rows` output rows: consecutive ranges that cover [0, rows) in
+// index order, each boundary the multiple of kSliceRowAlign nearest below index * rows / count
+// (the last is rows), so slices differ by at most kSliceRowAlign rows and one is empty where
+// rows < count * kSliceRowAlign. Requires 0 <= index < count.
+RowRange slice_rows(int64_t rows, int index, int count);
+// Whether rows r of m can be multiplied as a matrix of their own: r inside [0, m.rows] and m's
+// format keeping each output row whole and apart (row r at data + r * row_bytes, its cols /
+// block values in whole blocks: row_bytes == cols / block_elems * block_bytes, no block or
+// scale shared between rows). Every type the kernels read is stored that way; a format that
+// interleaves rows or shares scales between them is refused here (kUnsupported, naming the
+// tensor, its type and why) before any rank computes with it.
+Status check_row_slice(const WeightMatrix& m, RowRange r);
+// Rows r of m as a matrix of r.size() rows that reads m's bytes in place (check_row_slice
+// first). Its rows8 is a view of m's copy where m has one and r.begin is a multiple of 8 (m's
+// groups r.begin / 8 ...), else null. The name is m's with "[begin:end]".
+WeightMatrix row_slice(const WeightMatrix& m, RowRange r);
 
 // How matmul multiplies the quantized weight types (Q4_0 .. Q6_K; F32, F16 and BF16 weights are
 // always multiplied as floats):
@@ -214,6 +242,61 @@ struct ForwardScratch {
   std::vector<float> rope_cos[2], rope_sin[2];
 };
 
+// The projections of the forward pass: per layer Q, K, V, the attention output (O), the FFN's
+// gate, up and down, and the output head (one for the model).
+enum class Projection : uint8_t { kQ, kK, kV, kO, kGate, kUp, kDown, kHead };
+inline constexpr int kProjections = 8;
+// The tensor name's stem: "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+// "ffn_down", "output".
+std::string_view projection_name(Projection p);
+
+// The matrices a forward pass multiplies with: every layer's projections and the output head,
+// either whole (a LlamaModel's own, LlamaModel::weights(): slice 0 of 1) or slice `index` of
+// `count` of each one's output rows (LlamaModel::slice: rows slice_rows(full rows, index, count)
+// of every matrix), with the rows8 copy of those rows; and the embedding table's rows of the
+// same vocabulary slice as the head (the head's own where the two are tied). A slice of more
+// than one maps each of its matrices' rows from the file on their own (gguf::File::map_again),
+// so that a process computing with it only ever has its rows' pages (and at most a page beyond
+// each end) resident. Move-only: the matrices point into the mappings and the copy it owns.
+class DenseWeights {
+ public:
+  DenseWeights() = default;
+  DenseWeights(DenseWeights&&) noexcept = default;
+  DenseWeights& operator=(DenseWeights&&) noexcept = default;
+  DenseWeights(const DenseWeights&) = delete;
+  DenseWeights& operator=(const DenseWeights&) = delete;
+
+  int index() const { return index_; }
+  int count() const { return count_; }
+  bool whole() const { return count_ == 1; }
+  int layers() const { return static_cast<int>(layers_.size()); }
+  // Projection p's output rows (the same in every layer): all of them, and slice `index`'s.
+  int64_t full_rows(Projection p) const { return full_rows_[static_cast<std::size_t>(p)]; }
+  RowRange rows(Projection p, int index) const { return slice_rows(full_rows(p), index, count_); }
+  RowRange rows(Projection p) const { return rows(p, index_); }
+  // Layer `layer`'s matrix p (kHead: the head, whatever the layer), of rows(p).size() rows.
+  const WeightMatrix& matrix(int layer, Projection p) const;
+  // The embedding table's rows rows(kHead) (token ids in that range; LlamaModel::embed).
+  const WeightMatrix& embedding() const { return embedding_; }
+  // Bytes of these rows of every matrix: what one token's forward pass reads of them.
+  std::size_t bytes() const;
+  // Bytes of the rows8 copies these weights own (a slice of a packed model views the model's).
+  std::size_t rows8_bytes() const;
+  // The rows8 copy (WeightMatrix::rows8) of the matrices `mode` multiplies with 8-bit activations
+  // (kInt8: all; kInt8Ffn: the FFN and the head; kExact: none) that have none yet: only these
+  // rows are read and copied. `threads` OpenMP threads (0: the default).
+  void pack_rows8(MatmulMode mode, int threads = 0);
+
+ private:
+  friend class LlamaModel;
+  std::vector<std::array<WeightMatrix, kProjections - 1>> layers_;
+  WeightMatrix head_, embedding_;
+  int index_ = 0, count_ = 1;
+  std::vector<gguf::Mapping> maps_;  // a slice's own mappings of its rows
+  std::array<int64_t, kProjections> full_rows_{};
+  std::vector<std::vector<uint8_t>> rows8_;  // one buffer per pack_rows8 call that copied
+};
+
 class LlamaModel {
  public:
   // Opens and checks the file: kInvalidArgument for a missing or malformed file or tensor shape
@@ -236,16 +319,30 @@ class LlamaModel {
   // which the calls of up to 8 tokens (decode steps) then read: the same bits, fewer instructions
   // per weight (WeightMatrix::rows8). Costs rows8_bytes() of memory, about those matrices' own
   // size (the file's mapping stays: the longer calls and the exact path read it). Once per model,
-  // before it is shared; `threads` OpenMP threads (0: the default).
-  void pack_rows8(MatmulMode mode, int threads = 0);
-  std::size_t rows8_bytes() const { return rows8_.size(); }
+  // before it is shared; `threads` OpenMP threads (0: the default). (The serving engine packs
+  // the weights it computes with itself: DenseWeights::pack_rows8 of its slice.)
+  void pack_rows8(MatmulMode mode, int threads = 0) { weights_.pack_rows8(mode, threads); }
+  std::size_t rows8_bytes() const { return weights_.rows8_bytes(); }
+  // The model's own matrices, whole.
+  const DenseWeights& weights() const { return weights_; }
+  // Slice `index` of `count` of every projection's output rows (DenseWeights), viewing this
+  // model's mapping (and its rows8 copies where it has them): nothing is read. kUnsupported from
+  // check_row_slice for a matrix whose format cannot be sliced by rows (the message names the
+  // tensor and why); kInvalidArgument for index outside [0, count). The model must outlive it.
+  Result<DenseWeights> slice(int index, int count) const;
   // reserve_matmul for a forward pass of `tokens` rows (each role's matrices with its options)
-  // on the calling thread.
-  void reserve_forward(int64_t tokens, const MatvecOptions& options) const;
+  // on the calling thread, with w's matrices (the model's own by default).
+  void reserve_forward(int64_t tokens, const MatvecOptions& options) const {
+    reserve_forward(weights_, tokens, options);
+  }
+  void reserve_forward(const DenseWeights& w, int64_t tokens, const MatvecOptions& options) const;
 
   // x[t] = the embedding of tokens[t] (n_embd floats each). kInvalidArgument for an id outside
   // [0, n_vocab).
   Status embed(std::span<const TokenId> tokens, float* x) const;
+  // The same from w's embedding rows: every id must be in w.rows(Projection::kHead)
+  // (kInvalidArgument otherwise); the same bits as embed().
+  Status embed(const DenseWeights& w, std::span<const TokenId> tokens, float* x) const;
   // For T tokens at positions pos[t]: q [T][n_head * head_dim], k and v [T][n_head_kv *
   // head_dim], RoPE applied to q and k.
   Status attention_inputs(int layer, const float* x, int64_t tokens, const int64_t* pos, float* q,
@@ -263,13 +360,62 @@ class LlamaModel {
   Status logits(const float* x, int64_t tokens, float* logits, ForwardScratch& scratch,
                 const MatvecOptions& options) const;
 
+  // The same three with other weights of this model: whole ones (w.whole(), e.g. a slice of 1
+  // with its own rows8 copy); kInvalidArgument for a slice of more.
+  Status attention_inputs(const DenseWeights& w, int layer, const float* x, int64_t tokens,
+                          const int64_t* pos, float* q, float* k, float* v, ForwardScratch& scratch,
+                          const MatvecOptions& options) const;
+  Status attention_output_and_ffn(const DenseWeights& w, int layer, const float* a, int64_t tokens,
+                                  float* x, ForwardScratch& scratch,
+                                  const MatvecOptions& options) const;
+  Status logits(const DenseWeights& w, const float* x, int64_t tokens, float* logits,
+                ForwardScratch& scratch, const MatvecOptions& options) const;
+
+  // The dense layers in pieces, for a caller that computes each projection's output rows on a
+  // different rank and gathers them between the pieces (the serving engine's --dense split).
+  // The three calls above are composed of exactly these, in this order, so the pieces give
+  // their bits:
+  //   attention_inputs          = attention_norm, project {Q, K, V}, finish_qkv
+  //   attention_output_and_ffn  = project {O}, add_attention_output, ffn_norm,
+  //                               project {gate, up}, ffn_activation, project {down},
+  //                               add_ffn_output
+  //   logits                    = output_norm, project {head}
+  // x, xn: [tokens][n_embd]; every piece is row by row (its bits do not depend on `tokens`).
+  // xn = rmsnorm(x) * attn_norm of `layer`.
+  void attention_norm(int layer, const float* x, int64_t tokens, float* xn,
+                      const MatvecOptions& options) const;
+  // ys[i] = x times w's matrix ps[i] of `layer` for `tokens` rows of x (x_stride floats apart):
+  // [tokens][w.rows(ps[i]).size()], with each projection's role's options (for_role). The
+  // projections share their input width. Empty slices compute nothing.
+  Status project(const DenseWeights& w, int layer, std::span<const Projection> ps, const float* x,
+                 int64_t tokens, int64_t x_stride, std::span<float* const> ys,
+                 const MatvecOptions& options) const;
+  // q, k, v as projected ([tokens][n_head * head_dim], [tokens][n_head_kv * head_dim] twice) ->
+  // the attention's inputs: the biases, the q / k norms, RoPE at positions pos, in place.
+  Status finish_qkv(int layer, int64_t tokens, const int64_t* pos, float* q, float* k, float* v,
+                    ForwardScratch& scratch, const MatvecOptions& options) const;
+  // x += post_attention_norm(o) (the norm where the architecture has it; o is overwritten).
+  void add_attention_output(int layer, float* o, int64_t tokens, float* x,
+                            const MatvecOptions& options) const;
+  // xn = rmsnorm(x) * ffn_norm of `layer`.
+  void ffn_norm(int layer, const float* x, int64_t tokens, float* xn,
+                const MatvecOptions& options) const;
+  // gate[i] = act(gate[i]) * up[i] for i < tokens * width (the architecture's gated activation,
+  // element by element: its bits do not depend on where an element sits).
+  void ffn_activation(float* gate, const float* up, int64_t tokens, int64_t width,
+                      const MatvecOptions& options) const;
+  // x += post_ffw_norm(d) (d is overwritten where the architecture has the norm).
+  void add_ffn_output(int layer, float* d, int64_t tokens, float* x,
+                      const MatvecOptions& options) const;
+  // xn = rmsnorm(x) * output_norm (one thread, as logits computes it).
+  void output_norm(const float* x, int64_t tokens, float* xn) const;
+
   // RoPE of `heads` heads (head_dim floats each, contiguous) at position pos, in place, with
   // the frequencies of a global layer (of `layer`'s kind when given).
   void apply_rope(float* heads, int64_t n_heads, int64_t pos, int layer = -1) const;
 
  private:
   struct Layer {
-    WeightMatrix wq, wk, wv, wo, gate, up, down;
     std::vector<float> attn_norm, ffn_norm;
     std::vector<float> bq, bk, bv;                                     // empty: no bias
     std::vector<float> q_norm, k_norm, post_attn_norm, post_ffn_norm;  // empty: none
@@ -287,14 +433,18 @@ class LlamaModel {
   // Rotates the pairs of each of n_heads heads by the angles' cos / sin.
   void rope_rotate(float* heads, int64_t n_heads, const float* cs, const float* sn) const;
 
+  const Layer& layer_of(int layer) const { return layers_[static_cast<std::size_t>(layer)]; }
+  Status embed_row(const WeightMatrix& table, int64_t row, float* x) const;
+  Status check_whole(const DenseWeights& w, const char* fn) const;
+
   gguf::File file_;
   LlamaConfig cfg_;
-  WeightMatrix tok_embd_, output_;
+  WeightMatrix tok_embd_;
   std::vector<float> output_norm_;
   std::vector<Layer> layers_;
+  DenseWeights weights_;                // every projection and the head, whole
   std::vector<double> inv_freq_;        // per rotated pair, factors applied
   std::vector<double> inv_freq_local_;  // the same for sliding-window layers
-  std::vector<uint8_t> rows8_;          // the rows8 copies (pack_rows8), matrix after matrix
 };
 
 }  // namespace treeattn::model

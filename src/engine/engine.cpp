@@ -13,6 +13,7 @@
 #include <mutex>
 #include <string>
 
+#include "engine/dense_plan.hpp"
 #include "engine/exchange.hpp"
 #include "engine/kv_manager.hpp"
 #include "engine/model_runner.hpp"
@@ -55,6 +56,7 @@ struct Engine::Impl {
   std::unique_ptr<KVManager> kv;
   std::unique_ptr<Scheduler> sched;
   std::unique_ptr<ModelRunner> runner;
+  DenseChoice dense;
   int64_t steps = 0, generated_total = 0;
   std::atomic<int64_t> progress{0};  // steps completed (Engine::progress)
   std::vector<double> rank_times;  // all-gather of per-rank timings
@@ -320,6 +322,7 @@ Status check_config(const EngineConfig& config, ExchangePolicy* exchange) {
   auto x = parse_exchange(config.prefill_exchange);
   TREEATTN_RETURN_IF_ERROR(x.status());
   *exchange = *x;
+  TREEATTN_RETURN_IF_ERROR(check_dense_name(config.dense));
   if (config.fanout < 1)
     return invalid_argument("fanout must be >= 1, got " + std::to_string(config.fanout));
   TREEATTN_RETURN_IF_ERROR(check_isa_supported(config.isa, "engine isa"));
@@ -440,9 +443,9 @@ std::string config_description(const EngineConfig& config, const model::LlamaMod
   return model.config().to_string() + "|" + std::to_string(model.file().file_size()) + "|" +
          std::string(dtype_name(config.kv_dtype)) + "|" + std::to_string(config.page_tokens) + "|" +
          std::to_string(config.max_batch) + "|" + std::to_string(config.prefill_chunk) + "|" +
-         config.merge + "|" + config.prefill_exchange + "|" + (config.prefix_cache ? "1" : "0") +
-         "|" + std::to_string(config.kv_window_pages) +
-         "|" + std::to_string(config.max_queue) + "|" +
+         config.merge + "|" + config.prefill_exchange + "|" + config.dense + "|" +
+         (config.rows8 ? "1" : "0") + "|" + (config.prefix_cache ? "1" : "0") + "|" +
+         std::to_string(config.kv_window_pages) + "|" + std::to_string(config.max_queue) + "|" +
          std::string(isa_name(model::matmul_isa(mv))) + "|" +
          std::string(model::matmul_mode_name(mv.mode)) + "|" +
          std::string(isa_name(config.isa == Isa::kAuto ? best_isa() : config.isa));
@@ -544,6 +547,8 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
   TREEATTN_RETURN_IF_ERROR(agreed.status());
   auto merge = engine_merge(comm, config, model.config(), *agreed);
   TREEATTN_RETURN_IF_ERROR(merge.status());
+  auto dense = plan_dense(comm, config, model);
+  TREEATTN_RETURN_IF_ERROR(dense.status());
   const int64_t wpages = window_pages(config, model, comm.size(), *agreed);
   auto pools = allocate_pools(comm, who, config, model, *agreed, wpages);
   TREEATTN_RETURN_IF_ERROR(pools.status());
@@ -562,8 +567,10 @@ Result<std::unique_ptr<Engine>> Engine::create(Communicator& comm, const model::
       SchedulerConfig{config.max_batch, config.prefill_chunk, config.max_queue, config.idle_tick,
                       rank_prefix(comm)},
       *e.kv);
-  e.runner = std::make_unique<ModelRunner>(comm, model, e.cfg, std::move(merge).value(),
-                                           exchange, std::move(pools).value(), *e.kv);
+  e.dense = dense->choice;
+  e.runner = std::make_unique<ModelRunner>(comm, model, e.cfg, std::move(merge).value(), exchange,
+                                           std::move(pools).value(), *e.kv,
+                                           std::move(dense->weights), e.dense.split);
   TREEATTN_RETURN_IF_ERROR(e.runner->check_exchange_policy());
   for (auto* v : {&e.rank_merge_s, &e.rank_attn_s, &e.rank_dense_s})
     v->assign(static_cast<std::size_t>(e.p), 0.0);
@@ -613,6 +620,7 @@ EngineMetrics Engine::metrics() const {
 }
 const EngineConfig& Engine::config() const { return impl_->cfg; }
 const MergeChoice& Engine::merge_choice() const { return impl_->runner->merge_choice(); }
+const DenseChoice& Engine::dense_choice() const { return impl_->dense; }
 const model::LlamaModel& Engine::model() const { return *impl_->model; }
 Communicator& Engine::comm() const { return *impl_->comm; }
 

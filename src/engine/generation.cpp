@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -29,6 +31,27 @@ uint64_t fnv1a(uint64_t h, TokenId t) {
 
 uint64_t sent(const Communicator& c) {
   return c.counters().p2p_bytes + c.counters().collective_payload_bytes;
+}
+
+// h extended by the bits of v, 8 bytes at a time (a multiply-xorshift mix: fast enough for a
+// vocabulary of logits per token).
+uint64_t hash_floats(uint64_t h, const std::vector<float>& v) {
+  const auto* b = reinterpret_cast<const unsigned char*>(v.data());
+  const std::size_t n = v.size() * sizeof(float);
+  std::size_t i = 0;
+  auto mix = [&h](uint64_t w) {
+    h = (h ^ w) * 0x9e3779b97f4a7c15ull;
+    h ^= h >> 29;
+  };
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, b + i, 8);
+    mix(w);
+  }
+  uint64_t rest = 0;
+  if (i < n) std::memcpy(&rest, b + i, n - i);
+  mix(rest ^ (static_cast<uint64_t>(n) << 3));
+  return h;
 }
 
 // Holds back an incomplete UTF-8 sequence at the end of the streamed bytes.
@@ -141,11 +164,9 @@ void page_figures(const engine::EngineMetrics& m, const engine::EngineConfig& ec
                                   static_cast<uint64_t>(window_layers) * layer_page;
 }
 
-Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
-                  const model::LlamaModel& model, const Tokenizer& tok, Output out) {
-  const bool lead = comm.rank() == 0;
-  const int P = comm.size();
-  const auto n = static_cast<int64_t>(out.prompt.size());
+// The engine's configuration for one request of n prompt tokens on P ranks.
+engine::EngineConfig engine_config_of(const Request& req, const model::LlamaModel& model, int P,
+                                      int64_t n) {
   engine::EngineConfig ec;
   ec.kv_dtype = req.kv_dtype;
   ec.threads = req.threads;
@@ -155,6 +176,8 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
   ec.topology = req.topology_file;
   ec.fanout = req.fanout;
   ec.prefill_exchange = req.prefill_exchange;
+  ec.dense = req.dense;
+  ec.rows8 = req.rows8;  // the engine copies the rows it computes with
   ec.timeout = req.timeout;
   ec.kv_window_pages = req.kv_window_pages;
   if (ec.kv_window_pages == -1)  // auto: one request, one sequence's window
@@ -164,10 +187,36 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
     ec.kv_memory = req.kv_memory;
   else  // the pages this prompt needs on each rank, and a few more
     ec.kv_pages = (n + req.new_tokens + ec.page_tokens - 1) / ec.page_tokens / P + 2;
+  return ec;
+}
+
+// Per rank, per decode step: the dense part, the paged attention, and the merge with the
+// all-gathers (EngineMetrics' seconds between the prefill's last step, `begin`, and the end).
+void decode_breakdown(const engine::EngineMetrics& begin, const engine::EngineMetrics& end,
+                      Output& out) {
+  const auto steps = static_cast<double>(begin.steps > 0 ? end.steps - begin.steps : 0);
+  auto per_step = [&](const std::vector<double>& e, const std::vector<double>& b) {
+    std::vector<double> v;
+    for (std::size_t r = 0; r < e.size() && steps > 0; ++r)
+      v.push_back(1e3 * (e[r] - (r < b.size() ? b[r] : 0.0)) / steps);
+    return v;
+  };
+  out.decode_dense_ms_by_rank = per_step(end.dense_seconds, begin.dense_seconds);
+  out.decode_attention_ms_by_rank = per_step(end.attention_seconds, begin.attention_seconds);
+  out.decode_comm_ms_by_rank = per_step(end.merge_seconds, begin.merge_seconds);
+}
+
+Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
+                  const model::LlamaModel& model, const Tokenizer& tok, Output out) {
+  const bool lead = comm.rank() == 0;
+  const int P = comm.size();
+  const auto n = static_cast<int64_t>(out.prompt.size());
+  const engine::EngineConfig ec = engine_config_of(req, model, P, n);
   auto e = engine::Engine::create(comm, model, ec);
   if (!e.is_ok()) return failed(std::move(out), e.status());
   engine::Engine& eng = **e;
   out.merge_choice = eng.merge_choice();
+  out.dense_choice = eng.dense_choice();
   if (lead && hooks.started) {
     Start s;
     s.config = &model.config();
@@ -176,6 +225,7 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
     s.prompt_tokens = n;
     s.methods = {eng.merge_choice().strategy};
     s.merge_description = engine::describe_merge(eng.merge_choice());
+    s.dense_description = engine::describe_dense(eng.dense_choice());
     s.page_tokens = ec.page_tokens;
     s.pages_per_rank = eng.metrics().pages_per_rank;
     hooks.started(s);
@@ -184,6 +234,8 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
   TextStream stream(tok, hooks, lead, stops);
   Clock::time_point last_token;
   uint64_t sent_at_first = 0;
+  uint64_t logits_hash = 0xcbf29ce484222325ull;
+  engine::EngineMetrics at_first;
   engine::RequestTimings timings;
   Status failure;
   const auto t0 = Clock::now();
@@ -192,12 +244,17 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
     r.prompt = out.prompt;
     r.max_new_tokens = req.new_tokens;
     r.sampling = req.sampling;
+    r.return_logits = req.hash_logits;
     if (!req.ignore_eos)
       for (TokenId id = 0; id < tok.n_vocab(); ++id)
         if (tok.is_end_of_generation(id)) r.stop_tokens.push_back(id);
     auto id = eng.submit(std::move(r), [&](const engine::TokenEvent& ev) {
       if (ev.token >= 0 && !stream.stopped()) {
         const auto now = Clock::now();
+        // The per-rank times up to the step that ended the prefill: the snapshot a callback sees
+        // is of the step before its own, whose times (all-gathered as a step starts) end one
+        // step earlier still, so the third token's is the prefill's end.
+        if (out.tokens.size() == 2) at_first = eng.metrics();
         if (out.tokens.empty()) {
           out.ttft_ms = std::chrono::duration<double, std::milli>(now - t0).count();
           sent_at_first = sent(comm);
@@ -207,6 +264,7 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
         }
         last_token = now;
         out.tokens.push_back(ev.token);
+        logits_hash = hash_floats(logits_hash, ev.logits);
         // A stop string ends the answer: the request is cancelled at the next step.
         if (ev.finish != engine::FinishReason::kStop && stream.add(ev.token)) eng.stop(false);
       }
@@ -221,10 +279,11 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
     }
   }
   if (Status st = eng.run(); !st.is_ok()) return failed(std::move(out), st, true);
-  // Every rank's peak RSS and bytes sent, for the report.
-  const std::array<double, 2> mine = {static_cast<double>(peak_rss_bytes()),
-                                      static_cast<double>(sent(comm))};
-  std::vector<std::array<double, 2>> all(static_cast<std::size_t>(P));
+  // Every rank's peak RSS, bytes sent and resident weights, for the report.
+  const std::array<double, 3> mine = {
+      static_cast<double>(peak_rss_bytes()), static_cast<double>(sent(comm)),
+      static_cast<double>(mapped_file_rss(model.path()) + eng.dense_choice().rows8_bytes)};
+  std::vector<std::array<double, 3>> all(static_cast<std::size_t>(P));
   if (Status g = comm.allgather(mine.data(), sizeof mine, all.data()); !g.is_ok())
     return failed(std::move(out), g, true);
   if (!lead) return out;
@@ -233,8 +292,10 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
   for (const auto& a : all) {
     out.peak_rss_by_rank.push_back(static_cast<uint64_t>(a[0]));
     out.bytes_sent_by_rank.push_back(static_cast<uint64_t>(a[1]));
+    out.weights_resident_by_rank.push_back(static_cast<uint64_t>(a[2]));
   }
   const engine::EngineMetrics mt = eng.metrics();
+  decode_breakdown(at_first, mt, out);
   out.cached_tokens = timings.cached_tokens;
   out.prefill_seconds = timings.prefill_seconds;
   out.decode_seconds = timings.decode_seconds;
@@ -250,6 +311,11 @@ Output run_engine(Communicator& comm, const Request& req, const Hooks& hooks,
   out.rows_kv_exchange = mt.rows_kv_exchange;
   out.bytes_sent_rank0 = mt.bytes_sent;
   out.text = answer_text(tok, out.tokens, stops);
+  if (req.hash_logits) {
+    char hex[17];
+    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(logits_hash));
+    out.logits_hash = hex;
+  }
   return out;
 }
 
@@ -504,7 +570,6 @@ Output run_generation(Communicator& comm, const Request& req, const Hooks& hooks
   Output out;
   auto m = model::LlamaModel::load(req.model_path);
   if (!m.is_ok()) return failed(std::move(out), m.status());
-  if (req.rows8) (*m)->pack_rows8(req.matmul, req.threads);  // the decode steps' layout
   auto tok = Tokenizer::from_gguf((*m)->file());
   if (!tok.is_ok()) return failed(std::move(out), tok.status());
   auto prompt = make_prompt(req.prompt, *tok);
@@ -512,6 +577,7 @@ Output run_generation(Communicator& comm, const Request& req, const Hooks& hooks
   out.prompt = std::move(prompt).value();
   out.config_text = (*m)->config().to_string();
   if (req.engine) return run_engine(comm, req, hooks, **m, *tok, std::move(out));
+  if (req.rows8) (*m)->pack_rows8(req.matmul, req.threads);  // the decode steps' layout
   return run_session(comm, req, hooks, **m, *tok, std::move(out));
 }
 

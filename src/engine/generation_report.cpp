@@ -74,13 +74,13 @@ std::string engine_report_text(const Output& o, const std::string& merge) {
   appendf(out,
           "prompt %lld tokens (%lld from the prefix cache): time to first token %.1f ms "
           "(prefill %.0f tokens/s)\n"
-          "decode %s (engine) %zu tokens: %.2f ms/token p50, %.2f p99, %.1f tokens/s | "
-          "rank 0 sent %s/token in %lld merges in all\n"
+          "decode %s (engine, dense %s) %zu tokens: %.2f ms/token p50, %.2f p99, %.1f "
+          "tokens/s | rank 0 sent %s/token in %lld merges in all\n"
           "peak RSS per rank: %s (includes the mapped weights, shared between ranks)\n",
           static_cast<long long>(o.prompt.size()), static_cast<long long>(o.cached_tokens),
-          o.ttft_ms, e.prefill_tokens_per_s, merge.c_str(), o.tokens.size(), e.p50_ms, e.p99_ms,
-          e.tokens_per_s, format_bytes(o.bytes_per_token).c_str(), static_cast<long long>(o.merges),
-          rss_list(o).c_str());
+          o.ttft_ms, e.prefill_tokens_per_s, merge.c_str(), o.dense_choice.mode(), o.tokens.size(),
+          e.p50_ms, e.p99_ms, e.tokens_per_s, format_bytes(o.bytes_per_token).c_str(),
+          static_cast<long long>(o.merges), rss_list(o).c_str());
   if (o.window_pages_per_rank > 0)
     appendf(out,
             "KV pages in use at most (all ranks): %lld full pages (%s, global layers), %lld "
@@ -98,6 +98,14 @@ std::string engine_report_text(const Output& o, const std::string& merge) {
             static_cast<long long>(o.pages_used_peak),
             format_bytes(static_cast<double>(o.kv_bytes_used_peak)).c_str(),
             static_cast<long long>(o.pages_per_rank), static_cast<long long>(o.page_tokens));
+  if (!o.weights_resident_by_rank.empty()) {
+    std::string list;
+    for (uint64_t r : o.weights_resident_by_rank)
+      list += (list.empty() ? "" : " ") + format_bytes(static_cast<double>(r));
+    appendf(out, "weights resident per rank (the file's pages touched + own rows8 copy): %s\n",
+            list.c_str());
+  }
+  if (!o.logits_hash.empty()) appendf(out, "logits hash: %s\n", o.logits_hash.c_str());
   return out;
 }
 
@@ -193,7 +201,21 @@ nlohmann::json engine_report_json(const Output& o, const std::string& merge,
           {"kv_pages_used_peak", o.pages_used_peak},
           {"kv_window_pages_used_peak", o.window_pages_used_peak},
           {"kv_bytes_used_peak", o.kv_bytes_used_peak},
-          {"kv_window_bytes_used_peak", o.window_kv_bytes_used_peak}};
+          {"kv_window_bytes_used_peak", o.window_kv_bytes_used_peak},
+          {"dense", o.dense_choice.mode()},
+          {"dense_requested", l.dense_requested},
+          {"dense_how", o.dense_choice.how},
+          {"dense_predicted_split_us", o.dense_choice.predicted_split_us},
+          {"dense_predicted_replicated_us", o.dense_choice.predicted_replicated_us},
+          {"dense_collectives_per_token", o.dense_choice.collectives_per_token},
+          {"dense_weight_gbps", o.dense_choice.weight_gbps},
+          {"weight_bytes_rank0", o.dense_choice.weight_bytes},
+          {"rows8_bytes_rank0", o.dense_choice.rows8_bytes},
+          {"weights_resident_bytes_by_rank", o.weights_resident_by_rank},
+          {"decode_dense_ms_by_rank", o.decode_dense_ms_by_rank},
+          {"decode_attention_ms_by_rank", o.decode_attention_ms_by_rank},
+          {"decode_comm_ms_by_rank", o.decode_comm_ms_by_rank},
+          {"logits_hash", o.logits_hash}};
 }
 
 nlohmann::json session_report_json(const Output& o, const ReportLabels& l, bool ranks_agree) {

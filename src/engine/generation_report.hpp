@@ -29,6 +29,7 @@ struct ReportLabels {
   // --matmul int8 (matmul_int8_target: avx512vnni, avxvnni, avx2, generic).
   std::string isa, int8_kernel;
   std::string method_requested;  // engine path: --method as given (a name or auto)
+  std::string dense_requested;   // engine path: --dense as given (split, replicated or auto)
 };
 
 // One method of the session path.

@@ -24,9 +24,12 @@ bool merge_gathers(const Communicator& comm, const std::string& strategy) {
 
 ModelRunner::ModelRunner(Communicator& comm, const model::LlamaModel& model,
                          const EngineConfig& cfg, std::unique_ptr<LayerMerge> merge,
-                         ExchangePolicy exchange, std::vector<TiledKVCache> pools, KVManager& kv)
+                         ExchangePolicy exchange, std::vector<TiledKVCache> pools, KVManager& kv,
+                         model::DenseWeights weights, bool dense_split)
     : comm_(&comm),
       model_(&model),
+      w_(std::move(weights)),
+      dense_split_(dense_split),
       cfg_(cfg),
       kv_(kv),
       merge_(std::move(merge)),
@@ -54,13 +57,23 @@ ModelRunner::ModelRunner(Communicator& comm, const model::LlamaModel& model,
 
 // The step scratch of the largest step: prefill_chunk prompt rows (at most what the KV pool
 // holds) and a decode row for each other sequence of the batch, split over the ranks as
-// forward() splits them. A fresh allocation's pages are mapped on first write, which the first
-// request would otherwise pay for (llama.cpp's servers run a warm-up batch for the same reason).
+// forward() splits them (dense split: every rank holds every row). A fresh allocation's pages
+// are mapped on first write, which the first request would otherwise pay for (llama.cpp's
+// servers run a warm-up batch for the same reason).
 void ModelRunner::reserve_step_scratch() {
   const auto& mc = model_->config();
   const int64_t E = mc.n_embd, H = mc.n_head, D = mc.head_dim, F = mc.n_ff;
   const int64_t qd = H * D, kvd = mc.n_head_kv * D, packed = qd + 2 * kvd;
   const int64_t rows = std::min(cfg_.prefill_chunk, kv_.max_sequence_tokens()) + cfg_.max_batch - 1;
+  if (dense_split_) {
+    const auto z = [](auto& buf) { std::fill(buf.begin(), buf.end(), 0.0f); };
+    size_split_scratch(rows);
+    for (auto* buf : {&x_, &q_, &k_, &v_, &attn_, &xn_, &tmp_, &act_, &up_, &gsend_, &grecv_})
+      z(*buf);
+    states_.assign(static_cast<std::size_t>(rows * H * (D + 2)), 0.0f);
+    model_->reserve_forward(w_, rows, mv_);
+    return;
+  }
   const int64_t mine = p_ > 1 ? (rows + p_ - 1) / p_ : rows;
   const auto z = [](auto& buf, int64_t n) { buf.assign(static_cast<std::size_t>(n), {}); };
   z(x_, mine * E);
@@ -78,15 +91,16 @@ void ModelRunner::reserve_step_scratch() {
   z(fs_.tmp, mine * E);
   z(fs_.gate, mine * F);
   z(fs_.up, mine * F);
-  model_->reserve_forward(mine, mv_);  // this thread's: create and run share one
+  model_->reserve_forward(w_, mine, mv_);  // this thread's: create and run share one
 }
 
 void ModelRunner::try_reserve_step_scratch() {
   try {
     reserve_step_scratch();
   } catch (const std::bad_alloc&) {
-    for (auto* buf : {&x_, &q_, &k_, &v_, &attn_, &states_, &qkv_send_, &qkv_recv_, &qkv_local_,
-                      &fs_.xn, &fs_.tmp, &fs_.gate, &fs_.up})
+    for (auto* buf :
+         {&x_, &q_, &k_, &v_, &attn_, &states_, &qkv_send_, &qkv_recv_, &qkv_local_, &fs_.xn,
+          &fs_.tmp, &fs_.gate, &fs_.up, &xn_, &tmp_, &act_, &up_, &gsend_, &grecv_})
       std::vector<float>().swap(*buf);
   }
 }
@@ -172,6 +186,11 @@ void ModelRunner::split_rows(Step& st) {
     }
     st.gslot = std::max(st.gslot, off);
   }
+  if (dense_split_) {  // every rank holds every row's activations
+    size_split_scratch(rows);
+    states_.resize(static_cast<std::size_t>(rows * H * (D + 2)));
+    return;
+  }
   const int64_t mine1 = std::max<int64_t>(st.mine, 1), gslot1 = std::max<int64_t>(st.gslot, 1);
   x_.resize(static_cast<std::size_t>(mine1 * E));
   q_.resize(static_cast<std::size_t>(rows * qd));
@@ -220,13 +239,18 @@ Result<StepLogits> ModelRunner::forward(Scheduler& sched, std::span<const WorkIt
   TREEATTN_RETURN_IF_ERROR(lay_out_rows(st));
   if (st.rows == 0) return StepLogits{};
   split_rows(st);
-  if (st.mine > 0)
+  // Replicated: this rank's rows; split: every row, each embedded by the rank that holds its
+  // token's row of the table.
+  if (dense_split_) {
+    TREEATTN_RETURN_IF_ERROR(split_embed(st));
+  } else if (st.mine > 0) {
     TREEATTN_RETURN_IF_ERROR(model_->embed(
         std::span<const TokenId>(row_tok_.data() + st.lo, static_cast<std::size_t>(st.mine)),
         x_.data()));
+  }
   build_entries(st);
   for (int l = 0; l < model_->config().n_layers; ++l) {
-    TREEATTN_RETURN_IF_ERROR(run_layer(l, st));
+    TREEATTN_RETURN_IF_ERROR(dense_split_ ? run_layer_split(l, st) : run_layer(l, st));
     layers_done_.fetch_add(1, std::memory_order_relaxed);
   }
   advance(st);
@@ -329,20 +353,10 @@ Status ModelRunner::merge_exchange_states(const Step& st) {
   return Status::ok();
 }
 
-Status ModelRunner::run_layer(int l, Step& st) {
+// The attention of layer l: K/V stored by their owners, the partial states of this rank's pages,
+// the merge of the pass-Q rows and the K/V exchange of the others.
+Status ModelRunner::attend(int l, Step& st) {
   const auto& mc = model_->config();
-  const int64_t H = mc.n_head, D = mc.head_dim, qd = H * D, kvd = mc.n_head_kv * D;
-  const auto rec = static_cast<std::size_t>(D + 2);
-  const int64_t lo = st.lo, mine = st.mine, mine1 = std::max<int64_t>(mine, 1);
-  float* ql = qkv_local_.data();
-  float* kl = ql + mine1 * qd;
-  float* vl = kl + mine1 * kvd;
-  const auto td = Clock::now();
-  if (mine > 0)
-    TREEATTN_RETURN_IF_ERROR(
-        model_->attention_inputs(l, x_.data(), mine, row_pos_.data() + lo, ql, kl, vl, fs_, mv_));
-  times_.dense_s += seconds(Clock::now() - td);
-  TREEATTN_RETURN_IF_ERROR(gather_qkv(st, ql, kl, vl));
   store_kv(l, st);
   // Sliding-window layers (gemma3): each rank attends to the window's part of its pages, and the
   // merge is the same as for a global layer (a rank with no page in the window contributes the
@@ -359,21 +373,45 @@ Status ModelRunner::run_layer(int l, Step& st) {
   const auto ta = Clock::now();
   if (!entries.empty())
     TREEATTN_RETURN_IF_ERROR(decode_partial_paged(
-        AttnShape{1, H, mc.n_head_kv, D, 1}, pool.view(no_len, no_len, no_len, 1),
+        AttnShape{1, mc.n_head, mc.n_head_kv, mc.head_dim, 1}, pool.view(no_len, no_len, no_len, 1),
         (wg ? kv_.window_table() : kv_.table()).pages_per_rank(), entries, dopt_));
   const auto tm = Clock::now();
   times_.attn_s += seconds(tm - ta);
   if (st.rows_q > 0) TREEATTN_RETURN_IF_ERROR(merge_layer_states(st.rows_q));
   times_.merge_s += seconds(Clock::now() - tm);
   if (st.rows_q < st.rows) TREEATTN_RETURN_IF_ERROR(kv_exchange_attention(pool, st, window, wg));
-  for (int64_t r = 0; r < mine * H; ++r)
-    state_normalize(states_.data() + static_cast<std::size_t>(lo * H + r) * rec,
-                    static_cast<std::size_t>(D), attn_.data() + r * D,
+  return Status::ok();
+}
+
+void ModelRunner::normalize_rows(int64_t first, int64_t n, int64_t dst) {
+  const auto& mc = model_->config();
+  const int64_t H = mc.n_head, D = mc.head_dim;
+  const auto rec = static_cast<std::size_t>(D + 2);
+  for (int64_t r = 0; r < n * H; ++r)
+    state_normalize(states_.data() + static_cast<std::size_t>(first * H + r) * rec,
+                    static_cast<std::size_t>(D), attn_.data() + (dst * H + r) * D,
                     static_cast<float*>(nullptr));
+}
+
+Status ModelRunner::run_layer(int l, Step& st) {
+  const auto& mc = model_->config();
+  const int64_t qd = mc.n_head * mc.head_dim, kvd = mc.n_head_kv * mc.head_dim;
+  const int64_t lo = st.lo, mine = st.mine, mine1 = std::max<int64_t>(mine, 1);
+  float* ql = qkv_local_.data();
+  float* kl = ql + mine1 * qd;
+  float* vl = kl + mine1 * kvd;
+  const auto td = Clock::now();
+  if (mine > 0)
+    TREEATTN_RETURN_IF_ERROR(model_->attention_inputs(w_, l, x_.data(), mine, row_pos_.data() + lo,
+                                                      ql, kl, vl, fs_, mv_));
+  times_.dense_s += seconds(Clock::now() - td);
+  TREEATTN_RETURN_IF_ERROR(gather_qkv(st, ql, kl, vl));
+  TREEATTN_RETURN_IF_ERROR(attend(l, st));
+  normalize_rows(lo, mine, 0);
   const auto tf = Clock::now();
   if (mine > 0)
     TREEATTN_RETURN_IF_ERROR(
-        model_->attention_output_and_ffn(l, attn_.data(), mine, x_.data(), fs_, mv_));
+        model_->attention_output_and_ffn(w_, l, attn_.data(), mine, x_.data(), fs_, mv_));
   times_.dense_s += seconds(Clock::now() - tf);
   return Status::ok();
 }
@@ -396,7 +434,9 @@ Result<StepLogits> ModelRunner::compute_logits(const Step& st) {
   const auto& mc = model_->config();
   const int64_t E = mc.n_embd, S = static_cast<int64_t>(sample_w.size());
   logits_.resize(static_cast<std::size_t>(S * mc.n_vocab));
-  if (!st.split) {  // every rank computed every row: the same logits everywhere
+  if (dense_split_) {
+    TREEATTN_RETURN_IF_ERROR(split_logits(st, sample_w));
+  } else if (!st.split) {  // every rank computed every row: the same logits everywhere
     xs_.resize(static_cast<std::size_t>(S * E));
     for (int64_t i = 0; i < S; ++i) {
       const std::size_t w = sample_w[static_cast<std::size_t>(i)];
@@ -404,7 +444,7 @@ Result<StepLogits> ModelRunner::compute_logits(const Step& st) {
       std::memcpy(xs_.data() + i * E, x_.data() + row * E,
                   static_cast<std::size_t>(E) * sizeof(float));
     }
-    TREEATTN_RETURN_IF_ERROR(model_->logits(xs_.data(), S, logits_.data(), fs_, mv_));
+    TREEATTN_RETURN_IF_ERROR(model_->logits(w_, xs_.data(), S, logits_.data(), fs_, mv_));
   } else {
     TREEATTN_RETURN_IF_ERROR(gather_logits(st, sample_w));
   }
@@ -442,7 +482,7 @@ Status ModelRunner::gather_logits(const Step& st, std::span<const std::size_t> s
   // This rank's rows, then padding up to `most` rows that no rank reads (not cleared).
   xs_all_.resize(static_cast<std::size_t>(most * V));
   if (have > 0)
-    TREEATTN_RETURN_IF_ERROR(model_->logits(xs_.data(), have, xs_all_.data(), fs_, mv_));
+    TREEATTN_RETURN_IF_ERROR(model_->logits(w_, xs_.data(), have, xs_all_.data(), fs_, mv_));
   logits_all_.resize(static_cast<std::size_t>(p_ * most * V));
   TREEATTN_RETURN_IF_ERROR(comm_->allgather(
       xs_all_.data(), static_cast<std::size_t>(most * V) * sizeof(float), logits_all_.data()));

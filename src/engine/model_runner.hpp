@@ -1,9 +1,12 @@
-// The engine's forward pass of one step over the ranks (engine.hpp's "One step"): embedding and
-// dense layers split by rows over the ranks, per layer the all-gather of q/k/v, the owners'
-// page stores, the paged kernel over this rank's pages, the merge of the ranks' states (pass-Q)
-// or the K/V exchange (exchange.hpp), and the logits of the rows that end a sequence's known
-// tokens. The merge is a strategy's merge stage (layer_merge.hpp), called in merge_layer_states
-// and merge_exchange_states (model_runner.cpp).
+// The engine's forward pass of one step over the ranks (engine.hpp's "One step"): the dense
+// layers either replicated (every rank holds the whole model and computes its share of the
+// step's rows; per layer the all-gather of q/k/v) or split (EngineConfig::dense: every rank
+// holds a slice of each projection's output rows and computes it for every row; one all-gather
+// per matrix group, model_runner_split.cpp); then the owners' page stores, the paged kernel over
+// this rank's pages, the merge of the ranks' states (pass-Q) or the K/V exchange (exchange.hpp),
+// and the logits of the rows that end a sequence's known tokens. The merge is a strategy's merge
+// stage (layer_merge.hpp), called in merge_layer_states and merge_exchange_states
+// (model_runner.cpp).
 #pragma once
 
 #include <atomic>
@@ -41,10 +44,13 @@ struct StepLogits {
 
 class ModelRunner {
  public:
-  // pools: this rank's pages of each layer; kv and the model outlive the runner.
+  // pools: this rank's pages of each layer; kv and the model outlive the runner. weights: what
+  // this rank multiplies with (dense_plan.hpp): the whole model's (replicated) or this rank's
+  // slice of every projection (dense_split).
   ModelRunner(Communicator& comm, const model::LlamaModel& model, const EngineConfig& cfg,
               std::unique_ptr<LayerMerge> merge, ExchangePolicy exchange,
-              std::vector<TiledKVCache> pools, KVManager& kv);
+              std::vector<TiledKVCache> pools, KVManager& kv, model::DenseWeights weights,
+              bool dense_split);
 
   // Whether the prefill exchange policy can run with this merge at this rank count (kv needs a
   // merge with a local twin).
@@ -70,7 +76,9 @@ class ModelRunner {
     std::vector<Sequence*> seqs;
     std::vector<int64_t> first_row;
     int64_t rows = 0, rows_q = 0;  // all rows; pass-Q rows [0, rows_q)
-    bool split = false;            // rows split over the ranks
+    // Rows split over the ranks: replicated's dense part, and in both modes the K/V exchange's
+    // attention (rank r computes rows [lo, lo + mine)).
+    bool split = false;
     int64_t per = 0, lo = 0, mine = 0, gslot = 0;
     std::vector<EntryPages> ep;  // this rank's pages of each pass-Q item
     std::vector<PagedEntry> entries;
@@ -108,8 +116,35 @@ class ModelRunner {
                              std::vector<EntryPages>& ep, std::size_t& n_spans);
   Status merge_exchange_states(const Step& st);
 
+  // The attention of layer l for every row: K/V stored, this rank's pages' partial states,
+  // merged (pass-Q) or exchanged (the K/V rows, this rank's only).
+  Status attend(int l, Step& st);
+  // attn_ rows [dst, dst + n) = the normalized states of rows [first, first + n).
+  void normalize_rows(int64_t first, int64_t n, int64_t dst);
+
+  // ---- dense split (model_runner_split.cpp) ----
+  // A matrix group's all-gather for `tokens` rows: a rank's slot holds each projection's
+  // [tokens][its rows], padded to the widest rank's; at[i]: projection i's offset in the slot.
+  struct GroupSlot {
+    int64_t floats = 0;
+    int64_t at[3] = {0, 0, 0};
+  };
+  GroupSlot group_slot(std::span<const model::Projection> ps, int64_t tokens) const;
+  // Every rank's slot (this rank's in gsend_) all-gathered; out[i] = projection i's
+  // [tokens][all rows].
+  Status gather_group(std::span<const model::Projection> ps, const GroupSlot& g, int64_t tokens,
+                      std::span<float* const> out);
+  void size_split_scratch(int64_t rows);
+  Status split_embed(const Step& st);
+  Status run_layer_split(int l, Step& st);
+  Status split_attention_inputs(int l, const Step& st);
+  Status gather_kv_rows_attention(const Step& st);
+  Status split_output_and_ffn(int l, const Step& st);
+  Status split_logits(const Step& st, std::span<const std::size_t> sample_w);
   Communicator* comm_;
   const model::LlamaModel* model_;
+  model::DenseWeights w_;  // this rank's matrices: the whole model's, or its slice
+  bool dense_split_ = false;
   const EngineConfig& cfg_;
   KVManager& kv_;
   model::MatvecOptions mv_;
@@ -127,6 +162,10 @@ class ModelRunner {
   model::ForwardScratch fs_;
   std::vector<float> x_, q_, k_, v_, attn_, states_, xs_, xs_all_, logits_, logits_all_;
   std::vector<float> qkv_send_, qkv_recv_, qkv_local_;
+  // Dense split: the normed activations and a projection's gathered output of every row, the
+  // FFN's activations of every row ([rows][n_ff]) and this rank's up projection, the group
+  // all-gather's slots.
+  std::vector<float> xn_, tmp_, act_, up_, gsend_, grecv_;
   std::vector<int64_t> row_off_;  // a row's offset (floats) in its rank's all-gather slot
   std::vector<TokenId> row_tok_;
   std::vector<int64_t> row_pos_;

@@ -1,11 +1,14 @@
 // Peak-RSS readings of this process (see include/treeattn/measure.hpp): getrusage for the
-// lifetime peak, /proc/self/clear_refs and VmHWM for a peak that can be reset.
+// lifetime peak, /proc/self/clear_refs and VmHWM for a peak that can be reset; a mapped file's
+// resident bytes from /proc/self/smaps.
 #include "treeattn/measure.hpp"
 
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -27,6 +30,28 @@ int64_t peak_rss_bytes() {
   rusage u{};
   if (getrusage(RUSAGE_SELF, &u) != 0) return -1;
   return static_cast<int64_t>(u.ru_maxrss) * 1024;  // Linux reports KiB
+}
+
+uint64_t mapped_file_rss(const std::string& path) {
+  std::error_code ec;
+  const std::string want = std::filesystem::canonical(path, ec).string();
+  if (ec) return 0;
+  std::ifstream f("/proc/self/smaps");
+  std::string line;
+  bool in = false;
+  uint64_t kb = 0;
+  while (std::getline(f, line)) {
+    // A mapping's header: "start-end perms offset dev inode   pathname"; its fields follow.
+    const std::size_t dash = line.find('-');
+    if (dash != std::string::npos && dash > 0 &&
+        std::isxdigit(static_cast<unsigned char>(line[0])) && line.find(':') > dash) {
+      const std::size_t slash = line.find('/');
+      in = slash != std::string::npos && line.compare(slash, std::string::npos, want) == 0;
+    } else if (in && line.rfind("Rss:", 0) == 0) {
+      kb += std::stoull(line.substr(4));
+    }
+  }
+  return kb * 1024;
 }
 
 bool reset_peak_rss() {

@@ -512,6 +512,8 @@ File::File(File&& o) noexcept
     : path_(std::move(o.path_)),
       base_(o.base_),
       size_(o.size_),
+      dev_(o.dev_),
+      ino_(o.ino_),
       version_(o.version_),
       alignment_(o.alignment_),
       data_offset_(o.data_offset_),
@@ -529,6 +531,8 @@ File& File::operator=(File&& o) noexcept {
     path_ = std::move(o.path_);
     base_ = o.base_;
     size_ = o.size_;
+    dev_ = o.dev_;
+    ino_ = o.ino_;
     version_ = o.version_;
     alignment_ = o.alignment_;
     data_offset_ = o.data_offset_;
@@ -543,6 +547,67 @@ File& File::operator=(File&& o) noexcept {
 }
 
 File::~File() { release(); }
+
+Mapping::Mapping(Mapping&& o) noexcept : addr_(o.addr_), len_(o.len_), data_(o.data_) {
+  o.addr_ = nullptr;
+  o.len_ = 0;
+  o.data_ = nullptr;
+}
+
+Mapping& Mapping::operator=(Mapping&& o) noexcept {
+  if (this != &o) {
+    if (addr_ != nullptr) munmap(addr_, len_);
+    addr_ = o.addr_;
+    len_ = o.len_;
+    data_ = o.data_;
+    o.addr_ = nullptr;
+    o.len_ = 0;
+    o.data_ = nullptr;
+  }
+  return *this;
+}
+
+Mapping::~Mapping() {
+  if (addr_ != nullptr) munmap(addr_, len_);
+}
+
+void File::release_resident_pages() const {
+  if (base_ != nullptr) madvise(const_cast<uint8_t*>(base_), size_, MADV_DONTNEED);
+}
+
+Result<Mapping> File::map_again(const uint8_t* at, std::size_t bytes) const {
+  const std::string file = "gguf " + path_ + ": ";
+  if (base_ == nullptr || at < base_ || static_cast<uint64_t>(at - base_) > size_ ||
+      bytes > size_ - static_cast<uint64_t>(at - base_))
+    return invalid_argument(file + "map_again: " + std::to_string(bytes) +
+                            " bytes outside the file's mapping");
+  Mapping m;
+  if (bytes == 0) {
+    m.data_ = at;  // nothing to map: the bytes (none) are read from the whole mapping
+    return m;
+  }
+  const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return invalid_argument(file + "cannot open it again: " + std::strerror(errno));
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_dev) != dev_ ||
+      static_cast<uint64_t>(st.st_ino) != ino_ || static_cast<uint64_t>(st.st_size) != size_) {
+    ::close(fd);
+    return invalid_argument(file + "the file at this path is no longer the one loaded");
+  }
+  const auto page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const auto offset = static_cast<uint64_t>(at - base_);
+  const uint64_t first = offset / page * page;
+  const uint64_t len = offset + bytes - first;
+  void* p = mmap(nullptr, static_cast<std::size_t>(len), PROT_READ, MAP_SHARED, fd,
+                 static_cast<off_t>(first));
+  const int e = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) return invalid_argument(file + "mmap of a range: " + std::strerror(e));
+  m.addr_ = p;
+  m.len_ = static_cast<std::size_t>(len);
+  m.data_ = static_cast<const uint8_t*>(p) + (offset - first);
+  return m;
+}
 
 void File::release() {
   if (base_ != nullptr) munmap(const_cast<uint8_t*>(base_), size_);
@@ -574,6 +639,8 @@ Result<File> File::open(const std::string& path) {
   f.path_ = path;
   f.base_ = static_cast<const uint8_t*>(m);
   f.size_ = static_cast<uint64_t>(st.st_size);
+  f.dev_ = static_cast<uint64_t>(st.st_dev);
+  f.ino_ = static_cast<uint64_t>(st.st_ino);
   TREEATTN_RETURN_IF_ERROR(f.parse());  // ~File unmaps on error
   return f;
 }

@@ -225,17 +225,25 @@ Status LlamaModel::init() {
                               " rows");
   }
   TREEATTN_RETURN_IF_ERROR(matrix("token_embd.weight", cfg_.n_embd, cfg_.n_vocab, tok_embd_));
+  DenseWeights& dw = weights_;
+  dw.embedding_ = tok_embd_;
   if (f.find_tensor("output.weight") != nullptr) {
-    TREEATTN_RETURN_IF_ERROR(matrix("output.weight", cfg_.n_embd, cfg_.n_vocab, output_));
+    TREEATTN_RETURN_IF_ERROR(matrix("output.weight", cfg_.n_embd, cfg_.n_vocab, dw.head_));
   } else {
     cfg_.tied_output = true;
-    output_ = tok_embd_;
+    dw.head_ = tok_embd_;
   }
   TREEATTN_RETURN_IF_ERROR(vector("output_norm.weight", cfg_.n_embd, output_norm_));
   const int64_t qd = cfg_.n_head * cfg_.head_dim, kvd = cfg_.n_head_kv * cfg_.head_dim;
   layers_.resize(static_cast<std::size_t>(cfg_.n_layers));
+  dw.layers_.resize(static_cast<std::size_t>(cfg_.n_layers));
+  dw.full_rows_ = {qd, kvd, kvd, cfg_.n_embd, cfg_.n_ff, cfg_.n_ff, cfg_.n_embd, cfg_.n_vocab};
   for (int l = 0; l < cfg_.n_layers; ++l) {
     Layer& L = layers_[static_cast<std::size_t>(l)];
+    auto& M = dw.layers_[static_cast<std::size_t>(l)];
+    const auto mat = [&M](Projection pr) -> WeightMatrix& {
+      return M[static_cast<std::size_t>(pr)];
+    };
     const std::string p = "blk." + std::to_string(l) + ".";
     TREEATTN_RETURN_IF_ERROR(vector(p + "attn_norm.weight", cfg_.n_embd, L.attn_norm));
     TREEATTN_RETURN_IF_ERROR(vector(p + "ffn_norm.weight", cfg_.n_embd, L.ffn_norm));
@@ -248,13 +256,17 @@ Status LlamaModel::init() {
           vector(p + "post_attention_norm.weight", cfg_.n_embd, L.post_attn_norm));
       TREEATTN_RETURN_IF_ERROR(vector(p + "post_ffw_norm.weight", cfg_.n_embd, L.post_ffn_norm));
     }
-    TREEATTN_RETURN_IF_ERROR(matrix(p + "attn_q.weight", cfg_.n_embd, qd, L.wq));
-    TREEATTN_RETURN_IF_ERROR(matrix(p + "attn_k.weight", cfg_.n_embd, kvd, L.wk));
-    TREEATTN_RETURN_IF_ERROR(matrix(p + "attn_v.weight", cfg_.n_embd, kvd, L.wv));
-    TREEATTN_RETURN_IF_ERROR(matrix(p + "attn_output.weight", qd, cfg_.n_embd, L.wo));
-    TREEATTN_RETURN_IF_ERROR(matrix(p + "ffn_gate.weight", cfg_.n_embd, cfg_.n_ff, L.gate));
-    TREEATTN_RETURN_IF_ERROR(matrix(p + "ffn_up.weight", cfg_.n_embd, cfg_.n_ff, L.up));
-    TREEATTN_RETURN_IF_ERROR(matrix(p + "ffn_down.weight", cfg_.n_ff, cfg_.n_embd, L.down));
+    TREEATTN_RETURN_IF_ERROR(matrix(p + "attn_q.weight", cfg_.n_embd, qd, mat(Projection::kQ)));
+    TREEATTN_RETURN_IF_ERROR(matrix(p + "attn_k.weight", cfg_.n_embd, kvd, mat(Projection::kK)));
+    TREEATTN_RETURN_IF_ERROR(matrix(p + "attn_v.weight", cfg_.n_embd, kvd, mat(Projection::kV)));
+    TREEATTN_RETURN_IF_ERROR(
+        matrix(p + "attn_output.weight", qd, cfg_.n_embd, mat(Projection::kO)));
+    TREEATTN_RETURN_IF_ERROR(
+        matrix(p + "ffn_gate.weight", cfg_.n_embd, cfg_.n_ff, mat(Projection::kGate)));
+    TREEATTN_RETURN_IF_ERROR(
+        matrix(p + "ffn_up.weight", cfg_.n_embd, cfg_.n_ff, mat(Projection::kUp)));
+    TREEATTN_RETURN_IF_ERROR(
+        matrix(p + "ffn_down.weight", cfg_.n_ff, cfg_.n_embd, mat(Projection::kDown)));
     if (spec->qkv_bias) {
       const std::pair<const char*, std::pair<int64_t, std::vector<float>*>> biases[] = {
           {"attn_q.bias", {qd, &L.bq}},
@@ -298,53 +310,130 @@ Status LlamaModel::init() {
 }
 
 std::size_t LlamaModel::weight_bytes_per_token() const {
-  std::size_t b = output_.bytes() + static_cast<std::size_t>(tok_embd_.row_bytes);
-  for (const Layer& L : layers_)
-    b += L.wq.bytes() + L.wk.bytes() + L.wv.bytes() + L.wo.bytes() + L.gate.bytes() + L.up.bytes() +
-         L.down.bytes();
+  return weights_.bytes() + static_cast<std::size_t>(tok_embd_.row_bytes);
+}
+
+// ---- DenseWeights ----
+
+std::string_view projection_name(Projection p) {
+  static constexpr std::string_view kNames[kProjections] = {
+      "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output"};
+  return kNames[static_cast<std::size_t>(p)];
+}
+
+const WeightMatrix& DenseWeights::matrix(int layer, Projection p) const {
+  if (p == Projection::kHead) return head_;
+  return layers_[static_cast<std::size_t>(layer)][static_cast<std::size_t>(p)];
+}
+
+std::size_t DenseWeights::bytes() const {
+  std::size_t b = head_.bytes();
+  for (const auto& L : layers_)
+    for (const WeightMatrix& m : L) b += m.bytes();
   return b;
 }
 
-void LlamaModel::pack_rows8(MatmulMode mode, int threads) {
-  if (mode == MatmulMode::kExact || !rows8_.empty()) return;
+std::size_t DenseWeights::rows8_bytes() const {
+  std::size_t b = 0;
+  for (const auto& buf : rows8_) b += buf.size();
+  return b;
+}
+
+void DenseWeights::pack_rows8(MatmulMode mode, int threads) {
+  if (mode == MatmulMode::kExact) return;
   std::vector<WeightMatrix*> ms;
-  for (Layer& L : layers_) {
-    if (mode == MatmulMode::kInt8)
-      for (WeightMatrix* m : {&L.wq, &L.wk, &L.wv, &L.wo}) ms.push_back(m);
-    for (WeightMatrix* m : {&L.gate, &L.up, &L.down}) ms.push_back(m);
-  }
-  ms.push_back(&output_);
+  for (auto& L : layers_)
+    for (std::size_t i = 0; i < L.size(); ++i)
+      if (mode == MatmulMode::kInt8 || i >= static_cast<std::size_t>(Projection::kGate))
+        ms.push_back(&L[i]);
+  ms.push_back(&head_);
+  std::erase_if(ms, [](const WeightMatrix* m) { return m->rows8 != nullptr; });
   std::vector<std::size_t> at(ms.size() + 1, 0);
   for (std::size_t i = 0; i < ms.size(); ++i) at[i + 1] = at[i] + model::rows8_bytes(*ms[i]);
   if (at.back() == 0) return;
-  rows8_.resize(at.back());
+  std::vector<uint8_t>& buf = rows8_.emplace_back(at.back());
   const int n = static_cast<int>(ms.size());
 #pragma omp parallel for schedule(dynamic) \
     num_threads(threads > 0 ? threads : omp_get_max_threads())
   for (int i = 0; i < n; ++i)
-    if (at[i + 1] > at[i]) model::pack_rows8(*ms[i], rows8_.data() + at[i]);
+    if (at[i + 1] > at[i]) model::pack_rows8(*ms[i], buf.data() + at[i]);
   for (std::size_t i = 0; i < ms.size(); ++i)
-    if (at[i + 1] > at[i]) ms[i]->rows8 = rows8_.data() + at[i];
+    if (at[i + 1] > at[i]) ms[i]->rows8 = buf.data() + at[i];
 }
 
-void LlamaModel::reserve_forward(int64_t tokens, const MatvecOptions& options) const {
-  for (const Layer& L : layers_) {
-    const WeightMatrix* attn[] = {&L.wq, &L.wk, &L.wv, &L.wo};
+Result<DenseWeights> LlamaModel::slice(int index, int count) const {
+  if (count < 1 || index < 0 || index >= count)
+    return invalid_argument("model " + path() + ": slice " + std::to_string(index) + " of " +
+                            std::to_string(count) + " (expected 0 <= index < count)");
+  DenseWeights s;
+  s.index_ = index;
+  s.count_ = count;
+  s.full_rows_ = weights_.full_rows_;
+  // Every slice of every matrix is checked, not only this one's, so that every rank reports
+  // the same refusal.
+  auto cut = [&](const WeightMatrix& m, std::string_view what, WeightMatrix& out) -> Status {
+    for (int i = 0; i < count; ++i) {
+      Status st = check_row_slice(m, slice_rows(m.rows, i, count));
+      if (!st.is_ok())
+        return Status(st.code(), "model " + path() + ": " + std::string(what) + " slice " +
+                                     std::to_string(i) + " of " + std::to_string(count) + ": " +
+                                     st.message());
+    }
+    out = row_slice(m, slice_rows(m.rows, index, count));
+    if (count == 1) return Status::ok();  // the whole matrix: the model's mapping
+    auto map = file_.map_again(out.data, out.bytes());
+    if (!map.is_ok()) return map.status();
+    out.data = map->data();
+    s.maps_.push_back(std::move(map).value());
+    return Status::ok();
+  };
+  s.layers_.resize(weights_.layers_.size());
+  for (std::size_t l = 0; l < weights_.layers_.size(); ++l)
+    for (std::size_t i = 0; i < s.layers_[l].size(); ++i)
+      TREEATTN_RETURN_IF_ERROR(cut(weights_.layers_[l][i],
+                                   projection_name(static_cast<Projection>(i)), s.layers_[l][i]));
+  TREEATTN_RETURN_IF_ERROR(cut(weights_.head_, projection_name(Projection::kHead), s.head_));
+  if (cfg_.tied_output) {
+    s.embedding_ = s.head_;  // the same rows of the same tensor, mapped once
+  } else {
+    TREEATTN_RETURN_IF_ERROR(cut(tok_embd_, "token_embd", s.embedding_));
+  }
+  return s;
+}
+
+void LlamaModel::reserve_forward(const DenseWeights& w, int64_t tokens,
+                                 const MatvecOptions& options) const {
+  for (int l = 0; l < w.layers(); ++l) {
+    const WeightMatrix* attn[] = {&w.matrix(l, Projection::kQ), &w.matrix(l, Projection::kK),
+                                  &w.matrix(l, Projection::kV), &w.matrix(l, Projection::kO)};
     reserve_matmul(attn, tokens, for_role(options, MatrixRole::kAttention));
-    const WeightMatrix* ffn[] = {&L.gate, &L.up, &L.down};
+    const WeightMatrix* ffn[] = {&w.matrix(l, Projection::kGate), &w.matrix(l, Projection::kUp),
+                                 &w.matrix(l, Projection::kDown)};
     reserve_matmul(ffn, tokens, for_role(options, MatrixRole::kFfn));
   }
 }
 
 std::string LlamaModel::weight_types() const {
   std::map<std::string, int> n;
-  for (const Layer& L : layers_)
-    for (const WeightMatrix* m : {&L.wq, &L.wk, &L.wv, &L.wo, &L.gate, &L.up, &L.down})
-      ++n[gguf::tensor_type_name(m->type)];
-  ++n[gguf::tensor_type_name(output_.type) + (cfg_.tied_output ? " head (tied)" : " head")];
+  for (const auto& L : weights_.layers_)
+    for (const WeightMatrix& m : L) ++n[gguf::tensor_type_name(m.type)];
+  const WeightMatrix& head = weights_.head_;
+  ++n[gguf::tensor_type_name(head.type) + (cfg_.tied_output ? " head (tied)" : " head")];
   std::string s;
   for (const auto& [k, v] : n) s += (s.empty() ? "" : ", ") + k + " x" + std::to_string(v);
   return s;
+}
+
+// x = row `row` of `table` (n_embd values), scaled where the architecture scales embeddings.
+Status LlamaModel::embed_row(const WeightMatrix& table, int64_t row, float* x) const {
+  TREEATTN_RETURN_IF_ERROR(gguf::dequantize_row(table.type, table.data + row * table.row_bytes, x,
+                                                static_cast<std::size_t>(cfg_.n_embd)));
+  if (cfg_.arch->embed_scale) {
+    // In float, as llama.cpp scales (sqrt rounded once: float(sqrt(double)) == sqrtf).
+    const auto sc = static_cast<float>(std::sqrt(static_cast<double>(cfg_.n_embd)));
+    for (int64_t i = 0; i < cfg_.n_embd; ++i) x[i] *= sc;
+  }
+  return Status::ok();
 }
 
 Status LlamaModel::embed(std::span<const TokenId> tokens, float* x) const {
@@ -354,15 +443,22 @@ Status LlamaModel::embed(std::span<const TokenId> tokens, float* x) const {
       return invalid_argument("model " + path() + ": token id " + std::to_string(id) +
                               " at position " + std::to_string(t) + " is outside [0, " +
                               std::to_string(cfg_.n_vocab) + ")");
-    float* xt = x + static_cast<int64_t>(t) * cfg_.n_embd;
-    TREEATTN_RETURN_IF_ERROR(gguf::dequantize_row(
-        tok_embd_.type, tok_embd_.data + static_cast<int64_t>(id) * tok_embd_.row_bytes, xt,
-        static_cast<std::size_t>(cfg_.n_embd)));
-    if (cfg_.arch->embed_scale) {
-      // In float, as llama.cpp scales (sqrt rounded once: float(sqrt(double)) == sqrtf).
-      const auto sc = static_cast<float>(std::sqrt(static_cast<double>(cfg_.n_embd)));
-      for (int64_t i = 0; i < cfg_.n_embd; ++i) xt[i] *= sc;
-    }
+    TREEATTN_RETURN_IF_ERROR(embed_row(tok_embd_, id, x + static_cast<int64_t>(t) * cfg_.n_embd));
+  }
+  return Status::ok();
+}
+
+Status LlamaModel::embed(const DenseWeights& w, std::span<const TokenId> tokens, float* x) const {
+  const RowRange r = w.rows(Projection::kHead);
+  for (std::size_t t = 0; t < tokens.size(); ++t) {
+    const TokenId id = tokens[t];
+    if (id < r.begin || id >= r.end)
+      return invalid_argument("model " + path() + ": token id " + std::to_string(id) +
+                              " at position " + std::to_string(t) + " is outside slice " +
+                              std::to_string(w.index()) + "'s vocabulary rows [" +
+                              std::to_string(r.begin) + ", " + std::to_string(r.end) + ")");
+    TREEATTN_RETURN_IF_ERROR(
+        embed_row(w.embedding(), id - r.begin, x + static_cast<int64_t>(t) * cfg_.n_embd));
   }
   return Status::ok();
 }
@@ -439,20 +535,49 @@ int step_threads(const MatvecOptions& options, int64_t tokens) {
 }
 }  // namespace
 
-Status LlamaModel::attention_inputs(int layer, const float* x, int64_t tokens, const int64_t* pos,
-                                    float* q, float* k, float* v, ForwardScratch& s,
-                                    const MatvecOptions& options) const {
+// ---- the dense layers in pieces (model.hpp: the whole-row calls are composed of them) ----
+
+void LlamaModel::attention_norm(int layer, const float* x, int64_t tokens, float* xn,
+                                const MatvecOptions& options) const {
+  rmsnorm(x, layer_of(layer).attn_norm, tokens, xn, step_threads(options, tokens));
+}
+
+Status LlamaModel::project(const DenseWeights& w, int layer, std::span<const Projection> ps,
+                           const float* x, int64_t tokens, int64_t x_stride,
+                           std::span<float* const> ys, const MatvecOptions& options) const {
+  if (ps.size() != ys.size() || ps.empty() || ps.size() > 4)
+    return invalid_argument("project: " + std::to_string(ps.size()) + " projections and " +
+                            std::to_string(ys.size()) + " outputs");
+  if (w.layers() != cfg_.n_layers ||
+      (ps[0] != Projection::kHead && (layer < 0 || layer >= cfg_.n_layers)))
+    return invalid_argument("project: layer " + std::to_string(layer) + " of weights with " +
+                            std::to_string(w.layers()) + " layers (the model has " +
+                            std::to_string(cfg_.n_layers) + ")");
+  const WeightMatrix* mats[4];
+  float* outs[4];
+  std::size_t n = 0;
+  for (std::size_t i = 0; i < ps.size(); ++i) {
+    const WeightMatrix& m = w.matrix(layer, ps[i]);
+    if (m.rows == 0) continue;  // an empty slice
+    mats[n] = &m;
+    outs[n++] = ys[i];
+  }
+  if (n == 0) return Status::ok();
+  const MatrixRole role = ps[0] == Projection::kHead ? MatrixRole::kHead
+                          : static_cast<int>(ps[0]) >= static_cast<int>(Projection::kGate)
+                              ? MatrixRole::kFfn
+                              : MatrixRole::kAttention;
+  return matmul(std::span<const WeightMatrix* const>(mats, n), x, tokens, x_stride,
+                std::span<float* const>(outs, n), for_role(options, role));
+}
+
+Status LlamaModel::finish_qkv(int layer, int64_t tokens, const int64_t* pos, float* q, float* k,
+                              float* v, ForwardScratch& s, const MatvecOptions& options) const {
   if (layer < 0 || layer >= cfg_.n_layers)
-    return invalid_argument("attention_inputs: layer " + std::to_string(layer) + " of " +
+    return invalid_argument("finish_qkv: layer " + std::to_string(layer) + " of " +
                             std::to_string(cfg_.n_layers));
-  const Layer& L = layers_[static_cast<std::size_t>(layer)];
+  const Layer& L = layer_of(layer);
   const int threads = step_threads(options, tokens);
-  s.xn.resize(static_cast<std::size_t>(tokens * cfg_.n_embd));
-  rmsnorm(x, L.attn_norm, tokens, s.xn.data(), threads);
-  const WeightMatrix* mats[] = {&L.wq, &L.wk, &L.wv};
-  float* ys[] = {q, k, v};
-  TREEATTN_RETURN_IF_ERROR(matmul(mats, s.xn.data(), tokens, cfg_.n_embd, ys,
-                                  for_role(options, MatrixRole::kAttention)));
   const int64_t qd = cfg_.n_head * cfg_.head_dim, kvd = cfg_.n_head_kv * cfg_.head_dim;
   auto add_bias = [tokens](float* y, const std::vector<float>& b) {
     const auto n = static_cast<int64_t>(b.size());
@@ -492,74 +617,141 @@ Status LlamaModel::attention_inputs(int layer, const float* x, int64_t tokens, c
   return Status::ok();
 }
 
+void LlamaModel::add_attention_output(int layer, float* o, int64_t tokens, float* x,
+                                      const MatvecOptions& options) const {
+  const Layer& L = layer_of(layer);
+  const int threads = step_threads(options, tokens);
+  const auto tn = static_cast<std::size_t>(tokens * cfg_.n_embd);
+  if (!L.post_attn_norm.empty()) rmsnorm(o, L.post_attn_norm, tokens, o, threads);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (std::size_t i = 0; i < tn; ++i) x[i] += o[i];
+}
+
+void LlamaModel::ffn_norm(int layer, const float* x, int64_t tokens, float* xn,
+                          const MatvecOptions& options) const {
+  rmsnorm(x, layer_of(layer).ffn_norm, tokens, xn, step_threads(options, tokens));
+}
+
+// The gated activation, element by element (so its bits do not depend on the threads that
+// share it, on the target or on where an element sits: activation.hpp). GELU (Gemma) is ggml's
+// tanh form, 0.5 g (1 + tanh(y)) with y = sqrt(2/pi) g (1 + 0.044715 g^2), written as
+// g / (1 + exp(-2 y)): the same function, one expf instead of a tanhf (glibc's tanhf took 12% of
+// Gemma-3's 512-token prefill, expm1f inside it), and no cancellation in 1 + tanh(y) where y is
+// negative. g = +-inf and NaN give what the tanh form gives (inf, NaN, NaN).
+void LlamaModel::ffn_activation(float* gate, const float* up, int64_t tokens, int64_t width,
+                                const MatvecOptions& options) const {
+  gated_activation(cfg_.arch->ffn, gate, up, tokens * width, options.isa,
+                   step_threads(options, tokens));
+}
+
+void LlamaModel::add_ffn_output(int layer, float* d, int64_t tokens, float* x,
+                                const MatvecOptions& options) const {
+  const Layer& L = layer_of(layer);
+  const int threads = step_threads(options, tokens);
+  const auto tn = static_cast<std::size_t>(tokens * cfg_.n_embd);
+  if (!L.post_ffn_norm.empty()) rmsnorm(d, L.post_ffn_norm, tokens, d, threads);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (std::size_t i = 0; i < tn; ++i) x[i] += d[i];
+}
+
+void LlamaModel::output_norm(const float* x, int64_t tokens, float* xn) const {
+  rmsnorm(x, output_norm_, tokens, xn);
+}
+
+// ---- the whole-row calls ----
+
+Status LlamaModel::check_whole(const DenseWeights& w, const char* fn) const {
+  if (!w.whole())
+    return invalid_argument(std::string(fn) + ": slice " + std::to_string(w.index()) + " of " +
+                            std::to_string(w.count()) +
+                            " holds some rows of each matrix; this call needs them all");
+  if (w.layers() != cfg_.n_layers)
+    return invalid_argument(std::string(fn) + ": weights of " + std::to_string(w.layers()) +
+                            " layers for a model of " + std::to_string(cfg_.n_layers));
+  return Status::ok();
+}
+
+Status LlamaModel::attention_inputs(int layer, const float* x, int64_t tokens, const int64_t* pos,
+                                    float* q, float* k, float* v, ForwardScratch& s,
+                                    const MatvecOptions& options) const {
+  return attention_inputs(weights_, layer, x, tokens, pos, q, k, v, s, options);
+}
+
+Status LlamaModel::attention_inputs(const DenseWeights& w, int layer, const float* x,
+                                    int64_t tokens, const int64_t* pos, float* q, float* k,
+                                    float* v, ForwardScratch& s,
+                                    const MatvecOptions& options) const {
+  if (layer < 0 || layer >= cfg_.n_layers)
+    return invalid_argument("attention_inputs: layer " + std::to_string(layer) + " of " +
+                            std::to_string(cfg_.n_layers));
+  TREEATTN_RETURN_IF_ERROR(check_whole(w, "attention_inputs"));
+  s.xn.resize(static_cast<std::size_t>(tokens * cfg_.n_embd));
+  attention_norm(layer, x, tokens, s.xn.data(), options);
+  const Projection ps[] = {Projection::kQ, Projection::kK, Projection::kV};
+  float* ys[] = {q, k, v};
+  TREEATTN_RETURN_IF_ERROR(project(w, layer, ps, s.xn.data(), tokens, cfg_.n_embd, ys, options));
+  return finish_qkv(layer, tokens, pos, q, k, v, s, options);
+}
+
 Status LlamaModel::attention_output_and_ffn(int layer, const float* a, int64_t tokens, float* x,
                                             ForwardScratch& s, const MatvecOptions& options) const {
+  return attention_output_and_ffn(weights_, layer, a, tokens, x, s, options);
+}
+
+Status LlamaModel::attention_output_and_ffn(const DenseWeights& w, int layer, const float* a,
+                                            int64_t tokens, float* x, ForwardScratch& s,
+                                            const MatvecOptions& options) const {
   if (layer < 0 || layer >= cfg_.n_layers)
     return invalid_argument("attention_output_and_ffn: layer " + std::to_string(layer));
-  const Layer& L = layers_[static_cast<std::size_t>(layer)];
+  TREEATTN_RETURN_IF_ERROR(check_whole(w, "attention_output_and_ffn"));
   const int64_t n = cfg_.n_embd, nff = cfg_.n_ff;
-  const auto tn = static_cast<std::size_t>(tokens * n);
-  const int threads = step_threads(options, tokens);
-  s.tmp.resize(tn);
+  s.tmp.resize(static_cast<std::size_t>(tokens * n));
   {
-    const WeightMatrix* mats[] = {&L.wo};
+    const Projection ps[] = {Projection::kO};
     float* ys[] = {s.tmp.data()};
-    TREEATTN_RETURN_IF_ERROR(matmul(mats, a, tokens, cfg_.n_head * cfg_.head_dim, ys,
-                                    for_role(options, MatrixRole::kAttention)));
+    TREEATTN_RETURN_IF_ERROR(
+        project(w, layer, ps, a, tokens, cfg_.n_head * cfg_.head_dim, ys, options));
   }
-  if (!L.post_attn_norm.empty())
-    rmsnorm(s.tmp.data(), L.post_attn_norm, tokens, s.tmp.data(), threads);
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-  for (std::size_t i = 0; i < tn; ++i) x[i] += s.tmp[i];
-  s.xn.resize(tn);
-  rmsnorm(x, L.ffn_norm, tokens, s.xn.data(), threads);
+  add_attention_output(layer, s.tmp.data(), tokens, x, options);
+  s.xn.resize(static_cast<std::size_t>(tokens * n));
+  ffn_norm(layer, x, tokens, s.xn.data(), options);
   s.gate.resize(static_cast<std::size_t>(tokens * nff));
   s.up.resize(static_cast<std::size_t>(tokens * nff));
   {
-    const WeightMatrix* mats[] = {&L.gate, &L.up};
+    const Projection ps[] = {Projection::kGate, Projection::kUp};
     float* ys[] = {s.gate.data(), s.up.data()};
-    TREEATTN_RETURN_IF_ERROR(
-        matmul(mats, s.xn.data(), tokens, n, ys, for_role(options, MatrixRole::kFfn)));
+    TREEATTN_RETURN_IF_ERROR(project(w, layer, ps, s.xn.data(), tokens, n, ys, options));
   }
-  // The gated activation, element by element (so its bits do not depend on the threads that
-  // share it or on the target: activation.hpp). GELU (Gemma) is ggml's tanh form, 0.5 g (1 +
-  // tanh(y)) with y = sqrt(2/pi) g (1 + 0.044715 g^2), written as g / (1 + exp(-2 y)): the same
-  // function, one expf instead of a tanhf (glibc's tanhf took 12% of Gemma-3's 512-token prefill,
-  // expm1f inside it), and no cancellation in 1 + tanh(y) where y is negative. g = +-inf and NaN
-  // give what the tanh form gives (inf, NaN, NaN).
-  gated_activation(cfg_.arch->ffn, s.gate.data(), s.up.data(), static_cast<int64_t>(s.gate.size()),
-                   options.isa, threads);
+  ffn_activation(s.gate.data(), s.up.data(), tokens, nff, options);
   {
-    const WeightMatrix* mats[] = {&L.down};
+    const Projection ps[] = {Projection::kDown};
     float* ys[] = {s.tmp.data()};
-    TREEATTN_RETURN_IF_ERROR(
-        matmul(mats, s.gate.data(), tokens, nff, ys, for_role(options, MatrixRole::kFfn)));
+    TREEATTN_RETURN_IF_ERROR(project(w, layer, ps, s.gate.data(), tokens, nff, ys, options));
   }
-  if (!L.post_ffn_norm.empty())
-    rmsnorm(s.tmp.data(), L.post_ffn_norm, tokens, s.tmp.data(), threads);
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-  for (std::size_t i = 0; i < tn; ++i) x[i] += s.tmp[i];
+  add_ffn_output(layer, s.tmp.data(), tokens, x, options);
   return Status::ok();
 }
 
 Status LlamaModel::logits(const float* x, float* out, ForwardScratch& s,
                           const MatvecOptions& options) const {
-  s.xn.resize(static_cast<std::size_t>(cfg_.n_embd));
-  rmsnorm(x, output_norm_, 1, s.xn.data());
-  const WeightMatrix* mats[] = {&output_};
-  float* ys[] = {out};
-  return matmul(mats, s.xn.data(), 1, cfg_.n_embd, ys, for_role(options, MatrixRole::kHead));
+  return logits(weights_, x, 1, out, s, options);
 }
 
 Status LlamaModel::logits(const float* x, int64_t tokens, float* out, ForwardScratch& s,
                           const MatvecOptions& options) const {
+  return logits(weights_, x, tokens, out, s, options);
+}
+
+Status LlamaModel::logits(const DenseWeights& w, const float* x, int64_t tokens, float* out,
+                          ForwardScratch& s, const MatvecOptions& options) const {
   if (tokens < 0) return invalid_argument("logits: negative token count");
+  TREEATTN_RETURN_IF_ERROR(check_whole(w, "logits"));
   if (tokens == 0) return Status::ok();
   s.xn.resize(static_cast<std::size_t>(tokens * cfg_.n_embd));
-  rmsnorm(x, output_norm_, tokens, s.xn.data());
-  const WeightMatrix* mats[] = {&output_};
+  output_norm(x, tokens, s.xn.data());
+  const Projection ps[] = {Projection::kHead};
   float* ys[] = {out};
-  return matmul(mats, s.xn.data(), tokens, cfg_.n_embd, ys, for_role(options, MatrixRole::kHead));
+  return project(w, -1, ps, s.xn.data(), tokens, cfg_.n_embd, ys, options);
 }
 
 }  // namespace treeattn::model

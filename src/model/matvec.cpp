@@ -197,6 +197,50 @@ void pack_rows8(const WeightMatrix& m, uint8_t* out) {
   if (rows8_bytes(m) > 0) detail::pack_rows8(m.type, m.data, m.rows, m.row_bytes, m.cols, out);
 }
 
+RowRange slice_rows(int64_t rows, int index, int count) {
+  const auto at = [&](int i) -> int64_t {
+    if (i >= count) return rows;
+    // floor(i * rows / count) without overflow: rows = q count + r.
+    const int64_t exact = rows / count * i + rows % count * i / count;
+    return exact / kSliceRowAlign * kSliceRowAlign;
+  };
+  return RowRange{at(index), at(index + 1)};
+}
+
+Status check_row_slice(const WeightMatrix& m, RowRange r) {
+  if (r.begin < 0 || r.end < r.begin || r.end > m.rows)
+    return invalid_argument("tensor '" + m.name + "': rows [" + std::to_string(r.begin) + ", " +
+                            std::to_string(r.end) + ") are not inside its " +
+                            std::to_string(m.rows) + " rows");
+  const gguf::BlockLayout bl = gguf::block_layout(m.type);
+  if (bl.block_elems == 0 || m.cols % bl.block_elems != 0 ||
+      m.row_bytes != m.cols / bl.block_elems * static_cast<int64_t>(bl.block_bytes))
+    return unsupported("tensor '" + m.name + "' (" + gguf::tensor_type_name(m.type) + ", " +
+                       std::to_string(m.rows) + " rows of " + std::to_string(m.cols) +
+                       " values) cannot be split by output rows: its rows are " +
+                       std::to_string(m.row_bytes) + " bytes apart, not " +
+                       (bl.block_elems == 0
+                            ? std::string("whole blocks of a known layout")
+                            : std::to_string(m.cols / std::max<int64_t>(1, bl.block_elems) *
+                                             static_cast<int64_t>(bl.block_bytes)) +
+                                  " (whole blocks of " + std::to_string(bl.block_elems) +
+                                  " values)") +
+                       ", so a row's blocks are not its own (interleaved rows or shared scales)");
+  return Status::ok();
+}
+
+WeightMatrix row_slice(const WeightMatrix& m, RowRange r) {
+  WeightMatrix s = m;
+  s.name = m.name + "[" + std::to_string(r.begin) + ":" + std::to_string(r.end) + "]";
+  s.data = m.data + r.begin * m.row_bytes;
+  s.rows = r.size();
+  s.rows8 = nullptr;
+  if (m.rows8 != nullptr && r.begin % 8 == 0 && rows8_bytes(m) > 0)
+    s.rows8 = m.rows8 + r.begin / 8 * (m.cols / detail::rows8_record_cols(m.type)) *
+                            detail::rows8_record_bytes(m.type);
+  return s;
+}
+
 std::string_view matmul_mode_name(MatmulMode mode) {
   switch (mode) {
     case MatmulMode::kExact:
@@ -330,6 +374,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   for (std::size_t i = 0; i < mats.size(); ++i)
     first_chunk[i + 1] = first_chunk[i] + (mats[i]->rows + kRowChunk - 1) / kRowChunk;
   const int64_t chunks = first_chunk.back();
+  if (chunks == 0) return Status::ok();  // matrices of no rows (an empty slice)
   int threads = options.threads > 0 ? options.threads : omp_get_max_threads();
   threads = static_cast<int>(std::min<int64_t>(threads, chunks));
 #pragma omp parallel num_threads(threads) if (threads > 1)

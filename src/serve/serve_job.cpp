@@ -205,10 +205,10 @@ int run_serve_job(Communicator& comm, const ServeJob& job) {
       st = t.status();
   }
   if (!st.is_ok()) say(st);
-  // The decode steps' layout, before the agreement: the ranks then enter Engine::create, whose
-  // collectives are timed (ec.timeout), together, whatever a slow disk or a busy host made of
-  // their loading (the agreement itself waits without a limit, as the start-up always did).
-  if (st.is_ok() && ec.rows8) (*m)->pack_rows8(ec.matmul, ec.threads);
+  // The agreement: the ranks then enter Engine::create, whose collectives are timed
+  // (ec.timeout), together, whatever a slow disk or a busy host made of their loading (the
+  // agreement itself waits without a limit, as the start-up always did). The engine copies the
+  // rows it computes with into the decode layout (rows8) itself, once it knows its slice.
   if (!agree(st)) return 2;
   const model::LlamaConfig& cfg = (*m)->config();
 
@@ -236,11 +236,13 @@ int run_serve_job(Communicator& comm, const ServeJob& job) {
                    static_cast<long long>(job.context), static_cast<long long>(cfg.n_ctx_train));
     http->set_ready(*backend, *codec, info);
     std::fprintf(stderr,
-                 "treeattn serve: %s | %d rank(s) x %d thread(s), matmul %s | merge %s | KV %s, "
+                 "treeattn serve: %s | %d rank(s) x %d thread(s), matmul %s | dense %s | merge "
+                 "%s | KV %s, "
                  "%lld pages of %lld tokens per rank, at most %lld tokens per sequence, context "
                  "%lld | max batch %d, prefill chunk %lld, queue %d | timeout %lld ms\n",
                  info.id.c_str(), P, ec.threads,
                  model::matmul_description({ec.threads, ec.isa, ec.matmul}).c_str(),
+                 engine::describe_dense(engine.dense_choice()).c_str(),
                  engine::describe_merge(engine.merge_choice()).c_str(),
                  std::string(dtype_name(ec.kv_dtype)).c_str(),
                  static_cast<long long>(em.pages_per_rank), static_cast<long long>(ec.page_tokens),

@@ -596,6 +596,165 @@ TEST(Engine, KVExchangeGivesPassQsBitsForEveryMergeAndRankCount) {
   }
 }
 
+// --dense split (EngineConfig::dense): each rank computes its slice of every projection's output
+// rows for every row, and the all-gathered outputs give exactly the replicated path's bits. On
+// llama (tied head), qwen2 (q/k/v biases, an output head) and gemma3 (q/k norms, post norms,
+// GELU, sliding windows) files, exact and int8, at 1-4 ranks (3: uneven slices): the staggered
+// batch (chunked prefill, prefix reuse, the K/V exchange of fresh prompts) gives every request
+// the bits it gets alone, split or replicated, and those are the replicated path's bits at the
+// same rank count. (Across rank counts the attention's merge order changes the last bits, split
+// or not: DenseSplitWithinOnePageGivesOneRanksBitsAtEveryRankCount compares them where it does
+// not.)
+TEST(Engine, DenseSplitGivesTheReplicatedBitsAloneAndInABatchAtOneToFourRanks) {
+  std::vector<testing::TinyLlamaSpec> specs(3);
+  specs[1].architecture = "qwen2";
+  specs[1].qkv_bias = true;
+  specs[1].output_weight = true;
+  specs[1].n_vocab = 301;  // the head's last slice ends mid-group
+  specs[2].architecture = "gemma3";
+  specs[2].layers = 6;
+  specs[2].sliding_window = 20;
+  for (std::size_t k = 0; k < specs.size(); ++k) {
+    TinyModel m(specs[k]);
+    auto subs = mixed_requests(31 + k);
+    subs.resize(9);
+    for (auto& sub : subs)
+      for (auto& t : sub.req.prompt) t %= static_cast<TokenId>(specs[k].n_vocab);
+    for (const model::MatmulMode mode : {model::MatmulMode::kExact, model::MatmulMode::kInt8})
+      for (int p : {1, 2, 3, 4}) {
+        SCOPED_TRACE(specs[k].architecture + " " + std::string(model::matmul_mode_name(mode)) +
+                     " p " + std::to_string(p));
+        EngineConfig alone_cfg = base_config();
+        alone_cfg.matmul = mode;
+        alone_cfg.prefix_cache = false;
+        alone_cfg.prefill_chunk = 4096;
+        alone_cfg.dense = "replicated";
+        const auto ref = run_engine(*m, p, alone_cfg, subs, true);
+        ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+        alone_cfg.dense = "split";
+        const auto alone = run_engine(*m, p, alone_cfg, subs, true);
+        ASSERT_TRUE(alone.status.is_ok()) << alone.status.to_string();
+        EngineConfig batch_cfg = alone_cfg;
+        batch_cfg.prefix_cache = true;
+        batch_cfg.prefill_chunk = 24;
+        const auto batch = run_engine(*m, p, batch_cfg, subs, false);
+        ASSERT_TRUE(batch.status.is_ok()) << batch.status.to_string();
+        int64_t cached = 0;
+        for (std::size_t i = 0; i < subs.size(); ++i) {
+          EXPECT_EQ(same_bits(ref.out[i], alone.out[i]), "") << "split alone, request " << i;
+          EXPECT_EQ(same_bits(ref.out[i], batch.out[i]), "") << "split in a batch, request " << i;
+          cached += batch.out[i].cached;
+        }
+        EXPECT_GT(cached, 0) << "the shared prefix was never reused";
+        if (p > 1) {
+          EXPECT_GT(alone.metrics.rows_kv_exchange, 0) << "fresh prompts move K/V";
+          EXPECT_GT(batch.metrics.rows_kv_exchange, 0);
+        }
+        expect_every_page_back(batch, p, batch_cfg.kv_pages);
+      }
+  }
+}
+
+// Where a sequence fits one page (page 0 lives on rank 0), the other ranks' attention states
+// are the merge's identity and the merge adds nothing: then the logits are one rank's bits at
+// every rank count, and split gives them too, exact and int8, alone and in a batch.
+TEST(Engine, DenseSplitWithinOnePageGivesOneRanksBitsAtEveryRankCount) {
+  testing::TinyLlamaSpec spec;
+  spec.architecture = "qwen2";
+  spec.qkv_bias = true;
+  TinyModel m(spec);
+  std::mt19937_64 rng(8);
+  std::vector<Submitted> subs;
+  for (int i = 0; i < 5; ++i) subs.push_back({i, greedy(random_tokens(rng, 30 + 40 * i, 320), 9)});
+  for (const model::MatmulMode mode : {model::MatmulMode::kExact, model::MatmulMode::kInt8}) {
+    EngineConfig cfg = base_config();
+    cfg.matmul = mode;
+    cfg.page_tokens = 256;
+    cfg.kv_pages = 8;
+    cfg.prefill_chunk = 64;
+    cfg.dense = "replicated";
+    const auto one = run_engine(*m, 1, cfg, subs, true);
+    ASSERT_TRUE(one.status.is_ok()) << one.status.to_string();
+    for (int p : {2, 3, 4})
+      for (const std::string dense : {"split", "replicated"})
+        for (const bool alone : {true, false}) {
+          cfg.dense = dense;
+          const auto got = run_engine(*m, p, cfg, subs, alone);
+          ASSERT_TRUE(got.status.is_ok()) << got.status.to_string();
+          for (std::size_t i = 0; i < subs.size(); ++i)
+            EXPECT_EQ(same_bits(one.out[i], got.out[i]), "")
+                << model::matmul_mode_name(mode) << " p " << p << " " << dense
+                << (alone ? " alone" : " batch") << " request " << i;
+        }
+  }
+}
+
+// The choice is named, the same on every rank; split holds about 1/p of the weights per rank
+// (uneven at 3), its rows8 copy only its rows; replicated and one rank hold them all; a bad
+// name is refused on every rank.
+TEST(Engine, DenseChoiceIsNamedAndSplitHoldsASliceOfTheWeightsOnEachRank) {
+  testing::TinyLlamaSpec spec;
+  spec.override_type = 8;  // q8_0: every matrix has a rows8 layout
+  TinyModel m(spec);
+  const std::size_t whole = (*m).weights().bytes();
+  for (int p : {1, 2, 3, 4})
+    for (const std::string dense : {"split", "replicated", "auto"}) {
+      std::vector<DenseChoice> got(static_cast<std::size_t>(p));
+      const Status st = run_local(p, [&](Communicator& comm) -> Status {
+        EngineConfig cfg = base_config();
+        cfg.dense = dense;
+        cfg.matmul = model::MatmulMode::kInt8;
+        auto e = Engine::create(comm, *m, cfg);
+        TREEATTN_RETURN_IF_ERROR(e.status());
+        got[static_cast<std::size_t>(comm.rank())] = (*e)->dense_choice();
+        return Status::ok();
+      });
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      std::size_t sum = 0, sum8 = 0;
+      for (const DenseChoice& c : got) {
+        EXPECT_EQ(c.split, got[0].split);
+        EXPECT_EQ(c.how, got[0].how);
+        sum += c.weight_bytes;
+        sum8 += c.rows8_bytes;
+        EXPECT_NE(describe_dense(c).find(c.mode()), std::string::npos);
+      }
+      if (p == 1) {
+        EXPECT_FALSE(got[0].split) << dense << ": one rank has nothing to split";
+      }
+      if (dense == "split" && p > 1) {
+        EXPECT_TRUE(got[0].split);
+        EXPECT_EQ(sum, whole) << "the slices partition the weights";
+        EXPECT_GT(sum8, 0u);
+        for (const DenseChoice& c : got) {
+          EXPECT_LE(c.weight_bytes, whole / static_cast<std::size_t>(p) * 3 / 2) << "p " << p;
+          EXPECT_LE(c.rows8_bytes, sum8 / static_cast<std::size_t>(p) * 3 / 2) << "p " << p;
+        }
+      }
+      if (dense == "replicated" || p == 1) {
+        for (const DenseChoice& c : got) EXPECT_EQ(c.weight_bytes, whole);
+      }
+      if (dense == "auto" && p > 1) {
+        EXPECT_EQ(got[0].how.rfind("auto: planned on topology", 0), 0u) << got[0].how;
+        EXPECT_GT(got[0].predicted_split_us, 0);
+        EXPECT_GT(got[0].predicted_replicated_us, 0);
+        EXPECT_EQ(got[0].collectives_per_token, 4 * spec.layers + 2);
+        EXPECT_EQ(got[0].split, got[0].predicted_split_us < got[0].predicted_replicated_us);
+      }
+    }
+  std::vector<std::string> msgs(2);
+  const Status bad = run_local(2, [&](Communicator& comm) -> Status {
+    EngineConfig cfg = base_config();
+    cfg.dense = "sharded";
+    auto e = Engine::create(comm, *m, cfg);
+    msgs[static_cast<std::size_t>(comm.rank())] = e.status().message();
+    return e.status();
+  });
+  EXPECT_FALSE(bad.is_ok());
+  for (const auto& s : msgs)
+    EXPECT_NE(s.find("dense 'sharded': expected split, replicated or auto"), std::string::npos)
+        << s;
+}
+
 // Sliding-window layers keep their K/V in window pages that a sequence drops once its window
 // has passed them (kv_manager.hpp). On a gemma3 model (five local layers of window 20, one
 // global), every request gives the bits it gives with every position kept (kv_window_pages 0,

@@ -82,8 +82,8 @@ TEST(GenerationReport, EngineFigures) {
 
 TEST(GenerationReport, SessionDocument) {
   const Output o = session_output();
-  generation::ReportLabels l{"/m.gguf", 3,     2,      "int8", "f16",    "even",
-                             "auto",    false, "auto", "avx2", "avxvnni", ""};
+  generation::ReportLabels l{"/m.gguf", 3,      2,      "int8",    "f16", "even", "auto",
+                             false,     "auto", "avx2", "avxvnni", "",    ""};
   const nlohmann::json j = generation::session_report_json(o, l, true);
   EXPECT_EQ(keys(j), (std::set<std::string>{"model",
                                             "model_config",
@@ -146,8 +146,16 @@ TEST(GenerationReport, EngineDocumentAndInvalidUtf8) {
   o.text = std::string("caf\xc3", 4);  // ends inside a two-byte character
   o.peak_rss_by_rank = {9, 4};
   o.bytes_per_token = 128;
-  generation::ReportLabels l{"/m.gguf", 2,     1,    "exact",  "bf16",      "",
-                             "",        false, "kv", "avx512", "avx512vnni", "auto"};
+  generation::ReportLabels l{"/m.gguf", 2,    1,        "exact",      "bf16", "",    "",
+                             false,     "kv", "avx512", "avx512vnni", "auto", "auto"};
+  o.dense_choice.split = true;
+  o.dense_choice.how = "auto: planned on topology job";
+  o.dense_choice.predicted_split_us = 900;
+  o.dense_choice.predicted_replicated_us = 1500;
+  o.dense_choice.collectives_per_token = 121;
+  o.dense_choice.weight_bytes = 5000;
+  o.weights_resident_by_rank = {6000, 5900};
+  o.logits_hash = "00000000deadbeef";
   o.merge_choice.strategy = "allgather";
   o.merge_choice.how = "auto: planned on topology job";
   o.merge_choice.batch_invariant = true;
@@ -172,6 +180,15 @@ TEST(GenerationReport, EngineDocumentAndInvalidUtf8) {
   EXPECT_EQ(j["tokens_per_s"], 50.0);
   EXPECT_EQ(j["peak_rss_bytes"], 9);
   EXPECT_EQ(j["bytes_sent_per_token_of"], "rank 0, decode steps");
+  EXPECT_EQ(j["dense"], "split");
+  EXPECT_EQ(j["dense_requested"], "auto");
+  EXPECT_EQ(j["dense_how"], "auto: planned on topology job");
+  EXPECT_EQ(j["dense_predicted_split_us"], 900.0);
+  EXPECT_EQ(j["dense_predicted_replicated_us"], 1500.0);
+  EXPECT_EQ(j["dense_collectives_per_token"], 121);
+  EXPECT_EQ(j["weight_bytes_rank0"], 5000);
+  EXPECT_EQ(j["weights_resident_bytes_by_rank"], (std::vector<uint64_t>{6000, 5900}));
+  EXPECT_EQ(j["logits_hash"], "00000000deadbeef");
   const std::string path = "/tmp/treeattn-test-genreport-" + std::to_string(getpid()) + ".json";
   ASSERT_TRUE(generation::write_report_json(path, j, "--json").is_ok());
   std::ifstream in(path);
@@ -233,8 +250,8 @@ TEST(GenerationReport, Lines) {
   const std::string head =
       "prompt 100 tokens (64 from the prefix cache): time to first token 12.3 ms (prefill "
       "200 tokens/s)\n"
-      "decode tree (engine) 5 tokens: 100.00 ms/token p50, 148.50 p99, 10.0 tokens/s | "
-      "rank 0 sent 3.00 KiB/token in 90 merges in all\n"
+      "decode tree (engine, dense replicated) 5 tokens: 100.00 ms/token p50, 148.50 p99, "
+      "10.0 tokens/s | rank 0 sent 3.00 KiB/token in 90 merges in all\n"
       "peak RSS per rank: 1.00 MiB 1.50 MiB (includes the mapped weights, shared between "
       "ranks)\n";
   EXPECT_EQ(generation::engine_report_text(e, "tree"),
@@ -247,6 +264,14 @@ TEST(GenerationReport, Lines) {
             head + "KV pages in use at most (all ranks): 70 full pages (35.00 MiB, global "
                    "layers), 6 window pages (15.00 MiB, sliding-window layers); per rank 40 "
                    "full, 5 window pages of 128 tokens\n");
+  e.weights_resident_by_rank = {2u << 20, 1u << 20};
+  e.logits_hash = "0123456789abcdef";
+  const std::string with = generation::engine_report_text(e, "tree");
+  EXPECT_NE(with.find("weights resident per rank (the file's pages touched + own rows8 copy): "
+                      "2.00 MiB 1.00 MiB\n"),
+            std::string::npos)
+      << with;
+  EXPECT_NE(with.find("logits hash: 0123456789abcdef\n"), std::string::npos);
 
   Output o = session_output();
   o.prefill_busy_s_by_rank = {1.5, 0.25};

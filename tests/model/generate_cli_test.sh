@@ -2,7 +2,8 @@
 # CLI tests of `treeattn generate`: usage: generate_cli_test.sh TREEATTN MAKE_TINY_GGUF CASE.
 # Error cases check exit code 2 and a message naming the problem; the real-model cases (skipped,
 # exit 0 with a note, when the model is absent) check text, JSON keys, and that --deterministic
-# gives the same tokens at 1 and 3 ranks with --check.
+# gives the same tokens at 1 and 3 ranks with --check; --dense split the tokens and logits bits of
+# replicated at 2 and 3 ranks.
 set -uo pipefail
 B="$1"; MAKE="$2"; CASE="$3"
 T="$(mktemp -d)"; trap 'rm -rf "$T"' EXIT
@@ -48,7 +49,7 @@ case "$CASE" in
     # --method auto (the default) names its batch-invariant choice and the candidates' times.
     expect 0 "merge [a-z0-9-]+ \(auto on topology job, batch invariant; predicted per layer: " -- \
       "$B" generate --model "$MODEL" --prompt "Hi there" --ranks 4 --new-tokens 3 --quiet
-    expect 0 "decode hier \(engine\)" -- "$B" generate --model "$MODEL" --prompt "Hi there" \
+    expect 0 "decode hier \(engine, dense (split|replicated)\)" -- "$B" generate --model "$MODEL" --prompt "Hi there" \
       --ranks 4 --new-tokens 3 --quiet --method hier
     expect 2 "--method is one strategy that merges a batch of states" -- "$B" generate \
       --model "$MODEL" --prompt "Hi there" --engine --method ring-kv ;;
@@ -145,6 +146,37 @@ PY
     expect 0 "matmul [a-z0-9]+ int8 \([a-z0-9]+\) \|" -- "$B" generate --model "$T/renamed.gguf" --prompt hi --new-tokens 2
     expect 0 "matmul [a-z0-9]+ int8-ffn \([a-z0-9]+\) \|" -- "$B" generate --model "$MODEL" --prompt hi --new-tokens 2 --matmul int8-ffn
     ;;
+  dense_split)
+    need_model
+    # --dense split at 2 and 3 ranks (3: uneven slices) against replicated: named on the start
+    # line and in the JSON, the same tokens and logits bits (--hash-logits), each rank touching
+    # about its share of the weights.
+    for p in 2 3; do
+      for d in split replicated; do
+        expect 0 "dense $d \(by name; [0-9.]+ MB of weights on this rank" -- "$B" generate \
+          --model "$MODEL" --prompt-tokens 200 --new-tokens 6 --ignore-eos --quiet --ranks $p \
+          --threads 1 --dense $d --hash-logits --json "$T/$d$p.json"
+      done
+      python3 - "$T/split$p.json" "$T/replicated$p.json" "$MODEL" <<'PY' || fail "split differs from replicated at $p ranks"
+import json, os, sys
+s, r = (json.load(open(f)) for f in sys.argv[1:3])
+assert s["dense"] == "split" and r["dense"] == "replicated", (s["dense"], r["dense"])
+assert s["dense_requested"] == "split" and s["dense_how"] == "by name"
+assert s["tokens"] == r["tokens"] and len(s["tokens"]) == 6, (s["tokens"], r["tokens"])
+assert s["logits_hash"] == r["logits_hash"] and len(s["logits_hash"]) == 16
+p = s["ranks"]
+assert s["weight_bytes_rank0"] < r["weight_bytes_rank0"] / p * 1.2, (s["weight_bytes_rank0"], r["weight_bytes_rank0"])
+size = os.path.getsize(sys.argv[3])
+for b in s["weights_resident_bytes_by_rank"]:
+    assert 0 < b < size / p * 1.1, (b, size, p)
+PY
+    done
+    expect 2 "--dense: dense 'sharded': expected split, replicated or auto" -- "$B" generate \
+      --model "$MODEL" --prompt hi --dense sharded
+    expect 2 "--dense is the engine's" -- "$B" generate --model "$MODEL" --prompt hi --session \
+      --dense split
+    expect 0 "dense (split|replicated) \(auto on topology job; predicted per token: split" -- \
+      "$B" generate --model "$MODEL" --prompt hi --new-tokens 2 --ranks 2 --quiet ;;
   deterministic_across_ranks)
     need_model
     for p in 1 3; do

@@ -701,6 +701,85 @@ TEST(Int8Matmul, KAnd32ValueTypesInOneCallGiveTheirOwnCallsBits) {
   }
 }
 
+// A row slice (model::row_slice: what each rank of the engine's --dense split multiplies with)
+// gives the bits of the same rows of the whole matrix's call, whatever block of rows they sit in:
+// slices of 2, 3 and 4 (slice_rows) and unaligned ones that move every row's place in the
+// 16-row chunks, the targets' row blocks and the rows8 groups; every weight type, every target
+// here, exact and int8 (the int8 calls with the whole matrix's rows8 copy, a view of it in the
+// slice, and the slice's own copy), 1 to 19 tokens, 1 and 2 threads.
+TEST(Int8Matmul, ARowSliceGivesTheWholeMatrixsBitsForItsRows) {
+  std::mt19937_64 rng(53);
+  std::normal_distribution<float> nd;
+  std::vector<uint32_t> types = int8_types();
+  for (const uint32_t t : {id(TensorType::kF32), id(TensorType::kF16), id(TensorType::kBF16)})
+    types.push_back(t);
+  const int64_t rows = 70, cols = 512, most = 19;
+  std::vector<model::RowRange> ranges = {{3, 45}, {13, 70}, {0, 1}, {69, 70},
+                                         {5, 6},  {8, 24},  {8, 8}};
+  for (int p = 2; p <= 4; ++p)
+    for (int i = 0; i < p; ++i) ranges.push_back(model::slice_rows(rows, i, p));
+  std::vector<float> x(static_cast<std::size_t>(most * cols));
+  for (auto& v : x) v = nd(rng);
+  for (const uint32_t type : types) {
+    std::vector<uint8_t> store;
+    WeightMatrix m = make_matrix(type, rows, cols, store, rng);
+    std::vector<uint8_t> packed(model::rows8_bytes(m));
+    model::pack_rows8(m, packed.data());
+    for (const Target& tg : targets_here())
+      for (const MatmulMode mode : {MatmulMode::kExact, MatmulMode::kInt8}) {
+        if (mode == MatmulMode::kExact && tg.vnni) continue;  // vnni: the int8 path's only
+        SCOPED_TRACE(gguf::tensor_type_name(type) + " " + target_name(tg) + " " +
+                     std::string(model::matmul_mode_name(mode)));
+        MatvecOptions o = int8_options(1, tg);
+        o.mode = mode;
+        for (const int64_t tokens :
+             {int64_t{1}, int64_t{2}, int64_t{5}, int64_t{8}, int64_t{9}, most}) {
+          std::vector<float> whole(static_cast<std::size_t>(tokens * rows));
+          m.rows8 = packed.empty() ? nullptr : packed.data();
+          {
+            const WeightMatrix* mats[] = {&m};
+            float* ys[] = {whole.data()};
+            ASSERT_TRUE(model::matmul(mats, x.data(), tokens, cols, ys, o).is_ok());
+          }
+          for (const model::RowRange& r : ranges) {
+            ASSERT_TRUE(model::check_row_slice(m, r).is_ok());
+            WeightMatrix sl = model::row_slice(m, r);
+            ASSERT_EQ(sl.rows, r.size());
+            EXPECT_EQ(sl.rows8 != nullptr, !packed.empty() && r.begin % 8 == 0);
+            std::vector<uint8_t> own(model::rows8_bytes(sl));
+            for (int variant = 0; variant < 3; ++variant) {
+              // 0: the view of the whole matrix's copy (where aligned), 1: the slice's own copy,
+              // 2: no copy (the row layout).
+              if (variant == 1) {
+                if (own.empty()) continue;
+                model::pack_rows8(sl, own.data());
+                sl.rows8 = own.data();
+              }
+              if (variant == 2) sl.rows8 = nullptr;
+              for (const int threads : {1, 2}) {
+                if (threads == 2 && tokens != most && tokens != 1) continue;
+                o.threads = threads;
+                std::vector<float> part(static_cast<std::size_t>(tokens * r.size()) + 1, -7.0f);
+                const WeightMatrix* mats[] = {&sl};
+                float* ys[] = {part.data()};
+                ASSERT_TRUE(model::matmul(mats, x.data(), tokens, cols, ys, o).is_ok());
+                EXPECT_EQ(part.back(), -7.0f) << "wrote past the slice's rows";
+                for (int64_t t = 0; t < tokens; ++t)
+                  ASSERT_EQ(
+                      0, std::memcmp(part.data() + t * r.size(), whole.data() + t * rows + r.begin,
+                                     static_cast<std::size_t>(r.size()) * 4))
+                      << "rows [" << r.begin << ", " << r.end << "), " << tokens
+                      << " tokens, token " << t << ", threads " << threads << ", variant "
+                      << variant;
+              }
+              o.threads = 1;
+            }
+          }
+        }
+      }
+  }
+}
+
 TEST(Int8Matmul, ExactIsTheDefaultAndModesParse) {
   EXPECT_EQ(MatvecOptions{}.mode, MatmulMode::kExact);
   for (const MatmulMode m : {MatmulMode::kExact, MatmulMode::kInt8, MatmulMode::kInt8Ffn})

@@ -20,6 +20,9 @@ Cases (each starts its own server on a free port, --port 0, and reads the addres
   exact1, exact2, exact4
               1, 2 or 4 ranks: greedy completions and chats from 8 (exact4: 16) concurrent
               clients equal `treeattn generate --engine` token for token
+  dense2      2 ranks, the server with --dense split (named on its start line and in
+              /v1/models' meta): 8 concurrent clients get `generate --engine --dense
+              replicated`'s tokens
   sigterm2    2 ranks (mpirun started by serve): SIGTERM during a stream, exit 0
   endpoints2  2 ranks: /tokenize -> /detokenize round trip (pieces too), /apply-template's prompt
               tokenized == a chat's usage.prompt_tokens, --served-model-name aliases and the 404
@@ -543,7 +546,7 @@ def generate_tokens(ranks, prompt, n, chat, extra=()):
         return j["prompt_tokens"], j["tokens"]
 
 
-def case_exact(ranks, copies=2, serve_extra=(), generate_extra=()):
+def case_exact(ranks, copies=2, serve_extra=(), generate_extra=(), on_server=None):
     n = 24
     s = Server(ranks=ranks, extra=list(serve_extra))
     try:
@@ -576,6 +579,8 @@ def case_exact(ranks, copies=2, serve_extra=(), generate_extra=()):
         for t in threads:
             t.join(300)
         log("%d concurrent requests at %d rank(s): %.1f s" % (len(jobs), ranks, time.time() - t0))
+        if on_server:
+            on_server(s)
         m = s.metrics()
         rc = s.stop()
         check(rc == 0, "server exit %d" % rc, s)
@@ -594,6 +599,18 @@ def case_exact(ranks, copies=2, serve_extra=(), generate_extra=()):
         s.dump()
         s.stop(signal.SIGKILL)
         raise
+
+
+def check_dense_split(s):
+    """The server runs --dense split: its start line and /v1/models' meta say so."""
+    line = next((l for l in s.lines if "treeattn serve:" in l and "| dense " in l), "")
+    check(re.search(r"\| dense split \(by name; [0-9.]+ MB of weights on this rank", line),
+          "the start line names dense split: %s" % line[:300], s)
+    code, body, _ = s.get("/v1/models")
+    meta = json.loads(body)["data"][0].get("meta", {})
+    check(code == 200 and meta.get("dense") == "split" and meta.get("dense_requested") == "split",
+          "/v1/models meta: dense %s (requested %s)" % (meta.get("dense"),
+                                                          meta.get("dense_requested")), s)
 
 
 def case_window2():
@@ -1384,6 +1401,10 @@ CASES = {"api": case_api, "flags": case_flags, "faults": case_faults, "exact1": 
          # in the server against `generate` without it: the same tokens.
          "exact2int8": lambda: case_exact(2, serve_extra=["--matmul", "int8"],
                                           generate_extra=["--matmul", "int8", "--no-rows8"]),
+         # --dense split in the server against replicated in `generate`: the same tokens.
+         "dense2": lambda: case_exact(2, serve_extra=["--dense", "split"],
+                                      generate_extra=["--dense", "replicated"],
+                                      on_server=check_dense_split),
          "sigterm2": case_sigterm2, "endpoints2": case_endpoints2, "sampling2": case_sampling2,
          "structured2": case_structured2, "tools2": case_tools2, "window2": case_window2,
          "rank_killed": case_rank_killed, "rank_stopped": case_rank_stopped,

@@ -498,3 +498,95 @@ TEST(PaperSweep, CoversThePapersGridAndTreeWins) {
 
 }  // namespace
 }  // namespace treeattn
+
+namespace treeattn {
+namespace {
+
+// The dense layers (predict_dense): a query of round numbers, checked by hand, then the
+// crossover between split and replicated.
+DenseQuery dense_query(double weight_bytes, int layers, int ranks) {
+  DenseQuery q;
+  q.weight_bytes = weight_bytes;
+  q.layers = layers;
+  q.qkv_width = 1000;
+  q.o_width = 1000;
+  q.ffn_width = 2000;
+  q.down_width = 1000;
+  q.head_width = 4000;
+  q.embd_width = 1000;
+  q.ranks = ranks;
+  return q;
+}
+
+TEST(DenseCost, TwoRanksByHand) {
+  // 1 GB/s memory: 1000 B/us; node links 1 us + 1000 B/us; 2 ranks on one node.
+  const Topology t = synthetic(1, 2, 1.0, 1.0, 0, 0, 1.0);
+  auto d = predict_dense(dense_query(1e6, 2, 2), t);
+  ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+  EXPECT_DOUBLE_EQ(d->replicated_us, 1000.0);      // 1 MB at 1000 B/us
+  EXPECT_DOUBLE_EQ(d->split_compute_us, 500.0);    // half of it
+  EXPECT_EQ(d->collectives, 4 * 2 + 2);
+  // One row: each all-gather moves width * 4 / 2 bytes from each rank, one round of 1 us + m /
+  // 1000: per layer (2000 + 2000 + 4000 + 2000) B -> 4 us + 10 us; the head 8000 B -> 1 + 8;
+  // the embedding, one whole row from its owner, 4000 B -> 1 + 4.
+  EXPECT_NEAR(d->split_comm_us, 2 * (4.0 + 10.0) + 9.0 + 5.0, 1e-9);
+  EXPECT_NEAR(d->bytes_sent_per_rank, 2 * 10000.0 + 8000.0 + 4000.0, 1e-9);
+  EXPECT_TRUE(d->split_wins());
+  // One rank: nothing to gather, the two are the same.
+  auto one = predict_dense(dense_query(1e6, 2, 1), t);
+  ASSERT_TRUE(one.is_ok());
+  EXPECT_EQ(one->split_us, one->replicated_us);
+  EXPECT_EQ(one->collectives, 0);
+}
+
+TEST(DenseCost, SmallModelsOnSlowLinksStayReplicated) {
+  // SmolLM2-like: 30 layers, ~100 MB of weights; Qwen2.5-1.5B-like: 28 layers, ~1 GB.
+  auto q_small = dense_query(1e8, 30, 2), q_big = dense_query(1e9, 28, 2);
+  q_small.head_width = 49152;
+  q_big.head_width = 151936;
+  auto local = preset_topology("local"), slow = preset_topology("emu-1gbit");
+  ASSERT_TRUE(local.is_ok() && slow.is_ok());
+  // One node (shared memory, ~1 us a call): both split.
+  for (const auto* q : {&q_small, &q_big}) {
+    auto d = predict_dense(*q, *local);
+    ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+    EXPECT_TRUE(d->split_wins()) << q->weight_bytes;
+  }
+  // Two emulated hosts over a 1 Gbit link (12 us a message, 121 MB/s): the small model's saved
+  // reads (~1.5 ms) are less than 122 network all-gathers; the large one's (~15 ms) are more.
+  q_small.ranks_per_node = q_big.ranks_per_node = 1;
+  auto small = predict_dense(q_small, *slow), big = predict_dense(q_big, *slow);
+  ASSERT_TRUE(small.is_ok() && big.is_ok());
+  EXPECT_FALSE(small->split_wins()) << small->split_us << " vs " << small->replicated_us;
+  EXPECT_TRUE(big->split_wins()) << big->split_us << " vs " << big->replicated_us;
+  // The kernels measured to read the weights at 10 GB/s (a quantized decode on one CPU thread),
+  // not the topology's 32: the reads the split saves grow threefold, and the small model splits
+  // too.
+  q_small.weight_gbps = 10;
+  auto measured = predict_dense(q_small, *slow);
+  ASSERT_TRUE(measured.is_ok());
+  EXPECT_NEAR(measured->replicated_us, 1e8 / 10e3, 1e-6);
+  EXPECT_TRUE(measured->split_wins()) << measured->split_us << " vs " << measured->replicated_us;
+  q_small.weight_gbps = 100;  // faster than memory: memory bounds it
+  auto capped = predict_dense(q_small, *slow);
+  ASSERT_TRUE(capped.is_ok());
+  EXPECT_DOUBLE_EQ(capped->replicated_us, small->replicated_us);
+  // More weights: the replicated time grows by all of them, the split by its slice.
+  auto bigger = dense_query(2e9, 28, 2);
+  auto b2 = predict_dense(bigger, *slow);
+  ASSERT_TRUE(b2.is_ok());
+  EXPECT_GT(b2->replicated_us - big->replicated_us, b2->split_us - big->split_us);
+}
+
+TEST(DenseCost, BadQueriesAreRefused) {
+  const Topology t = synthetic(1, 2, 1.0, 1.0, 0, 0, 1.0);
+  EXPECT_FALSE(predict_dense(dense_query(0, 2, 2), t).is_ok());
+  EXPECT_FALSE(predict_dense(dense_query(1e6, 0, 2), t).is_ok());
+  const auto many = predict_dense(dense_query(1e6, 2, 3), t);
+  EXPECT_EQ(many.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(many.status().message().find("ranks must be in [1, 2]"), std::string::npos)
+      << many.status().message();
+}
+
+}  // namespace
+}  // namespace treeattn
