@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "kernels/cpu/cpu_targets.hpp"
+#include "kernels/cpu/driver_tuning.hpp"
 #include "treeattn/executor.hpp"
 #include "treeattn/kernel.hpp"
 #include "treeattn/kv_tiles.hpp"
@@ -548,9 +549,10 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
             rec.tile_layout = std::string(kv_tile_layout_name(v.tiles.layout));
             const kernels::cpu::TiledTuning tuning = kernels::cpu::tiled_tuning();
             rec.block_tiles = v.tiles.block_tiles > 0 ? v.tiles.block_tiles : tuning.block_tiles;
-            rec.prefetch_bytes = v.tiles.prefetch_bytes >= 0
-                                     ? v.tiles.prefetch_bytes
-                                     : kernels::cpu::tiled_prefetch_bytes(tuning, t, s.head_dim);
+            rec.prefetch_bytes =
+                v.tiles.prefetch_bytes >= 0
+                    ? v.tiles.prefetch_bytes
+                    : kernels::cpu::driver_choice(t, s.head_dim, s.group(), T, isa).tiled_prefetch;
           }
           rec.threads = T;
           rec.peak_gflops = peak.value();
