@@ -41,14 +41,15 @@ std::string table(const TuneResult& r) {
       "{}: {:.0f} MiB of K/V per layout, {} rounds, {:.1f} s; probe {:.1f} GB/s (spread {:.0f}%)\n",
       e.key.to_string(), static_cast<double>(r.bytes) / (1 << 20), r.rounds, r.seconds,
       e.probe_gbps, 100 * r.probe_spread);
-  s += fmt::format("  {:<15} {:>7} {:>7} {:>9} {:>7}\n", "knob", "value", "GB/s", "of probe",
-                   "spread");
+  s += fmt::format("  {:<15} {:>7} {:>7} {:>9} {:>7} {:>8}\n", "knob", "value", "GB/s", "of probe",
+                   "spread", "vs dflt");
   for (const TuneCandidate& c : r.candidates) {
     std::string mark;
     if (c.is_default) mark += " default";
     if (c.chosen) mark += " <- chosen";
-    s += fmt::format("  {:<15} {:>7} {:>7.2f} {:>9.3f} {:>6.0f}%{}\n", c.knob, c.value, c.gbps,
-                     e.probe_gbps > 0 ? c.gbps / e.probe_gbps : 0.0, 100 * c.spread, mark);
+    s += fmt::format("  {:<15} {:>7} {:>7.2f} {:>9.3f} {:>6.0f}% {:>8.3f}{}\n", c.knob, c.value,
+                     c.gbps, e.probe_gbps > 0 ? c.gbps / e.probe_gbps : 0.0, 100 * c.spread,
+                     c.vs_default, mark);
   }
   return s;
 }
@@ -62,6 +63,7 @@ nlohmann::json result_json(const TuneResult& r) {
                      {"gbps", c.gbps},
                      {"fraction_of_probe", e.probe_gbps > 0 ? c.gbps / e.probe_gbps : 0.0},
                      {"spread", c.spread},
+                     {"vs_default", c.vs_default},
                      {"default", c.is_default},
                      {"chosen", c.chosen}});
   return {{"dtype", std::string(dtype_name(e.key.dtype))},
@@ -89,13 +91,14 @@ std::string matmul_table(const model::MatmulTuneResult& r) {
       "matmul T{}: int8 K-quant token tile, {} rounds, {:.1f} s (a {} x {} Q4_K matrix, {} tokens)\n",
       r.entry.threads, r.rounds, r.seconds, model::MatmulTuneOptions{}.rows,
       model::MatmulTuneOptions{}.cols, model::MatmulTuneOptions{}.tokens);
-  s += fmt::format("  {:<15} {:>7} {:>7} {:>7}\n", "knob", "KiB", "GOPS", "spread");
+  s += fmt::format("  {:<15} {:>7} {:>7} {:>7} {:>8}\n", "knob", "KiB", "GOPS", "spread",
+                   "vs dflt");
   for (const TuneCandidate& c : r.candidates) {
     std::string mark;
     if (c.is_default) mark += " default";
     if (c.chosen) mark += " <- chosen";
-    s += fmt::format("  {:<15} {:>7} {:>7.1f} {:>6.0f}%{}\n", c.knob, std::stoll(c.value) >> 10,
-                     c.gbps, 100 * c.spread, mark);
+    s += fmt::format("  {:<15} {:>7} {:>7.1f} {:>6.0f}% {:>8.3f}{}\n", c.knob,
+                     std::stoll(c.value) >> 10, c.gbps, 100 * c.spread, c.vs_default, mark);
   }
   return s;
 }
@@ -106,6 +109,7 @@ nlohmann::json matmul_json(const model::MatmulTuneResult& r) {
     cands.push_back({{"tile_bytes", std::stoll(c.value)},
                      {"gops", c.gbps},
                      {"spread", c.spread},
+                     {"vs_default", c.vs_default},
                      {"default", c.is_default},
                      {"chosen", c.chosen}});
   return {{"matmul_threads", r.entry.threads}, {"rounds", r.rounds}, {"seconds", r.seconds},

@@ -148,7 +148,8 @@ struct MatmulTuneOptions {
   double seconds = 0.4;  // measuring time after the set-up (rounds continue until it)
   int min_rounds = 3;
   int max_rounds = 12;
-  double margin = 0.02;  // a candidate replaces the default only when faster by more than this
+  double margin = 0.03;  // a candidate replaces the default only when its median ratio to the
+                         // default over the rounds beats 1 by more than this
   int64_t tokens = 512;  // tokens per call (a prefill chunk)
   int64_t rows = 4096, cols = 1536;  // the Q4_K matrix timed (cols a multiple of 256)
 };
@@ -160,7 +161,8 @@ struct MatmulTuneResult {
 };
 // Times matmul in MatmulMode::kInt8 on a random Q4_K matrix with each candidate tile, the
 // candidates alternating inside one run (rounds in a rotating order), on this CPU's best target;
-// a candidate's figure is its fastest round. Stores nothing. While it runs no other matmul may
+// a candidate is compared with the default round by round (TuneCandidate::vs_default), its
+// figure its fastest round. Stores nothing. While it runs no other matmul may
 // run in the process.
 Result<MatmulTuneResult> calibrate_matmul(const MatmulTuneOptions& options);
 

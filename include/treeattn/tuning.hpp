@@ -139,6 +139,9 @@ struct TuneCandidate {
   double gbps = 0;    // the fastest round (bytes the kernel reads per second; other work on
                       // the machine only slows a round)
   double spread = 0;  // (fastest - slowest) / fastest over the rounds
+  // Median over rounds of (this candidate's rate / its knob's default's in the same round); a
+  // candidate is chosen only when this beats 1 + margin (the layout: against the rule's).
+  double vs_default = 1;
   bool is_default = false;
   bool chosen = false;
 };
@@ -158,9 +161,9 @@ struct TuneOptions {
   double seconds = 1.2;  // measuring time per key after the set-up (rounds continue until it)
   int min_rounds = 3;
   int max_rounds = 15;
-  // A candidate replaces the default only when it is faster by more than this fraction, so
-  // that noise does not move a choice.
-  double margin = 0.02;
+  // A candidate replaces the default only when its median ratio to the default over the rounds
+  // beats 1 by more than this, so that noise does not move a choice.
+  double margin = 0.03;
 };
 // The candidates a calibration of `key` on `isa` times, each the defaults with one choice
 // changed (the layout is not one: both layouts' kernels run with their own candidates).

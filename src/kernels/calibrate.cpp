@@ -7,11 +7,12 @@
 // per candidate, each reading the whole cache, and one probe pass, in an order that rotates
 // from round to round, so that no candidate always follows the same one and a drift of the
 // machine's load falls on all of them. Rounds go on until the time asked for has passed (at
-// least min_rounds). Each candidate's figure is its fastest round, in bytes read per second:
-// work beside the calibration (another process, a build) only ever slows a round, so the
-// fastest round is the candidate's own speed, and the median would carry the interference. A
-// candidate replaces the compiled-in default only when it is faster than the default by more
-// than the margin.
+// least min_rounds). A candidate is compared with its knob's compiled-in default round by round
+// (the two ran a few calls apart, under the same load): the median over rounds of the ratio of
+// their rates, so that load that comes and goes beside the calibration (another process, a
+// build) falls on both sides of each ratio; a candidate replaces the default only when that
+// median beats it by more than the margin. Each candidate's reported rate is its fastest round
+// (other work only ever slows a round).
 #include <omp.h>
 #include <unistd.h>
 
@@ -41,6 +42,12 @@ double seconds_since(Clock::time_point t0) {
 }
 
 double best(const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
 
 // The last-level cache in bytes, or 32 MiB when the system does not say.
 int64_t last_level_cache_bytes() {
@@ -229,8 +236,9 @@ std::vector<Candidate> candidates_for(const TuneKey& key, Isa isa) {
   return c;
 }
 
-TuneCandidate summary(const Candidate& c, bool chosen) {
+TuneCandidate summary(const Candidate& c, bool chosen, double vs_default) {
   TuneCandidate t;
+  t.vs_default = vs_default;
   t.knob = c.knob;
   t.value = c.value;
   const auto [lo, hi] = std::minmax_element(c.gbps.begin(), c.gbps.end());
@@ -266,31 +274,37 @@ Result<TuneResult> calibrate_one(const TuneKey& key, const TuneOptions& o, Isa i
     ++rounds;
   }
 
-  // Per knob: the fastest, unless the default is within the margin of it.
+  // Per knob, each candidate against the knob's default in the same round (the two ran a few
+  // calls apart, under the same load): the median over rounds of their ratio. A candidate
+  // replaces the default only when that median beats it by more than the margin, the best such.
   auto fastest = [&](std::size_t i) { return best(cands[i].gbps); };
-  auto pick = [&](const std::string& knob) {
-    std::size_t top = n, dflt = n;
-    for (std::size_t i = 0; i < n; ++i) {
-      if (cands[i].knob != knob) continue;
-      if (top == n || fastest(i) > fastest(top)) top = i;
-      if (cands[i].is_default) dflt = i;
-    }
-    return fastest(top) > fastest(dflt) * (1 + o.margin) ? top : dflt;
+  auto vs = [&](std::size_t i, std::size_t base) {
+    std::vector<double> r;
+    for (std::size_t k = 0; k < cands[i].gbps.size(); ++k)
+      r.push_back(cands[i].gbps[k] / cands[base].gbps[k]);
+    return median(r);
   };
   auto find = [&](const std::string& knob, bool want_default) {
     for (std::size_t i = 0; i < n; ++i)
       if (cands[i].knob == knob && cands[i].is_default == want_default) return i;
     return n;
   };
+  auto pick = [&](const std::string& knob) {
+    const std::size_t dflt = find(knob, true);
+    std::size_t top = dflt;
+    for (std::size_t i = 0; i < n; ++i)
+      if (cands[i].knob == knob && vs(i, dflt) > 1 + o.margin && vs(i, dflt) > vs(top, dflt)) top = i;
+    return top;
+  };
   const std::size_t tiled = pick("tiled_prefetch"), rows = pick("rows_prefetch"),
                     paged = pick("paged_prefetch");
   const std::size_t heads = find("tiled_prefetch", true), chunks = find("item_order", false);
-  const bool chunks_outer = fastest(chunks) > fastest(heads) * (1 + o.margin);
-  // The layout: the other one than the rule's only when it is faster by the margin.
+  const bool chunks_outer = vs(chunks, heads) > 1 + o.margin;
+  // The layout: each at its chosen lead; the other one than the rule's only when it beats the
+  // rule's by the margin, round by round.
   const bool tiled_rule = def.layout == KVLayout::kTiled;
-  const double rule_gbps = tiled_rule ? fastest(tiled) : fastest(rows);
-  const double other_gbps = tiled_rule ? fastest(rows) : fastest(tiled);
-  const bool switch_layout = other_gbps > rule_gbps * (1 + o.margin);
+  const std::size_t rule_i = tiled_rule ? tiled : rows, other_i = tiled_rule ? rows : tiled;
+  const bool switch_layout = vs(other_i, rule_i) > 1 + o.margin;
   const KVLayout layout = switch_layout ? (tiled_rule ? KVLayout::kRows : KVLayout::kTiled)
                                         : def.layout;
 
@@ -307,7 +321,7 @@ Result<TuneResult> calibrate_one(const TuneKey& key, const TuneOptions& o, Isa i
     const Candidate& c = cands[i];
     if (c.run == Run::kProbe) {
       out.entry.probe_gbps = fastest(i);
-      out.probe_spread = summary(c, false).spread;
+      out.probe_spread = summary(c, false, 1).spread;
       continue;
     }
     if (c.knob == "item_order") {
@@ -315,18 +329,20 @@ Result<TuneResult> calibrate_one(const TuneKey& key, const TuneOptions& o, Isa i
       h.knob = "item_order";
       h.value = "heads";
       h.is_default = true;
-      out.candidates.push_back(summary(h, !chunks_outer));
-      out.candidates.push_back(summary(c, chunks_outer));
+      out.candidates.push_back(summary(h, !chunks_outer, 1));
+      out.candidates.push_back(summary(c, chunks_outer, vs(chunks, heads)));
       continue;
     }
-    out.candidates.push_back(summary(c, i == tiled || i == rows || i == paged));
+    out.candidates.push_back(
+        summary(c, i == tiled || i == rows || i == paged, vs(i, find(c.knob, true))));
   }
   for (KVLayout l : {KVLayout::kRows, KVLayout::kTiled}) {
-    Candidate lc = cands[l == KVLayout::kRows ? rows : tiled];
+    const std::size_t li = l == KVLayout::kRows ? rows : tiled;
+    Candidate lc = cands[li];
     lc.knob = "layout";
     lc.value = std::string(kv_layout_name(l));
     lc.is_default = l == def.layout;
-    out.candidates.push_back(summary(lc, l == layout));
+    out.candidates.push_back(summary(lc, l == layout, vs(li, rule_i)));
   }
   out.rounds = rounds;
   out.bytes = bench.bytes();
