@@ -4,14 +4,19 @@
 // (IEEE binary16) or bfloat16; every f16 and bf16 value is exactly representable in float32,
 // so widening is exact and the float64 oracle sees the same numbers as the kernels.
 //
-// Quantized KV: K and V may also be 8-bit codes with one float32 scale per (token, KV head)
-// (separate scales for K and V, see KVShard in shape.hpp):
+// Quantized KV: K and V may also be 8-bit codes with one scale per (token, KV head) (separate
+// scales for K and V, see KVShard in shape.hpp and TiledKVShard in kv_tiles.hpp):
 //   fp8   OCP FP8 E4M3 ("e4m3fn": bias 7, 3 mantissa bits, no infinities, S.1111.111 is NaN,
 //         largest finite 448); value = fp8_e4m3_to_float(code) * scale.
 //   int8  two's complement codes in [-127, 127]; value = float(code) * scale.
 // The dequantized value is exactly that float32 product (dequantize() below); kernels and the
 // oracle are exact relative to it. quantize_token() picks scale = max|x| / 448 (fp8) or
-// max|x| / 127 (int8) and rounds x / scale to the nearest code (ties to even), saturating.
+// max|x| / 127 (int8) rounded UP to a bfloat16 value (quant_scale()), and rounds x / scale to
+// the nearest code (ties to even); with the scale rounded up no code saturates, so an int8
+// element is within scale / 2 of x. The tiled and paged layouts (kv_tiles.hpp: the engine's
+// pages, the K/V exchange) store the scale as bfloat16, 2 bytes; the caller layout (KVShard)
+// holds float32 scales, of which quantize_token()'s are bfloat16 values, so a copy between the
+// layouts is exact (TiledKVCache::copy_from refuses a caller scale that is not a bf16 value).
 #pragma once
 
 #include <bit>
@@ -28,10 +33,13 @@ constexpr bool dtype_is_quantized(DType t) { return t == DType::kFP8 || t == DTy
 constexpr std::size_t dtype_size(DType t) {
   return t == DType::kF32 ? 4 : (dtype_is_quantized(t) ? 1 : 2);
 }
-// Bytes of one token's K and V in one KV head of head_dim elements: the encoded elements and,
-// for fp8 and int8, K's and V's float32 scales (a KV cache's, a page's or the K/V exchange's).
+// Bytes of one quantized token's scale in the tiled / paged layout (bfloat16).
+inline constexpr std::size_t kTiledScaleBytes = 2;
+// Bytes of one token's K and V in one KV head of head_dim elements as a page and the K/V
+// exchange hold them: the encoded elements and, for fp8 and int8, K's and V's bfloat16 scales
+// (2 * head_dim + 4 bytes for fp8 and int8; the caller layout's KVCache holds float32 scales).
 constexpr std::size_t kv_head_token_bytes(std::size_t head_dim, DType t) {
-  return 2 * head_dim * dtype_size(t) + (dtype_is_quantized(t) ? 2 * sizeof(float) : 0);
+  return 2 * head_dim * dtype_size(t) + (dtype_is_quantized(t) ? 2 * kTiledScaleBytes : 0);
 }
 constexpr std::string_view dtype_name(DType t) {
   switch (t) {
@@ -67,6 +75,11 @@ inline uint16_t float_to_bf16(float f) {
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
+
+// A bf16_t's value, exactly; a float as a bf16_t (round to nearest even: exact for the values
+// is_bf16_value() below accepts, such as quantize_token()'s scales).
+inline float bf16_value(bf16_t h) { return bf16_to_float(h.bits); }
+inline bf16_t to_bf16(float f) { return bf16_t{float_to_bf16(f)}; }
 
 inline float f16_to_float(uint16_t h) {
   const uint32_t sign = uint32_t{h & 0x8000u} << 16;
@@ -194,9 +207,33 @@ inline void round_to_dtype(DType t, float* x, std::size_t n) {
     for (std::size_t i = 0; i < n; ++i) x[i] = f16_to_float(float_to_f16(x[i]));
 }
 
+// Whether f is a bfloat16 value (its low 16 bits are zero), so that a bf16 scale holds it
+// exactly. A NaN counts as one (it stays a NaN, its payload is not kept).
+inline bool is_bf16_value(float f) { return f != f || (std::bit_cast<uint32_t>(f) & 0xffffu) == 0; }
+
+// The smallest bfloat16 value >= s, for s >= 0 (+inf stays +inf; a NaN gives a quiet NaN).
+inline float bf16_ceil(float s) {
+  if (s != s) return std::bit_cast<float>(0x7fc00000u);
+  uint32_t u = std::bit_cast<uint32_t>(s);
+  if ((u & 0xffffu) != 0) u = (u | 0xffffu) + 1u;  // carries into the exponent when it must
+  return std::bit_cast<float>(u);
+}
+
+// The scale of a token whose largest magnitude is amax (>= 0, or NaN / inf): the smallest
+// bfloat16 value s with s * quant_max(t) >= amax, found from amax / quant_max(t) rounded up
+// (and one bf16 step more where that quotient's float rounding fell below it; s * quant_max is
+// exact: 8 by at most 7 significant bits). amax 0 gives 0; a non-finite amax a non-finite s.
+inline float quant_scale(float amax, DType t) {
+  const float q = quant_max(t);
+  float s = bf16_ceil(amax / q);
+  if (s * q < amax) s = bf16_ceil(std::bit_cast<float>(std::bit_cast<uint32_t>(s) + 1u));
+  return s;
+}
+
 // Quantizes n floats (one token of one KV head) into codes at base[i0 .. i0 + n) and returns
-// the scale: max|x| / quant_max(t), codes = round(x / scale). An all-zero token gets scale 0
-// and zero codes; a non-finite max gives a non-finite scale (dequantized values NaN/inf).
+// the scale: quant_scale(max|x|, t) (a bfloat16 value >= max|x| / quant_max(t)), codes =
+// round(x / scale), never past +-quant_max(t). An all-zero token gets scale 0 and zero codes;
+// a non-finite max gives a non-finite scale (dequantized values NaN/inf).
 inline float quantize_token(void* base, DType t, std::size_t i0, const float* x, std::size_t n) {
   float amax = 0.0f;
   for (std::size_t d = 0; d < n; ++d) {
@@ -204,7 +241,7 @@ inline float quantize_token(void* base, DType t, std::size_t i0, const float* x,
     if (a > amax || a != a) amax = a;
     if (a != a) break;
   }
-  const float scale = amax / quant_max(t);
+  const float scale = quant_scale(amax, t);
   for (std::size_t d = 0; d < n; ++d)
     store_from_float(base, t, i0 + d, scale > 0.0f ? x[d] / scale : 0.0f);
   return scale;

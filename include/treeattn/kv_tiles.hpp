@@ -9,7 +9,11 @@
 //       [N][head_dim] needs one transposing sum per 16 scores), and the kernel reads each
 //       panel front to back (a panel is the AVX-512 kernel's 32-token score unit);
 //   V   rows, [T][head_dim]: the output update broadcasts p[t] and walks V[t] along head_dim;
-//   scales (fp8, int8 only): float32 k_scale[T] and v_scale[T], one per token as in KVShard.
+//   scales (fp8, int8 only): bfloat16 k_scale[T] and v_scale[T] (bf16_t, 2 bytes), one per
+//       token: KVShard's float32 scale, which quantize_token() makes a bfloat16 value, so a
+//       page holds 2 * head_dim + 4 bytes per token and KV head (kv_head_token_bytes()).
+//       Readers widen a scale exactly (bf16_to_float) before they use it, so every kernel sees
+//       the float32 value the caller layout would hold.
 // Element widths and encodings are dtype.hpp's; the last tile of a row may be partly filled
 // (slots past the row's length are never read into a result).
 //
@@ -22,7 +26,8 @@
 //   2. append:  c->set_tokens(b, slot, k, v) with k, v [kv_heads][head_dim] floats (narrowed or
 //               quantized exactly like KVCache::set_token); before writing slot >= capacity(),
 //               c->reserve(2 * capacity()) (keeps the contents, may fail with kOutOfMemory).
-//               Caches that already hold codes: set_token_raw(); a whole KVShard: copy_from().
+//               Caches that already hold codes: set_token_raw(); a whole KVShard: copy_from()
+//               (which refuses a scale that is not a bfloat16 value rather than change it).
 //   3. attend:  TiledKVShard view = c->view(len, pos_start, total_len, pos_stride);
 //               decode_partial_tiled(shape, q, view, states, options);
 //      with exactly the len / pos_start / total_len / pos_stride spans LocalShard::view() puts
@@ -32,8 +37,9 @@
 //      are not bit-identical to decode_partial() (other summation order), both are within the
 //      oracle tolerance.
 //   A view stays valid until the next reserve() (which moves the memory); writes and decodes
-//   must not overlap in time (no internal locking). Memory: the caller layout's bytes rounded up
-//   to whole tiles and 64-byte records (bytes()).
+//   must not overlap in time (no internal locking). Memory: kv_head_token_bytes() per token and KV
+//   head (the caller layout's, with 2-byte scales for fp8 / int8) rounded up to whole tiles
+//   and 64-byte records (bytes()).
 //   Strategies that move KV between ranks move whole tiles (ring-kv rotates tiles into tiled
 //   caches of the same geometry); read_token() / read_token_raw() give one token back (the
 //   engine's K/V exchange), copy_from() takes a caller-layout KVShard.
@@ -82,7 +88,8 @@ Result<KVTileLayout> parse_kv_tile_layout(std::string_view name);
 //                    dtype_size(dtype)
 //   V element d   at (const char*)v + base + ((t % T) * head_dim + d) * dtype_size(dtype)
 //   scales        k_scale[b * scale_batch_stride + h * scale_head_stride +
-//                         (t / T) * scale_tile_stride + t % T]   (and v_scale alike)
+//                         (t / T) * scale_tile_stride + t % T]   (and v_scale alike):
+//                 bf16_t elements, strides counted in them (2 bytes)
 // len, pos_start, total_len and pos_stride mean exactly what they mean in KVShard: row b has
 // len[b] tokens (slots 0 .. len[b]-1) at global positions pos_start[b] + j * pos_stride in a
 // context of total_len[b] tokens.
@@ -95,9 +102,9 @@ struct TiledKVShard {
   int64_t tile_stride = 0;   // bytes between consecutive tiles of one (row, head)
   int64_t head_stride = 0;   // bytes between KV heads
   int64_t batch_stride = 0;  // bytes between batch rows
-  const float* k_scale = nullptr;  // quantized dtypes only
-  const float* v_scale = nullptr;
-  int64_t scale_tile_stride = 0;  // floats
+  const bf16_t* k_scale = nullptr;  // quantized dtypes only: bfloat16 scales
+  const bf16_t* v_scale = nullptr;
+  int64_t scale_tile_stride = 0;  // bf16_t elements
   int64_t scale_head_stride = 0;
   int64_t scale_batch_stride = 0;
   std::span<const int64_t> len;
@@ -124,7 +131,9 @@ class TiledKVCache {
                                      KVTileLayout layout = kKVTileLayout,
                                      int64_t tile_tokens = kKVTileTokens);
   // The same tokens as a caller-layout view (raw copy: codes and scales are kept, so the
-  // cache holds bit-identical values). shape.batch rows, len[b] tokens each.
+  // cache holds bit-identical values). shape.batch rows, len[b] tokens each. fp8 / int8: every
+  // scale must be a bfloat16 value (is_bf16_value(); quantize_token()'s are), else
+  // kInvalidArgument naming the row, head, token and scale (nothing is rounded).
   static Result<TiledKVCache> copy_from(const AttnShape& shape, const KVShard& src,
                                         int64_t capacity_tokens = 0,
                                         KVTileLayout layout = kKVTileLayout,
@@ -145,14 +154,15 @@ class TiledKVCache {
   // LocalShard::set_slot and the session's appends take).
   void set_tokens(int64_t b, int64_t t, const float* k, const float* v);
   // Writes already-encoded elements (head_dim elements of dtype() each) and, for fp8/int8, the
-  // token's scales (ignored otherwise).
+  // token's scales as stored (bfloat16 bits; ignored otherwise).
   void set_token_raw(int64_t b, int64_t h, int64_t t, const void* k, const void* v,
-                     float k_scale = 0.0f, float v_scale = 0.0f);
+                     bf16_t k_scale = {}, bf16_t v_scale = {});
   // Reads slot t of (b, h) back: dequantize() of each element (exact for every dtype).
   void read_token(int64_t b, int64_t h, int64_t t, float* k, float* v) const;
-  // Reads the encoded elements and scales back (scales are 0 for unquantized dtypes).
-  void read_token_raw(int64_t b, int64_t h, int64_t t, void* k, void* v, float* k_scale,
-                      float* v_scale) const;
+  // Reads the encoded elements and scales back as stored (bfloat16 bits; 0 for unquantized
+  // dtypes).
+  void read_token_raw(int64_t b, int64_t h, int64_t t, void* k, void* v, bf16_t* k_scale,
+                      bf16_t* v_scale) const;
 
   // Makes room for at least `tokens` slots per (row, head), keeping every written slot.
   Status reserve(int64_t tokens);
@@ -169,7 +179,7 @@ class TiledKVCache {
     std::size_t mapped;
     void operator()(void* p) const;
   };
-  // Byte offsets of slot t's K and V element 0 and of its scale (in floats).
+  // Byte offsets of slot t's K and V element 0, and its scale's index in bf16_t elements.
   std::size_t k_offset(int64_t b, int64_t h, int64_t t) const;
   std::size_t v_offset(int64_t b, int64_t h, int64_t t) const;
   std::size_t scale_index(int64_t b, int64_t h, int64_t t) const;
@@ -182,9 +192,9 @@ class TiledKVCache {
   int64_t tiles_ = 0;        // tiles per (row, head)
   int64_t tile_stride_ = 0;  // bytes between tiles of a (row, head)
   int64_t head_stride_ = 0;  // bytes
-  int64_t scale_tile_stride_ = 0, scale_head_stride_ = 0;  // floats
+  int64_t scale_tile_stride_ = 0, scale_head_stride_ = 0;  // bf16_t elements
   std::size_t v_base_ = 0;      // byte offset of V tile 0 of (0, 0)
-  std::size_t kscale_base_ = 0; // float offsets of the scales of tile 0 of (0, 0)
+  std::size_t kscale_base_ = 0;  // bf16_t offsets of the scales of tile 0 of (0, 0)
   std::size_t vscale_base_ = 0;
   std::size_t bytes_ = 0;
   std::unique_ptr<uint8_t, Free> mem_;

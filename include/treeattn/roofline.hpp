@@ -22,8 +22,8 @@
 //               every thread reading its own contiguous part, median of repeats.
 //   peak:       independent FMA chains in registers with the kernel's ISA, median of repeats.
 //   kv_bytes:   bytes of K and V the kernel must read (tokens * kv_heads * head_dim * 2 *
-//               dtype size, summed over the batch; for fp8/int8 plus the 4-byte per-token
-//               scales of K and V).
+//               dtype size, summed over the batch; for fp8/int8 plus the per-token scales
+//               of K and V: 4 bytes each in rows, 2 in tiles).
 //   flops:      2 * D per (row, token) for q.k and 2 * D for p*v, rows = batch*heads*q_len.
 //
 // Part of the measurement library treeattn_measure (src/measure), not of libtreeattn.

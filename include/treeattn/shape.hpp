@@ -10,6 +10,9 @@
 //           [batch][kv_heads][tokens], one scale per (token, KV head), separate arrays for K
 //           and V, with their own strides (scale_stride_*); element (b, h, t, d) of K is
 //           dequantize(k, dtype, elem, k_scale[b*sb + h*sh + t*st]). Null for other dtypes.
+//           Any finite float is a valid scale here (the kernels are exact over it); the ones
+//           quantize_token() makes are bfloat16 values, which is what the tiled layout
+//           (kv_tiles.hpp, 2-byte scales) can take from a KVShard.
 //
 // Grouped-query attention: query head h reads KV head h / (heads / kv_heads).
 //

@@ -140,7 +140,8 @@ struct TuneCandidate {
                       // the machine only slows a round)
   double spread = 0;  // (fastest - slowest) / fastest over the rounds
   // Median over rounds of (this candidate's rate / its knob's default's in the same round); a
-  // candidate is chosen only when this beats 1 + margin (the layout: against the rule's).
+  // candidate is chosen only when this beats 1 + margin (the layout: in calls per second against
+  // the rule's layout, since the tiles hold the quantized types' scales in fewer bytes).
   double vs_default = 1;
   bool is_default = false;
   bool chosen = false;

@@ -1,10 +1,11 @@
 // The K/V exchange of ModelRunner (exchange.hpp) for work items [n_passq, work.size()) in one
 // layer: every rank sends its pages' cached tokens of those sequences (positions before this
-// step; encoded as stored, with their per-token scales for fp8 and int8) to every rank; each rank copies the pages its own rows read into xpool (cached tokens
-// from their owners, this step's from the all-gathered k and v, narrowed as the owners store
-// them), computes per owner rank the partial states over that rank's pages (the entries the
-// owner would have computed under pass-Q, so the same bits), and merges them locally in the
-// merge collective's association into `states`.
+// step; encoded as stored, with their per-token bfloat16 scales for fp8 and int8: records of
+// kv_head_token_bytes() per KV head) to every rank; each rank copies the pages its own rows
+// read into xpool (cached tokens from their owners, this step's from the all-gathered k and v,
+// narrowed as the owners store them), computes per owner rank the partial states over that
+// rank's pages (the entries the owner would have computed under pass-Q, so the same bits), and
+// merges them locally in the merge collective's association into `states`.
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -45,7 +46,7 @@ Result<std::size_t> ModelRunner::exchange_cached_pages(const TiledKVCache& pool,
   page_recv_.resize(slot * up);
   uint8_t* dst = page_send_.data();
   const bool scaled = dtype_is_quantized(cfg_.kv_dtype);
-  float sc[2] = {0, 0};
+  bf16_t sc[2] = {};
   for (std::size_t w = st.n_passq; w < st.work.size(); ++w) {
     const Sequence& s = *st.seqs[w];
     for (int64_t j = 0; j * T_ < s.computed; ++j) {
@@ -116,7 +117,7 @@ Status ModelRunner::copy_exchange_pages(const Step& st, std::size_t slot, bool w
         const uint8_t* src = page_recv_.data() + o * slot + static_cast<std::size_t>(cursor[o]);
         for (int64_t t = 0; t < cached; ++t)
           for (int64_t h = 0; h < Hkv; ++h, src += rec_bytes) {
-            float sc[2] = {0, 0};
+            bf16_t sc[2] = {};
             if (scaled) std::memcpy(sc, src + 2 * head_bytes, sizeof(sc));
             xpool_.set_token_raw(0, h, static_cast<int64_t>(id) * T_ + t, src, src + head_bytes,
                                  sc[0], sc[1]);

@@ -98,6 +98,9 @@ class KeyBench {
                     (quant ? 2 * static_cast<int64_t>(sizeof(float)) : 0));
     tokens_ = std::max<int64_t>(16, bytes / per_token / kKVTileTokens) * kKVTileTokens;
     bytes_ = tokens_ * per_token;
+    // The tiles hold the quantized types' scales as bfloat16, the rows as float32.
+    tiled_bytes_ = tokens_ * kKVHeads *
+                   static_cast<int64_t>(kv_head_token_bytes(static_cast<std::size_t>(key.head_dim), dtype_));
     rows_ = KVCache(shape_, dtype_, tokens_);
     const std::size_t elems =
         static_cast<std::size_t>(kKVHeads * tokens_ * key.head_dim) * dtype_size(dtype_);
@@ -134,7 +137,8 @@ class KeyBench {
     return Status::ok();
   }
 
-  int64_t bytes() const { return bytes_; }
+  int64_t bytes() const { return bytes_; }  // K and V in rows (what a rows call reads)
+  int64_t bytes_of(Run run) const { return run == Run::kRows ? bytes_ : tiled_bytes_; }
 
   // GB/s of one call of `run` under `choice` (the probe ignores it).
   Result<double> time(Run run, const TuneChoice& choice) {
@@ -168,7 +172,7 @@ class KeyBench {
     const double sec = seconds_since(t0);
     kernels::cpu::force_driver_choice(nullptr);
     TREEATTN_RETURN_IF_ERROR(s);
-    return static_cast<double>(bytes_) / sec / 1e9;
+    return static_cast<double>(run == Run::kRows ? bytes_ : tiled_bytes_) / sec / 1e9;
   }
 
  private:
@@ -194,7 +198,7 @@ class KeyBench {
   AttnShape shape_;
   DType dtype_ = DType::kF32;
   DecodeOptions options_;
-  int64_t tokens_ = 0, bytes_ = 0;
+  int64_t tokens_ = 0, bytes_ = 0, tiled_bytes_ = 0;
   KVCache rows_;
   TiledKVCache tiled_;
   std::vector<int64_t> len_, pos_;
@@ -304,7 +308,12 @@ Result<TuneResult> calibrate_one(const TuneKey& key, const TuneOptions& o, Isa i
   // rule's by the margin, round by round.
   const bool tiled_rule = def.layout == KVLayout::kTiled;
   const std::size_t rule_i = tiled_rule ? tiled : rows, other_i = tiled_rule ? rows : tiled;
-  const bool switch_layout = vs(other_i, rule_i) > 1 + o.margin;
+  // In calls per second: the layouts read the same tokens, but the tiles hold the quantized
+  // types' scales in fewer bytes.
+  const double per_call = static_cast<double>(bench.bytes_of(cands[rule_i].run)) /
+                          static_cast<double>(bench.bytes_of(cands[other_i].run));
+  const double layout_vs = vs(other_i, rule_i) * per_call;
+  const bool switch_layout = layout_vs > 1 + o.margin;
   const KVLayout layout = switch_layout ? (tiled_rule ? KVLayout::kRows : KVLayout::kTiled)
                                         : def.layout;
 
@@ -342,7 +351,7 @@ Result<TuneResult> calibrate_one(const TuneKey& key, const TuneOptions& o, Isa i
     lc.knob = "layout";
     lc.value = std::string(kv_layout_name(l));
     lc.is_default = l == def.layout;
-    out.candidates.push_back(summary(lc, l == layout, vs(li, rule_i)));
+    out.candidates.push_back(summary(lc, l == layout, li == rule_i ? 1.0 : layout_vs));
   }
   out.rounds = rounds;
   out.bytes = bench.bytes();

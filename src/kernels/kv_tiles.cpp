@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -23,6 +24,13 @@ Status check_tile_tokens(int64_t t) {
 }
 
 constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// "0x1.8p-3": a float's exact value, for messages about bits.
+std::string float_hex(float f) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%a", static_cast<double>(f));
+  return buf;
+}
 
 }  // namespace
 
@@ -129,33 +137,34 @@ Status TiledKVCache::allocate(int64_t tiles) {
   const int64_t T = tile_, D = shape_.head_dim, rows = shape_.batch * shape_.kv_heads;
   const bool quant = dtype_is_quantized(dtype_);
   const int64_t part = D * T * es;  // K^T or V of one tile
+  constexpr auto kSB = static_cast<int64_t>(sizeof(bf16_t));  // bytes per scale
   int64_t total = 0;
   if (layout_ == KVTileLayout::kSplit) {
     int64_t region = 0, scales = 0;
     if (!mul_ok(rows, tiles, &region) || !mul_ok(region, part, &region) ||
-        !mul_ok(rows * T, tiles, &scales) || !mul_ok(scales, quant ? 4 : 0, &scales) ||
+        !mul_ok(rows * T, tiles, &scales) || !mul_ok(scales, quant ? kSB : 0, &scales) ||
         !add_ok(2 * round_up(region, 64), 2 * round_up(scales, 64), &total))
       return Status(Code::kOutOfMemory, "tiled KV cache of " + std::to_string(tiles) +
                                             " tiles per head overflows 64-bit sizes");
     tile_stride_ = part;
     head_stride_ = tiles * part;
     v_base_ = static_cast<std::size_t>(round_up(region, 64));
-    kscale_base_ = static_cast<std::size_t>(2 * round_up(region, 64) / 4);
-    vscale_base_ = kscale_base_ + static_cast<std::size_t>(round_up(scales, 64) / 4);
+    kscale_base_ = static_cast<std::size_t>(2 * round_up(region, 64) / kSB);
+    vscale_base_ = kscale_base_ + static_cast<std::size_t>(round_up(scales, 64) / kSB);
     scale_tile_stride_ = T;
     scale_head_stride_ = tiles * T;
   } else {
-    const int64_t record = round_up(2 * part + (quant ? 2 * T * 4 : 0), 64);
+    const int64_t record = round_up(2 * part + (quant ? 2 * T * kSB : 0), 64);
     if (!mul_ok(rows, tiles, &total) || !mul_ok(total, record, &total))
       return Status(Code::kOutOfMemory, "tiled KV cache of " + std::to_string(tiles) +
                                             " tiles per head overflows 64-bit sizes");
     tile_stride_ = record;
     head_stride_ = tiles * record;
     v_base_ = static_cast<std::size_t>(part);
-    kscale_base_ = static_cast<std::size_t>(2 * part / 4);
+    kscale_base_ = static_cast<std::size_t>(2 * part / kSB);
     vscale_base_ = kscale_base_ + static_cast<std::size_t>(T);
-    scale_tile_stride_ = record / 4;
-    scale_head_stride_ = tiles * record / 4;
+    scale_tile_stride_ = record / kSB;
+    scale_head_stride_ = tiles * record / kSB;
   }
   const auto bytes = static_cast<std::size_t>(std::max<int64_t>(round_up(total, 64), 64));
   // Large caches are anonymous mappings: zero pages the kernel commits as they are written, so a
@@ -203,7 +212,7 @@ std::size_t TiledKVCache::scale_index(int64_t b, int64_t h, int64_t t) const {
 }
 
 void TiledKVCache::set_token_raw(int64_t b, int64_t h, int64_t t, const void* k, const void* v,
-                                 float k_scale, float v_scale) {
+                                 bf16_t k_scale, bf16_t v_scale) {
   const std::size_t es = dtype_size(dtype_);
   const auto D = static_cast<std::size_t>(shape_.head_dim);
   const auto P = static_cast<std::size_t>(kv_tile_panel(tile_));
@@ -214,7 +223,7 @@ void TiledKVCache::set_token_raw(int64_t b, int64_t h, int64_t t, const void* k,
   for (std::size_t d = 0; d < D; ++d) std::memcpy(kd + d * P * es, ks + d * es, es);
   std::memcpy(base + v_offset(b, h, t), v, D * es);
   if (dtype_is_quantized(dtype_)) {
-    auto* f = reinterpret_cast<float*>(base);
+    auto* f = reinterpret_cast<bf16_t*>(base);
     f[kscale_base_ + scale_index(b, h, t)] = k_scale;
     f[vscale_base_ + scale_index(b, h, t)] = v_scale;
   }
@@ -222,12 +231,13 @@ void TiledKVCache::set_token_raw(int64_t b, int64_t h, int64_t t, const void* k,
 
 void TiledKVCache::set_token(int64_t b, int64_t h, int64_t t, const float* k, const float* v) {
   const auto D = static_cast<std::size_t>(shape_.head_dim);
-  // Encode into a token-major scratch first (KVCache's exact rules), then place it.
+  // Encode into a token-major scratch first (KVCache's exact rules), then place it. The
+  // scales are bfloat16 values (quantize_token()), so to_bf16 keeps them exactly.
   uint8_t kbuf[256 * 4], vbuf[256 * 4];
-  float ks = 0.0f, vs = 0.0f;
+  bf16_t ks{}, vs{};
   if (dtype_is_quantized(dtype_)) {
-    ks = quantize_token(kbuf, dtype_, 0, k, D);
-    vs = quantize_token(vbuf, dtype_, 0, v, D);
+    ks = to_bf16(quantize_token(kbuf, dtype_, 0, k, D));
+    vs = to_bf16(quantize_token(vbuf, dtype_, 0, v, D));
   } else {
     for (std::size_t d = 0; d < D; ++d) {
       store_from_float(kbuf, dtype_, d, k[d]);
@@ -243,7 +253,7 @@ void TiledKVCache::set_tokens(int64_t b, int64_t t, const float* k, const float*
 }
 
 void TiledKVCache::read_token_raw(int64_t b, int64_t h, int64_t t, void* k, void* v,
-                                  float* k_scale, float* v_scale) const {
+                                  bf16_t* k_scale, bf16_t* v_scale) const {
   const std::size_t es = dtype_size(dtype_);
   const auto D = static_cast<std::size_t>(shape_.head_dim);
   const auto P = static_cast<std::size_t>(kv_tile_panel(tile_));
@@ -252,9 +262,9 @@ void TiledKVCache::read_token_raw(int64_t b, int64_t h, int64_t t, void* k, void
   auto* ko = static_cast<uint8_t*>(k);
   for (std::size_t d = 0; d < D; ++d) std::memcpy(ko + d * es, kd + d * P * es, es);
   std::memcpy(v, base + v_offset(b, h, t), D * es);
-  *k_scale = *v_scale = 0.0f;
+  *k_scale = *v_scale = bf16_t{};
   if (dtype_is_quantized(dtype_)) {
-    const auto* f = reinterpret_cast<const float*>(base);
+    const auto* f = reinterpret_cast<const bf16_t*>(base);
     *k_scale = f[kscale_base_ + scale_index(b, h, t)];
     *v_scale = f[vscale_base_ + scale_index(b, h, t)];
   }
@@ -263,11 +273,11 @@ void TiledKVCache::read_token_raw(int64_t b, int64_t h, int64_t t, void* k, void
 void TiledKVCache::read_token(int64_t b, int64_t h, int64_t t, float* k, float* v) const {
   const auto D = static_cast<std::size_t>(shape_.head_dim);
   uint8_t kbuf[256 * 4], vbuf[256 * 4];
-  float ks = 0.0f, vs = 0.0f;
+  bf16_t ks{}, vs{};
   read_token_raw(b, h, t, kbuf, vbuf, &ks, &vs);
   for (std::size_t d = 0; d < D; ++d) {
-    k[d] = dequantize(kbuf, dtype_, d, ks);
-    v[d] = dequantize(vbuf, dtype_, d, vs);
+    k[d] = dequantize(kbuf, dtype_, d, bf16_value(ks));
+    v[d] = dequantize(vbuf, dtype_, d, bf16_value(vs));
   }
 }
 
@@ -282,7 +292,7 @@ float tiled_element(const TiledKVShard& kv, int64_t head_dim, bool value, int64_
   if (dtype_is_quantized(kv.dtype)) {
     const int64_t si = b * kv.scale_batch_stride + h * kv.scale_head_stride +
                        tile * kv.scale_tile_stride + lane;
-    scale = (value ? kv.v_scale : kv.k_scale)[si];
+    scale = bf16_value((value ? kv.v_scale : kv.k_scale)[si]);
   }
   return dequantize(at, kv.dtype, 0, scale);
 }
@@ -311,11 +321,11 @@ Status TiledKVCache::reserve(int64_t tokens) {
         const auto ss = static_cast<std::size_t>(r * scale_head_stride_ + i * scale_tile_stride_);
         const auto ds =
             static_cast<std::size_t>(r * grown.scale_head_stride_ + i * grown.scale_tile_stride_);
-        auto* fd = reinterpret_cast<float*>(dst);
-        const auto* fs = reinterpret_cast<const float*>(src);
+        auto* fd = reinterpret_cast<bf16_t*>(dst);
+        const auto* fs = reinterpret_cast<const bf16_t*>(src);
         const auto T = static_cast<std::size_t>(tile_);
-        std::memcpy(fd + grown.kscale_base_ + ds, fs + kscale_base_ + ss, T * sizeof(float));
-        std::memcpy(fd + grown.vscale_base_ + ds, fs + vscale_base_ + ss, T * sizeof(float));
+        std::memcpy(fd + grown.kscale_base_ + ds, fs + kscale_base_ + ss, T * sizeof(bf16_t));
+        std::memcpy(fd + grown.vscale_base_ + ds, fs + vscale_base_ + ss, T * sizeof(bf16_t));
       }
     }
   *this = std::move(grown);
@@ -334,7 +344,7 @@ TiledKVShard TiledKVCache::view(std::span<const int64_t> len, std::span<const in
   s.head_stride = head_stride_;
   s.batch_stride = shape_.kv_heads * head_stride_;
   if (dtype_is_quantized(dtype_) && base != nullptr) {
-    const auto* f = reinterpret_cast<const float*>(base);
+    const auto* f = reinterpret_cast<const bf16_t*>(base);
     s.k_scale = f + kscale_base_;
     s.v_scale = f + vscale_base_;
     s.scale_tile_stride = scale_tile_stride_;
@@ -356,6 +366,22 @@ Result<TiledKVCache> TiledKVCache::copy_from(const AttnShape& shape, const KVSha
     return unsupported("TiledKVCache::copy_from reads host memory only");
   int64_t longest = 0;
   for (int64_t l : src.len) longest = std::max(longest, l);
+  if (dtype_is_quantized(src.dtype))  // the tiles hold bf16 scales: refuse any other, unchanged
+    for (int64_t b = 0; b < shape.batch; ++b)
+      for (int64_t h = 0; h < shape.kv_heads; ++h)
+        for (int64_t t = 0; t < src.len[static_cast<std::size_t>(b)]; ++t) {
+          const int64_t si =
+              b * src.scale_stride_batch + h * src.scale_stride_head + t * src.scale_stride_token;
+          for (const float* sc : {src.k_scale, src.v_scale})
+            if (!is_bf16_value(sc[si]))
+              return invalid_argument(
+                  "TiledKVCache::copy_from: batch row " + std::to_string(b) + ", KV head " +
+                  std::to_string(h) + ", token " + std::to_string(t) + ": " +
+                  (sc == src.k_scale ? "K" : "V") + " scale " + std::to_string(sc[si]) + " (" +
+                  float_hex(sc[si]) +
+                  ") is not a bfloat16 value; the tiled layout stores bf16 scales "
+                  "(quantize_token() makes them)");
+        }
   Result<TiledKVCache> c =
       create(shape, src.dtype, std::max(capacity_tokens, longest), layout, tile_tokens);
   if (!c.is_ok()) return c.status();
@@ -366,7 +392,7 @@ Result<TiledKVCache> TiledKVCache::copy_from(const AttnShape& shape, const KVSha
   const int64_t D = shape.head_dim, T = tile_tokens, Hkv = shape.kv_heads;
   TiledKVCache& dst = c.value();
   uint8_t* base = dst.mem_.get();
-  auto* fbase = reinterpret_cast<float*>(base);
+  auto* fbase = reinterpret_cast<bf16_t*>(base);
 #pragma omp parallel for schedule(dynamic)
   for (int64_t bh = 0; bh < shape.batch * Hkv; ++bh) {
     const int64_t b = bh / Hkv, h = bh % Hkv;
@@ -387,8 +413,8 @@ Result<TiledKVCache> TiledKVCache::copy_from(const AttnShape& shape, const KVSha
         if (quant) {
           const int64_t si = b * src.scale_stride_batch + h * src.scale_stride_head +
                              (t0 + j) * src.scale_stride_token;
-          fbase[dst.kscale_base_ + dst.scale_index(b, h, t0 + j)] = src.k_scale[si];
-          fbase[dst.vscale_base_ + dst.scale_index(b, h, t0 + j)] = src.v_scale[si];
+          fbase[dst.kscale_base_ + dst.scale_index(b, h, t0 + j)] = to_bf16(src.k_scale[si]);
+          fbase[dst.vscale_base_ + dst.scale_index(b, h, t0 + j)] = to_bf16(src.v_scale[si]);
         }
       }
     }

@@ -206,8 +206,13 @@ struct HostCase {
   }
   std::size_t code_bytes() const { return kv_elems() * dtype_size(dtype); }  // of K (or V)
   std::size_t scale_bytes() const { return quantized() ? kv_tokens() * sizeof(float) : 0; }
-  // What one decode step reads: K and V and, quantized, their scales.
-  int64_t kv_bytes() const { return static_cast<int64_t>(2 * (code_bytes() + scale_bytes())); }
+  // What one decode step reads: K and V and, quantized, their scales (float32 in rows,
+  // bfloat16 in tiles).
+  int64_t kv_bytes(bool tiled = false) const {
+    const std::size_t scales =
+        tiled ? scale_bytes() / sizeof(float) * kTiledScaleBytes : scale_bytes();
+    return static_cast<int64_t>(2 * (code_bytes() + scales));
+  }
   // A rows view of the whole cache over these K/V (and scale) pointers in `memory`.
   KVShard view(const void* kp, const void* vp, const float* ks, const float* vs,
                MemorySpace memory) const {
@@ -268,7 +273,7 @@ Result<HostCase> make_host_case(const RooflineCase& c, DType t, int threads) {
 }
 
 // The fields every record has: the case, the timings (median and best round) against the probe.
-RooflineRecord timed_record(const HostCase& h, const std::vector<double>& seconds,
+RooflineRecord timed_record(const HostCase& h, int64_t kv_bytes, const std::vector<double>& seconds,
                             const std::vector<double>& fractions,
                             const std::vector<double>& probes) {
   const AttnShape& s = h.shape;
@@ -281,7 +286,7 @@ RooflineRecord timed_record(const HostCase& h, const std::vector<double>& second
   rec.head_dim = s.head_dim;
   rec.q_len = s.q_len;
   rec.seq = h.seq;
-  rec.kv_bytes = h.kv_bytes();
+  rec.kv_bytes = kv_bytes;
   rec.seconds = median(seconds);
   rec.gbps = static_cast<double>(rec.kv_bytes) / rec.seconds / 1e9;
   rec.bandwidth_gbps = median(probes);
@@ -528,7 +533,8 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
             const double sec = seconds_since(t0);
             if (r == 0) continue;  // warm-up round
             v.seconds.push_back(sec);
-            v.fractions.push_back(static_cast<double>(h.kv_bytes()) / sec / 1e9 / bw_r);
+            v.fractions.push_back(static_cast<double>(h.kv_bytes(v.layout == "tiled")) / sec / 1e9 /
+                                  bw_r);
           }
         }
 
@@ -549,7 +555,8 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
         }
 
         for (Variant& v : variants) {
-          RooflineRecord rec = timed_record(h, v.seconds, v.fractions, probes);
+          RooflineRecord rec =
+              timed_record(h, h.kv_bytes(v.layout == "tiled"), v.seconds, v.fractions, probes);
           rec.isa = std::string(isa_name(isa));
           rec.layout = v.layout;
           if (v.layout == "tiled") {
@@ -679,7 +686,7 @@ Result<std::vector<RooflineRecord>> run_roofline_on(Executor& exec,
         fractions.push_back(static_cast<double>(h.kv_bytes()) / sec / 1e9 / bw);
       }
 
-      RooflineRecord rec = timed_record(h, seconds, fractions, probes);
+      RooflineRecord rec = timed_record(h, h.kv_bytes(), seconds, fractions, probes);
       rec.isa = std::string(exec.name());
       rec.layout = "rows";
       rec.threads = 0;

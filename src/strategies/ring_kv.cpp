@@ -86,7 +86,7 @@ std::vector<TileSpan> tile_spans(const TiledKVShard& t, int64_t b, int64_t h, in
   std::vector<TileSpan> s = {{k + base, bytes}, {v + base, bytes}};
   if (quant) {
     const int64_t sbase = b * t.scale_batch_stride + h * t.scale_head_stride;
-    const auto sbytes = static_cast<std::size_t>(n_tiles * t.scale_tile_stride) * sizeof(float);
+    const auto sbytes = static_cast<std::size_t>(n_tiles * t.scale_tile_stride) * sizeof(bf16_t);
     s.push_back({reinterpret_cast<const uint8_t*>(t.k_scale + sbase), sbytes});
     s.push_back({reinterpret_cast<const uint8_t*>(t.v_scale + sbase), sbytes});
   }

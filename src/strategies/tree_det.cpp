@@ -407,7 +407,8 @@ class TreeDet final : public StrategyBase {
   }
 
   // Rows of one batch row copied out of a tiled shard: K and V [kv_heads][n][head_dim] (the
-  // dtype's codes), and for quantized dtypes their scales [kv_heads][n].
+  // dtype's codes), and for quantized dtypes their scales [kv_heads][n] (the tiles' bfloat16
+  // scales widened to the rows layout's float32, exactly).
   struct RowsCopy {
     Buffer k, v, k_scale, v_scale;
   };
@@ -452,8 +453,8 @@ class TreeDet final : public StrategyBase {
         if (!quant) continue;
         const int64_t s = b * t.scale_batch_stride + h * t.scale_head_stride +
                           tile * t.scale_tile_stride + l;
-        copy->k_scale.as<float>()[h * n + j] = t.k_scale[s];
-        copy->v_scale.as<float>()[h * n + j] = t.v_scale[s];
+        copy->k_scale.as<float>()[h * n + j] = bf16_value(t.k_scale[s]);  // exact widening
+        copy->v_scale.as<float>()[h * n + j] = bf16_value(t.v_scale[s]);
       }
     RowsView r;
     r.kv.dtype = dtype_;

@@ -510,6 +510,47 @@ TEST(Engine, QuantizedKVPagesAreBatchInvariantAndCloseToF16) {
   }
 }
 
+// Capacity at equal KV memory: a page of int8 or fp8 holds 2 * head_dim + 4 bytes per token and
+// KV head (bfloat16 scales), f16 4 * head_dim, so at the tiny model's head dim 64 the quantized
+// pools hold 256 / 132 = 1.94x f16's tokens (>= 1.9x, issue 50's target): max_sequence_tokens
+// (what /v1/models reports) is p x the pages kv_memory buys per rank x the page tokens, on 1 and
+// 2 ranks.
+TEST(Engine, QuantizedPagesHoldAtLeast1Point9TimesF16sTokensInTheSameKVMemory) {
+  TinyModel m;  // 3 layers, 2 KV heads of head dim 64
+  for (int p : {1, 2}) {
+    int64_t f16_tokens = 0;
+    for (const DType dt : {DType::kF16, DType::kInt8, DType::kFP8}) {
+      EngineConfig cfg = base_config();
+      cfg.kv_dtype = dt;
+      cfg.kv_pages = 0;
+      cfg.kv_memory = std::size_t{3} << 20;
+      int64_t tokens = 0;
+      const Status st = run_local(p, [&](Communicator& comm) -> Status {
+        auto e = Engine::create(comm, *m, cfg);
+        TREEATTN_RETURN_IF_ERROR(e.status());
+        if (comm.rank() == 0) {
+          tokens = (*e)->max_sequence_tokens();
+          (*e)->stop(true);
+        }
+        return (*e)->run();
+      });
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      const std::size_t page = 3 * 2 * 16 * kv_head_token_bytes(64, dt);  // every layer's
+      EXPECT_EQ(page, dt == DType::kF16 ? 3u * 2 * 16 * 256 : 3u * 2 * 16 * 132);
+      EXPECT_EQ(tokens, p * static_cast<int64_t>(cfg.kv_memory / page) * 16) << dtype_name(dt);
+      if (dt == DType::kF16) {
+        f16_tokens = tokens;
+        continue;
+      }
+      const double ratio = static_cast<double>(tokens) / static_cast<double>(f16_tokens);
+      std::printf("[ kv %-4s   ] p %d: %lld tokens in %zu bytes per rank, %.3fx f16's\n",
+                  std::string(dtype_name(dt)).c_str(), p, static_cast<long long>(tokens),
+                  cfg.kv_memory, ratio);
+      EXPECT_GE(ratio, 1.9) << dtype_name(dt) << " p " << p;
+    }
+  }
+}
+
 // The K/V exchange (exchange.hpp) gives pass-Q's bits: the same requests, staggered, chunked and
 // with prefix reuse, under prefill_exchange pass-q, kv and auto, for every merge that allows kv,
 // at 1-4 ranks; on a Llama-style model and on a Gemma-3-style one (sliding-window layers:

@@ -8,8 +8,10 @@
 // call, GQA groups 1/3/4, head dims 64 and 128, every dtype, four tile configurations.
 // Bitwise: a query alone (n_q = 1) == the same query as row i of a 37-query entry == inside a
 // 5-query entry at another offset == with other entries in the call, for 1, 2 and 3 threads.
-// Within tolerance of decode_partial_tiled() on the same pages placed contiguously. Bad input
-// gives kInvalidArgument naming the entry and the page.
+// Within tolerance of decode_partial_tiled() on the same pages placed contiguously. Quantized
+// pages: scales spanning 2^-6 .. 2^6 per token and head against the oracle (and a view one
+// scale off checked to fail), and exact value sums with q = 0, the same bits on every target.
+// Bad input gives kInvalidArgument naming the entry and the page.
 //
 // Tolerance: tests/support/test_data.hpp (1e-5 relative to max(1, max|ref|), output and LSE).
 #include <gtest/gtest.h>
@@ -73,8 +75,13 @@ struct PagedCase {
   std::vector<std::vector<int64_t>> pos;    // position of each gathered token
   int64_t window = 0;                       // PagedEntry::window of every entry
 
+  // fill(e, i, h, k, v), when given, writes the head_dim floats of K and V of token i (in
+  // position order) of entry e, KV head h, instead of uniform values in [-1, 1).
+  using Fill = std::function<void(std::size_t, int64_t, int64_t, float*, float*)>;
+
   PagedCase(const AttnShape& s, DType t, int64_t tile, KVTileLayout layout,
-            std::vector<EntrySpec> entries, uint64_t seed, bool shuffle = true)
+            std::vector<EntrySpec> entries, uint64_t seed, bool shuffle = true,
+            const Fill& fill = {})
       : shape(s), dtype(t), T(tile), specs(std::move(entries)) {
     shape.batch = 1;
     shape.q_len = 1;
@@ -113,6 +120,7 @@ struct PagedCase {
           for (int64_t h = 0; h < shape.kv_heads; ++h) {
             for (auto& x : k) x = u(rng);
             for (auto& x : v) x = u(rng);
+            if (fill) fill(pages.size(), idx, h, k.data(), v.data());
             pool.set_token(0, h, page * T + slot, k.data(), v.data());
             g.set_token(0, h, idx, k.data(), v.data());
           }
@@ -577,6 +585,136 @@ TEST(PagedKernel, AgreesWithTiledKernelOnContiguousPages) {
       EXPECT_LE(worst_lse, kTol) << isa_name(isa) << " " << dtype_name(t);
       const Errors e = pc.vs_oracle(st);
       EXPECT_LE(e.out_abs, kTol);
+    }
+  }
+}
+
+// Quantized pages whose scales span 2^-6 .. 2^6 from token to token and head to head (each
+// token's K and V scaled by its own power of two), so that a scale read at any other token's,
+// page's or head's offset changes a result far past the tolerance: odd page lengths, partly
+// filled pages, shuffled pages, 3 KV heads, both tile layouts, every target, against the
+// float64 oracle. The same pool read through scale pointers one element off (a kernel that
+// missed its offset by one token) is checked to fail, so the test can.
+TEST(PagedKernel, ScalesAreReadAtTheirTokensOffsets) {
+  const auto spread = [](std::size_t e, int64_t i, int64_t h, float* k, float* v) {
+    const float ks = std::ldexp(1.0f, static_cast<int>((i * 5 + h * 3 + e) % 13) - 6);
+    const float vs = std::ldexp(1.0f, static_cast<int>((i * 7 + h * 5 + e + 3) % 11) - 5);
+    for (int64_t d = 0; d < 64; ++d) {
+      k[d] *= ks;
+      v[d] *= vs;
+    }
+  };
+  for (DType t : {DType::kInt8, DType::kFP8})
+    for (const auto& [T, layout] : {std::pair{int64_t{16}, KVTileLayout::kSplit},
+                                    std::pair{int64_t{64}, KVTileLayout::kInterleaved},
+                                    std::pair{int64_t{32}, KVTileLayout::kInterleaved}}) {
+      std::vector<EntrySpec> specs;
+      specs.push_back(contiguous(T, 0, 5 * T - 3, 1, 5 * T - 4));  // decode, last page partial
+      EntrySpec odd;  // odd page lengths, a gap, several queries with limits inside pages
+      odd.n_q = 7;
+      int64_t at = 0;
+      for (int64_t len : {T - 1, int64_t{3}, T / 2 + 1, T, int64_t{1}, T - 7}) {
+        odd.page_pos.push_back(at);
+        odd.page_len.push_back(static_cast<int32_t>(len));
+        at += len + (len == 3 ? T : 0);
+      }
+      odd.first_pos = at - 9;
+      specs.push_back(odd);
+      specs.push_back(contiguous(T, 0, 3 * T + 5, 13, 2 * T + 1));  // a prefill chunk
+      const PagedCase pc(AttnShape{1, 9, 3, 64, 1}, t, T, layout, specs, 41, true, spread);
+      const std::string what = std::string(dtype_name(t)) + " T" + std::to_string(T) + " " +
+                               std::string(kv_tile_layout_name(layout));
+      std::vector<std::vector<float>> st;
+      for (Isa isa : testing::runnable_isas()) {
+        DecodeOptions opt;
+        opt.isa = isa;
+        opt.threads = 2;
+        ASSERT_TRUE(pc.run(st, opt).is_ok());
+        const Errors e = pc.vs_oracle(st);
+        EXPECT_FALSE(e.nan_mismatch) << isa_name(isa) << " " << what;
+        EXPECT_LE(e.out_abs, kTol) << isa_name(isa) << " " << what;
+        EXPECT_LE(e.lse_abs, kTol) << isa_name(isa) << " " << what;
+      }
+      for (const bool value : {false, true}) {  // K's, then V's scales one token off
+        TiledKVShard off = pc.view();
+        (value ? off.v_scale : off.k_scale) += 1;
+        for (Isa isa : {Isa::kReference, testing::runnable_isas().back()}) {
+          DecodeOptions opt;
+          opt.isa = isa;
+          std::vector<PagedEntry> en = pc.entries(st);
+          ASSERT_TRUE(decode_partial_paged(pc.shape, off, pc.pool_pages, en, opt).is_ok());
+          const Errors e = pc.vs_oracle(st);
+          EXPECT_GT(std::max(e.out_abs, e.lse_abs), 1000 * kTol)
+              << isa_name(isa) << " " << what << (value ? " V" : " K") << " scales one off";
+        }
+      }
+    }
+}
+
+// q = 0 weighs every visible token exactly 1, so a query's record is m = 0, l = its token count
+// and o = the sum of its tokens' V values; with tokens whose scale is a power of two (their
+// largest magnitude quant_max(t) * 2^e) and small-integer codes every product and partial sum
+// is exact: every target gives exactly those bits, whatever the order of its sums, and a V
+// scale read at a wrong offset (the scales change from token to token and head to head) shows.
+TEST(PagedKernel, QuantizedZeroQueryGivesTheExactValueSumsOnEveryTarget) {
+  for (DType t : {DType::kInt8, DType::kFP8}) {
+    const float qmax = quant_max(t);
+    const auto fill = [qmax](std::size_t e, int64_t i, int64_t h, float* k, float* v) {
+      const float sk = std::ldexp(1.0f, static_cast<int>((i * 3 + h + e) % 4) - 2);
+      const float sv = std::ldexp(1.0f, static_cast<int>((i * 5 + h * 3 + e) % 4) - 2);
+      for (int64_t d = 0; d < 64; ++d) {
+        k[d] = static_cast<float>((i * 7 + d * 3 + h) % 17 - 8) * sk;
+        v[d] = static_cast<float>((i * 3 + d * 5 + h * 2) % 17 - 8) * sv;
+      }
+      k[(i + h) % 64] = qmax * sk;  // the largest magnitude: scale = sk, a power of two
+      v[(i * 3 + h) % 64] = -qmax * sv;
+    };
+    for (const auto& [T, layout] : {std::pair{int64_t{16}, KVTileLayout::kInterleaved},
+                                    std::pair{int64_t{64}, KVTileLayout::kSplit}}) {
+      std::vector<EntrySpec> specs;
+      specs.push_back(contiguous(T, 0, 700, 1, 699));
+      EntrySpec odd;
+      odd.n_q = 3;
+      int64_t at = 0;
+      for (int64_t len : {T - 1, int64_t{5}, T, T / 2 + 3, int64_t{1}}) {
+        odd.page_pos.push_back(at);
+        odd.page_len.push_back(static_cast<int32_t>(len));
+        at += len + 2;
+      }
+      odd.first_pos = at - 3;
+      specs.push_back(odd);
+      PagedCase pc(AttnShape{1, 9, 3, 64, 1}, t, T, layout, specs, 3, true, fill);
+      for (auto& q : pc.q) std::fill(q.begin(), q.end(), 0.0f);
+      for (Isa isa : testing::runnable_isas()) {
+        DecodeOptions opt;
+        opt.isa = isa;
+        std::vector<std::vector<float>> st;
+        ASSERT_TRUE(pc.run(st, opt).is_ok());
+        for (std::size_t e = 0; e < specs.size(); ++e)
+          for (int64_t i = 0; i < specs[e].n_q; ++i) {
+            const int64_t limit = specs[e].first_pos + i;
+            const int64_t n =
+                std::upper_bound(pc.pos[e].begin(), pc.pos[e].end(), limit) - pc.pos[e].begin();
+            for (int64_t hq = 0; hq < 9; ++hq) {
+              const int64_t h = hq / 3;
+              std::vector<double> sum(64, 0.0);  // exact: each term and sum fits 24 bits
+              std::vector<float> kf(64), vf(64);
+              for (int64_t j = 0; j < n; ++j) {
+                fill(e, j, h, kf.data(), vf.data());
+                for (std::size_t d = 0; d < 64; ++d) sum[d] += vf[d];
+              }
+              const float* rec = st[e].data() + static_cast<std::size_t>(i * 9 + hq) * pc.rec();
+              const std::string what = std::string(isa_name(isa)) + " " +
+                                       std::string(dtype_name(t)) + " T" + std::to_string(T) +
+                                       " entry " + std::to_string(e) + " query " +
+                                       std::to_string(i) + " head " + std::to_string(hq);
+              ASSERT_EQ(rec[0], 0.0f) << what;
+              ASSERT_EQ(rec[1], static_cast<float>(n)) << what;
+              for (std::size_t d = 0; d < 64; ++d)
+                ASSERT_EQ(rec[2 + d], static_cast<float>(sum[d])) << what << " d " << d;
+            }
+          }
+      }
     }
   }
 }

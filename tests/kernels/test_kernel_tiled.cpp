@@ -4,9 +4,11 @@
 // with per-token scales), GQA groups 1..8 including the SmolLM2 shape (H 9, Hkv 3, D 64),
 // every supported head dim, ragged batches, Q 1 and 4, tile sizes 16 and 32, both tile
 // layouts and two chunkings. Plus: the cache's encoding (bit-identical to KVCache, read back,
-// growth), striped positions with Q > 1, causally hidden and tail-slot NaNs never read, NaN
-// propagation, empty rows, extreme logits, the exact fixture bit for bit, bitwise determinism
-// across thread counts, and the validation messages.
+// growth; fp8/int8 scales as bfloat16, 2 * head_dim + 4 bytes per token and KV head, copy_from
+// refusing a scale that is not a bf16 value), striped positions with Q > 1, causally hidden and
+// tail-slot NaNs never read, NaN propagation, empty rows, extreme logits, the exact fixtures bit
+// for bit (quantized too, on every target), bitwise determinism across thread counts, and the
+// validation messages.
 //
 // Tolerance: tests/support/test_data.hpp (1e-5 relative to max(1, max|ref|), output and LSE).
 #include <gtest/gtest.h>
@@ -174,8 +176,9 @@ TEST(TiledCache, EncodingMatchesKVCacheAndSurvivesGrowth) {
       for (int64_t b = 0; b < 2; ++b)
         for (int64_t h = 0; h < 3; ++h)
           for (int64_t tok = 0; tok < n; ++tok) {
-            float ks = -1, vs = -1;
-            c->read_token_raw(b, h, tok, kr.data(), vr.data(), &ks, &vs);
+            bf16_t ksb{0xffff}, vsb{0xffff};
+            c->read_token_raw(b, h, tok, kr.data(), vr.data(), &ksb, &vsb);
+            const float ks = bf16_value(ksb), vs = bf16_value(vsb);
             const std::size_t i = ref.index(b, h, tok) * es;
             ASSERT_EQ(std::memcmp(kr.data(), static_cast<const uint8_t*>(ref.k_data()) + i, kr.size()), 0)
                 << dtype_name(t) << " " << tile_name(tc) << " b" << b << " h" << h << " t" << tok;
@@ -191,6 +194,99 @@ TEST(TiledCache, EncodingMatchesKVCacheAndSurvivesGrowth) {
             }
           }
     }
+}
+
+// fp8 / int8 tiles hold bfloat16 scales: 2 * head_dim + 4 bytes per token and KV head
+// (kv_head_token_bytes), so a pool of whole records holds exactly that many bytes per token,
+// every supported head dim and tile size, both placements; f16 holds 4 * head_dim, so at head
+// dim 64 a quantized page takes 132 / 256 of an f16 page's bytes (1.94x the tokens). The scale
+// of token t sits 2 bytes after token t - 1's (and V's T scales after K's in a record).
+TEST(TiledCache, ScalesAreBF16AndATokenTakes2DPlus4BytesPerKVHead) {
+  static_assert(sizeof(bf16_t) == 2 && kTiledScaleBytes == 2);
+  for (const int64_t D : kDims)
+    for (const int64_t T : {16, 32, 64, 128, 256})
+      for (const KVTileLayout layout : {KVTileLayout::kInterleaved, KVTileLayout::kSplit})
+        for (const DType t : {DType::kInt8, DType::kFP8, DType::kF16}) {
+          const int64_t Hkv = 3, pages = 5;
+          EXPECT_EQ(kv_head_token_bytes(static_cast<std::size_t>(D), t),
+                    static_cast<std::size_t>(dtype_is_quantized(t) ? 2 * D + 4 : 4 * D));
+          auto c = TiledKVCache::create(AttnShape{1, 6, Hkv, D, 1}, t, pages * T, layout, T);
+          ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+          // Split: the scale arrays are each rounded up to 64 bytes.
+          const std::size_t exact = static_cast<std::size_t>(Hkv * pages * T) *
+                                    kv_head_token_bytes(static_cast<std::size_t>(D), t);
+          if (layout == KVTileLayout::kInterleaved) {
+            EXPECT_EQ(c->bytes(), exact) << dtype_name(t) << " D" << D << " T" << T;
+          } else {
+            EXPECT_GE(c->bytes(), exact);
+            EXPECT_LT(c->bytes(), exact + 128);
+          }
+          if (!dtype_is_quantized(t)) continue;
+          const std::vector<int64_t> n{pages * T}, z{0};
+          const TiledKVShard v = c->view(n, z, n);
+          const auto* base = static_cast<const char*>(v.k);
+          const auto* ks = reinterpret_cast<const char*>(v.k_scale);
+          const auto* vs = reinterpret_cast<const char*>(v.v_scale);
+          if (layout == KVTileLayout::kInterleaved) {
+            EXPECT_EQ(ks - base, 2 * D * T);  // [K^T][V][k_scale][v_scale], whole record
+            EXPECT_EQ(vs - ks, 2 * T);
+            EXPECT_EQ(v.scale_tile_stride * 2, v.tile_stride);
+            EXPECT_EQ(v.tile_stride, T * static_cast<int64_t>(
+                                             kv_head_token_bytes(static_cast<std::size_t>(D), t)));
+          } else {
+            EXPECT_EQ(v.scale_tile_stride, T);
+            EXPECT_EQ(vs - ks, (Hkv * pages * T * 2 + 63) / 64 * 64);
+          }
+        }
+  EXPECT_GE(4.0 * 64 / (2 * 64 + 4), 1.9);  // the capacity ratio at head dim 64
+}
+
+// copy_from keeps a KVShard's scales bit for bit when they are bfloat16 values (quantize_token's
+// are) and refuses any other, naming the row, head, token and scale, rather than round it.
+TEST(TiledCache, CopyFromRefusesAScaleThatIsNotABF16Value) {
+  const AttnShape s{2, 4, 2, 64, 1};
+  for (const DType t : {DType::kInt8, DType::kFP8}) {
+    KVCache cache(s, t, 9);
+    std::vector<float> k(64), v(64);
+    for (int64_t b = 0; b < 2; ++b)
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t tok = 0; tok < 9; ++tok) {
+          for (std::size_t d = 0; d < 64; ++d) {
+            k[d] = std::sin(static_cast<float>(tok * 64 + static_cast<int64_t>(d) + b + h)) * 0.3f;
+            v[d] = std::cos(static_cast<float>(tok * 64 + static_cast<int64_t>(d) * 3 + h)) * 7.0f;
+          }
+          cache.set_token(b, h, tok, k.data(), v.data());
+        }
+    const std::vector<int64_t> len{9, 7}, start{0, 0}, total{9, 7};
+    auto c = TiledKVCache::copy_from(s, cache.view(0, len, start, total, 1), 0,
+                                     KVTileLayout::kInterleaved, 16);
+    ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+    for (int64_t b = 0; b < 2; ++b)
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t tok = 0; tok < len[static_cast<std::size_t>(b)]; ++tok) {
+          std::vector<uint8_t> kr(64), vr(64);
+          bf16_t ks{}, vs{};
+          c->read_token_raw(b, h, tok, kr.data(), vr.data(), &ks, &vs);
+          ASSERT_EQ(bf16_value(ks), cache.k_scale_data()[cache.scale_index(b, h, tok)]);
+          ASSERT_EQ(bf16_value(vs), cache.v_scale_data()[cache.scale_index(b, h, tok)]);
+        }
+    const float kept = cache.v_scale_data()[cache.scale_index(1, 1, 6)];
+    cache.v_scale_data()[cache.scale_index(1, 1, 6)] = std::nextafter(kept, 1.0f);
+    auto bad = TiledKVCache::copy_from(s, cache.view(0, len, start, total, 1));
+    ASSERT_FALSE(bad.is_ok());
+    EXPECT_EQ(bad.status().code(), Code::kInvalidArgument);
+    for (const char* words : {"batch row 1", "KV head 1", "token 6", "V scale", "not a bfloat16"})
+      EXPECT_NE(bad.status().message().find(words), std::string::npos) << bad.status().message();
+    // A slot past the row's length is no token of the view: not checked, not copied.
+    cache.v_scale_data()[cache.scale_index(1, 1, 6)] = kept;
+    cache.k_scale_data()[cache.scale_index(1, 0, 8)] = 0.1f;
+    EXPECT_TRUE(TiledKVCache::copy_from(s, cache.view(0, len, start, total, 1)).is_ok());
+    cache.k_scale_data()[cache.scale_index(0, 0, 8)] = 0.1f;
+    auto bad_k = TiledKVCache::copy_from(s, cache.view(0, len, start, total, 1));
+    ASSERT_FALSE(bad_k.is_ok());
+    EXPECT_NE(bad_k.status().message().find("K scale 0.1"), std::string::npos)
+        << bad_k.status().message();
+  }
 }
 
 // Growing the cache between decodes changes no bit of the result.
@@ -419,6 +515,67 @@ TEST(TiledKernel, ZeroQueryGivesMeanOfValuesBitForBit) {
     }
 }
 
+// The quantized form of the test above: int8 and fp8 tokens whose scale is a power of two that
+// changes from token to token and head to head (their largest magnitude is quant_max * 2^e,
+// the other codes small integers), so every product p * v_scale * code and every partial sum
+// is exact: the record is m = 0, l = the row's length and o = the sum of the dequantized V,
+// bit for bit on every target, tiling
+// and chunking, with row lengths that leave the last tile partly full. A V scale read at
+// another token's or head's offset would change the mean.
+TEST(TiledKernel, QuantizedZeroQueryGivesTheExactValueSumsBitForBit) {
+  for (DType t : {DType::kInt8, DType::kFP8}) {
+    const AttnShape shape{2, 6, 3, 64, 1};
+    const int64_t D = 64, N = 1024;
+    const std::vector<int64_t> len{N, 777}, start{0, 0}, total{N, 777};
+    KVCache cache(shape, t, N);
+    std::vector<float> k(64), v(64);
+    std::vector<double> sum(static_cast<std::size_t>(2 * 3 * D), 0.0);
+    for (int64_t b = 0; b < 2; ++b)
+      for (int64_t h = 0; h < 3; ++h)
+        for (int64_t tok = 0; tok < len[static_cast<std::size_t>(b)]; ++tok) {
+          const float sv = std::ldexp(1.0f, static_cast<int>((tok * 5 + h * 3 + b) % 4) - 2);
+          for (std::size_t d = 0; d < 64; ++d) {
+            k[d] = static_cast<float>((tok * 7 + static_cast<int64_t>(d)) % 11) - 5.0f;
+            v[d] =
+                (static_cast<float>((tok * 3 + static_cast<int64_t>(d) * 5 + b + h) % 17) - 8.0f) *
+                sv;
+          }
+          v[static_cast<std::size_t>((tok + h) % D)] = quant_max(t) * sv;  // scale = sv
+          for (std::size_t d = 0; d < 64; ++d)
+            sum[static_cast<std::size_t>((b * 3 + h) * D) + d] += v[d];
+          cache.set_token(b, h, tok, k.data(), v.data());
+          ASSERT_EQ(cache.v_scale_data()[cache.scale_index(b, h, tok)], sv);
+        }
+    std::vector<float> q(static_cast<std::size_t>(2 * 6 * D), 0.0f);
+    std::vector<float> st(static_cast<std::size_t>(2 * 6 * (D + 2)));
+    for (const TileConfig& tc : kTileConfigs) {
+      TiledKVCache c = tiled_copy(shape, cache.view(0, len, start, total, 1), tc);
+      for (Isa isa : testing::runnable_isas())
+        for (int64_t chunk : {64, 100, 4096}) {
+          DecodeOptions opt;
+          opt.isa = isa;
+          opt.chunk_tokens = chunk;
+          opt.threads = 2;
+          ASSERT_TRUE(
+              decode_partial_tiled(shape, q.data(), c.view(len, start, total), st.data(), opt)
+                  .is_ok());
+          for (int64_t b = 0; b < 2; ++b)
+            for (int64_t hq = 0; hq < 6; ++hq) {
+              const float* rec = st.data() + static_cast<std::size_t>((b * 6 + hq) * (D + 2));
+              const auto n = static_cast<double>(len[static_cast<std::size_t>(b)]);
+              ASSERT_EQ(rec[0], 0.0f);
+              ASSERT_EQ(rec[1], static_cast<float>(n));  // l = the token count, o = the sum
+              for (std::size_t d = 0; d < 64; ++d)
+                ASSERT_EQ(rec[2 + d], static_cast<float>(
+                                          sum[static_cast<std::size_t>((b * 3 + hq / 2) * D) + d]))
+                    << isa_name(isa) << " chunk " << chunk << " " << dtype_name(t) << " "
+                    << tile_name(tc) << " row " << b << " head " << hq << " d " << d;
+            }
+        }
+    }
+  }
+}
+
 TEST(TiledKernel, SameBitsForAnyThreadCount) {
   for (DType t : kTypes) {
     Problem p(AttnShape{2, 32, 8, 128, 1}, t, {5000, 4097}, 9);
@@ -481,7 +638,8 @@ TEST(TiledErrors, BadArgumentsAreNamed) {
   v.v = nullptr;
   EXPECT_FALSE(decode_partial_tiled(s, q.data(), v, st.data()).is_ok());
   v = c->view(len, start, total);
-  v.k_scale = st.data();
+  const std::vector<bf16_t> some_scales(64);
+  v.k_scale = some_scales.data();
   e = decode_partial_tiled(s, q.data(), v, st.data());
   EXPECT_NE(e.message().find("scales are only for quantized"), std::string::npos) << e.message();
   v = c->view(len, start, total);

@@ -352,7 +352,7 @@ struct BitsCase {
       page_len.push_back(static_cast<int32_t>(std::min(T, n - j * T)));
       for (int64_t slot = 0; slot < page_len.back(); ++slot)
         for (int64_t h = 0; h < shape.kv_heads; ++h) {
-          float ks = 0, vs = 0;
+          bf16_t ks{}, vs{};
           tiled.read_token_raw(0, h, j * T + slot, k.data(), v.data(), &ks, &vs);
           pool.set_token_raw(0, h, pages.back() * T + slot, k.data(), v.data(), ks, vs);
         }

@@ -249,8 +249,12 @@ Greedy engine_greedy(const model::LlamaModel& m, int ranks, DType kv, std::vecto
 // natural prompts: attention is exact over the stored values, so what differs is the values'
 // rounding. Printed: the largest logit error relative to the largest logit magnitude, over the
 // steps where both saw the same tokens; greedy tokens equal f16's until a step whose f16 top two
-// logits are a near tie (gap < 0.5, the rule of the int8 matmul tests), where a prompt's
-// comparison ends.
+// logits are a near tie, where a prompt's comparison ends: a gap below 0.5 (the rule of the
+// int8 matmul tests) or below twice that step's largest logit error, which can swap two logits
+// that close (fp8's reaches 1.4 on SmolLM2, and which near tie a given prompt parts at changes
+// with any change of the values' rounding: with float32 scales one fp8 prompt parted at a gap of
+// 0.12, with bfloat16 scales rounded up two at 0.007 and 0.55); the error bounds below are the
+// check of the rounding itself.
 TEST(EngineKVPages, Int8AndFp8PagesAgreeWithF16UpToNearTiesOnTheRealModel) {
   TREEATTN_REQUIRE_REAL_MODEL(path);
   auto m = model::LlamaModel::load(path);
@@ -284,11 +288,14 @@ TEST(EngineKVPages, Int8AndFp8PagesAgreeWithF16UpToNearTiesOnTheRealModel) {
           continue;
         }
         const auto top = model::top_two(ref.logits[t]);
-        std::printf("[ near tie  ] kv %s, \"%s\" step %zu: f16 %d, %s %d, f16's top-2 gap %.4f\n",
-                    std::string(dtype_name(kv)).c_str(), text, t, ref.tokens[t],
-                    std::string(dtype_name(kv)).c_str(), q.tokens[t],
-                    static_cast<double>(top.gap()));
-        EXPECT_LT(top.gap(), kNearTie) << dtype_name(kv) << " \"" << text << "\" step " << t;
+        std::printf(
+            "[ near tie  ] kv %s, \"%s\" step %zu: f16 %d, %s %d, f16's top-2 gap %.4f, "
+            "this step's largest logit error %.4f of %.4f\n",
+            std::string(dtype_name(kv)).c_str(), text, t, ref.tokens[t],
+            std::string(dtype_name(kv)).c_str(), q.tokens[t], static_cast<double>(top.gap()),
+            static_cast<double>(err), static_cast<double>(mag));
+        EXPECT_LT(top.gap(), std::max(kNearTie, 2 * err))
+            << dtype_name(kv) << " \"" << text << "\" step " << t;
         ++parted;
         break;
       }

@@ -596,6 +596,61 @@ def case_exact(ranks, copies=2, serve_extra=(), generate_extra=()):
         raise
 
 
+def case_window2():
+    """Gemma 3's sliding-window layers in window pages (serve's default) at 2 ranks against
+    `generate --engine --kv-window-pages 0` (every position kept): three prompts well past the
+    512-position window, sent at once; the same tokens, and the window pages in /v1/models and
+    /metrics, none in use after."""
+    n = 16
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    longs = [" ".join(words[(i * 7 + k * 5) % len(words)] + str(k % 89) for k in range(400 + 150 * i))
+             for i in range(3)]
+    s = Server(ranks=2)
+    try:
+        _, body, _ = request(s, "GET", "/v1/models")
+        meta = json.loads(body)["data"][0]["meta"]
+        check(meta["kv_window_pages_per_rank"] > 0, "window pages per rank: %d (full pages %d)" %
+              (meta["kv_window_pages_per_rank"], meta["kv_pages_per_rank"]), s)
+        c = s.client()
+        results = {}
+
+        def run(i):
+            try:
+                r = c.completions.create(model="any", prompt=longs[i], max_tokens=n,
+                                         temperature=0, extra_body={"return_token_ids": True})
+                results[i] = (r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"])
+            except Exception as e:  # noqa: BLE001
+                results[i] = e
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(longs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        m = s.metrics()
+        check(m["treeattn_kv_window_pages_total"] == meta["kv_window_pages_per_rank"],
+              "/metrics: %d window pages per rank" % m["treeattn_kv_window_pages_total"], s)
+        check(m['treeattn_kv_window_pages_used{rank="0"}'] == 0 and
+              m['treeattn_kv_window_pages_used{rank="1"}'] == 0, "no window page in use after", s)
+        check(m['treeattn_kv_layer_pages_total{layer="0"}'] == meta["kv_window_pages_per_rank"] and
+              m['treeattn_kv_layer_pages_total{layer="5"}'] == meta["kv_pages_per_rank"],
+              "layer 0 (local) in window pages, layer 5 (global) in full pages", s)
+        rc = s.stop()
+        check(rc == 0, "server exit %d" % rc, s)
+        for i, text in enumerate(longs):
+            got = results.get(i)
+            check(isinstance(got, tuple), "prompt %d answered (%s)" % (i, "ok" if isinstance(got, tuple) else got), s)
+            want_prompt, want = generate_tokens(2, text, n, False, ["--kv-window-pages", "0"])
+            check(got[0] == want_prompt and len(want_prompt) > 1024,
+                  "prompt %d: %d prompt tokens, as generate's" % (i, len(want_prompt)))
+            check(got[1] == want, "prompt %d: %d tokens over HTTP with window pages == generate "
+                  "--engine keeping every position" % (i, len(want)))
+    except BaseException:
+        s.dump()
+        s.stop(signal.SIGKILL)
+        raise
+
+
 def descendants(pid):
     kids = {}
     for p in os.listdir("/proc"):
@@ -1330,7 +1385,7 @@ CASES = {"api": case_api, "flags": case_flags, "faults": case_faults, "exact1": 
          "exact2int8": lambda: case_exact(2, serve_extra=["--matmul", "int8"],
                                           generate_extra=["--matmul", "int8", "--no-rows8"]),
          "sigterm2": case_sigterm2, "endpoints2": case_endpoints2, "sampling2": case_sampling2,
-         "structured2": case_structured2, "tools2": case_tools2,
+         "structured2": case_structured2, "tools2": case_tools2, "window2": case_window2,
          "rank_killed": case_rank_killed, "rank_stopped": case_rank_stopped,
          "mpirun_killed": case_mpirun_killed}
 

@@ -7,10 +7,10 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 bin=$1 case=$2
-# The model of the case: tools2 needs a template that takes tools (Qwen2.5-Coder-0.5B); the
-# others the default model.
+# The model of the case: tools2 needs a template that takes tools (Qwen2.5-Coder-0.5B), window2
+# sliding-window layers (Gemma-3-270M); the others the default model.
 name=""
-case "$case" in tools2) name=qwen2.5-coder-0.5b ;; esac
+case "$case" in tools2) name=qwen2.5-coder-0.5b ;; window2) name=gemma-3-270m ;; esac
 if ! model="$("$root/tools/model-path.sh" $name)"; then
   echo "SKIP: the model ${name:-(default)} is not here (tools/fetch-model.sh ${name} fetches it)"
   exit 77

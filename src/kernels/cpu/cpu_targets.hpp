@@ -65,7 +65,7 @@ struct ItemArgs {
 // KV head against the tiles of one chunk. Tile i of the chunk: K transposed in panels of
 // P = min(tile_tokens, 32) tokens, [tile_tokens / P][head_dim][P], at k + i * tile_stride,
 // V [tile_tokens][head_dim] at v + i * tile_stride, and for fp8/int8 the scales of its tokens
-// at k_scale + i * scale_tile_stride (v_scale alike).
+// at k_scale + i * scale_tile_stride (v_scale alike; bfloat16, widened exactly to float).
 struct TiledItemArgs {
   int head_dim = 0;
   DType dtype = DType::kF32;
@@ -73,9 +73,9 @@ struct TiledItemArgs {
   const char* k = nullptr;        // K^T of the chunk's first tile
   const char* v = nullptr;        // V of the chunk's first tile
   int64_t tile_stride = 0;        // bytes between tiles (K and V alike)
-  const float* k_scale = nullptr; // quantized dtypes: scales of the first tile's tokens
-  const float* v_scale = nullptr;
-  int64_t scale_tile_stride = 0;  // floats between the scales of consecutive tiles
+  const bf16_t* k_scale = nullptr;  // quantized dtypes: scales of the first tile's tokens
+  const bf16_t* v_scale = nullptr;
+  int64_t scale_tile_stride = 0;  // bf16_t elements between the scales of consecutive tiles
   int64_t tokens = 0;             // tokens any row of this item may see (>= 1)
   int rows = 0;                   // R = group * q_len; row r = query (r / group), head r % group
   const float* q = nullptr;       // R rows of head_dim floats, contiguous

@@ -95,8 +95,8 @@ void reference_tiled_item(const TiledItemArgs& a) {
     const auto* vt = reinterpret_cast<const uint8_t*>(a.v + tile * a.tile_stride);
     float ks = 1.0f, vs = 1.0f;
     if (a.k_scale != nullptr) {
-      ks = a.k_scale[tile * a.scale_tile_stride + lane];
-      vs = a.v_scale[tile * a.scale_tile_stride + lane];
+      ks = bf16_value(a.k_scale[tile * a.scale_tile_stride + lane]);
+      vs = bf16_value(a.v_scale[tile * a.scale_tile_stride + lane]);
     }
     for (int64_t d = 0; d < D; ++d) {
       kf[static_cast<std::size_t>(d)] = dequantize(

@@ -236,8 +236,8 @@ void run_prefill_block(const TiledItemArgs& a) {
     if constexpr (kQuant) {
       const int padded = (n + kUnitTokens - 1) / kUnitTokens * kUnitTokens;
       for (int j = 0; j < n; ++j) {
-        ksc[j] = a.k_scale[j] * a.scale;
-        vsc[j] = a.v_scale[j];
+        ksc[j] = bf16_value(a.k_scale[j]) * a.scale;
+        vsc[j] = bf16_value(a.v_scale[j]);
       }
       for (int t = n; t < padded; ++t) ksc[t] = vsc[t] = 0.0f;
     }

@@ -25,10 +25,11 @@
 // the requests spread evenly over both passes (see TiledPrefetch).
 //
 // Quantized K/V (fp8, int8): logits are (q . k_codes) * k_scale * scale and the value weight
-// of a token is p * v_scale (l sums p), scales read from the tiles, as in the row kernel.
+// of a token is p * v_scale (l sums p), scales read from the tiles (bfloat16, widened exactly
+// per block), as in the row kernel.
 //
 // Limits (per token and KV head, llama3-8b: group 4, D 128): bytes f32 1024, bf16/f16 512,
-// fp8/int8 256 + 8 of scales, over the read bandwidth; flops 2048 (4 rows x 128 x (q.k + p.v) x
+// fp8/int8 256 + 4 of scales, over the read bandwidth; flops 2048 (4 rows x 128 x (q.k + p.v) x
 // 2) = 64 512-bit FMAs, over the FMA peak. Memory-bound with a margin for f32 and bf16/f16;
 // fp8/int8 closer to the compute bound (fp8 widening is 7 instructions per 16 values).
 // From DRAM, compute and memory overlap only partly (time ~ memory + a fraction of compute, the
@@ -275,11 +276,11 @@ void run_tiled_item(const TiledItemArgs& a) {
     if constexpr (kQuant) {
       for (int t0 = 0; t0 < n; t0 += static_cast<int>(T)) {
         const int m = n - t0 < T ? n - t0 : static_cast<int>(T);
-        const float* kst = a.k_scale + (bt + t0 / T) * a.scale_tile_stride;
-        const float* vst = a.v_scale + (bt + t0 / T) * a.scale_tile_stride;
+        const bf16_t* kst = a.k_scale + (bt + t0 / T) * a.scale_tile_stride;
+        const bf16_t* vst = a.v_scale + (bt + t0 / T) * a.scale_tile_stride;
         for (int j = 0; j < m; ++j) {
-          ksc[t0 + j] = kst[j] * a.scale;
-          vsc[t0 + j] = vst[j];
+          ksc[t0 + j] = bf16_value(kst[j]) * a.scale;
+          vsc[t0 + j] = bf16_value(vst[j]);
         }
       }
       for (int t = n; t < padded; ++t) ksc[t] = vsc[t] = 0.0f;

@@ -30,7 +30,7 @@ namespace {
 using cpu::TiledItemArgs;
 using cpu::TiledItemFn;
 
-// Byte offset of tile i of (b, h) and float offset of its scales.
+// Byte offset of tile i of (b, h), and the offset of its scales in bf16_t elements.
 int64_t tile_offset(const TiledKVShard& kv, int64_t b, int64_t h, int64_t i) {
   return b * kv.batch_stride + h * kv.head_stride + i * kv.tile_stride;
 }
@@ -79,8 +79,8 @@ Status decode_tiled_reference(const AttnShape& shape, const float* q, const Tile
       const auto* vt = static_cast<const uint8_t*>(kv.v) + tile_offset(kv, b, kvh, tile);
       float ks = 1.0f, vs = 1.0f;
       if (kv.k_scale != nullptr) {
-        ks = kv.k_scale[scale_offset(kv, b, kvh, tile) + lane];
-        vs = kv.v_scale[scale_offset(kv, b, kvh, tile) + lane];
+        ks = bf16_value(kv.k_scale[scale_offset(kv, b, kvh, tile) + lane]);
+        vs = bf16_value(kv.v_scale[scale_offset(kv, b, kvh, tile) + lane]);
       }
       for (int64_t d = 0; d < D; ++d) {
         kf[static_cast<std::size_t>(d)] = dequantize(

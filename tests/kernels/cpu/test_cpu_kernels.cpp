@@ -593,7 +593,9 @@ TEST(QuantizedView, ScalePointersAreValidated) {
 }
 
 // Quantize-dequantize round trips: every fp8 and int8 code survives decode + encode, rounding
-// is to nearest even with saturation, and quantize_token's error is within half a code step.
+// is to nearest even with saturation, and quantize_token's error is within half a code step of
+// its scale: max|x| / quant_max rounded up to a bfloat16 value (quant_scale), so no code
+// saturates.
 TEST(Quantize, CodesRoundTrip) {
   for (int c = 0; c < 256; ++c) {
     const auto code = static_cast<uint8_t>(c);
@@ -639,7 +641,11 @@ TEST(Quantize, TokenRoundTripThroughKVCache) {
       const float vs = cache.v_scale_data()[cache.scale_index(0, 1, tok)];
       float amax = 0;
       for (float x : k) amax = std::max(amax, std::abs(x));
-      EXPECT_EQ(ks, amax / quant_max(t));
+      EXPECT_EQ(ks, quant_scale(amax, t));
+      EXPECT_TRUE(is_bf16_value(ks));
+      EXPECT_GE(ks, amax / quant_max(t));                           // rounded up ...
+      EXPECT_LT(ks, amax / quant_max(t) * (1 + 0x1p-7f));           // ... by less than a bf16 step
+      for (float x : k) EXPECT_LE(std::abs(x / ks), quant_max(t));  // no code saturates
       if (tok == 2) {
         EXPECT_EQ(vs, 0.0f);
       }
@@ -658,6 +664,36 @@ TEST(Quantize, TokenRoundTripThroughKVCache) {
       }
     }
   }
+}
+
+// The bound over magnitudes far apart (tiny to huge, a subnormal max included) and rows whose
+// largest element is exactly a code step from a bf16 boundary: int8 within scale / 2, fp8
+// within half an ulp of 3 mantissa bits (or half its subnormal step), the scale a bf16 value.
+TEST(Quantize, BoundHoldsForEveryMagnitude) {
+  std::mt19937_64 rng(23);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> x(64), back(64);
+  std::vector<uint8_t> codes(64);
+  for (DType t : {DType::kFP8, DType::kInt8})
+    for (int e = -140; e <= 110; e += 10)
+      for (int rep = 0; rep < 4; ++rep) {
+        for (float& v : x) v = std::ldexp(u(rng), e);
+        if (rep == 1) x[5] = std::ldexp(quant_max(t) * (1.0f + 0x1p-7f), e);  // on a boundary
+        if (rep == 2) x[9] = -std::ldexp(std::nextafter(1.0f, 2.0f), e);
+        const float s = quantize_token(codes.data(), t, 0, x.data(), x.size());
+        ASSERT_TRUE(is_bf16_value(s));
+        for (std::size_t d = 0; d < x.size(); ++d) {
+          back[d] = dequantize(codes.data(), t, d, s);
+          const double err = std::abs(static_cast<double>(back[d]) - x[d]);
+          const double bound = t == DType::kInt8
+                                   ? 0.5 * s * (1 + 0x1p-20)
+                                   : std::max(std::abs(x[d]) * 0x1p-4, 0x1p-10 * s) * (1 + 0x1p-20);
+          ASSERT_LE(err, bound + 0x1p-149) << dtype_name(t) << " e " << e << " d " << d;
+          if (s > 0) {
+            ASSERT_LE(std::abs(x[d] / s), quant_max(t));  // no code saturates
+          }
+        }
+      }
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, CpuTarget,
