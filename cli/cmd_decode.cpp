@@ -34,6 +34,7 @@
 #include "treeattn/kernel.hpp"
 #include "treeattn/launch.hpp"
 #include "treeattn/strategy.hpp"
+#include "tuning.hpp"
 
 namespace treeattn::cli {
 namespace {
@@ -68,6 +69,7 @@ struct DecodeFlags {
   bool deterministic = false;  // add tree-det (the same bits for any rank count) to the methods
   std::string device = "cpu";  // --device
   Device device_kind = Device::kCpu;
+  bool no_tune = false;        // --no-tune
 };
 
 // The layout run_interleaved will choose (choose_kv_layout, strategy.hpp): rows on a GPU, else
@@ -300,6 +302,7 @@ int run_job(const char* cmd, DecodeFlags& f, const std::vector<std::string>& met
 // The shell side: validate everything before any rank starts, then one mpirun per rank count.
 int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invocation& inv,
                 bool bench) {
+  apply_no_tune(f.no_tune);
   if (Status s = f.shape.resolve(sub); !s.is_ok()) return fail(cmd, s);
   // --device: what this build can run, before any rank starts (whether this machine has a GPU:
   // after the flags, below).
@@ -399,6 +402,16 @@ int run_command(const char* cmd, DecodeFlags& f, const CLI::App& sub, const Invo
 
   // Plain shell: every output path is checked before the first job starts.
   if (Status s = check_outputs(f); !s.is_ok()) return fail(cmd, s);
+  // The CPU kernels' tuning for what each job runs (its threads per rank), measured now while
+  // no rank runs; the ranks read it from the cache.
+  if (f.device_kind == Device::kCpu) {
+    std::vector<TuneKey> keys;
+    const AttnShape s = f.shape.shape();
+    for (int64_t p : ranks.value())
+      keys.push_back(TuneKey{*parse_dtype(f.shape.dtype), s.head_dim, s.group(),
+                             f.threads > 0 ? f.threads : default_threads(static_cast<int>(p))});
+    tune_at_start(cmd, keys);
+  }
   // One mpirun per rank count, results gathered here.
   std::vector<BenchResult> points;
   int worst = 0;
@@ -516,6 +529,7 @@ void add_common(CLI::App* sub, DecodeFlags& f, bool bench) {
                   "tools/gpu-check.sh)")
       ->capture_default_str();
   sub->add_flag("--no-check", f.no_check, "Skip the float64 oracle check (not recommended)");
+  add_no_tune_flag(*sub, f.no_tune);
   sub->add_flag("--deterministic", f.deterministic,
                 "Decode with tree-det: output and LSE the same bits whatever the rank count, "
                 "placement and threads (compared with tree, or with --methods)");

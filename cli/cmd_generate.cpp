@@ -31,6 +31,7 @@
 #include "engine/generation_report.hpp"
 #include "engine/layer_merge.hpp"
 #include "options.hpp"
+#include "tuning.hpp"
 #include "treeattn/comm_local.hpp"
 #include "treeattn/comm_mpi.hpp"
 #include "treeattn/engine.hpp"
@@ -73,6 +74,7 @@ struct GenFlags {
   bool no_rows8 = false;
   bool ignore_eos = false;
   bool quiet = false;
+  bool no_tune = false;  // --no-tune
   bool synthetic_kv = false;
   bool engine = false;         // --engine, or chosen by choose_path()
   bool session = false;        // --session
@@ -297,6 +299,13 @@ Result<std::string> preflight(GenFlags& f, const CLI::App& sub, bool check_outpu
                  "treeattn generate: note: %lld tokens is beyond the model's training context "
                  "(%lld); RoPE positions past it degrade the text (timing is unaffected)\n",
                  static_cast<long long>(n + f.new_tokens), static_cast<long long>(cfg.n_ctx_train));
+  // The CPU kernels' tuning for the model's attention on this launch's ranks.
+  if (check_outputs)
+    tune_at_start("generate",
+                  {TuneKey{*parse_dtype(f.kv_dtype), cfg.head_dim,
+                           cfg.n_head / std::max<int64_t>(1, cfg.n_head_kv),
+                           f.threads > 0 ? f.threads : default_threads(f.ranks)}},
+                  {f.threads > 0 ? f.threads : default_threads(f.ranks)});
   return path;
 }
 
@@ -443,6 +452,7 @@ int run_job(Communicator& comm, const GenFlags& f, const std::string& model_path
 }
 
 int generate_command(GenFlags& f, const CLI::App& sub, const Invocation& inv) {
+  apply_no_tune(f.no_tune);
   choose_path(f, sub);
   auto job = [&](Communicator& comm, const std::string& path) { return run_job(comm, f, path); };
   auto launch = [&](const std::string& path) {
@@ -495,8 +505,8 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
       ->capture_default_str();
   sub->add_option("--kv-layout", f->kv_layout,
                   "How ranks store the KV cache: auto (the layout this CPU reads faster for the "
-                  "model's attention shape, timed once and kept in ~/.cache/treeattn), rows or "
-                  "tiled")
+                  "model's attention shape, as the kernel tuning measured it: treeattn tune), rows "
+                  "or tiled")
       ->capture_default_str();
   sub->add_flag("--chat", f->chat,
                 "Render the prompt as a user message through the model's own chat template "
@@ -558,6 +568,7 @@ Runner add_generate_command(CLI::App& app, const Invocation& inv) {
       ->capture_default_str();
   sub->add_flag("--ignore-eos", f->ignore_eos, "Generate --new-tokens even past end of text");
   sub->add_flag("--quiet", f->quiet, "Do not print the text (report only)");
+  add_no_tune_flag(*sub, f->no_tune);
   sub->add_flag("--synthetic-kv", f->synthetic_kv,
                 "Benchmarks: fill the prompt's KV cache with seeded values instead of computing "
                 "the prefill (with --prompt-tokens; decode speed is real, the text is not)");

@@ -9,6 +9,7 @@
 
 #include "treeattn/executor_cuda.hpp"
 #include "treeattn/roofline.hpp"
+#include "tuning.hpp"
 
 namespace treeattn::cli {
 
@@ -43,6 +44,16 @@ int kernel_bench(const KernelBenchFlags& f) {
         c.seq = seq;
         o.cases.push_back(c);
       }
+  }
+  if (f.device == Device::kCpu) {
+    // The kernels' tuning for every case, dtype and thread count timed, measured first.
+    std::vector<TuneKey> keys;
+    const int cores = default_threads(1);
+    for (const RooflineCase& c : o.cases)
+      for (DType t : o.dtypes)
+        for (int threads : o.threads)
+          keys.push_back(TuneKey{t, c.shape.head_dim, c.shape.group(), threads > 0 ? threads : cores});
+    tune_at_start("bench --kernel", keys);
   }
   Result<std::vector<RooflineRecord>> r = std::vector<RooflineRecord>{};
   if (f.device == Device::kCuda) {

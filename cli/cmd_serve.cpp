@@ -35,6 +35,7 @@
 #include "engine/exchange.hpp"
 #include "engine/layer_merge.hpp"
 #include "options.hpp"
+#include "tuning.hpp"
 #include "serve/serve_job.hpp"
 #include "treeattn/comm_local.hpp"
 #include "treeattn/comm_mpi.hpp"
@@ -81,6 +82,7 @@ struct ServeFlags {
   double request_timeout = 0;
   bool no_prefix_cache = false;
   bool no_rows8 = false;
+  bool no_tune = false;  // --no-tune
   std::vector<std::string> served_model_names;
   std::vector<std::string> cors_origins;
 };
@@ -153,6 +155,13 @@ Result<std::string> preflight(ServeFlags& f) {
   if (!m.is_ok()) return m.status();
   auto tok = Tokenizer::from_gguf((*m)->file());
   if (!tok.is_ok()) return tok.status();
+  // The CPU kernels' tuning for the model's attention on this launch's ranks.
+  const auto& cfg = (*m)->config();
+  const int threads = f.threads > 0 ? f.threads : default_threads(f.ranks);
+  tune_at_start("serve",
+                {TuneKey{*parse_dtype(f.kv_dtype), cfg.head_dim,
+                         cfg.n_head / std::max<int64_t>(1, cfg.n_head_kv), threads}},
+                {threads});
   return path;
 }
 
@@ -308,6 +317,7 @@ Result<int> run_job(const launch::LaunchOptions& lo, const std::vector<std::stri
 }
 
 int serve_command(ServeFlags& f, const CLI::App& sub, const Invocation& inv) {
+  apply_no_tune(f.no_tune);
   // First: a stop signal during start-up is kept for the signal thread, not fatal.
   serve::catch_stop_signals();
   if (f.api_key.empty())
@@ -422,6 +432,7 @@ Runner add_serve_command(CLI::App& app, const Invocation& inv) {
   sub->add_option("--context", f->context,
                   "Tokens per sequence, prompt + generated (0: the model's training context)")
       ->capture_default_str();
+  add_no_tune_flag(*sub, f->no_tune);
   sub->add_flag("--no-prefix-cache", f->no_prefix_cache,
                 "Do not reuse the KV pages of earlier prompts");
   add_rows8_flag(*sub, f->no_rows8);

@@ -29,5 +29,7 @@ Runner add_plan_command(CLI::App& app, const Invocation& inv);
 Runner add_generate_command(CLI::App& app, const Invocation& inv);
 // The OpenAI-compatible HTTP server over the serving engine (cmd_serve.cpp).
 Runner add_serve_command(CLI::App& app, const Invocation& inv);
+// The kernel tuning of this CPU (cmd_tune.cpp).
+Runner add_tune_command(CLI::App& app, const Invocation& inv);
 
 }  // namespace treeattn::cli

@@ -9,6 +9,7 @@
 //                     and predicted vs measured (--validate)
 //   treeattn generate text generation with a GGUF model over a sharded KV cache
 //   treeattn serve    an OpenAI-compatible HTTP server over the serving engine
+//   treeattn tune     calibrate the CPU kernels' bit-neutral choices on this CPU and cache them
 //
 // Every subcommand reports its errors as one line and exit code 2; an exception that escapes
 // one (std::bad_alloc for a shape that passed the memory pre-check, a filesystem error) is
@@ -78,6 +79,7 @@ int main(int argc, char** argv) {
   Runner bench = add_bench_command(app, inv);
   Runner topo = add_topo_command(app, inv);
   Runner plan = add_plan_command(app, inv);
+  Runner tune = add_tune_command(app, inv);
 #ifndef TREEATTN_CLI_NO_MODEL_COMMANDS
   Runner generate = add_generate_command(app, inv);
   Runner serve = add_serve_command(app, inv);
@@ -103,6 +105,7 @@ int main(int argc, char** argv) {
     else if (name == "plan") rc = plan();
     else if (name == "generate") rc = generate();
     else if (name == "serve") rc = serve();
+    else if (name == "tune") rc = tune();
     else std::fprintf(stderr, "treeattn: unknown subcommand %s\n", name.c_str());
   } catch (const std::bad_alloc&) {
     rc = report_exception(name, "out of memory (an allocation failed: a smaller --seq, --batch, "

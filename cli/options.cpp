@@ -336,9 +336,9 @@ void ShapeFlags::add_to(CLI::App& app, bool lists) {
   app.add_option("--kv-layout", kv_layout,
                  "How each rank stores its KV shard: tiled (64-token tiles, K transposed), rows "
                  "([batch][kv_heads][tokens][head_dim]), or auto = the one this CPU reads faster "
-                 "for this shape, dtype and thread count, timed once and kept in "
-                 "~/.cache/treeattn/kv-layout.tsv (rank 0's choice; rows on a GPU); one layout for "
-                 "all methods of a run")
+                 "for this dtype, head dim, group and thread count, as the kernel tuning measured "
+                 "it (treeattn tune; rank 0's choice; rows on a GPU); one layout for all methods "
+                 "of a run")
       ->capture_default_str();
   app.add_option("--seed", seed, "Seed of the generated query and cache")->capture_default_str();
 }

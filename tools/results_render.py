@@ -156,16 +156,20 @@ def section_main(work):
 def section_kernel(work):
     j = load(work, "kernel.json")
     s = ("## Kernel roofline\n\n`treeattn bench --kernel`: kernel GB/s over the read-bandwidth "
-         "probe of the same round (`frac`, median over rounds), and over the tighter of the "
-         "bandwidth and FMA bounds (`of bound`).\n\n")
+         "probe of the same round (`frac`, median over rounds); the fastest round over the "
+         "fastest probe pass of the thread count in the run (`f_best`), with that probe's "
+         "spread over the run; and over the tighter of the bandwidth and FMA bounds "
+         "(`of bound`). The CPU kernels run with this machine's kernel tuning.\n\n")
     if not j:
         return s + not_run(work, "kernel")
-    s += ("| case | dtype | ISA | layout | threads | GB/s | probe GB/s | frac | bound | of bound | "
-          "rel err |\n|---|---|---|---|---:|---:|---:|---:|---|---:|---|\n")
+    s += ("| case | dtype | ISA | layout | threads | GB/s | probe GB/s | frac | f_best | probe "
+          "spread | bound | of bound | rel err |\n"
+          "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|\n")
     for r in j:
-        s += "| %s | %s | %s | %s | %d | %.1f | %.1f | %.2f | %s | %.2f | %s |\n" % (
+        s += "| %s | %s | %s | %s | %d | %.1f | %.1f | %.2f | %.2f | %.0f%% | %s | %.2f | %s |\n" % (
             r["shape"], r["dtype"], r["isa"], r["layout"], r["threads"], r["gbps"],
-            r["bandwidth_gbps"], r["fraction_of_bandwidth"], r["bound"], r["fraction_of_bound"],
+            r["bandwidth_gbps"], r["fraction_of_bandwidth"], r["fraction_best"],
+            100 * r.get("probe_spread", 0), r["bound"], r["fraction_of_bound"],
             "%.1e" % r["max_rel_error"] if r.get("max_rel_error") is not None else "-")
     return s
 

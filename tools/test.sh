@@ -25,10 +25,11 @@ tools/build.sh
 # The model tests compare logits with an independent float64 reference that needs numpy and the
 # gguf package: give them a virtual environment with both (they skip, saying why, without one).
 if ref_py="$(tools/ref-venv.sh)"; then export TREEATTN_PYTHON="$ref_py"; fi
-# `--kv-layout auto` times both KV layouts once per workload (host_kv_layout, strategy.hpp); the
-# suite keeps the rule by ISA instead, as the ctest presets do, so that its many shapes are not
-# each timed. The tests of the measurement turn it on themselves.
-export TREEATTN_KV_LAYOUT_MEASURE="${TREEATTN_KV_LAYOUT_MEASURE:-0}"
+# The suite runs the CPU kernels with their compiled-in choices, not this machine's tuning cache
+# (tuning.hpp), and never calibrates or writes it: tests/tuning_defaults.cmake sets
+# TREEATTN_TUNE=0 for ctest, as the presets do. The tests of the tuning turn it on themselves in
+# a scratch cache directory.
+export TREEATTN_TUNE="${TREEATTN_TUNE:-0}"
 if [ "$mode" = "--all" ]; then
   ctest --test-dir build/release --output-on-failure --timeout 900 -j1
   tools/fuzz.sh --ci

@@ -212,22 +212,4 @@ float tiled_element(const TiledKVShard& kv, int64_t head_dim, bool value, int64_
 Status decode_partial_tiled(const AttnShape& shape, const float* q, const TiledKVShard& kv,
                             float* states, const DecodeOptions& options = {});
 
-// Which layout this CPU reads faster for one workload, timed: the same tokens in the caller's
-// rows (decode_partial) and in the default tiles (decode_partial_tiled), `bytes` of K and V per
-// layout (0: twice the last-level cache, at least 64 MiB and at most 512 MiB, so that both read
-// from memory, as a long context does), one batch row of shape's heads, KV heads, head_dim and
-// q_len (shape.batch is ignored), options' ISA and threads. One warm-up call per layout, then
-// `rounds` rounds that call both in turn; the fastest call of each. Takes about 10 kernel calls
-// over `bytes` plus filling them (~0.2 s for 64 MiB at 10 GB/s) and 2 x bytes of memory while it
-// runs. Errors: an invalid shape or dtype, rounds < 1, memory that cannot be allocated.
-struct KVLayoutTiming {
-  double rows_seconds = 0;   // fastest decode_partial call
-  double tiled_seconds = 0;  // fastest decode_partial_tiled call
-  int64_t tokens = 0;        // tokens per KV head timed
-  std::size_t bytes = 0;     // K and V bytes per layout
-};
-Result<KVLayoutTiming> time_kv_layouts(const AttnShape& shape, DType dtype,
-                                       const DecodeOptions& options, std::size_t bytes = 0,
-                                       int rounds = 3);
-
 }  // namespace treeattn

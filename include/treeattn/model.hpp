@@ -56,6 +56,7 @@
 #include "treeattn/kernel.hpp"
 #include "treeattn/status.hpp"
 #include "treeattn/tokenizer.hpp"
+#include "treeattn/tuning.hpp"
 
 namespace treeattn::model {
 
@@ -165,6 +166,33 @@ std::string_view matmul_int8_target(const MatvecOptions& options);
 // "ISA MODE" with the integer target where the mode uses one, for start lines and reports:
 // "avx512 int8 (avx512vnni)", "avx2 int8-ffn (avxvnni)", "avx512 exact".
 std::string matmul_description(const MatvecOptions& options);
+
+// The kernel tuning of matmul (tuning.hpp, MatmulTuneEntry): the token tile of calls on 8-bit
+// activations of K-quant weights, in bytes of activation codes. The candidates a calibration
+// times (the compiled-in 512 KiB among them); every one gives the same bits.
+std::vector<int64_t> matmul_tile_candidates();
+struct MatmulTuneOptions {
+  int threads = 1;
+  double seconds = 0.4;  // measuring time after the set-up (rounds continue until it)
+  int min_rounds = 3;
+  int max_rounds = 12;
+  double margin = 0.03;  // a candidate replaces the default only when its median ratio to the
+                         // default over the rounds beats 1 by more than this
+  int64_t tokens = 512;  // tokens per call (a prefill chunk)
+  int64_t rows = 4096, cols = 1536;  // the Q4_K matrix timed (cols a multiple of 256)
+};
+struct MatmulTuneResult {
+  MatmulTuneEntry entry;
+  std::vector<TuneCandidate> candidates;  // knob "matmul_tile", value the bytes; gbps: GOPS
+  int rounds = 0;
+  double seconds = 0;
+};
+// Times matmul in MatmulMode::kInt8 on a random Q4_K matrix with each candidate tile, the
+// candidates alternating inside one run (rounds in a rotating order), on this CPU's best target;
+// a candidate is compared with the default round by round (TuneCandidate::vs_default), its
+// figure its fastest round. Stores nothing. While it runs no other matmul may
+// run in the process.
+Result<MatmulTuneResult> calibrate_matmul(const MatmulTuneOptions& options);
 
 // What differs between the decoder architectures this forward pass runs (general.architecture),
 // declared once per architecture in src/model/architecture.cpp; the forward pass above is

@@ -12,9 +12,11 @@
 // the caller's [batch][kv_heads][tokens][head_dim] read by decode_partial(), and "tiled", the
 // library-owned tile layout of kv_tiles.hpp read by decode_partial_tiled() (one record per
 // tile configuration asked for). Within a case the timed runs of every layout alternate, and
-// with probe_each_repeat the bandwidth probe runs before each round, so the machine's load
-// drifts equally over all of them; fraction_of_bandwidth is then the median over rounds of
-// (kernel GB/s / probe GB/s of that round), bandwidth_gbps the median probe.
+// with probe_each_repeat the bandwidth probe runs before each round (the faster of two passes),
+// so the machine's load drifts equally over all of them; fraction_of_bandwidth is then the
+// median over rounds of (kernel GB/s / probe GB/s of that round), bandwidth_gbps the median
+// probe; fraction_best the fastest kernel round over the fastest probe pass of the thread count
+// in the run, with the probe's spread beside it.
 //
 //   bandwidth:  streaming read of a buffer much larger than the caches (default 1 GiB),
 //               every thread reading its own contiguous part, median of repeats.
@@ -83,12 +85,16 @@ struct RooflineRecord {
   double gbps = 0;              // kv_bytes / seconds / 1e9
   double bandwidth_gbps = 0;    // measured by the probe with the same threads (median)
   double fraction_of_bandwidth = 0;  // median over rounds of gbps / probe (see above)
-  // Best of the rounds: fastest kernel run over the fastest probe run. On a machine shared with
+  // Best of the rounds: the fastest kernel run over the fastest probe pass of this thread count
+  // in the whole run (every case's rounds), so that the probe figure a fraction divides by is
+  // the same for every case of the run, whichever other cases share it. On a machine shared with
   // other work the medians carry the interference; the best rounds show what the kernel does
-  // when it has the cores and the memory to itself.
+  // when it has the cores and the memory to itself. probe_spread: (fastest - slowest) / fastest
+  // over those probe passes, how steady the probe was.
   double gbps_best = 0;
   double bandwidth_gbps_best = 0;
   double fraction_best = 0;
+  double probe_spread = 0;
   double flops = 0;
   double peak_gflops = 0;       // measured FMA peak with the same threads and ISA
   double compute_seconds = 0;   // flops / peak

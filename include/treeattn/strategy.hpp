@@ -179,11 +179,11 @@ class StrategyRegistry {
 // what `--deterministic` runs.
 std::string_view deterministic_strategy();
 
-// The KV layout the host decode kernel of target `isa` reads fastest for llama3-8b's shape (what
-// kAuto picks on host memory without a workload, and with TREEATTN_KV_LAYOUT_MEASURE=0): kTiled
+// The KV layout the host decode kernel of target `isa` reads fastest for llama3-8b's shape on the
+// CPUs measured (what kAuto picks on host memory without a workload or a tuned entry): kTiled
 // for kAvx512, kGeneric and kReference, kRows for kAvx2; kAuto means best_isa(). The
-// measurements behind it are written at its definition (src/strategies/registry.cpp); they say
-// the faster layout also depends on the shape, hence host_kv_layout(workload) below.
+// measurements behind it are written at its definition (src/strategies/registry.cpp); the
+// faster layout also depends on the CPU and the shape, hence host_kv_layout(workload) below.
 KVLayout host_kv_layout(Isa isa = Isa::kAuto);
 
 // The KV layout a run of `strategies` (one shared placement) uses: `requested`, or for kAuto
@@ -204,24 +204,16 @@ struct KVLayoutWorkload {
 };
 struct HostKVLayout {
   KVLayout layout = KVLayout::kRows;
-  std::string how;  // "measured: ...", "measured before (FILE): ...", "by the CPU's kernel target ..."
+  std::string how;  // "tuned on this CPU for bf16 D128 G4 T1", "by the CPU's kernel target (...)"
 };
-// The layout the host kernel reads faster for this workload, measured (time_kv_layouts,
-// kv_tiles.hpp: rows against tiles from memory, the faster wins) once per CPU model, ISA,
-// heads, KV heads, head_dim, q_len, dtype and thread count, and kept: in this process, and
-// appended to the file kv-layout.tsv in $TREEATTN_CACHE_DIR, else $XDG_CACHE_HOME/treeattn, else
-// $HOME/.cache/treeattn (the last line for a key wins; an unwritable directory only means the
-// next process measures again). The faster layout depends on the shape, not only on the CPU:
-// src/strategies/registry.cpp has the measurements. TREEATTN_KV_LAYOUT_MEASURE=0 turns the
-// measurement off (host_kv_layout(isa), the rule by kernel target; the test presets do, so that
-// the suite does not time kernels); a measurement that fails (memory, an unsupported head_dim)
-// falls back to that rule, saying so, and is not tried again in the process. The session and the
-// driver ask it on rank 0 only and broadcast the answer.
+// The layout the host kernel reads faster for this workload: the one the kernel tuning measured
+// on this CPU (tuning.hpp: the entry of the workload's dtype and head_dim nearest in group and
+// threads, ISA and threads resolved: kAuto is best_isa(), 0 threads what OpenMP offers), else
+// host_kv_layout(isa), the rule by kernel target (no tuning cache, TREEATTN_TUNE=0, or no entry
+// for the dtype and head_dim), saying why. Reads the cache; never measures. The session and
+// the driver ask it on rank 0 only and broadcast the answer, so ranks whose caches differ store
+// one layout.
 HostKVLayout host_kv_layout(const KVLayoutWorkload& workload);
-// The key of a workload's line in kv-layout.tsv: "v1|CPU model|ISA|Hh|Hkvk|Dd|Qq|dtype|Tt" (the ISA
-// and threads resolved: kAuto is best_isa(), 0 threads what OpenMP offers). A line is
-// KEY \t rows|tiled \t rows ms \t tiled ms \t tokens timed.
-std::string kv_layout_cache_key(const KVLayoutWorkload& workload);
 // choose_kv_layout for one workload: kAuto on host memory is host_kv_layout(workload).
 Result<KVLayout> choose_kv_layout(KVLayout requested, MemorySpace memory,
                                   std::span<const std::string> strategies,

@@ -15,14 +15,17 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <iterator>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "model/matmul_tuning.hpp"
 #include "model/matvec_targets.hpp"
 #include "treeattn/model.hpp"
+#include "treeattn/tuning.hpp"
 
 namespace treeattn::model {
 namespace {
@@ -35,27 +38,30 @@ static_assert(kTokenTile % 8 == 0, "a tile starts at a group of 8 tokens (RowsAr
 
 // The tokens of a tile. A call whose matrices are all K types on the integer path: as many
 // multiples of kTokenTile as keep the tile's 8-bit activation codes (which every row block of a
-// chunk reads again) within kTileBytes (ActBlockK8's scales and sums add ~20%: ~600 KiB at 336
+// chunk reads again) within tile_bytes (ActBlockK8's scales and sums add ~20%: ~600 KiB at 336
 // tokens x 1536 columns), so that each row's per-tile work (decoding its super-blocks into the
-// scratch, the weights' trip from memory) is spread over more tokens. 512 KiB is half of Zen 4's
-// L2 per core. On the Zen 4 VM (AVX-512 VNNI, 1 thread) it ran BM_Matmul's 512-token Q4_K / Q6_K
-// 8960 x 1536 calls ~5% / ~10% faster than 48 tokens, and Qwen2.5-1.5B's 512-token prefill's
-// matrices in 5.78-5.92 s against 6.07-7.51 s (three pairs, alternated). Every other call:
+// scratch, the weights' trip from memory) is spread over more tokens. The compiled-in 512 KiB
+// (detail::kTileBytes) is half of Zen 4's L2 per core; on the Zen 4 VM (AVX-512 VNNI, 1 thread)
+// it ran BM_Matmul's 512-token Q4_K / Q6_K 8960 x 1536 calls ~5% / ~10% faster than 48 tokens,
+// and Qwen2.5-1.5B's 512-token prefill's matrices in 5.78-5.92 s against 6.07-7.51 s (three
+// pairs, alternated). The best size follows the core's L2, so the kernel tuning measures it on
+// each CPU (tuning.hpp, matmul_tuning.cpp); the tile changes no bit. Every other call:
 // kTokenTile. The 32-value types decode cheaply; with 768-token tiles Gemma-3's gate / up (2048 x
 // 640 Q5_0, 512 tokens) was no faster in BM_Matmul (7.6-8.7 ms against 6.9-8.5 ms, noisy), its
 // activations read from L2 instead of L1. (The shipped files never mix the two kinds in one call.)
-constexpr int64_t kTileBytes = 512 * 1024;
 // On the AVX-512 VNNI target a K-type pass takes 32 tokens (4 groups on wide lanes, groupk), and
 // a tile of 48 leaves a pass of 16 at half the rate (its 4 chains of vpdpbusd wait on latency):
 // at 8960 columns (a down projection) that was a third of the work, and the 16-token passes
 // 9% of Qwen2.5-1.5B's 512-token prefill (perf, Zen 5). There the tile is a multiple of 32
 // tokens, at least 64 (64 x 8960 is 560 KiB of codes, inside Zen 4's and Zen 5's 1 MiB L2).
 constexpr int64_t kWidePass = 32;
-int64_t token_tile(int64_t cols, bool k_types_only, bool wide) {
+int64_t token_tile(int64_t cols, bool k_types_only, bool wide, int64_t tile_bytes) {
   if (!k_types_only) return kTokenTile;
-  if (wide) return std::max<int64_t>(2, kTileBytes / cols / kWidePass) * kWidePass;
-  return std::max<int64_t>(1, kTileBytes / cols / kTokenTile) * kTokenTile;
+  if (wide) return std::max<int64_t>(2, tile_bytes / cols / kWidePass) * kWidePass;
+  return std::max<int64_t>(1, tile_bytes / cols / kTokenTile) * kTokenTile;
 }
+
+std::atomic<int64_t> g_forced_tile_bytes{0};
 
 // The calling thread's buffers of matmul's 8-bit activations (grown, never shrunk), and each
 // OpenMP thread's decoded rows: per thread, so that concurrent callers (in-process ranks) never
@@ -276,6 +282,19 @@ std::string_view matmul_int8_target(const MatvecOptions& options) {
   return fn == detail::rows_int8_generic ? "generic" : "?";
 }
 
+namespace detail {
+int64_t matmul_tile_bytes(int threads, bool tuned_target) {
+  if (const int64_t f = g_forced_tile_bytes.load(std::memory_order_acquire); f > 0) return f;
+  if (tuned_target)
+    if (const int64_t t = tuned_matmul_tile_bytes(threads, kernel_tuning().isa); t > 0) return t;
+  return kTileBytes;
+}
+
+void force_matmul_tile_bytes(int64_t bytes) {
+  g_forced_tile_bytes.store(bytes > 0 ? bytes : 0, std::memory_order_release);
+}
+}  // namespace detail
+
 std::string matmul_description(const MatvecOptions& options) {
   std::string s = std::string(isa_name(matmul_isa(options))) + " " +
                   std::string(matmul_mode_name(options.mode));
@@ -348,7 +367,12 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
 #else
   const bool wide = false;
 #endif
-  const int64_t tile = token_tile(cols, k_types_only, wide);
+  const int64_t tile =
+      token_tile(cols, k_types_only, wide,
+                 k_types_only ? detail::matmul_tile_bytes(
+                                    options.threads > 0 ? options.threads : omp_get_max_threads(),
+                                    isa == kernel_tuning().isa)
+                              : detail::kTileBytes);
   // Quantized types have cols % 32 == 0, K types cols % 256 == 0 (check_matrix), so the blocks
   // cover every column.
   const int64_t xq_stride = cols / 32, xk_stride = cols / 256;

@@ -148,10 +148,10 @@ Result<const StrategyInfo*> known_info(std::string_view name, const char* who) {
 // AVX-512 and the generic target, rows on AVX2. Measured by `treeattn bench --kernel
 // --kernel-cases --dtype f32,bf16,f16 --repeats 7 --no-peer` (or bench/treeattn_roofline with
 // the same flags: rows and tiled interleaved in each round, fractions of the streaming probe).
-// The faster layout also depends on the shape (SmolLM2's reads faster tiled on AVX2 too), so
-// kAuto with a workload measures both for that workload (host_kv_layout(workload),
-// layout_choice.cpp); this rule is what remains without one, and with
-// TREEATTN_KV_LAYOUT_MEASURE=0.
+// The faster layout also depends on the CPU and the shape (SmolLM2's reads faster tiled on AVX2
+// too), so kAuto with a workload takes the layout the kernel tuning measured on this CPU
+// (host_kv_layout(workload), layout_choice.cpp, tuning.hpp); this rule is what remains without
+// a tuned entry, and with TREEATTN_TUNE=0.
 //   generic: not measured; the tiled layout, as before.
 KVLayout host_kv_layout(Isa isa) {
   if (isa == Isa::kAuto) isa = best_isa();

@@ -21,7 +21,7 @@ import time
 
 FENCE = re.compile(r"^```\s*([A-Za-z0-9_+-]*)\s*$")
 MARK = re.compile(r"^<!--\s*(illustrative|docs-test)\s*:?\s*(.*?)\s*-->\s*$")
-SUBS = ("run", "bench", "verify", "generate", "serve", "plan", "topo")
+SUBS = ("run", "bench", "verify", "generate", "serve", "plan", "topo", "tune")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 
@@ -153,7 +153,7 @@ def main():
 
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1",
-               TREEATTN_KV_LAYOUT_MEASURE="0", TREEATTN_BUILD=build)
+               TREEATTN_TUNE="0", TREEATTN_BUILD=build)
     files = doc_files(src)
     if a.only:
         files = [os.path.join(src, a.only)]

@@ -657,36 +657,3 @@ TEST(TiledErrors, BadArgumentsAreNamed) {
 
 }  // namespace
 }  // namespace treeattn
-
-namespace treeattn {
-namespace {
-
-// time_kv_layouts: both layouts timed on the bytes asked for (whole tiles, at least 16), every
-// dtype; bad arguments are errors.
-TEST(KVLayoutTiming, TimesBothLayoutsOfTheSameTokens) {
-  DecodeOptions o;
-  o.threads = 1;
-  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16, DType::kFP8, DType::kInt8}) {
-    const AttnShape shape{3, 4, 2, 64, 1};  // the batch is ignored
-    const std::size_t per_token =
-        2 * (2 * 64 * dtype_size(dt) + (dtype_is_quantized(dt) ? 2 * sizeof(float) : 0));
-    auto t = time_kv_layouts(shape, dt, o, std::size_t{4} << 20, 2);
-    ASSERT_TRUE(t.is_ok()) << dtype_name(dt) << ": " << t.status().message();
-    EXPECT_GT(t->rows_seconds, 0.0);
-    EXPECT_GT(t->tiled_seconds, 0.0);
-    EXPECT_LT(t->rows_seconds, 10.0);
-    EXPECT_EQ(t->tokens % kKVTileTokens, 0);
-    EXPECT_EQ(t->tokens, static_cast<int64_t>((std::size_t{4} << 20) / per_token) /
-                             kKVTileTokens * kKVTileTokens)
-        << dtype_name(dt);
-    EXPECT_EQ(t->bytes, static_cast<std::size_t>(t->tokens) * per_token);
-  }
-  auto tiny = time_kv_layouts(AttnShape{1, 1, 1, 64, 1}, DType::kF32, o, 1024, 1);
-  ASSERT_TRUE(tiny.is_ok()) << tiny.status().message();
-  EXPECT_EQ(tiny->tokens, 16 * kKVTileTokens);
-  EXPECT_FALSE(time_kv_layouts(AttnShape{1, 4, 3, 64, 1}, DType::kF32, o, 1 << 20).is_ok());
-  EXPECT_FALSE(time_kv_layouts(AttnShape{1, 4, 2, 64, 1}, DType::kF32, o, 1 << 20, 0).is_ok());
-}
-
-}  // namespace
-}  // namespace treeattn

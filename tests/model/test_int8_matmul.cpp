@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "model/generate_harness.hpp"
+#include "model/matmul_tuning.hpp"
 #include "model/matvec_targets.hpp"
 #include "model/model_path.hpp"
 #include "model/tiny_llama.hpp"
@@ -500,6 +501,69 @@ TEST(Int8Matmul, BitsDoNotDependOnBatchingThreadsRowsOrTheOtherMatrices) {
         }
       }
     }
+}
+
+// The token tile of K-quant calls (the kernel tuning's matmul choice, tuning.hpp): every
+// candidate tile gives the compiled-in tile's bits, on every integer target this CPU runs, for
+// 1 and 3 threads, with a last tile part full.
+TEST(Int8Matmul, EveryTuningTileGivesTheSameBits) {
+  std::mt19937_64 rng(31);
+  std::normal_distribution<float> nd;
+  const int64_t cols = 1536, rows = 40, tokens = 333;
+  std::vector<float> x(static_cast<std::size_t>(tokens * cols));
+  for (auto& v : x) v = nd(rng);
+  for (const uint32_t type : {id(TensorType::kQ4_K), id(TensorType::kQ6_K)}) {
+    std::vector<uint8_t> store;
+    const WeightMatrix a = make_matrix(type, rows, cols, store, rng);
+    const WeightMatrix* mats[] = {&a};
+    for (const Target& tg : targets_here()) {
+      SCOPED_TRACE(gguf::tensor_type_name(type) + " " + target_name(tg));
+      std::vector<float> want(static_cast<std::size_t>(tokens * rows));
+      model::detail::force_matmul_tile_bytes(model::detail::kTileBytes);
+      float* wy[] = {want.data()};
+      ASSERT_TRUE(model::matmul(mats, x.data(), tokens, cols, wy, int8_options(1, tg)).is_ok());
+      const std::vector<int64_t> tiles = model::matmul_tile_candidates();
+      EXPECT_NE(std::find(tiles.begin(), tiles.end(), model::detail::kTileBytes), tiles.end());
+      for (const int64_t tile : tiles)
+        for (const int threads : {1, 3}) {
+          model::detail::force_matmul_tile_bytes(tile);
+          std::vector<float> got(want.size());
+          float* ys[] = {got.data()};
+          ASSERT_TRUE(model::matmul(mats, x.data(), tokens, cols, ys, int8_options(threads, tg)).is_ok());
+          EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * 4))
+              << "tile " << tile << " bytes, threads " << threads;
+        }
+      model::detail::force_matmul_tile_bytes(0);
+    }
+  }
+}
+
+// A short matmul calibration: one tile chosen among the candidates, rates measured.
+TEST(Int8Matmul, CalibrationPicksAmongItsTiles) {
+  model::MatmulTuneOptions o;
+  o.threads = 1;
+  o.rows = 64;
+  o.tokens = 200;
+  o.seconds = 0.01;
+  o.min_rounds = 2;
+  auto r = model::calibrate_matmul(o);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_GE(r->rounds, 2);
+  EXPECT_EQ(r->entry.threads, 1);
+  EXPECT_GT(r->entry.gops, 0);
+  int chosen = 0, defaults = 0;
+  for (const TuneCandidate& c : r->candidates) {
+    chosen += c.chosen;
+    defaults += c.is_default;
+    EXPECT_GT(c.gbps, 0);
+    if (c.chosen) {
+      EXPECT_EQ(c.value, std::to_string(r->entry.tile_bytes));
+    }
+  }
+  EXPECT_EQ(chosen, 1);
+  EXPECT_EQ(defaults, 1);
+  o.cols = 1000;
+  EXPECT_EQ(model::calibrate_matmul(o).status().code(), Code::kInvalidArgument);
 }
 
 // Every code at its largest (Q8_0: -128, the largest |code|) against activations all +-127

@@ -1,5 +1,5 @@
-// `auto` KV layout across ranks (host_kv_layout, strategy.hpp): each rank's cache file says
-// something else, and every rank must still store rank 0's choice, in a DecodeSession and in the
+// `auto` KV layout across ranks (host_kv_layout, strategy.hpp): each rank's kernel tuning cache
+// (tuning.hpp) says something else, and every rank must still store rank 0's choice, in a DecodeSession and in the
 // driver's run_interleaved (which resolves the layout once for its strategies). A rank that
 // followed its own file would make the run's agreement fail, or read another layout than it
 // reports.
@@ -8,7 +8,7 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,16 +16,21 @@
 #include "treeattn/comm_mpi.hpp"
 #include "treeattn/session.hpp"
 #include "treeattn/strategy.hpp"
+#include "treeattn/tuning.hpp"
 #include "treeattn/workload.hpp"
 
 using namespace treeattn;
 
 namespace {
 
-// This rank's cache file holds `layout` for the workload, with numbers no run measures.
-void write_cache(const std::string& dir, const KVLayoutWorkload& w, KVLayout layout) {
-  std::ofstream out(dir + "/kv-layout.tsv", std::ios::app);
-  out << kv_layout_cache_key(w) << '\t' << kv_layout_name(layout) << "\t1.0\t2.0\t64\n";
+// This rank's tuning cache holds `layout` for the workload.
+void write_cache(const KVLayoutWorkload& w, KVLayout layout) {
+  TuneEntry e;
+  e.key = TuneKey{w.dtype, w.shape.head_dim, w.shape.group(), w.kernel.threads};
+  e.choice = tuning_defaults(e.key, best_isa());
+  e.choice.layout = layout;
+  const Status s = store_kernel_tuning({e});
+  if (!s.is_ok()) std::fprintf(stderr, "%s\n", s.to_string().c_str());
 }
 
 KVLayout other(KVLayout l) { return l == KVLayout::kRows ? KVLayout::kTiled : KVLayout::kRows; }
@@ -46,10 +51,11 @@ int main(int argc, char** argv) {
   }
   const std::string dir = std::string(argv[1]) + "/rank" + std::to_string(me);
   ::mkdir(argv[1], 0755);
+  std::filesystem::remove_all(dir);
   ::mkdir(dir.c_str(), 0755);
-  std::remove((dir + "/kv-layout.tsv").c_str());
   ::setenv("TREEATTN_CACHE_DIR", dir.c_str(), 1);
-  ::unsetenv("TREEATTN_KV_LAYOUT_MEASURE");
+  ::setenv("TREEATTN_TUNE", "1", 1);
+  reload_kernel_tuning();
 
   int failures = 0;
   auto expect = [&](bool ok, const std::string& what) {
@@ -67,7 +73,7 @@ int main(int argc, char** argv) {
     kernel.threads = 1;
     const KVLayoutWorkload w{shape, DType::kBF16, kernel};
     const KVLayout want = rank0_says[c];
-    write_cache(dir, w, me == 0 ? want : other(want));
+    write_cache(w, me == 0 ? want : other(want));
     expect(host_kv_layout(w).layout == (me == 0 ? want : other(want)),
            "host_kv_layout does not read this rank's cache file");
 

@@ -343,7 +343,7 @@ TEST(Session, ExtraStrategiesShareTheShardsAndSingleCannotJoin) {
 }
 
 // The layout a session chooses: the same for every strategy on the host, host_kv_layout's for
-// the workload (measured, or by the CPU's kernel target with TREEATTN_KV_LAYOUT_MEASURE=0 as in
+// the workload (tuned, or by the CPU's kernel target with TREEATTN_TUNE=0 as in
 // the test presets; ring-kv rotates tiles, tree-det copies its chunks out of them), and
 // strategies that join a tiled session read the same tiled shards to the oracle's tolerance.
 TEST(Session, KVLayoutAutoIsTheHostLayoutForEveryStrategy) {

@@ -21,6 +21,7 @@
 #include "treeattn/comm_local.hpp"
 #include "treeattn/cost_model.hpp"
 #include "treeattn/strategy.hpp"
+#include "treeattn/tuning.hpp"
 #include "treeattn/workload.hpp"
 
 namespace treeattn {
@@ -442,76 +443,56 @@ TEST(Descriptors, AutoKvLayoutFollowsTheIsa) {
   EXPECT_FALSE(choose_kv_layout(KVLayout::kTiled, MemorySpace::kDevice, names).is_ok());
 }
 
-// The measured choice (host_kv_layout(workload)): measured once and appended to the cache file,
-// taken from the file when it has the workload's line (the last one wins), the rule by ISA with
-// TREEATTN_KV_LAYOUT_MEASURE=0; choose_kv_layout with a workload uses it for auto on the host
-// only. Each workload is new to this process (the process keeps what it decided).
-TEST(Descriptors, AutoKvLayoutIsMeasuredPerWorkloadAndKept) {
-  const std::string dir = ::testing::TempDir() + "kv_layout_cache_" + std::to_string(::getpid());
+// The tuned choice (host_kv_layout(workload)): the layout of the kernel tuning's entry for the
+// workload's dtype and head_dim (tuning.hpp); without one the rule by ISA, saying why;
+// choose_kv_layout with a workload uses it for auto on the host only.
+TEST(Descriptors, AutoKvLayoutIsTheTunedOne) {
+  const std::string dir = ::testing::TempDir() + "kv_layout_tuning_" + std::to_string(::getpid());
   std::filesystem::remove_all(dir);
   ::setenv("TREEATTN_CACHE_DIR", dir.c_str(), 1);
-  ::unsetenv("TREEATTN_KV_LAYOUT_MEASURE");
-  const std::string file = dir + "/kv-layout.tsv";
-  auto lines = [&] {
-    std::vector<std::string> out;
-    std::ifstream in(file);
-    for (std::string l; std::getline(in, l);) out.push_back(l);
-    return out;
-  };
+  ::setenv("TREEATTN_TUNE", "1", 1);
+  reload_kernel_tuning();
   DecodeOptions one_thread;
   one_thread.threads = 1;
+  const KVLayoutWorkload a{AttnShape{1, 6, 2, 96, 1}, DType::kF32, one_thread};
+  const KVLayout rule = host_kv_layout(best_isa());
+  const KVLayout other = rule == KVLayout::kRows ? KVLayout::kTiled : KVLayout::kRows;
 
-  // Measured: "measured: rows X ms, tiled Y ms", the faster one, one line in the file.
-  const KVLayoutWorkload a{AttnShape{1, 4, 2, 64, 1}, DType::kBF16, one_thread};
-  const HostKVLayout ha = host_kv_layout(a);
-  EXPECT_EQ(ha.how.rfind("measured: rows ", 0), 0u) << ha.how;
-  ASSERT_EQ(lines().size(), 1u);
-  const std::string key = kv_layout_cache_key(a);
-  EXPECT_EQ(lines()[0].rfind(key + "\t" + std::string(kv_layout_name(ha.layout)) + "\t", 0), 0u)
-      << lines()[0];
-  EXPECT_NE(key.find("|H4|Hkv2|D64|Q1|bf16|T1"), std::string::npos) << key;
-  // Kept in the process: no second measurement, no second line.
-  EXPECT_EQ(host_kv_layout(a).how, ha.how);
-  EXPECT_EQ(lines().size(), 1u);
+  // No cache yet: the rule, saying so.
+  HostKVLayout h = host_kv_layout(a);
+  EXPECT_EQ(h.layout, rule);
+  EXPECT_EQ(h.how, "by the CPU's kernel target (this CPU is not tuned yet: treeattn tune)");
 
-  // From the file: the last line for the key wins; other keys' lines are not read for it.
-  const KVLayoutWorkload b{AttnShape{1, 4, 2, 96, 1}, DType::kF32, one_thread};
-  {
-    std::ofstream out(file, std::ios::app);
-    out << kv_layout_cache_key(b) << "\trows\t3.0\t1.0\t640\n";
-    out << kv_layout_cache_key(b) << "\ttiled\t3.5\t1.5\t640\n";
-    out << kv_layout_cache_key(b) << "X\trows\t1.0\t9.0\t640\n";
-  }
-  const HostKVLayout hb = host_kv_layout(b);
-  EXPECT_EQ(hb.layout, KVLayout::kTiled);
-  EXPECT_EQ(hb.how, "measured before (" + file + "): rows 3.50 ms, tiled 1.50 ms over 640 tokens");
+  // An entry of the workload's dtype and head_dim (another group and thread count: the nearest).
+  TuneEntry e;
+  e.key = TuneKey{DType::kF32, 96, 4, 2};
+  e.choice = tuning_defaults(e.key, best_isa());
+  e.choice.layout = other;
+  ASSERT_TRUE(store_kernel_tuning({e}).is_ok());
+  h = host_kv_layout(a);
+  EXPECT_EQ(h.layout, other);
+  EXPECT_EQ(h.how, "tuned on this CPU for f32 D96 G4 T2");
   const std::string names[] = {"tree"};
-  Result<KVLayout> chosen = choose_kv_layout(KVLayout::kAuto, MemorySpace::kHost, names, b);
+  Result<KVLayout> chosen = choose_kv_layout(KVLayout::kAuto, MemorySpace::kHost, names, a);
   ASSERT_TRUE(chosen.is_ok()) << chosen.status().message();
-  EXPECT_EQ(*chosen, KVLayout::kTiled);
+  EXPECT_EQ(*chosen, other);
   // Explicit layouts and device memory do not ask it.
-  EXPECT_EQ(*choose_kv_layout(KVLayout::kRows, MemorySpace::kHost, names, b), KVLayout::kRows);
-  EXPECT_EQ(*choose_kv_layout(KVLayout::kAuto, MemorySpace::kDevice, names, b), KVLayout::kRows);
-  EXPECT_FALSE(choose_kv_layout(KVLayout::kTiled, MemorySpace::kDevice, names, b).is_ok());
+  EXPECT_EQ(*choose_kv_layout(KVLayout::kRows, MemorySpace::kHost, names, a), KVLayout::kRows);
+  EXPECT_EQ(*choose_kv_layout(KVLayout::kAuto, MemorySpace::kDevice, names, a), KVLayout::kRows);
+  EXPECT_FALSE(choose_kv_layout(KVLayout::kTiled, MemorySpace::kDevice, names, a).is_ok());
+  // Another dtype: no entry for it.
+  const KVLayoutWorkload b{AttnShape{1, 6, 2, 96, 1}, DType::kBF16, one_thread};
+  EXPECT_EQ(host_kv_layout(b).layout, rule);
+  EXPECT_EQ(host_kv_layout(b).how, "by the CPU's kernel target (no tuned entry for bf16 head_dim 96)");
 
-  // A malformed line for a key is skipped; then it is measured.
-  const KVLayoutWorkload c{AttnShape{1, 2, 1, 80, 2}, DType::kF16, one_thread};
-  {
-    std::ofstream out(file, std::ios::app);
-    out << kv_layout_cache_key(c) << "\tdiagonal\t1.0\t2.0\t64\n";
-    out << kv_layout_cache_key(c) << "\trows\tfast\n";
-  }
-  EXPECT_EQ(host_kv_layout(c).how.rfind("measured: ", 0), 0u);
-
-  // Off: the rule by kernel target, no file read or written.
-  ::setenv("TREEATTN_KV_LAYOUT_MEASURE", "0", 1);
-  const std::size_t before = lines().size();
-  const KVLayoutWorkload d{AttnShape{1, 8, 8, 256, 1}, DType::kBF16, one_thread};
-  const HostKVLayout hd = host_kv_layout(d);
-  EXPECT_EQ(hd.layout, host_kv_layout(best_isa()));
-  EXPECT_EQ(hd.how, "by the CPU's kernel target (TREEATTN_KV_LAYOUT_MEASURE=0)");
-  EXPECT_EQ(lines().size(), before);
+  // Off: the rule by kernel target, the file not read.
+  ::setenv("TREEATTN_TUNE", "0", 1);
+  reload_kernel_tuning();
+  h = host_kv_layout(a);
+  EXPECT_EQ(h.layout, rule);
+  EXPECT_EQ(h.how, "by the CPU's kernel target (TREEATTN_TUNE=0)");
   ::unsetenv("TREEATTN_CACHE_DIR");
+  reload_kernel_tuning();
   std::filesystem::remove_all(dir);
 }
 

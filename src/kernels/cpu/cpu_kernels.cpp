@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_targets.hpp"
+#include "kernels/cpu/driver_tuning.hpp"
 #include "kernels/cpu/item_driver.hpp"
 #include "kernels/kernel_impl.hpp"
 #include "treeattn/state.hpp"
@@ -31,12 +32,16 @@ Status run_driver(ItemFn item_fn, const AttnShape& shape, const float* q, const 
                   float* states, const ResolvedOptions& opt) {
   const std::size_t esize = dtype_size(kv.dtype);
   const int64_t R = shape.group() * shape.q_len;
-  const int prefetch = cpu::default_prefetch_tokens(shape.head_dim * static_cast<int64_t>(esize));
+  const cpu::DriverChoice choice =
+      cpu::driver_choice(kv.dtype, shape.head_dim, shape.group(), opt.threads, opt.isa);
+  const int prefetch =
+      choice.rows_prefetch_tokens(shape.head_dim * static_cast<int64_t>(esize));
+  // A layout with the heads inside a token ([T][Hkv][D]) is read chunk by chunk; one with a
+  // head's tokens together in the order the tuning chose.
   cpu::drive_items(
       shape, q, kv.len, kv.pos_start, kv.total_len, kv.pos_stride, opt.chunk_tokens,
       static_cast<std::size_t>(R + 2) * cpu::kBlockTokens, opt.threads,
-      kv.stride_head > kv.stride_token ? cpu::ItemOrder::kHeadsOuter : cpu::ItemOrder::kChunksOuter,
-      states,
+      kv.stride_head > kv.stride_token ? choice.order : cpu::ItemOrder::kChunksOuter, states,
       [&](const cpu::DriverItem& it) {
         const std::size_t elem0 = static_cast<std::size_t>(
             it.b * kv.stride_batch + it.kv_head * kv.stride_head + it.t0 * kv.stride_token);
@@ -103,18 +108,6 @@ KernelFn cpu_kernel_for(Isa isa) {
 }
 
 namespace cpu {
-int default_prefetch_tokens(int64_t row_bytes) {
-  static const int from_env = [] {
-    const char* e = std::getenv("TREEATTN_PREFETCH_TOKENS");
-    if (e == nullptr || *e == '\0') return -1;
-    const long v = std::strtol(e, nullptr, 10);
-    return v < 0 ? 0 : (v > 4096 ? 4096 : static_cast<int>(v));
-  }();
-  if (from_env >= 0) return from_env;
-  const int64_t rb = row_bytes > 0 ? row_bytes : 1;
-  return static_cast<int>((kDefaultPrefetchBytes + rb - 1) / rb);
-}
-
 ExpFn exp_for(Isa isa) {
   switch (isa) {
 #if defined(TREEATTN_CPU_KERNEL_GENERIC)

@@ -34,10 +34,10 @@ inline constexpr int kM = 0, kL = 1, kO = 2;
 inline constexpr int kBlockTokens = 64;
 
 // Software prefetch distance of the rows kernel: kDefaultPrefetchBytes of each of the K and V
-// streams ahead of the score tiles, rounded up to whole tokens (default_prefetch_tokens()),
-// fetched into L2 (prefetcht1). Shorter leads arrive late for 16-bit K/V, longer ones evict f32
-// data before use; prefetcht0 gained nothing. Measure: `treeattn bench --kernel --kv-layout rows
-// --dtype f32,bf16,f16 --threads 1,2` with TREEATTN_PREFETCH_TOKENS set to each candidate.
+// streams ahead of the score tiles, rounded up to whole tokens (DriverChoice,
+// driver_tuning.hpp), fetched into L2 (prefetcht1). The compiled-in default; the calibration
+// (tuning.hpp) picks the lead on each CPU. On the development Xeon shorter leads arrived late
+// for 16-bit K/V and longer ones evicted f32 data before use; prefetcht0 gained nothing.
 inline constexpr int kDefaultPrefetchBytes = 2048;
 
 struct ItemArgs {
@@ -118,44 +118,35 @@ inline constexpr int64_t prefill_block_scratch_floats(int64_t tile_tokens, int64
 // V0..V3), which is slower from DRAM; a 64-token tile gets most of the gain in memory order.
 // Measure: `build/release/bench/treeattn_roofline --block-tiles 1,2,4 --seq 65536`.
 inline constexpr int kTiledBlockTiles = 1;
-// Software prefetch lead in bytes per stream (prefetcht0, requests spread over both passes).
-// The hardware prefetchers alone do not follow the tiles; shorter and longer leads and the
-// farther hints (prefetcht1/t2) read slower. Measure: `build/release/bench/treeattn_roofline
-// --dtype f32,bf16,f16 --threads 1,2 --seq 262144 --layouts tiled --prefetch 4096,8192,16384`.
+// Software prefetch lead in bytes per stream (prefetcht0, requests spread over both passes):
+// the compiled-in default of the tiled and paged drivers. The hardware prefetchers alone do not
+// follow the tiles. The best lead differs between CPUs (how a core overlaps prefetch with
+// arithmetic), so the calibration (tuning.hpp, `treeattn tune`) picks it per CPU, dtype, head
+// dim, group and thread count from candidates around these. Compare leads by hand, alternating
+// inside one run: `build/release/bench/treeattn_roofline --dtype f32,bf16,f16 --threads 1,2
+// --seq 262144 --repeats 5 --no-peer --no-check --layouts tiled --prefetch 4096,8192,12288,16384`.
 inline constexpr int64_t kTiledPrefetchBytes = 8192;
-// The tiled driver's lead for 16-bit K/V with head_dim <= 128 (kTiledPrefetchBytes for every
-// other case, and for the paged driver): a longer lead reads faster there, not for f32, fp8,
-// int8 or head_dim 256. Measure, the leads alternating inside one run:
-// `build/release/bench/treeattn_roofline --dtype bf16,f16 --threads 1,2 --seq 262144 --repeats 5
-// --no-peer --no-check --layouts tiled --prefetch 8192,10240,12288,14336,16384`, and per model
-// shape with `--heads H --kv-heads K --head-dim D --prefetch 8192,12288`.
+// The tiled driver's default lead for 16-bit K/V with head_dim <= 128 (kTiledPrefetchBytes for
+// every other case, and for the paged driver): a longer lead read faster there on the
+// development Xeon, not for f32, fp8, int8 or head_dim 256.
 inline constexpr int64_t kTiledPrefetchBytes16 = 12288;
 struct TiledTuning {
   int block_tiles = kTiledBlockTiles;
-  // -1: the default lead of the dtype and head_dim (tiled_prefetch_bytes()); 0: no software
-  // prefetch; else this lead for every dtype.
+  // -1: the tuned lead (driver_tuning.hpp); 0: no software prefetch; else this lead for every
+  // dtype, in the tiled and the paged driver.
   int64_t prefetch_bytes = -1;
 };
 // What the tiled driver uses: the defaults above, overridden by the environment variables
 // TREEATTN_TILED_BLOCK_TILES and TREEATTN_TILED_PREFETCH_BYTES (read once), or by
 // set_tiled_tuning() (benchmarks comparing alternatives in one run; call it only while no
-// tiled kernel runs).
+// tiled kernel runs). block_tiles changes the online-softmax blocking, hence the bits: it is
+// an experiment's knob, never tuned.
 TiledTuning tiled_tuning();
 void set_tiled_tuning(const TiledTuning& t);
-// The software prefetch lead a tiled-driver item of this dtype and head_dim runs with under t:
-// t.prefetch_bytes when it is set (>= 0), else kTiledPrefetchBytes16 for f16 and bf16 with
-// head_dim <= 128 and kTiledPrefetchBytes otherwise.
-int64_t tiled_prefetch_bytes(const TiledTuning& t, DType dtype, int64_t head_dim);
-// The paged driver's lead under t: t.prefetch_bytes when it is set, else kTiledPrefetchBytes for
-// every dtype. The tiled driver's longer lead for 16-bit K/V showed no gain outside the
-// run-to-run spread of `treeattn generate --model smollm2-135m --prompt-tokens 16384
-// --new-tokens 33 --ignore-eos --threads 1` with TREEATTN_TILED_PREFETCH_BYTES=8192 and 12288.
-int64_t paged_prefetch_bytes(const TiledTuning& t);
-
-// The default software prefetch distance in tokens for rows of row_bytes bytes;
-// TREEATTN_PREFETCH_TOKENS in the environment overrides it (read once; 0 disables; for
-// experiments on other CPUs).
-int default_prefetch_tokens(int64_t row_bytes);
+// The compiled-in lead of the tiled driver for this dtype and head_dim: kTiledPrefetchBytes16
+// for f16 and bf16 with head_dim <= 128, kTiledPrefetchBytes otherwise. The paged driver's is
+// kTiledPrefetchBytes for every dtype.
+int64_t default_tiled_prefetch_bytes(DType dtype, int64_t head_dim);
 
 using ItemFn = void (*)(const ItemArgs&);
 

@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_targets.hpp"
+#include "kernels/cpu/driver_tuning.hpp"
 #include "kernels/cpu/item_driver.hpp"
 #include "kernels/kernel_impl.hpp"
 #include "treeattn/paged_kv.hpp"
@@ -284,8 +285,8 @@ void run_item(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& shape,
     // first lines now, while this page is computed: the hardware prefetchers cannot guess it.
     // Measure: PagedKernel.DISABLED_ThroughputVsTiled (shuffled pages;
     // --gtest_also_run_disabled_tests). Where the next page does follow (a fresh engine's pages)
-    // nothing is requested: requesting it there too was slower in the generate command of
-    // paged_prefetch_bytes() (cpu_targets.hpp).
+    // nothing is requested: requesting it there too was slower in `treeattn generate --model
+    // smollm2-135m --prompt-tokens 16384 --new-tokens 33 --ignore-eos --threads 1`.
     if (next_bytes > 0 && j + 1 < p1 && en.pages[uj + 1] != page + 1) {
       const int64_t next = cell.kvh * pool.head_stride + en.pages[uj + 1] * pool.tile_stride;
       const char* nk = k0 + next;
@@ -307,7 +308,8 @@ Status run_paged(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& sha
                  std::span<const PagedEntry> entries, const ResolvedOptions& opt) {
   const int64_t H = shape.heads, Hkv = shape.kv_heads, D = shape.head_dim, G = shape.group();
   const std::size_t rec = static_cast<std::size_t>(D) + 2;
-  const int64_t prefetch_bytes = cpu::paged_prefetch_bytes(cpu::tiled_tuning());
+  const int64_t prefetch_bytes =
+      cpu::driver_choice(pool.dtype, D, G, opt.threads, opt.isa).paged_prefetch;
 
   // The plan: cells, items and slots (grown only, owned by the calling thread).
   struct Plan {

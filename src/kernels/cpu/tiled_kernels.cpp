@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_targets.hpp"
+#include "kernels/cpu/driver_tuning.hpp"
 #include "kernels/cpu/item_driver.hpp"
 #include "kernels/kernel_impl.hpp"
 #include "treeattn/kv_tiles.hpp"
@@ -136,13 +137,14 @@ Status run_tiled_driver(TiledItemFn item_fn, const AttnShape& shape, const float
   const cpu::TiledTuning tuning = cpu::tiled_tuning();
   const int block_tiles = std::max<int>(tuning.block_tiles, static_cast<int>((32 + T - 1) / T));
   const int64_t ld = (block_tiles * T + 31) / 32 * 32;  // tiled_score_ld() in the item kernel
-  const int64_t prefetch_bytes = cpu::tiled_prefetch_bytes(tuning, kv.dtype, shape.head_dim);
+  const cpu::DriverChoice choice =
+      cpu::driver_choice(kv.dtype, shape.head_dim, shape.group(), opt.threads, opt.isa);
+  const int64_t prefetch_bytes = choice.tiled_prefetch;
   const bool quant = dtype_is_quantized(kv.dtype);
   cpu::drive_items(
       shape, q, kv.len, kv.pos_start, kv.total_len, kv.pos_stride, chunk,
       static_cast<std::size_t>((R + 2) * ld), opt.threads,
-      kv.head_stride > kv.tile_stride ? cpu::ItemOrder::kHeadsOuter : cpu::ItemOrder::kChunksOuter,
-      states,
+      kv.head_stride > kv.tile_stride ? choice.order : cpu::ItemOrder::kChunksOuter, states,
       [&](const cpu::DriverItem& it) {
         const int64_t tile0 = it.t0 / T;
         TiledItemArgs a;
@@ -232,14 +234,42 @@ void set_tiled_tuning(const TiledTuning& t) {
                          std::memory_order_relaxed);
 }
 
-int64_t tiled_prefetch_bytes(const TiledTuning& t, DType dtype, int64_t head_dim) {
-  if (t.prefetch_bytes >= 0) return t.prefetch_bytes;
+int64_t default_tiled_prefetch_bytes(DType dtype, int64_t head_dim) {
   const bool sixteen = dtype == DType::kF16 || dtype == DType::kBF16;
   return sixteen && head_dim <= 128 ? kTiledPrefetchBytes16 : kTiledPrefetchBytes;
 }
 
-int64_t paged_prefetch_bytes(const TiledTuning& t) {
-  return t.prefetch_bytes >= 0 ? t.prefetch_bytes : kTiledPrefetchBytes;
+namespace {
+std::atomic<const TuneChoice*> g_forced{nullptr};
+
+// TREEATTN_PREFETCH_TOKENS: the rows kernel's lead in tokens (-1 when unset), read once.
+int rows_tokens_from_env() {
+  static const int from_env = static_cast<int>(env_int("TREEATTN_PREFETCH_TOKENS", -1, 0, 4096));
+  return from_env;
+}
+}  // namespace
+
+void force_driver_choice(const TuneChoice* choice) {
+  g_forced.store(choice, std::memory_order_release);
+}
+
+DriverChoice driver_choice(DType dtype, int64_t head_dim, int64_t group, int threads, Isa isa) {
+  DriverChoice d;
+  auto take = [&](const TuneChoice& c) {
+    d.tiled_prefetch = c.tiled_prefetch;
+    d.paged_prefetch = c.paged_prefetch;
+    d.rows_prefetch = c.rows_prefetch;
+    d.order = c.chunks_outer ? ItemOrder::kChunksOuter : ItemOrder::kHeadsOuter;
+  };
+  if (const TuneChoice* forced = g_forced.load(std::memory_order_acquire)) {
+    take(*forced);
+    return d;
+  }
+  take(tuned_choice(TuneKey{dtype, head_dim, group, threads}, isa));
+  const int64_t lead = g_prefetch_bytes.load(std::memory_order_relaxed);
+  if (lead >= 0) d.tiled_prefetch = d.paged_prefetch = lead;
+  d.rows_tokens = rows_tokens_from_env();
+  return d;
 }
 }  // namespace cpu
 }  // namespace kernels

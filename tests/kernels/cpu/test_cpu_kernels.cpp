@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -18,12 +19,14 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_targets.hpp"
+#include "kernels/cpu/driver_tuning.hpp"
 #include "kernels/cpu/item_order.hpp"
 #include "kernels/kernel_impl.hpp"
 #include "support/test_data.hpp"
 #include "treeattn/kernel.hpp"
 #include "treeattn/oracle.hpp"
 #include "treeattn/state.hpp"
+#include "treeattn/tuning.hpp"
 
 namespace treeattn {
 namespace {
@@ -742,39 +745,44 @@ TEST(ItemOrder, EveryItemOnceInTheLayoutsOrder) {
   EXPECT_EQ(h.gchunk, 0);
 }
 
-// The prefetch leads: the tiled driver's per dtype and head_dim and the paged driver's one
-// default unless a lead is set, and a set lead (0 included: no prefetch) for every dtype and both
-// drivers; set_tiled_tuning(-1) goes back to the defaults.
+// The prefetch leads with the compiled-in choices (TREEATTN_TUNE=0): the tiled driver's per
+// dtype and head_dim and the paged driver's one default unless a lead is set, and a set lead (0
+// included: no prefetch) for every dtype and both drivers; set_tiled_tuning(-1) goes back to
+// the defaults. (tests/kernels/test_tuning.cpp: the cache's choices.)
 TEST(TiledTuning, PrefetchLeadPerDtypeAndHeadDimUnlessSet) {
   namespace kc = kernels::cpu;
-  kc::TiledTuning t;
-  ASSERT_EQ(t.prefetch_bytes, -1);
+  ::setenv("TREEATTN_TUNE", "0", 1);
+  reload_kernel_tuning();
+  auto lead = [](DType d, int64_t hd) {
+    return kc::driver_choice(d, hd, 4, 1, best_isa()).tiled_prefetch;
+  };
+  auto paged = [](DType d) { return kc::driver_choice(d, 128, 4, 1, best_isa()).paged_prefetch; };
+  ASSERT_EQ(kc::tiled_tuning().prefetch_bytes, -1);
   for (DType d : {DType::kF16, DType::kBF16}) {
-    EXPECT_EQ(kc::tiled_prefetch_bytes(t, d, 64), kc::kTiledPrefetchBytes16);
-    EXPECT_EQ(kc::tiled_prefetch_bytes(t, d, 128), kc::kTiledPrefetchBytes16);
-    EXPECT_EQ(kc::tiled_prefetch_bytes(t, d, 256), kc::kTiledPrefetchBytes);
+    EXPECT_EQ(lead(d, 64), kc::kTiledPrefetchBytes16);
+    EXPECT_EQ(lead(d, 128), kc::kTiledPrefetchBytes16);
+    EXPECT_EQ(lead(d, 256), kc::kTiledPrefetchBytes);
   }
-  for (DType d : {DType::kF32, DType::kFP8, DType::kInt8})
-    for (int64_t hd : {64, 128, 256})
-      EXPECT_EQ(kc::tiled_prefetch_bytes(t, d, hd), kc::kTiledPrefetchBytes);
+  for (DType d : {DType::kF32, DType::kFP8, DType::kInt8}) {
+    for (int64_t hd : {64, 128, 256}) EXPECT_EQ(lead(d, hd), kc::kTiledPrefetchBytes);
+    EXPECT_EQ(paged(d), kc::kTiledPrefetchBytes);  // every dtype, paged
+  }
   EXPECT_NE(kc::kTiledPrefetchBytes16, kc::kTiledPrefetchBytes);
-  EXPECT_EQ(kc::paged_prefetch_bytes(t), kc::kTiledPrefetchBytes);  // every dtype, paged
-  for (int64_t lead : {int64_t{0}, int64_t{4096}}) {
-    t.prefetch_bytes = lead;
-    for (DType d : {DType::kF32, DType::kBF16, DType::kInt8})
-      EXPECT_EQ(kc::tiled_prefetch_bytes(t, d, 128), lead);
-    EXPECT_EQ(kc::paged_prefetch_bytes(t), lead);
-  }
 
   const kc::TiledTuning saved = kc::tiled_tuning();
+  for (int64_t set_lead : {int64_t{0}, int64_t{4096}}) {
+    kc::TiledTuning set = saved;
+    set.prefetch_bytes = set_lead;
+    kc::set_tiled_tuning(set);
+    for (DType d : {DType::kF32, DType::kBF16, DType::kInt8}) {
+      EXPECT_EQ(lead(d, 128), set_lead);
+      EXPECT_EQ(paged(d), set_lead);
+    }
+  }
   kc::TiledTuning set = saved;
-  set.prefetch_bytes = 4096;
-  kc::set_tiled_tuning(set);
-  EXPECT_EQ(kc::tiled_prefetch_bytes(kc::tiled_tuning(), DType::kBF16, 128), 4096);
   set.prefetch_bytes = -1;
   kc::set_tiled_tuning(set);
-  EXPECT_EQ(kc::tiled_prefetch_bytes(kc::tiled_tuning(), DType::kBF16, 128),
-            kc::kTiledPrefetchBytes16);
+  EXPECT_EQ(lead(DType::kBF16, 128), kc::kTiledPrefetchBytes16);
   kc::set_tiled_tuning(saved);
 }
 
