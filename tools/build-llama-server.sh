@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's llama-server from the llama.cpp source that the llama-cpp-python package on
 # PyPI vendors (vendor/llama.cpp in its source distribution), for bench/serve/loadgen.py's
-# comparison on the same GGUF. Result: build/llama-server/bin/llama-server (and the version it
-# was built from in build/llama-server/VERSION). Takes a long time on few cores (the whole of
+# comparison on the same GGUF. Result: build/llama-server/bin/llama-server and its multi-host
+# worker build/llama-server/bin/rpc-server (GGML_RPC on: llama-server --rpc HOST:PORT puts layers
+# on rpc-servers; bench/engine/vs_llamacpp_rpc.sh), and the version it was built from in
+# build/llama-server/VERSION. Takes a long time on few cores (the whole of
 # ggml and llama.cpp: about half an hour on 2 cores).
 #
 # Usage: tools/build-llama-server.sh [--version X.Y.Z] [--jobs N] [--isa native|avx2|avxvnni]
@@ -33,7 +35,11 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$isa" in
-  native) isa_flags=(-DGGML_NATIVE=ON) ;;
+  # AMX off: ggml's AMX matrix multiply (its extra buffer type for quantized weights) crashes with
+  # SIGSEGV in ggml_backend_amx_mul_mat on the first graph of a Q4_1 model on an AMX CPU
+  # (llama-cpp-python 0.3.36's llama.cpp, one thread); explicit -mno-amx-* outrank -march=native.
+  native) isa_flags=(-DGGML_NATIVE=ON "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+                     "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16") ;;
   avx2|avxvnni)
     out="$root/build/llama-server-$isa"
     isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
@@ -60,14 +66,19 @@ src="$out/src/vendor/llama.cpp"
 echo "== configuring llama.cpp from $(basename "$sdist")"
 cmake -S "$src" -B "$out/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
   "${isa_flags[@]}" -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_EXAMPLES=ON \
-  -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF > "$out/configure.log"
-echo "== building llama-server with $jobs jobs (log: $out/build.log)"
-cmake --build "$out/build" --target llama-server -j "$jobs" > "$out/build.log" 2>&1 \
+  -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF -DGGML_RPC=ON > "$out/configure.log"
+# the RPC worker's target: ggml-rpc-server in newer llama.cpp, rpc-server before
+rpc_target=rpc-server
+grep -q 'ggml-rpc-server' "$src/tools/rpc/CMakeLists.txt" 2> /dev/null && rpc_target=ggml-rpc-server
+echo "== building llama-server and $rpc_target with $jobs jobs (log: $out/build.log)"
+cmake --build "$out/build" --target llama-server "$rpc_target" -j "$jobs" > "$out/build.log" 2>&1 \
   || { tail -30 "$out/build.log"; exit 1; }
 mkdir -p "$out/bin"
-built="$(find "$out/build" -name llama-server -type f -perm -u+x | head -1)"
-[ -n "$built" ] || { echo "build-llama-server: no llama-server binary in $out/build" >&2; exit 1; }
-cp "$built" "$out/bin/llama-server"
+for b in llama-server:llama-server "$rpc_target":rpc-server; do
+  built="$(find "$out/build" -name "${b%%:*}" -type f -perm -u+x | head -1)"
+  [ -n "$built" ] || { echo "build-llama-server: no ${b%%:*} binary in $out/build" >&2; exit 1; }
+  cp "$built" "$out/bin/${b#*:}"
+done
 basename "$sdist" .tar.gz > "$out/VERSION"
 "$out/bin/llama-server" --version 2>&1 | head -2 || true
 echo "build-llama-server: $out/bin/llama-server ($(cat "$out/VERSION"))"

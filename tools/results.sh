@@ -136,6 +136,18 @@ else
   skip kv_capacity "--quick without an earlier bench/engine/kv_capacity.sh run"
 fi
 
+# Every shipped model against llama.cpp (bench/model/vs_llamacpp_models.sh). Full mode runs it
+# where llama-server is built; --quick takes the last run (out/vs_llamacpp_models) when there is one.
+if [ "$quick" = 0 ] && [ -x "$root/build/llama-server/bin/llama-server" ]; then
+  step vs_llamacpp_models bench/model/vs_llamacpp_models.sh --out "$work/vs_llamacpp_models_run"
+  cp "$work/vs_llamacpp_models_run/models.json" "$work/vs_llamacpp_models.json" 2>/dev/null
+elif [ -f out/vs_llamacpp_models/models.json ]; then
+  cp out/vs_llamacpp_models/models.json "$work/vs_llamacpp_models.json"
+  echo "vs_llamacpp_models from out/vs_llamacpp_models (bench/model/vs_llamacpp_models.sh)" >> "$status"
+else
+  skip vs_llamacpp_models "no earlier bench/model/vs_llamacpp_models.sh run and llama-server not built"
+fi
+
 # The dense layers split over the ranks (bench/engine/dense_split.sh: generate at 1 rank and 2
 # ranks replicated and split, resident weights at 2 and 4 ranks). Full mode runs it; --quick
 # takes the last run (out/dense_split) when there is one.

@@ -396,17 +396,28 @@ def section_dense_split(work):
     if d.get("hosts"):
         s += ("\n2 emulated hosts x 1 rank (`tools/cluster`, `--cluster LINKS`): the same request, "
               "each link in one cluster session; auto planned on the link's preset with one rank "
-              "per host.\n\n| link | model | dense | ITL p50 | x replicated | dense ms/step per "
+              "per host. llama.cpp rows: its multi-host mode on the same two hosts "
+              "(`llama-server --rpc` on host 0 with the first half of the layers and the head, "
+              "`rpc-server` on host 1 with the rest, 1 thread each, the same prompt ids, flash "
+              "attention, f16 KV; the ITL is the server's mean per generated token).\n\n"
+              "| link | model | prompt | dense | ITL p50 | x replicated | dense ms/step per "
               "rank | merge + all-gathers ms/step | predicted split / replicated | tokens = "
-              "replicated |\n|---|---|---|---:|---:|---|---|---|---|\n")
+              "replicated |\n|---|---|---:|---|---:|---:|---|---|---|---|\n")
         hosts = d["hosts"]
-        for h in hosts:
+        rows = [(h, False) for h in hosts] + [(x, True) for x in d.get("llama_rpc", [])]
+        rows.sort(key=lambda r: (r[0]["link"], r[0]["model"], r[0]["context"], r[1]))
+        for h, llama in rows:
             rep = next((x for x in hosts if x["link"] == h["link"] and x["model"] == h["model"] and
-                        x["dense_requested"] == "replicated"), None)
+                        x["context"] == h["context"] and x["dense_requested"] == "replicated"), None)
+            if llama:
+                s += "| %s | %s | %d | llama.cpp rpc (%d layers on host 1) | %.2f ms | %s | - | - | - | - |\n" % (
+                    h["link"], h["model"], h["context"], h["ngl"], h["decode_ms_p50"],
+                    "%.2f" % (h["decode_ms_p50"] / rep["itl_p50_ms"]) if rep else "-")
+                continue
             pred = ("%s / %s" % (fmt_us(h["predicted_split_us"]), fmt_us(h["predicted_replicated_us"]))
                     if h["dense_requested"] == "auto" else "-")
-            s += "| %s | %s | %s%s | %.2f ms | %s | %s | %s | %s | %s |\n" % (
-                h["link"], h["model"], h["dense_requested"],
+            s += "| %s | %s | %d | %s%s | %.2f ms | %s | %s | %s | %s | %s |\n" % (
+                h["link"], h["model"], h["context"], h["dense_requested"],
                 " (%s)" % h["dense"] if h["dense_requested"] == "auto" else "", h["itl_p50_ms"],
                 "%.2f" % (h["itl_p50_ms"] / rep["itl_p50_ms"]) if rep else "-",
                 " ".join("%.1f" % x for x in h.get("dense_ms", [])),
@@ -482,8 +493,33 @@ def section_validate(work):
     return s
 
 
+def section_vs_llamacpp_models(work):
+    s = ("## llama.cpp by model\n\n`bench/model/vs_llamacpp_models.sh`: every shipped model in its "
+         "default matmul mode against llama.cpp's llama-server (`bench/model/vs_llamacpp.py`: the "
+         "same GGUF and prompt ids, the same threads for prefill and decode, flash attention on, "
+         "f16 KV, one process each, alternating; medians). Targets: prefill of 512 tokens >= 2x "
+         "llama.cpp, SmolLM2 decode at 16k >= 3x.\n\n")
+    d = load(work, "vs_llamacpp_models.json")
+    if not d:
+        return s + not_run(work, "vs_llamacpp_models", "model")
+    s += ("| model | matmul | context | threads | decode ms/token treeattn | llama.cpp | llama.cpp / "
+          "treeattn | prefill tokens/s treeattn | llama.cpp | treeattn / llama.cpp |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    for m in d.get("models", []):
+        for r in m.get("results", []):
+            pt, pl = r.get("prefill_treeattn_tokens_per_s"), r.get("prefill_llamacpp_tokens_per_s")
+            s += "| %s | %s | %d | %d | %.2f | %.2f | %.2fx | %s | %s | %s |\n" % (
+                m["name"], r["matmul"], r["context"], m.get("threads", 0), r["treeattn_ms"],
+                r["llamacpp_ms"], r["llamacpp_ms"] / r["treeattn_ms"],
+                "%.0f" % pt if pt else "-", "%.0f" % pl if pl else "-",
+                "%.2fx" % (pt / pl) if pt and pl else "-")
+    s += "\nLoad at the end of the run: %s.\n" % d.get("load", "?").split("load average:")[-1].strip()
+    return s
+
+
 SECTIONS = {"merge_methods": section_merge_methods, "kv_capacity": section_kv_capacity,
-            "dense_split": section_dense_split, "window_pages": section_window_pages}
+            "dense_split": section_dense_split, "window_pages": section_window_pages,
+            "vs_llamacpp_models": section_vs_llamacpp_models}
 
 
 def previous_sections(path):
@@ -549,7 +585,8 @@ def main():
     previous = previous_sections(a.out)
     kept = []
     body = ""
-    for sec in (section_main, section_kernel, section_treering, section_model, section_load,
+    for sec in (section_main, section_kernel, section_treering, section_model,
+                section_vs_llamacpp_models, section_load,
                 section_merge_methods, section_kv_capacity, section_window_pages,
                 section_dense_split, section_sweep, section_validate):
         body += keep_previous(sec(a.work), previous, kept) + "\n"

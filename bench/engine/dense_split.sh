@@ -14,13 +14,20 @@
 #      (10gbit, 1gbit, veth = unshaped): 2 ranks replicated, split and auto in turn, one cluster
 #      session per link, auto planning on the link's preset with one rank per host (emu-veth's
 #      numbers for 10gbit and veth, emu-1gbit's for 1gbit), its prediction beside the figures.
+#      Where tools/build-llama-server.sh built rpc-server, llama.cpp's multi-host mode on the same
+#      two hosts and request (llama_rpc_itl.py: llama-server on host 0 holding the first half of
+#      the layers and the head, rpc-server on host 1 the second half, one thread each, the same
+#      prompt ids, flash attention, f16 KV) after treeattn's runs.
 #
 #   bench/engine/dense_split.sh [--quick] [--out DIR] [--models LIST] [--contexts LIST]
-#                               [--rounds N] [--cluster LINKS] [--cluster-only]
+#                               [--rounds N] [--cluster LINKS] [--cluster-only] [--add] [--no-llama]
 #     --quick     SmolLM2 only, 1 round (default: SmolLM2 and Qwen2.5-Coder-1.5B, 2 rounds)
 #     --models    tools/models.txt names, comma-separated (absent files are skipped)
 #     --contexts  prompt tokens, comma-separated (default 512; the prompt is prefilled for real,
 #                 one thread per rank: 16384 tokens take tens of minutes on a 1.5B model)
+#     --no-llama  no llama.cpp runs on the emulated hosts
+#     --add       keep DIR's earlier runs, a run of the same name replacing its earlier one
+#                 (--cluster-only implies it): a longer context or another link added to a table
 # Writes DIR/dense_split.json and each run's JSON and log (default out/dense_split);
 # tools/results.sh renders it (results.md, "Dense split"). $TREEATTN_BUILD: the build
 # (default build/release; tools/build.sh builds it).
@@ -34,6 +41,8 @@ rounds=2
 new=33
 links=""
 own_runs=1
+keep=0
+llama=1
 while [ $# -gt 0 ]; do
   case $1 in
     --quick) models=smollm2-135m; rounds=1; shift ;;
@@ -42,7 +51,9 @@ while [ $# -gt 0 ]; do
     --contexts) contexts=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
     --cluster) links=$2; shift 2 ;;
-    --cluster-only) own_runs=0; shift ;;
+    --cluster-only) own_runs=0; keep=1; shift ;;
+    --add) keep=1; shift ;;
+    --no-llama) llama=0; shift ;;
     *) echo "dense_split.sh: unknown option '$1'" >&2; exit 2 ;;
   esac
 done
@@ -53,13 +64,15 @@ B=$build/cli/treeattn
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-# --cluster-only adds its runs to DIR's earlier ones (its own replace theirs).
-if [ "$own_runs" = 1 ]; then
-  : > "$out/runs.txt"
-else
-  touch "$out/runs.txt"
-  sed -i '/^host_/d' "$out/runs.txt"
-fi
+# --add and --cluster-only add their runs to DIR's earlier ones (their own replace those).
+if [ "$keep" = 1 ]; then touch "$out/runs.txt"; else : > "$out/runs.txt"; fi
+
+# unlisted NAME: NAME is not in the table; listed NAME: its run is, once.
+unlisted() {
+  grep -vxF -- "$1" "$out/runs.txt" > "$out/runs.txt.new" || true
+  mv "$out/runs.txt.new" "$out/runs.txt"
+}
+listed() { unlisted "$1"; echo "$1" >> "$out/runs.txt"; }
 
 # run NAME ARGS...: one generate run, its JSON in NAME.json, listed in runs.txt.
 run() {
@@ -67,7 +80,7 @@ run() {
   echo "== $name: $B generate $*" >&2
   "$B" generate --engine --quiet --ignore-eos --json "$out/$name.json" "$@" > "$out/$name.log" 2>&1 \
     || { echo "dense_split.sh: $name failed (see $out/$name.log)" >&2; tail -3 "$out/$name.log" >&2; exit 1; }
-  echo "$name" >> "$out/runs.txt"
+  listed "$name"
 }
 
 for m in ${models//,/ }; do
@@ -92,6 +105,41 @@ done
 
 # 2 emulated hosts x 1 rank per link: replicated, split and auto in one cluster session.
 cluster=$root/tools/cluster/cluster.sh
+lbin=$root/build/llama-server/bin
+if [ "$llama" = 1 ] && [ -n "$links" ] && ! [ -x "$lbin/rpc-server" ]; then
+  echo "dense_split.sh: $lbin/rpc-server is not built (tools/build-llama-server.sh): no llama.cpp runs" >&2
+  llama=0
+fi
+
+# llama_rpc LINK MODEL PATH CONTEXT: llama.cpp's multi-host mode on the running cluster, the
+# prompt ids of treeattn's replicated run, half the repeating layers on host 1's rpc-server.
+llama_rpc() {
+  local link=$1 m=$2 path=$3 c=$4 py layers arch trained name rpc_pid
+  py=$("$root/tools/ref-venv.sh")
+  read -r arch layers trained < <("$py" -c '
+import sys, gguf
+r = gguf.GGUFReader(sys.argv[1])
+a = r.fields["general.architecture"].contents()
+g = lambda k: int(r.fields[a + "." + k].contents()) if a + "." + k in r.fields else 0
+print(a, g("block_count"), g("context_length"))' "$path")
+  name="host_${link}_${m}_${c}_llamarpc"
+  echo "== $name (llama-server --rpc, $((layers / 2)) of $layers layers on host 1)" >&2
+  "$cluster" exec treeattn-h1 -- "$lbin/rpc-server" -H 10.213.0.2 -p 50052 -t 1 \
+    > "$out/$name.rpc.log" 2>&1 &
+  rpc_pid=$!
+  sleep 2
+  if "$cluster" exec treeattn-h0 -- "$py" "$root/bench/engine/llama_rpc_itl.py" \
+       --llama-server "$lbin/llama-server" --model "$path" --rpc 10.213.0.2:50052 \
+       --ngl $((layers / 2)) --ids "$out/host_${link}_${m}_${c}_replicated.json" --steps "$new" \
+       --threads 1 --arch "$arch" --trained "$trained" --json "$out/$name.json" >&2; then
+    listed "$name"
+  else
+    echo "dense_split.sh: $name failed (see $out/$name.json.log)" >&2
+    unlisted "$name"
+  fi
+  kill "$rpc_pid" 2> /dev/null || true  # cluster.sh exec execs into rpc-server: the same pid
+  wait "$rpc_pid" 2> /dev/null || true
+}
 for link in ${links//,/ }; do
   preset=emu-veth
   [ "$link" = 1gbit ] && preset=emu-1gbit
@@ -115,9 +163,11 @@ json.dump(t, open(sys.argv[2], "w"), indent=1)' "$preset" "$out/topo_$link.json"
           --quiet --ignore-eos --model "$path" --prompt-tokens "$c" --new-tokens "$new" \
           --threads 1 --hash-logits --dense "$d" --topology "$out/topo_$link.json" \
           --json "$out/$name.json" > "$out/$name.log" 2>&1 \
-          || { echo "dense_split.sh: $name failed (see $out/$name.log)" >&2; continue; }
-        echo "$name" >> "$out/runs.txt"
+          || { echo "dense_split.sh: $name failed (see $out/$name.log)" >&2; unlisted "$name"; continue; }
+        listed "$name"
       done
+      [ "$llama" = 1 ] && [ -f "$out/host_${link}_${m}_${c}_replicated.json" ] &&
+        llama_rpc "$link" "$m" "$path" "$c"
     done
   done
   "$cluster" down > /dev/null
@@ -130,6 +180,10 @@ runs = [l.strip() for l in open(os.path.join(out, "runs.txt")) if l.strip()]
 doc = {"load": load, "itl": [], "rss": [], "auto": [], "hosts": []}
 for name in runs:
     j = json.load(open(os.path.join(out, name + ".json")))
+    if name.endswith("_llamarpc"):
+        _, link, rest = name.split("_", 2)
+        doc.setdefault("llama_rpc", []).append(dict(j, link=link, context=j["prompt_tokens"]))
+        continue
     size = os.path.getsize(j["model"])
     base = {"model": os.path.basename(j["model"]), "ranks": j["ranks"], "dense": j["dense"],
             "matmul": j["matmul"], "isa": j["isa"], "file_bytes": size}
