@@ -87,7 +87,7 @@ else
   server="$build/../llama-server/bin/llama-server"
   [ -x "$server" ] || server="$root/build/llama-server/bin/llama-server"
   if [ -x "$server" ]; then
-    step vsllamacpp python3 bench/model/vs_llamacpp.py --treeattn "$B" --model "$model" \
+    step vsllamacpp "$(tools/ref-venv.sh)" bench/model/vs_llamacpp.py --treeattn "$B" --model "$model" \
       --threads 1 --contexts "$contexts" --repeats 1 --llama-server "$server" \
       --json "$work/vsllamacpp.json"
   else

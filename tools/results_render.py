@@ -391,12 +391,15 @@ def section_dense_split(work):
             share = r["file_bytes"] / r["ranks"]
             res = r["weights_resident_bytes_by_rank"]
             s += "| %s | %s | %d | %s | %s | %.3f |\n" % (
-                r["model"], r["matmul"], r["ranks"], fmt_bytes(share),
+                r["model"], r["matmul"] + (" (--no-rows8)" if r["matmul"] != "exact" and
+                                           not r.get("rows8_bytes_rank0") else ""),
+                r["ranks"], fmt_bytes(share),
                 " ".join(fmt_bytes(b) for b in res), max(res) / share)
     if d.get("hosts"):
         s += ("\n2 emulated hosts x 1 rank (`tools/cluster`, `--cluster LINKS`): the same request, "
               "each link in one cluster session; auto planned on the link's preset with one rank "
-              "per host. llama.cpp rows: its multi-host mode on the same two hosts "
+              "per host, its predictions the dense part of a token (weight reads and all-gathers; "
+              "the attention is the same either way). llama.cpp rows: its multi-host mode on the same two hosts "
               "(`llama-server --rpc` on host 0 with the first half of the layers and the head, "
               "`rpc-server` on host 1 with the rest, 1 thread each, the same prompt ids, flash "
               "attention, f16 KV; the ITL is the server's mean per generated token).\n\n"
@@ -495,7 +498,8 @@ def section_validate(work):
 
 def section_vs_llamacpp_models(work):
     s = ("## llama.cpp by model\n\n`bench/model/vs_llamacpp_models.sh`: every shipped model in its "
-         "default matmul mode against llama.cpp's llama-server (`bench/model/vs_llamacpp.py`: the "
+         "default matmul mode against llama.cpp's llama-server as `tools/build-llama-server.sh` "
+         "builds it (this CPU's ISA, AMX off) (`bench/model/vs_llamacpp.py`: the "
          "same GGUF and prompt ids, the same threads for prefill and decode, flash attention on, "
          "f16 KV, one process each, alternating; medians). Targets: prefill of 512 tokens >= 2x "
          "llama.cpp, SmolLM2 decode at 16k >= 3x.\n\n")

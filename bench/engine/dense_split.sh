@@ -8,7 +8,7 @@
 #      auto's choice with its two predictions.
 #   2. Resident weights per rank (weights_resident_bytes_by_rank: the model file's pages each rank
 #      touched, from /proc/self/smaps, plus its own rows8 copy) with --dense split at 2 and 4 ranks,
-#      --matmul exact (no rows8 copy) and int8 (with it), against 1/p of the file.
+#      --matmul exact (no rows8 copy), int8 (with it) and int8 --no-rows8, against 1/p of the file.
 #
 #   3. With --cluster LINKS (root: tools/cluster), 2 emulated hosts x 1 rank over each link
 #      (10gbit, 1gbit, veth = unshaped): 2 ranks replicated, split and auto in turn, one cluster
@@ -96,9 +96,11 @@ for m in ${models//,/ }; do
   done
   run "auto_${m}" --model "$path" --prompt-tokens 64 --new-tokens 2 --threads 1 --ranks 2
   for p in 2 4; do
-    for mm in exact int8; do
+    for mm in exact int8 int8-norows8; do
+      flags=(--matmul "${mm%-norows8}")
+      [ "$mm" = int8-norows8 ] && flags+=(--no-rows8)
       run "rss_${m}_${p}_${mm}" --model "$path" --prompt-tokens 256 --new-tokens 4 --threads 1 \
-        --ranks "$p" --dense split --matmul "$mm"
+        --ranks "$p" --dense split "${flags[@]}"
     done
   done
 done
