@@ -111,67 +111,45 @@ else
   fi
 fi
 
-# The served merge, method by method, on emulated hosts (root: network namespaces). Full mode
-# runs it; --quick takes the last run of bench/engine/merge_methods.sh (out/merge_methods) when
-# there is one, and says so.
-if [ "$quick" = 0 ] && [ "$(id -u)" = 0 ]; then
-  step merge_methods bench/engine/merge_methods.sh --out "$work/merge_methods_run"
-  cp "$work/merge_methods_run/merge_methods.json" "$work/merge_methods.json" 2>/dev/null
-elif [ -f out/merge_methods/merge_methods.json ]; then
-  cp out/merge_methods/merge_methods.json "$work/merge_methods.json"
-  echo "merge_methods from out/merge_methods/merge_methods.json (bench/engine/merge_methods.sh)" >> "$status"
-else
-  skip merge_methods "--quick without an earlier bench/engine/merge_methods.sh run (needs root)"
-fi
+# from_run NAME SCRIPT CAN WHY FILE[:AS]...: a benchmark with a runner of its own. Full mode runs
+# SCRIPT --out into the work directory where CAN is 1; otherwise (--quick, or a run it cannot make
+# here) the last run in out/NAME is taken when there is one (its first FILE), and the status says
+# so; else the section is skipped with WHY. Each FILE is copied to the work directory (as AS).
+from_run() {
+  local name=$1 script=$2 can=$3 why=$4 dir f
+  shift 4
+  if [ "$quick" = 0 ] && [ "$can" = 1 ]; then
+    dir="$work/${name}_run"
+    step "$name" "$script" --out "$dir"
+  elif [ -f "out/$name/${1%%:*}" ]; then
+    dir="out/$name"
+    echo "$name from out/$name ($script)" >> "$status"
+  else
+    skip "$name" "$why"
+    return 0
+  fi
+  for f in "$@"; do cp "$dir/${f%%:*}" "$work/${f#*:}" 2>/dev/null || true; done
+}
+is_root=$([ "$(id -u)" = 0 ] && echo 1 || echo 0)
+has_llama=$([ -x "$root/build/llama-server/bin/llama-server" ] && echo 1 || echo 0)
 
-# KV capacity (bench/engine/kv_capacity.sh: a server under 8 long chats, then the KV page types).
-# Full mode runs it; --quick takes the last run (out/kv_capacity) when there is one.
-if [ "$quick" = 0 ]; then
-  step kv_capacity bench/engine/kv_capacity.sh --out "$work/kv_capacity_run"
-  cp "$work/kv_capacity_run/capacity.json" "$work/kv_capacity_run/kv_dtype.log" "$work/" 2>/dev/null
-elif [ -f out/kv_capacity/capacity.json ]; then
-  cp out/kv_capacity/capacity.json out/kv_capacity/kv_dtype.log "$work/" 2>/dev/null
-  echo "kv_capacity from out/kv_capacity (bench/engine/kv_capacity.sh)" >> "$status"
-else
-  skip kv_capacity "--quick without an earlier bench/engine/kv_capacity.sh run"
-fi
-
-# Every shipped model against llama.cpp (bench/model/vs_llamacpp_models.sh). Full mode runs it
-# where llama-server is built; --quick takes the last run (out/vs_llamacpp_models) when there is one.
-if [ "$quick" = 0 ] && [ -x "$root/build/llama-server/bin/llama-server" ]; then
-  step vs_llamacpp_models bench/model/vs_llamacpp_models.sh --out "$work/vs_llamacpp_models_run"
-  cp "$work/vs_llamacpp_models_run/models.json" "$work/vs_llamacpp_models.json" 2>/dev/null
-elif [ -f out/vs_llamacpp_models/models.json ]; then
-  cp out/vs_llamacpp_models/models.json "$work/vs_llamacpp_models.json"
-  echo "vs_llamacpp_models from out/vs_llamacpp_models (bench/model/vs_llamacpp_models.sh)" >> "$status"
-else
-  skip vs_llamacpp_models "no earlier bench/model/vs_llamacpp_models.sh run and llama-server not built"
-fi
-
-# The dense layers split over the ranks (bench/engine/dense_split.sh: generate at 1 rank and 2
-# ranks replicated and split, resident weights at 2 and 4 ranks). Full mode runs it; --quick
-# takes the last run (out/dense_split) when there is one.
-if [ "$quick" = 0 ]; then
-  step dense_split bench/engine/dense_split.sh --out "$work/dense_split_run"
-  cp "$work/dense_split_run/dense_split.json" "$work/" 2>/dev/null
-elif [ -f out/dense_split/dense_split.json ]; then
-  cp out/dense_split/dense_split.json "$work/"
-  echo "dense_split from out/dense_split (bench/engine/dense_split.sh)" >> "$status"
-else
-  skip dense_split "--quick without an earlier bench/engine/dense_split.sh run"
-fi
-
-# Window pages (bench/engine/window_pages.sh: Gemma-3-270M at a 32k context, with and without).
-# Full mode runs it; --quick takes the last run (out/window_pages) when there is one.
-if [ "$quick" = 0 ]; then
-  step window_pages bench/engine/window_pages.sh --out "$work/window_pages_run"
-  cp "$work/window_pages_run/window.json" "$work/window_pages_run/all.json" "$work/" 2>/dev/null
-elif [ -f out/window_pages/window.json ]; then
-  cp out/window_pages/window.json out/window_pages/all.json "$work/" 2>/dev/null
-  echo "window_pages from out/window_pages (bench/engine/window_pages.sh)" >> "$status"
-else
-  skip window_pages "--quick without an earlier bench/engine/window_pages.sh run"
-fi
+# The served merge, method by method, on emulated hosts (root: network namespaces).
+from_run merge_methods bench/engine/merge_methods.sh "$is_root" \
+  "--quick without an earlier bench/engine/merge_methods.sh run (needs root)" merge_methods.json
+# KV capacity: a server under 8 long chats, then the KV page types.
+from_run kv_capacity bench/engine/kv_capacity.sh 1 \
+  "--quick without an earlier bench/engine/kv_capacity.sh run" capacity.json kv_dtype.log
+# Every shipped model against llama.cpp, where llama-server is built.
+from_run vs_llamacpp_models bench/model/vs_llamacpp_models.sh "$has_llama" \
+  "no earlier bench/model/vs_llamacpp_models.sh run and llama-server not built" \
+  models.json:vs_llamacpp_models.json
+# The dense layers split over the ranks: generate at 1 rank and 2 ranks replicated and split,
+# resident weights at 2 and 4 ranks.
+from_run dense_split bench/engine/dense_split.sh 1 \
+  "--quick without an earlier bench/engine/dense_split.sh run" dense_split.json
+# Window pages: Gemma-3-270M at a 32k context, with and without.
+from_run window_pages bench/engine/window_pages.sh 1 \
+  "--quick without an earlier bench/engine/window_pages.sh run" window.json all.json
 
 mode=$([ "$quick" = 1 ] && echo quick || echo full)
 if ! python3 tools/results_render.py --work "$work" --build "$build" --mode "$mode" --out "$out"; then

@@ -517,7 +517,6 @@ def section_vs_llamacpp_models(work):
                 r["llamacpp_ms"], r["llamacpp_ms"] / r["treeattn_ms"],
                 "%.0f" % pt if pt else "-", "%.0f" % pl if pl else "-",
                 "%.2fx" % (pt / pl) if pt and pl else "-")
-    s += "\nLoad at the end of the run: %s.\n" % d.get("load", "?").split("load average:")[-1].strip()
     return s
 
 
