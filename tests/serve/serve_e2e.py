@@ -22,7 +22,8 @@ Cases (each starts its own server on a free port, --port 0, and reads the addres
               clients equal `treeattn generate --engine` token for token
   dense2      2 ranks, the server with --dense split (named on its start line and in
               /v1/models' meta): 8 concurrent clients get `generate --engine --dense
-              replicated`'s tokens
+              replicated`'s tokens; a client that disconnects mid-stream (no page kept) and a
+              malformed body (400) leave the next answer as it was
   sigterm2    2 ranks (mpirun started by serve): SIGTERM during a stream, exit 0
   endpoints2  2 ranks: /tokenize -> /detokenize round trip (pieces too), /apply-template's prompt
               tokenized == a chat's usage.prompt_tokens, --served-model-name aliases and the 404
@@ -611,6 +612,31 @@ def check_dense_split(s):
     check(code == 200 and meta.get("dense") == "split" and meta.get("dense_requested") == "split",
           "/v1/models meta: dense %s (requested %s)" % (meta.get("dense"),
                                                           meta.get("dense_requested")), s)
+    # A client that goes away mid-stream while the ranks all-gather every matrix group: its
+    # request ends as disconnected, no rank keeps a page, and the next request's tokens are the
+    # ones the same request got before.
+    c = s.client()
+    ask = dict(model="any", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    before = c.completions.create(**ask).choices[0].text
+    so = raw_stream(s.url, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 2000,
+                                               "stream": True, "ignore_eos": True})
+    got, piece = b"", b"x"
+    while b"data: " not in got and piece:
+        piece = so.recv(4096)
+        got += piece
+    check(b"data: " in got, "the stream under --dense split started", s)
+    so.close()
+    m = no_leaks(s, "a client disconnected mid-stream under --dense split")
+    gone = 'treeattn_requests_finished_total{reason="disconnected"}'
+    check(m.get(gone, 0) >= 1, "it ended as disconnected: %s" % m.get(gone), s)
+    # A malformed body: a 400 in OpenAI's shape, and the engine goes on.
+    code, out = s.curl("-H", "Content-Type: application/json", "--data-binary", '{"prompt": ',
+                       s.url + "/v1/completions")
+    err = json.loads(out).get("error", {})
+    check(code == 400 and set(err) >= {"message", "type", "param", "code"},
+          "a malformed body under --dense split: 400 %s" % err.get("message", "")[:60], s)
+    after = c.completions.create(**ask).choices[0].text
+    check(after == before, "the same greedy answer before and after the disconnect: %r" % after, s)
 
 
 def case_window2():
