@@ -3,7 +3,7 @@
 # PyPI vendors (vendor/llama.cpp in its source distribution), for bench/serve/loadgen.py's
 # comparison on the same GGUF. Result: build/llama-server/bin/llama-server and its multi-host
 # worker build/llama-server/bin/rpc-server (GGML_RPC on: llama-server --rpc HOST:PORT puts layers
-# on rpc-servers; bench/engine/vs_llamacpp_rpc.sh), and the version it was built from in
+# on rpc-servers; bench/engine/dense_split.sh --cluster), and the version it was built from in
 # build/llama-server/VERSION. Takes a long time on few cores (the whole of
 # ggml and llama.cpp: about half an hour on 2 cores).
 #

@@ -86,12 +86,14 @@ else
   done
   server="$build/../llama-server/bin/llama-server"
   [ -x "$server" ] || server="$root/build/llama-server/bin/llama-server"
-  if [ -x "$server" ]; then
-    step vsllamacpp "$(tools/ref-venv.sh)" bench/model/vs_llamacpp.py --treeattn "$B" --model "$model" \
+  if ! [ -x "$server" ]; then
+    skip vsllamacpp "llama-server not built (tools/build-llama-server.sh)"
+  elif ! ref_py="$(tools/ref-venv.sh)"; then
+    skip vsllamacpp "no reference venv (tools/ref-venv.sh failed)"
+  else
+    step vsllamacpp "$ref_py" bench/model/vs_llamacpp.py --treeattn "$B" --model "$model" \
       --threads 1 --contexts "$contexts" --repeats 1 --llama-server "$server" \
       --json "$work/vsllamacpp.json"
-  else
-    skip vsllamacpp "llama-server not built (tools/build-llama-server.sh)"
   fi
   venv_py="$root/build/serve-venv/bin/python"
   if [ -x "$venv_py" ]; then

@@ -83,27 +83,28 @@ run() {
   listed "$name"
 }
 
-for m in ${models//,/ }; do
-  [ "$own_runs" = 1 ] || break
-  path=$("$root/tools/model-path.sh" "$m" 2>/dev/null) || { echo "dense_split.sh: $m absent, skipped" >&2; continue; }
-  for c in ${contexts//,/ }; do
-    for r in $(seq 1 "$rounds"); do
-      common=(--model "$path" --prompt-tokens "$c" --new-tokens "$new" --threads 1 --hash-logits)
-      run "itl_${m}_${c}_1rank_r$r" "${common[@]}" --ranks 1
-      run "itl_${m}_${c}_2replicated_r$r" "${common[@]}" --ranks 2 --dense replicated
-      run "itl_${m}_${c}_2split_r$r" "${common[@]}" --ranks 2 --dense split
+if [ "$own_runs" = 1 ]; then
+  for m in ${models//,/ }; do
+    path=$("$root/tools/model-path.sh" "$m" 2>/dev/null) || { echo "dense_split.sh: $m absent, skipped" >&2; continue; }
+    for c in ${contexts//,/ }; do
+      for r in $(seq 1 "$rounds"); do
+        common=(--model "$path" --prompt-tokens "$c" --new-tokens "$new" --threads 1 --hash-logits)
+        run "itl_${m}_${c}_1rank_r$r" "${common[@]}" --ranks 1
+        run "itl_${m}_${c}_2replicated_r$r" "${common[@]}" --ranks 2 --dense replicated
+        run "itl_${m}_${c}_2split_r$r" "${common[@]}" --ranks 2 --dense split
+      done
+    done
+    run "auto_${m}" --model "$path" --prompt-tokens 64 --new-tokens 2 --threads 1 --ranks 2
+    for p in 2 4; do
+      for mm in exact int8 int8-norows8; do
+        flags=(--matmul "${mm%-norows8}")
+        [ "$mm" = int8-norows8 ] && flags+=(--no-rows8)
+        run "rss_${m}_${p}_${mm}" --model "$path" --prompt-tokens 256 --new-tokens 4 --threads 1 \
+          --ranks "$p" --dense split "${flags[@]}"
+      done
     done
   done
-  run "auto_${m}" --model "$path" --prompt-tokens 64 --new-tokens 2 --threads 1 --ranks 2
-  for p in 2 4; do
-    for mm in exact int8 int8-norows8; do
-      flags=(--matmul "${mm%-norows8}")
-      [ "$mm" = int8-norows8 ] && flags+=(--no-rows8)
-      run "rss_${m}_${p}_${mm}" --model "$path" --prompt-tokens 256 --new-tokens 4 --threads 1 \
-        --ranks "$p" --dense split "${flags[@]}"
-    done
-  done
-done
+fi
 
 # 2 emulated hosts x 1 rank per link: replicated, split and auto in one cluster session.
 cluster=$root/tools/cluster/cluster.sh
@@ -115,25 +116,19 @@ fi
 
 # llama_rpc LINK MODEL PATH CONTEXT: llama.cpp's multi-host mode on the running cluster, the
 # prompt ids of treeattn's replicated run, half the repeating layers on host 1's rpc-server.
+[ "$llama" = 1 ] && [ -n "$links" ] && py=$("$root/tools/ref-venv.sh")  # gguf for llama_rpc_itl.py
 llama_rpc() {
-  local link=$1 m=$2 path=$3 c=$4 py layers arch trained name rpc_pid
-  py=$("$root/tools/ref-venv.sh")
-  read -r arch layers trained < <("$py" -c '
-import sys, gguf
-r = gguf.GGUFReader(sys.argv[1])
-a = r.fields["general.architecture"].contents()
-g = lambda k: int(r.fields[a + "." + k].contents()) if a + "." + k in r.fields else 0
-print(a, g("block_count"), g("context_length"))' "$path")
+  local link=$1 m=$2 path=$3 c=$4 name rpc_pid
   name="host_${link}_${m}_${c}_llamarpc"
-  echo "== $name (llama-server --rpc, $((layers / 2)) of $layers layers on host 1)" >&2
+  echo "== $name (llama-server --rpc, half the layers on host 1)" >&2
   "$cluster" exec treeattn-h1 -- "$lbin/rpc-server" -H 10.213.0.2 -p 50052 -t 1 \
     > "$out/$name.rpc.log" 2>&1 &
   rpc_pid=$!
   sleep 2
   if "$cluster" exec treeattn-h0 -- "$py" "$root/bench/engine/llama_rpc_itl.py" \
        --llama-server "$lbin/llama-server" --model "$path" --rpc 10.213.0.2:50052 \
-       --ngl $((layers / 2)) --ids "$out/host_${link}_${m}_${c}_replicated.json" --steps "$new" \
-       --threads 1 --arch "$arch" --trained "$trained" --json "$out/$name.json" >&2; then
+       --ids "$out/host_${link}_${m}_${c}_replicated.json" --steps "$new" --threads 1 \
+       --json "$out/$name.json" >&2; then
     listed "$name"
   else
     echo "dense_split.sh: $name failed (see $out/$name.json.log)" >&2

@@ -10,7 +10,8 @@
 #   bench/engine/window_pages.sh [--quick] [--out DIR]
 #     --quick   an 8k-token prompt (default 32,000 of Gemma 3's 32,768-token context)
 # Writes DIR/window.json and DIR/all.json (default out/window_pages); tools/results.sh renders
-# them (results.md, "Window pages"). Needs the built tree (tools/build.sh) and the model
+# them (results.md, "Window pages"). Needs the built tree ($TREEATTN_BUILD, default build/release;
+# tools/build.sh builds it) and the model
 # (tools/fetch-model.sh gemma-3-270m).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,7 +25,9 @@ while [ $# -gt 0 ]; do
     *) echo "window_pages.sh: unknown option '$1'" >&2; exit 2 ;;
   esac
 done
-B=$root/build/release/cli/treeattn
+build="${TREEATTN_BUILD:-build/release}"
+case "$build" in /*) ;; *) build="$root/$build" ;; esac
+B=$build/cli/treeattn
 [ -x "$B" ] || { echo "window_pages.sh: $B is not built (tools/build.sh)" >&2; exit 2; }
 model=$("$root/tools/model-path.sh" gemma-3-270m) ||
   { echo "window_pages.sh: no gemma-3-270m (tools/fetch-model.sh gemma-3-270m)" >&2; exit 2; }

@@ -71,19 +71,23 @@ def run_treeattn(b, model, ctx, threads, new_tokens, engine=False, matmul="int8"
 
 
 class LlamaServer:
-    """llama.cpp's llama-server on 127.0.0.1 for one model."""
+    """llama.cpp's llama-server on 127.0.0.1 for one model (its output into `log`, a file, when
+    given)."""
 
-    def __init__(self, path, model, threads, ctx, threads_batch, extra=()):
+    def __init__(self, path, model, threads, ctx, threads_batch, extra=(), log=None):
         import socket
         with socket.socket() as so:
             so.bind(("127.0.0.1", 0))
             self.port = so.getsockname()[1]
+        out = log if log is not None else subprocess.DEVNULL
         self.proc = subprocess.Popen(
-            [path, "-m", model, "--port", str(self.port), "-t", str(threads), "-tb", str(threads_batch),
-             "-c", str(ctx), "-np", "1", "-fa", "on", "-b", "512", *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [path, "-m", model, "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
+             "-tb", str(threads_batch), "-c", str(ctx), "-np", "1", "-fa", "on", "-b", "512", *extra],
+            stdout=out, stderr=subprocess.STDOUT if log is not None else subprocess.DEVNULL)
         import urllib.request
         for _ in range(600):
+            if self.proc.poll() is not None:
+                raise RuntimeError("llama-server exited %d" % self.proc.returncode)
             try:
                 with urllib.request.urlopen("http://127.0.0.1:%d/health" % self.port, timeout=2) as r:
                     if r.status == 200:
@@ -146,6 +150,14 @@ def train_context(model):
     arch = r.fields["general.architecture"].contents()
     key = arch + ".context_length"
     return arch, int(r.fields[key].contents()) if key in r.fields else 0
+
+
+def context_override(model, ctx):
+    """llama-server caps its cache at the trained context (SmolLM2: 8192); decode speed does not
+    depend on that number, so a longer benchmark context raises it."""
+    arch, trained = train_context(model)
+    return (["--override-kv", "%s.context_length=int:%d" % (arch, ctx)]
+            if trained and ctx > trained else [])
 
 
 def run_llamacpp(model, ids, threads, steps):
@@ -223,13 +235,9 @@ def main():
 
 
 def measure(a, contexts, steps, bw, weight_bytes, kv_bytes, use_server, results):
-    arch, trained = train_context(a.model) if use_server else ("", 0)
     for ctx in contexts:
         # a cache sized for this context: llama.cpp's attention reads the cells it has, rounded up
-        # llama-server caps its cache at the trained context (SmolLM2: 8192); decode speed does not
-        # depend on that number, so a longer benchmark context raises it
-        extra = (["--override-kv", "%s.context_length=int:%d" % (arch, ctx + steps + 64)]
-                 if trained and ctx + steps + 64 > trained else [])
+        extra = context_override(a.model, ctx + steps + 64) if use_server else []
         server = (LlamaServer(a.llama_server, a.model, a.threads, ctx + steps + 64,
                               a.threads_batch or a.threads, extra) if use_server else None)
         try:
