@@ -11,7 +11,6 @@
 #include <fstream>
 #include <memory>
 #include <string>
-#include <thread>
 
 #include "commands.hpp"
 #include "options.hpp"
@@ -117,8 +116,6 @@ nlohmann::json matmul_json(const model::MatmulTuneResult& r) {
 }
 #endif
 
-int cores() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
-
 Result<std::vector<TuneKey>> keys_of(const TuneFlags& f) {
   std::vector<TuneKey> keys;
   std::vector<DType> dtypes;
@@ -143,7 +140,7 @@ Result<std::vector<TuneKey>> keys_of(const TuneFlags& f) {
   for (const std::string& t : split_list(f.threads)) {
     auto v = parse_count(t, kMaxThreads);
     if (!v.is_ok()) return invalid_argument("--threads: " + v.status().message());
-    const int n = *v == 0 ? cores() : static_cast<int>(*v);
+    const int n = *v == 0 ? default_threads(1) : static_cast<int>(*v);
     if (std::find(threads.begin(), threads.end(), n) == threads.end()) threads.push_back(n);
   }
   if (dtypes.empty() || dims.empty() || groups.empty() || threads.empty())

@@ -140,9 +140,21 @@ DenseQuery dense_query(const model::LlamaModel& model, int ranks) {
   const model::DenseWeights& w = model.weights();
   DenseQuery q;
   q.weight_bytes = static_cast<double>(w.bytes());
+  // The largest rank's share, as LlamaModel::slice would cut it (slice_rows of every matrix and
+  // the head), counted without mapping it; a model that cannot be sliced has none.
   for (int i = 0; i < ranks; ++i) {
-    auto s = model.slice(i, ranks);
-    if (s.is_ok()) q.slice_bytes = std::max(q.slice_bytes, static_cast<double>(s->bytes()));
+    bool sliceable = true;
+    double share = 0;
+    auto add = [&](const model::WeightMatrix& m) {
+      const model::RowRange r = model::slice_rows(m.rows, i, ranks);
+      sliceable = sliceable && model::check_row_slice(m, r).is_ok();
+      share += static_cast<double>(r.size()) * static_cast<double>(m.row_bytes);
+    };
+    add(w.matrix(0, model::Projection::kHead));
+    for (int l = 0; l < w.layers(); ++l)
+      for (int pr = 0; pr + 1 < model::kProjections; ++pr)
+        add(w.matrix(l, static_cast<model::Projection>(pr)));
+    if (sliceable) q.slice_bytes = std::max(q.slice_bytes, share);
   }
   double weights = 0;
   for (int l = 0; l < w.layers(); ++l)

@@ -59,9 +59,9 @@ uint64_t max_peak_rss(const Output& o) {
 
 namespace {
 
-std::string rss_list(const Output& o) {
+std::string bytes_list(const std::vector<uint64_t>& by_rank) {
   std::string list;
-  for (uint64_t r : o.peak_rss_by_rank)
+  for (uint64_t r : by_rank)
     list += (list.empty() ? "" : " ") + format_bytes(static_cast<double>(r));
   return list;
 }
@@ -80,7 +80,7 @@ std::string engine_report_text(const Output& o, const std::string& merge) {
           static_cast<long long>(o.prompt.size()), static_cast<long long>(o.cached_tokens),
           o.ttft_ms, e.prefill_tokens_per_s, merge.c_str(), o.dense_choice.mode(), o.tokens.size(),
           e.p50_ms, e.p99_ms, e.tokens_per_s, format_bytes(o.bytes_per_token).c_str(),
-          static_cast<long long>(o.merges), rss_list(o).c_str());
+          static_cast<long long>(o.merges), bytes_list(o.peak_rss_by_rank).c_str());
   if (o.window_pages_per_rank > 0)
     appendf(out,
             "KV pages in use at most (all ranks): %lld full pages (%s, global layers), %lld "
@@ -99,11 +99,8 @@ std::string engine_report_text(const Output& o, const std::string& merge) {
             format_bytes(static_cast<double>(o.kv_bytes_used_peak)).c_str(),
             static_cast<long long>(o.pages_per_rank), static_cast<long long>(o.page_tokens));
   if (!o.weights_resident_by_rank.empty()) {
-    std::string list;
-    for (uint64_t r : o.weights_resident_by_rank)
-      list += (list.empty() ? "" : " ") + format_bytes(static_cast<double>(r));
     appendf(out, "weights resident per rank (the file's pages touched + own rows8 copy): %s\n",
-            list.c_str());
+            bytes_list(o.weights_resident_by_rank).c_str());
   }
   if (!o.logits_hash.empty()) appendf(out, "logits hash: %s\n", o.logits_hash.c_str());
   return out;
@@ -141,7 +138,7 @@ std::string session_report_text(const Output& o, bool synthetic_kv, int ranks, b
             format_bytes(m.bytes_per_token).c_str(), m.end_to_end_s, agree.c_str());
   }
   appendf(out, "peak RSS per rank: %s (includes the mapped weights, shared between ranks)\n",
-          rss_list(o).c_str());
+          bytes_list(o.peak_rss_by_rank).c_str());
   if (diverged) out += "FAILED: the ranks' token streams diverged\n";
   return out;
 }

@@ -525,8 +525,10 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
           const double bw_r = options.probe_each_repeat
                                   ? std::max(probe.value()->run(), probe.value()->run())
                                   : bw_once;
-          if (r > 0) probes.push_back(bw_r);
-          if (r > 0) run_probes.push_back(bw_r);
+          if (r > 0) {
+            probes.push_back(bw_r);
+            run_probes.push_back(bw_r);
+          }
           for (Variant& v : variants) {
             const auto t0 = Clock::now();
             TREEATTN_RETURN_IF_ERROR(run_variant(v, s, h.len, states.data()));

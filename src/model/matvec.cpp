@@ -283,10 +283,9 @@ std::string_view matmul_int8_target(const MatvecOptions& options) {
 }
 
 namespace detail {
-int64_t matmul_tile_bytes(int threads, bool tuned_target) {
+int64_t matmul_tile_bytes(int threads, Isa isa) {
   if (const int64_t f = g_forced_tile_bytes.load(std::memory_order_acquire); f > 0) return f;
-  if (tuned_target)
-    if (const int64_t t = tuned_matmul_tile_bytes(threads, kernel_tuning().isa); t > 0) return t;
+  if (const int64_t t = tuned_matmul_tile_bytes(threads, isa); t > 0) return t;
   return kTileBytes;
 }
 
@@ -371,7 +370,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
       token_tile(cols, k_types_only, wide,
                  k_types_only ? detail::matmul_tile_bytes(
                                     options.threads > 0 ? options.threads : omp_get_max_threads(),
-                                    isa == kernel_tuning().isa)
+                                    isa)
                               : detail::kTileBytes);
   // Quantized types have cols % 32 == 0, K types cols % 256 == 0 (check_matrix), so the blocks
   // cover every column.

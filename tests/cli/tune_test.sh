@@ -16,7 +16,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 export TREEATTN_CACHE_DIR=$tmp/cache TREEATTN_TUNE=1
 py=/usr/bin/python3
-fail() { echo "FAIL: $*"; exit 1; }
+. "$(dirname "$0")/expect.sh"  # fail, expect
 quick=(--mib 16 --seconds 0.05)
 
 case "$case_name" in
@@ -93,11 +93,11 @@ PY
     grep -qx "end 1" "$file" || fail "not rewritten: $(cat "$file")" ;;
   flags)
     "$bin" tune --help | grep -q -- "--seconds" || fail "tune --help"
-    out=$("$bin" tune --dtype q4 2>&1); [ $? = 2 ] && grep -q "unknown type 'q4'" <<<"$out" || fail "--dtype q4: $out"
-    out=$("$bin" tune --head-dim 59 2>&1); [ $? = 2 ] && grep -q "head_dim 59 is not supported" <<<"$out" || fail "--head-dim 59: $out"
-    out=$("$bin" tune --group 0 2>&1); [ $? = 2 ] && grep -q "group '0'" <<<"$out" || fail "--group 0: $out"
-    out=$("$bin" tune --seconds 0 2>&1); [ $? = 2 ] && grep -q -- "--seconds" <<<"$out" || fail "--seconds 0: $out"
-    out=$("$bin" tune --mib -1 2>&1); [ $? = 2 ] && grep -q -- "--mib" <<<"$out" || fail "--mib -1: $out"
+    expect 2 "unknown type 'q4'" 30 -- "$bin" tune --dtype q4
+    expect 2 "head_dim 59 is not supported" 30 -- "$bin" tune --head-dim 59
+    expect 2 "group '0'" 30 -- "$bin" tune --group 0
+    expect 2 "--seconds" 30 -- "$bin" tune --seconds 0
+    expect 2 "--mib" 30 -- "$bin" tune --mib -1
     [ ! -e "$TREEATTN_CACHE_DIR" ] || fail "a refused tune wrote a cache" ;;
   *) echo "unknown case $case_name"; exit 2 ;;
 esac

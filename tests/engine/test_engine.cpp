@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "model/generate_harness.hpp"
+#include "engine/dense_plan.hpp"
 #include "model/tiny_llama.hpp"
 #include "treeattn/comm_local.hpp"
 #include "treeattn/engine.hpp"
@@ -739,8 +740,23 @@ TEST(Engine, DenseChoiceIsNamedAndSplitHoldsASliceOfTheWeightsOnEachRank) {
         EXPECT_GT(got[0].predicted_replicated_us, 0);
         EXPECT_EQ(got[0].collectives_per_token, 4 * spec.layers + 2);
         EXPECT_EQ(got[0].split, got[0].predicted_split_us < got[0].predicted_replicated_us);
+        EXPECT_GT(got[0].weight_gbps, 0) << "rank 0's measured weight read rate";
+        for (const DenseChoice& c : got) EXPECT_EQ(c.weight_gbps, got[0].weight_gbps);
       }
     }
+  // The planner's per-rank share is counted from the row ranges without mapping the slices: it
+  // is the largest of the slices LlamaModel::slice maps.
+  for (int p : {1, 2, 3, 4, 7}) {
+    double largest = 0;
+    for (int i = 0; i < p; ++i) {
+      auto s = (*m).slice(i, p);
+      ASSERT_TRUE(s.is_ok()) << s.status().to_string();
+      largest = std::max(largest, static_cast<double>(s->bytes()));
+    }
+    const DenseQuery q = dense_query(*m, p);
+    EXPECT_EQ(q.slice_bytes, largest) << p << " ranks";
+    EXPECT_EQ(q.weight_bytes, static_cast<double>(whole));
+  }
   std::vector<std::string> msgs(2);
   const Status bad = run_local(2, [&](Communicator& comm) -> Status {
     EngineConfig cfg = base_config();

@@ -238,7 +238,7 @@ TEST(TiledCache, ScalesAreBF16AndATokenTakes2DPlus4BytesPerKVHead) {
             EXPECT_EQ(vs - ks, (Hkv * pages * T * 2 + 63) / 64 * 64);
           }
         }
-  EXPECT_GE(4.0 * 64 / (2 * 64 + 4), 1.9);  // the capacity ratio at head dim 64
+  static_assert(4.0 * 64 / (2 * 64 + 4) >= 1.9, "the capacity ratio at head dim 64");
 }
 
 // copy_from keeps a KVShard's scales bit for bit when they are bfloat16 values (quantize_token's

@@ -509,7 +509,11 @@ TEST(Int8Matmul, BitsDoNotDependOnBatchingThreadsRowsOrTheOtherMatrices) {
 TEST(Int8Matmul, EveryTuningTileGivesTheSameBits) {
   std::mt19937_64 rng(31);
   std::normal_distribution<float> nd;
-  const int64_t cols = 1536, rows = 40, tokens = 333;
+  // More tokens than the largest candidate tile holds (token_tile: at most tile bytes / cols),
+  // so every candidate cuts the call into tiles of its own, the last one partial.
+  const std::vector<int64_t> tiles = model::matmul_tile_candidates();
+  const int64_t cols = 1536, rows = 40;
+  const int64_t tokens = *std::max_element(tiles.begin(), tiles.end()) / cols + 17;
   std::vector<float> x(static_cast<std::size_t>(tokens * cols));
   for (auto& v : x) v = nd(rng);
   for (const uint32_t type : {id(TensorType::kQ4_K), id(TensorType::kQ6_K)}) {
@@ -522,7 +526,6 @@ TEST(Int8Matmul, EveryTuningTileGivesTheSameBits) {
       model::detail::force_matmul_tile_bytes(model::detail::kTileBytes);
       float* wy[] = {want.data()};
       ASSERT_TRUE(model::matmul(mats, x.data(), tokens, cols, wy, int8_options(1, tg)).is_ok());
-      const std::vector<int64_t> tiles = model::matmul_tile_candidates();
       EXPECT_NE(std::find(tiles.begin(), tiles.end(), model::detail::kTileBytes), tiles.end());
       for (const int64_t tile : tiles)
         for (const int threads : {1, 3}) {
