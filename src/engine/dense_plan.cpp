@@ -26,7 +26,9 @@ struct Wire {
 // The rate (GB/s) at which this rank's matrix kernels read a decode step's weights with the
 // engine's options: layer 0's projections for one token, the best of 3 timings. Quantized
 // kernels on a CPU thread decode weights slower than memory streams them; the cost model prices
-// the reads at the lower of the two.
+// the reads at the lower of the two. It times the weights as the caller hands them over: where
+// the engine makes its own rows8 copy after planning (generate, serve), an int8 decode step is
+// timed without that copy, so the rate is the slower kernel's (the choice leans to split).
 double measured_weight_gbps(const model::LlamaModel& model, const EngineConfig& config) {
   using model::Projection;
   const model::DenseWeights& w = model.weights();
