@@ -1335,15 +1335,23 @@ def case_rank_stopped():
         raise
 
 
-def job_segments():
-    return set(f for f in os.listdir("/dev/shm") if f.startswith("vader_segment."))
+def job_segments(jobid=None):
+    """Open MPI's shared-memory segments in /dev/shm (vader_segment.HOST.N.JOBID.RANK, the job id
+    in hex): all of them, or the job's only (other jobs on the machine may come and go)."""
+    return set(f for f in os.listdir("/dev/shm") if f.startswith("vader_segment.") and
+               (jobid is None or f.split(".")[-2] == "%x" % jobid))
+
+
+def rank_jobid(pid):
+    """The Open MPI job id a rank runs in (its OMPI_MCA_ess_base_jobid)."""
+    env = open("/proc/%d/environ" % pid, "rb").read().split(b"\0")
+    return next(int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"OMPI_MCA_ess_base_jobid="))
 
 
 def case_mpirun_killed():
     """serve's own mpirun SIGKILLed mid-stream: the stream ends with an error event and [DONE],
     the ranks end, no Open MPI segment of the job is left in /dev/shm, and serve exits non-zero
     (issue 56)."""
-    before = job_segments()
     s = Server(ranks=2)
     try:
         url = s.url
@@ -1360,6 +1368,9 @@ def case_mpirun_killed():
                   open("/proc/%d/comm" % p).read().strip() in ("mpirun", "prterun", "orterun")]
         check(len(mpirun) == 1 and None not in ranks, "found mpirun %s and ranks %s" %
               (mpirun, ranks), s)
+        jobid = rank_jobid(ranks[0])
+        check(job_segments(jobid), "the job's segments are in /dev/shm: %s" %
+              sorted(job_segments(jobid)), s)
         os.kill(mpirun[0], signal.SIGKILL)
         sock.settimeout(30)
         try:
@@ -1380,8 +1391,8 @@ def case_mpirun_killed():
         alive = [p for p in ranks if os.path.exists("/proc/%d" % p) and
                  open("/proc/%d/stat" % p).read().rsplit(")", 1)[1].split()[0] != "Z"]
         check(not alive, "no rank left running (%s)" % alive, s)
-        left = job_segments() - before
-        check(not left, "no shared-memory segment left: %s" % sorted(left), s)
+        left = job_segments(jobid)
+        check(not left, "no shared-memory segment of the job left: %s" % sorted(left), s)
     except BaseException:
         s.dump()
         s.stop(signal.SIGKILL)
