@@ -237,6 +237,10 @@ Status parse_level(const ObjectReader& r, std::string_view expected_name, LinkLe
   out.user_op_overhead_us = 0;
   TREEATTN_RETURN_IF_ERROR(
       r.number("user_op_overhead_us", false, out.user_op_overhead_us, 0, true));
+  if (expected_name == "node" && out.links_per_node != 1)
+    return r.fail("links_per_node",
+                  "only the network level has links a node's ranks share (the node level's "
+                  "bandwidth is per rank)");
   if (expected_name == "node" && out.call_overhead_us != 0)
     return r.fail("call_overhead_us",
                   "only the network level has a call overhead (use "

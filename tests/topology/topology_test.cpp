@@ -117,6 +117,10 @@ TEST(TopologyFile, MalformedFilesGiveClearErrors) {
       {"call overhead on the node level",
        replace(v, R"("bandwidth_GBps": 9})", R"("bandwidth_GBps": 9, "call_overhead_us": 5})"),
        "t.json: $.levels[0].call_overhead_us: only the network level has a call overhead"},
+      {"links on the node level",
+       replace(v, R"("bandwidth_GBps": 9})", R"("bandwidth_GBps": 9, "links_per_node": 8})"),
+       "t.json: $.levels[0].links_per_node: only the network level has links a node's ranks "
+       "share"},
       {"latency missing", replace(v, R"("latency_us": 0.5, )", ""),
        "t.json: $.levels[0].latency_us: missing (expected a number)"},
       {"levels swapped", replace(v, R"("name": "node")", R"("name": "rack")"),
