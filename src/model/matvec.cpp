@@ -22,6 +22,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/aligned.hpp"
 #include "model/matmul_tuning.hpp"
 #include "model/matvec_targets.hpp"
 #include "treeattn/model.hpp"
@@ -74,10 +75,13 @@ struct ActBuffers {
   std::vector<int32_t> xsum;
 };
 thread_local ActBuffers tl_act;
-thread_local std::vector<float> tl_scratch;
+thread_local AlignedVector<float> tl_scratch;
+// Each OpenMP thread's copy of a token tile's activations on cache-line boundaries (the float
+// path's micro-tiles load them 16 floats at a time: a misaligned row splits every load).
+thread_local AlignedVector<float> tl_xtile;
 
-template <class T>
-void grow(std::vector<T>& v, int64_t n) {
+template <class Vec>
+void grow(Vec& v, int64_t n) {
   if (v.size() < static_cast<std::size_t>(n)) v.resize(static_cast<std::size_t>(n));
 }
 
@@ -320,7 +324,7 @@ void reserve_matmul(std::span<const WeightMatrix* const> mats, int64_t tokens,
   grow_act(tokens, cols32, colsk);
   const int threads = options.threads > 0 ? options.threads : omp_get_max_threads();
 #pragma omp parallel num_threads(threads) if (threads > 1)
-  grow(tl_scratch, detail::kMaxRowBlock * cols);
+  grow(tl_scratch, detail::kMaxRowBlock * (cols + 16));
 }
 
 Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t tokens,
@@ -377,6 +381,12 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   const int64_t xq_stride = cols / 32, xk_stride = cols / 256;
   grow_act(tokens, int8_32 ? cols : 0, int8_k ? cols : 0);
   const int64_t groups = (tokens + 7) / 8;
+  // A batched call of the float path from activations off cache-line boundaries copies each tile.
+  bool float_path = false;
+  for (const WeightMatrix* m : mats) float_path = float_path || !(int8 && detail::int8_type(m->type));
+  const bool copy_x = float_path && tokens >= detail::kBatchTokens &&
+                      (reinterpret_cast<uintptr_t>(x) % kCacheLine != 0 ||
+                       x_stride % static_cast<int64_t>(kCacheLine / sizeof(float)) != 0);
   const bool int8_xt = int8_32 && tokens > 1, int8_xtk = int8_k && tokens > 1;
   // The rows8 copies are read by calls of up to kRows8MaxTokens tokens (the call's count, not a
   // tile's). Q5_0's offset there needs each block's integer sum of q.
@@ -402,7 +412,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   threads = static_cast<int>(std::min<int64_t>(threads, chunks));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    grow(tl_scratch, detail::kMaxRowBlock * cols);
+    grow(tl_scratch, detail::kMaxRowBlock * (cols + 16));
     if (int8) {
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < tokens; ++t) {
@@ -425,6 +435,16 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
       }
     }
     for (int64_t t0 = 0; t0 < tokens; t0 += tile) {
+      const int64_t tile_tokens = std::min(tile, tokens - t0);
+      const float* xt0 = x + t0 * x_stride;
+      int64_t xt_stride = x_stride;
+      if (copy_x) {  // the float path's tile, aligned; the same values, so the same bits
+        xt_stride = (cols + 15) / 16 * 16;
+        grow(tl_xtile, tile_tokens * xt_stride);
+        for (int64_t t = 0; t < tile_tokens; ++t)
+          std::copy_n(xt0 + t * x_stride, cols, tl_xtile.data() + t * xt_stride);
+        xt0 = tl_xtile.data();
+      }
       // The same static split every tile: each thread keeps its rows' weights in cache.
 #pragma omp for schedule(static) nowait
       for (int64_t c = 0; c < chunks; ++c) {
@@ -438,9 +458,9 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
         a.cols = cols;
         a.row_begin = (c - first_chunk[i]) * kRowChunk;
         a.row_end = std::min(m.rows, a.row_begin + kRowChunk);
-        a.x = x + t0 * x_stride;
-        a.x_stride = x_stride;
-        a.tokens = std::min(tile, tokens - t0);
+        a.x = xt0;
+        a.x_stride = xt_stride;
+        a.tokens = tile_tokens;
         a.y = ys[i] + t0 * m.rows;
         a.y_stride = m.rows;
         a.scratch = tl_scratch.data();

@@ -1,5 +1,6 @@
 // The weight row kernel for AVX2 + FMA + F16C: 8 floats per vector, 4 accumulators per (row,
-// token); micro-tiles of 3 rows x 1 token (more would spill the 16 registers). Compiled with its
+// token); micro-tiles of 4 rows x 3 tokens, one accumulator of the 4 a pass (12 of the 16
+// registers accumulate). Compiled with its
 // own -m flags; called only when the CPU has AVX2 and FMA.
 #include <immintrin.h>
 
@@ -17,8 +18,9 @@ struct Ops {
   using V = __m256;
   static constexpr int W = 8;
   static constexpr int RB1 = 2;  // one token: 2 rows x 4 accumulators in flight
-  static constexpr int RB = 3;   // batched: 3 rows x 1 token x 4 = 12 of the 16 registers
-  static constexpr int NT = 1;
+  static constexpr int RB = 4;   // batched: 4 rows x 3 tokens = 12 accumulators a pass
+  static constexpr int NT = 3;
+  static void pin(V& w) { asm("" : "+x"(w)); }  // as the AVX-512 target's
   static V zero() { return _mm256_setzero_ps(); }
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V loadu(const float* p) { return _mm256_loadu_ps(p); }
@@ -60,6 +62,9 @@ struct Ops {
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }
   static V cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static float f16(uint16_t h) { return _cvtsh_ss(h); }
+  static void reduce_add16(const V* v, float* out) {
+    for (int i = 0; i < 16; ++i) out[i] = reduce_add(v[i]);
+  }
   static float reduce_add(V v) {
     const __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));

@@ -25,6 +25,7 @@ struct Ops {
     for (int i = 0; i < W; ++i) r.v[i] = x;
     return r;
   }
+  static void pin(V& /*w*/) {}
   static V zero() { return set1(0.0f); }
   static V loadu(const float* p) {
     V r;
@@ -123,6 +124,9 @@ struct Ops {
     return r;
   }
   // The AVX2 target's order: halves, then pairs, then the last two.
+  static void reduce_add16(const V* v, float* out) {
+    for (int i = 0; i < 16; ++i) out[i] = reduce_add(v[i]);
+  }
   static float reduce_add(V v) {
     float b[4];
     for (int i = 0; i < 4; ++i) b[i] = v.v[i] + v.v[i + 4];

@@ -5,13 +5,16 @@
 //
 //   using V;  static constexpr int W (floats per vector, 8 or 16)
 //   static constexpr int RB1 (rows per pass of the one-token path), RB, NT (rows and tokens of
-//   the batched micro-kernel: RB * NT * 32 / W accumulators must fit the registers)
+//   the batched micro-kernel: RB * NT accumulators, NT activations and a weight must fit the
+//   registers)
 //   V zero(), set1(float), loadu(const float*);  void storeu(float*, V)
 //   V fma(a, b, c) = a * b + c (one rounding);  V mul(a, b);  V add(a, b)
 //   V load_f16(const uint16_t*), load_bf16(const uint16_t*), load_i8(const int8_t*)   W values
 //   V nib(const uint8_t* qs, int j)   elements j*W .. j*W+W-1 of a 4-bit block as floats
 //                                     (element e < 16: qs[e] & 15, else qs[e - 16] >> 4)
 //   float f16(uint16_t);  float reduce_add(V)   (a fixed order of lane additions)
+//   void reduce_add16(const V* v, float* out)   out[i] = reduce_add(v[i]) for 16 vectors, bit for bit
+//   void pin(V&)                      keeps a loaded vector in a register (no folding into uses)
 //   using I (W int32 lanes), for the codes of the 5- and 6-bit and K types:
 //   I u8(const uint8_t* p)            W bytes, zero-extended
 //   I bits(uint32_t mask, int first)  lane i: (mask >> (first + i)) & 1
@@ -26,8 +29,9 @@
 //   - few tokens: RB1 rows per pass decode their blocks in registers and each token is a pass
 //     (independent accumulator chains across the rows hide the FMA latency);
 //   - many tokens: RB rows are decoded once into a float scratch row (L1), then micro-tiles of
-//     RB rows x NT tokens run from it, so a weight is decoded once per token tile and each
-//     activation load serves RB rows.
+//     RB rows x NT tokens run from it, one accumulator j of the kVB at a time, so a weight is
+//     decoded once per token tile, each activation load serves RB rows and each weight load NT
+//     tokens.
 // So the bits of a (row, token) product do not depend on the token count, the tile or the rows
 // sharing its pass (matvec_targets.hpp).
 //
@@ -44,7 +48,6 @@
 // so w is bit for bit gguf::dequantize_row's value on every path.
 
 constexpr int kVB = 32 / Ops::W;     // vectors per 32-value group = accumulators per (row, token)
-constexpr int64_t kBatchTokens = 4;  // from this many tokens on, the batched path
 static_assert(Ops::W <= 16, "a Q6_K vector must lie inside one 16-value scale group");
 
 inline uint16_t rd16(const uint8_t* p) {
@@ -235,14 +238,21 @@ inline void for_each_group(F&& f) {
 
 // The end of a (row, token) product: accumulators in order, lanes, then the scalar tail.
 template <uint32_t T>
-inline float finish(const typename Ops::V* acc, const uint8_t* row, const float* x, int64_t cols) {
+inline typename Ops::V sum_acc(const typename Ops::V* acc) {
   typename Ops::V s = acc[0];
   for (int j = 1; j < kVB; ++j) s = Ops::add(s, acc[j]);
-  float r = Ops::reduce_add(s);
+  return s;
+}
+template <uint32_t T>
+inline float add_tail(float r, const uint8_t* row, const float* x, int64_t cols) {
   if constexpr (kFloatType<T>) {
     for (int64_t c = cols / 32 * 32; c < cols; ++c) r += Block<T>::scalar(row, c) * x[c];
   }
   return r;
+}
+template <uint32_t T>
+inline float finish(const typename Ops::V* acc, const uint8_t* row, const float* x, int64_t cols) {
+  return add_tail<T>(Ops::reduce_add(sum_acc<T>(acc)), row, x, cols);
 }
 
 // One token, RBn rows decoded in registers: y[r] = <row r, x>. With ahead > 0 the bytes `ahead`
@@ -281,29 +291,48 @@ inline void dot_rows_1(const uint8_t* const* rows, int64_t cols, const float* x,
   for (int r = 0; r < RBn; ++r) y[r] = finish<T>(acc[r], rows[r], x, cols);
 }
 
-// A micro-tile from decoded float rows: RBn rows (wf + r * wstride) x NTn tokens.
+// A micro-tile from decoded float rows: RBn rows (wf + r * wstride) x NTn tokens, one
+// accumulator vector j at a time: pass j runs acc_j of every (row, token) over every group of the
+// row (the same FMAs in the same order as a pass holding all kVB accumulators), and keeps it in
+// `done` until finish sums them. So a pass holds RBn * NTn accumulators, not kVB times as many: a
+// larger tile in the registers, each activation load serving RBn rows and each weight load NTn
+// tokens.
 template <uint32_t T, int RBn, int NTn>
 inline void dot_tile(const float* wf, int64_t wstride, const uint8_t* const* rows, int64_t cols,
                      const float* x, int64_t x_stride, float* y, int64_t y_stride) {
   using V = typename Ops::V;
-  V acc[RBn][NTn][kVB];
-  for (int r = 0; r < RBn; ++r)
-    for (int t = 0; t < NTn; ++t)
-      for (int j = 0; j < kVB; ++j) acc[r][t][j] = Ops::zero();
+  V done[RBn][NTn][kVB];
   const int64_t blocks = cols / 32;
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int j = 0; j < kVB; ++j) {
+  for (int j = 0; j < kVB; ++j) {
+    V acc[RBn][NTn];
+    for (int r = 0; r < RBn; ++r)
+      for (int t = 0; t < NTn; ++t) acc[r][t] = Ops::zero();
+    const float* xj = x + j * Ops::W;
+    const float* wj = wf + j * Ops::W;
+    for (int64_t b = 0; b < blocks; ++b) {
       V xv[NTn];
-      for (int t = 0; t < NTn; ++t) xv[t] = Ops::loadu(x + t * x_stride + b * 32 + j * Ops::W);
+      for (int t = 0; t < NTn; ++t) xv[t] = Ops::loadu(xj + t * x_stride + b * 32);
       for (int r = 0; r < RBn; ++r) {
-        const V w = Ops::loadu(wf + r * wstride + b * 32 + j * Ops::W);
-        for (int t = 0; t < NTn; ++t) acc[r][t][j] = Ops::fma(w, xv[t], acc[r][t][j]);
+        V w = Ops::loadu(wj + r * wstride + b * 32);
+        Ops::pin(w);
+        for (int t = 0; t < NTn; ++t) acc[r][t] = Ops::fma(w, xv[t], acc[r][t]);
       }
     }
+    for (int r = 0; r < RBn; ++r)
+      for (int t = 0; t < NTn; ++t) done[r][t][j] = acc[r][t];
   }
+  // finish for every (row, token), the lanes reduced 16 products at a time (reduce_add16: the
+  // same additions as reduce_add's, fewer shuffles).
+  constexpr int kN = RBn * NTn, kPadded = (kN + 15) / 16 * 16;
+  V s[kPadded];
+  float red[kPadded];
+  for (int r = 0; r < RBn; ++r)
+    for (int t = 0; t < NTn; ++t) s[r * NTn + t] = sum_acc<T>(done[r][t]);
+  for (int i = kN; i < kPadded; ++i) s[i] = Ops::zero();
+  for (int i = 0; i < kPadded; i += 16) Ops::reduce_add16(s + i, red + i);
   for (int r = 0; r < RBn; ++r)
     for (int t = 0; t < NTn; ++t)
-      y[t * y_stride + r] = finish<T>(acc[r][t], rows[r], x + t * x_stride, cols);
+      y[t * y_stride + r] = add_tail<T>(red[r * NTn + t], rows[r], x + t * x_stride, cols);
 }
 
 template <uint32_t T, int RBn>
@@ -334,7 +363,9 @@ inline void rows_block(const RowsArgs& a, int64_t r0) {
     }
     return;
   }
-  const int64_t wstride = a.cols;
+  // Rows a cache line further apart than their length: at 1536 columns (6 KiB) the 8 rows a
+  // micro-tile reads would otherwise start at the same offsets of 4 KiB pages.
+  const int64_t wstride = a.cols + 16;
   decode_rows<T, RBn>(rows, a.cols, a.scratch, wstride);
   int64_t t = 0;
   for (; t + Ops::NT <= a.tokens; t += Ops::NT)

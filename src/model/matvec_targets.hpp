@@ -43,7 +43,7 @@ struct RowsArgs {
   int64_t tokens = 0;
   float* y = nullptr;  // (token 0 of the range, row 0 of the matrix), y_stride apart
   int64_t y_stride = 0;
-  float* scratch = nullptr;  // kMaxRowBlock * cols floats (the batched path's decoded rows)
+  float* scratch = nullptr;  // kMaxRowBlock * (cols + 16) floats, 64-byte aligned (decoded rows)
   // The integer (int8 activation) targets read these instead of x: token 0 of the range,
   // cols / 32 blocks per token, xq_stride blocks apart (quantize_activations).
   const ActBlock* xq = nullptr;
@@ -90,7 +90,9 @@ static constexpr int64_t weight_prefetch_ahead(int64_t pass_bytes) {
 }
 
 // The most rows a target decodes together (its Ops::RB <= this).
-inline constexpr int kMaxRowBlock = 4;
+inline constexpr int kMaxRowBlock = 8;
+// From this many tokens on, the float path's batched micro-tiles (matvec_impl.hpp).
+inline constexpr int64_t kBatchTokens = 4;
 
 using RowsFn = void (*)(const RowsArgs&);
 

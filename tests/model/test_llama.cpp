@@ -140,6 +140,47 @@ TEST(Matmul, BitsDoNotDependOnBatchingThreadsOrRowGrouping) {
   }
 }
 
+// The batched float path reads its activations from a tile copy on cache-line boundaries when
+// the caller's are not (matvec.cpp, copy_x): activations at every offset within a line and rows
+// of every stride give the bits of an aligned call.
+TEST(Matmul, ActivationsOffCacheLinesGiveTheSameBits) {
+  std::mt19937_64 rng(12);
+  std::normal_distribution<float> nd;
+  const int64_t rows = 37, cols = 96, tokens = 50;  // two tiles of 48: the copy per tile
+  for (const uint32_t type : {3u, 0u}) {  // q4_1, f32
+    std::vector<uint8_t> store;
+    const WeightMatrix m = make_matrix(type, rows, cols, store, rng);
+    std::vector<float> xs(static_cast<std::size_t>(tokens * cols));
+    for (auto& v : xs) v = nd(rng);
+    for (const Isa isa : isas_here()) {
+      std::vector<float> want(static_cast<std::size_t>(tokens * rows));
+      // 64-byte aligned, stride a multiple of 16 floats: no copy.
+      std::vector<float> abuf(static_cast<std::size_t>(tokens * cols + 16));
+      float* const xa = abuf.data() + (16 - reinterpret_cast<uintptr_t>(abuf.data()) / 4 % 16) % 16;
+      std::copy(xs.begin(), xs.end(), xa);
+      const WeightMatrix* mats[] = {&m};
+      {
+        float* ys[] = {want.data()};
+        ASSERT_TRUE(model::matmul(mats, xa, tokens, cols, ys, {2, isa}).is_ok());
+      }
+      for (const int64_t offset : {1, 3, 8, 15})
+        for (const int64_t stride : {cols, cols + 1, cols + 5}) {
+          std::vector<float> buf(static_cast<std::size_t>(offset + tokens * stride + 16), NAN);
+          float* const xb = buf.data() + (16 - reinterpret_cast<uintptr_t>(buf.data()) / 4 % 16) %
+                                             16 + offset;
+          for (int64_t t = 0; t < tokens; ++t)
+            std::copy_n(xs.data() + t * cols, cols, xb + t * stride);
+          std::vector<float> got(want.size());
+          float* ys[] = {got.data()};
+          ASSERT_TRUE(model::matmul(mats, xb, tokens, stride, ys, {2, isa}).is_ok());
+          ASSERT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * 4))
+              << gguf::tensor_type_name(type) << " " << isa_name(isa) << " offset " << offset
+              << " stride " << stride;
+        }
+    }
+  }
+}
+
 TEST(Matmul, RejectsMismatchedInputsAndUnsupportedTypes) {
   std::mt19937_64 rng(3);
   std::vector<uint8_t> s1, s2;
