@@ -13,10 +13,16 @@
 // token only), then the quantized weight types run on the integer targets (matvec_int8_impl.hpp),
 // the float types on the float targets, chunk by chunk as above.
 #include <omp.h>
+#if defined(TREEATTN_MODEL_X86)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <iterator>
 #include <string>
 #include <string_view>
@@ -72,6 +78,7 @@ struct ActBuffers {
   std::vector<detail::ActBlockK> xk;
   std::vector<detail::ActBlock8> xt;
   std::vector<detail::ActBlockK8> xtk;
+  AlignedVector<int8_t> xtk16;  // the AMX target's (RowsArgs::xtk16)
   std::vector<int32_t> xsum;
 };
 thread_local ActBuffers tl_act;
@@ -93,7 +100,23 @@ void grow_act(int64_t tokens, int64_t cols32, int64_t colsk) {
   grow(tl_act.xk, tokens * (colsk / 256));
   if (tokens > 1) {  // several tokens: the blocks also 8 tokens to a group (ActBlock8, ActBlockK8)
     grow(tl_act.xt, (tokens + 7) / 8 * (cols32 / 32));
-    grow(tl_act.xtk, (tokens + 7) / 8 * (colsk / 256));
+    // One group more than the tokens fill: the AMX target's passes take groups two at a time,
+    // a last odd group with the spare one (its results are not stored).
+    grow(tl_act.xtk, ((tokens + 7) / 8 + 1) * (colsk / 256));
+  }
+}
+
+// Pair p of xtk's 8-token groups (groups 2 p and 2 p + 1, each `blocks` ActBlockK8) side by
+// side, as RowsArgs::xtk16 holds them.
+void pair_groups_k(const detail::ActBlockK8* xtk, int64_t blocks, int64_t p, int8_t* xtk16) {
+  for (int64_t k = 0; k < blocks; ++k) {
+    const detail::ActBlockK8& a = xtk[2 * p * blocks + k];
+    const detail::ActBlockK8& b = xtk[(2 * p + 1) * blocks + k];
+    int8_t* o = xtk16 + (p * blocks + k) * detail::kXtk16Bytes;
+    for (int i = 0; i < 64; ++i) {
+      std::memcpy(o + 64 * i, a.q[i], 32);
+      std::memcpy(o + 64 * i + 32, b.q[i], 32);
+    }
   }
 }
 
@@ -121,13 +144,40 @@ bool int8_vnni_allowed() {
   return allowed;
 }
 
-// The integer target: VNNI where the CPU has it and the options allow it.
-detail::RowsFn rows_int8_fn(Isa isa, bool vnni) {
+#if defined(TREEATTN_MODEL_X86)
+// Whether this process may run the AMX target (read once): the CPU has AMX-TILE and AMX-INT8
+// (CPUID 7.0 EDX bits 24, 25), the OS saves the tile state (XCR0 bits 17, 18) and grants this
+// process the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA: Linux enables it
+// per process, on request), and TREEATTN_INT8_AMX=0 is not set.
+bool amx_usable() {
+  static const bool usable = [] {
+    if (const char* e = std::getenv("TREEATTN_INT8_AMX");
+        e != nullptr && std::string_view(e) == "0")
+      return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
+    if ((d >> 24 & 1u) == 0 || (d >> 25 & 1u) == 0) return false;
+    if (__get_cpuid(1, &a, &b, &c, &d) == 0 || (c >> 27 & 1u) == 0) return false;  // OSXSAVE
+    uint32_t xcr0 = 0, xcr0_hi = 0;
+    asm volatile("xgetbv" : "=a"(xcr0), "=d"(xcr0_hi) : "c"(0));
+    if ((xcr0 >> 17 & 3u) != 3u) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+#endif
+
+// The integer target: VNNI where the CPU has it and the options allow it, on AVX-512 with the
+// tile unit's K path where amx_usable().
+detail::RowsFn rows_int8_fn(Isa isa, bool vnni, bool amx) {
   vnni = vnni && int8_vnni_allowed();
   switch (isa) {
 #if defined(TREEATTN_MODEL_X86)
     case Isa::kAvx512:
       // No 512-bit integer kernel: the AVX-512 target runs the 256-bit ones (VNNI if present).
+      if (vnni && amx && __builtin_cpu_supports("avx512vnni") && amx_usable())
+        return detail::rows_int8_amx;
       if (vnni && __builtin_cpu_supports("avx512vnni")) return detail::rows_int8_avx512vnni;
       return detail::rows_int8_avx2;
     case Isa::kAvx2:
@@ -277,8 +327,9 @@ MatvecOptions for_role(MatvecOptions options, MatrixRole role) {
 }
 
 std::string_view matmul_int8_target(const MatvecOptions& options) {
-  const detail::RowsFn fn = rows_int8_fn(matmul_isa(options), options.vnni);
+  const detail::RowsFn fn = rows_int8_fn(matmul_isa(options), options.vnni, options.amx);
 #if defined(TREEATTN_MODEL_X86)
+  if (fn == detail::rows_int8_amx) return "amx";
   if (fn == detail::rows_int8_avx512vnni) return "avx512vnni";
   if (fn == detail::rows_int8_avxvnni) return "avxvnni";
   if (fn == detail::rows_int8_avx2) return "avx2";
@@ -324,7 +375,7 @@ void reserve_matmul(std::span<const WeightMatrix* const> mats, int64_t tokens,
   grow_act(tokens, cols32, colsk);
   const int threads = options.threads > 0 ? options.threads : omp_get_max_threads();
 #pragma omp parallel num_threads(threads) if (threads > 1)
-  grow(tl_scratch, detail::kMaxRowBlock * (cols + 16));
+  grow(tl_scratch, detail::kScratchRows * (cols + 16));
 }
 
 Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t tokens,
@@ -355,7 +406,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   TREEATTN_RETURN_IF_ERROR(check_isa_supported(isa, "matmul"));
   if (tokens == 0) return Status::ok();
   const detail::RowsFn fn = rows_fn(isa);
-  const detail::RowsFn fn8 = rows_int8_fn(isa, options.vnni);
+  const detail::RowsFn fn8 = rows_int8_fn(isa, options.vnni, options.amx);
   // Which activation blocks the call needs: 32 values (ActBlock) for the 32-value types, 256
   // (ActBlockK) for the K types.
   bool int8 = false, int8_32 = false, int8_k = false;
@@ -366,7 +417,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   bool k_types_only = options.mode == MatmulMode::kInt8;
   for (const WeightMatrix* m : mats) k_types_only = k_types_only && detail::int8_k_type(m->type);
 #if defined(TREEATTN_MODEL_X86)
-  const bool wide = fn8 == detail::rows_int8_avx512vnni;
+  const bool wide = fn8 == detail::rows_int8_avx512vnni || fn8 == detail::rows_int8_amx;
 #else
   const bool wide = false;
 #endif
@@ -399,6 +450,13 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   int32_t* const xsum = tl_act.xsum.data();
   detail::ActBlock8* const xt = tl_act.xt.data();
   detail::ActBlockK8* const xtk = tl_act.xtk.data();
+#if defined(TREEATTN_MODEL_X86)
+  const bool amx16 = int8_xtk && fn8 == detail::rows_int8_amx;
+#else
+  const bool amx16 = false;
+#endif
+  if (amx16) grow(tl_act.xtk16, (groups + 1) / 2 * xk_stride * detail::kXtk16Bytes);
+  int8_t* const xtk16 = amx16 ? tl_act.xtk16.data() : nullptr;
   detail::ActBlock* const xq = tl_act.xq.data();
   detail::ActBlockK* const xk = tl_act.xk.data();
 
@@ -412,7 +470,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   threads = static_cast<int>(std::min<int64_t>(threads, chunks));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    grow(tl_scratch, detail::kMaxRowBlock * (cols + 16));
+    grow(tl_scratch, detail::kScratchRows * (cols + 16));
     if (int8) {
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < tokens; ++t) {
@@ -432,6 +490,11 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
             detail::transpose_activations_k(xk + 8 * g * xk_stride, xk_stride, n, xk_stride,
                                             xtk + g * xk_stride);
         }
+      }
+      if (xtk16 != nullptr) {
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < (groups + 1) / 2; ++p)
+          pair_groups_k(xtk, xk_stride, p, xtk16);
       }
     }
     for (int64_t t0 = 0; t0 < tokens; t0 += tile) {
@@ -470,6 +533,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
             a.xk = xk + t0 * xk_stride;
             a.xk_stride = xk_stride;
             if (int8_xtk) a.xtk = xtk + t0 / 8 * xk_stride;
+            if (xtk16 != nullptr) a.xtk16 = xtk16 + t0 / 16 * xk_stride * detail::kXtk16Bytes;
           } else {
             a.xq = xq + t0 * xq_stride;
             a.xq_stride = xq_stride;

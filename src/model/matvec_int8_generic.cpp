@@ -217,6 +217,7 @@ struct Ops {
   static constexpr int NG = 1;  // groups of 8 tokens per pass of the batched paths (group8, groupk)
   static constexpr bool kWide = false;     // no wide lanes (groupk's WideLanes)
   static constexpr bool kPairAcc = false;  // groupk's int16 pair sums: the x86 targets without VNNI
+  static constexpr bool kAmx = false;      // the tile unit's K path (matvec_int8_amx.hpp)
   struct B {
     uint8_t v[32];
   };

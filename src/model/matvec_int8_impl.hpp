@@ -1219,6 +1219,11 @@ inline void rows8_pass(const RowsArgs& a, int64_t r0, int64_t t0) {
                 T == kTypeQ4_K ? Ops::vadd(acc[t], macc[t]) : acc[t]);
 }
 
+// The AMX target's passes of 16 rows (matvec_int8_amx.hpp; declared for every target, defined
+// and called on that one only): from row r on, r left at the first row it did not do.
+template <uint32_t T>
+void rows_k_amx(const RowsArgs& a, int64_t& r);
+
 template <uint32_t T>
 void rows_typed_k(const RowsArgs& a) {
   int64_t r = a.row_begin;
@@ -1227,6 +1232,8 @@ void rows_typed_k(const RowsArgs& a) {
       for (; r % 8 != 0 && r < a.row_end; ++r) rows_block_k<T, 1>(a, r);
       for (; r + 8 <= a.row_end; r += 8) rows8_tokens<T>(a, r);
     }
+  if constexpr (Ops::kAmx)
+    if (a.tokens >= 16 && a.xtk16 != nullptr) rows_k_amx<T>(a, r);
   for (; r + Ops::RB <= a.row_end; r += Ops::RB) rows_block_k<T, Ops::RB>(a, r);
   for (; r < a.row_end; ++r) rows_block_k<T, 1>(a, r);
 }

@@ -478,9 +478,18 @@ struct Ops {
 #else
   static constexpr bool kWide = false;
 #endif
+  // The K types' batched path on the tile unit (matvec_int8_amx.hpp): the AMX target only.
+#if defined(TREEATTN_INT8_AMX)
+  static constexpr bool kAmx = true;
+#else
+  static constexpr bool kAmx = false;
+#endif
 };
 
 #include "model/matvec_int8_impl.hpp"
+#if defined(TREEATTN_INT8_AMX)
+#include "model/matvec_int8_amx.hpp"
+#endif
 
 }  // namespace
 }  // namespace treeattn::model::detail::TREEATTN_INT8_NS

@@ -43,7 +43,7 @@ struct RowsArgs {
   int64_t tokens = 0;
   float* y = nullptr;  // (token 0 of the range, row 0 of the matrix), y_stride apart
   int64_t y_stride = 0;
-  float* scratch = nullptr;  // kMaxRowBlock * (cols + 16) floats, 64-byte aligned (decoded rows)
+  float* scratch = nullptr;  // kScratchRows * (cols + 16) floats, 64-byte aligned (decoded rows)
   // The integer (int8 activation) targets read these instead of x: token 0 of the range,
   // cols / 32 blocks per token, xq_stride blocks apart (quantize_activations).
   const ActBlock* xq = nullptr;
@@ -59,6 +59,11 @@ struct RowsArgs {
   // Several tokens of the K types: xk's blocks 8 tokens to a group (transpose_activations_k),
   // group 0 of the range, cols / 256 blocks per group. Null for one token.
   const ActBlockK8* xtk = nullptr;
+  // The AMX target's copy of xtk with two groups side by side (16 tokens, tokens in the order of
+  // the token range): pair p of the range, block k at xtk16 + (p * blocks + k) * kXtk16Bytes,
+  // row i (the 4 columns 4 i .. 4 i + 3) 64 bytes, token t's 4 at 4 t. The token range starts
+  // at a multiple of 16. Null elsewhere.
+  const int8_t* xtk16 = nullptr;
   // The matrix's rows 8 at a time in the decode layout of Q4_K / Q6_K / Q8_0 / Q5_0
   // (WeightMatrix::rows8, pack_rows8 below): group g holds rows 8 g .. 8 g + 7, rows / 8 groups;
   // null where absent and in calls of more than kRows8MaxTokens tokens (the driver decides by the
@@ -91,6 +96,10 @@ static constexpr int64_t weight_prefetch_ahead(int64_t pass_bytes) {
 
 // The most rows a target decodes together (its Ops::RB <= this).
 inline constexpr int kMaxRowBlock = 8;
+// The batched paths' scratch (RowsArgs::scratch): kScratchRows * (cols + 16) floats, room for
+// kMaxRowBlock decoded float rows and for the AMX target's 16 rows of 640 bytes per super-block.
+inline constexpr int kScratchRows = 10;
+inline constexpr int64_t kXtk16Bytes = 64 * 64;  // RowsArgs::xtk16's block
 // From this many tokens on, the float path's batched micro-tiles (matvec_impl.hpp).
 inline constexpr int64_t kBatchTokens = 4;
 
@@ -267,13 +276,15 @@ bool int8_k_type(uint32_t type);
 
 // Integer row kernels: rows_int8_generic (plain C++, every machine), rows_int8_avx2 (maddubs +
 // madd), rows_int8_avxvnni (AVX-VNNI vpdpbusd on ymm), rows_int8_avx512vnni (AVX-512 VNNI's
-// vpdpbusd on ymm). All give the same bits: the integer lane sums are exact on every target
+// vpdpbusd on ymm and zmm), rows_int8_amx (that one with the K types' batched sums on AMX-INT8's
+// tiles). All give the same bits: the integer lane sums are exact on every target
 // and the float operations after them are the same sequence.
 void rows_int8_generic(const RowsArgs& a);
 #if defined(TREEATTN_MODEL_X86)
 void rows_int8_avx2(const RowsArgs& a);
 void rows_int8_avxvnni(const RowsArgs& a);
 void rows_int8_avx512vnni(const RowsArgs& a);
+void rows_int8_amx(const RowsArgs& a);
 #endif
 
 }  // namespace treeattn::model::detail

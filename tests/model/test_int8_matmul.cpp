@@ -50,10 +50,11 @@ const std::vector<uint32_t>& int8_types() {
   return v;
 }
 
-// The integer targets this CPU runs, as (isa, vnni) options, and which were not run.
+// The integer targets this CPU runs, as (isa, vnni, amx) options, and which were not run.
 struct Target {
   Isa isa;
   bool vnni;
+  bool amx = false;
 };
 std::vector<Target> targets_here() {
   std::vector<Target> v = {{Isa::kGeneric, false}};
@@ -62,8 +63,11 @@ std::vector<Target> targets_here() {
     v.push_back({isa, false});
     MatvecOptions o;
     o.isa = isa;
+    o.amx = false;
     const std::string t(model::matmul_int8_target(o));
     if (t == "avxvnni" || t == "avx512vnni") v.push_back({isa, true});
+    o.amx = true;
+    if (model::matmul_int8_target(o) == "amx") v.push_back({isa, true, true});
   }
   return v;
 }
@@ -71,6 +75,7 @@ std::string target_name(const Target& t) {
   MatvecOptions o;
   o.isa = t.isa;
   o.vnni = t.vnni;
+  o.amx = t.amx;
   return std::string(isa_name(t.isa)) + "/" + std::string(model::matmul_int8_target(o));
 }
 
@@ -284,6 +289,7 @@ MatvecOptions int8_options(int threads, const Target& t) {
   o.threads = threads;
   o.isa = t.isa;
   o.vnni = t.vnni;
+  o.amx = t.amx;
   o.mode = MatmulMode::kInt8;
   return o;
 }
@@ -579,7 +585,8 @@ TEST(Int8Matmul, CodesAtTheirLargestGiveTheOneTokenBits) {
   std::mt19937_64 rng(31);
   for (const uint32_t type : int8_types()) {
     SCOPED_TRACE(gguf::tensor_type_name(type));
-    const int64_t rows = 13, cols = 512, tokens = 19;  // 4-row blocks and a 1-row rest
+    // 4-row blocks and a 1-row rest; on the AMX target two 16-row passes first, 32 + 3 tokens
+    const int64_t rows = 37, cols = 512, tokens = 35;
     std::vector<uint8_t> store;
     const WeightMatrix m = make_matrix(type, rows, cols, store, rng);
     // The code bytes of a block: [begin, end) ranges and the byte that sets every code there
