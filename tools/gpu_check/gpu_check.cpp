@@ -588,9 +588,9 @@ struct Llama {
 int64_t wave_slots(Executor& e, int64_t group) {
   auto info = cuda_device_info(e);
   int blocks = 0;
-  if (!info.is_ok() ||
-      gpu::decode_occupancy_bf16(static_cast<int>(Llama::kDim), gpu::split_rows(group, 1).rows_tpl,
-                                 &blocks) != cudaSuccess)
+  if (!info.is_ok() || gpu::decode_occupancy_bf16(static_cast<int>(Llama::kDim),
+                                                  gpu::split_rows(DType::kBF16, group, 1).rows_tpl,
+                                                  &blocks) != cudaSuccess)
     return 0;
   return static_cast<int64_t>(info->sm_count) * blocks;
 }
@@ -702,7 +702,7 @@ void check_bandwidth_and_vranks(Executor& e, Report& rep, int64_t max_tokens) {
       row.kv_bytes = static_cast<double>(batch * Hkv * n * D) * 2 * 2;
       // The executor's plan: splits sized to the device's wave (SMs x resident blocks).
       const gpu::SplitPlan plan =
-          gpu::plan_decode(batch, Hkv, H / Hkv, 1, n, 0, wave_slots(e, H / Hkv));
+          gpu::plan_decode(DType::kBF16, batch, Hkv, H / Hkv, 1, n, 0, wave_slots(e, H / Hkv));
       row.splits = plan.splits;
       row.chunk = plan.chunk;
       auto partial = [&] {

@@ -171,10 +171,11 @@ class CudaExecutor final : public Executor {
       max_visible =
           std::max(max_visible, gpu::visible_count(kv.len[b], kv.pos_start[b], kv.total_len[b],
                                                    kv.pos_stride, shape.q_len, shape.q_len - 1));
-    const gpu::RowSplit rows = gpu::split_rows(shape.group(), shape.q_len);
-    const gpu::SplitPlan plan =
-        gpu::plan_decode(shape.batch, shape.kv_heads, shape.group(), shape.q_len, max_visible,
-                         options.chunk_tokens, wave_slots(kv.dtype, shape.head_dim, rows.rows_tpl));
+    const gpu::RowSplit rows = gpu::split_rows(kv.dtype, shape.group(), shape.q_len);
+    const gpu::SplitPlan plan = gpu::plan_decode(
+        kv.dtype, shape.batch, shape.kv_heads, shape.group(), shape.q_len, max_visible,
+        options.chunk_tokens, wave_slots(kv.dtype, shape.head_dim, rows.rows_tpl));
+    TREEATTN_RETURN_IF_ERROR(check_split_slots(kv, plan.chunk, "partial"));
     const int64_t rec_floats = shape.head_dim + 2;
     const int64_t records = shape.batch * shape.q_len * shape.heads;
     if (plan.splits == 1)  // the block's record is the final state
@@ -209,8 +210,9 @@ class CudaExecutor final : public Executor {
     int64_t longest = 0;
     for (int64_t n : kv.len) longest = std::max(longest, n);
     if (longest == 0) return Status::ok();  // no chunks, nothing written (as on the CPU)
-    const gpu::SplitPlan plan = gpu::plan_chunks(shape.batch, shape.kv_heads, shape.group(),
-                                                 shape.q_len, longest, chunk_tokens);
+    const gpu::SplitPlan plan = gpu::plan_chunks(kv.dtype, shape.batch, shape.kv_heads,
+                                                 shape.group(), shape.q_len, longest, chunk_tokens);
+    TREEATTN_RETURN_IF_ERROR(check_split_slots(kv, plan.chunk, "partial_chunks"));
     const int64_t per_chunk = shape.batch * shape.q_len * shape.heads * (shape.head_dim + 2);
     return launch(shape, q, kv, plan, states, per_chunk, nullptr, options);
   }
@@ -391,7 +393,7 @@ class CudaExecutor final : public Executor {
       TREEATTN_RETURN_IF_ERROR(check_ptr(kv.k_scale, "K scales"));
       TREEATTN_RETURN_IF_ERROR(check_ptr(kv.v_scale, "V scales"));
     }
-    const int vb = gpu::vec_bytes(kv.dtype), ve = gpu::vec_elems(kv.dtype);
+    const int vb = gpu::vec_bytes(kv.dtype), ve = gpu::vec_elems(kv.dtype);  // 16 bytes
     const auto misaligned = [vb](const void* p) {
       return reinterpret_cast<std::uintptr_t>(p) % static_cast<std::uintptr_t>(vb) != 0;
     };
@@ -404,6 +406,23 @@ class CudaExecutor final : public Executor {
                          std::to_string(kv.stride_token) + ", " + std::to_string(kv.stride_head) +
                          ", " + std::to_string(kv.stride_batch) + ")");
     return Status::ok();
+  }
+
+  // The kernel reaches a split's slots by 32-bit offsets from its first (decode_geometry.hpp):
+  // a split of `chunk` slots must fit, for K/V and for the scales.
+  Status check_split_slots(const KVShard& kv, int64_t chunk, const char* op) const {
+    const bool scales = dtype_is_quantized(kv.dtype);
+    if (gpu::slot_offsets_fit(chunk, kv.stride_token) &&
+        (!scales || gpu::slot_offsets_fit(chunk, kv.scale_stride_token)))
+      return Status::ok();
+    const int64_t stride = std::max(kv.stride_token, scales ? kv.scale_stride_token : 0);
+    const int64_t most = std::min(gpu::kMaxSplitSlots, gpu::kMaxSlotOffset / stride + 1);
+    return unsupported(who_ + ": " + op + ": a split of " + std::to_string(chunk) +
+                       " token slots at a token stride of " + std::to_string(stride) +
+                       " elements is past the kernel's 32-bit slot offsets (at most " +
+                       std::to_string(most) + " slots a split at this stride); pass a " +
+                       "DecodeOptions::chunk_tokens (partial_chunks: a chunk_tokens) of at most " +
+                       std::to_string(most));
   }
 
   // Launches the decode kernel over every batch row, kMaxBatchPerLaunch rows at a time, writing
