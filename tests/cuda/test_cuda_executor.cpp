@@ -469,6 +469,8 @@ TEST_F(CudaExecutorTest, ErrorsNameTheProblem) {
       Code::kUnsupported);
   huge.chunk_tokens = int64_t{1} << 26;  // the largest split that fits
   EXPECT_TRUE(exec->partial(shape, qd.as<float>(), dv, st.as<float>(), huge).is_ok());
+  // Inside one of the executor's own buffers is device memory (known without the driver).
+  EXPECT_TRUE(exec->set_empty(st.as<float>() + 66, 1, 64).is_ok());
   // The executor is still usable.
   EXPECT_TRUE(exec->partial(shape, qd.as<float>(), dv, st.as<float>(), {}).is_ok());
   EXPECT_TRUE(exec->synchronize().is_ok());

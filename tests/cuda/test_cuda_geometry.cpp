@@ -6,8 +6,8 @@
 // the token and shuffled from there), the 32-bit slot offsets and their bound, the logits'
 // reduce-scatter (run on a simulated warp: one thread per lane, shuffles through a barrier), the
 // query-row groups (every (query, head) served once), record indices, the split planner (whole
-// waves), the launch bounds' register cap and the lifetime rule of the buffers CUDA graphs point
-// at (graph_buffers.hpp).
+// waves), the launch bounds' register cap, the lifetime rule of the buffers CUDA graphs point at
+// (graph_buffers.hpp) and the executor's cache of its own allocations (device_pointers.hpp).
 // These run on any machine; the kernel itself is checked on a GPU (test_cuda_executor,
 // tools/gpu-check.sh).
 #include <gtest/gtest.h>
@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "kernels/cuda/decode_geometry.hpp"
+#include "kernels/cuda/device_pointers.hpp"
 #include "kernels/cuda/graph_buffers.hpp"
 #include "treeattn/state_buffer.hpp"
 
@@ -744,6 +745,96 @@ TEST(CudaGeometry, GrownBuffersLiveWhileAGraphMayPointAtThem) {
   EXPECT_EQ(CountedBuffer::alive, (std::set<int>{5, 6}));
   keep.graph_destroyed();  // more destructions than creations change nothing
   EXPECT_EQ(keep.graphs(), 0);
+}
+
+// The executor's own allocations (device_pointers.hpp): a pointer anywhere inside one is known
+// without the driver, one past its end or before its start is not, and a freed one is gone.
+TEST(CudaGeometry, OwnAllocationsAreKnownUntilFreed) {
+  DevicePointers own;
+  alignas(256) static unsigned char pool[4096];
+  unsigned char* const a = pool + 16;    // [16, 1016)
+  unsigned char* const b = pool + 1024;  // [1024, 3072)
+  own.allocated(a, 1000);
+  own.allocated(b, 2048);
+  own.allocated(pool + 3500, 0);  // an empty allocation is nothing
+  EXPECT_EQ(own.size(), 2u);
+  EXPECT_TRUE(own.own(a));
+  EXPECT_TRUE(own.own(a + 999));
+  EXPECT_FALSE(own.own(a + 1000));  // one past the end
+  EXPECT_FALSE(own.own(a + 1007));  // between the two
+  EXPECT_TRUE(own.own(b));
+  EXPECT_TRUE(own.own(b + 2047));
+  EXPECT_FALSE(own.own(b + 2048));
+  EXPECT_FALSE(own.own(pool + 3500));
+  EXPECT_FALSE(own.own(pool + 15));  // before the first
+  EXPECT_FALSE(own.own(nullptr));
+  own.freed(a);
+  EXPECT_FALSE(own.own(a));
+  EXPECT_FALSE(own.own(a + 500));
+  EXPECT_TRUE(own.own(b + 1));
+  // The same address allocated again (the driver reuses it) is known again, with its new size.
+  own.allocated(a, 16);
+  EXPECT_TRUE(own.own(a + 15));
+  EXPECT_FALSE(own.own(a + 16));
+  own.freed(a);
+  own.freed(b);
+  own.freed(b);  // a second free changes nothing
+  EXPECT_EQ(own.size(), 0u);
+  EXPECT_FALSE(own.own(b));
+}
+
+// A stand-in for the executor's Buffer: made by "allocate", freed (and forgotten by the cache) on
+// destruction, as Buffer calls the executor's release().
+struct TrackedBuffer {
+  static inline DevicePointers* cache = nullptr;
+  unsigned char* data = nullptr;
+  TrackedBuffer() = default;
+  TrackedBuffer(unsigned char* p, std::size_t bytes) : data(p) { cache->allocated(p, bytes); }
+  TrackedBuffer(TrackedBuffer&& o) noexcept : data(std::exchange(o.data, nullptr)) {}
+  TrackedBuffer& operator=(TrackedBuffer&& o) noexcept {
+    if (this != &o) {
+      if (data) cache->freed(data);
+      data = std::exchange(o.data, nullptr);
+    }
+    return *this;
+  }
+  ~TrackedBuffer() {
+    if (data) cache->freed(data);
+  }
+  bool empty() const { return data == nullptr; }
+};
+
+// The buffer lifetime rule with the cache: a workspace that a live graph may point at stays
+// known (and allocated) after it is replaced, until the last graph goes; then it is forgotten.
+TEST(CudaGeometry, RetiredBuffersStayKnownWhileAGraphLives) {
+  DevicePointers own;
+  TrackedBuffer::cache = &own;
+  alignas(256) static unsigned char pool[3 * 256];
+  GraphBuffers<TrackedBuffer> keep;
+  TrackedBuffer workspace;
+  int next = 0;
+  auto make = [&] { return Result<TrackedBuffer>(TrackedBuffer(pool + 256 * next++, 200)); };
+  ASSERT_TRUE(keep.replace(workspace, make).is_ok());
+  EXPECT_TRUE(own.own(pool + 10));
+  keep.graph_created();  // a graph captured with workspace 0
+  ASSERT_TRUE(keep.replace(workspace, make).is_ok());
+  EXPECT_EQ(workspace.data, pool + 256);
+  EXPECT_TRUE(own.own(pool + 10)) << "retired while a graph lives: still allocated, still known";
+  EXPECT_TRUE(own.own(pool + 256 + 199));
+  keep.graph_destroyed();  // freed now: the cache forgets it
+  EXPECT_FALSE(own.own(pool + 10));
+  EXPECT_TRUE(own.own(pool + 256));
+  // No graph: the old buffer is freed (and forgotten) before the new one is made.
+  ASSERT_TRUE(keep.replace(workspace,
+                           [&] {
+                             EXPECT_FALSE(own.own(pool + 256));
+                             return make();
+                           })
+                  .is_ok());
+  EXPECT_TRUE(own.own(pool + 512));
+  workspace = TrackedBuffer();
+  EXPECT_EQ(own.size(), 0u);
+  TrackedBuffer::cache = nullptr;
 }
 
 }  // namespace

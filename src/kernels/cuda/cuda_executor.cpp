@@ -12,6 +12,7 @@
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/cuda_presence.hpp"
 #include "kernels/cuda/decode_geometry.hpp"
+#include "kernels/cuda/device_pointers.hpp"
 #include "kernels/cuda/graph_buffers.hpp"
 #include "treeattn/executor_cuda.hpp"
 #include "treeattn/state.hpp"
@@ -129,9 +130,11 @@ class CudaExecutor final : public Executor {
                                             std::to_string(total_b) + " bytes free)");
     }
     TREEATTN_RETURN_IF_ERROR(check(e, "cudaMalloc(" + std::to_string(bytes) + ")"));
+    pointers_.allocated(p, bytes);
     return Buffer(this, p, bytes);
   }
   void release(void* data, std::size_t) noexcept override {
+    pointers_.freed(data);  // before the memory can be another allocation's
     (void)use_device(device_);
     (void)cudaFree(data);
   }
@@ -336,9 +339,11 @@ class CudaExecutor final : public Executor {
     return unsupported(who_ + ": " + op + ": head_dim " + std::to_string(d) +
                        " is outside the state kernels' range 1..256");
   }
-  // p must be device memory of this executor's device (or managed memory).
+  // p must be device memory of this executor's device (or managed memory): inside one of its own
+  // live allocations (no driver call), or what the driver says of it (device_pointers.hpp).
   Status check_ptr(const void* p, const char* what) const {
     if (p == nullptr) return invalid_argument(who_ + ": " + what + " is null");
+    if (pointers_.own(p)) return Status::ok();
     cudaPointerAttributes a{};
     const cudaError_t e = cudaPointerGetAttributes(&a, p);
     if (e != cudaSuccess) {
@@ -533,6 +538,9 @@ class CudaExecutor final : public Executor {
   bool owns_stream_ = false;
   cudaDeviceProp props_{};
   std::string who_;
+  // This executor's live allocations, which check_ptr knows without the driver (declared before
+  // the buffers, so that it outlives every release()).
+  gpu::DevicePointers pointers_;
   Buffer workspace_;  // the split records of partial()
   Buffer tickets_;    // the fused split merge's counters (decode_kernel.cuh), 0 between launches
   // The two buffers above as graphs see them: replaced ones kept while a graph lives.
