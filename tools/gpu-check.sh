@@ -12,9 +12,10 @@
 # One failure hides no other verdict:
 # - build: gpu_check first and alone, then each test program on its own; a program that does not
 #   compile fails its own verdict (OUTDIR/build-TARGET.log) and the rest still build and run;
-# - gpu_check: each section (widening, correctness, bandwidth, nccl) in a process of its own,
-#   under a timeout (TREEATTN_GPU_CHECK_SECTION_TIMEOUT seconds, 600), into
-#   OUTDIR/gpu-check-SECTION.json: a kernel fault spoils the CUDA context of its process only;
+# - gpu_check: each section (widening, correctness, bandwidth (bf16), bandwidth8 (fp8 and int8),
+#   nccl) in a process of its own, under a timeout (TREEATTN_GPU_CHECK_SECTION_TIMEOUT seconds,
+#   600), into OUTDIR/gpu-check-SECTION.json: a kernel fault spoils the CUDA context of its
+#   process only;
 # - the gpu-labelled tests (tests/cuda/test_cuda_executor.cpp, test_nccl_comm.cpp, built against
 #   tools/gpu_check/minitest): each test in a process of its own (minitest --isolate, at most
 #   TREEATTN_GPU_CHECK_TEST_TIMEOUT seconds a test, 300), OUTDIR/gpu-tests-NAME.json rewritten as
@@ -150,7 +151,7 @@ rc=0
 no_gpu=0
 echo "== gpu_check"
 if [ -x "$build/tools/gpu_check/gpu_check" ] && grep -q $'^build\tgpu_check\tok' "$runs"; then
-  for s in widening correctness bandwidth nccl; do
+  for s in widening correctness bandwidth bandwidth8 nccl; do
     # shellcheck disable=SC2086
     timeout -k 10 "$section_timeout" "$build/tools/gpu_check/gpu_check" "$out" --section "$s" \
       ${TREEATTN_GPU_CHECK_ARGS:-} 2>&1 | tee "$out/gpu_check-$s.log"

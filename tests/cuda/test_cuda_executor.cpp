@@ -458,6 +458,19 @@ TEST_F(CudaExecutorTest, ErrorsNameTheProblem) {
   mis.k = static_cast<const uint8_t*>(dv.k) + 2;
   EXPECT_EQ(exec->partial(shape, qd.as<float>(), mis, st.as<float>(), {}).code(),
             Code::kUnsupported);
+  // A split past the kernel's 32-bit slot offsets (token stride 64: 2^26 slots at the most).
+  DecodeOptions huge;
+  huge.chunk_tokens = (int64_t{1} << 26) + 1;
+  const Status hs = exec->partial(shape, qd.as<float>(), dv, st.as<float>(), huge);
+  EXPECT_EQ(hs.code(), Code::kUnsupported);
+  EXPECT_NE(hs.message().find("32-bit slot offsets"), std::string::npos) << hs.message();
+  EXPECT_EQ(
+      exec->partial_chunks(shape, qd.as<float>(), dv, huge.chunk_tokens, st.as<float>(), {}).code(),
+      Code::kUnsupported);
+  huge.chunk_tokens = int64_t{1} << 26;  // the largest split that fits
+  EXPECT_TRUE(exec->partial(shape, qd.as<float>(), dv, st.as<float>(), huge).is_ok());
+  // Inside one of the executor's own buffers is device memory (known without the driver).
+  EXPECT_TRUE(exec->set_empty(st.as<float>() + 66, 1, 64).is_ok());
   // The executor is still usable.
   EXPECT_TRUE(exec->partial(shape, qd.as<float>(), dv, st.as<float>(), {}).is_ok());
   EXPECT_TRUE(exec->synchronize().is_ok());

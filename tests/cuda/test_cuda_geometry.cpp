@@ -1,11 +1,15 @@
 // Host tests of the CUDA decode kernel's plain arithmetic (src/kernels/cuda/decode_geometry.hpp):
 // the causal limit against a brute-force count, the block index codec and the merge tickets,
-// lane roles and the shuffle partners the kernel uses, the token walk (every slot read exactly
-// once), the logits' reduce-scatter (run on a simulated warp: one thread per lane, shuffles
-// through a barrier), the query-row groups (every (query, head) served once), record indices,
-// the split planner (whole waves), the launch bounds' register cap and the lifetime rule of the
-// buffers CUDA graphs point at (graph_buffers.hpp). These run on any machine;
-// the kernel itself is checked on a GPU (test_cuda_executor, tools/gpu-check.sh).
+// lane roles and the shuffle partners the kernel uses, the 16-byte loads of every dtype (8-bit
+// K/V: 16 consecutive codes a lane), the token walk (every slot read exactly once, the unguarded
+// main loop only below the slots every row sees), the 8-bit scales (each loaded by one lane of
+// the token and shuffled from there), the 32-bit slot offsets and their bound, the logits'
+// reduce-scatter (run on a simulated warp: one thread per lane, shuffles through a barrier), the
+// query-row groups (every (query, head) served once), record indices, the split planner (whole
+// waves), the launch bounds' register cap, the lifetime rule of the buffers CUDA graphs point at
+// (graph_buffers.hpp) and the executor's cache of its own allocations (device_pointers.hpp).
+// These run on any machine; the kernel itself is checked on a GPU (test_cuda_executor,
+// tools/gpu-check.sh).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -22,6 +26,7 @@
 #include <vector>
 
 #include "kernels/cuda/decode_geometry.hpp"
+#include "kernels/cuda/device_pointers.hpp"
 #include "kernels/cuda/graph_buffers.hpp"
 #include "treeattn/state_buffer.hpp"
 
@@ -99,8 +104,7 @@ TEST(CudaGeometry, LaneGeometryOfTheCompiledHeadDims) {
       const int lanes = lanes_per_token(t, d), tpw = tokens_per_warp(t, d);
       EXPECT_EQ(lanes * tpw, kWarpSize);
       EXPECT_EQ(lanes * vec_elems(t), d);
-      EXPECT_LE(vec_bytes(t), 16);
-      EXPECT_EQ(vec_bytes(t) % 8, 0);  // 8- or 16-byte loads
+      EXPECT_EQ(vec_bytes(t), 16);  // every dtype loads 16-byte vectors
       EXPECT_EQ(token_groups(t, d), kDecodeWarps * tpw);
       // Every (token slot, element) of a warp has exactly one lane.
       std::map<std::pair<int, int>, int> owner;
@@ -130,32 +134,188 @@ TEST(CudaGeometry, LaneGeometryOfTheCompiledHeadDims) {
   EXPECT_FALSE(geometry_valid(DType::kF32, 256));  // 64 lanes
 }
 
-// Simulates the loops of decode_split_kernel's token walk for one item and counts how often each
-// slot is read and whether a lane would read past t1.
-TEST(CudaGeometry, TokenWalkReadsEverySlotOfTheSplitOnce) {
+// Every lane's 16 bytes of a token are 16-byte aligned and, for 8-bit K/V, 16 consecutive codes;
+// over one iteration of a CTA (every warp, lane and unrolled load) each element of each token the
+// iteration reads is loaded by exactly one lane, for every head dim and rows-per-block variant.
+TEST(CudaGeometry, SixteenByteLoadsCoverEveryElementOnce) {
   for (DType t : kAllTypes)
     for (int d : kCudaHeadDims)
       for (int rows_tpl : {1, 2, 4, 8}) {
-        const int tpw = tokens_per_warp(t, d), ng = token_groups(t, d), u = unroll_tokens(rows_tpl);
-        for (int64_t t0 : {0, 5, 1000})
-          for (int64_t n : {0, 1, 7, 31, 32, 33, 64, 255, 1001}) {
-            const int64_t t1 = t0 + n;
-            std::vector<int> reads(static_cast<std::size_t>(n), 0);
-            for (int warp = 0; warp < kDecodeWarps; ++warp)
-              for (int64_t w0 = warp_first_token(t0, warp, tpw); w0 < t1;
-                   w0 += cta_token_step(ng, u))
+        if (rows_tpl > max_rows_per_cta(t)) continue;
+        SCOPED_TRACE(std::string(dtype_name(t)) + " D=" + std::to_string(d) + " rows " +
+                     std::to_string(rows_tpl));
+        const int tpw = tokens_per_warp(t, d), ng = token_groups(t, d);
+        const int u_count = unroll_tokens(t, rows_tpl), ve = vec_elems(t);
+        if (kv_8bit(t)) {
+          EXPECT_EQ(ve, 16);
+          EXPECT_EQ(lanes_per_token(t, d), d / 16);  // 4 lanes at D 64, 8 at D 128
+        }
+        // A view whose token stride is a multiple of the vector (the executor's rule), starting
+        // at a slot other than 0.
+        const int64_t stride = d + 2 * ve, first = 3;
+        std::map<std::pair<int64_t, int>, int> loads;  // (slot, element) -> times loaded
+        for (int warp = 0; warp < kDecodeWarps; ++warp)
+          for (int lane = 0; lane < kWarpSize; ++lane) {
+            const LaneRole r = lane_role(lane, t, d);
+            for (int u = 0; u < u_count; ++u) {
+              const int j = lane_slot(warp_first_slot(warp, tpw), r.token_slot, u, ng);
+              const int64_t elem = kv_offset(0, 0, first + j, r.dim0, 0, 0, stride);
+              ASSERT_EQ(elem * elem_bytes(t) % kVecBytes, 0) << "unaligned 16-byte load";
+              for (int e = 0; e < ve; ++e) {
+                ASSERT_LT(r.dim0 + e, d);
+                ++loads[{j, r.dim0 + e}];
+              }
+            }
+          }
+        // Exactly the iteration's cta_slot_step slots, each element once.
+        EXPECT_EQ(static_cast<int64_t>(loads.size()),
+                  static_cast<int64_t>(cta_slot_step(ng, u_count)) * d);
+        for (const auto& [where, count] : loads) {
+          ASSERT_EQ(count, 1) << "slot " << where.first << " element " << where.second;
+          ASSERT_LT(where.first, cta_slot_step(ng, u_count));
+        }
+      }
+}
+
+// Simulates decode_split_kernel's token walk for one item: the unguarded main loop (iterations
+// whose slots every row sees, below n_main) and the guarded tail up to n1, counting how often each
+// slot is read and checking that no unguarded load reaches n_main.
+TEST(CudaGeometry, MainLoopAndTailReadEverySlotOnce) {
+  for (DType t : kAllTypes)
+    for (int d : kCudaHeadDims)
+      for (int rows_tpl : {1, 2, 4, 8}) {
+        if (rows_tpl > max_rows_per_cta(t)) continue;
+        const int tpw = tokens_per_warp(t, d), ng = token_groups(t, d);
+        const int u = unroll_tokens(t, rows_tpl);
+        const int step = cta_slot_step(ng, u), span = warp_span(tpw, u, ng);
+        for (int n1 : {0, 1, 7, 31, 32, 33, 64, 255, 1000, 1001, 65537})
+          for (int lag : {0, 1, 3, 40}) {  // n1 - n_main: the rows that see fewer slots
+            const int n_main = std::max(0, n1 - lag);
+            std::vector<int> reads(static_cast<std::size_t>(n1), 0);
+            int64_t unguarded = 0;
+            for (int warp = 0; warp < kDecodeWarps; ++warp) {
+              int wl = warp_first_slot(warp, tpw);
+              for (; unguarded_iteration(wl, span, n_main); wl += step, ++unguarded)
                 for (int slot = 0; slot < tpw; ++slot)
                   for (int k = 0; k < u; ++k) {
-                    const int64_t j = lane_token(w0, slot, k, ng);
-                    ASSERT_GE(j, t0);
-                    if (j < t1) ++reads[static_cast<std::size_t>(j - t0)];
+                    const int j = lane_slot(wl, slot, k, ng);
+                    ASSERT_GE(j, wl);
+                    ASSERT_LT(j, wl + span);
+                    ASSERT_LT(j, n_main) << "an unguarded load past the slots every row sees";
+                    ++reads[static_cast<std::size_t>(j)];
                   }
-            for (int64_t j = 0; j < n; ++j)
+              for (; wl < n1; wl += step)  // the tail: guarded (j < n1)
+                for (int slot = 0; slot < tpw; ++slot)
+                  for (int k = 0; k < u; ++k) {
+                    const int j = lane_slot(wl, slot, k, ng);
+                    ASSERT_GE(j, 0);
+                    if (j < n1) ++reads[static_cast<std::size_t>(j)];
+                  }
+            }
+            for (int j = 0; j < n1; ++j)
               ASSERT_EQ(reads[static_cast<std::size_t>(j)], 1)
-                  << dtype_name(t) << " D=" << d << " rows " << rows_tpl << " t0 " << t0 << " n "
-                  << n << " slot " << j;
+                  << dtype_name(t) << " D=" << d << " rows " << rows_tpl << " n1 " << n1
+                  << " n_main " << n_main << " slot " << j;
+            // Long splits run almost entirely unguarded: at most one iteration a warp is left to
+            // the tail beyond the slots some row does not see.
+            if (n_main >= 1000) {
+              EXPECT_GE(unguarded * step, static_cast<int64_t>(n_main) - kDecodeWarps * step)
+                  << dtype_name(t) << " D=" << d << " rows " << rows_tpl << " n_main " << n_main;
+            }
           }
       }
+}
+
+TEST(CudaGeometry, LocalLimitsClampToTheSplit) {
+  EXPECT_EQ(local_limit(100, 0, 64), 64);
+  EXPECT_EQ(local_limit(100, 64, 64), 36);
+  EXPECT_EQ(local_limit(100, 128, 64), 0);  // the split starts past the limit
+  EXPECT_EQ(local_limit(0, 0, 64), 0);
+  // 64-bit positions far past 2^31 still give a local count inside the split.
+  const int64_t big = int64_t{3} << 32;
+  EXPECT_EQ(local_limit(big + 5, big, 4096), 5);
+  EXPECT_EQ(local_limit(big * 2, big, 4096), 4096);
+  EXPECT_EQ(local_limit(big - 1, big, 4096), 0);
+}
+
+// 32-bit slot offsets: the largest split the bound accepts has its last slot's offset in 32 bits,
+// one slot more is refused; local slot arithmetic (a split plus two iterations' steps) stays in
+// int32.
+TEST(CudaGeometry, SlotOffsetsFitIn32Bits) {
+  for (int64_t stride : {1, 64, 128, 144, 1024, 4096, 40960}) {
+    SCOPED_TRACE("stride " + std::to_string(stride));
+    const int64_t largest = std::min(kMaxSplitSlots, kMaxSlotOffset / stride + 1);
+    ASSERT_TRUE(slot_offsets_fit(largest, stride));
+    EXPECT_FALSE(slot_offsets_fit(largest + 1, stride));
+    EXPECT_LE((largest - 1) * stride, kMaxSlotOffset);
+    if (largest < kMaxSplitSlots) {
+      EXPECT_GT(largest * stride, kMaxSlotOffset);  // one more slot would wrap
+    }
+    // The kernel's offset of the last slot is exact.
+    const int j = static_cast<int>(largest - 1);
+    EXPECT_EQ(static_cast<int64_t>(slot_offset(j, static_cast<uint32_t>(stride))),
+              (largest - 1) * stride);
+    EXPECT_TRUE(slot_offsets_fit(1, stride));
+    EXPECT_FALSE(slot_offsets_fit(0, stride));
+  }
+  // Head dim 128 rows: 2^25 slots a split, 2^25 + 1 refused.
+  EXPECT_TRUE(slot_offsets_fit(int64_t{1} << 25, 128));
+  EXPECT_FALSE(slot_offsets_fit((int64_t{1} << 25) + 1, 128));
+  // Scales (stride 1 float): up to kMaxSplitSlots.
+  EXPECT_TRUE(slot_offsets_fit(kMaxSplitSlots, 1));
+  EXPECT_FALSE(slot_offsets_fit(kMaxSplitSlots + 1, 1));
+  EXPECT_TRUE(slot_offsets_fit(kMaxSplitSlots, 0));
+  EXPECT_FALSE(slot_offsets_fit(16, -1));
+  // Local slots of the largest split, plus two iterations of the widest step, are int32.
+  for (DType t : kAllTypes)
+    for (int d : kCudaHeadDims)
+      for (int rows : {1, 2, 4, 8})
+        EXPECT_LT(kMaxSplitSlots + 2 * cta_slot_step(token_groups(t, d), unroll_tokens(t, rows)),
+                  int64_t{1} << 31);
+  // The split plan's default chunks at a million tokens fit with room to spare.
+  const SplitPlan l = plan_decode(DType::kFP8, 1, 8, 4, 1, 1 << 20, 0);
+  EXPECT_TRUE(slot_offsets_fit(l.chunk, 128));
+}
+
+// Each of a token group's 2U scales (K of every unrolled load, then V) is loaded by the one lane
+// scale_lane in register scale_reg (lanes past 2U load copies from the same addresses), and every
+// K scale is in register 0, where the kernel reads the K scale of a held value whose load index
+// is known only at run time.
+TEST(CudaGeometry, ScalesAreLoadedOncePerTokenGroup) {
+  for (DType t : {DType::kFP8, DType::kInt8})
+    for (int d : kCudaHeadDims)
+      for (int rows : {1, 2, 4}) {
+        const int lpt = lanes_per_token(t, d), u_count = unroll_tokens(t, rows);
+        SCOPED_TRACE("D " + std::to_string(d) + " rows " + std::to_string(rows));
+        ASSERT_TRUE(scales_valid(u_count, lpt));
+        const int sl = scale_loads_per_lane(u_count, lpt);
+        // The (lane, register) pairs that load each scale.
+        std::map<int, std::set<std::pair<int, int>>> loaders;
+        for (int lane = 0; lane < lpt; ++lane)
+          for (int k = 0; k < sl; ++k) {
+            const int s = scale_of_lane(lane, k, u_count, lpt);
+            ASSERT_GE(s, 0);
+            ASSERT_LT(s, 2 * u_count);
+            loaders[s].insert({lane, k});
+          }
+        ASSERT_EQ(static_cast<int>(loaders.size()), 2 * u_count);  // every scale is loaded
+        // lpt * sl loads for 2U scales: each scale by lpt * sl / 2U lanes, all at its address.
+        for (const auto& [s, who] : loaders)
+          ASSERT_EQ(static_cast<int>(who.size()), lpt * sl / (2 * u_count)) << "scale " << s;
+        for (int u = 0; u < u_count; ++u) {
+          for (int s : {k_scale_index(u), v_scale_index(u, u_count)}) {
+            const std::pair<int, int> src{scale_lane(s, lpt), scale_reg(s, lpt)};
+            ASSERT_LT(src.first, lpt);
+            ASSERT_LT(src.second, sl);
+            EXPECT_EQ(scale_of_lane(src.first, src.second, u_count, lpt), s);
+            EXPECT_EQ(loaders[s].count(src), 1u);
+          }
+          EXPECT_EQ(scale_reg(k_scale_index(u), lpt), 0);
+          EXPECT_NE(k_scale_index(u), v_scale_index(u, u_count));
+        }
+      }
+  EXPECT_FALSE(scales_valid(8, 4));  // a K scale past register 0
+  EXPECT_FALSE(scales_valid(3, 8));
 }
 
 // ---- the logits' reduce-scatter, on a simulated token group -----------------------------------
@@ -282,14 +442,27 @@ void check_reduce_scatter() {
 
 TEST(CudaGeometry, ReduceScatterLeavesEachLaneWholeLogits) {
   // Every (U, rows) of unroll_tokens and every lanes-per-token of the compiled instances.
+  std::set<std::tuple<int, int, int>> instances;  // (U, rows, LPT)
   for (DType t : kAllTypes)
     for (int d : kCudaHeadDims) {
       const int lpt = lanes_per_token(t, d);
-      EXPECT_TRUE(lpt == 8 || lpt == 16 || lpt == 32) << dtype_name(t) << " " << d;
-      for (int rows : {1, 2, 4, 8}) EXPECT_TRUE(rs_valid(unroll_tokens(rows), rows, lpt));
+      EXPECT_TRUE(lpt == 4 || lpt == 8 || lpt == 16 || lpt == 32) << dtype_name(t) << " " << d;
+      for (int rows : {1, 2, 4, 8}) {
+        if (rows > max_rows_per_cta(t)) continue;
+        EXPECT_TRUE(rs_valid(unroll_tokens(t, rows), rows, lpt));
+        instances.insert({unroll_tokens(t, rows), rows, lpt});
+      }
     }
-  static_assert(unroll_tokens(1) == 4 && unroll_tokens(2) == 4 && unroll_tokens(4) == 4 &&
-                unroll_tokens(8) == 2);
+  static_assert(unroll_tokens(DType::kBF16, 1) == 4 && unroll_tokens(DType::kBF16, 4) == 4 &&
+                unroll_tokens(DType::kBF16, 8) == 2 && unroll_tokens(DType::kFP8, 4) == 4);
+  // The instances checked below are all of them.
+  const std::set<std::tuple<int, int, int>> checked{
+      {4, 1, 4},  {4, 2, 4},  {4, 4, 4},  {4, 1, 8},  {4, 2, 8}, {4, 4, 8},  {4, 1, 16}, {4, 2, 16},
+      {4, 4, 16}, {4, 1, 32}, {4, 2, 32}, {4, 4, 32}, {2, 8, 8}, {2, 8, 16}, {2, 8, 32}};
+  for (const auto& i : instances) EXPECT_EQ(checked.count(i), 1u);
+  check_reduce_scatter<4, 1, 4>();
+  check_reduce_scatter<4, 2, 4>();
+  check_reduce_scatter<4, 4, 4>();
   check_reduce_scatter<4, 1, 8>();
   check_reduce_scatter<4, 1, 16>();
   check_reduce_scatter<4, 1, 32>();
@@ -310,46 +483,53 @@ TEST(CudaGeometry, ReduceScatterLeavesEachLaneWholeLogits) {
 }
 
 TEST(CudaGeometry, LaunchBoundsRegisterCap) {
-  for (int rows : {1, 2, 4, 8}) {
-    const int blocks = min_blocks_per_sm(rows), cap = register_cap(rows);
-    EXPECT_GE(blocks, 2);
-    EXPECT_LE(static_cast<int64_t>(blocks) * kDecodeThreads * cap, 65536);
-    EXPECT_LE(cap, 255);
-    // Room for q and the accumulators (2 * rows * 8 floats) and two sets of U 16-byte loads
-    // of K and V (2 * 2 * U * 4), the figures decode_kernel.cuh records from ptxas.
-    EXPECT_GE(cap, 2 * rows * 8 + 16 * unroll_tokens(rows) + 32) << rows;
-  }
-  EXPECT_EQ(register_cap(4), 170);
-  EXPECT_EQ(register_cap(8), 255);
+  for (DType t : kAllTypes)
+    for (int rows : {1, 2, 4, 8}) {
+      if (rows > max_rows_per_cta(t)) continue;
+      const int blocks = min_blocks_per_sm(t, rows), cap = register_cap(t, rows);
+      EXPECT_GE(blocks, 2);
+      EXPECT_LE(static_cast<int64_t>(blocks) * kDecodeThreads * cap, 65536);
+      EXPECT_LE(cap, 255);
+      // Room for q and the accumulators (2 * rows * vec floats) and two sets of U 16-byte loads
+      // of K and V (2 * 2 * U * 4), the figures decode_kernel.cuh records from ptxas.
+      EXPECT_GE(cap, 2 * rows * vec_elems(t) + 16 * unroll_tokens(t, rows) + 32)
+          << dtype_name(t) << " rows " << rows;
+    }
+  EXPECT_EQ(register_cap(DType::kBF16, 4), 170);
+  EXPECT_EQ(register_cap(DType::kBF16, 8), 255);
+  EXPECT_EQ(register_cap(DType::kFP8, 2), 170);
+  EXPECT_EQ(register_cap(DType::kInt8, 4), 255);
 }
 
 TEST(CudaGeometry, RowGroupsServeEveryQueryHeadOnce) {
-  for (int64_t group : {1, 2, 3, 4, 7, 8, 16})
-    for (int64_t q_len : {1, 2, 3, 5}) {
-      const RowSplit rs = split_rows(group, q_len);
-      EXPECT_EQ(rs.rows_total, group * q_len);
-      EXPECT_TRUE(rs.rows_tpl == 1 || rs.rows_tpl == 2 || rs.rows_tpl == 4 || rs.rows_tpl == 8);
-      EXPECT_LE(rs.rows_tpl, kMaxRowsPerCta);
-      EXPECT_GE(rs.rows_tpl * rs.row_groups, rs.rows_total);
-      EXPECT_LT(rs.rows_tpl * (rs.row_groups - 1), rs.rows_total);
-      if (rs.rows_total <= kMaxRowsPerCta) {
-        EXPECT_EQ(rs.row_groups, 1);  // GQA: the KV head is read once for all its rows
+  for (DType t : kAllTypes)
+    for (int64_t group : {1, 2, 3, 4, 7, 8, 16})
+      for (int64_t q_len : {1, 2, 3, 5}) {
+        const RowSplit rs = split_rows(t, group, q_len);
+        EXPECT_EQ(rs.rows_total, group * q_len);
+        EXPECT_TRUE(rs.rows_tpl == 1 || rs.rows_tpl == 2 || rs.rows_tpl == 4 || rs.rows_tpl == 8);
+        EXPECT_LE(rs.rows_tpl, max_rows_per_cta(t));
+        EXPECT_LE(max_rows_per_cta(t), kMaxRowsPerCta);
+        EXPECT_GE(rs.rows_tpl * rs.row_groups, rs.rows_total);
+        EXPECT_LT(rs.rows_tpl * (rs.row_groups - 1), rs.rows_total);
+        if (rs.rows_total <= max_rows_per_cta(t)) {
+          EXPECT_EQ(rs.row_groups, 1);  // GQA: the KV head is read once for all its rows
+        }
+        for (int64_t kvh : {0, 3}) {
+          std::set<std::pair<int64_t, int64_t>> seen;
+          for (int64_t rg = 0; rg < rs.row_groups; ++rg)
+            for (int r = 0; r < rs.rows_tpl; ++r) {
+              const int64_t gr = rg * rs.rows_tpl + r;
+              if (gr >= rs.rows_total) continue;
+              const RowTarget tg = row_target(gr, group, kvh);
+              ASSERT_LT(tg.query, q_len);
+              ASSERT_GE(tg.head, kvh * group);
+              ASSERT_LT(tg.head, (kvh + 1) * group);
+              ASSERT_TRUE(seen.insert({tg.query, tg.head}).second);
+            }
+          EXPECT_EQ(static_cast<int64_t>(seen.size()), group * q_len);
+        }
       }
-      for (int64_t kvh : {0, 3}) {
-        std::set<std::pair<int64_t, int64_t>> seen;
-        for (int64_t rg = 0; rg < rs.row_groups; ++rg)
-          for (int r = 0; r < rs.rows_tpl; ++r) {
-            const int64_t gr = rg * rs.rows_tpl + r;
-            if (gr >= rs.rows_total) continue;
-            const RowTarget tg = row_target(gr, group, kvh);
-            ASSERT_LT(tg.query, q_len);
-            ASSERT_GE(tg.head, kvh * group);
-            ASSERT_LT(tg.head, (kvh + 1) * group);
-            ASSERT_TRUE(seen.insert({tg.query, tg.head}).second);
-          }
-        EXPECT_EQ(static_cast<int64_t>(seen.size()), group * q_len);
-      }
-    }
 }
 
 TEST(CudaGeometry, RecordIndexIsStateBufferOrder) {
@@ -379,7 +559,7 @@ TEST(CudaGeometry, SplitPlanCoversTheVisibleSlots) {
       for (int64_t group : {1, 4})
         for (int64_t q_len : {1, 3})
           for (int64_t vis : {0, 1, 63, 64, 257, 4096, 65536, 1 << 20, (1 << 20) + 3}) {
-            const SplitPlan p = plan_decode(batch, kv_heads, group, q_len, vis, 0);
+            const SplitPlan p = plan_decode(DType::kBF16, batch, kv_heads, group, q_len, vis, 0);
             ASSERT_GE(p.splits, 1);
             ASSERT_LE(p.splits, kMaxSplits);
             ASSERT_GE(p.chunk, 1);
@@ -401,26 +581,36 @@ TEST(CudaGeometry, SplitPlanCoversTheVisibleSlots) {
                                            std::max<int64_t>(1, vis / kMinSplitTokens)});
             EXPECT_GE(4 * p.splits, 3 * want) << "vis " << vis << " per split " << per_split;
             // The same inputs give the same plan (no device property enters it).
-            const SplitPlan again = plan_decode(batch, kv_heads, group, q_len, vis, 0);
+            const SplitPlan again =
+                plan_decode(DType::kBF16, batch, kv_heads, group, q_len, vis, 0);
             EXPECT_EQ(again.chunk, p.chunk);
             EXPECT_EQ(again.splits, p.splits);
           }
   // A fixed chunk length.
-  const SplitPlan f = plan_decode(2, 8, 4, 1, 1000, 256);
+  const SplitPlan f = plan_decode(DType::kBF16, 2, 8, 4, 1, 1000, 256);
   EXPECT_EQ(f.chunk, 256);
   EXPECT_EQ(f.splits, 4);
   // llama3-8b (8 KV heads, 4 query heads each), batch 1, 1M tokens: 256 splits of 4096 slots,
   // 2048 blocks of 4 rows.
-  const SplitPlan l = plan_decode(1, 8, 4, 1, 1 << 20, 0);
+  const SplitPlan l = plan_decode(DType::kBF16, 1, 8, 4, 1, 1 << 20, 0);
   EXPECT_EQ(l.rows.rows_tpl, 4);
   EXPECT_EQ(l.rows.row_groups, 1);
   EXPECT_EQ(l.splits, 256);
   EXPECT_EQ(l.chunk, 4096);
   EXPECT_EQ(l.blocks_per_batch_row, 2048);
   // Batch 16 at 64k tokens: 16 splits of 4096.
-  const SplitPlan m = plan_decode(16, 8, 4, 1, 65536, 0);
+  const SplitPlan m = plan_decode(DType::kBF16, 16, 8, 4, 1, 65536, 0);
   EXPECT_EQ(m.splits, 16);
   EXPECT_EQ(m.chunk, 4096);
+  // 8-bit K/V: at most 4 rows a block, so 8 query heads a KV head make two row groups (the
+  // second reads the KV head's tokens from L2), and llama3-8b's 4 are one.
+  const SplitPlan q8 = plan_decode(DType::kInt8, 1, 8, 8, 1, 1 << 20, 0);
+  EXPECT_EQ(q8.rows.rows_tpl, 4);
+  EXPECT_EQ(q8.rows.row_groups, 2);
+  EXPECT_EQ(q8.blocks_per_batch_row, q8.splits * 2 * 8);
+  EXPECT_EQ(plan_decode(DType::kFP8, 1, 8, 4, 1, 1 << 20, 0).rows.row_groups, 1);
+  EXPECT_EQ(plan_decode(DType::kBF16, 1, 8, 8, 1, 1 << 20, 0).rows.row_groups, 1);
+  EXPECT_EQ(plan_chunks(DType::kFP8, 1, 8, 4, 2, 1000, 256).rows.row_groups, 2);
 }
 
 TEST(CudaGeometry, SplitPlanFillsWholeWaves) {
@@ -431,7 +621,7 @@ TEST(CudaGeometry, SplitPlanFillsWholeWaves) {
       for (int64_t kv_heads : {1, 8})
         for (int64_t group : {1, 4})
           for (int64_t vis : {0, 1, 300, 4096, 65536, 262144, 1 << 20, (1 << 20) + 3}) {
-            const SplitPlan p = plan_decode(batch, kv_heads, group, 1, vis, 0, wave);
+            const SplitPlan p = plan_decode(DType::kBF16, batch, kv_heads, group, 1, vis, 0, wave);
             ASSERT_GE(p.splits, 1);
             ASSERT_LE(p.splits, kMaxSplits);
             if (vis > 0) {
@@ -444,7 +634,7 @@ TEST(CudaGeometry, SplitPlanFillsWholeWaves) {
             const int64_t blocks = nb * p.blocks_per_batch_row;
             const double fill = wave_fill(blocks, wave);
             // Never a worse last wave than the device-independent plan's...
-            const SplitPlan old = plan_decode(batch, kv_heads, group, 1, vis, 0);
+            const SplitPlan old = plan_decode(DType::kBF16, batch, kv_heads, group, 1, vis, 0);
             EXPECT_GE(fill + 1e-9, wave_fill(nb * old.blocks_per_batch_row, wave))
                 << "wave " << wave << " B " << batch << " Hkv " << kv_heads << " vis " << vis;
             // ...and, where the tokens allow kMaxWaves waves of splits, at least 0.85 of whole
@@ -455,15 +645,16 @@ TEST(CudaGeometry, SplitPlanFillsWholeWaves) {
                                     << " G " << group << " vis " << vis << " splits " << p.splits;
             }
             // The same inputs and wave give the same plan.
-            const SplitPlan again = plan_decode(batch, kv_heads, group, 1, vis, 0, wave);
+            const SplitPlan again =
+                plan_decode(DType::kBF16, batch, kv_heads, group, 1, vis, 0, wave);
             EXPECT_EQ(again.chunk, p.chunk);
             // A fixed chunk length ignores the device.
-            EXPECT_EQ(plan_decode(batch, kv_heads, group, 1, vis, 1000, wave).chunk,
+            EXPECT_EQ(plan_decode(DType::kBF16, batch, kv_heads, group, 1, vis, 1000, wave).chunk,
                       vis > 0 ? 1000 : 1);
           }
   // llama3-8b, batch 1, 1M tokens on 132 SMs x 3 blocks: 8 blocks per split index, so 49 splits
   // (1 wave: 392 of 396 slots) or more; the plan's last wave is at least 0.98 full.
-  const SplitPlan l = plan_decode(1, 8, 4, 1, 1 << 20, 0, 132 * 3);
+  const SplitPlan l = plan_decode(DType::kBF16, 1, 8, 4, 1, 1 << 20, 0, 132 * 3);
   EXPECT_GE(wave_fill(l.blocks_per_batch_row, 132 * 3), 0.98);
   EXPECT_EQ(wave_fill(396, 396), 1.0);
   EXPECT_DOUBLE_EQ(wave_fill(397, 396), 397.0 / 792.0);
@@ -473,7 +664,7 @@ TEST(CudaGeometry, ChunkPlanCountsChunksByLength) {
   // partial_chunks: ceil(max len / chunk) chunks, as the CPU executor.
   for (int64_t len : {1, 255, 256, 257, 100000})
     for (int64_t chunk : {1, 256, 1000}) {
-      const SplitPlan p = plan_chunks(3, 2, 2, 1, len, chunk);
+      const SplitPlan p = plan_chunks(DType::kBF16, 3, 2, 2, 1, len, chunk);
       EXPECT_EQ(p.chunk, chunk);
       EXPECT_EQ(p.splits, (len + chunk - 1) / chunk);
     }
@@ -554,6 +745,96 @@ TEST(CudaGeometry, GrownBuffersLiveWhileAGraphMayPointAtThem) {
   EXPECT_EQ(CountedBuffer::alive, (std::set<int>{5, 6}));
   keep.graph_destroyed();  // more destructions than creations change nothing
   EXPECT_EQ(keep.graphs(), 0);
+}
+
+// The executor's own allocations (device_pointers.hpp): a pointer anywhere inside one is known
+// without the driver, one past its end or before its start is not, and a freed one is gone.
+TEST(CudaGeometry, OwnAllocationsAreKnownUntilFreed) {
+  DevicePointers own;
+  alignas(256) static unsigned char pool[4096];
+  unsigned char* const a = pool + 16;    // [16, 1016)
+  unsigned char* const b = pool + 1024;  // [1024, 3072)
+  own.allocated(a, 1000);
+  own.allocated(b, 2048);
+  own.allocated(pool + 3500, 0);  // an empty allocation is nothing
+  EXPECT_EQ(own.size(), 2u);
+  EXPECT_TRUE(own.own(a));
+  EXPECT_TRUE(own.own(a + 999));
+  EXPECT_FALSE(own.own(a + 1000));  // one past the end
+  EXPECT_FALSE(own.own(a + 1007));  // between the two
+  EXPECT_TRUE(own.own(b));
+  EXPECT_TRUE(own.own(b + 2047));
+  EXPECT_FALSE(own.own(b + 2048));
+  EXPECT_FALSE(own.own(pool + 3500));
+  EXPECT_FALSE(own.own(pool + 15));  // before the first
+  EXPECT_FALSE(own.own(nullptr));
+  own.freed(a);
+  EXPECT_FALSE(own.own(a));
+  EXPECT_FALSE(own.own(a + 500));
+  EXPECT_TRUE(own.own(b + 1));
+  // The same address allocated again (the driver reuses it) is known again, with its new size.
+  own.allocated(a, 16);
+  EXPECT_TRUE(own.own(a + 15));
+  EXPECT_FALSE(own.own(a + 16));
+  own.freed(a);
+  own.freed(b);
+  own.freed(b);  // a second free changes nothing
+  EXPECT_EQ(own.size(), 0u);
+  EXPECT_FALSE(own.own(b));
+}
+
+// A stand-in for the executor's Buffer: made by "allocate", freed (and forgotten by the cache) on
+// destruction, as Buffer calls the executor's release().
+struct TrackedBuffer {
+  static inline DevicePointers* cache = nullptr;
+  unsigned char* data = nullptr;
+  TrackedBuffer() = default;
+  TrackedBuffer(unsigned char* p, std::size_t bytes) : data(p) { cache->allocated(p, bytes); }
+  TrackedBuffer(TrackedBuffer&& o) noexcept : data(std::exchange(o.data, nullptr)) {}
+  TrackedBuffer& operator=(TrackedBuffer&& o) noexcept {
+    if (this != &o) {
+      if (data) cache->freed(data);
+      data = std::exchange(o.data, nullptr);
+    }
+    return *this;
+  }
+  ~TrackedBuffer() {
+    if (data) cache->freed(data);
+  }
+  bool empty() const { return data == nullptr; }
+};
+
+// The buffer lifetime rule with the cache: a workspace that a live graph may point at stays
+// known (and allocated) after it is replaced, until the last graph goes; then it is forgotten.
+TEST(CudaGeometry, RetiredBuffersStayKnownWhileAGraphLives) {
+  DevicePointers own;
+  TrackedBuffer::cache = &own;
+  alignas(256) static unsigned char pool[3 * 256];
+  GraphBuffers<TrackedBuffer> keep;
+  TrackedBuffer workspace;
+  int next = 0;
+  auto make = [&] { return Result<TrackedBuffer>(TrackedBuffer(pool + 256 * next++, 200)); };
+  ASSERT_TRUE(keep.replace(workspace, make).is_ok());
+  EXPECT_TRUE(own.own(pool + 10));
+  keep.graph_created();  // a graph captured with workspace 0
+  ASSERT_TRUE(keep.replace(workspace, make).is_ok());
+  EXPECT_EQ(workspace.data, pool + 256);
+  EXPECT_TRUE(own.own(pool + 10)) << "retired while a graph lives: still allocated, still known";
+  EXPECT_TRUE(own.own(pool + 256 + 199));
+  keep.graph_destroyed();  // freed now: the cache forgets it
+  EXPECT_FALSE(own.own(pool + 10));
+  EXPECT_TRUE(own.own(pool + 256));
+  // No graph: the old buffer is freed (and forgotten) before the new one is made.
+  ASSERT_TRUE(keep.replace(workspace,
+                           [&] {
+                             EXPECT_FALSE(own.own(pool + 256));
+                             return make();
+                           })
+                  .is_ok());
+  EXPECT_TRUE(own.own(pool + 512));
+  workspace = TrackedBuffer();
+  EXPECT_EQ(own.size(), 0u);
+  TrackedBuffer::cache = nullptr;
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 // The GPU check's verdicts (tools/gpu_check/gpu_check_report.hpp), on any machine: a set-up that
 // fails (no executor, no NCCL communicator) is the environment, exit 2, never a wrong result;
 // a wrong result is exit 1 whatever else happened; the JSON written between sections says that
-// it is not complete.
+// it is not complete; bandwidth rows name their K/V dtype.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -44,6 +44,22 @@ TEST(GpuCheckReport, TheJsonSaysWhetherEverySectionRan) {
   EXPECT_NE(done.find("\"environment_failures\": 1"), std::string::npos) << done;
   EXPECT_NE(done.find("\"environment\": true"), std::string::npos) << done;
   EXPECT_NE(done.find("\"exit_code\": 2"), std::string::npos) << done;
+}
+
+// The bandwidth rows of both bandwidth sections say which K/V dtype they timed (report.py sets
+// the fractions of copy bandwidth of bf16, fp8 and int8 side by side from them).
+TEST(GpuCheckReport, BandwidthRowsNameTheirDtype) {
+  Report rep;
+  gpucheck::BandwidthRow bf16, fp8;
+  bf16.batch = fp8.batch = 1;
+  bf16.frac_copy = 0.9;
+  fp8.dtype = "fp8";
+  fp8.frac_copy = 0.7;
+  rep.bandwidth = {bf16, fp8};
+  const std::string j = rep.json();
+  EXPECT_NE(j.find("\"dtype\": \"bf16\""), std::string::npos) << j;
+  EXPECT_NE(j.find("\"dtype\": \"fp8\""), std::string::npos) << j;
+  EXPECT_NE(j.find("\"fraction_of_copy\": 0.7"), std::string::npos) << j;
 }
 
 }  // namespace

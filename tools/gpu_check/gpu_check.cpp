@@ -13,15 +13,16 @@
 //                view, past len, past the causal limit); partial_chunks and the state kernels
 //                against the CPU executor
 //   bandwidth    (and virtual ranks) a device-to-device copy probe and a read probe, then the
-//   decode kernel on the
-//                llama3-8b shape (32 heads, 8 KV heads, head dim 128, bf16, q_len 1) at 64k, 256k
-//                and 1M tokens, batch 1 and 16: GB/s of KV read and the fraction of each probe,
-//                eager and as a CUDA graph, and the cost of the split merge fused into the kernel
-//                (partial less partial_chunks over the same splits, graph times); results
-//                checked against a different split plan (all) and the oracle (64k, and the
-//                last row of batch 16 at 256k and 1M)
+//                decode kernel on the llama3-8b shape (32 heads, 8 KV heads, head dim 128, bf16,
+//                q_len 1) at 64k, 256k and 1M tokens, batch 1 and 16: GB/s of KV read and the
+//                fraction of each probe, eager and as a CUDA graph, and the cost of the split
+//                merge fused into the kernel (partial less partial_chunks over the same splits,
+//                graph times); results checked against a different split plan (all) and the
+//                oracle (64k, and the last row of batch 16 at 256k and 1M)
 //   vranks       P = 1..8 virtual ranks on the one GPU: P shards, P partials and the merge kernel
 //                against one shard (time, merge time, agreement)
+//   bandwidth8   the same shapes with fp8 and then int8 K/V (codes and scales counted as read),
+//                against the section's own probes, checked the same way
 //   nccl         the NCCL communicator with one rank (bootstrapped over the in-process
 //                communicator): every operation, and the decode session over NCCL + the CUDA
 //                executor for every strategy NCCL serves
@@ -583,24 +584,24 @@ struct Llama {
   static constexpr int64_t kHeads = 32, kKvHeads = 8, kDim = 128;
 };
 
-// The CUDA executor's wave for the bf16, head dim 128 instance serving `group` rows per KV head
-// (q_len 1): SMs x resident blocks, as the executor plans (0 if the device cannot say).
-int64_t wave_slots(Executor& e, int64_t group) {
+// The CUDA executor's wave for the head dim 128 instance of K/V dtype t serving `group` rows per
+// KV head (q_len 1): SMs x resident blocks, as the executor plans (0 if the device cannot say).
+int64_t wave_slots(Executor& e, DType t, int64_t group) {
   auto info = cuda_device_info(e);
+  const int rows = gpu::split_rows(t, group, 1).rows_tpl;
+  const auto dim = static_cast<int>(Llama::kDim);
   int blocks = 0;
-  if (!info.is_ok() ||
-      gpu::decode_occupancy_bf16(static_cast<int>(Llama::kDim), gpu::split_rows(group, 1).rows_tpl,
-                                 &blocks) != cudaSuccess)
-    return 0;
+  cudaError_t err = cudaErrorInvalidValue;
+  if (t == DType::kBF16) err = gpu::decode_occupancy_bf16(dim, rows, &blocks);
+  if (t == DType::kFP8) err = gpu::decode_occupancy_fp8(dim, rows, &blocks);
+  if (t == DType::kInt8) err = gpu::decode_occupancy_int8(dim, rows, &blocks);
+  if (!info.is_ok() || err != cudaSuccess) return 0;
   return static_cast<int64_t>(info->sm_count) * blocks;
 }
 
-void check_bandwidth_and_vranks(Executor& e, Report& rep, int64_t max_tokens) {
-  Dev dev{e};
-  auto stream_r = cuda_stream(e);
-  if (!stream_r.is_ok()) return;
-  void* stream = *stream_r;
-  // Probes.
+// The device-to-device copy and read probes, into rep (each bandwidth section measures its own,
+// in its own process).
+void run_probes(void* stream, Report& rep) {
   if (auto c = gpucheck::copy_probe_gbps(stream, std::size_t{2} << 30, 5); c.is_ok()) {
     rep.copy_gbps = *c;
   } else {
@@ -613,190 +614,309 @@ void check_bandwidth_and_vranks(Executor& e, Report& rep, int64_t max_tokens) {
   }
   std::printf("  probes: device-to-device copy %.0f GB/s (read + write), read %.0f GB/s\n",
               rep.copy_gbps, rep.read_gbps);
+}
 
-  // One cache [16][8][cap][128] bf16 for every shape (views of fewer tokens keep the strides).
-  const int64_t B = 16, H = Llama::kHeads, Hkv = Llama::kKvHeads, D = Llama::kDim;
-  int64_t cap = max_tokens;
-  Buffer kb, vb;
-  for (; cap >= 65536; cap /= 2) {
-    const auto bytes = static_cast<std::size_t>(B * Hkv * cap * D) * 2;
-    auto k = e.allocate(bytes);
-    if (!k.is_ok()) continue;
-    auto v = e.allocate(bytes);
-    if (!v.is_ok()) continue;
-    kb = std::move(*k);
-    vb = std::move(*v);
-    break;
+// One KV cache [16][8][cap][128] of one dtype for every bandwidth shape (views of fewer tokens
+// keep the strides), filled on the device with values the host recomputes
+// (gpu_check_device.hpp): bf16 values, or fp8 / int8 codes with their scales.
+struct BandwidthCache {
+  static constexpr int64_t kBatch = 16;
+  DType dtype = DType::kBF16;
+  int64_t cap = 0;
+  Buffer k, v, ks, vs;
+
+  // The largest capacity up to max_tokens (halving, down to 64k) whose K and V fit.
+  Status allocate(Executor& e, int64_t max_tokens) {
+    const auto codes = [&](int64_t c) {
+      return static_cast<std::size_t>(kBatch * Llama::kKvHeads * c * Llama::kDim) *
+             dtype_size(dtype);
+    };
+    const auto scales = [&](int64_t c) {
+      return static_cast<std::size_t>(kBatch * Llama::kKvHeads * c) * sizeof(float);
+    };
+    for (cap = max_tokens; cap >= 65536; cap /= 2) {
+      k = Buffer();
+      v = Buffer();
+      auto kb = e.allocate(codes(cap));
+      if (!kb.is_ok()) continue;
+      auto vb = e.allocate(codes(cap));
+      if (!vb.is_ok()) continue;
+      k = std::move(*kb);
+      v = std::move(*vb);
+      if (!dtype_is_quantized(dtype)) return Status::ok();
+      auto kq = e.allocate(scales(cap));
+      auto vq = e.allocate(scales(cap));
+      if (!kq.is_ok() || !vq.is_ok()) continue;
+      ks = std::move(*kq);
+      vs = std::move(*vq);
+      return Status::ok();
+    }
+    return Status(Code::kOutOfMemory, "not even 64k tokens x 16 rows fit");
   }
-  if (kb.empty()) {
-    rep.add({"bandwidth", "allocate the KV cache", false, 0, "not even 64k tokens x 16 rows fit"});
-    return;
+  // Fills K and V (and the scales) as dtype `t`, which takes no more bytes than the allocation's.
+  Status fill(void* stream, DType t) {
+    dtype = t;
+    const auto elems = static_cast<std::size_t>(kBatch * Llama::kKvHeads * cap * Llama::kDim);
+    if (t == DType::kBF16) {
+      TREEATTN_RETURN_IF_ERROR(gpucheck::fill_bf16(stream, k.data(), elems, 1));
+      return gpucheck::fill_bf16(stream, v.data(), elems, 2);
+    }
+    const auto tokens = static_cast<std::size_t>(kBatch * Llama::kKvHeads * cap);
+    const bool fp8 = t == DType::kFP8;
+    TREEATTN_RETURN_IF_ERROR(gpucheck::fill_codes(stream, k.data(), elems, 1, fp8));
+    TREEATTN_RETURN_IF_ERROR(gpucheck::fill_codes(stream, v.data(), elems, 2, fp8));
+    TREEATTN_RETURN_IF_ERROR(gpucheck::fill_scales(stream, ks.as<float>(), tokens, 3));
+    return gpucheck::fill_scales(stream, vs.as<float>(), tokens, 4);
   }
-  if (cap < max_tokens)
-    rep.notes.push_back("bandwidth: tokens limited to " + std::to_string(cap) + " by memory");
-  const auto elems = static_cast<std::size_t>(B * Hkv * cap * D);
-  Status fs = gpucheck::fill_bf16(stream, kb.data(), elems, 1);
-  if (fs.is_ok()) fs = gpucheck::fill_bf16(stream, vb.data(), elems, 2);
-  if (fs.is_ok()) fs = e.synchronize();
-  if (!fs.is_ok()) {
-    rep.add({"bandwidth", "fill the KV cache", false, 0, fs.to_string()});
-    return;
-  }
-  std::mt19937_64 rng(3);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  std::vector<float> q(static_cast<std::size_t>(B * H * D));
-  for (auto& x : q) x = u(rng);
-  auto qd = dev.upload(q.data(), q.size() * sizeof(float));
-  auto states = dev.poisoned(static_cast<std::size_t>(B * H * (D + 2)));
-  auto states2 = dev.poisoned(static_cast<std::size_t>(B * H * (D + 2)));
-  if (!qd.is_ok() || !states.is_ok() || !states2.is_ok()) {
-    rep.add({"bandwidth", "buffers", false, 0, "allocation failed"});
-    return;
-  }
-  auto view_of = [&](int64_t batch, int64_t n, std::vector<int64_t>& len, std::vector<int64_t>& pos,
-                     std::vector<int64_t>& total) {
+  // The view of the first n tokens of `batch` rows (the spans must outlive it).
+  KVShard view(int64_t batch, int64_t n, std::vector<int64_t>& len, std::vector<int64_t>& pos,
+               std::vector<int64_t>& total) const {
     len.assign(static_cast<std::size_t>(batch), n);
     pos.assign(static_cast<std::size_t>(batch), 0);
     total = len;
     KVShard s;
-    s.dtype = DType::kBF16;
+    s.dtype = dtype;
     s.memory = MemorySpace::kDevice;
-    s.k = kb.data();
-    s.v = vb.data();
-    s.stride_token = D;
-    s.stride_head = cap * D;
-    s.stride_batch = Hkv * cap * D;
+    s.k = k.data();
+    s.v = v.data();
+    s.stride_token = Llama::kDim;
+    s.stride_head = cap * Llama::kDim;
+    s.stride_batch = Llama::kKvHeads * cap * Llama::kDim;
+    if (dtype_is_quantized(dtype)) {
+      s.k_scale = ks.as<float>();
+      s.v_scale = vs.as<float>();
+      s.scale_stride_token = 1;
+      s.scale_stride_head = cap;
+      s.scale_stride_batch = Llama::kKvHeads * cap;
+    }
     s.len = len;
     s.pos_start = pos;
     s.total_len = total;
     return s;
-  };
+  }
   // The host copy of row b's first n tokens (the same synthetic values), for the oracle.
-  auto host_row = [&](int64_t b, int64_t n) {
-    const AttnShape s1{1, H, Hkv, D, 1};
-    KVCache c(s1, DType::kBF16, n);
-    std::vector<float> k(static_cast<std::size_t>(D)), v(k.size());
+  KVCache host_row(int64_t b, int64_t n) const {
+    const int64_t Hkv = Llama::kKvHeads, D = Llama::kDim;
+    const AttnShape s1{1, Llama::kHeads, Hkv, D, 1};
+    KVCache c(s1, dtype, n);
+    std::vector<float> kf(static_cast<std::size_t>(D)), vf(kf.size());
     for (int64_t h = 0; h < Hkv; ++h)
       for (int64_t t = 0; t < n; ++t) {
-        const auto base = static_cast<uint64_t>(((b * Hkv + h) * cap + t) * D);
-        for (int64_t d = 0; d < D; ++d) {
-          k[static_cast<std::size_t>(d)] =
-              gpucheck::synthetic_value(1, base + static_cast<uint64_t>(d));
-          v[static_cast<std::size_t>(d)] =
-              gpucheck::synthetic_value(2, base + static_cast<uint64_t>(d));
+        const auto token = static_cast<uint64_t>((b * Hkv + h) * cap + t);
+        const uint64_t base = token * static_cast<uint64_t>(D);
+        if (dtype == DType::kBF16) {
+          for (int64_t d = 0; d < D; ++d) {
+            kf[static_cast<std::size_t>(d)] = gpucheck::synthetic_value(1, base + d);
+            vf[static_cast<std::size_t>(d)] = gpucheck::synthetic_value(2, base + d);
+          }
+          c.set_token(0, h, t, kf.data(), vf.data());
+          continue;
         }
-        c.set_token(0, h, t, k.data(), v.data());
+        const bool fp8 = dtype == DType::kFP8;
+        auto* kc = static_cast<uint8_t*>(c.k_data()) + c.index(0, h, t);
+        auto* vc = static_cast<uint8_t*>(c.v_data()) + c.index(0, h, t);
+        for (int64_t d = 0; d < D; ++d) {
+          kc[d] = gpucheck::synthetic_code(1, base + d, fp8);
+          vc[d] = gpucheck::synthetic_code(2, base + d, fp8);
+        }
+        c.k_scale_data()[c.scale_index(0, h, t)] = gpucheck::synthetic_scale(3, token);
+        c.v_scale_data()[c.scale_index(0, h, t)] = gpucheck::synthetic_scale(4, token);
       }
     return c;
-  };
+  }
+};
 
-  for (int64_t batch : {int64_t{1}, B})
-    for (int64_t n : {int64_t{65536}, int64_t{262144}, int64_t{1048576}}) {
-      if (n > cap) continue;
-      std::vector<int64_t> len, pos, total;
-      const KVShard view = view_of(batch, n, len, pos, total);
-      const AttnShape shape{batch, H, Hkv, D, 1};
-      BandwidthRow row;
-      row.batch = batch;
-      row.tokens = n;
-      row.kv_bytes = static_cast<double>(batch * Hkv * n * D) * 2 * 2;
-      // The executor's plan: splits sized to the device's wave (SMs x resident blocks).
-      const gpu::SplitPlan plan =
-          gpu::plan_decode(batch, Hkv, H / Hkv, 1, n, 0, wave_slots(e, H / Hkv));
-      row.splits = plan.splits;
-      row.chunk = plan.chunk;
-      auto partial = [&] {
-        return e.partial(shape, qd->as<float>(), view, states->as<float>(), {});
+// The query and state buffers of the bandwidth shapes (16 rows of llama3-8b).
+struct BandwidthIo {
+  std::vector<float> q;
+  Buffer qd, states, states2;
+  Status make(Dev& dev) {
+    const int64_t B = BandwidthCache::kBatch, H = Llama::kHeads, D = Llama::kDim;
+    std::mt19937_64 rng(3);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    q.resize(static_cast<std::size_t>(B * H * D));
+    for (auto& x : q) x = u(rng);
+    auto a = dev.upload(q.data(), q.size() * sizeof(float));
+    auto s1 = dev.poisoned(static_cast<std::size_t>(B * H * (D + 2)));
+    auto s2 = dev.poisoned(static_cast<std::size_t>(B * H * (D + 2)));
+    TREEATTN_RETURN_IF_ERROR(a.status());
+    TREEATTN_RETURN_IF_ERROR(s1.status());
+    TREEATTN_RETURN_IF_ERROR(s2.status());
+    qd = std::move(*a);
+    states = std::move(*s1);
+    states2 = std::move(*s2);
+    return Status::ok();
+  }
+};
+
+// Times partial() on `batch` rows of n tokens (eager and as a CUDA graph; with fused_merge also
+// the split merge fused into the kernel) as a fraction of the section's probes, and checks the
+// result against another split plan and, at 64k (a row other than 0) and at 256k and 1M for
+// batch 16 (the last row, whose element offsets pass 2^32), against the float64 oracle.
+void time_shape(Executor& e, Report& rep, void* stream, const BandwidthCache& cache,
+                BandwidthIo& io, int64_t batch, int64_t n, bool fused_merge) {
+  Dev dev{e};
+  const int64_t H = Llama::kHeads, Hkv = Llama::kKvHeads, D = Llama::kDim;
+  std::vector<int64_t> len, pos, total;
+  const KVShard view = cache.view(batch, n, len, pos, total);
+  const AttnShape shape{batch, H, Hkv, D, 1};
+  const std::string dtype(dtype_name(cache.dtype));
+  BandwidthRow row;
+  row.dtype = dtype;
+  row.batch = batch;
+  row.tokens = n;
+  const double per_token = static_cast<double>(D) * static_cast<double>(dtype_size(cache.dtype)) +
+                           (dtype_is_quantized(cache.dtype) ? sizeof(float) : 0);
+  row.kv_bytes = static_cast<double>(batch * Hkv * n) * per_token * 2;
+  // The executor's plan: splits sized to the device's wave (SMs x resident blocks).
+  const gpu::SplitPlan plan = gpu::plan_decode(cache.dtype, batch, Hkv, H / Hkv, 1, n, 0,
+                                               wave_slots(e, cache.dtype, H / Hkv));
+  row.splits = plan.splits;
+  row.chunk = plan.chunk;
+  auto partial = [&] {
+    return e.partial(shape, io.qd.as<float>(), view, io.states.as<float>(), {});
+  };
+  const int reps = std::min(50, std::max<int>(3, static_cast<int>(2e9 / row.kv_bytes)));
+  auto eager = time_ms(stream, reps, partial);
+  Check c{"bandwidth", dtype + " B=" + std::to_string(batch) + " N=" + std::to_string(n)};
+  if (!eager.is_ok()) {
+    c.ok = false;
+    c.detail = eager.status().to_string();
+    rep.add(c);
+    return;
+  }
+  row.eager_ms = *eager;
+  // As a CUDA graph (no host work between launches).
+  auto graph = capture_graph(e, partial);
+  if (graph.is_ok()) {
+    auto g = time_ms(stream, reps, [&] { return (*graph)->replay(); });
+    if (g.is_ok()) row.graph_ms = *g;
+  } else {
+    rep.notes.push_back("graph capture at " + c.name + ": " + graph.status().to_string());
+  }
+  // The fused split merge's cost: partial_chunks over the same splits launches the same blocks
+  // without the tickets and the merge (its records go to a buffer of splits x records), so the
+  // difference of the two graph times is the merge (not measured without a graph).
+  if (fused_merge && plan.splits > 1 && row.graph_ms > 0) {
+    const auto recs = static_cast<std::size_t>(plan.splits * batch * H * (D + 2));
+    if (auto chunks = e.allocate(recs * sizeof(float)); chunks.is_ok()) {
+      auto unmerged = [&] {
+        return e.partial_chunks(shape, io.qd.as<float>(), view, plan.chunk, chunks->as<float>(),
+                                {});
       };
-      const int reps = std::max<int>(3, static_cast<int>(2e9 / row.kv_bytes));
-      auto eager = time_ms(stream, std::min(reps, 50), partial);
-      Check c{"bandwidth", "B=" + std::to_string(batch) + " N=" + std::to_string(n)};
-      if (!eager.is_ok()) {
-        c.ok = false;
-        c.detail = eager.status().to_string();
-        rep.add(c);
-        continue;
+      if (auto cg = capture_graph(e, unmerged); cg.is_ok()) {
+        auto t = time_ms(stream, reps, [&] { return (*cg)->replay(); });
+        if (t.is_ok()) row.fused_merge_us = (row.graph_ms - *t) * 1000;
       }
-      row.eager_ms = *eager;
-      // As a CUDA graph (no host work between launches).
-      auto graph = capture_graph(e, partial);
-      if (graph.is_ok()) {
-        auto g = time_ms(stream, std::min(reps, 50), [&] { return (*graph)->replay(); });
-        if (g.is_ok()) row.graph_ms = *g;
-      } else {
-        rep.notes.push_back("graph capture at B=" + std::to_string(batch) +
-                            " N=" + std::to_string(n) + ": " + graph.status().to_string());
-      }
-      // The fused split merge's cost: partial_chunks over the same splits launches the same
-      // blocks without the tickets and the merge (its records go to a buffer of splits x
-      // records), so the difference of the two graph times is the merge (not measured without
-      // a graph).
-      if (plan.splits > 1 && row.graph_ms > 0) {
-        const std::size_t recs = static_cast<std::size_t>(plan.splits * batch * H * (D + 2));
-        if (auto chunks = e.allocate(recs * sizeof(float)); chunks.is_ok()) {
-          auto unmerged = [&] {
-            return e.partial_chunks(shape, qd->as<float>(), view, plan.chunk, chunks->as<float>(),
-                                    {});
-          };
-          if (auto cg = capture_graph(e, unmerged); cg.is_ok()) {
-            auto t = time_ms(stream, std::min(reps, 50), [&] { return (*cg)->replay(); });
-            if (t.is_ok()) row.fused_merge_us = (row.graph_ms - *t) * 1000;
-          }
-        }
-      }
-      const double best_ms = row.graph_ms > 0 ? std::min(row.graph_ms, row.eager_ms) : row.eager_ms;
-      row.gbps = row.kv_bytes / (best_ms * 1e6);
-      row.frac_copy = rep.copy_gbps > 0 ? row.gbps / rep.copy_gbps : 0;
-      row.frac_read = rep.read_gbps > 0 ? row.gbps / rep.read_gbps : 0;
-      // Correctness: another split plan must agree; the 64k shapes also against the oracle.
-      DecodeOptions other;
-      other.chunk_tokens = 12345;
-      Status cs = e.partial(shape, qd->as<float>(), view, states2->as<float>(), other);
-      const std::size_t recf = static_cast<std::size_t>(batch * H * (D + 2));
-      auto a = cs.is_ok() ? dev.download(*states, recf) : Result<std::vector<float>>(cs);
-      auto b = cs.is_ok() ? dev.download(*states2, recf) : Result<std::vector<float>>(cs);
-      if (!a.is_ok() || !b.is_ok()) {
-        c.ok = false;
-        c.detail = (a.is_ok() ? b.status() : a.status()).to_string();
-        rep.add(c);
-        continue;
-      }
-      c.error = states_diff(*a, *b, static_cast<std::size_t>(D));
-      std::string how = "vs other split plan";
-      // The oracle (a host copy of one row): at 64k a row other than 0, and at 256k and 1M the
-      // last row of the batch of 16, whose element offsets pass 2^32.
-      if (n == 65536 || batch > 1) {
-        const int64_t rb = batch == 1 ? 0 : n == 65536 ? 5 : batch - 1;
-        KVCache hc = host_row(rb, n);
-        const std::vector<int64_t> l1{n}, p1{0};
-        const AttnShape s1{1, H, Hkv, D, 1};
-        std::vector<double> out(static_cast<std::size_t>(H * D)), lse(static_cast<std::size_t>(H));
-        const float* qr = q.data() + static_cast<std::size_t>(rb * H * D);
-        if (oracle_attention(s1, qr, hc.view(0, l1, p1, l1, 1), out.data(), lse.data()).is_ok()) {
-          const double oe = state_error(s1, a->data() + static_cast<std::size_t>(rb * H * (D + 2)),
-                                        out.data(), lse.data());
-          c.error =
-              std::max(c.error, std::isnan(oe) ? std::numeric_limits<double>::infinity() : oe);
-          how = "vs oracle (row " + std::to_string(rb) + ") and other split plan";
-        }
-      }
-      c.ok = c.error <= kTolerance;
-      c.detail = fmt("%.0f GB/s", row.gbps) + " (" + fmt("%.0f%%", 100 * row.frac_copy) +
-                 " of copy, " + std::to_string(row.splits) + " splits, fused merge " +
-                 fmt("%.1f us", row.fused_merge_us) + "); " + how + " " + fmt("%.1e", c.error);
-      rep.add(c);
-      rep.bandwidth.push_back(row);
     }
+  }
+  const double best_ms = row.graph_ms > 0 ? std::min(row.graph_ms, row.eager_ms) : row.eager_ms;
+  row.gbps = row.kv_bytes / (best_ms * 1e6);
+  row.frac_copy = rep.copy_gbps > 0 ? row.gbps / rep.copy_gbps : 0;
+  row.frac_read = rep.read_gbps > 0 ? row.gbps / rep.read_gbps : 0;
+  // Correctness: another split plan must agree; some rows also against the oracle.
+  DecodeOptions other;
+  other.chunk_tokens = 12345;
+  Status cs = e.partial(shape, io.qd.as<float>(), view, io.states2.as<float>(), other);
+  const auto recf = static_cast<std::size_t>(batch * H * (D + 2));
+  auto a = cs.is_ok() ? dev.download(io.states, recf) : Result<std::vector<float>>(cs);
+  auto b = cs.is_ok() ? dev.download(io.states2, recf) : Result<std::vector<float>>(cs);
+  if (!a.is_ok() || !b.is_ok()) {
+    c.ok = false;
+    c.detail = (a.is_ok() ? b.status() : a.status()).to_string();
+    rep.add(c);
+    return;
+  }
+  c.error = states_diff(*a, *b, static_cast<std::size_t>(D));
+  std::string how = "vs other split plan";
+  if (n == 65536 || batch > 1) {
+    const int64_t rb = batch == 1 ? 0 : n == 65536 ? 5 : batch - 1;
+    const KVCache hc = cache.host_row(rb, n);
+    const std::vector<int64_t> l1{n}, p1{0};
+    const AttnShape s1{1, H, Hkv, D, 1};
+    std::vector<double> out(static_cast<std::size_t>(H * D)), lse(static_cast<std::size_t>(H));
+    const float* qr = io.q.data() + static_cast<std::size_t>(rb * H * D);
+    if (oracle_attention(s1, qr, hc.view(0, l1, p1, l1, 1), out.data(), lse.data()).is_ok()) {
+      const double oe = state_error(s1, a->data() + static_cast<std::size_t>(rb * H * (D + 2)),
+                                    out.data(), lse.data());
+      c.error = std::max(c.error, std::isnan(oe) ? std::numeric_limits<double>::infinity() : oe);
+      how = "vs oracle (row " + std::to_string(rb) + ") and other split plan";
+    }
+  }
+  c.ok = c.error <= kTolerance;
+  c.detail = fmt("%.0f GB/s", row.gbps) + " (" + fmt("%.0f%%", 100 * row.frac_copy) + " of copy, " +
+             std::to_string(row.splits) + " splits" +
+             (fused_merge ? ", fused merge " + fmt("%.1f us", row.fused_merge_us) : "") + "); " +
+             how + " " + fmt("%.1e", c.error);
+  rep.add(c);
+  rep.bandwidth.push_back(row);
+}
+
+// The bandwidth shapes: batch 1 and 16 at 64k, 256k and 1M tokens (those that fit).
+void time_shapes(Executor& e, Report& rep, void* stream, const BandwidthCache& cache,
+                 BandwidthIo& io, bool fused_merge) {
+  for (int64_t batch : {int64_t{1}, BandwidthCache::kBatch})
+    for (int64_t n : {int64_t{65536}, int64_t{262144}, int64_t{1048576}})
+      if (n <= cache.cap) time_shape(e, rep, stream, cache, io, batch, n, fused_merge);
+}
+
+// A bandwidth section's set-up: the probes, the cache of `dtype` (filled), the query and state
+// buffers. False (with a failed check) where a part could not be made.
+bool bandwidth_setup(Executor& e, Report& rep, void* stream, int64_t max_tokens, DType dtype,
+                     BandwidthCache& cache, BandwidthIo& io) {
+  Dev dev{e};
+  run_probes(stream, rep);
+  cache.dtype = dtype;
+  Status s = cache.allocate(e, max_tokens);
+  if (s.is_ok() && cache.cap < max_tokens)
+    rep.notes.push_back("bandwidth (" + std::string(dtype_name(dtype)) + "): tokens limited to " +
+                        std::to_string(cache.cap) + " by memory");
+  if (s.is_ok()) s = cache.fill(stream, dtype);
+  if (s.is_ok()) s = e.synchronize();
+  if (s.is_ok()) s = io.make(dev);
+  if (!s.is_ok()) rep.add({"bandwidth", "KV cache and buffers", false, 0, s.to_string()});
+  return s.is_ok();
+}
+
+// The 8-bit K/V kernels on the bandwidth shapes, fp8 and int8 in one cache of codes (a section
+// of its own, so that a fault there leaves the bf16 figures).
+void check_bandwidth_8bit(Executor& e, Report& rep, int64_t max_tokens) {
+  auto stream = cuda_stream(e);
+  if (!stream.is_ok()) return;
+  BandwidthCache cache;
+  BandwidthIo io;
+  if (!bandwidth_setup(e, rep, *stream, max_tokens, DType::kFP8, cache, io)) return;
+  time_shapes(e, rep, *stream, cache, io, /*fused_merge=*/false);
+  if (const Status s = cache.fill(*stream, DType::kInt8); !s.is_ok()) {
+    rep.add({"bandwidth", "fill the int8 cache", false, 0, s.to_string()});
+    return;
+  }
+  time_shapes(e, rep, *stream, cache, io, /*fused_merge=*/false);
+}
+
+void check_bandwidth_and_vranks(Executor& e, Report& rep, int64_t max_tokens) {
+  Dev dev{e};
+  auto stream_r = cuda_stream(e);
+  if (!stream_r.is_ok()) return;
+  void* stream = *stream_r;
+  BandwidthCache cache;
+  BandwidthIo io;
+  if (!bandwidth_setup(e, rep, stream, max_tokens, DType::kBF16, cache, io)) return;
+  time_shapes(e, rep, stream, cache, io, /*fused_merge=*/true);
+  const int64_t H = Llama::kHeads, D = Llama::kDim, cap = cache.cap;
+  const Buffer &kb = cache.k, &vb = cache.v;
 
   // Virtual ranks: P shards of the batch-1 256k-token row (or the longest that fits).
   const int64_t n = std::min<int64_t>(262144, cap);
-  const AttnShape shape{1, H, Hkv, D, 1};
+  const AttnShape shape{1, H, Llama::kKvHeads, D, 1};
   const std::size_t recf = static_cast<std::size_t>(H * (D + 2));
   std::vector<int64_t> len, pos, total;
-  const KVShard whole = view_of(1, n, len, pos, total);
-  auto single = [&] { return e.partial(shape, qd->as<float>(), whole, states->as<float>(), {}); };
+  const KVShard whole = cache.view(1, n, len, pos, total);
+  auto single = [&] {
+    return e.partial(shape, io.qd.as<float>(), whole, io.states.as<float>(), {});
+  };
   auto single_ms = time_ms(stream, 20, single);
-  auto reference = single_ms.is_ok() ? dev.download(*states, recf)
+  auto reference = single_ms.is_ok() ? dev.download(io.states, recf)
                                      : Result<std::vector<float>>(single_ms.status());
   auto parts = e.allocate(8 * recf * sizeof(float));
   if (!single_ms.is_ok() || !reference.is_ok() || !parts.is_ok()) {
@@ -827,16 +947,16 @@ void check_bandwidth_and_vranks(Executor& e, Report& rep, int64_t max_tokens) {
     auto sharded = [&]() -> Status {
       for (int r = 0; r < p; ++r)
         TREEATTN_RETURN_IF_ERROR(
-            e.partial(shape, qd->as<float>(), shards[static_cast<std::size_t>(r)],
+            e.partial(shape, io.qd.as<float>(), shards[static_cast<std::size_t>(r)],
                       parts->as<float>() + static_cast<std::size_t>(r) * recf, {}));
       return e.merge_ordered(parts->as<float>(), static_cast<std::size_t>(p), recf,
                              static_cast<std::size_t>(H), static_cast<std::size_t>(D),
-                             states2->as<float>());
+                             io.states2.as<float>());
     };
     auto merge = [&] {
       return e.merge_ordered(parts->as<float>(), static_cast<std::size_t>(p), recf,
                              static_cast<std::size_t>(H), static_cast<std::size_t>(D),
-                             states2->as<float>());
+                             io.states2.as<float>());
     };
     auto sms = time_ms(stream, 10, sharded);
     auto mms = time_ms(stream, 200, merge);
@@ -851,7 +971,7 @@ void check_bandwidth_and_vranks(Executor& e, Report& rep, int64_t max_tokens) {
       auto gm = time_ms(stream, 200, [&] { return (*g)->replay(); });
       if (gm.is_ok()) row.merge_graph_us = *gm * 1000;
     }
-    auto merged = dev.download(*states2, recf);
+    auto merged = dev.download(io.states2, recf);
     if (!merged.is_ok()) {
       vc.ok = false;
       vc.detail = merged.status().to_string();
@@ -990,11 +1110,11 @@ void check_nccl(Report& rep) {
 }
 
 void print_tables(const Report& rep) {
-  std::printf("\n%-6s %-8s %10s %10s %10s %9s %9s %7s %12s\n", "batch", "tokens", "KV GiB", "ms",
-              "GB/s", "of copy", "of read", "splits", "merge us");
+  std::printf("\n%-5s %-6s %-8s %10s %10s %10s %9s %9s %7s %12s\n", "dtype", "batch", "tokens",
+              "KV GiB", "ms", "GB/s", "of copy", "of read", "splits", "merge us");
   for (const BandwidthRow& b : rep.bandwidth)
     std::printf(
-        "%-6lld %-8lld %10.2f %10.3f %10.0f %8.0f%% %8.0f%% %7lld %12.1f\n",
+        "%-5s %-6lld %-8lld %10.2f %10.3f %10.0f %8.0f%% %8.0f%% %7lld %12.1f\n", b.dtype.c_str(),
         static_cast<long long>(b.batch), static_cast<long long>(b.tokens), b.kv_bytes / (1 << 30),
         std::min(b.eager_ms, b.graph_ms > 0 ? b.graph_ms : b.eager_ms), b.gbps, 100 * b.frac_copy,
         100 * b.frac_read, static_cast<long long>(b.splits), b.fused_merge_us);
@@ -1030,11 +1150,13 @@ int main(int argc, char** argv) {
     else if (a == "--section")
       only = argv[i + 1];
   }
-  constexpr const char* kSections[] = {"widening", "correctness", "bandwidth", "nccl"};
+  constexpr const char* kSections[] = {"widening", "correctness", "bandwidth", "bandwidth8",
+                                       "nccl"};
   if (!only.empty() &&
       std::find(std::begin(kSections), std::end(kSections), only) == std::end(kSections)) {
-    std::fprintf(stderr, "gpu_check: no section '%s' (widening, correctness, bandwidth, nccl)\n",
-                 only.c_str());
+    std::fprintf(
+        stderr, "gpu_check: no section '%s' (widening, correctness, bandwidth, bandwidth8, nccl)\n",
+        only.c_str());
     return 2;
   }
   Report rep;
@@ -1095,6 +1217,7 @@ int main(int argc, char** argv) {
     check_chunks_and_states(e, rep);
   });
   section("bandwidth", [&] { check_bandwidth_and_vranks(e, rep, max_tokens); });
+  section("bandwidth8", [&] { check_bandwidth_8bit(e, rep, max_tokens); });
   exec->reset();  // frees the KV cache before NCCL's own executor starts
   section("nccl", [&] { check_nccl(rep); });
   print_tables(rep);

@@ -16,19 +16,29 @@ treeattn::Status cuda(cudaError_t e, const char* what) {
                                   ": " + cudaGetErrorString(e));
 }
 
-__device__ float device_value(uint64_t seed, uint64_t i) {
-  uint64_t x = i * 0x9e3779b97f4a7c15ull + seed;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  x ^= x >> 31;
-  return static_cast<float>(static_cast<int>(x % 255u) - 127) / 128.0f;
-}
-
-__global__ void fill_kernel(uint16_t* p, std::size_t n, uint64_t seed) {
+// p[i] = value(i) for i < n, a grid-stride loop.
+template <class T, class Value>
+__global__ void fill_kernel(T* p, std::size_t n, Value value) {
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
-    p[i] = static_cast<uint16_t>(__float_as_uint(device_value(seed, i)) >> 16);  // exact in bf16
+    p[i] = value(i);
 }
+
+struct Bf16Value {
+  uint64_t seed;
+  __device__ uint16_t operator()(std::size_t i) const {  // exact in bf16
+    return static_cast<uint16_t>(__float_as_uint(synthetic_value(seed, i)) >> 16);
+  }
+};
+struct CodeValue {
+  uint64_t seed;
+  bool fp8;
+  __device__ uint8_t operator()(std::size_t i) const { return synthetic_code(seed, i, fp8); }
+};
+struct ScaleValue {
+  uint64_t seed;
+  __device__ float operator()(std::size_t i) const { return synthetic_scale(seed, i); }
+};
 
 __global__ void read_kernel(const uint4* p, std::size_t n, unsigned* sink) {
   unsigned acc = 0;
@@ -47,12 +57,22 @@ int sm_count() {
   return sms > 0 ? sms : 132;
 }
 
+template <class T, class Value>
+treeattn::Status fill(void* stream, T* p, std::size_t n, Value value) {
+  fill_kernel<<<sm_count() * 8, 256, 0, static_cast<cudaStream_t>(stream)>>>(p, n, value);
+  return cuda(cudaGetLastError(), "fill kernel");
+}
+
 }  // namespace
 
 treeattn::Status fill_bf16(void* stream, void* p, std::size_t n, uint64_t seed) {
-  fill_kernel<<<sm_count() * 8, 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<uint16_t*>(p), n, seed);
-  return cuda(cudaGetLastError(), "fill kernel");
+  return fill(stream, static_cast<uint16_t*>(p), n, Bf16Value{seed});
+}
+treeattn::Status fill_codes(void* stream, void* p, std::size_t n, uint64_t seed, bool fp8) {
+  return fill(stream, static_cast<uint8_t*>(p), n, CodeValue{seed, fp8});
+}
+treeattn::Status fill_scales(void* stream, float* p, std::size_t n, uint64_t seed) {
+  return fill(stream, p, n, ScaleValue{seed});
 }
 
 StreamTimer::StreamTimer(void* stream) : stream_(stream) {

@@ -58,7 +58,9 @@ inline Check environment_check(std::string section, std::string name, const tree
 }
 
 struct BandwidthRow {
+  std::string dtype = "bf16";  // of K and V
   int64_t batch = 0, tokens = 0, splits = 0, chunk = 0;
+  // kv_bytes: what the kernel reads of K and V (codes and, for fp8 / int8, their scales).
   double kv_bytes = 0, eager_ms = 0, graph_ms = 0, gbps = 0, frac_copy = 0, frac_read = 0;
   // The split merge fused into the decode kernel: partial's time less that of partial_chunks
   // over the same splits (the same blocks without the tickets and the merge), in us; 0 with one
@@ -127,11 +129,12 @@ struct Report {
       << ", \"read_gbps\": " << json_num(read_gbps) << "},\n  \"bandwidth\": [\n";
     for (std::size_t i = 0; i < bandwidth.size(); ++i) {
       const BandwidthRow& b = bandwidth[i];
-      o << "    {\"shape\": \"llama3-8b\", \"dtype\": \"bf16\", \"batch\": " << b.batch
-        << ", \"tokens\": " << b.tokens << ", \"kv_bytes\": " << json_num(b.kv_bytes)
-        << ", \"splits\": " << b.splits << ", \"chunk\": " << b.chunk
-        << ", \"eager_ms\": " << json_num(b.eager_ms) << ", \"graph_ms\": " << json_num(b.graph_ms)
-        << ", \"gbps\": " << json_num(b.gbps) << ", \"fraction_of_copy\": " << json_num(b.frac_copy)
+      o << "    {\"shape\": \"llama3-8b\", \"dtype\": " << json_str(b.dtype)
+        << ", \"batch\": " << b.batch << ", \"tokens\": " << b.tokens
+        << ", \"kv_bytes\": " << json_num(b.kv_bytes) << ", \"splits\": " << b.splits
+        << ", \"chunk\": " << b.chunk << ", \"eager_ms\": " << json_num(b.eager_ms)
+        << ", \"graph_ms\": " << json_num(b.graph_ms) << ", \"gbps\": " << json_num(b.gbps)
+        << ", \"fraction_of_copy\": " << json_num(b.frac_copy)
         << ", \"fraction_of_read\": " << json_num(b.frac_read)
         << ", \"fused_merge_us\": " << json_num(b.fused_merge_us) << "}"
         << (i + 1 < bandwidth.size() ? "," : "") << "\n";

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-SECTIONS = ("widening", "correctness", "bandwidth", "nccl")
+SECTIONS = ("widening", "correctness", "bandwidth", "bandwidth8", "nccl")
 TESTS = ("test_cuda_executor", "test_nccl_comm")
 
 
@@ -52,9 +52,14 @@ def merge_sections(outdir, runs):
             core["device"] = core["device"] or part.get("device", {})
             core["checks"] += part.get("checks", [])
             core["notes"] += part.get("notes", [])
+            # bf16 rows, their probes and the virtual ranks from "bandwidth"; the fp8 / int8 rows
+            # and their own probes from "bandwidth8".
+            core["bandwidth"] += part.get("bandwidth", []) if s.startswith("bandwidth") else []
             if s == "bandwidth":
-                for key in ("probes", "bandwidth", "virtual_ranks"):
+                for key in ("probes", "virtual_ranks"):
                     core[key] = part.get(key, core[key])
+            if s == "bandwidth8":
+                core["probes_8bit"] = part.get("probes", {})
             no_gpu = no_gpu or any(c["section"] == "device" and not c["ok"]
                                    for c in part.get("checks", []))
         status = ended.get(s)
@@ -92,29 +97,45 @@ def main(outdir, build_seconds):
             sdpa = json.load(f)
     peer = {(r["batch"], r["tokens"]): r for r in sdpa.get("shapes", [])}
     copy = core.get("probes", {}).get("copy_gbps") or 0
-    if core.get("bandwidth"):
-        print(f"\n{'batch':>5} {'tokens':>8} {'KV GiB':>7} {'ms':>8} {'GB/s':>7} {'of copy':>8} "
-              f"{'merge us':>9} {'sdpa ms':>8} {'sdpa GB/s':>10} {'vs sdpa':>8}")
-    for row in core.get("bandwidth", []):
-        p = peer.get((row["batch"], row["tokens"]), {})
+    rows = core.get("bandwidth", [])
+    for row in rows:
+        row.setdefault("dtype", "bf16")
+    if rows:
+        print(f"\n{'dtype':>5} {'batch':>5} {'tokens':>8} {'KV GiB':>7} {'ms':>8} {'GB/s':>7} "
+              f"{'of copy':>8} {'merge us':>9} {'sdpa ms':>8} {'sdpa GB/s':>10} {'vs sdpa':>8}")
+    for row in rows:
+        # PyTorch SDPA runs the bf16 cache: only bf16 rows are compared with it.
+        p = peer.get((row["batch"], row["tokens"]), {}) if row["dtype"] == "bf16" else {}
         row["sdpa_gbps"] = p.get("gbps")
         row["sdpa_error"] = p.get("error")
         row["speedup_vs_sdpa"] = (row["gbps"] / p["gbps"]) if p.get("gbps") else None
         sp = f"{row['speedup_vs_sdpa']:.2f}x" if row["speedup_vs_sdpa"] else "-"
         sg = f"{p['gbps']:.0f}" if p.get("gbps") else "-"
         sm = f"{p['ms']:.3f}" if p.get("ms") else "-"
+        mg = f"{row['fused_merge_us']:.1f}" if row.get("fused_merge_us") else "-"
         best = [t for t in (row.get("graph_ms"), row.get("eager_ms")) if t]
-        print(f"{row['batch']:>5} {row['tokens']:>8} {row['kv_bytes'] / 2**30:>7.2f} "
+        print(f"{row['dtype']:>5} {row['batch']:>5} {row['tokens']:>8} "
+              f"{row['kv_bytes'] / 2**30:>7.2f} "
               f"{(min(best) if best else 0):>8.3f} "
               f"{(row['gbps'] or 0):>7.0f} {100 * (row['fraction_of_copy'] or 0):>7.0f}% "
-              f"{(row.get('fused_merge_us') or 0):>9.1f} {sm:>8} {sg:>10} {sp:>8}")
+              f"{mg:>9} {sm:>8} {sg:>10} {sp:>8}")
+    # The fraction of copy bandwidth of every dtype side by side, one line a shape.
+    shapes = sorted({(r["batch"], r["tokens"]) for r in rows})
+    for batch, tokens in shapes:
+        fracs = ", ".join(f"{r['dtype']} {100 * (r['fraction_of_copy'] or 0):.0f}%"
+                          for r in rows if (r["batch"], r["tokens"]) == (batch, tokens))
+        print(f"of copy bandwidth, batch {batch}, {tokens} tokens: {fracs}")
+    p8 = core.get("probes_8bit", {}).get("copy_gbps")
+    if p8 and copy:
+        print(f"copy probes: {copy:.0f} GB/s (bf16 section), {p8:.0f} GB/s (8-bit section)")
     targets = []
-    long_b1 = [r for r in core.get("bandwidth", []) if r["batch"] == 1 and r["tokens"] >= 262144]
+    long_b1 = [r for r in rows
+               if r["dtype"] == "bf16" and r["batch"] == 1 and r["tokens"] >= 262144]
     if long_b1 and copy:
         worst = min(r["fraction_of_copy"] or 0 for r in long_b1)
         targets.append({"target": "kernel >= 85% of copy bandwidth at >= 256k tokens, bf16, batch 1",
                         "met": worst >= 0.85, "value": worst})
-    faster = [r["speedup_vs_sdpa"] for r in core.get("bandwidth", []) if r.get("speedup_vs_sdpa")]
+    faster = [r["speedup_vs_sdpa"] for r in rows if r.get("speedup_vs_sdpa")]
     if faster:
         targets.append({"target": "faster than PyTorch SDPA on the same shapes",
                         "met": min(faster) > 1.0, "value": min(faster)})
@@ -123,7 +144,7 @@ def main(outdir, build_seconds):
     if merges:
         targets.append({"target": "merge of P partial states < 10 us (llama3-8b, batch 1)",
                         "met": max(merges) < 10, "value": max(merges)})
-    fused = [r["fused_merge_us"] for r in core.get("bandwidth", []) if r.get("fused_merge_us")]
+    fused = [r["fused_merge_us"] for r in rows if r.get("fused_merge_us")]
     if fused:
         targets.append({"target": "split merge fused into the decode kernel < 10 us (its cost "
                                   "over the unmerged splits)",

@@ -12,6 +12,7 @@
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/cuda_presence.hpp"
 #include "kernels/cuda/decode_geometry.hpp"
+#include "kernels/cuda/device_pointers.hpp"
 #include "kernels/cuda/graph_buffers.hpp"
 #include "treeattn/executor_cuda.hpp"
 #include "treeattn/state.hpp"
@@ -129,9 +130,11 @@ class CudaExecutor final : public Executor {
                                             std::to_string(total_b) + " bytes free)");
     }
     TREEATTN_RETURN_IF_ERROR(check(e, "cudaMalloc(" + std::to_string(bytes) + ")"));
+    pointers_.allocated(p, bytes);
     return Buffer(this, p, bytes);
   }
   void release(void* data, std::size_t) noexcept override {
+    pointers_.freed(data);  // before the memory can be another allocation's
     (void)use_device(device_);
     (void)cudaFree(data);
   }
@@ -171,10 +174,11 @@ class CudaExecutor final : public Executor {
       max_visible =
           std::max(max_visible, gpu::visible_count(kv.len[b], kv.pos_start[b], kv.total_len[b],
                                                    kv.pos_stride, shape.q_len, shape.q_len - 1));
-    const gpu::RowSplit rows = gpu::split_rows(shape.group(), shape.q_len);
-    const gpu::SplitPlan plan =
-        gpu::plan_decode(shape.batch, shape.kv_heads, shape.group(), shape.q_len, max_visible,
-                         options.chunk_tokens, wave_slots(kv.dtype, shape.head_dim, rows.rows_tpl));
+    const gpu::RowSplit rows = gpu::split_rows(kv.dtype, shape.group(), shape.q_len);
+    const gpu::SplitPlan plan = gpu::plan_decode(
+        kv.dtype, shape.batch, shape.kv_heads, shape.group(), shape.q_len, max_visible,
+        options.chunk_tokens, wave_slots(kv.dtype, shape.head_dim, rows.rows_tpl));
+    TREEATTN_RETURN_IF_ERROR(check_split_slots(kv, plan.chunk, "partial"));
     const int64_t rec_floats = shape.head_dim + 2;
     const int64_t records = shape.batch * shape.q_len * shape.heads;
     if (plan.splits == 1)  // the block's record is the final state
@@ -209,8 +213,9 @@ class CudaExecutor final : public Executor {
     int64_t longest = 0;
     for (int64_t n : kv.len) longest = std::max(longest, n);
     if (longest == 0) return Status::ok();  // no chunks, nothing written (as on the CPU)
-    const gpu::SplitPlan plan = gpu::plan_chunks(shape.batch, shape.kv_heads, shape.group(),
-                                                 shape.q_len, longest, chunk_tokens);
+    const gpu::SplitPlan plan = gpu::plan_chunks(kv.dtype, shape.batch, shape.kv_heads,
+                                                 shape.group(), shape.q_len, longest, chunk_tokens);
+    TREEATTN_RETURN_IF_ERROR(check_split_slots(kv, plan.chunk, "partial_chunks"));
     const int64_t per_chunk = shape.batch * shape.q_len * shape.heads * (shape.head_dim + 2);
     return launch(shape, q, kv, plan, states, per_chunk, nullptr, options);
   }
@@ -334,9 +339,11 @@ class CudaExecutor final : public Executor {
     return unsupported(who_ + ": " + op + ": head_dim " + std::to_string(d) +
                        " is outside the state kernels' range 1..256");
   }
-  // p must be device memory of this executor's device (or managed memory).
+  // p must be device memory of this executor's device (or managed memory): inside one of its own
+  // live allocations (no driver call), or what the driver says of it (device_pointers.hpp).
   Status check_ptr(const void* p, const char* what) const {
     if (p == nullptr) return invalid_argument(who_ + ": " + what + " is null");
+    if (pointers_.own(p)) return Status::ok();
     cudaPointerAttributes a{};
     const cudaError_t e = cudaPointerGetAttributes(&a, p);
     if (e != cudaSuccess) {
@@ -391,7 +398,7 @@ class CudaExecutor final : public Executor {
       TREEATTN_RETURN_IF_ERROR(check_ptr(kv.k_scale, "K scales"));
       TREEATTN_RETURN_IF_ERROR(check_ptr(kv.v_scale, "V scales"));
     }
-    const int vb = gpu::vec_bytes(kv.dtype), ve = gpu::vec_elems(kv.dtype);
+    const int vb = gpu::vec_bytes(kv.dtype), ve = gpu::vec_elems(kv.dtype);  // 16 bytes
     const auto misaligned = [vb](const void* p) {
       return reinterpret_cast<std::uintptr_t>(p) % static_cast<std::uintptr_t>(vb) != 0;
     };
@@ -404,6 +411,23 @@ class CudaExecutor final : public Executor {
                          std::to_string(kv.stride_token) + ", " + std::to_string(kv.stride_head) +
                          ", " + std::to_string(kv.stride_batch) + ")");
     return Status::ok();
+  }
+
+  // The kernel reaches a split's slots by 32-bit offsets from its first (decode_geometry.hpp):
+  // a split of `chunk` slots must fit, for K/V and for the scales.
+  Status check_split_slots(const KVShard& kv, int64_t chunk, const char* op) const {
+    const bool scales = dtype_is_quantized(kv.dtype);
+    if (gpu::slot_offsets_fit(chunk, kv.stride_token) &&
+        (!scales || gpu::slot_offsets_fit(chunk, kv.scale_stride_token)))
+      return Status::ok();
+    const int64_t stride = std::max(kv.stride_token, scales ? kv.scale_stride_token : 0);
+    const int64_t most = std::min(gpu::kMaxSplitSlots, gpu::kMaxSlotOffset / stride + 1);
+    return unsupported(who_ + ": " + op + ": a split of " + std::to_string(chunk) +
+                       " token slots at a token stride of " + std::to_string(stride) +
+                       " elements is past the kernel's 32-bit slot offsets (at most " +
+                       std::to_string(most) + " slots a split at this stride); pass a " +
+                       "DecodeOptions::chunk_tokens (partial_chunks: a chunk_tokens) of at most " +
+                       std::to_string(most));
   }
 
   // Launches the decode kernel over every batch row, kMaxBatchPerLaunch rows at a time, writing
@@ -514,6 +538,9 @@ class CudaExecutor final : public Executor {
   bool owns_stream_ = false;
   cudaDeviceProp props_{};
   std::string who_;
+  // This executor's live allocations, which check_ptr knows without the driver (declared before
+  // the buffers, so that it outlives every release()).
+  gpu::DevicePointers pointers_;
   Buffer workspace_;  // the split records of partial()
   Buffer tickets_;    // the fused split merge's counters (decode_kernel.cuh), 0 between launches
   // The two buffers above as graphs see them: replaced ones kept while a graph lives.

@@ -18,15 +18,20 @@
 //            every counter is 0 between launches (also across CUDA graph replays).
 //   rows     the query rows of one KV head: G query heads x Q query positions, row r = i * G + g
 //            for query i and head kvh * G + g (grouped-query attention: the KV head's tokens are
-//            read once for all its rows). A CTA serves up to kMaxRowsPerCta rows (a row group);
-//            its compile-time row count is rows_template(rows), the next of 1, 2, 4, 8.
+//            read once for all its rows). A CTA serves up to max_rows_per_cta rows (a row
+//            group: 8, 4 for 8-bit K/V); its compile-time row count is rows_template(rows), the
+//            next of 1, 2, 4, 8.
 //   split    the token slots [s * chunk, (s + 1) * chunk) of the row; every CTA writes one state
 //            record per row to split s's record array (empty when it sees no token), and the
 //            merge kernel folds the splits in order 0..splits-1 with state_merge.
-//   lanes    a warp reads kVecBytes-wide pieces of kTokensPerWarp tokens at once: lane l works
-//            on token slot l / lanes_per_token and the head_dim elements
-//            [(l % lanes_per_token) * vec, + vec). A "token group" (one slot of one warp) keeps its
-//            own online-softmax state; groups are merged at the end of the item.
+//   lanes    a warp reads kVecBytes (16) bytes of each of tokens_per_warp tokens at once: lane l
+//            works on token slot l / lanes_per_token and the head_dim elements
+//            [(l % lanes_per_token) * vec, + vec) (vec 4 for f32, 8 for f16 / bf16, 16 for fp8 /
+//            int8). A "token group" (one slot of one warp) keeps its own online-softmax state;
+//            groups are merged at the end of the item. 8-bit scales: each loaded by one lane of
+//            the token group and shuffled to the lanes that need it (scale_of_lane).
+//   slots    token slots are addressed relative to the split's first slot t0, in 32 bits
+//            (slot_offsets_fit); the iterations whose slots every row sees run unguarded.
 //   values   per loop iteration a lane has partial dot products of N = U * ROWS (token, row)
 //            values, v = r * U + u (u the unrolled load, r the row). A reduce-scatter over the
 //            token's lanes (rs_reduce) leaves each lane with whole logits of P = rs_per_lane
@@ -86,12 +91,14 @@ inline constexpr int kCudaHeadDims[] = {64, 128};
 
 // ---- per-dtype lane geometry -------------------------------------------------------------------
 
-// Elements one lane loads per token and tensor: 16 bytes of f32 / f16 / bf16, 8 bytes of fp8 /
-// int8 (eight codes, so that the registers per lane stay those of the 16-bit types).
-TREEATTN_HD constexpr int vec_elems(DType t) { return t == DType::kF32 ? 4 : 8; }
-TREEATTN_HD constexpr int elem_bytes(DType t) {
-  return t == DType::kF32 ? 4 : (t == DType::kFP8 || t == DType::kInt8) ? 1 : 2;
-}
+// fp8 and int8 K/V: one byte a code, a float scale per (token, KV head) for K and for V.
+TREEATTN_HD constexpr bool kv_8bit(DType t) { return t == DType::kFP8 || t == DType::kInt8; }
+
+// Every lane loads kVecBytes of one token per tensor: 4 elements of f32, 8 of f16 / bf16 and 16
+// consecutive codes of fp8 / int8.
+inline constexpr int kVecBytes = 16;
+TREEATTN_HD constexpr int elem_bytes(DType t) { return t == DType::kF32 ? 4 : kv_8bit(t) ? 1 : 2; }
+TREEATTN_HD constexpr int vec_elems(DType t) { return kVecBytes / elem_bytes(t); }
 TREEATTN_HD constexpr int vec_bytes(DType t) { return vec_elems(t) * elem_bytes(t); }
 TREEATTN_HD constexpr int lanes_per_token(DType t, int head_dim) { return head_dim / vec_elems(t); }
 TREEATTN_HD constexpr int tokens_per_warp(DType t, int head_dim) {
@@ -101,20 +108,27 @@ TREEATTN_HD constexpr int tokens_per_warp(DType t, int head_dim) {
 TREEATTN_HD constexpr int token_groups(DType t, int head_dim) {
   return kDecodeWarps * tokens_per_warp(t, head_dim);
 }
+// The most query rows one CTA serves: 8, and 4 for 8-bit K/V, whose lanes hold 16 elements of q
+// and of the accumulators per row (8 rows would take 256 registers for those alone).
+TREEATTN_HD constexpr int max_rows_per_cta(DType t) { return kv_8bit(t) ? 4 : kMaxRowsPerCta; }
 // Tokens each group loads per loop iteration (more loads in flight; fewer for 8 rows, whose
 // registers are the limit). The loads of the next iteration are issued before this one's math
 // (two sets of U loads in registers).
-TREEATTN_HD constexpr int unroll_tokens(int rows_tpl) { return rows_tpl >= 8 ? 2 : 4; }
+TREEATTN_HD constexpr int unroll_tokens(DType t, int rows_tpl) {
+  return kv_8bit(t) ? 4 : rows_tpl >= 8 ? 2 : 4;
+}
 
 // __launch_bounds__'s minimum of resident blocks per SM (kDecodeThreads threads each), which caps
-// the registers per thread at 65536 / (blocks * kDecodeThreads): 128 for 1-2 rows, 170 for 4,
-// 255 for 8 (q and the accumulators take 2 * rows * vec registers, the two load sets 4 * U * 4).
-// ptxas's figures for every instance: decode_kernel.cuh.
-TREEATTN_HD constexpr int min_blocks_per_sm(int rows_tpl) {
+// the registers per thread at 65536 / (blocks * kDecodeThreads): 128 at 4 blocks, 170 at 3, 255
+// at 2. q and the accumulators take 2 * rows * vec registers, the two load sets 2 * 2 * U * 4:
+// 8-bit K/V (vec 16) fit 1-2 rows in 170 and 4 rows in 255. ptxas's figures for every instance:
+// decode_kernel.cuh.
+TREEATTN_HD constexpr int min_blocks_per_sm(DType t, int rows_tpl) {
+  if (kv_8bit(t)) return rows_tpl >= 4 ? 2 : 3;
   return rows_tpl >= 8 ? 2 : rows_tpl >= 4 ? 3 : 4;
 }
-TREEATTN_HD constexpr int register_cap(int rows_tpl) {
-  const int r = 65536 / (min_blocks_per_sm(rows_tpl) * kDecodeThreads);
+TREEATTN_HD constexpr int register_cap(DType t, int rows_tpl) {
+  const int r = 65536 / (min_blocks_per_sm(t, rows_tpl) * kDecodeThreads);
   return r > 255 ? 255 : r;
 }
 
@@ -125,6 +139,30 @@ TREEATTN_HD constexpr bool geometry_valid(DType t, int head_dim) {
   if (head_dim <= 0 || head_dim % v != 0) return false;
   const int lanes = head_dim / v;
   return lanes >= 1 && lanes <= kWarpSize && kWarpSize % lanes == 0;
+}
+
+// ---- 8-bit scales: each loaded by one lane of the token -----------------------------------------
+//
+// An iteration of a token group uses 2 * U scales of its lanes' token slot: scale s < U is the K
+// scale of unrolled load s, scale U + s its V scale. Lane t of the token's LPT lanes loads the
+// scales scale_of_lane(t, k) for k < scale_loads_per_lane into its register k (a lane past 2 * U
+// loads a copy of another lane's, from the same address), and the lanes that need scale s read it
+// with a shuffle from lane scale_lane(s), register scale_reg(s).
+TREEATTN_HD constexpr int scale_loads_per_lane(int u_count, int lpt) {
+  return 2 * u_count > lpt ? 2 * u_count / lpt : 1;
+}
+TREEATTN_HD constexpr int scale_of_lane(int t, int k, int u_count, int lpt) {
+  return (t + k * lpt) % (2 * u_count);
+}
+TREEATTN_HD constexpr int k_scale_index(int u) { return u; }
+TREEATTN_HD constexpr int v_scale_index(int u, int u_count) { return u_count + u; }
+TREEATTN_HD constexpr int scale_lane(int s, int lpt) { return s % lpt; }
+TREEATTN_HD constexpr int scale_reg(int s, int lpt) { return s / lpt; }
+// Whether that works: powers of 2, and every K scale in register 0 (U <= LPT: the K scale of a
+// lane's held value, whose load index is not a compile-time constant, comes from register 0).
+TREEATTN_HD constexpr bool scales_valid(int u_count, int lpt) {
+  const auto pow2 = [](int x) { return x > 0 && (x & (x - 1)) == 0; };
+  return pow2(u_count) && pow2(lpt) && u_count <= lpt;
 }
 
 // ---- query rows ------------------------------------------------------------------------------
@@ -139,10 +177,12 @@ struct RowSplit {
   int rows_tpl = 1;        // rows per CTA (template value)
   int64_t row_groups = 1;  // ceil(rows_total / rows_tpl)
 };
-TREEATTN_HD constexpr RowSplit split_rows(int64_t group, int64_t q_len) {
+// The row groups of a KV head of K/V dtype t (at most max_rows_per_cta(t) rows a CTA).
+TREEATTN_HD constexpr RowSplit split_rows(DType t, int64_t group, int64_t q_len) {
   RowSplit s;
   s.rows_total = group * q_len;
-  s.rows_tpl = rows_template(s.rows_total < kMaxRowsPerCta ? s.rows_total : kMaxRowsPerCta);
+  const int most = max_rows_per_cta(t);
+  s.rows_tpl = rows_template(s.rows_total < most ? s.rows_total : most);
   s.row_groups = (s.rows_total + s.rows_tpl - 1) / s.rows_tpl;
   return s;
 }
@@ -219,18 +259,49 @@ TREEATTN_HD constexpr LaneRole lane_role(int lane, DType t, int head_dim) {
   return {lane / lanes, (lane % lanes) * vec_elems(t)};
 }
 
-// The token walk of an item over its slots [t0, t1): warp w starts at warp_first_token and
-// advances by cta_token_step (all token groups times the unroll) per iteration; inside an
-// iteration, unrolled load u of the lane's token slot reads lane_token (only if < t1). Every
-// slot of [t0, t1) is read by exactly one (warp, slot, iteration, u) (tested).
-TREEATTN_HD constexpr int64_t warp_first_token(int64_t t0, int warp, int tpw) {
-  return t0 + static_cast<int64_t>(warp) * tpw;
+// The token walk of an item over its slots [t0, t1), in 32-bit slot indices relative to t0 (a
+// split has at most kMaxSplitSlots slots): warp w starts at local slot warp_first_slot and
+// advances by cta_slot_step (all token groups times the unroll) per iteration; inside an
+// iteration, unrolled load u of the lane's token slot reads lane_slot. Every slot of [t0, t1) is
+// read by exactly one (warp, slot, iteration, u) (tested).
+TREEATTN_HD constexpr int warp_first_slot(int warp, int tpw) { return warp * tpw; }
+TREEATTN_HD constexpr int cta_slot_step(int groups, int unroll) { return groups * unroll; }
+TREEATTN_HD constexpr int lane_slot(int wl, int token_slot, int u, int groups) {
+  return wl + token_slot + u * groups;
 }
-TREEATTN_HD constexpr int64_t cta_token_step(int groups, int unroll) {
-  return static_cast<int64_t>(groups) * unroll;
+// A warp's iteration from wl reads slots in [wl, wl + warp_span). The main loop runs the
+// iterations whose slots every row of the block sees (below n_main) without a guard: no bound
+// check and no zero fill of the loads, no causal check of the values; the guarded tail runs the
+// rest, up to the slots any row sees (n1).
+TREEATTN_HD constexpr int warp_span(int tpw, int unroll, int groups) {
+  return (unroll - 1) * groups + tpw;
 }
-TREEATTN_HD constexpr int64_t lane_token(int64_t w0, int token_slot, int u, int groups) {
-  return w0 + token_slot + static_cast<int64_t>(u) * groups;
+TREEATTN_HD constexpr bool unguarded_iteration(int wl, int span, int n_main) {
+  return wl + span <= n_main;
+}
+// A global slot limit (a row's visible count, the slots any row sees) as a local one: clamped to
+// [0, n] slots after t0.
+TREEATTN_HD constexpr int local_limit(int64_t limit, int64_t t0, int n) {
+  const int64_t r = limit - t0;
+  return r <= 0 ? 0 : r >= n ? n : static_cast<int>(r);
+}
+
+// ---- 32-bit slot offsets ---------------------------------------------------------------------
+//
+// The kernel adds t0's element offset to its K, V and scale pointers once (64 bits) and reaches
+// the split's slots by 32-bit offsets from there: local slot j is j * stride elements (or floats
+// of scales) on. That holds for every slot of a split of `chunk` slots when (chunk - 1) * stride
+// < 2^32, and keeps local slot arithmetic (up to chunk plus two iterations' steps) inside int32
+// for chunk <= kMaxSplitSlots. The executor checks it where it makes the plan and refuses a split
+// that does not fit (slot_offsets_fit).
+inline constexpr int64_t kMaxSplitSlots = int64_t{1} << 30;
+inline constexpr int64_t kMaxSlotOffset = 0xffffffffLL;
+TREEATTN_HD constexpr bool slot_offsets_fit(int64_t chunk, int64_t stride) {
+  if (chunk < 1 || chunk > kMaxSplitSlots || stride < 0) return false;
+  return stride == 0 || chunk - 1 <= kMaxSlotOffset / stride;
+}
+TREEATTN_HD constexpr uint32_t slot_offset(int j, uint32_t stride) {
+  return static_cast<uint32_t>(j) * stride;
 }
 
 // Element offset of (b, h, slot j, element d) in a KV view with element strides.
@@ -324,17 +395,17 @@ inline double wave_fill(int64_t blocks, int64_t wave_slots) {
   return static_cast<double>(blocks) / static_cast<double>(waves * wave_slots);
 }
 
-// The plan of decode_partial on the device: `max_visible` is the largest visible_count over the
-// batch rows for the last query. chunk_tokens > 0 (DecodeOptions::chunk_tokens) fixes the split
-// length. 0 with wave_slots > 0 (the device's SMs x resident blocks of the instance) picks, among
-// the split counts up to kMaxWaves waves' worth of blocks (and up to the count without a wave),
-// the one whose blocks fill their last wave best (the fewest splits on a tie); 0 without a wave
-// aims at kTargetCtas blocks. Either way splits are at least
-// kMinSplitTokens slots, a multiple of kSplitAlign, at most kMaxSplits of them.
-inline SplitPlan plan_decode(int64_t batch, int64_t kv_heads, int64_t group, int64_t q_len,
+// The plan of decode_partial on the device for K/V dtype t: `max_visible` is the largest
+// visible_count over the batch rows for the last query. chunk_tokens > 0
+// (DecodeOptions::chunk_tokens) fixes the split length. 0 with wave_slots > 0 (the device's SMs x
+// resident blocks of the instance) picks, among the split counts up to kMaxWaves waves' worth of
+// blocks (and up to the count without a wave), the one whose blocks fill their last wave best (the
+// fewest splits on a tie); 0 without a wave aims at kTargetCtas blocks. Either way splits are at
+// least kMinSplitTokens slots, a multiple of kSplitAlign, at most kMaxSplits of them.
+inline SplitPlan plan_decode(DType t, int64_t batch, int64_t kv_heads, int64_t group, int64_t q_len,
                              int64_t max_visible, int64_t chunk_tokens, int64_t wave_slots = 0) {
   SplitPlan p;
-  p.rows = split_rows(group, q_len);
+  p.rows = split_rows(t, group, q_len);
   p.launches = ceil_div(batch, kMaxBatchPerLaunch);
   const int64_t per_split = batch * kv_heads * p.rows.row_groups;  // blocks of one split index
   // Blocks of one split index in one (the largest) launch.
@@ -381,10 +452,10 @@ inline SplitPlan plan_decode(int64_t batch, int64_t kv_heads, int64_t group, int
 
 // The plan of partial_chunks: one split per chunk of chunk_tokens slots, ceil(max len / chunk)
 // of them (the executor contract counts chunks by length, not by visibility).
-inline SplitPlan plan_chunks(int64_t batch, int64_t kv_heads, int64_t group, int64_t q_len,
+inline SplitPlan plan_chunks(DType t, int64_t batch, int64_t kv_heads, int64_t group, int64_t q_len,
                              int64_t max_len, int64_t chunk_tokens) {
   SplitPlan p;
-  p.rows = split_rows(group, q_len);
+  p.rows = split_rows(t, group, q_len);
   p.launches = ceil_div(batch, kMaxBatchPerLaunch);
   p.chunk = chunk_tokens;
   p.splits = ceil_div(max_len, chunk_tokens);

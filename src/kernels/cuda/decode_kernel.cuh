@@ -2,14 +2,18 @@
 // one KV head against one split of a KV shard in device memory, and the merge of the splits.
 //
 // One thread block (CTA, kDecodeThreads threads) serves one item (decode_geometry.hpp): batch
-// row b, KV head kvh, a group of up to 8 query rows (G heads x Q positions: the KV head is read
-// once for all of them) and the token slots [split * chunk, (split + 1) * chunk). Each warp
-// reads tokens_per_warp tokens per load (lane l: token slot l / lanes_per_token, vec elements of
-// head_dim), U loads per iteration, and issues the next iteration's loads before this one's math
-// (software pipelining in registers). Each such token group keeps its own online-softmax state
-// per row; the partial dot products of the U x ROWS (token, row) values are reduce-scattered over
-// the token's lanes (rs_reduce), so each lane computes whole logits of its own values and their
-// exp2 once, and the weights are broadcast back for the V accumulation. The groups are merged
+// row b, KV head kvh, a group of up to 8 query rows (4 for 8-bit K/V; G heads x Q positions: the
+// KV head is read once for all of them) and the token slots [split * chunk, (split + 1) * chunk),
+// addressed by 32-bit offsets from the split's first. Each warp reads tokens_per_warp tokens per
+// load (lane l: token slot l / lanes_per_token, 16 bytes of head_dim: 4, 8 or 16 elements), U
+// loads per iteration, and issues the next iteration's loads before this one's math (software
+// pipelining in registers); 8-bit scales are loaded by one lane of the token each and shuffled
+// to the lanes that use them. The iterations whose slots every row of the block sees run without
+// bound or causal checks; a guarded tail takes the rest. Each such token group keeps its own
+// online-softmax state per row (rescaled only when its maximum changes); the partial dot products
+// of the U x ROWS (token, row) values are reduce-scattered over the token's lanes (rs_reduce), so
+// each lane computes whole logits of its own values and their exp2 once, and the weights are
+// broadcast back for the V accumulation. The groups are merged
 // (warp shuffles, then shared memory across warps) into one record per row, written to the
 // split's record array. With more than one split, the last block of each (batch row, KV head,
 // row group) to finish (an atomic ticket) merges the splits' records into the final state
@@ -102,30 +106,33 @@ __device__ inline void widen_fp8_pair(uint32_t two, float* f) {
   f[1] = x.y;
 }
 
+// fp8 and int8: 16 consecutive codes in one 16-byte load.
 template <>
 struct KvVec<DType::kFP8> {
-  static constexpr int kVec = 8;
+  static constexpr int kVec = 16;
   using Elem = uint8_t;
-  using Raw = uint2;
-  __device__ static Raw zero() { return make_uint2(0u, 0u); }
+  using Raw = uint4;
+  __device__ static Raw zero() { return make_uint4(0u, 0u, 0u, 0u); }
   __device__ static void widen(const Raw& r, float (&f)[kVec]) {
-    widen_fp8_pair(r.x, f + 0);
-    widen_fp8_pair(r.x >> 16, f + 2);
-    widen_fp8_pair(r.y, f + 4);
-    widen_fp8_pair(r.y >> 16, f + 6);
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      widen_fp8_pair(w[i], f + 4 * i);
+      widen_fp8_pair(w[i] >> 16, f + 4 * i + 2);
+    }
   }
 };
 
 template <>
 struct KvVec<DType::kInt8> {
-  static constexpr int kVec = 8;
+  static constexpr int kVec = 16;
   using Elem = int8_t;
-  using Raw = uint2;
-  __device__ static Raw zero() { return make_uint2(0u, 0u); }
+  using Raw = uint4;
+  __device__ static Raw zero() { return make_uint4(0u, 0u, 0u, 0u); }
   __device__ static void widen(const Raw& r, float (&f)[kVec]) {
-    const uint32_t w[2] = {r.x, r.y};
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < 4; ++i)
 #pragma unroll
       for (int k = 0; k < 4; ++k)  // arithmetic shift: the sign-extended byte k
         f[4 * i + k] = static_cast<float>(static_cast<int32_t>(w[i] << (24 - 8 * k)) >> 24);
@@ -221,31 +228,38 @@ __device__ inline void merge_item_splits(const DecodeParams& p, const int64_t* r
 
 // ptxas (CUDA 13.0.88, sm_90, -Xptxas -v; configure with -DTREEATTN_CUDA_PTXAS_VERBOSE=ON, or
 // read tools/gpu-check.sh's build.log): registers per thread of every instance, ROWS 1 2 4 8,
-// under the launch bounds' caps register_cap(ROWS) = 128 128 170 255 (4 4 3 2 blocks per SM).
+// under the launch bounds' caps register_cap: 128 128 170 255 (4 4 3 2 blocks per SM); 8-bit K/V
+// (at most 4 rows) 170 170 255 (3 3 2 blocks).
 // Every instance: 0 bytes of stack frame, 0 bytes of spill stores and loads.
-//   f32   D64: 109 118 147 167   D128: 118 116 145 161
-//   f16   D64: 117 126 168 229   D128: 128 128 168 227
-//   bf16  D64: 128 128 168 235   D128: 128 128 168 228
-//   fp8   D64:  95 116 168 226   D128: 113 116 162 230
-//   int8  D64:  96 118 168 226   D128: 113 118 168 223
+//   f32   D64: 106 113 147 160   D128: 124 112 141 159
+//   f16   D64: 114 128 168 225   D128: 128 128 168 225
+//   bf16  D64: 120 128 168 229   D128: 128 128 168 227
+//   fp8   D64: 150 167 254       D128: 148 165 254
+//   int8  D64: 157 165 254       D128: 157 167 254
 template <DType T, int D, int ROWS>
-__global__ void __launch_bounds__(kDecodeThreads, min_blocks_per_sm(ROWS))
+__global__ void __launch_bounds__(kDecodeThreads, min_blocks_per_sm(T, ROWS))
     decode_split_kernel(const __grid_constant__ DecodeParams p) {
   using V = KvVec<T>;
   using Raw = typename V::Raw;
   constexpr int VEC = V::kVec;
   static_assert(VEC == vec_elems(T), "vector width differs from decode_geometry.hpp");
+  static_assert(sizeof(Raw) == kVecBytes, "every dtype loads 16-byte vectors");
   static_assert(geometry_valid(T, D), "no lane geometry for this head dim");
+  static_assert(ROWS <= max_rows_per_cta(T), "more rows than a CTA of this dtype serves");
   constexpr int LPT = lanes_per_token(T, D);
   constexpr int TPW = tokens_per_warp(T, D);
   constexpr int NG = token_groups(T, D);
-  constexpr int U = unroll_tokens(ROWS);
+  constexpr int U = unroll_tokens(T, ROWS);
   constexpr int N = U * ROWS;                  // (token, row) values per lane and iteration
   constexpr int P = rs_per_lane(N, LPT);       // whole logits a lane holds after rs_reduce
   constexpr int RL = rs_row_lanes(U, N, LPT);  // lanes holding one row's values
   constexpr int LV = rs_replicas(N, LPT);      // lanes holding each value
   static_assert(rs_valid(U, ROWS, LPT), "the reduce-scatter needs powers of 2 and P | U");
-  constexpr bool kQuant = T == DType::kFP8 || T == DType::kInt8;
+  constexpr bool kQuant = kv_8bit(T);
+  static_assert(!kQuant || scales_valid(U, LPT), "a token's lanes cannot hold its scales");
+  constexpr int SL = kQuant ? scale_loads_per_lane(U, LPT) : 1;  // scale registers of a set
+  constexpr int kStep = cta_slot_step(NG, U);
+  constexpr int kSpan = warp_span(TPW, U, NG);
   constexpr float kLn2f = 0.69314718055994531f;
   constexpr unsigned kFull = 0xffffffffu;
 
@@ -275,17 +289,21 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks_per_sm(ROWS))
   }
   __syncthreads();
   float q[ROWS][VEC];
-  int64_t cnt[ROWS];
-  int64_t cnt_max = 0;
+  int64_t cnt_max = 0, cnt_min = sm_cnt[0];  // row 0 of every row group is a row
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
-    const int64_t rec = sm_rec[r];
-    cnt[r] = sm_cnt[r];
-    cnt_max = cnt[r] > cnt_max ? cnt[r] : cnt_max;
+    const int64_t rec = sm_rec[r], cnt = sm_cnt[r];
+    cnt_max = cnt > cnt_max ? cnt : cnt_max;
+    if (rec >= 0) cnt_min = cnt < cnt_min ? cnt : cnt_min;
     const float* qr = p.q + (rec >= 0 ? rec : 0) * D + role.dim0;
 #pragma unroll
     for (int e = 0; e < VEC; ++e) q[r][e] = rec >= 0 ? qr[e] * p.qscale : 0.0f;
   }
+  // The split's slots [t0, t1) in local 32-bit slots: n1 of them are seen by some row, the first
+  // n_main by every row of the block (the unguarded main loop's).
+  const int64_t t0 = static_cast<int64_t>(it.split) * p.chunk;
+  const int n1 = local_limit(cnt_max, t0, static_cast<int>(p.chunk));
+  const int n_main = local_limit(cnt_min, t0, n1);
   // The values this lane holds after the reduce-scatter: their unrolled loads, and their row
   // (the same for all P of them, since P divides U) with its limit and running max. Runtime
   // indices, so they are read from shared memory or kept apart, never indexed into a register
@@ -294,10 +312,11 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks_per_sm(ROWS))
 #pragma unroll
   for (int i = 0; i < P; ++i) held_load[i] = value_load(rs_value(sub, i, N, LPT), U);
   const int held_row = value_row(rs_value(sub, 0, N, LPT), U);
-  const int64_t held_cnt = sm_cnt[held_row];
+  const int held_lim = local_limit(sm_cnt[held_row], t0, n1);
+  // The main loop's mask: a row of the block (past the rows, the limit is 0; every row's limit
+  // is at least n_main, and the main loop runs only when n_main > 0).
+  const bool held_live = held_lim > 0;
   float m_held = kNegInfF;  // m[held_row], kept alongside
-  const int64_t t0 = static_cast<int64_t>(it.split) * p.chunk;
-  const int64_t t1 = t0 + p.chunk < cnt_max ? t0 + p.chunk : cnt_max;
 
   float m[ROWS], l[ROWS], acc[ROWS][VEC];
 #pragma unroll
@@ -308,42 +327,63 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks_per_sm(ROWS))
     for (int e = 0; e < VEC; ++e) acc[r][e] = 0.0f;
   }
 
+  // The lane's K and V pointers at slot t0 (64-bit, once); slots are 32-bit offsets from there.
   using Elem = typename V::Elem;
   const int64_t kv0 =
-      kv_offset(b, kvh, 0, role.dim0, p.stride_batch, p.stride_head, p.stride_token);
+      kv_offset(b, kvh, t0, role.dim0, p.stride_batch, p.stride_head, p.stride_token);
   const Elem* const kbase = static_cast<const Elem*>(p.k) + kv0;
   const Elem* const vbase = static_cast<const Elem*>(p.v) + kv0;
-  const int64_t sc0 = b * p.scale_stride_batch + kvh * p.scale_stride_head;
+  const auto stride = static_cast<uint32_t>(p.stride_token);
+  // 8-bit: the scales this lane loads (register k: scale scale_of_lane(sub, k), of unrolled load
+  // su[k] of K or V), at slot t0.
+  const float* sbase[SL];
+  int su[SL];
+  const auto sstride = static_cast<uint32_t>(p.scale_stride_token);
+#pragma unroll
+  for (int k = 0; k < SL; ++k) {
+    const int sidx = scale_of_lane(sub, k, U, LPT);
+    su[k] = sidx % U;
+    sbase[k] = nullptr;
+    if constexpr (kQuant)
+      sbase[k] = (sidx < U ? p.k_scale : p.v_scale) + b * p.scale_stride_batch +
+                 kvh * p.scale_stride_head + t0 * p.scale_stride_token;
+  }
 
-  // One group of loads: U tokens of this lane's slot from w0 on, K and V, the V scales of the U
-  // tokens and the K scales of the P held values' tokens (fp8 / int8); zeros past t1 (no memory
-  // traffic).
-  const auto load = [&](int64_t w0, Raw(&kr)[U], Raw(&vr)[U], float(&ks)[P], float(&vs)[U]) {
+  // One set of loads: U tokens of this lane's slot from local slot wl on, K and V, and its SL
+  // scales (8-bit). Guarded: zeros, and no memory traffic, from n1 on; unguarded: every slot of
+  // the warp's iteration is below n_main.
+  const auto load = [&](bool guarded, int wl, Raw(&kr)[U], Raw(&vr)[U], float(&sc)[SL]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int64_t j = lane_token(w0, role.token_slot, u, NG);
-      vs[u] = 0.0f;
-      kr[u] = V::zero();
-      vr[u] = V::zero();
-      if (j < t1) {
-        kr[u] = __ldg(reinterpret_cast<const Raw*>(kbase + j * p.stride_token));
-        vr[u] = __ldg(reinterpret_cast<const Raw*>(vbase + j * p.stride_token));
-        if constexpr (kQuant) vs[u] = __ldg(p.v_scale + sc0 + j * p.scale_stride_token);
+      const int j = lane_slot(wl, role.token_slot, u, NG);
+      const uint32_t o = slot_offset(j, stride);
+      if (guarded) {
+        kr[u] = V::zero();
+        vr[u] = V::zero();
+        if (j < n1) {
+          kr[u] = __ldg(reinterpret_cast<const Raw*>(kbase + o));
+          vr[u] = __ldg(reinterpret_cast<const Raw*>(vbase + o));
+        }
+      } else {
+        kr[u] = __ldg(reinterpret_cast<const Raw*>(kbase + o));
+        vr[u] = __ldg(reinterpret_cast<const Raw*>(vbase + o));
       }
     }
 #pragma unroll
-    for (int i = 0; i < P; ++i) {
-      const int64_t j = lane_token(w0, role.token_slot, held_load[i], NG);
-      ks[i] = 0.0f;
-      if constexpr (kQuant)
-        if (j < t1) ks[i] = __ldg(p.k_scale + sc0 + j * p.scale_stride_token);
+    for (int k = 0; k < SL; ++k) {
+      sc[k] = 0.0f;
+      if constexpr (kQuant) {
+        const int j = lane_slot(wl, role.token_slot, su[k], NG);
+        if (!guarded || j < n1) sc[k] = __ldg(sbase[k] + slot_offset(j, sstride));
+      }
     }
   };
 
-  // The math of one group of loads (w0 is the same in every lane of the warp, so every shuffle
-  // below sees the whole warp).
-  const auto step = [&](int64_t w0, const Raw(&kr)[U], const Raw(&vr)[U], const float(&ks)[P],
-                        const float(&vs)[U]) {
+  // The math of one set of loads (wl is the same in every lane of the warp, so every shuffle
+  // below sees the whole warp). Guarded: values past the held row's limit are hidden;
+  // unguarded: every value of a row of the block is visible.
+  const auto step = [&](bool guarded, int wl, const Raw(&kr)[U], const Raw(&vr)[U],
+                        const float(&sc)[SL]) {
     // Partial dot products of this lane's elements, value v = r * U + u.
     float a[N];
 #pragma unroll
@@ -364,9 +404,13 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks_per_sm(ROWS))
     float mx = kNegInfF;
 #pragma unroll
     for (int i = 0; i < P; ++i) {
-      const int64_t j = lane_token(w0, role.token_slot, held_load[i], NG);
-      const float s = kQuant ? a[i] * ks[i] : a[i];
-      x[i] = (j < t1 && j < held_cnt) ? s : kNegInfF;
+      float s = a[i];
+      if constexpr (kQuant)  // the K scale of the value's token, from the lane that loaded it
+        s *= __shfl_sync(kFull, sc[scale_reg(k_scale_index(0), LPT)],
+                         scale_lane(k_scale_index(held_load[i]), LPT), LPT);
+      bool seen = held_live;
+      if (guarded) seen = lane_slot(wl, role.token_slot, held_load[i], NG) < held_lim;
+      x[i] = seen ? s : kNegInfF;
       mx = i == 0 ? x[i] : nan_max(mx, x[i]);
     }
     // The row's max over its lanes, then every row's new max in every lane (from the row's
@@ -386,14 +430,18 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks_per_sm(ROWS))
     for (int i = 0; i < P; ++i) {
       w[i] = x[i] == kNegInfF ? 0.0f : exp2f(x[i] - mr);
     }
-    // Rescale each row to its new max.
+    // Rescale the rows whose max changed. An unchanged max would scale by exp2(0) = 1 (no bit
+    // changes); a row still at -inf has l = 0 and acc = 0 (nothing was added), which a scale of
+    // 0 would leave as they are; a NaN max is never equal to itself and rescales (to NaN).
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      if (mn[r] == kNegInfF) continue;  // nothing visible to this row yet
-      const float sc = m[r] == kNegInfF ? 0.0f : exp2f(m[r] - mn[r]);
-      l[r] *= sc;
+      if (mn[r] == m[r]) continue;
+      if (m[r] != kNegInfF) {
+        const float scale = exp2f(m[r] - mn[r]);
+        l[r] *= scale;
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) acc[r][e] *= sc;
+        for (int e = 0; e < VEC; ++e) acc[r][e] *= scale;
+      }
       m[r] = mn[r];
     }
     // Every weight to every lane of the token, and the weighted V.
@@ -401,13 +449,17 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks_per_sm(ROWS))
     for (int u = 0; u < U; ++u) {
       float vf[VEC];
       V::widen(vr[u], vf);
+      float vs = 1.0f;  // the V scale of load u, from the lane that loaded it
+      if constexpr (kQuant)
+        vs = __shfl_sync(kFull, sc[scale_reg(v_scale_index(u, U), LPT)],
+                         scale_lane(v_scale_index(u, U), LPT), LPT);
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
         const int v = r * U + u;
         const float pu = __shfl_sync(kFull, w[rs_slot(v, N, LPT)], rs_holder(v, N, LPT), LPT);
         if (pu != 0.0f) {  // a hidden token's V (even NaN) never enters the sums
           l[r] += pu;
-          const float pv = kQuant ? pu * vs[u] : pu;
+          const float pv = kQuant ? pu * vs : pu;
 #pragma unroll
           for (int e = 0; e < VEC; ++e) acc[r][e] = fmaf(pv, vf[e], acc[r][e]);
         }
@@ -415,26 +467,47 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks_per_sm(ROWS))
     }
   };
 
-  // The token walk, software-pipelined: the next group's loads are in flight during this
-  // group's math (two register sets; the loop body ends by moving the next set into this one).
-  const int64_t cta_step = cta_token_step(NG, U);
-  int64_t w0 = warp_first_token(t0, warp, TPW);
+  // The token walk, software-pipelined: the next set's loads are in flight during this set's
+  // math (two register sets; the loop body ends by moving the next set into this one). First the
+  // iterations whose slots every row sees, unguarded; the last of them prefetches the tail's
+  // first set guarded. Then the guarded tail up to n1.
+  int wl = warp_first_slot(warp, TPW);
   Raw kr[U], vr[U];
-  float ks[P], vs[U];
-  load(w0, kr, vr, ks, vs);
-  for (; w0 < t1; w0 += cta_step) {
-    Raw kn[U], vn[U];
-    float ksn[P], vsn[U];
-    load(w0 + cta_step, kn, vn, ksn, vsn);
-    step(w0, kr, vr, ks, vs);
+  float sc[SL];
+  const auto advance = [&](Raw(&kn)[U], Raw(&vn)[U], float(&scn)[SL]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       kr[u] = kn[u];
       vr[u] = vn[u];
-      vs[u] = vsn[u];
     }
 #pragma unroll
-    for (int i = 0; i < P; ++i) ks[i] = ksn[i];
+    for (int k = 0; k < SL; ++k) sc[k] = scn[k];
+  };
+  if (unguarded_iteration(wl, kSpan, n_main)) {
+    load(false, wl, kr, vr, sc);
+    for (;;) {
+      const int next = wl + kStep;
+      const bool more = unguarded_iteration(next, kSpan, n_main);
+      Raw kn[U], vn[U];
+      float scn[SL];
+      if (more)
+        load(false, next, kn, vn, scn);
+      else
+        load(true, next, kn, vn, scn);
+      step(false, wl, kr, vr, sc);
+      advance(kn, vn, scn);
+      wl = next;
+      if (!more) break;
+    }
+  } else {
+    load(true, wl, kr, vr, sc);
+  }
+  for (; wl < n1; wl += kStep) {
+    Raw kn[U], vn[U];
+    float scn[SL];
+    load(true, wl + kStep, kn, vn, scn);
+    step(true, wl, kr, vr, sc);
+    advance(kn, vn, scn);
   }
 
   // Merge the token groups of the warp (lanes with the same elements, other token slots).
@@ -518,7 +591,8 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks_per_sm(ROWS))
   if (threadIdx.x == 0) p.tickets[tk] = 0u;  // 0 again for the next launch or graph replay
 }
 
-// The kernel instance of one dtype, head dim and row count (nullptr for others).
+// The kernel instance of one dtype, head dim and row count (nullptr for others, and for 8 rows of
+// 8-bit K/V).
 using DecodeKernelFn = void (*)(DecodeParams);
 
 template <DType T, int D>
@@ -531,7 +605,8 @@ DecodeKernelFn decode_kernel_rows(int rows_tpl) {
     case 4:
       return decode_split_kernel<T, D, 4>;
     case 8:
-      return decode_split_kernel<T, D, 8>;
+      if constexpr (max_rows_per_cta(T) >= 8) return decode_split_kernel<T, D, 8>;
+      return nullptr;
     default:
       return nullptr;
   }
