@@ -138,6 +138,10 @@ struct MatvecOptions {
   // maddubs target instead (the same bits; for tests and benchmarks). TREEATTN_INT8_VNNI=0 in
   // the environment does the same for every call of the process (docs/models.md, --isa).
   bool vnni = true;
+  // kInt8 with vnni on a CPU with AMX-INT8 (isa avx512): the K types' batched sums on the tile
+  // unit (the same bits); false keeps them on AVX-512 VNNI. TREEATTN_INT8_AMX=0 in the
+  // environment does the same for every call of the process.
+  bool amx = true;
 };
 
 // What a weight matrix does in the forward pass, for the modes that choose per matrix.
@@ -160,8 +164,8 @@ void reserve_matmul(std::span<const WeightMatrix* const> mats, int64_t tokens,
                     const MatvecOptions& options = {});
 // The ISA matmul runs with these options ("avx512", "avx2", "generic").
 Isa matmul_isa(const MatvecOptions& options);
-// The integer target matmul runs with these options in kInt8 mode: "avx512vnni", "avxvnni",
-// "avx2" or "generic".
+// The integer target matmul runs with these options in kInt8 mode: "amx", "avx512vnni",
+// "avxvnni", "avx2" or "generic".
 std::string_view matmul_int8_target(const MatvecOptions& options);
 // "ISA MODE" with the integer target where the mode uses one, for start lines and reports:
 // "avx512 int8 (avx512vnni)", "avx2 int8-ffn (avxvnni)", "avx512 exact".
