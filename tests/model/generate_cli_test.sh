@@ -81,7 +81,7 @@ case "$CASE" in
       case $i in
         generic) k=generic ;;
         avx2) k="avx2|avxvnni" ;;
-        avx512) k="avx2|avx512vnni" ;;
+        avx512) k="avx2|avx512vnni|amx" ;;
       esac
       expect 0 "matmul $i int8 \(($k)\) \|" -- "$B" generate --model "$MODEL" \
         --prompt "One, two, three, four," --new-tokens 8 --ignore-eos --quiet --matmul int8 --isa $i \

@@ -236,7 +236,7 @@ def case_api():
         check(code == 200 and json.loads(body)["status"] == "ok", "/health 200 without a key")
         # The start line names the kernel target and, for int8, the integer kernel (--isa auto).
         check(any(re.search(r"matmul (avx512|avx2|generic) (exact|int8-ffn|int8)"
-                            r"( \((avx512vnni|avxvnni|avx2|generic)\))? \|", line)
+                            r"( \((amx|avx512vnni|avxvnni|avx2|generic)\))? \|", line)
                   for line in s.lines), "the start line names the matmul target", s)
         c = s.client()
         models = c.models.list()
