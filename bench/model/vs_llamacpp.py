@@ -284,7 +284,7 @@ def measure_context(a, ctx, steps, bw, weight_bytes, kv_bytes, server, results):
                 r["prefill_treeattn_tokens_per_s"], r["prefill_llamacpp_tokens_per_s"],
                 r["prefill_treeattn_tokens_per_s"] / r["prefill_llamacpp_tokens_per_s"])
         results.append(r)
-        label = m + (" (%s)" % kernel[m] if kernel[m] else "")
+        label = m + (" (%s)" % kernel[m] if kernel[m] and m != "exact" else "")  # int8 modes
         print("| %d | %s | %.1f | %.0f | %.1f | %.1f | %.2fx | %.1f | %.1f %s" % (
             ctx, label, limit_ms, 1e3 / limit_ms, 1e3 / t_ms, 1e3 / l_ms, l_ms / t_ms, t_ms, l_ms, pf))
     sys.stdout.flush()
