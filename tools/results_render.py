@@ -502,18 +502,23 @@ def section_vs_llamacpp_models(work):
          "builds it (this CPU's ISA, AMX off) (`bench/model/vs_llamacpp.py`: the "
          "same GGUF and prompt ids, the same threads for prefill and decode, flash attention on, "
          "f16 KV, one process each, alternating; medians). Targets: prefill of 512 tokens >= 2x "
-         "llama.cpp, SmolLM2 decode at 16k >= 3x.\n\n")
+         "llama.cpp, SmolLM2 decode at 16k >= 3x. treeattn runs this CPU's best integer kernel "
+         "(`int8 kernel`: `amx` on a CPU with AMX-INT8, which llama.cpp's build here leaves off; "
+         "`TREEATTN_INT8_AMX=0` in the environment runs AVX-512 VNNI instead, the same bits).\n\n")
     d = load(work, "vs_llamacpp_models.json")
     if not d:
         return s + not_run(work, "vs_llamacpp_models", "model")
-    s += ("| model | matmul | context | threads | decode ms/token treeattn | llama.cpp | llama.cpp / "
-          "treeattn | prefill tokens/s treeattn | llama.cpp | treeattn / llama.cpp |\n"
-          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    s += ("| model | matmul | int8 kernel | context | threads | decode ms/token treeattn | "
+          "llama.cpp | llama.cpp / treeattn | prefill tokens/s treeattn | llama.cpp | "
+          "treeattn / llama.cpp |\n"
+          "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     for m in d.get("models", []):
         for r in m.get("results", []):
             pt, pl = r.get("prefill_treeattn_tokens_per_s"), r.get("prefill_llamacpp_tokens_per_s")
-            s += "| %s | %s | %d | %d | %.2f | %.2f | %.2fx | %s | %s | %s |\n" % (
-                m["name"], r["matmul"], r["context"], m.get("threads", 0), r["treeattn_ms"],
+            kernel = r.get("int8_kernel") if r["matmul"] != "exact" else None
+            s += "| %s | %s | %s | %d | %d | %.2f | %.2f | %.2fx | %s | %s | %s |\n" % (
+                m["name"], r["matmul"], kernel or "-", r["context"], m.get("threads", 0),
+                r["treeattn_ms"],
                 r["llamacpp_ms"], r["llamacpp_ms"] / r["treeattn_ms"],
                 "%.0f" % pt if pt else "-", "%.0f" % pl if pl else "-",
                 "%.2fx" % (pt / pl) if pt and pl else "-")
