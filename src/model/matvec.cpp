@@ -83,9 +83,10 @@ struct ActBuffers {
 };
 thread_local ActBuffers tl_act;
 thread_local AlignedVector<float> tl_scratch;
-// Each OpenMP thread's copy of a token tile's activations on cache-line boundaries (the float
-// path's micro-tiles load them 16 floats at a time: a misaligned row splits every load).
-thread_local AlignedVector<float> tl_xtile;
+// The calling thread's copy of a call's activations on cache-line boundaries, where the caller's
+// are not (the float path's micro-tiles load them 16 floats at a time: a misaligned row splits
+// every load).
+thread_local AlignedVector<float> tl_xcopy;
 
 template <class Vec>
 void grow(Vec& v, int64_t n) {
@@ -136,11 +137,14 @@ detail::RowsFn rows_fn(Isa isa) {
 // TREEATTN_INT8_VNNI=0 in the environment (read once): the maddubs target even where the CPU
 // has VNNI, as an AVX2-only CPU runs it (same bits; to compare the AVX2 kernels with llama.cpp's
 // AVX2 build on one machine).
+// Whether the environment variable `name` is "0" (a kernel target switched off).
+bool env_off(const char* name) {
+  const char* e = std::getenv(name);
+  return e != nullptr && std::string_view(e) == "0";
+}
+
 bool int8_vnni_allowed() {
-  static const bool allowed = [] {
-    const char* e = std::getenv("TREEATTN_INT8_VNNI");
-    return e == nullptr || std::string_view(e) != "0";
-  }();
+  static const bool allowed = !env_off("TREEATTN_INT8_VNNI");
   return allowed;
 }
 
@@ -151,9 +155,7 @@ bool int8_vnni_allowed() {
 // per process, on request), and TREEATTN_INT8_AMX=0 is not set.
 bool amx_usable() {
   static const bool usable = [] {
-    if (const char* e = std::getenv("TREEATTN_INT8_AMX");
-        e != nullptr && std::string_view(e) == "0")
-      return false;
+    if (env_off("TREEATTN_INT8_AMX")) return false;
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
     if ((d >> 24 & 1u) == 0 || (d >> 25 & 1u) == 0) return false;
@@ -375,7 +377,7 @@ void reserve_matmul(std::span<const WeightMatrix* const> mats, int64_t tokens,
   grow_act(tokens, cols32, colsk);
   const int threads = options.threads > 0 ? options.threads : omp_get_max_threads();
 #pragma omp parallel num_threads(threads) if (threads > 1)
-  grow(tl_scratch, detail::kScratchRows * (cols + 16));
+  grow(tl_scratch, detail::scratch_floats(cols));
 }
 
 Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t tokens,
@@ -432,12 +434,16 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   const int64_t xq_stride = cols / 32, xk_stride = cols / 256;
   grow_act(tokens, int8_32 ? cols : 0, int8_k ? cols : 0);
   const int64_t groups = (tokens + 7) / 8;
-  // A batched call of the float path from activations off cache-line boundaries copies each tile.
+  // A batched call of the float path from activations off cache-line boundaries copies them once.
   bool float_path = false;
-  for (const WeightMatrix* m : mats) float_path = float_path || !(int8 && detail::int8_type(m->type));
+  for (const WeightMatrix* m : mats)
+    float_path = float_path || !(int8 && detail::int8_type(m->type));
   const bool copy_x = float_path && tokens >= detail::kBatchTokens &&
                       (reinterpret_cast<uintptr_t>(x) % kCacheLine != 0 ||
                        x_stride % static_cast<int64_t>(kCacheLine / sizeof(float)) != 0);
+  const int64_t xc_stride = (cols + 15) / 16 * 16;
+  if (copy_x) grow(tl_xcopy, tokens * xc_stride);
+  float* const xcopy = copy_x ? tl_xcopy.data() : nullptr;
   const bool int8_xt = int8_32 && tokens > 1, int8_xtk = int8_k && tokens > 1;
   // The rows8 copies are read by calls of up to kRows8MaxTokens tokens (the call's count, not a
   // tile's). Q5_0's offset there needs each block's integer sum of q.
@@ -470,7 +476,7 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
   threads = static_cast<int>(std::min<int64_t>(threads, chunks));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    grow(tl_scratch, detail::kScratchRows * (cols + 16));
+    grow(tl_scratch, detail::scratch_floats(cols));
     if (int8) {
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < tokens; ++t) {
@@ -497,17 +503,14 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
           pair_groups_k(xtk, xk_stride, p, xtk16);
       }
     }
+    if (copy_x) {  // the float path's activations, aligned: the same values, so the same bits
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < tokens; ++t)
+        std::copy_n(x + t * x_stride, cols, xcopy + t * xc_stride);
+    }
+    const float* const xf = copy_x ? xcopy : x;
+    const int64_t xf_stride = copy_x ? xc_stride : x_stride;
     for (int64_t t0 = 0; t0 < tokens; t0 += tile) {
-      const int64_t tile_tokens = std::min(tile, tokens - t0);
-      const float* xt0 = x + t0 * x_stride;
-      int64_t xt_stride = x_stride;
-      if (copy_x) {  // the float path's tile, aligned; the same values, so the same bits
-        xt_stride = (cols + 15) / 16 * 16;
-        grow(tl_xtile, tile_tokens * xt_stride);
-        for (int64_t t = 0; t < tile_tokens; ++t)
-          std::copy_n(xt0 + t * x_stride, cols, tl_xtile.data() + t * xt_stride);
-        xt0 = tl_xtile.data();
-      }
       // The same static split every tile: each thread keeps its rows' weights in cache.
 #pragma omp for schedule(static) nowait
       for (int64_t c = 0; c < chunks; ++c) {
@@ -521,9 +524,9 @@ Status matmul(std::span<const WeightMatrix* const> mats, const float* x, int64_t
         a.cols = cols;
         a.row_begin = (c - first_chunk[i]) * kRowChunk;
         a.row_end = std::min(m.rows, a.row_begin + kRowChunk);
-        a.x = xt0;
-        a.x_stride = xt_stride;
-        a.tokens = tile_tokens;
+        a.x = xf + t0 * xf_stride;
+        a.x_stride = xf_stride;
+        a.tokens = std::min(tile, tokens - t0);
         a.y = ys[i] + t0 * m.rows;
         a.y_stride = m.rows;
         a.scratch = tl_scratch.data();

@@ -363,9 +363,7 @@ inline void rows_block(const RowsArgs& a, int64_t r0) {
     }
     return;
   }
-  // Rows a cache line further apart than their length: at 1536 columns (6 KiB) the 8 rows a
-  // micro-tile reads would otherwise start at the same offsets of 4 KiB pages.
-  const int64_t wstride = a.cols + 16;
+  const int64_t wstride = decoded_row_stride(a.cols);
   decode_rows<T, RBn>(rows, a.cols, a.scratch, wstride);
   int64_t t = 0;
   for (; t + Ops::NT <= a.tokens; t += Ops::NT)

@@ -38,7 +38,7 @@ constexpr int kAmxRows = 16;  // rows of a pass: the tiles' M
 // v = 256 hi + lo. The sub-scales' products then come out of the tile sums: S = 256 * sum(hi q) +
 // sum(lo q) (+ the pairs), the same integer as groupk's sum_j sc_j sum(code q).
 constexpr int kDecAHi = 384, kDecABytes = 640;
-static_assert(kAmxRows * kDecABytes / 256 <= 4 * kScratchRows);  // bytes per column of scratch
+static_assert(kAmxRows * kDecABytes / 256 <= 4 * kScratchRows);  // scratch bytes per column
 
 template <uint32_t T>
 inline void decode_a(const uint8_t* b, uint8_t* o) {
@@ -133,8 +133,8 @@ inline void groupk_amx(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt,
     _tile_stored(0, &lo[0][0][0], 64);
     _tile_stored(1, &hi[0][0][0], 64);
     if constexpr (NB == 2) {
-      _tile_stored(2, &lo[NB - 1][0][0], 64);
-      _tile_stored(3, &hi[NB - 1][0][0], 64);
+      _tile_stored(2, &lo[1][0][0], 64);
+      _tile_stored(3, &hi[1][0][0], 64);
     }
     for (int v = 0; v < NB; ++v) {
       // The tokens' operands of every row: the pairs' sums and d_x (groupk_floats' d).

@@ -43,7 +43,7 @@ struct RowsArgs {
   int64_t tokens = 0;
   float* y = nullptr;  // (token 0 of the range, row 0 of the matrix), y_stride apart
   int64_t y_stride = 0;
-  float* scratch = nullptr;  // kScratchRows * (cols + 16) floats, 64-byte aligned (decoded rows)
+  float* scratch = nullptr;  // scratch_floats(cols) floats, 64-byte aligned (decoded rows)
   // The integer (int8 activation) targets read these instead of x: token 0 of the range,
   // cols / 32 blocks per token, xq_stride blocks apart (quantize_activations).
   const ActBlock* xq = nullptr;
@@ -96,9 +96,16 @@ static constexpr int64_t weight_prefetch_ahead(int64_t pass_bytes) {
 
 // The most rows a target decodes together (its Ops::RB <= this).
 inline constexpr int kMaxRowBlock = 8;
-// The batched paths' scratch (RowsArgs::scratch): kScratchRows * (cols + 16) floats, room for
-// kMaxRowBlock decoded float rows and for the AMX target's 16 rows of 640 bytes per super-block.
+// The float path's decoded rows lie a cache line further apart than their length
+// (matvec_impl.hpp, rows_block: at 1536 columns, 6 KiB, the 8 rows a micro-tile reads would
+// otherwise start at the same offsets of 4 KiB pages).
+inline constexpr int64_t decoded_row_stride(int64_t cols) { return cols + 16; }
+// The batched paths' scratch (RowsArgs::scratch) in floats: room for kMaxRowBlock decoded float
+// rows and for the AMX target's 16 rows of 640 bytes per super-block (kScratchRows of them).
 inline constexpr int kScratchRows = 10;
+inline constexpr int64_t scratch_floats(int64_t cols) {
+  return kScratchRows * decoded_row_stride(cols);
+}
 inline constexpr int64_t kXtk16Bytes = 64 * 64;  // RowsArgs::xtk16's block
 // From this many tokens on, the float path's batched micro-tiles (matvec_impl.hpp).
 inline constexpr int64_t kBatchTokens = 4;

@@ -140,13 +140,13 @@ TEST(Matmul, BitsDoNotDependOnBatchingThreadsOrRowGrouping) {
   }
 }
 
-// The batched float path reads its activations from a tile copy on cache-line boundaries when
-// the caller's are not (matvec.cpp, copy_x): activations at every offset within a line and rows
+// The batched float path reads its activations from a copy on cache-line boundaries when the
+// caller's are not (matvec.cpp, copy_x): activations at every offset within a line and rows
 // of every stride give the bits of an aligned call.
 TEST(Matmul, ActivationsOffCacheLinesGiveTheSameBits) {
   std::mt19937_64 rng(12);
   std::normal_distribution<float> nd;
-  const int64_t rows = 37, cols = 96, tokens = 50;  // two tiles of 48: the copy per tile
+  const int64_t rows = 37, cols = 96, tokens = 50;  // two tiles of 48 from the one copy
   for (const uint32_t type : {3u, 0u}) {  // q4_1, f32
     std::vector<uint8_t> store;
     const WeightMatrix m = make_matrix(type, rows, cols, store, rng);
