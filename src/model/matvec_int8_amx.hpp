@@ -100,10 +100,7 @@ inline void groupk_amx(const uint8_t* dec, int64_t blocks, const ActBlockK8* xt,
   const int64_t row_stride = blocks * kDecABytes;
   for (int64_t k = 0; k < blocks; ++k) {
     const uint8_t* const db = dec + k * kDecABytes;  // row r's record at db + r * row_stride
-    if (next != nullptr)
-      for (int r = 0; r < R; ++r)
-        for (int o = 0; o < CK::kBytes; o += 64)
-          prefetch_w(next + r * row_bytes + k * CK::kBytes + o);
+    prefetch_superblock<T, R>(next, row_bytes, k);
     const int8_t* const b0 = x16 + k * kXtk16Bytes;
     const int8_t* const b1 = x16 + (blocks + k) * kXtk16Bytes;
     _tile_zero(0);

@@ -830,12 +830,16 @@ inline void superblock(const uint8_t* const* rows, int64_t k, const ActBlockK& x
 // (db[r]), and while the first group pass runs (next != nullptr), the next pass's rows'
 // super-block k prefetched.
 template <uint32_t T, int RBn>
-inline void decoded_superblock(const uint8_t* dec, int64_t blocks, int64_t k, const uint8_t* next,
-                               int64_t row_bytes, const uint8_t** db) {
+inline void prefetch_superblock(const uint8_t* next, int64_t row_bytes, int64_t k) {
   if (next != nullptr)
     for (int r = 0; r < RBn; ++r)
       for (int o = 0; o < CodeK<T>::kBytes; o += 64)
         prefetch_w(next + r * row_bytes + k * CodeK<T>::kBytes + o);
+}
+template <uint32_t T, int RBn>
+inline void decoded_superblock(const uint8_t* dec, int64_t blocks, int64_t k, const uint8_t* next,
+                               int64_t row_bytes, const uint8_t** db) {
+  prefetch_superblock<T, RBn>(next, row_bytes, k);
   for (int r = 0; r < RBn; ++r) db[r] = dec + (r * blocks + k) * kDecKBytes;
 }
 
