@@ -207,14 +207,23 @@ TEST_F(CudaExecutorTest, EmptyShardGivesEmptyStates) {
   Buffer qd = upload(p.q.data(), p.q.size() * sizeof(float));
   Buffer st = upload(nullptr, recf * sizeof(float));
   const DeviceCache d = upload_cache(p.cache, shape.batch);
-  ASSERT_TRUE(
-      exec->partial(shape, qd.as<float>(), on_device(p.whole(), p.cache, d), st.as<float>(), {})
-          .is_ok());
-  const auto s = download<float>(st, recf);
-  for (std::size_t r = 0; r < 8; ++r) {
-    EXPECT_EQ(s[r * 66], -std::numeric_limits<float>::infinity());
-    for (std::size_t i = 1; i < 66; ++i) EXPECT_EQ(s[r * 66 + i], 0.0f);
-  }
+  // No slot is addressed, so no strides are checked: a negative token stride (and any chunk)
+  // gives the same empty states.
+  KVShard neg = on_device(p.whole(), p.cache, d);
+  neg.stride_token = -64;
+  DecodeOptions one;
+  one.chunk_tokens = 3;
+  for (const KVShard& kv : {on_device(p.whole(), p.cache, d), neg})
+    for (const DecodeOptions& o : {DecodeOptions{}, one}) {
+      const std::vector<float> seven(recf, 7.0f);
+      ASSERT_TRUE(exec->from_host(st.data(), seven.data(), recf * sizeof(float)).is_ok());
+      ASSERT_TRUE(exec->partial(shape, qd.as<float>(), kv, st.as<float>(), o).is_ok());
+      const auto s = download<float>(st, recf);
+      for (std::size_t r = 0; r < 8; ++r) {
+        EXPECT_EQ(s[r * 66], -std::numeric_limits<float>::infinity());
+        for (std::size_t i = 1; i < 66; ++i) EXPECT_EQ(s[r * 66 + i], 0.0f);
+      }
+    }
 }
 
 TEST_F(CudaExecutorTest, PartialChunksMatchTheCpuExecutor) {
@@ -458,19 +467,28 @@ TEST_F(CudaExecutorTest, ErrorsNameTheProblem) {
   mis.k = static_cast<const uint8_t*>(dv.k) + 2;
   EXPECT_EQ(exec->partial(shape, qd.as<float>(), mis, st.as<float>(), {}).code(),
             Code::kUnsupported);
-  // A split past the kernel's 32-bit slot offsets (token stride 64: 2^26 slots at the most).
-  DecodeOptions huge;
-  huge.chunk_tokens = (int64_t{1} << 26) + 1;
-  const Status hs = exec->partial(shape, qd.as<float>(), dv, st.as<float>(), huge);
+  // A chunk past the shard's 10 slots plans one split of those 10, however large the chunk (at
+  // token stride 64 the 32-bit slot offsets reach 2^26 slots).
+  for (int64_t c : {(int64_t{1} << 26) + 1, int64_t{1} << 40}) {
+    DecodeOptions big;
+    big.chunk_tokens = c;
+    EXPECT_TRUE(exec->partial(shape, qd.as<float>(), dv, st.as<float>(), big).is_ok()) << c;
+    EXPECT_TRUE(exec->partial_chunks(shape, qd.as<float>(), dv, c, st.as<float>(), {}).is_ok())
+        << c;
+  }
+  // A split that really spans more slots than the 32-bit slot offsets reach: at a token stride of
+  // 2^31 elements a split has 2 slots at the most, and a chunk of 3 of the 10 is refused before
+  // anything is read.
+  KVShard wide = dv;
+  wide.stride_token = int64_t{1} << 31;
+  DecodeOptions three;
+  three.chunk_tokens = 3;
+  const Status hs = exec->partial(shape, qd.as<float>(), wide, st.as<float>(), three);
   EXPECT_EQ(hs.code(), Code::kUnsupported);
   EXPECT_NE(hs.message().find("32-bit slot offsets"), std::string::npos) << hs.message();
-  EXPECT_EQ(
-      exec->partial_chunks(shape, qd.as<float>(), dv, huge.chunk_tokens, st.as<float>(), {}).code(),
-      Code::kUnsupported);
-  huge.chunk_tokens = int64_t{1} << 26;  // the largest split that fits
-  EXPECT_TRUE(exec->partial(shape, qd.as<float>(), dv, st.as<float>(), huge).is_ok());
-  // Inside one of the executor's own buffers is device memory (known without the driver).
-  EXPECT_TRUE(exec->set_empty(st.as<float>() + 66, 1, 64).is_ok());
+  EXPECT_NE(hs.message().find("at most 2 slots"), std::string::npos) << hs.message();
+  EXPECT_EQ(exec->partial_chunks(shape, qd.as<float>(), wide, 3, st.as<float>(), {}).code(),
+            Code::kUnsupported);
   // The executor is still usable.
   EXPECT_TRUE(exec->partial(shape, qd.as<float>(), dv, st.as<float>(), {}).is_ok());
   EXPECT_TRUE(exec->synchronize().is_ok());

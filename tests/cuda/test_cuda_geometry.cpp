@@ -1,9 +1,9 @@
 // Host tests of the CUDA decode kernel's plain arithmetic (src/kernels/cuda/decode_geometry.hpp):
 // the causal limit against a brute-force count, the block index codec and the merge tickets,
-// lane roles and the shuffle partners the kernel uses, the 16-byte loads of every dtype (8-bit
-// K/V: 16 consecutive codes a lane), the token walk (every slot read exactly once, the unguarded
-// main loop only below the slots every row sees), the 8-bit scales (each loaded by one lane of
-// the token and shuffled from there), the 32-bit slot offsets and their bound, the logits'
+// lane roles and the shuffle partners the kernel uses, the 16-byte loads of every dtype (each
+// element of an iteration's tokens loaded once), the token walk (every slot read exactly once, the
+// unguarded main loop only below the slots every row sees), the 8-bit scales (each loaded by one
+// lane of the token and shuffled from there), the 32-bit slot offsets and their bound, the logits'
 // reduce-scatter (run on a simulated warp: one thread per lane, shuffles through a barrier), the
 // query-row groups (every (query, head) served once), record indices, the split planner (whole
 // waves), the launch bounds' register cap, the lifetime rule of the buffers CUDA graphs point at
@@ -104,7 +104,6 @@ TEST(CudaGeometry, LaneGeometryOfTheCompiledHeadDims) {
       const int lanes = lanes_per_token(t, d), tpw = tokens_per_warp(t, d);
       EXPECT_EQ(lanes * tpw, kWarpSize);
       EXPECT_EQ(lanes * vec_elems(t), d);
-      EXPECT_EQ(vec_bytes(t), 16);  // every dtype loads 16-byte vectors
       EXPECT_EQ(token_groups(t, d), kDecodeWarps * tpw);
       // Every (token slot, element) of a warp has exactly one lane.
       std::map<std::pair<int, int>, int> owner;
@@ -134,9 +133,9 @@ TEST(CudaGeometry, LaneGeometryOfTheCompiledHeadDims) {
   EXPECT_FALSE(geometry_valid(DType::kF32, 256));  // 64 lanes
 }
 
-// Every lane's 16 bytes of a token are 16-byte aligned and, for 8-bit K/V, 16 consecutive codes;
-// over one iteration of a CTA (every warp, lane and unrolled load) each element of each token the
-// iteration reads is loaded by exactly one lane, for every head dim and rows-per-block variant.
+// Over one iteration of a CTA (every warp, lane and unrolled load) each element of each token the
+// iteration reads is loaded by exactly one lane's 16-byte vector, for every head dim and
+// rows-per-block variant.
 TEST(CudaGeometry, SixteenByteLoadsCoverEveryElementOnce) {
   for (DType t : kAllTypes)
     for (int d : kCudaHeadDims)
@@ -145,22 +144,13 @@ TEST(CudaGeometry, SixteenByteLoadsCoverEveryElementOnce) {
         SCOPED_TRACE(std::string(dtype_name(t)) + " D=" + std::to_string(d) + " rows " +
                      std::to_string(rows_tpl));
         const int tpw = tokens_per_warp(t, d), ng = token_groups(t, d);
-        const int u_count = unroll_tokens(t, rows_tpl), ve = vec_elems(t);
-        if (kv_8bit(t)) {
-          EXPECT_EQ(ve, 16);
-          EXPECT_EQ(lanes_per_token(t, d), d / 16);  // 4 lanes at D 64, 8 at D 128
-        }
-        // A view whose token stride is a multiple of the vector (the executor's rule), starting
-        // at a slot other than 0.
-        const int64_t stride = d + 2 * ve, first = 3;
+        const int u_count = unroll_tokens(rows_tpl), ve = vec_elems(t);
         std::map<std::pair<int64_t, int>, int> loads;  // (slot, element) -> times loaded
         for (int warp = 0; warp < kDecodeWarps; ++warp)
           for (int lane = 0; lane < kWarpSize; ++lane) {
             const LaneRole r = lane_role(lane, t, d);
             for (int u = 0; u < u_count; ++u) {
               const int j = lane_slot(warp_first_slot(warp, tpw), r.token_slot, u, ng);
-              const int64_t elem = kv_offset(0, 0, first + j, r.dim0, 0, 0, stride);
-              ASSERT_EQ(elem * elem_bytes(t) % kVecBytes, 0) << "unaligned 16-byte load";
               for (int e = 0; e < ve; ++e) {
                 ASSERT_LT(r.dim0 + e, d);
                 ++loads[{j, r.dim0 + e}];
@@ -186,7 +176,7 @@ TEST(CudaGeometry, MainLoopAndTailReadEverySlotOnce) {
       for (int rows_tpl : {1, 2, 4, 8}) {
         if (rows_tpl > max_rows_per_cta(t)) continue;
         const int tpw = tokens_per_warp(t, d), ng = token_groups(t, d);
-        const int u = unroll_tokens(t, rows_tpl);
+        const int u = unroll_tokens(rows_tpl);
         const int step = cta_slot_step(ng, u), span = warp_span(tpw, u, ng);
         for (int n1 : {0, 1, 7, 31, 32, 33, 64, 255, 1000, 1001, 65537})
           for (int lag : {0, 1, 3, 40}) {  // n1 - n_main: the rows that see fewer slots
@@ -216,10 +206,11 @@ TEST(CudaGeometry, MainLoopAndTailReadEverySlotOnce) {
               ASSERT_EQ(reads[static_cast<std::size_t>(j)], 1)
                   << dtype_name(t) << " D=" << d << " rows " << rows_tpl << " n1 " << n1
                   << " n_main " << n_main << " slot " << j;
-            // Long splits run almost entirely unguarded: at most one iteration a warp is left to
-            // the tail beyond the slots some row does not see.
+            // Long splits run almost entirely unguarded: of the slots every row sees, at most one
+            // CTA iteration's (step) are left to the tail. `unguarded` counts warp iterations,
+            // each reading tpw * u slots.
             if (n_main >= 1000) {
-              EXPECT_GE(unguarded * step, static_cast<int64_t>(n_main) - kDecodeWarps * step)
+              EXPECT_GE(unguarded * tpw * u, static_cast<int64_t>(n_main) - step)
                   << dtype_name(t) << " D=" << d << " rows " << rows_tpl << " n_main " << n_main;
             }
           }
@@ -266,15 +257,52 @@ TEST(CudaGeometry, SlotOffsetsFitIn32Bits) {
   EXPECT_FALSE(slot_offsets_fit(kMaxSplitSlots + 1, 1));
   EXPECT_TRUE(slot_offsets_fit(kMaxSplitSlots, 0));
   EXPECT_FALSE(slot_offsets_fit(16, -1));
+  // max_split_slots is the largest chunk slot_offsets_fit accepts at each stride; a negative
+  // stride (a shard without tokens, whose strides nothing checks) has none, without a division.
+  for (int64_t stride :
+       {int64_t{0}, int64_t{1}, int64_t{2}, int64_t{3}, int64_t{64}, int64_t{128}, int64_t{144},
+        int64_t{4096}, int64_t{40960}, int64_t{1} << 31, int64_t{1} << 40}) {
+    const int64_t most = max_split_slots(stride);
+    EXPECT_TRUE(slot_offsets_fit(most, stride)) << stride;
+    EXPECT_FALSE(slot_offsets_fit(most + 1, stride)) << stride;
+  }
+  EXPECT_EQ(max_split_slots(64), int64_t{1} << 26);
+  EXPECT_EQ(max_split_slots(int64_t{1} << 31), 2);
+  EXPECT_EQ(max_split_slots(int64_t{1} << 40), 1);
+  EXPECT_EQ(max_split_slots(-1), 0);
+  EXPECT_EQ(max_split_slots(-64), 0);
   // Local slots of the largest split, plus two iterations of the widest step, are int32.
   for (DType t : kAllTypes)
     for (int d : kCudaHeadDims)
       for (int rows : {1, 2, 4, 8})
-        EXPECT_LT(kMaxSplitSlots + 2 * cta_slot_step(token_groups(t, d), unroll_tokens(t, rows)),
+        EXPECT_LT(kMaxSplitSlots + 2 * cta_slot_step(token_groups(t, d), unroll_tokens(rows)),
                   int64_t{1} << 31);
   // The split plan's default chunks at a million tokens fit with room to spare.
   const SplitPlan l = plan_decode(DType::kFP8, 1, 8, 4, 1, 1 << 20, 0);
   EXPECT_TRUE(slot_offsets_fit(l.chunk, 128));
+  // The automatic plan keeps every split within the bound of a huge stride (max_chunk), with or
+  // without a wave, splitting more finely than kMinSplitTokens and kMaxSplits where it must.
+  for (int64_t stride : {int64_t{1} << 22, int64_t{3} << 24, int64_t{1} << 31, int64_t{1} << 33})
+    for (int64_t vis : {1, 2, 3, 100, 4096, 1 << 20})
+      for (int64_t wave : {0, 132 * 3}) {
+        const int64_t most = max_split_slots(stride);
+        const SplitPlan h = plan_decode(DType::kBF16, 1, 8, 4, 1, vis, 0, wave, most);
+        SCOPED_TRACE("stride " + std::to_string(stride) + " vis " + std::to_string(vis));
+        EXPECT_TRUE(slot_offsets_fit(h.chunk, stride)) << h.chunk;
+        EXPECT_GE(h.splits * h.chunk, vis);
+        EXPECT_LT((h.splits - 1) * h.chunk, vis);
+        if (most >= kSplitAlign) {
+          EXPECT_EQ(h.chunk % kSplitAlign, 0);
+        }
+      }
+  // A stride whose bound is above the usual chunk leaves the plan as it is.
+  for (int64_t wave : {0, 132 * 3}) {
+    const SplitPlan a = plan_decode(DType::kBF16, 1, 8, 4, 1, 1 << 20, 0, wave);
+    const SplitPlan b =
+        plan_decode(DType::kBF16, 1, 8, 4, 1, 1 << 20, 0, wave, max_split_slots(128));
+    EXPECT_EQ(a.chunk, b.chunk);
+    EXPECT_EQ(a.splits, b.splits);
+  }
 }
 
 // Each of a token group's 2U scales (K of every unrolled load, then V) is loaded by the one lane
@@ -285,7 +313,7 @@ TEST(CudaGeometry, ScalesAreLoadedOncePerTokenGroup) {
   for (DType t : {DType::kFP8, DType::kInt8})
     for (int d : kCudaHeadDims)
       for (int rows : {1, 2, 4}) {
-        const int lpt = lanes_per_token(t, d), u_count = unroll_tokens(t, rows);
+        const int lpt = lanes_per_token(t, d), u_count = unroll_tokens(rows);
         SCOPED_TRACE("D " + std::to_string(d) + " rows " + std::to_string(rows));
         ASSERT_TRUE(scales_valid(u_count, lpt));
         const int sl = scale_loads_per_lane(u_count, lpt);
@@ -449,12 +477,12 @@ TEST(CudaGeometry, ReduceScatterLeavesEachLaneWholeLogits) {
       EXPECT_TRUE(lpt == 4 || lpt == 8 || lpt == 16 || lpt == 32) << dtype_name(t) << " " << d;
       for (int rows : {1, 2, 4, 8}) {
         if (rows > max_rows_per_cta(t)) continue;
-        EXPECT_TRUE(rs_valid(unroll_tokens(t, rows), rows, lpt));
-        instances.insert({unroll_tokens(t, rows), rows, lpt});
+        EXPECT_TRUE(rs_valid(unroll_tokens(rows), rows, lpt));
+        instances.insert({unroll_tokens(rows), rows, lpt});
       }
     }
-  static_assert(unroll_tokens(DType::kBF16, 1) == 4 && unroll_tokens(DType::kBF16, 4) == 4 &&
-                unroll_tokens(DType::kBF16, 8) == 2 && unroll_tokens(DType::kFP8, 4) == 4);
+  static_assert(unroll_tokens(1) == 4 && unroll_tokens(2) == 4 && unroll_tokens(4) == 4 &&
+                unroll_tokens(8) == 2);
   // The instances checked below are all of them.
   const std::set<std::tuple<int, int, int>> checked{
       {4, 1, 4},  {4, 2, 4},  {4, 4, 4},  {4, 1, 8},  {4, 2, 8}, {4, 4, 8},  {4, 1, 16}, {4, 2, 16},
@@ -492,7 +520,7 @@ TEST(CudaGeometry, LaunchBoundsRegisterCap) {
       EXPECT_LE(cap, 255);
       // Room for q and the accumulators (2 * rows * vec floats) and two sets of U 16-byte loads
       // of K and V (2 * 2 * U * 4), the figures decode_kernel.cuh records from ptxas.
-      EXPECT_GE(cap, 2 * rows * vec_elems(t) + 16 * unroll_tokens(t, rows) + 32)
+      EXPECT_GE(cap, 2 * rows * vec_elems(t) + 16 * unroll_tokens(rows) + 32)
           << dtype_name(t) << " rows " << rows;
     }
   EXPECT_EQ(register_cap(DType::kBF16, 4), 170);
@@ -509,7 +537,6 @@ TEST(CudaGeometry, RowGroupsServeEveryQueryHeadOnce) {
         EXPECT_EQ(rs.rows_total, group * q_len);
         EXPECT_TRUE(rs.rows_tpl == 1 || rs.rows_tpl == 2 || rs.rows_tpl == 4 || rs.rows_tpl == 8);
         EXPECT_LE(rs.rows_tpl, max_rows_per_cta(t));
-        EXPECT_LE(max_rows_per_cta(t), kMaxRowsPerCta);
         EXPECT_GE(rs.rows_tpl * rs.row_groups, rs.rows_total);
         EXPECT_LT(rs.rows_tpl * (rs.row_groups - 1), rs.rows_total);
         if (rs.rows_total <= max_rows_per_cta(t)) {
@@ -590,6 +617,15 @@ TEST(CudaGeometry, SplitPlanCoversTheVisibleSlots) {
   const SplitPlan f = plan_decode(DType::kBF16, 2, 8, 4, 1, 1000, 256);
   EXPECT_EQ(f.chunk, 256);
   EXPECT_EQ(f.splits, 4);
+  // A fixed chunk of the visible slots or more is one split of exactly those slots (the kernel
+  // reads no slot past them), so "one split" (a huge chunk_tokens) fits the 32-bit slot offsets.
+  for (int64_t chunk : {int64_t{1000}, int64_t{1001}, (int64_t{1} << 26) + 1, int64_t{1} << 40}) {
+    const SplitPlan one = plan_decode(DType::kBF16, 2, 8, 4, 1, 1000, chunk);
+    EXPECT_EQ(one.chunk, 1000) << chunk;
+    EXPECT_EQ(one.splits, 1) << chunk;
+    EXPECT_TRUE(slot_offsets_fit(one.chunk, 64)) << chunk;
+  }
+  EXPECT_EQ(plan_decode(DType::kBF16, 2, 8, 4, 1, 1000, 999).splits, 2);
   // llama3-8b (8 KV heads, 4 query heads each), batch 1, 1M tokens: 256 splits of 4096 slots,
   // 2048 blocks of 4 rows.
   const SplitPlan l = plan_decode(DType::kBF16, 1, 8, 4, 1, 1 << 20, 0);
@@ -650,7 +686,7 @@ TEST(CudaGeometry, SplitPlanFillsWholeWaves) {
             EXPECT_EQ(again.chunk, p.chunk);
             // A fixed chunk length ignores the device.
             EXPECT_EQ(plan_decode(DType::kBF16, batch, kv_heads, group, 1, vis, 1000, wave).chunk,
-                      vis > 0 ? 1000 : 1);
+                      vis > 0 ? std::min<int64_t>(vis, 1000) : 1);
           }
   // llama3-8b, batch 1, 1M tokens on 132 SMs x 3 blocks: 8 blocks per split index, so 49 splits
   // (1 wave: 392 of 396 slots) or more; the plan's last wave is at least 0.98 full.
@@ -661,12 +697,15 @@ TEST(CudaGeometry, SplitPlanFillsWholeWaves) {
 }
 
 TEST(CudaGeometry, ChunkPlanCountsChunksByLength) {
-  // partial_chunks: ceil(max len / chunk) chunks, as the CPU executor.
+  // partial_chunks: ceil(max len / chunk) chunks, as the CPU executor; a chunk past the longest
+  // row is one split of the longest row's slots (split 0 starts at slot 0).
   for (int64_t len : {1, 255, 256, 257, 100000})
-    for (int64_t chunk : {1, 256, 1000}) {
+    for (int64_t chunk :
+         {int64_t{1}, int64_t{256}, int64_t{1000}, (int64_t{1} << 26) + 1, int64_t{1} << 40}) {
       const SplitPlan p = plan_chunks(DType::kBF16, 3, 2, 2, 1, len, chunk);
-      EXPECT_EQ(p.chunk, chunk);
+      EXPECT_EQ(p.chunk, std::min(chunk, len));
       EXPECT_EQ(p.splits, (len + chunk - 1) / chunk);
+      EXPECT_TRUE(slot_offsets_fit(p.chunk, 64) || len > max_split_slots(64));
     }
 }
 

@@ -591,10 +591,8 @@ int64_t wave_slots(Executor& e, DType t, int64_t group) {
   const int rows = gpu::split_rows(t, group, 1).rows_tpl;
   const auto dim = static_cast<int>(Llama::kDim);
   int blocks = 0;
-  cudaError_t err = cudaErrorInvalidValue;
-  if (t == DType::kBF16) err = gpu::decode_occupancy_bf16(dim, rows, &blocks);
-  if (t == DType::kFP8) err = gpu::decode_occupancy_fp8(dim, rows, &blocks);
-  if (t == DType::kInt8) err = gpu::decode_occupancy_int8(dim, rows, &blocks);
+  const auto occupancy = gpu::decode_entry(t).occupancy;
+  const cudaError_t err = occupancy ? occupancy(dim, rows, &blocks) : cudaErrorInvalidValue;
   if (!info.is_ok() || err != cudaSuccess) return 0;
   return static_cast<int64_t>(info->sm_count) * blocks;
 }
@@ -621,12 +619,16 @@ void run_probes(void* stream, Report& rep) {
 // (gpu_check_device.hpp): bf16 values, or fp8 / int8 codes with their scales.
 struct BandwidthCache {
   static constexpr int64_t kBatch = 16;
-  DType dtype = DType::kBF16;
+  DType dtype = DType::kBF16;  // what K and V hold: allocate's, or fill's of the same size
   int64_t cap = 0;
   Buffer k, v, ks, vs;
 
-  // The largest capacity up to max_tokens (halving, down to 64k) whose K and V fit.
-  Status allocate(Executor& e, int64_t max_tokens) {
+  // The largest capacity up to max_tokens (halving, down to 64k) whose K and V (and, for 8-bit
+  // K/V, the scales) of dtype t fit.
+  Status allocate(Executor& e, DType t, int64_t max_tokens) {
+    dtype = t;
+    ks = Buffer();
+    vs = Buffer();
     const auto codes = [&](int64_t c) {
       return static_cast<std::size_t>(kBatch * Llama::kKvHeads * c * Llama::kDim) *
              dtype_size(dtype);
@@ -653,8 +655,15 @@ struct BandwidthCache {
     }
     return Status(Code::kOutOfMemory, "not even 64k tokens x 16 rows fit");
   }
-  // Fills K and V (and the scales) as dtype `t`, which takes no more bytes than the allocation's.
+  // Fills K and V (and the scales) as dtype `t`: one of the allocation's element size, with
+  // scales where t has them (fp8 and int8 share one allocation).
   Status fill(void* stream, DType t) {
+    if ((t != DType::kBF16 && !dtype_is_quantized(t)) || dtype_size(t) != dtype_size(dtype) ||
+        (dtype_is_quantized(t) && (ks.data() == nullptr || vs.data() == nullptr)))
+      return invalid_argument(
+          "bandwidth cache: cannot fill an allocation of " + std::string(dtype_name(dtype)) +
+          " with " + std::string(dtype_name(t)) +
+          " (bf16, fp8 or int8 of the allocation's element size, with scales for 8-bit)");
     dtype = t;
     const auto elems = static_cast<std::size_t>(kBatch * Llama::kKvHeads * cap * Llama::kDim);
     if (t == DType::kBF16) {
@@ -769,8 +778,10 @@ void time_shape(Executor& e, Report& rep, void* stream, const BandwidthCache& ca
                            (dtype_is_quantized(cache.dtype) ? sizeof(float) : 0);
   row.kv_bytes = static_cast<double>(batch * Hkv * n) * per_token * 2;
   // The executor's plan: splits sized to the device's wave (SMs x resident blocks).
-  const gpu::SplitPlan plan = gpu::plan_decode(cache.dtype, batch, Hkv, H / Hkv, 1, n, 0,
-                                               wave_slots(e, cache.dtype, H / Hkv));
+  const gpu::SplitPlan plan = gpu::plan_decode(
+      cache.dtype, batch, Hkv, H / Hkv, 1, n, 0, wave_slots(e, cache.dtype, H / Hkv),
+      std::min(gpu::max_split_slots(view.stride_token),
+               gpu::max_split_slots(view.scale_stride_token)));
   row.splits = plan.splits;
   row.chunk = plan.chunk;
   auto partial = [&] {
@@ -866,8 +877,7 @@ bool bandwidth_setup(Executor& e, Report& rep, void* stream, int64_t max_tokens,
                      BandwidthCache& cache, BandwidthIo& io) {
   Dev dev{e};
   run_probes(stream, rep);
-  cache.dtype = dtype;
-  Status s = cache.allocate(e, max_tokens);
+  Status s = cache.allocate(e, dtype, max_tokens);
   if (s.is_ok() && cache.cap < max_tokens)
     rep.notes.push_back("bandwidth (" + std::string(dtype_name(dtype)) + "): tokens limited to " +
                         std::to_string(cache.cap) + " by memory");

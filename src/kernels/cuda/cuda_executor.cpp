@@ -49,41 +49,6 @@ int env_local_rank() {
   return 0;
 }
 
-using LaunchFn = cudaError_t (*)(int, int, const gpu::DecodeParams&, int64_t, cudaStream_t);
-using OccupancyFn = cudaError_t (*)(int, int, int*);
-
-LaunchFn launcher_for(DType t) {
-  switch (t) {
-    case DType::kF32:
-      return gpu::launch_decode_f32;
-    case DType::kF16:
-      return gpu::launch_decode_f16;
-    case DType::kBF16:
-      return gpu::launch_decode_bf16;
-    case DType::kFP8:
-      return gpu::launch_decode_fp8;
-    case DType::kInt8:
-      return gpu::launch_decode_int8;
-  }
-  return nullptr;
-}
-
-OccupancyFn occupancy_for(DType t) {
-  switch (t) {
-    case DType::kF32:
-      return gpu::decode_occupancy_f32;
-    case DType::kF16:
-      return gpu::decode_occupancy_f16;
-    case DType::kBF16:
-      return gpu::decode_occupancy_bf16;
-    case DType::kFP8:
-      return gpu::decode_occupancy_fp8;
-    case DType::kInt8:
-      return gpu::decode_occupancy_int8;
-  }
-  return nullptr;
-}
-
 constexpr DType kCudaDtypes[] = {DType::kF32, DType::kF16, DType::kBF16, DType::kFP8, DType::kInt8};
 constexpr int kRowTemplates[] = {1, 2, 4, 8};
 constexpr std::size_t kNumHeadDims = std::size(gpu::kCudaHeadDims);
@@ -175,10 +140,12 @@ class CudaExecutor final : public Executor {
           std::max(max_visible, gpu::visible_count(kv.len[b], kv.pos_start[b], kv.total_len[b],
                                                    kv.pos_stride, shape.q_len, shape.q_len - 1));
     const gpu::RowSplit rows = gpu::split_rows(kv.dtype, shape.group(), shape.q_len);
-    const gpu::SplitPlan plan = gpu::plan_decode(
-        kv.dtype, shape.batch, shape.kv_heads, shape.group(), shape.q_len, max_visible,
-        options.chunk_tokens, wave_slots(kv.dtype, shape.head_dim, rows.rows_tpl));
-    TREEATTN_RETURN_IF_ERROR(check_split_slots(kv, plan.chunk, "partial"));
+    const gpu::SplitPlan plan =
+        gpu::plan_decode(kv.dtype, shape.batch, shape.kv_heads, shape.group(), shape.q_len,
+                         max_visible, options.chunk_tokens,
+                         wave_slots(kv.dtype, shape.head_dim, rows.rows_tpl), max_split_slots(kv));
+    // With no visible slot the kernel addresses none (and nothing checked the strides).
+    if (max_visible > 0) TREEATTN_RETURN_IF_ERROR(check_split_slots(kv, plan.chunk, "partial"));
     const int64_t rec_floats = shape.head_dim + 2;
     const int64_t records = shape.batch * shape.q_len * shape.heads;
     if (plan.splits == 1)  // the block's record is the final state
@@ -380,7 +347,7 @@ class CudaExecutor final : public Executor {
         std::end(gpu::kCudaHeadDims))
       return unsupported(where + "head_dim " + std::to_string(shape.head_dim) +
                          " has no CUDA kernel (supported: " + supported_cuda_head_dims() + ")");
-    if (launcher_for(kv.dtype) == nullptr)
+    if (gpu::decode_entry(kv.dtype).launch == nullptr)
       return unsupported(where + "KV dtype " + std::string(dtype_name(kv.dtype)) +
                          " has no CUDA kernel");
     if (kv.memory != MemorySpace::kDevice)
@@ -414,14 +381,20 @@ class CudaExecutor final : public Executor {
   }
 
   // The kernel reaches a split's slots by 32-bit offsets from its first (decode_geometry.hpp):
-  // a split of `chunk` slots must fit, for K/V and for the scales.
+  // the most slots a split may span at the shard's K/V and scale token strides.
+  static int64_t max_split_slots(const KVShard& kv) {
+    const int64_t kv_most = gpu::max_split_slots(kv.stride_token);
+    if (!dtype_is_quantized(kv.dtype)) return kv_most;
+    return std::min(kv_most, gpu::max_split_slots(kv.scale_stride_token));
+  }
+  // A split of `chunk` slots must fit, for K/V and for the scales.
   Status check_split_slots(const KVShard& kv, int64_t chunk, const char* op) const {
     const bool scales = dtype_is_quantized(kv.dtype);
     if (gpu::slot_offsets_fit(chunk, kv.stride_token) &&
         (!scales || gpu::slot_offsets_fit(chunk, kv.scale_stride_token)))
       return Status::ok();
     const int64_t stride = std::max(kv.stride_token, scales ? kv.scale_stride_token : 0);
-    const int64_t most = std::min(gpu::kMaxSplitSlots, gpu::kMaxSlotOffset / stride + 1);
+    const int64_t most = max_split_slots(kv);  // no division: 0 for a negative stride
     return unsupported(who_ + ": " + op + ": a split of " + std::to_string(chunk) +
                        " token slots at a token stride of " + std::to_string(stride) +
                        " elements is past the kernel's 32-bit slot offsets (at most " +
@@ -466,7 +439,7 @@ class CudaExecutor final : public Executor {
     p.group = shape.group();
     p.q_len = shape.q_len;
     p.qscale = static_cast<float>(static_cast<double>(scale) * kLog2e);
-    const LaunchFn fn = launcher_for(kv.dtype);
+    const auto fn = gpu::decode_entry(kv.dtype).launch;
     for (int64_t b0 = 0; b0 < shape.batch; b0 += gpu::kMaxBatchPerLaunch) {
       const int64_t nb = std::min<int64_t>(gpu::kMaxBatchPerLaunch, shape.batch - b0);
       p.b0 = b0;
@@ -506,7 +479,8 @@ class CudaExecutor final : public Executor {
       for (std::size_t d = 0; d < kNumHeadDims; ++d)
         for (std::size_t r = 0; r < std::size(kRowTemplates); ++r) {
           int n = 0;
-          if (occupancy_for(t)(gpu::kCudaHeadDims[d], kRowTemplates[r], &n) != cudaSuccess) {
+          if (gpu::decode_entry(t).occupancy(gpu::kCudaHeadDims[d], kRowTemplates[r], &n) !=
+              cudaSuccess) {
             (void)cudaGetLastError();
             n = 0;
           }

@@ -46,7 +46,8 @@ struct DecodeParams {
 };
 
 // One launch of blocks thread blocks of kDecodeThreads threads; head_dim in kCudaHeadDims and
-// rows_tpl in {1, 2, 4, 8}, else cudaErrorInvalidValue (also for a merge without tickets).
+// rows_tpl in {1, 2, 4, 8} (8-bit K/V: {1, 2, 4}, max_rows_per_cta), else cudaErrorInvalidValue
+// (also for a merge without tickets).
 cudaError_t launch_decode_f32(int head_dim, int rows_tpl, const DecodeParams& p, int64_t blocks,
                               cudaStream_t stream);
 cudaError_t launch_decode_f16(int head_dim, int rows_tpl, const DecodeParams& p, int64_t blocks,
@@ -65,6 +66,29 @@ cudaError_t decode_occupancy_f16(int head_dim, int rows_tpl, int* blocks_per_sm)
 cudaError_t decode_occupancy_bf16(int head_dim, int rows_tpl, int* blocks_per_sm);
 cudaError_t decode_occupancy_fp8(int head_dim, int rows_tpl, int* blocks_per_sm);
 cudaError_t decode_occupancy_int8(int head_dim, int rows_tpl, int* blocks_per_sm);
+
+// The launcher and the occupancy query of K/V dtype t ({nullptr, nullptr} for a dtype without a
+// kernel).
+struct DecodeEntry {
+  cudaError_t (*launch)(int head_dim, int rows_tpl, const DecodeParams& p, int64_t blocks,
+                        cudaStream_t stream) = nullptr;
+  cudaError_t (*occupancy)(int head_dim, int rows_tpl, int* blocks_per_sm) = nullptr;
+};
+inline DecodeEntry decode_entry(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return {launch_decode_f32, decode_occupancy_f32};
+    case DType::kF16:
+      return {launch_decode_f16, decode_occupancy_f16};
+    case DType::kBF16:
+      return {launch_decode_bf16, decode_occupancy_bf16};
+    case DType::kFP8:
+      return {launch_decode_fp8, decode_occupancy_fp8};
+    case DType::kInt8:
+      return {launch_decode_int8, decode_occupancy_int8};
+  }
+  return {};
+}
 
 // ---- state records (state.hpp), one warp per record (state_kernels.cu) --------------------------
 // out[i] <- (init ? init[i] : empty) (+) parts[0][i] (+) ... (+) parts[count-1][i], part k at

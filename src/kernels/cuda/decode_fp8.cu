@@ -1,5 +1,5 @@
-// The split-KV decode kernel instances for fp8 K/V (head dims 64 and 128, 1/2/4/8 rows per block):
-// one file per dtype so that the instances compile in parallel.
+// The split-KV decode kernel instances for fp8 K/V (head dims 64 and 128, 1/2/4 rows per block:
+// max_rows_per_cta): one file per dtype so that the instances compile in parallel.
 #include "kernels/cuda/decode_kernel.cuh"
 
 namespace treeattn::gpu {

@@ -93,6 +93,17 @@ inline constexpr int kCudaHeadDims[] = {64, 128};
 
 // fp8 and int8 K/V: one byte a code, a float scale per (token, KV head) for K and for V.
 TREEATTN_HD constexpr bool kv_8bit(DType t) { return t == DType::kFP8 || t == DType::kInt8; }
+#if !defined(__CUDA_ARCH__)
+static_assert(kv_8bit(DType::kF32) == dtype_is_quantized(DType::kF32) &&
+                  kv_8bit(DType::kF16) == dtype_is_quantized(DType::kF16) &&
+                  kv_8bit(DType::kBF16) == dtype_is_quantized(DType::kBF16) &&
+                  kv_8bit(DType::kFP8) == dtype_is_quantized(DType::kFP8) &&
+                  kv_8bit(DType::kInt8) == dtype_is_quantized(DType::kInt8),
+              "kv_8bit is dtype_is_quantized (dtype.hpp) in host-and-device form");
+#endif
+
+// Whether x is a power of 2 (x > 0).
+TREEATTN_HD constexpr bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
 
 // Every lane loads kVecBytes of one token per tensor: 4 elements of f32, 8 of f16 / bf16 and 16
 // consecutive codes of fp8 / int8.
@@ -100,6 +111,11 @@ inline constexpr int kVecBytes = 16;
 TREEATTN_HD constexpr int elem_bytes(DType t) { return t == DType::kF32 ? 4 : kv_8bit(t) ? 1 : 2; }
 TREEATTN_HD constexpr int vec_elems(DType t) { return kVecBytes / elem_bytes(t); }
 TREEATTN_HD constexpr int vec_bytes(DType t) { return vec_elems(t) * elem_bytes(t); }
+static_assert(vec_bytes(DType::kF32) == kVecBytes && vec_bytes(DType::kF16) == kVecBytes &&
+              vec_bytes(DType::kBF16) == kVecBytes && vec_bytes(DType::kFP8) == kVecBytes &&
+              vec_bytes(DType::kInt8) == kVecBytes);
+static_assert(vec_elems(DType::kFP8) == 16 && vec_elems(DType::kInt8) == 16,
+              "8-bit K/V: 16 consecutive codes a lane");
 TREEATTN_HD constexpr int lanes_per_token(DType t, int head_dim) { return head_dim / vec_elems(t); }
 TREEATTN_HD constexpr int tokens_per_warp(DType t, int head_dim) {
   return kWarpSize / lanes_per_token(t, head_dim);
@@ -111,12 +127,15 @@ TREEATTN_HD constexpr int token_groups(DType t, int head_dim) {
 // The most query rows one CTA serves: 8, and 4 for 8-bit K/V, whose lanes hold 16 elements of q
 // and of the accumulators per row (8 rows would take 256 registers for those alone).
 TREEATTN_HD constexpr int max_rows_per_cta(DType t) { return kv_8bit(t) ? 4 : kMaxRowsPerCta; }
+static_assert(max_rows_per_cta(DType::kF32) <= kMaxRowsPerCta &&
+              max_rows_per_cta(DType::kF16) <= kMaxRowsPerCta &&
+              max_rows_per_cta(DType::kBF16) <= kMaxRowsPerCta &&
+              max_rows_per_cta(DType::kFP8) <= kMaxRowsPerCta &&
+              max_rows_per_cta(DType::kInt8) <= kMaxRowsPerCta);
 // Tokens each group loads per loop iteration (more loads in flight; fewer for 8 rows, whose
-// registers are the limit). The loads of the next iteration are issued before this one's math
-// (two sets of U loads in registers).
-TREEATTN_HD constexpr int unroll_tokens(DType t, int rows_tpl) {
-  return kv_8bit(t) ? 4 : rows_tpl >= 8 ? 2 : 4;
-}
+// registers are the limit; 8-bit K/V never has more than 4 rows). The loads of the next iteration
+// are issued before this one's math (two sets of U loads in registers).
+TREEATTN_HD constexpr int unroll_tokens(int rows_tpl) { return rows_tpl >= 8 ? 2 : 4; }
 
 // __launch_bounds__'s minimum of resident blocks per SM (kDecodeThreads threads each), which caps
 // the registers per thread at 65536 / (blocks * kDecodeThreads): 128 at 4 blocks, 170 at 3, 255
@@ -161,8 +180,7 @@ TREEATTN_HD constexpr int scale_reg(int s, int lpt) { return s / lpt; }
 // Whether that works: powers of 2, and every K scale in register 0 (U <= LPT: the K scale of a
 // lane's held value, whose load index is not a compile-time constant, comes from register 0).
 TREEATTN_HD constexpr bool scales_valid(int u_count, int lpt) {
-  const auto pow2 = [](int x) { return x > 0 && (x & (x - 1)) == 0; };
-  return pow2(u_count) && pow2(lpt) && u_count <= lpt;
+  return is_pow2(u_count) && is_pow2(lpt) && u_count <= lpt;
 }
 
 // ---- query rows ------------------------------------------------------------------------------
@@ -292,13 +310,21 @@ TREEATTN_HD constexpr int local_limit(int64_t limit, int64_t t0, int n) {
 // the split's slots by 32-bit offsets from there: local slot j is j * stride elements (or floats
 // of scales) on. That holds for every slot of a split of `chunk` slots when (chunk - 1) * stride
 // < 2^32, and keeps local slot arithmetic (up to chunk plus two iterations' steps) inside int32
-// for chunk <= kMaxSplitSlots. The executor checks it where it makes the plan and refuses a split
-// that does not fit (slot_offsets_fit).
+// for chunk <= kMaxSplitSlots. max_split_slots is the largest such chunk at a stride; the planner
+// keeps its automatic splits within it, and the executor refuses a plan whose split does not fit
+// (slot_offsets_fit).
 inline constexpr int64_t kMaxSplitSlots = int64_t{1} << 30;
 inline constexpr int64_t kMaxSlotOffset = 0xffffffffLL;
+// The most slots a split may span at a token stride of `stride` elements (or floats of scales);
+// a negative stride reaches no slot (0).
+TREEATTN_HD constexpr int64_t max_split_slots(int64_t stride) {
+  if (stride < 0) return 0;
+  if (stride == 0) return kMaxSplitSlots;
+  const int64_t n = kMaxSlotOffset / stride + 1;
+  return n < kMaxSplitSlots ? n : kMaxSplitSlots;
+}
 TREEATTN_HD constexpr bool slot_offsets_fit(int64_t chunk, int64_t stride) {
-  if (chunk < 1 || chunk > kMaxSplitSlots || stride < 0) return false;
-  return stride == 0 || chunk - 1 <= kMaxSlotOffset / stride;
+  return chunk >= 1 && chunk <= max_split_slots(stride);
 }
 TREEATTN_HD constexpr uint32_t slot_offset(int j, uint32_t stride) {
   return static_cast<uint32_t>(j) * stride;
@@ -344,8 +370,7 @@ TREEATTN_HD constexpr int rs_row_lanes(int u_count, int n, int lpt) {
 // Whether the reduce-scatter's assumptions hold: powers of 2, P dividing U.
 TREEATTN_HD constexpr bool rs_valid(int u_count, int rows, int lpt) {
   const int n = u_count * rows;
-  const auto pow2 = [](int x) { return x > 0 && (x & (x - 1)) == 0; };
-  return pow2(u_count) && pow2(rows) && pow2(lpt) && u_count % rs_per_lane(n, lpt) == 0;
+  return is_pow2(u_count) && is_pow2(rows) && is_pow2(lpt) && u_count % rs_per_lane(n, lpt) == 0;
 }
 
 // The reduce-scatter itself. xor_fn(x, off) returns the value x of sub-lane t ^ off at the same
@@ -401,9 +426,13 @@ inline double wave_fill(int64_t blocks, int64_t wave_slots) {
 // resident blocks of the instance) picks, among the split counts up to kMaxWaves waves' worth of
 // blocks (and up to the count without a wave), the one whose blocks fill their last wave best (the
 // fewest splits on a tie); 0 without a wave aims at kTargetCtas blocks. Either way splits are at
-// least kMinSplitTokens slots, a multiple of kSplitAlign, at most kMaxSplits of them.
+// least kMinSplitTokens slots, a multiple of kSplitAlign, at most kMaxSplits of them, and at most
+// max_chunk slots (max_split_slots of the shard's strides: where that is below kMinSplitTokens
+// the splits are shorter, and more than kMaxSplits where the slots need them). A chunk_tokens of
+// max_visible or more plans one split of max_visible slots (the kernel reads no slot past it).
 inline SplitPlan plan_decode(DType t, int64_t batch, int64_t kv_heads, int64_t group, int64_t q_len,
-                             int64_t max_visible, int64_t chunk_tokens, int64_t wave_slots = 0) {
+                             int64_t max_visible, int64_t chunk_tokens, int64_t wave_slots = 0,
+                             int64_t max_chunk = kMaxSplitSlots) {
   SplitPlan p;
   p.rows = split_rows(t, group, q_len);
   p.launches = ceil_div(batch, kMaxBatchPerLaunch);
@@ -418,14 +447,18 @@ inline SplitPlan plan_decode(DType t, int64_t batch, int64_t kv_heads, int64_t g
     if (want < 1) want = 1;
     int64_t chunk = ceil_div(ceil_div(max_visible, want), kSplitAlign) * kSplitAlign;
     if (chunk < kMinSplitTokens) chunk = kMinSplitTokens;
+    if (chunk > max_chunk)
+      chunk = max_chunk >= kSplitAlign ? max_chunk / kSplitAlign * kSplitAlign
+              : max_chunk > 1          ? max_chunk
+                                       : 1;
     return chunk;
   };
   if (max_visible <= 0) {
     p.chunk = 1;
     p.splits = 1;
   } else if (chunk_tokens > 0) {
-    p.chunk = chunk_tokens;
-    p.splits = ceil_div(max_visible, chunk_tokens);
+    p.chunk = chunk_tokens < max_visible ? chunk_tokens : max_visible;
+    p.splits = ceil_div(max_visible, p.chunk);
   } else if (wave_slots > 0) {
     double best = -1.0;
     // Up to kMaxWaves waves, and at least as many splits as the device-independent plan.
@@ -451,14 +484,15 @@ inline SplitPlan plan_decode(DType t, int64_t batch, int64_t kv_heads, int64_t g
 }
 
 // The plan of partial_chunks: one split per chunk of chunk_tokens slots, ceil(max len / chunk)
-// of them (the executor contract counts chunks by length, not by visibility).
+// of them (the executor contract counts chunks by length, not by visibility); a chunk_tokens past
+// max_len is one split of max_len slots.
 inline SplitPlan plan_chunks(DType t, int64_t batch, int64_t kv_heads, int64_t group, int64_t q_len,
                              int64_t max_len, int64_t chunk_tokens) {
   SplitPlan p;
   p.rows = split_rows(t, group, q_len);
   p.launches = ceil_div(batch, kMaxBatchPerLaunch);
-  p.chunk = chunk_tokens;
-  p.splits = ceil_div(max_len, chunk_tokens);
+  p.chunk = chunk_tokens < max_len ? chunk_tokens : max_len;
+  p.splits = ceil_div(max_len, p.chunk);
   p.blocks_per_batch_row = p.splits * p.rows.row_groups * kv_heads;
   return p;
 }

@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks_per_sm(T, ROWS))
   constexpr int LPT = lanes_per_token(T, D);
   constexpr int TPW = tokens_per_warp(T, D);
   constexpr int NG = token_groups(T, D);
-  constexpr int U = unroll_tokens(T, ROWS);
+  constexpr int U = unroll_tokens(ROWS);
   constexpr int N = U * ROWS;                  // (token, row) values per lane and iteration
   constexpr int P = rs_per_lane(N, LPT);       // whole logits a lane holds after rs_reduce
   constexpr int RL = rs_row_lanes(U, N, LPT);  // lanes holding one row's values
@@ -257,6 +257,8 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks_per_sm(T, ROWS))
   static_assert(rs_valid(U, ROWS, LPT), "the reduce-scatter needs powers of 2 and P | U");
   constexpr bool kQuant = kv_8bit(T);
   static_assert(!kQuant || scales_valid(U, LPT), "a token's lanes cannot hold its scales");
+  static_assert(!kQuant || scale_reg(k_scale_index(U - 1), LPT) == 0,
+                "every K scale is in register 0 of its lane");
   constexpr int SL = kQuant ? scale_loads_per_lane(U, LPT) : 1;  // scale registers of a set
   constexpr int kStep = cta_slot_step(NG, U);
   constexpr int kSpan = warp_span(TPW, U, NG);
@@ -357,16 +359,12 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks_per_sm(T, ROWS))
     for (int u = 0; u < U; ++u) {
       const int j = lane_slot(wl, role.token_slot, u, NG);
       const uint32_t o = slot_offset(j, stride);
-      if (guarded) {
-        kr[u] = V::zero();
-        vr[u] = V::zero();
-        if (j < n1) {
-          kr[u] = __ldg(reinterpret_cast<const Raw*>(kbase + o));
-          vr[u] = __ldg(reinterpret_cast<const Raw*>(vbase + o));
-        }
-      } else {
+      if (!guarded || j < n1) {
         kr[u] = __ldg(reinterpret_cast<const Raw*>(kbase + o));
         vr[u] = __ldg(reinterpret_cast<const Raw*>(vbase + o));
+      } else {
+        kr[u] = V::zero();
+        vr[u] = V::zero();
       }
     }
 #pragma unroll
@@ -406,8 +404,7 @@ __global__ void __launch_bounds__(kDecodeThreads, min_blocks_per_sm(T, ROWS))
     for (int i = 0; i < P; ++i) {
       float s = a[i];
       if constexpr (kQuant)  // the K scale of the value's token, from the lane that loaded it
-        s *= __shfl_sync(kFull, sc[scale_reg(k_scale_index(0), LPT)],
-                         scale_lane(k_scale_index(held_load[i]), LPT), LPT);
+        s *= __shfl_sync(kFull, sc[0], scale_lane(k_scale_index(held_load[i]), LPT), LPT);
       bool seen = held_live;
       if (guarded) seen = lane_slot(wl, role.token_slot, held_load[i], NG) < held_lim;
       x[i] = seen ? s : kNegInfF;
