@@ -67,7 +67,8 @@ void BM_Decode(benchmark::State& st) {
 void decode_args(benchmark::internal::Benchmark* b) {
   for (Isa isa : {Isa::kReference, Isa::kGeneric, Isa::kAvx2, Isa::kAvx512})
     for (DType t : {DType::kF32, DType::kBF16, DType::kF16})
-      for (int64_t n : {1024, 4096, 65536}) {  // 1024: in L3 (4-8 MiB), the kernel's compute
+      // 256: in L2 (1-2 MiB), the kernel's compute; 1024: in L3 (4-8 MiB); 65536: DRAM
+      for (int64_t n : {256, 1024, 4096, 65536}) {
         if (isa == Isa::kReference && n > 4096) continue;
         b->Args({static_cast<int64_t>(isa), static_cast<int64_t>(t), n, 1, 1});
       }

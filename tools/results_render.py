@@ -155,11 +155,11 @@ def section_main(work):
 
 def section_kernel(work):
     j = load(work, "kernel.json")
-    s = ("## Kernel roofline\n\n`treeattn bench --kernel`: kernel GB/s over the read-bandwidth "
-         "probe of the same round (`frac`, median over rounds); the fastest round over the "
-         "fastest probe pass of the thread count in the run (`f_best`), with that probe's "
-         "spread over the run; and over the tighter of the bandwidth and FMA bounds "
-         "(`of bound`). The CPU kernels run with this machine's kernel tuning.\n\n")
+    s = ("## Kernel roofline\n\n`treeattn bench --kernel`: kernel GB/s over a streaming read "
+         "of the same bytes by the same threads right before it (`probe GB/s`; `frac`, median "
+         "over rounds); the fastest round over that probe's fastest pass (`f_best`), with the "
+         "probe's spread; and over the tighter of the bandwidth and FMA bounds (`of bound`). "
+         "The CPU kernels run with this machine's kernel tuning.\n\n")
     if not j:
         return s + not_run(work, "kernel")
     s += ("| case | dtype | ISA | layout | threads | GB/s | probe GB/s | frac | f_best | probe "

@@ -145,6 +145,7 @@ class TiledKVCache {
   int64_t tile_tokens() const { return tile_; }
   int64_t capacity() const { return tiles_ * tile_; }  // token slots per (row, head)
   std::size_t bytes() const { return bytes_; }           // everything allocated
+  const uint8_t* data() const { return mem_.get(); }    // its first byte (null when empty)
 
   // Writes slot t of (b, h) from head_dim floats each, narrowed (f16/bf16, round to nearest
   // even) or quantized with a per-token scale (fp8/int8, quantize_token() in dtype.hpp) exactly

@@ -12,14 +12,17 @@
 // the caller's [batch][kv_heads][tokens][head_dim] read by decode_partial(), and "tiled", the
 // library-owned tile layout of kv_tiles.hpp read by decode_partial_tiled() (one record per
 // tile configuration asked for). Within a case the timed runs of every layout alternate, and
-// with probe_each_repeat the bandwidth probe runs before each round (the faster of two passes),
-// so the machine's load drifts equally over all of them; fraction_of_bandwidth is then the
-// median over rounds of (kernel GB/s / probe GB/s of that round), bandwidth_gbps the median
-// probe; fraction_best the fastest kernel round over the fastest probe pass of the thread count
-// in the run, with the probe's spread beside it.
+// with probe_each_repeat each run follows its bandwidth probe (the faster of two passes), so the
+// machine's load drifts equally over all of them; fraction_of_bandwidth is then the median over
+// rounds of (kernel GB/s / probe GB/s of that round), bandwidth_gbps the median probe;
+// fraction_best the fastest kernel round over the fastest probe pass, with the probe's spread
+// beside it.
 //
-//   bandwidth:  streaming read of a buffer much larger than the caches (default 1 GiB),
-//               every thread reading its own contiguous part, median of repeats.
+//   bandwidth:  streaming read of the very bytes the layout's kernel reads (the case's K and V
+//               and scales, or its tiled copy), their concatenation split into one contiguous
+//               part per thread: the same pages, so where the system placed them counts on
+//               both sides of a fraction (two allocations of the same size stream at rates a
+//               third apart on the development VM).
 //   peak:       independent FMA chains in registers with the kernel's ISA, median of repeats.
 //   kv_bytes:   bytes of K and V the kernel must read (tokens * kv_heads * head_dim * 2 *
 //               dtype size, summed over the batch; for fp8/int8 plus the per-token scales
@@ -60,7 +63,8 @@ struct RooflineOptions {
   int repeats = 5;                          // timed runs per measurement (median)
   Isa isa = Isa::kAuto;
   int64_t chunk_tokens = 0;                 // 0 = the kernel's default
-  int64_t probe_bytes = int64_t{1} << 30;   // bandwidth probe buffer
+  int64_t probe_bytes = int64_t{1} << 30;   // run_roofline_on's copy probe (the host probe
+                                            // reads each case's own bytes)
   bool peer = true;                         // also time the OpenBLAS peer (f32 only)
   bool check = true;                        // compare one output row set with the reference
   bool rows = true;                         // time the caller's row layout (decode_partial)
@@ -85,16 +89,16 @@ struct RooflineRecord {
   double gbps = 0;              // kv_bytes / seconds / 1e9
   double bandwidth_gbps = 0;    // measured by the probe with the same threads (median)
   double fraction_of_bandwidth = 0;  // median over rounds of gbps / probe (see above)
-  // Best of the rounds: the fastest kernel run over the fastest probe pass of this thread count
-  // in the whole run (every case's rounds), so that the probe figure a fraction divides by is
-  // the same for every case of the run, whichever other cases share it. On a machine shared with
+  // Best of the rounds: the fastest kernel run over the fastest pass of its own probe (the same
+  // bytes, so the same figure whichever other cases share the run). On a machine shared with
   // other work the medians carry the interference; the best rounds show what the kernel does
   // when it has the cores and the memory to itself. probe_spread: (fastest - slowest) / fastest
-  // over those probe passes, how steady the probe was.
+  // over those probe passes, how steady the probe was; probe_bytes: what one pass read.
   double gbps_best = 0;
   double bandwidth_gbps_best = 0;
   double fraction_best = 0;
   double probe_spread = 0;
+  int64_t probe_bytes = 0;
   double flops = 0;
   double peak_gflops = 0;       // measured FMA peak with the same threads and ISA
   double compute_seconds = 0;   // flops / peak

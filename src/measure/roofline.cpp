@@ -186,6 +186,65 @@ class BandwidthProbe {
 };
 
 
+// The streaming-read probe over the very bytes a kernel reads (a case's K and V and scales, or
+// its tiled copy): their concatenation split into one contiguous part per thread, each part read
+// once by read_stream. The same pages as the kernel, so where the system placed them (which
+// differs between allocations by up to a third on the development VM) counts on both sides.
+// run() times one pass and returns GB/s of the bytes read (each piece rounded down to 512 bytes).
+class SpanProbe {
+ public:
+  SpanProbe(std::vector<std::span<const uint8_t>> spans, int threads)
+      : spans_(std::move(spans)),
+        threads_(resolve_threads(threads)),
+        read_(kernels::cpu::read_stream_for(probe_isa(Isa::kAuto))) {
+    std::size_t total = 0;
+    for (const auto& sp : spans_) total += sp.size();
+    per_thread_ = total / static_cast<std::size_t>(threads_) / 512 * 512;
+    for (int t = 0; t < threads_; ++t) bytes_ += pieces(t, nullptr);
+  }
+  bool usable() const { return read_ != nullptr && bytes_ > 0; }
+  std::size_t bytes() const { return bytes_; }
+
+  double run() {
+    float sum = 0;
+    const auto t0 = Clock::now();
+#pragma omp parallel num_threads(threads_) reduction(+ : sum)
+    {
+      float part = 0;
+      pieces(omp_get_thread_num(), &part);
+      sum += part;
+    }
+    const double s = seconds_since(t0);
+    sink_ = sink_ + sum;
+    return static_cast<double>(bytes_) / s / 1e9;
+  }
+
+ private:
+  // Bytes of thread t's part (read into *sum when sum is not null).
+  std::size_t pieces(int t, float* sum) const {
+    const std::size_t lo = static_cast<std::size_t>(t) * per_thread_, hi = lo + per_thread_;
+    std::size_t base = 0, n = 0;
+    for (const auto& sp : spans_) {
+      const std::size_t b = std::max(lo, base), e = std::min(hi, base + sp.size());
+      if (b < e) {
+        const std::size_t floats = (e - b) / 512 * 128;
+        if (sum != nullptr && floats > 0)
+          *sum += read_(reinterpret_cast<const float*>(sp.data() + (b - base)),
+                        static_cast<int64_t>(floats));
+        n += floats * 4;
+      }
+      base += sp.size();
+    }
+    return n;
+  }
+
+  std::vector<std::span<const uint8_t>> spans_;
+  int threads_;
+  kernels::cpu::ReadStreamFn read_;
+  std::size_t per_thread_ = 0, bytes_ = 0;
+  volatile float sink_ = 0;
+};
+
 // One case's cache and query on the host: K and V [batch][kv_heads][seq][head_dim] of random
 // values in the dtype (fp8/int8: codes, a scale per token, and the unquantized table), the query,
 // and every row's length (seq) and start (0).
@@ -293,8 +352,10 @@ RooflineRecord timed_record(const HostCase& h, int64_t kv_bytes, const std::vect
   rec.fraction_of_bandwidth = median(fractions);
   rec.gbps_best =
       static_cast<double>(rec.kv_bytes) / *std::min_element(seconds.begin(), seconds.end()) / 1e9;
-  rec.bandwidth_gbps_best = *std::max_element(probes.begin(), probes.end());
+  const auto [lo, hi] = std::minmax_element(probes.begin(), probes.end());
+  rec.bandwidth_gbps_best = *hi;
   rec.fraction_best = rec.gbps_best / rec.bandwidth_gbps_best;
+  rec.probe_spread = (*hi - *lo) / *hi;
   rec.flops = 4.0 * static_cast<double>(s.batch * s.heads * s.q_len) *
               static_cast<double>(h.seq) * static_cast<double>(s.head_dim);
   rec.memory_seconds = static_cast<double>(rec.kv_bytes) / (rec.bandwidth_gbps * 1e9);
@@ -449,23 +510,8 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
   std::vector<RooflineRecord> out;
   for (int threads_opt : options.threads) {
     const int T = resolve_threads(threads_opt);
-    Result<std::unique_ptr<BandwidthProbe>> probe = BandwidthProbe::create(T, options.probe_bytes);
-    if (!probe.is_ok()) return probe.status();
-    double bw_once = 0;  // without probe_each_repeat: one median for the thread count
-    if (!options.probe_each_repeat) {
-      std::vector<double> rates;
-      for (int r = 0; r < options.repeats + 1; ++r) {
-        const double g = probe.value()->run();
-        if (r > 0) rates.push_back(g);
-      }
-      bw_once = median(rates);
-    }
     Result<double> peak = measure_peak_gflops(T, isa, options.repeats);
     if (!peak.is_ok()) return peak.status();
-    // Every probe figure of this thread count in the run: the fastest is the run's probe for
-    // fraction_best, the same for every case (set once the cases are done, below).
-    std::vector<double> run_probes;
-    const std::size_t first_record = out.size();
 
     for (const RooflineCase& c : cases) {
       const AttnShape& s = c.shape;
@@ -482,20 +528,48 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
         opt.chunk_tokens = options.chunk_tokens;
 
         // The layouts timed for this case: rows, then each tiled configuration (same values).
+        // Each with the probe over its own bytes (SpanProbe) and that probe's figures.
         struct Variant {
           std::string layout;
           RooflineTiles tiles;
           TiledKVCache cache;
-          std::vector<double> seconds, fractions;
+          std::vector<double> seconds, fractions, probes;
+          double bw_once = 0;  // without probe_each_repeat: the probe's median, once
         };
         std::vector<Variant> variants;
-        if (options.rows) variants.push_back(Variant{"rows", {0, kKVTileLayout}, {}, {}, {}});
+        if (options.rows) variants.push_back(Variant{"rows", {0, kKVTileLayout}, {}, {}, {}, {}});
         for (const RooflineTiles& tc : options.tiles) {
           Result<TiledKVCache> tiled =
               TiledKVCache::copy_from(s, kv, 0, tc.layout, tc.tile_tokens);
           if (!tiled.is_ok()) return tiled.status();
-          variants.push_back(Variant{"tiled", tc, std::move(tiled).value(), {}, {}});
+          variants.push_back(Variant{"tiled", tc, std::move(tiled).value(), {}, {}, {}});
         }
+        std::vector<SpanProbe> own;
+        for (const Variant& v : variants) {
+          std::vector<std::span<const uint8_t>> spans;
+          if (v.layout == "rows") {
+            spans = {{h.k.data(), h.code_bytes()}, {h.v.data(), h.code_bytes()}};
+            if (h.quantized())
+              for (const std::vector<float>* sc : {&h.k_scale, &h.v_scale})
+                spans.emplace_back(reinterpret_cast<const uint8_t*>(sc->data()),
+                                   sc->size() * sizeof(float));
+          } else {
+            spans = {{v.cache.data(), v.cache.bytes()}};
+          }
+          own.emplace_back(std::move(spans), T);
+          if (!own.back().usable())
+            return internal_error("roofline: no read-stream probe for " + s.to_string() + " " +
+                                  std::string(dtype_name(t)) + " (" + v.layout + ")");
+        }
+        if (!options.probe_each_repeat)
+          for (std::size_t i = 0; i < variants.size(); ++i) {
+            std::vector<double> rates;
+            for (int r = 0; r < options.repeats + 1; ++r) {
+              const double g = own[i].run();
+              if (r > 0) rates.push_back(g);
+            }
+            variants[i].bw_once = median(rates);
+          }
         // Runs one layout on the first shape.batch rows, each with l[b] tokens from position 0.
         auto run_variant = [&](const Variant& v, const AttnShape& shape, std::span<const int64_t> l,
                                float* st) -> Status {
@@ -519,21 +593,18 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
           kernels::cpu::set_tiled_tuning(saved);
           return st_run;
         };
-        std::vector<double> probes;
         for (int r = 0; r < options.repeats + 1; ++r) {
-          // The faster of two passes: one pass disturbed by other work is not the machine's.
-          const double bw_r = options.probe_each_repeat
-                                  ? std::max(probe.value()->run(), probe.value()->run())
-                                  : bw_once;
-          if (r > 0) {
-            probes.push_back(bw_r);
-            run_probes.push_back(bw_r);
-          }
-          for (Variant& v : variants) {
+          for (std::size_t i = 0; i < variants.size(); ++i) {
+            Variant& v = variants[i];
+            // Its probe right before it, the faster of two passes: one pass disturbed by other
+            // work is not the machine's.
+            const double bw_r =
+                options.probe_each_repeat ? std::max(own[i].run(), own[i].run()) : v.bw_once;
             const auto t0 = Clock::now();
             TREEATTN_RETURN_IF_ERROR(run_variant(v, s, h.len, states.data()));
             const double sec = seconds_since(t0);
             if (r == 0) continue;  // warm-up round
+            v.probes.push_back(bw_r);
             v.seconds.push_back(sec);
             v.fractions.push_back(static_cast<double>(h.kv_bytes(v.layout == "tiled")) / sec / 1e9 /
                                   bw_r);
@@ -558,9 +629,11 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
 
         for (Variant& v : variants) {
           RooflineRecord rec =
-              timed_record(h, h.kv_bytes(v.layout == "tiled"), v.seconds, v.fractions, probes);
+              timed_record(h, h.kv_bytes(v.layout == "tiled"), v.seconds, v.fractions, v.probes);
           rec.isa = std::string(isa_name(isa));
           rec.layout = v.layout;
+          rec.probe_bytes =
+              static_cast<int64_t>(own[static_cast<std::size_t>(&v - variants.data())].bytes());
           if (v.layout == "tiled") {
             rec.tile_tokens = v.tiles.tile_tokens;
             rec.tile_layout = std::string(kv_tile_layout_name(v.tiles.layout));
@@ -589,14 +662,6 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
           }
           out.push_back(rec);
         }
-      }
-    }
-    if (!run_probes.empty()) {
-      const auto [lo, hi] = std::minmax_element(run_probes.begin(), run_probes.end());
-      for (std::size_t i = first_record; i < out.size(); ++i) {
-        out[i].bandwidth_gbps_best = *hi;
-        out[i].fraction_best = out[i].gbps_best / *hi;
-        out[i].probe_spread = (*hi - *lo) / *hi;
       }
     }
   }
@@ -691,6 +756,7 @@ Result<std::vector<RooflineRecord>> run_roofline_on(Executor& exec,
       RooflineRecord rec = timed_record(h, h.kv_bytes(), seconds, fractions, probes);
       rec.isa = std::string(exec.name());
       rec.layout = "rows";
+      rec.probe_bytes = 2 * options.probe_bytes;  // the copy's read and write
       rec.threads = 0;
       rec.peak_gflops = 0;  // not measured on the executor: the bandwidth bound
       rec.compute_seconds = 0;
@@ -774,6 +840,7 @@ std::string roofline_json(const std::vector<RooflineRecord>& records) {
          ", \"bandwidth_gbps_best\": " + num(r.bandwidth_gbps_best) +
          ", \"fraction_best\": " + num(r.fraction_best) +
          ", \"probe_spread\": " + num(r.probe_spread) +
+         ", \"probe_bytes\": " + std::to_string(r.probe_bytes) +
          ", \"flops\": " + num(r.flops) + ", \"peak_gflops\": " + num(r.peak_gflops) +
          ", \"compute_seconds\": " + num(r.compute_seconds) +
          ", \"memory_seconds\": " + num(r.memory_seconds) + ", \"bound\": \"" + r.bound +

@@ -29,5 +29,33 @@ TEST(RooflineProbes, FmaPeakRefusesATargetThisCpuCannotRunAndMeasuresTheOthers) 
   }
 }
 
+// The bandwidth each kernel run is compared with streams that layout's own bytes: the rows
+// layout's K, V (and scales) and the tiled copy, each pass reading all of them but the 512-byte
+// remainders of its pieces; the fields derived from the probe agree with each other.
+TEST(RooflineProbes, EachLayoutIsComparedWithAStreamOverItsOwnBytes) {
+  RooflineOptions o;
+  o.cases = {RooflineCase{AttnShape{1, 4, 2, 64, 1}, 4096}};
+  o.dtypes = {DType::kBF16, DType::kInt8};
+  o.threads = {1, 2};
+  o.repeats = 2;
+  o.peer = false;
+  auto recs = run_roofline(o);
+  ASSERT_TRUE(recs.is_ok()) << recs.status().to_string();
+  ASSERT_EQ(recs->size(), 8u);  // 2 thread counts x 2 dtypes x (rows, tiled)
+  for (const RooflineRecord& r : *recs) {
+    SCOPED_TRACE(r.dtype + " " + r.layout + " threads " + std::to_string(r.threads));
+    // At most 4 spans (K, V and two scale arrays), each thread losing under 512 bytes per span
+    // it reads and the split under 512 per thread.
+    const int64_t slack = 512 * (4 + 1) * r.threads;
+    EXPECT_LE(r.probe_bytes, r.kv_bytes + (r.layout == "tiled" ? 64 * 1024 : 0));
+    EXPECT_GE(r.probe_bytes, r.kv_bytes - slack);
+    EXPECT_GT(r.bandwidth_gbps, 0.0);
+    EXPECT_GE(r.bandwidth_gbps_best, r.bandwidth_gbps);
+    EXPECT_NEAR(r.fraction_best, r.gbps_best / r.bandwidth_gbps_best, 1e-12);
+    EXPECT_GE(r.probe_spread, 0.0);
+    EXPECT_LT(r.probe_spread, 1.0);
+  }
+}
+
 }  // namespace
 }  // namespace treeattn
