@@ -4,7 +4,7 @@
 //
 //   treeattn_roofline [--dtype f32,bf16,f16,fp8,int8] [--threads 0,1] [--repeats 5] [--isa auto]
 //                     [--seq N,...] [--batch B] [--q-len Q] [--heads H] [--kv-heads K]
-//                     [--head-dim D] [--chunk N] [--probe-mib 1024] [--probe-once]
+//                     [--head-dim D] [--chunk N] [--probe-once]
 //                     [--layouts rows,tiled] [--tile-tokens 16,32] [--tile-layout split,interleaved]
 //                     [--block-tiles 1,2,4] [--prefetch 0,4096] [--no-peer] [--no-check]
 //                     [--json FILE]
@@ -117,8 +117,6 @@ int main(int argc, char** argv) {
       q_len = std::atoll(next().c_str());
     } else if (a == "--chunk") {
       opt.chunk_tokens = std::atoll(next().c_str());
-    } else if (a == "--probe-mib") {
-      opt.probe_bytes = std::atoll(next().c_str()) << 20;
     } else if (a == "--no-peer") {
       opt.peer = false;
     } else if (a == "--json") {
