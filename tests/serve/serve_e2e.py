@@ -625,6 +625,11 @@ def check_dense_split(s):
         piece = so.recv(4096)
         got += piece
     check(b"data: " in got, "the stream under --dense split started", s)
+    # The first chunk can leave before the engine admits the request: wait until the metrics
+    # show it running, so that no_leaks cannot pass on a snapshot taken before the engine saw it.
+    deadline = time.time() + 30
+    while s.metrics()["treeattn_requests_running"] != 1 and time.time() < deadline:
+        time.sleep(0.05)
     so.close()
     m = no_leaks(s, "a client disconnected mid-stream under --dense split")
     gone = 'treeattn_requests_finished_total{reason="disconnected"}'
