@@ -131,65 +131,10 @@ std::string fmt(const char* f, double v) {
 }
 
 
-// The streaming-read probe: a buffer much larger than the caches, each thread reading its own
-// contiguous part (first touched by that thread). run() times one pass and returns GB/s.
-class BandwidthProbe {
- public:
-  static Result<std::unique_ptr<BandwidthProbe>> create(int threads, int64_t bytes) {
-    if (bytes < (int64_t{1} << 20))
-      return invalid_argument("bandwidth probe needs at least 1 MiB, got " + std::to_string(bytes));
-    auto p = std::unique_ptr<BandwidthProbe>(new BandwidthProbe(threads, bytes));
-    if (p->read_ == nullptr) return internal_error("no read-stream probe built for this CPU");
-    if (p->buf_.data() == nullptr)
-      return Status(Code::kOutOfMemory, "cannot allocate the probe buffer");
-    float* f = p->floats();
-    const std::size_t n = p->floats_per_thread_;
-#pragma omp parallel num_threads(p->threads_)
-    {
-      const std::size_t tid = static_cast<std::size_t>(omp_get_thread_num());
-      std::memset(f + tid * n, 0, n * 4);
-    }
-    return p;
-  }
-
-  double run() {
-    float sum = 0;
-    float* f = floats();
-    const std::size_t n = floats_per_thread_;
-    const kernels::cpu::ReadStreamFn read = read_;
-    const auto t0 = Clock::now();
-#pragma omp parallel num_threads(threads_) reduction(+ : sum)
-    {
-      const std::size_t tid = static_cast<std::size_t>(omp_get_thread_num());
-      sum += read(f + tid * n, static_cast<int64_t>(n));
-    }
-    const double s = seconds_since(t0);
-    sink_ = sink_ + sum;
-    return static_cast<double>(per_thread_) * threads_ / s / 1e9;
-  }
-
- private:
-  BandwidthProbe(int threads, int64_t bytes)
-      : threads_(resolve_threads(threads)),
-        per_thread_(bytes / threads_ / 512 * 512),  // whole 512-byte lines per thread
-        floats_per_thread_(static_cast<std::size_t>(per_thread_ / 4)),
-        read_(kernels::cpu::read_stream_for(probe_isa(Isa::kAuto))),
-        buf_(static_cast<std::size_t>(per_thread_) * static_cast<std::size_t>(threads_)) {}
-  float* floats() const { return reinterpret_cast<float*>(buf_.data()); }
-
-  int threads_;
-  int64_t per_thread_;
-  std::size_t floats_per_thread_;
-  kernels::cpu::ReadStreamFn read_;
-  AlignedBuffer buf_;
-  volatile float sink_ = 0;
-};
-
-
-// The streaming-read probe over the very bytes a kernel reads (a case's K and V and scales, or
-// its tiled copy): their concatenation split into one contiguous part per thread, each part read
-// once by read_stream. The same pages as the kernel, so where the system placed them (which
-// differs between allocations by up to a third on the development VM) counts on both sides.
+// The streaming-read probe over byte ranges: their concatenation split into one contiguous part
+// per thread, each part read once by read_stream. The roofline gives it the very bytes a kernel
+// reads (a case's K and V and scales, or its tiled copy), so that where the system placed those
+// pages counts on both sides of a fraction; measure_read_bandwidth a buffer of its own.
 // run() times one pass and returns GB/s of the bytes read (each piece rounded down to 512 bytes).
 class SpanProbe {
  public:
@@ -422,11 +367,20 @@ std::vector<RooflineCase> default_roofline_cases() {
 Result<double> measure_read_bandwidth(int threads, int64_t bytes, int repeats) {
   if (repeats < 1) return invalid_argument("repeats must be >= 1, got " + std::to_string(repeats));
   TREEATTN_RETURN_IF_ERROR(check_thread_count(threads));
-  Result<std::unique_ptr<BandwidthProbe>> probe = BandwidthProbe::create(threads, bytes);
-  if (!probe.is_ok()) return probe.status();
+  if (bytes < (int64_t{1} << 20))
+    return invalid_argument("bandwidth probe needs at least 1 MiB, got " + std::to_string(bytes));
+  // A buffer much larger than the caches, each thread's part first touched by that thread.
+  const int T = resolve_threads(threads);
+  const auto per = static_cast<std::size_t>(bytes / T / 512 * 512);
+  AlignedBuffer buf(per * static_cast<std::size_t>(T));
+  if (buf.data() == nullptr) return Status(Code::kOutOfMemory, "cannot allocate the probe buffer");
+#pragma omp parallel num_threads(T)
+  std::memset(buf.data() + static_cast<std::size_t>(omp_get_thread_num()) * per, 0, per);
+  SpanProbe probe({{buf.data(), buf.bytes}}, T);
+  if (!probe.usable()) return internal_error("no read-stream probe built for this CPU");
   std::vector<double> rates;
   for (int r = 0; r < repeats + 1; ++r) {
-    const double gbps = probe.value()->run();
+    const double gbps = probe.run();
     if (r > 0) rates.push_back(gbps);  // r = 0: warm-up
   }
   return median(rates);
@@ -627,13 +581,13 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
           std::this_thread::sleep_for(std::chrono::milliseconds(500));
         }
 
-        for (Variant& v : variants) {
+        for (std::size_t i = 0; i < variants.size(); ++i) {
+          Variant& v = variants[i];
           RooflineRecord rec =
               timed_record(h, h.kv_bytes(v.layout == "tiled"), v.seconds, v.fractions, v.probes);
           rec.isa = std::string(isa_name(isa));
           rec.layout = v.layout;
-          rec.probe_bytes =
-              static_cast<int64_t>(own[static_cast<std::size_t>(&v - variants.data())].bytes());
+          rec.probe_bytes = static_cast<int64_t>(own[i].bytes());
           if (v.layout == "tiled") {
             rec.tile_tokens = v.tiles.tile_tokens;
             rec.tile_layout = std::string(kv_tile_layout_name(v.tiles.layout));
