@@ -21,8 +21,8 @@
 //   bandwidth:  streaming read of the very bytes the layout's kernel reads (the case's K and V
 //               and scales, or its tiled copy), their concatenation split into one contiguous
 //               part per thread: the same pages, so where the system placed them counts on
-//               both sides of a fraction (two allocations of the same size stream at rates a
-//               third apart on the development VM).
+//               both sides of a fraction (the rows layout's buffers and the tiled copy of one
+//               case can stream at different rates: compare their bandwidth_gbps).
 //   peak:       independent FMA chains in registers with the kernel's ISA, median of repeats.
 //   kv_bytes:   bytes of K and V the kernel must read (tokens * kv_heads * head_dim * 2 *
 //               dtype size, summed over the batch; for fp8/int8 plus the per-token scales
