@@ -133,9 +133,9 @@ TEST(CudaGeometry, LaneGeometryOfTheCompiledHeadDims) {
   EXPECT_FALSE(geometry_valid(DType::kF32, 256));  // 64 lanes
 }
 
-// Over one iteration of a CTA (every warp, lane and unrolled load) each element of each token the
-// iteration reads is loaded by exactly one lane's 16-byte vector, for every head dim and
-// rows-per-block variant.
+// Every lane's 16 bytes of a token are 16-byte aligned, and over one iteration of a CTA (every
+// warp, lane and unrolled load) each element of each token the iteration reads is loaded by
+// exactly one lane's 16-byte vector, for every head dim and rows-per-block variant.
 TEST(CudaGeometry, SixteenByteLoadsCoverEveryElementOnce) {
   for (DType t : kAllTypes)
     for (int d : kCudaHeadDims)
@@ -145,12 +145,17 @@ TEST(CudaGeometry, SixteenByteLoadsCoverEveryElementOnce) {
                      std::to_string(rows_tpl));
         const int tpw = tokens_per_warp(t, d), ng = token_groups(t, d);
         const int u_count = unroll_tokens(rows_tpl), ve = vec_elems(t);
+        // A view whose token stride is a multiple of the vector (the executor's rule), starting
+        // at a slot other than 0.
+        const int64_t stride = d + 2 * ve, first = 3;
         std::map<std::pair<int64_t, int>, int> loads;  // (slot, element) -> times loaded
         for (int warp = 0; warp < kDecodeWarps; ++warp)
           for (int lane = 0; lane < kWarpSize; ++lane) {
             const LaneRole r = lane_role(lane, t, d);
             for (int u = 0; u < u_count; ++u) {
               const int j = lane_slot(warp_first_slot(warp, tpw), r.token_slot, u, ng);
+              const int64_t elem = kv_offset(0, 0, first + j, r.dim0, 0, 0, stride);
+              ASSERT_EQ(elem * elem_bytes(t) % kVecBytes, 0) << "unaligned 16-byte load";
               for (int e = 0; e < ve; ++e) {
                 ASSERT_LT(r.dim0 + e, d);
                 ++loads[{j, r.dim0 + e}];
@@ -271,6 +276,11 @@ TEST(CudaGeometry, SlotOffsetsFitIn32Bits) {
   EXPECT_EQ(max_split_slots(int64_t{1} << 40), 1);
   EXPECT_EQ(max_split_slots(-1), 0);
   EXPECT_EQ(max_split_slots(-64), 0);
+  // A shard's bound: its K/V stride's, and the scales' too for 8-bit K/V only.
+  EXPECT_EQ(max_split_slots(DType::kBF16, 64, int64_t{1} << 31), int64_t{1} << 26);
+  EXPECT_EQ(max_split_slots(DType::kFP8, 64, int64_t{1} << 31), 2);
+  EXPECT_EQ(max_split_slots(DType::kInt8, int64_t{1} << 31, 1), 2);
+  EXPECT_EQ(max_split_slots(DType::kInt8, 128, 8), max_split_slots(128));
   // Local slots of the largest split, plus two iterations of the widest step, are int32.
   for (DType t : kAllTypes)
     for (int d : kCudaHeadDims)

@@ -780,8 +780,7 @@ void time_shape(Executor& e, Report& rep, void* stream, const BandwidthCache& ca
   // The executor's plan: splits sized to the device's wave (SMs x resident blocks).
   const gpu::SplitPlan plan = gpu::plan_decode(
       cache.dtype, batch, Hkv, H / Hkv, 1, n, 0, wave_slots(e, cache.dtype, H / Hkv),
-      std::min(gpu::max_split_slots(view.stride_token),
-               gpu::max_split_slots(view.scale_stride_token)));
+      gpu::max_split_slots(cache.dtype, view.stride_token, view.scale_stride_token));
   row.splits = plan.splits;
   row.chunk = plan.chunk;
   auto partial = [&] {

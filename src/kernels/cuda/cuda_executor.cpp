@@ -383,18 +383,14 @@ class CudaExecutor final : public Executor {
   // The kernel reaches a split's slots by 32-bit offsets from its first (decode_geometry.hpp):
   // the most slots a split may span at the shard's K/V and scale token strides.
   static int64_t max_split_slots(const KVShard& kv) {
-    const int64_t kv_most = gpu::max_split_slots(kv.stride_token);
-    if (!dtype_is_quantized(kv.dtype)) return kv_most;
-    return std::min(kv_most, gpu::max_split_slots(kv.scale_stride_token));
+    return gpu::max_split_slots(kv.dtype, kv.stride_token, kv.scale_stride_token);
   }
   // A split of `chunk` slots must fit, for K/V and for the scales.
   Status check_split_slots(const KVShard& kv, int64_t chunk, const char* op) const {
-    const bool scales = dtype_is_quantized(kv.dtype);
-    if (gpu::slot_offsets_fit(chunk, kv.stride_token) &&
-        (!scales || gpu::slot_offsets_fit(chunk, kv.scale_stride_token)))
-      return Status::ok();
-    const int64_t stride = std::max(kv.stride_token, scales ? kv.scale_stride_token : 0);
     const int64_t most = max_split_slots(kv);  // no division: 0 for a negative stride
+    if (chunk >= 1 && chunk <= most) return Status::ok();
+    const int64_t stride =
+        std::max(kv.stride_token, dtype_is_quantized(kv.dtype) ? kv.scale_stride_token : 0);
     return unsupported(who_ + ": " + op + ": a split of " + std::to_string(chunk) +
                        " token slots at a token stride of " + std::to_string(stride) +
                        " elements is past the kernel's 32-bit slot offsets (at most " +

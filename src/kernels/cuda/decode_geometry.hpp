@@ -326,6 +326,14 @@ TREEATTN_HD constexpr int64_t max_split_slots(int64_t stride) {
 TREEATTN_HD constexpr bool slot_offsets_fit(int64_t chunk, int64_t stride) {
   return chunk >= 1 && chunk <= max_split_slots(stride);
 }
+// The same for a shard of dtype t: its K/V token stride and, for 8-bit K/V, its scales'.
+TREEATTN_HD constexpr int64_t max_split_slots(DType t, int64_t stride_token,
+                                              int64_t scale_stride_token) {
+  const int64_t kv = max_split_slots(stride_token);
+  if (!kv_8bit(t)) return kv;
+  const int64_t sc = max_split_slots(scale_stride_token);
+  return sc < kv ? sc : kv;
+}
 TREEATTN_HD constexpr uint32_t slot_offset(int j, uint32_t stride) {
   return static_cast<uint32_t>(j) * stride;
 }
