@@ -134,15 +134,15 @@ detail::RowsFn rows_fn(Isa isa) {
   }
 }
 
-// TREEATTN_INT8_VNNI=0 in the environment (read once): the maddubs target even where the CPU
-// has VNNI, as an AVX2-only CPU runs it (same bits; to compare the AVX2 kernels with llama.cpp's
-// AVX2 build on one machine).
 // Whether the environment variable `name` is "0" (a kernel target switched off).
 bool env_off(const char* name) {
   const char* e = std::getenv(name);
   return e != nullptr && std::string_view(e) == "0";
 }
 
+// TREEATTN_INT8_VNNI=0 in the environment (read once): the maddubs target even where the CPU
+// has VNNI, as an AVX2-only CPU runs it (same bits; to compare the AVX2 kernels with llama.cpp's
+// AVX2 build on one machine).
 bool int8_vnni_allowed() {
   static const bool allowed = !env_off("TREEATTN_INT8_VNNI");
   return allowed;

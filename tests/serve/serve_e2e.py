@@ -167,6 +167,15 @@ def check(cond, what, server=None):
     log("ok:", what)
 
 
+def wait_running(s, n=1):
+    """Until the metrics show n requests running (30 s at most): a request's first bytes can
+    leave before the engine admits it, and no_leaks must not pass on a snapshot taken before the
+    engine saw it."""
+    deadline = time.time() + 30
+    while s.metrics()["treeattn_requests_running"] != n and time.time() < deadline:
+        time.sleep(0.05)
+
+
 def no_leaks(s, what):
     """Every rank's used pages back to 0 and nothing running (the engine frees pages at its
     next step: wait a little)."""
@@ -473,11 +482,7 @@ def case_faults():
                         {"prompt": [100 + i % 1000 for i in range(3000)], "max_tokens": 2000,
                          "stream": True, "ignore_eos": True})
         so.recv(16)
-        # Admitted (the metrics show it) before the client goes, so that no_leaks cannot pass
-        # on a snapshot taken before the engine saw it.
-        deadline = time.time() + 30
-        while s.metrics()["treeattn_requests_running"] != 1 and time.time() < deadline:
-            time.sleep(0.05)
+        wait_running(s)  # admitted before the client goes
         so.close()
         m = no_leaks(s, "a client gone during a 3000-token prefill")
         check(m.get(gone, 0) >= 4, "the prefilling request ended as disconnected: %s" %
@@ -492,9 +497,7 @@ def case_faults():
         data = json.dumps({"prompt": PROMPTS[1], "max_tokens": 2000, "ignore_eos": True}).encode()
         so.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                    b"\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
-        deadline = time.time() + 30
-        while s.metrics()["treeattn_requests_running"] != 1 and time.time() < deadline:
-            time.sleep(0.05)
+        wait_running(s)
         so.close()
         t0 = time.time()
         while time.time() - t0 < 5:
@@ -625,11 +628,7 @@ def check_dense_split(s):
         piece = so.recv(4096)
         got += piece
     check(b"data: " in got, "the stream under --dense split started", s)
-    # The first chunk can leave before the engine admits the request: wait until the metrics
-    # show it running, so that no_leaks cannot pass on a snapshot taken before the engine saw it.
-    deadline = time.time() + 30
-    while s.metrics()["treeattn_requests_running"] != 1 and time.time() < deadline:
-        time.sleep(0.05)
+    wait_running(s)
     so.close()
     m = no_leaks(s, "a client disconnected mid-stream under --dense split")
     gone = 'treeattn_requests_finished_total{reason="disconnected"}'
