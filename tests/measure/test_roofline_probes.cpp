@@ -31,7 +31,7 @@ TEST(RooflineProbes, FmaPeakRefusesATargetThisCpuCannotRunAndMeasuresTheOthers) 
 
 // The bandwidth each kernel run is compared with streams that layout's own bytes: the rows
 // layout's K, V (and scales) and the tiled copy, each pass reading all of them but the 512-byte
-// remainders of its pieces; the fields derived from the probe agree with each other.
+// remainders of its pieces.
 TEST(RooflineProbes, EachLayoutIsComparedWithAStreamOverItsOwnBytes) {
   RooflineOptions o;
   o.cases = {RooflineCase{AttnShape{1, 4, 2, 64, 1}, 4096}};
@@ -50,10 +50,6 @@ TEST(RooflineProbes, EachLayoutIsComparedWithAStreamOverItsOwnBytes) {
     EXPECT_LE(r.probe_bytes, r.kv_bytes + (r.layout == "tiled" ? 64 * 1024 : 0));
     EXPECT_GE(r.probe_bytes, r.kv_bytes - slack);
     EXPECT_GT(r.bandwidth_gbps, 0.0);
-    EXPECT_GE(r.bandwidth_gbps_best, r.bandwidth_gbps);
-    EXPECT_NEAR(r.fraction_best, r.gbps_best / r.bandwidth_gbps_best, 1e-12);
-    EXPECT_GE(r.probe_spread, 0.0);
-    EXPECT_LT(r.probe_spread, 1.0);
   }
 }
 
