@@ -20,27 +20,26 @@ namespace {
 
 using namespace treeattn;
 
-using StreamFn = float (*)(const float*, int64_t, int, int64_t);
-
-// One loop's benchmark. args: FMAs per line, prefetch distance in bytes, buffer bytes; each
-// thread reads its own buffer.
-void run_stream(benchmark::State& st, Isa isa, const char* lacks, StreamFn fn) {
+// A loop's benchmark. Args: FMAs per line, prefetch distance in bytes, then the buffer bytes at
+// index bytes_arg; each thread reads its own buffer. read(p, n, fmas, pf) runs the loop once.
+template <typename Read>
+void run_stream(benchmark::State& st, Isa isa, const char* lacks, int bytes_arg, Read read) {
   if (!isa_supported(isa)) {
     st.SkipWithError(lacks);
     return;
   }
   const int fmas = static_cast<int>(st.range(0));
   const int64_t pf = st.range(1);
-  const int64_t n = st.range(2) / 4;
+  const int64_t n = st.range(bytes_arg) / 4;
   const auto len = static_cast<std::size_t>(n + pf / 4);  // the prefetches' reach past the end
   std::unique_ptr<float[]> buf(new float[len]);
   for (std::size_t i = 0; i < len; ++i) buf[i] = 1e-9f * static_cast<float>(i & 1023);
-  for (auto _ : st) benchmark::DoNotOptimize(fn(buf.get(), n, fmas, pf));
+  for (auto _ : st) benchmark::DoNotOptimize(read(buf.get(), n, fmas, pf));
   st.SetBytesProcessed(st.iterations() * n * 4);
 }
 
 void BM_StreamOverlap(benchmark::State& st) {
-  run_stream(st, Isa::kAvx2, "CPU lacks AVX2", bench::stream_with_fmas);
+  run_stream(st, Isa::kAvx2, "CPU lacks AVX2", 2, bench::stream_with_fmas);
 }
 
 BENCHMARK(BM_StreamOverlap)
@@ -48,19 +47,33 @@ BENCHMARK(BM_StreamOverlap)
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 
-// The decode kernel's question on AVX-512 (args as above, zmm FMAs). For llama3-8b's shape
-// (group 4, head dim 128) a 16-bit KV line costs the kernel 8 zmm FMAs at the floor (64 per token
-// and KV head, 8 lines), and its measured in-cache rate (treeattn_roofline --seq 256) is
-// about that of 12 FMAs a line of this loop in L2: the 12-FMA row from DRAM with an 8 KiB prefetch
-// (12 KiB for 16-bit K/V in the kernel now) is what a loop with the kernel's arithmetic and no
-// other structure reads; compare it with `treeattn bench --kernel`.
+// The decode kernel's question on AVX-512: args FMAs per line, prefetch distance, prefetch into
+// L2 (prefetcht1, as the rows kernel) or L1 (prefetcht0), buffer bytes; zmm FMAs. For llama3-8b's
+// shape (group 4, head dim 128) exact float arithmetic costs 8 zmm FMAs per line of 16-bit K/V
+// (each of a line's 32 elements multiplied into 4 query rows) and 4 per line of f32, so the best
+// 8-FMA row from DRAM over the prefetch leads and hints is the most any exact 16-bit decode
+// kernel on the FMA units can read on this CPU; compare it with the 0-FMA row (the stream the
+// roofline's probe reads) and with `treeattn_roofline --layouts rows`.
 //   build/<dir>/bench/treeattn_microbench --benchmark_filter=StreamOverlapAvx512
 void BM_StreamOverlapAvx512(benchmark::State& st) {
-  run_stream(st, Isa::kAvx512, "CPU lacks AVX-512", bench::stream_with_fmas_avx512);
+  const bool into_l2 = st.range(2) != 0;
+  run_stream(st, Isa::kAvx512, "CPU lacks AVX-512", 3,
+             [into_l2](const float* p, int64_t n, int fmas, int64_t pf) {
+               return bench::stream_with_fmas_avx512(p, n, fmas, pf, into_l2);
+             });
+}
+
+// Without a prefetch the hint argument means nothing: only hint 0 is listed there.
+void stream_overlap_avx512_args(benchmark::internal::Benchmark* b) {
+  for (int64_t bytes : {int64_t{256} << 10, int64_t{512} << 20})
+    for (int64_t fmas : {0, 8, 12, 16})
+      for (int64_t pf : {0, 2048, 8192, 32768})
+        for (int64_t into_l2 : {0, 1})
+          if (pf > 0 || into_l2 == 0) b->Args({fmas, pf, into_l2, bytes});
 }
 
 BENCHMARK(BM_StreamOverlapAvx512)
-    ->ArgsProduct({{0, 8, 12, 16}, {0, 8192}, {int64_t{256} << 10, int64_t{512} << 20}})
+    ->Apply(stream_overlap_avx512_args)
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime()
     ->Threads(1)

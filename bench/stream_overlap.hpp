@@ -15,7 +15,9 @@ namespace treeattn::bench {
 float stream_with_fmas(const float* p, int64_t n, int fmas, int64_t prefetch_bytes);
 
 // The same with 512-bit vectors: one zmm load per line and `fmas` (0, 8, 12 or 16) zmm FMAs,
-// each into its own accumulator (at 2 FMAs a cycle none waits on its chain's latency).
-float stream_with_fmas_avx512(const float* p, int64_t n, int fmas, int64_t prefetch_bytes);
+// each into its own accumulator (at 2 FMAs a cycle none waits on its chain's latency); the
+// prefetch is prefetcht1 (into L2, as the rows decode kernel's) when into_l2, else prefetcht0.
+float stream_with_fmas_avx512(const float* p, int64_t n, int fmas, int64_t prefetch_bytes,
+                              bool into_l2);
 
 }  // namespace treeattn::bench

@@ -9,14 +9,15 @@
 namespace treeattn::bench {
 namespace {
 
-template <int kFmas>  // per 64-byte line, one zmm load, each FMA into its own accumulator
+// per 64-byte line, one zmm load, each FMA into its own accumulator; kHint: _MM_HINT_T0 / T1
+template <int kFmas, int kHint>
 float stream512_impl(const float* p, int64_t n, int64_t pf) {
   __m512 a[kFmas > 0 ? kFmas : 1];
   for (auto& v : a) v = _mm512_setzero_ps();
   __m512 sum = _mm512_setzero_ps();
   const __m512 c = _mm512_set1_ps(1.0000001f);
   for (int64_t i = 0; i < n; i += 16) {
-    if (pf > 0) _mm_prefetch(reinterpret_cast<const char*>(p + i) + pf, _MM_HINT_T0);
+    if (pf > 0) _mm_prefetch(reinterpret_cast<const char*>(p + i) + pf, static_cast<_mm_hint>(kHint));
     const __m512 x = _mm512_loadu_ps(p + i);
     if constexpr (kFmas == 0) {
       sum = _mm512_add_ps(sum, x);
@@ -35,12 +36,19 @@ float stream512_impl(const float* p, int64_t n, int64_t pf) {
 
 }  // namespace
 
-float stream_with_fmas_avx512(const float* p, int64_t n, int fmas, int64_t prefetch_bytes) {
+template <int kFmas>
+float stream512_hint(const float* p, int64_t n, int64_t pf, bool into_l2) {
+  return into_l2 ? stream512_impl<kFmas, _MM_HINT_T1>(p, n, pf)
+                 : stream512_impl<kFmas, _MM_HINT_T0>(p, n, pf);
+}
+
+float stream_with_fmas_avx512(const float* p, int64_t n, int fmas, int64_t prefetch_bytes,
+                              bool into_l2) {
   switch (fmas) {
-    case 0: return stream512_impl<0>(p, n, prefetch_bytes);
-    case 8: return stream512_impl<8>(p, n, prefetch_bytes);
-    case 12: return stream512_impl<12>(p, n, prefetch_bytes);
-    case 16: return stream512_impl<16>(p, n, prefetch_bytes);
+    case 0: return stream512_hint<0>(p, n, prefetch_bytes, into_l2);
+    case 8: return stream512_hint<8>(p, n, prefetch_bytes, into_l2);
+    case 12: return stream512_hint<12>(p, n, prefetch_bytes, into_l2);
+    case 16: return stream512_hint<16>(p, n, prefetch_bytes, into_l2);
   }
   std::fprintf(stderr, "stream_with_fmas_avx512: %d FMAs a line; 0, 8, 12 or 16\n", fmas);
   std::abort();

@@ -158,18 +158,24 @@ def section_kernel(work):
     s = ("## Kernel roofline\n\n`treeattn bench --kernel`: kernel GB/s over a streaming read "
          "of the same bytes by the same threads right before it (`probe GB/s`; `frac`, median "
          "over rounds); the fastest round over that probe's fastest pass (`f_best`), with the "
-         "probe's spread; and over the tighter of the bandwidth and FMA bounds (`of bound`). "
-         "The CPU kernels run with this machine's kernel tuning.\n\n")
+         "probe's spread; over the ceiling, a loop doing only the kernel's least arithmetic (each "
+         "element widened and multiplied into the rows of its group) over the same bytes, the "
+         "fastest over four prefetch leads (`of ceiling`); and over the tighter of the bandwidth "
+         "and FMA bounds (`of bound`). The CPU kernels run with this machine's kernel tuning.\n\n")
     if not j:
         return s + not_run(work, "kernel")
     s += ("| case | dtype | ISA | layout | threads | GB/s | probe GB/s | frac | f_best | probe "
-          "spread | bound | of bound | rel err |\n"
-          "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|\n")
+          "spread | ceiling GB/s | of ceiling | bound | of bound | rel err |\n"
+          "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|\n")
     for r in j:
-        s += "| %s | %s | %s | %s | %d | %.1f | %.1f | %.2f | %.2f | %.0f%% | %s | %.2f | %s |\n" % (
+        ceil = r.get("ceiling_gbps", 0)
+        s += ("| %s | %s | %s | %s | %d | %.1f | %.1f | %.2f | %.2f | %.0f%% | %s | %s | %s | %.2f "
+              "| %s |\n") % (
             r["shape"], r["dtype"], r["isa"], r["layout"], r["threads"], r["gbps"],
             r["bandwidth_gbps"], r["fraction_of_bandwidth"], r["fraction_best"],
-            100 * r.get("probe_spread", 0), r["bound"], r["fraction_of_bound"],
+            100 * r.get("probe_spread", 0), "%.1f" % ceil if ceil > 0 else "-",
+            "%.2f" % r["fraction_of_ceiling"] if ceil > 0 else "-", r["bound"],
+            r["fraction_of_bound"],
             "%.1e" % r["max_rel_error"] if r.get("max_rel_error") is not None else "-")
     return s
 

@@ -136,27 +136,49 @@ std::string fmt(const char* f, double v) {
 // reads (a case's K and V and scales, or its tiled copy), so that where the system placed those
 // pages counts on both sides of a fraction; measure_read_bandwidth a buffer of its own.
 // run() times one pass and returns GB/s of the bytes read (each piece rounded down to 512 bytes).
+// run_ceiling() times one pass of the kernel's least arithmetic over the same pieces (FmaStreamFn
+// on each span's dtype, `rows` accumulators, a prefetch lead) and returns its GB/s.
 class SpanProbe {
  public:
-  SpanProbe(std::vector<std::span<const uint8_t>> spans, int threads)
+  struct Span {
+    std::span<const uint8_t> bytes;
+    DType dtype = DType::kF32;  // what run_ceiling() reads the span as
+  };
+  SpanProbe(std::vector<Span> spans, int threads, Isa isa = Isa::kAuto)
       : spans_(std::move(spans)),
         threads_(resolve_threads(threads)),
-        read_(kernels::cpu::read_stream_for(probe_isa(Isa::kAuto))) {
+        read_(kernels::cpu::read_stream_for(probe_isa(Isa::kAuto))),
+        fma_(kernels::cpu::fma_stream_for(probe_isa(isa))) {
     std::size_t total = 0;
-    for (const auto& sp : spans_) total += sp.size();
+    for (const auto& sp : spans_) total += sp.bytes.size();
     per_thread_ = total / static_cast<std::size_t>(threads_) / 512 * 512;
-    for (int t = 0; t < threads_; ++t) bytes_ += pieces(t, nullptr);
+    for (int t = 0; t < threads_; ++t) bytes_ += pieces(t, [](const uint8_t*, std::size_t, DType) {});
   }
   bool usable() const { return read_ != nullptr && bytes_ > 0; }
+  bool ceiling_usable() const { return fma_ != nullptr && bytes_ > 0; }
   std::size_t bytes() const { return bytes_; }
 
   double run() {
+    return timed([this](const uint8_t* p, std::size_t n, DType) {
+      return read_(reinterpret_cast<const float*>(p), static_cast<int64_t>(n / 4));
+    });
+  }
+  double run_ceiling(int rows, int64_t prefetch_bytes) {
+    return timed([&](const uint8_t* p, std::size_t n, DType dt) {
+      return fma_(p, static_cast<int64_t>(n), dt, rows, prefetch_bytes, 1.0f);
+    });
+  }
+
+ private:
+  template <typename Read>
+  double timed(Read read) {
     float sum = 0;
     const auto t0 = Clock::now();
 #pragma omp parallel num_threads(threads_) reduction(+ : sum)
     {
       float part = 0;
-      pieces(omp_get_thread_num(), &part);
+      pieces(omp_get_thread_num(),
+             [&](const uint8_t* p, std::size_t n, DType dt) { part += read(p, n, dt); });
       sum += part;
     }
     const double s = seconds_since(t0);
@@ -164,31 +186,34 @@ class SpanProbe {
     return static_cast<double>(bytes_) / s / 1e9;
   }
 
- private:
-  // Bytes of thread t's part (read into *sum when sum is not null).
-  std::size_t pieces(int t, float* sum) const {
+  // Bytes of thread t's part, each piece (a multiple of 512 bytes) passed to visit.
+  template <typename Visit>
+  std::size_t pieces(int t, Visit visit) const {
     const std::size_t lo = static_cast<std::size_t>(t) * per_thread_, hi = lo + per_thread_;
     std::size_t base = 0, n = 0;
     for (const auto& sp : spans_) {
-      const std::size_t b = std::max(lo, base), e = std::min(hi, base + sp.size());
+      const std::size_t size = sp.bytes.size();
+      const std::size_t b = std::max(lo, base), e = std::min(hi, base + size);
       if (b < e) {
-        const std::size_t floats = (e - b) / 512 * 128;
-        if (sum != nullptr && floats > 0)
-          *sum += read_(reinterpret_cast<const float*>(sp.data() + (b - base)),
-                        static_cast<int64_t>(floats));
-        n += floats * 4;
+        const std::size_t bytes = (e - b) / 512 * 512;
+        if (bytes > 0) visit(sp.bytes.data() + (b - base), bytes, sp.dtype);
+        n += bytes;
       }
-      base += sp.size();
+      base += size;
     }
     return n;
   }
 
-  std::vector<std::span<const uint8_t>> spans_;
+  std::vector<Span> spans_;
   int threads_;
   kernels::cpu::ReadStreamFn read_;
+  kernels::cpu::FmaStreamFn fma_;
   std::size_t per_thread_ = 0, bytes_ = 0;
   volatile float sink_ = 0;
 };
+
+// The software prefetch leads run_ceiling() is timed with (bytes; 0: the hardware's alone).
+constexpr int64_t kCeilingLeads[] = {0, 2048, 8192, 32768};
 
 // One case's cache and query on the host: K and V [batch][kv_heads][seq][head_dim] of random
 // values in the dtype (fp8/int8: codes, a scale per token, and the unquantized table), the query,
@@ -376,7 +401,7 @@ Result<double> measure_read_bandwidth(int threads, int64_t bytes, int repeats) {
   if (buf.data() == nullptr) return Status(Code::kOutOfMemory, "cannot allocate the probe buffer");
 #pragma omp parallel num_threads(T)
   std::memset(buf.data() + static_cast<std::size_t>(omp_get_thread_num()) * per, 0, per);
-  SpanProbe probe({{buf.data(), buf.bytes}}, T);
+  SpanProbe probe({{{buf.data(), buf.bytes}, DType::kF32}}, T);
   if (!probe.usable()) return internal_error("no read-stream probe built for this CPU");
   std::vector<double> rates;
   for (int r = 0; r < repeats + 1; ++r) {
@@ -500,17 +525,18 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
         }
         std::vector<SpanProbe> own;
         for (const Variant& v : variants) {
-          std::vector<std::span<const uint8_t>> spans;
+          std::vector<SpanProbe::Span> spans;
           if (v.layout == "rows") {
-            spans = {{h.k.data(), h.code_bytes()}, {h.v.data(), h.code_bytes()}};
+            spans = {{{h.k.data(), h.code_bytes()}, t}, {{h.v.data(), h.code_bytes()}, t}};
             if (h.quantized())
               for (const std::vector<float>* sc : {&h.k_scale, &h.v_scale})
-                spans.emplace_back(reinterpret_cast<const uint8_t*>(sc->data()),
-                                   sc->size() * sizeof(float));
+                spans.push_back({{reinterpret_cast<const uint8_t*>(sc->data()),
+                                  sc->size() * sizeof(float)},
+                                 DType::kF32});
           } else {
-            spans = {{v.cache.data(), v.cache.bytes()}};
+            spans = {{{v.cache.data(), v.cache.bytes()}, t}};  // its scales read as codes too
           }
-          own.emplace_back(std::move(spans), T);
+          own.emplace_back(std::move(spans), T, isa);
           if (!own.back().usable())
             return internal_error("roofline: no read-stream probe for " + s.to_string() + " " +
                                   std::string(dtype_name(t)) + " (" + v.layout + ")");
@@ -588,6 +614,14 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
           rec.isa = std::string(isa_name(isa));
           rec.layout = v.layout;
           rec.probe_bytes = static_cast<int64_t>(own[i].bytes());
+          // The ceiling: the fastest pass over the prefetch leads, after the kernel's rounds.
+          rec.ceiling_rows = static_cast<int>(std::min<int64_t>(8, s.group() * s.q_len));
+          if (own[i].ceiling_usable()) {
+            for (const int64_t lead : kCeilingLeads)
+              rec.ceiling_gbps =
+                  std::max(rec.ceiling_gbps, own[i].run_ceiling(rec.ceiling_rows, lead));
+            rec.fraction_of_ceiling = rec.gbps_best / rec.ceiling_gbps;
+          }
           if (v.layout == "tiled") {
             rec.tile_tokens = v.tiles.tile_tokens;
             rec.tile_layout = std::string(kv_tile_layout_name(v.tiles.layout));
@@ -742,10 +776,11 @@ std::string roofline_table(const std::vector<RooflineRecord>& records) {
   std::string s;
   char line[512];
   std::snprintf(line, sizeof line,
-                "%-26s %-5s %-7s %-16s %3s %7s %8s %8s %7s %7s %6s %7s %7s %6s %6s %8s %-7s %6s %9s "
-                "%9s %8s %8s\n",
+                "%-26s %-5s %-7s %-16s %3s %7s %8s %8s %7s %7s %6s %7s %7s %6s %6s %7s %6s %8s %-7s %6s "
+                "%9s %9s %8s %8s\n",
                 "shape", "dtype", "isa", "layout", "thr", "seq", "kv_MB", "ms", "GB/s", "bw_GB/s",
-                "frac", "best", "bw_best", "bw_spr", "f_best", "peak_GF", "bound", "f_bnd",
+                "frac", "best", "bw_best", "bw_spr", "f_best", "ceil", "f_ceil", "peak_GF", "bound",
+                "f_bnd",
                 "blas_ms", "ours/blas", "rel_err", "err_unq");
   s += line;
   for (const RooflineRecord& r : records) {
@@ -761,12 +796,12 @@ std::string roofline_table(const std::vector<RooflineRecord>& records) {
     }
     std::snprintf(line, sizeof line,
                   "%-26s %-5s %-7s %-16s %3d %7lld %8.1f %8.2f %7.2f %7.2f %6.3f %7.2f %7.2f %5.0f%% "
-                  "%6.3f %8.1f %-7s %6.3f %9s %9s %8s %8s\n",
+                  "%6.3f %7.2f %6.3f %8.1f %-7s %6.3f %9s %9s %8s %8s\n",
                   r.shape.c_str(), r.dtype.c_str(), r.isa.c_str(), layout.c_str(), r.threads,
                   static_cast<long long>(r.seq), static_cast<double>(r.kv_bytes) / 1048576.0,
                   r.seconds * 1e3, r.gbps, r.bandwidth_gbps, r.fraction_of_bandwidth, r.gbps_best,
                   r.bandwidth_gbps_best, 100 * r.probe_spread, r.fraction_best,
-                  r.peak_gflops, r.bound.c_str(), r.fraction_of_bound, peer_ms.c_str(),
+                  r.ceiling_gbps, r.fraction_of_ceiling, r.peak_gflops, r.bound.c_str(), r.fraction_of_bound, peer_ms.c_str(),
                   ratio.c_str(), err.c_str(), errq.c_str());
     s += line;
   }
@@ -795,6 +830,9 @@ std::string roofline_json(const std::vector<RooflineRecord>& records) {
          ", \"fraction_best\": " + num(r.fraction_best) +
          ", \"probe_spread\": " + num(r.probe_spread) +
          ", \"probe_bytes\": " + std::to_string(r.probe_bytes) +
+         ", \"ceiling_gbps\": " + num(r.ceiling_gbps) +
+         ", \"fraction_of_ceiling\": " + num(r.fraction_of_ceiling) +
+         ", \"ceiling_rows\": " + std::to_string(r.ceiling_rows) +
          ", \"flops\": " + num(r.flops) + ", \"peak_gflops\": " + num(r.peak_gflops) +
          ", \"compute_seconds\": " + num(r.compute_seconds) +
          ", \"memory_seconds\": " + num(r.memory_seconds) + ", \"bound\": \"" + r.bound +

@@ -53,5 +53,25 @@ TEST(RooflineProbes, EachLayoutIsComparedWithAStreamOverItsOwnBytes) {
   }
 }
 
+// The ceiling beside each record ran over that layout's bytes with the arithmetic of the case's
+// rows per KV head: group * q_len accumulators (4 * 3 = 12 here), at most 8.
+TEST(RooflineProbes, TheCeilingRunsTheCasesRowsOverTheLayoutsBytes) {
+  RooflineOptions o;
+  o.cases = {RooflineCase{AttnShape{1, 4, 2, 64, 1}, 4096},
+             RooflineCase{AttnShape{1, 8, 2, 64, 3}, 2048}};
+  o.dtypes = {DType::kF16};
+  o.threads = {1};
+  o.repeats = 1;
+  o.peer = false;
+  auto recs = run_roofline(o);
+  ASSERT_TRUE(recs.is_ok()) << recs.status().to_string();
+  ASSERT_EQ(recs->size(), 4u);  // 2 cases x (rows, tiled)
+  for (const RooflineRecord& r : *recs) {
+    SCOPED_TRACE(r.shape + " " + r.layout);
+    EXPECT_EQ(r.ceiling_rows, r.q_len == 1 ? 2 : 8);
+    EXPECT_GT(r.ceiling_gbps, 0.0);
+  }
+}
+
 }  // namespace
 }  // namespace treeattn

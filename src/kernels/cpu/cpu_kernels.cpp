@@ -167,6 +167,21 @@ FmaBurnFn fma_burn_for(Isa isa) {
     default: return nullptr;
   }
 }
+
+FmaStreamFn fma_stream_for(Isa isa) {
+  switch (isa) {
+#if defined(TREEATTN_CPU_KERNEL_GENERIC)
+    case Isa::kGeneric: return &generic::fma_stream;
+#endif
+#if defined(TREEATTN_CPU_KERNEL_AVX2)
+    case Isa::kAvx2: return &avx2::fma_stream;
+#endif
+#if defined(TREEATTN_CPU_KERNEL_AVX512)
+    case Isa::kAvx512: return &avx512::fma_stream;
+#endif
+    default: return nullptr;
+  }
+}
 }  // namespace cpu
 
 }  // namespace treeattn::kernels

@@ -159,8 +159,18 @@ using ExpFn = void (*)(const float* in, float* out, int64_t n);
 //                that only memory limits it; returns the sum so the reads cannot be dropped.
 //   fma_burn:    iters rounds of independent FMA chains in registers; *flops receives the
 //                floating-point operations performed (2 per lane per FMA).
+//   fma_stream:  the decode kernel's least arithmetic over a stream, the roofline's ceiling:
+//                reads `bytes` (a multiple of 64) of `dtype` elements at p one 64-byte line at
+//                a time, widens each vector as the kernel does and multiplies it by c into
+//                `rows` (1 to 8) independent accumulators, as exact attention multiplies each
+//                K and V element into the rows of its group; prefetch_bytes > 0 adds a
+//                prefetcht1 that far ahead of every line (never past p + bytes). Returns
+//                c * rows * (the sum of the elements, as the kernel reads them: fp8 / int8
+//                codes unscaled), summed in an unspecified order.
 using ReadStreamFn = float (*)(const float* p, int64_t n);
 using FmaBurnFn = float (*)(int64_t iters, float seed, double* flops);
+using FmaStreamFn = float (*)(const void* p, int64_t bytes, DType dtype, int rows,
+                              int64_t prefetch_bytes, float c);
 
 // The functions of a target, or nullptr when the target is not built.
 ExpFn exp_for(Isa isa);
@@ -168,6 +178,7 @@ ExpFn exp_for(Isa isa);
 ExpFn exp_nonpos_for(Isa isa);
 ReadStreamFn read_stream_for(Isa isa);
 FmaBurnFn fma_burn_for(Isa isa);
+FmaStreamFn fma_stream_for(Isa isa);
 
 namespace generic {
 void decode_item(const ItemArgs& a);
@@ -177,6 +188,8 @@ void exp_array(const float* in, float* out, int64_t n);
 void exp_nonpos_array(const float* in, float* out, int64_t n);
 float read_stream(const float* p, int64_t n);
 float fma_burn(int64_t iters, float seed, double* flops);
+float fma_stream(const void* p, int64_t bytes, DType dtype, int rows, int64_t prefetch_bytes,
+                 float c);
 }  // namespace generic
 namespace avx2 {
 void decode_item(const ItemArgs& a);
@@ -186,6 +199,8 @@ void exp_array(const float* in, float* out, int64_t n);
 void exp_nonpos_array(const float* in, float* out, int64_t n);
 float read_stream(const float* p, int64_t n);
 float fma_burn(int64_t iters, float seed, double* flops);
+float fma_stream(const void* p, int64_t bytes, DType dtype, int rows, int64_t prefetch_bytes,
+                 float c);
 }  // namespace avx2
 namespace avx512 {
 void decode_item(const ItemArgs& a);
@@ -195,6 +210,8 @@ void exp_array(const float* in, float* out, int64_t n);
 void exp_nonpos_array(const float* in, float* out, int64_t n);
 float read_stream(const float* p, int64_t n);
 float fma_burn(int64_t iters, float seed, double* flops);
+float fma_stream(const void* p, int64_t bytes, DType dtype, int rows, int64_t prefetch_bytes,
+                 float c);
 }  // namespace avx512
 
 }  // namespace treeattn::kernels::cpu

@@ -404,3 +404,65 @@ float fma_burn_impl(int64_t iters, float seed, double* flops) {
   *flops = static_cast<double>(iters) * kChains * Ops::W * 2.0;
   return Ops::reduce_add(acc[0]);
 }
+
+// See FmaStreamFn (cpu_targets.hpp). Two lines per step into two sets of RR accumulators,
+// vectors alternating between them, so that no chain waits on its own FMA latency.
+template <DType DT, int RR>
+float fma_stream_rows(const char* p, int64_t bytes, int64_t pf, float c) {
+  using V = typename Ops::V;
+  constexpr int kPerLine = static_cast<int>(64 / elem_bytes<DT>()) / Ops::W;
+  static_assert(kPerLine >= 1);
+  V acc[2][RR];
+  for (auto& set : acc)
+    for (V& a : set) a = Ops::zero();
+  const V vc = Ops::set1(c);
+  auto lines = [&](int64_t off, auto n_tag) {
+    constexpr int kLines = decltype(n_tag)::value;
+#pragma GCC unroll 16
+    for (int j = 0; j < kLines * kPerLine; ++j) {
+      const V v = load_elems<DT>(p + off, j * Ops::W);
+#pragma GCC unroll 8
+      for (int r = 0; r < RR; ++r) acc[j & 1][r] = Ops::fma(v, vc, acc[j & 1][r]);
+    }
+  };
+  int64_t off = 0;
+  for (; off + 128 <= bytes; off += 128) {
+    if (pf > 0 && off + 64 + pf < bytes) {
+      __builtin_prefetch(p + off + pf, 0, 2);
+      __builtin_prefetch(p + off + 64 + pf, 0, 2);
+    }
+    lines(off, RowTile<2>{});
+  }
+  if (off < bytes) lines(off, RowTile<1>{});
+  V sum = Ops::zero();
+  for (const auto& set : acc)
+    for (const V& a : set) sum = Ops::add(sum, a);
+  return Ops::reduce_add(sum);
+}
+
+template <DType DT>
+float fma_stream_dtype(const char* p, int64_t bytes, int rows, int64_t pf, float c) {
+  switch (rows) {
+    case 1: return fma_stream_rows<DT, 1>(p, bytes, pf, c);
+    case 2: return fma_stream_rows<DT, 2>(p, bytes, pf, c);
+    case 3: return fma_stream_rows<DT, 3>(p, bytes, pf, c);
+    case 4: return fma_stream_rows<DT, 4>(p, bytes, pf, c);
+    case 5: return fma_stream_rows<DT, 5>(p, bytes, pf, c);
+    case 6: return fma_stream_rows<DT, 6>(p, bytes, pf, c);
+    case 7: return fma_stream_rows<DT, 7>(p, bytes, pf, c);
+    default: return fma_stream_rows<DT, 8>(p, bytes, pf, c);
+  }
+}
+
+float fma_stream_impl(const void* p, int64_t bytes, DType dtype, int rows, int64_t pf, float c) {
+  const char* b = static_cast<const char*>(p);
+  rows = rows < 1 ? 1 : (rows > 8 ? 8 : rows);
+  switch (dtype) {
+    case DType::kF32: return fma_stream_dtype<DType::kF32>(b, bytes, rows, pf, c);
+    case DType::kF16: return fma_stream_dtype<DType::kF16>(b, bytes, rows, pf, c);
+    case DType::kBF16: return fma_stream_dtype<DType::kBF16>(b, bytes, rows, pf, c);
+    case DType::kFP8: return fma_stream_dtype<DType::kFP8>(b, bytes, rows, pf, c);
+    case DType::kInt8: return fma_stream_dtype<DType::kInt8>(b, bytes, rows, pf, c);
+  }
+  return 0.0f;
+}

@@ -135,5 +135,9 @@ void exp_nonpos_array(const float* in, float* out, int64_t n) {
 }
 float read_stream(const float* p, int64_t n) { return read_stream_impl(p, n); }
 float fma_burn(int64_t iters, float seed, double* flops) { return fma_burn_impl(iters, seed, flops); }
+float fma_stream(const void* p, int64_t bytes, DType dtype, int rows, int64_t prefetch_bytes,
+                 float c) {
+  return fma_stream_impl(p, bytes, dtype, rows, prefetch_bytes, c);
+}
 
 }  // namespace treeattn::kernels::cpu::generic

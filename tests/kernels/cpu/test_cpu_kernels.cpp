@@ -391,6 +391,41 @@ TEST_P(CpuTarget, DeterministicAcrossThreadCounts) {
   }
 }
 
+// The roofline's ceiling loop (FmaStreamFn) reads every element of every line once, widened as
+// the kernel widens its dtype, into each of `rows` accumulators: with small integers (exact in
+// every dtype and in any summation order) it returns c * rows * their sum, for an odd number of
+// lines (the one-line tail) and every row count it takes (clamped to 1 .. 8).
+TEST_P(CpuTarget, CeilingLoopReadsEveryElementIntoEveryRow) {
+  const kernels::cpu::FmaStreamFn fn = kernels::cpu::fma_stream_for(GetParam());
+  ASSERT_NE(fn, nullptr);
+  constexpr int64_t kLines = 37;
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16, DType::kFP8, DType::kInt8}) {
+    const auto eb = static_cast<int64_t>(dtype_size(dt));
+    const int64_t n = kLines * 64 / eb;
+    std::vector<uint8_t> buf(static_cast<std::size_t>(kLines * 64));
+    double sum = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = static_cast<float>((i * 7) % 5) - 1.0f;  // -1 .. 3
+      sum += x;
+      uint8_t* e = buf.data() + i * eb;
+      switch (dt) {
+        case DType::kF32: std::memcpy(e, &x, 4); break;
+        case DType::kF16: { const uint16_t b = float_to_f16(x); std::memcpy(e, &b, 2); break; }
+        case DType::kBF16: { const uint16_t b = float_to_bf16(x); std::memcpy(e, &b, 2); break; }
+        case DType::kFP8: *e = float_to_fp8_e4m3(x); break;
+        case DType::kInt8: *e = static_cast<uint8_t>(static_cast<int8_t>(x)); break;
+      }
+    }
+    for (int rows : {1, 3, 4, 8, 0, 9})
+      for (int64_t lead : {int64_t{0}, int64_t{256}}) {
+        const int eff = rows < 1 ? 1 : (rows > 8 ? 8 : rows);
+        const float got = fn(buf.data(), kLines * 64, dt, rows, lead, 0.5f);
+        EXPECT_EQ(static_cast<double>(got), 0.5 * eff * sum)
+            << dtype_name(dt) << " rows " << rows << " lead " << lead;
+      }
+  }
+}
+
 // The kernel's exp: exactly 1 at 0, 0 at -inf, NaN for NaN, +inf above the float range, and
 // within 2 ulp of the correctly rounded value on [-87, 0] (the range softmax uses).
 TEST_P(CpuTarget, ExpContract) {
