@@ -9,15 +9,16 @@
 namespace treeattn::bench {
 namespace {
 
-// per 64-byte line, one zmm load, each FMA into its own accumulator; kHint: _MM_HINT_T0 / T1
-template <int kFmas, int kHint>
+// per 64-byte line, one zmm load, each FMA into its own accumulator; kLocality: 3 prefetcht0,
+// 2 prefetcht1 (__builtin_prefetch's locality argument)
+template <int kFmas, int kLocality>
 float stream512_impl(const float* p, int64_t n, int64_t pf) {
   __m512 a[kFmas > 0 ? kFmas : 1];
   for (auto& v : a) v = _mm512_setzero_ps();
   __m512 sum = _mm512_setzero_ps();
   const __m512 c = _mm512_set1_ps(1.0000001f);
   for (int64_t i = 0; i < n; i += 16) {
-    if (pf > 0) _mm_prefetch(reinterpret_cast<const char*>(p + i) + pf, static_cast<_mm_hint>(kHint));
+    if (pf > 0) __builtin_prefetch(reinterpret_cast<const char*>(p + i) + pf, 0, kLocality);
     const __m512 x = _mm512_loadu_ps(p + i);
     if constexpr (kFmas == 0) {
       sum = _mm512_add_ps(sum, x);
@@ -34,13 +35,12 @@ float stream512_impl(const float* p, int64_t n, int64_t pf) {
   return r;
 }
 
-}  // namespace
-
 template <int kFmas>
 float stream512_hint(const float* p, int64_t n, int64_t pf, bool into_l2) {
-  return into_l2 ? stream512_impl<kFmas, _MM_HINT_T1>(p, n, pf)
-                 : stream512_impl<kFmas, _MM_HINT_T0>(p, n, pf);
+  return into_l2 ? stream512_impl<kFmas, 2>(p, n, pf) : stream512_impl<kFmas, 3>(p, n, pf);
 }
+
+}  // namespace
 
 float stream_with_fmas_avx512(const float* p, int64_t n, int fmas, int64_t prefetch_bytes,
                               bool into_l2) {

@@ -160,8 +160,8 @@ def section_kernel(work):
          "over rounds); the fastest round over that probe's fastest pass (`f_best`), with the "
          "probe's spread; over the ceiling, a loop doing only the kernel's least arithmetic (each "
          "element widened and multiplied into the rows of its group) over the same bytes, the "
-         "fastest over four prefetch leads (`of ceiling`); and over the tighter of the bandwidth "
-         "and FMA bounds (`of bound`). The CPU kernels run with this machine's kernel tuning.\n\n")
+         "fastest of two passes at each of four prefetch leads (`of ceiling`); and over the tighter "
+         "of the bandwidth and FMA bounds (`of bound`). The CPU kernels run with this machine's kernel tuning.\n\n")
     if not j:
         return s + not_run(work, "kernel")
     s += ("| case | dtype | ISA | layout | threads | GB/s | probe GB/s | frac | f_best | probe "

@@ -99,9 +99,9 @@ struct RooflineRecord {
   double fraction_best = 0;
   double probe_spread = 0;
   int64_t probe_bytes = 0;
-  // The ceiling: the kernel's least arithmetic over the probe's bytes, the fastest of passes with
-  // software prefetch leads of 0, 2, 8 and 32 KiB. Each vector of the bytes is widened as the
-  // case's dtype and multiplied into ceiling_rows = min(group * q_len, 8) accumulators, as exact
+  // The ceiling: the kernel's least arithmetic over the probe's bytes, the fastest of two passes
+  // at each software prefetch lead of 0, 2, 8 and 32 KiB. Each vector of the bytes is widened as
+  // the case's dtype and multiplied into ceiling_rows = min(group * q_len, 8) accumulators, as exact
   // attention multiplies each K and V element into the query rows of its group: what a kernel
   // doing that arithmetic on this CPU's FMA units can read, and nothing else. On a core that
   // overlaps arithmetic with its reads fully it equals the probe. fraction_of_ceiling =

@@ -53,9 +53,9 @@ TEST(RooflineProbes, EachLayoutIsComparedWithAStreamOverItsOwnBytes) {
   }
 }
 
-// The ceiling beside each record ran over that layout's bytes with the arithmetic of the case's
-// rows per KV head: group * q_len accumulators (4 * 3 = 12 here), at most 8.
-TEST(RooflineProbes, TheCeilingRunsTheCasesRowsOverTheLayoutsBytes) {
+// The ceiling beside each record ran, with the arithmetic of the case's rows per KV head: group *
+// q_len accumulators (2 * 1, and 4 * 3 = 12 here, at most 8).
+TEST(RooflineProbes, TheCeilingRunsWithTheCasesRowsPerKVHead) {
   RooflineOptions o;
   o.cases = {RooflineCase{AttnShape{1, 4, 2, 64, 1}, 4096},
              RooflineCase{AttnShape{1, 8, 2, 64, 3}, 2048}};

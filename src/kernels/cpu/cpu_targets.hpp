@@ -160,13 +160,14 @@ using ExpFn = void (*)(const float* in, float* out, int64_t n);
 //   fma_burn:    iters rounds of independent FMA chains in registers; *flops receives the
 //                floating-point operations performed (2 per lane per FMA).
 //   fma_stream:  the decode kernel's least arithmetic over a stream, the roofline's ceiling:
-//                reads `bytes` (a multiple of 64) of `dtype` elements at p one 64-byte line at
-//                a time, widens each vector as the kernel does and multiplies it by c into
-//                `rows` (1 to 8) independent accumulators, as exact attention multiplies each
-//                K and V element into the rows of its group; prefetch_bytes > 0 adds a
-//                prefetcht1 that far ahead of every line (never past p + bytes). Returns
-//                c * rows * (the sum of the elements, as the kernel reads them: fp8 / int8
-//                codes unscaled), summed in an unspecified order.
+//                reads `bytes` (rounded down to a multiple of 64) of `dtype` elements at p one
+//                64-byte line at a time, widens each vector as the kernel does and multiplies it
+//                into `rows` (1 to 8) independent accumulators, row r by c * (r + 1), as exact
+//                attention multiplies each K and V element into the rows of its group, each by
+//                its own q or p; prefetch_bytes > 0 adds a prefetcht1 that far ahead of every
+//                line (never past p + bytes). Returns c * (1 + 2 + ... + rows) * (the sum of the
+//                elements, as the kernel reads them: fp8 / int8 codes unscaled), summed in an
+//                unspecified order.
 using ReadStreamFn = float (*)(const float* p, int64_t n);
 using FmaBurnFn = float (*)(int64_t iters, float seed, double* flops);
 using FmaStreamFn = float (*)(const void* p, int64_t bytes, DType dtype, int rows,

@@ -405,24 +405,29 @@ float fma_burn_impl(int64_t iters, float seed, double* flops) {
   return Ops::reduce_add(acc[0]);
 }
 
-// See FmaStreamFn (cpu_targets.hpp). Two lines per step into two sets of RR accumulators,
-// vectors alternating between them, so that no chain waits on its own FMA latency.
+// See FmaStreamFn (cpu_targets.hpp). Row r multiplies by c * (r + 1), as each query row of a
+// group has its own q and p (rows with one multiplier would be one chain to the compiler, which
+// merges them). Two lines per step; where two sets of RR accumulators fit the target's
+// registers (2 * RR <= kAccRegs) vectors alternate between them, so that no chain waits on its
+// own FMA latency; else one set (RR >= 5 chains per vector).
 template <DType DT, int RR>
 float fma_stream_rows(const char* p, int64_t bytes, int64_t pf, float c) {
   using V = typename Ops::V;
   constexpr int kPerLine = static_cast<int>(64 / elem_bytes<DT>()) / Ops::W;
   static_assert(kPerLine >= 1);
-  V acc[2][RR];
+  constexpr int kSets = 2 * RR <= Ops::kAccRegs ? 2 : 1;
+  V acc[kSets][RR];
+  V vc[RR];
   for (auto& set : acc)
     for (V& a : set) a = Ops::zero();
-  const V vc = Ops::set1(c);
+  for (int r = 0; r < RR; ++r) vc[r] = Ops::set1(c * static_cast<float>(r + 1));
   auto lines = [&](int64_t off, auto n_tag) {
     constexpr int kLines = decltype(n_tag)::value;
 #pragma GCC unroll 16
     for (int j = 0; j < kLines * kPerLine; ++j) {
       const V v = load_elems<DT>(p + off, j * Ops::W);
 #pragma GCC unroll 8
-      for (int r = 0; r < RR; ++r) acc[j & 1][r] = Ops::fma(v, vc, acc[j & 1][r]);
+      for (int r = 0; r < RR; ++r) acc[j % kSets][r] = Ops::fma(v, vc[r], acc[j % kSets][r]);
     }
   };
   int64_t off = 0;
@@ -457,6 +462,7 @@ float fma_stream_dtype(const char* p, int64_t bytes, int rows, int64_t pf, float
 float fma_stream_impl(const void* p, int64_t bytes, DType dtype, int rows, int64_t pf, float c) {
   const char* b = static_cast<const char*>(p);
   rows = rows < 1 ? 1 : (rows > 8 ? 8 : rows);
+  bytes = bytes / 64 * 64;  // whole lines only: never past p + bytes
   switch (dtype) {
     case DType::kF32: return fma_stream_dtype<DType::kF32>(b, bytes, rows, pf, c);
     case DType::kF16: return fma_stream_dtype<DType::kF16>(b, bytes, rows, pf, c);

@@ -392,9 +392,10 @@ TEST_P(CpuTarget, DeterministicAcrossThreadCounts) {
 }
 
 // The roofline's ceiling loop (FmaStreamFn) reads every element of every line once, widened as
-// the kernel widens its dtype, into each of `rows` accumulators: with small integers (exact in
-// every dtype and in any summation order) it returns c * rows * their sum, for an odd number of
-// lines (the one-line tail) and every row count it takes (clamped to 1 .. 8).
+// the kernel widens its dtype, into each of `rows` accumulators, row r with its own multiplier
+// c * (r + 1): with small integers (exact in every dtype and in any summation order) it returns
+// c * (1 + ... + rows) * their sum, for an odd number of lines (the one-line tail), every row
+// count it takes (clamped to 1 .. 8) and a byte count that is not whole lines (rounded down).
 TEST_P(CpuTarget, CeilingLoopReadsEveryElementIntoEveryRow) {
   const kernels::cpu::FmaStreamFn fn = kernels::cpu::fma_stream_for(GetParam());
   ASSERT_NE(fn, nullptr);
@@ -416,13 +417,20 @@ TEST_P(CpuTarget, CeilingLoopReadsEveryElementIntoEveryRow) {
         case DType::kInt8: *e = static_cast<uint8_t>(static_cast<int8_t>(x)); break;
       }
     }
-    for (int rows : {1, 3, 4, 8, 0, 9})
-      for (int64_t lead : {int64_t{0}, int64_t{256}}) {
-        const int eff = rows < 1 ? 1 : (rows > 8 ? 8 : rows);
-        const float got = fn(buf.data(), kLines * 64, dt, rows, lead, 0.5f);
-        EXPECT_EQ(static_cast<double>(got), 0.5 * eff * sum)
-            << dtype_name(dt) << " rows " << rows << " lead " << lead;
-      }
+    // The last line alone, for the byte count short of a whole line.
+    double last = 0;
+    for (int64_t i = (kLines - 1) * 64 / eb; i < n; ++i)
+      last += static_cast<double>((i * 7) % 5) - 1.0;
+    for (int rows : {1, 2, 3, 4, 5, 7, 8, 0, 9}) {
+      const int eff = rows < 1 ? 1 : (rows > 8 ? 8 : rows);
+      const double weight = 0.5 * eff * (eff + 1) / 2;  // c * (1 + ... + eff)
+      EXPECT_EQ(static_cast<double>(fn(buf.data(), kLines * 64, dt, rows, 256, 0.5f)),
+                weight * sum)
+          << dtype_name(dt) << " rows " << rows;
+      EXPECT_EQ(static_cast<double>(fn(buf.data(), kLines * 64 - 1, dt, rows, 0, 0.5f)),
+                weight * (sum - last))
+          << dtype_name(dt) << " rows " << rows << ", one byte short of the last line";
+    }
   }
 }
 
