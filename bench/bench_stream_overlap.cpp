@@ -50,10 +50,10 @@ BENCHMARK(BM_StreamOverlap)
 // The decode kernel's question on AVX-512: args FMAs per line, prefetch distance, prefetch into
 // L2 (prefetcht1, as the rows kernel) or L1 (prefetcht0), buffer bytes; zmm FMAs. For llama3-8b's
 // shape (group 4, head dim 128) exact float arithmetic costs 8 zmm FMAs per line of 16-bit K/V
-// (each of a line's 32 elements multiplied into 4 query rows) and 4 per line of f32, so the best
-// 8-FMA row from DRAM over the prefetch leads and hints is the most any exact 16-bit decode
-// kernel on the FMA units can read on this CPU; compare it with the 0-FMA row (the stream the
-// roofline's probe reads) and with `treeattn_roofline --layouts rows`.
+// (each of a line's 32 elements multiplied into 4 query rows) and 4 per line of f32: the best
+// 8-FMA row from DRAM over the prefetch leads and hints against the 0-FMA row (the stream the
+// roofline's probe reads) says how much of that arithmetic this CPU hides under its reads. The
+// roofline's ceiling column runs the same kind of loop over the kernel's own pages.
 //   build/<dir>/bench/treeattn_microbench --benchmark_filter=StreamOverlapAvx512
 void BM_StreamOverlapAvx512(benchmark::State& st) {
   const bool into_l2 = st.range(2) != 0;

@@ -161,7 +161,8 @@ def section_kernel(work):
          "probe's spread; over the ceiling, a loop doing only the kernel's least arithmetic (each "
          "element widened and multiplied into the rows of its group) over the same bytes, the "
          "fastest of two passes at each of four prefetch leads (`of ceiling`); and over the tighter "
-         "of the bandwidth and FMA bounds (`of bound`). The CPU kernels run with this machine's kernel tuning.\n\n")
+         "of the bandwidth and FMA bounds (`of bound`). The CPU kernels run with this machine's "
+         "kernel tuning.\n\n")
     if not j:
         return s + not_run(work, "kernel")
     s += ("| case | dtype | ISA | layout | threads | GB/s | probe GB/s | frac | f_best | probe "

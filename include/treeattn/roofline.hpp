@@ -101,11 +101,12 @@ struct RooflineRecord {
   int64_t probe_bytes = 0;
   // The ceiling: the kernel's least arithmetic over the probe's bytes, the fastest of two passes
   // at each software prefetch lead of 0, 2, 8 and 32 KiB. Each vector of the bytes is widened as
-  // the case's dtype and multiplied into ceiling_rows = min(group * q_len, 8) accumulators, as exact
-  // attention multiplies each K and V element into the query rows of its group: what a kernel
-  // doing that arithmetic on this CPU's FMA units can read, and nothing else. On a core that
-  // overlaps arithmetic with its reads fully it equals the probe. fraction_of_ceiling =
-  // gbps_best / ceiling_gbps; 0 where the target has no such loop.
+  // the case's dtype and multiplied into ceiling_rows = min(group * q_len, 8) accumulators, as
+  // exact attention multiplies each K and V element into the query rows of its group, and nothing
+  // else: a reference for what that arithmetic leaves of the stream on this CPU, not a proof (a
+  // kernel reading its streams in another order can pass it). On a core that overlaps arithmetic
+  // with its reads fully it equals the probe. fraction_of_ceiling = gbps_best / ceiling_gbps; 0
+  // where the target has no such loop.
   double ceiling_gbps = 0;
   double fraction_of_ceiling = 0;
   int ceiling_rows = 0;

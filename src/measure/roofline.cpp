@@ -152,7 +152,8 @@ class SpanProbe {
     std::size_t total = 0;
     for (const auto& sp : spans_) total += sp.bytes.size();
     per_thread_ = total / static_cast<std::size_t>(threads_) / 512 * 512;
-    for (int t = 0; t < threads_; ++t) bytes_ += pieces(t, [](const uint8_t*, std::size_t, DType) {});
+    for (int t = 0; t < threads_; ++t)
+      bytes_ += pieces(t, [](const uint8_t*, std::size_t, DType) {});
   }
   bool usable() const { return read_ != nullptr && bytes_ > 0; }
   bool ceiling_usable() const { return fma_ != nullptr && bytes_ > 0; }
@@ -777,12 +778,11 @@ std::string roofline_table(const std::vector<RooflineRecord>& records) {
   std::string s;
   char line[512];
   std::snprintf(line, sizeof line,
-                "%-26s %-5s %-7s %-16s %3s %7s %8s %8s %7s %7s %6s %7s %7s %6s %6s %7s %6s %8s %-7s %6s "
-                "%9s %9s %8s %8s\n",
+                "%-26s %-5s %-7s %-16s %3s %7s %8s %8s %7s %7s %6s %7s %7s %6s %6s %7s %6s %8s %-7s "
+                "%6s %9s %9s %8s %8s\n",
                 "shape", "dtype", "isa", "layout", "thr", "seq", "kv_MB", "ms", "GB/s", "bw_GB/s",
                 "frac", "best", "bw_best", "bw_spr", "f_best", "ceil", "f_ceil", "peak_GF", "bound",
-                "f_bnd",
-                "blas_ms", "ours/blas", "rel_err", "err_unq");
+                "f_bnd", "blas_ms", "ours/blas", "rel_err", "err_unq");
   s += line;
   for (const RooflineRecord& r : records) {
     const std::string peer_ms = r.peer_seconds >= 0 ? fmt("%.2f", r.peer_seconds * 1e3) : "-";
@@ -802,8 +802,8 @@ std::string roofline_table(const std::vector<RooflineRecord>& records) {
                   static_cast<long long>(r.seq), static_cast<double>(r.kv_bytes) / 1048576.0,
                   r.seconds * 1e3, r.gbps, r.bandwidth_gbps, r.fraction_of_bandwidth, r.gbps_best,
                   r.bandwidth_gbps_best, 100 * r.probe_spread, r.fraction_best,
-                  r.ceiling_gbps, r.fraction_of_ceiling, r.peak_gflops, r.bound.c_str(), r.fraction_of_bound, peer_ms.c_str(),
-                  ratio.c_str(), err.c_str(), errq.c_str());
+                  r.ceiling_gbps, r.fraction_of_ceiling, r.peak_gflops, r.bound.c_str(),
+                  r.fraction_of_bound, peer_ms.c_str(), ratio.c_str(), err.c_str(), errq.c_str());
     s += line;
   }
   return s;
