@@ -53,7 +53,7 @@ constexpr int64_t tiled_score_ld(int64_t block_tokens) { return (block_tokens + 
 // K^T row d at kb[j] + d * row_bytes. Stores s[r * ld + j * W + lane].
 // With PF, also prefetches pf_per_d lines of each prefetch stream per d (into L1), from pf0
 // (and pf1 when not null), so that the requests are spread over the unit's work.
-template <DType DT, int RS, bool PF>
+template <DType DT, int RS, bool PF, int kPerD = 0, bool kTwo = false>
 inline void tiled_score_unit(const float* q, int D, const char* kb0, const char* kb1,
                              int64_t row_bytes, float* s, int64_t ld, const char* pf0,
                              const char* pf1, int pf_per_d) {
@@ -62,7 +62,14 @@ inline void tiled_score_unit(const float* q, int D, const char* kb0, const char*
   for (int r = 0; r < RS; ++r) acc0[r] = acc1[r] = Ops::zero();
 #pragma GCC unroll 4
   for (int d = 0; d < D; ++d) {
-    if constexpr (PF) {
+    if constexpr (PF && kPerD > 0) {
+      for (int j = 0; j < kPerD; ++j) {
+        __builtin_prefetch(pf0 + j * 64, 0, 3);
+        if constexpr (kTwo) __builtin_prefetch(pf1 + j * 64, 0, 3);
+      }
+      pf0 += kPerD * 64;
+      if constexpr (kTwo) pf1 += kPerD * 64;
+    } else if constexpr (PF) {
       for (int j = 0; j < pf_per_d; ++j) {
         __builtin_prefetch(pf0 + j * 64, 0, 3);
         if (pf1 != nullptr) __builtin_prefetch(pf1 + j * 64, 0, 3);
@@ -144,8 +151,15 @@ void tiled_score_rows(const TiledItemArgs& a, const float* q, int64_t bt, int n,
                                        nullptr, 0);
       continue;
     }
-    tiled_score_unit<DT, RS, true>(q, a.head_dim, k0, k1, row_bytes, s + u, ld, pf->p0(),
-                                    pf->p1(), per_d);
+    if (per_d == 1 && pf->p1() == nullptr)
+      tiled_score_unit<DT, RS, true, 1, false>(q, a.head_dim, k0, k1, row_bytes, s + u, ld,
+                                                pf->p0(), nullptr, 1);
+    else if (per_d == 1)
+      tiled_score_unit<DT, RS, true, 1, true>(q, a.head_dim, k0, k1, row_bytes, s + u, ld,
+                                               pf->p0(), pf->p1(), 1);
+    else
+      tiled_score_unit<DT, RS, true>(q, a.head_dim, k0, k1, row_bytes, s + u, ld, pf->p0(),
+                                      pf->p1(), per_d);
     const int64_t issued = int64_t{per_d} * a.head_dim;
     pf->done += issued * 64;
     pf->score_lines = pf->score_lines > issued ? pf->score_lines - issued : 0;
