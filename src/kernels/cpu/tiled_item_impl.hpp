@@ -30,16 +30,17 @@
 //
 // Limits (per token and KV head, llama3-8b: group 4, D 128): bytes f32 1024, bf16/f16 512,
 // fp8/int8 256 + 4 of scales, over the read bandwidth; flops 2048 (4 rows x 128 x (q.k + p.v) x
-// 2) = 64 512-bit FMAs, over the FMA peak. Memory-bound with a margin for f32 and bf16/f16;
-// fp8/int8 closer to the compute bound (fp8 widening is 7 instructions per 16 values).
+// 2) = 64 512-bit FMAs, over the FMA peak. Where a core streams about 15 GB/s that is
+// memory-bound with a margin for f32 and bf16/f16; where it streams about 48 GB/s (Zen 5) the
+// 16-bit case is bound by this kernel's own arithmetic (its L2 rate is about its DRAM rate);
+// fp8/int8 are closer to the compute bound (fp8 widening is 7 instructions per 16 values).
 // From DRAM, compute and memory overlap only partly (time ~ memory + a fraction of compute, the
 // fraction growing with the GQA group), and leads longer than kTiledPrefetchBytes read slower,
 // so the prefetch cannot hide all of the compute. Measure: `treeattn bench --kernel
 // --kernel-cases` (fraction of the probe and of the bound per case, docs/kernels.md).
-// The prefetch loops below take their count per step at run time on purpose: a build with the
-// count a template value and q transposed ran fewer score-loop instructions and was faster in
-// cache but slower from DRAM; the score loop's instruction count is not what holds the kernel
-// below the probe.
+// The score pass takes its prefetch count per d step as a template value when it is one line
+// (16-bit K/V), so that its d loop unrolls; other counts, and the value pass, take it at run
+// time.
 
 constexpr int kUnitTokens = 2 * Ops::W;
 constexpr int kMaxScoreRows = Ops::W >= 16 ? 8 : 6;
@@ -52,7 +53,8 @@ constexpr int64_t tiled_score_ld(int64_t block_tokens) { return (block_tokens + 
 // Raw dot products of RS rows (q, row stride D) with the 2W tokens of one unit: vector j reads
 // K^T row d at kb[j] + d * row_bytes. Stores s[r * ld + j * W + lane].
 // With PF, also prefetches pf_per_d lines of each prefetch stream per d (into L1), from pf0
-// (and pf1 when not null), so that the requests are spread over the unit's work.
+// (and pf1 when not null), so that the requests are spread over the unit's work; kPerD > 0
+// fixes that count, and kTwo whether pf1 is a stream, at compile time.
 template <DType DT, int RS, bool PF, int kPerD = 0, bool kTwo = false>
 inline void tiled_score_unit(const float* q, int D, const char* kb0, const char* kb1,
                              int64_t row_bytes, float* s, int64_t ld, const char* pf0,
@@ -62,20 +64,15 @@ inline void tiled_score_unit(const float* q, int D, const char* kb0, const char*
   for (int r = 0; r < RS; ++r) acc0[r] = acc1[r] = Ops::zero();
 #pragma GCC unroll 4
   for (int d = 0; d < D; ++d) {
-    if constexpr (PF && kPerD > 0) {
-      for (int j = 0; j < kPerD; ++j) {
+    if constexpr (PF) {
+      const int per = kPerD > 0 ? kPerD : pf_per_d;
+      const bool two = kPerD > 0 ? kTwo : pf1 != nullptr;
+      for (int j = 0; j < per; ++j) {
         __builtin_prefetch(pf0 + j * 64, 0, 3);
-        if constexpr (kTwo) __builtin_prefetch(pf1 + j * 64, 0, 3);
+        if (two) __builtin_prefetch(pf1 + j * 64, 0, 3);
       }
-      pf0 += kPerD * 64;
-      if constexpr (kTwo) pf1 += kPerD * 64;
-    } else if constexpr (PF) {
-      for (int j = 0; j < pf_per_d; ++j) {
-        __builtin_prefetch(pf0 + j * 64, 0, 3);
-        if (pf1 != nullptr) __builtin_prefetch(pf1 + j * 64, 0, 3);
-      }
-      pf0 += pf_per_d * 64;
-      if (pf1 != nullptr) pf1 += pf_per_d * 64;
+      pf0 += per * 64;
+      if (two) pf1 += per * 64;
     }
     const V k0 = load_elems<DT>(kb0 + d * row_bytes, 0);
     const V k1 = load_elems<DT>(kb1 + d * row_bytes, 0);
