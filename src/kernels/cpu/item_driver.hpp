@@ -4,13 +4,16 @@
 //
 // Work items are (batch row b, chunk c, KV head), chunk c of row b covering tokens
 // [c * chunk, (c + 1) * chunk) of the tokens some query of the row can see (tokens past every
-// query's causal limit are never read). Items run on OpenMP threads (dynamic schedule) in the
-// order the caller's layout stores them (ItemOrder); each writes the states of its
-// R = group * q_len rows into its own slot, and the slots are merged in chunk order with
+// query's causal limit are never read). Items run on OpenMP threads in the order the caller's
+// layout stores them (ItemOrder) on a guided schedule: a thread takes runs of consecutive items,
+// so that in the heads-outer order it reads one stream of memory rather than every other chunk
+// of a head (which two threads read slower from DRAM), and the runs shrink toward the end, so
+// that uneven items and a thread held up elsewhere still balance. Each item writes the states of
+// its R = group * q_len rows into its own slot, and the slots are merged in chunk order with
 // state_merge. The chunk size is an input, never derived from the thread count, and the slot of
-// an item does not depend on the order, so results are bitwise identical for any thread count
-// and either order. Scratch memory is thread-local and grows only, so steady-state calls do not
-// allocate.
+// an item does not depend on the order or the schedule, so results are bitwise identical for any
+// thread count and either order. Scratch memory is thread-local and grows only, so steady-state
+// calls do not allocate.
 //
 // Internal to the kernels; compiled for the baseline ISA.
 #pragma once
@@ -89,7 +92,7 @@ void drive_items(const AttnShape& shape, const float* q, std::span<const int64_t
   const int64_t* first_chunk = cs.first_chunk.data();
   const int64_t* needed = cs.needed.data();
 
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+#pragma omp parallel for schedule(guided) num_threads(threads)
   for (int64_t n = 0; n < items; ++n) {
     const ItemCoords at = item_coords(n, first_chunk, B, Hkv, order);
     const int64_t b = at.b, kvh = at.kv_head, gchunk = at.gchunk;

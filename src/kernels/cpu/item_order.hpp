@@ -13,9 +13,8 @@ namespace treeattn::kernels::cpu {
 // the KV heads of a chunk one after another (a layout with heads inside a token, [T][Hkv][D]).
 // kHeadsOuter: head by head, a head's chunks one after another, so consecutive items continue
 // one stream of memory (a layout with a head's tokens together, as the tiled one, [Hkv][tiles]).
-// kHeadsOuter lets two threads read neighbouring chunks of one head rather than two heads far
-// apart, which reads faster on two threads and the same on one (`build/release/bench/
-// treeattn_roofline --threads 1,2 --seq 262144`, both orders built in turn).
+// With the driver's runs of consecutive items, kHeadsOuter has a thread read a run of one head's
+// chunks front to back; the calibration (tuning.hpp) picks the order per call shape.
 enum class ItemOrder { kChunksOuter, kHeadsOuter };
 
 // Row b, KV head and global chunk index (the row's chunks numbered after those of rows < b) of

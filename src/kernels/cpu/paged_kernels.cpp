@@ -368,7 +368,10 @@ Status run_paged(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& sha
   // Items run in waves of at most kPagedWaveFloats floats of slots (one item at least), so a
   // long prefill chunk does not need a slot per (query row, group) of the whole call at once.
   // Each wave merges its slots into the rows after its items ran; waves run in item order, so
-  // every row still gets its groups merged in group order (waves change no bit).
+  // every row still gets its groups merged in group order (waves change no bit). A wave's items
+  // run on a guided schedule, as the decode driver's (item_driver.hpp): a thread takes runs of
+  // consecutive groups of a cell, so that it reads on through a sequence's pages rather than
+  // every other group of them.
   auto slot_end = [&](int64_t i) {
     return items[i].slot + static_cast<std::size_t>(G * cells[items[i].cell].nq) * rec;
   };
@@ -379,7 +382,7 @@ Status run_paged(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& sha
     cpu::grow(plan.slots, slot_end(i1 - 1) - base);
     float* slots = plan.slots.data();
 
-#pragma omp parallel for schedule(dynamic, 1) num_threads(opt.threads)
+#pragma omp parallel for schedule(guided) num_threads(opt.threads)
     for (int64_t i = i0; i < i1; ++i) {
       const PagedItem& it = items[i];
       const PagedCell& cell = cells[it.cell];
