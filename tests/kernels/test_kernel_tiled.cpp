@@ -7,14 +7,17 @@
 // growth; fp8/int8 scales as bfloat16, 2 * head_dim + 4 bytes per token and KV head, copy_from
 // refusing a scale that is not a bf16 value), striped positions with Q > 1, causally hidden and
 // tail-slot NaNs never read, NaN propagation, empty rows, extreme logits, the exact fixtures bit
-// for bit (quantized too, on every target), bitwise determinism across thread counts, and the
-// validation messages.
+// for bit (quantized too, on every target), bitwise determinism across thread counts, large
+// caches asking for huge pages, and the validation messages.
 //
 // Tolerance: tests/support/test_data.hpp (1e-5 relative to max(1, max|ref|), output and LSE).
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <string>
 #include <vector>
@@ -301,6 +304,34 @@ TEST(TiledCache, ReserveKeepsResultsBitForBit) {
     ASSERT_TRUE(decode_partial_tiled(p.shape, p.q.data(), c.view(p.len, p.start, p.total), b.data()).is_ok());
     EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << tile_name(tc);
   }
+}
+
+// A cache large enough to be a mapping asks for transparent huge pages: its mapping carries the
+// MADV_HUGEPAGE flag ("hg" in /proc/self/smaps' VmFlags). Skipped where the kernel has no THP.
+TEST(TiledCache, LargeCachesAskForHugePages) {
+  if (!std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled").good())
+    GTEST_SKIP() << "this kernel has no transparent huge pages";
+  Result<TiledKVCache> c = TiledKVCache::create(AttnShape{1, 8, 8, 128, 1}, DType::kBF16, 4096);
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  ASSERT_GE(c->bytes(), std::size_t{16} << 20);
+  const auto at = reinterpret_cast<uintptr_t>(c->data());
+  std::ifstream smaps("/proc/self/smaps");
+  ASSERT_TRUE(smaps.good());
+  std::string line, flags;
+  bool inside = false;
+  while (std::getline(smaps, line)) {
+    uintptr_t lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find('-') < 17) {
+      inside = lo <= at && at < hi;
+      continue;
+    }
+    if (inside && line.rfind("VmFlags:", 0) == 0) {
+      flags = line;
+      break;
+    }
+  }
+  ASSERT_FALSE(flags.empty()) << "no mapping of /proc/self/smaps holds the cache";
+  EXPECT_NE((flags + " ").find(" hg "), std::string::npos) << flags;
 }
 
 // Slots past a row's length (the rest of the last tile, and later tiles) hold NaN: never read.
