@@ -171,9 +171,9 @@ Status TiledKVCache::allocate(int64_t tiles) {
   // serving engine's multi-gigabyte page pool costs neither start-up time nor memory until used.
   // They ask for transparent huge pages (honoured where the system's THP mode is madvise or
   // always; the pool then commits 2 MiB at a time): the decode kernels' software prefetch runs
-  // kilobytes ahead of the reads, across page boundaries, and with 4 KiB pages 16-bit K/V read
-  // 3-5% slower (`treeattn_roofline --layouts tiled --seq 262144`, whose probe reads the same
-  // pages). Small ones come from the heap, zeroed.
+  // kilobytes ahead of the reads, across page boundaries, and with 4 KiB pages (THP mode never)
+  // 16-bit K/V read 1-5% slower (`treeattn_roofline --layouts tiled --seq 262144`, whose probe
+  // reads the same pages). Small ones come from the heap, zeroed.
   constexpr std::size_t kMapFrom = std::size_t{2} << 20;
   void* p = nullptr;
   Free del;

@@ -370,8 +370,8 @@ Status run_paged(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& sha
   // Each wave merges its slots into the rows after its items ran; waves run in item order, so
   // every row still gets its groups merged in group order (waves change no bit). A wave's items
   // run on a guided schedule, as the decode driver's (item_driver.hpp): a thread takes runs of
-  // consecutive groups of a cell, so that it reads on through a sequence's pages rather than
-  // every other group of them.
+  // consecutive groups of a cell, so that it reads a sequence's pages in order rather than every
+  // other group of them.
   auto slot_end = [&](int64_t i) {
     return items[i].slot + static_cast<std::size_t>(G * cells[items[i].cell].nq) * rec;
   };
