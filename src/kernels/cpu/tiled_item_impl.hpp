@@ -92,7 +92,8 @@ inline void tiled_score_unit(const float* q, int D, const char* kb0, const char*
 // K and V tiles live apart), fetched up to `done`. Each block plans the lines that bring the
 // streams `ahead` bytes past the block's end and issues them evenly over its time, half
 // spread over the score pass (a few per head_dim step) and half over the value pass (a few
-// per token), so that requests stay in flight while the core computes, `ahead` bytes (the
+// per token of every D slice), so that requests stay in flight while the core computes and
+// none bunch up (bunched requests wait for free miss buffers), `ahead` bytes (the
 // lead) before the data is read.
 struct TiledPrefetch {
   const char* s0 = nullptr;
@@ -212,25 +213,31 @@ inline void tiled_value_slice(const TiledItemArgs& a, int64_t bt, float* const* 
 }
 
 // o += p * V over tokens [tb, te) for RV rows, D in slices; `pf` (first row tile only) issues
-// the block's value-pass prefetch share during the first slice.
+// the block's value-pass prefetch share spread over every slice: AVX2's 16-wide slices would
+// otherwise put it into an eighth of the pass at head dim 128, more requests at once than a core
+// keeps in flight (measure: `treeattn_roofline --layouts tiled --seq 262144 --threads 1`).
 template <DType DT, int RV>
 inline void tiled_value_rows(const TiledItemArgs& a, int64_t bt, float* const* o,
                              const float* const* p, int tb, int te, TiledPrefetch* pf) {
   if (tb >= te) return;
   const int D = a.head_dim;
+  constexpr int kSliceW = kValueVecs * Ops::W;
+  static_assert(kSliceW <= 64, "a whole slice fits the smallest head dim");
+  const int slices = D / kSliceW;
   int d0 = 0;
-  const int per_t = pf != nullptr ? TiledPrefetch::per_step(pf->value_lines, te - tb) : 0;
-  if (per_t > 0) {
-    static_assert(kValueVecs * Ops::W <= 64, "the first slice fits the smallest head dim");
-    tiled_value_slice<DT, RV, kValueVecs, true>(a, bt, o, p, tb, te, 0, pf->p0(), pf->p1(),
+  for (int i = 0; i < slices; ++i, d0 += kSliceW) {
+    const int per_t =
+        pf != nullptr ? TiledPrefetch::per_step(pf->value_lines, int64_t{slices - i} * (te - tb)) : 0;
+    if (per_t == 0) {
+      tiled_value_slice<DT, RV, kValueVecs, false>(a, bt, o, p, tb, te, d0, nullptr, nullptr, 0);
+      continue;
+    }
+    tiled_value_slice<DT, RV, kValueVecs, true>(a, bt, o, p, tb, te, d0, pf->p0(), pf->p1(),
                                                 per_t);
-    d0 = kValueVecs * Ops::W;
     const int64_t issued = int64_t{per_t} * (te - tb);
     pf->done += issued * 64;
     pf->value_lines = pf->value_lines > issued ? pf->value_lines - issued : 0;
   }
-  for (; d0 + kValueVecs * Ops::W <= D; d0 += kValueVecs * Ops::W)
-    tiled_value_slice<DT, RV, kValueVecs, false>(a, bt, o, p, tb, te, d0, nullptr, nullptr, 0);
   for (; d0 < D; d0 += Ops::W)
     tiled_value_slice<DT, RV, 1, false>(a, bt, o, p, tb, te, d0, nullptr, nullptr, 0);
 }
