@@ -34,6 +34,30 @@ struct Ops {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
+  // 16 bf16 values from one load: {elements 0, 2, .., 14; elements 1, 3, .., 15} (the low half
+  // of a 32-bit lane shifted up, the high half masked), each exactly its float value.
+  struct V2 {
+    V a, b;
+  };
+  static V2 load_bf16_pair(const uint16_t* p) {
+    __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    asm("" : "+x"(w));  // one load: the compiler would otherwise fold a second one into vpand
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)),
+            _mm256_castsi256_ps(_mm256_and_si256(w, high))};
+  }
+  // {even, odd} -> memory order {elements 0..7, elements 8..15}; deinterleave is its inverse.
+  static V2 interleave(V even, V odd) {
+    const V lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
+    return {_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)};
+  }
+  static V2 deinterleave(V a, V b) {
+    const V e = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+    const V o = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+    constexpr int kOrder = _MM_SHUFFLE(3, 1, 2, 0);  // 64-bit pairs 0, 2, 1, 3
+    return {_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), kOrder)),
+            _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), kOrder))};
+  }
   static V load_i8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }

@@ -46,6 +46,35 @@ constexpr int kUnitTokens = 2 * Ops::W;
 constexpr int kMaxScoreRows = Ops::W >= 16 ? 8 : 6;
 constexpr int kValueVecs = Ops::W >= 16 ? 4 : 2;
 
+// bf16 in pairs: a target whose Ops has load_bf16_pair widens 2W consecutive bf16 values from
+// one load into two vectors, the even-indexed values and the odd-indexed ones (a shift and a
+// mask, where two separate widenings take a zero extension and a shift each). Vector 0 then
+// holds elements 0, 2, .., vector 1 elements 1, 3, ..; interleave() and deinterleave() move
+// between that order and memory order. Only the order of lanes changes: every element meets the
+// same operations in the same order, so the bits are the same.
+template <class O>
+concept HasBf16Pair = requires(const uint16_t* p, typename O::V v) {
+  O::load_bf16_pair(p);
+  O::interleave(v, v);
+  O::deinterleave(v, v);
+};
+template <DType DT>
+constexpr bool kPairBf16 = DT == DType::kBF16 && HasBf16Pair<Ops>;
+// Called as pair_*<DT, Ops>: the dtype argument makes each call dependent, so a target without
+// the pair functions never compiles one (the calls sit in `if constexpr (kPairBf16<DT>)`).
+template <DType, class O>
+inline auto pair_load(const void* p) {
+  return O::load_bf16_pair(static_cast<const uint16_t*>(p));
+}
+template <DType, class O>
+inline auto pair_interleave(typename O::V even, typename O::V odd) {
+  return O::interleave(even, odd);
+}
+template <DType, class O>
+inline auto pair_deinterleave(typename O::V a, typename O::V b) {
+  return O::deinterleave(a, b);
+}
+
 // Row stride of the score scratch for a block of n tokens (a whole number of 32 tokens, which
 // covers the score units of every target). The driver sizes the scratch with the same rule.
 constexpr int64_t tiled_score_ld(int64_t block_tokens) { return (block_tokens + 31) / 32 * 32; }
@@ -74,8 +103,15 @@ inline void tiled_score_unit(const float* q, int D, const char* kb0, const char*
       pf0 += per * 64;
       if (two) pf1 += per * 64;
     }
-    const V k0 = load_elems<DT>(kb0 + d * row_bytes, 0);
-    const V k1 = load_elems<DT>(kb1 + d * row_bytes, 0);
+    V k0, k1;
+    if constexpr (kPairBf16<DT>) {  // k1 = k0 + W tokens (tiled_score_rows): even | odd tokens
+      const auto k = pair_load<DT, Ops>(kb0 + d * row_bytes);
+      k0 = k.a;
+      k1 = k.b;
+    } else {
+      k0 = load_elems<DT>(kb0 + d * row_bytes, 0);
+      k1 = load_elems<DT>(kb1 + d * row_bytes, 0);
+    }
     for (int r = 0; r < RS; ++r) {
       const V qb = Ops::set1(q[r * D + d]);
       acc0[r] = Ops::fma(qb, k0, acc0[r]);
@@ -83,6 +119,11 @@ inline void tiled_score_unit(const float* q, int D, const char* kb0, const char*
     }
   }
   for (int r = 0; r < RS; ++r) {
+    if constexpr (kPairBf16<DT>) {
+      const auto m = pair_interleave<DT, Ops>(acc0[r], acc1[r]);
+      acc0[r] = m.a;
+      acc1[r] = m.b;
+    }
     Ops::storeu(s + r * ld, acc0[r]);
     Ops::storeu(s + r * ld + Ops::W, acc1[r]);
   }
@@ -140,6 +181,8 @@ void tiled_score_rows(const TiledItemArgs& a, const float* q, int64_t bt, int n,
   };
   for (int u = 0; u < n; u += kUnitTokens) {
     const char* k0 = vec_base(u);
+    // A pair load reads the unit's 2W tokens from k0: a unit never crosses a K panel (panels
+    // hold 16 or 32 tokens), and lanes past the block only give scores that are masked.
     const char* k1 = u + Ops::W < n ? vec_base(u + Ops::W) : k0;
     const int64_t units_left = (n - u + kUnitTokens - 1) / kUnitTokens;
     const int per_d =
@@ -183,6 +226,21 @@ inline void tiled_value_slice(const TiledItemArgs& a, int64_t bt, float* const* 
   using V = typename Ops::V;
   constexpr int64_t es = elem_bytes<DT>();
   const int64_t T = a.tile_tokens, D = a.head_dim;
+  constexpr bool kPair = kPairBf16<DT> && NV % 2 == 0;  // vectors 2i, 2i+1: even, odd d
+  // In pair order the slice of o is rearranged in place around the pass (exact moves), so
+  // that the accumulators are loaded and stored as in memory order (rearranged in registers,
+  // GCC kept them in memory through the token loop).
+  auto rearrange = [&](auto fn) {
+    for (int r = 0; r < RV; ++r)
+      for (int j = 0; j < NV; j += 2) {
+        float* x = o[r] + d0 + j * Ops::W;
+        const auto m = fn(Ops::loadu(x), Ops::loadu(x + Ops::W));
+        Ops::storeu(x, m.a);
+        Ops::storeu(x + Ops::W, m.b);
+      }
+  };
+  if constexpr (kPair)
+    rearrange([](V x, V y) { return pair_deinterleave<DT, Ops>(x, y); });
   V acc[RV][NV];
   for (int r = 0; r < RV; ++r)
     for (int j = 0; j < NV; ++j) acc[r][j] = Ops::loadu(o[r] + d0 + j * Ops::W);
@@ -201,7 +259,15 @@ inline void tiled_value_slice(const TiledItemArgs& a, int64_t bt, float* const* 
         if (pf1 != nullptr) pf1 += pf_per_t * 64;
       }
       V vv[NV];
-      for (int j = 0; j < NV; ++j) vv[j] = load_elems<DT>(row, j * Ops::W);
+      if constexpr (kPair) {
+        for (int j = 0; j < NV; j += 2) {
+          const auto v = pair_load<DT, Ops>(row + j * Ops::W * 2);
+          vv[j] = v.a;
+          vv[j + 1] = v.b;
+        }
+      } else {
+        for (int j = 0; j < NV; ++j) vv[j] = load_elems<DT>(row, j * Ops::W);
+      }
       for (int r = 0; r < RV; ++r) {
         const V pb = Ops::set1(p[r][t]);
         for (int j = 0; j < NV; ++j) acc[r][j] = Ops::fma(pb, vv[j], acc[r][j]);
@@ -210,6 +276,7 @@ inline void tiled_value_slice(const TiledItemArgs& a, int64_t bt, float* const* 
   }
   for (int r = 0; r < RV; ++r)
     for (int j = 0; j < NV; ++j) Ops::storeu(o[r] + d0 + j * Ops::W, acc[r][j]);
+  if constexpr (kPair) rearrange([](V x, V y) { return pair_interleave<DT, Ops>(x, y); });
 }
 
 // o += p * V over tokens [tb, te) for RV rows, D in slices; `pf` (first row tile only) issues
@@ -227,7 +294,8 @@ inline void tiled_value_rows(const TiledItemArgs& a, int64_t bt, float* const* o
   int d0 = 0;
   for (int i = 0; i < slices; ++i, d0 += kSliceW) {
     const int per_t =
-        pf != nullptr ? TiledPrefetch::per_step(pf->value_lines, int64_t{slices - i} * (te - tb)) : 0;
+        pf != nullptr ? TiledPrefetch::per_step(pf->value_lines, int64_t{slices - i} * (te - tb))
+                      : 0;
     if (per_t == 0) {
       tiled_value_slice<DT, RV, kValueVecs, false>(a, bt, o, p, tb, te, d0, nullptr, nullptr, 0);
       continue;
