@@ -69,7 +69,7 @@ int64_t default_bytes() {
 }
 
 constexpr int64_t kKVHeads = 8;
-const int64_t kTiledLeads[] = {0, 4096, 8192, 12288, 16384, 24576};
+const int64_t kTiledLeads[] = {0, 4096, 8192, 12288, 16384, 24576, 32768, 65536};
 const int64_t kRowsLeads[] = {0, 1024, 2048, 4096};
 const int64_t kPagedLeads[] = {4096, 8192, 12288, 16384};
 
