@@ -38,9 +38,9 @@
 // fraction growing with the GQA group), and leads longer than kTiledPrefetchBytes read slower,
 // so the prefetch cannot hide all of the compute. Measure: `treeattn bench --kernel
 // --kernel-cases` (fraction of the probe and of the bound per case, docs/kernels.md).
-// The score pass takes its prefetch count per d step as a template value when it is one line
-// (16-bit K/V), so that its d loop unrolls; other counts, and the value pass, take it at run
-// time.
+// Both passes take their prefetch count per step (d step, token) as a template value when it
+// is one line, the common case, so that the loops carry no inner prefetch loop; other counts
+// take it at run time.
 
 constexpr int kUnitTokens = 2 * Ops::W;
 constexpr int kMaxScoreRows = Ops::W >= 16 ? 8 : 6;
@@ -219,7 +219,7 @@ void tiled_score_dispatch_n(int rs, const TiledItemArgs& a, const float* q, int6
 // o[r][d0 .. d0 + NV*W) += sum_{t in [tb, te)} p[r][t] * V[t][d0 ..] for RV rows; block token
 // t is lane t % T of tile bt + t / T.
 // With PF, also prefetches pf_per_t lines of each stream per token, from pf0 (and pf1).
-template <DType DT, int RV, int NV, bool PF>
+template <DType DT, int RV, int NV, bool PF, int kPerT = 0, bool kTwo = false>
 inline void tiled_value_slice(const TiledItemArgs& a, int64_t bt, float* const* o,
                               const float* const* p, int tb, int te, int d0, const char* pf0,
                               const char* pf1, int pf_per_t) {
@@ -251,12 +251,14 @@ inline void tiled_value_slice(const TiledItemArgs& a, int64_t bt, float* const* 
     const char* row = a.v + (bt + tile) * a.tile_stride + ((t - tile * T) * D + d0) * es;
     for (; t < tile_end; ++t, row += D * es) {
       if constexpr (PF) {
-        for (int j = 0; j < pf_per_t; ++j) {
+        const int per = kPerT > 0 ? kPerT : pf_per_t;
+        const bool two = kPerT > 0 ? kTwo : pf1 != nullptr;
+        for (int j = 0; j < per; ++j) {
           __builtin_prefetch(pf0 + j * 64, 0, 3);
-          if (pf1 != nullptr) __builtin_prefetch(pf1 + j * 64, 0, 3);
+          if (two) __builtin_prefetch(pf1 + j * 64, 0, 3);
         }
-        pf0 += pf_per_t * 64;
-        if (pf1 != nullptr) pf1 += pf_per_t * 64;
+        pf0 += per * 64;
+        if (two) pf1 += per * 64;
       }
       V vv[NV];
       if constexpr (kPair) {
@@ -300,8 +302,15 @@ inline void tiled_value_rows(const TiledItemArgs& a, int64_t bt, float* const* o
       tiled_value_slice<DT, RV, kValueVecs, false>(a, bt, o, p, tb, te, d0, nullptr, nullptr, 0);
       continue;
     }
-    tiled_value_slice<DT, RV, kValueVecs, true>(a, bt, o, p, tb, te, d0, pf->p0(), pf->p1(),
-                                                per_t);
+    if (per_t == 1 && pf->p1() == nullptr)
+      tiled_value_slice<DT, RV, kValueVecs, true, 1, false>(a, bt, o, p, tb, te, d0, pf->p0(),
+                                                            nullptr, 1);
+    else if (per_t == 1)
+      tiled_value_slice<DT, RV, kValueVecs, true, 1, true>(a, bt, o, p, tb, te, d0, pf->p0(),
+                                                           pf->p1(), 1);
+    else
+      tiled_value_slice<DT, RV, kValueVecs, true>(a, bt, o, p, tb, te, d0, pf->p0(), pf->p1(),
+                                                  per_t);
     const int64_t issued = int64_t{per_t} * (te - tb);
     pf->done += issued * 64;
     pf->value_lines = pf->value_lines > issued ? pf->value_lines - issued : 0;
