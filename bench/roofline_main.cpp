@@ -6,17 +6,20 @@
 //                     [--seq N,...] [--batch B] [--q-len Q] [--heads H] [--kv-heads K]
 //                     [--head-dim D] [--chunk N] [--probe-once]
 //                     [--layouts rows,tiled] [--tile-tokens 16,32] [--tile-layout split,interleaved]
-//                     [--block-tiles 1,2,4] [--prefetch 0,4096] [--no-peer] [--no-check]
+//                     [--block-tiles 1,2,4] [--prefetch 0,4096,16384:l2] [--no-peer] [--no-check]
 //                     [--json FILE]
 // --seq (a list) replaces the default cases with one case per length of the shape given by
 // --batch/--q-len/--heads/--kv-heads/--head-dim (default llama3-8b: 32, 8, 128). The tiled
 // layout is timed once per (tile tokens x tile layout x softmax block tiles x prefetch bytes);
 // 0 block tiles and -1 prefetch bytes mean the kernel's defaults (src/kernels/cpu/
-// cpu_targets.hpp), rows in the table read t<tokens><s|i>-b<block tiles>-p<prefetch bytes>.
+// cpu_targets.hpp), rows in the table read t<tokens><s|i>-b<block tiles>-p<prefetch bytes>. A
+// lead may name where its lines go, ":l1" (prefetcht0) or ":l2" (prefetcht1; the row's label
+// ends in "l2"); without it, where the tuning puts them.
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "treeattn/roofline.hpp"
@@ -51,7 +54,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> tile_tokens{kKVTileTokens};
   std::vector<KVTileLayout> tile_layouts{kKVTileLayout};
   std::vector<int> block_tiles{0};
-  std::vector<int64_t> prefetch{-1};
+  std::vector<std::pair<int64_t, int>> prefetch{{-1, -1}};  // lead, level (-1: the tuned ones)
   bool tiled = true;
   for (int i = 1; i < argc; ++i) {
     const std::string_view a = argv[i];
@@ -103,7 +106,14 @@ int main(int argc, char** argv) {
       for (const std::string& t : split(next())) block_tiles.push_back(std::atoi(t.c_str()));
     } else if (a == "--prefetch") {
       prefetch.clear();
-      for (const std::string& t : split(next())) prefetch.push_back(std::atoll(t.c_str()));
+      for (const std::string& t : split(next())) {
+        const auto colon = t.find(':');
+        const std::string lvl = colon == std::string::npos ? "" : t.substr(colon + 1);
+        if (!lvl.empty() && lvl != "l1" && lvl != "l2")
+          return usage(("unknown prefetch level '" + lvl + "' in '" + t + "' (l1, l2)").c_str());
+        prefetch.emplace_back(std::atoll(t.substr(0, colon).c_str()),
+                              lvl.empty() ? -1 : (lvl == "l2" ? 2 : 1));
+      }
     } else if (a == "--tile-layout") {
       tile_layouts.clear();
       for (const std::string& l : split(next())) {
@@ -132,7 +142,8 @@ int main(int argc, char** argv) {
     for (int64_t tt : tile_tokens)
       for (KVTileLayout tl : tile_layouts)
         for (int bt : block_tiles)
-          for (int64_t pf : prefetch) opt.tiles.push_back(RooflineTiles{tt, tl, bt, pf});
+          for (const auto& [pf, level] : prefetch)
+            opt.tiles.push_back(RooflineTiles{tt, tl, bt, pf, level});
   const Result<std::vector<RooflineRecord>> r = run_roofline(opt);
   if (!r.is_ok()) {
     std::fprintf(stderr, "treeattn_roofline: %s\n", r.status().to_string().c_str());

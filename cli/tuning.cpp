@@ -17,8 +17,10 @@ namespace treeattn::cli {
 
 std::string tuning_choice_text(const TuneChoice& c) {
   char buf[192];
-  std::snprintf(buf, sizeof buf, "tiled lead %lld, paged lead %lld, rows lead %lld, %s outer, layout %s",
-                static_cast<long long>(c.tiled_prefetch), static_cast<long long>(c.paged_prefetch),
+  std::snprintf(buf, sizeof buf,
+                "tiled lead %lld%s, paged lead %lld%s, rows lead %lld, %s outer, layout %s",
+                static_cast<long long>(c.tiled_prefetch), c.tiled_l2 ? ":l2" : "",
+                static_cast<long long>(c.paged_prefetch), c.paged_l2 ? ":l2" : "",
                 static_cast<long long>(c.rows_prefetch), c.chunks_outer ? "chunks" : "heads",
                 std::string(kv_layout_name(c.layout)).c_str());
   return buf;

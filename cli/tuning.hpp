@@ -28,7 +28,8 @@ void apply_no_tune(bool no_tune);
 void tune_at_start(const char* cmd, const std::vector<TuneKey>& keys,
                    const std::vector<int>& matmul_threads = {});
 
-// "tiled lead 12288, paged lead 8192, rows lead 2048, heads outer, layout tiled".
+// "tiled lead 12288, paged lead 8192, rows lead 2048, heads outer, layout tiled" (a lead into
+// L2 reads "16384:l2").
 std::string tuning_choice_text(const TuneChoice& c);
 
 }  // namespace treeattn::cli

@@ -54,6 +54,7 @@ struct RooflineTiles {
   KVTileLayout layout = kKVTileLayout;
   int block_tiles = 0;         // tiles per softmax block; 0: the kernel's default
   int64_t prefetch_bytes = -1; // software prefetch distance; -1: the kernel's default, 0: none
+  int prefetch_level = -1;     // where it fetches: 1 into L1, 2 into L2; -1: the kernel's default
 };
 
 struct RooflineOptions {
@@ -81,6 +82,7 @@ struct RooflineRecord {
   std::string tile_layout;      // tiled: "split" or "interleaved" (empty for rows)
   int block_tiles = 0;          // tiled: tiles per softmax block the kernel ran with
   int64_t prefetch_bytes = 0;   // tiled: software prefetch distance the kernel ran with
+  bool prefetch_l2 = false;     // tiled: ... into L2 (prefetcht1), else into L1 (prefetcht0)
   int64_t batch = 0, heads = 0, kv_heads = 0, head_dim = 0, q_len = 0;
   int64_t seq = 0;              // KV tokens per batch row
   int threads = 0;

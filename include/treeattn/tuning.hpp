@@ -10,6 +10,8 @@
 //
 //   tiled_prefetch   software prefetch lead of the tiled decode driver, bytes per stream
 //   paged_prefetch   the same for the paged driver (the serving engine's pools)
+//   tiled_l2, paged_l2  whether those drivers' prefetch fetches into L2 (prefetcht1) rather than
+//                    into L1 (prefetcht0): timed with the leads, as lead and level pairs
 //   rows_prefetch    the same for the caller's rows layout (rounded up to whole tokens)
 //   chunks_outer     the order the tiled and rows drivers hand items to threads: a head's chunks
 //                    one after another (false) or chunk by chunk over the heads (true)
@@ -62,6 +64,8 @@ struct TuneKey {
 struct TuneChoice {
   int64_t tiled_prefetch = 8192;
   int64_t paged_prefetch = 8192;
+  bool tiled_l2 = false;
+  bool paged_l2 = false;
   int64_t rows_prefetch = 2048;
   bool chunks_outer = false;
   KVLayout layout = KVLayout::kTiled;

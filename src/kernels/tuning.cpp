@@ -2,10 +2,11 @@
 // (read at the first kernel call), the lookup the drivers make, and the store.
 //
 // The file, one line each:
-//   treeattn kernel tuning 1
+//   treeattn kernel tuning 2
 //   key <CPU model> (family F model M stepping S)|<ISA>|<build>
-//   entry <dtype> <head_dim> <group> <threads> tiled_prefetch=N paged_prefetch=N rows_prefetch=N
-//         order=heads|chunks layout=rows|tiled probe_gbps=X kernel_gbps=X      (one line)
+//   entry <dtype> <head_dim> <group> <threads> tiled_prefetch=N tiled_level=l1|l2
+//         paged_prefetch=N paged_level=l1|l2 rows_prefetch=N order=heads|chunks
+//         layout=rows|tiled probe_gbps=X kernel_gbps=X                         (one line)
 //   matmul <threads> tile_bytes=N gops=X                                            (any number)
 //   end <number of entries and matmul lines>
 // Anything else (a missing or extra line, an unknown field, a value out of range, two entries
@@ -33,7 +34,7 @@ namespace treeattn {
 
 namespace {
 
-constexpr const char* kHeader = "treeattn kernel tuning 1";
+constexpr const char* kHeader = "treeattn kernel tuning 2";
 // The most bytes a lead may be (also what the environment's overrides accept).
 constexpr int64_t kMaxLead = int64_t{1} << 20;
 
@@ -87,14 +88,16 @@ bool first_on_host() {
 // ---- the file format --------------------------------------------------------------------
 
 std::string entry_line(const TuneEntry& e) {
-  char buf[320];
+  char buf[384];
   std::snprintf(buf, sizeof buf,
-                "entry %s %lld %lld %d tiled_prefetch=%lld paged_prefetch=%lld "
-                "rows_prefetch=%lld order=%s layout=%s probe_gbps=%.3f kernel_gbps=%.3f",
+                "entry %s %lld %lld %d tiled_prefetch=%lld tiled_level=%s paged_prefetch=%lld "
+                "paged_level=%s rows_prefetch=%lld order=%s layout=%s probe_gbps=%.3f "
+                "kernel_gbps=%.3f",
                 std::string(dtype_name(e.key.dtype)).c_str(),
                 static_cast<long long>(e.key.head_dim), static_cast<long long>(e.key.group),
                 e.key.threads, static_cast<long long>(e.choice.tiled_prefetch),
-                static_cast<long long>(e.choice.paged_prefetch),
+                e.choice.tiled_l2 ? "l2" : "l1", static_cast<long long>(e.choice.paged_prefetch),
+                e.choice.paged_l2 ? "l2" : "l1",
                 static_cast<long long>(e.choice.rows_prefetch),
                 e.choice.chunks_outer ? "chunks" : "heads",
                 std::string(kv_layout_name(e.choice.layout)).c_str(), e.probe_gbps,
@@ -136,7 +139,7 @@ std::string parse_entry(const std::string& line, TuneEntry& e) {
   if (!parse_int(g, 1, 4096, e.key.group)) return "bad group '" + g + "'";
   if (!parse_int(t, 1, kMaxThreads, v)) return "bad threads '" + t + "'";
   e.key.threads = static_cast<int>(v);
-  bool seen[8] = {};
+  bool seen[9] = {};
   std::string field;
   while (in >> field) {
     const auto eq = field.find('=');
@@ -167,6 +170,14 @@ std::string parse_entry(const std::string& line, TuneEntry& e) {
     } else if (name == "kernel_gbps") {
       which = 6;
       ok = parse_gbps(value, e.kernel_gbps);
+    } else if (name == "tiled_level") {
+      which = 7;
+      ok = value == "l1" || value == "l2";
+      e.choice.tiled_l2 = value == "l2";
+    } else if (name == "paged_level") {
+      which = 8;
+      ok = value == "l1" || value == "l2";
+      e.choice.paged_l2 = value == "l2";
     } else {
       return "unknown field '" + name + "'";
     }
@@ -174,7 +185,7 @@ std::string parse_entry(const std::string& line, TuneEntry& e) {
     if (seen[which]) return name + " given twice";
     seen[which] = true;
   }
-  for (int i = 0; i < 7; ++i)
+  for (int i = 0; i < 9; ++i)
     if (!seen[i]) return "an entry lacks a field";
   return "";
 }

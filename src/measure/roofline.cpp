@@ -568,6 +568,7 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
           kernels::cpu::TiledTuning tuning = saved;
           if (v.tiles.block_tiles > 0) tuning.block_tiles = v.tiles.block_tiles;
           if (v.tiles.prefetch_bytes >= 0) tuning.prefetch_bytes = v.tiles.prefetch_bytes;
+          if (v.tiles.prefetch_level > 0) tuning.prefetch_level = v.tiles.prefetch_level;
           kernels::cpu::set_tiled_tuning(tuning);
           const Status st_run =
               decode_partial_tiled(shape, h.q.data(), v.cache.view(l, l0, l), st, opt);
@@ -629,10 +630,10 @@ Result<std::vector<RooflineRecord>> run_roofline(const RooflineOptions& options)
             rec.tile_layout = std::string(kv_tile_layout_name(v.tiles.layout));
             const kernels::cpu::TiledTuning tuning = kernels::cpu::tiled_tuning();
             rec.block_tiles = v.tiles.block_tiles > 0 ? v.tiles.block_tiles : tuning.block_tiles;
-            rec.prefetch_bytes =
-                v.tiles.prefetch_bytes >= 0
-                    ? v.tiles.prefetch_bytes
-                    : kernels::cpu::driver_choice(t, s.head_dim, s.group(), T, isa).tiled_prefetch;
+            const kernels::cpu::DriverChoice dc =
+                kernels::cpu::driver_choice(t, s.head_dim, s.group(), T, isa);
+            rec.prefetch_bytes = v.tiles.prefetch_bytes >= 0 ? v.tiles.prefetch_bytes : dc.tiled_prefetch;
+            rec.prefetch_l2 = v.tiles.prefetch_level > 0 ? v.tiles.prefetch_level == 2 : dc.tiled_l2;
           }
           rec.threads = T;
           rec.peak_gflops = peak.value();
@@ -793,7 +794,8 @@ std::string roofline_table(const std::vector<RooflineRecord>& records) {
     std::string layout = r.layout;
     if (r.layout == "tiled") {
       layout = "t" + std::to_string(r.tile_tokens) + (r.tile_layout == "split" ? "s" : "i") +
-               "-b" + std::to_string(r.block_tiles) + "-p" + std::to_string(r.prefetch_bytes);
+               "-b" + std::to_string(r.block_tiles) + "-p" + std::to_string(r.prefetch_bytes) +
+               (r.prefetch_l2 && r.prefetch_bytes > 0 ? "l2" : "");
     }
     std::snprintf(line, sizeof line,
                   "%-26s %-5s %-7s %-16s %3d %7lld %8.1f %8.2f %7.2f %7.2f %6.3f %7.2f %7.2f %5.0f%% "
@@ -819,6 +821,7 @@ std::string roofline_json(const std::vector<RooflineRecord>& records) {
          "\", \"layout\": \"" + r.layout + "\", \"tile_tokens\": " + std::to_string(r.tile_tokens) +
          ", \"tile_layout\": \"" + r.tile_layout + "\", \"block_tiles\": " +
          std::to_string(r.block_tiles) + ", \"prefetch_bytes\": " + std::to_string(r.prefetch_bytes) +
+         ", \"prefetch_level\": \"" + (r.prefetch_l2 ? "l2" : "l1") + "\"" +
          ", \"batch\": " + std::to_string(r.batch) + ", \"heads\": " + std::to_string(r.heads) +
          ", \"kv_heads\": " + std::to_string(r.kv_heads) +
          ", \"head_dim\": " + std::to_string(r.head_dim) + ", \"q_len\": " + std::to_string(r.q_len) +

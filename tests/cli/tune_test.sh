@@ -25,14 +25,14 @@ case "$case_name" in
       fail "tune failed: $out"
     for want in "bf16 D64 G3 T1: " "probe .* GB/s" "tiled_prefetch +12288 .* default" "paged_prefetch" \
                 "rows_prefetch" "item_order +heads" "item_order +chunks" "layout +rows" "layout +tiled" \
-                "<- chosen" "chosen: tiled lead [0-9]+, paged lead [0-9]+, rows lead [0-9]+, (heads|chunks) outer, layout (rows|tiled)" \
+                "<- chosen" "chosen: tiled lead [0-9]+(:l2)?, paged lead [0-9]+(:l2)?, rows lead [0-9]+, (heads|chunks) outer, layout (rows|tiled)" \
                 "matmul T1: int8 K-quant token tile" "matmul_tile +512 .* default" \
                 "stored 2 entries in $TREEATTN_CACHE_DIR/kernel-tuning-[0-9a-f]{16}.txt"; do
       grep -qE -- "$want" <<<"$out" || fail "tune's output lacks /$want/: $out"
     done
     [ "$(grep -c '<- chosen' <<<"$out")" = 6 ] || fail "not one choice per knob: $out"
     file=$(ls "$TREEATTN_CACHE_DIR"/kernel-tuning-*.txt) || fail "no cache file"
-    head -1 "$file" | grep -qx "treeattn kernel tuning 1" || fail "bad header: $(cat "$file")"
+    head -1 "$file" | grep -qx "treeattn kernel tuning 2" || fail "bad header: $(cat "$file")"
     grep -qE "^entry bf16 64 3 1 tiled_prefetch=" "$file" || fail "no entry: $(cat "$file")"
     grep -qE "^matmul 1 tile_bytes=[0-9]+ gops=" "$file" || fail "no matmul line: $(cat "$file")"
     $py - "$tmp/t.json" <<'PY' || exit 1
@@ -87,7 +87,7 @@ PY
       fail "no warning for a foreign file: $out"
     grep -q "tuning the CPU kernels for bf16 D64 G3 T1" <<<"$out" || fail "the foreign file was not replaced: $out"
     grep -q "^key Another CPU" "$file" && fail "still foreign: $(cat "$file")"
-    printf 'treeattn kernel tuning 1\nkey half a file' > "$file"
+    printf 'treeattn kernel tuning 2\nkey half a file' > "$file"
     out=$("$bin" tune --dtype bf16 --head-dim 64 --group 3 --threads 1 "${quick[@]}" --no-matmul 2>&1) || fail "$out"
     grep -q "treeattn: warning: kernel tuning cache $file ignored: it is corrupt" <<<"$out" || fail "no warning for a corrupt file: $out"
     grep -qx "end 1" "$file" || fail "not rewritten: $(cat "$file")" ;;

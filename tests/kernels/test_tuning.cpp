@@ -74,6 +74,8 @@ TuneEntry unusual(const TuneKey& key) {
   e.choice = tuning_defaults(key, best_isa());
   e.choice.tiled_prefetch = 20480;
   e.choice.paged_prefetch = 28672;
+  e.choice.tiled_l2 = true;
+  e.choice.paged_l2 = true;
   e.choice.rows_prefetch = 3072;
   e.choice.chunks_outer = true;
   e.choice.layout = host_kv_layout(best_isa()) == KVLayout::kRows ? KVLayout::kTiled
@@ -87,6 +89,8 @@ void expect_driver_uses(const TuneChoice& c, const TuneKey& k, const std::string
   const kc::DriverChoice d = kc::driver_choice(k.dtype, k.head_dim, k.group, k.threads, best_isa());
   EXPECT_EQ(d.tiled_prefetch, c.tiled_prefetch) << what;
   EXPECT_EQ(d.paged_prefetch, c.paged_prefetch) << what;
+  EXPECT_EQ(d.tiled_l2, c.tiled_l2) << what;
+  EXPECT_EQ(d.paged_l2, c.paged_l2) << what;
   EXPECT_EQ(d.rows_prefetch, c.rows_prefetch) << what;
   EXPECT_EQ(d.order == kc::ItemOrder::kChunksOuter, c.chunks_outer) << what;
 }
@@ -111,7 +115,7 @@ TEST(Tuning, CacheHitIsWhatTheKernelsUse) {
   EXPECT_EQ(s.entries[0].choice, ea.choice);
   EXPECT_DOUBLE_EQ(s.entries[0].probe_gbps, 12.5);
   const std::string text = read_all(s.path);
-  EXPECT_EQ(text.rfind("treeattn kernel tuning 1\nkey " + tuning_cache_key() + "\n", 0), 0u) << text;
+  EXPECT_EQ(text.rfind("treeattn kernel tuning 2\nkey " + tuning_cache_key() + "\n", 0), 0u) << text;
 
   expect_driver_uses(ea.choice, a, "the key's own entry");
   expect_driver_uses(ea.choice, TuneKey{DType::kBF16, 128, 8, 2}, "nearest: same dtype, head_dim");
@@ -183,7 +187,7 @@ TEST(Tuning, ForeignOrCorruptCacheIsIgnoredWithAWarning) {
        "it was tuned for "},
       {"another build", replaced(key_line, key_line.substr(0, key_line.size() - 1) + "0\n"),
        "it was tuned for "},
-      {"garbage", "\x7f" "ELF\x02\x01\x01 not a tuning file\n", "it is corrupt (no 'treeattn kernel tuning 1' line)"},
+      {"garbage", "\x7f" "ELF\x02\x01\x01 not a tuning file\n", "it is corrupt (no 'treeattn kernel tuning 2' line)"},
       {"empty", "", "it is corrupt"},
       {"truncated", good.substr(0, good.find("\nend") + 1), "does not end with 'end 1'"},
       {"a wrong count", replaced("end 1", "end 2"), "does not end with 'end 1'"},
@@ -191,6 +195,7 @@ TEST(Tuning, ForeignOrCorruptCacheIsIgnoredWithAWarning) {
        "bad value 'fast' for tiled_prefetch"},
       {"a lead out of range", replaced("tiled_prefetch=20480", "tiled_prefetch=99999999"),
        "bad value '99999999' for tiled_prefetch"},
+      {"a bad level", replaced("tiled_level=l2", "tiled_level=l3"), "bad value 'l3' for tiled_level"},
       {"an unknown field", replaced("order=chunks", "order=chunks speed=11"), "unknown field 'speed'"},
       {"a missing field", replaced(" order=chunks", ""), "an entry lacks a field"},
       {"two entries of one key", replaced("end 1", entry + "end 2"), "two entries for bf16 D128 G4 T1"},
@@ -421,7 +426,8 @@ TEST(Tuning, EveryCandidateGivesTheSameBits) {
             ASSERT_EQ(got.size(), want.size());
             EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0)
                 << isa_name(isa) << " " << dtype_name(dt) << " " << s.to_string()
-                << " tiled " << cand.tiled_prefetch << " paged " << cand.paged_prefetch
+                << " tiled " << cand.tiled_prefetch << (cand.tiled_l2 ? ":l2" : "") << " paged "
+                << cand.paged_prefetch << (cand.paged_l2 ? ":l2" : "")
                 << " rows " << cand.rows_prefetch << " chunks outer " << cand.chunks_outer
                 << " threads " << threads;
             ++compared;
@@ -433,28 +439,37 @@ TEST(Tuning, EveryCandidateGivesTheSameBits) {
   EXPECT_GT(compared, 0);
 }
 
-// The candidate sets: each differs from the defaults in one choice, the defaults' own values
-// are among them, and the leads cover shorter and longer ones.
+// The candidate sets: each differs from the defaults in one choice (a lead with its level is
+// one), the defaults' own values are among them, and the leads cover shorter and longer ones,
+// into L1 and into L2.
 TEST(Tuning, CandidatesChangeOneChoiceEach) {
-  const TuneKey key{DType::kBF16, 128, 4, 1};
-  const TuneChoice d = tuning_defaults(key, best_isa());
-  const std::vector<TuneChoice> cands = tuning_candidates(key, best_isa());
-  int tiled = 0, paged = 0, rows = 0, order = 0;
-  for (const TuneChoice& c : cands) {
-    const int changed = (c.tiled_prefetch != d.tiled_prefetch) + (c.paged_prefetch != d.paged_prefetch) +
-                        (c.rows_prefetch != d.rows_prefetch) + (c.chunks_outer != d.chunks_outer);
-    EXPECT_LE(changed, 1);
-    EXPECT_EQ(c.layout, d.layout);
-    tiled += c.tiled_prefetch != d.tiled_prefetch;
-    paged += c.paged_prefetch != d.paged_prefetch;
-    rows += c.rows_prefetch != d.rows_prefetch;
-    order += c.chunks_outer != d.chunks_outer;
+  for (const TuneKey& key : {TuneKey{DType::kBF16, 128, 4, 1}, TuneKey{DType::kF32, 128, 4, 2}}) {
+    const TuneChoice d = tuning_defaults(key, best_isa());
+    EXPECT_FALSE(d.tiled_l2);
+    EXPECT_FALSE(d.paged_l2);
+    const std::vector<TuneChoice> cands = tuning_candidates(key, best_isa());
+    int tiled = 0, paged = 0, rows = 0, order = 0, tiled_l2 = 0, paged_l2 = 0;
+    for (const TuneChoice& c : cands) {
+      const bool t = c.tiled_prefetch != d.tiled_prefetch || c.tiled_l2 != d.tiled_l2;
+      const bool p = c.paged_prefetch != d.paged_prefetch || c.paged_l2 != d.paged_l2;
+      const int changed = t + p + (c.rows_prefetch != d.rows_prefetch) + (c.chunks_outer != d.chunks_outer);
+      EXPECT_LE(changed, 1);
+      EXPECT_EQ(c.layout, d.layout);
+      tiled += t;
+      paged += p;
+      tiled_l2 += c.tiled_l2;
+      paged_l2 += c.paged_l2;
+      rows += c.rows_prefetch != d.rows_prefetch;
+      order += c.chunks_outer != d.chunks_outer;
+    }
+    EXPECT_GE(tiled, 8);
+    EXPECT_GE(tiled_l2, 4);
+    EXPECT_GE(paged, 5);
+    EXPECT_GE(paged_l2, 2);
+    EXPECT_GE(rows, 3);
+    EXPECT_EQ(order, 1);
+    EXPECT_NE(std::find(cands.begin(), cands.end(), d), cands.end());
   }
-  EXPECT_GE(tiled, 4);
-  EXPECT_GE(paged, 3);
-  EXPECT_GE(rows, 3);
-  EXPECT_EQ(order, 1);
-  EXPECT_NE(std::find(cands.begin(), cands.end(), d), cands.end());
 }
 
 // A short calibration: one chosen value per choice, among the candidates, rates measured, the
@@ -484,7 +499,12 @@ TEST(Tuning, CalibrationPicksAmongItsCandidates) {
         defaults += c.is_default;
         EXPECT_GT(c.gbps, 0) << knob << " " << c.value;
         if (c.chosen && std::string(knob) == "tiled_prefetch") {
-          EXPECT_EQ(c.value, std::to_string(res.entry.choice.tiled_prefetch));
+          EXPECT_EQ(c.value, std::to_string(res.entry.choice.tiled_prefetch) +
+                                 (res.entry.choice.tiled_l2 ? ":l2" : ""));
+        }
+        if (c.chosen && std::string(knob) == "paged_prefetch") {
+          EXPECT_EQ(c.value, std::to_string(res.entry.choice.paged_prefetch) +
+                                 (res.entry.choice.paged_l2 ? ":l2" : ""));
         }
         if (c.chosen && std::string(knob) == "layout") {
           EXPECT_EQ(c.value, std::string(kv_layout_name(res.entry.choice.layout)));
@@ -540,6 +560,15 @@ TEST(Tuning, OverridesComeBeforeTheCacheAndTheForcedChoiceBeforeAll) {
     kc::force_driver_choice(&forced);
     expect_driver_uses(forced, k, "forced");
     kc::force_driver_choice(nullptr);
+  }
+  for (int level : {1, 2}) {  // the level override, over the cache's l2 (unusual())
+    kc::TiledTuning t = saved;
+    t.prefetch_level = level;
+    kc::set_tiled_tuning(t);
+    const kc::DriverChoice d = kc::driver_choice(k.dtype, k.head_dim, k.group, k.threads, best_isa());
+    EXPECT_EQ(d.tiled_l2, level == 2);
+    EXPECT_EQ(d.paged_l2, level == 2);
+    EXPECT_EQ(d.tiled_prefetch, e.choice.tiled_prefetch);
   }
   kc::set_tiled_tuning(saved);
   expect_driver_uses(e.choice, k, "back to the cache");

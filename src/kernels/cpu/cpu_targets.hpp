@@ -94,6 +94,7 @@ struct TiledItemArgs {
   float* scores = nullptr;        // scratch: (R + 2) * ld floats, ld = block tokens rounded
                                   // up to 32 (tiled_score_ld())
   int64_t prefetch_bytes = 0;     // software prefetch distance per stream (0: none)
+  bool prefetch_l2 = false;       // the prefetch into L2 (prefetcht1), else into L1 (prefetcht0)
 };
 
 using TiledItemFn = void (*)(const TiledItemArgs&);
@@ -135,9 +136,13 @@ struct TiledTuning {
   // -1: the tuned lead (driver_tuning.hpp); 0: no software prefetch; else this lead for every
   // dtype, in the tiled and the paged driver.
   int64_t prefetch_bytes = -1;
+  // -1: the tuned level; 1: the prefetch into L1 (prefetcht0); 2: into L2 (prefetcht1), in the
+  // tiled and the paged driver.
+  int prefetch_level = -1;
 };
 // What the tiled driver uses: the defaults above, overridden by the environment variables
-// TREEATTN_TILED_BLOCK_TILES and TREEATTN_TILED_PREFETCH_BYTES (read once), or by
+// TREEATTN_TILED_BLOCK_TILES, TREEATTN_TILED_PREFETCH_BYTES and TREEATTN_TILED_PREFETCH_LEVEL
+// (1 or 2; read once), or by
 // set_tiled_tuning() (benchmarks comparing alternatives in one run; call it only while no
 // tiled kernel runs). block_tiles changes the online-softmax blocking, hence the bits: it is
 // an experiment's knob, never tuned.

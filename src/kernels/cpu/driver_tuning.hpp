@@ -14,6 +14,8 @@ namespace treeattn::kernels::cpu {
 struct DriverChoice {
   int64_t tiled_prefetch = 0;  // bytes per stream ahead of the block read (0: none)
   int64_t paged_prefetch = 0;
+  bool tiled_l2 = false;       // the tiled driver's prefetch into L2 (prefetcht1), else into L1
+  bool paged_l2 = false;       // the same for the paged driver
   int64_t rows_prefetch = 0;   // bytes per stream; rows_prefetch_tokens() makes it tokens
   int rows_tokens = -1;        // TREEATTN_PREFETCH_TOKENS (>= 0) when it overrides rows_prefetch
   ItemOrder order = ItemOrder::kHeadsOuter;  // for layouts whose heads are outer in memory

@@ -45,6 +45,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cpu/cpu_targets.hpp"
@@ -205,7 +206,7 @@ int64_t pages_needed(const PagedEntry& en, int64_t limit) {
 // Runs one item: pages [p0, p1) of the cell's entry, page by page, into its slot.
 void run_item(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& shape, const TiledKVShard& pool,
               const PagedEntry& en, const PagedCell& cell, int64_t p0, int64_t p1, float* slot,
-              float scale, int64_t prefetch_bytes) {
+              float scale, int64_t prefetch_bytes, bool prefetch_l2) {
   const int64_t H = shape.heads, D = shape.head_dim, G = shape.group();
   const int64_t T = pool.tile_tokens;
   const std::size_t rec = static_cast<std::size_t>(D) + 2;
@@ -244,6 +245,7 @@ void run_item(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& shape,
   a.block_tiles = 1;
   a.scores = ts.scores.data();
   a.prefetch_bytes = prefetch_bytes;
+  a.prefetch_l2 = prefetch_l2;
   // The next page's prefetch (below): one stream when a page's V lies inside its K record (the
   // interleaved layout, as the item kernel decides), and at most one record of it.
   const char* const k0 = static_cast<const char*>(pool.k);
@@ -291,10 +293,16 @@ void run_item(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& shape,
       const int64_t next = cell.kvh * pool.head_stride + en.pages[uj + 1] * pool.tile_stride;
       const char* nk = k0 + next;
       const char* nv = v0 + next;
-      for (int64_t b = 0; b < next_bytes; b += 64) {
-        __builtin_prefetch(nk + b, 0, 3);
-        if (!one_stream) __builtin_prefetch(nv + b, 0, 3);
-      }
+      auto fetch = [&](auto locality) {
+        for (int64_t b = 0; b < next_bytes; b += 64) {
+          __builtin_prefetch(nk + b, 0, decltype(locality)::value);
+          if (!one_stream) __builtin_prefetch(nv + b, 0, decltype(locality)::value);
+        }
+      };
+      if (prefetch_l2)
+        fetch(std::integral_constant<int, 2>{});  // prefetcht1: into L2
+      else
+        fetch(std::integral_constant<int, 3>{});  // prefetcht0: into L1
     }
     page_fn(a);
     first = false;
@@ -308,8 +316,8 @@ Status run_paged(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& sha
                  std::span<const PagedEntry> entries, const ResolvedOptions& opt) {
   const int64_t H = shape.heads, Hkv = shape.kv_heads, D = shape.head_dim, G = shape.group();
   const std::size_t rec = static_cast<std::size_t>(D) + 2;
-  const int64_t prefetch_bytes =
-      cpu::driver_choice(pool.dtype, D, G, opt.threads, opt.isa).paged_prefetch;
+  const cpu::DriverChoice tuned = cpu::driver_choice(pool.dtype, D, G, opt.threads, opt.isa);
+  const int64_t prefetch_bytes = tuned.paged_prefetch;
 
   // The plan: cells, items and slots (grown only, owned by the calling thread).
   struct Plan {
@@ -387,7 +395,7 @@ Status run_paged(TiledItemFn page_fn, TiledItemFn block_fn, const AttnShape& sha
       const PagedItem& it = items[i];
       const PagedCell& cell = cells[it.cell];
       run_item(page_fn, block_fn, shape, pool, entries[static_cast<std::size_t>(cell.e)], cell, it.p0, it.p1,
-               slots + (it.slot - base), opt.scale, prefetch_bytes);
+               slots + (it.slot - base), opt.scale, prefetch_bytes, tuned.paged_l2);
     }
 
     const int64_t c0 = items[i0].cell, c1 = items[i1 - 1].cell + 1;

@@ -21,8 +21,9 @@
 //      block's tokens, p[r][t] broadcast; a row never multiplies a value past its visible
 //      tokens (rows tiled 4/3/2/1 over the tokens they all see, then each row's extra tokens).
 // Software prefetch (prefetch_bytes > 0): each stream (K and V tiles; one stream when a tile
-// holds both) is fetched into L1 (prefetcht0) prefetch_bytes ahead of the block being read,
-// the requests spread evenly over both passes (see TiledPrefetch).
+// holds both) is fetched into L1 (prefetcht0) or, with prefetch_l2, into L2 (prefetcht1)
+// prefetch_bytes ahead of the block being read, the requests spread evenly over both passes
+// (see TiledPrefetch).
 //
 // Quantized K/V (fp8, int8): logits are (q . k_codes) * k_scale * scale and the value weight
 // of a token is p * v_scale (l sums p), scales read from the tiles (bfloat16, widened exactly
@@ -43,6 +44,9 @@
 // take it at run time.
 
 constexpr int kUnitTokens = 2 * Ops::W;
+// __builtin_prefetch localities: prefetcht0 (into L1) and prefetcht1 (into L2).
+constexpr int kPrefetchL1 = 3;
+constexpr int kPrefetchL2 = 2;
 constexpr int kMaxScoreRows = Ops::W >= 16 ? 8 : 6;
 constexpr int kValueVecs = Ops::W >= 16 ? 4 : 2;
 
@@ -81,10 +85,11 @@ constexpr int64_t tiled_score_ld(int64_t block_tokens) { return (block_tokens + 
 
 // Raw dot products of RS rows (q, row stride D) with the 2W tokens of one unit: vector j reads
 // K^T row d at kb[j] + d * row_bytes. Stores s[r * ld + j * W + lane].
-// With PF, also prefetches pf_per_d lines of each prefetch stream per d (into L1), from pf0
-// (and pf1 when not null), so that the requests are spread over the unit's work; kPerD > 0
-// fixes that count, and kTwo whether pf1 is a stream, at compile time.
-template <DType DT, int RS, bool PF, int kPerD = 0, bool kTwo = false>
+// With PF (a prefetch locality, kPrefetchL1 or kPrefetchL2; 0: none), also prefetches pf_per_d
+// lines of each prefetch stream per d, from pf0 (and pf1 when not null), so that the requests
+// are spread over the unit's work; kPerD > 0 fixes that count, and kTwo whether pf1 is a
+// stream, at compile time.
+template <DType DT, int RS, int PF, int kPerD = 0, bool kTwo = false>
 inline void tiled_score_unit(const float* q, int D, const char* kb0, const char* kb1,
                              int64_t row_bytes, float* s, int64_t ld, const char* pf0,
                              const char* pf1, int pf_per_d) {
@@ -93,12 +98,12 @@ inline void tiled_score_unit(const float* q, int D, const char* kb0, const char*
   for (int r = 0; r < RS; ++r) acc0[r] = acc1[r] = Ops::zero();
 #pragma GCC unroll 4
   for (int d = 0; d < D; ++d) {
-    if constexpr (PF) {
+    if constexpr (PF != 0) {
       const int per = kPerD > 0 ? kPerD : pf_per_d;
       const bool two = kPerD > 0 ? kTwo : pf1 != nullptr;
       for (int j = 0; j < per; ++j) {
-        __builtin_prefetch(pf0 + j * 64, 0, 3);
-        if (two) __builtin_prefetch(pf1 + j * 64, 0, 3);
+        __builtin_prefetch(pf0 + j * 64, 0, PF);
+        if (two) __builtin_prefetch(pf1 + j * 64, 0, PF);
       }
       pf0 += per * 64;
       if (two) pf1 += per * 64;
@@ -135,7 +140,8 @@ inline void tiled_score_unit(const float* q, int D, const char* kb0, const char*
 // spread over the score pass (a few per head_dim step) and half over the value pass (a few
 // per token of every D slice), so that requests stay in flight while the core computes and
 // none bunch up (bunched requests wait for free miss buffers), `ahead` bytes (the
-// lead) before the data is read.
+// lead) before the data is read. Where the lines go is the kernel's PF: into L1 (prefetcht0)
+// or into L2 (prefetcht1), a choice of the calibration (TiledItemArgs::prefetch_l2).
 struct TiledPrefetch {
   const char* s0 = nullptr;
   const char* s1 = nullptr;
@@ -144,11 +150,12 @@ struct TiledPrefetch {
   int64_t ahead = 0;        // prefetch_bytes
   int64_t score_lines = 0;  // this block's share of the score pass
   int64_t value_lines = 0;  // this block's share of the value pass
+  template <int PF>
   void upto(int64_t target) {
     if (target > len) target = len;
     for (; done < target; done += 64) {
-      __builtin_prefetch(s0 + done, 0, 3);
-      if (s1 != nullptr) __builtin_prefetch(s1 + done, 0, 3);
+      __builtin_prefetch(s0 + done, 0, PF);
+      if (s1 != nullptr) __builtin_prefetch(s1 + done, 0, PF);
     }
   }
   void plan_block(int64_t block_end) {
@@ -168,7 +175,7 @@ struct TiledPrefetch {
 
 // Scores of RS rows for the n tokens of a block starting at tile `bt` of the item (padded to
 // whole units); `pf` (first row group only) issues the block's score-pass prefetch share.
-template <DType DT, int RS>
+template <DType DT, int RS, int PF>
 void tiled_score_rows(const TiledItemArgs& a, const float* q, int64_t bt, int n, float* s,
                       int64_t ld, TiledPrefetch* pf) {
   constexpr int64_t es = elem_bytes<DT>();
@@ -188,18 +195,18 @@ void tiled_score_rows(const TiledItemArgs& a, const float* q, int64_t bt, int n,
     const int per_d =
         pf != nullptr ? TiledPrefetch::per_step(pf->score_lines, units_left * a.head_dim) : 0;
     if (per_d == 0) {
-      tiled_score_unit<DT, RS, false>(q, a.head_dim, k0, k1, row_bytes, s + u, ld, nullptr,
+      tiled_score_unit<DT, RS, 0>(q, a.head_dim, k0, k1, row_bytes, s + u, ld, nullptr,
                                        nullptr, 0);
       continue;
     }
     if (per_d == 1 && pf->p1() == nullptr)
-      tiled_score_unit<DT, RS, true, 1, false>(q, a.head_dim, k0, k1, row_bytes, s + u, ld,
+      tiled_score_unit<DT, RS, PF, 1, false>(q, a.head_dim, k0, k1, row_bytes, s + u, ld,
                                                 pf->p0(), nullptr, 1);
     else if (per_d == 1)
-      tiled_score_unit<DT, RS, true, 1, true>(q, a.head_dim, k0, k1, row_bytes, s + u, ld,
+      tiled_score_unit<DT, RS, PF, 1, true>(q, a.head_dim, k0, k1, row_bytes, s + u, ld,
                                                pf->p0(), pf->p1(), 1);
     else
-      tiled_score_unit<DT, RS, true>(q, a.head_dim, k0, k1, row_bytes, s + u, ld, pf->p0(),
+      tiled_score_unit<DT, RS, PF>(q, a.head_dim, k0, k1, row_bytes, s + u, ld, pf->p0(),
                                       pf->p1(), per_d);
     const int64_t issued = int64_t{per_d} * a.head_dim;
     pf->done += issued * 64;
@@ -207,19 +214,20 @@ void tiled_score_rows(const TiledItemArgs& a, const float* q, int64_t bt, int n,
   }
 }
 
-template <DType DT, int RS>
+template <DType DT, int RS, int PF>
 void tiled_score_dispatch_n(int rs, const TiledItemArgs& a, const float* q, int64_t bt, int n,
                             float* s, int64_t ld, TiledPrefetch* pf) {
   if constexpr (RS > 1) {
-    if (rs < RS) return tiled_score_dispatch_n<DT, RS - 1>(rs, a, q, bt, n, s, ld, pf);
+    if (rs < RS) return tiled_score_dispatch_n<DT, RS - 1, PF>(rs, a, q, bt, n, s, ld, pf);
   }
-  tiled_score_rows<DT, RS>(a, q, bt, n, s, ld, pf);
+  tiled_score_rows<DT, RS, PF>(a, q, bt, n, s, ld, pf);
 }
 
 // o[r][d0 .. d0 + NV*W) += sum_{t in [tb, te)} p[r][t] * V[t][d0 ..] for RV rows; block token
 // t is lane t % T of tile bt + t / T.
-// With PF, also prefetches pf_per_t lines of each stream per token, from pf0 (and pf1).
-template <DType DT, int RV, int NV, bool PF, int kPerT = 0, bool kTwo = false>
+// With PF (as tiled_score_unit's), also prefetches pf_per_t lines of each stream per token,
+// from pf0 (and pf1).
+template <DType DT, int RV, int NV, int PF, int kPerT = 0, bool kTwo = false>
 inline void tiled_value_slice(const TiledItemArgs& a, int64_t bt, float* const* o,
                               const float* const* p, int tb, int te, int d0, const char* pf0,
                               const char* pf1, int pf_per_t) {
@@ -250,12 +258,12 @@ inline void tiled_value_slice(const TiledItemArgs& a, int64_t bt, float* const* 
     const int tile_end = static_cast<int>((tile + 1) * T < te ? (tile + 1) * T : te);
     const char* row = a.v + (bt + tile) * a.tile_stride + ((t - tile * T) * D + d0) * es;
     for (; t < tile_end; ++t, row += D * es) {
-      if constexpr (PF) {
+      if constexpr (PF != 0) {
         const int per = kPerT > 0 ? kPerT : pf_per_t;
         const bool two = kPerT > 0 ? kTwo : pf1 != nullptr;
         for (int j = 0; j < per; ++j) {
-          __builtin_prefetch(pf0 + j * 64, 0, 3);
-          if (two) __builtin_prefetch(pf1 + j * 64, 0, 3);
+          __builtin_prefetch(pf0 + j * 64, 0, PF);
+          if (two) __builtin_prefetch(pf1 + j * 64, 0, PF);
         }
         pf0 += per * 64;
         if (two) pf1 += per * 64;
@@ -285,7 +293,7 @@ inline void tiled_value_slice(const TiledItemArgs& a, int64_t bt, float* const* 
 // the block's value-pass prefetch share spread over every slice: AVX2's 16-wide slices would
 // otherwise put it into an eighth of the pass at head dim 128, more requests at once than a core
 // keeps in flight (measure: `treeattn_roofline --layouts tiled --seq 262144 --threads 1`).
-template <DType DT, int RV>
+template <DType DT, int RV, int PF>
 inline void tiled_value_rows(const TiledItemArgs& a, int64_t bt, float* const* o,
                              const float* const* p, int tb, int te, TiledPrefetch* pf) {
   if (tb >= te) return;
@@ -299,27 +307,27 @@ inline void tiled_value_rows(const TiledItemArgs& a, int64_t bt, float* const* o
         pf != nullptr ? TiledPrefetch::per_step(pf->value_lines, int64_t{slices - i} * (te - tb))
                       : 0;
     if (per_t == 0) {
-      tiled_value_slice<DT, RV, kValueVecs, false>(a, bt, o, p, tb, te, d0, nullptr, nullptr, 0);
+      tiled_value_slice<DT, RV, kValueVecs, 0>(a, bt, o, p, tb, te, d0, nullptr, nullptr, 0);
       continue;
     }
     if (per_t == 1 && pf->p1() == nullptr)
-      tiled_value_slice<DT, RV, kValueVecs, true, 1, false>(a, bt, o, p, tb, te, d0, pf->p0(),
+      tiled_value_slice<DT, RV, kValueVecs, PF, 1, false>(a, bt, o, p, tb, te, d0, pf->p0(),
                                                             nullptr, 1);
     else if (per_t == 1)
-      tiled_value_slice<DT, RV, kValueVecs, true, 1, true>(a, bt, o, p, tb, te, d0, pf->p0(),
+      tiled_value_slice<DT, RV, kValueVecs, PF, 1, true>(a, bt, o, p, tb, te, d0, pf->p0(),
                                                            pf->p1(), 1);
     else
-      tiled_value_slice<DT, RV, kValueVecs, true>(a, bt, o, p, tb, te, d0, pf->p0(), pf->p1(),
+      tiled_value_slice<DT, RV, kValueVecs, PF>(a, bt, o, p, tb, te, d0, pf->p0(), pf->p1(),
                                                   per_t);
     const int64_t issued = int64_t{per_t} * (te - tb);
     pf->done += issued * 64;
     pf->value_lines = pf->value_lines > issued ? pf->value_lines - issued : 0;
   }
   for (; d0 < D; d0 += Ops::W)
-    tiled_value_slice<DT, RV, 1, false>(a, bt, o, p, tb, te, d0, nullptr, nullptr, 0);
+    tiled_value_slice<DT, RV, 1, 0>(a, bt, o, p, tb, te, d0, nullptr, nullptr, 0);
 }
 
-template <DType DT>
+template <DType DT, int PF>
 void run_tiled_item(const TiledItemArgs& a) {
   constexpr bool kQuant = DT == DType::kFP8 || DT == DType::kInt8;
   const int R = a.rows;
@@ -347,7 +355,7 @@ void run_tiled_item(const TiledItemArgs& a) {
     pf_state.s1 = one_stream ? nullptr : a.v;
     pf_state.len = tiles * a.tile_stride;
     pf_state.ahead = a.prefetch_bytes;
-    pf_state.upto(a.prefetch_bytes);
+    pf_state.upto<PF>(a.prefetch_bytes);
     pf = &pf_state;
   }
 
@@ -360,7 +368,7 @@ void run_tiled_item(const TiledItemArgs& a) {
     // 1. Scores, rows in groups of up to kMaxScoreRows; the first group drives the prefetch.
     for (int r0 = 0; r0 < R; r0 += kMaxScoreRows) {
       const int rs = R - r0 < kMaxScoreRows ? R - r0 : kMaxScoreRows;
-      tiled_score_dispatch_n<DT, kMaxScoreRows>(rs, a, a.q + r0 * D, bt, n, s + r0 * ld, ld,
+      tiled_score_dispatch_n<DT, kMaxScoreRows, PF>(rs, a, a.q + r0 * D, bt, n, s + r0 * ld, ld,
                                                 r0 == 0 ? pf : nullptr);
     }
 
@@ -412,10 +420,10 @@ void run_tiled_item(const TiledItemArgs& a) {
         tk[i] = take_of(rb + i);
         common = tk[i] < common ? tk[i] : common;
       }
-      tiled_value_rows<DT, RV>(a, bt, o, p, 0, common, gpf);
+      tiled_value_rows<DT, RV, PF>(a, bt, o, p, 0, common, gpf);
       if constexpr (RV > 1) {
         for (int i = 0; i < RV; ++i)
-          tiled_value_rows<DT, 1>(a, bt, o + i, p + i, common, tk[i], nullptr);
+          tiled_value_rows<DT, 1, PF>(a, bt, o + i, p + i, common, tk[i], nullptr);
       }
     };
     int r0 = 0;
@@ -433,14 +441,20 @@ void run_tiled_item(const TiledItemArgs& a) {
   }
 }
 
-// The one run-time to compile-time switch of the tiled kernel: the dtype (head_dim and the tile
-// size stay run-time values; the dispatcher has validated both).
-void dispatch_tiled_item(const TiledItemArgs& a) {
+// The run-time to compile-time switches of the tiled kernel: the dtype and where the software
+// prefetch puts its lines (head_dim and the tile size stay run-time values; the dispatcher has
+// validated both).
+template <int PF>
+void dispatch_tiled_item_pf(const TiledItemArgs& a) {
   switch (a.dtype) {
-    case DType::kF32: return run_tiled_item<DType::kF32>(a);
-    case DType::kF16: return run_tiled_item<DType::kF16>(a);
-    case DType::kBF16: return run_tiled_item<DType::kBF16>(a);
-    case DType::kFP8: return run_tiled_item<DType::kFP8>(a);
-    case DType::kInt8: return run_tiled_item<DType::kInt8>(a);
+    case DType::kF32: return run_tiled_item<DType::kF32, PF>(a);
+    case DType::kF16: return run_tiled_item<DType::kF16, PF>(a);
+    case DType::kBF16: return run_tiled_item<DType::kBF16, PF>(a);
+    case DType::kFP8: return run_tiled_item<DType::kFP8, PF>(a);
+    case DType::kInt8: return run_tiled_item<DType::kInt8, PF>(a);
   }
+}
+void dispatch_tiled_item(const TiledItemArgs& a) {
+  if (a.prefetch_l2) return dispatch_tiled_item_pf<kPrefetchL2>(a);
+  dispatch_tiled_item_pf<kPrefetchL1>(a);
 }

@@ -168,6 +168,7 @@ Status run_tiled_driver(TiledItemFn item_fn, const AttnShape& shape, const float
         a.block_tiles = block_tiles;
         a.scores = it.scores;
         a.prefetch_bytes = prefetch_bytes;
+        a.prefetch_l2 = choice.tiled_l2;
         item_fn(a);
       });
   return Status::ok();
@@ -189,6 +190,8 @@ std::atomic<int> g_block_tiles{
     static_cast<int>(env_int("TREEATTN_TILED_BLOCK_TILES", kTiledBlockTiles, 1, 64))};
 std::atomic<int64_t> g_prefetch_bytes{
     env_int("TREEATTN_TILED_PREFETCH_BYTES", -1, 0, int64_t{1} << 20)};
+std::atomic<int> g_prefetch_level{
+    static_cast<int>(env_int("TREEATTN_TILED_PREFETCH_LEVEL", -1, 1, 2))};
 }  // namespace
 
 TiledItemFn tiled_item_for(Isa isa) {
@@ -225,12 +228,15 @@ TiledTuning tiled_tuning() {
   TiledTuning t;
   t.block_tiles = g_block_tiles.load(std::memory_order_relaxed);
   t.prefetch_bytes = g_prefetch_bytes.load(std::memory_order_relaxed);
+  t.prefetch_level = g_prefetch_level.load(std::memory_order_relaxed);
   return t;
 }
 
 void set_tiled_tuning(const TiledTuning& t) {
   g_block_tiles.store(std::clamp(t.block_tiles, 1, 64), std::memory_order_relaxed);
   g_prefetch_bytes.store(std::clamp<int64_t>(t.prefetch_bytes, -1, int64_t{1} << 20),
+                         std::memory_order_relaxed);
+  g_prefetch_level.store(t.prefetch_level == 1 || t.prefetch_level == 2 ? t.prefetch_level : -1,
                          std::memory_order_relaxed);
 }
 
@@ -258,6 +264,8 @@ DriverChoice driver_choice(DType dtype, int64_t head_dim, int64_t group, int thr
   auto take = [&](const TuneChoice& c) {
     d.tiled_prefetch = c.tiled_prefetch;
     d.paged_prefetch = c.paged_prefetch;
+    d.tiled_l2 = c.tiled_l2;
+    d.paged_l2 = c.paged_l2;
     d.rows_prefetch = c.rows_prefetch;
     d.order = c.chunks_outer ? ItemOrder::kChunksOuter : ItemOrder::kHeadsOuter;
   };
@@ -268,6 +276,8 @@ DriverChoice driver_choice(DType dtype, int64_t head_dim, int64_t group, int thr
   take(tuned_choice(TuneKey{dtype, head_dim, group, threads}, isa));
   const int64_t lead = g_prefetch_bytes.load(std::memory_order_relaxed);
   if (lead >= 0) d.tiled_prefetch = d.paged_prefetch = lead;
+  const int level = g_prefetch_level.load(std::memory_order_relaxed);
+  if (level > 0) d.tiled_l2 = d.paged_l2 = level == 2;
   d.rows_tokens = rows_tokens_from_env();
   return d;
 }
