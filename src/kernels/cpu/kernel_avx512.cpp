@@ -2,7 +2,7 @@
 //
 // This file is compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c (see
 // src/kernels/CMakeLists.txt) and only runs after dispatch.cpp checked the CPU. bf16 widens by
-// a 16-bit shift, f16 by vcvtph2ps, int8 by vpmovsxbd + vcvtdq2ps, fp8 by bit placement; exp uses a Cephes-style polynomial and vscalefps.
+// a 16-bit shift (in the tiled kernel 32 values per load, a shift and a mask), f16 by vcvtph2ps, int8 by vpmovsxbd + vcvtdq2ps, fp8 by bit placement; exp uses a Cephes-style polynomial and vscalefps.
 // GCC 12's AVX-512 shuffles start from _mm512_undefined_ps(), which -Wmaybe-uninitialized
 // reports at every inlined use (GCC bug 105593, fixed in GCC 13).
 #if defined(__GNUC__) && !defined(__clang__)
@@ -34,6 +34,32 @@ struct Ops {
   static V load_bf16(const uint16_t* p) {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  // bf16 in pairs (tiled_item_impl.hpp): 32 values from one load, the even-indexed ones by a
+  // shift, the odd-indexed ones by a mask (no zero extension, which is a shuffle).
+  struct V2 {
+    V a, b;
+  };
+  static V2 load_bf16_pair(const uint16_t* p) {
+    __m512i w = _mm512_loadu_si512(p);
+    asm("" : "+v"(w));  // one load: the compiler would otherwise fold a second one into vpandd
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)),
+            _mm512_castsi512_ps(_mm512_and_si512(w, high))};
+  }
+  // {even, odd} -> memory order {elements 0..15, elements 16..31}; deinterleave is its inverse.
+  static V2 interleave(V even, V odd) {
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi =
+        _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    return {_mm512_permutex2var_ps(even, lo, odd), _mm512_permutex2var_ps(even, hi, odd)};
+  }
+  static V2 deinterleave(V a, V b) {
+    const __m512i ev =
+        _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i od =
+        _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    return {_mm512_permutex2var_ps(a, ev, b), _mm512_permutex2var_ps(a, od, b)};
   }
   static V load_i8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));

@@ -89,7 +89,7 @@ constexpr int64_t tiled_score_ld(int64_t block_tokens) { return (block_tokens + 
 // lines of each prefetch stream per d, from pf0 (and pf1 when not null), so that the requests
 // are spread over the unit's work; kPerD > 0 fixes that count, and kTwo whether pf1 is a
 // stream, at compile time.
-template <DType DT, int RS, int PF, int kPerD = 0, bool kTwo = false>
+template <DType DT, int RS, int PF, bool kPairK, int kPerD = 0, bool kTwo = false>
 inline void tiled_score_unit(const float* q, int D, const char* kb0, const char* kb1,
                              int64_t row_bytes, float* s, int64_t ld, const char* pf0,
                              const char* pf1, int pf_per_d) {
@@ -109,7 +109,7 @@ inline void tiled_score_unit(const float* q, int D, const char* kb0, const char*
       if (two) pf1 += per * 64;
     }
     V k0, k1;
-    if constexpr (kPairBf16<DT>) {  // k1 = k0 + W tokens (tiled_score_rows): even | odd tokens
+    if constexpr (kPairK) {  // k1 = k0 + W tokens (tiled_score_rows): even | odd tokens
       const auto k = pair_load<DT, Ops>(kb0 + d * row_bytes);
       k0 = k.a;
       k1 = k.b;
@@ -124,7 +124,7 @@ inline void tiled_score_unit(const float* q, int D, const char* kb0, const char*
     }
   }
   for (int r = 0; r < RS; ++r) {
-    if constexpr (kPairBf16<DT>) {
+    if constexpr (kPairK) {
       const auto m = pair_interleave<DT, Ops>(acc0[r], acc1[r]);
       acc0[r] = m.a;
       acc1[r] = m.b;
@@ -175,7 +175,7 @@ struct TiledPrefetch {
 
 // Scores of RS rows for the n tokens of a block starting at tile `bt` of the item (padded to
 // whole units); `pf` (first row group only) issues the block's score-pass prefetch share.
-template <DType DT, int RS, int PF>
+template <DType DT, int RS, int PF, bool kPairK>
 void tiled_score_rows(const TiledItemArgs& a, const float* q, int64_t bt, int n, float* s,
                       int64_t ld, TiledPrefetch* pf) {
   constexpr int64_t es = elem_bytes<DT>();
@@ -188,25 +188,25 @@ void tiled_score_rows(const TiledItemArgs& a, const float* q, int64_t bt, int n,
   };
   for (int u = 0; u < n; u += kUnitTokens) {
     const char* k0 = vec_base(u);
-    // A pair load reads the unit's 2W tokens from k0: a unit never crosses a K panel (panels
-    // hold 16 or 32 tokens), and lanes past the block only give scores that are masked.
+    // A pair load reads the unit's 2W tokens from k0: only where a unit never crosses a K panel
+    // (tiled_score_dispatch_n), and lanes past the block only give scores that are masked.
     const char* k1 = u + Ops::W < n ? vec_base(u + Ops::W) : k0;
     const int64_t units_left = (n - u + kUnitTokens - 1) / kUnitTokens;
     const int per_d =
         pf != nullptr ? TiledPrefetch::per_step(pf->score_lines, units_left * a.head_dim) : 0;
     if (per_d == 0) {
-      tiled_score_unit<DT, RS, 0>(q, a.head_dim, k0, k1, row_bytes, s + u, ld, nullptr,
+      tiled_score_unit<DT, RS, 0, kPairK>(q, a.head_dim, k0, k1, row_bytes, s + u, ld, nullptr,
                                        nullptr, 0);
       continue;
     }
     if (per_d == 1 && pf->p1() == nullptr)
-      tiled_score_unit<DT, RS, PF, 1, false>(q, a.head_dim, k0, k1, row_bytes, s + u, ld,
+      tiled_score_unit<DT, RS, PF, kPairK, 1, false>(q, a.head_dim, k0, k1, row_bytes, s + u, ld,
                                                 pf->p0(), nullptr, 1);
     else if (per_d == 1)
-      tiled_score_unit<DT, RS, PF, 1, true>(q, a.head_dim, k0, k1, row_bytes, s + u, ld,
+      tiled_score_unit<DT, RS, PF, kPairK, 1, true>(q, a.head_dim, k0, k1, row_bytes, s + u, ld,
                                                pf->p0(), pf->p1(), 1);
     else
-      tiled_score_unit<DT, RS, PF>(q, a.head_dim, k0, k1, row_bytes, s + u, ld, pf->p0(),
+      tiled_score_unit<DT, RS, PF, kPairK>(q, a.head_dim, k0, k1, row_bytes, s + u, ld, pf->p0(),
                                       pf->p1(), per_d);
     const int64_t issued = int64_t{per_d} * a.head_dim;
     pf->done += issued * 64;
@@ -220,7 +220,13 @@ void tiled_score_dispatch_n(int rs, const TiledItemArgs& a, const float* q, int6
   if constexpr (RS > 1) {
     if (rs < RS) return tiled_score_dispatch_n<DT, RS - 1, PF>(rs, a, q, bt, n, s, ld, pf);
   }
-  tiled_score_rows<DT, RS, PF>(a, q, bt, n, s, ld, pf);
+  // bf16 pairs read a unit's 2W tokens with one load: where K panels (kv_tile_panel(): the
+  // tile, at most 32 tokens) hold a whole unit.
+  if constexpr (kPairBf16<DT>) {
+    if ((a.tile_tokens < 32 ? a.tile_tokens : 32) >= kUnitTokens)
+      return tiled_score_rows<DT, RS, PF, true>(a, q, bt, n, s, ld, pf);
+  }
+  tiled_score_rows<DT, RS, PF, false>(a, q, bt, n, s, ld, pf);
 }
 
 // o[r][d0 .. d0 + NV*W) += sum_{t in [tb, te)} p[r][t] * V[t][d0 ..] for RV rows; block token
