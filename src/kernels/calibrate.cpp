@@ -73,7 +73,7 @@ const int64_t kTiledLeads[] = {0, 4096, 8192, 12288, 16384, 24576, 32768, 65536}
 const int64_t kRowsLeads[] = {0, 1024, 2048, 4096};
 const int64_t kPagedLeads[] = {4096, 8192, 12288, 16384};
 // The leads also timed with the prefetch into L2 (prefetcht1): a core whose L1 keeps fewer
-// misses in flight than its L2 reads faster with those (a Zen 4: bf16 +19% one thread).
+// misses in flight than its L2 reads faster with those (the Zen 4 of docs/kernels.md).
 const int64_t kTiledLeadsL2[] = {8192, 16384, 24576, 32768, 65536};
 const int64_t kPagedLeadsL2[] = {8192, 16384, 32768};
 
