@@ -220,8 +220,9 @@ std::string num(int64_t v) { return std::to_string(v); }
 std::vector<Candidate> candidates_for(const TuneKey& key, Isa isa) {
   const TuneChoice def = tuning_defaults(key, isa);
   std::vector<Candidate> c;
-  // A lead knob's candidates: its leads into L1 (the default's among them) and, where given,
-  // leads into L2 ("16384:l2"); the default is the compiled-in lead at the compiled-in level.
+  // A lead knob's candidates: its leads at the default level, into L1 (tuning_defaults()
+  // never sends lines to L2), the default's lead among them; and, where given, leads into L2
+  // ("16384:l2").
   auto add_leads = [&](const char* knob, Run run, const int64_t* leads, std::size_t n,
                        int64_t TuneChoice::*field, const int64_t* l2_leads, std::size_t n_l2,
                        bool TuneChoice::*l2_field) {
@@ -231,8 +232,6 @@ std::vector<Candidate> candidates_for(const TuneKey& key, Isa isa) {
     for (int64_t lead : v) {
       Candidate x{knob, num(lead), run, def, lead == def.*field, {}};
       x.choice.*field = lead;
-      if (l2_field != nullptr) x.choice.*l2_field = false;
-      x.is_default = x.is_default && (l2_field == nullptr || !(def.*l2_field));
       c.push_back(x);
     }
     for (std::size_t i = 0; i < n_l2; ++i) {

@@ -23,8 +23,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <sstream>
+#include <utility>
 
 #include "kernels/build_id.hpp"
 #include "kernels/cpu/cpu_targets.hpp"
@@ -118,6 +120,13 @@ bool parse_int(const std::string& s, int64_t lo, int64_t hi, int64_t& out) {
   return true;
 }
 
+// One of two words: `no` (out = false) or `yes` (out = true).
+bool parse_pick(const std::string& s, const char* no, const char* yes, bool& out) {
+  if (s != no && s != yes) return false;
+  out = s == yes;
+  return true;
+}
+
 bool parse_gbps(const std::string& s, double& out) {
   char* end = nullptr;
   const double v = std::strtod(s.c_str(), &end);
@@ -139,54 +148,41 @@ std::string parse_entry(const std::string& line, TuneEntry& e) {
   if (!parse_int(g, 1, 4096, e.key.group)) return "bad group '" + g + "'";
   if (!parse_int(t, 1, kMaxThreads, v)) return "bad threads '" + t + "'";
   e.key.threads = static_cast<int>(v);
-  bool seen[9] = {};
+  // Every field of the line: its name and how its value is read (false: a bad value).
+  bool rows_layout = false;
+  const std::pair<const char*, std::function<bool(const std::string&)>> fields[] = {
+      {"tiled_prefetch",
+       [&](const std::string& x) { return parse_int(x, 0, kMaxLead, e.choice.tiled_prefetch); }},
+      {"tiled_level",
+       [&](const std::string& x) { return parse_pick(x, "l1", "l2", e.choice.tiled_l2); }},
+      {"paged_prefetch",
+       [&](const std::string& x) { return parse_int(x, 0, kMaxLead, e.choice.paged_prefetch); }},
+      {"paged_level",
+       [&](const std::string& x) { return parse_pick(x, "l1", "l2", e.choice.paged_l2); }},
+      {"rows_prefetch",
+       [&](const std::string& x) { return parse_int(x, 0, kMaxLead, e.choice.rows_prefetch); }},
+      {"order",
+       [&](const std::string& x) { return parse_pick(x, "heads", "chunks", e.choice.chunks_outer); }},
+      {"layout", [&](const std::string& x) { return parse_pick(x, "tiled", "rows", rows_layout); }},
+      {"probe_gbps", [&](const std::string& x) { return parse_gbps(x, e.probe_gbps); }},
+      {"kernel_gbps", [&](const std::string& x) { return parse_gbps(x, e.kernel_gbps); }},
+  };
+  bool seen[std::size(fields)] = {};
   std::string field;
   while (in >> field) {
     const auto eq = field.find('=');
     if (eq == std::string::npos) return "field '" + field + "' has no value";
     const std::string name = field.substr(0, eq), value = field.substr(eq + 1);
-    int which = -1;
-    bool ok = false;
-    if (name == "tiled_prefetch") {
-      which = 0;
-      ok = parse_int(value, 0, kMaxLead, e.choice.tiled_prefetch);
-    } else if (name == "paged_prefetch") {
-      which = 1;
-      ok = parse_int(value, 0, kMaxLead, e.choice.paged_prefetch);
-    } else if (name == "rows_prefetch") {
-      which = 2;
-      ok = parse_int(value, 0, kMaxLead, e.choice.rows_prefetch);
-    } else if (name == "order") {
-      which = 3;
-      ok = value == "heads" || value == "chunks";
-      e.choice.chunks_outer = value == "chunks";
-    } else if (name == "layout") {
-      which = 4;
-      ok = value == "rows" || value == "tiled";
-      e.choice.layout = value == "rows" ? KVLayout::kRows : KVLayout::kTiled;
-    } else if (name == "probe_gbps") {
-      which = 5;
-      ok = parse_gbps(value, e.probe_gbps);
-    } else if (name == "kernel_gbps") {
-      which = 6;
-      ok = parse_gbps(value, e.kernel_gbps);
-    } else if (name == "tiled_level") {
-      which = 7;
-      ok = value == "l1" || value == "l2";
-      e.choice.tiled_l2 = value == "l2";
-    } else if (name == "paged_level") {
-      which = 8;
-      ok = value == "l1" || value == "l2";
-      e.choice.paged_l2 = value == "l2";
-    } else {
-      return "unknown field '" + name + "'";
-    }
-    if (!ok) return "bad value '" + value + "' for " + name;
+    std::size_t which = 0;
+    while (which < std::size(fields) && name != fields[which].first) ++which;
+    if (which == std::size(fields)) return "unknown field '" + name + "'";
+    if (!fields[which].second(value)) return "bad value '" + value + "' for " + name;
     if (seen[which]) return name + " given twice";
     seen[which] = true;
   }
-  for (int i = 0; i < 9; ++i)
-    if (!seen[i]) return "an entry lacks a field";
+  for (bool s : seen)
+    if (!s) return "an entry lacks a field";
+  e.choice.layout = rows_layout ? KVLayout::kRows : KVLayout::kTiled;
   return "";
 }
 

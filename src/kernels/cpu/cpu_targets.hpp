@@ -142,9 +142,8 @@ struct TiledTuning {
 };
 // What the tiled driver uses: the defaults above, overridden by the environment variables
 // TREEATTN_TILED_BLOCK_TILES, TREEATTN_TILED_PREFETCH_BYTES and TREEATTN_TILED_PREFETCH_LEVEL
-// (1 or 2; read once), or by
-// set_tiled_tuning() (benchmarks comparing alternatives in one run; call it only while no
-// tiled kernel runs). block_tiles changes the online-softmax blocking, hence the bits: it is
+// (1 or 2; read once), or by set_tiled_tuning() (benchmarks comparing alternatives in one run;
+// call it only while no tiled kernel runs). block_tiles changes the online-softmax blocking, hence the bits: it is
 // an experiment's knob, never tuned.
 TiledTuning tiled_tuning();
 void set_tiled_tuning(const TiledTuning& t);

@@ -2,7 +2,9 @@
 //
 // This file is compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c (see
 // src/kernels/CMakeLists.txt) and only runs after dispatch.cpp checked the CPU. bf16 widens by
-// a 16-bit shift (in the tiled kernel 32 values per load, a shift and a mask), f16 by vcvtph2ps, int8 by vpmovsxbd + vcvtdq2ps, fp8 by bit placement; exp uses a Cephes-style polynomial and vscalefps.
+// a 16-bit shift (in the tiled kernel 32 values per load, a shift and a mask), f16 by
+// vcvtph2ps, int8 by vpmovsxbd + vcvtdq2ps, fp8 by bit placement; exp uses a Cephes-style
+// polynomial and vscalefps.
 // GCC 12's AVX-512 shuffles start from _mm512_undefined_ps(), which -Wmaybe-uninitialized
 // reports at every inlined use (GCC bug 105593, fixed in GCC 13).
 #if defined(__GNUC__) && !defined(__clang__)

@@ -83,6 +83,9 @@ inline auto pair_deinterleave(typename O::V a, typename O::V b) {
 // covers the score units of every target). The driver sizes the scratch with the same rule.
 constexpr int64_t tiled_score_ld(int64_t block_tokens) { return (block_tokens + 31) / 32 * 32; }
 
+// Tokens per K panel of a tile of T tokens (kv_tile_panel(): the tile, at most 32 tokens).
+constexpr int64_t tiled_panel_tokens(int64_t T) { return T < 32 ? T : 32; }
+
 // Raw dot products of RS rows (q, row stride D) with the 2W tokens of one unit: vector j reads
 // K^T row d at kb[j] + d * row_bytes. Stores s[r * ld + j * W + lane].
 // With PF (a prefetch locality, kPrefetchL1 or kPrefetchL2; 0: none), also prefetches pf_per_d
@@ -180,7 +183,7 @@ void tiled_score_rows(const TiledItemArgs& a, const float* q, int64_t bt, int n,
                       int64_t ld, TiledPrefetch* pf) {
   constexpr int64_t es = elem_bytes<DT>();
   const int64_t T = a.tile_tokens;
-  const int64_t P = T < 32 ? T : 32;  // kv_tile_panel(): tokens per K panel
+  const int64_t P = tiled_panel_tokens(T);
   const int64_t row_bytes = P * es;
   auto vec_base = [&](int64_t tok) {  // K^T row 0 of the vector holding block token tok
     const int64_t tile = tok / T, lane = tok - tile * T, panel = lane / P;
@@ -220,10 +223,9 @@ void tiled_score_dispatch_n(int rs, const TiledItemArgs& a, const float* q, int6
   if constexpr (RS > 1) {
     if (rs < RS) return tiled_score_dispatch_n<DT, RS - 1, PF>(rs, a, q, bt, n, s, ld, pf);
   }
-  // bf16 pairs read a unit's 2W tokens with one load: where K panels (kv_tile_panel(): the
-  // tile, at most 32 tokens) hold a whole unit.
+  // bf16 pairs read a unit's 2W tokens with one load: where a K panel holds a whole unit.
   if constexpr (kPairBf16<DT>) {
-    if ((a.tile_tokens < 32 ? a.tile_tokens : 32) >= kUnitTokens)
+    if (tiled_panel_tokens(a.tile_tokens) >= kUnitTokens)
       return tiled_score_rows<DT, RS, PF, true>(a, q, bt, n, s, ld, pf);
   }
   tiled_score_rows<DT, RS, PF, false>(a, q, bt, n, s, ld, pf);
