@@ -8,7 +8,11 @@
 //       broadcast q[d] with vectors of tokens, no horizontal reduction (the caller layout
 //       [N][head_dim] needs one transposing sum per 16 scores), and the kernel reads each
 //       panel front to back (a panel is the AVX-512 kernel's 32-token score unit);
-//   V   rows, [T][head_dim]: the output update broadcasts p[t] and walks V[t] along head_dim;
+//   V   in column panels of up to kKVTileVPanel (64) elements of head_dim: [head_dim/64][T][64],
+//       then, where head_dim is not a multiple of 64, one panel [T][head_dim % 64]
+//       (kv_tile_v_index()): the output update broadcasts p[t] and reads a panel row per token,
+//       so each D slice of the value pass reads its panel front to back (a hardware prefetcher
+//       streams it) instead of every other part of each row;
 //   scales (fp8, int8 only): bfloat16 k_scale[T] and v_scale[T] (bf16_t, 2 bytes), one per
 //       token: KVShard's float32 scale, which quantize_token() makes a bfloat16 value, so a
 //       page holds 2 * head_dim + 4 bytes per token and KV head (kv_head_token_bytes()).
@@ -45,6 +49,7 @@
 //   engine's K/V exchange), copy_from() takes a caller-layout KVShard.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -71,12 +76,33 @@ enum class KVTileLayout : uint8_t {
 // The placement TiledKVCache uses unless told otherwise. Same 64k run as above, interleaved vs
 // split for T 16/32/64/128: bf16 0.72/0.82/0.81/0.67 vs 0.54/0.62/0.69/0.59, f32
 // 0.48/0.77/0.80/0.79 vs 0.59/0.72/0.71/0.66. Interleaved tiles are one stream read front to
-// back (K panels, then V rows, then the next tile), which the software prefetch follows with
+// back (K panels, then V panels, then the next tile), which the software prefetch follows with
 // one pointer; split tiles are two streams whose requests compete.
 inline constexpr KVTileLayout kKVTileLayout = KVTileLayout::kInterleaved;
 
 // Tokens per K panel of a tile of tile_tokens tokens.
 constexpr int64_t kv_tile_panel(int64_t tile_tokens) { return tile_tokens < 32 ? tile_tokens : 32; }
+
+// Elements of head_dim per V column panel (the last panel of a head holds the rest).
+inline constexpr int64_t kKVTileVPanel = 64;
+
+// Where element d of lane l (0 <= l < T) sits in a tile of T tokens, in elements from the
+// tile's K (kv_tile_k_index) or V (kv_tile_v_index) base, for head dim D.
+constexpr int64_t kv_tile_k_index(int64_t T, int64_t D, int64_t l, int64_t d) {
+  const int64_t P = kv_tile_panel(T);
+  return (l / P) * D * P + d * P + l % P;
+}
+constexpr int64_t kv_tile_v_index(int64_t T, int64_t D, int64_t l, int64_t d) {
+  const int64_t p0 = d / kKVTileVPanel * kKVTileVPanel;  // the panel's first element
+  const int64_t w = D - p0 < kKVTileVPanel ? D - p0 : kKVTileVPanel;
+  return p0 * T + l * w + (d - p0);
+}
+
+// One token's V (D elements of es bytes, in order) into / out of lane l of a V tile.
+void kv_tile_put_v(void* v_tile, int64_t T, int64_t D, int64_t l, const void* row,
+                   std::size_t es);
+void kv_tile_get_v(const void* v_tile, int64_t T, int64_t D, int64_t l, void* row,
+                   std::size_t es);
 
 std::string_view kv_tile_layout_name(KVTileLayout layout);  // "split", "interleaved"
 Result<KVTileLayout> parse_kv_tile_layout(std::string_view name);
@@ -84,9 +110,9 @@ Result<KVTileLayout> parse_kv_tile_layout(std::string_view name);
 // A read-only view of a tiled KV shard. Token t of (batch row b, KV head h) is lane l = t % T of
 // tile t / T; with base(b, h, i) = b * batch_stride + h * head_stride + i * tile_stride bytes
 // and P = kv_tile_panel(T):
-//   K element d   at (const char*)k + base + ((l / P) * head_dim * P + d * P + l % P) *
-//                    dtype_size(dtype)
-//   V element d   at (const char*)v + base + ((t % T) * head_dim + d) * dtype_size(dtype)
+//   K element d   at (const char*)k + base + kv_tile_k_index(T, head_dim, l, d) * dtype_size(dtype)
+//                    (that is ((l / P) * head_dim * P + d * P + l % P) elements)
+//   V element d   at (const char*)v + base + kv_tile_v_index(T, head_dim, l, d) * dtype_size(dtype)
 //   scales        k_scale[b * scale_batch_stride + h * scale_head_stride +
 //                         (t / T) * scale_tile_stride + t % T]   (and v_scale alike):
 //                 bf16_t elements, strides counted in them (2 bytes)
@@ -180,9 +206,10 @@ class TiledKVCache {
     std::size_t mapped;
     void operator()(void* p) const;
   };
-  // Byte offsets of slot t's K and V element 0, and its scale's index in bf16_t elements.
+  // Byte offsets of slot t's K element 0 and of its V tile, and its scale's index in bf16_t
+  // elements.
   std::size_t k_offset(int64_t b, int64_t h, int64_t t) const;
-  std::size_t v_offset(int64_t b, int64_t h, int64_t t) const;
+  std::size_t v_tile_offset(int64_t b, int64_t h, int64_t t) const;
   std::size_t scale_index(int64_t b, int64_t h, int64_t t) const;
   Status allocate(int64_t tiles);
 

@@ -198,17 +198,30 @@ Status TiledKVCache::allocate(int64_t tiles) {
 
 std::size_t TiledKVCache::k_offset(int64_t b, int64_t h, int64_t t) const {
   const int64_t es = static_cast<int64_t>(dtype_size(dtype_));
-  const int64_t P = kv_tile_panel(tile_), lane = t % tile_;
   return static_cast<std::size_t>((b * shape_.kv_heads + h) * head_stride_ +
                                   (t / tile_) * tile_stride_ +
-                                  ((lane / P) * shape_.head_dim * P + lane % P) * es);
+                                  kv_tile_k_index(tile_, shape_.head_dim, t % tile_, 0) * es);
 }
 
-std::size_t TiledKVCache::v_offset(int64_t b, int64_t h, int64_t t) const {
-  const int64_t es = static_cast<int64_t>(dtype_size(dtype_));
+std::size_t TiledKVCache::v_tile_offset(int64_t b, int64_t h, int64_t t) const {
   return v_base_ + static_cast<std::size_t>((b * shape_.kv_heads + h) * head_stride_ +
-                                            (t / tile_) * tile_stride_ +
-                                            (t % tile_) * shape_.head_dim * es);
+                                            (t / tile_) * tile_stride_);
+}
+
+void kv_tile_put_v(void* v_tile, int64_t T, int64_t D, int64_t l, const void* row,
+                   std::size_t es) {
+  for (int64_t p0 = 0; p0 < D; p0 += kKVTileVPanel)  // one panel row each
+    std::memcpy(static_cast<uint8_t*>(v_tile) + kv_tile_v_index(T, D, l, p0) * es,
+                static_cast<const uint8_t*>(row) + p0 * es,
+                static_cast<std::size_t>(std::min(kKVTileVPanel, D - p0)) * es);
+}
+
+void kv_tile_get_v(const void* v_tile, int64_t T, int64_t D, int64_t l, void* row,
+                   std::size_t es) {
+  for (int64_t p0 = 0; p0 < D; p0 += kKVTileVPanel)
+    std::memcpy(static_cast<uint8_t*>(row) + p0 * es,
+                static_cast<const uint8_t*>(v_tile) + kv_tile_v_index(T, D, l, p0) * es,
+                static_cast<std::size_t>(std::min(kKVTileVPanel, D - p0)) * es);
 }
 
 std::size_t TiledKVCache::scale_index(int64_t b, int64_t h, int64_t t) const {
@@ -226,7 +239,7 @@ void TiledKVCache::set_token_raw(int64_t b, int64_t h, int64_t t, const void* k,
   uint8_t* kd = base + k_offset(b, h, t);
   const auto* ks = static_cast<const uint8_t*>(k);
   for (std::size_t d = 0; d < D; ++d) std::memcpy(kd + d * P * es, ks + d * es, es);
-  std::memcpy(base + v_offset(b, h, t), v, D * es);
+  kv_tile_put_v(base + v_tile_offset(b, h, t), tile_, shape_.head_dim, t % tile_, v, es);
   if (dtype_is_quantized(dtype_)) {
     auto* f = reinterpret_cast<bf16_t*>(base);
     f[kscale_base_ + scale_index(b, h, t)] = k_scale;
@@ -266,7 +279,7 @@ void TiledKVCache::read_token_raw(int64_t b, int64_t h, int64_t t, void* k, void
   const uint8_t* kd = base + k_offset(b, h, t);
   auto* ko = static_cast<uint8_t*>(k);
   for (std::size_t d = 0; d < D; ++d) std::memcpy(ko + d * es, kd + d * P * es, es);
-  std::memcpy(v, base + v_offset(b, h, t), D * es);
+  kv_tile_get_v(base + v_tile_offset(b, h, t), tile_, shape_.head_dim, t % tile_, v, es);
   *k_scale = *v_scale = bf16_t{};
   if (dtype_is_quantized(dtype_)) {
     const auto* f = reinterpret_cast<const bf16_t*>(base);
@@ -288,10 +301,11 @@ void TiledKVCache::read_token(int64_t b, int64_t h, int64_t t, float* k, float* 
 
 float tiled_element(const TiledKVShard& kv, int64_t head_dim, bool value, int64_t b, int64_t h,
                     int64_t t, int64_t d) {
-  const int64_t T = kv.tile_tokens, P = kv_tile_panel(T), tile = t / T, lane = t % T;
+  const int64_t T = kv.tile_tokens, tile = t / T, lane = t % T;
   const int64_t base = b * kv.batch_stride + h * kv.head_stride + tile * kv.tile_stride;
   const auto es = static_cast<int64_t>(dtype_size(kv.dtype));
-  const int64_t elem = value ? lane * head_dim + d : (lane / P) * head_dim * P + d * P + lane % P;
+  const int64_t elem =
+      value ? kv_tile_v_index(T, head_dim, lane, d) : kv_tile_k_index(T, head_dim, lane, d);
   const auto* at = static_cast<const uint8_t*>(value ? kv.v : kv.k) + base + elem * es;
   float scale = 0.0f;
   if (dtype_is_quantized(kv.dtype)) {
@@ -390,7 +404,7 @@ Result<TiledKVCache> TiledKVCache::copy_from(const AttnShape& shape, const KVSha
   Result<TiledKVCache> c =
       create(shape, src.dtype, std::max(capacity_tokens, longest), layout, tile_tokens);
   if (!c.is_ok()) return c.status();
-  // Tile by tile: V rows by memcpy, K transposed element by element (1, 2 or 4 bytes),
+  // Tile by tile: V by memcpy per panel row, K transposed element by element (1, 2 or 4 bytes),
   // one (row, head) per OpenMP thread.
   const int64_t es = static_cast<int64_t>(dtype_size(src.dtype));
   const bool quant = dtype_is_quantized(src.dtype);
@@ -405,14 +419,14 @@ Result<TiledKVCache> TiledKVCache::copy_from(const AttnShape& shape, const KVSha
     for (int64_t t0 = 0; t0 < n; t0 += T) {
       const int64_t m = std::min(T, n - t0);
       uint8_t* kt = base + dst.k_offset(b, h, t0);
-      uint8_t* vt = base + dst.v_offset(b, h, t0);
+      uint8_t* vt = base + dst.v_tile_offset(b, h, t0);
       const int64_t P = kv_tile_panel(T);
       for (int64_t j = 0; j < m; ++j) {
         const int64_t e = b * src.stride_batch + h * src.stride_head + (t0 + j) * src.stride_token;
         const uint8_t* ks = static_cast<const uint8_t*>(src.k) + e * es;
-        std::memcpy(vt + j * D * es, static_cast<const uint8_t*>(src.v) + e * es,
-                    static_cast<std::size_t>(D * es));
-        uint8_t* kp = kt + ((j / P) * D * P + j % P) * es;  // this token's K panel column
+        kv_tile_put_v(vt, T, D, j, static_cast<const uint8_t*>(src.v) + e * es,
+                      static_cast<std::size_t>(es));
+        uint8_t* kp = kt + kv_tile_k_index(T, D, j, 0) * es;  // this token's K panel column
         for (int64_t d = 0; d < D; ++d)
           std::memcpy(kp + d * P * es, ks + d * es, static_cast<std::size_t>(es));
         if (quant) {

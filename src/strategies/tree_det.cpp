@@ -444,12 +444,11 @@ class TreeDet final : public StrategyBase {
         const int64_t slot = slot0 + j, tile = slot / T, l = slot % T;
         const int64_t base = b * t.batch_stride + h * t.head_stride + tile * t.tile_stride;
         uint8_t* krow = kd + static_cast<std::size_t>((h * n + j) * D) * es;
-        const uint8_t* kpanel = ks + base + static_cast<std::size_t>((l / P) * D * P + l % P) * es;
+        const uint8_t* kpanel = ks + base + static_cast<std::size_t>(kv_tile_k_index(T, D, l, 0)) * es;
         for (int64_t d = 0; d < D; ++d)  // K is transposed in panels: element d every P
           std::memcpy(krow + static_cast<std::size_t>(d) * es,
                       kpanel + static_cast<std::size_t>(d * P) * es, es);
-        std::memcpy(vd + static_cast<std::size_t>((h * n + j) * D) * es,
-                    vs + base + static_cast<std::size_t>(l * D) * es, static_cast<std::size_t>(D) * es);
+        kv_tile_get_v(vs + base, T, D, l, vd + static_cast<std::size_t>((h * n + j) * D) * es, es);
         if (!quant) continue;
         const int64_t s = b * t.scale_batch_stride + h * t.scale_head_stride +
                           tile * t.scale_tile_stride + l;

@@ -199,6 +199,60 @@ TEST(TiledCache, EncodingMatchesKVCacheAndSurvivesGrowth) {
     }
 }
 
+// Every element sits where kv_tiles.hpp says: K^T panels of min(T, 32) tokens, V in column
+// panels of 64 elements of head_dim (the last one narrower). Each element holds its own code
+// (f16 bits numbering (token, d)), written by set_token_raw and by copy_from, and is read back
+// from the view's raw bytes at the header's formula, written out here on its own; two elements
+// at the addresses worked out by hand.
+TEST(TiledCache, ElementsSitWhereTheHeaderSays) {
+  EXPECT_EQ(kv_tile_v_index(64, 80, 5, 70), 64 * 64 + 5 * 16 + 6);   // the 16-wide last panel
+  EXPECT_EQ(kv_tile_v_index(64, 192, 3, 130), 128 * 64 + 3 * 64 + 2);
+  EXPECT_EQ(kv_tile_k_index(64, 80, 37, 2), 1 * 80 * 32 + 2 * 32 + 5);  // second K panel
+  for (const int64_t D : kDims)
+    for (const int64_t T : {16, 32, 64, 128})
+      for (const KVTileLayout layout : {KVTileLayout::kInterleaved, KVTileLayout::kSplit}) {
+        const AttnShape s{1, 4, 2, D, 1};
+        const int64_t n = 2 * T + 3;  // a partly filled last tile
+        auto code = [&](int64_t h, int64_t t, int64_t d, bool value) {
+          return static_cast<uint16_t>(((h * n + t) * D + d) * 2 + (value ? 1 : 0));
+        };
+        KVCache rows(s, DType::kF16, n);
+        auto c = TiledKVCache::create(s, DType::kF16, n, layout, T);
+        ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+        std::vector<uint16_t> k(static_cast<std::size_t>(D)), v(k.size());
+        for (int64_t h = 0; h < 2; ++h)
+          for (int64_t t = 0; t < n; ++t) {
+            for (int64_t d = 0; d < D; ++d) {
+              k[static_cast<std::size_t>(d)] = code(h, t, d, false);
+              v[static_cast<std::size_t>(d)] = code(h, t, d, true);
+            }
+            c->set_token_raw(0, h, t, k.data(), v.data());
+            std::memcpy(static_cast<uint16_t*>(rows.k_data()) + rows.index(0, h, t), k.data(), D * 2);
+            std::memcpy(static_cast<uint16_t*>(rows.v_data()) + rows.index(0, h, t), v.data(), D * 2);
+          }
+        const std::vector<int64_t> len{n}, z{0};
+        auto copied = TiledKVCache::copy_from(s, rows.view(0, len, z, len, 1), 0, layout, T);
+        ASSERT_TRUE(copied.is_ok()) << copied.status().to_string();
+        for (const TiledKVCache* cache : {&c.value(), &copied.value()}) {
+          const TiledKVShard view = cache->view(len, z, len);
+          const int64_t P = T < 32 ? T : 32;
+          for (int64_t h = 0; h < 2; ++h)
+            for (int64_t t = 0; t < n; ++t)
+              for (int64_t d = 0; d < D; ++d) {
+                const int64_t l = t % T, base = h * view.head_stride + (t / T) * view.tile_stride;
+                const int64_t p0 = d / 64 * 64, w = std::min<int64_t>(64, D - p0);
+                const int64_t ki = (l / P) * D * P + d * P + l % P;
+                const int64_t vi = p0 * T + l * w + (d - p0);
+                uint16_t kc = 0, vc = 0;
+                std::memcpy(&kc, static_cast<const char*>(view.k) + base + ki * 2, 2);
+                std::memcpy(&vc, static_cast<const char*>(view.v) + base + vi * 2, 2);
+                ASSERT_EQ(kc, code(h, t, d, false)) << "K D" << D << " T" << T << " h" << h << " t" << t << " d" << d;
+                ASSERT_EQ(vc, code(h, t, d, true)) << "V D" << D << " T" << T << " h" << h << " t" << t << " d" << d;
+              }
+        }
+      }
+}
+
 // fp8 / int8 tiles hold bfloat16 scales: 2 * head_dim + 4 bytes per token and KV head
 // (kv_head_token_bytes), so a pool of whole records holds exactly that many bytes per token,
 // every supported head dim and tile size, both placements; f16 holds 4 * head_dim, so at head

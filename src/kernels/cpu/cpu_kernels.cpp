@@ -15,12 +15,15 @@
 #include "kernels/cpu/driver_tuning.hpp"
 #include "kernels/cpu/item_driver.hpp"
 #include "kernels/kernel_impl.hpp"
+#include "treeattn/kv_tiles.hpp"
 #include "treeattn/state.hpp"
 
 static_assert(treeattn::kernels::cpu::kM == treeattn::kStateM &&
                   treeattn::kernels::cpu::kL == treeattn::kStateL &&
                   treeattn::kernels::cpu::kO == treeattn::kStateO,
               "cpu_targets.hpp's record offsets must match state.hpp");
+static_assert(treeattn::kernels::cpu::kVPanel == treeattn::kKVTileVPanel,
+              "cpu_targets.hpp's V panel width must match kv_tiles.hpp");
 
 namespace treeattn::kernels {
 namespace {

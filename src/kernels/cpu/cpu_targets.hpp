@@ -64,8 +64,14 @@ struct ItemArgs {
 // One item of the tiled kernel (kv_tiles.hpp layout): the R = group * q_len query rows of one
 // KV head against the tiles of one chunk. Tile i of the chunk: K transposed in panels of
 // P = min(tile_tokens, 32) tokens, [tile_tokens / P][head_dim][P], at k + i * tile_stride,
-// V [tile_tokens][head_dim] at v + i * tile_stride, and for fp8/int8 the scales of its tokens
+// V in column panels of up to kVPanel elements ([head_dim / kVPanel][tile_tokens][kVPanel], then
+// the rest of head_dim as one narrower panel) at v + i * tile_stride, and for fp8/int8 the
+// scales of its tokens
 // at k_scale + i * scale_tile_stride (v_scale alike; bfloat16, widened exactly to float).
+// Elements of head_dim per V column panel: kv_tiles.hpp's kKVTileVPanel (cpu_kernels.cpp
+// checks that they agree).
+inline constexpr int kVPanel = 64;
+
 struct TiledItemArgs {
   int head_dim = 0;
   DType dtype = DType::kF32;

@@ -79,7 +79,7 @@ constexpr std::size_t kPagedWaveFloats = std::size_t{8} << 20;
 // a.tokens tokens in tiles, per-row visible counts): decode_tiled_reference's per-token online
 // softmax in float, reading K and V through the tile addressing.
 void reference_tiled_item(const TiledItemArgs& a) {
-  const int64_t D = a.head_dim, T = a.tile_tokens, P = kv_tile_panel(T);
+  const int64_t D = a.head_dim, T = a.tile_tokens;
   const auto d_size = static_cast<std::size_t>(D);
   const std::size_t rec = d_size + 2;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -101,9 +101,9 @@ void reference_tiled_item(const TiledItemArgs& a) {
     }
     for (int64_t d = 0; d < D; ++d) {
       kf[static_cast<std::size_t>(d)] = dequantize(
-          kt, a.dtype, static_cast<std::size_t>((lane / P) * D * P + d * P + lane % P), ks);
+          kt, a.dtype, static_cast<std::size_t>(kv_tile_k_index(T, D, lane, d)), ks);
       vf[static_cast<std::size_t>(d)] =
-          dequantize(vt, a.dtype, static_cast<std::size_t>(lane * D + d), vs);
+          dequantize(vt, a.dtype, static_cast<std::size_t>(kv_tile_v_index(T, D, lane, d)), vs);
     }
     for (int r = 0; r < a.rows; ++r) {
       if (t >= a.visible[r]) continue;

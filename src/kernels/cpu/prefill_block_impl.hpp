@@ -78,18 +78,20 @@ __attribute__((always_inline)) inline void block_score_unit(const float* q, int 
 }
 
 // o[r][d0 .. d0 + NV*W) += sum_{t in [tb, te)} p[r][t] * v[t][d0 ..] for RV rows, v the float
-// V tile [T][D]: the FMA chain of tiled_value_slice (token order per lane).
+// V tile of T tokens in the tile's column panels (the slice inside one): the FMA chain of
+// tiled_value_slice (token order per lane).
 template <int RV, int NV>
 __attribute__((always_inline)) inline void block_value_slice(float* const* o,
                                                              const float* const* p,
-                                                             const float* v, int D, int tb,
-                                                             int te, int d0) {
+                                                             const float* v, int D, int64_t T,
+                                                             int tb, int te, int d0) {
   using V = typename Ops::V;
   V acc[RV][NV];
   for (int r = 0; r < RV; ++r)
     for (int j = 0; j < NV; ++j) acc[r][j] = Ops::loadu(o[r] + d0 + j * Ops::W);
-  const float* row = v + static_cast<int64_t>(tb) * D + d0;
-  for (int t = tb; t < te; ++t, row += D) {
+  const TiledVPanel vp = tiled_v_panel(D, d0);
+  const float* row = v + vp.p0 * T + tb * vp.width + d0 - vp.p0;
+  for (int t = tb; t < te; ++t, row += vp.width) {
     V vv[NV];
     for (int j = 0; j < NV; ++j) vv[j] = Ops::loadu(row + j * Ops::W);
     for (int r = 0; r < RV; ++r) {
@@ -104,19 +106,20 @@ __attribute__((always_inline)) inline void block_value_slice(float* const* o,
 template <int RV>
 __attribute__((always_inline)) inline void block_value_rows(float* const* o,
                                                             const float* const* p,
-                                                            const float* v, int D, int tb,
-                                                            int te) {
+                                                            const float* v, int D, int64_t T,
+                                                            int tb, int te) {
+  static_assert(kVPanel % (kBlockValueVecs * Ops::W) == 0, "no slice crosses a V panel");
   if (tb >= te) return;
   int d0 = 0;
   for (; d0 + kBlockValueVecs * Ops::W <= D; d0 += kBlockValueVecs * Ops::W)
-    block_value_slice<RV, kBlockValueVecs>(o, p, v, D, tb, te, d0);
+    block_value_slice<RV, kBlockValueVecs>(o, p, v, D, T, tb, te, d0);
   if constexpr (kBlockValueVecs > 2) {
     if (d0 + 2 * Ops::W <= D) {
-      block_value_slice<RV, 2>(o, p, v, D, tb, te, d0);
+      block_value_slice<RV, 2>(o, p, v, D, T, tb, te, d0);
       d0 += 2 * Ops::W;
     }
   }
-  for (; d0 < D; d0 += Ops::W) block_value_slice<RV, 1>(o, p, v, D, tb, te, d0);
+  for (; d0 < D; d0 += Ops::W) block_value_slice<RV, 1>(o, p, v, D, T, tb, te, d0);
 }
 
 // Everything one tile of RS rows (from r0) does with the float tile: scores up to the last
@@ -124,7 +127,7 @@ __attribute__((always_inline)) inline void block_value_rows(float* const* o,
 struct BlockTile {
   const TiledItemArgs* a;
   const float* kf;   // K^T panels in floats
-  const float* vf;   // V rows in floats
+  const float* vf;   // V panels in floats
   float* s;          // kBlockRows rows of ld scores
   const float* ksc;  // quantized: per-token logit factors, value scales
   const float* vsc;
@@ -152,9 +155,10 @@ __attribute__((always_inline)) inline void block_values(const BlockTile& b, int 
     tk[i] = a.out[r * kRec + kM] == kNegInf ? 0 : take[V0 + i];
     common = tk[i] < common ? tk[i] : common;
   }
-  block_value_rows<RV>(o, p, b.vf, D, 0, common);
+  const int64_t T = a.tile_tokens;
+  block_value_rows<RV>(o, p, b.vf, D, T, 0, common);
   if constexpr (RV > 1) {
-    for (int i = 0; i < RV; ++i) block_value_rows<1>(o + i, p + i, b.vf, D, common, tk[i]);
+    for (int i = 0; i < RV; ++i) block_value_rows<1>(o + i, p + i, b.vf, D, T, common, tk[i]);
   }
   if constexpr (V0 + RV < RS) block_values<RS, V0 + RV>(b, r0, take);
 }
@@ -210,7 +214,7 @@ void run_prefill_block(const TiledItemArgs& a) {
   const int n = static_cast<int>(a.tokens);  // <= T: one tile
   const int64_t ld = tiled_score_ld(T);
   float* kf = a.scores;       // K^T of the tile in floats, same panel layout
-  float* vf = kf + T * D;     // V of the tile in floats, [T][D]
+  float* vf = kf + T * D;     // V of the tile in floats, same panel layout
   float* s = vf + T * D;      // kBlockRows rows of ld scores
   float* ksc = s + kBlockRows * ld;
   float* vsc = ksc + ld;
@@ -229,10 +233,13 @@ void run_prefill_block(const TiledItemArgs& a) {
   for (int r = 0; r < R; ++r) seen = take_of(r) > seen ? take_of(r) : seen;
   if (seen > 0) {
     // The tile in floats: K panels up to the last vector a row tile may read (K^T is
-    // [T/P][D][P]: whole panels), V rows up to `seen`.
+    // [T/P][D][P]: whole panels), each V panel's rows up to `seen`.
     const int64_t k_elems = (seen + P - 1) / P * P * D;
     for (int64_t i = 0; i < k_elems; i += Ops::W) Ops::storeu(kf + i, load_elems<DT>(a.k, i));
-    for (int64_t i = 0; i < seen * D; i += Ops::W) Ops::storeu(vf + i, load_elems<DT>(a.v, i));
+    for (int64_t p0 = 0; p0 < D; p0 += kVPanel) {
+      const int64_t from = p0 * T, to = from + seen * tiled_v_panel(D, p0).width;
+      for (int64_t i = from; i < to; i += Ops::W) Ops::storeu(vf + i, load_elems<DT>(a.v, i));
+    }
     if constexpr (kQuant) {
       const int padded = (n + kUnitTokens - 1) / kUnitTokens * kUnitTokens;
       for (int j = 0; j < n; ++j) {

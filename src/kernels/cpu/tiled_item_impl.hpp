@@ -17,9 +17,11 @@
 //   2. online softmax per row over the block, as in decode_item_impl.hpp: block max, rescale
 //      of (l, o) by exp(m_old - m_new) only when the max moved, p = exp(s - m); scores past
 //      the row's visible tokens are overwritten with -inf, so K values there never matter.
-//   3. values: V rows [T][D]; tiles of RV rows x NV vectors of D held in registers over the
-//      block's tokens, p[r][t] broadcast; a row never multiplies a value past its visible
-//      tokens (rows tiled 4/3/2/1 over the tokens they all see, then each row's extra tokens).
+//   3. values: V in column panels of kVPanel elements ([T][64] per panel); tiles of RV rows x
+//      NV vectors of D (a slice inside one panel) held in registers over the block's tokens,
+//      p[r][t] broadcast, so a slice reads its panel's rows front to back (an AVX-512 slice is
+//      a whole panel); a row never multiplies a value past its visible tokens (rows tiled
+//      4/3/2/1 over the tokens they all see, then each row's extra tokens).
 // Software prefetch (prefetch_bytes > 0): each stream (K and V tiles; one stream when a tile
 // holds both) is fetched into L1 (prefetcht0) or, with prefetch_l2, into L2 (prefetcht1)
 // prefetch_bytes ahead of the block being read, the requests spread evenly over both passes
@@ -85,6 +87,16 @@ constexpr int64_t tiled_score_ld(int64_t block_tokens) { return (block_tokens + 
 
 // Tokens per K panel of a tile of T tokens (kv_tile_panel(): the tile, at most 32 tokens).
 constexpr int64_t tiled_panel_tokens(int64_t T) { return T < 32 ? T : 32; }
+
+// The V column panel holding element d: its first element and its width, of head dim D
+// (kv_tile_v_index(): lane l's element d at p0 * T + l * width + d - p0).
+struct TiledVPanel {
+  int64_t p0, width;
+};
+constexpr TiledVPanel tiled_v_panel(int64_t D, int64_t d) {
+  const int64_t p0 = d / kVPanel * kVPanel;
+  return {p0, D - p0 < kVPanel ? D - p0 : kVPanel};
+}
 
 // Raw dot products of RS rows (q, row stride D) with the 2W tokens of one unit: vector j reads
 // K^T row d at kb[j] + d * row_bytes. Stores s[r * ld + j * W + lane].
@@ -232,7 +244,7 @@ void tiled_score_dispatch_n(int rs, const TiledItemArgs& a, const float* q, int6
 }
 
 // o[r][d0 .. d0 + NV*W) += sum_{t in [tb, te)} p[r][t] * V[t][d0 ..] for RV rows; block token
-// t is lane t % T of tile bt + t / T.
+// t is lane t % T of tile bt + t / T; the slice lies inside one V panel.
 // With PF (as tiled_score_unit's), also prefetches pf_per_t lines of each stream per token,
 // from pf0 (and pf1).
 template <DType DT, int RV, int NV, int PF, int kPerT = 0, bool kTwo = false>
@@ -241,7 +253,8 @@ inline void tiled_value_slice(const TiledItemArgs& a, int64_t bt, float* const* 
                               const char* pf1, int pf_per_t) {
   using V = typename Ops::V;
   constexpr int64_t es = elem_bytes<DT>();
-  const int64_t T = a.tile_tokens, D = a.head_dim;
+  const int64_t T = a.tile_tokens;
+  const TiledVPanel vp = tiled_v_panel(a.head_dim, d0);
   constexpr bool kPair = kPairBf16<DT> && NV % 2 == 0;  // vectors 2i, 2i+1: even, odd d
   // In pair order the slice of o is rearranged in place around the pass (exact moves), so
   // that the accumulators are loaded and stored as in memory order (rearranged in registers,
@@ -264,8 +277,9 @@ inline void tiled_value_slice(const TiledItemArgs& a, int64_t bt, float* const* 
   while (t < te) {
     const int64_t tile = t / T;
     const int tile_end = static_cast<int>((tile + 1) * T < te ? (tile + 1) * T : te);
-    const char* row = a.v + (bt + tile) * a.tile_stride + ((t - tile * T) * D + d0) * es;
-    for (; t < tile_end; ++t, row += D * es) {
+    const char* row = a.v + (bt + tile) * a.tile_stride +
+                      (vp.p0 * T + (t - tile * T) * vp.width + d0 - vp.p0) * es;
+    for (; t < tile_end; ++t, row += vp.width * es) {
       if constexpr (PF != 0) {
         const int per = kPerT > 0 ? kPerT : pf_per_t;
         const bool two = kPerT > 0 ? kTwo : pf1 != nullptr;
@@ -308,6 +322,7 @@ inline void tiled_value_rows(const TiledItemArgs& a, int64_t bt, float* const* o
   const int D = a.head_dim;
   constexpr int kSliceW = kValueVecs * Ops::W;
   static_assert(kSliceW <= 64, "a whole slice fits the smallest head dim");
+  static_assert(kVPanel % kSliceW == 0 && kVPanel % Ops::W == 0, "no slice crosses a V panel");
   const int slices = D / kSliceW;
   int d0 = 0;
   for (int i = 0; i < slices; ++i, d0 += kSliceW) {

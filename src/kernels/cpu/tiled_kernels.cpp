@@ -44,7 +44,6 @@ Status decode_tiled_reference(const AttnShape& shape, const float* q, const Tile
                               float* states, const ResolvedOptions& opt) {
   const int64_t B = shape.batch, H = shape.heads, Hkv = shape.kv_heads, D = shape.head_dim;
   const int64_t Q = shape.q_len, G = shape.group(), T = kv.tile_tokens;
-  const int64_t P = kv_tile_panel(T);
   const std::size_t rec = static_cast<std::size_t>(D + 2);
   const std::size_t rows_per_item = static_cast<std::size_t>(G * Q);
   const int64_t chunk = (opt.chunk_tokens + T - 1) / T * T;
@@ -84,9 +83,9 @@ Status decode_tiled_reference(const AttnShape& shape, const float* q, const Tile
       }
       for (int64_t d = 0; d < D; ++d) {
         kf[static_cast<std::size_t>(d)] = dequantize(
-            kt, kv.dtype, static_cast<std::size_t>((lane / P) * D * P + d * P + lane % P), ks);
+            kt, kv.dtype, static_cast<std::size_t>(kv_tile_k_index(T, D, lane, d)), ks);
         vf[static_cast<std::size_t>(d)] =
-            dequantize(vt, kv.dtype, static_cast<std::size_t>(lane * D + d), vs);
+            dequantize(vt, kv.dtype, static_cast<std::size_t>(kv_tile_v_index(T, D, lane, d)), vs);
       }
       for (int64_t i = 0; i < Q; ++i) {
         if (pos > kv.total_len[ub] - Q + i) continue;  // causal limit
