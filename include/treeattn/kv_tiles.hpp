@@ -73,12 +73,14 @@ enum class KVTileLayout : uint8_t {
   kSplit,        // K tiles of a (row, head) contiguous, V tiles contiguous elsewhere
   kInterleaved,  // tile i = [K^T][V][k_scale][v_scale], tiles contiguous
 };
-// The placement TiledKVCache uses unless told otherwise. The command above with --tile-layout
-// interleaved,split --threads 1, 256k tokens (Zen 4, avx512 target, tuned leads), fraction of
-// the probe, interleaved vs split for T 16/32/64/128: bf16 0.50/0.54/0.62/0.65 vs
-// 0.27/0.29/0.33/0.41, f32 0.51/0.78/0.75/0.75 vs 0.35/0.64/0.69/0.71. Interleaved tiles are one stream read front to
-// back (K panels, then V panels, then the next tile), which the software prefetch follows with
-// one pointer; split tiles are two streams whose requests compete.
+// The placement TiledKVCache uses unless told otherwise. `treeattn_roofline --seq 65536,262144
+// --layouts tiled --tile-tokens 16,32,64,128 --tile-layout interleaved,split --dtype f32,bf16
+// --threads 1 --repeats 3 --no-peer --no-check` on a Zen 4 (avx512 target, tuned leads), 256k
+// tokens, fraction of the probe, interleaved vs split for T 16/32/64/128: bf16
+// 0.50/0.54/0.62/0.65 vs 0.27/0.29/0.33/0.41, f32 0.51/0.78/0.75/0.75 vs 0.35/0.64/0.69/0.71.
+// Interleaved tiles are one stream read front to back (K panels, then V panels, then the next
+// tile), which the hardware prefetcher follows and a software prefetch leads with one pointer;
+// split tiles are two streams whose requests compete.
 inline constexpr KVTileLayout kKVTileLayout = KVTileLayout::kInterleaved;
 
 // Tokens per K panel of a tile of tile_tokens tokens.

@@ -61,17 +61,17 @@ struct ItemArgs {
   int prefetch_tokens = 0;        // software prefetch distance in tokens (0: none)
 };
 
+// Elements of head_dim per V column panel: kv_tiles.hpp's kKVTileVPanel (cpu_kernels.cpp
+// checks that they agree).
+inline constexpr int kVPanel = 64;
+
 // One item of the tiled kernel (kv_tiles.hpp layout): the R = group * q_len query rows of one
 // KV head against the tiles of one chunk. Tile i of the chunk: K transposed in panels of
 // P = min(tile_tokens, 32) tokens, [tile_tokens / P][head_dim][P], at k + i * tile_stride,
 // V in column panels of up to kVPanel elements ([head_dim / kVPanel][tile_tokens][kVPanel], then
 // the rest of head_dim as one narrower panel) at v + i * tile_stride, and for fp8/int8 the
-// scales of its tokens
-// at k_scale + i * scale_tile_stride (v_scale alike; bfloat16, widened exactly to float).
-// Elements of head_dim per V column panel: kv_tiles.hpp's kKVTileVPanel (cpu_kernels.cpp
-// checks that they agree).
-inline constexpr int kVPanel = 64;
-
+// scales of its tokens at k_scale + i * scale_tile_stride (v_scale alike; bfloat16, widened
+// exactly to float).
 struct TiledItemArgs {
   int head_dim = 0;
   DType dtype = DType::kF32;
@@ -149,8 +149,8 @@ struct TiledTuning {
 // What the tiled driver uses: the defaults above, overridden by the environment variables
 // TREEATTN_TILED_BLOCK_TILES, TREEATTN_TILED_PREFETCH_BYTES and TREEATTN_TILED_PREFETCH_LEVEL
 // (1 or 2; read once), or by set_tiled_tuning() (benchmarks comparing alternatives in one run;
-// call it only while no tiled kernel runs). block_tiles changes the online-softmax blocking, hence the bits: it is
-// an experiment's knob, never tuned.
+// call it only while no tiled kernel runs). block_tiles changes the online-softmax blocking,
+// hence the bits: it is an experiment's knob, never tuned.
 TiledTuning tiled_tuning();
 void set_tiled_tuning(const TiledTuning& t);
 // The compiled-in lead of the tiled driver for this dtype and head_dim: kTiledPrefetchBytes16

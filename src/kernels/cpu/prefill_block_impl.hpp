@@ -210,7 +210,7 @@ void run_prefill_block(const TiledItemArgs& a) {
   const int D = a.head_dim;
   const int64_t kRec = D + 2;
   const int64_t T = a.tile_tokens;
-  const int64_t P = T < 32 ? T : 32;  // kv_tile_panel(): tokens per K panel
+  const int64_t P = tiled_panel_tokens(T);
   const int n = static_cast<int>(a.tokens);  // <= T: one tile
   const int64_t ld = tiled_score_ld(T);
   float* kf = a.scores;       // K^T of the tile in floats, same panel layout
