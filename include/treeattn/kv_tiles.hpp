@@ -101,7 +101,11 @@ constexpr int64_t kv_tile_v_index(int64_t T, int64_t D, int64_t l, int64_t d) {
   return p0 * T + l * w + (d - p0);
 }
 
-// One token's V (D elements of es bytes, in order) into / out of lane l of a V tile.
+// One token's K or V (D elements of es bytes, in order) into / out of lane l of a K or V tile.
+void kv_tile_put_k(void* k_tile, int64_t T, int64_t D, int64_t l, const void* row,
+                   std::size_t es);
+void kv_tile_get_k(const void* k_tile, int64_t T, int64_t D, int64_t l, void* row,
+                   std::size_t es);
 void kv_tile_put_v(void* v_tile, int64_t T, int64_t D, int64_t l, const void* row,
                    std::size_t es);
 void kv_tile_get_v(const void* v_tile, int64_t T, int64_t D, int64_t l, void* row,
@@ -209,9 +213,8 @@ class TiledKVCache {
     std::size_t mapped;
     void operator()(void* p) const;
   };
-  // Byte offsets of slot t's K element 0 and of its V tile, and its scale's index in bf16_t
-  // elements.
-  std::size_t k_offset(int64_t b, int64_t h, int64_t t) const;
+  // Byte offsets of slot t's K tile and V tile, and its scale's index in bf16_t elements.
+  std::size_t k_tile_offset(int64_t b, int64_t h, int64_t t) const;
   std::size_t v_tile_offset(int64_t b, int64_t h, int64_t t) const;
   std::size_t scale_index(int64_t b, int64_t h, int64_t t) const;
   Status allocate(int64_t tiles);

@@ -196,16 +196,33 @@ Status TiledKVCache::allocate(int64_t tiles) {
   return Status::ok();
 }
 
-std::size_t TiledKVCache::k_offset(int64_t b, int64_t h, int64_t t) const {
-  const int64_t es = static_cast<int64_t>(dtype_size(dtype_));
+std::size_t TiledKVCache::k_tile_offset(int64_t b, int64_t h, int64_t t) const {
   return static_cast<std::size_t>((b * shape_.kv_heads + h) * head_stride_ +
-                                  (t / tile_) * tile_stride_ +
-                                  kv_tile_k_index(tile_, shape_.head_dim, t % tile_, 0) * es);
+                                  (t / tile_) * tile_stride_);
 }
 
 std::size_t TiledKVCache::v_tile_offset(int64_t b, int64_t h, int64_t t) const {
   return v_base_ + static_cast<std::size_t>((b * shape_.kv_heads + h) * head_stride_ +
                                             (t / tile_) * tile_stride_);
+}
+
+// K is transposed in panels: element d of a token sits one panel row (P elements) after d - 1.
+void kv_tile_put_k(void* k_tile, int64_t T, int64_t D, int64_t l, const void* row,
+                   std::size_t es) {
+  const auto P = static_cast<std::size_t>(kv_tile_panel(T));
+  uint8_t* col = static_cast<uint8_t*>(k_tile) + kv_tile_k_index(T, D, l, 0) * es;
+  const auto* src = static_cast<const uint8_t*>(row);
+  for (std::size_t d = 0; d < static_cast<std::size_t>(D); ++d)
+    std::memcpy(col + d * P * es, src + d * es, es);
+}
+
+void kv_tile_get_k(const void* k_tile, int64_t T, int64_t D, int64_t l, void* row,
+                   std::size_t es) {
+  const auto P = static_cast<std::size_t>(kv_tile_panel(T));
+  const uint8_t* col = static_cast<const uint8_t*>(k_tile) + kv_tile_k_index(T, D, l, 0) * es;
+  auto* dst = static_cast<uint8_t*>(row);
+  for (std::size_t d = 0; d < static_cast<std::size_t>(D); ++d)
+    std::memcpy(dst + d * es, col + d * P * es, es);
 }
 
 void kv_tile_put_v(void* v_tile, int64_t T, int64_t D, int64_t l, const void* row,
@@ -232,13 +249,8 @@ std::size_t TiledKVCache::scale_index(int64_t b, int64_t h, int64_t t) const {
 void TiledKVCache::set_token_raw(int64_t b, int64_t h, int64_t t, const void* k, const void* v,
                                  bf16_t k_scale, bf16_t v_scale) {
   const std::size_t es = dtype_size(dtype_);
-  const auto D = static_cast<std::size_t>(shape_.head_dim);
-  const auto P = static_cast<std::size_t>(kv_tile_panel(tile_));
   uint8_t* base = mem_.get();
-  // K^T: element d of this token sits P elements (one panel row) after element d - 1.
-  uint8_t* kd = base + k_offset(b, h, t);
-  const auto* ks = static_cast<const uint8_t*>(k);
-  for (std::size_t d = 0; d < D; ++d) std::memcpy(kd + d * P * es, ks + d * es, es);
+  kv_tile_put_k(base + k_tile_offset(b, h, t), tile_, shape_.head_dim, t % tile_, k, es);
   kv_tile_put_v(base + v_tile_offset(b, h, t), tile_, shape_.head_dim, t % tile_, v, es);
   if (dtype_is_quantized(dtype_)) {
     auto* f = reinterpret_cast<bf16_t*>(base);
@@ -273,12 +285,8 @@ void TiledKVCache::set_tokens(int64_t b, int64_t t, const float* k, const float*
 void TiledKVCache::read_token_raw(int64_t b, int64_t h, int64_t t, void* k, void* v,
                                   bf16_t* k_scale, bf16_t* v_scale) const {
   const std::size_t es = dtype_size(dtype_);
-  const auto D = static_cast<std::size_t>(shape_.head_dim);
-  const auto P = static_cast<std::size_t>(kv_tile_panel(tile_));
   const uint8_t* base = mem_.get();
-  const uint8_t* kd = base + k_offset(b, h, t);
-  auto* ko = static_cast<uint8_t*>(k);
-  for (std::size_t d = 0; d < D; ++d) std::memcpy(ko + d * es, kd + d * P * es, es);
+  kv_tile_get_k(base + k_tile_offset(b, h, t), tile_, shape_.head_dim, t % tile_, k, es);
   kv_tile_get_v(base + v_tile_offset(b, h, t), tile_, shape_.head_dim, t % tile_, v, es);
   *k_scale = *v_scale = bf16_t{};
   if (dtype_is_quantized(dtype_)) {
@@ -418,17 +426,14 @@ Result<TiledKVCache> TiledKVCache::copy_from(const AttnShape& shape, const KVSha
     const int64_t n = src.len[static_cast<std::size_t>(b)];
     for (int64_t t0 = 0; t0 < n; t0 += T) {
       const int64_t m = std::min(T, n - t0);
-      uint8_t* kt = base + dst.k_offset(b, h, t0);
+      uint8_t* kt = base + dst.k_tile_offset(b, h, t0);
       uint8_t* vt = base + dst.v_tile_offset(b, h, t0);
-      const int64_t P = kv_tile_panel(T);
       for (int64_t j = 0; j < m; ++j) {
         const int64_t e = b * src.stride_batch + h * src.stride_head + (t0 + j) * src.stride_token;
         const uint8_t* ks = static_cast<const uint8_t*>(src.k) + e * es;
         kv_tile_put_v(vt, T, D, j, static_cast<const uint8_t*>(src.v) + e * es,
                       static_cast<std::size_t>(es));
-        uint8_t* kp = kt + kv_tile_k_index(T, D, j, 0) * es;  // this token's K panel column
-        for (int64_t d = 0; d < D; ++d)
-          std::memcpy(kp + d * P * es, ks + d * es, static_cast<std::size_t>(es));
+        kv_tile_put_k(kt, T, D, j, ks, static_cast<std::size_t>(es));
         if (quant) {
           const int64_t si = b * src.scale_stride_batch + h * src.scale_stride_head +
                              (t0 + j) * src.scale_stride_token;

@@ -426,7 +426,6 @@ class TreeDet final : public StrategyBase {
     if (local.tiled == nullptr) return RowsView{local, b, slot0};
     const TiledKVShard& t = *local.tiled;
     const int64_t H = shape_.kv_heads, D = shape_.head_dim, T = t.tile_tokens;
-    const int64_t P = kv_tile_panel(T);
     const std::size_t es = dtype_size(dtype_);
     const bool quant = dtype_is_quantized(dtype_);
     const auto n_elems = static_cast<std::size_t>(H * std::max<int64_t>(n, 1) * D);
@@ -443,11 +442,7 @@ class TreeDet final : public StrategyBase {
       for (int64_t j = 0; j < n; ++j) {
         const int64_t slot = slot0 + j, tile = slot / T, l = slot % T;
         const int64_t base = b * t.batch_stride + h * t.head_stride + tile * t.tile_stride;
-        uint8_t* krow = kd + static_cast<std::size_t>((h * n + j) * D) * es;
-        const uint8_t* kpanel = ks + base + static_cast<std::size_t>(kv_tile_k_index(T, D, l, 0)) * es;
-        for (int64_t d = 0; d < D; ++d)  // K is transposed in panels: element d every P
-          std::memcpy(krow + static_cast<std::size_t>(d) * es,
-                      kpanel + static_cast<std::size_t>(d * P) * es, es);
+        kv_tile_get_k(ks + base, T, D, l, kd + static_cast<std::size_t>((h * n + j) * D) * es, es);
         kv_tile_get_v(vs + base, T, D, l, vd + static_cast<std::size_t>((h * n + j) * D) * es, es);
         if (!quant) continue;
         const int64_t s = b * t.scale_batch_stride + h * t.scale_head_stride +
