@@ -105,9 +105,6 @@ def machine(build):
                 compiler = sh("%s --version | head -1" % cxx) or cxx
     except OSError:
         pass
-    commit = sh("git rev-parse --short HEAD")
-    if commit and sh("git status --porcelain --untracked-files=no"):
-        commit += " (with uncommitted changes)"
     return {
         "CPU": cpu or platform.processor() or "unknown",
         "ISA": ", ".join(isa),
@@ -115,9 +112,18 @@ def machine(build):
         "memory": mem or "unknown",
         "compiler": compiler or "unknown",
         "MPI": sh("mpirun --version 2>&1 | head -1") or "unknown",
-        "commit": commit or "unknown",
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
+
+
+def provenance(out):
+    """The commit and time of this run, for the commit message that lands the page (the page
+    itself states only what was measured, and on what). The page being written does not count
+    as an uncommitted change."""
+    commit = sh("git rev-parse --short HEAD") or "unknown"
+    rel = os.path.relpath(os.path.abspath(out))
+    if sh("git status --porcelain --untracked-files=no -- . ':!%s'" % rel):
+        commit += " with uncommitted changes"
+    return "%s, %s" % (commit, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
 
 
 def not_run(work, name, fallback=None):
@@ -538,15 +544,16 @@ SECTIONS = {"merge_methods": section_merge_methods, "kv_capacity": section_kv_ca
 
 
 def previous_sections(path):
-    """The page being replaced: its sections by heading, and the commit and date it names."""
+    """The page being replaced: its sections by heading, and the machine (CPU, ISA) it names."""
     try:
         with open(path) as f:
             old = f.read()
     except OSError:
         return {}
-    commit = re.search(r"^\| commit \| ([^|]*) \|$", old, re.M)
-    date = re.search(r"^\| date \| ([^|]*) \|$", old, re.M)
-    where = "%s, %s" % (commit.group(1).strip() if commit else "?", date.group(1).strip() if date else "?")
+    cpu = re.search(r"^\| CPU \| ([^|]*) \|$", old, re.M)
+    isa = re.search(r"^\| ISA \| ([^|]*) \|$", old, re.M)
+    where = "measured on %s (%s)" % (cpu.group(1).strip() if cpu else "?",
+                                     isa.group(1).strip() if isa else "?")
     parts = re.split(r"^(?=## )", old, flags=re.M)
     out = {}
     for k in re.finditer(r"^\| kept: ([^|]*) \| ([^|]*) \|$", old, re.M):
@@ -559,8 +566,8 @@ def previous_sections(path):
 
 def keep_previous(section, previous, kept):
     """A section this run could not measure ("Not in this run") keeps the previous page's
-    figures when that page had them; the commit and date they came from go into `kept` (the
-    page's header names them: dates stay out of the body)."""
+    figures when that page had them; the machine they were measured on goes into `kept` (the
+    page's header names it)."""
     if "Not in this run:" not in section:
         return section
     head = section.splitlines()[0]
@@ -576,7 +583,7 @@ def keep_previous(section, previous, kept):
     kept.append((name, old[1]))
     why = section[section.index("Not in this run:"):].splitlines()[0]
     body = old[0].split("\n", 1)[1]
-    return "%s\n\n%s the header says which; %s)*\n%s" % (head, mark, why[0].lower() + why[1:],
+    return "%s\n\n%s the header names its machine; %s)*\n%s" % (head, mark, why[0].lower() + why[1:],
                                                         body)
 
 
@@ -609,13 +616,15 @@ def main():
         m["kept: " + name] = where
     text += "| | |\n|---|---|\n" + "".join("| %s | %s |\n" % kv for kv in m.items())
     text += "<!-- end of generated header -->\n\n"
-    text += ("Each table comes from one run of its benchmark on the machine above; ratios compare "
+    text += ("Each table comes from one run of its benchmark on the machine above (a kept one: on "
+             "the machine the header names for it); ratios compare "
              "sides measured in the same run. `--quick` uses small sizes: its absolute figures are "
              "not the headline sizes. How each is measured: [performance.md](performance.md).\n\n")
     text += body
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         f.write(text)
+    sys.stderr.write("results_render.py: measured at %s (for the commit message)\n" % provenance(a.out))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@
 Fails on a date (year-month or year-month-day), a clock time (hours:minutes with a time zone, or
 a range of them), a load average ("load" or "load average" and a number) or a commit id (7 to 40
 hex digits with a letter and a digit; the patterns are HISTORY below) in
-README.md, CONTRIBUTING.md, docs/*.md (docs/results.md's generated header aside: it names the
-machine, commit and date of the run) and in the comments of src/, include/, cli/, bench/,
+README.md, CONTRIBUTING.md, docs/*.md (docs/results.md's generated header included: it names
+the machine, and the commit and time of a run go to the commit message) and in the comments of src/, include/, cli/, bench/,
 python/, tools/ and examples/; and when more than 20 comment lines in src/ carry a GB/s, ms, ns or
 tokens/s figure. A measured choice's comment states the rule and the command that measures it;
 the figures and their history go to commit messages and issues (CONTRIBUTING.md).
@@ -139,14 +139,7 @@ def main():
         path = os.path.join(src, rel)
         if not os.path.isfile(path):
             continue
-        header = False
         for n, line in enumerate(open(path, encoding="utf-8"), 1):
-            if "<!-- generated header" in line:
-                header = True
-            if header:
-                if "<!-- end of generated header" in line:
-                    header = False
-                continue
             for what, hit in history_hits(line):
                 report(rel, n, what + " '" + hit + "'", line)
 
