@@ -121,7 +121,8 @@ def provenance(out):
     as an uncommitted change."""
     commit = sh("git rev-parse --short HEAD") or "unknown"
     rel = os.path.relpath(os.path.abspath(out))
-    if sh("git status --porcelain --untracked-files=no -- . ':!%s'" % rel):
+    spec = "" if rel.startswith("..") else " ':!%s'" % rel  # a page outside the tree: all of it
+    if sh("git status --porcelain --untracked-files=no -- .%s" % spec):
         commit += " with uncommitted changes"
     return "%s, %s" % (commit, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
 
