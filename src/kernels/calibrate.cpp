@@ -180,12 +180,15 @@ class KeyBench {
   }
 
  private:
-  // The streaming-read probe over the rows K, each thread reading its own contiguous part.
+  // The streaming-read probe over the tiled copy (the tiled and paged candidates' bytes, on
+  // their pages: the rows buffers sit on 4 KiB pages, which stream slower here than the tiles'
+  // huge pages, and a probe over them read below what the tiled kernel read), each thread
+  // reading its own contiguous part.
   double probe() {
     const int T = options_.threads;
-    const std::size_t floats = static_cast<std::size_t>(bytes_ / 2 / 4);
+    const std::size_t floats = tiled_.bytes() / 4;
     const std::size_t per = floats / static_cast<std::size_t>(T) / 128 * 128;
-    const float* f = static_cast<const float*>(rows_.k_data());
+    const float* f = reinterpret_cast<const float*>(tiled_.data());
     const kernels::cpu::ReadStreamFn read = read_;
     float sum = 0;
     const auto t0 = Clock::now();
