@@ -181,9 +181,8 @@ class KeyBench {
 
  private:
   // The streaming-read probe over the tiled copy (the tiled and paged candidates' bytes, on
-  // their pages: the rows buffers sit on 4 KiB pages, which stream slower here than the tiles'
-  // huge pages, and a probe over them read below what the tiled kernel read), each thread
-  // reading its own contiguous part.
+  // their huge pages; the rows buffers' 4 KiB pages may stream slower), each thread reading its
+  // own contiguous part.
   double probe() {
     const int T = options_.threads;
     const std::size_t floats = tiled_.bytes() / 4;

@@ -8,9 +8,9 @@ Fails on a date (year-month or year-month-day), a clock time (hours:minutes with
 a range of them), a load average ("load" or "load average" and a number) or a commit id (7 to 40
 hex digits with a letter and a digit; the patterns are HISTORY below) in
 README.md, CONTRIBUTING.md, docs/*.md (docs/results.md's generated header included: it names
-the machine, and the commit and time of a run go to the commit message) and in the comments of src/, include/, cli/, bench/,
-python/, tools/ and examples/; and when more than 20 comment lines in src/ carry a GB/s, ms, ns or
-tokens/s figure. A measured choice's comment states the rule and the command that measures it;
+the machine, and the commit and time of a run go to the commit message) and in the comments of
+src/, include/, cli/, bench/, python/, tools/ and examples/; and when more than 20 comment
+lines in src/ carry a GB/s, ms, ns or tokens/s figure. A measured choice's comment states the rule and the command that measures it;
 the figures and their history go to commit messages and issues (CONTRIBUTING.md).
 
 --self-test checks that every pattern finds what it is for and passes a clean line, so the

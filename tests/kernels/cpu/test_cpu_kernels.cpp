@@ -434,6 +434,25 @@ TEST_P(CpuTarget, CeilingLoopReadsEveryElementIntoEveryRow) {
   }
 }
 
+// The bandwidth probe (the roofline's and the calibration's): the exact sum of its n floats (n a
+// multiple of 128), from a pointer off any vector boundary, and nothing past them (NaN there).
+TEST_P(CpuTarget, ReadProbeSumsExactlyItsFloats) {
+  const kernels::cpu::ReadStreamFn fn = kernels::cpu::read_stream_for(GetParam());
+  ASSERT_NE(fn, nullptr);
+  for (int64_t n : {int64_t{128}, int64_t{256}, int64_t{1152}}) {
+    for (int64_t off : {0, 1, 5}) {
+      std::vector<float> buf(static_cast<std::size_t>(off + n + 64), kNaN);
+      double sum = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = static_cast<float>((i * 11) % 7 + 1);  // 1 .. 7: any lost one shows; sums exact
+        buf[static_cast<std::size_t>(off + i)] = x;
+        sum += x;
+      }
+      EXPECT_EQ(static_cast<double>(fn(buf.data() + off, n)), sum) << "n " << n << " off " << off;
+    }
+  }
+}
+
 // The kernel's exp: exactly 1 at 0, 0 at -inf, NaN for NaN, +inf above the float range, and
 // within 2 ulp of the correctly rounded value on [-87, 0] (the range softmax uses).
 TEST_P(CpuTarget, ExpContract) {
